@@ -1,0 +1,124 @@
+//! The always-on timing of a run ([`RunReport`]) and the diagnostics it carries.
+
+use serde::{Deserialize, Serialize};
+
+use crate::trace::{DepGraph, RingStats, SpanRecord, SwimlaneRecords};
+
+/// A closed interval on the process time axis, in nanoseconds since the clock anchor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Interval {
+    /// Start.
+    pub start_ns: u64,
+    /// End (>= start).
+    pub end_ns: u64,
+}
+
+impl Interval {
+    /// Length in nanoseconds.
+    pub fn dur_ns(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns)
+    }
+    /// Length in microseconds.
+    pub fn us(&self) -> f64 {
+        self.dur_ns() as f64 / 1e3
+    }
+}
+
+/// The span of the tasks tagged with one timing slot: min dispatch to max finish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskSlotTiming {
+    /// The slot number the orchestration tagged tasks with.
+    pub slot: u8,
+    /// Tasks tagged with it.
+    pub tasks: u64,
+    /// Earliest dispatch to latest finish.
+    pub span: Interval,
+}
+
+/// Counters of one run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunCounters {
+    /// Tasks submitted (kernel tasks, dummies and tensor allocations).
+    pub tasks: u64,
+    /// Blocks executed by cores (skipped and dummy tasks run none).
+    pub blocks: u64,
+    /// Dependency edges created.
+    pub edges: u64,
+    /// Times the orchestrator waited for ring space.
+    pub ring_waits: u64,
+    /// Tasks completed without running because their dispatch predicate was false.
+    pub skipped: u64,
+}
+
+/// The timing of one run (always on), as described in `02-dfx.md`.
+///
+/// `host_wall ⊇ bind + runner + validate`; `runner ⊇ device_wall ⊇ graph_build, orch, sched`.
+/// `orch` and `sched` overlap and must never be added: `effective` is their union's extent.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RunReport {
+    /// Per-process invocation number of this run.
+    pub inv: u64,
+    /// Stable content hash of the orchestration and its arguments' shapes.
+    pub callable: u64,
+    /// Name of the orchestration that ran.
+    pub orchestration: String,
+    /// Label from the config (`decode`, `prefill`, ...).
+    pub label: Option<String>,
+    /// The whole call.
+    pub host_wall: Interval,
+    /// Argument binding and validation.
+    pub bind: Interval,
+    /// Checking the run's buffer arguments (inside `bind`).
+    pub bind_args: Interval,
+    /// Launch to completion.
+    pub runner: Interval,
+    /// Error check and result collection after the runner.
+    pub validate: Interval,
+    /// Execution on the platform (arena wiring to the last completion).
+    pub device_wall: Interval,
+    /// Configuration validation, arena wiring and ring reset.
+    pub graph_build: Interval,
+    /// Validating the `CallConfig` (inside `graph_build`).
+    pub config_validate: Interval,
+    /// Wiring ring memory (inside `graph_build`).
+    pub arena_wire: Interval,
+    /// Resetting ring state for the run (inside `graph_build`).
+    pub reset: Interval,
+    /// The orchestration function.
+    pub orch: Interval,
+    /// The scheduler: from launch of the cores to the last completion.
+    pub sched: Interval,
+    /// Work after the orchestration returned until the last completion.
+    pub post_orch: Interval,
+    /// User-tagged task slots.
+    pub task_slots: Vec<TaskSlotTiming>,
+    /// Counters.
+    pub counters: RunCounters,
+    /// Number of cores that ran the graph.
+    pub cores: u32,
+    /// Whether orchestration and execution overlapped (false in serial mode).
+    pub overlapped: bool,
+    /// Warnings raised while configuring the run (ignored overrides, ignored env vars).
+    pub warnings: Vec<String>,
+    /// Swimlane records, when `CallConfig::swimlane > 0`.
+    pub swimlane: Option<SwimlaneRecords>,
+    /// The dependency graph, when `CallConfig::dep_gen`.
+    pub deps: Option<DepGraph>,
+    /// Ring high-water marks, when `CallConfig::ring_stats`.
+    pub ring_stats: Option<RingStats>,
+}
+
+impl RunReport {
+    /// `max(orch_end, sched_end) - min(orch_start, sched_start)`.
+    pub fn effective(&self) -> Interval {
+        Interval {
+            start_ns: self.orch.start_ns.min(self.sched.start_ns),
+            end_ns: self.orch.end_ns.max(self.sched.end_ns),
+        }
+    }
+
+    /// The standard span tree of this run as trace records (see `docs/trace-format.md`).
+    pub fn spans(&self, pid: u32, tid: u64) -> Vec<SpanRecord> {
+        crate::timing::spans_of(self, pid, tid)
+    }
+}

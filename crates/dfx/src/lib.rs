@@ -1,0 +1,1 @@
+//! DFX: trace files (writing and reading) and the analyses over them.
