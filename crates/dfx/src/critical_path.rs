@@ -1,0 +1,299 @@
+//! `simpler trace critical-path`: the static longest path (a lower bound with unlimited cores)
+//! and the observed path walked back from the last-finishing task, with every nanosecond of the
+//! makespan attributed to exactly one of compute, data-wait, core-wait or scheduling.
+//!
+//! The walk keeps a cursor that starts at the makespan's end and only moves back. At each task
+//! on the path (times as in `overhead`: readiness from deps.json, level-1 fallbacks):
+//! `finish..end` is scheduling (completion processing), `end..start` compute,
+//! `start..dispatch` scheduling (dispatch overhead), `dispatch..ready` core-wait where every
+//! core was executing and scheduling where one was idle. The next task is the predecessor whose
+//! completion gated this task's readiness (the latest); the time from its completion up to the
+//! cursor is data-wait (this task waited for something else: its submission, or records that
+//! are missing). The path's first task ends the walk: the rest down to the makespan's start is
+//! data-wait. Each interval is clipped to the cursor, so the four totals add up to the makespan
+//! exactly even when dispatch overlaps the predecessor's fan-out.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use simpler_core::trace::{DepGraph, SwimlaneRecords};
+
+use crate::blocks::{BusyProfile, makespan, task_name, task_times};
+use crate::deps::Graph;
+use crate::error::{DfxError, Result};
+use crate::stats::us;
+use crate::swimlane::kernel_names;
+
+/// Time attributed to one task of the observed path (ns).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Task id.
+    pub task: u64,
+    /// Kernel label.
+    pub kernel: String,
+    /// Whether the task has block records (dummy and skipped tasks have none).
+    pub recorded: bool,
+    /// Kernel execution (first start to last end).
+    pub compute: u64,
+    /// Waiting before readiness for something other than the path's predecessor.
+    pub data_wait: u64,
+    /// Ready while every core was executing.
+    pub core_wait: u64,
+    /// Ready with a core idle, dispatch overhead and completion processing.
+    pub scheduling: u64,
+}
+
+/// Result of the analysis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CriticalPath {
+    /// `[first dispatch, last finish]`.
+    pub makespan: (u64, u64),
+    /// Tasks of the static longest path, first to last.
+    pub static_path: Vec<u64>,
+    /// Its length: the sum of its tasks' longest block executions.
+    pub static_ns: u64,
+    /// The observed path, first task to last.
+    pub observed: Vec<Step>,
+}
+
+impl CriticalPath {
+    /// `[compute, data-wait, core-wait, scheduling]` over the observed path.
+    pub fn totals(&self) -> [u64; 4] {
+        let mut t = [0; 4];
+        for s in &self.observed {
+            t[0] += s.compute;
+            t[1] += s.data_wait;
+            t[2] += s.core_wait;
+            t[3] += s.scheduling;
+        }
+        t
+    }
+
+    /// Makespan in ns.
+    pub fn makespan_ns(&self) -> u64 {
+        self.makespan.1 - self.makespan.0
+    }
+}
+
+/// The walk's cursor: moves only back, never below the makespan's start.
+struct Cursor {
+    at: u64,
+    floor: u64,
+}
+
+impl Cursor {
+    /// Moves the cursor back to `to` (clipped) and returns how far it moved.
+    fn take(&mut self, to: u64) -> u64 {
+        let to = to.max(self.floor);
+        if to < self.at {
+            let d = self.at - to;
+            self.at = to;
+            d
+        } else {
+            0
+        }
+    }
+}
+
+/// Runs the analysis (the dependency graph is required; fingerprints are checked by the caller).
+pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
+    let (m0, m1) =
+        makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    let g = Graph::new(deps)?;
+    let times = task_times(r);
+    let names = kernel_names(Some(deps));
+    let busy = BusyProfile::new(r);
+    let submit_end: HashMap<u64, u64> = r.submits.iter().map(|s| (s.task_id, s.end)).collect();
+    let n = g.ids.len();
+    // Readiness and completion per node (None: unknown).
+    let (mut ready, mut done): (Vec<Option<u64>>, Vec<Option<u64>>) =
+        (vec![None; n], vec![None; n]);
+    let mut dist = vec![0u64; n];
+    let mut best_pred: Vec<Option<usize>> = vec![None; n];
+    for &v in &g.topo {
+        let id = g.ids[v];
+        let gate = g.preds[v]
+            .iter()
+            .filter_map(|&p| done[p])
+            .max()
+            .into_iter()
+            .chain(submit_end.get(&id).copied())
+            .max();
+        match times.get(&id) {
+            Some(t) => {
+                ready[v] = Some(gate.unwrap_or(t.dispatch));
+                done[v] = Some(t.finish);
+            }
+            None => {
+                ready[v] = gate;
+                done[v] = gate;
+            }
+        }
+        let bp = g.preds[v]
+            .iter()
+            .copied()
+            .max_by_key(|&p| (dist[p], std::cmp::Reverse(p)));
+        best_pred[v] = bp;
+        dist[v] = times.get(&id).map_or(0, |t| t.max_exec) + bp.map_or(0, |p| dist[p]);
+    }
+    let mut static_path = Vec::new();
+    let mut at = (0..n).max_by_key(|&v| (dist[v], std::cmp::Reverse(v)));
+    let static_ns = at.map_or(0, |v| dist[v]);
+    while let Some(v) = at {
+        static_path.push(g.ids[v]);
+        at = best_pred[v];
+    }
+    static_path.reverse();
+
+    // The observed walk.
+    let last = times
+        .iter()
+        .max_by_key(|(id, t)| (t.finish, t.end, std::cmp::Reverse(**id)))
+        .map(|(id, _)| *id)
+        .ok_or_else(|| DfxError::Missing("no task records".into()))?;
+    let mut cur = Cursor { at: m1, floor: m0 };
+    let mut observed = Vec::new();
+    let mut node: Option<usize> = g.index.get(&last).copied();
+    let mut id = last;
+    loop {
+        let mut step = Step {
+            task: id,
+            recorded: false,
+            ..Step::default()
+        };
+        if let Some(t) = times.get(&id) {
+            step.recorded = true;
+            step.kernel = names
+                .get(&t.func)
+                .cloned()
+                .unwrap_or_else(|| crate::deps::kernel_label(t.func, ""));
+            step.scheduling += cur.take(t.finish);
+            step.scheduling += cur.take(t.end);
+            step.compute += cur.take(t.start);
+            step.scheduling += cur.take(t.dispatch);
+            let rd = node.and_then(|v| ready[v]).unwrap_or(t.dispatch);
+            let before = cur.at;
+            let waited = cur.take(rd);
+            let cw = busy.all_busy(before - waited, before);
+            step.core_wait += cw;
+            step.scheduling += waited - cw;
+        } else {
+            step.kernel = node.map_or_else(String::new, |v| {
+                let t = &deps.tasks[v];
+                crate::deps::kernel_label(t.kernel, &t.kernel_name)
+            });
+        }
+        let next = node.and_then(|v| {
+            g.preds[v]
+                .iter()
+                .copied()
+                .filter(|&p| done[p].is_some())
+                .max_by_key(|&p| (done[p], p))
+        });
+        match next {
+            Some(p) => {
+                step.data_wait += cur.take(done[p].unwrap_or(m0));
+                observed.push(step);
+                node = Some(p);
+                id = g.ids[p];
+            }
+            None => {
+                step.data_wait += cur.take(m0);
+                observed.push(step);
+                break;
+            }
+        }
+    }
+    observed.reverse();
+    Ok(CriticalPath {
+        makespan: (m0, m1),
+        static_path,
+        static_ns,
+        observed,
+    })
+}
+
+/// The printed report.
+pub fn report(c: &CriticalPath, dropped: u64) -> String {
+    let mut out = String::new();
+    if dropped > 0 {
+        let _ = writeln!(
+            out,
+            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time"
+        );
+    }
+    let ms = c.makespan_ns();
+    let pct = |x: u64| x as f64 * 100.0 / ms.max(1) as f64;
+    let _ = writeln!(
+        out,
+        "makespan {} µs (first dispatch to last finish)",
+        us(ms as f64)
+    );
+    let _ = writeln!(
+        out,
+        "static critical path (unlimited cores, task weight = its longest block): {} µs over {} tasks = {:.1}% of the makespan",
+        us(c.static_ns as f64),
+        c.static_path.len(),
+        pct(c.static_ns)
+    );
+    let shown: Vec<String> = c
+        .static_path
+        .iter()
+        .take(12)
+        .map(|&t| task_name(t))
+        .collect();
+    let more = if c.static_path.len() > 12 { " ..." } else { "" };
+    let _ = writeln!(out, "  {}{more}", shown.join(" -> "));
+    let t = c.totals();
+    let _ = writeln!(
+        out,
+        "observed path (walked back from the last-finishing task): {} tasks",
+        c.observed.len()
+    );
+    for (name, v) in ["compute", "data-wait", "core-wait", "scheduling"]
+        .iter()
+        .zip(t)
+    {
+        let _ = writeln!(
+            out,
+            "  {name:<11} {:>12} µs {:>6.1}%  ({v} ns)",
+            us(v as f64),
+            pct(v)
+        );
+    }
+    let sum: u64 = t.iter().sum();
+    let _ = writeln!(
+        out,
+        "  {:<11} {:>12} µs          ({sum} ns {} makespan {ms} ns)",
+        "total",
+        us(sum as f64),
+        if sum == ms { "==" } else { "!=" }
+    );
+    let _ = writeln!(
+        out,
+        "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12}",
+        "task", "kernel", "data-wait", "core-wait", "scheduling", "compute"
+    );
+    let limit = 40;
+    for s in c.observed.iter().take(limit) {
+        let kernel = if s.recorded {
+            s.kernel.clone()
+        } else {
+            format!("{} (no records)", s.kernel)
+        };
+        let _ = writeln!(
+            out,
+            "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12}",
+            task_name(s.task),
+            kernel,
+            us(s.data_wait as f64),
+            us(s.core_wait as f64),
+            us(s.scheduling as f64),
+            us(s.compute as f64)
+        );
+    }
+    if c.observed.len() > limit {
+        let _ = writeln!(out, "... {} more tasks", c.observed.len() - limit);
+    }
+    out
+}

@@ -1,0 +1,238 @@
+//! The diagnostics files a run writes into its output directory (`swimlane.json`, `deps.json`,
+//! `ring_stats.json`): writing them from a [`RunReport`] and reading them back with version checks.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use simpler_core::RunReport;
+use simpler_core::trace::{DepGraph, RingStats, SwimlaneRecords, TRACE_FORMAT_VERSION};
+
+use crate::error::{DfxError, Result, io};
+
+/// File name of the swimlane records in a run's output directory.
+pub const SWIMLANE_FILE: &str = "swimlane.json";
+/// File name of the captured dependency graph.
+pub const DEPS_FILE: &str = "deps.json";
+/// File name of the ring statistics.
+pub const RING_STATS_FILE: &str = "ring_stats.json";
+
+/// A record with a top-level `"v"` added (for the record types that have none of their own).
+#[derive(Serialize)]
+struct Versioned<'a, T: Serialize> {
+    v: u32,
+    #[serde(flatten)]
+    inner: &'a T,
+}
+
+/// Writes the diagnostics present in `report` into `dir` (created if needed): `swimlane.json`
+/// when it has swimlane records, `deps.json` when it has a dependency graph, `ring_stats.json`
+/// when it has ring statistics. Returns the files written.
+pub fn write_run_diagnostics(dir: &Path, report: &RunReport) -> Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    if report.swimlane.is_none() && report.deps.is_none() && report.ring_stats.is_none() {
+        return Ok(written);
+    }
+    std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
+    if let Some(s) = &report.swimlane {
+        written.push(write_json(
+            &dir.join(SWIMLANE_FILE),
+            &Versioned {
+                v: TRACE_FORMAT_VERSION,
+                inner: s,
+            },
+        )?);
+    }
+    if let Some(d) = &report.deps {
+        written.push(write_json(&dir.join(DEPS_FILE), d)?);
+    }
+    if let Some(r) = &report.ring_stats {
+        written.push(write_json(
+            &dir.join(RING_STATS_FILE),
+            &Versioned {
+                v: TRACE_FORMAT_VERSION,
+                inner: r,
+            },
+        )?);
+    }
+    Ok(written)
+}
+
+/// Writes any value as compact JSON to `path`.
+pub fn write_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<PathBuf> {
+    let file = File::create(path).map_err(io("create", path))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    serde_json::to_writer(&mut w, value).map_err(|source| DfxError::Json {
+        path: path.into(),
+        line: 0,
+        source,
+    })?;
+    w.write_all(b"\n").map_err(io("write", path))?;
+    w.flush().map_err(io("write", path))?;
+    Ok(path.to_path_buf())
+}
+
+/// Reads `swimlane.json`.
+pub fn read_swimlane(path: &Path) -> Result<SwimlaneRecords> {
+    read_versioned(path)
+}
+
+/// Reads `deps.json`.
+pub fn read_deps(path: &Path) -> Result<DepGraph> {
+    read_versioned(path)
+}
+
+/// Reads `ring_stats.json`.
+pub fn read_ring_stats(path: &Path) -> Result<RingStats> {
+    read_versioned(path)
+}
+
+/// `path` itself when it is a file; `path/name` when it is a directory.
+pub fn resolve(path: &Path, name: &str) -> PathBuf {
+    if path.is_dir() {
+        path.join(name)
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// The deps file to join with a swimlane: `explicit` when given, else `deps.json` beside the
+/// swimlane file when it exists.
+pub fn deps_beside(swimlane: &Path, explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(p) = explicit {
+        return Some(p.to_path_buf());
+    }
+    let beside = swimlane.parent().unwrap_or(Path::new(".")).join(DEPS_FILE);
+    beside.is_file().then_some(beside)
+}
+
+/// Refuses to join records whose topology fingerprints differ.
+pub fn check_fingerprints(
+    swimlane: &SwimlaneRecords,
+    sp: &Path,
+    deps: &DepGraph,
+    dp: &Path,
+) -> Result<()> {
+    if swimlane.fingerprint != deps.fingerprint {
+        return Err(DfxError::FingerprintMismatch {
+            swimlane: sp.to_path_buf(),
+            swimlane_fingerprint: swimlane.fingerprint.clone(),
+            deps: dp.to_path_buf(),
+            deps_fingerprint: deps.fingerprint.clone(),
+        });
+    }
+    Ok(())
+}
+
+fn read_versioned<T: DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(io("read", path))?;
+    let json = |source| DfxError::Json {
+        path: path.to_path_buf(),
+        line: 0,
+        source,
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(json)?;
+    if let Some(v) = value.get("v").and_then(|v| v.as_u64())
+        && v > TRACE_FORMAT_VERSION as u64
+    {
+        return Err(DfxError::NewerVersion {
+            path: path.to_path_buf(),
+            line: 0,
+            found: v as u32,
+            supported: TRACE_FORMAT_VERSION,
+        });
+    }
+    serde_json::from_value(value).map_err(json)
+}
+
+#[cfg(test)]
+mod tests {
+    use simpler_core::trace::{RingUsage, Usage};
+
+    use super::*;
+
+    #[test]
+    fn writes_only_what_is_present_and_reads_it_back() {
+        let dir = std::env::temp_dir().join(format!("simpler-dfx-diag-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut report = RunReport::default();
+        assert!(write_run_diagnostics(&dir, &report).unwrap().is_empty());
+        report.swimlane = Some(SwimlaneRecords {
+            level: 2,
+            fingerprint: "f".into(),
+            dropped: 3,
+            ..Default::default()
+        });
+        report.ring_stats = Some(RingStats {
+            rings: vec![RingUsage {
+                ring: 0,
+                task_window: Usage {
+                    high_water: 5,
+                    capacity: 8,
+                },
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let files = write_run_diagnostics(&dir, &report).unwrap();
+        assert_eq!(
+            files,
+            vec![dir.join(SWIMLANE_FILE), dir.join(RING_STATS_FILE)]
+        );
+        assert!(!dir.join(DEPS_FILE).exists());
+        assert_eq!(
+            read_swimlane(&resolve(&dir, SWIMLANE_FILE)).unwrap(),
+            *report.swimlane.as_ref().unwrap()
+        );
+        assert_eq!(
+            read_ring_stats(&dir.join(RING_STATS_FILE)).unwrap(),
+            *report.ring_stats.as_ref().unwrap()
+        );
+        let text = std::fs::read_to_string(dir.join(SWIMLANE_FILE)).unwrap();
+        assert!(text.starts_with("{\"v\":1,"), "{text}");
+        std::fs::write(
+            dir.join(DEPS_FILE),
+            r#"{"v":7,"fingerprint":"","tasks":[],"tensors":[],"edges":[]}"#,
+        )
+        .unwrap();
+        let e = read_deps(&dir.join(DEPS_FILE)).unwrap_err();
+        assert!(matches!(e, DfxError::NewerVersion { found: 7, .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn fingerprint_mismatch_names_both_files() {
+        let s = SwimlaneRecords {
+            fingerprint: "aaaa".into(),
+            ..Default::default()
+        };
+        let d = DepGraph {
+            fingerprint: "bbbb".into(),
+            ..Default::default()
+        };
+        let e = check_fingerprints(
+            &s,
+            Path::new("run/swimlane.json"),
+            &d,
+            Path::new("other/deps.json"),
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        for want in [
+            "run/swimlane.json",
+            "other/deps.json",
+            "aaaa",
+            "bbbb",
+            "refusing",
+        ] {
+            assert!(msg.contains(want), "{msg}");
+        }
+        let d2 = DepGraph {
+            fingerprint: "aaaa".into(),
+            ..Default::default()
+        };
+        check_fingerprints(&s, Path::new("a"), &d2, Path::new("b")).unwrap();
+    }
+}

@@ -1,0 +1,281 @@
+//! Reads trace files and merges them onto one wall-clock axis.
+//!
+//! Every writer starts with its process's clock anchor; a span's host timestamp plus the anchor
+//! of its process gives wall time, so spans of several processes (and files) line up. Device
+//! spans of an invocation with a `device_alignment` line are mapped through it onto the host
+//! axis first. Lines with a format version newer than [`TRACE_FORMAT_VERSION`] are refused with
+//! the file and line named.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use simpler_core::clock::ClockAnchor;
+use simpler_core::trace::{
+    Clock, DeviceClockAlignment, SpanRecord, TRACE_FORMAT_VERSION, TraceLine,
+};
+
+use crate::error::{DfxError, Result, io};
+
+/// One process instance seen in the files: a pid together with the anchor it wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProcessInfo {
+    /// Process id.
+    pub pid: u32,
+    /// Its clock anchor.
+    pub anchor: ClockAnchor,
+    /// File the anchor came from.
+    pub file: PathBuf,
+}
+
+/// How a span's start was placed on the wall-clock axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// A host span: anchor + `ts_ns`, exact.
+    Host,
+    /// A device span mapped through its invocation's alignment, within `uncertainty_ns`.
+    Device {
+        /// Half-width of the alignment's uncertainty.
+        uncertainty_ns: u64,
+    },
+    /// A device span without an alignment line: taken as already on the host axis.
+    DeviceUnaligned,
+}
+
+/// A span with its place on the merged axis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AlignedSpan {
+    /// The record as read.
+    pub span: SpanRecord,
+    /// Index into [`Trace::processes`].
+    pub process: usize,
+    /// Start in wall-clock nanoseconds since the Unix epoch.
+    pub wall_ns: u64,
+    /// How `wall_ns` was obtained.
+    pub placement: Placement,
+}
+
+impl AlignedSpan {
+    /// End in wall-clock nanoseconds.
+    pub fn wall_end_ns(&self) -> u64 {
+        self.wall_ns + self.span.dur_ns
+    }
+}
+
+/// Spans of one or more trace files, merged.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Trace {
+    /// Files read, in order.
+    pub files: Vec<PathBuf>,
+    /// Process instances, in order of their anchors.
+    pub processes: Vec<ProcessInfo>,
+    /// Spans in file and line order.
+    pub spans: Vec<AlignedSpan>,
+}
+
+impl Trace {
+    /// Earliest span start (wall ns), or 0 without spans.
+    pub fn origin_wall_ns(&self) -> u64 {
+        self.spans.iter().map(|s| s.wall_ns).min().unwrap_or(0)
+    }
+
+    /// Device spans that had no alignment line.
+    pub fn unaligned_device_spans(&self) -> usize {
+        self.spans
+            .iter()
+            .filter(|s| s.placement == Placement::DeviceUnaligned)
+            .count()
+    }
+}
+
+/// Reads and merges trace files.
+pub fn read_traces<P: AsRef<Path>>(paths: &[P]) -> Result<Trace> {
+    let mut trace = Trace::default();
+    for p in paths {
+        let path = p.as_ref();
+        let text = std::fs::read_to_string(path).map_err(io("read", path))?;
+        parse_into(&mut trace, &text, path)?;
+    }
+    Ok(trace)
+}
+
+/// Parses the text of one trace file into `trace` (files may be added one after another).
+pub fn parse_into(trace: &mut Trace, text: &str, path: &Path) -> Result<()> {
+    trace.files.push(path.to_path_buf());
+    // Current process instance of each pid in this file.
+    let mut current: HashMap<u32, usize> = HashMap::new();
+    let mut alignments: HashMap<(usize, u64), DeviceClockAlignment> = HashMap::new();
+    let first_span = trace.spans.len();
+    for (idx, raw) in text.lines().enumerate() {
+        let line_no = idx + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        match parse_line(raw, path, line_no)? {
+            TraceLine::Anchor(anchor) => {
+                trace.processes.push(ProcessInfo {
+                    pid: anchor.pid,
+                    anchor,
+                    file: path.to_path_buf(),
+                });
+                current.insert(anchor.pid, trace.processes.len() - 1);
+            }
+            TraceLine::Span(span) => {
+                let process = *current
+                    .get(&span.pid)
+                    .ok_or_else(|| DfxError::MissingAnchor {
+                        path: path.to_path_buf(),
+                        line: line_no,
+                        pid: span.pid,
+                    })?;
+                let placement = match span.clock {
+                    Clock::Host => Placement::Host,
+                    Clock::Device => Placement::DeviceUnaligned,
+                };
+                trace.spans.push(AlignedSpan {
+                    span,
+                    process,
+                    wall_ns: 0,
+                    placement,
+                });
+            }
+            TraceLine::DeviceAlignment {
+                pid,
+                inv,
+                alignment,
+            } => {
+                let process = *current.get(&pid).ok_or_else(|| DfxError::MissingAnchor {
+                    path: path.to_path_buf(),
+                    line: line_no,
+                    pid,
+                })?;
+                alignments.insert((process, inv), alignment);
+            }
+        }
+    }
+    for s in &mut trace.spans[first_span..] {
+        let anchor = trace.processes[s.process].anchor.wall_ns as i128;
+        let host: i128 = match s.span.clock {
+            Clock::Host => s.span.ts_ns as i128,
+            Clock::Device => match alignments.get(&(s.process, s.span.inv)) {
+                Some(a) => {
+                    s.placement = Placement::Device {
+                        uncertainty_ns: a.uncertainty_ns,
+                    };
+                    a.host_ns as i128 + s.span.ts_ns as i128 - a.device_ns as i128
+                }
+                None => s.span.ts_ns as i128,
+            },
+        };
+        s.wall_ns = (anchor + host).clamp(0, u64::MAX as i128) as u64;
+    }
+    Ok(())
+}
+
+/// Just the version of a line, to explain a line that does not parse.
+#[derive(Deserialize)]
+struct VersionPeek {
+    #[serde(default)]
+    v: Option<u32>,
+}
+
+fn parse_line(raw: &str, path: &Path, line: usize) -> Result<TraceLine> {
+    let newer = |found: u32| DfxError::NewerVersion {
+        path: path.to_path_buf(),
+        line,
+        found,
+        supported: TRACE_FORMAT_VERSION,
+    };
+    match serde_json::from_str::<TraceLine>(raw) {
+        Ok(TraceLine::Span(s)) if s.v > TRACE_FORMAT_VERSION => Err(newer(s.v)),
+        Ok(l) => Ok(l),
+        Err(source) => match serde_json::from_str::<VersionPeek>(raw) {
+            Ok(VersionPeek { v: Some(v) }) if v > TRACE_FORMAT_VERSION => Err(newer(v)),
+            _ => Err(DfxError::Json {
+                path: path.to_path_buf(),
+                line,
+                source,
+            }),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Trace> {
+        let mut t = Trace::default();
+        parse_into(&mut t, text, Path::new("x.jsonl"))?;
+        Ok(t)
+    }
+
+    #[test]
+    fn newer_version_is_refused_with_file_and_line() {
+        let text = concat!(
+            r#"{"kind":"anchor","pid":1,"wall_ns":100}"#,
+            "\n",
+            r#"{"kind":"span","v":99,"pid":1,"tid":0,"inv":0,"callable":"a","depth":0,"name":"run","ts_ns":0,"dur_ns":1,"clock":"host"}"#
+        );
+        let e = parse(text).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DfxError::NewerVersion {
+                    line: 2,
+                    found: 99,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("x.jsonl:2"), "{e}");
+        // An unknown line kind from a newer version is refused the same way.
+        let text = "{\"kind\":\"anchor\",\"pid\":1,\"wall_ns\":1}\n{\"kind\":\"gauge\",\"v\":2}";
+        assert!(matches!(
+            parse(text).unwrap_err(),
+            DfxError::NewerVersion {
+                line: 2,
+                found: 2,
+                ..
+            }
+        ));
+        // A broken line of the current version is a JSON error with its line.
+        let e = parse("{\"kind\":\"anchor\",\"pid\":1,\"wall_ns\":1}\n\n{oops").unwrap_err();
+        assert!(matches!(e, DfxError::Json { line: 3, .. }), "{e}");
+    }
+
+    #[test]
+    fn span_without_anchor_is_an_error() {
+        let text = r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"a","depth":0,"name":"run","ts_ns":0,"dur_ns":1,"clock":"host"}"#;
+        assert!(matches!(
+            parse(text).unwrap_err(),
+            DfxError::MissingAnchor {
+                line: 1,
+                pid: 1,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn device_spans_are_mapped_through_their_alignment() {
+        let text = concat!(
+            r#"{"kind":"anchor","pid":1,"wall_ns":1000}"#,
+            "\n",
+            r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":3,"callable":"a","depth":1,"name":"k","ts_ns":5000,"dur_ns":10,"clock":"device"}"#,
+            "\n",
+            r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":4,"callable":"a","depth":1,"name":"k","ts_ns":70,"dur_ns":10,"clock":"device"}"#,
+            "\n",
+            r#"{"kind":"device_alignment","pid":1,"inv":3,"alignment":{"device_ns":4000,"host_ns":50,"uncertainty_ns":7}}"#
+        );
+        let t = parse(text).unwrap();
+        assert_eq!(t.spans[0].wall_ns, 1000 + 50 + 1000);
+        assert_eq!(
+            t.spans[0].placement,
+            Placement::Device { uncertainty_ns: 7 }
+        );
+        assert_eq!(t.spans[1].wall_ns, 1070);
+        assert_eq!(t.unaligned_device_spans(), 1);
+    }
+}

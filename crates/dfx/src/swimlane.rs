@@ -1,0 +1,412 @@
+//! `simpler trace swimlane`: per-task timeline records to Perfetto JSON (orchestrator,
+//! scheduler and per-core lanes, a ready-queue-depth counter, dependency arrows with
+//! happens-before checks) and the per-kernel table.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write;
+
+use serde_json::{Map, Value};
+use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
+
+use crate::blocks::{TaskTimes, dispatch_finish, has_sched_times, task_name, task_times};
+use crate::deps::kernel_label;
+use crate::perfetto::{PerfettoTrace, ns_to_us};
+use crate::stats::us;
+
+const PID: u32 = 1;
+const ORCH_TID: u64 = 1;
+const SCHED_TID: u64 = 100;
+const CORE_TID: u64 = 10_000;
+
+/// One row of the per-kernel table (times in ns; `None` at swimlane level 1).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelRow {
+    /// Kernel id.
+    pub func: u32,
+    /// Kernel name (from deps.json), `kernel <id>` or `dummy`.
+    pub name: String,
+    /// Tasks that ran it.
+    pub tasks: usize,
+    /// Block records.
+    pub blocks: usize,
+    /// Mean `end - start` per block.
+    pub mean_exec: f64,
+    /// Mean `finish - dispatch` per block.
+    pub mean_latency: Option<f64>,
+    /// This kernel's share of all blocks' execution time.
+    pub share: f64,
+    /// Mean `start - dispatch` per block.
+    pub mean_head: Option<f64>,
+    /// Mean `finish - end` per block.
+    pub mean_tail: Option<f64>,
+}
+
+/// A dependency arrow whose producer's last block ends after the consumer's first block starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// Producer task.
+    pub pred: u64,
+    /// Consumer task.
+    pub succ: u64,
+    /// Producer's last block end.
+    pub pred_end: u64,
+    /// Consumer's first block start.
+    pub succ_start: u64,
+}
+
+/// Dependency arrows between tasks that have block records.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Arrows {
+    /// `(pred, succ)` pairs drawn.
+    pub drawn: Vec<(u64, u64)>,
+    /// Pairs not drawn because an end has no block records (dummy, skipped or dropped).
+    pub skipped: usize,
+    /// Happens-before violations among the drawn ones.
+    pub violations: Vec<Violation>,
+}
+
+/// Kernel names from the deps graph.
+pub(crate) fn kernel_names(deps: Option<&DepGraph>) -> HashMap<u32, String> {
+    deps.map(|d| {
+        d.tasks
+            .iter()
+            .map(|t| (t.kernel, kernel_label(t.kernel, &t.kernel_name)))
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+fn name_of(names: &HashMap<u32, String>, func: u32) -> String {
+    names
+        .get(&func)
+        .cloned()
+        .unwrap_or_else(|| kernel_label(func, ""))
+}
+
+/// The per-kernel table, largest share first.
+pub fn kernel_table(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Vec<KernelRow> {
+    let names = kernel_names(deps);
+    let sched = has_sched_times(r);
+    let mut acc: BTreeMap<u32, (BTreeSet<u64>, usize, f64, f64, f64, f64)> = BTreeMap::new();
+    let mut total = 0.0;
+    for b in &r.tasks {
+        let e = acc.entry(b.func).or_default();
+        e.0.insert(b.task_id);
+        e.1 += 1;
+        let exec = b.end.saturating_sub(b.start) as f64;
+        total += exec;
+        e.2 += exec;
+        e.3 += b.finish as f64 - b.dispatch as f64;
+        e.4 += b.start as f64 - b.dispatch as f64;
+        e.5 += b.finish as f64 - b.end as f64;
+    }
+    let mut rows: Vec<KernelRow> = acc
+        .into_iter()
+        .map(|(func, (tasks, blocks, exec, lat, head, tail))| {
+            let n = blocks as f64;
+            let opt = |x: f64| sched.then_some(x / n);
+            KernelRow {
+                func,
+                name: name_of(&names, func),
+                tasks: tasks.len(),
+                blocks,
+                mean_exec: exec / n,
+                mean_latency: opt(lat),
+                share: if total > 0.0 { exec / total } else { 0.0 },
+                mean_head: opt(head),
+                mean_tail: opt(tail),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| b.share.total_cmp(&a.share).then(a.func.cmp(&b.func)));
+    rows
+}
+
+/// Dependency arrows and their happens-before check.
+pub fn arrows(r: &SwimlaneRecords, deps: &DepGraph) -> Arrows {
+    arrows_with(&task_times(r), deps)
+}
+
+fn arrows_with(times: &HashMap<u64, TaskTimes>, deps: &DepGraph) -> Arrows {
+    let mut out = Arrows::default();
+    let mut seen = BTreeSet::new();
+    for e in &deps.edges {
+        if !seen.insert((e.pred, e.succ)) {
+            continue;
+        }
+        match (times.get(&e.pred), times.get(&e.succ)) {
+            (Some(p), Some(s)) => {
+                out.drawn.push((e.pred, e.succ));
+                if p.end > s.start {
+                    out.violations.push(Violation {
+                        pred: e.pred,
+                        succ: e.succ,
+                        pred_end: p.end,
+                        succ_start: s.start,
+                    });
+                }
+            }
+            _ => out.skipped += 1,
+        }
+    }
+    out
+}
+
+/// Earliest timestamp in the records (the Perfetto origin).
+fn origin(r: &SwimlaneRecords) -> u64 {
+    let blocks = r.tasks.iter().map(|b| dispatch_finish(r, b).0.min(b.start));
+    let phases = r.phases.iter().map(|p| p.start);
+    let submits = r.submits.iter().map(|s| s.start);
+    let queue = r.queue_depth.iter().map(|q| q.ts);
+    blocks
+        .chain(phases)
+        .chain(submits)
+        .chain(queue)
+        .min()
+        .unwrap_or(0)
+}
+
+/// The Perfetto document: orchestrator lane (submits), scheduler lanes (phases) with one
+/// ready-queue-depth counter per class, one lane per core (a slice per block) and, with a deps
+/// graph, one flow arrow per dependency (flagged when it is a happens-before violation).
+pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrace {
+    let t0 = origin(r);
+    let rel = |t: u64| t.saturating_sub(t0);
+    let names = kernel_names(deps);
+    let mut out = PerfettoTrace::default();
+    out.process_name(
+        PID,
+        &format!(
+            "simpler run (swimlane level {}, fingerprint {})",
+            r.level, r.fingerprint
+        ),
+    );
+    if r.dropped > 0 {
+        let mut a = Map::new();
+        a.insert("dropped_records".into(), r.dropped.into());
+        out.instant(
+            PID,
+            &format!("{} RECORDS DROPPED: timeline incomplete", r.dropped),
+            0,
+            a,
+        );
+    }
+    out.other.insert("dropped_records".into(), r.dropped.into());
+    out.other
+        .insert("fingerprint".into(), r.fingerprint.clone().into());
+    out.other.insert("level".into(), r.level.into());
+    out.other.insert("origin_ns".into(), t0.into());
+    if !r.submits.is_empty() {
+        out.thread_name(PID, ORCH_TID, "orchestrator");
+        for s in &r.submits {
+            let mut a = Map::new();
+            a.insert("task_id".into(), s.task_id.into());
+            out.complete(
+                PID,
+                ORCH_TID,
+                &format!("submit {}", task_name(s.task_id)),
+                "submit",
+                rel(s.start),
+                s.end.saturating_sub(s.start),
+                a,
+            );
+        }
+    }
+    let mut owned: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+    for p in &r.phases {
+        owned.entry(p.sched).or_default().insert(p.core);
+    }
+    for (s, cores) in &owned {
+        let list: Vec<String> = cores.iter().map(u32::to_string).collect();
+        out.thread_name(
+            PID,
+            SCHED_TID + *s as u64,
+            &format!("scheduler {s} (cores {})", list.join(",")),
+        );
+    }
+    for p in &r.phases {
+        let name = match p.phase {
+            SchedPhase::Dispatch => "dispatch",
+            SchedPhase::Complete => "complete",
+            SchedPhase::Idle => "idle",
+        };
+        let mut a = Map::new();
+        a.insert("core".into(), p.core.into());
+        out.complete(
+            PID,
+            SCHED_TID + p.sched as u64,
+            name,
+            "sched",
+            rel(p.start),
+            p.end.saturating_sub(p.start),
+            a,
+        );
+    }
+    for q in &r.queue_depth {
+        out.counter(
+            PID,
+            &format!("ready queue ({})", q.class.name()),
+            rel(q.ts),
+            "depth",
+            q.depth as f64,
+        );
+    }
+    let cores: BTreeSet<u32> = r.tasks.iter().map(|b| b.core).collect();
+    for c in &cores {
+        out.thread_name(PID, CORE_TID + *c as u64, &format!("core {c}"));
+    }
+    let sched = has_sched_times(r);
+    for b in &r.tasks {
+        let mut a = Map::new();
+        a.insert("task".into(), task_name(b.task_id).into());
+        a.insert("task_id".into(), b.task_id.into());
+        a.insert("block".into(), b.block.into());
+        a.insert("class".into(), b.class.name().into());
+        if sched {
+            a.insert("dispatch_us".into(), ns_to_us(rel(b.dispatch)).into());
+            a.insert("finish_us".into(), ns_to_us(rel(b.finish)).into());
+            a.insert(
+                "head_ns".into(),
+                (b.start as i64 - b.dispatch as i64).into(),
+            );
+            a.insert("tail_ns".into(), (b.finish as i64 - b.end as i64).into());
+        }
+        out.complete(
+            PID,
+            CORE_TID + b.core as u64,
+            &name_of(&names, b.func),
+            b.class.name(),
+            rel(b.start),
+            b.end.saturating_sub(b.start),
+            a,
+        );
+    }
+    if let Some(d) = deps {
+        let times = task_times(r);
+        let arrows = arrows_with(&times, d);
+        let bad: HashMap<(u64, u64), Violation> = arrows
+            .violations
+            .iter()
+            .map(|v| ((v.pred, v.succ), *v))
+            .collect();
+        for (id, (p, s)) in arrows.drawn.iter().enumerate() {
+            let (pt, st) = (&times[p], &times[s]);
+            let from = if pt.end > pt.start {
+                pt.end - 1
+            } else {
+                pt.end
+            };
+            let to = if st.end > st.start {
+                st.start + 1
+            } else {
+                st.start
+            };
+            let mut a = Map::new();
+            a.insert("pred".into(), task_name(*p).into());
+            a.insert("succ".into(), task_name(*s).into());
+            let name = match bad.get(&(*p, *s)) {
+                Some(v) => {
+                    a.insert("violation".into(), Value::Bool(true));
+                    a.insert("pred_end_us".into(), ns_to_us(rel(v.pred_end)).into());
+                    a.insert("succ_start_us".into(), ns_to_us(rel(v.succ_start)).into());
+                    "dep VIOLATION (happens-before)"
+                }
+                None => "dep",
+            };
+            out.flow(
+                id as u64 + 1,
+                name,
+                (PID, CORE_TID + pt.last_core as u64, rel(from)),
+                (PID, CORE_TID + st.first_core as u64, rel(to)),
+                a,
+            );
+        }
+        out.other.insert(
+            "happens_before_violations".into(),
+            arrows.violations.len().into(),
+        );
+    }
+    out
+}
+
+/// The printed report: dropped records first, then the per-kernel table and, with a deps
+/// graph, the arrows and their violations.
+pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
+    let mut out = String::new();
+    if r.dropped > 0 {
+        let _ = writeln!(
+            out,
+            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; raise CallConfig.swimlane_capacity",
+            r.dropped
+        );
+    }
+    let tasks: BTreeSet<u64> = r.tasks.iter().map(|b| b.task_id).collect();
+    let _ = writeln!(
+        out,
+        "swimlane level {}, {} cores, {} tasks, {} block records, {} scheduler phases, {} submits, fingerprint {}",
+        r.level,
+        crate::blocks::core_count(r),
+        tasks.len(),
+        r.tasks.len(),
+        r.phases.len(),
+        r.submits.len(),
+        if r.fingerprint.is_empty() {
+            "-"
+        } else {
+            &r.fingerprint
+        }
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:>7} {:>7} {:>12} {:>14} {:>7} {:>10} {:>10}",
+        "kernel", "tasks", "blocks", "exec µs", "latency µs", "share", "head µs", "tail µs"
+    );
+    let opt = |x: Option<f64>| x.map_or("-".to_string(), us);
+    for k in kernel_table(r, deps) {
+        let _ = writeln!(
+            out,
+            "{:<24} {:>7} {:>7} {:>12} {:>14} {:>6.1}% {:>10} {:>10}",
+            k.name,
+            k.tasks,
+            k.blocks,
+            us(k.mean_exec),
+            opt(k.mean_latency),
+            k.share * 100.0,
+            opt(k.mean_head),
+            opt(k.mean_tail)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "(means per block; exec = end - start, latency = finish - dispatch, head = start - dispatch, tail = finish - end; share of all blocks' execution time)"
+    );
+    match deps {
+        None => {
+            let _ = writeln!(out, "dependency arrows: none (no deps.json given)");
+        }
+        Some(d) => {
+            let a = arrows(r, d);
+            let _ = writeln!(
+                out,
+                "dependency arrows: {} drawn, {} not drawn (an end has no block records: dummy, skipped or dropped)",
+                a.drawn.len(),
+                a.skipped
+            );
+            let _ = writeln!(out, "happens-before violations: {}", a.violations.len());
+            for v in a.violations.iter().take(20) {
+                let _ = writeln!(
+                    out,
+                    "  VIOLATION {} -> {}: producer ends at {} µs, consumer starts at {} µs",
+                    task_name(v.pred),
+                    task_name(v.succ),
+                    us(v.pred_end.saturating_sub(origin(r)) as f64),
+                    us(v.succ_start.saturating_sub(origin(r)) as f64)
+                );
+            }
+            if a.violations.len() > 20 {
+                let _ = writeln!(out, "  ... {} more", a.violations.len() - 20);
+            }
+        }
+    }
+    out
+}

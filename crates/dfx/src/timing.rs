@@ -1,0 +1,493 @@
+//! `simpler trace timing`: per-callable span statistics, one row per invocation (`--rounds`)
+//! and the median span tree (`--tree`), with the timing layers ①–④ of `02-dfx.md`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+use simpler_core::trace::AttrValue;
+
+use crate::bench_stats::Summary;
+use crate::reader::{AlignedSpan, Trace};
+use crate::stats::{self, us};
+
+/// One run of one process: the spans sharing `(process, inv)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Invocation {
+    /// Index into [`Trace::processes`].
+    pub process: usize,
+    /// Process id.
+    pub pid: u32,
+    /// Per-process invocation counter.
+    pub inv: u64,
+    /// Callable hash.
+    pub callable: String,
+    /// The `label` attribute of its `run` span, if it has one.
+    pub label: Option<String>,
+    /// Earliest span start (wall ns).
+    pub wall_ns: u64,
+    /// Indices into [`Trace::spans`], in file order.
+    pub spans: Vec<usize>,
+}
+
+/// The invocations of one callable.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallableGroup {
+    /// Callable hash.
+    pub callable: String,
+    /// Distinct labels its `run` spans carry (empty: none said).
+    pub labels: Vec<String>,
+    /// Invocations, earliest first.
+    pub invs: Vec<Invocation>,
+    /// Sum of its `run` durations (what "busiest" sorts by).
+    pub run_total_ns: u64,
+}
+
+impl CallableGroup {
+    /// `decode`, `decode/prefill`, or `-` when no `run` span said.
+    pub fn label(&self) -> String {
+        if self.labels.is_empty() {
+            "-".into()
+        } else {
+            self.labels.join("/")
+        }
+    }
+}
+
+/// One row of `--rounds` (durations in ns; `None` where the span is absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Round {
+    /// Process id.
+    pub pid: u32,
+    /// Invocation.
+    pub inv: u64,
+    /// `run`.
+    pub host: Option<u64>,
+    /// `run.runner.device_wall`.
+    pub device: Option<u64>,
+    /// `max(orch end, sched end) - min(orch start, sched start)`.
+    pub effective: Option<u64>,
+    /// `orch`.
+    pub orch: Option<u64>,
+    /// `sched`.
+    pub sched: Option<u64>,
+    /// `run.runner`.
+    pub runner: Option<u64>,
+}
+
+impl Round {
+    /// Layers ①–④ of `02-dfx.md` in ns (signed: a negative value means mis-nested spans).
+    pub fn layers(&self) -> [Option<i64>; 4] {
+        let d = |a: Option<u64>, b: Option<u64>| Some(a? as i64 - b? as i64);
+        [
+            self.effective.map(|e| e as i64),
+            d(self.device, self.effective),
+            d(self.runner, self.device),
+            d(self.host, self.runner),
+        ]
+    }
+}
+
+/// Groups the spans into invocations, earliest first.
+pub fn invocations(trace: &Trace) -> Vec<Invocation> {
+    let mut map: BTreeMap<(usize, u64), Invocation> = BTreeMap::new();
+    for (i, s) in trace.spans.iter().enumerate() {
+        let e = map
+            .entry((s.process, s.span.inv))
+            .or_insert_with(|| Invocation {
+                process: s.process,
+                pid: s.span.pid,
+                inv: s.span.inv,
+                callable: s.span.callable.clone(),
+                label: None,
+                wall_ns: s.wall_ns,
+                spans: Vec::new(),
+            });
+        e.wall_ns = e.wall_ns.min(s.wall_ns);
+        if s.span.name == "run"
+            && let Some(AttrValue::Str(l)) = s.span.attrs.get("label")
+        {
+            e.label = Some(l.clone());
+        }
+        e.spans.push(i);
+    }
+    let mut v: Vec<Invocation> = map.into_values().collect();
+    v.sort_by_key(|i| (i.wall_ns, i.process, i.inv));
+    v
+}
+
+/// Invocations grouped per callable, busiest (largest total `run` time) first.
+pub fn by_callable(trace: &Trace) -> Vec<CallableGroup> {
+    let mut groups: BTreeMap<String, CallableGroup> = BTreeMap::new();
+    for inv in invocations(trace) {
+        let g = groups
+            .entry(inv.callable.clone())
+            .or_insert_with(|| CallableGroup {
+                callable: inv.callable.clone(),
+                labels: Vec::new(),
+                invs: Vec::new(),
+                run_total_ns: 0,
+            });
+        if let Some(l) = &inv.label
+            && !g.labels.contains(l)
+        {
+            g.labels.push(l.clone());
+        }
+        g.run_total_ns += first(trace, &inv, "run").map_or(0, |s| s.span.dur_ns);
+        g.invs.push(inv);
+    }
+    let mut v: Vec<CallableGroup> = groups.into_values().collect();
+    v.sort_by(|a, b| {
+        b.run_total_ns
+            .cmp(&a.run_total_ns)
+            .then(a.callable.cmp(&b.callable))
+    });
+    v
+}
+
+/// The `--rounds` row of one invocation.
+pub fn round(trace: &Trace, inv: &Invocation) -> Round {
+    let dur = |name: &str| first(trace, inv, name).map(|s| s.span.dur_ns);
+    let (o, s) = (first(trace, inv, "orch"), first(trace, inv, "sched"));
+    let effective = match (o, s) {
+        (Some(o), Some(s)) => Some(o.wall_end_ns().max(s.wall_end_ns()) - o.wall_ns.min(s.wall_ns)),
+        (Some(x), None) | (None, Some(x)) => Some(x.span.dur_ns),
+        (None, None) => None,
+    };
+    Round {
+        pid: inv.pid,
+        inv: inv.inv,
+        host: dur("run"),
+        device: dur("run.runner.device_wall"),
+        effective,
+        orch: o.map(|x| x.span.dur_ns),
+        sched: s.map(|x| x.span.dur_ns),
+        runner: dur("run.runner"),
+    }
+}
+
+/// The default table: per callable, each span name (indented by depth) with n, mean, median,
+/// min, max and p90 in µs, then the median layers ①–④.
+pub fn timing_table(trace: &Trace) -> String {
+    let mut out = String::new();
+    for g in by_callable(trace) {
+        header(&mut out, trace, &g);
+        let _ = writeln!(
+            out,
+            "{:<40} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "span (µs)", "n", "mean", "median", "min", "max", "p90"
+        );
+        let mut samples: HashMap<String, Vec<f64>> = HashMap::new();
+        for inv in &g.invs {
+            for &i in &inv.spans {
+                let s = &trace.spans[i].span;
+                samples
+                    .entry(s.name.clone())
+                    .or_default()
+                    .push(s.dur_ns as f64);
+            }
+        }
+        let eff: Vec<f64> = g
+            .invs
+            .iter()
+            .filter_map(|i| round(trace, i).effective)
+            .map(|e| e as f64)
+            .collect();
+        for (name, depth) in ordered_names(trace, &g.invs) {
+            let label = format!("{}{}", "  ".repeat(depth as usize), name);
+            row(&mut out, &label, &samples[&name]);
+            if name == "sched" && !eff.is_empty() {
+                row(
+                    &mut out,
+                    &format!("{}effective = orch ∪ sched", "  ".repeat(depth as usize)),
+                    &eff,
+                );
+            }
+        }
+        layers(&mut out, trace, &g);
+        out.push('\n');
+    }
+    if out.is_empty() {
+        out.push_str("no spans in the trace\n");
+    }
+    let unaligned = trace.unaligned_device_spans();
+    if unaligned > 0 {
+        let _ = writeln!(
+            out,
+            "note: {unaligned} device spans had no device_alignment line and were taken as on the host axis"
+        );
+    }
+    out
+}
+
+/// `--rounds`: one row per invocation, then a summary of the rounds after the first `warmup`.
+pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
+    let mut out = String::new();
+    for g in by_callable(trace) {
+        header(&mut out, trace, &g);
+        let _ = writeln!(
+            out,
+            "{:>6} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "Round", "Pid", "Inv", "Host", "Device", "Effective", "Orch", "Sched"
+        );
+        let rows: Vec<Round> = g.invs.iter().map(|i| round(trace, i)).collect();
+        let cell = |v: Option<u64>| v.map_or("-".to_string(), |v| us(v as f64));
+        for (k, r) in rows.iter().enumerate() {
+            let mark = if k < warmup { " (warm-up)" } else { "" };
+            let _ = writeln!(
+                out,
+                "{:>6} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}{mark}",
+                k,
+                r.pid,
+                r.inv,
+                cell(r.host),
+                cell(r.device),
+                cell(r.effective),
+                cell(r.orch),
+                cell(r.sched)
+            );
+        }
+        let cols: [(&str, fn(&Round) -> Option<u64>); 5] = [
+            ("Host", |r| r.host),
+            ("Device", |r| r.device),
+            ("Effective", |r| r.effective),
+            ("Orch", |r| r.orch),
+            ("Sched", |r| r.sched),
+        ];
+        let measured = &rows[warmup.min(rows.len())..];
+        let _ = writeln!(
+            out,
+            "summary of {} rounds ({} warm-up excluded), µs:",
+            measured.len(),
+            rows.len() - measured.len()
+        );
+        let summaries: Vec<Summary> = cols
+            .iter()
+            .map(|(_, f)| {
+                Summary::of(
+                    &measured
+                        .iter()
+                        .filter_map(f)
+                        .map(|v| v as f64)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let _ = write!(out, "{:>22}", "");
+        for (name, _) in &cols {
+            let _ = write!(out, " {name:>21}");
+        }
+        out.push('\n');
+        let lines: [(&str, fn(&Summary) -> String); 4] = [
+            ("median", |s| us(s.median)),
+            ("mean", |s| us(s.mean)),
+            ("trimmed mean (10%)", |s| us(s.trimmed_mean)),
+            ("95% CI of the mean", |s| {
+                format!("[{}, {}]", us(s.ci95.0), us(s.ci95.1))
+            }),
+        ];
+        for (name, f) in lines {
+            let _ = write!(out, "{name:>22}");
+            for s in &summaries {
+                let _ = write!(out, " {:>21}", f(s));
+            }
+            out.push('\n');
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// `--tree`: per callable, the median start offset (from `run`'s start) and duration of each
+/// span, nested; overlapping siblings (`orch ∥ sched`) are marked and their union is shown
+/// instead of a sum.
+pub fn tree(trace: &Trace) -> String {
+    let mut out = String::new();
+    for g in by_callable(trace) {
+        header(&mut out, trace, &g);
+        let _ = writeln!(
+            out,
+            "median span tree of {} invocations: [offset from run start + duration] µs",
+            g.invs.len()
+        );
+        let names = ordered_names(trace, &g.invs);
+        let mut offs: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut durs: HashMap<&str, Vec<f64>> = HashMap::new();
+        let mut parents: HashMap<&str, Option<&str>> = HashMap::new();
+        for inv in &g.invs {
+            let base = first(trace, inv, "run").map_or(inv.wall_ns, |r| r.wall_ns);
+            let mut stack: Vec<&str> = Vec::new();
+            for &i in &inv.spans {
+                let s = &trace.spans[i];
+                let d = s.span.depth as usize;
+                stack.truncate(d);
+                let parent = if d > 0 {
+                    stack.get(d - 1).copied()
+                } else {
+                    None
+                };
+                parents.entry(&s.span.name).or_insert(parent);
+                while stack.len() < d {
+                    stack.push("");
+                }
+                stack.push(&s.span.name);
+                offs.entry(&s.span.name)
+                    .or_default()
+                    .push(s.wall_ns as f64 - base as f64);
+                durs.entry(&s.span.name)
+                    .or_default()
+                    .push(s.span.dur_ns as f64);
+            }
+        }
+        let med = |n: &str| (stats::median(&offs[n]), stats::median(&durs[n]));
+        let roots: Vec<&str> = names
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| parents[n].is_none_or(|p| p.is_empty()))
+            .collect();
+        let mut stack: Vec<(&str, usize)> = roots.iter().rev().map(|&n| (n, 0)).collect();
+        while let Some((n, level)) = stack.pop() {
+            let (o, d) = med(n);
+            let siblings: Vec<&str> = names
+                .iter()
+                .map(|(m, _)| m.as_str())
+                .filter(|m| *m != n && parents[m] == parents[n])
+                .collect();
+            let overl: Vec<&str> = siblings
+                .iter()
+                .copied()
+                .filter(|m| {
+                    let (mo, md) = med(m);
+                    o < mo + md && mo < o + d
+                })
+                .collect();
+            let mark = if overl.is_empty() {
+                String::new()
+            } else {
+                format!("  ∥ {}", overl.join(", "))
+            };
+            let _ = writeln!(
+                out,
+                "{:<44} [{:>10} + {:>10}]{mark}",
+                format!("{}{n}", "  ".repeat(level)),
+                us(o),
+                us(d)
+            );
+            if n == "sched" && names.iter().any(|(m, _)| m == "orch") {
+                let eff: Vec<f64> = g
+                    .invs
+                    .iter()
+                    .filter_map(|i| round(trace, i).effective)
+                    .map(|e| e as f64)
+                    .collect();
+                let (oo, od) = med("orch");
+                let _ = writeln!(
+                    out,
+                    "{:<44} [{:>10} + {:>10}]  (orch ∥ sched overlap: the union, not orch + sched = {})",
+                    format!("{}= effective", "  ".repeat(level)),
+                    us(oo.min(o)),
+                    us(stats::median(&eff)),
+                    us(od + d)
+                );
+            }
+            let kids: Vec<&str> = names
+                .iter()
+                .map(|(m, _)| m.as_str())
+                .filter(|m| parents[m] == Some(n))
+                .collect();
+            for k in kids.into_iter().rev() {
+                stack.push((k, level + 1));
+            }
+        }
+        layers(&mut out, trace, &g);
+        out.push('\n');
+    }
+    out
+}
+
+fn header(out: &mut String, trace: &Trace, g: &CallableGroup) {
+    let mut pids: Vec<u32> = g
+        .invs
+        .iter()
+        .map(|i| trace.processes[i.process].pid)
+        .collect();
+    pids.dedup();
+    pids.sort();
+    pids.dedup();
+    let _ = writeln!(
+        out,
+        "callable {}  label {}  invocations {}  processes {}  run total {} µs",
+        g.callable,
+        g.label(),
+        g.invs.len(),
+        pids.len(),
+        us(g.run_total_ns as f64)
+    );
+}
+
+fn row(out: &mut String, label: &str, xs: &[f64]) {
+    let s = stats::sorted(xs);
+    let p90 = stats::percentile_sorted(&s, 90.0).unwrap_or(f64::NAN);
+    let _ = writeln!(
+        out,
+        "{:<40} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        label,
+        xs.len(),
+        us(stats::mean(xs)),
+        us(stats::median(xs)),
+        us(s[0]),
+        us(s[s.len() - 1]),
+        us(p90)
+    );
+}
+
+fn layers(out: &mut String, trace: &Trace, g: &CallableGroup) {
+    let rounds: Vec<[Option<i64>; 4]> = g.invs.iter().map(|i| round(trace, i).layers()).collect();
+    let names = [
+        "① kernel makespan (effective)",
+        "② device init/finalize",
+        "③ host↔device handshake",
+        "④ bind + validate",
+    ];
+    let _ = writeln!(out, "layers (median µs):");
+    for (k, name) in names.iter().enumerate() {
+        let xs: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| r[k])
+            .map(|v| v as f64)
+            .collect();
+        let _ = writeln!(out, "  {name:<32} {:>10}", us(stats::median(&xs)));
+    }
+    let _ = writeln!(
+        out,
+        "  {:<32} {:>10}",
+        "⑤ engine/host wrap", "n/a (needs the engine's step time; not in a run's trace)"
+    );
+}
+
+fn first<'a>(trace: &'a Trace, inv: &Invocation, name: &str) -> Option<&'a AlignedSpan> {
+    inv.spans
+        .iter()
+        .map(|&i| &trace.spans[i])
+        .find(|s| s.span.name == name)
+}
+
+/// Span names of a callable in tree order: the file order of the first invocation, with names
+/// that only later invocations have inserted after the name that preceded them there.
+fn ordered_names(trace: &Trace, invs: &[Invocation]) -> Vec<(String, u8)> {
+    let mut order: Vec<(String, u8)> = Vec::new();
+    for inv in invs {
+        let mut after: Option<usize> = None;
+        for &i in &inv.spans {
+            let s = &trace.spans[i].span;
+            match order.iter().position(|(n, _)| *n == s.name) {
+                Some(p) => after = Some(p),
+                None => {
+                    let at = after.map_or(order.len(), |p| p + 1);
+                    order.insert(at, (s.name.clone(), s.depth));
+                    after = Some(at);
+                }
+            }
+        }
+    }
+    order
+}
