@@ -372,6 +372,9 @@ pub enum Error {
         /// Known names, comma-separated.
         known: String,
     },
+    /// A fault inside the runtime itself (a bug): the run was abandoned, the worker still works.
+    #[error("internal runtime error (please report): {0}")]
+    Internal(String),
     /// The worker was closed.
     #[error("the worker is closed; create a new one")]
     Closed,

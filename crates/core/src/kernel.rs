@@ -93,10 +93,6 @@ impl Registry {
     pub(crate) fn get(&self, id: KernelId) -> Option<&Arc<KernelSpec>> {
         self.by_id.get(id.0 as usize).and_then(|k| k.as_ref())
     }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &Arc<KernelSpec>> {
-        self.by_id.iter().flatten()
-    }
 }
 
 /// One tensor argument as a kernel sees it.

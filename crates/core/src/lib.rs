@@ -5,18 +5,38 @@
 //! [`Platform`]; trace files are written by `simpler-dfx` from the values in [`RunReport`].
 //! `ARCHITECTURE.md` at the repository root describes how one run flows through these modules.
 
+mod buffer;
 pub mod clock;
 pub mod config;
+mod diag;
 pub mod dtype;
 pub mod error;
+mod exec;
 pub mod kernel;
+mod orch;
+mod orch_data;
+mod orch_wait;
+pub mod platform;
 pub mod report;
+mod ring;
+mod run;
+mod sched;
+mod sleep;
+mod slot;
 pub mod task;
 pub mod tensor;
+mod tensormap;
 mod timing;
 pub mod trace;
+mod watchdog;
+mod worker;
 
+pub use buffer::Buffer;
 pub use config::{CallConfig, OrchMode, RingValue, RuntimeEnv, Timeouts};
+pub use diag::human_bytes;
+pub use orch::{Orchestrator, ScopeKind, Submitted};
+pub use platform::{Memory, Platform, PlatformInfo};
+pub use worker::{OrchFn, RunArgs, RunHandle, Worker, WorkerConfig};
 pub use dtype::{DType, Element};
 pub use error::{
     BufferError, ConfigError, Diagnosis, Error, ErrorCode, KernelError, Locator, PlatformError, RunError,

@@ -1,0 +1,323 @@
+//! Executing one run on the orchestrator thread: bind, graph build (config, arena, reset),
+//! launch, orchestration, drain, validate, and the [`RunReport`].
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crossbeam_utils::sync::Parker;
+
+use crate::clock::now_ns;
+use crate::config::{OrchMode, RING_COUNT};
+use crate::diag::{Diagnostics, Fnv};
+use crate::error::{Error, ErrorCode, RunError};
+use crate::orch::Orchestrator;
+use crate::report::{Interval, RunCounters, RunReport, TaskSlotTiming};
+use crate::ring::RingCursor;
+use crate::run::{Arena, CoreState, FatalLatch, RunShared, SlotTiming};
+use crate::tensormap::TensorMap;
+use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
+use crate::worker::{Active, Inner, Job};
+
+/// Per-process invocation counter.
+static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+fn iv(start_ns: u64, end_ns: u64) -> Interval {
+    Interval { start_ns, end_ns: end_ns.max(start_ns) }
+}
+
+pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> {
+    let host0 = now_ns();
+    // bind: the run's buffers become unavailable to host copies until the run ends.
+    let mut bound = Vec::new();
+    for b in &job.args.buffers {
+        if bound.iter().any(|x: &crate::Buffer| x.id() == b.id()) {
+            continue;
+        }
+        if !b.bind() {
+            for x in &bound {
+                x.unbind();
+            }
+            return Err(RunError::new(
+                ErrorCode::InvalidArgs,
+                format!("buffer #{} is bound to another run in flight", b.id().0),
+                "wait for that run before passing the buffer again",
+            )
+            .into());
+        }
+        bound.push(b.clone());
+    }
+    let bind1 = now_ns();
+    let r = run_bound(inner, &job, host0, bind1, &bound);
+    for b in &bound {
+        b.unbind();
+    }
+    r
+}
+
+fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[crate::Buffer]) -> Result<RunReport, Error> {
+    let runner0 = bind1;
+    let cv0 = now_ns();
+    let valid = job.cfg.validate()?;
+    let cv1 = now_ns();
+    let arena = take_arena(inner, valid.rings)?;
+    let aw1 = now_ns();
+    let n = inner.n_cores;
+    let serial = job.cfg.mode == OrchMode::Serial;
+    let parker = Parker::new();
+    let run = Arc::new(RunShared {
+        arena: arena.clone(),
+        hub: inner.hub.clone(),
+        registry: inner.registry.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        queues: Default::default(),
+        fatal: FatalLatch::default(),
+        cancel: Arc::new(AtomicBool::new(false)),
+        outstanding: AtomicI64::new(1),
+        submitted: AtomicU64::new(0),
+        skipped: AtomicU64::new(0),
+        edges: AtomicU64::new(0),
+        gate_open: AtomicBool::new(!serial),
+        active_cores: AtomicU32::new(0),
+        finished: AtomicBool::new(false),
+        orch_done: AtomicBool::new(false),
+        orch_waiting: AtomicBool::new(false),
+        orch_unparker: parker.unparker().clone(),
+        done: Mutex::new(false),
+        done_cv: Condvar::new(),
+        cores: (0..n).map(|_| CoreState::default()).collect(),
+        gang: Mutex::new(None),
+        gang_pending: AtomicBool::new(false),
+        timing_slots: Default::default(),
+        sched_start: AtomicU64::new(0),
+        sched_end: AtomicU64::new(0),
+        swimlane: job.cfg.swimlane,
+        swimlane_cap_per_core: if job.cfg.swimlane > 0 { job.cfg.swimlane_capacity.div_ceil(n).max(1) } else { 0 },
+        dropped: AtomicU64::new(0),
+        class_cores: [n as u32; 3],
+        host_memory: inner.info.host_kernels,
+    });
+    let cursors: Vec<RingCursor> = (0..RING_COUNT)
+        .map(|r| {
+            RingCursor::new(
+                r as u8,
+                valid.rings.window[r],
+                valid.rings.heap[r],
+                arena.heaps[r].addr(),
+                valid.rings.dep_pool[r],
+            )
+        })
+        .collect();
+    let epoch = inner.epoch.fetch_add(1, Ordering::AcqRel);
+    let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
+    let mut orch = Orchestrator::new(
+        run.clone(),
+        cursors,
+        TensorMap::new(job.cfg.tensormap_capacity),
+        inner.buffer_ids.clone(),
+        epoch,
+        serial,
+        diag,
+        parker,
+    );
+    for b in bound {
+        orch.adopt_bound(b.clone());
+    }
+    let reset1 = now_ns();
+
+    // Launch: cores join the run, the watchdog starts watching it.
+    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some(Active { run: run.clone(), result: job.result.clone() });
+    inner.active_cv.notify_all();
+    let launch = now_ns();
+    run.sched_start.store(launch, Ordering::Release);
+    inner.hub_set_current(Some(run.clone()));
+
+    let orch0 = now_ns();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(&mut orch, &job.args)))
+        .unwrap_or_else(|p| {
+            Err(RunError::new(
+                ErrorCode::ExplicitOrchFatal,
+                format!("the orchestration function panicked: {}", crate::sched::panic_message(&*p)),
+                "fix the orchestration function; it should return an error instead of panicking",
+            ))
+        });
+    let orch1 = now_ns();
+    finish_orchestration(&mut orch, outcome);
+    if serial {
+        run.gate_open.store(true, Ordering::Release);
+        inner.hub.sleep.notify_all();
+    }
+    // The watchdog fails the run (and so ends this wait) if it stops making progress.
+    while !run.wait_done(Duration::from_millis(200)) {}
+    let done = now_ns();
+    let runner1 = done;
+
+    // Validate: stop the cores, collect errors and diagnostics.
+    run.finished.store(true, Ordering::Release);
+    inner.hub.sleep.notify_all();
+    wait_cores_left(&run);
+    inner.hub_set_current(None);
+    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    for b in orch.bound_buffers() {
+        if !bound.iter().any(|x| x.id() == b.id()) {
+            b.unbind();
+        }
+    }
+    if let Some(e) = run.fatal.get().cloned() {
+        drop(orch);
+        drop(run);
+        *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
+        return Err(e.into());
+    }
+    let sched_end = run.sched_end.load(Ordering::Acquire).max(launch);
+    let mut report = RunReport {
+        inv: INVOCATIONS.fetch_add(1, Ordering::Relaxed),
+        callable: callable_hash(&job.name, &job.args),
+        orchestration: job.name.clone(),
+        label: job.cfg.label.clone(),
+        bind: iv(host0, bind1),
+        bind_args: iv(host0, bind1),
+        runner: iv(runner0, runner1),
+        device_wall: iv(cv0, sched_end.max(orch1)),
+        graph_build: iv(cv0, reset1),
+        config_validate: iv(cv0, cv1),
+        arena_wire: iv(cv1, aw1),
+        reset: iv(aw1, reset1),
+        orch: iv(orch0, orch1),
+        sched: iv(launch, sched_end),
+        post_orch: iv(orch1, sched_end.max(orch1)),
+        task_slots: slot_timings(&run.timing_slots),
+        counters: RunCounters {
+            tasks: run.submitted.load(Ordering::Relaxed),
+            blocks: run.cores.iter().map(|c| c.blocks.load(Ordering::Relaxed)).sum(),
+            edges: run.edges.load(Ordering::Relaxed),
+            ring_waits: orch.ring_waits,
+            skipped: run.skipped.load(Ordering::Relaxed),
+        },
+        cores: n as u32,
+        overlapped: !serial,
+        warnings: inner.warnings.clone(),
+        ..RunReport::default()
+    };
+    collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
+    drop(orch);
+    let validate1 = now_ns();
+    report.validate = iv(runner1, validate1);
+    report.host_wall = iv(host0, validate1);
+    drop(run);
+    *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
+    Ok(report)
+}
+
+/// Closes what the orchestration left open and drops the orchestration's guard.
+fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) {
+    if let Err(e) = outcome {
+        // An error the orchestration built itself (not yet latched) becomes the run's error.
+        orch.run.fail(e);
+    }
+    if orch.scopes.len() > 1 && orch.run.fatal.get().is_none() {
+        let f = orch.scopes.last().expect("scope");
+        let e = RunError::new(
+            ErrorCode::InvalidArgs,
+            format!("the scope opened at {}:{} was never closed", f.site.file(), f.site.line()),
+            "call end_scope for every begin_scope, or use Orchestrator::scope",
+        );
+        orch.run.fail(e);
+    }
+    while orch.scopes.len() > 1 {
+        orch.close_innermost();
+    }
+    orch.close_innermost();
+    orch.run.orch_done.store(true, Ordering::Release);
+    orch.run.finish_one();
+}
+
+fn wait_cores_left(run: &RunShared) {
+    let mut spins = 0u32;
+    while run.active_cores.load(Ordering::Acquire) != 0 && spins < 20_000 {
+        spins += 1;
+        if spins < 100 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+fn take_arena(inner: &Inner, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
+    let cached = inner.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(a) = cached {
+        // Reuse only if nobody (a stuck core of a failed run) still holds it.
+        if a.sizes == sizes && Arc::strong_count(&a) == 1 {
+            return Ok(a);
+        }
+    }
+    Ok(Arc::new(Arena::new(sizes, &*inner.platform)?))
+}
+
+fn slot_timings(slots: &[SlotTiming]) -> Vec<TaskSlotTiming> {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.tasks.load(Ordering::Relaxed) > 0)
+        .map(|(i, s)| TaskSlotTiming {
+            slot: i as u8,
+            tasks: s.tasks.load(Ordering::Relaxed),
+            span: iv(s.first_dispatch.load(Ordering::Relaxed), s.last_finish.load(Ordering::Relaxed)),
+        })
+        .collect()
+}
+
+fn callable_hash(name: &str, args: &crate::RunArgs) -> u64 {
+    let mut h = Fnv::default();
+    h.bytes(name.as_bytes());
+    for b in &args.buffers {
+        h.u64(b.len() as u64);
+    }
+    h.finish()
+}
+
+fn collect_diagnostics(run: &RunShared, orch: &mut Orchestrator, cfg: &crate::CallConfig, report: &mut RunReport) {
+    let fingerprint = orch.diag.fingerprint_hex();
+    if cfg.swimlane > 0 {
+        let mut s = SwimlaneRecords {
+            level: cfg.swimlane,
+            fingerprint: fingerprint.clone(),
+            cores: run.cores.len() as u32,
+            dropped: run.dropped.load(Ordering::Relaxed) + orch.diag.submits_dropped,
+            ..SwimlaneRecords::default()
+        };
+        for c in run.cores.iter() {
+            s.tasks.append(&mut c.records.lock().unwrap_or_else(|p| p.into_inner()));
+            s.phases.append(&mut c.phases.lock().unwrap_or_else(|p| p.into_inner()));
+            s.queue_depth.append(&mut c.depth.lock().unwrap_or_else(|p| p.into_inner()));
+        }
+        s.tasks.sort_by_key(|r| (r.start, r.core));
+        s.phases.sort_by_key(|r| (r.start, r.core));
+        s.queue_depth.sort_by_key(|r| r.ts);
+        s.submits = std::mem::take(&mut orch.diag.submits);
+        report.swimlane = Some(s);
+    }
+    if cfg.dep_gen {
+        report.deps = Some(orch.diag.take_graph());
+    }
+    if cfg.ring_stats {
+        let rings = orch
+            .cursors
+            .iter()
+            .map(|c| RingUsage {
+                ring: c.ring,
+                task_window: Usage { high_water: c.hw_window, capacity: c.window as u64 - 1 },
+                heap: Usage { high_water: c.hw_heap, capacity: c.heap_cap },
+                dep_pool: Usage { high_water: c.hw_dep, capacity: c.dep_cap },
+            })
+            .collect();
+        let mut scopes: Vec<_> = orch.diag.sites.drain().map(|(_, v)| v).collect();
+        scopes.sort_by(|a, b| a.site.cmp(&b.site));
+        report.ring_stats = Some(RingStats {
+            rings,
+            tensormap: Usage { high_water: orch.map.high_water(), capacity: orch.map.capacity() },
+            scopes,
+        });
+    }
+}

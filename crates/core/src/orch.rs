@@ -1,0 +1,661 @@
+//! The orchestrator: the API an orchestration function uses to submit tasks, open scopes,
+//! allocate tensors, add explicit dependencies and exchange data with tasks.
+//!
+//! One orchestrator exists per run and lives on the thread running the orchestration function;
+//! it alone owns the ring cursors and the dependency map, so submitting takes no lock except the
+//! producers' small fan-out locks while wiring edges.
+
+use std::panic::Location;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::buffer::Buffer;
+use crate::clock::now_ns;
+use crate::diag::Diagnostics;
+use crate::dtype::DType;
+use crate::error::{ErrorCode, Locator, RunError};
+use crate::kernel::{TaskDesc, TensorArg};
+use crate::ring::{OUTPUT_ALIGN, RingCursor};
+use crate::run::RunShared;
+use crate::slot::{NO_ENTRY, entry_ref, state};
+use crate::task::{ArgSpec, ArgTag, EngineClass, MAX_SCALAR_ARGS, MAX_TENSOR_ARGS, TIMING_SLOTS, Task, TaskId};
+use crate::tensor::{BufferId, MAX_DIMS, Relation, Tensor};
+use crate::tensormap::{Hit, IdMap, TensorMap};
+use crate::trace::{EdgeSource, OverlapKind};
+
+/// How dependencies are found inside a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// From the tensors each task touches (the default).
+    Auto,
+    /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
+    /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
+    Manual,
+}
+
+pub(crate) struct ScopeFrame {
+    pub(crate) seq: u64,
+    pub(crate) kind: ScopeKind,
+    pub(crate) ring: u8,
+    pub(crate) first_local: u32,
+    /// Tasks submitted directly in this scope instance.
+    pub(crate) tasks: u64,
+    /// Heap bytes allocated directly in this scope instance.
+    pub(crate) heap: u64,
+    pub(crate) site: &'static Location<'static>,
+}
+
+/// The result of a submit: the task's id and the tensors the runtime allocated for its
+/// `Output` arguments (in argument order).
+#[derive(Clone, Debug)]
+pub struct Submitted {
+    /// The task.
+    pub id: TaskId,
+    /// Runtime-allocated outputs, in the order of the task's `Output` arguments.
+    pub outputs: Vec<Tensor>,
+}
+
+impl Submitted {
+    /// Output `i` (panics if the task has fewer outputs: a programming error in the
+    /// orchestration, like indexing past a slice).
+    pub fn output(&self, i: usize) -> Tensor {
+        self.outputs[i]
+    }
+}
+
+/// A producer found for a task being submitted.
+#[derive(Clone, Copy)]
+pub(crate) struct Producer {
+    pub(crate) task: TaskId,
+    pub(crate) source: EdgeSource,
+    pub(crate) overlap: OverlapKind,
+}
+
+/// The orchestration function's handle on the run.
+pub struct Orchestrator {
+    pub(crate) run: Arc<RunShared>,
+    pub(crate) cursors: Vec<RingCursor>,
+    pub(crate) scopes: Vec<ScopeFrame>,
+    next_scope_seq: u64,
+    pub(crate) map: TensorMap,
+    bound: IdMap<BufferId, Buffer>,
+    buffer_ids: Arc<std::sync::atomic::AtomicU64>,
+    pub(crate) epoch: u64,
+    pub(crate) serial: bool,
+    hits: Vec<Hit>,
+    producers: Vec<Producer>,
+    pub(crate) diag: Diagnostics,
+    pub(crate) ring_waits: u64,
+    /// Parks the orchestrator while it waits; `RunShared::orch_unparker` wakes it.
+    pub(crate) parker: crossbeam_utils::sync::Parker,
+}
+
+fn invalid(detail: String, hint: &str) -> RunError {
+    RunError::new(ErrorCode::InvalidArgs, detail, hint)
+}
+
+impl Orchestrator {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        run: Arc<RunShared>,
+        cursors: Vec<RingCursor>,
+        map: TensorMap,
+        buffer_ids: Arc<std::sync::atomic::AtomicU64>,
+        epoch: u64,
+        serial: bool,
+        diag: Diagnostics,
+        parker: crossbeam_utils::sync::Parker,
+    ) -> Orchestrator {
+        let first_local = cursors[0].next_local;
+        Orchestrator {
+            run,
+            cursors,
+            scopes: vec![ScopeFrame {
+                seq: 0,
+                kind: ScopeKind::Auto,
+                ring: 0,
+                first_local,
+                tasks: 0,
+                heap: 0,
+                site: Location::caller(),
+            }],
+            next_scope_seq: 1,
+            map,
+            bound: IdMap::default(),
+            buffer_ids,
+            epoch,
+            serial,
+            hits: Vec::new(),
+            producers: Vec::new(),
+            diag,
+            ring_waits: 0,
+            parker,
+        }
+    }
+
+    /// Cores that can run tasks of `class`.
+    pub fn cores(&self, class: EngineClass) -> usize {
+        self.run.class_cores[class.index()] as usize
+    }
+
+    /// All cores of the platform.
+    pub fn total_cores(&self) -> usize {
+        self.run.cores.len()
+    }
+
+    /// Current scope depth (0 = the implicit outer scope).
+    pub fn scope_depth(&self) -> usize {
+        self.scopes.len() - 1
+    }
+
+    pub(crate) fn check_fatal(&self) -> Result<(), RunError> {
+        match self.run.fatal.get() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Reports a fatal error from the orchestration (EXPLICIT_ORCH_FATAL): every core stops and
+    /// the run returns this error. Returns it so the orchestration can `return Err(...)`.
+    pub fn fatal(&self, detail: impl Into<String>) -> RunError {
+        let e = RunError::new(
+            ErrorCode::ExplicitOrchFatal,
+            detail,
+            "the orchestration function reported this; fix the inputs it complains about",
+        );
+        self.run.fail(e.clone());
+        self.run.fatal.get().cloned().unwrap_or(e)
+    }
+
+    pub(crate) fn fail(&self, e: RunError) -> RunError {
+        self.run.fail(e);
+        self.run.fatal.get().cloned().expect("latched")
+    }
+
+    /// Makes `buffer` usable by this run's tasks and returns a contiguous view of it.
+    pub fn bind(&mut self, buffer: &Buffer, dtype: DType, shape: &[u64]) -> Result<Tensor, RunError> {
+        if !self.bound.contains_key(&buffer.id()) {
+            if !buffer.bind() {
+                return Err(self.fail(invalid(
+                    format!("buffer #{} is already bound to another run in flight", buffer.id().0),
+                    "wait for the other run to finish before binding the buffer again",
+                )));
+            }
+            self.bound.insert(buffer.id(), buffer.clone());
+        }
+        buffer.tensor(dtype, shape).map_err(|e| {
+            self.fail(invalid(
+                format!("view of buffer #{}: {e}", buffer.id().0),
+                "fix the shape passed to bind",
+            ))
+        })
+    }
+
+    /// Records a buffer the run bound at its start (RunArgs).
+    pub(crate) fn adopt_bound(&mut self, b: Buffer) {
+        self.bound.insert(b.id(), b);
+    }
+
+    pub(crate) fn bound_buffers(&mut self) -> impl Iterator<Item = Buffer> + '_ {
+        self.bound.drain().map(|(_, b)| b)
+    }
+
+    /// Opens a scope. Prefer [`Orchestrator::scope`], which cannot be left unbalanced.
+    #[track_caller]
+    pub fn begin_scope(&mut self, kind: ScopeKind) -> Result<(), RunError> {
+        self.check_fatal()?;
+        let outer = self.scopes.last().expect("implicit scope");
+        if kind == ScopeKind::Auto && outer.kind == ScopeKind::Manual {
+            return Err(self.fail(invalid(
+                "an auto scope cannot be opened inside a manual scope".into(),
+                "open a manual scope here, or close the manual scope first",
+            )));
+        }
+        let depth = self.scopes.len();
+        let ring = depth.min(crate::config::RING_COUNT - 1) as u8;
+        let seq = self.next_scope_seq;
+        self.next_scope_seq += 1;
+        let first_local = self.cursors[ring as usize].next_local;
+        self.scopes.push(ScopeFrame { seq, kind, ring, first_local, tasks: 0, heap: 0, site: Location::caller() });
+        Ok(())
+    }
+
+    /// Closes the innermost scope: its tasks may be reclaimed once they completed and their
+    /// consumers released them.
+    pub fn end_scope(&mut self) -> Result<(), RunError> {
+        if self.scopes.len() <= 1 {
+            return Err(self.fail(invalid(
+                "end_scope without a matching begin_scope".into(),
+                "balance begin_scope/end_scope, or use Orchestrator::scope",
+            )));
+        }
+        self.close_innermost();
+        self.check_fatal()
+    }
+
+    /// Runs `body` inside a new scope of `kind`.
+    #[track_caller]
+    pub fn scope<R>(
+        &mut self,
+        kind: ScopeKind,
+        body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
+    ) -> Result<R, RunError> {
+        self.begin_scope(kind)?;
+        let depth = self.scopes.len();
+        let r = body(self);
+        // Close whatever the body left open, so an early `?` return never leaks a scope.
+        while self.scopes.len() >= depth {
+            self.close_innermost();
+        }
+        r
+    }
+
+    /// Drops the scope reference of every task submitted directly in the innermost scope.
+    pub(crate) fn close_innermost(&mut self) {
+        let frame = self.scopes.pop().expect("scope to close");
+        let cursor = &mut self.cursors[frame.ring as usize];
+        let mut local = frame.first_local.max(cursor.reclaimed);
+        while local < cursor.next_local {
+            let m = cursor.meta_mut(local);
+            if m.scope_seq == frame.seq && !m.scope_released {
+                m.scope_released = true;
+                self.run.release(TaskId::new(frame.ring, local));
+            }
+            local += 1;
+        }
+        if self.diag.ring_stats {
+            self.diag.scope_closed(&frame);
+        }
+    }
+
+    pub(crate) fn scope_is_open(&self, seq: u64) -> bool {
+        self.scopes.iter().any(|s| s.seq == seq)
+    }
+
+    /// Allocates a tensor from the ring heap without running a kernel (its contents are
+    /// unspecified until a task writes it). It lives until the current scope ends.
+    pub fn alloc(&mut self, dtype: DType, shape: &[u64]) -> Result<Tensor, RunError> {
+        let s = self.submit(Task::dummy().output(dtype, shape))?;
+        Ok(s.output(0))
+    }
+
+    /// Submits a task. Dependencies are found from its tensors (in auto scopes) and its
+    /// explicit `after` list; outputs are allocated from the ring heap. Blocks while the ring
+    /// has no room; fails (and stops the run) on a provable deadlock or invalid arguments.
+    pub fn submit(&mut self, task: Task) -> Result<Submitted, RunError> {
+        let t_submit = if self.run.swimlane >= 4 { now_ns() } else { 0 };
+        self.check_fatal()?;
+        let (scope_seq, scope_kind, ring) = {
+            let f = self.scopes.last().expect("implicit scope");
+            (f.seq, f.kind, f.ring)
+        };
+        let kernel = match task.kernel {
+            Some(k) => match self.run.registry.get(k) {
+                Some(spec) => Some(spec.clone()),
+                None => {
+                    return Err(self.fail(invalid(
+                        format!("kernel id {} is not registered", k.0),
+                        "register it with Worker::register_kernel before running",
+                    )));
+                }
+            },
+            None => None,
+        };
+        let class = kernel.as_ref().map_or(EngineClass::Vector, |k| k.class);
+        let kname = kernel.as_ref().map_or_else(|| "<dummy>".to_string(), |k| k.name.clone());
+        self.validate_shape_of_task(&task, &kname, class)?;
+
+        // Outputs: sizes and the packed heap block.
+        let mut block_bytes = 0u64;
+        let mut out_offsets = Vec::new();
+        for a in &task.args {
+            if let ArgSpec::Output(o) = a {
+                if o.shape.is_empty() || o.shape.len() > MAX_DIMS {
+                    return Err(self.fail(invalid(
+                        format!("kernel {kname:?}: an output has {} dimensions (1..={MAX_DIMS} allowed)", o.shape.len()),
+                        "fix the output shape",
+                    )));
+                }
+                let bytes = o
+                    .shape
+                    .iter()
+                    .try_fold(o.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+                    .ok_or_else(|| self.fail(invalid(format!("output shape {:?} overflows", o.shape), "fix the output shape")))?;
+                out_offsets.push(block_bytes);
+                block_bytes += bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
+            }
+        }
+        let heap_cap = self.cursors[ring as usize].heap_cap;
+        if block_bytes > heap_cap {
+            let suggested = block_bytes.next_power_of_two().max(1024);
+            return Err(self.fail(
+                RunError::new(
+                    ErrorCode::HeapRingDeadlock,
+                    format!(
+                        "kernel {kname:?} needs a {block_bytes}-byte output block but ring {ring}'s heap holds {heap_cap} bytes"
+                    ),
+                    format!(
+                        "raise ring_heap to at least {} for this run: CallConfig.runtime_env.ring_heap",
+                        crate::diag::human_bytes(suggested)
+                    ),
+                )
+                .diagnosed(crate::error::Diagnosis::Proven)
+                .at(Locator { ring: Some(ring), kernel: Some(kname), ..Locator::default() }),
+            ));
+        }
+
+        // Existing tensors: validity, then producers.
+        self.producers.clear();
+        let mut writes = 0u64;
+        for (i, a) in task.args.iter().enumerate() {
+            let ArgSpec::Tensor(tag, t) = a else { continue };
+            self.check_tensor_usable(i, *tag, t, &kname)?;
+            if matches!(tag, ArgTag::InOut | ArgTag::OutputExisting) {
+                writes += 1;
+            }
+            if *tag == ArgTag::NoDep {
+                continue;
+            }
+            if let Some(owner) = t.owner {
+                self.producers.push(Producer { task: owner, source: EdgeSource::Creator, overlap: OverlapKind::None });
+            }
+            if matches!(tag, ArgTag::Input | ArgTag::InOut) && scope_kind == ScopeKind::Auto {
+                self.hits.clear();
+                let region = t.region();
+                self.map.lookup(&region, &self.run.arena.rings, &mut self.hits);
+                for h in &self.hits {
+                    let overlap = match h.relation {
+                        Relation::Covers => OverlapKind::Covers,
+                        Relation::Partial => OverlapKind::Partial,
+                        _ => OverlapKind::Conservative,
+                    };
+                    self.producers.push(Producer { task: h.task, source: EdgeSource::Tensormap, overlap });
+                }
+            }
+        }
+        for &d in &task.deps {
+            self.validate_explicit_dep(d, &kname)?;
+            self.producers.push(Producer { task: d, source: EdgeSource::Explicit, overlap: OverlapKind::None });
+        }
+        let n_unique = dedup_count(&mut self.producers);
+
+        // Room in the ring (may wait; fails on a provable deadlock).
+        let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, writes, &kname)?;
+        let (local, block_addr, dep_start) =
+            self.cursors[ring as usize].allocate(heap_start, block_bytes, n_unique as u64, scope_seq);
+        let id = TaskId::new(ring, local);
+        {
+            let f = self.scopes.last_mut().expect("scope");
+            f.tasks += 1;
+            f.heap += block_bytes;
+        }
+
+        // Arguments as the kernel sees them.
+        let mut args = Vec::with_capacity(task.args.len());
+        let mut outputs = Vec::new();
+        for a in &task.args {
+            match a {
+                ArgSpec::Tensor(tag, t) => args.push(TensorArg { tag: *tag, tensor: *t }),
+                ArgSpec::Output(o) => {
+                    let off = out_offsets[outputs.len()];
+                    let bytes = o.shape.iter().product::<u64>() * o.dtype.size() as u64;
+                    let bid = BufferId(self.buffer_ids.fetch_add(1, Ordering::Relaxed));
+                    let mut t = Tensor::new_contiguous(bid, block_addr + off as usize, bytes, o.dtype, &o.shape)
+                        .map_err(|e| self.fail(invalid(format!("output of {kname:?}: {e}"), "fix the output shape")))?;
+                    t.owner = Some(id);
+                    t.run_epoch = self.epoch;
+                    outputs.push(t);
+                    args.push(TensorArg { tag: ArgTag::Output, tensor: t });
+                }
+            }
+        }
+        if self.diag.capturing() {
+            self.diag.capture_task(id, scope_kind, self.scopes.len() - 1, &kernel, task.block_num, &args, &self.map);
+        }
+
+        // Publish the slot's contents (nobody else looks at this slot until it is published).
+        let rings = &self.run.arena.rings;
+        let slot = rings.slot(id);
+        slot.local.store(local, Ordering::Relaxed);
+        slot.state.store(state::PENDING, Ordering::Relaxed);
+        slot.fanin.store(1, Ordering::Relaxed);
+        slot.refs.store(2, Ordering::Relaxed);
+        slot.next_block.store(0, Ordering::Relaxed);
+        slot.done_blocks.store(0, Ordering::Relaxed);
+        slot.dep_start.store(dep_start, Ordering::Relaxed);
+        slot.dep_count.store(n_unique as u32, Ordering::Relaxed);
+        {
+            let mut f = slot.fanout();
+            f.completed = false;
+            f.head = NO_ENTRY;
+        }
+        {
+            let mut d = slot.desc.lock().unwrap_or_else(|p| p.into_inner());
+            let fresh = TaskDesc {
+                id,
+                kernel,
+                class,
+                block_num: task.block_num,
+                sync_start: task.sync_start,
+                args,
+                scalars: task.scalars,
+                predicate: task.predicate,
+                timing_slot: task.timing_slot,
+            };
+            match Arc::get_mut(&mut d) {
+                Some(slot_desc) => *slot_desc = fresh,
+                None => *d = Arc::new(fresh),
+            }
+        }
+        self.run.outstanding.fetch_add(1, Ordering::AcqRel);
+        self.run.submitted.fetch_add(1, Ordering::Relaxed);
+
+        // Wire edges.
+        let ring_slots = &rings.rings[ring as usize];
+        let mut linked = 0u32;
+        for (i, p) in self.producers[..n_unique].iter().enumerate() {
+            let pos = dep_start + i as u64;
+            let entry = ring_slots.entry_at(pos);
+            entry.consumer.store(id.0, Ordering::Relaxed);
+            let ps = rings.slot(p.task);
+            if ps.local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
+                entry.producer.store(p.task.0, Ordering::Relaxed);
+                let mut f = ps.fanout();
+                if !f.completed {
+                    entry.next.store(f.head, Ordering::Relaxed);
+                    f.head = entry_ref(ring, (pos % ring_slots.entries.len() as u64) as u32);
+                    linked += 1;
+                }
+            } else {
+                entry.producer.store(u64::MAX, Ordering::Relaxed);
+            }
+        }
+        if linked > 0 {
+            slot.fanin.fetch_add(linked, Ordering::AcqRel);
+        }
+        self.run.edges.fetch_add(n_unique as u64, Ordering::Relaxed);
+        if self.diag.capturing() || self.diag.fingerprinting() {
+            self.diag.capture_edges(id, &self.producers, task.block_num, slot.desc().kernel.as_ref().map(|k| k.id.0));
+        }
+
+        // The dependency map learns the new writers.
+        for a in &task.args {
+            if let ArgSpec::Tensor(tag @ (ArgTag::InOut | ArgTag::OutputExisting), t) = a {
+                self.map.record(id, t.region(), *tag == ArgTag::InOut);
+            }
+        }
+
+        // Drop the submit guard: ready now if every producer has completed.
+        if slot.fanin.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let mut work = Vec::new();
+            self.run.on_ready(id, None, None, &mut work);
+            if let Some(&t) = work.first() {
+                work.clear();
+                let mut next = None;
+                self.run.complete(t, None, &mut next, &mut work);
+                if let Some(n) = next {
+                    self.run.queue(self.run.slot(n).desc().class).push(n);
+                    self.run.hub.sleep.notify_one();
+                }
+            }
+        }
+        if self.run.swimlane >= 4 {
+            self.diag.submit_record(id, t_submit, now_ns(), self.run.swimlane_cap_per_core * self.run.cores.len());
+        }
+        Ok(Submitted { id, outputs })
+    }
+
+    fn validate_shape_of_task(&self, task: &Task, kname: &str, class: EngineClass) -> Result<(), RunError> {
+        if task.args.len() > MAX_TENSOR_ARGS {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: {} tensor arguments, at most {MAX_TENSOR_ARGS}", task.args.len()),
+                "split the task or pack tensors into fewer buffers",
+            )));
+        }
+        if task.scalars.len() > MAX_SCALAR_ARGS {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: {} scalars, at most {MAX_SCALAR_ARGS}", task.scalars.len()),
+                "pass the values in a tensor instead",
+            )));
+        }
+        if task.block_num == 0 {
+            return Err(self.fail(invalid(format!("kernel {kname:?}: block_num is 0"), "use blocks(n) with n >= 1")));
+        }
+        if let Some(s) = task.timing_slot
+            && s as usize >= TIMING_SLOTS
+        {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: timing slot {s}, slots are 0..{TIMING_SLOTS}"),
+                "use a slot below 8",
+            )));
+        }
+        if task.sync_start && task.block_num > self.cores(class) as u32 {
+            return Err(self.fail(
+                RunError::new(
+                    ErrorCode::RequireSyncStartInvalid,
+                    format!(
+                        "kernel {kname:?}: sync-start task of {} blocks, but only {} cores can run {} tasks",
+                        task.block_num,
+                        self.cores(class),
+                        class.name()
+                    ),
+                    format!(
+                        "use at most {} blocks, or start the worker with more cores: WorkerConfig.cores",
+                        self.cores(class)
+                    ),
+                )
+                .at(Locator { kernel: Some(kname.to_string()), ..Locator::default() }),
+            ));
+        }
+        // A written argument may not overlap any other argument of the same task.
+        let tensors: Vec<(usize, ArgTag, &Tensor)> = task
+            .args
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| match a {
+                ArgSpec::Tensor(tag, t) => Some((i, *tag, t)),
+                ArgSpec::Output(_) => None,
+            })
+            .collect();
+        for (x, &(i, ti, a)) in tensors.iter().enumerate() {
+            for &(j, tj, b) in &tensors[x + 1..] {
+                if (ti.is_written() || tj.is_written()) && a.buffer == b.buffer && a.region().relate(&b.region()).overlaps() {
+                    return Err(self.fail(invalid(
+                        format!(
+                            "kernel {kname:?}: argument {i} ({}) and argument {j} ({}) overlap and one is written",
+                            ti.name(),
+                            tj.name()
+                        ),
+                        "pass a written region once (InOut if the kernel also reads it)",
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_tensor_usable(&self, i: usize, tag: ArgTag, t: &Tensor, kname: &str) -> Result<(), RunError> {
+        if tag == ArgTag::Output {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: argument {i} is tagged Output but is an existing tensor"),
+                "use Task::output(dtype, shape) for runtime-allocated outputs, or OutputExisting for your buffer",
+            )));
+        }
+        match t.owner {
+            None => {
+                if !self.bound.contains_key(&t.buffer) {
+                    return Err(self.fail(invalid(
+                        format!("kernel {kname:?}: argument {i} views buffer #{} which is not bound to this run", t.buffer.0),
+                        "pass the buffer in RunArgs or bind it with Orchestrator::bind",
+                    )));
+                }
+            }
+            Some(owner) => {
+                if t.run_epoch != self.epoch {
+                    return Err(self.fail(invalid(
+                        format!("kernel {kname:?}: argument {i} is an output of an earlier run"),
+                        "outputs live only within their run; copy data into a user buffer to keep it",
+                    )));
+                }
+                let c = &self.cursors[owner.ring() as usize];
+                let live = owner.local() >= c.reclaimed && owner.local() < c.next_local;
+                if !live || !self.scope_is_open(c.meta(owner.local()).scope_seq) {
+                    return Err(self.fail(invalid(
+                        format!(
+                            "kernel {kname:?}: argument {i} was created by {owner} in a scope that has ended; its memory may already be reused"
+                        ),
+                        "allocate it in an enclosing scope (Orchestrator::alloc) and write it with OutputExisting or InOut",
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_explicit_dep(&self, d: TaskId, kname: &str) -> Result<(), RunError> {
+        let ok = (d.ring() as usize) < self.cursors.len() && d.local() < self.cursors[d.ring() as usize].next_local;
+        if !ok {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: explicit dependency on {d}, which has not been submitted in this run"),
+                "depend only on ids returned by earlier submits of the same run",
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Sorts producers so that each task appears once in the prefix `..n` (first occurrence kept in
+/// place, preserving order); duplicates (for dependency capture) follow. Returns `n`.
+fn dedup_count(p: &mut [Producer]) -> usize {
+    let mut n = 0;
+    for i in 0..p.len() {
+        if !p[..n].iter().any(|q| q.task == p[i].task) {
+            p.swap(n, i);
+            n += 1;
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dedup_keeps_each_task_once_in_the_prefix() {
+        let mk = |t: u64, s| Producer { task: TaskId(t), source: s, overlap: OverlapKind::None };
+        let mut v = vec![
+            mk(1, EdgeSource::Creator),
+            mk(2, EdgeSource::Tensormap),
+            mk(1, EdgeSource::Tensormap),
+            mk(3, EdgeSource::Explicit),
+            mk(2, EdgeSource::Explicit),
+        ];
+        let n = dedup_count(&mut v);
+        assert_eq!(n, 3);
+        let mut firsts: Vec<u64> = v[..n].iter().map(|p| p.task.0).collect();
+        firsts.sort();
+        assert_eq!(firsts, vec![1, 2, 3]);
+        assert_eq!(v.len(), 5);
+    }
+}

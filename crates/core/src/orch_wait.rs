@@ -1,0 +1,220 @@
+//! The orchestrator's only blocking point: waiting for ring room, with the provable deadlock
+//! checks of `01-runtime.md` and the 500 ms backstop.
+//!
+//! While the orchestrator waits, nothing it has not yet submitted can run, and no scope can end.
+//! So if the ring's oldest unreclaimed task belongs to a scope that is still open, the watermark
+//! can never advance: that is a proof. Likewise if the innermost scope alone fills the window,
+//! and in serial mode (where nothing executes until the orchestration returns) any wait at all.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::diag::human_bytes;
+use crate::error::{Diagnosis, ErrorCode, Locator, RunError};
+use crate::orch::Orchestrator;
+use crate::slot::state;
+use crate::task::TaskId;
+
+/// Waiting longer than this without any progress is reported (as a backstop, not a proof).
+pub(crate) const BACKSTOP: Duration = Duration::from_millis(500);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resource {
+    Window,
+    Heap,
+    DepPool,
+    TensorMap,
+}
+
+impl Orchestrator {
+    /// Waits until ring `ring` has a slot, `bytes` of heap, `deps` pool entries and the map has
+    /// room for `writes` entries. Returns the heap start position.
+    pub(crate) fn wait_for_room(&mut self, ring: u8, bytes: u64, deps: u64, writes: u64, kname: &str) -> Result<u64, RunError> {
+        let r = ring as usize;
+        if deps > self.cursors[r].dep_cap {
+            let cap = self.cursors[r].dep_cap;
+            return Err(self.fail(
+                RunError::new(
+                    ErrorCode::DepPoolOverflow,
+                    format!("kernel {kname:?} has {deps} producers but ring {ring}'s dependency pool holds {cap} entries"),
+                    format!(
+                        "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
+                        (deps * 2).next_power_of_two()
+                    ),
+                )
+                .diagnosed(Diagnosis::Proven)
+                .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
+            ));
+        }
+        if writes > self.map.capacity() {
+            return Err(self.fail(
+                RunError::new(
+                    ErrorCode::TensormapOverflow,
+                    format!("kernel {kname:?} records {writes} writers, the dependency map holds {}", self.map.capacity()),
+                    "raise CallConfig.tensormap_capacity for this run",
+                )
+                .diagnosed(Diagnosis::Proven),
+            ));
+        }
+        let mut waited = false;
+        let mut last_progress = Instant::now();
+        let mut last_completed = self.completed();
+        loop {
+            let rings = &self.run.arena.rings;
+            self.cursors[r].reclaim(&rings.rings[r]);
+            let c = &self.cursors[r];
+            let blocked = if !c.window_fits() {
+                Some(Resource::Window)
+            } else if c.heap_fit(bytes).is_none() {
+                Some(Resource::Heap)
+            } else if !c.dep_fits(deps) {
+                Some(Resource::DepPool)
+            } else if !self.map.make_room(writes, rings) {
+                Some(Resource::TensorMap)
+            } else {
+                None
+            };
+            let Some(res) = blocked else {
+                return Ok(self.cursors[r].heap_fit(bytes).expect("checked above"));
+            };
+            if !waited {
+                waited = true;
+                self.ring_waits += 1;
+            }
+            if let Some(e) = self.prove_deadlock(ring, res, bytes, deps, kname) {
+                return Err(self.fail(e.diagnosed(Diagnosis::Proven)));
+            }
+            self.check_fatal()?;
+            // Progress: a completion, or a kernel still executing (a long kernel is not a hang).
+            let completed = self.completed();
+            if completed != last_completed || self.any_core_running() {
+                last_completed = completed;
+                last_progress = Instant::now();
+            } else if last_progress.elapsed() >= BACKSTOP {
+                let e = self.describe(ring, res, bytes, deps, kname, "no task completed for 500 ms while the orchestrator waited");
+                return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
+            }
+            self.run.orch_waiting.store(true, Ordering::SeqCst);
+            if !self.head_consumed(ring) {
+                self.parker.park_timeout(Duration::from_millis(2));
+            }
+            self.run.orch_waiting.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// A number that grows by one with every completion (submitted minus outstanding).
+    fn completed(&self) -> i64 {
+        self.run.submitted.load(Ordering::Relaxed) as i64 - self.run.outstanding.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn any_core_running(&self) -> bool {
+        self.run.cores.iter().any(|c| c.current.load(Ordering::Relaxed) != 0)
+    }
+
+    fn head_consumed(&self, ring: u8) -> bool {
+        let c = &self.cursors[ring as usize];
+        c.reclaimed < c.next_local
+            && self.run.arena.rings.rings[ring as usize].slot(c.reclaimed).state.load(Ordering::Acquire) == state::CONSUMED
+    }
+
+    fn prove_deadlock(&self, ring: u8, res: Resource, bytes: u64, deps: u64, kname: &str) -> Option<RunError> {
+        let c = &self.cursors[ring as usize];
+        let inner = self.scopes.last().expect("scope");
+        if res == Resource::Window && inner.ring == ring && inner.tasks >= (c.window - 1) as u64 {
+            let suggested = (inner.tasks + 1).next_power_of_two() * 2;
+            return Some(
+                RunError::new(
+                    ErrorCode::ScopeDeadlock,
+                    format!(
+                        "the scope opened at {}:{} holds {} tasks, filling ring {ring}'s task window of {} slots; no slot can be freed before the scope ends",
+                        inner.site.file(),
+                        inner.site.line(),
+                        inner.tasks,
+                        c.window
+                    ),
+                    format!(
+                        "raise ring_task_window to {suggested} for this run: CallConfig.runtime_env.ring_task_window (or split the work into smaller scopes)"
+                    ),
+                )
+                .at(Locator { ring: Some(ring), task: Some(TaskId::new(ring, c.reclaimed)), kernel: Some(kname.into()), ..Locator::default() }),
+            );
+        }
+        if self.serial {
+            return Some(self.describe(
+                ring,
+                res,
+                bytes,
+                deps,
+                kname,
+                "serial mode runs nothing until the orchestration returns, so the rings must hold the whole graph",
+            ));
+        }
+        if res != Resource::TensorMap && c.reclaimed < c.next_local {
+            let head = c.meta(c.reclaimed);
+            if !head.scope_released && self.scope_is_open(head.scope_seq) {
+                return Some(self.describe(
+                    ring,
+                    res,
+                    bytes,
+                    deps,
+                    kname,
+                    "the oldest unreclaimed task belongs to a scope that is still open, and no scope can end while the orchestrator waits",
+                ));
+            }
+        }
+        None
+    }
+
+    fn describe(&self, ring: u8, res: Resource, bytes: u64, deps: u64, kname: &str, why: &str) -> RunError {
+        let c = &self.cursors[ring as usize];
+        let head = TaskId::new(ring, c.reclaimed);
+        let (head_state, head_kernel) = if c.reclaimed < c.next_local {
+            let s = self.run.arena.rings.slot(head);
+            (state::name(s.state.load(Ordering::Acquire)), s.desc().kernel_name())
+        } else {
+            ("none in flight", String::new())
+        };
+        let (code, what, hint) = match res {
+            Resource::Window => (
+                ErrorCode::FlowControlDeadlock,
+                format!("ring {ring} task window full: {} of {} slots in flight", c.in_flight(), c.window),
+                format!(
+                    "raise ring_task_window to {} for this run: CallConfig.runtime_env.ring_task_window",
+                    (c.window as u64 * 4).min(1 << 30)
+                ),
+            ),
+            Resource::Heap => (
+                ErrorCode::HeapRingDeadlock,
+                format!(
+                    "ring {ring} heap full: {} of {} in use, {} more needed",
+                    human_bytes(c.heap_used()),
+                    human_bytes(c.heap_cap),
+                    human_bytes(bytes)
+                ),
+                format!(
+                    "raise ring_heap to {} for this run: CallConfig.runtime_env.ring_heap",
+                    human_bytes(((c.heap_cap + bytes) * 2).next_power_of_two())
+                ),
+            ),
+            Resource::DepPool => (
+                ErrorCode::DepPoolOverflow,
+                format!("ring {ring} dependency pool full: {} of {} entries in use, {deps} more needed", c.dep_used(), c.dep_cap),
+                format!(
+                    "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
+                    ((c.dep_cap + deps) * 2).next_power_of_two()
+                ),
+            ),
+            Resource::TensorMap => (
+                ErrorCode::TensormapOverflow,
+                format!("dependency map full: {} of {} entries hold live writers", self.map.len(), self.map.capacity()),
+                format!("raise tensormap_capacity to {} for this run: CallConfig.tensormap_capacity", self.map.capacity() * 4),
+            ),
+        };
+        RunError::new(code, format!("{what}; head {head} ({head_kernel}) is {head_state}; {why}"), hint).at(Locator {
+            ring: Some(ring),
+            task: Some(head),
+            kernel: Some(kname.to_string()),
+            core: None,
+        })
+    }
+}

@@ -1,0 +1,44 @@
+//! The [`Platform`] trait a platform implements (CPU threads, CUDA), and platform memory.
+
+use std::thread::JoinHandle;
+
+use crate::error::PlatformError;
+
+/// A block of platform memory. For host-memory platforms `addr` is a host pointer kernels
+/// dereference; for device platforms it is a device address.
+pub trait Memory: Send + Sync {
+    /// Base address (aligned to at least 64 bytes).
+    fn addr(&self) -> usize;
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// Whether the size is zero.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Whether the host can read and write `addr .. addr+len` directly.
+    fn host_accessible(&self) -> bool;
+}
+
+/// What a platform is made of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlatformInfo {
+    /// Short name (`cpu`, `cuda`).
+    pub name: String,
+    /// Cores used when the worker does not ask for a count.
+    pub default_cores: usize,
+    /// Whether kernel bodies run on the host and may dereference tensor addresses.
+    pub host_kernels: bool,
+}
+
+/// A platform: memory and the threads that act as its cores.
+///
+/// The core's scheduler runs on the threads the platform starts ([`Platform::spawn_core`]); a
+/// platform decides how those threads are made (names, pinning) and where memory lives.
+pub trait Platform: Send + Sync + 'static {
+    /// Description.
+    fn info(&self) -> PlatformInfo;
+    /// Allocates `bytes` of zeroed memory.
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError>;
+    /// Starts the thread of core `index`, running `body` until it returns.
+    fn spawn_core(&self, index: usize, body: Box<dyn FnOnce() + Send>) -> Result<JoinHandle<()>, PlatformError>;
+}

@@ -1,0 +1,225 @@
+//! State shared by everyone taking part in one run: the ring arrays, ready queues, counters, the
+//! fatal latch and the completion signal.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use crossbeam_deque::Injector;
+use crossbeam_utils::sync::Unparker;
+
+use crate::config::RingSizes;
+use crate::error::{PlatformError, RunError};
+use crate::kernel::Registry;
+use crate::platform::{Memory, Platform};
+use crate::slot::{RingSlots, Rings};
+use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
+use crate::trace::{PhaseRecord, QueueDepthSample, TaskRecord};
+use crate::worker::Hub;
+
+/// Ring arrays and heap memory; kept by the worker across runs of the same sizes.
+pub(crate) struct Arena {
+    pub(crate) sizes: RingSizes,
+    pub(crate) rings: Rings,
+    pub(crate) heaps: Vec<Box<dyn Memory>>,
+}
+
+impl Arena {
+    pub(crate) fn new(sizes: RingSizes, platform: &dyn Platform) -> Result<Arena, PlatformError> {
+        let mut rings = Vec::new();
+        let mut heaps = Vec::new();
+        for r in 0..crate::config::RING_COUNT {
+            rings.push(RingSlots::new(sizes.window[r], sizes.dep_pool[r]));
+            heaps.push(platform.alloc(sizes.heap[r] as usize)?);
+        }
+        Ok(Arena { sizes, rings: Rings { rings }, heaps })
+    }
+}
+
+/// First writer wins; later errors are dropped.
+#[derive(Default)]
+pub(crate) struct FatalLatch {
+    error: OnceLock<RunError>,
+    pub(crate) stop: AtomicBool,
+}
+
+impl FatalLatch {
+    pub(crate) fn get(&self) -> Option<&RunError> {
+        if self.stop.load(Ordering::Acquire) { self.error.get() } else { None }
+    }
+}
+
+/// Per-core state of a run: what it is running (for the watchdog) and its swimlane buffers.
+#[derive(Default)]
+pub(crate) struct CoreState {
+    /// Task id + 1 of the block being executed, 0 when idle.
+    pub(crate) current: AtomicU64,
+    /// Blocks this core ran.
+    pub(crate) blocks: AtomicU64,
+    pub(crate) records: Mutex<Vec<TaskRecord>>,
+    pub(crate) phases: Mutex<Vec<PhaseRecord>>,
+    pub(crate) depth: Mutex<Vec<QueueDepthSample>>,
+}
+
+/// Min dispatch / max finish of the tasks tagged with one timing slot.
+pub(crate) struct SlotTiming {
+    pub(crate) first_dispatch: AtomicU64,
+    pub(crate) last_finish: AtomicU64,
+    pub(crate) tasks: AtomicU64,
+}
+
+impl Default for SlotTiming {
+    fn default() -> SlotTiming {
+        SlotTiming { first_dispatch: AtomicU64::new(u64::MAX), last_finish: AtomicU64::new(0), tasks: AtomicU64::new(0) }
+    }
+}
+
+/// A barrier for the blocks of a gang (sync-start task); reusable, gives up when the run fails.
+pub(crate) struct SpinBarrier {
+    count: u32,
+    arrived: AtomicU32,
+    generation: AtomicU32,
+    cancel: Arc<AtomicBool>,
+}
+
+impl SpinBarrier {
+    pub(crate) fn new(count: u32, cancel: Arc<AtomicBool>) -> SpinBarrier {
+        SpinBarrier { count, arrived: AtomicU32::new(0), generation: AtomicU32::new(0), cancel }
+    }
+}
+
+impl crate::kernel::GangBarrier for SpinBarrier {
+    fn wait(&self) {
+        let generation = self.generation.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.count {
+            self.arrived.store(0, Ordering::Relaxed);
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == generation {
+            if self.cancel.load(Ordering::Relaxed) {
+                return;
+            }
+            spins += 1;
+            if spins % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// A gang being formed: cores join one by one, each taking the next block.
+pub(crate) struct GangForm {
+    pub(crate) task: TaskId,
+    pub(crate) need: u32,
+    pub(crate) joined: u32,
+    pub(crate) barrier: Arc<SpinBarrier>,
+}
+
+/// Everything the cores, the orchestrator, the watchdog and the host waiter share in one run.
+pub(crate) struct RunShared {
+    pub(crate) arena: Arc<Arena>,
+    pub(crate) hub: Arc<Hub>,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) queues: [Injector<TaskId>; 3],
+    pub(crate) fatal: FatalLatch,
+    pub(crate) cancel: Arc<AtomicBool>,
+    /// Submitted but not completed, plus one while the orchestration runs.
+    pub(crate) outstanding: AtomicI64,
+    pub(crate) submitted: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) edges: AtomicU64,
+    /// Closed in serial mode until the orchestration returns.
+    pub(crate) gate_open: AtomicBool,
+    /// Cores inside this run's core loop.
+    pub(crate) active_cores: AtomicU32,
+    /// Set when the run is over (success or failure): cores leave.
+    pub(crate) finished: AtomicBool,
+    pub(crate) orch_done: AtomicBool,
+    pub(crate) orch_waiting: AtomicBool,
+    pub(crate) orch_unparker: Unparker,
+    pub(crate) done: Mutex<bool>,
+    pub(crate) done_cv: Condvar,
+    pub(crate) cores: Box<[CoreState]>,
+    pub(crate) gang: Mutex<Option<GangForm>>,
+    pub(crate) gang_pending: AtomicBool,
+    pub(crate) timing_slots: [SlotTiming; TIMING_SLOTS],
+    pub(crate) sched_start: AtomicU64,
+    pub(crate) sched_end: AtomicU64,
+    pub(crate) swimlane: u8,
+    pub(crate) swimlane_cap_per_core: usize,
+    pub(crate) dropped: AtomicU64,
+    /// Cores that can run each class (index by `EngineClass::index`).
+    pub(crate) class_cores: [u32; 3],
+    /// Whether tensor memory is host memory (the orchestrator may copy data in and out).
+    pub(crate) host_memory: bool,
+}
+
+impl RunShared {
+    pub(crate) fn slot(&self, id: TaskId) -> &crate::slot::Slot {
+        self.arena.rings.slot(id)
+    }
+
+    pub(crate) fn queue(&self, class: EngineClass) -> &Injector<TaskId> {
+        &self.queues[class.index()]
+    }
+
+    pub(crate) fn queues_empty(&self) -> bool {
+        self.queues.iter().all(|q| q.is_empty())
+    }
+
+    pub(crate) fn queued(&self) -> usize {
+        self.queues.iter().map(|q| q.len()).sum()
+    }
+
+    /// Latches `err` (first writer wins) and stops everyone.
+    pub(crate) fn fail(&self, err: RunError) {
+        if self.fatal.error.set(err).is_ok() {
+            self.fatal.stop.store(true, Ordering::Release);
+            self.cancel.store(true, Ordering::Release);
+            self.hub.sleep.notify_all();
+            self.orch_unparker.unpark();
+            self.signal_done();
+        }
+    }
+
+    pub(crate) fn stopped(&self) -> bool {
+        self.fatal.stop.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn signal_done(&self) {
+        let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        *d = true;
+        self.done_cv.notify_all();
+    }
+
+    /// Waits up to `timeout` for the run to be over; true if it is.
+    pub(crate) fn wait_done(&self, timeout: Duration) -> bool {
+        let d = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        let (d, _) = self.done_cv.wait_timeout_while(d, timeout, |d| !*d).unwrap_or_else(|p| p.into_inner());
+        *d
+    }
+
+    /// Drops one unit of outstanding work; the last one signals completion.
+    pub(crate) fn finish_one(&self) {
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.sched_end.store(crate::clock::now_ns(), Ordering::Release);
+            self.signal_done();
+        }
+    }
+
+    /// Drops a reference to `id`; the last one marks it consumed (and wakes a waiting
+    /// orchestrator).
+    pub(crate) fn release(&self, id: TaskId) {
+        let s = self.slot(id);
+        if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            s.state.store(crate::slot::state::CONSUMED, Ordering::Release);
+            if self.orch_waiting.load(Ordering::Acquire) {
+                self.orch_unparker.unpark();
+            }
+        }
+    }
+}

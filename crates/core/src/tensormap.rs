@@ -1,0 +1,135 @@
+//! The dependency map (TensorMap): for each buffer, the live writers of its regions.
+//!
+//! Owned by the orchestrator alone, so it needs no locking. Entries of writers that have
+//! completed are invalidated lazily (dropped when a lookup meets them) and swept in a batch when
+//! the map reaches its capacity; the orchestrator applies back-pressure (waits for completions)
+//! when a sweep does not free enough room.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::slot::Rings;
+use crate::task::TaskId;
+use crate::tensor::{BufferId, Region, Relation};
+
+/// A hasher for small integer keys (buffer ids): one multiply, no DoS concerns here.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+struct MapEntry {
+    task: TaskId,
+    region: Region,
+}
+
+#[derive(Default)]
+struct BufferWriters {
+    /// Writes recorded on this buffer so far (the tensor "version").
+    version: u32,
+    entries: Vec<MapEntry>,
+}
+
+/// A live writer found by a lookup, and how the reader's region relates to the writer's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hit {
+    pub(crate) task: TaskId,
+    pub(crate) relation: Relation,
+}
+
+pub(crate) struct TensorMap {
+    buffers: IdMap<BufferId, BufferWriters>,
+    len: u64,
+    capacity: u64,
+    high_water: u64,
+}
+
+impl TensorMap {
+    pub(crate) fn new(capacity: u64) -> TensorMap {
+        TensorMap { buffers: IdMap::default(), len: 0, capacity, high_water: 0 }
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+    pub(crate) fn capacity(&self) -> u64 {
+        self.capacity
+    }
+    pub(crate) fn high_water(&self) -> u64 {
+        self.high_water
+    }
+
+    /// Current version of a buffer (number of recorded writes).
+    pub(crate) fn version(&self, buffer: BufferId) -> u32 {
+        self.buffers.get(&buffer).map_or(0, |b| b.version)
+    }
+
+    /// Appends to `out` every live writer whose region overlaps `region`, dropping entries of
+    /// writers that have completed.
+    pub(crate) fn lookup(&mut self, region: &Region, rings: &Rings, out: &mut Vec<Hit>) {
+        let Some(b) = self.buffers.get_mut(&region.buffer) else { return };
+        let mut i = 0;
+        while i < b.entries.len() {
+            let e = &b.entries[i];
+            if !rings.is_live_writer(e.task) {
+                b.entries.swap_remove(i);
+                self.len -= 1;
+                continue;
+            }
+            let relation = region.relate(&e.region);
+            if relation.overlaps() {
+                out.push(Hit { task: e.task, relation });
+            }
+            i += 1;
+        }
+    }
+
+    /// Whether `n` more entries fit, sweeping completed writers first if needed.
+    pub(crate) fn make_room(&mut self, n: u64, rings: &Rings) -> bool {
+        if self.len + n <= self.capacity {
+            return true;
+        }
+        self.sweep(rings);
+        self.len + n <= self.capacity
+    }
+
+    /// Drops every entry whose writer has completed.
+    pub(crate) fn sweep(&mut self, rings: &Rings) {
+        let mut len = 0;
+        self.buffers.retain(|_, b| {
+            b.entries.retain(|e| rings.is_live_writer(e.task));
+            len += b.entries.len() as u64;
+            !b.entries.is_empty() || b.version > 0
+        });
+        self.len = len;
+    }
+
+    /// Records `task` as the newest writer of `region`. An `InOut` writer (which waited for the
+    /// older writers it overlaps) retires the entries whose regions it covers.
+    pub(crate) fn record(&mut self, task: TaskId, region: Region, retire_covered: bool) {
+        let b = self.buffers.entry(region.buffer).or_default();
+        if retire_covered {
+            let before = b.entries.len();
+            b.entries.retain(|e| region.relate(&e.region) != Relation::Covers);
+            self.len -= (before - b.entries.len()) as u64;
+        }
+        b.entries.push(MapEntry { task, region });
+        b.version = b.version.wrapping_add(1);
+        self.len += 1;
+        self.high_water = self.high_water.max(self.len);
+    }
+}

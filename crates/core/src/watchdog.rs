@@ -1,0 +1,207 @@
+//! The watchdog: enforces the three timeouts of a run and recovers from stuck user code.
+//!
+//! It samples the active run every few milliseconds. *Progress* is any change of the submit or
+//! completion counters. Without progress for the scheduler timeout it classifies the stall
+//! (S1 a running task is stuck, S3 ready tasks but idle cores, S5 the orchestrator produces
+//! nothing, S4 nothing ready or running although tasks are pending) and fails the run. A block
+//! running longer than the op-execute timeout, or a run longer than the stream-sync timeout,
+//! fails it too. After a failure, a core still inside a kernel, or an orchestrator thread still
+//! inside the orchestration function, past a grace period is replaced by a fresh thread and the
+//! error is delivered to the waiting caller, so nothing hangs and the worker stays usable.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
+use crate::run::RunShared;
+use crate::task::TaskId;
+use crate::worker::Inner;
+
+/// How long stuck threads get to notice a failure before they are replaced.
+const GRACE: Duration = Duration::from_millis(300);
+
+struct Watch {
+    started: Instant,
+    last_counts: (u64, i64),
+    last_progress: Instant,
+    /// Per core: (task id + 1, since when) of the block it has been running.
+    running: Vec<(u64, Instant)>,
+    failed_at: Option<Instant>,
+    recovered: bool,
+}
+
+pub(crate) fn run(inner: &Arc<Inner>) {
+    let t = inner.timeouts;
+    let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
+    let mut watch: Option<(usize, Watch)> = None;
+    loop {
+        if inner.closed.load(Ordering::Acquire) && inner.hub.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let active = {
+            let g = inner.active.lock().unwrap_or_else(|p| p.into_inner());
+            match &*g {
+                Some(a) => Some((a.run.clone(), a.result.clone())),
+                None => {
+                    watch = None;
+                    let _ = inner.active_cv.wait_timeout(g, Duration::from_millis(100));
+                    None
+                }
+            }
+        };
+        let Some((run, result)) = active else { continue };
+        let key = Arc::as_ptr(&run) as usize;
+        let now = Instant::now();
+        let w = match &mut watch {
+            Some((k, w)) if *k == key => w,
+            _ => {
+                watch = Some((
+                    key,
+                    Watch {
+                        started: now,
+                        last_counts: counts(&run),
+                        last_progress: now,
+                        running: vec![(0, now); run.cores.len()],
+                        failed_at: None,
+                        recovered: false,
+                    },
+                ));
+                &mut watch.as_mut().expect("just set").1
+            }
+        };
+        if run.stopped() {
+            let failed_at = *w.failed_at.get_or_insert(now);
+            if !w.recovered && now - failed_at >= GRACE {
+                w.recovered = true;
+                recover(inner, &run, &result);
+            }
+        } else if let Some(e) = check(&run, w, now, inner) {
+            run.fail(e);
+        }
+        std::thread::sleep(tick);
+    }
+}
+
+fn counts(run: &RunShared) -> (u64, i64) {
+    (run.submitted.load(Ordering::Relaxed), run.outstanding.load(Ordering::Relaxed))
+}
+
+fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
+    Locator {
+        task: Some(id),
+        kernel: Some(run.slot(id).desc().kernel_name()),
+        core: core.map(|c| c as u32),
+        ring: Some(id.ring()),
+    }
+}
+
+fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<RunError> {
+    let t = inner.timeouts;
+    if now - w.started > t.stream_sync {
+        return Some(RunError::new(
+            ErrorCode::StreamSyncTimeout,
+            format!("the run took longer than the stream-sync timeout of {:?}", t.stream_sync),
+            format!(
+                "if the run is legitimately long, raise it: SIMPLER_STREAM_SYNC_TIMEOUT_MS={} (keep scheduler < op_execute < stream_sync)",
+                (t.stream_sync.as_millis() * 2)
+            ),
+        ));
+    }
+    for (i, c) in run.cores.iter().enumerate() {
+        let cur = c.current.load(Ordering::Acquire);
+        if cur != w.running[i].0 {
+            w.running[i] = (cur, now);
+        } else if cur != 0 && now - w.running[i].1 > t.op_execute {
+            let id = TaskId(cur - 1);
+            return Some(
+                RunError::new(
+                    ErrorCode::OpExecuteTimeout,
+                    format!("a block of {id} has run on core {i} for longer than the op-execute timeout of {:?}", t.op_execute),
+                    format!(
+                        "split the task into smaller tiles, or raise SIMPLER_OP_EXECUTE_TIMEOUT_US={} (keep scheduler < op_execute < stream_sync)",
+                        t.op_execute.as_micros() * 2
+                    ),
+                )
+                .at(task_locator(run, id, Some(i))),
+            );
+        }
+    }
+    let c = counts(run);
+    if c != w.last_counts {
+        w.last_counts = c;
+        w.last_progress = now;
+        return None;
+    }
+    if run.outstanding.load(Ordering::Acquire) == 0 || now - w.last_progress < t.scheduler {
+        return None;
+    }
+    let stalled = now - w.last_progress;
+    let hint_timeout = format!(
+        "if tasks legitimately take longer, raise SIMPLER_SCHEDULER_TIMEOUT_MS={} (keep scheduler < op_execute < stream_sync)",
+        t.scheduler.as_millis() * 2
+    );
+    let base = |sub: SchedSubclass, detail: String, hint: String| {
+        RunError::new(ErrorCode::SchedulerTimeout, detail, hint).subclass(sub)
+    };
+    // S1: the oldest-running block is the stuck one.
+    if let Some((i, (cur, _))) =
+        w.running.iter().enumerate().filter(|(_, (cur, _))| *cur != 0).min_by_key(|(_, (_, since))| *since)
+    {
+        let id = TaskId(cur - 1);
+        return Some(
+            base(
+                SchedSubclass::S1StuckTask,
+                format!("no progress for {stalled:?}: {id} has been running on core {i} all that time"),
+                format!("check the kernel for an endless loop or a wait; {hint_timeout}"),
+            )
+            .at(task_locator(run, id, Some(i))),
+        );
+    }
+    let queued = run.queued();
+    if queued > 0 {
+        return Some(base(
+            SchedSubclass::S3IdleCores,
+            format!("no progress for {stalled:?}: {queued} ready tasks wait but every core is idle"),
+            "this is a scheduler fault (a lost wake-up); please report it with --swimlane 3 output".into(),
+        ));
+    }
+    if !run.orch_done.load(Ordering::Acquire) {
+        return Some(base(
+            SchedSubclass::S5OrchestratorStarved,
+            format!(
+                "no progress for {stalled:?}: nothing is ready or running and the orchestration function submitted nothing"
+            ),
+            format!("check the orchestration function for a loop or a blocking wait; {hint_timeout}"),
+        ));
+    }
+    Some(base(
+        SchedSubclass::S4NothingReady,
+        format!(
+            "no progress for {stalled:?}: {} tasks are pending but none is ready or running (a dependency that never completes)",
+            run.outstanding.load(Ordering::Acquire)
+        ),
+        "run with --dep-gen and inspect the pending tasks' producers with `simpler trace deps`".into(),
+    ))
+}
+
+/// After a failure and the grace period: replace threads still stuck in user code and make
+/// sure the caller gets the error.
+fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker::JobResult>) {
+    for (i, c) in run.cores.iter().enumerate() {
+        if c.current.load(Ordering::Acquire) != 0 {
+            let _ = inner.replace_core(i);
+        }
+    }
+    if !result.is_delivered() {
+        // The orchestrator thread is still inside the orchestration function (or waiting on
+        // it): deliver the error and give the queue to a new thread.
+        let err = run.fatal.get().cloned().expect("stopped runs have an error");
+        run.finished.store(true, Ordering::Release);
+        inner.hub.sleep.notify_all();
+        inner.hub_set_current(None);
+        *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let _ = inner.replace_orchestrator();
+        result.deliver(Err(err.into()));
+    }
+}
