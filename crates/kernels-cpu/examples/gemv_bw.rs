@@ -1,0 +1,174 @@
+//! Standalone GEMV/GEMM benchmark: the Qwen3-0.6B projection shapes on 1 and 2 threads
+//! (disjoint row halves), achieved GB/s and GFLOP/s against the measured `membw` peaks.
+//!
+//! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --portable]`
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+use half::bf16;
+use simpler_kernels_cpu::membw::{MeasureOptions, measure};
+use simpler_kernels_cpu::{
+    GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
+    with_isa,
+};
+
+/// `(name, N, K)` of the 0.6B projections.
+const SHAPES: [(&str, usize, usize); 7] = [
+    ("q", 2048, 1024),
+    ("k", 1024, 1024),
+    ("v", 1024, 1024),
+    ("o", 1024, 2048),
+    ("gate", 3072, 1024),
+    ("up", 3072, 1024),
+    ("down", 1024, 3072),
+];
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let get = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let batches: Vec<usize> = get("--batches")
+        .unwrap_or_else(|| "1,2,4,16".into())
+        .split(',')
+        .map(|s| s.parse().expect("--batches: comma-separated integers"))
+        .collect();
+    let layers: usize = get("--layers").map_or(6, |s| s.parse().expect("--layers"));
+    let reps: usize = get("--reps").map_or(5, |s| s.parse().expect("--reps"));
+    let isa = if args.iter().any(|a| a == "--portable") {
+        Isa::Portable
+    } else {
+        Isa::detected()
+    };
+    with_isa(isa, || run(&batches, layers, reps, isa)).expect("isa not supported");
+}
+
+fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
+    let peaks = measure(&MeasureOptions::default());
+    println!(
+        "membw: read 1t {:.1} GB/s (median {:.1}), {}t {:.1} GB/s (median {:.1}); FMA 1t {:.1} GFLOP/s, {}t {:.1} GFLOP/s; isa {}",
+        peaks.read_gbs_one,
+        peaks.read_gbs_one_median,
+        peaks.threads,
+        peaks.read_gbs_all,
+        peaks.read_gbs_all_median,
+        peaks.fma_gflops_one,
+        peaks.threads,
+        peaks.fma_gflops_all,
+        isa.name()
+    );
+    // `layers` copies of every projection so the weights do not fit in the last-level cache.
+    let mut seed = 0x1234_5678_u64;
+    let mats: Vec<(usize, usize, Vec<bf16>)> = (0..layers)
+        .flat_map(|_| SHAPES.iter())
+        .map(|&(_, n, k)| {
+            let data = (0..n * k)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
+                })
+                .collect();
+            (n, k, data)
+        })
+        .collect();
+    let weight_bytes: usize = mats.iter().map(|(n, k, _)| n * k * 2).sum();
+    let params: usize = mats.iter().map(|(n, k, _)| n * k).sum();
+    println!(
+        "weights: {} matrices, {:.1} MB per pass",
+        mats.len(),
+        weight_bytes as f64 / 1e6
+    );
+    for &batch in batches {
+        let kmax = SHAPES.iter().map(|s| s.2).max().unwrap_or(1);
+        let x: Vec<bf16> = (0..batch * kmax)
+            .map(|i| bf16::from_f32((i % 97) as f32 / 97.0 - 0.5))
+            .collect();
+        // One packed activation per K used.
+        let packed: Vec<(usize, Vec<f32>)> = [1024usize, 2048, 3072]
+            .iter()
+            .map(|&k| {
+                let mut p = vec![0.0f32; packed_len(batch, k)];
+                let xs: Vec<bf16> = (0..batch)
+                    .flat_map(|b| x[b * kmax..b * kmax + k].iter().copied())
+                    .collect();
+                pack_acts_bf16(&xs, batch, k, &mut p);
+                (k, p)
+            })
+            .collect();
+        for threads in [1usize, 2] {
+            let secs = time_pass(&mats, &packed, batch, threads, reps);
+            let gbs = weight_bytes as f64 / secs / 1e9;
+            let gflops = 2.0 * (params * batch) as f64 / secs / 1e9;
+            let (bw, fma) = if threads == 1 {
+                (peaks.read_gbs_one, peaks.fma_gflops_one)
+            } else {
+                (peaks.read_gbs_all, peaks.fma_gflops_all)
+            };
+            println!(
+                "batch {batch:>2} threads {threads}: {:>7.2} ms/pass  {gbs:>6.1} GB/s = {:>5.1}% of read bw  {gflops:>6.1} GFLOP/s = {:>5.1}% of FMA peak",
+                secs * 1e3,
+                100.0 * gbs / bw,
+                100.0 * gflops / fma
+            );
+        }
+    }
+}
+
+/// Best time of `reps` passes over every matrix, rows split in halves across `threads`.
+fn time_pass(
+    mats: &[(usize, usize, Vec<bf16>)],
+    packed: &[(usize, Vec<f32>)],
+    batch: usize,
+    threads: usize,
+    reps: usize,
+) -> f64 {
+    let barrier = Barrier::new(threads);
+    let isa = Isa::current();
+    let times: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    with_isa(isa, || {
+                        let mut out = vec![0.0f32; batch * 3072];
+                        let mut best = f64::MAX;
+                        for _ in 0..reps {
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            for (n, k, w) in mats {
+                                let x = &packed.iter().find(|p| p.0 == *k).expect("packed K").1;
+                                let rows = (n / threads * t)..(n / threads * (t + 1));
+                                let tile = GemmTile {
+                                    n: rows.clone(),
+                                    k: 0..*k,
+                                    mode: OutMode::Store,
+                                };
+                                gemm_bf16(
+                                    WeightsBf16::new(w, *n, *k),
+                                    PackedActs::new(x, batch, *k),
+                                    &tile,
+                                    &mut out,
+                                    rows.len(),
+                                );
+                            }
+                            best = best.min(t0.elapsed().as_secs_f64());
+                            std::hint::black_box(&out);
+                        }
+                        best
+                    })
+                    .expect("isa")
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    times.into_iter().fold(0.0, f64::max)
+}

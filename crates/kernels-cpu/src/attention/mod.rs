@@ -1,0 +1,214 @@
+//! Attention over the paged KV cache (vLLM layout): split-KV decode (flash-decoding partials
+//! and their combine) and chunked causal prefill, both with online softmax over KV runs of at
+//! most 128 tokens.
+//!
+//! # Layouts
+//! - One layer's K (and V) pool is viewed as `[num_pages * page_size, kv_heads * head_dim]`
+//!   bf16: row `page * page_size + token_in_page`, column `kv_head * head_dim + d`.
+//! - `block_table` (one sequence's row, `u32`): logical block `j` -> physical page.
+//! - Queries are bf16 rows of `num_heads * head_dim` (RoPE applied); query head
+//!   `h = kv_head * group + j` reads KV head `kv_head` (GQA).
+//! - A decode partial for one `(sequence, kv_head, chunk)` is `group` records of
+//!   `[m, l, o[0..head_dim]]` fp32: `m` the running max score, `l` the sum of `exp(s - m)`,
+//!   `o` the unnormalised `sum exp(s - m) v` ([`partial_len`] floats in all).
+
+use std::ops::Range;
+
+use half::bf16;
+
+use crate::convert::f32_to_bf16;
+use crate::multiversion::multiversion;
+
+mod core;
+mod prefill;
+
+pub use prefill::{PrefillSeq, prefill_attention_bf16};
+
+/// One layer's paged K and V pools.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    /// K pool `[slots, kv_heads * head_dim]`.
+    pub k: &'a [bf16],
+    /// V pool, same shape.
+    pub v: &'a [bf16],
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Tokens per page (128 in the reference layout).
+    pub page_size: usize,
+}
+
+impl PagedKv<'_> {
+    /// Row width (`kv_heads * head_dim`).
+    pub fn row(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    fn check(&self) {
+        assert!(
+            self.head_dim > 0 && self.page_size > 0 && self.kv_heads > 0,
+            "paged kv: zero dimension"
+        );
+        assert_eq!(
+            self.k.len(),
+            self.v.len(),
+            "paged kv: K and V pools differ in size"
+        );
+        assert_eq!(
+            self.k.len() % self.row(),
+            0,
+            "paged kv: pool not a whole number of rows"
+        );
+    }
+
+    /// The pool row of logical token `t` of a sequence with `block_table`.
+    fn slot(&self, block_table: &[u32], t: usize) -> usize {
+        block_table[t / self.page_size] as usize * self.page_size + t % self.page_size
+    }
+}
+
+/// Floats in one decode partial: `group * (head_dim + 2)`.
+pub const fn partial_len(group: usize, head_dim: usize) -> usize {
+    group * (head_dim + 2)
+}
+
+/// One split-KV decode step for sequence row `q` (`num_heads * head_dim` bf16), KV head
+/// `kv_head` and logical tokens `tokens` (a chunk of `0..seq_len`): writes the partial of every
+/// query head of the group into `partial` (see the module docs). An empty chunk writes
+/// `m = -inf, l = 0, o = 0`.
+///
+/// # Panics
+/// If a token's page is outside `block_table` or the pool, `kv_head * group` heads do not fit
+/// in `q`, or `partial.len() != partial_len(group, head_dim)`.
+pub fn decode_attention_partial_bf16(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    tokens: Range<usize>,
+    scale: f32,
+    partial: &mut [f32],
+) {
+    kv.check();
+    let hd = kv.head_dim;
+    assert!(
+        kv_head < kv.kv_heads,
+        "decode attention: kv head {kv_head} of {}",
+        kv.kv_heads
+    );
+    assert!(
+        (kv_head + 1) * group * hd <= q.len(),
+        "decode attention: q too short for the group"
+    );
+    assert_eq!(
+        partial.len(),
+        partial_len(group, hd),
+        "decode attention: partial len"
+    );
+    let qg: Vec<f32> = q[kv_head * group * hd..(kv_head + 1) * group * hd]
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let mut m = vec![f32::NEG_INFINITY; group];
+    let mut l = vec![0.0f32; group];
+    let mut o = vec![0.0f32; group * hd];
+    let limits = vec![usize::MAX; group];
+    core::attend(
+        &qg,
+        group,
+        kv,
+        block_table,
+        kv_head,
+        tokens,
+        &limits,
+        scale,
+        &mut m,
+        &mut l,
+        &mut o,
+    );
+    for j in 0..group {
+        let rec = &mut partial[j * (hd + 2)..(j + 1) * (hd + 2)];
+        rec[0] = m[j];
+        rec[1] = l[j];
+        rec[2..].copy_from_slice(&o[j * hd..(j + 1) * hd]);
+    }
+}
+
+multiversion! {
+    /// Merges the decode partials of one `(sequence, kv_head)` (`partials`: `n_chunks`
+    /// records of [`partial_len`]`(group, head_dim)`) into `out = bf16(softmax · V)` for the
+    /// group's query heads (`group * head_dim`, the row's columns
+    /// `kv_head * group * head_dim ..`).
+    ///
+    /// # Panics
+    /// If `partials` is not a whole number of records or `out.len() != group * head_dim`.
+    pub fn decode_attention_combine_bf16(partials: &[f32], group: usize, head_dim: usize, out: &mut [bf16]) {
+        let rec = partial_len(group, head_dim);
+        assert!(rec > 0 && partials.len() % rec == 0, "combine: partials len");
+        assert_eq!(out.len(), group * head_dim, "combine: out len");
+        let chunks = partials.len() / rec;
+        let mut acc = vec![0.0f32; head_dim];
+        for j in 0..group {
+            let at = |c: usize| &partials[c * rec + j * (head_dim + 2)..c * rec + (j + 1) * (head_dim + 2)];
+            let m = (0..chunks).map(|c| at(c)[0]).fold(f32::NEG_INFINITY, f32::max);
+            acc.fill(0.0);
+            let mut l = 0.0f32;
+            for c in 0..chunks {
+                let p = at(c);
+                if p[1] == 0.0 {
+                    continue;
+                }
+                let w = (p[0] - m).exp();
+                l += p[1] * w;
+                for (a, &v) in acc.iter_mut().zip(&p[2..]) {
+                    *a += v * w;
+                }
+            }
+            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+            for (o, &a) in out[j * head_dim..(j + 1) * head_dim].iter_mut().zip(&acc) {
+                *o = f32_to_bf16(a * inv);
+            }
+        }
+    }
+}
+
+/// Whole decode attention of one `(sequence, kv_head)` in one call (`seq_len` tokens split into
+/// `n_chunks` partials, then combined): `out` gets the group's `group * head_dim` outputs.
+/// A convenience over [`decode_attention_partial_bf16`] and
+/// [`decode_attention_combine_bf16`].
+///
+/// # Panics
+/// As those two.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_bf16(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    seq_len: usize,
+    n_chunks: usize,
+    scale: f32,
+    out: &mut [bf16],
+) {
+    let rec = partial_len(group, kv.head_dim);
+    let n_chunks = n_chunks.max(1);
+    let mut partials = vec![0.0f32; n_chunks * rec];
+    for (c, p) in partials.chunks_exact_mut(rec).enumerate() {
+        let r = split_range(seq_len, n_chunks, c);
+        decode_attention_partial_bf16(q, group, kv, block_table, kv_head, r, scale, p);
+    }
+    decode_attention_combine_bf16(&partials, group, kv.head_dim, out);
+}
+
+/// Chunk `c` of `0..n` split into `parts` nearly equal ranges (the first `n % parts` one
+/// longer). Useful to pick KV chunks.
+pub fn split_range(n: usize, parts: usize, c: usize) -> Range<usize> {
+    let parts = parts.max(1);
+    let base = n / parts;
+    let extra = n % parts;
+    let start = c * base + c.min(extra);
+    start..start + base + usize::from(c < extra)
+}

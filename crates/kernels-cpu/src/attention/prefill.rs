@@ -1,0 +1,105 @@
+//! Chunked causal prefill attention: token-major packed queries of one sequence's chunk against
+//! the cached prefix plus the chunk itself (whose K/V the caller has already written).
+
+use std::ops::Range;
+
+use half::bf16;
+
+use super::{PagedKv, core};
+use crate::convert::f32_to_bf16;
+
+/// Where one sequence's chunk sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillSeq {
+    /// Tokens of the sequence after this chunk (cached prefix + chunk).
+    pub seq_len: usize,
+    /// Tokens in this chunk (the chunk starts at position `seq_len - chunk_len`).
+    pub chunk_len: usize,
+    /// Row of the chunk's first token in the packed query/output tensors.
+    pub token_offset: usize,
+}
+
+/// Causal attention for chunk rows `rows` (chunk-relative, a sub-range of
+/// `0..seq.chunk_len`) of one sequence and KV head `kv_head`: the query at chunk row `i`
+/// (position `p = seq_len - chunk_len + i`) attends to tokens `0..=p`. Queries and outputs are
+/// token-major packed `[T, num_heads * head_dim]` bf16 (`q` and `out`, same width); only the
+/// group's columns of the given rows are written.
+///
+/// # Panics
+/// If the rows or heads fall outside `q`/`out`, the chunk is longer than the sequence, or a
+/// page is outside `block_table` or the pool.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_bf16(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    seq: PrefillSeq,
+    rows: Range<usize>,
+    scale: f32,
+    out: &mut [bf16],
+) {
+    kv.check();
+    let hd = kv.head_dim;
+    let width = kv.kv_heads * group * hd;
+    assert!(
+        seq.chunk_len <= seq.seq_len,
+        "prefill: chunk {} longer than sequence {}",
+        seq.chunk_len,
+        seq.seq_len
+    );
+    assert!(
+        rows.end <= seq.chunk_len && rows.start <= rows.end,
+        "prefill: rows {rows:?} outside chunk"
+    );
+    assert!(kv_head < kv.kv_heads, "prefill: kv head {kv_head}");
+    assert_eq!(q.len(), out.len(), "prefill: q and out differ");
+    assert!(
+        (seq.token_offset + rows.end) * width <= q.len(),
+        "prefill: rows outside the packed tensors"
+    );
+    let start = seq.seq_len - seq.chunk_len;
+    let nq = rows.len() * group;
+    let mut qf = vec![0.0f32; nq * hd];
+    let mut limits = vec![0usize; nq];
+    for (ri, i) in rows.clone().enumerate() {
+        let base = (seq.token_offset + i) * width + kv_head * group * hd;
+        for j in 0..group {
+            let dst = &mut qf[(ri * group + j) * hd..(ri * group + j + 1) * hd];
+            for (d, s) in dst.iter_mut().zip(&q[base + j * hd..base + (j + 1) * hd]) {
+                *d = s.to_f32();
+            }
+            limits[ri * group + j] = start + i + 1;
+        }
+    }
+    let mut m = vec![f32::NEG_INFINITY; nq];
+    let mut l = vec![0.0f32; nq];
+    let mut o = vec![0.0f32; nq * hd];
+    core::attend(
+        &qf,
+        nq,
+        kv,
+        block_table,
+        kv_head,
+        0..start + rows.end,
+        &limits,
+        scale,
+        &mut m,
+        &mut l,
+        &mut o,
+    );
+    for (ri, i) in rows.enumerate() {
+        let base = (seq.token_offset + i) * width + kv_head * group * hd;
+        for j in 0..group {
+            let qi = ri * group + j;
+            let inv = if l[qi] > 0.0 { 1.0 / l[qi] } else { 0.0 };
+            for (d, &a) in out[base + j * hd..base + (j + 1) * hd]
+                .iter_mut()
+                .zip(&o[qi * hd..(qi + 1) * hd])
+            {
+                *d = f32_to_bf16(a * inv);
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Elementwise and small reduction kernels of the step: SwiGLU, residual add, embedding
+//! gather, greedy argmax and the KV-cache row write.
+
+use half::bf16;
+
+use crate::convert::{bf16_to_f32, f32_to_bf16};
+use crate::multiversion::multiversion;
+
+multiversion! {
+    /// SwiGLU over rows of `gate.len() / row_scale.len()`: with `gt = gate * s` and
+    /// `u = up * s` (`s = row_scale[row]`, the decode step's deferred `r2`; pass ones when
+    /// the inputs are already scaled), `out = bf16(gt * sigmoid(gt) * u)`.
+    ///
+    /// # Panics
+    /// If the lengths differ or are not a multiple of `row_scale.len()`.
+    pub fn swiglu_bf16(gate: &[f32], up: &[f32], row_scale: &[f32], out: &mut [bf16]) {
+        assert_eq!(gate.len(), up.len(), "swiglu_bf16: up len");
+        assert_eq!(gate.len(), out.len(), "swiglu_bf16: out len");
+        let rows = row_scale.len().max(1);
+        assert_eq!(gate.len() % rows, 0, "swiglu_bf16: rows");
+        let w = gate.len() / rows;
+        if w == 0 {
+            return;
+        }
+        for (((g, u), o), &s) in gate.chunks_exact(w).zip(up.chunks_exact(w)).zip(out.chunks_exact_mut(w)).zip(row_scale) {
+            for ((&gv, &uv), ov) in g.iter().zip(u).zip(o.iter_mut()) {
+                let gt = gv * s;
+                let sig = 1.0 / (1.0 + (-gt).exp());
+                *ov = f32_to_bf16(gt * sig * (uv * s));
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `x += y` (fp32 residual stream).
+    ///
+    /// # Panics
+    /// If the lengths differ.
+    pub fn residual_add_f32(x: &mut [f32], y: &[f32]) {
+        assert_eq!(x.len(), y.len(), "residual_add_f32: lengths differ");
+        for (a, &b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+    }
+}
+
+multiversion! {
+    /// Gathers embedding rows: `out[i, :] = f32(table[ids[i], :])` for a bf16 table of rows of
+    /// `hidden`.
+    ///
+    /// # Panics
+    /// If an id is outside the table or `out.len() != ids.len() * hidden`.
+    pub fn embedding_gather_bf16(table: &[bf16], hidden: usize, ids: &[u32], out: &mut [f32]) {
+        assert_eq!(out.len(), ids.len() * hidden, "embedding_gather_bf16: out len");
+        if hidden == 0 {
+            return;
+        }
+        let vocab = table.len() / hidden;
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(hidden)) {
+            let id = id as usize;
+            assert!(id < vocab, "embedding_gather_bf16: token id {id} outside vocabulary {vocab}");
+            for (d, &s) in o.iter_mut().zip(&table[id * hidden..(id + 1) * hidden]) {
+                *d = bf16_to_f32(s);
+            }
+        }
+    }
+}
+
+/// Greedy pick: the index and value of the largest element; ties go to the lowest index and
+/// NaNs never win. `None` for an empty slice or one holding only NaNs.
+pub fn argmax_f32(x: &[f32]) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        match best {
+            Some((_, b)) if v <= b => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best
+}
+
+/// Merges per-tile argmax results `(global index, value)` with the same tie rule as
+/// [`argmax_f32`] (ties to the lowest index).
+pub fn argmax_combine(parts: &[Option<(usize, f32)>]) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for &(i, v) in parts.iter().flatten() {
+        match best {
+            Some((bi, bv)) if v < bv || (v == bv && i > bi) => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    best
+}
+
+/// Writes one token's K or V row (`kv_heads * head_dim` bf16) into a layer's pool viewed as
+/// `[slots, row.len()]` at `slot` (`slot_mapping[b]`).
+///
+/// # Panics
+/// If the slot is outside the pool.
+pub fn kv_write_bf16(pool: &mut [bf16], slot: usize, row: &[bf16]) {
+    let w = row.len();
+    assert!(
+        (slot + 1) * w <= pool.len(),
+        "kv_write_bf16: slot {slot} outside pool of {} rows",
+        pool.len() / w.max(1)
+    );
+    pool[slot * w..(slot + 1) * w].copy_from_slice(row);
+}

@@ -1,0 +1,372 @@
+//! bf16 matrix products with fp32 accumulation: `out[b, n] (+)= sum_k w[n, k] * x[b, k]`, one
+//! tile (`n` rows × a `k` slice) per call, so split-K partial sums can accumulate into a
+//! zero-seeded fp32 buffer.
+//!
+//! # Layouts
+//! - Weights `[N, K]` bf16, row-major: row `n` is contiguous along `K` (the HF `[out, in]`
+//!   layout).
+//! - Activations are *packed* once per layer input by [`pack_acts_bf16`]: fp32 `[B, K]` where
+//!   each full 16-element block of a row is reordered to `[x0, x2, .., x14, x1, x3, .., x15]`
+//!   (a row's last `K % 16` elements stay in order). The AVX2 path widens a 256-bit load of
+//!   16 bf16 weights into their even and odd halves with one shift and one mask, and these meet
+//!   the packed activations lane for lane.
+//! - Output fp32: element `(b, n)` of a tile lives at `out[b * ld_out + (n - tile.n.start)]`.
+//!
+//! # Speed (see `06-performance.md`)
+//! Batch 1–2 is bandwidth-bound: the AVX2 path streams four rows per pass with software
+//! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
+//! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several
+//! FMAs.
+
+use std::ops::Range;
+
+use half::bf16;
+
+use crate::isa::Isa;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod portable;
+
+/// Elements per packing block (one 256-bit load of bf16).
+pub const PACK_BLOCK: usize = 16;
+
+/// bf16 weights `[rows, cols]`, row-major (row `n` contiguous along `K`: the HF `[out, in]`
+/// layout).
+#[derive(Clone, Copy, Debug)]
+pub struct WeightsBf16<'a> {
+    data: &'a [bf16],
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> WeightsBf16<'a> {
+    /// Views `data` as `[rows, cols]`.
+    ///
+    /// # Panics
+    /// If `data.len() != rows * cols`.
+    pub fn new(data: &'a [bf16], rows: usize, cols: usize) -> WeightsBf16<'a> {
+        assert_eq!(
+            Some(data.len()),
+            rows.checked_mul(cols),
+            "weights: len {} != {rows} x {cols}",
+            data.len()
+        );
+        WeightsBf16 { data, rows, cols }
+    }
+    /// Number of rows (`N`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Number of columns (`K`).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The elements.
+    pub fn data(&self) -> &'a [bf16] {
+        self.data
+    }
+}
+
+/// Activations packed by [`pack_acts_bf16`]: fp32 rows of `cols` elements at a row stride of
+/// [`packed_ld`]`(cols)` (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct PackedActs<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+}
+
+/// Row stride of packed activations with `cols` columns: `cols` rounded up to 16 plus 16, so
+/// consecutive rows never sit a multiple of 4 KiB apart (rows at such strides share L1 sets
+/// and thrash when a micro-kernel streams several at once).
+pub const fn packed_ld(cols: usize) -> usize {
+    cols.div_ceil(PACK_BLOCK) * PACK_BLOCK + PACK_BLOCK
+}
+
+/// Length of a packed activation buffer of `rows` rows of `cols` columns.
+pub const fn packed_len(rows: usize, cols: usize) -> usize {
+    rows * packed_ld(cols)
+}
+
+impl<'a> PackedActs<'a> {
+    /// Views `data` (written by [`pack_acts_bf16`] or [`pack_acts_f32`]) as `rows` packed rows
+    /// of `cols` columns.
+    ///
+    /// # Panics
+    /// If `data.len() != packed_len(rows, cols)`.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> PackedActs<'a> {
+        assert_eq!(
+            data.len(),
+            packed_len(rows, cols),
+            "packed acts: len {} for {rows} x {cols}",
+            data.len()
+        );
+        PackedActs { data, rows, cols }
+    }
+    /// Number of batch rows (`B`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Number of columns (`K`).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The packed elements (row stride [`packed_ld`]`(cols)`).
+    pub fn data(&self) -> &'a [f32] {
+        self.data
+    }
+}
+
+/// How a call combines its result with the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutMode {
+    /// `out = result`.
+    Store,
+    /// `out += result` (split-K partial sums into a zero-seeded buffer).
+    Add,
+}
+
+/// The part of the product one call computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GemmTile {
+    /// Output columns (weight rows) `N` computed.
+    pub n: Range<usize>,
+    /// The slice of `K` summed.
+    pub k: Range<usize>,
+    /// Store or accumulate.
+    pub mode: OutMode,
+}
+
+impl GemmTile {
+    /// The whole product of `w`, stored.
+    pub fn full(w: &WeightsBf16<'_>) -> GemmTile {
+        GemmTile {
+            n: 0..w.rows(),
+            k: 0..w.cols(),
+            mode: OutMode::Store,
+        }
+    }
+}
+
+/// Where element `k` of a row of `cols` elements sits in the packed row.
+#[inline]
+pub fn pack_index(k: usize, cols: usize) -> usize {
+    let block = k / PACK_BLOCK * PACK_BLOCK;
+    if block + PACK_BLOCK > cols {
+        return k;
+    }
+    let i = k - block;
+    block
+        + if i % 2 == 0 {
+            i / 2
+        } else {
+            PACK_BLOCK / 2 + i / 2
+        }
+}
+
+/// Packs bf16 activations `x [rows, cols]` for [`gemm_bf16`] into `out`
+/// ([`packed_len`]`(rows, cols)` fp32; padding is zeroed).
+///
+/// # Panics
+/// If `x` is not `rows * cols` long or `out` not `packed_len(rows, cols)`.
+pub fn pack_acts_bf16(x: &[bf16], rows: usize, cols: usize, out: &mut [f32]) {
+    assert_eq!(
+        Some(x.len()),
+        rows.checked_mul(cols),
+        "pack_acts_bf16: x len"
+    );
+    assert_eq!(out.len(), packed_len(rows, cols), "pack_acts_bf16: out len");
+    for (src, dst) in x
+        .chunks_exact(cols.max(1))
+        .zip(out.chunks_exact_mut(packed_ld(cols)))
+    {
+        pack_row(src, dst, |v| v.to_f32());
+    }
+}
+
+/// Packs fp32 activations `x [rows, cols]` (normally bf16-representable values; others are
+/// used unrounded) into `out` ([`packed_len`]`(rows, cols)`; padding is zeroed).
+///
+/// # Panics
+/// If `x` is not `rows * cols` long or `out` not `packed_len(rows, cols)`.
+pub fn pack_acts_f32(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
+    assert_eq!(
+        Some(x.len()),
+        rows.checked_mul(cols),
+        "pack_acts_f32: x len"
+    );
+    assert_eq!(out.len(), packed_len(rows, cols), "pack_acts_f32: out len");
+    for (src, dst) in x
+        .chunks_exact(cols.max(1))
+        .zip(out.chunks_exact_mut(packed_ld(cols)))
+    {
+        pack_row(src, dst, |v| *v);
+    }
+}
+
+fn pack_row<T>(src: &[T], dst: &mut [f32], f: impl Fn(&T) -> f32) {
+    let full = src.len() / PACK_BLOCK * PACK_BLOCK;
+    for (s, d) in src[..full]
+        .chunks_exact(PACK_BLOCK)
+        .zip(dst[..full].chunks_exact_mut(PACK_BLOCK))
+    {
+        for i in 0..PACK_BLOCK / 2 {
+            d[i] = f(&s[2 * i]);
+            d[PACK_BLOCK / 2 + i] = f(&s[2 * i + 1]);
+        }
+    }
+    for (s, d) in src[full..].iter().zip(&mut dst[full..]) {
+        *d = f(s);
+    }
+    dst[src.len()..].fill(0.0);
+}
+
+/// One tile of `out[b, n] (+)= sum_{k in tile.k} w[n, k] * x[b, k]` for every batch row `b` of
+/// `x` (bf16 weights, fp32 accumulation).
+///
+/// # Panics
+/// If the tile lies outside `w`, `x` has a different `K`, or `out` is too short for
+/// `x.rows()` rows of stride `ld_out` (`ld_out >= tile.n.len()` when there are several rows).
+pub fn gemm_bf16(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    gemm_dispatch(w, x, tile, None, out, ld_out);
+}
+
+/// [`gemm_bf16`] with each batch row's result multiplied by `row_scale[b]` before it is stored
+/// or added (the decode step's deferred `1/rms`; linear, so split-K partials may each be
+/// scaled).
+///
+/// # Panics
+/// As [`gemm_bf16`], and if `row_scale.len() != x.rows()`.
+pub fn gemm_scaled_bf16(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    row_scale: &[f32],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    assert_eq!(row_scale.len(), x.rows(), "gemm_scaled_bf16: row_scale len");
+    gemm_dispatch(w, x, tile, Some(row_scale), out, ld_out);
+}
+
+/// Arguments checked and lowered for the path kernels.
+struct Lowered<'a> {
+    w: &'a [u16],
+    ldw: usize,
+    x: &'a [f32],
+    ldx: usize,
+    batch: usize,
+    n: Range<usize>,
+    k: Range<usize>,
+    /// Body `[kb0, kb1)`: whole packing blocks inside `k`.
+    kb0: usize,
+    kb1: usize,
+    mode: OutMode,
+    scale: Option<&'a [f32]>,
+}
+
+fn gemm_dispatch(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    scale: Option<&[f32]>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let (n, k) = (tile.n.clone(), tile.k.clone());
+    assert!(
+        n.start <= n.end && n.end <= w.rows(),
+        "gemm_bf16: n range {n:?} outside {} rows",
+        w.rows()
+    );
+    assert!(
+        k.start <= k.end && k.end <= w.cols(),
+        "gemm_bf16: k range {k:?} outside {} cols",
+        w.cols()
+    );
+    assert_eq!(
+        x.cols(),
+        w.cols(),
+        "gemm_bf16: activations K {} != weights K {}",
+        x.cols(),
+        w.cols()
+    );
+    let batch = x.rows();
+    if n.is_empty() || batch == 0 {
+        return;
+    }
+    assert!(
+        batch == 1 || ld_out >= n.len(),
+        "gemm_bf16: ld_out {ld_out} < tile width {}",
+        n.len()
+    );
+    assert!(
+        out.len() >= (batch - 1) * ld_out + n.len(),
+        "gemm_bf16: out too short"
+    );
+    let cols = w.cols();
+    let full_end = cols / PACK_BLOCK * PACK_BLOCK;
+    let kb0 = k.start.div_ceil(PACK_BLOCK) * PACK_BLOCK;
+    let kb1 = k.end.min(full_end) / PACK_BLOCK * PACK_BLOCK;
+    let (kb0, kb1) = if kb0 < kb1 {
+        (kb0, kb1)
+    } else {
+        (k.start, k.start)
+    };
+    let lw = Lowered {
+        // SAFETY: bf16 is a `repr(transparent)` wrapper of u16, so the slice is reinterpreted
+        // element for element with the same length and alignment.
+        w: unsafe { std::slice::from_raw_parts(w.data().as_ptr().cast::<u16>(), w.data().len()) },
+        ldw: cols,
+        x: x.data(),
+        ldx: packed_ld(cols),
+        batch,
+        n,
+        k,
+        kb0,
+        kb1,
+        mode: tile.mode,
+        scale,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx2 {
+        // SAFETY: `Isa::current` only returns Avx2 when the CPU supports AVX2, FMA and F16C;
+        // `lw` was checked above (ranges inside the matrices, output long enough).
+        unsafe { avx2::gemm(&lw, out, ld_out) };
+        return;
+    }
+    portable::gemm(&lw, out, ld_out);
+}
+
+/// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.
+#[inline]
+fn edge_sum(lw: &Lowered<'_>, n: usize, b: usize) -> f32 {
+    let wrow = &lw.w[n * lw.ldw..(n + 1) * lw.ldw];
+    let xrow = &lw.x[b * lw.ldx..b * lw.ldx + lw.ldw];
+    let mut s = 0.0f32;
+    for kk in (lw.k.start..lw.kb0).chain(lw.kb1..lw.k.end) {
+        s += f32::from_bits(u32::from(wrow[kk]) << 16) * xrow[pack_index(kk, lw.ldw)];
+    }
+    s
+}
+
+/// Writes one finished sum.
+#[inline]
+fn finish(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize, n: usize, b: usize, sum: f32) {
+    let v = match lw.scale {
+        Some(s) => sum * s[b],
+        None => sum,
+    };
+    let o = &mut out[b * ld_out + (n - lw.n.start)];
+    match lw.mode {
+        OutMode::Store => *o = v,
+        OutMode::Add => *o += v,
+    }
+}

@@ -1,0 +1,39 @@
+//! CPU compute kernels for LLM inference: plain functions over slices, one tile per call,
+//! bf16 storage with fp32 accumulation, an AVX2+FMA+F16C path chosen at run time and a
+//! portable path.
+//!
+//! Every kernel is single-threaded: the runtime parallelises by submitting many tile tasks.
+//! Each dispatches on [`Isa::current`] (detected once, overridable per thread with
+//! [`with_isa`], which the tests use to run both paths). Kernels panic on malformed arguments
+//! (slice lengths, ranges), like slice indexing; they never read or write outside the slices
+//! they are given.
+
+pub mod attention;
+pub mod convert;
+pub mod elementwise;
+pub mod gemm;
+pub mod isa;
+mod math;
+pub mod membw;
+mod multiversion;
+pub mod norm;
+pub mod rope;
+mod simd;
+
+pub use attention::{
+    PagedKv, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
+    decode_attention_partial_bf16, partial_len, prefill_attention_bf16, split_range,
+};
+pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
+pub use elementwise::{
+    argmax_combine, argmax_f32, embedding_gather_bf16, kv_write_bf16, residual_add_f32, swiglu_bf16,
+};
+pub use gemm::{
+    GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
+    pack_acts_bf16, pack_acts_f32, pack_index, packed_ld, packed_len,
+};
+pub use isa::{Isa, with_isa};
+pub use norm::{
+    head_rms_norm_f32, rms_norm_bf16, rms_norm_deferred_bf16, rms_norm_deferred_packed,
+};
+pub use rope::{qk_norm_rope_bf16, rope_neox_f32};

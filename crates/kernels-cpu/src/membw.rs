@@ -1,0 +1,257 @@
+//! The machine's two roofline denominators, measured: streaming read bandwidth (one thread and
+//! all threads) and fp32 FMA peak (one core and all cores). Prints nothing.
+//!
+//! Bandwidth reads a buffer much larger than the last-level cache several times with wide loads
+//! and reports the best and the median pass; the FMA peak runs chains of independent 256-bit
+//! FMAs (enough accumulators to cover the FMA latency on every pipe). Both run on the
+//! [`Isa::current`] path.
+
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use crate::isa::Isa;
+
+/// What [`measure`] found.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MachinePeaks {
+    /// Threads used for the "all" figures.
+    pub threads: usize,
+    /// Best streaming read bandwidth of one thread, GB/s (1e9 bytes/s).
+    pub read_gbs_one: f64,
+    /// Median read bandwidth of one thread over the passes, GB/s.
+    pub read_gbs_one_median: f64,
+    /// Best streaming read bandwidth of all threads together, GB/s.
+    pub read_gbs_all: f64,
+    /// Median read bandwidth of all threads together, GB/s.
+    pub read_gbs_all_median: f64,
+    /// fp32 FMA peak of one core, GFLOP/s (an FMA counts 2 FLOPs per lane).
+    pub fma_gflops_one: f64,
+    /// fp32 FMA peak of all threads together, GFLOP/s.
+    pub fma_gflops_all: f64,
+}
+
+/// How [`measure`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeasureOptions {
+    /// Rough total wall time of the four measurements (allocation excluded).
+    pub duration: Duration,
+    /// Size of the streamed buffer in bytes (make it several times the last-level cache).
+    pub buffer_bytes: usize,
+    /// Threads for the "all" figures.
+    pub threads: usize,
+}
+
+impl Default for MeasureOptions {
+    fn default() -> MeasureOptions {
+        MeasureOptions {
+            duration: Duration::from_millis(1500),
+            buffer_bytes: 256 << 20,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+/// Measures read bandwidth and FMA peak (see the module docs).
+pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
+    let threads = opts.threads.max(1);
+    let words = (opts.buffer_bytes / 8).max(4096) / 64 * 64;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let quarter = opts.duration / 4;
+    let (one, one_med) = read_bandwidth(&buf, 1, quarter);
+    let (all, all_med) = read_bandwidth(&buf, threads, quarter);
+    drop(buf);
+    MachinePeaks {
+        threads,
+        read_gbs_one: one,
+        read_gbs_one_median: one_med,
+        read_gbs_all: all,
+        read_gbs_all_median: all_med,
+        fma_gflops_one: fma_peak(1, quarter),
+        fma_gflops_all: fma_peak(threads, quarter),
+    }
+}
+
+/// Streaming read bandwidth of `threads` threads reading disjoint parts of `buf`, run for about
+/// `budget`: `(best, median)` over the passes, GB/s.
+pub fn read_bandwidth(buf: &[u64], threads: usize, budget: Duration) -> (f64, f64) {
+    let threads = threads.max(1);
+    let part = buf.len() / threads / 64 * 64;
+    if part == 0 {
+        return (0.0, 0.0);
+    }
+    let bytes = (part * threads * 8) as f64;
+    // One untimed warm-up pass tells how many passes fit the budget.
+    let t = Instant::now();
+    std::hint::black_box(read_sum(&buf[..part]));
+    let one_pass = t.elapsed().as_secs_f64() * threads as f64 / threads.min(2) as f64;
+    let passes = ((budget.as_secs_f64() / one_pass.max(1e-6)) as usize).clamp(3, 64);
+    let barrier = Barrier::new(threads);
+    let per_thread: Vec<Vec<f64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                let chunk = &buf[i * part..(i + 1) * part];
+                let barrier = &barrier;
+                s.spawn(move || {
+                    (0..passes)
+                        .map(|_| {
+                            barrier.wait();
+                            let t = Instant::now();
+                            std::hint::black_box(read_sum(chunk));
+                            t.elapsed().as_secs_f64()
+                        })
+                        .collect::<Vec<f64>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bandwidth thread panicked"))
+            .collect()
+    });
+    let mut rates: Vec<f64> = (0..passes)
+        .map(|p| {
+            let slowest = per_thread.iter().map(|t| t[p]).fold(0.0f64, f64::max);
+            bytes / slowest.max(1e-9) / 1e9
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    (rates[rates.len() - 1], rates[rates.len() / 2])
+}
+
+/// fp32 FMA peak of `threads` threads each running independent FMA chains for about `budget`,
+/// GFLOP/s.
+pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
+    let threads = threads.max(1);
+    // Calibrate the iteration count on this thread.
+    let mut iters = 1u64 << 14;
+    loop {
+        let t = Instant::now();
+        std::hint::black_box(fma_chains(iters));
+        let dt = t.elapsed().as_secs_f64();
+        if dt > budget.as_secs_f64() / 20.0 || iters > 1 << 34 {
+            iters = ((iters as f64) * budget.as_secs_f64() / 4.0 / dt.max(1e-9)) as u64;
+            break;
+        }
+        iters *= 4;
+    }
+    let iters = iters.max(1 << 10);
+    let barrier = Barrier::new(threads);
+    let best: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let mut best = f64::MAX;
+                    for _ in 0..3 {
+                        barrier.wait();
+                        let t = Instant::now();
+                        std::hint::black_box(fma_chains(iters));
+                        best = best.min(t.elapsed().as_secs_f64());
+                    }
+                    best
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("fma thread panicked"))
+            .collect()
+    });
+    let flops = FMA_FLOPS_PER_ITER * iters as f64;
+    best.iter().map(|t| flops / t.max(1e-9) / 1e9).sum()
+}
+
+/// Independent accumulators per chain loop.
+const CHAINS: usize = 12;
+/// FLOPs per loop iteration: `CHAINS` FMAs of 8 lanes, 2 FLOPs each.
+const FMA_FLOPS_PER_ITER: f64 = (CHAINS * 8 * 2) as f64;
+
+fn read_sum(buf: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2.
+        return unsafe { avx2::read_sum(buf) };
+    }
+    let mut acc = [0u64; 8];
+    for c in buf.chunks_exact(8) {
+        for i in 0..8 {
+            acc[i] ^= c[i];
+        }
+    }
+    acc.iter().fold(0, |a, b| a ^ b)
+}
+
+fn fma_chains(iters: u64) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2 and FMA.
+        return unsafe { avx2::fma_chains(iters) };
+    }
+    let mut acc = [[1.0f32; 8]; CHAINS];
+    let (m, a) = (
+        std::hint::black_box(0.999_999f32),
+        std::hint::black_box(1e-3f32),
+    );
+    for _ in 0..iters {
+        for c in acc.iter_mut() {
+            for v in c.iter_mut() {
+                *v = *v * m + a;
+            }
+        }
+    }
+    acc.iter().flatten().sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::CHAINS;
+
+    /// XOR of every word of `buf`, read with 256-bit loads, 256 B per iteration.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn read_sum(buf: &[u64]) -> u64 {
+        let mut acc = [_mm256_setzero_si256(); 4];
+        let mut chunks = buf.chunks_exact(32);
+        for c in &mut chunks {
+            let p = c.as_ptr().cast::<__m256i>();
+            for i in 0..8 {
+                // SAFETY: the chunk holds 32 u64 = 8 vectors of 256 bits.
+                let v = unsafe { _mm256_loadu_si256(p.add(i)) };
+                acc[i % 4] = _mm256_xor_si256(acc[i % 4], v);
+            }
+        }
+        let mut words = [0u64; 4];
+        let all = _mm256_xor_si256(
+            _mm256_xor_si256(acc[0], acc[1]),
+            _mm256_xor_si256(acc[2], acc[3]),
+        );
+        // SAFETY: `words` is 32 bytes.
+        unsafe { _mm256_storeu_si256(words.as_mut_ptr().cast::<__m256i>(), all) };
+        words.iter().chain(chunks.remainder()).fold(0, |a, b| a ^ b)
+    }
+
+    /// `CHAINS` independent FMA chains of `iters` steps each.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fma_chains(iters: u64) -> f32 {
+        let m = _mm256_set1_ps(std::hint::black_box(0.999_999));
+        let a = _mm256_set1_ps(std::hint::black_box(1e-3));
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm256_fmadd_ps(*v, m, a);
+            }
+        }
+        let mut s = _mm256_setzero_ps();
+        for v in acc {
+            s = _mm256_add_ps(s, v);
+        }
+        crate::simd::hsum256(s)
+    }
+}

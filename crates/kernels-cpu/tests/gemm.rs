@@ -1,0 +1,169 @@
+//! GEMM kernels against a plain f64 loop, and the AVX2 path against the portable one.
+
+mod common;
+
+use common::{Rng, both};
+use half::bf16;
+use proptest::prelude::*;
+use simpler_kernels_cpu::{
+    GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16, pack_acts_bf16,
+    pack_index, packed_len,
+};
+
+struct Case {
+    n: usize,
+    k: usize,
+    batch: usize,
+    w: Vec<bf16>,
+    x: Vec<bf16>,
+    packed: Vec<f32>,
+}
+
+fn case(n: usize, k: usize, batch: usize, seed: u64) -> Case {
+    let mut rng = Rng(seed);
+    let w = rng.vec_bf16(n * k, 0.5);
+    let x = rng.vec_bf16(batch * k, 2.0);
+    let mut packed = vec![0.0; packed_len(batch, k)];
+    pack_acts_bf16(&x, batch, k, &mut packed);
+    Case {
+        n,
+        k,
+        batch,
+        w,
+        x,
+        packed,
+    }
+}
+
+/// f64 reference of one tile, and the error bound of an fp32 sum of those terms.
+fn reference(c: &Case, tile: &GemmTile, b: usize, n: usize) -> (f64, f64) {
+    let mut s = 0.0f64;
+    let mut mag = 0.0f64;
+    for kk in tile.k.clone() {
+        let t = f64::from(c.w[n * c.k + kk].to_f32()) * f64::from(c.x[b * c.k + kk].to_f32());
+        s += t;
+        mag += t.abs();
+    }
+    (s, mag * 1e-5 + 1e-6)
+}
+
+fn run(c: &Case, tile: &GemmTile, scale: Option<&[f32]>, seed_out: &[f32], ld: usize) -> Vec<f32> {
+    let mut out = seed_out.to_vec();
+    let w = WeightsBf16::new(&c.w, c.n, c.k);
+    let x = PackedActs::new(&c.packed, c.batch, c.k);
+    match scale {
+        Some(s) => gemm_scaled_bf16(w, x, tile, s, &mut out, ld),
+        None => gemm_bf16(w, x, tile, &mut out, ld),
+    }
+    out
+}
+
+fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
+    let mut rng = Rng(seed ^ 0xABCD);
+    let ld = tile.n.len() + rng.below(3);
+    let out_len = (c.batch - 1) * ld + tile.n.len();
+    let seed_out = rng.vec_f32(out_len, 1.0);
+    let scale = rng.vec_f32(c.batch, 2.0);
+    let scale = scaled.then_some(&scale[..]);
+    let (p, a) = both(|| run(c, &tile, scale, &seed_out, ld));
+    for b in 0..c.batch {
+        for n in tile.n.clone() {
+            let (mut e, mut tol) = reference(c, &tile, b, n);
+            if let Some(s) = scale {
+                e *= f64::from(s[b]);
+                tol *= f64::from(s[b].abs());
+            }
+            let i = b * ld + (n - tile.n.start);
+            if tile.mode == OutMode::Add {
+                e += f64::from(seed_out[i]);
+                tol += 1e-6;
+            }
+            for (path, out) in [("portable", Some(&p)), ("avx2", a.as_ref())] {
+                if let Some(out) = out {
+                    let got = f64::from(out[i]);
+                    assert!(
+                        (got - e).abs() <= tol,
+                        "{path} b={b} n={n} tile={tile:?}: {got} vs {e}"
+                    );
+                }
+            }
+        }
+    }
+    // Nothing outside the tile's elements is touched.
+    for (path, out) in [("portable", Some(&p)), ("avx2", a.as_ref())] {
+        if let Some(out) = out {
+            for (i, (&o, &s)) in out.iter().zip(&seed_out).enumerate() {
+                if i % ld >= tile.n.len() {
+                    assert_eq!(o, s, "{path} wrote padding element {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pack_index_is_a_permutation() {
+    for cols in [1usize, 15, 16, 17, 40, 64, 1000] {
+        let mut seen = vec![false; cols];
+        for k in 0..cols {
+            let p = pack_index(k, cols);
+            assert!(!seen[p], "cols {cols}: {k} collides");
+            seen[p] = true;
+        }
+    }
+}
+
+#[test]
+fn qwen_like_shapes_full_and_split_k() {
+    for &(n, k, batch) in &[
+        (64usize, 1024usize, 1usize),
+        (37, 1024, 2),
+        (48, 3072, 3),
+        (40, 512, 4),
+        (30, 256, 16),
+        (7, 2048, 9),
+    ] {
+        let c = case(n, k, batch, (n * k + batch) as u64);
+        check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);
+        // Split-K: four slices accumulated into a zero-seeded buffer equal the full product.
+        let slices = 4;
+        let mut acc = vec![0.0f32; batch * n];
+        let mut full = vec![0.0f32; batch * n];
+        let w = WeightsBf16::new(&c.w, n, k);
+        let x = PackedActs::new(&c.packed, batch, k);
+        for s in 0..slices {
+            let kr = k * s / slices..k * (s + 1) / slices;
+            gemm_bf16(
+                w,
+                x,
+                &GemmTile {
+                    n: 0..n,
+                    k: kr,
+                    mode: OutMode::Add,
+                },
+                &mut acc,
+                n,
+            );
+        }
+        gemm_bf16(w, x, &GemmTile::full(&w), &mut full, n);
+        common::assert_close(&acc, &full, 1e-5, 1e-5, "split-K vs full");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    #[test]
+    fn random_tiles_match_reference(
+        n in 1usize..24, k in 1usize..200, batch in 1usize..20,
+        n_cut in 0.0f64..1.0, n_len in 0.0f64..1.0, k_cut in 0.0f64..1.0, k_len in 0.0f64..1.0,
+        add in any::<bool>(), scaled in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let c = case(n, k, batch, seed);
+        let n0 = (n_cut * n as f64) as usize;
+        let n1 = n0 + 1 + ((n - n0 - 1) as f64 * n_len) as usize;
+        let k0 = (k_cut * k as f64) as usize;
+        let k1 = k0 + ((k - k0) as f64 * k_len) as usize;
+        let mode = if add { OutMode::Add } else { OutMode::Store };
+        check(&c, GemmTile { n: n0..n1, k: k0..k1, mode }, scaled, seed);
+    }
+}

@@ -1,0 +1,1 @@
+//! Qwen3 model code (placeholder while the crate is written).
