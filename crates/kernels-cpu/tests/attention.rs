@@ -1,0 +1,182 @@
+//! Paged attention (split-KV decode with combine, chunked causal prefill) against an fp64
+//! softmax reference over the gathered sequence, at the spec's attention tolerance.
+
+mod common;
+
+use common::{Rng, both, to_f32};
+use half::bf16;
+use proptest::prelude::*;
+use simpler_kernels_cpu::*;
+
+struct Setup {
+    kv_heads: usize,
+    hd: usize,
+    ps: usize,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+    /// One row per sequence, `max_blocks` entries each.
+    tables: Vec<Vec<u32>>,
+}
+
+impl Setup {
+    fn new(
+        seqs: usize,
+        max_blocks: usize,
+        kv_heads: usize,
+        hd: usize,
+        ps: usize,
+        rng: &mut Rng,
+    ) -> Setup {
+        let pages = seqs * max_blocks;
+        let row = kv_heads * hd;
+        let k = rng.vec_bf16(pages * ps * row, 1.0);
+        let v: Vec<bf16> = (0..pages * ps * row)
+            .map(|_| bf16::from_f32(0.3 + 0.5 * rng.uniform()))
+            .collect();
+        // A shuffled page assignment, so logical blocks are not contiguous.
+        let mut perm: Vec<u32> = (0..pages as u32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.below(i + 1));
+        }
+        let tables = perm.chunks(max_blocks).map(|c| c.to_vec()).collect();
+        Setup {
+            kv_heads,
+            hd,
+            ps,
+            k,
+            v,
+            tables,
+        }
+    }
+
+    fn kv(&self) -> PagedKv<'_> {
+        PagedKv {
+            k: &self.k,
+            v: &self.v,
+            kv_heads: self.kv_heads,
+            head_dim: self.hd,
+            page_size: self.ps,
+        }
+    }
+
+    /// fp64 softmax attention of query `q` (one head, fp32) over tokens `0..len` of sequence `s`.
+    fn reference(&self, s: usize, kv_head: usize, q: &[f32], len: usize, scale: f32) -> Vec<f32> {
+        let row = self.kv_heads * self.hd;
+        let slot = |t: usize| self.tables[s][t / self.ps] as usize * self.ps + t % self.ps;
+        let at = |pool: &[bf16], t: usize, d: usize| {
+            f64::from(pool[slot(t) * row + kv_head * self.hd + d].to_f32())
+        };
+        let scores: Vec<f64> = (0..len)
+            .map(|t| {
+                (0..self.hd)
+                    .map(|d| f64::from(q[d]) * at(&self.k, t, d))
+                    .sum::<f64>()
+                    * f64::from(scale)
+            })
+            .collect();
+        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let l: f64 = p.iter().sum();
+        (0..self.hd)
+            .map(|d| ((0..len).map(|t| p[t] * at(&self.v, t, d)).sum::<f64>() / l) as f32)
+            .collect()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn split_kv_decode_matches_softmax_reference(
+        seqs in 1usize..4, kv_heads in 1usize..3, group in 1usize..6, hd16 in 1usize..5,
+        small_pages in any::<bool>(), n_chunks in 1usize..6, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let hd = hd16 * 16 + if seed % 3 == 0 { 8 } else { 0 };
+        let ps = if small_pages { 16 } else { 128 };
+        let max_blocks = 3;
+        let st = Setup::new(seqs, max_blocks, kv_heads, hd, ps, &mut rng);
+        let width = kv_heads * group * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for s in 0..seqs {
+            // Ragged lengths, often crossing page boundaries.
+            let len = 1 + rng.below(max_blocks * ps);
+            let q = rng.vec_bf16(width, 1.0);
+            let (p, a) = both(|| {
+                let mut out = vec![bf16::ZERO; width];
+                for g in 0..kv_heads {
+                    decode_attention_bf16(&q, group, &st.kv(), &st.tables[s], g, len, n_chunks, scale,
+                        &mut out[g * group * hd..(g + 1) * group * hd]);
+                }
+                to_f32(&out)
+            });
+            if let Some(a) = &a {
+                common::assert_close(a, &p, 5e-3, 2e-2, "avx2 vs portable");
+            }
+            for h in 0..kv_heads * group {
+                let qh = to_f32(&q[h * hd..(h + 1) * hd]);
+                let e = st.reference(s, h / group, &qh, len, scale);
+                common::assert_close(&p[h * hd..(h + 1) * hd], &e, 5e-3, 2e-2, "decode vs reference");
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_matches_causal_reference(
+        kv_heads in 1usize..3, group in 1usize..4, prefix in 0usize..40, chunk in 1usize..40,
+        row_split in 0.0f64..1.0, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let (hd, ps) = (32, 16);
+        let st = Setup::new(2, 6, kv_heads, hd, ps, &mut rng);
+        let width = kv_heads * group * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        // Sequence 1 sits after 3 tokens of another sequence in the packed tensors.
+        let seq = PrefillSeq { seq_len: prefix + chunk, chunk_len: chunk, token_offset: 3 };
+        let t_total = 3 + chunk;
+        let q = rng.vec_bf16(t_total * width, 1.0);
+        let cut = (chunk as f64 * row_split) as usize;
+        let (p, a) = both(|| {
+            let mut out = vec![bf16::ZERO; t_total * width];
+            for g in 0..kv_heads {
+                // Two calls over disjoint row ranges, as two tasks would.
+                prefill_attention_bf16(&q, group, &st.kv(), &st.tables[1], g, seq, 0..cut, scale, &mut out);
+                prefill_attention_bf16(&q, group, &st.kv(), &st.tables[1], g, seq, cut..chunk, scale, &mut out);
+            }
+            to_f32(&out)
+        });
+        if let Some(a) = &a {
+            common::assert_close(a, &p, 5e-3, 2e-2, "avx2 vs portable");
+        }
+        prop_assert!(p[..3 * width].iter().all(|&v| v == 0.0), "rows of the other sequence were written");
+        for i in 0..chunk {
+            for h in 0..kv_heads * group {
+                let base = (3 + i) * width + h * hd;
+                let qh = to_f32(&q[base..base + hd]);
+                let e = st.reference(1, h / group, &qh, prefix + i + 1, scale);
+                common::assert_close(&p[base..base + hd], &e, 5e-3, 2e-2, "prefill vs reference");
+            }
+        }
+    }
+}
+
+#[test]
+fn combine_of_partials_equals_one_chunk() {
+    let mut rng = Rng(11);
+    let st = Setup::new(1, 4, 2, 128, 128, &mut rng);
+    let q = rng.vec_bf16(2 * 5 * 128, 1.0);
+    let len = 3 * 128 + 77;
+    let mut one = vec![bf16::ZERO; 5 * 128];
+    let mut many = vec![bf16::ZERO; 5 * 128];
+    decode_attention_bf16(&q, 5, &st.kv(), &st.tables[0], 1, len, 1, 0.088, &mut one);
+    // More chunks than tokens in some: empty partials must be ignored.
+    decode_attention_bf16(&q, 5, &st.kv(), &st.tables[0], 1, len, 7, 0.088, &mut many);
+    common::assert_close(&to_f32(&many), &to_f32(&one), 8e-3, 1e-3, "7 chunks vs 1");
+    let mut empty = vec![1.0f32; partial_len(5, 128)];
+    decode_attention_partial_bf16(&q, 5, &st.kv(), &st.tables[0], 1, 10..10, 0.088, &mut empty);
+    assert!(
+        empty
+            .chunks(130)
+            .all(|r| r[0] == f32::NEG_INFINITY && r[1..].iter().all(|&v| v == 0.0))
+    );
+}

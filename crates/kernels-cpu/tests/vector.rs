@@ -1,0 +1,234 @@
+//! Vector kernels (conversion, norms, RoPE, SwiGLU, residual, embedding, argmax) against plain
+//! scalar loops, on both paths.
+
+mod common;
+
+use common::{Rng, both};
+use half::bf16;
+use proptest::prelude::*;
+use simpler_kernels_cpu::*;
+
+fn bits(x: &[bf16]) -> Vec<u16> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn cast_f32_bf16_rounds_to_nearest_even() {
+    let mut rng = Rng(7);
+    let mut src: Vec<f32> = (0..1000)
+        .map(|_| f32::from_bits(rng.next_u64() as u32))
+        .collect();
+    src.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        f32::MAX,
+    ]);
+    // 1 + 2^-8 is a tie: rounds to even (1.0); 1 + 3*2^-8 rounds up to 1 + 2^-6.
+    assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0).to_f32(), 1.0);
+    assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0).to_f32(), 1.0 + 1.0 / 64.0);
+    let (p, a) = both(|| {
+        let mut d = vec![bf16::ZERO; src.len()];
+        cast_f32_bf16(&src, &mut d);
+        d
+    });
+    for (i, &s) in src.iter().enumerate() {
+        let e = bf16::from_f32(s);
+        if s.is_nan() {
+            assert!(p[i].is_nan());
+        } else {
+            assert_eq!(p[i].to_bits(), e.to_bits(), "portable {s:e}");
+        }
+    }
+    if let Some(a) = a {
+        for (i, (x, y)) in p.iter().zip(&a).enumerate() {
+            assert!(
+                x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()),
+                "avx2 differs at {i}"
+            );
+        }
+    }
+    let (wp, wa) = both(|| {
+        let mut d = vec![0.0f32; p.len()];
+        cast_bf16_f32(&p, &mut d);
+        d
+    });
+    for (x, y) in wp.iter().zip(&p) {
+        assert!(x.to_bits() == y.to_f32().to_bits() || x.is_nan());
+    }
+    if let Some(wa) = wa {
+        assert!(wa.iter().zip(&wp).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+}
+
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let s: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    1.0 / ((s / x.len() as f64) as f32 + eps).sqrt()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn norms_match_scalar(rows in 1usize..5, h in 1usize..300, seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        let x = rng.vec_f32(rows * h, 3.0);
+        let g = rng.vec_f32(h, 1.5);
+        let eps = 1e-6;
+        let (p, a) = both(|| {
+            let mut n = vec![bf16::ZERO; rows * h];
+            let mut r = vec![0.0f32; rows];
+            rms_norm_deferred_bf16(&x, &g, eps, &mut n, &mut r);
+            let mut packed = vec![0.0f32; packed_len(rows, h)];
+            let mut r2 = vec![0.0f32; rows];
+            rms_norm_deferred_packed(&x, &g, eps, &mut packed, &mut r2);
+            let mut o = vec![bf16::ZERO; rows * h];
+            rms_norm_bf16(&x, &g, eps, &mut o);
+            (bits(&n), r, packed, r2, bits(&o))
+        });
+        if let Some(a) = &a {
+            prop_assert_eq!(&p, a);
+        }
+        let (n, r, packed, r2, o) = p;
+        let mut expect_packed = vec![0.0f32; packed_len(rows, h)];
+        let nvals: Vec<bf16> = n.iter().map(|&b| bf16::from_bits(b)).collect();
+        pack_acts_bf16(&nvals, rows, h, &mut expect_packed);
+        prop_assert_eq!(&packed, &expect_packed);
+        prop_assert_eq!(&r, &r2);
+        for row in 0..rows {
+            let xr = &x[row * h..(row + 1) * h];
+            let er = inv_rms(xr, eps);
+            prop_assert!((r[row] - er).abs() <= 1e-5 * er);
+            for i in 0..h {
+                prop_assert_eq!(n[row * h + i], bf16::from_f32(xr[i] * g[i]).to_bits());
+                let e = bf16::from_f32(xr[i] * er * g[i]).to_f32();
+                let got = bf16::from_bits(o[row * h + i]).to_f32();
+                prop_assert!((got - e).abs() <= 1e-2 * e.abs() + 1e-6, "ordinary norm {} vs {}", got, e);
+            }
+        }
+    }
+
+    #[test]
+    fn qk_norm_rope_matches_scalar(heads in 1usize..5, half_d in 1usize..40, pos in 0usize..50, seed in any::<u64>()) {
+        let d = 2 * half_d;
+        let mut rng = Rng(seed);
+        let x = rng.vec_f32(heads * d, 2.0);
+        let w = rng.vec_f32(d, 1.2);
+        let inv: Vec<f32> = (0..half_d).map(|i| 10000f32.powf(-((2 * i) as f32) / d as f32)).collect();
+        let cos: Vec<f32> = (0..d).map(|i| (pos as f32 * inv[i % half_d]).cos()).collect();
+        let sin: Vec<f32> = (0..d).map(|i| (pos as f32 * inv[i % half_d]).sin()).collect();
+        let (p, a) = both(|| {
+            let mut s = x.clone();
+            let mut o = vec![bf16::ZERO; x.len()];
+            qk_norm_rope_bf16(&mut s, &w, 1e-6, &cos, &sin, &mut o);
+            bits(&o)
+        });
+        if let Some(a) = &a {
+            prop_assert_eq!(&p, a);
+        }
+        for h in 0..heads {
+            let xh = &x[h * d..(h + 1) * d];
+            let r = inv_rms(xh, 1e-6);
+            let t: Vec<f32> = (0..d).map(|i| xh[i] * r * w[i]).collect();
+            for i in 0..d {
+                let e = if i < half_d {
+                    t[i] * cos[i] - t[i + half_d] * sin[i]
+                } else {
+                    t[i] * cos[i] + t[i - half_d] * sin[i]
+                };
+                let got = bf16::from_bits(p[h * d + i]).to_f32();
+                prop_assert!((got - e).abs() <= 1e-2 * e.abs() + 1e-4, "head {} dim {}: {} vs {}", h, i, got, e);
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_residual_embedding_match_scalar(rows in 1usize..4, w in 1usize..200, seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        let gate = rng.vec_f32(rows * w, 6.0);
+        let up = rng.vec_f32(rows * w, 3.0);
+        let scale = rng.vec_f32(rows, 2.0);
+        let table = rng.vec_bf16(10 * w, 1.0);
+        let ids: Vec<u32> = (0..rows).map(|_| rng.below(10) as u32).collect();
+        let y = rng.vec_f32(rows * w, 1.0);
+        let (p, a) = both(|| {
+            let mut o = vec![bf16::ZERO; rows * w];
+            swiglu_bf16(&gate, &up, &scale, &mut o);
+            let mut e = vec![0.0f32; rows * w];
+            embedding_gather_bf16(&table, w, &ids, &mut e);
+            residual_add_f32(&mut e, &y);
+            (bits(&o), e)
+        });
+        if let Some(a) = &a {
+            prop_assert_eq!(&p, a);
+        }
+        for r in 0..rows {
+            for i in 0..w {
+                let gt = gate[r * w + i] * scale[r];
+                let e = gt / (1.0 + (-gt).exp()) * (up[r * w + i] * scale[r]);
+                let got = bf16::from_bits(p.0[r * w + i]).to_f32();
+                prop_assert!((got - e).abs() <= 8e-3 * e.abs() + 1e-6, "swiglu {} vs {}", got, e);
+                let emb = table[ids[r] as usize * w + i].to_f32() + y[r * w + i];
+                prop_assert_eq!(p.1[r * w + i], emb);
+            }
+        }
+    }
+}
+
+#[test]
+fn argmax_ties_go_to_lowest_index_and_nan_never_wins() {
+    assert_eq!(argmax_f32(&[]), None);
+    assert_eq!(argmax_f32(&[f32::NAN]), None);
+    assert_eq!(argmax_f32(&[1.0, 3.0, f32::NAN, 3.0, -1.0]), Some((1, 3.0)));
+    assert_eq!(
+        argmax_f32(&[f32::NEG_INFINITY, f32::NEG_INFINITY]),
+        Some((0, f32::NEG_INFINITY))
+    );
+    // Tiles merged: the tie between tile 0 (index 1) and tile 1 (index 5) goes to index 1.
+    let parts = [Some((5, 3.0)), None, Some((1, 3.0)), Some((9, 2.0))];
+    assert_eq!(argmax_combine(&parts), Some((1, 3.0)));
+    let mut rng = Rng(3);
+    let x = rng.vec_f32(10_000, 1.0);
+    let tiles: Vec<Option<(usize, f32)>> = x
+        .chunks(777)
+        .enumerate()
+        .map(|(t, c)| argmax_f32(c).map(|(i, v)| (t * 777 + i, v)))
+        .collect();
+    assert_eq!(argmax_combine(&tiles), argmax_f32(&x));
+}
+
+#[test]
+fn kv_write_places_the_row_at_its_slot() {
+    let mut pool = vec![bf16::ZERO; 6 * 4];
+    let row: Vec<bf16> = (1..=4).map(|v| bf16::from_f32(v as f32)).collect();
+    kv_write_bf16(&mut pool, 4, &row);
+    assert_eq!(&pool[16..20], &row[..]);
+    assert!(
+        pool[..16]
+            .iter()
+            .chain(&pool[20..])
+            .all(|v| v.to_f32() == 0.0)
+    );
+}
+
+#[test]
+fn membw_reports_positive_peaks_quickly() {
+    let opts = membw::MeasureOptions {
+        duration: std::time::Duration::from_millis(80),
+        buffer_bytes: 8 << 20,
+        threads: 2,
+    };
+    let p = membw::measure(&opts);
+    assert!(
+        p.read_gbs_one > 0.0
+            && p.read_gbs_all > 0.0
+            && p.fma_gflops_one > 0.0
+            && p.fma_gflops_all > 0.0,
+        "{p:?}"
+    );
+    assert!(p.read_gbs_one >= p.read_gbs_one_median && p.read_gbs_all >= p.read_gbs_all_median);
+}
