@@ -1,11 +1,208 @@
 //! `simpler trace ...`: reads trace files and diagnostics written by runs.
 
-use clap::Args;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use simpler_dfx::diag::{self, load_joined};
+use simpler_dfx::{critical_path, deps, html, overhead, perfetto, reader, rings, swimlane, timing};
 
 /// Arguments of `simpler trace`.
 #[derive(Args, Debug)]
-pub(crate) struct TraceArgs {}
+pub(crate) struct TraceArgs {
+    #[command(subcommand)]
+    cmd: TraceCmd,
+}
 
-pub(crate) fn main(_args: TraceArgs) -> anyhow::Result<()> {
-    anyhow::bail!("simpler trace: not built yet")
+#[derive(Subcommand, Debug)]
+enum TraceCmd {
+    /// Span statistics per callable (busiest first), per-invocation rounds, median span tree,
+    /// Perfetto export. Accepts several files (one per process) and merges them.
+    Timing {
+        /// Trace files (JSON Lines).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// One row per invocation: Round, Host, Device, Effective, Orch, Sched (µs), then a summary.
+        #[arg(long)]
+        rounds: bool,
+        /// Rounds excluded from the `--rounds` summary (per callable, earliest first).
+        #[arg(long, default_value_t = 0)]
+        warmup: usize,
+        /// The median span tree per callable (orch ∥ sched shown as overlapping).
+        #[arg(long)]
+        tree: bool,
+        /// Write Chrome/Perfetto JSON here (one lane per process/invocation, host and device aligned).
+        #[arg(long, value_name = "OUT.json")]
+        perfetto: Option<PathBuf>,
+    },
+    /// Per-task timeline to Perfetto JSON and the per-kernel table.
+    Swimlane {
+        /// A run's output directory or its swimlane.json.
+        path: PathBuf,
+        /// The captured dependency graph (default: deps.json beside the swimlane, if present).
+        #[arg(long)]
+        deps: Option<PathBuf>,
+        /// Write Chrome/Perfetto JSON here.
+        #[arg(long, value_name = "OUT.json")]
+        perfetto: Option<PathBuf>,
+    },
+    /// Summary of a captured dependency graph; DOT and self-contained HTML views.
+    Deps {
+        /// deps.json (or a run's output directory).
+        file: PathBuf,
+        /// Write Graphviz DOT here.
+        #[arg(long, value_name = "OUT.dot")]
+        dot: Option<PathBuf>,
+        /// Write a self-contained HTML page here (pan, zoom, click a task for its edges).
+        #[arg(long, value_name = "OUT.html")]
+        html: Option<PathBuf>,
+        /// Draw only the transitive reduction (edges implied by longer paths removed).
+        #[arg(long)]
+        reduce: bool,
+    },
+    /// Scheduler-bound share of the makespan per engine class, head/tail overheads, scheduler
+    /// loop phase totals.
+    Overhead {
+        /// A run's output directory or its swimlane.json.
+        path: PathBuf,
+        /// The captured dependency graph (default: deps.json beside the swimlane, if present).
+        #[arg(long)]
+        deps: Option<PathBuf>,
+    },
+    /// Static and observed critical path; compute and stalls add up to the makespan.
+    CriticalPath {
+        /// A run's output directory or its swimlane.json.
+        path: PathBuf,
+        /// The captured dependency graph (default: deps.json beside the swimlane).
+        #[arg(long)]
+        deps: Option<PathBuf>,
+    },
+    /// Ring high-water marks against capacity.
+    Rings {
+        /// ring_stats.json (or a run's output directory).
+        file: PathBuf,
+    },
+}
+
+pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
+    match args.cmd {
+        TraceCmd::Timing {
+            files,
+            rounds,
+            warmup,
+            tree,
+            perfetto,
+        } => {
+            let trace = reader::read_traces(&files)?;
+            if rounds {
+                print!("{}", timing::rounds_table(&trace, warmup));
+            }
+            if tree {
+                print!("{}", timing::tree(&trace));
+            }
+            if !rounds && !tree {
+                print!("{}", timing::timing_table(&trace));
+            }
+            if let Some(out) = perfetto {
+                perfetto::timing_to_perfetto(&trace).write(&out)?;
+                println!(
+                    "wrote {} ({} spans, {} processes)",
+                    out.display(),
+                    trace.spans.len(),
+                    trace.processes.len()
+                );
+            }
+        }
+        TraceCmd::Swimlane {
+            path,
+            deps,
+            perfetto,
+        } => {
+            let j = load_joined(&path, deps.as_deref())?;
+            print_sources(&j);
+            print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
+            if let Some(out) = perfetto {
+                swimlane::to_perfetto(&j.swimlane, j.deps.as_ref()).write(&out)?;
+                println!("wrote {}", out.display());
+            }
+        }
+        TraceCmd::Deps {
+            file,
+            dot,
+            html: html_out,
+            reduce,
+        } => {
+            let path = diag::resolve(&file, diag::DEPS_FILE);
+            let g = diag::read_deps(&path)?;
+            print!("{}", deps::summary(&g)?);
+            let view = if reduce { deps::reduce(&g)? } else { g };
+            if let Some(out) = dot {
+                write_text(&out, &deps::to_dot(&view))?;
+                println!(
+                    "wrote {}{}",
+                    out.display(),
+                    if reduce {
+                        " (transitive reduction)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            if let Some(out) = html_out {
+                let title = format!(
+                    "{}{}",
+                    path.display(),
+                    if reduce {
+                        " (transitive reduction)"
+                    } else {
+                        ""
+                    }
+                );
+                write_text(&out, &html::to_html(&view, &title)?)?;
+                println!("wrote {}", out.display());
+            }
+        }
+        TraceCmd::Overhead { path, deps } => {
+            let j = load_joined(&path, deps.as_deref())?;
+            print_sources(&j);
+            print!(
+                "{}",
+                overhead::report(&overhead::analyze(&j.swimlane, j.deps.as_ref())?)
+            );
+        }
+        TraceCmd::CriticalPath { path, deps } => {
+            let j = load_joined(&path, deps.as_deref())?;
+            print_sources(&j);
+            let g = j.deps.as_ref().with_context(|| {
+                format!(
+                    "critical-path needs the dependency graph: no deps.json beside {} (capture it with --dep-gen, or pass --deps FILE)",
+                    j.swimlane_path.display()
+                )
+            })?;
+            print!(
+                "{}",
+                critical_path::report(&critical_path::analyze(&j.swimlane, g)?, j.swimlane.dropped)
+            );
+        }
+        TraceCmd::Rings { file } => {
+            let path = diag::resolve(&file, diag::RING_STATS_FILE);
+            print!("{}", rings::report(&diag::read_ring_stats(&path)?));
+        }
+    }
+    Ok(())
+}
+
+fn print_sources(j: &diag::Joined) {
+    match &j.deps_path {
+        Some(d) => println!(
+            "swimlane {}  deps {}",
+            j.swimlane_path.display(),
+            d.display()
+        ),
+        None => println!("swimlane {}  (no deps.json)", j.swimlane_path.display()),
+    }
+}
+
+fn write_text(path: &Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }

@@ -108,6 +108,42 @@ pub fn deps_beside(swimlane: &Path, explicit: Option<&Path>) -> Option<PathBuf> 
     beside.is_file().then_some(beside)
 }
 
+/// A swimlane joined with its dependency graph.
+#[derive(Clone, Debug)]
+pub struct Joined {
+    /// The swimlane file read.
+    pub swimlane_path: PathBuf,
+    /// Its records.
+    pub swimlane: SwimlaneRecords,
+    /// The deps file read, if any.
+    pub deps_path: Option<PathBuf>,
+    /// Its graph, if any (fingerprint checked).
+    pub deps: Option<DepGraph>,
+}
+
+/// Loads `swimlane.json` (`path` is the file or the run's output directory) and the deps file
+/// (`deps` when given, else `deps.json` beside it when present), refusing to join them when
+/// their fingerprints differ.
+pub fn load_joined(path: &Path, deps: Option<&Path>) -> Result<Joined> {
+    let swimlane_path = resolve(path, SWIMLANE_FILE);
+    let swimlane = read_swimlane(&swimlane_path)?;
+    let deps_path = deps_beside(&swimlane_path, deps);
+    let deps = match &deps_path {
+        Some(dp) => {
+            let d = read_deps(dp)?;
+            check_fingerprints(&swimlane, &swimlane_path, &d, dp)?;
+            Some(d)
+        }
+        None => None,
+    };
+    Ok(Joined {
+        swimlane_path,
+        swimlane,
+        deps_path,
+        deps,
+    })
+}
+
 /// Refuses to join records whose topology fingerprints differ.
 pub fn check_fingerprints(
     swimlane: &SwimlaneRecords,

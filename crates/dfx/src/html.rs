@@ -4,7 +4,8 @@
 //!
 //! Every task node is an SVG `g` element carrying `data-task-id="<id>"`. A script error is
 //! written into `data-errors` on `<body>` (and shown); a finished render sets
-//! `data-rendered="<tasks>"`, so headless checks can read both from the DOM.
+//! `data-rendered="<tasks>"`, so headless checks can read both from the DOM; `#task=<id>` in
+//! the URL opens the page with that task selected.
 
 use serde::Serialize;
 use simpler_core::trace::{ArgRecord, DepGraph, ScopeKindRecord};
@@ -354,6 +355,14 @@ table.kv td { padding: 1px 6px 1px 0; vertical-align: top; }
   }
   fit();
   window.addEventListener('resize', fit);
+  // `page.html#task=<id>` opens with that task selected (links and headless checks).
+  function fromHash() {
+    var m = /^#task=(\d+)$/.exec(location.hash);
+    if (!m) return;
+    for (var v = 0; v < n; v++) if (D.tasks[v].id === m[1]) { select(v, true); document.body.setAttribute('data-selected', m[1]); }
+  }
+  window.addEventListener('hashchange', fromHash);
+  fromHash();
   document.body.setAttribute('data-rendered', String(n));
 })();
 </script>

@@ -83,11 +83,14 @@ fn name_of(names: &HashMap<u32, String>, func: u32) -> String {
         .unwrap_or_else(|| kernel_label(func, ""))
 }
 
+/// Per-kernel sums: tasks, blocks, exec, latency, head, tail.
+type KernelAcc = (BTreeSet<u64>, usize, f64, f64, f64, f64);
+
 /// The per-kernel table, largest share first.
 pub fn kernel_table(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Vec<KernelRow> {
     let names = kernel_names(deps);
     let sched = has_sched_times(r);
-    let mut acc: BTreeMap<u32, (BTreeSet<u64>, usize, f64, f64, f64, f64)> = BTreeMap::new();
+    let mut acc: BTreeMap<u32, KernelAcc> = BTreeMap::new();
     let mut total = 0.0;
     for b in &r.tasks {
         let e = acc.entry(b.func).or_default();

@@ -219,6 +219,9 @@ pub fn timing_table(trace: &Trace) -> String {
     out
 }
 
+/// A named column: how to get a cell from a row.
+type Column<R, T> = (&'static str, fn(&R) -> T);
+
 /// `--rounds`: one row per invocation, then a summary of the rounds after the first `warmup`.
 pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
     let mut out = String::new();
@@ -246,7 +249,7 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
                 cell(r.sched)
             );
         }
-        let cols: [(&str, fn(&Round) -> Option<u64>); 5] = [
+        let cols: [Column<Round, Option<u64>>; 5] = [
             ("Host", |r| r.host),
             ("Device", |r| r.device),
             ("Effective", |r| r.effective),
@@ -277,7 +280,7 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             let _ = write!(out, " {name:>21}");
         }
         out.push('\n');
-        let lines: [(&str, fn(&Summary) -> String); 4] = [
+        let lines: [Column<Summary, String>; 4] = [
             ("median", |s| us(s.median)),
             ("mean", |s| us(s.mean)),
             ("trimmed mean (10%)", |s| us(s.trimmed_mean)),
