@@ -1,0 +1,626 @@
+//! HF checkpoints: load a local directory (`config.json`, `model.safetensors` or a sharded
+//! `model.safetensors.index.json`), memory-mapped, bf16/f16/f32 accepted and converted to bf16
+//! projections and fp32 norms; save weights back in HF naming (used by round-trip tests).
+//!
+//! Every failure is a [`CheckpointError`] naming the tensor and the file; nothing panics on a
+//! bad checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
+
+use super::config::{ConfigError, Qwen3Config};
+use super::fixture::Progress;
+use super::weights::{LayerWeights, Qwen3Weights, TensorMut};
+
+/// Why a checkpoint could not be loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// `config.json` is absent.
+    #[error("{}: missing config.json", dir.display())]
+    MissingConfig {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// `config.json` is invalid.
+    #[error("{}: {source}", file.display())]
+    Config {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        source: ConfigError,
+    },
+    /// Neither `model.safetensors` nor `model.safetensors.index.json` exists.
+    #[error("{}: no model.safetensors or model.safetensors.index.json", dir.display())]
+    MissingWeights {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// A file could not be read or written.
+    #[error("{}: {source}", file.display())]
+    Io {
+        /// The file.
+        file: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The shard index is malformed.
+    #[error("{}: bad index: {why}", file.display())]
+    BadIndex {
+        /// The index file.
+        file: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The file is shorter (or longer) than its header says.
+    #[error("{}: truncated: {why}", file.display())]
+    Truncated {
+        /// The file.
+        file: PathBuf,
+        /// The parser's finding.
+        why: String,
+    },
+    /// The file is not valid safetensors.
+    #[error("{}: invalid safetensors: {why}", file.display())]
+    BadFile {
+        /// The file.
+        file: PathBuf,
+        /// The parser's finding.
+        why: String,
+    },
+    /// A required tensor is absent.
+    #[error("tensor `{tensor}` missing from {}", file.display())]
+    MissingTensor {
+        /// The tensor name.
+        tensor: String,
+        /// Where it was looked for (the shard the index names, or the single file).
+        file: PathBuf,
+    },
+    /// A tensor has the wrong shape.
+    #[error("tensor `{tensor}` in {}: shape {got:?}, expected {expected:?}", file.display())]
+    Shape {
+        /// The tensor name.
+        tensor: String,
+        /// The file.
+        file: PathBuf,
+        /// What the config implies.
+        expected: Vec<usize>,
+        /// What the file holds.
+        got: Vec<usize>,
+    },
+    /// A tensor's dtype is not bf16, f16 or f32.
+    #[error("tensor `{tensor}` in {}: dtype {dtype} not supported (BF16, F16, F32)", file.display())]
+    Dtype {
+        /// The tensor name.
+        tensor: String,
+        /// The file.
+        file: PathBuf,
+        /// The dtype named in the file.
+        dtype: String,
+    },
+}
+
+/// How projection weights are laid out in the file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// HF `[out, in]` (`nn.Linear`): loaded as is.
+    #[default]
+    OutIn,
+    /// `[in, out]` (`y = x @ W`, the reference fixture): transposed once at load.
+    InOut,
+}
+
+/// Loading options.
+#[derive(Clone, Copy, Default)]
+pub struct LoadOptions<'a> {
+    /// Layout of the projection and LM-head tensors in the files.
+    pub layout: WeightLayout,
+    /// Progress: `(tensors done, tensors total)`.
+    pub progress: Option<Progress<'a>>,
+}
+
+impl std::fmt::Debug for LoadOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("layout", &self.layout)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// One memory-mapped shard.
+struct Shard {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+fn io(file: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        file: file.to_path_buf(),
+        source,
+    }
+}
+
+fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
+    let f = std::fs::File::open(path).map_err(io(path))?;
+    // SAFETY: the mapping is read-only and lives as long as the loader; a checkpoint file
+    // modified by another process while it is loaded is outside this loader's contract (the
+    // same assumption every mmap-based safetensors loader makes).
+    let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io(path))?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        map,
+    })
+}
+
+/// Parses a shard, turning parser errors into errors that name the file (and, for an
+/// unsupported dtype string, the tensor).
+fn parse(shard: &Shard) -> Result<SafeTensors<'_>, CheckpointError> {
+    let file = shard.path.clone();
+    SafeTensors::deserialize(&shard.map).map_err(|e| match e {
+        SafeTensorError::HeaderTooSmall
+        | SafeTensorError::InvalidHeaderLength
+        | SafeTensorError::MetadataIncompleteBuffer => CheckpointError::Truncated {
+            file,
+            why: e.to_string(),
+        },
+        SafeTensorError::InvalidHeaderDeserialization(_) => match unknown_dtype(&shard.map) {
+            Some((tensor, dtype)) => CheckpointError::Dtype {
+                tensor,
+                file,
+                dtype,
+            },
+            None => CheckpointError::BadFile {
+                file,
+                why: e.to_string(),
+            },
+        },
+        other => CheckpointError::BadFile {
+            file,
+            why: other.to_string(),
+        },
+    })
+}
+
+/// The first tensor whose header dtype string is none the parser knows.
+fn unknown_dtype(buf: &[u8]) -> Option<(String, String)> {
+    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(buf.get(8..8usize.checked_add(n)?)?).ok()?;
+    const KNOWN: [&str; 14] = [
+        "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+        "F64", "I64",
+    ];
+    header.as_object()?.iter().find_map(|(name, v)| {
+        let d = v.get("dtype")?.as_str()?;
+        (!KNOWN.contains(&d) && name != "__metadata__").then(|| (name.clone(), d.to_string()))
+    })
+}
+
+/// Where each tensor lives.
+struct Source<'a> {
+    dir: PathBuf,
+    /// tensor name -> (shard index, parsed shard)
+    index: HashMap<String, usize>,
+    shards: Vec<(PathBuf, SafeTensors<'a>)>,
+    /// The file a missing tensor is reported against.
+    default_file: PathBuf,
+    /// Shard file named by the index for tensors absent from their shard.
+    named: HashMap<String, PathBuf>,
+}
+
+impl<'a> Source<'a> {
+    fn get(&self, name: &str) -> Result<(&Path, TensorView<'a>), CheckpointError> {
+        let missing = || CheckpointError::MissingTensor {
+            tensor: name.to_string(),
+            file: self
+                .named
+                .get(name)
+                .cloned()
+                .unwrap_or_else(|| self.default_file.clone()),
+        };
+        let &i = self.index.get(name).ok_or_else(missing)?;
+        let (path, st) = &self.shards[i];
+        let view = st.tensor(name).map_err(|_| missing())?;
+        Ok((path, view))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.get(name).is_ok()
+    }
+}
+
+/// Loads a Qwen3 checkpoint directory.
+pub fn load_checkpoint(
+    dir: &Path,
+    opts: &LoadOptions<'_>,
+) -> Result<Qwen3Weights, CheckpointError> {
+    let config_path = dir.join("config.json");
+    if !config_path.exists() {
+        return Err(CheckpointError::MissingConfig {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
+    let config = Qwen3Config::from_json(&text).map_err(|source| CheckpointError::Config {
+        file: config_path.clone(),
+        source,
+    })?;
+
+    // Which files to map.
+    let single = dir.join("model.safetensors");
+    let index_path = dir.join("model.safetensors.index.json");
+    let (files, named): (Vec<PathBuf>, HashMap<String, PathBuf>) = if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
+        let bad = |why: String| CheckpointError::BadIndex {
+            file: index_path.clone(),
+            why,
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad("no `weight_map` object".into()))?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        let mut named = HashMap::new();
+        for (tensor, f) in map {
+            let f = f
+                .as_str()
+                .ok_or_else(|| bad(format!("`{tensor}` maps to a non-string")))?;
+            if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                return Err(bad(format!(
+                    "`{tensor}` maps to `{f}`, not a file in the directory"
+                )));
+            }
+            let p = dir.join(f);
+            if !files.contains(&p) {
+                files.push(p.clone());
+            }
+            named.insert(tensor.clone(), p);
+        }
+        (files, named)
+    } else if single.exists() {
+        (vec![single.clone()], HashMap::new())
+    } else {
+        return Err(CheckpointError::MissingWeights {
+            dir: dir.to_path_buf(),
+        });
+    };
+    let maps: Vec<Shard> = files
+        .iter()
+        .map(|p| map_file(p))
+        .collect::<Result<_, _>>()?;
+    let mut shards = Vec::new();
+    let mut index = HashMap::new();
+    for (i, m) in maps.iter().enumerate() {
+        let st = parse(m)?;
+        for name in st.names() {
+            // With an index, a tensor counts only in the shard the index names.
+            if named.get(name).is_none_or(|p| p == &m.path) {
+                index.insert(name.to_string(), i);
+            }
+        }
+        shards.push((m.path.clone(), st));
+    }
+    let default_file = if named.is_empty() { single } else { index_path };
+    let src = Source {
+        dir: dir.to_path_buf(),
+        index,
+        shards,
+        default_file,
+        named,
+    };
+    build(&config, &src, opts)
+}
+
+fn build(
+    c: &Qwen3Config,
+    src: &Source<'_>,
+    opts: &LoadOptions<'_>,
+) -> Result<Qwen3Weights, CheckpointError> {
+    let n_layers = c.num_hidden_layers;
+    let tied_absent = !src.has("lm_head.weight");
+    if tied_absent && !c.tie_word_embeddings {
+        src.get("lm_head.weight")?;
+    }
+    let total = (n_layers * 11 + 2 + usize::from(!tied_absent)) as u64;
+    let mut done = 0u64;
+    let mut tick = || {
+        done += 1;
+        if let Some(p) = opts.progress {
+            p(done, total);
+        }
+    };
+    let mut layers = Vec::with_capacity(n_layers);
+    for l in 0..n_layers {
+        let mut lw = LayerWeights::zeros(c);
+        for ((suffix, [rows, cols]), dest) in LayerWeights::shapes(c).iter().zip(lw.tensors_mut()) {
+            let name = format!("model.layers.{l}.{suffix}");
+            let is_proj = *rows > 1;
+            load_into(
+                src,
+                &name,
+                *rows,
+                *cols,
+                is_proj && opts.layout == WeightLayout::InOut,
+                dest,
+            )?;
+            tick();
+        }
+        layers.push(Arc::new(lw));
+    }
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    let mut embedding = vec![bf16::ZERO; v * h];
+    load_into(
+        src,
+        "model.embed_tokens.weight",
+        v,
+        h,
+        false,
+        TensorMut::Bf16(&mut embedding),
+    )?;
+    tick();
+    let mut final_norm = vec![0.0f32; h];
+    load_into(
+        src,
+        "model.norm.weight",
+        1,
+        h,
+        false,
+        TensorMut::F32(&mut final_norm),
+    )?;
+    tick();
+    let lm_head = if tied_absent {
+        None
+    } else {
+        let mut head = vec![bf16::ZERO; v * h];
+        load_into(
+            src,
+            "lm_head.weight",
+            v,
+            h,
+            opts.layout == WeightLayout::InOut,
+            TensorMut::Bf16(&mut head),
+        )?;
+        tick();
+        Some(head)
+    };
+    let _ = &src.dir;
+    Ok(Qwen3Weights {
+        config: c.clone(),
+        layers,
+        embedding,
+        final_norm,
+        lm_head,
+    })
+}
+
+/// Reads tensor `name` (`[rows, cols]` in the model; `[cols, rows]` in the file when
+/// `transposed`; 1-D when `rows == 1`) into `dest`, converting the dtype.
+fn load_into(
+    src: &Source<'_>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+    dest: TensorMut<'_>,
+) -> Result<(), CheckpointError> {
+    let (file, view) = src.get(name)?;
+    let expected: Vec<usize> = if rows == 1 {
+        vec![cols]
+    } else if transposed {
+        vec![cols, rows]
+    } else {
+        vec![rows, cols]
+    };
+    if view.shape() != expected.as_slice() {
+        return Err(CheckpointError::Shape {
+            tensor: name.into(),
+            file: file.into(),
+            expected,
+            got: view.shape().to_vec(),
+        });
+    }
+    let data = view.data();
+    let value = |i: usize| -> f32 {
+        match view.dtype() {
+            Dtype::BF16 => {
+                bf16::from_bits(u16::from_le_bytes([data[2 * i], data[2 * i + 1]])).to_f32()
+            }
+            Dtype::F16 => {
+                f16::from_bits(u16::from_le_bytes([data[2 * i], data[2 * i + 1]])).to_f32()
+            }
+            _ => f32::from_le_bytes([
+                data[4 * i],
+                data[4 * i + 1],
+                data[4 * i + 2],
+                data[4 * i + 3],
+            ]),
+        }
+    };
+    match view.dtype() {
+        Dtype::BF16 | Dtype::F16 | Dtype::F32 => {}
+        d => {
+            return Err(CheckpointError::Dtype {
+                tensor: name.into(),
+                file: file.into(),
+                dtype: format!("{d:?}"),
+            });
+        }
+    }
+    // Element (r, k) of the model tensor sits at file index r*cols+k, or k*rows+r transposed.
+    let at = |r: usize, k: usize| {
+        if transposed {
+            k * rows + r
+        } else {
+            r * cols + k
+        }
+    };
+    match dest {
+        TensorMut::Bf16(d) => {
+            let raw_bf16 = view.dtype() == Dtype::BF16;
+            for r in 0..rows {
+                for k in 0..cols {
+                    let i = at(r, k);
+                    d[r * cols + k] = if raw_bf16 {
+                        bf16::from_bits(u16::from_le_bytes([data[2 * i], data[2 * i + 1]]))
+                    } else {
+                        bf16::from_f32(value(i))
+                    };
+                }
+            }
+        }
+        TensorMut::F32(d) => {
+            for (i, v) in d.iter_mut().enumerate() {
+                *v = value(i);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Saving options.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SaveOptions {
+    /// Layout to write projections (and an untied LM head) in.
+    pub layout: WeightLayout,
+    /// Split into shards of about this many bytes with a `model.safetensors.index.json`
+    /// (`None`: one `model.safetensors`).
+    pub max_shard_bytes: Option<usize>,
+    /// Write norm weights as bf16 instead of fp32 (as many real checkpoints do).
+    pub norms_bf16: bool,
+}
+
+/// Writes `weights` to `dir` in HF naming: `config.json` and `model.safetensors` (or shards and
+/// an index). Every layer is written, also in shared-weights mode.
+pub fn save_checkpoint(
+    dir: &Path,
+    weights: &Qwen3Weights,
+    opts: &SaveOptions,
+) -> Result<(), CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let c = &weights.config;
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, c.to_json()).map_err(io(&config_path))?;
+    // (name, dtype, shape, bytes)
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let bf16_bytes =
+        |x: &[bf16], rows: usize, cols: usize, transpose: bool| -> (Vec<usize>, Vec<u8>) {
+            let mut out = Vec::with_capacity(x.len() * 2);
+            if transpose {
+                for k in 0..cols {
+                    for r in 0..rows {
+                        out.extend_from_slice(&x[r * cols + k].to_bits().to_le_bytes());
+                    }
+                }
+                (vec![cols, rows], out)
+            } else {
+                x.iter()
+                    .for_each(|v| out.extend_from_slice(&v.to_bits().to_le_bytes()));
+                (vec![rows, cols], out)
+            }
+        };
+    let norm = |x: &[f32]| -> (Dtype, Vec<u8>) {
+        if opts.norms_bf16 {
+            (
+                Dtype::BF16,
+                x.iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                    .collect(),
+            )
+        } else {
+            (Dtype::F32, x.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
+    };
+    let inout = opts.layout == WeightLayout::InOut;
+    for (l, layer) in weights.layers.iter().enumerate() {
+        for ((suffix, [rows, cols]), t) in LayerWeights::shapes(c).iter().zip(layer.tensors()) {
+            let name = format!("model.layers.{l}.{suffix}");
+            match t {
+                super::weights::Tensor::Bf16(x) => {
+                    let (shape, bytes) = bf16_bytes(x, *rows, *cols, inout);
+                    tensors.push((name, Dtype::BF16, shape, bytes));
+                }
+                super::weights::Tensor::F32(x) => {
+                    let (d, bytes) = norm(x);
+                    tensors.push((name, d, vec![x.len()], bytes));
+                }
+            }
+        }
+    }
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    let (shape, bytes) = bf16_bytes(&weights.embedding, v, h, false);
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        Dtype::BF16,
+        shape,
+        bytes,
+    ));
+    let (d, bytes) = norm(&weights.final_norm);
+    tensors.push(("model.norm.weight".into(), d, vec![h], bytes));
+    if let Some(head) = &weights.lm_head {
+        let (shape, bytes) = bf16_bytes(head, v, h, inout);
+        tensors.push(("lm_head.weight".into(), Dtype::BF16, shape, bytes));
+    }
+    // Group into shards.
+    let limit = opts.max_shard_bytes.unwrap_or(usize::MAX).max(1);
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut size = 0usize;
+    for (i, t) in tensors.iter().enumerate() {
+        if size > 0 && size + t.3.len() > limit {
+            groups.push(Vec::new());
+            size = 0;
+        }
+        size += t.3.len();
+        if let Some(g) = groups.last_mut() {
+            g.push(i);
+        }
+    }
+    let n = groups.len();
+    let mut weight_map = BTreeMap::new();
+    for (gi, g) in groups.iter().enumerate() {
+        let fname = if opts.max_shard_bytes.is_none() {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n:05}.safetensors", gi + 1)
+        };
+        let path = dir.join(&fname);
+        let mut views = Vec::new();
+        for &i in g {
+            let (name, dtype, shape, bytes) = &tensors[i];
+            let view = TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
+                CheckpointError::BadFile {
+                    file: path.clone(),
+                    why: format!("{name}: {e}"),
+                }
+            })?;
+            views.push((name.clone(), view));
+            weight_map.insert(name.clone(), fname.clone());
+        }
+        safetensors::serialize_to_file(views, None, &path).map_err(|e| match e {
+            SafeTensorError::IoError(source) => CheckpointError::Io {
+                file: path.clone(),
+                source,
+            },
+            other => CheckpointError::BadFile {
+                file: path.clone(),
+                why: other.to_string(),
+            },
+        })?;
+    }
+    if opts.max_shard_bytes.is_some() {
+        let total: usize = tensors.iter().map(|t| t.3.len()).sum();
+        let index =
+            serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&index).unwrap_or_default(),
+        )
+        .map_err(io(&path))?;
+    }
+    Ok(())
+}

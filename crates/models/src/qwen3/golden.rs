@@ -1,0 +1,641 @@
+//! The independent fp32 golden reference (`03-qwen3.md`, "Decode step", "Prefill", "Goldens"):
+//! plain loops that follow the spec's bf16 cast points exactly and call no kernel library.
+//! It returns the hidden output and every layer's K/V cache writes, and holds the spec's
+//! tolerance checks.
+//!
+//! Work is spread with `std::thread::scope` over output rows (projections) and
+//! `(sequence, KV head)` pairs (attention), with the thread count sized to the work (at most
+//! 8 threads, and one for anything under ~1 MFLOP) — never one thread per tiny operation.
+
+use half::bf16;
+
+use super::config::Qwen3Config;
+use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};
+
+/// `bf16(x)` as an f32 (round to nearest even).
+fn rb(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// One layer's K/V rows written by a step: `[tokens, kv_heads * head_dim]` each, in the order
+/// of the step's tokens (decode: one per sequence; prefill: token-major packed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerKvWrite {
+    /// Pool slot of each token.
+    pub slots: Vec<usize>,
+    /// Roped, bf16 K rows.
+    pub k: Vec<bf16>,
+    /// bf16 V rows.
+    pub v: Vec<bf16>,
+}
+
+/// What a decode over some layers produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeOutput {
+    /// fp32 hidden state after the last layer `[batch, hidden]`.
+    pub hidden: Vec<f32>,
+    /// Every layer's K/V writes, in layer order.
+    pub kv_writes: Vec<LayerKvWrite>,
+}
+
+/// What a full-model step produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelOutput {
+    /// fp32 logits `[rows, vocab]` (decode: one row per sequence; prefill: each sequence's
+    /// last token).
+    pub logits: Vec<f32>,
+    /// Greedy next token per row (argmax, ties to the lowest index).
+    pub next_tokens: Vec<u32>,
+    /// fp32 hidden state after the last layer (same rows as `logits`).
+    pub hidden: Vec<f32>,
+    /// Every layer's K/V writes.
+    pub kv_writes: Vec<LayerKvWrite>,
+}
+
+/// Runs `f(i)` for every `i in 0..n` on a thread count sized to `flops_per_item * n`, each
+/// thread owning a contiguous run of items and the matching `out` chunks (`out_per_item`
+/// elements per item).
+fn par_items<T: Send>(
+    n: usize,
+    flops_per_item: usize,
+    out: &mut [T],
+    out_per_item: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let total = n.saturating_mul(flops_per_item);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = (total / (1 << 20)).clamp(1, cores.min(8)).min(n.max(1));
+    if threads <= 1 {
+        for (i, o) in out.chunks_mut(out_per_item.max(1)).enumerate().take(n) {
+            f(i, o);
+        }
+        return;
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (t, chunk) in out.chunks_mut(per * out_per_item).enumerate() {
+            let f = &f;
+            s.spawn(move || {
+                for (j, o) in chunk.chunks_mut(out_per_item).enumerate() {
+                    f(t * per + j, o);
+                }
+            });
+        }
+    });
+}
+
+/// `y[b, o] = sum_i x[b, i] * w[o, i]` with `w` `[n, k]` bf16 (`[out, in]`), x fp32 rows
+/// holding bf16 values. Returns `[rows, n]`.
+fn matmul(x: &[f32], rows: usize, w: &[bf16], n: usize, k: usize) -> Vec<f32> {
+    // Computed transposed ([n, rows]) so each thread owns whole weight rows.
+    let mut yt = vec![0.0f32; n * rows];
+    par_items(n, 2 * k * rows, &mut yt, rows, |o, dst| {
+        let wrow: Vec<f32> = w[o * k..(o + 1) * k].iter().map(|v| v.to_f32()).collect();
+        for (b, d) in dst.iter_mut().enumerate() {
+            *d = dot(&x[b * k..(b + 1) * k], &wrow);
+        }
+    });
+    let mut y = vec![0.0f32; rows * n];
+    for o in 0..n {
+        for b in 0..rows {
+            y[b * n + o] = yt[o * rows + b];
+        }
+    }
+    y
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `1/sqrt(mean(x²) + eps)`.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let s: f32 = x.iter().map(|v| v * v).sum();
+    1.0 / (s / x.len() as f32 + eps).sqrt()
+}
+
+/// Per-head RMSNorm then NeoX RoPE at `pos`, in place on one token's `heads * head_dim`.
+fn norm_rope(x: &mut [f32], w: &[f32], eps: f32, rope: &RopeTables, pos: usize) {
+    let d = w.len();
+    let (cos, sin) = rope.row(pos);
+    let half = d / 2;
+    for head in x.chunks_exact_mut(d) {
+        let r = inv_rms(head, eps);
+        let t: Vec<f32> = head.iter().zip(w).map(|(v, g)| v * r * g).collect();
+        for i in 0..half {
+            head[i] = t[i] * cos[i] - t[i + half] * sin[i];
+            head[i + half] = t[i + half] * cos[i + half] + t[i] * sin[i + half];
+        }
+    }
+}
+
+/// Softmax attention of one query head (bf16 values in f32) over the given K/V rows.
+fn attend_one(q: &[f32], keys: &[&[bf16]], values: &[&[bf16]], scale: f32) -> Vec<f32> {
+    let d = q.len();
+    let s: Vec<f32> = keys
+        .iter()
+        .map(|k| {
+            q.iter()
+                .zip(k.iter())
+                .map(|(a, b)| a * b.to_f32())
+                .sum::<f32>()
+                * scale
+        })
+        .collect();
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let p: Vec<f32> = s.iter().map(|v| (v - m).exp()).collect();
+    let l: f32 = p.iter().sum();
+    let mut o = vec![0.0f32; d];
+    for (pi, v) in p.iter().zip(values) {
+        for (a, b) in o.iter_mut().zip(v.iter()) {
+            *a += pi * b.to_f32();
+        }
+    }
+    o.iter_mut().for_each(|a| *a /= l);
+    o
+}
+
+/// How a step normalises: decode defers `1/rms` past the projections, prefill does not.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NormMode {
+    Deferred,
+    Ordinary,
+}
+
+/// One token of a layer step: where it is and how long its sequence is at that point.
+struct TokenPos {
+    /// Sequence index (block-table row).
+    seq: usize,
+    /// Position (0-based); the token attends to `0..=pos`.
+    pos: usize,
+}
+
+/// One layer over `tokens` (rows of `x`, fp32 `[T, hidden]`), writing each token's K/V to
+/// its slot before any attention (so chunk tokens see each other causally).
+fn layer_step(
+    c: &Qwen3Config,
+    w: &LayerWeights,
+    layer: usize,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    x: &[f32],
+    tokens: &[TokenPos],
+    mode: NormMode,
+) -> (Vec<f32>, LayerKvWrite) {
+    let (h, t_n, d) = (c.hidden_size, tokens.len(), c.head_dim);
+    let (qw, kvw, inter) = (c.q_width(), c.kv_width(), c.intermediate_size);
+    let eps = c.rms_norm_eps as f32;
+    // Input norm: n = bf16(x*g) with r deferred, or bf16(x*r*g).
+    let mut r = vec![1.0f32; t_n];
+    let mut n = vec![0.0f32; t_n * h];
+    for t in 0..t_n {
+        let xr = &x[t * h..(t + 1) * h];
+        let inv = inv_rms(xr, eps);
+        for i in 0..h {
+            n[t * h + i] = match mode {
+                NormMode::Deferred => rb(xr[i] * w.input_norm[i]),
+                NormMode::Ordinary => rb(xr[i] * inv * w.input_norm[i]),
+            };
+        }
+        if mode == NormMode::Deferred {
+            r[t] = inv;
+        }
+    }
+    let scale_rows = |y: &mut [f32], width: usize, s: &[f32]| {
+        for (row, &sv) in y.chunks_exact_mut(width).zip(s) {
+            row.iter_mut().for_each(|v| *v *= sv);
+        }
+    };
+    let mut q = matmul(&n, t_n, &w.wq, qw, h);
+    let mut k = matmul(&n, t_n, &w.wk, kvw, h);
+    let mut v = matmul(&n, t_n, &w.wv, kvw, h);
+    scale_rows(&mut q, qw, &r);
+    scale_rows(&mut k, kvw, &r);
+    scale_rows(&mut v, kvw, &r);
+    // q/k norm, RoPE at each token's position, bf16.
+    for (t, tp) in tokens.iter().enumerate() {
+        norm_rope(&mut q[t * qw..(t + 1) * qw], &w.q_norm, eps, rope, tp.pos);
+        norm_rope(&mut k[t * kvw..(t + 1) * kvw], &w.k_norm, eps, rope, tp.pos);
+    }
+    let qb: Vec<f32> = q.iter().map(|&v| rb(v)).collect();
+    let kb: Vec<bf16> = k.iter().map(|&v| bf16::from_f32(v)).collect();
+    let vb: Vec<bf16> = v.iter().map(|&v| bf16::from_f32(v)).collect();
+    // Paged KV write through the slot mapping.
+    let slots: Vec<usize> = tokens.iter().map(|tp| batch.slot(tp.seq, tp.pos)).collect();
+    {
+        let (kp, vp) = kv.layer_mut(layer);
+        for (t, &s) in slots.iter().enumerate() {
+            kp[s * kvw..(s + 1) * kvw].copy_from_slice(&kb[t * kvw..(t + 1) * kvw]);
+            vp[s * kvw..(s + 1) * kvw].copy_from_slice(&vb[t * kvw..(t + 1) * kvw]);
+        }
+    }
+    // GQA attention over each token's visible cache; a = bf16(o). Items: (token, kv head).
+    let group = c.group();
+    let kv_heads = c.num_key_value_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut a = vec![0.0f32; t_n * qw];
+    let kpool = kv.layer_k(layer);
+    let vpool = kv.layer_v(layer);
+    let avg_len = tokens.iter().map(|tp| tp.pos + 1).sum::<usize>() / t_n.max(1);
+    par_items(
+        t_n * kv_heads,
+        4 * group * d * avg_len.max(1),
+        &mut a,
+        group * d,
+        |item, dst| {
+            let (t, g) = (item / kv_heads, item % kv_heads);
+            let tp = &tokens[t];
+            let slots: Vec<usize> = (0..=tp.pos).map(|p| batch.slot(tp.seq, p)).collect();
+            let keys: Vec<&[bf16]> = slots
+                .iter()
+                .map(|&s| &kpool[s * kvw + g * d..s * kvw + (g + 1) * d])
+                .collect();
+            let values: Vec<&[bf16]> = slots
+                .iter()
+                .map(|&s| &vpool[s * kvw + g * d..s * kvw + (g + 1) * d])
+                .collect();
+            for j in 0..group {
+                let hq = g * group + j;
+                let o = attend_one(
+                    &qb[t * qw + hq * d..t * qw + (hq + 1) * d],
+                    &keys,
+                    &values,
+                    scale,
+                );
+                for (dd, ov) in dst[j * d..(j + 1) * d].iter_mut().zip(o) {
+                    *dd = rb(ov);
+                }
+            }
+        },
+    );
+    // h1 = x + a @ Wo.
+    let ao = matmul(&a, t_n, &w.wo, h, qw);
+    let h1: Vec<f32> = x.iter().zip(&ao).map(|(a, b)| a + b).collect();
+    // Post-attention norm, SwiGLU, down projection.
+    let mut r2 = vec![1.0f32; t_n];
+    let mut m = vec![0.0f32; t_n * h];
+    for t in 0..t_n {
+        let hr = &h1[t * h..(t + 1) * h];
+        let inv = inv_rms(hr, eps);
+        for i in 0..h {
+            m[t * h + i] = match mode {
+                NormMode::Deferred => rb(hr[i] * w.post_norm[i]),
+                NormMode::Ordinary => rb(hr[i] * inv * w.post_norm[i]),
+            };
+        }
+        if mode == NormMode::Deferred {
+            r2[t] = inv;
+        }
+    }
+    let mut gt = matmul(&m, t_n, &w.w_gate, inter, h);
+    let mut up = matmul(&m, t_n, &w.w_up, inter, h);
+    scale_rows(&mut gt, inter, &r2);
+    scale_rows(&mut up, inter, &r2);
+    let act: Vec<f32> = gt
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| rb(g * (1.0 / (1.0 + (-g).exp())) * u))
+        .collect();
+    let down = matmul(&act, t_n, &w.w_down, h, inter);
+    let out = h1.iter().zip(&down).map(|(a, b)| a + b).collect();
+    (
+        out,
+        LayerKvWrite {
+            slots,
+            k: kb,
+            v: vb,
+        },
+    )
+}
+
+/// Decode step through `layers` (indices into the model's layers): `x` fp32 `[batch, hidden]`
+/// in, the new token of sequence `b` at position `seq_lens[b] - 1`; writes each layer's new
+/// K/V into `kv` and returns the hidden output and the writes.
+pub fn decode_layers(
+    weights: &Qwen3Weights,
+    layers: std::ops::Range<usize>,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    x: &[f32],
+) -> DecodeOutput {
+    let tokens: Vec<TokenPos> = batch
+        .seq_lens
+        .iter()
+        .enumerate()
+        .map(|(seq, &len)| TokenPos { seq, pos: len - 1 })
+        .collect();
+    let mut hidden = x.to_vec();
+    let mut kv_writes = Vec::new();
+    for l in layers {
+        let (next, wr) = layer_step(
+            &weights.config,
+            &weights.layers[l],
+            l,
+            kv,
+            batch,
+            rope,
+            &hidden,
+            &tokens,
+            NormMode::Deferred,
+        );
+        hidden = next;
+        kv_writes.push(wr);
+    }
+    DecodeOutput { hidden, kv_writes }
+}
+
+/// The fixture-compatible layers-chunk variant: bf16 hidden in, bf16 out, fp32 carried
+/// between the layers and rounded once at the end.
+pub fn decode_layers_bf16(
+    weights: &Qwen3Weights,
+    layers: std::ops::Range<usize>,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    hidden: &[bf16],
+) -> (Vec<bf16>, Vec<LayerKvWrite>) {
+    let x: Vec<f32> = hidden.iter().map(|v| v.to_f32()).collect();
+    let out = decode_layers(weights, layers, kv, batch, rope, &x);
+    (
+        out.hidden.iter().map(|&v| bf16::from_f32(v)).collect(),
+        out.kv_writes,
+    )
+}
+
+/// Final ordinary RMSNorm, LM head (fp32 logits) and greedy argmax over `rows` rows of `x`.
+fn head(weights: &Qwen3Weights, x: &[f32], rows: usize) -> (Vec<f32>, Vec<u32>) {
+    let c = &weights.config;
+    let h = c.hidden_size;
+    let eps = c.rms_norm_eps as f32;
+    let mut n = vec![0.0f32; rows * h];
+    for t in 0..rows {
+        let xr = &x[t * h..(t + 1) * h];
+        let inv = inv_rms(xr, eps);
+        for i in 0..h {
+            n[t * h + i] = rb(xr[i] * inv * weights.final_norm[i]);
+        }
+    }
+    let logits = matmul(&n, rows, weights.lm_head(), c.vocab_size, h);
+    let next = logits.chunks_exact(c.vocab_size).map(argmax).collect();
+    (logits, next)
+}
+
+/// Argmax with ties to the lowest index (NaNs never win).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        if v > bv {
+            best = i;
+            bv = v;
+        }
+    }
+    best as u32
+}
+
+/// Full-model decode step: embedding gather of `tokens` (one per sequence, at position
+/// `seq_lens[b] - 1`), every layer, final norm, LM head, argmax.
+pub fn decode_model(
+    weights: &Qwen3Weights,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    tokens: &[u32],
+) -> ModelOutput {
+    let c = &weights.config;
+    let x = embed(weights, tokens);
+    let out = decode_layers(weights, 0..c.num_hidden_layers, kv, batch, rope, &x);
+    let (logits, next_tokens) = head(weights, &out.hidden, tokens.len());
+    ModelOutput {
+        logits,
+        next_tokens,
+        hidden: out.hidden,
+        kv_writes: out.kv_writes,
+    }
+}
+
+fn embed(weights: &Qwen3Weights, tokens: &[u32]) -> Vec<f32> {
+    let h = weights.config.hidden_size;
+    tokens
+        .iter()
+        .flat_map(|&t| {
+            weights.embedding[t as usize * h..(t as usize + 1) * h]
+                .iter()
+                .map(|v| v.to_f32())
+        })
+        .collect()
+}
+
+/// One sequence's chunk in a prefill step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillChunk {
+    /// Block-table row (index into the batch).
+    pub seq: usize,
+    /// The chunk's token ids; the chunk ends at `seq_len` tokens.
+    pub tokens: Vec<u32>,
+    /// Sequence length after the chunk (cached prefix + chunk).
+    pub seq_len: usize,
+}
+
+/// Chunked causal prefill: token-major packed chunks (the cached prefix of each sequence is
+/// already in `kv`), ordinary RMSNorm, every chunk token's K/V written, logits for each
+/// sequence's last token. `batch` supplies the block tables (its `seq_lens` are not used).
+pub fn prefill_model(
+    weights: &Qwen3Weights,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    chunks: &[PrefillChunk],
+) -> ModelOutput {
+    let c = &weights.config;
+    let h = c.hidden_size;
+    let mut tokens = Vec::new();
+    let mut ids = Vec::new();
+    let mut last_rows = Vec::new();
+    for ch in chunks {
+        let start = ch.seq_len - ch.tokens.len();
+        for (i, &id) in ch.tokens.iter().enumerate() {
+            tokens.push(TokenPos {
+                seq: ch.seq,
+                pos: start + i,
+            });
+            ids.push(id);
+        }
+        last_rows.push(tokens.len() - 1);
+    }
+    let mut x = embed(weights, &ids);
+    let mut kv_writes = Vec::new();
+    for l in 0..c.num_hidden_layers {
+        let (next, wr) = layer_step(
+            c,
+            &weights.layers[l],
+            l,
+            kv,
+            batch,
+            rope,
+            &x,
+            &tokens,
+            NormMode::Ordinary,
+        );
+        x = next;
+        kv_writes.push(wr);
+    }
+    let last: Vec<f32> = last_rows
+        .iter()
+        .flat_map(|&t| x[t * h..(t + 1) * h].iter().copied())
+        .collect();
+    let (logits, next_tokens) = head(weights, &last, last_rows.len());
+    ModelOutput {
+        logits,
+        next_tokens,
+        hidden: last,
+        kv_writes,
+    }
+}
+
+/// How well two tensors agree.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Agreement {
+    /// Elements compared.
+    pub n: usize,
+    /// Elements within the tolerance.
+    pub within: usize,
+    /// Largest `|a - e|`.
+    pub max_abs: f32,
+    /// Index of the worst element (largest excess over the tolerance).
+    pub worst: usize,
+}
+
+impl Agreement {
+    /// Share of elements within the tolerance.
+    pub fn fraction(&self) -> f64 {
+        if self.n == 0 {
+            1.0
+        } else {
+            self.within as f64 / self.n as f64
+        }
+    }
+}
+
+/// A `|a - e| <= atol + rtol |e|` tolerance.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    /// Relative part.
+    pub rtol: f32,
+    /// Absolute part.
+    pub atol: f32,
+    /// Share of elements that must be within (1.0: all).
+    pub min_fraction: f64,
+}
+
+impl Tolerance {
+    /// The 40-layer stack: rtol 5e-2, atol 1e-1, every element.
+    pub const STACK: Tolerance = Tolerance {
+        rtol: 5e-2,
+        atol: 1e-1,
+        min_fraction: 1.0,
+    };
+    /// One layer: `|a - e| <= 3e-3 + 3e-3 |e|` for at least 98% of elements.
+    pub const ONE_LAYER: Tolerance = Tolerance {
+        rtol: 3e-3,
+        atol: 3e-3,
+        min_fraction: 0.98,
+    };
+    /// Attention alone vs an fp32 softmax reference: rtol 5e-3, atol 2e-2.
+    pub const ATTENTION: Tolerance = Tolerance {
+        rtol: 5e-3,
+        atol: 2e-2,
+        min_fraction: 1.0,
+    };
+
+    /// Compares `actual` with `expected` (NaN anywhere counts as outside).
+    pub fn compare(&self, actual: &[f32], expected: &[f32]) -> Agreement {
+        let mut ag = Agreement {
+            n: actual.len().max(expected.len()),
+            within: 0,
+            max_abs: 0.0,
+            worst: 0,
+        };
+        let mut worst_excess = f32::NEG_INFINITY;
+        for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+            let diff = (a - e).abs();
+            let excess = if diff.is_nan() {
+                f32::INFINITY
+            } else {
+                diff - (self.atol + self.rtol * e.abs())
+            };
+            if excess <= 0.0 {
+                ag.within += 1;
+            }
+            if diff > ag.max_abs || diff.is_nan() {
+                ag.max_abs = diff;
+            }
+            if excess > worst_excess {
+                worst_excess = excess;
+                ag.worst = i;
+            }
+        }
+        ag
+    }
+
+    /// `Ok` when enough elements agree (and the lengths match); else a message naming the
+    /// worst element.
+    pub fn check(&self, what: &str, actual: &[f32], expected: &[f32]) -> Result<Agreement, String> {
+        if actual.len() != expected.len() {
+            return Err(format!(
+                "{what}: {} elements vs {} expected",
+                actual.len(),
+                expected.len()
+            ));
+        }
+        let ag = self.compare(actual, expected);
+        if ag.fraction() >= self.min_fraction {
+            Ok(ag)
+        } else {
+            Err(format!(
+                "{what}: {:.3}% within |a-e| <= {} + {}|e| (need {:.1}%); worst [{}]: {} vs {}",
+                100.0 * ag.fraction(),
+                self.atol,
+                self.rtol,
+                100.0 * self.min_fraction,
+                ag.worst,
+                actual[ag.worst],
+                expected[ag.worst]
+            ))
+        }
+    }
+}
+
+/// The full-model check: argmax identical for every row.
+pub fn check_argmax(actual: &[u32], expected: &[u32]) -> Result<(), String> {
+    if actual.len() != expected.len() {
+        return Err(format!(
+            "{} tokens vs {} expected",
+            actual.len(),
+            expected.len()
+        ));
+    }
+    match actual.iter().zip(expected).position(|(a, e)| a != e) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "row {i}: argmax {} vs {} expected",
+            actual[i], expected[i]
+        )),
+    }
+}

@@ -1,0 +1,20 @@
+//! Qwen3 dense models (`03-qwen3.md`; HF `Qwen3ForCausalLM`): configuration, weights and the
+//! paged KV cache, deterministic fixtures, the fp32 golden reference, and HF checkpoints.
+//!
+//! Files read top to bottom: [`config`] (shapes, presets, byte counts) -> [`weights`] (what a
+//! model holds, `[out, in]` bf16 projections, the KV pools and block tables) -> [`fixture`]
+//! (seeded generation) -> [`golden`] (plain-loop reference of decode, prefill and the full
+//! model, and the spec's tolerances) -> [`checkpoint`] (loading and saving safetensors).
+
+pub mod checkpoint;
+pub mod config;
+pub mod fixture;
+pub mod golden;
+pub mod weights;
+
+pub use checkpoint::{
+    CheckpointError, LoadOptions, SaveOptions, WeightLayout, load_checkpoint, save_checkpoint,
+};
+pub use config::{ConfigError, Qwen3Config};
+pub use fixture::{Fixture, FixtureOptions, generate_fixture, generate_weights};
+pub use weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};
