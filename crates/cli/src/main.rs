@@ -1,8 +1,12 @@
 //! The `simpler` command line: thin glue over the runtime, the models and the DFX tools.
 
+mod bench_runtime;
+mod demo;
+mod opts;
 mod trace_cmd;
 
-use clap::{Parser, Subcommand};
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand};
 
 /// simpler: LLM inference as task graphs.
 #[derive(Parser, Debug)]
@@ -14,13 +18,71 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run a workload on the runtime and print its report.
+    #[command(subcommand)]
+    Run(RunCommand),
+    /// Benchmarks: warm-up, rounds, median and spread, ratios to this machine's limits.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Read trace files and diagnostics: timing tables, swimlanes, dependency graphs, analyses.
     Trace(trace_cmd::TraceArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+#[derive(Subcommand, Debug)]
+enum RunCommand {
+    /// Tiled matmul -> bias + GELU -> column sums -> reduction, checked against a reference.
+    Demo(DemoArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Empty-task throughput, dependent-chain latency per hop, SPMD block overhead.
+    Runtime(bench_runtime::BenchRuntimeArgs),
+}
+
+/// Arguments of `simpler run demo`.
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// Rows of A.
+    #[arg(long, default_value_t = 512)]
+    m: u64,
+    /// Columns of A / rows of B.
+    #[arg(long, default_value_t = 512)]
+    k: u64,
+    /// Columns of B.
+    #[arg(long, default_value_t = 256)]
+    n: u64,
+    /// Tile edge (m, k and n must be multiples of it).
+    #[arg(long, default_value_t = 64)]
+    tile: u64,
+    #[command(flatten)]
+    run: opts::RunOpts,
+}
+
+fn run_demo(args: DemoArgs) -> Result<()> {
+    let shape = demo::DemoShape { m: args.m, k: args.k, n: args.n, tile: args.tile };
+    let w = args.run.worker()?;
+    demo::register(&w, shape)?;
+    let cfg = args.run.call_config("demo")?;
+    let (run_args, expect) = demo::run_args(&w, shape)?;
+    let out = run_args.buffers[4].clone();
+    let report = w.run("demo", run_args, &cfg)?;
+    opts::emit(&report, &cfg)?;
+    print!("{}", opts::format_report(&report));
+    let got = out.read::<f32>()?;
+    let err = demo::max_rel_error(&got, &expect);
+    if err > 1e-4 {
+        bail!("demo result differs from the reference: max relative error {err:.2e} > 1e-4");
+    }
+    println!("check: {} outputs match the plain reference (max relative error {err:.1e})", got.len());
+    Ok(())
+}
+
+fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(RunCommand::Demo(a)) => run_demo(a),
+        Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }
 }

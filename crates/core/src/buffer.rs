@@ -36,7 +36,13 @@ impl std::fmt::Debug for Buffer {
 
 impl Buffer {
     pub(crate) fn new(id: BufferId, mem: Box<dyn Memory>) -> Buffer {
-        Buffer { inner: Arc::new(BufferInner { id, mem, state: AtomicU8::new(FREE) }) }
+        Buffer {
+            inner: Arc::new(BufferInner {
+                id,
+                mem,
+                state: AtomicU8::new(FREE),
+            }),
+        }
     }
 
     /// Id.
@@ -54,13 +60,24 @@ impl Buffer {
 
     /// A contiguous row-major view of `shape` from the start of the buffer.
     pub fn tensor(&self, dtype: DType, shape: &[u64]) -> Result<Tensor, TensorError> {
-        Tensor::new_contiguous(self.inner.id, self.inner.mem.addr(), self.len() as u64, dtype, shape)
+        Tensor::new_contiguous(
+            self.inner.id,
+            self.inner.mem.addr(),
+            self.len() as u64,
+            dtype,
+            shape,
+        )
     }
 
     /// Marks the buffer bound to a run; false if it is already bound.
     pub(crate) fn bind(&self) -> bool {
         loop {
-            match self.inner.state.compare_exchange(FREE, BOUND, Ordering::AcqRel, Ordering::Acquire) {
+            match self.inner.state.compare_exchange(
+                FREE,
+                BOUND,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return true,
                 Err(BOUND) => return false,
                 Err(_) => std::thread::yield_now(),
@@ -74,10 +91,19 @@ impl Buffer {
 
     fn host_access<R>(&self, f: impl FnOnce(*mut u8) -> R) -> Result<R, BufferError> {
         if !self.inner.mem.host_accessible() {
-            return Err(BufferError::InUse { id: self.inner.id.0 });
+            return Err(BufferError::InUse {
+                id: self.inner.id.0,
+            });
         }
-        if self.inner.state.compare_exchange(FREE, HOST, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            return Err(BufferError::InUse { id: self.inner.id.0 });
+        if self
+            .inner
+            .state
+            .compare_exchange(FREE, HOST, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Err(BufferError::InUse {
+                id: self.inner.id.0,
+            });
         }
         let r = f(self.inner.mem.addr() as *mut u8);
         self.inner.state.store(FREE, Ordering::Release);
@@ -87,14 +113,22 @@ impl Buffer {
     /// Copies `data` into the buffer starting at byte `offset`.
     pub fn write_at<T: Element>(&self, offset: usize, data: &[T]) -> Result<(), BufferError> {
         let bytes = std::mem::size_of_val(data);
-        if offset % std::mem::align_of::<T>() != 0 || offset.checked_add(bytes).is_none_or(|e| e > self.len()) {
-            return Err(BufferError::Size { id: self.inner.id.0, bytes: self.len() as u64, given: (offset + bytes) as u64 });
+        if offset % std::mem::align_of::<T>() != 0
+            || offset.checked_add(bytes).is_none_or(|e| e > self.len())
+        {
+            return Err(BufferError::Size {
+                id: self.inner.id.0,
+                bytes: self.len() as u64,
+                given: (offset + bytes) as u64,
+            });
         }
         self.host_access(|base| {
             // SAFETY: `offset + bytes <= len` (checked above), the memory is host-accessible and
             // no run or other host copy uses it (state HOST held); source and destination are
             // distinct allocations.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, base.add(offset), bytes) }
+            unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr() as *const u8, base.add(offset), bytes)
+            }
         })
     }
 
@@ -106,8 +140,14 @@ impl Buffer {
     /// Reads `count` elements starting at byte `offset`.
     pub fn read_at<T: Element>(&self, offset: usize, count: usize) -> Result<Vec<T>, BufferError> {
         let bytes = count.saturating_mul(size_of::<T>());
-        if offset % std::mem::align_of::<T>() != 0 || offset.checked_add(bytes).is_none_or(|e| e > self.len()) {
-            return Err(BufferError::Size { id: self.inner.id.0, bytes: self.len() as u64, given: (offset + bytes) as u64 });
+        if offset % std::mem::align_of::<T>() != 0
+            || offset.checked_add(bytes).is_none_or(|e| e > self.len())
+        {
+            return Err(BufferError::Size {
+                id: self.inner.id.0,
+                bytes: self.len() as u64,
+                given: (offset + bytes) as u64,
+            });
         }
         self.host_access(|base| {
             let mut out = Vec::<T>::with_capacity(count);

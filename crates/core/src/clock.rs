@@ -31,7 +31,13 @@ fn base() -> &'static Base {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
-        Base { instant, anchor: ClockAnchor { pid: std::process::id(), wall_ns } }
+        Base {
+            instant,
+            anchor: ClockAnchor {
+                pid: std::process::id(),
+                wall_ns,
+            },
+        }
     })
 }
 

@@ -30,11 +30,16 @@ impl RingValue {
     /// Parses `N` or `a,b,c,d`, with optional `K`/`M`/`G` (binary) suffixes.
     pub fn parse(s: &str) -> Result<RingValue, String> {
         let parts: Vec<&str> = s.split(',').map(str::trim).collect();
-        let vals = parts.iter().map(|p| parse_size(p)).collect::<Result<Vec<u64>, String>>()?;
+        let vals = parts
+            .iter()
+            .map(|p| parse_size(p))
+            .collect::<Result<Vec<u64>, String>>()?;
         match vals.len() {
             1 => Ok(RingValue::All(vals[0])),
             RING_COUNT => Ok(RingValue::PerRing([vals[0], vals[1], vals[2], vals[3]])),
-            n => Err(format!("expected one value or {RING_COUNT} comma-separated values, got {n}")),
+            n => Err(format!(
+                "expected one value or {RING_COUNT} comma-separated values, got {n}"
+            )),
         }
     }
 }
@@ -48,8 +53,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         Some((i, 'g' | 'G')) => (&s[..i], 1 << 30),
         _ => (s, 1),
     };
-    let n: u64 = num.trim().parse().map_err(|_| format!("{s:?} is not a size (examples: 4096, 64K, 256M, 2G)"))?;
-    n.checked_mul(mul).ok_or_else(|| format!("{s:?} overflows 64 bits"))
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 64K, 256M, 2G)"))?;
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("{s:?} overflows 64 bits"))
 }
 
 impl std::fmt::Display for RingValue {
@@ -99,7 +108,11 @@ fn field_name(base: &str, v: &RingValue, r: usize) -> String {
 
 impl RuntimeEnv {
     pub(crate) fn validate(&self) -> Result<RingSizes, ConfigError> {
-        let mut out = RingSizes { window: [0; RING_COUNT], heap: [0; RING_COUNT], dep_pool: [0; RING_COUNT] };
+        let mut out = RingSizes {
+            window: [0; RING_COUNT],
+            heap: [0; RING_COUNT],
+            dep_pool: [0; RING_COUNT],
+        };
         for r in 0..RING_COUNT {
             let w = self.ring_task_window.get(r);
             if w < 4 || !w.is_power_of_two() || w > 1 << 30 {
@@ -114,7 +127,8 @@ impl RuntimeEnv {
                 return Err(ConfigError {
                     field: field_name("ring_heap", &self.ring_heap, r),
                     value: h.to_string(),
-                    reason: "must be at least 1024 bytes and a multiple of 1024 (default 256 MiB)".into(),
+                    reason: "must be at least 1024 bytes and a multiple of 1024 (default 256 MiB)"
+                        .into(),
                 });
             }
             let p = self.ring_dep_pool.get(r);
@@ -231,9 +245,15 @@ impl CallConfig {
 /// Environment variables of old-style ring configuration; read only to warn that they are
 /// ignored.
 pub const LEGACY_RING_ENV: [(&str, &str); 3] = [
-    ("SIMPLER_RING_TASK_WINDOW", "CallConfig.runtime_env.ring_task_window"),
+    (
+        "SIMPLER_RING_TASK_WINDOW",
+        "CallConfig.runtime_env.ring_task_window",
+    ),
     ("SIMPLER_RING_HEAP", "CallConfig.runtime_env.ring_heap"),
-    ("SIMPLER_RING_DEP_POOL", "CallConfig.runtime_env.ring_dep_pool"),
+    (
+        "SIMPLER_RING_DEP_POOL",
+        "CallConfig.runtime_env.ring_dep_pool",
+    ),
 ];
 
 /// Warnings for legacy ring variables set in `env`.
@@ -242,7 +262,9 @@ pub(crate) fn legacy_env_warnings(env: &dyn Fn(&str) -> Option<String>) -> Vec<S
         .iter()
         .filter(|(var, _)| env(var).is_some())
         .map(|(var, field)| {
-            format!("environment variable {var} is ignored: ring sizes are per run; set {field} instead")
+            format!(
+                "environment variable {var} is ignored: ring sizes are per run; set {field} instead"
+            )
         })
         .collect()
 }
@@ -297,13 +319,25 @@ impl Timeouts {
                 }
             }
         };
-        if let Some(d) = read(ENV_SCHEDULER_TIMEOUT_MS, "milliseconds", Duration::from_millis) {
+        if let Some(d) = read(
+            ENV_SCHEDULER_TIMEOUT_MS,
+            "milliseconds",
+            Duration::from_millis,
+        ) {
             t.scheduler = d;
         }
-        if let Some(d) = read(ENV_OP_EXECUTE_TIMEOUT_US, "microseconds", Duration::from_micros) {
+        if let Some(d) = read(
+            ENV_OP_EXECUTE_TIMEOUT_US,
+            "microseconds",
+            Duration::from_micros,
+        ) {
             t.op_execute = d;
         }
-        if let Some(d) = read(ENV_STREAM_SYNC_TIMEOUT_MS, "milliseconds", Duration::from_millis) {
+        if let Some(d) = read(
+            ENV_STREAM_SYNC_TIMEOUT_MS,
+            "milliseconds",
+            Duration::from_millis,
+        ) {
             t.stream_sync = d;
         }
         if let Some(rule) = t.broken_rule() {
@@ -341,7 +375,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| m.get(k).cloned()
     }
 
@@ -366,9 +403,19 @@ mod tests {
     #[test]
     fn each_ordering_violation_drops_all_overrides_with_one_warning() {
         let cases: [&[(&str, &str)]; 3] = [
-            &[(ENV_SCHEDULER_TIMEOUT_MS, "46000"), (ENV_STREAM_SYNC_TIMEOUT_MS, "90000")],
-            &[(ENV_OP_EXECUTE_TIMEOUT_US, "51000000"), (ENV_SCHEDULER_TIMEOUT_MS, "1000")],
-            &[(ENV_SCHEDULER_TIMEOUT_MS, "1000"), (ENV_OP_EXECUTE_TIMEOUT_US, "1500000"), (ENV_STREAM_SYNC_TIMEOUT_MS, "2000")],
+            &[
+                (ENV_SCHEDULER_TIMEOUT_MS, "46000"),
+                (ENV_STREAM_SYNC_TIMEOUT_MS, "90000"),
+            ],
+            &[
+                (ENV_OP_EXECUTE_TIMEOUT_US, "51000000"),
+                (ENV_SCHEDULER_TIMEOUT_MS, "1000"),
+            ],
+            &[
+                (ENV_SCHEDULER_TIMEOUT_MS, "1000"),
+                (ENV_OP_EXECUTE_TIMEOUT_US, "1500000"),
+                (ENV_STREAM_SYNC_TIMEOUT_MS, "2000"),
+            ],
         ];
         let rules = ["below op_execute", "below stream_sync", "+ 1.5 s"];
         for (case, rule) in cases.iter().zip(rules) {
@@ -399,12 +446,30 @@ mod tests {
         let e = env.validate().unwrap_err();
         assert_eq!(e.field, "CallConfig.runtime_env.ring_task_window");
         env.ring_task_window = RingValue::PerRing([8, 8, 2, 8]);
-        assert_eq!(env.validate().unwrap_err().field, "CallConfig.runtime_env.ring_task_window[2]");
-        env = RuntimeEnv { ring_heap: RingValue::All(1000), ..RuntimeEnv::default() };
-        assert_eq!(env.validate().unwrap_err().field, "CallConfig.runtime_env.ring_heap");
-        env = RuntimeEnv { ring_dep_pool: RingValue::All(3), ..RuntimeEnv::default() };
-        assert_eq!(env.validate().unwrap_err().field, "CallConfig.runtime_env.ring_dep_pool");
-        let cfg = CallConfig { swimlane: 2, ..CallConfig::default() };
+        assert_eq!(
+            env.validate().unwrap_err().field,
+            "CallConfig.runtime_env.ring_task_window[2]"
+        );
+        env = RuntimeEnv {
+            ring_heap: RingValue::All(1000),
+            ..RuntimeEnv::default()
+        };
+        assert_eq!(
+            env.validate().unwrap_err().field,
+            "CallConfig.runtime_env.ring_heap"
+        );
+        env = RuntimeEnv {
+            ring_dep_pool: RingValue::All(3),
+            ..RuntimeEnv::default()
+        };
+        assert_eq!(
+            env.validate().unwrap_err().field,
+            "CallConfig.runtime_env.ring_dep_pool"
+        );
+        let cfg = CallConfig {
+            swimlane: 2,
+            ..CallConfig::default()
+        };
         assert_eq!(cfg.validate().unwrap_err().field, "CallConfig.output_dir");
     }
 
@@ -413,8 +478,13 @@ mod tests {
         assert_eq!(parse_size("64K").unwrap(), 65536);
         assert_eq!(parse_size("2G").unwrap(), 2 << 30);
         assert!(parse_size("lots").is_err());
-        assert_eq!(RingValue::parse("8,16,32,64").unwrap(), RingValue::PerRing([8, 16, 32, 64]));
+        assert_eq!(
+            RingValue::parse("8,16,32,64").unwrap(),
+            RingValue::PerRing([8, 16, 32, 64])
+        );
         assert!(RingValue::parse("8,16").is_err());
-        assert!(legacy_env_warnings(&env_of(&[("SIMPLER_RING_HEAP", "1")]))[0].contains("ring_heap"));
+        assert!(
+            legacy_env_warnings(&env_of(&[("SIMPLER_RING_HEAP", "1")]))[0].contains("ring_heap")
+        );
     }
 }

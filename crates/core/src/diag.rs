@@ -11,8 +11,8 @@ use crate::task::TaskId;
 use crate::tensor::BufferId;
 use crate::tensormap::TensorMap;
 use crate::trace::{
-    ArgRecord, DepGraph, EdgeRecord, ScopeKindRecord, ScopeSiteUsage, SubmitRecord, TRACE_FORMAT_VERSION, TaskNode,
-    TensorNode,
+    ArgRecord, DepGraph, EdgeRecord, ScopeKindRecord, ScopeSiteUsage, SubmitRecord,
+    TRACE_FORMAT_VERSION, TaskNode, TensorNode,
 };
 
 /// Formats a byte count with a binary unit (`256 MiB`).
@@ -24,7 +24,11 @@ pub fn human_bytes(b: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if v.fract() == 0.0 { format!("{} {}", v as u64, UNITS[u]) } else { format!("{v:.1} {}", UNITS[u]) }
+    if v.fract() == 0.0 {
+        format!("{} {}", v as u64, UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 /// FNV-1a, 64 bit: stable across processes and platforms.
@@ -70,7 +74,12 @@ pub(crate) struct Diagnostics {
 
 impl Diagnostics {
     pub(crate) fn new(dep_gen: bool, swimlane: u8, ring_stats: bool) -> Diagnostics {
-        Diagnostics { dep_gen, fingerprint_on: dep_gen || swimlane > 0, ring_stats, ..Diagnostics::default() }
+        Diagnostics {
+            dep_gen,
+            fingerprint_on: dep_gen || swimlane > 0,
+            ring_stats,
+            ..Diagnostics::default()
+        }
     }
 
     pub(crate) fn capturing(&self) -> bool {
@@ -98,7 +107,12 @@ impl Diagnostics {
             let next = self.graph.tensors.len();
             let idx = *self.tensor_index.entry((t.buffer, version)).or_insert(next);
             if idx == next {
-                self.graph.tensors.push(TensorNode { buffer: t.buffer.0, version, dtype: t.dtype, size: t.buffer_bytes });
+                self.graph.tensors.push(TensorNode {
+                    buffer: t.buffer.0,
+                    version,
+                    dtype: t.dtype,
+                    size: t.buffer_bytes,
+                });
             }
             arg_records.push(ArgRecord {
                 tag: a.tag.name().to_string(),
@@ -124,7 +138,13 @@ impl Diagnostics {
 
     /// Records the edges of a submitted task (all distinct (producer, source) pairs) and folds
     /// the task into the fingerprint.
-    pub(crate) fn capture_edges(&mut self, id: TaskId, producers: &[Producer], block_num: u32, kernel: Option<u32>) {
+    pub(crate) fn capture_edges(
+        &mut self,
+        id: TaskId,
+        producers: &[Producer],
+        block_num: u32,
+        kernel: Option<u32>,
+    ) {
         self.fingerprint.u64(id.0);
         self.fingerprint.u64(kernel.map_or(u64::MAX, u64::from));
         self.fingerprint.u64(block_num as u64);
@@ -136,14 +156,23 @@ impl Diagnostics {
             seen.push((p.task, p.source));
             self.fingerprint.u64(p.task.0);
             if self.dep_gen {
-                self.graph.edges.push(EdgeRecord { pred: p.task.0, succ: id.0, source: p.source, overlap: p.overlap });
+                self.graph.edges.push(EdgeRecord {
+                    pred: p.task.0,
+                    succ: id.0,
+                    source: p.source,
+                    overlap: p.overlap,
+                });
             }
         }
     }
 
     pub(crate) fn submit_record(&mut self, task: TaskId, start: u64, end: u64, cap: usize) {
         if self.submits.len() < cap {
-            self.submits.push(SubmitRecord { task_id: task.0, start, end });
+            self.submits.push(SubmitRecord {
+                task_id: task.0,
+                start,
+                end,
+            });
         } else {
             self.submits_dropped += 1;
         }

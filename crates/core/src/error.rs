@@ -127,7 +127,11 @@ impl fmt::Display for Locator {
         if let Some(c) = self.core {
             parts.push(format!("core {c}"));
         }
-        if parts.is_empty() { f.write_str("run") } else { f.write_str(&parts.join(", ")) }
+        if parts.is_empty() {
+            f.write_str("run")
+        } else {
+            f.write_str(&parts.join(", "))
+        }
     }
 }
 
@@ -186,7 +190,9 @@ impl fmt::Display for RunError {
         write!(f, ": {}", self.detail)?;
         match self.diagnosis {
             Some(Diagnosis::Proven) => write!(f, " [proven deadlock]")?,
-            Some(Diagnosis::Backstop) => write!(f, " [backstop: no progress for 500 ms; not a proof]")?,
+            Some(Diagnosis::Backstop) => {
+                write!(f, " [backstop: no progress for 500 ms; not a proof]")?
+            }
             None => {}
         }
         write!(f, "\n  hint: {}\n  at: {}", self.hint, self.locator)
@@ -194,6 +200,18 @@ impl fmt::Display for RunError {
 }
 
 impl std::error::Error for RunError {}
+
+impl From<TensorError> for RunError {
+    /// A bad view made in an orchestration becomes INVALID_ARGS (latched when the orchestration
+    /// returns it).
+    fn from(e: TensorError) -> RunError {
+        RunError::new(
+            ErrorCode::InvalidArgs,
+            format!("tensor view: {e}"),
+            "fix the view's offset, shape or strides",
+        )
+    }
+}
 
 /// A configuration value that cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -316,7 +334,9 @@ impl From<TensorError> for KernelError {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BufferError {
     /// The buffer is bound to a run in flight.
-    #[error("buffer #{id} is bound to a run in flight; wait for the run before reading or writing it from the host")]
+    #[error(
+        "buffer #{id} is bound to a run in flight; wait for the run before reading or writing it from the host"
+    )]
     InUse {
         /// Buffer id.
         id: u64,

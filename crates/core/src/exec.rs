@@ -23,7 +23,10 @@ use crate::worker::{Active, Inner, Job};
 static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
 
 fn iv(start_ns: u64, end_ns: u64) -> Interval {
-    Interval { start_ns, end_ns: end_ns.max(start_ns) }
+    Interval {
+        start_ns,
+        end_ns: end_ns.max(start_ns),
+    }
 }
 
 pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> {
@@ -55,7 +58,13 @@ pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> 
     r
 }
 
-fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[crate::Buffer]) -> Result<RunReport, Error> {
+fn run_bound(
+    inner: &Arc<Inner>,
+    job: &Job,
+    host0: u64,
+    bind1: u64,
+    bound: &[crate::Buffer],
+) -> Result<RunReport, Error> {
     let runner0 = bind1;
     let cv0 = now_ns();
     let valid = job.cfg.validate()?;
@@ -68,7 +77,11 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
     let run = Arc::new(RunShared {
         arena: arena.clone(),
         hub: inner.hub.clone(),
-        registry: inner.registry.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        registry: inner
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
         queues: Default::default(),
         fatal: FatalLatch::default(),
         cancel: Arc::new(AtomicBool::new(false)),
@@ -91,28 +104,47 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
         sched_start: AtomicU64::new(0),
         sched_end: AtomicU64::new(0),
         swimlane: job.cfg.swimlane,
-        swimlane_cap_per_core: if job.cfg.swimlane > 0 { job.cfg.swimlane_capacity.div_ceil(n).max(1) } else { 0 },
+        swimlane_cap_per_core: if job.cfg.swimlane > 0 {
+            job.cfg.swimlane_capacity.div_ceil(n).max(1)
+        } else {
+            0
+        },
         dropped: AtomicU64::new(0),
         class_cores: [n as u32; 3],
         host_memory: inner.info.host_kernels,
     });
-    let cursors: Vec<RingCursor> = (0..RING_COUNT)
-        .map(|r| {
-            RingCursor::new(
-                r as u8,
-                valid.rings.window[r],
-                valid.rings.heap[r],
-                arena.heaps[r].addr(),
-                valid.rings.dep_pool[r],
-            )
-        })
-        .collect();
+    let parked = arena
+        .orch_state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    let (cursors, map) = match parked {
+        Some((mut cursors, mut map)) => {
+            cursors.iter_mut().for_each(RingCursor::reset);
+            map.reset(job.cfg.tensormap_capacity);
+            (cursors, map)
+        }
+        None => {
+            let cursors = (0..RING_COUNT)
+                .map(|r| {
+                    RingCursor::new(
+                        r as u8,
+                        valid.rings.window[r],
+                        valid.rings.heap[r],
+                        arena.heaps[r].addr(),
+                        valid.rings.dep_pool[r],
+                    )
+                })
+                .collect();
+            (cursors, TensorMap::new(job.cfg.tensormap_capacity))
+        }
+    };
     let epoch = inner.epoch.fetch_add(1, Ordering::AcqRel);
     let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
     let mut orch = Orchestrator::new(
         run.clone(),
         cursors,
-        TensorMap::new(job.cfg.tensormap_capacity),
+        map,
         inner.buffer_ids.clone(),
         epoch,
         serial,
@@ -125,22 +157,29 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
     let reset1 = now_ns();
 
     // Launch: cores join the run, the watchdog starts watching it.
-    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) =
-        Some(Active { run: run.clone(), result: job.result.clone() });
+    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(Active {
+        run: run.clone(),
+        result: job.result.clone(),
+    });
     inner.active_cv.notify_all();
     let launch = now_ns();
     run.sched_start.store(launch, Ordering::Release);
     inner.hub_set_current(Some(run.clone()));
 
     let orch0 = now_ns();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(&mut orch, &job.args)))
-        .unwrap_or_else(|p| {
-            Err(RunError::new(
-                ErrorCode::ExplicitOrchFatal,
-                format!("the orchestration function panicked: {}", crate::sched::panic_message(&*p)),
-                "fix the orchestration function; it should return an error instead of panicking",
-            ))
-        });
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (job.f)(&mut orch, &job.args)
+    }))
+    .unwrap_or_else(|p| {
+        Err(RunError::new(
+            ErrorCode::ExplicitOrchFatal,
+            format!(
+                "the orchestration function panicked: {}",
+                crate::sched::panic_message(&*p)
+            ),
+            "fix the orchestration function; it should return an error instead of panicking",
+        ))
+    });
     let orch1 = now_ns();
     finish_orchestration(&mut orch, outcome);
     if serial {
@@ -164,7 +203,7 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
         }
     }
     if let Some(e) = run.fatal.get().cloned() {
-        drop(orch);
+        park_orch_state(&arena, orch);
         drop(run);
         *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
         return Err(e.into());
@@ -189,7 +228,11 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
         task_slots: slot_timings(&run.timing_slots),
         counters: RunCounters {
             tasks: run.submitted.load(Ordering::Relaxed),
-            blocks: run.cores.iter().map(|c| c.blocks.load(Ordering::Relaxed)).sum(),
+            blocks: run
+                .cores
+                .iter()
+                .map(|c| c.blocks.load(Ordering::Relaxed))
+                .sum(),
             edges: run.edges.load(Ordering::Relaxed),
             ring_waits: orch.ring_waits,
             skipped: run.skipped.load(Ordering::Relaxed),
@@ -200,7 +243,7 @@ fn run_bound(inner: &Arc<Inner>, job: &Job, host0: u64, bind1: u64, bound: &[cra
         ..RunReport::default()
     };
     collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
-    drop(orch);
+    park_orch_state(&arena, orch);
     let validate1 = now_ns();
     report.validate = iv(runner1, validate1);
     report.host_wall = iv(host0, validate1);
@@ -219,7 +262,11 @@ fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) 
         let f = orch.scopes.last().expect("scope");
         let e = RunError::new(
             ErrorCode::InvalidArgs,
-            format!("the scope opened at {}:{} was never closed", f.site.file(), f.site.line()),
+            format!(
+                "the scope opened at {}:{} was never closed",
+                f.site.file(),
+                f.site.line()
+            ),
             "call end_scope for every begin_scope, or use Orchestrator::scope",
         );
         orch.run.fail(e);
@@ -230,6 +277,11 @@ fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) 
     orch.close_innermost();
     orch.run.orch_done.store(true, Ordering::Release);
     orch.run.finish_one();
+}
+
+fn park_orch_state(arena: &Arena, orch: Orchestrator) {
+    let (cursors, map) = orch.into_state();
+    *arena.orch_state.lock().unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
 }
 
 fn wait_cores_left(run: &RunShared) {
@@ -263,7 +315,10 @@ fn slot_timings(slots: &[SlotTiming]) -> Vec<TaskSlotTiming> {
         .map(|(i, s)| TaskSlotTiming {
             slot: i as u8,
             tasks: s.tasks.load(Ordering::Relaxed),
-            span: iv(s.first_dispatch.load(Ordering::Relaxed), s.last_finish.load(Ordering::Relaxed)),
+            span: iv(
+                s.first_dispatch.load(Ordering::Relaxed),
+                s.last_finish.load(Ordering::Relaxed),
+            ),
         })
         .collect()
 }
@@ -277,7 +332,12 @@ fn callable_hash(name: &str, args: &crate::RunArgs) -> u64 {
     h.finish()
 }
 
-fn collect_diagnostics(run: &RunShared, orch: &mut Orchestrator, cfg: &crate::CallConfig, report: &mut RunReport) {
+fn collect_diagnostics(
+    run: &RunShared,
+    orch: &mut Orchestrator,
+    cfg: &crate::CallConfig,
+    report: &mut RunReport,
+) {
     let fingerprint = orch.diag.fingerprint_hex();
     if cfg.swimlane > 0 {
         let mut s = SwimlaneRecords {
@@ -288,9 +348,12 @@ fn collect_diagnostics(run: &RunShared, orch: &mut Orchestrator, cfg: &crate::Ca
             ..SwimlaneRecords::default()
         };
         for c in run.cores.iter() {
-            s.tasks.append(&mut c.records.lock().unwrap_or_else(|p| p.into_inner()));
-            s.phases.append(&mut c.phases.lock().unwrap_or_else(|p| p.into_inner()));
-            s.queue_depth.append(&mut c.depth.lock().unwrap_or_else(|p| p.into_inner()));
+            s.tasks
+                .append(&mut c.records.lock().unwrap_or_else(|p| p.into_inner()));
+            s.phases
+                .append(&mut c.phases.lock().unwrap_or_else(|p| p.into_inner()));
+            s.queue_depth
+                .append(&mut c.depth.lock().unwrap_or_else(|p| p.into_inner()));
         }
         s.tasks.sort_by_key(|r| (r.start, r.core));
         s.phases.sort_by_key(|r| (r.start, r.core));
@@ -307,16 +370,28 @@ fn collect_diagnostics(run: &RunShared, orch: &mut Orchestrator, cfg: &crate::Ca
             .iter()
             .map(|c| RingUsage {
                 ring: c.ring,
-                task_window: Usage { high_water: c.hw_window, capacity: c.window as u64 - 1 },
-                heap: Usage { high_water: c.hw_heap, capacity: c.heap_cap },
-                dep_pool: Usage { high_water: c.hw_dep, capacity: c.dep_cap },
+                task_window: Usage {
+                    high_water: c.hw_window,
+                    capacity: c.window as u64 - 1,
+                },
+                heap: Usage {
+                    high_water: c.hw_heap,
+                    capacity: c.heap_cap,
+                },
+                dep_pool: Usage {
+                    high_water: c.hw_dep,
+                    capacity: c.dep_cap,
+                },
             })
             .collect();
         let mut scopes: Vec<_> = orch.diag.sites.drain().map(|(_, v)| v).collect();
         scopes.sort_by(|a, b| a.site.cmp(&b.site));
         report.ring_stats = Some(RingStats {
             rings,
-            tensormap: Usage { high_water: orch.map.high_water(), capacity: orch.map.capacity() },
+            tensormap: Usage {
+                high_water: orch.map.high_water(),
+                capacity: orch.map.capacity(),
+            },
             scopes,
         });
     }

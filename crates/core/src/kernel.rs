@@ -57,13 +57,22 @@ impl KernelSpec {
         class: EngineClass,
         body: impl Fn(&TaskCtx<'_>) -> Result<(), KernelError> + Send + Sync + 'static,
     ) -> KernelSpec {
-        KernelSpec { id, name: name.into(), class, body: Arc::new(body) }
+        KernelSpec {
+            id,
+            name: name.into(),
+            class,
+            body: Arc::new(body),
+        }
     }
 }
 
 impl std::fmt::Debug for KernelSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KernelSpec").field("id", &self.id).field("name", &self.name).field("class", &self.class).finish()
+        f.debug_struct("KernelSpec")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("class", &self.class)
+            .finish()
     }
 }
 
@@ -77,14 +86,20 @@ impl Registry {
     pub(crate) fn insert(&mut self, spec: KernelSpec) -> Result<(), String> {
         let id = spec.id.0;
         if id >= MAX_KERNEL_ID {
-            return Err(format!("kernel id {id} is above the maximum {}", MAX_KERNEL_ID - 1));
+            return Err(format!(
+                "kernel id {id} is above the maximum {}",
+                MAX_KERNEL_ID - 1
+            ));
         }
         let i = id as usize;
         if self.by_id.len() <= i {
             self.by_id.resize(i + 1, None);
         }
         if let Some(old) = &self.by_id[i] {
-            return Err(format!("kernel id {id} is already registered as {:?}", old.name));
+            return Err(format!(
+                "kernel id {id} is already registered as {:?}",
+                old.name
+            ));
         }
         self.by_id[i] = Some(Arc::new(spec));
         Ok(())
@@ -133,7 +148,10 @@ impl TaskDesc {
     }
 
     pub(crate) fn kernel_name(&self) -> String {
-        self.kernel.as_ref().map(|k| k.name.clone()).unwrap_or_else(|| "<dummy>".to_string())
+        self.kernel
+            .as_ref()
+            .map(|k| k.name.clone())
+            .unwrap_or_else(|| "<dummy>".to_string())
     }
 }
 
@@ -161,7 +179,14 @@ impl<'a> TaskCtx<'a> {
         cancel: &'a AtomicBool,
         gang: Option<&'a dyn GangBarrier>,
     ) -> TaskCtx<'a> {
-        TaskCtx { desc, block, core, cancel, gang, borrowed: Cell::new(0) }
+        TaskCtx {
+            desc,
+            block,
+            core,
+            cancel,
+            gang,
+            borrowed: Cell::new(0),
+        }
     }
 
     /// The task's id.
@@ -203,7 +228,9 @@ impl<'a> TaskCtx<'a> {
                 g.wait();
                 Ok(())
             }
-            None => Err(KernelError::new("sync_barrier needs a task submitted with require_sync_start")),
+            None => Err(KernelError::new(
+                "sync_barrier needs a task submitted with require_sync_start",
+            )),
         }
     }
 
@@ -214,7 +241,10 @@ impl<'a> TaskCtx<'a> {
     /// Tensor argument `i` (tag and view).
     pub fn arg(&self, i: usize) -> Result<&TensorArg, KernelError> {
         self.desc.args.get(i).ok_or_else(|| {
-            KernelError::new(format!("argument {i} requested but the task has {} tensor arguments", self.num_args()))
+            KernelError::new(format!(
+                "argument {i} requested but the task has {} tensor arguments",
+                self.num_args()
+            ))
         })
     }
     /// The view of tensor argument `i`.
@@ -224,7 +254,10 @@ impl<'a> TaskCtx<'a> {
     /// Raw 64-bit scalar `i`.
     pub fn scalar(&self, i: usize) -> Result<u64, KernelError> {
         self.desc.scalars.get(i).copied().ok_or_else(|| {
-            KernelError::new(format!("scalar {i} requested but the task has {} scalars", self.desc.scalars.len()))
+            KernelError::new(format!(
+                "scalar {i} requested but the task has {} scalars",
+                self.desc.scalars.len()
+            ))
         })
     }
     /// Scalar `i` as `f32`.
@@ -241,123 +274,396 @@ impl<'a> TaskCtx<'a> {
     }
     /// Scalar `i` as `usize`.
     pub fn scalar_usize(&self, i: usize) -> Result<usize, KernelError> {
-        usize::try_from(self.scalar(i)?).map_err(|_| KernelError::new(format!("scalar {i} does not fit usize")))
+        usize::try_from(self.scalar(i)?)
+            .map_err(|_| KernelError::new(format!("scalar {i} does not fit usize")))
     }
 
     fn typed<T: Element>(&self, i: usize) -> Result<(&TensorArg, usize, usize), KernelError> {
         let a = self.arg(i)?;
         if a.tensor.dtype != T::DTYPE {
-            return Err(TensorError::DType { wanted: T::DTYPE, actual: a.tensor.dtype }.into());
+            return Err(TensorError::DType {
+                wanted: T::DTYPE,
+                actual: a.tensor.dtype,
+            }
+            .into());
         }
         let r = a.tensor.region();
         let start = a.tensor.addr + r.lo as usize * T::DTYPE.size();
         Ok((a, start, (r.hi - r.lo) as usize))
     }
 
+    fn readable(&self, i: usize, a: &TensorArg) -> Result<(), KernelError> {
+        if a.tag.is_written() {
+            return Err(KernelError::new(format!(
+                "argument {i} is tagged {}; reach written arguments through the write accessors",
+                a.tag.name()
+            )));
+        }
+        Ok(())
+    }
+
+    fn writable(&self, i: usize, a: &TensorArg, what: &str) -> Result<(), KernelError> {
+        if !a.tag.is_written() {
+            return Err(KernelError::new(format!(
+                "argument {i} is tagged {} and cannot be written",
+                a.tag.name()
+            )));
+        }
+        self.claim(i, what)
+    }
+
     fn claim(&self, i: usize, what: &str) -> Result<(), KernelError> {
         let bit = 1u32 << i;
         if self.borrowed.get() & bit != 0 {
-            return Err(KernelError::new(format!("argument {i} is already borrowed mutably in this block ({what})")));
+            return Err(KernelError::new(format!(
+                "argument {i} is already borrowed mutably in this block ({what})"
+            )));
         }
         self.borrowed.set(self.borrowed.get() | bit);
         Ok(())
     }
 
-    /// Reads an `Input` or `NoDep` argument: the elements from the view's first to its last
-    /// element (for strided views, index with [`Tensor::strides`] relative to the view start).
+    fn contiguous(i: usize, a: &TensorArg, what: &str) -> Result<(), KernelError> {
+        if a.tensor.is_contiguous() {
+            Ok(())
+        } else {
+            Err(KernelError::new(format!(
+                "{what}({i}) needs a contiguous view (shape {:?} strides {:?}); use the *_rows accessors or gather/scatter",
+                a.tensor.shape(),
+                a.tensor.strides()
+            )))
+        }
+    }
+
+    /// Reads a contiguous `Input` or `NoDep` argument.
     pub fn read<T: Element>(&self, i: usize) -> Result<&[T], KernelError> {
         let (a, start, len) = self.typed::<T>(i)?;
-        if a.tag.is_written() {
-            return Err(KernelError::new(format!(
-                "argument {i} is tagged {}; reach written arguments through write()/write_chunk()",
-                a.tag.name()
-            )));
-        }
+        self.readable(i, a)?;
+        Self::contiguous(i, a, "read")?;
         if len == 0 {
             return Ok(&[]);
         }
-        // SAFETY: `start..start+len*size` lies inside the argument's buffer (checked when the
-        // view was made) which outlives the run; the address is aligned for T because buffers
-        // are page-aligned and offsets count T-sized elements; every bit pattern is a valid T
-        // (sealed `Element`); the runtime orders this task after every writer of the region and
-        // no task writes it while this one runs (the program rule in the module docs), and this
-        // task does not write it (the orchestrator rejects written arguments overlapping others).
+        // SAFETY: the view is contiguous, so `start..start+len` is exactly its elements, inside
+        // the buffer (checked when the view was made), which outlives the run; the address is
+        // aligned for T (page-aligned buffers, offsets in T-sized elements); every bit pattern
+        // is a valid T (sealed `Element`). The runtime orders this task after every writer of
+        // the region, and no task writes it while this one runs (the program rule in the module
+        // docs); this task does not write it (written arguments may not overlap others).
         Ok(unsafe { std::slice::from_raw_parts(start as *const T, len) })
     }
 
-    /// Reads an `Input`/`NoDep` argument as a scalar-per-element `Vec<f32>` (any float dtype).
+    /// The rows of an `Input`/`NoDep` view whose innermost stride is 1 (all leading dimensions
+    /// flattened): each row is exactly the view's elements, so strided tiles of a larger matrix
+    /// are read without touching their neighbours.
+    pub fn read_rows<T: Element>(&self, i: usize) -> Result<Rows<'_, T>, KernelError> {
+        let (a, _, _) = self.typed::<T>(i)?;
+        self.readable(i, a)?;
+        Rows::new(i, &a.tensor)
+    }
+
+    /// Copies the elements of any readable view (any strides) in row-major order.
+    pub fn gather<T: Element>(&self, i: usize) -> Result<Vec<T>, KernelError> {
+        let (a, _, _) = self.typed::<T>(i)?;
+        self.readable(i, a)?;
+        let base = a.tensor.addr as *const T;
+        let mut out = Vec::with_capacity(a.tensor.numel() as usize);
+        a.tensor.for_each_offset(|off| {
+            // SAFETY: `off` is an element of the view, inside its buffer; reads of elements
+            // no task writes concurrently (program rule), valid for any bit pattern.
+            out.push(unsafe { base.add(off as usize).read() })
+        });
+        Ok(out)
+    }
+
+    /// Reads a contiguous `Input`/`NoDep` argument of any float type as `f32` values.
     pub fn read_f32(&self, i: usize) -> Result<Vec<f32>, KernelError> {
         let a = self.arg(i)?;
         Ok(match a.tensor.dtype {
             DType::F32 => self.read::<f32>(i)?.to_vec(),
-            DType::BF16 => self.read::<half::bf16>(i)?.iter().map(|x| x.to_f32()).collect(),
-            DType::F16 => self.read::<half::f16>(i)?.iter().map(|x| x.to_f32()).collect(),
-            d => return Err(KernelError::new(format!("argument {i} holds {d}, not a float type"))),
+            DType::BF16 => self
+                .read::<half::bf16>(i)?
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            DType::F16 => self
+                .read::<half::f16>(i)?
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            d => {
+                return Err(KernelError::new(format!(
+                    "argument {i} holds {d}, not a float type"
+                )));
+            }
         })
     }
 
-    /// The whole span of a written argument (`Output`, `InOut`, `OutputExisting`) of a
-    /// single-block task, mutably. Multi-block tasks use [`TaskCtx::write_chunk`].
+    /// A contiguous written argument (`Output`, `InOut`, `OutputExisting`) of a single-block
+    /// task, mutably. Multi-block tasks use [`TaskCtx::write_chunk`] or
+    /// [`TaskCtx::write_block_rows`].
     pub fn write<T: Element>(&self, i: usize) -> Result<&mut [T], KernelError> {
-        if self.desc.block_num != 1 {
-            return Err(KernelError::new(format!(
-                "write({i}) in a task of {} blocks would alias across blocks; use write_chunk",
-                self.desc.block_num
-            )));
-        }
-        self.written_span(i, None)
+        self.single_block(i, "write")?;
+        let (a, start, len) = self.typed::<T>(i)?;
+        Self::contiguous(i, a, "write")?;
+        self.writable(i, a, "write")?;
+        // SAFETY: contiguity, bounds, alignment and validity as in `read`. Exclusivity: no other
+        // task touches the region while this one runs (program rule), the task has one block,
+        // and `writable` stops this block from borrowing the argument twice.
+        Ok(unsafe { slice_mut(start, 0, len) })
     }
 
     /// This block's chunk of a contiguous written argument: elements
     /// `block_idx*chunk .. (block_idx+1)*chunk` (clipped to the view). Chunks of different blocks
     /// never overlap.
     pub fn write_chunk<T: Element>(&self, i: usize, chunk: usize) -> Result<&mut [T], KernelError> {
-        self.written_span(i, Some(chunk))
-    }
-
-    fn written_span<T: Element>(&self, i: usize, chunk: Option<usize>) -> Result<&mut [T], KernelError> {
         let (a, start, len) = self.typed::<T>(i)?;
-        if !a.tag.is_written() {
-            return Err(KernelError::new(format!("argument {i} is tagged {} and cannot be written", a.tag.name())));
-        }
-        let (lo, hi) = match chunk {
-            None => (0, len),
-            Some(c) => {
-                if !a.tensor.is_contiguous() {
-                    return Err(KernelError::new(format!("write_chunk({i}) needs a contiguous view")));
-                }
-                let lo = (self.block as usize).saturating_mul(c).min(len);
-                (lo, lo.saturating_add(c).min(len))
-            }
-        };
-        self.claim(i, "write")?;
-        if hi == lo {
-            return Ok(&mut []);
-        }
-        // SAFETY: as in `read` for bounds, alignment and validity. Exclusivity: the runtime lets
-        // no other task touch this region while this task runs (program rule); within the task,
-        // either there is one block (`write`) or each block gets a disjoint chunk indexed by its
-        // unique block index (`write_chunk`), and `claim` stops a block from borrowing the same
-        // argument twice.
-        Ok(unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) })
+        Self::contiguous(i, a, "write_chunk")?;
+        self.writable(i, a, "write_chunk")?;
+        let lo = (self.block as usize).saturating_mul(chunk).min(len);
+        let hi = lo.saturating_add(chunk).min(len);
+        // SAFETY: as in `write`, except that several blocks may run at once: each gets the chunk
+        // indexed by its unique block index, so the slices of different blocks are disjoint.
+        Ok(unsafe { slice_mut(start, lo, hi) })
     }
 
-    /// The whole span of a written argument, with no aliasing checks across blocks.
+    /// All rows of a written view whose innermost stride is 1, for a single-block task.
+    pub fn write_rows<T: Element>(&self, i: usize) -> Result<RowsMut<'_, T>, KernelError> {
+        self.single_block(i, "write_rows")?;
+        let (a, _, _) = self.typed::<T>(i)?;
+        let rows = RowsMut::new(i, &a.tensor, None)?;
+        self.writable(i, a, "write_rows")?;
+        Ok(rows)
+    }
+
+    /// This block's share of the rows of a written view (rows split as by
+    /// [`TaskCtx::block_range`]); shares of different blocks are disjoint.
+    pub fn write_block_rows<T: Element>(&self, i: usize) -> Result<RowsMut<'_, T>, KernelError> {
+        let (a, _, _) = self.typed::<T>(i)?;
+        let all = RowsMut::<T>::new(i, &a.tensor, None)?.n_rows;
+        let rows = RowsMut::new(i, &a.tensor, Some(self.block_range(all)))?;
+        self.writable(i, a, "write_block_rows")?;
+        Ok(rows)
+    }
+
+    /// Writes `values` (row-major, one per element) into any written view of a single-block
+    /// task.
+    pub fn scatter<T: Element>(&self, i: usize, values: &[T]) -> Result<(), KernelError> {
+        self.single_block(i, "scatter")?;
+        let (a, _, _) = self.typed::<T>(i)?;
+        if values.len() as u64 != a.tensor.numel() {
+            return Err(KernelError::new(format!(
+                "scatter({i}): {} values for a view of {} elements",
+                values.len(),
+                a.tensor.numel()
+            )));
+        }
+        if !a.tensor.is_non_overlapping() {
+            return Err(KernelError::new(format!(
+                "scatter({i}): the view's elements alias each other"
+            )));
+        }
+        self.writable(i, a, "scatter")?;
+        let base = a.tensor.addr as *mut T;
+        let mut k = 0;
+        a.tensor.for_each_offset(|off| {
+            // SAFETY: `off` is an element of the view, inside its buffer, written by this block
+            // alone (single-block task, argument claimed once, no other task touches the region
+            // while this one runs).
+            unsafe { base.add(off as usize).write(values[k]) };
+            k += 1;
+        });
+        Ok(())
+    }
+
+    fn single_block(&self, i: usize, what: &str) -> Result<(), KernelError> {
+        if self.desc.block_num != 1 {
+            return Err(KernelError::new(format!(
+                "{what}({i}) in a task of {} blocks would alias across blocks; use write_chunk or write_block_rows",
+                self.desc.block_num
+            )));
+        }
+        Ok(())
+    }
+
+    /// The span (first to last element) of a written argument, with no aliasing checks.
     ///
     /// # Safety
-    /// No other block of this task may access the elements this block writes or reads through
-    /// the returned slice while it is alive.
+    /// Nothing else may access any element of the span while the slice is alive: not other
+    /// blocks of this task and, for a strided view, not other tasks writing elements that lie
+    /// between this view's elements.
     pub unsafe fn write_unchecked<T: Element>(&self, i: usize) -> Result<&mut [T], KernelError> {
         let (a, start, len) = self.typed::<T>(i)?;
-        if !a.tag.is_written() {
-            return Err(KernelError::new(format!("argument {i} is tagged {} and cannot be written", a.tag.name())));
+        self.writable(i, a, "write_unchecked")?;
+        // SAFETY: bounds, alignment and validity as in `read`; exclusivity is the caller's
+        // contract (this fn's `# Safety`).
+        Ok(unsafe { slice_mut(start, 0, len) })
+    }
+}
+
+/// `&mut [T]` over elements `lo..hi` of the array starting at address `start`.
+///
+/// # Safety
+/// `start + hi * size_of::<T>()` lies in one live allocation, `start` is aligned for `T`, every
+/// bit pattern is a valid `T`, and nothing else accesses these elements while the slice lives.
+unsafe fn slice_mut<'a, T: Element>(start: usize, lo: usize, hi: usize) -> &'a mut [T] {
+    if hi <= lo {
+        return &mut [];
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) }
+}
+
+/// Geometry of a view seen as rows (innermost stride 1, leading dimensions flattened).
+#[derive(Clone, Copy)]
+struct RowGeometry {
+    base: usize,
+    n_rows: usize,
+    row_len: usize,
+    ndim: usize,
+    shape: [u64; crate::tensor::MAX_DIMS],
+    strides: [u64; crate::tensor::MAX_DIMS],
+    offset: u64,
+}
+
+impl RowGeometry {
+    fn new(i: usize, t: &Tensor) -> Result<RowGeometry, KernelError> {
+        let n = t.ndim();
+        if t.strides()[n - 1] != 1 && t.shape()[n - 1] > 1 {
+            return Err(KernelError::new(format!(
+                "argument {i}: rows need an innermost stride of 1 (strides {:?}); use gather/scatter",
+                t.strides()
+            )));
         }
-        self.claim(i, "write_unchecked")?;
-        if len == 0 {
-            return Ok(&mut []);
+        let mut shape = [0; crate::tensor::MAX_DIMS];
+        let mut strides = [0; crate::tensor::MAX_DIMS];
+        shape[..n].copy_from_slice(t.shape());
+        strides[..n].copy_from_slice(t.strides());
+        Ok(RowGeometry {
+            base: t.addr,
+            n_rows: t.shape()[..n - 1].iter().product::<u64>() as usize,
+            row_len: t.shape()[n - 1] as usize,
+            ndim: n,
+            shape,
+            strides,
+            offset: t.offset,
+        })
+    }
+
+    /// Element offset (from the buffer start) of row `r`.
+    fn row_offset(&self, mut r: usize) -> usize {
+        let mut off = self.offset;
+        for d in (0..self.ndim - 1).rev() {
+            let n = self.shape[d] as usize;
+            off += (r % n) as u64 * self.strides[d];
+            r /= n;
         }
-        // SAFETY: bounds, alignment and validity as in `read`; exclusivity across blocks is the
-        // caller's contract (this fn's `# Safety`), across tasks the runtime's ordering.
-        Ok(unsafe { std::slice::from_raw_parts_mut(start as *mut T, len) })
+        off as usize
+    }
+}
+
+/// The rows of a readable view. `row(r)` is exactly the view's elements of row `r`.
+pub struct Rows<'a, T> {
+    g: RowGeometry,
+    _p: std::marker::PhantomData<&'a [T]>,
+}
+
+impl<'a, T: Element> Rows<'a, T> {
+    fn new(i: usize, t: &Tensor) -> Result<Rows<'a, T>, KernelError> {
+        Ok(Rows {
+            g: RowGeometry::new(i, t)?,
+            _p: std::marker::PhantomData,
+        })
+    }
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.g.n_rows
+    }
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.g.n_rows == 0
+    }
+    /// Elements per row.
+    pub fn row_len(&self) -> usize {
+        self.g.row_len
+    }
+    /// Row `r` (panics if `r >= len()`, like slice indexing).
+    pub fn row(&self, r: usize) -> &'a [T] {
+        assert!(r < self.g.n_rows, "row {r} of {}", self.g.n_rows);
+        let start = self.g.base + self.g.row_offset(r) * size_of::<T>();
+        // SAFETY: the row is `row_len` consecutive elements of the view (innermost stride 1),
+        // inside the buffer; read-only access to a region no task writes concurrently (program
+        // rule); aligned, valid for any bit pattern.
+        unsafe { std::slice::from_raw_parts(start as *const T, self.g.row_len) }
+    }
+    /// Iterates the rows.
+    pub fn iter(&self) -> impl Iterator<Item = &'a [T]> + '_ {
+        (0..self.g.n_rows).map(move |r| self.row(r))
+    }
+}
+
+/// Mutable rows of a written view (all of them, or one block's share).
+pub struct RowsMut<'a, T> {
+    g: RowGeometry,
+    first: usize,
+    n_rows: usize,
+    _p: std::marker::PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T: Element> RowsMut<'a, T> {
+    fn new(
+        i: usize,
+        t: &Tensor,
+        part: Option<Range<usize>>,
+    ) -> Result<RowsMut<'a, T>, KernelError> {
+        if !t.is_non_overlapping() {
+            return Err(KernelError::new(format!(
+                "argument {i}: the view's rows alias each other"
+            )));
+        }
+        let g = RowGeometry::new(i, t)?;
+        let r = part.unwrap_or(0..g.n_rows);
+        Ok(RowsMut {
+            g,
+            first: r.start,
+            n_rows: r.len(),
+            _p: std::marker::PhantomData,
+        })
+    }
+    /// Number of rows in this share.
+    pub fn len(&self) -> usize {
+        self.n_rows
+    }
+    /// Whether the share is empty.
+    pub fn is_empty(&self) -> bool {
+        self.n_rows == 0
+    }
+    /// Index (in the whole view) of this share's first row.
+    pub fn first_row(&self) -> usize {
+        self.first
+    }
+    /// Elements per row.
+    pub fn row_len(&self) -> usize {
+        self.g.row_len
+    }
+    /// Row `r` of this share (panics if `r >= len()`).
+    pub fn row(&mut self, r: usize) -> &mut [T] {
+        assert!(r < self.n_rows, "row {r} of {}", self.n_rows);
+        let start = self.g.base + self.g.row_offset(self.first + r) * size_of::<T>();
+        // SAFETY: one row of a non-overlapping view (checked at creation), inside the buffer,
+        // reached only through this `&mut self` borrow; other blocks hold disjoint shares and
+        // other tasks do not touch the region (program rule).
+        unsafe { slice_mut(start, 0, self.g.row_len) }
+    }
+    /// Iterates the rows of this share (each a distinct `&mut` slice).
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut [T]> + '_ {
+        let g = self.g;
+        let first = self.first;
+        (0..self.n_rows).map(move |r| {
+            let start = g.base + g.row_offset(first + r) * size_of::<T>();
+            // SAFETY: as in `row`; rows of a non-overlapping view are pairwise disjoint, so the
+            // slices this iterator yields never alias each other, and they are tied to the
+            // `&mut self` borrow.
+            unsafe { slice_mut(start, 0, g.row_len) }
+        })
     }
 }

@@ -34,15 +34,15 @@ mod worker;
 pub use buffer::Buffer;
 pub use config::{CallConfig, OrchMode, RingValue, RuntimeEnv, Timeouts};
 pub use diag::human_bytes;
-pub use orch::{Orchestrator, ScopeKind, Submitted};
-pub use platform::{Memory, Platform, PlatformInfo};
-pub use worker::{OrchFn, RunArgs, RunHandle, Worker, WorkerConfig};
 pub use dtype::{DType, Element};
 pub use error::{
-    BufferError, ConfigError, Diagnosis, Error, ErrorCode, KernelError, Locator, PlatformError, RunError,
-    SchedSubclass, TensorError,
+    BufferError, ConfigError, Diagnosis, Error, ErrorCode, KernelError, Locator, PlatformError,
+    RunError, SchedSubclass, TensorError,
 };
-pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, TaskCtx, TensorArg};
+pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
+pub use orch::{Orchestrator, ScopeKind, Submitted};
+pub use platform::{Memory, Platform, PlatformInfo};
 pub use report::{Interval, RunCounters, RunReport, TaskSlotTiming};
 pub use task::{ArgTag, EngineClass, OutputSpec, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
+pub use worker::{OrchFn, RunArgs, RunHandle, Worker, WorkerConfig};

@@ -18,7 +18,9 @@ use crate::kernel::{TaskDesc, TensorArg};
 use crate::ring::{OUTPUT_ALIGN, RingCursor};
 use crate::run::RunShared;
 use crate::slot::{NO_ENTRY, entry_ref, state};
-use crate::task::{ArgSpec, ArgTag, EngineClass, MAX_SCALAR_ARGS, MAX_TENSOR_ARGS, TIMING_SLOTS, Task, TaskId};
+use crate::task::{
+    ArgSpec, ArgTag, EngineClass, MAX_SCALAR_ARGS, MAX_TENSOR_ARGS, TIMING_SLOTS, Task, TaskId,
+};
 use crate::tensor::{BufferId, MAX_DIMS, Relation, Tensor};
 use crate::tensormap::{Hit, IdMap, TensorMap};
 use crate::trace::{EdgeSource, OverlapKind};
@@ -133,6 +135,10 @@ impl Orchestrator {
         }
     }
 
+    pub(crate) fn into_state(self) -> (Vec<RingCursor>, TensorMap) {
+        (self.cursors, self.map)
+    }
+
     /// Cores that can run tasks of `class`.
     pub fn cores(&self, class: EngineClass) -> usize {
         self.run.class_cores[class.index()] as usize
@@ -173,11 +179,19 @@ impl Orchestrator {
     }
 
     /// Makes `buffer` usable by this run's tasks and returns a contiguous view of it.
-    pub fn bind(&mut self, buffer: &Buffer, dtype: DType, shape: &[u64]) -> Result<Tensor, RunError> {
+    pub fn bind(
+        &mut self,
+        buffer: &Buffer,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<Tensor, RunError> {
         if !self.bound.contains_key(&buffer.id()) {
             if !buffer.bind() {
                 return Err(self.fail(invalid(
-                    format!("buffer #{} is already bound to another run in flight", buffer.id().0),
+                    format!(
+                        "buffer #{} is already bound to another run in flight",
+                        buffer.id().0
+                    ),
                     "wait for the other run to finish before binding the buffer again",
                 )));
             }
@@ -216,7 +230,15 @@ impl Orchestrator {
         let seq = self.next_scope_seq;
         self.next_scope_seq += 1;
         let first_local = self.cursors[ring as usize].next_local;
-        self.scopes.push(ScopeFrame { seq, kind, ring, first_local, tasks: 0, heap: 0, site: Location::caller() });
+        self.scopes.push(ScopeFrame {
+            seq,
+            kind,
+            ring,
+            first_local,
+            tasks: 0,
+            heap: 0,
+            site: Location::caller(),
+        });
         Ok(())
     }
 
@@ -302,7 +324,13 @@ impl Orchestrator {
             None => None,
         };
         let class = kernel.as_ref().map_or(EngineClass::Vector, |k| k.class);
-        let kname = kernel.as_ref().map_or_else(|| "<dummy>".to_string(), |k| k.name.clone());
+        let kname = match &kernel {
+            Some(k) => k.name.clone(),
+            None if task.args.iter().any(|a| matches!(a, ArgSpec::Output(_))) => {
+                "<alloc>".to_string()
+            }
+            None => "<dummy>".to_string(),
+        };
         self.validate_shape_of_task(&task, &kname, class)?;
 
         // Outputs: sizes and the packed heap block.
@@ -320,7 +348,12 @@ impl Orchestrator {
                     .shape
                     .iter()
                     .try_fold(o.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-                    .ok_or_else(|| self.fail(invalid(format!("output shape {:?} overflows", o.shape), "fix the output shape")))?;
+                    .ok_or_else(|| {
+                        self.fail(invalid(
+                            format!("output shape {:?} overflows", o.shape),
+                            "fix the output shape",
+                        ))
+                    })?;
                 out_offsets.push(block_bytes);
                 block_bytes += bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
             }
@@ -357,32 +390,49 @@ impl Orchestrator {
                 continue;
             }
             if let Some(owner) = t.owner {
-                self.producers.push(Producer { task: owner, source: EdgeSource::Creator, overlap: OverlapKind::None });
+                self.producers.push(Producer {
+                    task: owner,
+                    source: EdgeSource::Creator,
+                    overlap: OverlapKind::None,
+                });
             }
             if matches!(tag, ArgTag::Input | ArgTag::InOut) && scope_kind == ScopeKind::Auto {
                 self.hits.clear();
                 let region = t.region();
-                self.map.lookup(&region, &self.run.arena.rings, &mut self.hits);
+                self.map
+                    .lookup(&region, &self.run.arena.rings, &mut self.hits);
                 for h in &self.hits {
                     let overlap = match h.relation {
                         Relation::Covers => OverlapKind::Covers,
                         Relation::Partial => OverlapKind::Partial,
                         _ => OverlapKind::Conservative,
                     };
-                    self.producers.push(Producer { task: h.task, source: EdgeSource::Tensormap, overlap });
+                    self.producers.push(Producer {
+                        task: h.task,
+                        source: EdgeSource::Tensormap,
+                        overlap,
+                    });
                 }
             }
         }
         for &d in &task.deps {
             self.validate_explicit_dep(d, &kname)?;
-            self.producers.push(Producer { task: d, source: EdgeSource::Explicit, overlap: OverlapKind::None });
+            self.producers.push(Producer {
+                task: d,
+                source: EdgeSource::Explicit,
+                overlap: OverlapKind::None,
+            });
         }
         let n_unique = dedup_count(&mut self.producers);
 
         // Room in the ring (may wait; fails on a provable deadlock).
         let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, writes, &kname)?;
-        let (local, block_addr, dep_start) =
-            self.cursors[ring as usize].allocate(heap_start, block_bytes, n_unique as u64, scope_seq);
+        let (local, block_addr, dep_start) = self.cursors[ring as usize].allocate(
+            heap_start,
+            block_bytes,
+            n_unique as u64,
+            scope_seq,
+        );
         let id = TaskId::new(ring, local);
         {
             let f = self.scopes.last_mut().expect("scope");
@@ -395,22 +445,47 @@ impl Orchestrator {
         let mut outputs = Vec::new();
         for a in &task.args {
             match a {
-                ArgSpec::Tensor(tag, t) => args.push(TensorArg { tag: *tag, tensor: *t }),
+                ArgSpec::Tensor(tag, t) => args.push(TensorArg {
+                    tag: *tag,
+                    tensor: *t,
+                }),
                 ArgSpec::Output(o) => {
                     let off = out_offsets[outputs.len()];
                     let bytes = o.shape.iter().product::<u64>() * o.dtype.size() as u64;
                     let bid = BufferId(self.buffer_ids.fetch_add(1, Ordering::Relaxed));
-                    let mut t = Tensor::new_contiguous(bid, block_addr + off as usize, bytes, o.dtype, &o.shape)
-                        .map_err(|e| self.fail(invalid(format!("output of {kname:?}: {e}"), "fix the output shape")))?;
+                    let mut t = Tensor::new_contiguous(
+                        bid,
+                        block_addr + off as usize,
+                        bytes,
+                        o.dtype,
+                        &o.shape,
+                    )
+                    .map_err(|e| {
+                        self.fail(invalid(
+                            format!("output of {kname:?}: {e}"),
+                            "fix the output shape",
+                        ))
+                    })?;
                     t.owner = Some(id);
                     t.run_epoch = self.epoch;
                     outputs.push(t);
-                    args.push(TensorArg { tag: ArgTag::Output, tensor: t });
+                    args.push(TensorArg {
+                        tag: ArgTag::Output,
+                        tensor: t,
+                    });
                 }
             }
         }
         if self.diag.capturing() {
-            self.diag.capture_task(id, scope_kind, self.scopes.len() - 1, &kernel, task.block_num, &args, &self.map);
+            self.diag.capture_task(
+                id,
+                scope_kind,
+                self.scopes.len() - 1,
+                &kernel,
+                task.block_num,
+                &args,
+                &self.map,
+            );
         }
 
         // Publish the slot's contents (nobody else looks at this slot until it is published).
@@ -475,7 +550,12 @@ impl Orchestrator {
         }
         self.run.edges.fetch_add(n_unique as u64, Ordering::Relaxed);
         if self.diag.capturing() || self.diag.fingerprinting() {
-            self.diag.capture_edges(id, &self.producers, task.block_num, slot.desc().kernel.as_ref().map(|k| k.id.0));
+            self.diag.capture_edges(
+                id,
+                &self.producers,
+                task.block_num,
+                slot.desc().kernel.as_ref().map(|k| k.id.0),
+            );
         }
 
         // The dependency map learns the new writers.
@@ -500,26 +580,45 @@ impl Orchestrator {
             }
         }
         if self.run.swimlane >= 4 {
-            self.diag.submit_record(id, t_submit, now_ns(), self.run.swimlane_cap_per_core * self.run.cores.len());
+            self.diag.submit_record(
+                id,
+                t_submit,
+                now_ns(),
+                self.run.swimlane_cap_per_core * self.run.cores.len(),
+            );
         }
         Ok(Submitted { id, outputs })
     }
 
-    fn validate_shape_of_task(&self, task: &Task, kname: &str, class: EngineClass) -> Result<(), RunError> {
+    fn validate_shape_of_task(
+        &self,
+        task: &Task,
+        kname: &str,
+        class: EngineClass,
+    ) -> Result<(), RunError> {
         if task.args.len() > MAX_TENSOR_ARGS {
             return Err(self.fail(invalid(
-                format!("kernel {kname:?}: {} tensor arguments, at most {MAX_TENSOR_ARGS}", task.args.len()),
+                format!(
+                    "kernel {kname:?}: {} tensor arguments, at most {MAX_TENSOR_ARGS}",
+                    task.args.len()
+                ),
                 "split the task or pack tensors into fewer buffers",
             )));
         }
         if task.scalars.len() > MAX_SCALAR_ARGS {
             return Err(self.fail(invalid(
-                format!("kernel {kname:?}: {} scalars, at most {MAX_SCALAR_ARGS}", task.scalars.len()),
+                format!(
+                    "kernel {kname:?}: {} scalars, at most {MAX_SCALAR_ARGS}",
+                    task.scalars.len()
+                ),
                 "pass the values in a tensor instead",
             )));
         }
         if task.block_num == 0 {
-            return Err(self.fail(invalid(format!("kernel {kname:?}: block_num is 0"), "use blocks(n) with n >= 1")));
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: block_num is 0"),
+                "use blocks(n) with n >= 1",
+            )));
         }
         if let Some(s) = task.timing_slot
             && s as usize >= TIMING_SLOTS
@@ -559,7 +658,10 @@ impl Orchestrator {
             .collect();
         for (x, &(i, ti, a)) in tensors.iter().enumerate() {
             for &(j, tj, b) in &tensors[x + 1..] {
-                if (ti.is_written() || tj.is_written()) && a.buffer == b.buffer && a.region().relate(&b.region()).overlaps() {
+                if (ti.is_written() || tj.is_written())
+                    && a.buffer == b.buffer
+                    && a.region().relate(&b.region()).overlaps()
+                {
                     return Err(self.fail(invalid(
                         format!(
                             "kernel {kname:?}: argument {i} ({}) and argument {j} ({}) overlap and one is written",
@@ -574,7 +676,13 @@ impl Orchestrator {
         Ok(())
     }
 
-    pub(crate) fn check_tensor_usable(&self, i: usize, tag: ArgTag, t: &Tensor, kname: &str) -> Result<(), RunError> {
+    pub(crate) fn check_tensor_usable(
+        &self,
+        i: usize,
+        tag: ArgTag,
+        t: &Tensor,
+        kname: &str,
+    ) -> Result<(), RunError> {
         if tag == ArgTag::Output {
             return Err(self.fail(invalid(
                 format!("kernel {kname:?}: argument {i} is tagged Output but is an existing tensor"),
@@ -613,7 +721,8 @@ impl Orchestrator {
     }
 
     fn validate_explicit_dep(&self, d: TaskId, kname: &str) -> Result<(), RunError> {
-        let ok = (d.ring() as usize) < self.cursors.len() && d.local() < self.cursors[d.ring() as usize].next_local;
+        let ok = (d.ring() as usize) < self.cursors.len()
+            && d.local() < self.cursors[d.ring() as usize].next_local;
         if !ok {
             return Err(self.fail(invalid(
                 format!("kernel {kname:?}: explicit dependency on {d}, which has not been submitted in this run"),
@@ -643,7 +752,11 @@ mod tests {
 
     #[test]
     fn dedup_keeps_each_task_once_in_the_prefix() {
-        let mk = |t: u64, s| Producer { task: TaskId(t), source: s, overlap: OverlapKind::None };
+        let mk = |t: u64, s| Producer {
+            task: TaskId(t),
+            source: s,
+            overlap: OverlapKind::None,
+        };
         let mut v = vec![
             mk(1, EdgeSource::Creator),
             mk(2, EdgeSource::Tensormap),

@@ -15,7 +15,11 @@ impl Orchestrator {
     /// Waits until every task that writes `tensor` (its creator and the live writers of an
     /// overlapping region) has completed, then copies its elements out in row-major order.
     /// Fails with TENSOR_WAIT_TIMEOUT after `timeout`.
-    pub fn get_tensor_data<T: Element>(&mut self, tensor: &Tensor, timeout: Duration) -> Result<Vec<T>, RunError> {
+    pub fn get_tensor_data<T: Element>(
+        &mut self,
+        tensor: &Tensor,
+        timeout: Duration,
+    ) -> Result<Vec<T>, RunError> {
         self.prepare_host_access::<T>(tensor, timeout, "get_tensor_data")?;
         let mut out = Vec::with_capacity(tensor.numel() as usize);
         let base = tensor.addr as *const T;
@@ -32,11 +36,20 @@ impl Orchestrator {
     /// Waits like [`Orchestrator::get_tensor_data`], then writes `data` (row-major, one value
     /// per element) into `tensor`. Tasks submitted afterwards see the new contents; tasks still
     /// reading the region are not waited for (write-after-read is not tracked).
-    pub fn set_tensor_data<T: Element>(&mut self, tensor: &Tensor, data: &[T], timeout: Duration) -> Result<(), RunError> {
+    pub fn set_tensor_data<T: Element>(
+        &mut self,
+        tensor: &Tensor,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<(), RunError> {
         if data.len() as u64 != tensor.numel() {
             return Err(self.fail(RunError::new(
                 ErrorCode::InvalidArgs,
-                format!("set_tensor_data: {} values for a tensor of shape {:?}", data.len(), tensor.shape()),
+                format!(
+                    "set_tensor_data: {} values for a tensor of shape {:?}",
+                    data.len(),
+                    tensor.shape()
+                ),
                 "pass exactly one value per element",
             )));
         }
@@ -52,12 +65,21 @@ impl Orchestrator {
         Ok(())
     }
 
-    fn prepare_host_access<T: Element>(&mut self, tensor: &Tensor, timeout: Duration, what: &str) -> Result<(), RunError> {
+    fn prepare_host_access<T: Element>(
+        &mut self,
+        tensor: &Tensor,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<(), RunError> {
         self.check_fatal()?;
         if tensor.dtype != T::DTYPE {
             return Err(self.fail(RunError::new(
                 ErrorCode::InvalidArgs,
-                format!("{what}: the tensor holds {}, {} was asked for", tensor.dtype, T::DTYPE),
+                format!(
+                    "{what}: the tensor holds {}, {} was asked for",
+                    tensor.dtype,
+                    T::DTYPE
+                ),
                 "use the element type the tensor was created with",
             )));
         }
@@ -71,7 +93,8 @@ impl Orchestrator {
         self.validate_tensor_for_host(tensor, what)?;
         let mut producers: Vec<TaskId> = tensor.owner.into_iter().collect();
         let mut hits = Vec::new();
-        self.map.lookup(&tensor.region(), &self.run.arena.rings, &mut hits);
+        self.map
+            .lookup(&tensor.region(), &self.run.arena.rings, &mut hits);
         producers.extend(hits.iter().map(|h| h.task));
         let deadline = Instant::now() + timeout;
         for p in producers {
@@ -79,7 +102,9 @@ impl Orchestrator {
             loop {
                 self.check_fatal()?;
                 let s = self.run.arena.rings.slot(p);
-                if s.local.load(Ordering::Acquire) != p.local() || s.state.load(Ordering::Acquire) >= state::COMPLETED {
+                if s.local.load(Ordering::Acquire) != p.local()
+                    || s.state.load(Ordering::Acquire) >= state::COMPLETED
+                {
                     break;
                 }
                 if self.serial {
@@ -113,8 +138,17 @@ impl Orchestrator {
         let s = self.run.arena.rings.slot(p);
         let st = state::name(s.state.load(Ordering::Acquire));
         let kernel = s.desc().kernel_name();
-        RunError::new(ErrorCode::TensorWaitTimeout, format!("{what} waited for {p} ({kernel}), which is {st}: {why}"), hint)
-            .at(Locator { task: Some(p), kernel: Some(kernel), ring: Some(p.ring()), core: None })
+        RunError::new(
+            ErrorCode::TensorWaitTimeout,
+            format!("{what} waited for {p} ({kernel}), which is {st}: {why}"),
+            hint,
+        )
+        .at(Locator {
+            task: Some(p),
+            kernel: Some(kernel),
+            ring: Some(p.ring()),
+            core: None,
+        })
     }
 
     fn validate_tensor_for_host(&self, tensor: &Tensor, what: &str) -> Result<(), RunError> {

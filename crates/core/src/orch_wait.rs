@@ -29,7 +29,14 @@ enum Resource {
 impl Orchestrator {
     /// Waits until ring `ring` has a slot, `bytes` of heap, `deps` pool entries and the map has
     /// room for `writes` entries. Returns the heap start position.
-    pub(crate) fn wait_for_room(&mut self, ring: u8, bytes: u64, deps: u64, writes: u64, kname: &str) -> Result<u64, RunError> {
+    pub(crate) fn wait_for_room(
+        &mut self,
+        ring: u8,
+        bytes: u64,
+        deps: u64,
+        writes: u64,
+        kname: &str,
+    ) -> Result<u64, RunError> {
         let r = ring as usize;
         if deps > self.cursors[r].dep_cap {
             let cap = self.cursors[r].dep_cap;
@@ -50,7 +57,10 @@ impl Orchestrator {
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::TensormapOverflow,
-                    format!("kernel {kname:?} records {writes} writers, the dependency map holds {}", self.map.capacity()),
+                    format!(
+                        "kernel {kname:?} records {writes} writers, the dependency map holds {}",
+                        self.map.capacity()
+                    ),
                     "raise CallConfig.tensormap_capacity for this run",
                 )
                 .diagnosed(Diagnosis::Proven),
@@ -91,7 +101,14 @@ impl Orchestrator {
                 last_completed = completed;
                 last_progress = Instant::now();
             } else if last_progress.elapsed() >= BACKSTOP {
-                let e = self.describe(ring, res, bytes, deps, kname, "no task completed for 500 ms while the orchestrator waited");
+                let e = self.describe(
+                    ring,
+                    res,
+                    bytes,
+                    deps,
+                    kname,
+                    "no task completed for 500 ms while the orchestrator waited",
+                );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
             self.run.orch_waiting.store(true, Ordering::SeqCst);
@@ -104,20 +121,35 @@ impl Orchestrator {
 
     /// A number that grows by one with every completion (submitted minus outstanding).
     fn completed(&self) -> i64 {
-        self.run.submitted.load(Ordering::Relaxed) as i64 - self.run.outstanding.load(Ordering::Acquire)
+        self.run.submitted.load(Ordering::Relaxed) as i64
+            - self.run.outstanding.load(Ordering::Acquire)
     }
 
     pub(crate) fn any_core_running(&self) -> bool {
-        self.run.cores.iter().any(|c| c.current.load(Ordering::Relaxed) != 0)
+        self.run
+            .cores
+            .iter()
+            .any(|c| c.current.load(Ordering::Relaxed) != 0)
     }
 
     fn head_consumed(&self, ring: u8) -> bool {
         let c = &self.cursors[ring as usize];
         c.reclaimed < c.next_local
-            && self.run.arena.rings.rings[ring as usize].slot(c.reclaimed).state.load(Ordering::Acquire) == state::CONSUMED
+            && self.run.arena.rings.rings[ring as usize]
+                .slot(c.reclaimed)
+                .state
+                .load(Ordering::Acquire)
+                == state::CONSUMED
     }
 
-    fn prove_deadlock(&self, ring: u8, res: Resource, bytes: u64, deps: u64, kname: &str) -> Option<RunError> {
+    fn prove_deadlock(
+        &self,
+        ring: u8,
+        res: Resource,
+        bytes: u64,
+        deps: u64,
+        kname: &str,
+    ) -> Option<RunError> {
         let c = &self.cursors[ring as usize];
         let inner = self.scopes.last().expect("scope");
         if res == Resource::Window && inner.ring == ring && inner.tasks >= (c.window - 1) as u64 {
@@ -165,19 +197,34 @@ impl Orchestrator {
         None
     }
 
-    fn describe(&self, ring: u8, res: Resource, bytes: u64, deps: u64, kname: &str, why: &str) -> RunError {
+    fn describe(
+        &self,
+        ring: u8,
+        res: Resource,
+        bytes: u64,
+        deps: u64,
+        kname: &str,
+        why: &str,
+    ) -> RunError {
         let c = &self.cursors[ring as usize];
         let head = TaskId::new(ring, c.reclaimed);
         let (head_state, head_kernel) = if c.reclaimed < c.next_local {
             let s = self.run.arena.rings.slot(head);
-            (state::name(s.state.load(Ordering::Acquire)), s.desc().kernel_name())
+            (
+                state::name(s.state.load(Ordering::Acquire)),
+                s.desc().kernel_name(),
+            )
         } else {
             ("none in flight", String::new())
         };
         let (code, what, hint) = match res {
             Resource::Window => (
                 ErrorCode::FlowControlDeadlock,
-                format!("ring {ring} task window full: {} of {} slots in flight", c.in_flight(), c.window),
+                format!(
+                    "ring {ring} task window full: {} of {} slots in flight",
+                    c.in_flight(),
+                    c.window
+                ),
                 format!(
                     "raise ring_task_window to {} for this run: CallConfig.runtime_env.ring_task_window",
                     (c.window as u64 * 4).min(1 << 30)
@@ -198,7 +245,11 @@ impl Orchestrator {
             ),
             Resource::DepPool => (
                 ErrorCode::DepPoolOverflow,
-                format!("ring {ring} dependency pool full: {} of {} entries in use, {deps} more needed", c.dep_used(), c.dep_cap),
+                format!(
+                    "ring {ring} dependency pool full: {} of {} entries in use, {deps} more needed",
+                    c.dep_used(),
+                    c.dep_cap
+                ),
                 format!(
                     "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
                     ((c.dep_cap + deps) * 2).next_power_of_two()
@@ -206,11 +257,23 @@ impl Orchestrator {
             ),
             Resource::TensorMap => (
                 ErrorCode::TensormapOverflow,
-                format!("dependency map full: {} of {} entries hold live writers", self.map.len(), self.map.capacity()),
-                format!("raise tensormap_capacity to {} for this run: CallConfig.tensormap_capacity", self.map.capacity() * 4),
+                format!(
+                    "dependency map full: {} of {} entries hold live writers",
+                    self.map.len(),
+                    self.map.capacity()
+                ),
+                format!(
+                    "raise tensormap_capacity to {} for this run: CallConfig.tensormap_capacity",
+                    self.map.capacity() * 4
+                ),
             ),
         };
-        RunError::new(code, format!("{what}; head {head} ({head_kernel}) is {head_state}; {why}"), hint).at(Locator {
+        RunError::new(
+            code,
+            format!("{what}; head {head} ({head_kernel}) is {head_state}; {why}"),
+            hint,
+        )
+        .at(Locator {
             ring: Some(ring),
             task: Some(head),
             kernel: Some(kname.to_string()),

@@ -40,5 +40,9 @@ pub trait Platform: Send + Sync + 'static {
     /// Allocates `bytes` of zeroed memory.
     fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError>;
     /// Starts the thread of core `index`, running `body` until it returns.
-    fn spawn_core(&self, index: usize, body: Box<dyn FnOnce() + Send>) -> Result<JoinHandle<()>, PlatformError>;
+    fn spawn_core(
+        &self,
+        index: usize,
+        body: Box<dyn FnOnce() + Send>,
+    ) -> Result<JoinHandle<()>, PlatformError>;
 }

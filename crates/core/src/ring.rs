@@ -46,7 +46,13 @@ pub(crate) struct RingCursor {
 }
 
 impl RingCursor {
-    pub(crate) fn new(ring: u8, window: u32, heap_cap: u64, heap_addr: usize, dep_cap: u32) -> RingCursor {
+    pub(crate) fn new(
+        ring: u8,
+        window: u32,
+        heap_cap: u64,
+        heap_addr: usize,
+        dep_cap: u32,
+    ) -> RingCursor {
         RingCursor {
             ring,
             window,
@@ -64,6 +70,19 @@ impl RingCursor {
             hw_heap: 0,
             hw_dep: 0,
         }
+    }
+
+    /// Forgets everything of the previous run (slot metadata is overwritten on allocation).
+    pub(crate) fn reset(&mut self) {
+        self.next_local = 0;
+        self.reclaimed = 0;
+        self.heap_alloc = 0;
+        self.heap_free = 0;
+        self.dep_alloc = 0;
+        self.dep_free = 0;
+        self.hw_window = 0;
+        self.hw_heap = 0;
+        self.hw_dep = 0;
     }
 
     pub(crate) fn in_flight(&self) -> u32 {
@@ -95,7 +114,11 @@ impl RingCursor {
             return Some(self.heap_alloc);
         }
         let phys = self.heap_alloc % self.heap_cap;
-        let start = if phys + bytes > self.heap_cap { self.heap_alloc + (self.heap_cap - phys) } else { self.heap_alloc };
+        let start = if phys + bytes > self.heap_cap {
+            self.heap_alloc + (self.heap_cap - phys)
+        } else {
+            self.heap_alloc
+        };
         (start + bytes - self.heap_free <= self.heap_cap).then_some(start)
     }
 
@@ -105,7 +128,13 @@ impl RingCursor {
 
     /// Takes the next slot, a heap block at `heap_start` of `bytes`, and `deps` pool entries.
     /// Returns the task's local id and the block's host address.
-    pub(crate) fn allocate(&mut self, heap_start: u64, bytes: u64, deps: u64, scope_seq: u64) -> (u32, usize, u64) {
+    pub(crate) fn allocate(
+        &mut self,
+        heap_start: u64,
+        bytes: u64,
+        deps: u64,
+        scope_seq: u64,
+    ) -> (u32, usize, u64) {
         let local = self.next_local;
         self.next_local += 1;
         let addr = self.heap_addr + (heap_start % self.heap_cap) as usize;
@@ -115,7 +144,12 @@ impl RingCursor {
         let dep_start = self.dep_alloc;
         self.dep_alloc += deps;
         let (heap_end, dep_end) = (self.heap_alloc, self.dep_alloc);
-        *self.meta_mut(local) = SlotMeta { heap_end, dep_end, scope_seq, scope_released: false };
+        *self.meta_mut(local) = SlotMeta {
+            heap_end,
+            dep_end,
+            scope_seq,
+            scope_released: false,
+        };
         self.hw_window = self.hw_window.max(self.in_flight() as u64);
         self.hw_heap = self.hw_heap.max(self.heap_used());
         self.hw_dep = self.hw_dep.max(self.dep_used());

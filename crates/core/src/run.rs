@@ -12,8 +12,10 @@ use crate::config::RingSizes;
 use crate::error::{PlatformError, RunError};
 use crate::kernel::Registry;
 use crate::platform::{Memory, Platform};
+use crate::ring::RingCursor;
 use crate::slot::{RingSlots, Rings};
 use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
+use crate::tensormap::TensorMap;
 use crate::trace::{PhaseRecord, QueueDepthSample, TaskRecord};
 use crate::worker::Hub;
 
@@ -22,6 +24,9 @@ pub(crate) struct Arena {
     pub(crate) sizes: RingSizes,
     pub(crate) rings: Rings,
     pub(crate) heaps: Vec<Box<dyn Memory>>,
+    /// The orchestrator's cursors and dependency map, parked here between runs so a run does
+    /// not rebuild them (only the orchestrator thread takes them).
+    pub(crate) orch_state: Mutex<Option<(Vec<RingCursor>, TensorMap)>>,
 }
 
 impl Arena {
@@ -32,7 +37,12 @@ impl Arena {
             rings.push(RingSlots::new(sizes.window[r], sizes.dep_pool[r]));
             heaps.push(platform.alloc(sizes.heap[r] as usize)?);
         }
-        Ok(Arena { sizes, rings: Rings { rings }, heaps })
+        Ok(Arena {
+            sizes,
+            rings: Rings { rings },
+            heaps,
+            orch_state: Mutex::new(None),
+        })
     }
 }
 
@@ -45,7 +55,11 @@ pub(crate) struct FatalLatch {
 
 impl FatalLatch {
     pub(crate) fn get(&self) -> Option<&RunError> {
-        if self.stop.load(Ordering::Acquire) { self.error.get() } else { None }
+        if self.stop.load(Ordering::Acquire) {
+            self.error.get()
+        } else {
+            None
+        }
     }
 }
 
@@ -70,7 +84,11 @@ pub(crate) struct SlotTiming {
 
 impl Default for SlotTiming {
     fn default() -> SlotTiming {
-        SlotTiming { first_dispatch: AtomicU64::new(u64::MAX), last_finish: AtomicU64::new(0), tasks: AtomicU64::new(0) }
+        SlotTiming {
+            first_dispatch: AtomicU64::new(u64::MAX),
+            last_finish: AtomicU64::new(0),
+            tasks: AtomicU64::new(0),
+        }
     }
 }
 
@@ -84,7 +102,12 @@ pub(crate) struct SpinBarrier {
 
 impl SpinBarrier {
     pub(crate) fn new(count: u32, cancel: Arc<AtomicBool>) -> SpinBarrier {
-        SpinBarrier { count, arrived: AtomicU32::new(0), generation: AtomicU32::new(0), cancel }
+        SpinBarrier {
+            count,
+            arrived: AtomicU32::new(0),
+            generation: AtomicU32::new(0),
+            cancel,
+        }
     }
 }
 
@@ -199,14 +222,18 @@ impl RunShared {
     /// Waits up to `timeout` for the run to be over; true if it is.
     pub(crate) fn wait_done(&self, timeout: Duration) -> bool {
         let d = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        let (d, _) = self.done_cv.wait_timeout_while(d, timeout, |d| !*d).unwrap_or_else(|p| p.into_inner());
+        let (d, _) = self
+            .done_cv
+            .wait_timeout_while(d, timeout, |d| !*d)
+            .unwrap_or_else(|p| p.into_inner());
         *d
     }
 
     /// Drops one unit of outstanding work; the last one signals completion.
     pub(crate) fn finish_one(&self) {
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.sched_end.store(crate::clock::now_ns(), Ordering::Release);
+            self.sched_end
+                .store(crate::clock::now_ns(), Ordering::Release);
             self.signal_done();
         }
     }
@@ -216,7 +243,8 @@ impl RunShared {
     pub(crate) fn release(&self, id: TaskId) {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
-            s.state.store(crate::slot::state::CONSUMED, Ordering::Release);
+            s.state
+                .store(crate::slot::state::CONSUMED, Ordering::Release);
             if self.orch_waiting.load(Ordering::Acquire) {
                 self.orch_unparker.unpark();
             }

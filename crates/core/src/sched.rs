@@ -57,10 +57,19 @@ fn steal(q: &crossbeam_deque::Injector<TaskId>) -> Option<TaskId> {
 impl RunShared {
     /// Runs core `core` for this run until the run is over (or the core is retired).
     pub(crate) fn core_loop(&self, core: usize, parker: &Parker, generation: u64) {
-        let mut cx = CoreCtx { core, parker, next: None, work: Vec::new(), turn: false };
+        let mut cx = CoreCtx {
+            core,
+            parker,
+            next: None,
+            work: Vec::new(),
+            turn: false,
+        };
         self.active_cores.fetch_add(1, Ordering::AcqRel);
         loop {
-            if self.finished.load(Ordering::Acquire) || self.stopped() || !self.hub.is_current_generation(core, generation) {
+            if self.finished.load(Ordering::Acquire)
+                || self.stopped()
+                || !self.hub.is_current_generation(core, generation)
+            {
                 break;
             }
             if !self.gate_open.load(Ordering::Acquire) {
@@ -88,7 +97,11 @@ impl RunShared {
             return Some(t);
         }
         *turn = !*turn;
-        let (a, b) = if *turn { (EngineClass::Cube, EngineClass::Vector) } else { (EngineClass::Vector, EngineClass::Cube) };
+        let (a, b) = if *turn {
+            (EngineClass::Cube, EngineClass::Vector)
+        } else {
+            (EngineClass::Vector, EngineClass::Cube)
+        };
         steal(self.queue(a)).or_else(|| steal(self.queue(b)))
     }
 
@@ -154,7 +167,12 @@ impl RunShared {
                 self.queue(desc.class).push(t);
                 return;
             }
-            *g = Some(GangForm { task: t, need: desc.block_num, joined: 1, barrier: barrier.clone() });
+            *g = Some(GangForm {
+                task: t,
+                need: desc.block_num,
+                joined: 1,
+                barrier: barrier.clone(),
+            });
             self.gang_pending.store(true, Ordering::Release);
             drop(g);
             self.hub.sleep.notify_all();
@@ -184,14 +202,27 @@ impl RunShared {
         true
     }
 
-    fn exec_block(&self, cx: &mut CoreCtx<'_>, t: TaskId, desc: &TaskDesc, block: u32, gang: Option<&dyn GangBarrier>) {
+    fn exec_block(
+        &self,
+        cx: &mut CoreCtx<'_>,
+        t: TaskId,
+        desc: &TaskDesc,
+        block: u32,
+        gang: Option<&dyn GangBarrier>,
+    ) {
         let slot = self.slot(t);
         let level = self.swimlane;
-        let dispatch = if level >= 2 || desc.timing_slot.is_some() { now_ns() } else { 0 };
+        let dispatch = if level >= 2 || desc.timing_slot.is_some() {
+            now_ns()
+        } else {
+            0
+        };
         if block == 0 {
             slot.state.store(state::RUNNING, Ordering::Release);
             if let Some(s) = desc.timing_slot {
-                self.timing_slots[s as usize].first_dispatch.fetch_min(dispatch, Ordering::Relaxed);
+                self.timing_slots[s as usize]
+                    .first_dispatch
+                    .fetch_min(dispatch, Ordering::Relaxed);
             }
         }
         let core_state = &self.cores[cx.core];
@@ -256,7 +287,13 @@ impl RunShared {
 
     /// Completes `first` and everything that completes on the spot because of it.
     /// `next` is the caller's private hand-off slot (None for the orchestrator).
-    pub(crate) fn complete(&self, first: TaskId, core: Option<usize>, next: &mut Option<TaskId>, work: &mut Vec<TaskId>) {
+    pub(crate) fn complete(
+        &self,
+        first: TaskId,
+        core: Option<usize>,
+        next: &mut Option<TaskId>,
+        work: &mut Vec<TaskId>,
+    ) {
         work.push(first);
         while let Some(t) = work.pop() {
             let slot = self.slot(t);
@@ -301,7 +338,13 @@ impl RunShared {
 
     /// `t`'s last producer completed: run it, or complete it on the spot (dummy / predicate
     /// false).
-    pub(crate) fn on_ready(&self, t: TaskId, core: Option<usize>, next: Option<&mut Option<TaskId>>, work: &mut Vec<TaskId>) {
+    pub(crate) fn on_ready(
+        &self,
+        t: TaskId,
+        core: Option<usize>,
+        next: Option<&mut Option<TaskId>>,
+        work: &mut Vec<TaskId>,
+    ) {
         let slot = self.slot(t);
         let desc = slot.desc();
         if desc.kernel.is_none() {
@@ -309,7 +352,13 @@ impl RunShared {
             return;
         }
         if let Some(p) = desc.predicate {
-            let ctx = TaskCtx::new(&desc, 0, core.map_or(u32::MAX, |c| c as u32), &self.cancel, None);
+            let ctx = TaskCtx::new(
+                &desc,
+                0,
+                core.map_or(u32::MAX, |c| c as u32),
+                &self.cancel,
+                None,
+            );
             if !p(&ctx) {
                 self.skipped.fetch_add(1, Ordering::Relaxed);
                 work.push(t);
@@ -318,13 +367,21 @@ impl RunShared {
         }
         slot.state.store(state::READY, Ordering::Release);
         match next {
-            Some(n) if n.is_none() && !desc.sync_start && self.gate_open.load(Ordering::Relaxed) => *n = Some(t),
+            Some(n)
+                if n.is_none() && !desc.sync_start && self.gate_open.load(Ordering::Relaxed) =>
+            {
+                *n = Some(t)
+            }
             _ => {
                 self.queue(desc.class).push(t);
                 self.hub.sleep.notify_one();
                 if self.swimlane >= 3 {
                     let c = core.unwrap_or(0);
-                    let sample = QueueDepthSample { ts: now_ns(), class: desc.class, depth: self.queue(desc.class).len() as u32 };
+                    let sample = QueueDepthSample {
+                        ts: now_ns(),
+                        class: desc.class,
+                        depth: self.queue(desc.class).len() as u32,
+                    };
                     self.record(&self.cores[c].depth, sample);
                 }
             }
@@ -346,7 +403,13 @@ impl RunShared {
 
     fn phase_end(&self, cx: &CoreCtx<'_>, phase: SchedPhase, start: u64) {
         if self.swimlane >= 3 {
-            let rec = PhaseRecord { sched: cx.core as u32, core: cx.core as u32, phase, start, end: now_ns() };
+            let rec = PhaseRecord {
+                sched: cx.core as u32,
+                core: cx.core as u32,
+                phase,
+                start,
+                end: now_ns(),
+            };
             self.record(&self.cores[cx.core].phases, rec);
         }
     }

@@ -50,7 +50,10 @@ impl Sleep {
     }
 
     fn wake(&self, i: usize) {
-        self.unparkers[i].lock().unwrap_or_else(|p| p.into_inner()).unpark();
+        self.unparkers[i]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .unpark();
     }
 
     /// Wakes one sleeping core, if any.

@@ -64,7 +64,7 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    fn new() -> Slot {
+    fn new(empty: &Arc<TaskDesc>) -> Slot {
         Slot {
             local: AtomicU32::new(NO_TASK),
             state: AtomicU8::new(state::CONSUMED),
@@ -74,8 +74,11 @@ impl Slot {
             done_blocks: AtomicU32::new(0),
             dep_start: AtomicU64::new(0),
             dep_count: AtomicU32::new(0),
-            fanout: Mutex::new(Fanout { completed: true, head: NO_ENTRY }),
-            desc: Mutex::new(Arc::new(TaskDesc::empty())),
+            fanout: Mutex::new(Fanout {
+                completed: true,
+                head: NO_ENTRY,
+            }),
+            desc: Mutex::new(empty.clone()),
         }
     }
 
@@ -91,7 +94,11 @@ impl Slot {
 
     /// Takes a reference unless the task is already consumed.
     pub(crate) fn try_acquire(&self) -> bool {
-        self.refs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| if r == 0 { None } else { Some(r + 1) }).is_ok()
+        self.refs
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                if r == 0 { None } else { Some(r + 1) }
+            })
+            .is_ok()
     }
 }
 
@@ -117,8 +124,11 @@ pub(crate) struct RingSlots {
 
 impl RingSlots {
     pub(crate) fn new(window: u32, dep_pool: u32) -> RingSlots {
+        // One shared placeholder description: a slot gets its own when its first task is
+        // submitted (so building a 16K-slot ring costs no per-slot allocation).
+        let empty = Arc::new(TaskDesc::empty());
         RingSlots {
-            slots: (0..window).map(|_| Slot::new()).collect(),
+            slots: (0..window).map(|_| Slot::new(&empty)).collect(),
             mask: window - 1,
             entries: (0..dep_pool)
                 .map(|_| DepEntry {
@@ -159,6 +169,7 @@ impl Rings {
     /// Whether `id` is a task of the current run that has not completed yet.
     pub(crate) fn is_live_writer(&self, id: TaskId) -> bool {
         let s = self.slot(id);
-        s.local.load(Ordering::Acquire) == id.local() && s.state.load(Ordering::Acquire) < state::COMPLETED
+        s.local.load(Ordering::Acquire) == id.local()
+            && s.state.load(Ordering::Acquire) < state::COMPLETED
     }
 }

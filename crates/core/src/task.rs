@@ -93,7 +93,10 @@ pub enum ArgTag {
 impl ArgTag {
     /// Whether a kernel may write through this argument.
     pub const fn is_written(self) -> bool {
-        matches!(self, ArgTag::Output | ArgTag::InOut | ArgTag::OutputExisting)
+        matches!(
+            self,
+            ArgTag::Output | ArgTag::InOut | ArgTag::OutputExisting
+        )
     }
     /// Lower-case name.
     pub const fn name(self) -> &'static str {
@@ -198,7 +201,10 @@ impl Task {
     }
     /// Adds an `Output` the runtime allocates (contiguous, row-major) from the ring heap.
     pub fn output(mut self, dtype: DType, shape: &[u64]) -> Task {
-        self.args.push(ArgSpec::Output(OutputSpec { dtype, shape: shape.to_vec() }));
+        self.args.push(ArgSpec::Output(OutputSpec {
+            dtype,
+            shape: shape.to_vec(),
+        }));
         self
     }
     /// Adds a raw 64-bit scalar.

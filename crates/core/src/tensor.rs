@@ -70,12 +70,23 @@ impl Tensor {
         Ok(t)
     }
 
-    fn set_geometry(&mut self, offset: u64, shape: &[u64], strides: &[u64]) -> Result<(), TensorError> {
+    fn set_geometry(
+        &mut self,
+        offset: u64,
+        shape: &[u64],
+        strides: &[u64],
+    ) -> Result<(), TensorError> {
         if shape.is_empty() || shape.len() > MAX_DIMS {
-            return Err(TensorError::Rank { ndim: shape.len(), max: MAX_DIMS });
+            return Err(TensorError::Rank {
+                ndim: shape.len(),
+                max: MAX_DIMS,
+            });
         }
         if strides.len() != shape.len() {
-            return Err(TensorError::StrideRank { shape: shape.to_vec(), strides: strides.to_vec() });
+            return Err(TensorError::StrideRank {
+                shape: shape.to_vec(),
+                strides: strides.to_vec(),
+            });
         }
         let mut last = offset;
         let mut empty = false;
@@ -86,7 +97,9 @@ impl Tensor {
                 last = (n - 1)
                     .checked_mul(s)
                     .and_then(|x| x.checked_add(last))
-                    .ok_or_else(|| TensorError::Overflow { shape: shape.to_vec() })?;
+                    .ok_or_else(|| TensorError::Overflow {
+                        shape: shape.to_vec(),
+                    })?;
             }
         }
         let elems = self.buffer_bytes / self.dtype.size() as u64;
@@ -151,7 +164,32 @@ impl Tensor {
     /// Whether the elements are laid out densely in row-major order.
     pub fn is_contiguous(&self) -> bool {
         let want = contiguous_strides(self.shape());
-        self.shape().iter().zip(self.strides()).zip(want.iter()).all(|((&n, &s), &w)| n <= 1 || s == w)
+        self.shape()
+            .iter()
+            .zip(self.strides())
+            .zip(want.iter())
+            .all(|((&n, &s), &w)| n <= 1 || s == w)
+    }
+
+    /// Whether no two elements of the view share a memory location (rows of a written view
+    /// handed out as separate `&mut` slices must not alias).
+    pub fn is_non_overlapping(&self) -> bool {
+        let mut dims: Vec<(u64, u64)> = self
+            .shape()
+            .iter()
+            .zip(self.strides())
+            .filter(|(n, _)| **n > 1)
+            .map(|(&n, &s)| (s, n))
+            .collect();
+        dims.sort_unstable();
+        let mut extent = 0u64; // offset of the last element of the dims seen so far
+        for (stride, n) in dims {
+            if stride <= extent {
+                return false;
+            }
+            extent += (n - 1) * stride;
+        }
+        true
     }
 
     /// A view with an explicit offset (elements from the buffer start), shape and strides.
@@ -164,11 +202,17 @@ impl Tensor {
     /// The same elements with another shape; the view must be contiguous.
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor, TensorError> {
         if !self.is_contiguous() {
-            return Err(TensorError::NotContiguous { shape: self.shape().to_vec(), strides: self.strides().to_vec() });
+            return Err(TensorError::NotContiguous {
+                shape: self.shape().to_vec(),
+                strides: self.strides().to_vec(),
+            });
         }
         let new: u64 = shape.iter().product();
         if new != self.numel() {
-            return Err(TensorError::ReshapeCount { from: self.shape().to_vec(), to: shape.to_vec() });
+            return Err(TensorError::ReshapeCount {
+                from: self.shape().to_vec(),
+                to: shape.to_vec(),
+            });
         }
         let strides = contiguous_strides(shape);
         self.view(self.offset, shape, &strides[..shape.len().min(MAX_DIMS)])
@@ -178,7 +222,10 @@ impl Tensor {
     pub fn transpose(&self, d0: usize, d1: usize) -> Result<Tensor, TensorError> {
         let n = self.ndim();
         if d0 >= n || d1 >= n {
-            return Err(TensorError::Dim { dim: d0.max(d1), ndim: n });
+            return Err(TensorError::Dim {
+                dim: d0.max(d1),
+                ndim: n,
+            });
         }
         let mut t = *self;
         t.shape.swap(d0, d1);
@@ -193,7 +240,12 @@ impl Tensor {
             return Err(TensorError::Dim { dim, ndim: n });
         }
         if start > end || end > self.shape[dim] {
-            return Err(TensorError::SliceRange { dim, start, end, size: self.shape[dim] });
+            return Err(TensorError::SliceRange {
+                dim,
+                start,
+                end,
+                size: self.shape[dim],
+            });
         }
         let mut t = *self;
         t.offset += start * self.strides[dim];
@@ -270,7 +322,11 @@ impl Region {
     fn of(t: &Tensor) -> Region {
         let n = t.ndim();
         let empty = t.shape().contains(&0);
-        let span: u64 = if empty { 0 } else { 1 + (0..n).map(|d| (t.shape[d] - 1) * t.strides[d]).sum::<u64>() };
+        let span: u64 = if empty {
+            0
+        } else {
+            1 + (0..n).map(|d| (t.shape[d] - 1) * t.strides[d]).sum::<u64>()
+        };
         Region {
             buffer: t.buffer,
             lo: t.offset,
@@ -323,7 +379,11 @@ impl Region {
         }
         let extent_covers = self.lo <= other.lo && other.hi <= self.hi;
         if self.contiguous && other.contiguous {
-            return if extent_covers { Relation::Covers } else { Relation::Partial };
+            return if extent_covers {
+                Relation::Covers
+            } else {
+                Relation::Partial
+            };
         }
         if self.contiguous && extent_covers {
             return Relation::Covers;
@@ -343,7 +403,11 @@ impl Region {
                     }
                     covers &= a0 <= b0 && b1 <= a1;
                 }
-                return if covers { Relation::Covers } else { Relation::Partial };
+                return if covers {
+                    Relation::Covers
+                } else {
+                    Relation::Partial
+                };
             }
         }
         Relation::Conservative
@@ -382,6 +446,24 @@ mod tests {
     }
 
     #[test]
+    fn self_overlapping_views_are_detected() {
+        let b = buf(64);
+        assert!(b.reshape(&[8, 8]).unwrap().is_non_overlapping());
+        assert!(
+            b.reshape(&[8, 8])
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap()
+                .is_non_overlapping()
+        );
+        // Rows of 4 elements advancing by 2: rows overlap.
+        assert!(!b.view(0, &[4, 4], &[2, 1]).unwrap().is_non_overlapping());
+        // A broadcast (stride 0) dimension aliases.
+        assert!(!b.view(0, &[4, 4], &[0, 1]).unwrap().is_non_overlapping());
+        assert!(b.view(0, &[1, 4], &[0, 1]).unwrap().is_non_overlapping());
+    }
+
+    #[test]
     fn tiles_of_one_matrix_are_compared_exactly() {
         let m = buf(64).reshape(&[8, 8]).unwrap();
         let left = m.slice(1, 0, 4).unwrap();
@@ -395,8 +477,17 @@ mod tests {
 
     fn arb_view() -> impl Strategy<Value = Tensor> {
         // Views of a 6x6x4 parent: random sub-box, optional transpose, optional step-2 columns.
-        (0u64..6, 1u64..=6, 0u64..6, 1u64..=6, 0u64..4, 1u64..=4, any::<bool>(), any::<bool>()).prop_map(
-            |(r0, rn, c0, cn, d0, dn, tr, step)| {
+        (
+            0u64..6,
+            1u64..=6,
+            0u64..6,
+            1u64..=6,
+            0u64..4,
+            1u64..=4,
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(r0, rn, c0, cn, d0, dn, tr, step)| {
                 let p = buf(6 * 6 * 4).reshape(&[6, 6, 4]).unwrap();
                 let r0 = r0.min(5);
                 let rn = rn.min(6 - r0);
@@ -404,7 +495,11 @@ mod tests {
                 let cn = cn.min(6 - c0);
                 let d0 = d0.min(3);
                 let dn = dn.min(4 - d0);
-                let mut v = p.slice(0, r0, r0 + rn).unwrap().slice(1, c0, c0 + cn).unwrap();
+                let mut v = p
+                    .slice(0, r0, r0 + rn)
+                    .unwrap()
+                    .slice(1, c0, c0 + cn)
+                    .unwrap();
                 if step {
                     let dn2 = dn.div_ceil(2).min((4 - d0).div_ceil(2));
                     let mut st = v.strides().to_vec();
@@ -414,8 +509,7 @@ mod tests {
                     v = v.slice(2, d0, d0 + dn).unwrap();
                 }
                 if tr { v.transpose(0, 2).unwrap() } else { v }
-            },
-        )
+            })
     }
 
     proptest! {

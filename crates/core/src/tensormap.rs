@@ -60,7 +60,20 @@ pub(crate) struct TensorMap {
 
 impl TensorMap {
     pub(crate) fn new(capacity: u64) -> TensorMap {
-        TensorMap { buffers: IdMap::default(), len: 0, capacity, high_water: 0 }
+        TensorMap {
+            buffers: IdMap::default(),
+            len: 0,
+            capacity,
+            high_water: 0,
+        }
+    }
+
+    /// Forgets every entry, keeping the allocations.
+    pub(crate) fn reset(&mut self, capacity: u64) {
+        self.buffers.clear();
+        self.len = 0;
+        self.capacity = capacity;
+        self.high_water = 0;
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -81,7 +94,9 @@ impl TensorMap {
     /// Appends to `out` every live writer whose region overlaps `region`, dropping entries of
     /// writers that have completed.
     pub(crate) fn lookup(&mut self, region: &Region, rings: &Rings, out: &mut Vec<Hit>) {
-        let Some(b) = self.buffers.get_mut(&region.buffer) else { return };
+        let Some(b) = self.buffers.get_mut(&region.buffer) else {
+            return;
+        };
         let mut i = 0;
         while i < b.entries.len() {
             let e = &b.entries[i];
@@ -92,7 +107,10 @@ impl TensorMap {
             }
             let relation = region.relate(&e.region);
             if relation.overlaps() {
-                out.push(Hit { task: e.task, relation });
+                out.push(Hit {
+                    task: e.task,
+                    relation,
+                });
             }
             i += 1;
         }
@@ -124,7 +142,8 @@ impl TensorMap {
         let b = self.buffers.entry(region.buffer).or_default();
         if retire_covered {
             let before = b.entries.len();
-            b.entries.retain(|e| region.relate(&e.region) != Relation::Covers);
+            b.entries
+                .retain(|e| region.relate(&e.region) != Relation::Covers);
             self.len -= (before - b.entries.len()) as u64;
         }
         b.entries.push(MapEntry { task, region });

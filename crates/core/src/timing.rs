@@ -24,7 +24,10 @@ pub(crate) fn spans_of(r: &RunReport, pid: u32, tid: u64) -> Vec<SpanRecord> {
         });
     };
     let mut run_attrs = BTreeMap::new();
-    run_attrs.insert("orchestration".into(), AttrValue::Str(r.orchestration.clone()));
+    run_attrs.insert(
+        "orchestration".into(),
+        AttrValue::Str(r.orchestration.clone()),
+    );
     run_attrs.insert("tasks".into(), AttrValue::Int(r.counters.tasks as i64));
     run_attrs.insert("cores".into(), AttrValue::Int(r.cores as i64));
     run_attrs.insert("overlapped".into(), AttrValue::Bool(r.overlapped));
@@ -58,7 +61,10 @@ mod tests {
     use super::*;
 
     fn iv(a: u64, b: u64) -> Interval {
-        Interval { start_ns: a, end_ns: b }
+        Interval {
+            start_ns: a,
+            end_ns: b,
+        }
     }
 
     #[test]
@@ -75,10 +81,16 @@ mod tests {
         };
         let spans = r.spans(7, 1);
         let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(names[..4], ["run", "run.bind", "run.bind.args", "run.runner"]);
+        assert_eq!(
+            names[..4],
+            ["run", "run.bind", "run.bind.args", "run.runner"]
+        );
         let run = &spans[0];
         assert_eq!((run.depth, run.dur_ns), (0, 100));
-        let dw = spans.iter().find(|s| s.name == "run.runner.device_wall").unwrap();
+        let dw = spans
+            .iter()
+            .find(|s| s.name == "run.runner.device_wall")
+            .unwrap();
         assert_eq!(dw.depth, 2);
         assert_eq!(r.effective(), iv(10, 90));
     }

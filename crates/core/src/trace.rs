@@ -317,7 +317,11 @@ pub struct Usage {
 impl Usage {
     /// High-water mark as a fraction of capacity.
     pub fn fraction(&self) -> f64 {
-        if self.capacity == 0 { 0.0 } else { self.high_water as f64 / self.capacity as f64 }
+        if self.capacity == 0 {
+            0.0
+        } else {
+            self.high_water as f64 / self.capacity as f64
+        }
     }
 }
 

@@ -50,7 +50,9 @@ pub(crate) fn run(inner: &Arc<Inner>) {
                 }
             }
         };
-        let Some((run, result)) = active else { continue };
+        let Some((run, result)) = active else {
+            continue;
+        };
         let key = Arc::as_ptr(&run) as usize;
         let now = Instant::now();
         let w = match &mut watch {
@@ -84,7 +86,10 @@ pub(crate) fn run(inner: &Arc<Inner>) {
 }
 
 fn counts(run: &RunShared) -> (u64, i64) {
-    (run.submitted.load(Ordering::Relaxed), run.outstanding.load(Ordering::Relaxed))
+    (
+        run.submitted.load(Ordering::Relaxed),
+        run.outstanding.load(Ordering::Relaxed),
+    )
 }
 
 fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
@@ -101,7 +106,10 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     if now - w.started > t.stream_sync {
         return Some(RunError::new(
             ErrorCode::StreamSyncTimeout,
-            format!("the run took longer than the stream-sync timeout of {:?}", t.stream_sync),
+            format!(
+                "the run took longer than the stream-sync timeout of {:?}",
+                t.stream_sync
+            ),
             format!(
                 "if the run is legitimately long, raise it: SIMPLER_STREAM_SYNC_TIMEOUT_MS={} (keep scheduler < op_execute < stream_sync)",
                 (t.stream_sync.as_millis() * 2)
@@ -145,14 +153,20 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
         RunError::new(ErrorCode::SchedulerTimeout, detail, hint).subclass(sub)
     };
     // S1: the oldest-running block is the stuck one.
-    if let Some((i, (cur, _))) =
-        w.running.iter().enumerate().filter(|(_, (cur, _))| *cur != 0).min_by_key(|(_, (_, since))| *since)
+    if let Some((i, (cur, _))) = w
+        .running
+        .iter()
+        .enumerate()
+        .filter(|(_, (cur, _))| *cur != 0)
+        .min_by_key(|(_, (_, since))| *since)
     {
         let id = TaskId(cur - 1);
         return Some(
             base(
                 SchedSubclass::S1StuckTask,
-                format!("no progress for {stalled:?}: {id} has been running on core {i} all that time"),
+                format!(
+                    "no progress for {stalled:?}: {id} has been running on core {i} all that time"
+                ),
                 format!("check the kernel for an endless loop or a wait; {hint_timeout}"),
             )
             .at(task_locator(run, id, Some(i))),
@@ -162,8 +176,11 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     if queued > 0 {
         return Some(base(
             SchedSubclass::S3IdleCores,
-            format!("no progress for {stalled:?}: {queued} ready tasks wait but every core is idle"),
-            "this is a scheduler fault (a lost wake-up); please report it with --swimlane 3 output".into(),
+            format!(
+                "no progress for {stalled:?}: {queued} ready tasks wait but every core is idle"
+            ),
+            "this is a scheduler fault (a lost wake-up); please report it with --swimlane 3 output"
+                .into(),
         ));
     }
     if !run.orch_done.load(Ordering::Acquire) {
@@ -172,7 +189,9 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
             format!(
                 "no progress for {stalled:?}: nothing is ready or running and the orchestration function submitted nothing"
             ),
-            format!("check the orchestration function for a loop or a blocking wait; {hint_timeout}"),
+            format!(
+                "check the orchestration function for a loop or a blocking wait; {hint_timeout}"
+            ),
         ));
     }
     Some(base(
@@ -181,7 +200,8 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
             "no progress for {stalled:?}: {} tasks are pending but none is ready or running (a dependency that never completes)",
             run.outstanding.load(Ordering::Acquire)
         ),
-        "run with --dep-gen and inspect the pending tasks' producers with `simpler trace deps`".into(),
+        "run with --dep-gen and inspect the pending tasks' producers with `simpler trace deps`"
+            .into(),
     ))
 }
 
@@ -196,7 +216,11 @@ fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker:
     if !result.is_delivered() {
         // The orchestrator thread is still inside the orchestration function (or waiting on
         // it): deliver the error and give the queue to a new thread.
-        let err = run.fatal.get().cloned().expect("stopped runs have an error");
+        let err = run
+            .fatal
+            .get()
+            .cloned()
+            .expect("stopped runs have an error");
         run.finished.store(true, Ordering::Release);
         inner.hub.sleep.notify_all();
         inner.hub_set_current(None);

@@ -72,20 +72,28 @@ impl Hub {
     fn core_main(&self, core: usize, generation: u64, parker: Parker) {
         let mut seen = 0;
         loop {
-            if self.shutdown.load(Ordering::Acquire) || !self.is_current_generation(core, generation) {
+            if self.shutdown.load(Ordering::Acquire)
+                || !self.is_current_generation(core, generation)
+            {
                 return;
             }
             let seq = self.run_seq.load(Ordering::Acquire);
             if seq != seen {
                 seen = seq;
-                let run = self.current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let run = self
+                    .current
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
                 if let Some(run) = run {
                     run.core_loop(core, &parker, generation);
                 }
                 continue;
             }
             self.sleep.announce(core);
-            if self.run_seq.load(Ordering::Acquire) == seen && !self.shutdown.load(Ordering::Acquire) {
+            if self.run_seq.load(Ordering::Acquire) == seen
+                && !self.shutdown.load(Ordering::Acquire)
+            {
                 parker.park_timeout(Duration::from_secs(1));
             }
             self.sleep.withdraw(core);
@@ -103,7 +111,11 @@ pub(crate) struct JobResult {
 
 impl JobResult {
     fn new() -> Arc<JobResult> {
-        Arc::new(JobResult { value: Mutex::new(None), delivered: OnceLock::new(), cv: Condvar::new() })
+        Arc::new(JobResult {
+            value: Mutex::new(None),
+            delivered: OnceLock::new(),
+            cv: Condvar::new(),
+        })
     }
 
     pub(crate) fn deliver(&self, r: Result<RunReport, Error>) {
@@ -131,7 +143,11 @@ impl RunHandle {
 
     /// Takes the result if the run is over.
     pub fn poll(&mut self) -> Option<Result<RunReport, Error>> {
-        self.result.value.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.result
+            .value
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// Blocks until the run is over.
@@ -218,7 +234,9 @@ impl Worker {
             None => Timeouts::from_env(),
         };
         let mut warnings = warnings;
-        warnings.extend(crate::config::legacy_env_warnings(&|k| std::env::var(k).ok()));
+        warnings.extend(crate::config::legacy_env_warnings(&|k| {
+            std::env::var(k).ok()
+        }));
         let parkers: Vec<Parker> = (0..n_cores).map(|_| Parker::new()).collect();
         let hub = Arc::new(Hub {
             sleep: Sleep::new(parkers.iter().map(|p| p.unparker().clone()).collect()),
@@ -255,8 +273,15 @@ impl Worker {
         let h = std::thread::Builder::new()
             .name("simpler-watchdog".into())
             .spawn(move || crate::watchdog::run(&w))
-            .map_err(|e| PlatformError { platform: "host".into(), what: format!("cannot start the watchdog thread: {e}") })?;
-        inner.threads.lock().unwrap_or_else(|p| p.into_inner()).push(h);
+            .map_err(|e| PlatformError {
+                platform: "host".into(),
+                what: format!("cannot start the watchdog thread: {e}"),
+            })?;
+        inner
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(h);
         Ok(Worker { inner })
     }
 
@@ -287,7 +312,11 @@ impl Worker {
 
     /// Registers a kernel under its id.
     pub fn register_kernel(&self, spec: KernelSpec) -> Result<(), Error> {
-        let mut reg = self.inner.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reg = self
+            .inner
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let mut next = (**reg).clone();
         next.insert(spec).map_err(Error::Registry)?;
         *reg = Arc::new(next);
@@ -301,9 +330,15 @@ impl Worker {
         f: impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static,
     ) -> Result<(), Error> {
         let name = name.into();
-        let mut m = self.inner.orchestrations.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self
+            .inner
+            .orchestrations
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if m.contains_key(&name) {
-            return Err(Error::Registry(format!("an orchestration named {name:?} is already registered")));
+            return Err(Error::Registry(format!(
+                "an orchestration named {name:?} is already registered"
+            )));
         }
         m.insert(name, Arc::new(f));
         Ok(())
@@ -312,7 +347,10 @@ impl Worker {
     /// Allocates a zeroed buffer of `bytes` on the platform.
     pub fn alloc(&self, bytes: usize) -> Result<Buffer, Error> {
         let mem = self.inner.platform.alloc(bytes)?;
-        Ok(Buffer::new(BufferId(self.inner.buffer_ids.fetch_add(1, Ordering::Relaxed)), mem))
+        Ok(Buffer::new(
+            BufferId(self.inner.buffer_ids.fetch_add(1, Ordering::Relaxed)),
+            mem,
+        ))
     }
 
     /// Allocates a buffer holding a copy of `data`.
@@ -325,13 +363,20 @@ impl Worker {
     /// Queues a run of the registered orchestration `name`.
     pub fn submit(&self, name: &str, args: RunArgs, cfg: &CallConfig) -> Result<RunHandle, Error> {
         let f = {
-            let m = self.inner.orchestrations.lock().unwrap_or_else(|p| p.into_inner());
+            let m = self
+                .inner
+                .orchestrations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             match m.get(name) {
                 Some(f) => f.clone(),
                 None => {
                     let mut known: Vec<&str> = m.keys().map(String::as_str).collect();
                     known.sort();
-                    return Err(Error::UnknownOrchestration { name: name.into(), known: known.join(", ") });
+                    return Err(Error::UnknownOrchestration {
+                        name: name.into(),
+                        known: known.join(", "),
+                    });
                 }
             }
         };
@@ -349,14 +394,30 @@ impl Worker {
         self.enqueue(name.to_string(), Arc::new(f), args, cfg)
     }
 
-    fn enqueue(&self, name: String, f: OrchFn, args: RunArgs, cfg: &CallConfig) -> Result<RunHandle, Error> {
+    fn enqueue(
+        &self,
+        name: String,
+        f: OrchFn,
+        args: RunArgs,
+        cfg: &CallConfig,
+    ) -> Result<RunHandle, Error> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
         cfg.validate()?;
         let result = JobResult::new();
-        let job = Job { name, f, args, cfg: cfg.clone(), result: result.clone() };
-        self.inner.jobs.lock().unwrap_or_else(|p| p.into_inner()).push_back(job);
+        let job = Job {
+            name,
+            f,
+            args,
+            cfg: cfg.clone(),
+            result: result.clone(),
+        };
+        self.inner
+            .jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(job);
         self.inner.jobs_cv.notify_all();
         Ok(RunHandle { result })
     }
@@ -395,10 +456,20 @@ impl Inner {
         self.hub.set_current(run);
     }
 
-    fn spawn_core(self: &Arc<Self>, i: usize, generation: u64, parker: Parker) -> Result<(), PlatformError> {
+    fn spawn_core(
+        self: &Arc<Self>,
+        i: usize,
+        generation: u64,
+        parker: Parker,
+    ) -> Result<(), PlatformError> {
         let hub = self.hub.clone();
-        let h = self.platform.spawn_core(i, Box::new(move || hub.core_main(i, generation, parker)))?;
-        self.threads.lock().unwrap_or_else(|p| p.into_inner()).push(h);
+        let h = self
+            .platform
+            .spawn_core(i, Box::new(move || hub.core_main(i, generation, parker)))?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(h);
         Ok(())
     }
 
@@ -416,8 +487,14 @@ impl Inner {
         let h = std::thread::Builder::new()
             .name("simpler-orch".into())
             .spawn(move || me.orchestrator_main(generation))
-            .map_err(|e| PlatformError { platform: "host".into(), what: format!("cannot start the orchestrator thread: {e}") })?;
-        self.threads.lock().unwrap_or_else(|p| p.into_inner()).push(h);
+            .map_err(|e| PlatformError {
+                platform: "host".into(),
+                what: format!("cannot start the orchestrator thread: {e}"),
+            })?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(h);
         Ok(())
     }
 
@@ -446,12 +523,14 @@ impl Inner {
                 }
             };
             let result = job.result.clone();
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::exec::execute(&self, job)))
-                .unwrap_or_else(|p| {
-                    let msg = crate::sched::panic_message(&*p);
-                    self.abandon_active(&msg);
-                    Err(Error::Internal(msg))
-                });
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                crate::exec::execute(&self, job)
+            }))
+            .unwrap_or_else(|p| {
+                let msg = crate::sched::panic_message(&*p);
+                self.abandon_active(&msg);
+                Err(Error::Internal(msg))
+            });
             result.deliver(r);
         }
     }
@@ -477,8 +556,16 @@ impl Inner {
         self.jobs_cv.notify_all();
         // Let queued runs finish: the orchestrator thread exits when the queue is empty.
         loop {
-            let pending = !self.jobs.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
-            let active = self.active.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+            let pending = !self
+                .jobs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+            let active = self
+                .active
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some();
             if !pending && !active {
                 break;
             }
@@ -487,7 +574,8 @@ impl Inner {
         self.hub.shutdown.store(true, Ordering::Release);
         self.hub.sleep.notify_all();
         self.active_cv.notify_all();
-        let threads: Vec<JoinHandle<()>> = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        let threads: Vec<JoinHandle<()>> =
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for h in threads {
             // A thread stuck in user code (already replaced) would block the join forever;
             // joining only finished threads keeps close() from hanging on it.

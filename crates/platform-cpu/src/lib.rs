@@ -29,8 +29,14 @@ impl CpuPlatform {
 }
 
 /// Host memory from the global allocator.
+///
+/// Allocated with the allocator's natural alignment and aligned by hand: `alloc_zeroed` with a
+/// large alignment would write every byte, while a plain zeroed allocation of a large block is
+/// served by fresh zero pages that cost nothing until touched (a 256 MiB ring heap is free until
+/// used).
 struct HostMemory {
-    ptr: NonNull<u8>,
+    raw: NonNull<u8>,
+    ptr: usize,
     len: usize,
 }
 
@@ -42,33 +48,46 @@ unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
     fn layout(len: usize) -> Result<Layout, PlatformError> {
-        Layout::from_size_align(len.max(1), ALIGN)
-            .map_err(|e| PlatformError { platform: "cpu".into(), what: format!("cannot lay out {len} bytes: {e}") })
+        len.checked_add(ALIGN)
+            .and_then(|n| Layout::from_size_align(n, 16).ok())
+            .ok_or_else(|| PlatformError {
+                platform: "cpu".into(),
+                what: format!("cannot lay out {len} bytes"),
+            })
     }
 
     fn new(len: usize) -> Result<HostMemory, PlatformError> {
         let layout = HostMemory::layout(len)?;
-        // SAFETY: the layout has a non-zero size (at least 1 byte).
+        // SAFETY: the layout has a non-zero size (at least ALIGN bytes).
         let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or_else(|| PlatformError {
+        let raw = NonNull::new(p).ok_or_else(|| PlatformError {
             platform: "cpu".into(),
-            what: format!("out of memory allocating {}", simpler_core::human_bytes(len as u64)),
+            what: format!(
+                "out of memory allocating {}",
+                simpler_core::human_bytes(len as u64)
+            ),
         })?;
-        Ok(HostMemory { ptr, len })
+        let ptr = (raw.as_ptr() as usize).next_multiple_of(ALIGN);
+        Ok(HostMemory { raw, ptr, len })
     }
 }
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed` with exactly this layout (constructed the same
+        // SAFETY: `raw` came from `alloc_zeroed` with exactly this layout (constructed the same
         // way from `len`, which never changes) and is freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), HostMemory::layout(self.len).expect("valid at allocation")) }
+        unsafe {
+            dealloc(
+                self.raw.as_ptr(),
+                HostMemory::layout(self.len).expect("valid at allocation"),
+            )
+        }
     }
 }
 
 impl Memory for HostMemory {
     fn addr(&self) -> usize {
-        self.ptr.as_ptr() as usize
+        self.ptr
     }
     fn len(&self) -> usize {
         self.len
@@ -91,11 +110,18 @@ impl Platform for CpuPlatform {
         Ok(Box::new(HostMemory::new(bytes)?))
     }
 
-    fn spawn_core(&self, index: usize, body: Box<dyn FnOnce() + Send>) -> Result<JoinHandle<()>, PlatformError> {
+    fn spawn_core(
+        &self,
+        index: usize,
+        body: Box<dyn FnOnce() + Send>,
+    ) -> Result<JoinHandle<()>, PlatformError> {
         std::thread::Builder::new()
             .name(format!("simpler-core-{index}"))
             .spawn(body)
-            .map_err(|e| PlatformError { platform: "cpu".into(), what: format!("cannot start core thread {index}: {e}") })
+            .map_err(|e| PlatformError {
+                platform: "cpu".into(),
+                what: format!("cannot start core thread {index}: {e}"),
+            })
     }
 }
 

@@ -1,0 +1,151 @@
+//! `simpler bench runtime`: the runtime's own costs — empty-task throughput, dependent-chain
+//! latency per hop and SPMD block overhead — with warm-up, rounds and interval statistics.
+
+use anyhow::Result;
+use clap::Args;
+use simpler_core::{
+    CallConfig, EngineClass, KernelId, KernelSpec, OrchMode, RingValue, RunReport, RuntimeEnv, ScopeKind, Task,
+    TaskId,
+};
+use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+
+use crate::opts::RunOpts;
+
+const EMPTY: KernelId = KernelId(1);
+
+/// Arguments of `simpler bench runtime`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchRuntimeArgs {
+    /// Tasks per round of the throughput benchmark.
+    #[arg(long, default_value_t = 200_000)]
+    tasks: u64,
+    /// Tasks per scope in the throughput benchmark.
+    #[arg(long, default_value_t = 2048)]
+    scope: u64,
+    /// Hops per round of the dependent-chain benchmark.
+    #[arg(long, default_value_t = 50_000)]
+    hops: u64,
+    /// Blocks of the SPMD task.
+    #[arg(long, default_value_t = 50_000)]
+    blocks: u32,
+    /// Warm-up rounds (discarded).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Measured rounds.
+    #[arg(long, default_value_t = 10)]
+    rounds: usize,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Result<Summary> {
+    let mut samples = Vec::new();
+    for _ in 0..args.warmup + args.rounds {
+        samples.push(one()?);
+    }
+    Ok(Summary::after_warmup(&samples, args.warmup))
+}
+
+pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
+    let w = args.run.worker()?;
+    w.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| Ok(())))?;
+    let base = args.run.call_config("bench-runtime")?;
+    let cores = w.cores();
+    println!("simpler bench runtime: {cores} cores (CPU threads), {} warm-up + {} measured rounds", args.warmup, args.rounds);
+    println!("{}", format_diagnostics(&Diagnostics::of(&base)));
+
+    // 1. Throughput of independent empty tasks, orchestration overlapped with execution.
+    let (n, per_scope) = (args.tasks, args.scope.max(1));
+    let throughput = |cfg: &CallConfig| -> Result<RunReport> {
+        Ok(w.run_fn("bench.throughput", Default::default(), cfg, move |o, _| {
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(per_scope);
+                o.scope(ScopeKind::Auto, |o| {
+                    for _ in 0..k {
+                        o.submit(Task::new(EMPTY))?;
+                    }
+                    Ok(())
+                })?;
+                left -= k;
+            }
+            Ok(())
+        })?)
+    };
+    let mut last = None;
+    let s = rounds(&args, || {
+        let r = throughput(&base)?;
+        let v = n as f64 / (r.effective().dur_ns() as f64 / 1e9);
+        last = Some(r);
+        Ok(v)
+    })?;
+    println!("\n[throughput] {n} independent empty tasks in scopes of {per_scope}, overlapped");
+    println!("{}", format_summary("tasks_per_s", &s, args.warmup));
+    println!(
+        "  median {:.2} M tasks/s = {:.0} ns of core time per task ({cores} cores); target >= 1 M/s: {:.0}% of target",
+        s.median / 1e6,
+        cores as f64 * 1e9 / s.median,
+        s.median / 1e6 * 100.0
+    );
+    if let Some(r) = &last {
+        crate::opts::emit(r, &base)?;
+    }
+
+    // Serial mode splits the same work into submit cost and execution cost.
+    let serial = CallConfig {
+        mode: OrchMode::Serial,
+        runtime_env: RuntimeEnv { ring_task_window: RingValue::All(1 << 20), ring_dep_pool: RingValue::All(1 << 20), ..base.runtime_env },
+        ..base.clone()
+    };
+    let mut orch_rate = Vec::new();
+    let exec = rounds(&args, || {
+        let r = throughput(&serial)?;
+        orch_rate.push(n as f64 / (r.orch.dur_ns() as f64 / 1e9));
+        Ok(n as f64 / (r.post_orch.dur_ns() as f64 / 1e9))
+    })?;
+    let orch = Summary::after_warmup(&orch_rate, args.warmup);
+    println!("  serial split: submit {:.2} M tasks/s (orchestrator alone), execute {:.2} M tasks/s (cores alone)", orch.median / 1e6, exec.median / 1e6);
+
+    // 2. Dependent chain: each task waits for the previous one; serial mode so that only the
+    //    hand-off from completion to the next start is timed.
+    let hops = args.hops;
+    let chain = rounds(&args, || {
+        let r = w.run_fn("bench.chain", Default::default(), &serial, move |o, _| {
+            let mut prev: Option<TaskId> = None;
+            o.scope(ScopeKind::Manual, |o| {
+                for _ in 0..hops {
+                    let t = Task::new(EMPTY);
+                    let t = match prev {
+                        Some(p) => t.after(p),
+                        None => t,
+                    };
+                    prev = Some(o.submit(t)?.id);
+                }
+                Ok(())
+            })
+        })?;
+        Ok(r.post_orch.dur_ns() as f64 / 1e3 / hops as f64)
+    })?;
+    println!("\n[chain] {hops} dependent empty tasks (explicit dependencies), execution only");
+    println!("{}", format_summary("us_per_hop", &chain, args.warmup));
+    println!("  median {:.3} us per hop; target <= 5 us: {:.1}% of the budget", chain.median, chain.median / 5.0 * 100.0);
+
+    // 3. SPMD: one task of many blocks.
+    let blocks = args.blocks;
+    let spmd = rounds(&args, || {
+        let r = w.run_fn("bench.spmd", Default::default(), &serial, move |o, _| {
+            o.submit(Task::new(EMPTY).blocks(blocks))?;
+            Ok(())
+        })?;
+        Ok(r.post_orch.dur_ns() as f64 / blocks as f64)
+    })?;
+    println!("\n[spmd] one empty task of {blocks} blocks, execution only");
+    println!("{}", format_summary("ns_per_block", &spmd, args.warmup));
+    println!(
+        "  median {:.0} ns per block = {:.0} ns of core time per block ({cores} cores); vs a separate task: {:.2}x",
+        spmd.median,
+        spmd.median * cores as f64,
+        spmd.median / (1e9 / exec.median)
+    );
+    Ok(())
+}
