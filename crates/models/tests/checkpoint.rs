@@ -1,0 +1,240 @@
+//! Checkpoint round trips (single file, sharded, `[in, out]` layout, bf16 norms) and every
+//! error path: missing config, missing weights, truncated file, missing tensor, wrong shape,
+//! unknown and unsupported dtypes, bad index.
+
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+use simpler_models::qwen3::golden;
+use simpler_models::qwen3::{
+    CheckpointError, FixtureOptions, LoadOptions, Qwen3Config, SaveOptions, WeightLayout,
+    generate_fixture, generate_weights, load_checkpoint, save_checkpoint,
+};
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("simpler-models-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn small() -> Qwen3Config {
+    let mut c = Qwen3Config::preset("tiny").unwrap();
+    c.vocab_size = 300;
+    c
+}
+
+#[test]
+fn round_trip_single_file_gives_identical_results() {
+    let f = generate_fixture(&small(), &FixtureOptions::small(2, 40), None);
+    let dir = tmp("single");
+    save_checkpoint(&dir, &f.weights, &SaveOptions::default()).unwrap();
+    let ticks = std::sync::atomic::AtomicU64::new(0);
+    let p = |_d: u64, _t: u64| {
+        ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    };
+    let w = load_checkpoint(
+        &dir,
+        &LoadOptions {
+            progress: Some(&p),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(ticks.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert_eq!(w.config, f.weights.config);
+    assert!(w.lm_head.is_none(), "tied model gets no lm_head");
+    for (a, b) in w.layers.iter().zip(&f.weights.layers) {
+        assert_eq!(**a, **b);
+    }
+    assert_eq!(w.embedding, f.weights.embedding);
+    let a = golden::decode_model(&w, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    let b = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    assert_eq!(a, b);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn round_trip_sharded_in_out_layout_untied() {
+    let mut c = small();
+    c.tie_word_embeddings = false;
+    let w0 = generate_weights(&c, 7, false, None);
+    let dir = tmp("sharded");
+    let opts = SaveOptions {
+        layout: WeightLayout::InOut,
+        max_shard_bytes: Some(400_000),
+        norms_bf16: true,
+    };
+    save_checkpoint(&dir, &w0, &opts).unwrap();
+    assert!(dir.join("model.safetensors.index.json").exists());
+    assert!(
+        dir.join("model-00002-of-00004.safetensors").exists()
+            || std::fs::read_dir(&dir).unwrap().count() > 3
+    );
+    // Loading [in, out] files as [out, in] fails on the first non-square projection.
+    let err = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CheckpointError::Shape { .. }), "{err}");
+    let w = load_checkpoint(
+        &dir,
+        &LoadOptions {
+            layout: WeightLayout::InOut,
+            progress: None,
+        },
+    )
+    .unwrap();
+    for (a, b) in w.layers.iter().zip(&w0.layers) {
+        assert_eq!(a.wq, b.wq);
+        assert_eq!(a.w_down, b.w_down);
+        let rounded: Vec<f32> = b
+            .input_norm
+            .iter()
+            .map(|v| bf16::from_f32(*v).to_f32())
+            .collect();
+        assert_eq!(a.input_norm, rounded);
+    }
+    assert_eq!(w.lm_head, w0.lm_head);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes a one-tensor-short or otherwise edited checkpoint: the tensors of `w` except
+/// `skip`, plus raw header edits through `edit`.
+fn write_raw(dir: &Path, header: &str, data: &[u8]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+}
+
+#[test]
+fn errors_name_the_tensor_and_the_file() {
+    let c = small();
+    let w = generate_weights(&c, 3, false, None);
+    let dir = tmp("errors");
+    // Missing config.
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(e, CheckpointError::MissingConfig { .. }) && e.to_string().contains("config.json"),
+        "{e}"
+    );
+    // Missing weights.
+    std::fs::write(dir.join("config.json"), c.to_json()).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(matches!(e, CheckpointError::MissingWeights { .. }), "{e}");
+    // Bad config names the field.
+    std::fs::write(
+        dir.join("config.json"),
+        c.to_json()
+            .replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"),
+    )
+    .unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        e.to_string().contains("num_key_value_heads") && e.to_string().contains("config.json"),
+        "{e}"
+    );
+
+    // Truncated file.
+    save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+    let file = dir.join("model.safetensors");
+    let full = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &full[..full.len() - 100]).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(e, CheckpointError::Truncated { .. })
+            && e.to_string().contains("model.safetensors"),
+        "{e}"
+    );
+    std::fs::write(&file, &full[..5]).unwrap();
+    assert!(matches!(
+        load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
+        CheckpointError::Truncated { .. }
+    ));
+
+    // A file with only the embedding: the first layer tensor is reported missing.
+    let emb_bytes = vec![0u8; c.vocab_size * c.hidden_size * 2];
+    let header = format!(
+        r#"{{"model.embed_tokens.weight":{{"dtype":"BF16","shape":[{},{}],"data_offsets":[0,{}]}}}}"#,
+        c.vocab_size,
+        c.hidden_size,
+        emb_bytes.len()
+    );
+    write_raw(&dir, &header, &emb_bytes);
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    match &e {
+        CheckpointError::MissingTensor { tensor, file } => {
+            assert_eq!(tensor, "model.layers.0.self_attn.q_proj.weight");
+            assert!(file.ends_with("model.safetensors"));
+        }
+        other => panic!("expected a missing tensor, got {other}"),
+    }
+
+    // Wrong shape: q_proj as [1, 4].
+    let header = r#"{"model.layers.0.self_attn.q_proj.weight":{"dtype":"BF16","shape":[1,4],"data_offsets":[0,8]}}"#;
+    write_raw(&dir, header, &[0u8; 8]);
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Shape { tensor, expected, got, .. }
+            if tensor == "model.layers.0.self_attn.q_proj.weight" && got == &vec![1, 4] && expected == &vec![256, 256]),
+        "{e}"
+    );
+
+    // Unknown dtype string, and a dtype the parser knows but the model does not take.
+    let header = r#"{"model.layers.0.self_attn.q_proj.weight":{"dtype":"Q4_K","shape":[4],"data_offsets":[0,8]}}"#;
+    write_raw(&dir, header, &[0u8; 8]);
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Dtype { tensor, dtype, .. } if tensor == "model.layers.0.self_attn.q_proj.weight" && dtype == "Q4_K"),
+        "{e}"
+    );
+    let n = c.q_width() * c.hidden_size;
+    let header = format!(
+        r#"{{"model.layers.0.self_attn.q_proj.weight":{{"dtype":"I64","shape":[{},{}],"data_offsets":[0,{}]}}}}"#,
+        c.q_width(),
+        c.hidden_size,
+        n * 8
+    );
+    write_raw(&dir, &header, &vec![0u8; n * 8]);
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Dtype { dtype, .. } if dtype == "I64"),
+        "{e}"
+    );
+
+    // Garbage header.
+    write_raw(&dir, "not json", &[]);
+    assert!(matches!(
+        load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
+        CheckpointError::BadFile { .. }
+    ));
+
+    // Bad index: no weight_map; a shard path escaping the directory; a tensor the index
+    // names missing from its shard.
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(&index, "{}").unwrap();
+    assert!(matches!(
+        load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
+        CheckpointError::BadIndex { .. }
+    ));
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"model.norm.weight": "../x.safetensors"}}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
+        CheckpointError::BadIndex { .. }
+    ));
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"model.norm.weight": "absent.safetensors"}}"#,
+    )
+    .unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Io { file, .. } if file.ends_with("absent.safetensors")),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
