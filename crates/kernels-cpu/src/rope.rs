@@ -15,7 +15,7 @@ multiversion! {
     pub fn rope_neox_f32(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         let d = cos.len();
         assert_eq!(sin.len(), d, "rope_neox_f32: sin len");
-        assert!(d % 2 == 0 && d > 0 && x.len() % d == 0, "rope_neox_f32: head size {d}, x len {}", x.len());
+        assert!(d.is_multiple_of(2) && d > 0 && x.len().is_multiple_of(d), "rope_neox_f32: head size {d}, x len {}", x.len());
         let half = d / 2;
         for head in x.chunks_exact_mut(d) {
             let (lo, hi) = head.split_at_mut(half);

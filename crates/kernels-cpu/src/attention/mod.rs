@@ -81,6 +81,7 @@ pub const fn partial_len(group: usize, head_dim: usize) -> usize {
 /// # Panics
 /// If a token's page is outside `block_table` or the pool, `kv_head * group` heads do not fit
 /// in `q`, or `partial.len() != partial_len(group, head_dim)`.
+#[allow(clippy::too_many_arguments)]
 pub fn decode_attention_partial_bf16(
     q: &[bf16],
     group: usize,
@@ -146,7 +147,7 @@ multiversion! {
     /// If `partials` is not a whole number of records or `out.len() != group * head_dim`.
     pub fn decode_attention_combine_bf16(partials: &[f32], group: usize, head_dim: usize, out: &mut [bf16]) {
         let rec = partial_len(group, head_dim);
-        assert!(rec > 0 && partials.len() % rec == 0, "combine: partials len");
+        assert!(rec > 0 && partials.len().is_multiple_of(rec), "combine: partials len");
         assert_eq!(out.len(), group * head_dim, "combine: out len");
         let chunks = partials.len() / rec;
         let mut acc = vec![0.0f32; head_dim];

@@ -158,7 +158,7 @@ pub fn pack_index(k: usize, cols: usize) -> usize {
     }
     let i = k - block;
     block
-        + if i % 2 == 0 {
+        + if i.is_multiple_of(2) {
             i / 2
         } else {
             PACK_BLOCK / 2 + i / 2

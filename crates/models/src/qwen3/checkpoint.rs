@@ -202,7 +202,6 @@ fn unknown_dtype(buf: &[u8]) -> Option<(String, String)> {
 
 /// Where each tensor lives.
 struct Source<'a> {
-    dir: PathBuf,
     /// tensor name -> (shard index, parsed shard)
     index: HashMap<String, usize>,
     shards: Vec<(PathBuf, SafeTensors<'a>)>,
@@ -388,7 +387,6 @@ fn build(
         tick();
         Some(head)
     };
-    let _ = &src.dir;
     Ok(Qwen3Weights {
         config: c.clone(),
         layers,

@@ -179,7 +179,10 @@ impl Qwen3Config {
                 return Err(invalid(field, v, "must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(invalid(
                 "num_key_value_heads",
                 self.num_key_value_heads,
@@ -189,7 +192,7 @@ impl Qwen3Config {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 "head_dim",
                 self.head_dim,
