@@ -306,7 +306,6 @@ pub fn load_checkpoint(
     }
     let default_file = if named.is_empty() { single } else { index_path };
     let src = Source {
-        dir: dir.to_path_buf(),
         index,
         shards,
         default_file,
