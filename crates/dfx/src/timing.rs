@@ -10,7 +10,7 @@ use crate::bench_stats::Summary;
 use crate::reader::{AlignedSpan, Trace};
 use crate::stats::{self, us};
 
-/// One run of one process: the spans sharing `(process, inv)`.
+/// One run of one process: the spans sharing `(process, inv, callable)`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Invocation {
     /// Index into [`Trace::processes`].
@@ -89,10 +89,10 @@ impl Round {
 
 /// Groups the spans into invocations, earliest first.
 pub fn invocations(trace: &Trace) -> Vec<Invocation> {
-    let mut map: BTreeMap<(usize, u64), Invocation> = BTreeMap::new();
+    let mut map: BTreeMap<(usize, u64, &str), Invocation> = BTreeMap::new();
     for (i, s) in trace.spans.iter().enumerate() {
         let e = map
-            .entry((s.process, s.span.inv))
+            .entry((s.process, s.span.inv, &s.span.callable))
             .or_insert_with(|| Invocation {
                 process: s.process,
                 pid: s.span.pid,
@@ -316,6 +316,22 @@ pub fn tree(trace: &Trace) -> String {
         let mut offs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut durs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut parents: HashMap<&str, Option<&str>> = HashMap::new();
+        // Invocations in which two spans overlap by more than zero time.
+        let mut overlaps: HashMap<(&str, &str), usize> = HashMap::new();
+        for inv in &g.invs {
+            let spans: Vec<&AlignedSpan> = inv.spans.iter().map(|&i| &trace.spans[i]).collect();
+            for (k, a) in spans.iter().enumerate() {
+                for b in &spans[k + 1..] {
+                    if a.wall_ns < b.wall_end_ns()
+                        && b.wall_ns < a.wall_end_ns()
+                        && a.span.name != b.span.name
+                    {
+                        *overlaps.entry((&a.span.name, &b.span.name)).or_default() += 1;
+                        *overlaps.entry((&b.span.name, &a.span.name)).or_default() += 1;
+                    }
+                }
+            }
+        }
         for inv in &g.invs {
             let base = first(trace, inv, "run").map_or(inv.wall_ns, |r| r.wall_ns);
             let mut stack: Vec<&str> = Vec::new();
@@ -335,7 +351,7 @@ pub fn tree(trace: &Trace) -> String {
                 stack.push(&s.span.name);
                 offs.entry(&s.span.name)
                     .or_default()
-                    .push(s.wall_ns as f64 - base as f64);
+                    .push((s.wall_ns as i64 - base as i64) as f64);
                 durs.entry(&s.span.name)
                     .or_default()
                     .push(s.span.dur_ns as f64);
@@ -355,13 +371,11 @@ pub fn tree(trace: &Trace) -> String {
                 .map(|(m, _)| m.as_str())
                 .filter(|m| *m != n && parents[m] == parents[n])
                 .collect();
+            // Siblings that overlap in more than half of the invocations.
             let overl: Vec<&str> = siblings
                 .iter()
                 .copied()
-                .filter(|m| {
-                    let (mo, md) = med(m);
-                    o < mo + md && mo < o + d
-                })
+                .filter(|m| 2 * overlaps.get(&(n, *m)).copied().unwrap_or(0) > g.invs.len())
                 .collect();
             let mark = if overl.is_empty() {
                 String::new()

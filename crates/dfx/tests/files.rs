@@ -112,6 +112,17 @@ fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
         "{tree}"
     );
     assert!(tree.contains("not orch + sched = 128.0"), "{tree}");
+    // Adjacent spans (arena_wire ends where reset starts) do not overlap.
+    assert!(
+        tree.lines()
+            .any(|l| l.trim_start().starts_with("arena_wire") && !l.contains('∥')),
+        "{tree}"
+    );
+    assert!(
+        tree.lines()
+            .any(|l| l.trim_start().starts_with("run.validate") && !l.contains('∥')),
+        "{tree}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
