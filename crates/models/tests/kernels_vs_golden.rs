@@ -12,6 +12,7 @@ use simpler_models::qwen3::{
 
 /// `[rows, n]` = packed acts × `w` `[n, kdim]`, in `k_slices` split-K tiles and two N tiles,
 /// optionally scaled per row, accumulated into `out` (which the caller seeds).
+#[allow(clippy::too_many_arguments)]
 fn project(
     w: &[bf16],
     n: usize,
