@@ -113,12 +113,17 @@ pub fn parse_into(trace: &mut Trace, text: &str, path: &Path) -> Result<()> {
         }
         match parse_line(raw, path, line_no)? {
             TraceLine::Anchor(anchor) => {
-                trace.processes.push(ProcessInfo {
-                    pid: anchor.pid,
-                    anchor,
-                    file: path.to_path_buf(),
+                // The same process appending again (same pid and anchor) stays one process.
+                let known = trace.processes.iter().position(|p| p.anchor == anchor);
+                let idx = known.unwrap_or_else(|| {
+                    trace.processes.push(ProcessInfo {
+                        pid: anchor.pid,
+                        anchor,
+                        file: path.to_path_buf(),
+                    });
+                    trace.processes.len() - 1
                 });
-                current.insert(anchor.pid, trace.processes.len() - 1);
+                current.insert(anchor.pid, idx);
             }
             TraceLine::Span(span) => {
                 let process = *current
@@ -243,6 +248,22 @@ mod tests {
         // A broken line of the current version is a JSON error with its line.
         let e = parse("{\"kind\":\"anchor\",\"pid\":1,\"wall_ns\":1}\n\n{oops").unwrap_err();
         assert!(matches!(e, DfxError::Json { line: 3, .. }), "{e}");
+    }
+
+    #[test]
+    fn a_process_appending_twice_stays_one_process() {
+        let a = r#"{"kind":"anchor","pid":1,"wall_ns":100}"#;
+        let b = r#"{"kind":"anchor","pid":1,"wall_ns":999}"#;
+        let span = r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"a","depth":0,"name":"run","ts_ns":5,"dur_ns":1,"clock":"host"}"#;
+        let t = parse(&[a, span, a, span, b, span].join("\n")).unwrap();
+        assert_eq!(t.processes.len(), 2);
+        assert_eq!(
+            t.spans
+                .iter()
+                .map(|s| (s.process, s.wall_ns))
+                .collect::<Vec<_>>(),
+            vec![(0, 105), (0, 105), (1, 1004)]
+        );
     }
 
     #[test]
