@@ -1,12 +1,14 @@
 //! A small seeded random generator for fixtures: xoshiro256++ seeded through splitmix64, with
-//! Box–Muller normals. Deterministic across platforms and thread counts (every stream is
+//! Box–Muller normals. [`Rng::fill_normal`] draws eight pairs at a time with branch-free
+//! polynomial `ln`/`sin`/`cos` (relative error ~1e-6, far below bf16 resolution) that the
+//! compiler vectorises, fast enough to draw the 0.6B model's ~600M weights in a few seconds. Deterministic across platforms and thread counts (every stream is
 //! derived from a seed and a stream id, never from scheduling).
 
 /// xoshiro256++ state.
 #[derive(Clone, Debug)]
 pub struct Rng {
     s: [u64; 4],
-    /// A second Box–Muller normal waiting to be returned.
+    /// The second normal of the last pair, waiting to be returned.
     spare: Option<f32>,
 }
 
@@ -49,23 +51,104 @@ impl Rng {
         ((self.next_u64() >> 40) + 1) as f32 * (1.0 / (1u64 << 24) as f32)
     }
 
-    /// A standard normal sample (Box–Muller; pairs are produced together).
+    /// Fills `out` with `N(mean, std)` samples, eight Box–Muller pairs at a time.
+    pub fn fill_normal(&mut self, out: &mut [f32], mean: f32, std: f32) {
+        let mut chunks = out.chunks_exact_mut(16);
+        for c in &mut chunks {
+            let z = self.normal16();
+            for (o, v) in c.iter_mut().zip(z) {
+                *o = mean + std * v;
+            }
+        }
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            let z = self.normal16();
+            for (o, v) in rest.iter_mut().zip(z) {
+                *o = mean + std * v;
+            }
+        }
+    }
+
+    /// Sixteen standard normals (eight Box–Muller pairs).
+    fn normal16(&mut self) -> [f32; 16] {
+        const INV24: f32 = 1.0 / (1u64 << 24) as f32;
+        let mut u1 = [0.0f32; 8];
+        let mut u2 = [0.0f32; 8];
+        for i in 0..8 {
+            let w = self.next_u64();
+            u1[i] = ((w >> 40) + 1) as f32 * INV24;
+            u2[i] = ((w >> 16) & 0xFF_FFFF) as f32 * INV24;
+        }
+        let mut z = [0.0f32; 16];
+        for i in 0..8 {
+            let r = (-2.0 * ln_approx(u1[i])).sqrt();
+            // psi uniform in [-pi/2, pi/2): the angle 2*psi covers a full turn.
+            let psi = std::f32::consts::PI * (u2[i] - 0.5);
+            let (s, c) = sin_cos_half_pi(psi);
+            z[2 * i] = r * (2.0 * s * c);
+            z[2 * i + 1] = r * (1.0 - 2.0 * s * s);
+        }
+        z
+    }
+
+    /// A standard normal sample (polar method; pairs are produced together).
     pub fn normal(&mut self) -> f32 {
         if let Some(z) = self.spare.take() {
             return z;
         }
-        let u1 = self.uniform_open0();
-        let u2 = self.uniform_open0();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let (s, c) = (std::f32::consts::TAU * u2).sin_cos();
-        self.spare = Some(r * s);
-        r * c
+        loop {
+            // Two uniforms in (-1, 1) from one 64-bit draw.
+            let w = self.next_u64();
+            let u = ((w >> 40) as f32 + 0.5) * (2.0 / (1u64 << 24) as f32) - 1.0;
+            let v = (((w >> 16) & 0xFF_FFFF) as f32 + 0.5) * (2.0 / (1u64 << 24) as f32) - 1.0;
+            let s = u * u + v * v;
+            if s < 1.0 && s > 0.0 {
+                let f = (-2.0 * s.ln() / s).sqrt();
+                self.spare = Some(v * f);
+                return u * f;
+            }
+        }
     }
 
     /// `N(mean, std)`.
     pub fn normal_with(&mut self, mean: f32, std: f32) -> f32 {
         mean + std * self.normal()
     }
+}
+
+/// `ln x` for `x` in `(0, 1]`: exponent plus an odd series in `(m-1)/(m+1)`, `m` in
+/// `[sqrt(1/2), sqrt(2))`.
+#[inline(always)]
+fn ln_approx(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let mut e = ((bits >> 23) & 0xFF) as i32 - 127;
+    let mut m = f32::from_bits((bits & 0x007F_FFFF) | 0x3F80_0000);
+    if m > std::f32::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let t = (m - 1.0) / (m + 1.0);
+    let t2 = t * t;
+    let p =
+        2.0 * t * (1.0 + t2 * (1.0 / 3.0 + t2 * (1.0 / 5.0 + t2 * (1.0 / 7.0 + t2 * (1.0 / 9.0)))));
+    e as f32 * std::f32::consts::LN_2 + p
+}
+
+/// `(sin x, cos x)` for `x` in `[-pi/2, pi/2]` (Taylor series to degree 11/12).
+#[inline(always)]
+fn sin_cos_half_pi(x: f32) -> (f32, f32) {
+    let x2 = x * x;
+    let s = x
+        * (1.0
+            - x2 / 6.0
+                * (1.0 - x2 / 20.0 * (1.0 - x2 / 42.0 * (1.0 - x2 / 72.0 * (1.0 - x2 / 110.0)))));
+    let c = 1.0
+        - x2 / 2.0
+            * (1.0
+                - x2 / 12.0
+                    * (1.0
+                        - x2 / 30.0 * (1.0 - x2 / 56.0 * (1.0 - x2 / 90.0 * (1.0 - x2 / 132.0)))));
+    (s, c)
 }
 
 #[cfg(test)]
@@ -83,6 +166,41 @@ mod tests {
         let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
         assert!((mean - 0.3).abs() < 1e-3, "mean {mean}");
         assert!((var.sqrt() - 0.02).abs() < 5e-4, "std {}", var.sqrt());
+        let mut r = Rng::new(5, 0);
+        let mut buf = vec![0.0f32; 100_003];
+        r.fill_normal(&mut buf, -1.0, 3.0);
+        let n = buf.len() as f64;
+        let mean = buf.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+        let var = buf
+            .iter()
+            .map(|&x| (f64::from(x) - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        let kurt = buf
+            .iter()
+            .map(|&x| ((f64::from(x) - mean) / var.sqrt()).powi(4))
+            .sum::<f64>()
+            / n;
+        assert!(
+            (mean + 1.0).abs() < 0.03
+                && (var.sqrt() - 3.0).abs() < 0.03
+                && (kurt - 3.0).abs() < 0.1,
+            "{mean} {var} {kurt}"
+        );
+        for x in [1e-7f32, 0.001, 0.3, 0.5, 0.7071, 0.9, 1.0] {
+            assert!(
+                (super::ln_approx(x) - x.ln()).abs() < 2e-6 * x.ln().abs().max(1.0),
+                "ln {x}"
+            );
+        }
+        for i in 0..=100 {
+            let x = -std::f32::consts::FRAC_PI_2 + std::f32::consts::PI * i as f32 / 100.0;
+            let (s, c) = super::sin_cos_half_pi(x);
+            assert!(
+                (s - x.sin()).abs() < 1e-6 && (c - x.cos()).abs() < 1e-6,
+                "sincos {x}"
+            );
+        }
         let a: Vec<u64> = (0..4).map(|_| Rng::new(1, 0).next_u64()).collect();
         let mut b = Rng::new(1, 1);
         assert_ne!(a[0], b.next_u64());

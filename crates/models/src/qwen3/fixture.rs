@@ -194,15 +194,17 @@ fn run_jobs(seed: u64, jobs: Vec<Job<'_>>, progress: Option<Progress<'_>>) {
                     let (mean, std) = job.dist;
                     let n = match job.dest {
                         Dest::Bf16(d) => {
-                            for v in d.iter_mut() {
-                                *v = bf16::from_f32(rng.normal_with(mean, std));
+                            let mut buf = [0.0f32; 1024];
+                            for c in d.chunks_mut(buf.len()) {
+                                rng.fill_normal(&mut buf[..c.len()], mean, std);
+                                for (o, &v) in c.iter_mut().zip(&buf) {
+                                    *o = bf16::from_f32(v);
+                                }
                             }
                             d.len()
                         }
                         Dest::F32(d) => {
-                            for v in d.iter_mut() {
-                                *v = rng.normal_with(mean, std);
-                            }
+                            rng.fill_normal(d, mean, std);
                             d.len()
                         }
                     };
