@@ -187,7 +187,7 @@ mod tests {
                 && (kurt - 3.0).abs() < 0.1,
             "{mean} {var} {kurt}"
         );
-        for x in [1e-7f32, 0.001, 0.3, 0.5, 0.7071, 0.9, 1.0] {
+        for x in [1e-7f32, 0.001, 0.3, 0.5, 0.75, 0.9, 1.0] {
             assert!(
                 (super::ln_approx(x) - x.ln()).abs() < 2e-6 * x.ln().abs().max(1.0),
                 "ln {x}"
