@@ -96,9 +96,13 @@ impl<'a> PackedActs<'a> {
     /// # Panics
     /// If `data.len() != packed_len(rows, cols)`.
     pub fn new(data: &'a [f32], rows: usize, cols: usize) -> PackedActs<'a> {
+        let ld = cols
+            .checked_next_multiple_of(PACK_BLOCK)
+            .and_then(|c| c.checked_add(PACK_BLOCK));
+        let need = ld.and_then(|ld| ld.checked_mul(rows));
         assert_eq!(
-            data.len(),
-            packed_len(rows, cols),
+            Some(data.len()),
+            need,
             "packed acts: len {} for {rows} x {cols}",
             data.len()
         );
@@ -307,8 +311,11 @@ fn gemm_dispatch(
         "gemm_bf16: ld_out {ld_out} < tile width {}",
         n.len()
     );
+    let need = (batch - 1)
+        .checked_mul(ld_out)
+        .and_then(|v| v.checked_add(n.len()));
     assert!(
-        out.len() >= (batch - 1) * ld_out + n.len(),
+        need.is_some_and(|need| out.len() >= need),
         "gemm_bf16: out too short"
     );
     let cols = w.cols();
