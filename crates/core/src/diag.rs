@@ -149,7 +149,7 @@ impl Diagnostics {
         self.fingerprint.u64(kernel.map_or(u64::MAX, u64::from));
         self.fingerprint.u64(block_num as u64);
         let mut seen: Vec<(TaskId, crate::trace::EdgeSource)> = Vec::new();
-        for p in producers {
+        for p in producers.iter().filter(|p| p.wait) {
             if seen.contains(&(p.task, p.source)) {
                 continue;
             }

@@ -361,15 +361,19 @@ impl<'a> TaskCtx<'a> {
         Rows::new(i, &a.tensor)
     }
 
-    /// Copies the elements of any readable view (any strides) in row-major order.
+    /// Copies the elements of any view (any strides) in row-major order: readable arguments
+    /// always, written ones (e.g. the old values of an `InOut`) in single-block tasks.
     pub fn gather<T: Element>(&self, i: usize) -> Result<Vec<T>, KernelError> {
         let (a, _, _) = self.typed::<T>(i)?;
-        self.readable(i, a)?;
+        if a.tag.is_written() {
+            self.single_block(i, "gather")?;
+        }
         let base = a.tensor.addr as *const T;
         let mut out = Vec::with_capacity(a.tensor.numel() as usize);
         a.tensor.for_each_offset(|off| {
-            // SAFETY: `off` is an element of the view, inside its buffer; reads of elements
-            // no task writes concurrently (program rule), valid for any bit pattern.
+            // SAFETY: `off` is an element of the view, inside its buffer; no other task writes it
+            // concurrently (program rule) and, for a written argument, this is the task's only
+            // block; a raw read creates no reference, and any bit pattern is a valid `T`.
             out.push(unsafe { base.add(off as usize).read() })
         });
         Ok(out)

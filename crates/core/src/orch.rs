@@ -71,6 +71,9 @@ pub(crate) struct Producer {
     pub(crate) task: TaskId,
     pub(crate) source: EdgeSource,
     pub(crate) overlap: OverlapKind,
+    /// False for a keep-alive only: a `NoDep` argument viewing an output must keep that
+    /// output's memory alive while the task may read it, without waiting for its creator.
+    pub(crate) wait: bool,
 }
 
 /// The orchestration function's handle on the run.
@@ -386,15 +389,16 @@ impl Orchestrator {
             if matches!(tag, ArgTag::InOut | ArgTag::OutputExisting) {
                 writes += 1;
             }
-            if *tag == ArgTag::NoDep {
-                continue;
-            }
             if let Some(owner) = t.owner {
                 self.producers.push(Producer {
                     task: owner,
                     source: EdgeSource::Creator,
                     overlap: OverlapKind::None,
+                    wait: *tag != ArgTag::NoDep,
                 });
+            }
+            if *tag == ArgTag::NoDep {
+                continue;
             }
             if matches!(tag, ArgTag::Input | ArgTag::InOut) && scope_kind == ScopeKind::Auto {
                 self.hits.clear();
@@ -411,6 +415,7 @@ impl Orchestrator {
                         task: h.task,
                         source: EdgeSource::Tensormap,
                         overlap,
+                        wait: true,
                     });
                 }
             }
@@ -421,6 +426,7 @@ impl Orchestrator {
                 task: d,
                 source: EdgeSource::Explicit,
                 overlap: OverlapKind::None,
+                wait: true,
             });
         }
         let n_unique = dedup_count(&mut self.producers);
@@ -525,9 +531,10 @@ impl Orchestrator {
         self.run.outstanding.fetch_add(1, Ordering::AcqRel);
         self.run.submitted.fetch_add(1, Ordering::Relaxed);
 
-        // Wire edges.
+        // Wire edges. The fan-in count is raised *before* an edge becomes visible in the
+        // producer's list (under its lock): the producer may complete the moment the lock is
+        // released, and its decrement must never meet a count that lacks its own increment.
         let ring_slots = &rings.rings[ring as usize];
-        let mut linked = 0u32;
         for (i, p) in self.producers[..n_unique].iter().enumerate() {
             let pos = dep_start + i as u64;
             let entry = ring_slots.entry_at(pos);
@@ -535,18 +542,17 @@ impl Orchestrator {
             let ps = rings.slot(p.task);
             if ps.local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
                 entry.producer.store(p.task.0, Ordering::Relaxed);
-                let mut f = ps.fanout();
-                if !f.completed {
-                    entry.next.store(f.head, Ordering::Relaxed);
-                    f.head = entry_ref(ring, (pos % ring_slots.entries.len() as u64) as u32);
-                    linked += 1;
+                if p.wait {
+                    let mut f = ps.fanout();
+                    if !f.completed {
+                        slot.fanin.fetch_add(1, Ordering::AcqRel);
+                        entry.next.store(f.head, Ordering::Relaxed);
+                        f.head = entry_ref(ring, (pos % ring_slots.entries.len() as u64) as u32);
+                    }
                 }
             } else {
                 entry.producer.store(u64::MAX, Ordering::Relaxed);
             }
-        }
-        if linked > 0 {
-            slot.fanin.fetch_add(linked, Ordering::AcqRel);
         }
         self.run.edges.fetch_add(n_unique as u64, Ordering::Relaxed);
         if self.diag.capturing() || self.diag.fingerprinting() {
@@ -660,13 +666,20 @@ impl Orchestrator {
             for &(j, tj, b) in &tensors[x + 1..] {
                 if (ti.is_written() || tj.is_written())
                     && a.buffer == b.buffer
-                    && a.region().relate(&b.region()).overlaps()
+                    && !a.disjoint_from(b, 1 << 16)
                 {
                     return Err(self.fail(invalid(
                         format!(
-                            "kernel {kname:?}: argument {i} ({}) and argument {j} ({}) overlap and one is written",
+                            "kernel {kname:?}: argument {i} ({}, offset {} shape {:?} strides {:?}) and argument {j} ({}, offset {} shape {:?} strides {:?}) of buffer #{} overlap (or are too large to prove apart) and one is written",
                             ti.name(),
-                            tj.name()
+                            a.offset,
+                            a.shape(),
+                            a.strides(),
+                            tj.name(),
+                            b.offset,
+                            b.shape(),
+                            b.strides(),
+                            a.buffer.0
                         ),
                         "pass a written region once (InOut if the kernel also reads it)",
                     )));
@@ -738,9 +751,13 @@ impl Orchestrator {
 fn dedup_count(p: &mut [Producer]) -> usize {
     let mut n = 0;
     for i in 0..p.len() {
-        if !p[..n].iter().any(|q| q.task == p[i].task) {
-            p.swap(n, i);
-            n += 1;
+        match p[..n].iter().position(|q| q.task == p[i].task) {
+            // Waiting wins over a keep-alive for the same task.
+            Some(k) => p[k].wait |= p[i].wait,
+            None => {
+                p.swap(n, i);
+                n += 1;
+            }
         }
     }
     n
@@ -753,6 +770,7 @@ mod tests {
     #[test]
     fn dedup_keeps_each_task_once_in_the_prefix() {
         let mk = |t: u64, s| Producer {
+            wait: true,
             task: TaskId(t),
             source: s,
             overlap: OverlapKind::None,

@@ -258,6 +258,27 @@ impl Tensor {
         Region::of(self)
     }
 
+    /// Whether this view and `other` certainly share no element. Exact for views the region
+    /// relation can compare; otherwise decided by enumerating the elements when both views are
+    /// small (at most `limit` elements each), and `false` (cannot exclude) beyond that.
+    pub(crate) fn disjoint_from(&self, other: &Tensor, limit: u64) -> bool {
+        match self.region().relate(&other.region()) {
+            Relation::Disjoint => true,
+            Relation::Covers | Relation::Partial => false,
+            Relation::Conservative => {
+                if self.numel() > limit || other.numel() > limit {
+                    return false;
+                }
+                let mut mine = Vec::with_capacity(self.numel() as usize);
+                self.for_each_offset(|o| mine.push(o));
+                mine.sort_unstable();
+                let mut shared = false;
+                other.for_each_offset(|o| shared |= mine.binary_search(&o).is_ok());
+                !shared
+            }
+        }
+    }
+
     /// Iterates the element offsets (from the buffer start) in logical row-major order.
     pub(crate) fn for_each_offset(&self, mut f: impl FnMut(u64)) {
         let n = self.ndim();
@@ -443,6 +464,27 @@ mod tests {
         assert!(t.reshape(&[64]).is_err());
         assert_eq!(m.slice(1, 2, 4).unwrap().offset(), 2);
         assert_eq!(m.slice(0, 3, 4).unwrap().offset(), 24);
+    }
+
+    #[test]
+    fn disjoint_strided_views_are_proven_disjoint() {
+        let b = buf(64);
+        let range = b.slice(0, 55, 59).unwrap();
+        let column = b
+            .reshape(&[8, 8])
+            .unwrap()
+            .slice(0, 5, 8)
+            .unwrap()
+            .slice(1, 6, 7)
+            .unwrap();
+        assert_eq!(
+            range.region().relate(&column.region()),
+            Relation::Conservative
+        );
+        assert!(range.disjoint_from(&column, 1 << 16));
+        assert!(column.disjoint_from(&range, 1 << 16));
+        let hit = b.slice(0, 54, 59).unwrap();
+        assert!(!hit.disjoint_from(&column, 1 << 16));
     }
 
     #[test]
