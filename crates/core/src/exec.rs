@@ -12,7 +12,7 @@ use crate::config::{OrchMode, RING_COUNT};
 use crate::diag::{Diagnostics, Fnv};
 use crate::error::{Error, ErrorCode, RunError};
 use crate::orch::Orchestrator;
-use crate::report::{Interval, RunCounters, RunReport, TaskSlotTiming};
+use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
 use crate::run::{Arena, CoreState, FatalLatch, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
@@ -243,6 +243,18 @@ fn run_bound(
         ..RunReport::default()
     };
     collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
+    for c in orch.cursors.iter_mut() {
+        c.reclaim(&arena.rings.rings[c.ring as usize]);
+        report.ring_final.push(RingOccupancy {
+            ring: c.ring,
+            tasks: c.next_local as u64,
+            window: c.in_flight() as u64,
+            heap: c.heap_used(),
+            dep_pool: c.dep_used(),
+        });
+    }
+    orch.map.sweep(&arena.rings);
+    report.tensormap_final = orch.map.len();
     park_orch_state(&arena, orch);
     let validate1 = now_ns();
     report.validate = iv(runner1, validate1);

@@ -42,7 +42,7 @@ pub use error::{
 pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
 pub use orch::{Orchestrator, ScopeKind, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo};
-pub use report::{Interval, RunCounters, RunReport, TaskSlotTiming};
+pub use report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 pub use task::{ArgTag, EngineClass, OutputSpec, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
 pub use worker::{OrchFn, RunArgs, RunHandle, Worker, WorkerConfig};

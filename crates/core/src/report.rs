@@ -35,6 +35,21 @@ pub struct TaskSlotTiming {
     pub span: Interval,
 }
 
+/// What a ring set still holds after a run (all zero when everything was reclaimed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingOccupancy {
+    /// Ring index.
+    pub ring: u8,
+    /// Tasks submitted on this ring during the run.
+    pub tasks: u64,
+    /// Task-window slots still in use.
+    pub window: u64,
+    /// Heap bytes still in use.
+    pub heap: u64,
+    /// Dependency-pool entries still in use.
+    pub dep_pool: u64,
+}
+
 /// Counters of one run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunCounters {
@@ -94,6 +109,10 @@ pub struct RunReport {
     pub task_slots: Vec<TaskSlotTiming>,
     /// Counters.
     pub counters: RunCounters,
+    /// Ring occupancy once the run was over (reclamation check).
+    pub ring_final: Vec<RingOccupancy>,
+    /// Live entries left in the dependency map once the run was over.
+    pub tensormap_final: u64,
     /// Number of cores that ran the graph.
     pub cores: u32,
     /// Whether orchestration and execution overlapped (false in serial mode).
