@@ -113,7 +113,7 @@ impl Buffer {
     /// Copies `data` into the buffer starting at byte `offset`.
     pub fn write_at<T: Element>(&self, offset: usize, data: &[T]) -> Result<(), BufferError> {
         let bytes = std::mem::size_of_val(data);
-        if offset % std::mem::align_of::<T>() != 0
+        if !offset.is_multiple_of(std::mem::align_of::<T>())
             || offset.checked_add(bytes).is_none_or(|e| e > self.len())
         {
             return Err(BufferError::Size {
@@ -140,7 +140,7 @@ impl Buffer {
     /// Reads `count` elements starting at byte `offset`.
     pub fn read_at<T: Element>(&self, offset: usize, count: usize) -> Result<Vec<T>, BufferError> {
         let bytes = count.saturating_mul(size_of::<T>());
-        if offset % std::mem::align_of::<T>() != 0
+        if !offset.is_multiple_of(std::mem::align_of::<T>())
             || offset.checked_add(bytes).is_none_or(|e| e > self.len())
         {
             return Err(BufferError::Size {

@@ -123,7 +123,7 @@ impl RuntimeEnv {
                 });
             }
             let h = self.ring_heap.get(r);
-            if h < 1024 || h % 1024 != 0 {
+            if h < 1024 || !h.is_multiple_of(1024) {
                 return Err(ConfigError {
                     field: field_name("ring_heap", &self.ring_heap, r),
                     value: h.to_string(),

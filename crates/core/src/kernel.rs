@@ -405,6 +405,9 @@ impl<'a> TaskCtx<'a> {
     /// A contiguous written argument (`Output`, `InOut`, `OutputExisting`) of a single-block
     /// task, mutably. Multi-block tasks use [`TaskCtx::write_chunk`] or
     /// [`TaskCtx::write_block_rows`].
+    // A `&mut` from `&self` is the point: the memory is the task's, not the context's, and
+    // `claim` hands each argument out mutably at most once per block.
+    #[allow(clippy::mut_from_ref)]
     pub fn write<T: Element>(&self, i: usize) -> Result<&mut [T], KernelError> {
         self.single_block(i, "write")?;
         let (a, start, len) = self.typed::<T>(i)?;
@@ -419,6 +422,9 @@ impl<'a> TaskCtx<'a> {
     /// This block's chunk of a contiguous written argument: elements
     /// `block_idx*chunk .. (block_idx+1)*chunk` (clipped to the view). Chunks of different blocks
     /// never overlap.
+    // A `&mut` from `&self` is the point: the memory is the task's, not the context's, and
+    // `claim` hands each argument out mutably at most once per block.
+    #[allow(clippy::mut_from_ref)]
     pub fn write_chunk<T: Element>(&self, i: usize, chunk: usize) -> Result<&mut [T], KernelError> {
         let (a, start, len) = self.typed::<T>(i)?;
         Self::contiguous(i, a, "write_chunk")?;
@@ -495,6 +501,9 @@ impl<'a> TaskCtx<'a> {
     /// Nothing else may access any element of the span while the slice is alive: not other
     /// blocks of this task and, for a strided view, not other tasks writing elements that lie
     /// between this view's elements.
+    // A `&mut` from `&self` is the point: the memory is the task's, not the context's, and
+    // `claim` hands each argument out mutably at most once per block.
+    #[allow(clippy::mut_from_ref)]
     pub unsafe fn write_unchecked<T: Element>(&self, i: usize) -> Result<&mut [T], KernelError> {
         let (a, start, len) = self.typed::<T>(i)?;
         self.writable(i, a, "write_unchecked")?;

@@ -122,7 +122,7 @@ impl RunShared {
                 return;
             }
             i += 1;
-            if i % 16 == 0 {
+            if i.is_multiple_of(16) {
                 if Instant::now() >= spin_until {
                     break;
                 }

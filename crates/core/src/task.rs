@@ -180,7 +180,7 @@ impl Task {
     /// Adds a tensor argument with an explicit tag (`Output` is not allowed here: use
     /// [`Task::output`]).
     pub fn arg(mut self, tag: ArgTag, tensor: &Tensor) -> Task {
-        self.args.push(ArgSpec::Tensor(tag, tensor.clone()));
+        self.args.push(ArgSpec::Tensor(tag, *tensor));
         self
     }
     /// Adds an `Input` argument.

@@ -374,7 +374,7 @@ impl Region {
             return None;
         }
         for i in 1..n {
-            if s[i - 1] % s[i] != 0 {
+            if !s[i - 1].is_multiple_of(s[i]) {
                 return None;
             }
         }
@@ -410,26 +410,27 @@ impl Region {
             return Relation::Covers;
         }
         let n = self.ndim as usize;
-        if self.ndim == other.ndim && self.strides[..n] == other.strides[..n] {
-            if let (Some((a, ra)), Some((b, rb))) = (self.boxed(), other.boxed()) {
-                if ra != rb {
+        if self.ndim == other.ndim
+            && self.strides[..n] == other.strides[..n]
+            && let (Some((a, ra)), Some((b, rb))) = (self.boxed(), other.boxed())
+        {
+            if ra != rb {
+                return Relation::Disjoint;
+            }
+            let mut covers = true;
+            for d in 0..n {
+                let (a0, a1) = (a[d], a[d] + self.shape[d]);
+                let (b0, b1) = (b[d], b[d] + other.shape[d]);
+                if a1 <= b0 || b1 <= a0 {
                     return Relation::Disjoint;
                 }
-                let mut covers = true;
-                for d in 0..n {
-                    let (a0, a1) = (a[d], a[d] + self.shape[d]);
-                    let (b0, b1) = (b[d], b[d] + other.shape[d]);
-                    if a1 <= b0 || b1 <= a0 {
-                        return Relation::Disjoint;
-                    }
-                    covers &= a0 <= b0 && b1 <= a1;
-                }
-                return if covers {
-                    Relation::Covers
-                } else {
-                    Relation::Partial
-                };
+                covers &= a0 <= b0 && b1 <= a1;
             }
+            return if covers {
+                Relation::Covers
+            } else {
+                Relation::Partial
+            };
         }
         Relation::Conservative
     }
