@@ -74,19 +74,10 @@ impl RunOpts {
     }
 }
 
-/// Writes the report's spans to the trace file and its diagnostics to the output directory.
+/// Writes the report's spans and diagnostics where the configuration says.
 pub(crate) fn emit(report: &RunReport, cfg: &CallConfig) -> Result<()> {
-    if let Some(path) = &cfg.trace {
-        let mut w = simpler_dfx::TraceWriter::append(path).with_context(|| format!("opening trace file {}", path.display()))?;
-        w.report(report, 0)?;
-        w.finish()?;
-    }
-    if let Some(dir) = &cfg.output_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating output directory {}", dir.display()))?;
-        let written = simpler_dfx::write_run_diagnostics(dir, report)?;
-        for p in written {
-            eprintln!("wrote {}", p.display());
-        }
+    for p in simpler_dfx::write_run_outputs(report, cfg)? {
+        eprintln!("wrote {}", p.display());
     }
     Ok(())
 }

@@ -175,7 +175,8 @@ pub struct CallConfig {
     /// Where diagnostics are written (required when one is on). The core never writes files;
     /// the tools that receive the `RunReport` do.
     pub output_dir: Option<PathBuf>,
-    /// Where the run's spans are written as JSON Lines (by the caller's tools).
+    /// Where the run's spans are written as JSON Lines. The core never writes files:
+    /// `simpler_dfx::write_run_outputs` writes this (the CLI calls it after every run).
     pub trace: Option<PathBuf>,
     /// Capacity of the swimlane record buffer (records; overflow is counted, not lost silently).
     pub swimlane_capacity: usize,

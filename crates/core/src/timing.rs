@@ -9,6 +9,10 @@ pub(crate) fn spans_of(r: &RunReport, pid: u32, tid: u64) -> Vec<SpanRecord> {
     let callable = format!("{:016x}", r.callable);
     let mut out = Vec::with_capacity(16);
     let mut push = |depth: u8, name: &str, iv: Interval, attrs: BTreeMap<String, AttrValue>| {
+        if iv.start_ns == 0 && iv.end_ns == 0 {
+            // Never measured (a report built by hand, or a phase this run did not have).
+            return;
+        }
         out.push(SpanRecord {
             v: TRACE_FORMAT_VERSION,
             pid,
@@ -77,6 +81,7 @@ mod tests {
             orch: iv(10, 60),
             sched: iv(12, 90),
             validate: iv(95, 99),
+            bind_args: iv(1, 4),
             ..RunReport::default()
         };
         let spans = r.spans(7, 1);

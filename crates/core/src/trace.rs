@@ -22,7 +22,9 @@ pub const TRACE_FORMAT_VERSION: u32 = 1;
 pub enum Clock {
     /// The host's monotonic clock, as nanoseconds since the process anchor.
     Host,
-    /// A device timer, already aligned to the host axis (see [`DeviceClockAlignment`]).
+    /// A device timer, in the device's own nanoseconds; the invocation's
+    /// [`TraceLine::DeviceAlignment`] maps it onto the host axis (a reader treats a device span
+    /// without one as already aligned, and says so).
     Device,
 }
 

@@ -19,6 +19,31 @@ pub const DEPS_FILE: &str = "deps.json";
 /// File name of the ring statistics.
 pub const RING_STATS_FILE: &str = "ring_stats.json";
 
+/// File name of the span trace written into an output directory when no trace file is given.
+pub const TRACE_FILE: &str = "trace.jsonl";
+
+/// Writes everything a finished run's configuration asks for: its spans to `cfg.trace` (or to
+/// `trace.jsonl` in `cfg.output_dir`), and its diagnostics into `cfg.output_dir`. The runtime
+/// core never writes files; callers (the CLI does it for every run) call this. Returns the
+/// files written.
+pub fn write_run_outputs(report: &RunReport, cfg: &simpler_core::CallConfig) -> Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    let trace = cfg.trace.clone().or_else(|| cfg.output_dir.as_ref().map(|d| d.join(TRACE_FILE)));
+    if let Some(path) = trace {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(io("create directory", parent))?;
+        }
+        let mut w = crate::TraceWriter::append(&path)?;
+        w.report(report, 0)?;
+        w.finish()?;
+        written.push(path);
+    }
+    if let Some(dir) = &cfg.output_dir {
+        written.extend(write_run_diagnostics(dir, report)?);
+    }
+    Ok(written)
+}
+
 /// A record with a top-level `"v"` added (for the record types that have none of their own).
 #[derive(Serialize)]
 struct Versioned<'a, T: Serialize> {

@@ -27,6 +27,6 @@ pub mod swimlane;
 pub mod timing;
 pub mod writer;
 
-pub use diag::write_run_diagnostics;
+pub use diag::{write_run_diagnostics, write_run_outputs};
 pub use error::{DfxError, Result};
 pub use writer::TraceWriter;

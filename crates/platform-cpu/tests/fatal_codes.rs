@@ -449,3 +449,30 @@ fn worker_config_rejects_misordered_timeouts() {
         other => panic!("expected a config error, got {other:?}"),
     }
 }
+
+fn sleepy_predicate(_: &TaskCtx<'_>) -> bool {
+    std::thread::sleep(Duration::from_millis(900));
+    true
+}
+
+#[test]
+fn backstop_fires_when_nothing_progresses_without_a_proof() {
+    let w = worker();
+    // Window of 4 slots (3 in flight). A's completion makes B ready, and B's dispatch predicate
+    // blocks the core for 900 ms: nothing completes and no kernel runs. The orchestrator then
+    // waits on a head task (A) whose scope has ended — not a proof — and the backstop fires.
+    let e = expect_fatal(&w, &tight(4, 1 << 20, 64), ErrorCode::FlowControlDeadlock, "ring_task_window", |o, _| {
+        let b = o.scope(ScopeKind::Auto, |o| {
+            let a = o.submit(Task::new(NOP))?.id;
+            Ok(o.submit(Task::new(NOP).after(a).predicate(sleepy_predicate))?.id)
+        })?;
+        o.scope(ScopeKind::Auto, |o| {
+            o.submit(Task::new(NOP).after(b))?;
+            o.submit(Task::new(NOP))?;
+            o.submit(Task::new(NOP))?;
+            Ok(())
+        })
+    });
+    assert_eq!(e.diagnosis, Some(Diagnosis::Backstop), "{e}");
+    assert!(e.to_string().contains("not a proof"), "{e}");
+}
