@@ -2,15 +2,21 @@
 //! of its task (arguments, scalars, block index).
 //!
 //! # Memory access and soundness
-//! Kernel bodies reach tensor memory through [`TaskCtx`]. The runtime orders tasks so that a
-//! task's written regions are not touched by any other task while it runs, *provided the
-//! orchestration follows the tagging rule of `01-runtime.md`* (write-after-read is not tracked:
+//! Kernel bodies reach tensor memory only through [`TaskCtx`]. The runtime orders tasks so that
+//! a task's written regions are not touched by any other task while it runs, *provided the
+//! orchestration follows the program rule of `01-runtime.md`* (write-after-read is not tracked:
 //! a task that overwrites a region earlier tasks still read must be ordered explicitly). Within
-//! one task the accessors keep Rust's aliasing rules: `Input`/`NoDep` arguments are only read,
-//! written arguments are only reached through one `&mut` borrow per block
-//! ([`TaskCtx::write`] for single-block tasks, [`TaskCtx::write_chunk`] for disjoint per-block
-//! chunks), and the orchestrator rejects a task whose written argument overlaps another of its
-//! arguments.
+//! one task the accessors keep Rust's aliasing rules:
+//! - readable arguments (`Input`, `NoDep`) are only read: [`TaskCtx::read`] (contiguous views),
+//!   [`TaskCtx::read_rows`] (rows of strided tiles), [`TaskCtx::gather`] (any view, copied);
+//! - a written argument is borrowed mutably at most once per block: [`TaskCtx::write`]
+//!   (contiguous, single block), [`TaskCtx::write_chunk`] (disjoint per-block chunks),
+//!   [`TaskCtx::write_rows`] / [`TaskCtx::write_block_rows`] (rows of strided tiles: exactly the
+//!   view's elements, never the neighbours between its rows), [`TaskCtx::scatter`] (any view);
+//! - the orchestrator rejects a task whose written argument overlaps another of its arguments.
+//!
+//! Slices never cover elements outside the view, so tasks writing neighbouring tiles of one
+//! matrix never hold aliasing references.
 
 use std::cell::Cell;
 use std::ops::Range;

@@ -26,9 +26,15 @@ pub const TRACE_FILE: &str = "trace.jsonl";
 /// `trace.jsonl` in `cfg.output_dir`), and its diagnostics into `cfg.output_dir`. The runtime
 /// core never writes files; callers (the CLI does it for every run) call this. Returns the
 /// files written.
-pub fn write_run_outputs(report: &RunReport, cfg: &simpler_core::CallConfig) -> Result<Vec<PathBuf>> {
+pub fn write_run_outputs(
+    report: &RunReport,
+    cfg: &simpler_core::CallConfig,
+) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
-    let trace = cfg.trace.clone().or_else(|| cfg.output_dir.as_ref().map(|d| d.join(TRACE_FILE)));
+    let trace = cfg
+        .trace
+        .clone()
+        .or_else(|| cfg.output_dir.as_ref().map(|d| d.join(TRACE_FILE)));
     if let Some(path) = trace {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(io("create directory", parent))?;

@@ -143,3 +143,8 @@ mod tests {
         assert!(p.info().default_cores >= 1);
     }
 }
+
+/// The README's example runs as a doctest of this crate, so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

@@ -21,7 +21,14 @@ const STUCK: KernelId = KernelId(6);
 const NOP: KernelId = KernelId(7);
 
 fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
-    let w = Worker::new(CpuPlatform::new(), WorkerConfig { cores: Some(cores), timeouts }).unwrap();
+    let w = Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(cores),
+            timeouts,
+        },
+    )
+    .unwrap();
     w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
         for v in ctx.write::<f32>(0)? {
             *v += 1.0;
@@ -29,21 +36,38 @@ fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
         Ok(())
     }))
     .unwrap();
-    w.register_kernel(KernelSpec::new(FAIL, "fails", EngineClass::Vector, |_| Err(KernelError::new("bad input row 3"))))
-        .unwrap();
-    w.register_kernel(KernelSpec::new(PANIC, "panics", EngineClass::Vector, |_| panic!("index out of range")))
-        .unwrap();
-    w.register_kernel(KernelSpec::new(SPIN_UNTIL_CANCELLED, "spins", EngineClass::Vector, |ctx| {
-        while !ctx.is_cancelled() {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Ok(())
+    w.register_kernel(KernelSpec::new(FAIL, "fails", EngineClass::Vector, |_| {
+        Err(KernelError::new("bad input row 3"))
     }))
     .unwrap();
-    w.register_kernel(KernelSpec::new(SLEEP_50MS, "sleep50", EngineClass::Vector, |_| {
-        std::thread::sleep(Duration::from_millis(50));
-        Ok(())
-    }))
+    w.register_kernel(KernelSpec::new(
+        PANIC,
+        "panics",
+        EngineClass::Vector,
+        |_| panic!("index out of range"),
+    ))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(
+        SPIN_UNTIL_CANCELLED,
+        "spins",
+        EngineClass::Vector,
+        |ctx| {
+            while !ctx.is_cancelled() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        },
+    ))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(
+        SLEEP_50MS,
+        "sleep50",
+        EngineClass::Vector,
+        |_| {
+            std::thread::sleep(Duration::from_millis(50));
+            Ok(())
+        },
+    ))
     .unwrap();
     w.register_kernel(KernelSpec::new(STUCK, "stuck", EngineClass::Vector, |_| {
         // Ignores cancellation on purpose: the watchdog must replace this core.
@@ -51,7 +75,8 @@ fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
         Ok(())
     }))
     .unwrap();
-    w.register_kernel(KernelSpec::new(NOP, "nop", EngineClass::Vector, |_| Ok(()))).unwrap();
+    w.register_kernel(KernelSpec::new(NOP, "nop", EngineClass::Vector, |_| Ok(())))
+        .unwrap();
     w
 }
 
@@ -84,15 +109,26 @@ fn expect_fatal(
         other => panic!("expected {code:?}, got {other:?}"),
     };
     assert_eq!(err.code, code, "{err}");
-    assert!(err.hint.contains(knob), "hint {:?} should name {knob}", err.hint);
-    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    assert!(
+        err.hint.contains(knob),
+        "hint {:?} should name {knob}",
+        err.hint
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
     assert_normal_job_works(w);
     err
 }
 
 fn assert_normal_job_works(w: &Worker) {
     let buf = w.buffer_from(&[0.0f32; 16]).unwrap();
-    let args = RunArgs { buffers: vec![buf.clone()], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
     w.run_fn("normal", args, &CallConfig::default(), |o, a| {
         let t = o.bind(&a.buffers[0], DType::F32, &[16])?;
         o.scope(ScopeKind::Auto, |o| {
@@ -109,14 +145,20 @@ fn assert_normal_job_works(w: &Worker) {
 #[test]
 fn scope_deadlock_when_one_scope_fills_the_window() {
     let w = worker();
-    let e = expect_fatal(&w, &tight(8, 1 << 20, 64), ErrorCode::ScopeDeadlock, "ring_task_window", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            for _ in 0..8 {
-                o.submit(Task::new(NOP))?;
-            }
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(8, 1 << 20, 64),
+        ErrorCode::ScopeDeadlock,
+        "ring_task_window",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                for _ in 0..8 {
+                    o.submit(Task::new(NOP))?;
+                }
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.detail.contains("holds 7 tasks"), "{e}");
     assert_eq!(e.locator.ring, Some(1));
@@ -125,12 +167,18 @@ fn scope_deadlock_when_one_scope_fills_the_window() {
 #[test]
 fn heap_deadlock_for_an_output_larger_than_the_heap() {
     let w = worker();
-    let e = expect_fatal(&w, &tight(64, 4096, 64), ErrorCode::HeapRingDeadlock, "ring_heap", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(NOP).output(DType::F32, &[2048]))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(64, 4096, 64),
+        ErrorCode::HeapRingDeadlock,
+        "ring_heap",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(NOP).output(DType::F32, &[2048]))?;
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.hint.contains("CallConfig.runtime_env.ring_heap"), "{e}");
 }
@@ -140,14 +188,20 @@ fn heap_deadlock_proven_when_the_head_is_in_an_open_scope() {
     let w = worker();
     // One scope allocates 4 outputs of 1 KiB from a 3 KiB heap: the head (first output's
     // task) can never be released while that scope is open.
-    let e = expect_fatal(&w, &tight(64, 3072, 64), ErrorCode::HeapRingDeadlock, "ring_heap", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            for _ in 0..4 {
-                o.submit(Task::new(NOP).output(DType::F32, &[256]))?;
-            }
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(64, 3072, 64),
+        ErrorCode::HeapRingDeadlock,
+        "ring_heap",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                for _ in 0..4 {
+                    o.submit(Task::new(NOP).output(DType::F32, &[256]))?;
+                }
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.detail.contains("heap full"), "{e}");
     assert!(e.detail.contains("head task 1:0"), "{e}");
@@ -158,24 +212,30 @@ fn flow_control_deadlock_proven_on_a_shared_ring() {
     let w = worker();
     // Depth 3 and depth 4 share ring 3. A depth-3 task heads the ring while its scope stays
     // open; the depth-4 scopes' tasks queue behind it until the window is full.
-    let e = expect_fatal(&w, &tight(8, 1 << 20, 64), ErrorCode::FlowControlDeadlock, "ring_task_window", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
+    let e = expect_fatal(
+        &w,
+        &tight(8, 1 << 20, 64),
+        ErrorCode::FlowControlDeadlock,
+        "ring_task_window",
+        |o, _| {
             o.scope(ScopeKind::Auto, |o| {
                 o.scope(ScopeKind::Auto, |o| {
-                    o.submit(Task::new(NOP))?;
-                    for _ in 0..4 {
-                        o.scope(ScopeKind::Auto, |o| {
-                            for _ in 0..3 {
-                                o.submit(Task::new(NOP))?;
-                            }
-                            Ok(())
-                        })?;
-                    }
-                    Ok(())
+                    o.scope(ScopeKind::Auto, |o| {
+                        o.submit(Task::new(NOP))?;
+                        for _ in 0..4 {
+                            o.scope(ScopeKind::Auto, |o| {
+                                for _ in 0..3 {
+                                    o.submit(Task::new(NOP))?;
+                                }
+                                Ok(())
+                            })?;
+                        }
+                        Ok(())
+                    })
                 })
             })
-        })
-    });
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.detail.contains("task window full: 7 of 8"), "{e}");
     assert_eq!(e.locator.ring, Some(3));
@@ -184,109 +244,185 @@ fn flow_control_deadlock_proven_on_a_shared_ring() {
 #[test]
 fn flow_control_deadlock_in_serial_mode() {
     let w = worker();
-    let cfg = CallConfig { mode: OrchMode::Serial, ..tight(8, 1 << 20, 64) };
-    let e = expect_fatal(&w, &cfg, ErrorCode::FlowControlDeadlock, "ring_task_window", |o, _| {
-        for _ in 0..4 {
-            o.scope(ScopeKind::Auto, |o| {
-                for _ in 0..3 {
-                    o.submit(Task::new(NOP))?;
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
-    });
+    let cfg = CallConfig {
+        mode: OrchMode::Serial,
+        ..tight(8, 1 << 20, 64)
+    };
+    let e = expect_fatal(
+        &w,
+        &cfg,
+        ErrorCode::FlowControlDeadlock,
+        "ring_task_window",
+        |o, _| {
+            for _ in 0..4 {
+                o.scope(ScopeKind::Auto, |o| {
+                    for _ in 0..3 {
+                        o.submit(Task::new(NOP))?;
+                    }
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        },
+    );
     assert!(e.detail.contains("serial mode"), "{e}");
 }
 
 #[test]
 fn dep_pool_overflow_for_a_task_with_too_many_producers() {
     let w = worker();
-    let e = expect_fatal(&w, &tight(64, 1 << 20, 4), ErrorCode::DepPoolOverflow, "ring_dep_pool", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            let ids: Vec<TaskId> = (0..6).map(|_| o.submit(Task::new(SLEEP_50MS)).map(|s| s.id)).collect::<Result<_, _>>()?;
-            o.submit(Task::new(NOP).after_all(ids))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(64, 1 << 20, 4),
+        ErrorCode::DepPoolOverflow,
+        "ring_dep_pool",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                let ids: Vec<TaskId> = (0..6)
+                    .map(|_| o.submit(Task::new(SLEEP_50MS)).map(|s| s.id))
+                    .collect::<Result<_, _>>()?;
+                o.submit(Task::new(NOP).after_all(ids))?;
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
 }
 
 #[test]
 fn dep_pool_overflow_proven_when_the_head_is_in_an_open_scope() {
     let w = worker();
-    let e = expect_fatal(&w, &tight(64, 1 << 20, 8), ErrorCode::DepPoolOverflow, "ring_dep_pool", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            let first = o.submit(Task::new(SLEEP_50MS))?.id;
-            for _ in 0..12 {
-                o.submit(Task::new(NOP).after(first))?;
-            }
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(64, 1 << 20, 8),
+        ErrorCode::DepPoolOverflow,
+        "ring_dep_pool",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                let first = o.submit(Task::new(SLEEP_50MS))?.id;
+                for _ in 0..12 {
+                    o.submit(Task::new(NOP).after(first))?;
+                }
+                Ok(())
+            })
+        },
+    );
     assert!(e.detail.contains("dependency pool full"), "{e}");
 }
 
 #[test]
 fn invalid_args_are_rejected_with_the_reason() {
     let w = worker();
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::InvalidArgs, "split the task", |o, _| {
-        let mut t = Task::new(NOP);
-        for _ in 0..33 {
-            t = t.output(DType::F32, &[1]);
-        }
-        o.submit(t)?;
-        Ok(())
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "split the task",
+        |o, _| {
+            let mut t = Task::new(NOP);
+            for _ in 0..33 {
+                t = t.output(DType::F32, &[1]);
+            }
+            o.submit(t)?;
+            Ok(())
+        },
+    );
     assert!(e.detail.contains("33 tensor arguments"), "{e}");
     // Unregistered kernel; unbound buffer; use after the scope ended; written overlap.
-    expect_fatal(&w, &CallConfig::default(), ErrorCode::InvalidArgs, "register_kernel", |o, _| {
-        o.submit(Task::new(KernelId(999)))?;
-        Ok(())
-    });
+    expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "register_kernel",
+        |o, _| {
+            o.submit(Task::new(KernelId(999)))?;
+            Ok(())
+        },
+    );
     let stray = w.alloc(64).unwrap();
-    expect_fatal(&w, &CallConfig::default(), ErrorCode::InvalidArgs, "bind", move |o, _| {
-        let t = stray.tensor(DType::F32, &[16])?;
-        o.submit(Task::new(NOP).input(&t))?;
-        Ok(())
-    });
-    expect_fatal(&w, &CallConfig::default(), ErrorCode::InvalidArgs, "enclosing scope", |o, _| {
-        let out = o.scope(ScopeKind::Auto, |o| Ok(o.submit(Task::new(NOP).output(DType::F32, &[4]))?.output(0)))?;
-        o.submit(Task::new(NOP).input(&out))?;
-        Ok(())
-    });
+    expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "bind",
+        move |o, _| {
+            let t = stray.tensor(DType::F32, &[16])?;
+            o.submit(Task::new(NOP).input(&t))?;
+            Ok(())
+        },
+    );
+    expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "enclosing scope",
+        |o, _| {
+            let out = o.scope(ScopeKind::Auto, |o| {
+                Ok(o.submit(Task::new(NOP).output(DType::F32, &[4]))?.output(0))
+            })?;
+            o.submit(Task::new(NOP).input(&out))?;
+            Ok(())
+        },
+    );
     let b = w.alloc(64).unwrap();
-    let args = RunArgs { buffers: vec![b], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![b],
+        scalars: vec![],
+    };
     let r = w.run_fn("overlap", args, &CallConfig::default(), |o, a| {
         let t = o.bind(&a.buffers[0], DType::F32, &[16])?;
-        o.submit(Task::new(NOP).input(&t.slice(0, 0, 8)?).in_out(&t.slice(0, 4, 12)?))?;
+        o.submit(
+            Task::new(NOP)
+                .input(&t.slice(0, 0, 8)?)
+                .in_out(&t.slice(0, 4, 12)?),
+        )?;
         Ok(())
     });
     let msg = r.unwrap_err().to_string();
-    assert!(msg.contains("INVALID_ARGS") && msg.contains("overlap"), "{msg}");
+    assert!(
+        msg.contains("INVALID_ARGS") && msg.contains("overlap"),
+        "{msg}"
+    );
     assert_normal_job_works(&w);
 }
 
 #[test]
 fn require_sync_start_larger_than_the_cores() {
     let w = worker();
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::RequireSyncStartInvalid, "WorkerConfig.cores", |o, _| {
-        o.submit(Task::new(NOP).blocks(3).require_sync_start())?;
-        Ok(())
-    });
-    assert!(e.detail.contains("3 blocks") && e.detail.contains("only 2 cores"), "{e}");
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::RequireSyncStartInvalid,
+        "WorkerConfig.cores",
+        |o, _| {
+            o.submit(Task::new(NOP).blocks(3).require_sync_start())?;
+            Ok(())
+        },
+    );
+    assert!(
+        e.detail.contains("3 blocks") && e.detail.contains("only 2 cores"),
+        "{e}"
+    );
 }
 
 #[test]
 fn tensor_wait_timeout_names_the_producer() {
     let w = worker();
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::TensorWaitTimeout, "timeout", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            let out = o.submit(Task::new(SPIN_UNTIL_CANCELLED).output(DType::F32, &[4]))?.output(0);
-            o.get_tensor_data::<f32>(&out, Duration::from_millis(50))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::TensorWaitTimeout,
+        "timeout",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                let out = o
+                    .submit(Task::new(SPIN_UNTIL_CANCELLED).output(DType::F32, &[4]))?
+                    .output(0);
+                o.get_tensor_data::<f32>(&out, Duration::from_millis(50))?;
+                Ok(())
+            })
+        },
+    );
     assert!(e.detail.contains("spins"), "{e}");
     assert!(e.locator.task.is_some());
 }
@@ -295,11 +431,18 @@ fn tensor_wait_timeout_names_the_producer() {
 fn tensor_data_round_trips_through_the_orchestrator() {
     let w = worker();
     let buf = w.alloc(64).unwrap();
-    let args = RunArgs { buffers: vec![buf.clone()], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
     w.run_fn("data", args, &CallConfig::default(), |o, a| {
         let t = o.bind(&a.buffers[0], DType::F32, &[16])?;
         o.scope(ScopeKind::Auto, |o| {
-            o.set_tensor_data(&t.slice(0, 0, 4)?, &[1.0f32, 2.0, 3.0, 4.0], Duration::from_secs(5))?;
+            o.set_tensor_data(
+                &t.slice(0, 0, 4)?,
+                &[1.0f32, 2.0, 3.0, 4.0],
+                Duration::from_secs(5),
+            )?;
             o.submit(Task::new(INC).in_out(&t))?;
             let got = o.get_tensor_data::<f32>(&t.slice(0, 0, 4)?, Duration::from_secs(5))?;
             if got != [2.0, 3.0, 4.0, 5.0] {
@@ -315,23 +458,38 @@ fn tensor_data_round_trips_through_the_orchestrator() {
 #[test]
 fn explicit_orchestration_fatal() {
     let w = worker();
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::ExplicitOrchFatal, "orchestration", |o, _| {
-        Err(o.fatal("sequence 3 is longer than max_seq"))
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::ExplicitOrchFatal,
+        "orchestration",
+        |o, _| Err(o.fatal("sequence 3 is longer than max_seq")),
+    );
     assert!(e.detail.contains("sequence 3"), "{e}");
     // A panicking orchestration is reported the same way.
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::ExplicitOrchFatal, "orchestration", |_, _| {
-        panic!("oops")
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::ExplicitOrchFatal,
+        "orchestration",
+        |_, _| panic!("oops"),
+    );
     assert!(e.detail.contains("panicked: oops"), "{e}");
 }
 
 #[test]
 fn tensormap_overflow() {
     let w = worker();
-    let cfg = CallConfig { tensormap_capacity: 16, mode: OrchMode::Serial, ..CallConfig::default() };
+    let cfg = CallConfig {
+        tensormap_capacity: 16,
+        mode: OrchMode::Serial,
+        ..CallConfig::default()
+    };
     let b = w.alloc(4096).unwrap();
-    let args = RunArgs { buffers: vec![b], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![b],
+        scalars: vec![],
+    };
     let r = w.run_fn("map", args, &cfg, |o, a| {
         let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
         o.scope(ScopeKind::Auto, |o| {
@@ -341,7 +499,9 @@ fn tensormap_overflow() {
             Ok(())
         })
     });
-    let Err(Error::Run(e)) = r else { panic!("expected a run error, got {r:?}") };
+    let Err(Error::Run(e)) = r else {
+        panic!("expected a run error, got {r:?}")
+    };
     assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
     assert!(e.hint.contains("tensormap_capacity"), "{e}");
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
@@ -351,20 +511,32 @@ fn tensormap_overflow() {
 #[test]
 fn kernel_errors_and_panics_are_reported_with_task_and_core() {
     let w = worker();
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::KernelFailed, "kernel", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(FAIL))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::KernelFailed,
+        "kernel",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(FAIL))?;
+                Ok(())
+            })
+        },
+    );
     assert!(e.detail.contains("bad input row 3"), "{e}");
     assert!(e.locator.core.is_some() && e.locator.task.is_some());
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::KernelFailed, "kernel", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(PANIC))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::KernelFailed,
+        "kernel",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(PANIC))?;
+                Ok(())
+            })
+        },
+    );
     assert!(e.detail.contains("panicked: index out of range"), "{e}");
 }
 
@@ -379,12 +551,18 @@ fn short_timeouts() -> Timeouts {
 #[test]
 fn scheduler_timeout_s1_names_the_stuck_task() {
     let w = worker_with(2, Some(short_timeouts()));
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::SchedulerTimeout, "SIMPLER_SCHEDULER_TIMEOUT_MS", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(SPIN_UNTIL_CANCELLED))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::SchedulerTimeout,
+        "SIMPLER_SCHEDULER_TIMEOUT_MS",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(SPIN_UNTIL_CANCELLED))?;
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask));
     assert_eq!(e.locator.kernel.as_deref(), Some("spins"));
     assert!(e.locator.core.is_some());
@@ -395,54 +573,88 @@ fn scheduler_timeout_s5_when_the_orchestration_stalls() {
     let w = worker_with(2, Some(short_timeouts()));
     // The orchestration sleeps far longer than the watchdog allows: the error arrives without
     // waiting for it, and the worker gets a fresh orchestrator thread.
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::SchedulerTimeout, "orchestration function", |_, _| {
-        std::thread::sleep(Duration::from_secs(4));
-        Ok(())
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::SchedulerTimeout,
+        "orchestration function",
+        |_, _| {
+            std::thread::sleep(Duration::from_secs(4));
+            Ok(())
+        },
+    );
     assert_eq!(e.subclass, Some(SchedSubclass::S5OrchestratorStarved));
 }
 
 #[test]
 fn op_execute_timeout_while_other_tasks_progress() {
     let w = worker_with(2, Some(short_timeouts()));
-    let e = expect_fatal(&w, &CallConfig::default(), ErrorCode::OpExecuteTimeout, "SIMPLER_OP_EXECUTE_TIMEOUT_US", |o, _| {
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(STUCK))?;
-            for _ in 0..60 {
-                o.scope(ScopeKind::Auto, |o| {
-                    o.submit(Task::new(SLEEP_50MS))?;
-                    Ok(())
-                })?;
-            }
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::OpExecuteTimeout,
+        "SIMPLER_OP_EXECUTE_TIMEOUT_US",
+        |o, _| {
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(STUCK))?;
+                for _ in 0..60 {
+                    o.scope(ScopeKind::Auto, |o| {
+                        o.submit(Task::new(SLEEP_50MS))?;
+                        Ok(())
+                    })?;
+                }
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.locator.kernel.as_deref(), Some("stuck"));
 }
 
 #[test]
 fn stream_sync_timeout_for_a_run_that_is_too_long() {
     let w = worker_with(2, Some(short_timeouts()));
-    expect_fatal(&w, &CallConfig::default(), ErrorCode::StreamSyncTimeout, "SIMPLER_STREAM_SYNC_TIMEOUT_MS", |o, _| {
-        for _ in 0..200 {
-            o.scope(ScopeKind::Auto, |o| {
-                o.submit(Task::new(SLEEP_50MS))?;
-                Ok(())
-            })?;
-        }
-        Ok(())
-    });
+    expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::StreamSyncTimeout,
+        "SIMPLER_STREAM_SYNC_TIMEOUT_MS",
+        |o, _| {
+            for _ in 0..200 {
+                o.scope(ScopeKind::Auto, |o| {
+                    o.submit(Task::new(SLEEP_50MS))?;
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        },
+    );
 }
 
 #[test]
 fn worker_config_rejects_misordered_timeouts() {
-    let t = Timeouts { scheduler: Duration::from_secs(5), op_execute: Duration::from_secs(4), stream_sync: Duration::from_secs(50) };
-    match Worker::new(CpuPlatform::new(), WorkerConfig { cores: Some(1), timeouts: Some(t) }) {
+    let t = Timeouts {
+        scheduler: Duration::from_secs(5),
+        op_execute: Duration::from_secs(4),
+        stream_sync: Duration::from_secs(50),
+    };
+    match Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(1),
+            timeouts: Some(t),
+        },
+    ) {
         Err(Error::Config(e)) => assert_eq!(e.field, "WorkerConfig.timeouts"),
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("misordered timeouts accepted"),
     }
-    let cfg = CallConfig { runtime_env: RuntimeEnv { ring_task_window: RingValue::All(6), ..RuntimeEnv::default() }, ..CallConfig::default() };
+    let cfg = CallConfig {
+        runtime_env: RuntimeEnv {
+            ring_task_window: RingValue::All(6),
+            ..RuntimeEnv::default()
+        },
+        ..CallConfig::default()
+    };
     let w = worker();
     match w.run_fn("x", RunArgs::default(), &cfg, |_, _| Ok(())) {
         Err(Error::Config(e)) => assert_eq!(e.field, "CallConfig.runtime_env.ring_task_window"),
@@ -461,18 +673,27 @@ fn backstop_fires_when_nothing_progresses_without_a_proof() {
     // Window of 4 slots (3 in flight). A's completion makes B ready, and B's dispatch predicate
     // blocks the core for 900 ms: nothing completes and no kernel runs. The orchestrator then
     // waits on a head task (A) whose scope has ended — not a proof — and the backstop fires.
-    let e = expect_fatal(&w, &tight(4, 1 << 20, 64), ErrorCode::FlowControlDeadlock, "ring_task_window", |o, _| {
-        let b = o.scope(ScopeKind::Auto, |o| {
-            let a = o.submit(Task::new(NOP))?.id;
-            Ok(o.submit(Task::new(NOP).after(a).predicate(sleepy_predicate))?.id)
-        })?;
-        o.scope(ScopeKind::Auto, |o| {
-            o.submit(Task::new(NOP).after(b))?;
-            o.submit(Task::new(NOP))?;
-            o.submit(Task::new(NOP))?;
-            Ok(())
-        })
-    });
+    let e = expect_fatal(
+        &w,
+        &tight(4, 1 << 20, 64),
+        ErrorCode::FlowControlDeadlock,
+        "ring_task_window",
+        |o, _| {
+            let b = o.scope(ScopeKind::Auto, |o| {
+                let a = o.submit(Task::new(NOP))?.id;
+                Ok(
+                    o.submit(Task::new(NOP).after(a).predicate(sleepy_predicate))?
+                        .id,
+                )
+            })?;
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(NOP).after(b))?;
+                o.submit(Task::new(NOP))?;
+                o.submit(Task::new(NOP))?;
+                Ok(())
+            })
+        },
+    );
     assert_eq!(e.diagnosis, Some(Diagnosis::Backstop), "{e}");
     assert!(e.to_string().contains("not a proof"), "{e}");
 }

@@ -11,7 +11,14 @@ const MOVE: KernelId = KernelId(3);
 
 #[test]
 fn a_million_tasks_through_small_rings_reclaim_everything() {
-    let w = Worker::new(CpuPlatform::new(), WorkerConfig { cores: Some(2), timeouts: None }).unwrap();
+    let w = Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .unwrap();
     // acc[i] += 1 (InOut chain per slot).
     w.register_kernel(KernelSpec::new(ADD, "add", EngineClass::Vector, |ctx| {
         for v in ctx.write::<u64>(0)? {
@@ -21,13 +28,18 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
     }))
     .unwrap();
     // out = in + 1 (into a fresh output, or into an existing tensor).
-    w.register_kernel(KernelSpec::new(COPY_ADD, "copy_add", EngineClass::Cube, |ctx| {
-        let x = ctx.read::<u64>(0)?.to_vec();
-        for (o, v) in ctx.write::<u64>(1)?.iter_mut().zip(x) {
-            *o = v + 1;
-        }
-        Ok(())
-    }))
+    w.register_kernel(KernelSpec::new(
+        COPY_ADD,
+        "copy_add",
+        EngineClass::Cube,
+        |ctx| {
+            let x = ctx.read::<u64>(0)?.to_vec();
+            for (o, v) in ctx.write::<u64>(1)?.iter_mut().zip(x) {
+                *o = v + 1;
+            }
+            Ok(())
+        },
+    ))
     .unwrap();
     w.register_kernel(KernelSpec::new(MOVE, "move", EngineClass::Vector, |ctx| {
         let x = ctx.read::<u64>(0)?.to_vec();
@@ -46,7 +58,10 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
         },
         ..CallConfig::default()
     };
-    let args = RunArgs { buffers: vec![acc.clone()], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![acc.clone()],
+        scalars: vec![],
+    };
     let report = w
         .run_fn("stress", args, &cfg, |o, a| {
             let acc = o.bind(&a.buffers[0], DType::U64, &[SLOTS])?;
@@ -58,8 +73,14 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
                         // out = slot + 1 in a fresh output; slot = out (after the read of
                         // slot: write-after-read is ordered explicitly); slot += 1 twice, once
                         // behind a dummy. Net +3 per half round.
-                        let copy = o.submit(Task::new(COPY_ADD).input(&slot).output(DType::U64, &[1]))?;
-                        o.submit(Task::new(MOVE).input(&copy.output(0)).in_out(&slot).after(copy.id))?;
+                        let copy =
+                            o.submit(Task::new(COPY_ADD).input(&slot).output(DType::U64, &[1]))?;
+                        o.submit(
+                            Task::new(MOVE)
+                                .input(&copy.output(0))
+                                .in_out(&slot)
+                                .after(copy.id),
+                        )?;
                         o.submit(Task::new(ADD).in_out(&slot))?;
                         let gate = o.submit(Task::dummy().in_out(&slot))?.id;
                         o.submit(Task::new(ADD).in_out(&slot).after(gate))?;
@@ -70,13 +91,25 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
             Ok(())
         })
         .unwrap();
-    assert!(report.counters.tasks >= 1_000_000, "{} tasks", report.counters.tasks);
+    assert!(
+        report.counters.tasks >= 1_000_000,
+        "{} tasks",
+        report.counters.tasks
+    );
     let total: u64 = acc.read::<u64>().unwrap().iter().sum();
     assert_eq!(total, ROUNDS * 2 * 3);
     for r in &report.ring_final {
-        assert_eq!((r.window, r.heap, r.dep_pool), (0, 0, 0), "ring {} not reclaimed: {r:?}", r.ring);
+        assert_eq!(
+            (r.window, r.heap, r.dep_pool),
+            (0, 0, 0),
+            "ring {} not reclaimed: {r:?}",
+            r.ring
+        );
     }
     assert!(report.ring_final[1].tasks >= 1_000_000);
     assert_eq!(report.tensormap_final, 0);
-    assert!(report.counters.ring_waits > 0, "small rings should have applied back-pressure");
+    assert!(
+        report.counters.ring_waits > 0,
+        "small rings should have applied back-pressure"
+    );
 }
