@@ -4,10 +4,13 @@
 use anyhow::Result;
 use clap::Args;
 use simpler_core::{
-    CallConfig, EngineClass, KernelId, KernelSpec, OrchMode, RingValue, RunReport, RuntimeEnv, ScopeKind, Task,
-    TaskId,
+    CallConfig, EngineClass, KernelId, KernelSpec, OrchMode, RingValue, RunReport, RuntimeEnv,
+    ScopeKind, Task, TaskId, Worker,
 };
-use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_dfx::bench_stats::{
+    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
+    run_interleaved,
+};
 
 use crate::opts::RunOpts;
 
@@ -34,6 +37,11 @@ pub(crate) struct BenchRuntimeArgs {
     /// Measured rounds.
     #[arg(long, default_value_t = 10)]
     rounds: usize,
+    /// Also run the throughput benchmark with these options as variant B (e.g. "--cores 1" or
+    /// "--swimlane 2 --output-dir /tmp/b"), interleaved A B B A ... with A (the options above),
+    /// and report the ratio B/A with its interval.
+    #[arg(long, value_name = "OPTIONS", allow_hyphen_values = true)]
+    compare: Option<String>,
     #[command(flatten)]
     run: RunOpts,
 }
@@ -48,33 +56,40 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
 
 pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     let w = args.run.worker()?;
-    w.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| Ok(())))?;
+    w.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
+        Ok(())
+    }))?;
     let base = args.run.call_config("bench-runtime")?;
     let cores = w.cores();
-    println!("simpler bench runtime: {cores} cores (CPU threads), {} warm-up + {} measured rounds", args.warmup, args.rounds);
+    println!(
+        "simpler bench runtime: {cores} cores (CPU threads), {} warm-up + {} measured rounds",
+        args.warmup, args.rounds
+    );
     println!("{}", format_diagnostics(&Diagnostics::of(&base)));
 
     // 1. Throughput of independent empty tasks, orchestration overlapped with execution.
     let (n, per_scope) = (args.tasks, args.scope.max(1));
-    let throughput = |cfg: &CallConfig| -> Result<RunReport> {
-        Ok(w.run_fn("bench.throughput", Default::default(), cfg, move |o, _| {
-            let mut left = n;
-            while left > 0 {
-                let k = left.min(per_scope);
-                o.scope(ScopeKind::Auto, |o| {
-                    for _ in 0..k {
-                        o.submit(Task::new(EMPTY))?;
-                    }
-                    Ok(())
-                })?;
-                left -= k;
-            }
-            Ok(())
-        })?)
+    let throughput = |w: &Worker, cfg: &CallConfig| -> Result<RunReport> {
+        Ok(
+            w.run_fn("bench.throughput", Default::default(), cfg, move |o, _| {
+                let mut left = n;
+                while left > 0 {
+                    let k = left.min(per_scope);
+                    o.scope(ScopeKind::Auto, |o| {
+                        for _ in 0..k {
+                            o.submit(Task::new(EMPTY))?;
+                        }
+                        Ok(())
+                    })?;
+                    left -= k;
+                }
+                Ok(())
+            })?,
+        )
     };
     let mut last = None;
     let s = rounds(&args, || {
-        let r = throughput(&base)?;
+        let r = throughput(&w, &base)?;
         let v = n as f64 / (r.effective().dur_ns() as f64 / 1e9);
         last = Some(r);
         Ok(v)
@@ -94,17 +109,67 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     // Serial mode splits the same work into submit cost and execution cost.
     let serial = CallConfig {
         mode: OrchMode::Serial,
-        runtime_env: RuntimeEnv { ring_task_window: RingValue::All(1 << 20), ring_dep_pool: RingValue::All(1 << 20), ..base.runtime_env },
+        runtime_env: RuntimeEnv {
+            ring_task_window: RingValue::All(1 << 20),
+            ring_dep_pool: RingValue::All(1 << 20),
+            ..base.runtime_env
+        },
         ..base.clone()
     };
     let mut orch_rate = Vec::new();
     let exec = rounds(&args, || {
-        let r = throughput(&serial)?;
+        let r = throughput(&w, &serial)?;
         orch_rate.push(n as f64 / (r.orch.dur_ns() as f64 / 1e9));
         Ok(n as f64 / (r.post_orch.dur_ns() as f64 / 1e9))
     })?;
     let orch = Summary::after_warmup(&orch_rate, args.warmup);
-    println!("  serial split: submit {:.2} M tasks/s (orchestrator alone), execute {:.2} M tasks/s (cores alone)", orch.median / 1e6, exec.median / 1e6);
+    println!(
+        "  serial split: submit {:.2} M tasks/s (orchestrator alone), execute {:.2} M tasks/s (cores alone)",
+        orch.median / 1e6,
+        exec.median / 1e6
+    );
+
+    if let Some(b_opts) = &args.compare {
+        #[derive(clap::Parser)]
+        struct VariantB {
+            #[command(flatten)]
+            run: RunOpts,
+        }
+        let words = std::iter::once("B").chain(b_opts.split_whitespace());
+        let b = <VariantB as clap::Parser>::try_parse_from(words)
+            .map_err(|e| anyhow::anyhow!("--compare {b_opts:?}: {e}"))?
+            .run;
+        let wb = b.worker()?;
+        wb.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
+            Ok(())
+        }))?;
+        let cfg_b = b.call_config("bench-runtime-b")?;
+        let failure = std::cell::RefCell::new(None);
+        let measure = |w: &Worker, cfg: &CallConfig| match throughput(w, cfg) {
+            Ok(r) => n as f64 / (r.effective().dur_ns() as f64 / 1e9),
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(e);
+                f64::NAN
+            }
+        };
+        let pairs = run_interleaved(
+            args.rounds,
+            args.warmup,
+            || measure(&w, &base),
+            || measure(&wb, &cfg_b),
+        );
+        if let Some(e) = failure.into_inner() {
+            return Err(e);
+        }
+        println!(
+            "\n[compare] throughput, A = the options above, B = {b_opts:?}, interleaved A B B A ..."
+        );
+        println!("{}", format_diagnostics(&Diagnostics::of(&cfg_b)));
+        println!(
+            "{}",
+            format_compare("tasks_per_s", "A", "B", &compare(&pairs.a, &pairs.b))
+        );
+    }
 
     // 2. Dependent chain: each task waits for the previous one; serial mode so that only the
     //    hand-off from completion to the next start is timed.
@@ -128,7 +193,11 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     })?;
     println!("\n[chain] {hops} dependent empty tasks (explicit dependencies), execution only");
     println!("{}", format_summary("us_per_hop", &chain, args.warmup));
-    println!("  median {:.3} us per hop; target <= 5 us: {:.1}% of the budget", chain.median, chain.median / 5.0 * 100.0);
+    println!(
+        "  median {:.3} us per hop; target <= 5 us: {:.1}% of the budget",
+        chain.median,
+        chain.median / 5.0 * 100.0
+    );
 
     // 3. SPMD: one task of many blocks.
     let blocks = args.blocks;
