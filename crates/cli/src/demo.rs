@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use simpler_core::{
-    DType, EngineClass, KernelError, KernelId, KernelSpec, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskCtx,
-    Worker,
+    DType, EngineClass, KernelError, KernelId, KernelSpec, Orchestrator, RunArgs, RunError,
+    ScopeKind, Task, TaskCtx, Worker,
 };
 
 const ZERO: KernelId = KernelId(100);
@@ -30,7 +30,9 @@ fn gelu(x: f32) -> f32 {
 }
 
 fn zero(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    ctx.write_rows::<f32>(0)?.iter_mut().for_each(|r| r.fill(0.0));
+    ctx.write_rows::<f32>(0)?
+        .iter_mut()
+        .for_each(|r| r.fill(0.0));
     Ok(())
 }
 
@@ -94,10 +96,30 @@ fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 /// Registers the demo's kernels and its orchestration (`demo`).
 pub(crate) fn register(w: &Worker, shape: DemoShape) -> Result<()> {
     w.register_kernel(KernelSpec::new(ZERO, "zero_f32", EngineClass::Vector, zero))?;
-    w.register_kernel(KernelSpec::new(MATMUL_ACC, "matmul_acc_f32", EngineClass::Cube, matmul_acc))?;
-    w.register_kernel(KernelSpec::new(BIAS_GELU, "bias_gelu_f32", EngineClass::Vector, bias_gelu))?;
-    w.register_kernel(KernelSpec::new(COLSUM, "colsum_f32", EngineClass::Vector, colsum))?;
-    w.register_kernel(KernelSpec::new(REDUCE, "reduce_f32", EngineClass::Vector, reduce))?;
+    w.register_kernel(KernelSpec::new(
+        MATMUL_ACC,
+        "matmul_acc_f32",
+        EngineClass::Cube,
+        matmul_acc,
+    ))?;
+    w.register_kernel(KernelSpec::new(
+        BIAS_GELU,
+        "bias_gelu_f32",
+        EngineClass::Vector,
+        bias_gelu,
+    ))?;
+    w.register_kernel(KernelSpec::new(
+        COLSUM,
+        "colsum_f32",
+        EngineClass::Vector,
+        colsum,
+    ))?;
+    w.register_kernel(KernelSpec::new(
+        REDUCE,
+        "reduce_f32",
+        EngineClass::Vector,
+        reduce,
+    ))?;
     w.register_orchestration("demo", move |o, a| orchestrate(o, a, shape))?;
     Ok(())
 }
@@ -118,12 +140,23 @@ fn orchestrate(o: &mut Orchestrator, args: &RunArgs, s: DemoShape) -> Result<(),
                 let c = acc.slice(1, nt * tile, (nt + 1) * tile)?;
                 o.submit(Task::new(ZERO).output_existing(&c))?;
                 for kt in 0..k / tile {
-                    let at = a.slice(0, mt * tile, (mt + 1) * tile).and_then(|t| t.slice(1, kt * tile, (kt + 1) * tile));
-                    let bt = b.slice(0, kt * tile, (kt + 1) * tile).and_then(|t| t.slice(1, nt * tile, (nt + 1) * tile));
+                    let at = a
+                        .slice(0, mt * tile, (mt + 1) * tile)
+                        .and_then(|t| t.slice(1, kt * tile, (kt + 1) * tile));
+                    let bt = b
+                        .slice(0, kt * tile, (kt + 1) * tile)
+                        .and_then(|t| t.slice(1, nt * tile, (nt + 1) * tile));
                     o.submit(Task::new(MATMUL_ACC).input(&at?).input(&bt?).in_out(&c))?;
                 }
             }
-            let y = o.submit(Task::new(BIAS_GELU).input(&acc).input(&bias).output(DType::F32, &[tile, n]))?.output(0);
+            let y = o
+                .submit(
+                    Task::new(BIAS_GELU)
+                        .input(&acc)
+                        .input(&bias)
+                        .output(DType::F32, &[tile, n]),
+                )?
+                .output(0);
             let row = partials.slice(0, mt, mt + 1)?;
             o.submit(Task::new(COLSUM).input(&y).output_existing(&row))?;
             Ok(())
@@ -168,7 +201,7 @@ pub(crate) fn reference(s: DemoShape, a: &[f32], b: &[f32], bias: &[f32]) -> Vec
 
 /// Creates the buffers of a demo run.
 pub(crate) fn run_args(w: &Worker, s: DemoShape) -> Result<(RunArgs, Arc<Vec<f32>>)> {
-    if s.tile == 0 || s.m % s.tile != 0 || s.k % s.tile != 0 || s.n % s.tile != 0 {
+    if s.tile == 0 || ![s.m, s.k, s.n].iter().all(|d| d.is_multiple_of(s.tile)) {
         bail!("--m, --k and --n must be multiples of --tile ({})", s.tile);
     }
     let (a, b, bias) = inputs(s);
@@ -180,12 +213,21 @@ pub(crate) fn run_args(w: &Worker, s: DemoShape) -> Result<(RunArgs, Arc<Vec<f32
         w.alloc((s.m / s.tile * s.n * 4) as usize)?,
         w.alloc((s.n * 4) as usize)?,
     ];
-    Ok((RunArgs { buffers, scalars: vec![] }, expect))
+    Ok((
+        RunArgs {
+            buffers,
+            scalars: vec![],
+        },
+        expect,
+    ))
 }
 
 /// Largest |got - expect| relative to max(1, |expect|).
 pub(crate) fn max_rel_error(got: &[f32], expect: &[f32]) -> f32 {
-    got.iter().zip(expect).map(|(g, e)| (g - e).abs() / e.abs().max(1.0)).fold(0.0, f32::max)
+    got.iter()
+        .zip(expect)
+        .map(|(g, e)| (g - e).abs() / e.abs().max(1.0))
+        .fold(0.0, f32::max)
 }
 
 #[cfg(test)]
@@ -194,8 +236,20 @@ mod tests {
     use simpler_core::{CallConfig, RingValue, RuntimeEnv, WorkerConfig};
 
     fn check(cores: usize, cfg: CallConfig) {
-        let s = DemoShape { m: 128, k: 64, n: 96, tile: 32 };
-        let w = Worker::new(simpler_cpu::CpuPlatform::new(), WorkerConfig { cores: Some(cores), timeouts: None }).unwrap();
+        let s = DemoShape {
+            m: 128,
+            k: 64,
+            n: 96,
+            tile: 32,
+        };
+        let w = Worker::new(
+            simpler_cpu::CpuPlatform::new(),
+            WorkerConfig {
+                cores: Some(cores),
+                timeouts: None,
+            },
+        )
+        .unwrap();
         register(&w, s).unwrap();
         let (args, expect) = run_args(&w, s).unwrap();
         let out = args.buffers[4].clone();
@@ -207,23 +261,50 @@ mod tests {
     #[test]
     fn demo_matches_the_reference() {
         check(2, CallConfig::default());
-        check(1, CallConfig { mode: simpler_core::OrchMode::Serial, ..CallConfig::default() });
+        check(
+            1,
+            CallConfig {
+                mode: simpler_core::OrchMode::Serial,
+                ..CallConfig::default()
+            },
+        );
         let tiny = RuntimeEnv {
             ring_task_window: RingValue::All(16),
             ring_heap: RingValue::All(64 << 10),
             ring_dep_pool: RingValue::All(64),
         };
-        check(3, CallConfig { runtime_env: tiny, ..CallConfig::default() });
+        check(
+            3,
+            CallConfig {
+                runtime_env: tiny,
+                ..CallConfig::default()
+            },
+        );
     }
 
     #[test]
     fn a_tiny_heap_gives_a_proven_heap_deadlock() {
-        let s = DemoShape { m: 64, k: 32, n: 64, tile: 32 };
-        let w = Worker::new(simpler_cpu::CpuPlatform::new(), WorkerConfig { cores: Some(2), timeouts: None }).unwrap();
+        let s = DemoShape {
+            m: 64,
+            k: 32,
+            n: 64,
+            tile: 32,
+        };
+        let w = Worker::new(
+            simpler_cpu::CpuPlatform::new(),
+            WorkerConfig {
+                cores: Some(2),
+                timeouts: None,
+            },
+        )
+        .unwrap();
         register(&w, s).unwrap();
         let (args, _) = run_args(&w, s).unwrap();
         let cfg = CallConfig {
-            runtime_env: RuntimeEnv { ring_heap: RingValue::All(4096), ..RuntimeEnv::default() },
+            runtime_env: RuntimeEnv {
+                ring_heap: RingValue::All(4096),
+                ..RuntimeEnv::default()
+            },
             ..CallConfig::default()
         };
         let e = w.run("demo", args, &cfg).unwrap_err().to_string();
