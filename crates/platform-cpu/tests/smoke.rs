@@ -111,3 +111,90 @@ fn outputs_flow_through_scopes_and_spmd_blocks() {
         assert_eq!(*v, i as f32 * 6.0);
     }
 }
+
+#[test]
+fn runs_can_be_submitted_polled_and_queued() {
+    let w = worker(2);
+    let buf = w.buffer_from(&[0.0f32; 8]).unwrap();
+    w.register_orchestration("inc", |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[8])?;
+        o.scope(ScopeKind::Auto, |o| {
+            for _ in 0..a.scalars[0] {
+                o.submit(Task::new(ADD_ONE).in_out(&t))?;
+            }
+            Ok(())
+        })
+    })
+    .unwrap();
+    let args = RunArgs { buffers: vec![buf.clone()], scalars: vec![1000] };
+    let mut first = w.submit("inc", args.clone(), &CallConfig::default()).unwrap();
+    // While the run holds the buffer, host access is refused instead of racing.
+    let during = buf.read::<f32>();
+    let second = w.submit("inc", args, &CallConfig::default()).unwrap();
+    let r2 = second.wait().unwrap();
+    let r1 = loop {
+        if let Some(r) = first.poll() {
+            break r.unwrap();
+        }
+        std::thread::yield_now();
+    };
+    assert!(r2.inv > r1.inv, "runs execute in submission order");
+    assert_eq!(buf.read::<f32>().unwrap(), vec![2000.0; 8]);
+    if let Err(e) = during {
+        assert!(matches!(e, BufferError::InUse { .. }), "{e}");
+    }
+    // Registration errors and unknown names are reported, not panicked.
+    assert!(matches!(
+        w.register_kernel(KernelSpec::new(ADD_ONE, "again", EngineClass::Vector, |_| Ok(()))),
+        Err(Error::Registry(_))
+    ));
+    assert!(matches!(w.register_orchestration("inc", |_, _| Ok(())), Err(Error::Registry(_))));
+    match w.run("nope", RunArgs::default(), &CallConfig::default()) {
+        Err(Error::UnknownOrchestration { name, known }) => {
+            assert_eq!(name, "nope");
+            assert_eq!(known, "inc");
+        }
+        other => panic!("{other:?}"),
+    }
+    w.close().unwrap();
+}
+
+#[test]
+fn sync_start_blocks_meet_at_the_barrier_and_predicates_skip() {
+    const GANG: KernelId = KernelId(9);
+    let w = worker(3);
+    // Every block announces itself, meets the others at the barrier, and then must see all of
+    // them announced: only possible if the blocks really run at the same time.
+    static ARRIVED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    w.register_kernel(KernelSpec::new(GANG, "gang", EngineClass::Mix, |ctx| {
+        ARRIVED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ctx.sync_barrier()?;
+        let seen = ARRIVED.load(std::sync::atomic::Ordering::SeqCst);
+        if seen != ctx.block_num() {
+            return Err(KernelError::new(format!("block {} saw {seen} arrivals", ctx.block_idx())));
+        }
+        ctx.write_chunk::<u32>(0, 1)?[0] = ctx.block_idx() as u32 + 1;
+        Ok(())
+    }))
+    .unwrap();
+    fn never(_: &TaskCtx<'_>) -> bool {
+        false
+    }
+    let buf = w.alloc(12).unwrap();
+    let flag = w.buffer_from(&[5.0f32; 4]).unwrap();
+    let args = RunArgs { buffers: vec![buf.clone(), flag.clone()], scalars: vec![] };
+    let r = w
+        .run_fn("gang", args, &CallConfig::default(), |o, a| {
+            let t = o.bind(&a.buffers[0], DType::U32, &[3])?;
+            let f = o.bind(&a.buffers[1], DType::F32, &[4])?;
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(GANG).output_existing(&t).blocks(3).require_sync_start())?;
+                o.submit(Task::new(ADD_ONE).in_out(&f).predicate(never))?;
+                Ok(())
+            })
+        })
+        .unwrap();
+    assert_eq!(buf.read::<u32>().unwrap(), vec![1, 2, 3]);
+    assert_eq!(flag.read::<f32>().unwrap(), vec![5.0; 4], "the skipped task must not run");
+    assert_eq!(r.counters.skipped, 1);
+}
