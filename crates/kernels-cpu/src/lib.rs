@@ -22,7 +22,8 @@ mod simd;
 
 pub use attention::{
     PagedKv, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
-    decode_attention_partial_bf16, partial_len, prefill_attention_bf16, split_range,
+    decode_attention_partial_bf16, partial_len, prefill_attention_bf16, prefill_attention_rows_f32,
+    split_range,
 };
 pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
 pub use elementwise::{
@@ -35,5 +36,6 @@ pub use gemm::{
 pub use isa::{Isa, with_isa};
 pub use norm::{
     head_rms_norm_f32, rms_norm_bf16, rms_norm_deferred_bf16, rms_norm_deferred_packed,
+    rms_norm_packed,
 };
 pub use rope::{qk_norm_rope_bf16, rope_neox_f32};

@@ -76,6 +76,36 @@ multiversion! {
 }
 
 multiversion! {
+    /// Ordinary RMSNorm written straight into packed GEMM activations: `bf16(x * r * g)` per
+    /// element (the prefill and final-norm form), in the `crate::gemm` packed layout
+    /// ([`crate::packed_len`]`(rows, g.len())` floats; padding zeroed).
+    ///
+    /// # Panics
+    /// If `x.len()` is not a multiple of `g.len()` or `packed` is not `packed_len(rows, g.len())`.
+    pub fn rms_norm_packed(x: &[f32], g: &[f32], eps: f32, packed: &mut [f32]) {
+        let h = g.len().max(1);
+        let ld = packed_ld(g.len());
+        assert_eq!(x.len() % h, 0, "rms_norm_packed: x len");
+        assert_eq!(packed.len(), x.len() / h * ld, "rms_norm_packed: packed len");
+        let full = g.len() / PACK_BLOCK * PACK_BLOCK;
+        for (xr, pr) in x.chunks_exact(h).zip(packed.chunks_exact_mut(ld)) {
+            let r = inv_rms(xr, eps);
+            for (blk, (xb, gb)) in xr[..full].chunks_exact(PACK_BLOCK).zip(g[..full].chunks_exact(PACK_BLOCK)).enumerate() {
+                let pb = &mut pr[blk * PACK_BLOCK..(blk + 1) * PACK_BLOCK];
+                for i in 0..PACK_BLOCK / 2 {
+                    pb[i] = f32_to_bf16(xb[2 * i] * r * gb[2 * i]).to_f32();
+                    pb[PACK_BLOCK / 2 + i] = f32_to_bf16(xb[2 * i + 1] * r * gb[2 * i + 1]).to_f32();
+                }
+            }
+            for k in full..g.len() {
+                pr[pack_index(k, g.len())] = f32_to_bf16(xr[k] * r * g[k]).to_f32();
+            }
+            pr[g.len()..].fill(0.0);
+        }
+    }
+}
+
+multiversion! {
     /// Ordinary RMSNorm over rows of `g.len()`: `out = bf16(x * r * g)`.
     ///
     /// # Panics

@@ -22,7 +22,7 @@ use crate::multiversion::multiversion;
 mod core;
 mod prefill;
 
-pub use prefill::{PrefillSeq, prefill_attention_bf16};
+pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
 /// One layer's paged K and V pools.
 #[derive(Clone, Copy, Debug)]

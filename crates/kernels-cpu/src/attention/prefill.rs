@@ -103,3 +103,58 @@ pub fn prefill_attention_bf16(
         }
     }
 }
+
+/// Causal attention of a block of query rows of one sequence, for the runtime's per-task
+/// tiles: row `i` is the token at position `first_pos + i` and attends to tokens
+/// `0..=first_pos + i` (their K/V already in the pool). `q` holds the group's query heads of
+/// each row, widened: `[n_rows, group, head_dim]` fp32 (query head `kv_head * group + j` at
+/// `[i, j]`); `out` (same shape) gets the normalised `softmax · V`, unrounded.
+///
+/// # Panics
+/// If `q` is not a whole number of rows, `out.len() != q.len()`, or a page is outside
+/// `block_table` or the pool.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_rows_f32(
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    kv.check();
+    let hd = kv.head_dim;
+    let per_row = group * hd;
+    assert!(
+        per_row > 0 && q.len().is_multiple_of(per_row),
+        "prefill rows: q len {} not a multiple of {per_row}",
+        q.len()
+    );
+    assert_eq!(out.len(), q.len(), "prefill rows: out len");
+    assert!(kv_head < kv.kv_heads, "prefill rows: kv head {kv_head}");
+    let n_rows = q.len() / per_row;
+    let nq = n_rows * group;
+    let limits: Vec<usize> = (0..nq).map(|qi| first_pos + qi / group + 1).collect();
+    let mut m = vec![f32::NEG_INFINITY; nq];
+    let mut l = vec![0.0f32; nq];
+    out.fill(0.0);
+    core::attend(
+        q,
+        nq,
+        kv,
+        block_table,
+        kv_head,
+        0..first_pos + n_rows,
+        &limits,
+        scale,
+        &mut m,
+        &mut l,
+        out,
+    );
+    for (o, &lq) in out.chunks_exact_mut(hd).zip(&l) {
+        let inv = if lq > 0.0 { 1.0 / lq } else { 0.0 };
+        o.iter_mut().for_each(|v| *v *= inv);
+    }
+}

@@ -10,6 +10,11 @@ pub mod checkpoint;
 pub mod config;
 pub mod fixture;
 pub mod golden;
+pub mod ops;
+mod orchestrate;
+pub mod plan;
+pub mod resident;
+pub mod runner;
 pub mod weights;
 
 pub use checkpoint::{
@@ -17,4 +22,7 @@ pub use checkpoint::{
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use fixture::{Fixture, FixtureOptions, generate_fixture, generate_weights};
+pub use plan::TilePolicy;
+pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
+pub use runner::{LayersOutput, Session, StepOutput};
 pub use weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};

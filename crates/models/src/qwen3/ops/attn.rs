@@ -1,0 +1,236 @@
+//! Attention-side kernels: the q/k norm + RoPE epilogue that also writes K/V into the paged
+//! cache, split-KV decode attention with its combine, and chunked causal prefill attention.
+
+use half::bf16;
+use simpler_core::{KernelError, TaskCtx};
+use simpler_kernels_cpu as k;
+use simpler_kernels_cpu::{PagedKv, f32_to_bf16, partial_len};
+
+use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
+
+pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "qk_norm_rope_kv_bf16";
+    let eps = ctx.scalar_f32(0)?;
+    let (n, qw) = dims2(ctx, 0)?;
+    let (nk, kvw) = dims2(ctx, 1)?;
+    let q = ctx.read::<f32>(0)?;
+    let kx = ctx.read::<f32>(1)?;
+    let v = ctx.read::<f32>(2)?;
+    let qn = ctx.read::<f32>(3)?;
+    let kn = ctx.read::<f32>(4)?;
+    let cos = ctx.read::<f32>(5)?;
+    let sin = ctx.read::<f32>(6)?;
+    let d = qn.len();
+    let shapes_ok = nk == n
+        && v.len() == n * kvw
+        && kn.len() == d
+        && d > 0
+        && qw.is_multiple_of(d)
+        && kvw.is_multiple_of(d)
+        && cos.len() == n * d
+        && sin.len() == n * d;
+    if !shapes_ok {
+        return Err(bad(
+            NAME,
+            format!(
+                "inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}, tables {}",
+                cos.len()
+            ),
+        ));
+    }
+    let qo = ctx.write::<bf16>(7)?;
+    let ko = ctx.write::<bf16>(8)?;
+    let vo = ctx.write::<bf16>(9)?;
+    if qo.len() != n * qw || ko.len() != n * kvw || vo.len() != n * kvw {
+        return Err(bad(NAME, "output rows do not match the inputs"));
+    }
+    with_scratch(qw.max(kvw), |s| {
+        for t in 0..n {
+            let (c, sn) = (&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]);
+            s[..qw].copy_from_slice(&q[t * qw..(t + 1) * qw]);
+            k::qk_norm_rope_bf16(&mut s[..qw], qn, eps, c, sn, &mut qo[t * qw..(t + 1) * qw]);
+            s[..kvw].copy_from_slice(&kx[t * kvw..(t + 1) * kvw]);
+            k::qk_norm_rope_bf16(
+                &mut s[..kvw],
+                kn,
+                eps,
+                c,
+                sn,
+                &mut ko[t * kvw..(t + 1) * kvw],
+            );
+            k::cast_f32_bf16(&v[t * kvw..(t + 1) * kvw], &mut vo[t * kvw..(t + 1) * kvw]);
+        }
+    });
+    Ok(())
+}
+
+/// The K/V pools (arguments 1 and 2) and the block-table row (argument 3), checked to cover
+/// tokens `0..tokens`.
+fn paged<'a>(
+    ctx: &'a TaskCtx<'_>,
+    head_dim: usize,
+    page_size: usize,
+    tokens: usize,
+    name: &str,
+) -> Result<(PagedKv<'a>, &'a [u32]), KernelError> {
+    let (slots, row) = dims2(ctx, 1)?;
+    let kp = ctx.read::<bf16>(1)?;
+    let vp = ctx.read::<bf16>(2)?;
+    let table = ctx.read::<u32>(3)?;
+    if head_dim == 0 || page_size == 0 || !row.is_multiple_of(head_dim) || kp.len() != vp.len() {
+        return Err(bad(
+            name,
+            format!("pools of rows {row} for head_dim {head_dim}, page {page_size}"),
+        ));
+    }
+    let blocks = tokens.div_ceil(page_size);
+    if blocks > table.len() {
+        return Err(bad(
+            name,
+            format!(
+                "{tokens} tokens need {blocks} blocks, the table has {}",
+                table.len()
+            ),
+        ));
+    }
+    if let Some(&p) = table[..blocks]
+        .iter()
+        .find(|&&p| (p as usize + 1) * page_size > slots)
+    {
+        return Err(bad(
+            name,
+            format!("page {p} outside the pool of {slots} slots"),
+        ));
+    }
+    let kv = PagedKv {
+        k: kp,
+        v: vp,
+        kv_heads: row / head_dim,
+        head_dim,
+        page_size,
+    };
+    Ok((kv, table))
+}
+
+pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "attention_decode_bf16";
+    let kv_head = ctx.scalar_usize(0)?;
+    let (t0, t1) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
+    let is_final = ctx.scalar(3)? != 0;
+    let scale = ctx.scalar_f32(4)?;
+    let page = ctx.scalar_usize(5)?;
+    let (c0, nq) = (ctx.scalar_usize(6)?, ctx.scalar_usize(7)?);
+    let d = ctx.scalar_usize(8)?;
+    let q = ctx.read::<bf16>(0)?;
+    let (kv, table) = paged(ctx, d, page, t1, NAME)?;
+    if q.len() != nq || kv_head >= kv.kv_heads || !nq.is_multiple_of(kv.row()) || t0 > t1 {
+        return Err(bad(
+            NAME,
+            format!(
+                "query of {} for {} KV heads, head {kv_head}",
+                q.len(),
+                kv.kv_heads
+            ),
+        ));
+    }
+    let group = nq / kv.row();
+    let plen = partial_len(group, d);
+    let out = ctx.write::<f32>(4)?;
+    if !is_final {
+        if out.len() != plen {
+            return Err(bad(
+                NAME,
+                format!("partial slot of {} floats, expected {plen}", out.len()),
+            ));
+        }
+        k::decode_attention_partial_bf16(q, group, &kv, table, kv_head, t0..t1, scale, out);
+        return Ok(());
+    }
+    if out.len() != group * d {
+        return Err(bad(
+            NAME,
+            format!("output of {} floats for {group} heads of {d}", out.len()),
+        ));
+    }
+    check_packed_range(NAME, c0, group * d, nq)?;
+    let mut o = vec![bf16::ZERO; group * d];
+    with_scratch(plen, |p| {
+        k::decode_attention_partial_bf16(q, group, &kv, table, kv_head, t0..t1, scale, p);
+        k::decode_attention_combine_bf16(p, group, d, &mut o);
+    });
+    store_packed(out, c0, nq, |i| o[i].to_f32());
+    Ok(())
+}
+
+pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "attention_combine_f32";
+    let (group, d) = (ctx.scalar_usize(0)?, ctx.scalar_usize(1)?);
+    let (c0, nq) = (ctx.scalar_usize(2)?, ctx.scalar_usize(3)?);
+    let partials = ctx.read::<f32>(0)?;
+    let plen = partial_len(group, d);
+    if plen == 0 || !partials.len().is_multiple_of(plen) {
+        return Err(bad(
+            NAME,
+            format!("{} floats are not partials of {plen}", partials.len()),
+        ));
+    }
+    let out = ctx.write::<f32>(1)?;
+    if out.len() != group * d {
+        return Err(bad(
+            NAME,
+            format!("output of {} floats for {group} heads of {d}", out.len()),
+        ));
+    }
+    check_packed_range(NAME, c0, group * d, nq)?;
+    let mut o = vec![bf16::ZERO; group * d];
+    k::decode_attention_combine_bf16(partials, group, d, &mut o);
+    store_packed(out, c0, nq, |i| o[i].to_f32());
+    Ok(())
+}
+
+pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "attention_prefill_bf16";
+    let kv_head = ctx.scalar_usize(0)?;
+    let first_pos = ctx.scalar_usize(1)?;
+    let scale = ctx.scalar_f32(2)?;
+    let page = ctx.scalar_usize(3)?;
+    let (c0, nq) = (ctx.scalar_usize(4)?, ctx.scalar_usize(5)?);
+    let d = ctx.scalar_usize(6)?;
+    let (n, qcols) = dims2(ctx, 0)?;
+    let q = ctx.read::<bf16>(0)?;
+    let (kv, table) = paged(ctx, d, page, first_pos + n, NAME)?;
+    if qcols != nq || kv_head >= kv.kv_heads || !nq.is_multiple_of(kv.row()) {
+        return Err(bad(
+            NAME,
+            format!(
+                "query rows of {qcols} for {} KV heads, head {kv_head}",
+                kv.kv_heads
+            ),
+        ));
+    }
+    let group = nq / kv.row();
+    let per_row = group * d;
+    check_packed_range(NAME, c0, per_row, nq)?;
+    let mut out = ctx.write_rows::<f32>(4)?;
+    if out.len() != n || out.row_len() != per_row {
+        return Err(bad(
+            NAME,
+            format!(
+                "output [{}, {}] for {n} rows of {per_row}",
+                out.len(),
+                out.row_len()
+            ),
+        ));
+    }
+    let mut qf = vec![0.0f32; n * per_row];
+    for (i, dst) in qf.chunks_exact_mut(per_row).enumerate() {
+        let src = &q[i * nq + kv_head * per_row..i * nq + (kv_head + 1) * per_row];
+        k::cast_bf16_f32(src, dst);
+    }
+    let mut of = vec![0.0f32; n * per_row];
+    k::prefill_attention_rows_f32(&qf, group, &kv, table, kv_head, first_pos, scale, &mut of);
+    for (row, src) in out.iter_mut().zip(of.chunks_exact(per_row)) {
+        store_packed(row, c0, nq, |j| f32_to_bf16(src[j]).to_f32());
+    }
+    Ok(())
+}

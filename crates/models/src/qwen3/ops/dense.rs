@@ -1,0 +1,238 @@
+//! Matrix kernels of the step: GEMM tiles (projections, split-K accumulation into the residual),
+//! the gate/up tiles fused with SwiGLU, and the LM-head tiles with their argmax.
+//!
+//! A multi-row tile's output is a strided column slice of a `[R, N]` tensor; the GEMM runs into
+//! per-core scratch (`[R, n]`, contiguous) and the rows are copied out, which costs `R * n`
+//! floats against the tile's `n * K` streamed weights.
+
+use half::bf16;
+use simpler_core::{KernelError, RowsMut, TaskCtx};
+use simpler_kernels_cpu as k;
+use simpler_kernels_cpu::{GemmTile, OutMode, PackedActs, WeightsBf16};
+
+use super::{bad, check_packed, check_packed_range, dims2, store_packed, with_scratch};
+
+/// `out (+)= x @ w^T` over `tile`, scaled per row when `scale` is given.
+fn run_gemm(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    scale: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    match scale {
+        Some(s) => k::gemm_scaled_bf16(w, x, tile, s, out, ld),
+        None => k::gemm_bf16(w, x, tile, out, ld),
+    }
+}
+
+/// Runs a GEMM whose result lands in the rows of `out` (`[rows, n]`, possibly strided).
+fn gemm_into_rows(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    scale: Option<&[f32]>,
+    out: &mut RowsMut<'_, f32>,
+) {
+    let (rows, n) = (out.len(), out.row_len());
+    if rows == 1 {
+        run_gemm(w, x, tile, scale, out.row(0), n);
+        return;
+    }
+    with_scratch(rows * n, |s| {
+        if tile.mode == OutMode::Add {
+            for (dst, src) in s.chunks_exact_mut(n).zip(out.iter_mut()) {
+                dst.copy_from_slice(src);
+            }
+        }
+        run_gemm(w, x, tile, scale, s, n);
+        for (src, dst) in s.chunks_exact(n).zip(out.iter_mut()) {
+            dst.copy_from_slice(src);
+        }
+    });
+}
+
+/// Reads the optional per-row scale at argument `i` (present when the task has `i + 1` args).
+fn optional_scale<'a>(
+    ctx: &'a TaskCtx<'_>,
+    i: usize,
+    rows: usize,
+    name: &str,
+) -> Result<Option<&'a [f32]>, KernelError> {
+    if ctx.num_args() <= i {
+        return Ok(None);
+    }
+    let s = ctx.read::<f32>(i)?;
+    if s.len() != rows {
+        return Err(bad(name, format!("{} row scales for {rows} rows", s.len())));
+    }
+    Ok(Some(s))
+}
+
+/// The weight tile at argument `i` as `[n, kdim]`.
+fn weights<'a>(
+    ctx: &'a TaskCtx<'_>,
+    i: usize,
+    kdim: usize,
+    name: &str,
+) -> Result<WeightsBf16<'a>, KernelError> {
+    let w = ctx.read::<bf16>(i)?;
+    if kdim == 0 || !w.len().is_multiple_of(kdim) {
+        return Err(bad(
+            name,
+            format!("weight tile of {} elements is not rows of {kdim}", w.len()),
+        ));
+    }
+    Ok(WeightsBf16::new(w, w.len() / kdim, kdim))
+}
+
+/// The packed activations at argument 0 as `[rows, kdim]`.
+fn acts<'a>(ctx: &'a TaskCtx<'_>, kdim: usize, name: &str) -> Result<PackedActs<'a>, KernelError> {
+    let (rows, _) = dims2(ctx, 0)?;
+    let x = ctx.read::<f32>(0)?;
+    check_packed(name, x.len(), rows, kdim)?;
+    Ok(PackedActs::new(x, rows, kdim))
+}
+
+pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "gemm_tile_bf16";
+    let kdim = ctx.scalar_usize(0)?;
+    let (k0, k1) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
+    let add = ctx.scalar(3)? != 0;
+    let x = acts(ctx, kdim, NAME)?;
+    let w = weights(ctx, 1, kdim, NAME)?;
+    if k0 > k1 || k1 > kdim {
+        return Err(bad(NAME, format!("k slice {k0}..{k1} outside 0..{kdim}")));
+    }
+    let scale = optional_scale(ctx, 3, x.rows(), NAME)?;
+    let mut out = ctx.write_rows::<f32>(2)?;
+    if out.len() != x.rows() || out.row_len() != w.rows() {
+        return Err(bad(
+            NAME,
+            format!(
+                "output [{}, {}] for {} rows x {} columns",
+                out.len(),
+                out.row_len(),
+                x.rows(),
+                w.rows()
+            ),
+        ));
+    }
+    let tile = GemmTile {
+        n: 0..w.rows(),
+        k: k0..k1,
+        mode: if add { OutMode::Add } else { OutMode::Store },
+    };
+    gemm_into_rows(w, x, &tile, scale, &mut out);
+    Ok(())
+}
+
+pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "gate_up_swiglu_bf16";
+    let h = ctx.scalar_usize(0)?;
+    let (c0, inter) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
+    let x = acts(ctx, h, NAME)?;
+    let wg = weights(ctx, 1, h, NAME)?;
+    let wu = weights(ctx, 2, h, NAME)?;
+    let rows = x.rows();
+    let n = wg.rows();
+    if wu.rows() != n {
+        return Err(bad(NAME, "gate and up tiles differ in rows"));
+    }
+    check_packed_range(NAME, c0, n, inter)?;
+    let scale = optional_scale(ctx, 4, rows, NAME)?;
+    let mut out = ctx.write_rows::<f32>(3)?;
+    if out.len() != rows || out.row_len() != n {
+        return Err(bad(
+            NAME,
+            format!("output [{}, {}] for {rows} x {n}", out.len(), out.row_len()),
+        ));
+    }
+    let full = GemmTile {
+        n: 0..n,
+        k: 0..h,
+        mode: OutMode::Store,
+    };
+    let ones;
+    let scale = match scale {
+        Some(s) => s,
+        None => {
+            ones = vec![1.0f32; rows];
+            &ones
+        }
+    };
+    let mut act = vec![bf16::ZERO; rows * n];
+    with_scratch(2 * rows * n, |s| {
+        let (gate, up) = s.split_at_mut(rows * n);
+        k::gemm_bf16(wg, x, &full, gate, n);
+        k::gemm_bf16(wu, x, &full, up, n);
+        k::swiglu_bf16(gate, up, scale, &mut act);
+    });
+    for (b, dst) in out.iter_mut().enumerate() {
+        let row = &act[b * n..(b + 1) * n];
+        store_packed(dst, c0, inter, |i| row[i].to_f32());
+    }
+    Ok(())
+}
+
+pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "lm_head_tile_bf16";
+    let h = ctx.scalar_usize(0)?;
+    let n0 = ctx.scalar_usize(1)?;
+    let x = acts(ctx, h, NAME)?;
+    let w = weights(ctx, 1, h, NAME)?;
+    let rows = x.rows();
+    let mut logits = ctx.write_rows::<f32>(2)?;
+    if logits.len() != rows || logits.row_len() != w.rows() {
+        return Err(bad(NAME, "logits view does not match the tile"));
+    }
+    gemm_into_rows(w, x, &GemmTile::full(&w), None, &mut logits);
+    let best = ctx.write::<u32>(3)?;
+    if best.len() != 2 * rows {
+        return Err(bad(
+            NAME,
+            format!("argmax slot of {} for {rows} rows", best.len()),
+        ));
+    }
+    for (b, slot) in best.chunks_exact_mut(2).enumerate() {
+        match k::argmax_f32(logits.row(b)) {
+            Some((i, v)) => {
+                slot[0] = (n0 + i) as u32;
+                slot[1] = v.to_bits();
+            }
+            None => {
+                slot[0] = u32::MAX;
+                slot[1] = f32::NAN.to_bits();
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "argmax_combine_f32";
+    let shape = ctx.tensor(0)?.shape().to_vec();
+    if shape.len() != 3 || shape[2] != 2 {
+        return Err(bad(
+            NAME,
+            format!("tile results of shape {shape:?}, expected [tiles, rows, 2]"),
+        ));
+    }
+    let (tiles, rows) = (shape[0] as usize, shape[1] as usize);
+    let best = ctx.read::<u32>(0)?;
+    let ids = ctx.write::<u32>(1)?;
+    if ids.len() != rows {
+        return Err(bad(NAME, format!("{} ids for {rows} rows", ids.len())));
+    }
+    for (b, id) in ids.iter_mut().enumerate() {
+        let parts: Vec<Option<(usize, f32)>> = (0..tiles)
+            .map(|t| {
+                let at = (t * rows + b) * 2;
+                (best[at] != u32::MAX).then(|| (best[at] as usize, f32::from_bits(best[at + 1])))
+            })
+            .collect();
+        *id = k::argmax_combine(&parts).map_or(0, |(i, _)| i as u32);
+    }
+    Ok(())
+}

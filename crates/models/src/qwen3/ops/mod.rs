@@ -1,0 +1,231 @@
+//! The Qwen3 step's runtime kernels: ids, names, engine classes, argument conventions and host
+//! implementations that wrap `simpler-kernels-cpu` through [`TaskCtx`]. A host kernel runs on
+//! any platform whose memory the host addresses directly; nothing here names a platform.
+//!
+//! # Argument conventions
+//! `R` rows (decode: sequences; prefill: packed tokens), `H` hidden, `N`/`K` a projection's
+//! output/input width, `ld(K)` = [`packed_ld`]`(K)`. "packed" tensors are fp32 activations in
+//! the GEMM's packed layout; a tile's column range `c0..c0+n` of a packed tensor starts on a
+//! multiple of 16 and ends on one or at `K`, so it holds exactly those columns.
+//!
+//! | kernel | tensor arguments | scalars |
+//! |---|---|---|
+//! | [`EMBED`] | table NoDep bf16 `[V,H]`, ids In u32 `[R]`, x Out f32 `[R,H]` | |
+//! | [`CAST_BF16_F32`] / [`CAST_F32_BF16`] | src In, dst Out (contiguous, same length) | |
+//! | [`COPY_F32`] | src In f32, dst Out f32 (contiguous, same length) | |
+//! | [`RMS_NORM_DEFERRED`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]`, r Out f32 `[R]` | eps |
+//! | [`RMS_NORM`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]` | eps |
+//! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | K, k0, k1, add |
+//! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed cols `[R,n]`, (r In `[R]`) | H, c0, I |
+//! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | eps |
+//! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: packed cols `[1,group*d]`; partial: `[1,plen]`) | kv_head, t0, t1, final, scale, page, c0, Nq |
+//! | [`ATTN_COMBINE`] | partials In f32 `[C,plen]`, out Out packed cols `[1,group*d]` | group, d, c0, Nq |
+//! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | kv_head, first_pos, scale, page, c0, Nq |
+//! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[1,R,2]` | H, n0 |
+//! | [`ARGMAX_COMBINE`] | best In u32 `[T,R,2]` (index, f32 bits), ids Out u32 `[R]` | |
+//!
+//! KV pools are `[slots, kv_heads * head_dim]` bf16 views of one layer (`03-qwen3.md`); the
+//! attention kernels read them through NoDep views, so the orchestration orders them after the
+//! K/V writes explicitly. Malformed arguments give a [`KernelError`], never a panic.
+
+mod attn;
+mod dense;
+mod vector;
+
+use std::cell::RefCell;
+
+use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
+use simpler_kernels_cpu::{PACK_BLOCK, pack_index, packed_ld};
+
+/// `x[R,H] = f32(table[ids])` (embedding gather).
+pub const EMBED: KernelId = KernelId(3100);
+/// bf16 → fp32 cast.
+pub const CAST_BF16_F32: KernelId = KernelId(3101);
+/// fp32 → bf16 cast (round to nearest even).
+pub const CAST_F32_BF16: KernelId = KernelId(3102);
+/// fp32 copy.
+pub const COPY_F32: KernelId = KernelId(3103);
+/// Deferred-inverse RMSNorm into packed activations plus the per-row `1/rms`.
+pub const RMS_NORM_DEFERRED: KernelId = KernelId(3104);
+/// Ordinary RMSNorm into packed activations.
+pub const RMS_NORM: KernelId = KernelId(3105);
+/// One GEMM tile (`out (+)= acts @ w^T`, optionally scaled per row).
+pub const GEMM_TILE: KernelId = KernelId(3106);
+/// Gate and up tiles fused with SwiGLU, written as packed activations for the down projection.
+pub const GATE_UP_SWIGLU: KernelId = KernelId(3107);
+/// q/k norm, RoPE, bf16 Q, and the K/V rows written into the paged cache.
+pub const ROPE_KV: KernelId = KernelId(3108);
+/// Split-KV decode attention over one chunk (final output or a partial).
+pub const ATTN_DECODE: KernelId = KernelId(3109);
+/// Merge of split-KV decode partials into packed attention output.
+pub const ATTN_COMBINE: KernelId = KernelId(3110);
+/// Chunked causal prefill attention over a block of rows.
+pub const ATTN_PREFILL: KernelId = KernelId(3111);
+/// One LM-head tile: logits and the tile's argmax per row.
+pub const LM_HEAD_TILE: KernelId = KernelId(3112);
+/// Merge of the LM-head tiles' argmax into greedy token ids.
+pub const ARGMAX_COMBINE: KernelId = KernelId(3113);
+
+/// Every kernel of the Qwen3 step: `(id, name, class, body)`.
+pub fn specs() -> Vec<KernelSpec> {
+    type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
+    let table: [(KernelId, &str, EngineClass, Body); 14] = [
+        (
+            EMBED,
+            "embedding_gather_bf16",
+            EngineClass::Vector,
+            vector::embed,
+        ),
+        (
+            CAST_BF16_F32,
+            "cast_bf16_f32",
+            EngineClass::Vector,
+            vector::cast_bf16_f32,
+        ),
+        (
+            CAST_F32_BF16,
+            "cast_f32_bf16",
+            EngineClass::Vector,
+            vector::cast_f32_bf16,
+        ),
+        (COPY_F32, "copy_f32", EngineClass::Vector, vector::copy_f32),
+        (
+            RMS_NORM_DEFERRED,
+            "rms_norm_deferred_f32",
+            EngineClass::Vector,
+            vector::rms_norm_deferred,
+        ),
+        (
+            RMS_NORM,
+            "rms_norm_f32",
+            EngineClass::Vector,
+            vector::rms_norm,
+        ),
+        (
+            GEMM_TILE,
+            "gemm_tile_bf16",
+            EngineClass::Cube,
+            dense::gemm_tile,
+        ),
+        (
+            GATE_UP_SWIGLU,
+            "gate_up_swiglu_bf16",
+            EngineClass::Cube,
+            dense::gate_up_swiglu,
+        ),
+        (
+            ROPE_KV,
+            "qk_norm_rope_kv_bf16",
+            EngineClass::Vector,
+            attn::rope_kv,
+        ),
+        (
+            ATTN_DECODE,
+            "attention_decode_bf16",
+            EngineClass::Mix,
+            attn::decode,
+        ),
+        (
+            ATTN_COMBINE,
+            "attention_combine_f32",
+            EngineClass::Vector,
+            attn::combine,
+        ),
+        (
+            ATTN_PREFILL,
+            "attention_prefill_bf16",
+            EngineClass::Mix,
+            attn::prefill,
+        ),
+        (
+            LM_HEAD_TILE,
+            "lm_head_tile_bf16",
+            EngineClass::Cube,
+            dense::lm_head_tile,
+        ),
+        (
+            ARGMAX_COMBINE,
+            "argmax_combine_f32",
+            EngineClass::Vector,
+            dense::argmax_combine,
+        ),
+    ];
+    table
+        .into_iter()
+        .map(|(id, name, class, body)| KernelSpec::new(id, name, class, body))
+        .collect()
+}
+
+/// Registers every kernel of the Qwen3 step on `worker` (once per worker).
+pub fn register(worker: &Worker) -> Result<(), simpler_core::Error> {
+    for spec in specs() {
+        worker.register_kernel(spec)?;
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// Per-core staging memory (GEMM outputs of multi-row tiles, widened queries), reused
+    /// across tasks so kernels do not allocate per call.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with a zeroed scratch slice of `len` floats owned by this thread.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buf = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    buf.clear();
+    buf.resize(len, 0.0);
+    let r = f(&mut buf);
+    SCRATCH.with(|s| *s.borrow_mut() = buf);
+    r
+}
+
+/// An argument-shape error naming the kernel.
+fn bad(kernel: &str, what: impl std::fmt::Display) -> KernelError {
+    KernelError::new(format!("{kernel}: {what}"))
+}
+
+/// `(rows, cols)` of a 2-D (or flattened leading-dims) view.
+fn dims2(ctx: &TaskCtx<'_>, i: usize) -> Result<(usize, usize), KernelError> {
+    let t = ctx.tensor(i)?;
+    let shape = t.shape();
+    let cols = *shape.last().unwrap_or(&1) as usize;
+    let rows = shape[..shape.len().saturating_sub(1)]
+        .iter()
+        .product::<u64>() as usize;
+    Ok((rows, cols))
+}
+
+/// Writes values for columns `c0..c0+n` of a packed row of `k` columns into `dst`, that
+/// column range of the packed row (`c0` a multiple of 16; `c0 + n` one too, or `k`).
+fn store_packed(dst: &mut [f32], c0: usize, k: usize, value: impl Fn(usize) -> f32) {
+    for i in 0..dst.len() {
+        dst[pack_index(c0 + i, k) - c0] = value(i);
+    }
+}
+
+/// Checks that `c0..c0+n` is a valid packed column range of a row of `k` columns.
+fn check_packed_range(kernel: &str, c0: usize, n: usize, k: usize) -> Result<(), KernelError> {
+    let end = c0 + n;
+    if !c0.is_multiple_of(PACK_BLOCK) || end > k || !(end.is_multiple_of(PACK_BLOCK) || end == k) {
+        return Err(bad(
+            kernel,
+            format!("packed columns {c0}..{end} of {k} do not start and end on 16-column blocks"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that a packed activation tensor has rows of `packed_ld(k)`.
+fn check_packed(kernel: &str, len: usize, rows: usize, k: usize) -> Result<(), KernelError> {
+    if len != rows * packed_ld(k) {
+        return Err(bad(
+            kernel,
+            format!(
+                "packed activations hold {len} floats, expected {rows} x {}",
+                packed_ld(k)
+            ),
+        ));
+    }
+    Ok(())
+}

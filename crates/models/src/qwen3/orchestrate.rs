@@ -1,0 +1,570 @@
+//! The Qwen3 step as a task graph: decode (full model or the fixture's layers chunk) and chunked
+//! causal prefill, one scope per layer so the live set does not grow with the layer count.
+//!
+//! One layer (`R` rows; decode defers `1/rms` past the projections, prefill normalises first):
+//! ```text
+//! norm(x) -> packed n [R, ld(H)] (+ r [R])
+//! q/k/v row tiles: n @ W^T (* r)            -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32
+//! rope_kv per (sequence, page run)          -> Q bf16 [R, Nq]; K/V rows into the paged pool
+//! attention per (sequence, kv head, chunk)  -> a packed [R, ld(Nq)]   (+ combine when split)
+//! o_proj row tiles: x[:, tile] += a @ Wo^T  (the residual, in place)
+//! norm(x) -> packed m (+ r2)
+//! gate/up row tiles + SwiGLU                -> act packed [R, ld(I)]
+//! down row tiles: x[:, tile] += act @ Wd^T
+//! ```
+//! Attention reads the pools through NoDep views and waits on a dummy task that follows every
+//! K/V write of the layer. Timing slots: 0 input (embedding or cast), 1 layers, 2 head.
+
+use std::ops::Range;
+
+use simpler_core::{
+    DType, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor, TensorError,
+};
+use simpler_kernels_cpu::{packed_ld, partial_len};
+
+use super::config::Qwen3Config;
+use super::ops;
+use super::plan::{LayerTiles, SeqRows};
+use super::resident::slot;
+
+/// RunArgs buffer indices after the model's buffers.
+pub(crate) mod io {
+    use super::slot;
+    /// K pools `[layers, slots, Nkv]` bf16.
+    pub(crate) const K_CACHE: usize = slot::COUNT;
+    /// V pools.
+    pub(crate) const V_CACHE: usize = slot::COUNT + 1;
+    /// Block tables `[table rows, max_blocks]` u32.
+    pub(crate) const BLOCK_TABLE: usize = slot::COUNT + 2;
+    /// Token ids u32 `[R]` (model variant) or hidden bf16 `[R, H]` (layers variant).
+    pub(crate) const INPUT: usize = slot::COUNT + 3;
+    /// Logits f32 `[S, V]` (model) or hidden bf16 `[R, H]` (layers).
+    pub(crate) const OUT_MAIN: usize = slot::COUNT + 4;
+    /// Greedy ids u32 `[S]` (model).
+    pub(crate) const OUT_IDS: usize = slot::COUNT + 5;
+    /// Final hidden state f32 `[S, H]` before the final norm (model).
+    pub(crate) const OUT_HIDDEN: usize = slot::COUNT + 6;
+    /// Buffers of a run.
+    pub(crate) const COUNT: usize = slot::COUNT + 7;
+}
+
+/// Decode or prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StepKind {
+    /// One new token per sequence, deferred `1/rms`, split-KV attention.
+    Decode,
+    /// Chunks of tokens per sequence, ordinary RMSNorm, causal attention.
+    Prefill,
+}
+
+/// What goes in and comes out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// Token ids in; logits and greedy ids of each sequence's last row out.
+    Model,
+    /// bf16 hidden in and out (fp32 carried between the layers), no embedding or head.
+    Layers,
+}
+
+/// Everything the orchestration needs about one step, computed on the host.
+#[derive(Clone, Debug)]
+pub(crate) struct StepPlan {
+    pub(crate) config: Qwen3Config,
+    pub(crate) sets: usize,
+    pub(crate) set_of_layer: Vec<usize>,
+    pub(crate) max_seq: usize,
+    pub(crate) kv_layers: usize,
+    pub(crate) slots: usize,
+    pub(crate) page_size: usize,
+    pub(crate) table_rows: usize,
+    pub(crate) max_blocks: usize,
+    pub(crate) kind: StepKind,
+    pub(crate) variant: Variant,
+    pub(crate) layers: Range<usize>,
+    /// Rows of the step (decode: sequences; prefill: packed tokens).
+    pub(crate) rows: usize,
+    pub(crate) seqs: Vec<SeqRows>,
+    /// Per sequence: `(first row, first position, first slot, rows)` runs of one page each.
+    pub(crate) slot_runs: Vec<Vec<(usize, usize, usize, usize)>>,
+    pub(crate) tiles: LayerTiles,
+    /// Decode: KV chunks of each sequence.
+    pub(crate) kv_chunks: Vec<Vec<Range<usize>>>,
+    /// Prefill: query rows per attention task.
+    pub(crate) prefill_rows: usize,
+}
+
+type R<T> = Result<T, RunError>;
+
+/// A view operation's error as a fatal orchestration error.
+fn view<T>(o: &Orchestrator, r: Result<T, TensorError>) -> R<T> {
+    r.map_err(|e| o.fatal(format!("qwen3 orchestration: {e}")))
+}
+
+/// Rows `a..b` (dimension 0).
+fn rows(o: &Orchestrator, t: &Tensor, a: usize, b: usize) -> R<Tensor> {
+    view(o, t.slice(0, a as u64, b as u64))
+}
+
+/// Columns `a..b` (last dimension of a 2-D view).
+fn cols(o: &Orchestrator, t: &Tensor, a: usize, b: usize) -> R<Tensor> {
+    view(o, t.slice(1, a as u64, b as u64))
+}
+
+/// Entry `i` of dimension 0, with that dimension dropped.
+fn entry(o: &Orchestrator, t: &Tensor, i: usize) -> R<Tensor> {
+    let s = rows(o, t, i, i + 1)?;
+    let shape: Vec<u64> = t.shape()[1..].to_vec();
+    view(o, s.reshape(&shape))
+}
+
+/// The run's bound model, cache and I/O views.
+struct Views {
+    /// The 11 per-layer tensors `[sets, ...]` in `LayerWeights::shapes` order.
+    layer: Vec<Tensor>,
+    embedding: Tensor,
+    final_norm: Tensor,
+    lm_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    table: Tensor,
+}
+
+fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
+    if args.buffers.len() != io::COUNT {
+        return Err(o.fatal(format!(
+            "qwen3 orchestration: {} buffers, expected {}",
+            args.buffers.len(),
+            io::COUNT
+        )));
+    }
+    let c = &p.config;
+    let sets = p.sets as u64;
+    let mut layer = Vec::with_capacity(slot::LAYER_TENSORS);
+    for (kind, (_, [r, k])) in super::weights::LayerWeights::shapes(c).iter().enumerate() {
+        let dtype = if kind < 7 { DType::BF16 } else { DType::F32 };
+        let shape = if kind < 7 {
+            vec![sets, *r as u64, *k as u64]
+        } else {
+            vec![sets, (*r * *k) as u64]
+        };
+        layer.push(o.bind(&args.buffers[kind], dtype, &shape)?);
+    }
+    let (v, h, d) = (c.vocab_size as u64, c.hidden_size as u64, c.head_dim as u64);
+    let kv_shape = [p.kv_layers as u64, p.slots as u64, c.kv_width() as u64];
+    Ok(Views {
+        layer,
+        embedding: o.bind(&args.buffers[slot::EMBEDDING], DType::BF16, &[v, h])?,
+        final_norm: o.bind(&args.buffers[slot::FINAL_NORM], DType::F32, &[h])?,
+        lm_head: o.bind(&args.buffers[slot::LM_HEAD], DType::BF16, &[v, h])?,
+        cos: o.bind(
+            &args.buffers[slot::ROPE_COS],
+            DType::F32,
+            &[p.max_seq as u64, d],
+        )?,
+        sin: o.bind(
+            &args.buffers[slot::ROPE_SIN],
+            DType::F32,
+            &[p.max_seq as u64, d],
+        )?,
+        k_cache: o.bind(&args.buffers[io::K_CACHE], DType::BF16, &kv_shape)?,
+        v_cache: o.bind(&args.buffers[io::V_CACHE], DType::BF16, &kv_shape)?,
+        table: o.bind(
+            &args.buffers[io::BLOCK_TABLE],
+            DType::U32,
+            &[p.table_rows as u64, p.max_blocks as u64],
+        )?,
+    })
+}
+
+/// Submits one step.
+pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> {
+    let vw = bind_all(o, args, p)?;
+    let c = &p.config;
+    let (r, h) = (p.rows as u64, c.hidden_size as u64);
+    let x = o.alloc(DType::F32, &[r, h])?;
+    match p.variant {
+        Variant::Model => {
+            let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
+            o.submit(
+                Task::new(ops::EMBED)
+                    .no_dep(&vw.embedding)
+                    .input(&ids)
+                    .output_existing(&x)
+                    .timing_slot(0),
+            )?;
+        }
+        Variant::Layers => {
+            let hin = o.bind(&args.buffers[io::INPUT], DType::BF16, &[r, h])?;
+            o.submit(
+                Task::new(ops::CAST_BF16_F32)
+                    .input(&hin)
+                    .output_existing(&x)
+                    .timing_slot(0),
+            )?;
+        }
+    }
+    for l in p.layers.clone() {
+        o.scope(ScopeKind::Auto, |o| layer(o, p, &vw, l, &x))?;
+    }
+    o.scope(ScopeKind::Auto, |o| match p.variant {
+        Variant::Model => head(o, args, p, &vw, &x),
+        Variant::Layers => {
+            let hout = o.bind(&args.buffers[io::OUT_MAIN], DType::BF16, &[r, h])?;
+            o.submit(
+                Task::new(ops::CAST_F32_BF16)
+                    .input(&x)
+                    .output_existing(&hout)
+                    .timing_slot(2),
+            )?;
+            Ok(())
+        }
+    })
+}
+
+/// RMSNorm of `x` with weights `g`: packed activations, plus `1/rms` per row for decode.
+fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor, Option<Tensor>)> {
+    let c = &p.config;
+    let (r, ld) = (p.rows as u64, packed_ld(c.hidden_size) as u64);
+    let eps = c.rms_norm_eps as f32;
+    Ok(match p.kind {
+        StepKind::Decode => {
+            let s = o.submit(
+                Task::new(ops::RMS_NORM_DEFERRED)
+                    .input(x)
+                    .no_dep(g)
+                    .output(DType::F32, &[r, ld])
+                    .output(DType::F32, &[r])
+                    .scalar_f32(eps)
+                    .timing_slot(1),
+            )?;
+            (s.output(0), Some(s.output(1)))
+        }
+        StepKind::Prefill => {
+            let s = o.submit(
+                Task::new(ops::RMS_NORM)
+                    .input(x)
+                    .no_dep(g)
+                    .output(DType::F32, &[r, ld])
+                    .scalar_f32(eps)
+                    .timing_slot(1),
+            )?;
+            (s.output(0), None)
+        }
+    })
+}
+
+/// One GEMM tile: `out[:, tile] (+)= acts @ w[tile]^T (* scale)`.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    o: &mut Orchestrator,
+    acts: &Tensor,
+    w: &Tensor,
+    tile: &Range<usize>,
+    out: &Tensor,
+    scale: Option<&Tensor>,
+    kdim: usize,
+    add: bool,
+) -> R<()> {
+    let wt = rows(o, w, tile.start, tile.end)?;
+    let ot = cols(o, out, tile.start, tile.end)?;
+    let mut t = Task::new(ops::GEMM_TILE).input(acts).no_dep(&wt);
+    t = if add {
+        t.in_out(&ot)
+    } else {
+        t.output_existing(&ot)
+    };
+    if let Some(s) = scale {
+        t = t.input(s);
+    }
+    let t = t
+        .scalar(kdim as u64)
+        .scalar(0)
+        .scalar(kdim as u64)
+        .scalar(u64::from(add))
+        .timing_slot(1);
+    o.submit(t)?;
+    Ok(())
+}
+
+fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -> R<()> {
+    let c = &p.config;
+    let set = p.set_of_layer[l];
+    let (h, qw, kvw, inter) = (
+        c.hidden_size,
+        c.q_width(),
+        c.kv_width(),
+        c.intermediate_size,
+    );
+    let r = p.rows as u64;
+    let w: Vec<Tensor> = vw
+        .layer
+        .iter()
+        .map(|t| entry(o, t, set))
+        .collect::<R<Vec<Tensor>>>()?;
+    let (wq, wk, wv, wo, wg, wu, wd) = (&w[0], &w[1], &w[2], &w[3], &w[4], &w[5], &w[6]);
+    let (qn, kn, in_norm, post_norm) = (&w[7], &w[8], &w[9], &w[10]);
+
+    // Input norm and the q/k/v projections.
+    let (n, rs) = norm(o, p, x, in_norm)?;
+    let q = o.alloc(DType::F32, &[r, qw as u64])?;
+    let k = o.alloc(DType::F32, &[r, kvw as u64])?;
+    let v = o.alloc(DType::F32, &[r, kvw as u64])?;
+    for (wt, out, tiles) in [
+        (wq, &q, &p.tiles.q),
+        (wk, &k, &p.tiles.k),
+        (wv, &v, &p.tiles.v),
+    ] {
+        for t in tiles {
+            gemm(o, &n, wt, t, out, rs.as_ref(), h, false)?;
+        }
+    }
+
+    // q/k norm, RoPE, bf16 Q, and the K/V rows into this layer's pools.
+    let qb = o.alloc(DType::BF16, &[r, qw as u64])?;
+    let kl = entry(o, &vw.k_cache, l)?;
+    let vl = entry(o, &vw.v_cache, l)?;
+    let mut writes: Vec<TaskId> = Vec::new();
+    for runs in &p.slot_runs {
+        for &(row, pos, slot, cnt) in runs {
+            let t = Task::new(ops::ROPE_KV)
+                .input(&rows(o, &q, row, row + cnt)?)
+                .input(&rows(o, &k, row, row + cnt)?)
+                .input(&rows(o, &v, row, row + cnt)?)
+                .no_dep(qn)
+                .no_dep(kn)
+                .no_dep(&rows(o, &vw.cos, pos, pos + cnt)?)
+                .no_dep(&rows(o, &vw.sin, pos, pos + cnt)?)
+                .output_existing(&rows(o, &qb, row, row + cnt)?)
+                .output_existing(&rows(o, &kl, slot, slot + cnt)?)
+                .output_existing(&rows(o, &vl, slot, slot + cnt)?)
+                .scalar_f32(c.rms_norm_eps as f32)
+                .timing_slot(1);
+            writes.push(o.submit(t)?.id);
+        }
+    }
+    let kv_ready = o.submit(Task::dummy().after_all(writes))?.id;
+
+    // Attention into packed activations for o_proj.
+    let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
+    match p.kind {
+        StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
+        StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
+    }
+
+    // Residual: x += a @ Wo^T, tile by tile in place.
+    for t in &p.tiles.o {
+        gemm(o, &a, wo, t, x, None, qw, true)?;
+    }
+
+    // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
+    let (m, r2) = norm(o, p, x, post_norm)?;
+    let act = o.alloc(DType::F32, &[r, packed_ld(inter) as u64])?;
+    for t in &p.tiles.gate_up {
+        let mut task = Task::new(ops::GATE_UP_SWIGLU)
+            .input(&m)
+            .no_dep(&rows(o, wg, t.start, t.end)?)
+            .no_dep(&rows(o, wu, t.start, t.end)?)
+            .output_existing(&cols(o, &act, t.start, t.end)?);
+        if let Some(s) = &r2 {
+            task = task.input(s);
+        }
+        o.submit(
+            task.scalar(h as u64)
+                .scalar(t.start as u64)
+                .scalar(inter as u64)
+                .timing_slot(1),
+        )?;
+    }
+    for t in &p.tiles.down {
+        gemm(o, &act, wd, t, x, None, inter, true)?;
+    }
+    Ok(())
+}
+
+/// Split-KV decode attention: per (sequence, KV head) one final task, or chunk partials and a
+/// combine.
+#[allow(clippy::too_many_arguments)]
+fn attention_decode(
+    o: &mut Orchestrator,
+    p: &StepPlan,
+    vw: &Views,
+    qb: &Tensor,
+    kl: &Tensor,
+    vl: &Tensor,
+    a: &Tensor,
+    kv_ready: TaskId,
+) -> R<()> {
+    let c = &p.config;
+    let (d, group, qw) = (c.head_dim, c.group(), c.q_width());
+    let plen = partial_len(group, d);
+    let n_partials: usize = p
+        .kv_chunks
+        .iter()
+        .filter(|ch| ch.len() > 1)
+        .map(|ch| ch.len() * c.num_key_value_heads)
+        .sum();
+    let partials = if n_partials > 0 {
+        Some(o.alloc(DType::F32, &[n_partials as u64, plen as u64])?)
+    } else {
+        None
+    };
+    let mut next_partial = 0;
+    for (s, chunks) in p.seqs.iter().zip(&p.kv_chunks) {
+        let b = s.row0;
+        let qrow = rows(o, qb, b, b + 1)?;
+        let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
+        let arow = rows(o, a, b, b + 1)?;
+        for g in 0..c.num_key_value_heads {
+            let c0 = g * group * d;
+            let out = cols(o, &arow, c0, c0 + group * d)?;
+            let base = |t: Task| {
+                t.input(&qrow)
+                    .no_dep(kl)
+                    .no_dep(vl)
+                    .no_dep(&table)
+                    .after(kv_ready)
+            };
+            let scalars = |t: Task, r: &Range<usize>, fin: bool| {
+                t.scalar(g as u64)
+                    .scalar(r.start as u64)
+                    .scalar(r.end as u64)
+                    .scalar(u64::from(fin))
+                    .scalar_f32(c.attn_scale())
+                    .scalar(p.page_size as u64)
+                    .scalar(c0 as u64)
+                    .scalar(qw as u64)
+                    .scalar(d as u64)
+                    .timing_slot(1)
+            };
+            match (chunks.as_slice(), &partials) {
+                ([one], _) => {
+                    let t = base(Task::new(ops::ATTN_DECODE)).output_existing(&out);
+                    o.submit(scalars(t, one, true))?;
+                }
+                (many, Some(parts)) => {
+                    let p0 = next_partial;
+                    for ch in many {
+                        let slot = rows(o, parts, next_partial, next_partial + 1)?;
+                        let t = base(Task::new(ops::ATTN_DECODE)).output_existing(&slot);
+                        o.submit(scalars(t, ch, false))?;
+                        next_partial += 1;
+                    }
+                    let mine = rows(o, parts, p0, next_partial)?;
+                    o.submit(
+                        Task::new(ops::ATTN_COMBINE)
+                            .input(&mine)
+                            .output_existing(&out)
+                            .scalar(group as u64)
+                            .scalar(d as u64)
+                            .scalar(c0 as u64)
+                            .scalar(qw as u64)
+                            .timing_slot(1),
+                    )?;
+                }
+                (_, None) => return Err(o.fatal("qwen3 orchestration: split KV without partials")),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Causal prefill attention per (sequence, KV head, block of rows).
+#[allow(clippy::too_many_arguments)]
+fn attention_prefill(
+    o: &mut Orchestrator,
+    p: &StepPlan,
+    vw: &Views,
+    qb: &Tensor,
+    kl: &Tensor,
+    vl: &Tensor,
+    a: &Tensor,
+    kv_ready: TaskId,
+) -> R<()> {
+    let c = &p.config;
+    let (d, group, qw) = (c.head_dim, c.group(), c.q_width());
+    let block = p.prefill_rows.max(1);
+    for s in &p.seqs {
+        let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
+        for g in 0..c.num_key_value_heads {
+            let c0 = g * group * d;
+            let mut i = 0;
+            while i < s.n_rows {
+                let n = block.min(s.n_rows - i);
+                let (r0, r1) = (s.row0 + i, s.row0 + i + n);
+                let out = cols(o, &rows(o, a, r0, r1)?, c0, c0 + group * d)?;
+                o.submit(
+                    Task::new(ops::ATTN_PREFILL)
+                        .input(&rows(o, qb, r0, r1)?)
+                        .no_dep(kl)
+                        .no_dep(vl)
+                        .no_dep(&table)
+                        .output_existing(&out)
+                        .after(kv_ready)
+                        .scalar(g as u64)
+                        .scalar((s.first_pos() + i) as u64)
+                        .scalar_f32(c.attn_scale())
+                        .scalar(p.page_size as u64)
+                        .scalar(c0 as u64)
+                        .scalar(qw as u64)
+                        .scalar(d as u64)
+                        .timing_slot(1),
+                )?;
+                i += n;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Final norm, LM head tiles and greedy argmax for each sequence's last row.
+fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tensor) -> R<()> {
+    let c = &p.config;
+    let (h, vocab) = (c.hidden_size as u64, c.vocab_size as u64);
+    let n_seqs = p.seqs.len();
+    let s = n_seqs as u64;
+    let hidden = o.bind(&args.buffers[io::OUT_HIDDEN], DType::F32, &[s, h])?;
+    for (i, q) in p.seqs.iter().enumerate() {
+        let last = q.row0 + q.n_rows - 1;
+        o.submit(
+            Task::new(ops::COPY_F32)
+                .input(&rows(o, x, last, last + 1)?)
+                .output_existing(&rows(o, &hidden, i, i + 1)?)
+                .timing_slot(2),
+        )?;
+    }
+    let nrm = o
+        .submit(
+            Task::new(ops::RMS_NORM)
+                .input(&hidden)
+                .no_dep(&vw.final_norm)
+                .output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
+                .scalar_f32(c.rms_norm_eps as f32)
+                .timing_slot(2),
+        )?
+        .output(0);
+    let logits = o.bind(&args.buffers[io::OUT_MAIN], DType::F32, &[s, vocab])?;
+    let tiles = &p.tiles.lm_head;
+    let best = o.alloc(DType::U32, &[tiles.len() as u64, s, 2])?;
+    for (ti, t) in tiles.iter().enumerate() {
+        o.submit(
+            Task::new(ops::LM_HEAD_TILE)
+                .input(&nrm)
+                .no_dep(&rows(o, &vw.lm_head, t.start, t.end)?)
+                .output_existing(&cols(o, &logits, t.start, t.end)?)
+                .output_existing(&rows(o, &best, ti, ti + 1)?)
+                .scalar(h)
+                .scalar(t.start as u64)
+                .timing_slot(2),
+        )?;
+    }
+    let ids = o.bind(&args.buffers[io::OUT_IDS], DType::U32, &[s])?;
+    o.submit(
+        Task::new(ops::ARGMAX_COMBINE)
+            .input(&best)
+            .output_existing(&ids)
+            .timing_slot(2),
+    )?;
+    Ok(())
+}

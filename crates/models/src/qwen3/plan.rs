@@ -1,0 +1,187 @@
+//! How a step is cut into tasks: projection row tiles (so every core streams disjoint weight
+//! rows, several tiles per core for balance), split-KV chunks for decode attention (so small
+//! batches still use every core), row blocks for prefill attention, and the per-sequence rows
+//! and KV slots of a step.
+
+use std::ops::Range;
+
+use simpler_kernels_cpu::split_range;
+
+use super::config::Qwen3Config;
+use super::weights::PagedBatch;
+
+/// Tiling knobs. The defaults suit a CPU with a few cores; everything is derived from the
+/// model shape, the batch and the core count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TilePolicy {
+    /// Cores the graph runs on.
+    pub cores: usize,
+    /// About how many weight bytes one projection tile streams.
+    pub tile_bytes: usize,
+    /// Fewest tiles of each projection per core (balance at the phase's end).
+    pub tiles_per_core: usize,
+    /// Shortest KV chunk of split-KV decode attention, in tokens.
+    pub min_kv_chunk: usize,
+    /// Decode attention tasks per core to aim for.
+    pub attn_tasks_per_core: usize,
+    /// Query rows per prefill attention task.
+    pub prefill_rows: usize,
+    /// Rows of the weight tile granule (tile boundaries are multiples of it; 16 keeps packed
+    /// column ranges whole).
+    pub granule: usize,
+}
+
+impl TilePolicy {
+    /// The default policy for `cores` cores.
+    pub fn for_cores(cores: usize) -> TilePolicy {
+        TilePolicy {
+            cores: cores.max(1),
+            tile_bytes: 1 << 20,
+            tiles_per_core: 4,
+            min_kv_chunk: 256,
+            attn_tasks_per_core: 4,
+            prefill_rows: 32,
+            granule: 16,
+        }
+    }
+
+    /// Row tiles of a projection with `n` output rows of `row_bytes` weight bytes each.
+    pub fn row_tiles(&self, n: usize, row_bytes: usize) -> Vec<Range<usize>> {
+        let g = self.granule.max(1);
+        let by_bytes = (n * row_bytes).div_ceil(self.tile_bytes.max(1));
+        let want = by_bytes.max(self.tiles_per_core * self.cores);
+        let units = n.div_ceil(g);
+        let t = want.min(units).max(1);
+        (0..t)
+            .map(|i| {
+                let r = split_range(units, t, i);
+                (r.start * g).min(n)..(r.end * g).min(n)
+            })
+            .filter(|r| !r.is_empty())
+            .collect()
+    }
+
+    /// KV chunks of each sequence for split-KV decode attention over `kv_heads` heads.
+    pub fn kv_chunks(&self, seq_lens: &[usize], kv_heads: usize) -> Vec<Vec<Range<usize>>> {
+        let base = (seq_lens.len() * kv_heads).max(1);
+        let split = (self.attn_tasks_per_core * self.cores)
+            .div_ceil(base)
+            .max(1);
+        seq_lens
+            .iter()
+            .map(|&len| {
+                let c = split.min(len.div_ceil(self.min_kv_chunk.max(1))).max(1);
+                (0..c).map(|i| split_range(len, c, i)).collect()
+            })
+            .collect()
+    }
+}
+
+/// Row tiles of every projection of a layer and of the LM head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerTiles {
+    /// `q_proj` rows.
+    pub q: Vec<Range<usize>>,
+    /// `k_proj` rows.
+    pub k: Vec<Range<usize>>,
+    /// `v_proj` rows.
+    pub v: Vec<Range<usize>>,
+    /// `o_proj` rows (hidden columns of the residual).
+    pub o: Vec<Range<usize>>,
+    /// `gate_proj`/`up_proj` rows (fused with SwiGLU).
+    pub gate_up: Vec<Range<usize>>,
+    /// `down_proj` rows (hidden columns of the residual).
+    pub down: Vec<Range<usize>>,
+    /// LM-head rows (vocabulary).
+    pub lm_head: Vec<Range<usize>>,
+}
+
+impl LayerTiles {
+    /// Tiles for `c` under `policy`.
+    pub fn new(c: &Qwen3Config, policy: &TilePolicy) -> LayerTiles {
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.q_width(),
+            c.kv_width(),
+            c.intermediate_size,
+        );
+        LayerTiles {
+            q: policy.row_tiles(q, 2 * h),
+            k: policy.row_tiles(kv, 2 * h),
+            v: policy.row_tiles(kv, 2 * h),
+            o: policy.row_tiles(h, 2 * q),
+            gate_up: policy.row_tiles(i, 4 * h),
+            down: policy.row_tiles(h, 2 * i),
+            lm_head: policy.row_tiles(c.vocab_size, 2 * h),
+        }
+    }
+}
+
+/// One sequence's rows in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqRows {
+    /// Block-table row of the sequence.
+    pub table_row: usize,
+    /// Tokens of the sequence after this step (cached prefix + the step's tokens).
+    pub seq_len: usize,
+    /// Tokens of the sequence in this step (decode: 1).
+    pub n_rows: usize,
+    /// Step row of the sequence's first token.
+    pub row0: usize,
+}
+
+impl SeqRows {
+    /// Position of the step's first token of this sequence.
+    pub fn first_pos(&self) -> usize {
+        self.seq_len - self.n_rows
+    }
+
+    /// Runs of the sequence's step rows whose KV slots are consecutive (one page each):
+    /// `(first step row, first position, first slot, rows)`.
+    pub fn slot_runs(&self, batch: &PagedBatch) -> Vec<(usize, usize, usize, usize)> {
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < self.n_rows {
+            let pos = self.first_pos() + i;
+            let n = (batch.page_size - pos % batch.page_size).min(self.n_rows - i);
+            let table = &batch.block_table[self.table_row * batch.max_blocks..];
+            let slot =
+                table[pos / batch.page_size] as usize * batch.page_size + pos % batch.page_size;
+            runs.push((self.row0 + i, pos, slot, n));
+            i += n;
+        }
+        runs
+    }
+}
+
+/// Checks a batch against a cache of `slots` slots and RoPE tables of `max_seq` positions.
+pub(crate) fn check_batch(
+    batch: &PagedBatch,
+    slots: usize,
+    page_size: usize,
+    max_seq: usize,
+) -> Result<(), String> {
+    batch.check()?;
+    if batch.page_size != page_size {
+        return Err(format!(
+            "batch pages of {} tokens, the cache has pages of {page_size}",
+            batch.page_size
+        ));
+    }
+    if let Some(&p) = batch
+        .block_table
+        .iter()
+        .find(|&&p| (p as usize + 1) * page_size > slots)
+    {
+        return Err(format!(
+            "block table names page {p}, the cache has {} pages",
+            slots / page_size
+        ));
+    }
+    if let Some(&len) = batch.seq_lens.iter().find(|&&l| l > max_seq) {
+        return Err(format!(
+            "sequence of {len} tokens, the RoPE tables cover {max_seq} positions"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,355 @@
+//! A model resident in worker buffers: the weights (one buffer per tensor kind, holding every
+//! distinct weight set; in shared-weights mode one set serves every layer), the RoPE tables,
+//! and the paged KV cache (one K and one V buffer holding every layer's pool back to back).
+
+use std::sync::Arc;
+
+use half::bf16;
+use simpler_core::{Buffer, Element, Worker};
+
+use super::config::Qwen3Config;
+use super::weights::{KvCache, LayerWeights, Qwen3Weights, RopeTables, Tensor};
+
+/// Why a resident model, a KV cache or a runtime step could not be set up or run.
+#[derive(Debug, thiserror::Error)]
+pub enum Qwen3RunError {
+    /// The runtime refused or failed the run.
+    #[error(transparent)]
+    Runtime(#[from] simpler_core::Error),
+    /// A host copy into or out of a buffer failed.
+    #[error(transparent)]
+    Buffer(#[from] simpler_core::BufferError),
+    /// The request does not fit the model, the cache or the inputs.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Progress callback of uploads: `(bytes done, bytes total)`.
+pub type UploadProgress<'a> = &'a dyn Fn(u64, u64);
+
+/// Index of each weight buffer (the order of [`ResidentModel::buffers`]).
+pub(crate) mod slot {
+    /// Slots `0..LAYER_TENSORS` hold the per-layer tensors in `LayerWeights::shapes` order
+    /// (q, k, v, o, gate, up, down projections; q/k norms; input and post-attention norms).
+    pub(crate) const LAYER_TENSORS: usize = 11;
+    pub(crate) const EMBEDDING: usize = 11;
+    pub(crate) const FINAL_NORM: usize = 12;
+    pub(crate) const LM_HEAD: usize = 13;
+    pub(crate) const ROPE_COS: usize = 14;
+    pub(crate) const ROPE_SIN: usize = 15;
+    /// Number of model buffers.
+    pub(crate) const COUNT: usize = 16;
+}
+
+/// A model's weights and RoPE tables in worker buffers.
+#[derive(Debug)]
+pub struct ResidentModel {
+    /// The configuration (RoPE θ as the weights were generated or loaded with).
+    pub config: Qwen3Config,
+    /// Distinct layer weight sets held.
+    pub sets: usize,
+    /// Weight set of each layer.
+    pub set_of_layer: Vec<usize>,
+    /// Positions the RoPE tables cover.
+    pub max_seq: usize,
+    pub(crate) buffers: Vec<Buffer>,
+}
+
+fn as_bytes_len<T>(x: &[T]) -> usize {
+    std::mem::size_of_val(x)
+}
+
+impl ResidentModel {
+    /// Copies `weights` into buffers of `worker`, with RoPE tables for `max_seq` positions.
+    /// Layers that share one `Arc` share one weight set.
+    pub fn upload(
+        worker: &Worker,
+        weights: &Qwen3Weights,
+        max_seq: usize,
+        progress: Option<UploadProgress<'_>>,
+    ) -> Result<ResidentModel, Qwen3RunError> {
+        let c = &weights.config;
+        weights.check_shapes().map_err(Qwen3RunError::Invalid)?;
+        if !c.head_dim.is_multiple_of(16) {
+            return Err(Qwen3RunError::Invalid(format!(
+                "head_dim {} is not a multiple of 16 (the packed GEMM layout needs whole 16-column blocks per head)",
+                c.head_dim
+            )));
+        }
+        // Distinct weight sets, in first-use order.
+        let mut sets: Vec<Arc<LayerWeights>> = Vec::new();
+        let mut set_of_layer = Vec::with_capacity(weights.layers.len());
+        for l in &weights.layers {
+            match sets.iter().position(|s| Arc::ptr_eq(s, l)) {
+                Some(i) => set_of_layer.push(i),
+                None => {
+                    set_of_layer.push(sets.len());
+                    sets.push(l.clone());
+                }
+            }
+        }
+        let rope = RopeTables::new(max_seq, c.head_dim, c.rope_theta);
+        let layer_bytes: u64 = sets
+            .iter()
+            .flat_map(|s| s.tensors())
+            .map(|t| match t {
+                Tensor::Bf16(x) => as_bytes_len(x) as u64,
+                Tensor::F32(x) => as_bytes_len(x) as u64,
+            })
+            .sum();
+        let total = layer_bytes
+            + as_bytes_len(&weights.embedding) as u64
+            + weights
+                .lm_head
+                .as_ref()
+                .map_or(0, |h| as_bytes_len(h) as u64)
+            + 4 * (c.hidden_size as u64 + 2 * rope.cos.len() as u64);
+        let done = std::cell::Cell::new(0u64);
+        let tick = |bytes: usize| {
+            done.set(done.get() + bytes as u64);
+            if let Some(p) = progress {
+                p(done.get(), total);
+            }
+        };
+        let mut buffers = Vec::with_capacity(slot::COUNT);
+        // Projections and per-layer norms: one buffer per tensor kind, sets back to back.
+        for kind in 0..slot::LAYER_TENSORS {
+            let first = &sets[0].tensors()[kind];
+            let bytes_per_set = match first {
+                Tensor::Bf16(x) => as_bytes_len(x),
+                Tensor::F32(x) => as_bytes_len(x),
+            };
+            let buf = worker.alloc(bytes_per_set * sets.len())?;
+            for (si, set) in sets.iter().enumerate() {
+                match &set.tensors()[kind] {
+                    Tensor::Bf16(x) => upload_chunked(&buf, si * bytes_per_set, x, &tick)?,
+                    Tensor::F32(x) => upload_chunked(&buf, si * bytes_per_set, x, &tick)?,
+                }
+            }
+            buffers.push(buf);
+        }
+        let embedding = worker.alloc(as_bytes_len(&weights.embedding))?;
+        upload_chunked(&embedding, 0, &weights.embedding, &tick)?;
+        buffers.push(embedding.clone());
+        buffers.push(worker.buffer_from(&weights.final_norm)?);
+        tick(as_bytes_len(&weights.final_norm));
+        match &weights.lm_head {
+            Some(h) => {
+                let b = worker.alloc(as_bytes_len(h))?;
+                upload_chunked(&b, 0, h, &tick)?;
+                buffers.push(b);
+            }
+            None => buffers.push(embedding),
+        }
+        buffers.push(worker.buffer_from(&rope.cos)?);
+        buffers.push(worker.buffer_from(&rope.sin)?);
+        tick(2 * as_bytes_len(&rope.cos));
+        Ok(ResidentModel {
+            config: c.clone(),
+            sets: sets.len(),
+            set_of_layer,
+            max_seq,
+            buffers,
+        })
+    }
+
+    /// The buffers, in the order the orchestrations bind them.
+    pub fn buffers(&self) -> &[Buffer] {
+        &self.buffers
+    }
+
+    /// Bytes of weights held in buffers (every distinct set once; a tied LM head once).
+    pub fn resident_bytes(&self) -> usize {
+        let mut seen = Vec::new();
+        self.buffers[..=slot::LM_HEAD]
+            .iter()
+            .filter(|b| {
+                let new = !seen.contains(&b.id());
+                seen.push(b.id());
+                new
+            })
+            .map(|b| b.len())
+            .sum()
+    }
+
+    /// Reads layer weight set `set` back to the host (tests and checks).
+    pub fn download_layer(&self, set: usize) -> Result<LayerWeights, Qwen3RunError> {
+        let mut lw = LayerWeights::zeros(&self.config);
+        for (kind, t) in lw.tensors_mut().into_iter().enumerate() {
+            let buf = &self.buffers[kind];
+            match t {
+                super::weights::TensorMut::Bf16(x) => {
+                    let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
+                    x.copy_from_slice(&v);
+                }
+                super::weights::TensorMut::F32(x) => {
+                    let v = buf.read_at::<f32>(set * as_bytes_len(x), x.len())?;
+                    x.copy_from_slice(&v);
+                }
+            }
+        }
+        Ok(lw)
+    }
+
+    /// Reads rows `rows` of the LM head back to the host (`[rows, hidden]` bf16).
+    pub fn download_lm_head_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<bf16>, Qwen3RunError> {
+        let h = self.config.hidden_size;
+        Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
+    }
+
+    /// Reads embedding rows of `ids` back to the host as fp32 `[ids, hidden]`.
+    pub fn download_embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>, Qwen3RunError> {
+        let h = self.config.hidden_size;
+        let mut out = Vec::with_capacity(ids.len() * h);
+        for &id in ids {
+            let row = self.buffers[slot::EMBEDDING].read_at::<bf16>(id as usize * h * 2, h)?;
+            out.extend(row.iter().map(|v| v.to_f32()));
+        }
+        Ok(out)
+    }
+
+    /// The final norm weights.
+    pub fn final_norm(&self) -> Result<Vec<f32>, Qwen3RunError> {
+        Ok(self.buffers[slot::FINAL_NORM].read::<f32>()?)
+    }
+}
+
+/// Copies `data` into `buf` at byte `offset` in 64 MiB pieces, reporting progress.
+fn upload_chunked<T: Element>(
+    buf: &Buffer,
+    offset: usize,
+    data: &[T],
+    tick: &dyn Fn(usize),
+) -> Result<(), Qwen3RunError> {
+    let per = ((64usize << 20) / size_of::<T>()).max(1);
+    for (i, c) in data.chunks(per).enumerate() {
+        buf.write_at(offset + i * per * size_of::<T>(), c)?;
+        tick(as_bytes_len(c));
+    }
+    Ok(())
+}
+
+/// The paged KV cache in two worker buffers: K and V, each `[layers, pages * page_size, row]`
+/// bf16 (`row = kv_heads * head_dim`), layer stride one pool (`03-qwen3.md`).
+#[derive(Debug, Clone)]
+pub struct KvBuffers {
+    /// K pools of every layer.
+    pub k: Buffer,
+    /// V pools of every layer.
+    pub v: Buffer,
+    /// Layers.
+    pub layers: usize,
+    /// Pages per layer pool.
+    pub num_pages: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Elements of one slot row (`kv_heads * head_dim`).
+    pub row: usize,
+}
+
+impl KvBuffers {
+    /// A zeroed cache for `config`'s layers with `num_pages` pages of `page_size` per layer.
+    pub fn new(
+        worker: &Worker,
+        config: &Qwen3Config,
+        num_pages: usize,
+        page_size: usize,
+    ) -> Result<KvBuffers, Qwen3RunError> {
+        let row = config.kv_width();
+        let bytes = config
+            .num_hidden_layers
+            .checked_mul(num_pages * page_size * row * 2)
+            .ok_or_else(|| Qwen3RunError::Invalid("KV cache size overflows".into()))?;
+        Ok(KvBuffers {
+            k: worker.alloc(bytes)?,
+            v: worker.alloc(bytes)?,
+            layers: config.num_hidden_layers,
+            num_pages,
+            page_size,
+            row,
+        })
+    }
+
+    /// Slots (rows) of one layer's pool.
+    pub fn slots(&self) -> usize {
+        self.num_pages * self.page_size
+    }
+
+    /// Elements of one layer's pool.
+    pub fn pool_len(&self) -> usize {
+        self.slots() * self.row
+    }
+
+    fn check_layer(&self, l: usize) -> Result<(), Qwen3RunError> {
+        if l >= self.layers {
+            return Err(Qwen3RunError::Invalid(format!(
+                "layer {l} of {}",
+                self.layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes layer `l`'s K and V pools (each [`KvBuffers::pool_len`] elements).
+    pub fn write_layer(&self, l: usize, k: &[bf16], v: &[bf16]) -> Result<(), Qwen3RunError> {
+        self.check_layer(l)?;
+        if k.len() != self.pool_len() || v.len() != self.pool_len() {
+            return Err(Qwen3RunError::Invalid(format!(
+                "layer pools of {} / {} elements, expected {}",
+                k.len(),
+                v.len(),
+                self.pool_len()
+            )));
+        }
+        let off = l * self.pool_len() * 2;
+        self.k.write_at(off, k)?;
+        self.v.write_at(off, v)?;
+        Ok(())
+    }
+
+    /// Copies a host cache of the same geometry into the buffers.
+    pub fn upload(&self, kv: &KvCache) -> Result<(), Qwen3RunError> {
+        if (kv.layers, kv.num_pages, kv.page_size, kv.row())
+            != (self.layers, self.num_pages, self.page_size, self.row)
+        {
+            return Err(Qwen3RunError::Invalid(
+                "host KV cache geometry differs from the buffers".into(),
+            ));
+        }
+        for l in 0..self.layers {
+            self.write_layer(l, kv.layer_k(l), kv.layer_v(l))?;
+        }
+        Ok(())
+    }
+
+    /// The K and V rows of slot `slot` in layer `l`.
+    pub fn read_slot(
+        &self,
+        l: usize,
+        slot: usize,
+    ) -> Result<(Vec<bf16>, Vec<bf16>), Qwen3RunError> {
+        self.check_layer(l)?;
+        if slot >= self.slots() {
+            return Err(Qwen3RunError::Invalid(format!(
+                "slot {slot} of {}",
+                self.slots()
+            )));
+        }
+        let off = (l * self.pool_len() + slot * self.row) * 2;
+        Ok((
+            self.k.read_at(off, self.row)?,
+            self.v.read_at(off, self.row)?,
+        ))
+    }
+
+    /// The whole cache on the host (tests; as large as the buffers).
+    pub fn download(&self, config: &Qwen3Config) -> Result<KvCache, Qwen3RunError> {
+        let mut kv = KvCache::zeros(config, self.num_pages, self.page_size);
+        kv.k.copy_from_slice(&self.k.read::<bf16>()?);
+        kv.v.copy_from_slice(&self.v.read::<bf16>()?);
+        Ok(kv)
+    }
+}

@@ -1,0 +1,359 @@
+//! Running Qwen3 steps on a worker: a [`Session`] holds a resident model and its paged KV
+//! cache, plans each step on the host (rows, slots, tiles, KV chunks), binds the step's inputs
+//! and outputs, runs the orchestration and reads the results back.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::bf16;
+use simpler_core::{Buffer, CallConfig, RunArgs, RunReport, Worker};
+
+use super::golden::PrefillChunk;
+use super::orchestrate::{self, StepKind, StepPlan, Variant, io};
+use super::plan::{LayerTiles, SeqRows, TilePolicy, check_batch};
+use super::resident::{KvBuffers, Qwen3RunError, ResidentModel};
+use super::weights::PagedBatch;
+
+/// What a full-model step (decode or prefill) produced, one row per sequence.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// Greedy next token of each sequence (argmax, ties to the lowest index).
+    pub next_tokens: Vec<u32>,
+    /// fp32 logits `[sequences, vocab]` (empty when the session does not read them back).
+    pub logits: Vec<f32>,
+    /// fp32 hidden state after the last layer `[sequences, hidden]` (before the final norm).
+    pub hidden: Vec<f32>,
+    /// The run's timing.
+    pub report: RunReport,
+}
+
+/// What a layers-chunk step produced.
+#[derive(Clone, Debug)]
+pub struct LayersOutput {
+    /// bf16 hidden state after the layers `[batch, hidden]`.
+    pub hidden: Vec<bf16>,
+    /// The run's timing.
+    pub report: RunReport,
+}
+
+/// I/O buffer roles (a session keeps one buffer per role and size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Role {
+    Table,
+    Input,
+    Main,
+    Ids,
+    Hidden,
+}
+
+/// A resident model with its KV cache, ready to run steps.
+#[derive(Debug)]
+pub struct Session {
+    model: Arc<ResidentModel>,
+    kv: KvBuffers,
+    /// How steps are cut into tasks.
+    pub policy: TilePolicy,
+    /// Whether full-model steps read the logits back (off saves a `[rows, vocab]` copy).
+    pub read_logits: bool,
+    io: HashMap<(Role, usize), Buffer>,
+}
+
+impl Session {
+    /// A session over `model` and `kv`, tiled for `worker`'s cores.
+    pub fn new(worker: &Worker, model: Arc<ResidentModel>, kv: KvBuffers) -> Session {
+        Session {
+            model,
+            kv,
+            policy: TilePolicy::for_cores(worker.cores()),
+            read_logits: true,
+            io: HashMap::new(),
+        }
+    }
+
+    /// The resident model.
+    pub fn model(&self) -> &ResidentModel {
+        &self.model
+    }
+
+    /// The KV cache.
+    pub fn kv(&self) -> &KvBuffers {
+        &self.kv
+    }
+
+    fn io_buffer(
+        &mut self,
+        worker: &Worker,
+        role: Role,
+        bytes: usize,
+    ) -> Result<Buffer, Qwen3RunError> {
+        let bytes = bytes.max(4);
+        if let Some(b) = self.io.get(&(role, bytes)) {
+            return Ok(b.clone());
+        }
+        let b = worker.alloc(bytes)?;
+        self.io.insert((role, bytes), b.clone());
+        Ok(b)
+    }
+
+    fn plan(
+        &self,
+        kind: StepKind,
+        variant: Variant,
+        layers: Range<usize>,
+        batch: &PagedBatch,
+        seqs: Vec<SeqRows>,
+    ) -> Result<StepPlan, Qwen3RunError> {
+        let m = &self.model;
+        let c = &m.config;
+        check_batch(batch, self.kv.slots(), self.kv.page_size, m.max_seq)
+            .map_err(Qwen3RunError::Invalid)?;
+        if layers.start > layers.end
+            || layers.end > c.num_hidden_layers
+            || layers.end > self.kv.layers
+        {
+            return Err(Qwen3RunError::Invalid(format!(
+                "layers {layers:?} outside the model's {} layers",
+                c.num_hidden_layers
+            )));
+        }
+        let rows: usize = seqs.iter().map(|s| s.n_rows).sum();
+        if rows == 0 {
+            return Err(Qwen3RunError::Invalid(
+                "a step needs at least one token".into(),
+            ));
+        }
+        let slot_runs = seqs.iter().map(|s| s.slot_runs(batch)).collect();
+        let kv_chunks = match kind {
+            StepKind::Decode => {
+                let lens: Vec<usize> = seqs.iter().map(|s| s.seq_len).collect();
+                self.policy.kv_chunks(&lens, c.num_key_value_heads)
+            }
+            StepKind::Prefill => Vec::new(),
+        };
+        Ok(StepPlan {
+            config: c.clone(),
+            sets: m.sets,
+            set_of_layer: m.set_of_layer.clone(),
+            max_seq: m.max_seq,
+            kv_layers: self.kv.layers,
+            slots: self.kv.slots(),
+            page_size: self.kv.page_size,
+            table_rows: batch.batch(),
+            max_blocks: batch.max_blocks,
+            kind,
+            variant,
+            layers,
+            rows,
+            seqs,
+            slot_runs,
+            tiles: LayerTiles::new(c, &self.policy),
+            kv_chunks,
+            prefill_rows: self.policy.prefill_rows,
+        })
+    }
+
+    /// Binds the step's buffers, runs the orchestration and returns its report.
+    fn run(
+        &mut self,
+        worker: &Worker,
+        plan: StepPlan,
+        batch: &PagedBatch,
+        input: Buffer,
+        out: [Buffer; 3],
+        cfg: &CallConfig,
+    ) -> Result<RunReport, Qwen3RunError> {
+        let table = self.io_buffer(worker, Role::Table, batch.block_table.len() * 4)?;
+        table.write(&batch.block_table)?;
+        let mut buffers = self.model.buffers().to_vec();
+        buffers.extend([self.kv.k.clone(), self.kv.v.clone(), table, input]);
+        buffers.extend(out);
+        debug_assert_eq!(buffers.len(), io::COUNT);
+        let name = match (plan.kind, plan.variant) {
+            (StepKind::Decode, Variant::Model) => "qwen3.decode",
+            (StepKind::Decode, Variant::Layers) => "qwen3.decode_layers",
+            (StepKind::Prefill, _) => "qwen3.prefill",
+        };
+        let plan = Arc::new(plan);
+        let args = RunArgs {
+            buffers,
+            scalars: Vec::new(),
+        };
+        Ok(worker.run_fn(name, args, cfg, move |o, a| orchestrate::step(o, a, &plan))?)
+    }
+
+    /// One full-model decode step: `tokens[b]` is sequence `b`'s newest token, at position
+    /// `batch.seq_lens[b] - 1`; its K/V land at `batch.slot_mapping()[b]` in every layer.
+    pub fn decode(
+        &mut self,
+        worker: &Worker,
+        batch: &PagedBatch,
+        tokens: &[u32],
+        cfg: &CallConfig,
+    ) -> Result<StepOutput, Qwen3RunError> {
+        if tokens.len() != batch.batch() {
+            return Err(Qwen3RunError::Invalid(format!(
+                "{} tokens for a batch of {}",
+                tokens.len(),
+                batch.batch()
+            )));
+        }
+        let seqs = decode_rows(batch);
+        let layers = 0..self.model.config.num_hidden_layers;
+        let plan = self.plan(StepKind::Decode, Variant::Model, layers, batch, seqs)?;
+        self.run_model(worker, plan, batch, tokens, cfg)
+    }
+
+    /// The layers-chunk decode step over `layers`: bf16 hidden `[batch, hidden]` in, bf16 out,
+    /// fp32 carried between layers, no embedding or head (the reference fixture's variant).
+    pub fn decode_layers(
+        &mut self,
+        worker: &Worker,
+        batch: &PagedBatch,
+        hidden: &[bf16],
+        layers: Range<usize>,
+        cfg: &CallConfig,
+    ) -> Result<LayersOutput, Qwen3RunError> {
+        let h = self.model.config.hidden_size;
+        if hidden.len() != batch.batch() * h {
+            return Err(Qwen3RunError::Invalid(format!(
+                "hidden of {} elements for {} rows of {h}",
+                hidden.len(),
+                batch.batch()
+            )));
+        }
+        let plan = self.plan(
+            StepKind::Decode,
+            Variant::Layers,
+            layers,
+            batch,
+            decode_rows(batch),
+        )?;
+        let bytes = hidden.len() * 2;
+        let input = self.io_buffer(worker, Role::Input, bytes)?;
+        input.write(hidden)?;
+        let out = self.io_buffer(worker, Role::Main, bytes)?;
+        let spare = self.io_buffer(worker, Role::Ids, 4)?;
+        let report = self.run(
+            worker,
+            plan,
+            batch,
+            input,
+            [out.clone(), spare.clone(), spare],
+            cfg,
+        )?;
+        Ok(LayersOutput {
+            hidden: out.read_at::<bf16>(0, hidden.len())?,
+            report,
+        })
+    }
+
+    /// A chunked causal prefill step: each chunk's tokens end at its `seq_len` (the cached
+    /// prefix `0..seq_len - tokens.len()` is already in the cache); every chunk token's K/V is
+    /// written; logits and greedy ids come back for each chunk's last token. `batch` supplies
+    /// the block tables (its `seq_lens` are not used).
+    pub fn prefill(
+        &mut self,
+        worker: &Worker,
+        batch: &PagedBatch,
+        chunks: &[PrefillChunk],
+        cfg: &CallConfig,
+    ) -> Result<StepOutput, Qwen3RunError> {
+        let mut seqs = Vec::with_capacity(chunks.len());
+        let mut tokens = Vec::new();
+        for ch in chunks {
+            if ch.tokens.is_empty() || ch.tokens.len() > ch.seq_len || ch.seq >= batch.batch() {
+                return Err(Qwen3RunError::Invalid(format!(
+                    "prefill chunk of {} tokens ending at {} for sequence {} of {}",
+                    ch.tokens.len(),
+                    ch.seq_len,
+                    ch.seq,
+                    batch.batch()
+                )));
+            }
+            if ch.seq_len > batch.max_blocks * batch.page_size {
+                return Err(Qwen3RunError::Invalid(format!(
+                    "prefill chunk ends at {} tokens, the block table holds {}",
+                    ch.seq_len,
+                    batch.max_blocks * batch.page_size
+                )));
+            }
+            seqs.push(SeqRows {
+                table_row: ch.seq,
+                seq_len: ch.seq_len,
+                n_rows: ch.tokens.len(),
+                row0: tokens.len(),
+            });
+            tokens.extend_from_slice(&ch.tokens);
+        }
+        if let Some(&len) = chunks
+            .iter()
+            .map(|c| &c.seq_len)
+            .find(|&&l| l > self.model.max_seq)
+        {
+            return Err(Qwen3RunError::Invalid(format!(
+                "prefill to {len} tokens, the RoPE tables cover {}",
+                self.model.max_seq
+            )));
+        }
+        let layers = 0..self.model.config.num_hidden_layers;
+        let plan = self.plan(StepKind::Prefill, Variant::Model, layers, batch, seqs)?;
+        self.run_model(worker, plan, batch, &tokens, cfg)
+    }
+
+    fn run_model(
+        &mut self,
+        worker: &Worker,
+        plan: StepPlan,
+        batch: &PagedBatch,
+        tokens: &[u32],
+        cfg: &CallConfig,
+    ) -> Result<StepOutput, Qwen3RunError> {
+        let c = &self.model.config;
+        let vocab = c.vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Qwen3RunError::Invalid(format!(
+                "token id {t} outside the vocabulary of {vocab}"
+            )));
+        }
+        let (n_seqs, h) = (plan.seqs.len(), c.hidden_size);
+        let input = self.io_buffer(worker, Role::Input, tokens.len() * 4)?;
+        input.write(tokens)?;
+        let logits = self.io_buffer(worker, Role::Main, n_seqs * vocab * 4)?;
+        let ids = self.io_buffer(worker, Role::Ids, n_seqs * 4)?;
+        let hidden = self.io_buffer(worker, Role::Hidden, n_seqs * h * 4)?;
+        let report = self.run(
+            worker,
+            plan,
+            batch,
+            input,
+            [logits.clone(), ids.clone(), hidden.clone()],
+            cfg,
+        )?;
+        Ok(StepOutput {
+            next_tokens: ids.read_at::<u32>(0, n_seqs)?,
+            logits: if self.read_logits {
+                logits.read_at::<f32>(0, n_seqs * vocab)?
+            } else {
+                Vec::new()
+            },
+            hidden: hidden.read_at::<f32>(0, n_seqs * h)?,
+            report,
+        })
+    }
+}
+
+/// Decode rows: sequence `b` is row `b`, one token at position `seq_lens[b] - 1`.
+fn decode_rows(batch: &PagedBatch) -> Vec<SeqRows> {
+    batch
+        .seq_lens
+        .iter()
+        .enumerate()
+        .map(|(b, &len)| SeqRows {
+            table_row: b,
+            seq_len: len,
+            n_rows: 1,
+            row0: b,
+        })
+        .collect()
+}

@@ -1,0 +1,375 @@
+//! The Qwen3 step on the runtime (2 CPU cores) against the independent golden: the layers
+//! chunk with every layer's K/V writes (batch 1 and 16, ragged lengths crossing pages), the
+//! full model's argmax, prefill-then-decode against token-by-token decode, and a checkpoint
+//! round trip giving identical results.
+
+use std::sync::Arc;
+
+use half::bf16;
+use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker, WorkerConfig};
+use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
+use simpler_models::qwen3::{
+    Fixture, FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, ResidentModel,
+    SaveOptions, Session, generate_fixture, load_checkpoint, ops, save_checkpoint,
+};
+
+fn worker(cores: usize) -> Worker {
+    let w = Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(cores),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    ops::register(&w).unwrap();
+    w
+}
+
+/// A fixture of `preset` with ragged `seq_lens` (block tables sized for the longest).
+///
+/// The spec's `o_proj`/`down_proj` scales (std 6e-4 / 4e-4) barely move the residual, so a
+/// broken attention or MLP would still meet the hidden-state tolerance; the tests scale both
+/// by 50 so every layer's update is of the order of the residual itself. Likewise the cached
+/// K (std 0.01) and V (0.3 ± 0.02) make softmax nearly uniform over nearly equal values, so
+/// the tests stretch them to N(0, 1) and the attention pattern matters.
+fn fixture(preset: &str, seq_lens: &[usize]) -> Fixture {
+    let max = *seq_lens.iter().max().unwrap();
+    let mut f = generate_fixture(
+        &Qwen3Config::preset(preset).unwrap(),
+        &FixtureOptions::small(seq_lens.len(), max),
+        None,
+    );
+    f.batch.seq_lens = seq_lens.to_vec();
+    for layer in &mut f.weights.layers {
+        let lw = Arc::make_mut(layer);
+        for w in lw.wo.iter_mut().chain(lw.w_down.iter_mut()) {
+            *w = bf16::from_f32(w.to_f32() * 50.0);
+        }
+    }
+    f.kv.k
+        .iter_mut()
+        .for_each(|x| *x = bf16::from_f32(x.to_f32() * 100.0));
+    f.kv.v
+        .iter_mut()
+        .for_each(|x| *x = bf16::from_f32((x.to_f32() - 0.3) * 50.0));
+    f
+}
+
+fn session(w: &Worker, f: &Fixture) -> Session {
+    let model = ResidentModel::upload(w, &f.weights, f.rope.max_seq, None).unwrap();
+    let kv = KvBuffers::new(w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+    kv.upload(&f.kv).unwrap();
+    Session::new(w, Arc::new(model), kv)
+}
+
+fn f32s(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// Every layer's K/V rows at the golden's slots, read back from the session's cache.
+fn check_kv_writes(s: &Session, want: &[golden::LayerKvWrite], tol: Tolerance, first: Tolerance) {
+    let row = s.kv().row;
+    for (l, wr) in want.iter().enumerate() {
+        let tol = if l == 0 { first } else { tol };
+        for (t, &slot) in wr.slots.iter().enumerate() {
+            let (k, v) = s.kv().read_slot(l, slot).unwrap();
+            tol.check(
+                &format!("layer {l} K at slot {slot}"),
+                &f32s(&k),
+                &f32s(&wr.k[t * row..(t + 1) * row]),
+            )
+            .unwrap();
+            tol.check(
+                &format!("layer {l} V at slot {slot}"),
+                &f32s(&v),
+                &f32s(&wr.v[t * row..(t + 1) * row]),
+            )
+            .unwrap();
+        }
+    }
+}
+
+fn layers_chunk_matches_golden(preset: &str, seq_lens: &[usize], cfg: &CallConfig) {
+    let f = fixture(preset, seq_lens);
+    let w = worker(2);
+    let mut s = session(&w, &f);
+    let layers = f.weights.config.num_hidden_layers;
+    let got = s
+        .decode_layers(&w, &f.batch, &f.hidden, 0..layers, cfg)
+        .unwrap();
+    let mut kv = f.kv.clone();
+    let (want, writes) =
+        golden::decode_layers_bf16(&f.weights, 0..layers, &mut kv, &f.batch, &f.rope, &f.hidden);
+    Tolerance::STACK
+        .check("hidden after the layers", &f32s(&got.hidden), &f32s(&want))
+        .unwrap();
+    check_kv_writes(&s, &writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+    assert_eq!(got.report.counters.skipped, 0);
+}
+
+#[test]
+fn layers_chunk_batch_1_matches_the_golden() {
+    layers_chunk_matches_golden("small", &[300], &CallConfig::default());
+}
+
+#[test]
+fn layers_chunk_ragged_batch_16_matches_the_golden() {
+    let lens: Vec<usize> = (0..16).map(|b| 1 + (b * 37) % 290).collect();
+    layers_chunk_matches_golden("small", &lens, &CallConfig::default());
+}
+
+#[test]
+fn one_layer_meets_the_one_layer_tolerance() {
+    let f = fixture("small", &[1, 128, 129, 260]);
+    let w = worker(2);
+    let mut s = session(&w, &f);
+    let x: Vec<f32> = f32s(&f.hidden);
+    let got = s
+        .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
+        .unwrap();
+    let mut kv = f.kv.clone();
+    let want = golden::decode_layers(&f.weights, 0..1, &mut kv, &f.batch, &f.rope, &x);
+    let want_bf16: Vec<f32> = want
+        .hidden
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_f32())
+        .collect();
+    Tolerance::ONE_LAYER
+        .check("layer 0 hidden", &f32s(&got.hidden), &want_bf16)
+        .unwrap();
+    check_kv_writes(
+        &s,
+        &want.kv_writes,
+        Tolerance::ONE_LAYER,
+        Tolerance::ONE_LAYER,
+    );
+}
+
+fn full_model_matches_golden(seq_lens: &[usize], cfg: &CallConfig) {
+    let f = fixture("small", seq_lens);
+    let w = worker(2);
+    let mut s = session(&w, &f);
+    let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
+    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    Tolerance::STACK
+        .check("hidden after all layers", &got.hidden, &want.hidden)
+        .unwrap();
+    Tolerance::STACK
+        .check("logits", &got.logits, &want.logits)
+        .unwrap();
+    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+}
+
+#[test]
+fn full_model_argmax_is_identical_to_the_golden() {
+    full_model_matches_golden(&[1, 127, 128, 129, 300], &CallConfig::default());
+}
+
+#[test]
+fn full_model_in_serial_mode_and_tiny_rings() {
+    // Serial: the whole graph is submitted before execution, so rings must hold it.
+    full_model_matches_golden(
+        &[200, 3],
+        &CallConfig {
+            mode: OrchMode::Serial,
+            ..CallConfig::default()
+        },
+    );
+    // Tiny rings: scopes must be reclaimed layer by layer for the run to finish.
+    let tiny = RuntimeEnv {
+        ring_task_window: RingValue::All(256),
+        ring_heap: RingValue::All(1 << 20),
+        ring_dep_pool: RingValue::All(1024),
+    };
+    full_model_matches_golden(
+        &[200, 3],
+        &CallConfig {
+            runtime_env: tiny,
+            ..CallConfig::default()
+        },
+    );
+}
+
+/// A one-sequence view of row `b` of a batch's block tables.
+fn single(batch: &PagedBatch, b: usize, len: usize) -> PagedBatch {
+    PagedBatch {
+        page_size: batch.page_size,
+        max_blocks: batch.max_blocks,
+        block_table: batch.table(b).to_vec(),
+        seq_lens: vec![len],
+    }
+}
+
+#[test]
+fn prefill_then_decode_equals_token_by_token_decode() {
+    let prompts: [Vec<u32>; 2] = [
+        (0..150).map(|i| (i * 7 + 3) % 4000).collect(),
+        (0..70).map(|i| (i * 13 + 1) % 4000).collect(),
+    ];
+    let new_tokens = 4;
+    let f = fixture("small", &[150 + new_tokens, 70 + new_tokens]);
+    let w = worker(2);
+    let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
+    let kv = |_: ()| KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+    let cfg = CallConfig::default();
+
+    // A: chunked prefill (both sequences in each run, chunks of up to 64 tokens), then decode.
+    let mut a = Session::new(&w, model.clone(), kv(()));
+    let mut done = [0usize; 2];
+    let mut last = None;
+    while done.iter().zip(&prompts).any(|(d, p)| d < &p.len()) {
+        let chunks: Vec<PrefillChunk> = (0..2)
+            .filter(|&b| done[b] < prompts[b].len())
+            .map(|b| {
+                let end = (done[b] + 64).min(prompts[b].len());
+                PrefillChunk {
+                    seq: b,
+                    tokens: prompts[b][done[b]..end].to_vec(),
+                    seq_len: end,
+                }
+            })
+            .collect();
+        let out = a.prefill(&w, &f.batch, &chunks, &cfg).unwrap();
+        for (ch, &t) in chunks.iter().zip(&out.next_tokens) {
+            done[ch.seq] = ch.seq_len;
+            if ch.seq_len == prompts[ch.seq].len() {
+                last.get_or_insert([0u32; 2])[ch.seq] = t;
+            }
+        }
+    }
+    let mut next_a = last.unwrap();
+    let mut gen_a = vec![next_a.to_vec()];
+    let mut logits_a = Vec::new();
+    for step in 0..new_tokens - 1 {
+        let batch = PagedBatch {
+            seq_lens: vec![150 + step + 1, 70 + step + 1],
+            ..f.batch.clone()
+        };
+        let out = a.decode(&w, &batch, &next_a, &cfg).unwrap();
+        next_a = [out.next_tokens[0], out.next_tokens[1]];
+        gen_a.push(next_a.to_vec());
+        logits_a = out.logits;
+    }
+
+    // B: every prompt token decoded one at a time, sequence by sequence, then the same steps.
+    let mut b_s = Session::new(&w, model, kv(()));
+    let mut gen_b = vec![Vec::new(); new_tokens];
+    let mut logits_b = Vec::new();
+    for (b, prompt) in prompts.iter().enumerate() {
+        let mut tok = 0;
+        for (i, &t) in prompt.iter().enumerate() {
+            let out = b_s
+                .decode(&w, &single(&f.batch, b, i + 1), &[t], &cfg)
+                .unwrap();
+            tok = out.next_tokens[0];
+        }
+        gen_b[0].push(tok);
+        for step in 0..new_tokens - 1 {
+            let len = prompt.len() + step + 1;
+            let out = b_s
+                .decode(&w, &single(&f.batch, b, len), &[tok], &cfg)
+                .unwrap();
+            tok = out.next_tokens[0];
+            gen_b[step + 1].push(tok);
+            if step == new_tokens - 2 {
+                logits_b.extend(out.logits);
+            }
+        }
+    }
+    assert_eq!(
+        gen_a, gen_b,
+        "greedy tokens after prefill vs token-by-token"
+    );
+    Tolerance::STACK
+        .check("last logits", &logits_a, &logits_b)
+        .unwrap();
+    // The caches agree too: every prompt position of every layer.
+    for (b, p) in prompts.iter().enumerate() {
+        for pos in 0..p.len() {
+            let slot = f.batch.slot(b, pos);
+            for l in 0..f.weights.config.num_hidden_layers {
+                let (ka, va) = a.kv().read_slot(l, slot).unwrap();
+                let (kb, vb) = b_s.kv().read_slot(l, slot).unwrap();
+                Tolerance::STACK.check("K", &f32s(&ka), &f32s(&kb)).unwrap();
+                Tolerance::STACK.check("V", &f32s(&va), &f32s(&vb)).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_matches_the_golden() {
+    let f = fixture("small", &[200, 90]);
+    let w = worker(2);
+    let mut s = session(&w, &f);
+    // Sequence 0 has 120 tokens cached (the fixture's K/V), its chunk adds 80; sequence 1
+    // starts empty.
+    let chunks = vec![
+        PrefillChunk {
+            seq: 0,
+            tokens: (0..80).map(|i| (i * 31 + 5) % 4096).collect(),
+            seq_len: 200,
+        },
+        PrefillChunk {
+            seq: 1,
+            tokens: (0..90).map(|i| (i * 17 + 2) % 4096).collect(),
+            seq_len: 90,
+        },
+    ];
+    let got = s
+        .prefill(&w, &f.batch, &chunks, &CallConfig::default())
+        .unwrap();
+    let want = golden::prefill_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &chunks);
+    Tolerance::STACK
+        .check("prefill hidden", &got.hidden, &want.hidden)
+        .unwrap();
+    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+}
+
+#[test]
+fn a_saved_checkpoint_runs_identically_to_the_in_memory_model() {
+    for (preset, opts) in [
+        ("tiny", SaveOptions::default()),
+        (
+            "small",
+            SaveOptions {
+                max_shard_bytes: Some(4 << 20),
+                layout: simpler_models::qwen3::WeightLayout::InOut,
+                ..SaveOptions::default()
+            },
+        ),
+    ] {
+        let f = fixture(preset, &[130, 5]);
+        let dir = std::env::temp_dir().join(format!(
+            "simpler-models-runtime-{}-{preset}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        save_checkpoint(&dir, &f.weights, &opts).unwrap();
+        let loaded = load_checkpoint(
+            &dir,
+            &LoadOptions {
+                layout: opts.layout,
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
+        let w = worker(2);
+        let run = |weights| {
+            let model = ResidentModel::upload(&w, weights, f.rope.max_seq, None).unwrap();
+            let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+            kv.upload(&f.kv).unwrap();
+            let mut s = Session::new(&w, Arc::new(model), kv);
+            s.decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+                .unwrap()
+        };
+        let (a, b) = (run(&f.weights), run(&loaded));
+        assert_eq!(a.next_tokens, b.next_tokens, "{preset}");
+        assert_eq!(a.logits, b.logits, "{preset}: logits differ");
+        assert_eq!(a.hidden, b.hidden, "{preset}: hidden differs");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
