@@ -3,6 +3,8 @@
 mod bench_runtime;
 mod demo;
 mod opts;
+mod qwen3_cmd;
+mod qwen3_decode;
 mod trace_cmd;
 
 use anyhow::{Result, bail};
@@ -32,6 +34,10 @@ enum Command {
 enum RunCommand {
     /// Tiled matmul -> bias + GELU -> column sums -> reduction, checked against a reference.
     Demo(DemoArgs),
+    /// Qwen3 decode on the CPU (default: the 0.6B shape with seeded random weights), checked
+    /// against the golden, with a per-token report (TPOT, timing layers, bandwidth, roofline).
+    #[command(name = "qwen3-decode")]
+    Qwen3Decode(qwen3_decode::DecodeArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -60,7 +66,12 @@ struct DemoArgs {
 }
 
 fn run_demo(args: DemoArgs) -> Result<()> {
-    let shape = demo::DemoShape { m: args.m, k: args.k, n: args.n, tile: args.tile };
+    let shape = demo::DemoShape {
+        m: args.m,
+        k: args.k,
+        n: args.n,
+        tile: args.tile,
+    };
     let w = args.run.worker()?;
     demo::register(&w, shape)?;
     let cfg = args.run.call_config("demo")?;
@@ -74,7 +85,10 @@ fn run_demo(args: DemoArgs) -> Result<()> {
     if err > 1e-4 {
         bail!("demo result differs from the reference: max relative error {err:.2e} > 1e-4");
     }
-    println!("check: {} outputs match the plain reference (max relative error {err:.1e})", got.len());
+    println!(
+        "check: {} outputs match the plain reference (max relative error {err:.1e})",
+        got.len()
+    );
     Ok(())
 }
 
@@ -82,6 +96,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(RunCommand::Demo(a)) => run_demo(a),
+        Command::Run(RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
         Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }

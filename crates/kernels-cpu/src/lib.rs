@@ -22,8 +22,8 @@ mod simd;
 
 pub use attention::{
     PagedKv, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
-    decode_attention_partial_bf16, partial_len, prefill_attention_bf16, prefill_attention_rows_f32,
-    split_range,
+    decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len,
+    prefill_attention_bf16, prefill_attention_rows_f32, split_range,
 };
 pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
 pub use elementwise::{

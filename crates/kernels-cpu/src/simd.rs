@@ -15,3 +15,17 @@ pub(crate) fn hsum256(v: __m256) -> f32 {
     let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
     _mm_cvtss_f32(s)
 }
+
+/// Hints the memory system to bring the cache line holding `p` into L2. Never faults and has
+/// no effect on results, whatever `p` points at.
+#[inline(always)]
+pub(crate) fn prefetch_l2<T>(p: *const T) {
+    // SAFETY: prefetch is an SSE instruction (baseline on x86_64) that never faults and reads
+    // nothing architecturally, so any address is fine.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T1>(p.cast::<i8>())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

@@ -160,6 +160,44 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn all_heads_partials_equal_per_head_partials(
+        kv_heads in 1usize..4, group in 1usize..9, hd32 in 1usize..5, small_pages in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let hd = hd32 * 32;
+        let ps = if small_pages { 16 } else { 128 };
+        let st = Setup::new(1, 3, kv_heads, hd, ps, &mut rng);
+        let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
+        let len = 3 * ps;
+        let (t0, t1) = (rng.below(len), rng.below(len));
+        let tokens = t0.min(t1)..t0.max(t1) + 1;
+        let rec = partial_len(group, hd);
+        let (p, a) = both(|| {
+            let mut all = vec![0.0f32; kv_heads * rec];
+            decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], tokens.clone(), 0.1, &mut all);
+            all
+        });
+        let mut per_head = vec![0.0f32; kv_heads * rec];
+        for (g, part) in per_head.chunks_exact_mut(rec).enumerate() {
+            decode_attention_partial_bf16(&q, group, &st.kv(), &st.tables[0], g, tokens.clone(), 0.1, part);
+        }
+        common::assert_close(&p, &per_head, 1e-4, 1e-5, "portable all heads vs per head");
+        if let Some(a) = &a {
+            // Compare normalised outputs (the running max may differ by rounding).
+            for (x, y) in a.chunks_exact(hd + 2).zip(per_head.chunks_exact(hd + 2)) {
+                let ox: Vec<f32> = x[2..].iter().map(|v| v / x[1]).collect();
+                let oy: Vec<f32> = y[2..].iter().map(|v| v / y[1]).collect();
+                common::assert_close(&ox, &oy, 5e-3, 1e-3, "avx2 all heads vs per head");
+            }
+        }
+    }
+}
+
 #[test]
 fn combine_of_partials_equals_one_chunk() {
     let mut rng = Rng(11);

@@ -6,6 +6,7 @@ use std::ops::Range;
 use super::PagedKv;
 use crate::math::exp_approx;
 use crate::multiversion::multiversion;
+use crate::simd::prefetch_l2;
 
 /// Most KV tokens per run (the online-softmax tile).
 const RUN: usize = 128;
@@ -50,6 +51,15 @@ multiversion! {
                 let run = RUN.min(kv.page_size - t % kv.page_size).min(end - t);
                 let slot0 = kv.slot(block_table, t);
                 assert!(slot0 + run <= slots, "attention: page of token {t} outside the pool");
+                // The run's K and V head slices sit one pool row apart: prefetch them all up
+                // front so their misses overlap instead of stalling token by token.
+                for i in 0..run {
+                    let at = (slot0 + i) * row + col0;
+                    for e in (0..hd).step_by(32) {
+                        prefetch_l2(kv.k[at + e..].as_ptr());
+                        prefetch_l2(kv.v[at + e..].as_ptr());
+                    }
+                }
                 // Valid keys of this run per query (causal limit).
                 let valid = |j: usize| lim[j].saturating_sub(t).min(run);
                 // Scores.

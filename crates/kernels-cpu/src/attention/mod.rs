@@ -19,6 +19,8 @@ use half::bf16;
 use crate::convert::f32_to_bf16;
 use crate::multiversion::multiversion;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod core;
 mod prefill;
 
@@ -60,6 +62,28 @@ impl PagedKv<'_> {
             0,
             "paged kv: pool not a whole number of rows"
         );
+    }
+
+    /// Panics unless every page holding a token of `tokens` is named by `block_table` and lies
+    /// inside the pool.
+    fn check_pages(&self, block_table: &[u32], tokens: &Range<usize>) {
+        if tokens.is_empty() {
+            return;
+        }
+        let slots = self.k.len() / self.row();
+        let blocks = tokens.start / self.page_size..(tokens.end - 1) / self.page_size + 1;
+        assert!(
+            blocks.end <= block_table.len(),
+            "attention: tokens {tokens:?} need {} blocks, the table has {}",
+            blocks.end,
+            block_table.len()
+        );
+        for &p in &block_table[blocks] {
+            assert!(
+                (p as usize + 1) * self.page_size <= slots,
+                "attention: page {p} outside the pool of {slots} slots"
+            );
+        }
     }
 
     /// The pool row of logical token `t` of a sequence with `block_table`.
@@ -108,6 +132,26 @@ pub fn decode_attention_partial_bf16(
         partial_len(group, hd),
         "decode attention: partial len"
     );
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+        kv.check_pages(block_table, &tokens);
+        // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is supported;
+        // `kv` and `kv_head` were checked above, every page of `tokens` by `check_pages`, and
+        // the partial's length by the assert.
+        unsafe {
+            avx2::decode_partial(
+                &q[kv_head * group * hd..(kv_head + 1) * group * hd],
+                group,
+                kv,
+                block_table,
+                kv_head,
+                tokens,
+                scale,
+                partial,
+            )
+        };
+        return;
+    }
     let qg: Vec<f32> = q[kv_head * group * hd..(kv_head + 1) * group * hd]
         .iter()
         .map(|v| v.to_f32())
@@ -135,6 +179,73 @@ pub fn decode_attention_partial_bf16(
         rec[1] = l[j];
         rec[2..].copy_from_slice(&o[j * hd..(j + 1) * hd]);
     }
+}
+
+/// [`decode_attention_partial_bf16`] for every KV head of sequence row `q`
+/// (`kv_heads * group * head_dim` bf16) over the same `tokens`: `partials` gets one record set
+/// per head, in head order (`kv_heads * partial_len(group, head_dim)` floats). The AVX2 path
+/// reads each pool row once for all heads (rows are contiguous, heads are not), prefetching
+/// the next page run while computing the current one.
+///
+/// # Panics
+/// As [`decode_attention_partial_bf16`], and if `q` or `partials` do not cover every head.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_heads_bf16(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    scale: f32,
+    partials: &mut [f32],
+) {
+    kv.check();
+    let hd = kv.head_dim;
+    assert_eq!(
+        q.len(),
+        kv.kv_heads * group * hd,
+        "decode attention: q is not one full row"
+    );
+    let rec = partial_len(group, hd);
+    assert_eq!(
+        partials.len(),
+        kv.kv_heads * rec,
+        "decode attention: partials len"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+        kv.check_pages(block_table, &tokens);
+        HEADS_STATE.with(|cell| {
+            let mut state = cell.borrow_mut();
+            state.resize(avx2::heads_state_len(kv.kv_heads, group, hd), 0.0);
+            // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is
+            // supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
+            // `partials` by the asserts; `state` has the length the kernel needs.
+            unsafe {
+                avx2::decode_partials_heads(
+                    q,
+                    group,
+                    kv,
+                    block_table,
+                    tokens,
+                    scale,
+                    partials,
+                    &mut state,
+                )
+            };
+        });
+        return;
+    }
+    for (g, p) in partials.chunks_exact_mut(rec).enumerate() {
+        decode_attention_partial_bf16(q, group, kv, block_table, g, tokens.clone(), scale, p);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Per-thread state of [`decode_attention_heads_bf16`] (queries, outputs, max and sum of
+    /// every head), reused across calls.
+    static HEADS_STATE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 multiversion! {

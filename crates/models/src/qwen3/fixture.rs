@@ -371,6 +371,73 @@ pub fn generate_fixture(
     }
 }
 
+/// The configuration a fixture runs with (the options' RoPE θ override applied).
+pub fn fixture_config(config: &Qwen3Config, opts: &FixtureOptions) -> Qwen3Config {
+    let mut c = config.clone();
+    if let Some(theta) = opts.rope_theta {
+        c.rope_theta = theta;
+    }
+    c
+}
+
+/// The block tables, input hidden state and token ids of the fixture `generate_fixture` makes
+/// for these options (without weights or KV pools).
+pub fn generate_inputs(
+    config: &Qwen3Config,
+    opts: &FixtureOptions,
+) -> (PagedBatch, Vec<bf16>, Vec<u32>) {
+    let config = fixture_config(config, opts);
+    let batch = PagedBatch::identity(vec![opts.seq_len; opts.batch], opts.max_seq, PAGE_SIZE);
+    let mut hidden = vec![bf16::ZERO; opts.batch * config.hidden_size];
+    let mut all = Vec::new();
+    jobs(
+        &mut all,
+        TensorMut::Bf16(&mut hidden),
+        dist::HIDDEN,
+        STREAM_HIDDEN,
+    );
+    run_jobs(opts.seed, all, None);
+    let mut rng = Rng::new(opts.seed, STREAM_TOKENS << 20);
+    let tokens = (0..opts.batch)
+        .map(|_| (rng.next_u64() % config.vocab_size as u64) as u32)
+        .collect();
+    (batch, hidden, tokens)
+}
+
+/// Layer `layer`'s initial K and V pools exactly as `generate_fixture` fills them (layer 0's
+/// with `replicate_kv`; zeros without `fill_kv`), one layer at a time so that caches far
+/// larger than the host's spare memory can be filled pool by pool.
+pub fn generate_kv_pools(
+    config: &Qwen3Config,
+    opts: &FixtureOptions,
+    layer: usize,
+    progress: Option<Progress<'_>>,
+) -> (Vec<bf16>, Vec<bf16>) {
+    let config = fixture_config(config, opts);
+    let batch = PagedBatch::identity(vec![opts.seq_len; opts.batch], opts.max_seq, PAGE_SIZE);
+    let n = batch.num_pages() * PAGE_SIZE * config.kv_width();
+    let mut k = super::weights::zeroed_bf16(n);
+    let mut v = super::weights::zeroed_bf16(n);
+    if opts.fill_kv {
+        let l = if opts.replicate_kv { 0 } else { layer } as u64;
+        let mut all = Vec::new();
+        jobs(
+            &mut all,
+            TensorMut::Bf16(&mut k),
+            dist::K_CACHE,
+            STREAM_KV0 + 2 * l,
+        );
+        jobs(
+            &mut all,
+            TensorMut::Bf16(&mut v),
+            dist::V_CACHE,
+            STREAM_KV0 + 2 * l + 1,
+        );
+        run_jobs(opts.seed, all, progress);
+    }
+    (k, v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -418,6 +485,14 @@ mod tests {
             None,
         );
         assert!(shared.weights.is_shared());
+        let opts = FixtureOptions::small(2, 200);
+        let (k1, v1) = generate_kv_pools(&c, &opts, 1, None);
+        assert_eq!((&k1[..], &v1[..]), (a.kv.layer_k(1), a.kv.layer_v(1)));
+        let (batch, hidden, tokens) = generate_inputs(&c, &opts);
+        assert_eq!(
+            (batch, hidden, tokens),
+            (a.batch.clone(), a.hidden.clone(), a.tokens.clone())
+        );
         assert_eq!(shared.kv.layer_k(0), shared.kv.layer_k(1));
         shared.weights.check_shapes().unwrap();
     }

@@ -6,8 +6,10 @@
 //! (seeded generation) -> [`golden`] (plain-loop reference of decode, prefill and the full
 //! model, and the spec's tolerances) -> [`checkpoint`] (loading and saving safetensors).
 
+pub mod check;
 pub mod checkpoint;
 pub mod config;
+pub mod cost;
 pub mod fixture;
 pub mod golden;
 pub mod ops;
@@ -21,7 +23,10 @@ pub use checkpoint::{
     CheckpointError, LoadOptions, SaveOptions, WeightLayout, load_checkpoint, save_checkpoint,
 };
 pub use config::{ConfigError, Qwen3Config};
-pub use fixture::{Fixture, FixtureOptions, generate_fixture, generate_weights};
+pub use cost::StepCost;
+pub use fixture::{
+    Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
+};
 pub use plan::TilePolicy;
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
 pub use runner::{LayersOutput, Session, StepOutput};

@@ -6,7 +6,7 @@
 //! norm(x) -> packed n [R, ld(H)] (+ r [R])
 //! q/k/v row tiles: n @ W^T (* r)            -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32
 //! rope_kv per (sequence, page run)          -> Q bf16 [R, Nq]; K/V rows into the paged pool
-//! attention per (sequence, kv head, chunk)  -> a packed [R, ld(Nq)]   (+ combine when split)
+//! attention per (sequence, KV chunk)       -> a packed [R, ld(Nq)]   (+ combine when split)
 //! o_proj row tiles: x[:, tile] += a @ Wo^T  (the residual, in place)
 //! norm(x) -> packed m (+ r2)
 //! gate/up row tiles + SwiGLU                -> act packed [R, ld(I)]
@@ -383,8 +383,8 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     Ok(())
 }
 
-/// Split-KV decode attention: per (sequence, KV head) one final task, or chunk partials and a
-/// combine.
+/// Split-KV decode attention: per sequence one final task over every KV head, or one task per
+/// KV chunk (partials of every head) and a combine.
 #[allow(clippy::too_many_arguments)]
 fn attention_decode(
     o: &mut Orchestrator,
@@ -397,16 +397,16 @@ fn attention_decode(
     kv_ready: TaskId,
 ) -> R<()> {
     let c = &p.config;
-    let (d, group, qw) = (c.head_dim, c.group(), c.q_width());
-    let plen = partial_len(group, d);
+    let (d, group, qw, kv_heads) = (c.head_dim, c.group(), c.q_width(), c.num_key_value_heads);
+    let set = kv_heads * partial_len(group, d);
     let n_partials: usize = p
         .kv_chunks
         .iter()
         .filter(|ch| ch.len() > 1)
-        .map(|ch| ch.len() * c.num_key_value_heads)
+        .map(Vec::len)
         .sum();
     let partials = if n_partials > 0 {
-        Some(o.alloc(DType::F32, &[n_partials as u64, plen as u64])?)
+        Some(o.alloc(DType::F32, &[n_partials as u64, set as u64])?)
     } else {
         None
     };
@@ -415,56 +415,45 @@ fn attention_decode(
         let b = s.row0;
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
-        let arow = rows(o, a, b, b + 1)?;
-        for g in 0..c.num_key_value_heads {
-            let c0 = g * group * d;
-            let out = cols(o, &arow, c0, c0 + group * d)?;
-            let base = |t: Task| {
-                t.input(&qrow)
-                    .no_dep(kl)
-                    .no_dep(vl)
-                    .no_dep(&table)
-                    .after(kv_ready)
-            };
-            let scalars = |t: Task, r: &Range<usize>, fin: bool| {
-                t.scalar(g as u64)
-                    .scalar(r.start as u64)
-                    .scalar(r.end as u64)
-                    .scalar(u64::from(fin))
-                    .scalar_f32(c.attn_scale())
-                    .scalar(p.page_size as u64)
-                    .scalar(c0 as u64)
-                    .scalar(qw as u64)
-                    .scalar(d as u64)
-                    .timing_slot(1)
-            };
-            match (chunks.as_slice(), &partials) {
-                ([one], _) => {
-                    let t = base(Task::new(ops::ATTN_DECODE)).output_existing(&out);
-                    o.submit(scalars(t, one, true))?;
-                }
-                (many, Some(parts)) => {
-                    let p0 = next_partial;
-                    for ch in many {
-                        let slot = rows(o, parts, next_partial, next_partial + 1)?;
-                        let t = base(Task::new(ops::ATTN_DECODE)).output_existing(&slot);
-                        o.submit(scalars(t, ch, false))?;
-                        next_partial += 1;
-                    }
-                    let mine = rows(o, parts, p0, next_partial)?;
-                    o.submit(
-                        Task::new(ops::ATTN_COMBINE)
-                            .input(&mine)
-                            .output_existing(&out)
-                            .scalar(group as u64)
-                            .scalar(d as u64)
-                            .scalar(c0 as u64)
-                            .scalar(qw as u64)
-                            .timing_slot(1),
-                    )?;
-                }
-                (_, None) => return Err(o.fatal("qwen3 orchestration: split KV without partials")),
+        let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
+        let task = |r: &Range<usize>, fin: bool| {
+            Task::new(ops::ATTN_DECODE)
+                .input(&qrow)
+                .no_dep(kl)
+                .no_dep(vl)
+                .no_dep(&table)
+                .after(kv_ready)
+                .scalar(r.start as u64)
+                .scalar(r.end as u64)
+                .scalar(u64::from(fin))
+                .scalar_f32(c.attn_scale())
+                .scalar(p.page_size as u64)
+                .scalar(d as u64)
+                .timing_slot(1)
+        };
+        match (chunks.as_slice(), &partials) {
+            ([one], _) => {
+                o.submit(task(one, true).output_existing(&out))?;
             }
+            (many, Some(parts)) => {
+                let p0 = next_partial;
+                for ch in many {
+                    let slot = rows(o, parts, next_partial, next_partial + 1)?;
+                    o.submit(task(ch, false).output_existing(&slot))?;
+                    next_partial += 1;
+                }
+                let mine = rows(o, parts, p0, next_partial)?;
+                o.submit(
+                    Task::new(ops::ATTN_COMBINE)
+                        .input(&mine)
+                        .output_existing(&out)
+                        .scalar(kv_heads as u64)
+                        .scalar(group as u64)
+                        .scalar(d as u64)
+                        .timing_slot(1),
+                )?;
+            }
+            (_, None) => return Err(o.fatal("qwen3 orchestration: split KV without partials")),
         }
     }
     Ok(())

@@ -38,7 +38,7 @@ impl TilePolicy {
             cores: cores.max(1),
             tile_bytes: 1 << 20,
             tiles_per_core: 4,
-            min_kv_chunk: 256,
+            min_kv_chunk: 64,
             attn_tasks_per_core: 4,
             prefill_rows: 32,
             granule: 16,
@@ -61,9 +61,10 @@ impl TilePolicy {
             .collect()
     }
 
-    /// KV chunks of each sequence for split-KV decode attention over `kv_heads` heads.
-    pub fn kv_chunks(&self, seq_lens: &[usize], kv_heads: usize) -> Vec<Vec<Range<usize>>> {
-        let base = (seq_lens.len() * kv_heads).max(1);
+    /// KV chunks of each sequence for split-KV decode attention (one task per chunk covers
+    /// every KV head).
+    pub fn kv_chunks(&self, seq_lens: &[usize]) -> Vec<Vec<Range<usize>>> {
+        let base = seq_lens.len().max(1);
         let split = (self.attn_tasks_per_core * self.cores)
             .div_ceil(base)
             .max(1);

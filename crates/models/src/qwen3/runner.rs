@@ -127,7 +127,7 @@ impl Session {
         let kv_chunks = match kind {
             StepKind::Decode => {
                 let lens: Vec<usize> = seqs.iter().map(|s| s.seq_len).collect();
-                self.policy.kv_chunks(&lens, c.num_key_value_heads)
+                self.policy.kv_chunks(&lens)
             }
             StepKind::Prefill => Vec::new(),
         };

@@ -112,79 +112,99 @@ fn paged<'a>(
     Ok((kv, table))
 }
 
+/// Merges `chunks` partial sets (each `[kv_heads, plen]`) into `out`, the packed row of the
+/// attention output (`kv_heads * group * d` columns).
+fn combine_into(
+    parts: &[f32],
+    chunks: usize,
+    kv_heads: usize,
+    group: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    let plen = partial_len(group, d);
+    let per_head = group * d;
+    let nq = kv_heads * per_head;
+    let mut mine = vec![0.0f32; chunks * plen];
+    let mut o = vec![bf16::ZERO; per_head];
+    for g in 0..kv_heads {
+        for c in 0..chunks {
+            let at = (c * kv_heads + g) * plen;
+            mine[c * plen..(c + 1) * plen].copy_from_slice(&parts[at..at + plen]);
+        }
+        k::decode_attention_combine_bf16(&mine, group, d, &mut o);
+        let c0 = g * per_head;
+        store_packed(&mut out[c0..c0 + per_head], c0, nq, |i| o[i].to_f32());
+    }
+}
+
 pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_decode_bf16";
-    let kv_head = ctx.scalar_usize(0)?;
-    let (t0, t1) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
-    let is_final = ctx.scalar(3)? != 0;
-    let scale = ctx.scalar_f32(4)?;
-    let page = ctx.scalar_usize(5)?;
-    let (c0, nq) = (ctx.scalar_usize(6)?, ctx.scalar_usize(7)?);
-    let d = ctx.scalar_usize(8)?;
+    let (t0, t1) = (ctx.scalar_usize(0)?, ctx.scalar_usize(1)?);
+    let is_final = ctx.scalar(2)? != 0;
+    let scale = ctx.scalar_f32(3)?;
+    let page = ctx.scalar_usize(4)?;
+    let d = ctx.scalar_usize(5)?;
     let q = ctx.read::<bf16>(0)?;
     let (kv, table) = paged(ctx, d, page, t1, NAME)?;
-    if q.len() != nq || kv_head >= kv.kv_heads || !nq.is_multiple_of(kv.row()) || t0 > t1 {
+    let nq = q.len();
+    if kv.row() == 0 || !nq.is_multiple_of(kv.row()) || nq == 0 || t0 > t1 {
         return Err(bad(
             NAME,
-            format!(
-                "query of {} for {} KV heads, head {kv_head}",
-                q.len(),
-                kv.kv_heads
-            ),
+            format!("query of {nq} for {} KV heads of {d}", kv.kv_heads),
         ));
     }
     let group = nq / kv.row();
-    let plen = partial_len(group, d);
+    let all = kv.kv_heads * partial_len(group, d);
     let out = ctx.write::<f32>(4)?;
     if !is_final {
-        if out.len() != plen {
+        if out.len() != all {
             return Err(bad(
                 NAME,
-                format!("partial slot of {} floats, expected {plen}", out.len()),
+                format!("partial slot of {} floats, expected {all}", out.len()),
             ));
         }
-        k::decode_attention_partial_bf16(q, group, &kv, table, kv_head, t0..t1, scale, out);
+        k::decode_attention_heads_bf16(q, group, &kv, table, t0..t1, scale, out);
         return Ok(());
     }
-    if out.len() != group * d {
+    if out.len() != nq {
         return Err(bad(
             NAME,
-            format!("output of {} floats for {group} heads of {d}", out.len()),
+            format!("output of {} floats for a row of {nq}", out.len()),
         ));
     }
-    check_packed_range(NAME, c0, group * d, nq)?;
-    let mut o = vec![bf16::ZERO; group * d];
-    with_scratch(plen, |p| {
-        k::decode_attention_partial_bf16(q, group, &kv, table, kv_head, t0..t1, scale, p);
-        k::decode_attention_combine_bf16(p, group, d, &mut o);
+    check_packed_range(NAME, 0, nq, nq)?;
+    with_scratch(all, |p| {
+        k::decode_attention_heads_bf16(q, group, &kv, table, t0..t1, scale, p);
+        combine_into(p, 1, kv.kv_heads, group, d, out);
     });
-    store_packed(out, c0, nq, |i| o[i].to_f32());
     Ok(())
 }
 
 pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_combine_f32";
-    let (group, d) = (ctx.scalar_usize(0)?, ctx.scalar_usize(1)?);
-    let (c0, nq) = (ctx.scalar_usize(2)?, ctx.scalar_usize(3)?);
+    let (kv_heads, group, d) = (
+        ctx.scalar_usize(0)?,
+        ctx.scalar_usize(1)?,
+        ctx.scalar_usize(2)?,
+    );
     let partials = ctx.read::<f32>(0)?;
-    let plen = partial_len(group, d);
-    if plen == 0 || !partials.len().is_multiple_of(plen) {
+    let set = kv_heads * partial_len(group, d);
+    if set == 0 || !partials.len().is_multiple_of(set) {
         return Err(bad(
             NAME,
-            format!("{} floats are not partials of {plen}", partials.len()),
+            format!("{} floats are not partial sets of {set}", partials.len()),
         ));
     }
     let out = ctx.write::<f32>(1)?;
-    if out.len() != group * d {
+    let nq = kv_heads * group * d;
+    if out.len() != nq {
         return Err(bad(
             NAME,
-            format!("output of {} floats for {group} heads of {d}", out.len()),
+            format!("output of {} floats for a row of {nq}", out.len()),
         ));
     }
-    check_packed_range(NAME, c0, group * d, nq)?;
-    let mut o = vec![bf16::ZERO; group * d];
-    k::decode_attention_combine_bf16(partials, group, d, &mut o);
-    store_packed(out, c0, nq, |i| o[i].to_f32());
+    combine_into(partials, partials.len() / set, kv_heads, group, d, out);
     Ok(())
 }
 

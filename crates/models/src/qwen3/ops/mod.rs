@@ -18,8 +18,8 @@
 //! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | K, k0, k1, add |
 //! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed cols `[R,n]`, (r In `[R]`) | H, c0, I |
 //! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | eps |
-//! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: packed cols `[1,group*d]`; partial: `[1,plen]`) | kv_head, t0, t1, final, scale, page, c0, Nq |
-//! | [`ATTN_COMBINE`] | partials In f32 `[C,plen]`, out Out packed cols `[1,group*d]` | group, d, c0, Nq |
+//! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | t0, t1, final, scale, page, d |
+//! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | kv_heads, group, d |
 //! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | kv_head, first_pos, scale, page, c0, Nq |
 //! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[1,R,2]` | H, n0 |
 //! | [`ARGMAX_COMBINE`] | best In u32 `[T,R,2]` (index, f32 bits), ids Out u32 `[R]` | |
@@ -55,7 +55,8 @@ pub const GEMM_TILE: KernelId = KernelId(3106);
 pub const GATE_UP_SWIGLU: KernelId = KernelId(3107);
 /// q/k norm, RoPE, bf16 Q, and the K/V rows written into the paged cache.
 pub const ROPE_KV: KernelId = KernelId(3108);
-/// Split-KV decode attention over one chunk (final output or a partial).
+/// Split-KV decode attention of one sequence over one KV chunk, every KV head (final output or
+/// the chunk's partials).
 pub const ATTN_DECODE: KernelId = KernelId(3109);
 /// Merge of split-KV decode partials into packed attention output.
 pub const ATTN_COMBINE: KernelId = KernelId(3110);

@@ -7,10 +7,14 @@
 //! `(sequence, KV head)` pairs (attention), with the thread count sized to the work (at most
 //! 8 threads, and one for anything under ~1 MFLOP) — never one thread per tiny operation.
 
+mod tolerance;
+
 use half::bf16;
 
 use super::config::Qwen3Config;
 use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};
+
+pub use tolerance::{Agreement, Tolerance, check_argmax};
 
 /// `bf16(x)` as an f32 (round to nearest even).
 fn rb(x: f32) -> f32 {
@@ -382,6 +386,21 @@ pub fn decode_layers_bf16(
 /// Final ordinary RMSNorm, LM head (fp32 logits) and greedy argmax over `rows` rows of `x`.
 fn head(weights: &Qwen3Weights, x: &[f32], rows: usize) -> (Vec<f32>, Vec<u32>) {
     let c = &weights.config;
+    let logits = head_logits(c, &weights.final_norm, weights.lm_head(), x, rows);
+    let next = logits.chunks_exact(c.vocab_size).map(argmax).collect();
+    (logits, next)
+}
+
+/// The final ordinary RMSNorm of `rows` rows of `x` and their fp32 logits over the LM-head
+/// rows `lm_rows` (`[n, hidden]`, a slice of the vocabulary or all of it): `[rows, n]`.
+/// Checks that cannot hold the whole LM head call it slice by slice.
+pub fn head_logits(
+    c: &Qwen3Config,
+    final_norm: &[f32],
+    lm_rows: &[bf16],
+    x: &[f32],
+    rows: usize,
+) -> Vec<f32> {
     let h = c.hidden_size;
     let eps = c.rms_norm_eps as f32;
     let mut n = vec![0.0f32; rows * h];
@@ -389,12 +408,34 @@ fn head(weights: &Qwen3Weights, x: &[f32], rows: usize) -> (Vec<f32>, Vec<u32>) 
         let xr = &x[t * h..(t + 1) * h];
         let inv = inv_rms(xr, eps);
         for i in 0..h {
-            n[t * h + i] = rb(xr[i] * inv * weights.final_norm[i]);
+            n[t * h + i] = rb(xr[i] * inv * final_norm[i]);
         }
     }
-    let logits = matmul(&n, rows, weights.lm_head(), c.vocab_size, h);
-    let next = logits.chunks_exact(c.vocab_size).map(argmax).collect();
-    (logits, next)
+    matmul(&n, rows, lm_rows, lm_rows.len() / h.max(1), h)
+}
+
+/// One decode layer with weights `w` on a one-layer cache `kv` (that layer's pool): the new
+/// token of sequence `b` at position `seq_lens[b] - 1`. Checks that hold one pool at a time
+/// (layers whose caches do not fit the host together) call it layer by layer.
+///
+/// # Panics
+/// If `kv` holds more than one layer.
+pub fn decode_layer(
+    c: &Qwen3Config,
+    w: &LayerWeights,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    x: &[f32],
+) -> (Vec<f32>, LayerKvWrite) {
+    assert_eq!(kv.layers, 1, "decode_layer takes a one-layer cache");
+    let tokens: Vec<TokenPos> = batch
+        .seq_lens
+        .iter()
+        .enumerate()
+        .map(|(seq, &len)| TokenPos { seq, pos: len - 1 })
+        .collect();
+    layer_step(c, w, 0, kv, batch, rope, x, &tokens, NormMode::Deferred)
 }
 
 /// Argmax with ties to the lowest index (NaNs never win).
@@ -507,136 +548,5 @@ pub fn prefill_model(
         next_tokens,
         hidden: last,
         kv_writes,
-    }
-}
-
-/// How well two tensors agree.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Agreement {
-    /// Elements compared.
-    pub n: usize,
-    /// Elements within the tolerance.
-    pub within: usize,
-    /// Largest `|a - e|`.
-    pub max_abs: f32,
-    /// Index of the worst element (largest excess over the tolerance).
-    pub worst: usize,
-}
-
-impl Agreement {
-    /// Share of elements within the tolerance.
-    pub fn fraction(&self) -> f64 {
-        if self.n == 0 {
-            1.0
-        } else {
-            self.within as f64 / self.n as f64
-        }
-    }
-}
-
-/// A `|a - e| <= atol + rtol |e|` tolerance.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Tolerance {
-    /// Relative part.
-    pub rtol: f32,
-    /// Absolute part.
-    pub atol: f32,
-    /// Share of elements that must be within (1.0: all).
-    pub min_fraction: f64,
-}
-
-impl Tolerance {
-    /// The 40-layer stack: rtol 5e-2, atol 1e-1, every element.
-    pub const STACK: Tolerance = Tolerance {
-        rtol: 5e-2,
-        atol: 1e-1,
-        min_fraction: 1.0,
-    };
-    /// One layer: `|a - e| <= 3e-3 + 3e-3 |e|` for at least 98% of elements.
-    pub const ONE_LAYER: Tolerance = Tolerance {
-        rtol: 3e-3,
-        atol: 3e-3,
-        min_fraction: 0.98,
-    };
-    /// Attention alone vs an fp32 softmax reference: rtol 5e-3, atol 2e-2.
-    pub const ATTENTION: Tolerance = Tolerance {
-        rtol: 5e-3,
-        atol: 2e-2,
-        min_fraction: 1.0,
-    };
-
-    /// Compares `actual` with `expected` (NaN anywhere counts as outside).
-    pub fn compare(&self, actual: &[f32], expected: &[f32]) -> Agreement {
-        let mut ag = Agreement {
-            n: actual.len().max(expected.len()),
-            within: 0,
-            max_abs: 0.0,
-            worst: 0,
-        };
-        let mut worst_excess = f32::NEG_INFINITY;
-        for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
-            let diff = (a - e).abs();
-            let excess = if diff.is_nan() {
-                f32::INFINITY
-            } else {
-                diff - (self.atol + self.rtol * e.abs())
-            };
-            if excess <= 0.0 {
-                ag.within += 1;
-            }
-            if diff > ag.max_abs || diff.is_nan() {
-                ag.max_abs = diff;
-            }
-            if excess > worst_excess {
-                worst_excess = excess;
-                ag.worst = i;
-            }
-        }
-        ag
-    }
-
-    /// `Ok` when enough elements agree (and the lengths match); else a message naming the
-    /// worst element.
-    pub fn check(&self, what: &str, actual: &[f32], expected: &[f32]) -> Result<Agreement, String> {
-        if actual.len() != expected.len() {
-            return Err(format!(
-                "{what}: {} elements vs {} expected",
-                actual.len(),
-                expected.len()
-            ));
-        }
-        let ag = self.compare(actual, expected);
-        if ag.fraction() >= self.min_fraction {
-            Ok(ag)
-        } else {
-            Err(format!(
-                "{what}: {:.3}% within |a-e| <= {} + {}|e| (need {:.1}%); worst [{}]: {} vs {}",
-                100.0 * ag.fraction(),
-                self.atol,
-                self.rtol,
-                100.0 * self.min_fraction,
-                ag.worst,
-                actual[ag.worst],
-                expected[ag.worst]
-            ))
-        }
-    }
-}
-
-/// The full-model check: argmax identical for every row.
-pub fn check_argmax(actual: &[u32], expected: &[u32]) -> Result<(), String> {
-    if actual.len() != expected.len() {
-        return Err(format!(
-            "{} tokens vs {} expected",
-            actual.len(),
-            expected.len()
-        ));
-    }
-    match actual.iter().zip(expected).position(|(a, e)| a != e) {
-        None => Ok(()),
-        Some(i) => Err(format!(
-            "row {i}: argmax {} vs {} expected",
-            actual[i], expected[i]
-        )),
     }
 }

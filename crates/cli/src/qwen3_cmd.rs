@@ -1,0 +1,267 @@
+//! Shared pieces of the Qwen3 commands: where the model comes from (a preset with seeded random
+//! weights, or a local HF checkpoint), progress bars while weights are generated, loaded and
+//! uploaded, the decode case (block tables, inputs, KV pools filled pool by pool), and the
+//! streamed golden check.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use half::bf16;
+use indicatif::{ProgressBar, ProgressStyle};
+use simpler_core::Worker;
+use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
+use simpler_models::qwen3::{
+    FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel,
+    RopeTables, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
+    load_checkpoint,
+};
+
+/// Where the model comes from.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ModelArgs {
+    /// Built-in shape with seeded random weights (nothing is downloaded): qwen3-14b, qwen3-8b,
+    /// qwen3-1.7b, qwen3-0.6b, tiny, small [default: qwen3-0.6b].
+    #[arg(long, conflicts_with = "model")]
+    pub(crate) preset: Option<String>,
+    /// A local HF checkpoint directory (config.json and model.safetensors or a sharded
+    /// model.safetensors.index.json).
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// The checkpoint stores projections [in, out] (y = x @ W) instead of HF's [out, in].
+    #[arg(long, requires = "model")]
+    pub(crate) in_out_layout: bool,
+    /// Seed of the random weights, KV pools and inputs.
+    #[arg(long, default_value_t = 1234)]
+    pub(crate) seed: u64,
+}
+
+impl ModelArgs {
+    /// A short description of the source.
+    pub(crate) fn describe(&self) -> String {
+        match &self.model {
+            Some(dir) => format!("checkpoint {}", dir.display()),
+            None => format!(
+                "preset {} (seeded random weights, seed {})",
+                self.preset_name(),
+                self.seed
+            ),
+        }
+    }
+
+    fn preset_name(&self) -> &str {
+        self.preset.as_deref().unwrap_or("qwen3-0.6b")
+    }
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal).
+pub(crate) fn progress(len: u64, what: &str, bytes: bool) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    let template = if bytes {
+        "{msg:>12} [{bar:40}] {bytes}/{total_bytes} ({eta})"
+    } else {
+        "{msg:>12} [{bar:40}] {pos}/{len} ({eta})"
+    };
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// Generates (preset) or loads (checkpoint) the weights, keeping `layers` layers when given.
+/// `shared` gives every layer one weight set (presets only).
+pub(crate) fn load_weights(
+    args: &ModelArgs,
+    layers: Option<usize>,
+    shared: bool,
+) -> Result<Qwen3Weights> {
+    if let Some(dir) = &args.model {
+        if shared {
+            bail!("--shared-weights applies to presets (a checkpoint brings its own layers)");
+        }
+        let pb = progress(0, "loading", false);
+        let tick = |d: u64, t: u64| {
+            pb.set_length(t);
+            pb.set_position(d);
+        };
+        let opts = LoadOptions {
+            layout: if args.in_out_layout {
+                WeightLayout::InOut
+            } else {
+                WeightLayout::OutIn
+            },
+            progress: Some(&tick),
+        };
+        let mut w = load_checkpoint(dir, &opts)
+            .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+        pb.finish_and_clear();
+        if let Some(n) = layers {
+            if n == 0 || n > w.config.num_hidden_layers {
+                bail!(
+                    "--layers {n}: the checkpoint has {} layers",
+                    w.config.num_hidden_layers
+                );
+            }
+            w.layers.truncate(n);
+            w.config.num_hidden_layers = n;
+        }
+        return Ok(w);
+    }
+    let mut config = Qwen3Config::preset(args.preset_name())?;
+    if let Some(n) = layers {
+        if n == 0 {
+            bail!("--layers must be at least 1");
+        }
+        config.num_hidden_layers = n;
+    }
+    let pb = progress(0, "generating", false);
+    let tick = |d: u64, t: u64| {
+        pb.set_length(t);
+        pb.set_position(d);
+    };
+    let w = generate_weights(&config, args.seed, shared, Some(&tick));
+    pb.finish_and_clear();
+    Ok(w)
+}
+
+/// Copies the weights into worker buffers (RoPE tables for `max_seq` positions), then drops
+/// the host copies of the embedding and LM head (checks read the rows they need back), so a
+/// large model is held once.
+pub(crate) fn upload(
+    worker: &Worker,
+    weights: &mut Qwen3Weights,
+    max_seq: usize,
+) -> Result<Arc<ResidentModel>> {
+    let pb = progress(0, "uploading", true);
+    let tick = |d: u64, t: u64| {
+        pb.set_length(t);
+        pb.set_position(d);
+    };
+    let model = ResidentModel::upload(worker, weights, max_seq, Some(&tick))?;
+    pb.finish_and_clear();
+    weights.embedding = Vec::new();
+    weights.lm_head = None;
+    Ok(Arc::new(model))
+}
+
+/// A decode case: block tables, inputs and the recipe of its KV pools.
+pub(crate) struct DecodeCase {
+    /// The fixture options the pools and inputs follow.
+    pub(crate) opts: FixtureOptions,
+    /// Block tables and lengths.
+    pub(crate) batch: PagedBatch,
+    /// Input hidden state `[batch, hidden]` (layers variant).
+    pub(crate) hidden: Vec<bf16>,
+    /// Input token ids (model variant).
+    pub(crate) tokens: Vec<u32>,
+}
+
+impl DecodeCase {
+    /// `batch` sequences of `seq_len` tokens, block tables covering `max_seq`, KV pools drawn
+    /// with the spec's distributions (layer 0's pool replicated to every layer when
+    /// `replicate`, as the reference fixture does).
+    pub(crate) fn new(
+        config: &Qwen3Config,
+        batch: usize,
+        seq_len: usize,
+        max_seq: usize,
+        seed: u64,
+        replicate: bool,
+    ) -> DecodeCase {
+        let opts = FixtureOptions {
+            seed,
+            batch,
+            max_seq,
+            seq_len,
+            shared_weights: replicate,
+            fill_kv: true,
+            replicate_kv: replicate,
+            rope_theta: None,
+        };
+        let (batch, hidden, tokens) = generate_inputs(config, &opts);
+        DecodeCase {
+            opts,
+            batch,
+            hidden,
+            tokens,
+        }
+    }
+
+    /// A zeroed KV cache for the case.
+    pub(crate) fn kv_buffers(&self, worker: &Worker, config: &Qwen3Config) -> Result<KvBuffers> {
+        Ok(KvBuffers::new(
+            worker,
+            config,
+            self.batch.num_pages(),
+            self.batch.page_size,
+        )?)
+    }
+
+    /// Fills every layer's pools (one pool on the host at a time).
+    pub(crate) fn fill_kv(&self, config: &Qwen3Config, kv: &KvBuffers) -> Result<()> {
+        let pb = progress(kv.layers as u64, "KV pools", false);
+        let mut cached: Option<(Vec<bf16>, Vec<bf16>)> = None;
+        for l in 0..kv.layers {
+            if cached.is_none() || !self.opts.replicate_kv {
+                cached = Some(generate_kv_pools(config, &self.opts, l, None));
+            }
+            if let Some((k, v)) = &cached {
+                kv.write_layer(l, k, v)?;
+            }
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
+        Ok(())
+    }
+
+    /// The streamed golden of this case's first step (fp32 input `x`), with the head read
+    /// back from `model` when `with_head`.
+    pub(crate) fn golden(
+        &self,
+        weights: &Qwen3Weights,
+        model: &ResidentModel,
+        x: &[f32],
+        with_head: bool,
+    ) -> Result<GoldenStep> {
+        let c = &weights.config;
+        let rope = RopeTables::new(model.max_seq, c.head_dim, c.rope_theta);
+        let mut cached: Option<(Vec<bf16>, Vec<bf16>)> = None;
+        let opts = self.opts.clone();
+        let mut pools = |l: usize| -> (Vec<bf16>, Vec<bf16>) {
+            if opts.replicate_kv {
+                cached
+                    .get_or_insert_with(|| generate_kv_pools(c, &opts, 0, None))
+                    .clone()
+            } else {
+                generate_kv_pools(c, &opts, l, None)
+            }
+        };
+        let src = GoldenSource {
+            config: c,
+            layers: &weights.layers,
+            pools: &mut pools,
+            num_pages: self.batch.num_pages(),
+            page_size: self.batch.page_size,
+        };
+        let final_norm = model.final_norm()?;
+        let mut failure = None;
+        let mut lm_rows = |r: std::ops::Range<usize>| match model.download_lm_head_rows(r) {
+            Ok(v) => v,
+            Err(e) => {
+                failure = Some(e);
+                Vec::new()
+            }
+        };
+        let head = with_head.then(|| HeadSource {
+            final_norm: &final_norm,
+            lm_rows: &mut lm_rows,
+        });
+        let step = golden_decode_streamed(src, head, &self.batch, &rope, x);
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        Ok(step)
+    }
+}

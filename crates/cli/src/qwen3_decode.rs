@@ -1,0 +1,366 @@
+//! `simpler run qwen3-decode`: Qwen3 decode on the runtime with a per-token report — TPOT, the
+//! timing layers of `02-dfx.md`, time per layer, bytes streamed per step and the achieved
+//! bandwidth against this machine's, measured in the same run, and the roofline share — with
+//! an optional (default-on for small shapes) check against the golden.
+
+use std::time::Instant;
+
+use anyhow::{Result, anyhow, bail};
+use clap::{Args, ValueEnum};
+use half::bf16;
+use simpler_core::{RunReport, TaskSlotTiming};
+use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
+use simpler_models::qwen3::check::compare_step;
+use simpler_models::qwen3::{PagedBatch, Session, StepCost, ops};
+
+use crate::opts::{self, RunOpts};
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, load_weights, upload};
+
+/// What a decode step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Variant {
+    /// Embedding, layers, final norm, LM head, greedy ids.
+    Model,
+    /// The fixture's layers chunk: bf16 hidden in and out, no embedding or head.
+    Layers,
+}
+
+/// Arguments of `simpler run qwen3-decode`.
+#[derive(Args, Debug)]
+pub(crate) struct DecodeArgs {
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// Sequences decoded together (1-64).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) batch: usize,
+    /// Tokens in each sequence at the first step, the current one included.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) seq_len: usize,
+    /// Longest sequence the block tables cover [default: seq-len + steps - 1].
+    #[arg(long)]
+    pub(crate) max_seq: Option<usize>,
+    /// Decoder layers to run [default: all of the model's].
+    #[arg(long)]
+    pub(crate) layers: Option<usize>,
+    /// Decode steps per round; each step feeds its output into the next.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) steps: usize,
+    /// Measured rounds (every round replays the same steps from the same state).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) rounds: usize,
+    /// Warm-up rounds (discarded).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) warmup: usize,
+    /// One weight set for every layer (presets; each layer keeps its own KV pool, filled with
+    /// layer 0's as in the reference fixture).
+    #[arg(long)]
+    pub(crate) shared_weights: bool,
+    /// Compare the first step with the golden (hidden state, every layer's K/V writes, logits
+    /// and argmax) [default: on when the golden needs at most a few seconds].
+    #[arg(long, conflicts_with = "no_check")]
+    pub(crate) check: bool,
+    /// Skip the golden comparison.
+    #[arg(long)]
+    pub(crate) no_check: bool,
+    /// What a step runs.
+    #[arg(long, value_enum, default_value_t = Variant::Model)]
+    pub(crate) variant: Variant,
+    /// Seconds spent measuring this machine's bandwidth and FMA peak before the run.
+    #[arg(long, default_value_t = 1.5)]
+    pub(crate) membw_seconds: f64,
+    #[command(flatten)]
+    pub(crate) run: RunOpts,
+}
+
+/// Golden FLOPs above which `--check` is off unless asked for (the golden runs at a few
+/// GFLOP/s on two cores).
+const CHECK_DEFAULT_MAX_FLOPS: f64 = 12e9;
+
+/// One measured step.
+#[derive(Clone, Debug)]
+struct Sample {
+    e2e_s: f64,
+    report: RunReport,
+    cost: StepCost,
+}
+
+fn slot_us(slots: &[TaskSlotTiming], s: u8) -> f64 {
+    slots
+        .iter()
+        .find(|t| t.slot == s)
+        .map_or(0.0, |t| t.span.us())
+}
+
+fn median(xs: impl Iterator<Item = f64>) -> f64 {
+    Summary::of(&xs.collect::<Vec<f64>>()).median
+}
+
+/// The machine's denominators, measured now.
+pub(crate) fn machine_peaks(seconds: f64) -> MachinePeaks {
+    measure(&MeasureOptions {
+        duration: std::time::Duration::from_secs_f64(seconds.max(0.2)),
+        ..MeasureOptions::default()
+    })
+}
+
+/// One line describing the peaks.
+pub(crate) fn format_peaks(p: &MachinePeaks) -> String {
+    format!(
+        "machine (measured in this run): streaming read {:.1} GB/s on {} threads (best pass; median {:.1}), {:.1} GB/s on 1 (median {:.1}); FMA peak {:.1} GFLOP/s on {} threads ({:.1} on 1)",
+        p.read_gbs_all,
+        p.threads,
+        p.read_gbs_all_median,
+        p.read_gbs_one,
+        p.read_gbs_one_median,
+        p.fma_gflops_all,
+        p.threads,
+        p.fma_gflops_one
+    )
+}
+
+pub(crate) fn main(args: DecodeArgs) -> Result<()> {
+    if !(1..=64).contains(&args.batch) || args.seq_len == 0 || args.steps == 0 || args.rounds == 0 {
+        bail!("--batch must be 1..=64 and --seq-len, --steps, --rounds at least 1");
+    }
+    let last_len = args.seq_len + args.steps - 1;
+    let max_seq = args.max_seq.unwrap_or(last_len);
+    if max_seq < last_len {
+        bail!("--max-seq {max_seq} is shorter than seq-len + steps - 1 = {last_len}");
+    }
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let cfg = args.run.call_config("decode")?;
+    let peaks = machine_peaks(args.membw_seconds);
+
+    let mut weights = load_weights(&args.model, args.layers, args.shared_weights)?;
+    let c = weights.config.clone();
+    let layers = c.num_hidden_layers;
+    let with_head = args.variant == Variant::Model;
+    let case = DecodeCase::new(
+        &c,
+        args.batch,
+        args.seq_len,
+        max_seq,
+        args.model.seed,
+        args.shared_weights,
+    );
+    let golden_flops = StepCost::decode(&c, layers, with_head, &case.batch.seq_lens).flops();
+    let check = args.check || (!args.no_check && golden_flops <= CHECK_DEFAULT_MAX_FLOPS);
+    let model = upload(
+        &worker,
+        &mut weights,
+        case.batch.max_blocks * case.batch.page_size,
+    )?;
+    let kv = case.kv_buffers(&worker, &c)?;
+    case.fill_kv(&c, &kv)?;
+    let mut session = Session::new(&worker, model.clone(), kv);
+
+    println!(
+        "simpler run qwen3-decode: {}, {} layers (hidden {}, heads {}/{}x{}, intermediate {}, vocab {}), variant {:?}",
+        args.model.describe(),
+        layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.vocab_size,
+        args.variant
+    );
+    println!(
+        "batch {}, seq_len {} -> {} over {} steps, block tables for {} tokens; {} cores; weights {:.2} GB resident ({} weight set{}), KV cache {:.2} GB",
+        args.batch,
+        args.seq_len,
+        last_len,
+        args.steps,
+        case.batch.max_blocks * case.batch.page_size,
+        worker.cores(),
+        model.resident_bytes() as f64 / 1e9,
+        model.sets,
+        if model.sets == 1 { "" } else { "s" },
+        2.0 * session.kv().k.len() as f64 / 1e9
+    );
+    println!("{}", format_peaks(&peaks));
+    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+
+    // Rounds of steps; the first step of the first round is kept for the check.
+    let mut samples = Vec::new();
+    let mut first: Option<(Vec<f32>, Vec<f32>, Vec<u32>)> = None;
+    for round in 0..args.warmup + args.rounds {
+        let mut tokens = case.tokens.clone();
+        let mut hidden = case.hidden.clone();
+        for step in 0..args.steps {
+            let batch = PagedBatch {
+                seq_lens: case.batch.seq_lens.iter().map(|&s| s + step).collect(),
+                ..case.batch.clone()
+            };
+            session.read_logits = check && first.is_none();
+            let t0 = Instant::now();
+            let report = match args.variant {
+                Variant::Model => {
+                    let out = session.decode(&worker, &batch, &tokens, &cfg)?;
+                    let e2e = t0.elapsed().as_secs_f64();
+                    tokens.clone_from(&out.next_tokens);
+                    if first.is_none() {
+                        first = Some((out.hidden, out.logits, out.next_tokens));
+                    }
+                    (out.report, e2e)
+                }
+                Variant::Layers => {
+                    let out = session.decode_layers(&worker, &batch, &hidden, 0..layers, &cfg)?;
+                    let e2e = t0.elapsed().as_secs_f64();
+                    hidden.clone_from(&out.hidden);
+                    if first.is_none() {
+                        first = Some((
+                            out.hidden.iter().map(|v| v.to_f32()).collect(),
+                            Vec::new(),
+                            Vec::new(),
+                        ));
+                    }
+                    (out.report, e2e)
+                }
+            };
+            let (report, e2e_s) = report;
+            opts::emit(&report, &cfg)?;
+            if round >= args.warmup {
+                let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens);
+                samples.push(Sample {
+                    e2e_s,
+                    report,
+                    cost,
+                });
+            }
+        }
+    }
+
+    if check {
+        let (hidden, logits, ids) = first.ok_or_else(|| anyhow!("no step ran"))?;
+        let x0: Vec<f32> = match args.variant {
+            Variant::Model => model.download_embedding_rows(&case.tokens)?,
+            Variant::Layers => case.hidden.iter().map(|v| v.to_f32()).collect(),
+        };
+        let t = Instant::now();
+        let mut want = case.golden(&weights, &model, &x0, with_head)?;
+        if args.variant == Variant::Layers {
+            // The layers chunk rounds its output to bf16 once, at the end.
+            want.hidden
+                .iter_mut()
+                .for_each(|v| *v = bf16::from_f32(*v).to_f32());
+        }
+        let kv = session.kv();
+        let mut rows = |l: usize, s: usize| kv.read_slot(l, s).map_err(|e| e.to_string());
+        let head = with_head.then_some((logits.as_slice(), ids.as_slice()));
+        let lines = compare_step(&want, &hidden, head, &mut rows)
+            .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
+        println!(
+            "check vs golden (first step; golden took {:.1} s):",
+            t.elapsed().as_secs_f64()
+        );
+        for l in lines {
+            println!("  ok: {l}");
+        }
+    } else {
+        println!(
+            "check: off (--check to compare with the golden; ~{:.0} GFLOP of plain loops)",
+            golden_flops / 1e9
+        );
+    }
+    print_report(
+        &samples,
+        &peaks,
+        args.batch,
+        layers,
+        args.warmup,
+        args.rounds,
+        args.steps,
+    );
+    Ok(())
+}
+
+fn print_report(
+    samples: &[Sample],
+    peaks: &MachinePeaks,
+    batch: usize,
+    layers: usize,
+    warmup: usize,
+    rounds: usize,
+    steps: usize,
+) {
+    let tpot_ms: Vec<f64> = samples.iter().map(|s| s.e2e_s * 1e3).collect();
+    let tpot = Summary::of(&tpot_ms);
+    let us =
+        |f: &dyn Fn(&RunReport) -> u64| median(samples.iter().map(|s| f(&s.report) as f64 / 1e3));
+    let eff = us(&|r| r.effective().dur_ns());
+    let init = us(&|r| {
+        r.device_wall
+            .dur_ns()
+            .saturating_sub(r.effective().dur_ns())
+    });
+    let hand = us(&|r| r.runner.dur_ns().saturating_sub(r.device_wall.dur_ns()));
+    let bind = us(&|r| r.host_wall.dur_ns().saturating_sub(r.runner.dur_ns()));
+    let wrap = median(
+        samples
+            .iter()
+            .map(|s| s.e2e_s * 1e6 - s.report.host_wall.dur_ns() as f64 / 1e3),
+    );
+    let layers_us = median(samples.iter().map(|s| slot_us(&s.report.task_slots, 1)));
+    let head_us = median(samples.iter().map(|s| slot_us(&s.report.task_slots, 2)));
+    let input_us = median(samples.iter().map(|s| slot_us(&s.report.task_slots, 0)));
+    let tasks = median(samples.iter().map(|s| s.report.counters.tasks as f64));
+    let cost = samples[samples.len() / 2].cost;
+    let t = tpot.median / 1e3;
+    let gbs = cost.bytes() / t / 1e9;
+    let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+    let phase = cost.phase_bound_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+    let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
+        >= cost.flops() / (peaks.fma_gflops_all * 1e9)
+    {
+        "bandwidth"
+    } else {
+        "FMA"
+    };
+    println!(
+        "per token: {} measured steps ({rounds} rounds x {steps} steps; {warmup} warm-up round(s) discarded), {:.0} tasks per step",
+        samples.len(),
+        tasks
+    );
+    println!("  {}", format_summary("TPOT_ms", &tpot, warmup * steps));
+    println!(
+        "  TPOT {:.2} ms = {:.2} tokens/s ({} sequences per step)",
+        tpot.median,
+        batch as f64 / t,
+        batch
+    );
+    println!(
+        "  timing layers (median): (1) kernel makespan {eff:.0} us | (2) device init/finalize {init:.0} us | (3) handshake {hand:.0} us | (4) bind+validate {bind:.0} us | (5) engine wrap {wrap:.0} us (step time - run: inputs written, outputs read back)"
+    );
+    println!(
+        "  time per layer {:.0} us (span of all layer tasks, first dispatch to last finish, / {layers}); input {input_us:.0} us; head (final norm + LM head + argmax) {head_us:.0} us",
+        layers_us / layers as f64
+    );
+    println!(
+        "  bytes per step: weights {:.3} GB + KV read {:.3} GB + KV written {:.2} MB = {:.3} GB",
+        cost.weight_bytes / 1e9,
+        cost.kv_read_bytes / 1e9,
+        cost.kv_write_bytes / 1e6,
+        cost.bytes() / 1e9
+    );
+    println!(
+        "  achieved {gbs:.2} GB/s = {:.1}% of this machine's streaming read bandwidth ({:.1} GB/s, best pass; {:.1}% of the median pass)",
+        100.0 * gbs / peaks.read_gbs_all,
+        peaks.read_gbs_all,
+        100.0 * gbs / peaks.read_gbs_all_median
+    );
+    println!(
+        "  FLOPs per step {:.2} G (matmul {:.2} G, attention {:.3} G) = {:.1} GFLOP/s; roofline bound max(bytes/bw, flops/peak) = {:.2} ms ({limit}-bound): achieved {:.1}% of the roofline (per-phase bound {:.2} ms: {:.1}%)",
+        cost.flops() / 1e9,
+        cost.matmul_flops / 1e9,
+        cost.attention_flops / 1e9,
+        cost.flops() / t / 1e9,
+        bound * 1e3,
+        100.0 * bound / t,
+        phase * 1e3,
+        100.0 * phase / t
+    );
+}
