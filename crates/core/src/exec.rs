@@ -194,7 +194,10 @@ fn run_bound(
     // Validate: stop the cores, collect errors and diagnostics.
     run.finished.store(true, Ordering::Release);
     inner.hub.sleep.notify_all();
-    wait_cores_left(&run);
+    if job.cfg.swimlane > 0 {
+        // The swimlane records of a core's last block are pushed just after its completion.
+        wait_cores_left(&run);
+    }
     inner.hub_set_current(None);
     *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
     for b in orch.bound_buffers() {
@@ -310,9 +313,15 @@ fn wait_cores_left(run: &RunShared) {
 
 fn take_arena(inner: &Inner, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
     let cached = inner.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
-    if let Some(a) = cached {
-        // Reuse only if nobody (a stuck core of a failed run) still holds it.
-        if a.sizes == sizes && Arc::strong_count(&a) == 1 {
+    if let Some(a) = cached.filter(|a| a.sizes == sizes) {
+        // Cores drop their handle on the previous run just after leaving it; give them a moment
+        // rather than building a new arena. A core stuck in a kernel of a failed run keeps its
+        // handle for good: then the arena is left to it.
+        let deadline = std::time::Instant::now() + Duration::from_millis(50);
+        while Arc::strong_count(&a) > 1 && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        if Arc::strong_count(&a) == 1 {
             return Ok(a);
         }
     }

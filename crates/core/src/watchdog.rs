@@ -81,6 +81,9 @@ pub(crate) fn run(inner: &Arc<Inner>) {
         } else if let Some(e) = check(&run, w, now, inner) {
             run.fail(e);
         }
+        // Never sleep holding the run: its arena is reused by the next run only once every
+        // handle on it is gone.
+        drop((run, result));
         std::thread::sleep(tick);
     }
 }
