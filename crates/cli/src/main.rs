@@ -1,7 +1,10 @@
 //! The `simpler` command line: thin glue over the runtime, the models and the DFX tools.
 
+mod bench_qwen3;
 mod bench_runtime;
 mod demo;
+mod generate;
+mod npy;
 mod opts;
 mod qwen3_cmd;
 mod qwen3_decode;
@@ -28,6 +31,9 @@ enum Command {
     Bench(BenchCommand),
     /// Read trace files and diagnostics: timing tables, swimlanes, dependency graphs, analyses.
     Trace(trace_cmd::TraceArgs),
+    /// Qwen3 text generation from token ids: chunked prefill, then greedy decode, on the
+    /// runtime; prints the generated ids, comma-separated.
+    Generate(generate::GenerateArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -44,6 +50,12 @@ enum RunCommand {
 enum BenchCommand {
     /// Empty-task throughput, dependent-chain latency per hop, SPMD block overhead.
     Runtime(bench_runtime::BenchRuntimeArgs),
+    /// This machine's streaming read bandwidth (one and all threads) and FMA peak.
+    Membw(bench_qwen3::MembwArgs),
+    /// Qwen3 decode at batch 1, 4 and 16: bytes per step, GB/s and % of membw, % of the
+    /// roofline bound, share of the step outside kernels.
+    #[command(name = "qwen3-decode")]
+    Qwen3Decode(bench_qwen3::DecodeBenchArgs),
 }
 
 /// Arguments of `simpler run demo`.
@@ -98,6 +110,9 @@ fn main() -> Result<()> {
         Command::Run(RunCommand::Demo(a)) => run_demo(a),
         Command::Run(RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
         Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
+        Command::Bench(BenchCommand::Membw(a)) => bench_qwen3::membw(a),
+        Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
+        Command::Generate(a) => generate::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }
 }

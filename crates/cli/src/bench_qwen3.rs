@@ -1,0 +1,256 @@
+//! `simpler bench membw` (the machine's streaming read bandwidth and FMA peak) and
+//! `simpler bench qwen3-decode` (decode at several batch × context shapes: bytes per step,
+//! GB/s and % of membw, % of the roofline bound, and the share of the step spent outside
+//! kernels), each with warm-up, rounds and interval statistics.
+//!
+//! "Outside kernels" is measured on one extra step recorded at swimlane level 1:
+//! `1 - sum of kernel busy time / (cores x effective)`, i.e. the share of the cores' time
+//! during the kernel makespan that no kernel was running (runtime dispatch and completion,
+//! dependency waits, load imbalance at phase ends, the orchestrator thread sharing the cores).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use clap::Args;
+use simpler_core::{CallConfig, RunReport};
+use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_kernels_cpu::membw::{MeasureOptions, measure};
+use simpler_models::qwen3::{Session, StepCost, ops};
+
+use crate::opts::RunOpts;
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, load_weights, upload};
+use crate::qwen3_decode::{format_peaks, machine_peaks};
+
+/// Arguments of `simpler bench membw`.
+#[derive(Args, Debug)]
+pub(crate) struct MembwArgs {
+    /// Total seconds of measurement (split over the four figures).
+    #[arg(long, default_value_t = 4.0)]
+    seconds: f64,
+    /// Size of the streamed buffer in MiB (several times the last-level cache).
+    #[arg(long, default_value_t = 512)]
+    buffer_mib: usize,
+    /// Threads for the all-threads figures [default: available parallelism].
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+pub(crate) fn membw(args: MembwArgs) -> Result<()> {
+    let d = MeasureOptions::default();
+    let p = measure(&MeasureOptions {
+        duration: Duration::from_secs_f64(args.seconds.max(0.4)),
+        buffer_bytes: args.buffer_mib.max(1) << 20,
+        threads: args.threads.unwrap_or(d.threads),
+    });
+    println!(
+        "simpler bench membw: {} MiB buffer, {:.1} s",
+        args.buffer_mib, args.seconds
+    );
+    println!(
+        "streaming read, 1 thread:   best {:>6.1} GB/s  median {:>6.1} GB/s",
+        p.read_gbs_one, p.read_gbs_one_median
+    );
+    println!(
+        "streaming read, {} threads: best {:>6.1} GB/s  median {:>6.1} GB/s",
+        p.threads, p.read_gbs_all, p.read_gbs_all_median
+    );
+    println!(
+        "fp32 FMA peak:  1 thread {:.1} GFLOP/s, {} threads {:.1} GFLOP/s",
+        p.fma_gflops_one, p.threads, p.fma_gflops_all
+    );
+    println!(
+        "roofline denominators: bandwidth {:.1} GB/s, FMA {:.1} GFLOP/s (ridge at {:.1} FLOP/byte)",
+        p.read_gbs_all,
+        p.fma_gflops_all,
+        p.fma_gflops_all / p.read_gbs_all
+    );
+    Ok(())
+}
+
+/// Arguments of `simpler bench qwen3-decode`.
+#[derive(Args, Debug)]
+pub(crate) struct DecodeBenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Shapes to measure, `BATCHxSEQ_LEN`, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1x256,4x1024,16x1024")]
+    shapes: Vec<String>,
+    /// Decoder layers [default: all of the model's].
+    #[arg(long)]
+    layers: Option<usize>,
+    /// One weight set for every layer (presets).
+    #[arg(long)]
+    shared_weights: bool,
+    /// Warm-up steps per shape (discarded).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Measured steps per shape (each replays the same step from the same state).
+    #[arg(long, default_value_t = 10)]
+    rounds: usize,
+    /// Seconds spent measuring this machine's bandwidth and FMA peak first.
+    #[arg(long, default_value_t = 2.0)]
+    membw_seconds: f64,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize)> {
+    let (b, l) = s
+        .split_once(['x', 'X'])
+        .ok_or_else(|| anyhow::anyhow!("shape {s:?}: expected BATCHxSEQ_LEN, e.g. 4x1024"))?;
+    let (b, l): (usize, usize) = (b.trim().parse()?, l.trim().parse()?);
+    if !(1..=64).contains(&b) || l == 0 {
+        bail!("shape {s:?}: batch 1..=64 and a positive sequence length");
+    }
+    Ok((b, l))
+}
+
+/// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
+fn outside_kernels(r: &RunReport) -> Option<f64> {
+    let sw = r.swimlane.as_ref()?;
+    let busy: u64 = sw.tasks.iter().map(|t| t.end.saturating_sub(t.start)).sum();
+    let denom = r.cores as f64 * r.effective().dur_ns() as f64;
+    (denom > 0.0).then(|| 1.0 - busy as f64 / denom)
+}
+
+/// One shape's results.
+struct Row {
+    shape: String,
+    tpot_ms: f64,
+    gbs: f64,
+    membw_pct: f64,
+    roofline_pct: f64,
+    phase_pct: f64,
+    outside_pct: f64,
+    limit: &'static str,
+}
+
+pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
+    let shapes: Vec<(usize, usize)> = args
+        .shapes
+        .iter()
+        .map(|s| parse_shape(s))
+        .collect::<Result<_>>()?;
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let cfg = args.run.call_config("decode")?;
+    let peaks = machine_peaks(args.membw_seconds);
+    let mut weights = load_weights(&args.model, args.layers, args.shared_weights)?;
+    let c = weights.config.clone();
+    let layers = c.num_hidden_layers;
+    let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
+    let model = upload(&worker, &mut weights, max_seq.next_multiple_of(128))?;
+    println!(
+        "simpler bench qwen3-decode: {}, {layers} layers, full model step (embedding, layers, LM head, argmax); {} cores",
+        args.model.describe(),
+        worker.cores()
+    );
+    println!("{}", format_peaks(&peaks));
+    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    println!("KV pools: the spec's distributions, layer 0's pool replicated to every layer");
+    let mut rows = Vec::new();
+    for &(batch, seq_len) in &shapes {
+        let case = DecodeCase::new(&c, batch, seq_len, seq_len, args.model.seed, true);
+        let kv = case.kv_buffers(&worker, &c)?;
+        case.fill_kv(&c, &kv)?;
+        let mut session = Session::new(&worker, model.clone(), kv);
+        session.read_logits = false;
+        let mut samples = Vec::new();
+        let mut last = None;
+        for i in 0..args.warmup + args.rounds {
+            let t = Instant::now();
+            let out = session.decode(&worker, &case.batch, &case.tokens, &cfg)?;
+            let dt = t.elapsed().as_secs_f64();
+            if i >= args.warmup {
+                samples.push(dt * 1e3);
+                last = Some(out.report);
+            }
+        }
+        // The core only requires a directory when a diagnostic is on; nothing is written.
+        let sw_cfg = CallConfig {
+            swimlane: cfg.swimlane.max(1),
+            output_dir: cfg
+                .output_dir
+                .clone()
+                .or_else(|| Some(std::env::temp_dir())),
+            ..cfg.clone()
+        };
+        let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;
+        let s = Summary::of(&samples);
+        let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens);
+        let t = s.median / 1e3;
+        let gbs = cost.bytes() / t / 1e9;
+        let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+        let phase = cost.phase_bound_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+        let outside = outside_kernels(&sw.report).unwrap_or(f64::NAN);
+        let eff_ms = last.as_ref().map_or(f64::NAN, |r| r.effective().us() / 1e3);
+        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
+            >= cost.flops() / (peaks.fma_gflops_all * 1e9)
+        {
+            "bandwidth"
+        } else {
+            "FMA"
+        };
+        println!("batch {batch} x {seq_len} tokens:");
+        println!("  {}", format_summary("step_ms", &s, args.warmup));
+        println!(
+            "  {:.2} tokens/s; kernel makespan {eff_ms:.2} ms of the {:.2} ms step",
+            batch as f64 / t,
+            s.median
+        );
+        println!(
+            "  bytes/step {:.3} GB (weights {:.3}, KV read {:.3}, KV written {:.4}) -> {gbs:.2} GB/s = {:.1}% of membw ({:.1} GB/s)",
+            cost.bytes() / 1e9,
+            cost.weight_bytes / 1e9,
+            cost.kv_read_bytes / 1e9,
+            cost.kv_write_bytes / 1e9,
+            100.0 * gbs / peaks.read_gbs_all,
+            peaks.read_gbs_all
+        );
+        println!(
+            "  FLOPs/step {:.2} G -> {:.1} GFLOP/s; roofline bound {:.2} ms ({limit}-bound) = {:.1}% achieved; per-phase bound {:.2} ms = {:.1}%",
+            cost.flops() / 1e9,
+            cost.flops() / t / 1e9,
+            bound * 1e3,
+            100.0 * bound / t,
+            phase * 1e3,
+            100.0 * phase / t
+        );
+        println!(
+            "  outside kernels {:.1}% of the cores' time during the makespan (swimlane level 1 step: 1 - kernel busy / (cores x effective))",
+            100.0 * outside
+        );
+        rows.push(Row {
+            shape: format!("{batch}x{seq_len}"),
+            tpot_ms: s.median,
+            gbs,
+            membw_pct: 100.0 * gbs / peaks.read_gbs_all,
+            roofline_pct: 100.0 * bound / t,
+            phase_pct: 100.0 * phase / t,
+            outside_pct: 100.0 * outside,
+            limit,
+        });
+    }
+    println!("summary (medians):");
+    println!(
+        "  {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>9}  bound",
+        "shape", "step ms", "GB/s", "%membw", "%roofline", "%phase", "%outside"
+    );
+    for r in &rows {
+        println!(
+            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>9.1}  {}",
+            r.shape,
+            r.tpot_ms,
+            r.gbs,
+            r.membw_pct,
+            r.roofline_pct,
+            r.phase_pct,
+            r.outside_pct,
+            r.limit
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! `simpler generate`: chunked prefill of a prompt, then greedy decode, on the runtime. Prints
+//! the generated token ids on one line (comma-separated) on stdout; timing goes to stderr;
+//! `--dump-logits` writes the fp32 logits of every generated position as `[positions, vocab]`
+//! NPY.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use simpler_models::qwen3::golden::PrefillChunk;
+use simpler_models::qwen3::{KvBuffers, PagedBatch, Session, ops};
+
+use crate::npy;
+use crate::opts::{self, RunOpts};
+use crate::qwen3_cmd::{ModelArgs, load_weights, upload};
+
+/// Arguments of `simpler generate`.
+#[derive(Args, Debug)]
+pub(crate) struct GenerateArgs {
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// The prompt as token ids, comma-separated (e.g. 1,2,3).
+    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+    pub(crate) prompt_ids: Vec<u32>,
+    /// Tokens to generate (greedy).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) max_new_tokens: usize,
+    /// Write the fp32 logits of every generated position to FILE (.npy, [positions, vocab]).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) dump_logits: Option<PathBuf>,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) prefill_chunk: usize,
+    #[command(flatten)]
+    pub(crate) run: RunOpts,
+}
+
+pub(crate) fn main(args: GenerateArgs) -> Result<()> {
+    if args.max_new_tokens == 0 || args.prefill_chunk == 0 {
+        bail!("--max-new-tokens and --prefill-chunk must be at least 1");
+    }
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let mut weights = load_weights(&args.model, None, false)?;
+    let c = weights.config.clone();
+    if let Some(&t) = args
+        .prompt_ids
+        .iter()
+        .find(|&&t| t as usize >= c.vocab_size)
+    {
+        bail!(
+            "--prompt-ids: token {t} is outside the vocabulary of {}",
+            c.vocab_size
+        );
+    }
+    let prompt = &args.prompt_ids;
+    let total = prompt.len() + args.max_new_tokens - 1;
+    let batch = PagedBatch::identity(vec![prompt.len()], total, 128);
+    let model = upload(&worker, &mut weights, batch.max_blocks * batch.page_size)?;
+    let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
+    let mut session = Session::new(&worker, model, kv);
+    let want_logits = args.dump_logits.is_some();
+    session.read_logits = want_logits;
+    let mut logits: Vec<f32> = Vec::new();
+
+    // Prefill in chunks; the last chunk's logits give the first generated token.
+    let cfg = args.run.call_config("prefill")?;
+    let t0 = Instant::now();
+    let mut next = 0u32;
+    let mut done = 0;
+    while done < prompt.len() {
+        let end = (done + args.prefill_chunk).min(prompt.len());
+        let chunk = PrefillChunk {
+            seq: 0,
+            tokens: prompt[done..end].to_vec(),
+            seq_len: end,
+        };
+        session.read_logits = want_logits && end == prompt.len();
+        let out = session
+            .prefill(&worker, &batch, &[chunk], &cfg)
+            .context("prefill")?;
+        opts::emit(&out.report, &cfg)?;
+        next = out.next_tokens[0];
+        if end == prompt.len() {
+            logits.extend_from_slice(&out.logits);
+        }
+        done = end;
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+
+    // Greedy decode.
+    let cfg = args.run.call_config("decode")?;
+    session.read_logits = want_logits;
+    let mut generated = vec![next];
+    let t1 = Instant::now();
+    for i in 1..args.max_new_tokens {
+        let step = PagedBatch {
+            seq_lens: vec![prompt.len() + i],
+            ..batch.clone()
+        };
+        let out = session
+            .decode(&worker, &step, &[next], &cfg)
+            .context("decode")?;
+        opts::emit(&out.report, &cfg)?;
+        next = out.next_tokens[0];
+        generated.push(next);
+        logits.extend_from_slice(&out.logits);
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+
+    let ids: Vec<String> = generated.iter().map(|t| t.to_string()).collect();
+    println!("{}", ids.join(","));
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.2} ms/token)",
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s,
+        args.max_new_tokens - 1,
+        decode_s,
+        decode_s * 1e3 / (args.max_new_tokens - 1).max(1) as f64
+    );
+    if let Some(path) = &args.dump_logits {
+        npy::write_f32(path, &[generated.len(), c.vocab_size], &logits)?;
+        eprintln!(
+            "wrote {} ([{}, {}] fp32 logits)",
+            path.display(),
+            generated.len(),
+            c.vocab_size
+        );
+    }
+    Ok(())
+}

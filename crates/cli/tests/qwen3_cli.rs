@@ -1,0 +1,206 @@
+//! The Qwen3 commands end to end through the `simpler` binary: decode checked against the
+//! golden, generate from a preset and from the same weights saved as an HF checkpoint
+//! (identical ids and logits), the NPY logits dump, and precise errors for bad checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use simpler_models::qwen3::{Qwen3Config, SaveOptions, generate_weights, save_checkpoint};
+
+fn simpler(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run simpler")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("simpler-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn run_qwen3_decode_checks_against_the_golden_and_reports() {
+    for variant in ["model", "layers"] {
+        let out = simpler(&[
+            "run",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--batch",
+            "3",
+            "--seq-len",
+            "130",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--membw-seconds",
+            "0.2",
+            "--variant",
+            variant,
+        ]);
+        let (so, se) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{variant}: {so}\n{se}");
+        assert!(so.contains("check vs golden"), "{so}");
+        assert!(so.contains("ok: K/V writes: 2 layers"), "{so}");
+        if variant == "model" {
+            assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
+        }
+        for needle in [
+            "TPOT_ms: n=2",
+            "(1) kernel makespan",
+            "(5) engine wrap",
+            "time per layer",
+            "bytes per step",
+            "% of this machine's streaming read bandwidth",
+            "roofline bound",
+        ] {
+            assert!(
+                so.contains(needle),
+                "{variant}: missing {needle:?} in\n{so}"
+            );
+        }
+    }
+}
+
+/// `simpler generate` on a model source; returns (stdout, logits file bytes).
+fn generate(source: &[&str], npy: &Path) -> (String, Vec<u8>) {
+    let mut args = vec!["generate"];
+    args.extend_from_slice(source);
+    let npy_s = npy.to_str().unwrap();
+    args.extend([
+        "--prompt-ids",
+        "5,17,300,2,99",
+        "--max-new-tokens",
+        "4",
+        "--prefill-chunk",
+        "3",
+        "--dump-logits",
+        npy_s,
+    ]);
+    let out = simpler(&args);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    (text(&out.stdout), std::fs::read(npy).unwrap())
+}
+
+#[test]
+fn generate_from_a_checkpoint_equals_generate_from_the_preset() {
+    let dir = tmp("gen");
+    let w = generate_weights(&Qwen3Config::preset("small").unwrap(), 1234, false, None);
+    let ckpt = dir.join("ckpt");
+    save_checkpoint(
+        &ckpt,
+        &w,
+        &SaveOptions {
+            max_shard_bytes: Some(8 << 20),
+            ..SaveOptions::default()
+        },
+    )
+    .unwrap();
+    let (ids_a, npy_a) = generate(&["--preset", "small"], &dir.join("a.npy"));
+    let (ids_b, npy_b) = generate(&["--model", ckpt.to_str().unwrap()], &dir.join("b.npy"));
+    // One line of 4 comma-separated ids.
+    let line = ids_a.trim();
+    assert_eq!(ids_a.lines().count(), 1, "{ids_a}");
+    assert_eq!(line.split(',').count(), 4, "{line}");
+    assert!(
+        line.split(',')
+            .all(|t| t.parse::<u32>().is_ok_and(|t| t < 4096)),
+        "{line}"
+    );
+    assert_eq!(ids_a, ids_b, "checkpoint vs in-memory preset");
+    assert_eq!(npy_a, npy_b, "logits differ");
+    // [4, 4096] fp32 after a 64-byte-aligned header.
+    let n = u16::from_le_bytes([npy_a[8], npy_a[9]]) as usize;
+    let header = text(&npy_a[10..10 + n]);
+    assert!(header.contains("'shape': (4, 4096)"), "{header}");
+    assert_eq!(npy_a.len(), 10 + n + 4 * 4 * 4096);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A valid tiny checkpoint in `dir`.
+fn tiny_checkpoint(dir: &Path) -> Qwen3Config {
+    let c = Qwen3Config::preset("tiny").unwrap();
+    let w = generate_weights(&c, 7, false, None);
+    save_checkpoint(dir, &w, &SaveOptions::default()).unwrap();
+    c
+}
+
+fn expect_error(dir: &Path, needles: &[&str]) {
+    let out = simpler(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "a bad checkpoint loaded: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "missing {n:?} in: {err}");
+    }
+}
+
+#[test]
+fn bad_checkpoints_give_errors_naming_the_tensor_and_the_file() {
+    let dir = tmp("bad");
+    // Truncated weights file.
+    let d = dir.join("truncated");
+    tiny_checkpoint(&d);
+    let f = d.join("model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    expect_error(&d, &["model.safetensors", "loading checkpoint"]);
+
+    // Config asking for a layer the file lacks: the missing tensor is named.
+    let d = dir.join("missing");
+    let mut c = tiny_checkpoint(&d);
+    c.num_hidden_layers += 1;
+    std::fs::write(d.join("config.json"), c.to_json()).unwrap();
+    expect_error(&d, &["model.layers.2.", "missing", "model.safetensors"]);
+
+    // Config with another intermediate size: a wrong shape, named.
+    let d = dir.join("shape");
+    let mut c = tiny_checkpoint(&d);
+    c.intermediate_size += 16;
+    std::fs::write(d.join("config.json"), c.to_json()).unwrap();
+    expect_error(&d, &["mlp.", "shape", "model.safetensors"]);
+
+    // A dtype no loader knows.
+    let d = dir.join("dtype");
+    tiny_checkpoint(&d);
+    let header =
+        r#"{"model.embed_tokens.weight":{"dtype":"Q4_K","shape":[4],"data_offsets":[0,8]}}"#;
+    let mut raw = (header.len() as u64).to_le_bytes().to_vec();
+    raw.extend_from_slice(header.as_bytes());
+    raw.extend_from_slice(&[0u8; 8]);
+    std::fs::write(d.join("model.safetensors"), raw).unwrap();
+    expect_error(
+        &d,
+        &["model.embed_tokens.weight", "Q4_K", "model.safetensors"],
+    );
+
+    // No config at all.
+    let d = dir.join("empty");
+    std::fs::create_dir_all(&d).unwrap();
+    expect_error(&d, &["config.json"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
