@@ -63,8 +63,13 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
     );
     // `layers` copies of every projection so the weights do not fit in the last-level cache.
     let mut seed = 0x1234_5678_u64;
+    let only_k: Option<usize> = std::env::args()
+        .skip_while(|a| a != "--k")
+        .nth(1)
+        .map(|s| s.parse().expect("--k"));
     let mats: Vec<(usize, usize, Vec<bf16>)> = (0..layers)
         .flat_map(|_| SHAPES.iter())
+        .filter(|s| only_k.is_none_or(|k| s.2 == k))
         .map(|&(_, n, k)| {
             let data = (0..n * k)
                 .map(|_| {

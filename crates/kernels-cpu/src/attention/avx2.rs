@@ -185,6 +185,18 @@ unsafe fn heads_g<const G: usize, const TB: usize>(
     let vp = kv.v.as_ptr().cast::<u16>();
     let page = kv.page_size;
     let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    // The first run's whole rows up front (later runs are prefetched one run ahead), so no
+    // run is fetched by demand misses one head slice at a time.
+    if all && tokens.start < tokens.end {
+        let run = run_max
+            .min(page - tokens.start % page)
+            .min(tokens.end - tokens.start);
+        let base = slot_of(tokens.start) * row;
+        for e in (0..run * row).step_by(32) {
+            prefetch_l2(kp.wrapping_add(base + e));
+            prefetch_l2(vp.wrapping_add(base + e));
+        }
+    }
     let mut t = tokens.start;
     while t < tokens.end {
         let run = run_max.min(page - t % page).min(tokens.end - t);
