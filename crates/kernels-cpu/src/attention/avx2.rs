@@ -40,12 +40,6 @@ pub(super) fn supports(group: usize, head_dim: usize) -> bool {
     (1..=MAX_GROUP).contains(&group) && head_dim.is_multiple_of(32) && head_dim <= MAX_HD
 }
 
-/// Position of element `d` in the permuted order.
-fn permuted(d: usize) -> usize {
-    let (block, i) = (d / 16 * 16, d % 16);
-    block + if i % 2 == 0 { i / 2 } else { 8 + i / 2 }
-}
-
 /// Computes the partial records (`[m, l, o]` per query, see the module docs of `attention`)
 /// of the group's queries `q` (`group * head_dim` bf16) over `tokens`.
 ///
@@ -118,9 +112,10 @@ pub(super) fn heads_state_len(kv_heads: usize, group: usize, head_dim: usize) ->
 /// `[group]`.
 fn init_state(q: &[bf16], group: usize, hd: usize, scale: f32, st: &mut [f32]) {
     let (qs, rest) = st.split_at_mut(group * hd);
-    for j in 0..group {
-        for d in 0..hd {
-            qs[j * hd + permuted(d)] = q[j * hd + d].to_f32() * scale;
+    for (dst, src) in qs.chunks_exact_mut(16).zip(q.chunks_exact(16)) {
+        for i in 0..8 {
+            dst[i] = src[2 * i].to_f32() * scale;
+            dst[8 + i] = src[2 * i + 1].to_f32() * scale;
         }
     }
     let (o, ml) = rest.split_at_mut(group * hd);
@@ -136,8 +131,14 @@ fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
         let rec = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
         rec[0] = ml[j];
         rec[1] = ml[group + j];
-        for d in 0..hd {
-            rec[2 + d] = o[j * hd + permuted(d)];
+        for (dst, src) in rec[2..]
+            .chunks_exact_mut(16)
+            .zip(o[j * hd..(j + 1) * hd].chunks_exact(16))
+        {
+            for i in 0..8 {
+                dst[2 * i] = src[i];
+                dst[2 * i + 1] = src[8 + i];
+            }
         }
     }
 }
