@@ -147,9 +147,16 @@ fn one_layer_meets_the_one_layer_tolerance() {
 }
 
 fn full_model_matches_golden(seq_lens: &[usize], cfg: &CallConfig) {
+    full_model_matches_golden_with(seq_lens, cfg, None);
+}
+
+fn full_model_matches_golden_with(seq_lens: &[usize], cfg: &CallConfig, tile_bytes: Option<usize>) {
     let f = fixture("small", seq_lens);
     let w = worker(2);
     let mut s = session(&w, &f);
+    if let Some(b) = tile_bytes {
+        s.policy.tile_bytes = b;
+    }
     let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
     Tolerance::STACK
@@ -183,13 +190,21 @@ fn full_model_in_serial_mode_and_tiny_rings() {
         ring_heap: RingValue::All(1 << 20),
         ring_dep_pool: RingValue::All(1024),
     };
-    full_model_matches_golden(
-        &[200, 3],
-        &CallConfig {
-            runtime_env: tiny,
-            ..CallConfig::default()
+    let cfg = CallConfig {
+        runtime_env: tiny,
+        ..CallConfig::default()
+    };
+    full_model_matches_golden(&[200, 3], &cfg);
+    // Many small tiles (64 gate/up x 32 down per layer): consumers of a phase wait on its
+    // barrier, so a 1024-entry dependency pool still holds a layer (2048 edges without).
+    let many = CallConfig {
+        runtime_env: RuntimeEnv {
+            ring_task_window: RingValue::All(1024),
+            ..tiny
         },
-    );
+        ..CallConfig::default()
+    };
+    full_model_matches_golden_with(&[200, 3], &many, Some(4096));
 }
 
 /// A one-sequence view of row `b` of a batch's block tables.

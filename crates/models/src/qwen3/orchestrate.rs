@@ -13,7 +13,11 @@
 //! down row tiles: x[:, tile] += act @ Wd^T
 //! ```
 //! Attention reads the pools through NoDep views and waits on a dummy task that follows every
-//! K/V write of the layer. Timing slots: 0 input (embedding or cast), 1 layers, 2 head.
+//! K/V write of the layer. Likewise every phase whose output many tiles wrote (q/k/v, the
+//! attention output, the SwiGLU activations) ends in a barrier task, and its consumers read the
+//! output NoDep after that barrier: one edge per consumer instead of one per producer (a
+//! 14B `down_proj` tile would otherwise wait on all 340 `gate/up` tiles). Timing slots: 0 input
+//! (embedding or cast), 1 layers, 2 head.
 
 use std::ops::Range;
 
@@ -255,21 +259,45 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
     })
 }
 
+/// How a task reaches an input many tasks wrote: through the tensor (one edge per writer) or
+/// through a barrier that follows every writer (one edge; the tensor is then passed NoDep).
+#[derive(Clone, Copy)]
+enum Dep {
+    Tensor,
+    After(TaskId),
+}
+
+impl Dep {
+    fn add(self, t: Task, x: &Tensor) -> Task {
+        match self {
+            Dep::Tensor => t.input(x),
+            Dep::After(b) => t.no_dep(x).after(b),
+        }
+    }
+}
+
+/// A dummy task that completes when every task of `ids` has: consumers of a phase's output
+/// wait on it instead of on each producer, so fan-in stays one edge per consumer.
+fn barrier(o: &mut Orchestrator, ids: Vec<TaskId>) -> R<TaskId> {
+    Ok(o.submit(Task::dummy().after_all(ids))?.id)
+}
+
 /// One GEMM tile: `out[:, tile] (+)= acts @ w[tile]^T (* scale)`.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     o: &mut Orchestrator,
     acts: &Tensor,
+    dep: Dep,
     w: &Tensor,
     tile: &Range<usize>,
     out: &Tensor,
     scale: Option<&Tensor>,
     kdim: usize,
     add: bool,
-) -> R<()> {
+) -> R<TaskId> {
     let wt = rows(o, w, tile.start, tile.end)?;
     let ot = cols(o, out, tile.start, tile.end)?;
-    let mut t = Task::new(ops::GEMM_TILE).input(acts).no_dep(&wt);
+    let mut t = dep.add(Task::new(ops::GEMM_TILE), acts).no_dep(&wt);
     t = if add {
         t.in_out(&ot)
     } else {
@@ -284,8 +312,7 @@ fn gemm(
         .scalar(kdim as u64)
         .scalar(u64::from(add))
         .timing_slot(1);
-    o.submit(t)?;
-    Ok(())
+    Ok(o.submit(t)?.id)
 }
 
 fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -> R<()> {
@@ -311,15 +338,17 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let q = o.alloc(DType::F32, &[r, qw as u64])?;
     let k = o.alloc(DType::F32, &[r, kvw as u64])?;
     let v = o.alloc(DType::F32, &[r, kvw as u64])?;
+    let mut qkv = Vec::new();
     for (wt, out, tiles) in [
         (wq, &q, &p.tiles.q),
         (wk, &k, &p.tiles.k),
         (wv, &v, &p.tiles.v),
     ] {
         for t in tiles {
-            gemm(o, &n, wt, t, out, rs.as_ref(), h, false)?;
+            qkv.push(gemm(o, &n, Dep::Tensor, wt, t, out, rs.as_ref(), h, false)?);
         }
     }
+    let qkv_done = Dep::After(barrier(o, qkv)?);
 
     // q/k norm, RoPE, bf16 Q, and the K/V rows into this layer's pools.
     let qb = o.alloc(DType::BF16, &[r, qw as u64])?;
@@ -328,10 +357,11 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let mut writes: Vec<TaskId> = Vec::new();
     for runs in &p.slot_runs {
         for &(row, pos, slot, cnt) in runs {
-            let t = Task::new(ops::ROPE_KV)
-                .input(&rows(o, &q, row, row + cnt)?)
-                .input(&rows(o, &k, row, row + cnt)?)
-                .input(&rows(o, &v, row, row + cnt)?)
+            let t = Task::new(ops::ROPE_KV);
+            let t = qkv_done.add(t, &rows(o, &q, row, row + cnt)?);
+            let t = qkv_done.add(t, &rows(o, &k, row, row + cnt)?);
+            let t = qkv_done
+                .add(t, &rows(o, &v, row, row + cnt)?)
                 .no_dep(qn)
                 .no_dep(kn)
                 .no_dep(&rows(o, &vw.cos, pos, pos + cnt)?)
@@ -348,19 +378,21 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
 
     // Attention into packed activations for o_proj.
     let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
-    match p.kind {
+    let attn = match p.kind {
         StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
         StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
-    }
+    };
+    let attn_done = Dep::After(barrier(o, attn)?);
 
     // Residual: x += a @ Wo^T, tile by tile in place.
     for t in &p.tiles.o {
-        gemm(o, &a, wo, t, x, None, qw, true)?;
+        gemm(o, &a, attn_done, wo, t, x, None, qw, true)?;
     }
 
     // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
     let (m, r2) = norm(o, p, x, post_norm)?;
     let act = o.alloc(DType::F32, &[r, packed_ld(inter) as u64])?;
+    let mut gate_up = Vec::new();
     for t in &p.tiles.gate_up {
         let mut task = Task::new(ops::GATE_UP_SWIGLU)
             .input(&m)
@@ -370,15 +402,17 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
         if let Some(s) = &r2 {
             task = task.input(s);
         }
-        o.submit(
+        let id = o.submit(
             task.scalar(h as u64)
                 .scalar(t.start as u64)
                 .scalar(inter as u64)
                 .timing_slot(1),
         )?;
+        gate_up.push(id.id);
     }
+    let act_done = Dep::After(barrier(o, gate_up)?);
     for t in &p.tiles.down {
-        gemm(o, &act, wd, t, x, None, inter, true)?;
+        gemm(o, &act, act_done, wd, t, x, None, inter, true)?;
     }
     Ok(())
 }
@@ -395,9 +429,10 @@ fn attention_decode(
     vl: &Tensor,
     a: &Tensor,
     kv_ready: TaskId,
-) -> R<()> {
+) -> R<Vec<TaskId>> {
     let c = &p.config;
     let (d, group, qw, kv_heads) = (c.head_dim, c.group(), c.q_width(), c.num_key_value_heads);
+    let mut writers = Vec::with_capacity(p.seqs.len());
     let set = kv_heads * partial_len(group, d);
     let n_partials: usize = p
         .kv_chunks
@@ -433,7 +468,7 @@ fn attention_decode(
         };
         match (chunks.as_slice(), &partials) {
             ([one], _) => {
-                o.submit(task(one, true).output_existing(&out))?;
+                writers.push(o.submit(task(one, true).output_existing(&out))?.id);
             }
             (many, Some(parts)) => {
                 let p0 = next_partial;
@@ -443,7 +478,7 @@ fn attention_decode(
                     next_partial += 1;
                 }
                 let mine = rows(o, parts, p0, next_partial)?;
-                o.submit(
+                let id = o.submit(
                     Task::new(ops::ATTN_COMBINE)
                         .input(&mine)
                         .output_existing(&out)
@@ -452,11 +487,12 @@ fn attention_decode(
                         .scalar(d as u64)
                         .timing_slot(1),
                 )?;
+                writers.push(id.id);
             }
             (_, None) => return Err(o.fatal("qwen3 orchestration: split KV without partials")),
         }
     }
-    Ok(())
+    Ok(writers)
 }
 
 /// Causal prefill attention per (sequence, KV head, block of rows).
@@ -470,10 +506,11 @@ fn attention_prefill(
     vl: &Tensor,
     a: &Tensor,
     kv_ready: TaskId,
-) -> R<()> {
+) -> R<Vec<TaskId>> {
     let c = &p.config;
     let (d, group, qw) = (c.head_dim, c.group(), c.q_width());
     let block = p.prefill_rows.max(1);
+    let mut writers = Vec::new();
     for s in &p.seqs {
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
         for g in 0..c.num_key_value_heads {
@@ -483,7 +520,7 @@ fn attention_prefill(
                 let n = block.min(s.n_rows - i);
                 let (r0, r1) = (s.row0 + i, s.row0 + i + n);
                 let out = cols(o, &rows(o, a, r0, r1)?, c0, c0 + group * d)?;
-                o.submit(
+                let id = o.submit(
                     Task::new(ops::ATTN_PREFILL)
                         .input(&rows(o, qb, r0, r1)?)
                         .no_dep(kl)
@@ -500,11 +537,12 @@ fn attention_prefill(
                         .scalar(d as u64)
                         .timing_slot(1),
                 )?;
+                writers.push(id.id);
                 i += n;
             }
         }
     }
-    Ok(())
+    Ok(writers)
 }
 
 /// Final norm, LM head tiles and greedy argmax for each sequence's last row.
