@@ -126,8 +126,13 @@ fn runs_can_be_submitted_polled_and_queued() {
         })
     })
     .unwrap();
-    let args = RunArgs { buffers: vec![buf.clone()], scalars: vec![1000] };
-    let mut first = w.submit("inc", args.clone(), &CallConfig::default()).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![1000],
+    };
+    let mut first = w
+        .submit("inc", args.clone(), &CallConfig::default())
+        .unwrap();
     // While the run holds the buffer, host access is refused instead of racing.
     let during = buf.read::<f32>();
     let second = w.submit("inc", args, &CallConfig::default()).unwrap();
@@ -145,10 +150,18 @@ fn runs_can_be_submitted_polled_and_queued() {
     }
     // Registration errors and unknown names are reported, not panicked.
     assert!(matches!(
-        w.register_kernel(KernelSpec::new(ADD_ONE, "again", EngineClass::Vector, |_| Ok(()))),
+        w.register_kernel(KernelSpec::new(
+            ADD_ONE,
+            "again",
+            EngineClass::Vector,
+            |_| Ok(())
+        )),
         Err(Error::Registry(_))
     ));
-    assert!(matches!(w.register_orchestration("inc", |_, _| Ok(())), Err(Error::Registry(_))));
+    assert!(matches!(
+        w.register_orchestration("inc", |_, _| Ok(())),
+        Err(Error::Registry(_))
+    ));
     match w.run("nope", RunArgs::default(), &CallConfig::default()) {
         Err(Error::UnknownOrchestration { name, known }) => {
             assert_eq!(name, "nope");
@@ -171,7 +184,10 @@ fn sync_start_blocks_meet_at_the_barrier_and_predicates_skip() {
         ctx.sync_barrier()?;
         let seen = ARRIVED.load(std::sync::atomic::Ordering::SeqCst);
         if seen != ctx.block_num() {
-            return Err(KernelError::new(format!("block {} saw {seen} arrivals", ctx.block_idx())));
+            return Err(KernelError::new(format!(
+                "block {} saw {seen} arrivals",
+                ctx.block_idx()
+            )));
         }
         ctx.write_chunk::<u32>(0, 1)?[0] = ctx.block_idx() as u32 + 1;
         Ok(())
@@ -182,19 +198,31 @@ fn sync_start_blocks_meet_at_the_barrier_and_predicates_skip() {
     }
     let buf = w.alloc(12).unwrap();
     let flag = w.buffer_from(&[5.0f32; 4]).unwrap();
-    let args = RunArgs { buffers: vec![buf.clone(), flag.clone()], scalars: vec![] };
+    let args = RunArgs {
+        buffers: vec![buf.clone(), flag.clone()],
+        scalars: vec![],
+    };
     let r = w
         .run_fn("gang", args, &CallConfig::default(), |o, a| {
             let t = o.bind(&a.buffers[0], DType::U32, &[3])?;
             let f = o.bind(&a.buffers[1], DType::F32, &[4])?;
             o.scope(ScopeKind::Auto, |o| {
-                o.submit(Task::new(GANG).output_existing(&t).blocks(3).require_sync_start())?;
+                o.submit(
+                    Task::new(GANG)
+                        .output_existing(&t)
+                        .blocks(3)
+                        .require_sync_start(),
+                )?;
                 o.submit(Task::new(ADD_ONE).in_out(&f).predicate(never))?;
                 Ok(())
             })
         })
         .unwrap();
     assert_eq!(buf.read::<u32>().unwrap(), vec![1, 2, 3]);
-    assert_eq!(flag.read::<f32>().unwrap(), vec![5.0; 4], "the skipped task must not run");
+    assert_eq!(
+        flag.read::<f32>().unwrap(),
+        vec![5.0; 4],
+        "the skipped task must not run"
+    );
     assert_eq!(r.counters.skipped, 1);
 }
