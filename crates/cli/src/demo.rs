@@ -36,7 +36,7 @@ fn zero(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// C[mt, nt] += A[mt, kt] @ B[kt, nt] (all tiles are strided views of larger matrices).
+/// `C[mt, nt] += A[mt, kt] @ B[kt, nt]` (all tiles are strided views of larger matrices).
 fn matmul_acc(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let a = ctx.read_rows::<f32>(0)?;
     let b = ctx.read_rows::<f32>(1)?;
@@ -65,7 +65,7 @@ fn bias_gelu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// partial[n] = sum over the tile's rows of Y[r, n].
+/// `partial[n] = sum over the tile's rows of Y[r, n]`.
 fn colsum(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let y = ctx.read_rows::<f32>(0)?;
     let mut out = ctx.write_rows::<f32>(1)?;
@@ -79,7 +79,7 @@ fn colsum(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// out[n] = sum over tiles of partial[t, n].
+/// `out[n] = sum over tiles of partial[t, n]`.
 fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let p = ctx.read_rows::<f32>(0)?;
     let mut out = ctx.write_rows::<f32>(1)?;
@@ -124,7 +124,7 @@ pub(crate) fn register(w: &Worker, shape: DemoShape) -> Result<()> {
     Ok(())
 }
 
-/// buffers: A [m,k], B [k,n], bias [n], partials [m/tile, n], out [n].
+/// Buffers: `A [m, k]`, `B [k, n]`, `bias [n]`, `partials [m/tile, n]`, `out [n]`.
 fn orchestrate(o: &mut Orchestrator, args: &RunArgs, s: DemoShape) -> Result<(), RunError> {
     let DemoShape { m, k, n, tile } = s;
     let a = o.bind(&args.buffers[0], DType::F32, &[m, k])?;
