@@ -223,13 +223,25 @@ unsafe fn heads_g<const G: usize, const TB: usize>(
         }
         let share = (nrun * row).div_ceil(heads.len() * 32) * 32;
         for (h, st) in heads.clone().zip(state.chunks_exact_mut(per)) {
-            if all {
+            // This head's share of the next run, spread over its score blocks so the misses
+            // trickle out alongside the arithmetic instead of in one burst.
+            let (mut pf_at, pf_end) = if all {
                 let from = (h - heads.start) * share;
-                for e in (from..(from + share).min(nrun * row)).step_by(32) {
+                (from.min(nrun * row), (from + share).min(nrun * row))
+            } else {
+                (0, 0)
+            };
+            let pf_step = (pf_end - pf_at)
+                .div_ceil(run.div_ceil(TB).max(1))
+                .next_multiple_of(32);
+            let prefetch_some = |at: &mut usize| {
+                let stop = (*at + pf_step).min(pf_end);
+                for e in (*at..stop).step_by(32) {
                     prefetch_l2(kp.wrapping_add(nbase + e));
                     prefetch_l2(vp.wrapping_add(nbase + e));
                 }
-            }
+                *at = stop;
+            };
             let base = slot0 * row + h * hd;
             let (qf, rest) = st.split_at_mut(G * hd);
             let (o, ml) = rest.split_at_mut(G * hd);
@@ -237,6 +249,7 @@ unsafe fn heads_g<const G: usize, const TB: usize>(
             // Scores s[j][i] = q_j . k_i (scaled).
             let mut i = 0;
             while i + TB <= run {
+                prefetch_some(&mut pf_at);
                 // SAFETY: rows i..i+TB of this run are inside the pool (caller's contract).
                 unsafe { scores::<G, TB>(qf, kp.add(base + i * row), row, hd, &mut s, i) };
                 i += TB;
@@ -245,6 +258,9 @@ unsafe fn heads_g<const G: usize, const TB: usize>(
                 // SAFETY: as above, for one row.
                 unsafe { scores::<G, 1>(qf, kp.add(base + i * row), row, hd, &mut s, i) };
                 i += 1;
+            }
+            while pf_at < pf_end {
+                prefetch_some(&mut pf_at);
             }
             // Online softmax update: p = exp(s - m_new) in place, l and o rescaled.
             for j in 0..G {

@@ -45,18 +45,30 @@ impl TilePolicy {
         }
     }
 
-    /// Row tiles of a projection with `n` output rows of `row_bytes` weight bytes each.
+    /// Row tiles of a projection with `n` output rows of `row_bytes` weight bytes each, in
+    /// submission order (the last ones smaller).
     pub fn row_tiles(&self, n: usize, row_bytes: usize) -> Vec<Range<usize>> {
         let g = self.granule.max(1);
         let by_bytes = (n * row_bytes).div_ceil(self.tile_bytes.max(1));
         let want = by_bytes.max(self.tiles_per_core * self.cores);
         let units = n.div_ceil(g);
         let t = want.min(units).max(1);
-        (0..t)
-            .map(|i| {
-                let r = split_range(units, t, i);
-                (r.start * g).min(n)..(r.end * g).min(n)
-            })
+        let mut tiles: Vec<Range<usize>> = Vec::with_capacity(t + self.cores);
+        for i in 0..t {
+            let r = split_range(units, t, i);
+            // The last `cores` tiles are halved: cores finishing a phase wait on a shorter
+            // tail (tiles run in submission order).
+            if i + self.cores >= t && r.len() >= 2 {
+                let mid = r.start + r.len() / 2;
+                tiles.push(r.start..mid);
+                tiles.push(mid..r.end);
+            } else {
+                tiles.push(r);
+            }
+        }
+        tiles
+            .into_iter()
+            .map(|r| (r.start * g).min(n)..(r.end * g).min(n))
             .filter(|r| !r.is_empty())
             .collect()
     }
@@ -185,4 +197,38 @@ pub(crate) fn check_batch(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_tiles_cover_the_rows_in_granules_with_a_smaller_tail() {
+        let p = TilePolicy::for_cores(2);
+        for (n, row_bytes) in [
+            (2048, 2048),
+            (1024, 6144),
+            (151_936, 2048),
+            (40, 64),
+            (1, 64),
+        ] {
+            let tiles = p.row_tiles(n, row_bytes);
+            assert_eq!(tiles.first().map(|r| r.start), Some(0));
+            assert_eq!(tiles.last().map(|r| r.end), Some(n));
+            for w in tiles.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+                assert_eq!(w[0].end % p.granule, 0);
+            }
+            if tiles.len() > 4 {
+                assert!(tiles[tiles.len() - 1].len() < tiles[0].len(), "{tiles:?}");
+            }
+        }
+        let chunks = p.kv_chunks(&[256, 10, 3000]);
+        assert_eq!(chunks.len(), 3);
+        for (c, len) in chunks.iter().zip([256, 10, 3000]) {
+            assert_eq!(c.first().map(|r| r.start), Some(0));
+            assert_eq!(c.last().map(|r| r.end), Some(len));
+        }
+    }
 }
