@@ -175,6 +175,23 @@ fn full_model_argmax_is_identical_to_the_golden() {
 }
 
 #[test]
+fn batch_64_full_model_matches_the_golden() {
+    let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 53) % 200).collect();
+    let f = fixture("tiny", &lens);
+    let w = worker(2);
+    let mut s = session(&w, &f);
+    let got = s
+        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+        .unwrap();
+    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    Tolerance::STACK
+        .check("hidden", &got.hidden, &want.hidden)
+        .unwrap();
+    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+}
+
+#[test]
 fn full_model_in_serial_mode_and_tiny_rings() {
     // Serial: the whole graph is submitted before execution, so rings must hold it.
     full_model_matches_golden(
