@@ -50,8 +50,6 @@ fn main() {
     let tables: Vec<Vec<u32>> = (0..seqs)
         .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
         .collect();
-    let mut partial = vec![0.0f32; partial_len(group, hd)];
-    let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
     let all_heads = args.iter().any(|a| a == "--all-heads");
     if args.iter().any(|a| a == "--stream") {
         for _ in 0..3 {
@@ -72,26 +70,50 @@ fn main() {
             );
         }
     }
+    let threads = get("--threads", 1).max(1);
     for rep in 0..3 {
         let t = Instant::now();
-        for table in tables.iter().cycle().take(seqs * passes) {
-            if all_heads {
-                decode_attention_heads_bf16(&q, group, &kv, table, 0..seq, 0.088, &mut partials);
-            } else {
-                for g in 0..kv_heads {
-                    decode_attention_partial_bf16(
-                        &q,
-                        group,
-                        &kv,
-                        table,
-                        g,
-                        0..seq,
-                        0.088,
-                        &mut partial,
-                    );
-                }
+        std::thread::scope(|sc| {
+            for th in 0..threads {
+                let (tables, kv, q) = (&tables, &kv, &q);
+                sc.spawn(move || {
+                    let mut partial = vec![0.0f32; partial_len(group, hd)];
+                    let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
+                    for table in tables
+                        .iter()
+                        .skip(th)
+                        .step_by(threads)
+                        .cycle()
+                        .take(seqs * passes / threads)
+                    {
+                        if all_heads {
+                            decode_attention_heads_bf16(
+                                q,
+                                group,
+                                kv,
+                                table,
+                                0..seq,
+                                0.088,
+                                &mut partials,
+                            );
+                        } else {
+                            for g in 0..kv_heads {
+                                decode_attention_partial_bf16(
+                                    q,
+                                    group,
+                                    kv,
+                                    table,
+                                    g,
+                                    0..seq,
+                                    0.088,
+                                    &mut partial,
+                                );
+                            }
+                        }
+                    }
+                });
             }
-        }
+        });
         let dt = t.elapsed().as_secs_f64();
         let bytes = (passes * seqs * kv_heads * seq * hd * 2 * 2) as f64;
         println!(
