@@ -18,7 +18,7 @@ use simpler_kernels_cpu::membw::{MeasureOptions, measure};
 use simpler_models::qwen3::{Session, StepCost, ops};
 
 use crate::opts::RunOpts;
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, load_weights, upload};
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
 use crate::qwen3_decode::{format_peaks, machine_peaks};
 
 /// Arguments of `simpler bench membw`.
@@ -91,6 +91,8 @@ pub(crate) struct DecodeBenchArgs {
     #[arg(long, default_value_t = 2.0)]
     membw_seconds: f64,
     #[command(flatten)]
+    tiles: TileArgs,
+    #[command(flatten)]
     run: RunOpts,
 }
 
@@ -157,6 +159,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let kv = case.kv_buffers(&worker, &c)?;
         case.fill_kv(&c, &kv)?;
         let mut session = Session::new(&worker, model.clone(), kv);
+        args.tiles.apply(&mut session);
         session.read_logits = false;
         let mut samples = Vec::new();
         let mut last = None;

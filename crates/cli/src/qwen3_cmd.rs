@@ -14,7 +14,7 @@ use simpler_core::Worker;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
     FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel,
-    RopeTables, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
+    RopeTables, Session, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
     load_checkpoint,
 };
 
@@ -52,6 +52,29 @@ impl ModelArgs {
 
     fn preset_name(&self) -> &str {
         self.preset.as_deref().unwrap_or("qwen3-0.6b")
+    }
+}
+
+/// How steps are cut into tasks (defaults: the models crate's `TilePolicy`).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct TileArgs {
+    /// About how many weight KiB one projection tile streams [default: 1024].
+    #[arg(long)]
+    pub(crate) tile_kib: Option<usize>,
+    /// Fewest tiles of each projection per core [default: 4].
+    #[arg(long)]
+    pub(crate) tiles_per_core: Option<usize>,
+}
+
+impl TileArgs {
+    /// Applies the overrides to a session's policy.
+    pub(crate) fn apply(&self, session: &mut Session) {
+        if let Some(k) = self.tile_kib {
+            session.policy.tile_bytes = k.max(1) << 10;
+        }
+        if let Some(n) = self.tiles_per_core {
+            session.policy.tiles_per_core = n.max(1);
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use simpler_models::qwen3::check::compare_step;
 use simpler_models::qwen3::{PagedBatch, Session, StepCost, ops};
 
 use crate::opts::{self, RunOpts};
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, load_weights, upload};
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
 
 /// What a decode step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -69,6 +69,8 @@ pub(crate) struct DecodeArgs {
     /// Seconds spent measuring this machine's bandwidth and FMA peak before the run.
     #[arg(long, default_value_t = 1.5)]
     pub(crate) membw_seconds: f64,
+    #[command(flatten)]
+    pub(crate) tiles: TileArgs,
     #[command(flatten)]
     pub(crate) run: RunOpts,
 }
@@ -155,6 +157,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     let kv = case.kv_buffers(&worker, &c)?;
     case.fill_kv(&c, &kv)?;
     let mut session = Session::new(&worker, model.clone(), kv);
+    args.tiles.apply(&mut session);
 
     println!(
         "simpler run qwen3-decode: {}, {} layers (hidden {}, heads {}/{}x{}, intermediate {}, vocab {}), variant {:?}",
