@@ -52,7 +52,11 @@ impl RunOpts {
                 ring_heap: self.ring_heap.unwrap_or(d.ring_heap),
                 ring_dep_pool: self.ring_dep_pool.unwrap_or(d.ring_dep_pool),
             },
-            mode: if self.serial { OrchMode::Serial } else { OrchMode::Overlapped },
+            mode: if self.serial {
+                OrchMode::Serial
+            } else {
+                OrchMode::Overlapped
+            },
             swimlane: self.swimlane,
             dep_gen: self.dep_gen,
             ring_stats: self.ring_stats,
@@ -65,8 +69,14 @@ impl RunOpts {
     }
 
     pub(crate) fn worker(&self) -> Result<Worker> {
-        let w = Worker::new(CpuPlatform::new(), WorkerConfig { cores: self.cores, timeouts: None })
-            .context("starting the CPU worker")?;
+        let w = Worker::new(
+            CpuPlatform::new(),
+            WorkerConfig {
+                cores: self.cores,
+                timeouts: None,
+            },
+        )
+        .context("starting the CPU worker")?;
         for warning in w.warnings() {
             eprintln!("warning: {warning}");
         }
@@ -94,16 +104,32 @@ pub(crate) fn format_report(r: &RunReport) -> String {
         r.counters.blocks,
         r.counters.edges,
         r.cores,
-        if r.overlapped { "orchestration overlapped with execution" } else { "serial: submit all, then execute" }
+        if r.overlapped {
+            "orchestration overlapped with execution"
+        } else {
+            "serial: submit all, then execute"
+        }
     );
     s += &format!("  host_wall      {:>12.1} us\n", r.host_wall.us());
     s += &format!("    bind         {:>12.1} us\n", r.bind.us());
     s += &format!("    runner       {:>12.1} us\n", r.runner.us());
     s += &format!("      device_wall{:>12.1} us\n", r.device_wall.us());
-    s += &format!("        graph_build {:>9.1} us (config {:.1}, arena {:.1}, reset {:.1})\n", r.graph_build.us(), r.config_validate.us(), r.arena_wire.us(), r.reset.us());
+    s += &format!(
+        "        graph_build {:>9.1} us (config {:.1}, arena {:.1}, reset {:.1})\n",
+        r.graph_build.us(),
+        r.config_validate.us(),
+        r.arena_wire.us(),
+        r.reset.us()
+    );
     s += &format!("        orch     {:>12.1} us\n", r.orch.us());
-    s += &format!("        sched    {:>12.1} us (overlaps orch; never add them)\n", r.sched.us());
-    s += &format!("        effective{:>12.1} us = max(ends) - min(starts)\n", eff.us());
+    s += &format!(
+        "        sched    {:>12.1} us (overlaps orch; never add them)\n",
+        r.sched.us()
+    );
+    s += &format!(
+        "        effective{:>12.1} us = max(ends) - min(starts)\n",
+        eff.us()
+    );
     s += &format!("    validate     {:>12.1} us\n", r.validate.us());
     s += &format!(
         "  layers: (1) kernel makespan {:.1} us | (2) device init/finalize {:.1} us | (3) handshake {:.1} us | (4) bind+validate {:.1} us\n",
@@ -113,13 +139,24 @@ pub(crate) fn format_report(r: &RunReport) -> String {
         us(r.host_wall.dur_ns().saturating_sub(r.runner.dur_ns())),
     );
     for t in &r.task_slots {
-        s += &format!("  task_slot_{}: {} tasks, {:.1} us\n", t.slot, t.tasks, t.span.us());
+        s += &format!(
+            "  task_slot_{}: {} tasks, {:.1} us\n",
+            t.slot,
+            t.tasks,
+            t.span.us()
+        );
     }
     if r.counters.ring_waits > 0 {
-        s += &format!("  the orchestrator waited for ring room {} times\n", r.counters.ring_waits);
+        s += &format!(
+            "  the orchestrator waited for ring room {} times\n",
+            r.counters.ring_waits
+        );
     }
     if r.counters.skipped > 0 {
-        s += &format!("  {} tasks skipped by their dispatch predicate\n", r.counters.skipped);
+        s += &format!(
+            "  {} tasks skipped by their dispatch predicate\n",
+            r.counters.skipped
+        );
     }
     s
 }
