@@ -13,7 +13,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use clap::Args;
 use simpler_core::{CallConfig, RunReport};
-use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_dfx::bench_stats::{
+    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
+    run_interleaved,
+};
 use simpler_kernels_cpu::membw::{MeasureOptions, measure};
 use simpler_models::qwen3::{Session, StepCost, ops};
 
@@ -90,6 +93,11 @@ pub(crate) struct DecodeBenchArgs {
     /// Seconds spent measuring this machine's bandwidth and FMA peak first.
     #[arg(long, default_value_t = 2.0)]
     membw_seconds: f64,
+    /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
+    /// with every step's spans written to a trace file (B), interleaved A B B A ..., reported as
+    /// the ratio B/A of the step-time medians with its 95% interval.
+    #[arg(long)]
+    trace_overhead: bool,
     #[command(flatten)]
     tiles: TileArgs,
     #[command(flatten)]
@@ -229,6 +237,52 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             "  outside kernels {:.1}% of the cores' time during the makespan (swimlane level 1 step: 1 - kernel busy / (cores x effective))",
             100.0 * outside
         );
+        if args.trace_overhead {
+            let path = std::env::temp_dir().join(format!(
+                "simpler-trace-overhead-{}.jsonl",
+                std::process::id()
+            ));
+            let traced = CallConfig {
+                trace: Some(path.clone()),
+                ..cfg.clone()
+            };
+            let failure = std::cell::RefCell::new(None);
+            let step_ms = |session: &mut Session, cfg: &CallConfig| {
+                let t = Instant::now();
+                let r = session
+                    .decode(&worker, &case.batch, &case.tokens, cfg)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|out| {
+                        simpler_dfx::write_run_outputs(&out.report, cfg).map_err(Into::into)
+                    });
+                match r {
+                    Ok(_) => t.elapsed().as_secs_f64() * 1e3,
+                    Err(e) => {
+                        failure.borrow_mut().get_or_insert(e);
+                        f64::NAN
+                    }
+                }
+            };
+            let session = std::cell::RefCell::new(session);
+            let pairs = run_interleaved(
+                args.rounds,
+                args.warmup,
+                || step_ms(&mut session.borrow_mut(), &cfg),
+                || step_ms(&mut session.borrow_mut(), &traced),
+            );
+            let _ = std::fs::remove_file(&path);
+            if let Some(e) = failure.into_inner() {
+                return Err(e);
+            }
+            println!(
+                "  trace overhead (A: no trace, B: every step's spans appended to a JSON Lines file):"
+            );
+            for line in
+                format_compare("step_ms", "no trace", "trace", &compare(&pairs.a, &pairs.b)).lines()
+            {
+                println!("    {line}");
+            }
+        }
         rows.push(Row {
             shape: format!("{batch}x{seq_len}"),
             tpot_ms: s.median,
