@@ -32,40 +32,33 @@ pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-pub(super) fn cast_bf16_f32(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let src = ctx.read::<bf16>(0)?;
-    let dst = ctx.write::<f32>(1)?;
+/// `dst = f(src)` element by element (argument 0 in, argument 1 out, equal lengths).
+fn map_elements<S: simpler_core::Element, D: simpler_core::Element>(
+    ctx: &TaskCtx<'_>,
+    name: &str,
+    f: impl FnOnce(&[S], &mut [D]),
+) -> Result<(), KernelError> {
+    let src = ctx.read::<S>(0)?;
+    let dst = ctx.write::<D>(1)?;
     if src.len() != dst.len() {
-        return Err(bad(
-            "cast_bf16_f32",
-            "source and destination lengths differ",
-        ));
+        return Err(bad(name, "source and destination lengths differ"));
     }
-    k::cast_bf16_f32(src, dst);
+    f(src, dst);
     Ok(())
+}
+
+pub(super) fn cast_bf16_f32(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    map_elements(ctx, "cast_bf16_f32", k::cast_bf16_f32)
 }
 
 pub(super) fn cast_f32_bf16(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let src = ctx.read::<f32>(0)?;
-    let dst = ctx.write::<bf16>(1)?;
-    if src.len() != dst.len() {
-        return Err(bad(
-            "cast_f32_bf16",
-            "source and destination lengths differ",
-        ));
-    }
-    k::cast_f32_bf16(src, dst);
-    Ok(())
+    map_elements(ctx, "cast_f32_bf16", k::cast_f32_bf16)
 }
 
 pub(super) fn copy_f32(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let src = ctx.read::<f32>(0)?;
-    let dst = ctx.write::<f32>(1)?;
-    if src.len() != dst.len() {
-        return Err(bad("copy_f32", "source and destination lengths differ"));
-    }
-    dst.copy_from_slice(src);
-    Ok(())
+    map_elements(ctx, "copy_f32", |s: &[f32], d: &mut [f32]| {
+        d.copy_from_slice(s)
+    })
 }
 
 pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
