@@ -141,7 +141,8 @@ impl RunHandle {
         self.result.is_delivered()
     }
 
-    /// Takes the result if the run is over.
+    /// Takes the result if the run is over (once: a later `poll` returns `None`, and `wait`
+    /// after a successful `poll` has nothing left to return).
     pub fn poll(&mut self) -> Option<Result<RunReport, Error>> {
         self.result
             .value
