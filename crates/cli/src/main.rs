@@ -1,5 +1,6 @@
 //! The `simpler` command line: thin glue over the runtime, the models and the DFX tools.
 
+mod bench_prefill;
 mod bench_qwen3;
 mod bench_runtime;
 mod demo;
@@ -56,6 +57,10 @@ enum BenchCommand {
     /// roofline bound, share of the step outside kernels.
     #[command(name = "qwen3-decode")]
     Qwen3Decode(bench_qwen3::DecodeBenchArgs),
+    /// Qwen3 prefill at several prompt lengths: tokens/s, achieved GFLOP/s as % of the FMA
+    /// peak and of the bf16 GEMM kernel's rate (both measured in the run), share outside kernels.
+    #[command(name = "qwen3-prefill")]
+    Qwen3Prefill(bench_prefill::PrefillBenchArgs),
 }
 
 /// Arguments of `simpler run demo`.
@@ -112,6 +117,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
         Command::Bench(BenchCommand::Membw(a)) => bench_qwen3::membw(a),
         Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
+        Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
         Command::Generate(a) => generate::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }

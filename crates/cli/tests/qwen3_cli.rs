@@ -204,3 +204,95 @@ fn bad_checkpoints_give_errors_naming_the_tensor_and_the_file() {
     expect_error(&d, &["config.json"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The number after `key` (the first whitespace-separated field after it) on `line`.
+fn number_after(line: &str, key: &str) -> f64 {
+    let rest = &line[line
+        .find(key)
+        .unwrap_or_else(|| panic!("{key:?} in {line}"))
+        + key.len()..];
+    let field: String = rest
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    field
+        .parse()
+        .unwrap_or_else(|_| panic!("number after {key:?} in {line}"))
+}
+
+#[test]
+fn bench_qwen3_prefill_reports_rates_against_the_machine() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-prefill",
+        "--preset",
+        "tiny",
+        "--prompt-lens",
+        "8,20",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--membw-seconds",
+        "0.1",
+        "--gemm-seconds",
+        "0.05",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    for needle in [
+        "simpler bench qwen3-prefill: preset tiny",
+        "FMA peak",
+        "prompt 8 tokens",
+        "prompt 20 tokens",
+        "step_ms: n=1",
+        "tokens/s",
+        "GEMM rate: bf16 gemm_bf16 on [20 x 256] x [512 x 256]^T",
+        "% of the FMA peak",
+        "% of the GEMM rate",
+        "roofline bound",
+        "outside kernels",
+        "summary (medians):",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+    // The summary: one row per prompt length, every figure a positive number.
+    let table: Vec<&str> = so
+        .lines()
+        .skip_while(|l| !l.starts_with("summary"))
+        .skip(2)
+        .collect();
+    assert_eq!(table.len(), 2, "{so}");
+    for (row, prompt) in table.iter().zip([8.0, 20.0]) {
+        let v: Vec<f64> = row
+            .split_whitespace()
+            .map(|f| f.parse().unwrap_or(f64::NAN))
+            .collect();
+        assert_eq!(v.len(), 8, "{row}");
+        assert_eq!(v[0], prompt, "{row}");
+        // step ms, tokens/s, GFLOP/s, %FMA, %GEMM, %roofline.
+        assert!(v[1..7].iter().all(|x| x.is_finite() && *x > 0.0), "{row}");
+        // The share outside kernels is a fraction of the cores' time.
+        assert!((0.0..=100.0).contains(&v[7]), "{row}");
+    }
+    let rate = so.lines().find(|l| l.contains("GEMM rate:")).unwrap();
+    assert!(number_after(rate, "best") > 0.0, "{rate}");
+
+    // Bad lengths name the fix.
+    for (lens, needle) in [("8,0", "at least 1"), ("50000", "max_position_embeddings")] {
+        let out = simpler(&[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "tiny",
+            "--prompt-lens",
+            lens,
+            "--membw-seconds",
+            "0.1",
+        ]);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{lens}: {err}");
+        assert!(err.contains(needle) && !err.contains("panicked"), "{err}");
+    }
+}

@@ -1,0 +1,472 @@
+//! `simpler bench qwen3-prefill`: one causal prefill step of a whole prompt (embedding, every
+//! layer, final norm, LM head and argmax for the last position) at several prompt lengths —
+//! tokens/s, the step time's statistics, achieved GFLOP/s against this machine's matmul rate
+//! measured in the same run, the roofline share, and the share of the step spent outside
+//! kernels (`06-performance.md`, required measurement 4).
+//!
+//! Two denominators, both measured in the run:
+//! - the fp32 FMA peak of every thread (`membw`), the better of a measurement before the run
+//!   and one after each prompt length's steps (as `bench qwen3-decode` does);
+//! - our own bf16 GEMM kernel's rate on the model's largest dense projection shape,
+//!   `[prompt, hidden] x [intermediate, hidden]^T`, spread over the worker's cores the way a
+//!   prefill step spreads a projection: the session's row tiles, taken in turn from a shared
+//!   counter, each computed into per-thread scratch by one `gemm_bf16` call over all prompt
+//!   rows. Measured right before that prompt length's steps; the best call counts (the rate
+//!   the model's projections could reach if nothing else ran). Packing the activations is not
+//!   timed.
+//!
+//! "Outside kernels" is read from one step recorded at swimlane level 1 — the last warm-up
+//! step, or one extra step when there is no warm-up: `1 - kernel busy / (cores x effective)`.
+
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use half::bf16;
+use simpler_core::{CallConfig, RunReport, Worker};
+use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_kernels_cpu::{
+    GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
+};
+use simpler_models::qwen3::golden::PrefillChunk;
+use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, Session, StepCost, ops};
+
+use crate::opts::RunOpts;
+use crate::qwen3_cmd::{ModelArgs, TileArgs, load_weights, upload};
+use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
+
+/// Arguments of `simpler bench qwen3-prefill`.
+#[derive(Args, Debug)]
+pub(crate) struct PrefillBenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths in tokens, comma-separated; each is prefilled in one step from an empty
+    /// cache.
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    prompt_lens: Vec<usize>,
+    /// Warm-up steps per prompt length (discarded; the last one is recorded at swimlane level 1
+    /// for the outside-kernels share).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured steps per prompt length (each replays the same step from the same state).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Seconds spent measuring this machine's bandwidth and FMA peak first (and again, at most
+    /// one second, after each prompt length).
+    #[arg(long, default_value_t = 1.0)]
+    membw_seconds: f64,
+    /// Seconds spent measuring the bf16 GEMM kernel's rate before each prompt length.
+    #[arg(long, default_value_t = 1.0)]
+    gemm_seconds: f64,
+    #[command(flatten)]
+    tiles: TileArgs,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+/// Checks the prompt lengths against the model (`None`: only what needs no model); errors
+/// name the fix.
+fn check_prompt_lens(lens: &[usize], c: Option<&Qwen3Config>) -> Result<()> {
+    if lens.is_empty() {
+        bail!("--prompt-lens: give at least one prompt length, e.g. --prompt-lens 64,256");
+    }
+    for &len in lens {
+        if len == 0 {
+            bail!(
+                "--prompt-lens: a prompt of 0 tokens cannot be prefilled; give lengths of at least 1, e.g. --prompt-lens 64,256"
+            );
+        }
+        if let Some(c) = c.filter(|c| len > c.max_position_embeddings) {
+            bail!(
+                "--prompt-lens: {len} tokens is longer than the model's max_position_embeddings ({}); give lengths up to {}",
+                c.max_position_embeddings,
+                c.max_position_embeddings
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Seeded prompt token ids (splitmix64), uniform over the vocabulary.
+fn prompt_tokens(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed ^ 0x5EED_F00D_CAFE_D00D;
+    (0..len)
+        .map(|_| (splitmix64(&mut state) % vocab.max(1) as u64) as u32)
+        .collect()
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A value in `[-scale, scale)` from the generator.
+fn uniform(state: &mut u64, scale: f32) -> f32 {
+    let u = (splitmix64(state) >> 40) as f32 / (1u64 << 24) as f32;
+    (2.0 * u - 1.0) * scale
+}
+
+/// What [`gemm_rate`] found.
+#[derive(Clone, Copy, Debug)]
+struct GemmRate {
+    m: usize,
+    k: usize,
+    n: usize,
+    threads: usize,
+    tiles: usize,
+    calls: usize,
+    best_gflops: f64,
+    median_gflops: f64,
+}
+
+/// The bf16 GEMM kernel's rate on `out [m, n] = x [m, k] @ w [n, k]^T` with `tiles` spread over
+/// `threads` threads (see the module docs), for about `budget`.
+fn gemm_rate(
+    m: usize,
+    k: usize,
+    tiles: &[std::ops::Range<usize>],
+    threads: usize,
+    budget: Duration,
+    seed: u64,
+) -> GemmRate {
+    let n = tiles.iter().map(|t| t.end).max().unwrap_or(0);
+    let threads = threads.max(1);
+    let mut state = seed ^ 0x0DDB_A110_u64;
+    let w: Vec<bf16> = (0..n * k)
+        .map(|_| bf16::from_f32(uniform(&mut state, 0.05)))
+        .collect();
+    let x: Vec<f32> = (0..m * k)
+        .map(|_| bf16::from_f32(uniform(&mut state, 1.0)).to_f32())
+        .collect();
+    let mut packed = vec![0.0f32; packed_len(m, k)];
+    pack_acts_f32(&x, m, k, &mut packed);
+    let w = WeightsBf16::new(&w, n, k);
+    let x = PackedActs::new(&packed, m, k);
+    let widest = tiles.iter().map(|t| t.len()).max().unwrap_or(0);
+    let flops = 2.0 * (m * k * n) as f64;
+
+    // Calls over every tile with `threads` threads. Each thread notes when it took its first
+    // tile and finished its last; a call lasts from the earliest first to the latest last (a
+    // thread the host kept off the CPU until the tiles were gone neither shortens nor
+    // stretches it).
+    let run = |calls: usize| -> Vec<f64> {
+        let counters: Vec<AtomicUsize> = (0..calls).map(|_| AtomicUsize::new(0)).collect();
+        let barrier = Barrier::new(threads);
+        let spans: Vec<Vec<Option<(Instant, Instant)>>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (counters, barrier) = (&counters, &barrier);
+                    s.spawn(move || {
+                        let mut scratch = vec![0.0f32; m * widest];
+                        let mut spans = Vec::with_capacity(counters.len());
+                        for next in counters {
+                            barrier.wait();
+                            let mut span: Option<(Instant, Instant)> = None;
+                            loop {
+                                let t0 = Instant::now();
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(tile) = tiles.get(i) else { break };
+                                let tile = GemmTile {
+                                    n: tile.clone(),
+                                    k: 0..k,
+                                    mode: OutMode::Store,
+                                };
+                                let ld = tile.n.len();
+                                gemm_bf16(w, x, &tile, &mut scratch[..m * ld], ld);
+                                let first = span.map_or(t0, |s| s.0);
+                                span = Some((first, Instant::now()));
+                            }
+                            spans.push(span);
+                        }
+                        spans
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        (0..calls)
+            .filter_map(|c| {
+                let mine = spans.iter().filter_map(|t| t.get(c).copied().flatten());
+                let (a, b) = mine.fold(None, |acc: Option<(Instant, Instant)>, (a, b)| {
+                    Some(acc.map_or((a, b), |(x, y)| (x.min(a), y.max(b))))
+                })?;
+                Some((b - a).as_secs_f64().max(1e-9))
+            })
+            .collect()
+    };
+    // One call sizes the rest: as many as fit the budget, 2 to 200.
+    let first = run(1).first().copied().unwrap_or(1.0).max(1e-6);
+    let calls = ((budget.as_secs_f64() / first) as usize).clamp(2, 200);
+    let mut gflops: Vec<f64> = run(calls).iter().map(|s| flops / s / 1e9).collect();
+    gflops.push(flops / first / 1e9);
+    let s = Summary::of(&gflops);
+    GemmRate {
+        m,
+        k,
+        n,
+        threads,
+        tiles: tiles.len(),
+        calls: gflops.len(),
+        best_gflops: s.max,
+        median_gflops: s.median,
+    }
+}
+
+/// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
+fn outside_kernels(r: &RunReport) -> Option<f64> {
+    let sw = r.swimlane.as_ref()?;
+    let busy: u64 = sw.tasks.iter().map(|t| t.end.saturating_sub(t.start)).sum();
+    let denom = r.cores as f64 * r.effective().dur_ns() as f64;
+    (denom > 0.0).then(|| 1.0 - busy as f64 / denom)
+}
+
+/// One prefill step of `tokens` from an empty cache.
+fn prefill_step(
+    session: &mut Session,
+    worker: &Worker,
+    batch: &PagedBatch,
+    tokens: &[u32],
+    cfg: &CallConfig,
+) -> Result<(f64, RunReport)> {
+    let chunk = PrefillChunk {
+        seq: 0,
+        tokens: tokens.to_vec(),
+        seq_len: tokens.len(),
+    };
+    let t = Instant::now();
+    let out = session
+        .prefill(worker, batch, &[chunk], cfg)
+        .with_context(|| format!("prefill of {} tokens", tokens.len()))?;
+    Ok((t.elapsed().as_secs_f64(), out.report))
+}
+
+/// One prompt length's results.
+struct Row {
+    prompt: usize,
+    step_ms: f64,
+    tokens_s: f64,
+    gflops: f64,
+    fma_pct: f64,
+    gemm_pct: f64,
+    roofline_pct: f64,
+    outside_pct: f64,
+}
+
+pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    check_prompt_lens(&args.prompt_lens, None)?;
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let cfg = args.run.call_config("prefill")?;
+    let peaks = machine_peaks(args.membw_seconds);
+    let mut weights = load_weights(&args.model, None, false)?;
+    let c = weights.config.clone();
+    check_prompt_lens(&args.prompt_lens, Some(&c))?;
+    let layers = c.num_hidden_layers;
+    let page = 128;
+    let longest = args.prompt_lens.iter().copied().max().unwrap_or(1);
+    let model = upload(&worker, &mut weights, longest.next_multiple_of(page))?;
+    println!(
+        "simpler bench qwen3-prefill: {}, {layers} layers (hidden {}, intermediate {}, vocab {}); one prefill step per prompt from an empty cache (embedding, layers, LM head and argmax for the last position); {} cores",
+        args.model.describe(),
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        worker.cores()
+    );
+    println!("{}", format_peaks(&peaks));
+    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    // The core only requires a directory when a diagnostic is on; nothing is written.
+    let sw_cfg = CallConfig {
+        swimlane: cfg.swimlane.max(1),
+        output_dir: cfg
+            .output_dir
+            .clone()
+            .or_else(|| Some(std::env::temp_dir())),
+        ..cfg.clone()
+    };
+    let mut rows = Vec::new();
+    for &len in &args.prompt_lens {
+        let batch = PagedBatch::identity(vec![len], len, page);
+        let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
+        let mut session = Session::new(&worker, model.clone(), kv);
+        args.tiles.apply(&mut session);
+        session.read_logits = false;
+        let tokens = prompt_tokens(len, c.vocab_size, args.model.seed.wrapping_add(len as u64));
+
+        let gemm_tiles = session
+            .policy
+            .row_tiles(c.intermediate_size, 2 * c.hidden_size);
+        let gemm = gemm_rate(
+            len,
+            c.hidden_size,
+            &gemm_tiles,
+            worker.cores(),
+            Duration::from_secs_f64(args.gemm_seconds.max(0.0)),
+            args.model.seed,
+        );
+
+        let mut outside_report = None;
+        for i in 0..args.warmup {
+            let last = i + 1 == args.warmup;
+            let step_cfg = if last { &sw_cfg } else { &cfg };
+            let (_, report) = prefill_step(&mut session, &worker, &batch, &tokens, step_cfg)?;
+            if last {
+                outside_report = Some(report);
+            }
+        }
+        let mut samples = Vec::with_capacity(args.rounds);
+        let mut effective_ms = Vec::with_capacity(args.rounds);
+        let mut last = None;
+        for _ in 0..args.rounds {
+            let (secs, report) = prefill_step(&mut session, &worker, &batch, &tokens, &cfg)?;
+            samples.push(secs * 1e3);
+            effective_ms.push(report.effective().us() / 1e3);
+            last = Some(report);
+        }
+        if outside_report.is_none() {
+            outside_report = Some(prefill_step(&mut session, &worker, &batch, &tokens, &sw_cfg)?.1);
+        }
+        let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
+
+        let s = Summary::of(&samples);
+        let t = s.median / 1e3;
+        let cost = StepCost::prefill(&c, layers, true, len, 0);
+        let gflops = cost.flops() / t / 1e9;
+        let fma_pct = 100.0 * gflops / peaks.fma_gflops_all;
+        let gemm_pct = 100.0 * gflops / gemm.best_gflops;
+        let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
+            >= cost.flops() / (peaks.fma_gflops_all * 1e9)
+        {
+            "bandwidth"
+        } else {
+            "FMA"
+        };
+        let outside = outside_report
+            .as_ref()
+            .and_then(outside_kernels)
+            .unwrap_or(f64::NAN);
+        let eff_ms = Summary::of(&effective_ms).median;
+        let tasks = last.as_ref().map_or(0, |r| r.counters.tasks);
+
+        println!("prompt {len} tokens (positions 0..{len}, {tasks} tasks per step):");
+        println!("  {}", format_summary("step_ms", &s, args.warmup));
+        println!(
+            "  {:.1} tokens/s; kernel makespan {eff_ms:.2} ms of the {:.2} ms step (medians)",
+            len as f64 / t,
+            s.median
+        );
+        println!(
+            "  FLOPs/step {:.2} G (matmul {:.2} G, attention {:.3} G) -> {gflops:.2} GFLOP/s = {fma_pct:.1}% of the FMA peak ({:.1} GFLOP/s, best of the measurements before and after), {gemm_pct:.1}% of the GEMM rate",
+            cost.flops() / 1e9,
+            cost.matmul_flops / 1e9,
+            cost.attention_flops / 1e9,
+            peaks.fma_gflops_all
+        );
+        println!(
+            "  GEMM rate: bf16 gemm_bf16 on [{} x {}] x [{} x {}]^T, {} row tiles over {} threads: best {:.2} GFLOP/s, median {:.2} over {} calls ({:.1}% of the FMA peak)",
+            gemm.m,
+            gemm.k,
+            gemm.n,
+            gemm.k,
+            gemm.tiles,
+            gemm.threads,
+            gemm.best_gflops,
+            gemm.median_gflops,
+            gemm.calls,
+            100.0 * gemm.best_gflops / peaks.fma_gflops_all
+        );
+        println!(
+            "  bytes/step {:.3} GB (weights {:.3}, KV read {:.4}, KV written {:.4}); roofline bound {:.2} ms ({limit}-bound) = {:.1}% achieved",
+            cost.bytes() / 1e9,
+            cost.weight_bytes / 1e9,
+            cost.kv_read_bytes / 1e9,
+            cost.kv_write_bytes / 1e9,
+            bound * 1e3,
+            100.0 * bound / t
+        );
+        println!(
+            "  outside kernels {:.1}% of the cores' time during the makespan (swimlane level 1 step: 1 - kernel busy / (cores x effective))",
+            100.0 * outside
+        );
+        rows.push(Row {
+            prompt: len,
+            step_ms: s.median,
+            tokens_s: len as f64 / t,
+            gflops,
+            fma_pct,
+            gemm_pct,
+            roofline_pct: 100.0 * bound / t,
+            outside_pct: 100.0 * outside,
+        });
+    }
+    println!("summary (medians):");
+    println!(
+        "  {:>7} {:>10} {:>9} {:>8} {:>6} {:>6} {:>10} {:>9}",
+        "prompt", "step ms", "tokens/s", "GFLOP/s", "%FMA", "%GEMM", "%roofline", "%outside"
+    );
+    for r in &rows {
+        println!(
+            "  {:>7} {:>10.2} {:>9.1} {:>8.2} {:>6.1} {:>6.1} {:>10.1} {:>9.1}",
+            r.prompt,
+            r.step_ms,
+            r.tokens_s,
+            r.gflops,
+            r.fma_pct,
+            r.gemm_pct,
+            r.roofline_pct,
+            r.outside_pct
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lengths_are_checked_with_the_fix_named() {
+        let c = Qwen3Config::preset("tiny").unwrap();
+        assert!(check_prompt_lens(&[1, 8], Some(&c)).is_ok());
+        let e = check_prompt_lens(&[8, 0], None).unwrap_err().to_string();
+        assert!(e.contains("0 tokens") && e.contains("at least 1"), "{e}");
+        let too_long = c.max_position_embeddings + 1;
+        assert!(check_prompt_lens(&[too_long], None).is_ok());
+        let e = check_prompt_lens(&[too_long], Some(&c))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("max_position_embeddings") && e.contains("up to"),
+            "{e}"
+        );
+        assert!(check_prompt_lens(&[], None).is_err());
+    }
+
+    #[test]
+    fn the_gemm_rate_is_positive_and_counts_every_tile() {
+        let tiles = [0..16, 16..32, 32..40];
+        let r = gemm_rate(5, 48, &tiles, 2, Duration::from_millis(5), 7);
+        assert_eq!((r.m, r.k, r.n, r.tiles), (5, 48, 40, 3));
+        assert!(r.calls >= 3 && r.best_gflops > 0.0 && r.best_gflops >= r.median_gflops);
+    }
+
+    #[test]
+    fn prompt_tokens_are_seeded_and_in_the_vocabulary() {
+        let a = prompt_tokens(100, 17, 3);
+        assert_eq!(a, prompt_tokens(100, 17, 3));
+        assert_ne!(a, prompt_tokens(100, 17, 4));
+        assert!(a.iter().all(|&t| t < 17));
+    }
+}
