@@ -37,12 +37,16 @@ fn main() {
         s ^= s << 17;
         bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
     };
-    let k: Vec<bf16> = (0..slots * row).map(|_| rnd()).collect();
-    let v: Vec<bf16> = (0..slots * row).map(|_| rnd()).collect();
+    // Pools aligned to 64 bytes, as the runtime allocates them.
+    let kbuf: Vec<bf16> = (0..slots * row + 32).map(|_| rnd()).collect();
+    let vbuf: Vec<bf16> = (0..slots * row + 32).map(|_| rnd()).collect();
+    let aligned = |b: &[bf16]| b.as_ptr().align_offset(64);
+    let k = &kbuf[aligned(&kbuf)..][..slots * row];
+    let v = &vbuf[aligned(&vbuf)..][..slots * row];
     let q: Vec<bf16> = (0..kv_heads * group * hd).map(|_| rnd()).collect();
     let kv = PagedKv {
-        k: &k,
-        v: &v,
+        k,
+        v,
         kv_heads,
         head_dim: hd,
         page_size: page,

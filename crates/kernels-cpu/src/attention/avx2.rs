@@ -1,17 +1,23 @@
-//! AVX2+FMA split-KV decode attention: one KV head's group of `G` queries against a range of
-//! tokens, one page run (at most 128 tokens) at a time with online softmax.
+//! AVX2+FMA split-KV decode attention: a range of tokens against one KV head's group of `G`
+//! queries ([`decode_partial`]) or every head's at once ([`decode_partials_heads`], what the
+//! model runs), a run of tokens at a time with online softmax.
 //!
 //! - bf16 K and V are widened by the even/odd split of `crate::gemm` (one 256-bit load of 16
 //!   values, a shift for the even lanes, a mask for the odd ones); the queries and the
 //!   running outputs are kept in the matching permuted order (each 16-block as
 //!   `[x0, x2, .., x14, x1, x3, .., x15]`) and put back in order when the partial is written.
-//! - Scores are register-blocked over `TB` tokens × `G` queries, so the dot products overlap
+//! - Scores are register-blocked over tokens × `G` queries, so the dot products overlap
 //!   instead of forming one latency chain per token.
-//! - `p · V` keeps a slice of the outputs in registers across the whole run.
 //! - Max, `exp` and sums of the online softmax run eight lanes at a time.
-//! - The next run's K and V rows are prefetched while the current one is computed.
+//! - One head: the next run's head slices are prefetched while the current one computes;
+//!   `p · V` keeps a slice of the outputs in registers across the run.
+//! - Every head: the pool is read token-major, whole rows in address order (a head's slice
+//!   is only 256 bytes of a 2 KB row: walking one head down the rows, then the next, left the
+//!   hardware prefetchers behind and read KV at ~5 GB/s per core instead of ~6.5), with a
+//!   software prefetch a few rows ahead spread over the head calls.
 //!
-//! Nothing is allocated: queries, outputs and scores live on the stack.
+//! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
+//! scratch.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -27,9 +33,6 @@ const RUN: usize = 128;
 const MAX_GROUP: usize = 8;
 /// Largest head dimension handled here.
 const MAX_HD: usize = 256;
-/// Tokens per run when every head is processed: the current run's rows and the prefetched
-/// next run's (K and V, `2 * RUN_ALL_HEADS * row` bf16 each) must fit in L2 together.
-const RUN_ALL_HEADS: usize = 32;
 /// Rows per `p · V` block (their V slices stay in L1 while every output lane is updated).
 const PV_ROWS: usize = 16;
 /// Queries per `p · V` pass (their outputs stay in registers).
@@ -64,7 +67,7 @@ pub(super) unsafe fn decode_partial(
     let st = &mut state[..group * (2 * hd + 2)];
     init_state(q, group, hd, scale, st);
     // SAFETY: forwarded contract; `st` is one head's state.
-    unsafe { heads_over(group, kv, block_table, kv_head..kv_head + 1, tokens, st) };
+    unsafe { head_over(group, kv, block_table, kv_head, tokens, st) };
     write_partials(st, group, hd, partial);
 }
 
@@ -91,11 +94,12 @@ pub(super) unsafe fn decode_partials_heads(
     let hd = kv.head_dim;
     let per = group * (2 * hd + 2);
     let qh = group * hd;
+    let (state, scores) = state.split_at_mut(kv.kv_heads * per);
     for (g, st) in state.chunks_exact_mut(per).enumerate() {
         init_state(&q[g * qh..(g + 1) * qh], group, hd, scale, st);
     }
-    // SAFETY: forwarded contract; `state` holds one state per head.
-    unsafe { heads_over(group, kv, block_table, 0..kv.kv_heads, tokens, state) };
+    // SAFETY: forwarded contract; `state` holds one state per head, `scores` the rest.
+    unsafe { rows_over(group, kv, block_table, tokens, state, scores) };
     let rec = group * (hd + 2);
     for (st, out) in state.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
         write_partials(st, group, hd, out);
@@ -104,7 +108,7 @@ pub(super) unsafe fn decode_partials_heads(
 
 /// Floats of scratch [`decode_partials_heads`] needs.
 pub(super) fn heads_state_len(kv_heads: usize, group: usize, head_dim: usize) -> usize {
-    kv_heads * group * (2 * head_dim + 2)
+    kv_heads * group * (2 * head_dim + 2) + rows_scores_len(kv_heads, group)
 }
 
 /// One head's state, `group * (2 * hd + 2)` floats: queries (permuted, pre-scaled)
@@ -143,16 +147,17 @@ fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
     }
 }
 
-/// Runs heads `heads` (states back to back in `state`) over `tokens`, run by run.
+/// Runs one head's state over `tokens`, page run by page run (at most [`RUN`] tokens), the
+/// next run's head slices prefetched while the current one computes.
 ///
 /// # Safety
-/// As [`decode_partial`] for every head of `heads`.
+/// As [`decode_partial`].
 #[target_feature(enable = "avx2,fma")]
-unsafe fn heads_over(
+unsafe fn head_over(
     group: usize,
     kv: &PagedKv<'_>,
     block_table: &[u32],
-    heads: Range<usize>,
+    kv_head: usize,
     tokens: Range<usize>,
     state: &mut [f32],
 ) {
@@ -160,7 +165,7 @@ unsafe fn heads_over(
         ($($g:literal => $tb:literal),*) => {
             match group {
                 // SAFETY: forwarded contract; the group matches the instantiation.
-                $($g => unsafe { heads_g::<$g, $tb>(kv, block_table, heads, tokens, state) },)*
+                $($g => unsafe { head_g::<$g, $tb>(kv, block_table, kv_head, tokens, state) },)*
                 _ => unreachable!("group {group} not supported"),
             }
         };
@@ -169,51 +174,29 @@ unsafe fn heads_over(
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn heads_g<const G: usize, const TB: usize>(
+unsafe fn head_g<const G: usize, const TB: usize>(
     kv: &PagedKv<'_>,
     block_table: &[u32],
-    heads: Range<usize>,
+    kv_head: usize,
     tokens: Range<usize>,
-    state: &mut [f32],
+    st: &mut [f32],
 ) {
     let hd = kv.head_dim;
     let row = kv.row();
-    let all = heads.len() == kv.kv_heads;
-    let run_max = if all { RUN_ALL_HEADS } else { RUN };
-    let per = G * (2 * hd + 2);
-    let mut s = [[0.0f32; RUN]; G];
+    let mut s = [0.0f32; MAX_GROUP * RUN];
     let kp = kv.k.as_ptr().cast::<u16>();
     let vp = kv.v.as_ptr().cast::<u16>();
     let page = kv.page_size;
     let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
-    // The first run's whole rows up front (later runs are prefetched one run ahead), so no
-    // run is fetched by demand misses one head slice at a time.
-    if all && tokens.start < tokens.end {
-        let run = run_max
-            .min(page - tokens.start % page)
-            .min(tokens.end - tokens.start);
-        let base = slot_of(tokens.start) * row;
-        for e in (0..run * row).step_by(32) {
-            prefetch_l2(kp.wrapping_add(base + e));
-            prefetch_l2(vp.wrapping_add(base + e));
-        }
-    }
     let mut t = tokens.start;
     while t < tokens.end {
-        let run = run_max.min(page - t % page).min(tokens.end - t);
-        let slot0 = slot_of(t);
-        // The next run, prefetched while this one computes: with every head, its whole rows
-        // (contiguous), a share before each head so the misses overlap the arithmetic; with
-        // one head, that head's slices (one pool row apart).
+        let run = RUN.min(page - t % page).min(tokens.end - t);
+        let base = slot_of(t) * row + kv_head * hd;
+        // The next run's head slices (one pool row apart), prefetched while this one computes.
         let next = t + run;
-        let (nrun, nbase) = if next < tokens.end {
-            let nrun = run_max.min(page - next % page).min(tokens.end - next);
-            (nrun, slot_of(next) * row)
-        } else {
-            (0, 0)
-        };
-        if !all {
-            let nbase = nbase + heads.start * hd;
+        if next < tokens.end {
+            let nrun = RUN.min(page - next % page).min(tokens.end - next);
+            let nbase = slot_of(next) * row + kv_head * hd;
             for i in 0..nrun {
                 for e in (0..hd).step_by(32) {
                     prefetch_l2(kp.wrapping_add(nbase + i * row + e));
@@ -221,80 +204,203 @@ unsafe fn heads_g<const G: usize, const TB: usize>(
                 }
             }
         }
-        let share = (nrun * row).div_ceil(heads.len() * 32) * 32;
-        for (h, st) in heads.clone().zip(state.chunks_exact_mut(per)) {
-            // This head's share of the next run, spread over its score blocks so the misses
-            // trickle out alongside the arithmetic instead of in one burst.
-            let (mut pf_at, pf_end) = if all {
-                let from = (h - heads.start) * share;
-                (from.min(nrun * row), (from + share).min(nrun * row))
-            } else {
-                (0, 0)
-            };
-            let pf_step = (pf_end - pf_at)
-                .div_ceil(run.div_ceil(TB).max(1))
-                .next_multiple_of(32);
-            let prefetch_some = |at: &mut usize| {
-                let stop = (*at + pf_step).min(pf_end);
-                for e in (*at..stop).step_by(32) {
-                    prefetch_l2(kp.wrapping_add(nbase + e));
-                    prefetch_l2(vp.wrapping_add(nbase + e));
-                }
-                *at = stop;
-            };
-            let base = slot0 * row + h * hd;
-            let (qf, rest) = st.split_at_mut(G * hd);
-            let (o, ml) = rest.split_at_mut(G * hd);
-            let (m, l) = ml.split_at_mut(G);
-            // Scores s[j][i] = q_j . k_i (scaled).
-            let mut i = 0;
-            while i + TB <= run {
-                prefetch_some(&mut pf_at);
-                // SAFETY: rows i..i+TB of this run are inside the pool (caller's contract).
-                unsafe { scores::<G, TB>(qf, kp.add(base + i * row), row, hd, &mut s, i) };
-                i += TB;
+        let mut i = 0;
+        while i + TB <= run {
+            // SAFETY: rows i..i+TB of this run are inside the pool (caller's contract).
+            unsafe { scores::<G, TB>(st, kp.add(base + i * row), row, hd, &mut s, RUN, i) };
+            i += TB;
+        }
+        while i < run {
+            // SAFETY: as above, for one row.
+            unsafe { scores::<G, 1>(st, kp.add(base + i * row), row, hd, &mut s, RUN, i) };
+            i += 1;
+        }
+        // SAFETY: run <= RUN is the score stride; the run's V rows are inside the pool.
+        unsafe {
+            update::<G>(&mut s, RUN, run, hd, st);
+            pv_head::<G>(&s, RUN, vp.add(base), row, 0..run, hd, st);
+        }
+        t += run;
+    }
+}
+
+/// Runs every KV head (states back to back in `state`, scores in `s`, [`rows_scores_len`])
+/// over `tokens`, token-major: runs of at most [`ROWS_RUN`] tokens, each row's K (then V)
+/// read whole, for all heads, in address order. The pool is thus read as a sequential stream
+/// (what the hardware prefetchers follow), and a software prefetch stays [`ROWS_AHEAD`] rows
+/// ahead of each of the K and V streams, one head's lines per head call so the misses spread
+/// over the arithmetic (a whole row's 32 prefetches at once stall on the miss buffers).
+///
+/// # Safety
+/// As [`decode_partial`] for every head.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_over(
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    state: &mut [f32],
+    s: &mut [f32],
+) {
+    macro_rules! go {
+        ($($g:literal => $sr:literal, $pr:literal);*) => {
+            match group {
+                // SAFETY: forwarded contract; the group matches the instantiation.
+                $($g => unsafe { rows_g::<$g, $sr, $pr>(kv, block_table, tokens, state, s) },)*
+                _ => unreachable!("group {group} not supported"),
             }
-            while i < run {
-                // SAFETY: as above, for one row.
-                unsafe { scores::<G, 1>(qf, kp.add(base + i * row), row, hd, &mut s, i) };
-                i += 1;
-            }
-            while pf_at < pf_end {
-                prefetch_some(&mut pf_at);
-            }
-            // Online softmax update: p = exp(s - m_new) in place, l and o rescaled.
-            for j in 0..G {
-                // SAFETY: run <= RUN.
-                let (m_new, sum) = unsafe { softmax_run(&mut s[j], run, m[j]) };
-                let corr = if m[j] == f32::NEG_INFINITY {
-                    0.0
+        };
+    }
+    go!(1 => 4, 4; 2 => 2, 4; 3 => 1, 2; 4 => 1, 2; 5 => 1, 2; 6 => 1, 2; 7 => 1, 1; 8 => 1, 1);
+}
+
+/// Tokens per run of the token-major pass (the online-softmax tile).
+const ROWS_RUN: usize = 32;
+/// Rows the software prefetch runs ahead of each stream.
+const ROWS_AHEAD: usize = 4;
+
+/// Floats of score scratch [`rows_over`] needs.
+pub(super) fn rows_scores_len(kv_heads: usize, group: usize) -> usize {
+    kv_heads * group * ROWS_RUN
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize>(
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    state: &mut [f32],
+    s: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let heads = kv.kv_heads;
+    let row = kv.row();
+    let per = G * (2 * hd + 2);
+    let sh = G * ROWS_RUN; // score floats per head
+    let kp = kv.k.as_ptr().cast::<u16>();
+    let vp = kv.v.as_ptr().cast::<u16>();
+    let page = kv.page_size;
+    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let end = tokens.end;
+    let ahead = ROWS_AHEAD;
+    // Row `t + ahead`'s pointer in pool `p`, or null past the end.
+    let ahead_row = |p: *const u16, t: usize| {
+        if t + ahead < end {
+            p.wrapping_add(slot_of(t + ahead) * row)
+        } else {
+            std::ptr::null()
+        }
+    };
+    // The first rows, which no earlier row prefetches.
+    for u in tokens.start..(tokens.start + ahead).min(end) {
+        for e in (0..row).step_by(32) {
+            prefetch_l2(kp.wrapping_add(slot_of(u) * row + e));
+            prefetch_l2(vp.wrapping_add(slot_of(u) * row + e));
+        }
+    }
+    let mut t = tokens.start;
+    while t < end {
+        let run = ROWS_RUN.min(page - t % page).min(end - t);
+        let base = slot_of(t) * row;
+        // Scores, SR rows at a time (every head of them, in address order).
+        let mut i = 0;
+        while i < run {
+            let kr = kp.wrapping_add(base + i * row);
+            // SAFETY: rows i..i+SR (or i) of this run are inside the pool (caller's
+            // contract); `s` holds `heads * sh` floats and i + SR <= run <= ROWS_RUN.
+            unsafe {
+                if i + SR <= run {
+                    let pf = std::array::from_fn(|r| ahead_row(kp, t + i + r));
+                    scores_rows::<G, SR>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    i += SR;
                 } else {
-                    (m[j] - m_new).exp()
-                };
-                l[j] = l[j] * corr + sum;
-                m[j] = m_new;
-                if corr != 1.0 {
-                    o[j * hd..(j + 1) * hd].iter_mut().for_each(|v| *v *= corr);
+                    let pf = [ahead_row(kp, t + i)];
+                    scores_rows::<G, 1>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    i += 1;
                 }
             }
-            // o_j += sum_i p_ji v_i.
-            let mut j0 = 0;
-            while j0 < G {
-                let n = PV_QUERIES.min(G - j0);
-                // SAFETY: run rows of hd bf16 at vp + base + i * row are inside the pool;
-                // queries j0..j0+n < G.
-                unsafe {
-                    match n {
-                        1 => pv::<G, 1, 2>(&s, vp.add(base), row, run, hd, o, j0),
-                        2 => pv::<G, 2, 2>(&s, vp.add(base), row, run, hd, o, j0),
-                        3 => pv::<G, 3, 1>(&s, vp.add(base), row, run, hd, o, j0),
-                        _ => pv::<G, 4, 1>(&s, vp.add(base), row, run, hd, o, j0),
-                    }
+        }
+        for (h, st) in state.chunks_exact_mut(per).enumerate() {
+            // SAFETY: run <= ROWS_RUN, the score stride.
+            unsafe { update::<G>(&mut s[h * sh..(h + 1) * sh], ROWS_RUN, run, hd, st) };
+        }
+        // o += p · V, PR rows at a time (every head of them, in address order).
+        let mut i = 0;
+        while i < run {
+            let vr = vp.wrapping_add(base + i * row);
+            // SAFETY: rows i..i+PR (or i) of this run are inside the pool (caller's
+            // contract); their scores are inside `s`.
+            unsafe {
+                if i + PR <= run {
+                    let pf = std::array::from_fn(|r| ahead_row(vp, t + i + r));
+                    pv_rows::<G, PR>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    i += PR;
+                } else {
+                    let pf = [ahead_row(vp, t + i)];
+                    pv_rows::<G, 1>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    i += 1;
                 }
-                j0 += n;
             }
         }
         t += run;
+    }
+}
+
+/// The online-softmax update of one head's state `st` after a run of `run` scores per query
+/// (`s[j * sr ..][..run]`): scores become `exp(s - m_new)`, `l` and `o` are rescaled.
+///
+/// # Safety
+/// AVX2 and FMA; `run <= sr`; `s.len() >= G * sr`; `st` one head's state.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn update<const G: usize>(s: &mut [f32], sr: usize, run: usize, hd: usize, st: &mut [f32]) {
+    let (_, rest) = st.split_at_mut(G * hd);
+    let (o, ml) = rest.split_at_mut(G * hd);
+    let (m, l) = ml.split_at_mut(G);
+    for j in 0..G {
+        // SAFETY: forwarded (`run <= sr`).
+        let (m_new, sum) = unsafe { softmax_run(&mut s[j * sr..(j + 1) * sr], run, m[j]) };
+        let corr = if m[j] == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m[j] - m_new).exp()
+        };
+        l[j] = l[j] * corr + sum;
+        m[j] = m_new;
+        if corr != 1.0 {
+            o[j * hd..(j + 1) * hd].iter_mut().for_each(|v| *v *= corr);
+        }
+    }
+}
+
+/// `o_j += sum_i p_ji v_i` for every query of one head's state `st`, rows `rows` of V at `v`.
+///
+/// # Safety
+/// As [`pv`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_head<const G: usize>(
+    p: &[f32],
+    sr: usize,
+    v: *const u16,
+    row: usize,
+    rows: Range<usize>,
+    hd: usize,
+    st: &mut [f32],
+) {
+    let o = &mut st[G * hd..2 * G * hd];
+    let mut j0 = 0;
+    while j0 < G {
+        let n = PV_QUERIES.min(G - j0);
+        let r = rows.clone();
+        // SAFETY: forwarded; queries j0..j0+n < G.
+        unsafe {
+            match n {
+                1 => pv::<G, 1, 2>(p, sr, v, row, r, hd, o, j0),
+                2 => pv::<G, 2, 2>(p, sr, v, row, r, hd, o, j0),
+                3 => pv::<G, 3, 1>(p, sr, v, row, r, hd, o, j0),
+                _ => pv::<G, 4, 1>(p, sr, v, row, r, hd, o, j0),
+            }
+        }
+        j0 += n;
     }
 }
 
@@ -327,14 +433,15 @@ fn exp256(x: __m256) -> __m256 {
 /// returns `(m_new, sum of the exps)`.
 ///
 /// # Safety
-/// AVX2 and FMA available; `run <= RUN`.
+/// AVX2 and FMA available.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_run(s: &mut [f32; RUN], run: usize, m: f32) -> (f32, f32) {
+unsafe fn softmax_run(s: &mut [f32], run: usize, m: f32) -> (f32, f32) {
+    assert!(run <= s.len());
     let full = run / 8 * 8;
     let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
     let mut i = 0;
     while i < full {
-        // SAFETY: i + 8 <= full <= RUN.
+        // SAFETY: i + 8 <= full <= run <= s.len().
         mx = _mm256_max_ps(mx, unsafe { _mm256_loadu_ps(s.as_ptr().add(i)) });
         i += 8;
     }
@@ -349,7 +456,7 @@ unsafe fn softmax_run(s: &mut [f32; RUN], run: usize, m: f32) -> (f32, f32) {
     let mut acc = _mm256_setzero_ps();
     i = 0;
     while i < full {
-        // SAFETY: i + 8 <= full <= RUN.
+        // SAFETY: i + 8 <= full <= run <= s.len().
         unsafe {
             let p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(i)), mv));
             _mm256_storeu_ps(s.as_mut_ptr().add(i), p);
@@ -366,7 +473,7 @@ unsafe fn softmax_run(s: &mut [f32; RUN], run: usize, m: f32) -> (f32, f32) {
 }
 
 /// Scores of rows `i..i+TB` (K rows at `k`, `row` elements apart) against the `G` permuted
-/// queries `qf` (`[G, hd]`).
+/// queries `qf` (`[G, hd]`), into `s[j * sr + i + r]`.
 ///
 /// # Safety
 /// AVX2 and FMA; `TB` rows of `hd` bf16 readable at `k + r * row`; `hd` a multiple of 16;
@@ -379,7 +486,8 @@ unsafe fn scores<const G: usize, const TB: usize>(
     k: *const u16,
     row: usize,
     hd: usize,
-    s: &mut [[f32; RUN]; G],
+    s: &mut [f32],
+    sr: usize,
     i: usize,
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
@@ -407,33 +515,34 @@ unsafe fn scores<const G: usize, const TB: usize>(
     }
     for j in 0..G {
         for r in 0..TB {
-            s[j][i + r] = hsum256(acc[j][r]);
+            s[j * sr + i + r] = hsum256(acc[j][r]);
         }
     }
 }
 
-/// `o[j] += sum_i p[j][i] * v_i` (`o` is `[G, hd]`, permuted) for queries `j0..j0+GJ`, over
-/// `run` rows (V at `v`, `row` apart), `16·VB` output lanes at a time held in registers.
+/// `o[j] += sum_i p[j * sr + i] * v_i` (`o` is `[G, hd]`, permuted) for queries `j0..j0+GJ`,
+/// over rows `rows` (V at `v`, `row` apart), `16·VB` output lanes at a time held in registers.
 ///
 /// # Safety
-/// AVX2 and FMA; `run` rows of `hd` bf16 readable at `v + i * row`; `hd` a multiple of
+/// AVX2 and FMA; rows `rows` of `hd` bf16 readable at `v + i * row`; `hd` a multiple of
 /// `16·VB`; `o.len() >= G * hd`; `j0 + GJ <= G`.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // register blocks by query
 unsafe fn pv<const G: usize, const GJ: usize, const VB: usize>(
-    p: &[[f32; RUN]; G],
+    p: &[f32],
+    sr: usize,
     v: *const u16,
     row: usize,
-    run: usize,
+    rows: Range<usize>,
     hd: usize,
     o: &mut [f32],
     j0: usize,
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     // Rows in blocks whose V slices stay in L1 across the output-lane passes.
-    let mut i0 = 0;
-    while i0 < run {
-        let i1 = (i0 + PV_ROWS).min(run);
+    let mut i0 = rows.start;
+    while i0 < rows.end {
+        let i1 = (i0 + PV_ROWS).min(rows.end);
         let mut dc = 0;
         while dc < hd {
             let mut acc = [[_mm256_setzero_ps(); 2]; GJ];
@@ -466,7 +575,7 @@ unsafe fn pv<const G: usize, const GJ: usize, const VB: usize>(
                     (ve, vo)
                 };
                 for j in 0..GJ {
-                    let pj = _mm256_set1_ps(p[j0 + j][i]);
+                    let pj = _mm256_set1_ps(p[(j0 + j) * sr + i]);
                     acc[j][0] = _mm256_fmadd_ps(pj, ve, acc[j][0]);
                     acc[j][1] = _mm256_fmadd_ps(pj, vo, acc[j][1]);
                     if VB == 2 {
@@ -489,5 +598,145 @@ unsafe fn pv<const G: usize, const GJ: usize, const VB: usize>(
             dc += 16 * VB;
         }
         i0 = i1;
+    }
+}
+
+/// Scores of `R` consecutive K rows (at `k`, `row` elements apart, every head's slice)
+/// against every head's `G` permuted queries (`state`, one head state of `per` floats each),
+/// into `s[h * sh + j * sr + i + r]`. Each query vector loaded serves the `R` rows; the
+/// `G * R` even and odd accumulators hide the FMA latency.
+///
+/// # Safety
+/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `k + r * row`; `hd` a multiple
+/// of 16; `state.len() >= heads * per`, each head's queries first; `s` long enough.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn scores_rows<const G: usize, const R: usize>(
+    state: &[f32],
+    per: usize,
+    k: *const u16,
+    pf: [*const u16; R],
+    row: usize,
+    heads: usize,
+    hd: usize,
+    s: &mut [f32],
+    sh: usize,
+    sr: usize,
+    i: usize,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    for h in 0..heads {
+        // The same head slice of rows further on: one head's lines at a time, so the misses
+        // spread over the arithmetic instead of queueing behind each other.
+        for f in pf {
+            if !f.is_null() {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(f.wrapping_add(h * hd + e));
+                }
+            }
+        }
+        let qf = state[h * per..h * per + G * hd].as_ptr();
+        let mut acc = [[[_mm256_setzero_ps(); 2]; R]; G];
+        let mut d = 0;
+        while d < hd {
+            let mut ke = [_mm256_setzero_ps(); R];
+            let mut ko = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                // SAFETY: row r's head h slice holds hd bf16 and d + 16 <= hd.
+                let raw =
+                    unsafe { _mm256_loadu_si256(k.add(r * row + h * hd + d).cast::<__m256i>()) };
+                ke[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                ko[r] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+            }
+            for j in 0..G {
+                // SAFETY: j * hd + d + 16 <= G * hd (permuted queries of the head).
+                let (qe, qo) = unsafe {
+                    (
+                        _mm256_loadu_ps(qf.add(j * hd + d)),
+                        _mm256_loadu_ps(qf.add(j * hd + d + 8)),
+                    )
+                };
+                for r in 0..R {
+                    acc[j][r][0] = _mm256_fmadd_ps(qe, ke[r], acc[j][r][0]);
+                    acc[j][r][1] = _mm256_fmadd_ps(qo, ko[r], acc[j][r][1]);
+                }
+            }
+            d += 16;
+        }
+        for j in 0..G {
+            for r in 0..R {
+                s[h * sh + j * sr + i + r] = hsum256(_mm256_add_ps(acc[j][r][0], acc[j][r][1]));
+            }
+        }
+    }
+}
+
+/// `o += p · V` for `R` consecutive V rows of a run (row `i` at `v`, the next `row`
+/// elements on) and every head: each head's outputs (in its state) are loaded once per `R`
+/// rows, and the rows are read whole, in address order.
+///
+/// # Safety
+/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `v + r * row`; `hd` a multiple of
+/// 16; `state.len() >= heads * per`; `p[h * sh + j * sr + i + r]` inside `p`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn pv_rows<const G: usize, const R: usize>(
+    p: &[f32],
+    sh: usize,
+    sr: usize,
+    i: usize,
+    v: *const u16,
+    pf: [*const u16; R],
+    row: usize,
+    heads: usize,
+    hd: usize,
+    state: &mut [f32],
+    per: usize,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    for h in 0..heads {
+        for f in pf {
+            if !f.is_null() {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(f.wrapping_add(h * hd + e));
+                }
+            }
+        }
+        let mut pj = [[_mm256_setzero_ps(); R]; G];
+        for j in 0..G {
+            for r in 0..R {
+                pj[j][r] = _mm256_set1_ps(p[h * sh + j * sr + i + r]);
+            }
+        }
+        let o = state[h * per + G * hd..h * per + 2 * G * hd].as_mut_ptr();
+        let mut dc = 0;
+        while dc < hd {
+            let mut ve = [_mm256_setzero_ps(); R];
+            let mut vo = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                // SAFETY: row r's head h slice holds hd bf16, dc + 16 <= hd.
+                let raw =
+                    unsafe { _mm256_loadu_si256(v.add(r * row + h * hd + dc).cast::<__m256i>()) };
+                ve[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                vo[r] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+            }
+            for j in 0..G {
+                // SAFETY: j * hd + dc + 16 <= G * hd, the head's outputs.
+                unsafe {
+                    let oj = o.add(j * hd + dc);
+                    let mut e = _mm256_loadu_ps(oj);
+                    let mut d = _mm256_loadu_ps(oj.add(8));
+                    for r in 0..R {
+                        e = _mm256_fmadd_ps(pj[j][r], ve[r], e);
+                        d = _mm256_fmadd_ps(pj[j][r], vo[r], d);
+                    }
+                    _mm256_storeu_ps(oj, e);
+                    _mm256_storeu_ps(oj.add(8), d);
+                }
+            }
+            dc += 16;
+        }
     }
 }
