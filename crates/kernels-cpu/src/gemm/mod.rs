@@ -276,6 +276,14 @@ struct Lowered<'a> {
     scale: Option<&'a [f32]>,
 }
 
+impl Lowered<'_> {
+    /// Whether the tile has elements outside its body (a `K` range not on packing blocks).
+    #[inline]
+    fn has_edges(&self) -> bool {
+        self.kb0 != self.k.start || self.kb1 != self.k.end
+    }
+}
+
 fn gemm_dispatch(
     w: WeightsBf16<'_>,
     x: PackedActs<'_>,
@@ -355,6 +363,9 @@ fn gemm_dispatch(
 /// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.
 #[inline]
 fn edge_sum(lw: &Lowered<'_>, n: usize, b: usize) -> f32 {
+    if !lw.has_edges() {
+        return 0.0;
+    }
     let wrow = &lw.w[n * lw.ldw..(n + 1) * lw.ldw];
     let xrow = &lw.x[b * lw.ldx..b * lw.ldx + lw.ldw];
     let mut s = 0.0f32;

@@ -69,9 +69,23 @@ pub(super) unsafe fn gemm_wide(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize)
                 c0 += clen;
             }
             for (r, row) in accm.iter().enumerate() {
-                for (i, &v) in row[..bend - bo].iter().enumerate() {
-                    let sum = hsum256(v) + edge_sum(lw, n0 + r, bo + i);
-                    finish(lw, out, ld_out, n0 + r, bo + i, sum);
+                let live = &row[..bend - bo];
+                let mut i = 0;
+                // Eight batch rows' sums at once: a horizontal sum each costs about as much
+                // as a short K chunk's FMAs.
+                while i + 8 <= live.len() {
+                    let mut sums = [0.0f32; 8];
+                    // SAFETY: `sums` holds eight floats; AVX2 is enabled here.
+                    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), hsum8(&live[i..i + 8])) };
+                    for (j, &sum) in sums.iter().enumerate() {
+                        let sum = sum + edge_sum(lw, n0 + r, bo + i + j);
+                        finish(lw, out, ld_out, n0 + r, bo + i + j, sum);
+                    }
+                    i += 8;
+                }
+                for (j, &v) in live[i..].iter().enumerate() {
+                    let sum = hsum256(v) + edge_sum(lw, n0 + r, bo + i + j);
+                    finish(lw, out, ld_out, n0 + r, bo + i + j, sum);
                 }
             }
             bo = bend;
@@ -149,4 +163,24 @@ unsafe fn micro<const BB: usize>(
             accm[r][b0 - bo + b] = acc[r][b];
         }
     }
+}
+
+/// The lane sums of eight vectors, as one vector (`[sum v[0], .., sum v[7]]`).
+///
+/// # Panics
+/// If `v.len() != 8`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum8(v: &[__m256]) -> __m256 {
+    assert_eq!(v.len(), 8);
+    let t0 = _mm256_hadd_ps(v[0], v[1]);
+    let t1 = _mm256_hadd_ps(v[2], v[3]);
+    let t2 = _mm256_hadd_ps(v[4], v[5]);
+    let t3 = _mm256_hadd_ps(v[6], v[7]);
+    // Lanes: u0 = [v0 v1 v2 v3 (low halves) | v0 v1 v2 v3 (high halves)], u1 likewise.
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+    let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+    _mm256_add_ps(lo, hi)
 }
