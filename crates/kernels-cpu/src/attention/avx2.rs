@@ -243,15 +243,15 @@ unsafe fn rows_over(
     s: &mut [f32],
 ) {
     macro_rules! go {
-        ($($g:literal => $sr:literal, $pr:literal);*) => {
+        ($($g:literal => $sr:literal, $pr:literal, $pl:literal);*) => {
             match group {
                 // SAFETY: forwarded contract; the group matches the instantiation.
-                $($g => unsafe { rows_g::<$g, $sr, $pr>(kv, block_table, tokens, state, s) },)*
+                $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, state, s) },)*
                 _ => unreachable!("group {group} not supported"),
             }
         };
     }
-    go!(1 => 4, 4; 2 => 2, 4; 3 => 1, 2; 4 => 1, 2; 5 => 1, 2; 6 => 1, 2; 7 => 1, 1; 8 => 1, 1);
+    go!(1 => 8, 4, 32; 2 => 4, 4, 32; 3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
 }
 
 /// Tokens per run of the token-major pass (the online-softmax tile).
@@ -265,7 +265,7 @@ pub(super) fn rows_scores_len(kv_heads: usize, group: usize) -> usize {
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize>(
+unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usize>(
     kv: &PagedKv<'_>,
     block_table: &[u32],
     tokens: Range<usize>,
@@ -333,11 +333,11 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize>(
             unsafe {
                 if i + PR <= run {
                     let pf = std::array::from_fn(|r| ahead_row(vp, t + i + r));
-                    pv_rows::<G, PR>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    pv_rows::<G, PR, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
                     i += PR;
                 } else {
                     let pf = [ahead_row(vp, t + i)];
-                    pv_rows::<G, 1>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
                     i += 1;
                 }
             }
@@ -603,8 +603,8 @@ unsafe fn pv<const G: usize, const GJ: usize, const VB: usize>(
 
 /// Scores of `R` consecutive K rows (at `k`, `row` elements apart, every head's slice)
 /// against every head's `G` permuted queries (`state`, one head state of `per` floats each),
-/// into `s[h * sh + j * sr + i + r]`. Each query vector loaded serves the `R` rows; the
-/// `G * R` even and odd accumulators hide the FMA latency.
+/// into `s[h * sh + j * sr + i + r]`. Each query vector loaded serves the `R` rows and each
+/// widened K vector the `G` queries; the `G * R` accumulators hide the FMA latency.
 ///
 /// # Safety
 /// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `k + r * row`; `hd` a multiple
@@ -637,52 +637,49 @@ unsafe fn scores_rows<const G: usize, const R: usize>(
             }
         }
         let qf = state[h * per..h * per + G * hd].as_ptr();
-        let mut acc = [[[_mm256_setzero_ps(); 2]; R]; G];
+        let mut acc = [[_mm256_setzero_ps(); R]; G];
         let mut d = 0;
         while d < hd {
-            let mut ke = [_mm256_setzero_ps(); R];
-            let mut ko = [_mm256_setzero_ps(); R];
+            // SAFETY: j * hd + d + 16 <= G * hd (permuted queries of the head).
+            let q: [[__m256; 2]; G] = std::array::from_fn(|j| unsafe {
+                [
+                    _mm256_loadu_ps(qf.add(j * hd + d)),
+                    _mm256_loadu_ps(qf.add(j * hd + d + 8)),
+                ]
+            });
             for r in 0..R {
                 // SAFETY: row r's head h slice holds hd bf16 and d + 16 <= hd.
                 let raw =
                     unsafe { _mm256_loadu_si256(k.add(r * row + h * hd + d).cast::<__m256i>()) };
-                ke[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
-                ko[r] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
-            }
-            for j in 0..G {
-                // SAFETY: j * hd + d + 16 <= G * hd (permuted queries of the head).
-                let (qe, qo) = unsafe {
-                    (
-                        _mm256_loadu_ps(qf.add(j * hd + d)),
-                        _mm256_loadu_ps(qf.add(j * hd + d + 8)),
-                    )
-                };
-                for r in 0..R {
-                    acc[j][r][0] = _mm256_fmadd_ps(qe, ke[r], acc[j][r][0]);
-                    acc[j][r][1] = _mm256_fmadd_ps(qo, ko[r], acc[j][r][1]);
+                let ke = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                let ko = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                for j in 0..G {
+                    acc[j][r] = _mm256_fmadd_ps(q[j][0], ke, acc[j][r]);
+                    acc[j][r] = _mm256_fmadd_ps(q[j][1], ko, acc[j][r]);
                 }
             }
             d += 16;
         }
         for j in 0..G {
             for r in 0..R {
-                s[h * sh + j * sr + i + r] = hsum256(_mm256_add_ps(acc[j][r][0], acc[j][r][1]));
+                s[h * sh + j * sr + i + r] = hsum256(acc[j][r]);
             }
         }
     }
 }
 
 /// `o += p · V` for `R` consecutive V rows of a run (row `i` at `v`, the next `row`
-/// elements on) and every head: each head's outputs (in its state) are loaded once per `R`
-/// rows, and the rows are read whole, in address order.
+/// elements on) and every head, `L` output lanes (16 or 32) at a time: the lanes' outputs of
+/// the `G` queries stay in registers across the `R` rows, so each is loaded and stored once
+/// per `R` rows, and each widened V vector feeds `G` FMAs.
 ///
 /// # Safety
 /// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `v + r * row`; `hd` a multiple of
-/// 16; `state.len() >= heads * per`; `p[h * sh + j * sr + i + r]` inside `p`.
+/// `L`; `state.len() >= heads * per`; `p[h * sh + j * sr + i + r]` inside `p`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn pv_rows<const G: usize, const R: usize>(
+unsafe fn pv_rows<const G: usize, const R: usize, const L: usize>(
     p: &[f32],
     sh: usize,
     sr: usize,
@@ -696,6 +693,7 @@ unsafe fn pv_rows<const G: usize, const R: usize>(
     per: usize,
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let vecs = L / 8; // output vectors per query (even and odd halves of L / 16 blocks)
     for h in 0..heads {
         for f in pf {
             if !f.is_null() {
@@ -704,39 +702,43 @@ unsafe fn pv_rows<const G: usize, const R: usize>(
                 }
             }
         }
-        let mut pj = [[_mm256_setzero_ps(); R]; G];
-        for j in 0..G {
-            for r in 0..R {
-                pj[j][r] = _mm256_set1_ps(p[h * sh + j * sr + i + r]);
-            }
-        }
+        let ph = &p[h * sh..(h + 1) * sh];
         let o = state[h * per + G * hd..h * per + 2 * G * hd].as_mut_ptr();
         let mut dc = 0;
         while dc < hd {
-            let mut ve = [_mm256_setzero_ps(); R];
-            let mut vo = [_mm256_setzero_ps(); R];
-            for r in 0..R {
-                // SAFETY: row r's head h slice holds hd bf16, dc + 16 <= hd.
-                let raw =
-                    unsafe { _mm256_loadu_si256(v.add(r * row + h * hd + dc).cast::<__m256i>()) };
-                ve[r] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
-                vo[r] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
-            }
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
             for j in 0..G {
-                // SAFETY: j * hd + dc + 16 <= G * hd, the head's outputs.
-                unsafe {
-                    let oj = o.add(j * hd + dc);
-                    let mut e = _mm256_loadu_ps(oj);
-                    let mut d = _mm256_loadu_ps(oj.add(8));
-                    for r in 0..R {
-                        e = _mm256_fmadd_ps(pj[j][r], ve[r], e);
-                        d = _mm256_fmadd_ps(pj[j][r], vo[r], d);
-                    }
-                    _mm256_storeu_ps(oj, e);
-                    _mm256_storeu_ps(oj.add(8), d);
+                for x in 0..vecs {
+                    // SAFETY: j * hd + dc + L <= G * hd, the head's outputs.
+                    acc[j][x] = unsafe { _mm256_loadu_ps(o.add(j * hd + dc + 8 * x)) };
                 }
             }
-            dc += 16;
+            for r in 0..R {
+                let mut vv = [_mm256_setzero_ps(); 4];
+                for blk in 0..vecs / 2 {
+                    // SAFETY: row r's head h slice holds hd bf16 and dc + L <= hd.
+                    let raw = unsafe {
+                        _mm256_loadu_si256(
+                            v.add(r * row + h * hd + dc + 16 * blk).cast::<__m256i>(),
+                        )
+                    };
+                    vv[2 * blk] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                    vv[2 * blk + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                }
+                for j in 0..G {
+                    let pj = _mm256_set1_ps(ph[j * sr + i + r]);
+                    for x in 0..vecs {
+                        acc[j][x] = _mm256_fmadd_ps(pj, vv[x], acc[j][x]);
+                    }
+                }
+            }
+            for j in 0..G {
+                for x in 0..vecs {
+                    // SAFETY: as for the loads.
+                    unsafe { _mm256_storeu_ps(o.add(j * hd + dc + 8 * x), acc[j][x]) };
+                }
+            }
+            dc += L;
         }
     }
 }

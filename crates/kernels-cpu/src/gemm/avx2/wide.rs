@@ -14,6 +14,9 @@ const RW: usize = 3;
 const BW: usize = 4;
 /// k-chunk widened at a time (multiple of 16).
 const KC: usize = 256;
+/// Rows ahead (same columns) the weight prefetch reaches: the next group's rows, about one
+/// group's compute time ahead.
+const PF_AHEAD: usize = RW;
 /// Batch rows whose accumulators stay resident across k-chunks.
 const BMAX: usize = 48;
 
@@ -49,7 +52,11 @@ pub(super) unsafe fn gemm_wide(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize)
                         // SAFETY: j + 16 <= clen (clen is a multiple of 16), inside the row
                         // slice just taken; the scratch row holds KC >= clen floats.
                         unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(wrow.wrapping_add(j + 8 * KC).cast::<i8>());
+                            if j % 32 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    wrow.wrapping_add(j + PF_AHEAD * ldw).cast::<i8>(),
+                                );
+                            }
                             let raw = _mm256_loadu_si256(wrow.add(j).cast::<__m256i>());
                             let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
                             let wo = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
