@@ -461,6 +461,27 @@ impl<'a> TaskCtx<'a> {
         Ok(rows)
     }
 
+    /// This block's share of the columns of a written view, every row: the view's `row_len`
+    /// columns are cut into units of `granule` (the last may be shorter) and the units split
+    /// over the blocks as by [`TaskCtx::block_range`]; shares of different blocks are disjoint.
+    /// For an SPMD task whose blocks each produce some output columns of every row (the
+    /// projection tiles of a matrix product).
+    pub fn write_block_cols<T: Element>(
+        &self,
+        i: usize,
+        granule: usize,
+    ) -> Result<RowsMut<'_, T>, KernelError> {
+        let (a, _, _) = self.typed::<T>(i)?;
+        let mut rows = RowsMut::<T>::new(i, &a.tensor, None)?;
+        let g = granule.max(1);
+        let width = rows.g.row_len;
+        let units = self.block_range(width.div_ceil(g));
+        rows.col0 = (units.start * g).min(width);
+        rows.ncols = (units.end * g).min(width) - rows.col0;
+        self.writable(i, a, "write_block_cols")?;
+        Ok(rows)
+    }
+
     /// Writes `values` (row-major, one per element) into any written view of a single-block
     /// task.
     pub fn scatter<T: Element>(&self, i: usize, values: &[T]) -> Result<(), KernelError> {
@@ -620,11 +641,16 @@ impl<'a, T: Element> Rows<'a, T> {
     }
 }
 
-/// Mutable rows of a written view (all of them, or one block's share).
+/// Mutable rows of a written view (all of them, or one block's share of the rows or of the
+/// columns).
 pub struct RowsMut<'a, T> {
     g: RowGeometry,
     first: usize,
     n_rows: usize,
+    /// First column of the share.
+    col0: usize,
+    /// Columns of the share.
+    ncols: usize,
     _p: std::marker::PhantomData<&'a mut [T]>,
 }
 
@@ -645,6 +671,8 @@ impl<'a, T: Element> RowsMut<'a, T> {
             g,
             first: r.start,
             n_rows: r.len(),
+            col0: 0,
+            ncols: g.row_len,
             _p: std::marker::PhantomData,
         })
     }
@@ -660,29 +688,39 @@ impl<'a, T: Element> RowsMut<'a, T> {
     pub fn first_row(&self) -> usize {
         self.first
     }
-    /// Elements per row.
+    /// Elements per row of this share (the view's row length unless the share is a column
+    /// range).
     pub fn row_len(&self) -> usize {
+        self.ncols
+    }
+    /// Index (in the view's rows) of this share's first column.
+    pub fn first_col(&self) -> usize {
+        self.col0
+    }
+    /// Elements per row of the whole view.
+    pub fn view_row_len(&self) -> usize {
         self.g.row_len
     }
     /// Row `r` of this share (panics if `r >= len()`).
     pub fn row(&mut self, r: usize) -> &mut [T] {
         assert!(r < self.n_rows, "row {r} of {}", self.n_rows);
         let start = self.g.base + self.g.row_offset(self.first + r) * size_of::<T>();
-        // SAFETY: one row of a non-overlapping view (checked at creation), inside the buffer,
-        // reached only through this `&mut self` borrow; other blocks hold disjoint shares and
-        // other tasks do not touch the region (program rule).
-        unsafe { slice_mut(start, 0, self.g.row_len) }
+        // SAFETY: columns col0..col0+ncols (inside the row: set at creation) of one row of a
+        // non-overlapping view (checked at creation), inside the buffer, reached only through
+        // this `&mut self` borrow; other blocks hold disjoint shares (rows or columns) and other
+        // tasks do not touch the region (program rule).
+        unsafe { slice_mut(start, self.col0, self.col0 + self.ncols) }
     }
     /// Iterates the rows of this share (each a distinct `&mut` slice).
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut [T]> + '_ {
         let g = self.g;
-        let first = self.first;
+        let (first, c0, c1) = (self.first, self.col0, self.col0 + self.ncols);
         (0..self.n_rows).map(move |r| {
             let start = g.base + g.row_offset(first + r) * size_of::<T>();
             // SAFETY: as in `row`; rows of a non-overlapping view are pairwise disjoint, so the
             // slices this iterator yields never alias each other, and they are tied to the
             // `&mut self` borrow.
-            unsafe { slice_mut(start, 0, g.row_len) }
+            unsafe { slice_mut(start, c0, c1) }
         })
     }
 }

@@ -226,3 +226,58 @@ fn sync_start_blocks_meet_at_the_barrier_and_predicates_skip() {
     );
     assert_eq!(r.counters.skipped, 1);
 }
+
+#[test]
+fn spmd_blocks_write_disjoint_column_shares_of_a_strided_view() {
+    const COL_FILL: KernelId = KernelId(30);
+    let w = worker(2);
+    w.register_kernel(KernelSpec::new(
+        COL_FILL,
+        "col_fill",
+        EngineClass::Vector,
+        |ctx| {
+            let mut share = ctx.write_block_cols::<f32>(0, 8)?;
+            let (c0, n) = (share.first_col(), share.row_len());
+            assert_eq!(share.view_row_len(), 30);
+            let block = ctx.block_idx() as f32;
+            for (r, row) in share.iter_mut().enumerate() {
+                assert_eq!(row.len(), n);
+                for (j, v) in row.iter_mut().enumerate() {
+                    // Accumulate, so an element written by two blocks would show.
+                    *v += (r * 1000 + c0 + j) as f32 + block / 100.0;
+                }
+            }
+            Ok(())
+        },
+    ))
+    .unwrap();
+    let buf = w.buffer_from(&[0.0f32; 6 * 40]).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    w.run_fn("cols", args, &CallConfig::default(), |orch, args| {
+        let t = orch.bind(&args.buffers[0], DType::F32, &[6, 40])?;
+        let v = t.slice(1, 5, 35).expect("column view");
+        orch.submit(Task::new(COL_FILL).in_out(&v).blocks(3))?;
+        Ok(())
+    })
+    .unwrap();
+    let got = buf.read::<f32>().unwrap();
+    // 30 columns in units of 8 over 3 blocks: units 2, 1, 1 -> columns 0..16, 16..24, 24..30.
+    let block_of = |c: usize| match c {
+        0..16 => 0.0,
+        16..24 => 1.0,
+        _ => 2.0,
+    };
+    for r in 0..6 {
+        for c in 0..40 {
+            let want = if (5..35).contains(&c) {
+                (r * 1000 + c - 5) as f32 + block_of(c - 5) / 100.0
+            } else {
+                0.0
+            };
+            assert_eq!(got[r * 40 + c], want, "row {r} col {c}");
+        }
+    }
+}

@@ -289,19 +289,21 @@ fn gemm(
     acts: &Tensor,
     dep: Dep,
     w: &Tensor,
-    tile: &Range<usize>,
+    tiles: &[Range<usize>],
     out: &Tensor,
     scale: Option<&Tensor>,
     kdim: usize,
     add: bool,
 ) -> R<TaskId> {
-    let wt = rows(o, w, tile.start, tile.end)?;
-    let ot = cols(o, out, tile.start, tile.end)?;
-    let mut t = dep.add(Task::new(ops::GEMM_TILE), acts).no_dep(&wt);
+    let (wt, ot) = (w, out);
+    let mut t = dep
+        .add(Task::new(ops::GEMM_TILE), acts)
+        .no_dep(wt)
+        .blocks(tiles.len().max(1) as u32);
     t = if add {
-        t.in_out(&ot)
+        t.in_out(ot)
     } else {
-        t.output_existing(&ot)
+        t.output_existing(ot)
     };
     if let Some(s) = scale {
         t = t.input(s);
@@ -344,9 +346,17 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
         (wk, &k, &p.tiles.k),
         (wv, &v, &p.tiles.v),
     ] {
-        for t in tiles {
-            qkv.push(gemm(o, &n, Dep::Tensor, wt, t, out, rs.as_ref(), h, false)?);
-        }
+        qkv.push(gemm(
+            o,
+            &n,
+            Dep::Tensor,
+            wt,
+            tiles,
+            out,
+            rs.as_ref(),
+            h,
+            false,
+        )?);
     }
     let qkv_done = Dep::After(barrier(o, qkv)?);
 
@@ -385,35 +395,37 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let attn_done = Dep::After(barrier(o, attn)?);
 
     // Residual: x += a @ Wo^T, tile by tile in place.
-    for t in &p.tiles.o {
-        gemm(o, &a, attn_done, wo, t, x, None, qw, true)?;
-    }
+    gemm(o, &a, attn_done, wo, &p.tiles.o, x, None, qw, true)?;
 
     // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
     let (m, r2) = norm(o, p, x, post_norm)?;
     let act = o.alloc(DType::F32, &[r, packed_ld(inter) as u64])?;
-    let mut gate_up = Vec::new();
-    for t in &p.tiles.gate_up {
-        let mut task = Task::new(ops::GATE_UP_SWIGLU)
-            .input(&m)
-            .no_dep(&rows(o, wg, t.start, t.end)?)
-            .no_dep(&rows(o, wu, t.start, t.end)?)
-            .output_existing(&cols(o, &act, t.start, t.end)?);
-        if let Some(s) = &r2 {
-            task = task.input(s);
-        }
-        let id = o.submit(
-            task.scalar(h as u64)
-                .scalar(t.start as u64)
-                .scalar(inter as u64)
-                .timing_slot(1),
-        )?;
-        gate_up.push(id.id);
+    let mut task = Task::new(ops::GATE_UP_SWIGLU)
+        .input(&m)
+        .no_dep(wg)
+        .no_dep(wu)
+        .output_existing(&cols(o, &act, 0, inter)?)
+        .blocks(p.tiles.gate_up.len().max(1) as u32);
+    if let Some(s) = &r2 {
+        task = task.input(s);
     }
-    let act_done = Dep::After(barrier(o, gate_up)?);
-    for t in &p.tiles.down {
-        gemm(o, &act, act_done, wd, t, x, None, inter, true)?;
-    }
+    o.submit(
+        task.scalar(h as u64)
+            .scalar(0)
+            .scalar(inter as u64)
+            .timing_slot(1),
+    )?;
+    gemm(
+        o,
+        &act,
+        Dep::Tensor,
+        wd,
+        &p.tiles.down,
+        x,
+        None,
+        inter,
+        true,
+    )?;
     Ok(())
 }
 

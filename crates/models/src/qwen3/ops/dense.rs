@@ -4,6 +4,12 @@
 //! A multi-row tile's output is a strided column slice of a `[R, N]` tensor; the GEMM runs into
 //! per-core scratch (`[R, n]`, contiguous) and the rows are copied out, which costs `R * n`
 //! floats against the tile's `n * K` streamed weights.
+//!
+//! The projection and gate/up kernels are SPMD: a task covers a whole projection (or a tile of
+//! it) and each block computes its share of the output columns (`TaskCtx::write_block_cols`,
+//! in units of 16), so a phase is one task whose blocks the cores take as they free up: the
+//! phase's tail is one small block, and the orchestrator submits one task instead of one per
+//! tile.
 
 use half::bf16;
 use simpler_core::{KernelError, RowsMut, TaskCtx};
@@ -51,6 +57,16 @@ fn gemm_into_rows(
             dst.copy_from_slice(src);
         }
     });
+}
+
+/// Output columns (weight rows) per unit of an SPMD projection task's split over its blocks:
+/// a whole number of packing blocks, so packed column ranges stay whole.
+const TILE_GRANULE: usize = 16;
+
+/// Rows `first..first + n` of a weight tile (an SPMD block's share).
+fn block_rows(w: WeightsBf16<'_>, first: usize, n: usize) -> WeightsBf16<'_> {
+    let k = w.cols();
+    WeightsBf16::new(&w.data()[first * k..(first + n) * k], n, k)
 }
 
 /// Reads the optional per-row scale at argument `i` (present when the task has `i + 1` args).
@@ -106,19 +122,20 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(NAME, format!("k slice {k0}..{k1} outside 0..{kdim}")));
     }
     let scale = optional_scale(ctx, 3, x.rows(), NAME)?;
-    let mut out = ctx.write_rows::<f32>(2)?;
-    if out.len() != x.rows() || out.row_len() != w.rows() {
+    let mut out = ctx.write_block_cols::<f32>(2, TILE_GRANULE)?;
+    if out.len() != x.rows() || out.view_row_len() != w.rows() {
         return Err(bad(
             NAME,
             format!(
                 "output [{}, {}] for {} rows x {} columns",
                 out.len(),
-                out.row_len(),
+                out.view_row_len(),
                 x.rows(),
                 w.rows()
             ),
         ));
     }
+    let w = block_rows(w, out.first_col(), out.row_len());
     let tile = GemmTile {
         n: 0..w.rows(),
         k: k0..k1,
@@ -136,19 +153,31 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let wg = weights(ctx, 1, h, NAME)?;
     let wu = weights(ctx, 2, h, NAME)?;
     let rows = x.rows();
-    let n = wg.rows();
-    if wu.rows() != n {
+    if wu.rows() != wg.rows() {
         return Err(bad(NAME, "gate and up tiles differ in rows"));
     }
-    check_packed_range(NAME, c0, n, inter)?;
+    check_packed_range(NAME, c0, wg.rows(), inter)?;
     let scale = optional_scale(ctx, 4, rows, NAME)?;
-    let mut out = ctx.write_rows::<f32>(3)?;
-    if out.len() != rows || out.row_len() != n {
+    let mut out = ctx.write_block_cols::<f32>(3, TILE_GRANULE)?;
+    if out.len() != rows || out.view_row_len() != wg.rows() {
         return Err(bad(
             NAME,
-            format!("output [{}, {}] for {rows} x {n}", out.len(), out.row_len()),
+            format!(
+                "output [{}, {}] for {rows} x {}",
+                out.len(),
+                out.view_row_len(),
+                wg.rows()
+            ),
         ));
     }
+    // This block's columns (a multiple of 16 from the tile's start, so packed blocks stay
+    // whole).
+    let (wg, wu) = (
+        block_rows(wg, out.first_col(), out.row_len()),
+        block_rows(wu, out.first_col(), out.row_len()),
+    );
+    let c0 = c0 + out.first_col();
+    let n = wg.rows();
     let full = GemmTile {
         n: 0..n,
         k: 0..h,
