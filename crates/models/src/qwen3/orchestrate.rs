@@ -586,18 +586,19 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     let logits = o.bind(&args.buffers[io::OUT_MAIN], DType::F32, &[s, vocab])?;
     let tiles = &p.tiles.lm_head;
     let best = o.alloc(DType::U32, &[tiles.len() as u64, s, 2])?;
-    for (ti, t) in tiles.iter().enumerate() {
-        o.submit(
-            Task::new(ops::LM_HEAD_TILE)
-                .input(&nrm)
-                .no_dep(&rows(o, &vw.lm_head, t.start, t.end)?)
-                .output_existing(&cols(o, &logits, t.start, t.end)?)
-                .output_existing(&rows(o, &best, ti, ti + 1)?)
-                .scalar(h)
-                .scalar(t.start as u64)
-                .timing_slot(2),
-        )?;
-    }
+    // One SPMD task: each block takes a share of the vocabulary rows and writes its logits
+    // columns and its argmax slot.
+    o.submit(
+        Task::new(ops::LM_HEAD_TILE)
+            .input(&nrm)
+            .no_dep(&vw.lm_head)
+            .output_existing(&logits)
+            .output_existing(&best)
+            .scalar(h)
+            .scalar(0)
+            .blocks(tiles.len().max(1) as u32)
+            .timing_slot(2),
+    )?;
     let ids = o.bind(&args.buffers[io::OUT_IDS], DType::U32, &[s])?;
     o.submit(
         Task::new(ops::ARGMAX_COMBINE)

@@ -212,12 +212,15 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let x = acts(ctx, h, NAME)?;
     let w = weights(ctx, 1, h, NAME)?;
     let rows = x.rows();
-    let mut logits = ctx.write_rows::<f32>(2)?;
-    if logits.len() != rows || logits.row_len() != w.rows() {
+    let mut logits = ctx.write_block_cols::<f32>(2, TILE_GRANULE)?;
+    if logits.len() != rows || logits.view_row_len() != w.rows() {
         return Err(bad(NAME, "logits view does not match the tile"));
     }
+    let n0 = n0 + logits.first_col();
+    let w = block_rows(w, logits.first_col(), logits.row_len());
     gemm_into_rows(w, x, &GemmTile::full(&w), None, &mut logits);
-    let best = ctx.write::<u32>(3)?;
+    // This block's `[rows, 2]` slot of the per-block argmax results.
+    let best = ctx.write_chunk::<u32>(3, 2 * rows)?;
     if best.len() != 2 * rows {
         return Err(bad(
             NAME,

@@ -8,6 +8,10 @@
 //! the GEMM's packed layout; a tile's column range `c0..c0+n` of a packed tensor starts on a
 //! multiple of 16 and ends on one or at `K`, so it holds exactly those columns.
 //!
+//! [`GEMM_TILE`], [`GATE_UP_SWIGLU`] and [`LM_HEAD_TILE`] are SPMD: with `B` blocks, each block
+//! computes its share of the `n` output columns (weight rows), split in units of 16 by
+//! `TaskCtx::write_block_cols`; the orchestration submits one task per projection.
+//!
 //! | kernel | tensor arguments | scalars |
 //! |---|---|---|
 //! | [`EMBED`] | table NoDep bf16 `[V,H]`, ids In u32 `[R]`, x Out f32 `[R,H]` | |
@@ -21,7 +25,7 @@
 //! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | t0, t1, final, scale, page, d |
 //! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | kv_heads, group, d |
 //! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | kv_head, first_pos, scale, page, c0, Nq |
-//! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[1,R,2]` | H, n0 |
+//! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[B,R,2]` (one slot per block) | H, n0 |
 //! | [`ARGMAX_COMBINE`] | best In u32 `[T,R,2]` (index, f32 bits), ids Out u32 `[R]` | |
 //!
 //! KV pools are `[slots, kv_heads * head_dim]` bf16 views of one layer (`03-qwen3.md`); the
