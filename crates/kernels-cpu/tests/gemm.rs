@@ -122,6 +122,8 @@ fn qwen_like_shapes_full_and_split_k() {
         (40, 512, 4),
         (30, 256, 16),
         (7, 2048, 9),
+        // Prefill-like: several batch blocks of the wide path, a partial last one.
+        (20, 320, 107),
     ] {
         let c = case(n, k, batch, (n * k + batch) as u64);
         check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);
@@ -154,7 +156,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
     #[test]
     fn random_tiles_match_reference(
-        n in 1usize..24, k in 1usize..200, batch in 1usize..20,
+        n in 1usize..24, k in 1usize..200, batch in prop_oneof![1usize..20, 40usize..110],
         n_cut in 0.0f64..1.0, n_len in 0.0f64..1.0, k_cut in 0.0f64..1.0, k_len in 0.0f64..1.0,
         add in any::<bool>(), scaled in any::<bool>(), seed in any::<u64>(),
     ) {

@@ -34,11 +34,16 @@ pub(super) unsafe fn gemm_wide(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize)
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     let mut scratch = Scratch([[0.0; KC]; RW]);
     let mut accm = [[_mm256_setzero_ps(); BMAX]; RW];
-    let mut n0 = lw.n.start;
-    while n0 + RW <= lw.n.end {
-        let mut bo = 0;
-        while bo < lw.batch {
-            let bend = (bo + BMAX).min(lw.batch);
+    // Batch blocks outermost: one block's activations (`BMAX` rows) stay in L2 while every
+    // weight row group streams past them; a prefill's many rows then re-stream the weights
+    // once per block (cheap: each weight feeds `BMAX` rows) instead of re-reading every
+    // activation row from L3 for each row group.
+    let groups_end = lw.n.start + (lw.n.end - lw.n.start) / RW * RW;
+    let mut bo = 0;
+    while bo < lw.batch {
+        let bend = (bo + BMAX).min(lw.batch);
+        let mut n0 = lw.n.start;
+        while n0 < groups_end {
             for row in accm.iter_mut() {
                 row[..bend - bo].fill(_mm256_setzero_ps());
             }
@@ -95,11 +100,11 @@ pub(super) unsafe fn gemm_wide(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize)
                     finish(lw, out, ld_out, n0 + r, bo + i + j, sum);
                 }
             }
-            bo = bend;
+            n0 += RW;
         }
-        n0 += RW;
+        bo = bend;
     }
-    n0
+    groups_end
 }
 
 /// Dispatches a runtime batch-block width to [`micro`].
