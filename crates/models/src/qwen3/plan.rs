@@ -63,16 +63,17 @@ impl TilePolicy {
     }
 
     /// KV chunks of each sequence for split-KV decode attention (one task per chunk covers
-    /// every KV head).
+    /// every KV head). Chunks are about equally long across the whole batch — a sequence
+    /// gets chunks in proportion to its length — so a ragged batch's attention phase does not
+    /// end waiting on its longest sequence.
     pub fn kv_chunks(&self, seq_lens: &[usize]) -> Vec<Vec<Range<usize>>> {
-        let base = seq_lens.len().max(1);
-        let split = (self.attn_tasks_per_core * self.cores)
-            .div_ceil(base)
-            .max(1);
+        let total: usize = seq_lens.iter().sum();
+        let tasks = (self.attn_tasks_per_core * self.cores).max(1);
+        let target = total.div_ceil(tasks).max(self.min_kv_chunk.max(1));
         seq_lens
             .iter()
             .map(|&len| {
-                let c = split.min(len.div_ceil(self.min_kv_chunk.max(1))).max(1);
+                let c = len.div_ceil(target).max(1);
                 (0..c).map(|i| split_range(len, c, i)).collect()
             })
             .collect()
@@ -211,11 +212,22 @@ mod tests {
             }
             assert!(tiles.len() >= (n / p.granule).min(p.cores * p.tiles_per_core));
         }
-        let chunks = p.kv_chunks(&[256, 10, 3000]);
-        assert_eq!(chunks.len(), 3);
-        for (c, len) in chunks.iter().zip([256, 10, 3000]) {
+        let lens = [256, 10, 3000, 1024];
+        let chunks = p.kv_chunks(&lens);
+        assert_eq!(chunks.len(), lens.len());
+        for (c, len) in chunks.iter().zip(lens) {
             assert_eq!(c.first().map(|r| r.start), Some(0));
             assert_eq!(c.last().map(|r| r.end), Some(len));
+            for w in c.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+            }
         }
+        // Ragged lengths: chunks within a factor of two of each other (except a sequence
+        // shorter than one chunk), so no sequence's chunks dominate the phase.
+        let sizes: Vec<usize> = chunks.iter().skip(2).flatten().map(|r| r.len()).collect();
+        let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+        assert!(hi <= &(2 * lo), "{sizes:?}");
+        // One short sequence at batch 1 still splits over every core.
+        assert!(p.kv_chunks(&[256])[0].len() >= p.cores);
     }
 }
