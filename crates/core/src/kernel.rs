@@ -220,6 +220,13 @@ impl<'a> TaskCtx<'a> {
         let start = i * base + i.min(extra);
         start..start + base + usize::from(i < extra)
     }
+    /// This block's share of `n` items when the last quarter of the blocks (of 8 or more) get
+    /// half-size shares. Cores take a task's blocks in index order, so the task ends on small
+    /// blocks and its cores finish close together (a shorter tail than equal shares, at no
+    /// extra blocks). Shares of different blocks are disjoint and cover `0..n`.
+    pub fn block_range_tapered(&self, n: usize) -> Range<usize> {
+        tapered_range(n, self.block_num(), self.block_idx())
+    }
     /// Whether the run has failed and the kernel should return early.
     pub fn is_cancelled(&self) -> bool {
         self.cancel.load(Ordering::Relaxed)
@@ -463,7 +470,8 @@ impl<'a> TaskCtx<'a> {
 
     /// This block's share of the columns of a written view, every row: the view's `row_len`
     /// columns are cut into units of `granule` (the last may be shorter) and the units split
-    /// over the blocks as by [`TaskCtx::block_range`]; shares of different blocks are disjoint.
+    /// over the blocks as by [`TaskCtx::block_range_tapered`]; shares of different blocks are
+    /// disjoint.
     /// For an SPMD task whose blocks each produce some output columns of every row (the
     /// projection tiles of a matrix product).
     pub fn write_block_cols<T: Element>(
@@ -475,7 +483,7 @@ impl<'a> TaskCtx<'a> {
         let mut rows = RowsMut::<T>::new(i, &a.tensor, None)?;
         let g = granule.max(1);
         let width = rows.g.row_len;
-        let units = self.block_range(width.div_ceil(g));
+        let units = self.block_range_tapered(width.div_ceil(g));
         rows.col0 = (units.start * g).min(width);
         rows.ncols = (units.end * g).min(width) - rows.col0;
         self.writable(i, a, "write_block_cols")?;
@@ -538,6 +546,22 @@ impl<'a> TaskCtx<'a> {
         // contract (this fn's `# Safety`).
         Ok(unsafe { slice_mut(start, 0, len) })
     }
+}
+
+/// Share `i` of `n` items over `blocks` blocks, the last quarter of the blocks (when there are
+/// 8 or more) weighted half as much as the others.
+pub(crate) fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
+    let blocks = blocks.max(1);
+    let small_from = if blocks >= 8 {
+        blocks - blocks / 4
+    } else {
+        blocks
+    };
+    // Prefix of the weights (2 per big block, 1 per small one) before block `j`.
+    let before = |j: usize| 2 * j.min(small_from) + j.saturating_sub(small_from);
+    let total = before(blocks) as u128;
+    let at = |j: usize| (n as u128 * before(j) as u128 / total) as usize;
+    at(i.min(blocks))..at((i + 1).min(blocks))
 }
 
 /// `&mut [T]` over elements `lo..hi` of the array starting at address `start`.
@@ -722,5 +746,32 @@ impl<'a, T: Element> RowsMut<'a, T> {
             // `&mut self` borrow.
             unsafe { slice_mut(start, c0, c1) }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tapered_range;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn tapered_shares_cover_in_order_and_shrink_at_the_end(n in 0usize..5000, blocks in 1usize..300) {
+            let shares: Vec<_> = (0..blocks).map(|i| tapered_range(n, blocks, i)).collect();
+            prop_assert_eq!(shares[0].start, 0);
+            prop_assert_eq!(shares[blocks - 1].end, n);
+            for w in shares.windows(2) {
+                prop_assert_eq!(w[0].end, w[1].start);
+            }
+            if blocks >= 8 && n >= 4 * blocks {
+                let first = shares[0].len();
+                let last = shares[blocks - 1].len();
+                prop_assert!(last < first, "{first} {last}");
+            }
+            if blocks < 8 {
+                let (lo, hi) = shares.iter().map(|r| r.len()).fold((usize::MAX, 0), |(a, b), l| (a.min(l), b.max(l)));
+                prop_assert!(hi - lo <= 1);
+            }
+        }
     }
 }
