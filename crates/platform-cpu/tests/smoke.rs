@@ -236,7 +236,7 @@ fn spmd_blocks_write_disjoint_column_shares_of_a_strided_view() {
         "col_fill",
         EngineClass::Vector,
         |ctx| {
-            let mut share = ctx.write_block_cols::<f32>(0, 8)?;
+            let mut share = ctx.write_block_cols::<f32>(0, ctx.scalar_usize(0)?)?;
             let (c0, n) = (share.first_col(), share.row_len());
             assert_eq!(share.view_row_len(), 30);
             let block = ctx.block_idx() as f32;
@@ -259,11 +259,31 @@ fn spmd_blocks_write_disjoint_column_shares_of_a_strided_view() {
     w.run_fn("cols", args, &CallConfig::default(), |orch, args| {
         let t = orch.bind(&args.buffers[0], DType::F32, &[6, 40])?;
         let v = t.slice(1, 5, 35).expect("column view");
-        orch.submit(Task::new(COL_FILL).in_out(&v).blocks(3))?;
+        orch.submit(Task::new(COL_FILL).in_out(&v).scalar(8).blocks(3))?;
         Ok(())
     })
     .unwrap();
     let got = buf.read::<f32>().unwrap();
+    // Many blocks (tapered shares): every element written exactly once.
+    let many = w.buffer_from(&[0.0f32; 6 * 40]).unwrap();
+    let args = RunArgs {
+        buffers: vec![many.clone()],
+        scalars: vec![],
+    };
+    w.run_fn("cols-many", args, &CallConfig::default(), |orch, args| {
+        let t = orch.bind(&args.buffers[0], DType::F32, &[6, 40])?;
+        let v = t.slice(1, 5, 35).expect("column view");
+        orch.submit(Task::new(COL_FILL).in_out(&v).scalar(1).blocks(12))?;
+        Ok(())
+    })
+    .unwrap();
+    let m = many.read::<f32>().unwrap();
+    for r in 0..6 {
+        for c in 5..35 {
+            let v = m[r * 40 + c] - (r * 1000 + c - 5) as f32;
+            assert!((0.0..0.115).contains(&v), "row {r} col {c}: block term {v}");
+        }
+    }
     // 30 columns in units of 8 over 3 blocks: units 1, 1, 2 -> columns 0..8, 8..16, 16..30.
     let block_of = |c: usize| match c {
         0..8 => 0.0,
