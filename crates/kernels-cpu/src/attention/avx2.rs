@@ -251,7 +251,12 @@ unsafe fn rows_over(
             }
         };
     }
-    go!(1 => 8, 4, 32; 2 => 4, 4, 32; 3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
+    // Rows per scores / p·V block and p·V lanes, by group. Small groups read one row at a
+    // time: measured from DRAM, blocks of several rows (their head slices 2 KB apart) kept the
+    // reads from overlapping the arithmetic (group 2: ~7 GB/s per core with 4-row blocks,
+    // ~8 with single rows; group 1: 7 vs 10), while larger groups have enough arithmetic per
+    // row that the register reuse of multi-row blocks wins.
+    go!(1 => 1, 1, 32; 2 => 1, 1, 32; 3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
 }
 
 /// Tokens per run of the token-major pass (the online-softmax tile).
