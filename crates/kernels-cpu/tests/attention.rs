@@ -122,6 +122,33 @@ proptest! {
     }
 
     #[test]
+    fn prefill_rows_match_causal_reference(
+        kv_heads in 1usize..3, group in 1usize..5, first_pos in 0usize..70, n_rows in 1usize..24,
+        hd32 in 1usize..4, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let (hd, ps) = (32 * hd32, 16);
+        let st = Setup::new(2, 6, kv_heads, hd, ps, &mut rng);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
+        let g = kv_heads - 1;
+        let (p, a) = both(|| {
+            let mut out = vec![0.0f32; q.len()];
+            prefill_attention_rows_f32(&q, group, &st.kv(), &st.tables[0], g, first_pos, scale, &mut out);
+            out
+        });
+        for out in std::iter::once(&p).chain(a.as_ref()) {
+            for i in 0..n_rows {
+                for j in 0..group {
+                    let at = (i * group + j) * hd;
+                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
+                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, "prefill rows vs reference");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn chunked_prefill_matches_causal_reference(
         kv_heads in 1usize..3, group in 1usize..4, prefix in 0usize..40, chunk in 1usize..40,
         row_split in 0.0f64..1.0, seed in any::<u64>(),

@@ -106,6 +106,51 @@ pub(super) unsafe fn decode_partials_heads(
     }
 }
 
+/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of `q`
+/// (`group` widened queries) attends to tokens `0..=first_pos + i`; `out` gets the normalised
+/// outputs. Each row is one single-head decode pass over its prefix, which the register-blocked
+/// kernel runs several times faster than the portable block loop (the prefix's K/V of one
+/// head stays in L2 across the rows).
+///
+/// # Safety
+/// As [`decode_partial`] for tokens `0..first_pos + rows`; `q.len() == out.len()`, a whole
+/// number of rows of `group * head_dim`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn prefill_rows(
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let per_row = group * hd;
+    let mut state = [0.0f32; MAX_GROUP * (2 * MAX_HD + 2)];
+    let st = &mut state[..group * (2 * hd + 2)];
+    let mut recs = [0.0f32; MAX_GROUP * (MAX_HD + 2)];
+    let recs = &mut recs[..group * (hd + 2)];
+    for (i, (qr, or)) in q
+        .chunks_exact(per_row)
+        .zip(out.chunks_exact_mut(per_row))
+        .enumerate()
+    {
+        init_state_with(qr, group, hd, scale, st, |v| *v);
+        // SAFETY: forwarded contract (tokens 0..=first_pos + i are covered).
+        unsafe { head_over(group, kv, block_table, kv_head, 0..first_pos + i + 1, st) };
+        write_partials(st, group, hd, recs);
+        for (o, rec) in or.chunks_exact_mut(hd).zip(recs.chunks_exact(hd + 2)) {
+            let inv = if rec[1] > 0.0 { 1.0 / rec[1] } else { 0.0 };
+            for (d, &a) in o.iter_mut().zip(&rec[2..]) {
+                *d = a * inv;
+            }
+        }
+    }
+}
+
 /// Floats of scratch [`decode_partials_heads`] needs.
 pub(super) fn heads_state_len(kv_heads: usize, group: usize, head_dim: usize) -> usize {
     kv_heads * group * (2 * head_dim + 2) + rows_scores_len(kv_heads, group)
@@ -115,11 +160,23 @@ pub(super) fn heads_state_len(kv_heads: usize, group: usize, head_dim: usize) ->
 /// `[group, hd]`, outputs (permuted) `[group, hd]`, running max `[group]`, running sum
 /// `[group]`.
 fn init_state(q: &[bf16], group: usize, hd: usize, scale: f32, st: &mut [f32]) {
+    init_state_with(q, group, hd, scale, st, |v| v.to_f32());
+}
+
+/// [`init_state`] for queries of any element type, widened by `f`.
+fn init_state_with<T>(
+    q: &[T],
+    group: usize,
+    hd: usize,
+    scale: f32,
+    st: &mut [f32],
+    f: impl Fn(&T) -> f32,
+) {
     let (qs, rest) = st.split_at_mut(group * hd);
     for (dst, src) in qs.chunks_exact_mut(16).zip(q.chunks_exact(16)) {
         for i in 0..8 {
-            dst[i] = src[2 * i].to_f32() * scale;
-            dst[8 + i] = src[2 * i + 1].to_f32() * scale;
+            dst[i] = f(&src[2 * i]) * scale;
+            dst[8 + i] = f(&src[2 * i + 1]) * scale;
         }
     }
     let (o, ml) = rest.split_at_mut(group * hd);
