@@ -220,8 +220,8 @@ impl<'a> TaskCtx<'a> {
         let start = i * base + i.min(extra);
         start..start + base + usize::from(i < extra)
     }
-    /// This block's share of `n` items when the last quarter of the blocks (of 8 or more) get
-    /// half-size shares. Cores take a task's blocks in index order, so the task ends on small
+    /// This block's share of `n` items when the last quarter of the blocks (of 8 or more, with
+    /// at least two items per block) get half-size shares. Cores take a task's blocks in index order, so the task ends on small
     /// blocks and its cores finish close together (a shorter tail than equal shares, at no
     /// extra blocks). Shares of different blocks are disjoint and cover `0..n`.
     pub fn block_range_tapered(&self, n: usize) -> Range<usize> {
@@ -549,10 +549,11 @@ impl<'a> TaskCtx<'a> {
 }
 
 /// Share `i` of `n` items over `blocks` blocks, the last quarter of the blocks (when there are
-/// 8 or more) weighted half as much as the others.
+/// 8 or more, and at least two items per block) weighted half as much as the others; with at
+/// least as many items as blocks, no share is empty.
 pub(crate) fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
     let blocks = blocks.max(1);
-    let small_from = if blocks >= 8 {
+    let small_from = if blocks >= 8 && n >= 2 * blocks {
         blocks - blocks / 4
     } else {
         blocks
@@ -763,12 +764,15 @@ mod tests {
             for w in shares.windows(2) {
                 prop_assert_eq!(w[0].end, w[1].start);
             }
+            if blocks <= n {
+                prop_assert!(shares.iter().all(|r| !r.is_empty()), "{shares:?}");
+            }
             if blocks >= 8 && n >= 4 * blocks {
                 let first = shares[0].len();
                 let last = shares[blocks - 1].len();
                 prop_assert!(last < first, "{first} {last}");
             }
-            if blocks < 8 {
+            if blocks < 8 || n < 2 * blocks {
                 let (lo, hi) = shares.iter().map(|r| r.len()).fold((usize::MAX, 0), |(a, b), l| (a.min(l), b.max(l)));
                 prop_assert!(hi - lo <= 1);
             }

@@ -42,6 +42,10 @@ fn gemm_into_rows(
     out: &mut RowsMut<'_, f32>,
 ) {
     let (rows, n) = (out.len(), out.row_len());
+    // An SPMD block whose share is empty (more blocks than column units) has nothing to do.
+    if rows == 0 || n == 0 {
+        return;
+    }
     if rows == 1 {
         run_gemm(w, x, tile, scale, out.row(0), n);
         return;
@@ -178,6 +182,10 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     );
     let c0 = c0 + out.first_col();
     let n = wg.rows();
+    if n == 0 {
+        // An empty share: more blocks than 16-column units.
+        return Ok(());
+    }
     let full = GemmTile {
         n: 0..n,
         k: 0..h,
