@@ -220,14 +220,6 @@ fn gemm_rate(
     }
 }
 
-/// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
-fn outside_kernels(r: &RunReport) -> Option<f64> {
-    let sw = r.swimlane.as_ref()?;
-    let busy: u64 = sw.tasks.iter().map(|t| t.end.saturating_sub(t.start)).sum();
-    let denom = r.cores as f64 * r.effective().dur_ns() as f64;
-    (denom > 0.0).then(|| 1.0 - busy as f64 / denom)
-}
-
 /// One prefill step of `tokens` from an empty cache.
 fn prefill_step(
     session: &mut Session,
@@ -355,7 +347,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         };
         let outside = outside_report
             .as_ref()
-            .and_then(outside_kernels)
+            .and_then(crate::bench_qwen3::outside_kernels)
             .unwrap_or(f64::NAN);
         let eff_ms = Summary::of(&effective_ms).median;
         let tasks = last.as_ref().map_or(0, |r| r.counters.tasks);

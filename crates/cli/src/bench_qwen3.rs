@@ -120,7 +120,7 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
 }
 
 /// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
-fn outside_kernels(r: &RunReport) -> Option<f64> {
+pub(crate) fn outside_kernels(r: &RunReport) -> Option<f64> {
     let sw = r.swimlane.as_ref()?;
     let busy: u64 = sw.tasks.iter().map(|t| t.end.saturating_sub(t.start)).sum();
     let denom = r.cores as f64 * r.effective().dur_ns() as f64;
