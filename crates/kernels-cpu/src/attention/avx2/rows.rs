@@ -1,0 +1,279 @@
+//! Every KV head at once over a range of tokens, token-major: each pool row's K (then V) is
+//! read whole, for all heads, in address order, with a software prefetch a few rows ahead.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::super::PagedKv;
+use super::update;
+use crate::simd::{hsum256, prefetch_l2};
+
+/// Runs every KV head (states back to back in `state`, scores in `s`, [`rows_scores_len`])
+/// over `tokens`, token-major: runs of at most [`ROWS_RUN`] tokens, each row's K (then V)
+/// read whole, for all heads, in address order. The pool is thus read as a sequential stream
+/// (what the hardware prefetchers follow), and a software prefetch stays [`ROWS_AHEAD`] rows
+/// ahead of each of the K and V streams, one head's lines per head call so the misses spread
+/// over the arithmetic (a whole row's 32 prefetches at once stall on the miss buffers).
+///
+/// # Safety
+/// As [`decode_partial`] for every head.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn rows_over(
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    state: &mut [f32],
+    s: &mut [f32],
+) {
+    macro_rules! go {
+        ($($g:literal => $sr:literal, $pr:literal, $pl:literal);*) => {
+            match group {
+                // SAFETY: forwarded contract; the group matches the instantiation.
+                $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, state, s) },)*
+                _ => unreachable!("group {group} not supported"),
+            }
+        };
+    }
+    // Rows per scores / p·V block and p·V lanes, by group. Small groups read one row at a
+    // time: measured from DRAM, blocks of several rows (their head slices 2 KB apart) kept the
+    // reads from overlapping the arithmetic (group 2: ~7 GB/s per core with 4-row blocks,
+    // ~8 with single rows; group 1: 7 vs 10), while larger groups have enough arithmetic per
+    // row that the register reuse of multi-row blocks wins.
+    go!(1 => 1, 1, 32; 2 => 1, 1, 32; 3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
+}
+
+/// Tokens per run of the token-major pass (the online-softmax tile).
+const ROWS_RUN: usize = 32;
+
+/// Rows the software prefetch runs ahead of each stream.
+const ROWS_AHEAD: usize = 4;
+
+/// Floats of score scratch [`rows_over`] needs.
+pub(super) fn rows_scores_len(kv_heads: usize, group: usize) -> usize {
+    kv_heads * group * ROWS_RUN
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usize>(
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    state: &mut [f32],
+    s: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let heads = kv.kv_heads;
+    let row = kv.row();
+    let per = G * (2 * hd + 2);
+    let sh = G * ROWS_RUN; // score floats per head
+    let kp = kv.k.as_ptr().cast::<u16>();
+    let vp = kv.v.as_ptr().cast::<u16>();
+    let page = kv.page_size;
+    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let end = tokens.end;
+    let ahead = ROWS_AHEAD;
+    // Row `t + ahead`'s pointer in pool `p`, or null past the end.
+    let ahead_row = |p: *const u16, t: usize| {
+        if t + ahead < end {
+            p.wrapping_add(slot_of(t + ahead) * row)
+        } else {
+            std::ptr::null()
+        }
+    };
+    // The first rows, which no earlier row prefetches.
+    for u in tokens.start..(tokens.start + ahead).min(end) {
+        for e in (0..row).step_by(32) {
+            prefetch_l2(kp.wrapping_add(slot_of(u) * row + e));
+            prefetch_l2(vp.wrapping_add(slot_of(u) * row + e));
+        }
+    }
+    let mut t = tokens.start;
+    while t < end {
+        let run = ROWS_RUN.min(page - t % page).min(end - t);
+        let base = slot_of(t) * row;
+        // Scores, SR rows at a time (every head of them, in address order).
+        let mut i = 0;
+        while i < run {
+            let kr = kp.wrapping_add(base + i * row);
+            // SAFETY: rows i..i+SR (or i) of this run are inside the pool (caller's
+            // contract); `s` holds `heads * sh` floats and i + SR <= run <= ROWS_RUN.
+            unsafe {
+                if i + SR <= run {
+                    let pf = std::array::from_fn(|r| ahead_row(kp, t + i + r));
+                    scores_rows::<G, SR>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    i += SR;
+                } else {
+                    let pf = [ahead_row(kp, t + i)];
+                    scores_rows::<G, 1>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    i += 1;
+                }
+            }
+        }
+        for (h, st) in state.chunks_exact_mut(per).enumerate() {
+            // SAFETY: run <= ROWS_RUN, the score stride.
+            unsafe { update::<G>(&mut s[h * sh..(h + 1) * sh], ROWS_RUN, run, hd, st) };
+        }
+        // o += p · V, PR rows at a time (every head of them, in address order).
+        let mut i = 0;
+        while i < run {
+            let vr = vp.wrapping_add(base + i * row);
+            // SAFETY: rows i..i+PR (or i) of this run are inside the pool (caller's
+            // contract); their scores are inside `s`.
+            unsafe {
+                if i + PR <= run {
+                    let pf = std::array::from_fn(|r| ahead_row(vp, t + i + r));
+                    pv_rows::<G, PR, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    i += PR;
+                } else {
+                    let pf = [ahead_row(vp, t + i)];
+                    pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    i += 1;
+                }
+            }
+        }
+        t += run;
+    }
+}
+
+/// Scores of `R` consecutive K rows (at `k`, `row` elements apart, every head's slice)
+/// against every head's `G` permuted queries (`state`, one head state of `per` floats each),
+/// into `s[h * sh + j * sr + i + r]`. Each query vector loaded serves the `R` rows and each
+/// widened K vector the `G` queries; the `G * R` accumulators hide the FMA latency.
+///
+/// # Safety
+/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `k + r * row`; `hd` a multiple
+/// of 16; `state.len() >= heads * per`, each head's queries first; `s` long enough.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn scores_rows<const G: usize, const R: usize>(
+    state: &[f32],
+    per: usize,
+    k: *const u16,
+    pf: [*const u16; R],
+    row: usize,
+    heads: usize,
+    hd: usize,
+    s: &mut [f32],
+    sh: usize,
+    sr: usize,
+    i: usize,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    for h in 0..heads {
+        // The same head slice of rows further on: one head's lines at a time, so the misses
+        // spread over the arithmetic instead of queueing behind each other.
+        for f in pf {
+            if !f.is_null() {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(f.wrapping_add(h * hd + e));
+                }
+            }
+        }
+        let qf = state[h * per..h * per + G * hd].as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); R]; G];
+        let mut d = 0;
+        while d < hd {
+            // SAFETY: j * hd + d + 16 <= G * hd (permuted queries of the head).
+            let q: [[__m256; 2]; G] = std::array::from_fn(|j| unsafe {
+                [
+                    _mm256_loadu_ps(qf.add(j * hd + d)),
+                    _mm256_loadu_ps(qf.add(j * hd + d + 8)),
+                ]
+            });
+            for r in 0..R {
+                // SAFETY: row r's head h slice holds hd bf16 and d + 16 <= hd.
+                let raw =
+                    unsafe { _mm256_loadu_si256(k.add(r * row + h * hd + d).cast::<__m256i>()) };
+                let ke = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                let ko = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                for j in 0..G {
+                    acc[j][r] = _mm256_fmadd_ps(q[j][0], ke, acc[j][r]);
+                    acc[j][r] = _mm256_fmadd_ps(q[j][1], ko, acc[j][r]);
+                }
+            }
+            d += 16;
+        }
+        for j in 0..G {
+            for r in 0..R {
+                s[h * sh + j * sr + i + r] = hsum256(acc[j][r]);
+            }
+        }
+    }
+}
+
+/// `o += p · V` for `R` consecutive V rows of a run (row `i` at `v`, the next `row`
+/// elements on) and every head, `L` output lanes (16 or 32) at a time: the lanes' outputs of
+/// the `G` queries stay in registers across the `R` rows, so each is loaded and stored once
+/// per `R` rows, and each widened V vector feeds `G` FMAs.
+///
+/// # Safety
+/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `v + r * row`; `hd` a multiple of
+/// `L`; `state.len() >= heads * per`; `p[h * sh + j * sr + i + r]` inside `p`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn pv_rows<const G: usize, const R: usize, const L: usize>(
+    p: &[f32],
+    sh: usize,
+    sr: usize,
+    i: usize,
+    v: *const u16,
+    pf: [*const u16; R],
+    row: usize,
+    heads: usize,
+    hd: usize,
+    state: &mut [f32],
+    per: usize,
+) {
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let vecs = L / 8; // output vectors per query (even and odd halves of L / 16 blocks)
+    for h in 0..heads {
+        for f in pf {
+            if !f.is_null() {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(f.wrapping_add(h * hd + e));
+                }
+            }
+        }
+        let ph = &p[h * sh..(h + 1) * sh];
+        let o = state[h * per + G * hd..h * per + 2 * G * hd].as_mut_ptr();
+        let mut dc = 0;
+        while dc < hd {
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
+            for j in 0..G {
+                for x in 0..vecs {
+                    // SAFETY: j * hd + dc + L <= G * hd, the head's outputs.
+                    acc[j][x] = unsafe { _mm256_loadu_ps(o.add(j * hd + dc + 8 * x)) };
+                }
+            }
+            for r in 0..R {
+                let mut vv = [_mm256_setzero_ps(); 4];
+                for blk in 0..vecs / 2 {
+                    // SAFETY: row r's head h slice holds hd bf16 and dc + L <= hd.
+                    let raw = unsafe {
+                        _mm256_loadu_si256(
+                            v.add(r * row + h * hd + dc + 16 * blk).cast::<__m256i>(),
+                        )
+                    };
+                    vv[2 * blk] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+                    vv[2 * blk + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+                }
+                for j in 0..G {
+                    let pj = _mm256_set1_ps(ph[j * sr + i + r]);
+                    for x in 0..vecs {
+                        acc[j][x] = _mm256_fmadd_ps(pj, vv[x], acc[j][x]);
+                    }
+                }
+            }
+            for j in 0..G {
+                for x in 0..vecs {
+                    // SAFETY: as for the loads.
+                    unsafe { _mm256_storeu_ps(o.add(j * hd + dc + 8 * x), acc[j][x]) };
+                }
+            }
+            dc += L;
+        }
+    }
+}
