@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use simpler_dfx::diag::{self, load_joined};
-use simpler_dfx::{critical_path, deps, html, overhead, perfetto, reader, rings, swimlane, timing};
+use simpler_dfx::{
+    critical_path, deps, html, idle, overhead, perfetto, reader, rings, swimlane, timing,
+};
 
 /// Arguments of `simpler trace`.
 #[derive(Args, Debug)]
@@ -68,6 +70,19 @@ enum TraceCmd {
         /// The captured dependency graph (default: deps.json beside the swimlane, if present).
         #[arg(long)]
         deps: Option<PathBuf>,
+    },
+    /// Where the cores wait between kernels: each idle gap on a core is charged to the kernel
+    /// before and the kernel after it (phase barriers, serial steps, SPMD block claims).
+    Idle {
+        /// A run's output directory or its swimlane.json.
+        path: PathBuf,
+        /// The captured dependency graph, only for kernel names missing from the swimlane
+        /// (default: deps.json beside the swimlane, if present).
+        #[arg(long)]
+        deps: Option<PathBuf>,
+        /// Pairs to list, largest total first (0: all).
+        #[arg(long, default_value_t = 15)]
+        top: usize,
     },
     /// Static and observed critical path; compute and stalls add up to the makespan.
     CriticalPath {
@@ -168,6 +183,14 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             print!(
                 "{}",
                 overhead::report(&overhead::analyze(&j.swimlane, j.deps.as_ref())?)
+            );
+        }
+        TraceCmd::Idle { path, deps, top } => {
+            let j = load_joined(&path, deps.as_deref())?;
+            print_sources(&j);
+            print!(
+                "{}",
+                idle::report(&idle::analyze(&j.swimlane, j.deps.as_ref())?, top)
             );
         }
         TraceCmd::CriticalPath { path, deps } => {

@@ -73,6 +73,52 @@ fn run_qwen3_decode_checks_against_the_golden_and_reports() {
     }
 }
 
+#[test]
+fn trace_idle_and_swimlane_name_the_kernels_of_a_recorded_decode_step() {
+    let dir = tmp("idle");
+    let d = dir.to_str().unwrap();
+    let out = simpler(&[
+        "run",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq-len",
+        "40",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--membw-seconds",
+        "0.1",
+        "--no-check",
+        "--swimlane",
+        "1",
+        "--output-dir",
+        d,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = simpler(&["trace", "idle", d, "--top", "0"]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+    assert!(so.contains("% of the cores' time"), "{so}");
+    // Kernel names come from the swimlane file itself (no deps.json was captured).
+    for needle in [
+        "gemm_tile_bf16",
+        "attention_decode_bf16",
+        "run start -> ",
+        " -> run end",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+    let out = simpler(&["trace", "swimlane", d]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}");
+    assert!(so.contains("lm_head_tile_bf16"), "{so}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `simpler generate` on a model source; returns (stdout, logits file bytes).
 fn generate(source: &[&str], npy: &Path) -> (String, Vec<u8>) {
     let mut args = vec!["generate"];

@@ -380,6 +380,11 @@ fn collect_diagnostics(
         s.phases.sort_by_key(|r| (r.start, r.core));
         s.queue_depth.sort_by_key(|r| r.ts);
         s.submits = std::mem::take(&mut orch.diag.submits);
+        for r in &s.tasks {
+            if let Some(k) = run.registry.get(crate::kernel::KernelId(r.func)) {
+                s.kernels.entry(r.func).or_insert_with(|| k.name.clone());
+            }
+        }
         report.swimlane = Some(s);
     }
     if cfg.dep_gen {

@@ -194,6 +194,10 @@ pub struct SwimlaneRecords {
     pub submits: Vec<SubmitRecord>,
     /// Records that did not fit in the recorder's buffers and were dropped.
     pub dropped: u64,
+    /// Names of the kernels the records mention, by kernel id (absent in files written before
+    /// the field existed; readers then fall back to `deps.json` or the id).
+    #[serde(default)]
+    pub kernels: BTreeMap<u32, String>,
 }
 
 /// Scope kind, as recorded in the dependency graph.

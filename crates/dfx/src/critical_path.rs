@@ -101,7 +101,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
         makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
     let g = Graph::new(deps)?;
     let times = task_times(r);
-    let names = kernel_names(Some(deps));
+    let names = kernel_names(r, Some(deps));
     let busy = BusyProfile::new(r);
     let submit_end: HashMap<u64, u64> = r.submits.iter().map(|s| (s.task_id, s.end)).collect();
     let n = g.ids.len();

@@ -4,7 +4,7 @@
 //!   of several processes onto one wall-clock axis.
 //! * [`diag::write_run_diagnostics`] writes a run's `swimlane.json`, `deps.json` and
 //!   `ring_stats.json`; [`diag`] reads them back.
-//! * Analyses: [`timing`], [`swimlane`], [`deps`] (with [`html`]), [`overhead`],
+//! * Analyses: [`timing`], [`swimlane`], [`deps`] (with [`html`]), [`overhead`], [`idle`],
 //!   [`critical_path`], [`rings`]; [`perfetto`] writes Chrome Trace Event JSON.
 //! * [`bench_stats`]: statistics for `simpler bench`.
 //!
@@ -18,6 +18,7 @@ pub mod deps;
 pub mod diag;
 pub mod error;
 pub mod html;
+pub mod idle;
 pub mod overhead;
 pub mod perfetto;
 pub mod reader;

@@ -23,7 +23,7 @@ const CORE_TID: u64 = 10_000;
 pub struct KernelRow {
     /// Kernel id.
     pub func: u32,
-    /// Kernel name (from deps.json), `kernel <id>` or `dummy`.
+    /// Kernel name (from the swimlane file or deps.json), `kernel <id>` or `dummy`.
     pub name: String,
     /// Tasks that ran it.
     pub tasks: usize,
@@ -65,18 +65,24 @@ pub struct Arrows {
     pub violations: Vec<Violation>,
 }
 
-/// Kernel names from the deps graph.
-pub(crate) fn kernel_names(deps: Option<&DepGraph>) -> HashMap<u32, String> {
-    deps.map(|d| {
-        d.tasks
-            .iter()
-            .map(|t| (t.kernel, kernel_label(t.kernel, &t.kernel_name)))
-            .collect()
-    })
-    .unwrap_or_default()
+/// Kernel names: those the swimlane file carries, then any more from the deps graph.
+pub(crate) fn kernel_names(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> HashMap<u32, String> {
+    let mut names: HashMap<u32, String> = r
+        .kernels
+        .iter()
+        .map(|(&k, n)| (k, kernel_label(k, n)))
+        .collect();
+    if let Some(d) = deps {
+        for t in &d.tasks {
+            names
+                .entry(t.kernel)
+                .or_insert_with(|| kernel_label(t.kernel, &t.kernel_name));
+        }
+    }
+    names
 }
 
-fn name_of(names: &HashMap<u32, String>, func: u32) -> String {
+pub(crate) fn name_of(names: &HashMap<u32, String>, func: u32) -> String {
     names
         .get(&func)
         .cloned()
@@ -88,7 +94,7 @@ type KernelAcc = (BTreeSet<u64>, usize, f64, f64, f64, f64);
 
 /// The per-kernel table, largest share first.
 pub fn kernel_table(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Vec<KernelRow> {
-    let names = kernel_names(deps);
+    let names = kernel_names(r, deps);
     let sched = has_sched_times(r);
     let mut acc: BTreeMap<u32, KernelAcc> = BTreeMap::new();
     let mut total = 0.0;
@@ -175,7 +181,7 @@ fn origin(r: &SwimlaneRecords) -> u64 {
 pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrace {
     let t0 = origin(r);
     let rel = |t: u64| t.saturating_sub(t0);
-    let names = kernel_names(deps);
+    let names = kernel_names(r, deps);
     let mut out = PerfettoTrace::default();
     out.process_name(
         PID,

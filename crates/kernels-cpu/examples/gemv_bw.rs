@@ -1,7 +1,7 @@
 //! Standalone GEMV/GEMM benchmark: the Qwen3-0.6B projection shapes on 1 and 2 threads
 //! (disjoint row halves), achieved GB/s and GFLOP/s against the measured `membw` peaks.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --portable]`
+//! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --rows N --k K --portable]`
 
 use std::sync::Barrier;
 use std::time::Instant;
@@ -67,10 +67,17 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
         .skip_while(|a| a != "--k")
         .nth(1)
         .map(|s| s.parse().expect("--k"));
+    // `--rows N` caps every projection at N rows: small enough, the pass runs from cache and
+    // measures the kernel's arithmetic rate instead of the memory's.
+    let max_rows: Option<usize> = std::env::args()
+        .skip_while(|a| a != "--rows")
+        .nth(1)
+        .map(|s| s.parse().expect("--rows"));
     let mats: Vec<(usize, usize, Vec<bf16>)> = (0..layers)
         .flat_map(|_| SHAPES.iter())
         .filter(|s| only_k.is_none_or(|k| s.2 == k))
         .map(|&(_, n, k)| {
+            let n = max_rows.map_or(n, |m| n.min(m));
             let data = (0..n * k)
                 .map(|_| {
                     seed = seed
