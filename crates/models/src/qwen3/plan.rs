@@ -65,17 +65,36 @@ impl TilePolicy {
     /// KV chunks of each sequence for split-KV decode attention (one task per chunk covers
     /// every KV head). Chunks are about equally long across the whole batch — a sequence
     /// gets chunks in proportion to its length — so a ragged batch's attention phase does not
-    /// end waiting on its longest sequence.
+    /// end waiting on its longest sequence. With more chunks than cores, their count is cut
+    /// to a multiple of the core count (lengthening the shortest chunks) so the phase does not
+    /// end on a round where one chunk runs and the other cores wait: at batch 1 over 257
+    /// tokens, 4 chunks on 2 cores instead of 5.
     pub fn kv_chunks(&self, seq_lens: &[usize]) -> Vec<Vec<Range<usize>>> {
         let total: usize = seq_lens.iter().sum();
         let tasks = (self.attn_tasks_per_core * self.cores).max(1);
         let target = total.div_ceil(tasks).max(self.min_kv_chunk.max(1));
+        let mut counts: Vec<usize> = seq_lens
+            .iter()
+            .map(|&len| len.div_ceil(target).max(1))
+            .collect();
+        let cores = self.cores.max(1);
+        let mut excess = match counts.iter().sum::<usize>() {
+            n if n > cores => n % cores,
+            _ => 0,
+        };
+        while excess > 0 {
+            // The sequence whose chunks are shortest gives one up.
+            let shortest = (0..counts.len())
+                .filter(|&i| counts[i] > 1)
+                .min_by_key(|&i| (seq_lens[i] * 1024 / counts[i], i));
+            let Some(i) = shortest else { break };
+            counts[i] -= 1;
+            excess -= 1;
+        }
         seq_lens
             .iter()
-            .map(|&len| {
-                let c = len.div_ceil(target).max(1);
-                (0..c).map(|i| split_range(len, c, i)).collect()
-            })
+            .zip(counts)
+            .map(|(&len, c)| (0..c).map(|i| split_range(len, c, i)).collect())
             .collect()
     }
 }
@@ -229,5 +248,33 @@ mod tests {
         assert!(hi <= &(2 * lo), "{sizes:?}");
         // One short sequence at batch 1 still splits over every core.
         assert!(p.kv_chunks(&[256])[0].len() >= p.cores);
+    }
+
+    #[test]
+    fn kv_chunk_counts_are_a_multiple_of_the_cores_when_there_are_more_chunks_than_cores() {
+        for cores in [2, 3, 4, 16] {
+            let p = TilePolicy::for_cores(cores);
+            for lens in [
+                vec![257],
+                vec![1025; 4],
+                vec![3000, 10, 700],
+                vec![5; 3],
+                vec![64, 65, 1000, 4000, 17],
+            ] {
+                let chunks = p.kv_chunks(&lens);
+                let n: usize = chunks.iter().map(Vec::len).sum();
+                let singles = lens.len();
+                assert!(
+                    n <= cores || n.is_multiple_of(cores) || n == singles,
+                    "{cores} cores, lens {lens:?}: {n} chunks"
+                );
+                for (c, len) in chunks.iter().zip(&lens) {
+                    assert!(!c.is_empty());
+                    assert_eq!(c.iter().map(|r| r.len()).sum::<usize>(), *len);
+                    assert!(c.iter().all(|r| !r.is_empty()), "{c:?}");
+                }
+            }
+        }
+        assert_eq!(TilePolicy::for_cores(2).kv_chunks(&[257])[0].len(), 4);
     }
 }
