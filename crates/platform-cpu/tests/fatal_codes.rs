@@ -667,9 +667,32 @@ fn sleepy_predicate(_: &TaskCtx<'_>) -> bool {
     true
 }
 
+/// Set once the backstop test's orchestration has submitted B.
+static B_SUBMITTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 #[test]
 fn backstop_fires_when_nothing_progresses_without_a_proof() {
+    const UNTIL_B_SUBMITTED: KernelId = KernelId(8);
     let w = worker();
+    // A finishes only after B is submitted, so B becomes ready through A's completion on a
+    // core, and B's predicate blocks that core. Had A completed first, B would be ready at
+    // submit and the orchestrator itself would evaluate the predicate (once seen on a loaded
+    // CI machine: the run then just took 900 ms and succeeded).
+    w.register_kernel(KernelSpec::new(
+        UNTIL_B_SUBMITTED,
+        "until_b_submitted",
+        EngineClass::Vector,
+        |_| {
+            let t = Instant::now();
+            while !B_SUBMITTED.load(std::sync::atomic::Ordering::Acquire)
+                && t.elapsed() < Duration::from_secs(10)
+            {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            Ok(())
+        },
+    ))
+    .unwrap();
     // Window of 4 slots (3 in flight). A's completion makes B ready, and B's dispatch predicate
     // blocks the core for 900 ms: nothing completes and no kernel runs. The orchestrator then
     // waits on a head task (A) whose scope has ended — not a proof — and the backstop fires.
@@ -680,11 +703,12 @@ fn backstop_fires_when_nothing_progresses_without_a_proof() {
         "ring_task_window",
         |o, _| {
             let b = o.scope(ScopeKind::Auto, |o| {
-                let a = o.submit(Task::new(NOP))?.id;
-                Ok(
-                    o.submit(Task::new(NOP).after(a).predicate(sleepy_predicate))?
-                        .id,
-                )
+                let a = o.submit(Task::new(UNTIL_B_SUBMITTED))?.id;
+                let b = o
+                    .submit(Task::new(NOP).after(a).predicate(sleepy_predicate))?
+                    .id;
+                B_SUBMITTED.store(true, std::sync::atomic::Ordering::Release);
+                Ok(b)
             })?;
             o.scope(ScopeKind::Auto, |o| {
                 o.submit(Task::new(NOP).after(b))?;
