@@ -127,6 +127,32 @@ pub(crate) fn outside_kernels(r: &RunReport) -> Option<f64> {
     (denom > 0.0).then(|| 1.0 - busy as f64 / denom)
 }
 
+/// The three phase boundaries where the cores of a recorded step waited longest (what
+/// `simpler trace idle` lists), as one report line.
+fn largest_idle_boundaries(r: &RunReport) -> Option<String> {
+    let idle = simpler_dfx::idle::analyze(r.swimlane.as_ref()?, None).ok()?;
+    let top: Vec<String> = idle
+        .rows
+        .iter()
+        .take(3)
+        .map(|row| {
+            format!(
+                "{} -> {}{} {:.1}%",
+                row.before,
+                row.after,
+                if row.same_task { " (same task)" } else { "" },
+                100.0 * row.share
+            )
+        })
+        .collect();
+    (!top.is_empty()).then(|| {
+        format!(
+            "  largest idle boundaries of that step (% of the cores' time; `simpler trace idle` lists all): {}",
+            top.join(", ")
+        )
+    })
+}
+
 /// One shape's results.
 struct Row {
     shape: String,
@@ -193,12 +219,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 .or_else(|| Some(std::env::temp_dir())),
             ..cfg.clone()
         };
-        let mut outsides = Vec::new();
+        let mut recorded: Vec<(f64, RunReport)> = Vec::new();
         for _ in 0..args.outside_steps.max(1) {
             let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;
-            outsides.extend(outside_kernels(&sw.report));
+            if let Some(o) = outside_kernels(&sw.report) {
+                recorded.push((o, sw.report));
+            }
         }
-        outsides.sort_by(f64::total_cmp);
+        recorded.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let outsides: Vec<f64> = recorded.iter().map(|r| r.0).collect();
+        let median_step = recorded.get(recorded.len() / 2).map(|r| &r.1);
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
@@ -256,6 +286,9 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             100.0 * outside_lo,
             100.0 * outside_hi
         );
+        if let Some(line) = median_step.and_then(largest_idle_boundaries) {
+            println!("{line}");
+        }
         if args.trace_overhead {
             let path = std::env::temp_dir().join(format!(
                 "simpler-trace-overhead-{}.jsonl",

@@ -268,6 +268,48 @@ fn number_after(line: &str, key: &str) -> f64 {
 }
 
 #[test]
+fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--shapes",
+        "1x40,2x40",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--outside-steps",
+        "2",
+        "--membw-seconds",
+        "0.1",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    for needle in [
+        "batch 1 x 40 tokens",
+        "batch 2 x 40 tokens",
+        "% of membw",
+        "roofline bound",
+        "outside kernels",
+        "largest idle boundaries of that step",
+        "summary (medians):",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+    // The idle boundaries name kernels (the swimlane carries their names).
+    let idle = so.lines().find(|l| l.contains("largest idle")).unwrap();
+    assert!(idle.contains("_bf16") || idle.contains("_f32"), "{idle}");
+    let table: Vec<&str> = so
+        .lines()
+        .skip_while(|l| !l.starts_with("summary"))
+        .skip(2)
+        .collect();
+    assert_eq!(table.len(), 2, "{so}");
+}
+
+#[test]
 fn bench_qwen3_prefill_reports_rates_against_the_machine() {
     let out = simpler(&[
         "bench",

@@ -786,7 +786,10 @@ mod tests {
         // 3072 rows in 16-row units over 12 blocks: 9 full shares, then about 1/2, 1/4, 1/8.
         let lens: Vec<usize> = (0..12).map(|i| tapered_range(192, 12, i).len()).collect();
         assert_eq!(lens.iter().sum::<usize>(), 192);
-        assert!(lens[..9].iter().all(|&l| (19..=20).contains(&l)), "{lens:?}");
+        assert!(
+            lens[..9].iter().all(|&l| (19..=20).contains(&l)),
+            "{lens:?}"
+        );
         assert_eq!(&lens[9..], &[10, 5, 3], "{lens:?}");
         // Too few items for the geometric taper: half-size shares.
         let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
