@@ -93,17 +93,23 @@ pub struct Orchestrator {
     pub(crate) ring_waits: u64,
     /// Parks the orchestrator while it waits; `RunShared::orch_unparker` wakes it.
     pub(crate) parker: crossbeam_utils::sync::Parker,
-    /// Submits so far (for [`YIELD_EVERY`]).
+    /// Submits so far (for [`YIELD_CHECK`]).
     submits: u32,
+    /// When the orchestrator last yielded its CPU (ns since the process anchor).
+    last_yield: u64,
 }
 
-/// The orchestrator yields its CPU every this many submits. It shares the CPUs with the core
-/// threads (one per CPU by default), and a core woken onto the orchestrator's CPU otherwise
-/// waits for the orchestrator's time slice: at the start of a 0.6B decode step (~700 submits)
-/// one of two cores sat idle for 0.4–1.5 ms; with a yield every 32 submits, ~0.08 ms (the
-/// serial embedding and norm), and the step's idle share fell from 5.6–7.9% to 4.7–5.5%.
-/// Where no thread waits, a yield is a cheap system call (~20 per decode step).
-const YIELD_EVERY: u32 = 32;
+/// The orchestrator yields its CPU once this much time has passed since its last yield
+/// (checked every [`YIELD_CHECK`] submits). It shares the CPUs with the core threads (one per
+/// CPU by default), and a core woken onto the orchestrator's CPU otherwise waits for the
+/// orchestrator's time slice: at the start of a 0.6B decode step (~700 submits, ~1.5 ms) one of
+/// two cores sat idle for 0.4–1.5 ms; with these yields, 0.01–0.13 ms, and the step's idle share
+/// fell from 5.6–7.9% to 4.7–5.5%. Bounding the rate by time keeps the system calls off a fast
+/// orchestrator's path (empty tasks: a yield every 32 submits cost ~15% of the throughput; this
+/// rule, nothing measurable).
+const YIELD_INTERVAL_NS: u64 = 50_000;
+/// Submits between two looks at the clock for [`YIELD_INTERVAL_NS`].
+const YIELD_CHECK: u32 = 8;
 
 fn invalid(detail: String, hint: &str) -> RunError {
     RunError::new(ErrorCode::InvalidArgs, detail, hint)
@@ -124,6 +130,7 @@ impl Orchestrator {
         let first_local = cursors[0].next_local;
         Orchestrator {
             submits: 0,
+            last_yield: 0,
             run,
             cursors,
             scopes: vec![ScopeFrame {
@@ -322,8 +329,12 @@ impl Orchestrator {
         let t_submit = if self.run.swimlane >= 4 { now_ns() } else { 0 };
         self.check_fatal()?;
         self.submits = self.submits.wrapping_add(1);
-        if self.submits.is_multiple_of(YIELD_EVERY) {
-            std::thread::yield_now();
+        if self.submits.is_multiple_of(YIELD_CHECK) {
+            let now = now_ns();
+            if now.saturating_sub(self.last_yield) >= YIELD_INTERVAL_NS {
+                std::thread::yield_now();
+                self.last_yield = now_ns();
+            }
         }
         let (scope_seq, scope_kind, ring) = {
             let f = self.scopes.last().expect("implicit scope");
