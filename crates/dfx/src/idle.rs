@@ -3,8 +3,9 @@
 //! Every stretch of a core's time inside the makespan with no block running is charged to the
 //! pair of kernels around it: the kernel whose block the core last finished and the kernel of
 //! the block it ran next (the run's start and end stand in at the edges). Summed, the gaps are
-//! exactly `cores × makespan − busy`: the share of the cores' time spent outside kernels that
-//! `simpler bench qwen3-decode` reports, taken apart by phase boundary. A large
+//! exactly `cores × makespan − busy`: the cores' time spent outside kernels (what
+//! `simpler bench qwen3-decode` reports as a share of the run's effective interval, a little
+//! longer than the makespan), taken apart by phase boundary. A large
 //! `A → B` total usually means a barrier: the cores that finish `A` early wait for its last
 //! block and for whatever small serial step leads to `B`; an `A → A (same task)` total is the
 //! cost of claiming SPMD blocks.
