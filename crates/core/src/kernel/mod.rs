@@ -28,6 +28,12 @@ use crate::error::{KernelError, TensorError};
 use crate::task::{ArgTag, EngineClass, TaskId};
 use crate::tensor::Tensor;
 
+mod rows;
+mod shares;
+
+pub use rows::{Rows, RowsMut};
+use shares::tapered_range;
+
 /// A kernel's id, chosen by whoever registers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelId(pub u32);
@@ -464,7 +470,7 @@ impl<'a> TaskCtx<'a> {
     /// [`TaskCtx::block_range`]); shares of different blocks are disjoint.
     pub fn write_block_rows<T: Element>(&self, i: usize) -> Result<RowsMut<'_, T>, KernelError> {
         let (a, _, _) = self.typed::<T>(i)?;
-        let all = RowsMut::<T>::new(i, &a.tensor, None)?.n_rows;
+        let all = RowsMut::<T>::new(i, &a.tensor, None)?.len();
         let rows = RowsMut::new(i, &a.tensor, Some(self.block_range(all)))?;
         self.writable(i, a, "write_block_rows")?;
         Ok(rows)
@@ -484,10 +490,9 @@ impl<'a> TaskCtx<'a> {
         let (a, _, _) = self.typed::<T>(i)?;
         let mut rows = RowsMut::<T>::new(i, &a.tensor, None)?;
         let g = granule.max(1);
-        let width = rows.g.row_len;
+        let width = rows.view_row_len();
         let units = self.block_range_tapered(width.div_ceil(g));
-        rows.col0 = (units.start * g).min(width);
-        rows.ncols = (units.end * g).min(width) - rows.col0;
+        rows.set_cols((units.start * g).min(width)..(units.end * g).min(width));
         self.writable(i, a, "write_block_cols")?;
         Ok(rows)
     }
@@ -550,47 +555,6 @@ impl<'a> TaskCtx<'a> {
     }
 }
 
-/// Weight of a full-size block in the geometric taper; the tail's weights halve from here.
-const TAPER_FULL: usize = 8;
-
-/// Sum of the first `k` tail weights of the geometric taper: `F/2, F/4, .., 1, 1, ..`.
-fn geometric_tail(k: usize) -> usize {
-    let (mut sum, mut w, mut t) = (0, TAPER_FULL / 2, 0);
-    while t < k && w > 1 {
-        sum += w;
-        w /= 2;
-        t += 1;
-    }
-    sum + (k - t)
-}
-
-/// Share `i` of `n` items over `blocks` blocks, tapered so a task's last blocks are small:
-/// with 8 or more blocks, the last quarter's shares halve one after the other (1/2, 1/4, 1/8,
-/// then 1/8 of a full share) when there are enough items for every share to be non-empty;
-/// failing that, the last quarter's shares are half size (with at least two items per block);
-/// otherwise the shares are equal. With at least as many items as blocks, no share is empty.
-pub(crate) fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
-    let blocks = blocks.max(1);
-    let tail = if blocks >= 8 { blocks / 4 } else { 0 };
-    let full = blocks - tail;
-    let geometric = tail > 0 && n >= TAPER_FULL * full + geometric_tail(tail);
-    let halves = tail > 0 && !geometric && n >= 2 * blocks;
-    // Prefix of the weights before block `j`.
-    let before = |j: usize| {
-        let (head, k) = (j.min(full), j.saturating_sub(full));
-        if geometric {
-            TAPER_FULL * head + geometric_tail(k)
-        } else if halves {
-            2 * head + k
-        } else {
-            j
-        }
-    };
-    let total = before(blocks) as u128;
-    let at = |j: usize| (n as u128 * before(j) as u128 / total) as usize;
-    at(i.min(blocks))..at((i + 1).min(blocks))
-}
-
 /// `&mut [T]` over elements `lo..hi` of the array starting at address `start`.
 ///
 /// # Safety
@@ -602,230 +566,4 @@ unsafe fn slice_mut<'a, T: Element>(start: usize, lo: usize, hi: usize) -> &'a m
     }
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) }
-}
-
-/// Geometry of a view seen as rows (innermost stride 1, leading dimensions flattened).
-#[derive(Clone, Copy)]
-struct RowGeometry {
-    base: usize,
-    n_rows: usize,
-    row_len: usize,
-    ndim: usize,
-    shape: [u64; crate::tensor::MAX_DIMS],
-    strides: [u64; crate::tensor::MAX_DIMS],
-    offset: u64,
-}
-
-impl RowGeometry {
-    fn new(i: usize, t: &Tensor) -> Result<RowGeometry, KernelError> {
-        let n = t.ndim();
-        if t.strides()[n - 1] != 1 && t.shape()[n - 1] > 1 {
-            return Err(KernelError::new(format!(
-                "argument {i}: rows need an innermost stride of 1 (strides {:?}); use gather/scatter",
-                t.strides()
-            )));
-        }
-        let mut shape = [0; crate::tensor::MAX_DIMS];
-        let mut strides = [0; crate::tensor::MAX_DIMS];
-        shape[..n].copy_from_slice(t.shape());
-        strides[..n].copy_from_slice(t.strides());
-        Ok(RowGeometry {
-            base: t.addr,
-            n_rows: t.shape()[..n - 1].iter().product::<u64>() as usize,
-            row_len: t.shape()[n - 1] as usize,
-            ndim: n,
-            shape,
-            strides,
-            offset: t.offset,
-        })
-    }
-
-    /// Element offset (from the buffer start) of row `r`.
-    fn row_offset(&self, mut r: usize) -> usize {
-        let mut off = self.offset;
-        for d in (0..self.ndim - 1).rev() {
-            let n = self.shape[d] as usize;
-            off += (r % n) as u64 * self.strides[d];
-            r /= n;
-        }
-        off as usize
-    }
-}
-
-/// The rows of a readable view. `row(r)` is exactly the view's elements of row `r`.
-pub struct Rows<'a, T> {
-    g: RowGeometry,
-    _p: std::marker::PhantomData<&'a [T]>,
-}
-
-impl<'a, T: Element> Rows<'a, T> {
-    fn new(i: usize, t: &Tensor) -> Result<Rows<'a, T>, KernelError> {
-        Ok(Rows {
-            g: RowGeometry::new(i, t)?,
-            _p: std::marker::PhantomData,
-        })
-    }
-    /// Number of rows.
-    pub fn len(&self) -> usize {
-        self.g.n_rows
-    }
-    /// Whether there are no rows.
-    pub fn is_empty(&self) -> bool {
-        self.g.n_rows == 0
-    }
-    /// Elements per row.
-    pub fn row_len(&self) -> usize {
-        self.g.row_len
-    }
-    /// Row `r` (panics if `r >= len()`, like slice indexing).
-    pub fn row(&self, r: usize) -> &'a [T] {
-        assert!(r < self.g.n_rows, "row {r} of {}", self.g.n_rows);
-        let start = self.g.base + self.g.row_offset(r) * size_of::<T>();
-        // SAFETY: the row is `row_len` consecutive elements of the view (innermost stride 1),
-        // inside the buffer; read-only access to a region no task writes concurrently (program
-        // rule); aligned, valid for any bit pattern.
-        unsafe { std::slice::from_raw_parts(start as *const T, self.g.row_len) }
-    }
-    /// Iterates the rows.
-    pub fn iter(&self) -> impl Iterator<Item = &'a [T]> + '_ {
-        (0..self.g.n_rows).map(move |r| self.row(r))
-    }
-}
-
-/// Mutable rows of a written view (all of them, or one block's share of the rows or of the
-/// columns).
-pub struct RowsMut<'a, T> {
-    g: RowGeometry,
-    first: usize,
-    n_rows: usize,
-    /// First column of the share.
-    col0: usize,
-    /// Columns of the share.
-    ncols: usize,
-    _p: std::marker::PhantomData<&'a mut [T]>,
-}
-
-impl<'a, T: Element> RowsMut<'a, T> {
-    fn new(
-        i: usize,
-        t: &Tensor,
-        part: Option<Range<usize>>,
-    ) -> Result<RowsMut<'a, T>, KernelError> {
-        if !t.is_non_overlapping() {
-            return Err(KernelError::new(format!(
-                "argument {i}: the view's rows alias each other"
-            )));
-        }
-        let g = RowGeometry::new(i, t)?;
-        let r = part.unwrap_or(0..g.n_rows);
-        Ok(RowsMut {
-            g,
-            first: r.start,
-            n_rows: r.len(),
-            col0: 0,
-            ncols: g.row_len,
-            _p: std::marker::PhantomData,
-        })
-    }
-    /// Number of rows in this share.
-    pub fn len(&self) -> usize {
-        self.n_rows
-    }
-    /// Whether the share is empty.
-    pub fn is_empty(&self) -> bool {
-        self.n_rows == 0
-    }
-    /// Index (in the whole view) of this share's first row.
-    pub fn first_row(&self) -> usize {
-        self.first
-    }
-    /// Elements per row of this share (the view's row length unless the share is a column
-    /// range).
-    pub fn row_len(&self) -> usize {
-        self.ncols
-    }
-    /// Index (in the view's rows) of this share's first column.
-    pub fn first_col(&self) -> usize {
-        self.col0
-    }
-    /// Elements per row of the whole view.
-    pub fn view_row_len(&self) -> usize {
-        self.g.row_len
-    }
-    /// Row `r` of this share (panics if `r >= len()`).
-    pub fn row(&mut self, r: usize) -> &mut [T] {
-        assert!(r < self.n_rows, "row {r} of {}", self.n_rows);
-        let start = self.g.base + self.g.row_offset(self.first + r) * size_of::<T>();
-        // SAFETY: columns col0..col0+ncols (inside the row: set at creation) of one row of a
-        // non-overlapping view (checked at creation), inside the buffer, reached only through
-        // this `&mut self` borrow; other blocks hold disjoint shares (rows or columns) and other
-        // tasks do not touch the region (program rule).
-        unsafe { slice_mut(start, self.col0, self.col0 + self.ncols) }
-    }
-    /// Iterates the rows of this share (each a distinct `&mut` slice).
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut [T]> + '_ {
-        let g = self.g;
-        let (first, c0, c1) = (self.first, self.col0, self.col0 + self.ncols);
-        (0..self.n_rows).map(move |r| {
-            let start = g.base + g.row_offset(first + r) * size_of::<T>();
-            // SAFETY: as in `row`; rows of a non-overlapping view are pairwise disjoint, so the
-            // slices this iterator yields never alias each other, and they are tied to the
-            // `&mut self` borrow.
-            unsafe { slice_mut(start, c0, c1) }
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::tapered_range;
-    use proptest::prelude::*;
-
-    #[test]
-    fn geometric_taper_of_a_projection() {
-        // 3072 rows in 16-row units over 12 blocks: 9 full shares, then about 1/2, 1/4, 1/8.
-        let lens: Vec<usize> = (0..12).map(|i| tapered_range(192, 12, i).len()).collect();
-        assert_eq!(lens.iter().sum::<usize>(), 192);
-        assert!(
-            lens[..9].iter().all(|&l| (19..=20).contains(&l)),
-            "{lens:?}"
-        );
-        assert_eq!(&lens[9..], &[10, 5, 3], "{lens:?}");
-        // Too few items for the geometric taper: half-size shares.
-        let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
-        assert_eq!(lens, [2, 3, 3, 3, 3, 3, 1, 2], "{lens:?}");
-    }
-
-    proptest! {
-        #[test]
-        fn tapered_shares_cover_in_order_and_shrink_at_the_end(n in 0usize..5000, blocks in 1usize..300) {
-            let shares: Vec<_> = (0..blocks).map(|i| tapered_range(n, blocks, i)).collect();
-            prop_assert_eq!(shares[0].start, 0);
-            prop_assert_eq!(shares[blocks - 1].end, n);
-            for w in shares.windows(2) {
-                prop_assert_eq!(w[0].end, w[1].start);
-            }
-            if blocks <= n {
-                prop_assert!(shares.iter().all(|r| !r.is_empty()), "{shares:?}");
-            }
-            if blocks >= 8 && n >= 4 * blocks {
-                let first = shares[0].len();
-                let last = shares[blocks - 1].len();
-                prop_assert!(last < first, "{first} {last}");
-            }
-            if blocks >= 8 && n >= 8 * blocks {
-                // Geometric: the last share is at most a quarter of a full one (+ rounding).
-                let first = shares[0].len();
-                let last = shares[blocks - 1].len();
-                prop_assert!(4 * last <= first + 4, "{first} {last}");
-                for w in shares[blocks - blocks / 4 - 1..].windows(2) {
-                    prop_assert!(w[1].len() <= w[0].len() + 1, "{shares:?}");
-                }
-            }
-            if blocks < 8 || n < 2 * blocks {
-                let (lo, hi) = shares.iter().map(|r| r.len()).fold((usize::MAX, 0), |(a, b), l| (a.min(l), b.max(l)));
-                prop_assert!(hi - lo <= 1);
-            }
-        }
-    }
 }

@@ -1,0 +1,100 @@
+//! How an SPMD task's items are shared over its blocks: the tapered split behind
+//! [`TaskCtx::block_range_tapered`](super::TaskCtx::block_range_tapered) and
+//! [`TaskCtx::write_block_cols`](super::TaskCtx::write_block_cols).
+
+use std::ops::Range;
+
+/// Weight of a full-size block in the geometric taper; the tail's weights halve from here.
+const TAPER_FULL: usize = 8;
+
+/// Sum of the first `k` tail weights of the geometric taper: `F/2, F/4, .., 1, 1, ..`.
+fn geometric_tail(k: usize) -> usize {
+    let (mut sum, mut w, mut t) = (0, TAPER_FULL / 2, 0);
+    while t < k && w > 1 {
+        sum += w;
+        w /= 2;
+        t += 1;
+    }
+    sum + (k - t)
+}
+
+/// Share `i` of `n` items over `blocks` blocks, tapered so a task's last blocks are small:
+/// with 8 or more blocks, the last quarter's shares halve one after the other (1/2, 1/4, 1/8,
+/// then 1/8 of a full share) when there are enough items for every share to be non-empty;
+/// failing that, the last quarter's shares are half size (with at least two items per block);
+/// otherwise the shares are equal. With at least as many items as blocks, no share is empty.
+pub(crate) fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
+    let blocks = blocks.max(1);
+    let tail = if blocks >= 8 { blocks / 4 } else { 0 };
+    let full = blocks - tail;
+    let geometric = tail > 0 && n >= TAPER_FULL * full + geometric_tail(tail);
+    let halves = tail > 0 && !geometric && n >= 2 * blocks;
+    // Prefix of the weights before block `j`.
+    let before = |j: usize| {
+        let (head, k) = (j.min(full), j.saturating_sub(full));
+        if geometric {
+            TAPER_FULL * head + geometric_tail(k)
+        } else if halves {
+            2 * head + k
+        } else {
+            j
+        }
+    };
+    let total = before(blocks) as u128;
+    let at = |j: usize| (n as u128 * before(j) as u128 / total) as usize;
+    at(i.min(blocks))..at((i + 1).min(blocks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tapered_range;
+    use proptest::prelude::*;
+
+    #[test]
+    fn geometric_taper_of_a_projection() {
+        // 3072 rows in 16-row units over 12 blocks: 9 full shares, then about 1/2, 1/4, 1/8.
+        let lens: Vec<usize> = (0..12).map(|i| tapered_range(192, 12, i).len()).collect();
+        assert_eq!(lens.iter().sum::<usize>(), 192);
+        assert!(
+            lens[..9].iter().all(|&l| (19..=20).contains(&l)),
+            "{lens:?}"
+        );
+        assert_eq!(&lens[9..], &[10, 5, 3], "{lens:?}");
+        // Too few items for the geometric taper: half-size shares.
+        let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
+        assert_eq!(lens, [2, 3, 3, 3, 3, 3, 1, 2], "{lens:?}");
+    }
+
+    proptest! {
+        #[test]
+        fn tapered_shares_cover_in_order_and_shrink_at_the_end(n in 0usize..5000, blocks in 1usize..300) {
+            let shares: Vec<_> = (0..blocks).map(|i| tapered_range(n, blocks, i)).collect();
+            prop_assert_eq!(shares[0].start, 0);
+            prop_assert_eq!(shares[blocks - 1].end, n);
+            for w in shares.windows(2) {
+                prop_assert_eq!(w[0].end, w[1].start);
+            }
+            if blocks <= n {
+                prop_assert!(shares.iter().all(|r| !r.is_empty()), "{shares:?}");
+            }
+            if blocks >= 8 && n >= 4 * blocks {
+                let first = shares[0].len();
+                let last = shares[blocks - 1].len();
+                prop_assert!(last < first, "{first} {last}");
+            }
+            if blocks >= 8 && n >= 8 * blocks {
+                // Geometric: the last share is at most a quarter of a full one (+ rounding).
+                let first = shares[0].len();
+                let last = shares[blocks - 1].len();
+                prop_assert!(4 * last <= first + 4, "{first} {last}");
+                for w in shares[blocks - blocks / 4 - 1..].windows(2) {
+                    prop_assert!(w[1].len() <= w[0].len() + 1, "{shares:?}");
+                }
+            }
+            if blocks < 8 || n < 2 * blocks {
+                let (lo, hi) = shares.iter().map(|r| r.len()).fold((usize::MAX, 0), |(a, b), l| (a.min(l), b.max(l)));
+                prop_assert!(hi - lo <= 1);
+            }
+        }
+    }
+}
