@@ -15,6 +15,7 @@ mod exec;
 pub mod kernel;
 mod orch;
 mod orch_data;
+mod orch_validate;
 mod orch_wait;
 pub mod platform;
 pub mod report;
