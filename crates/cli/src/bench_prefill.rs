@@ -278,15 +278,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
     );
     println!("{}", format_peaks(&peaks));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
-    // The core only requires a directory when a diagnostic is on; nothing is written.
-    let sw_cfg = CallConfig {
-        swimlane: cfg.swimlane.max(1),
-        output_dir: cfg
-            .output_dir
-            .clone()
-            .or_else(|| Some(std::env::temp_dir())),
-        ..cfg.clone()
-    };
+    let sw_cfg = crate::bench_qwen3::swimlane_config(&cfg);
     let mut rows = Vec::new();
     for &len in &args.prompt_lens {
         let batch = PagedBatch::identity(vec![len], len, page);

@@ -119,6 +119,19 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((b, l))
 }
 
+/// `cfg` recording a swimlane (level 1 at least) for [`outside_kernels`]. The core only
+/// requires an output directory when a diagnostic is on; nothing is written to it.
+pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
+    CallConfig {
+        swimlane: cfg.swimlane.max(1),
+        output_dir: cfg
+            .output_dir
+            .clone()
+            .or_else(|| Some(std::env::temp_dir())),
+        ..cfg.clone()
+    }
+}
+
 /// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
 pub(crate) fn outside_kernels(r: &RunReport) -> Option<f64> {
     let sw = r.swimlane.as_ref()?;
@@ -135,15 +148,7 @@ fn largest_idle_boundaries(r: &RunReport) -> Option<String> {
         .rows
         .iter()
         .take(3)
-        .map(|row| {
-            format!(
-                "{} -> {}{} {:.1}%",
-                row.before,
-                row.after,
-                if row.same_task { " (same task)" } else { "" },
-                100.0 * row.share
-            )
-        })
+        .map(|row| format!("{} {:.1}%", row.pair(), 100.0 * row.share))
         .collect();
     (!top.is_empty()).then(|| {
         format!(
@@ -210,15 +215,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 last = Some(out.report);
             }
         }
-        // The core only requires a directory when a diagnostic is on; nothing is written.
-        let sw_cfg = CallConfig {
-            swimlane: cfg.swimlane.max(1),
-            output_dir: cfg
-                .output_dir
-                .clone()
-                .or_else(|| Some(std::env::temp_dir())),
-            ..cfg.clone()
-        };
+        let sw_cfg = swimlane_config(&cfg);
         let mut recorded: Vec<(f64, RunReport)> = Vec::new();
         for _ in 0..args.outside_steps.max(1) {
             let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;

@@ -252,6 +252,14 @@ fn bad_checkpoints_give_errors_naming_the_tensor_and_the_file() {
 }
 
 /// The number after `key` (the first whitespace-separated field after it) on `line`.
+/// The rows of a bench's `summary (medians):` table (after its header line).
+fn summary_rows(out: &str) -> Vec<&str> {
+    out.lines()
+        .skip_while(|l| !l.starts_with("summary"))
+        .skip(2)
+        .collect()
+}
+
 fn number_after(line: &str, key: &str) -> f64 {
     let rest = &line[line
         .find(key)
@@ -301,11 +309,7 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
     // The idle boundaries name kernels (the swimlane carries their names).
     let idle = so.lines().find(|l| l.contains("largest idle")).unwrap();
     assert!(idle.contains("_bf16") || idle.contains("_f32"), "{idle}");
-    let table: Vec<&str> = so
-        .lines()
-        .skip_while(|l| !l.starts_with("summary"))
-        .skip(2)
-        .collect();
+    let table = summary_rows(&so);
     assert_eq!(table.len(), 2, "{so}");
 }
 
@@ -346,11 +350,7 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
         assert!(so.contains(needle), "missing {needle:?} in\n{so}");
     }
     // The summary: one row per prompt length, every figure a positive number.
-    let table: Vec<&str> = so
-        .lines()
-        .skip_while(|l| !l.starts_with("summary"))
-        .skip(2)
-        .collect();
+    let table = summary_rows(&so);
     assert_eq!(table.len(), 2, "{so}");
     for (row, prompt) in table.iter().zip([8.0, 20.0]) {
         let v: Vec<f64> = row

@@ -54,6 +54,14 @@ pub struct IdleRow {
     pub max_ns: u64,
 }
 
+impl IdleRow {
+    /// `before -> after`, with ` (same task)` for consecutive blocks of one task.
+    pub fn pair(&self) -> String {
+        let same = if self.same_task { " (same task)" } else { "" };
+        format!("{} -> {}{same}", self.before, self.after)
+    }
+}
+
 /// The idle analysis of one swimlane.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Idle {
@@ -182,15 +190,10 @@ pub fn report(idle: &Idle, top: usize) -> String {
         top.min(idle.rows.len())
     };
     for r in &idle.rows[..shown] {
-        let pair = format!(
-            "{} -> {}{}",
-            r.before,
-            r.after,
-            if r.same_task { " (same task)" } else { "" }
-        );
         let _ = writeln!(
             out,
-            "{pair:<58} {:>6} {:>11} {:>6.2}% {:>9} {:>9} {:>9}",
+            "{:<58} {:>6} {:>11} {:>6.2}% {:>9} {:>9} {:>9}",
+            r.pair(),
             r.count,
             us(r.total_ns as f64),
             100.0 * r.share,
