@@ -120,6 +120,11 @@ fn qwen_like_shapes_full_and_split_k() {
         (37, 1024, 2),
         (48, 3072, 3),
         (40, 512, 4),
+        // The batch 4-7 assembly pass: a 16-element tail after the pairs, row tails after
+        // whole 12-row groups, and batch rows beyond the first four.
+        (29, 784, 5),
+        (26, 1040, 7),
+        (13, 1024, 6),
         (30, 256, 16),
         (7, 2048, 9),
         // Prefill-like: several batch blocks of the wide path, a partial last one.
@@ -156,7 +161,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
     #[test]
     fn random_tiles_match_reference(
-        n in 1usize..24, k in 1usize..200, batch in prop_oneof![1usize..20, 40usize..110],
+        n in 1usize..30, k in prop_oneof![1usize..200, 200usize..700], batch in prop_oneof![1usize..20, 40usize..110],
         n_cut in 0.0f64..1.0, n_len in 0.0f64..1.0, k_cut in 0.0f64..1.0, k_len in 0.0f64..1.0,
         add in any::<bool>(), scaled in any::<bool>(), seed in any::<u64>(),
     ) {

@@ -1,32 +1,37 @@
 //! AVX2+FMA GEMM path: bf16 widened in registers by an even/odd split (shift left 16 / mask
-//! the high half) against packed activations, `R` weight rows × `BB` batch rows per pass (rows
-//! `ROW_STRIDE` apart when bandwidth-bound),
-//! software prefetch that runs ahead of each row stream and on into the next row group.
+//! the high half) against packed activations, with software prefetch that runs ahead of each
+//! row stream and on into the next row group.
+//!
+//! - Batch 1–3 (bandwidth-bound): `4` weight rows × the whole batch per pass.
+//! - Batch 4 and up (FMA-bound): the assembly pass of [`quad`], `3` weight rows × `4` batch
+//!   rows, once per group of four batch rows while the three rows sit in L1; batch rows left
+//!   over (`batch % 4`) take a `3 × (batch % 4)` pass. Activations are taken in blocks that
+//!   fit in L2, so a prefill's many rows re-stream the weights once per block.
+//!
+//! The concurrent row streams of a pass are `ROW_STRIDE` rows apart.
 
 use std::arch::x86_64::*;
 
 use super::{Lowered, edge_sum, finish};
 use crate::simd::hsum256;
 
-mod wide;
+mod quad;
 
 /// Prefetch distance along a row, in bf16 elements (512 B).
 const PF_ELEMS: usize = 256;
 
-/// Rows between the concurrent row streams of a bandwidth-bound pass.
+/// Rows between the concurrent row streams of a pass: passes over `n0 + h + ROW_STRIDE * r`
+/// for `h in 0..ROW_STRIDE` cover `ROW_STRIDE * R` consecutive rows. Streams of adjacent rows
+/// ran ~25% slower on two cores of the development machine (`06-performance.md`: streams
+/// ~4 KB apart).
 const ROW_STRIDE: usize = 4;
-/// Smallest batch taken by the widened-scratch path.
-const WIDE_MIN_BATCH: usize = 8;
 
-/// Rows and batch rows per pass for a batch of `batch` rows.
-fn plan(batch: usize) -> (usize, usize) {
-    match batch {
-        1 => (4, 1),
-        2 => (4, 2),
-        3 => (4, 3),
-        _ => (4, 2),
-    }
-}
+/// Bytes of packed activations one batch block may hold (half of a 512 KiB L2, leaving room
+/// for the weight streams).
+const ACT_BLOCK_BYTES: usize = 256 * 1024;
+
+/// Weight rows per pass of the bandwidth-bound batches (1–3).
+const NARROW_ROWS: usize = 4;
 
 /// Computes the tile described by `lw` into `out`.
 ///
@@ -35,48 +40,143 @@ fn plan(batch: usize) -> (usize, usize) {
 /// `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let mut n0 = lw.n.start;
-    if lw.batch >= WIDE_MIN_BATCH {
-        // SAFETY: forwarded contract.
-        n0 = unsafe { wide::gemm_wide(lw, out, ld_out) };
-    }
-    let (r_main, bb_main) = plan(lw.batch);
-    // Bandwidth-bound batches: the R concurrent row streams of a pass are ROW_STRIDE rows
-    // apart (passes over n0 + h + ROW_STRIDE * r for h in 0..ROW_STRIDE cover
-    // ROW_STRIDE * R consecutive rows); streams of adjacent rows ran ~25% slower on two cores
-    // of the development machine (`06-performance.md`: streams ~4 KB apart).
     let rs = ROW_STRIDE;
-    if lw.batch < WIDE_MIN_BATCH {
+    let (r_main, mut n0) = if lw.batch < quad::QB {
+        (NARROW_ROWS, lw.n.start)
+    } else {
+        // SAFETY: forwarded contract.
+        (quad::QR, unsafe { gemm_quad(lw, out, ld_out) })
+    };
+    if lw.batch < quad::QB {
         while n0 + rs * r_main <= lw.n.end {
             for h in 0..rs {
-                let next = if h + 1 < rs {
-                    1
-                } else {
-                    rs * r_main - (rs - 1)
-                };
-                let mut b0 = 0;
-                while b0 < lw.batch {
-                    let bb = bb_main.min(lw.batch - b0);
-                    // SAFETY: rows n0 + h + rs * r (r < R) lie inside the tile (loop
-                    // bound), and the caller's contract covers the rest.
-                    unsafe { block_dyn(lw, n0 + h, r_main, b0, bb, out, ld_out, rs, next) };
-                    b0 += bb;
-                }
+                let next = next_stream(h, r_main);
+                // SAFETY: rows n0 + h + rs * r (r < R) lie inside the tile (loop bound), the
+                // batch rows inside the batch, and the caller's contract covers the rest.
+                unsafe { block_dyn(lw, n0 + h, r_main, 0, lw.batch, out, ld_out, rs, next) };
             }
             n0 += rs * r_main;
         }
     }
+    // The last rows (fewer than a row group), adjacent, `r_main` at a time.
     while n0 < lw.n.end {
         let r = r_main.min(lw.n.end - n0);
         let mut b0 = 0;
         while b0 < lw.batch {
-            let bb = bb_main.min(lw.batch - b0);
+            let bb = quad::QB.min(lw.batch - b0);
             // SAFETY: rows n0..n0+r and batch rows b0..b0+bb lie inside the tile (loop
             // bounds), and the caller's contract covers the rest.
             unsafe { block_dyn(lw, n0, r, b0, bb, out, ld_out, 1, r) };
             b0 += bb;
         }
         n0 += r;
+    }
+}
+
+/// Rows from a pass's first row to the same stream of the next pass, for pass `h` of a
+/// `ROW_STRIDE × r` row group (the next group starts `ROW_STRIDE * r` rows on).
+fn next_stream(h: usize, r: usize) -> usize {
+    if h + 1 < ROW_STRIDE {
+        1
+    } else {
+        ROW_STRIDE * r - (ROW_STRIDE - 1)
+    }
+}
+
+/// The whole `ROW_STRIDE * QR`-row groups of the tile for a batch of 4 or more, batch block by
+/// batch block; returns the first row not done.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw.batch >= QB`; `lw` checked by `gemm_dispatch`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
+    let rs = ROW_STRIDE;
+    let group = rs * quad::QR;
+    let groups_end = lw.n.start + (lw.n.end - lw.n.start) / group * group;
+    let quads_end = lw.batch / quad::QB * quad::QB;
+    let block = (ACT_BLOCK_BYTES / (lw.ldx * 4) / quad::QB * quad::QB).max(quad::QB);
+    let mut bo = 0;
+    while bo < quads_end {
+        let bend = (bo + block).min(quads_end);
+        let mut n0 = lw.n.start;
+        while n0 < groups_end {
+            for h in 0..rs {
+                let next = next_stream(h, quad::QR);
+                for b0 in (bo..bend).step_by(quad::QB) {
+                    // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
+                    // (n0 < groups_end), batch rows b0..b0+QB inside the batch
+                    // (b0 + QB <= quads_end); the caller's contract covers the rest.
+                    unsafe { quad_block(lw, n0 + h, rs, next, b0, out, ld_out) };
+                }
+                let rest = lw.batch - quads_end;
+                if bend == quads_end && rest > 0 {
+                    // SAFETY: as above, for the batch rows quads_end..batch.
+                    unsafe {
+                        block_dyn(lw, n0 + h, quad::QR, quads_end, rest, out, ld_out, rs, next)
+                    };
+                }
+            }
+            n0 += group;
+        }
+        bo = bend;
+    }
+    groups_end
+}
+
+/// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `0..QB` in one pass of the
+/// assembly loop; prefetches past a row's end continue `next` rows on.
+///
+/// # Safety
+/// AVX2 and FMA available; `n0 + rstride * (QR - 1) < lw.n.end`, `QB <= lw.batch`; `lw`
+/// checked by `gemm_dispatch`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quad_block(
+    lw: &Lowered<'_>,
+    n0: usize,
+    rstride: usize,
+    next: usize,
+    b0: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let ldw = lw.ldw;
+    let klen = lw.kb1 - lw.kb0;
+    let w: [&[u16]; quad::QR] = std::array::from_fn(|r| {
+        let row = (n0 + r * rstride) * ldw;
+        &lw.w[row + lw.kb0..row + lw.kb1]
+    });
+    let x: [&[f32]; quad::QB] = std::array::from_fn(|b| {
+        let at = (b0 + b) * lw.ldx;
+        &lw.x[at + lw.kb0..at + lw.kb1]
+    });
+    let mut acc = [_mm256_setzero_ps(); quad::QR * quad::QB];
+    // Two runs: prefetches PF_ELEMS ahead in the same rows while that stays inside them, then
+    // on into the same streams of the next pass (`next` rows on).
+    let split = klen.saturating_sub(PF_ELEMS) / 32 * 32;
+    let wrap = (next * ldw).wrapping_sub(klen);
+    for (end, pf_shift) in [(split, 0), (klen, wrap)] {
+        let start = if end == split { 0 } else { split };
+        let run = quad::Run {
+            w: w.map(|row| row[..end].as_ptr_range().end),
+            pf: w.map(|row| {
+                row.as_ptr()
+                    .wrapping_add(end + PF_ELEMS)
+                    .wrapping_add(pf_shift)
+            }),
+            x: x.map(|row| row[..end].as_ptr_range().end),
+            len: end - start,
+        };
+        // SAFETY: the `len` elements before each stream end are `row[start..end]`, inside the
+        // slices above; `len` is a multiple of 16 (klen is, and `split` of 32); AVX2/FMA by
+        // this function's contract.
+        unsafe { quad::accumulate(&mut acc, &run) };
+    }
+    for r in 0..quad::QR {
+        for b in 0..quad::QB {
+            let n = n0 + r * rstride;
+            let sum = hsum256(acc[r * quad::QB + b]) + edge_sum(lw, n, b0 + b);
+            finish(lw, out, ld_out, n, b0 + b, sum);
+        }
     }
 }
 
