@@ -83,28 +83,29 @@ fn next_stream(h: usize, r: usize) -> usize {
     }
 }
 
-/// The whole `ROW_STRIDE * QR`-row groups of the tile for a batch of 4 or more, batch block by
-/// batch block; returns the first row not done.
+/// The tile's rows in groups of `QR` streams (up to `ROW_STRIDE` rows apart, closer for the
+/// last rows so that fewer than `QR` are left over) for a batch of 4 or more, batch block by
+/// batch block; returns the first row not done (fewer than `QR` remain after it).
 ///
 /// # Safety
 /// AVX2 and FMA available; `lw.batch >= QB`; `lw` checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
-    let rs = ROW_STRIDE;
-    let group = rs * quad::QR;
-    let groups_end = lw.n.start + (lw.n.end - lw.n.start) / group * group;
     let quads_end = lw.batch / quad::QB * quad::QB;
     let block = (ACT_BLOCK_BYTES / (lw.ldx * 4) / quad::QB * quad::QB).max(quad::QB);
     let mut bo = 0;
+    let mut n0 = lw.n.start;
     while bo < quads_end {
         let bend = (bo + block).min(quads_end);
-        let mut n0 = lw.n.start;
-        while n0 < groups_end {
+        n0 = lw.n.start;
+        while n0 + quad::QR <= lw.n.end {
+            let rs = ((lw.n.end - n0) / quad::QR).min(ROW_STRIDE);
+            let group = rs * quad::QR;
             for h in 0..rs {
-                let next = next_stream(h, quad::QR);
+                let next = if h + 1 < rs { 1 } else { group - (rs - 1) };
                 for b0 in (bo..bend).step_by(quad::QB) {
                     // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
-                    // (n0 < groups_end), batch rows b0..b0+QB inside the batch
+                    // (n0 + rs * QR <= n.end), batch rows b0..b0+QB inside the batch
                     // (b0 + QB <= quads_end); the caller's contract covers the rest.
                     unsafe { quad_block(lw, n0 + h, rs, next, b0, out, ld_out) };
                 }
@@ -120,7 +121,7 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
         }
         bo = bend;
     }
-    groups_end
+    n0
 }
 
 /// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `0..QB` in one pass of the
