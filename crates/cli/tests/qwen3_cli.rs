@@ -300,9 +300,10 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
         "batch 2 x 40 tokens",
         "% of membw",
         "roofline bound",
+        "quietest step",
         "outside kernels",
         "largest idle boundaries of that step",
-        "summary (medians):",
+        "summary (medians",
     ] {
         assert!(so.contains(needle), "missing {needle:?} in\n{so}");
     }
