@@ -50,7 +50,7 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     if lw.batch < quad::QB {
         while n0 + rs * r_main <= lw.n.end {
             for h in 0..rs {
-                let next = next_stream(h, r_main);
+                let next = next_stream(h, rs, r_main);
                 // SAFETY: rows n0 + h + rs * r (r < R) lie inside the tile (loop bound), the
                 // batch rows inside the batch, and the caller's contract covers the rest.
                 unsafe { block_dyn(lw, n0 + h, r_main, 0, lw.batch, out, ld_out, rs, next) };
@@ -74,13 +74,9 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
 }
 
 /// Rows from a pass's first row to the same stream of the next pass, for pass `h` of a
-/// `ROW_STRIDE × r` row group (the next group starts `ROW_STRIDE * r` rows on).
-fn next_stream(h: usize, r: usize) -> usize {
-    if h + 1 < ROW_STRIDE {
-        1
-    } else {
-        ROW_STRIDE * r - (ROW_STRIDE - 1)
-    }
+/// group of `r` streams `rs` rows apart (the next group starts `rs * r` rows on).
+fn next_stream(h: usize, rs: usize, r: usize) -> usize {
+    if h + 1 < rs { 1 } else { rs * r - (rs - 1) }
 }
 
 /// The tile's rows in groups of `QR` streams (up to `ROW_STRIDE` rows apart, closer for the
@@ -100,9 +96,8 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
         n0 = lw.n.start;
         while n0 + quad::QR <= lw.n.end {
             let rs = ((lw.n.end - n0) / quad::QR).min(ROW_STRIDE);
-            let group = rs * quad::QR;
             for h in 0..rs {
-                let next = if h + 1 < rs { 1 } else { group - (rs - 1) };
+                let next = next_stream(h, rs, quad::QR);
                 for b0 in (bo..bend).step_by(quad::QB) {
                     // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
                     // (n0 + rs * QR <= n.end), batch rows b0..b0+QB inside the batch
@@ -117,18 +112,18 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
                     };
                 }
             }
-            n0 += group;
+            n0 += rs * quad::QR;
         }
         bo = bend;
     }
     n0
 }
 
-/// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `0..QB` in one pass of the
-/// assembly loop; prefetches past a row's end continue `next` rows on.
+/// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `b0..b0 + QB` in one pass of
+/// the assembly loop; prefetches past a row's end continue `next` rows on.
 ///
 /// # Safety
-/// AVX2 and FMA available; `n0 + rstride * (QR - 1) < lw.n.end`, `QB <= lw.batch`; `lw`
+/// AVX2 and FMA available; `n0 + rstride * (QR - 1) < lw.n.end`, `b0 + QB <= lw.batch`; `lw`
 /// checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quad_block(
