@@ -145,69 +145,56 @@ pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run) {
         mut a10,
         mut a11,
     ] = *acc;
-    let pairs = run.len / 32;
-    if pairs > 0 {
-        // Counts up from -(elements) to 0 so one register indexes every stream and the loop
-        // ends on the flags of its own increment.
-        let k = -((pairs * 32) as isize);
-        let tail = run.len - pairs * 32;
-        // SAFETY: every load is at `p + k*scale + d` for a stream end `p`, with the element
-        // offset `k + d/scale` in `[-pairs*32 - tail, -tail)` (the run's first `pairs*32`
-        // elements, since the stream pointers are moved back by `tail` below), readable by
-        // the contract. Prefetches may point anywhere. Only ymm0–15 and `k` are written, all
-        // declared; no stack, no memory writes.
-        unsafe {
-            asm!(
-                "2:",
-                "prefetcht0 [{p0} + {k}*2]",
-                "prefetcht0 [{p1} + {k}*2]",
-                "prefetcht0 [{p2} + {k}*2]",
-                step16!("0", "0"),
-                step16!("32", "64"),
-                "add {k}, 32",
-                "jnz 2b",
-                k = inout(reg) k => _,
-                w0 = in(reg) run.w[0].wrapping_sub(tail),
-                w1 = in(reg) run.w[1].wrapping_sub(tail),
-                w2 = in(reg) run.w[2].wrapping_sub(tail),
-                p0 = in(reg) run.pf[0].wrapping_sub(tail),
-                p1 = in(reg) run.pf[1].wrapping_sub(tail),
-                p2 = in(reg) run.pf[2].wrapping_sub(tail),
-                x0 = in(reg) run.x[0].wrapping_sub(tail),
-                x1 = in(reg) run.x[1].wrapping_sub(tail),
-                x2 = in(reg) run.x[2].wrapping_sub(tail),
-                x3 = in(reg) run.x[3].wrapping_sub(tail),
-                mask = sym ODD_MASK,
-                inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
-                inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
-                inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
-                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack, readonly),
-            );
-        }
+    if run.len == 0 {
+        return;
     }
-    if run.len % 32 == 16 {
-        // SAFETY: the last 16 elements before each stream end are readable (contract); the
-        // step reads exactly those (`k = -16`). Registers as above.
-        unsafe {
-            asm!(
-                step16!("0", "0"),
-                k = in(reg) -16isize,
-                w0 = in(reg) run.w[0],
-                w1 = in(reg) run.w[1],
-                w2 = in(reg) run.w[2],
-                x0 = in(reg) run.x[0],
-                x1 = in(reg) run.x[1],
-                x2 = in(reg) run.x[2],
-                x3 = in(reg) run.x[3],
-                mask = sym ODD_MASK,
-                inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
-                inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
-                inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
-                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack, readonly),
-            );
-        }
+    // The loop covers the run's first `pairs * 32` elements, counting up from -(elements) to
+    // 0 so one register indexes every stream and the loop ends on the flags of its own
+    // increment; a 16-element tail then runs as one more step at `k = 0`. Both address the
+    // streams through pointers moved back by the tail.
+    let pairs = run.len / 32;
+    let tail = run.len - pairs * 32;
+    // SAFETY: every load is at `p + k*scale + d` for a stream end `p` moved back by `tail`,
+    // with the element offset `k + d/scale` in `[-pairs*32, 0)` in the loop and `[0, tail)`
+    // in the tail step, relative to `end - tail`: inside the `len` elements before the stream
+    // end, readable by the contract. Prefetches may point anywhere. Only ymm0–15 and `k` are
+    // written, all declared; no stack, no memory writes.
+    unsafe {
+        asm!(
+            "test {k}, {k}",
+            "jz 3f",
+            "2:",
+            "prefetcht0 [{p0} + {k}*2]",
+            "prefetcht0 [{p1} + {k}*2]",
+            "prefetcht0 [{p2} + {k}*2]",
+            step16!("0", "0"),
+            step16!("32", "64"),
+            "add {k}, 32",
+            "jnz 2b",
+            "3:",
+            "test {tail}, {tail}",
+            "jz 4f",
+            step16!("0", "0"),
+            "4:",
+            k = inout(reg) -((pairs * 32) as isize) => _,
+            tail = in(reg) tail,
+            w0 = in(reg) run.w[0].wrapping_sub(tail),
+            w1 = in(reg) run.w[1].wrapping_sub(tail),
+            w2 = in(reg) run.w[2].wrapping_sub(tail),
+            p0 = in(reg) run.pf[0].wrapping_sub(tail),
+            p1 = in(reg) run.pf[1].wrapping_sub(tail),
+            p2 = in(reg) run.pf[2].wrapping_sub(tail),
+            x0 = in(reg) run.x[0].wrapping_sub(tail),
+            x1 = in(reg) run.x[1].wrapping_sub(tail),
+            x2 = in(reg) run.x[2].wrapping_sub(tail),
+            x3 = in(reg) run.x[3].wrapping_sub(tail),
+            mask = sym ODD_MASK,
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+            inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+            options(nostack, readonly),
+        );
     }
     *acc = [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11];
 }
