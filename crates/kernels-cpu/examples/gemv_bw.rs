@@ -1,7 +1,10 @@
 //! Standalone GEMV/GEMM benchmark: the Qwen3-0.6B projection shapes on 1 and 2 threads
 //! (disjoint row halves), achieved GB/s and GFLOP/s against the measured `membw` peaks.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --rows N --k K --portable]`
+//! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --rows N --k K --shape N,K --portable]`
+//!
+//! `--shape N,K` replaces the 0.6B shapes by one `N × K` matrix (per layer), e.g. a 14B
+//! projection: `--shape 96,17408 --layers 1 --reps 30` times one tile from cache.
 
 use std::sync::Barrier;
 use std::time::Instant;
@@ -73,8 +76,20 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
         .skip_while(|a| a != "--rows")
         .nth(1)
         .map(|s| s.parse().expect("--rows"));
+    let custom: Option<(&str, usize, usize)> = std::env::args()
+        .skip_while(|a| a != "--shape")
+        .nth(1)
+        .map(|s| {
+            let (n, k) = s.split_once(',').expect("--shape N,K");
+            (
+                "custom",
+                n.parse().expect("--shape N"),
+                k.parse().expect("--shape K"),
+            )
+        });
+    let shapes: Vec<(&str, usize, usize)> = custom.map_or(SHAPES.to_vec(), |c| vec![c]);
     let mats: Vec<(usize, usize, Vec<bf16>)> = (0..layers)
-        .flat_map(|_| SHAPES.iter())
+        .flat_map(|_| shapes.iter())
         .filter(|s| only_k.is_none_or(|k| s.2 == k))
         .map(|&(_, n, k)| {
             let n = max_rows.map_or(n, |m| n.min(m));
@@ -97,12 +112,15 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
         weight_bytes as f64 / 1e6
     );
     for &batch in batches {
-        let kmax = SHAPES.iter().map(|s| s.2).max().unwrap_or(1);
+        let kmax = shapes.iter().map(|s| s.2).max().unwrap_or(1);
         let x: Vec<bf16> = (0..batch * kmax)
             .map(|i| bf16::from_f32((i % 97) as f32 / 97.0 - 0.5))
             .collect();
         // One packed activation per K used.
-        let packed: Vec<(usize, Vec<f32>)> = [1024usize, 2048, 3072]
+        let mut ks: Vec<usize> = shapes.iter().map(|s| s.2).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let packed: Vec<(usize, Vec<f32>)> = ks
             .iter()
             .map(|&k| {
                 let mut p = vec![0.0f32; packed_len(batch, k)];
