@@ -285,6 +285,12 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             "  quietest step {:.2} ms = {best_roofline_pct:.1}% of the roofline bound (both best-case: the fastest of the {} steps against the best bandwidth pass)",
             s.min, s.n
         );
+        if let Some(warning) = host_noise_warning(
+            s.median / s.min,
+            peaks.read_gbs_all / peaks.read_gbs_all_median,
+        ) {
+            println!("  {warning}");
+        }
         println!(
             "  outside kernels {:.1}% of the cores' time during the makespan (median of {} steps at swimlane level 1, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective))",
             100.0 * outside,
@@ -373,4 +379,39 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Spread above which a measurement is called noisy: the median more than this factor off the
+/// best sample.
+const NOISY_SPREAD: f64 = 1.15;
+
+/// A warning when the host's load moved the run: the median step over `step_spread` × the
+/// fastest, or the median bandwidth pass below the best by `bw_spread`. Ratios against the
+/// machine then mostly measure the neighbours; the quietest-step ratio is the steadier one.
+fn host_noise_warning(step_spread: f64, bw_spread: f64) -> Option<String> {
+    (step_spread > NOISY_SPREAD || bw_spread > NOISY_SPREAD).then(|| {
+        format!(
+            "host noise: median step {:.0}% over the fastest, median bandwidth pass {:.0}% under the best; \
+             the median ratios above mostly measure other load on this machine (prefer the quietest-step ratio, or rerun when it is quiet)",
+            100.0 * (step_spread - 1.0),
+            100.0 * (1.0 - 1.0 / bw_spread),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_noise_warning;
+
+    #[test]
+    fn noise_warning_only_past_the_spread() {
+        assert_eq!(host_noise_warning(1.05, 1.10), None);
+        let w = host_noise_warning(1.30, 1.0).expect("step spread");
+        assert!(w.contains("median step 30% over the fastest"), "{w}");
+        let w = host_noise_warning(1.0, 1.25).expect("bandwidth spread");
+        assert!(
+            w.contains("median bandwidth pass 20% under the best"),
+            "{w}"
+        );
+    }
 }
