@@ -286,8 +286,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             s.min, s.n
         );
         if let Some(warning) = host_noise_warning(
-            s.median / s.min,
-            peaks.read_gbs_all / peaks.read_gbs_all_median,
+            s.median / s.min - 1.0,
+            1.0 - peaks.read_gbs_all_median / peaks.read_gbs_all,
         ) {
             println!("  {warning}");
         }
@@ -381,20 +381,21 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Spread above which a measurement is called noisy: the median more than this factor off the
-/// best sample.
-const NOISY_SPREAD: f64 = 1.15;
+/// How far a median may sit from the best sample (as a fraction) before the run is called
+/// noisy.
+const NOISY_SPREAD: f64 = 0.15;
 
-/// A warning when the host's load moved the run: the median step over `step_spread` × the
-/// fastest, or the median bandwidth pass below the best by `bw_spread`. Ratios against the
-/// machine then mostly measure the neighbours; the quietest-step ratio is the steadier one.
-fn host_noise_warning(step_spread: f64, bw_spread: f64) -> Option<String> {
-    (step_spread > NOISY_SPREAD || bw_spread > NOISY_SPREAD).then(|| {
+/// A warning when the host's load moved the run: the median step more than `NOISY_SPREAD`
+/// over the fastest (`step_over`), or the median bandwidth pass more than that under the best
+/// (`bw_under`). Ratios against the machine then mostly measure the neighbours; the
+/// quietest-step ratio is the steadier one.
+fn host_noise_warning(step_over: f64, bw_under: f64) -> Option<String> {
+    (step_over > NOISY_SPREAD || bw_under > NOISY_SPREAD).then(|| {
         format!(
             "host noise: median step {:.0}% over the fastest, median bandwidth pass {:.0}% under the best; \
              the median ratios above mostly measure other load on this machine (prefer the quietest-step ratio, or rerun when it is quiet)",
-            100.0 * (step_spread - 1.0),
-            100.0 * (1.0 - 1.0 / bw_spread),
+            100.0 * step_over,
+            100.0 * bw_under,
         )
     })
 }
@@ -405,10 +406,10 @@ mod tests {
 
     #[test]
     fn noise_warning_only_past_the_spread() {
-        assert_eq!(host_noise_warning(1.05, 1.10), None);
-        let w = host_noise_warning(1.30, 1.0).expect("step spread");
+        assert_eq!(host_noise_warning(0.05, 0.14), None);
+        let w = host_noise_warning(0.30, 0.0).expect("step spread");
         assert!(w.contains("median step 30% over the fastest"), "{w}");
-        let w = host_noise_warning(1.0, 1.25).expect("bandwidth spread");
+        let w = host_noise_warning(0.0, 0.20).expect("bandwidth spread");
         assert!(
             w.contains("median bandwidth pass 20% under the best"),
             "{w}"
