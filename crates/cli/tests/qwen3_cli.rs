@@ -99,19 +99,18 @@ fn trace_idle_and_swimlane_name_the_kernels_of_a_recorded_decode_step() {
         d,
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let out = simpler(&["trace", "idle", d, "--top", "0"]);
-    let so = text(&out.stdout);
-    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
-    assert!(so.contains("% of the cores' time"), "{so}");
+    let so = success_stdout(&["trace", "idle", d, "--top", "0"]);
     // Kernel names come from the swimlane file itself (no deps.json was captured).
-    for needle in [
-        "gemm_tile_bf16",
-        "attention_decode_bf16",
-        "run start -> ",
-        " -> run end",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
+    assert_contains_all(
+        &so,
+        &[
+            "% of the cores' time",
+            "gemm_tile_bf16",
+            "attention_decode_bf16",
+            "run start -> ",
+            " -> run end",
+        ],
+    );
     let out = simpler(&["trace", "swimlane", d]);
     let so = text(&out.stdout);
     assert!(out.status.success(), "{so}");
@@ -251,8 +250,7 @@ fn bad_checkpoints_give_errors_naming_the_tensor_and_the_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The number after `key` (the first whitespace-separated field after it) on `line`.
-/// The rows of a bench's `summary (medians):` table (after its header line).
+/// The rows of a bench's `summary (medians..` table (after its header line).
 fn summary_rows(out: &str) -> Vec<&str> {
     out.lines()
         .skip_while(|l| !l.starts_with("summary"))
@@ -260,6 +258,22 @@ fn summary_rows(out: &str) -> Vec<&str> {
         .collect()
 }
 
+/// Runs `simpler args`, asserts it succeeded, and returns its standard output.
+fn success_stdout(args: &[&str]) -> String {
+    let out = simpler(args);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    so
+}
+
+/// Asserts that every needle occurs in `so`.
+fn assert_contains_all(so: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+}
+
+/// The number after `key` (the first whitespace-separated field after it) on `line`.
 fn number_after(line: &str, key: &str) -> f64 {
     let rest = &line[line
         .find(key)
@@ -277,7 +291,7 @@ fn number_after(line: &str, key: &str) -> f64 {
 
 #[test]
 fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
-    let out = simpler(&[
+    let so = success_stdout(&[
         "bench",
         "qwen3-decode",
         "--preset",
@@ -293,30 +307,38 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
         "--membw-seconds",
         "0.1",
     ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "batch 1 x 40 tokens",
-        "batch 2 x 40 tokens",
-        "% of membw",
-        "roofline bound",
-        "quietest step",
-        "outside kernels",
-        "largest idle boundaries of that step",
-        "summary (medians",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
+    assert_contains_all(
+        &so,
+        &[
+            "batch 1 x 40 tokens",
+            "batch 2 x 40 tokens",
+            "% of membw",
+            "roofline bound",
+            "quietest step",
+            "outside kernels",
+            "largest idle boundaries of that step",
+            "summary (medians",
+        ],
+    );
     // The idle boundaries name kernels (the swimlane carries their names).
     let idle = so.lines().find(|l| l.contains("largest idle")).unwrap();
     assert!(idle.contains("_bf16") || idle.contains("_f32"), "{idle}");
     let table = summary_rows(&so);
     assert_eq!(table.len(), 2, "{so}");
+    for row in table {
+        // shape, step ms, GB/s, %membw, %roofline, %roof best, %phase, %outside, bound.
+        let f: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(f.len(), 9, "{row}");
+        let v: Vec<f64> = f[1..8].iter().map(|x| x.parse().unwrap()).collect();
+        assert!(v.iter().all(|x| x.is_finite() && *x >= 0.0), "{row}");
+        // The quietest step is no slower than the median one.
+        assert!(v[4] >= v[3], "{row}");
+    }
 }
 
 #[test]
 fn bench_qwen3_prefill_reports_rates_against_the_machine() {
-    let out = simpler(&[
+    let so = success_stdout(&[
         "bench",
         "qwen3-prefill",
         "--preset",
@@ -332,24 +354,23 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
         "--gemm-seconds",
         "0.05",
     ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "simpler bench qwen3-prefill: preset tiny",
-        "FMA peak",
-        "prompt 8 tokens",
-        "prompt 20 tokens",
-        "step_ms: n=1",
-        "tokens/s",
-        "GEMM rate: bf16 gemm_bf16 on [20 x 256] x [512 x 256]^T",
-        "% of the FMA peak",
-        "% of the GEMM rate",
-        "roofline bound",
-        "outside kernels",
-        "summary (medians):",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
+    assert_contains_all(
+        &so,
+        &[
+            "simpler bench qwen3-prefill: preset tiny",
+            "FMA peak",
+            "prompt 8 tokens",
+            "prompt 20 tokens",
+            "step_ms: n=1",
+            "tokens/s",
+            "GEMM rate: bf16 gemm_bf16 on [20 x 256] x [512 x 256]^T",
+            "% of the FMA peak",
+            "% of the GEMM rate",
+            "roofline bound",
+            "outside kernels",
+            "summary (medians):",
+        ],
+    );
     // The summary: one row per prompt length, every figure a positive number.
     let table = summary_rows(&so);
     assert_eq!(table.len(), 2, "{so}");
