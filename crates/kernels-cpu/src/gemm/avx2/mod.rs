@@ -40,24 +40,13 @@ const NARROW_ROWS: usize = 4;
 /// `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let rs = ROW_STRIDE;
     let (r_main, mut n0) = if lw.batch < quad::QB {
-        (NARROW_ROWS, lw.n.start)
+        // SAFETY: forwarded contract; batch < QB as checked.
+        (NARROW_ROWS, unsafe { gemm_narrow(lw, out, ld_out) })
     } else {
-        // SAFETY: forwarded contract.
+        // SAFETY: forwarded contract; batch >= QB as checked.
         (quad::QR, unsafe { gemm_quad(lw, out, ld_out) })
     };
-    if lw.batch < quad::QB {
-        while n0 + rs * r_main <= lw.n.end {
-            for h in 0..rs {
-                let next = next_stream(h, rs, r_main);
-                // SAFETY: rows n0 + h + rs * r (r < R) lie inside the tile (loop bound), the
-                // batch rows inside the batch, and the caller's contract covers the rest.
-                unsafe { block_dyn(lw, n0 + h, r_main, 0, lw.batch, out, ld_out, rs, next) };
-            }
-            n0 += rs * r_main;
-        }
-    }
     // The last rows (fewer than a row group), adjacent, `r_main` at a time.
     while n0 < lw.n.end {
         let r = r_main.min(lw.n.end - n0);
@@ -71,6 +60,38 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         }
         n0 += r;
     }
+}
+
+/// The tile's whole `ROW_STRIDE * NARROW_ROWS`-row groups for a batch of 1–3, the whole batch
+/// per pass; returns the first row not done.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw.batch < QB`; `lw` checked by `gemm_dispatch`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
+    let (rs, r) = (ROW_STRIDE, NARROW_ROWS);
+    let mut n0 = lw.n.start;
+    while n0 + rs * r <= lw.n.end {
+        for h in 0..rs {
+            // SAFETY: rows n0 + h + rs * i (i < r) lie inside the tile (loop bound), the batch
+            // rows inside the batch, and the caller's contract covers the rest.
+            unsafe {
+                block_dyn(
+                    lw,
+                    n0 + h,
+                    r,
+                    0,
+                    lw.batch,
+                    out,
+                    ld_out,
+                    rs,
+                    next_stream(h, rs, r),
+                )
+            };
+        }
+        n0 += rs * r;
+    }
+    n0
 }
 
 /// Rows from a pass's first row to the same stream of the next pass, for pass `h` of a
@@ -93,6 +114,7 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     let mut n0 = lw.n.start;
     while bo < quads_end {
         let bend = (bo + block).min(quads_end);
+        // Every batch block covers the same rows; the last leaves `n0` at the first row left.
         n0 = lw.n.start;
         while n0 + quad::QR <= lw.n.end {
             let rs = ((lw.n.end - n0) / quad::QR).min(ROW_STRIDE);
