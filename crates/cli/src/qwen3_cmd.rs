@@ -64,6 +64,9 @@ pub(crate) struct TileArgs {
     /// Fewest tiles of each projection per core [default: 4].
     #[arg(long)]
     pub(crate) tiles_per_core: Option<usize>,
+    /// Longest decode attention KV chunk, in tokens [default: 256].
+    #[arg(long)]
+    pub(crate) max_kv_chunk: Option<usize>,
 }
 
 impl TileArgs {
@@ -74,6 +77,9 @@ impl TileArgs {
         }
         if let Some(n) = self.tiles_per_core {
             session.policy.tiles_per_core = n.max(1);
+        }
+        if let Some(n) = self.max_kv_chunk {
+            session.policy.max_kv_chunk = n.max(1);
         }
     }
 }

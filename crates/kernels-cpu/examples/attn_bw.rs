@@ -37,12 +37,14 @@ fn main() {
         s ^= s << 17;
         bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
     };
-    // Pools aligned to 64 bytes, as the runtime allocates them.
-    let kbuf: Vec<bf16> = (0..slots * row + 32).map(|_| rnd()).collect();
-    let vbuf: Vec<bf16> = (0..slots * row + 32).map(|_| rnd()).collect();
-    let aligned = |b: &[bf16]| b.as_ptr().align_offset(64);
-    let k = &kbuf[aligned(&kbuf)..][..slots * row];
-    let v = &vbuf[aligned(&vbuf)..][..slots * row];
+    // Pools in 2 MiB-aligned anonymous mappings advised to use huge pages, as the runtime
+    // allocates them.
+    let kmap = huge_pool(slots * row);
+    let vmap = huge_pool(slots * row);
+    for x in kmap.iter_mut().chain(vmap.iter_mut()) {
+        *x = rnd();
+    }
+    let (k, v) = (&kmap[..], &vmap[..]);
     let q: Vec<bf16> = (0..kv_heads * group * hd).map(|_| rnd()).collect();
     let kv = PagedKv {
         k,
@@ -126,4 +128,20 @@ fn main() {
             bytes / dt / 1e9
         );
     }
+}
+
+/// `len` bf16 in a huge-page-advised anonymous mapping (leaked: the example runs once).
+fn huge_pool(len: usize) -> &'static mut [bf16] {
+    const HUGE: usize = 2 << 20;
+    let bytes = len * 2;
+    let map = memmap2::MmapOptions::new()
+        .len(bytes + HUGE)
+        .map_anon()
+        .expect("anonymous mapping");
+    let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
+    let _ = map.advise_range(memmap2::Advice::HugePage, off, bytes);
+    let map = Box::leak(Box::new(map));
+    // SAFETY: the mapping holds `off + bytes` bytes, `off` keeps 2-byte alignment, an anonymous
+    // mapping is zeroed (valid bf16), and the leaked mapping lives for the program.
+    unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
 }

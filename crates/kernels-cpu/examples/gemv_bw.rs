@@ -166,7 +166,8 @@ fn time_pass(
                 let barrier = &barrier;
                 s.spawn(move || {
                     with_isa(isa, || {
-                        let mut out = vec![0.0f32; batch * 3072];
+                        let nmax = mats.iter().map(|m| m.0).max().unwrap_or(0);
+                        let mut out = vec![0.0f32; batch * nmax];
                         let mut best = f64::MAX;
                         for _ in 0..reps {
                             barrier.wait();
