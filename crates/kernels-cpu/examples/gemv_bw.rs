@@ -88,19 +88,22 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
             )
         });
     let shapes: Vec<(&str, usize, usize)> = custom.map_or(SHAPES.to_vec(), |c| vec![c]);
-    let mats: Vec<(usize, usize, Vec<bf16>)> = (0..layers)
+    let mats: Vec<(usize, usize, &[bf16])> = (0..layers)
         .flat_map(|_| shapes.iter())
         .filter(|s| only_k.is_none_or(|k| s.2 == k))
         .map(|&(_, n, k)| {
             let n = max_rows.map_or(n, |m| n.min(m));
-            let data = (0..n * k)
-                .map(|_| {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
-                })
-                .collect();
+            let data = huge_pool(n * k);
+            let values = (0..n * k).map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
+            });
+            for (d, v) in data.iter_mut().zip(values) {
+                *d = v;
+            }
+            let data: &[bf16] = data;
             (n, k, data)
         })
         .collect();
@@ -152,7 +155,7 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
 
 /// Best time of `reps` passes over every matrix, rows split in halves across `threads`.
 fn time_pass(
-    mats: &[(usize, usize, Vec<bf16>)],
+    mats: &[(usize, usize, &[bf16])],
     packed: &[(usize, Vec<f32>)],
     batch: usize,
     threads: usize,
@@ -202,4 +205,21 @@ fn time_pass(
             .collect()
     });
     times.into_iter().fold(0.0, f64::max)
+}
+
+/// `len` bf16 in a huge-page-advised anonymous mapping, as the runtime holds weights (leaked:
+/// the example runs once).
+fn huge_pool(len: usize) -> &'static mut [bf16] {
+    const HUGE: usize = 2 << 20;
+    let bytes = len * 2;
+    let map = memmap2::MmapOptions::new()
+        .len(bytes + HUGE)
+        .map_anon()
+        .expect("anonymous mapping");
+    let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
+    let _ = map.advise_range(memmap2::Advice::HugePage, off, bytes);
+    let map = Box::leak(Box::new(map));
+    // SAFETY: the mapping holds `off + bytes` bytes, `off` keeps 2-byte alignment, an anonymous
+    // mapping is zeroed (valid bf16), and the leaked mapping lives for the program.
+    unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
 }
