@@ -1,14 +1,13 @@
-//! `simpler bench membw` (the machine's streaming read bandwidth and FMA peak) and
-//! `simpler bench qwen3-decode` (decode at several batch × context shapes: bytes per step,
+//! `simpler bench qwen3-decode`: decode at several batch × context shapes (bytes per step,
 //! GB/s and % of membw, % of the roofline bound, and the share of the step spent outside
-//! kernels), each with warm-up, rounds and interval statistics.
+//! kernels), with warm-up, rounds and interval statistics.
 //!
 //! "Outside kernels" is measured on one extra step recorded at swimlane level 1:
 //! `1 - sum of kernel busy time / (cores x effective)`, i.e. the share of the cores' time
 //! during the kernel makespan that no kernel was running (runtime dispatch and completion,
 //! dependency waits, load imbalance at phase ends, the orchestrator thread sharing the cores).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -17,58 +16,11 @@ use simpler_dfx::bench_stats::{
     Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_kernels_cpu::membw::{MeasureOptions, measure};
 use simpler_models::qwen3::{Session, StepCost, ops};
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
-
-/// Arguments of `simpler bench membw`.
-#[derive(Args, Debug)]
-pub(crate) struct MembwArgs {
-    /// Total seconds of measurement (split over the four figures).
-    #[arg(long, default_value_t = 4.0)]
-    seconds: f64,
-    /// Size of the streamed buffer in MiB (several times the last-level cache).
-    #[arg(long, default_value_t = 512)]
-    buffer_mib: usize,
-    /// Threads for the all-threads figures [default: available parallelism].
-    #[arg(long)]
-    threads: Option<usize>,
-}
-
-pub(crate) fn membw(args: MembwArgs) -> Result<()> {
-    let d = MeasureOptions::default();
-    let p = measure(&MeasureOptions {
-        duration: Duration::from_secs_f64(args.seconds.max(0.4)),
-        buffer_bytes: args.buffer_mib.max(1) << 20,
-        threads: args.threads.unwrap_or(d.threads),
-    });
-    println!(
-        "simpler bench membw: {} MiB buffer, {:.1} s",
-        args.buffer_mib, args.seconds
-    );
-    println!(
-        "streaming read, 1 thread:   best {:>6.1} GB/s  median {:>6.1} GB/s",
-        p.read_gbs_one, p.read_gbs_one_median
-    );
-    println!(
-        "streaming read, {} threads: best {:>6.1} GB/s  median {:>6.1} GB/s",
-        p.threads, p.read_gbs_all, p.read_gbs_all_median
-    );
-    println!(
-        "fp32 FMA peak:  1 thread {:.1} GFLOP/s, {} threads {:.1} GFLOP/s",
-        p.fma_gflops_one, p.threads, p.fma_gflops_all
-    );
-    println!(
-        "roofline denominators: bandwidth {:.1} GB/s, FMA {:.1} GFLOP/s (ridge at {:.1} FLOP/byte)",
-        p.read_gbs_all,
-        p.fma_gflops_all,
-        p.fma_gflops_all / p.read_gbs_all
-    );
-    Ok(())
-}
 
 /// Arguments of `simpler bench qwen3-decode`.
 #[derive(Args, Debug)]

@@ -1,5 +1,6 @@
 //! The `simpler` command line: thin glue over the runtime, the models and the DFX tools.
 
+mod bench_membw;
 mod bench_prefill;
 mod bench_qwen3;
 mod bench_runtime;
@@ -52,7 +53,7 @@ enum BenchCommand {
     /// Empty-task throughput, dependent-chain latency per hop, SPMD block overhead.
     Runtime(bench_runtime::BenchRuntimeArgs),
     /// This machine's streaming read bandwidth (one and all threads) and FMA peak.
-    Membw(bench_qwen3::MembwArgs),
+    Membw(bench_membw::MembwArgs),
     /// Qwen3 decode at batch 1, 4 and 16: bytes per step, GB/s and % of membw, % of the
     /// roofline bound, share of the step outside kernels.
     #[command(name = "qwen3-decode")]
@@ -115,7 +116,7 @@ fn main() -> Result<()> {
         Command::Run(RunCommand::Demo(a)) => run_demo(a),
         Command::Run(RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
         Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
-        Command::Bench(BenchCommand::Membw(a)) => bench_qwen3::membw(a),
+        Command::Bench(BenchCommand::Membw(a)) => bench_membw::membw(a),
         Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
         Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
         Command::Generate(a) => generate::main(a),

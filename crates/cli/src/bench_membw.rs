@@ -1,0 +1,54 @@
+//! `simpler bench membw`: the machine's streaming read bandwidth (one and all threads) and its
+//! measured FMA peak, the two denominators of every roofline ratio.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use simpler_kernels_cpu::membw::{MeasureOptions, measure};
+
+/// Arguments of `simpler bench membw`.
+#[derive(Args, Debug)]
+pub(crate) struct MembwArgs {
+    /// Total seconds of measurement (split over the four figures).
+    #[arg(long, default_value_t = 4.0)]
+    seconds: f64,
+    /// Size of the streamed buffer in MiB (several times the last-level cache).
+    #[arg(long, default_value_t = 512)]
+    buffer_mib: usize,
+    /// Threads for the all-threads figures [default: available parallelism].
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+pub(crate) fn membw(args: MembwArgs) -> Result<()> {
+    let d = MeasureOptions::default();
+    let p = measure(&MeasureOptions {
+        duration: Duration::from_secs_f64(args.seconds.max(0.4)),
+        buffer_bytes: args.buffer_mib.max(1) << 20,
+        threads: args.threads.unwrap_or(d.threads),
+    });
+    println!(
+        "simpler bench membw: {} MiB buffer, {:.1} s",
+        args.buffer_mib, args.seconds
+    );
+    println!(
+        "streaming read, 1 thread:   best {:>6.1} GB/s  median {:>6.1} GB/s",
+        p.read_gbs_one, p.read_gbs_one_median
+    );
+    println!(
+        "streaming read, {} threads: best {:>6.1} GB/s  median {:>6.1} GB/s",
+        p.threads, p.read_gbs_all, p.read_gbs_all_median
+    );
+    println!(
+        "fp32 FMA peak:  1 thread {:.1} GFLOP/s, {} threads {:.1} GFLOP/s",
+        p.fma_gflops_one, p.threads, p.fma_gflops_all
+    );
+    println!(
+        "roofline denominators: bandwidth {:.1} GB/s, FMA {:.1} GFLOP/s (ridge at {:.1} FLOP/byte)",
+        p.read_gbs_all,
+        p.fma_gflops_all,
+        p.fma_gflops_all / p.read_gbs_all
+    );
+    Ok(())
+}
