@@ -3,6 +3,8 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
 
+mod common;
+
 use std::time::Instant;
 
 use half::bf16;
@@ -39,8 +41,8 @@ fn main() {
     };
     // Pools in 2 MiB-aligned anonymous mappings advised to use huge pages, as the runtime
     // allocates them.
-    let kmap = huge_pool(slots * row);
-    let vmap = huge_pool(slots * row);
+    let kmap = common::huge_pool(slots * row);
+    let vmap = common::huge_pool(slots * row);
     for x in kmap.iter_mut().chain(vmap.iter_mut()) {
         *x = rnd();
     }
@@ -128,20 +130,4 @@ fn main() {
             bytes / dt / 1e9
         );
     }
-}
-
-/// `len` bf16 in a huge-page-advised anonymous mapping (leaked: the example runs once).
-fn huge_pool(len: usize) -> &'static mut [bf16] {
-    const HUGE: usize = 2 << 20;
-    let bytes = len * 2;
-    let map = memmap2::MmapOptions::new()
-        .len(bytes + HUGE)
-        .map_anon()
-        .expect("anonymous mapping");
-    let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
-    let _ = map.advise_range(memmap2::Advice::HugePage, off, bytes);
-    let map = Box::leak(Box::new(map));
-    // SAFETY: the mapping holds `off + bytes` bytes, `off` keeps 2-byte alignment, an anonymous
-    // mapping is zeroed (valid bf16), and the leaked mapping lives for the program.
-    unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
 }

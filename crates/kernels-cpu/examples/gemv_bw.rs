@@ -6,6 +6,8 @@
 //! `--shape N,K` replaces the 0.6B shapes by one `N × K` matrix (per layer), e.g. a 14B
 //! projection: `--shape 96,17408 --layers 1 --reps 30` times one tile from cache.
 
+mod common;
+
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -93,7 +95,7 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
         .filter(|s| only_k.is_none_or(|k| s.2 == k))
         .map(|&(_, n, k)| {
             let n = max_rows.map_or(n, |m| n.min(m));
-            let data = huge_pool(n * k);
+            let data = common::huge_pool(n * k);
             let values = (0..n * k).map(|_| {
                 seed = seed
                     .wrapping_mul(6364136223846793005)
@@ -205,21 +207,4 @@ fn time_pass(
             .collect()
     });
     times.into_iter().fold(0.0, f64::max)
-}
-
-/// `len` bf16 in a huge-page-advised anonymous mapping, as the runtime holds weights (leaked:
-/// the example runs once).
-fn huge_pool(len: usize) -> &'static mut [bf16] {
-    const HUGE: usize = 2 << 20;
-    let bytes = len * 2;
-    let map = memmap2::MmapOptions::new()
-        .len(bytes + HUGE)
-        .map_anon()
-        .expect("anonymous mapping");
-    let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
-    let _ = map.advise_range(memmap2::Advice::HugePage, off, bytes);
-    let map = Box::leak(Box::new(map));
-    // SAFETY: the mapping holds `off + bytes` bytes, `off` keeps 2-byte alignment, an anonymous
-    // mapping is zeroed (valid bf16), and the leaked mapping lives for the program.
-    unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
 }
