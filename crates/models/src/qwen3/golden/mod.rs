@@ -126,6 +126,28 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// RMSNorm of every `h`-wide row of `x` with weight `g`, rounded to bf16: `bf16(x*g)` with
+/// each row's `1/rms` returned apart (deferred), or `bf16(x/rms*g)` with unit scales.
+fn norm_rows(x: &[f32], h: usize, g: &[f32], eps: f32, mode: NormMode) -> (Vec<f32>, Vec<f32>) {
+    let rows = x.len() / h;
+    let mut r = vec![1.0f32; rows];
+    let mut n = vec![0.0f32; rows * h];
+    for t in 0..rows {
+        let xr = &x[t * h..(t + 1) * h];
+        let inv = inv_rms(xr, eps);
+        for i in 0..h {
+            n[t * h + i] = match mode {
+                NormMode::Deferred => rb(xr[i] * g[i]),
+                NormMode::Ordinary => rb(xr[i] * inv * g[i]),
+            };
+        }
+        if mode == NormMode::Deferred {
+            r[t] = inv;
+        }
+    }
+    (n, r)
+}
+
 /// `1/sqrt(mean(x²) + eps)`.
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let s: f32 = x.iter().map(|v| v * v).sum();
@@ -206,21 +228,7 @@ fn layer_step(
     let (qw, kvw, inter) = (c.q_width(), c.kv_width(), c.intermediate_size);
     let eps = c.rms_norm_eps as f32;
     // Input norm: n = bf16(x*g) with r deferred, or bf16(x*r*g).
-    let mut r = vec![1.0f32; t_n];
-    let mut n = vec![0.0f32; t_n * h];
-    for t in 0..t_n {
-        let xr = &x[t * h..(t + 1) * h];
-        let inv = inv_rms(xr, eps);
-        for i in 0..h {
-            n[t * h + i] = match mode {
-                NormMode::Deferred => rb(xr[i] * w.input_norm[i]),
-                NormMode::Ordinary => rb(xr[i] * inv * w.input_norm[i]),
-            };
-        }
-        if mode == NormMode::Deferred {
-            r[t] = inv;
-        }
-    }
+    let (n, r) = norm_rows(x, h, &w.input_norm, eps, mode);
     let scale_rows = |y: &mut [f32], width: usize, s: &[f32]| {
         for (row, &sv) in y.chunks_exact_mut(width).zip(s) {
             row.iter_mut().for_each(|v| *v *= sv);
@@ -292,21 +300,7 @@ fn layer_step(
     let ao = matmul(&a, t_n, &w.wo, h, qw);
     let h1: Vec<f32> = x.iter().zip(&ao).map(|(a, b)| a + b).collect();
     // Post-attention norm, SwiGLU, down projection.
-    let mut r2 = vec![1.0f32; t_n];
-    let mut m = vec![0.0f32; t_n * h];
-    for t in 0..t_n {
-        let hr = &h1[t * h..(t + 1) * h];
-        let inv = inv_rms(hr, eps);
-        for i in 0..h {
-            m[t * h + i] = match mode {
-                NormMode::Deferred => rb(hr[i] * w.post_norm[i]),
-                NormMode::Ordinary => rb(hr[i] * inv * w.post_norm[i]),
-            };
-        }
-        if mode == NormMode::Deferred {
-            r2[t] = inv;
-        }
-    }
+    let (m, r2) = norm_rows(&h1, h, &w.post_norm, eps, mode);
     let mut gt = matmul(&m, t_n, &w.w_gate, inter, h);
     let mut up = matmul(&m, t_n, &w.w_up, inter, h);
     scale_rows(&mut gt, inter, &r2);

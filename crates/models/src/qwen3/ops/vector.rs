@@ -61,19 +61,28 @@ pub(super) fn copy_f32(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     })
 }
 
-pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+/// The checked operands of a packed RMSNorm task named `name`: rows, input rows `x`, norm
+/// weight `g`, epsilon and the packed output.
+type NormOperands<'a> = (usize, &'a [f32], &'a [f32], f32, &'a mut [f32]);
+
+fn norm_operands<'a>(ctx: &'a TaskCtx<'_>, name: &str) -> Result<NormOperands<'a>, KernelError> {
     let (rows, h) = dims2(ctx, 0)?;
     let x = ctx.read::<f32>(0)?;
     let g = ctx.read::<f32>(1)?;
     let eps = ctx.scalar_f32(0)?;
     if g.len() != h {
         return Err(bad(
-            "rms_norm_deferred_f32",
+            name,
             format!("norm weight of {} for rows of {h}", g.len()),
         ));
     }
     let packed = ctx.write::<f32>(2)?;
-    check_packed("rms_norm_deferred_f32", packed.len(), rows, h)?;
+    check_packed(name, packed.len(), rows, h)?;
+    Ok((rows, x, g, eps, packed))
+}
+
+pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    let (rows, x, g, eps, packed) = norm_operands(ctx, "rms_norm_deferred_f32")?;
     let r = ctx.write::<f32>(3)?;
     if r.len() != rows {
         return Err(bad(
@@ -86,18 +95,7 @@ pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 }
 
 pub(super) fn rms_norm(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let (rows, h) = dims2(ctx, 0)?;
-    let x = ctx.read::<f32>(0)?;
-    let g = ctx.read::<f32>(1)?;
-    let eps = ctx.scalar_f32(0)?;
-    if g.len() != h {
-        return Err(bad(
-            "rms_norm_f32",
-            format!("norm weight of {} for rows of {h}", g.len()),
-        ));
-    }
-    let packed = ctx.write::<f32>(2)?;
-    check_packed("rms_norm_f32", packed.len(), rows, h)?;
+    let (_, x, g, eps, packed) = norm_operands(ctx, "rms_norm_f32")?;
     k::rms_norm_packed(x, g, eps, packed);
     Ok(())
 }
