@@ -129,6 +129,12 @@ fn qwen_like_shapes_full_and_split_k() {
         (7, 2048, 9),
         // Prefill-like: several batch blocks of the wide path, a partial last one.
         (20, 320, 107),
+        // Tiles long enough for whole groups of streams the full stride apart, then closer
+        // streams for the rest (batch 1-3 in groups of 4 rows, 4 and up in groups of 3).
+        (301, 96, 1),
+        (290, 64, 3),
+        (400, 48, 4),
+        (317, 32, 6),
     ] {
         let c = case(n, k, batch, (n * k + batch) as u64);
         check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);

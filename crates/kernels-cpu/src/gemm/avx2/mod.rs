@@ -8,7 +8,7 @@
 //!   over (`batch % 4`) take a `3 × (batch % 4)` pass. Activations are taken in blocks that
 //!   fit in L2, so a prefill's many rows re-stream the weights once per block.
 //!
-//! The concurrent row streams of a pass are `ROW_STRIDE` rows apart.
+//! The concurrent row streams of a pass are up to `ROW_STRIDE` rows apart.
 
 use std::arch::x86_64::*;
 
@@ -20,11 +20,15 @@ mod quad;
 /// Prefetch distance along a row, in bf16 elements (512 B).
 const PF_ELEMS: usize = 256;
 
-/// Rows between the concurrent row streams of a pass: passes over `n0 + h + ROW_STRIDE * r`
-/// for `h in 0..ROW_STRIDE` cover `ROW_STRIDE * R` consecutive rows. Streams of adjacent rows
-/// ran ~25% slower on two cores of the development machine (`06-performance.md`: streams
-/// ~4 KB apart).
-const ROW_STRIDE: usize = 4;
+/// Most rows between the concurrent row streams of a pass: passes over `n0 + h + rs * r` for
+/// `h in 0..rs` cover `rs * R` consecutive rows (`rs` is this, or less near a tile's end).
+/// Measured on two cores of the development machine with the 0.6B projections in 128-row
+/// tiles, each configuration's passes alternating with the others' in one process (the
+/// median of paired ratios, so host load drifts cancel): 32 rows apart against 4 took 6.9%
+/// less time at batch 1, 5.9% at batch 2, 3.1% at batch 4 and the same at batch 16; 2 rows
+/// apart took 7% more, and adjacent rows ~25% more (`06-performance.md`: streams ~4 KB apart
+/// on its machine).
+const ROW_STRIDE: usize = 32;
 
 /// Bytes of packed activations one batch block may hold (half of a 512 KiB L2, leaving room
 /// for the weight streams).
@@ -62,16 +66,18 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     }
 }
 
-/// The tile's whole `ROW_STRIDE * NARROW_ROWS`-row groups for a batch of 1–3, the whole batch
-/// per pass; returns the first row not done.
+/// The tile's rows in groups of `NARROW_ROWS` streams (up to `ROW_STRIDE` rows apart, closer
+/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–3, the
+/// whole batch per pass; returns the first row not done.
 ///
 /// # Safety
 /// AVX2 and FMA available; `lw.batch < QB`; `lw` checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
-    let (rs, r) = (ROW_STRIDE, NARROW_ROWS);
+    let r = NARROW_ROWS;
     let mut n0 = lw.n.start;
-    while n0 + rs * r <= lw.n.end {
+    while n0 + r <= lw.n.end {
+        let rs = ((lw.n.end - n0) / r).min(ROW_STRIDE);
         for h in 0..rs {
             // SAFETY: rows n0 + h + rs * i (i < r) lie inside the tile (loop bound), the batch
             // rows inside the batch, and the caller's contract covers the rest.
