@@ -7,16 +7,17 @@
 //! during the kernel makespan that no kernel was running (runtime dispatch and completion,
 //! dependency waits, load imbalance at phase ends, the orchestrator thread sharing the cores).
 
+use std::cell::RefCell;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use simpler_core::{CallConfig, RunReport};
+use simpler_core::{CallConfig, RunReport, Worker};
 use simpler_dfx::bench_stats::{
-    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
+    Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_models::qwen3::{Session, StepCost, ops};
+use simpler_models::qwen3::{Session, StepCost, TilePolicy, ops};
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
@@ -50,6 +51,13 @@ pub(crate) struct DecodeBenchArgs {
     /// the ratio B/A of the step-time medians with its 95% interval.
     #[arg(long)]
     trace_overhead: bool,
+    /// Also compare this run's tiling with another, step against step: `KEY=VALUE` pairs
+    /// (`tile-kib`, `tiles-per-core`, `max-kv-chunk`) applied on top of it, e.g.
+    /// `max-kv-chunk=1024`. Each shape then runs interleaved steps A B B A .. and reports
+    /// the ratio B/A of the step-time medians with its 95% interval (pairs of neighbouring
+    /// steps see the same host load, where separate runs do not).
+    #[arg(long, value_name = "KEY=VALUE,..")]
+    versus: Option<String>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
     /// outside kernels (the median is reported: one step's share varies with host noise).
     #[arg(long, default_value_t = 5)]
@@ -132,6 +140,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let cfg = args.run.call_config("decode")?;
@@ -262,42 +271,40 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 trace: Some(path.clone()),
                 ..cfg.clone()
             };
-            let failure = std::cell::RefCell::new(None);
-            let step_ms = |session: &mut Session, cfg: &CallConfig| {
-                let t = Instant::now();
-                let r = session
-                    .decode(&worker, &case.batch, &case.tokens, cfg)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|out| {
-                        simpler_dfx::write_run_outputs(&out.report, cfg).map_err(Into::into)
-                    });
-                match r {
-                    Ok(_) => t.elapsed().as_secs_f64() * 1e3,
-                    Err(e) => {
-                        failure.borrow_mut().get_or_insert(e);
-                        f64::NAN
-                    }
-                }
-            };
-            let session = std::cell::RefCell::new(session);
-            let pairs = run_interleaved(
+            let policy = session.policy;
+            let c = ab_steps(
+                &mut session,
+                &case,
+                &worker,
+                (&cfg, policy),
+                (&traced, policy),
                 args.rounds,
                 args.warmup,
-                || step_ms(&mut session.borrow_mut(), &cfg),
-                || step_ms(&mut session.borrow_mut(), &traced),
             );
             let _ = std::fs::remove_file(&path);
-            if let Some(e) = failure.into_inner() {
-                return Err(e);
-            }
             println!(
                 "  trace overhead (A: no trace, B: every step's spans appended to a JSON Lines file):"
             );
-            for line in
-                format_compare("step_ms", "no trace", "trace", &compare(&pairs.a, &pairs.b)).lines()
-            {
-                println!("    {line}");
-            }
+            print_indented(&format_compare("step_ms", "no trace", "trace", &c?));
+        }
+        if let Some(versus) = &versus {
+            let a = session.policy;
+            let mut b = a;
+            versus.apply_to(&mut b);
+            let c = ab_steps(
+                &mut session,
+                &case,
+                &worker,
+                (&cfg, a),
+                (&cfg, b),
+                args.rounds,
+                args.warmup,
+            )?;
+            println!(
+                "  tiling compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            let spec = args.versus.as_deref().unwrap_or_default();
+            print_indented(&format_compare("step_ms", "this run's tiling", spec, &c));
         }
         rows.push(Row {
             shape: format!("{batch}x{seq_len}"),
@@ -331,6 +338,51 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) of `session`, each
+/// with its call configuration and tiling; the step times compared.
+fn ab_steps(
+    session: &mut Session,
+    case: &DecodeCase,
+    worker: &Worker,
+    a: (&CallConfig, TilePolicy),
+    b: (&CallConfig, TilePolicy),
+    rounds: usize,
+    warmup: usize,
+) -> Result<Comparison> {
+    let failure = RefCell::new(None);
+    let session = RefCell::new(session);
+    let step_ms = |(cfg, policy): (&CallConfig, TilePolicy)| {
+        let mut session = session.borrow_mut();
+        session.policy = policy;
+        let t = Instant::now();
+        let r = session
+            .decode(worker, &case.batch, &case.tokens, cfg)
+            .map_err(anyhow::Error::from)
+            .and_then(|out| simpler_dfx::write_run_outputs(&out.report, cfg).map_err(Into::into));
+        match r {
+            Ok(_) => t.elapsed().as_secs_f64() * 1e3,
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(e);
+                f64::NAN
+            }
+        }
+    };
+    let pairs = run_interleaved(rounds, warmup, || step_ms(a), || step_ms(b));
+    // The session goes back to A's tiling.
+    session.borrow_mut().policy = a.1;
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    Ok(compare(&pairs.a, &pairs.b))
+}
+
+/// Prints `text` line by line, indented under a shape's report.
+fn print_indented(text: &str) {
+    for line in text.lines() {
+        println!("    {line}");
+    }
 }
 
 /// How far a median may sit from the best sample (as a fraction) before the run is called

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -14,8 +14,8 @@ use simpler_core::Worker;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
     FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel,
-    RopeTables, Session, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
-    load_checkpoint,
+    RopeTables, Session, TilePolicy, WeightLayout, generate_inputs, generate_kv_pools,
+    generate_weights, load_checkpoint,
 };
 
 /// Where the model comes from.
@@ -72,15 +72,52 @@ pub(crate) struct TileArgs {
 impl TileArgs {
     /// Applies the overrides to a session's policy.
     pub(crate) fn apply(&self, session: &mut Session) {
+        self.apply_to(&mut session.policy);
+    }
+
+    /// Applies the overrides to `policy`.
+    pub(crate) fn apply_to(&self, policy: &mut TilePolicy) {
         if let Some(k) = self.tile_kib {
-            session.policy.tile_bytes = k.max(1) << 10;
+            policy.tile_bytes = k.max(1) << 10;
         }
         if let Some(n) = self.tiles_per_core {
-            session.policy.tiles_per_core = n.max(1);
+            policy.tiles_per_core = n.max(1);
         }
         if let Some(n) = self.max_kv_chunk {
-            session.policy.max_kv_chunk = n.max(1);
+            policy.max_kv_chunk = n.max(1);
         }
+    }
+
+    /// Overrides written `KEY=VALUE[,KEY=VALUE..]` with the flags' names (`tile-kib=512,
+    /// max-kv-chunk=1024`).
+    pub(crate) fn parse(spec: &str) -> Result<TileArgs> {
+        let mut t = TileArgs {
+            tile_kib: None,
+            tiles_per_core: None,
+            max_kv_chunk: None,
+        };
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| anyhow!("{item:?}: expected KEY=VALUE, e.g. tile-kib=512"))?;
+            let value: usize = value
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("{item:?}: the value must be a positive integer"))?;
+            if value == 0 {
+                bail!("{item:?}: the value must be a positive integer");
+            }
+            let slot = match key.trim() {
+                "tile-kib" => &mut t.tile_kib,
+                "tiles-per-core" => &mut t.tiles_per_core,
+                "max-kv-chunk" => &mut t.max_kv_chunk,
+                other => bail!(
+                    "{other:?}: unknown tiling key (tile-kib, tiles-per-core or max-kv-chunk)"
+                ),
+            };
+            *slot = Some(value);
+        }
+        Ok(t)
     }
 }
 

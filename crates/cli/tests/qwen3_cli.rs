@@ -306,6 +306,8 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
         "2",
         "--membw-seconds",
         "0.1",
+        "--versus",
+        "max-kv-chunk=16,tile-kib=64",
     ]);
     assert_contains_all(
         &so,
@@ -317,6 +319,9 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
             "quietest step",
             "outside kernels",
             "largest idle boundaries of that step",
+            "tiling compared",
+            "[B: max-kv-chunk=16,tile-kib=64]",
+            "ratio B/A of medians",
             "summary (medians",
         ],
     );
@@ -333,6 +338,29 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
         assert!(v.iter().all(|x| x.is_finite() && *x >= 0.0), "{row}");
         // The quietest step is no slower than the median one.
         assert!(v[4] >= v[3], "{row}");
+    }
+}
+
+#[test]
+fn bench_qwen3_decode_names_the_tiling_keys_it_knows() {
+    for (spec, needle) in [
+        ("bogus=1", "unknown tiling key"),
+        ("tile-kib", "expected KEY=VALUE"),
+        ("max-kv-chunk=0", "positive integer"),
+    ] {
+        let out = simpler(&[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "1x40",
+            "--versus",
+            spec,
+        ]);
+        let se = text(&out.stderr);
+        assert!(!out.status.success(), "{spec}: {se}");
+        assert!(se.contains(needle), "{spec}: {se}");
     }
 }
 
