@@ -2,9 +2,9 @@
 //! all threads) and fp32 FMA peak (one core and all cores). Prints nothing.
 //!
 //! Bandwidth reads a buffer much larger than the last-level cache several times with wide loads,
-//! each thread its part as four concurrent streams, and reports the best and the median pass; the FMA peak runs chains of independent 256-bit
-//! FMAs (enough accumulators to cover the FMA latency on every pipe). Both run on the
-//! [`Isa::current`] path.
+//! each thread its part as four concurrent streams, and reports the best and the median pass;
+//! the FMA peak runs chains of independent 256-bit FMAs (enough accumulators to cover the FMA
+//! latency on every pipe). Both run on the [`Isa::current`] path.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
