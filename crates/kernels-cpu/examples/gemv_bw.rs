@@ -96,17 +96,13 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
         .map(|&(_, n, k)| {
             let n = max_rows.map_or(n, |m| n.min(m));
             let data = common::huge_pool(n * k);
-            let values = (0..n * k).map(|_| {
+            for d in data.iter_mut() {
                 seed = seed
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
-                bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
-            });
-            for (d, v) in data.iter_mut().zip(values) {
-                *d = v;
+                *d = bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04);
             }
-            let data: &[bf16] = data;
-            (n, k, data)
+            (n, k, &*data)
         })
         .collect();
     let weight_bytes: usize = mats.iter().map(|(n, k, _)| n * k * 2).sum();
