@@ -292,7 +292,7 @@ impl DecodeCase {
         with_head: bool,
     ) -> Result<GoldenStep> {
         let c = &weights.config;
-        let rope = RopeTables::new(model.max_seq, c.head_dim, c.rope_theta);
+        let rope = c.rope_tables(model.max_seq);
         let mut cached: Option<(Vec<bf16>, Vec<bf16>)> = None;
         let opts = self.opts.clone();
         let mut pools = |l: usize| -> (Vec<bf16>, Vec<bf16>) {

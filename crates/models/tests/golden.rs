@@ -216,7 +216,7 @@ fn prefill_then_decode_matches_token_by_token_decode() {
         },
         None,
     );
-    let rope = RopeTables::new(256, c.head_dim, c.rope_theta);
+    let rope = c.rope_tables(256);
     // Two prompts of ragged length, the longer crossing a page boundary.
     let prompts: Vec<Vec<u32>> = vec![
         (0..7).map(|i| (i * 37 % 1000) as u32).collect(),

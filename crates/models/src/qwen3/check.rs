@@ -10,7 +10,8 @@ use half::bf16;
 
 use super::config::Qwen3Config;
 use super::golden::{self, LayerKvWrite, Tolerance};
-use super::weights::{KvCache, LayerWeights, PagedBatch, RopeTables};
+use super::rope::RopeTables;
+use super::weights::{KvCache, LayerWeights, PagedBatch};
 
 /// Where the streamed golden gets what it does not hold.
 pub struct GoldenSource<'a> {

@@ -1,11 +1,21 @@
-//! Qwen3 configuration: parsed from an HF `config.json`, validated (errors name the field),
-//! presets for the real sizes and small test shapes, and the byte counts the benchmarks divide
-//! by.
+//! Qwen3 configuration: parsed from an HF `config.json` in either layout `transformers` writes
+//! (the older top-level `rope_theta` / `rope_scaling` / `torch_dtype`, or the current nested
+//! `rope_parameters` and `dtype`), validated with checked arithmetic (errors name the key),
+//! presets for the real sizes and small test shapes, and the byte counts the benchmarks
+//! divide by.
+//!
+//! A key that changes the math and is not supported is refused, never ignored: an unknown
+//! `rope_type`, sliding-window layers, attention or MLP biases, another `hidden_act` or
+//! `model_type`, partial rotary embeddings, a quantised checkpoint. Optional keys default as
+//! `transformers`' `Qwen3Config` does; the RoPE base has no default (a checkpoint that omits
+//! it is refused rather than run with a guessed θ).
 
-use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub use super::rope::{Rope, RopeScaling, RopeTables};
 
 /// A Qwen3 dense model's shape and constants.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Qwen3Config {
     /// Hidden size `H`.
     pub hidden_size: usize,
@@ -23,30 +33,45 @@ pub struct Qwen3Config {
     pub vocab_size: usize,
     /// RMSNorm epsilon (every norm).
     pub rms_norm_eps: f64,
-    /// RoPE base θ.
-    pub rope_theta: f64,
+    /// RoPE base and scaling.
+    pub rope: Rope,
     /// Whether the LM head is the embedding table.
     pub tie_word_embeddings: bool,
-    /// Longest position the model was trained for.
+    /// Longest sequence the model was configured for; the runtime refuses positions past it.
     pub max_position_embeddings: usize,
-    /// Storage dtype named by the checkpoint (informational).
-    pub torch_dtype: String,
+    /// Storage dtype named by the checkpoint (`dtype` or `torch_dtype`; informational).
+    pub dtype: String,
+    /// End-of-sequence ids named by `config.json` (`eos_token_id`, one id or a list).
+    pub eos_token_ids: Vec<u32>,
 }
 
-/// An invalid configuration; names the field.
+/// An invalid configuration; names the key.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
-    /// The JSON did not parse or lacks a required field.
+    /// The JSON did not parse.
     #[error("config.json: {0}")]
     Parse(String),
-    /// A field has a value the model cannot run with.
-    #[error("config field `{field}` = {value}: {why}")]
+    /// A required key is absent.
+    #[error("config key `{0}` is missing")]
+    Missing(&'static str),
+    /// A key has a value the model cannot run with.
+    #[error("config key `{field}` = {value}: {why}")]
     Invalid {
-        /// The field.
-        field: &'static str,
+        /// The key (dotted path for nested keys).
+        field: String,
         /// Its value, printed.
         value: String,
         /// What is wrong.
+        why: String,
+    },
+    /// A key asks for math this model does not implement.
+    #[error("config key `{key}` = {value} is not supported: {why}")]
+    Unsupported {
+        /// The key (dotted path for nested keys).
+        key: String,
+        /// Its value, printed.
+        value: String,
+        /// What would be needed.
         why: String,
     },
     /// No preset has that name.
@@ -54,21 +79,110 @@ pub enum ConfigError {
     UnknownPreset(String),
 }
 
-/// The fields as HF writes them (several optional).
-#[derive(Deserialize)]
-struct RawConfig {
-    hidden_size: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    vocab_size: usize,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    tie_word_embeddings: Option<bool>,
-    max_position_embeddings: Option<usize>,
-    torch_dtype: Option<String>,
+/// Largest value accepted for any size in a config: far above every real model, low enough that
+/// products of a few sizes cannot overflow `usize` before the checked totals see them.
+const MAX_DIM: usize = 1 << 24;
+
+/// The defaults `transformers`' `Qwen3Config` applies to absent optional keys.
+mod defaults {
+    pub(super) const HEAD_DIM: usize = 128;
+    pub(super) const RMS_NORM_EPS: f64 = 1e-6;
+    pub(super) const MAX_POSITION_EMBEDDINGS: usize = 32768;
+    pub(super) const YARN_BETA_FAST: f64 = 32.0;
+    pub(super) const YARN_BETA_SLOW: f64 = 1.0;
+}
+
+/// Typed reads of a JSON object, with errors naming the key.
+struct Keys<'a> {
+    obj: &'a Map<String, Value>,
+    /// Prefix for nested objects (`rope_parameters.`).
+    prefix: &'static str,
+}
+
+impl<'a> Keys<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+    fn name(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+    fn wrong(&self, key: &str, v: &Value, what: &str) -> ConfigError {
+        ConfigError::Invalid {
+            field: self.name(key),
+            value: v.to_string(),
+            why: format!("must be {what}"),
+        }
+    }
+    fn usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let n = v
+            .as_u64()
+            .ok_or_else(|| self.wrong(key, v, "a non-negative integer"))?;
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= MAX_DIM)
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, v, &format!("at most {MAX_DIM}")))
+    }
+    fn f64(&self, key: &str) -> Result<Option<f64>, ConfigError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_f64()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, v, "a number"))
+    }
+    fn bool(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, v, "true or false"))
+    }
+    fn str(&self, key: &str) -> Result<Option<&'a str>, ConfigError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(Some)
+            .ok_or_else(|| self.wrong(key, v, "a string"))
+    }
+    fn required(&self, key: &'static str) -> Result<usize, ConfigError> {
+        self.usize(key)?.ok_or(ConfigError::Missing(key))
+    }
+    /// Refuses `key` unless it is absent or equal to `allowed`.
+    fn only(&self, key: &str, allowed: &Value, why: &str) -> Result<(), ConfigError> {
+        match self.get(key) {
+            Some(v) if v != allowed => Err(ConfigError::Unsupported {
+                key: self.name(key),
+                value: v.to_string(),
+                why: why.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Token ids from a JSON id or list of ids (`eos_token_id`).
+pub(crate) fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>, ConfigError> {
+    let bad = |v: &Value| ConfigError::Invalid {
+        field: key.to_string(),
+        value: v.to_string(),
+        why: "must be a token id or a list of token ids".into(),
+    };
+    let one = |v: &Value| {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(v))
+    };
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(v) => Ok(vec![one(v)?]),
+    }
 }
 
 impl Qwen3Config {
@@ -82,44 +196,69 @@ impl Qwen3Config {
         "small",
     ];
 
-    /// Parses an HF `config.json` and validates it.
+    /// Parses an HF `config.json` (either layout) and validates it.
     pub fn from_json(text: &str) -> Result<Qwen3Config, ConfigError> {
-        let raw: RawConfig =
-            serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        if raw.num_attention_heads == 0 {
-            return Err(invalid("num_attention_heads", 0, "must be positive"));
-        }
-        let head_dim = raw
-            .head_dim
-            .unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let v: Value = serde_json::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| ConfigError::Parse("the top level is not a JSON object".into()))?;
+        let k = Keys { obj, prefix: "" };
+        refuse_unsupported(&k)?;
+        let num_attention_heads = k.required("num_attention_heads")?;
+        let max_position_embeddings = k
+            .usize("max_position_embeddings")?
+            .unwrap_or(defaults::MAX_POSITION_EMBEDDINGS);
         let cfg = Qwen3Config {
-            hidden_size: raw.hidden_size,
-            num_attention_heads: raw.num_attention_heads,
-            num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
-            head_dim,
-            intermediate_size: raw.intermediate_size,
-            num_hidden_layers: raw.num_hidden_layers,
-            vocab_size: raw.vocab_size,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
-            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(40_960),
-            torch_dtype: raw.torch_dtype.unwrap_or_else(|| "bfloat16".into()),
+            hidden_size: k.required("hidden_size")?,
+            num_attention_heads,
+            num_key_value_heads: k
+                .usize("num_key_value_heads")?
+                .unwrap_or(num_attention_heads),
+            head_dim: k.usize("head_dim")?.unwrap_or(defaults::HEAD_DIM),
+            intermediate_size: k.required("intermediate_size")?,
+            num_hidden_layers: k.required("num_hidden_layers")?,
+            vocab_size: k.required("vocab_size")?,
+            rms_norm_eps: k.f64("rms_norm_eps")?.unwrap_or(defaults::RMS_NORM_EPS),
+            rope: read_rope(&k, max_position_embeddings)?,
+            tie_word_embeddings: k.bool("tie_word_embeddings")?.unwrap_or(false),
+            max_position_embeddings,
+            dtype: match (k.str("dtype")?, k.str("torch_dtype")?) {
+                (Some(d), _) | (None, Some(d)) => d.to_string(),
+                (None, None) => "bfloat16".into(),
+            },
+            eos_token_ids: token_ids(k.get("eos_token_id"), "eos_token_id")?,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// The configuration as HF `config.json` text.
+    /// The configuration as HF `config.json` text, in the layout `transformers` 5 writes
+    /// (`rope_parameters`, `dtype`).
     pub fn to_json(&self) -> String {
-        let mut v = serde_json::to_value(self).unwrap_or_default();
-        if let Some(o) = v.as_object_mut() {
-            o.insert(
-                "architectures".into(),
-                serde_json::json!(["Qwen3ForCausalLM"]),
-            );
-            o.insert("model_type".into(), serde_json::json!("qwen3"));
+        let mut rope = serde_json::to_value(self.rope.scaling).unwrap_or(Value::Null);
+        if let Some(o) = rope.as_object_mut() {
+            o.insert("rope_theta".into(), self.rope.theta.into());
         }
+        let v = serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "use_sliding_window": false,
+            "dtype": self.dtype,
+            "eos_token_id": self.eos_token_ids,
+        });
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }
 
@@ -155,14 +294,21 @@ impl Qwen3Config {
             num_hidden_layers: layers,
             vocab_size: vocab,
             rms_norm_eps: 1e-6,
-            rope_theta: theta,
+            rope: Rope::plain(theta),
             tie_word_embeddings: tied,
             max_position_embeddings: 40_960,
-            torch_dtype: "bfloat16".into(),
+            dtype: "bfloat16".into(),
+            // The real vocabulary's `<|im_end|>` and `<|endoftext|>`; the test shapes have none.
+            eos_token_ids: if vocab > 151_645 {
+                vec![151_645, 151_643]
+            } else {
+                Vec::new()
+            },
         })
     }
 
-    /// Checks every field the model math depends on.
+    /// Checks every field the model math depends on, and that every size derived from the
+    /// fields fits `usize` (the byte counts below then cannot overflow).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
             ("hidden_size", self.hidden_size),
@@ -178,6 +324,9 @@ impl Qwen3Config {
             if v == 0 {
                 return Err(invalid(field, v, "must be positive"));
             }
+            if v > MAX_DIM {
+                return Err(invalid(field, v, &format!("must be at most {MAX_DIM}")));
+            }
         }
         if !self
             .num_attention_heads
@@ -192,11 +341,11 @@ impl Qwen3Config {
                 ),
             ));
         }
-        if !self.head_dim.is_multiple_of(2) {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim < 4 {
             return Err(invalid(
                 "head_dim",
                 self.head_dim,
-                "must be even (RoPE rotates halves)",
+                "must be even and at least 4 (RoPE rotates halves)",
             ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
@@ -206,12 +355,12 @@ impl Qwen3Config {
                 "must be finite and positive",
             ));
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return Err(invalid(
-                "rope_theta",
-                self.rope_theta,
-                "must be finite and above 1",
-            ));
+        if let Err((key, value, why)) = self.rope.validate() {
+            return Err(ConfigError::Invalid {
+                field: format!("rope_parameters.{key}"),
+                value,
+                why: why.into(),
+            });
         }
         if self.vocab_size > u32::MAX as usize {
             return Err(invalid(
@@ -220,7 +369,54 @@ impl Qwen3Config {
                 "token ids must fit u32",
             ));
         }
+        if let Some(&id) = self
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            return Err(invalid(
+                "eos_token_id",
+                id,
+                &format!("is outside the vocabulary of {}", self.vocab_size),
+            ));
+        }
+        self.checked_params().ok_or_else(|| {
+            invalid(
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                "the parameter count of this shape overflows usize",
+            )
+        })?;
         Ok(())
+    }
+
+    /// The parameter count with every product checked (`None`: it overflows).
+    fn checked_params(&self) -> Option<usize> {
+        let h = self.hidden_size;
+        let q = self.num_attention_heads.checked_mul(self.head_dim)?;
+        let kv = self.num_key_value_heads.checked_mul(self.head_dim)?;
+        let proj = h
+            .checked_mul(q)?
+            .checked_mul(2)?
+            .checked_add(h.checked_mul(kv)?.checked_mul(2)?)?
+            .checked_add(h.checked_mul(self.intermediate_size)?.checked_mul(3)?)?;
+        let layer = proj.checked_add(2 * h + 2 * self.head_dim)?;
+        let emb = self.vocab_size.checked_mul(h)?;
+        // Bytes, not elements, must fit: bf16 projections, and twice that while loading.
+        self.num_hidden_layers
+            .checked_mul(layer)?
+            .checked_add(emb.checked_mul(2)?)?
+            .checked_mul(8)
+    }
+
+    /// The RoPE tables of this model for positions `0..max_seq`.
+    pub fn rope_tables(&self, max_seq: usize) -> RopeTables {
+        RopeTables::new(
+            max_seq,
+            self.head_dim,
+            &self.rope,
+            self.max_position_embeddings,
+        )
     }
 
     /// Query heads per KV head.
@@ -286,9 +482,199 @@ impl Qwen3Config {
     }
 }
 
-fn invalid(field: &'static str, value: impl std::fmt::Display, why: &str) -> ConfigError {
+/// Refuses the keys whose values change the math in ways this model does not implement.
+fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
+    k.only(
+        "model_type",
+        &"qwen3".into(),
+        "only Qwen3 dense models (`model_type: qwen3`) run here",
+    )?;
+    if let Some(v) = k.get("architectures") {
+        let names: Vec<&str> = v
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if !names.iter().any(|n| *n == "Qwen3ForCausalLM") {
+            return Err(ConfigError::Unsupported {
+                key: "architectures".into(),
+                value: v.to_string(),
+                why: "only Qwen3ForCausalLM (a causal LM head) runs here".into(),
+            });
+        }
+    }
+    k.only(
+        "hidden_act",
+        &"silu".into(),
+        "the MLP implements SiLU (SwiGLU) only",
+    )?;
+    k.only(
+        "attention_bias",
+        &false.into(),
+        "the projections have no bias terms",
+    )?;
+    k.only("mlp_bias", &false.into(), "the MLP has no bias terms")?;
+    k.only(
+        "use_sliding_window",
+        &false.into(),
+        "every layer attends to the whole context (no sliding-window layers)",
+    )?;
+    k.only(
+        "partial_rotary_factor",
+        &1.0.into(),
+        "RoPE rotates the whole head",
+    )?;
+    if let Some(v) = k.get("quantization_config") {
+        return Err(ConfigError::Unsupported {
+            key: "quantization_config".into(),
+            value: v.to_string(),
+            why: "load a bf16, f16 or f32 checkpoint".into(),
+        });
+    }
+    if let Some(v) = k.get("layer_types") {
+        let a = v
+            .as_array()
+            .ok_or_else(|| k.wrong("layer_types", v, "a list"))?;
+        if let Some((i, t)) = a
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.as_str() != Some("full_attention"))
+        {
+            return Err(ConfigError::Unsupported {
+                key: format!("layer_types[{i}]"),
+                value: t.to_string(),
+                why: "every layer must be `full_attention`".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The RoPE of either layout: `rope_parameters` (current; may carry `rope_theta`), or a
+/// top-level `rope_theta` with an optional `rope_scaling` (older). `type` is the older name of
+/// `rope_type`. A theta given in both places must agree.
+fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, ConfigError> {
+    let top_theta = k.f64("rope_theta")?;
+    let (params, prefix) = match (k.get("rope_parameters"), k.get("rope_scaling")) {
+        (Some(p), _) => (Some(p), "rope_parameters."),
+        (None, Some(p)) => (Some(p), "rope_scaling."),
+        (None, None) => (None, ""),
+    };
+    let Some(params) = params else {
+        let theta = top_theta.ok_or(ConfigError::Missing("rope_parameters.rope_theta"))?;
+        return Ok(Rope::plain(theta));
+    };
+    let obj = params
+        .as_object()
+        .ok_or_else(|| k.wrong(prefix.trim_end_matches('.'), params, "an object"))?;
+    // `transformers` nests parameters per layer type for hybrid models; Qwen3 has one type.
+    let (obj, prefix) = match obj.get("full_attention").and_then(Value::as_object) {
+        Some(inner) => (inner, "rope_parameters.full_attention."),
+        None => (obj, prefix),
+    };
+    let p = Keys { obj, prefix };
+    let theta = match (p.f64("rope_theta")?, top_theta) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ConfigError::Invalid {
+                field: format!("{prefix}rope_theta"),
+                value: a.to_string(),
+                why: format!("disagrees with the top-level rope_theta = {b}"),
+            });
+        }
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => return Err(ConfigError::Missing("rope_parameters.rope_theta")),
+    };
+    p.only(
+        "partial_rotary_factor",
+        &1.0.into(),
+        "RoPE rotates the whole head",
+    )?;
+    let rope_type = match (p.str("rope_type")?, p.str("type")?) {
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) => "default",
+    };
+    let factor = || -> Result<f64, ConfigError> {
+        p.f64("factor")?.ok_or(ConfigError::Missing(match prefix {
+            "rope_scaling." => "rope_scaling.factor",
+            _ => "rope_parameters.factor",
+        }))
+    };
+    let (scaling, known): (RopeScaling, &[&str]) = match rope_type {
+        "default" => (RopeScaling::Default, &[]),
+        "linear" => (RopeScaling::Linear { factor: factor()? }, &["factor"]),
+        "dynamic" => (RopeScaling::Dynamic { factor: factor()? }, &["factor"]),
+        "yarn" => {
+            let orig = p
+                .usize("original_max_position_embeddings")?
+                .unwrap_or(max_position_embeddings);
+            let factor = factor()?;
+            let mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                p.f64("attention_factor")?,
+                p.f64("mscale")?,
+                p.f64("mscale_all_dim")?,
+            ) {
+                (Some(a), _, _) => a,
+                // Zero counts as absent, as in `transformers`.
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                    mscale(factor, m) / mscale(factor, all)
+                }
+                _ => mscale(factor, 1.0),
+            };
+            let beta = |key: &str, default: f64| -> Result<f64, ConfigError> {
+                Ok(p.f64(key)?.filter(|&b| b != 0.0).unwrap_or(default))
+            };
+            (
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: orig,
+                    beta_fast: beta("beta_fast", defaults::YARN_BETA_FAST)?,
+                    beta_slow: beta("beta_slow", defaults::YARN_BETA_SLOW)?,
+                    attention_factor,
+                    truncate: p.bool("truncate")?.unwrap_or(true),
+                },
+                &[
+                    "factor",
+                    "original_max_position_embeddings",
+                    "attention_factor",
+                    "mscale",
+                    "mscale_all_dim",
+                    "beta_fast",
+                    "beta_slow",
+                    "truncate",
+                ],
+            )
+        }
+        other => {
+            return Err(ConfigError::Unsupported {
+                key: format!("{prefix}rope_type"),
+                value: format!("{other:?}"),
+                why: "supported: default, linear, dynamic, yarn".into(),
+            });
+        }
+    };
+    // A parameter the type does not read would be silently ignored: refuse it instead.
+    let common = ["rope_type", "type", "rope_theta", "partial_rotary_factor"];
+    if let Some((key, v)) = obj.iter().find(|(key, v)| {
+        !v.is_null() && !common.contains(&key.as_str()) && !known.contains(&key.as_str())
+    }) {
+        return Err(ConfigError::Unsupported {
+            key: format!("{prefix}{key}"),
+            value: v.to_string(),
+            why: format!("`rope_type` {rope_type} does not use it"),
+        });
+    }
+    Ok(Rope { theta, scaling })
+}
+
+fn invalid(field: &str, value: impl std::fmt::Display, why: &str) -> ConfigError {
     ConfigError::Invalid {
-        field,
+        field: field.to_string(),
         value: value.to_string(),
         why: why.to_string(),
     }
@@ -338,13 +724,248 @@ mod tests {
     }
 
     #[test]
-    fn json_round_trips_and_defaults_apply() {
-        let c = Qwen3Config::preset("small").unwrap();
-        assert_eq!(Qwen3Config::from_json(&c.to_json()).unwrap(), c);
+    fn json_round_trips_and_defaults_follow_transformers() {
+        for name in ["small", "qwen3-0.6b"] {
+            let c = Qwen3Config::preset(name).unwrap();
+            assert_eq!(Qwen3Config::from_json(&c.to_json()).unwrap(), c);
+        }
         let minimal = r#"{"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
-            "num_hidden_layers": 1, "vocab_size": 10}"#;
+            "num_hidden_layers": 1, "vocab_size": 10, "rope_theta": 10000.0}"#;
         let m = Qwen3Config::from_json(minimal).unwrap();
-        assert_eq!((m.head_dim, m.num_key_value_heads), (16, 4));
+        // transformers' Qwen3Config: head_dim 128 (not hidden / heads), KV heads = heads,
+        // 32768 positions, untied, eps 1e-6.
+        assert_eq!((m.head_dim, m.num_key_value_heads), (128, 4));
+        assert_eq!(m.max_position_embeddings, 32768);
+        assert!(!m.tie_word_embeddings);
+        assert_eq!(m.rms_norm_eps, 1e-6);
+        assert_eq!(m.rope, Rope::plain(1e4));
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+        "num_hidden_layers": 1, "vocab_size": 10, "head_dim": 16, "max_position_embeddings": 4096"#;
+
+    fn parse(extra: &str) -> Result<Qwen3Config, ConfigError> {
+        Qwen3Config::from_json(&format!("{{{BASE}, {extra}}}"))
+    }
+
+    #[test]
+    fn both_layouts_give_the_same_rope() {
+        let old = parse(r#""rope_theta": 1000000.0, "torch_dtype": "bfloat16""#).unwrap();
+        let new = parse(
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "dtype": "float32""#,
+        )
+        .unwrap();
+        assert_eq!(old.rope, Rope::plain(1e6));
+        assert_eq!(new.rope, old.rope);
+        assert_eq!(
+            (old.dtype.as_str(), new.dtype.as_str()),
+            ("bfloat16", "float32")
+        );
+        // Both, agreeing (as tools that write both layouts do).
+        let both = parse(
+            r#""rope_theta": 1000000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}"#,
+        )
+        .unwrap();
+        assert_eq!(both.rope, old.rope);
+        let yarn_old = parse(
+            r#""rope_theta": 1000000.0, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}"#,
+        )
+        .unwrap();
+        let yarn_new = parse(
+            r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 1024}"#,
+        )
+        .unwrap();
+        assert_eq!(yarn_old.rope, yarn_new.rope);
+        let RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate,
+        } = yarn_new.rope.scaling
+        else {
+            panic!("{:?}", yarn_new.rope)
+        };
+        assert_eq!(
+            (
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate
+            ),
+            (4.0, 1024, 32.0, 1.0, true)
+        );
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        let m = parse(
+            r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 2.0, "mscale_all_dim": 1.0}"#,
+        )
+        .unwrap();
+        let RopeScaling::Yarn {
+            attention_factor, ..
+        } = m.rope.scaling
+        else {
+            panic!()
+        };
+        let want = (0.2 * 4f64.ln() + 1.0) / (0.1 * 4f64.ln() + 1.0);
+        assert!((attention_factor - want).abs() < 1e-12);
+        for (t, s) in [
+            ("linear", RopeScaling::Linear { factor: 2.0 }),
+            ("dynamic", RopeScaling::Dynamic { factor: 2.0 }),
+        ] {
+            let c = parse(&format!(
+                r#""rope_parameters": {{"rope_type": "{t}", "rope_theta": 1e4, "factor": 2.0}}"#
+            ))
+            .unwrap();
+            assert_eq!(c.rope.scaling, s);
+            assert_eq!(Qwen3Config::from_json(&c.to_json()).unwrap(), c);
+        }
+        assert_eq!(
+            Qwen3Config::from_json(&yarn_new.to_json()).unwrap(),
+            yarn_new
+        );
+    }
+
+    /// Each refused key gives its own error naming the key and the value.
+    #[test]
+    fn every_unsupported_key_is_refused_by_name() {
+        let theta = r#""rope_theta": 1e4"#;
+        let cases: &[(&str, &str, &str)] = &[
+            (r#""model_type": "llama""#, "model_type", "llama"),
+            (
+                r#""architectures": ["Qwen3ForSequenceClassification"]"#,
+                "architectures",
+                "Qwen3ForSequenceClassification",
+            ),
+            (r#""hidden_act": "gelu""#, "hidden_act", "gelu"),
+            (r#""attention_bias": true"#, "attention_bias", "true"),
+            (r#""mlp_bias": true"#, "mlp_bias", "true"),
+            (
+                r#""use_sliding_window": true"#,
+                "use_sliding_window",
+                "true",
+            ),
+            (
+                r#""partial_rotary_factor": 0.5"#,
+                "partial_rotary_factor",
+                "0.5",
+            ),
+            (
+                r#""quantization_config": {"quant_method": "fp8"}"#,
+                "quantization_config",
+                "fp8",
+            ),
+            (
+                r#""layer_types": ["full_attention", "sliding_attention"]"#,
+                "layer_types[1]",
+                "sliding_attention",
+            ),
+        ];
+        for (extra, key, value) in cases {
+            let e = parse(&format!("{theta}, {extra}")).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::Unsupported { .. }),
+                "{extra}: {e:?}"
+            );
+            let e = e.to_string();
+            assert!(
+                e.contains(&format!("`{key}`")) && e.contains(value),
+                "{extra}: {e}"
+            );
+        }
+        let rope_cases: &[(&str, &str)] = &[
+            (
+                r#""rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}"#,
+                "rope_parameters.rope_type",
+            ),
+            (
+                r#""rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}"#,
+                "rope_parameters.rope_type",
+            ),
+            (
+                r#""rope_scaling": {"type": "su"}, "rope_theta": 1e4"#,
+                "rope_scaling.rope_type",
+            ),
+            (
+                r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}"#,
+                "rope_parameters.factor",
+            ),
+            (
+                r#""rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta_fast": 4}"#,
+                "rope_parameters.beta_fast",
+            ),
+            (
+                r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}"#,
+                "rope_parameters.partial_rotary_factor",
+            ),
+        ];
+        for (extra, key) in rope_cases {
+            let e = parse(extra).unwrap_err();
+            assert!(
+                matches!(e, ConfigError::Unsupported { .. }),
+                "{extra}: {e:?}"
+            );
+            assert!(e.to_string().contains(&format!("`{key}`")), "{extra}: {e}");
+        }
+        // Allowed values of the same keys pass.
+        parse(&format!(
+            r#"{theta}, "model_type": "qwen3", "hidden_act": "silu", "attention_bias": false,
+            "use_sliding_window": false, "sliding_window": null, "layer_types": ["full_attention"],
+            "architectures": ["Qwen3ForCausalLM"], "eos_token_id": [3, 4]"#
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn missing_and_malformed_values_are_named() {
+        // No RoPE base anywhere: refused, not 10000.
+        let e = parse(r#""dtype": "bfloat16""#).unwrap_err().to_string();
+        assert!(e.contains("rope_theta") && e.contains("missing"), "{e}");
+        let e = parse(r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rope_parameters.factor"), "{e}");
+        let e = parse(r#""rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("disagrees"), "{e}");
+        let e = parse(
+            r#""rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0.5}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("rope_parameters.factor"), "{e}");
+        for (extra, key) in [
+            (r#""rope_theta": "big""#, "rope_theta"),
+            (
+                r#""rope_theta": 1e4, "tie_word_embeddings": 1"#,
+                "tie_word_embeddings",
+            ),
+            (
+                r#""rope_theta": 1e4, "eos_token_id": [1, -2]"#,
+                "eos_token_id",
+            ),
+            (r#""rope_theta": 1e4, "eos_token_id": 99"#, "eos_token_id"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+        // Sizes beyond any model, and shapes whose byte counts overflow, are refused before
+        // anything multiplies them.
+        let e = Qwen3Config::from_json(
+            r#"{"hidden_size": 18446744073709551615, "num_attention_heads": 4, "intermediate_size": 128,
+            "num_hidden_layers": 1, "vocab_size": 10, "rope_theta": 1e4}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("hidden_size"), "{e}");
+        let mut c = Qwen3Config::preset("tiny").unwrap();
+        c.hidden_size = MAX_DIM;
+        c.intermediate_size = MAX_DIM;
+        c.num_hidden_layers = MAX_DIM;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
     }
 
     #[test]

@@ -13,9 +13,8 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 
 use super::config::Qwen3Config;
-use super::weights::{
-    KvCache, LayerWeights, PAGE_SIZE, PagedBatch, Qwen3Weights, RopeTables, TensorMut,
-};
+use super::rope::RopeTables;
+use super::weights::{KvCache, LayerWeights, PAGE_SIZE, PagedBatch, Qwen3Weights, TensorMut};
 use crate::rng::Rng;
 
 /// Progress callback: `(elements done, elements total)`; called from generator threads.
@@ -297,7 +296,7 @@ pub fn generate_fixture(
 ) -> Fixture {
     let mut config = config.clone();
     if let Some(theta) = opts.rope_theta {
-        config.rope_theta = theta;
+        config.rope.theta = theta;
     }
     let batch = PagedBatch::identity(vec![opts.seq_len; opts.batch], opts.max_seq, PAGE_SIZE);
     let mut kv = KvCache::zeros(&config, batch.num_pages(), PAGE_SIZE);
@@ -356,11 +355,7 @@ pub fn generate_fixture(
     let tokens = (0..opts.batch)
         .map(|_| (rng.next_u64() % config.vocab_size as u64) as u32)
         .collect();
-    let rope = RopeTables::new(
-        opts.max_seq.max(opts.seq_len),
-        config.head_dim,
-        config.rope_theta,
-    );
+    let rope = config.rope_tables(opts.max_seq.max(opts.seq_len));
     Fixture {
         weights,
         kv,
@@ -375,7 +370,7 @@ pub fn generate_fixture(
 pub fn fixture_config(config: &Qwen3Config, opts: &FixtureOptions) -> Qwen3Config {
     let mut c = config.clone();
     if let Some(theta) = opts.rope_theta {
-        c.rope_theta = theta;
+        c.rope.theta = theta;
     }
     c
 }

@@ -16,6 +16,7 @@ pub mod ops;
 mod orchestrate;
 pub mod plan;
 pub mod resident;
+pub mod rope;
 pub mod runner;
 pub mod weights;
 
@@ -29,5 +30,6 @@ pub use fixture::{
 };
 pub use plan::TilePolicy;
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
+pub use rope::{Rope, RopeScaling, RopeTables};
 pub use runner::{LayersOutput, Session, StepOutput};
-pub use weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};
+pub use weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights};

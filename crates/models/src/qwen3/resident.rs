@@ -8,7 +8,7 @@ use half::bf16;
 use simpler_core::{Buffer, Element, Worker};
 
 use super::config::Qwen3Config;
-use super::weights::{KvCache, LayerWeights, Qwen3Weights, RopeTables, Tensor};
+use super::weights::{KvCache, LayerWeights, Qwen3Weights, Tensor};
 
 /// Why a resident model, a KV cache or a runtime step could not be set up or run.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +88,7 @@ impl ResidentModel {
                 }
             }
         }
-        let rope = RopeTables::new(max_seq, c.head_dim, c.rope_theta);
+        let rope = c.rope_tables(max_seq);
         let layer_bytes: u64 = sets
             .iter()
             .flat_map(|s| s.tensors())

@@ -213,54 +213,6 @@ impl Qwen3Weights {
     }
 }
 
-/// RoPE cos/sin tables `[max_seq, head_dim]` with the two halves repeated:
-/// `cos[p, i] = cos(p * θ^(-2(i mod d/2)/d))`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RopeTables {
-    /// Positions covered.
-    pub max_seq: usize,
-    /// Head dimension.
-    pub head_dim: usize,
-    /// `[max_seq, head_dim]`.
-    pub cos: Vec<f32>,
-    /// `[max_seq, head_dim]`.
-    pub sin: Vec<f32>,
-}
-
-impl RopeTables {
-    /// Tables for positions `0..max_seq` (angles computed in f64, stored as f32).
-    pub fn new(max_seq: usize, head_dim: usize, theta: f64) -> RopeTables {
-        let half = head_dim / 2;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
-            .collect();
-        let mut cos = vec![0.0f32; max_seq * head_dim];
-        let mut sin = vec![0.0f32; max_seq * head_dim];
-        for p in 0..max_seq {
-            for i in 0..head_dim {
-                let a = p as f64 * inv[i % half.max(1)];
-                cos[p * head_dim + i] = a.cos() as f32;
-                sin[p * head_dim + i] = a.sin() as f32;
-            }
-        }
-        RopeTables {
-            max_seq,
-            head_dim,
-            cos,
-            sin,
-        }
-    }
-
-    /// The table rows of position `pos`: `(cos, sin)`, `head_dim` each.
-    pub fn row(&self, pos: usize) -> (&[f32], &[f32]) {
-        let d = self.head_dim;
-        (
-            &self.cos[pos * d..(pos + 1) * d],
-            &self.sin[pos * d..(pos + 1) * d],
-        )
-    }
-}
-
 /// Paged KV cache of every layer: two allocations (K and V), each holding all layers' pools
 /// back to back (layer stride = one pool of `[num_pages * page_size, kv_heads * head_dim]`).
 #[derive(Clone, Debug, PartialEq)]
@@ -440,14 +392,5 @@ mod tests {
         );
         assert_eq!(b.num_pages(), 4 * 43);
         b.check().unwrap();
-    }
-
-    #[test]
-    fn rope_tables_repeat_halves() {
-        let t = RopeTables::new(10, 8, 1e4);
-        let (c, s) = t.row(7);
-        assert_eq!(&c[..4], &c[4..]);
-        assert_eq!(&s[..4], &s[4..]);
-        assert!((c[0] - 7f32.cos()).abs() < 1e-6);
     }
 }

@@ -12,7 +12,8 @@ mod tolerance;
 use half::bf16;
 
 use super::config::Qwen3Config;
-use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights, RopeTables};
+use super::rope::RopeTables;
+use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights};
 
 pub use tolerance::{Agreement, Tolerance, check_argmax};
 
