@@ -1,6 +1,7 @@
 //! Checkpoint round trips (single file, sharded, `[in, out]` layout, bf16 norms) and every
 //! error path: missing config, missing weights, truncated file, missing tensor, wrong shape,
-//! unknown and unsupported dtypes, bad index.
+//! unknown and unsupported dtypes, bad index, tensors the model does not use; a tied head that
+//! ignores a stray `lm_head.weight`; headers checked before any weight is loaded.
 
 use std::path::{Path, PathBuf};
 
@@ -236,5 +237,129 @@ fn errors_name_the_tensor_and_the_file() {
         matches!(&e, CheckpointError::Io { file, .. } if file.ends_with("absent.safetensors")),
         "{e}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Rewrites `dir/model.safetensors` with `edit` applied to its tensors
+/// (`name -> (dtype, shape, bytes)`).
+fn rewrite(
+    dir: &Path,
+    edit: impl FnOnce(
+        &mut std::collections::BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+    ),
+) {
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut all: std::collections::BTreeMap<_, _> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    edit(&mut all);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = all
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &file).unwrap();
+}
+
+#[test]
+fn tensors_the_model_does_not_use_are_refused_by_name() {
+    let c = small();
+    let w = generate_weights(&c, 5, false, None);
+    let h = c.hidden_size;
+    for (extra, shape) in [
+        ("model.layers.0.self_attn.q_proj.bias", vec![c.q_width()]),
+        (
+            "model.layers.2.mlp.up_proj.weight",
+            vec![c.intermediate_size, h],
+        ),
+        ("model.rotary_emb.inv_freq", vec![c.head_dim / 2]),
+    ] {
+        let dir = tmp("unexpected");
+        save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+        rewrite(&dir, |t| {
+            let n: usize = shape.iter().product();
+            t.insert(
+                extra.into(),
+                (safetensors::Dtype::F32, shape.clone(), vec![0; 4 * n]),
+            );
+        });
+        let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+        assert!(
+            matches!(&e, CheckpointError::Unexpected { tensor, .. } if tensor == extra),
+            "{extra}: {e}"
+        );
+        assert!(e.to_string().contains(extra) && e.to_string().contains("model.safetensors"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_tied_checkpoint_uses_the_embedding_as_head_whatever_else_it_holds() {
+    let c = small();
+    assert!(c.tie_word_embeddings);
+    let w = generate_weights(&c, 6, false, None);
+    let dir = tmp("tied-head");
+    save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+    // A stray, different lm_head.weight, as some tools write beside a tied embedding.
+    rewrite(&dir, |t| {
+        let n = c.vocab_size * c.hidden_size;
+        let junk: Vec<u8> = (0..n)
+            .flat_map(|i| bf16::from_f32(i as f32).to_bits().to_le_bytes())
+            .collect();
+        t.insert(
+            "lm_head.weight".into(),
+            (
+                safetensors::Dtype::BF16,
+                vec![c.vocab_size, c.hidden_size],
+                junk,
+            ),
+        );
+    });
+    let loaded = load_checkpoint(&dir, &LoadOptions::default()).unwrap();
+    assert!(loaded.lm_head.is_none(), "the head must be the embedding");
+    assert_eq!(loaded.embedding, w.embedding);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_header_is_checked_before_any_weight_is_loaded() {
+    let c = small();
+    let w = generate_weights(&c, 8, false, None);
+    let dir = tmp("headers-first");
+    save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+    // The final norm is loaded last; a wrong shape there must fail before the first tensor
+    // is converted (the progress callback counts loaded tensors).
+    rewrite(&dir, |t| {
+        let n = c.hidden_size + 1;
+        t.insert(
+            "model.norm.weight".into(),
+            (safetensors::Dtype::F32, vec![n], vec![0; 4 * n]),
+        );
+    });
+    let ticks = std::sync::atomic::AtomicU64::new(0);
+    let p = |_d: u64, _t: u64| {
+        ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    };
+    let e = load_checkpoint(
+        &dir,
+        &LoadOptions {
+            progress: Some(&p),
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Shape { tensor, .. } if tensor == "model.norm.weight"),
+        "{e}"
+    );
+    assert_eq!(ticks.load(std::sync::atomic::Ordering::Relaxed), 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -91,6 +91,20 @@ pub enum CheckpointError {
         /// What the file holds.
         got: Vec<usize>,
     },
+    /// A tensor the model does not use (a bias, a layer past `num_hidden_layers`, ...): its
+    /// presence means the checkpoint is not the model the config describes.
+    #[error(
+        "tensor `{tensor}` in {} is not used by a Qwen3 model with this config.json (no biases, {layers} layers)",
+        file.display()
+    )]
+    Unexpected {
+        /// The tensor name.
+        tensor: String,
+        /// The file.
+        file: PathBuf,
+        /// `num_hidden_layers` of the config.
+        layers: usize,
+    },
     /// A tensor's dtype is not bf16, f16 or f32.
     #[error("tensor `{tensor}` in {}: dtype {dtype} not supported (BF16, F16, F32)", file.display())]
     Dtype {
@@ -226,10 +240,6 @@ impl<'a> Source<'a> {
         let view = st.tensor(name).map_err(|_| missing())?;
         Ok((path, view))
     }
-
-    fn has(&self, name: &str) -> bool {
-        self.get(name).is_ok()
-    }
 }
 
 /// Loads a Qwen3 checkpoint directory.
@@ -314,76 +324,152 @@ pub fn load_checkpoint(
     build(&config, &src, opts)
 }
 
+/// One tensor the model reads: its name, its shape in the model (`[rows, cols]`, `rows == 1`
+/// for vectors) and whether the file holds it transposed.
+struct Expected {
+    name: String,
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+impl Expected {
+    /// The shape the file must hold.
+    fn file_shape(&self) -> Vec<usize> {
+        if self.rows == 1 {
+            vec![self.cols]
+        } else if self.transposed {
+            vec![self.cols, self.rows]
+        } else {
+            vec![self.rows, self.cols]
+        }
+    }
+}
+
+/// Every tensor the config implies, in load order: the layers', the embedding, the final norm
+/// and (untied) the LM head. With `tie_word_embeddings` the head is the embedding, as in
+/// `transformers`, whatever else the file holds.
+fn expected_tensors(c: &Qwen3Config, layout: WeightLayout) -> Vec<Expected> {
+    let inout = layout == WeightLayout::InOut;
+    let mut out = Vec::new();
+    for l in 0..c.num_hidden_layers {
+        for (suffix, [rows, cols]) in LayerWeights::shapes(c) {
+            out.push(Expected {
+                name: format!("model.layers.{l}.{suffix}"),
+                rows,
+                cols,
+                transposed: inout && rows > 1,
+            });
+        }
+    }
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    out.push(Expected {
+        name: "model.embed_tokens.weight".into(),
+        rows: v,
+        cols: h,
+        transposed: false,
+    });
+    out.push(Expected {
+        name: "model.norm.weight".into(),
+        rows: 1,
+        cols: h,
+        transposed: false,
+    });
+    if !c.tie_word_embeddings {
+        out.push(Expected {
+            name: "lm_head.weight".into(),
+            rows: v,
+            cols: h,
+            transposed: inout,
+        });
+    }
+    out
+}
+
+/// Checks every header against the config before anything is allocated: each expected
+/// tensor exists with a supported dtype and the right shape, and the files hold nothing else
+/// (a tied checkpoint's `lm_head.weight` is allowed and unused).
+fn check_headers(
+    c: &Qwen3Config,
+    src: &Source<'_>,
+    expected: &[Expected],
+) -> Result<(), CheckpointError> {
+    for e in expected {
+        let (file, view) = src.get(&e.name)?;
+        if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(CheckpointError::Dtype {
+                tensor: e.name.clone(),
+                file: file.into(),
+                dtype: format!("{:?}", view.dtype()),
+            });
+        }
+        let want = e.file_shape();
+        if view.shape() != want.as_slice() {
+            return Err(CheckpointError::Shape {
+                tensor: e.name.clone(),
+                file: file.into(),
+                expected: want,
+                got: view.shape().to_vec(),
+            });
+        }
+    }
+    let names: std::collections::HashSet<&str> = expected.iter().map(|e| e.name.as_str()).collect();
+    let mut present: Vec<&String> = src.index.keys().collect();
+    present.sort();
+    for name in present {
+        let tied_head = c.tie_word_embeddings && name == "lm_head.weight";
+        if !names.contains(name.as_str()) && !tied_head {
+            let (file, _) = src.get(name)?;
+            return Err(CheckpointError::Unexpected {
+                tensor: name.clone(),
+                file: file.into(),
+                layers: c.num_hidden_layers,
+            });
+        }
+    }
+    Ok(())
+}
+
 fn build(
     c: &Qwen3Config,
     src: &Source<'_>,
     opts: &LoadOptions<'_>,
 ) -> Result<Qwen3Weights, CheckpointError> {
-    let n_layers = c.num_hidden_layers;
-    let tied_absent = !src.has("lm_head.weight");
-    if tied_absent && !c.tie_word_embeddings {
-        src.get("lm_head.weight")?;
-    }
-    let total = (n_layers * 11 + 2 + usize::from(!tied_absent)) as u64;
+    let expected = expected_tensors(c, opts.layout);
+    check_headers(c, src, &expected)?;
+    let total = expected.len() as u64;
+    let mut tensors = expected.iter();
     let mut done = 0u64;
-    let mut tick = || {
+    let mut load = |dest: TensorMut<'_>| -> Result<(), CheckpointError> {
+        let e = tensors.next().ok_or_else(|| CheckpointError::BadFile {
+            file: src.default_file.clone(),
+            why: "internal: fewer expected tensors than destinations".into(),
+        })?;
+        load_into(src, &e.name, e.rows, e.cols, e.transposed, dest)?;
         done += 1;
         if let Some(p) = opts.progress {
             p(done, total);
         }
+        Ok(())
     };
-    let mut layers = Vec::with_capacity(n_layers);
-    for l in 0..n_layers {
+    let mut layers = Vec::with_capacity(c.num_hidden_layers);
+    for _ in 0..c.num_hidden_layers {
         let mut lw = LayerWeights::zeros(c);
-        for ((suffix, [rows, cols]), dest) in LayerWeights::shapes(c).iter().zip(lw.tensors_mut()) {
-            let name = format!("model.layers.{l}.{suffix}");
-            let is_proj = *rows > 1;
-            load_into(
-                src,
-                &name,
-                *rows,
-                *cols,
-                is_proj && opts.layout == WeightLayout::InOut,
-                dest,
-            )?;
-            tick();
+        for dest in lw.tensors_mut() {
+            load(dest)?;
         }
         layers.push(Arc::new(lw));
     }
     let (h, v) = (c.hidden_size, c.vocab_size);
     let mut embedding = vec![bf16::ZERO; v * h];
-    load_into(
-        src,
-        "model.embed_tokens.weight",
-        v,
-        h,
-        false,
-        TensorMut::Bf16(&mut embedding),
-    )?;
-    tick();
+    load(TensorMut::Bf16(&mut embedding))?;
     let mut final_norm = vec![0.0f32; h];
-    load_into(
-        src,
-        "model.norm.weight",
-        1,
-        h,
-        false,
-        TensorMut::F32(&mut final_norm),
-    )?;
-    tick();
-    let lm_head = if tied_absent {
+    load(TensorMut::F32(&mut final_norm))?;
+    let lm_head = if c.tie_word_embeddings {
         None
     } else {
         let mut head = vec![bf16::ZERO; v * h];
-        load_into(
-            src,
-            "lm_head.weight",
-            v,
-            h,
-            opts.layout == WeightLayout::InOut,
-            TensorMut::Bf16(&mut head),
-        )?;
-        tick();
+        load(TensorMut::Bf16(&mut head))?;
         Some(head)
     };
     Ok(Qwen3Weights {
