@@ -31,7 +31,7 @@ use simpler_kernels_cpu::{
     GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
 };
 use simpler_models::qwen3::golden::PrefillChunk;
-use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, Session, StepCost, ops};
+use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, RunShape, Session, StepCost, ops};
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{ModelArgs, TileArgs, load_weights, upload};
@@ -257,16 +257,26 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     check_prompt_lens(&args.prompt_lens, None)?;
-    let worker = args.run.worker()?;
-    ops::register(&worker)?;
-    let cfg = args.run.call_config("prefill")?;
-    let peaks = machine_peaks(args.membw_seconds);
-    let mut weights = load_weights(&args.model, None, false)?;
-    let c = weights.config.clone();
+    let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;
     let layers = c.num_hidden_layers;
     let page = 128;
     let longest = args.prompt_lens.iter().copied().max().unwrap_or(1);
+    args.model.check_memory(
+        &c,
+        &RunShape {
+            layers,
+            shared_weights: false,
+            kv_slots: longest.next_multiple_of(page),
+            max_seq: longest.next_multiple_of(page),
+            step_tokens: longest,
+        },
+    )?;
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let cfg = args.run.call_config("prefill")?;
+    let peaks = machine_peaks(args.membw_seconds);
+    let mut weights = load_weights(&args.model, &c, false)?;
     let model = upload(&worker, &mut weights, longest.next_multiple_of(page))?;
     println!(
         "simpler bench qwen3-prefill: {}, {layers} layers (hidden {}, intermediate {}, vocab {}); one prefill step per prompt from an empty cache (embedding, layers, LM head and argmax for the last position); {} cores",

@@ -11,11 +11,12 @@ use clap::Args;
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 use simpler_core::Worker;
+use simpler_cpu::host_memory;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
-    FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel,
-    RopeTables, Session, TilePolicy, WeightLayout, generate_inputs, generate_kv_pools,
-    generate_weights, load_checkpoint,
+    FixtureOptions, KvBuffers, LoadOptions, MemoryEstimate, PagedBatch, Qwen3Config, Qwen3Weights,
+    ResidentModel, RunShape, Session, TilePolicy, WeightLayout, generate_inputs, generate_kv_pools,
+    generate_weights, load_checkpoint, load_config,
 };
 
 /// Where the model comes from.
@@ -35,6 +36,10 @@ pub(crate) struct ModelArgs {
     /// Seed of the random weights, KV pools and inputs.
     #[arg(long, default_value_t = 1234)]
     pub(crate) seed: u64,
+    /// Most memory the run may take, in GB [default: what the machine has available: the
+    /// smaller of MemAvailable and the room under the cgroup limit].
+    #[arg(long, value_name = "GB")]
+    pub(crate) memory_budget: Option<f64>,
 }
 
 impl ModelArgs {
@@ -52,6 +57,88 @@ impl ModelArgs {
 
     fn preset_name(&self) -> &str {
         self.preset.as_deref().unwrap_or("qwen3-0.6b")
+    }
+
+    /// The configuration the command will run, read before any weight is generated or
+    /// loaded (a checkpoint's `config.json` only), with `layers` applied.
+    pub(crate) fn config(&self, layers: Option<usize>) -> Result<Qwen3Config> {
+        let mut c = match &self.model {
+            Some(dir) => load_config(dir)?,
+            None => Qwen3Config::preset(self.preset_name())?,
+        };
+        if let Some(n) = layers {
+            if n == 0 || n > c.num_hidden_layers {
+                bail!("--layers {n}: the model has {} layers", c.num_hidden_layers);
+            }
+            c.num_hidden_layers = n;
+        }
+        Ok(c)
+    }
+
+    /// Refuses sequences longer than the model's `max_position_embeddings` (`flag` names what
+    /// set the length).
+    pub(crate) fn check_positions(c: &Qwen3Config, longest: usize, flag: &str) -> Result<()> {
+        if longest > c.max_position_embeddings {
+            bail!(
+                "{flag}: sequences reach {longest} tokens, past the model's max_position_embeddings of {} (RoPE {} beyond that is not what the checkpoint was configured for)",
+                c.max_position_embeddings,
+                c.rope.type_name()
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses a run of `c` shaped `shape` that cannot fit in the memory available (or the
+    /// `--memory-budget`), before anything is allocated: the message gives the estimate item
+    /// by item and the ways out. Prints the estimate otherwise.
+    pub(crate) fn check_memory(&self, c: &Qwen3Config, shape: &RunShape) -> Result<()> {
+        let need = MemoryEstimate::of(c, shape)?;
+        let machine = host_memory::available();
+        let (limit, source) = match (self.memory_budget, &machine) {
+            (Some(gb), _) if !(gb.is_finite() && gb > 0.0) => {
+                bail!("--memory-budget {gb}: give a positive number of GB")
+            }
+            (Some(gb), Some(m)) if (m.available as f64) < gb * 1e9 => (
+                m.available,
+                format!("{} (below --memory-budget {gb})", m.source),
+            ),
+            (Some(gb), _) => ((gb * 1e9) as u64, "--memory-budget".to_string()),
+            (None, Some(m)) => (m.available, m.source.clone()),
+            (None, None) => {
+                eprintln!(
+                    "memory: this run needs about {:.2} GB; the available memory could not be read, so it is not checked",
+                    need.total() as f64 / 1e9
+                );
+                return Ok(());
+            }
+        };
+        let gb = |b: u64| b as f64 / 1e9;
+        if need.total() > limit {
+            let mut ways = Vec::new();
+            if shape.layers > 1 {
+                ways.push(format!("--layers N (fewer than {})", shape.layers));
+            }
+            if self.model.is_none() && !shape.shared_weights && shape.layers > 1 {
+                ways.push("--shared-weights (one weight set for every layer)".into());
+            }
+            if self.model.is_none() {
+                ways.push("a smaller --preset (qwen3-8b, qwen3-1.7b, qwen3-0.6b)".into());
+            }
+            ways.push("a shorter context (--max-seq, --seq-len or fewer tokens)".into());
+            bail!(
+                "this run needs about {:.2} GB but {:.2} GB is available ({source}): {}. Ways out: {}",
+                gb(need.total()),
+                gb(limit),
+                need.describe(),
+                ways.join("; ")
+            );
+        }
+        eprintln!(
+            "memory: about {:.2} GB needed of {:.2} GB available ({source})",
+            gb(need.total()),
+            gb(limit)
+        );
+        Ok(())
     }
 }
 
@@ -136,11 +223,12 @@ pub(crate) fn progress(len: u64, what: &str, bytes: bool) -> ProgressBar {
     pb
 }
 
-/// Generates (preset) or loads (checkpoint) the weights, keeping `layers` layers when given.
-/// `shared` gives every layer one weight set (presets only).
+/// Generates (preset) or loads (checkpoint) the weights of `config` (from
+/// [`ModelArgs::config`], so `--layers` is already applied). `shared` gives every layer one
+/// weight set (presets only).
 pub(crate) fn load_weights(
     args: &ModelArgs,
-    layers: Option<usize>,
+    config: &Qwen3Config,
     shared: bool,
 ) -> Result<Qwen3Weights> {
     if let Some(dir) = &args.model {
@@ -159,35 +247,19 @@ pub(crate) fn load_weights(
                 WeightLayout::OutIn
             },
             progress: Some(&tick),
+            layers: Some(config.num_hidden_layers),
         };
-        let mut w = load_checkpoint(dir, &opts)
+        let w = load_checkpoint(dir, &opts)
             .with_context(|| format!("loading checkpoint {}", dir.display()))?;
         pb.finish_and_clear();
-        if let Some(n) = layers {
-            if n == 0 || n > w.config.num_hidden_layers {
-                bail!(
-                    "--layers {n}: the checkpoint has {} layers",
-                    w.config.num_hidden_layers
-                );
-            }
-            w.layers.truncate(n);
-            w.config.num_hidden_layers = n;
-        }
         return Ok(w);
-    }
-    let mut config = Qwen3Config::preset(args.preset_name())?;
-    if let Some(n) = layers {
-        if n == 0 {
-            bail!("--layers must be at least 1");
-        }
-        config.num_hidden_layers = n;
     }
     let pb = progress(0, "generating", false);
     let tick = |d: u64, t: u64| {
         pb.set_length(t);
         pb.set_position(d);
     };
-    let w = generate_weights(&config, args.seed, shared, Some(&tick));
+    let w = generate_weights(config, args.seed, shared, Some(&tick));
     pb.finish_and_clear();
     Ok(w)
 }

@@ -12,7 +12,8 @@ use simpler_core::{RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
 use simpler_models::qwen3::check::compare_step;
-use simpler_models::qwen3::{PagedBatch, Session, StepCost, ops};
+use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
 
 use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
@@ -145,13 +146,25 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     if max_seq < last_len {
         bail!("--max-seq {max_seq} is shorter than seq-len + steps - 1 = {last_len}");
     }
+    let c = args.model.config(args.layers)?;
+    ModelArgs::check_positions(&c, max_seq, "--seq-len/--steps/--max-seq")?;
+    let blocks = max_seq.div_ceil(PAGE_SIZE);
+    args.model.check_memory(
+        &c,
+        &RunShape {
+            layers: c.num_hidden_layers,
+            shared_weights: args.shared_weights,
+            kv_slots: args.batch * blocks * PAGE_SIZE,
+            max_seq: blocks * PAGE_SIZE,
+            step_tokens: args.batch,
+        },
+    )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let cfg = args.run.call_config("decode")?;
     let peaks = machine_peaks(args.membw_seconds);
 
-    let mut weights = load_weights(&args.model, args.layers, args.shared_weights)?;
-    let c = weights.config.clone();
+    let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
     let with_head = args.variant == Variant::Model;
     let case = DecodeCase::new(

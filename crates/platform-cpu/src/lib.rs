@@ -5,6 +5,8 @@
 //! idle (the core's scheduler spins for a few tens of microseconds, yielding, then parks), so a
 //! 2-core machine still gives the orchestrator thread its share.
 
+pub mod host_memory;
+
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 use std::thread::JoinHandle;

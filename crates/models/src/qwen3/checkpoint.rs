@@ -134,6 +134,9 @@ pub struct LoadOptions<'a> {
     pub layout: WeightLayout,
     /// Progress: `(tensors done, tensors total)`.
     pub progress: Option<Progress<'a>>,
+    /// Load only the first this many layers (the returned config says so); the others'
+    /// tensors are neither checked nor read.
+    pub layers: Option<usize>,
 }
 
 impl std::fmt::Debug for LoadOptions<'_> {
@@ -141,6 +144,7 @@ impl std::fmt::Debug for LoadOptions<'_> {
         f.debug_struct("LoadOptions")
             .field("layout", &self.layout)
             .field("progress", &self.progress.is_some())
+            .field("layers", &self.layers)
             .finish()
     }
 }
@@ -242,11 +246,8 @@ impl<'a> Source<'a> {
     }
 }
 
-/// Loads a Qwen3 checkpoint directory.
-pub fn load_checkpoint(
-    dir: &Path,
-    opts: &LoadOptions<'_>,
-) -> Result<Qwen3Weights, CheckpointError> {
+/// Reads and validates a checkpoint directory's `config.json` (nothing else is opened).
+pub fn load_config(dir: &Path) -> Result<Qwen3Config, CheckpointError> {
     let config_path = dir.join("config.json");
     if !config_path.exists() {
         return Err(CheckpointError::MissingConfig {
@@ -254,10 +255,62 @@ pub fn load_checkpoint(
         });
     }
     let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
-    let config = Qwen3Config::from_json(&text).map_err(|source| CheckpointError::Config {
-        file: config_path.clone(),
+    Qwen3Config::from_json(&text).map_err(|source| CheckpointError::Config {
+        file: config_path,
         source,
-    })?;
+    })
+}
+
+/// The end-of-sequence ids of a checkpoint directory: `generation_config.json`'s
+/// `eos_token_id` when the file names one (what `transformers`' `generate` stops at), else
+/// `config.json`'s (already in `config`).
+pub fn eos_token_ids(dir: &Path, config: &Qwen3Config) -> Result<Vec<u32>, CheckpointError> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(config.eos_token_ids.clone());
+    }
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let bad = |source: ConfigError| CheckpointError::Config {
+        file: path.clone(),
+        source,
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(ConfigError::Parse(e.to_string())))?;
+    let ids = super::config::token_ids(v.get("eos_token_id"), "eos_token_id").map_err(bad)?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+        return Err(bad(ConfigError::Invalid {
+            field: "eos_token_id".into(),
+            value: id.to_string(),
+            why: format!("is outside the vocabulary of {}", config.vocab_size),
+        }));
+    }
+    Ok(if ids.is_empty() {
+        config.eos_token_ids.clone()
+    } else {
+        ids
+    })
+}
+
+/// Loads a Qwen3 checkpoint directory.
+pub fn load_checkpoint(
+    dir: &Path,
+    opts: &LoadOptions<'_>,
+) -> Result<Qwen3Weights, CheckpointError> {
+    let mut config = load_config(dir)?;
+    let all_layers = config.num_hidden_layers;
+    if let Some(n) = opts.layers {
+        if n == 0 || n > all_layers {
+            return Err(CheckpointError::Config {
+                file: dir.join("config.json"),
+                source: ConfigError::Invalid {
+                    field: "num_hidden_layers".into(),
+                    value: all_layers.to_string(),
+                    why: format!("{n} layers were asked for"),
+                },
+            });
+        }
+        config.num_hidden_layers = n;
+    }
 
     // Which files to map.
     let single = dir.join("model.safetensors");
@@ -321,7 +374,7 @@ pub fn load_checkpoint(
         default_file,
         named,
     };
-    build(&config, &src, opts)
+    build(&config, all_layers, &src, opts)
 }
 
 /// One tensor the model reads: its name, its shape in the model (`[rows, cols]`, `rows == 1`
@@ -391,6 +444,7 @@ fn expected_tensors(c: &Qwen3Config, layout: WeightLayout) -> Vec<Expected> {
 /// (a tied checkpoint's `lm_head.weight` is allowed and unused).
 fn check_headers(
     c: &Qwen3Config,
+    all_layers: usize,
     src: &Source<'_>,
     expected: &[Expected],
 ) -> Result<(), CheckpointError> {
@@ -418,12 +472,17 @@ fn check_headers(
     present.sort();
     for name in present {
         let tied_head = c.tie_word_embeddings && name == "lm_head.weight";
-        if !names.contains(name.as_str()) && !tied_head {
+        // A layer the config has but this load skips: named like one the model reads.
+        let skipped = (c.num_hidden_layers..all_layers).any(|l| {
+            name.strip_prefix(&format!("model.layers.{l}."))
+                .is_some_and(|rest| names.contains(format!("model.layers.0.{rest}").as_str()))
+        });
+        if !names.contains(name.as_str()) && !tied_head && !skipped {
             let (file, _) = src.get(name)?;
             return Err(CheckpointError::Unexpected {
                 tensor: name.clone(),
                 file: file.into(),
-                layers: c.num_hidden_layers,
+                layers: all_layers,
             });
         }
     }
@@ -432,11 +491,12 @@ fn check_headers(
 
 fn build(
     c: &Qwen3Config,
+    all_layers: usize,
     src: &Source<'_>,
     opts: &LoadOptions<'_>,
 ) -> Result<Qwen3Weights, CheckpointError> {
     let expected = expected_tensors(c, opts.layout);
-    check_headers(c, src, &expected)?;
+    check_headers(c, all_layers, src, &expected)?;
     let total = expected.len() as u64;
     let mut tensors = expected.iter();
     let mut done = 0u64;

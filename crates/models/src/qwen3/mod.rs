@@ -12,6 +12,7 @@ pub mod config;
 pub mod cost;
 pub mod fixture;
 pub mod golden;
+pub mod memory;
 pub mod ops;
 mod orchestrate;
 pub mod plan;
@@ -21,13 +22,15 @@ pub mod runner;
 pub mod weights;
 
 pub use checkpoint::{
-    CheckpointError, LoadOptions, SaveOptions, WeightLayout, load_checkpoint, save_checkpoint,
+    CheckpointError, LoadOptions, SaveOptions, WeightLayout, eos_token_ids, load_checkpoint,
+    load_config, save_checkpoint,
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use cost::StepCost;
 pub use fixture::{
     Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
 };
+pub use memory::{MemoryEstimate, RunShape};
 pub use plan::TilePolicy;
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
 pub use rope::{Rope, RopeScaling, RopeTables};

@@ -1,0 +1,186 @@
+//! What a Qwen3 run holds in memory, item by item, computed from the configuration alone so a
+//! command can refuse a run that cannot fit before it allocates or generates anything.
+//!
+//! The figures follow what the commands do: weights are generated or loaded on the host, then
+//! copied into worker buffers (the host keeps its layer weights for the golden check and drops
+//! the embedding and LM head after the copy, so both copies exist at the peak); the KV cache
+//! lives in worker buffers and is filled one layer's pools at a time from the host. Every
+//! product is checked: a shape whose byte count overflows is an error, not a wrapped number.
+
+use super::config::Qwen3Config;
+
+/// The shape of a run, as far as memory is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunShape {
+    /// Layers run (the config's, or fewer with `--layers`).
+    pub layers: usize,
+    /// Every layer uses one weight set.
+    pub shared_weights: bool,
+    /// KV slots per layer (pages × page size).
+    pub kv_slots: usize,
+    /// Positions the RoPE tables cover.
+    pub max_seq: usize,
+    /// Most tokens one step processes (decode batch, or a prefill chunk).
+    pub step_tokens: usize,
+}
+
+/// One item of an estimate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryItem {
+    /// What it is.
+    pub what: &'static str,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// The memory a run needs at its peak.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// The items, largest concerns first.
+    pub items: Vec<MemoryItem>,
+}
+
+/// A shape whose byte counts overflow `u64`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the memory of this run overflows 64 bits ({0})")]
+pub struct MemoryOverflow(pub &'static str);
+
+fn mul(what: &'static str, xs: &[usize]) -> Result<u64, MemoryOverflow> {
+    xs.iter().try_fold(1u64, |acc, &x| {
+        acc.checked_mul(x as u64).ok_or(MemoryOverflow(what))
+    })
+}
+
+impl MemoryEstimate {
+    /// The estimate for `c` run as `shape`.
+    pub fn of(c: &Qwen3Config, shape: &RunShape) -> Result<MemoryEstimate, MemoryOverflow> {
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let q = c.num_attention_heads * c.head_dim;
+        let kv = c.num_key_value_heads * c.head_dim;
+        let i = c.intermediate_size;
+        let sets = if shared_weights(shape) {
+            1
+        } else {
+            shape.layers
+        };
+        let proj = [
+            mul("q_proj", &[q, h, 2])?,
+            mul("k/v_proj", &[kv, h, 4])?,
+            mul("o_proj", &[h, q, 2])?,
+            mul("mlp", &[i, h, 6])?,
+            mul("norms", &[2 * h + 2 * c.head_dim, 4])?,
+        ]
+        .iter()
+        .try_fold(0u64, |a, &b| a.checked_add(b))
+        .ok_or(MemoryOverflow("layer"))?;
+        let layers = proj
+            .checked_mul(sets as u64)
+            .ok_or(MemoryOverflow("layers"))?;
+        let table = mul("embedding", &[v, h, 2])?;
+        let head = if c.tie_word_embeddings { 0 } else { table };
+        let resident_weights = layers
+            .checked_add(table)
+            .and_then(|x| x.checked_add(head))
+            .and_then(|x| x.checked_add(4 * h as u64))
+            .ok_or(MemoryOverflow("weights"))?;
+        let rope = mul("RoPE tables", &[shape.max_seq, c.head_dim, 8])?;
+        let kv_cache = mul("KV cache", &[shape.layers, shape.kv_slots, kv, 4])?;
+        let host_pool = mul("KV pools", &[shape.kv_slots, kv, 4])?;
+        // Per token of a step: fp32 residual, norms and projections, the MLP's three rows, the
+        // logits, with room for the runtime's packed copies.
+        let per_token = mul("activations", &[8 * h + 2 * q + 2 * kv + 3 * i + v, 4])?;
+        let activations = per_token
+            .checked_mul(shape.step_tokens.max(1) as u64)
+            .ok_or(MemoryOverflow("activations"))?;
+        Ok(MemoryEstimate {
+            items: vec![
+                MemoryItem {
+                    what: "weights on the host (generated or loaded; layers kept for the check)",
+                    bytes: resident_weights,
+                },
+                MemoryItem {
+                    what: "weights resident in worker buffers",
+                    bytes: resident_weights.saturating_add(rope),
+                },
+                MemoryItem {
+                    what: "KV cache",
+                    bytes: kv_cache,
+                },
+                MemoryItem {
+                    what: "one layer's KV pools on the host while filling or checking",
+                    bytes: host_pool,
+                },
+                MemoryItem {
+                    what: "step activations",
+                    bytes: activations,
+                },
+            ],
+        })
+    }
+
+    /// The sum of the items.
+    pub fn total(&self) -> u64 {
+        self.items
+            .iter()
+            .fold(0u64, |a, i| a.saturating_add(i.bytes))
+    }
+
+    /// One line per item, in GB.
+    pub fn describe(&self) -> String {
+        self.items
+            .iter()
+            .map(|i| format!("{:.2} GB {}", i.bytes as f64 / 1e9, i.what))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+fn shared_weights(shape: &RunShape) -> bool {
+    shape.shared_weights || shape.layers <= 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_14b_preset_needs_two_copies_of_its_weights_and_shared_weights_one_layer() {
+        let c = Qwen3Config::preset("qwen3-14b").unwrap();
+        let shape = RunShape {
+            layers: 40,
+            shared_weights: false,
+            kv_slots: 384,
+            max_seq: 384,
+            step_tokens: 1,
+        };
+        let e = MemoryEstimate::of(&c, &shape).unwrap();
+        // 40 layers of ~0.66 GB plus two 1.56 GB tables, twice.
+        let weights = c.num_hidden_layers * c.layer_weight_bytes() + 2 * 2 * 151_936 * 5120;
+        assert!((e.items[0].bytes as f64 / weights as f64 - 1.0).abs() < 1e-3);
+        assert!(e.total() > 2 * weights as u64);
+        let shared = MemoryEstimate::of(
+            &c,
+            &RunShape {
+                shared_weights: true,
+                ..shape
+            },
+        )
+        .unwrap();
+        assert!(shared.total() < 10_000_000_000, "{}", shared.describe());
+        // KV: 40 layers x 384 slots x 1024 wide x K and V x bf16.
+        assert_eq!(e.items[2].bytes, 40 * 384 * 1024 * 4);
+    }
+
+    #[test]
+    fn overflowing_shapes_are_errors() {
+        let c = Qwen3Config::preset("tiny").unwrap();
+        let shape = RunShape {
+            layers: 2,
+            shared_weights: false,
+            kv_slots: usize::MAX / 2,
+            max_seq: 128,
+            step_tokens: 1,
+        };
+        assert!(MemoryEstimate::of(&c, &shape).is_err());
+    }
+}
