@@ -245,3 +245,70 @@ fn combine_of_partials_equals_one_chunk() {
             .all(|r| r[0] == f32::NEG_INFINITY && r[1..].iter().all(|&v| v == 0.0))
     );
 }
+
+/// Classifies a value for the path comparison: the same class and, when finite, close.
+fn same_class(a: f32, b: f32) -> bool {
+    (a.is_nan() && b.is_nan())
+        || (a.is_infinite() && a == b)
+        || (a.is_finite() && b.is_finite() && (a - b).abs() <= 1e-2 * (1.0 + a.abs()))
+}
+
+/// Non-finite keys make non-finite scores: an infinite or NaN score poisons the softmax, a
+/// score of minus infinity only drops its token. Both paths must agree on which, element by
+/// element.
+#[test]
+fn non_finite_scores_behave_the_same_on_both_paths() {
+    let mut rng = Rng(31);
+    let (hd, ps, group) = (64usize, 16usize, 2usize);
+    // q > 0 everywhere, so a key of +inf gives a score of +inf and -inf gives -inf; NaN gives
+    // NaN.
+    let q: Vec<bf16> = (0..group * hd)
+        .map(|_| bf16::from_f32(0.1 + 0.5 * rng.uniform().abs()))
+        .collect();
+    for (poison, finite_out) in [
+        (f32::NEG_INFINITY, true),
+        (f32::INFINITY, false),
+        (f32::NAN, false),
+    ] {
+        let mut s = Setup::new(1, 4, 1, hd, ps, &mut rng);
+        let slot = |t: usize| s.tables[0][t / ps] as usize * ps + t % ps;
+        // Token 9's key: one dimension poisoned.
+        let at = slot(9) * hd + 5;
+        s.k[at] = bf16::from_f32(poison);
+        let len = 40;
+        let (p, a) = both(|| {
+            let mut out = vec![bf16::ZERO; group * hd];
+            decode_attention_bf16(&q, group, &s.kv(), &s.tables[0], 0, len, 3, 0.125, &mut out);
+            to_f32(&out)
+        });
+        assert_eq!(
+            p.iter().all(|v| v.is_finite()),
+            finite_out,
+            "portable, key {poison}: {:?}",
+            &p[..4]
+        );
+        if finite_out {
+            // Minus infinity drops the token: the result is attention over the other 39.
+            let qf = to_f32(&q[..hd]);
+            let mut s2 = Setup {
+                k: s.k.clone(),
+                ..Setup::new(1, 4, 1, hd, ps, &mut Rng(0))
+            };
+            s2.v.clone_from(&s.v);
+            s2.tables.clone_from(&s.tables);
+            s2.k[at] = bf16::from_f32(-1e30);
+            let want = s2.reference(0, 0, &qf, len, 0.125);
+            for (d, (&g, &w)) in p[..hd].iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 2e-2 + 5e-3 * w.abs(), "d {d}: {g} vs {w}");
+            }
+        }
+        if let Some(a) = a {
+            for (i, (&x, &y)) in p.iter().zip(&a).enumerate() {
+                assert!(
+                    same_class(x, y),
+                    "key {poison}, element {i}: portable {x} vs avx2 {y}"
+                );
+            }
+        }
+    }
+}

@@ -180,3 +180,44 @@ proptest! {
         check(&c, GemmTile { n: n0..n1, k: k0..k1, mode }, scaled, seed);
     }
 }
+
+/// Non-finite weights (a corrupt LM-head row) give the same non-finite logits on both paths,
+/// and the greedy pick skips NaN the same way whichever path produced them.
+#[test]
+fn non_finite_weights_give_the_same_logits_on_both_paths() {
+    let (n, k, batch) = (40, 96, 3);
+    let mut c = case(n, k, batch, 77);
+    c.w[3 * k + 10] = bf16::from_f32(f32::INFINITY);
+    c.w[7 * k + 2] = bf16::from_f32(f32::NAN);
+    c.w[11 * k + 50] = bf16::from_f32(f32::NEG_INFINITY);
+    let tile = GemmTile::full(&WeightsBf16::new(&c.w, n, k));
+    let (p, a) = both(|| run(&c, &tile, None, &vec![0.0; batch * n], n));
+    for b in 0..batch {
+        let row = &p[b * n..(b + 1) * n];
+        // Row 7 holds NaN for every batch row; rows 3 and 11 are infinite unless the activation
+        // at that column is zero.
+        assert!(row[7].is_nan(), "batch {b}: {}", row[7]);
+        assert!(
+            row[3].is_infinite() || row[3].is_nan(),
+            "batch {b}: {}",
+            row[3]
+        );
+        let pick = simpler_kernels_cpu::argmax_f32(row).map(|(i, _)| i);
+        assert_ne!(pick, Some(7), "NaN must never be picked");
+    }
+    if let Some(a) = a {
+        for (i, (&x, &y)) in p.iter().zip(&a).enumerate() {
+            let same = (x.is_nan() && y.is_nan())
+                || (x.is_infinite() && x == y)
+                || (x.is_finite() && y.is_finite() && (x - y).abs() <= 1e-4 * (1.0 + x.abs()));
+            assert!(same, "element {i}: portable {x} vs avx2 {y}");
+        }
+        for b in 0..batch {
+            assert_eq!(
+                simpler_kernels_cpu::argmax_f32(&p[b * n..(b + 1) * n]).map(|(i, _)| i),
+                simpler_kernels_cpu::argmax_f32(&a[b * n..(b + 1) * n]).map(|(i, _)| i),
+                "batch {b}"
+            );
+        }
+    }
+}

@@ -79,9 +79,31 @@ fn round_trip_sharded_in_out_layout_untied() {
         &LoadOptions {
             layout: WeightLayout::InOut,
             progress: None,
+            layers: None,
         },
     )
     .unwrap();
+    // The first layer only: the second layer's tensors are skipped, not refused.
+    let first = load_checkpoint(
+        &dir,
+        &LoadOptions {
+            layout: WeightLayout::InOut,
+            layers: Some(1),
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((first.layers.len(), first.config.num_hidden_layers), (1, 1));
+    assert_eq!(first.layers[0].wq, w0.layers[0].wq);
+    for n in [0, c.num_hidden_layers + 1] {
+        let opts = LoadOptions {
+            layout: WeightLayout::InOut,
+            layers: Some(n),
+            ..LoadOptions::default()
+        };
+        let e = load_checkpoint(&dir, &opts).unwrap_err().to_string();
+        assert!(e.contains("num_hidden_layers"), "{e}");
+    }
     for (a, b) in w.layers.iter().zip(&w0.layers) {
         assert_eq!(a.wq, b.wq);
         assert_eq!(a.w_down, b.w_down);
