@@ -236,5 +236,5 @@ fn full_model_argmax_matches_the_golden() {
     Tolerance::STACK
         .check("hidden after all layers", &x, &want.hidden)
         .unwrap();
-    golden::check_argmax(&next, &want.next_tokens).unwrap();
+    golden::check_argmax(&next, &want.next_tokens, &want.logits, Tolerance::STACK).unwrap();
 }

@@ -165,7 +165,13 @@ fn full_model_matches_golden_with(seq_lens: &[usize], cfg: &CallConfig, tile_byt
     Tolerance::STACK
         .check("logits", &got.logits, &want.logits)
         .unwrap();
-    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    golden::check_argmax(
+        &got.next_tokens,
+        &want.next_tokens,
+        &want.logits,
+        Tolerance::STACK,
+    )
+    .unwrap();
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
@@ -187,7 +193,13 @@ fn batch_64_full_model_matches_the_golden() {
     Tolerance::STACK
         .check("hidden", &got.hidden, &want.hidden)
         .unwrap();
-    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    golden::check_argmax(
+        &got.next_tokens,
+        &want.next_tokens,
+        &want.logits,
+        Tolerance::STACK,
+    )
+    .unwrap();
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
@@ -357,7 +369,13 @@ fn prefill_matches_the_golden() {
     Tolerance::STACK
         .check("prefill hidden", &got.hidden, &want.hidden)
         .unwrap();
-    golden::check_argmax(&got.next_tokens, &want.next_tokens).unwrap();
+    golden::check_argmax(
+        &got.next_tokens,
+        &want.next_tokens,
+        &want.logits,
+        Tolerance::STACK,
+    )
+    .unwrap();
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 

@@ -161,7 +161,7 @@ pub fn compare_step(
             100.0 * ag.fraction(),
             ag.max_abs
         ));
-        golden::check_argmax(ids, want_ids)?;
+        golden::check_argmax(ids, want_ids, want_logits, tol)?;
         lines.push(format!("argmax identical for all {} rows", ids.len()));
     }
     Ok(lines)
