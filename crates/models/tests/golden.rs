@@ -4,9 +4,7 @@
 
 use half::bf16;
 use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
-use simpler_models::qwen3::{
-    FixtureOptions, KvCache, PagedBatch, Qwen3Config, RopeTables, generate_fixture,
-};
+use simpler_models::qwen3::{FixtureOptions, KvCache, PagedBatch, Qwen3Config, generate_fixture};
 
 fn tiny() -> Qwen3Config {
     Qwen3Config::preset("tiny").unwrap()

@@ -494,7 +494,7 @@ fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
             .as_array()
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        if !names.iter().any(|n| *n == "Qwen3ForCausalLM") {
+        if !names.contains(&"Qwen3ForCausalLM") {
             return Err(ConfigError::Unsupported {
                 key: "architectures".into(),
                 value: v.to_string(),

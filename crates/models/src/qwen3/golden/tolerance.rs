@@ -118,7 +118,8 @@ impl Tolerance {
         let ag = self.compare(actual, expected);
         let w = ag.worst;
         let cap = self.outlier_cap * (self.atol + self.rtol * expected[w].abs());
-        if ag.n > 0 && !((actual[w] - expected[w]).abs() <= cap) {
+        let diff = (actual[w] - expected[w]).abs();
+        if ag.n > 0 && (diff > cap || diff.is_nan()) {
             return Err(format!(
                 "{what}: [{w}] is {} vs {}, beyond {} times the tolerance {} + {}|e| that even the permitted misses must meet",
                 actual[w], expected[w], self.outlier_cap, self.atol, self.rtol
