@@ -274,3 +274,27 @@ fn a_wrong_rope_base_or_an_ignored_scaling_is_caught() {
         );
     }
 }
+
+/// A step past `max_position_embeddings` is refused by the session itself, and the session
+/// stays usable.
+#[test]
+fn a_step_past_max_position_embeddings_is_refused_and_the_session_goes_on() {
+    let dir = fixtures().join("yarn_v4_sharded");
+    let weights = load_checkpoint(&dir, &LoadOptions::default()).unwrap();
+    let c = weights.config.clone();
+    assert_eq!(c.max_position_embeddings, 64);
+    let w = worker();
+    let batch = PagedBatch::identity(vec![64], 128, 128);
+    let model = ResidentModel::upload(&w, &weights, 128, None).unwrap();
+    let kv = KvBuffers::new(&w, &c, batch.num_pages(), batch.page_size).unwrap();
+    let mut s = Session::new(&w, Arc::new(model), kv);
+    let cfg = CallConfig::default();
+    let past = PagedBatch {
+        seq_lens: vec![65],
+        ..batch.clone()
+    };
+    let e = s.decode(&w, &past, &[1], &cfg).unwrap_err().to_string();
+    assert!(e.contains("max_position_embeddings (64)"), "{e}");
+    let ok = s.decode(&w, &batch, &[1], &cfg).unwrap();
+    assert_eq!(ok.next_tokens.len(), 1);
+}

@@ -108,6 +108,16 @@ impl Session {
         let c = &m.config;
         check_batch(batch, self.kv.slots(), self.kv.page_size, m.max_seq)
             .map_err(Qwen3RunError::Invalid)?;
+        if let Some(&len) = batch
+            .seq_lens
+            .iter()
+            .find(|&&l| l > c.max_position_embeddings)
+        {
+            return Err(Qwen3RunError::Invalid(format!(
+                "a sequence of {len} tokens is past the model's max_position_embeddings ({})",
+                c.max_position_embeddings
+            )));
+        }
         if layers.start > layers.end
             || layers.end > c.num_hidden_layers
             || layers.end > self.kv.layers
