@@ -31,6 +31,7 @@ use simpler_kernels_cpu::{
     GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
 };
 use simpler_models::qwen3::golden::PrefillChunk;
+use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, RunShape, Session, StepCost, ops};
 
 use crate::opts::RunOpts;
@@ -257,10 +258,11 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     check_prompt_lens(&args.prompt_lens, None)?;
+    let cfg = args.run.call_config("prefill")?;
     let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;
     let layers = c.num_hidden_layers;
-    let page = 128;
+    let page = PAGE_SIZE;
     let longest = args.prompt_lens.iter().copied().max().unwrap_or(1);
     args.model.check_memory(
         &c,
@@ -274,7 +276,6 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
-    let cfg = args.run.call_config("prefill")?;
     let peaks = machine_peaks(args.membw_seconds);
     let mut weights = load_weights(&args.model, &c, false)?;
     let model = upload(&worker, &mut weights, longest.next_multiple_of(page))?;

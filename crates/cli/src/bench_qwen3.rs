@@ -17,6 +17,7 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
+use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, ops};
 
 use crate::opts::RunOpts;
@@ -141,13 +142,14 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
+    let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
     ModelArgs::check_positions(&c, max_seq, "--shapes")?;
     // Each shape's KV cache is dropped before the next: the largest one counts.
     let kv_slots = shapes
         .iter()
-        .map(|&(b, s)| b * s.div_ceil(128) * 128)
+        .map(|&(b, s)| b * s.div_ceil(PAGE_SIZE) * PAGE_SIZE)
         .max()
         .unwrap_or(0);
     args.model.check_memory(
@@ -156,17 +158,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             layers: c.num_hidden_layers,
             shared_weights: args.shared_weights,
             kv_slots,
-            max_seq: max_seq.next_multiple_of(128),
+            max_seq: max_seq.next_multiple_of(PAGE_SIZE),
             step_tokens: shapes.iter().map(|s| s.0).max().unwrap_or(1),
         },
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
-    let cfg = args.run.call_config("decode")?;
     let peaks = machine_peaks(args.membw_seconds);
     let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
-    let model = upload(&worker, &mut weights, max_seq.next_multiple_of(128))?;
+    let model = upload(&worker, &mut weights, max_seq.next_multiple_of(PAGE_SIZE))?;
     println!(
         "simpler bench qwen3-decode: {}, {layers} layers, full model step (embedding, layers, LM head, argmax); {} cores",
         args.model.describe(),

@@ -46,6 +46,9 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 || args.prefill_chunk == 0 {
         bail!("--max-new-tokens and --prefill-chunk must be at least 1");
     }
+    // Flags first: a bad one is refused before anything loads.
+    let prefill_cfg = args.run.call_config("prefill")?;
+    let decode_cfg = args.run.call_config("decode")?;
     let c = args.model.config(None)?;
     if let Some(&t) = args
         .prompt_ids
@@ -107,7 +110,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     ops::register(&worker)?;
     let mut weights = load_weights(&args.model, &c, false)?;
     let prompt = &args.prompt_ids;
-    let batch = PagedBatch::identity(vec![prompt.len()], total, 128);
+    let batch = PagedBatch::identity(vec![prompt.len()], total, PAGE_SIZE);
     let model = upload(&worker, &mut weights, batch.max_blocks * batch.page_size)?;
     let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
     let mut session = Session::new(&worker, model, kv);
@@ -116,7 +119,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     let mut logits: Vec<f32> = Vec::new();
 
     // Prefill in chunks; the last chunk's logits give the first generated token.
-    let cfg = args.run.call_config("prefill")?;
+    let cfg = &prefill_cfg;
     let t0 = Instant::now();
     let mut next = 0u32;
     let mut done = 0;
@@ -129,9 +132,9 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         };
         session.read_logits = want_logits && end == prompt.len();
         let out = session
-            .prefill(&worker, &batch, &[chunk], &cfg)
+            .prefill(&worker, &batch, &[chunk], cfg)
             .context("prefill")?;
-        opts::emit(&out.report, &cfg)?;
+        opts::emit(&out.report, cfg)?;
         next = out.next_tokens[0];
         if end == prompt.len() {
             logits.extend_from_slice(&out.logits);
@@ -141,7 +144,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     let prefill_s = t0.elapsed().as_secs_f64();
 
     // Greedy decode.
-    let cfg = args.run.call_config("decode")?;
+    let cfg = &decode_cfg;
     session.read_logits = want_logits;
     let mut generated = vec![next];
     let t1 = Instant::now();
@@ -154,9 +157,9 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             ..batch.clone()
         };
         let out = session
-            .decode(&worker, &step, &[next], &cfg)
+            .decode(&worker, &step, &[next], cfg)
             .context("decode")?;
-        opts::emit(&out.report, &cfg)?;
+        opts::emit(&out.report, cfg)?;
         next = out.next_tokens[0];
         generated.push(next);
         logits.extend_from_slice(&out.logits);

@@ -65,6 +65,9 @@ impl RunOpts {
             label: Some(label.to_string()),
             ..CallConfig::default()
         };
+        cfg.check().map_err(|e| {
+            anyhow::anyhow!("{} = {}: {}", flag_of_field(&e.field), e.value, e.reason)
+        })?;
         Ok(cfg)
     }
 
@@ -81,6 +84,37 @@ impl RunOpts {
             eprintln!("warning: {warning}");
         }
         Ok(w)
+    }
+}
+
+/// The command-line flag that sets a `CallConfig` field (`CallConfig.output_dir` ->
+/// `--output-dir`, `CallConfig.runtime_env.ring_heap[2]` -> `--ring-heap (ring 2)`); fields
+/// no flag sets keep their name.
+fn flag_of_field(field: &str) -> String {
+    let Some(rest) = field.strip_prefix("CallConfig.") else {
+        return field.to_string();
+    };
+    let rest = rest.strip_prefix("runtime_env.").unwrap_or(rest);
+    let (name, ring) = match rest.split_once('[') {
+        Some((n, r)) => (n, Some(r.trim_end_matches(']'))),
+        None => (rest, None),
+    };
+    const FLAGS: [&str; 7] = [
+        "ring_task_window",
+        "ring_heap",
+        "ring_dep_pool",
+        "swimlane",
+        "output_dir",
+        "dep_gen",
+        "ring_stats",
+    ];
+    if !FLAGS.contains(&name) {
+        return field.to_string();
+    }
+    let flag = format!("--{}", name.replace('_', "-"));
+    match ring {
+        Some(r) => format!("{flag} (ring {r})"),
+        None => flag,
     }
 }
 
@@ -159,4 +193,26 @@ pub(crate) fn format_report(r: &RunReport) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flag_of_field;
+
+    #[test]
+    fn config_fields_are_named_by_their_flags() {
+        assert_eq!(flag_of_field("CallConfig.output_dir"), "--output-dir");
+        assert_eq!(
+            flag_of_field("CallConfig.runtime_env.ring_heap[2]"),
+            "--ring-heap (ring 2)"
+        );
+        assert_eq!(
+            flag_of_field("CallConfig.runtime_env.ring_task_window"),
+            "--ring-task-window"
+        );
+        assert_eq!(
+            flag_of_field("CallConfig.tensormap_capacity"),
+            "CallConfig.tensormap_capacity"
+        );
+    }
 }

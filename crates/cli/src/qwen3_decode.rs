@@ -146,6 +146,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     if max_seq < last_len {
         bail!("--max-seq {max_seq} is shorter than seq-len + steps - 1 = {last_len}");
     }
+    let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     ModelArgs::check_positions(&c, max_seq, "--seq-len/--steps/--max-seq")?;
     let blocks = max_seq.div_ceil(PAGE_SIZE);
@@ -161,7 +162,6 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
-    let cfg = args.run.call_config("decode")?;
     let peaks = machine_peaks(args.membw_seconds);
 
     let mut weights = load_weights(&args.model, &c, args.shared_weights)?;

@@ -323,3 +323,67 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers_and_the_ways_out() {
     ]);
     assert!(!out.status.success() && text(&out.stderr).contains("--memory-budget 0"));
 }
+
+/// Bad runtime flags are refused before any model is loaded or memory checked, naming the
+/// flag (not the `CallConfig` field).
+#[test]
+fn runtime_flags_are_checked_before_loading_and_named_as_flags() {
+    for args in [
+        &[
+            "run",
+            "qwen3-decode",
+            "--preset",
+            "qwen3-14b",
+            "--swimlane",
+            "2",
+        ][..],
+        &[
+            "generate",
+            "--preset",
+            "qwen3-14b",
+            "--prompt-ids",
+            "1",
+            "--dep-gen",
+        ],
+        &[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "qwen3-14b",
+            "--ring-stats",
+        ],
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "qwen3-14b",
+            "--swimlane",
+            "1",
+        ],
+    ] {
+        // The budget would let the 14B model load: the flag must stop it first.
+        let mut a = args.to_vec();
+        a.extend(["--memory-budget", "100000"]);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("--output-dir") && !err.contains("CallConfig"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains("memory:"),
+            "{args:?}: checked memory first: {err}"
+        );
+    }
+    let out = simpler(&[
+        "run",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--ring-heap",
+        "1000",
+    ]);
+    let err = text(&out.stderr);
+    assert!(err.contains("--ring-heap = 1000"), "{err}");
+}

@@ -208,6 +208,12 @@ pub(crate) struct ValidConfig {
 }
 
 impl CallConfig {
+    /// Checks the configuration without running anything, so a tool can refuse bad settings
+    /// before it spends minutes loading a model (every run checks again).
+    pub fn check(&self) -> Result<(), ConfigError> {
+        self.validate().map(|_| ())
+    }
+
     pub(crate) fn validate(&self) -> Result<ValidConfig, ConfigError> {
         let rings = self.runtime_env.validate()?;
         if self.swimlane > 4 {
