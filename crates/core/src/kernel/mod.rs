@@ -272,6 +272,10 @@ impl<'a> TaskCtx<'a> {
     pub fn tensor(&self, i: usize) -> Result<&Tensor, KernelError> {
         Ok(&self.arg(i)?.tensor)
     }
+    /// How many scalars the task carries.
+    pub fn num_scalars(&self) -> usize {
+        self.desc.scalars.len()
+    }
     /// Raw 64-bit scalar `i`.
     pub fn scalar(&self, i: usize) -> Result<u64, KernelError> {
         self.desc.scalars.get(i).copied().ok_or_else(|| {

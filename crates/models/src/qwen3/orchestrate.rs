@@ -4,19 +4,19 @@
 //! One layer (`R` rows; decode defers `1/rms` past the projections, prefill normalises first):
 //! ```text
 //! norm(x) -> packed n [R, ld(H)] (+ r [R])
-//! q/k/v row tiles: n @ W^T (* r)            -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32
+//! q/k/v (SPMD, row shares): n @ W^T (* r)   -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32
 //! rope_kv per (sequence, page run)          -> Q bf16 [R, Nq]; K/V rows into the paged pool
 //! attention per (sequence, KV chunk)       -> a packed [R, ld(Nq)]   (+ combine when split)
-//! o_proj row tiles: x[:, tile] += a @ Wo^T  (the residual, in place)
+//! o_proj (SPMD): x[:, share] += a @ Wo^T    (the residual, in place)
 //! norm(x) -> packed m (+ r2)
-//! gate/up row tiles + SwiGLU                -> act packed [R, ld(I)]
-//! down row tiles: x[:, tile] += act @ Wd^T
+//! gate/up + SwiGLU (SPMD)                  -> act packed [R, ld(I)]
+//! down (SPMD): x[:, share] += act @ Wd^T
 //! ```
 //! Attention reads the pools through NoDep views and waits on a dummy task that follows every
-//! K/V write of the layer. Likewise every phase whose output many tiles wrote (q/k/v, the
+//! K/V write of the layer. Likewise every phase whose output many tasks wrote (q/k/v, the
 //! attention output, the SwiGLU activations) ends in a barrier task, and its consumers read the
 //! output NoDep after that barrier: one edge per consumer instead of one per producer (a
-//! 14B `down_proj` tile would otherwise wait on all 340 `gate/up` tiles). Timing slots: 0 input
+//! consumer would otherwise wait on every producer). Timing slots: 0 input
 //! (embedding or cast), 1 layers, 2 head.
 
 use std::ops::Range;
@@ -28,7 +28,11 @@ use simpler_kernels_cpu::{packed_ld, partial_len};
 
 use super::config::Qwen3Config;
 use super::ops;
-use super::plan::{LayerTiles, SeqRows};
+use super::ops::scalars::{
+    AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
+    KernelScalars, LmHeadScalars, NormScalars, PushScalars,
+};
+use super::plan::{LayerBlocks, SeqRows};
 use super::resident::slot;
 
 /// RunArgs buffer indices after the model's buffers.
@@ -90,7 +94,7 @@ pub(crate) struct StepPlan {
     pub(crate) seqs: Vec<SeqRows>,
     /// Per sequence: `(first row, first position, first slot, rows)` runs of one page each.
     pub(crate) slot_runs: Vec<Vec<(usize, usize, usize, usize)>>,
-    pub(crate) tiles: LayerTiles,
+    pub(crate) blocks: LayerBlocks,
     /// Decode: KV chunks of each sequence.
     pub(crate) kv_chunks: Vec<Vec<Range<usize>>>,
     /// Prefill: query rows per attention task.
@@ -240,7 +244,7 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
                     .no_dep(g)
                     .output(DType::F32, &[r, ld])
                     .output(DType::F32, &[r])
-                    .scalar_f32(eps)
+                    .push_scalars(NormScalars { eps })
                     .timing_slot(1),
             )?;
             (s.output(0), Some(s.output(1)))
@@ -251,7 +255,7 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
                     .input(x)
                     .no_dep(g)
                     .output(DType::F32, &[r, ld])
-                    .scalar_f32(eps)
+                    .push_scalars(NormScalars { eps })
                     .timing_slot(1),
             )?;
             (s.output(0), None)
@@ -289,7 +293,7 @@ fn gemm(
     acts: &Tensor,
     dep: Dep,
     w: &Tensor,
-    tiles: &[Range<usize>],
+    blocks: u32,
     out: &Tensor,
     scale: Option<&Tensor>,
     kdim: usize,
@@ -299,7 +303,7 @@ fn gemm(
     let mut t = dep
         .add(Task::new(ops::GEMM_TILE), acts)
         .no_dep(wt)
-        .blocks(tiles.len().max(1) as u32);
+        .blocks(blocks);
     t = if add {
         t.in_out(ot)
     } else {
@@ -308,12 +312,7 @@ fn gemm(
     if let Some(s) = scale {
         t = t.input(s);
     }
-    let t = t
-        .scalar(kdim as u64)
-        .scalar(0)
-        .scalar(kdim as u64)
-        .scalar(u64::from(add))
-        .timing_slot(1);
+    let t = GemmScalars { k: kdim, add }.push(t).timing_slot(1);
     Ok(o.submit(t)?.id)
 }
 
@@ -341,17 +340,17 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let k = o.alloc(DType::F32, &[r, kvw as u64])?;
     let v = o.alloc(DType::F32, &[r, kvw as u64])?;
     let mut qkv = Vec::new();
-    for (wt, out, tiles) in [
-        (wq, &q, &p.tiles.q),
-        (wk, &k, &p.tiles.k),
-        (wv, &v, &p.tiles.v),
+    for (wt, out, blocks) in [
+        (wq, &q, p.blocks.q),
+        (wk, &k, p.blocks.k),
+        (wv, &v, p.blocks.v),
     ] {
         qkv.push(gemm(
             o,
             &n,
             Dep::Tensor,
             wt,
-            tiles,
+            blocks,
             out,
             rs.as_ref(),
             h,
@@ -379,7 +378,9 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
                 .output_existing(&rows(o, &qb, row, row + cnt)?)
                 .output_existing(&rows(o, &kl, slot, slot + cnt)?)
                 .output_existing(&rows(o, &vl, slot, slot + cnt)?)
-                .scalar_f32(c.rms_norm_eps as f32)
+                .push_scalars(NormScalars {
+                    eps: c.rms_norm_eps as f32,
+                })
                 .timing_slot(1);
             writes.push(o.submit(t)?.id);
         }
@@ -395,7 +396,7 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let attn_done = Dep::After(barrier(o, attn)?);
 
     // Residual: x += a @ Wo^T, tile by tile in place.
-    gemm(o, &a, attn_done, wo, &p.tiles.o, x, None, qw, true)?;
+    gemm(o, &a, attn_done, wo, p.blocks.o, x, None, qw, true)?;
 
     // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
     let (m, r2) = norm(o, p, x, post_norm)?;
@@ -405,22 +406,24 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
         .no_dep(wg)
         .no_dep(wu)
         .output_existing(&cols(o, &act, 0, inter)?)
-        .blocks(p.tiles.gate_up.len().max(1) as u32);
+        .blocks(p.blocks.gate_up);
     if let Some(s) = &r2 {
         task = task.input(s);
     }
     o.submit(
-        task.scalar(h as u64)
-            .scalar(0)
-            .scalar(inter as u64)
-            .timing_slot(1),
+        GateUpScalars {
+            hidden: h,
+            intermediate: inter,
+        }
+        .push(task)
+        .timing_slot(1),
     )?;
     gemm(
         o,
         &act,
         Dep::Tensor,
         wd,
-        &p.tiles.down,
+        p.blocks.down,
         x,
         None,
         inter,
@@ -470,12 +473,14 @@ fn attention_decode(
                 .no_dep(vl)
                 .no_dep(&table)
                 .after(kv_ready)
-                .scalar(r.start as u64)
-                .scalar(r.end as u64)
-                .scalar(u64::from(fin))
-                .scalar_f32(c.attn_scale())
-                .scalar(p.page_size as u64)
-                .scalar(d as u64)
+                .push_scalars(AttnDecodeScalars {
+                    t0: r.start,
+                    t1: r.end,
+                    is_final: fin,
+                    scale: c.attn_scale(),
+                    page: p.page_size,
+                    head_dim: d,
+                })
                 .timing_slot(1)
         };
         match (chunks.as_slice(), &partials) {
@@ -494,9 +499,11 @@ fn attention_decode(
                     Task::new(ops::ATTN_COMBINE)
                         .input(&mine)
                         .output_existing(&out)
-                        .scalar(kv_heads as u64)
-                        .scalar(group as u64)
-                        .scalar(d as u64)
+                        .push_scalars(AttnCombineScalars {
+                            kv_heads,
+                            group,
+                            head_dim: d,
+                        })
                         .timing_slot(1),
                 )?;
                 writers.push(id.id);
@@ -540,13 +547,15 @@ fn attention_prefill(
                         .no_dep(&table)
                         .output_existing(&out)
                         .after(kv_ready)
-                        .scalar(g as u64)
-                        .scalar((s.first_pos() + i) as u64)
-                        .scalar_f32(c.attn_scale())
-                        .scalar(p.page_size as u64)
-                        .scalar(c0 as u64)
-                        .scalar(qw as u64)
-                        .scalar(d as u64)
+                        .push_scalars(AttnPrefillScalars {
+                            kv_head: g,
+                            first_pos: s.first_pos() + i,
+                            scale: c.attn_scale(),
+                            page: p.page_size,
+                            c0,
+                            q_width: qw,
+                            head_dim: d,
+                        })
                         .timing_slot(1),
                 )?;
                 writers.push(id.id);
@@ -579,13 +588,15 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
                 .input(&hidden)
                 .no_dep(&vw.final_norm)
                 .output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
-                .scalar_f32(c.rms_norm_eps as f32)
+                .push_scalars(NormScalars {
+                    eps: c.rms_norm_eps as f32,
+                })
                 .timing_slot(2),
         )?
         .output(0);
     let logits = o.bind(&args.buffers[io::OUT_MAIN], DType::F32, &[s, vocab])?;
-    let tiles = &p.tiles.lm_head;
-    let best = o.alloc(DType::U32, &[tiles.len() as u64, s, 2])?;
+    let blocks = p.blocks.lm_head;
+    let best = o.alloc(DType::U32, &[u64::from(blocks), s, 2])?;
     // One SPMD task: each block takes a share of the vocabulary rows and writes its logits
     // columns and its argmax slot.
     o.submit(
@@ -594,9 +605,8 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
             .no_dep(&vw.lm_head)
             .output_existing(&logits)
             .output_existing(&best)
-            .scalar(h)
-            .scalar(0)
-            .blocks(tiles.len().max(1) as u32)
+            .push_scalars(LmHeadScalars { hidden: h as usize })
+            .blocks(blocks)
             .timing_slot(2),
     )?;
     let ids = o.bind(&args.buffers[io::OUT_IDS], DType::U32, &[s])?;

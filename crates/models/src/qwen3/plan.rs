@@ -1,11 +1,12 @@
-//! How a step is cut into tasks: projection row tiles (so every core streams disjoint weight
-//! rows, several tiles per core for balance), split-KV chunks for decode attention (so small
+//! How a step is cut into tasks: how many SPMD blocks each projection task has (so every core
+//! streams disjoint weight rows, several blocks per core for balance; the runtime's
+//! `write_block_cols` gives each block its tapered share of the rows), split-KV chunks for decode attention (so small
 //! batches still use every core), row blocks for prefill attention, and the per-sequence rows
 //! and KV slots of a step.
 
 use std::ops::Range;
 
-use simpler_kernels_cpu::split_range;
+use simpler_kernels_cpu::{PACK_BLOCK, split_range};
 
 use super::config::Qwen3Config;
 use super::weights::PagedBatch;
@@ -35,9 +36,6 @@ pub struct TilePolicy {
     pub attn_tasks_per_core: usize,
     /// Query rows per prefill attention task.
     pub prefill_rows: usize,
-    /// Rows of the weight tile granule (tile boundaries are multiples of it; 16 keeps packed
-    /// column ranges whole).
-    pub granule: usize,
 }
 
 impl TilePolicy {
@@ -51,18 +49,25 @@ impl TilePolicy {
             max_kv_chunk: 256,
             attn_tasks_per_core: 4,
             prefill_rows: 32,
-            granule: 16,
         }
     }
 
-    /// Row tiles of a projection with `n` output rows of `row_bytes` weight bytes each (equal
-    /// tiles; halving the last ones measured slower at batch 1: more tasks, no shorter tail).
-    pub fn row_tiles(&self, n: usize, row_bytes: usize) -> Vec<Range<usize>> {
-        let g = self.granule.max(1);
-        let by_bytes = (n * row_bytes).div_ceil(self.tile_bytes.max(1));
+    /// SPMD blocks of a projection with `n` output rows of `row_bytes` weight bytes each:
+    /// about `tile_bytes` of weights per block, at least `tiles_per_core` per core, at most one
+    /// per 16-row packing block.
+    pub fn blocks(&self, n: usize, row_bytes: usize) -> u32 {
+        let by_bytes = n.saturating_mul(row_bytes).div_ceil(self.tile_bytes.max(1));
         let want = by_bytes.max(self.tiles_per_core * self.cores);
+        let units = n.div_ceil(PACK_BLOCK);
+        u32::try_from(want.min(units).max(1)).unwrap_or(u32::MAX)
+    }
+
+    /// The same split as equal row ranges, for measuring the GEMM kernel outside the runtime
+    /// (the runtime's shares taper over the last blocks; their count is [`TilePolicy::blocks`]).
+    pub fn row_tiles(&self, n: usize, row_bytes: usize) -> Vec<Range<usize>> {
+        let g = PACK_BLOCK;
         let units = n.div_ceil(g);
-        let t = want.min(units).max(1);
+        let t = self.blocks(n, row_bytes) as usize;
         (0..t)
             .map(|i| {
                 let r = split_range(units, t, i);
@@ -112,42 +117,42 @@ impl TilePolicy {
     }
 }
 
-/// Row tiles of every projection of a layer and of the LM head.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayerTiles {
-    /// `q_proj` rows.
-    pub q: Vec<Range<usize>>,
-    /// `k_proj` rows.
-    pub k: Vec<Range<usize>>,
-    /// `v_proj` rows.
-    pub v: Vec<Range<usize>>,
-    /// `o_proj` rows (hidden columns of the residual).
-    pub o: Vec<Range<usize>>,
-    /// `gate_proj`/`up_proj` rows (fused with SwiGLU).
-    pub gate_up: Vec<Range<usize>>,
-    /// `down_proj` rows (hidden columns of the residual).
-    pub down: Vec<Range<usize>>,
-    /// LM-head rows (vocabulary).
-    pub lm_head: Vec<Range<usize>>,
+/// SPMD blocks of every projection task of a layer and of the LM head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerBlocks {
+    /// `q_proj`.
+    pub q: u32,
+    /// `k_proj`.
+    pub k: u32,
+    /// `v_proj`.
+    pub v: u32,
+    /// `o_proj` (hidden columns of the residual).
+    pub o: u32,
+    /// `gate_proj`/`up_proj` (fused with SwiGLU).
+    pub gate_up: u32,
+    /// `down_proj` (hidden columns of the residual).
+    pub down: u32,
+    /// LM head (vocabulary).
+    pub lm_head: u32,
 }
 
-impl LayerTiles {
-    /// Tiles for `c` under `policy`.
-    pub fn new(c: &Qwen3Config, policy: &TilePolicy) -> LayerTiles {
+impl LayerBlocks {
+    /// Blocks for `c` under `policy`.
+    pub fn new(c: &Qwen3Config, policy: &TilePolicy) -> LayerBlocks {
         let (h, q, kv, i) = (
             c.hidden_size,
             c.q_width(),
             c.kv_width(),
             c.intermediate_size,
         );
-        LayerTiles {
-            q: policy.row_tiles(q, 2 * h),
-            k: policy.row_tiles(kv, 2 * h),
-            v: policy.row_tiles(kv, 2 * h),
-            o: policy.row_tiles(h, 2 * q),
-            gate_up: policy.row_tiles(i, 4 * h),
-            down: policy.row_tiles(h, 2 * i),
-            lm_head: policy.row_tiles(c.vocab_size, 2 * h),
+        LayerBlocks {
+            q: policy.blocks(q, 2 * h),
+            k: policy.blocks(kv, 2 * h),
+            v: policy.blocks(kv, 2 * h),
+            o: policy.blocks(h, 2 * q),
+            gate_up: policy.blocks(i, 4 * h),
+            down: policy.blocks(h, 2 * i),
+            lm_head: policy.blocks(c.vocab_size, 2 * h),
         }
     }
 }
@@ -240,9 +245,10 @@ mod tests {
             assert_eq!(tiles.last().map(|r| r.end), Some(n));
             for w in tiles.windows(2) {
                 assert_eq!(w[0].end, w[1].start);
-                assert_eq!(w[0].end % p.granule, 0);
+                assert_eq!(w[0].end % PACK_BLOCK, 0);
             }
-            assert!(tiles.len() >= (n / p.granule).min(p.cores * p.tiles_per_core));
+            assert!(tiles.len() >= (n / PACK_BLOCK).min(p.cores * p.tiles_per_core));
+            assert_eq!(tiles.len(), p.blocks(n, row_bytes) as usize);
         }
         let lens = [256, 10, 3000, 1024];
         let chunks = p.kv_chunks(&lens);

@@ -1,5 +1,5 @@
 //! Running Qwen3 steps on a worker: a [`Session`] holds a resident model and its paged KV
-//! cache, plans each step on the host (rows, slots, tiles, KV chunks), binds the step's inputs
+//! cache, plans each step on the host (rows, slots, SPMD blocks, KV chunks), binds the step's inputs
 //! and outputs, runs the orchestration and reads the results back.
 
 use std::collections::HashMap;
@@ -11,7 +11,7 @@ use simpler_core::{Buffer, CallConfig, RunArgs, RunReport, Worker};
 
 use super::golden::PrefillChunk;
 use super::orchestrate::{self, StepKind, StepPlan, Variant, io};
-use super::plan::{LayerTiles, SeqRows, TilePolicy, check_batch};
+use super::plan::{LayerBlocks, SeqRows, TilePolicy, check_batch};
 use super::resident::{KvBuffers, Qwen3RunError, ResidentModel};
 use super::weights::PagedBatch;
 
@@ -157,7 +157,7 @@ impl Session {
             rows,
             seqs,
             slot_runs,
-            tiles: LayerTiles::new(c, &self.policy),
+            blocks: LayerBlocks::new(c, &self.policy),
             kv_chunks,
             prefill_rows: self.policy.prefill_rows,
         })

@@ -6,11 +6,14 @@ use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, f32_to_bf16, partial_len};
 
+use super::scalars::{
+    AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
+};
 use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "qk_norm_rope_kv_bf16";
-    let eps = ctx.scalar_f32(0)?;
+    let NormScalars { eps } = NormScalars::read(ctx)?;
     let (n, qw) = dims2(ctx, 0)?;
     let (nk, kvw) = dims2(ctx, 1)?;
     let q = ctx.read::<f32>(0)?;
@@ -140,11 +143,14 @@ fn combine_into(
 
 pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_decode_bf16";
-    let (t0, t1) = (ctx.scalar_usize(0)?, ctx.scalar_usize(1)?);
-    let is_final = ctx.scalar(2)? != 0;
-    let scale = ctx.scalar_f32(3)?;
-    let page = ctx.scalar_usize(4)?;
-    let d = ctx.scalar_usize(5)?;
+    let AttnDecodeScalars {
+        t0,
+        t1,
+        is_final,
+        scale,
+        page,
+        head_dim: d,
+    } = AttnDecodeScalars::read(ctx)?;
     let q = ctx.read::<bf16>(0)?;
     let (kv, table) = paged(ctx, d, page, t1, NAME)?;
     let nq = q.len();
@@ -183,11 +189,11 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_combine_f32";
-    let (kv_heads, group, d) = (
-        ctx.scalar_usize(0)?,
-        ctx.scalar_usize(1)?,
-        ctx.scalar_usize(2)?,
-    );
+    let AttnCombineScalars {
+        kv_heads,
+        group,
+        head_dim: d,
+    } = AttnCombineScalars::read(ctx)?;
     let partials = ctx.read::<f32>(0)?;
     let set = kv_heads * partial_len(group, d);
     if set == 0 || !partials.len().is_multiple_of(set) {
@@ -210,12 +216,15 @@ pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_prefill_bf16";
-    let kv_head = ctx.scalar_usize(0)?;
-    let first_pos = ctx.scalar_usize(1)?;
-    let scale = ctx.scalar_f32(2)?;
-    let page = ctx.scalar_usize(3)?;
-    let (c0, nq) = (ctx.scalar_usize(4)?, ctx.scalar_usize(5)?);
-    let d = ctx.scalar_usize(6)?;
+    let AttnPrefillScalars {
+        kv_head,
+        first_pos,
+        scale,
+        page,
+        c0,
+        q_width: nq,
+        head_dim: d,
+    } = AttnPrefillScalars::read(ctx)?;
     let (n, qcols) = dims2(ctx, 0)?;
     let q = ctx.read::<bf16>(0)?;
     let (kv, table) = paged(ctx, d, page, first_pos + n, NAME)?;

@@ -14,8 +14,9 @@
 use half::bf16;
 use simpler_core::{KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
-use simpler_kernels_cpu::{GemmTile, OutMode, PackedActs, WeightsBf16};
+use simpler_kernels_cpu::{GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16};
 
+use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
 use super::{bad, check_packed, check_packed_range, dims2, store_packed, with_scratch};
 
 /// `out (+)= x @ w^T` over `tile`, scaled per row when `scale` is given.
@@ -62,10 +63,6 @@ fn gemm_into_rows(
         }
     });
 }
-
-/// Output columns (weight rows) per unit of an SPMD projection task's split over its blocks:
-/// a whole number of packing blocks, so packed column ranges stay whole.
-const TILE_GRANULE: usize = 16;
 
 /// Rows `first..first + n` of a weight tile (an SPMD block's share).
 fn block_rows(w: WeightsBf16<'_>, first: usize, n: usize) -> WeightsBf16<'_> {
@@ -117,16 +114,11 @@ fn acts<'a>(ctx: &'a TaskCtx<'_>, kdim: usize, name: &str) -> Result<PackedActs<
 
 pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gemm_tile_bf16";
-    let kdim = ctx.scalar_usize(0)?;
-    let (k0, k1) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
-    let add = ctx.scalar(3)? != 0;
+    let GemmScalars { k: kdim, add } = GemmScalars::read(ctx)?;
     let x = acts(ctx, kdim, NAME)?;
     let w = weights(ctx, 1, kdim, NAME)?;
-    if k0 > k1 || k1 > kdim {
-        return Err(bad(NAME, format!("k slice {k0}..{k1} outside 0..{kdim}")));
-    }
     let scale = optional_scale(ctx, 3, x.rows(), NAME)?;
-    let mut out = ctx.write_block_cols::<f32>(2, TILE_GRANULE)?;
+    let mut out = ctx.write_block_cols::<f32>(2, PACK_BLOCK)?;
     if out.len() != x.rows() || out.view_row_len() != w.rows() {
         return Err(bad(
             NAME,
@@ -142,7 +134,7 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let w = block_rows(w, out.first_col(), out.row_len());
     let tile = GemmTile {
         n: 0..w.rows(),
-        k: k0..k1,
+        k: 0..kdim,
         mode: if add { OutMode::Add } else { OutMode::Store },
     };
     gemm_into_rows(w, x, &tile, scale, &mut out);
@@ -151,8 +143,10 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gate_up_swiglu_bf16";
-    let h = ctx.scalar_usize(0)?;
-    let (c0, inter) = (ctx.scalar_usize(1)?, ctx.scalar_usize(2)?);
+    let GateUpScalars {
+        hidden: h,
+        intermediate: inter,
+    } = GateUpScalars::read(ctx)?;
     let x = acts(ctx, h, NAME)?;
     let wg = weights(ctx, 1, h, NAME)?;
     let wu = weights(ctx, 2, h, NAME)?;
@@ -160,9 +154,9 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     if wu.rows() != wg.rows() {
         return Err(bad(NAME, "gate and up tiles differ in rows"));
     }
-    check_packed_range(NAME, c0, wg.rows(), inter)?;
+    check_packed_range(NAME, 0, wg.rows(), inter)?;
     let scale = optional_scale(ctx, 4, rows, NAME)?;
-    let mut out = ctx.write_block_cols::<f32>(3, TILE_GRANULE)?;
+    let mut out = ctx.write_block_cols::<f32>(3, PACK_BLOCK)?;
     if out.len() != rows || out.view_row_len() != wg.rows() {
         return Err(bad(
             NAME,
@@ -180,7 +174,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         block_rows(wg, out.first_col(), out.row_len()),
         block_rows(wu, out.first_col(), out.row_len()),
     );
-    let c0 = c0 + out.first_col();
+    let c0 = out.first_col();
     let n = wg.rows();
     if n == 0 {
         // An empty share: more blocks than 16-column units.
@@ -215,16 +209,15 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "lm_head_tile_bf16";
-    let h = ctx.scalar_usize(0)?;
-    let n0 = ctx.scalar_usize(1)?;
+    let LmHeadScalars { hidden: h } = LmHeadScalars::read(ctx)?;
     let x = acts(ctx, h, NAME)?;
     let w = weights(ctx, 1, h, NAME)?;
     let rows = x.rows();
-    let mut logits = ctx.write_block_cols::<f32>(2, TILE_GRANULE)?;
+    let mut logits = ctx.write_block_cols::<f32>(2, PACK_BLOCK)?;
     if logits.len() != rows || logits.view_row_len() != w.rows() {
         return Err(bad(NAME, "logits view does not match the tile"));
     }
-    let n0 = n0 + logits.first_col();
+    let n0 = logits.first_col();
     let w = block_rows(w, logits.first_col(), logits.row_len());
     gemm_into_rows(w, x, &GemmTile::full(&w), None, &mut logits);
     // This block's `[rows, 2]` slot of the per-block argmax results.

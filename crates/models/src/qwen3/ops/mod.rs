@@ -12,20 +12,22 @@
 //! computes its share of the `n` output columns (weight rows), split in units of 16 by
 //! `TaskCtx::write_block_cols`; the orchestration submits one task per projection.
 //!
+//! Scalars are one struct per kernel ([`scalars`]), written and read from the same definition.
+//!
 //! | kernel | tensor arguments | scalars |
 //! |---|---|---|
 //! | [`EMBED`] | table NoDep bf16 `[V,H]`, ids In u32 `[R]`, x Out f32 `[R,H]` | |
 //! | [`CAST_BF16_F32`] / [`CAST_F32_BF16`] | src In, dst Out (contiguous, same length) | |
 //! | [`COPY_F32`] | src In f32, dst Out f32 (contiguous, same length) | |
-//! | [`RMS_NORM_DEFERRED`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]`, r Out f32 `[R]` | eps |
-//! | [`RMS_NORM`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]` | eps |
-//! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | K, k0, k1, add |
-//! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed cols `[R,n]`, (r In `[R]`) | H, c0, I |
-//! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | eps |
-//! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | t0, t1, final, scale, page, d |
-//! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | kv_heads, group, d |
-//! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | kv_head, first_pos, scale, page, c0, Nq |
-//! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[B,R,2]` (one slot per block) | H, n0 |
+//! | [`RMS_NORM_DEFERRED`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]`, r Out f32 `[R]` | [`NormScalars`](scalars::NormScalars) |
+//! | [`RMS_NORM`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]` | [`NormScalars`](scalars::NormScalars) |
+//! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | [`GemmScalars`](scalars::GemmScalars) |
+//! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed `[R,ld(I)]`, (r In `[R]`) | [`GateUpScalars`](scalars::GateUpScalars) |
+//! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
+//! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | [`AttnDecodeScalars`](scalars::AttnDecodeScalars) |
+//! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | [`AttnCombineScalars`](scalars::AttnCombineScalars) |
+//! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | [`AttnPrefillScalars`](scalars::AttnPrefillScalars) |
+//! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[B,R,2]` (one slot per block) | [`LmHeadScalars`](scalars::LmHeadScalars) |
 //! | [`ARGMAX_COMBINE`] | best In u32 `[T,R,2]` (index, f32 bits), ids Out u32 `[R]` | |
 //!
 //! KV pools are `[slots, kv_heads * head_dim]` bf16 views of one layer (`03-qwen3.md`); the
@@ -34,6 +36,7 @@
 
 mod attn;
 mod dense;
+pub mod scalars;
 mod vector;
 
 use std::cell::RefCell;

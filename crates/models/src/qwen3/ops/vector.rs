@@ -5,6 +5,7 @@ use half::bf16;
 use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 
+use super::scalars::{KernelScalars, NormScalars};
 use super::{bad, check_packed, dims2};
 
 pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -69,7 +70,7 @@ fn norm_operands<'a>(ctx: &'a TaskCtx<'_>, name: &str) -> Result<NormOperands<'a
     let (rows, h) = dims2(ctx, 0)?;
     let x = ctx.read::<f32>(0)?;
     let g = ctx.read::<f32>(1)?;
-    let eps = ctx.scalar_f32(0)?;
+    let NormScalars { eps } = NormScalars::read(ctx)?;
     if g.len() != h {
         return Err(bad(
             name,
