@@ -17,6 +17,7 @@ mod math;
 pub mod membw;
 mod multiversion;
 pub mod norm;
+pub mod paging;
 pub mod rope;
 mod simd;
 

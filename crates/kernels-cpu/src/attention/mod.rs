@@ -67,28 +67,17 @@ impl PagedKv<'_> {
     /// Panics unless every page holding a token of `tokens` is named by `block_table` and lies
     /// inside the pool.
     fn check_pages(&self, block_table: &[u32], tokens: &Range<usize>) {
-        if tokens.is_empty() {
-            return;
-        }
         let slots = self.k.len() / self.row();
-        let blocks = tokens.start / self.page_size..(tokens.end - 1) / self.page_size + 1;
-        assert!(
-            blocks.end <= block_table.len(),
-            "attention: tokens {tokens:?} need {} blocks, the table has {}",
-            blocks.end,
-            block_table.len()
-        );
-        for &p in &block_table[blocks] {
-            assert!(
-                (p as usize + 1) * self.page_size <= slots,
-                "attention: page {p} outside the pool of {slots} slots"
-            );
+        if let Err(e) =
+            crate::paging::check_table(block_table, self.page_size, tokens.clone(), slots)
+        {
+            panic!("attention: {e}");
         }
     }
 
     /// The pool row of logical token `t` of a sequence with `block_table`.
     fn slot(&self, block_table: &[u32], t: usize) -> usize {
-        block_table[t / self.page_size] as usize * self.page_size + t % self.page_size
+        crate::paging::slot(block_table, self.page_size, t)
     }
 }
 

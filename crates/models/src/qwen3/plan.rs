@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use simpler_kernels_cpu::{PACK_BLOCK, split_range};
+use simpler_kernels_cpu::{PACK_BLOCK, paging, split_range};
 
 use super::config::Qwen3Config;
 use super::weights::PagedBatch;
@@ -179,18 +179,17 @@ impl SeqRows {
     /// Runs of the sequence's step rows whose KV slots are consecutive (one page each):
     /// `(first step row, first position, first slot, rows)`.
     pub fn slot_runs(&self, batch: &PagedBatch) -> Vec<(usize, usize, usize, usize)> {
-        let mut runs = Vec::new();
-        let mut i = 0;
-        while i < self.n_rows {
-            let pos = self.first_pos() + i;
-            let n = (batch.page_size - pos % batch.page_size).min(self.n_rows - i);
-            let table = &batch.block_table[self.table_row * batch.max_blocks..];
-            let slot =
-                table[pos / batch.page_size] as usize * batch.page_size + pos % batch.page_size;
-            runs.push((self.row0 + i, pos, slot, n));
-            i += n;
-        }
-        runs
+        let table = batch.table(self.table_row);
+        paging::page_runs(self.first_pos(), self.n_rows, batch.page_size)
+            .map(|(i, pos, n)| {
+                (
+                    self.row0 + i,
+                    pos,
+                    paging::slot(table, batch.page_size, pos),
+                    n,
+                )
+            })
+            .collect()
     }
 }
 
@@ -208,15 +207,9 @@ pub(crate) fn check_batch(
             batch.page_size
         ));
     }
-    if let Some(&p) = batch
-        .block_table
-        .iter()
-        .find(|&&p| (p as usize + 1) * page_size > slots)
-    {
-        return Err(format!(
-            "block table names page {p}, the cache has {} pages",
-            slots / page_size
-        ));
+    for (b, &len) in batch.seq_lens.iter().enumerate() {
+        paging::check_table(batch.table(b), page_size, 0..len, slots)
+            .map_err(|e| format!("sequence {b}: {e}"))?;
     }
     if let Some(&len) = batch.seq_lens.iter().find(|&&l| l > max_seq) {
         return Err(format!(

@@ -338,7 +338,7 @@ impl PagedBatch {
     }
     /// Pool slot of logical token `t` of sequence `b`.
     pub fn slot(&self, b: usize, t: usize) -> usize {
-        self.table(b)[t / self.page_size] as usize * self.page_size + t % self.page_size
+        simpler_kernels_cpu::paging::slot(self.table(b), self.page_size, t)
     }
     /// `slot_mapping[b] = block_table[b, (seq_len-1)/page] * page + (seq_len-1) % page`: where
     /// the current token's K/V go.

@@ -86,25 +86,8 @@ fn paged<'a>(
             format!("pools of rows {row} for head_dim {head_dim}, page {page_size}"),
         ));
     }
-    let blocks = tokens.div_ceil(page_size);
-    if blocks > table.len() {
-        return Err(bad(
-            name,
-            format!(
-                "{tokens} tokens need {blocks} blocks, the table has {}",
-                table.len()
-            ),
-        ));
-    }
-    if let Some(&p) = table[..blocks]
-        .iter()
-        .find(|&&p| (p as usize + 1) * page_size > slots)
-    {
-        return Err(bad(
-            name,
-            format!("page {p} outside the pool of {slots} slots"),
-        ));
-    }
+    simpler_kernels_cpu::paging::check_table(table, page_size, 0..tokens, slots)
+        .map_err(|e| bad(name, e))?;
     let kv = PagedKv {
         k: kp,
         v: vp,
