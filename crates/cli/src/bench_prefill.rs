@@ -47,11 +47,12 @@ pub(crate) struct PrefillBenchArgs {
     /// cache.
     #[arg(long, value_delimiter = ',', default_value = "64,256")]
     prompt_lens: Vec<usize>,
-    /// Warm-up steps per prompt length (discarded; the last one is recorded at swimlane level 1
+    /// Warm-up rounds per prompt length (one step each, discarded; the last one is recorded at swimlane level 1
     /// for the outside-kernels share).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Measured steps per prompt length (each replays the same step from the same state).
+    /// Measured rounds per prompt length: a bench round is one step, replayed from the same state
+    /// (as `run`'s rounds replay their steps).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first (and again, at most

@@ -38,10 +38,11 @@ pub(crate) struct DecodeBenchArgs {
     /// One weight set for every layer (presets).
     #[arg(long)]
     shared_weights: bool,
-    /// Warm-up steps per shape (discarded).
+    /// Warm-up rounds per shape (discarded; one step each).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Measured steps per shape (each replays the same step from the same state).
+    /// Measured rounds per shape: a bench round is one step, replayed from the same state
+    /// (as `run`'s rounds replay their steps).
     #[arg(long, default_value_t = 10)]
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first.

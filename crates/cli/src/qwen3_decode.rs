@@ -27,6 +27,17 @@ pub(crate) enum Variant {
     Layers,
 }
 
+/// When `run qwen3-decode` compares with the golden.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CheckWhen {
+    /// When the golden needs at most a few seconds of plain loops.
+    Auto,
+    /// Always.
+    On,
+    /// Never.
+    Off,
+}
+
 /// Arguments of `simpler run qwen3-decode`.
 #[derive(Args, Debug)]
 pub(crate) struct DecodeArgs {
@@ -47,7 +58,7 @@ pub(crate) struct DecodeArgs {
     /// Decode steps per round; each step feeds its output into the next.
     #[arg(long, default_value_t = 4)]
     pub(crate) steps: usize,
-    /// Measured rounds (every round replays the same steps from the same state).
+    /// Measured rounds: a round is the `--steps` steps, replayed from the same state.
     #[arg(long, default_value_t = 5)]
     pub(crate) rounds: usize,
     /// Warm-up rounds (discarded).
@@ -58,11 +69,18 @@ pub(crate) struct DecodeArgs {
     #[arg(long)]
     pub(crate) shared_weights: bool,
     /// Compare the first step with the golden (hidden state, every layer's K/V writes, logits
-    /// and argmax) [default: on when the golden needs at most a few seconds].
-    #[arg(long, conflicts_with = "no_check")]
-    pub(crate) check: bool,
-    /// Skip the golden comparison.
-    #[arg(long)]
+    /// and argmax): `auto` when the golden needs at most a few seconds; `--check` alone is `on`.
+    #[arg(
+        long,
+        value_enum,
+        num_args = 0..=1,
+        default_value_t = CheckWhen::Auto,
+        default_missing_value = "on",
+        conflicts_with = "no_check"
+    )]
+    pub(crate) check: CheckWhen,
+    /// The same as `--check off`.
+    #[arg(long, hide = true)]
     pub(crate) no_check: bool,
     /// What a step runs.
     #[arg(long, value_enum, default_value_t = Variant::Model)]
@@ -176,7 +194,11 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         args.shared_weights,
     );
     let golden_flops = StepCost::decode(&c, layers, with_head, &case.batch.seq_lens).flops();
-    let check = args.check || (!args.no_check && golden_flops <= CHECK_DEFAULT_MAX_FLOPS);
+    let check = match (args.check, args.no_check) {
+        (_, true) | (CheckWhen::Off, _) => false,
+        (CheckWhen::On, _) => true,
+        (CheckWhen::Auto, _) => golden_flops <= CHECK_DEFAULT_MAX_FLOPS,
+    };
     let model = upload(
         &worker,
         &mut weights,
@@ -293,7 +315,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         }
     } else {
         println!(
-            "check: off (--check to compare with the golden; ~{:.0} GFLOP of plain loops)",
+            "check: off (--check on to compare with the golden; ~{:.0} GFLOP of plain loops)",
             golden_flops / 1e9
         );
     }

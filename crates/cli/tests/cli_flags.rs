@@ -1,0 +1,125 @@
+//! Flags mean one thing and fail early: runtime flags are checked before a model loads and
+//! named as flags, and `--check` is one tri-state switch.
+
+use std::process::{Command, Output};
+
+fn simpler(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run simpler")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Bad runtime flags are refused before any model is loaded or memory checked, naming the
+/// flag (not the `CallConfig` field).
+#[test]
+fn runtime_flags_are_checked_before_loading_and_named_as_flags() {
+    for args in [
+        &[
+            "run",
+            "qwen3-decode",
+            "--preset",
+            "qwen3-14b",
+            "--swimlane",
+            "2",
+        ][..],
+        &[
+            "generate",
+            "--preset",
+            "qwen3-14b",
+            "--prompt-ids",
+            "1",
+            "--dep-gen",
+        ],
+        &[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "qwen3-14b",
+            "--ring-stats",
+        ],
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "qwen3-14b",
+            "--swimlane",
+            "1",
+        ],
+    ] {
+        // The budget would let the 14B model load: the flag must stop it first.
+        let mut a = args.to_vec();
+        a.extend(["--memory-budget", "100000"]);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("--output-dir") && !err.contains("CallConfig"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains("memory:"),
+            "{args:?}: checked memory first: {err}"
+        );
+    }
+    let out = simpler(&[
+        "run",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--ring-heap",
+        "1000",
+    ]);
+    let err = text(&out.stderr);
+    assert!(err.contains("--ring-heap = 1000"), "{err}");
+}
+
+#[test]
+fn check_is_one_tri_state_switch() {
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "run",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--seq-len",
+            "8",
+            "--steps",
+            "1",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--membw-seconds",
+            "0.2",
+        ];
+        a.extend_from_slice(extra);
+        simpler(&a)
+    };
+    for (extra, checked) in [
+        (&[][..], true), // auto: the tiny golden is cheap
+        (&["--check"][..], true),
+        (&["--check", "on"][..], true),
+        (&["--check", "off"][..], false),
+        (&["--no-check"][..], false),
+    ] {
+        let out = run(extra);
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{extra:?}: {}", text(&out.stderr));
+        assert_eq!(so.contains("check vs golden"), checked, "{extra:?}: {so}");
+        assert_eq!(so.contains("check: off"), !checked, "{extra:?}: {so}");
+    }
+    let out = run(&["--check", "on", "--no-check"]);
+    assert!(!out.status.success());
+    let out = run(&["--check", "sometimes"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("auto") && err.contains("off"),
+        "{err}"
+    );
+}
