@@ -1,6 +1,11 @@
 //! The Qwen3 step as a task graph: decode (full model or the fixture's layers chunk) and chunked
 //! causal prefill, one scope per layer so the live set does not grow with the layer count.
 //!
+//! The file reads as a model file, bottom up: view helpers and the bound tensors, then norm,
+//! the projection (`gemm`), the MLP, attention (projections, RoPE + K/V write, decode and
+//! prefill attention), the layer, and the model step with its head. Each function names the
+//! golden step (`golden/mod.rs`) it implements.
+//!
 //! One layer (`R` rows; decode defers `1/rms` past the projections, prefill normalises first):
 //! ```text
 //! norm(x) -> packed n [R, ld(H)] (+ r [R])
@@ -186,52 +191,8 @@ fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
     })
 }
 
-/// Submits one step.
-pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> {
-    let vw = bind_all(o, args, p)?;
-    let c = &p.config;
-    let (r, h) = (p.rows as u64, c.hidden_size as u64);
-    let x = o.alloc(DType::F32, &[r, h])?;
-    match p.variant {
-        Variant::Model => {
-            let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
-            o.submit(
-                Task::new(ops::EMBED)
-                    .no_dep(&vw.embedding)
-                    .input(&ids)
-                    .output_existing(&x)
-                    .timing_slot(0),
-            )?;
-        }
-        Variant::Layers => {
-            let hin = o.bind(&args.buffers[io::INPUT], DType::BF16, &[r, h])?;
-            o.submit(
-                Task::new(ops::CAST_BF16_F32)
-                    .input(&hin)
-                    .output_existing(&x)
-                    .timing_slot(0),
-            )?;
-        }
-    }
-    for l in p.layers.clone() {
-        o.scope(ScopeKind::Auto, |o| layer(o, p, &vw, l, &x))?;
-    }
-    o.scope(ScopeKind::Auto, |o| match p.variant {
-        Variant::Model => head(o, args, p, &vw, &x),
-        Variant::Layers => {
-            let hout = o.bind(&args.buffers[io::OUT_MAIN], DType::BF16, &[r, h])?;
-            o.submit(
-                Task::new(ops::CAST_F32_BF16)
-                    .input(&x)
-                    .output_existing(&hout)
-                    .timing_slot(2),
-            )?;
-            Ok(())
-        }
-    })
-}
-
-/// RMSNorm of `x` with weights `g`: packed activations, plus `1/rms` per row for decode.
+/// RMSNorm of `x` with weights `g` (golden: `norm_rows`): packed activations, plus `1/rms` per
+/// row for decode, where it is deferred past the projections.
 fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor, Option<Tensor>)> {
     let c = &p.config;
     let (r, ld) = (p.rows as u64, packed_ld(c.hidden_size) as u64);
@@ -286,7 +247,8 @@ fn barrier(o: &mut Orchestrator, ids: Vec<TaskId>) -> R<TaskId> {
     Ok(o.submit(Task::dummy().after_all(ids))?.id)
 }
 
-/// One GEMM tile: `out[:, tile] (+)= acts @ w[tile]^T (* scale)`.
+/// One projection as an SPMD task (golden: `matmul` and its row scaling):
+/// `out (+)= acts @ w^T (* scale)`, each block writing its share of the output columns.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     o: &mut Orchestrator,
@@ -316,34 +278,69 @@ fn gemm(
     Ok(o.submit(t)?.id)
 }
 
-fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -> R<()> {
+/// The MLP half of a layer (golden: `layer_step` from the post-attention norm on):
+/// `m = norm(x)`; `act = bf16(silu(m @ Wg^T (* r2)) * (m @ Wu^T (* r2)))`; `x += act @ Wd^T`.
+fn mlp_block(o: &mut Orchestrator, p: &StepPlan, w: &LayerViews, x: &Tensor) -> R<()> {
     let c = &p.config;
-    let set = p.set_of_layer[l];
-    let (h, qw, kvw, inter) = (
-        c.hidden_size,
-        c.q_width(),
-        c.kv_width(),
-        c.intermediate_size,
-    );
+    let (h, inter) = (c.hidden_size, c.intermediate_size);
+    let (m, r2) = norm(o, p, x, &w.post_norm)?;
+    let act = o.alloc(DType::F32, &[p.rows as u64, packed_ld(inter) as u64])?;
+    let mut task = Task::new(ops::GATE_UP_SWIGLU)
+        .input(&m)
+        .no_dep(&w.w_gate)
+        .no_dep(&w.w_up)
+        .output_existing(&cols(o, &act, 0, inter)?)
+        .blocks(p.blocks.gate_up);
+    if let Some(s) = &r2 {
+        task = task.input(s);
+    }
+    o.submit(
+        task.push_scalars(GateUpScalars {
+            hidden: h,
+            intermediate: inter,
+        })
+        .timing_slot(1),
+    )?;
+    gemm(
+        o,
+        &act,
+        Dep::Tensor,
+        &w.w_down,
+        p.blocks.down,
+        x,
+        None,
+        inter,
+        true,
+    )?;
+    Ok(())
+}
+
+/// The attention half of a layer (golden: `layer_step` from the input norm to `h1`):
+/// `n = norm(x)`; `q, k, v = n @ W^T (* r)`; q/k norm and RoPE at each token's position, the
+/// bf16 K/V rows written through the slot mapping; attention over the paged cache into packed
+/// `a = bf16(o)`; `x += a @ Wo^T`.
+fn attention_block(
+    o: &mut Orchestrator,
+    p: &StepPlan,
+    vw: &Views,
+    w: &LayerViews,
+    l: usize,
+    x: &Tensor,
+) -> R<()> {
+    let c = &p.config;
+    let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
     let r = p.rows as u64;
-    let w: Vec<Tensor> = vw
-        .layer
-        .iter()
-        .map(|t| entry(o, t, set))
-        .collect::<R<Vec<Tensor>>>()?;
-    let (wq, wk, wv, wo, wg, wu, wd) = (&w[0], &w[1], &w[2], &w[3], &w[4], &w[5], &w[6]);
-    let (qn, kn, in_norm, post_norm) = (&w[7], &w[8], &w[9], &w[10]);
 
     // Input norm and the q/k/v projections.
-    let (n, rs) = norm(o, p, x, in_norm)?;
+    let (n, rs) = norm(o, p, x, &w.input_norm)?;
     let q = o.alloc(DType::F32, &[r, qw as u64])?;
     let k = o.alloc(DType::F32, &[r, kvw as u64])?;
     let v = o.alloc(DType::F32, &[r, kvw as u64])?;
     let mut qkv = Vec::new();
     for (wt, out, blocks) in [
-        (wq, &q, p.blocks.q),
-        (wk, &k, p.blocks.k),
-        (wv, &v, p.blocks.v),
+        (&w.wq, &q, p.blocks.q),
+        (&w.wk, &k, p.blocks.k),
+        (&w.wv, &v, p.blocks.v),
     ] {
         qkv.push(gemm(
             o,
@@ -371,8 +368,8 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
             let t = qkv_done.add(t, &rows(o, &k, row, row + cnt)?);
             let t = qkv_done
                 .add(t, &rows(o, &v, row, row + cnt)?)
-                .no_dep(qn)
-                .no_dep(kn)
+                .no_dep(&w.q_norm)
+                .no_dep(&w.k_norm)
                 .no_dep(&rows(o, &vw.cos, pos, pos + cnt)?)
                 .no_dep(&rows(o, &vw.sin, pos, pos + cnt)?)
                 .output_existing(&rows(o, &qb, row, row + cnt)?)
@@ -395,40 +392,8 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     };
     let attn_done = Dep::After(barrier(o, attn)?);
 
-    // Residual: x += a @ Wo^T, tile by tile in place.
-    gemm(o, &a, attn_done, wo, p.blocks.o, x, None, qw, true)?;
-
-    // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
-    let (m, r2) = norm(o, p, x, post_norm)?;
-    let act = o.alloc(DType::F32, &[r, packed_ld(inter) as u64])?;
-    let mut task = Task::new(ops::GATE_UP_SWIGLU)
-        .input(&m)
-        .no_dep(wg)
-        .no_dep(wu)
-        .output_existing(&cols(o, &act, 0, inter)?)
-        .blocks(p.blocks.gate_up);
-    if let Some(s) = &r2 {
-        task = task.input(s);
-    }
-    o.submit(
-        GateUpScalars {
-            hidden: h,
-            intermediate: inter,
-        }
-        .push(task)
-        .timing_slot(1),
-    )?;
-    gemm(
-        o,
-        &act,
-        Dep::Tensor,
-        wd,
-        p.blocks.down,
-        x,
-        None,
-        inter,
-        true,
-    )?;
+    // Residual: x += a @ Wo^T, in place.
+    gemm(o, &a, attn_done, &w.wo, p.blocks.o, x, None, qw, true)?;
     Ok(())
 }
 
@@ -566,7 +531,120 @@ fn attention_prefill(
     Ok(writers)
 }
 
-/// Final norm, LM head tiles and greedy argmax for each sequence's last row.
+/// One layer's weights (weight set `set` of the bound `[sets, ...]` tensors), by name.
+struct LayerViews {
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    input_norm: Tensor,
+    post_norm: Tensor,
+}
+
+impl LayerViews {
+    fn of(o: &Orchestrator, vw: &Views, set: usize) -> R<LayerViews> {
+        // `Views::layer` follows `LayerWeights::shapes`' order.
+        let [
+            wq,
+            wk,
+            wv,
+            wo,
+            w_gate,
+            w_up,
+            w_down,
+            q_norm,
+            k_norm,
+            input_norm,
+            post_norm,
+        ]: [Tensor; 11] = vw
+            .layer
+            .iter()
+            .map(|t| entry(o, t, set))
+            .collect::<R<Vec<Tensor>>>()?
+            .try_into()
+            .map_err(|v: Vec<Tensor>| {
+                o.fatal(format!(
+                    "qwen3 orchestration: {} layer tensors, expected 11",
+                    v.len()
+                ))
+            })?;
+        Ok(LayerViews {
+            wq,
+            wk,
+            wv,
+            wo,
+            w_gate,
+            w_up,
+            w_down,
+            q_norm,
+            k_norm,
+            input_norm,
+            post_norm,
+        })
+    }
+}
+
+/// One decoder layer, in place on the residual `x` (golden: `layer_step`):
+/// `x = x + attention(norm(x))`, then `x = x + mlp(norm(x))`.
+fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -> R<()> {
+    let w = LayerViews::of(o, vw, p.set_of_layer[l])?;
+    attention_block(o, p, vw, &w, l, x)?;
+    mlp_block(o, p, &w, x)
+}
+
+/// Submits one step (golden: `decode_model`, `decode_layers_bf16`, `prefill_model`): the
+/// embedding gather (or the bf16 hidden input), each layer in its own scope, then the head
+/// (or the bf16 hidden output).
+pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> {
+    let vw = bind_all(o, args, p)?;
+    let c = &p.config;
+    let (r, h) = (p.rows as u64, c.hidden_size as u64);
+    let x = o.alloc(DType::F32, &[r, h])?;
+    match p.variant {
+        Variant::Model => {
+            let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
+            o.submit(
+                Task::new(ops::EMBED)
+                    .no_dep(&vw.embedding)
+                    .input(&ids)
+                    .output_existing(&x)
+                    .timing_slot(0),
+            )?;
+        }
+        Variant::Layers => {
+            let hin = o.bind(&args.buffers[io::INPUT], DType::BF16, &[r, h])?;
+            o.submit(
+                Task::new(ops::CAST_BF16_F32)
+                    .input(&hin)
+                    .output_existing(&x)
+                    .timing_slot(0),
+            )?;
+        }
+    }
+    for l in p.layers.clone() {
+        o.scope(ScopeKind::Auto, |o| layer(o, p, &vw, l, &x))?;
+    }
+    o.scope(ScopeKind::Auto, |o| match p.variant {
+        Variant::Model => head(o, args, p, &vw, &x),
+        Variant::Layers => {
+            let hout = o.bind(&args.buffers[io::OUT_MAIN], DType::BF16, &[r, h])?;
+            o.submit(
+                Task::new(ops::CAST_F32_BF16)
+                    .input(&x)
+                    .output_existing(&hout)
+                    .timing_slot(2),
+            )?;
+            Ok(())
+        }
+    })
+}
+
+/// Final norm, LM head and greedy argmax for each sequence's last row (golden: `head`).
 fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tensor) -> R<()> {
     let c = &p.config;
     let (h, vocab) = (c.hidden_size as u64, c.vocab_size as u64);
