@@ -1,18 +1,25 @@
-//! `simpler generate`: chunked prefill of a prompt, then greedy decode, on the runtime, until
+//! `simpler generate`: chunked prefill of a prompt, then decode, on the runtime, until
 //! `--max-new-tokens` or an end-of-sequence id (from the checkpoint's `generation_config.json`
-//! or `config.json`; `--ignore-eos` to run on). Prints the generated token ids on one line
-//! (comma-separated, the EOS included) on stdout; what runs (the model, its RoPE, the EOS ids),
-//! the memory check and timing go to stderr; `--dump-logits` writes the fp32 logits of every
-//! generated position as `[positions, vocab]` NPY.
+//! or `config.json`; `--ignore-eos` to run on).
+//!
+//! The prompt is text (`--prompt`), a chat message rendered through the tokenizer's chat
+//! template (`--chat`), or token ids (`--prompt-ids`). Text prompts print the generated text,
+//! streamed as it is decoded; id prompts print the generated ids on one line (comma-separated,
+//! the EOS included). Tokens are greedy unless `--temperature` is above 0 (then top-k, top-p
+//! and a seeded draw). What runs (the model, its RoPE, the tokenizer, the EOS ids), the memory
+//! check and the timing line (TTFT, decode tokens/s, ms/token) go to stderr; `--dump-logits`
+//! writes the fp32 logits of every generated position as `[positions, vocab]` NPY.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{KvBuffers, PagedBatch, RunShape, Session, eos_token_ids, ops};
+use simpler_serve::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, Tokenizer};
 
 use crate::npy;
 use crate::opts::{self, RunOpts};
@@ -20,15 +27,45 @@ use crate::qwen3_cmd::{ModelArgs, load_weights, upload};
 
 /// Arguments of `simpler generate`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "chat", "prompt_ids"])))]
 pub(crate) struct GenerateArgs {
     #[command(flatten)]
     pub(crate) model: ModelArgs,
+    /// The prompt as text, tokenized as is (no chat template).
+    #[arg(long)]
+    pub(crate) prompt: Option<String>,
+    /// A user message, rendered through the tokenizer's chat template with the assistant's
+    /// turn opened.
+    #[arg(long)]
+    pub(crate) chat: Option<String>,
+    /// A system message before `--chat`.
+    #[arg(long, requires = "chat")]
+    pub(crate) system: Option<String>,
+    /// Ask the chat template for an empty reasoning block (Qwen3's `enable_thinking=False`).
+    #[arg(long, requires = "chat")]
+    pub(crate) no_thinking: bool,
     /// The prompt as token ids, comma-separated (e.g. 1,2,3).
-    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
-    pub(crate) prompt_ids: Vec<u32>,
-    /// Tokens to generate (greedy).
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub(crate) prompt_ids: Option<Vec<u32>>,
+    /// Decoder layers to run [default: all of the model's] (a quick look at a large model;
+    /// the output is then not the model's).
+    #[arg(long)]
+    pub(crate) layers: Option<usize>,
+    /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     pub(crate) max_new_tokens: usize,
+    /// Sampling temperature (0: greedy, the largest logit).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub(crate) temperature: f32,
+    /// Sample among the k most likely tokens only.
+    #[arg(long)]
+    pub(crate) top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probability reaches p.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) top_p: f32,
+    /// Seed of the sampling draws.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) sample_seed: u64,
     /// Write the fp32 logits of every generated position to FILE (.npy, [positions, vocab]).
     #[arg(long, value_name = "FILE")]
     pub(crate) dump_logits: Option<PathBuf>,
@@ -42,30 +79,80 @@ pub(crate) struct GenerateArgs {
     pub(crate) run: RunOpts,
 }
 
+/// The tokenizer of the model: the directory's own files, or the embedded Qwen3 one for the
+/// presets (whose random weights use the real vocabulary).
+fn tokenizer(args: &GenerateArgs, vocab: usize) -> Result<Tokenizer> {
+    let tok = match &args.model.model {
+        Some(dir) => Tokenizer::from_dir(dir)?,
+        None => Tokenizer::qwen3()?,
+    };
+    if tok.vocab_size() > vocab {
+        bail!(
+            "{} has {} ids but the model's vocabulary is {vocab}: text needs a model with the tokenizer's vocabulary (the qwen3-* presets), or give --prompt-ids",
+            tok.source(),
+            tok.vocab_size()
+        );
+    }
+    Ok(tok)
+}
+
 pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 || args.prefill_chunk == 0 {
         bail!("--max-new-tokens and --prefill-chunk must be at least 1");
     }
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.sample_seed,
+    };
+    sampling
+        .validate()
+        .map_err(|(name, why)| anyhow!("--{} {why}", name.replace('_', "-")))?;
     // Flags first: a bad one is refused before anything loads.
     let prefill_cfg = args.run.call_config("prefill")?;
     let decode_cfg = args.run.call_config("decode")?;
-    let c = args.model.config(None)?;
-    if let Some(&t) = args
-        .prompt_ids
-        .iter()
-        .find(|&&t| t as usize >= c.vocab_size)
-    {
+    let c = args.model.config(args.layers)?;
+
+    // The prompt's ids.
+    let t_load = Instant::now();
+    let tok = match &args.prompt_ids {
+        Some(_) => None,
+        None => Some(tokenizer(&args, c.vocab_size)?),
+    };
+    let prompt: Vec<u32> = match (&tok, &args.prompt_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(tok), None) => {
+            let text = match (&args.prompt, &args.chat) {
+                (Some(p), _) => p.clone(),
+                (None, Some(m)) => {
+                    let mut messages = Vec::new();
+                    if let Some(s) = &args.system {
+                        messages.push(ChatMessage::new("system", s));
+                    }
+                    messages.push(ChatMessage::new("user", m));
+                    tok.apply_chat_template(&messages, true, args.no_thinking.then_some(false))?
+                }
+                (None, None) => bail!("give --prompt, --chat or --prompt-ids"),
+            };
+            tok.encode(&text)?
+        }
+        (None, None) => bail!("give --prompt, --chat or --prompt-ids"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= c.vocab_size) {
         bail!(
             "--prompt-ids: token {t} is outside the vocabulary of {}",
             c.vocab_size
         );
     }
-    let total = args
-        .prompt_ids
+    let total = prompt
         .len()
         .checked_add(args.max_new_tokens - 1)
-        .ok_or_else(|| anyhow::anyhow!("--max-new-tokens {} is too large", args.max_new_tokens))?;
-    ModelArgs::check_positions(&c, total, "--prompt-ids + --max-new-tokens")?;
+        .ok_or_else(|| anyhow!("--max-new-tokens {} is too large", args.max_new_tokens))?;
+    ModelArgs::check_positions(&c, total, "the prompt + --max-new-tokens")?;
     let eos = match &args.model.model {
         Some(dir) => eos_token_ids(dir, &c)?,
         None => c.eos_token_ids.clone(),
@@ -78,7 +165,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             shared_weights: false,
             kv_slots: pages * PAGE_SIZE,
             max_seq: pages * PAGE_SIZE,
-            step_tokens: args.prefill_chunk.min(args.prompt_ids.len()),
+            step_tokens: args.prefill_chunk.min(prompt.len()),
         },
     )?;
     eprintln!(
@@ -94,8 +181,16 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         c.rope.theta,
         c.max_position_embeddings
     );
+    if let Some(t) = &tok {
+        eprintln!(
+            "tokenizer: {} ({} ids); prompt {} tokens",
+            t.source(),
+            t.vocab_size(),
+            prompt.len()
+        );
+    }
     eprintln!(
-        "stops at: {}",
+        "stops at: {}; {}",
         match (args.ignore_eos, eos.is_empty()) {
             (true, _) => format!("{} new tokens (--ignore-eos)", args.max_new_tokens),
             (false, true) => format!(
@@ -103,20 +198,52 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
                 args.max_new_tokens
             ),
             (false, false) => format!("EOS ids {:?} or {} new tokens", eos, args.max_new_tokens),
+        },
+        if sampling.temperature == 0.0 {
+            "greedy".to_string()
+        } else {
+            format!(
+                "sampling at temperature {}, top-k {}, top-p {}, seed {}",
+                sampling.temperature,
+                sampling.top_k.map_or("off".into(), |k| k.to_string()),
+                sampling.top_p,
+                sampling.seed
+            )
         }
     );
     let stop = |t: u32| !args.ignore_eos && eos.contains(&t);
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let mut weights = load_weights(&args.model, &c, false)?;
-    let prompt = &args.prompt_ids;
     let batch = PagedBatch::identity(vec![prompt.len()], total, PAGE_SIZE);
     let model = upload(&worker, &mut weights, batch.max_blocks * batch.page_size)?;
     let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
     let mut session = Session::new(&worker, model, kv);
-    let want_logits = args.dump_logits.is_some();
-    session.read_logits = want_logits;
+    let load_s = t_load.elapsed().as_secs_f64();
+    // Sampling needs every step's logits; greedy reads only the runtime's argmax.
+    let greedy = sampling.temperature == 0.0;
+    let want_logits = args.dump_logits.is_some() || !greedy;
+    let mut sampler = Sampler::new(sampling);
+    let mut pick = |out: &simpler_models::qwen3::StepOutput| -> Result<u32> {
+        if greedy {
+            return Ok(out.next_tokens[0]);
+        }
+        sampler
+            .sample(&out.logits)
+            .ok_or_else(|| anyhow!("every logit of the step is NaN"))
+    };
     let mut logits: Vec<f32> = Vec::new();
+    let mut text_out = tok.as_ref().map(|_| IncrementalDecoder::new(true));
+    let mut stdout = std::io::stdout().lock();
+    let mut emit_text = |id: u32, out: &mut dyn Write| -> Result<()> {
+        if let (Some(t), Some(d)) = (&tok, &mut text_out) {
+            if !stop(id) {
+                write!(out, "{}", d.push(t, id)?)?;
+                out.flush()?;
+            }
+        }
+        Ok(())
+    };
 
     // Prefill in chunks; the last chunk's logits give the first generated token.
     let cfg = &prefill_cfg;
@@ -135,15 +262,18 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             .prefill(&worker, &batch, &[chunk], cfg)
             .context("prefill")?;
         opts::emit(&out.report, cfg)?;
-        next = out.next_tokens[0];
         if end == prompt.len() {
-            logits.extend_from_slice(&out.logits);
+            next = pick(&out)?;
+            if args.dump_logits.is_some() {
+                logits.extend_from_slice(&out.logits);
+            }
         }
         done = end;
     }
-    let prefill_s = t0.elapsed().as_secs_f64();
+    let ttft_s = t0.elapsed().as_secs_f64();
+    emit_text(next, &mut stdout)?;
 
-    // Greedy decode.
+    // Decode.
     let cfg = &decode_cfg;
     session.read_logits = want_logits;
     let mut generated = vec![next];
@@ -160,14 +290,23 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             .decode(&worker, &step, &[next], cfg)
             .context("decode")?;
         opts::emit(&out.report, cfg)?;
-        next = out.next_tokens[0];
+        next = pick(&out)?;
         generated.push(next);
-        logits.extend_from_slice(&out.logits);
+        if args.dump_logits.is_some() {
+            logits.extend_from_slice(&out.logits);
+        }
+        emit_text(next, &mut stdout)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
 
-    let ids: Vec<String> = generated.iter().map(|t| t.to_string()).collect();
-    println!("{}", ids.join(","));
+    match (&tok, &mut text_out) {
+        (Some(t), Some(d)) => writeln!(stdout, "{}", d.finish(t)?)?,
+        _ => {
+            let ids: Vec<String> = generated.iter().map(|t| t.to_string()).collect();
+            writeln!(stdout, "{}", ids.join(","))?;
+        }
+    }
+    drop(stdout);
     if generated.last().is_some_and(|&t| stop(t)) {
         eprintln!(
             "stopped at EOS id {} after {} new tokens",
@@ -175,14 +314,17 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             generated.len()
         );
     }
+    let decoded = generated.len() - 1;
     eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.2} ms/token)",
+        "{} prompt + {} new tokens: TTFT {:.1} ms (prefill {:.1} tokens/s); decode {:.2} tokens/s, {:.2} ms/token; overall {:.2} tokens/s; load {:.2} s",
         prompt.len(),
-        prefill_s,
-        prompt.len() as f64 / prefill_s,
-        generated.len() - 1,
-        decode_s,
-        decode_s * 1e3 / (generated.len() - 1).max(1) as f64
+        generated.len(),
+        ttft_s * 1e3,
+        prompt.len() as f64 / ttft_s,
+        decoded as f64 / decode_s.max(1e-9),
+        decode_s * 1e3 / decoded.max(1) as f64,
+        generated.len() as f64 / (ttft_s + decode_s),
+        load_s
     );
     if let Some(path) = &args.dump_logits {
         npy::write_f32(path, &[generated.len(), c.vocab_size], &logits)?;

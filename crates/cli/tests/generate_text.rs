@@ -1,0 +1,167 @@
+//! `simpler generate` with text: `--prompt` and `--chat` through a checkpoint's own tokenizer
+//! files give the same tokens as the equivalent `--prompt-ids`, the text printed is those
+//! tokens decoded, and sampling is seeded.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use simpler_models::qwen3::{Qwen3Config, Rope, SaveOptions, generate_weights, save_checkpoint};
+use simpler_serve::{ChatMessage, Tokenizer};
+
+fn simpler(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run simpler")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A one-layer, narrow checkpoint with the real Qwen3 vocabulary (untied, so logits vary) and
+/// the tokenizer files beside it.
+fn checkpoint(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("simpler-gen-text-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+    c.hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.intermediate_size = 128;
+    c.num_hidden_layers = 1;
+    c.tie_word_embeddings = false;
+    c.rope = Rope::plain(1e6);
+    let w = generate_weights(&c, 5, false, None);
+    save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/assets/qwen3");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(assets.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
+fn generate(dir: &Path, input: &[&str], extra: &[&str]) -> (String, String) {
+    let mut a = vec![
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+    ];
+    a.extend_from_slice(input);
+    a.extend_from_slice(extra);
+    let out = simpler(&a);
+    assert!(out.status.success(), "{input:?}: {}", text(&out.stderr));
+    (text(&out.stdout), text(&out.stderr))
+}
+
+#[test]
+fn text_prompts_equal_their_token_ids_and_print_the_decoded_text() {
+    let dir = checkpoint("text");
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let prompt = "The capital of France is";
+    let ids = tok.encode(prompt).unwrap();
+    let csv: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let (ids_out, _) = generate(&dir, &["--prompt-ids", &csv.join(",")], &[]);
+    let generated: Vec<u32> = ids_out
+        .trim()
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let (text_out, err) = generate(&dir, &["--prompt", prompt], &[]);
+    assert!(
+        err.contains(&format!("prompt {} tokens", ids.len())),
+        "{err}"
+    );
+    assert!(err.contains("TTFT") && err.contains("ms/token"), "{err}");
+    assert_eq!(
+        text_out.strip_suffix('\n').unwrap(),
+        tok.decode(&generated, true).unwrap()
+    );
+
+    // A chat message goes through the template.
+    let messages = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Hi there"),
+    ];
+    let rendered = tok
+        .apply_chat_template(&messages, true, Some(false))
+        .unwrap();
+    let n = tok.encode(&rendered).unwrap().len();
+    let (_, err) = generate(
+        &dir,
+        &[
+            "--chat",
+            "Hi there",
+            "--system",
+            "Be brief.",
+            "--no-thinking",
+        ],
+        &[],
+    );
+    assert!(err.contains(&format!("prompt {n} tokens")), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sampling_is_seeded_and_bad_parameters_are_refused() {
+    let dir = checkpoint("sample");
+    let ids = ["--prompt-ids", "9707,11,1879"];
+    let hot = [
+        "--temperature",
+        "2.0",
+        "--top-p",
+        "0.95",
+        "--sample-seed",
+        "11",
+    ];
+    let (a, err) = generate(&dir, &ids, &hot);
+    assert!(err.contains("sampling at temperature 2"), "{err}");
+    let (b, _) = generate(&dir, &ids, &hot);
+    assert_eq!(a, b, "same seed, same tokens");
+    let (c, _) = generate(
+        &dir,
+        &ids,
+        &[
+            "--temperature",
+            "2.0",
+            "--top-p",
+            "0.95",
+            "--sample-seed",
+            "12",
+        ],
+    );
+    assert_ne!(a, c, "another seed");
+    let (greedy, err) = generate(&dir, &ids, &[]);
+    assert!(err.contains("greedy"), "{err}");
+    let (greedy0, _) = generate(&dir, &ids, &["--temperature", "0"]);
+    assert_eq!(greedy, greedy0);
+    for (flag, value) in [("--temperature", "-1"), ("--top-p", "0"), ("--top-k", "0")] {
+        let out = simpler(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+            flag,
+            value,
+        ]);
+        let err = text(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(&flag[2..]),
+            "{flag}: {err}"
+        );
+    }
+    // Text with a model whose vocabulary is smaller than the tokenizer's is refused by name.
+    let out = simpler(&["generate", "--preset", "tiny", "--prompt", "Hello"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("151669 ids") && err.contains("1000"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,220 @@
+//! The tokenizer of a model: HF `tokenizer.json` through the `tokenizers` crate, the special
+//! tokens and chat template of `tokenizer_config.json`, and the real Qwen3 files embedded for
+//! the random-weight presets.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::chat::{ChatMessage, ChatTemplate};
+
+/// The Qwen3 `tokenizer.json`, embedded (see `assets/qwen3/NOTICE.md`).
+const QWEN3_TOKENIZER: &[u8] = include_bytes!("../assets/qwen3/tokenizer.json");
+/// The Qwen3 `tokenizer_config.json` (special tokens, chat template).
+const QWEN3_TOKENIZER_CONFIG: &[u8] = include_bytes!("../assets/qwen3/tokenizer_config.json");
+
+/// Why a tokenizer could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A file could not be read.
+    #[error("{file}: {source}")]
+    Io {
+        /// The file.
+        file: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` is absent from a model directory.
+    #[error("{dir}: no tokenizer.json (give token ids instead, e.g. --prompt-ids)")]
+    Missing {
+        /// The directory.
+        dir: String,
+    },
+    /// A file did not parse.
+    #[error("{file}: {why}")]
+    Parse {
+        /// The file.
+        file: String,
+        /// The parser's message.
+        why: String,
+    },
+    /// Encoding or decoding failed.
+    #[error("tokenizer: {0}")]
+    Codec(String),
+    /// The chat template failed to render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The tokenizer has no chat template.
+    #[error("the tokenizer has no chat template (tokenizer_config.json `chat_template`)")]
+    NoTemplate,
+}
+
+/// A model's tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// `get_vocab_size` builds the whole vocabulary map on every call: counted once.
+    vocab_size: usize,
+    eos_token: Option<String>,
+    bos_token: Option<String>,
+    template: Option<ChatTemplate>,
+    source: String,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source", &self.source)
+            .field("vocab", &self.vocab_size())
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+/// A special-token entry of `tokenizer_config.json`: a string or `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// The real Qwen3 tokenizer, embedded in the binary.
+    pub fn qwen3() -> Result<Tokenizer, TokenizerError> {
+        Tokenizer::from_bytes(
+            QWEN3_TOKENIZER,
+            Some(QWEN3_TOKENIZER_CONFIG),
+            "the built-in Qwen3 tokenizer",
+        )
+    }
+
+    /// `tokenizer.json` (required) and `tokenizer_config.json` (optional) of a model
+    /// directory.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
+        let tok = dir.join("tokenizer.json");
+        if !tok.exists() {
+            return Err(TokenizerError::Missing {
+                dir: dir.display().to_string(),
+            });
+        }
+        let read = |p: &Path| {
+            std::fs::read(p).map_err(|source| TokenizerError::Io {
+                file: p.display().to_string(),
+                source,
+            })
+        };
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg = if cfg_path.exists() {
+            Some(read(&cfg_path)?)
+        } else {
+            None
+        };
+        Tokenizer::from_bytes(&read(&tok)?, cfg.as_deref(), &dir.display().to_string())
+    }
+
+    /// From the two files' contents; `source` names them in errors.
+    pub fn from_bytes(
+        tokenizer_json: &[u8],
+        config_json: Option<&[u8]>,
+        source: &str,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| {
+            TokenizerError::Parse {
+                file: format!("{source}: tokenizer.json"),
+                why: e.to_string(),
+            }
+        })?;
+        let (mut eos_token, mut bos_token, mut template) = (None, None, None);
+        if let Some(bytes) = config_json {
+            let file = format!("{source}: tokenizer_config.json");
+            let cfg: Value = serde_json::from_slice(bytes).map_err(|e| TokenizerError::Parse {
+                file: file.clone(),
+                why: e.to_string(),
+            })?;
+            eos_token = token_text(cfg.get("eos_token"));
+            bos_token = token_text(cfg.get("bos_token"));
+            template = match cfg.get("chat_template") {
+                Some(Value::String(t)) => {
+                    Some(ChatTemplate::new(t).map_err(|e| TokenizerError::Parse {
+                        file: file.clone(),
+                        why: e.to_string(),
+                    })?)
+                }
+                _ => None,
+            };
+        }
+        Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
+            inner,
+            eos_token,
+            bos_token,
+            template,
+            source: source.to_string(),
+        })
+    }
+
+    /// Where the tokenizer came from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Ids the tokenizer can produce (the vocabulary with the added tokens): one past the
+    /// largest id.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The id of a token's text (special tokens included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The id of `tokenizer_config.json`'s `eos_token`.
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.token_id(self.eos_token.as_deref()?)
+    }
+
+    /// Token ids of `text`, no special tokens added (special tokens written in the text,
+    /// such as `<|im_start|>`, are recognised as such).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids` (special tokens kept unless `skip_special`). Ids outside the
+    /// tokenizer's vocabulary (a model's padded rows) decode to nothing.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        let known: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&i| (i as usize) < self.vocab_size())
+            .collect();
+        self.inner
+            .decode(&known, skip_special)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))
+    }
+
+    /// The prompt text of a conversation through the tokenizer's chat template, with the
+    /// assistant's turn opened when `add_generation_prompt`. `enable_thinking: Some(false)`
+    /// asks Qwen3's template for an empty reasoning block.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String, TokenizerError> {
+        let t = self.template.as_ref().ok_or(TokenizerError::NoTemplate)?;
+        t.render(
+            messages,
+            add_generation_prompt,
+            enable_thinking,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}

@@ -1,0 +1,105 @@
+//! The embedded Qwen3 tokenizer against the Python `tokenizers` package and `transformers`'
+//! chat template rendering (recorded once by `tools/qwen3_tokenizer_reference.py`), and the
+//! incremental decoder against whole-text decoding.
+
+use serde_json::Value;
+use simpler_serve::{ChatMessage, IncrementalDecoder, Tokenizer};
+
+fn reference() -> Value {
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/qwen3_tokenizer_reference.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn ids_match_the_python_tokenizers_package() {
+    let tok = Tokenizer::qwen3().unwrap();
+    let r = reference();
+    assert_eq!(tok.vocab_size() as u64, r["vocab_size"].as_u64().unwrap());
+    for case in r["texts"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        assert_eq!(tok.encode(text).unwrap(), want, "{text:?}");
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "{text:?}"
+        );
+        // Round trip.
+        assert_eq!(tok.decode(&want, false).unwrap(), text, "{text:?}");
+    }
+    assert_eq!(tok.eos_token_id(), Some(151_645));
+    assert_eq!(tok.token_id("<|endoftext|>"), Some(151_643));
+}
+
+#[test]
+fn chat_prompts_match_transformers() {
+    let tok = Tokenizer::qwen3().unwrap();
+    for case in reference()["chats"].as_array().unwrap() {
+        let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let got = tok
+            .apply_chat_template(
+                &messages,
+                case["add_generation_prompt"].as_bool().unwrap(),
+                case["enable_thinking"].as_bool(),
+            )
+            .unwrap();
+        assert_eq!(got, case["prompt"].as_str().unwrap(), "{messages:?}");
+    }
+}
+
+/// Streamed deltas concatenate to the whole text, and no delta holds a broken character, even
+/// where a character's bytes are split across tokens (emoji, CJK).
+#[test]
+fn incremental_decoding_never_splits_a_character() {
+    let tok = Tokenizer::qwen3().unwrap();
+    for case in reference()["texts"].as_array().unwrap() {
+        let want = ids(&case["ids"]);
+        let mut d = IncrementalDecoder::new(false);
+        let mut text = String::new();
+        for &id in &want {
+            let delta = d.push(&tok, id).unwrap();
+            assert!(!delta.contains('\u{FFFD}'), "{delta:?}");
+            text.push_str(&delta);
+        }
+        text.push_str(&d.finish(&tok).unwrap());
+        assert_eq!(text, tok.decode(&want, false).unwrap());
+    }
+    // A character split over tokens yields nothing until it completes: byte-level tokens of a
+    // 4-byte emoji.
+    let emoji = tok.encode("🚀").unwrap();
+    let mut d = IncrementalDecoder::new(false);
+    let deltas: Vec<String> = emoji.iter().map(|&i| d.push(&tok, i).unwrap()).collect();
+    assert_eq!(deltas.concat(), "🚀");
+    if emoji.len() > 1 {
+        assert!(
+            deltas[..emoji.len() - 1].iter().all(String::is_empty),
+            "{deltas:?}"
+        );
+    }
+}
+
+#[test]
+fn ids_past_the_tokenizer_decode_to_nothing_and_missing_files_are_named() {
+    let tok = Tokenizer::qwen3().unwrap();
+    // The model's vocabulary (151936) pads past the tokenizer's (151669).
+    assert_eq!(tok.decode(&[9707, 151_900], false).unwrap(), "Hello");
+    let dir = std::env::temp_dir().join(format!("simpler-serve-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("no tokenizer.json"), "{e}");
+    std::fs::write(dir.join("tokenizer.json"), "{not json").unwrap();
+    let e = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
