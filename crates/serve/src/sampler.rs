@@ -90,7 +90,7 @@ impl Sampler {
     /// The next token, or `None` when every logit is NaN (or there are none).
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
         let p = self.params;
-        if p.temperature == 0.0 || logits.iter().any(|&v| v == f32::INFINITY) {
+        if p.temperature == 0.0 || logits.contains(&f32::INFINITY) {
             return greedy(logits);
         }
         let max = logits
