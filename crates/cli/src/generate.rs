@@ -236,11 +236,11 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     let mut text_out = tok.as_ref().map(|_| IncrementalDecoder::new(true));
     let mut stdout = std::io::stdout().lock();
     let mut emit_text = |id: u32, out: &mut dyn Write| -> Result<()> {
-        if let (Some(t), Some(d)) = (&tok, &mut text_out) {
-            if !stop(id) {
-                write!(out, "{}", d.push(t, id)?)?;
-                out.flush()?;
-            }
+        if let (Some(t), Some(d)) = (&tok, &mut text_out)
+            && !stop(id)
+        {
+            write!(out, "{}", d.push(t, id)?)?;
+            out.flush()?;
         }
         Ok(())
     };
