@@ -294,7 +294,8 @@ fn happens_before_violations_are_flagged_and_counted() {
     });
     let a = swimlane::arrows(&r, &d);
     assert_eq!(a.drawn.len(), 3);
-    assert_eq!(a.skipped, 1);
+    // 3 -> 9: the consumer has no records and no consumers of its own; nothing to check.
+    assert_eq!(a.skipped, 0);
     assert_eq!(a.violations.len(), 1);
     assert_eq!((a.violations[0].pred, a.violations[0].succ), (0, 2));
     let text = swimlane::report(&r, Some(&d));
@@ -313,6 +314,56 @@ fn happens_before_violations_are_flagged_and_counted() {
         .collect();
     assert_eq!(flagged.len(), 1);
     assert_eq!(doc["otherData"]["happens_before_violations"], 1);
+}
+
+/// Scenario A with T0 -> T2 routed through two barrier tasks (9, then 8) that have no block
+/// records, as Qwen3 routes its cross-phase dependencies. T0 ends at 100, T2 starts at 90.
+#[test]
+fn happens_before_is_checked_through_tasks_without_records() {
+    let (r, _) = scenario_a();
+    let mut d = graph(4, &[(1, 2), (0, 9), (9, 8), (1, 8), (8, 2), (2, 3)], "fp-a");
+    for id in [8, 9] {
+        d.tasks.push(simpler_core::trace::TaskNode {
+            id,
+            kernel: u32::MAX,
+            kernel_name: String::new(),
+            ..d.tasks[0].clone()
+        });
+    }
+    let a = swimlane::arrows(&r, &d);
+    assert_eq!(a.violations.len(), 1, "{a:?}");
+    let v = a.violations[0];
+    assert_eq!(
+        (v.pred, v.succ, v.via, v.pred_end, v.succ_start),
+        (0, 2, Some(8), 100, 90)
+    );
+    // 1 -> 2 direct, 0 -> 2 through 8 (T0 ends after T1, so it stands for both), 2 -> 3.
+    assert_eq!(a.drawn, vec![(1, 2), (0, 2), (2, 3)]);
+    assert_eq!((a.through_unrecorded, a.skipped), (1, 0));
+    let text = swimlane::report(&r, Some(&d));
+    assert!(text.contains("happens-before violations: 1"), "{text}");
+    assert!(
+        text.contains("VIOLATION 0:0 -> 0:2 (through 0:8)"),
+        "{text}"
+    );
+    let doc = swimlane::to_perfetto(&r, Some(&d)).to_json();
+    common::check_trace_events(&doc);
+    assert_eq!(doc["otherData"]["happens_before_violations"], 1);
+
+    // The same graph with T2 moved after T0's end: no violation through the barriers.
+    let mut ok = r.clone();
+    ok.tasks[2].start = 101;
+    assert!(swimlane::arrows(&ok, &d).violations.is_empty());
+
+    // A barrier that nothing recorded reaches leaves its consumer's edge unchecked, and says so.
+    let mut lone = graph(4, &[(7, 2)], "fp-a");
+    lone.tasks.push(simpler_core::trace::TaskNode {
+        id: 7,
+        kernel: u32::MAX,
+        ..lone.tasks[0].clone()
+    });
+    let a = swimlane::arrows(&r, &lone);
+    assert_eq!((a.drawn.len(), a.skipped), (0, 1));
 }
 
 #[test]
