@@ -33,7 +33,8 @@ enum TraceCmd {
         /// The median span tree per callable (orch ∥ sched shown as overlapping).
         #[arg(long)]
         tree: bool,
-        /// Write Chrome/Perfetto JSON here (one lane per process/invocation, host and device aligned).
+        /// Write Chrome/Perfetto JSON here (one track per process thread, invocations as nested
+        /// slices, host and device aligned).
         #[arg(long, value_name = "OUT.json")]
         perfetto: Option<PathBuf>,
     },
