@@ -166,7 +166,7 @@ pub(crate) fn format_report(r: &RunReport) -> String {
     );
     s += &format!("    validate     {:>12.1} us\n", r.validate.us());
     s += &format!(
-        "  layers: (1) kernel makespan {:.1} us | (2) device init/finalize {:.1} us | (3) handshake {:.1} us | (4) bind+validate {:.1} us\n",
+        "  layers: (1) effective (orch ∪ sched) {:.1} us | (2) device init/finalize {:.1} us | (3) handshake {:.1} us | (4) bind+validate {:.1} us\n",
         eff.us(),
         us(r.device_wall.dur_ns().saturating_sub(eff.dur_ns())),
         us(r.runner.dur_ns().saturating_sub(r.device_wall.dur_ns())),

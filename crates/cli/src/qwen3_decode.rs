@@ -392,7 +392,7 @@ fn print_report(
         batch
     );
     println!(
-        "  timing layers (median): (1) kernel makespan {eff:.0} us | (2) device init/finalize {init:.0} us | (3) handshake {hand:.0} us | (4) bind+validate {bind:.0} us | (5) engine wrap {wrap:.0} us (step time - run: inputs written, outputs read back)"
+        "  timing layers (median): (1) effective (orch ∪ sched) {eff:.0} us | (2) device init/finalize {init:.0} us | (3) handshake {hand:.0} us | (4) bind+validate {bind:.0} us | (5) engine wrap {wrap:.0} us (step time - run: inputs written, outputs read back)"
     );
     println!(
         "  time per layer {:.0} us (span of all layer tasks, first dispatch to last finish, / {layers}); input {input_us:.0} us; head (final norm + LM head + argmax) {head_us:.0} us",

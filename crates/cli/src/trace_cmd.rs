@@ -63,7 +63,7 @@ enum TraceCmd {
         #[arg(long)]
         reduce: bool,
     },
-    /// Scheduler-bound share of the makespan per engine class, head/tail overheads, scheduler
+    /// Scheduler-bound share of the execution span per engine class, head/tail overheads, scheduler
     /// loop phase totals.
     Overhead {
         /// A run's output directory or its swimlane.json.
@@ -85,7 +85,7 @@ enum TraceCmd {
         #[arg(long, default_value_t = 15)]
         top: usize,
     },
-    /// Static and observed critical path; compute and stalls add up to the makespan.
+    /// Static and observed critical path; compute and stalls add up to the execution span.
     CriticalPath {
         /// A run's output directory or its swimlane.json.
         path: PathBuf,

@@ -58,7 +58,7 @@ fn run_qwen3_decode_checks_against_the_golden_and_reports() {
         }
         for needle in [
             "TPOT_ms: n=2",
-            "(1) kernel makespan",
+            "(1) effective (orch ∪ sched)",
             "(5) engine wrap",
             "time per layer",
             "bytes per step",

@@ -79,7 +79,7 @@ pub(crate) fn task_times(r: &SwimlaneRecords) -> HashMap<u64, TaskTimes> {
 }
 
 /// `[first dispatch, last finish]` over all block records (level 1: start and end).
-pub(crate) fn makespan(r: &SwimlaneRecords) -> Option<(u64, u64)> {
+pub(crate) fn execution_span(r: &SwimlaneRecords) -> Option<(u64, u64)> {
     let lo = r
         .tasks
         .iter()
@@ -197,7 +197,7 @@ mod tests {
         assert_eq!(p.all_busy(0, 100), 5 + 8);
         assert_eq!(p.all_busy(7, 14), 3 + 2);
         assert_eq!(p.all_busy(10, 12), 0);
-        assert_eq!(makespan(&r), Some((0, 30)));
+        assert_eq!(execution_span(&r), Some((0, 30)));
         let t = task_times(&r);
         assert_eq!(t[&2].start, 5);
     }

@@ -1,7 +1,7 @@
-//! `simpler trace overhead`: how much of the makespan the scheduler, not the work, set the pace.
+//! `simpler trace overhead`: how much of the execution span the scheduler, not the work, set the pace.
 //!
 //! Definitions (all on the records' one clock, integer nanoseconds):
-//! * makespan: first dispatch (level 1: start) to last finish (level 1: end) over all blocks;
+//! * execution span: first block dispatch (level 1: start) to last finish (level 1: end) over all blocks;
 //! * a core is busy while it executes a block (`start..end`), idle otherwise;
 //! * a task is ready at the latest finish of its predecessors in `deps.json` (a predecessor
 //!   without block records — a dummy or skipped task — completes when it became ready
@@ -18,7 +18,7 @@ use std::fmt::Write;
 use simpler_core::EngineClass;
 use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
 
-use crate::blocks::{TaskTimes, core_count, has_sched_times, makespan, task_times};
+use crate::blocks::{TaskTimes, core_count, execution_span, has_sched_times, task_times};
 use crate::deps::Graph;
 use crate::error::{DfxError, Result};
 use crate::stats::{percentile_sorted, us};
@@ -46,7 +46,7 @@ pub struct ClassShare {
     pub blocks: usize,
     /// Nanoseconds during which a block of the class waited while a core was idle.
     pub bound_ns: u64,
-    /// `bound_ns / makespan`.
+    /// `bound_ns / execution span`.
     pub share: f64,
 }
 
@@ -93,9 +93,11 @@ impl Distribution {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Overhead {
     /// `[first dispatch, last finish]`.
-    pub makespan: (u64, u64),
+    pub execution_span: (u64, u64),
     /// Cores.
     pub cores: u32,
+    /// Swimlane level of the records (submit ends, which gate readiness, need level 4).
+    pub level: u8,
     /// Where readiness came from.
     pub readiness: Readiness,
     /// Per class present in the records (Mix, Cube, Vector order).
@@ -156,8 +158,8 @@ pub(crate) fn ready_times(
 
 /// Runs the analysis. With `deps`, its fingerprint must match the records'.
 pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead> {
-    let (m0, m1) =
-        makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    let (m0, m1) = execution_span(r)
+        .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
     let times = task_times(r);
     let graph = deps.map(Graph::new).transpose()?;
     let ready = ready_times(r, &times, graph.as_ref());
@@ -244,8 +246,9 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
         phases.entry(p.sched).or_default()[k] += p.end.saturating_sub(p.start);
     }
     Ok(Overhead {
-        makespan: (m0, m1),
+        execution_span: (m0, m1),
         cores,
+        level: r.level,
         readiness: if graph.is_some() {
             Readiness::Deps
         } else {
@@ -272,15 +275,22 @@ pub fn report(o: &Overhead) -> String {
     }
     let _ = writeln!(
         out,
-        "makespan {} µs (first dispatch to last finish), {} cores",
-        us((o.makespan.1 - o.makespan.0) as f64),
+        "execution span {} µs (first block dispatch to last block finish), {} cores",
+        us((o.execution_span.1 - o.execution_span.0) as f64),
         o.cores
     );
     match o.readiness {
+        Readiness::Deps if o.level >= 4 => {
+            let _ = writeln!(
+                out,
+                "readiness: latest predecessor finish from deps.json and the task's submit end"
+            );
+        }
         Readiness::Deps => {
             let _ = writeln!(
                 out,
-                "readiness: latest predecessor finish from deps.json (and submit end at level 4)"
+                "readiness: latest predecessor finish from deps.json; swimlane level {} records no submit times, so a task still waiting for the orchestrator to submit it counts as ready and that wait as scheduler-bound (an upper bound; record at --swimlane 4 to exclude it)",
+                o.level
             );
         }
         Readiness::DispatchFallback => {

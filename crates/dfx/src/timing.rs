@@ -460,7 +460,7 @@ fn row(out: &mut String, label: &str, xs: &[f64]) {
 fn layers(out: &mut String, trace: &Trace, g: &CallableGroup) {
     let rounds: Vec<[Option<i64>; 4]> = g.invs.iter().map(|i| round(trace, i).layers()).collect();
     let names = [
-        "① kernel makespan (effective)",
+        "① effective (orch ∪ sched)",
         "② device init/finalize",
         "③ host↔device handshake",
         "④ bind + validate",

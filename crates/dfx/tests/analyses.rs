@@ -15,7 +15,7 @@ use simpler_dfx::{critical_path, swimlane};
 fn overhead_shares_with_deps() {
     let (r, d) = scenario_a();
     let o = overhead::analyze(&r, Some(&d)).unwrap();
-    assert_eq!(o.makespan, (0, 210));
+    assert_eq!(o.execution_span, (0, 210));
     assert_eq!(o.readiness, Readiness::Deps);
     // Cube: T1 waits [0, 15) with core 1 idle.
     let cube = o
@@ -73,7 +73,7 @@ fn overhead_counts_no_time_when_every_core_is_busy() {
     // T1 waits [5, 100) while the only core runs T0: not scheduler-bound. T2 waits [170, 175)
     // with the core idle.
     assert_eq!(o.all.bound_ns, 5);
-    assert_eq!(o.makespan, (0, 205));
+    assert_eq!(o.execution_span, (0, 205));
 }
 
 #[test]
@@ -105,26 +105,27 @@ fn head_and_tail_distributions() {
 fn critical_path_decomposes_scenario_a_exactly() {
     let (r, d) = scenario_a();
     let c = critical_path::analyze(&r, &d).unwrap();
-    assert_eq!(c.makespan, (0, 210));
+    assert_eq!(c.execution_span, (0, 210));
     let ids: Vec<u64> = c.observed.iter().map(|s| s.task).collect();
     assert_eq!(ids, vec![1, 2, 3]);
-    // [compute, data-wait, core-wait, scheduling]
+    // [compute, data-wait, orch-wait, core-wait, scheduling]
     assert_eq!(
         c.totals(),
         [
             35 + 60 + 20,
             0,
             0,
+            0,
             15 + 10 + (20 + 10 + 10) + (10 + 10 + 10)
         ]
     );
-    assert_eq!(c.totals().iter().sum::<u64>(), c.makespan_ns());
+    assert_eq!(c.totals().iter().sum::<u64>(), c.execution_span_ns());
     assert_eq!(
         (c.static_ns, c.static_path.clone()),
         (35 + 60 + 20, vec![1, 2, 3])
     );
     let text = critical_path::report(&c, 0);
-    assert!(text.contains("(210 ns == makespan 210 ns)"), "{text}");
+    assert!(text.contains("(210 ns == execution span 210 ns)"), "{text}");
 }
 
 #[test]
@@ -134,13 +135,56 @@ fn critical_path_classifies_core_wait_and_data_wait() {
     let ids: Vec<u64> = c.observed.iter().map(|s| s.task).collect();
     assert_eq!(ids, vec![1, 2]);
     // T1: ready at its submit end 5, the core runs T0 until 100: core-wait 95; before 5 it did
-    // not exist yet: data-wait 5. T2: submitted at 170 although T1 finished at 150: data-wait 20.
+    // not exist yet: orch-wait 5. T2: submitted at 170 although T1 finished at 150: orch-wait 20.
     assert_eq!(c.observed[0].core_wait, 95);
-    assert_eq!(c.observed[0].data_wait, 5);
-    assert_eq!(c.observed[1].data_wait, 20);
-    assert_eq!(c.totals(), [50 + 25, 25, 95, 10]);
+    assert_eq!((c.observed[0].orch_wait, c.observed[0].data_wait), (5, 0));
+    assert_eq!((c.observed[1].orch_wait, c.observed[1].data_wait), (20, 0));
+    assert_eq!(c.totals(), [50 + 25, 0, 25, 95, 10]);
     assert_eq!(c.totals().iter().sum::<u64>(), 205);
     assert_eq!((c.static_ns, c.static_path.clone()), (100, vec![0]));
+    let text = critical_path::report(&c, 0);
+    assert!(!text.contains("orch-wait is not measured"), "{text}");
+}
+
+/// The same run recorded at level 3 (no submit times): T2's wait for the orchestrator cannot be
+/// seen, lands in scheduling, and both reports say the label is uncertain.
+#[test]
+fn below_level_4_the_orchestration_wait_is_reported_as_unmeasured() {
+    let (mut r, d) = scenario_b();
+    r.level = 3;
+    r.submits.clear();
+    let c = critical_path::analyze(&r, &d).unwrap();
+    assert_eq!(c.totals()[2], 0);
+    assert_eq!(c.observed[1].scheduling, 20 + 5 + 5);
+    let text = critical_path::report(&c, 0);
+    assert!(
+        text.contains("swimlane level 3 records no submit times, so orch-wait is not measured"),
+        "{text}"
+    );
+    let o = overhead::analyze(&r, Some(&d)).unwrap();
+    let text = overhead::report(&o);
+    assert!(
+        text.contains("swimlane level 3 records no submit times"),
+        "{text}"
+    );
+    r.level = 4;
+    let text = overhead::report(&overhead::analyze(&r, Some(&d)).unwrap());
+    assert!(!text.contains("records no submit times"), "{text}");
+}
+
+/// "makespan" named two quantities; every report now names one of them: the execution span
+/// (block records) or effective (orch ∪ sched).
+#[test]
+fn reports_name_the_execution_span_not_a_makespan() {
+    let (r, d) = scenario_a();
+    for text in [
+        critical_path::report(&critical_path::analyze(&r, &d).unwrap(), 0),
+        overhead::report(&overhead::analyze(&r, Some(&d)).unwrap()),
+        simpler_dfx::idle::report(&simpler_dfx::idle::analyze(&r, Some(&d)).unwrap(), 0),
+    ] {
+        assert!(!text.to_lowercase().contains("makespan"), "{text}");
+        assert!(text.contains("execution span"), "{text}");
+    }
 }
 
 #[test]
@@ -167,7 +211,7 @@ fn critical_path_walks_through_tasks_without_records() {
         vec![(0, true), (1, false), (2, true)]
     );
     // T2 ready at 12 (through the dummy); [12, 20) with a core idle is scheduling.
-    assert_eq!(c.totals(), [9 + 8, 0, 0, 1 + 2 + 8 + 2 + 1]);
+    assert_eq!(c.totals(), [9 + 8, 0, 0, 0, 1 + 2 + 8 + 2 + 1]);
     assert_eq!(c.totals().iter().sum::<u64>(), 31);
 }
 
@@ -235,11 +279,11 @@ fn arb_run() -> impl Strategy<Value = (SwimlaneRecords, simpler_core::trace::Dep
 
 proptest! {
     #[test]
-    fn critical_path_always_adds_up_to_the_makespan((r, d) in arb_run()) {
+    fn critical_path_always_adds_up_to_the_execution_span((r, d) in arb_run()) {
         let c = critical_path::analyze(&r, &d).unwrap();
-        prop_assert_eq!(c.totals().iter().sum::<u64>(), c.makespan_ns());
+        prop_assert_eq!(c.totals().iter().sum::<u64>(), c.execution_span_ns());
         let o = overhead::analyze(&r, Some(&d)).unwrap();
-        prop_assert!(o.all.bound_ns <= c.makespan_ns());
+        prop_assert!(o.all.bound_ns <= c.execution_span_ns());
         for cl in &o.classes {
             prop_assert!(cl.bound_ns <= o.all.bound_ns);
         }
