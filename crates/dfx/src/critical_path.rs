@@ -121,6 +121,7 @@ impl Cursor {
 pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
     let (m0, m1) = execution_span(r)
         .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    crate::blocks::check_records(r)?;
     let g = Graph::new(deps)?;
     let times = task_times(r);
     let names = kernel_names(r, Some(deps));
@@ -156,7 +157,10 @@ pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
             .copied()
             .max_by_key(|&p| (dist[p], std::cmp::Reverse(p)));
         best_pred[v] = bp;
-        dist[v] = times.get(&id).map_or(0, |t| t.max_exec) + bp.map_or(0, |p| dist[p]);
+        dist[v] = times
+            .get(&id)
+            .map_or(0, |t| t.max_exec)
+            .saturating_add(bp.map_or(0, |p| dist[p]));
     }
     let mut static_path = Vec::new();
     let mut at = (0..n).max_by_key(|&v| (dist[v], std::cmp::Reverse(v)));
@@ -280,7 +284,7 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
             pct(v)
         );
     }
-    let sum: u64 = t.iter().sum();
+    let sum: u64 = t.iter().fold(0, |a, &x| a.saturating_add(x));
     let _ = writeln!(
         out,
         "  {:<11} {:>12} µs          ({sum} ns {} execution span {ms} ns)",

@@ -2,14 +2,15 @@
 //! `ring_stats.json`): writing them from a [`RunReport`] and reading them back with version checks.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use simpler_core::RunReport;
 use simpler_core::trace::{DepGraph, RingStats, SwimlaneRecords, TRACE_FORMAT_VERSION};
 
+pub use crate::blocks::MAX_CORES;
 use crate::error::{DfxError, Result, io};
 
 /// File name of the swimlane records in a run's output directory.
@@ -105,9 +106,15 @@ pub fn write_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<PathB
     Ok(path.to_path_buf())
 }
 
-/// Reads `swimlane.json`.
+/// Reads `swimlane.json`, refusing records no run can have written (see [`MAX_CORES`]).
 pub fn read_swimlane(path: &Path) -> Result<SwimlaneRecords> {
-    read_versioned(path)
+    let r: SwimlaneRecords = read_versioned(path)?;
+    crate::blocks::validate(&r).map_err(|what| DfxError::Invalid {
+        path: path.to_path_buf(),
+        line: 0,
+        what,
+    })?;
+    Ok(r)
 }
 
 /// Reads `deps.json`.
@@ -193,25 +200,39 @@ pub fn check_fingerprints(
     Ok(())
 }
 
+/// The top-level `"v"` of a document; every other field is skipped without being kept.
+#[derive(Deserialize)]
+struct VersionPeek {
+    #[serde(default)]
+    v: Option<serde_json::Value>,
+}
+
+/// Reads a whole-document file in two streaming passes: the first only looks for a newer
+/// `"v"` (so a newer file is refused by version, not by whatever field it changed), the second
+/// builds the record. Neither holds the file's text or a JSON tree of it.
 fn read_versioned<T: DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(io("read", path))?;
     let json = |source| DfxError::Json {
         path: path.to_path_buf(),
         line: 0,
         source,
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(json)?;
-    if let Some(v) = value.get("v").and_then(|v| v.as_u64())
+    let open = || {
+        File::open(path)
+            .map(|f| BufReader::with_capacity(1 << 16, f))
+            .map_err(io("open", path))
+    };
+    let peek: VersionPeek = serde_json::from_reader(open()?).map_err(json)?;
+    if let Some(v) = peek.v.as_ref().and_then(serde_json::Value::as_u64)
         && v > TRACE_FORMAT_VERSION as u64
     {
         return Err(DfxError::NewerVersion {
             path: path.to_path_buf(),
             line: 0,
-            found: v as u32,
+            found: u32::try_from(v).unwrap_or(u32::MAX),
             supported: TRACE_FORMAT_VERSION,
         });
     }
-    serde_json::from_value(value).map_err(json)
+    serde_json::from_reader(open()?).map_err(json)
 }
 
 #[cfg(test)]

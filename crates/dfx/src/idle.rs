@@ -15,7 +15,7 @@ use std::fmt::Write;
 
 use simpler_core::trace::{DepGraph, SwimlaneRecords};
 
-use crate::blocks::{core_count, execution_span};
+use crate::blocks::{check_records, core_count, execution_span};
 use crate::error::{DfxError, Result};
 use crate::stats::{percentile_sorted, us};
 use crate::swimlane::{kernel_names, name_of};
@@ -95,6 +95,7 @@ type Key = (Edge, Edge, bool);
 pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
     let (m0, m1) = execution_span(r)
         .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    check_records(r)?;
     let cores = core_count(r);
     let mut by_core: Vec<Vec<(u64, u64, u32, u64)>> = vec![Vec::new(); cores as usize];
     for b in &r.tasks {
@@ -113,7 +114,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
                 .or_default()
                 .push(start.saturating_sub(free_at));
             let end = end.max(start);
-            busy += end - start.max(free_at).min(end);
+            busy = busy.saturating_add(end - start.max(free_at).min(end));
             free_at = free_at.max(end);
             last = (Edge::Kernel(func), Some(task));
         }
@@ -134,7 +135,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
         .into_iter()
         .map(|((before, after, same_task), mut v)| {
             v.sort_unstable();
-            let total_ns: u64 = v.iter().sum();
+            let total_ns: u64 = v.iter().fold(0, |a, &x| a.saturating_add(x));
             IdleRow {
                 before: label(&before),
                 after: label(&after),
@@ -157,7 +158,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
             .cmp(&a.total_ns)
             .then_with(|| (&a.before, &a.after).cmp(&(&b.before, &b.after)))
     });
-    let idle_ns = rows.iter().map(|r| r.total_ns).sum();
+    let idle_ns = rows.iter().fold(0u64, |a, r| a.saturating_add(r.total_ns));
     Ok(Idle {
         execution_span_ns: m1 - m0,
         cores,
@@ -203,7 +204,9 @@ pub fn report(idle: &Idle, top: usize) -> String {
         );
     }
     if shown < idle.rows.len() {
-        let rest: u64 = idle.rows[shown..].iter().map(|r| r.total_ns).sum();
+        let rest: u64 = idle.rows[shown..]
+            .iter()
+            .fold(0, |a, r| a.saturating_add(r.total_ns));
         let _ = writeln!(
             out,
             "({} more pairs, {} µs together; --top 0 shows all)",

@@ -18,7 +18,9 @@ use std::fmt::Write;
 use simpler_core::EngineClass;
 use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
 
-use crate::blocks::{TaskTimes, core_count, execution_span, has_sched_times, task_times};
+use crate::blocks::{
+    TaskTimes, core_count, execution_span, has_sched_times, signed_diff, task_times,
+};
 use crate::deps::Graph;
 use crate::error::{DfxError, Result};
 use crate::stats::{percentile_sorted, us};
@@ -160,6 +162,7 @@ pub(crate) fn ready_times(
 pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead> {
     let (m0, m1) = execution_span(r)
         .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    crate::blocks::check_records(r)?;
     let times = task_times(r);
     let graph = deps.map(Graph::new).transpose()?;
     let ready = ready_times(r, &times, graph.as_ref());
@@ -225,12 +228,12 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
         let h: Vec<i64> = r
             .tasks
             .iter()
-            .map(|b| b.start as i64 - b.dispatch as i64)
+            .map(|b| signed_diff(b.start, b.dispatch))
             .collect();
         let t: Vec<i64> = r
             .tasks
             .iter()
-            .map(|b| b.finish as i64 - b.end as i64)
+            .map(|b| signed_diff(b.finish, b.end))
             .collect();
         (Distribution::of(&h), Distribution::of(&t))
     } else {
@@ -243,7 +246,8 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
             SchedPhase::Complete => 1,
             SchedPhase::Idle => 2,
         };
-        phases.entry(p.sched).or_default()[k] += p.end.saturating_sub(p.start);
+        let t = &mut phases.entry(p.sched).or_default()[k];
+        *t = t.saturating_add(p.end.saturating_sub(p.start));
     }
     Ok(Overhead {
         execution_span: (m0, m1),
@@ -356,7 +360,7 @@ pub fn report(o: &Overhead) -> String {
         for (s, p) in &o.phases {
             phase_line(&mut out, &format!("sched {s}"), p);
             for k in 0..3 {
-                total[k] += p[k];
+                total[k] = total[k].saturating_add(p[k]);
             }
         }
         phase_line(&mut out, "total", &total);
@@ -365,7 +369,7 @@ pub fn report(o: &Overhead) -> String {
 }
 
 fn phase_line(out: &mut String, name: &str, p: &[u64; 3]) {
-    let sum = p.iter().sum::<u64>().max(1) as f64;
+    let sum = p.iter().map(|&x| x as f64).sum::<f64>().max(1.0);
     let pct = |x: u64| x as f64 * 100.0 / sum;
     let _ = writeln!(
         out,

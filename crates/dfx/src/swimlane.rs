@@ -8,7 +8,9 @@ use std::fmt::Write;
 use serde_json::{Map, Value};
 use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
 
-use crate::blocks::{TaskTimes, dispatch_finish, has_sched_times, task_name, task_times};
+use crate::blocks::{
+    TaskTimes, dispatch_finish, has_sched_times, signed_diff, task_name, task_times,
+};
 use crate::deps::kernel_label;
 use crate::perfetto::{PerfettoTrace, ns_to_us};
 use crate::stats::us;
@@ -361,11 +363,8 @@ pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrac
         if sched {
             a.insert("dispatch_us".into(), ns_to_us(rel(b.dispatch)).into());
             a.insert("finish_us".into(), ns_to_us(rel(b.finish)).into());
-            a.insert(
-                "head_ns".into(),
-                (b.start as i64 - b.dispatch as i64).into(),
-            );
-            a.insert("tail_ns".into(), (b.finish as i64 - b.end as i64).into());
+            a.insert("head_ns".into(), signed_diff(b.start, b.dispatch).into());
+            a.insert("tail_ns".into(), signed_diff(b.finish, b.end).into());
         }
         out.complete(
             PID,

@@ -77,9 +77,10 @@ pub struct Round {
 impl Round {
     /// Layers ①–④ of `02-dfx.md` in ns (signed: a negative value means mis-nested spans).
     pub fn layers(&self) -> [Option<i64>; 4] {
-        let d = |a: Option<u64>, b: Option<u64>| Some(a? as i64 - b? as i64);
+        let signed = |x: i128| x.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
+        let d = |a: Option<u64>, b: Option<u64>| Some(signed(a? as i128 - b? as i128));
         [
-            self.effective.map(|e| e as i64),
+            self.effective.map(|e| signed(e as i128)),
             d(self.device, self.effective),
             d(self.runner, self.device),
             d(self.host, self.runner),
@@ -132,7 +133,8 @@ pub fn by_callable(trace: &Trace) -> Vec<CallableGroup> {
         {
             g.labels.push(l.clone());
         }
-        g.run_total_ns += first(trace, &inv, "run").map_or(0, |s| s.span.dur_ns);
+        let run = first(trace, &inv, "run").map_or(0, |s| s.span.dur_ns);
+        g.run_total_ns = g.run_total_ns.saturating_add(run);
         g.invs.push(inv);
     }
     let mut v: Vec<CallableGroup> = groups.into_values().collect();
@@ -351,7 +353,7 @@ pub fn tree(trace: &Trace) -> String {
                 stack.push(&s.span.name);
                 offs.entry(&s.span.name)
                     .or_default()
-                    .push((s.wall_ns as i64 - base as i64) as f64);
+                    .push((s.wall_ns as i128 - base as i128) as f64);
                 durs.entry(&s.span.name)
                     .or_default()
                     .push(s.span.dur_ns as f64);
