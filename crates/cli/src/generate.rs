@@ -120,6 +120,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
 
     // Prefill in chunks; the last chunk's logits give the first generated token.
     let cfg = &prefill_cfg;
+    let mut outputs = opts::StepOutputs::new(&args.run);
     let t0 = Instant::now();
     let mut next = 0u32;
     let mut done = 0;
@@ -134,7 +135,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         let out = session
             .prefill(&worker, &batch, &[chunk], cfg)
             .context("prefill")?;
-        opts::emit(&out.report, cfg)?;
+        outputs.emit(&out.report, cfg)?;
         next = out.next_tokens[0];
         if end == prompt.len() {
             logits.extend_from_slice(&out.logits);
@@ -159,12 +160,13 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         let out = session
             .decode(&worker, &step, &[next], cfg)
             .context("decode")?;
-        opts::emit(&out.report, cfg)?;
+        outputs.emit(&out.report, cfg)?;
         next = out.next_tokens[0];
         generated.push(next);
         logits.extend_from_slice(&out.logits);
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    outputs.finish();
 
     let ids: Vec<String> = generated.iter().map(|t| t.to_string()).collect();
     println!("{}", ids.join(","));

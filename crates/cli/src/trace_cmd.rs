@@ -148,7 +148,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             html: html_out,
             reduce,
         } => {
-            let path = diag::resolve(&file, diag::DEPS_FILE);
+            let path = diag::locate(&file, diag::DEPS_FILE)?;
             let g = diag::read_deps(&path)?;
             print!("{}", deps::summary(&g)?);
             let view = if reduce { deps::reduce(&g)? } else { g };
@@ -209,7 +209,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             );
         }
         TraceCmd::Rings { file } => {
-            let path = diag::resolve(&file, diag::RING_STATS_FILE);
+            let path = diag::locate(&file, diag::RING_STATS_FILE)?;
             print!("{}", rings::report(&diag::read_ring_stats(&path)?));
         }
     }

@@ -245,7 +245,8 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
     if dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time"
+            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time; {}",
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
     let ms = c.execution_span_ns();

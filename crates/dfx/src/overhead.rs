@@ -273,8 +273,9 @@ pub fn report(o: &Overhead) -> String {
     if o.dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {} swimlane records were DROPPED: the shares below are incomplete",
-            o.dropped
+            "WARNING: {} swimlane records were DROPPED: the shares below are incomplete; {}",
+            o.dropped,
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
     let _ = writeln!(

@@ -434,8 +434,9 @@ pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
     if r.dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; raise CallConfig.swimlane_capacity",
-            r.dropped
+            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; {}",
+            r.dropped,
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
     let tasks: BTreeSet<u64> = r.tasks.iter().map(|b| b.task_id).collect();

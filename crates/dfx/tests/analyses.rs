@@ -419,6 +419,8 @@ fn dropped_records_are_reported_prominently() {
         text.starts_with("WARNING: 7 swimlane records were DROPPED"),
         "{text}"
     );
+    // The warning names the knob as the command line spells it (`simpler run --help` has it).
+    assert!(text.contains("--swimlane-capacity"), "{text}");
     let doc = swimlane::to_perfetto(&r, None).to_json();
     assert_eq!(doc["otherData"]["dropped_records"], 7);
     let events = common::check_trace_events(&doc);
