@@ -88,6 +88,14 @@ fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
         .find(|l| l.contains("effective = orch ∪ sched"))
         .unwrap();
     assert!(eff_row.contains("80.0"), "{eff_row}");
+    // Layer ① is named for what it is; "makespan" meant two intervals and is not used.
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains("① effective (orch ∪ sched)") && l.contains("80.0")),
+        "{table}"
+    );
+    assert!(!table.to_lowercase().contains("makespan"), "{table}");
     assert!(
         table
             .lines()
