@@ -106,12 +106,17 @@ fn every_step_keeps_its_own_diagnostics_and_one_line_says_so() {
     );
     let step = dir.join("step-000002");
     let out = simpler(&["trace", "swimlane", step.to_str().unwrap()]);
+    let so = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stdout).contains("happens-before violations: 0"),
-        "{}",
-        text(&out.stdout)
-    );
+    assert!(so.contains("happens-before violations: 0"), "{so}");
+    // Qwen3 routes cross-phase dependencies through barrier tasks (no block records): the
+    // check goes through them instead of skipping those edges.
+    let through: usize = so
+        .split_once(" checked (")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no arrow count in {so}"));
+    assert!(through > 0, "{so}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -69,8 +69,9 @@ pub struct Arrows {
     pub drawn: Vec<(u64, u64)>,
     /// Of `drawn`, the pairs that run through unrecorded tasks.
     pub through_unrecorded: usize,
-    /// Edges that could not be checked: into a recorded task from an unrecorded one that no
-    /// recorded task reaches (nothing ran before it), or naming a task the graph lacks.
+    /// Edges with nothing to check: into a recorded task from an unrecorded one that no
+    /// recorded task reaches (a dummy at the start of the graph: nothing ran before it), or
+    /// from a task the graph lacks.
     pub skipped: usize,
     /// Happens-before violations among the drawn ones.
     pub violations: Vec<Violation>,
@@ -487,7 +488,7 @@ pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
             let a = arrows(r, d);
             let _ = writeln!(
                 out,
-                "dependency arrows: {} checked ({} through tasks without block records: dummy, barrier, skipped or dropped), {} not checked (no recorded task before an unrecorded producer)",
+                "dependency arrows: {} checked ({} through tasks without block records: dummy, barrier, skipped or dropped); {} edges from unrecorded tasks with no recorded task before them (nothing to check)",
                 a.drawn.len(),
                 a.through_unrecorded,
                 a.skipped

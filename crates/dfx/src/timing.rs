@@ -1,7 +1,7 @@
 //! `simpler trace timing`: per-callable span statistics, one row per invocation (`--rounds`)
 //! and the median span tree (`--tree`), with the timing layers ①–④ of `02-dfx.md`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
 
 use simpler_core::trace::AttrValue;
@@ -318,20 +318,27 @@ pub fn tree(trace: &Trace) -> String {
         let mut offs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut durs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut parents: HashMap<&str, Option<&str>> = HashMap::new();
-        // Invocations in which two spans overlap by more than zero time.
+        // Invocations in which two spans overlap by more than zero time (each pair of names
+        // counted once per invocation). A sweep in start order compares a span only with the
+        // spans still open when it starts, so nested and sequential spans cost linear time
+        // however many a file holds.
         let mut overlaps: HashMap<(&str, &str), usize> = HashMap::new();
         for inv in &g.invs {
-            let spans: Vec<&AlignedSpan> = inv.spans.iter().map(|&i| &trace.spans[i]).collect();
-            for (k, a) in spans.iter().enumerate() {
-                for b in &spans[k + 1..] {
-                    if a.wall_ns < b.wall_end_ns()
-                        && b.wall_ns < a.wall_end_ns()
-                        && a.span.name != b.span.name
-                    {
-                        *overlaps.entry((&a.span.name, &b.span.name)).or_default() += 1;
-                        *overlaps.entry((&b.span.name, &a.span.name)).or_default() += 1;
+            let mut spans: Vec<&AlignedSpan> = inv.spans.iter().map(|&i| &trace.spans[i]).collect();
+            spans.sort_by_key(|s| s.wall_ns);
+            let mut open: Vec<&AlignedSpan> = Vec::new();
+            let mut seen: HashSet<(&str, &str)> = HashSet::new();
+            for b in spans {
+                open.retain(|a| a.wall_end_ns() > b.wall_ns);
+                for a in &open {
+                    let (x, y) = (a.span.name.as_str(), b.span.name.as_str());
+                    if x != y && a.wall_ns < b.wall_end_ns() && seen.insert((x, y)) {
+                        seen.insert((y, x));
+                        *overlaps.entry((x, y)).or_default() += 1;
+                        *overlaps.entry((y, x)).or_default() += 1;
                     }
                 }
+                open.push(b);
             }
         }
         for inv in &g.invs {
