@@ -1,12 +1,16 @@
-//! `simpler trace overhead`: how much of the execution span the scheduler, not the work, set the pace.
+//! `simpler trace overhead`: how much of the execution span the scheduler, not the work, set
+//! the pace.
 //!
 //! Definitions (all on the records' one clock, integer nanoseconds):
-//! * execution span: first block dispatch (level 1: start) to last finish (level 1: end) over all blocks;
+//! * execution span: first block dispatch (level 1: start) to last finish (level 1: end) over
+//!   all blocks;
 //! * a core is busy while it executes a block (`start..end`), idle otherwise;
 //! * a task is ready at the latest finish of its predecessors in `deps.json` (a predecessor
 //!   without block records — a dummy or skipped task — completes when it became ready
-//!   itself), and never before its submit ended (level 4). A task with neither predecessors nor
-//!   a submit record, or any task when no deps.json is given, is ready at its first dispatch;
+//!   itself), and never before its submit ended (submits are recorded at level 4 only; below
+//!   it a wait for the orchestrator counts as scheduler-bound, and the report says the share
+//!   is an upper bound). A task with neither predecessors nor a submit record, or any task
+//!   when no deps.json is given, is ready at its first dispatch;
 //! * each block waits from its task's readiness to its own start;
 //! * scheduler-bound time of class C: the instants at which a block of class C waits while at
 //!   least one core is idle. Every platform of simpler runs any class on any core, so every
