@@ -359,7 +359,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         println!("prompt {len} tokens (positions 0..{len}, {tasks} tasks per step):");
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
-            "  {:.1} tokens/s; kernel makespan {eff_ms:.2} ms of the {:.2} ms step (medians)",
+            "  {:.1} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step (medians)",
             len as f64 / t,
             s.median
         );
@@ -393,7 +393,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             100.0 * bound / t
         );
         println!(
-            "  outside kernels {:.1}% of the cores' time during the makespan (swimlane level 1 step: 1 - kernel busy / (cores x effective))",
+            "  outside kernels {:.1}% of the cores' time during effective (swimlane level 1 step: 1 - kernel busy / (cores x effective))",
             100.0 * outside
         );
         rows.push(Row {

@@ -4,7 +4,7 @@
 //!
 //! "Outside kernels" is measured on one extra step recorded at swimlane level 1:
 //! `1 - sum of kernel busy time / (cores x effective)`, i.e. the share of the cores' time
-//! during the kernel makespan that no kernel was running (runtime dispatch and completion,
+//! during `effective` (orch ∪ sched) that no kernel was running (runtime dispatch and completion,
 //! dependency waits, load imbalance at phase ends, the orchestrator thread sharing the cores).
 
 use std::cell::RefCell;
@@ -114,7 +114,7 @@ fn largest_idle_boundaries(r: &RunReport) -> Option<String> {
         .collect();
     (!top.is_empty()).then(|| {
         format!(
-            "  largest idle boundaries of that step (% of the cores' time; `simpler trace idle` lists all): {}",
+            "  largest idle boundaries of that step (% of cores x execution span, first block dispatch to last finish; `simpler trace idle` lists all): {}",
             top.join(", ")
         )
     })
@@ -235,7 +235,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         println!("batch {batch} x {seq_len} tokens:");
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
-            "  {:.2} tokens/s; kernel makespan {eff_ms:.2} ms of the {:.2} ms step",
+            "  {:.2} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step",
             batch as f64 / t,
             s.median
         );
@@ -272,7 +272,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             println!("  {warning}");
         }
         println!(
-            "  outside kernels {:.1}% of the cores' time during the makespan (median of {} steps at swimlane level 1, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective))",
+            "  outside kernels {:.1}% of the cores' time during effective (median of {} steps at swimlane level 1, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective))",
             100.0 * outside,
             outsides.len(),
             100.0 * outside_lo,

@@ -247,6 +247,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
 
     // Prefill in chunks; the last chunk's logits give the first generated token.
     let cfg = &prefill_cfg;
+    let mut outputs = opts::StepOutputs::new(&args.run);
     let t0 = Instant::now();
     let mut next = 0u32;
     let mut done = 0;
@@ -261,7 +262,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         let out = session
             .prefill(&worker, &batch, &[chunk], cfg)
             .context("prefill")?;
-        opts::emit(&out.report, cfg)?;
+        outputs.emit(&out.report, cfg)?;
         if end == prompt.len() {
             next = pick(&out)?;
             if args.dump_logits.is_some() {
@@ -289,7 +290,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         let out = session
             .decode(&worker, &step, &[next], cfg)
             .context("decode")?;
-        opts::emit(&out.report, cfg)?;
+        outputs.emit(&out.report, cfg)?;
         next = pick(&out)?;
         generated.push(next);
         if args.dump_logits.is_some() {
@@ -298,6 +299,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         emit_text(next, &mut stdout)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
+    outputs.finish();
 
     match (&tok, &mut text_out) {
         (Some(t), Some(d)) => writeln!(stdout, "{}", d.finish(t)?)?,

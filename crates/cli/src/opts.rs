@@ -1,9 +1,10 @@
 //! Options shared by every `simpler run ...` (and the benchmarks): cores, ring sizes, mode and
-//! the diagnostics switches; and what to do with a finished run's report.
+//! the diagnostics switches; and what to do with a finished run's report — [`emit`] for a
+//! command that runs once, [`StepOutputs`] for one that runs many steps.
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use simpler_core::{CallConfig, OrchMode, RingValue, RunReport, RuntimeEnv, Worker, WorkerConfig};
 use simpler_cpu::CpuPlatform;
@@ -41,6 +42,55 @@ pub(crate) struct RunOpts {
     /// Write the run spans as JSON Lines to FILE.
     #[arg(long)]
     pub(crate) trace: Option<PathBuf>,
+    /// Swimlane records one run may keep; past it records are dropped and counted
+    /// [default: 1048576].
+    #[arg(long, value_name = "RECORDS")]
+    pub(crate) swimlane_capacity: Option<usize>,
+    /// Steps whose diagnostics a multi-step command (run qwen3-decode, generate) keeps, each in
+    /// OUTPUT_DIR/step-NNNNNN/: `all`, or step numbers and ranges counted from 0 in the order
+    /// the command runs them, e.g. `0,5-7`. The trace keeps every step.
+    #[arg(long, value_name = "LIST", default_value = "all", value_parser = StepSet::parse)]
+    pub(crate) diag_steps: StepSet,
+}
+
+/// The steps `--diag-steps` selects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum StepSet {
+    All,
+    /// Inclusive ranges.
+    Ranges(Vec<(u64, u64)>),
+}
+
+impl StepSet {
+    pub(crate) fn parse(s: &str) -> Result<StepSet> {
+        if s.trim() == "all" {
+            return Ok(StepSet::All);
+        }
+        let num = |t: &str| {
+            t.trim()
+                .parse::<u64>()
+                .with_context(|| format!("{t:?} is not a step number"))
+        };
+        let mut ranges = Vec::new();
+        for item in s.split(',') {
+            let (a, b) = match item.split_once('-') {
+                Some((a, b)) => (num(a)?, num(b)?),
+                None => (num(item)?, num(item)?),
+            };
+            if a > b {
+                bail!("step range {item:?} runs backwards");
+            }
+            ranges.push((a, b));
+        }
+        Ok(StepSet::Ranges(ranges))
+    }
+
+    pub(crate) fn contains(&self, step: u64) -> bool {
+        match self {
+            StepSet::All => true,
+            StepSet::Ranges(r) => r.iter().any(|&(a, b)| (a..=b).contains(&step)),
+        }
+    }
 }
 
 impl RunOpts {
@@ -63,6 +113,9 @@ impl RunOpts {
             output_dir: self.output_dir.clone(),
             trace: self.trace.clone(),
             label: Some(label.to_string()),
+            swimlane_capacity: self
+                .swimlane_capacity
+                .unwrap_or(CallConfig::default().swimlane_capacity),
             ..CallConfig::default()
         };
         cfg.check().map_err(|e| {
@@ -99,7 +152,7 @@ fn flag_of_field(field: &str) -> String {
         Some((n, r)) => (n, Some(r.trim_end_matches(']'))),
         None => (rest, None),
     };
-    const FLAGS: [&str; 7] = [
+    const FLAGS: [&str; 8] = [
         "ring_task_window",
         "ring_heap",
         "ring_dep_pool",
@@ -107,6 +160,7 @@ fn flag_of_field(field: &str) -> String {
         "output_dir",
         "dep_gen",
         "ring_stats",
+        "swimlane_capacity",
     ];
     if !FLAGS.contains(&name) {
         return field.to_string();
@@ -118,12 +172,107 @@ fn flag_of_field(field: &str) -> String {
     }
 }
 
-/// Writes the report's spans and diagnostics where the configuration says.
+/// Writes the report's spans and diagnostics where the configuration says (a command that
+/// runs once; see [`StepOutputs`] for one that runs many steps).
 pub(crate) fn emit(report: &RunReport, cfg: &CallConfig) -> Result<()> {
     for p in simpler_dfx::write_run_outputs(report, cfg)? {
         eprintln!("wrote {}", p.display());
     }
+    if let Some(sw) = report.swimlane.as_ref().filter(|s| s.dropped > 0) {
+        eprintln!(
+            "warning: {} swimlane records were dropped (the swimlane is incomplete); {}",
+            sw.dropped,
+            simpler_dfx::diag::DROPPED_RECORDS_HINT
+        );
+    }
     Ok(())
+}
+
+/// The outputs of a command that runs many steps: every step's spans go to the one trace file,
+/// and the diagnostics of the steps `--diag-steps` selects to their own `step-NNNNNN`
+/// directory, so no step overwrites another's. [`StepOutputs::finish`] prints one line for
+/// all of them (and one warning if any step dropped swimlane records).
+pub(crate) struct StepOutputs {
+    steps: StepSet,
+    next: u64,
+    trace: Option<PathBuf>,
+    /// Steps whose diagnostics were written: count, first and last directory.
+    kept: Option<(u64, PathBuf, PathBuf)>,
+    /// Steps that dropped swimlane records, and how many records in all.
+    dropped: (u64, u64),
+}
+
+impl StepOutputs {
+    pub(crate) fn new(opts: &RunOpts) -> StepOutputs {
+        StepOutputs {
+            steps: opts.diag_steps.clone(),
+            next: 0,
+            trace: None,
+            kept: None,
+            dropped: (0, 0),
+        }
+    }
+
+    /// Writes one step's outputs; steps are numbered from 0 in the order they are emitted.
+    pub(crate) fn emit(&mut self, report: &RunReport, cfg: &CallConfig) -> Result<()> {
+        use simpler_dfx::diag::{TRACE_FILE, step_dir_name, write_step_outputs};
+        let step = self.next;
+        self.next += 1;
+        let keep = self.steps.contains(step);
+        let written = write_step_outputs(report, cfg, step, keep)?;
+        self.trace = cfg
+            .trace
+            .clone()
+            .or_else(|| cfg.output_dir.as_ref().map(|d| d.join(TRACE_FILE)));
+        if let Some(dir) = cfg.output_dir.as_ref().map(|d| d.join(step_dir_name(step)))
+            && written.iter().any(|p| p.starts_with(&dir))
+        {
+            match &mut self.kept {
+                Some((n, _, last)) => {
+                    *n += 1;
+                    *last = dir;
+                }
+                None => self.kept = Some((1, dir.clone(), dir)),
+            }
+        }
+        if let Some(sw) = report.swimlane.as_ref().filter(|s| s.dropped > 0) {
+            self.dropped.0 += 1;
+            self.dropped.1 += sw.dropped;
+        }
+        Ok(())
+    }
+
+    /// Prints what was written, in one line.
+    pub(crate) fn finish(&self) {
+        let mut parts = Vec::new();
+        if let Some(t) = &self.trace {
+            parts.push(format!(
+                "the spans of {} steps to {}",
+                self.next,
+                t.display()
+            ));
+        }
+        if let Some((n, first, last)) = &self.kept {
+            let range = if first == last {
+                first.display().to_string()
+            } else {
+                format!("{} .. {}", first.display(), last.display())
+            };
+            parts.push(format!("the diagnostics of {n} steps to {range}"));
+        }
+        if !parts.is_empty() {
+            eprintln!("wrote {}", parts.join("; "));
+        }
+        if self.dropped.0 > 0 {
+            eprintln!(
+                "warning: {} of {} steps dropped swimlane records ({} records in all; their swimlanes are incomplete); {}",
+                self.dropped.0,
+                self.next,
+                self.dropped.1,
+                simpler_dfx::diag::DROPPED_RECORDS_HINT
+            );
+        }
+    }
 }
 
 /// The timing layers of a run, one per line.
@@ -166,7 +315,7 @@ pub(crate) fn format_report(r: &RunReport) -> String {
     );
     s += &format!("    validate     {:>12.1} us\n", r.validate.us());
     s += &format!(
-        "  layers: (1) kernel makespan {:.1} us | (2) device init/finalize {:.1} us | (3) handshake {:.1} us | (4) bind+validate {:.1} us\n",
+        "  layers: (1) effective (orch ∪ sched) {:.1} us | (2) device init/finalize {:.1} us | (3) handshake {:.1} us | (4) bind+validate {:.1} us\n",
         eff.us(),
         us(r.device_wall.dur_ns().saturating_sub(eff.dur_ns())),
         us(r.runner.dur_ns().saturating_sub(r.device_wall.dur_ns())),

@@ -240,6 +240,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     // Rounds of steps; the first step of the first round is kept for the check.
     let mut samples = Vec::new();
     let mut first: Option<(Vec<f32>, Vec<f32>, Vec<u32>)> = None;
+    let mut outputs = opts::StepOutputs::new(&args.run);
     for round in 0..args.warmup + args.rounds {
         let mut tokens = case.tokens.clone();
         let mut hidden = case.hidden.clone();
@@ -275,7 +276,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
                 }
             };
             let (report, e2e_s) = report;
-            opts::emit(&report, &cfg)?;
+            outputs.emit(&report, &cfg)?;
             if round >= args.warmup {
                 let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens);
                 samples.push(Sample {
@@ -286,6 +287,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             }
         }
     }
+    outputs.finish();
 
     if check {
         let (hidden, logits, ids) = first.ok_or_else(|| anyhow!("no step ran"))?;
@@ -392,7 +394,7 @@ fn print_report(
         batch
     );
     println!(
-        "  timing layers (median): (1) kernel makespan {eff:.0} us | (2) device init/finalize {init:.0} us | (3) handshake {hand:.0} us | (4) bind+validate {bind:.0} us | (5) engine wrap {wrap:.0} us (step time - run: inputs written, outputs read back)"
+        "  timing layers (median): (1) effective (orch ∪ sched) {eff:.0} us | (2) device init/finalize {init:.0} us | (3) handshake {hand:.0} us | (4) bind+validate {bind:.0} us | (5) engine wrap {wrap:.0} us (step time - run: inputs written, outputs read back)"
     );
     println!(
         "  time per layer {:.0} us (span of all layer tasks, first dispatch to last finish, / {layers}); input {input_us:.0} us; head (final norm + LM head + argmax) {head_us:.0} us",

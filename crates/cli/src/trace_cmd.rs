@@ -33,7 +33,8 @@ enum TraceCmd {
         /// The median span tree per callable (orch ∥ sched shown as overlapping).
         #[arg(long)]
         tree: bool,
-        /// Write Chrome/Perfetto JSON here (one lane per process/invocation, host and device aligned).
+        /// Write Chrome/Perfetto JSON here (one track per process thread, invocations as nested
+        /// slices, host and device aligned).
         #[arg(long, value_name = "OUT.json")]
         perfetto: Option<PathBuf>,
     },
@@ -62,7 +63,7 @@ enum TraceCmd {
         #[arg(long)]
         reduce: bool,
     },
-    /// Scheduler-bound share of the makespan per engine class, head/tail overheads, scheduler
+    /// Scheduler-bound share of the execution span per engine class, head/tail overheads, scheduler
     /// loop phase totals.
     Overhead {
         /// A run's output directory or its swimlane.json.
@@ -84,7 +85,7 @@ enum TraceCmd {
         #[arg(long, default_value_t = 15)]
         top: usize,
     },
-    /// Static and observed critical path; compute and stalls add up to the makespan.
+    /// Static and observed critical path; compute and stalls add up to the execution span.
     CriticalPath {
         /// A run's output directory or its swimlane.json.
         path: PathBuf,
@@ -147,7 +148,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             html: html_out,
             reduce,
         } => {
-            let path = diag::resolve(&file, diag::DEPS_FILE);
+            let path = diag::locate(&file, diag::DEPS_FILE)?;
             let g = diag::read_deps(&path)?;
             print!("{}", deps::summary(&g)?);
             let view = if reduce { deps::reduce(&g)? } else { g };
@@ -208,7 +209,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             );
         }
         TraceCmd::Rings { file } => {
-            let path = diag::resolve(&file, diag::RING_STATS_FILE);
+            let path = diag::locate(&file, diag::RING_STATS_FILE)?;
             print!("{}", rings::report(&diag::read_ring_stats(&path)?));
         }
     }

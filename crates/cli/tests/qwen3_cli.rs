@@ -58,7 +58,7 @@ fn run_qwen3_decode_checks_against_the_golden_and_reports() {
         }
         for needle in [
             "TPOT_ms: n=2",
-            "(1) kernel makespan",
+            "(1) effective (orch ∪ sched)",
             "(5) engine wrap",
             "time per layer",
             "bytes per step",
@@ -99,6 +99,9 @@ fn trace_idle_and_swimlane_name_the_kernels_of_a_recorded_decode_step() {
         d,
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    // A decode command keeps each step's diagnostics in its own directory.
+    let step = dir.join("step-000000");
+    let d = step.to_str().unwrap();
     let so = success_stdout(&["trace", "idle", d, "--top", "0"]);
     // Kernel names come from the swimlane file itself (no deps.json was captured).
     assert_contains_all(

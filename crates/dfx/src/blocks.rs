@@ -31,6 +31,11 @@ pub(crate) struct TaskTimes {
     pub(crate) max_exec: u64,
 }
 
+/// `a - b` as a signed number of ns, saturating (records read from a file may hold any value).
+pub(crate) fn signed_diff(a: u64, b: u64) -> i64 {
+    (a as i128 - b as i128).clamp(i64::MIN as i128, i64::MAX as i128) as i64
+}
+
 /// Whether the records carry dispatch/finish (level >= 2).
 pub(crate) fn has_sched_times(r: &SwimlaneRecords) -> bool {
     r.level >= 2
@@ -79,7 +84,7 @@ pub(crate) fn task_times(r: &SwimlaneRecords) -> HashMap<u64, TaskTimes> {
 }
 
 /// `[first dispatch, last finish]` over all block records (level 1: start and end).
-pub(crate) fn makespan(r: &SwimlaneRecords) -> Option<(u64, u64)> {
+pub(crate) fn execution_span(r: &SwimlaneRecords) -> Option<(u64, u64)> {
     let lo = r
         .tasks
         .iter()
@@ -97,10 +102,45 @@ pub(crate) fn makespan(r: &SwimlaneRecords) -> Option<(u64, u64)> {
 pub(crate) fn core_count(r: &SwimlaneRecords) -> u32 {
     r.tasks
         .iter()
-        .map(|b| b.core + 1)
+        .map(|b| b.core.saturating_add(1))
         .max()
         .unwrap_or(0)
         .max(r.cores)
+}
+
+/// Most cores a swimlane may name: core ids and counts above it are refused, because the
+/// analyses keep per-core state.
+pub const MAX_CORES: u32 = 1 << 16;
+
+/// Refuses records no run can have written and that would make an analysis allocate per
+/// core id: a core id or count above [`MAX_CORES`], a level above 4.
+pub(crate) fn validate(r: &SwimlaneRecords) -> std::result::Result<(), String> {
+    if r.level > 4 {
+        return Err(format!("swimlane level {} is not one of 1..=4", r.level));
+    }
+    if r.cores > MAX_CORES {
+        return Err(format!(
+            "cores = {} is more than the {MAX_CORES} cores the tools accept",
+            r.cores
+        ));
+    }
+    let cores = r.tasks.iter().map(|b| b.core);
+    let phase_ids = r.phases.iter().flat_map(|p| [p.core, p.sched]);
+    if let Some(c) = cores.chain(phase_ids).find(|&c| c >= MAX_CORES) {
+        return Err(format!(
+            "core or scheduler id {c} is not below the {MAX_CORES} cores the tools accept"
+        ));
+    }
+    Ok(())
+}
+
+/// [`validate`] for records handed to an analysis directly rather than read from a file.
+pub(crate) fn check_records(r: &SwimlaneRecords) -> crate::error::Result<()> {
+    validate(r).map_err(|what| crate::error::DfxError::Invalid {
+        path: "swimlane records".into(),
+        line: 0,
+        what,
+    })
 }
 
 /// `ring:local` for a task id.
@@ -197,7 +237,7 @@ mod tests {
         assert_eq!(p.all_busy(0, 100), 5 + 8);
         assert_eq!(p.all_busy(7, 14), 3 + 2);
         assert_eq!(p.all_busy(10, 12), 0);
-        assert_eq!(makespan(&r), Some((0, 30)));
+        assert_eq!(execution_span(&r), Some((0, 30)));
         let t = task_times(&r);
         assert_eq!(t[&2].start, 5);
     }

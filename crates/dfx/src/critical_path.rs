@@ -1,24 +1,30 @@
 //! `simpler trace critical-path`: the static longest path (a lower bound with unlimited cores)
 //! and the observed path walked back from the last-finishing task, with every nanosecond of the
-//! makespan attributed to exactly one of compute, data-wait, core-wait or scheduling.
+//! execution span (first block dispatch to last block finish) attributed to exactly one of
+//! compute, data-wait, orchestration-wait, core-wait or scheduling.
 //!
-//! The walk keeps a cursor that starts at the makespan's end and only moves back. At each task
-//! on the path (times as in `overhead`: readiness from deps.json, level-1 fallbacks):
+//! The walk keeps a cursor that starts at the execution span's end and only moves back. At each
+//! task on the path (times as in `overhead`: readiness from deps.json, level-1 fallbacks):
 //! `finish..end` is scheduling (completion processing), `end..start` compute,
 //! `start..dispatch` scheduling (dispatch overhead), `dispatch..ready` core-wait where every
 //! core was executing and scheduling where one was idle. The next task is the predecessor whose
-//! completion gated this task's readiness (the latest); the time from its completion up to the
-//! cursor is data-wait (this task waited for something else: its submission, or records that
-//! are missing). The path's first task ends the walk: the rest down to the makespan's start is
-//! data-wait. Each interval is clipped to the cursor, so the four totals add up to the makespan
-//! exactly even when dispatch overlaps the predecessor's fan-out.
+//! completion gated this task's readiness (the latest). From the cursor down to that
+//! completion: the part after both the completion and the task's submit end is data-wait
+//! (something off the path: records that are missing); the part between the completion and a
+//! later submit end is orchestration-wait (the task did not exist yet). The path's first task
+//! ends the walk; the rest down to the span's start is split the same way. Each interval is
+//! clipped to the cursor, so the five totals add up to the execution span exactly.
+//!
+//! Submit ends are recorded at swimlane level 4 only. Below it a task that waited for the
+//! orchestrator counts as ready when its predecessors completed, so that wait lands in
+//! scheduling (a core idle) or core-wait: the report says so.
 
 use std::collections::HashMap;
 use std::fmt::Write;
 
 use simpler_core::trace::{DepGraph, SwimlaneRecords};
 
-use crate::blocks::{BusyProfile, makespan, task_name, task_times};
+use crate::blocks::{BusyProfile, execution_span, task_name, task_times};
 use crate::deps::Graph;
 use crate::error::{DfxError, Result};
 use crate::stats::us;
@@ -35,8 +41,12 @@ pub struct Step {
     pub recorded: bool,
     /// Kernel execution (first start to last end).
     pub compute: u64,
-    /// Waiting before readiness for something other than the path's predecessor.
+    /// Waiting before readiness for something other than the path's predecessor or the
+    /// orchestrator.
     pub data_wait: u64,
+    /// Waiting for the orchestrator to submit the task (after the path's predecessor had
+    /// completed); level 4 only, see the module docs.
+    pub orch_wait: u64,
     /// Ready while every core was executing.
     pub core_wait: u64,
     /// Ready with a core idle, dispatch overhead and completion processing.
@@ -46,8 +56,10 @@ pub struct Step {
 /// Result of the analysis.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CriticalPath {
-    /// `[first dispatch, last finish]`.
-    pub makespan: (u64, u64),
+    /// Execution span: `[first block dispatch, last block finish]`.
+    pub execution_span: (u64, u64),
+    /// Swimlane level of the records (below 4, orchestration-wait cannot be told apart).
+    pub level: u8,
     /// Tasks of the static longest path, first to last.
     pub static_path: Vec<u64>,
     /// Its length: the sum of its tasks' longest block executions.
@@ -57,25 +69,35 @@ pub struct CriticalPath {
 }
 
 impl CriticalPath {
-    /// `[compute, data-wait, core-wait, scheduling]` over the observed path.
-    pub fn totals(&self) -> [u64; 4] {
-        let mut t = [0; 4];
+    /// Names of the [`CriticalPath::totals`] buckets, in order.
+    pub const BUCKETS: [&'static str; 5] = [
+        "compute",
+        "data-wait",
+        "orch-wait",
+        "core-wait",
+        "scheduling",
+    ];
+
+    /// `[compute, data-wait, orch-wait, core-wait, scheduling]` over the observed path.
+    pub fn totals(&self) -> [u64; 5] {
+        let mut t = [0; 5];
         for s in &self.observed {
             t[0] += s.compute;
             t[1] += s.data_wait;
-            t[2] += s.core_wait;
-            t[3] += s.scheduling;
+            t[2] += s.orch_wait;
+            t[3] += s.core_wait;
+            t[4] += s.scheduling;
         }
         t
     }
 
-    /// Makespan in ns.
-    pub fn makespan_ns(&self) -> u64 {
-        self.makespan.1 - self.makespan.0
+    /// Execution span in ns.
+    pub fn execution_span_ns(&self) -> u64 {
+        self.execution_span.1 - self.execution_span.0
     }
 }
 
-/// The walk's cursor: moves only back, never below the makespan's start.
+/// The walk's cursor: moves only back, never below the execution span's start.
 struct Cursor {
     at: u64,
     floor: u64,
@@ -97,8 +119,9 @@ impl Cursor {
 
 /// Runs the analysis (the dependency graph is required; fingerprints are checked by the caller).
 pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
-    let (m0, m1) =
-        makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    let (m0, m1) = execution_span(r)
+        .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    crate::blocks::check_records(r)?;
     let g = Graph::new(deps)?;
     let times = task_times(r);
     let names = kernel_names(r, Some(deps));
@@ -134,7 +157,10 @@ pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
             .copied()
             .max_by_key(|&p| (dist[p], std::cmp::Reverse(p)));
         best_pred[v] = bp;
-        dist[v] = times.get(&id).map_or(0, |t| t.max_exec) + bp.map_or(0, |p| dist[p]);
+        dist[v] = times
+            .get(&id)
+            .map_or(0, |t| t.max_exec)
+            .saturating_add(bp.map_or(0, |p| dist[p]));
     }
     let mut static_path = Vec::new();
     let mut at = (0..n).max_by_key(|&v| (dist[v], std::cmp::Reverse(v)));
@@ -190,23 +216,23 @@ pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
                 .filter(|&p| done[p].is_some())
                 .max_by_key(|&p| (done[p], p))
         });
+        let gate = next.and_then(|p| done[p]).unwrap_or(m0);
+        let submitted = submit_end.get(&id).copied().unwrap_or(0);
+        step.data_wait += cur.take(gate.max(submitted));
+        step.orch_wait += cur.take(gate);
+        observed.push(step);
         match next {
             Some(p) => {
-                step.data_wait += cur.take(done[p].unwrap_or(m0));
-                observed.push(step);
                 node = Some(p);
                 id = g.ids[p];
             }
-            None => {
-                step.data_wait += cur.take(m0);
-                observed.push(step);
-                break;
-            }
+            None => break,
         }
     }
     observed.reverse();
     Ok(CriticalPath {
-        makespan: (m0, m1),
+        execution_span: (m0, m1),
+        level: r.level,
         static_path,
         static_ns,
         observed,
@@ -219,19 +245,20 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
     if dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time"
+            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time; {}",
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
-    let ms = c.makespan_ns();
+    let ms = c.execution_span_ns();
     let pct = |x: u64| x as f64 * 100.0 / ms.max(1) as f64;
     let _ = writeln!(
         out,
-        "makespan {} µs (first dispatch to last finish)",
+        "execution span {} µs (first block dispatch to last block finish; not `effective`, which also counts orchestration before the first dispatch)",
         us(ms as f64)
     );
     let _ = writeln!(
         out,
-        "static critical path (unlimited cores, task weight = its longest block): {} µs over {} tasks = {:.1}% of the makespan",
+        "static critical path (unlimited cores, task weight = its longest block): {} µs over {} tasks = {:.1}% of the execution span",
         us(c.static_ns as f64),
         c.static_path.len(),
         pct(c.static_ns)
@@ -250,10 +277,7 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
         "observed path (walked back from the last-finishing task): {} tasks",
         c.observed.len()
     );
-    for (name, v) in ["compute", "data-wait", "core-wait", "scheduling"]
-        .iter()
-        .zip(t)
-    {
+    for (name, v) in CriticalPath::BUCKETS.iter().zip(t) {
         let _ = writeln!(
             out,
             "  {name:<11} {:>12} µs {:>6.1}%  ({v} ns)",
@@ -261,18 +285,25 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
             pct(v)
         );
     }
-    let sum: u64 = t.iter().sum();
+    let sum: u64 = t.iter().fold(0, |a, &x| a.saturating_add(x));
     let _ = writeln!(
         out,
-        "  {:<11} {:>12} µs          ({sum} ns {} makespan {ms} ns)",
+        "  {:<11} {:>12} µs          ({sum} ns {} execution span {ms} ns)",
         "total",
         us(sum as f64),
         if sum == ms { "==" } else { "!=" }
     );
+    if c.level < 4 {
+        let _ = writeln!(
+            out,
+            "  note: swimlane level {} records no submit times, so orch-wait is not measured: a task that waited for the orchestrator to submit it shows that wait as scheduling or core-wait; record at --swimlane 4 to tell them apart",
+            c.level
+        );
+    }
     let _ = writeln!(
         out,
-        "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12}",
-        "task", "kernel", "data-wait", "core-wait", "scheduling", "compute"
+        "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "task", "kernel", "data-wait", "orch-wait", "core-wait", "scheduling", "compute"
     );
     let limit = 40;
     for s in c.observed.iter().take(limit) {
@@ -283,10 +314,11 @@ pub fn report(c: &CriticalPath, dropped: u64) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12}",
+            "{:<12} {:<20} {:>12} {:>12} {:>12} {:>12} {:>12}",
             task_name(s.task),
             kernel,
             us(s.data_wait as f64),
+            us(s.orch_wait as f64),
             us(s.core_wait as f64),
             us(s.scheduling as f64),
             us(s.compute as f64)

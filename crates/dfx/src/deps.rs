@@ -9,6 +9,10 @@ use simpler_core::trace::{DepGraph, EdgeRecord, EdgeSource, OverlapKind};
 use crate::blocks::task_name;
 use crate::error::{DfxError, Result};
 
+/// Most memory the exact transitive reduction may allocate for its reachability bitsets
+/// (`n²/8` bytes for `n` tasks: 1 GiB is about 92,000 tasks).
+pub const MAX_REDUCTION_BYTES: u64 = 1 << 30;
+
 /// The DAG of a [`DepGraph`]: one node per task, one edge per distinct (pred, succ) pair.
 #[derive(Clone, Debug)]
 pub struct Graph {
@@ -92,9 +96,30 @@ impl Graph {
         layer
     }
 
+    /// Bytes [`Graph::transitive_reduction`] needs: one bitset of `n` bits per node.
+    pub fn reduction_bytes(&self) -> u64 {
+        let n = self.ids.len() as u64;
+        n.saturating_mul(n.div_ceil(64)).saturating_mul(8)
+    }
+
     /// The edges `(pred, succ)` that are not implied by a longer path (exact transitive
-    /// reduction). Memory: one bitset of `n` bits per node.
-    pub fn transitive_reduction(&self) -> Vec<(usize, usize)> {
+    /// reduction), refused with [`DfxError::TooLarge`] when it would need more than
+    /// [`MAX_REDUCTION_BYTES`].
+    pub fn transitive_reduction(&self) -> Result<Vec<(usize, usize)>> {
+        self.transitive_reduction_within(MAX_REDUCTION_BYTES)
+    }
+
+    /// [`Graph::transitive_reduction`] with its own memory limit.
+    pub fn transitive_reduction_within(&self, limit_bytes: u64) -> Result<Vec<(usize, usize)>> {
+        let needed_bytes = self.reduction_bytes();
+        if needed_bytes > limit_bytes {
+            return Err(DfxError::TooLarge {
+                what: format!("the transitive reduction of {} tasks", self.ids.len()),
+                needed_bytes,
+                limit_bytes,
+                hint: "view the graph without --reduce",
+            });
+        }
         let n = self.ids.len();
         let words = n.div_ceil(64);
         let mut pos = vec![0; n];
@@ -122,7 +147,7 @@ impl Graph {
             reach[v * words..(v + 1) * words].copy_from_slice(&covered);
         }
         kept.sort_unstable();
-        kept
+        Ok(kept)
     }
 }
 
@@ -131,7 +156,7 @@ impl Graph {
 pub fn reduce(g: &DepGraph) -> Result<DepGraph> {
     let graph = Graph::new(g)?;
     let kept: std::collections::HashSet<(u64, u64)> = graph
-        .transitive_reduction()
+        .transitive_reduction()?
         .into_iter()
         .map(|(p, s)| (graph.ids[p], graph.ids[s]))
         .collect();
@@ -238,12 +263,19 @@ pub fn summary(g: &DepGraph) -> Result<String> {
         out,
         "sources {sources}  sinks {sinks}  depth {depth} (tasks on the longest chain)"
     );
-    let reduced = graph.transitive_reduction().len();
-    let _ = writeln!(
-        out,
-        "transitive reduction keeps {reduced} of {} distinct edges",
-        graph.edge_count()
-    );
+    match graph.transitive_reduction() {
+        Ok(kept) => {
+            let _ = writeln!(
+                out,
+                "transitive reduction keeps {} of {} distinct edges",
+                kept.len(),
+                graph.edge_count()
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(out, "transitive reduction: not computed ({e})");
+        }
+    }
     for (what, lists) in [("fan-in", &graph.preds), ("fan-out", &graph.succs)] {
         let degs: Vec<usize> = lists.iter().map(Vec::len).collect();
         let mut hist: BTreeMap<usize, usize> = BTreeMap::new();
@@ -397,6 +429,36 @@ pub(crate) mod tests {
         // Diamond: nothing to remove.
         let d = graph(4, &[(0, 1), (0, 2), (1, 3), (2, 3)]);
         assert_eq!(reduce(&d).unwrap().edges.len(), 4);
+    }
+
+    #[test]
+    fn transitive_reduction_refuses_a_graph_past_its_memory_limit() {
+        // 100,000 tasks would need 100,000 × 1,563 words = 1.25 GB of bitsets.
+        let g = graph(100_000, &[(0, 1), (1, 2), (0, 2)]);
+        let e = reduce(&g).unwrap_err();
+        match &e {
+            DfxError::TooLarge {
+                needed_bytes,
+                limit_bytes,
+                ..
+            } => assert_eq!(
+                (*needed_bytes, *limit_bytes),
+                (100_000 * 1_563 * 8, MAX_REDUCTION_BYTES)
+            ),
+            other => panic!("{other}"),
+        }
+        assert!(e.to_string().contains("without --reduce"), "{e}");
+        // The summary still works and says the reduction was not computed.
+        let text = summary(&g).unwrap();
+        assert!(
+            text.contains("transitive reduction: not computed"),
+            "{text}"
+        );
+        assert!(text.contains("tasks 100000"), "{text}");
+        // Under a limit it fits, the same graph's small cousin reduces exactly.
+        let small = Graph::new(&graph(3, &[(0, 1), (1, 2), (0, 2)])).unwrap();
+        assert_eq!(small.transitive_reduction_within(24).unwrap().len(), 2);
+        assert!(small.transitive_reduction_within(23).is_err());
     }
 
     #[test]

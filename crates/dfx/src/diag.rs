@@ -2,14 +2,15 @@
 //! `ring_stats.json`): writing them from a [`RunReport`] and reading them back with version checks.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use simpler_core::RunReport;
 use simpler_core::trace::{DepGraph, RingStats, SwimlaneRecords, TRACE_FORMAT_VERSION};
 
+pub use crate::blocks::MAX_CORES;
 use crate::error::{DfxError, Result, io};
 
 /// File name of the swimlane records in a run's output directory.
@@ -19,8 +20,18 @@ pub const DEPS_FILE: &str = "deps.json";
 /// File name of the ring statistics.
 pub const RING_STATS_FILE: &str = "ring_stats.json";
 
+/// What to do about dropped swimlane records: the knob, as the `simpler` command line and
+/// [`simpler_core::CallConfig`] spell it. Every warning about dropped records ends with it.
+pub const DROPPED_RECORDS_HINT: &str = "record again with a larger --swimlane-capacity (CallConfig.swimlane_capacity; default 1048576 records per run)";
+
 /// File name of the span trace written into an output directory when no trace file is given.
 pub const TRACE_FILE: &str = "trace.jsonl";
+
+/// Name of the directory holding step `step`'s diagnostics inside a multi-step command's
+/// output directory: `step-000042` (zero-padded so that listings sort in step order).
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
 
 /// Writes everything a finished run's configuration asks for: its spans to `cfg.trace` (or to
 /// `trace.jsonl` in `cfg.output_dir`), and its diagnostics into `cfg.output_dir`. The runtime
@@ -29,6 +40,27 @@ pub const TRACE_FILE: &str = "trace.jsonl";
 pub fn write_run_outputs(
     report: &RunReport,
     cfg: &simpler_core::CallConfig,
+) -> Result<Vec<PathBuf>> {
+    write_outputs(report, cfg, None)
+}
+
+/// [`write_run_outputs`] for one step of a command that runs many: the spans are appended to
+/// the same trace file as every other step's, and the diagnostics go to
+/// `cfg.output_dir/step-<step>/` ([`step_dir_name`]) so that no step overwrites another's.
+/// With `diagnostics` false only the spans are written (a step the user did not ask to keep).
+pub fn write_step_outputs(
+    report: &RunReport,
+    cfg: &simpler_core::CallConfig,
+    step: u64,
+    diagnostics: bool,
+) -> Result<Vec<PathBuf>> {
+    write_outputs(report, cfg, Some((step, diagnostics)))
+}
+
+fn write_outputs(
+    report: &RunReport,
+    cfg: &simpler_core::CallConfig,
+    step: Option<(u64, bool)>,
 ) -> Result<Vec<PathBuf>> {
     let mut written = Vec::new();
     let trace = cfg
@@ -44,8 +76,15 @@ pub fn write_run_outputs(
         w.finish()?;
         written.push(path);
     }
-    if let Some(dir) = &cfg.output_dir {
-        written.extend(write_run_diagnostics(dir, report)?);
+    match (&cfg.output_dir, step) {
+        (Some(dir), None) => written.extend(write_run_diagnostics(dir, report)?),
+        (Some(dir), Some((step, true))) => {
+            written.extend(write_run_diagnostics(
+                &dir.join(step_dir_name(step)),
+                report,
+            )?);
+        }
+        (Some(_), Some((_, false))) | (None, _) => {}
     }
     Ok(written)
 }
@@ -105,9 +144,15 @@ pub fn write_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<PathB
     Ok(path.to_path_buf())
 }
 
-/// Reads `swimlane.json`.
+/// Reads `swimlane.json`, refusing records no run can have written (see [`MAX_CORES`]).
 pub fn read_swimlane(path: &Path) -> Result<SwimlaneRecords> {
-    read_versioned(path)
+    let r: SwimlaneRecords = read_versioned(path)?;
+    crate::blocks::validate(&r).map_err(|what| DfxError::Invalid {
+        path: path.to_path_buf(),
+        line: 0,
+        what,
+    })?;
+    Ok(r)
 }
 
 /// Reads `deps.json`.
@@ -127,6 +172,46 @@ pub fn resolve(path: &Path, name: &str) -> PathBuf {
     } else {
         path.to_path_buf()
     }
+}
+
+/// The `step-*` directories of a multi-step command's output directory, in step order.
+pub fn step_dirs(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut steps: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                n.strip_prefix("step-")
+                    .is_some_and(|d| d.parse::<u64>().is_ok())
+            })
+        })
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    steps.sort();
+    steps
+}
+
+/// [`resolve`], refusing to guess when `path` is the output directory of a multi-step command
+/// (which keeps each step's `name` in its own `step-*` directory): the error names the steps.
+pub fn locate(path: &Path, name: &str) -> Result<PathBuf> {
+    let file = resolve(path, name);
+    if path.is_dir() && !file.exists() {
+        let steps = step_dirs(path);
+        if let (Some(first), Some(last)) = (steps.first(), steps.last()) {
+            return Err(DfxError::Missing(format!(
+                "{} holds the diagnostics of {} steps, one directory each ({} .. {}); name the step to read, e.g. {}",
+                path.display(),
+                steps.len(),
+                first.display(),
+                last.display(),
+                last.display()
+            )));
+        }
+    }
+    Ok(file)
 }
 
 /// The deps file to join with a swimlane: `explicit` when given, else `deps.json` beside the
@@ -156,7 +241,7 @@ pub struct Joined {
 /// (`deps` when given, else `deps.json` beside it when present), refusing to join them when
 /// their fingerprints differ.
 pub fn load_joined(path: &Path, deps: Option<&Path>) -> Result<Joined> {
-    let swimlane_path = resolve(path, SWIMLANE_FILE);
+    let swimlane_path = locate(path, SWIMLANE_FILE)?;
     let swimlane = read_swimlane(&swimlane_path)?;
     let deps_path = deps_beside(&swimlane_path, deps);
     let deps = match &deps_path {
@@ -193,25 +278,39 @@ pub fn check_fingerprints(
     Ok(())
 }
 
+/// The top-level `"v"` of a document; every other field is skipped without being kept.
+#[derive(Deserialize)]
+struct VersionPeek {
+    #[serde(default)]
+    v: Option<serde_json::Value>,
+}
+
+/// Reads a whole-document file in two streaming passes: the first only looks for a newer
+/// `"v"` (so a newer file is refused by version, not by whatever field it changed), the second
+/// builds the record. Neither holds the file's text or a JSON tree of it.
 fn read_versioned<T: DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).map_err(io("read", path))?;
     let json = |source| DfxError::Json {
         path: path.to_path_buf(),
         line: 0,
         source,
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(json)?;
-    if let Some(v) = value.get("v").and_then(|v| v.as_u64())
+    let open = || {
+        File::open(path)
+            .map(|f| BufReader::with_capacity(1 << 16, f))
+            .map_err(io("open", path))
+    };
+    let peek: VersionPeek = serde_json::from_reader(open()?).map_err(json)?;
+    if let Some(v) = peek.v.as_ref().and_then(serde_json::Value::as_u64)
         && v > TRACE_FORMAT_VERSION as u64
     {
         return Err(DfxError::NewerVersion {
             path: path.to_path_buf(),
             line: 0,
-            found: v as u32,
+            found: u32::try_from(v).unwrap_or(u32::MAX),
             supported: TRACE_FORMAT_VERSION,
         });
     }
-    serde_json::from_value(value).map_err(json)
+    serde_json::from_reader(open()?).map_err(json)
 }
 
 #[cfg(test)]
@@ -266,6 +365,53 @@ mod tests {
         .unwrap();
         let e = read_deps(&dir.join(DEPS_FILE)).unwrap_err();
         assert!(matches!(e, DfxError::NewerVersion { found: 7, .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn steps_keep_their_own_diagnostics_and_the_directory_says_which_there_are() {
+        let dir = std::env::temp_dir().join(format!("simpler-dfx-steps-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = simpler_core::CallConfig {
+            output_dir: Some(dir.clone()),
+            ..Default::default()
+        };
+        for step in 0..3u64 {
+            let report = RunReport {
+                inv: step,
+                host_wall: simpler_core::Interval {
+                    start_ns: 10,
+                    end_ns: 20,
+                },
+                swimlane: Some(SwimlaneRecords {
+                    level: 1,
+                    fingerprint: format!("fp{step}"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            write_step_outputs(&report, &cfg, step, step != 1).unwrap();
+        }
+        // Steps 0 and 2 kept their own records; step 1 was not asked for; none overwrote another.
+        let fp = |step: u64| {
+            read_swimlane(&dir.join(step_dir_name(step)).join(SWIMLANE_FILE))
+                .unwrap()
+                .fingerprint
+        };
+        assert_eq!((fp(0), fp(2)), ("fp0".to_string(), "fp2".to_string()));
+        assert!(!dir.join(step_dir_name(1)).exists());
+        assert!(!dir.join(SWIMLANE_FILE).exists());
+        // The trace keeps every step.
+        let trace = crate::reader::read_traces(&[dir.join(TRACE_FILE)]).unwrap();
+        let invs: std::collections::BTreeSet<u64> =
+            trace.spans.iter().map(|s| s.span.inv).collect();
+        assert_eq!(invs.into_iter().collect::<Vec<_>>(), vec![0, 1, 2]);
+        // The directory itself is refused with the steps named, not read as a missing file.
+        let e = load_joined(&dir, None).unwrap_err().to_string();
+        assert!(e.contains("holds the diagnostics of 2 steps"), "{e}");
+        assert!(e.contains("step-000002"), "{e}");
+        assert_eq!(step_dirs(&dir).len(), 2);
+        load_joined(&dir.join(step_dir_name(2)), None).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -42,6 +42,32 @@ pub enum DfxError {
         /// Highest version this reader understands.
         supported: u32,
     },
+    /// A file parses but holds a value no run can have written (a core id past
+    /// [`crate::diag::MAX_CORES`], an unknown swimlane level, a line longer than
+    /// [`crate::reader::MAX_LINE_BYTES`], text that is not UTF-8).
+    #[error("{path}:{line}: {what}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number (0 for a whole-file JSON document).
+        line: usize,
+        /// What is wrong, naming the field and the value.
+        what: String,
+    },
+    /// An analysis would need more memory than it allows itself.
+    #[error(
+        "{what} needs {needed_bytes} bytes, more than the limit of {limit_bytes} bytes; {hint}"
+    )]
+    TooLarge {
+        /// The analysis and its input size.
+        what: String,
+        /// Bytes it would allocate.
+        needed_bytes: u64,
+        /// The limit.
+        limit_bytes: u64,
+        /// What to do instead.
+        hint: &'static str,
+    },
     /// A span line came before any clock anchor of its process.
     #[error(
         "{path}:{line}: span of pid {pid} has no clock anchor before it (every writer starts with an anchor line)"

@@ -1,11 +1,11 @@
 //! `simpler trace idle`: where the cores wait between kernels.
 //!
-//! Every stretch of a core's time inside the makespan with no block running is charged to the
+//! Every stretch of a core's time inside the execution span with no block running is charged to the
 //! pair of kernels around it: the kernel whose block the core last finished and the kernel of
 //! the block it ran next (the run's start and end stand in at the edges). Summed, the gaps are
-//! exactly `cores × makespan − busy`: the cores' time spent outside kernels (what
+//! exactly `cores × execution span − busy`: the cores' time spent outside kernels (what
 //! `simpler bench qwen3-decode` reports as a share of the run's effective interval, a little
-//! longer than the makespan), taken apart by phase boundary. A large
+//! longer than the execution span), taken apart by phase boundary. A large
 //! `A → B` total usually means a barrier: the cores that finish `A` early wait for its last
 //! block and for whatever small serial step leads to `B`; an `A → A (same task)` total is the
 //! cost of claiming SPMD blocks.
@@ -15,7 +15,7 @@ use std::fmt::Write;
 
 use simpler_core::trace::{DepGraph, SwimlaneRecords};
 
-use crate::blocks::{core_count, makespan};
+use crate::blocks::{check_records, core_count, execution_span};
 use crate::error::{DfxError, Result};
 use crate::stats::{percentile_sorted, us};
 use crate::swimlane::{kernel_names, name_of};
@@ -23,11 +23,11 @@ use crate::swimlane::{kernel_names, name_of};
 /// One side of a gap: a kernel, or the run's start or end.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Edge {
-    /// The makespan's start (the gap before a core's first block).
+    /// The execution span's start (the gap before a core's first block).
     RunStart,
     /// A block of this kernel (id).
     Kernel(u32),
-    /// The makespan's end (the gap after a core's last block).
+    /// The execution span's end (the gap after a core's last block).
     RunEnd,
 }
 
@@ -44,7 +44,7 @@ pub struct IdleRow {
     pub count: usize,
     /// Their total, ns.
     pub total_ns: u64,
-    /// `total_ns` over `cores × makespan`.
+    /// `total_ns` over `cores × execution span`.
     pub share: f64,
     /// Median gap, ns.
     pub p50_ns: u64,
@@ -65,22 +65,22 @@ impl IdleRow {
 /// The idle analysis of one swimlane.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Idle {
-    /// Makespan (first dispatch to last finish), ns.
-    pub makespan_ns: u64,
+    /// Execution span (first block dispatch to last block finish), ns.
+    pub execution_span_ns: u64,
     /// Cores.
     pub cores: u32,
     /// Kernel execution time summed over cores, ns.
     pub busy_ns: u64,
-    /// `cores × makespan − busy`, ns: the sum of every row's `total_ns`.
+    /// `cores × execution span − busy`, ns: the sum of every row's `total_ns`.
     pub idle_ns: u64,
     /// Rows, largest total first.
     pub rows: Vec<IdleRow>,
 }
 
 impl Idle {
-    /// Idle share of the cores' time inside the makespan.
+    /// Idle share of the cores' time inside the execution span.
     pub fn idle_share(&self) -> f64 {
-        let all = self.makespan_ns as f64 * f64::from(self.cores);
+        let all = self.execution_span_ns as f64 * f64::from(self.cores);
         if all > 0.0 {
             self.idle_ns as f64 / all
         } else {
@@ -93,8 +93,9 @@ type Key = (Edge, Edge, bool);
 
 /// Charges every gap of every core to its `(before, after)` pair.
 pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
-    let (m0, m1) =
-        makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    let (m0, m1) = execution_span(r)
+        .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    check_records(r)?;
     let cores = core_count(r);
     let mut by_core: Vec<Vec<(u64, u64, u32, u64)>> = vec![Vec::new(); cores as usize];
     for b in &r.tasks {
@@ -113,7 +114,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
                 .or_default()
                 .push(start.saturating_sub(free_at));
             let end = end.max(start);
-            busy += end - start.max(free_at).min(end);
+            busy = busy.saturating_add(end - start.max(free_at).min(end));
             free_at = free_at.max(end);
             last = (Edge::Kernel(func), Some(task));
         }
@@ -134,7 +135,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
         .into_iter()
         .map(|((before, after, same_task), mut v)| {
             v.sort_unstable();
-            let total_ns: u64 = v.iter().sum();
+            let total_ns: u64 = v.iter().fold(0, |a, &x| a.saturating_add(x));
             IdleRow {
                 before: label(&before),
                 after: label(&after),
@@ -157,9 +158,9 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
             .cmp(&a.total_ns)
             .then_with(|| (&a.before, &a.after).cmp(&(&b.before, &b.after)))
     });
-    let idle_ns = rows.iter().map(|r| r.total_ns).sum();
+    let idle_ns = rows.iter().fold(0u64, |a, r| a.saturating_add(r.total_ns));
     Ok(Idle {
-        makespan_ns: m1 - m0,
+        execution_span_ns: m1 - m0,
         cores,
         busy_ns: busy,
         idle_ns,
@@ -172,8 +173,8 @@ pub fn report(idle: &Idle, top: usize) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "makespan {} µs (first dispatch to last finish), {} cores: kernels busy {} µs, idle {} µs = {:.1}% of the cores' time",
-        us(idle.makespan_ns as f64),
+        "execution span {} µs (first block dispatch to last block finish), {} cores: kernels busy {} µs, idle {} µs = {:.1}% of the cores' time",
+        us(idle.execution_span_ns as f64),
         idle.cores,
         us(idle.busy_ns as f64),
         us(idle.idle_ns as f64),
@@ -203,7 +204,9 @@ pub fn report(idle: &Idle, top: usize) -> String {
         );
     }
     if shown < idle.rows.len() {
-        let rest: u64 = idle.rows[shown..].iter().map(|r| r.total_ns).sum();
+        let rest: u64 = idle.rows[shown..]
+            .iter()
+            .fold(0, |a, r| a.saturating_add(r.total_ns));
         let _ = writeln!(
             out,
             "({} more pairs, {} µs together; --top 0 shows all)",
@@ -272,7 +275,7 @@ mod tests {
             block(3, 7, 1, 280, 390),
         ]);
         let idle = analyze(&r, None).expect("analysis");
-        assert_eq!((idle.makespan_ns, idle.cores), (400, 2));
+        assert_eq!((idle.execution_span_ns, idle.cores), (400, 2));
         assert_eq!(idle.busy_ns, 100 + 90 + 10 + 125 + 150 + 110);
         assert_eq!(idle.idle_ns, 800 - idle.busy_ns);
         assert_eq!(
@@ -299,11 +302,11 @@ mod tests {
     }
 
     #[test]
-    fn a_core_without_blocks_is_idle_for_the_whole_makespan() {
+    fn a_core_without_blocks_is_idle_for_the_whole_execution_span() {
         let mut r = records(vec![block(1, 7, 0, 50, 150)]);
         r.cores = 2;
         let idle = analyze(&r, None).expect("analysis");
-        assert_eq!(idle.makespan_ns, 100);
+        assert_eq!(idle.execution_span_ns, 100);
         assert_eq!(idle.idle_ns, 100);
         assert_eq!(row(&idle, "run start", "run end", false).total_ns, 100);
         assert!((idle.idle_share() - 0.5).abs() < 1e-12);

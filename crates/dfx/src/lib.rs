@@ -3,7 +3,8 @@
 //! * [`writer::TraceWriter`] writes spans as JSON Lines; [`reader::read_traces`] merges files
 //!   of several processes onto one wall-clock axis.
 //! * [`diag::write_run_diagnostics`] writes a run's `swimlane.json`, `deps.json` and
-//!   `ring_stats.json`; [`diag`] reads them back.
+//!   `ring_stats.json` ([`diag::write_step_outputs`]: one `step-NNNNNN` directory per step of
+//!   a multi-step command); [`diag`] reads them back, bounding what a file may say.
 //! * Analyses: [`timing`], [`swimlane`], [`deps`] (with [`html`]), [`overhead`], [`idle`],
 //!   [`critical_path`], [`rings`]; [`perfetto`] writes Chrome Trace Event JSON.
 //! * [`bench_stats`]: statistics for `simpler bench`.
@@ -28,6 +29,6 @@ pub mod swimlane;
 pub mod timing;
 pub mod writer;
 
-pub use diag::{write_run_diagnostics, write_run_outputs};
+pub use diag::{write_run_diagnostics, write_run_outputs, write_step_outputs};
 pub use error::{DfxError, Result};
 pub use writer::TraceWriter;

@@ -1,12 +1,16 @@
-//! `simpler trace overhead`: how much of the makespan the scheduler, not the work, set the pace.
+//! `simpler trace overhead`: how much of the execution span the scheduler, not the work, set
+//! the pace.
 //!
 //! Definitions (all on the records' one clock, integer nanoseconds):
-//! * makespan: first dispatch (level 1: start) to last finish (level 1: end) over all blocks;
+//! * execution span: first block dispatch (level 1: start) to last finish (level 1: end) over
+//!   all blocks;
 //! * a core is busy while it executes a block (`start..end`), idle otherwise;
 //! * a task is ready at the latest finish of its predecessors in `deps.json` (a predecessor
 //!   without block records — a dummy or skipped task — completes when it became ready
-//!   itself), and never before its submit ended (level 4). A task with neither predecessors nor
-//!   a submit record, or any task when no deps.json is given, is ready at its first dispatch;
+//!   itself), and never before its submit ended (submits are recorded at level 4 only; below
+//!   it a wait for the orchestrator counts as scheduler-bound, and the report says the share
+//!   is an upper bound). A task with neither predecessors nor a submit record, or any task
+//!   when no deps.json is given, is ready at its first dispatch;
 //! * each block waits from its task's readiness to its own start;
 //! * scheduler-bound time of class C: the instants at which a block of class C waits while at
 //!   least one core is idle. Every platform of simpler runs any class on any core, so every
@@ -18,7 +22,9 @@ use std::fmt::Write;
 use simpler_core::EngineClass;
 use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
 
-use crate::blocks::{TaskTimes, core_count, has_sched_times, makespan, task_times};
+use crate::blocks::{
+    TaskTimes, core_count, execution_span, has_sched_times, signed_diff, task_times,
+};
 use crate::deps::Graph;
 use crate::error::{DfxError, Result};
 use crate::stats::{percentile_sorted, us};
@@ -46,7 +52,7 @@ pub struct ClassShare {
     pub blocks: usize,
     /// Nanoseconds during which a block of the class waited while a core was idle.
     pub bound_ns: u64,
-    /// `bound_ns / makespan`.
+    /// `bound_ns / execution span`.
     pub share: f64,
 }
 
@@ -93,9 +99,11 @@ impl Distribution {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Overhead {
     /// `[first dispatch, last finish]`.
-    pub makespan: (u64, u64),
+    pub execution_span: (u64, u64),
     /// Cores.
     pub cores: u32,
+    /// Swimlane level of the records (submit ends, which gate readiness, need level 4).
+    pub level: u8,
     /// Where readiness came from.
     pub readiness: Readiness,
     /// Per class present in the records (Mix, Cube, Vector order).
@@ -156,8 +164,9 @@ pub(crate) fn ready_times(
 
 /// Runs the analysis. With `deps`, its fingerprint must match the records'.
 pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead> {
-    let (m0, m1) =
-        makespan(r).ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    let (m0, m1) = execution_span(r)
+        .ok_or_else(|| DfxError::Missing("the swimlane has no block records".into()))?;
+    crate::blocks::check_records(r)?;
     let times = task_times(r);
     let graph = deps.map(Graph::new).transpose()?;
     let ready = ready_times(r, &times, graph.as_ref());
@@ -223,12 +232,12 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
         let h: Vec<i64> = r
             .tasks
             .iter()
-            .map(|b| b.start as i64 - b.dispatch as i64)
+            .map(|b| signed_diff(b.start, b.dispatch))
             .collect();
         let t: Vec<i64> = r
             .tasks
             .iter()
-            .map(|b| b.finish as i64 - b.end as i64)
+            .map(|b| signed_diff(b.finish, b.end))
             .collect();
         (Distribution::of(&h), Distribution::of(&t))
     } else {
@@ -241,11 +250,13 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
             SchedPhase::Complete => 1,
             SchedPhase::Idle => 2,
         };
-        phases.entry(p.sched).or_default()[k] += p.end.saturating_sub(p.start);
+        let t = &mut phases.entry(p.sched).or_default()[k];
+        *t = t.saturating_add(p.end.saturating_sub(p.start));
     }
     Ok(Overhead {
-        makespan: (m0, m1),
+        execution_span: (m0, m1),
         cores,
+        level: r.level,
         readiness: if graph.is_some() {
             Readiness::Deps
         } else {
@@ -266,21 +277,29 @@ pub fn report(o: &Overhead) -> String {
     if o.dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {} swimlane records were DROPPED: the shares below are incomplete",
-            o.dropped
+            "WARNING: {} swimlane records were DROPPED: the shares below are incomplete; {}",
+            o.dropped,
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
     let _ = writeln!(
         out,
-        "makespan {} µs (first dispatch to last finish), {} cores",
-        us((o.makespan.1 - o.makespan.0) as f64),
+        "execution span {} µs (first block dispatch to last block finish), {} cores",
+        us((o.execution_span.1 - o.execution_span.0) as f64),
         o.cores
     );
     match o.readiness {
+        Readiness::Deps if o.level >= 4 => {
+            let _ = writeln!(
+                out,
+                "readiness: latest predecessor finish from deps.json and the task's submit end"
+            );
+        }
         Readiness::Deps => {
             let _ = writeln!(
                 out,
-                "readiness: latest predecessor finish from deps.json (and submit end at level 4)"
+                "readiness: latest predecessor finish from deps.json; swimlane level {} records no submit times, so a task still waiting for the orchestrator to submit it counts as ready and that wait as scheduler-bound (an upper bound; record at --swimlane 4 to exclude it)",
+                o.level
             );
         }
         Readiness::DispatchFallback => {
@@ -346,7 +365,7 @@ pub fn report(o: &Overhead) -> String {
         for (s, p) in &o.phases {
             phase_line(&mut out, &format!("sched {s}"), p);
             for k in 0..3 {
-                total[k] += p[k];
+                total[k] = total[k].saturating_add(p[k]);
             }
         }
         phase_line(&mut out, "total", &total);
@@ -355,7 +374,7 @@ pub fn report(o: &Overhead) -> String {
 }
 
 fn phase_line(out: &mut String, name: &str, p: &[u64; 3]) {
-    let sum = p.iter().sum::<u64>().max(1) as f64;
+    let sum = p.iter().map(|&x| x as f64).sum::<f64>().max(1.0);
     let pct = |x: u64| x as f64 * 100.0 / sum;
     let _ = writeln!(
         out,

@@ -175,9 +175,12 @@ impl PerfettoTrace {
     }
 }
 
-/// Exports merged spans: one process per traced process, lanes per invocation (host and device
-/// apart; overlapping spans such as `orch` and `sched` go to extra lanes so every lane nests
-/// properly), all on the merged wall-clock axis.
+/// Exports merged spans: one process per traced process, one track per recording thread
+/// (host and device apart), all on the merged wall-clock axis. Invocations follow one another
+/// on their thread's track as nested slices (`run` enclosing its sub-spans, `inv` in the args),
+/// so a thousand steps make a thousand `run` slices, not a thousand tracks. Spans that would
+/// not nest properly (`orch` and `sched` overlap) go to the thread's overlap tracks, reused by
+/// every invocation: the track count is bounded by how many spans overlap at once.
 pub fn timing_to_perfetto(trace: &Trace) -> PerfettoTrace {
     let origin = trace.origin_wall_ns();
     let mut out = PerfettoTrace::default();
@@ -190,29 +193,27 @@ pub fn timing_to_perfetto(trace: &Trace) -> PerfettoTrace {
         }
         chrome_pid.push(pid);
     }
-    // (process, inv, device?) -> span indices, in start order.
-    let mut lanes: BTreeMap<(usize, u64, bool), Vec<usize>> = BTreeMap::new();
+    // (process, recording thread, device?) -> span indices.
+    let mut tracks: BTreeMap<(usize, u64, bool), Vec<usize>> = BTreeMap::new();
     for (i, s) in trace.spans.iter().enumerate() {
-        lanes
-            .entry((s.process, s.span.inv, s.span.clock == Clock::Device))
+        tracks
+            .entry((s.process, s.span.tid, s.span.clock == Clock::Device))
             .or_default()
             .push(i);
     }
     let mut named: HashSet<usize> = HashSet::new();
     let mut next_tid: HashMap<usize, u64> = HashMap::new();
-    for ((process, inv, device), mut idx) in lanes {
+    for ((process, thread, device), mut idx) in tracks {
         let pid = chrome_pid[process];
         if named.insert(process) {
             let p = &trace.processes[process];
             out.process_name(pid, &format!("pid {} ({})", p.pid, p.file.display()));
         }
         idx.sort_by_key(|&i| {
-            (
-                trace.spans[i].wall_ns,
-                std::cmp::Reverse(trace.spans[i].span.dur_ns),
-            )
+            let s = &trace.spans[i];
+            (s.wall_ns, std::cmp::Reverse(s.span.dur_ns), s.span.depth)
         });
-        // Greedy packing into properly nested sub-lanes.
+        // Greedy packing into properly nested sub-tracks.
         let mut stacks: Vec<Vec<(u64, u64)>> = Vec::new();
         let mut placed: Vec<(usize, usize)> = Vec::new();
         for &i in &idx {
@@ -239,9 +240,9 @@ pub fn timing_to_perfetto(trace: &Trace) -> PerfettoTrace {
         let kind = if device { "device" } else { "host" };
         for l in 0..stacks.len() {
             let name = if l == 0 {
-                format!("inv {inv} {kind}")
+                format!("thread {thread} {kind}")
             } else {
-                format!("inv {inv} {kind} (overlap {l})")
+                format!("thread {thread} {kind} (overlap {l})")
             };
             out.thread_name(pid, base + l as u64, &name);
         }

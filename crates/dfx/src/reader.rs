@@ -5,8 +5,14 @@
 //! spans of an invocation with a `device_alignment` line are mapped through it onto the host
 //! axis first. Lines with a format version newer than [`TRACE_FORMAT_VERSION`] are refused with
 //! the file and line named.
+//!
+//! Files are streamed line by line (a trace of many steps is never held whole), a line longer
+//! than [`MAX_LINE_BYTES`] is refused rather than buffered, and every timestamp sum saturates:
+//! a file may hold any value, and a bad one gives an error or a clamped time, never a panic.
 
 use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -56,9 +62,9 @@ pub struct AlignedSpan {
 }
 
 impl AlignedSpan {
-    /// End in wall-clock nanoseconds.
+    /// End in wall-clock nanoseconds (saturating: a file may hold any duration).
     pub fn wall_end_ns(&self) -> u64 {
-        self.wall_ns + self.span.dur_ns
+        self.wall_ns.saturating_add(self.span.dur_ns)
     }
 }
 
@@ -88,41 +94,80 @@ impl Trace {
     }
 }
 
-/// Reads and merges trace files.
+/// Longest trace line accepted (a span with its attributes is a few hundred bytes).
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Reads and merges trace files, streaming each one line by line.
 pub fn read_traces<P: AsRef<Path>>(paths: &[P]) -> Result<Trace> {
     let mut trace = Trace::default();
     for p in paths {
         let path = p.as_ref();
-        let text = std::fs::read_to_string(path).map_err(io("read", path))?;
-        parse_into(&mut trace, &text, path)?;
+        let file = File::open(path).map_err(io("open", path))?;
+        parse_reader(&mut trace, BufReader::with_capacity(1 << 16, file), path)?;
     }
     Ok(trace)
 }
 
 /// Parses the text of one trace file into `trace` (files may be added one after another).
 pub fn parse_into(trace: &mut Trace, text: &str, path: &Path) -> Result<()> {
+    parse_reader(trace, text.as_bytes(), path)
+}
+
+/// Parses one trace file from `input` into `trace`, one line at a time.
+pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) -> Result<()> {
     trace.files.push(path.to_path_buf());
+    // Process instance by (pid, wall_ns) of its anchor, over every file read so far.
+    let mut known: HashMap<(u32, u64), usize> = trace
+        .processes
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ((p.anchor.pid, p.anchor.wall_ns), i))
+        .collect();
     // Current process instance of each pid in this file.
     let mut current: HashMap<u32, usize> = HashMap::new();
     let mut alignments: HashMap<(usize, u64), DeviceClockAlignment> = HashMap::new();
     let first_span = trace.spans.len();
-    for (idx, raw) in text.lines().enumerate() {
-        let line_no = idx + 1;
+    let invalid = |line: usize, what: String| DfxError::Invalid {
+        path: path.to_path_buf(),
+        line,
+        what,
+    };
+    let mut buf = Vec::new();
+    let mut line_no = 0;
+    loop {
+        buf.clear();
+        let n = (&mut input)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(io("read", path))?;
+        if n == 0 {
+            break;
+        }
+        line_no += 1;
+        if buf.len() > MAX_LINE_BYTES {
+            return Err(invalid(
+                line_no,
+                format!("line longer than {MAX_LINE_BYTES} bytes (not a trace file?)"),
+            ));
+        }
+        let raw = std::str::from_utf8(&buf)
+            .map_err(|e| invalid(line_no, format!("not UTF-8 text ({e})")))?;
         if raw.trim().is_empty() {
             continue;
         }
         match parse_line(raw, path, line_no)? {
             TraceLine::Anchor(anchor) => {
                 // The same process appending again (same pid and anchor) stays one process.
-                let known = trace.processes.iter().position(|p| p.anchor == anchor);
-                let idx = known.unwrap_or_else(|| {
-                    trace.processes.push(ProcessInfo {
-                        pid: anchor.pid,
-                        anchor,
-                        file: path.to_path_buf(),
+                let idx = *known
+                    .entry((anchor.pid, anchor.wall_ns))
+                    .or_insert_with(|| {
+                        trace.processes.push(ProcessInfo {
+                            pid: anchor.pid,
+                            anchor,
+                            file: path.to_path_buf(),
+                        });
+                        trace.processes.len() - 1
                     });
-                    trace.processes.len() - 1
-                });
                 current.insert(anchor.pid, idx);
             }
             TraceLine::Span(span) => {

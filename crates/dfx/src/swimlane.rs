@@ -8,7 +8,9 @@ use std::fmt::Write;
 use serde_json::{Map, Value};
 use simpler_core::trace::{DepGraph, SchedPhase, SwimlaneRecords};
 
-use crate::blocks::{TaskTimes, dispatch_finish, has_sched_times, task_name, task_times};
+use crate::blocks::{
+    TaskTimes, dispatch_finish, has_sched_times, signed_diff, task_name, task_times,
+};
 use crate::deps::kernel_label;
 use crate::perfetto::{PerfettoTrace, ns_to_us};
 use crate::stats::us;
@@ -44,22 +46,32 @@ pub struct KernelRow {
 /// A dependency arrow whose producer's last block ends after the consumer's first block starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Violation {
-    /// Producer task.
+    /// Producer task (a task with block records).
     pub pred: u64,
     /// Consumer task.
     pub succ: u64,
+    /// The task without block records (dummy, barrier, skipped) the dependency runs through,
+    /// when the producer is not a direct predecessor.
+    pub via: Option<u64>,
     /// Producer's last block end.
     pub pred_end: u64,
     /// Consumer's first block start.
     pub succ_start: u64,
 }
 
-/// Dependency arrows between tasks that have block records.
+/// Dependency arrows between tasks that have block records, with dependencies that run through
+/// tasks without records (dummy and barrier tasks) collapsed onto their recorded producers.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Arrows {
-    /// `(pred, succ)` pairs drawn.
+    /// `(pred, succ)` pairs drawn: direct edges between recorded tasks, and for an edge from
+    /// an unrecorded task `u` into a recorded one, the latest-ending recorded task that reaches
+    /// `u` through unrecorded tasks only.
     pub drawn: Vec<(u64, u64)>,
-    /// Pairs not drawn because an end has no block records (dummy, skipped or dropped).
+    /// Of `drawn`, the pairs that run through unrecorded tasks.
+    pub through_unrecorded: usize,
+    /// Edges with nothing to check: into a recorded task from an unrecorded one that no
+    /// recorded task reaches (a dummy at the start of the graph: nothing ran before it), or
+    /// from a task the graph lacks.
     pub skipped: usize,
     /// Happens-before violations among the drawn ones.
     pub violations: Vec<Violation>,
@@ -137,28 +149,106 @@ pub fn arrows(r: &SwimlaneRecords, deps: &DepGraph) -> Arrows {
 }
 
 fn arrows_with(times: &HashMap<u64, TaskTimes>, deps: &DepGraph) -> Arrows {
+    let latest = latest_recorded_ancestors(times, deps);
     let mut out = Arrows::default();
     let mut seen = BTreeSet::new();
+    let mut record = |out: &mut Arrows, pred: u64, succ: u64, via: Option<u64>| {
+        if !seen.insert((pred, succ)) {
+            return;
+        }
+        let (p, s) = (&times[&pred], &times[&succ]);
+        out.drawn.push((pred, succ));
+        out.through_unrecorded += usize::from(via.is_some());
+        if p.end > s.start {
+            out.violations.push(Violation {
+                pred,
+                succ,
+                via,
+                pred_end: p.end,
+                succ_start: s.start,
+            });
+        }
+    };
     for e in &deps.edges {
-        if !seen.insert((e.pred, e.succ)) {
+        if !times.contains_key(&e.succ) {
+            // Checked through the unrecorded consumer's own consumers.
             continue;
         }
-        match (times.get(&e.pred), times.get(&e.succ)) {
-            (Some(p), Some(s)) => {
-                out.drawn.push((e.pred, e.succ));
-                if p.end > s.start {
-                    out.violations.push(Violation {
-                        pred: e.pred,
-                        succ: e.succ,
-                        pred_end: p.end,
-                        succ_start: s.start,
-                    });
-                }
+        if times.contains_key(&e.pred) {
+            record(&mut out, e.pred, e.succ, None);
+        } else {
+            match latest.get(&e.pred).copied().flatten() {
+                Some(p) => record(&mut out, p, e.succ, Some(e.pred)),
+                None => out.skipped += 1,
             }
-            _ => out.skipped += 1,
         }
     }
     out
+}
+
+/// For every task without block records: the recorded task with the latest end among those
+/// that reach it through unrecorded tasks only (`None` when none does). A consumer of such a
+/// task must start after every one of them, so checking the latest checks them all. Iterative
+/// and memoised, so a long chain of barriers costs O(tasks + edges); a cycle (impossible in a
+/// valid run) contributes nothing instead of looping.
+fn latest_recorded_ancestors(
+    times: &HashMap<u64, TaskTimes>,
+    deps: &DepGraph,
+) -> HashMap<u64, Option<u64>> {
+    let mut preds: HashMap<u64, Vec<u64>> = HashMap::new();
+    for e in &deps.edges {
+        if !times.contains_key(&e.succ) {
+            preds.entry(e.succ).or_default().push(e.pred);
+        }
+    }
+    let better = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (Some(x), Some(y)) => {
+            let (tx, ty) = (times[&x].end, times[&y].end);
+            Some(if (ty, y) > (tx, x) { y } else { x })
+        }
+        (x, None) => x,
+        (None, y) => y,
+    };
+    let mut memo: HashMap<u64, Option<u64>> = HashMap::new();
+    let mut in_progress: BTreeSet<u64> = BTreeSet::new();
+    for &start in preds.keys() {
+        if memo.contains_key(&start) {
+            continue;
+        }
+        // (node, whether its predecessors have been pushed)
+        let mut stack = vec![(start, false)];
+        while let Some((u, expanded)) = stack.pop() {
+            if memo.contains_key(&u) {
+                continue;
+            }
+            let ps = preds.get(&u).map_or(&[][..], Vec::as_slice);
+            if !expanded {
+                in_progress.insert(u);
+                stack.push((u, true));
+                for &p in ps {
+                    if !times.contains_key(&p)
+                        && !memo.contains_key(&p)
+                        && !in_progress.contains(&p)
+                    {
+                        stack.push((p, false));
+                    }
+                }
+                continue;
+            }
+            let mut best = None;
+            for &p in ps {
+                let cand = if times.contains_key(&p) {
+                    Some(p)
+                } else {
+                    memo.get(&p).copied().flatten()
+                };
+                best = better(best, cand);
+            }
+            in_progress.remove(&u);
+            memo.insert(u, best);
+        }
+    }
+    memo
 }
 
 /// Earliest timestamp in the records (the Perfetto origin).
@@ -274,11 +364,8 @@ pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrac
         if sched {
             a.insert("dispatch_us".into(), ns_to_us(rel(b.dispatch)).into());
             a.insert("finish_us".into(), ns_to_us(rel(b.finish)).into());
-            a.insert(
-                "head_ns".into(),
-                (b.start as i64 - b.dispatch as i64).into(),
-            );
-            a.insert("tail_ns".into(), (b.finish as i64 - b.end as i64).into());
+            a.insert("head_ns".into(), signed_diff(b.start, b.dispatch).into());
+            a.insert("tail_ns".into(), signed_diff(b.finish, b.end).into());
         }
         out.complete(
             PID,
@@ -316,6 +403,9 @@ pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrac
             let name = match bad.get(&(*p, *s)) {
                 Some(v) => {
                     a.insert("violation".into(), Value::Bool(true));
+                    if let Some(u) = v.via {
+                        a.insert("via".into(), task_name(u).into());
+                    }
                     a.insert("pred_end_us".into(), ns_to_us(rel(v.pred_end)).into());
                     a.insert("succ_start_us".into(), ns_to_us(rel(v.succ_start)).into());
                     "dep VIOLATION (happens-before)"
@@ -345,8 +435,9 @@ pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
     if r.dropped > 0 {
         let _ = writeln!(
             out,
-            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; raise CallConfig.swimlane_capacity",
-            r.dropped
+            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; {}",
+            r.dropped,
+            crate::diag::DROPPED_RECORDS_HINT
         );
     }
     let tasks: BTreeSet<u64> = r.tasks.iter().map(|b| b.task_id).collect();
@@ -397,15 +488,19 @@ pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
             let a = arrows(r, d);
             let _ = writeln!(
                 out,
-                "dependency arrows: {} drawn, {} not drawn (an end has no block records: dummy, skipped or dropped)",
+                "dependency arrows: {} checked ({} through tasks without block records: dummy, barrier, skipped or dropped); {} edges from unrecorded tasks with no recorded task before them (nothing to check)",
                 a.drawn.len(),
+                a.through_unrecorded,
                 a.skipped
             );
             let _ = writeln!(out, "happens-before violations: {}", a.violations.len());
             for v in a.violations.iter().take(20) {
+                let via = v
+                    .via
+                    .map_or(String::new(), |u| format!(" (through {})", task_name(u)));
                 let _ = writeln!(
                     out,
-                    "  VIOLATION {} -> {}: producer ends at {} µs, consumer starts at {} µs",
+                    "  VIOLATION {} -> {}{via}: producer ends at {} µs, consumer starts at {} µs",
                     task_name(v.pred),
                     task_name(v.succ),
                     us(v.pred_end.saturating_sub(origin(r)) as f64),

@@ -1,7 +1,7 @@
 //! `simpler trace timing`: per-callable span statistics, one row per invocation (`--rounds`)
 //! and the median span tree (`--tree`), with the timing layers ①–④ of `02-dfx.md`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
 
 use simpler_core::trace::AttrValue;
@@ -77,9 +77,10 @@ pub struct Round {
 impl Round {
     /// Layers ①–④ of `02-dfx.md` in ns (signed: a negative value means mis-nested spans).
     pub fn layers(&self) -> [Option<i64>; 4] {
-        let d = |a: Option<u64>, b: Option<u64>| Some(a? as i64 - b? as i64);
+        let signed = |x: i128| x.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
+        let d = |a: Option<u64>, b: Option<u64>| Some(signed(a? as i128 - b? as i128));
         [
-            self.effective.map(|e| e as i64),
+            self.effective.map(|e| signed(e as i128)),
             d(self.device, self.effective),
             d(self.runner, self.device),
             d(self.host, self.runner),
@@ -132,7 +133,8 @@ pub fn by_callable(trace: &Trace) -> Vec<CallableGroup> {
         {
             g.labels.push(l.clone());
         }
-        g.run_total_ns += first(trace, &inv, "run").map_or(0, |s| s.span.dur_ns);
+        let run = first(trace, &inv, "run").map_or(0, |s| s.span.dur_ns);
+        g.run_total_ns = g.run_total_ns.saturating_add(run);
         g.invs.push(inv);
     }
     let mut v: Vec<CallableGroup> = groups.into_values().collect();
@@ -316,20 +318,27 @@ pub fn tree(trace: &Trace) -> String {
         let mut offs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut durs: HashMap<&str, Vec<f64>> = HashMap::new();
         let mut parents: HashMap<&str, Option<&str>> = HashMap::new();
-        // Invocations in which two spans overlap by more than zero time.
+        // Invocations in which two spans overlap by more than zero time (each pair of names
+        // counted once per invocation). A sweep in start order compares a span only with the
+        // spans still open when it starts, so nested and sequential spans cost linear time
+        // however many a file holds.
         let mut overlaps: HashMap<(&str, &str), usize> = HashMap::new();
         for inv in &g.invs {
-            let spans: Vec<&AlignedSpan> = inv.spans.iter().map(|&i| &trace.spans[i]).collect();
-            for (k, a) in spans.iter().enumerate() {
-                for b in &spans[k + 1..] {
-                    if a.wall_ns < b.wall_end_ns()
-                        && b.wall_ns < a.wall_end_ns()
-                        && a.span.name != b.span.name
-                    {
-                        *overlaps.entry((&a.span.name, &b.span.name)).or_default() += 1;
-                        *overlaps.entry((&b.span.name, &a.span.name)).or_default() += 1;
+            let mut spans: Vec<&AlignedSpan> = inv.spans.iter().map(|&i| &trace.spans[i]).collect();
+            spans.sort_by_key(|s| s.wall_ns);
+            let mut open: Vec<&AlignedSpan> = Vec::new();
+            let mut seen: HashSet<(&str, &str)> = HashSet::new();
+            for b in spans {
+                open.retain(|a| a.wall_end_ns() > b.wall_ns);
+                for a in &open {
+                    let (x, y) = (a.span.name.as_str(), b.span.name.as_str());
+                    if x != y && a.wall_ns < b.wall_end_ns() && seen.insert((x, y)) {
+                        seen.insert((y, x));
+                        *overlaps.entry((x, y)).or_default() += 1;
+                        *overlaps.entry((y, x)).or_default() += 1;
                     }
                 }
+                open.push(b);
             }
         }
         for inv in &g.invs {
@@ -351,7 +360,7 @@ pub fn tree(trace: &Trace) -> String {
                 stack.push(&s.span.name);
                 offs.entry(&s.span.name)
                     .or_default()
-                    .push((s.wall_ns as i64 - base as i64) as f64);
+                    .push((s.wall_ns as i128 - base as i128) as f64);
                 durs.entry(&s.span.name)
                     .or_default()
                     .push(s.span.dur_ns as f64);
@@ -460,7 +469,7 @@ fn row(out: &mut String, label: &str, xs: &[f64]) {
 fn layers(out: &mut String, trace: &Trace, g: &CallableGroup) {
     let rounds: Vec<[Option<i64>; 4]> = g.invs.iter().map(|i| round(trace, i).layers()).collect();
     let names = [
-        "① kernel makespan (effective)",
+        "① effective (orch ∪ sched)",
         "② device init/finalize",
         "③ host↔device handshake",
         "④ bind + validate",

@@ -88,6 +88,14 @@ fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
         .find(|l| l.contains("effective = orch ∪ sched"))
         .unwrap();
     assert!(eff_row.contains("80.0"), "{eff_row}");
+    // Layer ① is named for what it is; "makespan" meant two intervals and is not used.
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains("① effective (orch ∪ sched)") && l.contains("80.0")),
+        "{table}"
+    );
+    assert!(!table.to_lowercase().contains("makespan"), "{table}");
     assert!(
         table
             .lines()
@@ -195,6 +203,66 @@ fn two_processes_merge_on_their_anchors() {
         .filter(|e| e["name"] == "thread_name")
         .count();
     assert!(names >= 4, "{names}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A thousand steps of one process on one thread: one host track and one overlap track (for
+/// `sched`, which overlaps `orch`), each `run` a slice enclosing its own sub-spans.
+#[test]
+fn perfetto_has_one_track_per_thread_however_many_invocations() {
+    let dir = common::temp_dir("tracks");
+    let path = dir.join("steps.jsonl");
+    {
+        let mut w = TraceWriter::append_with_anchor(
+            &path,
+            ClockAnchor {
+                pid: 7,
+                wall_ns: 1_000_000,
+            },
+        )
+        .unwrap();
+        for inv in 0..1000 {
+            w.report(&report(inv, 1, Some("decode"), 200 * inv, 100), 0)
+                .unwrap();
+        }
+    }
+    let trace = read_traces(&[&path]).unwrap();
+    let doc = timing_to_perfetto(&trace).to_json();
+    let events = common::check_trace_events(&doc);
+    let threads: Vec<String> = events
+        .iter()
+        .filter(|e| e["name"] == "thread_name")
+        .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        threads,
+        vec!["thread 0 host", "thread 0 host (overlap 1)"],
+        "{threads:?}"
+    );
+    let runs: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["name"] == "run")
+        .collect();
+    assert_eq!(runs.len(), 1000);
+    let tid = &runs[0]["tid"];
+    assert!(runs.iter().all(|r| &r["tid"] == tid));
+    // Every sub-span of an invocation lies inside that invocation's `run` slice.
+    for e in events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["name"] != "run")
+    {
+        let inv = e["args"]["inv"].as_u64().unwrap() as usize;
+        let (rs, rd) = (
+            runs[inv]["ts"].as_f64().unwrap(),
+            runs[inv]["dur"].as_f64().unwrap(),
+        );
+        let (s, d) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+        assert!(
+            rs <= s && s + d <= rs + rd + 1e-9,
+            "{e} outside {}",
+            runs[inv]
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
