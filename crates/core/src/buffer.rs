@@ -119,7 +119,7 @@ impl Buffer {
             return Err(BufferError::Size {
                 id: self.inner.id.0,
                 bytes: self.len() as u64,
-                given: (offset + bytes) as u64,
+                given: offset.saturating_add(bytes) as u64,
             });
         }
         self.host_access(|base| {
@@ -146,7 +146,7 @@ impl Buffer {
             return Err(BufferError::Size {
                 id: self.inner.id.0,
                 bytes: self.len() as u64,
-                given: (offset + bytes) as u64,
+                given: offset.saturating_add(bytes) as u64,
             });
         }
         self.host_access(|base| {

@@ -1,7 +1,7 @@
 //! Executing one run on the orchestrator thread: bind, graph build (config, arena, reset),
 //! launch, orchestration, drain, validate, and the [`RunReport`].
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -14,7 +14,7 @@ use crate::error::{Error, ErrorCode, RunError};
 use crate::orch::Orchestrator;
 use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
-use crate::run::{Arena, CoreState, FatalLatch, RunShared, SlotTiming};
+use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
 use crate::worker::{Active, Inner, Job};
@@ -31,16 +31,14 @@ fn iv(start_ns: u64, end_ns: u64) -> Interval {
 
 pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> {
     let host0 = now_ns();
-    // bind: the run's buffers become unavailable to host copies until the run ends.
-    let mut bound = Vec::new();
+    // bind: the run's buffers become unavailable to host copies until the run releases them.
+    let bound = BoundBuffers::default();
+    let mut seen = Vec::new();
     for b in &job.args.buffers {
-        if bound.iter().any(|x: &crate::Buffer| x.id() == b.id()) {
+        if seen.contains(&b.id()) {
             continue;
         }
         if !b.bind() {
-            for x in &bound {
-                x.unbind();
-            }
             return Err(RunError::new(
                 ErrorCode::InvalidArgs,
                 format!("buffer #{} is bound to another run in flight", b.id().0),
@@ -48,14 +46,11 @@ pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> 
             )
             .into());
         }
+        seen.push(b.id());
         bound.push(b.clone());
     }
     let bind1 = now_ns();
-    let r = run_bound(inner, &job, host0, bind1, &bound);
-    for b in &bound {
-        b.unbind();
-    }
-    r
+    run_bound(inner, &job, host0, bind1, bound)
 }
 
 fn run_bound(
@@ -63,7 +58,7 @@ fn run_bound(
     job: &Job,
     host0: u64,
     bind1: u64,
-    bound: &[crate::Buffer],
+    bound: BoundBuffers,
 ) -> Result<RunReport, Error> {
     let runner0 = bind1;
     let cv0 = now_ns();
@@ -90,7 +85,7 @@ fn run_bound(
         skipped: AtomicU64::new(0),
         edges: AtomicU64::new(0),
         gate_open: AtomicBool::new(!serial),
-        active_cores: AtomicU32::new(0),
+        bound,
         finished: AtomicBool::new(false),
         orch_done: AtomicBool::new(false),
         orch_waiting: AtomicBool::new(false),
@@ -151,7 +146,7 @@ fn run_bound(
         diag,
         parker,
     );
-    for b in bound {
+    for b in &job.args.buffers {
         orch.adopt_bound(b.clone());
     }
     let reset1 = now_ns();
@@ -192,19 +187,25 @@ fn run_bound(
     let runner1 = done;
 
     // Validate: stop the cores, collect errors and diagnostics.
-    run.finished.store(true, Ordering::Release);
+    run.finished.store(true, Ordering::SeqCst);
     inner.hub.sleep.notify_all();
-    if job.cfg.swimlane > 0 {
-        // The swimlane records of a core's last block are pushed just after its completion.
-        wait_cores_left(&run);
+    // When every task completed, no kernel runs any more and the bound buffers can go at once
+    // (waiting only for the swimlane records a core pushes just after its last completion).
+    // Otherwise a core may still be inside a kernel that ignores cancellation: the buffers stay
+    // bound until every core has left, and a core still inside after the grace period is
+    // handed to a new thread while the old one keeps the run (and so the buffers) alive.
+    let quiet = run.outstanding.load(Ordering::Acquire) == 0;
+    let all_left = if quiet && job.cfg.swimlane == 0 {
+        true
+    } else {
+        run.wait_cores_left(GRACE)
+    };
+    if all_left {
+        run.bound.release();
+    } else {
+        inner.retire_stuck_cores(&run);
     }
-    inner.hub_set_current(None);
-    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    for b in orch.bound_buffers() {
-        if !bound.iter().any(|x| x.id() == b.id()) {
-            b.unbind();
-        }
-    }
+    inner.unregister(&run);
     if let Some(e) = run.fatal.get().cloned() {
         park_orch_state(&arena, orch);
         drop(run);
@@ -297,18 +298,6 @@ fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) 
 fn park_orch_state(arena: &Arena, orch: Orchestrator) {
     let (cursors, map) = orch.into_state();
     *arena.orch_state.lock().unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
-}
-
-fn wait_cores_left(run: &RunShared) {
-    let mut spins = 0u32;
-    while run.active_cores.load(Ordering::Acquire) != 0 && spins < 20_000 {
-        spins += 1;
-        if spins < 100 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
 }
 
 fn take_arena(inner: &Inner, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {

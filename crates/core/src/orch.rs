@@ -215,6 +215,7 @@ impl Orchestrator {
                 )));
             }
             self.bound.insert(buffer.id(), buffer.clone());
+            self.run.bound.push(buffer.clone());
         }
         buffer.tensor(dtype, shape).map_err(|e| {
             self.fail(invalid(
@@ -227,10 +228,6 @@ impl Orchestrator {
     /// Records a buffer the run bound at its start (RunArgs).
     pub(crate) fn adopt_bound(&mut self, b: Buffer) {
         self.bound.insert(b.id(), b);
-    }
-
-    pub(crate) fn bound_buffers(&mut self) -> impl Iterator<Item = Buffer> + '_ {
-        self.bound.drain().map(|(_, b)| b)
     }
 
     /// Opens a scope. Prefer [`Orchestrator::scope`], which cannot be left unbalanced.
@@ -371,23 +368,30 @@ impl Orchestrator {
                         "fix the output shape",
                     )));
                 }
-                let bytes = o
+                // Sizes come from the caller: every step is checked, so a huge shape is an
+                // error here rather than a wrapped size that later becomes a huge slice.
+                let padded = o
                     .shape
                     .iter()
                     .try_fold(o.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-                    .ok_or_else(|| {
-                        self.fail(invalid(
-                            format!("output shape {:?} overflows", o.shape),
-                            "fix the output shape",
-                        ))
-                    })?;
+                    .and_then(|bytes| bytes.checked_next_multiple_of(OUTPUT_ALIGN))
+                    .and_then(|padded| block_bytes.checked_add(padded));
+                let Some(next) = padded else {
+                    return Err(self.fail(invalid(
+                        format!(
+                            "kernel {kname:?}: output shape {:?} of {} (with the outputs before it) does not fit in 64-bit byte sizes",
+                            o.shape, o.dtype
+                        ),
+                        "fix the output shape",
+                    )));
+                };
                 out_offsets.push(block_bytes);
-                block_bytes += bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
+                block_bytes = next;
             }
         }
         let heap_cap = self.cursors[ring as usize].heap_cap;
         if block_bytes > heap_cap {
-            let suggested = block_bytes.next_power_of_two().max(1024);
+            let suggested = block_bytes.checked_next_power_of_two().unwrap_or(u64::MAX).max(1024);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::HeapRingDeadlock,
@@ -481,6 +485,7 @@ impl Orchestrator {
                 }),
                 ArgSpec::Output(o) => {
                     let off = out_offsets[outputs.len()];
+                    // Cannot overflow: the padded sizes summed without overflow above.
                     let bytes = o.shape.iter().product::<u64>() * o.dtype.size() as u64;
                     let bid = BufferId(self.buffer_ids.fetch_add(1, Ordering::Relaxed));
                     let mut t = Tensor::new_contiguous(

@@ -46,7 +46,7 @@ impl Orchestrator {
                     format!("kernel {kname:?} has {deps} producers but ring {ring}'s dependency pool holds {cap} entries"),
                     format!(
                         "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
-                        (deps * 2).next_power_of_two()
+                        deps.saturating_mul(2).checked_next_power_of_two().unwrap_or(u64::MAX)
                     ),
                 )
                 .diagnosed(Diagnosis::Proven)
@@ -240,7 +240,13 @@ impl Orchestrator {
                 ),
                 format!(
                     "raise ring_heap to {} for this run: CallConfig.runtime_env.ring_heap",
-                    human_bytes(((c.heap_cap + bytes) * 2).next_power_of_two())
+                    human_bytes(
+                        c.heap_cap
+                            .saturating_add(bytes)
+                            .saturating_mul(2)
+                            .checked_next_power_of_two()
+                            .unwrap_or(u64::MAX)
+                    )
                 ),
             ),
             Resource::DepPool => (
@@ -252,7 +258,7 @@ impl Orchestrator {
                 ),
                 format!(
                     "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
-                    ((c.dep_cap + deps) * 2).next_power_of_two()
+                    c.dep_cap.saturating_add(deps).saturating_mul(2).checked_next_power_of_two().unwrap_or(u64::MAX)
                 ),
             ),
             Resource::TensorMap => (

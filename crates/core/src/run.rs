@@ -8,6 +8,7 @@ use std::time::Duration;
 use crossbeam_deque::Injector;
 use crossbeam_utils::sync::Unparker;
 
+use crate::buffer::Buffer;
 use crate::config::RingSizes;
 use crate::error::{PlatformError, RunError};
 use crate::kernel::Registry;
@@ -46,6 +47,41 @@ impl Arena {
     }
 }
 
+/// How long cores get to leave a failed run before those still inside user code (a kernel or a
+/// dispatch predicate that ignores cancellation) are left behind and their cores handed to new
+/// threads.
+pub(crate) const GRACE: Duration = Duration::from_millis(300);
+
+/// The user buffers a run holds bound: while they are here, host copies fail and no other run
+/// can bind them, and the memory stays alive.
+///
+/// A run releases them once no core or orchestrator of the run can touch them any more: at the
+/// end of a run whose cores have all left, or else when the run's last handle is dropped, which
+/// a core left behind inside a kernel holds until that kernel returns (so memory a kernel may
+/// still write is neither unbound nor freed).
+#[derive(Default)]
+pub(crate) struct BoundBuffers(Mutex<Vec<Buffer>>);
+
+impl BoundBuffers {
+    pub(crate) fn push(&self, b: Buffer) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(b);
+    }
+
+    /// Unbinds and drops every buffer (idempotent).
+    pub(crate) fn release(&self) {
+        let bufs = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        for b in bufs {
+            b.unbind();
+        }
+    }
+}
+
+impl Drop for BoundBuffers {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// First writer wins; later errors are dropped.
 #[derive(Default)]
 pub(crate) struct FatalLatch {
@@ -66,6 +102,8 @@ impl FatalLatch {
 /// Per-core state of a run: what it is running (for the watchdog) and its swimlane buffers.
 #[derive(Default)]
 pub(crate) struct CoreState {
+    /// The generation + 1 of the core thread inside this run's core loop, 0 when none is.
+    pub(crate) inside: AtomicU64,
     /// Task id + 1 of the block being executed, 0 when idle.
     pub(crate) current: AtomicU64,
     /// Blocks this core ran.
@@ -157,8 +195,8 @@ pub(crate) struct RunShared {
     pub(crate) edges: AtomicU64,
     /// Closed in serial mode until the orchestration returns.
     pub(crate) gate_open: AtomicBool,
-    /// Cores inside this run's core loop.
-    pub(crate) active_cores: AtomicU32,
+    /// The user buffers bound to this run.
+    pub(crate) bound: BoundBuffers,
     /// Set when the run is over (success or failure): cores leave.
     pub(crate) finished: AtomicBool,
     pub(crate) orch_done: AtomicBool,
@@ -217,6 +255,39 @@ impl RunShared {
         let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
         *d = true;
         self.done_cv.notify_all();
+    }
+
+    /// Waits up to `timeout` for every core to leave this run's core loop; true if they all
+    /// did. Call after setting `finished`.
+    ///
+    /// Soundness: a core stores `inside` and then loads `finished`, this side stores `finished`
+    /// and then loads `inside`, all `SeqCst`: in the single total order one of the two stores
+    /// comes first, so either this side sees the core inside, or the core sees `finished` and
+    /// leaves without dispatching anything. Once every `inside` reads 0, no core can touch the
+    /// run's memory again.
+    pub(crate) fn wait_cores_left(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            if self.cores_left() {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    pub(crate) fn cores_left(&self) -> bool {
+        self.cores
+            .iter()
+            .all(|c| c.inside.load(Ordering::SeqCst) == 0)
     }
 
     /// Waits up to `timeout` for the run to be over; true if it is.

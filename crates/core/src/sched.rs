@@ -64,9 +64,18 @@ impl RunShared {
             work: Vec::new(),
             turn: false,
         };
-        self.active_cores.fetch_add(1, Ordering::AcqRel);
+        // SeqCst pairs with `wait_cores_left` (see there). A core left behind in a kernel of
+        // this run still holds the flag: its replacement stays out, so the flag keeps saying
+        // that the old thread may touch this run's memory.
+        if self.cores[core]
+            .inside
+            .compare_exchange(0, generation + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return;
+        }
         loop {
-            if self.finished.load(Ordering::Acquire)
+            if self.finished.load(Ordering::SeqCst)
                 || self.stopped()
                 || !self.hub.is_current_generation(core, generation)
             {
@@ -89,7 +98,7 @@ impl RunShared {
                 None => self.idle(&mut cx),
             }
         }
-        self.active_cores.fetch_sub(1, Ordering::AcqRel);
+        self.cores[core].inside.store(0, Ordering::SeqCst);
     }
 
     fn pop(&self, turn: &mut bool) -> Option<TaskId> {

@@ -102,6 +102,14 @@ impl Tensor {
                     })?;
             }
         }
+        // Element and byte counts of the view must fit 64 bits (a broadcast view could claim
+        // more elements than any buffer holds).
+        shape
+            .iter()
+            .try_fold(self.dtype.size() as u64, |acc, &n| acc.checked_mul(n))
+            .ok_or_else(|| TensorError::Overflow {
+                shape: shape.to_vec(),
+            })?;
         let elems = self.buffer_bytes / self.dtype.size() as u64;
         if !empty && last >= elems {
             return Err(TensorError::OutOfBounds {

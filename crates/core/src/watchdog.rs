@@ -14,12 +14,10 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
-use crate::run::RunShared;
+use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
 use crate::worker::Inner;
 
-/// How long stuck threads get to notice a failure before they are replaced.
-const GRACE: Duration = Duration::from_millis(300);
 
 struct Watch {
     started: Instant,
@@ -208,26 +206,22 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     ))
 }
 
-/// After a failure and the grace period: replace threads still stuck in user code and make
-/// sure the caller gets the error.
+/// After a failure and the grace period: if the orchestrator thread is still inside the
+/// orchestration function, deliver the error to the caller, give the job queue to a new thread
+/// and hand the run's stuck cores to new threads (the orchestrator thread does that itself
+/// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
+/// threads hold it.
 fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker::JobResult>) {
-    for (i, c) in run.cores.iter().enumerate() {
-        if c.current.load(Ordering::Acquire) != 0 {
-            let _ = inner.replace_core(i);
-        }
-    }
     if !result.is_delivered() {
-        // The orchestrator thread is still inside the orchestration function (or waiting on
-        // it): deliver the error and give the queue to a new thread.
         let err = run
             .fatal
             .get()
             .cloned()
             .expect("stopped runs have an error");
-        run.finished.store(true, Ordering::Release);
+        run.finished.store(true, Ordering::SeqCst);
         inner.hub.sleep.notify_all();
-        inner.hub_set_current(None);
-        *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        inner.retire_stuck_cores(run);
+        inner.unregister(run);
         let _ = inner.replace_orchestrator();
         result.deliver(Err(err.into()));
     }

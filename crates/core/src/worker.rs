@@ -474,13 +474,51 @@ impl Inner {
         Ok(())
     }
 
-    /// Hands core `i` to a fresh thread (the old one is stuck in a kernel and exits whenever it
-    /// returns).
-    pub(crate) fn replace_core(self: &Arc<Self>, i: usize) -> Result<(), PlatformError> {
-        let generation = self.hub.core_gen[i].fetch_add(1, Ordering::AcqRel) + 1;
-        let parker = Parker::new();
-        self.hub.sleep.replace(i, parker.unparker().clone());
-        self.spawn_core(i, generation, parker)
+    /// Hands every core still inside `run`'s core loop (stuck in user code past the grace
+    /// period) to a fresh thread. The old thread keeps its handle on the run, and with it the
+    /// run's memory and bound buffers, until its kernel returns; then it exits. Idempotent: a
+    /// core is replaced only if the thread inside is still the core's current one.
+    pub(crate) fn retire_stuck_cores(self: &Arc<Self>, run: &RunShared) {
+        for (i, c) in run.cores.iter().enumerate() {
+            let inside = c.inside.load(Ordering::SeqCst);
+            if inside == 0 {
+                continue;
+            }
+            let generation = inside - 1;
+            if self.hub.core_gen[i]
+                .compare_exchange(
+                    generation,
+                    generation + 1,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+            {
+                let parker = Parker::new();
+                self.hub.sleep.replace(i, parker.unparker().clone());
+                // Without a thread the core stays missing; later runs still complete on the
+                // others.
+                let _ = self.spawn_core(i, generation + 1, parker);
+            }
+        }
+    }
+
+    /// Ends `run`'s registration as the worker's current run, unless another run has taken
+    /// its place (an abandoned orchestrator returning late must not unregister its successor).
+    pub(crate) fn unregister(&self, run: &Arc<RunShared>) {
+        {
+            let mut cur = self.hub.current.lock().unwrap_or_else(|p| p.into_inner());
+            if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, run)) {
+                *cur = None;
+                drop(cur);
+                self.hub.run_seq.fetch_add(1, Ordering::AcqRel);
+                self.hub.sleep.notify_all();
+            }
+        }
+        let mut a = self.active.lock().unwrap_or_else(|p| p.into_inner());
+        if a.as_ref().is_some_and(|a| Arc::ptr_eq(&a.run, run)) {
+            *a = None;
+        }
     }
 
     fn spawn_orchestrator(self: &Arc<Self>, generation: u64) -> Result<(), PlatformError> {
