@@ -134,13 +134,12 @@ fn run_bound(
             (cursors, TensorMap::new(job.cfg.tensormap_capacity))
         }
     };
-    let epoch = inner.epoch.fetch_add(1, Ordering::AcqRel);
+    let epoch = crate::tensor::fresh_run_epoch();
     let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
     let mut orch = Orchestrator::new(
         run.clone(),
         cursors,
         map,
-        inner.buffer_ids.clone(),
         epoch,
         serial,
         diag,

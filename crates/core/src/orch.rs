@@ -82,7 +82,6 @@ pub struct Orchestrator {
     next_scope_seq: u64,
     pub(crate) map: TensorMap,
     pub(crate) bound: IdMap<BufferId, Buffer>,
-    buffer_ids: Arc<std::sync::atomic::AtomicU64>,
     pub(crate) epoch: u64,
     pub(crate) serial: bool,
     hits: Vec<Hit>,
@@ -119,7 +118,6 @@ impl Orchestrator {
         run: Arc<RunShared>,
         cursors: Vec<RingCursor>,
         map: TensorMap,
-        buffer_ids: Arc<std::sync::atomic::AtomicU64>,
         epoch: u64,
         serial: bool,
         diag: Diagnostics,
@@ -143,7 +141,6 @@ impl Orchestrator {
             next_scope_seq: 1,
             map,
             bound: IdMap::default(),
-            buffer_ids,
             epoch,
             serial,
             hits: Vec::new(),
@@ -487,7 +484,7 @@ impl Orchestrator {
                     let off = out_offsets[outputs.len()];
                     // Cannot overflow: the padded sizes summed without overflow above.
                     let bytes = o.shape.iter().product::<u64>() * o.dtype.size() as u64;
-                    let bid = BufferId(self.buffer_ids.fetch_add(1, Ordering::Relaxed));
+                    let bid = BufferId::fresh();
                     let mut t = Tensor::new_contiguous(
                         bid,
                         block_addr + off as usize,

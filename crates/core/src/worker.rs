@@ -190,13 +190,11 @@ pub(crate) struct Inner {
     jobs: Mutex<VecDeque<Job>>,
     jobs_cv: Condvar,
     pub(crate) arena: Mutex<Option<Arc<Arena>>>,
-    pub(crate) buffer_ids: Arc<AtomicU64>,
     pub(crate) timeouts: Timeouts,
     pub(crate) warnings: Vec<String>,
     pub(crate) closed: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
     orch_gen: AtomicU64,
-    pub(crate) epoch: AtomicU64,
     pub(crate) active: Mutex<Option<Active>>,
     pub(crate) active_cv: Condvar,
 }
@@ -256,13 +254,11 @@ impl Worker {
             jobs: Mutex::new(VecDeque::new()),
             jobs_cv: Condvar::new(),
             arena: Mutex::new(None),
-            buffer_ids: Arc::new(AtomicU64::new(1)),
             timeouts,
             warnings,
             closed: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             orch_gen: AtomicU64::new(0),
-            epoch: AtomicU64::new(1),
             active: Mutex::new(None),
             active_cv: Condvar::new(),
         });
@@ -349,7 +345,7 @@ impl Worker {
     pub fn alloc(&self, bytes: usize) -> Result<Buffer, Error> {
         let mem = self.inner.platform.alloc(bytes)?;
         Ok(Buffer::new(
-            BufferId(self.inner.buffer_ids.fetch_add(1, Ordering::Relaxed)),
+            BufferId::fresh(),
             mem,
         ))
     }

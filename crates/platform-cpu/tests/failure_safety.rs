@@ -314,3 +314,53 @@ fn an_output_too_large_for_64_bits_is_a_clean_error() {
     }
     gang_of_all_cores(&w, &gang);
 }
+
+#[test]
+fn views_from_another_worker_or_run_are_rejected() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let a = worker(Tracking::default(), Arc::default(), gang.clone());
+    let b = worker(Tracking::default(), Arc::default(), gang.clone());
+    // Each worker's first buffer: ids must differ, so a view of b's buffer is not "bound" in
+    // a run of `a` that bound a's buffer.
+    let mine = a.buffer_from(&[0.0f32; 8]).unwrap();
+    let foreign = b.buffer_from(&[0.0f32; 8]).unwrap();
+    assert_ne!(mine.id(), foreign.id());
+    let view = foreign.tensor(DType::F32, &[8]).unwrap();
+    let args = RunArgs {
+        buffers: vec![mine.clone()],
+        scalars: vec![],
+    };
+    let r = a.run_fn("foreign", args, &CallConfig::default(), move |o, a| {
+        o.bind(&a.buffers[0], DType::F32, &[8])?;
+        o.submit(Task::new(INC).in_out(&view))?;
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => assert!(e.detail.contains("not bound"), "{e}"),
+        other => panic!("a view of another worker's buffer was accepted: {other:?}"),
+    }
+    assert_eq!(foreign.read::<f32>().unwrap(), vec![0.0; 8]);
+
+    // An output of a run of `b`, used in the first run of `a` (same per-worker run number).
+    let leaked: Arc<Mutex<Option<Tensor>>> = Arc::default();
+    let l = leaked.clone();
+    b.run_fn("first", RunArgs::default(), &CallConfig::default(), |_, _| Ok(()))
+        .unwrap();
+    b.run_fn("leak", RunArgs::default(), &CallConfig::default(), move |o, _| {
+        let s = o.submit(Task::dummy().output(DType::F32, &[8]))?;
+        *l.lock().unwrap() = Some(s.output(0));
+        Ok(())
+    })
+    .unwrap();
+    let out = leaked.lock().unwrap().take().unwrap();
+    let r = a.run_fn("use", RunArgs::default(), &CallConfig::default(), move |o, _| {
+        o.submit(Task::dummy())?;
+        o.submit(Task::new(INC).in_out(&out))?;
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => assert!(e.detail.contains("earlier run"), "{e}"),
+        other => panic!("another worker's output was accepted: {other:?}"),
+    }
+    gang_of_all_cores(&a, &gang);
+}

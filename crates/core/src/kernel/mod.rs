@@ -308,9 +308,9 @@ impl<'a> TaskCtx<'a> {
             }
             .into());
         }
-        let r = a.tensor.region();
-        let start = a.tensor.addr + r.lo as usize * T::DTYPE.size();
-        Ok((a, start, (r.hi - r.lo) as usize))
+        let (lo, hi) = a.tensor.element_span();
+        let start = a.tensor.addr + lo as usize * T::DTYPE.size();
+        Ok((a, start, (hi - lo) as usize))
     }
 
     fn readable(&self, i: usize, a: &TensorArg) -> Result<(), KernelError> {
