@@ -548,6 +548,7 @@ impl Orchestrator {
                 scalars: task.scalars,
                 predicate: task.predicate,
                 timing_slot: task.timing_slot,
+                splits: Default::default(),
             };
             match Arc::get_mut(&mut d) {
                 Some(slot_desc) => *slot_desc = fresh,

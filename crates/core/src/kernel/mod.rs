@@ -13,6 +13,9 @@
 //!   (contiguous, single block), [`TaskCtx::write_chunk`] (disjoint per-block chunks),
 //!   [`TaskCtx::write_rows`] / [`TaskCtx::write_block_rows`] (rows of strided tiles: exactly the
 //!   view's elements, never the neighbours between its rows), [`TaskCtx::scatter`] (any view);
+//! - the blocks of a multi-block task share a written argument one way only: the first block
+//!   to take a share fixes the split (chunk size, rows, or columns with their granule), and a
+//!   block asking for a different split gets an error, never an overlapping share;
 //! - the orchestrator rejects a task whose written argument overlaps another of its arguments.
 //!
 //! Slices never cover elements outside the view, so tasks writing neighbouring tiles of one
@@ -21,7 +24,7 @@
 use std::cell::Cell;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, TensorError};
@@ -142,6 +145,43 @@ pub(crate) struct TaskDesc {
     pub(crate) scalars: Vec<u64>,
     pub(crate) predicate: Option<Predicate>,
     pub(crate) timing_slot: Option<u8>,
+    /// How each written argument is split over the blocks, fixed by the first block that
+    /// asks (see [`Splits`]).
+    pub(crate) splits: Splits,
+}
+
+/// The per-block split of each argument of a multi-block task, fixed once per task: the first
+/// block to take a share of argument `i` records how it split it (`write_chunk` with its chunk,
+/// `write_block_rows`, `write_block_cols` with its granule), and a block asking for another
+/// split fails instead of getting a share that overlaps another block's. Shares of one split
+/// are disjoint by construction, so fixing the split is what keeps every block's `&mut` apart.
+pub(crate) struct Splits([AtomicU64; crate::task::MAX_TENSOR_ARGS]);
+
+impl Default for Splits {
+    fn default() -> Splits {
+        Splits([const { AtomicU64::new(0) }; crate::task::MAX_TENSOR_ARGS])
+    }
+}
+
+/// Kinds of split (top bits of a [`Splits`] entry; the low bits hold the parameter).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Split {
+    Chunk = 1,
+    BlockRows = 2,
+    BlockCols = 3,
+}
+
+impl Split {
+    const PARAM_BITS: u32 = 61;
+
+    fn describe(code: u64) -> String {
+        let param = code & ((1 << Split::PARAM_BITS) - 1);
+        match code >> Split::PARAM_BITS {
+            1 => format!("write_chunk with chunk {param}"),
+            2 => "write_block_rows".to_string(),
+            _ => format!("write_block_cols with granule {param}"),
+        }
+    }
 }
 
 impl TaskDesc {
@@ -156,6 +196,7 @@ impl TaskDesc {
             scalars: Vec::new(),
             predicate: None,
             timing_slot: None,
+            splits: Splits::default(),
         }
     }
 
@@ -344,6 +385,26 @@ impl<'a> TaskCtx<'a> {
         Ok(())
     }
 
+    /// Fixes (or checks) how argument `i` is split over the blocks of a multi-block task.
+    fn fix_split(&self, i: usize, split: Split, param: usize) -> Result<(), KernelError> {
+        if self.desc.block_num == 1 {
+            return Ok(());
+        }
+        let param = (param as u64).min((1 << Split::PARAM_BITS) - 1);
+        let code = ((split as u64) << Split::PARAM_BITS) | param;
+        match self.desc.splits.0[i].compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Ok(()),
+            Err(fixed) if fixed == code => Ok(()),
+            Err(fixed) => Err(KernelError::new(format!(
+                "argument {i}: block {} asks for {} but the task's blocks already split it by {}; every block must take its share the same way",
+                self.block,
+                Split::describe(code),
+                Split::describe(fixed)
+            ))),
+        }
+    }
+
     fn contiguous(i: usize, a: &TensorArg, what: &str) -> Result<(), KernelError> {
         if a.tensor.is_contiguous() {
             Ok(())
@@ -450,6 +511,7 @@ impl<'a> TaskCtx<'a> {
         let (a, start, len) = self.typed::<T>(i)?;
         Self::contiguous(i, a, "write_chunk")?;
         self.writable(i, a, "write_chunk")?;
+        self.fix_split(i, Split::Chunk, chunk)?;
         let lo = (self.block as usize).saturating_mul(chunk).min(len);
         let hi = lo.saturating_add(chunk).min(len);
         // SAFETY: as in `write`, except that several blocks may run at once: each gets the chunk
@@ -473,6 +535,7 @@ impl<'a> TaskCtx<'a> {
         let all = RowsMut::<T>::new(i, &a.tensor, None)?.len();
         let rows = RowsMut::new(i, &a.tensor, Some(self.block_range(all)))?;
         self.writable(i, a, "write_block_rows")?;
+        self.fix_split(i, Split::BlockRows, 0)?;
         Ok(rows)
     }
 
@@ -494,6 +557,7 @@ impl<'a> TaskCtx<'a> {
         let units = self.block_range_tapered(width.div_ceil(g));
         rows.set_cols((units.start * g).min(width)..(units.end * g).min(width));
         self.writable(i, a, "write_block_cols")?;
+        self.fix_split(i, Split::BlockCols, g)?;
         Ok(rows)
     }
 
