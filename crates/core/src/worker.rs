@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -103,30 +103,53 @@ impl Hub {
 
 /// Where a run's result lands: first writer wins (the orchestrator thread, or the watchdog
 /// when that thread is stuck).
+///
+/// The value and the "delivered" flag change together under one lock, value first: whoever
+/// sees the flag set finds the value (or finds it already taken).
 pub(crate) struct JobResult {
-    value: Mutex<Option<Result<RunReport, Error>>>,
-    delivered: OnceLock<()>,
+    value: Mutex<Outcome>,
+    delivered: AtomicBool,
     cv: Condvar,
+}
+
+enum Outcome {
+    Pending,
+    Ready(Result<RunReport, Error>),
+    Taken,
 }
 
 impl JobResult {
     fn new() -> Arc<JobResult> {
         Arc::new(JobResult {
-            value: Mutex::new(None),
-            delivered: OnceLock::new(),
+            value: Mutex::new(Outcome::Pending),
+            delivered: AtomicBool::new(false),
             cv: Condvar::new(),
         })
     }
 
     pub(crate) fn deliver(&self, r: Result<RunReport, Error>) {
-        if self.delivered.set(()).is_ok() {
-            *self.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*v, Outcome::Pending) {
+            *v = Outcome::Ready(r);
+            self.delivered.store(true, Ordering::Release);
+            drop(v);
             self.cv.notify_all();
         }
     }
 
     pub(crate) fn is_delivered(&self) -> bool {
-        self.delivered.get().is_some()
+        self.delivered.load(Ordering::Acquire)
+    }
+
+    /// Takes the value if it is there.
+    fn take(v: &mut Outcome) -> Option<Result<RunReport, Error>> {
+        match std::mem::replace(v, Outcome::Taken) {
+            Outcome::Ready(r) => Some(r),
+            other => {
+                *v = other;
+                None
+            }
+        }
     }
 }
 
@@ -136,29 +159,27 @@ pub struct RunHandle {
 }
 
 impl RunHandle {
-    /// Whether the run is over.
+    /// Whether the run is over (its result is then available to `poll` or `wait`, unless
+    /// already taken).
     pub fn is_done(&self) -> bool {
         self.result.is_delivered()
     }
 
     /// Takes the result if the run is over (once: a later `poll` returns `None`, and `wait`
-    /// after a successful `poll` has nothing left to return).
+    /// after a successful `poll` returns [`Error::Closed`]).
     pub fn poll(&mut self) -> Option<Result<RunReport, Error>> {
-        self.result
-            .value
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+        let mut v = self.result.value.lock().unwrap_or_else(|p| p.into_inner());
+        JobResult::take(&mut v)
     }
 
     /// Blocks until the run is over.
     pub fn wait(self) -> Result<RunReport, Error> {
         let mut v = self.result.value.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if let Some(r) = v.take() {
+            if let Some(r) = JobResult::take(&mut v) {
                 return r;
             }
-            if self.result.is_delivered() {
+            if matches!(*v, Outcome::Taken) {
                 return Err(Error::Closed);
             }
             v = self.result.cv.wait(v).unwrap_or_else(|p| p.into_inner());
@@ -629,5 +650,36 @@ impl Inner {
             std::thread::sleep(Duration::from_millis(1));
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delivered_never_shows_before_the_value() {
+        let r = JobResult::new();
+        // Hold the value's lock so a delivery cannot store its value: "delivered" must not
+        // show meanwhile (it used to be set first, and `wait` then returned `Closed` for a
+        // run that succeeded).
+        let guard = r.value.lock().unwrap();
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.deliver(Ok(RunReport::default())));
+        for _ in 0..200 {
+            assert!(!r.is_delivered());
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        drop(guard);
+        t.join().unwrap();
+        assert!(r.is_delivered());
+        let mut h = RunHandle { result: r.clone() };
+        assert!(matches!(h.poll(), Some(Ok(_))));
+        assert!(h.poll().is_none());
+        assert!(matches!(h.wait(), Err(Error::Closed)));
+        // A second delivery (the watchdog after the orchestrator) changes nothing.
+        r.deliver(Err(Error::Closed));
+        let mut h = RunHandle { result: r };
+        assert!(h.poll().is_none());
     }
 }
