@@ -17,7 +17,7 @@ use crate::ring::RingCursor;
 use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
-use crate::worker::{Active, Inner, Job};
+use crate::worker::{Inner, Job};
 
 /// Per-process invocation counter.
 static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
@@ -69,7 +69,9 @@ fn run_bound(
     let n = inner.n_cores;
     let serial = job.cfg.mode == OrchMode::Serial;
     let parker = Parker::new();
+    let epoch = crate::tensor::fresh_run_epoch();
     let run = Arc::new(RunShared {
+        epoch,
         arena: arena.clone(),
         hub: inner.hub.clone(),
         registry: inner
@@ -134,7 +136,6 @@ fn run_bound(
             (cursors, TensorMap::new(job.cfg.tensormap_capacity))
         }
     };
-    let epoch = crate::tensor::fresh_run_epoch();
     let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
     let mut orch = Orchestrator::new(
         run.clone(),
@@ -151,14 +152,9 @@ fn run_bound(
     let reset1 = now_ns();
 
     // Launch: cores join the run, the watchdog starts watching it.
-    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(Active {
-        run: run.clone(),
-        result: job.result.clone(),
-    });
-    inner.active_cv.notify_all();
     let launch = now_ns();
     run.sched_start.store(launch, Ordering::Release);
-    inner.hub_set_current(Some(run.clone()));
+    let registration = inner.hub.register(run.clone(), job.result.clone());
 
     let orch0 = now_ns();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -204,7 +200,7 @@ fn run_bound(
     } else {
         inner.retire_stuck_cores(&run);
     }
-    inner.unregister(&run);
+    drop(registration);
     if let Some(e) = run.fatal.get().cloned() {
         park_orch_state(&arena, orch);
         drop(run);

@@ -182,6 +182,8 @@ pub(crate) struct GangForm {
 
 /// Everything the cores, the orchestrator, the watchdog and the host waiter share in one run.
 pub(crate) struct RunShared {
+    /// The run's process-unique epoch (also carried by its outputs).
+    pub(crate) epoch: u64,
     pub(crate) arena: Arc<Arena>,
     pub(crate) hub: Arc<Hub>,
     pub(crate) registry: Arc<Registry>,

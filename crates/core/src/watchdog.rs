@@ -32,26 +32,18 @@ struct Watch {
 pub(crate) fn run(inner: &Arc<Inner>) {
     let t = inner.timeouts;
     let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
-    let mut watch: Option<(usize, Watch)> = None;
+    let mut watch: Option<(u64, Watch)> = None;
     loop {
         if inner.closed.load(Ordering::Acquire) && inner.hub.shutdown.load(Ordering::Acquire) {
             return;
         }
-        let active = {
-            let g = inner.active.lock().unwrap_or_else(|p| p.into_inner());
-            match &*g {
-                Some(a) => Some((a.run.clone(), a.result.clone())),
-                None => {
-                    watch = None;
-                    let _ = inner.active_cv.wait_timeout(g, Duration::from_millis(100));
-                    None
-                }
-            }
-        };
-        let Some((run, result)) = active else {
+        let Some(crate::worker::ActiveRun { run, result }) =
+            inner.hub.wait_current(Duration::from_millis(100))
+        else {
+            watch = None;
             continue;
         };
-        let key = Arc::as_ptr(&run) as usize;
+        let key = run.epoch;
         let now = Instant::now();
         let w = match &mut watch {
             Some((k, w)) if *k == key => w,
@@ -212,7 +204,9 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
 /// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
 /// threads hold it.
 fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker::JobResult>) {
-    if !result.is_delivered() {
+    // Once the orchestration function has returned, the orchestrator thread is in runtime code
+    // that ends within the grace period (it retires stuck cores itself): nothing to take over.
+    if !result.is_delivered() && !run.orch_done.load(Ordering::Acquire) {
         let err = run
             .fatal
             .get()
@@ -221,7 +215,7 @@ fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker:
         run.finished.store(true, Ordering::SeqCst);
         inner.hub.sleep.notify_all();
         inner.retire_stuck_cores(run);
-        inner.unregister(run);
+        inner.hub.unregister(run);
         let _ = inner.replace_orchestrator();
         result.deliver(Err(err.into()));
     }

@@ -47,13 +47,49 @@ pub struct WorkerConfig {
     pub timeouts: Option<Timeouts>,
 }
 
-/// Coordination between the worker and its core threads.
+/// Coordination between the worker, its core threads and its watchdog.
 pub(crate) struct Hub {
     pub(crate) sleep: Sleep,
-    current: Mutex<Option<Arc<RunShared>>>,
+    /// The run being executed: the one place that says which run is current. Set and cleared
+    /// only through a [`Registration`]; cores join what it holds, the watchdog watches it.
+    current: Mutex<Option<ActiveRun>>,
+    /// Signalled when a run registers (the watchdog waits on it while idle).
+    registered: Condvar,
+    /// Bumped after every change of `current`, so idle cores notice one without the lock.
     run_seq: AtomicU64,
     pub(crate) shutdown: AtomicBool,
     core_gen: Box<[AtomicU64]>,
+}
+
+/// The run being executed, as the cores and the watchdog see it.
+#[derive(Clone)]
+pub(crate) struct ActiveRun {
+    pub(crate) run: Arc<RunShared>,
+    pub(crate) result: Arc<JobResult>,
+}
+
+/// The registration of a run as the worker's current run, owned by whoever executes it (the
+/// orchestrator thread). Dropping it unregisters the run, unless another run has been
+/// registered since (a stuck orchestrator returning late must not unregister the run a new
+/// orchestrator thread started meanwhile). Dropped while unwinding from a runtime fault, it
+/// first fails the run and stops its cores.
+pub(crate) struct Registration<'a> {
+    hub: &'a Hub,
+    run: Arc<RunShared>,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.run.finished.load(Ordering::SeqCst) {
+            self.run.fail(RunError::new(
+                crate::ErrorCode::ExplicitOrchFatal,
+                "internal runtime error while executing the run",
+                "please report this with the command that triggered it",
+            ));
+            self.run.finished.store(true, Ordering::SeqCst);
+        }
+        self.hub.unregister(&self.run);
+    }
 }
 
 impl Hub {
@@ -61,10 +97,49 @@ impl Hub {
         self.core_gen[core].load(Ordering::Acquire) == generation
     }
 
-    pub(crate) fn set_current(&self, run: Option<Arc<RunShared>>) {
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = run;
+    /// Registers `run` as the current run (replacing a run whose executor was abandoned).
+    pub(crate) fn register(
+        &self,
+        run: Arc<RunShared>,
+        result: Arc<JobResult>,
+    ) -> Registration<'_> {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(ActiveRun {
+            run: run.clone(),
+            result,
+        });
         self.run_seq.fetch_add(1, Ordering::AcqRel);
+        self.registered.notify_all();
         self.sleep.notify_all();
+        Registration { hub: self, run }
+    }
+
+    /// Unregisters `run` if it is still the current run.
+    pub(crate) fn unregister(&self, run: &Arc<RunShared>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(&c.run, run)) {
+            *cur = None;
+            drop(cur);
+            self.run_seq.fetch_add(1, Ordering::AcqRel);
+            self.sleep.notify_all();
+        }
+    }
+
+    /// The current run, if any.
+    pub(crate) fn current(&self) -> Option<ActiveRun> {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The current run; waits up to `timeout` for one to register when there is none.
+    pub(crate) fn wait_current(&self, timeout: Duration) -> Option<ActiveRun> {
+        let g = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .registered
+            .wait_timeout_while(g, timeout, |c| c.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        g.clone()
     }
 
     /// Body of core thread `core` (generation `generation`): takes part in each run until the
@@ -80,12 +155,9 @@ impl Hub {
             let seq = self.run_seq.load(Ordering::Acquire);
             if seq != seen {
                 seen = seq;
-                let run = self
-                    .current
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                if let Some(run) = run {
+                if let Some(active) = self.current() {
+                    // Only the run is kept: the result handle is the watchdog's business.
+                    let run = active.run;
                     run.core_loop(core, &parker, generation);
                 }
                 continue;
@@ -195,12 +267,6 @@ pub(crate) struct Job {
     pub(crate) result: Arc<JobResult>,
 }
 
-/// The run being executed, as the watchdog sees it.
-pub(crate) struct Active {
-    pub(crate) run: Arc<RunShared>,
-    pub(crate) result: Arc<JobResult>,
-}
-
 pub(crate) struct Inner {
     pub(crate) platform: Arc<dyn Platform>,
     pub(crate) info: PlatformInfo,
@@ -216,8 +282,6 @@ pub(crate) struct Inner {
     pub(crate) closed: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
     orch_gen: AtomicU64,
-    pub(crate) active: Mutex<Option<Active>>,
-    pub(crate) active_cv: Condvar,
 }
 
 /// A worker: cores of one platform, ready to run orchestrations.
@@ -261,6 +325,7 @@ impl Worker {
         let hub = Arc::new(Hub {
             sleep: Sleep::new(parkers.iter().map(|p| p.unparker().clone()).collect()),
             current: Mutex::new(None),
+            registered: Condvar::new(),
             run_seq: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             core_gen: (0..n_cores).map(|_| AtomicU64::new(0)).collect(),
@@ -280,8 +345,6 @@ impl Worker {
             closed: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             orch_gen: AtomicU64::new(0),
-            active: Mutex::new(None),
-            active_cv: Condvar::new(),
         });
         for (i, p) in parkers.into_iter().enumerate() {
             inner.spawn_core(i, 0, p)?;
@@ -470,10 +533,6 @@ impl Drop for Worker {
 }
 
 impl Inner {
-    pub(crate) fn hub_set_current(&self, run: Option<Arc<RunShared>>) {
-        self.hub.set_current(run);
-    }
-
     fn spawn_core(
         self: &Arc<Self>,
         i: usize,
@@ -517,24 +576,6 @@ impl Inner {
                 // others.
                 let _ = self.spawn_core(i, generation + 1, parker);
             }
-        }
-    }
-
-    /// Ends `run`'s registration as the worker's current run, unless another run has taken
-    /// its place (an abandoned orchestrator returning late must not unregister its successor).
-    pub(crate) fn unregister(&self, run: &Arc<RunShared>) {
-        {
-            let mut cur = self.hub.current.lock().unwrap_or_else(|p| p.into_inner());
-            if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, run)) {
-                *cur = None;
-                drop(cur);
-                self.hub.run_seq.fetch_add(1, Ordering::AcqRel);
-                self.hub.sleep.notify_all();
-            }
-        }
-        let mut a = self.active.lock().unwrap_or_else(|p| p.into_inner());
-        if a.as_ref().is_some_and(|a| Arc::ptr_eq(&a.run, run)) {
-            *a = None;
         }
     }
 
@@ -582,27 +623,10 @@ impl Inner {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 crate::exec::execute(&self, job)
             }))
-            .unwrap_or_else(|p| {
-                let msg = crate::sched::panic_message(&*p);
-                self.abandon_active(&msg);
-                Err(Error::Internal(msg))
-            });
+            // The run's registration, dropped while unwinding, has failed and unregistered it.
+            .unwrap_or_else(|p| Err(Error::Internal(crate::sched::panic_message(&*p))));
             result.deliver(r);
         }
-    }
-
-    /// Fails and detaches the active run after an internal fault on the orchestrator thread.
-    fn abandon_active(&self, msg: &str) {
-        let active = self.active.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(a) = active {
-            a.run.fail(RunError::new(
-                crate::ErrorCode::ExplicitOrchFatal,
-                format!("internal runtime error: {msg}"),
-                "please report this with the command that triggered it",
-            ));
-            a.run.finished.store(true, Ordering::Release);
-        }
-        self.hub.set_current(None);
     }
 
     fn shutdown(&self) {
@@ -617,11 +641,7 @@ impl Inner {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .is_empty();
-            let active = self
-                .active
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some();
+            let active = self.hub.current().is_some();
             if !pending && !active {
                 break;
             }
@@ -629,7 +649,7 @@ impl Inner {
         }
         self.hub.shutdown.store(true, Ordering::Release);
         self.hub.sleep.notify_all();
-        self.active_cv.notify_all();
+        self.hub.registered.notify_all();
         let threads: Vec<JoinHandle<()>> =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for h in threads {

@@ -17,6 +17,7 @@ const WRITER: KernelId = KernelId(1);
 const FAIL_ONCE_WRITER_RUNS: KernelId = KernelId(2);
 const GANG: KernelId = KernelId(3);
 const INC: KernelId = KernelId(4);
+const SPIN: KernelId = KernelId(5);
 
 /// Waits (at most 20 s) for `cond`; false if it never held.
 fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
@@ -139,6 +140,11 @@ fn worker(platform: Tracking, flags: Arc<Flags>, gang_cores: Arc<Mutex<Vec<usize
     w.register_kernel(KernelSpec::new(GANG, "gang", EngineClass::Vector, move |ctx| {
         gang_cores.lock().unwrap().push(ctx.core());
         ctx.sync_barrier()?;
+        Ok(())
+    }))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(SPIN, "spin", EngineClass::Vector, |ctx| {
+        wait_for(|| ctx.is_cancelled());
         Ok(())
     }))
     .unwrap();
@@ -363,4 +369,90 @@ fn views_from_another_worker_or_run_are_rejected() {
         other => panic!("another worker's output was accepted: {other:?}"),
     }
     gang_of_all_cores(&a, &gang);
+}
+
+#[test]
+fn a_core_stuck_past_the_scheduler_timeout_is_replaced_for_the_next_run() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), flags.clone(), gang.clone());
+    let buf = w.alloc(64 * 4).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    // The writer ignores cancellation: the watchdog fails the run (S1), and the core stays
+    // inside the kernel past the grace period.
+    let r = w.run_fn("stuck", args, &CallConfig::default(), |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[64])?;
+        o.submit(Task::new(WRITER).output_existing(&t))?;
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::SchedulerTimeout, "{e}");
+            assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask));
+        }
+        other => panic!("expected S1, got {other:?}"),
+    }
+    assert!(!flags.left.load(Ordering::SeqCst));
+    // The next run has every core: a gang of all of them forms.
+    gang_of_all_cores(&w, &gang);
+    flags.release.store(true, Ordering::SeqCst);
+    assert!(wait_for(|| flags.left.load(Ordering::SeqCst)));
+    assert!(wait_for(|| buf.read::<f32>().is_ok()));
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), Arc::default(), gang.clone());
+    let release_first = Arc::new(AtomicBool::new(false));
+    let first_returned = Arc::new(AtomicBool::new(false));
+    let second_started = Arc::new(AtomicBool::new(false));
+    // The first orchestration sits in user code until released: the watchdog fails the run
+    // (S5), delivers the error and hands the job queue to a new orchestrator thread.
+    let (rel, ret) = (release_first.clone(), first_returned.clone());
+    let r = w.run_fn("stuck_orch", RunArgs::default(), &CallConfig::default(), move |_, _| {
+        wait_for(|| rel.load(Ordering::SeqCst));
+        ret.store(true, Ordering::SeqCst);
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.subclass, Some(SchedSubclass::S5OrchestratorStarved), "{e}")
+        }
+        other => panic!("expected S5, got {other:?}"),
+    }
+    // The second run is registered when the first orchestrator returns; then it submits a task
+    // that only the watchdog can end. It must still be watched (and its cores still joined).
+    let (started, ret) = (second_started.clone(), first_returned.clone());
+    let mut second = w
+        .submit_fn("second", RunArgs::default(), &CallConfig::default(), move |o, _| {
+            started.store(true, Ordering::SeqCst);
+            wait_for(|| ret.load(Ordering::SeqCst));
+            // Let the first orchestrator thread finish its cleanup.
+            std::thread::sleep(Duration::from_millis(50));
+            o.submit(Task::new(SPIN))?;
+            Ok(())
+        })
+        .unwrap();
+    assert!(wait_for(|| second_started.load(Ordering::SeqCst)));
+    release_first.store(true, Ordering::SeqCst);
+    let mut result = None;
+    assert!(
+        wait_for(|| {
+            result = second.poll();
+            result.is_some()
+        }),
+        "the second run was no longer watched after the first orchestrator returned"
+    );
+    match result.unwrap() {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask), "{e}")
+        }
+        other => panic!("expected S1, got {other:?}"),
+    }
+    gang_of_all_cores(&w, &gang);
 }
