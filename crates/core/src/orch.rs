@@ -189,9 +189,10 @@ impl Orchestrator {
         self.run.fatal.get().cloned().unwrap_or(e)
     }
 
+    /// Latches `e` (unless an error is latched already) and returns the run's error.
     pub(crate) fn fail(&self, e: RunError) -> RunError {
-        self.run.fail(e);
-        self.run.fatal.get().cloned().expect("latched")
+        self.run.fail(e.clone());
+        self.run.fatal.get().cloned().unwrap_or(e)
     }
 
     /// Makes `buffer` usable by this run's tasks and returns a contiguous view of it.

@@ -111,6 +111,8 @@ impl Orchestrator {
                 );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
+            // SeqCst store here and SeqCst load of the head's state in `head_consumed`: the
+            // other half of the pattern in `RunShared::release`.
             self.run.orch_waiting.store(true, Ordering::SeqCst);
             if !self.head_consumed(ring) {
                 self.parker.park_timeout(Duration::from_millis(2));
@@ -138,7 +140,7 @@ impl Orchestrator {
             && self.run.arena.rings.rings[ring as usize]
                 .slot(c.reclaimed)
                 .state
-                .load(Ordering::Acquire)
+                .load(Ordering::SeqCst)
                 == state::CONSUMED
     }
 

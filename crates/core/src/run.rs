@@ -85,17 +85,16 @@ impl Drop for BoundBuffers {
 /// First writer wins; later errors are dropped.
 #[derive(Default)]
 pub(crate) struct FatalLatch {
+    /// Written once (first writer wins).
     error: OnceLock<RunError>,
     pub(crate) stop: AtomicBool,
 }
 
 impl FatalLatch {
+    /// The latched error. Visible as soon as it is latched, before `stop` is raised: a thread
+    /// that lost the race to latch reads the winner's error here at once.
     pub(crate) fn get(&self) -> Option<&RunError> {
-        if self.stop.load(Ordering::Acquire) {
-            self.error.get()
-        } else {
-            None
-        }
+        self.error.get()
     }
 }
 
@@ -316,11 +315,33 @@ impl RunShared {
     pub(crate) fn release(&self, id: TaskId) {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Store-buffer pattern against `Orchestrator::wait_for_room`, which stores
+            // `orch_waiting` and then loads the head's state: with both sides `SeqCst`, either
+            // the orchestrator sees CONSUMED or this side sees it waiting (and unparks it; an
+            // unpark before the park is kept as a token). Release/Acquire alone allowed both to
+            // miss, leaving the orchestrator parked until its 2 ms timeout.
             s.state
-                .store(crate::slot::state::CONSUMED, Ordering::Release);
-            if self.orch_waiting.load(Ordering::Acquire) {
+                .store(crate::slot::state::CONSUMED, Ordering::SeqCst);
+            if self.orch_waiting.load(Ordering::SeqCst) {
                 self.orch_unparker.unpark();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+
+    #[test]
+    fn a_latched_error_is_visible_before_stop_is_raised() {
+        // The window between a winner's `set` and its `stop` store: a loser must still find the
+        // winner's error (`Orchestrator::fail` relied on it and panicked with "latched").
+        let latch = FatalLatch::default();
+        let e = RunError::new(ErrorCode::KernelFailed, "first", "hint");
+        assert!(latch.error.set(e).is_ok());
+        assert!(!latch.stop.load(Ordering::Acquire));
+        assert_eq!(latch.get().map(|e| e.detail.as_str()), Some("first"));
     }
 }

@@ -1,7 +1,8 @@
 //! The watchdog: enforces the three timeouts of a run and recovers from stuck user code.
 //!
 //! It samples the active run every few milliseconds. *Progress* is any change of the submit or
-//! completion counters. Without progress for the scheduler timeout it classifies the stall
+//! completion counters or of the blocks the cores finished (a long SPMD task that keeps
+//! finishing blocks is progressing, not stuck). Without progress for the scheduler timeout it classifies the stall
 //! (S1 a running task is stuck, S3 ready tasks but idle cores, S5 the orchestrator produces
 //! nothing, S4 nothing ready or running although tasks are pending) and fails the run. A block
 //! running longer than the op-execute timeout, or a run longer than the stream-sync timeout,
@@ -21,10 +22,11 @@ use crate::worker::Inner;
 
 struct Watch {
     started: Instant,
-    last_counts: (u64, i64),
+    last_counts: (u64, i64, u64),
     last_progress: Instant,
-    /// Per core: (task id + 1, since when) of the block it has been running.
-    running: Vec<(u64, Instant)>,
+    /// Per core: (task id + 1, blocks finished, since when) of the block it has been running;
+    /// a new block of the same task restarts the clock.
+    running: Vec<(u64, u64, Instant)>,
     failed_at: Option<Instant>,
     recovered: bool,
 }
@@ -54,7 +56,7 @@ pub(crate) fn run(inner: &Arc<Inner>) {
                         started: now,
                         last_counts: counts(&run),
                         last_progress: now,
-                        running: vec![(0, now); run.cores.len()],
+                        running: vec![(0, 0, now); run.cores.len()],
                         failed_at: None,
                         recovered: false,
                     },
@@ -78,10 +80,14 @@ pub(crate) fn run(inner: &Arc<Inner>) {
     }
 }
 
-fn counts(run: &RunShared) -> (u64, i64) {
+fn counts(run: &RunShared) -> (u64, i64, u64) {
     (
         run.submitted.load(Ordering::Relaxed),
         run.outstanding.load(Ordering::Relaxed),
+        run.cores
+            .iter()
+            .map(|c| c.blocks.load(Ordering::Relaxed))
+            .sum(),
     )
 }
 
@@ -111,9 +117,10 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     }
     for (i, c) in run.cores.iter().enumerate() {
         let cur = c.current.load(Ordering::Acquire);
-        if cur != w.running[i].0 {
-            w.running[i] = (cur, now);
-        } else if cur != 0 && now - w.running[i].1 > t.op_execute {
+        let blocks = c.blocks.load(Ordering::Relaxed);
+        if cur != w.running[i].0 || blocks != w.running[i].1 {
+            w.running[i] = (cur, blocks, now);
+        } else if cur != 0 && now - w.running[i].2 > t.op_execute {
             let id = TaskId(cur - 1);
             return Some(
                 RunError::new(
@@ -146,12 +153,12 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
         RunError::new(ErrorCode::SchedulerTimeout, detail, hint).subclass(sub)
     };
     // S1: the oldest-running block is the stuck one.
-    if let Some((i, (cur, _))) = w
+    if let Some((i, (cur, _, _))) = w
         .running
         .iter()
         .enumerate()
-        .filter(|(_, (cur, _))| *cur != 0)
-        .min_by_key(|(_, (_, since))| *since)
+        .filter(|(_, (cur, _, _))| *cur != 0)
+        .min_by_key(|(_, (_, _, since))| *since)
     {
         let id = TaskId(cur - 1);
         return Some(
