@@ -137,15 +137,7 @@ fn run_bound(
         }
     };
     let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
-    let mut orch = Orchestrator::new(
-        run.clone(),
-        cursors,
-        map,
-        epoch,
-        serial,
-        diag,
-        parker,
-    );
+    let mut orch = Orchestrator::new(run.clone(), cursors, map, epoch, serial, diag, parker);
     for b in &job.args.buffers {
         orch.adopt_bound(b.clone());
     }

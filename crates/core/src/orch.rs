@@ -30,6 +30,7 @@ pub enum ScopeKind {
     Auto,
     /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
     /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
+    /// Opened only through the unsafe [`Orchestrator::manual_scope`].
     Manual,
 }
 
@@ -229,8 +230,40 @@ impl Orchestrator {
     }
 
     /// Opens a scope. Prefer [`Orchestrator::scope`], which cannot be left unbalanced.
+    ///
+    /// Manual scopes skip dependency tracking and are opened only through the unsafe
+    /// [`Orchestrator::begin_manual_scope`]; asking for one here fails with INVALID_ARGS.
     #[track_caller]
     pub fn begin_scope(&mut self, kind: ScopeKind) -> Result<(), RunError> {
+        if kind == ScopeKind::Manual {
+            return Err(self.fail(invalid(
+                "a manual scope was requested through begin_scope/scope".into(),
+                "manual scopes skip dependency tracking: open them with the unsafe Orchestrator::begin_manual_scope or manual_scope and uphold their contract",
+            )));
+        }
+        self.open_scope(kind, Location::caller())
+    }
+
+    /// Opens a manual scope: tasks submitted in it are ordered only by their explicit
+    /// dependencies and creator edges, not by the tensors they touch (they are still recorded,
+    /// so tasks of auto scopes submitted later wait for them). Prefer
+    /// [`Orchestrator::manual_scope`].
+    ///
+    /// # Safety
+    /// Until the scope is closed, every task submitted in it must be ordered (explicit
+    /// dependencies, creator edges) after every task still running or pending that writes bytes
+    /// it reads or writes, and after every such task that reads bytes it writes; the same holds
+    /// between the scope's own tasks. Otherwise kernels get aliasing slices.
+    #[track_caller]
+    pub unsafe fn begin_manual_scope(&mut self) -> Result<(), RunError> {
+        self.open_scope(ScopeKind::Manual, Location::caller())
+    }
+
+    fn open_scope(
+        &mut self,
+        kind: ScopeKind,
+        site: &'static Location<'static>,
+    ) -> Result<(), RunError> {
         self.check_fatal()?;
         let outer = self.scopes.last().expect("implicit scope");
         if kind == ScopeKind::Auto && outer.kind == ScopeKind::Manual {
@@ -251,7 +284,7 @@ impl Orchestrator {
             first_local,
             tasks: 0,
             heap: 0,
-            site: Location::caller(),
+            site,
         });
         Ok(())
     }
@@ -269,7 +302,7 @@ impl Orchestrator {
         self.check_fatal()
     }
 
-    /// Runs `body` inside a new scope of `kind`.
+    /// Runs `body` inside a new scope of `kind` (`Auto`; see [`Orchestrator::begin_scope`]).
     #[track_caller]
     pub fn scope<R>(
         &mut self,
@@ -277,6 +310,26 @@ impl Orchestrator {
         body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
     ) -> Result<R, RunError> {
         self.begin_scope(kind)?;
+        self.run_scope_body(body)
+    }
+
+    /// Runs `body` inside a new manual scope.
+    ///
+    /// # Safety
+    /// The contract of [`Orchestrator::begin_manual_scope`], for every task `body` submits.
+    #[track_caller]
+    pub unsafe fn manual_scope<R>(
+        &mut self,
+        body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
+    ) -> Result<R, RunError> {
+        self.open_scope(ScopeKind::Manual, Location::caller())?;
+        self.run_scope_body(body)
+    }
+
+    fn run_scope_body<R>(
+        &mut self,
+        body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
+    ) -> Result<R, RunError> {
         let depth = self.scopes.len();
         let r = body(self);
         // Close whatever the body left open, so an early `?` return never leaks a scope.
@@ -389,7 +442,10 @@ impl Orchestrator {
         }
         let heap_cap = self.cursors[ring as usize].heap_cap;
         if block_bytes > heap_cap {
-            let suggested = block_bytes.checked_next_power_of_two().unwrap_or(u64::MAX).max(1024);
+            let suggested = block_bytes
+                .checked_next_power_of_two()
+                .unwrap_or(u64::MAX)
+                .max(1024);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::HeapRingDeadlock,
@@ -408,12 +464,12 @@ impl Orchestrator {
 
         // Existing tensors: validity, then producers.
         self.producers.clear();
-        let mut writes = 0u64;
+        let mut entries = 0u64;
         for (i, a) in task.args.iter().enumerate() {
             let ArgSpec::Tensor(tag, t) = a else { continue };
             self.check_tensor_usable(i, *tag, t, &kname)?;
-            if matches!(tag, ArgTag::InOut | ArgTag::OutputExisting) {
-                writes += 1;
+            if matches!(tag, ArgTag::Input | ArgTag::InOut | ArgTag::OutputExisting) {
+                entries += 1;
             }
             if let Some(owner) = t.owner {
                 self.producers.push(Producer {
@@ -426,11 +482,14 @@ impl Orchestrator {
             if *tag == ArgTag::NoDep {
                 continue;
             }
-            if matches!(tag, ArgTag::Input | ArgTag::InOut) && scope_kind == ScopeKind::Auto {
+            // Readers wait for the live writers of their region; writers also for its live
+            // readers (write-after-read and write-after-write are ordered too).
+            if scope_kind == ScopeKind::Auto {
                 self.hits.clear();
                 let region = t.region();
+                let written = tag.is_written();
                 self.map
-                    .lookup(&region, &self.run.arena.rings, &mut self.hits);
+                    .lookup(&region, written, &self.run.arena.rings, &mut self.hits);
                 for h in &self.hits {
                     let overlap = match h.relation {
                         Relation::Covers => OverlapKind::Covers,
@@ -458,7 +517,7 @@ impl Orchestrator {
         let n_unique = dedup_count(&mut self.producers);
 
         // Room in the ring (may wait; fails on a provable deadlock).
-        let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, writes, &kname)?;
+        let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, entries, &kname)?;
         let (local, block_addr, dep_start) = self.cursors[ring as usize].allocate(
             heap_start,
             block_bytes,
@@ -592,10 +651,15 @@ impl Orchestrator {
             );
         }
 
-        // The dependency map learns the new writers.
+        // The dependency map learns the new readers and writers. A writer retires the entries
+        // its region covers only if it waited for them (an auto scope).
         for a in &task.args {
-            if let ArgSpec::Tensor(tag @ (ArgTag::InOut | ArgTag::OutputExisting), t) = a {
-                self.map.record(id, t.region(), *tag == ArgTag::InOut);
+            match a {
+                ArgSpec::Tensor(ArgTag::Input, t) => self.map.record_reader(id, t.region()),
+                ArgSpec::Tensor(ArgTag::InOut | ArgTag::OutputExisting, t) => self
+                    .map
+                    .record_writer(id, t.region(), scope_kind == ScopeKind::Auto),
+                _ => {}
             }
         }
 

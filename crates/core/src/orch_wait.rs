@@ -28,13 +28,13 @@ enum Resource {
 
 impl Orchestrator {
     /// Waits until ring `ring` has a slot, `bytes` of heap, `deps` pool entries and the map has
-    /// room for `writes` entries. Returns the heap start position.
+    /// room for `entries` entries. Returns the heap start position.
     pub(crate) fn wait_for_room(
         &mut self,
         ring: u8,
         bytes: u64,
         deps: u64,
-        writes: u64,
+        entries: u64,
         kname: &str,
     ) -> Result<u64, RunError> {
         let r = ring as usize;
@@ -53,12 +53,12 @@ impl Orchestrator {
                 .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
             ));
         }
-        if writes > self.map.capacity() {
+        if entries > self.map.capacity() {
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::TensormapOverflow,
                     format!(
-                        "kernel {kname:?} records {writes} writers, the dependency map holds {}",
+                        "kernel {kname:?} records {entries} readers and writers, the dependency map holds {}",
                         self.map.capacity()
                     ),
                     "raise CallConfig.tensormap_capacity for this run",
@@ -79,7 +79,7 @@ impl Orchestrator {
                 Some(Resource::Heap)
             } else if !c.dep_fits(deps) {
                 Some(Resource::DepPool)
-            } else if !self.map.make_room(writes, rings) {
+            } else if !self.map.make_room(entries, rings) {
                 Some(Resource::TensorMap)
             } else {
                 None
@@ -260,7 +260,11 @@ impl Orchestrator {
                 ),
                 format!(
                     "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
-                    c.dep_cap.saturating_add(deps).saturating_mul(2).checked_next_power_of_two().unwrap_or(u64::MAX)
+                    c.dep_cap
+                        .saturating_add(deps)
+                        .saturating_mul(2)
+                        .checked_next_power_of_two()
+                        .unwrap_or(u64::MAX)
                 ),
             ),
             Resource::TensorMap => (

@@ -6,7 +6,13 @@ use crate::error::PlatformError;
 
 /// A block of platform memory. For host-memory platforms `addr` is a host pointer kernels
 /// dereference; for device platforms it is a device address.
-pub trait Memory: Send + Sync {
+///
+/// # Safety
+/// The runtime's unsafe code trusts an implementation: `addr .. addr + len` is one allocation
+/// that stays valid, and is not used by anything but the runtime and its kernels, until the
+/// value is dropped; `addr` is aligned to at least 64 bytes; `addr` and `len` never change; and
+/// when `host_accessible` is true the range is readable and writable host memory.
+pub unsafe trait Memory: Send + Sync {
     /// Base address (aligned to at least 64 bytes).
     fn addr(&self) -> usize;
     /// Size in bytes.
@@ -34,7 +40,13 @@ pub struct PlatformInfo {
 ///
 /// The core's scheduler runs on the threads the platform starts ([`Platform::spawn_core`]); a
 /// platform decides how those threads are made (names, pinning) and where memory lives.
-pub trait Platform: Send + Sync + 'static {
+///
+/// # Safety
+/// `alloc` returns memory of at least `bytes` bytes that upholds [`Memory`]'s contract, zeroed
+/// (every bit pattern of every element type is valid, so kernels may read it before any
+/// write); when [`PlatformInfo::host_kernels`] is true, that memory is host memory kernels may
+/// dereference. `spawn_core` runs `body` exactly once on a new thread.
+pub unsafe trait Platform: Send + Sync + 'static {
     /// Description.
     fn info(&self) -> PlatformInfo;
     /// Allocates `bytes` of zeroed memory.

@@ -167,7 +167,7 @@ impl Rings {
     }
 
     /// Whether `id` is a task of the current run that has not completed yet.
-    pub(crate) fn is_live_writer(&self, id: TaskId) -> bool {
+    pub(crate) fn is_live(&self, id: TaskId) -> bool {
         let s = self.slot(id);
         s.local.load(Ordering::Acquire) == id.local()
             && s.state.load(Ordering::Acquire) < state::COMPLETED

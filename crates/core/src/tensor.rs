@@ -593,8 +593,8 @@ mod tests {
         )
             .prop_map(|(dtype, r0, rn, c0, cn, d0, dn, tr, step)| {
                 let w = 16 / dtype.size() as u64;
-                let p = Tensor::new_contiguous(BufferId(1), 0x1000, 576, dtype, &[6, 6, w])
-                    .unwrap();
+                let p =
+                    Tensor::new_contiguous(BufferId(1), 0x1000, 576, dtype, &[6, 6, w]).unwrap();
                 let r0 = r0.min(5);
                 let rn = rn.min(6 - r0);
                 let c0 = c0.min(5);

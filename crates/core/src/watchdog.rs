@@ -19,7 +19,6 @@ use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
 use crate::worker::Inner;
 
-
 struct Watch {
     started: Instant,
     last_counts: (u64, i64, u64),

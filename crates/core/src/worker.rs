@@ -98,11 +98,7 @@ impl Hub {
     }
 
     /// Registers `run` as the current run (replacing a run whose executor was abandoned).
-    pub(crate) fn register(
-        &self,
-        run: Arc<RunShared>,
-        result: Arc<JobResult>,
-    ) -> Registration<'_> {
+    pub(crate) fn register(&self, run: Arc<RunShared>, result: Arc<JobResult>) -> Registration<'_> {
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(ActiveRun {
             run: run.clone(),
             result,
@@ -186,7 +182,7 @@ pub(crate) struct JobResult {
 
 enum Outcome {
     Pending,
-    Ready(Result<RunReport, Error>),
+    Ready(Box<Result<RunReport, Error>>),
     Taken,
 }
 
@@ -202,7 +198,7 @@ impl JobResult {
     pub(crate) fn deliver(&self, r: Result<RunReport, Error>) {
         let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
         if matches!(*v, Outcome::Pending) {
-            *v = Outcome::Ready(r);
+            *v = Outcome::Ready(Box::new(r));
             self.delivered.store(true, Ordering::Release);
             drop(v);
             self.cv.notify_all();
@@ -216,7 +212,7 @@ impl JobResult {
     /// Takes the value if it is there.
     fn take(v: &mut Outcome) -> Option<Result<RunReport, Error>> {
         match std::mem::replace(v, Outcome::Taken) {
-            Outcome::Ready(r) => Some(r),
+            Outcome::Ready(r) => Some(*r),
             other => {
                 *v = other;
                 None
@@ -428,10 +424,7 @@ impl Worker {
     /// Allocates a zeroed buffer of `bytes` on the platform.
     pub fn alloc(&self, bytes: usize) -> Result<Buffer, Error> {
         let mem = self.inner.platform.alloc(bytes)?;
-        Ok(Buffer::new(
-            BufferId::fresh(),
-            mem,
-        ))
+        Ok(Buffer::new(BufferId::fresh(), mem))
     }
 
     /// Allocates a buffer holding a copy of `data`.

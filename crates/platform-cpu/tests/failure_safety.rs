@@ -55,7 +55,7 @@ struct TrackedMemory {
 }
 
 // SAFETY: every method forwards to the CPU platform's memory, which upholds the contract.
-impl Memory for TrackedMemory {
+unsafe impl Memory for TrackedMemory {
     fn addr(&self) -> usize {
         self.mem.addr()
     }
@@ -74,7 +74,7 @@ impl Drop for TrackedMemory {
 }
 
 // SAFETY: allocation and threads come from the CPU platform; memory is only wrapped.
-impl Platform for Tracking {
+unsafe impl Platform for Tracking {
     fn info(&self) -> PlatformInfo {
         self.cpu.info()
     }
@@ -137,11 +137,16 @@ fn worker(platform: Tracking, flags: Arc<Flags>, gang_cores: Arc<Mutex<Vec<usize
         },
     ))
     .unwrap();
-    w.register_kernel(KernelSpec::new(GANG, "gang", EngineClass::Vector, move |ctx| {
-        gang_cores.lock().unwrap().push(ctx.core());
-        ctx.sync_barrier()?;
-        Ok(())
-    }))
+    w.register_kernel(KernelSpec::new(
+        GANG,
+        "gang",
+        EngineClass::Vector,
+        move |ctx| {
+            gang_cores.lock().unwrap().push(ctx.core());
+            ctx.sync_barrier()?;
+            Ok(())
+        },
+    ))
     .unwrap();
     w.register_kernel(KernelSpec::new(SPIN, "spin", EngineClass::Vector, |ctx| {
         wait_for(|| ctx.is_cancelled());
@@ -179,10 +184,15 @@ fn failing_run(w: &Worker, buf: &Buffer) -> RunError {
 fn gang_of_all_cores(w: &Worker, gang_cores: &Mutex<Vec<usize>>) {
     gang_cores.lock().unwrap().clear();
     let n = w.cores() as u32;
-    w.run_fn("gang", RunArgs::default(), &CallConfig::default(), move |o, _| {
-        o.submit(Task::new(GANG).blocks(n).require_sync_start())?;
-        Ok(())
-    })
+    w.run_fn(
+        "gang",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::new(GANG).blocks(n).require_sync_start())?;
+            Ok(())
+        },
+    )
     .expect("a gang of every core runs");
     let mut cores = gang_cores.lock().unwrap().clone();
     cores.sort();
@@ -277,8 +287,7 @@ fn an_abandoned_kernels_buffer_is_freed_only_after_it_leaves() {
     flags.release.store(true, Ordering::SeqCst);
     assert!(wait_for(|| flags.left.load(Ordering::SeqCst)));
     assert_eq!(
-        n_freed,
-        0,
+        n_freed, 0,
         "the buffer was freed while a kernel could still write it"
     );
     // After the writer left, the memory is released (no leak).
@@ -291,18 +300,24 @@ fn an_output_too_large_for_64_bits_is_a_clean_error() {
     let flags = Arc::new(Flags::default());
     let gang = Arc::new(Mutex::new(Vec::new()));
     let w = worker(Tracking::default(), flags, gang.clone());
-    for shape in [vec![u64::MAX], vec![1 << 40, 1 << 40], vec![u64::MAX / 2, 2]] {
+    for shape in [
+        vec![u64::MAX],
+        vec![1 << 40, 1 << 40],
+        vec![u64::MAX / 2, 2],
+    ] {
         let s = shape.clone();
-        let r = w.run_fn("huge", RunArgs::default(), &CallConfig::default(), move |o, _| {
-            o.submit(Task::new(INC).output(DType::U8, &s))?;
-            Ok(())
-        });
+        let r = w.run_fn(
+            "huge",
+            RunArgs::default(),
+            &CallConfig::default(),
+            move |o, _| {
+                o.submit(Task::new(INC).output(DType::U8, &s))?;
+                Ok(())
+            },
+        );
         match r {
             Err(Error::Run(e)) => assert!(
-                matches!(
-                    e.code,
-                    ErrorCode::InvalidArgs | ErrorCode::HeapRingDeadlock
-                ),
+                matches!(e.code, ErrorCode::InvalidArgs | ErrorCode::HeapRingDeadlock),
                 "{shape:?}: {e}"
             ),
             other => panic!("{shape:?}: expected a clean error, got {other:?}"),
@@ -350,20 +365,35 @@ fn views_from_another_worker_or_run_are_rejected() {
     // An output of a run of `b`, used in the first run of `a` (same per-worker run number).
     let leaked: Arc<Mutex<Option<Tensor>>> = Arc::default();
     let l = leaked.clone();
-    b.run_fn("first", RunArgs::default(), &CallConfig::default(), |_, _| Ok(()))
-        .unwrap();
-    b.run_fn("leak", RunArgs::default(), &CallConfig::default(), move |o, _| {
-        let s = o.submit(Task::dummy().output(DType::F32, &[8]))?;
-        *l.lock().unwrap() = Some(s.output(0));
-        Ok(())
-    })
+    b.run_fn(
+        "first",
+        RunArgs::default(),
+        &CallConfig::default(),
+        |_, _| Ok(()),
+    )
+    .unwrap();
+    b.run_fn(
+        "leak",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            let s = o.submit(Task::dummy().output(DType::F32, &[8]))?;
+            *l.lock().unwrap() = Some(s.output(0));
+            Ok(())
+        },
+    )
     .unwrap();
     let out = leaked.lock().unwrap().take().unwrap();
-    let r = a.run_fn("use", RunArgs::default(), &CallConfig::default(), move |o, _| {
-        o.submit(Task::dummy())?;
-        o.submit(Task::new(INC).in_out(&out))?;
-        Ok(())
-    });
+    let r = a.run_fn(
+        "use",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::dummy())?;
+            o.submit(Task::new(INC).in_out(&out))?;
+            Ok(())
+        },
+    );
     match r {
         Err(Error::Run(e)) => assert!(e.detail.contains("earlier run"), "{e}"),
         other => panic!("another worker's output was accepted: {other:?}"),
@@ -414,14 +444,23 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     // The first orchestration sits in user code until released: the watchdog fails the run
     // (S5), delivers the error and hands the job queue to a new orchestrator thread.
     let (rel, ret) = (release_first.clone(), first_returned.clone());
-    let r = w.run_fn("stuck_orch", RunArgs::default(), &CallConfig::default(), move |_, _| {
-        wait_for(|| rel.load(Ordering::SeqCst));
-        ret.store(true, Ordering::SeqCst);
-        Ok(())
-    });
+    let r = w.run_fn(
+        "stuck_orch",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |_, _| {
+            wait_for(|| rel.load(Ordering::SeqCst));
+            ret.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+    );
     match r {
         Err(Error::Run(e)) => {
-            assert_eq!(e.subclass, Some(SchedSubclass::S5OrchestratorStarved), "{e}")
+            assert_eq!(
+                e.subclass,
+                Some(SchedSubclass::S5OrchestratorStarved),
+                "{e}"
+            )
         }
         other => panic!("expected S5, got {other:?}"),
     }
@@ -429,14 +468,19 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     // that only the watchdog can end. It must still be watched (and its cores still joined).
     let (started, ret) = (second_started.clone(), first_returned.clone());
     let mut second = w
-        .submit_fn("second", RunArgs::default(), &CallConfig::default(), move |o, _| {
-            started.store(true, Ordering::SeqCst);
-            wait_for(|| ret.load(Ordering::SeqCst));
-            // Let the first orchestrator thread finish its cleanup.
-            std::thread::sleep(Duration::from_millis(50));
-            o.submit(Task::new(SPIN))?;
-            Ok(())
-        })
+        .submit_fn(
+            "second",
+            RunArgs::default(),
+            &CallConfig::default(),
+            move |o, _| {
+                started.store(true, Ordering::SeqCst);
+                wait_for(|| ret.load(Ordering::SeqCst));
+                // Let the first orchestrator thread finish its cleanup.
+                std::thread::sleep(Duration::from_millis(50));
+                o.submit(Task::new(SPIN))?;
+                Ok(())
+            },
+        )
         .unwrap();
     assert!(wait_for(|| second_started.load(Ordering::SeqCst)));
     release_first.store(true, Ordering::SeqCst);

@@ -584,10 +584,15 @@ fn a_long_spmd_task_that_keeps_finishing_blocks_is_not_stuck() {
     // 160 blocks of 5 ms on 2 cores: the task runs ~400 ms, longer than the 300 ms scheduler
     // timeout, but every block finishes well within it, which is progress.
     let w = worker_with(2, Some(short_timeouts()));
-    w.run_fn("long_spmd", RunArgs::default(), &CallConfig::default(), |o, _| {
-        o.submit(Task::new(SLEEP_5MS).blocks(160))?;
-        Ok(())
-    })
+    w.run_fn(
+        "long_spmd",
+        RunArgs::default(),
+        &CallConfig::default(),
+        |o, _| {
+            o.submit(Task::new(SLEEP_5MS).blocks(160))?;
+            Ok(())
+        },
+    )
     .expect("a task finishing blocks is progressing");
 }
 

@@ -3,9 +3,10 @@
 //!
 //! # Memory access and soundness
 //! Kernel bodies reach tensor memory only through [`TaskCtx`]. The runtime orders tasks so that
-//! a task's written regions are not touched by any other task while it runs, *provided the
-//! orchestration follows the program rule of `01-runtime.md`* (write-after-read is not tracked:
-//! a task that overwrites a region earlier tasks still read must be ordered explicitly). Within
+//! no other task touches a task's written regions, nor writes its read regions, while it runs:
+//! readers wait for the live writers of overlapping bytes, writers for the live readers and
+//! writers (the TensorMap). The untracked forms — `NoDep` arguments and manual scopes — are
+//! requested only through `unsafe` functions whose contracts promise the same ordering. Within
 //! one task the accessors keep Rust's aliasing rules:
 //! - readable arguments (`Input`, `NoDep`) are only read: [`TaskCtx::read`] (contiguous views),
 //!   [`TaskCtx::read_rows`] (rows of strided tiles), [`TaskCtx::gather`] (any view, copied);
@@ -392,8 +393,7 @@ impl<'a> TaskCtx<'a> {
         }
         let param = (param as u64).min((1 << Split::PARAM_BITS) - 1);
         let code = ((split as u64) << Split::PARAM_BITS) | param;
-        match self.desc.splits.0[i].compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
-        {
+        match self.desc.splits.0[i].compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => Ok(()),
             Err(fixed) if fixed == code => Ok(()),
             Err(fixed) => Err(KernelError::new(format!(
@@ -429,8 +429,10 @@ impl<'a> TaskCtx<'a> {
         // the buffer (checked when the view was made), which outlives the run; the address is
         // aligned for T (page-aligned buffers, offsets in T-sized elements); every bit pattern
         // is a valid T (sealed `Element`). The runtime orders this task after every writer of
-        // the region, and no task writes it while this one runs (the program rule in the module
-        // docs); this task does not write it (written arguments may not overlap others).
+        // the region and later writers after this task (for `NoDep` and manual scopes, the
+        // contracts of `Task::no_dep` / `Orchestrator::manual_scope` promise the same), and the
+        // region stays bound and alive until every core left the run; this task does not
+        // write it (written arguments may not overlap others).
         Ok(unsafe { std::slice::from_raw_parts(start as *const T, len) })
     }
 
@@ -454,7 +456,7 @@ impl<'a> TaskCtx<'a> {
         let mut out = Vec::with_capacity(a.tensor.numel() as usize);
         a.tensor.for_each_offset(|off| {
             // SAFETY: `off` is an element of the view, inside its buffer; no other task writes it
-            // concurrently (program rule) and, for a written argument, this is the task's only
+            // concurrently (ordered by the TensorMap or the unsafe contracts, as in `read`) and, for a written argument, this is the task's only
             // block; a raw read creates no reference, and any bit pattern is a valid `T`.
             out.push(unsafe { base.add(off as usize).read() })
         });
@@ -496,7 +498,7 @@ impl<'a> TaskCtx<'a> {
         Self::contiguous(i, a, "write")?;
         self.writable(i, a, "write")?;
         // SAFETY: contiguity, bounds, alignment and validity as in `read`. Exclusivity: no other
-        // task touches the region while this one runs (program rule), the task has one block,
+        // task touches the region while this one runs (ordered as in `read`), the task has one block,
         // and `writable` stops this block from borrowing the argument twice.
         Ok(unsafe { slice_mut(start, 0, len) })
     }

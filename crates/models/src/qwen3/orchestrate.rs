@@ -192,8 +192,9 @@ pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> 
         Variant::Model => {
             let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
             o.submit(
-                Task::new(ops::EMBED)
-                    .no_dep(&vw.embedding)
+                // SAFETY: model weights are written by no task during a run (only by the host
+                // between runs), so this NoDep read never meets a writer.
+                unsafe { Task::new(ops::EMBED).no_dep(&vw.embedding) }
                     .input(&ids)
                     .output_existing(&x)
                     .timing_slot(0),
@@ -235,9 +236,8 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
     Ok(match p.kind {
         StepKind::Decode => {
             let s = o.submit(
-                Task::new(ops::RMS_NORM_DEFERRED)
-                    .input(x)
-                    .no_dep(g)
+                // SAFETY: `g` is a norm weight: written by no task during a run.
+                unsafe { Task::new(ops::RMS_NORM_DEFERRED).input(x).no_dep(g) }
                     .output(DType::F32, &[r, ld])
                     .output(DType::F32, &[r])
                     .scalar_f32(eps)
@@ -247,9 +247,8 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
         }
         StepKind::Prefill => {
             let s = o.submit(
-                Task::new(ops::RMS_NORM)
-                    .input(x)
-                    .no_dep(g)
+                // SAFETY: `g` is a norm weight: written by no task during a run.
+                unsafe { Task::new(ops::RMS_NORM).input(x).no_dep(g) }
                     .output(DType::F32, &[r, ld])
                     .scalar_f32(eps)
                     .timing_slot(1),
@@ -271,7 +270,10 @@ impl Dep {
     fn add(self, t: Task, x: &Tensor) -> Task {
         match self {
             Dep::Tensor => t.input(x),
-            Dep::After(b) => t.no_dep(x).after(b),
+            // SAFETY: every writer of a phase output read this way precedes the barrier `b`
+            // (which follows all of them), and nothing writes it again while its readers run
+            // (each phase writes its output once per layer).
+            Dep::After(b) => unsafe { t.no_dep(x) }.after(b),
         }
     }
 }
@@ -296,10 +298,9 @@ fn gemm(
     add: bool,
 ) -> R<TaskId> {
     let (wt, ot) = (w, out);
-    let mut t = dep
-        .add(Task::new(ops::GEMM_TILE), acts)
-        .no_dep(wt)
-        .blocks(tiles.len().max(1) as u32);
+    let t = dep.add(Task::new(ops::GEMM_TILE), acts);
+    // SAFETY: `wt` is a weight matrix: written by no task during a run.
+    let mut t = unsafe { t.no_dep(wt) }.blocks(tiles.len().max(1) as u32);
     t = if add {
         t.in_out(ot)
     } else {
@@ -370,12 +371,13 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
             let t = Task::new(ops::ROPE_KV);
             let t = qkv_done.add(t, &rows(o, &q, row, row + cnt)?);
             let t = qkv_done.add(t, &rows(o, &k, row, row + cnt)?);
-            let t = qkv_done
-                .add(t, &rows(o, &v, row, row + cnt)?)
-                .no_dep(qn)
-                .no_dep(kn)
-                .no_dep(&rows(o, &vw.cos, pos, pos + cnt)?)
-                .no_dep(&rows(o, &vw.sin, pos, pos + cnt)?)
+            let t = qkv_done.add(t, &rows(o, &v, row, row + cnt)?);
+            let (cos, sin) = (
+                rows(o, &vw.cos, pos, pos + cnt)?,
+                rows(o, &vw.sin, pos, pos + cnt)?,
+            );
+            // SAFETY: q/k norm weights and the RoPE tables: written by no task during a run.
+            let t = unsafe { t.no_dep(qn).no_dep(kn).no_dep(&cos).no_dep(&sin) }
                 .output_existing(&rows(o, &qb, row, row + cnt)?)
                 .output_existing(&rows(o, &kl, slot, slot + cnt)?)
                 .output_existing(&rows(o, &vl, slot, slot + cnt)?)
@@ -400,12 +402,15 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     // MLP: gate/up + SwiGLU into packed activations, then x += act @ Wd^T.
     let (m, r2) = norm(o, p, x, post_norm)?;
     let act = o.alloc(DType::F32, &[r, packed_ld(inter) as u64])?;
-    let mut task = Task::new(ops::GATE_UP_SWIGLU)
-        .input(&m)
-        .no_dep(wg)
-        .no_dep(wu)
-        .output_existing(&cols(o, &act, 0, inter)?)
-        .blocks(p.tiles.gate_up.len().max(1) as u32);
+    // SAFETY: gate/up weights: written by no task during a run.
+    let mut task = unsafe {
+        Task::new(ops::GATE_UP_SWIGLU)
+            .input(&m)
+            .no_dep(wg)
+            .no_dep(wu)
+    }
+    .output_existing(&cols(o, &act, 0, inter)?)
+    .blocks(p.tiles.gate_up.len().max(1) as u32);
     if let Some(s) = &r2 {
         task = task.input(s);
     }
@@ -464,19 +469,23 @@ fn attention_decode(
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
         let task = |r: &Range<usize>, fin: bool| {
-            Task::new(ops::ATTN_DECODE)
-                .input(&qrow)
-                .no_dep(kl)
-                .no_dep(vl)
-                .no_dep(&table)
-                .after(kv_ready)
-                .scalar(r.start as u64)
-                .scalar(r.end as u64)
-                .scalar(u64::from(fin))
-                .scalar_f32(c.attn_scale())
-                .scalar(p.page_size as u64)
-                .scalar(d as u64)
-                .timing_slot(1)
+            // SAFETY: this layer's K/V rows are written by ROPE_KV tasks that `kv_ready`
+            // follows, and nothing writes the pools or the block table later in the run.
+            unsafe {
+                Task::new(ops::ATTN_DECODE)
+                    .input(&qrow)
+                    .no_dep(kl)
+                    .no_dep(vl)
+                    .no_dep(&table)
+            }
+            .after(kv_ready)
+            .scalar(r.start as u64)
+            .scalar(r.end as u64)
+            .scalar(u64::from(fin))
+            .scalar_f32(c.attn_scale())
+            .scalar(p.page_size as u64)
+            .scalar(d as u64)
+            .timing_slot(1)
         };
         match (chunks.as_slice(), &partials) {
             ([one], _) => {
@@ -532,13 +541,18 @@ fn attention_prefill(
                 let n = block.min(s.n_rows - i);
                 let (r0, r1) = (s.row0 + i, s.row0 + i + n);
                 let out = cols(o, &rows(o, a, r0, r1)?, c0, c0 + group * d)?;
-                let id = o.submit(
+                let q = rows(o, qb, r0, r1)?;
+                // SAFETY: this layer's K/V rows are written by ROPE_KV tasks that `kv_ready`
+                // follows, and nothing writes the pools or the block table later in the run.
+                let t = unsafe {
                     Task::new(ops::ATTN_PREFILL)
-                        .input(&rows(o, qb, r0, r1)?)
+                        .input(&q)
                         .no_dep(kl)
                         .no_dep(vl)
                         .no_dep(&table)
-                        .output_existing(&out)
+                };
+                let id = o.submit(
+                    t.output_existing(&out)
                         .after(kv_ready)
                         .scalar(g as u64)
                         .scalar((s.first_pos() + i) as u64)
@@ -575,12 +589,15 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     }
     let nrm = o
         .submit(
-            Task::new(ops::RMS_NORM)
-                .input(&hidden)
-                .no_dep(&vw.final_norm)
-                .output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
-                .scalar_f32(c.rms_norm_eps as f32)
-                .timing_slot(2),
+            // SAFETY: the final norm weight: written by no task during a run.
+            unsafe {
+                Task::new(ops::RMS_NORM)
+                    .input(&hidden)
+                    .no_dep(&vw.final_norm)
+            }
+            .output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
+            .scalar_f32(c.rms_norm_eps as f32)
+            .timing_slot(2),
         )?
         .output(0);
     let logits = o.bind(&args.buffers[io::OUT_MAIN], DType::F32, &[s, vocab])?;
@@ -589,9 +606,8 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     // One SPMD task: each block takes a share of the vocabulary rows and writes its logits
     // columns and its argmax slot.
     o.submit(
-        Task::new(ops::LM_HEAD_TILE)
-            .input(&nrm)
-            .no_dep(&vw.lm_head)
+        // SAFETY: the LM head weight: written by no task during a run.
+        unsafe { Task::new(ops::LM_HEAD_TILE).input(&nrm).no_dep(&vw.lm_head) }
             .output_existing(&logits)
             .output_existing(&best)
             .scalar(h)
