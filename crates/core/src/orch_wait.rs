@@ -111,13 +111,14 @@ impl Orchestrator {
                 );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
-            // SeqCst store here and SeqCst load of the head's state in `head_consumed`: the
-            // other half of the pattern in `RunShared::release`.
-            self.run.orch_waiting.store(true, Ordering::SeqCst);
+            // Store, `SeqCst` fence, then the head's state in `head_consumed`: the other half
+            // of the pattern in `RunShared::release`.
+            self.run.orch_waiting.store(true, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
             if !self.head_consumed(ring) {
                 self.parker.park_timeout(Duration::from_millis(2));
             }
-            self.run.orch_waiting.store(false, Ordering::SeqCst);
+            self.run.orch_waiting.store(false, Ordering::Relaxed);
         }
     }
 
@@ -140,7 +141,7 @@ impl Orchestrator {
             && self.run.arena.rings.rings[ring as usize]
                 .slot(c.reclaimed)
                 .state
-                .load(Ordering::SeqCst)
+                .load(Ordering::Acquire)
                 == state::CONSUMED
     }
 

@@ -316,13 +316,15 @@ impl RunShared {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
             // Store-buffer pattern against `Orchestrator::wait_for_room`, which stores
-            // `orch_waiting` and then loads the head's state: with both sides `SeqCst`, either
-            // the orchestrator sees CONSUMED or this side sees it waiting (and unparks it; an
-            // unpark before the park is kept as a token). Release/Acquire alone allowed both to
-            // miss, leaving the orchestrator parked until its 2 ms timeout.
+            // `orch_waiting`, fences, then loads the head's state: with a `SeqCst` fence on
+            // both sides, either the orchestrator sees CONSUMED or this side sees it waiting
+            // (and unparks it; an unpark before the park is kept as a token). Without the
+            // fences both could miss, leaving the orchestrator parked until its 2 ms timeout.
+            // Model-checked in `sleep::loom_tests::ring_room_wake_up_is_never_lost`.
             s.state
-                .store(crate::slot::state::CONSUMED, Ordering::SeqCst);
-            if self.orch_waiting.load(Ordering::SeqCst) {
+                .store(crate::slot::state::CONSUMED, Ordering::Release);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.orch_waiting.load(Ordering::Relaxed) {
                 self.orch_unparker.unpark();
             }
         }
