@@ -58,3 +58,58 @@ pub unsafe trait Platform: Send + Sync + 'static {
         body: Box<dyn FnOnce() + Send>,
     ) -> Result<JoinHandle<()>, PlatformError>;
 }
+
+/// Host memory for the core's unit tests (no platform crate is a dependency of the core).
+#[cfg(test)]
+pub(crate) mod test_memory {
+    use super::Memory;
+
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Line([u8; 64]);
+
+    /// Zeroed, 64-byte aligned host memory.
+    pub(crate) struct HostVec {
+        /// Owned (freed in `drop`); kept raw, because moving a `Box` would assert unique
+        /// access and invalidate the address handed out.
+        lines: *mut [Line],
+        addr: usize,
+        len: usize,
+    }
+
+    impl HostVec {
+        pub(crate) fn new(len: usize) -> HostVec {
+            let lines =
+                Box::into_raw(vec![Line([0; 64]); len.div_ceil(64).max(1)].into_boxed_slice());
+            // Exposed: the runtime keeps addresses as integers and casts them back.
+            let addr = lines.cast::<Line>().expose_provenance();
+            HostVec { lines, addr, len }
+        }
+    }
+
+    impl Drop for HostVec {
+        fn drop(&mut self) {
+            // SAFETY: `lines` came from `Box::into_raw` in `new` and is freed only here.
+            drop(unsafe { Box::from_raw(self.lines) });
+        }
+    }
+
+    // SAFETY: the memory is owned by the value and only reached through its address.
+    unsafe impl Send for HostVec {}
+    // SAFETY: as above; `&HostVec` only exposes the address and length.
+    unsafe impl Sync for HostVec {}
+
+    // SAFETY: `addr .. addr + len` lies in the allocation `lines`, which lives until drop;
+    // 64-byte aligned; host memory.
+    unsafe impl Memory for HostVec {
+        fn addr(&self) -> usize {
+            self.addr
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn host_accessible(&self) -> bool {
+            true
+        }
+    }
+}

@@ -633,3 +633,130 @@ unsafe fn slice_mut<'a, T: Element>(start: usize, lo: usize, hi: usize) -> &'a m
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::platform::Memory;
+    use crate::platform::test_memory::HostVec;
+    use crate::tensor::BufferId;
+
+    /// An 8x8 f32 matrix in host memory, as a view of buffer `id`.
+    fn matrix(mem: &HostVec) -> Tensor {
+        Tensor::new_contiguous(BufferId(1), mem.addr(), 256, DType::F32, &[8, 8]).unwrap()
+    }
+
+    fn desc(args: Vec<TensorArg>, blocks: u32) -> TaskDesc {
+        TaskDesc {
+            block_num: blocks,
+            args,
+            ..TaskDesc::empty()
+        }
+    }
+
+    fn arg(tag: ArgTag, tensor: Tensor) -> TensorArg {
+        TensorArg { tag, tensor }
+    }
+
+    /// The blocks' shares of one argument are held at the same time and written interleaved:
+    /// under Miri, overlapping `&mut` slices would be reported as undefined behaviour.
+    #[test]
+    fn block_shares_are_disjoint_while_held_together() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let rows = desc(vec![arg(ArgTag::InOut, m)], 3);
+        let ctxs: Vec<TaskCtx<'_>> = (0..3)
+            .map(|b| TaskCtx::new(&rows, b, 0, &cancel, None))
+            .collect();
+        let mut shares: Vec<RowsMut<'_, f32>> = ctxs
+            .iter()
+            .map(|c| c.write_block_rows::<f32>(0).unwrap())
+            .collect();
+        for r in 0..3 {
+            for (b, s) in shares.iter_mut().enumerate() {
+                if r < s.len() {
+                    s.row(r).fill(b as f32);
+                }
+            }
+        }
+        drop(shares);
+        let cols = desc(vec![arg(ArgTag::InOut, m)], 4);
+        let ctxs: Vec<TaskCtx<'_>> = (0..4)
+            .map(|b| TaskCtx::new(&cols, b, 0, &cancel, None))
+            .collect();
+        let mut shares: Vec<RowsMut<'_, f32>> = ctxs
+            .iter()
+            .map(|c| c.write_block_cols::<f32>(0, 2).unwrap())
+            .collect();
+        for s in shares.iter_mut() {
+            let c0 = s.first_col() as f32;
+            for row in s.iter_mut() {
+                row.fill(c0);
+            }
+        }
+        // A block asking for another split is refused while the others hold theirs.
+        assert!(ctxs[0].write_chunk::<f32>(0, 4).is_err());
+        drop(shares);
+        let chunks = desc(
+            vec![arg(ArgTag::OutputExisting, m.reshape(&[64]).unwrap())],
+            3,
+        );
+        let ctxs: Vec<TaskCtx<'_>> = (0..3)
+            .map(|b| TaskCtx::new(&chunks, b, 0, &cancel, None))
+            .collect();
+        let mut parts: Vec<&mut [f32]> = ctxs
+            .iter()
+            .map(|c| c.write_chunk::<f32>(0, 30).unwrap())
+            .collect();
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [30, 30, 4]
+        );
+        for (b, p) in parts.iter_mut().enumerate() {
+            p[0] = 100.0 + b as f32;
+        }
+        drop(parts);
+        // Read it back through the read accessors: whole view, strided tile rows, a
+        // transposed gather.
+        let read = desc(
+            vec![
+                arg(ArgTag::Input, m),
+                arg(
+                    ArgTag::Input,
+                    m.slice(0, 1, 3).unwrap().slice(1, 2, 5).unwrap(),
+                ),
+                arg(ArgTag::Input, m.transpose(0, 1).unwrap()),
+            ],
+            1,
+        );
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        let all = ctx.read::<f32>(0).unwrap();
+        assert_eq!(all[0], 100.0);
+        assert_eq!(all[30], 101.0);
+        assert_eq!(all[60], 102.0);
+        assert_eq!(all[1], 0.0);
+        assert_eq!(all[63], 6.0);
+        let tile = ctx.read_rows::<f32>(1).unwrap();
+        assert_eq!(
+            tile.iter().collect::<Vec<_>>(),
+            [&[2.0, 2.0, 4.0][..], &[2.0, 2.0, 4.0]]
+        );
+        let t = ctx.gather::<f32>(2).unwrap();
+        assert_eq!(t[8], all[1]);
+        // A written argument is borrowed once per block; a read one is never written.
+        let w = desc(vec![arg(ArgTag::InOut, m), arg(ArgTag::Input, m)], 1);
+        let ctx = TaskCtx::new(&w, 0, 0, &cancel, None);
+        let whole = ctx.write::<f32>(0).unwrap();
+        assert!(ctx.write::<f32>(0).is_err());
+        assert!(ctx.write::<f32>(1).is_err());
+        assert!(ctx.read::<f32>(0).is_err());
+        whole[0] = 1.0;
+        let s = desc(vec![arg(ArgTag::InOut, m.transpose(0, 1).unwrap())], 1);
+        let ctx = TaskCtx::new(&s, 0, 0, &cancel, None);
+        ctx.scatter::<f32>(0, &(0..64).map(|i| i as f32).collect::<Vec<_>>())
+            .unwrap();
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        assert_eq!(ctx.read::<f32>(0).unwrap()[1], 8.0);
+    }
+}
