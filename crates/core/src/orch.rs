@@ -100,11 +100,8 @@ pub struct Orchestrator {
 /// The orchestrator yields its CPU once this much time has passed since its last yield
 /// (checked every [`YIELD_CHECK`] submits). It shares the CPUs with the core threads (one per
 /// CPU by default), and a core woken onto the orchestrator's CPU otherwise waits for the
-/// orchestrator's time slice: at the start of a 0.6B decode step (~700 submits, ~1.5 ms) one of
-/// two cores sat idle for 0.4–1.5 ms; with these yields, 0.01–0.13 ms, and the step's idle share
-/// fell from 5.6–7.9% to 4.7–5.5%. Bounding the rate by time keeps the system calls off a fast
-/// orchestrator's path (empty tasks: a yield every 32 submits cost ~15% of the throughput; this
-/// rule, nothing measurable).
+/// orchestrator's whole time slice. Bounding the rate by time, not by submits, keeps the system
+/// calls off a fast orchestrator's path. Measurements: `docs/benchmarks.md`.
 const YIELD_INTERVAL_NS: u64 = 50_000;
 /// Submits between two looks at the clock for [`YIELD_INTERVAL_NS`].
 const YIELD_CHECK: u32 = 8;

@@ -1,5 +1,5 @@
 //! The orchestrator's only blocking point: waiting for ring room, with the provable deadlock
-//! checks of `01-runtime.md` and the 500 ms backstop.
+//! checks of `docs/runtime.md` ("When a run cannot proceed") and the 500 ms backstop.
 //!
 //! While the orchestrator waits, nothing it has not yet submitted can run, and no scope can end.
 //! So if the ring's oldest unreclaimed task belongs to a scope that is still open, the watermark

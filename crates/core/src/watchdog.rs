@@ -6,9 +6,10 @@
 //! (S1 a running task is stuck, S3 ready tasks but idle cores, S5 the orchestrator produces
 //! nothing, S4 nothing ready or running although tasks are pending) and fails the run. A block
 //! running longer than the op-execute timeout, or a run longer than the stream-sync timeout,
-//! fails it too. After a failure, a core still inside a kernel, or an orchestrator thread still
-//! inside the orchestration function, past a grace period is replaced by a fresh thread and the
-//! error is delivered to the waiting caller, so nothing hangs and the worker stays usable.
+//! fails it too. If the orchestration function is still running a grace period after a failure,
+//! the watchdog delivers the error to the waiting caller, replaces the orchestrator thread and
+//! the run's stuck cores, so nothing hangs and the worker stays usable (when the orchestration
+//! has returned, its thread does that recovery itself).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -2,9 +2,15 @@
 //! orchestrations one at a time (`run` blocks; `submit` returns a [`RunHandle`]).
 //!
 //! Threads of a worker: one per core (started through the platform), one orchestrator thread
-//! that executes queued runs, and one watchdog that enforces the timeouts. If a run fails while
-//! a kernel or the orchestration function is stuck in user code, the watchdog delivers the error
-//! and replaces the stuck thread, so the worker stays usable.
+//! that executes queued runs, and one watchdog that enforces the timeouts.
+//!
+//! Which run is current has one owner: the [`Registration`] the executing orchestrator thread
+//! holds (cores join the registered run, the watchdog watches it). When a run fails, its
+//! orchestrator thread waits (at most the grace period) for the cores to leave the run, hands
+//! cores still stuck in a kernel to new threads, and releases the run's buffers only once no
+//! core can touch them. If the orchestration function itself is stuck, the watchdog delivers
+//! the error, unregisters the run and gives the job queue to a new orchestrator thread; the old
+//! one, when it returns, cannot unregister the run that replaced it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
