@@ -345,7 +345,8 @@ impl Orchestrator {
             let m = cursor.meta_mut(local);
             if m.scope_seq == frame.seq && !m.scope_released {
                 m.scope_released = true;
-                self.run.release(TaskId::new(frame.ring, local));
+                self.run
+                    .release_by_orchestrator(TaskId::new(frame.ring, local));
             }
             local += 1;
         }
@@ -368,9 +369,61 @@ impl Orchestrator {
     /// Submits a task. Dependencies are found from its tensors (in auto scopes) and its
     /// explicit `after` list; outputs are allocated from the ring heap. Blocks while the ring
     /// has no room; fails (and stops the run) on a provable deadlock or invalid arguments.
-    pub fn submit(&mut self, task: Task) -> Result<Submitted, RunError> {
+    ///
+    /// The steps: [`validate`](Self::validate) the task and size its outputs,
+    /// [`collect_producers`](Self::collect_producers), wait for ring room (`wait_for_room`, the
+    /// only blocking point), [`fill`](Self::fill) the slot, [`wire`](Self::wire) the edges into
+    /// the producers' fan-out lists, and [`publish`](Self::publish) the task.
+    pub fn submit(&mut self, mut task: Task) -> Result<Submitted, RunError> {
         let t_submit = if self.run.swimlane >= 4 { now_ns() } else { 0 };
         self.check_fatal()?;
+        self.maybe_yield();
+        let c = self.validate(&task)?;
+        let (n_unique, entries) = self.collect_producers(&task, &c)?;
+        let heap_start =
+            self.wait_for_room(c.ring, c.block_bytes, n_unique as u64, entries, &c.kname)?;
+        let (local, block_addr, dep_start) = self.cursors[c.ring as usize].allocate(
+            heap_start,
+            c.block_bytes,
+            n_unique as u64,
+            c.scope_seq,
+        );
+        let id = TaskId::new(c.ring, local);
+        {
+            let f = self.scopes.last_mut().expect("scope");
+            f.tasks += 1;
+            f.heap += c.block_bytes;
+        }
+        let scope_kind = c.scope_kind;
+        let outputs = self.fill(c, &mut task, id, local, block_addr, dep_start, n_unique)?;
+        self.wire(id, dep_start, n_unique);
+        if self.diag.capturing() || self.diag.fingerprinting() {
+            let kernel = self
+                .run
+                .arena
+                .rings
+                .slot(id)
+                .desc()
+                .kernel
+                .as_ref()
+                .map(|k| k.id.0);
+            self.diag
+                .capture_edges(id, &self.producers, task.block_num, kernel);
+        }
+        self.publish(id, &task, scope_kind);
+        if self.run.swimlane >= 4 {
+            self.diag.submit_record(
+                id,
+                t_submit,
+                now_ns(),
+                self.run.swimlane_cap_per_core * self.run.cores.len(),
+            );
+        }
+        Ok(Submitted { id, outputs })
+    }
+
+    /// Yields the CPU now and then (see [`YIELD_INTERVAL_NS`]).
+    fn maybe_yield(&mut self) {
         self.submits = self.submits.wrapping_add(1);
         if self.submits.is_multiple_of(YIELD_CHECK) {
             let now = now_ns();
@@ -379,6 +432,11 @@ impl Orchestrator {
                 self.last_yield = now_ns();
             }
         }
+    }
+
+    /// Step 1: the kernel, the task's shape and its arguments' geometry, and the sizes of its
+    /// outputs in one heap block (every size checked).
+    fn validate(&self, task: &Task) -> Result<Checked, RunError> {
         let (scope_seq, scope_kind, ring) = {
             let f = self.scopes.last().expect("implicit scope");
             (f.seq, f.kind, f.ring)
@@ -403,7 +461,7 @@ impl Orchestrator {
             }
             None => "<dummy>".to_string(),
         };
-        self.validate_shape_of_task(&task, &kname, class)?;
+        self.validate_shape_of_task(task, &kname, class)?;
 
         // Outputs: sizes and the packed heap block.
         let mut block_bytes = 0u64;
@@ -458,13 +516,29 @@ impl Orchestrator {
                 .at(Locator { ring: Some(ring), kernel: Some(kname), ..Locator::default() }),
             ));
         }
+        Ok(Checked {
+            kernel,
+            class,
+            kname,
+            scope_seq,
+            scope_kind,
+            ring,
+            out_offsets,
+            block_bytes,
+        })
+    }
 
-        // Existing tensors: validity, then producers.
+    /// Step 2: each existing tensor's usability, then the producers the task waits for
+    /// (creator edges, the TensorMap's live writers — and for a written argument its live
+    /// readers — of overlapping bytes, explicit dependencies), deduplicated into
+    /// `self.producers[..n]`. Returns `n` and the dependency-map entries the task will add.
+    fn collect_producers(&mut self, task: &Task, c: &Checked) -> Result<(usize, u64), RunError> {
+        let (kname, scope_kind) = (c.kname.as_str(), c.scope_kind);
         self.producers.clear();
         let mut entries = 0u64;
         for (i, a) in task.args.iter().enumerate() {
             let ArgSpec::Tensor(tag, t) = a else { continue };
-            self.check_tensor_usable(i, *tag, t, &kname)?;
+            self.check_tensor_usable(i, *tag, t, kname)?;
             if matches!(tag, ArgTag::Input | ArgTag::InOut | ArgTag::OutputExisting) {
                 entries += 1;
             }
@@ -503,7 +577,7 @@ impl Orchestrator {
             }
         }
         for &d in &task.deps {
-            self.validate_explicit_dep(d, &kname)?;
+            self.validate_explicit_dep(d, kname)?;
             self.producers.push(Producer {
                 task: d,
                 source: EdgeSource::Explicit,
@@ -511,23 +585,31 @@ impl Orchestrator {
                 wait: true,
             });
         }
-        let n_unique = dedup_count(&mut self.producers);
+        Ok((dedup_count(&mut self.producers), entries))
+    }
 
-        // Room in the ring (may wait; fails on a provable deadlock).
-        let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, entries, &kname)?;
-        let (local, block_addr, dep_start) = self.cursors[ring as usize].allocate(
-            heap_start,
-            block_bytes,
-            n_unique as u64,
-            scope_seq,
-        );
-        let id = TaskId::new(ring, local);
-        {
-            let f = self.scopes.last_mut().expect("scope");
-            f.tasks += 1;
-            f.heap += block_bytes;
-        }
-
+    /// Step 4, once the room is allocated: the arguments as the kernel sees them (outputs
+    /// placed in the heap block at `block_addr`) and the slot's contents. Nobody else looks at
+    /// the slot until it is published. Returns the outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn fill(
+        &mut self,
+        c: Checked,
+        task: &mut Task,
+        id: TaskId,
+        local: u32,
+        block_addr: usize,
+        dep_start: u64,
+        n_unique: usize,
+    ) -> Result<Vec<Tensor>, RunError> {
+        let Checked {
+            kernel,
+            class,
+            kname,
+            scope_kind,
+            out_offsets,
+            ..
+        } = c;
         // Arguments as the kernel sees them.
         let mut args = Vec::with_capacity(task.args.len());
         let mut outputs = Vec::new();
@@ -577,9 +659,7 @@ impl Orchestrator {
             );
         }
 
-        // Publish the slot's contents (nobody else looks at this slot until it is published).
-        let rings = &self.run.arena.rings;
-        let slot = rings.slot(id);
+        let slot = self.run.arena.rings.slot(id);
         slot.local.store(local, Ordering::Relaxed);
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
@@ -602,10 +682,10 @@ impl Orchestrator {
                 block_num: task.block_num,
                 sync_start: task.sync_start,
                 args,
-                scalars: task.scalars,
+                scalars: std::mem::take(&mut task.scalars),
                 predicate: task.predicate,
                 timing_slot: task.timing_slot,
-                splits: Default::default(),
+                splits: crate::kernel::Splits::new(task.block_num, task.args.len()),
             };
             match Arc::get_mut(&mut d) {
                 Some(slot_desc) => *slot_desc = fresh,
@@ -614,10 +694,17 @@ impl Orchestrator {
         }
         self.run.outstanding.fetch_add(1, Ordering::AcqRel);
         self.run.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(outputs)
+    }
 
-        // Wire edges. The fan-in count is raised *before* an edge becomes visible in the
-        // producer's list (under its lock): the producer may complete the moment the lock is
-        // released, and its decrement must never meet a count that lacks its own increment.
+    /// Step 5: links the task's edges into its producers' fan-out lists. The fan-in count is
+    /// raised *before* an edge becomes visible in the producer's list (under its lock): the
+    /// producer may complete the moment the lock is released, and its decrement must never
+    /// meet a count that lacks its own increment.
+    fn wire(&self, id: TaskId, dep_start: u64, n_unique: usize) {
+        let ring = id.ring();
+        let rings = &self.run.arena.rings;
+        let slot = rings.slot(id);
         let ring_slots = &rings.rings[ring as usize];
         for (i, p) in self.producers[..n_unique].iter().enumerate() {
             let pos = dep_start + i as u64;
@@ -639,15 +726,11 @@ impl Orchestrator {
             }
         }
         self.run.edges.fetch_add(n_unique as u64, Ordering::Relaxed);
-        if self.diag.capturing() || self.diag.fingerprinting() {
-            self.diag.capture_edges(
-                id,
-                &self.producers,
-                task.block_num,
-                slot.desc().kernel.as_ref().map(|k| k.id.0),
-            );
-        }
+    }
 
+    /// Step 6: the dependency map learns the task's accesses, and the submit guard drops: the
+    /// task is ready now if every producer has completed.
+    fn publish(&mut self, id: TaskId, task: &Task, scope_kind: ScopeKind) {
         // The dependency map learns the new readers and writers. A writer retires the entries
         // its region covers only if it waited for them (an auto scope).
         for a in &task.args {
@@ -660,7 +743,7 @@ impl Orchestrator {
             }
         }
 
-        // Drop the submit guard: ready now if every producer has completed.
+        let slot = self.run.arena.rings.slot(id);
         if slot.fanin.fetch_sub(1, Ordering::AcqRel) == 1 {
             let mut work = Vec::new();
             self.run.on_ready(id, None, None, &mut work);
@@ -674,16 +757,21 @@ impl Orchestrator {
                 }
             }
         }
-        if self.run.swimlane >= 4 {
-            self.diag.submit_record(
-                id,
-                t_submit,
-                now_ns(),
-                self.run.swimlane_cap_per_core * self.run.cores.len(),
-            );
-        }
-        Ok(Submitted { id, outputs })
     }
+}
+
+/// What validating a task found: its kernel, scope and ring, and its output block.
+struct Checked {
+    kernel: Option<Arc<crate::kernel::KernelSpec>>,
+    class: EngineClass,
+    kname: String,
+    scope_seq: u64,
+    scope_kind: ScopeKind,
+    ring: u8,
+    /// Offset of each output in the task's heap block.
+    out_offsets: Vec<u64>,
+    /// Size of the block (every output padded to `OUTPUT_ALIGN`).
+    block_bytes: u64,
 }
 
 /// Sorts producers so that each task appears once in the prefix `..n` (first occurrence kept in

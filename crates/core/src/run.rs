@@ -310,8 +310,19 @@ impl RunShared {
         }
     }
 
-    /// Drops a reference to `id`; the last one marks it consumed (and wakes a waiting
-    /// orchestrator).
+    /// The orchestrator drops its own reference to `id` (its scope ended); the last one marks it
+    /// consumed. The orchestrator is not waiting while it does this, so no wake-up (and no
+    /// fence: a scope's end releases thousands of tasks in a row, on the thread that submits).
+    pub(crate) fn release_by_orchestrator(&self, id: TaskId) {
+        let s = self.slot(id);
+        if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            s.state
+                .store(crate::slot::state::CONSUMED, Ordering::Release);
+        }
+    }
+
+    /// Drops a reference to `id` (from a core, or from a completion on any thread); the last
+    /// one marks it consumed and wakes the orchestrator if it waits for ring room.
     pub(crate) fn release(&self, id: TaskId) {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {

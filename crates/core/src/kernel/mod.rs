@@ -156,11 +156,20 @@ pub(crate) struct TaskDesc {
 /// `write_block_rows`, `write_block_cols` with its granule), and a block asking for another
 /// split fails instead of getting a share that overlaps another block's. Shares of one split
 /// are disjoint by construction, so fixing the split is what keeps every block's `&mut` apart.
-pub(crate) struct Splits([AtomicU64; crate::task::MAX_TENSOR_ARGS]);
+///
+/// Single-block tasks need no record (one block, and `claim` stops double borrows) and carry an
+/// empty one, so the common task's descriptor stays small.
+#[derive(Default)]
+pub(crate) struct Splits(Box<[AtomicU64]>);
 
-impl Default for Splits {
-    fn default() -> Splits {
-        Splits([const { AtomicU64::new(0) }; crate::task::MAX_TENSOR_ARGS])
+impl Splits {
+    /// The record for a task of `blocks` blocks and `args` tensor arguments.
+    pub(crate) fn new(blocks: u32, args: usize) -> Splits {
+        if blocks > 1 {
+            Splits((0..args).map(|_| AtomicU64::new(0)).collect())
+        } else {
+            Splits::default()
+        }
     }
 }
 
@@ -391,9 +400,16 @@ impl<'a> TaskCtx<'a> {
         if self.desc.block_num == 1 {
             return Ok(());
         }
+        let Some(slot) = self.desc.splits.0.get(i) else {
+            // Descriptors built without a record (tests) have one block.
+            return Err(KernelError::new(format!(
+                "argument {i}: no split record for a task of {} blocks",
+                self.desc.block_num
+            )));
+        };
         let param = (param as u64).min((1 << Split::PARAM_BITS) - 1);
         let code = ((split as u64) << Split::PARAM_BITS) | param;
-        match self.desc.splits.0[i].compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire) {
+        match slot.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => Ok(()),
             Err(fixed) if fixed == code => Ok(()),
             Err(fixed) => Err(KernelError::new(format!(
@@ -649,6 +665,7 @@ mod tests {
     fn desc(args: Vec<TensorArg>, blocks: u32) -> TaskDesc {
         TaskDesc {
             block_num: blocks,
+            splits: Splits::new(blocks, args.len()),
             args,
             ..TaskDesc::empty()
         }
