@@ -17,7 +17,7 @@ use crate::ring::RingCursor;
 use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
-use crate::worker::{Inner, Job};
+use crate::worker::{Job, WorkerShared};
 
 /// Per-process invocation counter.
 static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
@@ -29,7 +29,7 @@ fn iv(start_ns: u64, end_ns: u64) -> Interval {
     }
 }
 
-pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> {
+pub(crate) fn execute(inner: &Arc<WorkerShared>, job: Job) -> Result<RunReport, Error> {
     let host0 = now_ns();
     // bind: the run's buffers become unavailable to host copies until the run releases them.
     let bound = BoundBuffers::default();
@@ -54,7 +54,7 @@ pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> 
 }
 
 fn run_bound(
-    inner: &Arc<Inner>,
+    inner: &Arc<WorkerShared>,
     job: &Job,
     host0: u64,
     bind1: u64,
@@ -73,7 +73,7 @@ fn run_bound(
     let run = Arc::new(RunShared {
         epoch,
         arena: arena.clone(),
-        hub: inner.hub.clone(),
+        core_pool: inner.core_pool.clone(),
         registry: inner
             .registry
             .lock()
@@ -86,7 +86,7 @@ fn run_bound(
         submitted: AtomicU64::new(0),
         skipped: AtomicU64::new(0),
         edges: AtomicU64::new(0),
-        gate_open: AtomicBool::new(!serial),
+        dispatch_open: AtomicBool::new(!serial),
         bound,
         finished: AtomicBool::new(false),
         orch_done: AtomicBool::new(false),
@@ -111,7 +111,7 @@ fn run_bound(
         host_memory: inner.info.host_kernels,
     });
     let parked = arena
-        .orch_state
+        .parked_orchestrator
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .take();
@@ -146,7 +146,7 @@ fn run_bound(
     // Launch: cores join the run, the watchdog starts watching it.
     let launch = now_ns();
     run.sched_start.store(launch, Ordering::Release);
-    let registration = inner.hub.register(run.clone(), job.result.clone());
+    let registration = inner.core_pool.register(run.clone(), job.result.clone());
 
     let orch0 = now_ns();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -165,8 +165,8 @@ fn run_bound(
     let orch1 = now_ns();
     finish_orchestration(&mut orch, outcome);
     if serial {
-        run.gate_open.store(true, Ordering::Release);
-        inner.hub.sleep.notify_all();
+        run.dispatch_open.store(true, Ordering::Release);
+        inner.core_pool.sleep.notify_all();
     }
     // The watchdog fails the run (and so ends this wait) if it stops making progress.
     while !run.wait_done(Duration::from_millis(200)) {}
@@ -175,7 +175,7 @@ fn run_bound(
 
     // Validate: stop the cores, collect errors and diagnostics.
     run.finished.store(true, Ordering::SeqCst);
-    inner.hub.sleep.notify_all();
+    inner.core_pool.sleep.notify_all();
     // When every task completed, no kernel runs any more and the bound buffers can go at once
     // (waiting only for the swimlane records a core pushes just after its last completion).
     // Otherwise a core may still be inside a kernel that ignores cancellation: the buffers stay
@@ -194,7 +194,7 @@ fn run_bound(
     }
     drop(registration);
     if let Some(e) = run.fatal.get().cloned() {
-        park_orch_state(&arena, orch);
+        park_orchestrator(&arena, orch);
         drop(run);
         *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
         return Err(e.into());
@@ -246,7 +246,7 @@ fn run_bound(
     }
     orch.map.sweep(&arena.rings);
     report.tensormap_final = orch.map.len();
-    park_orch_state(&arena, orch);
+    park_orchestrator(&arena, orch);
     let validate1 = now_ns();
     report.validate = iv(runner1, validate1);
     report.host_wall = iv(host0, validate1);
@@ -282,12 +282,15 @@ fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) 
     orch.run.finish_one();
 }
 
-fn park_orch_state(arena: &Arena, orch: Orchestrator) {
+fn park_orchestrator(arena: &Arena, orch: Orchestrator) {
     let (cursors, map) = orch.into_state();
-    *arena.orch_state.lock().unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
+    *arena
+        .parked_orchestrator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
 }
 
-fn take_arena(inner: &Inner, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
+fn take_arena(inner: &WorkerShared, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
     let cached = inner.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(a) = cached.filter(|a| a.sizes == sizes) {
         // Cores drop their handle on the previous run just after leaving it; give them a moment

@@ -660,7 +660,7 @@ impl Orchestrator {
         }
 
         let slot = self.run.arena.rings.slot(id);
-        slot.local.store(local, Ordering::Relaxed);
+        slot.task_local.store(local, Ordering::Relaxed);
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
         slot.refs.store(2, Ordering::Relaxed);
@@ -711,7 +711,7 @@ impl Orchestrator {
             let entry = ring_slots.entry_at(pos);
             entry.consumer.store(id.0, Ordering::Relaxed);
             let ps = rings.slot(p.task);
-            if ps.local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
+            if ps.task_local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
                 entry.producer.store(p.task.0, Ordering::Relaxed);
                 if p.wait {
                     let mut f = ps.fanout();
@@ -753,7 +753,7 @@ impl Orchestrator {
                 self.run.complete(t, None, &mut next, &mut work);
                 if let Some(n) = next {
                     self.run.queue(self.run.slot(n).desc().class).push(n);
-                    self.run.hub.sleep.notify_one();
+                    self.run.core_pool.sleep.notify_one();
                 }
             }
         }

@@ -108,7 +108,7 @@ impl Orchestrator {
             loop {
                 self.check_fatal()?;
                 let s = self.run.arena.rings.slot(p);
-                if s.local.load(Ordering::Acquire) != p.local()
+                if s.task_local.load(Ordering::Acquire) != p.local()
                     || s.state.load(Ordering::Acquire) >= state::COMPLETED
                 {
                     break;

@@ -18,7 +18,7 @@ use crate::slot::{RingSlots, Rings};
 use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
 use crate::tensormap::TensorMap;
 use crate::trace::{PhaseRecord, QueueDepthSample, TaskRecord};
-use crate::worker::Hub;
+use crate::worker::CorePool;
 
 /// Ring arrays and heap memory; kept by the worker across runs of the same sizes.
 pub(crate) struct Arena {
@@ -27,7 +27,7 @@ pub(crate) struct Arena {
     pub(crate) heaps: Vec<Box<dyn Memory>>,
     /// The orchestrator's cursors and dependency map, parked here between runs so a run does
     /// not rebuild them (only the orchestrator thread takes them).
-    pub(crate) orch_state: Mutex<Option<(Vec<RingCursor>, TensorMap)>>,
+    pub(crate) parked_orchestrator: Mutex<Option<(Vec<RingCursor>, TensorMap)>>,
 }
 
 impl Arena {
@@ -42,7 +42,7 @@ impl Arena {
             sizes,
             rings: Rings { rings },
             heaps,
-            orch_state: Mutex::new(None),
+            parked_orchestrator: Mutex::new(None),
         })
     }
 }
@@ -184,7 +184,7 @@ pub(crate) struct RunShared {
     /// The run's process-unique epoch (also carried by its outputs).
     pub(crate) epoch: u64,
     pub(crate) arena: Arc<Arena>,
-    pub(crate) hub: Arc<Hub>,
+    pub(crate) core_pool: Arc<CorePool>,
     pub(crate) registry: Arc<Registry>,
     pub(crate) queues: [Injector<TaskId>; 3],
     pub(crate) fatal: FatalLatch,
@@ -195,7 +195,7 @@ pub(crate) struct RunShared {
     pub(crate) skipped: AtomicU64,
     pub(crate) edges: AtomicU64,
     /// Closed in serial mode until the orchestration returns.
-    pub(crate) gate_open: AtomicBool,
+    pub(crate) dispatch_open: AtomicBool,
     /// The user buffers bound to this run.
     pub(crate) bound: BoundBuffers,
     /// Set when the run is over (success or failure): cores leave.
@@ -242,7 +242,7 @@ impl RunShared {
         if self.fatal.error.set(err).is_ok() {
             self.fatal.stop.store(true, Ordering::Release);
             self.cancel.store(true, Ordering::Release);
-            self.hub.sleep.notify_all();
+            self.core_pool.sleep.notify_all();
             self.orch_unparker.unpark();
             self.signal_done();
         }

@@ -77,11 +77,11 @@ impl RunShared {
         loop {
             if self.finished.load(Ordering::SeqCst)
                 || self.stopped()
-                || !self.hub.is_current_generation(core, generation)
+                || !self.core_pool.is_current_generation(core, generation)
             {
                 break;
             }
-            if !self.gate_open.load(Ordering::Acquire) {
+            if !self.dispatch_open.load(Ordering::Acquire) {
                 self.idle(&mut cx);
                 continue;
             }
@@ -117,7 +117,7 @@ impl RunShared {
     fn has_work(&self) -> bool {
         self.finished.load(Ordering::Acquire)
             || self.stopped()
-            || (self.gate_open.load(Ordering::Acquire)
+            || (self.dispatch_open.load(Ordering::Acquire)
                 && (!self.queues_empty() || self.gang_pending.load(Ordering::Acquire)))
     }
 
@@ -140,11 +140,11 @@ impl RunShared {
                 std::hint::spin_loop();
             }
         }
-        self.hub.sleep.announce(cx.core);
-        if !self.has_work() && !self.hub.shutdown.load(Ordering::Acquire) {
+        self.core_pool.sleep.announce(cx.core);
+        if !self.has_work() && !self.core_pool.shutdown.load(Ordering::Acquire) {
             cx.parker.park_timeout(PARK);
         }
-        self.hub.sleep.withdraw(cx.core);
+        self.core_pool.sleep.withdraw(cx.core);
         self.phase_end(cx, SchedPhase::Idle, t0);
     }
 
@@ -161,7 +161,7 @@ impl RunShared {
         }
         if b + 1 < desc.block_num {
             self.queue(desc.class).push(t);
-            self.hub.sleep.notify_one();
+            self.core_pool.sleep.notify_one();
         }
         self.exec_block(cx, t, &desc, b, None);
     }
@@ -184,7 +184,7 @@ impl RunShared {
             });
             self.gang_pending.store(true, Ordering::Release);
             drop(g);
-            self.hub.sleep.notify_all();
+            self.core_pool.sleep.notify_all();
         }
         barrier.wait();
         if !self.stopped() {
@@ -377,13 +377,15 @@ impl RunShared {
         slot.state.store(state::READY, Ordering::Release);
         match next {
             Some(n)
-                if n.is_none() && !desc.sync_start && self.gate_open.load(Ordering::Relaxed) =>
+                if n.is_none()
+                    && !desc.sync_start
+                    && self.dispatch_open.load(Ordering::Relaxed) =>
             {
                 *n = Some(t)
             }
             _ => {
                 self.queue(desc.class).push(t);
-                self.hub.sleep.notify_one();
+                self.core_pool.sleep.notify_one();
                 if self.swimlane >= 3 {
                     let c = core.unwrap_or(0);
                     let sample = QueueDepthSample {

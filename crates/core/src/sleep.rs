@@ -166,7 +166,7 @@ mod loom_tests {
                 w2.store(true, Ordering::Relaxed);
                 s2.notify_one();
             });
-            // The core side, as in `RunShared::idle` and `Hub::core_main`.
+            // The core side, as in `RunShared::idle` and `CorePool::core_main`.
             loop {
                 sleep.announce(0);
                 if work.load(Ordering::Relaxed) {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
 use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
-use crate::worker::Inner;
+use crate::worker::WorkerShared;
 
 struct Watch {
     started: Instant,
@@ -31,16 +31,17 @@ struct Watch {
     recovered: bool,
 }
 
-pub(crate) fn run(inner: &Arc<Inner>) {
+pub(crate) fn run(inner: &Arc<WorkerShared>) {
     let t = inner.timeouts;
     let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
     let mut watch: Option<(u64, Watch)> = None;
     loop {
-        if inner.closed.load(Ordering::Acquire) && inner.hub.shutdown.load(Ordering::Acquire) {
+        if inner.closed.load(Ordering::Acquire) && inner.core_pool.shutdown.load(Ordering::Acquire)
+        {
             return;
         }
         let Some(crate::worker::ActiveRun { run, result }) =
-            inner.hub.wait_current(Duration::from_millis(100))
+            inner.core_pool.wait_current(Duration::from_millis(100))
         else {
             watch = None;
             continue;
@@ -100,7 +101,7 @@ fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
     }
 }
 
-fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<RunError> {
+fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> Option<RunError> {
     let t = inner.timeouts;
     if now - w.started > t.stream_sync {
         return Some(RunError::new(
@@ -210,7 +211,11 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
 /// and hand the run's stuck cores to new threads (the orchestrator thread does that itself
 /// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
 /// threads hold it.
-fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker::JobResult>) {
+fn recover(
+    inner: &Arc<WorkerShared>,
+    run: &Arc<RunShared>,
+    result: &Arc<crate::worker::JobResult>,
+) {
     // Once the orchestration function has returned, the orchestrator thread is in runtime code
     // that ends within the grace period (it retires stuck cores itself): nothing to take over.
     if !result.is_delivered() && !run.orch_done.load(Ordering::Acquire) {
@@ -220,9 +225,9 @@ fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker:
             .cloned()
             .expect("stopped runs have an error");
         run.finished.store(true, Ordering::SeqCst);
-        inner.hub.sleep.notify_all();
+        inner.core_pool.sleep.notify_all();
         inner.retire_stuck_cores(run);
-        inner.hub.unregister(run);
+        inner.core_pool.unregister(run);
         let _ = inner.replace_orchestrator();
         result.deliver(Err(err.into()));
     }

@@ -54,7 +54,7 @@ pub struct WorkerConfig {
 }
 
 /// Coordination between the worker, its core threads and its watchdog.
-pub(crate) struct Hub {
+pub(crate) struct CorePool {
     pub(crate) sleep: Sleep,
     /// The run being executed: the one place that says which run is current. Set and cleared
     /// only through a [`Registration`]; cores join what it holds, the watchdog watches it.
@@ -80,7 +80,7 @@ pub(crate) struct ActiveRun {
 /// orchestrator thread started meanwhile). Dropped while unwinding from a runtime fault, it
 /// first fails the run and stops its cores.
 pub(crate) struct Registration<'a> {
-    hub: &'a Hub,
+    core_pool: &'a CorePool,
     run: Arc<RunShared>,
 }
 
@@ -94,11 +94,11 @@ impl Drop for Registration<'_> {
             ));
             self.run.finished.store(true, Ordering::SeqCst);
         }
-        self.hub.unregister(&self.run);
+        self.core_pool.unregister(&self.run);
     }
 }
 
-impl Hub {
+impl CorePool {
     pub(crate) fn is_current_generation(&self, core: usize, generation: u64) -> bool {
         self.core_gen[core].load(Ordering::Acquire) == generation
     }
@@ -112,7 +112,10 @@ impl Hub {
         self.run_seq.fetch_add(1, Ordering::AcqRel);
         self.registered.notify_all();
         self.sleep.notify_all();
-        Registration { hub: self, run }
+        Registration {
+            core_pool: self,
+            run,
+        }
     }
 
     /// Unregisters `run` if it is still the current run.
@@ -269,10 +272,12 @@ pub(crate) struct Job {
     pub(crate) result: Arc<JobResult>,
 }
 
-pub(crate) struct Inner {
+/// What the worker's handle, its orchestrator thread and its watchdog share: the platform, the
+/// core pool, registered kernels and orchestrations, the job queue and the cached arena.
+pub(crate) struct WorkerShared {
     pub(crate) platform: Arc<dyn Platform>,
     pub(crate) info: PlatformInfo,
-    pub(crate) hub: Arc<Hub>,
+    pub(crate) core_pool: Arc<CorePool>,
     pub(crate) n_cores: usize,
     pub(crate) registry: Mutex<Arc<Registry>>,
     orchestrations: Mutex<HashMap<String, OrchFn>>,
@@ -288,7 +293,7 @@ pub(crate) struct Inner {
 
 /// A worker: cores of one platform, ready to run orchestrations.
 pub struct Worker {
-    inner: Arc<Inner>,
+    inner: Arc<WorkerShared>,
 }
 
 impl Worker {
@@ -324,7 +329,7 @@ impl Worker {
             std::env::var(k).ok()
         }));
         let parkers: Vec<Parker> = (0..n_cores).map(|_| Parker::new()).collect();
-        let hub = Arc::new(Hub {
+        let core_pool = Arc::new(CorePool {
             sleep: Sleep::new(parkers.iter().map(|p| p.unparker().clone()).collect()),
             current: Mutex::new(None),
             registered: Condvar::new(),
@@ -332,10 +337,10 @@ impl Worker {
             shutdown: AtomicBool::new(false),
             core_gen: (0..n_cores).map(|_| AtomicU64::new(0)).collect(),
         });
-        let inner = Arc::new(Inner {
+        let inner = Arc::new(WorkerShared {
             platform,
             info,
-            hub,
+            core_pool,
             n_cores,
             registry: Mutex::new(Arc::new(Registry::default())),
             orchestrations: Mutex::new(HashMap::new()),
@@ -531,17 +536,18 @@ impl Drop for Worker {
     }
 }
 
-impl Inner {
+impl WorkerShared {
     fn spawn_core(
         self: &Arc<Self>,
         i: usize,
         generation: u64,
         parker: Parker,
     ) -> Result<(), PlatformError> {
-        let hub = self.hub.clone();
-        let h = self
-            .platform
-            .spawn_core(i, Box::new(move || hub.core_main(i, generation, parker)))?;
+        let core_pool = self.core_pool.clone();
+        let h = self.platform.spawn_core(
+            i,
+            Box::new(move || core_pool.core_main(i, generation, parker)),
+        )?;
         self.threads
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -560,7 +566,7 @@ impl Inner {
                 continue;
             }
             let generation = inside - 1;
-            if self.hub.core_gen[i]
+            if self.core_pool.core_gen[i]
                 .compare_exchange(
                     generation,
                     generation + 1,
@@ -570,7 +576,7 @@ impl Inner {
                 .is_ok()
             {
                 let parker = Parker::new();
-                self.hub.sleep.replace(i, parker.unparker().clone());
+                self.core_pool.sleep.replace(i, parker.unparker().clone());
                 // Without a thread the core stays missing; later runs still complete on the
                 // others.
                 let _ = self.spawn_core(i, generation + 1, parker);
@@ -640,15 +646,15 @@ impl Inner {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .is_empty();
-            let active = self.hub.current().is_some();
+            let active = self.core_pool.current().is_some();
             if !pending && !active {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        self.hub.shutdown.store(true, Ordering::Release);
-        self.hub.sleep.notify_all();
-        self.hub.registered.notify_all();
+        self.core_pool.shutdown.store(true, Ordering::Release);
+        self.core_pool.sleep.notify_all();
+        self.core_pool.registered.notify_all();
         let threads: Vec<JoinHandle<()>> =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for h in threads {
