@@ -369,11 +369,9 @@ impl Orchestrator {
     /// Submits a task. Dependencies are found from its tensors (in auto scopes) and its
     /// explicit `after` list; outputs are allocated from the ring heap. Blocks while the ring
     /// has no room; fails (and stops the run) on a provable deadlock or invalid arguments.
-    ///
-    /// The steps: [`validate`](Self::validate) the task and size its outputs,
-    /// [`collect_producers`](Self::collect_producers), wait for ring room (`wait_for_room`, the
-    /// only blocking point), [`fill`](Self::fill) the slot, [`wire`](Self::wire) the edges into
-    /// the producers' fan-out lists, and [`publish`](Self::publish) the task.
+    // The steps, each a method below: validate the task and size its outputs, collect its
+    // producers, wait for ring room (the only blocking point), fill the slot, wire the edges
+    // into the producers' fan-out lists, and publish the task.
     pub fn submit(&mut self, mut task: Task) -> Result<Submitted, RunError> {
         let t_submit = if self.run.swimlane >= 4 { now_ns() } else { 0 };
         self.check_fatal()?;
