@@ -73,7 +73,7 @@ fn run_bound(
     let run = Arc::new(RunShared {
         epoch,
         arena: arena.clone(),
-        core_pool: inner.core_pool.clone(),
+        wake: inner.core_pool.wake.clone(),
         registry: inner
             .registry
             .lock()
@@ -166,7 +166,7 @@ fn run_bound(
     finish_orchestration(&mut orch, outcome);
     if serial {
         run.dispatch_open.store(true, Ordering::Release);
-        inner.core_pool.sleep.notify_all();
+        inner.core_pool.wake.sleep.notify_all();
     }
     // The watchdog fails the run (and so ends this wait) if it stops making progress.
     while !run.wait_done(Duration::from_millis(200)) {}
@@ -175,7 +175,7 @@ fn run_bound(
 
     // Validate: stop the cores, collect errors and diagnostics.
     run.finished.store(true, Ordering::SeqCst);
-    inner.core_pool.sleep.notify_all();
+    inner.core_pool.wake.sleep.notify_all();
     // When every task completed, no kernel runs any more and the bound buffers can go at once
     // (waiting only for the swimlane records a core pushes just after its last completion).
     // Otherwise a core may still be inside a kernel that ignores cancellation: the buffers stay

@@ -751,7 +751,7 @@ impl Orchestrator {
                 self.run.complete(t, None, &mut next, &mut work);
                 if let Some(n) = next {
                     self.run.queue(self.run.slot(n).desc().class).push(n);
-                    self.run.core_pool.sleep.notify_one();
+                    self.run.wake.sleep.notify_one();
                 }
             }
         }

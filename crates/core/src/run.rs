@@ -14,11 +14,11 @@ use crate::error::{PlatformError, RunError};
 use crate::kernel::Registry;
 use crate::platform::{Memory, Platform};
 use crate::ring::RingCursor;
+use crate::sleep::CoreWake;
 use crate::slot::{RingSlots, Rings};
 use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
 use crate::tensormap::TensorMap;
 use crate::trace::{PhaseRecord, QueueDepthSample, TaskRecord};
-use crate::worker::CorePool;
 
 /// Ring arrays and heap memory; kept by the worker across runs of the same sizes.
 pub(crate) struct Arena {
@@ -184,7 +184,9 @@ pub(crate) struct RunShared {
     /// The run's process-unique epoch (also carried by its outputs).
     pub(crate) epoch: u64,
     pub(crate) arena: Arc<Arena>,
-    pub(crate) core_pool: Arc<CorePool>,
+    /// Wakes the cores and tells replaced core threads to leave (the run's only view of the
+    /// core pool).
+    pub(crate) wake: Arc<CoreWake>,
     pub(crate) registry: Arc<Registry>,
     pub(crate) queues: [Injector<TaskId>; 3],
     pub(crate) fatal: FatalLatch,
@@ -242,7 +244,7 @@ impl RunShared {
         if self.fatal.error.set(err).is_ok() {
             self.fatal.stop.store(true, Ordering::Release);
             self.cancel.store(true, Ordering::Release);
-            self.core_pool.sleep.notify_all();
+            self.wake.sleep.notify_all();
             self.orch_unparker.unpark();
             self.signal_done();
         }

@@ -77,7 +77,7 @@ impl RunShared {
         loop {
             if self.finished.load(Ordering::SeqCst)
                 || self.stopped()
-                || !self.core_pool.is_current_generation(core, generation)
+                || !self.wake.is_current_generation(core, generation)
             {
                 break;
             }
@@ -140,11 +140,11 @@ impl RunShared {
                 std::hint::spin_loop();
             }
         }
-        self.core_pool.sleep.announce(cx.core);
-        if !self.has_work() && !self.core_pool.shutdown.load(Ordering::Acquire) {
+        self.wake.sleep.announce(cx.core);
+        if !self.has_work() && !self.wake.shutdown.load(Ordering::Acquire) {
             cx.parker.park_timeout(PARK);
         }
-        self.core_pool.sleep.withdraw(cx.core);
+        self.wake.sleep.withdraw(cx.core);
         self.phase_end(cx, SchedPhase::Idle, t0);
     }
 
@@ -161,7 +161,7 @@ impl RunShared {
         }
         if b + 1 < desc.block_num {
             self.queue(desc.class).push(t);
-            self.core_pool.sleep.notify_one();
+            self.wake.sleep.notify_one();
         }
         self.exec_block(cx, t, &desc, b, None);
     }
@@ -184,7 +184,7 @@ impl RunShared {
             });
             self.gang_pending.store(true, Ordering::Release);
             drop(g);
-            self.core_pool.sleep.notify_all();
+            self.wake.sleep.notify_all();
         }
         barrier.wait();
         if !self.stopped() {
@@ -385,7 +385,7 @@ impl RunShared {
             }
             _ => {
                 self.queue(desc.class).push(t);
-                self.core_pool.sleep.notify_one();
+                self.wake.sleep.notify_one();
                 if self.swimlane >= 3 {
                     let c = core.unwrap_or(0);
                     let sample = QueueDepthSample {

@@ -100,6 +100,48 @@ impl<U: Wake> Sleep<U> {
     }
 }
 
+/// What a run needs of the cores it runs on: waking them (the sleep protocol above), telling
+/// them the worker shuts down, and telling a core thread that was replaced (its core handed to
+/// a new thread) to leave.
+pub(crate) struct CoreWake {
+    pub(crate) sleep: Sleep,
+    pub(crate) shutdown: std::sync::atomic::AtomicBool,
+    /// Per core: the generation of the thread that currently owns it.
+    generation: Box<[std::sync::atomic::AtomicU64]>,
+}
+
+impl CoreWake {
+    pub(crate) fn new(sleep: Sleep) -> CoreWake {
+        let n = sleep.flags.len();
+        CoreWake {
+            sleep,
+            shutdown: std::sync::atomic::AtomicBool::new(false),
+            generation: (0..n)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        }
+    }
+
+    /// Whether the thread of generation `generation` still owns core `core`.
+    pub(crate) fn is_current_generation(&self, core: usize, generation: u64) -> bool {
+        self.generation[core].load(std::sync::atomic::Ordering::Acquire) == generation
+    }
+
+    /// Takes core `core` from the thread of generation `generation` (for generation + 1);
+    /// false if that thread no longer owns it.
+    pub(crate) fn retire(&self, core: usize, generation: u64) -> bool {
+        use std::sync::atomic::Ordering;
+        self.generation[core]
+            .compare_exchange(
+                generation,
+                generation + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;

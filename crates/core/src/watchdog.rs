@@ -36,11 +36,12 @@ pub(crate) fn run(inner: &Arc<WorkerShared>) {
     let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
     let mut watch: Option<(u64, Watch)> = None;
     loop {
-        if inner.closed.load(Ordering::Acquire) && inner.core_pool.shutdown.load(Ordering::Acquire)
+        if inner.closed.load(Ordering::Acquire)
+            && inner.core_pool.wake.shutdown.load(Ordering::Acquire)
         {
             return;
         }
-        let Some(crate::worker::ActiveRun { run, result }) =
+        let Some(crate::pool::ActiveRun { run, result }) =
             inner.core_pool.wait_current(Duration::from_millis(100))
         else {
             watch = None;
@@ -211,11 +212,7 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> 
 /// and hand the run's stuck cores to new threads (the orchestrator thread does that itself
 /// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
 /// threads hold it.
-fn recover(
-    inner: &Arc<WorkerShared>,
-    run: &Arc<RunShared>,
-    result: &Arc<crate::worker::JobResult>,
-) {
+fn recover(inner: &Arc<WorkerShared>, run: &Arc<RunShared>, result: &Arc<crate::pool::JobResult>) {
     // Once the orchestration function has returned, the orchestrator thread is in runtime code
     // that ends within the grace period (it retires stuck cores itself): nothing to take over.
     if !result.is_delivered() && !run.orch_done.load(Ordering::Acquire) {
@@ -225,7 +222,7 @@ fn recover(
             .cloned()
             .expect("stopped runs have an error");
         run.finished.store(true, Ordering::SeqCst);
-        inner.core_pool.sleep.notify_all();
+        inner.core_pool.wake.sleep.notify_all();
         inner.retire_stuck_cores(run);
         inner.core_pool.unregister(run);
         let _ = inner.replace_orchestrator();
