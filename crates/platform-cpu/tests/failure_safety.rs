@@ -119,10 +119,11 @@ fn worker(platform: Tracking, flags: Arc<Flags>, gang_cores: Arc<Mutex<Vec<usize
         move |ctx| {
             f.started.store(true, Ordering::SeqCst);
             let deadline = Instant::now() + Duration::from_secs(20);
-            while !f.release.load(Ordering::SeqCst)
-                && !(f.release_on_cancel.load(Ordering::SeqCst) && ctx.is_cancelled())
-                && Instant::now() < deadline
-            {
+            let go = || {
+                f.release.load(Ordering::SeqCst)
+                    || (f.release_on_cancel.load(Ordering::SeqCst) && ctx.is_cancelled())
+            };
+            while !go() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
             ctx.write::<f32>(0)?.fill(7.0);
