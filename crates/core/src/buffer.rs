@@ -119,7 +119,7 @@ impl Buffer {
             return Err(BufferError::Size {
                 id: self.inner.id.0,
                 bytes: self.len() as u64,
-                given: (offset + bytes) as u64,
+                given: offset.saturating_add(bytes) as u64,
             });
         }
         self.host_access(|base| {
@@ -146,7 +146,7 @@ impl Buffer {
             return Err(BufferError::Size {
                 id: self.inner.id.0,
                 bytes: self.len() as u64,
-                given: (offset + bytes) as u64,
+                given: offset.saturating_add(bytes) as u64,
             });
         }
         self.host_access(|base| {
@@ -166,5 +166,30 @@ impl Buffer {
     /// left out).
     pub fn read<T: Element>(&self) -> Result<Vec<T>, BufferError> {
         self.read_at(0, self.len() / size_of::<T>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::platform::test_memory::HostVec;
+
+    #[test]
+    fn host_copies_stay_in_bounds_and_respect_binding() {
+        let b = Buffer::new(BufferId::fresh(), Box::new(HostVec::new(32)));
+        b.write_at(8, &[1.0f32, 2.0, 3.0]).unwrap();
+        assert_eq!(b.read_at::<f32>(8, 3).unwrap(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(b.read::<f32>().unwrap()[..2], [0.0, 0.0]);
+        // Out of range, misaligned, or overflowing requests are errors, not copies.
+        assert!(b.write_at(24, &[0.0f32; 3]).is_err());
+        assert!(b.write_at(usize::MAX - 2, &[0u8; 8]).is_err());
+        assert!(b.read_at::<f32>(2, 1).is_err());
+        assert!(b.read_at::<u64>(0, usize::MAX).is_err());
+        // While bound to a run, host copies fail.
+        assert!(b.bind());
+        assert!(!b.bind());
+        assert!(matches!(b.read::<u8>(), Err(BufferError::InUse { .. })));
+        b.unbind();
+        assert_eq!(b.read::<u8>().unwrap().len(), 32);
     }
 }

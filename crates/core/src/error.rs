@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::dtype::DType;
 use crate::task::TaskId;
 
-/// The fatal codes of a run (see `01-runtime.md`).
+/// The fatal codes of a run (see `docs/runtime.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ErrorCode {
     /// One scope fills its ring's task window.

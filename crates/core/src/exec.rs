@@ -1,7 +1,7 @@
 //! Executing one run on the orchestrator thread: bind, graph build (config, arena, reset),
 //! launch, orchestration, drain, validate, and the [`RunReport`].
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -14,10 +14,10 @@ use crate::error::{Error, ErrorCode, RunError};
 use crate::orch::Orchestrator;
 use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
-use crate::run::{Arena, CoreState, FatalLatch, RunShared, SlotTiming};
+use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
-use crate::worker::{Active, Inner, Job};
+use crate::worker::{Job, WorkerShared};
 
 /// Per-process invocation counter.
 static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
@@ -29,18 +29,16 @@ fn iv(start_ns: u64, end_ns: u64) -> Interval {
     }
 }
 
-pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> {
+pub(crate) fn execute(inner: &Arc<WorkerShared>, job: Job) -> Result<RunReport, Error> {
     let host0 = now_ns();
-    // bind: the run's buffers become unavailable to host copies until the run ends.
-    let mut bound = Vec::new();
+    // bind: the run's buffers become unavailable to host copies until the run releases them.
+    let bound = BoundBuffers::default();
+    let mut seen = Vec::new();
     for b in &job.args.buffers {
-        if bound.iter().any(|x: &crate::Buffer| x.id() == b.id()) {
+        if seen.contains(&b.id()) {
             continue;
         }
         if !b.bind() {
-            for x in &bound {
-                x.unbind();
-            }
             return Err(RunError::new(
                 ErrorCode::InvalidArgs,
                 format!("buffer #{} is bound to another run in flight", b.id().0),
@@ -48,22 +46,19 @@ pub(crate) fn execute(inner: &Arc<Inner>, job: Job) -> Result<RunReport, Error> 
             )
             .into());
         }
+        seen.push(b.id());
         bound.push(b.clone());
     }
     let bind1 = now_ns();
-    let r = run_bound(inner, &job, host0, bind1, &bound);
-    for b in &bound {
-        b.unbind();
-    }
-    r
+    run_bound(inner, &job, host0, bind1, bound)
 }
 
 fn run_bound(
-    inner: &Arc<Inner>,
+    inner: &Arc<WorkerShared>,
     job: &Job,
     host0: u64,
     bind1: u64,
-    bound: &[crate::Buffer],
+    bound: BoundBuffers,
 ) -> Result<RunReport, Error> {
     let runner0 = bind1;
     let cv0 = now_ns();
@@ -74,9 +69,11 @@ fn run_bound(
     let n = inner.n_cores;
     let serial = job.cfg.mode == OrchMode::Serial;
     let parker = Parker::new();
+    let epoch = crate::tensor::fresh_run_epoch();
     let run = Arc::new(RunShared {
+        epoch,
         arena: arena.clone(),
-        hub: inner.hub.clone(),
+        wake: inner.core_pool.wake.clone(),
         registry: inner
             .registry
             .lock()
@@ -89,8 +86,8 @@ fn run_bound(
         submitted: AtomicU64::new(0),
         skipped: AtomicU64::new(0),
         edges: AtomicU64::new(0),
-        gate_open: AtomicBool::new(!serial),
-        active_cores: AtomicU32::new(0),
+        dispatch_open: AtomicBool::new(!serial),
+        bound,
         finished: AtomicBool::new(false),
         orch_done: AtomicBool::new(false),
         orch_waiting: AtomicBool::new(false),
@@ -114,7 +111,7 @@ fn run_bound(
         host_memory: inner.info.host_kernels,
     });
     let parked = arena
-        .orch_state
+        .parked_orchestrator
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .take();
@@ -139,32 +136,17 @@ fn run_bound(
             (cursors, TensorMap::new(job.cfg.tensormap_capacity))
         }
     };
-    let epoch = inner.epoch.fetch_add(1, Ordering::AcqRel);
     let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
-    let mut orch = Orchestrator::new(
-        run.clone(),
-        cursors,
-        map,
-        inner.buffer_ids.clone(),
-        epoch,
-        serial,
-        diag,
-        parker,
-    );
-    for b in bound {
+    let mut orch = Orchestrator::new(run.clone(), cursors, map, epoch, serial, diag, parker);
+    for b in &job.args.buffers {
         orch.adopt_bound(b.clone());
     }
     let reset1 = now_ns();
 
     // Launch: cores join the run, the watchdog starts watching it.
-    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(Active {
-        run: run.clone(),
-        result: job.result.clone(),
-    });
-    inner.active_cv.notify_all();
     let launch = now_ns();
     run.sched_start.store(launch, Ordering::Release);
-    inner.hub_set_current(Some(run.clone()));
+    let registration = inner.core_pool.register(run.clone(), job.result.clone());
 
     let orch0 = now_ns();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -183,8 +165,8 @@ fn run_bound(
     let orch1 = now_ns();
     finish_orchestration(&mut orch, outcome);
     if serial {
-        run.gate_open.store(true, Ordering::Release);
-        inner.hub.sleep.notify_all();
+        run.dispatch_open.store(true, Ordering::Release);
+        inner.core_pool.wake.sleep.notify_all();
     }
     // The watchdog fails the run (and so ends this wait) if it stops making progress.
     while !run.wait_done(Duration::from_millis(200)) {}
@@ -192,21 +174,27 @@ fn run_bound(
     let runner1 = done;
 
     // Validate: stop the cores, collect errors and diagnostics.
-    run.finished.store(true, Ordering::Release);
-    inner.hub.sleep.notify_all();
-    if job.cfg.swimlane > 0 {
-        // The swimlane records of a core's last block are pushed just after its completion.
-        wait_cores_left(&run);
+    run.finished.store(true, Ordering::SeqCst);
+    inner.core_pool.wake.sleep.notify_all();
+    // When every task completed, no kernel runs any more and the bound buffers can go at once
+    // (waiting only for the swimlane records a core pushes just after its last completion).
+    // Otherwise a core may still be inside a kernel that ignores cancellation: the buffers stay
+    // bound until every core has left, and a core still inside after the grace period is
+    // handed to a new thread while the old one keeps the run (and so the buffers) alive.
+    let quiet = run.outstanding.load(Ordering::Acquire) == 0;
+    let all_left = if quiet && job.cfg.swimlane == 0 {
+        true
+    } else {
+        run.wait_cores_left(GRACE)
+    };
+    if all_left {
+        run.bound.release();
+    } else {
+        inner.retire_stuck_cores(&run);
     }
-    inner.hub_set_current(None);
-    *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    for b in orch.bound_buffers() {
-        if !bound.iter().any(|x| x.id() == b.id()) {
-            b.unbind();
-        }
-    }
+    drop(registration);
     if let Some(e) = run.fatal.get().cloned() {
-        park_orch_state(&arena, orch);
+        park_orchestrator(&arena, orch);
         drop(run);
         *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
         return Err(e.into());
@@ -258,7 +246,7 @@ fn run_bound(
     }
     orch.map.sweep(&arena.rings);
     report.tensormap_final = orch.map.len();
-    park_orch_state(&arena, orch);
+    park_orchestrator(&arena, orch);
     let validate1 = now_ns();
     report.validate = iv(runner1, validate1);
     report.host_wall = iv(host0, validate1);
@@ -294,24 +282,15 @@ fn finish_orchestration(orch: &mut Orchestrator, outcome: Result<(), RunError>) 
     orch.run.finish_one();
 }
 
-fn park_orch_state(arena: &Arena, orch: Orchestrator) {
+fn park_orchestrator(arena: &Arena, orch: Orchestrator) {
     let (cursors, map) = orch.into_state();
-    *arena.orch_state.lock().unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
+    *arena
+        .parked_orchestrator
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
 }
 
-fn wait_cores_left(run: &RunShared) {
-    let mut spins = 0u32;
-    while run.active_cores.load(Ordering::Acquire) != 0 && spins < 20_000 {
-        spins += 1;
-        if spins < 100 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-}
-
-fn take_arena(inner: &Inner, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
+fn take_arena(inner: &WorkerShared, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
     let cached = inner.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(a) = cached.filter(|a| a.sizes == sizes) {
         // Cores drop their handle on the previous run just after leaving it; give them a moment

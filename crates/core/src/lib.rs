@@ -18,6 +18,7 @@ mod orch_data;
 mod orch_validate;
 mod orch_wait;
 pub mod platform;
+mod pool;
 pub mod report;
 mod ring;
 mod run;
@@ -43,7 +44,8 @@ pub use error::{
 pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
 pub use orch::{Orchestrator, ScopeKind, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo};
+pub use pool::RunHandle;
 pub use report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 pub use task::{ArgTag, EngineClass, OutputSpec, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
-pub use worker::{OrchFn, RunArgs, RunHandle, Worker, WorkerConfig};
+pub use worker::{OrchFn, RunArgs, Worker, WorkerConfig};

@@ -30,6 +30,7 @@ pub enum ScopeKind {
     Auto,
     /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
     /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
+    /// Opened only through the unsafe [`Orchestrator::manual_scope`].
     Manual,
 }
 
@@ -82,7 +83,6 @@ pub struct Orchestrator {
     next_scope_seq: u64,
     pub(crate) map: TensorMap,
     pub(crate) bound: IdMap<BufferId, Buffer>,
-    buffer_ids: Arc<std::sync::atomic::AtomicU64>,
     pub(crate) epoch: u64,
     pub(crate) serial: bool,
     hits: Vec<Hit>,
@@ -100,11 +100,8 @@ pub struct Orchestrator {
 /// The orchestrator yields its CPU once this much time has passed since its last yield
 /// (checked every [`YIELD_CHECK`] submits). It shares the CPUs with the core threads (one per
 /// CPU by default), and a core woken onto the orchestrator's CPU otherwise waits for the
-/// orchestrator's time slice: at the start of a 0.6B decode step (~700 submits, ~1.5 ms) one of
-/// two cores sat idle for 0.4–1.5 ms; with these yields, 0.01–0.13 ms, and the step's idle share
-/// fell from 5.6–7.9% to 4.7–5.5%. Bounding the rate by time keeps the system calls off a fast
-/// orchestrator's path (empty tasks: a yield every 32 submits cost ~15% of the throughput; this
-/// rule, nothing measurable).
+/// orchestrator's whole time slice. Bounding the rate by time, not by submits, keeps the system
+/// calls off a fast orchestrator's path. Measurements: `docs/benchmarks.md`.
 const YIELD_INTERVAL_NS: u64 = 50_000;
 /// Submits between two looks at the clock for [`YIELD_INTERVAL_NS`].
 const YIELD_CHECK: u32 = 8;
@@ -119,7 +116,6 @@ impl Orchestrator {
         run: Arc<RunShared>,
         cursors: Vec<RingCursor>,
         map: TensorMap,
-        buffer_ids: Arc<std::sync::atomic::AtomicU64>,
         epoch: u64,
         serial: bool,
         diag: Diagnostics,
@@ -143,7 +139,6 @@ impl Orchestrator {
             next_scope_seq: 1,
             map,
             bound: IdMap::default(),
-            buffer_ids,
             epoch,
             serial,
             hits: Vec::new(),
@@ -192,9 +187,10 @@ impl Orchestrator {
         self.run.fatal.get().cloned().unwrap_or(e)
     }
 
+    /// Latches `e` (unless an error is latched already) and returns the run's error.
     pub(crate) fn fail(&self, e: RunError) -> RunError {
-        self.run.fail(e);
-        self.run.fatal.get().cloned().expect("latched")
+        self.run.fail(e.clone());
+        self.run.fatal.get().cloned().unwrap_or(e)
     }
 
     /// Makes `buffer` usable by this run's tasks and returns a contiguous view of it.
@@ -215,6 +211,7 @@ impl Orchestrator {
                 )));
             }
             self.bound.insert(buffer.id(), buffer.clone());
+            self.run.bound.push(buffer.clone());
         }
         buffer.tensor(dtype, shape).map_err(|e| {
             self.fail(invalid(
@@ -229,13 +226,41 @@ impl Orchestrator {
         self.bound.insert(b.id(), b);
     }
 
-    pub(crate) fn bound_buffers(&mut self) -> impl Iterator<Item = Buffer> + '_ {
-        self.bound.drain().map(|(_, b)| b)
-    }
-
     /// Opens a scope. Prefer [`Orchestrator::scope`], which cannot be left unbalanced.
+    ///
+    /// Manual scopes skip dependency tracking and are opened only through the unsafe
+    /// [`Orchestrator::begin_manual_scope`]; asking for one here fails with INVALID_ARGS.
     #[track_caller]
     pub fn begin_scope(&mut self, kind: ScopeKind) -> Result<(), RunError> {
+        if kind == ScopeKind::Manual {
+            return Err(self.fail(invalid(
+                "a manual scope was requested through begin_scope/scope".into(),
+                "manual scopes skip dependency tracking: open them with the unsafe Orchestrator::begin_manual_scope or manual_scope and uphold their contract",
+            )));
+        }
+        self.open_scope(kind, Location::caller())
+    }
+
+    /// Opens a manual scope: tasks submitted in it are ordered only by their explicit
+    /// dependencies and creator edges, not by the tensors they touch (they are still recorded,
+    /// so tasks of auto scopes submitted later wait for them). Prefer
+    /// [`Orchestrator::manual_scope`].
+    ///
+    /// # Safety
+    /// Until the scope is closed, every task submitted in it must be ordered (explicit
+    /// dependencies, creator edges) after every task still running or pending that writes bytes
+    /// it reads or writes, and after every such task that reads bytes it writes; the same holds
+    /// between the scope's own tasks. Otherwise kernels get aliasing slices.
+    #[track_caller]
+    pub unsafe fn begin_manual_scope(&mut self) -> Result<(), RunError> {
+        self.open_scope(ScopeKind::Manual, Location::caller())
+    }
+
+    fn open_scope(
+        &mut self,
+        kind: ScopeKind,
+        site: &'static Location<'static>,
+    ) -> Result<(), RunError> {
         self.check_fatal()?;
         let outer = self.scopes.last().expect("implicit scope");
         if kind == ScopeKind::Auto && outer.kind == ScopeKind::Manual {
@@ -256,7 +281,7 @@ impl Orchestrator {
             first_local,
             tasks: 0,
             heap: 0,
-            site: Location::caller(),
+            site,
         });
         Ok(())
     }
@@ -274,7 +299,7 @@ impl Orchestrator {
         self.check_fatal()
     }
 
-    /// Runs `body` inside a new scope of `kind`.
+    /// Runs `body` inside a new scope of `kind` (`Auto`; see [`Orchestrator::begin_scope`]).
     #[track_caller]
     pub fn scope<R>(
         &mut self,
@@ -282,6 +307,26 @@ impl Orchestrator {
         body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
     ) -> Result<R, RunError> {
         self.begin_scope(kind)?;
+        self.run_scope_body(body)
+    }
+
+    /// Runs `body` inside a new manual scope.
+    ///
+    /// # Safety
+    /// The contract of [`Orchestrator::begin_manual_scope`], for every task `body` submits.
+    #[track_caller]
+    pub unsafe fn manual_scope<R>(
+        &mut self,
+        body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
+    ) -> Result<R, RunError> {
+        self.open_scope(ScopeKind::Manual, Location::caller())?;
+        self.run_scope_body(body)
+    }
+
+    fn run_scope_body<R>(
+        &mut self,
+        body: impl FnOnce(&mut Orchestrator) -> Result<R, RunError>,
+    ) -> Result<R, RunError> {
         let depth = self.scopes.len();
         let r = body(self);
         // Close whatever the body left open, so an early `?` return never leaks a scope.
@@ -300,7 +345,8 @@ impl Orchestrator {
             let m = cursor.meta_mut(local);
             if m.scope_seq == frame.seq && !m.scope_released {
                 m.scope_released = true;
-                self.run.release(TaskId::new(frame.ring, local));
+                self.run
+                    .release_by_orchestrator(TaskId::new(frame.ring, local));
             }
             local += 1;
         }
@@ -323,9 +369,59 @@ impl Orchestrator {
     /// Submits a task. Dependencies are found from its tensors (in auto scopes) and its
     /// explicit `after` list; outputs are allocated from the ring heap. Blocks while the ring
     /// has no room; fails (and stops the run) on a provable deadlock or invalid arguments.
-    pub fn submit(&mut self, task: Task) -> Result<Submitted, RunError> {
+    // The steps, each a method below: validate the task and size its outputs, collect its
+    // producers, wait for ring room (the only blocking point), fill the slot, wire the edges
+    // into the producers' fan-out lists, and publish the task.
+    pub fn submit(&mut self, mut task: Task) -> Result<Submitted, RunError> {
         let t_submit = if self.run.swimlane >= 4 { now_ns() } else { 0 };
         self.check_fatal()?;
+        self.maybe_yield();
+        let c = self.validate(&task)?;
+        let (n_unique, entries) = self.collect_producers(&task, &c)?;
+        let heap_start =
+            self.wait_for_room(c.ring, c.block_bytes, n_unique as u64, entries, &c.kname)?;
+        let (local, block_addr, dep_start) = self.cursors[c.ring as usize].allocate(
+            heap_start,
+            c.block_bytes,
+            n_unique as u64,
+            c.scope_seq,
+        );
+        let id = TaskId::new(c.ring, local);
+        {
+            let f = self.scopes.last_mut().expect("scope");
+            f.tasks += 1;
+            f.heap += c.block_bytes;
+        }
+        let scope_kind = c.scope_kind;
+        let outputs = self.fill(c, &mut task, id, local, block_addr, dep_start, n_unique)?;
+        self.wire(id, dep_start, n_unique);
+        if self.diag.capturing() || self.diag.fingerprinting() {
+            let kernel = self
+                .run
+                .arena
+                .rings
+                .slot(id)
+                .desc()
+                .kernel
+                .as_ref()
+                .map(|k| k.id.0);
+            self.diag
+                .capture_edges(id, &self.producers, task.block_num, kernel);
+        }
+        self.publish(id, &task, scope_kind);
+        if self.run.swimlane >= 4 {
+            self.diag.submit_record(
+                id,
+                t_submit,
+                now_ns(),
+                self.run.swimlane_cap_per_core * self.run.cores.len(),
+            );
+        }
+        Ok(Submitted { id, outputs })
+    }
+
+    /// Yields the CPU now and then (see [`YIELD_INTERVAL_NS`]).
+    fn maybe_yield(&mut self) {
         self.submits = self.submits.wrapping_add(1);
         if self.submits.is_multiple_of(YIELD_CHECK) {
             let now = now_ns();
@@ -334,6 +430,11 @@ impl Orchestrator {
                 self.last_yield = now_ns();
             }
         }
+    }
+
+    /// Step 1: the kernel, the task's shape and its arguments' geometry, and the sizes of its
+    /// outputs in one heap block (every size checked).
+    fn validate(&self, task: &Task) -> Result<Checked, RunError> {
         let (scope_seq, scope_kind, ring) = {
             let f = self.scopes.last().expect("implicit scope");
             (f.seq, f.kind, f.ring)
@@ -358,7 +459,7 @@ impl Orchestrator {
             }
             None => "<dummy>".to_string(),
         };
-        self.validate_shape_of_task(&task, &kname, class)?;
+        self.validate_shape_of_task(task, &kname, class)?;
 
         // Outputs: sizes and the packed heap block.
         let mut block_bytes = 0u64;
@@ -371,23 +472,33 @@ impl Orchestrator {
                         "fix the output shape",
                     )));
                 }
-                let bytes = o
+                // Sizes come from the caller: every step is checked, so a huge shape is an
+                // error here rather than a wrapped size that later becomes a huge slice.
+                let padded = o
                     .shape
                     .iter()
                     .try_fold(o.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-                    .ok_or_else(|| {
-                        self.fail(invalid(
-                            format!("output shape {:?} overflows", o.shape),
-                            "fix the output shape",
-                        ))
-                    })?;
+                    .and_then(|bytes| bytes.checked_next_multiple_of(OUTPUT_ALIGN))
+                    .and_then(|padded| block_bytes.checked_add(padded));
+                let Some(next) = padded else {
+                    return Err(self.fail(invalid(
+                        format!(
+                            "kernel {kname:?}: output shape {:?} of {} (with the outputs before it) does not fit in 64-bit byte sizes",
+                            o.shape, o.dtype
+                        ),
+                        "fix the output shape",
+                    )));
+                };
                 out_offsets.push(block_bytes);
-                block_bytes += bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
+                block_bytes = next;
             }
         }
         let heap_cap = self.cursors[ring as usize].heap_cap;
         if block_bytes > heap_cap {
-            let suggested = block_bytes.next_power_of_two().max(1024);
+            let suggested = block_bytes
+                .checked_next_power_of_two()
+                .unwrap_or(u64::MAX)
+                .max(1024);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::HeapRingDeadlock,
@@ -403,15 +514,31 @@ impl Orchestrator {
                 .at(Locator { ring: Some(ring), kernel: Some(kname), ..Locator::default() }),
             ));
         }
+        Ok(Checked {
+            kernel,
+            class,
+            kname,
+            scope_seq,
+            scope_kind,
+            ring,
+            out_offsets,
+            block_bytes,
+        })
+    }
 
-        // Existing tensors: validity, then producers.
+    /// Step 2: each existing tensor's usability, then the producers the task waits for
+    /// (creator edges, the TensorMap's live writers — and for a written argument its live
+    /// readers — of overlapping bytes, explicit dependencies), deduplicated into
+    /// `self.producers[..n]`. Returns `n` and the dependency-map entries the task will add.
+    fn collect_producers(&mut self, task: &Task, c: &Checked) -> Result<(usize, u64), RunError> {
+        let (kname, scope_kind) = (c.kname.as_str(), c.scope_kind);
         self.producers.clear();
-        let mut writes = 0u64;
+        let mut entries = 0u64;
         for (i, a) in task.args.iter().enumerate() {
             let ArgSpec::Tensor(tag, t) = a else { continue };
-            self.check_tensor_usable(i, *tag, t, &kname)?;
-            if matches!(tag, ArgTag::InOut | ArgTag::OutputExisting) {
-                writes += 1;
+            self.check_tensor_usable(i, *tag, t, kname)?;
+            if matches!(tag, ArgTag::Input | ArgTag::InOut | ArgTag::OutputExisting) {
+                entries += 1;
             }
             if let Some(owner) = t.owner {
                 self.producers.push(Producer {
@@ -424,11 +551,14 @@ impl Orchestrator {
             if *tag == ArgTag::NoDep {
                 continue;
             }
-            if matches!(tag, ArgTag::Input | ArgTag::InOut) && scope_kind == ScopeKind::Auto {
+            // Readers wait for the live writers of their region; writers also for its live
+            // readers (write-after-read and write-after-write are ordered too).
+            if scope_kind == ScopeKind::Auto {
                 self.hits.clear();
                 let region = t.region();
+                let written = tag.is_written();
                 self.map
-                    .lookup(&region, &self.run.arena.rings, &mut self.hits);
+                    .lookup(&region, written, &self.run.arena.rings, &mut self.hits);
                 for h in &self.hits {
                     let overlap = match h.relation {
                         Relation::Covers => OverlapKind::Covers,
@@ -445,7 +575,7 @@ impl Orchestrator {
             }
         }
         for &d in &task.deps {
-            self.validate_explicit_dep(d, &kname)?;
+            self.validate_explicit_dep(d, kname)?;
             self.producers.push(Producer {
                 task: d,
                 source: EdgeSource::Explicit,
@@ -453,23 +583,31 @@ impl Orchestrator {
                 wait: true,
             });
         }
-        let n_unique = dedup_count(&mut self.producers);
+        Ok((dedup_count(&mut self.producers), entries))
+    }
 
-        // Room in the ring (may wait; fails on a provable deadlock).
-        let heap_start = self.wait_for_room(ring, block_bytes, n_unique as u64, writes, &kname)?;
-        let (local, block_addr, dep_start) = self.cursors[ring as usize].allocate(
-            heap_start,
-            block_bytes,
-            n_unique as u64,
-            scope_seq,
-        );
-        let id = TaskId::new(ring, local);
-        {
-            let f = self.scopes.last_mut().expect("scope");
-            f.tasks += 1;
-            f.heap += block_bytes;
-        }
-
+    /// Step 4, once the room is allocated: the arguments as the kernel sees them (outputs
+    /// placed in the heap block at `block_addr`) and the slot's contents. Nobody else looks at
+    /// the slot until it is published. Returns the outputs.
+    #[allow(clippy::too_many_arguments)]
+    fn fill(
+        &mut self,
+        c: Checked,
+        task: &mut Task,
+        id: TaskId,
+        local: u32,
+        block_addr: usize,
+        dep_start: u64,
+        n_unique: usize,
+    ) -> Result<Vec<Tensor>, RunError> {
+        let Checked {
+            kernel,
+            class,
+            kname,
+            scope_kind,
+            out_offsets,
+            ..
+        } = c;
         // Arguments as the kernel sees them.
         let mut args = Vec::with_capacity(task.args.len());
         let mut outputs = Vec::new();
@@ -481,8 +619,9 @@ impl Orchestrator {
                 }),
                 ArgSpec::Output(o) => {
                     let off = out_offsets[outputs.len()];
+                    // Cannot overflow: the padded sizes summed without overflow above.
                     let bytes = o.shape.iter().product::<u64>() * o.dtype.size() as u64;
-                    let bid = BufferId(self.buffer_ids.fetch_add(1, Ordering::Relaxed));
+                    let bid = BufferId::fresh();
                     let mut t = Tensor::new_contiguous(
                         bid,
                         block_addr + off as usize,
@@ -518,10 +657,8 @@ impl Orchestrator {
             );
         }
 
-        // Publish the slot's contents (nobody else looks at this slot until it is published).
-        let rings = &self.run.arena.rings;
-        let slot = rings.slot(id);
-        slot.local.store(local, Ordering::Relaxed);
+        let slot = self.run.arena.rings.slot(id);
+        slot.task_local.store(local, Ordering::Relaxed);
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
         slot.refs.store(2, Ordering::Relaxed);
@@ -543,9 +680,10 @@ impl Orchestrator {
                 block_num: task.block_num,
                 sync_start: task.sync_start,
                 args,
-                scalars: task.scalars,
+                scalars: std::mem::take(&mut task.scalars),
                 predicate: task.predicate,
                 timing_slot: task.timing_slot,
+                splits: crate::kernel::Splits::new(task.block_num, task.args.len()),
             };
             match Arc::get_mut(&mut d) {
                 Some(slot_desc) => *slot_desc = fresh,
@@ -554,17 +692,24 @@ impl Orchestrator {
         }
         self.run.outstanding.fetch_add(1, Ordering::AcqRel);
         self.run.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(outputs)
+    }
 
-        // Wire edges. The fan-in count is raised *before* an edge becomes visible in the
-        // producer's list (under its lock): the producer may complete the moment the lock is
-        // released, and its decrement must never meet a count that lacks its own increment.
+    /// Step 5: links the task's edges into its producers' fan-out lists. The fan-in count is
+    /// raised *before* an edge becomes visible in the producer's list (under its lock): the
+    /// producer may complete the moment the lock is released, and its decrement must never
+    /// meet a count that lacks its own increment.
+    fn wire(&self, id: TaskId, dep_start: u64, n_unique: usize) {
+        let ring = id.ring();
+        let rings = &self.run.arena.rings;
+        let slot = rings.slot(id);
         let ring_slots = &rings.rings[ring as usize];
         for (i, p) in self.producers[..n_unique].iter().enumerate() {
             let pos = dep_start + i as u64;
             let entry = ring_slots.entry_at(pos);
             entry.consumer.store(id.0, Ordering::Relaxed);
             let ps = rings.slot(p.task);
-            if ps.local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
+            if ps.task_local.load(Ordering::Acquire) == p.task.local() && ps.try_acquire() {
                 entry.producer.store(p.task.0, Ordering::Relaxed);
                 if p.wait {
                     let mut f = ps.fanout();
@@ -579,23 +724,24 @@ impl Orchestrator {
             }
         }
         self.run.edges.fetch_add(n_unique as u64, Ordering::Relaxed);
-        if self.diag.capturing() || self.diag.fingerprinting() {
-            self.diag.capture_edges(
-                id,
-                &self.producers,
-                task.block_num,
-                slot.desc().kernel.as_ref().map(|k| k.id.0),
-            );
-        }
+    }
 
-        // The dependency map learns the new writers.
+    /// Step 6: the dependency map learns the task's accesses, and the submit guard drops: the
+    /// task is ready now if every producer has completed.
+    fn publish(&mut self, id: TaskId, task: &Task, scope_kind: ScopeKind) {
+        // The dependency map learns the new readers and writers. A writer retires the entries
+        // its region covers only if it waited for them (an auto scope).
         for a in &task.args {
-            if let ArgSpec::Tensor(tag @ (ArgTag::InOut | ArgTag::OutputExisting), t) = a {
-                self.map.record(id, t.region(), *tag == ArgTag::InOut);
+            match a {
+                ArgSpec::Tensor(ArgTag::Input, t) => self.map.record_reader(id, t.region()),
+                ArgSpec::Tensor(ArgTag::InOut | ArgTag::OutputExisting, t) => self
+                    .map
+                    .record_writer(id, t.region(), scope_kind == ScopeKind::Auto),
+                _ => {}
             }
         }
 
-        // Drop the submit guard: ready now if every producer has completed.
+        let slot = self.run.arena.rings.slot(id);
         if slot.fanin.fetch_sub(1, Ordering::AcqRel) == 1 {
             let mut work = Vec::new();
             self.run.on_ready(id, None, None, &mut work);
@@ -605,20 +751,25 @@ impl Orchestrator {
                 self.run.complete(t, None, &mut next, &mut work);
                 if let Some(n) = next {
                     self.run.queue(self.run.slot(n).desc().class).push(n);
-                    self.run.hub.sleep.notify_one();
+                    self.run.wake.sleep.notify_one();
                 }
             }
         }
-        if self.run.swimlane >= 4 {
-            self.diag.submit_record(
-                id,
-                t_submit,
-                now_ns(),
-                self.run.swimlane_cap_per_core * self.run.cores.len(),
-            );
-        }
-        Ok(Submitted { id, outputs })
     }
+}
+
+/// What validating a task found: its kernel, scope and ring, and its output block.
+struct Checked {
+    kernel: Option<Arc<crate::kernel::KernelSpec>>,
+    class: EngineClass,
+    kname: String,
+    scope_seq: u64,
+    scope_kind: ScopeKind,
+    ring: u8,
+    /// Offset of each output in the task's heap block.
+    out_offsets: Vec<u64>,
+    /// Size of the block (every output padded to `OUTPUT_ALIGN`).
+    block_bytes: u64,
 }
 
 /// Sorts producers so that each task appears once in the prefix `..n` (first occurrence kept in

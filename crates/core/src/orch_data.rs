@@ -20,22 +20,23 @@ impl Orchestrator {
         tensor: &Tensor,
         timeout: Duration,
     ) -> Result<Vec<T>, RunError> {
-        self.prepare_host_access::<T>(tensor, timeout, "get_tensor_data")?;
+        self.prepare_host_access::<T>(tensor, false, timeout, "get_tensor_data")?;
         let mut out = Vec::with_capacity(tensor.numel() as usize);
         let base = tensor.addr as *const T;
         tensor.for_each_offset(|off| {
             // SAFETY: `off` indexes an element inside the tensor's buffer (views are bounds
             // checked when made), the buffer is host memory alive for the run, every producer
-            // has completed so no task writes it now (program rule for later writers), and
+            // has completed so no task writes it now (writers submitted later do not exist yet), and
             // every bit pattern is a valid `T`.
             out.push(unsafe { base.add(off as usize).read() });
         });
         Ok(out)
     }
 
-    /// Waits like [`Orchestrator::get_tensor_data`], then writes `data` (row-major, one value
-    /// per element) into `tensor`. Tasks submitted afterwards see the new contents; tasks still
-    /// reading the region are not waited for (write-after-read is not tracked).
+    /// Waits like [`Orchestrator::get_tensor_data`], and also for the live tasks reading the
+    /// region, then writes `data` (row-major, one value per element) into `tensor`. Tasks
+    /// submitted afterwards see the new contents. (Tasks reading it through `NoDep` are not
+    /// tracked: their submitter promised that nothing writes it while they may run.)
     pub fn set_tensor_data<T: Element>(
         &mut self,
         tensor: &Tensor,
@@ -53,21 +54,26 @@ impl Orchestrator {
                 "pass exactly one value per element",
             )));
         }
-        self.prepare_host_access::<T>(tensor, timeout, "set_tensor_data")?;
+        self.prepare_host_access::<T>(tensor, true, timeout, "set_tensor_data")?;
         let base = tensor.addr as *mut T;
         let mut i = 0;
         tensor.for_each_offset(|off| {
             // SAFETY: as in `get_tensor_data`; the element is in bounds and no task writes or
-            // is ordered to read it concurrently (producers done; readers by program rule).
+            // reads it concurrently: the creator and every live writer and tracked reader of
+            // the region have completed, tasks submitted later wait for nothing but are not
+            // submitted yet, and `NoDep` readers are excluded by `Task::no_dep`'s contract.
             unsafe { base.add(off as usize).write(data[i]) };
             i += 1;
         });
         Ok(())
     }
 
+    /// Waits for the tensor's creator and the live writers of its region (and, to write it,
+    /// the live readers too).
     fn prepare_host_access<T: Element>(
         &mut self,
         tensor: &Tensor,
+        write: bool,
         timeout: Duration,
         what: &str,
     ) -> Result<(), RunError> {
@@ -94,7 +100,7 @@ impl Orchestrator {
         let mut producers: Vec<TaskId> = tensor.owner.into_iter().collect();
         let mut hits = Vec::new();
         self.map
-            .lookup(&tensor.region(), &self.run.arena.rings, &mut hits);
+            .lookup(&tensor.region(), write, &self.run.arena.rings, &mut hits);
         producers.extend(hits.iter().map(|h| h.task));
         let deadline = Instant::now() + timeout;
         for p in producers {
@@ -102,7 +108,7 @@ impl Orchestrator {
             loop {
                 self.check_fatal()?;
                 let s = self.run.arena.rings.slot(p);
-                if s.local.load(Ordering::Acquire) != p.local()
+                if s.task_local.load(Ordering::Acquire) != p.local()
                     || s.state.load(Ordering::Acquire) >= state::COMPLETED
                 {
                     break;

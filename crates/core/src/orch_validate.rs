@@ -34,6 +34,12 @@ impl Orchestrator {
                 "pass the values in a tensor instead",
             )));
         }
+        if task.unsafe_tag_requested {
+            return Err(self.fail(invalid(
+                format!("kernel {kname:?}: a NoDep argument was added with Task::arg"),
+                "NoDep reads are not ordered against writers; request them with the unsafe Task::no_dep and uphold its contract, or use Input",
+            )));
+        }
         if task.block_num == 0 {
             return Err(self.fail(invalid(
                 format!("kernel {kname:?}: block_num is 0"),

@@ -1,5 +1,5 @@
 //! The orchestrator's only blocking point: waiting for ring room, with the provable deadlock
-//! checks of `01-runtime.md` and the 500 ms backstop.
+//! checks of `docs/runtime.md` ("When a run cannot proceed") and the 500 ms backstop.
 //!
 //! While the orchestrator waits, nothing it has not yet submitted can run, and no scope can end.
 //! So if the ring's oldest unreclaimed task belongs to a scope that is still open, the watermark
@@ -28,13 +28,13 @@ enum Resource {
 
 impl Orchestrator {
     /// Waits until ring `ring` has a slot, `bytes` of heap, `deps` pool entries and the map has
-    /// room for `writes` entries. Returns the heap start position.
+    /// room for `entries` entries. Returns the heap start position.
     pub(crate) fn wait_for_room(
         &mut self,
         ring: u8,
         bytes: u64,
         deps: u64,
-        writes: u64,
+        entries: u64,
         kname: &str,
     ) -> Result<u64, RunError> {
         let r = ring as usize;
@@ -46,19 +46,19 @@ impl Orchestrator {
                     format!("kernel {kname:?} has {deps} producers but ring {ring}'s dependency pool holds {cap} entries"),
                     format!(
                         "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
-                        (deps * 2).next_power_of_two()
+                        deps.saturating_mul(2).checked_next_power_of_two().unwrap_or(u64::MAX)
                     ),
                 )
                 .diagnosed(Diagnosis::Proven)
                 .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
             ));
         }
-        if writes > self.map.capacity() {
+        if entries > self.map.capacity() {
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::TensormapOverflow,
                     format!(
-                        "kernel {kname:?} records {writes} writers, the dependency map holds {}",
+                        "kernel {kname:?} records {entries} readers and writers, the dependency map holds {}",
                         self.map.capacity()
                     ),
                     "raise CallConfig.tensormap_capacity for this run",
@@ -79,7 +79,7 @@ impl Orchestrator {
                 Some(Resource::Heap)
             } else if !c.dep_fits(deps) {
                 Some(Resource::DepPool)
-            } else if !self.map.make_room(writes, rings) {
+            } else if !self.map.make_room(entries, rings) {
                 Some(Resource::TensorMap)
             } else {
                 None
@@ -111,11 +111,14 @@ impl Orchestrator {
                 );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
-            self.run.orch_waiting.store(true, Ordering::SeqCst);
+            // Store, `SeqCst` fence, then the head's state in `head_consumed`: the other half
+            // of the pattern in `RunShared::release`.
+            self.run.orch_waiting.store(true, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
             if !self.head_consumed(ring) {
                 self.parker.park_timeout(Duration::from_millis(2));
             }
-            self.run.orch_waiting.store(false, Ordering::SeqCst);
+            self.run.orch_waiting.store(false, Ordering::Relaxed);
         }
     }
 
@@ -240,7 +243,13 @@ impl Orchestrator {
                 ),
                 format!(
                     "raise ring_heap to {} for this run: CallConfig.runtime_env.ring_heap",
-                    human_bytes(((c.heap_cap + bytes) * 2).next_power_of_two())
+                    human_bytes(
+                        c.heap_cap
+                            .saturating_add(bytes)
+                            .saturating_mul(2)
+                            .checked_next_power_of_two()
+                            .unwrap_or(u64::MAX)
+                    )
                 ),
             ),
             Resource::DepPool => (
@@ -252,7 +261,11 @@ impl Orchestrator {
                 ),
                 format!(
                     "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
-                    ((c.dep_cap + deps) * 2).next_power_of_two()
+                    c.dep_cap
+                        .saturating_add(deps)
+                        .saturating_mul(2)
+                        .checked_next_power_of_two()
+                        .unwrap_or(u64::MAX)
                 ),
             ),
             Resource::TensorMap => (

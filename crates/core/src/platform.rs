@@ -6,7 +6,13 @@ use crate::error::PlatformError;
 
 /// A block of platform memory. For host-memory platforms `addr` is a host pointer kernels
 /// dereference; for device platforms it is a device address.
-pub trait Memory: Send + Sync {
+///
+/// # Safety
+/// The runtime's unsafe code trusts an implementation: `addr .. addr + len` is one allocation
+/// that stays valid, and is not used by anything but the runtime and its kernels, until the
+/// value is dropped; `addr` is aligned to at least 64 bytes; `addr` and `len` never change; and
+/// when `host_accessible` is true the range is readable and writable host memory.
+pub unsafe trait Memory: Send + Sync {
     /// Base address (aligned to at least 64 bytes).
     fn addr(&self) -> usize;
     /// Size in bytes.
@@ -34,7 +40,13 @@ pub struct PlatformInfo {
 ///
 /// The core's scheduler runs on the threads the platform starts ([`Platform::spawn_core`]); a
 /// platform decides how those threads are made (names, pinning) and where memory lives.
-pub trait Platform: Send + Sync + 'static {
+///
+/// # Safety
+/// `alloc` returns memory of at least `bytes` bytes that upholds [`Memory`]'s contract, zeroed
+/// (every bit pattern of every element type is valid, so kernels may read it before any
+/// write); when [`PlatformInfo::host_kernels`] is true, that memory is host memory kernels may
+/// dereference. `spawn_core` runs `body` exactly once on a new thread.
+pub unsafe trait Platform: Send + Sync + 'static {
     /// Description.
     fn info(&self) -> PlatformInfo;
     /// Allocates `bytes` of zeroed memory.
@@ -45,4 +57,59 @@ pub trait Platform: Send + Sync + 'static {
         index: usize,
         body: Box<dyn FnOnce() + Send>,
     ) -> Result<JoinHandle<()>, PlatformError>;
+}
+
+/// Host memory for the core's unit tests (no platform crate is a dependency of the core).
+#[cfg(test)]
+pub(crate) mod test_memory {
+    use super::Memory;
+
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Line([u8; 64]);
+
+    /// Zeroed, 64-byte aligned host memory.
+    pub(crate) struct HostVec {
+        /// Owned (freed in `drop`); kept raw, because moving a `Box` would assert unique
+        /// access and invalidate the address handed out.
+        lines: *mut [Line],
+        addr: usize,
+        len: usize,
+    }
+
+    impl HostVec {
+        pub(crate) fn new(len: usize) -> HostVec {
+            let lines =
+                Box::into_raw(vec![Line([0; 64]); len.div_ceil(64).max(1)].into_boxed_slice());
+            // Exposed: the runtime keeps addresses as integers and casts them back.
+            let addr = lines.cast::<Line>().expose_provenance();
+            HostVec { lines, addr, len }
+        }
+    }
+
+    impl Drop for HostVec {
+        fn drop(&mut self) {
+            // SAFETY: `lines` came from `Box::into_raw` in `new` and is freed only here.
+            drop(unsafe { Box::from_raw(self.lines) });
+        }
+    }
+
+    // SAFETY: the memory is owned by the value and only reached through its address.
+    unsafe impl Send for HostVec {}
+    // SAFETY: as above; `&HostVec` only exposes the address and length.
+    unsafe impl Sync for HostVec {}
+
+    // SAFETY: `addr .. addr + len` lies in the allocation `lines`, which lives until drop;
+    // 64-byte aligned; host memory.
+    unsafe impl Memory for HostVec {
+        fn addr(&self) -> usize {
+            self.addr
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn host_accessible(&self) -> bool {
+            true
+        }
+    }
 }

@@ -8,16 +8,17 @@ use std::time::Duration;
 use crossbeam_deque::Injector;
 use crossbeam_utils::sync::Unparker;
 
+use crate::buffer::Buffer;
 use crate::config::RingSizes;
 use crate::error::{PlatformError, RunError};
 use crate::kernel::Registry;
 use crate::platform::{Memory, Platform};
 use crate::ring::RingCursor;
+use crate::sleep::CoreWake;
 use crate::slot::{RingSlots, Rings};
 use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
 use crate::tensormap::TensorMap;
 use crate::trace::{PhaseRecord, QueueDepthSample, TaskRecord};
-use crate::worker::Hub;
 
 /// Ring arrays and heap memory; kept by the worker across runs of the same sizes.
 pub(crate) struct Arena {
@@ -26,7 +27,7 @@ pub(crate) struct Arena {
     pub(crate) heaps: Vec<Box<dyn Memory>>,
     /// The orchestrator's cursors and dependency map, parked here between runs so a run does
     /// not rebuild them (only the orchestrator thread takes them).
-    pub(crate) orch_state: Mutex<Option<(Vec<RingCursor>, TensorMap)>>,
+    pub(crate) parked_orchestrator: Mutex<Option<(Vec<RingCursor>, TensorMap)>>,
 }
 
 impl Arena {
@@ -41,31 +42,67 @@ impl Arena {
             sizes,
             rings: Rings { rings },
             heaps,
-            orch_state: Mutex::new(None),
+            parked_orchestrator: Mutex::new(None),
         })
+    }
+}
+
+/// How long cores get to leave a failed run before those still inside user code (a kernel or a
+/// dispatch predicate that ignores cancellation) are left behind and their cores handed to new
+/// threads.
+pub(crate) const GRACE: Duration = Duration::from_millis(300);
+
+/// The user buffers a run holds bound: while they are here, host copies fail and no other run
+/// can bind them, and the memory stays alive.
+///
+/// A run releases them once no core or orchestrator of the run can touch them any more: at the
+/// end of a run whose cores have all left, or else when the run's last handle is dropped, which
+/// a core left behind inside a kernel holds until that kernel returns (so memory a kernel may
+/// still write is neither unbound nor freed).
+#[derive(Default)]
+pub(crate) struct BoundBuffers(Mutex<Vec<Buffer>>);
+
+impl BoundBuffers {
+    pub(crate) fn push(&self, b: Buffer) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(b);
+    }
+
+    /// Unbinds and drops every buffer (idempotent).
+    pub(crate) fn release(&self) {
+        let bufs = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        for b in bufs {
+            b.unbind();
+        }
+    }
+}
+
+impl Drop for BoundBuffers {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
 /// First writer wins; later errors are dropped.
 #[derive(Default)]
 pub(crate) struct FatalLatch {
+    /// Written once (first writer wins).
     error: OnceLock<RunError>,
     pub(crate) stop: AtomicBool,
 }
 
 impl FatalLatch {
+    /// The latched error. Visible as soon as it is latched, before `stop` is raised: a thread
+    /// that lost the race to latch reads the winner's error here at once.
     pub(crate) fn get(&self) -> Option<&RunError> {
-        if self.stop.load(Ordering::Acquire) {
-            self.error.get()
-        } else {
-            None
-        }
+        self.error.get()
     }
 }
 
 /// Per-core state of a run: what it is running (for the watchdog) and its swimlane buffers.
 #[derive(Default)]
 pub(crate) struct CoreState {
+    /// The generation + 1 of the core thread inside this run's core loop, 0 when none is.
+    pub(crate) inside: AtomicU64,
     /// Task id + 1 of the block being executed, 0 when idle.
     pub(crate) current: AtomicU64,
     /// Blocks this core ran.
@@ -144,8 +181,12 @@ pub(crate) struct GangForm {
 
 /// Everything the cores, the orchestrator, the watchdog and the host waiter share in one run.
 pub(crate) struct RunShared {
+    /// The run's process-unique epoch (also carried by its outputs).
+    pub(crate) epoch: u64,
     pub(crate) arena: Arc<Arena>,
-    pub(crate) hub: Arc<Hub>,
+    /// Wakes the cores and tells replaced core threads to leave (the run's only view of the
+    /// core pool).
+    pub(crate) wake: Arc<CoreWake>,
     pub(crate) registry: Arc<Registry>,
     pub(crate) queues: [Injector<TaskId>; 3],
     pub(crate) fatal: FatalLatch,
@@ -156,9 +197,9 @@ pub(crate) struct RunShared {
     pub(crate) skipped: AtomicU64,
     pub(crate) edges: AtomicU64,
     /// Closed in serial mode until the orchestration returns.
-    pub(crate) gate_open: AtomicBool,
-    /// Cores inside this run's core loop.
-    pub(crate) active_cores: AtomicU32,
+    pub(crate) dispatch_open: AtomicBool,
+    /// The user buffers bound to this run.
+    pub(crate) bound: BoundBuffers,
     /// Set when the run is over (success or failure): cores leave.
     pub(crate) finished: AtomicBool,
     pub(crate) orch_done: AtomicBool,
@@ -203,7 +244,7 @@ impl RunShared {
         if self.fatal.error.set(err).is_ok() {
             self.fatal.stop.store(true, Ordering::Release);
             self.cancel.store(true, Ordering::Release);
-            self.hub.sleep.notify_all();
+            self.wake.sleep.notify_all();
             self.orch_unparker.unpark();
             self.signal_done();
         }
@@ -217,6 +258,39 @@ impl RunShared {
         let mut d = self.done.lock().unwrap_or_else(|p| p.into_inner());
         *d = true;
         self.done_cv.notify_all();
+    }
+
+    /// Waits up to `timeout` for every core to leave this run's core loop; true if they all
+    /// did. Call after setting `finished`.
+    ///
+    /// Soundness: a core stores `inside` and then loads `finished`, this side stores `finished`
+    /// and then loads `inside`, all `SeqCst`: in the single total order one of the two stores
+    /// comes first, so either this side sees the core inside, or the core sees `finished` and
+    /// leaves without dispatching anything. Once every `inside` reads 0, no core can touch the
+    /// run's memory again.
+    pub(crate) fn wait_cores_left(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            if self.cores_left() {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    pub(crate) fn cores_left(&self) -> bool {
+        self.cores
+            .iter()
+            .all(|c| c.inside.load(Ordering::SeqCst) == 0)
     }
 
     /// Waits up to `timeout` for the run to be over; true if it is.
@@ -238,16 +312,51 @@ impl RunShared {
         }
     }
 
-    /// Drops a reference to `id`; the last one marks it consumed (and wakes a waiting
-    /// orchestrator).
-    pub(crate) fn release(&self, id: TaskId) {
+    /// The orchestrator drops its own reference to `id` (its scope ended); the last one marks it
+    /// consumed. The orchestrator is not waiting while it does this, so no wake-up (and no
+    /// fence: a scope's end releases thousands of tasks in a row, on the thread that submits).
+    pub(crate) fn release_by_orchestrator(&self, id: TaskId) {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
             s.state
                 .store(crate::slot::state::CONSUMED, Ordering::Release);
-            if self.orch_waiting.load(Ordering::Acquire) {
+        }
+    }
+
+    /// Drops a reference to `id` (from a core, or from a completion on any thread); the last
+    /// one marks it consumed and wakes the orchestrator if it waits for ring room.
+    pub(crate) fn release(&self, id: TaskId) {
+        let s = self.slot(id);
+        if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Store-buffer pattern against `Orchestrator::wait_for_room`, which stores
+            // `orch_waiting`, fences, then loads the head's state: with a `SeqCst` fence on
+            // both sides, either the orchestrator sees CONSUMED or this side sees it waiting
+            // (and unparks it; an unpark before the park is kept as a token). Without the
+            // fences both could miss, leaving the orchestrator parked until its 2 ms timeout.
+            // Model-checked in `sleep::loom_tests::ring_room_wake_up_is_never_lost`.
+            s.state
+                .store(crate::slot::state::CONSUMED, Ordering::Release);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.orch_waiting.load(Ordering::Relaxed) {
                 self.orch_unparker.unpark();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorCode;
+
+    #[test]
+    fn a_latched_error_is_visible_before_stop_is_raised() {
+        // The window between a winner's `set` and its `stop` store: a loser must still find the
+        // winner's error (`Orchestrator::fail` relied on it and panicked with "latched").
+        let latch = FatalLatch::default();
+        let e = RunError::new(ErrorCode::KernelFailed, "first", "hint");
+        assert!(latch.error.set(e).is_ok());
+        assert!(!latch.stop.load(Ordering::Acquire));
+        assert_eq!(latch.get().map(|e| e.detail.as_str()), Some("first"));
     }
 }

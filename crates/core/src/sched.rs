@@ -64,15 +64,24 @@ impl RunShared {
             work: Vec::new(),
             turn: false,
         };
-        self.active_cores.fetch_add(1, Ordering::AcqRel);
+        // SeqCst pairs with `wait_cores_left` (see there). A core left behind in a kernel of
+        // this run still holds the flag: its replacement stays out, so the flag keeps saying
+        // that the old thread may touch this run's memory.
+        if self.cores[core]
+            .inside
+            .compare_exchange(0, generation + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return;
+        }
         loop {
-            if self.finished.load(Ordering::Acquire)
+            if self.finished.load(Ordering::SeqCst)
                 || self.stopped()
-                || !self.hub.is_current_generation(core, generation)
+                || !self.wake.is_current_generation(core, generation)
             {
                 break;
             }
-            if !self.gate_open.load(Ordering::Acquire) {
+            if !self.dispatch_open.load(Ordering::Acquire) {
                 self.idle(&mut cx);
                 continue;
             }
@@ -89,7 +98,7 @@ impl RunShared {
                 None => self.idle(&mut cx),
             }
         }
-        self.active_cores.fetch_sub(1, Ordering::AcqRel);
+        self.cores[core].inside.store(0, Ordering::SeqCst);
     }
 
     fn pop(&self, turn: &mut bool) -> Option<TaskId> {
@@ -108,7 +117,7 @@ impl RunShared {
     fn has_work(&self) -> bool {
         self.finished.load(Ordering::Acquire)
             || self.stopped()
-            || (self.gate_open.load(Ordering::Acquire)
+            || (self.dispatch_open.load(Ordering::Acquire)
                 && (!self.queues_empty() || self.gang_pending.load(Ordering::Acquire)))
     }
 
@@ -131,11 +140,11 @@ impl RunShared {
                 std::hint::spin_loop();
             }
         }
-        self.hub.sleep.announce(cx.core);
-        if !self.has_work() && !self.hub.shutdown.load(Ordering::Acquire) {
+        self.wake.sleep.announce(cx.core);
+        if !self.has_work() && !self.wake.shutdown.load(Ordering::Acquire) {
             cx.parker.park_timeout(PARK);
         }
-        self.hub.sleep.withdraw(cx.core);
+        self.wake.sleep.withdraw(cx.core);
         self.phase_end(cx, SchedPhase::Idle, t0);
     }
 
@@ -152,7 +161,7 @@ impl RunShared {
         }
         if b + 1 < desc.block_num {
             self.queue(desc.class).push(t);
-            self.hub.sleep.notify_one();
+            self.wake.sleep.notify_one();
         }
         self.exec_block(cx, t, &desc, b, None);
     }
@@ -175,7 +184,7 @@ impl RunShared {
             });
             self.gang_pending.store(true, Ordering::Release);
             drop(g);
-            self.hub.sleep.notify_all();
+            self.wake.sleep.notify_all();
         }
         barrier.wait();
         if !self.stopped() {
@@ -368,13 +377,15 @@ impl RunShared {
         slot.state.store(state::READY, Ordering::Release);
         match next {
             Some(n)
-                if n.is_none() && !desc.sync_start && self.gate_open.load(Ordering::Relaxed) =>
+                if n.is_none()
+                    && !desc.sync_start
+                    && self.dispatch_open.load(Ordering::Relaxed) =>
             {
                 *n = Some(t)
             }
             _ => {
                 self.queue(desc.class).push(t);
-                self.hub.sleep.notify_one();
+                self.wake.sleep.notify_one();
                 if self.swimlane >= 3 {
                     let c = core.unwrap_or(0);
                     let sample = QueueDepthSample {

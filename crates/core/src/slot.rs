@@ -50,7 +50,9 @@ pub(crate) struct Fanout {
 
 /// Shared state of one task slot.
 pub(crate) struct Slot {
-    pub(crate) local: AtomicU32,
+    /// Ring-local sequence number of the task the slot holds (`NO_TASK` before the first):
+    /// tells a stale `TaskId` from the slot's current task.
+    pub(crate) task_local: AtomicU32,
     pub(crate) state: AtomicU8,
     pub(crate) fanin: AtomicU32,
     pub(crate) refs: AtomicU32,
@@ -66,7 +68,7 @@ pub(crate) struct Slot {
 impl Slot {
     fn new(empty: &Arc<TaskDesc>) -> Slot {
         Slot {
-            local: AtomicU32::new(NO_TASK),
+            task_local: AtomicU32::new(NO_TASK),
             state: AtomicU8::new(state::CONSUMED),
             fanin: AtomicU32::new(0),
             refs: AtomicU32::new(0),
@@ -167,9 +169,9 @@ impl Rings {
     }
 
     /// Whether `id` is a task of the current run that has not completed yet.
-    pub(crate) fn is_live_writer(&self, id: TaskId) -> bool {
+    pub(crate) fn is_live(&self, id: TaskId) -> bool {
         let s = self.slot(id);
-        s.local.load(Ordering::Acquire) == id.local()
+        s.task_local.load(Ordering::Acquire) == id.local()
             && s.state.load(Ordering::Acquire) < state::COMPLETED
     }
 }

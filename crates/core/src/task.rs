@@ -86,7 +86,8 @@ pub enum ArgTag {
     InOut,
     /// Written into a buffer the user owns.
     OutputExisting,
-    /// Passed through; never used for dependencies (read-only for kernels).
+    /// Passed through; never used for dependencies (read-only for kernels). Requested only
+    /// through the unsafe [`Task::no_dep`], whose contract replaces the tracking.
     NoDep,
 }
 
@@ -151,6 +152,8 @@ pub struct Task {
     pub(crate) deps: Vec<TaskId>,
     pub(crate) predicate: Option<Predicate>,
     pub(crate) timing_slot: Option<u8>,
+    /// An untracked form was requested through the safe API (`arg(ArgTag::NoDep, ..)`).
+    pub(crate) unsafe_tag_requested: bool,
 }
 
 impl Task {
@@ -174,12 +177,17 @@ impl Task {
             deps: Vec::new(),
             predicate: None,
             timing_slot: None,
+            unsafe_tag_requested: false,
         }
     }
 
-    /// Adds a tensor argument with an explicit tag (`Output` is not allowed here: use
-    /// [`Task::output`]).
+    /// Adds a tensor argument with an explicit tag. `Output` is not allowed here (use
+    /// [`Task::output`]), nor `NoDep`, which is untracked and requested only through the
+    /// unsafe [`Task::no_dep`]: the submit fails with INVALID_ARGS.
     pub fn arg(mut self, tag: ArgTag, tensor: &Tensor) -> Task {
+        if tag == ArgTag::NoDep {
+            self.unsafe_tag_requested = true;
+        }
         self.args.push(ArgSpec::Tensor(tag, *tensor));
         self
     }
@@ -195,9 +203,21 @@ impl Task {
     pub fn output_existing(self, tensor: &Tensor) -> Task {
         self.arg(ArgTag::OutputExisting, tensor)
     }
-    /// Adds a `NoDep` argument.
-    pub fn no_dep(self, tensor: &Tensor) -> Task {
-        self.arg(ArgTag::NoDep, tensor)
+    /// Adds a `NoDep` argument: the kernel may read it, but the runtime neither waits for the
+    /// view's writers nor makes later writers wait for this task (the creator of an output is
+    /// still kept alive while the task may read it). Useful for data no task writes during the
+    /// run (weights), or to replace one edge per writer by one explicit edge to a barrier.
+    ///
+    /// # Safety
+    /// While this task may run, nothing writes any byte of the view: every task submitted
+    /// earlier that writes those bytes must be ordered before this one (through explicit
+    /// dependencies, e.g. `.after` a barrier task that follows them, or through the other
+    /// arguments' dependencies), every task submitted later that writes them must be ordered
+    /// after this one, and `Orchestrator::set_tensor_data` must not write them before this task
+    /// has completed. Otherwise the kernel's `&[T]` aliases another task's `&mut [T]`.
+    pub unsafe fn no_dep(mut self, tensor: &Tensor) -> Task {
+        self.args.push(ArgSpec::Tensor(ArgTag::NoDep, *tensor));
+        self
     }
     /// Adds an `Output` the runtime allocates (contiguous, row-major) from the ring heap.
     pub fn output(mut self, dtype: DType, shape: &[u64]) -> Task {

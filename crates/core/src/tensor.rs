@@ -1,6 +1,8 @@
 //! Tensor views over buffers, metadata-only view operations, and the element-region relation the
 //! dependency map uses to decide whether two views overlap.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::dtype::DType;
 use crate::error::TensorError;
 use crate::task::TaskId;
@@ -8,9 +10,26 @@ use crate::task::TaskId;
 /// Most dimensions a tensor view has.
 pub const MAX_DIMS: usize = 5;
 
-/// Identifies a buffer: a user buffer, or one runtime-allocated output.
+/// Identifies a buffer: a user buffer, or one runtime-allocated output. Ids are unique in the
+/// process (across workers and runs), so a view's id names exactly one buffer's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BufferId(pub u64);
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_RUN_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+impl BufferId {
+    /// A buffer id no other buffer of this process has had.
+    pub(crate) fn fresh() -> BufferId {
+        BufferId(NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A run epoch no other run of this process has had (outputs carry their run's epoch, so an
+/// output of another run or another worker is rejected instead of reaching its memory).
+pub(crate) fn fresh_run_epoch() -> u64 {
+    NEXT_RUN_EPOCH.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A view `{buffer, dtype, start_offset, shape, strides, version, owner_task}` over a buffer.
 ///
@@ -102,6 +121,14 @@ impl Tensor {
                     })?;
             }
         }
+        // Element and byte counts of the view must fit 64 bits (a broadcast view could claim
+        // more elements than any buffer holds).
+        shape
+            .iter()
+            .try_fold(self.dtype.size() as u64, |acc, &n| acc.checked_mul(n))
+            .ok_or_else(|| TensorError::Overflow {
+                shape: shape.to_vec(),
+            })?;
         let elems = self.buffer_bytes / self.dtype.size() as u64;
         if !empty && last >= elems {
             return Err(TensorError::OutOfBounds {
@@ -258,15 +285,31 @@ impl Tensor {
         Region::of(self)
     }
 
-    /// Whether this view and `other` certainly share no element. Exact for views the region
+    /// First element and one past the last element the view touches (offsets from the buffer
+    /// start, in elements of the view's dtype; equal for an empty view).
+    pub(crate) fn element_span(&self) -> (u64, u64) {
+        if self.shape().contains(&0) {
+            return (self.offset, self.offset);
+        }
+        let last: u64 = (0..self.ndim())
+            .map(|d| (self.shape[d] - 1) * self.strides[d])
+            .sum();
+        (self.offset, self.offset + last + 1)
+    }
+
+    /// Whether this view and `other` certainly share no byte. Exact for views the region
     /// relation can compare; otherwise decided by enumerating the elements when both views are
-    /// small (at most `limit` elements each), and `false` (cannot exclude) beyond that.
+    /// small (at most `limit` elements each) and of one dtype, and `false` (cannot exclude)
+    /// beyond that.
     pub(crate) fn disjoint_from(&self, other: &Tensor, limit: u64) -> bool {
         match self.region().relate(&other.region()) {
             Relation::Disjoint => true,
             Relation::Covers | Relation::Partial => false,
             Relation::Conservative => {
-                if self.numel() > limit || other.numel() > limit {
+                if self.dtype.size() != other.dtype.size()
+                    || self.numel() > limit
+                    || other.numel() > limit
+                {
                     return false;
                 }
                 let mut mine = Vec::with_capacity(self.numel() as usize);
@@ -305,15 +348,22 @@ impl Tensor {
     }
 }
 
-/// The elements a view touches, in a form cheap to compare.
+/// The bytes a view touches, in a form cheap to compare.
+///
+/// Extents are in bytes, so views of one buffer with different dtypes are compared on the
+/// memory they share, never on element indices of different sizes. The exact per-dimension
+/// comparison works in elements and is used only between views of one element size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Region {
     pub(crate) buffer: BufferId,
-    /// First element touched.
+    /// First byte touched.
     pub(crate) lo: u64,
-    /// One past the last element touched (`lo == hi` for an empty view).
+    /// One past the last byte touched (`lo == hi` for an empty view).
     pub(crate) hi: u64,
     pub(crate) contiguous: bool,
+    /// Element size in bytes.
+    pub(crate) elem: u8,
+    /// Offset, shape and strides in elements of `elem` bytes.
     pub(crate) offset: u64,
     pub(crate) ndim: u8,
     pub(crate) shape: [u64; MAX_DIMS],
@@ -341,18 +391,15 @@ impl Relation {
 
 impl Region {
     fn of(t: &Tensor) -> Region {
-        let n = t.ndim();
-        let empty = t.shape().contains(&0);
-        let span: u64 = if empty {
-            0
-        } else {
-            1 + (0..n).map(|d| (t.shape[d] - 1) * t.strides[d]).sum::<u64>()
-        };
+        let (lo, hi) = t.element_span();
+        // In bounds of the buffer (checked when the view was made), so no overflow.
+        let size = t.dtype.size() as u64;
         Region {
             buffer: t.buffer,
-            lo: t.offset,
-            hi: t.offset + span,
+            lo: lo * size,
+            hi: hi * size,
             contiguous: t.is_contiguous(),
+            elem: size as u8,
             offset: t.offset,
             ndim: t.ndim,
             shape: t.shape,
@@ -410,7 +457,8 @@ impl Region {
             return Relation::Covers;
         }
         let n = self.ndim as usize;
-        if self.ndim == other.ndim
+        if self.elem == other.elem
+            && self.ndim == other.ndim
             && self.strides[..n] == other.strides[..n]
             && let (Some((a, ra)), Some((b, rb))) = (self.boxed(), other.boxed())
         {
@@ -443,14 +491,6 @@ mod tests {
 
     fn buf(elems: u64) -> Tensor {
         Tensor::new_contiguous(BufferId(1), 0x1000, elems * 4, DType::F32, &[elems]).unwrap()
-    }
-
-    fn elements(t: &Tensor) -> std::collections::BTreeSet<u64> {
-        let mut s = std::collections::BTreeSet::new();
-        t.for_each_offset(|o| {
-            s.insert(o);
-        });
-        s
     }
 
     #[test]
@@ -507,6 +547,25 @@ mod tests {
     }
 
     #[test]
+    fn views_of_different_dtypes_are_compared_in_bytes() {
+        // Bytes 32..64 of one buffer, as f32 elements 8..16 and as u8 elements 32..64.
+        let f = Tensor::new_contiguous(BufferId(1), 0x1000, 64, DType::F32, &[16]).unwrap();
+        let u = Tensor::new_contiguous(BufferId(1), 0x1000, 64, DType::U8, &[64]).unwrap();
+        let (f_hi, u_hi) = (f.slice(0, 8, 16).unwrap(), u.slice(0, 32, 64).unwrap());
+        assert_eq!(f_hi.region().relate(&u_hi.region()), Relation::Covers);
+        assert_eq!(u_hi.region().relate(&f_hi.region()), Relation::Covers);
+        assert!(!f_hi.disjoint_from(&u_hi, 1 << 16));
+        // Bytes 0..32 as f32 against bytes 32..64 as u8: disjoint.
+        let f_lo = f.slice(0, 0, 8).unwrap();
+        assert_eq!(f_lo.region().relate(&u_hi.region()), Relation::Disjoint);
+        // bf16 elements 15..17 straddle f32 elements 7 and 8.
+        let h = Tensor::new_contiguous(BufferId(1), 0x1000, 64, DType::BF16, &[32]).unwrap();
+        let mid = h.slice(0, 15, 17).unwrap();
+        assert_eq!(mid.region().relate(&f_lo.region()), Relation::Partial);
+        assert_eq!(mid.region().relate(&f_hi.region()), Relation::Partial);
+    }
+
+    #[test]
     fn tiles_of_one_matrix_are_compared_exactly() {
         let m = buf(64).reshape(&[8, 8]).unwrap();
         let left = m.slice(1, 0, 4).unwrap();
@@ -518,33 +577,37 @@ mod tests {
         assert_eq!(m.region().relate(&left.region()), Relation::Covers);
     }
 
+    /// Views of one 576-byte buffer in f32, bf16 or u8: a 6x6xW parent (W = 16 bytes per
+    /// row / element size) with a random sub-box, optional transpose, optional step-2 columns.
     fn arb_view() -> impl Strategy<Value = Tensor> {
-        // Views of a 6x6x4 parent: random sub-box, optional transpose, optional step-2 columns.
         (
+            prop_oneof![Just(DType::F32), Just(DType::BF16), Just(DType::U8)],
             0u64..6,
             1u64..=6,
             0u64..6,
             1u64..=6,
-            0u64..4,
-            1u64..=4,
+            0u64..16,
+            1u64..=16,
             any::<bool>(),
             any::<bool>(),
         )
-            .prop_map(|(r0, rn, c0, cn, d0, dn, tr, step)| {
-                let p = buf(6 * 6 * 4).reshape(&[6, 6, 4]).unwrap();
+            .prop_map(|(dtype, r0, rn, c0, cn, d0, dn, tr, step)| {
+                let w = 16 / dtype.size() as u64;
+                let p =
+                    Tensor::new_contiguous(BufferId(1), 0x1000, 576, dtype, &[6, 6, w]).unwrap();
                 let r0 = r0.min(5);
                 let rn = rn.min(6 - r0);
                 let c0 = c0.min(5);
                 let cn = cn.min(6 - c0);
-                let d0 = d0.min(3);
-                let dn = dn.min(4 - d0);
+                let d0 = d0 % w;
+                let dn = dn.min(w - d0);
                 let mut v = p
                     .slice(0, r0, r0 + rn)
                     .unwrap()
                     .slice(1, c0, c0 + cn)
                     .unwrap();
                 if step {
-                    let dn2 = dn.div_ceil(2).min((4 - d0).div_ceil(2));
+                    let dn2 = dn.div_ceil(2).min((w - d0).div_ceil(2));
                     let mut st = v.strides().to_vec();
                     st[2] = 2;
                     v = v.view(v.offset() + d0, &[rn, cn, dn2], &st).unwrap();
@@ -555,18 +618,46 @@ mod tests {
             })
     }
 
+    /// The bytes a view touches.
+    fn bytes(t: &Tensor) -> std::collections::BTreeSet<u64> {
+        let size = t.dtype().size() as u64;
+        let mut s = std::collections::BTreeSet::new();
+        t.for_each_offset(|o| s.extend(o * size..(o + 1) * size));
+        s
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
-        /// The relation is never wrong: Disjoint means no common element, Covers means a superset.
+        /// The relation is never wrong, also between views of different dtypes: Disjoint means
+        /// no common byte, Covers means a superset of the bytes. `disjoint_from` never claims
+        /// disjoint views that share a byte, and is exact between views of one dtype.
         #[test]
         fn relation_is_sound(a in arb_view(), b in arb_view()) {
-            let (ea, eb) = (elements(&a), elements(&b));
+            let (ea, eb) = (bytes(&a), bytes(&b));
             let common = ea.intersection(&eb).count();
             match a.region().relate(&b.region()) {
                 Relation::Disjoint => prop_assert_eq!(common, 0),
                 Relation::Covers => prop_assert!(eb.is_subset(&ea)),
                 Relation::Partial => prop_assert!(common > 0 && !eb.is_subset(&ea)),
                 Relation::Conservative => {}
+            }
+            let disjoint = a.disjoint_from(&b, 1 << 16);
+            if disjoint {
+                prop_assert_eq!(common, 0);
+            }
+            if a.dtype() == b.dtype() {
+                prop_assert_eq!(disjoint, common == 0);
+            }
+        }
+
+        /// Views of different dtypes that share a byte are never judged disjoint.
+        #[test]
+        fn mixed_dtype_views_sharing_bytes_overlap(a in arb_view(), b in arb_view()) {
+            let common = bytes(&a).intersection(&bytes(&b)).count();
+            if common > 0 {
+                prop_assert!(a.region().relate(&b.region()).overlaps());
+                prop_assert!(b.region().relate(&a.region()).overlaps());
+                prop_assert!(!a.disjoint_from(&b, 1 << 16));
             }
         }
     }

@@ -1,6 +1,12 @@
-//! The dependency map (TensorMap): for each buffer, the live writers of its regions.
+//! The dependency map (TensorMap): for each buffer, the live writers and readers of its regions.
 //!
-//! Owned by the orchestrator alone, so it needs no locking. Entries of writers that have
+//! Readers (`Input`) wait for the live writers of overlapping regions; writers (`InOut`,
+//! `OutputExisting`) wait for the live writers *and readers* of overlapping regions, so
+//! write-after-read and write-after-write are ordered like read-after-write and safe code never
+//! gets a slice that a running task also holds. A writer that waited for every entry its region
+//! covers retires them: later tasks wait for it, and it waited for them.
+//!
+//! Owned by the orchestrator alone, so it needs no locking. Entries of tasks that have
 //! completed are invalidated lazily (dropped when a lookup meets them) and swept in a batch when
 //! the map reaches its capacity; the orchestrator applies back-pressure (waits for completions)
 //! when a sweep does not free enough room.
@@ -35,6 +41,8 @@ pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 struct MapEntry {
     task: TaskId,
     region: Region,
+    /// A reader's entry (only writers wait for it).
+    reader: bool,
 }
 
 #[derive(Default)]
@@ -44,7 +52,7 @@ struct BufferWriters {
     entries: Vec<MapEntry>,
 }
 
-/// A live writer found by a lookup, and how the reader's region relates to the writer's.
+/// A live task found by a lookup, and how the looked-up region relates to the task's.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Hit {
     pub(crate) task: TaskId,
@@ -91,26 +99,34 @@ impl TensorMap {
         self.buffers.get(&buffer).map_or(0, |b| b.version)
     }
 
-    /// Appends to `out` every live writer whose region overlaps `region`, dropping entries of
-    /// writers that have completed.
-    pub(crate) fn lookup(&mut self, region: &Region, rings: &Rings, out: &mut Vec<Hit>) {
+    /// Appends to `out` every live writer (and, with `readers`, every live reader) whose region
+    /// overlaps `region`, dropping entries of tasks that have completed.
+    pub(crate) fn lookup(
+        &mut self,
+        region: &Region,
+        readers: bool,
+        rings: &Rings,
+        out: &mut Vec<Hit>,
+    ) {
         let Some(b) = self.buffers.get_mut(&region.buffer) else {
             return;
         };
         let mut i = 0;
         while i < b.entries.len() {
             let e = &b.entries[i];
-            if !rings.is_live_writer(e.task) {
+            if !rings.is_live(e.task) {
                 b.entries.swap_remove(i);
                 self.len -= 1;
                 continue;
             }
-            let relation = region.relate(&e.region);
-            if relation.overlaps() {
-                out.push(Hit {
-                    task: e.task,
-                    relation,
-                });
+            if readers || !e.reader {
+                let relation = region.relate(&e.region);
+                if relation.overlaps() {
+                    out.push(Hit {
+                        task: e.task,
+                        relation,
+                    });
+                }
             }
             i += 1;
         }
@@ -125,20 +141,21 @@ impl TensorMap {
         self.len + n <= self.capacity
     }
 
-    /// Drops every entry whose writer has completed.
+    /// Drops every entry whose task has completed.
     pub(crate) fn sweep(&mut self, rings: &Rings) {
         let mut len = 0;
         self.buffers.retain(|_, b| {
-            b.entries.retain(|e| rings.is_live_writer(e.task));
+            b.entries.retain(|e| rings.is_live(e.task));
             len += b.entries.len() as u64;
             !b.entries.is_empty() || b.version > 0
         });
         self.len = len;
     }
 
-    /// Records `task` as the newest writer of `region`. An `InOut` writer (which waited for the
-    /// older writers it overlaps) retires the entries whose regions it covers.
-    pub(crate) fn record(&mut self, task: TaskId, region: Region, retire_covered: bool) {
+    /// Records `task` as the newest writer of `region`. A writer that waited for every live
+    /// entry overlapping its region (`retire_covered`: it was looked up with readers) retires
+    /// the entries its region covers.
+    pub(crate) fn record_writer(&mut self, task: TaskId, region: Region, retire_covered: bool) {
         let b = self.buffers.entry(region.buffer).or_default();
         if retire_covered {
             let before = b.entries.len();
@@ -146,8 +163,25 @@ impl TensorMap {
                 .retain(|e| region.relate(&e.region) != Relation::Covers);
             self.len -= (before - b.entries.len()) as u64;
         }
-        b.entries.push(MapEntry { task, region });
+        b.entries.push(MapEntry {
+            task,
+            region,
+            reader: false,
+        });
         b.version = b.version.wrapping_add(1);
+        self.len += 1;
+        self.high_water = self.high_water.max(self.len);
+    }
+
+    /// Records `task` as a reader of `region` (later writers of an overlapping region wait for
+    /// it).
+    pub(crate) fn record_reader(&mut self, task: TaskId, region: Region) {
+        let b = self.buffers.entry(region.buffer).or_default();
+        b.entries.push(MapEntry {
+            task,
+            region,
+            reader: true,
+        });
         self.len += 1;
         self.high_water = self.high_water.max(self.len);
     }

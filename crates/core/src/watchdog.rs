@@ -1,59 +1,53 @@
 //! The watchdog: enforces the three timeouts of a run and recovers from stuck user code.
 //!
 //! It samples the active run every few milliseconds. *Progress* is any change of the submit or
-//! completion counters. Without progress for the scheduler timeout it classifies the stall
+//! completion counters or of the blocks the cores finished (a long SPMD task that keeps
+//! finishing blocks is progressing, not stuck). Without progress for the scheduler timeout it classifies the stall
 //! (S1 a running task is stuck, S3 ready tasks but idle cores, S5 the orchestrator produces
 //! nothing, S4 nothing ready or running although tasks are pending) and fails the run. A block
 //! running longer than the op-execute timeout, or a run longer than the stream-sync timeout,
-//! fails it too. After a failure, a core still inside a kernel, or an orchestrator thread still
-//! inside the orchestration function, past a grace period is replaced by a fresh thread and the
-//! error is delivered to the waiting caller, so nothing hangs and the worker stays usable.
+//! fails it too. If the orchestration function is still running a grace period after a failure,
+//! the watchdog delivers the error to the waiting caller, replaces the orchestrator thread and
+//! the run's stuck cores, so nothing hangs and the worker stays usable (when the orchestration
+//! has returned, its thread does that recovery itself).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
-use crate::run::RunShared;
+use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
-use crate::worker::Inner;
-
-/// How long stuck threads get to notice a failure before they are replaced.
-const GRACE: Duration = Duration::from_millis(300);
+use crate::worker::WorkerShared;
 
 struct Watch {
     started: Instant,
-    last_counts: (u64, i64),
+    last_counts: (u64, i64, u64),
     last_progress: Instant,
-    /// Per core: (task id + 1, since when) of the block it has been running.
-    running: Vec<(u64, Instant)>,
+    /// Per core: (task id + 1, blocks finished, since when) of the block it has been running;
+    /// a new block of the same task restarts the clock.
+    running: Vec<(u64, u64, Instant)>,
     failed_at: Option<Instant>,
     recovered: bool,
 }
 
-pub(crate) fn run(inner: &Arc<Inner>) {
+pub(crate) fn run(inner: &Arc<WorkerShared>) {
     let t = inner.timeouts;
     let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
-    let mut watch: Option<(usize, Watch)> = None;
+    let mut watch: Option<(u64, Watch)> = None;
     loop {
-        if inner.closed.load(Ordering::Acquire) && inner.hub.shutdown.load(Ordering::Acquire) {
+        if inner.closed.load(Ordering::Acquire)
+            && inner.core_pool.wake.shutdown.load(Ordering::Acquire)
+        {
             return;
         }
-        let active = {
-            let g = inner.active.lock().unwrap_or_else(|p| p.into_inner());
-            match &*g {
-                Some(a) => Some((a.run.clone(), a.result.clone())),
-                None => {
-                    watch = None;
-                    let _ = inner.active_cv.wait_timeout(g, Duration::from_millis(100));
-                    None
-                }
-            }
-        };
-        let Some((run, result)) = active else {
+        let Some(crate::pool::ActiveRun { run, result }) =
+            inner.core_pool.wait_current(Duration::from_millis(100))
+        else {
+            watch = None;
             continue;
         };
-        let key = Arc::as_ptr(&run) as usize;
+        let key = run.epoch;
         let now = Instant::now();
         let w = match &mut watch {
             Some((k, w)) if *k == key => w,
@@ -64,7 +58,7 @@ pub(crate) fn run(inner: &Arc<Inner>) {
                         started: now,
                         last_counts: counts(&run),
                         last_progress: now,
-                        running: vec![(0, now); run.cores.len()],
+                        running: vec![(0, 0, now); run.cores.len()],
                         failed_at: None,
                         recovered: false,
                     },
@@ -88,10 +82,14 @@ pub(crate) fn run(inner: &Arc<Inner>) {
     }
 }
 
-fn counts(run: &RunShared) -> (u64, i64) {
+fn counts(run: &RunShared) -> (u64, i64, u64) {
     (
         run.submitted.load(Ordering::Relaxed),
         run.outstanding.load(Ordering::Relaxed),
+        run.cores
+            .iter()
+            .map(|c| c.blocks.load(Ordering::Relaxed))
+            .sum(),
     )
 }
 
@@ -104,7 +102,7 @@ fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
     }
 }
 
-fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<RunError> {
+fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> Option<RunError> {
     let t = inner.timeouts;
     if now - w.started > t.stream_sync {
         return Some(RunError::new(
@@ -121,9 +119,10 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     }
     for (i, c) in run.cores.iter().enumerate() {
         let cur = c.current.load(Ordering::Acquire);
-        if cur != w.running[i].0 {
-            w.running[i] = (cur, now);
-        } else if cur != 0 && now - w.running[i].1 > t.op_execute {
+        let blocks = c.blocks.load(Ordering::Relaxed);
+        if cur != w.running[i].0 || blocks != w.running[i].1 {
+            w.running[i] = (cur, blocks, now);
+        } else if cur != 0 && now - w.running[i].2 > t.op_execute {
             let id = TaskId(cur - 1);
             return Some(
                 RunError::new(
@@ -156,12 +155,12 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
         RunError::new(ErrorCode::SchedulerTimeout, detail, hint).subclass(sub)
     };
     // S1: the oldest-running block is the stuck one.
-    if let Some((i, (cur, _))) = w
+    if let Some((i, (cur, _, _))) = w
         .running
         .iter()
         .enumerate()
-        .filter(|(_, (cur, _))| *cur != 0)
-        .min_by_key(|(_, (_, since))| *since)
+        .filter(|(_, (cur, _, _))| *cur != 0)
+        .min_by_key(|(_, (_, _, since))| *since)
     {
         let id = TaskId(cur - 1);
         return Some(
@@ -208,26 +207,24 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &Inner) -> Option<
     ))
 }
 
-/// After a failure and the grace period: replace threads still stuck in user code and make
-/// sure the caller gets the error.
-fn recover(inner: &Arc<Inner>, run: &Arc<RunShared>, result: &Arc<crate::worker::JobResult>) {
-    for (i, c) in run.cores.iter().enumerate() {
-        if c.current.load(Ordering::Acquire) != 0 {
-            let _ = inner.replace_core(i);
-        }
-    }
-    if !result.is_delivered() {
-        // The orchestrator thread is still inside the orchestration function (or waiting on
-        // it): deliver the error and give the queue to a new thread.
+/// After a failure and the grace period: if the orchestrator thread is still inside the
+/// orchestration function, deliver the error to the caller, give the job queue to a new thread
+/// and hand the run's stuck cores to new threads (the orchestrator thread does that itself
+/// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
+/// threads hold it.
+fn recover(inner: &Arc<WorkerShared>, run: &Arc<RunShared>, result: &Arc<crate::pool::JobResult>) {
+    // Once the orchestration function has returned, the orchestrator thread is in runtime code
+    // that ends within the grace period (it retires stuck cores itself): nothing to take over.
+    if !result.is_delivered() && !run.orch_done.load(Ordering::Acquire) {
         let err = run
             .fatal
             .get()
             .cloned()
             .expect("stopped runs have an error");
-        run.finished.store(true, Ordering::Release);
-        inner.hub.sleep.notify_all();
-        inner.hub_set_current(None);
-        *inner.active.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        run.finished.store(true, Ordering::SeqCst);
+        inner.core_pool.wake.sleep.notify_all();
+        inner.retire_stuck_cores(run);
+        inner.core_pool.unregister(run);
         let _ = inner.replace_orchestrator();
         result.deliver(Err(err.into()));
     }

@@ -2,13 +2,19 @@
 //! orchestrations one at a time (`run` blocks; `submit` returns a [`RunHandle`]).
 //!
 //! Threads of a worker: one per core (started through the platform), one orchestrator thread
-//! that executes queued runs, and one watchdog that enforces the timeouts. If a run fails while
-//! a kernel or the orchestration function is stuck in user code, the watchdog delivers the error
-//! and replaces the stuck thread, so the worker stays usable.
+//! that executes queued runs, and one watchdog that enforces the timeouts.
+//!
+//! Which run is current has one owner: the [`Registration`] the executing orchestrator thread
+//! holds (cores join the registered run, the watchdog watches it). When a run fails, its
+//! orchestrator thread waits (at most the grace period) for the cores to leave the run, hands
+//! cores still stuck in a kernel to new threads, and releases the run's buffers only once no
+//! core can touch them. If the orchestration function itself is stuck, the watchdog delivers
+//! the error, unregisters the run and gives the job queue to a new orchestrator thread; the old
+//! one, when it returns, cannot unregister the run that replaced it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -20,9 +26,10 @@ use crate::error::{ConfigError, Error, PlatformError, RunError};
 use crate::kernel::{KernelSpec, Registry};
 use crate::orch::Orchestrator;
 use crate::platform::{Platform, PlatformInfo};
+use crate::pool::{CorePool, JobResult, RunHandle};
 use crate::report::RunReport;
 use crate::run::{Arena, RunShared};
-use crate::sleep::Sleep;
+use crate::sleep::{CoreWake, Sleep};
 use crate::task::EngineClass;
 use crate::tensor::BufferId;
 
@@ -47,125 +54,6 @@ pub struct WorkerConfig {
     pub timeouts: Option<Timeouts>,
 }
 
-/// Coordination between the worker and its core threads.
-pub(crate) struct Hub {
-    pub(crate) sleep: Sleep,
-    current: Mutex<Option<Arc<RunShared>>>,
-    run_seq: AtomicU64,
-    pub(crate) shutdown: AtomicBool,
-    core_gen: Box<[AtomicU64]>,
-}
-
-impl Hub {
-    pub(crate) fn is_current_generation(&self, core: usize, generation: u64) -> bool {
-        self.core_gen[core].load(Ordering::Acquire) == generation
-    }
-
-    pub(crate) fn set_current(&self, run: Option<Arc<RunShared>>) {
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = run;
-        self.run_seq.fetch_add(1, Ordering::AcqRel);
-        self.sleep.notify_all();
-    }
-
-    /// Body of core thread `core` (generation `generation`): takes part in each run until the
-    /// worker shuts down or the core is handed to a new thread.
-    fn core_main(&self, core: usize, generation: u64, parker: Parker) {
-        let mut seen = 0;
-        loop {
-            if self.shutdown.load(Ordering::Acquire)
-                || !self.is_current_generation(core, generation)
-            {
-                return;
-            }
-            let seq = self.run_seq.load(Ordering::Acquire);
-            if seq != seen {
-                seen = seq;
-                let run = self
-                    .current
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                if let Some(run) = run {
-                    run.core_loop(core, &parker, generation);
-                }
-                continue;
-            }
-            self.sleep.announce(core);
-            if self.run_seq.load(Ordering::Acquire) == seen
-                && !self.shutdown.load(Ordering::Acquire)
-            {
-                parker.park_timeout(Duration::from_secs(1));
-            }
-            self.sleep.withdraw(core);
-        }
-    }
-}
-
-/// Where a run's result lands: first writer wins (the orchestrator thread, or the watchdog
-/// when that thread is stuck).
-pub(crate) struct JobResult {
-    value: Mutex<Option<Result<RunReport, Error>>>,
-    delivered: OnceLock<()>,
-    cv: Condvar,
-}
-
-impl JobResult {
-    fn new() -> Arc<JobResult> {
-        Arc::new(JobResult {
-            value: Mutex::new(None),
-            delivered: OnceLock::new(),
-            cv: Condvar::new(),
-        })
-    }
-
-    pub(crate) fn deliver(&self, r: Result<RunReport, Error>) {
-        if self.delivered.set(()).is_ok() {
-            *self.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            self.cv.notify_all();
-        }
-    }
-
-    pub(crate) fn is_delivered(&self) -> bool {
-        self.delivered.get().is_some()
-    }
-}
-
-/// A run in flight; wait for it or poll it.
-pub struct RunHandle {
-    result: Arc<JobResult>,
-}
-
-impl RunHandle {
-    /// Whether the run is over.
-    pub fn is_done(&self) -> bool {
-        self.result.is_delivered()
-    }
-
-    /// Takes the result if the run is over (once: a later `poll` returns `None`, and `wait`
-    /// after a successful `poll` has nothing left to return).
-    pub fn poll(&mut self) -> Option<Result<RunReport, Error>> {
-        self.result
-            .value
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-
-    /// Blocks until the run is over.
-    pub fn wait(self) -> Result<RunReport, Error> {
-        let mut v = self.result.value.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(r) = v.take() {
-                return r;
-            }
-            if self.result.is_delivered() {
-                return Err(Error::Closed);
-            }
-            v = self.result.cv.wait(v).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-}
-
 pub(crate) struct Job {
     pub(crate) name: String,
     pub(crate) f: OrchFn,
@@ -174,36 +62,28 @@ pub(crate) struct Job {
     pub(crate) result: Arc<JobResult>,
 }
 
-/// The run being executed, as the watchdog sees it.
-pub(crate) struct Active {
-    pub(crate) run: Arc<RunShared>,
-    pub(crate) result: Arc<JobResult>,
-}
-
-pub(crate) struct Inner {
+/// What the worker's handle, its orchestrator thread and its watchdog share: the platform, the
+/// core pool, registered kernels and orchestrations, the job queue and the cached arena.
+pub(crate) struct WorkerShared {
     pub(crate) platform: Arc<dyn Platform>,
     pub(crate) info: PlatformInfo,
-    pub(crate) hub: Arc<Hub>,
+    pub(crate) core_pool: Arc<CorePool>,
     pub(crate) n_cores: usize,
     pub(crate) registry: Mutex<Arc<Registry>>,
     orchestrations: Mutex<HashMap<String, OrchFn>>,
     jobs: Mutex<VecDeque<Job>>,
     jobs_cv: Condvar,
     pub(crate) arena: Mutex<Option<Arc<Arena>>>,
-    pub(crate) buffer_ids: Arc<AtomicU64>,
     pub(crate) timeouts: Timeouts,
     pub(crate) warnings: Vec<String>,
     pub(crate) closed: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
     orch_gen: AtomicU64,
-    pub(crate) epoch: AtomicU64,
-    pub(crate) active: Mutex<Option<Active>>,
-    pub(crate) active_cv: Condvar,
 }
 
 /// A worker: cores of one platform, ready to run orchestrations.
 pub struct Worker {
-    inner: Arc<Inner>,
+    inner: Arc<WorkerShared>,
 }
 
 impl Worker {
@@ -239,32 +119,24 @@ impl Worker {
             std::env::var(k).ok()
         }));
         let parkers: Vec<Parker> = (0..n_cores).map(|_| Parker::new()).collect();
-        let hub = Arc::new(Hub {
-            sleep: Sleep::new(parkers.iter().map(|p| p.unparker().clone()).collect()),
-            current: Mutex::new(None),
-            run_seq: AtomicU64::new(0),
-            shutdown: AtomicBool::new(false),
-            core_gen: (0..n_cores).map(|_| AtomicU64::new(0)).collect(),
-        });
-        let inner = Arc::new(Inner {
+        let core_pool = Arc::new(CorePool::new(Arc::new(CoreWake::new(Sleep::new(
+            parkers.iter().map(|p| p.unparker().clone()).collect(),
+        )))));
+        let inner = Arc::new(WorkerShared {
             platform,
             info,
-            hub,
+            core_pool,
             n_cores,
             registry: Mutex::new(Arc::new(Registry::default())),
             orchestrations: Mutex::new(HashMap::new()),
             jobs: Mutex::new(VecDeque::new()),
             jobs_cv: Condvar::new(),
             arena: Mutex::new(None),
-            buffer_ids: Arc::new(AtomicU64::new(1)),
             timeouts,
             warnings,
             closed: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             orch_gen: AtomicU64::new(0),
-            epoch: AtomicU64::new(1),
-            active: Mutex::new(None),
-            active_cv: Condvar::new(),
         });
         for (i, p) in parkers.into_iter().enumerate() {
             inner.spawn_core(i, 0, p)?;
@@ -348,10 +220,7 @@ impl Worker {
     /// Allocates a zeroed buffer of `bytes` on the platform.
     pub fn alloc(&self, bytes: usize) -> Result<Buffer, Error> {
         let mem = self.inner.platform.alloc(bytes)?;
-        Ok(Buffer::new(
-            BufferId(self.inner.buffer_ids.fetch_add(1, Ordering::Relaxed)),
-            mem,
-        ))
+        Ok(Buffer::new(BufferId::fresh(), mem))
     }
 
     /// Allocates a buffer holding a copy of `data`.
@@ -452,21 +321,18 @@ impl Drop for Worker {
     }
 }
 
-impl Inner {
-    pub(crate) fn hub_set_current(&self, run: Option<Arc<RunShared>>) {
-        self.hub.set_current(run);
-    }
-
+impl WorkerShared {
     fn spawn_core(
         self: &Arc<Self>,
         i: usize,
         generation: u64,
         parker: Parker,
     ) -> Result<(), PlatformError> {
-        let hub = self.hub.clone();
-        let h = self
-            .platform
-            .spawn_core(i, Box::new(move || hub.core_main(i, generation, parker)))?;
+        let core_pool = self.core_pool.clone();
+        let h = self.platform.spawn_core(
+            i,
+            Box::new(move || core_pool.core_main(i, generation, parker)),
+        )?;
         self.threads
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -474,13 +340,28 @@ impl Inner {
         Ok(())
     }
 
-    /// Hands core `i` to a fresh thread (the old one is stuck in a kernel and exits whenever it
-    /// returns).
-    pub(crate) fn replace_core(self: &Arc<Self>, i: usize) -> Result<(), PlatformError> {
-        let generation = self.hub.core_gen[i].fetch_add(1, Ordering::AcqRel) + 1;
-        let parker = Parker::new();
-        self.hub.sleep.replace(i, parker.unparker().clone());
-        self.spawn_core(i, generation, parker)
+    /// Hands every core still inside `run`'s core loop (stuck in user code past the grace
+    /// period) to a fresh thread. The old thread keeps its handle on the run, and with it the
+    /// run's memory and bound buffers, until its kernel returns; then it exits. Idempotent: a
+    /// core is replaced only if the thread inside is still the core's current one.
+    pub(crate) fn retire_stuck_cores(self: &Arc<Self>, run: &RunShared) {
+        for (i, c) in run.cores.iter().enumerate() {
+            let inside = c.inside.load(Ordering::SeqCst);
+            if inside == 0 {
+                continue;
+            }
+            let generation = inside - 1;
+            if self.core_pool.wake.retire(i, generation) {
+                let parker = Parker::new();
+                self.core_pool
+                    .wake
+                    .sleep
+                    .replace(i, parker.unparker().clone());
+                // Without a thread the core stays missing; later runs still complete on the
+                // others.
+                let _ = self.spawn_core(i, generation + 1, parker);
+            }
+        }
     }
 
     fn spawn_orchestrator(self: &Arc<Self>, generation: u64) -> Result<(), PlatformError> {
@@ -527,27 +408,10 @@ impl Inner {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 crate::exec::execute(&self, job)
             }))
-            .unwrap_or_else(|p| {
-                let msg = crate::sched::panic_message(&*p);
-                self.abandon_active(&msg);
-                Err(Error::Internal(msg))
-            });
+            // The run's registration, dropped while unwinding, has failed and unregistered it.
+            .unwrap_or_else(|p| Err(Error::Internal(crate::sched::panic_message(&*p))));
             result.deliver(r);
         }
-    }
-
-    /// Fails and detaches the active run after an internal fault on the orchestrator thread.
-    fn abandon_active(&self, msg: &str) {
-        let active = self.active.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(a) = active {
-            a.run.fail(RunError::new(
-                crate::ErrorCode::ExplicitOrchFatal,
-                format!("internal runtime error: {msg}"),
-                "please report this with the command that triggered it",
-            ));
-            a.run.finished.store(true, Ordering::Release);
-        }
-        self.hub.set_current(None);
     }
 
     fn shutdown(&self) {
@@ -562,19 +426,15 @@ impl Inner {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .is_empty();
-            let active = self
-                .active
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some();
+            let active = self.core_pool.current().is_some();
             if !pending && !active {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        self.hub.shutdown.store(true, Ordering::Release);
-        self.hub.sleep.notify_all();
-        self.active_cv.notify_all();
+        self.core_pool.wake.shutdown.store(true, Ordering::Release);
+        self.core_pool.wake.sleep.notify_all();
+        self.core_pool.registered.notify_all();
         let threads: Vec<JoinHandle<()>> =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for h in threads {

@@ -138,7 +138,9 @@ impl Drop for HostMemory {
     }
 }
 
-impl Memory for HostMemory {
+// SAFETY: `ptr .. ptr + len` lies in the allocation `backing` owns until drop (page-aligned,
+// zeroed, host memory), and neither `ptr` nor `len` changes after `new`.
+unsafe impl Memory for HostMemory {
     fn addr(&self) -> usize {
         self.ptr
     }
@@ -150,7 +152,9 @@ impl Memory for HostMemory {
     }
 }
 
-impl Platform for CpuPlatform {
+// SAFETY: `alloc` returns zeroed host memory of `bytes` bytes (`HostMemory`, whose contract is
+// argued above), kernels run on host threads, and `spawn_core` runs `body` once on a new thread.
+unsafe impl Platform for CpuPlatform {
     fn info(&self) -> PlatformInfo {
         PlatformInfo {
             name: "cpu".into(),

@@ -19,6 +19,7 @@ const SPIN_UNTIL_CANCELLED: KernelId = KernelId(4);
 const SLEEP_50MS: KernelId = KernelId(5);
 const STUCK: KernelId = KernelId(6);
 const NOP: KernelId = KernelId(7);
+const SLEEP_5MS: KernelId = KernelId(9);
 
 fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
     let w = Worker::new(
@@ -77,6 +78,16 @@ fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
     .unwrap();
     w.register_kernel(KernelSpec::new(NOP, "nop", EngineClass::Vector, |_| Ok(())))
         .unwrap();
+    w.register_kernel(KernelSpec::new(
+        SLEEP_5MS,
+        "sleep5",
+        EngineClass::Vector,
+        |_| {
+            std::thread::sleep(Duration::from_millis(5));
+            Ok(())
+        },
+    ))
+    .unwrap();
     w
 }
 
@@ -566,6 +577,23 @@ fn scheduler_timeout_s1_names_the_stuck_task() {
     assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask));
     assert_eq!(e.locator.kernel.as_deref(), Some("spins"));
     assert!(e.locator.core.is_some());
+}
+
+#[test]
+fn a_long_spmd_task_that_keeps_finishing_blocks_is_not_stuck() {
+    // 160 blocks of 5 ms on 2 cores: the task runs ~400 ms, longer than the 300 ms scheduler
+    // timeout, but every block finishes well within it, which is progress.
+    let w = worker_with(2, Some(short_timeouts()));
+    w.run_fn(
+        "long_spmd",
+        RunArgs::default(),
+        &CallConfig::default(),
+        |o, _| {
+            o.submit(Task::new(SLEEP_5MS).blocks(160))?;
+            Ok(())
+        },
+    )
+    .expect("a task finishing blocks is progressing");
 }
 
 #[test]

@@ -4,16 +4,22 @@
 //! wrap-around; 1–3 cores; overlapped and serial mode) must leave every buffer exactly as a
 //! sequential execution of the same tasks in submit order.
 //!
-//! The generator follows the program rule of `01-runtime.md`: it adds explicit dependencies only
-//! where the runtime is not required to find them (write-after-read, `OutputExisting` after an
-//! earlier writer, `NoDep` reads, and anything inside a manual scope). Everything else — creator
-//! edges, read-after-write and write-after-write through the TensorMap, covered-entry
-//! retirement — is left to the runtime.
+//! The generator adds explicit dependencies only where the runtime does not track them: `NoDep`
+//! reads (and writes over bytes that `NoDep` readers may still read), and anything inside a
+//! manual scope — exactly the contracts of the unsafe `Task::no_dep` and
+//! `Orchestrator::begin_manual_scope`. Everything else — creator edges, read-after-write,
+//! write-after-read and write-after-write through the TensorMap, covered-entry retirement — is
+//! left to the runtime.
+//!
+//! The oracle also flags over-serialisation: every TensorMap edge the runtime reports as an
+//! exact overlap (covers or partial) must join a producer and a consumer that really share an
+//! element, one of them writing it (captured with `dep_gen`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
+use simpler_core::trace::{DepGraph, EdgeSource, OverlapKind};
 use simpler_core::*;
 use simpler_cpu::CpuPlatform;
 
@@ -158,7 +164,7 @@ fn random_view(rng: &mut Rng, len: u64, matrix: bool) -> View {
     }
 }
 
-/// Generates a program that follows the program rule, and ring sizes that can hold it without
+/// Generates a program that honours the unsafe contracts, and ring sizes that can hold it without
 /// a provable deadlock (so the rings are as small as they can be).
 fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
     let mut rng = Rng(seed);
@@ -168,9 +174,13 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
     // Outputs usable now: (task index, len, depth of the scope that owns it).
     let mut outputs: Vec<(usize, u64, usize)> = Vec::new();
     let mut out_len: HashMap<usize, u64> = HashMap::new();
-    // Per element: last writer and readers since then (task indices).
+    // Per element: last writer, readers since then and `NoDep` readers since then (task
+    // indices).
     let mut last_writer: HashMap<(Src, u64), usize> = HashMap::new();
     let mut readers: HashMap<(Src, u64), Vec<usize>> = HashMap::new();
+    let mut nodep_readers: HashMap<(Src, u64), Vec<usize>> = HashMap::new();
+    // Every registered reader (Input) per source buffer: writers may wait for any of them.
+    let mut readers_ever: HashMap<Src, Vec<usize>> = HashMap::new();
     // Every registered writer (InOut / OutputExisting) per source buffer: the TensorMap may
     // report any of them for a reader whose region it cannot compare exactly, so this bounds
     // the producers of a task from above.
@@ -269,7 +279,7 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
         };
         // A gang needs as many free cores as blocks: max_blocks is cores + 1.
         let sync = blocks > 1 && blocks < max_blocks && rng.chance(20);
-        // Explicit dependencies the program rule asks for.
+        // Explicit dependencies the unsafe contracts ask for (NoDep, manual scopes).
         let mut deps: HashSet<usize> = HashSet::new();
         let mut producer_bound: HashSet<usize> = HashSet::new();
         for (tag, el) in &arg_elems {
@@ -279,11 +289,10 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
                 }
                 let lw = last_writer.get(e).copied();
                 if tag.is_written() {
-                    for &r in readers.get(e).map(Vec::as_slice).unwrap_or(&[]) {
-                        deps.insert(r);
-                    }
+                    let untracked = if manual { &readers } else { &nodep_readers };
+                    deps.extend(untracked.get(e).map(Vec::as_slice).unwrap_or(&[]));
                     if let Some(w) = lw
-                        && (manual || *tag == ArgTag::OutputExisting)
+                        && manual
                     {
                         deps.insert(w);
                     }
@@ -294,8 +303,11 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
                 {
                     deps.insert(w);
                 }
-                if matches!(tag, ArgTag::Input | ArgTag::InOut) {
+                if *tag != ArgTag::NoDep {
                     producer_bound.extend(writers_ever.get(&e.0).map(Vec::as_slice).unwrap_or(&[]));
+                }
+                if tag.is_written() {
+                    producer_bound.extend(readers_ever.get(&e.0).map(Vec::as_slice).unwrap_or(&[]));
                 }
             }
         }
@@ -309,8 +321,12 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
                     if tag.is_written() {
                         last_writer.insert(*e, task_idx);
                         readers.remove(e);
+                        nodep_readers.remove(e);
                     } else {
                         readers.entry(*e).or_default().push(task_idx);
+                        if *tag == ArgTag::NoDep {
+                            nodep_readers.entry(*e).or_default().push(task_idx);
+                        }
                     }
                 }
             }
@@ -321,6 +337,9 @@ fn generate(seed: u64, n_tasks: usize, max_blocks: u32) -> Program {
         for (tag, el) in &arg_elems {
             if matches!(tag, ArgTag::InOut | ArgTag::OutputExisting) {
                 writers_ever.entry(el[0].0).or_default().push(task_idx);
+            }
+            if *tag == ArgTag::Input {
+                readers_ever.entry(el[0].0).or_default().push(task_idx);
             }
         }
         let mut bytes = 0;
@@ -540,6 +559,11 @@ fn orchestrate(o: &mut Orchestrator, args: &RunArgs, p: &Program) -> Result<(), 
     let mut outs: HashMap<usize, Tensor> = HashMap::new();
     for op in &p.ops {
         match op {
+            Op::Begin(ScopeKind::Manual) => {
+                // SAFETY: the generator orders every task of a manual scope explicitly after
+                // each live task it must follow (its `deps`).
+                unsafe { o.begin_manual_scope()? }
+            }
             Op::Begin(kind) => o.begin_scope(*kind)?,
             Op::End => o.end_scope()?,
             Op::Task(t) => {
@@ -566,7 +590,15 @@ fn orchestrate(o: &mut Orchestrator, args: &RunArgs, p: &Program) -> Result<(), 
                                 Src::User(b) => user[*b],
                                 Src::Out(i) => outs[i],
                             };
-                            task.arg(*tag, &make_view(&base, view))
+                            let v = make_view(&base, view);
+                            if *tag == ArgTag::NoDep {
+                                // SAFETY: the generator orders a NoDep reader explicitly after
+                                // the last writer of its elements, and later writers of them
+                                // after it (see `generate`).
+                                unsafe { task.no_dep(&v) }
+                            } else {
+                                task.arg(*tag, &v)
+                            }
                         }
                     };
                 }
@@ -625,6 +657,9 @@ fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), Te
     };
     let cfg = CallConfig {
         runtime_env,
+        // Captured for the over-serialisation check; the core writes no files.
+        dep_gen: true,
+        output_dir: Some("unused-by-the-core".into()),
         mode: if serial {
             OrchMode::Serial
         } else {
@@ -661,6 +696,56 @@ fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), Te
         );
     }
     prop_assert_eq!(report.counters.tasks as usize, n_tasks);
+    check_edges(seed, &p, report.deps.as_ref().expect("dep_gen was on"))
+}
+
+/// Flags over-serialisation: every TensorMap edge reported as an exact overlap must join two
+/// tasks that share an element through tracked arguments, at least one of them writing it.
+fn check_edges(seed: u64, p: &Program, g: &DepGraph) -> Result<(), TestCaseError> {
+    let specs: Vec<&TaskSpec> = p
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Task(t) => Some(t),
+            _ => None,
+        })
+        .collect();
+    let index: HashMap<u64, usize> = g.tasks.iter().enumerate().map(|(i, t)| (t.id, i)).collect();
+    prop_assert_eq!(index.len(), specs.len());
+    let no_len = HashMap::new();
+    let tracked = |t: &TaskSpec| -> Vec<(bool, HashSet<(Src, u64)>)> {
+        t.args
+            .iter()
+            .filter_map(|a| match a {
+                Arg::Existing { tag, src, view } if *tag != ArgTag::NoDep => Some((
+                    tag.is_written(),
+                    elements(*src, view, &no_len).into_iter().collect(),
+                )),
+                _ => None,
+            })
+            .collect()
+    };
+    for e in &g.edges {
+        if e.source != EdgeSource::Tensormap
+            || !matches!(e.overlap, OverlapKind::Covers | OverlapKind::Partial)
+        {
+            continue;
+        }
+        let (pi, ci) = (index[&e.pred], index[&e.succ]);
+        let (pa, ca) = (tracked(specs[pi]), tracked(specs[ci]));
+        let justified = ca.iter().any(|(cw, ce)| {
+            pa.iter()
+                .any(|(pw, pe)| (*cw || *pw) && !ce.is_disjoint(pe))
+        });
+        prop_assert!(
+            justified,
+            "seed {}: task {} waits for task {} ({:?}), but no tracked argument of one shares an element with the other's (one writing it)",
+            seed,
+            ci,
+            pi,
+            e.overlap
+        );
+    }
     Ok(())
 }
 

@@ -3,9 +3,10 @@
 //!
 //! # Memory access and soundness
 //! Kernel bodies reach tensor memory only through [`TaskCtx`]. The runtime orders tasks so that
-//! a task's written regions are not touched by any other task while it runs, *provided the
-//! orchestration follows the program rule of `01-runtime.md`* (write-after-read is not tracked:
-//! a task that overwrites a region earlier tasks still read must be ordered explicitly). Within
+//! no other task touches a task's written regions, nor writes its read regions, while it runs:
+//! readers wait for the live writers of overlapping bytes, writers for the live readers and
+//! writers (the TensorMap). The untracked forms — `NoDep` arguments and manual scopes — are
+//! requested only through `unsafe` functions whose contracts promise the same ordering. Within
 //! one task the accessors keep Rust's aliasing rules:
 //! - readable arguments (`Input`, `NoDep`) are only read: [`TaskCtx::read`] (contiguous views),
 //!   [`TaskCtx::read_rows`] (rows of strided tiles), [`TaskCtx::gather`] (any view, copied);
@@ -13,6 +14,9 @@
 //!   (contiguous, single block), [`TaskCtx::write_chunk`] (disjoint per-block chunks),
 //!   [`TaskCtx::write_rows`] / [`TaskCtx::write_block_rows`] (rows of strided tiles: exactly the
 //!   view's elements, never the neighbours between its rows), [`TaskCtx::scatter`] (any view);
+//! - the blocks of a multi-block task share a written argument one way only: the first block
+//!   to take a share fixes the split (chunk size, rows, or columns with their granule), and a
+//!   block asking for a different split gets an error, never an overlapping share;
 //! - the orchestrator rejects a task whose written argument overlaps another of its arguments.
 //!
 //! Slices never cover elements outside the view, so tasks writing neighbouring tiles of one
@@ -21,7 +25,7 @@
 use std::cell::Cell;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, TensorError};
@@ -142,6 +146,52 @@ pub(crate) struct TaskDesc {
     pub(crate) scalars: Vec<u64>,
     pub(crate) predicate: Option<Predicate>,
     pub(crate) timing_slot: Option<u8>,
+    /// How each written argument is split over the blocks, fixed by the first block that
+    /// asks (see [`Splits`]).
+    pub(crate) splits: Splits,
+}
+
+/// The per-block split of each argument of a multi-block task, fixed once per task: the first
+/// block to take a share of argument `i` records how it split it (`write_chunk` with its chunk,
+/// `write_block_rows`, `write_block_cols` with its granule), and a block asking for another
+/// split fails instead of getting a share that overlaps another block's. Shares of one split
+/// are disjoint by construction, so fixing the split is what keeps every block's `&mut` apart.
+///
+/// Single-block tasks need no record (one block, and `claim` stops double borrows) and carry an
+/// empty one, so the common task's descriptor stays small.
+#[derive(Default)]
+pub(crate) struct Splits(Box<[AtomicU64]>);
+
+impl Splits {
+    /// The record for a task of `blocks` blocks and `args` tensor arguments.
+    pub(crate) fn new(blocks: u32, args: usize) -> Splits {
+        if blocks > 1 {
+            Splits((0..args).map(|_| AtomicU64::new(0)).collect())
+        } else {
+            Splits::default()
+        }
+    }
+}
+
+/// Kinds of split (top bits of a [`Splits`] entry; the low bits hold the parameter).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Split {
+    Chunk = 1,
+    BlockRows = 2,
+    BlockCols = 3,
+}
+
+impl Split {
+    const PARAM_BITS: u32 = 61;
+
+    fn describe(code: u64) -> String {
+        let param = code & ((1 << Split::PARAM_BITS) - 1);
+        match code >> Split::PARAM_BITS {
+            1 => format!("write_chunk with chunk {param}"),
+            2 => "write_block_rows".to_string(),
+            _ => format!("write_block_cols with granule {param}"),
+        }
+    }
 }
 
 impl TaskDesc {
@@ -156,6 +206,7 @@ impl TaskDesc {
             scalars: Vec::new(),
             predicate: None,
             timing_slot: None,
+            splits: Splits::default(),
         }
     }
 
@@ -312,9 +363,9 @@ impl<'a> TaskCtx<'a> {
             }
             .into());
         }
-        let r = a.tensor.region();
-        let start = a.tensor.addr + r.lo as usize * T::DTYPE.size();
-        Ok((a, start, (r.hi - r.lo) as usize))
+        let (lo, hi) = a.tensor.element_span();
+        let start = a.tensor.addr + lo as usize * T::DTYPE.size();
+        Ok((a, start, (hi - lo) as usize))
     }
 
     fn readable(&self, i: usize, a: &TensorArg) -> Result<(), KernelError> {
@@ -348,6 +399,32 @@ impl<'a> TaskCtx<'a> {
         Ok(())
     }
 
+    /// Fixes (or checks) how argument `i` is split over the blocks of a multi-block task.
+    fn fix_split(&self, i: usize, split: Split, param: usize) -> Result<(), KernelError> {
+        if self.desc.block_num == 1 {
+            return Ok(());
+        }
+        let Some(slot) = self.desc.splits.0.get(i) else {
+            // Descriptors built without a record (tests) have one block.
+            return Err(KernelError::new(format!(
+                "argument {i}: no split record for a task of {} blocks",
+                self.desc.block_num
+            )));
+        };
+        let param = (param as u64).min((1 << Split::PARAM_BITS) - 1);
+        let code = ((split as u64) << Split::PARAM_BITS) | param;
+        match slot.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(fixed) if fixed == code => Ok(()),
+            Err(fixed) => Err(KernelError::new(format!(
+                "argument {i}: block {} asks for {} but the task's blocks already split it by {}; every block must take its share the same way",
+                self.block,
+                Split::describe(code),
+                Split::describe(fixed)
+            ))),
+        }
+    }
+
     fn contiguous(i: usize, a: &TensorArg, what: &str) -> Result<(), KernelError> {
         if a.tensor.is_contiguous() {
             Ok(())
@@ -372,8 +449,10 @@ impl<'a> TaskCtx<'a> {
         // the buffer (checked when the view was made), which outlives the run; the address is
         // aligned for T (page-aligned buffers, offsets in T-sized elements); every bit pattern
         // is a valid T (sealed `Element`). The runtime orders this task after every writer of
-        // the region, and no task writes it while this one runs (the program rule in the module
-        // docs); this task does not write it (written arguments may not overlap others).
+        // the region and later writers after this task (for `NoDep` and manual scopes, the
+        // contracts of `Task::no_dep` / `Orchestrator::manual_scope` promise the same), and the
+        // region stays bound and alive until every core left the run; this task does not
+        // write it (written arguments may not overlap others).
         Ok(unsafe { std::slice::from_raw_parts(start as *const T, len) })
     }
 
@@ -397,7 +476,7 @@ impl<'a> TaskCtx<'a> {
         let mut out = Vec::with_capacity(a.tensor.numel() as usize);
         a.tensor.for_each_offset(|off| {
             // SAFETY: `off` is an element of the view, inside its buffer; no other task writes it
-            // concurrently (program rule) and, for a written argument, this is the task's only
+            // concurrently (ordered by the TensorMap or the unsafe contracts, as in `read`) and, for a written argument, this is the task's only
             // block; a raw read creates no reference, and any bit pattern is a valid `T`.
             out.push(unsafe { base.add(off as usize).read() })
         });
@@ -439,7 +518,7 @@ impl<'a> TaskCtx<'a> {
         Self::contiguous(i, a, "write")?;
         self.writable(i, a, "write")?;
         // SAFETY: contiguity, bounds, alignment and validity as in `read`. Exclusivity: no other
-        // task touches the region while this one runs (program rule), the task has one block,
+        // task touches the region while this one runs (ordered as in `read`), the task has one block,
         // and `writable` stops this block from borrowing the argument twice.
         Ok(unsafe { slice_mut(start, 0, len) })
     }
@@ -454,6 +533,7 @@ impl<'a> TaskCtx<'a> {
         let (a, start, len) = self.typed::<T>(i)?;
         Self::contiguous(i, a, "write_chunk")?;
         self.writable(i, a, "write_chunk")?;
+        self.fix_split(i, Split::Chunk, chunk)?;
         let lo = (self.block as usize).saturating_mul(chunk).min(len);
         let hi = lo.saturating_add(chunk).min(len);
         // SAFETY: as in `write`, except that several blocks may run at once: each gets the chunk
@@ -477,6 +557,7 @@ impl<'a> TaskCtx<'a> {
         let all = RowsMut::<T>::new(i, &a.tensor, None)?.len();
         let rows = RowsMut::new(i, &a.tensor, Some(self.block_range(all)))?;
         self.writable(i, a, "write_block_rows")?;
+        self.fix_split(i, Split::BlockRows, 0)?;
         Ok(rows)
     }
 
@@ -498,6 +579,7 @@ impl<'a> TaskCtx<'a> {
         let units = self.block_range_tapered(width.div_ceil(g));
         rows.set_cols((units.start * g).min(width)..(units.end * g).min(width));
         self.writable(i, a, "write_block_cols")?;
+        self.fix_split(i, Split::BlockCols, g)?;
         Ok(rows)
     }
 
@@ -570,4 +652,132 @@ unsafe fn slice_mut<'a, T: Element>(start: usize, lo: usize, hi: usize) -> &'a m
     }
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::platform::Memory;
+    use crate::platform::test_memory::HostVec;
+    use crate::tensor::BufferId;
+
+    /// An 8x8 f32 matrix in host memory, as a view of buffer `id`.
+    fn matrix(mem: &HostVec) -> Tensor {
+        Tensor::new_contiguous(BufferId(1), mem.addr(), 256, DType::F32, &[8, 8]).unwrap()
+    }
+
+    fn desc(args: Vec<TensorArg>, blocks: u32) -> TaskDesc {
+        TaskDesc {
+            block_num: blocks,
+            splits: Splits::new(blocks, args.len()),
+            args,
+            ..TaskDesc::empty()
+        }
+    }
+
+    fn arg(tag: ArgTag, tensor: Tensor) -> TensorArg {
+        TensorArg { tag, tensor }
+    }
+
+    /// The blocks' shares of one argument are held at the same time and written interleaved:
+    /// under Miri, overlapping `&mut` slices would be reported as undefined behaviour.
+    #[test]
+    fn block_shares_are_disjoint_while_held_together() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let rows = desc(vec![arg(ArgTag::InOut, m)], 3);
+        let ctxs: Vec<TaskCtx<'_>> = (0..3)
+            .map(|b| TaskCtx::new(&rows, b, 0, &cancel, None))
+            .collect();
+        let mut shares: Vec<RowsMut<'_, f32>> = ctxs
+            .iter()
+            .map(|c| c.write_block_rows::<f32>(0).unwrap())
+            .collect();
+        for r in 0..3 {
+            for (b, s) in shares.iter_mut().enumerate() {
+                if r < s.len() {
+                    s.row(r).fill(b as f32);
+                }
+            }
+        }
+        drop(shares);
+        let cols = desc(vec![arg(ArgTag::InOut, m)], 4);
+        let ctxs: Vec<TaskCtx<'_>> = (0..4)
+            .map(|b| TaskCtx::new(&cols, b, 0, &cancel, None))
+            .collect();
+        let mut shares: Vec<RowsMut<'_, f32>> = ctxs
+            .iter()
+            .map(|c| c.write_block_cols::<f32>(0, 2).unwrap())
+            .collect();
+        for s in shares.iter_mut() {
+            let c0 = s.first_col() as f32;
+            for row in s.iter_mut() {
+                row.fill(c0);
+            }
+        }
+        // A block asking for another split is refused while the others hold theirs.
+        assert!(ctxs[0].write_chunk::<f32>(0, 4).is_err());
+        drop(shares);
+        let chunks = desc(
+            vec![arg(ArgTag::OutputExisting, m.reshape(&[64]).unwrap())],
+            3,
+        );
+        let ctxs: Vec<TaskCtx<'_>> = (0..3)
+            .map(|b| TaskCtx::new(&chunks, b, 0, &cancel, None))
+            .collect();
+        let mut parts: Vec<&mut [f32]> = ctxs
+            .iter()
+            .map(|c| c.write_chunk::<f32>(0, 30).unwrap())
+            .collect();
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [30, 30, 4]
+        );
+        for (b, p) in parts.iter_mut().enumerate() {
+            p[0] = 100.0 + b as f32;
+        }
+        drop(parts);
+        // Read it back through the read accessors: whole view, strided tile rows, a
+        // transposed gather.
+        let read = desc(
+            vec![
+                arg(ArgTag::Input, m),
+                arg(
+                    ArgTag::Input,
+                    m.slice(0, 1, 3).unwrap().slice(1, 2, 5).unwrap(),
+                ),
+                arg(ArgTag::Input, m.transpose(0, 1).unwrap()),
+            ],
+            1,
+        );
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        let all = ctx.read::<f32>(0).unwrap();
+        assert_eq!(all[0], 100.0);
+        assert_eq!(all[30], 101.0);
+        assert_eq!(all[60], 102.0);
+        assert_eq!(all[1], 0.0);
+        assert_eq!(all[63], 6.0);
+        let tile = ctx.read_rows::<f32>(1).unwrap();
+        assert_eq!(
+            tile.iter().collect::<Vec<_>>(),
+            [&[2.0, 2.0, 4.0][..], &[2.0, 2.0, 4.0]]
+        );
+        let t = ctx.gather::<f32>(2).unwrap();
+        assert_eq!(t[8], all[1]);
+        // A written argument is borrowed once per block; a read one is never written.
+        let w = desc(vec![arg(ArgTag::InOut, m), arg(ArgTag::Input, m)], 1);
+        let ctx = TaskCtx::new(&w, 0, 0, &cancel, None);
+        let whole = ctx.write::<f32>(0).unwrap();
+        assert!(ctx.write::<f32>(0).is_err());
+        assert!(ctx.write::<f32>(1).is_err());
+        assert!(ctx.read::<f32>(0).is_err());
+        whole[0] = 1.0;
+        let s = desc(vec![arg(ArgTag::InOut, m.transpose(0, 1).unwrap())], 1);
+        let ctx = TaskCtx::new(&s, 0, 0, &cancel, None);
+        ctx.scatter::<f32>(0, &(0..64).map(|i| i as f32).collect::<Vec<_>>())
+            .unwrap();
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        assert_eq!(ctx.read::<f32>(0).unwrap()[1], 8.0);
+    }
 }

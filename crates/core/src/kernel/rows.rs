@@ -86,8 +86,8 @@ impl<'a, T: Element> Rows<'a, T> {
         assert!(r < self.g.n_rows, "row {r} of {}", self.g.n_rows);
         let start = self.g.base + self.g.row_offset(r) * size_of::<T>();
         // SAFETY: the row is `row_len` consecutive elements of the view (innermost stride 1),
-        // inside the buffer; read-only access to a region no task writes concurrently (program
-        // rule); aligned, valid for any bit pattern.
+        // inside the buffer; read-only access to a region no task writes concurrently (ordered
+        // as in `TaskCtx::read`); aligned, valid for any bit pattern.
         unsafe { std::slice::from_raw_parts(start as *const T, self.g.row_len) }
     }
     /// Iterates the rows.
@@ -169,7 +169,7 @@ impl<'a, T: Element> RowsMut<'a, T> {
         // SAFETY: columns col0..col0+ncols (inside the row: set at creation) of one row of a
         // non-overlapping view (checked at creation), inside the buffer, reached only through
         // this `&mut self` borrow; other blocks hold disjoint shares (rows or columns) and other
-        // tasks do not touch the region (program rule).
+        // tasks do not touch the region (ordered as in `TaskCtx::read`).
         unsafe { slice_mut(start, self.col0, self.col0 + self.ncols) }
     }
     /// Iterates the rows of this share (each a distinct `&mut` slice).

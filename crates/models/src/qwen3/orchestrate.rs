@@ -199,11 +199,10 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
     let eps = c.rms_norm_eps as f32;
     Ok(match p.kind {
         StepKind::Decode => {
+            // SAFETY: `g` is a norm weight: written by no task during a run.
+            let t = unsafe { Task::new(ops::RMS_NORM_DEFERRED).input(x).no_dep(g) };
             let s = o.submit(
-                Task::new(ops::RMS_NORM_DEFERRED)
-                    .input(x)
-                    .no_dep(g)
-                    .output(DType::F32, &[r, ld])
+                t.output(DType::F32, &[r, ld])
                     .output(DType::F32, &[r])
                     .push_scalars(NormScalars { eps })
                     .timing_slot(1),
@@ -211,11 +210,10 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
             (s.output(0), Some(s.output(1)))
         }
         StepKind::Prefill => {
+            // SAFETY: `g` is a norm weight: written by no task during a run.
+            let t = unsafe { Task::new(ops::RMS_NORM).input(x).no_dep(g) };
             let s = o.submit(
-                Task::new(ops::RMS_NORM)
-                    .input(x)
-                    .no_dep(g)
-                    .output(DType::F32, &[r, ld])
+                t.output(DType::F32, &[r, ld])
                     .push_scalars(NormScalars { eps })
                     .timing_slot(1),
             )?;
@@ -236,7 +234,9 @@ impl Dep {
     fn add(self, t: Task, x: &Tensor) -> Task {
         match self {
             Dep::Tensor => t.input(x),
-            Dep::After(b) => t.no_dep(x).after(b),
+            // SAFETY: a phase output read this way is written only by tasks that the barrier
+            // `b` follows, and by no task submitted after it while this one can run.
+            Dep::After(b) => unsafe { t.no_dep(x) }.after(b),
         }
     }
 }
@@ -262,10 +262,9 @@ fn gemm(
     add: bool,
 ) -> R<TaskId> {
     let (wt, ot) = (w, out);
-    let mut t = dep
-        .add(Task::new(ops::GEMM_TILE), acts)
-        .no_dep(wt)
-        .blocks(blocks);
+    let t = dep.add(Task::new(ops::GEMM_TILE), acts);
+    // SAFETY: `wt` is a weight matrix: written by no task during a run.
+    let mut t = unsafe { t.no_dep(wt) }.blocks(blocks);
     t = if add {
         t.in_out(ot)
     } else {
@@ -285,10 +284,14 @@ fn mlp_block(o: &mut Orchestrator, p: &StepPlan, w: &LayerViews, x: &Tensor) -> 
     let (h, inter) = (c.hidden_size, c.intermediate_size);
     let (m, r2) = norm(o, p, x, &w.post_norm)?;
     let act = o.alloc(DType::F32, &[p.rows as u64, packed_ld(inter) as u64])?;
-    let mut task = Task::new(ops::GATE_UP_SWIGLU)
-        .input(&m)
-        .no_dep(&w.w_gate)
-        .no_dep(&w.w_up)
+    // SAFETY: the gate and up weights: written by no task during a run.
+    let task = unsafe {
+        Task::new(ops::GATE_UP_SWIGLU)
+            .input(&m)
+            .no_dep(&w.w_gate)
+            .no_dep(&w.w_up)
+    };
+    let mut task = task
         .output_existing(&cols(o, &act, 0, inter)?)
         .blocks(p.blocks.gate_up);
     if let Some(s) = &r2 {
@@ -366,12 +369,19 @@ fn attention_block(
             let t = Task::new(ops::ROPE_KV);
             let t = qkv_done.add(t, &rows(o, &q, row, row + cnt)?);
             let t = qkv_done.add(t, &rows(o, &k, row, row + cnt)?);
-            let t = qkv_done
-                .add(t, &rows(o, &v, row, row + cnt)?)
-                .no_dep(&w.q_norm)
-                .no_dep(&w.k_norm)
-                .no_dep(&rows(o, &vw.cos, pos, pos + cnt)?)
-                .no_dep(&rows(o, &vw.sin, pos, pos + cnt)?)
+            let t = qkv_done.add(t, &rows(o, &v, row, row + cnt)?);
+            let (cos, sin) = (
+                rows(o, &vw.cos, pos, pos + cnt)?,
+                rows(o, &vw.sin, pos, pos + cnt)?,
+            );
+            // SAFETY: q/k norm weights and the RoPE tables: written by no task during a run.
+            let t = unsafe {
+                t.no_dep(&w.q_norm)
+                    .no_dep(&w.k_norm)
+                    .no_dep(&cos)
+                    .no_dep(&sin)
+            };
+            let t = t
                 .output_existing(&rows(o, &qb, row, row + cnt)?)
                 .output_existing(&rows(o, &kl, slot, slot + cnt)?)
                 .output_existing(&rows(o, &vl, slot, slot + cnt)?)
@@ -432,21 +442,26 @@ fn attention_decode(
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
         let task = |r: &Range<usize>, fin: bool| {
-            Task::new(ops::ATTN_DECODE)
-                .input(&qrow)
-                .no_dep(kl)
-                .no_dep(vl)
-                .no_dep(&table)
-                .after(kv_ready)
-                .push_scalars(AttnDecodeScalars {
-                    t0: r.start,
-                    t1: r.end,
-                    is_final: fin,
-                    scale: c.attn_scale(),
-                    page: p.page_size,
-                    head_dim: d,
-                })
-                .timing_slot(1)
+            // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
+            // follows, and by no later task of this run's layer; the block table is written by
+            // no task during a run.
+            unsafe {
+                Task::new(ops::ATTN_DECODE)
+                    .input(&qrow)
+                    .no_dep(kl)
+                    .no_dep(vl)
+                    .no_dep(&table)
+            }
+            .after(kv_ready)
+            .push_scalars(AttnDecodeScalars {
+                t0: r.start,
+                t1: r.end,
+                is_final: fin,
+                scale: c.attn_scale(),
+                page: p.page_size,
+                head_dim: d,
+            })
+            .timing_slot(1)
         };
         match (chunks.as_slice(), &partials) {
             ([one], _) => {
@@ -504,13 +519,19 @@ fn attention_prefill(
                 let n = block.min(s.n_rows - i);
                 let (r0, r1) = (s.row0 + i, s.row0 + i + n);
                 let out = cols(o, &rows(o, a, r0, r1)?, c0, c0 + group * d)?;
-                let id = o.submit(
+                let q = rows(o, qb, r0, r1)?;
+                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that
+                // `kv_ready` follows, and by no later task of this layer; the block table is
+                // written by no task during a run.
+                let t = unsafe {
                     Task::new(ops::ATTN_PREFILL)
-                        .input(&rows(o, qb, r0, r1)?)
+                        .input(&q)
                         .no_dep(kl)
                         .no_dep(vl)
                         .no_dep(&table)
-                        .output_existing(&out)
+                };
+                let id = o.submit(
+                    t.output_existing(&out)
                         .after(kv_ready)
                         .push_scalars(AttnPrefillScalars {
                             kv_head: g,
@@ -608,13 +629,9 @@ pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> 
     match p.variant {
         Variant::Model => {
             let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
-            o.submit(
-                Task::new(ops::EMBED)
-                    .no_dep(&vw.embedding)
-                    .input(&ids)
-                    .output_existing(&x)
-                    .timing_slot(0),
-            )?;
+            // SAFETY: the embedding table: written by no task during a run.
+            let t = unsafe { Task::new(ops::EMBED).no_dep(&vw.embedding) };
+            o.submit(t.input(&ids).output_existing(&x).timing_slot(0))?;
         }
         Variant::Layers => {
             let hin = o.bind(&args.buffers[io::INPUT], DType::BF16, &[r, h])?;
@@ -660,12 +677,15 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
                 .timing_slot(2),
         )?;
     }
+    // SAFETY: the final norm weight: written by no task during a run.
+    let t = unsafe {
+        Task::new(ops::RMS_NORM)
+            .input(&hidden)
+            .no_dep(&vw.final_norm)
+    };
     let nrm = o
         .submit(
-            Task::new(ops::RMS_NORM)
-                .input(&hidden)
-                .no_dep(&vw.final_norm)
-                .output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
+            t.output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
                 .push_scalars(NormScalars {
                     eps: c.rms_norm_eps as f32,
                 })
@@ -677,11 +697,10 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     let best = o.alloc(DType::U32, &[u64::from(blocks), s, 2])?;
     // One SPMD task: each block takes a share of the vocabulary rows and writes its logits
     // columns and its argmax slot.
+    // SAFETY: the LM head weight: written by no task during a run.
+    let t = unsafe { Task::new(ops::LM_HEAD_TILE).input(&nrm).no_dep(&vw.lm_head) };
     o.submit(
-        Task::new(ops::LM_HEAD_TILE)
-            .input(&nrm)
-            .no_dep(&vw.lm_head)
-            .output_existing(&logits)
+        t.output_existing(&logits)
             .output_existing(&best)
             .push_scalars(LmHeadScalars { hidden: h as usize })
             .blocks(blocks)

@@ -1,0 +1,262 @@
+//! The core pool: a worker's core threads and the one registration of the run they take part
+//! in, and where a run's result lands ([`JobResult`], read through [`RunHandle`]).
+//!
+//! Layering: the pool sits above the run (it hands cores to the registered [`RunShared`]); the
+//! run sees only the [`CoreWake`] handle below it, never the pool or the worker.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crossbeam_utils::sync::Parker;
+
+use crate::error::{Error, RunError};
+use crate::report::RunReport;
+use crate::run::RunShared;
+use crate::sleep::CoreWake;
+
+/// A worker's core threads: waking them ([`CoreWake`]), and the registration of the run they
+/// take part in.
+pub(crate) struct CorePool {
+    pub(crate) wake: Arc<CoreWake>,
+    /// The run being executed: the one place that says which run is current. Set and cleared
+    /// only through a [`Registration`]; cores join what it holds, the watchdog watches it.
+    current: Mutex<Option<ActiveRun>>,
+    /// Signalled when a run registers (the watchdog waits on it while idle).
+    pub(crate) registered: Condvar,
+    /// Bumped after every change of `current`, so idle cores notice one without the lock.
+    run_seq: AtomicU64,
+}
+
+/// The run being executed, as the cores and the watchdog see it.
+#[derive(Clone)]
+pub(crate) struct ActiveRun {
+    pub(crate) run: Arc<RunShared>,
+    pub(crate) result: Arc<JobResult>,
+}
+
+/// The registration of a run as the worker's current run, owned by whoever executes it (the
+/// orchestrator thread). Dropping it unregisters the run, unless another run has been
+/// registered since (a stuck orchestrator returning late must not unregister the run a new
+/// orchestrator thread started meanwhile). Dropped while unwinding from a runtime fault, it
+/// first fails the run and stops its cores.
+pub(crate) struct Registration<'a> {
+    core_pool: &'a CorePool,
+    run: Arc<RunShared>,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() && !self.run.finished.load(Ordering::SeqCst) {
+            self.run.fail(RunError::new(
+                crate::ErrorCode::ExplicitOrchFatal,
+                "internal runtime error while executing the run",
+                "please report this with the command that triggered it",
+            ));
+            self.run.finished.store(true, Ordering::SeqCst);
+        }
+        self.core_pool.unregister(&self.run);
+    }
+}
+
+impl CorePool {
+    pub(crate) fn new(wake: Arc<CoreWake>) -> CorePool {
+        CorePool {
+            wake,
+            current: Mutex::new(None),
+            registered: Condvar::new(),
+            run_seq: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers `run` as the current run (replacing a run whose executor was abandoned).
+    pub(crate) fn register(&self, run: Arc<RunShared>, result: Arc<JobResult>) -> Registration<'_> {
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(ActiveRun {
+            run: run.clone(),
+            result,
+        });
+        self.run_seq.fetch_add(1, Ordering::AcqRel);
+        self.registered.notify_all();
+        self.wake.sleep.notify_all();
+        Registration {
+            core_pool: self,
+            run,
+        }
+    }
+
+    /// Unregisters `run` if it is still the current run.
+    pub(crate) fn unregister(&self, run: &Arc<RunShared>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(&c.run, run)) {
+            *cur = None;
+            drop(cur);
+            self.run_seq.fetch_add(1, Ordering::AcqRel);
+            self.wake.sleep.notify_all();
+        }
+    }
+
+    /// The current run, if any.
+    pub(crate) fn current(&self) -> Option<ActiveRun> {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The current run; waits up to `timeout` for one to register when there is none.
+    pub(crate) fn wait_current(&self, timeout: Duration) -> Option<ActiveRun> {
+        let g = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .registered
+            .wait_timeout_while(g, timeout, |c| c.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        g.clone()
+    }
+
+    /// Body of core thread `core` (generation `generation`): takes part in each run until the
+    /// worker shuts down or the core is handed to a new thread.
+    pub(crate) fn core_main(&self, core: usize, generation: u64, parker: Parker) {
+        let mut seen = 0;
+        loop {
+            if self.wake.shutdown.load(Ordering::Acquire)
+                || !self.wake.is_current_generation(core, generation)
+            {
+                return;
+            }
+            let seq = self.run_seq.load(Ordering::Acquire);
+            if seq != seen {
+                seen = seq;
+                if let Some(active) = self.current() {
+                    // Only the run is kept: the result handle is the watchdog's business.
+                    let run = active.run;
+                    run.core_loop(core, &parker, generation);
+                }
+                continue;
+            }
+            self.wake.sleep.announce(core);
+            if self.run_seq.load(Ordering::Acquire) == seen
+                && !self.wake.shutdown.load(Ordering::Acquire)
+            {
+                parker.park_timeout(Duration::from_secs(1));
+            }
+            self.wake.sleep.withdraw(core);
+        }
+    }
+}
+
+/// Where a run's result lands: first writer wins (the orchestrator thread, or the watchdog
+/// when that thread is stuck).
+///
+/// The value and the "delivered" flag change together under one lock, value first: whoever
+/// sees the flag set finds the value (or finds it already taken).
+pub(crate) struct JobResult {
+    value: Mutex<Outcome>,
+    delivered: AtomicBool,
+    cv: Condvar,
+}
+
+enum Outcome {
+    Pending,
+    Ready(Box<Result<RunReport, Error>>),
+    Taken,
+}
+
+impl JobResult {
+    pub(crate) fn new() -> Arc<JobResult> {
+        Arc::new(JobResult {
+            value: Mutex::new(Outcome::Pending),
+            delivered: AtomicBool::new(false),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub(crate) fn deliver(&self, r: Result<RunReport, Error>) {
+        let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*v, Outcome::Pending) {
+            *v = Outcome::Ready(Box::new(r));
+            self.delivered.store(true, Ordering::Release);
+            drop(v);
+            self.cv.notify_all();
+        }
+    }
+
+    pub(crate) fn is_delivered(&self) -> bool {
+        self.delivered.load(Ordering::Acquire)
+    }
+
+    /// Takes the value if it is there.
+    fn take(v: &mut Outcome) -> Option<Result<RunReport, Error>> {
+        match std::mem::replace(v, Outcome::Taken) {
+            Outcome::Ready(r) => Some(*r),
+            other => {
+                *v = other;
+                None
+            }
+        }
+    }
+}
+
+/// A run in flight; wait for it or poll it.
+pub struct RunHandle {
+    pub(crate) result: Arc<JobResult>,
+}
+
+impl RunHandle {
+    /// Whether the run is over (its result is then available to `poll` or `wait`, unless
+    /// already taken).
+    pub fn is_done(&self) -> bool {
+        self.result.is_delivered()
+    }
+
+    /// Takes the result if the run is over (once: a later `poll` returns `None`, and `wait`
+    /// after a successful `poll` returns [`Error::Closed`]).
+    pub fn poll(&mut self) -> Option<Result<RunReport, Error>> {
+        let mut v = self.result.value.lock().unwrap_or_else(|p| p.into_inner());
+        JobResult::take(&mut v)
+    }
+
+    /// Blocks until the run is over.
+    pub fn wait(self) -> Result<RunReport, Error> {
+        let mut v = self.result.value.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = JobResult::take(&mut v) {
+                return r;
+            }
+            if matches!(*v, Outcome::Taken) {
+                return Err(Error::Closed);
+            }
+            v = self.result.cv.wait(v).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delivered_never_shows_before_the_value() {
+        let r = JobResult::new();
+        // Hold the value's lock so a delivery cannot store its value: "delivered" must not
+        // show meanwhile (it used to be set first, and `wait` then returned `Closed` for a
+        // run that succeeded).
+        let guard = r.value.lock().unwrap();
+        let r2 = r.clone();
+        let t = std::thread::spawn(move || r2.deliver(Ok(RunReport::default())));
+        for _ in 0..200 {
+            assert!(!r.is_delivered());
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        drop(guard);
+        t.join().unwrap();
+        assert!(r.is_delivered());
+        let mut h = RunHandle { result: r.clone() };
+        assert!(matches!(h.poll(), Some(Ok(_))));
+        assert!(h.poll().is_none());
+        assert!(matches!(h.wait(), Err(Error::Closed)));
+        // A second delivery (the watchdog after the orchestrator) changes nothing.
+        r.deliver(Err(Error::Closed));
+        let mut h = RunHandle { result: r };
+        assert!(h.poll().is_none());
+    }
+}

@@ -1,0 +1,503 @@
+//! What a failed run leaves behind: its buffers are neither readable, rebindable nor freed while
+//! a kernel of the run may still touch them (also a kernel the watchdog abandoned), stuck cores
+//! are replaced so later runs use every core, and malformed sizes are clean errors.
+//!
+//! Every wait here is bounded; a kernel that is meant to outlive its run waits for a flag the
+//! test sets, never for a fixed time.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use simpler_core::*;
+use simpler_cpu::CpuPlatform;
+
+const WRITER: KernelId = KernelId(1);
+const FAIL_ONCE_WRITER_RUNS: KernelId = KernelId(2);
+const GANG: KernelId = KernelId(3);
+const INC: KernelId = KernelId(4);
+const SPIN: KernelId = KernelId(5);
+
+/// Waits (at most 20 s) for `cond`; false if it never held.
+fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    cond()
+}
+
+/// Flags shared by a run's kernels and the test.
+#[derive(Default)]
+struct Flags {
+    /// The writer kernel has started.
+    started: AtomicBool,
+    /// The writer may go on (set by the test).
+    release: AtomicBool,
+    /// The writer also goes on once the run is cancelled (it lingers, then leaves by itself).
+    release_on_cancel: AtomicBool,
+    /// The writer has written and returned.
+    left: AtomicBool,
+}
+
+/// A platform whose memory records when it is freed.
+#[derive(Clone, Default)]
+struct Tracking {
+    cpu: CpuPlatform,
+    freed: Arc<Mutex<Vec<usize>>>,
+}
+
+struct TrackedMemory {
+    mem: Box<dyn Memory>,
+    freed: Arc<Mutex<Vec<usize>>>,
+}
+
+// SAFETY: every method forwards to the CPU platform's memory, which upholds the contract.
+unsafe impl Memory for TrackedMemory {
+    fn addr(&self) -> usize {
+        self.mem.addr()
+    }
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+    fn host_accessible(&self) -> bool {
+        self.mem.host_accessible()
+    }
+}
+
+impl Drop for TrackedMemory {
+    fn drop(&mut self) {
+        self.freed.lock().unwrap().push(self.mem.addr());
+    }
+}
+
+// SAFETY: allocation and threads come from the CPU platform; memory is only wrapped.
+unsafe impl Platform for Tracking {
+    fn info(&self) -> PlatformInfo {
+        self.cpu.info()
+    }
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError> {
+        Ok(Box::new(TrackedMemory {
+            mem: self.cpu.alloc(bytes)?,
+            freed: self.freed.clone(),
+        }))
+    }
+    fn spawn_core(
+        &self,
+        index: usize,
+        body: Box<dyn FnOnce() + Send>,
+    ) -> Result<JoinHandle<()>, PlatformError> {
+        self.cpu.spawn_core(index, body)
+    }
+}
+
+/// A 2-core worker with short timeouts, a writer kernel that ignores cancellation (it waits for
+/// `flags.release`, then fills argument 0 with 7.0), a kernel that fails once the writer runs,
+/// a gang kernel that records the cores of its blocks, and an incrementer.
+fn worker(platform: Tracking, flags: Arc<Flags>, gang_cores: Arc<Mutex<Vec<usize>>>) -> Worker {
+    let w = Worker::new(
+        platform,
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: Some(Timeouts {
+                scheduler: Duration::from_millis(1000),
+                op_execute: Duration::from_millis(2000),
+                stream_sync: Duration::from_millis(5000),
+            }),
+        },
+    )
+    .unwrap();
+    let f = flags.clone();
+    w.register_kernel(KernelSpec::new(
+        WRITER,
+        "writer",
+        EngineClass::Vector,
+        move |ctx| {
+            f.started.store(true, Ordering::SeqCst);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let go = || {
+                f.release.load(Ordering::SeqCst)
+                    || (f.release_on_cancel.load(Ordering::SeqCst) && ctx.is_cancelled())
+            };
+            while !go() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            ctx.write::<f32>(0)?.fill(7.0);
+            f.left.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+    ))
+    .unwrap();
+    let f = flags;
+    w.register_kernel(KernelSpec::new(
+        FAIL_ONCE_WRITER_RUNS,
+        "fails",
+        EngineClass::Vector,
+        move |_| {
+            wait_for(|| f.started.load(Ordering::SeqCst));
+            Err(KernelError::new("failing while the writer runs"))
+        },
+    ))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(
+        GANG,
+        "gang",
+        EngineClass::Vector,
+        move |ctx| {
+            gang_cores.lock().unwrap().push(ctx.core());
+            ctx.sync_barrier()?;
+            Ok(())
+        },
+    ))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(SPIN, "spin", EngineClass::Vector, |ctx| {
+        wait_for(|| ctx.is_cancelled());
+        Ok(())
+    }))
+    .unwrap();
+    w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
+        for v in ctx.write::<f32>(0)? {
+            *v += 1.0;
+        }
+        Ok(())
+    }))
+    .unwrap();
+    w
+}
+
+/// Runs the writer on `buf` next to a kernel that fails once the writer has started.
+fn failing_run(w: &Worker, buf: &Buffer) -> RunError {
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    match w.run_fn("fails", args, &CallConfig::default(), |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[64])?;
+        o.submit(Task::new(WRITER).output_existing(&t))?;
+        o.submit(Task::new(FAIL_ONCE_WRITER_RUNS))?;
+        Ok(())
+    }) {
+        Err(Error::Run(e)) => e,
+        other => panic!("expected a kernel failure, got {other:?}"),
+    }
+}
+
+/// A sync-start gang of every core, which forms only if no core is missing.
+fn gang_of_all_cores(w: &Worker, gang_cores: &Mutex<Vec<usize>>) {
+    gang_cores.lock().unwrap().clear();
+    let n = w.cores() as u32;
+    w.run_fn(
+        "gang",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::new(GANG).blocks(n).require_sync_start())?;
+            Ok(())
+        },
+    )
+    .expect("a gang of every core runs");
+    let mut cores = gang_cores.lock().unwrap().clone();
+    cores.sort();
+    assert_eq!(cores, (0..w.cores()).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_failed_run_returns_after_its_lingering_kernel_left_the_buffer() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), flags.clone(), gang.clone());
+    let buf = w.alloc(64 * 4).unwrap();
+    // The writer still writes after the run failed, but ends by itself within the grace
+    // period.
+    flags.release_on_cancel.store(true, Ordering::SeqCst);
+    let e = failing_run(&w, &buf);
+    assert_eq!(e.code, ErrorCode::KernelFailed, "{e}");
+    // By the time the run returned, the writer had finished: the host sees its write, and
+    // nothing changes the buffer afterwards.
+    assert!(flags.left.load(Ordering::SeqCst));
+    assert_eq!(buf.read::<f32>().unwrap(), vec![7.0; 64]);
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn an_abandoned_kernels_buffer_stays_bound_until_it_leaves() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), flags.clone(), gang.clone());
+    let buf = w.alloc(64 * 4).unwrap();
+    let e = failing_run(&w, &buf);
+    assert_eq!(e.code, ErrorCode::KernelFailed, "{e}");
+    assert!(!flags.left.load(Ordering::SeqCst));
+    // The writer is still inside its kernel: the buffer can be neither read nor written from
+    // the host, nor bound by another run.
+    assert!(matches!(buf.read::<f32>(), Err(BufferError::InUse { .. })));
+    assert!(matches!(
+        buf.write(&[1.0f32; 64]),
+        Err(BufferError::InUse { .. })
+    ));
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    match w.run_fn("rebind", args, &CallConfig::default(), |_, _| Ok(())) {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidArgs);
+            assert!(e.detail.contains("bound"), "{e}");
+        }
+        other => panic!("rebinding a buffer an abandoned kernel writes: {other:?}"),
+    }
+    // Meanwhile the worker runs other work on every core (the stuck one was replaced).
+    gang_of_all_cores(&w, &gang);
+    let other = w.buffer_from(&[0.0f32; 8]).unwrap();
+    let args = RunArgs {
+        buffers: vec![other.clone()],
+        scalars: vec![],
+    };
+    w.run_fn("inc", args, &CallConfig::default(), |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[8])?;
+        o.submit(Task::new(INC).in_out(&t))?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(other.read::<f32>().unwrap(), vec![1.0; 8]);
+    // Once the writer leaves, the buffer is the host's again, with the writer's data.
+    flags.release.store(true, Ordering::SeqCst);
+    assert!(wait_for(|| flags.left.load(Ordering::SeqCst)));
+    assert!(wait_for(|| buf.read::<f32>().is_ok()));
+    assert_eq!(buf.read::<f32>().unwrap(), vec![7.0; 64]);
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn an_abandoned_kernels_buffer_is_freed_only_after_it_leaves() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let platform = Tracking::default();
+    let freed = platform.freed.clone();
+    let w = worker(platform, flags.clone(), gang.clone());
+    let buf = w.alloc(64 * 4).unwrap();
+    let e = failing_run(&w, &buf);
+    assert_eq!(e.code, ErrorCode::KernelFailed, "{e}");
+    // The caller drops its last handle while the writer still runs: the memory must stay.
+    drop(buf);
+    let n_freed = freed.lock().unwrap().len();
+    flags.release.store(true, Ordering::SeqCst);
+    assert!(wait_for(|| flags.left.load(Ordering::SeqCst)));
+    assert_eq!(
+        n_freed, 0,
+        "the buffer was freed while a kernel could still write it"
+    );
+    // After the writer left, the memory is released (no leak).
+    assert!(wait_for(|| !freed.lock().unwrap().is_empty()));
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn an_output_too_large_for_64_bits_is_a_clean_error() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), flags, gang.clone());
+    for shape in [
+        vec![u64::MAX],
+        vec![1 << 40, 1 << 40],
+        vec![u64::MAX / 2, 2],
+    ] {
+        let s = shape.clone();
+        let r = w.run_fn(
+            "huge",
+            RunArgs::default(),
+            &CallConfig::default(),
+            move |o, _| {
+                o.submit(Task::new(INC).output(DType::U8, &s))?;
+                Ok(())
+            },
+        );
+        match r {
+            Err(Error::Run(e)) => assert!(
+                matches!(e.code, ErrorCode::InvalidArgs | ErrorCode::HeapRingDeadlock),
+                "{shape:?}: {e}"
+            ),
+            other => panic!("{shape:?}: expected a clean error, got {other:?}"),
+        }
+        // Two outputs whose sum overflows.
+        let r = w.run_fn("sum", RunArgs::default(), &CallConfig::default(), |o, _| {
+            o.submit(
+                Task::dummy()
+                    .output(DType::U8, &[u64::MAX - 4096])
+                    .output(DType::U8, &[u64::MAX - 4096]),
+            )?;
+            Ok(())
+        });
+        assert!(matches!(r, Err(Error::Run(_))), "{r:?}");
+    }
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn views_from_another_worker_or_run_are_rejected() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let a = worker(Tracking::default(), Arc::default(), gang.clone());
+    let b = worker(Tracking::default(), Arc::default(), gang.clone());
+    // Each worker's first buffer: ids must differ, so a view of b's buffer is not "bound" in
+    // a run of `a` that bound a's buffer.
+    let mine = a.buffer_from(&[0.0f32; 8]).unwrap();
+    let foreign = b.buffer_from(&[0.0f32; 8]).unwrap();
+    assert_ne!(mine.id(), foreign.id());
+    let view = foreign.tensor(DType::F32, &[8]).unwrap();
+    let args = RunArgs {
+        buffers: vec![mine.clone()],
+        scalars: vec![],
+    };
+    let r = a.run_fn("foreign", args, &CallConfig::default(), move |o, a| {
+        o.bind(&a.buffers[0], DType::F32, &[8])?;
+        o.submit(Task::new(INC).in_out(&view))?;
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => assert!(e.detail.contains("not bound"), "{e}"),
+        other => panic!("a view of another worker's buffer was accepted: {other:?}"),
+    }
+    assert_eq!(foreign.read::<f32>().unwrap(), vec![0.0; 8]);
+
+    // An output of a run of `b`, used in the first run of `a` (same per-worker run number).
+    let leaked: Arc<Mutex<Option<Tensor>>> = Arc::default();
+    let l = leaked.clone();
+    b.run_fn(
+        "first",
+        RunArgs::default(),
+        &CallConfig::default(),
+        |_, _| Ok(()),
+    )
+    .unwrap();
+    b.run_fn(
+        "leak",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            let s = o.submit(Task::dummy().output(DType::F32, &[8]))?;
+            *l.lock().unwrap() = Some(s.output(0));
+            Ok(())
+        },
+    )
+    .unwrap();
+    let out = leaked.lock().unwrap().take().unwrap();
+    let r = a.run_fn(
+        "use",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::dummy())?;
+            o.submit(Task::new(INC).in_out(&out))?;
+            Ok(())
+        },
+    );
+    match r {
+        Err(Error::Run(e)) => assert!(e.detail.contains("earlier run"), "{e}"),
+        other => panic!("another worker's output was accepted: {other:?}"),
+    }
+    gang_of_all_cores(&a, &gang);
+}
+
+#[test]
+fn a_core_stuck_past_the_scheduler_timeout_is_replaced_for_the_next_run() {
+    let flags = Arc::new(Flags::default());
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), flags.clone(), gang.clone());
+    let buf = w.alloc(64 * 4).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    // The writer ignores cancellation: the watchdog fails the run (S1), and the core stays
+    // inside the kernel past the grace period.
+    let r = w.run_fn("stuck", args, &CallConfig::default(), |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[64])?;
+        o.submit(Task::new(WRITER).output_existing(&t))?;
+        Ok(())
+    });
+    match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::SchedulerTimeout, "{e}");
+            assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask));
+        }
+        other => panic!("expected S1, got {other:?}"),
+    }
+    assert!(!flags.left.load(Ordering::SeqCst));
+    // The next run has every core: a gang of all of them forms.
+    gang_of_all_cores(&w, &gang);
+    flags.release.store(true, Ordering::SeqCst);
+    assert!(wait_for(|| flags.left.load(Ordering::SeqCst)));
+    assert!(wait_for(|| buf.read::<f32>().is_ok()));
+    gang_of_all_cores(&w, &gang);
+}
+
+#[test]
+fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let w = worker(Tracking::default(), Arc::default(), gang.clone());
+    let release_first = Arc::new(AtomicBool::new(false));
+    let first_returned = Arc::new(AtomicBool::new(false));
+    let second_started = Arc::new(AtomicBool::new(false));
+    // The first orchestration sits in user code until released: the watchdog fails the run
+    // (S5), delivers the error and hands the job queue to a new orchestrator thread.
+    let (rel, ret) = (release_first.clone(), first_returned.clone());
+    let r = w.run_fn(
+        "stuck_orch",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |_, _| {
+            wait_for(|| rel.load(Ordering::SeqCst));
+            ret.store(true, Ordering::SeqCst);
+            Ok(())
+        },
+    );
+    match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(
+                e.subclass,
+                Some(SchedSubclass::S5OrchestratorStarved),
+                "{e}"
+            )
+        }
+        other => panic!("expected S5, got {other:?}"),
+    }
+    // The second run is registered when the first orchestrator returns; then it submits a task
+    // that only the watchdog can end. It must still be watched (and its cores still joined).
+    let (started, ret) = (second_started.clone(), first_returned.clone());
+    let mut second = w
+        .submit_fn(
+            "second",
+            RunArgs::default(),
+            &CallConfig::default(),
+            move |o, _| {
+                started.store(true, Ordering::SeqCst);
+                wait_for(|| ret.load(Ordering::SeqCst));
+                // Let the first orchestrator thread finish its cleanup.
+                std::thread::sleep(Duration::from_millis(50));
+                o.submit(Task::new(SPIN))?;
+                Ok(())
+            },
+        )
+        .unwrap();
+    assert!(wait_for(|| second_started.load(Ordering::SeqCst)));
+    release_first.store(true, Ordering::SeqCst);
+    let mut result = None;
+    assert!(
+        wait_for(|| {
+            result = second.poll();
+            result.is_some()
+        }),
+        "the second run was no longer watched after the first orchestrator returned"
+    );
+    match result.unwrap() {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.subclass, Some(SchedSubclass::S1StuckTask), "{e}")
+        }
+        other => panic!("expected S1, got {other:?}"),
+    }
+    gang_of_all_cores(&w, &gang);
+}
