@@ -1,19 +1,9 @@
 //! Flags mean one thing and fail early: runtime flags are checked before a model loads and
 //! named as flags, and `--check` is one tri-state switch.
 
-use std::process::{Command, Output};
+mod common;
 
-fn simpler(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_simpler"))
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run simpler")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
+use common::{simpler, text};
 
 /// Bad runtime flags are refused before any model is loaded or memory checked, naming the
 /// flag (not the `CallConfig` field).

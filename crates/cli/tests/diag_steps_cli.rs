@@ -2,27 +2,11 @@
 //! files (none overwrites another), `--diag-steps` picks which, the command prints one line
 //! about them, and dropped swimlane records are reported once with the flag that fixes them.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn simpler(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_simpler"))
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run simpler")
-}
+use common::{simpler, text, tmp};
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("simpler-cli-steps-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::path::Path;
 
 /// `run qwen3-decode` of 2 rounds (1 warm-up) × 2 steps = 4 steps, with `extra` flags;
 /// returns stderr.

@@ -2,23 +2,14 @@
 //! files give the same tokens as the equivalent `--prompt-ids`, the text printed is those
 //! tokens decoded, and sampling is seeded.
 
+mod common;
+
+use common::{simpler, text};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use simpler_models::qwen3::{Qwen3Config, Rope, SaveOptions, generate_weights, save_checkpoint};
 use simpler_serve::{ChatMessage, Tokenizer};
-
-fn simpler(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_simpler"))
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run simpler")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// A one-layer, narrow checkpoint with the real Qwen3 vocabulary (untied, so logits vary) and
 /// the tokenizer files beside it.

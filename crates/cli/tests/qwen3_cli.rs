@@ -2,29 +2,13 @@
 //! golden, generate from a preset and from the same weights saved as an HF checkpoint
 //! (identical ids and logits), the NPY logits dump, and precise errors for bad checkpoints.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+
+use common::{simpler, text, tmp};
+
+use std::path::Path;
 
 use simpler_models::qwen3::{Qwen3Config, SaveOptions, generate_weights, save_checkpoint};
-
-fn simpler(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_simpler"))
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run simpler")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("simpler-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 #[test]
 fn run_qwen3_decode_checks_against_the_golden_and_reports() {

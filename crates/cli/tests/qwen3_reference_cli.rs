@@ -3,27 +3,11 @@
 //! greedy ids and logits, EOS ids from the checkpoint, positions bounded by
 //! `max_position_embeddings`; and runs that cannot fit refused before anything is allocated.
 
+mod common;
+
+use common::{simpler, text, tmp};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn simpler(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_simpler"))
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run simpler")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("simpler-cli-ref-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
