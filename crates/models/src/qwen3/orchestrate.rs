@@ -33,9 +33,13 @@ use simpler_kernels_cpu::{packed_ld, partial_len};
 
 use super::config::Qwen3Config;
 use super::ops;
+use super::ops::args::{
+    Arg, ArgmaxArgs, AttnCombineArgs, AttnDecodeArgs, AttnPrefillArgs, CastArgs, EmbedArgs,
+    GateUpArgs, GemmArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
+};
 use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
-    KernelScalars, LmHeadScalars, NormScalars, PushScalars,
+    LmHeadScalars, NormScalars, PushScalars,
 };
 use super::plan::{LayerBlocks, SeqRows};
 use super::resident::slot;
@@ -199,24 +203,26 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
     let eps = c.rms_norm_eps as f32;
     Ok(match p.kind {
         StepKind::Decode => {
-            // SAFETY: `g` is a norm weight: written by no task during a run.
-            let t = unsafe { Task::new(ops::RMS_NORM_DEFERRED).input(x).no_dep(g) };
-            let s = o.submit(
-                t.output(DType::F32, &[r, ld])
-                    .output(DType::F32, &[r])
-                    .push_scalars(NormScalars { eps })
-                    .timing_slot(1),
-            )?;
+            let t = NormDeferredArgs {
+                x: Arg::In(x),
+                // SAFETY: `g` is a norm weight: written by no task during a run.
+                g: unsafe { Arg::untracked(g) },
+                packed: Arg::New(DType::F32, vec![r, ld]),
+                r: Arg::New(DType::F32, vec![r]),
+            }
+            .push(Task::new(ops::RMS_NORM_DEFERRED));
+            let s = o.submit(t.push_scalars(NormScalars { eps }).timing_slot(1))?;
             (s.output(0), Some(s.output(1)))
         }
         StepKind::Prefill => {
-            // SAFETY: `g` is a norm weight: written by no task during a run.
-            let t = unsafe { Task::new(ops::RMS_NORM).input(x).no_dep(g) };
-            let s = o.submit(
-                t.output(DType::F32, &[r, ld])
-                    .push_scalars(NormScalars { eps })
-                    .timing_slot(1),
-            )?;
+            let t = NormArgs {
+                x: Arg::In(x),
+                // SAFETY: `g` is a norm weight: written by no task during a run.
+                g: unsafe { Arg::untracked(g) },
+                packed: Arg::New(DType::F32, vec![r, ld]),
+            }
+            .push(Task::new(ops::RMS_NORM));
+            let s = o.submit(t.push_scalars(NormScalars { eps }).timing_slot(1))?;
             (s.output(0), None)
         }
     })
@@ -231,12 +237,22 @@ enum Dep {
 }
 
 impl Dep {
-    fn add(self, t: Task, x: &Tensor) -> Task {
+    /// The argument that reads `x`.
+    fn arg(self, x: &Tensor) -> Arg<'_> {
         match self {
-            Dep::Tensor => t.input(x),
+            Dep::Tensor => Arg::In(x),
             // SAFETY: a phase output read this way is written only by tasks that the barrier
-            // `b` follows, and by no task submitted after it while this one can run.
-            Dep::After(b) => unsafe { t.no_dep(x) }.after(b),
+            // follows (`order` adds the edge), and by no task submitted after it while this
+            // one can run.
+            Dep::After(_) => unsafe { Arg::untracked(x) },
+        }
+    }
+
+    /// `t` ordered after the barrier, when there is one.
+    fn order(self, t: Task) -> Task {
+        match self {
+            Dep::Tensor => t,
+            Dep::After(b) => t.after(b),
         }
     }
 }
@@ -261,19 +277,19 @@ fn gemm(
     kdim: usize,
     add: bool,
 ) -> R<TaskId> {
-    let (wt, ot) = (w, out);
-    let t = dep.add(Task::new(ops::GEMM_TILE), acts);
-    // SAFETY: `wt` is a weight matrix: written by no task during a run.
-    let mut t = unsafe { t.no_dep(wt) }.blocks(blocks);
-    t = if add {
-        t.in_out(ot)
-    } else {
-        t.output_existing(ot)
-    };
-    if let Some(s) = scale {
-        t = t.input(s);
+    let t = GemmArgs {
+        acts: dep.arg(acts),
+        // SAFETY: `w` is a weight matrix: written by no task during a run.
+        w: unsafe { Arg::untracked(w) },
+        out: if add { Arg::InOut(out) } else { Arg::Out(out) },
+        scale: scale.map(Arg::In),
     }
-    let t = GemmScalars { k: kdim, add }.push(t).timing_slot(1);
+    .push(Task::new(ops::GEMM_TILE));
+    let t = dep
+        .order(t)
+        .blocks(blocks)
+        .push_scalars(GemmScalars { k: kdim, add })
+        .timing_slot(1);
     Ok(o.submit(t)?.id)
 }
 
@@ -284,19 +300,18 @@ fn mlp_block(o: &mut Orchestrator, p: &StepPlan, w: &LayerViews, x: &Tensor) -> 
     let (h, inter) = (c.hidden_size, c.intermediate_size);
     let (m, r2) = norm(o, p, x, &w.post_norm)?;
     let act = o.alloc(DType::F32, &[p.rows as u64, packed_ld(inter) as u64])?;
-    // SAFETY: the gate and up weights: written by no task during a run.
-    let task = unsafe {
-        Task::new(ops::GATE_UP_SWIGLU)
-            .input(&m)
-            .no_dep(&w.w_gate)
-            .no_dep(&w.w_up)
-    };
-    let mut task = task
-        .output_existing(&cols(o, &act, 0, inter)?)
-        .blocks(p.blocks.gate_up);
-    if let Some(s) = &r2 {
-        task = task.input(s);
+    let act_cols = cols(o, &act, 0, inter)?;
+    let task = GateUpArgs {
+        acts: Arg::In(&m),
+        // SAFETY: the gate and up weights: written by no task during a run.
+        w_gate: unsafe { Arg::untracked(&w.w_gate) },
+        // SAFETY: as above.
+        w_up: unsafe { Arg::untracked(&w.w_up) },
+        act: Arg::Out(&act_cols),
+        scale: r2.as_ref().map(Arg::In),
     }
+    .push(Task::new(ops::GATE_UP_SWIGLU))
+    .blocks(p.blocks.gate_up);
     o.submit(
         task.push_scalars(GateUpScalars {
             hidden: h,
@@ -366,25 +381,39 @@ fn attention_block(
     let mut writes: Vec<TaskId> = Vec::new();
     for runs in &p.slot_runs {
         for &(row, pos, slot, cnt) in runs {
-            let t = Task::new(ops::ROPE_KV);
-            let t = qkv_done.add(t, &rows(o, &q, row, row + cnt)?);
-            let t = qkv_done.add(t, &rows(o, &k, row, row + cnt)?);
-            let t = qkv_done.add(t, &rows(o, &v, row, row + cnt)?);
+            let (qr, kr, vr) = (
+                rows(o, &q, row, row + cnt)?,
+                rows(o, &k, row, row + cnt)?,
+                rows(o, &v, row, row + cnt)?,
+            );
             let (cos, sin) = (
                 rows(o, &vw.cos, pos, pos + cnt)?,
                 rows(o, &vw.sin, pos, pos + cnt)?,
             );
-            // SAFETY: q/k norm weights and the RoPE tables: written by no task during a run.
-            let t = unsafe {
-                t.no_dep(&w.q_norm)
-                    .no_dep(&w.k_norm)
-                    .no_dep(&cos)
-                    .no_dep(&sin)
-            };
-            let t = t
-                .output_existing(&rows(o, &qb, row, row + cnt)?)
-                .output_existing(&rows(o, &kl, slot, slot + cnt)?)
-                .output_existing(&rows(o, &vl, slot, slot + cnt)?)
+            let (q_out, k_out, v_out) = (
+                rows(o, &qb, row, row + cnt)?,
+                rows(o, &kl, slot, slot + cnt)?,
+                rows(o, &vl, slot, slot + cnt)?,
+            );
+            let t = RopeKvArgs {
+                q: qkv_done.arg(&qr),
+                k: qkv_done.arg(&kr),
+                v: qkv_done.arg(&vr),
+                // SAFETY: a q/k norm weight: written by no task during a run.
+                q_norm: unsafe { Arg::untracked(&w.q_norm) },
+                // SAFETY: a q/k norm weight: written by no task during a run.
+                k_norm: unsafe { Arg::untracked(&w.k_norm) },
+                // SAFETY: the RoPE tables: written by no task during a run.
+                cos: unsafe { Arg::untracked(&cos) },
+                // SAFETY: the RoPE tables: written by no task during a run.
+                sin: unsafe { Arg::untracked(&sin) },
+                q_out: Arg::Out(&q_out),
+                k_out: Arg::Out(&k_out),
+                v_out: Arg::Out(&v_out),
+            }
+            .push(Task::new(ops::ROPE_KV));
+            let t = qkv_done
+                .order(t)
                 .push_scalars(NormScalars {
                     eps: c.rms_norm_eps as f32,
                 })
@@ -441,17 +470,20 @@ fn attention_decode(
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
-        let task = |r: &Range<usize>, fin: bool| {
-            // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
-            // follows, and by no later task of this run's layer; the block table is written by
-            // no task during a run.
-            unsafe {
-                Task::new(ops::ATTN_DECODE)
-                    .input(&qrow)
-                    .no_dep(kl)
-                    .no_dep(vl)
-                    .no_dep(&table)
+        let task = |r: &Range<usize>, fin: bool, out: &Tensor| {
+            AttnDecodeArgs {
+                q: Arg::In(&qrow),
+                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
+                // follows (the task runs after it), and by no later task of this layer.
+                k_pool: unsafe { Arg::untracked(kl) },
+                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
+                // follows (the task runs after it), and by no later task of this layer.
+                v_pool: unsafe { Arg::untracked(vl) },
+                // SAFETY: the block table: written by no task during a run.
+                table: unsafe { Arg::untracked(&table) },
+                out: Arg::Out(out),
             }
+            .push(Task::new(ops::ATTN_DECODE))
             .after(kv_ready)
             .push_scalars(AttnDecodeScalars {
                 t0: r.start,
@@ -465,26 +497,28 @@ fn attention_decode(
         };
         match (chunks.as_slice(), &partials) {
             ([one], _) => {
-                writers.push(o.submit(task(one, true).output_existing(&out))?.id);
+                writers.push(o.submit(task(one, true, &out))?.id);
             }
             (many, Some(parts)) => {
                 let p0 = next_partial;
                 for ch in many {
                     let slot = rows(o, parts, next_partial, next_partial + 1)?;
-                    o.submit(task(ch, false).output_existing(&slot))?;
+                    o.submit(task(ch, false, &slot))?;
                     next_partial += 1;
                 }
                 let mine = rows(o, parts, p0, next_partial)?;
+                let t = AttnCombineArgs {
+                    partials: Arg::In(&mine),
+                    out: Arg::Out(&out),
+                }
+                .push(Task::new(ops::ATTN_COMBINE));
                 let id = o.submit(
-                    Task::new(ops::ATTN_COMBINE)
-                        .input(&mine)
-                        .output_existing(&out)
-                        .push_scalars(AttnCombineScalars {
-                            kv_heads,
-                            group,
-                            head_dim: d,
-                        })
-                        .timing_slot(1),
+                    t.push_scalars(AttnCombineScalars {
+                        kv_heads,
+                        group,
+                        head_dim: d,
+                    })
+                    .timing_slot(1),
                 )?;
                 writers.push(id.id);
             }
@@ -520,19 +554,21 @@ fn attention_prefill(
                 let (r0, r1) = (s.row0 + i, s.row0 + i + n);
                 let out = cols(o, &rows(o, a, r0, r1)?, c0, c0 + group * d)?;
                 let q = rows(o, qb, r0, r1)?;
-                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that
-                // `kv_ready` follows, and by no later task of this layer; the block table is
-                // written by no task during a run.
-                let t = unsafe {
-                    Task::new(ops::ATTN_PREFILL)
-                        .input(&q)
-                        .no_dep(kl)
-                        .no_dep(vl)
-                        .no_dep(&table)
-                };
+                let t = AttnPrefillArgs {
+                    q: Arg::In(&q),
+                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
+                    // follows (the task runs after it), and by no later task of this layer.
+                    k_pool: unsafe { Arg::untracked(kl) },
+                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
+                    // follows (the task runs after it), and by no later task of this layer.
+                    v_pool: unsafe { Arg::untracked(vl) },
+                    // SAFETY: the block table: written by no task during a run.
+                    table: unsafe { Arg::untracked(&table) },
+                    out: Arg::Out(&out),
+                }
+                .push(Task::new(ops::ATTN_PREFILL));
                 let id = o.submit(
-                    t.output_existing(&out)
-                        .after(kv_ready)
+                    t.after(kv_ready)
                         .push_scalars(AttnPrefillScalars {
                             kv_head: g,
                             first_pos: s.first_pos() + i,
@@ -629,18 +665,23 @@ pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> 
     match p.variant {
         Variant::Model => {
             let ids = o.bind(&args.buffers[io::INPUT], DType::U32, &[r])?;
-            // SAFETY: the embedding table: written by no task during a run.
-            let t = unsafe { Task::new(ops::EMBED).no_dep(&vw.embedding) };
-            o.submit(t.input(&ids).output_existing(&x).timing_slot(0))?;
+            let t = EmbedArgs {
+                // SAFETY: the embedding table: written by no task during a run.
+                table: unsafe { Arg::untracked(&vw.embedding) },
+                ids: Arg::In(&ids),
+                x: Arg::Out(&x),
+            }
+            .push(Task::new(ops::EMBED));
+            o.submit(t.timing_slot(0))?;
         }
         Variant::Layers => {
             let hin = o.bind(&args.buffers[io::INPUT], DType::BF16, &[r, h])?;
-            o.submit(
-                Task::new(ops::CAST_BF16_F32)
-                    .input(&hin)
-                    .output_existing(&x)
-                    .timing_slot(0),
-            )?;
+            let t = CastArgs {
+                src: Arg::In(&hin),
+                dst: Arg::Out(&x),
+            }
+            .push(Task::new(ops::CAST_BF16_F32));
+            o.submit(t.timing_slot(0))?;
         }
     }
     for l in p.layers.clone() {
@@ -650,12 +691,12 @@ pub(crate) fn step(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<()> 
         Variant::Model => head(o, args, p, &vw, &x),
         Variant::Layers => {
             let hout = o.bind(&args.buffers[io::OUT_MAIN], DType::BF16, &[r, h])?;
-            o.submit(
-                Task::new(ops::CAST_F32_BF16)
-                    .input(&x)
-                    .output_existing(&hout)
-                    .timing_slot(2),
-            )?;
+            let t = CastArgs {
+                src: Arg::In(&x),
+                dst: Arg::Out(&hout),
+            }
+            .push(Task::new(ops::CAST_F32_BF16));
+            o.submit(t.timing_slot(2))?;
             Ok(())
         }
     })
@@ -670,26 +711,27 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     let hidden = o.bind(&args.buffers[io::OUT_HIDDEN], DType::F32, &[s, h])?;
     for (i, q) in p.seqs.iter().enumerate() {
         let last = q.row0 + q.n_rows - 1;
-        o.submit(
-            Task::new(ops::COPY_F32)
-                .input(&rows(o, x, last, last + 1)?)
-                .output_existing(&rows(o, &hidden, i, i + 1)?)
-                .timing_slot(2),
-        )?;
+        let (src, dst) = (rows(o, x, last, last + 1)?, rows(o, &hidden, i, i + 1)?);
+        let t = CastArgs {
+            src: Arg::In(&src),
+            dst: Arg::Out(&dst),
+        }
+        .push(Task::new(ops::COPY_F32));
+        o.submit(t.timing_slot(2))?;
     }
-    // SAFETY: the final norm weight: written by no task during a run.
-    let t = unsafe {
-        Task::new(ops::RMS_NORM)
-            .input(&hidden)
-            .no_dep(&vw.final_norm)
-    };
+    let t = NormArgs {
+        x: Arg::In(&hidden),
+        // SAFETY: the final norm weight: written by no task during a run.
+        g: unsafe { Arg::untracked(&vw.final_norm) },
+        packed: Arg::New(DType::F32, vec![s, packed_ld(c.hidden_size) as u64]),
+    }
+    .push(Task::new(ops::RMS_NORM));
     let nrm = o
         .submit(
-            t.output(DType::F32, &[s, packed_ld(c.hidden_size) as u64])
-                .push_scalars(NormScalars {
-                    eps: c.rms_norm_eps as f32,
-                })
-                .timing_slot(2),
+            t.push_scalars(NormScalars {
+                eps: c.rms_norm_eps as f32,
+            })
+            .timing_slot(2),
         )?
         .output(0);
     let logits = o.bind(&args.buffers[io::OUT_MAIN], DType::F32, &[s, vocab])?;
@@ -697,21 +739,25 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     let best = o.alloc(DType::U32, &[u64::from(blocks), s, 2])?;
     // One SPMD task: each block takes a share of the vocabulary rows and writes its logits
     // columns and its argmax slot.
-    // SAFETY: the LM head weight: written by no task during a run.
-    let t = unsafe { Task::new(ops::LM_HEAD_TILE).input(&nrm).no_dep(&vw.lm_head) };
+    let t = LmHeadArgs {
+        acts: Arg::In(&nrm),
+        // SAFETY: the LM head weight: written by no task during a run.
+        w: unsafe { Arg::untracked(&vw.lm_head) },
+        logits: Arg::Out(&logits),
+        best: Arg::Out(&best),
+    }
+    .push(Task::new(ops::LM_HEAD_TILE));
     o.submit(
-        t.output_existing(&logits)
-            .output_existing(&best)
-            .push_scalars(LmHeadScalars { hidden: h as usize })
+        t.push_scalars(LmHeadScalars { hidden: h as usize })
             .blocks(blocks)
             .timing_slot(2),
     )?;
     let ids = o.bind(&args.buffers[io::OUT_IDS], DType::U32, &[s])?;
-    o.submit(
-        Task::new(ops::ARGMAX_COMBINE)
-            .input(&best)
-            .output_existing(&ids)
-            .timing_slot(2),
-    )?;
+    let t = ArgmaxArgs {
+        best: Arg::In(&best),
+        ids: Arg::Out(&ids),
+    }
+    .push(Task::new(ops::ARGMAX_COMBINE));
+    o.submit(t.timing_slot(2))?;
     Ok(())
 }

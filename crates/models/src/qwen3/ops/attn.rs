@@ -6,6 +6,7 @@ use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, f32_to_bf16, partial_len};
 
+use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv};
 use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
@@ -14,15 +15,15 @@ use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "qk_norm_rope_kv_bf16";
     let NormScalars { eps } = NormScalars::read(ctx)?;
-    let (n, qw) = dims2(ctx, 0)?;
-    let (nk, kvw) = dims2(ctx, 1)?;
-    let q = ctx.read::<f32>(0)?;
-    let kx = ctx.read::<f32>(1)?;
-    let v = ctx.read::<f32>(2)?;
-    let qn = ctx.read::<f32>(3)?;
-    let kn = ctx.read::<f32>(4)?;
-    let cos = ctx.read::<f32>(5)?;
-    let sin = ctx.read::<f32>(6)?;
+    let (n, qw) = dims2(ctx, rope_kv::q)?;
+    let (nk, kvw) = dims2(ctx, rope_kv::k)?;
+    let q = ctx.read::<f32>(rope_kv::q)?;
+    let kx = ctx.read::<f32>(rope_kv::k)?;
+    let v = ctx.read::<f32>(rope_kv::v)?;
+    let qn = ctx.read::<f32>(rope_kv::q_norm)?;
+    let kn = ctx.read::<f32>(rope_kv::k_norm)?;
+    let cos = ctx.read::<f32>(rope_kv::cos)?;
+    let sin = ctx.read::<f32>(rope_kv::sin)?;
     let d = qn.len();
     let shapes_ok = nk == n
         && v.len() == n * kvw
@@ -41,9 +42,9 @@ pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    let qo = ctx.write::<bf16>(7)?;
-    let ko = ctx.write::<bf16>(8)?;
-    let vo = ctx.write::<bf16>(9)?;
+    let qo = ctx.write::<bf16>(rope_kv::q_out)?;
+    let ko = ctx.write::<bf16>(rope_kv::k_out)?;
+    let vo = ctx.write::<bf16>(rope_kv::v_out)?;
     if qo.len() != n * qw || ko.len() != n * kvw || vo.len() != n * kvw {
         return Err(bad(NAME, "output rows do not match the inputs"));
     }
@@ -67,8 +68,15 @@ pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The K/V pools (arguments 1 and 2) and the block-table row (argument 3), checked to cover
-/// tokens `0..tokens`.
+// Decode and prefill attention place the pools and the table alike, so `paged` serves both.
+const _: () = assert!(
+    attn_decode::k_pool == attn_prefill::k_pool
+        && attn_decode::v_pool == attn_prefill::v_pool
+        && attn_decode::table == attn_prefill::table
+);
+
+/// The K/V pools and the block-table row of a decode or prefill attention task, checked to
+/// cover tokens `0..tokens`.
 fn paged<'a>(
     ctx: &'a TaskCtx<'_>,
     head_dim: usize,
@@ -76,10 +84,10 @@ fn paged<'a>(
     tokens: usize,
     name: &str,
 ) -> Result<(PagedKv<'a>, &'a [u32]), KernelError> {
-    let (slots, row) = dims2(ctx, 1)?;
-    let kp = ctx.read::<bf16>(1)?;
-    let vp = ctx.read::<bf16>(2)?;
-    let table = ctx.read::<u32>(3)?;
+    let (slots, row) = dims2(ctx, attn_decode::k_pool)?;
+    let kp = ctx.read::<bf16>(attn_decode::k_pool)?;
+    let vp = ctx.read::<bf16>(attn_decode::v_pool)?;
+    let table = ctx.read::<u32>(attn_decode::table)?;
     if head_dim == 0 || page_size == 0 || !row.is_multiple_of(head_dim) || kp.len() != vp.len() {
         return Err(bad(
             name,
@@ -134,7 +142,7 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         page,
         head_dim: d,
     } = AttnDecodeScalars::read(ctx)?;
-    let q = ctx.read::<bf16>(0)?;
+    let q = ctx.read::<bf16>(attn_decode::q)?;
     let (kv, table) = paged(ctx, d, page, t1, NAME)?;
     let nq = q.len();
     if kv.row() == 0 || !nq.is_multiple_of(kv.row()) || nq == 0 || t0 > t1 {
@@ -145,7 +153,7 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let group = nq / kv.row();
     let all = kv.kv_heads * partial_len(group, d);
-    let out = ctx.write::<f32>(4)?;
+    let out = ctx.write::<f32>(attn_decode::out)?;
     if !is_final {
         if out.len() != all {
             return Err(bad(
@@ -177,7 +185,7 @@ pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         group,
         head_dim: d,
     } = AttnCombineScalars::read(ctx)?;
-    let partials = ctx.read::<f32>(0)?;
+    let partials = ctx.read::<f32>(attn_combine::partials)?;
     let set = kv_heads * partial_len(group, d);
     if set == 0 || !partials.len().is_multiple_of(set) {
         return Err(bad(
@@ -185,7 +193,7 @@ pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("{} floats are not partial sets of {set}", partials.len()),
         ));
     }
-    let out = ctx.write::<f32>(1)?;
+    let out = ctx.write::<f32>(attn_combine::out)?;
     let nq = kv_heads * group * d;
     if out.len() != nq {
         return Err(bad(
@@ -208,8 +216,8 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         q_width: nq,
         head_dim: d,
     } = AttnPrefillScalars::read(ctx)?;
-    let (n, qcols) = dims2(ctx, 0)?;
-    let q = ctx.read::<bf16>(0)?;
+    let (n, qcols) = dims2(ctx, attn_prefill::q)?;
+    let q = ctx.read::<bf16>(attn_prefill::q)?;
     let (kv, table) = paged(ctx, d, page, first_pos + n, NAME)?;
     if qcols != nq || kv_head >= kv.kv_heads || !nq.is_multiple_of(kv.row()) {
         return Err(bad(
@@ -223,7 +231,7 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let group = nq / kv.row();
     let per_row = group * d;
     check_packed_range(NAME, c0, per_row, nq)?;
-    let mut out = ctx.write_rows::<f32>(4)?;
+    let mut out = ctx.write_rows::<f32>(attn_prefill::out)?;
     if out.len() != n || out.row_len() != per_row {
         return Err(bad(
             NAME,

@@ -16,6 +16,7 @@ use simpler_core::{KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16};
 
+use super::args::{argmax, gate_up, gemm, lm_head};
 use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
 use super::{bad, check_packed, check_packed_range, dims2, store_packed, with_scratch};
 
@@ -104,10 +105,15 @@ fn weights<'a>(
     Ok(WeightsBf16::new(w, w.len() / kdim, kdim))
 }
 
-/// The packed activations at argument 0 as `[rows, kdim]`.
-fn acts<'a>(ctx: &'a TaskCtx<'_>, kdim: usize, name: &str) -> Result<PackedActs<'a>, KernelError> {
-    let (rows, _) = dims2(ctx, 0)?;
-    let x = ctx.read::<f32>(0)?;
+/// The packed activations at argument `i` as `[rows, kdim]`.
+fn acts<'a>(
+    ctx: &'a TaskCtx<'_>,
+    i: usize,
+    kdim: usize,
+    name: &str,
+) -> Result<PackedActs<'a>, KernelError> {
+    let (rows, _) = dims2(ctx, i)?;
+    let x = ctx.read::<f32>(i)?;
     check_packed(name, x.len(), rows, kdim)?;
     Ok(PackedActs::new(x, rows, kdim))
 }
@@ -115,10 +121,10 @@ fn acts<'a>(ctx: &'a TaskCtx<'_>, kdim: usize, name: &str) -> Result<PackedActs<
 pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gemm_tile_bf16";
     let GemmScalars { k: kdim, add } = GemmScalars::read(ctx)?;
-    let x = acts(ctx, kdim, NAME)?;
-    let w = weights(ctx, 1, kdim, NAME)?;
-    let scale = optional_scale(ctx, 3, x.rows(), NAME)?;
-    let mut out = ctx.write_block_cols::<f32>(2, PACK_BLOCK)?;
+    let x = acts(ctx, gemm::acts, kdim, NAME)?;
+    let w = weights(ctx, gemm::w, kdim, NAME)?;
+    let scale = optional_scale(ctx, gemm::scale, x.rows(), NAME)?;
+    let mut out = ctx.write_block_cols::<f32>(gemm::out, PACK_BLOCK)?;
     if out.len() != x.rows() || out.view_row_len() != w.rows() {
         return Err(bad(
             NAME,
@@ -147,16 +153,16 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         hidden: h,
         intermediate: inter,
     } = GateUpScalars::read(ctx)?;
-    let x = acts(ctx, h, NAME)?;
-    let wg = weights(ctx, 1, h, NAME)?;
-    let wu = weights(ctx, 2, h, NAME)?;
+    let x = acts(ctx, gate_up::acts, h, NAME)?;
+    let wg = weights(ctx, gate_up::w_gate, h, NAME)?;
+    let wu = weights(ctx, gate_up::w_up, h, NAME)?;
     let rows = x.rows();
     if wu.rows() != wg.rows() {
         return Err(bad(NAME, "gate and up tiles differ in rows"));
     }
     check_packed_range(NAME, 0, wg.rows(), inter)?;
-    let scale = optional_scale(ctx, 4, rows, NAME)?;
-    let mut out = ctx.write_block_cols::<f32>(3, PACK_BLOCK)?;
+    let scale = optional_scale(ctx, gate_up::scale, rows, NAME)?;
+    let mut out = ctx.write_block_cols::<f32>(gate_up::act, PACK_BLOCK)?;
     if out.len() != rows || out.view_row_len() != wg.rows() {
         return Err(bad(
             NAME,
@@ -210,10 +216,10 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "lm_head_tile_bf16";
     let LmHeadScalars { hidden: h } = LmHeadScalars::read(ctx)?;
-    let x = acts(ctx, h, NAME)?;
-    let w = weights(ctx, 1, h, NAME)?;
+    let x = acts(ctx, lm_head::acts, h, NAME)?;
+    let w = weights(ctx, lm_head::w, h, NAME)?;
     let rows = x.rows();
-    let mut logits = ctx.write_block_cols::<f32>(2, PACK_BLOCK)?;
+    let mut logits = ctx.write_block_cols::<f32>(lm_head::logits, PACK_BLOCK)?;
     if logits.len() != rows || logits.view_row_len() != w.rows() {
         return Err(bad(NAME, "logits view does not match the tile"));
     }
@@ -221,7 +227,7 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let w = block_rows(w, logits.first_col(), logits.row_len());
     gemm_into_rows(w, x, &GemmTile::full(&w), None, &mut logits);
     // This block's `[rows, 2]` slot of the per-block argmax results.
-    let best = ctx.write_chunk::<u32>(3, 2 * rows)?;
+    let best = ctx.write_chunk::<u32>(lm_head::best, 2 * rows)?;
     if best.len() != 2 * rows {
         return Err(bad(
             NAME,
@@ -245,7 +251,7 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "argmax_combine_f32";
-    let shape = ctx.tensor(0)?.shape().to_vec();
+    let shape = ctx.tensor(argmax::best)?.shape().to_vec();
     if shape.len() != 3 || shape[2] != 2 {
         return Err(bad(
             NAME,
@@ -253,8 +259,8 @@ pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let (tiles, rows) = (shape[0] as usize, shape[1] as usize);
-    let best = ctx.read::<u32>(0)?;
-    let ids = ctx.write::<u32>(1)?;
+    let best = ctx.read::<u32>(argmax::best)?;
+    let ids = ctx.write::<u32>(argmax::ids)?;
     if ids.len() != rows {
         return Err(bad(NAME, format!("{} ids for {rows} rows", ids.len())));
     }

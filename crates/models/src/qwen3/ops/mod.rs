@@ -12,7 +12,9 @@
 //! computes its share of the `n` output columns (weight rows), split in units of 16 by
 //! `TaskCtx::write_block_cols`; the orchestration submits one task per projection.
 //!
-//! Scalars are one struct per kernel ([`scalars`]), written and read from the same definition.
+//! Tensor arguments and scalars are each one struct per kernel ([`args`], [`scalars`]), written
+//! by the orchestration and read by the kernel from the same definition; the table below is
+//! their summary.
 //!
 //! | kernel | tensor arguments | scalars |
 //! |---|---|---|
@@ -34,6 +36,7 @@
 //! attention kernels read them through NoDep views, so the orchestration orders them after the
 //! K/V writes explicitly. Malformed arguments give a [`KernelError`], never a panic.
 
+pub mod args;
 mod attn;
 mod dense;
 pub mod scalars;

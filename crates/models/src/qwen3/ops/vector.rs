@@ -5,20 +5,21 @@ use half::bf16;
 use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 
+use super::args::{cast, embed, norm, norm_deferred};
 use super::scalars::{KernelScalars, NormScalars};
 use super::{bad, check_packed, dims2};
 
 pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let (vocab, hidden) = dims2(ctx, 0)?;
-    let table = ctx.read::<bf16>(0)?;
-    let ids = ctx.read::<u32>(1)?;
+    let (vocab, hidden) = dims2(ctx, embed::table)?;
+    let table = ctx.read::<bf16>(embed::table)?;
+    let ids = ctx.read::<u32>(embed::ids)?;
     if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
         return Err(bad(
             "embedding_gather_bf16",
             format!("token id {id} outside the vocabulary of {vocab}"),
         ));
     }
-    let x = ctx.write::<f32>(2)?;
+    let x = ctx.write::<f32>(embed::x)?;
     if x.len() != ids.len() * hidden {
         return Err(bad(
             "embedding_gather_bf16",
@@ -33,14 +34,14 @@ pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// `dst = f(src)` element by element (argument 0 in, argument 1 out, equal lengths).
+/// `dst = f(src)` element by element ([`cast`]'s arguments, equal lengths).
 fn map_elements<S: simpler_core::Element, D: simpler_core::Element>(
     ctx: &TaskCtx<'_>,
     name: &str,
     f: impl FnOnce(&[S], &mut [D]),
 ) -> Result<(), KernelError> {
-    let src = ctx.read::<S>(0)?;
-    let dst = ctx.write::<D>(1)?;
+    let src = ctx.read::<S>(cast::src)?;
+    let dst = ctx.write::<D>(cast::dst)?;
     if src.len() != dst.len() {
         return Err(bad(name, "source and destination lengths differ"));
     }
@@ -62,14 +63,21 @@ pub(super) fn copy_f32(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     })
 }
 
+// Both norms read their first three tensors alike.
+const _: () = assert!(
+    norm_deferred::x == norm::x
+        && norm_deferred::g == norm::g
+        && norm_deferred::packed == norm::packed
+);
+
 /// The checked operands of a packed RMSNorm task named `name`: rows, input rows `x`, norm
 /// weight `g`, epsilon and the packed output.
 type NormOperands<'a> = (usize, &'a [f32], &'a [f32], f32, &'a mut [f32]);
 
 fn norm_operands<'a>(ctx: &'a TaskCtx<'_>, name: &str) -> Result<NormOperands<'a>, KernelError> {
-    let (rows, h) = dims2(ctx, 0)?;
-    let x = ctx.read::<f32>(0)?;
-    let g = ctx.read::<f32>(1)?;
+    let (rows, h) = dims2(ctx, norm::x)?;
+    let x = ctx.read::<f32>(norm::x)?;
+    let g = ctx.read::<f32>(norm::g)?;
     let NormScalars { eps } = NormScalars::read(ctx)?;
     if g.len() != h {
         return Err(bad(
@@ -77,14 +85,14 @@ fn norm_operands<'a>(ctx: &'a TaskCtx<'_>, name: &str) -> Result<NormOperands<'a
             format!("norm weight of {} for rows of {h}", g.len()),
         ));
     }
-    let packed = ctx.write::<f32>(2)?;
+    let packed = ctx.write::<f32>(norm::packed)?;
     check_packed(name, packed.len(), rows, h)?;
     Ok((rows, x, g, eps, packed))
 }
 
 pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let (rows, x, g, eps, packed) = norm_operands(ctx, "rms_norm_deferred_f32")?;
-    let r = ctx.write::<f32>(3)?;
+    let r = ctx.write::<f32>(norm_deferred::r)?;
     if r.len() != rows {
         return Err(bad(
             "rms_norm_deferred_f32",
