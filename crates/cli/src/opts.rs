@@ -42,8 +42,8 @@ pub(crate) struct RunOpts {
     /// Write the run spans as JSON Lines to FILE.
     #[arg(long)]
     pub(crate) trace: Option<PathBuf>,
-    /// Swimlane records one run may keep; past it records are dropped and counted
-    /// [default: 1048576].
+    /// Swimlane records one run may keep (split evenly over the cores, each share rounded up);
+    /// past it records are dropped and counted [default: 1048576].
     #[arg(long, value_name = "RECORDS")]
     pub(crate) swimlane_capacity: Option<usize>,
     /// Steps whose diagnostics a multi-step command (run qwen3-decode, generate) keeps, each in

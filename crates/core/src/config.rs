@@ -178,7 +178,9 @@ pub struct CallConfig {
     /// Where the run's spans are written as JSON Lines. The core never writes files:
     /// `simpler_dfx::write_run_outputs` writes this (the CLI calls it after every run).
     pub trace: Option<PathBuf>,
-    /// Capacity of the swimlane record buffer (records; overflow is counted, not lost silently).
+    /// Capacity of the swimlane record buffer in task records, split evenly over the cores (each
+    /// core's share rounded up, so a run may keep up to `cores - 1` more); overflow is counted,
+    /// not lost silently.
     pub swimlane_capacity: usize,
     /// Label written into the trace (`decode`, `prefill`, ...).
     pub label: Option<String>,
