@@ -1,0 +1,455 @@
+//! The KV cache's block manager: paged blocks of `block_size` tokens with reference counts, a
+//! least-recently-freed list of free blocks, and prefix caching: every full block is known by
+//! a chained hash of its parent's hash and its tokens, so a new sequence whose prompt starts
+//! with cached blocks shares them instead of computing them again. A free block keeps its
+//! contents (and its place in the cache) until it is taken for something else, oldest first.
+//!
+//! Invariants, checked by `check` in the tests after every operation:
+//! - a block is on the free list exactly when its reference count is 0;
+//! - the cache maps a hash to a block whose recorded hash and tokens are that block's;
+//! - every block is free, or referenced by the sequences that hold it (counted once each).
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+/// A block of the KV pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+/// Not enough free blocks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("out of KV blocks: {needed} needed, {free} free of {total}")]
+pub struct OutOfBlocks {
+    /// Blocks the request needs.
+    pub needed: usize,
+    /// Blocks free now.
+    pub free: usize,
+    /// Blocks in the pool.
+    pub total: usize,
+}
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Debug)]
+struct Block {
+    refs: u32,
+    /// Chained hash and tokens when the block is full and registered in the cache.
+    cached: Option<(u64, Vec<u32>)>,
+    /// Free-list links (`NONE` at the ends / when not free).
+    prev: u32,
+    next: u32,
+}
+
+/// The blocks of one sequence and how many of its first tokens came from the cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Block table of the sequence, in order.
+    pub blocks: Vec<BlockId>,
+    /// Leading tokens whose K/V are already in the blocks (a multiple of the block size).
+    pub cached_tokens: usize,
+}
+
+/// Counters of the prefix cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Full prompt blocks looked up.
+    pub queried_blocks: u64,
+    /// Of those, found in the cache.
+    pub hit_blocks: u64,
+}
+
+/// The manager.
+#[derive(Debug)]
+pub struct BlockManager {
+    block_size: usize,
+    blocks: Vec<Block>,
+    /// Least recently freed first.
+    free_head: u32,
+    free_tail: u32,
+    free_len: usize,
+    cache: HashMap<u64, u32>,
+    stats: CacheStats,
+}
+
+/// The chained hash of a full block: its parent's hash and its tokens.
+pub fn block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl BlockManager {
+    /// A pool of `num_blocks` blocks of `block_size` tokens, all free.
+    ///
+    /// # Panics
+    /// If `block_size` is 0 or `num_blocks` does not fit `u32`.
+    pub fn new(num_blocks: usize, block_size: usize) -> BlockManager {
+        assert!(block_size > 0, "block size 0");
+        let n = u32::try_from(num_blocks).expect("block count fits u32");
+        assert!(n < NONE, "block count fits u32");
+        let blocks = (0..n)
+            .map(|i| Block {
+                refs: 0,
+                cached: None,
+                prev: if i == 0 { NONE } else { i - 1 },
+                next: if i + 1 == n { NONE } else { i + 1 },
+            })
+            .collect();
+        BlockManager {
+            block_size,
+            blocks,
+            free_head: if n == 0 { NONE } else { 0 },
+            free_tail: if n == 0 { NONE } else { n - 1 },
+            free_len: num_blocks,
+            cache: HashMap::new(),
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Blocks in the pool.
+    pub fn total(&self) -> usize {
+        self.blocks.len()
+    }
+    /// Free blocks (cached or not).
+    pub fn free(&self) -> usize {
+        self.free_len
+    }
+    /// The prefix cache's counters.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (p, n) = (self.blocks[i as usize].prev, self.blocks[i as usize].next);
+        if p == NONE {
+            self.free_head = n;
+        } else {
+            self.blocks[p as usize].next = n;
+        }
+        if n == NONE {
+            self.free_tail = p;
+        } else {
+            self.blocks[n as usize].prev = p;
+        }
+        self.blocks[i as usize].prev = NONE;
+        self.blocks[i as usize].next = NONE;
+        self.free_len -= 1;
+    }
+
+    fn push_free(&mut self, i: u32) {
+        let b = &mut self.blocks[i as usize];
+        b.prev = self.free_tail;
+        b.next = NONE;
+        if self.free_tail == NONE {
+            self.free_head = i;
+        } else {
+            self.blocks[self.free_tail as usize].next = i;
+        }
+        self.free_tail = i;
+        self.free_len += 1;
+    }
+
+    /// Takes a reference on block `i` (off the free list if it was free).
+    fn retain(&mut self, i: u32) {
+        if self.blocks[i as usize].refs == 0 {
+            self.unlink(i);
+        }
+        self.blocks[i as usize].refs += 1;
+    }
+
+    /// The least recently freed block, its cache entry dropped.
+    fn take_fresh(&mut self) -> Option<u32> {
+        let i = self.free_head;
+        if i == NONE {
+            return None;
+        }
+        self.unlink(i);
+        if let Some((h, _)) = self.blocks[i as usize].cached.take()
+            && self.cache.get(&h) == Some(&i)
+        {
+            self.cache.remove(&h);
+        }
+        self.blocks[i as usize].refs = 1;
+        Some(i)
+    }
+
+    /// Blocks for a new sequence of `prompt` that will grow to `total_tokens`: its longest
+    /// cached prefix of full blocks is shared (always leaving at least one prompt token to
+    /// compute), the rest are fresh blocks. Nothing changes on failure.
+    pub fn allocate(
+        &mut self,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> Result<Allocation, OutOfBlocks> {
+        let bs = self.block_size;
+        let total_tokens = total_tokens.max(prompt.len()).max(1);
+        let needed = total_tokens.div_ceil(bs);
+        // Cached full blocks of the prompt, leaving its last token to compute.
+        let mut hits = Vec::new();
+        let mut parent = None;
+        let full = prompt.len().saturating_sub(1) / bs;
+        for chunk in prompt.chunks_exact(bs).take(full) {
+            let h = block_hash(parent, chunk);
+            match self.cache.get(&h) {
+                Some(&i)
+                    if self.blocks[i as usize]
+                        .cached
+                        .as_ref()
+                        .is_some_and(|(ch, t)| *ch == h && t == chunk) =>
+                {
+                    hits.push(i);
+                }
+                _ => break,
+            }
+            parent = Some(h);
+        }
+        // Free blocks the hits would take off the free list count against the fresh ones.
+        let hits_free = hits
+            .iter()
+            .filter(|&&i| self.blocks[i as usize].refs == 0)
+            .count();
+        let fresh = needed - hits.len();
+        if fresh + hits_free > self.free_len {
+            return Err(OutOfBlocks {
+                needed: fresh + hits_free,
+                free: self.free_len,
+                total: self.total(),
+            });
+        }
+        self.stats.queried_blocks += full as u64;
+        self.stats.hit_blocks += hits.len() as u64;
+        for &i in &hits {
+            self.retain(i);
+        }
+        let mut blocks: Vec<BlockId> = hits.iter().map(|&i| BlockId(i)).collect();
+        for _ in 0..fresh {
+            // Counted above: a free block exists for each.
+            if let Some(i) = self.take_fresh() {
+                blocks.push(BlockId(i));
+            }
+        }
+        Ok(Allocation {
+            cached_tokens: hits.len() * bs,
+            blocks,
+        })
+    }
+
+    /// Grows `a` to hold `total_tokens`. Nothing changes on failure.
+    pub fn grow(&mut self, a: &mut Allocation, total_tokens: usize) -> Result<(), OutOfBlocks> {
+        let needed = total_tokens.div_ceil(self.block_size);
+        let more = needed.saturating_sub(a.blocks.len());
+        if more > self.free_len {
+            return Err(OutOfBlocks {
+                needed: more,
+                free: self.free_len,
+                total: self.total(),
+            });
+        }
+        for _ in 0..more {
+            if let Some(i) = self.take_fresh() {
+                a.blocks.push(BlockId(i));
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers the full blocks of a sequence whose first `tokens.len()` tokens are computed
+    /// (K/V written), so later prompts can share them.
+    pub fn commit(&mut self, a: &Allocation, tokens: &[u32]) {
+        let bs = self.block_size;
+        let mut parent = None;
+        for (chunk, &BlockId(i)) in tokens.chunks_exact(bs).zip(&a.blocks) {
+            let h = block_hash(parent, chunk);
+            parent = Some(h);
+            let b = &mut self.blocks[i as usize];
+            if b.cached.as_ref().is_some_and(|(ch, _)| *ch == h) {
+                continue;
+            }
+            // Another block may already serve this prefix; keep the first (both hold the
+            // same K/V).
+            if self.cache.contains_key(&h) {
+                continue;
+            }
+            b.cached = Some((h, chunk.to_vec()));
+            self.cache.insert(h, i);
+        }
+    }
+
+    /// Drops a sequence's references; blocks that reach 0 become free (most recently freed
+    /// last), keeping their cache entries until taken. The tail blocks go first into the list,
+    /// so a prompt's shared head outlives its private tail.
+    pub fn release(&mut self, a: Allocation) {
+        for &BlockId(i) in a.blocks.iter().rev() {
+            let b = &mut self.blocks[i as usize];
+            debug_assert!(b.refs > 0, "block {i} released more often than taken");
+            b.refs = b.refs.saturating_sub(1);
+            if b.refs == 0 {
+                self.push_free(i);
+            }
+        }
+    }
+
+    /// Checks every invariant against the sequences that hold blocks now (tests).
+    pub fn check(&self, held: &[&Allocation]) -> Result<(), String> {
+        let mut refs = vec![0u32; self.blocks.len()];
+        for a in held {
+            for &BlockId(i) in &a.blocks {
+                refs[i as usize] += 1;
+            }
+        }
+        let mut on_list = vec![false; self.blocks.len()];
+        let (mut i, mut n, mut prev) = (self.free_head, 0, NONE);
+        while i != NONE {
+            if on_list[i as usize] {
+                return Err(format!("free list cycles at {i}"));
+            }
+            on_list[i as usize] = true;
+            if self.blocks[i as usize].prev != prev {
+                return Err(format!("free list back link of {i}"));
+            }
+            prev = i;
+            i = self.blocks[i as usize].next;
+            n += 1;
+        }
+        if n != self.free_len || prev != self.free_tail {
+            return Err(format!("free list of {n} vs {} counted", self.free_len));
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            if b.refs != refs[i] {
+                return Err(format!("block {i}: {} refs, {} holders", b.refs, refs[i]));
+            }
+            if (b.refs == 0) != on_list[i] {
+                return Err(format!(
+                    "block {i}: refs {} but on the free list: {}",
+                    b.refs, on_list[i]
+                ));
+            }
+        }
+        for (&h, &i) in &self.cache {
+            if self.blocks[i as usize].cached.as_ref().map(|c| c.0) != Some(h) {
+                return Err(format!(
+                    "cache entry {h:x} points at block {i} of another hash"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_shared_prefix_reuses_blocks_and_leaves_one_token_to_compute() {
+        let mut m = BlockManager::new(8, 4);
+        let p1: Vec<u32> = (0..10).collect();
+        let a = m.allocate(&p1, 12).unwrap();
+        assert_eq!((a.blocks.len(), a.cached_tokens), (3, 0));
+        m.commit(&a, &p1);
+        // Same first 8 tokens: two blocks shared.
+        let p2: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
+        let b = m.allocate(&p2, 11).unwrap();
+        assert_eq!(b.cached_tokens, 8);
+        assert_eq!(&b.blocks[..2], &a.blocks[..2]);
+        assert_ne!(b.blocks[2], a.blocks[2]);
+        // Exactly the cached 8 tokens as a prompt: the last block is recomputed.
+        let p3: Vec<u32> = (0..8).collect();
+        let c = m.allocate(&p3, 8).unwrap();
+        assert_eq!(c.cached_tokens, 4);
+        m.check(&[&a, &b, &c]).unwrap();
+        let s = m.stats();
+        assert_eq!((s.queried_blocks, s.hit_blocks), (2 + 2 + 1, 2 + 1));
+        // Released blocks stay cached until taken: a new request still hits.
+        m.release(a);
+        m.release(b);
+        m.release(c);
+        assert_eq!(m.free(), 8);
+        let d = m.allocate(&p1, 10).unwrap();
+        assert_eq!(d.cached_tokens, 8);
+        m.check(&[&d]).unwrap();
+    }
+
+    #[test]
+    fn running_out_changes_nothing_and_eviction_takes_the_oldest_free_block() {
+        let mut m = BlockManager::new(6, 2);
+        let a = m.allocate(&[1, 2, 3, 4, 5], 5).unwrap();
+        assert_eq!(a.blocks, vec![BlockId(0), BlockId(1), BlockId(2)]);
+        m.commit(&a, &[1, 2, 3, 4]);
+        let e = m.allocate(&[7; 7], 8).unwrap_err();
+        assert_eq!((e.needed, e.free, e.total), (4, 3, 6));
+        m.check(&[&a]).unwrap();
+        // Released tail first: the free list is now 3, 4, 5, 2, 1, 0 (oldest first).
+        m.release(a);
+        let b = m.allocate(&[9; 6], 6).unwrap();
+        let b2 = m.allocate(&[8, 8], 2).unwrap();
+        // Takes block 1, evicting the cached [3, 4]; block 0 ([1, 2]) is still cached.
+        let b3 = m.allocate(&[6, 6], 2).unwrap();
+        assert_eq!((b2.blocks[0], b3.blocks[0]), (BlockId(2), BlockId(1)));
+        m.release(b);
+        let c = m.allocate(&[1, 2, 3, 4, 5], 5).unwrap();
+        assert_eq!(c.cached_tokens, 2, "[1, 2] survived, [3, 4] was evicted");
+        assert_eq!(c.blocks[0], BlockId(0));
+        m.check(&[&b2, &b3, &c]).unwrap();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Random admissions, growth, commits and releases keep every invariant; a prompt
+        /// identical to a committed one gets its full blocks back; releasing everything frees
+        /// every block.
+        #[test]
+        fn random_operations_keep_the_invariants(
+            ops in proptest::collection::vec((0u8..4, 0usize..6, 1usize..20), 1..60),
+        ) {
+            let mut m = BlockManager::new(24, 4);
+            let mut held: Vec<(Allocation, Vec<u32>)> = Vec::new();
+            for (op, pick, len) in ops {
+                match op {
+                    0 => {
+                        // Prompts drawn from a few shared prefixes.
+                        let prompt: Vec<u32> = (0..len as u32).map(|t| t + 100 * (pick as u32 % 3)).collect();
+                        if let Ok(a) = m.allocate(&prompt, len + 3) {
+                            prop_assert!(a.cached_tokens < prompt.len().max(1));
+                            prop_assert_eq!(a.cached_tokens % 4, 0);
+                            held.push((a, prompt));
+                        }
+                    }
+                    1 if !held.is_empty() => {
+                        let i = pick % held.len();
+                        let (a, p) = &mut held[i];
+                        let grown = p.len() + len;
+                        if m.grow(a, grown + 3).is_ok() {
+                            p.extend((0..len as u32).map(|t| 1000 + t));
+                        }
+                    }
+                    2 if !held.is_empty() => {
+                        let i = pick % held.len();
+                        let (a, p) = &held[i];
+                        m.commit(a, p);
+                    }
+                    3 if !held.is_empty() => {
+                        let i = pick % held.len();
+                        let (a, _) = held.swap_remove(i);
+                        m.release(a);
+                    }
+                    _ => {}
+                }
+                let refs: Vec<&Allocation> = held.iter().map(|h| &h.0).collect();
+                prop_assert_eq!(m.check(&refs), Ok(()));
+            }
+            for (a, _) in held.drain(..) {
+                m.release(a);
+            }
+            prop_assert_eq!(m.free(), m.total());
+            prop_assert_eq!(m.check(&[]), Ok(()));
+        }
+    }
+}
