@@ -1,16 +1,20 @@
 //! Serving: what turns text into token ids and back for the engine and the commands — the
 //! model's tokenizer (the real Qwen3 files embedded for the presets), its chat template
-//! rendered by a Jinja engine, incremental detokenization, the sampler, and the KV cache's
-//! block manager with prefix caching.
+//! rendered by a Jinja engine, incremental detokenization, the sampler, the KV cache's block
+//! manager with prefix caching, and the engine that batches requests continuously.
 
 pub mod chat;
 pub mod detok;
+pub mod engine;
 pub mod kv_blocks;
 pub mod sampler;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDecoder;
+pub use engine::{
+    Completion, Engine, EngineConfig, EngineError, EngineStats, FinishReason, Request,
+};
 pub use kv_blocks::{Allocation, BlockId, BlockManager, OutOfBlocks};
 pub use sampler::{Sampler, SamplingParams};
 pub use tokenizer::{Tokenizer, TokenizerError};
