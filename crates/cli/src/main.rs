@@ -4,6 +4,7 @@ mod bench_membw;
 mod bench_prefill;
 mod bench_qwen3;
 mod bench_runtime;
+mod bench_serve;
 mod demo;
 mod generate;
 mod npy;
@@ -62,6 +63,9 @@ enum BenchCommand {
     /// peak and of the bf16 GEMM kernel's rate (both measured in the run), share outside kernels.
     #[command(name = "qwen3-prefill")]
     Qwen3Prefill(bench_prefill::PrefillBenchArgs),
+    /// Concurrent requests served together by the engine: output tokens/s, TTFT and TPOT
+    /// percentiles, batched throughput against N times one stream.
+    Serve(bench_serve::BenchServeArgs),
 }
 
 /// Arguments of `simpler run demo`.
@@ -119,6 +123,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Membw(a)) => bench_membw::membw(a),
         Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
         Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
+        Command::Bench(BenchCommand::Serve(a)) => bench_serve::main(a),
         Command::Generate(a) => generate::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }

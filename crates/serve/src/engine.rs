@@ -9,11 +9,16 @@
 //! are released and it goes back to the front of the queue, to be recomputed from its prompt
 //! and the tokens it had generated (recompute, not swap).
 //!
-//! Every step runs the prefill path, decodes included, so a sequence's tokens do not depend on
-//! whether it was batched with others or ran alone (each row's arithmetic is the same).
+//! A step with a prompt chunk runs the prefill path for all its rows (a decode is then a
+//! one-token chunk); a step of decodes only runs the decode path (split-KV attention, the
+//! norm's `1/rms` deferred past the projections). The two paths agree within the golden's
+//! tolerance, so a sequence batched with prompt chunks can differ from the same sequence alone
+//! only where two logits nearly tie; the tests' batches give exactly the tokens of each request
+//! alone.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
@@ -69,6 +74,10 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     /// Prompt tokens found in the prefix cache at admission (not computed again).
     pub cached_tokens: usize,
+    /// From the call's start to the first generated token (time to first token).
+    pub ttft: Duration,
+    /// From the call's start to the last token.
+    pub finished: Duration,
 }
 
 /// Counters of the engine since it was made.
@@ -119,6 +128,7 @@ struct Seq {
     /// Tokens whose K/V are in the cache.
     computed: usize,
     cached_tokens: usize,
+    first_token: Option<Duration>,
 }
 
 /// The engine.
@@ -131,6 +141,8 @@ pub struct Engine {
     call: CallConfig,
     vocab: usize,
     stats: EngineStats,
+    /// Steps of decodes only take the decode path.
+    decode_path: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -177,6 +189,7 @@ impl Engine {
             call: CallConfig::default(),
             vocab: c.vocab_size,
             stats: EngineStats::default(),
+            decode_path: true,
         })
     }
 
@@ -237,13 +250,15 @@ impl Engine {
                 alloc: None,
                 computed: 0,
                 cached_tokens: 0,
+                first_token: None,
             });
         }
         let mut done: Vec<Option<Completion>> = vec![None; requests.len()];
         let mut running: Vec<Seq> = Vec::new();
+        let start = Instant::now();
         let result = (|| -> Result<(), EngineError> {
             while !waiting.is_empty() || !running.is_empty() {
-                self.step(&mut waiting, &mut running, &mut done)?;
+                self.step(&mut waiting, &mut running, &mut done, start)?;
             }
             Ok(())
         })();
@@ -274,6 +289,7 @@ impl Engine {
         waiting: &mut VecDeque<Seq>,
         running: &mut Vec<Seq>,
         done: &mut [Option<Completion>],
+        start: Instant,
     ) -> Result<(), EngineError> {
         let mut budget = self.cfg.max_num_batched_tokens;
         // (index into running, chunk length) of this step.
@@ -355,11 +371,23 @@ impl Engine {
             seq_lens,
         };
         self.session.read_logits = plan.iter().any(|&(i, _)| !running[i].greedy);
-        let out = self
-            .session
-            .prefill(&self.worker, &batch, &chunks, &self.call)?;
+        // A step of decodes only takes the decode path (split-KV attention, the norm's 1/rms
+        // deferred past the projections); anything with a prompt chunk takes the prefill path.
+        let all_decodes = chunks.iter().all(|c| c.tokens.len() == 1)
+            && plan.iter().all(|&(i, n)| {
+                running[i].computed + n == running[i].tokens.len() && running[i].computed > 0
+            });
+        let out = if all_decodes && self.decode_path {
+            let last: Vec<u32> = chunks.iter().map(|c| c.tokens[0]).collect();
+            self.session
+                .decode(&self.worker, &batch, &last, &self.call)?
+        } else {
+            self.session
+                .prefill(&self.worker, &batch, &chunks, &self.call)?
+        };
         self.stats.steps += 1;
         self.stats.max_batch = self.stats.max_batch.max(plan.len());
+        let now = start.elapsed();
         // Advance; sample where a chunk reached the end of the known tokens.
         let mut finished = Vec::new();
         for (row, &(i, n)) in plan.iter().enumerate() {
@@ -379,6 +407,7 @@ impl Engine {
                 s.sampler.sample(logits).unwrap_or(out.next_tokens[row])
             };
             s.tokens.push(next);
+            s.first_token.get_or_insert(now);
             let eos = !s.ignore_eos && self.eos.contains(&next);
             if eos || s.tokens.len() >= s.max_len {
                 finished.push((
@@ -402,6 +431,8 @@ impl Engine {
                 tokens: s.tokens[s.prompt_len..].to_vec(),
                 finish_reason: reason,
                 cached_tokens: s.cached_tokens,
+                ttft: s.first_token.unwrap_or(now),
+                finished: now,
             });
         }
         Ok(())

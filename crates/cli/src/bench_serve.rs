@@ -1,0 +1,213 @@
+//! `simpler bench serve`: N concurrent requests of fixed prompt and output lengths served
+//! together by the engine in this process — output tokens/s, TTFT and TPOT percentiles, and
+//! the batched throughput against N times one stream's, measured in the same run.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_models::qwen3::{RunShape, ops};
+use simpler_serve::{Completion, Engine, EngineConfig, Request, SamplingParams};
+
+use crate::opts::RunOpts;
+use crate::qwen3_cmd::{ModelArgs, load_weights};
+
+/// Arguments of `simpler bench serve`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Concurrent requests of each measurement, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    streams: Vec<usize>,
+    /// Prompt tokens of every request.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Tokens every request generates (EOS ignored).
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Most tokens one engine step computes.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+/// The `q`-quantile (nearest rank) of `xs`.
+fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Distinct prompts (no shared prefix, so the cache does not help).
+fn prompts(n: usize, len: usize, vocab: usize, salt: u64) -> Vec<Vec<u32>> {
+    (0..n as u64)
+        .map(|r| {
+            let mut s = salt ^ (r.wrapping_mul(0x9E37_79B9_7F4A_7C15)) ^ 0x5EED;
+            (0..len)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    ((s >> 33) % vocab as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+struct Measure {
+    streams: usize,
+    wall_s: f64,
+    out_tokens: usize,
+    ttft_ms: Vec<f64>,
+    tpot_ms: Vec<f64>,
+}
+
+fn measure(
+    engine: &mut Engine,
+    streams: usize,
+    args: &BenchServeArgs,
+    vocab: usize,
+    salt: u64,
+) -> Result<Measure> {
+    let reqs: Vec<Request> = prompts(streams, args.prompt_len, vocab, salt)
+        .into_iter()
+        .map(|prompt| Request {
+            prompt,
+            max_new_tokens: args.max_tokens,
+            sampling: SamplingParams::default(),
+            ignore_eos: true,
+        })
+        .collect();
+    let t = Instant::now();
+    let done: Vec<Completion> = engine.generate(&reqs)?;
+    let wall_s = t.elapsed().as_secs_f64();
+    Ok(Measure {
+        streams,
+        wall_s,
+        out_tokens: done.iter().map(|c| c.tokens.len()).sum(),
+        ttft_ms: done.iter().map(|c| c.ttft.as_secs_f64() * 1e3).collect(),
+        tpot_ms: done
+            .iter()
+            .filter(|c| c.tokens.len() > 1)
+            .map(|c| (c.finished - c.ttft).as_secs_f64() * 1e3 / (c.tokens.len() - 1) as f64)
+            .collect(),
+    })
+}
+
+pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
+    if args.streams.is_empty() || args.streams.contains(&0) {
+        bail!("--streams: give positive counts, e.g. 1,4,16");
+    }
+    if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
+    }
+    let _ = args.run.call_config("serve")?;
+    let c = args.model.config(None)?;
+    let seq = args.prompt_len + args.max_tokens;
+    ModelArgs::check_positions(&c, seq, "--prompt-len + --max-tokens")?;
+    let most = args.streams.iter().copied().max().unwrap_or(1);
+    let blocks = most * seq.div_ceil(PAGE_SIZE);
+    args.model.check_memory(
+        &c,
+        &RunShape {
+            layers: c.num_hidden_layers,
+            shared_weights: false,
+            kv_slots: blocks * PAGE_SIZE,
+            max_seq: seq.div_ceil(PAGE_SIZE) * PAGE_SIZE,
+            step_tokens: args.max_num_batched_tokens,
+        },
+    )?;
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let cores = worker.cores();
+    let weights = load_weights(&args.model, &c, false)?;
+    let mut engine = Engine::new(
+        worker,
+        &weights,
+        Vec::new(),
+        EngineConfig {
+            max_batch_size: most,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_seq_len: seq,
+            num_blocks: blocks,
+        },
+    )?;
+    drop(weights);
+    println!(
+        "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
+        args.model.describe(),
+        c.num_hidden_layers,
+        args.prompt_len,
+        args.max_tokens,
+        args.max_num_batched_tokens
+    );
+    // Warm-up: one request (kernels, buffers), discarded.
+    measure(&mut engine, 1, &args, c.vocab_size, 0)?;
+    let mut rows = Vec::new();
+    for (i, &n) in args.streams.iter().enumerate() {
+        rows.push(measure(&mut engine, n, &args, c.vocab_size, 1 + i as u64)?);
+    }
+    let single = rows
+        .iter()
+        .find(|m| m.streams == 1)
+        .map(|m| m.out_tokens as f64 / m.wall_s);
+    println!(
+        "{:>8} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
+        "streams",
+        "wall_s",
+        "out_tok/s",
+        "ttft_p50",
+        "ttft_p99",
+        "tpot_p50",
+        "tpot_p99",
+        "vs_N_x_single"
+    );
+    for m in &rows {
+        let tps = m.out_tokens as f64 / m.wall_s;
+        let ratio = single.map_or("n/a".to_string(), |s| {
+            format!("{:.2}", tps / (s * m.streams as f64))
+        });
+        println!(
+            "{:>8} {:>10.2} {:>12.2} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>14}",
+            m.streams,
+            m.wall_s,
+            tps,
+            quantile(&m.ttft_ms, 0.5),
+            quantile(&m.ttft_ms, 0.99),
+            quantile(&m.tpot_ms, 0.5),
+            quantile(&m.tpot_ms, 0.99),
+            ratio
+        );
+    }
+    println!(
+        "  (ms; vs_N_x_single: output tokens/s over N times the one-stream rate measured above)"
+    );
+    let s = engine.stats();
+    println!(
+        "engine: {} steps, {} tokens computed, {} served from the prefix cache, {} preemptions, at most {} sequences in a step",
+        s.steps, s.computed_tokens, s.cached_tokens, s.preemptions, s.max_batch
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantile;
+
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let xs = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(quantile(&xs, 0.5), 3.0);
+        assert_eq!(quantile(&xs, 0.99), 5.0);
+        assert_eq!(quantile(&xs, 0.0), 1.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+}
