@@ -471,13 +471,22 @@ impl<'a> TaskCtx<'a> {
         let (a, _, _) = self.typed::<T>(i)?;
         if a.tag.is_written() {
             self.single_block(i, "gather")?;
+            // A `&mut` handed out for this argument may still be live: reading the bytes
+            // underneath it would invalidate it. Gather first, then write.
+            if self.borrowed.get() & (1u32 << i) != 0 {
+                return Err(KernelError::new(format!(
+                    "argument {i} is already borrowed mutably in this block (gather after write)"
+                )));
+            }
         }
         let base = a.tensor.addr as *const T;
         let mut out = Vec::with_capacity(a.tensor.numel() as usize);
         a.tensor.for_each_offset(|off| {
             // SAFETY: `off` is an element of the view, inside its buffer; no other task writes it
-            // concurrently (ordered by the TensorMap or the unsafe contracts, as in `read`) and, for a written argument, this is the task's only
-            // block; a raw read creates no reference, and any bit pattern is a valid `T`.
+            // concurrently (ordered by the TensorMap or the unsafe contracts, as in `read`); for
+            // a written argument this is the task's only block and no `&mut` to it has been
+            // handed out (checked above); a raw read creates no reference, and any bit pattern
+            // is a valid `T`.
             out.push(unsafe { base.add(off as usize).read() })
         });
         Ok(out)
@@ -677,6 +686,24 @@ mod tests {
 
     fn arg(tag: ArgTag, tensor: Tensor) -> TensorArg {
         TensorArg { tag, tensor }
+    }
+
+    /// `gather` copies a written argument's old values before it is borrowed mutably, and is
+    /// refused after: reading under a live `&mut` would invalidate it (Miri reports that).
+    #[test]
+    fn gather_of_a_written_argument_is_refused_once_it_is_borrowed() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let d = desc(vec![arg(ArgTag::InOut, m)], 1);
+        let ctx = TaskCtx::new(&d, 0, 0, &cancel, None);
+        let old = ctx.gather::<f32>(0).unwrap();
+        let w = ctx.write::<f32>(0).unwrap();
+        w[0] = 1.0;
+        let e = ctx.gather::<f32>(0).unwrap_err().to_string();
+        assert!(e.contains("already borrowed mutably"), "{e}");
+        w[1] = old[0] + 2.0;
+        assert_eq!((w[0], w[1]), (1.0, 2.0));
     }
 
     /// The blocks' shares of one argument are held at the same time and written interleaved:
