@@ -182,7 +182,14 @@ fn run_bound(
     // bound until every core has left, and a core still inside after the grace period is
     // handed to a new thread while the old one keeps the run (and so the buffers) alive.
     let quiet = run.outstanding.load(Ordering::Acquire) == 0;
-    let all_left = if quiet && job.cfg.swimlane == 0 {
+    let all_left = if quiet {
+        // No task is outstanding, so no kernel can touch a buffer: release them whatever the
+        // cores are doing (a loaded host may keep one from leaving for a while, and a caller
+        // reading its output right after `Ok` must not find it still bound). Only the
+        // swimlane records are worth waiting for; a core slow to leave is not stuck.
+        if job.cfg.swimlane > 0 {
+            let _ = run.wait_cores_left(GRACE);
+        }
         true
     } else {
         run.wait_cores_left(GRACE)

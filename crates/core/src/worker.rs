@@ -79,6 +79,10 @@ pub(crate) struct WorkerShared {
     pub(crate) closed: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
     orch_gen: AtomicU64,
+    /// The current orchestrator thread holds a job it took from the queue (set and cleared
+    /// under the `jobs` lock, so `shutdown` never sees a job in neither place: popped but not
+    /// yet registered as the current run).
+    orch_busy: AtomicBool,
 }
 
 /// A worker: cores of one platform, ready to run orchestrations.
@@ -137,6 +141,7 @@ impl Worker {
             closed: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
             orch_gen: AtomicU64::new(0),
+            orch_busy: AtomicBool::new(false),
         });
         for (i, p) in parkers.into_iter().enumerate() {
             inner.spawn_core(i, 0, p)?;
@@ -382,7 +387,12 @@ impl WorkerShared {
 
     /// Hands the job queue to a fresh orchestrator thread (the old one is stuck in user code).
     pub(crate) fn replace_orchestrator(self: &Arc<Self>) -> Result<(), PlatformError> {
-        let generation = self.orch_gen.fetch_add(1, Ordering::AcqRel) + 1;
+        let generation = {
+            let _q = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            // The abandoned thread's job is failed by the watchdog; the new thread starts idle.
+            self.orch_busy.store(false, Ordering::Release);
+            self.orch_gen.fetch_add(1, Ordering::AcqRel) + 1
+        };
         self.jobs_cv.notify_all();
         self.spawn_orchestrator(generation)
     }
@@ -396,6 +406,7 @@ impl WorkerShared {
                         return;
                     }
                     if let Some(j) = q.pop_front() {
+                        self.orch_busy.store(true, Ordering::Release);
                         break j;
                     }
                     if self.closed.load(Ordering::Acquire) {
@@ -411,6 +422,10 @@ impl WorkerShared {
             // The run's registration, dropped while unwinding, has failed and unregistered it.
             .unwrap_or_else(|p| Err(Error::Internal(crate::sched::panic_message(&*p))));
             result.deliver(r);
+            let _q = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+            if self.orch_gen.load(Ordering::Acquire) == generation {
+                self.orch_busy.store(false, Ordering::Release);
+            }
         }
     }
 
@@ -419,13 +434,13 @@ impl WorkerShared {
             return;
         }
         self.jobs_cv.notify_all();
-        // Let queued runs finish: the orchestrator thread exits when the queue is empty.
+        // Let queued runs finish: the orchestrator thread exits when the queue is empty and it
+        // holds no job (one it popped may not be registered as the current run yet).
         loop {
-            let pending = !self
-                .jobs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty();
+            let pending = {
+                let q = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+                !q.is_empty() || self.orch_busy.load(Ordering::Acquire)
+            };
             let active = self.core_pool.current().is_some();
             if !pending && !active {
                 break;

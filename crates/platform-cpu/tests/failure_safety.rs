@@ -501,3 +501,76 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     }
     gang_of_all_cores(&w, &gang);
 }
+
+/// A platform whose allocations can be made slow, to widen the gap between the orchestrator
+/// thread taking a job off the queue and registering it as the current run.
+#[derive(Clone, Default)]
+struct SlowAlloc {
+    cpu: CpuPlatform,
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
+}
+
+// SAFETY: allocation and threads come from the CPU platform; only a sleep is added.
+unsafe impl Platform for SlowAlloc {
+    fn info(&self) -> PlatformInfo {
+        self.cpu.info()
+    }
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError> {
+        std::thread::sleep(Duration::from_millis(self.delay_ms.load(Ordering::SeqCst)));
+        self.cpu.alloc(bytes)
+    }
+    fn spawn_core(
+        &self,
+        index: usize,
+        body: Box<dyn FnOnce() + Send>,
+    ) -> Result<JoinHandle<()>, PlatformError> {
+        self.cpu.spawn_core(index, body)
+    }
+}
+
+/// `close()` right after `submit`, while the orchestrator thread is between taking the job and
+/// registering its run, waits for that run instead of stopping the cores under it (which left
+/// the run spinning with no cores and its handle never completing).
+#[test]
+fn close_right_after_submit_finishes_the_queued_run() {
+    let platform = SlowAlloc::default();
+    let w = Worker::new(
+        platform.clone(),
+        WorkerConfig {
+            cores: Some(1),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
+        ctx.write::<f32>(0)?.fill(1.0);
+        Ok(())
+    }))
+    .unwrap();
+    let buf = w.alloc(4096).unwrap();
+    // The run's arena (ring heaps) is allocated after the job leaves the queue: slow it down.
+    platform.delay_ms.store(100, Ordering::SeqCst);
+    let mut h = w
+        .submit_fn(
+            "late",
+            RunArgs {
+                buffers: vec![buf.clone()],
+                scalars: vec![],
+            },
+            &CallConfig::default(),
+            |o, a| {
+                let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
+                o.submit(Task::new(INC).output_existing(&t))?;
+                Ok(())
+            },
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let closer = std::thread::spawn(move || w.close());
+    // Bounded: the bug made this wait forever.
+    let finished = wait_for(|| h.is_done());
+    assert!(finished, "the queued run never completed after close()");
+    assert!(h.poll().unwrap().is_ok());
+    closer.join().unwrap().unwrap();
+    assert_eq!(buf.read::<f32>().unwrap()[0], 1.0);
+}
