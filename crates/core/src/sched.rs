@@ -368,7 +368,33 @@ impl RunShared {
                 &self.cancel,
                 None,
             );
-            if !p(&ctx) {
+            // A panicking predicate must not unwind through the completion that called it (it
+            // would lose the rest of the fan-out and the core): it fails the run, and the task
+            // counts as skipped so the graph still drains.
+            let run = match catch_unwind(AssertUnwindSafe(|| p(&ctx))) {
+                Ok(run) => run,
+                Err(panic) => {
+                    self.fail(
+                        RunError::new(
+                            ErrorCode::KernelFailed,
+                            format!(
+                                "the dispatch predicate of kernel {:?} panicked: {}",
+                                desc.kernel_name(),
+                                panic_message(&*panic)
+                            ),
+                            "fix the predicate given to Task::predicate",
+                        )
+                        .at(Locator {
+                            task: Some(t),
+                            kernel: Some(desc.kernel_name()),
+                            core: core.map(|c| c as u32),
+                            ring: Some(t.ring()),
+                        }),
+                    );
+                    false
+                }
+            };
+            if !run {
                 self.skipped.fetch_add(1, Ordering::Relaxed);
                 work.push(t);
                 return;

@@ -574,3 +574,64 @@ fn close_right_after_submit_finishes_the_queued_run() {
     closer.join().unwrap().unwrap();
     assert_eq!(buf.read::<f32>().unwrap()[0], 1.0);
 }
+
+fn panicking_predicate(_: &TaskCtx<'_>) -> bool {
+    panic!("predicate exploded")
+}
+
+/// A dispatch predicate that panics fails the run with its message (not a scheduler timeout
+/// after the grace period), and the next run on the same worker uses every core.
+#[test]
+fn a_panicking_predicate_fails_the_run_by_name_and_the_worker_goes_on() {
+    let w = Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
+        for v in ctx.write::<f32>(0)?.iter_mut() {
+            *v += 1.0;
+        }
+        Ok(())
+    }))
+    .unwrap();
+    let buf = w.alloc(4096).unwrap();
+    let args = || RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    let e = w
+        .run_fn("pred", args(), &CallConfig::default(), |o, a| {
+            let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
+            let first = o.submit(Task::new(INC).in_out(&t))?.id;
+            // Dispatched when `first` completes, from that completion.
+            o.submit(
+                Task::new(INC)
+                    .in_out(&t)
+                    .after(first)
+                    .predicate(panicking_predicate),
+            )?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("predicate exploded") && e.contains("KERNEL_FAILED"),
+        "{e}"
+    );
+    // The next run completes on the same worker, and the buffer is usable.
+    w.run_fn("after", args(), &CallConfig::default(), |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
+        o.submit(Task::new(INC).in_out(&t))?;
+        Ok(())
+    })
+    .unwrap();
+    let v = buf.read::<f32>().unwrap();
+    assert_eq!(
+        v[0], 2.0,
+        "the first INC ran, the predicated one did not, then one more"
+    );
+}
