@@ -31,6 +31,9 @@ pub(crate) struct BenchRuntimeArgs {
     /// Blocks of the SPMD task.
     #[arg(long, default_value_t = 50_000)]
     blocks: u32,
+    /// Readers of one buffer in the fan-out benchmark.
+    #[arg(long, default_value_t = 8192)]
+    readers: u64,
     /// Warm-up rounds (discarded).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -220,5 +223,30 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         spmd.median * cores as f64,
         spmd.median / (1e9 / exec.median)
     );
+
+    // 4. Fan-out: one writer, then many readers of the same buffer. Readers register in the
+    //    dependency map (later writers wait for them), so each reader's lookup must not walk
+    //    the readers before it: orchestration time per reader stays flat as their number grows.
+    let readers = args.readers;
+    let buf = w.alloc(4096)?;
+    let fan = rounds(&args, || {
+        let a = simpler_core::RunArgs {
+            buffers: vec![buf.clone()],
+            scalars: vec![],
+        };
+        let r = w.run_fn("bench.fanout", a, &serial, move |o, a| {
+            let t = o.bind(&a.buffers[0], simpler_core::DType::F32, &[1024])?;
+            o.scope(ScopeKind::Auto, |o| {
+                o.submit(Task::new(EMPTY).output_existing(&t))?;
+                for _ in 0..readers {
+                    o.submit(Task::new(EMPTY).input(&t))?;
+                }
+                Ok(())
+            })
+        })?;
+        Ok(r.orch.dur_ns() as f64 / readers.max(1) as f64)
+    })?;
+    println!("\n[fanout] one writer then {readers} readers of one buffer, orchestration only");
+    println!("{}", format_summary("ns_per_reader", &fan, args.warmup));
     Ok(())
 }

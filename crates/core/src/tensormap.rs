@@ -41,15 +41,45 @@ pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 struct MapEntry {
     task: TaskId,
     region: Region,
-    /// A reader's entry (only writers wait for it).
-    reader: bool,
 }
 
+/// A buffer's live entries. Readers are kept apart from writers so a reader's lookup, which
+/// waits only for writers, does not walk the (possibly many) readers before it: one writer
+/// fanning out to N readers costs O(N) at submit, not O(N²).
 #[derive(Default)]
 struct BufferWriters {
     /// Writes recorded on this buffer so far (the tensor "version").
     version: u32,
-    entries: Vec<MapEntry>,
+    writers: Vec<MapEntry>,
+    readers: Vec<MapEntry>,
+}
+
+/// Appends the live entries of `entries` overlapping `region` to `out`, dropping (and
+/// uncounting from `len`) those of completed tasks.
+fn scan(
+    entries: &mut Vec<MapEntry>,
+    region: &Region,
+    rings: &Rings,
+    len: &mut u64,
+    out: &mut Vec<Hit>,
+) {
+    let mut i = 0;
+    while i < entries.len() {
+        let e = &entries[i];
+        if !rings.is_live(e.task) {
+            entries.swap_remove(i);
+            *len -= 1;
+            continue;
+        }
+        let relation = region.relate(&e.region);
+        if relation.overlaps() {
+            out.push(Hit {
+                task: e.task,
+                relation,
+            });
+        }
+        i += 1;
+    }
 }
 
 /// A live task found by a lookup, and how the looked-up region relates to the task's.
@@ -111,24 +141,9 @@ impl TensorMap {
         let Some(b) = self.buffers.get_mut(&region.buffer) else {
             return;
         };
-        let mut i = 0;
-        while i < b.entries.len() {
-            let e = &b.entries[i];
-            if !rings.is_live(e.task) {
-                b.entries.swap_remove(i);
-                self.len -= 1;
-                continue;
-            }
-            if readers || !e.reader {
-                let relation = region.relate(&e.region);
-                if relation.overlaps() {
-                    out.push(Hit {
-                        task: e.task,
-                        relation,
-                    });
-                }
-            }
-            i += 1;
+        scan(&mut b.writers, region, rings, &mut self.len, out);
+        if readers {
+            scan(&mut b.readers, region, rings, &mut self.len, out);
         }
     }
 
@@ -145,9 +160,10 @@ impl TensorMap {
     pub(crate) fn sweep(&mut self, rings: &Rings) {
         let mut len = 0;
         self.buffers.retain(|_, b| {
-            b.entries.retain(|e| rings.is_live(e.task));
-            len += b.entries.len() as u64;
-            !b.entries.is_empty() || b.version > 0
+            b.writers.retain(|e| rings.is_live(e.task));
+            b.readers.retain(|e| rings.is_live(e.task));
+            len += (b.writers.len() + b.readers.len()) as u64;
+            !b.writers.is_empty() || !b.readers.is_empty() || b.version > 0
         });
         self.len = len;
     }
@@ -158,16 +174,14 @@ impl TensorMap {
     pub(crate) fn record_writer(&mut self, task: TaskId, region: Region, retire_covered: bool) {
         let b = self.buffers.entry(region.buffer).or_default();
         if retire_covered {
-            let before = b.entries.len();
-            b.entries
+            let before = b.writers.len() + b.readers.len();
+            b.writers
                 .retain(|e| region.relate(&e.region) != Relation::Covers);
-            self.len -= (before - b.entries.len()) as u64;
+            b.readers
+                .retain(|e| region.relate(&e.region) != Relation::Covers);
+            self.len -= (before - b.writers.len() - b.readers.len()) as u64;
         }
-        b.entries.push(MapEntry {
-            task,
-            region,
-            reader: false,
-        });
+        b.writers.push(MapEntry { task, region });
         b.version = b.version.wrapping_add(1);
         self.len += 1;
         self.high_water = self.high_water.max(self.len);
@@ -177,11 +191,7 @@ impl TensorMap {
     /// it).
     pub(crate) fn record_reader(&mut self, task: TaskId, region: Region) {
         let b = self.buffers.entry(region.buffer).or_default();
-        b.entries.push(MapEntry {
-            task,
-            region,
-            reader: true,
-        });
+        b.readers.push(MapEntry { task, region });
         self.len += 1;
         self.high_water = self.high_water.max(self.len);
     }
