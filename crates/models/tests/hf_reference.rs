@@ -13,8 +13,8 @@ use safetensors::SafeTensors;
 use simpler_core::{CallConfig, Worker, WorkerConfig};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::{
-    KvBuffers, LoadOptions, PagedBatch, Qwen3Config, ResidentModel, RopeScaling, Session,
-    load_checkpoint, ops,
+    KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel, RopeScaling,
+    Session, load_checkpoint, ops,
 };
 
 /// Relative L2 error allowed per row: bf16 activations at the spec's cast points against an
@@ -124,6 +124,18 @@ fn worker() -> Worker {
     w
 }
 
+/// A worker and a session over `weights` with one sequence's block table covering `total`
+/// tokens (its length `len`).
+fn session(weights: &Qwen3Weights, len: usize, total: usize) -> (Worker, Session, PagedBatch) {
+    let w = worker();
+    let batch = PagedBatch::identity(vec![len], total, 128);
+    let model =
+        ResidentModel::upload(&w, weights, batch.max_blocks * batch.page_size, None).unwrap();
+    let kv = KvBuffers::new(&w, &weights.config, batch.num_pages(), batch.page_size).unwrap();
+    let s = Session::new(&w, Arc::new(model), kv);
+    (w, s, batch)
+}
+
 /// Prefill of the prompt in chunks of `chunk`, then teacher-forced decode of the reference's
 /// continuation; every position from the prompt's last on is compared.
 fn run_case(name: &str, chunk: usize) -> (usize, usize) {
@@ -133,13 +145,8 @@ fn run_case(name: &str, chunk: usize) -> (usize, usize) {
     let c = weights.config.clone();
     let vocab = c.vocab_size;
     assert_eq!(r.logits.len(), r.tokens.len() * vocab);
-    let w = worker();
     let total = r.tokens.len();
-    let batch = PagedBatch::identity(vec![r.prompt_len], total, 128);
-    let model =
-        ResidentModel::upload(&w, &weights, batch.max_blocks * batch.page_size, None).unwrap();
-    let kv = KvBuffers::new(&w, &c, batch.num_pages(), batch.page_size).unwrap();
-    let mut s = Session::new(&w, Arc::new(model), kv);
+    let (w, mut s, batch) = session(&weights, r.prompt_len, total);
     let cfg = CallConfig::default();
     let mut done = 0;
     let mut rows = 0;
@@ -227,12 +234,7 @@ fn prefill_error(name: &str, change: impl FnOnce(&mut Qwen3Config)) -> f64 {
     let mut weights = load_checkpoint(&dir, &LoadOptions::default()).unwrap();
     change(&mut weights.config);
     let c = weights.config.clone();
-    let w = worker();
-    let batch = PagedBatch::identity(vec![r.prompt_len], r.prompt_len, 128);
-    let model =
-        ResidentModel::upload(&w, &weights, batch.max_blocks * batch.page_size, None).unwrap();
-    let kv = KvBuffers::new(&w, &c, batch.num_pages(), batch.page_size).unwrap();
-    let mut s = Session::new(&w, Arc::new(model), kv);
+    let (w, mut s, batch) = session(&weights, r.prompt_len, r.prompt_len);
     s.read_logits = true;
     let out = s
         .prefill(
@@ -281,13 +283,8 @@ fn a_wrong_rope_base_or_an_ignored_scaling_is_caught() {
 fn a_step_past_max_position_embeddings_is_refused_and_the_session_goes_on() {
     let dir = fixtures().join("yarn_v4_sharded");
     let weights = load_checkpoint(&dir, &LoadOptions::default()).unwrap();
-    let c = weights.config.clone();
-    assert_eq!(c.max_position_embeddings, 64);
-    let w = worker();
-    let batch = PagedBatch::identity(vec![64], 128, 128);
-    let model = ResidentModel::upload(&w, &weights, 128, None).unwrap();
-    let kv = KvBuffers::new(&w, &c, batch.num_pages(), batch.page_size).unwrap();
-    let mut s = Session::new(&w, Arc::new(model), kv);
+    assert_eq!(weights.config.max_position_embeddings, 64);
+    let (w, mut s, batch) = session(&weights, 64, 128);
     let cfg = CallConfig::default();
     let past = PagedBatch {
         seq_lens: vec![65],
