@@ -193,6 +193,16 @@ impl Engine {
         })
     }
 
+    /// How the engine is sized.
+    pub fn config(&self) -> EngineConfig {
+        self.cfg
+    }
+
+    /// The model's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
     /// Counters since the engine was made.
     pub fn stats(&self) -> EngineStats {
         self.stats

@@ -8,6 +8,7 @@ pub mod detok;
 pub mod engine;
 pub mod kv_blocks;
 pub mod sampler;
+pub mod text;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
@@ -17,4 +18,5 @@ pub use engine::{
 };
 pub use kv_blocks::{Allocation, BlockId, BlockManager, OutOfBlocks};
 pub use sampler::{Sampler, SamplingParams};
+pub use text::{GenerateConfig, TextEngine, TextError, TextFinish, TextResult};
 pub use tokenizer::{Tokenizer, TokenizerError};
