@@ -2,7 +2,7 @@
 //! layer, final norm, LM head and argmax for the last position) at several prompt lengths —
 //! tokens/s, the step time's statistics, achieved GFLOP/s against this machine's matmul rate
 //! measured in the same run, the roofline share, and the share of the step spent outside
-//! kernels (`06-performance.md`, required measurement 4).
+//! kernels (`docs/performance.md`).
 //!
 //! Two denominators, both measured in the run:
 //! - the fp32 FMA peak of every thread (`membw`), the better of a measurement before the run

@@ -1,5 +1,5 @@
 //! `simpler run qwen3-decode`: Qwen3 decode on the runtime with a per-token report — TPOT, the
-//! timing layers of `02-dfx.md`, time per layer, bytes streamed per step and the achieved
+//! timing layers of `docs/trace-format.md`, time per layer, bytes streamed per step and the achieved
 //! bandwidth against this machine's, measured in the same run, and the roofline share — with
 //! an optional (default-on for small shapes) check against the golden.
 

@@ -65,7 +65,7 @@ pub struct RunCounters {
     pub skipped: u64,
 }
 
-/// The timing of one run (always on), as described in `02-dfx.md`.
+/// The timing of one run (always on), as described in `docs/trace-format.md`.
 ///
 /// `host_wall ⊇ bind + runner + validate`; `runner ⊇ device_wall ⊇ graph_build, orch, sched`.
 /// `orch` and `sched` overlap and must never be added: `effective` is their union's extent.

@@ -1,4 +1,4 @@
-//! Turns a [`RunReport`] into the standard span tree of `02-dfx.md`.
+//! Turns a [`RunReport`] into the standard span tree of `docs/trace-format.md`.
 
 use std::collections::BTreeMap;
 

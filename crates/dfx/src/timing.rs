@@ -1,5 +1,5 @@
 //! `simpler trace timing`: per-callable span statistics, one row per invocation (`--rounds`)
-//! and the median span tree (`--tree`), with the timing layers ①–④ of `02-dfx.md`.
+//! and the median span tree (`--tree`), with the timing layers ①–④ of `docs/trace-format.md`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
@@ -75,7 +75,7 @@ pub struct Round {
 }
 
 impl Round {
-    /// Layers ①–④ of `02-dfx.md` in ns (signed: a negative value means mis-nested spans).
+    /// Layers ①–④ of `docs/trace-format.md` in ns (signed: a negative value means mis-nested spans).
     pub fn layers(&self) -> [Option<i64>; 4] {
         let signed = |x: i128| x.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
         let d = |a: Option<u64>, b: Option<u64>| Some(signed(a? as i128 - b? as i128));

@@ -12,7 +12,7 @@
 //!   the packed activations lane for lane.
 //! - Output fp32: element `(b, n)` of a tile lives at `out[b * ld_out + (n - tile.n.start)]`.
 //!
-//! # Speed (see `06-performance.md`)
+//! # Speed (see `docs/performance.md`)
 //! Batch 1–2 is bandwidth-bound: the AVX2 path streams four rows per pass with software
 //! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
 //! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several

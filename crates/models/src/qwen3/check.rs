@@ -102,7 +102,7 @@ pub fn golden_decode_streamed(
 /// A pool slot's K and V rows of a layer, read back from the runtime's cache.
 pub type KvRows<'a> = &'a mut dyn FnMut(usize, usize) -> Result<(Vec<bf16>, Vec<bf16>), String>;
 
-/// The tolerance of a stack of `layers` layers (`03-qwen3.md`).
+/// The tolerance of a stack of `layers` layers (`docs/qwen3.md`).
 pub fn stack_tolerance(layers: usize) -> Tolerance {
     if layers <= 1 {
         Tolerance::ONE_LAYER

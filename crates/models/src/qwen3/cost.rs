@@ -1,6 +1,6 @@
 //! What a decode or prefill step must move and compute: weight bytes streamed, KV bytes read
 //! and written, matmul and attention FLOPs — the numerators of the bandwidth share, the FLOP
-//! rate and the roofline bound (`06-performance.md`).
+//! rate and the roofline bound (`docs/performance.md`).
 
 use super::config::Qwen3Config;
 

@@ -1,4 +1,4 @@
-//! Deterministic seeded fixtures with the spec's distributions (`03-qwen3.md`, "Fixtures"):
+//! Deterministic seeded fixtures with the spec's distributions (`docs/qwen3.md`, "Fixtures"):
 //! weights, the initial KV pools, the input hidden state and token ids.
 //!
 //! Every tensor is cut into fixed chunks, each drawn from its own stream `(seed, tensor, chunk)`,

@@ -1,4 +1,4 @@
-//! Qwen3 dense models (`03-qwen3.md`; HF `Qwen3ForCausalLM`): configuration, weights and the
+//! Qwen3 dense models (`docs/qwen3.md`; HF `Qwen3ForCausalLM`): configuration, weights and the
 //! paged KV cache, deterministic fixtures, the fp32 golden reference, and HF checkpoints.
 //!
 //! Files read top to bottom: [`config`] (shapes, presets, byte counts) -> [`weights`] (what a

@@ -233,7 +233,7 @@ fn upload_chunked<T: Element>(
 }
 
 /// The paged KV cache in two worker buffers: K and V, each `[layers, pages * page_size, row]`
-/// bf16 (`row = kv_heads * head_dim`), layer stride one pool (`03-qwen3.md`).
+/// bf16 (`row = kv_heads * head_dim`), layer stride one pool (`docs/qwen3.md`).
 #[derive(Debug, Clone)]
 pub struct KvBuffers {
     /// K pools of every layer.

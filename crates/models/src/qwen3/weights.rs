@@ -1,6 +1,6 @@
 //! What a Qwen3 model holds in memory: bf16 projections in the HF `[out, in]` layout, fp32 norm
 //! weights, the embedding table and an optional untied LM head; the shared-weights mode (every
-//! layer one `Arc`); RoPE tables; and the paged KV cache with its block tables (`03-qwen3.md`,
+//! layer one `Arc`); RoPE tables; and the paged KV cache with its block tables (`docs/qwen3.md`,
 //! "Paged KV cache").
 
 use std::sync::Arc;

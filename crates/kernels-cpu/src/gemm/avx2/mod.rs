@@ -26,8 +26,7 @@ const PF_ELEMS: usize = 256;
 /// tiles, each configuration's passes alternating with the others' in one process (the
 /// median of paired ratios, so host load drifts cancel): 32 rows apart against 4 took 6.9%
 /// less time at batch 1, 5.9% at batch 2, 3.1% at batch 4 and the same at batch 16; 2 rows
-/// apart took 7% more, and adjacent rows ~25% more (`06-performance.md`: streams ~4 KB apart
-/// on its machine).
+/// apart took 7% more, and adjacent rows ~25% more (`docs/performance.md`).
 const ROW_STRIDE: usize = 32;
 
 /// Bytes of packed activations one batch block may hold (half of a 512 KiB L2, leaving room

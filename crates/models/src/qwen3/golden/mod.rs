@@ -1,4 +1,4 @@
-//! The independent fp32 golden reference (`03-qwen3.md`, "Decode step", "Prefill", "Goldens"):
+//! The independent fp32 golden reference (`docs/qwen3.md`: the decode step, prefill, tolerances):
 //! plain loops that follow the spec's bf16 cast points exactly and call no kernel library.
 //! It returns the hidden output and every layer's K/V cache writes, and holds the spec's
 //! tolerance checks.

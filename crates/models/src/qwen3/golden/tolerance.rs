@@ -1,4 +1,4 @@
-//! The spec's tolerances (`03-qwen3.md`, "Goldens and tolerances") and the comparisons that
+//! The tolerances (`docs/qwen3.md`, "Tolerances") and the comparisons that
 //! apply them.
 
 /// How well two tensors agree.

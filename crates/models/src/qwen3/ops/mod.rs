@@ -32,7 +32,7 @@
 //! | [`LM_HEAD_TILE`] | acts In packed `[R,ld(H)]`, w NoDep bf16 `[n,H]`, logits Out f32 `[R,n]`, best Out u32 `[B,R,2]` (one slot per block) | [`LmHeadScalars`](scalars::LmHeadScalars) |
 //! | [`ARGMAX_COMBINE`] | best In u32 `[T,R,2]` (index, f32 bits), ids Out u32 `[R]` | |
 //!
-//! KV pools are `[slots, kv_heads * head_dim]` bf16 views of one layer (`03-qwen3.md`); the
+//! KV pools are `[slots, kv_heads * head_dim]` bf16 views of one layer (`docs/qwen3.md`); the
 //! attention kernels read them through NoDep views, so the orchestration orders them after the
 //! K/V writes explicitly. Malformed arguments give a [`KernelError`], never a panic.
 
