@@ -8,6 +8,10 @@ use simpler_cpu::CpuPlatform;
 const ADD: KernelId = KernelId(1);
 const COPY_ADD: KernelId = KernelId(2);
 const MOVE: KernelId = KernelId(3);
+const GATE: KernelId = KernelId(4);
+
+/// Tasks the orchestration has submitted so far (read by the gate kernel).
+static SUBMITTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 #[test]
 fn a_million_tasks_through_small_rings_reclaim_everything() {
@@ -47,6 +51,22 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
         Ok(())
     }))
     .unwrap();
+    // The first task holds its ring while the orchestrator submits behind it: reclamation is
+    // in order, so nothing after the gate is reclaimed before it completes, and the orchestrator
+    // runs out of room (window, heap or dependency pool) within a few dozen tasks and must wait,
+    // however fast the cores are. The gate lets go once 40 tasks are in (a point every resource
+    // reaches before any is full), plus time for the orchestrator to reach its wait.
+    w.register_kernel(KernelSpec::new(GATE, "gate", EngineClass::Vector, |_| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while SUBMITTED.load(std::sync::atomic::Ordering::SeqCst) < 40
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        Ok(())
+    }))
+    .unwrap();
     const SLOTS: u64 = 8;
     const ROUNDS: u64 = 100_000; // 2 halves x 5 tasks per round: 1M tasks
     let acc = w.alloc(SLOTS as usize * 8).unwrap();
@@ -65,8 +85,12 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
     let report = w
         .run_fn("stress", args, &cfg, |o, a| {
             let acc = o.bind(&a.buffers[0], DType::U64, &[SLOTS])?;
+            SUBMITTED.store(0, std::sync::atomic::Ordering::SeqCst);
             for r in 0..ROUNDS {
                 o.scope(ScopeKind::Auto, |o| {
+                    if r == 0 {
+                        o.submit(Task::new(GATE))?;
+                    }
                     for half in 0..2 {
                         let s = (r * 2 + half) % SLOTS;
                         let slot = acc.slice(0, s, s + 1)?;
@@ -75,6 +99,7 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
                         // behind a dummy. Net +3 per half round.
                         let copy =
                             o.submit(Task::new(COPY_ADD).input(&slot).output(DType::U64, &[1]))?;
+                        SUBMITTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         o.submit(
                             Task::new(MOVE)
                                 .input(&copy.output(0))
@@ -84,6 +109,7 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
                         o.submit(Task::new(ADD).in_out(&slot))?;
                         let gate = o.submit(Task::dummy().in_out(&slot))?.id;
                         o.submit(Task::new(ADD).in_out(&slot).after(gate))?;
+                        SUBMITTED.fetch_add(4, std::sync::atomic::Ordering::SeqCst);
                     }
                     Ok(())
                 })?;
