@@ -295,3 +295,34 @@ fn a_step_past_max_position_embeddings_is_refused_and_the_session_goes_on() {
     let ok = s.decode(&w, &batch, &[1], &cfg).unwrap();
     assert_eq!(ok.next_tokens.len(), 1);
 }
+
+/// A long-lived session does not grow with the number of step sizes it sees: one I/O buffer
+/// per role, grown only when a step needs more.
+#[test]
+fn step_buffers_stay_bounded_over_many_step_sizes() {
+    let dir = fixtures().join("tied_v5");
+    let weights = load_checkpoint(&dir, &LoadOptions::default()).unwrap();
+    let (w, mut s, batch) = session(&weights, 60, 64);
+    let cfg = CallConfig::default();
+    s.read_logits = true;
+    let prefill = |s: &mut Session, n: usize| {
+        s.prefill(
+            &w,
+            &batch,
+            &[PrefillChunk {
+                seq: 0,
+                tokens: (0..n as u32).map(|t| t % 250).collect(),
+                seq_len: n,
+            }],
+            &cfg,
+        )
+        .unwrap();
+    };
+    // The largest step first; then every smaller size leaves the buffers as they are.
+    prefill(&mut s, 60);
+    let most = s.io_bytes();
+    for n in (1..60).rev() {
+        prefill(&mut s, n);
+        assert_eq!(s.io_bytes(), most, "after a step of {n} tokens");
+    }
+}

@@ -56,7 +56,9 @@ pub struct Session {
     pub policy: TilePolicy,
     /// Whether full-model steps read the logits back (off saves a `[rows, vocab]` copy).
     pub read_logits: bool,
-    io: HashMap<(Role, usize), Buffer>,
+    /// One step I/O buffer per role, grown (to a power of two) when a step needs more: a
+    /// long-lived session keeps at most one buffer per role, however many step sizes it sees.
+    io: HashMap<Role, Buffer>,
 }
 
 impl Session {
@@ -88,12 +90,20 @@ impl Session {
         bytes: usize,
     ) -> Result<Buffer, Qwen3RunError> {
         let bytes = bytes.max(4);
-        if let Some(b) = self.io.get(&(role, bytes)) {
+        if let Some(b) = self.io.get(&role)
+            && b.len() >= bytes
+        {
             return Ok(b.clone());
         }
-        let b = worker.alloc(bytes)?;
-        self.io.insert((role, bytes), b.clone());
+        let b = worker.alloc(bytes.next_power_of_two())?;
+        self.io.insert(role, b.clone());
         Ok(b)
+    }
+
+    /// Bytes held in step I/O buffers (bounded by the largest step seen, whatever the number
+    /// of steps).
+    pub fn io_bytes(&self) -> usize {
+        self.io.values().map(Buffer::len).sum()
     }
 
     fn plan(
