@@ -141,8 +141,6 @@ pub struct Engine {
     call: CallConfig,
     vocab: usize,
     stats: EngineStats,
-    /// Steps of decodes only take the decode path.
-    decode_path: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -189,7 +187,6 @@ impl Engine {
             call: CallConfig::default(),
             vocab: c.vocab_size,
             stats: EngineStats::default(),
-            decode_path: true,
         })
     }
 
@@ -387,7 +384,7 @@ impl Engine {
             && plan.iter().all(|&(i, n)| {
                 running[i].computed + n == running[i].tokens.len() && running[i].computed > 0
             });
-        let out = if all_decodes && self.decode_path {
+        let out = if all_decodes {
             let last: Vec<u32> = chunks.iter().map(|c| c.tokens[0]).collect();
             self.session
                 .decode(&self.worker, &batch, &last, &self.call)?
