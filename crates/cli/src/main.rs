@@ -11,6 +11,7 @@ mod npy;
 mod opts;
 mod qwen3_cmd;
 mod qwen3_decode;
+mod serve_cmd;
 mod trace_cmd;
 
 use anyhow::{Result, bail};
@@ -37,6 +38,9 @@ enum Command {
     /// Qwen3 text generation from token ids: chunked prefill, then greedy decode, on the
     /// runtime; prints the generated ids, comma-separated.
     Generate(generate::GenerateArgs),
+    /// The OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over the
+    /// engine: continuous batching, prefix cache, the model's tokenizer.
+    Serve(serve_cmd::ServeArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -125,6 +129,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::main(a),
         Command::Generate(a) => generate::main(a),
+        Command::Serve(a) => serve_cmd::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }
 }

@@ -23,7 +23,8 @@ use simpler_models::qwen3::{
 #[derive(Args, Debug, Clone)]
 pub(crate) struct ModelArgs {
     /// Built-in shape with seeded random weights (nothing is downloaded): qwen3-14b, qwen3-8b,
-    /// qwen3-1.7b, qwen3-0.6b, tiny, small [default: qwen3-0.6b].
+    /// qwen3-1.7b, qwen3-0.6b, qwen3-tiny (a test shape with the real vocabulary), tiny, small
+    /// [default: qwen3-0.6b].
     #[arg(long, conflicts_with = "model")]
     pub(crate) preset: Option<String>,
     /// A local HF checkpoint directory (config.json and model.safetensors or a sharded
@@ -91,10 +92,11 @@ impl ModelArgs {
     /// Refuses a run of `c` shaped `shape` that cannot fit in the memory available (or the
     /// `--memory-budget`), before anything is allocated: the message gives the estimate item
     /// by item and the ways out. Prints the estimate otherwise.
-    pub(crate) fn check_memory(&self, c: &Qwen3Config, shape: &RunShape) -> Result<()> {
-        let need = MemoryEstimate::of(c, shape)?;
+    /// The memory this run may take and where that figure comes from (`--memory-budget`, or
+    /// what the machine has available); `None` when neither is known.
+    pub(crate) fn memory_limit(&self) -> Result<Option<(u64, String)>> {
         let machine = host_memory::available();
-        let (limit, source) = match (self.memory_budget, &machine) {
+        Ok(Some(match (self.memory_budget, &machine) {
             (Some(gb), _) if !(gb.is_finite() && gb > 0.0) => {
                 bail!("--memory-budget {gb}: give a positive number of GB")
             }
@@ -104,13 +106,18 @@ impl ModelArgs {
             ),
             (Some(gb), _) => ((gb * 1e9) as u64, "--memory-budget".to_string()),
             (None, Some(m)) => (m.available, m.source.clone()),
-            (None, None) => {
-                eprintln!(
-                    "memory: this run needs about {:.2} GB; the available memory could not be read, so it is not checked",
-                    need.total() as f64 / 1e9
-                );
-                return Ok(());
-            }
+            (None, None) => return Ok(None),
+        }))
+    }
+
+    pub(crate) fn check_memory(&self, c: &Qwen3Config, shape: &RunShape) -> Result<()> {
+        let need = MemoryEstimate::of(c, shape)?;
+        let Some((limit, source)) = self.memory_limit()? else {
+            eprintln!(
+                "memory: this run needs about {:.2} GB; the available memory could not be read, so it is not checked",
+                need.total() as f64 / 1e9
+            );
+            return Ok(());
         };
         let gb = |b: u64| b as f64 / 1e9;
         if need.total() > limit {

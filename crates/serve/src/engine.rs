@@ -65,6 +65,16 @@ pub struct Request {
     pub ignore_eos: bool,
 }
 
+/// A request's handle, unique within its engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// What a request produced.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion {
@@ -72,12 +82,25 @@ pub struct Completion {
     pub tokens: Vec<u32>,
     /// Why it ended.
     pub finish_reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
     /// Prompt tokens found in the prefix cache at admission (not computed again).
     pub cached_tokens: usize,
-    /// From the call's start to the first generated token (time to first token).
+    /// From the request's arrival to its first generated token (time to first token).
     pub ttft: Duration,
-    /// From the call's start to the last token.
+    /// From the request's arrival to its last token.
     pub finished: Duration,
+}
+
+/// One token a step generated for a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepOutput {
+    /// The request.
+    pub id: RequestId,
+    /// The token.
+    pub token: u32,
+    /// Set when this token ended the request (its blocks are already released).
+    pub finished: Option<Completion>,
 }
 
 /// Counters of the engine since it was made.
@@ -85,12 +108,23 @@ pub struct Completion {
 pub struct EngineStats {
     /// Runtime steps run.
     pub steps: u64,
-    /// Tokens computed (prompt chunks and decodes).
+    /// Requests admitted (each once, however often it is preempted).
+    pub requests: u64,
+    /// Prompt tokens of those requests.
+    pub prompt_tokens: u64,
+    /// Of those, tokens found in the prefix cache at the first admission.
+    pub prefix_hit_tokens: u64,
+    /// Tokens computed (prompt chunks, recomputation and decodes).
     pub computed_tokens: u64,
-    /// Prompt tokens served from the prefix cache instead.
+    /// Tokens served from the prefix cache instead, at every admission (re-admissions after
+    /// preemption included).
     pub cached_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
     /// Requests preempted for lack of KV blocks.
     pub preemptions: u64,
+    /// Requests aborted by their caller.
+    pub aborted: u64,
     /// Most sequences in one step.
     pub max_batch: usize,
 }
@@ -98,7 +132,7 @@ pub struct EngineStats {
 /// Why the engine refused or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// A request cannot be served as asked.
+    /// A request of a list cannot be served as asked.
     #[error("request {index}: {why}")]
     BadRequest {
         /// Its index in the submitted list.
@@ -106,17 +140,34 @@ pub enum EngineError {
         /// What is wrong.
         why: String,
     },
+    /// A request cannot be served as asked.
+    #[error("{0}")]
+    Invalid(String),
     /// The configuration cannot run.
     #[error("engine configuration: {0}")]
     Config(String),
-    /// A runtime step failed.
+    /// A runtime step failed; the requests it ran were ended and their blocks released.
+    #[error("a step of {} requests failed: {source}", failed.len())]
+    Step {
+        /// The requests the step ran (ended).
+        failed: Vec<RequestId>,
+        /// Why (boxed: a run error is large and this path is rare).
+        source: Box<Qwen3RunError>,
+    },
+    /// A runtime failure outside a step (boxed: it is large and rare).
     #[error(transparent)]
-    Run(#[from] Qwen3RunError),
+    Run(Box<Qwen3RunError>),
+}
+
+impl From<Qwen3RunError> for EngineError {
+    fn from(e: Qwen3RunError) -> EngineError {
+        EngineError::Run(Box::new(e))
+    }
 }
 
 /// One request in flight.
 struct Seq {
-    index: usize,
+    id: RequestId,
     /// Prompt then generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -127,7 +178,10 @@ struct Seq {
     alloc: Option<Allocation>,
     /// Tokens whose K/V are in the cache.
     computed: usize,
+    /// Prompt tokens served from the prefix cache at the first admission.
     cached_tokens: usize,
+    admitted_once: bool,
+    arrived: Instant,
     first_token: Option<Duration>,
 }
 
@@ -141,6 +195,11 @@ pub struct Engine {
     call: CallConfig,
     vocab: usize,
     stats: EngineStats,
+    /// Admitted requests, oldest first (the order preemption undoes).
+    running: Vec<Seq>,
+    /// Requests not admitted (or preempted), served first-come-first-served.
+    waiting: VecDeque<Seq>,
+    next_id: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -148,6 +207,8 @@ impl std::fmt::Debug for Engine {
         f.debug_struct("Engine")
             .field("cfg", &self.cfg)
             .field("stats", &self.stats)
+            .field("running", &self.running.len())
+            .field("waiting", &self.waiting.len())
             .finish()
     }
 }
@@ -168,10 +229,16 @@ impl Engine {
             )));
         }
         let c = &weights.config;
-        if cfg.max_seq_len == 0 || cfg.max_seq_len > c.max_position_embeddings {
+        if cfg.max_seq_len < 2 || cfg.max_seq_len > c.max_position_embeddings {
             return Err(EngineError::Config(format!(
-                "max_seq_len {} must be in 1..={} (max_position_embeddings)",
+                "max_seq_len {} must be in 2..={} (max_position_embeddings)",
                 cfg.max_seq_len, c.max_position_embeddings
+            )));
+        }
+        if u32::try_from(cfg.num_blocks).is_err() {
+            return Err(EngineError::Config(format!(
+                "num_blocks {} is more than block ids can number",
+                cfg.num_blocks
             )));
         }
         let max_seq = cfg.max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
@@ -187,7 +254,15 @@ impl Engine {
             call: CallConfig::default(),
             vocab: c.vocab_size,
             stats: EngineStats::default(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            next_id: 0,
         })
+    }
+
+    /// How every step runs (diagnostics, tracing, ring sizes); the default otherwise.
+    pub fn set_call_config(&mut self, call: CallConfig) {
+        self.call = call;
     }
 
     /// How the engine is sized.
@@ -200,124 +275,217 @@ impl Engine {
         self.vocab
     }
 
+    /// The ids that end a request (unless it ignores them).
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
     /// Counters since the engine was made.
     pub fn stats(&self) -> EngineStats {
         self.stats
     }
 
-    /// Free KV blocks now (all of them between calls).
+    /// Free KV blocks now (cached-but-unreferenced blocks count as free).
     pub fn free_blocks(&self) -> usize {
         self.blocks.free()
     }
 
-    /// Serves `requests` together with continuous batching; completions in request order.
-    /// Every request is checked before any runs.
+    /// KV blocks in the pool.
+    pub fn total_blocks(&self) -> usize {
+        self.blocks.total()
+    }
+
+    /// Requests admitted and not finished.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting for admission (preempted ones included).
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether a step has anything to do.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// The bytes of step I/O buffers the session keeps (they grow to the largest step and no
+    /// further).
+    pub fn io_buffer_bytes(&self) -> usize {
+        self.session.io_bytes()
+    }
+
+    /// Checks `r` against the model and the engine's sizes, and queues it; it runs from the
+    /// next [`Engine::step`]. `max_new_tokens` is capped to what fits in `max_seq_len` and in
+    /// the block pool.
+    pub fn add_request(&mut self, r: &Request) -> Result<RequestId, EngineError> {
+        self.check(r).map_err(EngineError::Invalid)?;
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let fits = self.cfg.max_seq_len.min(self.cfg.num_blocks * PAGE_SIZE);
+        self.waiting.push_back(Seq {
+            id,
+            tokens: r.prompt.clone(),
+            prompt_len: r.prompt.len(),
+            max_len: (r.prompt.len() + r.max_new_tokens).min(fits),
+            sampler: Sampler::new(r.sampling),
+            greedy: r.sampling.temperature == 0.0,
+            ignore_eos: r.ignore_eos,
+            alloc: None,
+            computed: 0,
+            cached_tokens: 0,
+            admitted_once: false,
+            arrived: Instant::now(),
+            first_token: None,
+        });
+        Ok(id)
+    }
+
+    fn check(&self, r: &Request) -> Result<(), String> {
+        if r.prompt.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        let fits = self.cfg.max_seq_len.min(self.cfg.num_blocks * PAGE_SIZE);
+        if r.prompt.len() >= fits {
+            return Err(format!(
+                "a prompt of {} tokens leaves no room to generate: the engine holds {fits} tokens per sequence (max_seq_len {}, {} KV blocks of {PAGE_SIZE})",
+                r.prompt.len(),
+                self.cfg.max_seq_len,
+                self.cfg.num_blocks
+            ));
+        }
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(format!(
+                "token {t} is outside the vocabulary of {}",
+                self.vocab
+            ));
+        }
+        if r.max_new_tokens == 0 {
+            return Err("max_new_tokens must be at least 1".into());
+        }
+        r.sampling
+            .validate()
+            .map_err(|(name, why)| format!("{name} {why}"))
+    }
+
+    /// Ends request `id` wherever it is and releases its blocks; false if it is not queued or
+    /// running (finished, aborted or never made).
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.remove(i)
+        } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            match self.waiting.remove(i) {
+                Some(s) => s,
+                None => return false,
+            }
+        } else {
+            return false;
+        };
+        self.retire(seq);
+        self.stats.aborted += 1;
+        true
+    }
+
+    /// Ends every request and releases every block.
+    pub fn abort_all(&mut self) -> Vec<RequestId> {
+        let all: Vec<Seq> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        let ids = all.iter().map(|s| s.id).collect();
+        for s in all {
+            self.stats.aborted += 1;
+            self.retire(s);
+        }
+        ids
+    }
+
+    fn retire(&mut self, mut s: Seq) {
+        if let Some(a) = s.alloc.take() {
+            self.blocks.release(a);
+        }
+    }
+
+    /// Serves `requests` together with continuous batching, alone on the engine; completions
+    /// in request order. Every request is checked before any runs.
     pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Completion>, EngineError> {
-        let mut waiting: VecDeque<Seq> = VecDeque::new();
+        if self.has_work() {
+            return Err(EngineError::Invalid(format!(
+                "generate serves a list alone, but {} requests are in flight",
+                self.running.len() + self.waiting.len()
+            )));
+        }
         for (index, r) in requests.iter().enumerate() {
-            let bad = |why: String| EngineError::BadRequest { index, why };
-            if r.prompt.is_empty() {
-                return Err(bad("the prompt is empty".into()));
-            }
-            if r.prompt.len() >= self.cfg.max_seq_len {
-                return Err(bad(format!(
-                    "a prompt of {} tokens leaves no room in max_seq_len {}",
-                    r.prompt.len(),
-                    self.cfg.max_seq_len
-                )));
-            }
-            if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.vocab) {
-                return Err(bad(format!(
-                    "token {t} is outside the vocabulary of {}",
-                    self.vocab
-                )));
-            }
-            if r.max_new_tokens == 0 {
-                return Err(bad("max_new_tokens must be at least 1".into()));
-            }
-            r.sampling
-                .validate()
-                .map_err(|(name, why)| bad(format!("{name} {why}")))?;
-            let blocks_needed = r.prompt.len().div_ceil(PAGE_SIZE);
-            if blocks_needed > self.cfg.num_blocks {
-                return Err(bad(format!(
-                    "a prompt of {} tokens needs {blocks_needed} KV blocks, the pool has {}",
-                    r.prompt.len(),
-                    self.cfg.num_blocks
-                )));
-            }
-            waiting.push_back(Seq {
-                index,
-                tokens: r.prompt.clone(),
-                prompt_len: r.prompt.len(),
-                max_len: (r.prompt.len() + r.max_new_tokens).min(self.cfg.max_seq_len),
-                sampler: Sampler::new(r.sampling),
-                greedy: r.sampling.temperature == 0.0,
-                ignore_eos: r.ignore_eos,
-                alloc: None,
-                computed: 0,
-                cached_tokens: 0,
-                first_token: None,
-            });
+            self.check(r)
+                .map_err(|why| EngineError::BadRequest { index, why })?;
+        }
+        let mut ids = Vec::with_capacity(requests.len());
+        for r in requests {
+            ids.push(self.add_request(r)?);
         }
         let mut done: Vec<Option<Completion>> = vec![None; requests.len()];
-        let mut running: Vec<Seq> = Vec::new();
-        let start = Instant::now();
-        let result = (|| -> Result<(), EngineError> {
-            while !waiting.is_empty() || !running.is_empty() {
-                self.step(&mut waiting, &mut running, &mut done, start)?;
-            }
-            Ok(())
-        })();
-        // Whatever happened, every block goes back.
-        for s in running.iter_mut().chain(waiting.iter_mut()) {
-            if let Some(a) = s.alloc.take() {
-                self.blocks.release(a);
+        let first = ids.first().map_or(0, |i| i.0);
+        while self.has_work() {
+            match self.step() {
+                Ok(out) => {
+                    for o in out {
+                        if let Some(c) = o.finished {
+                            done[(o.id.0 - first) as usize] = Some(c);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Whatever happened, every block goes back.
+                    self.abort_all();
+                    return Err(e);
+                }
             }
         }
-        result?;
         Ok(done.into_iter().flatten().collect())
     }
 
     /// Preempts the most recently admitted running request (to the front of `waiting`).
-    fn preempt_newest(&mut self, running: &mut Vec<Seq>, waiting: &mut VecDeque<Seq>) {
-        if let Some(mut s) = running.pop() {
+    fn preempt_newest(&mut self) {
+        if let Some(mut s) = self.running.pop() {
             if let Some(a) = s.alloc.take() {
                 self.blocks.release(a);
             }
             s.computed = 0;
             self.stats.preemptions += 1;
-            waiting.push_front(s);
+            self.waiting.push_front(s);
         }
     }
 
-    fn step(
-        &mut self,
-        waiting: &mut VecDeque<Seq>,
-        running: &mut Vec<Seq>,
-        done: &mut [Option<Completion>],
-        start: Instant,
-    ) -> Result<(), EngineError> {
+    /// One engine step: schedules running requests, then waiting ones, runs every scheduled
+    /// chunk in one runtime run, and returns the tokens generated (finished requests have
+    /// released their blocks). Nothing to do is an empty step. A failed run ends the requests
+    /// it ran and releases their blocks; the engine stays usable.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>, EngineError> {
+        if !self.has_work() {
+            return Ok(Vec::new());
+        }
         let mut budget = self.cfg.max_num_batched_tokens;
         // (index into running, chunk length) of this step.
         let mut plan: Vec<(usize, usize)> = Vec::new();
         // Running requests first, oldest first; grow their blocks, preempting the newest.
         let mut i = 0;
-        while i < running.len() && budget > 0 {
-            let s = &running[i];
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
             let n = (s.tokens.len() - s.computed).min(budget);
             let need = s.computed + n;
-            let grown = match running[i].alloc.as_mut() {
+            let grown = match self.running[i].alloc.as_mut() {
                 Some(a) => self.blocks.grow(a, need).is_ok(),
                 None => false,
             };
             if !grown {
-                if i + 1 == running.len() {
-                    // This is the newest: it waits, recomputed later.
-                    self.preempt_newest(running, waiting);
+                let newest = i + 1 == self.running.len();
+                self.preempt_newest();
+                if newest {
+                    // This was the newest: it waits, recomputed later.
                     break;
                 }
-                self.preempt_newest(running, waiting);
                 continue;
             }
             plan.push((i, n));
@@ -325,32 +493,125 @@ impl Engine {
             i += 1;
         }
         // Then waiting requests, first come first served.
-        while budget > 0 && running.len() < self.cfg.max_batch_size {
-            let Some(front) = waiting.front() else { break };
+        while budget > 0 && self.running.len() < self.cfg.max_batch_size {
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             let Ok(alloc) = self.blocks.allocate(&front.tokens, front.tokens.len()) else {
                 break;
             };
-            let mut s = waiting.pop_front().unwrap_or_else(|| unreachable!());
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             s.computed = alloc.cached_tokens;
-            if s.cached_tokens == 0 {
+            if !s.admitted_once {
+                s.admitted_once = true;
                 s.cached_tokens = alloc.cached_tokens;
+                self.stats.requests += 1;
+                self.stats.prompt_tokens += s.prompt_len as u64;
+                self.stats.prefix_hit_tokens += alloc.cached_tokens as u64;
             }
             self.stats.cached_tokens += alloc.cached_tokens as u64;
             s.alloc = Some(alloc);
             let n = (s.tokens.len() - s.computed).min(budget);
-            running.push(s);
-            plan.push((running.len() - 1, n));
+            self.running.push(s);
+            plan.push((self.running.len() - 1, n));
             budget -= n;
         }
         if plan.is_empty() {
             return Err(EngineError::Config(format!(
                 "no request fits: {} waiting, {} KV blocks free of {}",
-                waiting.len(),
+                self.waiting.len(),
                 self.blocks.free(),
                 self.blocks.total()
             )));
         }
-        // One run over every scheduled chunk.
+        let out = match self.run(&plan) {
+            Ok(out) => out,
+            Err(source) => {
+                // The scheduled requests end; their blocks go back (nothing of this step was
+                // committed to the prefix cache).
+                let mut rows: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                rows.sort_unstable_by(|a, b| b.cmp(a));
+                let mut failed = Vec::with_capacity(rows.len());
+                for i in rows {
+                    let s = self.running.remove(i);
+                    failed.push(s.id);
+                    self.retire(s);
+                }
+                return Err(EngineError::Step {
+                    failed,
+                    source: Box::new(source),
+                });
+            }
+        };
+        self.stats.steps += 1;
+        self.stats.max_batch = self.stats.max_batch.max(plan.len());
+        // Advance; sample where a chunk reached the end of the known tokens.
+        let mut outputs = Vec::new();
+        let mut finished = Vec::new();
+        for (row, &(i, n)) in plan.iter().enumerate() {
+            self.stats.computed_tokens += n as u64;
+            let s = &mut self.running[i];
+            s.computed += n;
+            if let Some(a) = &s.alloc {
+                self.blocks.commit(a, &s.tokens[..s.computed]);
+            }
+            if s.computed < s.tokens.len() {
+                continue;
+            }
+            let next = if s.greedy {
+                out.next_tokens[row]
+            } else {
+                let logits = &out.logits[row * self.vocab..(row + 1) * self.vocab];
+                s.sampler.sample(logits).unwrap_or(out.next_tokens[row])
+            };
+            s.tokens.push(next);
+            self.stats.generated_tokens += 1;
+            s.first_token.get_or_insert_with(|| s.arrived.elapsed());
+            let eos = !s.ignore_eos && self.eos.contains(&next);
+            let reason = if eos {
+                Some(FinishReason::Eos)
+            } else if s.tokens.len() >= s.max_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                finished.push((i, outputs.len(), reason));
+            }
+            outputs.push(StepOutput {
+                id: s.id,
+                token: next,
+                finished: None,
+            });
+        }
+        // Remove finished requests (highest index first keeps the others' indices).
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, o, reason) in finished {
+            let mut s = self.running.remove(i);
+            if let Some(a) = s.alloc.take() {
+                self.blocks.release(a);
+            }
+            let now = s.arrived.elapsed();
+            outputs[o].finished = Some(Completion {
+                tokens: s.tokens[s.prompt_len..].to_vec(),
+                finish_reason: reason,
+                prompt_tokens: s.prompt_len,
+                cached_tokens: s.cached_tokens,
+                ttft: s.first_token.unwrap_or(now),
+                finished: now,
+            });
+        }
+        Ok(outputs)
+    }
+
+    /// One runtime run over the planned chunks.
+    fn run(
+        &mut self,
+        plan: &[(usize, usize)],
+    ) -> Result<simpler_models::qwen3::StepOutput, Qwen3RunError> {
+        let running = &self.running;
         let max_blocks = plan
             .iter()
             .filter_map(|&(i, _)| running[i].alloc.as_ref().map(|a| a.blocks.len()))
@@ -384,64 +645,12 @@ impl Engine {
             && plan.iter().all(|&(i, n)| {
                 running[i].computed + n == running[i].tokens.len() && running[i].computed > 0
             });
-        let out = if all_decodes {
+        if all_decodes {
             let last: Vec<u32> = chunks.iter().map(|c| c.tokens[0]).collect();
-            self.session
-                .decode(&self.worker, &batch, &last, &self.call)?
+            self.session.decode(&self.worker, &batch, &last, &self.call)
         } else {
             self.session
-                .prefill(&self.worker, &batch, &chunks, &self.call)?
-        };
-        self.stats.steps += 1;
-        self.stats.max_batch = self.stats.max_batch.max(plan.len());
-        let now = start.elapsed();
-        // Advance; sample where a chunk reached the end of the known tokens.
-        let mut finished = Vec::new();
-        for (row, &(i, n)) in plan.iter().enumerate() {
-            self.stats.computed_tokens += n as u64;
-            let s = &mut running[i];
-            s.computed += n;
-            if let Some(a) = &s.alloc {
-                self.blocks.commit(a, &s.tokens[..s.computed]);
-            }
-            if s.computed < s.tokens.len() {
-                continue;
-            }
-            let next = if s.greedy {
-                out.next_tokens[row]
-            } else {
-                let logits = &out.logits[row * self.vocab..(row + 1) * self.vocab];
-                s.sampler.sample(logits).unwrap_or(out.next_tokens[row])
-            };
-            s.tokens.push(next);
-            s.first_token.get_or_insert(now);
-            let eos = !s.ignore_eos && self.eos.contains(&next);
-            if eos || s.tokens.len() >= s.max_len {
-                finished.push((
-                    i,
-                    if eos {
-                        FinishReason::Eos
-                    } else {
-                        FinishReason::Length
-                    },
-                ));
-            }
+                .prefill(&self.worker, &batch, &chunks, &self.call)
         }
-        // Remove finished requests (highest index first keeps the others' indices).
-        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, reason) in finished {
-            let mut s = running.remove(i);
-            if let Some(a) = s.alloc.take() {
-                self.blocks.release(a);
-            }
-            done[s.index] = Some(Completion {
-                tokens: s.tokens[s.prompt_len..].to_vec(),
-                finish_reason: reason,
-                cached_tokens: s.cached_tokens,
-                ttft: s.first_token.unwrap_or(now),
-                finished: now,
-            });
-        }
-        Ok(())
     }
 }

@@ -6,17 +6,25 @@
 pub mod chat;
 pub mod detok;
 pub mod engine;
+pub mod http;
 pub mod kv_blocks;
+pub mod metrics;
+pub mod openai;
 pub mod sampler;
+pub mod service;
+pub mod stream;
 pub mod text;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDecoder;
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineError, EngineStats, FinishReason, Request,
+    Completion, Engine, EngineConfig, EngineError, EngineStats, FinishReason, Request, RequestId,
+    StepOutput,
 };
 pub use kv_blocks::{Allocation, BlockId, BlockManager, OutOfBlocks};
 pub use sampler::{Sampler, SamplingParams};
+pub use service::{Event, Refusal, Service, ServiceConfig, ServiceHandle, Usage};
+pub use stream::{TextDelta, TextStream};
 pub use text::{GenerateConfig, TextEngine, TextError, TextFinish, TextResult};
 pub use tokenizer::{Tokenizer, TokenizerError};

@@ -1,13 +1,12 @@
 //! Text in, text out: the engine behind a tokenizer — `generate` (text), `generate_result`
 //! (text, token ids, finish reason) and `generate_batch` (several prompts served together).
 //!
-//! Stop strings are applied to the decoded text after generation: the text ends before the
-//! earliest stop string, and the token ids end with the token that completed it. (The engine
-//! does not yet stop a sequence at a stop string while it runs, so tokens after it are computed
-//! and dropped, bounded by `max_new_tokens`.)
+//! Stop strings are applied while the requests run ([`TextStream`]): a request ends at the
+//! token that completes one, its text before the stop string, its ids through that token.
 
-use crate::engine::{Engine, EngineError, FinishReason, Request};
+use crate::engine::{Engine, EngineError, FinishReason, Request, RequestId};
 use crate::sampler::SamplingParams;
+use crate::stream::TextStream;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// How to generate.
@@ -137,11 +136,33 @@ impl TextEngine {
             .ok_or_else(|| TextError::Invalid("no result for the prompt".into()))
     }
 
+    /// The generated text of `prompt`, handed to `on_delta` piece by piece as it is decoded
+    /// (text that could begin a stop string waits until it cannot); returns the whole result.
+    pub fn generate_stream(
+        &mut self,
+        prompt: &str,
+        cfg: &GenerateConfig,
+        on_delta: &mut dyn FnMut(&str),
+    ) -> Result<TextResult, TextError> {
+        let mut r = self.run(&[prompt], cfg, Some(on_delta))?;
+        r.pop()
+            .ok_or_else(|| TextError::Invalid("no result for the prompt".into()))
+    }
+
     /// Several prompts served together (at most the engine's `max_batch_size`).
     pub fn generate_batch(
         &mut self,
         prompts: &[&str],
         cfg: &GenerateConfig,
+    ) -> Result<Vec<TextResult>, TextError> {
+        self.run(prompts, cfg, None)
+    }
+
+    fn run(
+        &mut self,
+        prompts: &[&str],
+        cfg: &GenerateConfig,
+        mut on_delta: Option<&mut dyn FnMut(&str)>,
     ) -> Result<Vec<TextResult>, TextError> {
         let most = self.engine.config().max_batch_size;
         if prompts.len() > most {
@@ -150,69 +171,100 @@ impl TextEngine {
                 prompts.len()
             )));
         }
-        if cfg.stop.iter().any(String::is_empty) {
-            return Err(TextError::Invalid("an empty stop string".into()));
+        cfg.validate()?;
+        if self.engine.has_work() {
+            return Err(TextError::Invalid(
+                "the engine is serving other requests".into(),
+            ));
         }
-        let sampling = SamplingParams {
-            temperature: cfg.temperature,
-            top_k: cfg.top_k,
-            top_p: cfg.top_p,
-            seed: cfg.seed,
-        };
         let requests = prompts
             .iter()
-            .map(|p| {
-                Ok(Request {
-                    prompt: self.tokenizer.encode(p)?,
-                    max_new_tokens: cfg.max_new_tokens,
-                    sampling,
-                    ignore_eos: cfg.ignore_eos,
-                })
-            })
-            .collect::<Result<Vec<Request>, TokenizerError>>()?;
-        let done = self.engine.generate(&requests)?;
+            .map(|p| Ok(cfg.request(self.tokenizer.encode(p)?)))
+            .collect::<Result<Vec<Request>, TextError>>()?;
+        let mut ids: Vec<RequestId> = Vec::with_capacity(requests.len());
+        for r in &requests {
+            match self.engine.add_request(r) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.engine.abort_all();
+                    return Err(e.into());
+                }
+            }
+        }
+        let mut streams: Vec<TextStream> = (0..requests.len())
+            .map(|_| TextStream::new(cfg.stop.clone()))
+            .collect();
+        let mut finish: Vec<Option<TextFinish>> = vec![None; requests.len()];
+        let result = (|| -> Result<(), TextError> {
+            while self.engine.has_work() {
+                for o in self.engine.step()? {
+                    let Some(k) = ids.iter().position(|&i| i == o.id) else {
+                        continue;
+                    };
+                    let d = streams[k].push(&self.tokenizer, o.token)?;
+                    if let Some(f) = on_delta.as_mut() {
+                        f(&d.text);
+                    }
+                    if d.stopped {
+                        self.engine.abort(o.id);
+                        finish[k] = Some(TextFinish::Stop);
+                    } else if let Some(c) = o.finished {
+                        let tail = streams[k].finish(&self.tokenizer)?;
+                        if let Some(f) = on_delta.as_mut() {
+                            f(&tail);
+                        }
+                        finish[k] = Some(match c.finish_reason {
+                            FinishReason::Eos => TextFinish::Eos,
+                            FinishReason::Length => TextFinish::Length,
+                        });
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.engine.abort_all();
+            return Err(e);
+        }
         requests
             .iter()
-            .zip(done)
-            .map(|(req, c)| {
-                let mut result = TextResult {
-                    text: self.tokenizer.decode(&c.tokens, true)?,
-                    token_ids: c.tokens,
-                    finish_reason: match c.finish_reason {
-                        FinishReason::Eos => TextFinish::Eos,
-                        FinishReason::Length => TextFinish::Length,
-                    },
+            .zip(streams)
+            .zip(finish)
+            .map(|((req, s), f)| {
+                Ok(TextResult {
+                    text: s.text().to_string(),
+                    token_ids: s.ids().to_vec(),
+                    finish_reason: f.ok_or_else(|| {
+                        TextError::Invalid("a request ended without a reason".into())
+                    })?,
                     prompt_tokens: req.prompt.len(),
-                };
-                self.apply_stop(&mut result, &cfg.stop)?;
-                Ok(result)
+                })
             })
             .collect()
     }
+}
 
-    /// Cuts `r` at the earliest stop string: the text before it, the ids through the token
-    /// that completed it.
-    fn apply_stop(&self, r: &mut TextResult, stop: &[String]) -> Result<(), TextError> {
-        let Some(at) = stop.iter().filter_map(|s| r.text.find(s.as_str())).min() else {
-            return Ok(());
-        };
-        let end = stop
-            .iter()
-            .filter_map(|s| r.text.find(s.as_str()).map(|i| i + s.len()))
-            .filter(|&e| e > at)
-            .min()
-            .unwrap_or(at);
-        // The fewest ids whose text reaches the end of the earliest stop string.
-        let mut keep = r.token_ids.len();
-        for n in 1..=r.token_ids.len() {
-            if self.tokenizer.decode(&r.token_ids[..n], true)?.len() >= end {
-                keep = n;
-                break;
-            }
+impl GenerateConfig {
+    /// Checks what the engine does not (stop strings).
+    pub fn validate(&self) -> Result<(), TextError> {
+        if self.stop.iter().any(String::is_empty) {
+            return Err(TextError::Invalid("an empty stop string".into()));
         }
-        r.token_ids.truncate(keep);
-        r.text.truncate(at);
-        r.finish_reason = TextFinish::Stop;
         Ok(())
+    }
+
+    /// The engine request for `prompt` ids.
+    pub fn request(&self, prompt: Vec<u32>) -> Request {
+        Request {
+            prompt,
+            max_new_tokens: self.max_new_tokens,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            },
+            ignore_eos: self.ignore_eos,
+        }
     }
 }

@@ -1,0 +1,273 @@
+//! `simpler serve`: the OpenAI-compatible HTTP server over the engine.
+//!
+//! The KV cache gets a share (`--kv-memory-fraction`) of the memory left after the weights,
+//! step buffers and RoPE tables (from the memory estimate, against what the machine has
+//! available or `--memory-budget`), but no more than `--max-batch-size` sequences of
+//! `--max-seq-len` tokens can hold at once (on a host shared with other programs, memory the
+//! engine cannot use is better left to them), unless `--num-kv-blocks` fixes it. The server binds
+//! 127.0.0.1 unless told otherwise and prints `listening on http://HOST:PORT` when ready
+//! (`--port 0` picks a free port). SIGINT or SIGTERM starts a graceful shutdown: no new
+//! connections or requests, in-flight requests finish (or get an error after `--drain-secs`).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_models::qwen3::{MemoryEstimate, RunShape, eos_token_ids, ops};
+use simpler_serve::http::{AppState, serve, unix_now};
+use simpler_serve::{Engine, EngineConfig, Service, ServiceConfig, Tokenizer};
+
+use crate::opts::RunOpts;
+use crate::qwen3_cmd::{ModelArgs, load_weights};
+
+/// Arguments of `simpler serve`.
+#[derive(Args, Debug)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind (only this machine by default).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0: any free port; the line `listening on ...` says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model's name in requests and /v1/models [default: the preset's name, or the
+    /// checkpoint directory's].
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most sequences in one engine step.
+    #[arg(long, default_value_t = 16)]
+    max_batch_size: usize,
+    /// Most tokens (prompt chunks and decodes) in one engine step.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Longest sequence, prompt and completion together [default: the model's
+    /// max_position_embeddings].
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// Share of the memory left after the weights given to the KV cache.
+    #[arg(long, default_value_t = 0.5)]
+    kv_memory_fraction: f64,
+    /// KV blocks (of 16 tokens) instead of a share of the memory.
+    #[arg(long, conflicts_with = "kv_memory_fraction")]
+    num_kv_blocks: Option<usize>,
+    /// Most requests waiting for admission; more get 503.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Seconds in-flight requests may run after a shutdown signal.
+    #[arg(long, default_value_t = 30)]
+    drain_secs: u64,
+    /// Decoder layers to run [default: all] (a quick look at a large model; the output is then
+    /// not the model's).
+    #[arg(long)]
+    layers: Option<usize>,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+pub(crate) fn main(args: ServeArgs) -> Result<()> {
+    // Flags first: a bad one is refused before anything loads.
+    let call = args.run.call_config("serve")?;
+    if args.max_batch_size == 0 || args.max_num_batched_tokens == 0 || args.max_waiting == 0 {
+        bail!("--max-batch-size, --max-num-batched-tokens and --max-waiting must be at least 1");
+    }
+    if !(args.kv_memory_fraction > 0.0 && args.kv_memory_fraction <= 1.0) {
+        bail!(
+            "--kv-memory-fraction {}: give a share in (0, 1]",
+            args.kv_memory_fraction
+        );
+    }
+    if args.num_kv_blocks == Some(0) {
+        bail!("--num-kv-blocks must be at least 1");
+    }
+    let c = args.model.config(args.layers)?;
+    let max_seq_len = args.max_seq_len.unwrap_or(c.max_position_embeddings);
+    if max_seq_len < 2 {
+        bail!("--max-seq-len {max_seq_len}: give at least 2 (a prompt token and a new one)");
+    }
+    ModelArgs::check_positions(&c, max_seq_len, "--max-seq-len")?;
+    let tokenizer = match &args.model.model {
+        Some(dir) => Tokenizer::from_dir(dir)?,
+        None => Tokenizer::qwen3()?,
+    };
+    if tokenizer.vocab_size() > c.vocab_size {
+        bail!(
+            "{} has {} ids but the model's vocabulary is {}: serving text needs the tokenizer's vocabulary (the qwen3-* presets)",
+            tokenizer.source(),
+            tokenizer.vocab_size(),
+            c.vocab_size
+        );
+    }
+    let eos = match &args.model.model {
+        Some(dir) => eos_token_ids(dir, &c)?,
+        None => c.eos_token_ids.clone(),
+    };
+
+    // KV blocks: from the memory left after everything else, or as given.
+    let max_seq = max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let shape = |kv_slots| RunShape {
+        layers: c.num_hidden_layers,
+        shared_weights: false,
+        kv_slots,
+        max_seq,
+        step_tokens: args.max_num_batched_tokens,
+    };
+    let rest = MemoryEstimate::of(&c, &shape(0))?.total();
+    let block_bytes = (c.kv_bytes_per_token() * PAGE_SIZE) as u64;
+    let gb = |b: u64| b as f64 / 1e9;
+    let limit = args.model.memory_limit()?;
+    let num_blocks = match (args.num_kv_blocks, &limit) {
+        (Some(n), _) => n,
+        (None, Some((limit, source))) => {
+            let left = limit.saturating_sub(rest);
+            let n = (left as f64 * args.kv_memory_fraction / block_bytes as f64) as usize;
+            let most = args.max_batch_size.saturating_mul(max_seq / PAGE_SIZE);
+            let n = n.min(most);
+            if n == 0 {
+                bail!(
+                    "no room for a KV cache: the weights and step buffers need about {:.2} GB of {:.2} GB available ({source}), leaving {:.3} GB; a block of {PAGE_SIZE} tokens takes {:.3} MB. Ways out: --layers N, a smaller --preset, a smaller --max-num-batched-tokens, --num-kv-blocks N",
+                    gb(rest),
+                    gb(*limit),
+                    gb(left),
+                    block_bytes as f64 / 1e6
+                );
+            }
+            n
+        }
+        (None, None) => bail!(
+            "the available memory could not be read: give --num-kv-blocks N (a block of {PAGE_SIZE} tokens takes {:.3} MB)",
+            block_bytes as f64 / 1e6
+        ),
+    };
+    let kv_slots = num_blocks
+        .checked_mul(PAGE_SIZE)
+        .context("--num-kv-blocks is too large")?;
+    args.model.check_memory(&c, &shape(kv_slots))?;
+
+    let worker = args.run.worker()?;
+    ops::register(&worker)?;
+    let weights = load_weights(&args.model, &c, false)?;
+    let mut engine = Engine::new(
+        worker,
+        &weights,
+        eos.clone(),
+        EngineConfig {
+            max_batch_size: args.max_batch_size,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_seq_len,
+            num_blocks,
+        },
+    )?;
+    drop(weights);
+    engine.set_call_config(call);
+    let name = match (&args.served_model_name, &args.model.model) {
+        (Some(n), _) => n.clone(),
+        (None, Some(dir)) => dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|f| f.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| dir.display().to_string()),
+        (None, None) => args
+            .model
+            .preset
+            .clone()
+            .unwrap_or_else(|| "qwen3-0.6b".into()),
+    };
+    eprintln!(
+        "model: {} as `{name}`; {} layers, vocab {}; tokenizer {}; stops at EOS ids {:?}",
+        args.model.describe(),
+        c.num_hidden_layers,
+        c.vocab_size,
+        tokenizer.source(),
+        eos
+    );
+    eprintln!(
+        "engine: up to {} sequences and {} tokens per step, {max_seq_len} tokens per sequence; KV cache {num_blocks} blocks of {PAGE_SIZE} tokens ({:.2} GB, {} tokens){}",
+        args.max_batch_size,
+        args.max_num_batched_tokens,
+        gb(block_bytes * num_blocks as u64),
+        num_blocks * PAGE_SIZE,
+        match (&args.num_kv_blocks, &limit) {
+            (Some(_), _) => " as --num-kv-blocks gives".to_string(),
+            (None, Some((l, source))) => format!(
+                ": at most {:.0}% of the {:.2} GB left after {:.2} GB of weights and buffers ({source}), and no more than {} sequences of {max_seq_len} tokens hold",
+                args.kv_memory_fraction * 100.0,
+                gb(l.saturating_sub(rest)),
+                gb(rest),
+                args.max_batch_size
+            ),
+            (None, None) => String::new(),
+        }
+    );
+    let tokenizer = Arc::new(tokenizer);
+    let service = Service::start(
+        engine,
+        tokenizer.clone(),
+        ServiceConfig {
+            max_waiting: args.max_waiting,
+            drain: Duration::from_secs(args.drain_secs),
+        },
+    )?;
+    let state = Arc::new(AppState {
+        handle: service.handle(),
+        tokenizer,
+        model: name,
+        max_model_len: max_seq_len.min(num_blocks * PAGE_SIZE),
+        created: unix_now(),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        println!("listening on http://{addr}");
+        std::io::stdout().flush()?;
+        serve(listener, state, shutdown_signal()).await?;
+        anyhow::Ok(())
+    })?;
+    eprintln!("shutting down: waiting for in-flight requests");
+    let engine = service.stop();
+    if let Some(e) = engine {
+        let s = e.stats();
+        eprintln!(
+            "served {} requests: {} prompt tokens ({} from the prefix cache), {} generated, {} steps, {} preemptions",
+            s.requests,
+            s.prompt_tokens,
+            s.prefix_hit_tokens,
+            s.generated_tokens,
+            s.steps,
+            s.preemptions
+        );
+    }
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}

@@ -1,0 +1,507 @@
+//! The OpenAI-compatible HTTP server (axum): `GET /health`, `GET /v1/models`,
+//! `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events ending in
+//! `data: [DONE]`), `GET /metrics`.
+//!
+//! Handlers tokenize and hand the ids to the engine thread through a [`ServiceHandle`]; a
+//! request's events come back on its own channel. A client that goes away drops that channel
+//! (the response future or the event stream is dropped), and the engine thread ends the request
+//! and frees its blocks before its next step. Errors are OpenAI error objects:
+//! 400 (bad field, malformed JSON), 404 (unknown model or route), 413 (prompt or body too
+//! long), 503 (overloaded or shutting down), 500 (a failed step).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::stream::{self, StreamExt};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::openai::{FieldError, Input, Job, chat_job, completion_job};
+use crate::service::{Event, Refusal, ServiceHandle, Usage};
+use crate::text::TextFinish;
+use crate::tokenizer::Tokenizer;
+
+/// Most bytes a request body may have.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+/// What the server serves.
+#[derive(Debug)]
+pub struct AppState {
+    /// The engine thread.
+    pub handle: ServiceHandle,
+    /// The model's tokenizer (with its chat template).
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's name in requests and `/v1/models`.
+    pub model: String,
+    /// Longest sequence (prompt and completion) the engine holds.
+    pub max_model_len: usize,
+    /// When the server started (Unix seconds).
+    pub created: u64,
+}
+
+/// An OpenAI error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind: if status.is_server_error() {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            },
+            code: None,
+            param: None,
+        }
+    }
+
+    fn code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl From<FieldError> for ApiError {
+    fn from(e: FieldError) -> ApiError {
+        let mut a = ApiError::new(StatusCode::BAD_REQUEST, e.message);
+        a.param = e.param;
+        a
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> ApiError {
+        match r {
+            Refusal::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, m),
+            Refusal::TooLong(m) => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, m).code("context_length_exceeded")
+            }
+            Refusal::Overloaded(m) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m).code("overloaded")
+            }
+            Refusal::ShuttingDown(m) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m).code("shutting_down")
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// The router over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves; then new connections are refused,
+/// the engine refuses new requests, and in-flight ones finish (their streams end normally).
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let handle = state.handle.clone();
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            handle.shutdown();
+        })
+        .await
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.handle.is_closing() {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+            .code("shutting_down")
+            .into_response();
+    }
+    (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "simpler",
+            "max_model_len": s.max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.handle.metrics().render(),
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route").code("not_found")
+}
+
+async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over {MAX_BODY_BYTES} bytes (or was cut off)"),
+            )
+        })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
+    let job = match read_body(body).await {
+        Ok(b) => completion_job(&b).map_err(ApiError::from),
+        Err(e) => Err(e),
+    };
+    respond(s, job, Kind::Completion).await
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
+    let job = match read_body(body).await {
+        Ok(b) => chat_job(&b).map_err(ApiError::from),
+        Err(e) => Err(e),
+    };
+    respond(s, job, Kind::Chat).await
+}
+
+/// The ids of a job's prompt.
+fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
+    let tok_err = |e: crate::tokenizer::TokenizerError| {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("the prompt: {e}"))
+    };
+    let ids = match input {
+        Input::Ids(ids) => {
+            let vocab = s.tokenizer.vocab_size();
+            if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
+                let mut e = ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("token id {t} is outside the vocabulary of {vocab}"),
+                );
+                e.param = Some("prompt".into());
+                return Err(e);
+            }
+            ids.clone()
+        }
+        Input::Text(t) => s.tokenizer.encode(t).map_err(tok_err)?,
+        Input::Chat {
+            messages,
+            enable_thinking,
+        } => {
+            let text = s
+                .tokenizer
+                .apply_chat_template(messages, true, *enable_thinking)
+                .map_err(tok_err)?;
+            s.tokenizer.encode(&text).map_err(tok_err)?
+        }
+    };
+    if ids.is_empty() {
+        let mut e = ApiError::new(StatusCode::BAD_REQUEST, "the prompt has no tokens");
+        e.param = Some("prompt".into());
+        return Err(e);
+    }
+    Ok(ids)
+}
+
+async fn respond(s: Arc<AppState>, job: Result<Job, ApiError>, kind: Kind) -> Response {
+    let job = match job {
+        Ok(j) => j,
+        Err(e) => return e.into_response(),
+    };
+    if job.model != s.model {
+        let mut e = ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "the model `{}` does not exist; this server serves `{}`",
+                job.model, s.model
+            ),
+        )
+        .code("model_not_found");
+        e.param = Some("model".into());
+        return e.into_response();
+    }
+    let ids = match prompt_ids(&s, &job.input) {
+        Ok(ids) => ids,
+        Err(e) => return e.into_response(),
+    };
+    let rx = match s.handle.submit(ids, job.cfg.clone()).await {
+        Ok(rx) => rx,
+        Err(r) => return ApiError::from(r).into_response(),
+    };
+    let id = format!(
+        "{}-{:016x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        rand_id()
+    );
+    let created = unix_now();
+    if job.stream {
+        stream_response(rx, id, created, s.model.clone(), kind, job.include_usage)
+    } else {
+        whole_response(rx, id, created, &s.model, kind).await
+    }
+}
+
+/// A request id: the time and a process-wide counter, mixed (unique, not secret).
+fn rand_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(17) ^ n
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+async fn whole_response(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    id: String,
+    created: u64,
+    model: &str,
+    kind: Kind,
+) -> Response {
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Delta(d)) => text.push_str(&d),
+            Some(Event::Done { finish, usage }) => {
+                let choice = match kind {
+                    Kind::Completion => json!({
+                        "index": 0, "text": text, "logprobs": null,
+                        "finish_reason": finish.openai(),
+                    }),
+                    Kind::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": finish.openai(),
+                    }),
+                };
+                return axum::Json(json!({
+                    "id": id,
+                    "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage_json(&usage),
+                }))
+                .into_response();
+            }
+            Some(Event::Error(m)) => {
+                return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m).into_response();
+            }
+            None => {
+                return ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the engine stopped before the request finished",
+                )
+                .into_response();
+            }
+        }
+    }
+}
+
+/// One SSE chunk of a stream.
+fn chunk(
+    id: &str,
+    created: u64,
+    model: &str,
+    kind: Kind,
+    delta: Option<&str>,
+    first: bool,
+    finish: Option<TextFinish>,
+) -> Value {
+    let reason = finish.map(TextFinish::openai);
+    let choice = match kind {
+        Kind::Completion => json!({
+            "index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": reason,
+        }),
+        Kind::Chat => {
+            let mut d = serde_json::Map::new();
+            if first {
+                d.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = delta {
+                d.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": reason})
+        }
+    };
+    json!({
+        "id": id,
+        "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    })
+}
+
+struct StreamState {
+    rx: mpsc::UnboundedReceiver<Event>,
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    include_usage: bool,
+    first: bool,
+    /// Events still to send after the request ended (finish chunk, usage, `[DONE]`).
+    tail: Vec<SseEvent>,
+    done: bool,
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+fn stream_response(
+    rx: mpsc::UnboundedReceiver<Event>,
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    include_usage: bool,
+) -> Response {
+    let st = StreamState {
+        rx,
+        id,
+        created,
+        model,
+        kind,
+        include_usage,
+        first: true,
+        tail: Vec::new(),
+        done: false,
+    };
+    let events = stream::unfold(st, |mut st| async move {
+        if let Some(e) = st.tail.pop() {
+            return Some((Ok::<_, Infallible>(e), st));
+        }
+        if st.done {
+            return None;
+        }
+        let (id, created, model, kind) = (&st.id, st.created, &st.model, st.kind);
+        let ev = match st.rx.recv().await {
+            Some(Event::Delta(d)) => {
+                let c = chunk(id, created, model, kind, Some(&d), st.first, None);
+                st.first = false;
+                data(&c)
+            }
+            Some(Event::Done { finish, usage }) => {
+                st.done = true;
+                let mut tail = vec![data(&chunk(
+                    id,
+                    created,
+                    model,
+                    kind,
+                    None,
+                    st.first,
+                    Some(finish),
+                ))];
+                if st.include_usage {
+                    tail.push(data(&json!({
+                        "id": id,
+                        "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage_json(&usage),
+                    })));
+                }
+                tail.push(SseEvent::default().data("[DONE]"));
+                tail.reverse();
+                st.tail = tail;
+                st.tail.pop().unwrap_or_default()
+            }
+            Some(Event::Error(m)) => {
+                st.done = true;
+                let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m);
+                st.tail = vec![SseEvent::default().data("[DONE]")];
+                data(&e.body())
+            }
+            None => {
+                st.done = true;
+                let e = ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the engine stopped before the request finished",
+                );
+                st.tail = vec![SseEvent::default().data("[DONE]")];
+                data(&e.body())
+            }
+        };
+        Some((Ok(ev), st))
+    });
+    Sse::new(events.boxed()).into_response()
+}

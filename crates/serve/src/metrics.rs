@@ -1,0 +1,263 @@
+//! What the server counts, in the Prometheus text format (`GET /metrics`): requests by how they
+//! ended, refusals by reason, tokens in and out, requests running and waiting, KV blocks in
+//! use, the prefix cache's hits, and TTFT / TPOT histograms.
+//!
+//! The engine thread is the only writer of the load gauges and of everything counted when a
+//! request ends; refusals made before a request reaches it (shutdown) are counted by the
+//! handle. Each request is counted once in `simpler_requests_total`, by how it ended.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+/// How a request ended (the `finish` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// End of sequence or a stop string.
+    Stop,
+    /// Its token limit.
+    Length,
+    /// Its client went away.
+    Cancelled,
+    /// A failure.
+    Error,
+}
+
+impl Ended {
+    fn label(self) -> &'static str {
+        match self {
+            Ended::Stop => "stop",
+            Ended::Length => "length",
+            Ended::Cancelled => "cancelled",
+            Ended::Error => "error",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FinishLabel {
+    finish: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+/// The server's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<FinishLabel, Counter>,
+    rejected: Family<ReasonLabel, Counter>,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    prefix_hit_tokens: Counter,
+    running: Gauge,
+    waiting: Gauge,
+    kv_used: Gauge,
+    ttft: Histogram,
+    tpot: Histogram,
+    /// For the hit-rate gauge: prompt tokens and cached tokens since start.
+    hit_rate: Gauge<f64, AtomicU64>,
+}
+
+/// TTFT buckets (seconds): 10 ms to ~82 s.
+fn ttft_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.01, 2.0, 14)
+}
+
+/// TPOT buckets (seconds): 1 ms to ~8 s.
+fn tpot_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 14)
+}
+
+impl Metrics {
+    /// Metrics of a server whose KV pool has `kv_total` blocks.
+    pub fn new(kv_total: usize) -> Metrics {
+        let mut registry = Registry::default();
+        let requests = Family::<FinishLabel, Counter>::default();
+        let rejected = Family::<ReasonLabel, Counter>::default();
+        let prompt_tokens = Counter::default();
+        let generation_tokens = Counter::default();
+        let prefix_hit_tokens = Counter::default();
+        let running = Gauge::default();
+        let waiting = Gauge::default();
+        let kv_used = Gauge::default();
+        let kv_total_g: Gauge = Gauge::default();
+        kv_total_g.set(i64::try_from(kv_total).unwrap_or(i64::MAX));
+        let ttft = Histogram::new(ttft_buckets());
+        let tpot = Histogram::new(tpot_buckets());
+        let hit_rate = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "simpler_requests",
+            "Requests that ended, by how (stop, length, cancelled, error)",
+            requests.clone(),
+        );
+        registry.register(
+            "simpler_requests_rejected",
+            "Requests refused before running, by reason",
+            rejected.clone(),
+        );
+        registry.register(
+            "simpler_prompt_tokens",
+            "Prompt tokens of accepted requests",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "simpler_generation_tokens",
+            "Tokens generated",
+            generation_tokens.clone(),
+        );
+        registry.register(
+            "simpler_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache at admission",
+            prefix_hit_tokens.clone(),
+        );
+        registry.register(
+            "simpler_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens over prompt tokens since start",
+            hit_rate.clone(),
+        );
+        registry.register(
+            "simpler_requests_running",
+            "Requests admitted to the engine",
+            running.clone(),
+        );
+        registry.register(
+            "simpler_requests_waiting",
+            "Requests waiting for admission",
+            waiting.clone(),
+        );
+        registry.register(
+            "simpler_kv_blocks_used",
+            "KV cache blocks held by requests",
+            kv_used.clone(),
+        );
+        registry.register(
+            "simpler_kv_blocks_total",
+            "KV cache blocks in the pool",
+            kv_total_g,
+        );
+        registry.register(
+            "simpler_time_to_first_token_seconds",
+            "From a request's arrival at the engine to its first token",
+            ttft.clone(),
+        );
+        registry.register(
+            "simpler_time_per_output_token_seconds",
+            "Mean time between a request's tokens after the first",
+            tpot.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            rejected,
+            prompt_tokens,
+            generation_tokens,
+            prefix_hit_tokens,
+            running,
+            waiting,
+            kv_used,
+            ttft,
+            tpot,
+            hit_rate,
+        }
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    pub(crate) fn rejected(&self, reason: &str) {
+        self.rejected
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn accepted(&self, prompt_tokens: usize) {
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+    }
+
+    /// The engine's running totals: prompt tokens admitted and, of those, found in the prefix
+    /// cache.
+    pub(crate) fn prefix_totals(&self, hit_tokens: u64, admitted_prompt_tokens: u64) {
+        let seen = self.prefix_hit_tokens.get();
+        self.prefix_hit_tokens
+            .inc_by(hit_tokens.saturating_sub(seen));
+        if admitted_prompt_tokens > 0 {
+            self.hit_rate
+                .set(hit_tokens as f64 / admitted_prompt_tokens as f64);
+        }
+    }
+
+    pub(crate) fn first_token(&self, ttft: Duration) {
+        self.ttft.observe(ttft.as_secs_f64());
+    }
+
+    pub(crate) fn ended(&self, how: Ended, generated: usize, tpot: Option<Duration>) {
+        self.requests
+            .get_or_create(&FinishLabel {
+                finish: how.label().to_string(),
+            })
+            .inc();
+        self.generation_tokens.inc_by(generated as u64);
+        if let Some(t) = tpot {
+            self.tpot.observe(t.as_secs_f64());
+        }
+    }
+
+    pub(crate) fn set_load(&self, running: usize, waiting: usize, kv_used: usize) {
+        self.running.set(running as i64);
+        self.waiting.set(waiting as i64);
+        self.kv_used.set(kv_used as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_names_every_metric_and_counts_what_happened() {
+        let m = Metrics::new(64);
+        m.accepted(10);
+        m.prefix_totals(4, 10);
+        m.first_token(Duration::from_millis(30));
+        m.ended(Ended::Stop, 5, Some(Duration::from_millis(20)));
+        m.ended(Ended::Cancelled, 2, None);
+        m.rejected("too_long");
+        m.set_load(1, 2, 7);
+        let t = m.render();
+        for line in [
+            "simpler_requests_total{finish=\"stop\"} 1",
+            "simpler_requests_total{finish=\"cancelled\"} 1",
+            "simpler_requests_rejected_total{reason=\"too_long\"} 1",
+            "simpler_prompt_tokens_total 10",
+            "simpler_generation_tokens_total 7",
+            "simpler_prefix_cache_hit_tokens_total 4",
+            "simpler_prefix_cache_hit_rate 0.4",
+            "simpler_requests_running 1",
+            "simpler_requests_waiting 2",
+            "simpler_kv_blocks_used 7",
+            "simpler_kv_blocks_total 64",
+            "simpler_time_to_first_token_seconds_count 1",
+            "simpler_time_per_output_token_seconds_count 1",
+        ] {
+            assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
+        }
+        assert!(t.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,500 @@
+//! The engine on its own thread, serving requests that arrive while others run.
+//!
+//! The HTTP handlers (or any caller) submit a request through a [`ServiceHandle`] and get a
+//! channel of [`Event`]s: text deltas, then one `Done` or `Error`. The engine thread owns the
+//! [`Engine`]; between steps it takes new requests, drops those whose receiver is gone (a client
+//! that disconnected: its blocks go back before the next step), runs one step over everything
+//! admitted, and turns each request's tokens into text with its own [`TextStream`] (stop
+//! strings end a request at the token that completes one).
+//!
+//! Ownership of a request: from `submit` until the engine thread sends `Done` or `Error`, the
+//! thread owns it; it never forgets one. Every path that ends a request (finished, stopped,
+//! cancelled, failed step, shutdown) goes through `end`, which releases its blocks (through the
+//! engine) and counts it in the metrics exactly once.
+//!
+//! Shutdown: after [`ServiceHandle::shutdown`] new requests are refused; the ones in flight run
+//! to their end, and those still running when the drain time is over get an error.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine::{Engine, EngineError, FinishReason, RequestId};
+use crate::metrics::{Ended, Metrics};
+use crate::stream::TextStream;
+use crate::text::{GenerateConfig, TextFinish};
+use crate::tokenizer::Tokenizer;
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (through the one that ended the request).
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// What a request's receiver gets.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// More text (never empty).
+    Delta(String),
+    /// The request ended normally.
+    Done {
+        /// Why.
+        finish: TextFinish,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The request failed; no more events follow.
+    Error(String),
+}
+
+/// Why a request was not accepted.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// Malformed or out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The prompt does not fit.
+    #[error("{0}")]
+    TooLong(String),
+    /// Too many requests are waiting.
+    #[error("{0}")]
+    Overloaded(String),
+    /// The service is shutting down (or its thread is gone).
+    #[error("{0}")]
+    ShuttingDown(String),
+}
+
+/// How the service runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceConfig {
+    /// Most requests waiting for admission before new ones are refused as overloaded.
+    pub max_waiting: usize,
+    /// How long in-flight requests may run after shutdown before they get an error.
+    pub drain: Duration,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> ServiceConfig {
+        ServiceConfig {
+            max_waiting: 256,
+            drain: Duration::from_secs(30),
+        }
+    }
+}
+
+enum Command {
+    Submit {
+        prompt: Vec<u32>,
+        cfg: GenerateConfig,
+        events: mpsc::UnboundedSender<Event>,
+        accepted: oneshot::Sender<Result<(), Refusal>>,
+    },
+    Shutdown,
+}
+
+/// A cheap, cloneable handle to the engine thread.
+#[derive(Clone, Debug)]
+pub struct ServiceHandle {
+    tx: Sender<Command>,
+    metrics: Arc<Metrics>,
+    closing: Arc<AtomicBool>,
+}
+
+/// The running service: its handle and its thread.
+#[derive(Debug)]
+pub struct Service {
+    handle: ServiceHandle,
+    thread: Option<JoinHandle<Engine>>,
+}
+
+impl Service {
+    /// Starts the engine thread over `engine` (idle: no request in flight) and `tokenizer`.
+    pub fn start(
+        engine: Engine,
+        tokenizer: Arc<Tokenizer>,
+        cfg: ServiceConfig,
+    ) -> Result<Service, Refusal> {
+        if engine.has_work() {
+            return Err(Refusal::Invalid(
+                "the engine already has requests in flight".into(),
+            ));
+        }
+        let (tx, rx) = channel::unbounded();
+        let metrics = Arc::new(Metrics::new(engine.total_blocks()));
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut state = Loop {
+            engine,
+            tokenizer,
+            cfg,
+            metrics: metrics.clone(),
+            live: HashMap::new(),
+            draining_since: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("simpler-engine".into())
+            .spawn(move || {
+                state.run(&rx);
+                state.engine
+            })
+            .map_err(|e| Refusal::ShuttingDown(format!("cannot start the engine thread: {e}")))?;
+        Ok(Service {
+            handle: ServiceHandle {
+                tx,
+                metrics,
+                closing,
+            },
+            thread: Some(thread),
+        })
+    }
+
+    /// A handle for submitting requests.
+    pub fn handle(&self) -> ServiceHandle {
+        self.handle.clone()
+    }
+
+    /// Refuses new requests, lets those in flight finish (up to the drain time), stops the
+    /// thread and gives the engine back (every block free).
+    pub fn stop(mut self) -> Option<Engine> {
+        self.handle.shutdown();
+        self.thread.take().and_then(|t| t.join().ok())
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.handle.shutdown();
+            let _ = t.join();
+        }
+    }
+}
+
+impl ServiceHandle {
+    /// Submits `prompt` ids; resolves once the engine thread accepted or refused it. The
+    /// request is cancelled when the returned receiver is dropped.
+    pub async fn submit(
+        &self,
+        prompt: Vec<u32>,
+        cfg: GenerateConfig,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, Refusal> {
+        let gone = || Refusal::ShuttingDown("the server is shutting down".into());
+        if self.closing.load(Ordering::Acquire) {
+            self.metrics.rejected("shutting_down");
+            return Err(gone());
+        }
+        let (events, rx) = mpsc::unbounded_channel();
+        let (accepted, verdict) = oneshot::channel();
+        self.tx
+            .send(Command::Submit {
+                prompt,
+                cfg,
+                events,
+                accepted,
+            })
+            .map_err(|_| gone())?;
+        verdict.await.map_err(|_| gone())??;
+        Ok(rx)
+    }
+
+    /// The service's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Begins shutdown: new requests are refused, those in flight finish (up to the drain
+    /// time).
+    pub fn shutdown(&self) {
+        if !self.closing.swap(true, Ordering::AcqRel) {
+            let _ = self.tx.send(Command::Shutdown);
+        }
+    }
+}
+
+/// A request the engine thread owns.
+struct Live {
+    events: mpsc::UnboundedSender<Event>,
+    text: TextStream,
+    prompt_tokens: usize,
+    generated: usize,
+    arrived: Instant,
+    first_token: Option<Instant>,
+}
+
+struct Loop {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    cfg: ServiceConfig,
+    metrics: Arc<Metrics>,
+    live: HashMap<RequestId, Live>,
+    draining_since: Option<Instant>,
+}
+
+/// How often an idle or draining loop looks at the clock.
+const TICK: Duration = Duration::from_millis(50);
+
+impl Loop {
+    fn run(&mut self, rx: &Receiver<Command>) {
+        loop {
+            // Take commands: wait for one when idle, otherwise take what is there.
+            if !self.engine.has_work() {
+                if self.draining_since.is_some() {
+                    break;
+                }
+                match rx.recv_timeout(TICK) {
+                    Ok(c) => self.command(c),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(c) => self.command(c),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.draining_since.get_or_insert_with(Instant::now);
+                        break;
+                    }
+                }
+            }
+            self.drop_cancelled();
+            if let Some(t) = self.draining_since
+                && t.elapsed() > self.cfg.drain
+            {
+                let ids: Vec<RequestId> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.engine.abort(id);
+                    self.end(
+                        id,
+                        Ended::Error,
+                        Some("the server shut down before the request finished".into()),
+                    );
+                }
+            }
+            if self.engine.has_work() {
+                self.step();
+            }
+            let stats = self.engine.stats();
+            self.metrics
+                .prefix_totals(stats.prefix_hit_tokens, stats.prompt_tokens);
+            self.metrics.set_load(
+                self.engine.running(),
+                self.engine.waiting(),
+                self.engine.total_blocks() - self.engine.free_blocks(),
+            );
+        }
+        // Whatever is left (a closed channel with requests queued) ends with an error.
+        let ids: Vec<RequestId> = self.live.keys().copied().collect();
+        for id in ids {
+            self.engine.abort(id);
+            self.end(id, Ended::Error, Some("the server shut down".into()));
+        }
+        self.metrics.set_load(0, 0, 0);
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::Shutdown => {
+                self.draining_since.get_or_insert_with(Instant::now);
+            }
+            Command::Submit {
+                prompt,
+                cfg,
+                events,
+                accepted,
+            } => {
+                let verdict = self.admit(prompt, cfg, events);
+                if let Err(r) = &verdict {
+                    self.metrics.rejected(match r {
+                        Refusal::Invalid(_) => "invalid",
+                        Refusal::TooLong(_) => "too_long",
+                        Refusal::Overloaded(_) => "overloaded",
+                        Refusal::ShuttingDown(_) => "shutting_down",
+                    });
+                }
+                let id_if_accepted = verdict.as_ref().ok().copied();
+                if accepted.send(verdict.map(|_| ())).is_err()
+                    && let Some(id) = id_if_accepted
+                {
+                    // The submitter gave up before hearing back.
+                    self.engine.abort(id);
+                    self.end(id, Ended::Cancelled, None);
+                }
+            }
+        }
+    }
+
+    fn admit(
+        &mut self,
+        prompt: Vec<u32>,
+        cfg: GenerateConfig,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> Result<RequestId, Refusal> {
+        if self.draining_since.is_some() {
+            return Err(Refusal::ShuttingDown("the server is shutting down".into()));
+        }
+        cfg.validate()
+            .map_err(|e| Refusal::Invalid(e.to_string()))?;
+        let e = self.engine.config();
+        let fits = e
+            .max_seq_len
+            .min(e.num_blocks * simpler_models::qwen3::weights::PAGE_SIZE);
+        if prompt.len() >= fits {
+            return Err(Refusal::TooLong(format!(
+                "the prompt has {} tokens; this server holds at most {fits} tokens per sequence, prompt and completion together",
+                prompt.len()
+            )));
+        }
+        if self.engine.waiting() >= self.cfg.max_waiting {
+            return Err(Refusal::Overloaded(format!(
+                "{} requests are already waiting (the most this server queues)",
+                self.engine.waiting()
+            )));
+        }
+        let prompt_tokens = prompt.len();
+        let id = self
+            .engine
+            .add_request(&cfg.request(prompt))
+            .map_err(|e| Refusal::Invalid(e.to_string()))?;
+        self.metrics.accepted(prompt_tokens);
+        self.live.insert(
+            id,
+            Live {
+                events,
+                text: TextStream::new(cfg.stop),
+                prompt_tokens,
+                generated: 0,
+                arrived: Instant::now(),
+                first_token: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Ends requests whose receiver is gone (the client disconnected).
+    fn drop_cancelled(&mut self) {
+        let gone: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.engine.abort(id);
+            self.end(id, Ended::Cancelled, None);
+        }
+    }
+
+    fn step(&mut self) {
+        let outputs = match self.engine.step() {
+            Ok(o) => o,
+            Err(EngineError::Step { failed, source }) => {
+                for id in failed {
+                    self.end(id, Ended::Error, Some(format!("the step failed: {source}")));
+                }
+                return;
+            }
+            Err(e) => {
+                // Not one step's requests: nothing the engine holds can go on.
+                for id in self.engine.abort_all() {
+                    self.end(id, Ended::Error, Some(e.to_string()));
+                }
+                return;
+            }
+        };
+        let now = Instant::now();
+        for o in outputs {
+            let Some(l) = self.live.get_mut(&o.id) else {
+                continue;
+            };
+            l.generated += 1;
+            if l.first_token.is_none() {
+                l.first_token = Some(now);
+                self.metrics.first_token(now - l.arrived);
+            }
+            let delta = match l.text.push(&self.tokenizer, o.token) {
+                Ok(d) => d,
+                Err(e) => {
+                    if o.finished.is_none() {
+                        self.engine.abort(o.id);
+                    }
+                    self.end(o.id, Ended::Error, Some(format!("detokenizing: {e}")));
+                    continue;
+                }
+            };
+            if !delta.text.is_empty() {
+                // A send fails only when the receiver is gone; the next pass ends it.
+                let _ = l.events.send(Event::Delta(delta.text));
+            }
+            if delta.stopped {
+                if o.finished.is_none() {
+                    self.engine.abort(o.id);
+                }
+                self.finish(
+                    o.id,
+                    TextFinish::Stop,
+                    o.finished.map_or(0, |c| c.cached_tokens),
+                );
+            } else if let Some(c) = o.finished {
+                let tail = l.text.finish(&self.tokenizer).unwrap_or_default();
+                if !tail.is_empty() {
+                    let _ = l.events.send(Event::Delta(tail));
+                }
+                let finish = match c.finish_reason {
+                    FinishReason::Eos => TextFinish::Eos,
+                    FinishReason::Length => TextFinish::Length,
+                };
+                self.finish(o.id, finish, c.cached_tokens);
+            }
+        }
+    }
+
+    fn finish(&mut self, id: RequestId, finish: TextFinish, cached_tokens: usize) {
+        if let Some(l) = self.live.get(&id) {
+            let usage = Usage {
+                prompt_tokens: l.prompt_tokens,
+                completion_tokens: l.generated,
+                cached_tokens,
+            };
+            let _ = l.events.send(Event::Done { finish, usage });
+        }
+        self.end(
+            id,
+            match finish {
+                TextFinish::Length => Ended::Length,
+                TextFinish::Eos | TextFinish::Stop => Ended::Stop,
+            },
+            None,
+        );
+    }
+
+    /// Forgets request `id` (its blocks already released by the engine) and counts it; sends
+    /// `error` if given.
+    fn end(&mut self, id: RequestId, how: Ended, error: Option<String>) {
+        let Some(l) = self.live.remove(&id) else {
+            return;
+        };
+        if let Some(msg) = error {
+            let _ = l.events.send(Event::Error(msg));
+        }
+        let tpot = match (l.first_token, l.generated) {
+            (Some(first), n) if n > 1 => Some((Instant::now() - first) / (n as u32 - 1)),
+            _ => None,
+        };
+        self.metrics.ended(how, l.generated, tpot);
+    }
+}

@@ -1,0 +1,551 @@
+//! The HTTP server on loopback, driven by a plain HTTP/1.1 client: answers equal the text
+//! engine's, streams concatenate to the same text and end in `[DONE]`, bad requests get error
+//! objects and the server keeps serving, 64 concurrent streams (some cancelled midway) lose
+//! nothing and return every block, `/metrics` agrees with what was sent, and a shutdown lets
+//! in-flight requests finish.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use simpler_core::{Worker, WorkerConfig};
+use simpler_models::qwen3::{Qwen3Config, generate_weights, ops};
+use simpler_serve::http::{AppState, serve};
+use simpler_serve::{
+    Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+const MODEL: &str = "qwen3-tiny";
+
+fn engine(cfg: EngineConfig) -> Engine {
+    let worker = Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    ops::register(&worker).unwrap();
+    let c = Qwen3Config::preset(MODEL).unwrap();
+    let w = generate_weights(&c, 7, false, None);
+    Engine::new(worker, &w, c.eos_token_ids.clone(), cfg).unwrap()
+}
+
+fn sizes() -> EngineConfig {
+    EngineConfig {
+        max_batch_size: 16,
+        max_num_batched_tokens: 512,
+        max_seq_len: 4096,
+        num_blocks: 256,
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    service: Option<Service>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(cfg: EngineConfig, max_waiting: usize) -> Server {
+    let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
+    let service = Service::start(
+        engine(cfg),
+        tokenizer.clone(),
+        ServiceConfig {
+            max_waiting,
+            drain: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    let state = Arc::new(AppState {
+        handle: service.handle(),
+        tokenizer,
+        model: MODEL.into(),
+        max_model_len: cfg.max_seq_len,
+        created: 0,
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve(listener, state, async move {
+        let _ = stopped.await;
+    }));
+    Server {
+        addr,
+        service: Some(service),
+        stop: Some(stop),
+        task,
+    }
+}
+
+impl Server {
+    /// Stops the server and gives the engine back.
+    async fn stop(mut self) -> Engine {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        (&mut self.task).await.unwrap().unwrap();
+        let service = self.service.take().unwrap();
+        tokio::task::spawn_blocking(move || service.stop())
+            .await
+            .unwrap()
+            .unwrap()
+    }
+}
+
+/// Sends one request; returns the status and the (de-chunked) body.
+async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.unwrap();
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a header block");
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let chunked = head
+        .lines()
+        .any(|l| l.eq_ignore_ascii_case("transfer-encoding: chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+async fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (status, text) = http(addr, "POST", path, &body.to_string()).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn reference_text(prompt: &str, cfg: &GenerateConfig) -> (String, usize) {
+    let mut te = TextEngine::new(engine(sizes()), Tokenizer::qwen3().unwrap()).unwrap();
+    let r = te.generate_result(prompt, cfg).unwrap();
+    (r.text, r.token_ids.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_equal_the_text_engine_and_streams_concatenate_to_them() {
+    let srv = start(sizes(), 64).await;
+    let prompt = "The quick brown fox jumps over the lazy dog. Then";
+    let cfg = GenerateConfig {
+        max_new_tokens: 12,
+        ..GenerateConfig::default()
+    };
+    let (want, want_tokens) = reference_text(prompt, &cfg);
+
+    let (status, v) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 12}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], want_tokens);
+
+    // Streamed: the deltas concatenate to the same text; usage before [DONE] when asked.
+    let (status, body) = http(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "stream": true,
+                "stream_options": {"include_usage": true}})
+        .to_string(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], want_tokens);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("length")]);
+
+    // Chat: the prompt is the chat template's rendering.
+    let tok = Tokenizer::qwen3().unwrap();
+    let rendered = tok
+        .apply_chat_template(
+            &[simpler_serve::ChatMessage::new("user", "Hi!")],
+            true,
+            None,
+        )
+        .unwrap();
+    let (want_chat, _) = reference_text(&rendered, &cfg);
+    let (status, v) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 12}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want_chat.as_str());
+    let (_, body) = http(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}],
+                "max_tokens": 12, "stream": true})
+        .to_string(),
+    )
+    .await;
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want_chat);
+
+    // A stop string ends the text before it (and the request there).
+    let stop_at: String = want.chars().skip(6).take(3).collect();
+    let (_, v) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "stop": [stop_at]}),
+    )
+    .await;
+    let cut = &want[..want.find(&stop_at).unwrap()];
+    assert_eq!(v["choices"][0]["text"], cut);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let (status, body) = http(srv.addr, "GET", "/v1/models", "").await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["data"][0]["id"], MODEL);
+    let (status, _) = http(srv.addr, "GET", "/health", "").await;
+    assert_eq!(status, 200);
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
+    let srv = start(
+        EngineConfig {
+            max_seq_len: 256,
+            ..sizes()
+        },
+        64,
+    )
+    .await;
+    let long: Vec<u32> = (0..300).map(|i| 1000 + i).collect();
+    let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
+        ("/v1/completions", "{not json".into(), 400, None),
+        (
+            "/v1/completions",
+            json!({"model": "gpt-4", "prompt": "x"}).to_string(),
+            404,
+            Some("model_not_found"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": long}).to_string(),
+            413,
+            Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": -3}).to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []})
+                .to_string(),
+            400,
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [999_999_999]}).to_string(),
+            400,
+            None,
+        ),
+        ("/v1/nothing", "{}".into(), 404, Some("not_found")),
+    ];
+    for (path, body, status, code) in cases {
+        let (got, text) = http(srv.addr, "POST", path, &body).await;
+        assert_eq!(got, status, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string(), "{v}");
+        if let Some(c) = code {
+            assert_eq!(e["code"], c, "{v}");
+        }
+        // And the next request is served.
+        let (ok, v) = post(
+            srv.addr,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(ok, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+    }
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks());
+}
+
+/// Reads a streaming request until its first data chunk, then drops the connection.
+async fn stream_and_cancel(addr: SocketAddr, body: Value) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let b = body.to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+        b.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the server closed before the first chunk");
+        seen.extend_from_slice(&buf[..n]);
+        if String::from_utf8_lossy(&seen).contains("data: {") {
+            break;
+        }
+    }
+    drop(s);
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_streams_some_cancelled_lose_nothing_and_free_every_block() {
+    let srv = start(sizes(), 256).await;
+    let addr = srv.addr;
+    let mut tasks = Vec::new();
+    let mut prompt_tokens = 0u64;
+    let mut expected_generated = 0u64;
+    let mut cancelled = 0u64;
+    for i in 0..64u32 {
+        let len = 3 + (i as usize * 7) % 90;
+        let prompt: Vec<u32> = (0..len as u32)
+            .map(|t| 100 + (t * 31 + i * 17) % 5000)
+            .collect();
+        prompt_tokens += len as u64;
+        if i % 4 == 3 {
+            // Cancelled after the first chunk; it would run for 2000 tokens.
+            cancelled += 1;
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2000,
+                              "ignore_eos": true, "stream": true});
+            tasks.push(tokio::spawn(async move {
+                stream_and_cancel(addr, body).await;
+                None
+            }));
+        } else {
+            let max_tokens = 4 + (i % 9);
+            expected_generated += u64::from(max_tokens);
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                              "ignore_eos": true, "stream": true,
+                              "stream_options": {"include_usage": true}});
+            tasks.push(tokio::spawn(async move {
+                let (status, text) = http(addr, "POST", "/v1/completions", &body.to_string()).await;
+                assert_eq!(status, 200);
+                let data = sse_data(&text);
+                assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+                let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+                assert_eq!(usage["usage"]["completion_tokens"], max_tokens);
+                assert_eq!(usage["usage"]["prompt_tokens"], len);
+                Some(max_tokens)
+            }));
+        }
+    }
+    let mut completed = 0;
+    for t in tasks {
+        if t.await.unwrap().is_some() {
+            completed += 1;
+        }
+    }
+    assert_eq!(completed, 48);
+    // The cancelled requests end once the engine sees their receivers gone (before its next
+    // step); stopping the service waits for that.
+    let (_, m) = http(addr, "GET", "/metrics", "").await;
+    assert_eq!(
+        metric(&m, "simpler_prompt_tokens_total"),
+        prompt_tokens as f64
+    );
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks(), "every block is back");
+    assert_eq!(e.running() + e.waiting(), 0);
+    let s = e.stats();
+    assert_eq!(s.requests, 64);
+    assert_eq!(s.aborted, cancelled);
+    assert!(s.max_batch > 1, "requests were batched: {s:?}");
+    assert!(s.generated_tokens >= expected_generated + cancelled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_was_sent() {
+    let srv = start(sizes(), 64).await;
+    let mut prompt_tokens = 0;
+    let mut generated = 0;
+    for (i, n) in [3u32, 5, 7].into_iter().enumerate() {
+        let prompt: Vec<u32> = (0..(10 + i as u32 * 60)).map(|t| 200 + t).collect();
+        prompt_tokens += prompt.len();
+        generated += n as usize;
+        let (status, v) = post(
+            srv.addr,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": n, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+    }
+    // The same 130-token prompt again: its full blocks come from the prefix cache.
+    let prompt: Vec<u32> = (0..130).map(|t| 200 + t).collect();
+    let (_, v) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": true}),
+    )
+    .await;
+    prompt_tokens += 130;
+    generated += 2;
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "{v}");
+    let (_, _) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": "nope", "prompt": "x"}),
+    )
+    .await;
+    let (status, m) = http(srv.addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        metric(&m, "simpler_prompt_tokens_total"),
+        prompt_tokens as f64
+    );
+    assert_eq!(
+        metric(&m, "simpler_generation_tokens_total"),
+        generated as f64
+    );
+    assert_eq!(metric(&m, "simpler_requests_total{finish=\"length\"}"), 4.0);
+    assert_eq!(
+        metric(&m, "simpler_prefix_cache_hit_tokens_total"),
+        cached as f64
+    );
+    assert_eq!(metric(&m, "simpler_time_to_first_token_seconds_count"), 4.0);
+    assert_eq!(metric(&m, "simpler_requests_running"), 0.0);
+    assert_eq!(metric(&m, "simpler_kv_blocks_used"), 0.0);
+    assert_eq!(metric(&m, "simpler_kv_blocks_total"), 256.0);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_lets_in_flight_requests_finish_and_refuses_new_ones() {
+    let mut srv = start(sizes(), 64).await;
+    let addr = srv.addr;
+    let handle = srv.service.as_ref().unwrap().handle();
+    let body = json!({"model": MODEL, "prompt": "Count with me:", "max_tokens": 40,
+                      "ignore_eos": true, "stream": true});
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let b = body.to_string();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+            b.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // Wait for the first chunk, then shut down.
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&raw).contains("data: {") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let _ = srv.stop.take().unwrap().send(());
+    // The stream runs to its end.
+    s.read_to_end(&mut raw).await.unwrap();
+    let (_, body) = parse_response(&raw);
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let finish: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["finish_reason"].clone())
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [json!("length")]);
+    // New requests are refused.
+    let r = handle
+        .submit(vec![1, 2, 3], GenerateConfig::default())
+        .await;
+    assert!(
+        matches!(r, Err(simpler_serve::Refusal::ShuttingDown(_))),
+        "{r:?}"
+    );
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks());
+    assert_eq!(e.stats().generated_tokens, 40);
+}
