@@ -158,3 +158,62 @@ fn bad_requests_are_refused_before_anything_runs() {
     assert_eq!(ok[0].tokens.len(), 2);
     assert_eq!(e.free_blocks(), 4);
 }
+
+#[test]
+fn requests_added_while_others_run_give_the_tokens_they_give_alone() {
+    let mut e = engine(64, 64);
+    let first = req(prompt(90, 7), 10);
+    let id = e.add_request(&first).unwrap();
+    // Two steps in, a second request arrives; later an aborted one comes and goes.
+    let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut record = |out: Vec<simpler_serve::StepOutput>| {
+        for o in out {
+            got.entry(o.id.0).or_default().push(o.token);
+        }
+    };
+    record(e.step().unwrap());
+    record(e.step().unwrap());
+    let second = req(prompt(20, 8), 6);
+    let id2 = e.add_request(&second).unwrap();
+    let gone = e.add_request(&req(prompt(40, 9), 50)).unwrap();
+    record(e.step().unwrap());
+    assert!(e.abort(gone));
+    assert!(!e.abort(gone), "an aborted request is gone");
+    while e.has_work() {
+        record(e.step().unwrap());
+    }
+    assert_eq!(e.free_blocks(), 64);
+    assert_eq!(e.stats().aborted, 1);
+    for (id, r) in [(id, &first), (id2, &second)] {
+        let alone = engine(64, 1024).generate(std::slice::from_ref(r)).unwrap();
+        assert_eq!(got[&id.0], alone[0].tokens, "request {id}");
+    }
+}
+
+#[test]
+fn a_long_lived_engine_does_not_grow() {
+    // Hundreds of requests of varied lengths, a few at a time: the engine's own accounting
+    // (step I/O buffers, blocks) must be what the largest step needs, not grow per request.
+    let mut e = engine(32, 256);
+    let mut after_warmup = None;
+    for round in 0..60u32 {
+        let reqs: Vec<Request> = (0..5u32)
+            .map(|k| {
+                let len = 1 + ((round * 5 + k) * 37 % 250) as usize;
+                req(prompt(len, round * 5 + k), 1 + (k as usize % 3))
+            })
+            .collect();
+        e.generate(&reqs).unwrap();
+        assert_eq!(e.free_blocks(), 32, "round {round}: every block is back");
+        if round == 20 {
+            after_warmup = Some(e.io_buffer_bytes());
+        }
+    }
+    let (warm, end) = (after_warmup.unwrap(), e.io_buffer_bytes());
+    assert_eq!(e.stats().requests, 300);
+    assert_eq!(warm, end, "I/O buffers grew after 100 requests: {warm} -> {end} bytes");
+    // Bounded by the largest step: 256 tokens, 5 rows of logits (power-of-two rounding, one
+    // buffer per role).
+    let vocab = e.vocab_size();
+    assert!(end <= 4 * (256 * 4 + 5 * vocab * 4 + 5 * 4 + 256 * 64 * 4), "{end} bytes");
+}

@@ -1,0 +1,106 @@
+"""The official `openai` Python client against `simpler serve` on the qwen3-tiny preset.
+
+Usage: python openai_client.py PATH/TO/simpler
+
+Starts the server on a free loopback port, completes, chats and streams through the client,
+checks that errors arrive as the client's typed exceptions, then stops the server with SIGTERM
+and requires a clean exit.
+"""
+
+import signal
+import subprocess
+import sys
+
+import openai
+
+MODEL = "qwen3-tiny"
+
+
+def main(exe: str) -> None:
+    server = subprocess.Popen(
+        [exe, "serve", "--preset", MODEL, "--port", "0", "--num-kv-blocks", "64",
+         "--max-seq-len", "2048", "--max-batch-size", "8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline().strip()
+        assert line.startswith("listening on http://"), f"unexpected first line: {line!r}"
+        url = line.removeprefix("listening on ")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        run(client)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=120)
+    assert code == 0, f"the server exited with {code} after SIGTERM"
+    print("openai client: all checks passed; the server shut down cleanly")
+
+
+def run(client: "openai.OpenAI") -> None:
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL], ids
+
+    # Completions, whole and streamed: the same greedy text.
+    c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10)
+    text = c.choices[0].text
+    assert c.object == "text_completion"
+    assert c.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= c.usage.completion_tokens <= 10
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True)
+        if ch.choices
+    )
+    assert streamed == text, (streamed, text)
+
+    # Chat, whole and streamed (with the usage chunk).
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say hello in French."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=3)
+    answer = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    parts, usage = [], None
+    for ch in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, seed=3, stream=True,
+            stream_options={"include_usage": True}):
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+    assert "".join(parts) == answer, (parts, answer)
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+    # Sampling with a seed is repeatable.
+    a = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                       temperature=0.8, top_p=0.9, seed=11)
+    b = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                       temperature=0.8, top_p=0.9, seed=11)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+    # Errors come back as the client's typed exceptions, and the server keeps serving.
+    for call, kind in [
+        (lambda: client.completions.create(model="no-such-model", prompt="x"),
+         openai.NotFoundError),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=-1),
+         openai.BadRequestError),
+        (lambda: client.completions.create(model=MODEL, prompt="x", n=2),
+         openai.BadRequestError),
+        (lambda: client.completions.create(model=MODEL, prompt=[5] * 3000),
+         openai.APIStatusError),
+    ]:
+        try:
+            call()
+        except kind as e:
+            assert e.status_code in (400, 404, 413), e.status_code
+        else:
+            raise AssertionError(f"expected {kind.__name__}")
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10)
+    assert again.choices[0].text == text
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
