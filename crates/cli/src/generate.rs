@@ -23,6 +23,7 @@ use simpler_serve::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, To
 
 use crate::npy;
 use crate::opts::{self, RunOpts};
+use crate::profile;
 use crate::qwen3_cmd::{ModelArgs, load_weights, upload};
 
 /// Arguments of `simpler generate`.
@@ -69,12 +70,23 @@ pub(crate) struct GenerateArgs {
     /// Write the fp32 logits of every generated position to FILE (.npy, [positions, vocab]).
     #[arg(long, value_name = "FILE")]
     pub(crate) dump_logits: Option<PathBuf>,
-    /// Prompt tokens per prefill step.
+    /// Prompt tokens per sequence per prefill step.
     #[arg(long, default_value_t = 256)]
     pub(crate) prefill_chunk: usize,
     /// Keep generating past end-of-sequence ids.
     #[arg(long)]
     pub(crate) ignore_eos: bool,
+    /// Generate for N copies of the prompt together (one batch; copy i samples with seed + i).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) num_prompts: usize,
+    /// After the timing line, a report: phases (load, generate), API (prefill total, decode
+    /// per step = TPOT; the first decode step is warm-up, labelled and kept out of the
+    /// averages), and per callable n/total/avg/min/max of host and device time.
+    #[arg(long)]
+    pub(crate) profile: bool,
+    /// `--profile` plus a table per step and one per layer.
+    #[arg(long)]
+    pub(crate) profile_verbose: bool,
     #[command(flatten)]
     pub(crate) run: RunOpts,
 }
@@ -97,8 +109,11 @@ fn tokenizer(args: &GenerateArgs, vocab: usize) -> Result<Tokenizer> {
 }
 
 pub(crate) fn main(args: GenerateArgs) -> Result<()> {
-    if args.max_new_tokens == 0 || args.prefill_chunk == 0 {
-        bail!("--max-new-tokens and --prefill-chunk must be at least 1");
+    if args.max_new_tokens == 0 || args.prefill_chunk == 0 || args.num_prompts == 0 {
+        bail!("--max-new-tokens, --prefill-chunk and --num-prompts must be at least 1");
+    }
+    if args.num_prompts > 1 && args.dump_logits.is_some() {
+        bail!("--dump-logits writes one sequence's logits: give --num-prompts 1");
     }
     let sampling = SamplingParams {
         temperature: args.temperature,
@@ -163,9 +178,9 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         &RunShape {
             layers: c.num_hidden_layers,
             shared_weights: false,
-            kv_slots: pages * PAGE_SIZE,
+            kv_slots: args.num_prompts * pages * PAGE_SIZE,
             max_seq: pages * PAGE_SIZE,
-            step_tokens: args.prefill_chunk.min(prompt.len()),
+            step_tokens: args.num_prompts * args.prefill_chunk.min(prompt.len()),
         },
     )?;
     eprintln!(
@@ -212,59 +227,91 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         }
     );
     let stop = |t: u32| !args.ignore_eos && eos.contains(&t);
+    let n = args.num_prompts;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let mut weights = load_weights(&args.model, &c, false)?;
-    let batch = PagedBatch::identity(vec![prompt.len()], total, PAGE_SIZE);
+    let batch = PagedBatch::identity(vec![prompt.len(); n], total, PAGE_SIZE);
     let model = upload(&worker, &mut weights, batch.max_blocks * batch.page_size)?;
     let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
     let mut session = Session::new(&worker, model, kv);
     let load_s = t_load.elapsed().as_secs_f64();
-    // Sampling needs every step's logits; greedy reads only the runtime's argmax.
+    // Sampling needs every step's logits; greedy reads only the runtime's argmax. Prompt i
+    // samples with seed + i, so copies of one prompt draw differently.
     let greedy = sampling.temperature == 0.0;
     let want_logits = args.dump_logits.is_some() || !greedy;
-    let mut sampler = Sampler::new(sampling);
-    let mut pick = |out: &simpler_models::qwen3::StepOutput| -> Result<u32> {
-        if greedy {
-            return Ok(out.next_tokens[0]);
-        }
-        sampler
-            .sample(&out.logits)
-            .ok_or_else(|| anyhow!("every logit of the step is NaN"))
-    };
+    let mut samplers: Vec<Sampler> = (0..n as u64)
+        .map(|i| {
+            Sampler::new(SamplingParams {
+                seed: sampling.seed.wrapping_add(i),
+                ..sampling
+            })
+        })
+        .collect();
+    let mut pick =
+        |out: &simpler_models::qwen3::StepOutput, row: usize, seq: usize| -> Result<u32> {
+            if greedy {
+                return Ok(out.next_tokens[row]);
+            }
+            samplers[seq]
+                .sample(&out.logits[row * c.vocab_size..(row + 1) * c.vocab_size])
+                .ok_or_else(|| anyhow!("every logit of the step is NaN"))
+        };
     let mut logits: Vec<f32> = Vec::new();
-    let mut text_out = tok.as_ref().map(|_| IncrementalDecoder::new(true));
+    // Text streams to stdout as it is decoded for one prompt; several are printed at the end.
+    let stream_text = n == 1;
+    let mut decoders: Vec<IncrementalDecoder> =
+        (0..n).map(|_| IncrementalDecoder::new(true)).collect();
+    let mut texts = vec![String::new(); n];
     let mut stdout = std::io::stdout().lock();
-    let mut emit_text = |id: u32, out: &mut dyn Write| -> Result<()> {
-        if let (Some(t), Some(d)) = (&tok, &mut text_out)
+    let mut emit_text = |seq: usize, id: u32, out: &mut dyn Write| -> Result<()> {
+        if let Some(t) = &tok
             && !stop(id)
         {
-            write!(out, "{}", d.push(t, id)?)?;
-            out.flush()?;
+            let d = decoders[seq].push(t, id)?;
+            if stream_text {
+                write!(out, "{d}")?;
+                out.flush()?;
+            }
+            texts[seq].push_str(&d);
         }
         Ok(())
     };
+    let mut steps: Vec<profile::Step> = Vec::new();
 
-    // Prefill in chunks; the last chunk's logits give the first generated token.
+    // Prefill in chunks (every prompt's next chunk in one step); the last chunk's logits give
+    // each prompt's first generated token.
     let cfg = &prefill_cfg;
     let mut outputs = opts::StepOutputs::new(&args.run);
     let t0 = Instant::now();
-    let mut next = 0u32;
+    let mut next = vec![0u32; n];
     let mut done = 0;
     while done < prompt.len() {
         let end = (done + args.prefill_chunk).min(prompt.len());
-        let chunk = PrefillChunk {
-            seq: 0,
-            tokens: prompt[done..end].to_vec(),
-            seq_len: end,
-        };
+        let chunks: Vec<PrefillChunk> = (0..n)
+            .map(|seq| PrefillChunk {
+                seq,
+                tokens: prompt[done..end].to_vec(),
+                seq_len: end,
+            })
+            .collect();
         session.read_logits = want_logits && end == prompt.len();
+        let t = Instant::now();
         let out = session
-            .prefill(&worker, &batch, &[chunk], cfg)
+            .prefill(&worker, &batch, &chunks, cfg)
             .context("prefill")?;
+        steps.push(profile::Step::new(
+            "prefill",
+            n,
+            n * (end - done),
+            t,
+            &out.report,
+        ));
         outputs.emit(&out.report, cfg)?;
         if end == prompt.len() {
-            next = pick(&out)?;
+            for (seq, nx) in next.iter_mut().enumerate() {
+                *nx = pick(&out, seq, seq)?;
+            }
             if args.dump_logits.is_some() {
                 logits.extend_from_slice(&out.logits);
             }
@@ -272,68 +319,124 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         done = end;
     }
     let ttft_s = t0.elapsed().as_secs_f64();
-    emit_text(next, &mut stdout)?;
+    for (seq, &id) in next.iter().enumerate() {
+        emit_text(seq, id, &mut stdout)?;
+    }
 
-    // Decode.
+    // Decode the sequences that have not stopped, one token each per step.
     let cfg = &decode_cfg;
     session.read_logits = want_logits;
-    let mut generated = vec![next];
+    let mut generated: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
     let t1 = Instant::now();
     for i in 1..args.max_new_tokens {
-        if stop(next) {
+        let live: Vec<usize> = (0..n).filter(|&s| !stop(next[s])).collect();
+        if live.is_empty() {
             break;
         }
+        let mb = batch.max_blocks;
         let step = PagedBatch {
-            seq_lens: vec![prompt.len() + i],
-            ..batch.clone()
+            page_size: batch.page_size,
+            max_blocks: mb,
+            block_table: live
+                .iter()
+                .flat_map(|&s| batch.block_table[s * mb..(s + 1) * mb].iter().copied())
+                .collect(),
+            seq_lens: vec![prompt.len() + i; live.len()],
         };
+        let last: Vec<u32> = live.iter().map(|&s| next[s]).collect();
+        let t = Instant::now();
         let out = session
-            .decode(&worker, &step, &[next], cfg)
+            .decode(&worker, &step, &last, cfg)
             .context("decode")?;
+        steps.push(profile::Step::new(
+            "decode",
+            live.len(),
+            live.len(),
+            t,
+            &out.report,
+        ));
         outputs.emit(&out.report, cfg)?;
-        next = pick(&out)?;
-        generated.push(next);
+        for (row, &seq) in live.iter().enumerate() {
+            next[seq] = pick(&out, row, seq)?;
+            generated[seq].push(next[seq]);
+            emit_text(seq, next[seq], &mut stdout)?;
+        }
         if args.dump_logits.is_some() {
             logits.extend_from_slice(&out.logits);
         }
-        emit_text(next, &mut stdout)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
     outputs.finish();
 
-    match (&tok, &mut text_out) {
-        (Some(t), Some(d)) => writeln!(stdout, "{}", d.finish(t)?)?,
-        _ => {
-            let ids: Vec<String> = generated.iter().map(|t| t.to_string()).collect();
-            writeln!(stdout, "{}", ids.join(","))?;
+    if let Some(t) = &tok {
+        for (seq, d) in decoders.iter_mut().enumerate() {
+            let tail = d.finish(t)?;
+            texts[seq].push_str(&tail);
+            if stream_text {
+                writeln!(stdout, "{tail}")?;
+            }
+        }
+        if !stream_text {
+            for (seq, text) in texts.iter().enumerate() {
+                writeln!(stdout, "[{seq}] {text}")?;
+            }
+        }
+    } else {
+        for (seq, g) in generated.iter().enumerate() {
+            let ids: Vec<String> = g.iter().map(|t| t.to_string()).collect();
+            if n == 1 {
+                writeln!(stdout, "{}", ids.join(","))?;
+            } else {
+                writeln!(stdout, "[{seq}] {}", ids.join(","))?;
+            }
         }
     }
     drop(stdout);
-    if generated.last().is_some_and(|&t| stop(t)) {
-        eprintln!(
-            "stopped at EOS id {} after {} new tokens",
-            next,
-            generated.len()
-        );
+    for (seq, g) in generated.iter().enumerate() {
+        if g.last().is_some_and(|&t| stop(t)) {
+            eprintln!(
+                "{}stopped at EOS id {} after {} new tokens",
+                if n > 1 {
+                    format!("[{seq}] ")
+                } else {
+                    String::new()
+                },
+                g[g.len() - 1],
+                g.len()
+            );
+        }
     }
-    let decoded = generated.len() - 1;
+    let new_tokens: usize = generated.iter().map(Vec::len).sum();
+    let decoded = new_tokens - n;
+    let decode_steps = steps.iter().filter(|s| s.kind == "decode").count();
     eprintln!(
-        "{} prompt + {} new tokens: TTFT {:.1} ms (prefill {:.1} tokens/s); decode {:.2} tokens/s, {:.2} ms/token; overall {:.2} tokens/s; load {:.2} s",
+        "{n} x {} prompt tokens, {new_tokens} new tokens: TTFT {:.1} ms (prefill {:.1} tokens/s); decode {:.2} tokens/s, {:.2} ms/token (per step); overall {:.2} tokens/s; load {:.2} s",
         prompt.len(),
-        generated.len(),
         ttft_s * 1e3,
-        prompt.len() as f64 / ttft_s,
+        (n * prompt.len()) as f64 / ttft_s,
         decoded as f64 / decode_s.max(1e-9),
-        decode_s * 1e3 / decoded.max(1) as f64,
-        generated.len() as f64 / (ttft_s + decode_s),
+        decode_s * 1e3 / decode_steps.max(1) as f64,
+        new_tokens as f64 / (ttft_s + decode_s),
         load_s
     );
+    if args.profile || args.profile_verbose {
+        print!(
+            "{}",
+            profile::report(
+                &steps,
+                load_s,
+                ttft_s + decode_s,
+                c.num_hidden_layers,
+                args.profile_verbose
+            )
+        );
+    }
     if let Some(path) = &args.dump_logits {
-        npy::write_f32(path, &[generated.len(), c.vocab_size], &logits)?;
+        let rows = generated[0].len();
+        npy::write_f32(path, &[rows, c.vocab_size], &logits)?;
         eprintln!(
-            "wrote {} ([{}, {}] fp32 logits)",
+            "wrote {} ([{rows}, {}] fp32 logits)",
             path.display(),
-            generated.len(),
             c.vocab_size
         );
     }

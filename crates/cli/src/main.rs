@@ -9,6 +9,7 @@ mod demo;
 mod generate;
 mod npy;
 mod opts;
+mod profile;
 mod qwen3_cmd;
 mod qwen3_decode;
 mod serve_cmd;

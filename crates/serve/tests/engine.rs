@@ -211,9 +211,15 @@ fn a_long_lived_engine_does_not_grow() {
     }
     let (warm, end) = (after_warmup.unwrap(), e.io_buffer_bytes());
     assert_eq!(e.stats().requests, 300);
-    assert_eq!(warm, end, "I/O buffers grew after 100 requests: {warm} -> {end} bytes");
+    assert_eq!(
+        warm, end,
+        "I/O buffers grew after 100 requests: {warm} -> {end} bytes"
+    );
     // Bounded by the largest step: 256 tokens, 5 rows of logits (power-of-two rounding, one
     // buffer per role).
     let vocab = e.vocab_size();
-    assert!(end <= 4 * (256 * 4 + 5 * vocab * 4 + 5 * 4 + 256 * 64 * 4), "{end} bytes");
+    assert!(
+        end <= 4 * (256 * 4 + 5 * vocab * 4 + 5 * 4 + 256 * 64 * 4),
+        "{end} bytes"
+    );
 }
