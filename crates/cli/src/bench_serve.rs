@@ -138,6 +138,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             max_num_batched_tokens: args.max_num_batched_tokens,
             max_seq_len: seq,
             num_blocks: blocks,
+            long_prefill_threshold: None,
         },
     )?;
     drop(weights);

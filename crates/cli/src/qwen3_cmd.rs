@@ -92,6 +92,17 @@ impl ModelArgs {
     /// Refuses a run of `c` shaped `shape` that cannot fit in the memory available (or the
     /// `--memory-budget`), before anything is allocated: the message gives the estimate item
     /// by item and the ways out. Prints the estimate otherwise.
+    /// `--memory-budget` in bytes, checked.
+    pub(crate) fn memory_budget_bytes(&self) -> Result<Option<u64>> {
+        match self.memory_budget {
+            Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+                bail!("--memory-budget {gb}: give a positive number of GB")
+            }
+            Some(gb) => Ok(Some((gb * 1e9) as u64)),
+            None => Ok(None),
+        }
+    }
+
     /// The memory this run may take and where that figure comes from (`--memory-budget`, or
     /// what the machine has available); `None` when neither is known.
     pub(crate) fn memory_limit(&self) -> Result<Option<(u64, String)>> {

@@ -16,9 +16,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_models::qwen3::{MemoryEstimate, RunShape, eos_token_ids, ops};
+use simpler_models::qwen3::{eos_token_ids, ops};
 use simpler_serve::http::{AppState, serve, unix_now};
-use simpler_serve::{Engine, EngineConfig, Service, ServiceConfig, Tokenizer};
+use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig, Tokenizer};
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{ModelArgs, load_weights};
@@ -54,6 +54,10 @@ pub(crate) struct ServeArgs {
     /// KV blocks (of 16 tokens) instead of a share of the memory.
     #[arg(long, conflicts_with = "kv_memory_fraction")]
     num_kv_blocks: Option<usize>,
+    /// Most tokens one prompt's chunk takes of a step, so a long prompt does not hold up the
+    /// decodes beside it [default: the whole budget].
+    #[arg(long)]
+    long_prefill_threshold: Option<usize>,
     /// Most requests waiting for admission; more get 503.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -80,8 +84,8 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
             args.kv_memory_fraction
         );
     }
-    if args.num_kv_blocks == Some(0) {
-        bail!("--num-kv-blocks must be at least 1");
+    if args.num_kv_blocks == Some(0) || args.long_prefill_threshold == Some(0) {
+        bail!("--num-kv-blocks and --long-prefill-threshold must be at least 1");
     }
     let c = args.model.config(args.layers)?;
     let max_seq_len = args.max_seq_len.unwrap_or(c.max_position_embeddings);
@@ -107,60 +111,26 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     };
 
     // KV blocks: from the memory left after everything else, or as given.
-    let max_seq = max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-    let shape = |kv_slots| RunShape {
-        layers: c.num_hidden_layers,
-        shared_weights: false,
-        kv_slots,
-        max_seq,
-        step_tokens: args.max_num_batched_tokens,
+    let rt = RuntimeConfig {
+        max_batch_size: args.max_batch_size,
+        max_seq_len: Some(max_seq_len),
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        long_prefill_threshold: args.long_prefill_threshold,
+        kv_memory_fraction: args.kv_memory_fraction,
+        num_kv_blocks: args.num_kv_blocks,
+        memory_budget: args.model.memory_budget_bytes()?,
+        ..RuntimeConfig::default()
     };
-    let rest = MemoryEstimate::of(&c, &shape(0))?.total();
-    let block_bytes = (c.kv_bytes_per_token() * PAGE_SIZE) as u64;
-    let gb = |b: u64| b as f64 / 1e9;
-    let limit = args.model.memory_limit()?;
-    let num_blocks = match (args.num_kv_blocks, &limit) {
-        (Some(n), _) => n,
-        (None, Some((limit, source))) => {
-            let left = limit.saturating_sub(rest);
-            let n = (left as f64 * args.kv_memory_fraction / block_bytes as f64) as usize;
-            let most = args.max_batch_size.saturating_mul(max_seq / PAGE_SIZE);
-            let n = n.min(most);
-            if n == 0 {
-                bail!(
-                    "no room for a KV cache: the weights and step buffers need about {:.2} GB of {:.2} GB available ({source}), leaving {:.3} GB; a block of {PAGE_SIZE} tokens takes {:.3} MB. Ways out: --layers N, a smaller --preset, a smaller --max-num-batched-tokens, --num-kv-blocks N",
-                    gb(rest),
-                    gb(*limit),
-                    gb(left),
-                    block_bytes as f64 / 1e6
-                );
-            }
-            n
-        }
-        (None, None) => bail!(
-            "the available memory could not be read: give --num-kv-blocks N (a block of {PAGE_SIZE} tokens takes {:.3} MB)",
-            block_bytes as f64 / 1e6
-        ),
-    };
-    let kv_slots = num_blocks
-        .checked_mul(PAGE_SIZE)
-        .context("--num-kv-blocks is too large")?;
-    args.model.check_memory(&c, &shape(kv_slots))?;
+    let sizing = rt.sizing(
+        &c,
+        simpler_cpu::host_memory::available().map(|m| (m.available, m.source)),
+    )?;
+    let num_blocks = sizing.engine.num_blocks;
 
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let weights = load_weights(&args.model, &c, false)?;
-    let mut engine = Engine::new(
-        worker,
-        &weights,
-        eos.clone(),
-        EngineConfig {
-            max_batch_size: args.max_batch_size,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            max_seq_len,
-            num_blocks,
-        },
-    )?;
+    let mut engine = Engine::new(worker, &weights, eos.clone(), sizing.engine)?;
     drop(weights);
     engine.set_call_config(call);
     let name = match (&args.served_model_name, &args.model.model) {
@@ -185,22 +155,10 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         eos
     );
     eprintln!(
-        "engine: up to {} sequences and {} tokens per step, {max_seq_len} tokens per sequence; KV cache {num_blocks} blocks of {PAGE_SIZE} tokens ({:.2} GB, {} tokens){}",
+        "engine: up to {} sequences and {} tokens per step, {max_seq_len} tokens per sequence; {}",
         args.max_batch_size,
         args.max_num_batched_tokens,
-        gb(block_bytes * num_blocks as u64),
-        num_blocks * PAGE_SIZE,
-        match (&args.num_kv_blocks, &limit) {
-            (Some(_), _) => " as --num-kv-blocks gives".to_string(),
-            (None, Some((l, source))) => format!(
-                ": at most {:.0}% of the {:.2} GB left after {:.2} GB of weights and buffers ({source}), and no more than {} sequences of {max_seq_len} tokens hold",
-                args.kv_memory_fraction * 100.0,
-                gb(l.saturating_sub(rest)),
-                gb(rest),
-                args.max_batch_size
-            ),
-            (None, None) => String::new(),
-        }
+        sizing.describe(&rt)
     );
     let tokenizer = Arc::new(tokenizer);
     let service = Service::start(

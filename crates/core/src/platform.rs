@@ -57,6 +57,12 @@ pub unsafe trait Platform: Send + Sync + 'static {
         index: usize,
         body: Box<dyn FnOnce() + Send>,
     ) -> Result<JoinHandle<()>, PlatformError>;
+    /// Bytes the platform can still allocate now, and where that figure comes from, if it
+    /// knows; callers size caches from it (a server's KV cache) and must ask for an explicit
+    /// size where it is `None`.
+    fn memory_available(&self) -> Option<(u64, String)> {
+        None
+    }
 }
 
 /// Host memory for the core's unit tests (no platform crate is a dependency of the core).

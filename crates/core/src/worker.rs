@@ -173,6 +173,12 @@ impl Worker {
         self.inner.n_cores
     }
 
+    /// Bytes the platform can still allocate now and where the figure comes from (see
+    /// [`Platform::memory_available`]).
+    pub fn memory_available(&self) -> Option<(u64, String)> {
+        self.inner.platform.memory_available()
+    }
+
     /// The platform's description.
     pub fn platform(&self) -> &PlatformInfo {
         &self.inner.info

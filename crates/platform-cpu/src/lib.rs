@@ -167,6 +167,10 @@ unsafe impl Platform for CpuPlatform {
         Ok(Box::new(HostMemory::new(bytes)?))
     }
 
+    fn memory_available(&self) -> Option<(u64, String)> {
+        host_memory::available().map(|m| (m.available, m.source))
+    }
+
     fn spawn_core(
         &self,
         index: usize,

@@ -41,6 +41,9 @@ pub struct EngineConfig {
     pub max_seq_len: usize,
     /// KV blocks of `PAGE_SIZE` tokens in the pool.
     pub num_blocks: usize,
+    /// Most tokens one prompt's chunk takes of a step (`None`: as many as the budget leaves),
+    /// so that one long prompt does not take a whole step from the decodes beside it.
+    pub long_prefill_threshold: Option<usize>,
 }
 
 /// Why a request ended.
@@ -235,6 +238,11 @@ impl Engine {
                 cfg.max_seq_len, c.max_position_embeddings
             )));
         }
+        if cfg.long_prefill_threshold == Some(0) {
+            return Err(EngineError::Config(
+                "long_prefill_threshold must be at least 1".into(),
+            ));
+        }
         if u32::try_from(cfg.num_blocks).is_err() {
             return Err(EngineError::Config(format!(
                 "num_blocks {} is more than block ids can number",
@@ -387,6 +395,19 @@ impl Engine {
         true
     }
 
+    /// Ends every request, frees the KV cache and the model's buffers, and stops the worker's
+    /// threads.
+    pub fn close(mut self) {
+        self.abort_all();
+        let Engine {
+            worker, session, ..
+        } = self;
+        // The session's buffers go before the worker that allocated them.
+        drop(session);
+        // Closing waits for queued runs; none can be queued, steps wait for their runs.
+        let _ = worker.close();
+    }
+
     /// Ends every request and releases every block.
     pub fn abort_all(&mut self) -> Vec<RequestId> {
         let all: Vec<Seq> = self
@@ -446,6 +467,15 @@ impl Engine {
         Ok(done.into_iter().flatten().collect())
     }
 
+    /// Tokens of a sequence with `left` to compute that a step with `budget` left takes.
+    fn chunk(&self, left: usize, budget: usize) -> usize {
+        let n = left.min(budget);
+        match self.cfg.long_prefill_threshold {
+            Some(t) => n.min(t.max(1)),
+            None => n,
+        }
+    }
+
     /// Preempts the most recently admitted running request (to the front of `waiting`).
     fn preempt_newest(&mut self) {
         if let Some(mut s) = self.running.pop() {
@@ -473,7 +503,7 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let n = self.chunk(s.tokens.len() - s.computed, budget);
             let need = s.computed + n;
             let grown = match self.running[i].alloc.as_mut() {
                 Some(a) => self.blocks.grow(a, need).is_ok(),
@@ -513,7 +543,7 @@ impl Engine {
             }
             self.stats.cached_tokens += alloc.cached_tokens as u64;
             s.alloc = Some(alloc);
-            let n = (s.tokens.len() - s.computed).min(budget);
+            let n = self.chunk(s.tokens.len() - s.computed, budget);
             self.running.push(s);
             plan.push((self.running.len() - 1, n));
             budget -= n;

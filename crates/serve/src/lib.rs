@@ -8,6 +8,7 @@ pub mod detok;
 pub mod engine;
 pub mod http;
 pub mod kv_blocks;
+pub mod load;
 pub mod metrics;
 pub mod openai;
 pub mod sampler;
@@ -23,6 +24,7 @@ pub use engine::{
     StepOutput,
 };
 pub use kv_blocks::{Allocation, BlockId, BlockManager, OutOfBlocks};
+pub use load::{LoadError, ModelSource, RuntimeConfig, Sizing};
 pub use sampler::{Sampler, SamplingParams};
 pub use service::{Event, Refusal, Service, ServiceConfig, ServiceHandle, Usage};
 pub use stream::{TextDelta, TextStream};

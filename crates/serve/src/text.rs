@@ -111,6 +111,12 @@ impl TextEngine {
         Ok(TextEngine { engine, tokenizer })
     }
 
+    /// Ends every request, frees the KV cache and the model's buffers, and stops the worker's
+    /// threads.
+    pub fn close(self) {
+        self.engine.close();
+    }
+
     /// The engine.
     pub fn engine(&self) -> &Engine {
         &self.engine

@@ -30,6 +30,7 @@ fn engine(num_blocks: usize, budget: usize) -> Engine {
             max_num_batched_tokens: budget,
             max_seq_len: 1024,
             num_blocks,
+            long_prefill_threshold: None,
         },
     )
     .unwrap()

@@ -42,6 +42,7 @@ fn sizes() -> EngineConfig {
         max_num_batched_tokens: 512,
         max_seq_len: 4096,
         num_blocks: 256,
+        long_prefill_threshold: None,
     }
 }
 

@@ -39,6 +39,7 @@ fn engine() -> Engine {
             max_num_batched_tokens: 256,
             max_seq_len: 512,
             num_blocks: 8,
+            long_prefill_threshold: None,
         },
     )
     .unwrap()

@@ -1,0 +1,161 @@
+//! Loading an engine from a preset with a runtime configuration: KV blocks from the memory
+//! left after the weights (capped by what the batch can hold), refusals that name the field,
+//! and a loaded engine that turns text into text.
+
+use simpler_core::{Worker, WorkerConfig};
+use simpler_models::qwen3::Qwen3Config;
+use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_serve::{EngineError, GenerateConfig, ModelSource, RuntimeConfig, TextEngine};
+
+fn worker() -> Worker {
+    Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .unwrap()
+}
+
+fn config_error(r: Result<simpler_serve::Sizing, EngineError>) -> String {
+    match r {
+        Err(EngineError::Config(m)) => m,
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
+#[test]
+fn kv_blocks_come_from_the_memory_left_after_the_weights() {
+    let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+    let rt = RuntimeConfig {
+        max_seq_len: Some(4096),
+        ..RuntimeConfig::default()
+    };
+    let block = (c.kv_bytes_per_token() * PAGE_SIZE) as u64;
+    // Plenty of memory: capped at what 16 sequences of 4096 tokens hold.
+    let s = rt.sizing(&c, Some((1 << 40, "test".into()))).unwrap();
+    assert_eq!(s.engine.num_blocks, 16 * 4096 / PAGE_SIZE);
+    // Little memory: half of what is left after the rest.
+    let avail = s.rest_bytes + 40 * block;
+    let s = rt.sizing(&c, Some((avail, "test".into()))).unwrap();
+    assert_eq!(s.engine.num_blocks, 20);
+    assert!(s.describe(&rt).contains("20 blocks"), "{}", s.describe(&rt));
+    // A budget below what the platform has wins.
+    let s = RuntimeConfig {
+        memory_budget: Some(avail),
+        ..rt.clone()
+    }
+    .sizing(&c, Some((1 << 40, "test".into())))
+    .unwrap();
+    assert_eq!(s.engine.num_blocks, 20);
+    // No room: an error with the numbers.
+    let m = config_error(rt.sizing(&c, Some((s.rest_bytes / 2, "test".into()))));
+    assert!(
+        m.contains("no room for a KV cache") && m.contains("GB"),
+        "{m}"
+    );
+    // Unknown memory needs an explicit count; an explicit count that cannot fit is refused.
+    let m = config_error(rt.sizing(&c, None));
+    assert!(m.contains("num_kv_blocks"), "{m}");
+    let fixed = RuntimeConfig {
+        num_kv_blocks: Some(1000),
+        ..rt.clone()
+    };
+    assert_eq!(fixed.sizing(&c, None).unwrap().engine.num_blocks, 1000);
+    let m = config_error(fixed.sizing(&c, Some((avail, "test".into()))));
+    assert!(m.contains("needs about"), "{m}");
+}
+
+#[test]
+fn unsupported_settings_are_refused_by_name() {
+    let c = Qwen3Config::preset("qwen3-tiny").unwrap();
+    let cases: Vec<(RuntimeConfig, &str)> = vec![
+        (
+            RuntimeConfig {
+                page_size: 64,
+                ..RuntimeConfig::default()
+            },
+            "page_size",
+        ),
+        (
+            RuntimeConfig {
+                weight_dtype: "int4".into(),
+                ..RuntimeConfig::default()
+            },
+            "weight_dtype",
+        ),
+        (
+            RuntimeConfig {
+                kv_dtype: "fp8".into(),
+                ..RuntimeConfig::default()
+            },
+            "kv_dtype",
+        ),
+        (
+            RuntimeConfig {
+                kv_memory_fraction: 1.5,
+                ..RuntimeConfig::default()
+            },
+            "kv_memory_fraction",
+        ),
+        (
+            RuntimeConfig {
+                max_seq_len: Some(1 << 20),
+                ..RuntimeConfig::default()
+            },
+            "max_seq_len",
+        ),
+        (
+            RuntimeConfig {
+                long_prefill_threshold: Some(0),
+                ..RuntimeConfig::default()
+            },
+            "long_prefill_threshold",
+        ),
+    ];
+    for (rt, field) in cases {
+        let m = config_error(rt.sizing(&c, Some((1 << 34, "test".into()))));
+        assert!(m.contains(field), "{field}: {m}");
+    }
+}
+
+#[test]
+fn a_loaded_preset_turns_text_into_text_and_a_long_prefill_threshold_changes_no_token() {
+    let source = ModelSource::Preset {
+        name: "qwen3-tiny".into(),
+        seed: 3,
+    };
+    let rt = RuntimeConfig {
+        max_seq_len: Some(1024),
+        num_kv_blocks: Some(16),
+        ..RuntimeConfig::default()
+    };
+    let (mut te, sizing) = TextEngine::load(worker(), &source, &rt, None).unwrap();
+    assert_eq!(sizing.engine.num_blocks, 16);
+    let cfg = GenerateConfig {
+        max_new_tokens: 8,
+        ..GenerateConfig::default()
+    };
+    let prompt = "A long prompt, so that a small threshold cuts it into several chunks: one two three four five six seven eight nine ten.";
+    let whole = te.generate_result(prompt, &cfg).unwrap();
+    assert!(!whole.token_ids.is_empty());
+    assert_eq!(
+        whole.text,
+        te.tokenizer().decode(&whole.token_ids, true).unwrap()
+    );
+    te.close();
+    let (mut chunked, _) = TextEngine::load(
+        worker(),
+        &source,
+        &RuntimeConfig {
+            long_prefill_threshold: Some(5),
+            ..rt
+        },
+        None,
+    )
+    .unwrap();
+    let r = chunked.generate_result(prompt, &cfg).unwrap();
+    assert!(chunked.engine().stats().steps >= whole.prompt_tokens.div_ceil(5) as u64);
+    assert_eq!(r.token_ids, whole.token_ids);
+}
