@@ -123,7 +123,7 @@ impl Diagnostics {
             });
         }
         self.graph.tasks.push(TaskNode {
-            id: id.0,
+            id: id.trace_id(),
             scope: match kind {
                 ScopeKind::Auto => ScopeKindRecord::Auto,
                 ScopeKind::Manual => ScopeKindRecord::Manual,
@@ -145,7 +145,7 @@ impl Diagnostics {
         block_num: u32,
         kernel: Option<u32>,
     ) {
-        self.fingerprint.u64(id.0);
+        self.fingerprint.u64(id.trace_id());
         self.fingerprint.u64(kernel.map_or(u64::MAX, u64::from));
         self.fingerprint.u64(block_num as u64);
         let mut seen: Vec<(TaskId, crate::trace::EdgeSource)> = Vec::new();
@@ -154,11 +154,11 @@ impl Diagnostics {
                 continue;
             }
             seen.push((p.task, p.source));
-            self.fingerprint.u64(p.task.0);
+            self.fingerprint.u64(p.task.trace_id());
             if self.dep_gen {
                 self.graph.edges.push(EdgeRecord {
-                    pred: p.task.0,
-                    succ: id.0,
+                    pred: p.task.trace_id(),
+                    succ: id.trace_id(),
                     source: p.source,
                     overlap: p.overlap,
                 });
@@ -169,7 +169,7 @@ impl Diagnostics {
     pub(crate) fn submit_record(&mut self, task: TaskId, start: u64, end: u64, cap: usize) {
         if self.submits.len() < cap {
             self.submits.push(SubmitRecord {
-                task_id: task.0,
+                task_id: task.trace_id(),
                 start,
                 end,
             });

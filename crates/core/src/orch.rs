@@ -84,6 +84,8 @@ pub struct Orchestrator {
     pub(crate) map: TensorMap,
     pub(crate) bound: IdMap<BufferId, Buffer>,
     pub(crate) epoch: u64,
+    /// The run's tag in the ids it hands out (`task::run_tag(epoch)`).
+    pub(crate) run_tag: u32,
     pub(crate) serial: bool,
     hits: Vec<Hit>,
     producers: Vec<Producer>,
@@ -140,6 +142,7 @@ impl Orchestrator {
             map,
             bound: IdMap::default(),
             epoch,
+            run_tag: crate::task::run_tag(epoch),
             serial,
             hits: Vec::new(),
             producers: Vec::new(),
@@ -346,7 +349,7 @@ impl Orchestrator {
             if m.scope_seq == frame.seq && !m.scope_released {
                 m.scope_released = true;
                 self.run
-                    .release_by_orchestrator(TaskId::new(frame.ring, local));
+                    .release_by_orchestrator(TaskId::in_run(self.run_tag, frame.ring, local));
             }
             local += 1;
         }
@@ -386,7 +389,7 @@ impl Orchestrator {
             n_unique as u64,
             c.scope_seq,
         );
-        let id = TaskId::new(c.ring, local);
+        let id = TaskId::in_run(self.run_tag, c.ring, local);
         {
             let f = self.scopes.last_mut().expect("scope");
             f.tasks += 1;

@@ -171,7 +171,7 @@ impl Orchestrator {
                         "raise ring_task_window to {suggested} for this run: CallConfig.runtime_env.ring_task_window (or split the work into smaller scopes)"
                     ),
                 )
-                .at(Locator { ring: Some(ring), task: Some(TaskId::new(ring, c.reclaimed)), kernel: Some(kname.into()), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), task: Some(TaskId::in_run(self.run_tag, ring, c.reclaimed)), kernel: Some(kname.into()), ..Locator::default() }),
             );
         }
         if self.serial {
@@ -210,7 +210,7 @@ impl Orchestrator {
         why: &str,
     ) -> RunError {
         let c = &self.cursors[ring as usize];
-        let head = TaskId::new(ring, c.reclaimed);
+        let head = TaskId::in_run(self.run_tag, ring, c.reclaimed);
         let (head_state, head_kernel) = if c.reclaimed < c.next_local {
             let s = self.run.arena.rings.slot(head);
             (

@@ -280,7 +280,7 @@ impl RunShared {
         if level >= 1 {
             let finish = if level >= 2 { now_ns() } else { 0 };
             let rec = TaskRecord {
-                task_id: t.0,
+                task_id: t.trace_id(),
                 func: desc.kernel.as_ref().map_or(u32::MAX, |k| k.id.0),
                 class: desc.class,
                 core: cx.core as u32,

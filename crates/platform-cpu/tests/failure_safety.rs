@@ -402,6 +402,84 @@ fn views_from_another_worker_or_run_are_rejected() {
     gang_of_all_cores(&a, &gang);
 }
 
+/// A task id kept from an earlier run names a position that the next run fills again, so only
+/// the run it carries tells the two apart: it is refused, and so is an id of another worker's
+/// run. The run after that is unaffected.
+#[test]
+fn a_task_id_from_an_earlier_run_or_another_worker_is_refused() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let a = worker(Tracking::default(), Arc::default(), gang.clone());
+    let b = worker(Tracking::default(), Arc::default(), gang.clone());
+    let ids: Arc<Mutex<Vec<TaskId>>> = Arc::default();
+    let keep = ids.clone();
+    a.run_fn(
+        "first",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            let first = o.submit(Task::dummy())?.id;
+            o.submit(Task::dummy().after(first))?;
+            keep.lock().unwrap().push(first);
+            Ok(())
+        },
+    )
+    .unwrap();
+    let stale = ids.lock().unwrap()[0];
+    let keep = ids.clone();
+    let r = a.run_fn(
+        "second",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            // The same position as `stale`, submitted in this run: an id without its run would
+            // pass the "submitted in this run" check and name this task.
+            let fresh = o.submit(Task::dummy())?.id;
+            keep.lock().unwrap().push(fresh);
+            o.submit(Task::dummy().after(stale))?;
+            Ok(())
+        },
+    );
+    let fresh = ids.lock().unwrap()[1];
+    assert_eq!((fresh.ring(), fresh.local()), (stale.ring(), stale.local()));
+    assert_ne!(fresh, stale);
+    let refused = |r: Result<RunReport, Error>| match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidArgs, "{e}");
+            assert!(
+                e.detail.contains("not returned by a submit of this run"),
+                "{e}"
+            );
+        }
+        other => panic!("a task id of another run was accepted: {other:?}"),
+    };
+    refused(r);
+    refused(b.run_fn(
+        "foreign",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::dummy())?;
+            o.submit(Task::dummy().after(stale))?;
+            Ok(())
+        },
+    ));
+    // The run after that: explicit dependencies on its own ids order its tasks.
+    let buf = a.buffer_from(&[0.0f32; 4]).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    a.run_fn("third", args, &CallConfig::default(), |o, args| {
+        let t = o.bind(&args.buffers[0], DType::F32, &[4])?;
+        let first = o.submit(Task::new(INC).in_out(&t))?.id;
+        o.submit(Task::new(INC).in_out(&t).after(first))?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(buf.read::<f32>().unwrap(), vec![2.0; 4]);
+    gang_of_all_cores(&a, &gang);
+}
+
 #[test]
 fn a_core_stuck_past_the_scheduler_timeout_is_replaced_for_the_next_run() {
     let flags = Arc::new(Flags::default());
