@@ -518,18 +518,22 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     let gang = Arc::new(Mutex::new(Vec::new()));
     let w = worker(Tracking::default(), Arc::default(), gang.clone());
     let release_first = Arc::new(AtomicBool::new(false));
-    let first_returned = Arc::new(AtomicBool::new(false));
     let second_started = Arc::new(AtomicBool::new(false));
+    // Held by the first orchestration function, which its orchestrator thread drops with the
+    // job after it has dropped the run's registration: the receiver then sees the channel
+    // close, the handshake that tells the second run that the first thread's cleanup is done.
+    let (first_job, first_job_dropped) = std::sync::mpsc::channel::<()>();
+    let first_job_dropped = Mutex::new(first_job_dropped);
     // The first orchestration sits in user code until released: the watchdog fails the run
     // (S5), delivers the error and hands the job queue to a new orchestrator thread.
-    let (rel, ret) = (release_first.clone(), first_returned.clone());
+    let rel = release_first.clone();
     let r = w.run_fn(
         "stuck_orch",
         RunArgs::default(),
         &CallConfig::default(),
         move |_, _| {
+            let _held = &first_job;
             wait_for(|| rel.load(Ordering::SeqCst));
-            ret.store(true, Ordering::SeqCst);
             Ok(())
         },
     );
@@ -543,9 +547,10 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
         }
         other => panic!("expected S5, got {other:?}"),
     }
-    // The second run is registered when the first orchestrator returns; then it submits a task
-    // that only the watchdog can end. It must still be watched (and its cores still joined).
-    let (started, ret) = (second_started.clone(), first_returned.clone());
+    // The second run is registered while the first orchestrator is still stuck; once that
+    // thread has returned and cleaned up, it submits a task that only the watchdog can end. It
+    // must still be watched (and its cores still joined).
+    let started = second_started.clone();
     let mut second = w
         .submit_fn(
             "second",
@@ -553,9 +558,17 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
             &CallConfig::default(),
             move |o, _| {
                 started.store(true, Ordering::SeqCst);
-                wait_for(|| ret.load(Ordering::SeqCst));
-                // Let the first orchestrator thread finish its cleanup.
-                std::thread::sleep(Duration::from_millis(50));
+                let waited = first_job_dropped
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(20));
+                if waited != Err(std::sync::mpsc::RecvTimeoutError::Disconnected) {
+                    return Err(RunError::new(
+                        ErrorCode::ExplicitOrchFatal,
+                        format!("the first orchestrator thread never finished: {waited:?}"),
+                        "",
+                    ));
+                }
                 o.submit(Task::new(SPIN))?;
                 Ok(())
             },
