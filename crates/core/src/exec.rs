@@ -1,8 +1,8 @@
 //! Executing one run on the orchestrator thread: bind, graph build (config, arena, reset),
 //! launch, orchestration, drain, validate, and the [`RunReport`].
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crossbeam_utils::sync::Parker;
@@ -14,7 +14,7 @@ use crate::error::{Error, ErrorCode, RunError};
 use crate::orch::Orchestrator;
 use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
-use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
+use crate::run::{Arena, BoundBuffers, GRACE, RunParts, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
 use crate::worker::{Job, WorkerShared};
@@ -70,7 +70,7 @@ fn run_bound(
     let serial = job.cfg.mode == OrchMode::Serial;
     let parker = Parker::new();
     let epoch = crate::tensor::fresh_run_epoch();
-    let run = Arc::new(RunShared {
+    let run = Arc::new(RunShared::new(RunParts {
         epoch,
         arena: arena.clone(),
         wake: inner.core_pool.wake.clone(),
@@ -79,37 +79,14 @@ fn run_bound(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
-        queues: Default::default(),
-        fatal: FatalLatch::default(),
-        cancel: Arc::new(AtomicBool::new(false)),
-        outstanding: AtomicI64::new(1),
-        submitted: AtomicU64::new(0),
-        skipped: AtomicU64::new(0),
-        edges: AtomicU64::new(0),
-        dispatch_open: AtomicBool::new(!serial),
         bound,
-        finished: AtomicBool::new(false),
-        orch_done: AtomicBool::new(false),
-        orch_waiting: AtomicBool::new(false),
         orch_unparker: parker.unparker().clone(),
-        done: Mutex::new(false),
-        done_cv: Condvar::new(),
-        cores: (0..n).map(|_| CoreState::default()).collect(),
-        gang: Mutex::new(None),
-        gang_pending: AtomicBool::new(false),
-        timing_slots: Default::default(),
-        sched_start: AtomicU64::new(0),
-        sched_end: AtomicU64::new(0),
+        cores: n,
+        serial,
         swimlane: job.cfg.swimlane,
-        swimlane_cap_per_core: if job.cfg.swimlane > 0 {
-            job.cfg.swimlane_capacity.div_ceil(n).max(1)
-        } else {
-            0
-        },
-        dropped: AtomicU64::new(0),
-        class_cores: [n as u32; 3],
+        swimlane_capacity: job.cfg.swimlane_capacity,
         host_memory: inner.info.host_kernels,
-    });
+    }));
     let parked = arena
         .parked_orchestrator
         .lock()

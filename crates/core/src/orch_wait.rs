@@ -111,14 +111,17 @@ impl Orchestrator {
                 );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
-            // Store, `SeqCst` fence, then the head's state in `head_consumed`: the other half
-            // of the pattern in `RunShared::release`.
-            self.run.orch_waiting.store(true, Ordering::Relaxed);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            // `RoomSignal`'s protocol: say that we wait (and fence), then look at the head's
+            // state. A consumption of the head is never missed (model-checked), so the park
+            // timeout is not what wakes us for it (ring room is freed only by consuming the
+            // head, reclamation being in order). The timeout is for the rest: a completion
+            // that frees dependency-map room without consuming a slot, and the clock of the
+            // backstop above.
+            self.run.room.begin_wait();
             if !self.head_consumed(ring) {
                 self.parker.park_timeout(Duration::from_millis(2));
             }
-            self.run.orch_waiting.store(false, Ordering::Relaxed);
+            self.run.room.end_wait();
         }
     }
 

@@ -133,13 +133,13 @@ impl CorePool {
                 }
                 continue;
             }
-            self.wake.sleep.announce(core);
-            if self.run_seq.load(Ordering::Acquire) == seen
+            if self.wake.sleep.announce(core, generation)
+                && self.run_seq.load(Ordering::Acquire) == seen
                 && !self.wake.shutdown.load(Ordering::Acquire)
             {
                 parker.park_timeout(Duration::from_secs(1));
             }
-            self.wake.sleep.withdraw(core);
+            self.wake.sleep.withdraw(core, generation);
         }
     }
 }

@@ -39,6 +39,8 @@ const PARK: Duration = Duration::from_millis(100);
 pub(crate) struct CoreCtx<'a> {
     pub(crate) core: usize,
     pub(crate) parker: &'a Parker,
+    /// The generation of the thread running the core (see `sleep`).
+    generation: u64,
     next: Option<TaskId>,
     work: Vec<TaskId>,
     turn: bool,
@@ -60,6 +62,7 @@ impl RunShared {
         let mut cx = CoreCtx {
             core,
             parker,
+            generation,
             next: None,
             work: Vec::new(),
             turn: false,
@@ -140,11 +143,15 @@ impl RunShared {
                 std::hint::spin_loop();
             }
         }
-        self.wake.sleep.announce(cx.core);
-        if !self.has_work() && !self.wake.shutdown.load(Ordering::Acquire) {
+        // A retired thread (a newer one owns the core) does not park: it leaves at the top of
+        // the core loop.
+        if self.wake.sleep.announce(cx.core, cx.generation)
+            && !self.has_work()
+            && !self.wake.shutdown.load(Ordering::Acquire)
+        {
             cx.parker.park_timeout(PARK);
         }
-        self.wake.sleep.withdraw(cx.core);
+        self.wake.sleep.withdraw(cx.core, cx.generation);
         self.phase_end(cx, SchedPhase::Idle, t0);
     }
 

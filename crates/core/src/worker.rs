@@ -361,7 +361,7 @@ impl WorkerShared {
                 self.core_pool
                     .wake
                     .sleep
-                    .replace(i, parker.unparker().clone());
+                    .replace(i, parker.unparker().clone(), generation);
                 // Without a thread the core stays missing; later runs still complete on the
                 // others.
                 let _ = self.spawn_core(i, generation + 1, parker);
