@@ -397,6 +397,44 @@ impl RunShared {
 }
 
 #[cfg(test)]
+impl RunShared {
+    /// A run on a tiny arena of host memory, for unit tests of what watches a run.
+    pub(crate) fn for_test(cores: usize) -> RunShared {
+        use crate::config::RING_COUNT;
+        use crate::platform::test_memory::HostVec;
+        use crossbeam_utils::sync::Parker;
+        let arena = Arena {
+            sizes: RingSizes {
+                window: [4; RING_COUNT],
+                heap: [1024; RING_COUNT],
+                dep_pool: [4; RING_COUNT],
+            },
+            rings: Rings {
+                rings: (0..RING_COUNT).map(|_| RingSlots::new(4, 4)).collect(),
+            },
+            heaps: (0..RING_COUNT)
+                .map(|_| Box::new(HostVec::new(1024)) as Box<dyn Memory>)
+                .collect(),
+            parked_orchestrator: Mutex::new(None),
+        };
+        let unparkers = (0..cores).map(|_| Parker::new().unparker().clone());
+        RunShared::new(RunParts {
+            epoch: crate::tensor::fresh_run_epoch(),
+            arena: Arc::new(arena),
+            wake: Arc::new(CoreWake::new(crate::sleep::Sleep::new(unparkers.collect()))),
+            registry: Arc::default(),
+            bound: BoundBuffers::default(),
+            orch_unparker: Parker::new().unparker().clone(),
+            cores,
+            serial: false,
+            swimlane: 0,
+            swimlane_capacity: 0,
+            host_memory: true,
+        })
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::ErrorCode;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::config::Timeouts;
 use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
 use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
@@ -72,7 +73,7 @@ pub(crate) fn run(inner: &Arc<WorkerShared>) {
                 w.recovered = true;
                 recover(inner, &run, &result);
             }
-        } else if let Some(e) = check(&run, w, now, inner) {
+        } else if let Some(e) = check(&run, w, now, &inner.timeouts) {
             run.fail(e);
         }
         // Never sleep holding the run: its arena is reused by the next run only once every
@@ -102,8 +103,13 @@ fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
     }
 }
 
-fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> Option<RunError> {
-    let t = inner.timeouts;
+fn check(run: &RunShared, w: &mut Watch, now: Instant, t: &Timeouts) -> Option<RunError> {
+    // A run whose orchestration has returned and whose tasks have all completed is over: the
+    // orchestrator thread is only collecting its results. No timeout applies any more (the
+    // stream-sync clock in particular keeps running until the run is unregistered).
+    if run.orch_done.load(Ordering::Acquire) && run.outstanding.load(Ordering::Acquire) == 0 {
+        return None;
+    }
     if now - w.started > t.stream_sync {
         return Some(RunError::new(
             ErrorCode::StreamSyncTimeout,
@@ -227,5 +233,48 @@ fn recover(inner: &Arc<WorkerShared>, run: &Arc<RunShared>, result: &Arc<crate::
         inner.core_pool.unregister(run);
         let _ = inner.replace_orchestrator();
         result.deliver(Err(err.into()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watch(run: &RunShared, started: Instant) -> Watch {
+        Watch {
+            started,
+            last_counts: counts(run),
+            last_progress: started,
+            running: vec![(0, 0, started); run.cores.len()],
+            failed_at: None,
+            recovered: false,
+        }
+    }
+
+    /// Past every timeout (the clock is an argument, so no time passes), a run that is over
+    /// gets no verdict, while the same run with a task outstanding does.
+    #[test]
+    fn a_finished_run_is_never_failed() {
+        let t = Timeouts {
+            scheduler: Duration::from_millis(10),
+            op_execute: Duration::from_millis(20),
+            stream_sync: Duration::from_millis(2000),
+        };
+        let run = RunShared::for_test(2);
+        let start = Instant::now();
+        let late = start + t.stream_sync * 2;
+        // The orchestration has returned; one task is still outstanding.
+        run.outstanding.store(1, Ordering::Release);
+        run.orch_done.store(true, Ordering::Release);
+        let e = check(&run, &mut watch(&run, start), late, &t).expect("a live run times out");
+        assert_eq!(e.code, ErrorCode::StreamSyncTimeout);
+        // Its last task completes: the run is over, whatever the clock says.
+        run.finish_one();
+        assert_eq!(check(&run, &mut watch(&run, start), late, &t), None);
+        // A stale "running" entry does not revive it either.
+        run.cores[0].current.store(1, Ordering::Release);
+        let mut w = watch(&run, start);
+        w.running[0] = (1, 0, start);
+        assert_eq!(check(&run, &mut w, late, &t), None);
     }
 }
