@@ -18,21 +18,10 @@ use crate::kernel::{TaskDesc, TensorArg};
 use crate::ring::{OUTPUT_ALIGN, RingCursor};
 use crate::run::RunShared;
 use crate::slot::{NO_ENTRY, entry_ref, state};
-use crate::task::{ArgSpec, ArgTag, EngineClass, Task, TaskId};
+use crate::task::{ArgSpec, ArgTag, EngineClass, ScopeKind, Task, TaskId};
 use crate::tensor::{BufferId, MAX_DIMS, Relation, Tensor};
 use crate::tensormap::{Hit, IdMap, TensorMap};
 use crate::trace::{EdgeSource, OverlapKind};
-
-/// How dependencies are found inside a scope.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScopeKind {
-    /// From the tensors each task touches (the default).
-    Auto,
-    /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
-    /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
-    /// Opened only through the unsafe [`Orchestrator::manual_scope`].
-    Manual,
-}
 
 pub(crate) struct ScopeFrame {
     pub(crate) seq: u64,
@@ -354,7 +343,8 @@ impl Orchestrator {
             local += 1;
         }
         if self.diag.ring_stats {
-            self.diag.scope_closed(&frame);
+            self.diag
+                .scope_closed(frame.site, frame.ring, frame.tasks, frame.heap);
         }
     }
 
@@ -408,8 +398,12 @@ impl Orchestrator {
                 .kernel
                 .as_ref()
                 .map(|k| k.id.0);
-            self.diag
-                .capture_edges(id, &self.producers, task.block_num, kernel);
+            let edges = self
+                .producers
+                .iter()
+                .filter(|p| p.wait)
+                .map(|p| (p.task, p.source, p.overlap));
+            self.diag.capture_edges(id, edges, task.block_num, kernel);
         }
         self.publish(id, &task, scope_kind);
         if self.run.swimlane >= 4 {

@@ -106,6 +106,17 @@ impl std::fmt::Display for TaskId {
     }
 }
 
+/// How dependencies are found inside a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// From the tensors each task touches (the default).
+    Auto,
+    /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
+    /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
+    /// Opened only through the unsafe [`Orchestrator::manual_scope`](crate::Orchestrator::manual_scope).
+    Manual,
+}
+
 /// How a task uses a tensor argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
