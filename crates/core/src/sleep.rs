@@ -12,7 +12,7 @@
 //! parks returns at once (the parker keeps the token).
 //!
 //! A core can change threads: a thread stuck in a kernel past the grace period is retired and
-//! the core handed to a new thread (`WorkerShared::retire_stuck_cores`), and the retired
+//! the core handed to a new thread (`CorePool::retire_stuck_cores`), and the retired
 //! thread may be idle in the sleep protocol at that moment rather than in user code (a loaded
 //! host kept it from leaving in time). For a while two threads then use one core's flag. So
 //! the flag holds the *generation* of the thread that announced (generation + 1; 0 is none),
