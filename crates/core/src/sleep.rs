@@ -7,14 +7,15 @@
 //!
 //! No wake-up is lost: a core counts itself in `sleepers`, sets its flag, issues a `SeqCst`
 //! fence, and only then re-checks for work before parking; a waker publishes the work, issues a
-//! `SeqCst` fence, and only then reads the count and the flags. Either the core sees the work or
-//! the waker sees the core (its count and its flag). A parked core that is unparked before it
-//! parks returns at once (the parker keeps the token).
+//! `SeqCst` fence, and only then reads the count and the flags. Either the core sees the work,
+//! or the waker sees the core: its count (which it drops only once awake again), so the waker
+//! scans the flags, and its flag (unless another waker took it, and woke it). A parked core
+//! that is unparked before it parks returns at once (the parker keeps the token).
 //!
-//! A core can change threads: a thread stuck in a kernel past the grace period is retired and
-//! the core handed to a new thread (`CorePool::retire_stuck_cores`), and the retired
-//! thread may be idle in the sleep protocol at that moment rather than in user code (a loaded
-//! host kept it from leaving in time). For a while two threads then use one core's flag. So
+//! A core can change threads: a thread still inside a failed run's core loop after the grace
+//! period is retired and the core handed to a new thread (`CorePool::retire_stuck_cores`).
+//! The retired thread is usually stuck in a kernel, but it may be idle in the sleep protocol
+//! instead, not in user code at all (a loaded host kept it from leaving in time). For a while two threads then use one core's flag. So
 //! the flag holds the *generation* of the thread that announced (generation + 1; 0 is none),
 //! a thread withdraws only its own announcement, and one never overwrites a newer generation's;
 //! and `sleepers` counts threads between `announce` and `withdraw`, each thread adding and
