@@ -6,13 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::kernel::{KernelSpec, TensorArg};
-use crate::orch::{Producer, ScopeFrame, ScopeKind};
-use crate::task::TaskId;
+use crate::task::{ScopeKind, TaskId};
 use crate::tensor::BufferId;
 use crate::tensormap::TensorMap;
 use crate::trace::{
-    ArgRecord, DepGraph, EdgeRecord, ScopeKindRecord, ScopeSiteUsage, SubmitRecord,
-    TRACE_FORMAT_VERSION, TaskNode, TensorNode,
+    ArgRecord, DepGraph, EdgeRecord, EdgeSource, OverlapKind, ScopeKindRecord, ScopeSiteUsage,
+    SubmitRecord, TRACE_FORMAT_VERSION, TaskNode, TensorNode,
 };
 
 /// Formats a byte count with a binary unit (`256 MiB`).
@@ -123,7 +122,7 @@ impl Diagnostics {
             });
         }
         self.graph.tasks.push(TaskNode {
-            id: id.0,
+            id: id.trace_id(),
             scope: match kind {
                 ScopeKind::Auto => ScopeKindRecord::Auto,
                 ScopeKind::Manual => ScopeKindRecord::Manual,
@@ -136,31 +135,31 @@ impl Diagnostics {
         });
     }
 
-    /// Records the edges of a submitted task (all distinct (producer, source) pairs) and folds
-    /// the task into the fingerprint.
+    /// Records the edges of a submitted task (all distinct (producer, source) pairs among the
+    /// producers it waits for) and folds the task into the fingerprint.
     pub(crate) fn capture_edges(
         &mut self,
         id: TaskId,
-        producers: &[Producer],
+        waits_for: impl Iterator<Item = (TaskId, EdgeSource, OverlapKind)>,
         block_num: u32,
         kernel: Option<u32>,
     ) {
-        self.fingerprint.u64(id.0);
+        self.fingerprint.u64(id.trace_id());
         self.fingerprint.u64(kernel.map_or(u64::MAX, u64::from));
         self.fingerprint.u64(block_num as u64);
-        let mut seen: Vec<(TaskId, crate::trace::EdgeSource)> = Vec::new();
-        for p in producers.iter().filter(|p| p.wait) {
-            if seen.contains(&(p.task, p.source)) {
+        let mut seen: Vec<(TaskId, EdgeSource)> = Vec::new();
+        for (task, source, overlap) in waits_for {
+            if seen.contains(&(task, source)) {
                 continue;
             }
-            seen.push((p.task, p.source));
-            self.fingerprint.u64(p.task.0);
+            seen.push((task, source));
+            self.fingerprint.u64(task.trace_id());
             if self.dep_gen {
                 self.graph.edges.push(EdgeRecord {
-                    pred: p.task.0,
-                    succ: id.0,
-                    source: p.source,
-                    overlap: p.overlap,
+                    pred: task.trace_id(),
+                    succ: id.trace_id(),
+                    source,
+                    overlap,
                 });
             }
         }
@@ -169,7 +168,7 @@ impl Diagnostics {
     pub(crate) fn submit_record(&mut self, task: TaskId, start: u64, end: u64, cap: usize) {
         if self.submits.len() < cap {
             self.submits.push(SubmitRecord {
-                task_id: task.0,
+                task_id: task.trace_id(),
                 start,
                 end,
             });
@@ -178,16 +177,24 @@ impl Diagnostics {
         }
     }
 
-    pub(crate) fn scope_closed(&mut self, f: &ScopeFrame) {
-        let key = (f.site.file(), f.site.line(), f.site.column());
+    /// A scope opened at `site` in ring `ring` closed after `tasks` tasks and `heap` bytes
+    /// submitted directly in it.
+    pub(crate) fn scope_closed(
+        &mut self,
+        site: &'static std::panic::Location<'static>,
+        ring: u8,
+        tasks: u64,
+        heap: u64,
+    ) {
+        let key = (site.file(), site.line(), site.column());
         let e = self.sites.entry(key).or_insert_with(|| ScopeSiteUsage {
-            site: format!("{}:{}", f.site.file(), f.site.line()),
-            ring: f.ring,
+            site: format!("{}:{}", site.file(), site.line()),
+            ring,
             ..ScopeSiteUsage::default()
         });
         e.opened += 1;
-        e.max_tasks = e.max_tasks.max(f.tasks);
-        e.max_heap = e.max_heap.max(f.heap);
+        e.max_tasks = e.max_tasks.max(tasks);
+        e.max_heap = e.max_heap.max(heap);
     }
 
     /// The fingerprint as 16 hex digits.

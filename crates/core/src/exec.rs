@@ -1,23 +1,66 @@
 //! Executing one run on the orchestrator thread: bind, graph build (config, arena, reset),
 //! launch, orchestration, drain, validate, and the [`RunReport`].
+//!
+//! What a run is ([`Job`]: an orchestration function, its [`RunArgs`], a config and where the
+//! result lands) and what executing it needs of the worker ([`ExecEnv`]) are defined here, so
+//! the executor sits below the worker and never reaches it.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_utils::sync::Parker;
 
+use crate::buffer::Buffer;
 use crate::clock::now_ns;
+use crate::config::CallConfig;
 use crate::config::{OrchMode, RING_COUNT};
 use crate::diag::{Diagnostics, Fnv};
 use crate::error::{Error, ErrorCode, RunError};
+use crate::kernel::Registry;
 use crate::orch::Orchestrator;
+use crate::platform::Platform;
+use crate::pool::{CorePool, JobResult};
 use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
-use crate::run::{Arena, BoundBuffers, CoreState, FatalLatch, GRACE, RunShared, SlotTiming};
+use crate::run::{Arena, BoundBuffers, GRACE, RunParts, RunShared, SlotTiming};
 use crate::tensormap::TensorMap;
 use crate::trace::{RingStats, RingUsage, SwimlaneRecords, Usage};
-use crate::worker::{Job, WorkerShared};
+
+/// An orchestration function: submits the run's tasks.
+pub type OrchFn = Arc<dyn Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync>;
+
+/// Arguments of a run: buffers (bound for the run's duration) and scalars.
+#[derive(Clone, Debug, Default)]
+pub struct RunArgs {
+    /// Buffers the orchestration may view (`Orchestrator::bind` with one of these is free).
+    pub buffers: Vec<Buffer>,
+    /// Scalars.
+    pub scalars: Vec<u64>,
+}
+
+/// A queued run.
+pub(crate) struct Job {
+    pub(crate) name: String,
+    pub(crate) f: OrchFn,
+    pub(crate) args: RunArgs,
+    pub(crate) cfg: CallConfig,
+    pub(crate) result: Arc<JobResult>,
+}
+
+/// What executing a run needs of its worker: the platform (for arenas), the core pool (to
+/// register the run and replace stuck cores), the kernels, the cached arena and the warnings
+/// every report carries.
+pub(crate) struct ExecEnv<'a> {
+    pub(crate) platform: &'a dyn Platform,
+    /// Whether tensor memory is host memory.
+    pub(crate) host_memory: bool,
+    pub(crate) core_pool: &'a Arc<CorePool>,
+    pub(crate) cores: usize,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) arena: &'a Mutex<Option<Arc<Arena>>>,
+    pub(crate) warnings: &'a [String],
+}
 
 /// Per-process invocation counter.
 static INVOCATIONS: AtomicU64 = AtomicU64::new(0);
@@ -29,7 +72,7 @@ fn iv(start_ns: u64, end_ns: u64) -> Interval {
     }
 }
 
-pub(crate) fn execute(inner: &Arc<WorkerShared>, job: Job) -> Result<RunReport, Error> {
+pub(crate) fn execute(inner: &ExecEnv<'_>, job: Job) -> Result<RunReport, Error> {
     let host0 = now_ns();
     // bind: the run's buffers become unavailable to host copies until the run releases them.
     let bound = BoundBuffers::default();
@@ -54,7 +97,7 @@ pub(crate) fn execute(inner: &Arc<WorkerShared>, job: Job) -> Result<RunReport, 
 }
 
 fn run_bound(
-    inner: &Arc<WorkerShared>,
+    inner: &ExecEnv<'_>,
     job: &Job,
     host0: u64,
     bind1: u64,
@@ -66,50 +109,23 @@ fn run_bound(
     let cv1 = now_ns();
     let arena = take_arena(inner, valid.rings)?;
     let aw1 = now_ns();
-    let n = inner.n_cores;
+    let n = inner.cores;
     let serial = job.cfg.mode == OrchMode::Serial;
     let parker = Parker::new();
     let epoch = crate::tensor::fresh_run_epoch();
-    let run = Arc::new(RunShared {
+    let run = Arc::new(RunShared::new(RunParts {
         epoch,
         arena: arena.clone(),
         wake: inner.core_pool.wake.clone(),
-        registry: inner
-            .registry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone(),
-        queues: Default::default(),
-        fatal: FatalLatch::default(),
-        cancel: Arc::new(AtomicBool::new(false)),
-        outstanding: AtomicI64::new(1),
-        submitted: AtomicU64::new(0),
-        skipped: AtomicU64::new(0),
-        edges: AtomicU64::new(0),
-        dispatch_open: AtomicBool::new(!serial),
+        registry: inner.registry.clone(),
         bound,
-        finished: AtomicBool::new(false),
-        orch_done: AtomicBool::new(false),
-        orch_waiting: AtomicBool::new(false),
         orch_unparker: parker.unparker().clone(),
-        done: Mutex::new(false),
-        done_cv: Condvar::new(),
-        cores: (0..n).map(|_| CoreState::default()).collect(),
-        gang: Mutex::new(None),
-        gang_pending: AtomicBool::new(false),
-        timing_slots: Default::default(),
-        sched_start: AtomicU64::new(0),
-        sched_end: AtomicU64::new(0),
+        cores: n,
+        serial,
         swimlane: job.cfg.swimlane,
-        swimlane_cap_per_core: if job.cfg.swimlane > 0 {
-            job.cfg.swimlane_capacity.div_ceil(n).max(1)
-        } else {
-            0
-        },
-        dropped: AtomicU64::new(0),
-        class_cores: [n as u32; 3],
-        host_memory: inner.info.host_kernels,
-    });
+        swimlane_capacity: job.cfg.swimlane_capacity,
+        host_memory: inner.host_memory,
+    }));
     let parked = arena
         .parked_orchestrator
         .lock()
@@ -197,7 +213,7 @@ fn run_bound(
     if all_left {
         run.bound.release();
     } else {
-        inner.retire_stuck_cores(&run);
+        inner.core_pool.retire_stuck_cores(&run);
     }
     drop(registration);
     if let Some(e) = run.fatal.get().cloned() {
@@ -237,7 +253,7 @@ fn run_bound(
         },
         cores: n as u32,
         overlapped: !serial,
-        warnings: inner.warnings.clone(),
+        warnings: inner.warnings.to_vec(),
         ..RunReport::default()
     };
     collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
@@ -297,7 +313,7 @@ fn park_orchestrator(arena: &Arena, orch: Orchestrator) {
         .unwrap_or_else(|p| p.into_inner()) = Some((cursors, map));
 }
 
-fn take_arena(inner: &WorkerShared, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
+fn take_arena(inner: &ExecEnv<'_>, sizes: crate::config::RingSizes) -> Result<Arc<Arena>, Error> {
     let cached = inner.arena.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(a) = cached.filter(|a| a.sizes == sizes) {
         // Cores drop their handle on the previous run just after leaving it; give them a moment
@@ -311,7 +327,7 @@ fn take_arena(inner: &WorkerShared, sizes: crate::config::RingSizes) -> Result<A
             return Ok(a);
         }
     }
-    Ok(Arc::new(Arena::new(sizes, &*inner.platform)?))
+    Ok(Arc::new(Arena::new(sizes, inner.platform)?))
 }
 
 fn slot_timings(slots: &[SlotTiming]) -> Vec<TaskSlotTiming> {

@@ -41,11 +41,12 @@ pub use error::{
     BufferError, ConfigError, Diagnosis, Error, ErrorCode, KernelError, Locator, PlatformError,
     RunError, SchedSubclass, TensorError,
 };
+pub use exec::{OrchFn, RunArgs};
 pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
-pub use orch::{Orchestrator, ScopeKind, Submitted};
+pub use orch::{Orchestrator, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo};
 pub use pool::RunHandle;
 pub use report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
-pub use task::{ArgTag, EngineClass, OutputSpec, Task, TaskId};
+pub use task::{ArgTag, EngineClass, OutputSpec, ScopeKind, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
-pub use worker::{OrchFn, RunArgs, Worker, WorkerConfig};
+pub use worker::{Worker, WorkerConfig};

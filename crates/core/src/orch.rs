@@ -18,21 +18,10 @@ use crate::kernel::{TaskDesc, TensorArg};
 use crate::ring::{OUTPUT_ALIGN, RingCursor};
 use crate::run::RunShared;
 use crate::slot::{NO_ENTRY, entry_ref, state};
-use crate::task::{ArgSpec, ArgTag, EngineClass, Task, TaskId};
+use crate::task::{ArgSpec, ArgTag, EngineClass, ScopeKind, Task, TaskId};
 use crate::tensor::{BufferId, MAX_DIMS, Relation, Tensor};
 use crate::tensormap::{Hit, IdMap, TensorMap};
 use crate::trace::{EdgeSource, OverlapKind};
-
-/// How dependencies are found inside a scope.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScopeKind {
-    /// From the tensors each task touches (the default).
-    Auto,
-    /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
-    /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
-    /// Opened only through the unsafe [`Orchestrator::manual_scope`].
-    Manual,
-}
 
 pub(crate) struct ScopeFrame {
     pub(crate) seq: u64,
@@ -84,6 +73,8 @@ pub struct Orchestrator {
     pub(crate) map: TensorMap,
     pub(crate) bound: IdMap<BufferId, Buffer>,
     pub(crate) epoch: u64,
+    /// The run's tag in the ids it hands out (`task::run_tag(epoch)`).
+    pub(crate) run_tag: u32,
     pub(crate) serial: bool,
     hits: Vec<Hit>,
     producers: Vec<Producer>,
@@ -140,6 +131,7 @@ impl Orchestrator {
             map,
             bound: IdMap::default(),
             epoch,
+            run_tag: crate::task::run_tag(epoch),
             serial,
             hits: Vec::new(),
             producers: Vec::new(),
@@ -346,12 +338,13 @@ impl Orchestrator {
             if m.scope_seq == frame.seq && !m.scope_released {
                 m.scope_released = true;
                 self.run
-                    .release_by_orchestrator(TaskId::new(frame.ring, local));
+                    .release_by_orchestrator(TaskId::in_run(self.run_tag, frame.ring, local));
             }
             local += 1;
         }
         if self.diag.ring_stats {
-            self.diag.scope_closed(&frame);
+            self.diag
+                .scope_closed(frame.site, frame.ring, frame.tasks, frame.heap);
         }
     }
 
@@ -386,7 +379,7 @@ impl Orchestrator {
             n_unique as u64,
             c.scope_seq,
         );
-        let id = TaskId::new(c.ring, local);
+        let id = TaskId::in_run(self.run_tag, c.ring, local);
         {
             let f = self.scopes.last_mut().expect("scope");
             f.tasks += 1;
@@ -405,8 +398,12 @@ impl Orchestrator {
                 .kernel
                 .as_ref()
                 .map(|k| k.id.0);
-            self.diag
-                .capture_edges(id, &self.producers, task.block_num, kernel);
+            let edges = self
+                .producers
+                .iter()
+                .filter(|p| p.wait)
+                .map(|p| (p.task, p.source, p.overlap));
+            self.diag.capture_edges(id, edges, task.block_num, kernel);
         }
         self.publish(id, &task, scope_kind);
         if self.run.swimlane >= 4 {

@@ -154,6 +154,16 @@ impl Orchestrator {
     }
 
     pub(crate) fn validate_explicit_dep(&self, d: TaskId, kname: &str) -> Result<(), RunError> {
+        // The tag first: an id of an earlier run (or of another worker's run) has a position
+        // that may well be in range here, and would name whatever task holds it now.
+        if d.run_tag() != self.run_tag {
+            return Err(self.fail(invalid(
+                format!(
+                    "kernel {kname:?}: explicit dependency on {d}, which was not returned by a submit of this run (it comes from another run or worker, or was built by hand)"
+                ),
+                "task ids are valid only within the run that submitted them; depend only on ids returned by earlier submits of the same run",
+            )));
+        }
         let ok = (d.ring() as usize) < self.cursors.len()
             && d.local() < self.cursors[d.ring() as usize].next_local;
         if !ok {

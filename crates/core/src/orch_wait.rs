@@ -111,14 +111,17 @@ impl Orchestrator {
                 );
                 return Err(self.fail(e.diagnosed(Diagnosis::Backstop)));
             }
-            // Store, `SeqCst` fence, then the head's state in `head_consumed`: the other half
-            // of the pattern in `RunShared::release`.
-            self.run.orch_waiting.store(true, Ordering::Relaxed);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            // `RoomSignal`'s protocol: say that we wait (and fence), then look at the head's
+            // state. A consumption of the head is never missed (model-checked), so the park
+            // timeout is not what wakes us for it (ring room is freed only by consuming the
+            // head, reclamation being in order). The timeout is for the rest: a completion
+            // that frees dependency-map room without consuming a slot, and the clock of the
+            // backstop above.
+            self.run.room.begin_wait();
             if !self.head_consumed(ring) {
                 self.parker.park_timeout(Duration::from_millis(2));
             }
-            self.run.orch_waiting.store(false, Ordering::Relaxed);
+            self.run.room.end_wait();
         }
     }
 
@@ -171,7 +174,7 @@ impl Orchestrator {
                         "raise ring_task_window to {suggested} for this run: CallConfig.runtime_env.ring_task_window (or split the work into smaller scopes)"
                     ),
                 )
-                .at(Locator { ring: Some(ring), task: Some(TaskId::new(ring, c.reclaimed)), kernel: Some(kname.into()), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), task: Some(TaskId::in_run(self.run_tag, ring, c.reclaimed)), kernel: Some(kname.into()), ..Locator::default() }),
             );
         }
         if self.serial {
@@ -210,7 +213,7 @@ impl Orchestrator {
         why: &str,
     ) -> RunError {
         let c = &self.cursors[ring as usize];
-        let head = TaskId::new(ring, c.reclaimed);
+        let head = TaskId::in_run(self.run_tag, ring, c.reclaimed);
         let (head_state, head_kernel) = if c.reclaimed < c.next_local {
             let s = self.run.arena.rings.slot(head);
             (

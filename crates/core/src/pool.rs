@@ -1,24 +1,31 @@
-//! The core pool: a worker's core threads and the one registration of the run they take part
-//! in, and where a run's result lands ([`JobResult`], read through [`RunHandle`]).
+//! The core pool: a worker's core threads (started on the platform, and replaced when stuck in
+//! user code), the one registration of the run they take part in, and where a run's result
+//! lands ([`JobResult`], read through [`RunHandle`]).
 //!
-//! Layering: the pool sits above the run (it hands cores to the registered [`RunShared`]); the
-//! run sees only the [`CoreWake`] handle below it, never the pool or the worker.
+//! Layering: the pool sits above the run (it hands cores to the registered [`RunShared`]) and
+//! below the worker, the executor and the watchdog, none of which it knows; the run sees only
+//! the [`CoreWake`] handle below it, never the pool.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_utils::sync::Parker;
 
-use crate::error::{Error, RunError};
+use crate::error::{Error, PlatformError, RunError};
+use crate::platform::Platform;
 use crate::report::RunReport;
 use crate::run::RunShared;
-use crate::sleep::CoreWake;
+use crate::sleep::{CoreWake, Sleep};
 
-/// A worker's core threads: waking them ([`CoreWake`]), and the registration of the run they
-/// take part in.
+/// A worker's core threads: starting and replacing them, waking them ([`CoreWake`]), and the
+/// registration of the run they take part in.
 pub(crate) struct CorePool {
     pub(crate) wake: Arc<CoreWake>,
+    platform: Arc<dyn Platform>,
+    /// Every core thread started, replaced ones included (the worker joins those that end).
+    threads: Mutex<Vec<JoinHandle<()>>>,
     /// The run being executed: the one place that says which run is current. Set and cleared
     /// only through a [`Registration`]; cores join what it holds, the watchdog watches it.
     current: Mutex<Option<ActiveRun>>,
@@ -60,12 +67,77 @@ impl Drop for Registration<'_> {
 }
 
 impl CorePool {
-    pub(crate) fn new(wake: Arc<CoreWake>) -> CorePool {
-        CorePool {
+    /// Starts `cores` core threads on `platform`.
+    pub(crate) fn start(
+        platform: Arc<dyn Platform>,
+        cores: usize,
+    ) -> Result<Arc<CorePool>, PlatformError> {
+        let parkers: Vec<Parker> = (0..cores).map(|_| Parker::new()).collect();
+        let wake = Arc::new(CoreWake::new(Sleep::new(
+            parkers.iter().map(|p| p.unparker().clone()).collect(),
+        )));
+        let pool = Arc::new(CorePool {
             wake,
+            platform,
+            threads: Mutex::new(Vec::new()),
             current: Mutex::new(None),
             registered: Condvar::new(),
             run_seq: AtomicU64::new(0),
+        });
+        for (i, p) in parkers.into_iter().enumerate() {
+            if let Err(e) = pool.spawn_core(i, 0, p) {
+                // Stop the threads already started (they hold the pool) before giving up.
+                pool.wake.shutdown.store(true, Ordering::Release);
+                pool.wake.sleep.notify_all();
+                return Err(e);
+            }
+        }
+        Ok(pool)
+    }
+
+    fn spawn_core(
+        self: &Arc<Self>,
+        i: usize,
+        generation: u64,
+        parker: Parker,
+    ) -> Result<(), PlatformError> {
+        let pool = self.clone();
+        let h = self
+            .platform
+            .spawn_core(i, Box::new(move || pool.core_main(i, generation, parker)))?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(h);
+        Ok(())
+    }
+
+    /// The core threads started so far (the caller joins them at shutdown).
+    pub(crate) fn take_threads(&self) -> Vec<JoinHandle<()>> {
+        std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Hands every core still inside `run`'s core loop (stuck in user code past the grace
+    /// period, or idle there on a loaded host) to a fresh thread. The old thread keeps its
+    /// handle on the run, and with it the run's memory and bound buffers, until it leaves the
+    /// core loop; then it exits. Idempotent: a core is replaced only if the thread inside is
+    /// still the core's current one.
+    pub(crate) fn retire_stuck_cores(self: &Arc<Self>, run: &RunShared) {
+        for (i, c) in run.cores.iter().enumerate() {
+            let inside = c.inside.load(Ordering::SeqCst);
+            if inside == 0 {
+                continue;
+            }
+            let generation = inside - 1;
+            if self.wake.retire(i, generation) {
+                let parker = Parker::new();
+                self.wake
+                    .sleep
+                    .replace(i, parker.unparker().clone(), generation);
+                // Without a thread the core stays missing; later runs still complete on the
+                // others.
+                let _ = self.spawn_core(i, generation + 1, parker);
+            }
         }
     }
 
@@ -133,13 +205,13 @@ impl CorePool {
                 }
                 continue;
             }
-            self.wake.sleep.announce(core);
-            if self.run_seq.load(Ordering::Acquire) == seen
+            if self.wake.sleep.announce(core, generation)
+                && self.run_seq.load(Ordering::Acquire) == seen
                 && !self.wake.shutdown.load(Ordering::Acquire)
             {
                 parker.park_timeout(Duration::from_secs(1));
             }
-            self.wake.sleep.withdraw(core);
+            self.wake.sleep.withdraw(core, generation);
         }
     }
 }

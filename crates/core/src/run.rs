@@ -14,7 +14,7 @@ use crate::error::{PlatformError, RunError};
 use crate::kernel::Registry;
 use crate::platform::{Memory, Platform};
 use crate::ring::RingCursor;
-use crate::sleep::CoreWake;
+use crate::sleep::{CoreWake, RoomSignal};
 use crate::slot::{RingSlots, Rings};
 use crate::task::{EngineClass, TIMING_SLOTS, TaskId};
 use crate::tensormap::TensorMap;
@@ -203,8 +203,8 @@ pub(crate) struct RunShared {
     /// Set when the run is over (success or failure): cores leave.
     pub(crate) finished: AtomicBool,
     pub(crate) orch_done: AtomicBool,
-    pub(crate) orch_waiting: AtomicBool,
-    pub(crate) orch_unparker: Unparker,
+    /// Wakes the orchestrator when it waits for ring room (or the run fails).
+    pub(crate) room: RoomSignal,
     pub(crate) done: Mutex<bool>,
     pub(crate) done_cv: Condvar,
     pub(crate) cores: Box<[CoreState]>,
@@ -220,6 +220,64 @@ pub(crate) struct RunShared {
     pub(crate) class_cores: [u32; 3],
     /// Whether tensor memory is host memory (the orchestrator may copy data in and out).
     pub(crate) host_memory: bool,
+}
+
+/// What a run is made of besides its own counters and queues.
+pub(crate) struct RunParts {
+    pub(crate) epoch: u64,
+    pub(crate) arena: Arc<Arena>,
+    pub(crate) wake: Arc<CoreWake>,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) bound: BoundBuffers,
+    pub(crate) orch_unparker: Unparker,
+    pub(crate) cores: usize,
+    pub(crate) serial: bool,
+    pub(crate) swimlane: u8,
+    pub(crate) swimlane_capacity: usize,
+    pub(crate) host_memory: bool,
+}
+
+impl RunShared {
+    /// A run that has not started: nothing submitted, the orchestration's unit of outstanding
+    /// work held.
+    pub(crate) fn new(p: RunParts) -> RunShared {
+        let n = p.cores;
+        RunShared {
+            epoch: p.epoch,
+            arena: p.arena,
+            wake: p.wake,
+            registry: p.registry,
+            queues: Default::default(),
+            fatal: FatalLatch::default(),
+            cancel: Arc::new(AtomicBool::new(false)),
+            outstanding: AtomicI64::new(1),
+            submitted: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            edges: AtomicU64::new(0),
+            dispatch_open: AtomicBool::new(!p.serial),
+            bound: p.bound,
+            finished: AtomicBool::new(false),
+            orch_done: AtomicBool::new(false),
+            room: RoomSignal::new(p.orch_unparker),
+            done: Mutex::new(false),
+            done_cv: Condvar::new(),
+            cores: (0..n).map(|_| CoreState::default()).collect(),
+            gang: Mutex::new(None),
+            gang_pending: AtomicBool::new(false),
+            timing_slots: Default::default(),
+            sched_start: AtomicU64::new(0),
+            sched_end: AtomicU64::new(0),
+            swimlane: p.swimlane,
+            swimlane_cap_per_core: if p.swimlane > 0 {
+                p.swimlane_capacity.div_ceil(n).max(1)
+            } else {
+                0
+            },
+            dropped: AtomicU64::new(0),
+            class_cores: [n as u32; 3],
+            host_memory: p.host_memory,
+        }
+    }
 }
 
 impl RunShared {
@@ -245,7 +303,7 @@ impl RunShared {
             self.fatal.stop.store(true, Ordering::Release);
             self.cancel.store(true, Ordering::Release);
             self.wake.sleep.notify_all();
-            self.orch_unparker.unpark();
+            self.room.wake();
             self.signal_done();
         }
     }
@@ -328,19 +386,51 @@ impl RunShared {
     pub(crate) fn release(&self, id: TaskId) {
         let s = self.slot(id);
         if s.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // Store-buffer pattern against `Orchestrator::wait_for_room`, which stores
-            // `orch_waiting`, fences, then loads the head's state: with a `SeqCst` fence on
-            // both sides, either the orchestrator sees CONSUMED or this side sees it waiting
-            // (and unparks it; an unpark before the park is kept as a token). Without the
-            // fences both could miss, leaving the orchestrator parked until its 2 ms timeout.
-            // Model-checked in `sleep::loom_tests::ring_room_wake_up_is_never_lost`.
+            // `RoomSignal`'s protocol (model-checked with this `Release` store in
+            // `sleep::loom_tests::ring_room_wake_up_is_never_lost`): the state first, then the
+            // fence and the look at whether the orchestrator waits.
             s.state
                 .store(crate::slot::state::CONSUMED, Ordering::Release);
-            std::sync::atomic::fence(Ordering::SeqCst);
-            if self.orch_waiting.load(Ordering::Relaxed) {
-                self.orch_unparker.unpark();
-            }
+            self.room.notify();
         }
+    }
+}
+
+#[cfg(test)]
+impl RunShared {
+    /// A run on a tiny arena of host memory, for unit tests of what watches a run.
+    pub(crate) fn for_test(cores: usize) -> RunShared {
+        use crate::config::RING_COUNT;
+        use crate::platform::test_memory::HostVec;
+        use crossbeam_utils::sync::Parker;
+        let arena = Arena {
+            sizes: RingSizes {
+                window: [4; RING_COUNT],
+                heap: [1024; RING_COUNT],
+                dep_pool: [4; RING_COUNT],
+            },
+            rings: Rings {
+                rings: (0..RING_COUNT).map(|_| RingSlots::new(4, 4)).collect(),
+            },
+            heaps: (0..RING_COUNT)
+                .map(|_| Box::new(HostVec::new(1024)) as Box<dyn Memory>)
+                .collect(),
+            parked_orchestrator: Mutex::new(None),
+        };
+        let unparkers = (0..cores).map(|_| Parker::new().unparker().clone());
+        RunShared::new(RunParts {
+            epoch: crate::tensor::fresh_run_epoch(),
+            arena: Arc::new(arena),
+            wake: Arc::new(CoreWake::new(crate::sleep::Sleep::new(unparkers.collect()))),
+            registry: Arc::default(),
+            bound: BoundBuffers::default(),
+            orch_unparker: Parker::new().unparker().clone(),
+            cores,
+            serial: false,
+            swimlane: 0,
+            swimlane_capacity: 0,
+            host_memory: true,
+        })
     }
 }
 

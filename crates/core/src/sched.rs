@@ -39,6 +39,8 @@ const PARK: Duration = Duration::from_millis(100);
 pub(crate) struct CoreCtx<'a> {
     pub(crate) core: usize,
     pub(crate) parker: &'a Parker,
+    /// The generation of the thread running the core (see `sleep`).
+    generation: u64,
     next: Option<TaskId>,
     work: Vec<TaskId>,
     turn: bool,
@@ -60,6 +62,7 @@ impl RunShared {
         let mut cx = CoreCtx {
             core,
             parker,
+            generation,
             next: None,
             work: Vec::new(),
             turn: false,
@@ -140,11 +143,15 @@ impl RunShared {
                 std::hint::spin_loop();
             }
         }
-        self.wake.sleep.announce(cx.core);
-        if !self.has_work() && !self.wake.shutdown.load(Ordering::Acquire) {
+        // A retired thread (a newer one owns the core) does not park: it leaves at the top of
+        // the core loop.
+        if self.wake.sleep.announce(cx.core, cx.generation)
+            && !self.has_work()
+            && !self.wake.shutdown.load(Ordering::Acquire)
+        {
             cx.parker.park_timeout(PARK);
         }
-        self.wake.sleep.withdraw(cx.core);
+        self.wake.sleep.withdraw(cx.core, cx.generation);
         self.phase_end(cx, SchedPhase::Idle, t0);
     }
 
@@ -280,7 +287,7 @@ impl RunShared {
         if level >= 1 {
             let finish = if level >= 2 { now_ns() } else { 0 };
             let rec = TaskRecord {
-                task_id: t.0,
+                task_id: t.trace_id(),
                 func: desc.kernel.as_ref().map_or(u32::MAX, |k| k.id.0),
                 class: desc.class,
                 core: cx.core as u32,

@@ -49,14 +49,40 @@ impl EngineClass {
     }
 }
 
-/// A submitted task: `(ring << 32) | local_id`.
+/// A submitted task: `(run_tag << 40) | (ring << 32) | local_id`.
+///
+/// The run tag names the run that submitted the task, so an id kept from an earlier run (of
+/// this or another worker) is refused instead of naming whichever task the same slot holds
+/// now. Tags come from the process-unique run epoch and repeat only after
+/// [`TaskId::RUN_TAGS`] runs; tag 0 is never a run's, so an id built with [`TaskId::new`]
+/// names a position, not a submitted task. Trace files carry [`TaskId::trace_id`], without
+/// the tag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TaskId(pub u64);
 
+const RUN_TAG_SHIFT: u32 = 40;
+
 impl TaskId {
-    /// Builds an id from its ring and the ring-local sequence number.
+    /// How many distinct run tags there are (tags cycle through `1..=RUN_TAGS`).
+    pub const RUN_TAGS: u32 = (1 << (64 - RUN_TAG_SHIFT)) - 1;
+
+    /// Builds an id from its ring and the ring-local sequence number, with no run tag (as trace
+    /// files spell ids; no submit returns such an id).
     pub const fn new(ring: u8, local: u32) -> TaskId {
         TaskId(((ring as u64) << 32) | local as u64)
+    }
+    /// The id of task `local` of ring `ring` in the run tagged `run_tag`.
+    pub(crate) const fn in_run(run_tag: u32, ring: u8, local: u32) -> TaskId {
+        TaskId(((run_tag as u64) << RUN_TAG_SHIFT) | TaskId::new(ring, local).0)
+    }
+    /// The tag of the run that submitted the task (0: none).
+    pub const fn run_tag(self) -> u32 {
+        (self.0 >> RUN_TAG_SHIFT) as u32
+    }
+    /// The id as trace files record it: `(ring << 32) | local_id`, without the run tag (a run's
+    /// files describe one run, and stay the same from run to run of one workload).
+    pub const fn trace_id(self) -> u64 {
+        self.0 & ((1 << RUN_TAG_SHIFT) - 1)
     }
     /// Ring set the task lives in (0..=3).
     pub const fn ring(self) -> u8 {
@@ -68,10 +94,27 @@ impl TaskId {
     }
 }
 
+/// The run tag of the run with epoch `epoch`: never 0, repeating every [`TaskId::RUN_TAGS`]
+/// runs.
+pub(crate) const fn run_tag(epoch: u64) -> u32 {
+    (epoch % TaskId::RUN_TAGS as u64) as u32 + 1
+}
+
 impl std::fmt::Display for TaskId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "task {}:{}", self.ring(), self.local())
     }
+}
+
+/// How dependencies are found inside a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// From the tensors each task touches (the default).
+    Auto,
+    /// Only from explicit dependencies ([`Task::after`]); creator edges still keep outputs
+    /// alive. May nest inside manual scopes; an auto scope inside a manual one is an error.
+    /// Opened only through the unsafe [`Orchestrator::manual_scope`](crate::Orchestrator::manual_scope).
+    Manual,
 }
 
 /// How a task uses a tensor argument.

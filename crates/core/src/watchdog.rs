@@ -15,10 +15,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::config::Timeouts;
 use crate::error::{ErrorCode, Locator, RunError, SchedSubclass};
+use crate::pool::{ActiveRun, CorePool, JobResult};
 use crate::run::{GRACE, RunShared};
 use crate::task::TaskId;
-use crate::worker::WorkerShared;
 
 struct Watch {
     started: Instant,
@@ -31,19 +32,17 @@ struct Watch {
     recovered: bool,
 }
 
-pub(crate) fn run(inner: &Arc<WorkerShared>) {
-    let t = inner.timeouts;
+/// Watches the runs `pool` registers until the pool shuts down. `replace_orchestrator` hands
+/// the job queue to a new orchestrator thread (the worker's business, not the watchdog's).
+pub(crate) fn run(pool: &Arc<CorePool>, t: Timeouts, replace_orchestrator: &dyn Fn()) {
     let tick = (t.scheduler / 100).clamp(Duration::from_millis(1), Duration::from_millis(20));
     let mut watch: Option<(u64, Watch)> = None;
     loop {
-        if inner.closed.load(Ordering::Acquire)
-            && inner.core_pool.wake.shutdown.load(Ordering::Acquire)
-        {
+        // Raised only once the worker is closed and its queued runs have finished.
+        if pool.wake.shutdown.load(Ordering::Acquire) {
             return;
         }
-        let Some(crate::pool::ActiveRun { run, result }) =
-            inner.core_pool.wait_current(Duration::from_millis(100))
-        else {
+        let Some(ActiveRun { run, result }) = pool.wait_current(Duration::from_millis(100)) else {
             watch = None;
             continue;
         };
@@ -70,9 +69,9 @@ pub(crate) fn run(inner: &Arc<WorkerShared>) {
             let failed_at = *w.failed_at.get_or_insert(now);
             if !w.recovered && now - failed_at >= GRACE {
                 w.recovered = true;
-                recover(inner, &run, &result);
+                recover(pool, &run, &result, replace_orchestrator);
             }
-        } else if let Some(e) = check(&run, w, now, inner) {
+        } else if let Some(e) = check(&run, w, now, &t) {
             run.fail(e);
         }
         // Never sleep holding the run: its arena is reused by the next run only once every
@@ -102,8 +101,13 @@ fn task_locator(run: &RunShared, id: TaskId, core: Option<usize>) -> Locator {
     }
 }
 
-fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> Option<RunError> {
-    let t = inner.timeouts;
+fn check(run: &RunShared, w: &mut Watch, now: Instant, t: &Timeouts) -> Option<RunError> {
+    // A run whose orchestration has returned and whose tasks have all completed is over: the
+    // orchestrator thread is only collecting its results. No timeout applies any more (the
+    // stream-sync clock in particular keeps running until the run is unregistered).
+    if run.orch_done.load(Ordering::Acquire) && run.outstanding.load(Ordering::Acquire) == 0 {
+        return None;
+    }
     if now - w.started > t.stream_sync {
         return Some(RunError::new(
             ErrorCode::StreamSyncTimeout,
@@ -212,7 +216,12 @@ fn check(run: &RunShared, w: &mut Watch, now: Instant, inner: &WorkerShared) -> 
 /// and hand the run's stuck cores to new threads (the orchestrator thread does that itself
 /// when it is not stuck). The run stays alive, with its bound buffers, for as long as the old
 /// threads hold it.
-fn recover(inner: &Arc<WorkerShared>, run: &Arc<RunShared>, result: &Arc<crate::pool::JobResult>) {
+fn recover(
+    pool: &Arc<CorePool>,
+    run: &Arc<RunShared>,
+    result: &Arc<JobResult>,
+    replace_orchestrator: &dyn Fn(),
+) {
     // Once the orchestration function has returned, the orchestrator thread is in runtime code
     // that ends within the grace period (it retires stuck cores itself): nothing to take over.
     if !result.is_delivered() && !run.orch_done.load(Ordering::Acquire) {
@@ -222,10 +231,53 @@ fn recover(inner: &Arc<WorkerShared>, run: &Arc<RunShared>, result: &Arc<crate::
             .cloned()
             .expect("stopped runs have an error");
         run.finished.store(true, Ordering::SeqCst);
-        inner.core_pool.wake.sleep.notify_all();
-        inner.retire_stuck_cores(run);
-        inner.core_pool.unregister(run);
-        let _ = inner.replace_orchestrator();
+        pool.wake.sleep.notify_all();
+        pool.retire_stuck_cores(run);
+        pool.unregister(run);
+        replace_orchestrator();
         result.deliver(Err(err.into()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watch(run: &RunShared, started: Instant) -> Watch {
+        Watch {
+            started,
+            last_counts: counts(run),
+            last_progress: started,
+            running: vec![(0, 0, started); run.cores.len()],
+            failed_at: None,
+            recovered: false,
+        }
+    }
+
+    /// Past every timeout (the clock is an argument, so no time passes), a run that is over
+    /// gets no verdict, while the same run with a task outstanding does.
+    #[test]
+    fn a_finished_run_is_never_failed() {
+        let t = Timeouts {
+            scheduler: Duration::from_millis(10),
+            op_execute: Duration::from_millis(20),
+            stream_sync: Duration::from_millis(2000),
+        };
+        let run = RunShared::for_test(2);
+        let start = Instant::now();
+        let late = start + t.stream_sync * 2;
+        // The orchestration has returned; one task is still outstanding.
+        run.outstanding.store(1, Ordering::Release);
+        run.orch_done.store(true, Ordering::Release);
+        let e = check(&run, &mut watch(&run, start), late, &t).expect("a live run times out");
+        assert_eq!(e.code, ErrorCode::StreamSyncTimeout);
+        // Its last task completes: the run is over, whatever the clock says.
+        run.finish_one();
+        assert_eq!(check(&run, &mut watch(&run, start), late, &t), None);
+        // A stale "running" entry does not revive it either.
+        run.cores[0].current.store(1, Ordering::Release);
+        let mut w = watch(&run, start);
+        w.running[0] = (1, 0, start);
+        assert_eq!(check(&run, &mut w, late, &t), None);
     }
 }

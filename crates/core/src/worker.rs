@@ -1,8 +1,11 @@
 //! The [`Worker`]: owns a platform's cores, the registered kernels and orchestrations, and runs
 //! orchestrations one at a time (`run` blocks; `submit` returns a [`RunHandle`]).
 //!
-//! Threads of a worker: one per core (started through the platform), one orchestrator thread
-//! that executes queued runs, and one watchdog that enforces the timeouts.
+//! Threads of a worker: one per core (started through the platform and replaced by the
+//! [`CorePool`]), one orchestrator thread that executes queued runs (`exec`), and one watchdog
+//! that enforces the timeouts (`watchdog`). The worker sits on top: it hands the executor the
+//! parts of itself a run needs ([`ExecEnv`]) and the watchdog a way to replace the orchestrator
+//! thread, so neither of them imports the worker.
 //!
 //! Which run is current has one owner: the [`Registration`] the executing orchestrator thread
 //! holds (cores join the registered run, the watchdog watches it). When a run fails, its
@@ -18,32 +21,18 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_utils::sync::Parker;
-
 use crate::buffer::Buffer;
 use crate::config::{CallConfig, Timeouts};
 use crate::error::{ConfigError, Error, PlatformError, RunError};
+use crate::exec::{ExecEnv, Job, OrchFn, RunArgs};
 use crate::kernel::{KernelSpec, Registry};
 use crate::orch::Orchestrator;
 use crate::platform::{Platform, PlatformInfo};
 use crate::pool::{CorePool, JobResult, RunHandle};
 use crate::report::RunReport;
-use crate::run::{Arena, RunShared};
-use crate::sleep::{CoreWake, Sleep};
+use crate::run::Arena;
 use crate::task::EngineClass;
 use crate::tensor::BufferId;
-
-/// An orchestration function: submits the run's tasks.
-pub type OrchFn = Arc<dyn Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync>;
-
-/// Arguments of a run: buffers (bound for the run's duration) and scalars.
-#[derive(Clone, Debug, Default)]
-pub struct RunArgs {
-    /// Buffers the orchestration may view (`Orchestrator::bind` with one of these is free).
-    pub buffers: Vec<Buffer>,
-    /// Scalars.
-    pub scalars: Vec<u64>,
-}
 
 /// How to build a worker.
 #[derive(Clone, Debug, Default)]
@@ -52,14 +41,6 @@ pub struct WorkerConfig {
     pub cores: Option<usize>,
     /// Timeouts; `None` reads the defaults and the environment overrides.
     pub timeouts: Option<Timeouts>,
-}
-
-pub(crate) struct Job {
-    pub(crate) name: String,
-    pub(crate) f: OrchFn,
-    pub(crate) args: RunArgs,
-    pub(crate) cfg: CallConfig,
-    pub(crate) result: Arc<JobResult>,
 }
 
 /// What the worker's handle, its orchestrator thread and its watchdog share: the platform, the
@@ -122,10 +103,7 @@ impl Worker {
         warnings.extend(crate::config::legacy_env_warnings(&|k| {
             std::env::var(k).ok()
         }));
-        let parkers: Vec<Parker> = (0..n_cores).map(|_| Parker::new()).collect();
-        let core_pool = Arc::new(CorePool::new(Arc::new(CoreWake::new(Sleep::new(
-            parkers.iter().map(|p| p.unparker().clone()).collect(),
-        )))));
+        let core_pool = CorePool::start(platform.clone(), n_cores)?;
         let inner = Arc::new(WorkerShared {
             platform,
             info,
@@ -143,14 +121,18 @@ impl Worker {
             orch_gen: AtomicU64::new(0),
             orch_busy: AtomicBool::new(false),
         });
-        for (i, p) in parkers.into_iter().enumerate() {
-            inner.spawn_core(i, 0, p)?;
-        }
         inner.spawn_orchestrator(0)?;
         let w = inner.clone();
         let h = std::thread::Builder::new()
             .name("simpler-watchdog".into())
-            .spawn(move || crate::watchdog::run(&w))
+            .spawn(move || {
+                // The watchdog sees the pool and the timeouts; taking over from a stuck
+                // orchestrator thread is the worker's business, handed to it as a callback.
+                let take_over = || {
+                    let _ = w.replace_orchestrator();
+                };
+                crate::watchdog::run(&w.core_pool, w.timeouts, &take_over)
+            })
             .map_err(|e| PlatformError {
                 platform: "host".into(),
                 what: format!("cannot start the watchdog thread: {e}"),
@@ -333,48 +315,6 @@ impl Drop for Worker {
 }
 
 impl WorkerShared {
-    fn spawn_core(
-        self: &Arc<Self>,
-        i: usize,
-        generation: u64,
-        parker: Parker,
-    ) -> Result<(), PlatformError> {
-        let core_pool = self.core_pool.clone();
-        let h = self.platform.spawn_core(
-            i,
-            Box::new(move || core_pool.core_main(i, generation, parker)),
-        )?;
-        self.threads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(h);
-        Ok(())
-    }
-
-    /// Hands every core still inside `run`'s core loop (stuck in user code past the grace
-    /// period) to a fresh thread. The old thread keeps its handle on the run, and with it the
-    /// run's memory and bound buffers, until its kernel returns; then it exits. Idempotent: a
-    /// core is replaced only if the thread inside is still the core's current one.
-    pub(crate) fn retire_stuck_cores(self: &Arc<Self>, run: &RunShared) {
-        for (i, c) in run.cores.iter().enumerate() {
-            let inside = c.inside.load(Ordering::SeqCst);
-            if inside == 0 {
-                continue;
-            }
-            let generation = inside - 1;
-            if self.core_pool.wake.retire(i, generation) {
-                let parker = Parker::new();
-                self.core_pool
-                    .wake
-                    .sleep
-                    .replace(i, parker.unparker().clone());
-                // Without a thread the core stays missing; later runs still complete on the
-                // others.
-                let _ = self.spawn_core(i, generation + 1, parker);
-            }
-        }
-    }
-
     fn spawn_orchestrator(self: &Arc<Self>, generation: u64) -> Result<(), PlatformError> {
         let me = self.clone();
         let h = std::thread::Builder::new()
@@ -422,8 +362,21 @@ impl WorkerShared {
                 }
             };
             let result = job.result.clone();
+            let env = ExecEnv {
+                platform: &*self.platform,
+                host_memory: self.info.host_kernels,
+                core_pool: &self.core_pool,
+                registry: self
+                    .registry
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
+                arena: &self.arena,
+                cores: self.n_cores,
+                warnings: &self.warnings,
+            };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                crate::exec::execute(&self, job)
+                crate::exec::execute(&env, job)
             }))
             // The run's registration, dropped while unwinding, has failed and unregistered it.
             .unwrap_or_else(|p| Err(Error::Internal(crate::sched::panic_message(&*p))));
@@ -456,8 +409,9 @@ impl WorkerShared {
         self.core_pool.wake.shutdown.store(true, Ordering::Release);
         self.core_pool.wake.sleep.notify_all();
         self.core_pool.registered.notify_all();
-        let threads: Vec<JoinHandle<()>> =
+        let mut threads: Vec<JoinHandle<()>> =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        threads.extend(self.core_pool.take_threads());
         for h in threads {
             // A thread stuck in user code (already replaced) would block the join forever;
             // joining only finished threads keeps close() from hanging on it.

@@ -402,6 +402,84 @@ fn views_from_another_worker_or_run_are_rejected() {
     gang_of_all_cores(&a, &gang);
 }
 
+/// A task id kept from an earlier run names a position that the next run fills again, so only
+/// the run it carries tells the two apart: it is refused, and so is an id of another worker's
+/// run. The run after that is unaffected.
+#[test]
+fn a_task_id_from_an_earlier_run_or_another_worker_is_refused() {
+    let gang = Arc::new(Mutex::new(Vec::new()));
+    let a = worker(Tracking::default(), Arc::default(), gang.clone());
+    let b = worker(Tracking::default(), Arc::default(), gang.clone());
+    let ids: Arc<Mutex<Vec<TaskId>>> = Arc::default();
+    let keep = ids.clone();
+    a.run_fn(
+        "first",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            let first = o.submit(Task::dummy())?.id;
+            o.submit(Task::dummy().after(first))?;
+            keep.lock().unwrap().push(first);
+            Ok(())
+        },
+    )
+    .unwrap();
+    let stale = ids.lock().unwrap()[0];
+    let keep = ids.clone();
+    let r = a.run_fn(
+        "second",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            // The same position as `stale`, submitted in this run: an id without its run would
+            // pass the "submitted in this run" check and name this task.
+            let fresh = o.submit(Task::dummy())?.id;
+            keep.lock().unwrap().push(fresh);
+            o.submit(Task::dummy().after(stale))?;
+            Ok(())
+        },
+    );
+    let fresh = ids.lock().unwrap()[1];
+    assert_eq!((fresh.ring(), fresh.local()), (stale.ring(), stale.local()));
+    assert_ne!(fresh, stale);
+    let refused = |r: Result<RunReport, Error>| match r {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidArgs, "{e}");
+            assert!(
+                e.detail.contains("not returned by a submit of this run"),
+                "{e}"
+            );
+        }
+        other => panic!("a task id of another run was accepted: {other:?}"),
+    };
+    refused(r);
+    refused(b.run_fn(
+        "foreign",
+        RunArgs::default(),
+        &CallConfig::default(),
+        move |o, _| {
+            o.submit(Task::dummy())?;
+            o.submit(Task::dummy().after(stale))?;
+            Ok(())
+        },
+    ));
+    // The run after that: explicit dependencies on its own ids order its tasks.
+    let buf = a.buffer_from(&[0.0f32; 4]).unwrap();
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    a.run_fn("third", args, &CallConfig::default(), |o, args| {
+        let t = o.bind(&args.buffers[0], DType::F32, &[4])?;
+        let first = o.submit(Task::new(INC).in_out(&t))?.id;
+        o.submit(Task::new(INC).in_out(&t).after(first))?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(buf.read::<f32>().unwrap(), vec![2.0; 4]);
+    gang_of_all_cores(&a, &gang);
+}
+
 #[test]
 fn a_core_stuck_past_the_scheduler_timeout_is_replaced_for_the_next_run() {
     let flags = Arc::new(Flags::default());
@@ -440,18 +518,22 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     let gang = Arc::new(Mutex::new(Vec::new()));
     let w = worker(Tracking::default(), Arc::default(), gang.clone());
     let release_first = Arc::new(AtomicBool::new(false));
-    let first_returned = Arc::new(AtomicBool::new(false));
     let second_started = Arc::new(AtomicBool::new(false));
+    // Held by the first orchestration function, which its orchestrator thread drops with the
+    // job after it has dropped the run's registration: the receiver then sees the channel
+    // close, the handshake that tells the second run that the first thread's cleanup is done.
+    let (first_job, first_job_dropped) = std::sync::mpsc::channel::<()>();
+    let first_job_dropped = Mutex::new(first_job_dropped);
     // The first orchestration sits in user code until released: the watchdog fails the run
     // (S5), delivers the error and hands the job queue to a new orchestrator thread.
-    let (rel, ret) = (release_first.clone(), first_returned.clone());
+    let rel = release_first.clone();
     let r = w.run_fn(
         "stuck_orch",
         RunArgs::default(),
         &CallConfig::default(),
         move |_, _| {
+            let _held = &first_job;
             wait_for(|| rel.load(Ordering::SeqCst));
-            ret.store(true, Ordering::SeqCst);
             Ok(())
         },
     );
@@ -465,9 +547,10 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
         }
         other => panic!("expected S5, got {other:?}"),
     }
-    // The second run is registered when the first orchestrator returns; then it submits a task
-    // that only the watchdog can end. It must still be watched (and its cores still joined).
-    let (started, ret) = (second_started.clone(), first_returned.clone());
+    // The second run is registered while the first orchestrator is still stuck; once that
+    // thread has returned and cleaned up, it submits a task that only the watchdog can end. It
+    // must still be watched (and its cores still joined).
+    let started = second_started.clone();
     let mut second = w
         .submit_fn(
             "second",
@@ -475,9 +558,17 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
             &CallConfig::default(),
             move |o, _| {
                 started.store(true, Ordering::SeqCst);
-                wait_for(|| ret.load(Ordering::SeqCst));
-                // Let the first orchestrator thread finish its cleanup.
-                std::thread::sleep(Duration::from_millis(50));
+                let waited = first_job_dropped
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(20));
+                if waited != Err(std::sync::mpsc::RecvTimeoutError::Disconnected) {
+                    return Err(RunError::new(
+                        ErrorCode::ExplicitOrchFatal,
+                        format!("the first orchestrator thread never finished: {waited:?}"),
+                        "",
+                    ));
+                }
                 o.submit(Task::new(SPIN))?;
                 Ok(())
             },
