@@ -62,8 +62,13 @@ fn prompts(n: usize, len: usize, vocab: usize, salt: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Bare decode steps timed per measurement (the first is warm-up).
+const TIMED_STEPS: usize = 17;
+
 struct Measure {
     streams: usize,
+    /// Median time of a bare decode step at batch `streams` (no scheduler), ms.
+    step_ms: f64,
     wall_s: f64,
     out_tokens: usize,
     ttft_ms: Vec<f64>,
@@ -89,8 +94,14 @@ fn measure(
     let t = Instant::now();
     let done: Vec<Completion> = engine.generate(&reqs)?;
     let wall_s = t.elapsed().as_secs_f64();
+    // The same batch's bare decode step, mid-way through the outputs' contexts; the first
+    // step is warm-up.
+    let context = args.prompt_len + args.max_tokens / 2;
+    let steps = engine.time_decode_steps(streams, context, TIMED_STEPS)?;
+    let step_ms: Vec<f64> = steps[1..].iter().map(|d| d.as_secs_f64() * 1e3).collect();
     Ok(Measure {
         streams,
+        step_ms: quantile(&step_ms, 0.5),
         wall_s,
         out_tokens: done.iter().map(|c| c.tokens.len()).sum(),
         ttft_ms: done.iter().map(|c| c.ttft.as_secs_f64() * 1e3).collect(),
@@ -111,7 +122,8 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     }
     let _ = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
-    let seq = args.prompt_len + args.max_tokens;
+    // Room past the outputs for the bare decode steps timed at mid-output context.
+    let seq = args.prompt_len + args.max_tokens + TIMED_STEPS;
     ModelArgs::check_positions(&c, seq, "--prompt-len + --max-tokens")?;
     let most = args.streams.iter().copied().max().unwrap_or(1);
     let blocks = most * seq.div_ceil(PAGE_SIZE);
@@ -161,7 +173,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         .find(|m| m.streams == 1)
         .map(|m| m.out_tokens as f64 / m.wall_s);
     println!(
-        "{:>8} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
+        "{:>8} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14} {:>10} {:>12}",
         "streams",
         "wall_s",
         "out_tok/s",
@@ -169,27 +181,32 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         "ttft_p99",
         "tpot_p50",
         "tpot_p99",
-        "vs_N_x_single"
+        "vs_N_x_single",
+        "step_bN",
+        "vs_bN_step"
     );
     for m in &rows {
         let tps = m.out_tokens as f64 / m.wall_s;
         let ratio = single.map_or("n/a".to_string(), |s| {
             format!("{:.2}", tps / (s * m.streams as f64))
         });
+        let tpot = quantile(&m.tpot_ms, 0.5);
         println!(
-            "{:>8} {:>10.2} {:>12.2} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>14}",
+            "{:>8} {:>10.2} {:>12.2} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>14} {:>10.2} {:>12.2}",
             m.streams,
             m.wall_s,
             tps,
             quantile(&m.ttft_ms, 0.5),
             quantile(&m.ttft_ms, 0.99),
-            quantile(&m.tpot_ms, 0.5),
+            tpot,
             quantile(&m.tpot_ms, 0.99),
-            ratio
+            ratio,
+            m.step_ms,
+            m.step_ms / tpot
         );
     }
     println!(
-        "  (ms; vs_N_x_single: output tokens/s over N times the one-stream rate measured above)"
+        "  (ms; vs_N_x_single: output tokens/s over N times the one-stream rate measured above; step_bN: median bare decode step at batch N, mid-output context, no scheduler; vs_bN_step: serving decode throughput (N / TPOT p50) over the bare step rate (N / step_bN))"
     );
     let s = engine.stats();
     println!(

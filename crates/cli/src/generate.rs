@@ -50,7 +50,7 @@ pub(crate) struct GenerateArgs {
     pub(crate) prompt_ids: Option<Vec<u32>>,
     /// Decoder layers to run [default: all of the model's] (a quick look at a large model;
     /// the output is then not the model's).
-    #[arg(long)]
+    #[arg(long, visible_alias = "num-layers-override")]
     pub(crate) layers: Option<usize>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]

@@ -467,6 +467,79 @@ impl Engine {
         Ok(done.into_iter().flatten().collect())
     }
 
+    /// Times `steps` decode steps of `batch` sequences that hold `context` tokens (growing by
+    /// one per step): what the decode path costs without the scheduler, for benchmarks. The
+    /// engine must be idle; the KV values are whatever the blocks hold (timing does not depend
+    /// on them), and the blocks go back afterwards.
+    pub fn time_decode_steps(
+        &mut self,
+        batch: usize,
+        context: usize,
+        steps: usize,
+    ) -> Result<Vec<Duration>, EngineError> {
+        if self.has_work() {
+            return Err(EngineError::Invalid(
+                "timing decode steps needs an idle engine".into(),
+            ));
+        }
+        if batch == 0 || batch > self.cfg.max_batch_size || context == 0 {
+            return Err(EngineError::Invalid(format!(
+                "batch {batch} must be in 1..={} and context at least 1",
+                self.cfg.max_batch_size
+            )));
+        }
+        let end = context.saturating_add(steps);
+        if end > self.cfg.max_seq_len {
+            return Err(EngineError::Invalid(format!(
+                "context {context} + {steps} steps exceeds max_seq_len {}",
+                self.cfg.max_seq_len
+            )));
+        }
+        let mut allocs = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            match self.blocks.allocate(&[], end) {
+                Ok(a) => allocs.push(a),
+                Err(e) => {
+                    for a in allocs {
+                        self.blocks.release(a);
+                    }
+                    return Err(EngineError::Invalid(format!(
+                        "{batch} sequences of {end} tokens need more KV blocks than are free: {e}"
+                    )));
+                }
+            }
+        }
+        let max_blocks = end.div_ceil(PAGE_SIZE);
+        let table: Vec<u32> = allocs
+            .iter()
+            .flat_map(|a| a.blocks.iter().map(|b| b.0))
+            .collect();
+        self.session.read_logits = false;
+        let mut times = Vec::with_capacity(steps);
+        let mut result = Ok(());
+        for i in 0..steps {
+            let batch_i = PagedBatch {
+                page_size: PAGE_SIZE,
+                max_blocks,
+                block_table: table.clone(),
+                seq_lens: vec![context + i + 1; batch],
+            };
+            let t = Instant::now();
+            if let Err(e) = self
+                .session
+                .decode(&self.worker, &batch_i, &vec![0; batch], &self.call)
+            {
+                result = Err(e.into());
+                break;
+            }
+            times.push(t.elapsed());
+        }
+        for a in allocs {
+            self.blocks.release(a);
+        }
+        result.map(|()| times)
+    }
+
     /// Tokens of a sequence with `left` to compute that a step with `budget` left takes.
     fn chunk(&self, left: usize, budget: usize) -> usize {
         let n = left.min(budget);
