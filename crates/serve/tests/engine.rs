@@ -224,3 +224,26 @@ fn a_long_lived_engine_does_not_grow() {
         "{end} bytes"
     );
 }
+
+#[test]
+fn timed_decode_steps_return_their_blocks_and_refuse_what_does_not_fit() {
+    let mut e = engine(16, 64);
+    let t = e.time_decode_steps(3, 200, 4).unwrap();
+    assert_eq!(t.len(), 4);
+    assert_eq!(e.free_blocks(), 16);
+    // 8 sequences of 1000 tokens need 64 blocks of 128: refused, nothing held.
+    let err = e.time_decode_steps(8, 1000, 4).unwrap_err();
+    assert!(err.to_string().contains("KV blocks"), "{err}");
+    assert_eq!(e.free_blocks(), 16);
+    assert!(
+        e.time_decode_steps(2, 1020, 10).is_err(),
+        "past max_seq_len"
+    );
+    e.add_request(&req(prompt(5, 1), 2)).unwrap();
+    assert!(e.time_decode_steps(1, 10, 1).is_err(), "the engine is busy");
+    // And the engine still serves.
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    assert_eq!(e.free_blocks(), 16);
+}
