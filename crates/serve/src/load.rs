@@ -11,7 +11,7 @@
 
 use std::path::PathBuf;
 
-use simpler_core::Worker;
+use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::fixture::Progress;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
@@ -62,6 +62,8 @@ pub struct RuntimeConfig {
     pub weight_dtype: String,
     /// KV cache dtype (`bf16`).
     pub kv_dtype: String,
+    /// How every step runs: ring sizes per dispatch, the orchestration mode, diagnostics.
+    pub call: CallConfig,
 }
 
 impl Default for RuntimeConfig {
@@ -77,6 +79,7 @@ impl Default for RuntimeConfig {
             memory_budget: None,
             weight_dtype: "bf16".into(),
             kv_dtype: "bf16".into(),
+            call: CallConfig::default(),
         }
     }
 }
@@ -163,7 +166,9 @@ impl RuntimeConfig {
                 format!("`{}` is not supported (bf16)", self.kv_dtype),
             );
         }
-        Ok(())
+        self.call.check().map_err(|e| {
+            EngineError::Config(format!("call.{}: {} ({})", e.field, e.value, e.reason))
+        })
     }
 
     /// The engine's sizes for model `c`, given the memory the platform has available (`None`:
@@ -312,8 +317,9 @@ impl TextEngine {
             )?,
         };
         ops::register(&worker).map_err(|e| LoadError::Kernels(e.to_string()))?;
-        let engine = Engine::new(worker, &weights, eos, sizing.engine)?;
+        let mut engine = Engine::new(worker, &weights, eos, sizing.engine)?;
         drop(weights);
+        engine.set_call_config(rt.call.clone());
         Ok((TextEngine::new(engine, tokenizer)?, sizing))
     }
 }
