@@ -8,6 +8,7 @@
 //! (slice lengths, ranges), like slice indexing; they never read or write outside the slices
 //! they are given.
 
+pub mod amx;
 pub mod attention;
 pub mod convert;
 pub mod elementwise;

@@ -244,8 +244,8 @@ const READ_STREAMS: usize = 4;
 /// whole 64-byte blocks each; the words after them at the end).
 fn read_sum(buf: &[u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2.
+    if Isa::current() >= Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2 or a wider path, so the CPU supports AVX2.
         return unsafe { avx2::read_sum(buf) };
     }
     let part = stream_words(buf.len());
@@ -268,8 +268,8 @@ fn stream_words(len: usize) -> usize {
 
 fn fma_chains(iters: u64) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2 and FMA.
+    if Isa::current() >= Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2 or a wider path, so the CPU supports AVX2 and FMA.
         return unsafe { avx2::fma_chains(iters) };
     }
     let mut acc = [[1.0f32; 8]; CHAINS];

@@ -122,9 +122,9 @@ pub fn decode_attention_partial_bf16(
         "decode attention: partial len"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
         kv.check_pages(block_table, &tokens);
-        // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is supported;
+        // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is supported;
         // `kv` and `kv_head` were checked above, every page of `tokens` by `check_pages`, and
         // the partial's length by the assert.
         unsafe {
@@ -202,12 +202,12 @@ pub fn decode_attention_heads_bf16(
         "decode attention: partials len"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
         kv.check_pages(block_table, &tokens);
         HEADS_STATE.with(|cell| {
             let mut state = cell.borrow_mut();
             state.resize(avx2::heads_state_len(kv.kv_heads, group, hd), 0.0);
-            // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is
+            // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is
             // supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
             // `partials` by the asserts; `state` has the length the kernel needs.
             unsafe {

@@ -25,7 +25,11 @@ use half::bf16;
 use crate::isa::Isa;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod portable;
 
 /// Elements per packing block (one 256-bit load of bf16).
@@ -351,11 +355,27 @@ fn gemm_dispatch(
         scale,
     };
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` only returns Avx2 when the CPU supports AVX2, FMA and F16C;
-        // `lw` was checked above (ranges inside the matrices, output long enough).
-        unsafe { avx2::gemm(&lw, out, ld_out) };
-        return;
+    {
+        let isa = Isa::current();
+        if isa >= Isa::AmxBf16 && batch >= amx::MIN_BATCH {
+            // SAFETY: `Isa::current` only returns AmxBf16 when the CPU has AMX-BF16 and
+            // AVX-512 BF16 and Linux granted the tile state; `lw` was checked above (ranges
+            // inside the matrices, output long enough).
+            unsafe { amx::gemm(&lw, out, ld_out) };
+            return;
+        }
+        if isa >= Isa::Avx512Bf16 {
+            // SAFETY: `Isa::current` only returns Avx512Bf16 or wider when the CPU supports
+            // AVX-512 F/BW/VL and BF16; `lw` was checked above.
+            unsafe { avx512::gemm(&lw, out, ld_out) };
+            return;
+        }
+        if isa >= Isa::Avx2 {
+            // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2, FMA
+            // and F16C; `lw` was checked above.
+            unsafe { avx2::gemm(&lw, out, ld_out) };
+            return;
+        }
     }
     portable::gemm(&lw, out, ld_out);
 }

@@ -12,6 +12,24 @@ pub fn both<R>(f: impl Fn() -> R) -> (R, Option<R>) {
     (p, a)
 }
 
+/// Runs `f` on every path this CPU has (the portable path first), printing the paths run and
+/// skipped so a test log says what it covered.
+pub fn all_paths<R>(what: &str, f: impl Fn() -> R) -> Vec<(Isa, R)> {
+    let mut ran = Vec::new();
+    let mut skipped = Vec::new();
+    for isa in Isa::ALL {
+        match with_isa(isa, &f) {
+            Some(r) => ran.push((isa, r)),
+            None => skipped.push(isa.name()),
+        }
+    }
+    println!(
+        "{what}: ran {:?}; skipped (not on this CPU) {skipped:?}",
+        ran.iter().map(|(i, _)| i.name()).collect::<Vec<_>>()
+    );
+    ran
+}
+
 /// A small seeded generator (splitmix64).
 pub struct Rng(pub u64);
 
