@@ -214,8 +214,9 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens);
         let t = s.median / 1e3;
         let gbs = cost.bytes() / t / 1e9;
-        let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
-        let phase = cost.phase_bound_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+        let compute = crate::qwen3_decode::matmul_peak(&peaks, batch);
+        let bound = cost.roofline_s(peaks.read_gbs_all, compute);
+        let phase = cost.phase_bound_s(peaks.read_gbs_all, compute);
         let outside = outsides
             .get(outsides.len() / 2)
             .copied()
@@ -225,14 +226,13 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             outsides.last().copied().unwrap_or(f64::NAN),
         );
         let eff_ms = last.as_ref().map_or(f64::NAN, |r| r.effective().us() / 1e3);
-        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
-            >= cost.flops() / (peaks.fma_gflops_all * 1e9)
-        {
+        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9) >= cost.flops() / (compute * 1e9) {
             "bandwidth"
         } else {
-            "FMA"
+            "compute"
         };
         println!("batch {batch} x {seq_len} tokens:");
+        println!("  {}", crate::qwen3_decode::format_paths(batch));
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
             "  {:.2} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step",

@@ -26,6 +26,13 @@ mod prefill;
 
 pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
+/// The path the attention kernels take when kernels run on `isa`: they have AVX2 and portable
+/// code (decode attention reads the KV cache once per step and stays bound by that stream, so
+/// wider vectors would not shorten it), and every wider path runs the AVX2 code.
+pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
+    isa.min(crate::isa::Isa::Avx2)
+}
+
 /// One layer's paged K and V pools.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {

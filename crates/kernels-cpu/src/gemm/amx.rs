@@ -75,6 +75,11 @@ static CONFIG: TileConfig = {
     TileConfig(c)
 };
 
+/// The tile configuration every AMX kernel of the crate loads (for the peak measurement).
+pub(crate) fn tile_config() -> *const u8 {
+    CONFIG.0.as_ptr()
+}
+
 /// Computes the tile described by `lw` into `out`.
 ///
 /// # Safety

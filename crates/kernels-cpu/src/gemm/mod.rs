@@ -17,6 +17,17 @@
 //! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
 //! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several
 //! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
+//!
+//! # Paths (chosen per call on [`Isa::current`])
+//! - `amx-bf16`, batch ≥ 16: AMX tiles (`amx.rs`): the weights are the tile unit's `A` operand
+//!   in place, the activations are converted per call into VNNI tiles.
+//! - `avx512-bf16` (and `amx-bf16` below batch 16): `vdpbf16ps` on the weights as they lie and
+//!   the activations converted per call to natural-order bf16 (`avx512.rs`).
+//! - `avx2`: the even/odd widening above (`avx2/`).
+//! - `portable`: plain Rust.
+//!
+//! The bf16 paths round activations that are not bf16 values to nearest even (the model's
+//! activations are bf16 values, so for them every path multiplies the same numbers).
 
 use std::ops::Range;
 
@@ -31,6 +42,23 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod portable;
+
+/// The AMX tile configuration of the GEMM (eight 16 × 64-byte tiles), for the peak measurement.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_tile_config() -> *const u8 {
+    amx::tile_config()
+}
+
+/// Which path [`gemm_bf16`] takes for a product of `batch` activation rows when kernels run on
+/// `isa` (AMX tiles start at batch 16; narrower batches take the AVX-512 BF16 path).
+pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::AmxBf16 && batch < amx::MIN_BATCH {
+        return Isa::Avx512Bf16;
+    }
+    let _ = batch;
+    isa
+}
 
 /// Elements per packing block (one 256-bit load of bf16).
 pub const PACK_BLOCK: usize = 16;
