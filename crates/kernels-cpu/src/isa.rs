@@ -8,6 +8,7 @@
 
 use std::cell::Cell;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// An instruction-set path the kernels can take, from the most portable to the widest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,9 +67,15 @@ impl Isa {
     }
 
     /// The path kernels called on this thread take now: the [`with_isa`] override if one is
-    /// active, else [`Isa::detected`].
+    /// active, else the process-wide [`set_process_isa`] choice if one is set, else
+    /// [`Isa::detected`].
     pub fn current() -> Isa {
-        OVERRIDE.with(|o| o.get()).unwrap_or_else(Isa::detected)
+        OVERRIDE
+            .with(|o| o.get())
+            .unwrap_or_else(|| match PROCESS.load(Ordering::Relaxed) {
+                0 => Isa::detected(),
+                i => Isa::ALL[usize::from(i) - 1],
+            })
     }
 
     /// Lower-case name (what `SIMPLER_ISA` takes).
@@ -85,6 +92,29 @@ impl Isa {
     pub fn from_name(name: &str) -> Option<Isa> {
         Isa::ALL.into_iter().find(|i| i.name() == name.trim())
     }
+}
+
+/// The [`set_process_isa`] choice: 0 for none, else its index in [`Isa::ALL`] plus one.
+static PROCESS: AtomicU8 = AtomicU8::new(0);
+
+/// Makes every thread without a [`with_isa`] override take `isa` (`None`: back to
+/// [`Isa::detected`]), so a benchmark can alternate paths step by step in one process (the
+/// kernels run on the runtime's worker threads, which a thread-local override cannot reach).
+/// A kernel reads the path once per call, so a call in flight when it changes finishes on the
+/// path it started on.
+///
+/// Returns `false` (and changes nothing) when this CPU cannot run `isa`.
+pub fn set_process_isa(isa: Option<Isa>) -> bool {
+    let v = match isa {
+        Some(i) if !i.is_supported() => return false,
+        Some(i) => Isa::ALL
+            .iter()
+            .position(|&a| a == i)
+            .map_or(0, |p| p as u8 + 1),
+        None => 0,
+    };
+    PROCESS.store(v, Ordering::Relaxed);
+    true
 }
 
 thread_local! {
@@ -161,5 +191,20 @@ mod tests {
             );
         }
         println!("hardware path: {}", hw.name());
+    }
+
+    #[test]
+    fn the_process_choice_reaches_other_threads_and_yields_to_with_isa() {
+        assert!(set_process_isa(Some(Isa::Portable)));
+        let seen = std::thread::spawn(Isa::current).join().expect("thread");
+        assert_eq!(seen, Isa::Portable);
+        if Isa::Avx2.is_supported() {
+            assert_eq!(with_isa(Isa::Avx2, Isa::current), Some(Isa::Avx2));
+        }
+        assert!(set_process_isa(None));
+        assert_eq!(
+            std::thread::spawn(Isa::current).join().expect("thread"),
+            Isa::detected()
+        );
     }
 }

@@ -36,7 +36,7 @@ pub use gemm::{
     GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
     pack_acts_bf16, pack_acts_f32, pack_index, packed_ld, packed_len, path_for_batch,
 };
-pub use isa::{Isa, with_isa};
+pub use isa::{Isa, set_process_isa, with_isa};
 pub use norm::{
     head_rms_norm_f32, rms_norm_bf16, rms_norm_deferred_bf16, rms_norm_deferred_packed,
     rms_norm_packed,
