@@ -243,7 +243,7 @@ unsafe fn vnni_tile(lw: &Lowered<'_>, b0: usize, bend: usize, k0: usize, tile: &
 }
 
 /// Two packed blocks (32 fp32, each `[x0, x2, .., x14, x1, x3, .., x15]`) as 16 bf16 pairs in
-/// `K` order (round to nearest even).
+/// `K` order (round to nearest even): one two-source conversion and one word permutation.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL + BF16 available; `src.len() >= 32`.
@@ -251,24 +251,36 @@ unsafe fn vnni_tile(lw: &Lowered<'_>, b0: usize, bend: usize, k0: usize, tile: &
 #[inline]
 unsafe fn pairs32(src: &[f32]) -> __m512i {
     assert!(src.len() >= 32);
-    let half = |p: *const f32| {
-        // SAFETY: 16 fp32 at `p` are inside `src` (checked above).
-        let h = unsafe { bits256(_mm512_cvtneps_pbh(_mm512_loadu_ps(p))) };
-        let (e, o) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-        _mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_unpacklo_epi16(e, o)),
-            _mm_unpackhi_epi16(e, o),
+    // SAFETY: 32 fp32 at `src` (checked above).
+    let (v0, v1) = unsafe {
+        (
+            _mm512_loadu_ps(src.as_ptr()),
+            _mm512_loadu_ps(src.as_ptr().add(16)),
         )
     };
-    let (lo, hi) = (half(src.as_ptr()), half(src[16..].as_ptr()));
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    // Words 0-15: bf16 of the first block, 16-31 of the second.
+    // SAFETY: plain 512-bit vectors with no invalid bit patterns.
+    let words = unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0)) };
+    _mm512_permutexvar_epi16(unpack_index(), words)
 }
 
-#[target_feature(enable = "avx512f,avx512bf16")]
+/// The word permutation of [`pairs32`]: natural position `m` of a 16-element block takes the
+/// block's even half at `m / 2` (even `m`) or its odd half at `8 + m / 2` (odd `m`).
+#[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-fn bits256(v: __m256bh) -> __m256i {
-    // SAFETY: both are plain 256-bit vectors with no invalid bit patterns.
-    unsafe { std::mem::transmute::<__m256bh, __m256i>(v) }
+fn unpack_index() -> __m512i {
+    const IDX: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut m = 0;
+        while m < 32 {
+            let (block, i) = (m / 16 * 16, m % 16);
+            idx[m] = (block + if i % 2 == 0 { i / 2 } else { 8 + i / 2 }) as u16;
+            m += 1;
+        }
+        idx
+    };
+    // SAFETY: IDX is 64 bytes.
+    unsafe { _mm512_loadu_si512(IDX.as_ptr().cast()) }
 }
 
 /// Transposes a 16 × 16 matrix of 32-bit elements held one row per register.
