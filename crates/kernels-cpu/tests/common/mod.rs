@@ -5,10 +5,15 @@
 use half::bf16;
 use simpler_kernels_cpu::{Isa, with_isa};
 
-/// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path.
+/// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path: for kernels
+/// whose wider paths run their AVX2 code (attention, vector kernels), these two are every
+/// path they have.
 pub fn both<R>(f: impl Fn() -> R) -> (R, Option<R>) {
     let p = with_isa(Isa::Portable, &f).expect("portable always runs");
     let a = with_isa(Isa::Avx2, &f);
+    if a.is_none() {
+        println!("avx2 path skipped: not on this CPU (portable only)");
+    }
     (p, a)
 }
 
