@@ -1,10 +1,12 @@
-//! `simpler bench membw`: the machine's streaming read bandwidth (one and all threads) and its
-//! measured FMA peak, the two denominators of every roofline ratio.
+//! `simpler bench membw`: the machine's streaming read bandwidth (one and all threads) and the
+//! measured compute peak of each instruction-set path it runs (fp32 FMA; AVX-512 BF16
+//! `vdpbf16ps`; AMX-BF16 `tdpbf16ps`), the denominators of every roofline ratio.
 
 use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
+use simpler_kernels_cpu::Isa;
 use simpler_kernels_cpu::membw::{MeasureOptions, measure};
 
 /// Arguments of `simpler bench membw`.
@@ -44,11 +46,42 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
         "fp32 FMA peak:  1 thread {:.1} GFLOP/s, {} threads {:.1} GFLOP/s",
         p.fma_gflops_one, p.threads, p.fma_gflops_all
     );
+    for (name, path, one, all) in [
+        (
+            "AVX-512 BF16 dot peak (vdpbf16ps)",
+            Isa::Avx512Bf16,
+            p.bf16_dot_gflops_one,
+            p.bf16_dot_gflops_all,
+        ),
+        (
+            "AMX-BF16 tile peak (tdpbf16ps)",
+            Isa::AmxBf16,
+            p.amx_bf16_gflops_one,
+            p.amx_bf16_gflops_all,
+        ),
+    ] {
+        if all > 0.0 {
+            println!(
+                "{name}: 1 thread {one:.1} GFLOP/s, {} threads {all:.1} GFLOP/s",
+                p.threads
+            );
+        } else {
+            println!(
+                "{name}: not measured ({} path not run here: this CPU's best is {}, running {})",
+                path.name(),
+                Isa::hardware().name(),
+                Isa::detected().name()
+            );
+        }
+    }
+    let path = Isa::detected();
+    let compute = p.matmul_gflops_all(path);
     println!(
-        "roofline denominators: bandwidth {:.1} GB/s, FMA {:.1} GFLOP/s (ridge at {:.1} FLOP/byte)",
+        "roofline denominators ({} path): bandwidth {:.1} GB/s, compute {:.1} GFLOP/s (ridge at {:.1} FLOP/byte)",
+        path.name(),
         p.read_gbs_all,
-        p.fma_gflops_all,
-        p.fma_gflops_all / p.read_gbs_all
+        compute,
+        compute / p.read_gbs_all
     );
     Ok(())
 }

@@ -17,6 +17,7 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
+use simpler_kernels_cpu::{Isa, path_for_batch, set_process_isa};
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, ops};
 
@@ -60,6 +61,11 @@ pub(crate) struct DecodeBenchArgs {
     /// steps see the same host load, where separate runs do not).
     #[arg(long, value_name = "KEY=VALUE,..")]
     versus: Option<String>,
+    /// Also compare this run's kernel path with another instruction-set path (`portable`,
+    /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
+    /// steps A B B A .. and the ratio B/A of the medians with its 95% interval.
+    #[arg(long, value_name = "PATH")]
+    versus_isa: Option<String>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
     /// outside kernels (the median is reported: one step's share varies with host noise).
     #[arg(long, default_value_t = 5)]
@@ -143,6 +149,17 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
+    let versus_isa = match args.versus_isa.as_deref() {
+        None => None,
+        Some(name) => match Isa::from_name(name) {
+            Some(isa) if isa.is_supported() => Some(isa),
+            Some(isa) => bail!("--versus-isa {}: this CPU cannot run it", isa.name()),
+            None => bail!(
+                "--versus-isa {name:?}: not one of {:?}",
+                Isa::ALL.map(Isa::name)
+            ),
+        },
+    };
     let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
@@ -214,8 +231,9 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens);
         let t = s.median / 1e3;
         let gbs = cost.bytes() / t / 1e9;
-        let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
-        let phase = cost.phase_bound_s(peaks.read_gbs_all, peaks.fma_gflops_all);
+        let compute = crate::qwen3_decode::matmul_peak(&peaks, batch);
+        let bound = cost.roofline_s(peaks.read_gbs_all, compute);
+        let phase = cost.phase_bound_s(peaks.read_gbs_all, compute);
         let outside = outsides
             .get(outsides.len() / 2)
             .copied()
@@ -225,14 +243,13 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             outsides.last().copied().unwrap_or(f64::NAN),
         );
         let eff_ms = last.as_ref().map_or(f64::NAN, |r| r.effective().us() / 1e3);
-        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
-            >= cost.flops() / (peaks.fma_gflops_all * 1e9)
-        {
+        let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9) >= cost.flops() / (compute * 1e9) {
             "bandwidth"
         } else {
-            "FMA"
+            "compute"
         };
         println!("batch {batch} x {seq_len} tokens:");
+        println!("  {}", crate::qwen3_decode::format_paths(batch));
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
             "  {:.2} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step",
@@ -324,6 +341,47 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             );
             let spec = args.versus.as_deref().unwrap_or_default();
             print_indented(&format_compare("step_ms", "this run's tiling", spec, &c));
+        }
+        if let Some(isa) = versus_isa {
+            let step_ms = |path: Option<Isa>| {
+                set_process_isa(path);
+                let t = Instant::now();
+                let r = session.decode(&worker, &case.batch, &case.tokens, &cfg);
+                set_process_isa(None);
+                r.map(|_| t.elapsed().as_secs_f64() * 1e3)
+            };
+            let failure = RefCell::new(None);
+            let step = RefCell::new(step_ms);
+            let timed = |path: Option<Isa>| match (step.borrow_mut())(path) {
+                Ok(ms) => ms,
+                Err(e) => {
+                    failure.borrow_mut().get_or_insert(e);
+                    f64::NAN
+                }
+            };
+            let pairs = run_interleaved(
+                args.rounds,
+                args.warmup,
+                || timed(None),
+                || timed(Some(isa)),
+            );
+            if let Some(e) = failure.into_inner() {
+                return Err(e.into());
+            }
+            println!(
+                "  kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            let a_name = format!(
+                "{} (this run)",
+                path_for_batch(Isa::detected(), batch).name()
+            );
+            let b_name = path_for_batch(isa, batch).name();
+            print_indented(&format_compare(
+                "step_ms",
+                &a_name,
+                b_name,
+                &compare(&pairs.a, &pairs.b),
+            ));
         }
         rows.push(Row {
             shape: format!("{batch}x{seq_len}"),

@@ -11,6 +11,7 @@ use half::bf16;
 use simpler_core::{RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
+use simpler_kernels_cpu::{Isa, path_for_batch};
 use simpler_models::qwen3::check::compare_step;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
@@ -137,13 +138,57 @@ pub(crate) fn best_peaks(a: &MachinePeaks, b: &MachinePeaks) -> MachinePeaks {
         read_gbs_all_median: a.read_gbs_all_median.max(b.read_gbs_all_median),
         fma_gflops_one: a.fma_gflops_one.max(b.fma_gflops_one),
         fma_gflops_all: a.fma_gflops_all.max(b.fma_gflops_all),
+        bf16_dot_gflops_one: a.bf16_dot_gflops_one.max(b.bf16_dot_gflops_one),
+        bf16_dot_gflops_all: a.bf16_dot_gflops_all.max(b.bf16_dot_gflops_all),
+        amx_bf16_gflops_one: a.amx_bf16_gflops_one.max(b.amx_bf16_gflops_one),
+        amx_bf16_gflops_all: a.amx_bf16_gflops_all.max(b.amx_bf16_gflops_all),
     }
+}
+
+/// The compute peak the matrix products of a step with `rows` activation rows run against:
+/// that of the path the GEMM takes for them on this machine (`Isa::detected`, so
+/// `SIMPLER_ISA` counts).
+pub(crate) fn matmul_peak(p: &MachinePeaks, rows: usize) -> f64 {
+    p.matmul_gflops_all(path_for_batch(Isa::detected(), rows))
+}
+
+/// One line naming the instruction-set paths the kernels of a step with `rows` activation
+/// rows take (so every number says which path produced it).
+pub(crate) fn format_paths(rows: usize) -> String {
+    let isa = Isa::detected();
+    let capped = match std::env::var("SIMPLER_ISA") {
+        Ok(v) => format!(", SIMPLER_ISA={v}"),
+        Err(_) => String::new(),
+    };
+    format!(
+        "kernel paths: GEMM {} ({rows} activation rows), attention and vector kernels {}; this CPU's best path {}{capped}",
+        path_for_batch(isa, rows).name(),
+        simpler_kernels_cpu::attention::path(isa).name(),
+        Isa::hardware().name(),
+    )
 }
 
 /// One line describing the peaks.
 pub(crate) fn format_peaks(p: &MachinePeaks) -> String {
+    let mut wide = String::new();
+    for (name, all, one) in [
+        (
+            "AVX-512 BF16 dot",
+            p.bf16_dot_gflops_all,
+            p.bf16_dot_gflops_one,
+        ),
+        (
+            "AMX-BF16 tile",
+            p.amx_bf16_gflops_all,
+            p.amx_bf16_gflops_one,
+        ),
+    ] {
+        if all > 0.0 {
+            wide += &format!("; {name} peak {all:.1} GFLOP/s ({one:.1} on 1)");
+        }
+    }
     format!(
-        "machine (measured in this run): streaming read {:.1} GB/s on {} threads (best pass; median {:.1}), {:.1} GB/s on 1 (median {:.1}); FMA peak {:.1} GFLOP/s on {} threads ({:.1} on 1)",
+        "machine (measured in this run): streaming read {:.1} GB/s on {} threads (best pass; median {:.1}), {:.1} GB/s on 1 (median {:.1}); FMA peak {:.1} GFLOP/s on {} threads ({:.1} on 1){wide}",
         p.read_gbs_all,
         p.threads,
         p.read_gbs_all_median,
@@ -235,6 +280,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         2.0 * session.kv().k.len() as f64 / 1e9
     );
     println!("{}", format_peaks(&peaks));
+    println!("{}", format_paths(args.batch));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
 
     // Rounds of steps; the first step of the first round is kept for the check.
@@ -372,14 +418,13 @@ fn print_report(
     let cost = samples[samples.len() / 2].cost;
     let t = tpot.median / 1e3;
     let gbs = cost.bytes() / t / 1e9;
-    let bound = cost.roofline_s(peaks.read_gbs_all, peaks.fma_gflops_all);
-    let phase = cost.phase_bound_s(peaks.read_gbs_all, peaks.fma_gflops_all);
-    let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9)
-        >= cost.flops() / (peaks.fma_gflops_all * 1e9)
-    {
+    let compute = matmul_peak(peaks, batch);
+    let bound = cost.roofline_s(peaks.read_gbs_all, compute);
+    let phase = cost.phase_bound_s(peaks.read_gbs_all, compute);
+    let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9) >= cost.flops() / (compute * 1e9) {
         "bandwidth"
     } else {
-        "FMA"
+        "compute"
     };
     println!(
         "per token: {} measured steps ({rounds} rounds x {steps} steps; {warmup} warm-up round(s) discarded), {:.0} tasks per step",

@@ -30,8 +30,8 @@ pub fn bf16_to_f32(x: bf16) -> f32 {
 pub fn cast_f32_bf16(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len(), "cast_f32_bf16: lengths differ");
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: Avx2 is only current when the CPU supports AVX2; lengths checked above.
+    if Isa::current() >= Isa::Avx2 {
+        // SAFETY: Avx2 or wider is only current when the CPU supports AVX2; lengths checked above.
         unsafe { avx2::cast_f32_bf16(src, dst) };
         return;
     }

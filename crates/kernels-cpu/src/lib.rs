@@ -1,13 +1,15 @@
 //! CPU compute kernels for LLM inference: plain functions over slices, one tile per call,
-//! bf16 storage with fp32 accumulation, an AVX2+FMA+F16C path chosen at run time and a
+//! bf16 storage with fp32 accumulation, instruction-set paths chosen at run time ([`Isa`]:
+//! AMX-BF16 tiles and AVX-512 BF16 for the matrix products, AVX2+FMA+F16C everywhere) and a
 //! portable path.
 //!
 //! Every kernel is single-threaded: the runtime parallelises by submitting many tile tasks.
 //! Each dispatches on [`Isa::current`] (detected once, overridable per thread with
-//! [`with_isa`], which the tests use to run both paths). Kernels panic on malformed arguments
-//! (slice lengths, ranges), like slice indexing; they never read or write outside the slices
-//! they are given.
+//! [`with_isa`], which the tests use to run every path the CPU has). Kernels panic on
+//! malformed arguments (slice lengths, ranges), like slice indexing; they never read or write
+//! outside the slices they are given.
 
+pub mod amx;
 pub mod attention;
 pub mod convert;
 pub mod elementwise;
@@ -32,9 +34,9 @@ pub use elementwise::{
 };
 pub use gemm::{
     GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
-    pack_acts_bf16, pack_acts_f32, pack_index, packed_ld, packed_len,
+    pack_acts_bf16, pack_acts_f32, pack_index, packed_ld, packed_len, path_for_batch,
 };
-pub use isa::{Isa, with_isa};
+pub use isa::{Isa, set_process_isa, with_isa};
 pub use norm::{
     head_rms_norm_f32, rms_norm_bf16, rms_norm_deferred_bf16, rms_norm_deferred_packed,
     rms_norm_packed,

@@ -28,6 +28,34 @@ pub struct MachinePeaks {
     pub fma_gflops_one: f64,
     /// fp32 FMA peak of all threads together, GFLOP/s.
     pub fma_gflops_all: f64,
+    /// AVX-512 BF16 dot-product peak of one core (`vdpbf16ps` chains, 2 FLOPs per bf16 pair
+    /// product), GFLOP/s; 0 where the CPU lacks AVX-512 BF16 or the path is capped below it.
+    pub bf16_dot_gflops_one: f64,
+    /// AVX-512 BF16 dot-product peak of all threads together, GFLOP/s (0 as above).
+    pub bf16_dot_gflops_all: f64,
+    /// AMX-BF16 tile peak of one core (`tdpbf16ps` on tiles held in registers, 16 × 16 × 32
+    /// products per instruction), GFLOP/s; 0 where the CPU or OS lacks AMX or the path is
+    /// capped below it.
+    pub amx_bf16_gflops_one: f64,
+    /// AMX-BF16 tile peak of all threads together, GFLOP/s (0 as above).
+    pub amx_bf16_gflops_all: f64,
+}
+
+impl MachinePeaks {
+    /// All-thread compute peak of the instruction the matrix products of `path` run on:
+    /// AMX tiles, AVX-512 BF16 dot products, or fp32 FMA (AVX2 and portable; the portable path
+    /// is measured on whatever the compiler made of its loop). Falls back to the next lower
+    /// figure when one was not measured.
+    pub fn matmul_gflops_all(&self, path: Isa) -> f64 {
+        let picks = [
+            (Isa::AmxBf16, self.amx_bf16_gflops_all),
+            (Isa::Avx512Bf16, self.bf16_dot_gflops_all),
+        ];
+        picks
+            .into_iter()
+            .find(|&(isa, g)| path >= isa && g > 0.0)
+            .map_or(self.fma_gflops_all, |(_, g)| g)
+    }
 }
 
 /// How [`measure`] runs.
@@ -59,18 +87,35 @@ pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
     for (i, w) in buf.words_mut().iter_mut().enumerate() {
         *w = i as u64;
     }
-    let quarter = opts.duration / 4;
-    let (one, one_med) = read_bandwidth(buf.words(), 1, quarter);
-    let (all, all_med) = read_bandwidth(buf.words(), threads, quarter);
+    let isa = Isa::current();
+    // Two figures each for bandwidth and FMA, and for each wider compute path the CPU runs.
+    let extra = [Isa::Avx512Bf16, Isa::AmxBf16]
+        .iter()
+        .filter(|&&p| isa >= p)
+        .count();
+    let share = opts.duration / (4 + 2 * extra as u32);
+    let (one, one_med) = read_bandwidth(buf.words(), 1, share);
+    let (all, all_med) = read_bandwidth(buf.words(), threads, share);
     drop(buf);
+    let path_peak = |path: Isa, n: usize| {
+        if isa >= path {
+            compute_peak(path, n, share)
+        } else {
+            0.0
+        }
+    };
     MachinePeaks {
         threads,
         read_gbs_one: one,
         read_gbs_one_median: one_med,
         read_gbs_all: all,
         read_gbs_all_median: all_med,
-        fma_gflops_one: fma_peak(1, quarter),
-        fma_gflops_all: fma_peak(threads, quarter),
+        fma_gflops_one: fma_peak(1, share),
+        fma_gflops_all: fma_peak(threads, share),
+        bf16_dot_gflops_one: path_peak(Isa::Avx512Bf16, 1),
+        bf16_dot_gflops_all: path_peak(Isa::Avx512Bf16, threads),
+        amx_bf16_gflops_one: path_peak(Isa::AmxBf16, 1),
+        amx_bf16_gflops_all: path_peak(Isa::AmxBf16, threads),
     }
 }
 
@@ -189,12 +234,40 @@ pub fn read_bandwidth(buf: &[u64], threads: usize, budget: Duration) -> (f64, f6
 /// fp32 FMA peak of `threads` threads each running independent FMA chains for about `budget`,
 /// GFLOP/s.
 pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
+    chain_peak(threads, budget, fma_chains, FMA_FLOPS_PER_ITER)
+}
+
+/// Compute peak of `path`'s matrix instruction (fp32 FMA for AVX2 and portable, `vdpbf16ps`
+/// for AVX-512 BF16, `tdpbf16ps` for AMX-BF16) over `threads` threads for about `budget`,
+/// GFLOP/s; 0 when this CPU cannot run `path`. Runs whatever the calling thread's override
+/// says for the FMA figure (as [`fma_peak`]).
+pub fn compute_peak(path: Isa, threads: usize, budget: Duration) -> f64 {
+    if !path.is_supported() {
+        return 0.0;
+    }
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 => chain_peak(threads, budget, bf16_dot_chains, DOT_FLOPS_PER_ITER),
+        #[cfg(target_arch = "x86_64")]
+        Isa::AmxBf16 => chain_peak(threads, budget, amx_chains, AMX_FLOPS_PER_ITER),
+        _ => fma_peak(threads, budget),
+    }
+}
+
+/// The best rate of `threads` threads each running `kernel(iters)` (`flops_per_iter` FLOPs
+/// per iteration), GFLOP/s summed over threads.
+fn chain_peak(
+    threads: usize,
+    budget: Duration,
+    kernel: fn(u64) -> f32,
+    flops_per_iter: f64,
+) -> f64 {
     let threads = threads.max(1);
     // Calibrate the iteration count on this thread.
     let mut iters = 1u64 << 14;
     loop {
         let t = Instant::now();
-        std::hint::black_box(fma_chains(iters));
+        std::hint::black_box(kernel(iters));
         let dt = t.elapsed().as_secs_f64();
         if dt > budget.as_secs_f64() / 20.0 || iters > 1 << 34 {
             iters = ((iters as f64) * budget.as_secs_f64() / 4.0 / dt.max(1e-9)) as u64;
@@ -213,7 +286,7 @@ pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
                     for _ in 0..3 {
                         barrier.wait();
                         let t = Instant::now();
-                        std::hint::black_box(fma_chains(iters));
+                        std::hint::black_box(kernel(iters));
                         best = best.min(t.elapsed().as_secs_f64());
                     }
                     best
@@ -225,7 +298,7 @@ pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
             .map(|h| h.join().expect("fma thread panicked"))
             .collect()
     });
-    let flops = FMA_FLOPS_PER_ITER * iters as f64;
+    let flops = flops_per_iter * iters as f64;
     best.iter().map(|t| flops / t.max(1e-9) / 1e9).sum()
 }
 
@@ -233,6 +306,121 @@ pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
 const CHAINS: usize = 12;
 /// FLOPs per loop iteration: `CHAINS` FMAs of 8 lanes, 2 FLOPs each.
 const FMA_FLOPS_PER_ITER: f64 = (CHAINS * 8 * 2) as f64;
+
+/// FLOPs per `vdpbf16ps` chain iteration: `CHAINS` instructions of 16 lanes × 2 products, 2
+/// FLOPs each.
+#[cfg(target_arch = "x86_64")]
+const DOT_FLOPS_PER_ITER: f64 = (CHAINS * 16 * 2 * 2) as f64;
+
+/// FLOPs per AMX iteration: four `tdpbf16ps` of 16 × 16 outputs × 32 products, 2 FLOPs each.
+#[cfg(target_arch = "x86_64")]
+const AMX_FLOPS_PER_ITER: f64 = (4 * 16 * 16 * 32 * 2) as f64;
+
+/// `CHAINS` independent `vdpbf16ps` chains of `iters` steps each.
+///
+/// # Panics
+/// If the CPU lacks AVX-512 BF16 (callers check [`Isa::is_supported`]).
+#[cfg(target_arch = "x86_64")]
+fn bf16_dot_chains(iters: u64) -> f32 {
+    assert!(Isa::Avx512Bf16.is_supported(), "no AVX-512 BF16");
+    // SAFETY: the CPU supports AVX-512 F and BF16 (asserted).
+    unsafe { wide::bf16_dot_chains(iters) }
+}
+
+/// `iters` rounds of four independent `tdpbf16ps` on tiles loaded once.
+///
+/// # Panics
+/// If the CPU or OS lacks AMX-BF16 (callers check [`Isa::is_supported`]).
+#[cfg(target_arch = "x86_64")]
+fn amx_chains(iters: u64) -> f32 {
+    assert!(Isa::AmxBf16.is_supported(), "no AMX-BF16");
+    // SAFETY: the CPU has AMX-BF16 and the tile state was granted (asserted: `AmxBf16` is only
+    // supported when both hold).
+    unsafe { wide::amx_chains(iters) }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    use super::CHAINS;
+
+    /// See [`super::bf16_dot_chains`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and AVX-512 BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn bf16_dot_chains(iters: u64) -> f32 {
+        // Small bf16 values (1/1024 and 1/2048: 0x3A80, 0x3A00) so the sums stay finite.
+        let bits = |v: u32| _mm512_set1_epi32(std::hint::black_box(v as i32));
+        // SAFETY: plain 512-bit vectors with no invalid bit patterns.
+        let (a, b): (__m512bh, __m512bh) = unsafe {
+            (
+                std::mem::transmute::<__m512i, __m512bh>(bits(0x3A80_3A80)),
+                std::mem::transmute::<__m512i, __m512bh>(bits(0x3A00_3A00)),
+            )
+        };
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, a, b);
+            }
+        }
+        let mut s = _mm512_setzero_ps();
+        for v in acc {
+            s = _mm512_add_ps(s, v);
+        }
+        _mm512_reduce_add_ps(s)
+    }
+
+    /// See [`super::amx_chains`].
+    ///
+    /// # Safety
+    /// The CPU must have AMX-BF16 and Linux must have granted the tile state.
+    pub(super) unsafe fn amx_chains(iters: u64) -> f32 {
+        #[repr(C, align(64))]
+        struct Buf([u16; 512]);
+        let cfg = crate::gemm::amx_tile_config();
+        let ones = Buf([0x3A80; 512]);
+        let mut c = Buf([0; 512]);
+        if iters == 0 {
+            return 0.0;
+        }
+        // SAFETY: the configuration is valid (eight 16 × 64-byte tiles) and the state granted
+        // (contract); the loads read the 1 KiB of `ones` at a 64-byte stride, the store writes
+        // the 1 KiB of `c`; the tile state is released before the block ends.
+        unsafe {
+            asm!(
+                "ldtilecfg [{cfg}]",
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tileloadd tmm4, [{a} + {s}*1]",
+                "tileloadd tmm5, [{a} + {s}*1]",
+                "tileloadd tmm6, [{a} + {s}*1]",
+                "tileloadd tmm7, [{a} + {s}*1]",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {s}*1], tmm0",
+                "tilerelease",
+                cfg = in(reg) cfg,
+                a = in(reg) ones.0.as_ptr(),
+                s = in(reg) 64usize,
+                c = in(reg) c.0.as_mut_ptr(),
+                n = inout(reg) iters => _,
+                options(nostack),
+            );
+        }
+        f32::from_bits(u32::from(c.0[0]) | (u32::from(c.0[1]) << 16))
+    }
+}
 
 /// Concurrent streams each thread reads its part in. One stream per thread leaves bandwidth
 /// unused on the development machine (one thread: ~12 against ~15 GB/s with four; two
@@ -244,8 +432,8 @@ const READ_STREAMS: usize = 4;
 /// whole 64-byte blocks each; the words after them at the end).
 fn read_sum(buf: &[u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2.
+    if Isa::current() >= Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2 or a wider path, so the CPU supports AVX2.
         return unsafe { avx2::read_sum(buf) };
     }
     let part = stream_words(buf.len());
@@ -268,8 +456,8 @@ fn stream_words(len: usize) -> usize {
 
 fn fma_chains(iters: u64) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` returned Avx2, so the CPU supports AVX2 and FMA.
+    if Isa::current() >= Isa::Avx2 {
+        // SAFETY: `Isa::current` returned Avx2 or a wider path, so the CPU supports AVX2 and FMA.
         return unsafe { avx2::fma_chains(iters) };
     }
     let mut acc = [[1.0f32; 8]; CHAINS];
@@ -362,6 +550,27 @@ mod tests {
         }
         assert_eq!(b.words()[12_345], 12_345 * 3);
         assert_eq!(b.words().as_ptr() as usize % 8, 0);
+    }
+
+    /// The wide peak kernels compute what they claim (so the FLOP counts are real work):
+    /// every product is 2^-10 × 2^-11 (dot) or 2^-10 × 2^-10 (tiles), summed exactly.
+    #[test]
+    fn wide_peak_kernels_sum_their_products() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::Avx512Bf16.is_supported() {
+                let want = (CHAINS * 16 * 2 * 10) as f32 * 2f32.powi(-21);
+                assert_eq!(bf16_dot_chains(10), want);
+            } else {
+                println!("AVX-512 BF16 peak kernel skipped: not on this CPU");
+            }
+            if Isa::AmxBf16.is_supported() {
+                // One element of tile 0: 32 products per instruction, 10 instructions.
+                assert_eq!(amx_chains(10), 10.0 * 32.0 * 2f32.powi(-20));
+            } else {
+                println!("AMX-BF16 peak kernel skipped: not on this CPU/OS");
+            }
+        }
     }
 
     #[test]

@@ -16,8 +16,8 @@ macro_rules! multiversion {
                 generic($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
-            if $crate::isa::Isa::current() == $crate::isa::Isa::Avx2 {
-                // SAFETY: `Isa::current` returns Avx2 only when this CPU supports AVX2, FMA and
+            if $crate::isa::Isa::current() >= $crate::isa::Isa::Avx2 {
+                // SAFETY: `Isa::current` returns Avx2 or wider only when this CPU supports AVX2, FMA and
                 // F16C, the features `avx2` is compiled for.
                 return unsafe { avx2($($arg),*) };
             }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{Rng, both};
+use common::{Rng, all_paths};
 use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
@@ -65,7 +65,7 @@ fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
     let seed_out = rng.vec_f32(out_len, 1.0);
     let scale = rng.vec_f32(c.batch, 2.0);
     let scale = scaled.then_some(&scale[..]);
-    let (p, a) = both(|| run(c, &tile, scale, &seed_out, ld));
+    let outs = all_paths("gemm", || run(c, &tile, scale, &seed_out, ld));
     for b in 0..c.batch {
         for n in tile.n.clone() {
             let (mut e, mut tol) = reference(c, &tile, b, n);
@@ -78,24 +78,21 @@ fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
                 e += f64::from(seed_out[i]);
                 tol += 1e-6;
             }
-            for (path, out) in [("portable", Some(&p)), ("avx2", a.as_ref())] {
-                if let Some(out) = out {
-                    let got = f64::from(out[i]);
-                    assert!(
-                        (got - e).abs() <= tol,
-                        "{path} b={b} n={n} tile={tile:?}: {got} vs {e}"
-                    );
-                }
+            for (path, out) in &outs {
+                let got = f64::from(out[i]);
+                assert!(
+                    (got - e).abs() <= tol,
+                    "{} b={b} n={n} tile={tile:?}: {got} vs {e}",
+                    path.name()
+                );
             }
         }
     }
     // Nothing outside the tile's elements is touched.
-    for (path, out) in [("portable", Some(&p)), ("avx2", a.as_ref())] {
-        if let Some(out) = out {
-            for (i, (&o, &s)) in out.iter().zip(&seed_out).enumerate() {
-                if i % ld >= tile.n.len() {
-                    assert_eq!(o, s, "{path} wrote padding element {i}");
-                }
+    for (path, out) in &outs {
+        for (i, (&o, &s)) in out.iter().zip(&seed_out).enumerate() {
+            if i % ld >= tile.n.len() {
+                assert_eq!(o, s, "{} wrote padding element {i}", path.name());
             }
         }
     }
@@ -135,6 +132,15 @@ fn qwen_like_shapes_full_and_split_k() {
         (290, 64, 3),
         (400, 48, 4),
         (317, 32, 6),
+        // AMX tiles (batch >= 16): a batch of exactly one activation tile, of several tile
+        // pairs with a ragged last one, 32-row weight groups with a last group of fewer than
+        // 16 and of 16-31 rows, a body with a 16-element strip after whole 32-element steps,
+        // a body shorter than one step, and (K = 8192) more than one batch block.
+        (64, 1024, 16),
+        (37, 1040, 17),
+        (53, 528, 45),
+        (20, 16, 33),
+        (5, 8192, 70),
     ] {
         let c = case(n, k, batch, (n * k + batch) as u64);
         check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);
@@ -181,43 +187,49 @@ proptest! {
     }
 }
 
-/// Non-finite weights (a corrupt LM-head row) give the same non-finite logits on both paths,
-/// and the greedy pick skips NaN the same way whichever path produced them.
+/// Non-finite weights (a corrupt LM-head row) give the same non-finite logits on every path,
+/// and the greedy pick skips NaN the same way whichever path produced them (batch 3 takes the
+/// vector paths, batch 20 the AMX tiles where the CPU has them).
 #[test]
-fn non_finite_weights_give_the_same_logits_on_both_paths() {
-    let (n, k, batch) = (40, 96, 3);
-    let mut c = case(n, k, batch, 77);
-    c.w[3 * k + 10] = bf16::from_f32(f32::INFINITY);
-    c.w[7 * k + 2] = bf16::from_f32(f32::NAN);
-    c.w[11 * k + 50] = bf16::from_f32(f32::NEG_INFINITY);
-    let tile = GemmTile::full(&WeightsBf16::new(&c.w, n, k));
-    let (p, a) = both(|| run(&c, &tile, None, &vec![0.0; batch * n], n));
-    for b in 0..batch {
-        let row = &p[b * n..(b + 1) * n];
-        // Row 7 holds NaN for every batch row; rows 3 and 11 are infinite unless the activation
-        // at that column is zero.
-        assert!(row[7].is_nan(), "batch {b}: {}", row[7]);
-        assert!(
-            row[3].is_infinite() || row[3].is_nan(),
-            "batch {b}: {}",
-            row[3]
-        );
-        let pick = simpler_kernels_cpu::argmax_f32(row).map(|(i, _)| i);
-        assert_ne!(pick, Some(7), "NaN must never be picked");
-    }
-    if let Some(a) = a {
-        for (i, (&x, &y)) in p.iter().zip(&a).enumerate() {
-            let same = (x.is_nan() && y.is_nan())
-                || (x.is_infinite() && x == y)
-                || (x.is_finite() && y.is_finite() && (x - y).abs() <= 1e-4 * (1.0 + x.abs()));
-            assert!(same, "element {i}: portable {x} vs avx2 {y}");
-        }
+fn non_finite_weights_give_the_same_logits_on_every_path() {
+    for (n, k, batch) in [(40, 96, 3), (40, 96, 20)] {
+        let mut c = case(n, k, batch, 77);
+        c.w[3 * k + 10] = bf16::from_f32(f32::INFINITY);
+        c.w[7 * k + 2] = bf16::from_f32(f32::NAN);
+        c.w[11 * k + 50] = bf16::from_f32(f32::NEG_INFINITY);
+        let tile = GemmTile::full(&WeightsBf16::new(&c.w, n, k));
+        let outs = all_paths("non-finite", || {
+            run(&c, &tile, None, &vec![0.0; batch * n], n)
+        });
+        let p = &outs[0].1;
         for b in 0..batch {
-            assert_eq!(
-                simpler_kernels_cpu::argmax_f32(&p[b * n..(b + 1) * n]).map(|(i, _)| i),
-                simpler_kernels_cpu::argmax_f32(&a[b * n..(b + 1) * n]).map(|(i, _)| i),
-                "batch {b}"
+            let row = &p[b * n..(b + 1) * n];
+            // Row 7 holds NaN for every batch row; rows 3 and 11 are infinite unless the
+            // activation at that column is zero.
+            assert!(row[7].is_nan(), "batch {b}: {}", row[7]);
+            assert!(
+                row[3].is_infinite() || row[3].is_nan(),
+                "batch {b}: {}",
+                row[3]
             );
+            let pick = simpler_kernels_cpu::argmax_f32(row).map(|(i, _)| i);
+            assert_ne!(pick, Some(7), "NaN must never be picked");
+        }
+        for (path, a) in &outs[1..] {
+            for (i, (&x, &y)) in p.iter().zip(a).enumerate() {
+                let same = (x.is_nan() && y.is_nan())
+                    || (x.is_infinite() && x == y)
+                    || (x.is_finite() && y.is_finite() && (x - y).abs() <= 1e-4 * (1.0 + x.abs()));
+                assert!(same, "element {i}: portable {x} vs {} {y}", path.name());
+            }
+            for b in 0..batch {
+                assert_eq!(
+                    simpler_kernels_cpu::argmax_f32(&p[b * n..(b + 1) * n]).map(|(i, _)| i),
+                    simpler_kernels_cpu::argmax_f32(&a[b * n..(b + 1) * n]).map(|(i, _)| i),
+                    "{} batch {b}",
+                    path.name()
+                );
+            }
         }
     }
 }

@@ -231,4 +231,35 @@ fn membw_reports_positive_peaks_quickly() {
         "{p:?}"
     );
     assert!(p.read_gbs_one >= p.read_gbs_one_median && p.read_gbs_all >= p.read_gbs_all_median);
+    // Each wider path's peak is measured exactly where the path runs, and is what the matrix
+    // products of that path are compared against.
+    let isa = simpler_kernels_cpu::Isa::detected();
+    for (path, one, all) in [
+        (
+            simpler_kernels_cpu::Isa::Avx512Bf16,
+            p.bf16_dot_gflops_one,
+            p.bf16_dot_gflops_all,
+        ),
+        (
+            simpler_kernels_cpu::Isa::AmxBf16,
+            p.amx_bf16_gflops_one,
+            p.amx_bf16_gflops_all,
+        ),
+    ] {
+        assert_eq!(one > 0.0 && all > 0.0, isa >= path, "{path:?}: {p:?}");
+        assert_eq!(one == 0.0 && all == 0.0, isa < path, "{path:?}: {p:?}");
+        println!("{} peak measured: {}", path.name(), isa >= path);
+    }
+    assert_eq!(
+        p.matmul_gflops_all(simpler_kernels_cpu::Isa::Avx2),
+        p.fma_gflops_all
+    );
+    assert_eq!(
+        p.matmul_gflops_all(isa),
+        match isa {
+            simpler_kernels_cpu::Isa::AmxBf16 => p.amx_bf16_gflops_all,
+            simpler_kernels_cpu::Isa::Avx512Bf16 => p.bf16_dot_gflops_all,
+            _ => p.fma_gflops_all,
+        }
+    );
 }

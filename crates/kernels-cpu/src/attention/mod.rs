@@ -26,6 +26,13 @@ mod prefill;
 
 pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
+/// The path the attention kernels take when kernels run on `isa`: they have AVX2 and portable
+/// code (decode attention reads the KV cache once per step and stays bound by that stream, so
+/// wider vectors would not shorten it), and every wider path runs the AVX2 code.
+pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
+    isa.min(crate::isa::Isa::Avx2)
+}
+
 /// One layer's paged K and V pools.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {
@@ -122,9 +129,9 @@ pub fn decode_attention_partial_bf16(
         "decode attention: partial len"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
         kv.check_pages(block_table, &tokens);
-        // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is supported;
+        // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is supported;
         // `kv` and `kv_head` were checked above, every page of `tokens` by `check_pages`, and
         // the partial's length by the assert.
         unsafe {
@@ -202,12 +209,12 @@ pub fn decode_attention_heads_bf16(
         "decode attention: partials len"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
         kv.check_pages(block_table, &tokens);
         HEADS_STATE.with(|cell| {
             let mut state = cell.borrow_mut();
             state.resize(avx2::heads_state_len(kv.kv_heads, group, hd), 0.0);
-            // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is
+            // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is
             // supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
             // `partials` by the asserts; `state` has the length the kernel needs.
             unsafe {

@@ -136,9 +136,9 @@ pub fn prefill_attention_rows_f32(
     assert!(kv_head < kv.kv_heads, "prefill rows: kv head {kv_head}");
     let n_rows = q.len() / per_row;
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() == crate::isa::Isa::Avx2 && super::avx2::supports(group, hd) {
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && super::avx2::supports(group, hd) {
         kv.check_pages(block_table, &(0..first_pos + n_rows));
-        // SAFETY: Avx2 is current only when the CPU has AVX2 and FMA; the shape is supported;
+        // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is supported;
         // `kv` was checked, every page of the rows' tokens by `check_pages`, and `q`/`out` are
         // whole rows of the same length (asserted above).
         unsafe {

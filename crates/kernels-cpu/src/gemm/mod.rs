@@ -17,6 +17,17 @@
 //! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
 //! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several
 //! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
+//!
+//! # Paths (chosen per call on [`Isa::current`])
+//! - `amx-bf16`, batch ≥ 16: AMX tiles (`amx.rs`): the weights are the tile unit's `A` operand
+//!   in place, the activations are converted per call into VNNI tiles.
+//! - `avx512-bf16` (and `amx-bf16` below batch 16): `vdpbf16ps` on the weights as they lie and
+//!   the activations converted per call to natural-order bf16 (`avx512.rs`).
+//! - `avx2`: the even/odd widening above (`avx2/`).
+//! - `portable`: plain Rust.
+//!
+//! The bf16 paths round activations that are not bf16 values to nearest even (the model's
+//! activations are bf16 values, so for them every path multiplies the same numbers).
 
 use std::ops::Range;
 
@@ -25,8 +36,29 @@ use half::bf16;
 use crate::isa::Isa;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod portable;
+
+/// The AMX tile configuration of the GEMM (eight 16 × 64-byte tiles), for the peak measurement.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_tile_config() -> *const u8 {
+    amx::tile_config()
+}
+
+/// Which path [`gemm_bf16`] takes for a product of `batch` activation rows when kernels run on
+/// `isa` (AMX tiles start at batch 16; narrower batches take the AVX-512 BF16 path).
+pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::AmxBf16 && batch < amx::MIN_BATCH {
+        return Isa::Avx512Bf16;
+    }
+    let _ = batch;
+    isa
+}
 
 /// Elements per packing block (one 256-bit load of bf16).
 pub const PACK_BLOCK: usize = 16;
@@ -351,11 +383,27 @@ fn gemm_dispatch(
         scale,
     };
     #[cfg(target_arch = "x86_64")]
-    if Isa::current() == Isa::Avx2 {
-        // SAFETY: `Isa::current` only returns Avx2 when the CPU supports AVX2, FMA and F16C;
-        // `lw` was checked above (ranges inside the matrices, output long enough).
-        unsafe { avx2::gemm(&lw, out, ld_out) };
-        return;
+    {
+        let isa = Isa::current();
+        if isa >= Isa::AmxBf16 && batch >= amx::MIN_BATCH {
+            // SAFETY: `Isa::current` only returns AmxBf16 when the CPU has AMX-BF16 and
+            // AVX-512 BF16 and Linux granted the tile state; `lw` was checked above (ranges
+            // inside the matrices, output long enough).
+            unsafe { amx::gemm(&lw, out, ld_out) };
+            return;
+        }
+        if isa >= Isa::Avx512Bf16 {
+            // SAFETY: `Isa::current` only returns Avx512Bf16 or wider when the CPU supports
+            // AVX-512 F/BW/VL and BF16; `lw` was checked above.
+            unsafe { avx512::gemm(&lw, out, ld_out) };
+            return;
+        }
+        if isa >= Isa::Avx2 {
+            // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2, FMA
+            // and F16C; `lw` was checked above.
+            unsafe { avx2::gemm(&lw, out, ld_out) };
+            return;
+        }
     }
     portable::gemm(&lw, out, ld_out);
 }

@@ -5,11 +5,34 @@
 use half::bf16;
 use simpler_kernels_cpu::{Isa, with_isa};
 
-/// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path.
+/// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path: for kernels
+/// whose wider paths run their AVX2 code (attention, vector kernels), these two are every
+/// path they have.
 pub fn both<R>(f: impl Fn() -> R) -> (R, Option<R>) {
     let p = with_isa(Isa::Portable, &f).expect("portable always runs");
     let a = with_isa(Isa::Avx2, &f);
+    if a.is_none() {
+        println!("avx2 path skipped: not on this CPU (portable only)");
+    }
     (p, a)
+}
+
+/// Runs `f` on every path this CPU has (the portable path first), printing the paths run and
+/// skipped so a test log says what it covered.
+pub fn all_paths<R>(what: &str, f: impl Fn() -> R) -> Vec<(Isa, R)> {
+    let mut ran = Vec::new();
+    let mut skipped = Vec::new();
+    for isa in Isa::ALL {
+        match with_isa(isa, &f) {
+            Some(r) => ran.push((isa, r)),
+            None => skipped.push(isa.name()),
+        }
+    }
+    println!(
+        "{what}: ran {:?}; skipped (not on this CPU) {skipped:?}",
+        ran.iter().map(|(i, _)| i.name()).collect::<Vec<_>>()
+    );
+    ran
 }
 
 /// A small seeded generator (splitmix64).

@@ -1,0 +1,410 @@
+//! AMX-BF16 GEMM path for batched products (batched decode, prefill): `tdpbf16ps` multiplies a
+//! 16 × 32 bf16 tile by a 32 × 16 bf16 tile into a 16 × 16 fp32 tile, 8192 multiply-adds per
+//! instruction.
+//!
+//! # Orientation
+//! The tile unit computes `C[m, n] += sum_k A[m, k] B[k, n]` with `A` rows contiguous along `k`
+//! and `B` in the "VNNI" layout (each row holds, for 16 columns, a pair of neighbouring `k`).
+//! Weights are stored `[N, K]`, rows contiguous along `K`, which is exactly an `A` operand: so
+//! this path computes the transposed product `C[n, b] = sum_k W[n, k] X[b, k]` with the weights
+//! as `A`, read in place from the resident matrix (no weight repacking, the other paths' layout
+//! is unchanged), and the activations as `B`. The activations are converted per call from the
+//! packed fp32 layout into VNNI tiles (one 16 × 16 transpose of bf16 pairs per tile, in
+//! registers) and reused by every weight row of the call; the fp32 results are transposed back
+//! on the way out so the output keeps its `[b, n]` layout.
+//!
+//! # Blocking
+//! Four accumulator tiles (`tmm0`–`tmm3`) hold 32 weight rows × 32 batch rows; `tmm4`/`tmm5`
+//! take two 16-row weight tiles and `tmm6`/`tmm7` two 16-column activation tiles per 32-element
+//! `K` step. Batch rows are taken in blocks whose VNNI copy fits in about half the L2.
+//!
+//! # Edges
+//! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
+//! than 32 weight rows is copied into a zero-padded scratch; a body whose length is an odd
+//! multiple of 16 leaves a 16-element strip that is added per output with `vdpbf16ps`; `K`
+//! elements outside whole packing blocks go through the shared `edge_sum`.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::{Lowered, PACK_BLOCK, edge_sum, finish};
+
+/// Smallest batch that takes this path; smaller batches take the AVX-512 BF16 path (a tile
+/// is 16 batch columns wide, and below this the product is bound by the weight stream, which
+/// both paths read at the same rate).
+pub(super) const MIN_BATCH: usize = 16;
+
+/// Bytes of VNNI activations one batch block may hold (about half of a 2 MiB L2).
+const VNNI_BLOCK_BYTES: usize = 1 << 20;
+
+/// One 64-byte tile row, 64-byte aligned (tile loads and stores are fastest on whole lines).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+const ZERO_LINE: Line = Line([0; 16]);
+
+#[derive(Default)]
+struct Scratch {
+    /// VNNI activation tiles of the current batch block: tile `(bt, i)` (16 batch columns
+    /// `bt`, 32-element `K` step `i`) is the 16 lines at `(bt * nk + i) * 16`.
+    vnni: Vec<Line>,
+    /// A last group of fewer than 32 weight rows, zero-padded to 32 rows of `k32` elements.
+    wtail: Vec<Line>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// The tile configuration: palette 1, eight tiles of 16 rows × 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+static CONFIG: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        // colsb (u16, little-endian) of tile t at 16 + 2t; rows of tile t at 48 + t.
+        c[16 + 2 * t] = 64;
+        c[48 + t] = 16;
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+/// The tile configuration every AMX kernel of the crate loads (for the peak measurement).
+pub(crate) fn tile_config() -> *const u8 {
+    CONFIG.0.as_ptr()
+}
+
+/// Computes the tile described by `lw` into `out`.
+///
+/// # Safety
+/// The CPU must support AMX-BF16 and AVX-512 F/BW/VL/BF16, Linux must have granted this
+/// process the tile state ([`crate::amx::request_tile_permission`]), and `lw` must describe a
+/// tile inside its matrices with `out` long enough (as checked by `gemm_dispatch`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let klen = lw.kb1 - lw.kb0;
+    let nk = klen / 32;
+    if nk == 0 {
+        // SAFETY: the AVX-512 BF16 path needs a subset of this function's features.
+        unsafe { super::avx512::gemm(lw, out, ld_out) };
+        return;
+    }
+    let k32 = nk * 32;
+    let bblock = (VNNI_BLOCK_BYTES / (k32 * 2) / 32 * 32).max(32);
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let s = &mut *s;
+        // SAFETY: the configuration is a valid palette-1 layout; the tile state was granted
+        // (contract). Released below before returning; nothing between uses tiles otherwise.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+        let mut bo = 0;
+        while bo < lw.batch {
+            let bend = (bo + bblock).min(lw.batch);
+            // Pairs of 16-column activation tiles.
+            let nbt = (bend - bo).div_ceil(32) * 2;
+            s.vnni.resize(nbt * nk * 16, ZERO_LINE);
+            for bt in 0..nbt {
+                for i in 0..nk {
+                    let tile = &mut s.vnni[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
+                    // SAFETY: AVX-512 by contract; rows and columns inside the activations.
+                    unsafe { vnni_tile(lw, bo + bt * 16, bend, lw.kb0 + 32 * i, tile) };
+                }
+            }
+            let mut n0 = lw.n.start;
+            while n0 < lw.n.end {
+                let nr = (lw.n.end - n0).min(32);
+                let (a, sa) = if nr == 32 {
+                    (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
+                } else {
+                    copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
+                    (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
+                };
+                for bp in (0..nbt).step_by(2) {
+                    let mut c = [ZERO_LINE; 64];
+                    // SAFETY: `a` points at 32 rows of at least k32 elements at stride `sa`
+                    // bytes (the weight rows n0..n0+32 from kb0, inside the matrix since
+                    // kb0 + k32 <= kb1 <= ldw, or the padded copy); the VNNI tiles (bp, 0..nk)
+                    // and (bp + 1, 0..nk) exist (nbt is even).
+                    unsafe {
+                        tile_pass(a, sa, s.vnni[bp * nk * 16..].as_ptr(), nk, &mut c);
+                    }
+                    // SAFETY: AVX-512 by contract; the rows and batch columns are inside the
+                    // tile and the batch.
+                    unsafe { store_block(lw, &c, n0, nr, bo + bp * 16, bend, k32, out, ld_out) };
+                }
+                n0 += nr;
+            }
+            bo = bend;
+        }
+        // SAFETY: releases the tile state configured above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
+
+/// Copies weight rows `n0..n0 + nr` (`nr < 32`), `k32` elements each from `kb0`, into `dst` as
+/// 32 rows zero-padded.
+fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut Vec<Line>) {
+    let lines_per_row = k32 / 32;
+    dst.clear();
+    dst.resize(32 * lines_per_row, ZERO_LINE);
+    for r in 0..nr {
+        let src = &lw.w[(n0 + r) * lw.ldw + lw.kb0..][..k32];
+        for (l, chunk) in src.chunks_exact(32).enumerate() {
+            let line = &mut dst[r * lines_per_row + l].0;
+            for (j, pair) in chunk.chunks_exact(2).enumerate() {
+                line[j] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+            }
+        }
+    }
+}
+
+/// Four accumulator tiles over `nk` 32-element steps: weight tiles from `a` (32 rows at
+/// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` and
+/// `vnni[nk..2nk]` (16 lines each); the fp32 results land in `c` as four 16 × 16 tiles
+/// (rows 0–15 × batch 0–15, rows 0–15 × batch 16–31, rows 16–31 × batch 0–15, rows 16–31 ×
+/// batch 16–31).
+///
+/// # Safety
+/// The tile configuration of this module is loaded; `a` and `vnni` are readable as described
+/// for `nk >= 1` steps.
+unsafe fn tile_pass(a: *const u16, sa: usize, vnni: *const Line, nk: usize, c: &mut [Line; 64]) {
+    let b1 = vnni.wrapping_add(nk * 16);
+    // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa` (and
+    // `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
+    // contract; the activation tiles are 1 KiB each, `nk` consecutive per column pair. The
+    // stores write the 4 KiB of `c`. Only tile registers and the declared operands change.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b0} + {sb}*1]",
+            "tileloadd tmm7, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b0}, 1024",
+            "add {b1}, 1024",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {sb}*1], tmm0",
+            "tilestored [{c} + {sb}*1 + 1024], tmm1",
+            "tilestored [{c} + {sb}*1 + 2048], tmm2",
+            "tilestored [{c} + {sb}*1 + 3072], tmm3",
+            a0 = inout(reg) a => _,
+            a1 = inout(reg) a.cast::<u8>().wrapping_add(16 * sa) => _,
+            sa = in(reg) sa,
+            b0 = inout(reg) vnni => _,
+            b1 = inout(reg) b1 => _,
+            sb = in(reg) 64usize,
+            n = inout(reg) nk => _,
+            c = in(reg) c.as_mut_ptr(),
+            options(nostack),
+        );
+    }
+}
+
+/// Converts the activations of batch rows `b0..b0 + 16` (those below `bend`; the rest are
+/// zero) at `K` offset `k0..k0 + 32` (two whole packing blocks) into one VNNI tile: line `j`
+/// holds, for each of the 16 batch rows, the bf16 pair `(x[b, k0 + 2j], x[b, k0 + 2j + 1])`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `k0 + 32 <= lw.kb1` and `k0` on a packing block;
+/// `bend <= lw.batch`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn vnni_tile(lw: &Lowered<'_>, b0: usize, bend: usize, k0: usize, tile: &mut [Line]) {
+    let mut r = [_mm512_setzero_si512(); 16];
+    for (j, rj) in r.iter_mut().enumerate() {
+        let b = b0 + j;
+        if b < bend {
+            let src = &lw.x[b * lw.ldx + k0..b * lw.ldx + k0 + 2 * PACK_BLOCK];
+            // SAFETY: `src` is 32 fp32; AVX-512 by contract.
+            *rj = unsafe { pairs32(src) };
+        }
+    }
+    transpose16(&mut r);
+    for (line, v) in tile.iter_mut().zip(r) {
+        // SAFETY: a line is 64 bytes, 64-byte aligned.
+        unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
+    }
+}
+
+/// Two packed blocks (32 fp32, each `[x0, x2, .., x14, x1, x3, .., x15]`) as 16 bf16 pairs in
+/// `K` order (round to nearest even): one two-source conversion and one word permutation.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `src.len() >= 32`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn pairs32(src: &[f32]) -> __m512i {
+    assert!(src.len() >= 32);
+    // SAFETY: 32 fp32 at `src` (checked above).
+    let (v0, v1) = unsafe {
+        (
+            _mm512_loadu_ps(src.as_ptr()),
+            _mm512_loadu_ps(src.as_ptr().add(16)),
+        )
+    };
+    // Words 0-15: bf16 of the first block, 16-31 of the second.
+    // SAFETY: plain 512-bit vectors with no invalid bit patterns.
+    let words = unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0)) };
+    _mm512_permutexvar_epi16(unpack_index(), words)
+}
+
+/// The word permutation of [`pairs32`]: natural position `m` of a 16-element block takes the
+/// block's even half at `m / 2` (even `m`) or its odd half at `8 + m / 2` (odd `m`).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn unpack_index() -> __m512i {
+    const IDX: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut m = 0;
+        while m < 32 {
+            let (block, i) = (m / 16 * 16, m % 16);
+            idx[m] = (block + if i % 2 == 0 { i / 2 } else { 8 + i / 2 }) as u16;
+            m += 1;
+        }
+        idx
+    };
+    // SAFETY: IDX is 64 bytes.
+    unsafe { _mm512_loadu_si512(IDX.as_ptr().cast()) }
+}
+
+/// Transposes a 16 × 16 matrix of 32-bit elements held one row per register.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose16(r: &mut [__m512i; 16]) {
+    let z = _mm512_setzero_si512();
+    // Within each 128-bit lane: 2 × 2 blocks of 32-bit, then of 64-bit elements, so `u[4 i + c]`
+    // lane `l` holds column `4 l + c` of rows `4 i .. 4 i + 4`.
+    let mut t = [z; 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    let mut u = [z; 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Across lanes: row `4 l + c` gathers lane `l` of `u[c]`, `u[4 + c]`, `u[8 + c]`, `u[12 + c]`.
+    for c in 0..4 {
+        let s0 = _mm512_shuffle_i32x4::<0x88>(u[c], u[4 + c]);
+        let s1 = _mm512_shuffle_i32x4::<0xDD>(u[c], u[4 + c]);
+        let s2 = _mm512_shuffle_i32x4::<0x88>(u[8 + c], u[12 + c]);
+        let s3 = _mm512_shuffle_i32x4::<0xDD>(u[8 + c], u[12 + c]);
+        r[c] = _mm512_shuffle_i32x4::<0x88>(s0, s2);
+        r[4 + c] = _mm512_shuffle_i32x4::<0x88>(s1, s3);
+        r[8 + c] = _mm512_shuffle_i32x4::<0xDD>(s0, s2);
+        r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(s1, s3);
+    }
+}
+
+/// Writes the four result tiles of weight rows `n0..n0 + nr` × batch rows `b0..b0 + 32` (those
+/// below `bend`), adding the body's last 16-element strip when `k32` stops short of it and the
+/// edges.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `n0 + nr <= lw.n.end`, `bend <= lw.batch`; `lw` checked by
+/// `gemm_dispatch`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_block(
+    lw: &Lowered<'_>,
+    c: &[Line; 64],
+    n0: usize,
+    nr: usize,
+    b0: usize,
+    bend: usize,
+    k32: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let strip = lw.kb0 + k32 < lw.kb1;
+    let simple = !strip && !lw.has_edges();
+    for rt in 0..2 {
+        let rows = nr.saturating_sub(rt * 16).min(16);
+        if rows == 0 {
+            continue;
+        }
+        for ct in 0..2 {
+            let bt0 = b0 + ct * 16;
+            let cols = bend.saturating_sub(bt0).min(16);
+            if cols == 0 {
+                continue;
+            }
+            let tile = &c[(rt * 2 + ct) * 16..(rt * 2 + ct + 1) * 16];
+            let n_first = n0 + rt * 16;
+            if simple {
+                // Transposed: register `j` holds batch row `bt0 + j` for the 16 weight rows.
+                // SAFETY: each line is 64 bytes, 64-byte aligned.
+                let mut r: [__m512i; 16] = std::array::from_fn(|i| unsafe {
+                    _mm512_load_si512(tile[i].0.as_ptr().cast())
+                });
+                transpose16(&mut r);
+                let mask: __mmask16 = if rows == 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << rows) - 1
+                };
+                for (j, v) in r.iter().take(cols).enumerate() {
+                    let b = bt0 + j;
+                    let mut v = _mm512_castsi512_ps(*v);
+                    if let Some(s) = lw.scale {
+                        v = _mm512_mul_ps(v, _mm512_set1_ps(s[b]));
+                    }
+                    let at = b * ld_out + (n_first - lw.n.start);
+                    let dst = &mut out[at..at + rows];
+                    // SAFETY: the masked lanes are the `rows` elements of `dst`; masked-off
+                    // lanes are neither read nor written (and never fault).
+                    unsafe {
+                        if lw.mode == super::OutMode::Add {
+                            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, dst.as_ptr()));
+                        }
+                        _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, v);
+                    }
+                }
+            } else {
+                for (r, line) in tile.iter().take(rows).enumerate() {
+                    let n = n_first + r;
+                    for (j, &bits) in line.0.iter().take(cols).enumerate() {
+                        let b = bt0 + j;
+                        let mut sum = f32::from_bits(bits) + edge_sum(lw, n, b);
+                        if strip {
+                            sum += strip_dot(lw, n, b, lw.kb0 + k32);
+                        }
+                        finish(lw, out, ld_out, n, b, sum);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 16-element strip at `k` (one packing block) of weight row `n` against batch row `b`.
+fn strip_dot(lw: &Lowered<'_>, n: usize, b: usize, k: usize) -> f32 {
+    let w = &lw.w[n * lw.ldw + k..][..PACK_BLOCK];
+    let x = &lw.x[b * lw.ldx + k..][..PACK_BLOCK];
+    let half = PACK_BLOCK / 2;
+    let mut s = 0.0f32;
+    for i in 0..half {
+        s += f32::from_bits(u32::from(w[2 * i]) << 16) * x[i]
+            + f32::from_bits(u32::from(w[2 * i + 1]) << 16) * x[half + i];
+    }
+    s
+}

@@ -1,0 +1,221 @@
+//! AVX-512 BF16 GEMM path: `vdpbf16ps` multiplies 32 bf16 weights by 32 bf16 activations and
+//! adds each adjacent pair's products into one of 16 fp32 lanes, so a weight row is used as it
+//! lies in memory (no widening) and one instruction does 32 multiply-adds.
+//!
+//! The instruction pairs neighbouring `K` elements, so the activations must be bf16 in natural
+//! order: each call first converts the tile's `[batch, k body]` of packed fp32 activations into
+//! a per-thread scratch (exact for the model's activations, which are bf16 values already;
+//! other fp32 values are rounded to nearest even). That costs `batch * k` conversions against
+//! the tile's `rows * batch * k` products.
+//!
+//! Passes take `R = 4` weight rows (up to `ROW_STRIDE` rows apart, as the AVX2 path: concurrent
+//! streams far apart share DRAM pages less) against up to `BB = 4` batch rows; larger batches
+//! run the same rows once per group of four batch rows while the rows sit in L1.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::{Lowered, PACK_BLOCK, edge_sum, finish};
+
+/// Weight rows per pass.
+const R: usize = 4;
+/// Batch rows per pass.
+const BB: usize = 4;
+/// Most rows between the concurrent row streams of a pass (as in the AVX2 path).
+const ROW_STRIDE: usize = 32;
+/// Prefetch distance along a row, in bf16 elements (512 B).
+const PF_ELEMS: usize = 256;
+
+thread_local! {
+    /// Natural-order bf16 activations of the current call (see the module docs).
+    static NATURAL: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Row stride of the natural scratch for a body of `klen` elements: a multiple of 32 (whole
+/// `vdpbf16ps` steps; the padding is zero) plus 32, so rows are never 4 KiB apart.
+pub(super) fn natural_ld(klen: usize) -> usize {
+    klen.div_ceil(32) * 32 + 32
+}
+
+/// Computes the tile described by `lw` into `out`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL and AVX-512 BF16, and `lw` must describe a tile inside
+/// its matrices with `out` long enough (as checked by `gemm_dispatch`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let klen = lw.kb1 - lw.kb0;
+    let ldb = natural_ld(klen);
+    NATURAL.with(|cell| {
+        let mut xn = cell.borrow_mut();
+        xn.resize(lw.batch * ldb, 0);
+        for b in 0..lw.batch {
+            let src = &lw.x[b * lw.ldx + lw.kb0..b * lw.ldx + lw.kb1];
+            // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
+            unsafe { to_natural(src, &mut xn[b * ldb..(b + 1) * ldb]) };
+        }
+        let xn = &xn[..];
+        let mut n0 = lw.n.start;
+        while n0 + R <= lw.n.end {
+            let rs = ((lw.n.end - n0) / R).min(ROW_STRIDE);
+            for h in 0..rs {
+                // SAFETY: rows n0 + h + rs * r (r < R) lie inside the tile (n0 + rs * R <=
+                // n.end); the caller's contract covers the rest.
+                unsafe { rows_dyn(lw, xn, ldb, n0 + h, R, rs, out, ld_out) };
+            }
+            n0 += rs * R;
+        }
+        if n0 < lw.n.end {
+            // SAFETY: the rows n0..n.end (fewer than R, adjacent) lie inside the tile.
+            unsafe { rows_dyn(lw, xn, ldb, n0, lw.n.end - n0, 1, out, ld_out) };
+        }
+    });
+}
+
+/// Converts one row's body of packed fp32 activations (whole packing blocks) into natural
+/// order bf16 (`dst`, zero beyond the body).
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available. `src.len()` is a multiple of 16 and `dst` is at least as
+/// long (checked).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn to_natural(src: &[f32], dst: &mut [u16]) {
+    assert!(src.len().is_multiple_of(PACK_BLOCK) && dst.len() >= src.len());
+    for (s, d) in src
+        .chunks_exact(PACK_BLOCK)
+        .zip(dst.chunks_exact_mut(PACK_BLOCK))
+    {
+        // SAFETY: `s` is 16 fp32 and `d` 16 u16 (chunks_exact), the sizes of the load and the
+        // two 128-bit stores.
+        unsafe {
+            let v = _mm512_loadu_ps(s.as_ptr());
+            let h = pbh256_bits(_mm512_cvtneps_pbh(v));
+            // The packed block is [x0, x2, .., x14, x1, x3, .., x15]: interleave its halves.
+            let (e, o) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            _mm_storeu_si128(d.as_mut_ptr().cast(), _mm_unpacklo_epi16(e, o));
+            _mm_storeu_si128(d.as_mut_ptr().add(8).cast(), _mm_unpackhi_epi16(e, o));
+        }
+    }
+    dst[src.len()..].fill(0);
+}
+
+/// The bits of 16 bf16 values.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+fn pbh256_bits(v: __m256bh) -> __m256i {
+    // SAFETY: both are plain 256-bit vectors with no invalid bit patterns.
+    unsafe { std::mem::transmute::<__m256bh, __m256i>(v) }
+}
+
+/// 32 bf16 values as the operand type of `vdpbf16ps`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+fn as_pbh(v: __m512i) -> __m512bh {
+    // SAFETY: both are plain 512-bit vectors with no invalid bit patterns.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// `r` weight rows `n0 + rstride * i` against every batch row, `BB` at a time.
+///
+/// # Safety
+/// As [`rows`]; `1 <= r <= R`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_dyn(
+    lw: &Lowered<'_>,
+    xn: &[u16],
+    ldb: usize,
+    n0: usize,
+    r: usize,
+    rstride: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let mut b0 = 0;
+    while b0 < lw.batch {
+        let bb = BB.min(lw.batch - b0);
+        macro_rules! go {
+            ($($r:literal, $b:literal);*) => {
+                match (r, bb) {
+                    $(($r, $b) => {
+                        // SAFETY: forwarded contract; b0 + bb <= batch by the loop bound.
+                        unsafe { rows::<$r, $b>(lw, xn, ldb, n0, rstride, b0, out, ld_out) }
+                    })*
+                    _ => unreachable!("pass shape {r}x{bb}"),
+                }
+            };
+        }
+        go!(1,1; 1,2; 1,3; 1,4; 2,1; 2,2; 2,3; 2,4; 3,1; 3,2; 3,3; 3,4; 4,1; 4,2; 4,3; 4,4);
+        b0 += bb;
+    }
+}
+
+/// `RR` weight rows `n0 + rstride * r` against batch rows `b0..b0 + BN` over the body.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `n0 + rstride * (RR - 1) < lw.n.end`, `b0 + BN <=
+/// lw.batch`; `lw` checked by `gemm_dispatch`; `xn` holds `lw.batch` rows of stride `ldb =
+/// natural_ld(kb1 - kb0)` written by [`to_natural`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows<const RR: usize, const BN: usize>(
+    lw: &Lowered<'_>,
+    xn: &[u16],
+    ldb: usize,
+    n0: usize,
+    rstride: usize,
+    b0: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let klen = lw.kb1 - lw.kb0;
+    let w: [&[u16]; RR] = std::array::from_fn(|r| {
+        let row = (n0 + r * rstride) * lw.ldw;
+        &lw.w[row + lw.kb0..row + lw.kb1]
+    });
+    let x: [&[u16]; BN] = std::array::from_fn(|b| &xn[(b0 + b) * ldb..(b0 + b + 1) * ldb]);
+    let mut acc = [[_mm512_setzero_ps(); BN]; RR];
+    let mut kk = 0;
+    while kk + 32 <= klen {
+        for row in &w {
+            // Prefetch never faults; `wrapping_add` keeps the address arithmetic defined past
+            // the row's end.
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(kk + PF_ELEMS).cast::<i8>());
+        }
+        // SAFETY: kk + 32 <= klen = every row's length, and the scratch rows are ldb >= klen
+        // long.
+        let wv: [__m512i; RR] =
+            std::array::from_fn(|r| unsafe { _mm512_loadu_si512(w[r].as_ptr().add(kk).cast()) });
+        for b in 0..BN {
+            // SAFETY: as above.
+            let xv = as_pbh(unsafe { _mm512_loadu_si512(x[b].as_ptr().add(kk).cast()) });
+            for r in 0..RR {
+                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], as_pbh(wv[r]), xv);
+            }
+        }
+        kk += 32;
+    }
+    if kk < klen {
+        // The last 16 elements (klen is a multiple of 16): a masked load reads only them and
+        // never faults on the masked-off half; the scratch is zero there.
+        let wv: [__m512i; RR] = std::array::from_fn(|r| {
+            // SAFETY: the 16 unmasked elements at kk are inside the row (kk + 16 == klen).
+            unsafe { _mm512_maskz_loadu_epi16(0xFFFF, w[r].as_ptr().add(kk).cast()) }
+        });
+        for b in 0..BN {
+            // SAFETY: kk + 32 <= ldb (ldb is klen rounded up to 32, plus 32).
+            let xv = as_pbh(unsafe { _mm512_loadu_si512(x[b].as_ptr().add(kk).cast()) });
+            for r in 0..RR {
+                acc[r][b] = _mm512_dpbf16_ps(acc[r][b], as_pbh(wv[r]), xv);
+            }
+        }
+    }
+    for (r, accr) in acc.iter().enumerate() {
+        let n = n0 + r * rstride;
+        for (b, &a) in accr.iter().enumerate() {
+            let sum = _mm512_reduce_add_ps(a) + edge_sum(lw, n, b0 + b);
+            finish(lw, out, ld_out, n, b0 + b, sum);
+        }
+    }
+}
