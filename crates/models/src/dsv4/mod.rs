@@ -8,6 +8,7 @@
 pub mod check;
 pub mod config;
 pub mod fixture;
+pub mod golden;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
 pub use fixture::{Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture};

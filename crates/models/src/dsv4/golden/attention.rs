@@ -1,0 +1,255 @@
+//! Golden of the attention layers' decode step (`docs/dsv4.md`, "Attention"): the SWA layer
+//! end to end, and the sparse attention core with its attention sink, also written a second
+//! way (a dense masked softmax with the sink as an extra logit) to check the first.
+
+use half::bf16;
+
+use super::{
+    HcPre, RopeKind, dot_i8, hc_post, hc_pre, matvec_bf16, quant_row, rb, rms_norm, rope,
+    rope_cos_sin, rope_inv_freq, rope_inverse,
+};
+use crate::dsv4::config::Dsv4Config;
+use crate::dsv4::fixture::{AttnWeights, StepInputs, WindowCache};
+
+/// Rows a step writes into one cache, in the step's row order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheWrite {
+    /// Pool slot of each written row (`None`: the position has no page, nothing written).
+    pub slots: Vec<Option<usize>>,
+    /// The rows `[writes, width]` bf16.
+    pub rows: Vec<bf16>,
+}
+
+/// What one attention step produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnStep {
+    /// New residual `[T, hc_mult, hidden]` fp32.
+    pub x_out: Vec<f32>,
+    /// The window-cache rows the step writes (one per token).
+    pub window_write: CacheWrite,
+    /// Roped queries `[T, n_heads, head_dim]` (bf16 values).
+    pub q: Vec<f32>,
+    /// Attention output before the projection, after inverse RoPE `[T, n_heads, head_dim]`
+    /// (bf16 values).
+    pub attn: Vec<f32>,
+    /// Projected output `[T, hidden]` (bf16 values), the input of `hc_post`.
+    pub o_proj: Vec<f32>,
+    /// The hyper-connection weights of each token.
+    pub hc: Vec<HcPre>,
+}
+
+/// Sparse attention of one head over candidate rows: `q` `[head_dim]`, `rows` the candidates
+/// (`None`: an invalid, masked index). With `m` the largest score, `p = exp(s - m)`,
+/// `o = Σ bf16(p) · kv`, `out = o / (Σ p + exp(sink - m))`. No valid candidate gives zeros.
+pub fn attention_core(q: &[f32], rows: &[Option<&[f32]>], scale: f32, sink: f32) -> Vec<f32> {
+    let scores: Vec<Option<f32>> = rows
+        .iter()
+        .map(|r| r.map(|kv| q.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale))
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    let Some(m) = scores.iter().flatten().copied().reduce(f32::max) else {
+        return out;
+    };
+    let mut l = 0.0f32;
+    for (s, kv) in scores.iter().zip(rows) {
+        let (Some(s), Some(kv)) = (s, kv) else {
+            continue;
+        };
+        let p = (s - m).exp();
+        l += p;
+        let pb = rb(p);
+        for (o, v) in out.iter_mut().zip(*kv) {
+            *o += pb * v;
+        }
+    }
+    let denom = l + (sink - m).exp();
+    out.iter_mut().for_each(|o| *o /= denom);
+    out
+}
+
+/// The same attention written densely: every row of `all` is scored, `visible[j]` masks it,
+/// and the sink joins the softmax as one more logit whose value row is zero. f64, no bf16
+/// rounding of the probabilities.
+pub fn attention_dense(
+    q: &[f32],
+    all: &[&[f32]],
+    visible: &[bool],
+    scale: f32,
+    sink: f32,
+) -> Vec<f32> {
+    let mut logits: Vec<f64> = all
+        .iter()
+        .zip(visible)
+        .map(|(kv, &vis)| {
+            if vis {
+                q.iter()
+                    .zip(*kv)
+                    .map(|(a, b)| f64::from(a * b))
+                    .sum::<f64>()
+                    * f64::from(scale)
+            } else {
+                f64::NEG_INFINITY
+            }
+        })
+        .collect();
+    logits.push(f64::from(sink));
+    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = logits.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    (0..q.len())
+        .map(|d| {
+            all.iter()
+                .zip(&e)
+                .map(|(kv, p)| p * f64::from(kv[d]))
+                .sum::<f64>()
+                / z
+        })
+        .map(|v| v as f32)
+        .collect()
+}
+
+/// `q` and `kv` of one token from `x_n` (the attention-normed input, bf16 values):
+/// `q` `[n_heads · head_dim]`, `kv` `[head_dim]`, both roped at `pos` and bf16.
+fn project_qkv(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    x_n: &[f32],
+    cs: &[(f32, f32)],
+) -> (Vec<f32>, Vec<f32>) {
+    let (hd, rd) = (cfg.head_dim, cfg.rope_dim);
+    let qr = rms_norm(
+        &matvec_bf16(x_n, &w.wq_a, cfg.q_lora_rank),
+        Some(w.q_norm.as_slice()),
+        cfg.rms_eps,
+    );
+    let (qr_scale, qr_i8) = quant_row(&qr);
+    let mut q = vec![0.0f32; cfg.n_heads * hd];
+    for h in 0..cfg.n_heads {
+        let raw: Vec<f32> = (0..hd)
+            .map(|d| {
+                let r = h * hd + d;
+                dot_i8(&qr_i8, w.wq_b.row(r)) as f32 * qr_scale * w.wq_b.scale[r]
+            })
+            .collect();
+        let mut head = rms_norm(&raw, None, cfg.rms_eps);
+        rope(&mut head[hd - rd..], cs);
+        for (o, v) in q[h * hd..(h + 1) * hd].iter_mut().zip(head) {
+            *o = rb(v);
+        }
+    }
+    let mut kv = rms_norm(
+        &matvec_bf16(x_n, &w.wkv, hd),
+        Some(w.kv_norm.as_slice()),
+        cfg.rms_eps,
+    );
+    rope(&mut kv[hd - rd..], cs);
+    kv.iter_mut().for_each(|v| *v = rb(*v));
+    (q, kv)
+}
+
+/// The grouped output projection of one token: `o` `[n_heads · head_dim]` (bf16 values) →
+/// `[hidden]` bf16 values. Per group `g`: `o_r = o[g] @ Wo_a[g]ᵀ`, int8 per (token, group);
+/// then `Σ_g (o_r_i8 · Wo_b_i8[:, g]) · o_r_scale · row_scale`.
+fn output_projection(cfg: &Dsv4Config, w: &AttnWeights, o: &[f32]) -> Vec<f32> {
+    let (g_in, r) = (cfg.heads_per_group() * cfg.head_dim, cfg.o_lora_rank);
+    let groups: Vec<(f32, Vec<i32>)> = (0..cfg.o_groups)
+        .map(|g| {
+            let wa = &w.wo_a[g * r * g_in..(g + 1) * r * g_in];
+            quant_row(&matvec_bf16(&o[g * g_in..(g + 1) * g_in], wa, r))
+        })
+        .collect();
+    (0..cfg.hidden)
+        .map(|n| {
+            let row = w.wo_b.row(n);
+            let acc: f32 = groups
+                .iter()
+                .enumerate()
+                .map(|(g, (s, q))| dot_i8(q, &row[g * r..(g + 1) * r]) as f32 * s)
+                .sum();
+            rb(acc * w.wo_b.scale[n])
+        })
+        .collect()
+}
+
+/// One SWA decode step (compress ratio 0, plain RoPE): every token's output and window write.
+///
+/// Token `t` at position `p` attends to positions `max(0, p - window + 1) ..= p` of its own
+/// sequence, oldest first; positions of this step come from the rows the step writes (so the
+/// step's first token does not see its second), earlier ones from `cache`.
+pub fn swa_step(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    cache: &WindowCache,
+    inputs: &StepInputs,
+) -> AttnStep {
+    let (hc, d, hd, rd) = (cfg.hc_mult, cfg.hidden, cfg.head_dim, cfg.rope_dim);
+    let n_tokens = inputs.n_tokens();
+    let inv_freq = rope_inv_freq(cfg, RopeKind::Plain);
+    let mut hcs = Vec::with_capacity(n_tokens);
+    let mut qs = Vec::with_capacity(n_tokens);
+    let mut kvs = Vec::with_capacity(n_tokens);
+    for t in 0..n_tokens {
+        let x = &inputs.x_hc[t * hc * d..(t + 1) * hc * d];
+        let hp = hc_pre(cfg, &w.hc, x);
+        let x_n = rms_norm(&hp.x_mixed, Some(w.attn_norm.as_slice()), cfg.rms_eps);
+        let cs = rope_cos_sin(&inv_freq, inputs.position(t));
+        let (q, kv) = project_qkv(cfg, w, &x_n, &cs);
+        hcs.push(hp);
+        qs.push(q);
+        kvs.push(kv);
+    }
+    let per_seq = n_tokens / inputs.starts.len();
+    let cached: Vec<f32> = cache.rows.iter().map(|v| v.to_f32()).collect();
+    let mut attn = vec![0.0f32; n_tokens * cfg.n_heads * hd];
+    for t in 0..n_tokens {
+        let (b, pos) = (t / per_seq, inputs.position(t));
+        let start = inputs.starts[b];
+        let rows: Vec<Option<&[f32]>> = (pos.saturating_sub(cfg.window - 1)..=pos)
+            .map(|p| {
+                if p >= start {
+                    Some(kvs[b * per_seq + (p - start)].as_slice())
+                } else {
+                    cache
+                        .slot(b, p)
+                        .map(|s| &cached[s * cache.width..(s + 1) * cache.width])
+                }
+            })
+            .collect();
+        let cs = rope_cos_sin(&inv_freq, pos);
+        for h in 0..cfg.n_heads {
+            let q = &qs[t][h * hd..(h + 1) * hd];
+            let mut o = attention_core(q, &rows, cfg.softmax_scale(), w.sink[h]);
+            rope_inverse(&mut o[hd - rd..], &cs);
+            let dst = &mut attn[(t * cfg.n_heads + h) * hd..(t * cfg.n_heads + h + 1) * hd];
+            for (a, v) in dst.iter_mut().zip(o) {
+                *a = rb(v);
+            }
+        }
+    }
+    let mut x_out = vec![0.0f32; n_tokens * hc * d];
+    let mut o_proj = vec![0.0f32; n_tokens * d];
+    for t in 0..n_tokens {
+        let y = output_projection(
+            cfg,
+            w,
+            &attn[t * cfg.n_heads * hd..(t + 1) * cfg.n_heads * hd],
+        );
+        let x = &inputs.x_hc[t * hc * d..(t + 1) * hc * d];
+        x_out[t * hc * d..(t + 1) * hc * d].copy_from_slice(&hc_post(cfg, &hcs[t], x, &y));
+        o_proj[t * d..(t + 1) * d].copy_from_slice(&y);
+    }
+    let window_write = CacheWrite {
+        slots: (0..n_tokens)
+            .map(|t| cache.slot(t / per_seq, inputs.position(t)))
+            .collect(),
+        rows: kvs.iter().flatten().map(|&v| bf16::from_f32(v)).collect(),
+    };
+    AttnStep {
+        x_out,
+        window_write,
+        q: qs.concat(),
+        attn,
+        o_proj,
+        hc: hcs,
+    }
+}

@@ -1,0 +1,463 @@
+//! Tests of the golden itself: properties its math must satisfy, second formulations of the
+//! same quantity, and the cases the spec names (boundaries, short windows, routing extremes).
+//! Each asserts something a wrong golden would break.
+
+use super::*;
+use crate::dsv4::config::Dsv4Config;
+use crate::dsv4::fixture::{
+    Dsv4Fixture, Expert, Int8Matrix, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture,
+};
+use crate::rng::Rng;
+
+fn tiny_fixture() -> Dsv4Fixture {
+    generate_fixture(&Dsv4Config::tiny(), &MIXED_STARTS, 1234).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+// ---- building blocks ----
+
+#[test]
+fn sinkhorn_output_is_doubly_stochastic() {
+    let mut rng = Rng::new(5, 0);
+    for spread in [0.1f32, 1.0, 4.0] {
+        let mut logits = vec![0.0f32; 16];
+        rng.fill_normal(&mut logits, 0.0, spread);
+        let c = sinkhorn(&logits, 4, 20, 1e-6);
+        for i in 0..4 {
+            let row: f32 = c[i * 4..(i + 1) * 4].iter().sum();
+            let col: f32 = (0..4).map(|r| c[r * 4 + i]).sum();
+            assert!((row - 1.0).abs() < 1e-3, "spread {spread} row {i}: {row}");
+            assert!((col - 1.0).abs() < 1e-4, "spread {spread} col {i}: {col}");
+        }
+        assert!(c.iter().all(|&v| v > 0.0));
+    }
+    // One iteration (softmax then columns) leaves rows far from stochastic at a wide spread,
+    // so the row check above measures the later iterations.
+    let mut logits = vec![0.0f32; 16];
+    Rng::new(6, 0).fill_normal(&mut logits, 0.0, 4.0);
+    let c = sinkhorn(&logits, 4, 1, 1e-6);
+    let worst = (0..4)
+        .map(|i| (c[i * 4..(i + 1) * 4].iter().sum::<f32>() - 1.0).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst > 1e-2, "{worst}");
+}
+
+#[test]
+fn hc_pre_weights_are_in_range_and_mix_the_streams() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let d = cfg.hidden;
+    let x = &f.inputs.x_hc[..cfg.hc_mult * d];
+    let hp = hc_pre(cfg, &f.attn.hc, x);
+    assert!(hp.pre.iter().all(|&p| p > 0.0 && p <= 1.0 + 1e-6));
+    assert!(hp.post.iter().all(|&p| p > 0.0 && p < 2.0));
+    for j in 0..d {
+        let direct: f32 = (0..cfg.hc_mult).map(|i| x[i * d + j] * hp.pre[i]).sum();
+        assert!((hp.x_mixed[j] - direct).abs() <= direct.abs() / 128.0 + 1e-6);
+        assert_eq!(hp.x_mixed[j], rb_half_up(hp.x_mixed[j]), "x_mixed is bf16");
+    }
+    // hc_post with a zero sub-layer output is the comb mix alone; columns of comb sum to one,
+    // so a residual whose streams are equal passes through unchanged.
+    let same: Vec<f32> = (0..cfg.hc_mult).flat_map(|_| x[..d].to_vec()).collect();
+    let y = hc_post(cfg, &hp, &same, &vec![0.0; d]);
+    assert!(
+        max_abs_diff(&y[..d], &x[..d]) < 2e-3,
+        "{}",
+        max_abs_diff(&y[..d], &x[..d])
+    );
+}
+
+#[test]
+fn bf16_half_up_rounds_ties_away_from_zero() {
+    let tie = 1.0 + 2f32.powi(-8);
+    assert_eq!(rb_half_up(tie), 1.0 + 2f32.powi(-7));
+    assert_eq!(
+        rb(tie),
+        1.0,
+        "round-to-nearest-even keeps the even neighbour"
+    );
+    assert_eq!(rb_half_up(-tie), -(1.0 + 2f32.powi(-7)));
+    assert_eq!(rb_half_up(1.0 + 2f32.powi(-9)), 1.0);
+}
+
+#[test]
+fn rope_then_inverse_is_identity_and_scores_depend_on_distance_only() {
+    for cfg in [Dsv4Config::flash(), Dsv4Config::tiny()] {
+        for kind in [RopeKind::Plain, RopeKind::Yarn] {
+            let f = rope_inv_freq(&cfg, kind);
+            let mut rng = Rng::new(9, 0);
+            let mut q = vec![0.0f32; cfg.rope_dim];
+            let mut k = vec![0.0f32; cfg.rope_dim];
+            rng.fill_normal(&mut q, 0.0, 1.0);
+            rng.fill_normal(&mut k, 0.0, 1.0);
+            let mut v = q.clone();
+            let cs = rope_cos_sin(&f, 8193);
+            rope(&mut v, &cs);
+            assert!(max_abs_diff(&v, &q) > 0.1, "{kind:?} rotates");
+            rope_inverse(&mut v, &cs);
+            assert!(max_abs_diff(&v, &q) < 1e-5, "{kind:?}");
+            let score = |pq: usize, pk: usize| {
+                let (mut a, mut b) = (q.clone(), k.clone());
+                rope(&mut a, &rope_cos_sin(&f, pq));
+                rope(&mut b, &rope_cos_sin(&f, pk));
+                a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>()
+            };
+            assert!((score(130, 3) - score(8319, 8192)).abs() < 1e-3, "{kind:?}");
+        }
+    }
+}
+
+#[test]
+fn yarn_frequencies_follow_the_ramp() {
+    let cfg = Dsv4Config::flash();
+    let plain = rope_inv_freq(&cfg, RopeKind::Plain);
+    assert!((plain[1] - 1e4f64.powf(-2.0 / 64.0)).abs() < 1e-12);
+    let yarn = rope_inv_freq(&cfg, RopeKind::Yarn);
+    let base = |i: usize| 160000f64.powf(-2.0 * i as f64 / 64.0);
+    // FLASH: c(32) = 15.45 → low 15; c(1) = 24.7 → high 25.
+    for (i, &f) in yarn.iter().enumerate() {
+        let r = f / base(i);
+        match i {
+            0..=15 => assert!((r - 1.0).abs() < 1e-12, "pair {i} keeps its frequency"),
+            25.. => assert!((r - 1.0 / 16.0).abs() < 1e-12, "pair {i} is divided by 16"),
+            _ => {
+                // Blended: smooth = 1 - (i - low)/(high - low) with low 15, high 25.
+                let smooth = 1.0 - (i as f64 - 15.0) / 10.0;
+                assert!(
+                    (r - (smooth + (1.0 - smooth) / 16.0)).abs() < 1e-12,
+                    "pair {i}: {r}"
+                );
+            }
+        }
+    }
+    assert_eq!(yarn.len(), 32);
+    assert!(yarn.windows(2).all(|w| w[1] < w[0]));
+}
+
+// ---- attention core ----
+
+#[test]
+fn sparse_attention_matches_a_dense_masked_softmax_with_the_sink() {
+    let mut rng = Rng::new(11, 0);
+    let (n, hd) = (300, 32);
+    let mut kv = vec![0.0f32; n * hd];
+    rng.fill_normal(&mut kv, 0.0, 1.0);
+    let kv: Vec<f32> = kv.iter().map(|&v| rb(v)).collect();
+    let mut q = vec![0.0f32; hd];
+    rng.fill_normal(&mut q, 0.0, 2.0);
+    let all: Vec<&[f32]> = kv.chunks(hd).collect();
+    // Every third row masked, as padding and invalid compressed indices are.
+    let visible: Vec<bool> = (0..n).map(|j| j % 3 != 1).collect();
+    let rows: Vec<Option<&[f32]>> = all
+        .iter()
+        .zip(&visible)
+        .map(|(r, &v)| v.then_some(*r))
+        .collect();
+    for sink in [-30.0f32, 0.0, 3.0] {
+        let sparse = attention_core(&q, &rows, 0.2, sink);
+        let dense = attention_dense(&q, &all, &visible, 0.2, sink);
+        let scale = dense.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(
+            max_abs_diff(&sparse, &dense) < 4e-3 * scale,
+            "sink {sink}: {} vs scale {scale}",
+            max_abs_diff(&sparse, &dense)
+        );
+    }
+    // A huge sink absorbs all the mass.
+    let absorbed = attention_core(&q, &rows, 0.2, 1e3);
+    assert!(absorbed.iter().all(|v| v.abs() < 1e-6));
+    // No valid candidate: zeros, not NaN.
+    let none: Vec<Option<&[f32]>> = vec![None; 4];
+    assert!(
+        attention_core(&q, &none, 0.2, 0.0)
+            .iter()
+            .all(|&v| v == 0.0)
+    );
+}
+
+#[test]
+fn one_candidate_is_scaled_by_the_sink_share() {
+    let kv = [0.5f32, -1.0, 2.0, 0.25];
+    let q = [1.0f32, 0.5, -0.5, 2.0];
+    let s = q.iter().zip(&kv).map(|(a, b)| a * b).sum::<f32>() * 0.5;
+    let out = attention_core(&q, &[Some(&kv[..])], 0.5, 0.3);
+    let share = 1.0 / (1.0 + (0.3 - s).exp());
+    for (o, v) in out.iter().zip(kv) {
+        assert!((o - v * share).abs() < 1e-6);
+    }
+}
+
+// ---- SWA layer ----
+
+#[test]
+fn swa_writes_each_token_at_its_slot_and_crosses_pages() {
+    let f = tiny_fixture();
+    let step = swa_step(&f.config, &f.attn, &f.window, &f.inputs);
+    let mb = f.window.max_blocks;
+    let page = f.config.page_size;
+    let expect = |b: usize, pos: usize| (b * mb + pos / page) * page + pos % page;
+    for (t, slot) in step.window_write.slots.iter().enumerate() {
+        let (b, s) = (t / TOKENS_PER_SEQ, t % TOKENS_PER_SEQ);
+        assert_eq!(*slot, Some(expect(b, MIXED_STARTS[b] + s)), "row {t}");
+    }
+    // Sequence 2 (start 127) writes the last row of its page 0 and the first of page 1.
+    assert_eq!(step.window_write.slots[4], Some(2 * mb * page + 127));
+    assert_eq!(step.window_write.slots[5], Some((2 * mb + 1) * page));
+    assert_eq!(step.window_write.rows.len(), 8 * f.config.head_dim);
+    assert!(step.x_out.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn swa_tokens_see_their_window_only() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let base = swa_step(cfg, &f.attn, &f.window, &f.inputs);
+    let row_len = cfg.hc_mult * cfg.hidden;
+    // The second token of each sequence changes: the first token's output does not (causal
+    // within the step), the second's does.
+    let mut inputs = f.inputs.clone();
+    for b in 0..4 {
+        let t = b * TOKENS_PER_SEQ + 1;
+        inputs.x_hc[t * row_len..(t + 1) * row_len]
+            .iter_mut()
+            .for_each(|v| *v = -*v);
+    }
+    let changed = swa_step(cfg, &f.attn, &f.window, &inputs);
+    for t in 0..8 {
+        let (a, b) = (
+            &base.x_out[t * row_len..(t + 1) * row_len],
+            &changed.x_out[t * row_len..(t + 1) * row_len],
+        );
+        if t % 2 == 0 {
+            assert_eq!(a, b, "row {t} must not see the step's next token");
+        } else {
+            assert!(max_abs_diff(a, b) > 1e-2, "row {t}");
+        }
+    }
+    // Sequence 3 at 8192, window 8: position 8185 is the oldest row of token 0's window and
+    // outside token 1's; position 8184 is outside both.
+    let row_out = |step: &AttnStep, t: usize| {
+        step.attn[t * cfg.n_heads * cfg.head_dim..(t + 1) * cfg.n_heads * cfg.head_dim].to_vec()
+    };
+    for (pos, token0_changes) in [(8185usize, true), (8184, false)] {
+        let mut cache = f.window.clone();
+        let slot = cache.slot(3, pos).unwrap();
+        for v in &mut cache.rows[slot * cache.width..(slot + 1) * cache.width] {
+            *v = half::bf16::from_f32(v.to_f32() * 4.0 + 1.0);
+        }
+        let s = swa_step(cfg, &f.attn, &cache, &f.inputs);
+        assert_eq!(
+            row_out(&s, 6) != row_out(&base, 6),
+            token0_changes,
+            "pos {pos}"
+        );
+        assert_eq!(
+            row_out(&s, 7),
+            row_out(&base, 7),
+            "pos {pos} is outside token 1's window"
+        );
+    }
+}
+
+#[test]
+fn swa_first_token_of_an_empty_cache_attends_to_itself_only() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = swa_step(cfg, &f.attn, &f.window, &f.inputs);
+    let (hd, rd) = (cfg.head_dim, cfg.rope_dim);
+    let kv: Vec<f32> = step.window_write.rows[..hd]
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let cs = rope_cos_sin(&rope_inv_freq(cfg, RopeKind::Plain), 0);
+    for h in 0..cfg.n_heads {
+        let q = &step.q[h * hd..(h + 1) * hd];
+        let s = q.iter().zip(&kv).map(|(a, b)| a * b).sum::<f32>() * cfg.softmax_scale();
+        let share = 1.0 / (1.0 + (f.attn.sink[h] - s).exp());
+        let mut expect: Vec<f32> = kv.iter().map(|v| v * share).collect();
+        rope_inverse(&mut expect[hd - rd..], &cs);
+        let got = &step.attn[h * hd..(h + 1) * hd];
+        for (g, e) in got.iter().zip(&expect) {
+            assert!(
+                (g - e).abs() <= e.abs() / 128.0 + 1e-6,
+                "head {h}: {g} vs {e}"
+            );
+        }
+    }
+}
+
+/// The window selection written a second way: dense attention over every row the sequence
+/// has, masked to the last `window` positions up to the token's own.
+#[test]
+fn swa_attention_matches_a_dense_mask_over_the_whole_sequence() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = swa_step(cfg, &f.attn, &f.window, &f.inputs);
+    let (hd, rd) = (cfg.head_dim, cfg.rope_dim);
+    let inv_freq = rope_inv_freq(cfg, RopeKind::Plain);
+    let written: Vec<f32> = step.window_write.rows.iter().map(|v| v.to_f32()).collect();
+    let cached: Vec<f32> = f.window.rows.iter().map(|v| v.to_f32()).collect();
+    for t in 0..8 {
+        let (b, s) = (t / TOKENS_PER_SEQ, t % TOKENS_PER_SEQ);
+        let start = MIXED_STARTS[b];
+        let pos = start + s;
+        let all: Vec<&[f32]> = (0..start + TOKENS_PER_SEQ)
+            .map(|p| {
+                if p >= start {
+                    let r = b * TOKENS_PER_SEQ + p - start;
+                    &written[r * hd..(r + 1) * hd]
+                } else {
+                    let slot = f.window.slot(b, p).unwrap();
+                    &cached[slot * hd..(slot + 1) * hd]
+                }
+            })
+            .collect();
+        let visible: Vec<bool> = (0..all.len())
+            .map(|p| p <= pos && pos - p < cfg.window)
+            .collect();
+        for h in 0..cfg.n_heads {
+            let q = &step.q[(t * cfg.n_heads + h) * hd..(t * cfg.n_heads + h + 1) * hd];
+            let mut dense = attention_dense(q, &all, &visible, cfg.softmax_scale(), f.attn.sink[h]);
+            rope_inverse(&mut dense[hd - rd..], &rope_cos_sin(&inv_freq, pos));
+            let got = &step.attn[(t * cfg.n_heads + h) * hd..(t * cfg.n_heads + h + 1) * hd];
+            let scale = dense.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert!(
+                max_abs_diff(got, &dense) < 1e-2 * scale,
+                "row {t} head {h}: {} (scale {scale})",
+                max_abs_diff(got, &dense)
+            );
+        }
+    }
+}
+
+// ---- MoE layer ----
+
+#[test]
+fn hash_layers_use_the_table_and_later_layers_the_biased_top_k() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let k = cfg.n_activated_experts;
+    let hashed = moe_step(cfg, &f.moe, 0, &f.inputs);
+    let topk = moe_step(cfg, &f.moe, cfg.n_hash_layers, &f.inputs);
+    for t in 0..8 {
+        let id = f.inputs.token_ids[t] as usize;
+        let table: Vec<usize> = f.moe.tid2eid[id * k..(id + 1) * k]
+            .iter()
+            .map(|&e| e as usize)
+            .collect();
+        assert_eq!(hashed.routes[t].experts, table, "row {t}");
+        let r = &topk.routes[t];
+        let biased = |e: usize| r.scores[e] + f.moe.bias[e];
+        for e in 0..cfg.n_routed_experts {
+            if !r.experts.contains(&e) {
+                assert!(r.experts.iter().all(|&c| biased(c) >= biased(e)), "row {t}");
+            }
+        }
+        for route in [&hashed.routes[t], r] {
+            let total: f32 = route.experts.iter().map(|&e| route.scores[e]).sum();
+            for (&e, &w) in route.experts.iter().zip(&route.weights) {
+                assert!((w - route.scores[e] / total * cfg.route_scale).abs() < 1e-6);
+            }
+            assert!((route.weights.iter().sum::<f32>() - cfg.route_scale).abs() < 1e-5);
+        }
+    }
+    assert_ne!(hashed.y, topk.y);
+}
+
+#[test]
+fn an_expert_with_every_token_and_one_with_none() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let layer = cfg.n_hash_layers;
+    let mut w = f.moe.clone();
+    w.bias[5] = 100.0;
+    w.bias[2] = -100.0;
+    let base = moe_step(cfg, &w, layer, &f.inputs);
+    assert!(base.routes.iter().all(|r| r.experts.contains(&5)));
+    assert!(base.routes.iter().all(|r| !r.experts.contains(&2)));
+    // The bias chooses but does not weigh: expert 5's weight is its score's share.
+    for r in &base.routes {
+        let i = r.experts.iter().position(|&e| e == 5).unwrap();
+        let total: f32 = r.experts.iter().map(|&e| r.scores[e]).sum();
+        assert!((r.weights[i] - r.scores[5] / total * cfg.route_scale).abs() < 1e-6);
+    }
+    let negate = |e: &mut Expert| e.w2.q.iter_mut().for_each(|q| *q = -*q);
+    let mut unused = w.clone();
+    negate(&mut unused.routed[2]);
+    assert_eq!(moe_step(cfg, &unused, layer, &f.inputs).x_out, base.x_out);
+    let mut used = w.clone();
+    negate(&mut used.routed[5]);
+    let changed = moe_step(cfg, &used, layer, &f.inputs);
+    let d = cfg.hidden;
+    for t in 0..8 {
+        assert!(
+            max_abs_diff(&changed.y[t * d..(t + 1) * d], &base.y[t * d..(t + 1) * d]) > 1e-3,
+            "row {t}"
+        );
+    }
+}
+
+/// The int8 expert against a float expert on the dequantised weights, at ordinary scale and
+/// with activations so large that the clamp decides the result.
+#[test]
+fn experts_match_a_float_swiglu_with_the_clamp() {
+    let cfg = Dsv4Config::tiny();
+    let f = generate_fixture(&cfg, &MIXED_STARTS, 77).unwrap();
+    let e = &f.moe.routed[0];
+    let mut x = vec![0.0f32; cfg.hidden];
+    Rng::new(3, 0).fill_normal(&mut x, 0.0, 1.0);
+    let (xs, xq) = quant_row(&x);
+    let deq =
+        |m: &Int8Matrix, r: usize, c: usize| f64::from(m.q[r * m.cols + c]) * f64::from(m.scale[r]);
+    let float = |gain: f64, clamp: bool| -> Vec<f64> {
+        let lim = f64::from(cfg.swiglu_limit);
+        let xd: Vec<f64> = xq
+            .iter()
+            .map(|&q| f64::from(q) * f64::from(xs) * gain)
+            .collect();
+        let h: Vec<f64> = (0..cfg.moe_inter_dim)
+            .map(|j| {
+                let g: f64 = (0..cfg.hidden).map(|k| xd[k] * deq(&e.w1, j, k)).sum();
+                let u: f64 = (0..cfg.hidden).map(|k| xd[k] * deq(&e.w3, j, k)).sum();
+                let (g, u) = if clamp {
+                    (g.min(lim), u.clamp(-lim, lim))
+                } else {
+                    (g, u)
+                };
+                g / (1.0 + (-g).exp()) * u * 0.7
+            })
+            .collect();
+        (0..cfg.hidden)
+            .map(|n| {
+                (0..cfg.moe_inter_dim)
+                    .map(|j| h[j] * deq(&e.w2, n, j))
+                    .sum()
+            })
+            .collect()
+    };
+    for gain in [1.0f32, 1000.0] {
+        let got = expert_forward(&cfg, e, xs * gain, &xq, 0.7);
+        let want = float(f64::from(gain), true);
+        let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (f64::from(*g) - w).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(err < 0.02 * norm, "gain {gain}: {err} vs {norm}");
+    }
+    // At gain 1000 the unclamped expert is far off: the clamp is what the match measured.
+    let got = expert_forward(&cfg, e, xs * 1000.0, &xq, 0.7);
+    let free = float(1000.0, false);
+    assert!(
+        got.iter()
+            .zip(&free)
+            .any(|(g, w)| (f64::from(*g) - w).abs() > 1.0)
+    );
+}
