@@ -173,6 +173,56 @@ impl WindowCache {
     }
 }
 
+/// The weights of a non-overlapping compressor (HCA): `width` is `head_dim`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressorWeights {
+    /// `Wc_kv` `[width, hidden]` bf16.
+    pub wkv: Vec<bf16>,
+    /// `Wc_gate` `[width, hidden]` bf16.
+    pub wgate: Vec<bf16>,
+    /// Position bias of the scores `[ratio, width]` (row `p % ratio`).
+    pub ape: Vec<f32>,
+    /// RMSNorm weight of the pooled row `[width]`.
+    pub norm: Vec<f32>,
+}
+
+/// A compressor's state: the `[kv | score]` rows of each sequence's open window, fp32, at row
+/// `seq · ratio + position % ratio`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressorState {
+    /// Positions per compressed row.
+    pub ratio: usize,
+    /// Width of the kv and of the score parts.
+    pub width: usize,
+    /// `[batch · ratio, width]`.
+    pub kv: Vec<f32>,
+    /// `[batch · ratio, width]`.
+    pub score: Vec<f32>,
+}
+
+/// A compressed KV cache, `[batch, max_rows, width]` bf16: row `i` of a sequence pools
+/// positions `i · ratio .. (i + 1) · ratio`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressedCache {
+    /// Row width.
+    pub width: usize,
+    /// Rows per sequence.
+    pub max_rows: usize,
+    /// `[batch · max_rows, width]`.
+    pub rows: Vec<bf16>,
+}
+
+/// What an HCA layer adds to the attention weights and caches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HcaParts {
+    /// The ratio-`hca_ratio` compressor.
+    pub compressor: CompressorWeights,
+    /// Its state before the step (each sequence's open window up to its start, zeros after).
+    pub state: CompressorState,
+    /// Compressed rows completed before the step (unit RMS), zeros after.
+    pub cache: CompressedCache,
+}
+
 /// The inputs of one decode step: `batch` sequences of `TOKENS_PER_SEQ` tokens, row
 /// `t = b · TOKENS_PER_SEQ + s` at position `starts[b] + s`.
 #[derive(Clone, Debug, PartialEq)]
@@ -209,6 +259,8 @@ pub struct Dsv4Fixture {
     /// Window cache; rows at positions `start - window .. start` of each sequence are filled,
     /// all others are zero.
     pub window: WindowCache,
+    /// The HCA compressor, its state and compressed cache.
+    pub hca: HcaParts,
     /// The step's inputs.
     pub inputs: StepInputs,
 }
@@ -246,6 +298,9 @@ mod stream {
     pub(super) const CACHE: u64 = 3 << 8;
     pub(super) const X: u64 = 4 << 8;
     pub(super) const TOKENS: u64 = 5 << 8;
+    pub(super) const HCA: u64 = 6 << 8;
+    pub(super) const HCA_STATE: u64 = 7 << 8;
+    pub(super) const HCA_CACHE: u64 = 8 << 8;
 }
 
 /// `n` draws of `N(mean, std)` from stream `id`.
@@ -372,6 +427,65 @@ pub fn generate_window_cache(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> W
     cache
 }
 
+/// Unit-RMS bf16 rows drawn from `rng` into `dst` (`width` per row).
+fn unit_rms_rows(rng: &mut Rng, dst: &mut [bf16], width: usize) {
+    let mut row = vec![0.0f32; width];
+    for out in dst.chunks_mut(width) {
+        rng.fill_normal(&mut row, 0.0, 1.0);
+        let rms = (row.iter().map(|v| v * v).sum::<f32>() / width as f32).sqrt();
+        for (o, v) in out.iter_mut().zip(&row) {
+            *o = bf16::from_f32(v / rms);
+        }
+    }
+}
+
+/// The HCA compressor, its state (`N(0, 1)` kv and scores at each sequence's positions
+/// `start - start % ratio .. start`) and its compressed cache (rows completed before `start`).
+pub fn generate_hca(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> HcaParts {
+    let (ratio, width, d) = (cfg.hca_ratio, cfg.head_dim, cfg.hidden);
+    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ;
+    let max_rows = (last / ratio).max(1);
+    let batch = starts.len();
+    let mut state = CompressorState {
+        ratio,
+        width,
+        kv: vec![0.0; batch * ratio * width],
+        score: vec![0.0; batch * ratio * width],
+    };
+    let mut cache = CompressedCache {
+        width,
+        max_rows,
+        rows: vec![bf16::ZERO; batch * max_rows * width],
+    };
+    for (b, &start) in starts.iter().enumerate() {
+        let mut rng = Rng::new(seed, stream::HCA_STATE + b as u64);
+        for pos in start - start % ratio..start {
+            let row = (b * ratio + pos % ratio) * width;
+            rng.fill_normal(&mut state.kv[row..row + width], 0.0, 1.0);
+            rng.fill_normal(&mut state.score[row..row + width], 0.0, 1.0);
+        }
+        let done = start / ratio;
+        let mut rng = Rng::new(seed, stream::HCA_CACHE + b as u64);
+        let first = b * max_rows * width;
+        unit_rms_rows(
+            &mut rng,
+            &mut cache.rows[first..first + done * width],
+            width,
+        );
+    }
+    let id = stream::HCA;
+    HcaParts {
+        compressor: CompressorWeights {
+            wkv: to_bf16(&projection(seed, id, width, d)),
+            wgate: to_bf16(&projection(seed, id + 1, width, d)),
+            ape: normal(seed, id + 2, ratio * width, 0.0, 0.1),
+            norm: normal(seed, id + 3, width, 1.0, 0.1),
+        },
+        state,
+        cache,
+    }
+}
+
 /// The step's inputs: `x_hc ~ U(-1, 1)`, token ids uniform over the vocabulary.
 pub fn generate_inputs(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> StepInputs {
     let n_tokens = starts.len() * TOKENS_PER_SEQ;
@@ -416,6 +530,7 @@ pub fn generate_fixture(
         attn: generate_attn_weights(cfg, seed),
         moe: generate_moe_weights(cfg, seed),
         window: generate_window_cache(cfg, starts, seed),
+        hca: generate_hca(cfg, starts, seed),
         inputs: generate_inputs(cfg, starts, seed),
     })
 }

@@ -4,12 +4,13 @@
 
 use half::bf16;
 
+use super::compress::{StateWrite, compress_step};
 use super::{
     HcPre, RopeKind, dot_i8, hc_post, hc_pre, matvec_bf16, quant_row, rb, rms_norm, rope,
     rope_cos_sin, rope_inv_freq, rope_inverse,
 };
 use crate::dsv4::config::Dsv4Config;
-use crate::dsv4::fixture::{AttnWeights, StepInputs, WindowCache};
+use crate::dsv4::fixture::{AttnWeights, HcaParts, StepInputs, WindowCache};
 
 /// Rows a step writes into one cache, in the step's row order.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +37,10 @@ pub struct AttnStep {
     pub o_proj: Vec<f32>,
     /// The hyper-connection weights of each token.
     pub hc: Vec<HcPre>,
+    /// HCA: the compressor-state rows the step writes.
+    pub state_write: Option<StateWrite>,
+    /// HCA: the compressed rows the step writes (only tokens that close a window write one).
+    pub compressed_write: Option<CacheWrite>,
 }
 
 /// Sparse attention of one head over candidate rows: `q` `[head_dim]`, `rows` the candidates
@@ -182,12 +187,42 @@ pub fn swa_step(
     cache: &WindowCache,
     inputs: &StepInputs,
 ) -> AttnStep {
+    attention_step(cfg, w, cache, inputs, None)
+}
+
+/// One HCA decode step (compress ratio `hca_ratio`, YaRN RoPE): the SWA step plus the
+/// compressor, whose rows written in this step are visible to the token that closes their
+/// window and to later ones; each token also attends to its sequence's compressed rows
+/// `0 .. min(max_position / hca_ratio, (p + 1) / hca_ratio)`.
+pub fn hca_step(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    cache: &WindowCache,
+    hca: &HcaParts,
+    inputs: &StepInputs,
+) -> AttnStep {
+    attention_step(cfg, w, cache, inputs, Some(hca))
+}
+
+fn attention_step(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    cache: &WindowCache,
+    inputs: &StepInputs,
+    hca: Option<&HcaParts>,
+) -> AttnStep {
     let (hc, d, hd, rd) = (cfg.hc_mult, cfg.hidden, cfg.head_dim, cfg.rope_dim);
     let n_tokens = inputs.n_tokens();
-    let inv_freq = rope_inv_freq(cfg, RopeKind::Plain);
+    let kind = if hca.is_some() {
+        RopeKind::Yarn
+    } else {
+        RopeKind::Plain
+    };
+    let inv_freq = rope_inv_freq(cfg, kind);
     let mut hcs = Vec::with_capacity(n_tokens);
     let mut qs = Vec::with_capacity(n_tokens);
     let mut kvs = Vec::with_capacity(n_tokens);
+    let mut x_ns = Vec::with_capacity(n_tokens);
     for t in 0..n_tokens {
         let x = &inputs.x_hc[t * hc * d..(t + 1) * hc * d];
         let hp = hc_pre(cfg, &w.hc, x);
@@ -197,14 +232,40 @@ pub fn swa_step(
         hcs.push(hp);
         qs.push(q);
         kvs.push(kv);
+        x_ns.push(x_n);
     }
     let per_seq = n_tokens / inputs.starts.len();
+    let compressed = hca.map(|parts| {
+        let positions: Vec<usize> = (0..n_tokens).map(|t| inputs.position(t)).collect();
+        let seqs: Vec<usize> = (0..n_tokens).map(|t| t / per_seq).collect();
+        let (sw, cw) = compress_step(
+            cfg,
+            &parts.compressor,
+            &parts.state,
+            &parts.cache,
+            &x_ns,
+            &positions,
+            &seqs,
+            &inv_freq,
+        );
+        // The compressed rows as the step's attention sees them: the cache, then this step's.
+        let mut rows: Vec<f32> = parts.cache.rows.iter().map(|v| v.to_f32()).collect();
+        let width = parts.cache.width;
+        for (slot, row) in cw.slots.iter().zip(cw.rows.chunks(width)) {
+            if let Some(slot) = slot {
+                for (o, v) in rows[slot * width..(slot + 1) * width].iter_mut().zip(row) {
+                    *o = v.to_f32();
+                }
+            }
+        }
+        (sw, cw, rows, parts.cache.max_rows)
+    });
     let cached: Vec<f32> = cache.rows.iter().map(|v| v.to_f32()).collect();
     let mut attn = vec![0.0f32; n_tokens * cfg.n_heads * hd];
     for t in 0..n_tokens {
         let (b, pos) = (t / per_seq, inputs.position(t));
         let start = inputs.starts[b];
-        let rows: Vec<Option<&[f32]>> = (pos.saturating_sub(cfg.window - 1)..=pos)
+        let mut rows: Vec<Option<&[f32]>> = (pos.saturating_sub(cfg.window - 1)..=pos)
             .map(|p| {
                 if p >= start {
                     Some(kvs[b * per_seq + (p - start)].as_slice())
@@ -215,6 +276,15 @@ pub fn swa_step(
                 }
             })
             .collect();
+        if let Some((_, _, comp, max_rows)) = &compressed {
+            let visible = ((pos + 1) / cfg.hca_ratio)
+                .min(cfg.max_position / cfg.hca_ratio)
+                .min(*max_rows);
+            rows.extend((0..visible).map(|i| {
+                let slot = b * max_rows + i;
+                Some(&comp[slot * hd..(slot + 1) * hd])
+            }));
+        }
         let cs = rope_cos_sin(&inv_freq, pos);
         for h in 0..cfg.n_heads {
             let q = &qs[t][h * hd..(h + 1) * hd];
@@ -248,6 +318,8 @@ pub fn swa_step(
         x_out,
         window_write,
         q: qs.concat(),
+        state_write: compressed.as_ref().map(|c| c.0.clone()),
+        compressed_write: compressed.map(|c| c.1),
         attn,
         o_proj,
         hc: hcs,

@@ -461,3 +461,119 @@ fn experts_match_a_float_swiglu_with_the_clamp() {
             .any(|(g, w)| (f64::from(*g) - w).abs() > 1.0)
     );
 }
+
+// ---- HCA layer ----
+
+#[test]
+fn pooling_is_a_per_channel_softmax_average() {
+    let width = 3;
+    // Constant kv per channel pools to that constant whatever the scores.
+    let kv: Vec<f32> = (0..5).flat_map(|_| [1.5f32, -2.0, 0.25]).collect();
+    let score: Vec<f32> = (0..15).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+    let pooled = pool_window(&kv, &score, width);
+    assert!(max_abs_diff(&pooled, &[1.5, -2.0, 0.25]) < 1e-6);
+    // A dominant score selects its row, channel by channel.
+    let kv: Vec<f32> = (0..15).map(|i| i as f32).collect();
+    let mut score = vec![0.0f32; 15];
+    score[2 * 3] = 100.0; // channel 0 picks row 2
+    score[4 * 3 + 1] = 100.0; // channel 1 picks row 4
+    let pooled = pool_window(&kv, &score, width);
+    assert!((pooled[0] - 6.0).abs() < 1e-4 && (pooled[1] - 13.0).abs() < 1e-4);
+    // Equal scores give the mean.
+    assert!((pooled[2] - (2.0 + 5.0 + 8.0 + 11.0 + 14.0) / 5.0).abs() < 1e-4);
+}
+
+#[test]
+fn hca_compresses_exactly_at_the_ratio_128_boundary() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = hca_step(cfg, &f.attn, &f.window, &f.hca, &f.inputs);
+    let sw = step.state_write.as_ref().unwrap();
+    let cw = step.compressed_write.as_ref().unwrap();
+    let ratio = cfg.hca_ratio;
+    for t in 0..8 {
+        let (b, pos) = (t / TOKENS_PER_SEQ, f.inputs.position(t));
+        assert_eq!(sw.slots[t], b * ratio + pos % ratio, "row {t}");
+    }
+    // Only position 127 (sequence 2, row 4) closes a window: one compressed row, index 0.
+    assert_eq!(cw.slots, vec![Some(2 * f.hca.cache.max_rows)]);
+    // The row written a second way: the open window of sequence 2 (the fixture's positions
+    // 0..127 and the step's position 127) pooled in f64, then RMSNorm; RoPE at position 0 is
+    // the identity.
+    let width = cfg.head_dim;
+    let window_rows = |v: &[f32], step_row: &[f32]| -> Vec<f64> {
+        let mut rows: Vec<f64> = v[2 * ratio * width..3 * ratio * width]
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
+        for (o, x) in rows[127 * width..].iter_mut().zip(step_row) {
+            *o = f64::from(*x);
+        }
+        rows
+    };
+    let kv = window_rows(&f.hca.state.kv, &sw.kv[4 * width..5 * width]);
+    let score = window_rows(&f.hca.state.score, &sw.score[4 * width..5 * width]);
+    let pooled: Vec<f64> = (0..width)
+        .map(|c| {
+            let m = (0..ratio)
+                .map(|j| score[j * width + c])
+                .fold(f64::MIN, f64::max);
+            let e: Vec<f64> = (0..ratio)
+                .map(|j| (score[j * width + c] - m).exp())
+                .collect();
+            let z: f64 = e.iter().sum();
+            (0..ratio).map(|j| e[j] * kv[j * width + c]).sum::<f64>() / z
+        })
+        .collect();
+    let ms = pooled.iter().map(|v| v * v).sum::<f64>() / width as f64;
+    let inv = 1.0 / (ms + f64::from(cfg.rms_eps)).sqrt();
+    for (c, got) in cw.rows.iter().enumerate() {
+        let want = pooled[c] * inv * f64::from(f.hca.compressor.norm[c]);
+        assert!(
+            (f64::from(got.to_f32()) - want).abs() <= want.abs() / 128.0 + 1e-6,
+            "channel {c}: {got} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn hca_tokens_see_the_compressed_rows_of_their_past_only() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let base = hca_step(cfg, &f.attn, &f.window, &f.hca, &f.inputs);
+    let per_token = cfg.n_heads * cfg.head_dim;
+    let out = |s: &AttnStep, t: usize| s.attn[t * per_token..(t + 1) * per_token].to_vec();
+    let width = cfg.head_dim;
+    // Position 5 of sequence 2 is far outside the 8-row window of positions 127 and 128, so it
+    // reaches them only through the compressed row that position 127 closes.
+    let mut hca = f.hca.clone();
+    let slot = 2 * cfg.hca_ratio + 5;
+    hca.state.score[slot * width..(slot + 1) * width].fill(30.0);
+    let s = hca_step(cfg, &f.attn, &f.window, &hca, &f.inputs);
+    assert_ne!(out(&s, 4), out(&base, 4));
+    assert_ne!(out(&s, 5), out(&base, 5));
+    assert_eq!(out(&s, 2), out(&base, 2), "other sequences are untouched");
+    // Sequence 3 at 8192 sees compressed rows 0..64; sequence 1 at 3 sees none yet.
+    for (b, row, token_rows, changes) in
+        [(3usize, 63usize, [6usize, 7], true), (1, 0, [2, 3], false)]
+    {
+        let mut hca = f.hca.clone();
+        let first = (b * hca.cache.max_rows + row) * width;
+        for v in &mut hca.cache.rows[first..first + width] {
+            *v = half::bf16::from_f32(v.to_f32() * -3.0 + 2.0);
+        }
+        let s = hca_step(cfg, &f.attn, &f.window, &hca, &f.inputs);
+        for t in token_rows {
+            assert_eq!(
+                out(&s, t) != out(&base, t),
+                changes,
+                "seq {b} row {row} token {t}"
+            );
+        }
+    }
+    // With no compressed row visible and no window crossing, HCA differs from SWA only by its
+    // RoPE, so the two disagree (YaRN θ 160000 vs plain θ 1e4) at position 3.
+    let swa = swa_step(cfg, &f.attn, &f.window, &f.inputs);
+    assert_ne!(out(&swa, 2), out(&base, 2));
+    assert!(base.x_out.iter().all(|v| v.is_finite()));
+}
