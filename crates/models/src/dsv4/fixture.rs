@@ -223,6 +223,57 @@ pub struct HcaParts {
     pub cache: CompressedCache,
 }
 
+/// An overlapping compressor's state (CSA, ratio 4): each sequence keeps the rows of its
+/// previous and current window, `2 · ratio` rows at `seq · 2 · ratio + position % (2 · ratio)`,
+/// each `[kv | score]` of `2 · width` channels (the first `width` pair with the next window,
+/// the second `width` with this one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OverlapState {
+    /// Positions per compressed row (4).
+    pub ratio: usize,
+    /// Output width `W`; the rows are `2 · W` wide.
+    pub width: usize,
+    /// `[batch · 2 · ratio, 2 · width]`.
+    pub kv: Vec<f32>,
+    /// `[batch · 2 · ratio, 2 · width]`.
+    pub score: Vec<f32>,
+}
+
+/// The indexer's int8 cache: `[batch, max_rows, width]` int8 with one fp32 scale per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexCache {
+    /// Row width (`index_head_dim`).
+    pub width: usize,
+    /// Rows per sequence.
+    pub max_rows: usize,
+    /// `[batch · max_rows, width]`.
+    pub q: Vec<i8>,
+    /// `[batch · max_rows]`.
+    pub scale: Vec<f32>,
+}
+
+/// What a CSA layer adds to the attention weights and caches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CsaParts {
+    /// The ratio-4 compressor (`Wc_*` `[2 · head_dim, hidden]`, `ape` `[4, 2 · head_dim]`,
+    /// norm `[head_dim]`).
+    pub compressor: CompressorWeights,
+    /// Its state before the step.
+    pub state: OverlapState,
+    /// Compressed rows completed before the step (unit RMS), zeros after.
+    pub cache: CompressedCache,
+    /// The indexer's own ratio-4 compressor (`index_head_dim` wide).
+    pub index_compressor: CompressorWeights,
+    /// Its state before the step.
+    pub index_state: OverlapState,
+    /// Index rows completed before the step, zeros after.
+    pub index_cache: IndexCache,
+    /// `W_idx` int8 `[index_heads · index_head_dim, q_lora]`.
+    pub wq_idx: Int8Matrix,
+    /// Head-weight projection `W_w` `[index_heads, hidden]` bf16.
+    pub w_weights: Vec<bf16>,
+}
+
 /// The inputs of one decode step: `batch` sequences of `TOKENS_PER_SEQ` tokens, row
 /// `t = b · TOKENS_PER_SEQ + s` at position `starts[b] + s`.
 #[derive(Clone, Debug, PartialEq)]
@@ -261,6 +312,8 @@ pub struct Dsv4Fixture {
     pub window: WindowCache,
     /// The HCA compressor, its state and compressed cache.
     pub hca: HcaParts,
+    /// The CSA compressors, indexer and their caches.
+    pub csa: CsaParts,
     /// The step's inputs.
     pub inputs: StepInputs,
 }
@@ -301,6 +354,9 @@ mod stream {
     pub(super) const HCA: u64 = 6 << 8;
     pub(super) const HCA_STATE: u64 = 7 << 8;
     pub(super) const HCA_CACHE: u64 = 8 << 8;
+    pub(super) const CSA: u64 = 9 << 8;
+    pub(super) const CSA_STATE: u64 = 10 << 8;
+    pub(super) const CSA_CACHE: u64 = 11 << 8;
 }
 
 /// `n` draws of `N(mean, std)` from stream `id`.
@@ -486,6 +542,98 @@ pub fn generate_hca(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> HcaParts {
     }
 }
 
+/// An overlapping compressor of output width `width` and its state for sequences at `starts`:
+/// `N(0, 1)` rows at positions `max(0, w0 - ratio) .. start`, `w0` the start of the open window
+/// (the previous window and the open one), zeros elsewhere.
+fn overlap_parts(
+    cfg: &Dsv4Config,
+    starts: &[usize],
+    seed: u64,
+    id: u64,
+    width: usize,
+) -> (CompressorWeights, OverlapState) {
+    let (ratio, d) = (cfg.csa_ratio, cfg.hidden);
+    let wide = 2 * width;
+    let ring = 2 * ratio;
+    let mut state = OverlapState {
+        ratio,
+        width,
+        kv: vec![0.0; starts.len() * ring * wide],
+        score: vec![0.0; starts.len() * ring * wide],
+    };
+    for (b, &start) in starts.iter().enumerate() {
+        let mut rng = Rng::new(seed, stream::CSA_STATE + 2 * b as u64 + id);
+        let w0 = start - start % ratio;
+        for pos in w0.saturating_sub(ratio)..start {
+            let row = (b * ring + pos % ring) * wide;
+            rng.fill_normal(&mut state.kv[row..row + wide], 0.0, 1.0);
+            rng.fill_normal(&mut state.score[row..row + wide], 0.0, 1.0);
+        }
+    }
+    let id = stream::CSA + 8 * id;
+    let weights = CompressorWeights {
+        wkv: to_bf16(&projection(seed, id, wide, d)),
+        wgate: to_bf16(&projection(seed, id + 1, wide, d)),
+        ape: normal(seed, id + 2, ratio * wide, 0.0, 0.1),
+        norm: normal(seed, id + 3, width, 1.0, 0.1),
+    };
+    (weights, state)
+}
+
+/// The CSA compressor, indexer and caches for sequences at `starts`: compressed rows completed
+/// before `start` are unit-RMS bf16 (main cache) and int8 rows of unit-RMS draws (index cache).
+pub fn generate_csa(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> CsaParts {
+    let ratio = cfg.csa_ratio;
+    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ;
+    let max_rows = (last / ratio).max(1);
+    let batch = starts.len();
+    let (compressor, state) = overlap_parts(cfg, starts, seed, 0, cfg.head_dim);
+    let (index_compressor, index_state) = overlap_parts(cfg, starts, seed, 1, cfg.index_head_dim);
+    let (hd, id_w) = (cfg.head_dim, cfg.index_head_dim);
+    let mut cache = CompressedCache {
+        width: hd,
+        max_rows,
+        rows: vec![bf16::ZERO; batch * max_rows * hd],
+    };
+    let mut index_cache = IndexCache {
+        width: id_w,
+        max_rows,
+        q: vec![0; batch * max_rows * id_w],
+        scale: vec![0.0; batch * max_rows],
+    };
+    for (b, &start) in starts.iter().enumerate() {
+        let done = start / ratio;
+        let mut rng = Rng::new(seed, stream::CSA_CACHE + 2 * b as u64);
+        let first = b * max_rows * hd;
+        unit_rms_rows(&mut rng, &mut cache.rows[first..first + done * hd], hd);
+        let mut rng = Rng::new(seed, stream::CSA_CACHE + 2 * b as u64 + 1);
+        let mut row = vec![0.0f32; id_w];
+        for i in 0..done {
+            rng.fill_normal(&mut row, 0.0, 1.0);
+            let (sc, q) = quantize_row(&row);
+            let r = b * max_rows + i;
+            index_cache.scale[r] = sc;
+            index_cache.q[r * id_w..(r + 1) * id_w].copy_from_slice(&q);
+        }
+    }
+    let id = stream::CSA + 32;
+    let n_idx = cfg.index_heads * id_w;
+    CsaParts {
+        compressor,
+        state,
+        cache,
+        index_compressor,
+        index_state,
+        index_cache,
+        wq_idx: Int8Matrix::quantize(
+            &projection(seed, id, n_idx, cfg.q_lora_rank),
+            n_idx,
+            cfg.q_lora_rank,
+        ),
+        w_weights: to_bf16(&projection(seed, id + 1, cfg.index_heads, cfg.hidden)),
+    }
+}
+
 /// The step's inputs: `x_hc ~ U(-1, 1)`, token ids uniform over the vocabulary.
 pub fn generate_inputs(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> StepInputs {
     let n_tokens = starts.len() * TOKENS_PER_SEQ;
@@ -531,6 +679,7 @@ pub fn generate_fixture(
         moe: generate_moe_weights(cfg, seed),
         window: generate_window_cache(cfg, starts, seed),
         hca: generate_hca(cfg, starts, seed),
+        csa: generate_csa(cfg, starts, seed),
         inputs: generate_inputs(cfg, starts, seed),
     })
 }

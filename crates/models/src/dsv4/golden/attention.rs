@@ -5,12 +5,13 @@
 use half::bf16;
 
 use super::compress::{StateWrite, compress_step};
+use super::csa::{CsaWrites, index_pick, index_rows, overlap_compress_step};
 use super::{
     HcPre, RopeKind, dot_i8, hc_post, hc_pre, matvec_bf16, quant_row, rb, rms_norm, rope,
     rope_cos_sin, rope_inv_freq, rope_inverse,
 };
 use crate::dsv4::config::Dsv4Config;
-use crate::dsv4::fixture::{AttnWeights, HcaParts, StepInputs, WindowCache};
+use crate::dsv4::fixture::{AttnWeights, CsaParts, HcaParts, StepInputs, WindowCache};
 
 /// Rows a step writes into one cache, in the step's row order.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +42,8 @@ pub struct AttnStep {
     pub state_write: Option<StateWrite>,
     /// HCA: the compressed rows the step writes (only tokens that close a window write one).
     pub compressed_write: Option<CacheWrite>,
+    /// CSA: the compressors' state and cache writes, and each token's indexer decision.
+    pub csa: Option<CsaWrites>,
 }
 
 /// Sparse attention of one head over candidate rows: `q` `[head_dim]`, `rows` the candidates
@@ -113,14 +116,18 @@ pub fn attention_dense(
         .collect()
 }
 
-/// `q` and `kv` of one token from `x_n` (the attention-normed input, bf16 values):
-/// `q` `[n_heads · head_dim]`, `kv` `[head_dim]`, both roped at `pos` and bf16.
-fn project_qkv(
-    cfg: &Dsv4Config,
-    w: &AttnWeights,
-    x_n: &[f32],
-    cs: &[(f32, f32)],
-) -> (Vec<f32>, Vec<f32>) {
+/// A token's projections: `q` `[n_heads · head_dim]` and `kv` `[head_dim]`, both roped and
+/// bf16, and the int8 `qr` the indexer reuses.
+struct Projected {
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    qr_scale: f32,
+    qr_i8: Vec<i32>,
+}
+
+/// The projections of one token from `x_n` (the attention-normed input, bf16 values), roped
+/// with `cs` (the token's position).
+fn project_qkv(cfg: &Dsv4Config, w: &AttnWeights, x_n: &[f32], cs: &[(f32, f32)]) -> Projected {
     let (hd, rd) = (cfg.head_dim, cfg.rope_dim);
     let qr = rms_norm(
         &matvec_bf16(x_n, &w.wq_a, cfg.q_lora_rank),
@@ -149,7 +156,12 @@ fn project_qkv(
     );
     rope(&mut kv[hd - rd..], cs);
     kv.iter_mut().for_each(|v| *v = rb(*v));
-    (q, kv)
+    Projected {
+        q,
+        kv,
+        qr_scale,
+        qr_i8,
+    }
 }
 
 /// The grouped output projection of one token: `o` `[n_heads · head_dim]` (bf16 values) →
@@ -187,7 +199,7 @@ pub fn swa_step(
     cache: &WindowCache,
     inputs: &StepInputs,
 ) -> AttnStep {
-    attention_step(cfg, w, cache, inputs, None)
+    attention_step(cfg, w, cache, inputs, Extra::None)
 }
 
 /// One HCA decode step (compress ratio `hca_ratio`, YaRN RoPE): the SWA step plus the
@@ -201,7 +213,110 @@ pub fn hca_step(
     hca: &HcaParts,
     inputs: &StepInputs,
 ) -> AttnStep {
-    attention_step(cfg, w, cache, inputs, Some(hca))
+    attention_step(cfg, w, cache, inputs, Extra::Hca(hca))
+}
+
+/// One CSA decode step (compress ratio `csa_ratio`, YaRN RoPE): the SWA step plus the
+/// overlapping compressor and the indexer's own compressor, whose rows written in this step
+/// are visible to the token that closes their window and to later ones; each token also
+/// attends to the compressed rows its indexer selects (at most `index_topk` of the visible
+/// `min(max_rows, (p + 1) / csa_ratio)`).
+pub fn csa_step(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    cache: &WindowCache,
+    csa: &CsaParts,
+    inputs: &StepInputs,
+) -> AttnStep {
+    attention_step(cfg, w, cache, inputs, Extra::Csa(csa))
+}
+
+/// The layer kind's extra candidates.
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    None,
+    Hca(&'a HcaParts),
+    Csa(&'a CsaParts),
+}
+
+/// The CSA parts of a step: the writes, and the main compressed rows as the step's attention
+/// sees them (`[batch · max_rows, head_dim]` f32).
+fn csa_parts(
+    cfg: &Dsv4Config,
+    parts: &CsaParts,
+    inputs: &StepInputs,
+    x_ns: &[Vec<f32>],
+    projected: &[Projected],
+    inv_freq: &[f64],
+) -> (CsaWrites, Vec<f32>) {
+    let n_tokens = inputs.n_tokens();
+    let per_seq = n_tokens / inputs.starts.len();
+    let positions: Vec<usize> = (0..n_tokens).map(|t| inputs.position(t)).collect();
+    let seqs: Vec<usize> = (0..n_tokens).map(|t| t / per_seq).collect();
+    let (state_write, closed) = overlap_compress_step(
+        cfg,
+        &parts.compressor,
+        &parts.state,
+        x_ns,
+        &positions,
+        &seqs,
+        inv_freq,
+    );
+    let (index_state_write, index_closed) = overlap_compress_step(
+        cfg,
+        &parts.index_compressor,
+        &parts.index_state,
+        x_ns,
+        &positions,
+        &seqs,
+        inv_freq,
+    );
+    let (hd, max_rows) = (cfg.head_dim, parts.cache.max_rows);
+    let mut rows: Vec<f32> = parts.cache.rows.iter().map(|v| v.to_f32()).collect();
+    let compressed: Vec<(usize, Vec<bf16>)> = closed
+        .iter()
+        .map(|c| {
+            let slot = c.seq * max_rows + c.index;
+            let row: Vec<bf16> = c.row.iter().map(|&v| bf16::from_f32(v)).collect();
+            for (o, v) in rows[slot * hd..(slot + 1) * hd].iter_mut().zip(&row) {
+                *o = v.to_f32();
+            }
+            (slot, row)
+        })
+        .collect();
+    let index_write = index_rows(&index_closed, parts.index_cache.max_rows);
+    let mut index_cache = parts.index_cache.clone();
+    let iw = index_cache.width;
+    for (k, &slot) in index_write.slots.iter().enumerate() {
+        index_cache.q[slot * iw..(slot + 1) * iw]
+            .copy_from_slice(&index_write.q[k * iw..(k + 1) * iw]);
+        index_cache.scale[slot] = index_write.scale[k];
+    }
+    let picks = (0..n_tokens)
+        .map(|t| {
+            let b = seqs[t];
+            index_pick(
+                cfg,
+                parts,
+                &index_cache,
+                b,
+                projected[t].qr_scale,
+                &projected[t].qr_i8,
+                &x_ns[t],
+                positions[t],
+                inputs.starts[b],
+                inv_freq,
+            )
+        })
+        .collect();
+    let writes = CsaWrites {
+        state_write,
+        compressed,
+        index_state_write,
+        index_write,
+        picks,
+    };
+    (writes, rows)
 }
 
 fn attention_step(
@@ -209,29 +324,29 @@ fn attention_step(
     w: &AttnWeights,
     cache: &WindowCache,
     inputs: &StepInputs,
-    hca: Option<&HcaParts>,
+    extra: Extra<'_>,
 ) -> AttnStep {
     let (hc, d, hd, rd) = (cfg.hc_mult, cfg.hidden, cfg.head_dim, cfg.rope_dim);
     let n_tokens = inputs.n_tokens();
-    let kind = if hca.is_some() {
-        RopeKind::Yarn
-    } else {
-        RopeKind::Plain
+    let kind = match extra {
+        Extra::None => RopeKind::Plain,
+        Extra::Hca(_) | Extra::Csa(_) => RopeKind::Yarn,
+    };
+    let hca = match extra {
+        Extra::Hca(parts) => Some(parts),
+        _ => None,
     };
     let inv_freq = rope_inv_freq(cfg, kind);
     let mut hcs = Vec::with_capacity(n_tokens);
-    let mut qs = Vec::with_capacity(n_tokens);
-    let mut kvs = Vec::with_capacity(n_tokens);
+    let mut projected = Vec::with_capacity(n_tokens);
     let mut x_ns = Vec::with_capacity(n_tokens);
     for t in 0..n_tokens {
         let x = &inputs.x_hc[t * hc * d..(t + 1) * hc * d];
         let hp = hc_pre(cfg, &w.hc, x);
         let x_n = rms_norm(&hp.x_mixed, Some(w.attn_norm.as_slice()), cfg.rms_eps);
         let cs = rope_cos_sin(&inv_freq, inputs.position(t));
-        let (q, kv) = project_qkv(cfg, w, &x_n, &cs);
+        projected.push(project_qkv(cfg, w, &x_n, &cs));
         hcs.push(hp);
-        qs.push(q);
-        kvs.push(kv);
         x_ns.push(x_n);
     }
     let per_seq = n_tokens / inputs.starts.len();
@@ -260,6 +375,10 @@ fn attention_step(
         }
         (sw, cw, rows, parts.cache.max_rows)
     });
+    let csa = match extra {
+        Extra::Csa(parts) => Some(csa_parts(cfg, parts, inputs, &x_ns, &projected, &inv_freq)),
+        _ => None,
+    };
     let cached: Vec<f32> = cache.rows.iter().map(|v| v.to_f32()).collect();
     let mut attn = vec![0.0f32; n_tokens * cfg.n_heads * hd];
     for t in 0..n_tokens {
@@ -268,7 +387,7 @@ fn attention_step(
         let mut rows: Vec<Option<&[f32]>> = (pos.saturating_sub(cfg.window - 1)..=pos)
             .map(|p| {
                 if p >= start {
-                    Some(kvs[b * per_seq + (p - start)].as_slice())
+                    Some(projected[b * per_seq + (p - start)].kv.as_slice())
                 } else {
                     cache
                         .slot(b, p)
@@ -285,9 +404,16 @@ fn attention_step(
                 Some(&comp[slot * hd..(slot + 1) * hd])
             }));
         }
+        if let (Some((writes, comp)), Extra::Csa(parts)) = (&csa, extra) {
+            let max_rows = parts.cache.max_rows;
+            rows.extend(writes.picks[t].selected.iter().map(|&i| {
+                let slot = b * max_rows + i;
+                Some(&comp[slot * hd..(slot + 1) * hd])
+            }));
+        }
         let cs = rope_cos_sin(&inv_freq, pos);
         for h in 0..cfg.n_heads {
-            let q = &qs[t][h * hd..(h + 1) * hd];
+            let q = &projected[t].q[h * hd..(h + 1) * hd];
             let mut o = attention_core(q, &rows, cfg.softmax_scale(), w.sink[h]);
             rope_inverse(&mut o[hd - rd..], &cs);
             let dst = &mut attn[(t * cfg.n_heads + h) * hd..(t * cfg.n_heads + h + 1) * hd];
@@ -312,12 +438,16 @@ fn attention_step(
         slots: (0..n_tokens)
             .map(|t| cache.slot(t / per_seq, inputs.position(t)))
             .collect(),
-        rows: kvs.iter().flatten().map(|&v| bf16::from_f32(v)).collect(),
+        rows: projected
+            .iter()
+            .flat_map(|p| p.kv.iter().map(|&v| bf16::from_f32(v)))
+            .collect(),
     };
     AttnStep {
         x_out,
         window_write,
-        q: qs.concat(),
+        q: projected.iter().flat_map(|p| p.q.iter().copied()).collect(),
+        csa: csa.map(|c| c.0),
         state_write: compressed.as_ref().map(|c| c.0.clone()),
         compressed_write: compressed.map(|c| c.1),
         attn,

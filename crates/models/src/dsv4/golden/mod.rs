@@ -2,10 +2,12 @@
 //! loops that follow the documented formulas and cast points and share no code with the
 //! kernels. This file holds the building blocks every layer kind uses (hyper-connections with
 //! Sinkhorn, RMSNorm, interleaved RoPE with YaRN and its inverse, per-row int8); the layers
-//! are in [`attention`] (SWA, HCA), [`compress`] (the HCA compressor) and [`moe`].
+//! are in [`attention`] (SWA, CSA, HCA), [`compress`] (the HCA compressor), [`csa`] (the
+//! overlapping compressor and the indexer) and [`moe`].
 
 pub mod attention;
 pub mod compress;
+pub mod csa;
 pub mod moe;
 
 use half::bf16;
@@ -13,8 +15,13 @@ use half::bf16;
 use super::config::Dsv4Config;
 use super::fixture::HcWeights;
 
-pub use attention::{AttnStep, CacheWrite, attention_core, attention_dense, hca_step, swa_step};
+pub use attention::{
+    AttnStep, CacheWrite, attention_core, attention_dense, csa_step, hca_step, swa_step,
+};
 pub use compress::{StateWrite, compress_step, pool_window};
+pub use csa::{
+    ClosedRow, CsaWrites, IndexPick, IndexWrite, hadamard, index_pick, overlap_compress_step,
+};
 pub use moe::{MoeStep, Route, expert_forward, moe_step, quant_activations, route};
 
 /// `bf16(x)` as f32, round to nearest even (every cast point unless stated otherwise).

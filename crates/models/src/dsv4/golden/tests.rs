@@ -577,3 +577,203 @@ fn hca_tokens_see_the_compressed_rows_of_their_past_only() {
     assert_ne!(out(&swa, 2), out(&base, 2));
     assert!(base.x_out.iter().all(|v| v.is_finite()));
 }
+
+// ---- CSA layer ----
+
+#[test]
+fn hadamard_matches_the_explicit_matrix_and_is_its_own_inverse() {
+    let n = 16;
+    let mut v = vec![0.0f32; n];
+    Rng::new(21, 0).fill_normal(&mut v, 0.0, 1.0);
+    let explicit: Vec<f32> = (0..n)
+        .map(|i| {
+            (0..n)
+                .map(|j| {
+                    if (i & j).count_ones() % 2 == 0 {
+                        v[j]
+                    } else {
+                        -v[j]
+                    }
+                })
+                .sum::<f32>()
+                / (n as f32).sqrt()
+        })
+        .collect();
+    let mut fast = v.clone();
+    hadamard(&mut fast);
+    assert!(max_abs_diff(&fast, &explicit) < 1e-5);
+    hadamard(&mut fast);
+    assert!(max_abs_diff(&fast, &v) < 1e-5);
+}
+
+#[test]
+fn csa_compresses_exactly_at_the_ratio_4_boundaries() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
+    let csa = step.csa.as_ref().unwrap();
+    let mr = f.csa.cache.max_rows;
+    for t in 0..8 {
+        let (b, pos) = (t / TOKENS_PER_SEQ, f.inputs.position(t));
+        assert_eq!(csa.state_write.slots[t], b * 8 + pos % 8, "row {t}");
+        assert_eq!(csa.index_state_write.slots[t], b * 8 + pos % 8, "row {t}");
+    }
+    // Position 3 (sequence 1) closes window 0 and position 127 (sequence 2) window 31;
+    // positions 0, 1, 4, 128, 8192 and 8193 close none.
+    let slots: Vec<usize> = csa.compressed.iter().map(|c| c.0).collect();
+    assert_eq!(slots, vec![mr, 2 * mr + 31]);
+    assert_eq!(csa.index_write.slots, vec![mr, 2 * mr + 31]);
+    assert!(csa.index_write.scale.iter().all(|&s| s > 0.0));
+}
+
+/// Window 31 of sequence 2 written a second way: the previous window's first-half channels and
+/// this window's second-half channels pooled in f64, RMSNorm, compared before RoPE.
+#[test]
+fn csa_overlapping_pool_matches_a_second_formulation() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
+    let csa = step.csa.as_ref().unwrap();
+    let (w, wide) = (cfg.head_dim, 2 * cfg.head_dim);
+    let st = &f.csa.state;
+    // Ring rows of sequence 2 (8 per sequence); position 127's row is the step's first write.
+    let row_of = |v: &[f32], step_v: &[f32], pos: usize| -> Vec<f64> {
+        let src = if pos == 127 {
+            &step_v[4 * wide..5 * wide]
+        } else {
+            &v[(2 * 8 + pos % 8) * wide..(2 * 8 + pos % 8 + 1) * wide]
+        };
+        src.iter().map(|&x| f64::from(x)).collect()
+    };
+    let pooled: Vec<f64> = (0..w)
+        .map(|c| {
+            let cands: Vec<(f64, f64)> = (120..124)
+                .map(|p| {
+                    (
+                        row_of(&st.kv, &csa.state_write.kv, p)[c],
+                        row_of(&st.score, &csa.state_write.score, p)[c],
+                    )
+                })
+                .chain((124..128).map(|p| {
+                    (
+                        row_of(&st.kv, &csa.state_write.kv, p)[w + c],
+                        row_of(&st.score, &csa.state_write.score, p)[w + c],
+                    )
+                }))
+                .collect();
+            let m = cands.iter().map(|c| c.1).fold(f64::MIN, f64::max);
+            let z: f64 = cands.iter().map(|c| (c.1 - m).exp()).sum();
+            cands.iter().map(|c| (c.1 - m).exp() * c.0).sum::<f64>() / z
+        })
+        .collect();
+    let ms = pooled.iter().map(|v| v * v).sum::<f64>() / w as f64;
+    let inv = 1.0 / (ms + f64::from(cfg.rms_eps)).sqrt();
+    let mut got: Vec<f32> = csa.compressed[1].1.iter().map(|v| v.to_f32()).collect();
+    let inv_freq = rope_inv_freq(cfg, RopeKind::Yarn);
+    rope_inverse(&mut got[w - cfg.rope_dim..], &rope_cos_sin(&inv_freq, 124));
+    for c in 0..w {
+        let want = pooled[c] * inv * f64::from(f.csa.compressor.norm[c]);
+        assert!(
+            (f64::from(got[c]) - want).abs() <= want.abs() / 64.0 + 1e-3,
+            "channel {c}: {} vs {want}",
+            got[c]
+        );
+    }
+}
+
+#[test]
+fn csa_first_window_has_no_previous_half_and_halves_are_not_swapped() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let base = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
+    let comp = |s: &AttnStep, k: usize| s.csa.as_ref().unwrap().compressed[k].1.clone();
+    let wide = 2 * cfg.head_dim;
+    let perturbed = |seq_slot: usize, lo: usize, hi: usize| {
+        let mut csa = f.csa.clone();
+        let r = seq_slot * wide;
+        csa.state.score[r + lo..r + hi].fill(25.0);
+        csa.state.kv[r + lo..r + hi].fill(7.0);
+        csa_step(cfg, &f.attn, &f.window, &csa, &f.inputs)
+    };
+    // Sequence 1's ring rows 4..8 would be positions -4..-1: never pooled into window 0.
+    for slot in 8 + 4..8 + 8 {
+        assert_eq!(
+            comp(&perturbed(slot, 0, wide), 0),
+            comp(&base, 0),
+            "slot {slot}"
+        );
+    }
+    // Sequence 2, position 120 (previous window of window 31): its first half is pooled, its
+    // second half is not.
+    let pos = 120;
+    let slot = 2 * 8 + pos % 8;
+    assert_ne!(comp(&perturbed(slot, 0, cfg.head_dim), 1), comp(&base, 1));
+    assert_eq!(
+        comp(&perturbed(slot, cfg.head_dim, wide), 1),
+        comp(&base, 1)
+    );
+}
+
+#[test]
+fn indexer_keeps_the_top_k_of_the_visible_rows() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let step = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
+    let picks = &step.csa.as_ref().unwrap().picks;
+    // Start 0: nothing visible, nothing selected (fewer visible rows than top-k, down to zero).
+    assert_eq!((picks[0].visible, picks[0].selected.len()), (0, 0));
+    assert_eq!((picks[1].visible, picks[1].selected.len()), (0, 0));
+    // Position 3 sees the row it just closed, position 4 the same one: one of top-k 4.
+    assert_eq!(picks[2].selected, vec![0]);
+    assert_eq!(picks[3].selected, vec![0]);
+    // Position 127 sees 32 rows, 8192 sees 2048: top-k of them, by score.
+    for (t, visible) in [(4usize, 32usize), (5, 32), (6, 2048), (7, 2048)] {
+        let p = &picks[t];
+        assert_eq!(p.visible, visible, "row {t}");
+        assert_eq!(p.selected.len(), cfg.index_topk);
+        let worst_kept = p
+            .selected
+            .iter()
+            .map(|&i| p.scores[i])
+            .fold(f32::MAX, f32::min);
+        for i in 0..visible {
+            if !p.selected.contains(&i) {
+                assert!(p.scores[i] <= worst_kept, "row {t}: {i} beats a kept row");
+            }
+        }
+        assert!(p.scores.iter().all(|s| s.is_finite()));
+    }
+    // Different rows score differently (the scores are not degenerate).
+    assert!(picks[6].scores.windows(2).any(|w| w[0] != w[1]));
+}
+
+#[test]
+fn csa_tokens_attend_to_the_selected_compressed_rows_only() {
+    let f = tiny_fixture();
+    let cfg = &f.config;
+    let base = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
+    let picks = &base.csa.as_ref().unwrap().picks;
+    let per_token = cfg.n_heads * cfg.head_dim;
+    let out = |s: &AttnStep, t: usize| s.attn[t * per_token..(t + 1) * per_token].to_vec();
+    let hd = cfg.head_dim;
+    let mr = f.csa.cache.max_rows;
+    let kept = picks[6].selected[0];
+    let dropped = (0..2048)
+        .find(|i| !picks[6].selected.contains(i) && !picks[7].selected.contains(i))
+        .unwrap();
+    for (row, changes) in [(kept, true), (dropped, false)] {
+        let mut csa = f.csa.clone();
+        let first = (3 * mr + row) * hd;
+        for v in &mut csa.cache.rows[first..first + hd] {
+            *v = half::bf16::from_f32(v.to_f32() * -3.0 + 2.0);
+        }
+        let s = csa_step(cfg, &f.attn, &f.window, &csa, &f.inputs);
+        assert_eq!(
+            s.csa.as_ref().unwrap().picks,
+            *picks,
+            "the main cache does not steer selection"
+        );
+        assert_eq!(out(&s, 6) != out(&base, 6), changes, "row {row}");
+    }
+    assert!(base.x_out.iter().all(|v| v.is_finite()));
+}
