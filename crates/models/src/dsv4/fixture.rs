@@ -19,6 +19,12 @@ use crate::rng::Rng;
 /// - 8192: a long, full window with no boundary inside the step.
 pub const MIXED_STARTS: [usize; 4] = [0, 3, 127, 8192];
 
+/// The benchmark case `--start-pos N`: every sequence starts at `n` (at 8192 no compression
+/// boundary falls inside the step).
+pub fn uniform_starts(n: usize) -> [usize; 4] {
+    [n; 4]
+}
+
 /// Tokens per sequence in a decode step (previous + current token).
 pub const TOKENS_PER_SEQ: usize = 2;
 

@@ -11,4 +11,6 @@ pub mod fixture;
 pub mod golden;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
-pub use fixture::{Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture};
+pub use fixture::{
+    Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture, uniform_starts,
+};
