@@ -217,6 +217,32 @@ impl Dsv4Config {
         }
     }
 
+    /// FLASH with the routed experts of an expert-parallel benchmark: `ep` ranks (2, 4 or 8)
+    /// of `per_rank` experts (16 or 32) each, so the whole MoE fits one machine; expert `e`
+    /// lives on rank `e / per_rank`.
+    pub fn flash_ep(ep: usize, per_rank: usize) -> Result<Dsv4Config, ConfigError> {
+        if ![2, 4, 8].contains(&ep) {
+            return Err(ConfigError::Invalid {
+                field: "ep",
+                value: ep.to_string(),
+                why: "EP world size must be 2, 4 or 8".into(),
+            });
+        }
+        if ![16, 32].contains(&per_rank) {
+            return Err(ConfigError::Invalid {
+                field: "experts_per_rank",
+                value: per_rank.to_string(),
+                why: "must be 16 or 32".into(),
+            });
+        }
+        let cfg = Dsv4Config {
+            n_routed_experts: ep * per_rank,
+            ..Dsv4Config::flash()
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// A preset by name.
     pub fn preset(name: &str) -> Result<Dsv4Config, ConfigError> {
         match name {
@@ -432,6 +458,13 @@ mod tests {
         }
         let f = Dsv4Config::flash();
         assert_eq!(f.hc_mix(), 24);
+        assert_eq!(Dsv4Config::flash_ep(2, 16).unwrap().n_routed_experts, 32);
+        for (ep, per_rank, field) in [(3, 16, "ep"), (2, 8, "experts_per_rank")] {
+            match Dsv4Config::flash_ep(ep, per_rank) {
+                Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{other:?}"),
+            }
+        }
         assert_eq!(f.heads_per_group() * f.head_dim, 4096);
         assert!((f.index_weight_scale() - 0.01105).abs() < 1e-5);
         assert!(matches!(

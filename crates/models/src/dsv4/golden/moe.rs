@@ -25,6 +25,11 @@ pub struct MoeStep {
     pub x_out: Vec<f32>,
     /// Reduced expert output `bf16(shared + Σ routed)` `[T, hidden]`.
     pub y: Vec<f32>,
+    /// Shared experts' output, summed, `[T, hidden]` fp32 (before the reduce).
+    pub shared: Vec<f32>,
+    /// Each routed expert's weighted output `[T, n_activated_experts, hidden]` fp32, in the
+    /// order of `routes[t].experts` (what combine returns to the token's rank).
+    pub routed: Vec<f32>,
     /// Each token's routing.
     pub routes: Vec<Route>,
     /// The hyper-connection weights of each token.
@@ -125,6 +130,8 @@ pub fn moe_step(cfg: &Dsv4Config, w: &MoeWeights, layer: usize, inputs: &StepInp
     let mut step = MoeStep {
         x_out: vec![0.0; n_tokens * hc * d],
         y: vec![0.0; n_tokens * d],
+        shared: vec![0.0; n_tokens * d],
+        routed: vec![0.0; n_tokens * cfg.n_activated_experts * d],
         routes: Vec::with_capacity(n_tokens),
         hc: Vec::with_capacity(n_tokens),
     };
@@ -139,13 +146,14 @@ pub fn moe_step(cfg: &Dsv4Config, w: &MoeWeights, layer: usize, inputs: &StepInp
                 *a += v;
             }
         }
-        for (&e, &wt) in r.experts.iter().zip(&r.weights) {
-            for (a, v) in acc
-                .iter_mut()
-                .zip(expert_forward(cfg, &w.routed[e], xs, &xq, wt))
-            {
+        step.shared[t * d..(t + 1) * d].copy_from_slice(&acc);
+        let k = cfg.n_activated_experts;
+        for (j, (&e, &wt)) in r.experts.iter().zip(&r.weights).enumerate() {
+            let out = expert_forward(cfg, &w.routed[e], xs, &xq, wt);
+            for (a, v) in acc.iter_mut().zip(&out) {
                 *a += v;
             }
+            step.routed[(t * k + j) * d..(t * k + j + 1) * d].copy_from_slice(&out);
         }
         let y: Vec<f32> = acc.iter().map(|&v| rb(v)).collect();
         step.x_out[t * hc * d..(t + 1) * hc * d].copy_from_slice(&hc_post(cfg, &hp, x, &y));

@@ -367,6 +367,17 @@ fn hash_layers_use_the_table_and_later_layers_the_biased_top_k() {
         }
     }
     assert_ne!(hashed.y, topk.y);
+    // The reduce: y = bf16(shared + Σ routed), with the routed rows in route order.
+    let d = cfg.hidden;
+    for t in 0..8 {
+        for j in 0..d {
+            let sum = topk.shared[t * d + j]
+                + (0..k)
+                    .map(|i| topk.routed[(t * k + i) * d + j])
+                    .sum::<f32>();
+            assert!((topk.y[t * d + j] - rb(sum)).abs() <= rb(sum).abs() / 128.0 + 1e-6);
+        }
+    }
 }
 
 #[test]
