@@ -273,17 +273,19 @@ fn csa_parts(
     );
     let (hd, max_rows) = (cfg.head_dim, parts.cache.max_rows);
     let mut rows: Vec<f32> = parts.cache.rows.iter().map(|v| v.to_f32()).collect();
-    let compressed: Vec<(usize, Vec<bf16>)> = closed
-        .iter()
-        .map(|c| {
-            let slot = c.seq * max_rows + c.index;
-            let row: Vec<bf16> = c.row.iter().map(|&v| bf16::from_f32(v)).collect();
-            for (o, v) in rows[slot * hd..(slot + 1) * hd].iter_mut().zip(&row) {
-                *o = v.to_f32();
-            }
-            (slot, row)
-        })
-        .collect();
+    let mut compressed = CacheWrite {
+        slots: Vec::with_capacity(closed.len()),
+        rows: Vec::with_capacity(closed.len() * hd),
+    };
+    for c in &closed {
+        let slot = c.seq * max_rows + c.index;
+        for (o, &v) in rows[slot * hd..(slot + 1) * hd].iter_mut().zip(&c.row) {
+            let b = bf16::from_f32(v);
+            *o = b.to_f32();
+            compressed.rows.push(b);
+        }
+        compressed.slots.push(Some(slot));
+    }
     let index_write = index_rows(&index_closed, parts.index_cache.max_rows);
     let mut index_cache = parts.index_cache.clone();
     let iw = index_cache.width;

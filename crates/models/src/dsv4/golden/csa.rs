@@ -3,8 +3,7 @@
 //! `index_head_dim` wide), the Hadamard transform, and the indexer that picks the top-k
 //! compressed rows each token attends to.
 
-use half::bf16;
-
+use super::attention::CacheWrite;
 use super::compress::StateWrite;
 use super::{dot_i8, matvec_bf16, quant_row, rms_norm, rope, rope_cos_sin};
 use crate::dsv4::config::Dsv4Config;
@@ -222,8 +221,9 @@ pub fn index_pick(
 pub struct CsaWrites {
     /// Main compressor state rows written.
     pub state_write: StateWrite,
-    /// Main compressed rows written (bf16, slot `seq · max_rows + index`).
-    pub compressed: Vec<(usize, Vec<bf16>)>,
+    /// Main compressed rows written (bf16, slot `seq · max_rows + index`, in the step's row
+    /// order).
+    pub compressed: CacheWrite,
     /// Indexer compressor state rows written.
     pub index_state_write: StateWrite,
     /// Index-cache rows written.

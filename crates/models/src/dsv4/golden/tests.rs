@@ -631,8 +631,7 @@ fn csa_compresses_exactly_at_the_ratio_4_boundaries() {
     }
     // Position 3 (sequence 1) closes window 0 and position 127 (sequence 2) window 31;
     // positions 0, 1, 4, 128, 8192 and 8193 close none.
-    let slots: Vec<usize> = csa.compressed.iter().map(|c| c.0).collect();
-    assert_eq!(slots, vec![mr, 2 * mr + 31]);
+    assert_eq!(csa.compressed.slots, vec![Some(mr), Some(2 * mr + 31)]);
     assert_eq!(csa.index_write.slots, vec![mr, 2 * mr + 31]);
     assert!(csa.index_write.scale.iter().all(|&s| s > 0.0));
 }
@@ -679,7 +678,10 @@ fn csa_overlapping_pool_matches_a_second_formulation() {
         .collect();
     let ms = pooled.iter().map(|v| v * v).sum::<f64>() / w as f64;
     let inv = 1.0 / (ms + f64::from(cfg.rms_eps)).sqrt();
-    let mut got: Vec<f32> = csa.compressed[1].1.iter().map(|v| v.to_f32()).collect();
+    let mut got: Vec<f32> = csa.compressed.rows[cfg.head_dim..]
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
     let inv_freq = rope_inv_freq(cfg, RopeKind::Yarn);
     rope_inverse(&mut got[w - cfg.rope_dim..], &rope_cos_sin(&inv_freq, 124));
     for c in 0..w {
@@ -697,7 +699,9 @@ fn csa_first_window_has_no_previous_half_and_halves_are_not_swapped() {
     let f = tiny_fixture();
     let cfg = &f.config;
     let base = csa_step(cfg, &f.attn, &f.window, &f.csa, &f.inputs);
-    let comp = |s: &AttnStep, k: usize| s.csa.as_ref().unwrap().compressed[k].1.clone();
+    let comp = |s: &AttnStep, k: usize| {
+        s.csa.as_ref().unwrap().compressed.rows[k * cfg.head_dim..(k + 1) * cfg.head_dim].to_vec()
+    };
     let wide = 2 * cfg.head_dim;
     let perturbed = |seq_slot: usize, lo: usize, hi: usize| {
         let mut csa = f.csa.clone();
@@ -805,7 +809,7 @@ fn small_preset_steps_are_deterministic_and_write_every_cache() {
         assert_eq!(step.x_out.len(), 8 * cfg.hc_mult * cfg.hidden);
     }
     let w = csa.csa.as_ref().unwrap();
-    assert_eq!(w.compressed.len(), 2);
+    assert_eq!(w.compressed.slots.len(), 2);
     assert_eq!(w.picks[6].selected.len(), cfg.index_topk);
     assert_eq!(hca.compressed_write.as_ref().unwrap().slots.len(), 1);
     // Same weights, different compressed candidates: the three kinds disagree.
@@ -842,7 +846,7 @@ fn flash_attention_steps_run_at_full_shape() {
     let csa_parts = generate_csa(&cfg, &starts, 5);
     let csa = csa_step(&cfg, &attn, &window, &csa_parts, &inputs);
     let w = csa.csa.as_ref().unwrap();
-    assert!(w.compressed.is_empty() && w.index_write.slots.is_empty());
+    assert!(w.compressed.slots.is_empty() && w.index_write.slots.is_empty());
     assert!(
         w.picks
             .iter()
