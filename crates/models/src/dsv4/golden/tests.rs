@@ -180,6 +180,77 @@ fn sparse_attention_matches_a_dense_masked_softmax_with_the_sink() {
     );
 }
 
+/// The kernels' form: 128-row tiles merged with an online softmax (probabilities rounded to
+/// bf16 against the running maximum). A second formulation whose rounding differs from the
+/// one-pass golden; the two must agree within the layer tolerance.
+fn attention_online(q: &[f32], rows: &[Option<&[f32]>], scale: f32, sink: f32) -> Vec<f32> {
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    let mut o = vec![0.0f32; q.len()];
+    for tile in rows.chunks(128) {
+        let s: Vec<Option<f32>> = tile
+            .iter()
+            .map(|r| r.map(|kv| q.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale))
+            .collect();
+        let Some(tile_max) = s.iter().flatten().copied().reduce(f32::max) else {
+            continue; // an empty tile: the planning task skips it
+        };
+        let m_new = m.max(tile_max);
+        let correction = (m - m_new).exp();
+        l *= correction;
+        o.iter_mut().for_each(|v| *v *= correction);
+        for (s, kv) in s.iter().zip(tile) {
+            let (Some(s), Some(kv)) = (s, kv) else {
+                continue;
+            };
+            let p = (s - m_new).exp();
+            l += p;
+            for (ov, v) in o.iter_mut().zip(*kv) {
+                *ov += rb(p) * v;
+            }
+        }
+        m = m_new;
+    }
+    let denom = l + (sink - m).exp();
+    o.iter().map(|v| v / denom).collect()
+}
+
+#[test]
+fn online_tile_merge_agrees_with_the_one_pass_golden_within_tolerance() {
+    let mut rng = Rng::new(12, 0);
+    let hd = 64;
+    // 128 window rows + 512 compressed candidates, a third of those masked (5 tiles; the last
+    // tile fully masked).
+    let n = 640;
+    let mut kv = vec![0.0f32; n * hd];
+    rng.fill_normal(&mut kv, 0.0, 1.0);
+    let kv: Vec<f32> = kv.iter().map(|&v| rb(v)).collect();
+    let rows: Vec<Option<&[f32]>> = kv
+        .chunks(hd)
+        .enumerate()
+        .map(|(i, r)| (i < 512 && (i < 128 || i % 3 != 0)).then_some(r))
+        .collect();
+    let mut all_a = Vec::new();
+    let mut all_b = Vec::new();
+    for head in 0..16 {
+        let mut q = vec![0.0f32; hd];
+        rng.fill_normal(&mut q, 0.0, 1.0 + head as f32 * 0.3);
+        let sink = head as f32 * 0.5 - 4.0;
+        all_a.extend(attention_online(&q, &rows, 1.0 / 8.0, sink));
+        all_b.extend(attention_core(&q, &rows, 1.0 / 8.0, sink));
+    }
+    crate::dsv4::check::RelDiff::SWA_HCA
+        .check("online vs one-pass attention", &all_a, &all_b)
+        .unwrap();
+    // The comparison is not vacuous: a wrong scale is refused.
+    let wrong: Vec<f32> = all_a.iter().map(|v| v * 1.01).collect();
+    assert!(
+        crate::dsv4::check::RelDiff::SWA_HCA
+            .check("scaled", &wrong, &all_b)
+            .is_err()
+    );
+}
+
 #[test]
 fn one_candidate_is_scaled_by_the_sink_share() {
     let kv = [0.5f32, -1.0, 2.0, 0.25];
@@ -389,6 +460,11 @@ fn an_expert_with_every_token_and_one_with_none() {
     w.bias[5] = 100.0;
     w.bias[2] = -100.0;
     let base = moe_step(cfg, &w, layer, &f.inputs);
+    // Hash-routed layers ignore the bias entirely.
+    assert_eq!(
+        moe_step(cfg, &w, 0, &f.inputs),
+        moe_step(cfg, &f.moe, 0, &f.inputs)
+    );
     assert!(base.routes.iter().all(|r| r.experts.contains(&5)));
     assert!(base.routes.iter().all(|r| !r.experts.contains(&2)));
     // The bias chooses but does not weigh: expert 5's weight is its score's share.
