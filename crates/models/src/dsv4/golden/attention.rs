@@ -167,7 +167,7 @@ fn project_qkv(cfg: &Dsv4Config, w: &AttnWeights, x_n: &[f32], cs: &[(f32, f32)]
 /// The grouped output projection of one token: `o` `[n_heads · head_dim]` (bf16 values) →
 /// `[hidden]` bf16 values. Per group `g`: `o_r = o[g] @ Wo_a[g]ᵀ`, int8 per (token, group);
 /// then `Σ_g (o_r_i8 · Wo_b_i8[:, g]) · o_r_scale · row_scale`.
-fn output_projection(cfg: &Dsv4Config, w: &AttnWeights, o: &[f32]) -> Vec<f32> {
+pub fn output_projection(cfg: &Dsv4Config, w: &AttnWeights, o: &[f32]) -> Vec<f32> {
     let (g_in, r) = (cfg.heads_per_group() * cfg.head_dim, cfg.o_lora_rank);
     let groups: Vec<(f32, Vec<i32>)> = (0..cfg.o_groups)
         .map(|g| {

@@ -16,7 +16,8 @@ use super::config::Dsv4Config;
 use super::fixture::HcWeights;
 
 pub use attention::{
-    AttnStep, CacheWrite, attention_core, attention_dense, csa_step, hca_step, swa_step,
+    AttnStep, CacheWrite, attention_core, attention_dense, csa_step, hca_step, output_projection,
+    swa_step,
 };
 pub use compress::{StateWrite, compress_step, pool_window};
 pub use csa::{

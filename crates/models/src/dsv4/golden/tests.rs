@@ -406,6 +406,47 @@ fn swa_attention_matches_a_dense_mask_over_the_whole_sequence() {
     }
 }
 
+/// The grouped output projection against a float formulation on the dequantised `Wo_b`
+/// without the per-(token, group) int8 step: group `g` reads heads `g · hpg ..` and the
+/// columns `g · o_lora ..` of `Wo_b`.
+#[test]
+fn grouped_output_projection_matches_a_float_formulation() {
+    let cfg = Dsv4Config::small();
+    let f = generate_fixture(&cfg, &MIXED_STARTS, 31).unwrap();
+    let step = swa_step(&cfg, &f.attn, &f.window, &f.inputs);
+    let (g_in, r) = (cfg.heads_per_group() * cfg.head_dim, cfg.o_lora_rank);
+    let w = &f.attn;
+    for t in [0usize, 5, 7] {
+        let o = &step.attn[t * cfg.n_heads * cfg.head_dim..(t + 1) * cfg.n_heads * cfg.head_dim];
+        let mut y = vec![0.0f64; cfg.hidden];
+        for g in 0..cfg.o_groups {
+            for k in 0..r {
+                let wa = &w.wo_a[(g * r + k) * g_in..(g * r + k + 1) * g_in];
+                let o_r: f64 = wa
+                    .iter()
+                    .zip(&o[g * g_in..(g + 1) * g_in])
+                    .map(|(a, b)| f64::from(a.to_f32()) * f64::from(*b))
+                    .sum();
+                for (n, yn) in y.iter_mut().enumerate() {
+                    let wb = f64::from(w.wo_b.q[n * w.wo_b.cols + g * r + k])
+                        * f64::from(w.wo_b.scale[n]);
+                    *yn += o_r * wb;
+                }
+            }
+        }
+        let got = &step.o_proj[t * cfg.hidden..(t + 1) * cfg.hidden];
+        assert_eq!(got, output_projection(&cfg, w, o).as_slice());
+        let norm = y.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let err = got
+            .iter()
+            .zip(&y)
+            .map(|(a, b)| (f64::from(*a) - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(err < 0.02 * norm, "row {t}: {err} vs {norm}");
+    }
+}
+
 // ---- MoE layer ----
 
 #[test]
