@@ -1,6 +1,9 @@
-//! Golden of the attention layers' decode step (`docs/dsv4.md`, "Attention"): the SWA layer
-//! end to end, and the sparse attention core with its attention sink, also written a second
-//! way (a dense masked softmax with the sink as an extra logit) to check the first.
+//! Golden of the attention layers' decode step (`docs/dsv4.md`, "SWA layer", "CSA layer",
+//! "HCA layer"): one step function for the three kinds — they share hc_pre, the projections,
+//! the window and the grouped output projection, and differ in RoPE and in the compressed
+//! candidates appended after the window rows — and the sparse attention core with its
+//! attention sink, also written a second way (a dense masked softmax with the sink as an extra
+//! logit) to check the first.
 
 use half::bf16;
 
