@@ -1,0 +1,205 @@
+//! The spec's tolerances for DeepSeek-V4 outputs (`docs/dsv4.md`, "Tolerances"): a
+//! relative-difference ratio with a share of elements allowed over it for layer outputs, and
+//! `atol + rtol·|e|` with a share allowed outside for caches.
+
+/// A relative-difference check: `rdiff = |a - e|` when that is below `thd`, else
+/// `|a - e| / max(|a|, |e|, 2^-14 / thd)`; passes when at most `pct` of the elements have
+/// `rdiff > thd` (NaN always counts as over).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RelDiff {
+    /// Threshold on `rdiff`.
+    pub thd: f32,
+    /// Share of elements allowed over it (0.008 is 0.8%).
+    pub pct: f64,
+}
+
+/// An `|a - e| <= atol + rtol·|e|` check with a share of elements allowed outside.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CacheTol {
+    /// Absolute part.
+    pub atol: f32,
+    /// Relative part.
+    pub rtol: f32,
+    /// Share of elements allowed outside.
+    pub pct: f64,
+}
+
+/// The outcome of a comparison.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Outcome {
+    /// Elements compared.
+    pub n: usize,
+    /// Elements over the threshold (or outside the tolerance).
+    pub over: usize,
+    /// Index of the worst element.
+    pub worst: usize,
+    /// Its `rdiff` (or absolute excess for caches).
+    pub worst_value: f32,
+}
+
+impl Outcome {
+    /// Share of elements over.
+    pub fn share_over(&self) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.over as f64 / self.n as f64
+        }
+    }
+}
+
+impl RelDiff {
+    /// SWA and HCA `x_out`: 3e-3 / 0.8%.
+    pub const SWA_HCA: RelDiff = RelDiff {
+        thd: 3e-3,
+        pct: 0.008,
+    };
+    /// CSA `x_out`: 4e-3 / 0.8%.
+    pub const CSA: RelDiff = RelDiff {
+        thd: 4e-3,
+        pct: 0.008,
+    };
+    /// MoE output: 3e-3 / 5%.
+    pub const MOE: RelDiff = RelDiff {
+        thd: 3e-3,
+        pct: 0.05,
+    };
+
+    /// `rdiff` of one pair.
+    pub fn rdiff(&self, a: f32, e: f32) -> f32 {
+        let diff = (a - e).abs();
+        if diff.is_nan() {
+            return f32::INFINITY;
+        }
+        if diff < self.thd {
+            diff
+        } else {
+            diff / a.abs().max(e.abs()).max(2f32.powi(-14) / self.thd)
+        }
+    }
+
+    /// Compares `actual` with `expected`; `Err` names `what`, the share and the worst element.
+    pub fn check(&self, what: &str, actual: &[f32], expected: &[f32]) -> Result<Outcome, String> {
+        let out = outcome(actual, expected, |a, e| {
+            let r = self.rdiff(a, e);
+            (r > self.thd, r)
+        });
+        judge(what, out, self.pct, actual, expected)
+    }
+}
+
+impl CacheTol {
+    /// KV caches: atol 1e-4, rtol 1/128, at most 0.5% outside.
+    pub const KV: CacheTol = CacheTol {
+        atol: 1e-4,
+        rtol: 1.0 / 128.0,
+        pct: 0.005,
+    };
+
+    /// Compares `actual` with `expected`; `Err` names `what`, the share and the worst element.
+    pub fn check(&self, what: &str, actual: &[f32], expected: &[f32]) -> Result<Outcome, String> {
+        let out = outcome(actual, expected, |a, e| {
+            let excess = (a - e).abs() - (self.atol + self.rtol * e.abs());
+            let excess = if excess.is_nan() {
+                f32::INFINITY
+            } else {
+                excess
+            };
+            (excess > 0.0, excess)
+        });
+        judge(what, out, self.pct, actual, expected)
+    }
+}
+
+fn outcome(actual: &[f32], expected: &[f32], over: impl Fn(f32, f32) -> (bool, f32)) -> Outcome {
+    let mut o = Outcome {
+        n: actual.len(),
+        over: 0,
+        worst: 0,
+        worst_value: f32::NEG_INFINITY,
+    };
+    for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+        let (is_over, v) = over(a, e);
+        o.over += usize::from(is_over);
+        if v > o.worst_value {
+            o.worst_value = v;
+            o.worst = i;
+        }
+    }
+    o
+}
+
+fn judge(
+    what: &str,
+    out: Outcome,
+    pct: f64,
+    actual: &[f32],
+    expected: &[f32],
+) -> Result<Outcome, String> {
+    if actual.len() != expected.len() {
+        return Err(format!(
+            "{what}: {} elements vs {} expected",
+            actual.len(),
+            expected.len()
+        ));
+    }
+    if out.share_over() > pct {
+        let w = out.worst;
+        return Err(format!(
+            "{what}: {} of {} elements ({:.3}%) over the tolerance (allowed {:.3}%); worst [{w}]: {} vs {}",
+            out.over,
+            out.n,
+            100.0 * out.share_over(),
+            100.0 * pct,
+            actual[w],
+            expected[w]
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reldiff_passes_small_and_fails_large_differences() {
+        let t = RelDiff::SWA_HCA;
+        // Absolute below thd: passes however small the values.
+        assert!(t.rdiff(1e-4, 2e-3) < t.thd);
+        // 0.1% relative on a large value passes, 1% fails.
+        assert!(t.rdiff(100.0, 100.1) <= t.thd);
+        assert!(t.rdiff(100.0, 101.0) > t.thd);
+        let e: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let mut a = e.clone();
+        for v in a.iter_mut().skip(100).take(8) {
+            *v *= 1.5;
+        }
+        assert!(t.check("x", &a, &e).is_ok(), "8 of 1000 over is 0.8%");
+        a[500] = f32::NAN;
+        let err = t.check("x_out", &a, &e).unwrap_err();
+        assert!(err.contains("x_out") && err.contains("[500]"), "{err}");
+        assert!(t.check("x", &a[..10], &e).is_err());
+    }
+
+    #[test]
+    fn cache_tolerance_counts_elements_outside() {
+        let t = CacheTol::KV;
+        let e = vec![1.0f32; 1000];
+        let mut a = e.clone();
+        a[3] = 1.0 + 1.0 / 128.0; // exactly at rtol·|e| (+ atol): inside
+        assert_eq!(t.check("kv", &a, &e).unwrap().over, 0);
+        a[4] = 1.02;
+        a[5] = 0.9;
+        assert_eq!(
+            t.check("kv", &a, &e).unwrap().over,
+            2,
+            "0.2% outside is allowed"
+        );
+        for v in &mut a[6..10] {
+            *v = 1.1;
+        }
+        let o = t.check("kv", &a, &e).unwrap_err();
+        assert!(o.contains("6 of 1000"), "{o}");
+    }
+}

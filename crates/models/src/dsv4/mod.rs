@@ -1,0 +1,16 @@
+//! DeepSeek-V4 "flash" decode layers (`docs/dsv4.md`): configuration as data, seeded fixtures,
+//! the independent fp32 golden and the spec's tolerances.
+//!
+//! Files read top to bottom: [`config`] (shapes, presets, validation) -> [`fixture`] (seeded
+//! weights, caches and inputs of one decode step) -> [`golden`] (plain-loop reference of each
+//! layer kind) -> [`check`] (the relative-difference tolerances).
+
+pub mod check;
+pub mod config;
+pub mod fixture;
+pub mod golden;
+
+pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
+pub use fixture::{
+    Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture, uniform_starts,
+};
