@@ -10,7 +10,8 @@
 //! - every block is free, or referenced by the sequences that hold it (counted once each).
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hash, Hasher};
 
 /// A block of the KV pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -33,11 +34,22 @@ const NONE: u32 = u32::MAX;
 #[derive(Clone, Debug)]
 struct Block {
     refs: u32,
-    /// Chained hash and tokens when the block is full and registered in the cache.
-    cached: Option<(u64, Vec<u32>)>,
+    /// Set when the block is full and registered in the cache.
+    cached: Option<Cached>,
     /// Free-list links (`NONE` at the ends / when not free).
     prev: u32,
     next: u32,
+}
+
+/// What a cached block holds: its chained hash, the block it was computed after (`NONE` for
+/// a first block) and its tokens. A hit needs all three to match, so a hash collision can
+/// never hand out K/V computed after other tokens: the tokens are compared and the parent is
+/// the very block the previous hit returned (by induction, the whole prefix is equal).
+#[derive(Clone, Debug)]
+struct Cached {
+    hash: u64,
+    parent: u32,
+    tokens: Vec<u32>,
 }
 
 /// The blocks of one sequence and how many of its first tokens came from the cache.
@@ -69,14 +81,12 @@ pub struct BlockManager {
     free_len: usize,
     cache: HashMap<u64, u32>,
     stats: CacheStats,
-}
-
-/// The chained hash of a full block: its parent's hash and its tokens.
-pub fn block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    parent.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
+    /// Keys of the chained hash, random per manager: a collision cannot be prepared offline.
+    keys: RandomState,
+    /// Tests: leave the parent out of the hash, so that equal blocks after different parents
+    /// collide (what the parent check must catch).
+    #[cfg(test)]
+    collide_parents: bool,
 }
 
 impl BlockManager {
@@ -104,7 +114,20 @@ impl BlockManager {
             free_len: num_blocks,
             cache: HashMap::new(),
             stats: CacheStats::default(),
+            keys: RandomState::new(),
+            #[cfg(test)]
+            collide_parents: false,
         }
+    }
+
+    /// The chained hash of a full block: its parent's hash and its tokens.
+    fn block_hash(&self, parent: Option<u64>, tokens: &[u32]) -> u64 {
+        let mut h = self.keys.build_hasher();
+        #[cfg(test)]
+        let parent = if self.collide_parents { None } else { parent };
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        h.finish()
     }
 
     /// Tokens per block.
@@ -169,10 +192,10 @@ impl BlockManager {
             return None;
         }
         self.unlink(i);
-        if let Some((h, _)) = self.blocks[i as usize].cached.take()
-            && self.cache.get(&h) == Some(&i)
+        if let Some(c) = self.blocks[i as usize].cached.take()
+            && self.cache.get(&c.hash) == Some(&i)
         {
-            self.cache.remove(&h);
+            self.cache.remove(&c.hash);
         }
         self.blocks[i as usize].refs = 1;
         Some(i)
@@ -190,17 +213,17 @@ impl BlockManager {
         let total_tokens = total_tokens.max(prompt.len()).max(1);
         let needed = total_tokens.div_ceil(bs);
         // Cached full blocks of the prompt, leaving its last token to compute.
-        let mut hits = Vec::new();
+        let mut hits: Vec<u32> = Vec::new();
         let mut parent = None;
         let full = prompt.len().saturating_sub(1) / bs;
         for chunk in prompt.chunks_exact(bs).take(full) {
-            let h = block_hash(parent, chunk);
+            let h = self.block_hash(parent, chunk);
+            let parent_block = hits.last().copied().unwrap_or(NONE);
             match self.cache.get(&h) {
                 Some(&i)
-                    if self.blocks[i as usize]
-                        .cached
-                        .as_ref()
-                        .is_some_and(|(ch, t)| *ch == h && t == chunk) =>
+                    if self.blocks[i as usize].cached.as_ref().is_some_and(|c| {
+                        c.hash == h && c.parent == parent_block && c.tokens == chunk
+                    }) =>
                 {
                     hits.push(i);
                 }
@@ -263,11 +286,13 @@ impl BlockManager {
     pub fn commit(&mut self, a: &Allocation, tokens: &[u32]) {
         let bs = self.block_size;
         let mut parent = None;
+        let mut parent_block = NONE;
         for (chunk, &BlockId(i)) in tokens.chunks_exact(bs).zip(&a.blocks) {
-            let h = block_hash(parent, chunk);
+            let h = self.block_hash(parent, chunk);
             parent = Some(h);
+            let before = std::mem::replace(&mut parent_block, i);
             let b = &mut self.blocks[i as usize];
-            if b.cached.as_ref().is_some_and(|(ch, _)| *ch == h) {
+            if b.cached.as_ref().is_some_and(|c| c.hash == h) {
                 continue;
             }
             // Another block may already serve this prefix; keep the first (both hold the
@@ -275,7 +300,11 @@ impl BlockManager {
             if self.cache.contains_key(&h) {
                 continue;
             }
-            b.cached = Some((h, chunk.to_vec()));
+            b.cached = Some(Cached {
+                hash: h,
+                parent: before,
+                tokens: chunk.to_vec(),
+            });
             self.cache.insert(h, i);
         }
     }
@@ -331,7 +360,7 @@ impl BlockManager {
             }
         }
         for (&h, &i) in &self.cache {
-            if self.blocks[i as usize].cached.as_ref().map(|c| c.0) != Some(h) {
+            if self.blocks[i as usize].cached.as_ref().map(|c| c.hash) != Some(h) {
                 return Err(format!(
                     "cache entry {h:x} points at block {i} of another hash"
                 ));
@@ -374,6 +403,33 @@ mod tests {
         let d = m.allocate(&p1, 10).unwrap();
         assert_eq!(d.cached_tokens, 8);
         m.check(&[&d]).unwrap();
+    }
+
+    #[test]
+    fn a_hash_collision_never_hands_out_a_block_computed_after_other_tokens() {
+        // Blocks of 2 tokens; the hash ignores the parent, so [9, 9] after [5, 6] and after
+        // [1, 2] collide. Only the parent check keeps the victim from taking the attacker's
+        // second block.
+        let mut m = BlockManager::new(16, 2);
+        m.collide_parents = true;
+        let public = [1, 2, 3, 3, 7];
+        let a = m.allocate(&public, 5).unwrap();
+        m.commit(&a, &public[..4]);
+        let attacker = [5, 6, 9, 9, 7];
+        let b = m.allocate(&attacker, 5).unwrap();
+        m.commit(&b, &attacker[..4]);
+        // The victim's first block is the public one; its second is the attacker's tokens
+        // under the attacker's hash, but computed after [5, 6]: it must not be shared.
+        let victim = [1, 2, 9, 9, 7];
+        let c = m.allocate(&victim, 5).unwrap();
+        assert_eq!(c.cached_tokens, 2, "only the public first block is shared");
+        assert_eq!(c.blocks[0], a.blocks[0]);
+        assert_ne!(c.blocks[1], b.blocks[1]);
+        m.check(&[&a, &b, &c]).unwrap();
+        // The attacker's own prompt still hits both of its blocks.
+        let d = m.allocate(&attacker, 5).unwrap();
+        assert_eq!(d.cached_tokens, 4);
+        assert_eq!(&d.blocks[..2], &b.blocks[..2]);
     }
 
     #[test]
