@@ -4,10 +4,11 @@ Usage: python openai_client.py PATH/TO/simpler
 
 Starts the server on a free loopback port, completes, chats and streams through the client,
 checks that errors arrive as the client's typed exceptions, then stops the server with SIGTERM
-and requires a clean exit.
+while a client holds a half-sent request open, and requires a clean exit anyway.
 """
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ MODEL = "qwen3-tiny"
 def main(exe: str) -> None:
     server = subprocess.Popen(
         [exe, "serve", "--preset", MODEL, "--port", "0", "--num-kv-blocks", "64",
-         "--max-seq-len", "2048", "--max-batch-size", "8"],
+         "--max-seq-len", "2048", "--max-batch-size", "8", "--drain-secs", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -29,6 +30,10 @@ def main(exe: str) -> None:
         url = line.removeprefix("listening on ")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         run(client)
+        # A client that sent half a request and stays: shutdown must not wait for it forever.
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(timeout=120)

@@ -51,7 +51,7 @@ pub(crate) struct ServeArgs {
     /// Share of the memory left after the weights given to the KV cache.
     #[arg(long, default_value_t = 0.5)]
     kv_memory_fraction: f64,
-    /// KV blocks (of 16 tokens) instead of a share of the memory.
+    /// KV blocks (of 128 tokens) instead of a share of the memory.
     #[arg(long, conflicts_with = "kv_memory_fraction")]
     num_kv_blocks: Option<usize>,
     /// Most tokens one prompt's chunk takes of a step, so a long prompt does not hold up the
@@ -188,12 +188,40 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         let addr = listener.local_addr()?;
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;
-        serve(listener, state, shutdown_signal()).await?;
-        anyhow::Ok(())
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(serve(listener, state, async move {
+            let _ = stopped.await;
+        }));
+        tokio::select! {
+            r = &mut server => return finished(r),
+            () = shutdown_signal() => {}
+        }
+        eprintln!(
+            "shutting down: in-flight requests may finish within {} s (a second signal exits now)",
+            args.drain_secs
+        );
+        let _ = stop.send(());
+        // The server returns once every connection is closed; one that never finishes its
+        // request would hold it forever, so the drain time (plus a grace for the last
+        // responses to go out) bounds the wait.
+        let bound = Duration::from_secs(args.drain_secs) + Duration::from_secs(5);
+        tokio::select! {
+            r = &mut server => finished(r),
+            () = shutdown_signal() => {
+                eprintln!("second signal: exiting now");
+                std::process::exit(130);
+            }
+            () = tokio::time::sleep(bound) => {
+                eprintln!("connections still open {} s after the signal: closing them", bound.as_secs());
+                Ok(())
+            }
+        }
     })?;
-    eprintln!("shutting down: waiting for in-flight requests");
     let engine = service.stop();
-    if let Some(e) = engine {
+    let Some(e) = engine else {
+        bail!("the engine thread died (see the messages above); requests in flight were lost");
+    };
+    {
         let s = e.stats();
         eprintln!(
             "served {} requests: {} prompt tokens ({} from the prefix cache), {} generated, {} steps, {} preemptions",
@@ -204,8 +232,15 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
             s.steps,
             s.preemptions
         );
+        e.close();
     }
     Ok(())
+}
+
+/// The server task's result as the command's.
+fn finished(r: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<()> {
+    r.context("the HTTP server task")?
+        .context("the HTTP server")
 }
 
 /// Resolves on SIGINT or SIGTERM.

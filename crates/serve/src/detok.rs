@@ -9,6 +9,9 @@
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
+/// Most tokens a character can be split over (4 bytes, one byte per token at worst).
+const MAX_CHAR_TOKENS: usize = 4;
+
 /// Turns a stream of token ids into text deltas.
 #[derive(Debug, Clone, Default)]
 pub struct IncrementalDecoder {
@@ -34,7 +37,12 @@ impl IncrementalDecoder {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
         let after = tok.decode(&self.ids[self.prefix..], self.skip_special)?;
-        if after.ends_with('\u{FFFD}') || after.len() < before.len() {
+        // A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens; text that still
+        // ends in U+FFFD after more is invalid, not incomplete: emit it (the replacement
+        // character included) rather than hold back, and re-decode, a growing window.
+        let pending = self.ids.len() - self.read;
+        if (after.ends_with('\u{FFFD}') && pending < MAX_CHAR_TOKENS) || after.len() < before.len()
+        {
             return Ok(String::new());
         }
         // `before` is a prefix of `after` for byte-level BPE; fall back to a char-boundary

@@ -53,6 +53,8 @@ pub enum FinishReason {
     Eos,
     /// `max_new_tokens` were generated (or the sequence reached `max_seq_len`).
     Length,
+    /// The caller ended it ([`Engine::stop`]; a stop string).
+    Stop,
 }
 
 /// What one request asks for.
@@ -190,8 +192,10 @@ struct Seq {
 
 /// The engine.
 pub struct Engine {
-    worker: Worker,
+    // Declared before the worker: fields drop in order, and the session's buffers go before
+    // the worker that allocated them.
     session: Session,
+    worker: Worker,
     blocks: BlockManager,
     eos: Vec<u32>,
     cfg: EngineConfig,
@@ -336,7 +340,7 @@ impl Engine {
             id,
             tokens: r.prompt.clone(),
             prompt_len: r.prompt.len(),
-            max_len: (r.prompt.len() + r.max_new_tokens).min(fits),
+            max_len: r.prompt.len().saturating_add(r.max_new_tokens).min(fits),
             sampler: Sampler::new(r.sampling),
             greedy: r.sampling.temperature == 0.0,
             ignore_eos: r.ignore_eos,
@@ -393,6 +397,28 @@ impl Engine {
         self.retire(seq);
         self.stats.aborted += 1;
         true
+    }
+
+    /// Ends request `id` as the caller decided (a stop string it found), releasing its blocks;
+    /// its completion, or `None` if it is not running or waiting.
+    pub fn stop(&mut self, id: RequestId) -> Option<Completion> {
+        let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.remove(i)
+        } else {
+            let i = self.waiting.iter().position(|s| s.id == id)?;
+            self.waiting.remove(i)?
+        };
+        let now = seq.arrived.elapsed();
+        let c = Completion {
+            tokens: seq.tokens[seq.prompt_len..].to_vec(),
+            finish_reason: FinishReason::Stop,
+            prompt_tokens: seq.prompt_len,
+            cached_tokens: seq.cached_tokens,
+            ttft: seq.first_token.unwrap_or(now),
+            finished: now,
+        };
+        self.retire(seq);
+        Some(c)
     }
 
     /// Ends every request, frees the KV cache and the model's buffers, and stops the worker's

@@ -12,13 +12,13 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream::{self, StreamExt};
@@ -57,6 +57,9 @@ pub struct ApiError {
     kind: &'static str,
     code: Option<&'static str>,
     param: Option<String>,
+    /// The `simpler_requests_rejected_total` reason this refusal counts under, if the HTTP
+    /// layer made it.
+    refusal: Option<&'static str>,
 }
 
 impl ApiError {
@@ -71,7 +74,13 @@ impl ApiError {
             },
             code: None,
             param: None,
+            refusal: None,
         }
+    }
+
+    fn counted(mut self, reason: &'static str) -> ApiError {
+        self.refusal = Some(reason);
+        self
     }
 
     fn code(mut self, code: &'static str) -> ApiError {
@@ -116,7 +125,13 @@ impl From<Refusal> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Overload and shutdown pass: tell clients when to try again.
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 
@@ -129,6 +144,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -156,6 +172,11 @@ pub fn unix_now() -> u64 {
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if !s.handle.is_alive() {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
+            .code("engine_stopped")
+            .into_response();
+    }
     if s.handle.is_closing() {
         return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
             .code("shutting_down")
@@ -189,6 +210,14 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "this route does not take that method",
+    )
+    .code("method_not_allowed")
+}
+
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route").code("not_found")
 }
@@ -211,19 +240,21 @@ enum Kind {
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
+    let arrived = Instant::now();
     let job = match read_body(body).await {
         Ok(b) => completion_job(&b).map_err(ApiError::from),
         Err(e) => Err(e),
     };
-    respond(s, job, Kind::Completion).await
+    respond(s, job, Kind::Completion, arrived).await
 }
 
 async fn chat_completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
+    let arrived = Instant::now();
     let job = match read_body(body).await {
         Ok(b) => chat_job(&b).map_err(ApiError::from),
         Err(e) => Err(e),
     };
-    respond(s, job, Kind::Chat).await
+    respond(s, job, Kind::Chat, arrived).await
 }
 
 /// The ids of a job's prompt.
@@ -264,11 +295,38 @@ fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
-async fn respond(s: Arc<AppState>, job: Result<Job, ApiError>, kind: Kind) -> Response {
-    let job = match job {
-        Ok(j) => j,
-        Err(e) => return e.into_response(),
-    };
+async fn respond(
+    s: Arc<AppState>,
+    job: Result<Job, ApiError>,
+    kind: Kind,
+    arrived: Instant,
+) -> Response {
+    match run_job(&s, job, kind, arrived).await {
+        Ok(r) => r,
+        Err(e) => {
+            // Refusals of the HTTP layer; the engine counts its own.
+            if let Some(reason) = e.refusal {
+                s.handle.metrics().rejected(reason);
+            }
+            e.into_response()
+        }
+    }
+}
+
+async fn run_job(
+    s: &Arc<AppState>,
+    job: Result<Job, ApiError>,
+    kind: Kind,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let job = job.map_err(|e| {
+        let reason = if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+            "too_long"
+        } else {
+            "invalid"
+        };
+        e.counted(reason)
+    })?;
     if job.model != s.model {
         let mut e = ApiError::new(
             StatusCode::NOT_FOUND,
@@ -279,16 +337,22 @@ async fn respond(s: Arc<AppState>, job: Result<Job, ApiError>, kind: Kind) -> Re
         )
         .code("model_not_found");
         e.param = Some("model".into());
-        return e.into_response();
+        return Err(e.counted("unknown_model"));
     }
-    let ids = match prompt_ids(&s, &job.input) {
-        Ok(ids) => ids,
-        Err(e) => return e.into_response(),
-    };
-    let rx = match s.handle.submit(ids, job.cfg.clone()).await {
-        Ok(rx) => rx,
-        Err(r) => return ApiError::from(r).into_response(),
-    };
+    // Tokenizing and templating take CPU time in proportion to the prompt (seconds for
+    // megabytes): off the async threads, so other requests and /health are not held up.
+    let state = s.clone();
+    let input = job.input.clone();
+    let ids = tokio::task::spawn_blocking(move || prompt_ids(&state, &input))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| e.counted("invalid"))?;
+    // The engine counts its own refusals.
+    let rx = s
+        .handle
+        .submit_since(ids, job.cfg.clone(), arrived)
+        .await
+        .map_err(ApiError::from)?;
     let id = format!(
         "{}-{:016x}",
         if kind == Kind::Chat {
@@ -299,11 +363,11 @@ async fn respond(s: Arc<AppState>, job: Result<Job, ApiError>, kind: Kind) -> Re
         rand_id()
     );
     let created = unix_now();
-    if job.stream {
+    Ok(if job.stream {
         stream_response(rx, id, created, s.model.clone(), kind, job.include_usage)
     } else {
         whole_response(rx, id, created, &s.model, kind).await
-    }
+    })
 }
 
 /// A request id: the time and a process-wide counter, mixed (unique, not secret).
@@ -362,6 +426,11 @@ async fn whole_response(
             }
             Some(Event::Error(m)) => {
                 return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m).into_response();
+            }
+            Some(Event::Unavailable(m)) => {
+                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m)
+                    .code("shutting_down")
+                    .into_response();
             }
             None => {
                 return ApiError::new(
@@ -491,6 +560,12 @@ fn stream_response(
                 st.tail = vec![SseEvent::default().data("[DONE]")];
                 data(&e.body())
             }
+            Some(Event::Unavailable(m)) => {
+                st.done = true;
+                let e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m).code("shutting_down");
+                st.tail = vec![SseEvent::default().data("[DONE]")];
+                data(&e.body())
+            }
             None => {
                 st.done = true;
                 let e = ApiError::new(
@@ -503,5 +578,9 @@ fn stream_response(
         };
         Some((Ok(ev), st))
     });
-    Sse::new(events.boxed()).into_response()
+    // Keep-alive comments: a request waiting in the queue sends nothing after its headers,
+    // and proxies close connections that stay silent.
+    Sse::new(events.boxed())
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }

@@ -59,6 +59,7 @@ pub struct Metrics {
     prompt_tokens: Counter,
     generation_tokens: Counter,
     prefix_hit_tokens: Counter,
+    preemptions: Counter,
     running: Gauge,
     waiting: Gauge,
     kv_used: Gauge,
@@ -87,6 +88,7 @@ impl Metrics {
         let prompt_tokens = Counter::default();
         let generation_tokens = Counter::default();
         let prefix_hit_tokens = Counter::default();
+        let preemptions = Counter::default();
         let running = Gauge::default();
         let waiting = Gauge::default();
         let kv_used = Gauge::default();
@@ -126,6 +128,11 @@ impl Metrics {
             hit_rate.clone(),
         );
         registry.register(
+            "simpler_preemptions",
+            "Requests preempted for lack of KV blocks (recomputed later)",
+            preemptions.clone(),
+        );
+        registry.register(
             "simpler_requests_running",
             "Requests admitted to the engine",
             running.clone(),
@@ -152,7 +159,7 @@ impl Metrics {
         );
         registry.register(
             "simpler_time_per_output_token_seconds",
-            "Mean time between a request's tokens after the first",
+            "Each finished request's mean time between tokens after its first (one observation per request)",
             tpot.clone(),
         );
         Metrics {
@@ -162,6 +169,7 @@ impl Metrics {
             prompt_tokens,
             generation_tokens,
             prefix_hit_tokens,
+            preemptions,
             running,
             waiting,
             kv_used,
@@ -179,7 +187,8 @@ impl Metrics {
         out
     }
 
-    pub(crate) fn rejected(&self, reason: &str) {
+    /// A request refused before it ran, by `reason`.
+    pub fn rejected(&self, reason: &str) {
         self.rejected
             .get_or_create(&ReasonLabel {
                 reason: reason.to_string(),
@@ -207,13 +216,23 @@ impl Metrics {
         self.ttft.observe(ttft.as_secs_f64());
     }
 
-    pub(crate) fn ended(&self, how: Ended, generated: usize, tpot: Option<Duration>) {
+    /// The engine's running total of preemptions.
+    pub(crate) fn preemptions_total(&self, total: u64) {
+        let seen = self.preemptions.get();
+        self.preemptions.inc_by(total.saturating_sub(seen));
+    }
+
+    /// One token generated.
+    pub(crate) fn token(&self) {
+        self.generation_tokens.inc();
+    }
+
+    pub(crate) fn ended(&self, how: Ended, tpot: Option<Duration>) {
         self.requests
             .get_or_create(&FinishLabel {
                 finish: how.label().to_string(),
             })
             .inc();
-        self.generation_tokens.inc_by(generated as u64);
         if let Some(t) = tpot {
             self.tpot.observe(t.as_secs_f64());
         }
@@ -236,8 +255,13 @@ mod tests {
         m.accepted(10);
         m.prefix_totals(4, 10);
         m.first_token(Duration::from_millis(30));
-        m.ended(Ended::Stop, 5, Some(Duration::from_millis(20)));
-        m.ended(Ended::Cancelled, 2, None);
+        for _ in 0..7 {
+            m.token();
+        }
+        m.preemptions_total(3);
+        m.preemptions_total(3);
+        m.ended(Ended::Stop, Some(Duration::from_millis(20)));
+        m.ended(Ended::Cancelled, None);
         m.rejected("too_long");
         m.set_load(1, 2, 7);
         let t = m.render();
@@ -247,6 +271,7 @@ mod tests {
             "simpler_requests_rejected_total{reason=\"too_long\"} 1",
             "simpler_prompt_tokens_total 10",
             "simpler_generation_tokens_total 7",
+            "simpler_preemptions_total 3",
             "simpler_prefix_cache_hit_tokens_total 4",
             "simpler_prefix_cache_hit_rate 0.4",
             "simpler_requests_running 1",

@@ -302,6 +302,14 @@ pub fn chat_job(body: &[u8]) -> Result<Job, FieldError> {
     )
 }
 
+/// A random seed (the standard library's per-process random keys, over a counter).
+fn fresh_seed() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    std::collections::hash_map::RandomState::new().hash_one(NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
 fn ids_field(ids: &[i64]) -> Result<Vec<u32>, FieldError> {
     if ids.is_empty() {
         return Err(bad("prompt", "the prompt is empty"));
@@ -349,8 +357,10 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
             ));
         }
     };
+    // No seed: a fresh one per request, so sampling differs between requests (OpenAI's
+    // semantics); a given seed repeats.
     let seed = match c.seed {
-        None => 0,
+        None => fresh_seed(),
         Some(s) => s as u64,
     };
     let stop = match c.stop {
@@ -446,6 +456,9 @@ mod tests {
         assert_eq!(j.input, Input::Ids(vec![1, 2, 3]));
         assert_eq!(j.cfg.max_new_tokens, 256);
         assert_eq!(j.cfg.temperature, 0.0);
+        // Without a seed, each request draws its own.
+        let other = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_ne!(j.cfg.seed, other.cfg.seed);
     }
 
     #[test]

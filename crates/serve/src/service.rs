@@ -55,6 +55,8 @@ pub enum Event {
     },
     /// The request failed; no more events follow.
     Error(String),
+    /// The server shut down before the request finished; no more events follow.
+    Unavailable(String),
 }
 
 /// Why a request was not accepted.
@@ -96,6 +98,7 @@ enum Command {
     Submit {
         prompt: Vec<u32>,
         cfg: GenerateConfig,
+        arrived: Instant,
         events: mpsc::UnboundedSender<Event>,
         accepted: oneshot::Sender<Result<(), Refusal>>,
     },
@@ -108,6 +111,17 @@ pub struct ServiceHandle {
     tx: Sender<Command>,
     metrics: Arc<Metrics>,
     closing: Arc<AtomicBool>,
+    /// False once the engine thread has left its loop (stopped or panicked).
+    alive: Arc<AtomicBool>,
+}
+
+/// Clears `alive` when the engine thread leaves, however it leaves (a panic included).
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// The running service: its handle and its thread.
@@ -132,6 +146,8 @@ impl Service {
         let (tx, rx) = channel::unbounded();
         let metrics = Arc::new(Metrics::new(engine.total_blocks()));
         let closing = Arc::new(AtomicBool::new(false));
+        let alive = Arc::new(AtomicBool::new(true));
+        let guard = AliveGuard(alive.clone());
         let mut state = Loop {
             engine,
             tokenizer,
@@ -143,6 +159,7 @@ impl Service {
         let thread = std::thread::Builder::new()
             .name("simpler-engine".into())
             .spawn(move || {
+                let _guard = guard;
                 state.run(&rx);
                 state.engine
             })
@@ -152,6 +169,7 @@ impl Service {
                 tx,
                 metrics,
                 closing,
+                alive,
             },
             thread: Some(thread),
         })
@@ -187,6 +205,17 @@ impl ServiceHandle {
         prompt: Vec<u32>,
         cfg: GenerateConfig,
     ) -> Result<mpsc::UnboundedReceiver<Event>, Refusal> {
+        self.submit_since(prompt, cfg, Instant::now()).await
+    }
+
+    /// [`ServiceHandle::submit`] for a request that arrived at `arrived` (its time to first
+    /// token counts from there).
+    pub async fn submit_since(
+        &self,
+        prompt: Vec<u32>,
+        cfg: GenerateConfig,
+        arrived: Instant,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, Refusal> {
         let gone = || Refusal::ShuttingDown("the server is shutting down".into());
         if self.closing.load(Ordering::Acquire) {
             self.metrics.rejected("shutting_down");
@@ -198,6 +227,7 @@ impl ServiceHandle {
             .send(Command::Submit {
                 prompt,
                 cfg,
+                arrived,
                 events,
                 accepted,
             })
@@ -209,6 +239,11 @@ impl ServiceHandle {
     /// The service's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Whether the engine thread is still running (false after it stopped or panicked).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
     }
 
     /// Whether shutdown has begun.
@@ -281,7 +316,9 @@ impl Loop {
                     self.end(
                         id,
                         Ended::Error,
-                        Some("the server shut down before the request finished".into()),
+                        Some(Event::Unavailable(
+                            "the server shut down before the request finished".into(),
+                        )),
                     );
                 }
             }
@@ -291,6 +328,7 @@ impl Loop {
             let stats = self.engine.stats();
             self.metrics
                 .prefix_totals(stats.prefix_hit_tokens, stats.prompt_tokens);
+            self.metrics.preemptions_total(stats.preemptions);
             self.metrics.set_load(
                 self.engine.running(),
                 self.engine.waiting(),
@@ -301,7 +339,11 @@ impl Loop {
         let ids: Vec<RequestId> = self.live.keys().copied().collect();
         for id in ids {
             self.engine.abort(id);
-            self.end(id, Ended::Error, Some("the server shut down".into()));
+            self.end(
+                id,
+                Ended::Error,
+                Some(Event::Unavailable("the server shut down".into())),
+            );
         }
         self.metrics.set_load(0, 0, 0);
     }
@@ -314,10 +356,11 @@ impl Loop {
             Command::Submit {
                 prompt,
                 cfg,
+                arrived,
                 events,
                 accepted,
             } => {
-                let verdict = self.admit(prompt, cfg, events);
+                let verdict = self.admit(prompt, cfg, arrived, events);
                 if let Err(r) = &verdict {
                     self.metrics.rejected(match r {
                         Refusal::Invalid(_) => "invalid",
@@ -342,6 +385,7 @@ impl Loop {
         &mut self,
         prompt: Vec<u32>,
         cfg: GenerateConfig,
+        arrived: Instant,
         events: mpsc::UnboundedSender<Event>,
     ) -> Result<RequestId, Refusal> {
         if self.draining_since.is_some() {
@@ -378,7 +422,7 @@ impl Loop {
                 text: TextStream::new(cfg.stop),
                 prompt_tokens,
                 generated: 0,
-                arrived: Instant::now(),
+                arrived,
                 first_token: None,
             },
         );
@@ -404,14 +448,18 @@ impl Loop {
             Ok(o) => o,
             Err(EngineError::Step { failed, source }) => {
                 for id in failed {
-                    self.end(id, Ended::Error, Some(format!("the step failed: {source}")));
+                    self.end(
+                        id,
+                        Ended::Error,
+                        Some(Event::Error(format!("the step failed: {source}"))),
+                    );
                 }
                 return;
             }
             Err(e) => {
                 // Not one step's requests: nothing the engine holds can go on.
                 for id in self.engine.abort_all() {
-                    self.end(id, Ended::Error, Some(e.to_string()));
+                    self.end(id, Ended::Error, Some(Event::Error(e.to_string())));
                 }
                 return;
             }
@@ -422,6 +470,7 @@ impl Loop {
                 continue;
             };
             l.generated += 1;
+            self.metrics.token();
             if l.first_token.is_none() {
                 l.first_token = Some(now);
                 self.metrics.first_token(now - l.arrived);
@@ -432,7 +481,11 @@ impl Loop {
                     if o.finished.is_none() {
                         self.engine.abort(o.id);
                     }
-                    self.end(o.id, Ended::Error, Some(format!("detokenizing: {e}")));
+                    self.end(
+                        o.id,
+                        Ended::Error,
+                        Some(Event::Error(format!("detokenizing: {e}"))),
+                    );
                     continue;
                 }
             };
@@ -441,14 +494,11 @@ impl Loop {
                 let _ = l.events.send(Event::Delta(delta.text));
             }
             if delta.stopped {
-                if o.finished.is_none() {
-                    self.engine.abort(o.id);
-                }
-                self.finish(
-                    o.id,
-                    TextFinish::Stop,
-                    o.finished.map_or(0, |c| c.cached_tokens),
-                );
+                let done = match o.finished {
+                    Some(c) => Some(c),
+                    None => self.engine.stop(o.id),
+                };
+                self.finish(o.id, TextFinish::Stop, done.map_or(0, |c| c.cached_tokens));
             } else if let Some(c) = o.finished {
                 let tail = l.text.finish(&self.tokenizer).unwrap_or_default();
                 if !tail.is_empty() {
@@ -457,6 +507,7 @@ impl Loop {
                 let finish = match c.finish_reason {
                     FinishReason::Eos => TextFinish::Eos,
                     FinishReason::Length => TextFinish::Length,
+                    FinishReason::Stop => TextFinish::Stop,
                 };
                 self.finish(o.id, finish, c.cached_tokens);
             }
@@ -483,18 +534,18 @@ impl Loop {
     }
 
     /// Forgets request `id` (its blocks already released by the engine) and counts it; sends
-    /// `error` if given.
-    fn end(&mut self, id: RequestId, how: Ended, error: Option<String>) {
+    /// `last` (an error event) if given.
+    fn end(&mut self, id: RequestId, how: Ended, last: Option<Event>) {
         let Some(l) = self.live.remove(&id) else {
             return;
         };
-        if let Some(msg) = error {
-            let _ = l.events.send(Event::Error(msg));
+        if let Some(e) = last {
+            let _ = l.events.send(e);
         }
         let tpot = match (l.first_token, l.generated) {
             (Some(first), n) if n > 1 => Some((Instant::now() - first) / (n as u32 - 1)),
             _ => None,
         };
-        self.metrics.ended(how, l.generated, tpot);
+        self.metrics.ended(how, tpot);
     }
 }

@@ -212,7 +212,7 @@ impl TextEngine {
                         f(&d.text);
                     }
                     if d.stopped {
-                        self.engine.abort(o.id);
+                        self.engine.stop(o.id);
                         finish[k] = Some(TextFinish::Stop);
                     } else if let Some(c) = o.finished {
                         let tail = streams[k].finish(&self.tokenizer)?;
@@ -222,6 +222,7 @@ impl TextEngine {
                         finish[k] = Some(match c.finish_reason {
                             FinishReason::Eos => TextFinish::Eos,
                             FinishReason::Length => TextFinish::Length,
+                            FinishReason::Stop => TextFinish::Stop,
                         });
                     }
                 }

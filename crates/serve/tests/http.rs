@@ -426,11 +426,24 @@ async fn sixty_four_streams_some_cancelled_lose_nothing_and_free_every_block() {
     assert_eq!(completed, 48);
     // The cancelled requests end once the engine sees their receivers gone (before its next
     // step); stopping the service waits for that.
-    let (_, m) = http(addr, "GET", "/metrics", "").await;
+    // Every request ended once, by how it ended.
+    let m = wait_metrics(addr, |m| {
+        metric(m, "simpler_requests_running") + metric(m, "simpler_requests_waiting") == 0.0
+    })
+    .await;
     assert_eq!(
         metric(&m, "simpler_prompt_tokens_total"),
         prompt_tokens as f64
     );
+    assert_eq!(
+        metric(&m, "simpler_requests_total{finish=\"length\"}"),
+        48.0
+    );
+    assert_eq!(
+        metric(&m, "simpler_requests_total{finish=\"cancelled\"}"),
+        cancelled as f64
+    );
+    assert_eq!(metric(&m, "simpler_kv_blocks_used"), 0.0);
     let e = srv.stop().await;
     assert_eq!(e.free_blocks(), e.total_blocks(), "every block is back");
     assert_eq!(e.running() + e.waiting(), 0);
@@ -549,4 +562,147 @@ async fn a_shutdown_lets_in_flight_requests_finish_and_refuses_new_ones() {
     let e = srv.stop().await;
     assert_eq!(e.free_blocks(), e.total_blocks());
     assert_eq!(e.stats().generated_tokens, 40);
+}
+
+/// Polls `/metrics` until `pred` holds (bounded, so a bug fails instead of hanging).
+async fn wait_metrics(addr: SocketAddr, pred: impl Fn(&str) -> bool) -> String {
+    for _ in 0..2000 {
+        let (_, m) = http(addr, "GET", "/metrics", "").await;
+        if pred(&m) {
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the metrics never reached the expected state");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_a_whole_response_request_cancels_it() {
+    let srv = start(sizes(), 64).await;
+    let addr = srv.addr;
+    let body = json!({"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 3000,
+                      "ignore_eos": true})
+    .to_string();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // Running (it needs 3000 tokens), then the client goes away.
+    wait_metrics(addr, |m| metric(m, "simpler_requests_running") == 1.0).await;
+    drop(s);
+    let m = wait_metrics(addr, |m| {
+        m.lines()
+            .any(|l| l == "simpler_requests_total{finish=\"cancelled\"} 1")
+    })
+    .await;
+    assert_eq!(metric(&m, "simpler_requests_running"), 0.0);
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks());
+    assert!(e.stats().generated_tokens < 3000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeds_stop_strings_usage_and_method_errors() {
+    let srv = start(sizes(), 64).await;
+    let addr = srv.addr;
+    // No seed: two samples differ; the same seed twice: the same text.
+    let sample = |seed: Option<u64>| {
+        let mut b = json!({"model": MODEL, "prompt": "Pick words:", "max_tokens": 12,
+                           "temperature": 1.0, "ignore_eos": true});
+        if let Some(s) = seed {
+            b["seed"] = json!(s);
+        }
+        b
+    };
+    let (_, a) = post(addr, "/v1/completions", sample(None)).await;
+    let (_, b) = post(addr, "/v1/completions", sample(None)).await;
+    assert_ne!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let (_, c) = post(addr, "/v1/completions", sample(Some(5))).await;
+    let (_, d) = post(addr, "/v1/completions", sample(Some(5))).await;
+    assert_eq!(c["choices"][0]["text"], d["choices"][0]["text"]);
+
+    // A stop string that ends a request whose prompt came from the prefix cache: the usage
+    // still says how many prompt tokens were cached.
+    let prompt: Vec<u32> = (0..140).map(|t| 300 + t).collect();
+    let (_, first) = post(
+        addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 10, "ignore_eos": true}),
+    )
+    .await;
+    let text = first["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop: String = text
+        .chars()
+        .skip(text.chars().count() / 2)
+        .take(2)
+        .collect();
+    let (_, again) = post(
+        addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 10, "ignore_eos": true,
+               "stop": [stop]}),
+    )
+    .await;
+    assert_eq!(again["choices"][0]["finish_reason"], "stop", "{again}");
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        128
+    );
+
+    // A method the route does not take: an error object.
+    let (status, body) = http(addr, "GET", "/v1/completions", "").await;
+    assert_eq!(status, 405);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "method_not_allowed");
+    let e = srv.stop().await;
+    assert_eq!(e.stats().aborted, 0, "a stop string is not an abort");
+    assert_eq!(e.free_blocks(), e.total_blocks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_left_when_the_drain_time_is_over_get_an_unavailable_event() {
+    let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
+    let service = Service::start(
+        engine(sizes()),
+        tokenizer,
+        ServiceConfig {
+            max_waiting: 8,
+            drain: Duration::ZERO,
+        },
+    )
+    .unwrap();
+    let h = service.handle();
+    let mut rx = h
+        .submit(
+            vec![5, 6, 7],
+            GenerateConfig {
+                max_new_tokens: 3000,
+                ignore_eos: true,
+                ..GenerateConfig::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(h.is_alive());
+    h.shutdown();
+    let mut last = None;
+    while let Some(e) = rx.recv().await {
+        last = Some(e);
+    }
+    assert!(
+        matches!(last, Some(simpler_serve::Event::Unavailable(_))),
+        "{last:?}"
+    );
+    let e = tokio::task::spawn_blocking(move || service.stop())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!h.is_alive());
+    assert_eq!(e.free_blocks(), e.total_blocks());
 }

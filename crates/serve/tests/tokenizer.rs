@@ -103,3 +103,33 @@ fn ids_past_the_tokenizer_decode_to_nothing_and_missing_files_are_named() {
     assert!(e.contains("tokenizer.json"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn invalid_bytes_are_emitted_not_held_back_forever() {
+    let tok = Tokenizer::qwen3().unwrap();
+    // Byte-level BPE writes byte 0x80 (a lone continuation byte, never valid on its own) as
+    // the character U+0122.
+    let id = tok.token_id("\u{122}").expect("the byte token of 0x80");
+    assert_eq!(tok.decode(&[id], false).unwrap(), "\u{FFFD}");
+    let mut d = IncrementalDecoder::new(true);
+    let mut out = String::new();
+    let mut silent = 0;
+    for _ in 0..40 {
+        let piece = d.push(&tok, id).unwrap();
+        if piece.is_empty() {
+            silent += 1;
+        } else {
+            silent = 0;
+        }
+        assert!(
+            silent < 4,
+            "held back more than a character's worth of tokens"
+        );
+        out.push_str(&piece);
+    }
+    out.push_str(&d.finish(&tok).unwrap());
+    assert!(
+        out.chars().all(|c| c == '\u{FFFD}') && !out.is_empty(),
+        "{out:?}"
+    );
+}
