@@ -62,7 +62,7 @@ fn message(seed: u64, src: usize, dst: usize) -> Vec<u8> {
         return Vec::new();
     }
     let h = mix(seed ^ ((src as u64) << 32) ^ dst as u64);
-    let len = if h % 3 == 0 {
+    let len = if h.is_multiple_of(3) {
         0
     } else {
         (h >> 8) as usize % 301

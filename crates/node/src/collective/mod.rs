@@ -8,9 +8,10 @@
 //! and `MPI_Op`, `ncclDataType_t` and `ncclRedOp_t`). Receivers learn their counts from a
 //! first all-to-all of counts ([`exchange_counts`]), as the MoE dispatch does.
 //!
-//! Every rank of a communicator makes the same calls in the same order; a call returns the
-//! same error kind on every rank when any rank's arguments are refused, so no rank is left
-//! waiting for another.
+//! Every rank of a communicator makes the same calls in the same order. A call never leaves a
+//! rank waiting because another refused its arguments: the refusal is seen by every rank
+//! (`PeerRefused` on the others). A receive count that differs from what its sender sends is
+//! reported by the receiving rank only (the others' data is exchanged normally).
 
 pub mod shm;
 

@@ -219,17 +219,17 @@ impl Collectives for ShmCollectives {
             None => {
                 let mut result = Ok(());
                 let mut at = 0;
-                for src in 0..n {
+                for (src, &expected) in recv_counts.iter().enumerate() {
                     let offset: usize =
                         (0..me).map(|j| self.header_word(src, 2 + j) as usize).sum();
                     let len = self.header_word(src, 2 + me) as usize;
-                    if len != recv_counts[src] {
+                    if len != expected {
                         result = Err(CollectiveError::CountMismatch {
                             op: OP,
                             src,
                             dst: me,
                             sent: len,
-                            expected: recv_counts[src],
+                            expected,
                         });
                         break;
                     }
@@ -262,7 +262,7 @@ impl Collectives for ShmCollectives {
         const OP: &str = "all_reduce";
         let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
         let (n, me) = (self.ranks, self.rank);
-        let own = (buf.len() % 4 != 0).then(|| CollectiveError::BadArgs {
+        let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
             op: OP,
             rank: me,
             reason: format!("{} bytes is not a whole number of f32", buf.len()),
