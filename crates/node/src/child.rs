@@ -14,6 +14,8 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 
+use simpler_core::Worker;
+
 use crate::buffer::{SharedBuffer, SharedBufferId};
 use crate::collective::shm::ShmCollectives;
 use crate::error::ChildId;
@@ -38,12 +40,16 @@ pub type ChildFn = fn(&mut ChildCtx, &[u8]) -> Result<Vec<u8>, String>;
 /// A check run in each child before it reports ready.
 pub type StartHook = fn(&mut ChildCtx) -> Result<(), String>;
 
+/// Builds chip `i`'s chip-level worker (its platform and cores), in the chip's process.
+pub type ChipWorkerFn = fn(usize) -> Result<Worker, String>;
+
 /// What children can do: named functions and a start hook. Built the same way in the parent
 /// and in the children (the same binary builds it in `main`).
 #[derive(Default)]
 pub struct ChildFns {
     fns: HashMap<&'static str, ChildFn>,
     on_start: Option<StartHook>,
+    chip_worker: Option<ChipWorkerFn>,
 }
 
 impl ChildFns {
@@ -64,6 +70,14 @@ impl ChildFns {
         self.on_start = Some(hook);
         self
     }
+
+    /// Gives every chip its own chip-level [`Worker`], built by `make` in the chip's process
+    /// before it reports ready (an error fails the node's start with the message) and closed
+    /// when the chip shuts down. The worker's threads start there, after `exec`.
+    pub fn chip_worker(mut self, make: ChipWorkerFn) -> ChildFns {
+        self.chip_worker = Some(make);
+        self
+    }
 }
 
 /// What a child function sees.
@@ -72,9 +86,16 @@ pub struct ChildCtx {
     chips: usize,
     collectives: Option<ShmCollectives>,
     buffers: HashMap<SharedBufferId, SharedBuffer>,
+    worker: Option<Worker>,
 }
 
 impl ChildCtx {
+    /// The chip's worker (chips of a node whose `ChildFns` has a
+    /// [`chip_worker`](ChildFns::chip_worker)).
+    pub fn worker(&self) -> Option<&Worker> {
+        self.worker.as_ref()
+    }
+
     /// Which child this is.
     pub fn id(&self) -> ChildId {
         self.id
@@ -216,11 +237,15 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
         chips: spec.chips,
         collectives: None,
         buffers: HashMap::new(),
+        worker: None,
     };
     let started = (|| {
         if let (ChildId::Chip(rank), Some(fd)) = (spec.id, spec.coll_fd) {
             let seg = Segment::from_fd(fd, "the collective segment").map_err(|e| e.to_string())?;
             ctx.collectives = Some(ShmCollectives::new(seg, rank, spec.chips, spec.coll_cap));
+            if let Some(make) = fns.chip_worker {
+                ctx.worker = Some(guarded(|| make(rank))?);
+            }
         }
         match fns.on_start {
             Some(hook) => guarded(|| hook(&mut ctx)),
@@ -252,7 +277,11 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
                 CMD_CALL => call(fns, &mut ctx, &payload),
                 CMD_MAP => map_buffer(&mut ctx, &payload),
                 CMD_SHUTDOWN => {
-                    mbox.complete(seq, STATUS_OK, b"");
+                    let closed = ctx.worker.take().map_or(Ok(()), Worker::close);
+                    match closed {
+                        Ok(()) => mbox.complete(seq, STATUS_OK, b""),
+                        Err(e) => mbox.complete(seq, STATUS_ERR, e.to_string().as_bytes()),
+                    }
                     ring(&mut answer_bell);
                     return 0;
                 }

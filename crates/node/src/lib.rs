@@ -18,7 +18,9 @@ mod node;
 mod shm;
 
 pub use buffer::{SharedBuffer, SharedBufferId};
-pub use child::{CHILD_ENV, ChildCtx, ChildFn, ChildFns, StartHook, child_main_if_requested};
+pub use child::{
+    CHILD_ENV, ChildCtx, ChildFn, ChildFns, ChipWorkerFn, StartHook, child_main_if_requested,
+};
 pub use collective::shm::ShmCollectives;
 pub use collective::{Collectives, ReduceOp, ReduceType, exchange_counts};
 pub use error::{ChildId, CollectiveError, ExitStatus, NodeError};

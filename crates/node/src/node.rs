@@ -309,6 +309,11 @@ impl Node {
             self.post(i, CMD_SHUTDOWN, &[])?;
         }
         self.wait(&all, self.config.call_timeout, Until::Answered, "shutdown")?;
+        // A chip whose worker failed to close says so, and exits all the same.
+        let refused = all.iter().find_map(|&i| {
+            let (status, msg) = self.mailbox(i).answer();
+            (status != STATUS_OK).then(|| (i, String::from_utf8_lossy(&msg).into_owned()))
+        });
         // Each child exits right after answering.
         let deadline = Instant::now() + self.config.call_timeout;
         for i in all {
@@ -324,7 +329,14 @@ impl Node {
                 return Err(self.fail(err));
             }
         }
-        Ok(())
+        match refused {
+            Some((i, message)) => Err(NodeError::CallFailed {
+                child: self.children[i].id,
+                function: "shutdown".into(),
+                message,
+            }),
+            None => Ok(()),
+        }
     }
 
     fn spawn(

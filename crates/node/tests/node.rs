@@ -11,6 +11,10 @@ use std::panic::AssertUnwindSafe;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use simpler_core::{
+    CallConfig, DType, EngineClass, KernelId, KernelSpec, RunArgs, Task, Worker, WorkerConfig,
+};
+use simpler_cpu::CpuPlatform;
 use simpler_node::{
     ChildCtx, ChildFns, ChildId, CollectiveError, Collectives, ExitStatus, Node, NodeConfig,
     NodeError, ReduceOp, ReduceType, SharedBufferId, exchange_counts, segments_of_this_process,
@@ -30,7 +34,9 @@ fn fns() -> ChildFns {
         .register("a2a_die", a2a_die)
         .register("reduce", reduce)
         .register("buffer_check", buffer_check)
+        .register("worker_add", worker_add)
         .on_start(start_hook)
+        .chip_worker(chip_worker)
 }
 
 fn start_hook(ctx: &mut ChildCtx) -> Result<(), String> {
@@ -45,6 +51,33 @@ fn start_hook(ctx: &mut ChildCtx) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+const ADD_ONE: KernelId = KernelId(1);
+
+/// Each chip's own worker: one CPU core and an `add_one` kernel.
+fn chip_worker(_chip: usize) -> Result<Worker, String> {
+    let w = Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(1),
+            timeouts: None,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    w.register_kernel(KernelSpec::new(
+        ADD_ONE,
+        "add_one",
+        EngineClass::Vector,
+        |ctx| {
+            for v in ctx.write::<f32>(0)? {
+                *v += 1.0;
+            }
+            Ok(())
+        },
+    ))
+    .map_err(|e| e.to_string())?;
+    Ok(w)
 }
 
 // ---- deterministic test data, computed the same way in children and in the parent ----
@@ -108,6 +141,29 @@ fn a2a_die(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
         unsafe { libc::raise(libc::SIGKILL) };
     }
     a2a(ctx, args)
+}
+
+/// Runs `rank + 1` dependent `add_one` tasks on the chip's worker; answers the 16 floats.
+fn worker_add(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
+    let ChildId::Chip(rank) = ctx.id() else {
+        return Err("not a chip".into());
+    };
+    let w = ctx.worker().ok_or("no worker")?;
+    let buf = w.buffer_from(&[0.0f32; 16]).map_err(|e| e.to_string())?;
+    let args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    w.run_fn("add", args, &CallConfig::default(), move |orch, args| {
+        let t = orch.bind(&args.buffers[0], DType::F32, &[16])?;
+        for _ in 0..=rank {
+            orch.submit(Task::new(ADD_ONE).in_out(&t))?;
+        }
+        Ok(())
+    })
+    .map_err(|e| e.to_string())?;
+    let out = buf.read::<f32>().map_err(|e| e.to_string())?;
+    Ok(out.iter().flat_map(|v| v.to_ne_bytes()).collect())
 }
 
 fn reduce(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
@@ -260,6 +316,23 @@ fn buffers_created_after_start_are_visible_everywhere() {
     node.close().unwrap();
 }
 
+fn chips_run_their_own_workers() {
+    let mut node = Node::start(config(3, 1)).unwrap();
+    let got = node.call_group("worker_add", &chips_all(3, &[])).unwrap();
+    for (rank, bytes) in got.iter().enumerate() {
+        let expected: Vec<u8> = [(rank + 1) as f32; 16]
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        assert_eq!(bytes, &expected, "chip {rank}");
+    }
+    match node.call(ChildId::Sub(0), "worker_add", b"") {
+        Err(NodeError::CallFailed { message, .. }) => assert_eq!(message, "not a chip"),
+        other => panic!("expected CallFailed, got {other:?}"),
+    }
+    node.close().unwrap();
+}
+
 fn child_error_is_reported_and_node_survives() {
     let mut node = Node::start(config(2, 1)).unwrap();
     match node.call(ChildId::Sub(0), "fail", b"") {
@@ -320,11 +393,11 @@ fn child_killed_from_outside_is_named() {
 fn child_never_ready_fails_within_deadline() {
     let result = Node::start(NodeConfig {
         ready_deadline: Duration::from_millis(300),
-        env: vec![(HANG_ENV.into(), "chip 1".into())],
+        env: vec![(HANG_ENV.into(), "chip 0".into())],
         ..config(2, 1)
     });
     match result {
-        Err(NodeError::ReadyTimeout { child, .. }) => assert_eq!(child, ChildId::Chip(1)),
+        Err(NodeError::ReadyTimeout { child, .. }) => assert_eq!(child, ChildId::Chip(0)),
         Err(e) => panic!("expected a ready timeout, got {e}"),
         Ok(_) => panic!("expected a ready timeout, the node started"),
     }
@@ -475,6 +548,7 @@ fn main() {
             "buffers_created_after_start_are_visible_everywhere",
             buffers_created_after_start_are_visible_everywhere,
         ),
+        ("chips_run_their_own_workers", chips_run_their_own_workers),
         (
             "child_error_is_reported_and_node_survives",
             child_error_is_reported_and_node_survives,
