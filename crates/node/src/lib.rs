@@ -21,6 +21,8 @@ pub use buffer::{SharedBuffer, SharedBufferId};
 pub use child::{
     CHILD_ENV, ChildCtx, ChildFn, ChildFns, ChipWorkerFn, StartHook, child_main_if_requested,
 };
+#[cfg(feature = "mpi")]
+pub use collective::mpi::MpiCollectives;
 pub use collective::shm::ShmCollectives;
 pub use collective::{Collectives, ReduceOp, ReduceType, exchange_counts};
 pub use error::{ChildId, CollectiveError, ExitStatus, NodeError};

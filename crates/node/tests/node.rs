@@ -6,11 +6,14 @@
 //! test it asserts that no shared-memory segment of this process and no child process is left.
 //! An optional argument filters tests by substring.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::panic::AssertUnwindSafe;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::{message, mix, reduce_input};
 use simpler_core::{
     CallConfig, DType, EngineClass, KernelId, KernelSpec, RunArgs, Task, Worker, WorkerConfig,
 };
@@ -78,36 +81,6 @@ fn chip_worker(_chip: usize) -> Result<Worker, String> {
     ))
     .map_err(|e| e.to_string())?;
     Ok(w)
-}
-
-// ---- deterministic test data, computed the same way in children and in the parent ----
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// Bytes rank `src` sends to rank `dst`: ragged, a third of them empty, none when `seed` is 0.
-fn message(seed: u64, src: usize, dst: usize) -> Vec<u8> {
-    if seed == 0 {
-        return Vec::new();
-    }
-    let h = mix(seed ^ ((src as u64) << 32) ^ dst as u64);
-    let len = if h.is_multiple_of(3) {
-        0
-    } else {
-        (h >> 8) as usize % 301
-    };
-    (0..len).map(|k| mix(h ^ k as u64) as u8).collect()
-}
-
-/// Rank `rank`'s all-reduce input.
-fn reduce_input(seed: u64, rank: usize, len: usize) -> Vec<f32> {
-    (0..len)
-        .map(|k| (mix(seed ^ ((rank as u64) << 40) ^ k as u64) % 20001) as f32 / 7.0 - 1000.0)
-        .collect()
 }
 
 fn u64_at(args: &[u8], i: usize) -> u64 {

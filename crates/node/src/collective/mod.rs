@@ -13,6 +13,8 @@
 //! (`PeerRefused` on the others). A receive count that differs from what its sender sends is
 //! reported by the receiving rank only (the others' data is exchanged normally).
 
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 
 use crate::error::CollectiveError;
