@@ -34,6 +34,8 @@ use crate::futex;
 use crate::shm::Segment;
 
 const BARRIER_BYTES: usize = 64;
+/// Spins (with a yield every 128) before a waiting rank sleeps in the kernel.
+const SPINS: u32 = 4096;
 const FLAG_OK: u64 = 0;
 const FLAG_BAD_ARGS: u64 = 1;
 const FLAG_TOO_LARGE: u64 = 2;
@@ -97,9 +99,13 @@ impl ShmCollectives {
         while generation.load(Ordering::Acquire) == g {
             // A short spin catches peers that are running now; then sleep in the kernel (the
             // ranks usually share fewer cores than there are ranks).
-            if spins < 64 {
+            if spins < SPINS {
                 spins += 1;
-                std::hint::spin_loop();
+                if spins % 128 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             } else {
                 futex::wait(generation, g);
             }
