@@ -22,7 +22,8 @@ use crate::error::ChildId;
 use crate::mailbox::{self, MAILBOX_BYTES, Mailbox};
 use crate::shm::{self, Segment};
 
-/// The environment variable that makes a process a node child; its value is the [`Spec`].
+/// The environment variable that makes a process a node child; its value names the child's
+/// role and index, the parent's pid and the descriptors it inherits.
 pub const CHILD_ENV: &str = "SIMPLER_NODE_CHILD";
 
 /// Command kinds (the mailbox's `cmd_kind`).

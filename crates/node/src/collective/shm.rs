@@ -101,7 +101,7 @@ impl ShmCollectives {
             // ranks usually share fewer cores than there are ranks).
             if spins < SPINS {
                 spins += 1;
-                if spins % 128 == 0 {
+                if spins.is_multiple_of(128) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
