@@ -173,3 +173,33 @@ impl<'a> Mailbox<'a> {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::Segment;
+
+    #[test]
+    fn command_and_answer_round_trip() {
+        let (seg, _fd) = Segment::anonymous("test-mailbox", MAILBOX_BYTES).unwrap();
+        // SAFETY: the mapping is one mailbox long and outlives `mbox`; one thread plays both
+        // sides, in protocol order.
+        let mbox = unsafe { Mailbox::new(seg.ptr()) };
+        assert_eq!(mbox.state(), STARTING);
+        mbox.set_state(FAILED, b"why");
+        assert_eq!((mbox.state(), mbox.answer().1), (FAILED, b"why".to_vec()));
+        assert_eq!(mbox.pending(), None);
+        let big = vec![7u8; CMD_CAP];
+        for seq in 1..=3 {
+            mbox.post(seq, 9, &big[..seq as usize * 100]);
+            let (got_seq, kind, bytes) = mbox.pending().unwrap();
+            assert_eq!((got_seq, kind, bytes.len()), (seq, 9, seq as usize * 100));
+            assert_ne!(mbox.done_seq(), seq);
+            mbox.complete(seq, 1, &vec![seq as u8; RES_CAP + 10]);
+            assert_eq!(mbox.done_seq(), seq);
+            assert_eq!(mbox.pending(), None);
+            // An answer too long for the area is cut to it.
+            assert_eq!(mbox.answer(), (1, vec![seq as u8; RES_CAP]));
+        }
+    }
+}

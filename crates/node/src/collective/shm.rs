@@ -339,3 +339,117 @@ impl Collectives for ShmCollectives {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    /// Runs `f(rank, comm)` on `ranks` threads, each with its own mapping of one segment (as
+    /// processes have), and returns the results in rank order.
+    fn on_ranks<T: Send>(
+        ranks: usize,
+        cap: usize,
+        f: impl Fn(usize, &mut ShmCollectives) -> T + Sync,
+    ) -> Vec<T> {
+        let (_, fd) = Segment::anonymous("test-collectives", segment_bytes(ranks, cap)).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    // SAFETY: dup of a descriptor we own; the new one is handed to `from_fd`,
+                    // which owns it from then on.
+                    let own = unsafe { libc::dup(fd.as_raw_fd()) };
+                    let seg = Segment::from_fd(own, "test").unwrap();
+                    let f = &f;
+                    s.spawn(move || f(rank, &mut ShmCollectives::new(seg, rank, ranks, cap)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn refused_arguments_are_everyones_error() {
+        let results = on_ranks(3, 64, |rank, comm| {
+            // Rank 1's send counts do not add up to its buffer.
+            let send = [0u8; 3];
+            let counts = if rank == 1 { [1, 1, 0] } else { [1, 1, 1] };
+            let mut recv = [0u8; 3];
+            comm.all_to_all_v(&send, &counts, &mut recv, &[1, 1, 1])
+        });
+        assert!(matches!(
+            results[1],
+            Err(CollectiveError::BadArgs { rank: 1, .. })
+        ));
+        for r in [0, 2] {
+            assert_eq!(
+                results[r],
+                Err(CollectiveError::PeerRefused {
+                    op: "all_to_all_v",
+                    rank: 1
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn a_wrong_receive_count_is_the_receivers_error_only() {
+        let results = on_ranks(2, 64, |rank, comm| {
+            let send = [rank as u8 + 1; 4];
+            let recv_counts = if rank == 1 { [1, 2] } else { [2, 2] };
+            let mut recv = vec![0u8; recv_counts.iter().sum()];
+            comm.all_to_all_v(&send, &[2, 2], &mut recv, &recv_counts)
+                .map(|()| recv)
+        });
+        assert_eq!(results[0], Ok(vec![1, 1, 2, 2]));
+        assert_eq!(
+            results[1],
+            Err(CollectiveError::CountMismatch {
+                op: "all_to_all_v",
+                src: 0,
+                dst: 1,
+                sent: 2,
+                expected: 1
+            })
+        );
+    }
+
+    #[test]
+    fn all_reduce_lengths_must_agree_and_calls_continue_after() {
+        let results = on_ranks(2, 64, |rank, comm| {
+            let mut buf = vec![0u8; 4 * (rank + 1)];
+            let first = comm.all_reduce(&mut buf, ReduceType::F32, ReduceOp::Sum);
+            let mut one = 1.5f32.to_ne_bytes();
+            comm.all_reduce(&mut one, ReduceType::F32, ReduceOp::Sum)
+                .unwrap();
+            (first, f32::from_ne_bytes(one))
+        });
+        for (first, sum) in results {
+            assert!(matches!(first, Err(CollectiveError::CountMismatch { .. })));
+            assert_eq!(sum, 3.0);
+        }
+    }
+
+    #[test]
+    fn many_barriers_in_a_row() {
+        // Each round's result depends on the previous round's, so a rank that ran ahead of
+        // a barrier would read stale data.
+        let results = on_ranks(4, 64, |rank, comm| {
+            let mut x = rank as f32;
+            for _ in 0..2000 {
+                let mut b = x.to_ne_bytes();
+                comm.all_reduce(&mut b, ReduceType::F32, ReduceOp::Sum)
+                    .unwrap();
+                x = f32::from_ne_bytes(b) / 4.0;
+            }
+            x
+        });
+        let mut x = [0f32, 1.0, 2.0, 3.0];
+        for _ in 0..2000 {
+            let s = ((x[0] + x[1]) + x[2]) + x[3];
+            x = [s / 4.0; 4];
+        }
+        assert_eq!(results, x.to_vec());
+    }
+}
