@@ -30,6 +30,7 @@ pub const CHILD_ENV: &str = "SIMPLER_NODE_CHILD";
 pub(crate) const CMD_CALL: u32 = 1;
 pub(crate) const CMD_MAP: u32 = 2;
 pub(crate) const CMD_SHUTDOWN: u32 = 3;
+pub(crate) const CMD_UNMAP: u32 = 4;
 /// Answer statuses.
 pub(crate) const STATUS_OK: u32 = 0;
 pub(crate) const STATUS_ERR: u32 = 1;
@@ -277,6 +278,15 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
             let (status, answer) = match kind {
                 CMD_CALL => call(fns, &mut ctx, &payload),
                 CMD_MAP => map_buffer(&mut ctx, &payload),
+                CMD_UNMAP => {
+                    let id = payload.get(..8).and_then(|b| b.try_into().ok());
+                    match id
+                        .and_then(|b| ctx.buffers.remove(&SharedBufferId(u64::from_le_bytes(b))))
+                    {
+                        Some(_) => (STATUS_OK, Vec::new()),
+                        None => (STATUS_ERR, b"no such buffer".to_vec()),
+                    }
+                }
                 CMD_SHUTDOWN => {
                     let closed = ctx.worker.take().map_or(Ok(()), Worker::close);
                     match closed {

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::buffer::{SharedBuffer, SharedBufferId};
-use crate::child::{self, CHILD_ENV, CMD_CALL, CMD_MAP, CMD_SHUTDOWN, STATUS_OK, Spec};
+use crate::child::{self, CHILD_ENV, CMD_CALL, CMD_MAP, CMD_SHUTDOWN, CMD_UNMAP, STATUS_OK, Spec};
 use crate::collective::shm::segment_bytes;
 use crate::error::{ChildId, ExitStatus, NodeError};
 use crate::mailbox::{self, CMD_CAP, MAILBOX_BYTES, Mailbox};
@@ -289,6 +289,37 @@ impl Node {
         }
         self.buffers.insert(id, SharedBuffer::new(id, segment));
         Ok(id)
+    }
+
+    /// Unmaps a shared buffer in every child and here; its memory is freed once no process
+    /// maps it.
+    pub fn free_buffer(&mut self, id: SharedBufferId) -> Result<(), NodeError> {
+        self.check_usable()?;
+        if !self.buffers.contains_key(&id) {
+            return Err(NodeError::NotFound(format!("shared buffer {}", id.0)));
+        }
+        let all: Vec<usize> = (0..self.children.len()).collect();
+        for &i in &all {
+            self.post(i, CMD_UNMAP, &id.0.to_le_bytes())?;
+        }
+        self.wait(
+            &all,
+            self.config.call_timeout,
+            Until::Answered,
+            "unmap buffer",
+        )?;
+        self.buffers.remove(&id);
+        for &i in &all {
+            let (status, msg) = self.mailbox(i).answer();
+            if status != STATUS_OK {
+                return Err(NodeError::CallFailed {
+                    child: self.children[i].id,
+                    function: "unmap buffer".into(),
+                    message: String::from_utf8_lossy(&msg).into_owned(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// A shared buffer of this node.

@@ -285,6 +285,14 @@ fn buffers_created_after_start_are_visible_everywhere() {
             unsafe { buf.read(len + 64 * slot, &mut mark) };
             assert_eq!(mark, [slot as u8 + 1; 64], "slot {slot}");
         }
+        // Freed: unmapped in every child and here.
+        node.free_buffer(id).unwrap();
+        assert!(node.buffer(id).is_none());
+        match node.call(ChildId::Sub(1), "buffer_check", &a) {
+            Err(NodeError::CallFailed { message, .. }) => assert_eq!(message, "buffer not mapped"),
+            other => panic!("expected an unmapped buffer, got {other:?}"),
+        }
+        assert!(matches!(node.free_buffer(id), Err(NodeError::NotFound(_))));
     }
     node.close().unwrap();
 }
