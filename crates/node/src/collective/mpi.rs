@@ -1,0 +1,238 @@
+//! The MPI backend (feature `mpi`): the ranks of an `mpirun` job, on one host or many, through
+//! the `mpi` crate over the system's MPI library (Open MPI or MPICH).
+//!
+//! It keeps the shared-memory backend's contract exactly, which plain MPI calls would not:
+//!
+//! - **Refusals are agreed.** Before any data moves, one fixed-size `MPI_Alltoall` carries each
+//!   rank's verdict on its own arguments and the byte count it sends to each peer. Every rank
+//!   then knows whether any rank refused, and either all exchange or none does.
+//! - **A receive count that differs from the sender's is the receiver's error only.** The
+//!   receiver learnt the true counts in the first step, receives into scratch memory with them
+//!   (so the `MPI_Alltoallv` matches on both sides and nobody hangs or truncates), and returns
+//!   `CountMismatch`; the other ranks complete normally.
+//! - **Sums have the bits of a sequential sum in rank order.** `MPI_Allreduce` may add in any
+//!   order (trees, pairs), which changes float results with the rank count and the library;
+//!   instead every rank gathers every rank's piece (`MPI_Allgather`) and adds in rank order.
+//!   That reads `ranks` times the data, the price of results that equal the single-process
+//!   computation bit for bit.
+
+use mpi::Count;
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator, CommunicatorCollectives};
+
+use super::{Collectives, ReduceOp, ReduceType};
+use crate::error::CollectiveError;
+
+const FLAG_OK: u64 = 0;
+const FLAG_BAD_ARGS: u64 = 1;
+const FLAG_TOO_LARGE: u64 = 2;
+
+/// A communicator over MPI. Build it from a communicator of an initialized MPI universe
+/// (`mpi::initialize()`, then `universe.world()`); the universe must outlive it.
+pub struct MpiCollectives {
+    comm: SimpleCommunicator,
+    rank: usize,
+    ranks: usize,
+}
+
+impl MpiCollectives {
+    /// The collectives of `comm`.
+    pub fn new(comm: SimpleCommunicator) -> MpiCollectives {
+        let rank = comm.rank() as usize;
+        let ranks = comm.size() as usize;
+        MpiCollectives { comm, rank, ranks }
+    }
+
+    /// The refusal of the lowest refusing rank (this rank's own in detail), given every rank's
+    /// flag.
+    fn refusal(
+        &self,
+        op: &'static str,
+        flags: impl Iterator<Item = u64>,
+        own: &Option<CollectiveError>,
+    ) -> Option<CollectiveError> {
+        flags
+            .enumerate()
+            .find(|&(_, f)| f != FLAG_OK)
+            .map(|(r, _)| match own {
+                Some(e) if r == self.rank => e.clone(),
+                _ => CollectiveError::PeerRefused { op, rank: r },
+            })
+    }
+}
+
+/// Displacements of back-to-back pieces of `counts` bytes.
+fn displacements(counts: &[Count]) -> Vec<Count> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect()
+}
+
+impl Collectives for MpiCollectives {
+    type Buf = [u8];
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_to_all_v(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "all_to_all_v";
+        let (n, me) = (self.ranks, self.rank);
+        let bad = |reason: String| CollectiveError::BadArgs {
+            op: OP,
+            rank: me,
+            reason,
+        };
+        let own = if send_counts.len() != n || recv_counts.len() != n {
+            Some(bad(format!(
+                "{} send and {} receive counts for {n} ranks",
+                send_counts.len(),
+                recv_counts.len()
+            )))
+        } else if send_counts.iter().sum::<usize>() != send.len()
+            || recv_counts.iter().sum::<usize>() != recv.len()
+        {
+            Some(bad(format!(
+                "counts add up to {} sent and {} received, the buffers are {} and {} bytes",
+                send_counts.iter().sum::<usize>(),
+                recv_counts.iter().sum::<usize>(),
+                send.len(),
+                recv.len()
+            )))
+        } else if send.len() > Count::MAX as usize {
+            // MPI counts and displacements are C ints.
+            Some(CollectiveError::TooLarge {
+                op: OP,
+                rank: me,
+                len: send.len(),
+                cap: Count::MAX as usize,
+            })
+        } else {
+            None
+        };
+        let flag = match &own {
+            None => FLAG_OK,
+            Some(CollectiveError::TooLarge { .. }) => FLAG_TOO_LARGE,
+            Some(_) => FLAG_BAD_ARGS,
+        };
+        // Step 1: (flag, bytes for you) to every rank.
+        let header: Vec<u64> = (0..n)
+            .flat_map(|j| {
+                [
+                    flag,
+                    if own.is_none() {
+                        send_counts[j] as u64
+                    } else {
+                        0
+                    },
+                ]
+            })
+            .collect();
+        let mut heard = vec![0u64; 2 * n];
+        self.comm.all_to_all_into(&header[..], &mut heard[..]);
+        if let Some(e) = self.refusal(OP, heard.chunks_exact(2).map(|p| p[0]), &own) {
+            return Err(e);
+        }
+        // Step 2: the data, with the senders' true counts on both sides.
+        let incoming: Vec<usize> = heard.chunks_exact(2).map(|p| p[1] as usize).collect();
+        let mismatch = (0..n).find(|&src| incoming[src] != recv_counts[src]);
+        let sc: Vec<Count> = send_counts.iter().map(|&c| c as Count).collect();
+        let rc: Vec<Count> = incoming.iter().map(|&c| c as Count).collect();
+        let (sd, rd) = (displacements(&sc), displacements(&rc));
+        let mut scratch = Vec::new();
+        let target: &mut [u8] = match mismatch {
+            None => recv,
+            Some(_) => {
+                scratch.resize(incoming.iter().sum(), 0u8);
+                &mut scratch
+            }
+        };
+        // Empty slices share one dangling address, and Open MPI refuses a send buffer equal
+        // to the receive buffer (MPI_ERR_ARG): give an empty side a distinct byte of its own.
+        let (send_stub, mut recv_stub) = ([0u8; 1], [0u8; 1]);
+        let send: &[u8] = if send.is_empty() { &send_stub } else { send };
+        let target: &mut [u8] = if target.is_empty() {
+            &mut recv_stub
+        } else {
+            target
+        };
+        self.comm.all_to_all_varcount_into(
+            &Partition::new(send, &sc[..], &sd[..]),
+            &mut PartitionMut::new(target, &rc[..], &rd[..]),
+        );
+        match mismatch {
+            None => Ok(()),
+            Some(src) => Err(CollectiveError::CountMismatch {
+                op: OP,
+                src,
+                dst: me,
+                sent: incoming[src],
+                expected: recv_counts[src],
+            }),
+        }
+    }
+
+    fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        ty: ReduceType,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "all_reduce";
+        let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
+        let (n, me) = (self.ranks, self.rank);
+        let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
+            op: OP,
+            rank: me,
+            reason: format!("{} bytes is not a whole number of f32", buf.len()),
+        });
+        let flag = if own.is_some() {
+            FLAG_BAD_ARGS
+        } else {
+            FLAG_OK
+        };
+        let mut heard = vec![0u64; 2 * n];
+        self.comm
+            .all_gather_into(&[flag, buf.len() as u64][..], &mut heard[..]);
+        if let Some(e) = self.refusal(OP, heard.chunks_exact(2).map(|p| p[0]), &own) {
+            return Err(e);
+        }
+        if let Some(r) = (0..n).find(|&r| heard[2 * r + 1] as usize != buf.len()) {
+            return Err(CollectiveError::CountMismatch {
+                op: OP,
+                src: r,
+                dst: me,
+                sent: heard[2 * r + 1] as usize,
+                expected: buf.len(),
+            });
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut all = vec![0u8; n * buf.len()];
+        self.comm.all_gather_into(&buf[..], &mut all[..]);
+        let pieces: Vec<&[u8]> = all.chunks_exact(buf.len()).collect();
+        for (k, out) in buf.chunks_exact_mut(4).enumerate() {
+            let at = |r: usize| f32::from_ne_bytes(pieces[r][4 * k..4 * k + 4].try_into().unwrap());
+            let sum = (1..n).fold(at(0), |acc, r| acc + at(r));
+            out.copy_from_slice(&sum.to_ne_bytes());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,455 @@
+//! The shared-memory backend: the chips of one host exchange data through one segment mapped
+//! by every chip process.
+//!
+//! # Layout
+//! A barrier (two `u32` atomics), then one *area* per rank: a header (a flag, a byte total and
+//! `ranks` byte counts, all `u64`) and a staging area of `cap` bytes. Every offset is a multiple
+//! of 64, so no two ranks write the same cache line.
+//!
+//! # Protocol
+//! A collective call is rounds of: every rank writes its own area, barrier, every rank reads
+//! the areas it needs, barrier. Between the two barriers nobody writes an area; outside them
+//! only its owner does. So no byte is written while another process reads it.
+//!
+//! The barrier makes the writes before it visible to the reads after it. A rank arrives with
+//! `count.fetch_add(1, AcqRel)`: the increments form one release sequence, so the last rank to
+//! arrive (the one that reads `ranks - 1`) has acquired every earlier rank's writes. It resets
+//! `count` to 0 and then bumps `generation` with `Release`; a waiting rank loads `generation`
+//! with `Acquire`, sees the bump, and so happens-after the last arrival and thereby after every
+//! rank's writes. Each rank reads `generation` *before* arriving, so it cannot miss the bump
+//! (it only waits while the value is still the one it read, and futex-waits only on that
+//! value: a bump between its load and its wait makes the wait return at once). The reset of
+//! `count` is sequenced before the bump, so a rank that goes on to the next barrier (after
+//! seeing the bump) finds `count` reset. Generations wrap at 2^32 barriers; a rank can only be
+//! one barrier behind the others, so wrapping never aliases.
+//!
+//! A rank that dies leaves the others waiting in the barrier; the node's parent sees the death
+//! (its doorbell pipe hangs up) and ends every child, so no process waits for ever.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::{Collectives, ReduceOp, ReduceType};
+use crate::error::CollectiveError;
+use crate::futex;
+use crate::shm::Segment;
+
+const BARRIER_BYTES: usize = 64;
+/// Spins (with a yield every 128) before a waiting rank sleeps in the kernel.
+const SPINS: u32 = 4096;
+const FLAG_OK: u64 = 0;
+const FLAG_BAD_ARGS: u64 = 1;
+const FLAG_TOO_LARGE: u64 = 2;
+
+fn round64(x: usize) -> usize {
+    x.div_ceil(64) * 64
+}
+
+fn header_bytes(ranks: usize) -> usize {
+    round64(8 * (2 + ranks))
+}
+
+/// Bytes of the segment for `ranks` ranks with `cap` bytes of staging each.
+pub(crate) fn segment_bytes(ranks: usize, cap: usize) -> usize {
+    BARRIER_BYTES + ranks * (header_bytes(ranks) + round64(cap))
+}
+
+/// The shared-memory communicator of one chip process.
+pub struct ShmCollectives {
+    segment: Segment,
+    rank: usize,
+    ranks: usize,
+    cap: usize,
+}
+
+impl ShmCollectives {
+    /// Rank `rank` of `ranks` on `segment`, which the parent made with [`segment_bytes`].
+    pub(crate) fn new(segment: Segment, rank: usize, ranks: usize, cap: usize) -> ShmCollectives {
+        assert!(segment.len() >= segment_bytes(ranks, cap) && rank < ranks);
+        ShmCollectives {
+            segment,
+            rank,
+            ranks,
+            cap: round64(cap),
+        }
+    }
+
+    /// Bytes one rank can send in one all-to-all.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        // SAFETY: the barrier words lie at the start of the live mapping (4-byte aligned), are
+        // only ever accessed atomically, and zero is a valid value.
+        unsafe { &*self.segment.ptr().add(offset).cast::<AtomicU32>() }
+    }
+
+    /// Waits until every rank has arrived (see the protocol in the module header).
+    fn barrier(&self) {
+        let count = self.word(0);
+        let generation = self.word(4);
+        let g = generation.load(Ordering::Acquire);
+        if count.fetch_add(1, Ordering::AcqRel) as usize == self.ranks - 1 {
+            count.store(0, Ordering::Relaxed);
+            generation.store(g.wrapping_add(1), Ordering::Release);
+            futex::wake_all(generation);
+            return;
+        }
+        let mut spins = 0u32;
+        while generation.load(Ordering::Acquire) == g {
+            // A short spin catches peers that are running now; then sleep in the kernel (the
+            // ranks usually share fewer cores than there are ranks).
+            if spins < SPINS {
+                spins += 1;
+                if spins.is_multiple_of(128) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            } else {
+                futex::wait(generation, g);
+            }
+        }
+    }
+
+    fn area(&self, rank: usize) -> *mut u8 {
+        let offset = BARRIER_BYTES + rank * (header_bytes(self.ranks) + self.cap);
+        // SAFETY: `rank < ranks`, so the area lies in the mapping (`segment_bytes`).
+        unsafe { self.segment.ptr().add(offset) }
+    }
+
+    fn data(&self, rank: usize) -> *mut u8 {
+        // SAFETY: the staging area follows the header inside the rank's area.
+        unsafe { self.area(rank).add(header_bytes(self.ranks)) }
+    }
+
+    /// Writes this rank's header: flag, total, counts.
+    fn write_header(&self, flag: u64, total: usize, counts: &[usize]) {
+        let h = self.area(self.rank).cast::<u64>();
+        // SAFETY: the header has room for 2 + ranks words (`header_bytes`) and `counts` has
+        // at most `ranks` entries (callers pass none unless the length matched); the area is
+        // this rank's, written only outside the barriers' read phase.
+        unsafe {
+            h.write(flag);
+            h.add(1).write(total as u64);
+            for (i, &c) in counts.iter().take(self.ranks).enumerate() {
+                h.add(2 + i).write(c as u64);
+            }
+        }
+    }
+
+    /// Word `i` of `rank`'s header (0: flag, 1: total, 2 + j: count for rank j).
+    fn header_word(&self, rank: usize, i: usize) -> u64 {
+        debug_assert!(i < 2 + self.ranks);
+        // SAFETY: in bounds of the header; read between barriers, when nobody writes it.
+        unsafe { self.area(rank).cast::<u64>().add(i).read() }
+    }
+
+    /// The refusal of the lowest refusing rank, this rank's own in detail.
+    fn refusal(&self, op: &'static str, own: &Option<CollectiveError>) -> Option<CollectiveError> {
+        (0..self.ranks)
+            .find(|&r| self.header_word(r, 0) != FLAG_OK)
+            .map(|r| match own {
+                Some(e) if r == self.rank => e.clone(),
+                _ => CollectiveError::PeerRefused { op, rank: r },
+            })
+    }
+}
+
+impl Collectives for ShmCollectives {
+    type Buf = [u8];
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_to_all_v(
+        &mut self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "all_to_all_v";
+        let (n, me) = (self.ranks, self.rank);
+        let bad = |reason: String| CollectiveError::BadArgs {
+            op: OP,
+            rank: me,
+            reason,
+        };
+        let own = if send_counts.len() != n || recv_counts.len() != n {
+            Some(bad(format!(
+                "{} send and {} receive counts for {n} ranks",
+                send_counts.len(),
+                recv_counts.len()
+            )))
+        } else if send_counts.iter().sum::<usize>() != send.len() {
+            Some(bad(format!(
+                "send counts add up to {}, the send buffer is {} bytes",
+                send_counts.iter().sum::<usize>(),
+                send.len()
+            )))
+        } else if recv_counts.iter().sum::<usize>() != recv.len() {
+            Some(bad(format!(
+                "receive counts add up to {}, the receive buffer is {} bytes",
+                recv_counts.iter().sum::<usize>(),
+                recv.len()
+            )))
+        } else if send.len() > self.cap {
+            Some(CollectiveError::TooLarge {
+                op: OP,
+                rank: me,
+                len: send.len(),
+                cap: self.cap,
+            })
+        } else {
+            None
+        };
+        match &own {
+            None => {
+                self.write_header(FLAG_OK, send.len(), send_counts);
+                // SAFETY: `send.len() <= cap`, the staging area is this rank's and not read
+                // before the barrier below.
+                unsafe { std::ptr::copy_nonoverlapping(send.as_ptr(), self.data(me), send.len()) };
+            }
+            Some(CollectiveError::TooLarge { .. }) => self.write_header(FLAG_TOO_LARGE, 0, &[]),
+            Some(_) => self.write_header(FLAG_BAD_ARGS, 0, &[]),
+        }
+        self.barrier();
+        let result = match self.refusal(OP, &own) {
+            Some(e) => Err(e),
+            None => {
+                let mut result = Ok(());
+                let mut at = 0;
+                for (src, &expected) in recv_counts.iter().enumerate() {
+                    let offset: usize =
+                        (0..me).map(|j| self.header_word(src, 2 + j) as usize).sum();
+                    let len = self.header_word(src, 2 + me) as usize;
+                    if len != expected {
+                        result = Err(CollectiveError::CountMismatch {
+                            op: OP,
+                            src,
+                            dst: me,
+                            sent: len,
+                            expected,
+                        });
+                        break;
+                    }
+                    // SAFETY: `offset + len` is within what `src` wrote (its counts add up to
+                    // its total, at most `cap`); `recv[at..at + len]` is in bounds because the
+                    // receive counts add up to `recv.len()`; nobody writes `src`'s area until
+                    // the next barrier.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.data(src).add(offset),
+                            recv[at..at + len].as_mut_ptr(),
+                            len,
+                        )
+                    };
+                    at += len;
+                }
+                result
+            }
+        };
+        self.barrier();
+        result
+    }
+
+    fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        ty: ReduceType,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        const OP: &str = "all_reduce";
+        let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
+        let (n, me) = (self.ranks, self.rank);
+        let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
+            op: OP,
+            rank: me,
+            reason: format!("{} bytes is not a whole number of f32", buf.len()),
+        });
+        let chunk = self.cap / 4 * 4;
+        let mut start = 0;
+        loop {
+            let end = (start + chunk).min(buf.len());
+            if start == 0 {
+                let flag = if own.is_some() {
+                    FLAG_BAD_ARGS
+                } else {
+                    FLAG_OK
+                };
+                self.write_header(flag, buf.len(), &[]);
+            }
+            if own.is_none() {
+                // SAFETY: `end - start <= cap`; this rank's staging area, not read before
+                // the barrier below.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf[start..end].as_ptr(),
+                        self.data(me),
+                        end - start,
+                    )
+                };
+            }
+            self.barrier();
+            if start == 0 {
+                let refused = self.refusal(OP, &own).or_else(|| {
+                    (0..n)
+                        .find(|&r| self.header_word(r, 1) as usize != buf.len())
+                        .map(|r| CollectiveError::CountMismatch {
+                            op: OP,
+                            src: r,
+                            dst: me,
+                            sent: self.header_word(r, 1) as usize,
+                            expected: buf.len(),
+                        })
+                });
+                if let Some(e) = refused {
+                    self.barrier();
+                    return Err(e);
+                }
+            }
+            let mut acc = vec![0f32; (end - start) / 4];
+            for src in 0..n {
+                let data = self.data(src).cast_const();
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let mut bytes = [0u8; 4];
+                    // SAFETY: `4 * i + 4 <= end - start`, which `src` wrote before the
+                    // barrier (all ranks have the same length, checked above).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(data.add(4 * i), bytes.as_mut_ptr(), 4)
+                    };
+                    let v = f32::from_ne_bytes(bytes);
+                    *a = if src == 0 { v } else { *a + v };
+                }
+            }
+            for (dst, a) in buf[start..end].chunks_exact_mut(4).zip(&acc) {
+                dst.copy_from_slice(&a.to_ne_bytes());
+            }
+            self.barrier();
+            start = end;
+            if start >= buf.len() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    /// Runs `f(rank, comm)` on `ranks` threads, each with its own mapping of one segment (as
+    /// processes have), and returns the results in rank order.
+    fn on_ranks<T: Send>(
+        ranks: usize,
+        cap: usize,
+        f: impl Fn(usize, &mut ShmCollectives) -> T + Sync,
+    ) -> Vec<T> {
+        let (_, fd) = Segment::anonymous("test-collectives", segment_bytes(ranks, cap)).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    // SAFETY: dup of a descriptor we own; the new one is handed to `from_fd`,
+                    // which owns it from then on.
+                    let own = unsafe { libc::dup(fd.as_raw_fd()) };
+                    let seg = Segment::from_fd(own, "test").unwrap();
+                    let f = &f;
+                    s.spawn(move || f(rank, &mut ShmCollectives::new(seg, rank, ranks, cap)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn refused_arguments_are_everyones_error() {
+        let results = on_ranks(3, 64, |rank, comm| {
+            // Rank 1's send counts do not add up to its buffer.
+            let send = [0u8; 3];
+            let counts = if rank == 1 { [1, 1, 0] } else { [1, 1, 1] };
+            let mut recv = [0u8; 3];
+            comm.all_to_all_v(&send, &counts, &mut recv, &[1, 1, 1])
+        });
+        assert!(matches!(
+            results[1],
+            Err(CollectiveError::BadArgs { rank: 1, .. })
+        ));
+        for r in [0, 2] {
+            assert_eq!(
+                results[r],
+                Err(CollectiveError::PeerRefused {
+                    op: "all_to_all_v",
+                    rank: 1
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn a_wrong_receive_count_is_the_receivers_error_only() {
+        let results = on_ranks(2, 64, |rank, comm| {
+            let send = [rank as u8 + 1; 4];
+            let recv_counts = if rank == 1 { [1, 2] } else { [2, 2] };
+            let mut recv = vec![0u8; recv_counts.iter().sum()];
+            comm.all_to_all_v(&send, &[2, 2], &mut recv, &recv_counts)
+                .map(|()| recv)
+        });
+        assert_eq!(results[0], Ok(vec![1, 1, 2, 2]));
+        assert_eq!(
+            results[1],
+            Err(CollectiveError::CountMismatch {
+                op: "all_to_all_v",
+                src: 0,
+                dst: 1,
+                sent: 2,
+                expected: 1
+            })
+        );
+    }
+
+    #[test]
+    fn all_reduce_lengths_must_agree_and_calls_continue_after() {
+        let results = on_ranks(2, 64, |rank, comm| {
+            let mut buf = vec![0u8; 4 * (rank + 1)];
+            let first = comm.all_reduce(&mut buf, ReduceType::F32, ReduceOp::Sum);
+            let mut one = 1.5f32.to_ne_bytes();
+            comm.all_reduce(&mut one, ReduceType::F32, ReduceOp::Sum)
+                .unwrap();
+            (first, f32::from_ne_bytes(one))
+        });
+        for (first, sum) in results {
+            assert!(matches!(first, Err(CollectiveError::CountMismatch { .. })));
+            assert_eq!(sum, 3.0);
+        }
+    }
+
+    #[test]
+    fn many_barriers_in_a_row() {
+        // Each round's result depends on the previous round's, so a rank that ran ahead of
+        // a barrier would read stale data.
+        let results = on_ranks(4, 64, |rank, comm| {
+            let mut x = rank as f32;
+            for _ in 0..2000 {
+                let mut b = x.to_ne_bytes();
+                comm.all_reduce(&mut b, ReduceType::F32, ReduceOp::Sum)
+                    .unwrap();
+                x = f32::from_ne_bytes(b) / 4.0;
+            }
+            x
+        });
+        let mut x = [0f32, 1.0, 2.0, 3.0];
+        for _ in 0..2000 {
+            let s = ((x[0] + x[1]) + x[2]) + x[3];
+            x = [s / 4.0; 4];
+        }
+        assert_eq!(results, x.to_vec());
+    }
+}

@@ -1,0 +1,95 @@
+//! The MPI backend under `mpirun` (feature `mpi`): `cargo test -p simpler-node --features mpi`.
+//!
+//! Run plainly, this binary launches itself under `mpirun -np 2` and `-np 4` on this host
+//! (loopback) and checks that every rank succeeded. Run by `mpirun` (it sees
+//! `OMPI_COMM_WORLD_SIZE` or `PMI_SIZE`), it is one rank: it runs the same all-to-all (ragged
+//! and zero-size messages) and all-reduce cases as the shared-memory tests and compares each
+//! result with the plain computation, bit for bit, exiting non-zero on any difference.
+
+mod common;
+
+use std::process::Command;
+
+use common::{message, reduce_input};
+use simpler_node::{
+    CollectiveError, Collectives, MpiCollectives, ReduceOp, ReduceType, exchange_counts,
+};
+
+fn rank_main() {
+    let universe = mpi::initialize().expect("MPI initializes once");
+    let mut comm = MpiCollectives::new(universe.world());
+    let (me, n) = (comm.rank(), comm.ranks());
+    for seed in [0u64, 1, 2, 3] {
+        let msgs: Vec<Vec<u8>> = (0..n).map(|j| message(seed, me, j)).collect();
+        let send_counts: Vec<usize> = msgs.iter().map(Vec::len).collect();
+        let recv_counts = exchange_counts(&mut comm, &send_counts).unwrap();
+        let mut recv = vec![0u8; recv_counts.iter().sum()];
+        comm.all_to_all_v(&msgs.concat(), &send_counts, &mut recv, &recv_counts)
+            .unwrap();
+        let expected: Vec<u8> = (0..n).flat_map(|src| message(seed, src, me)).collect();
+        assert_eq!(recv, expected, "all-to-all rank {me} of {n}, seed {seed}");
+    }
+    // A wrong receive count is the receiver's error; the others complete.
+    let msgs: Vec<Vec<u8>> = (0..n).map(|j| vec![j as u8; 3]).collect();
+    let mut recv_counts = vec![3; n];
+    if me == 1 {
+        recv_counts[0] = 2;
+    }
+    let mut recv = vec![0u8; recv_counts.iter().sum()];
+    let r = comm.all_to_all_v(&msgs.concat(), &[3; 64][..n], &mut recv, &recv_counts);
+    if me == 1 {
+        assert!(
+            matches!(r, Err(CollectiveError::CountMismatch { src: 0, .. })),
+            "{r:?}"
+        );
+    } else {
+        r.unwrap();
+    }
+    // A refusal is everyone's error.
+    let bad = if me == 0 { 5 } else { 0 };
+    let r = comm.all_to_all_v(&[0u8; 5][..bad], &vec![0; n], &mut [], &vec![0; n]);
+    match (me, r) {
+        (0, Err(CollectiveError::BadArgs { .. })) => {}
+        (_, Err(CollectiveError::PeerRefused { rank: 0, .. })) if me != 0 => {}
+        (_, r) => panic!("rank {me}: expected a refusal, got {r:?}"),
+    }
+    for (seed, len) in [(7u64, 1000usize), (8, 1), (9, 0)] {
+        let mut buf: Vec<u8> = reduce_input(seed, me, len)
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        comm.all_reduce(&mut buf, ReduceType::F32, ReduceOp::Sum)
+            .unwrap();
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| reduce_input(seed, r, len)).collect();
+        let expected: Vec<u8> = (0..len)
+            .map(|k| (1..n).fold(inputs[0][k], |acc, r| acc + inputs[r][k]))
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
+        assert_eq!(buf, expected, "all-reduce rank {me} of {n}, len {len}");
+    }
+    println!("rank {me} of {n}: ok");
+}
+
+fn main() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
+    {
+        rank_main();
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    for ranks in [2, 4] {
+        let mut cmd = Command::new("mpirun");
+        // Ranks may outnumber cores here; root (CI containers) must be allowed explicitly.
+        cmd.args(["--oversubscribe", "-np", &ranks.to_string()]);
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            cmd.arg("--allow-run-as-root");
+        }
+        let status = cmd
+            .arg(&exe)
+            .status()
+            .expect("mpirun (Debian: openmpi-bin) runs");
+        assert!(status.success(), "mpirun -np {ranks}: {status}");
+        println!("test mpi_collectives_{ranks}_ranks ... ok");
+    }
+}
