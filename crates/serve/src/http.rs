@@ -240,21 +240,25 @@ enum Kind {
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
-    let arrived = Instant::now();
-    let job = match read_body(body).await {
-        Ok(b) => completion_job(&b).map_err(ApiError::from),
-        Err(e) => Err(e),
-    };
-    respond(s, job, Kind::Completion, arrived).await
+    handle(s, body, Kind::Completion).await
 }
 
 async fn chat_completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
+    handle(s, body, Kind::Chat).await
+}
+
+/// Both generating endpoints: read and parse the body as `kind`, then run it.
+async fn handle(s: Arc<AppState>, body: Body, kind: Kind) -> Response {
     let arrived = Instant::now();
+    let parse = match kind {
+        Kind::Completion => completion_job,
+        Kind::Chat => chat_job,
+    };
     let job = match read_body(body).await {
-        Ok(b) => chat_job(&b).map_err(ApiError::from),
+        Ok(b) => parse(&b).map_err(ApiError::from),
         Err(e) => Err(e),
     };
-    respond(s, job, Kind::Chat, arrived).await
+    respond(s, job, kind, arrived).await
 }
 
 /// The ids of a job's prompt.

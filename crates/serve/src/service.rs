@@ -310,17 +310,7 @@ impl Loop {
             if let Some(t) = self.draining_since
                 && t.elapsed() > self.cfg.drain
             {
-                let ids: Vec<RequestId> = self.live.keys().copied().collect();
-                for id in ids {
-                    self.engine.abort(id);
-                    self.end(
-                        id,
-                        Ended::Error,
-                        Some(Event::Unavailable(
-                            "the server shut down before the request finished".into(),
-                        )),
-                    );
-                }
+                self.end_all("the server shut down before the request finished");
             }
             if self.engine.has_work() {
                 self.step();
@@ -336,16 +326,17 @@ impl Loop {
             );
         }
         // Whatever is left (a closed channel with requests queued) ends with an error.
+        self.end_all("the server shut down");
+        self.metrics.set_load(0, 0, 0);
+    }
+
+    /// Ends every request in flight with an `Unavailable` event saying `why`.
+    fn end_all(&mut self, why: &str) {
         let ids: Vec<RequestId> = self.live.keys().copied().collect();
         for id in ids {
             self.engine.abort(id);
-            self.end(
-                id,
-                Ended::Error,
-                Some(Event::Unavailable("the server shut down".into())),
-            );
+            self.end(id, Ended::Error, Some(Event::Unavailable(why.into())));
         }
-        self.metrics.set_load(0, 0, 0);
     }
 
     fn command(&mut self, c: Command) {
