@@ -16,7 +16,7 @@ use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
 
 use crate::opts::{self, RunOpts};
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, describe_weights, load_weights, upload};
 
 /// What a decode step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -203,6 +203,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         &worker,
         &mut weights,
         case.batch.max_blocks * case.batch.page_size,
+        args.model.weights,
     )?;
     let kv = case.kv_buffers(&worker, &c)?;
     case.fill_kv(&c, &kv)?;
@@ -234,6 +235,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         if model.sets == 1 { "" } else { "s" },
         2.0 * session.kv().k.len() as f64 / 1e9
     );
+    println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
 
@@ -278,7 +280,12 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             let (report, e2e_s) = report;
             outputs.emit(&report, &cfg)?;
             if round >= args.warmup {
-                let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens);
+                let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens).in_format(
+                    &c,
+                    layers,
+                    with_head,
+                    args.model.weights,
+                );
                 samples.push(Sample {
                     e2e_s,
                     report,
