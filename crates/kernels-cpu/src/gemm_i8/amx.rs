@@ -15,6 +15,7 @@ use std::arch::asm;
 use std::cell::RefCell;
 
 use super::{Lowered, avx512};
+use crate::simd::prefetch_l2;
 
 /// Rows of a tile (weight rows per accumulator, `k` quads per B block).
 const TILE_ROWS: usize = 16;
@@ -150,6 +151,12 @@ unsafe fn tiles(
             let bp = pack[ch * TILE_ROWS * KSTEP..].as_ptr();
             let wa = w0.wrapping_add(ch * KSTEP);
             let wb = wa.wrapping_add(TILE_ROWS * wstride);
+            // The same 64 bytes of the next group's rows: 32 row streams at a large stride are
+            // more than the hardware prefetcher follows.
+            let next = wa.wrapping_add(2 * TILE_ROWS * wstride);
+            for r in 0..2 * TILE_ROWS {
+                prefetch_l2(next.wrapping_add(r * wstride));
+            }
             if pair {
                 // SAFETY: tmm6 reads 16 rows of `bb * 4` bytes at stride 64 inside block `ch`
                 // of `pack`; tmm4/tmm5 read 16 rows of 64 bytes at the weight stride from rows

@@ -8,6 +8,7 @@ use std::arch::x86_64::*;
 
 use super::{Lowered, LoweredWide};
 use crate::simd::hsum256;
+use crate::simd::prefetch_l2;
 
 /// Weight rows per block.
 const R: usize = 4;
@@ -73,6 +74,8 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
         let a: [__m256i; BB] =
             std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
         for r in 0..RR {
+            // The same row of the next block, one block ahead (see `PREFETCH`).
+            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
             let w_abs = _mm256_sign_epi8(w, w);
@@ -126,6 +129,8 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
             )
         });
         for r in 0..RR {
+            // The same row of the next block, one block ahead (see `PREFETCH`).
+            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
             wsum[r] = _mm256_dpbusd_avx_epi32(wsum[r], ones, w);

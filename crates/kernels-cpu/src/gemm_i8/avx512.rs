@@ -5,6 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::{Lowered, LoweredWide};
+use crate::simd::prefetch_l2;
 
 /// Weight rows per block.
 const R: usize = 4;
@@ -54,6 +55,8 @@ pub(super) unsafe fn block_vnni<const RR: usize, const BB: usize>(
             )
         });
         for r in 0..RR {
+            // The same row of the next block, one block ahead (see `PREFETCH`).
+            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
             // SAFETY: as above.
             let w = unsafe { _mm512_loadu_si512(wp[r].add(s * STEP).cast()) };
             wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, w);

@@ -32,6 +32,11 @@
 //!   per batch row), so nothing about the weights changes; for batches of at least
 //!   [`AMX_MIN_BATCH`] rows, else the VNNI path runs.
 //!
+//! The W8A8 blocks prefetch (into L2) the rows of the next block while they stream the current
+//! one, a step's worth per row per step: an int8 row of a small model is only a few cache lines
+//! long, too short for the hardware prefetcher to ramp up within it (one thread streamed 4.6
+//! GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same way).
+//!
 //! `k` slices are summed in steps of 32 (AVX2, AVX-VNNI) or 64 bytes (AVX-512, AMX) from the
 //! slice start, the rest by a scalar loop: no alignment or multiple is required of `K`.
 
@@ -98,8 +103,9 @@ mod portable;
 /// Largest `K` a call accepts: `K * 128 * 127` must fit an i32 (the exact integer sum).
 pub const MAX_K: usize = 1 << 17;
 
-/// Smallest batch the AMX path takes (below it the tile's columns are mostly empty and the
-/// VNNI path measured faster; `docs/performance.md`).
+/// Smallest batch the AMX path takes: a batch of one would use one of a tile's 16 columns, so
+/// it goes to AVX-512 VNNI; at batch 4 and 16 the two measured level within the noise of the
+/// shared host (`docs/benchmarks.md`), and the tiles leave the vector units free.
 pub const AMX_MIN_BATCH: usize = 4;
 
 /// An int8 product path.

@@ -116,14 +116,21 @@ mod x86 {
     }
     #[target_feature(enable = "avx2")]
     fn maddubs_impl(iters: u64) {
-        let w = black_box(_mm256_set1_epi8(3));
-        let a = black_box(_mm256_set1_epi8(-2));
+        // The weight vector changes every iteration (as the kernel's loads do), so nothing
+        // can be hoisted out of the loop; each chain has its own activations.
+        let mut w = black_box(_mm256_set1_epi8(3));
+        let step = black_box(_mm256_set1_epi8(1));
+        let a: [__m256i; CHAINS] =
+            std::array::from_fn(|c| black_box(_mm256_set1_epi8(c as i8 - 5)));
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_si256(); CHAINS];
         for _ in 0..iters {
-            for v in &mut acc {
-                // The kernel's sequence per 32 bytes: |w| * sign(a, w), pairs to i32, add.
-                let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+            w = _mm256_add_epi8(w, step);
+            let w_abs = _mm256_sign_epi8(w, w);
+            for (v, a) in acc.iter_mut().zip(&a) {
+                // The kernel's sequence per 32 bytes and batch row: |w| * sign(a, w), pairs to
+                // i32, add.
+                let p = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(*a, w));
                 *v = _mm256_add_epi32(*v, _mm256_madd_epi16(p, ones));
             }
         }
