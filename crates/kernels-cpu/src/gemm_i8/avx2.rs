@@ -176,6 +176,10 @@ unsafe fn block_wide<const RR: usize, const BB: usize>(
         // SAFETY: `s * 8 + 8 <= k.len()` values lie after each start pointer.
         let x: [__m256; BB] = std::array::from_fn(|b| unsafe { _mm256_loadu_ps(xp[b].add(s * 8)) });
         for r in 0..RR {
+            if s % 8 == 0 {
+                // As in the W8A8 blocks: the next block's rows, a cache line per 64 bytes.
+                prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * 8));
+            }
             // SAFETY: as above (8 bytes of the weight row).
             let w8 = unsafe { _mm_loadl_epi64(wp[r].add(s * 8).cast()) };
             let wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));

@@ -103,6 +103,10 @@ unsafe fn block_wide<const RR: usize, const BB: usize>(
         let x: [__m512; BB] =
             std::array::from_fn(|b| unsafe { _mm512_loadu_ps(xp[b].add(s * 16)) });
         for r in 0..RR {
+            if s % 4 == 0 {
+                // As in the W8A8 blocks: the next block's rows, a cache line per 64 bytes.
+                prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * 16));
+            }
             // SAFETY: as above (16 bytes of the weight row).
             let w16 = unsafe { _mm_loadu_si128(wp[r].add(s * 16).cast()) };
             let wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(w16));
