@@ -48,6 +48,7 @@ use half::bf16;
 
 use crate::gemm::{GemmTile, OutMode};
 use crate::isa::Isa;
+use crate::multiversion::multiversion;
 
 /// Runs `$block::<rows, batch>` over a lowered tile in blocks of `$r` weight rows (single rows
 /// at the end) and up to `$b` batch rows, finishing each sum with the slice's scalar tail (the
@@ -375,15 +376,15 @@ impl<'a> ActsI8<'a> {
     }
 }
 
-/// Symmetric quantisation of one row: `q = round(x * 127 / max|x|)` (halves away from zero),
-/// in `-127..=127`; returns the scale `max|x| / 127` (0 for an all-zero row, whose values all
+/// Symmetric quantisation of one row: `q = round(x * 127 / max|x|)` (halves to even), in
+/// `-127..=127`; returns the scale `max|x| / 127` (0 for an all-zero row, whose values all
 /// quantise to 0). Non-finite inputs make a non-finite scale: garbage in, visible garbage out.
 ///
 /// # Panics
 /// If `q.len() != x.len()`.
 pub fn quantize_row_i8(x: &[f32], q: &mut [i8]) -> f32 {
     assert_eq!(q.len(), x.len(), "quantize_row_i8: lengths");
-    quantize_with(x.len(), |i| x[i], q)
+    quantize_f32(x, q)
 }
 
 /// [`quantize_row_i8`] of a bf16 row (weights at load).
@@ -392,20 +393,53 @@ pub fn quantize_row_i8(x: &[f32], q: &mut [i8]) -> f32 {
 /// If `q.len() != x.len()`.
 pub fn quantize_row_bf16_i8(x: &[bf16], q: &mut [i8]) -> f32 {
     assert_eq!(q.len(), x.len(), "quantize_row_bf16_i8: lengths");
-    quantize_with(x.len(), |i| x[i].to_f32(), q)
+    quantize_bf16(x, q)
 }
 
+// Every SPMD block of an int8 projection quantises its whole input, so these run often: one
+// body compiled for the portable and the AVX2 path (`multiversion!`), written in 8-lane
+// chunks and with `round_ties_even` (one instruction; `round` is a libm call) so the compiler
+// vectorises both passes.
+multiversion!(
+    fn quantize_f32(x: &[f32], q: &mut [i8]) -> f32 {
+        let amax = abs_max(x.len(), |i| x[i]);
+        scale_round(x.len(), |i| x[i], amax, q)
+    }
+);
+
+multiversion!(
+    fn quantize_bf16(x: &[bf16], q: &mut [i8]) -> f32 {
+        let amax = abs_max(x.len(), |i| x[i].to_f32());
+        scale_round(x.len(), |i| x[i].to_f32(), amax, q)
+    }
+);
+
+/// `max |x(i)|` over `0..n`, eight running maxima.
 #[inline(always)]
-fn quantize_with(n: usize, x: impl Fn(usize) -> f32, q: &mut [i8]) -> f32 {
-    let amax = (0..n).map(&x).fold(0.0f32, |m, v| m.max(v.abs()));
+fn abs_max(n: usize, x: impl Fn(usize) -> f32) -> f32 {
+    let mut m = [0.0f32; 8];
+    let body = n / 8 * 8;
+    for c in (0..body).step_by(8) {
+        for (l, mm) in m.iter_mut().enumerate() {
+            *mm = mm.max(x(c + l).abs());
+        }
+    }
+    let tail = (body..n).fold(0.0f32, |a, i| a.max(x(i).abs()));
+    m.iter().fold(tail, |a, &v| a.max(v))
+}
+
+/// Writes `q[i] = round(x(i) * 127 / amax)` and returns `amax / 127` (zeros and 0 for
+/// `amax == 0`).
+#[inline(always)]
+fn scale_round(n: usize, x: impl Fn(usize) -> f32, amax: f32, q: &mut [i8]) -> f32 {
     if amax == 0.0 {
         q.fill(0);
         return 0.0;
     }
     let inv = 127.0 / amax;
-    for (i, o) in q.iter_mut().enumerate() {
-        // `as` saturates (NaN to 0); the clamp keeps -128 out after rounding.
-        *o = (x(i) * inv).round().clamp(-127.0, 127.0) as i8;
+    for (i, o) in q[..n].iter_mut().enumerate() {
+        // `as` saturates (NaN to 0); the clamp keeps -128 out.
+        *o = (x(i) * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
     }
     amax / 127.0
 }

@@ -15,7 +15,7 @@ use half::bf16;
 use simpler_core::{DType, KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, WeightsI8, pack_index,
+    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, WeightsI8,
 };
 
 use crate::qwen3::quant::{int8_record, record_scale};
@@ -93,10 +93,7 @@ impl<'a> Acts<'a> {
         let ld = simpler_kernels_cpu::packed_ld(k);
         let mut nat = vec![0.0f32; rows * k];
         for (b, dst) in nat.chunks_exact_mut(k.max(1)).enumerate() {
-            let src = &x.data()[b * ld..];
-            for (kk, d) in dst.iter_mut().enumerate() {
-                *d = src[pack_index(kk, k)];
-            }
+            unpack_row(&x.data()[b * ld..b * ld + k], dst);
         }
         if !w8a8 {
             return Acts::Wide { x: nat, rows, k };
@@ -106,6 +103,25 @@ impl<'a> Acts<'a> {
         k::quantize_acts_i8(&nat, rows, k, k, None, &mut q, k, &mut scales);
         Acts::Quantised { q, scales, rows, k }
     }
+}
+
+/// One packed row back in natural order: whole 16-blocks hold the even elements then the odd
+/// ones (`pack_index`), the last `k % 16` are in order. Every SPMD block of an int8 task runs
+/// this on the whole input, so it is a plain copy loop, not a `pack_index` per element (which
+/// cost more than the block's int8 product at batch 16).
+fn unpack_row(src: &[f32], dst: &mut [f32]) {
+    const HALF: usize = PACK_BLOCK / 2;
+    let full = dst.len() / PACK_BLOCK * PACK_BLOCK;
+    for (s, d) in src[..full]
+        .chunks_exact(PACK_BLOCK)
+        .zip(dst[..full].chunks_exact_mut(PACK_BLOCK))
+    {
+        for i in 0..HALF {
+            d[2 * i] = s[i];
+            d[2 * i + 1] = s[HALF + i];
+        }
+    }
+    dst[full..].copy_from_slice(&src[full..]);
 }
 
 /// `out (+)= x @ w^T` over `tile`, scaled per row when `scale` is given.
@@ -424,4 +440,22 @@ pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         *id = k::argmax_combine(&parts).map_or(0, |(i, _)| i as u32);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unpack_row;
+    use simpler_kernels_cpu::{pack_acts_f32, packed_len};
+
+    #[test]
+    fn unpack_row_inverts_the_packing() {
+        for k in [1, 15, 16, 17, 40, 64] {
+            let x: Vec<f32> = (0..k).map(|i| i as f32).collect();
+            let mut packed = vec![0.0; packed_len(1, k)];
+            pack_acts_f32(&x, 1, k, &mut packed);
+            let mut back = vec![-1.0; k];
+            unpack_row(&packed[..k], &mut back);
+            assert_eq!(back, x, "k = {k}");
+        }
+    }
 }
