@@ -11,7 +11,7 @@ use half::bf16;
 use simpler_core::{RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
-use simpler_models::qwen3::check::compare_step;
+use simpler_models::qwen3::check::compare_step_as;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
 
@@ -313,8 +313,14 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         let kv = session.kv();
         let mut rows = |l: usize, s: usize| kv.read_slot(l, s).map_err(|e| e.to_string());
         let head = with_head.then_some((logits.as_slice(), ids.as_slice()));
-        let lines = compare_step(&want, &hidden, head, &mut rows)
-            .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
+        let lines = compare_step_as(
+            &want,
+            &hidden,
+            head,
+            &mut rows,
+            args.model.weights.is_int8(),
+        )
+        .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
         println!(
             "check vs golden (first step; golden took {:.1} s):",
             t.elapsed().as_secs_f64()

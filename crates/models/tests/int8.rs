@@ -131,7 +131,8 @@ fn int8_model_matches_the_golden_on_the_dequantised_weights() {
 
 #[test]
 fn int8_logits_agree_with_the_bf16_model() {
-    let lens: Vec<usize> = (0..16).map(|b| 1 + (b * 37) % 290).collect();
+    // 64 rows: with 16, one near-tie flipped is 6% of the agreement.
+    let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 37) % 290).collect();
     let f = fixture(&lens);
     let w = worker();
     let vocab = f.weights.config.vocab_size;
@@ -164,4 +165,38 @@ fn an_int8_model_reads_back_its_dequantised_weights() {
     // int8 projections (a byte and 4 / K per value) against bf16 (two bytes).
     let bf = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();
     assert!(m.resident_bytes() < bf.resident_bytes());
+}
+
+/// One int8 layer against the golden on the dequantised weights: within the stack tolerance,
+/// and — the measured reason the int8 checks use it — outside the one-layer tolerance for
+/// W8A8 (its quantised activations), while the wide mode comes within a fraction of it (the
+/// golden's weights are the dequantised values rounded to bf16).
+#[test]
+fn one_int8_layer_against_the_dequantised_golden() {
+    let f = fixture(&[1, 128, 129, 260]);
+    let deq = dequantised(&f.weights);
+    let x: Vec<f32> = f.hidden.iter().map(|v| v.to_f32()).collect();
+    let mut kv = f.kv.clone();
+    let want = golden::decode_layers(&deq, 0..1, &mut kv, &f.batch, &f.rope, &x);
+    let want_bf16: Vec<f32> = want
+        .hidden
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_f32())
+        .collect();
+    let w = worker();
+    for format in MODES {
+        let mut s = session(&w, &f, format);
+        let got = s
+            .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
+            .unwrap();
+        let got: Vec<f32> = got.hidden.iter().map(|v| v.to_f32()).collect();
+        Tolerance::STACK
+            .check(&format!("{}: one layer", format.name()), &got, &want_bf16)
+            .unwrap();
+        let one = Tolerance::ONE_LAYER.check("one layer", &got, &want_bf16);
+        println!(
+            "{}: against the one-layer tolerance: {one:?}",
+            format.name()
+        );
+    }
 }

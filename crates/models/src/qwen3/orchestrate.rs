@@ -795,7 +795,11 @@ fn head(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan, vw: &Views, x: &Tens
     o.submit(
         t.push_scalars(LmHeadScalars {
             hidden: h as usize,
-            w8a8: p.w8a8(),
+            // The LM head keeps fp32 activations even under W8A8: one outlier in the final
+            // normed row coarsens every other element's int8 step, and the logits of the CLI's
+            // spec fixture then left the stack tolerance (0.36 off at a logit of 1.1), where
+            // the wide product met it (`docs/qwen3.md`, "int8 weights").
+            w8a8: false,
         })
         .blocks(blocks)
         .timing_slot(2),

@@ -25,8 +25,9 @@ pub enum WeightFormat {
 /// How int8 projections take their activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Int8Acts {
-    /// Quantised per row to int8 (W8A8; exact i32 sums): measured faster here at batch 1
-    /// and 16 (`docs/performance.md`), so `int8` means this.
+    /// The projections' activations quantised per row to int8 (W8A8; exact i32 sums): level
+    /// with `Wide` at batch 1 and faster at batch 16 here (`docs/benchmarks.md`), so `int8`
+    /// means this. The LM head keeps fp32 activations (`docs/qwen3.md`, "int8 weights").
     #[default]
     Quantised,
     /// Kept fp32 and multiplied by the int8 weights widened in registers.
