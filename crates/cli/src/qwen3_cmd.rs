@@ -65,7 +65,7 @@ pub(crate) fn describe_weights(format: WeightFormat) -> String {
                 p => p.name().to_string(),
             };
             format!(
-                "weights: int8 per output channel, activations quantised per row (W8A8); int8 path {path}"
+                "weights: int8 per output channel, projection activations quantised per row (W8A8), LM head fp32 activations; int8 path {path}"
             )
         }
         WeightFormat::Int8(Int8Acts::Wide) => {
