@@ -1,6 +1,7 @@
 //! `simpler bench membw`: the machine's streaming read bandwidth (one and all threads) and the
 //! measured compute peak of each instruction-set path it runs (fp32 FMA; AVX-512 BF16
-//! `vdpbf16ps`; AMX-BF16 `tdpbf16ps`), the denominators of every roofline ratio.
+//! `vdpbf16ps`; AMX-BF16 `tdpbf16ps`), the denominators of every roofline ratio; and the int8
+//! dot-product peak of each int8 path.
 
 use std::time::Duration;
 
@@ -83,5 +84,25 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
         compute,
         compute / p.read_gbs_all
     );
+    print_int8_peaks(p.threads, args.seconds);
     Ok(())
+}
+
+/// The int8 dot-product peak of each int8 path this machine has (the int8 GEMM's compute
+/// denominator), a quarter of `seconds` more measurement.
+fn print_int8_peaks(threads: usize, seconds: f64) {
+    let budget = Duration::from_secs_f64((seconds / 4.0).max(0.2));
+    let peaks = simpler_kernels_cpu::gemm_i8::peak::int8_peaks(threads, budget);
+    if peaks.is_empty() {
+        println!("int8 dot-product peak: no SIMD int8 path on this machine (portable only)");
+    }
+    for p in peaks {
+        println!(
+            "int8 dot-product peak, {:<11} {}: 1 thread {:.1} GOP/s, {threads} threads {:.1} GOP/s",
+            p.path.name(),
+            p.instructions,
+            p.gops_one,
+            p.gops_all
+        );
+    }
 }

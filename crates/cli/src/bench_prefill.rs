@@ -36,7 +36,7 @@ use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, RunShape, Session, StepCost, ops};
 
 use crate::opts::RunOpts;
-use crate::qwen3_cmd::{ModelArgs, TileArgs, load_weights, upload};
+use crate::qwen3_cmd::{ModelArgs, TileArgs, describe_weights, load_weights, upload};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
 /// Arguments of `simpler bench qwen3-prefill`.
@@ -280,7 +280,12 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
     ops::register(&worker)?;
     let peaks = machine_peaks(args.membw_seconds);
     let mut weights = load_weights(&args.model, &c, false)?;
-    let model = upload(&worker, &mut weights, longest.next_multiple_of(page))?;
+    let model = upload(
+        &worker,
+        &mut weights,
+        longest.next_multiple_of(page),
+        args.model.weights,
+    )?;
     println!(
         "simpler bench qwen3-prefill: {}, {layers} layers (hidden {}, intermediate {}, vocab {}); one prefill step per prompt from an empty cache (embedding, layers, LM head and argmax for the last position); {} cores",
         args.model.describe(),
@@ -289,6 +294,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         c.vocab_size,
         worker.cores()
     );
+    println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
     let sw_cfg = crate::bench_qwen3::swimlane_config(&cfg);
@@ -338,7 +344,12 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
 
         let s = Summary::of(&samples);
         let t = s.median / 1e3;
-        let cost = StepCost::prefill(&c, layers, true, len, 0);
+        let cost = StepCost::prefill(&c, layers, true, len, 0).in_format(
+            &c,
+            layers,
+            true,
+            args.model.weights,
+        );
         let gflops = cost.flops() / t / 1e9;
         // The compute denominator is the peak of the path the projections ran on (the AMX
         // tile peak where prefill runs on tiles), so the percentage stays below 100.

@@ -19,10 +19,12 @@ use simpler_dfx::bench_stats::{
 };
 use simpler_kernels_cpu::{Isa, path_for_batch, set_process_isa};
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, ops};
+use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, WeightFormat, ops};
 
 use crate::opts::RunOpts;
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
+use crate::qwen3_cmd::{
+    DecodeCase, ModelArgs, TileArgs, describe_weights, load_weights, upload, upload_keeping,
+};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
 /// Arguments of `simpler bench qwen3-decode`.
@@ -66,6 +68,12 @@ pub(crate) struct DecodeBenchArgs {
     /// steps A B B A .. and the ratio B/A of the medians with its 95% interval.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
+    /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
+    /// against step: a second copy of the model is uploaded in that format and each shape runs
+    /// interleaved steps A B B A .. on the two, reporting B/A of the step-time medians with its
+    /// 95% interval.
+    #[arg(long, value_name = "FORMAT", value_parser = WeightFormat::parse)]
+    versus_weights: Option<WeightFormat>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
     /// outside kernels (the median is reported: one step's share varies with host noise).
     #[arg(long, default_value_t = 5)]
@@ -185,12 +193,28 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let peaks = machine_peaks(args.membw_seconds);
     let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
-    let model = upload(&worker, &mut weights, max_seq.next_multiple_of(PAGE_SIZE))?;
+    // The comparison model first: `upload` drops the host embedding and LM head.
+    let versus_model = match args.versus_weights {
+        Some(f) => Some(upload_keeping(
+            &worker,
+            &weights,
+            max_seq.next_multiple_of(PAGE_SIZE),
+            f,
+        )?),
+        None => None,
+    };
+    let model = upload(
+        &worker,
+        &mut weights,
+        max_seq.next_multiple_of(PAGE_SIZE),
+        args.model.weights,
+    )?;
     println!(
         "simpler bench qwen3-decode: {}, {layers} layers, full model step (embedding, layers, LM head, argmax); {} cores",
         args.model.describe(),
         worker.cores()
     );
+    println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
     println!("KV pools: the spec's distributions, layer 0's pool replicated to every layer");
@@ -228,7 +252,12 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         // first measurement and one taken right after its steps.
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
         let s = Summary::of(&samples);
-        let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens);
+        let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens).in_format(
+            &c,
+            layers,
+            true,
+            args.model.weights,
+        );
         let t = s.median / 1e3;
         let gbs = cost.bytes() / t / 1e9;
         let compute = crate::qwen3_decode::matmul_peak(&peaks, batch);
@@ -383,6 +412,31 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 &compare(&pairs.a, &pairs.b),
             ));
         }
+        if let (Some(vm), Some(vf)) = (&versus_model, args.versus_weights) {
+            let kv_b = case.kv_buffers(&worker, &c)?;
+            case.fill_kv(&c, &kv_b)?;
+            let mut other = Session::new(&worker, vm.clone(), kv_b);
+            other.policy = session.policy;
+            other.read_logits = false;
+            let c = ab_sessions(
+                &mut session,
+                &mut other,
+                &case,
+                &worker,
+                &cfg,
+                args.rounds,
+                args.warmup,
+            )?;
+            println!(
+                "  weights compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            print_indented(&format_compare(
+                "step_ms",
+                args.model.weights.name(),
+                vf.name(),
+                &c,
+            ));
+        }
         rows.push(Row {
             shape: format!("{batch}x{seq_len}"),
             tpot_ms: s.median,
@@ -449,6 +503,38 @@ fn ab_steps(
     let pairs = run_interleaved(rounds, warmup, || step_ms(a), || step_ms(b));
     // The session goes back to A's tiling.
     session.borrow_mut().policy = a.1;
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    Ok(compare(&pairs.a, &pairs.b))
+}
+
+/// Interleaved steps A B B A .. of two sessions (two weight formats) on the same case.
+fn ab_sessions(
+    a: &mut Session,
+    b: &mut Session,
+    case: &DecodeCase,
+    worker: &Worker,
+    cfg: &CallConfig,
+    rounds: usize,
+    warmup: usize,
+) -> Result<Comparison> {
+    let failure = RefCell::new(None);
+    let step_ms = |s: &RefCell<&mut Session>| {
+        let t = Instant::now();
+        match s
+            .borrow_mut()
+            .decode(worker, &case.batch, &case.tokens, cfg)
+        {
+            Ok(_) => t.elapsed().as_secs_f64() * 1e3,
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(anyhow::Error::from(e));
+                f64::NAN
+            }
+        }
+    };
+    let (a, b) = (RefCell::new(a), RefCell::new(b));
+    let pairs = run_interleaved(rounds, warmup, || step_ms(&a), || step_ms(&b));
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }

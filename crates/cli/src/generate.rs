@@ -24,7 +24,7 @@ use simpler_serve::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, To
 use crate::npy;
 use crate::opts::{self, RunOpts};
 use crate::profile;
-use crate::qwen3_cmd::{ModelArgs, load_weights, upload};
+use crate::qwen3_cmd::{ModelArgs, describe_weights, load_weights, upload};
 
 /// Arguments of `simpler generate`.
 #[derive(Args, Debug)]
@@ -196,6 +196,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         c.rope.theta,
         c.max_position_embeddings
     );
+    eprintln!("{}", describe_weights(args.model.weights));
     if let Some(t) = &tok {
         eprintln!(
             "tokenizer: {} ({} ids); prompt {} tokens",
@@ -232,7 +233,12 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     ops::register(&worker)?;
     let mut weights = load_weights(&args.model, &c, false)?;
     let batch = PagedBatch::identity(vec![prompt.len(); n], total, PAGE_SIZE);
-    let model = upload(&worker, &mut weights, batch.max_blocks * batch.page_size)?;
+    let model = upload(
+        &worker,
+        &mut weights,
+        batch.max_blocks * batch.page_size,
+        args.model.weights,
+    )?;
     let kv = KvBuffers::new(&worker, &c, batch.num_pages(), batch.page_size)?;
     let mut session = Session::new(&worker, model, kv);
     let load_s = t_load.elapsed().as_secs_f64();

@@ -14,9 +14,10 @@ use simpler_core::Worker;
 use simpler_cpu::host_memory;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
-    FixtureOptions, KvBuffers, LoadOptions, MemoryEstimate, PagedBatch, Qwen3Config, Qwen3Weights,
-    ResidentModel, RunShape, Session, TilePolicy, WeightLayout, generate_inputs, generate_kv_pools,
-    generate_weights, load_checkpoint, load_config,
+    FixtureOptions, Int8Acts, KvBuffers, LoadOptions, MemoryEstimate, PagedBatch, Qwen3Config,
+    Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy, UnknownWeightFormat, WeightFormat,
+    WeightLayout, generate_inputs, generate_kv_pools, generate_weights, load_checkpoint,
+    load_config,
 };
 
 /// Where the model comes from.
@@ -37,10 +38,46 @@ pub(crate) struct ModelArgs {
     /// Seed of the random weights, KV pools and inputs.
     #[arg(long, default_value_t = 1234)]
     pub(crate) seed: u64,
+    /// How the projections and the LM head are held: `bf16`, or `int8` (per-output-channel
+    /// int8 with fp32 scales, quantised at upload; activations quantised per row, the faster
+    /// mode here). `int8-w8a8` is `int8`; `int8-wide` keeps fp32 activations (for comparison).
+    #[arg(long, default_value = "bf16", value_parser = parse_weight_format)]
+    pub(crate) weights: WeightFormat,
     /// Most memory the run may take, in GB [default: what the machine has available: the
     /// smaller of MemAvailable and the room under the cgroup limit].
     #[arg(long, value_name = "GB")]
     pub(crate) memory_budget: Option<f64>,
+}
+
+/// `--weights`: an unknown value is refused with an error naming it.
+fn parse_weight_format(s: &str) -> Result<WeightFormat, UnknownWeightFormat> {
+    WeightFormat::parse(s)
+}
+
+/// One line naming the weight format and, for int8, the kernel path that runs it.
+pub(crate) fn describe_weights(format: WeightFormat) -> String {
+    use simpler_kernels_cpu::gemm_i8::{AMX_MIN_BATCH, I8Path};
+    let path = I8Path::current();
+    match format {
+        WeightFormat::Bf16 => "weights: bf16".to_string(),
+        WeightFormat::Int8(Int8Acts::Quantised) => {
+            let path = match path {
+                I8Path::Amx => format!("amx-int8 from batch {AMX_MIN_BATCH}, avx512-vnni below"),
+                p => p.name().to_string(),
+            };
+            format!(
+                "weights: int8 per output channel, projection activations quantised per row (W8A8), LM head fp32 activations; int8 path {path}"
+            )
+        }
+        WeightFormat::Int8(Int8Acts::Wide) => {
+            let path = match path {
+                I8Path::Amx | I8Path::Avx512Vnni => "avx512",
+                I8Path::AvxVnni | I8Path::Avx2 => "avx2",
+                I8Path::Portable => "portable",
+            };
+            format!("weights: int8 per output channel, fp32 activations (wide); int8 path {path}")
+        }
+    }
 }
 
 impl ModelArgs {
@@ -289,16 +326,33 @@ pub(crate) fn upload(
     worker: &Worker,
     weights: &mut Qwen3Weights,
     max_seq: usize,
+    format: WeightFormat,
 ) -> Result<Arc<ResidentModel>> {
-    let pb = progress(0, "uploading", true);
+    let model = upload_keeping(worker, weights, max_seq, format)?;
+    weights.embedding = Vec::new();
+    weights.lm_head = None;
+    Ok(model)
+}
+
+/// Copies the weights into worker buffers in `format` (int8 quantises here, with the
+/// progress bar), keeping the host copies.
+pub(crate) fn upload_keeping(
+    worker: &Worker,
+    weights: &Qwen3Weights,
+    max_seq: usize,
+    format: WeightFormat,
+) -> Result<Arc<ResidentModel>> {
+    let label = match format {
+        WeightFormat::Bf16 => "uploading",
+        WeightFormat::Int8(_) => "quantising to int8",
+    };
+    let pb = progress(0, label, true);
     let tick = |d: u64, t: u64| {
         pb.set_length(t);
         pb.set_position(d);
     };
-    let model = ResidentModel::upload(worker, weights, max_seq, Some(&tick))?;
+    let model = ResidentModel::upload_as(worker, weights, max_seq, format, Some(&tick))?;
     pb.finish_and_clear();
-    weights.embedding = Vec::new();
-    weights.lm_head = None;
     Ok(Arc::new(model))
 }
 

@@ -12,12 +12,12 @@ use simpler_core::{RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
 use simpler_kernels_cpu::{Isa, path_for_batch};
-use simpler_models::qwen3::check::compare_step;
+use simpler_models::qwen3::check::compare_step_as;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
 
 use crate::opts::{self, RunOpts};
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, load_weights, upload};
+use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, describe_weights, load_weights, upload};
 
 /// What a decode step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -248,6 +248,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         &worker,
         &mut weights,
         case.batch.max_blocks * case.batch.page_size,
+        args.model.weights,
     )?;
     let kv = case.kv_buffers(&worker, &c)?;
     case.fill_kv(&c, &kv)?;
@@ -279,6 +280,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         if model.sets == 1 { "" } else { "s" },
         2.0 * session.kv().k.len() as f64 / 1e9
     );
+    println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
     println!("{}", format_paths(args.batch));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
@@ -324,7 +326,12 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             let (report, e2e_s) = report;
             outputs.emit(&report, &cfg)?;
             if round >= args.warmup {
-                let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens);
+                let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens).in_format(
+                    &c,
+                    layers,
+                    with_head,
+                    args.model.weights,
+                );
                 samples.push(Sample {
                     e2e_s,
                     report,
@@ -352,8 +359,14 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         let kv = session.kv();
         let mut rows = |l: usize, s: usize| kv.read_slot(l, s).map_err(|e| e.to_string());
         let head = with_head.then_some((logits.as_slice(), ids.as_slice()));
-        let lines = compare_step(&want, &hidden, head, &mut rows)
-            .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
+        let lines = compare_step_as(
+            &want,
+            &hidden,
+            head,
+            &mut rows,
+            args.model.weights.is_int8(),
+        )
+        .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
         println!(
             "check vs golden (first step; golden took {:.1} s):",
             t.elapsed().as_secs_f64()

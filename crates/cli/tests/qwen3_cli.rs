@@ -427,3 +427,50 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
         assert!(err.contains(needle) && !err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
+    let out = simpler(&[
+        "run",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--weights",
+        "int8",
+        "--batch",
+        "3",
+        "--seq-len",
+        "130",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--membw-seconds",
+        "0.2",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("weights: int8 per output channel"), "{so}");
+    assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
+}
+
+#[test]
+fn an_unsupported_weight_format_is_refused_by_name() {
+    for cmd in [
+        &["run", "qwen3-decode"][..],
+        &["bench", "qwen3-decode"],
+        &["generate"],
+    ] {
+        let mut a = cmd.to_vec();
+        a.extend(["--preset", "tiny", "--weights", "int4"]);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{cmd:?}");
+        assert!(
+            err.contains("int4") && err.contains("--weights"),
+            "{cmd:?}: {err}"
+        );
+    }
+}

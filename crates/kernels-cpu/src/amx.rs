@@ -64,6 +64,28 @@ pub fn request_tile_permission() -> bool {
     })
 }
 
+/// CPUID leaf 7 (sub-leaf 0) EDX bit of AMX-INT8.
+#[cfg(target_arch = "x86_64")]
+const AMX_INT8_BIT: u32 = 25;
+
+/// Whether the CPU has AMX tiles and, when it does, `(amx-int8, amx-bf16)`. Says nothing about
+/// the OS permission ([`request_tile_permission`]).
+pub fn cpu_amx_features() -> Option<(bool, bool)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        cpuid_leaf7_edx_has(AMX_TILE_BIT).then(|| {
+            (
+                cpuid_leaf7_edx_has(AMX_INT8_BIT),
+                cpuid_leaf7_edx_has(AMX_BF16_BIT),
+            )
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
 /// Whether the CPU has AMX tiles with the bf16 dot product (`tdpbf16ps`). Says nothing about
 /// the OS permission ([`request_tile_permission`]).
 pub(crate) fn bf16_supported() -> bool {

@@ -14,6 +14,7 @@ pub mod attention;
 pub mod convert;
 pub mod elementwise;
 pub mod gemm;
+pub mod gemm_i8;
 pub mod isa;
 mod math;
 pub mod membw;
@@ -35,6 +36,10 @@ pub use elementwise::{
 pub use gemm::{
     GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
     pack_acts_bf16, pack_acts_f32, pack_index, packed_ld, packed_len, path_for_batch,
+};
+pub use gemm_i8::{
+    ActsI8, I8Path, WeightsI8, gemm_i8_w8a8, gemm_i8_wide, quantize_acts_i8, quantize_row_bf16_i8,
+    quantize_row_i8, with_i8_path,
 };
 pub use isa::{Isa, set_process_isa, with_isa};
 pub use norm::{

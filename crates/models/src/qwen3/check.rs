@@ -120,8 +120,27 @@ pub fn compare_step(
     head: Option<(&[f32], &[u32])>,
     kv_rows: KvRows<'_>,
 ) -> Result<Vec<String>, String> {
+    compare_step_as(want, hidden, head, kv_rows, false)
+}
+
+/// [`compare_step`] of an int8 model (`int8`) against the golden on its dequantised weights:
+/// every comparison at the stack tolerance, layer 0's writes included. Quantised activations
+/// (W8A8) and the bf16 rounding of the golden's weights keep one int8 layer outside the
+/// one-layer tolerance (87% and 98% of the elements within; `docs/qwen3.md`, "int8 weights").
+pub fn compare_step_as(
+    want: &GoldenStep,
+    hidden: &[f32],
+    head: Option<(&[f32], &[u32])>,
+    kv_rows: KvRows<'_>,
+    int8: bool,
+) -> Result<Vec<String>, String> {
     let layers = want.kv_writes.len();
-    let tol = stack_tolerance(layers);
+    let tol = if int8 {
+        Tolerance::STACK
+    } else {
+        stack_tolerance(layers)
+    };
+    let first = if int8 { tol } else { Tolerance::ONE_LAYER };
     let mut lines = Vec::new();
     let ag = tol.check("hidden", hidden, &want.hidden)?;
     lines.push(format!(
@@ -135,7 +154,7 @@ pub fn compare_step(
     let f32s = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
     let (mut n, mut worst) = (0usize, 0.0f32);
     for (l, wr) in want.kv_writes.iter().enumerate() {
-        let t = if l == 0 { Tolerance::ONE_LAYER } else { tol };
+        let t = if l == 0 { first } else { tol };
         let row = wr.k.len() / wr.slots.len().max(1);
         for (i, &slot) in wr.slots.iter().enumerate() {
             let (k, v) = kv_rows(l, slot)?;
@@ -151,7 +170,8 @@ pub fn compare_step(
         }
     }
     lines.push(format!(
-        "K/V writes: {layers} layers, {n} elements within tolerance (layer 0 one-layer, others stack), max |a-e| {worst:.2e}"
+        "K/V writes: {layers} layers, {n} elements within tolerance (layer 0 {}, others stack), max |a-e| {worst:.2e}",
+        if int8 { "stack: int8" } else { "one-layer" }
     ));
     if let (Some((logits, ids)), Some((want_logits, want_ids))) = (head, &want.head) {
         let ag = tol.check("logits", logits, want_logits)?;

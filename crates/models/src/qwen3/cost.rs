@@ -3,6 +3,8 @@
 //! rate and the roofline bound (`docs/performance.md`).
 
 use super::config::Qwen3Config;
+use super::quant::WeightFormat;
+use super::weights::LayerWeights;
 
 /// Bytes and FLOPs of one decode or prefill step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -42,6 +44,29 @@ impl StepCost {
             cost.matmul_flops += 2.0 * b * v * h;
         }
         cost
+    }
+
+    /// The same step with the projections and the LM head held in `format` (bytes change,
+    /// FLOPs do not); `layers` and `with_head` as the step was costed with.
+    pub fn in_format(
+        mut self,
+        c: &Qwen3Config,
+        layers: usize,
+        with_head: bool,
+        format: WeightFormat,
+    ) -> StepCost {
+        let bf16 = WeightFormat::Bf16;
+        let saved =
+            |r: usize, k: usize| bf16.matrix_bytes(r, k) as f64 - format.matrix_bytes(r, k) as f64;
+        let per_layer: f64 = LayerWeights::shapes(c)[..7]
+            .iter()
+            .map(|&(_, [r, k])| saved(r, k))
+            .sum();
+        self.weight_bytes -= layers as f64 * per_layer;
+        if with_head {
+            self.weight_bytes -= saved(c.vocab_size, c.hidden_size);
+        }
+        self
     }
 
     /// A prefill step of one sequence over `layers` layers: `prompt_len` new tokens at

@@ -16,6 +16,7 @@ pub mod memory;
 pub mod ops;
 mod orchestrate;
 pub mod plan;
+pub mod quant;
 pub mod resident;
 pub mod rope;
 pub mod runner;
@@ -32,6 +33,7 @@ pub use fixture::{
 };
 pub use memory::{MemoryEstimate, RunShape};
 pub use plan::TilePolicy;
+pub use quant::{Int8Acts, UnknownWeightFormat, WeightFormat};
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
 pub use rope::{Rope, RopeScaling, RopeTables};
 pub use runner::{LayersOutput, Session, StepOutput};

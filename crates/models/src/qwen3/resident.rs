@@ -8,6 +8,7 @@ use half::bf16;
 use simpler_core::{Buffer, Element, Worker};
 
 use super::config::Qwen3Config;
+use super::quant::{self, WeightFormat};
 use super::weights::{KvCache, LayerWeights, Qwen3Weights, Tensor};
 
 /// Why a resident model, a KV cache or a runtime step could not be set up or run.
@@ -52,8 +53,14 @@ pub struct ResidentModel {
     pub set_of_layer: Vec<usize>,
     /// Positions the RoPE tables cover.
     pub max_seq: usize,
+    /// How the projections and the LM head are held.
+    pub format: WeightFormat,
     pub(crate) buffers: Vec<Buffer>,
 }
+
+/// Number of per-layer tensors that are projections (the first ones in
+/// `LayerWeights::shapes` order); int8 formats quantise these.
+const PROJECTIONS: usize = 7;
 
 fn as_bytes_len<T>(x: &[T]) -> usize {
     std::mem::size_of_val(x)
@@ -66,6 +73,20 @@ impl ResidentModel {
         worker: &Worker,
         weights: &Qwen3Weights,
         max_seq: usize,
+        progress: Option<UploadProgress<'_>>,
+    ) -> Result<ResidentModel, Qwen3RunError> {
+        Self::upload_as(worker, weights, max_seq, WeightFormat::Bf16, progress)
+    }
+
+    /// [`ResidentModel::upload`] holding the projections and the LM head in `format`; int8
+    /// quantises them here, a few rows at a time (progress counts resident bytes). The
+    /// embedding stays bf16 (a gather reads one row per token), so a tied LM head gets its own
+    /// int8 copy.
+    pub fn upload_as(
+        worker: &Worker,
+        weights: &Qwen3Weights,
+        max_seq: usize,
+        format: WeightFormat,
         progress: Option<UploadProgress<'_>>,
     ) -> Result<ResidentModel, Qwen3RunError> {
         let c = &weights.config;
@@ -89,20 +110,34 @@ impl ResidentModel {
             }
         }
         let rope = c.rope_tables(max_seq);
+        let shapes = LayerWeights::shapes(c);
+        let kind_bytes = |kind: usize, t: &Tensor<'_>| -> usize {
+            match t {
+                Tensor::Bf16(_) if kind < PROJECTIONS => {
+                    let [r, k] = shapes[kind].1;
+                    format.matrix_bytes(r, k)
+                }
+                Tensor::Bf16(x) => as_bytes_len(x),
+                Tensor::F32(x) => as_bytes_len(x),
+            }
+        };
         let layer_bytes: u64 = sets
             .iter()
-            .flat_map(|s| s.tensors())
-            .map(|t| match t {
-                Tensor::Bf16(x) => as_bytes_len(x) as u64,
-                Tensor::F32(x) => as_bytes_len(x) as u64,
+            .flat_map(|s| {
+                s.tensors()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(kind, t)| kind_bytes(kind, &t) as u64)
+                    .collect::<Vec<_>>()
             })
             .sum();
+        let head_bytes = match format {
+            WeightFormat::Bf16 => weights.lm_head.as_ref().map_or(0, |h| as_bytes_len(h)),
+            WeightFormat::Int8(_) => format.matrix_bytes(c.vocab_size, c.hidden_size),
+        };
         let total = layer_bytes
             + as_bytes_len(&weights.embedding) as u64
-            + weights
-                .lm_head
-                .as_ref()
-                .map_or(0, |h| as_bytes_len(h) as u64)
+            + head_bytes as u64
             + 4 * (c.hidden_size as u64 + 2 * rope.cos.len() as u64);
         let done = std::cell::Cell::new(0u64);
         let tick = |bytes: usize| {
@@ -113,17 +148,18 @@ impl ResidentModel {
         };
         let mut buffers = Vec::with_capacity(slot::COUNT);
         // Projections and per-layer norms: one buffer per tensor kind, sets back to back.
-        for kind in 0..slot::LAYER_TENSORS {
-            let first = &sets[0].tensors()[kind];
-            let bytes_per_set = match first {
-                Tensor::Bf16(x) => as_bytes_len(x),
-                Tensor::F32(x) => as_bytes_len(x),
-            };
+        debug_assert_eq!(shapes.len(), slot::LAYER_TENSORS);
+        for (kind, &(_, [_, cols])) in shapes.iter().enumerate() {
+            let bytes_per_set = kind_bytes(kind, &sets[0].tensors()[kind]);
             let buf = worker.alloc(bytes_per_set * sets.len())?;
             for (si, set) in sets.iter().enumerate() {
+                let at = si * bytes_per_set;
                 match &set.tensors()[kind] {
-                    Tensor::Bf16(x) => upload_chunked(&buf, si * bytes_per_set, x, &tick)?,
-                    Tensor::F32(x) => upload_chunked(&buf, si * bytes_per_set, x, &tick)?,
+                    Tensor::Bf16(x) if kind < PROJECTIONS && format.is_int8() => {
+                        upload_int8(&buf, at, x, cols, &tick)?
+                    }
+                    Tensor::Bf16(x) => upload_chunked(&buf, at, x, &tick)?,
+                    Tensor::F32(x) => upload_chunked(&buf, at, x, &tick)?,
                 }
             }
             buffers.push(buf);
@@ -133,13 +169,18 @@ impl ResidentModel {
         buffers.push(embedding.clone());
         buffers.push(worker.buffer_from(&weights.final_norm)?);
         tick(as_bytes_len(&weights.final_norm));
-        match &weights.lm_head {
-            Some(h) => {
+        match (&weights.lm_head, format) {
+            (_, WeightFormat::Int8(_)) => {
+                let b = worker.alloc(head_bytes)?;
+                upload_int8(&b, 0, weights.lm_head(), c.hidden_size, &tick)?;
+                buffers.push(b);
+            }
+            (Some(h), WeightFormat::Bf16) => {
                 let b = worker.alloc(as_bytes_len(h))?;
                 upload_chunked(&b, 0, h, &tick)?;
                 buffers.push(b);
             }
-            None => buffers.push(embedding),
+            (None, WeightFormat::Bf16) => buffers.push(embedding),
         }
         buffers.push(worker.buffer_from(&rope.cos)?);
         buffers.push(worker.buffer_from(&rope.sin)?);
@@ -149,6 +190,7 @@ impl ResidentModel {
             sets: sets.len(),
             set_of_layer,
             max_seq,
+            format,
             buffers,
         })
     }
@@ -172,12 +214,22 @@ impl ResidentModel {
             .sum()
     }
 
-    /// Reads layer weight set `set` back to the host (tests and checks).
+    /// Reads layer weight set `set` back to the host (tests and checks); int8 projections
+    /// come back dequantised and rounded to bf16.
     pub fn download_layer(&self, set: usize) -> Result<LayerWeights, Qwen3RunError> {
         let mut lw = LayerWeights::zeros(&self.config);
+        let shapes = LayerWeights::shapes(&self.config);
         for (kind, t) in lw.tensors_mut().into_iter().enumerate() {
             let buf = &self.buffers[kind];
             match t {
+                super::weights::TensorMut::Bf16(x)
+                    if kind < PROJECTIONS && self.format.is_int8() =>
+                {
+                    let [r, k] = shapes[kind].1;
+                    let bytes = self.format.matrix_bytes(r, k);
+                    let q = buf.read_at::<i8>(set * bytes, bytes)?;
+                    x.copy_from_slice(&quant::dequantize_matrix_bf16(&q, k));
+                }
                 super::weights::TensorMut::Bf16(x) => {
                     let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
                     x.copy_from_slice(&v);
@@ -191,12 +243,19 @@ impl ResidentModel {
         Ok(lw)
     }
 
-    /// Reads rows `rows` of the LM head back to the host (`[rows, hidden]` bf16).
+    /// Reads rows `rows` of the LM head back to the host (`[rows, hidden]` bf16; an int8
+    /// head dequantised and rounded to bf16).
     pub fn download_lm_head_rows(
         &self,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<bf16>, Qwen3RunError> {
         let h = self.config.hidden_size;
+        if self.format.is_int8() {
+            let rec = quant::int8_record(h);
+            let q =
+                self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
+            return Ok(quant::dequantize_matrix_bf16(&q, h));
+        }
         Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
     }
 
@@ -228,6 +287,25 @@ fn upload_chunked<T: Element>(
     for (i, c) in data.chunks(per).enumerate() {
         buf.write_at(offset + i * per * size_of::<T>(), c)?;
         tick(as_bytes_len(c));
+    }
+    Ok(())
+}
+
+/// Quantises `w` (`[rows, cols]` bf16) into int8 records (`quant`) and copies them into `buf`
+/// at byte `offset`, about 64 MiB of records at a time, reporting progress.
+fn upload_int8(
+    buf: &Buffer,
+    offset: usize,
+    w: &[bf16],
+    cols: usize,
+    tick: &dyn Fn(usize),
+) -> Result<(), Qwen3RunError> {
+    let rec = quant::int8_record(cols);
+    let per = ((64usize << 20) / rec).max(1);
+    for (i, rows) in w.chunks(per * cols.max(1)).enumerate() {
+        let q = quant::quantize_matrix(rows, rows.len() / cols.max(1), cols);
+        buf.write_at(offset + i * per * rec, &q)?;
+        tick(q.len());
     }
     Ok(())
 }

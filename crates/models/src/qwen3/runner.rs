@@ -153,6 +153,7 @@ impl Session {
         };
         Ok(StepPlan {
             config: c.clone(),
+            format: m.format,
             sets: m.sets,
             set_of_layer: m.set_of_layer.clone(),
             max_seq: m.max_seq,

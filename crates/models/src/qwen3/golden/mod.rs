@@ -15,7 +15,7 @@ use super::config::Qwen3Config;
 use super::rope::RopeTables;
 use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights};
 
-pub use tolerance::{Agreement, Tolerance, check_argmax};
+pub use tolerance::{Agreement, Int8Agreement, Tolerance, check_argmax};
 
 /// `bf16(x)` as an f32 (round to nearest even).
 fn rb(x: f32) -> f32 {

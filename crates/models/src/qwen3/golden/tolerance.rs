@@ -184,6 +184,70 @@ pub fn check_argmax(
     Ok(())
 }
 
+/// How an int8 model's logits agree with the bf16 model's (`docs/qwen3.md`, "int8
+/// weights"): the smallest per-row cosine similarity and the share of rows with the same
+/// greedy token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Int8Agreement {
+    /// Smallest cosine similarity of a row of logits.
+    pub min_cosine: f64,
+    /// Share of rows whose argmax is the same.
+    pub argmax_agreement: f64,
+}
+
+impl Int8Agreement {
+    /// Every row's cosine at least this.
+    pub const MIN_COSINE: f64 = 0.99;
+    /// At least this share of rows with the same greedy token.
+    pub const MIN_ARGMAX: f64 = 0.90;
+
+    /// Compares `int8` and `bf16` logits (`[rows, vocab]` each).
+    pub fn measure(int8: &[f32], bf16: &[f32], vocab: usize) -> Int8Agreement {
+        assert_eq!(int8.len(), bf16.len(), "int8 vs bf16 logits: lengths");
+        let rows = int8.len() / vocab.max(1);
+        let mut min_cosine = 1.0f64;
+        let mut same = 0usize;
+        for (a, b) in int8.chunks_exact(vocab).zip(bf16.chunks_exact(vocab)) {
+            let dot: f64 = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                .sum();
+            let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+            min_cosine = min_cosine.min(dot / (na * nb).max(f64::MIN_POSITIVE));
+            same += usize::from(super::argmax(a) == super::argmax(b));
+        }
+        Int8Agreement {
+            min_cosine,
+            argmax_agreement: if rows == 0 {
+                1.0
+            } else {
+                same as f64 / rows as f64
+            },
+        }
+    }
+
+    /// `Err` naming the figure that misses its bound.
+    pub fn check(&self) -> Result<(), String> {
+        if self.min_cosine.is_nan() || self.min_cosine < Self::MIN_COSINE {
+            return Err(format!(
+                "int8 vs bf16 logits: a row's cosine is {:.5} < {}",
+                self.min_cosine,
+                Self::MIN_COSINE
+            ));
+        }
+        if self.argmax_agreement < Self::MIN_ARGMAX {
+            return Err(format!(
+                "int8 vs bf16 logits: argmax agrees on {:.1}% of rows < {:.0}%",
+                100.0 * self.argmax_agreement,
+                100.0 * Self::MIN_ARGMAX
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

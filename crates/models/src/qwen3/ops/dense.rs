@@ -12,33 +12,173 @@
 //! tile.
 
 use half::bf16;
-use simpler_core::{KernelError, RowsMut, TaskCtx};
+use simpler_core::{DType, KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
-use simpler_kernels_cpu::{GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16};
+use simpler_kernels_cpu::{
+    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, WeightsI8,
+};
+
+use crate::qwen3::quant::{int8_record, record_scale};
 
 use super::args::{argmax, gate_up, gemm, lm_head};
 use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
 use super::{bad, check_packed, check_packed_range, dims2, store_packed, with_scratch};
 
+/// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
+/// scale), told apart by the bound dtype.
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    Bf16(WeightsBf16<'a>),
+    I8 {
+        data: &'a [i8],
+        rows: usize,
+        k: usize,
+    },
+}
+
+impl<'a> Weights<'a> {
+    fn rows(&self) -> usize {
+        match self {
+            Weights::Bf16(w) => w.rows(),
+            Weights::I8 { rows, .. } => *rows,
+        }
+    }
+
+    /// Rows `first..first + n` (an SPMD block's share).
+    fn block_rows(self, first: usize, n: usize) -> Weights<'a> {
+        match self {
+            Weights::Bf16(w) => {
+                let k = w.cols();
+                Weights::Bf16(WeightsBf16::new(
+                    &w.data()[first * k..(first + n) * k],
+                    n,
+                    k,
+                ))
+            }
+            Weights::I8 { data, k, .. } => {
+                let rec = int8_record(k);
+                Weights::I8 {
+                    data: &data[first * rec..(first + n) * rec],
+                    rows: n,
+                    k,
+                }
+            }
+        }
+    }
+}
+
+/// A task's activations, prepared once for every product it runs: packed fp32 for bf16
+/// weights; for int8 weights, natural-order fp32 (wide) or int8 rows with their scales (W8A8).
+enum Acts<'a> {
+    Packed(PackedActs<'a>),
+    Wide {
+        x: Vec<f32>,
+        rows: usize,
+        k: usize,
+    },
+    Quantised {
+        q: Vec<i8>,
+        scales: Vec<f32>,
+        rows: usize,
+        k: usize,
+    },
+}
+
+impl<'a> Acts<'a> {
+    fn prepare(x: PackedActs<'a>, int8: bool, w8a8: bool) -> Acts<'a> {
+        if !int8 {
+            return Acts::Packed(x);
+        }
+        let (rows, k) = (x.rows(), x.cols());
+        let ld = simpler_kernels_cpu::packed_ld(k);
+        let mut nat = vec![0.0f32; rows * k];
+        for (b, dst) in nat.chunks_exact_mut(k.max(1)).enumerate() {
+            unpack_row(&x.data()[b * ld..b * ld + k], dst);
+        }
+        if !w8a8 {
+            return Acts::Wide { x: nat, rows, k };
+        }
+        let mut q = vec![0i8; rows * k];
+        let mut scales = vec![0.0f32; rows];
+        k::quantize_acts_i8(&nat, rows, k, k, None, &mut q, k, &mut scales);
+        Acts::Quantised { q, scales, rows, k }
+    }
+}
+
+/// One packed row back in natural order: whole 16-blocks hold the even elements then the odd
+/// ones (`pack_index`), the last `k % 16` are in order. Every SPMD block of an int8 task runs
+/// this on the whole input, so it is a plain copy loop, not a `pack_index` per element (which
+/// cost more than the block's int8 product at batch 16).
+fn unpack_row(src: &[f32], dst: &mut [f32]) {
+    const HALF: usize = PACK_BLOCK / 2;
+    let full = dst.len() / PACK_BLOCK * PACK_BLOCK;
+    for (s, d) in src[..full]
+        .chunks_exact(PACK_BLOCK)
+        .zip(dst[..full].chunks_exact_mut(PACK_BLOCK))
+    {
+        for i in 0..HALF {
+            d[2 * i] = s[i];
+            d[2 * i + 1] = s[HALF + i];
+        }
+    }
+    dst[full..].copy_from_slice(&src[full..]);
+}
+
 /// `out (+)= x @ w^T` over `tile`, scaled per row when `scale` is given.
 fn run_gemm(
-    w: WeightsBf16<'_>,
-    x: PackedActs<'_>,
+    w: Weights<'_>,
+    x: &Acts<'_>,
     tile: &GemmTile,
     scale: Option<&[f32]>,
     out: &mut [f32],
     ld: usize,
 ) {
-    match scale {
-        Some(s) => k::gemm_scaled_bf16(w, x, tile, s, out, ld),
-        None => k::gemm_bf16(w, x, tile, out, ld),
+    match (w, x) {
+        (Weights::Bf16(w), Acts::Packed(x)) => match scale {
+            Some(s) => k::gemm_scaled_bf16(w, *x, tile, s, out, ld),
+            None => k::gemm_bf16(w, *x, tile, out, ld),
+        },
+        (
+            Weights::I8 {
+                data,
+                rows,
+                k: kdim,
+            },
+            acts,
+        ) => {
+            let rec = int8_record(kdim);
+            let sw: Vec<f32> = (0..rows)
+                .map(|r| record_scale(&data[r * rec..], kdim))
+                .collect();
+            let wi = WeightsI8::new(data, &sw, rows, kdim, rec);
+            match acts {
+                Acts::Wide { x, rows: b, k: kx } => {
+                    k::gemm_i8_wide(wi, x, *b, *kx, scale, tile, out, ld)
+                }
+                Acts::Quantised {
+                    q,
+                    scales,
+                    rows: b,
+                    k: kx,
+                } => {
+                    // A row factor (the deferred 1/rms) is linear: fold it into the row scales.
+                    let sa: Vec<f32> = match scale {
+                        Some(s) => scales.iter().zip(s).map(|(a, r)| a * r).collect(),
+                        None => scales.clone(),
+                    };
+                    k::gemm_i8_w8a8(wi, ActsI8::new(q, &sa, *b, *kx, *kx), tile, out, ld);
+                }
+                Acts::Packed(_) => unreachable!("int8 weights get prepared activations"),
+            }
+        }
+        (Weights::Bf16(_), _) => unreachable!("bf16 weights get packed activations"),
     }
 }
 
 /// Runs a GEMM whose result lands in the rows of `out` (`[rows, n]`, possibly strided).
 fn gemm_into_rows(
-    w: WeightsBf16<'_>,
-    x: PackedActs<'_>,
+    w: Weights<'_>,
+    x: &Acts<'_>,
     tile: &GemmTile,
     scale: Option<&[f32]>,
     out: &mut RowsMut<'_, f32>,
@@ -65,12 +205,6 @@ fn gemm_into_rows(
     });
 }
 
-/// Rows `first..first + n` of a weight tile (an SPMD block's share).
-fn block_rows(w: WeightsBf16<'_>, first: usize, n: usize) -> WeightsBf16<'_> {
-    let k = w.cols();
-    WeightsBf16::new(&w.data()[first * k..(first + n) * k], n, k)
-}
-
 /// Reads the optional per-row scale at argument `i` (present when the task has `i + 1` args).
 fn optional_scale<'a>(
     ctx: &'a TaskCtx<'_>,
@@ -88,13 +222,31 @@ fn optional_scale<'a>(
     Ok(Some(s))
 }
 
-/// The weight tile at argument `i` as `[n, kdim]`.
+/// The weight tile at argument `i` as `[n, kdim]` (bf16, or int8 records when bound as i8).
 fn weights<'a>(
     ctx: &'a TaskCtx<'_>,
     i: usize,
     kdim: usize,
     name: &str,
-) -> Result<WeightsBf16<'a>, KernelError> {
+) -> Result<Weights<'a>, KernelError> {
+    if ctx.tensor(i)?.dtype() == DType::I8 {
+        let w = ctx.read::<i8>(i)?;
+        let rec = int8_record(kdim);
+        if kdim == 0 || !w.len().is_multiple_of(rec) {
+            return Err(bad(
+                name,
+                format!(
+                    "int8 weight tile of {} bytes is not records of {rec}",
+                    w.len()
+                ),
+            ));
+        }
+        return Ok(Weights::I8 {
+            data: w,
+            rows: w.len() / rec,
+            k: kdim,
+        });
+    }
     let w = ctx.read::<bf16>(i)?;
     if kdim == 0 || !w.len().is_multiple_of(kdim) {
         return Err(bad(
@@ -102,7 +254,7 @@ fn weights<'a>(
             format!("weight tile of {} elements is not rows of {kdim}", w.len()),
         ));
     }
-    Ok(WeightsBf16::new(w, w.len() / kdim, kdim))
+    Ok(Weights::Bf16(WeightsBf16::new(w, w.len() / kdim, kdim)))
 }
 
 /// The packed activations at argument `i` as `[rows, kdim]`.
@@ -120,7 +272,7 @@ fn acts<'a>(
 
 pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gemm_tile_bf16";
-    let GemmScalars { k: kdim, add } = GemmScalars::read(ctx)?;
+    let GemmScalars { k: kdim, add, w8a8 } = GemmScalars::read(ctx)?;
     let x = acts(ctx, gemm::acts, kdim, NAME)?;
     let w = weights(ctx, gemm::w, kdim, NAME)?;
     let scale = optional_scale(ctx, gemm::scale, x.rows(), NAME)?;
@@ -137,13 +289,17 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    let w = block_rows(w, out.first_col(), out.row_len());
+    let w = w.block_rows(out.first_col(), out.row_len());
     let tile = GemmTile {
         n: 0..w.rows(),
         k: 0..kdim,
         mode: if add { OutMode::Add } else { OutMode::Store },
     };
-    gemm_into_rows(w, x, &tile, scale, &mut out);
+    if w.rows() == 0 {
+        return Ok(());
+    }
+    let x = Acts::prepare(x, matches!(w, Weights::I8 { .. }), w8a8);
+    gemm_into_rows(w, &x, &tile, scale, &mut out);
     Ok(())
 }
 
@@ -152,6 +308,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let GateUpScalars {
         hidden: h,
         intermediate: inter,
+        w8a8,
     } = GateUpScalars::read(ctx)?;
     let x = acts(ctx, gate_up::acts, h, NAME)?;
     let wg = weights(ctx, gate_up::w_gate, h, NAME)?;
@@ -177,8 +334,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // This block's columns (a multiple of 16 from the tile's start, so packed blocks stay
     // whole).
     let (wg, wu) = (
-        block_rows(wg, out.first_col(), out.row_len()),
-        block_rows(wu, out.first_col(), out.row_len()),
+        wg.block_rows(out.first_col(), out.row_len()),
+        wu.block_rows(out.first_col(), out.row_len()),
     );
     let c0 = out.first_col();
     let n = wg.rows();
@@ -191,6 +348,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..h,
         mode: OutMode::Store,
     };
+    let x = Acts::prepare(x, matches!(wg, Weights::I8 { .. }), w8a8);
     let ones;
     let scale = match scale {
         Some(s) => s,
@@ -202,8 +360,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let mut act = vec![bf16::ZERO; rows * n];
     with_scratch(2 * rows * n, |s| {
         let (gate, up) = s.split_at_mut(rows * n);
-        k::gemm_bf16(wg, x, &full, gate, n);
-        k::gemm_bf16(wu, x, &full, up, n);
+        run_gemm(wg, &x, &full, None, gate, n);
+        run_gemm(wu, &x, &full, None, up, n);
         k::swiglu_bf16(gate, up, scale, &mut act);
     });
     for (b, dst) in out.iter_mut().enumerate() {
@@ -215,7 +373,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "lm_head_tile_bf16";
-    let LmHeadScalars { hidden: h } = LmHeadScalars::read(ctx)?;
+    let LmHeadScalars { hidden: h, w8a8 } = LmHeadScalars::read(ctx)?;
     let x = acts(ctx, lm_head::acts, h, NAME)?;
     let w = weights(ctx, lm_head::w, h, NAME)?;
     let rows = x.rows();
@@ -224,8 +382,16 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(NAME, "logits view does not match the tile"));
     }
     let n0 = logits.first_col();
-    let w = block_rows(w, logits.first_col(), logits.row_len());
-    gemm_into_rows(w, x, &GemmTile::full(&w), None, &mut logits);
+    let w = w.block_rows(logits.first_col(), logits.row_len());
+    let tile = GemmTile {
+        n: 0..w.rows(),
+        k: 0..h,
+        mode: OutMode::Store,
+    };
+    if w.rows() > 0 {
+        let x = Acts::prepare(x, matches!(w, Weights::I8 { .. }), w8a8);
+        gemm_into_rows(w, &x, &tile, None, &mut logits);
+    }
     // This block's `[rows, 2]` slot of the per-block argmax results.
     let best = ctx.write_chunk::<u32>(lm_head::best, 2 * rows)?;
     if best.len() != 2 * rows {
@@ -274,4 +440,22 @@ pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         *id = k::argmax_combine(&parts).map_or(0, |(i, _)| i as u32);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unpack_row;
+    use simpler_kernels_cpu::{pack_acts_f32, packed_len};
+
+    #[test]
+    fn unpack_row_inverts_the_packing() {
+        for k in [1, 15, 16, 17, 40, 64] {
+            let x: Vec<f32> = (0..k).map(|i| i as f32).collect();
+            let mut packed = vec![0.0; packed_len(1, k)];
+            pack_acts_f32(&x, 1, k, &mut packed);
+            let mut back = vec![-1.0; k];
+            unpack_row(&packed[..k], &mut back);
+            assert_eq!(back, x, "k = {k}");
+        }
+    }
 }

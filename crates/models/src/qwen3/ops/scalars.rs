@@ -116,6 +116,8 @@ kernel_scalars!(
         k: usize,
         /// Accumulate into `out` (else overwrite).
         add: bool,
+        /// int8 weights take int8-quantised activations (else fp32; ignored for bf16 weights).
+        w8a8: bool,
     }
 );
 
@@ -126,6 +128,8 @@ kernel_scalars!(
         hidden: usize,
         /// Intermediate width `I` (the packed row the output columns belong to).
         intermediate: usize,
+        /// As [`GemmScalars::w8a8`].
+        w8a8: bool,
     }
 );
 
@@ -184,6 +188,8 @@ kernel_scalars!(
     LmHeadScalars {
         /// Hidden width `H`.
         hidden: usize,
+        /// As [`GemmScalars::w8a8`].
+        w8a8: bool,
     }
 );
 

@@ -1,0 +1,220 @@
+//! AMX-INT8 path (`tdpbssd`, through `asm!`: the tile intrinsics are not stable Rust).
+//!
+//! The product is computed transposed, `C[n, b] = sum_k W[n, k] * X[b, k]`, so the weights are
+//! the A operand exactly as they lie in memory (16 rows at the weight row stride, 64 bytes of
+//! `k`): nothing is repacked at load. The activations (a few rows) are repacked per call into
+//! the B operand's layout, one 1 KiB block per 64 bytes of `k`: row `j` of a block holds, for
+//! each batch row `b`, the four values `x[b, 4j..4j + 4]`. Two accumulator tiles (32 weight
+//! rows) share each B tile. Weight rows left over (fewer than 16) and the `k` values after the
+//! last whole 64 go to the AVX-512 VNNI path and a scalar loop.
+//!
+//! The tile registers are configured per batch group of up to 16 rows and released at the end
+//! of every call, so no tile state outlives a call.
+
+use std::arch::asm;
+use std::cell::RefCell;
+
+use super::{Lowered, avx512};
+use crate::simd::prefetch_l2;
+
+/// Rows of a tile (weight rows per accumulator, `k` quads per B block).
+const TILE_ROWS: usize = 16;
+/// Bytes of `k` per tile step.
+const KSTEP: usize = 64;
+/// Batch rows per tile group (the B tile's 16 four-byte columns).
+const BATCH: usize = 16;
+
+thread_local! {
+    /// Repacked activations of the current call, reused across calls.
+    static PACK: RefCell<Vec<i8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The 64-byte tile configuration (`ldtilecfg` operand), palette 1.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    /// tmm0/tmm1: accumulators `[16 weight rows, bb i32]`; tmm4/tmm5: weights `[16, 64 B]`;
+    /// tmm6: activations `[16 quads, bb * 4 B]`.
+    fn new(bb: usize) -> TileConfig {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        let cb = (bb * 4) as u16;
+        for (t, cols) in [
+            (0, cb),
+            (1, cb),
+            (4, KSTEP as u16),
+            (5, KSTEP as u16),
+            (6, cb),
+        ] {
+            c.colsb[t] = cols;
+            c.rows[t] = TILE_ROWS as u8;
+        }
+        c
+    }
+}
+
+/// Computes the W8A8 tile described by `lw` (batch of at least 1) into `out`.
+///
+/// # Safety
+/// AMX-TILE/AMX-INT8 and AVX-512 F/BW/VNNI available, tile state granted by Linux
+/// (`request_tile_permission`); `lw` checked by `gemm_i8_w8a8`.
+pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let chunks = lw.k.len() / KSTEP;
+    let groups_end = lw.n.start + lw.n.len() / TILE_ROWS * TILE_ROWS;
+    if chunks > 0 && groups_end > lw.n.start {
+        PACK.with(|p| {
+            let mut pack = p.borrow_mut();
+            let mut b0 = 0;
+            while b0 < lw.batch {
+                let bb = (lw.batch - b0).min(BATCH);
+                repack(lw, b0, bb, chunks, &mut pack);
+                // SAFETY: forwarded contract; rows `n.start..groups_end` in whole groups of 16,
+                // batch rows `b0..b0 + bb` inside the batch, `pack` holds `chunks` blocks.
+                unsafe { tiles(lw, b0, bb, chunks, groups_end, &pack, out, ld_out) };
+                b0 += bb;
+            }
+        });
+    }
+    // Rows after the last whole group of 16 (and every row when `k` has no whole step).
+    let rest = if chunks > 0 { groups_end } else { lw.n.start };
+    if rest < lw.n.end {
+        let sub = Lowered {
+            n: rest..lw.n.end,
+            k: lw.k.clone(),
+            ..*lw
+        };
+        // SAFETY: the same checked tile restricted to its last rows, writing the same output
+        // elements (the output slice starts at those rows' column); AVX-512 VNNI available.
+        unsafe { avx512::gemm(&sub, &mut out[rest - lw.n.start..], ld_out) };
+    }
+}
+
+/// Writes batch rows `b0..b0 + bb` of the body into `pack` as `chunks` B blocks of
+/// `16 × 64` bytes (unused columns zero).
+fn repack(lw: &Lowered<'_>, b0: usize, bb: usize, chunks: usize, pack: &mut Vec<i8>) {
+    pack.clear();
+    pack.resize(chunks * TILE_ROWS * KSTEP, 0);
+    for b in 0..bb {
+        let row = &lw.a[(b0 + b) * lw.lda + lw.k.start..];
+        for c in 0..chunks {
+            for j in 0..TILE_ROWS {
+                let src = &row[c * KSTEP + 4 * j..c * KSTEP + 4 * j + 4];
+                let at = c * TILE_ROWS * KSTEP + j * KSTEP + b * 4;
+                pack[at..at + 4].copy_from_slice(src);
+            }
+        }
+    }
+}
+
+/// Rows `n.start..groups_end` (whole groups of 16) against batch rows `b0..b0 + bb`.
+///
+/// # Safety
+/// As [`gemm`]; `groups_end - n.start` a multiple of 16 inside the tile, `pack` holding
+/// `chunks` blocks of batch rows `b0..b0 + bb`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles(
+    lw: &Lowered<'_>,
+    b0: usize,
+    bb: usize,
+    chunks: usize,
+    groups_end: usize,
+    pack: &[i8],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let cfg = TileConfig::new(bb);
+    let mut c = [[0i32; BATCH]; 2 * TILE_ROWS];
+    let tail = lw.k.start + chunks * KSTEP..lw.k.end;
+    let wstride = lw.ldw;
+    // SAFETY: `cfg` is a valid palette-1 configuration (rows <= 16, colsb <= 64) and the tile
+    // state is granted (caller's contract).
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &raw const cfg, options(nostack, readonly)) };
+    let mut n0 = lw.n.start;
+    while n0 < groups_end {
+        let pair = groups_end - n0 >= 2 * TILE_ROWS;
+        let w0 = lw.w[n0 * lw.ldw + lw.k.start..].as_ptr();
+        // SAFETY: zeroing tile registers touches no memory.
+        unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
+        for ch in 0..chunks {
+            let bp = pack[ch * TILE_ROWS * KSTEP..].as_ptr();
+            let wa = w0.wrapping_add(ch * KSTEP);
+            let wb = wa.wrapping_add(TILE_ROWS * wstride);
+            // The same 64 bytes of the next group's rows: 32 row streams at a large stride are
+            // more than the hardware prefetcher follows.
+            let next = wa.wrapping_add(2 * TILE_ROWS * wstride);
+            for r in 0..2 * TILE_ROWS {
+                prefetch_l2(next.wrapping_add(r * wstride));
+            }
+            if pair {
+                // SAFETY: tmm6 reads 16 rows of `bb * 4` bytes at stride 64 inside block `ch`
+                // of `pack`; tmm4/tmm5 read 16 rows of 64 bytes at the weight stride from rows
+                // n0..n0 + 32 at `k.start + 64 ch`, inside the tile's rows and body (the
+                // caller checked the rows lie in `lw.w`).
+                unsafe {
+                    asm!(
+                        "tileloadd tmm6, [{b} + {bs}*1]",
+                        "tileloadd tmm4, [{wa} + {ws}*1]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tileloadd tmm5, [{wb} + {ws}*1]",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        b = in(reg) bp,
+                        bs = in(reg) KSTEP,
+                        wa = in(reg) wa,
+                        wb = in(reg) wb,
+                        ws = in(reg) wstride,
+                        options(nostack, readonly),
+                    )
+                };
+            } else {
+                // SAFETY: as above, with rows n0..n0 + 16 only.
+                unsafe {
+                    asm!(
+                        "tileloadd tmm6, [{b} + {bs}*1]",
+                        "tileloadd tmm4, [{wa} + {ws}*1]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        b = in(reg) bp,
+                        bs = in(reg) KSTEP,
+                        wa = in(reg) wa,
+                        ws = in(reg) wstride,
+                        options(nostack, readonly),
+                    )
+                };
+            }
+        }
+        let cp = c.as_mut_ptr();
+        // SAFETY: tmm0/tmm1 hold 16 rows of `bb * 4` bytes; `c` has 16 rows of 64 bytes each
+        // (BATCH i32) per tile, rows 0..16 and 16..32.
+        unsafe {
+            asm!(
+                "tilestored [{c0} + {cs}*1], tmm0",
+                "tilestored [{c1} + {cs}*1], tmm1",
+                c0 = in(reg) cp,
+                c1 = in(reg) cp.wrapping_add(TILE_ROWS),
+                cs = in(reg) BATCH * 4,
+                options(nostack),
+            )
+        };
+        let rows = if pair { 2 * TILE_ROWS } else { TILE_ROWS };
+        for (r, crow) in c.iter().enumerate().take(rows) {
+            for (b, &v) in crow.iter().enumerate().take(bb) {
+                let s = v + lw.dot(n0 + r, b0 + b, tail.clone());
+                lw.finish(out, ld_out, n0 + r, b0 + b, s);
+            }
+        }
+        n0 += rows;
+    }
+    // SAFETY: releasing the tile state touches no memory; later calls configure again.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}

@@ -1,0 +1,123 @@
+//! 512-bit int8 paths: AVX-512 VNNI `vpdpbusd` (activations offset by +128, removed with the
+//! weight-row sums taken alongside) and the wide product in 512-bit registers. Blocks of `R`
+//! weight rows × up to `B` batch rows, every accumulator in one of the 32 registers.
+
+use std::arch::x86_64::*;
+
+use super::{Lowered, LoweredWide};
+use crate::simd::prefetch_l2;
+
+/// Weight rows per block.
+const R: usize = 4;
+/// Most batch rows per block: 16 accumulators, 4 row sums, 4 activation vectors and the
+/// weights stay within 32 registers.
+const B: usize = 4;
+/// Bytes of `k` per step.
+const STEP: usize = 64;
+
+/// W8A8 with 512-bit `vpdpbusd`.
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI available; `lw` checked by `gemm_i8_w8a8`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    drive!(lw, out, ld_out, R, B, STEP, block_vnni, 0i32);
+}
+
+/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b`: `sum (a + 128) w` minus
+/// `128 sum w`, wrapping in i32 (the true value is in range, so the wrap cancels).
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI available; the rows lie inside the tile of a checked `lw`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn block_vnni<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; B]; R],
+) {
+    let steps = lw.k.len() / STEP;
+    let k0 = lw.k.start;
+    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
+    let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
+    let flip = _mm512_set1_epi8(i8::MIN);
+    let ones = _mm512_set1_epi8(1);
+    let mut acc = [[_mm512_setzero_si512(); BB]; RR];
+    let mut wsum = [_mm512_setzero_si512(); RR];
+    for s in 0..steps {
+        // SAFETY: `s * STEP + STEP <= k.len()` values lie after each start pointer (the rows
+        // lie inside their slices: checked by the caller).
+        let a: [__m512i; BB] = std::array::from_fn(|b| {
+            _mm512_xor_si512(
+                // SAFETY: as above.
+                unsafe { _mm512_loadu_si512(ap[b].add(s * STEP).cast()) },
+                flip,
+            )
+        });
+        for r in 0..RR {
+            // The same row of the next block, one block ahead (see `PREFETCH`).
+            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
+            // SAFETY: as above.
+            let w = unsafe { _mm512_loadu_si512(wp[r].add(s * STEP).cast()) };
+            wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, w);
+            for b in 0..BB {
+                acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], a[b], w);
+            }
+        }
+    }
+    for r in 0..RR {
+        let off = _mm512_reduce_add_epi32(wsum[r]).wrapping_mul(128);
+        for b in 0..BB {
+            sums[r][b] = _mm512_reduce_add_epi32(acc[r][b]).wrapping_sub(off);
+        }
+    }
+}
+
+/// Wide product: 16 int8 widened to fp32 per step, FMA against fp32 rows.
+///
+/// # Safety
+/// AVX-512 F available; `lw` checked by `gemm_i8_wide`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
+    drive!(lw, out, ld_out, R, B, 16, block_wide, 0.0f32);
+}
+
+/// `sums[r][b]` of the body in steps of 16.
+///
+/// # Safety
+/// AVX-512 F available; the rows lie inside the tile of a checked `lw`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+unsafe fn block_wide<const RR: usize, const BB: usize>(
+    lw: &LoweredWide<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[f32; B]; R],
+) {
+    let steps = lw.k.len() / 16;
+    let k0 = lw.k.start;
+    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
+    let xp: [*const f32; BB] = std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + k0..].as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); BB]; RR];
+    for s in 0..steps {
+        // SAFETY: `s * 16 + 16 <= k.len()` values lie after each start pointer.
+        let x: [__m512; BB] =
+            std::array::from_fn(|b| unsafe { _mm512_loadu_ps(xp[b].add(s * 16)) });
+        for r in 0..RR {
+            if s % 4 == 0 {
+                // As in the W8A8 blocks: the next block's rows, a cache line per 64 bytes.
+                prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * 16));
+            }
+            // SAFETY: as above (16 bytes of the weight row).
+            let w16 = unsafe { _mm_loadu_si128(wp[r].add(s * 16).cast()) };
+            let wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(w16));
+            for b in 0..BB {
+                acc[r][b] = _mm512_fmadd_ps(wf, x[b], acc[r][b]);
+            }
+        }
+    }
+    for r in 0..RR {
+        for b in 0..BB {
+            sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
+        }
+    }
+}

@@ -1,0 +1,688 @@
+//! int8 matrix products for weights quantised symmetrically per output channel:
+//! `out[b, n] (+)= sw[n] * sum_k w[n, k] * x[b, k]` (times a per-row factor), one tile
+//! (`n` rows × a `k` slice) per call, like [`crate::gemm`].
+//!
+//! Two products share the weight format:
+//! - **W8A8** ([`gemm_i8_w8a8`]): activations quantised per row to int8 with an fp32 scale
+//!   ([`quantize_acts_i8`]); the `k` sum is exact in i32 and scaled once,
+//!   `out = sum * sw[n] * sa[b]`. Every path computes the same integers and finishes with the
+//!   same float expression, so every path gives bit-identical results.
+//! - **Wide** ([`gemm_i8_wide`]): fp32 activations in natural order against int8 weights
+//!   widened to fp32 in registers; `out = sw[n] * sum_k w * x (* row_scale[b])`. Paths differ
+//!   only in the order of fp32 additions.
+//!
+//! # Layouts
+//! - Weights `[N, K]` int8, row `n` at `data[n * ld..n * ld + K]` (`ld >= K`, so a caller may
+//!   keep other bytes after each row), fp32 scale per row: `w_real[n, k] = sw[n] * w[n, k]`.
+//! - Quantised activations `[B, K]` int8 at row stride `ld`, one fp32 scale per row, values in
+//!   `-127..=127` (the AVX2 sign trick below needs `-128` absent; the quantiser never makes it).
+//! - Output fp32: element `(b, n)` of a tile at `out[b * ld_out + (n - tile.n.start)]`.
+//!
+//! # Paths ([`I8Path`], chosen at run time)
+//! - Portable: plain loops.
+//! - AVX2 (`vpmaddubsw`): `|w|` as u8 times `sign(x, w)` as s8, pairs summed to i16 (at most
+//!   `2 * 128 * 127`, no saturation) then to i32 with `vpmaddwd` against ones.
+//! - AVX-VNNI (256-bit) and AVX-512 VNNI (`vpdpbusd`): the instruction wants u8 × s8, so the
+//!   activations enter as `x + 128` (a xor of the sign bit) and each weight row's sum over the
+//!   slice, taken alongside with a second `vpdpbusd` against ones, removes the offset:
+//!   `sum (x + 128) w - 128 sum w`. Sums wrap in i32 and the final value is in range, so the
+//!   wrap cancels.
+//! - AMX-INT8 (`tdpbssd`): the weight rows are the A tile as they lie (16 rows × 64 bytes),
+//!   the activations are repacked per call into the B tile layout (`k / 4` rows of four bytes
+//!   per batch row), so nothing about the weights changes; for batches of at least
+//!   [`AMX_MIN_BATCH`] rows, else the VNNI path runs.
+//!
+//! The W8A8 blocks prefetch (into L2) the rows of the next block while they stream the current
+//! one, a step's worth per row per step: an int8 row of a small model is only a few cache lines
+//! long, too short for the hardware prefetcher to ramp up within it (one thread streamed 4.6
+//! GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same way).
+//!
+//! `k` slices are summed in steps of 32 (AVX2, AVX-VNNI) or 64 bytes (AVX-512, AMX) from the
+//! slice start, the rest by a scalar loop: no alignment or multiple is required of `K`.
+
+use std::cell::Cell;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use half::bf16;
+
+use crate::gemm::{GemmTile, OutMode};
+use crate::isa::Isa;
+use crate::multiversion::multiversion;
+
+/// Runs `$block::<rows, batch>` over a lowered tile in blocks of `$r` weight rows (single rows
+/// at the end) and up to `$b` batch rows, finishing each sum with the slice's scalar tail (the
+/// `k` values after the last whole `$step`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! drive {
+    ($lw:expr, $out:expr, $ld_out:expr, $r:expr, $b:expr, $step:expr, $block:ident, $zero:expr) => {{
+        let lw = $lw;
+        let tail = lw.k.start + lw.k.len() / $step * $step..lw.k.end;
+        let mut n0 = lw.n.start;
+        while n0 < lw.n.end {
+            let nr = if lw.n.end - n0 >= $r { $r } else { 1 };
+            let mut b0 = 0;
+            while b0 < lw.batch {
+                let bb = (lw.batch - b0).min($b);
+                let mut sums = [[$zero; $b]; $r];
+                // SAFETY: rows n0..n0+nr and batch rows b0..b0+bb lie inside the tile (loop
+                // bounds); the caller's contract covers the features and the slices.
+                unsafe {
+                    match (nr == $r, bb) {
+                        (true, 1) => $block::<$r, 1>(lw, n0, b0, &mut sums),
+                        (true, 2) if $b > 2 => $block::<$r, 2>(lw, n0, b0, &mut sums),
+                        (true, 3) if $b > 3 => $block::<$r, 3>(lw, n0, b0, &mut sums),
+                        (true, _) => $block::<$r, $b>(lw, n0, b0, &mut sums),
+                        (false, 1) => $block::<1, 1>(lw, n0, b0, &mut sums),
+                        (false, 2) if $b > 2 => $block::<1, 2>(lw, n0, b0, &mut sums),
+                        (false, 3) if $b > 3 => $block::<1, 3>(lw, n0, b0, &mut sums),
+                        (false, _) => $block::<1, $b>(lw, n0, b0, &mut sums),
+                    }
+                }
+                for r in 0..nr {
+                    for b in 0..bb {
+                        let s = sums[r][b] + lw.dot(n0 + r, b0 + b, tail.clone());
+                        lw.finish($out, $ld_out, n0 + r, b0 + b, s);
+                    }
+                }
+                b0 += bb;
+            }
+            n0 += nr;
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod peak;
+mod portable;
+
+/// Largest `K` a call accepts: `K * 128 * 127` must fit an i32 (the exact integer sum).
+pub const MAX_K: usize = 1 << 17;
+
+/// Smallest batch the AMX path takes: a batch of one would use one of a tile's 16 columns, so
+/// it goes to AVX-512 VNNI; at batch 4 and 16 the two measured level within the noise of the
+/// shared host (`docs/benchmarks.md`), and the tiles leave the vector units free.
+pub const AMX_MIN_BATCH: usize = 4;
+
+/// An int8 product path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum I8Path {
+    /// Plain Rust.
+    Portable,
+    /// AVX2 `vpmaddubsw` / `vpmaddwd` (and FMA for the wide product).
+    Avx2,
+    /// 256-bit `vpdpbusd` (AVX-VNNI; the wide product runs as on AVX2).
+    AvxVnni,
+    /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI; the wide product in 512-bit registers).
+    Avx512Vnni,
+    /// AMX-INT8 tiles for batches of [`AMX_MIN_BATCH`] or more, AVX-512 VNNI below.
+    Amx,
+}
+
+impl I8Path {
+    /// Every path, slowest first.
+    pub const ALL: [I8Path; 5] = [
+        I8Path::Portable,
+        I8Path::Avx2,
+        I8Path::AvxVnni,
+        I8Path::Avx512Vnni,
+        I8Path::Amx,
+    ];
+
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            I8Path::Portable => "portable",
+            I8Path::Avx2 => "avx2",
+            I8Path::AvxVnni => "avx-vnni",
+            I8Path::Avx512Vnni => "avx512-vnni",
+            I8Path::Amx => "amx-int8",
+        }
+    }
+
+    /// Whether this CPU (and, for AMX, the operating system) can run the path.
+    pub fn is_supported(self) -> bool {
+        match self {
+            I8Path::Portable => true,
+            I8Path::Avx2 => Isa::Avx2.is_supported(),
+            I8Path::AvxVnni => Isa::Avx2.is_supported() && avx_vnni_supported(),
+            I8Path::Avx512Vnni => avx512_vnni_supported(),
+            I8Path::Amx => {
+                avx512_vnni_supported()
+                    && amx_int8_supported()
+                    && crate::amx::request_tile_permission()
+            }
+        }
+    }
+
+    /// The best path this machine supports (detected once).
+    pub fn detected() -> I8Path {
+        static DETECTED: AtomicU8 = AtomicU8::new(u8::MAX);
+        let i = DETECTED.load(Ordering::Relaxed);
+        if let Some(p) = I8Path::ALL.get(usize::from(i)) {
+            return *p;
+        }
+        let best = I8Path::ALL
+            .into_iter()
+            .rev()
+            .find(|p| p.is_supported())
+            .unwrap_or(I8Path::Portable);
+        DETECTED.store(best as u8, Ordering::Relaxed);
+        best
+    }
+
+    /// The path int8 kernels on this thread take now: a [`with_i8_path`] override if one is
+    /// active; else portable under a portable [`Isa`] override (so `with_isa(Portable, ..)`
+    /// tests a whole model on plain loops); else [`I8Path::detected`].
+    pub fn current() -> I8Path {
+        if let Some(p) = OVERRIDE.with(Cell::get) {
+            return p;
+        }
+        if Isa::current() == Isa::Portable {
+            return I8Path::Portable;
+        }
+        I8Path::detected()
+    }
+}
+
+thread_local! {
+    static OVERRIDE: Cell<Option<I8Path>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every int8 kernel called on this thread taking `path`; `None` (without
+/// running `f`) when this machine cannot run it.
+pub fn with_i8_path<R>(path: I8Path, f: impl FnOnce() -> R) -> Option<R> {
+    if !path.is_supported() {
+        return None;
+    }
+    struct Restore(Option<I8Path>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(path))));
+    Some(f())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni_supported() -> bool {
+    is_x86_feature_detected!("avxvnni")
+}
+#[cfg(target_arch = "x86_64")]
+fn avx512_vnni_supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+        && Isa::Avx2.is_supported()
+}
+#[cfg(target_arch = "x86_64")]
+fn amx_int8_supported() -> bool {
+    crate::amx::cpu_amx_features().is_some_and(|(int8, _)| int8)
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn avx_vnni_supported() -> bool {
+    false
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_vnni_supported() -> bool {
+    false
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_int8_supported() -> bool {
+    false
+}
+
+/// int8 weights `[rows, cols]` at row stride `ld`, one fp32 scale per row.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightsI8<'a> {
+    data: &'a [i8],
+    scales: &'a [f32],
+    rows: usize,
+    cols: usize,
+    ld: usize,
+}
+
+impl<'a> WeightsI8<'a> {
+    /// Views `data` as `rows` rows of `cols` values, row `n` starting at `n * ld`.
+    ///
+    /// # Panics
+    /// If `ld < cols`, `cols > MAX_K`, `data` is shorter than the last row's end, or
+    /// `scales.len() != rows`.
+    pub fn new(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> WeightsI8<'a> {
+        assert!(ld >= cols, "int8 weights: ld {ld} < cols {cols}");
+        assert!(cols <= MAX_K, "int8 weights: K {cols} > {MAX_K}");
+        assert_eq!(
+            scales.len(),
+            rows,
+            "int8 weights: {} scales for {rows} rows",
+            scales.len()
+        );
+        let need = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+        assert!(
+            data.len() >= need,
+            "int8 weights: {} bytes for {rows} rows of {cols} at stride {ld}",
+            data.len()
+        );
+        WeightsI8 {
+            data,
+            scales,
+            rows,
+            cols,
+            ld,
+        }
+    }
+    /// Number of rows (`N`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Number of columns (`K`).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Row stride in elements.
+    pub fn ld(&self) -> usize {
+        self.ld
+    }
+    /// The per-row scales.
+    pub fn scales(&self) -> &'a [f32] {
+        self.scales
+    }
+    /// The values.
+    pub fn data(&self) -> &'a [i8] {
+        self.data
+    }
+    /// Rows `r` of these weights.
+    ///
+    /// # Panics
+    /// If `r` lies outside the rows.
+    pub fn rows_range(&self, r: Range<usize>) -> WeightsI8<'a> {
+        assert!(
+            r.start <= r.end && r.end <= self.rows,
+            "int8 weights: rows {r:?} of {}",
+            self.rows
+        );
+        let start = (r.start * self.ld).min(self.data.len());
+        WeightsI8::new(
+            &self.data[start..],
+            &self.scales[r.clone()],
+            r.len(),
+            self.cols,
+            self.ld,
+        )
+    }
+}
+
+/// Activations quantised per row: int8 `[rows, cols]` at row stride `ld`, values in
+/// `-127..=127`, one fp32 scale per row (`x_real[b, k] = sa[b] * x[b, k]`).
+#[derive(Clone, Copy, Debug)]
+pub struct ActsI8<'a> {
+    data: &'a [i8],
+    scales: &'a [f32],
+    rows: usize,
+    cols: usize,
+    ld: usize,
+}
+
+impl<'a> ActsI8<'a> {
+    /// Views `data` as quantised activations (as [`quantize_acts_i8`] writes them).
+    ///
+    /// # Panics
+    /// As [`WeightsI8::new`], and if any value is `-128`.
+    pub fn new(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+        ld: usize,
+    ) -> ActsI8<'a> {
+        let w = WeightsI8::new(data, scales, rows, cols, ld);
+        for b in 0..rows {
+            assert!(
+                !data[b * ld..b * ld + cols].contains(&i8::MIN),
+                "int8 activations: row {b} holds -128"
+            );
+        }
+        ActsI8 {
+            data: w.data,
+            scales,
+            rows,
+            cols,
+            ld,
+        }
+    }
+    /// Number of batch rows (`B`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Number of columns (`K`).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The per-row scales.
+    pub fn scales(&self) -> &'a [f32] {
+        self.scales
+    }
+}
+
+/// Symmetric quantisation of one row: `q = round(x * 127 / max|x|)` (halves to even), in
+/// `-127..=127`; returns the scale `max|x| / 127` (0 for an all-zero row, whose values all
+/// quantise to 0). Non-finite inputs make a non-finite scale: garbage in, visible garbage out.
+///
+/// # Panics
+/// If `q.len() != x.len()`.
+pub fn quantize_row_i8(x: &[f32], q: &mut [i8]) -> f32 {
+    assert_eq!(q.len(), x.len(), "quantize_row_i8: lengths");
+    quantize_f32(x, q)
+}
+
+/// [`quantize_row_i8`] of a bf16 row (weights at load).
+///
+/// # Panics
+/// If `q.len() != x.len()`.
+pub fn quantize_row_bf16_i8(x: &[bf16], q: &mut [i8]) -> f32 {
+    assert_eq!(q.len(), x.len(), "quantize_row_bf16_i8: lengths");
+    quantize_bf16(x, q)
+}
+
+// Every SPMD block of an int8 projection quantises its whole input, so these run often: one
+// body compiled for the portable and the AVX2 path (`multiversion!`), written in 8-lane
+// chunks and with `round_ties_even` (one instruction; `round` is a libm call) so the compiler
+// vectorises both passes.
+multiversion!(
+    fn quantize_f32(x: &[f32], q: &mut [i8]) -> f32 {
+        let amax = abs_max(x.len(), |i| x[i]);
+        scale_round(x.len(), |i| x[i], amax, q)
+    }
+);
+
+multiversion!(
+    fn quantize_bf16(x: &[bf16], q: &mut [i8]) -> f32 {
+        let amax = abs_max(x.len(), |i| x[i].to_f32());
+        scale_round(x.len(), |i| x[i].to_f32(), amax, q)
+    }
+);
+
+/// `max |x(i)|` over `0..n`, eight running maxima.
+#[inline(always)]
+fn abs_max(n: usize, x: impl Fn(usize) -> f32) -> f32 {
+    let mut m = [0.0f32; 8];
+    let body = n / 8 * 8;
+    for c in (0..body).step_by(8) {
+        for (l, mm) in m.iter_mut().enumerate() {
+            *mm = mm.max(x(c + l).abs());
+        }
+    }
+    let tail = (body..n).fold(0.0f32, |a, i| a.max(x(i).abs()));
+    m.iter().fold(tail, |a, &v| a.max(v))
+}
+
+/// Writes `q[i] = round(x(i) * 127 / amax)` and returns `amax / 127` (zeros and 0 for
+/// `amax == 0`).
+#[inline(always)]
+fn scale_round(n: usize, x: impl Fn(usize) -> f32, amax: f32, q: &mut [i8]) -> f32 {
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let inv = 127.0 / amax;
+    for (i, o) in q[..n].iter_mut().enumerate() {
+        // `as` saturates (NaN to 0); the clamp keeps -128 out.
+        *o = (x(i) * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    amax / 127.0
+}
+
+/// Quantises fp32 activations `x [rows, cols]` (row stride `ldx`) per row into `q` (row stride
+/// `ldq`) and `scales`, each scale multiplied by `row_scale[b]` when given (a deferred per-row
+/// factor such as RMSNorm's `1/rms` then costs nothing in the product).
+///
+/// # Panics
+/// If a slice is too short for its rows.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_acts_i8(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    ldx: usize,
+    row_scale: Option<&[f32]>,
+    q: &mut [i8],
+    ldq: usize,
+    scales: &mut [f32],
+) {
+    assert!(scales.len() >= rows, "quantize_acts_i8: scales");
+    for b in 0..rows {
+        let s = quantize_row_i8(&x[b * ldx..b * ldx + cols], &mut q[b * ldq..b * ldq + cols]);
+        scales[b] = s * row_scale.map_or(1.0, |r| r[b]);
+    }
+}
+
+/// Arguments checked and lowered for the W8A8 path kernels.
+struct Lowered<'a> {
+    w: &'a [i8],
+    ldw: usize,
+    sw: &'a [f32],
+    a: &'a [i8],
+    lda: usize,
+    sa: &'a [f32],
+    batch: usize,
+    n: Range<usize>,
+    k: Range<usize>,
+    mode: OutMode,
+}
+
+impl Lowered<'_> {
+    /// Exact i32 sum of row `n` against batch row `b` over `k`.
+    #[inline]
+    fn dot(&self, n: usize, b: usize, k: Range<usize>) -> i32 {
+        let w = &self.w[n * self.ldw..];
+        let a = &self.a[b * self.lda..];
+        k.map(|i| i32::from(w[i]) * i32::from(a[i]))
+            .fold(0i32, i32::wrapping_add)
+    }
+
+    /// Writes one finished sum (the same expression on every path).
+    #[inline]
+    fn finish(&self, out: &mut [f32], ld_out: usize, n: usize, b: usize, sum: i32) {
+        let v = sum as f32 * self.sw[n] * self.sa[b];
+        let o = &mut out[b * ld_out + (n - self.n.start)];
+        match self.mode {
+            OutMode::Store => *o = v,
+            OutMode::Add => *o += v,
+        }
+    }
+}
+
+/// Checks a tile against the weights, `batch` rows of `K`, and an output of stride `ld_out`;
+/// `false` when there is nothing to do.
+fn check_tile(
+    w: &WeightsI8<'_>,
+    kx: usize,
+    batch: usize,
+    tile: &GemmTile,
+    out: &[f32],
+    ld_out: usize,
+) -> bool {
+    let (n, k) = (&tile.n, &tile.k);
+    assert!(
+        n.start <= n.end && n.end <= w.rows(),
+        "gemm_i8: n range {n:?} outside {} rows",
+        w.rows()
+    );
+    assert!(
+        k.start <= k.end && k.end <= w.cols(),
+        "gemm_i8: k range {k:?} outside {} cols",
+        w.cols()
+    );
+    assert_eq!(
+        kx,
+        w.cols(),
+        "gemm_i8: activations K {kx} != weights K {}",
+        w.cols()
+    );
+    if n.is_empty() || batch == 0 {
+        return false;
+    }
+    assert!(
+        batch == 1 || ld_out >= n.len(),
+        "gemm_i8: ld_out {ld_out} < tile width {}",
+        n.len()
+    );
+    let need = (batch - 1)
+        .checked_mul(ld_out)
+        .and_then(|v| v.checked_add(n.len()));
+    assert!(
+        need.is_some_and(|need| out.len() >= need),
+        "gemm_i8: out too short"
+    );
+    true
+}
+
+/// One tile of `out[b, n] (+)= sw[n] * sa[b] * sum_{k in tile.k} w[n, k] * x[b, k]` for every
+/// batch row of `x` (exact i32 sums; bit-identical on every path).
+///
+/// # Panics
+/// If the tile lies outside `w`, `x` has a different `K`, or `out` is too short for
+/// `x.rows()` rows of stride `ld_out`.
+pub fn gemm_i8_w8a8(
+    w: WeightsI8<'_>,
+    x: ActsI8<'_>,
+    tile: &GemmTile,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    if !check_tile(&w, x.cols(), x.rows(), tile, out, ld_out) {
+        return;
+    }
+    let lw = Lowered {
+        w: w.data,
+        ldw: w.ld,
+        sw: w.scales,
+        a: x.data,
+        lda: x.ld,
+        sa: x.scales,
+        batch: x.rows(),
+        n: tile.n.clone(),
+        k: tile.k.clone(),
+        mode: tile.mode,
+    };
+    #[cfg(target_arch = "x86_64")]
+    {
+        let path = I8Path::current();
+        // SAFETY: `I8Path::current` returns a path only when `is_supported` said this CPU has
+        // its features (and, for AMX, Linux granted the tile state); `lw` was checked above
+        // (ranges inside the matrices, output long enough).
+        unsafe {
+            match path {
+                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => return amx::gemm(&lw, out, ld_out),
+                I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&lw, out, ld_out),
+                I8Path::AvxVnni => return avx2::gemm_vnni(&lw, out, ld_out),
+                I8Path::Avx2 => return avx2::gemm(&lw, out, ld_out),
+                I8Path::Portable => {}
+            }
+        }
+    }
+    portable::gemm(&lw, out, ld_out);
+}
+
+/// Arguments checked and lowered for the wide path kernels.
+struct LoweredWide<'a> {
+    w: &'a [i8],
+    ldw: usize,
+    sw: &'a [f32],
+    x: &'a [f32],
+    ldx: usize,
+    row_scale: Option<&'a [f32]>,
+    batch: usize,
+    n: Range<usize>,
+    k: Range<usize>,
+    mode: OutMode,
+}
+
+impl LoweredWide<'_> {
+    /// fp32 sum of row `n` against batch row `b` over `k`, in order.
+    #[inline]
+    fn dot(&self, n: usize, b: usize, k: Range<usize>) -> f32 {
+        let w = &self.w[n * self.ldw..];
+        let x = &self.x[b * self.ldx..];
+        k.map(|i| f32::from(w[i]) * x[i]).sum()
+    }
+
+    #[inline]
+    fn finish(&self, out: &mut [f32], ld_out: usize, n: usize, b: usize, sum: f32) {
+        let mut v = sum * self.sw[n];
+        if let Some(r) = self.row_scale {
+            v *= r[b];
+        }
+        let o = &mut out[b * ld_out + (n - self.n.start)];
+        match self.mode {
+            OutMode::Store => *o = v,
+            OutMode::Add => *o += v,
+        }
+    }
+}
+
+/// One tile of `out[b, n] (+)= sw[n] * sum_{k in tile.k} w[n, k] * x[b, k] (* row_scale[b])`
+/// with `x` fp32 `[batch, K]` in natural order at row stride `ldx`.
+///
+/// # Panics
+/// As [`gemm_i8_w8a8`], and if `x` is too short or `row_scale` is not `batch` long.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_i8_wide(
+    w: WeightsI8<'_>,
+    x: &[f32],
+    batch: usize,
+    ldx: usize,
+    row_scale: Option<&[f32]>,
+    tile: &GemmTile,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    if !check_tile(&w, w.cols(), batch, tile, out, ld_out) {
+        return;
+    }
+    assert!(
+        ldx >= w.cols() && x.len() >= (batch - 1) * ldx + w.cols(),
+        "gemm_i8_wide: x too short"
+    );
+    if let Some(r) = row_scale {
+        assert_eq!(r.len(), batch, "gemm_i8_wide: row_scale len");
+    }
+    let lw = LoweredWide {
+        w: w.data,
+        ldw: w.ld,
+        sw: w.scales,
+        x,
+        ldx,
+        row_scale,
+        batch,
+        n: tile.n.clone(),
+        k: tile.k.clone(),
+        mode: tile.mode,
+    };
+    #[cfg(target_arch = "x86_64")]
+    {
+        let path = I8Path::current();
+        // SAFETY: the path is supported by this CPU (`I8Path::current`); `lw` was checked
+        // above.
+        unsafe {
+            match path {
+                I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm_wide(&lw, out, ld_out),
+                I8Path::AvxVnni | I8Path::Avx2 => return avx2::gemm_wide(&lw, out, ld_out),
+                I8Path::Portable => {}
+            }
+        }
+    }
+    portable::gemm_wide(&lw, out, ld_out);
+}

@@ -1,0 +1,327 @@
+//! int8 GEMM: the quantisers, every W8A8 path bit for bit against an i64 reference loop (and
+//! so against each other), and every wide path against an f64 loop, at ragged shapes, tile
+//! edges, split-K slices and extreme values. Each test prints the paths it covered.
+
+mod common;
+
+use std::ops::Range;
+
+use common::Rng;
+use simpler_kernels_cpu::{
+    ActsI8, GemmTile, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, gemm_i8_wide, quantize_acts_i8,
+    quantize_row_i8, with_i8_path,
+};
+
+/// The supported paths, after printing which ran and which this machine lacks.
+fn paths(test: &str) -> Vec<I8Path> {
+    let (run, skip): (Vec<_>, Vec<_>) = I8Path::ALL.into_iter().partition(|p| p.is_supported());
+    let names = |v: &[I8Path]| v.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ");
+    println!("{test}: int8 paths covered: {}", names(&run));
+    if !skip.is_empty() {
+        println!(
+            "{test}: skipped (this machine lacks them): {}",
+            names(&skip)
+        );
+    }
+    run
+}
+
+struct Case {
+    n: usize,
+    k: usize,
+    batch: usize,
+    ldw: usize,
+    lda: usize,
+    w: Vec<i8>,
+    sw: Vec<f32>,
+    a: Vec<i8>,
+    sa: Vec<f32>,
+    x: Vec<f32>,
+}
+
+/// Values: uniform int8 (weights may be -128, activations not), or only the extremes when
+/// `extreme` (the saturation and wrap cases).
+fn case(n: usize, k: usize, batch: usize, extreme: bool, seed: u64) -> Case {
+    let mut rng = Rng(seed);
+    let ldw = k + rng.below(3) * 5;
+    let lda = k + rng.below(2) * 7;
+    let mut byte = |lo: i32| -> i8 {
+        if extreme {
+            [lo, 127, lo, 127, 0][rng.below(5)] as i8
+        } else {
+            (lo + rng.below((128 - lo) as usize) as i32) as i8
+        }
+    };
+    let w = (0..n * ldw).map(|_| byte(-128)).collect();
+    let a = (0..batch * lda).map(|_| byte(-127)).collect();
+    let sw = rng.vec_f32(n, 0.02);
+    let sa = rng.vec_f32(batch, 0.05);
+    let x = rng.vec_f32(batch * lda, 2.0);
+    Case {
+        n,
+        k,
+        batch,
+        ldw,
+        lda,
+        w,
+        sw,
+        a,
+        sa,
+        x,
+    }
+}
+
+fn reference_w8a8(c: &Case, b: usize, n: usize, k: Range<usize>) -> f32 {
+    let s: i64 = k
+        .map(|i| i64::from(c.w[n * c.ldw + i]) * i64::from(c.a[b * c.lda + i]))
+        .sum();
+    // The documented finish: the exact sum, times the weight scale, times the row scale.
+    i32::try_from(s).expect("sum in i32") as f32 * c.sw[n] * c.sa[b]
+}
+
+fn run_w8a8(c: &Case, tile: &GemmTile, seed_out: &[f32], ld: usize) -> Vec<f32> {
+    let mut out = seed_out.to_vec();
+    let w = WeightsI8::new(&c.w, &c.sw, c.n, c.k, c.ldw);
+    let a = ActsI8::new(&c.a, &c.sa, c.batch, c.k, c.lda);
+    gemm_i8_w8a8(w, a, tile, &mut out, ld);
+    out
+}
+
+/// Random tile inside `[n, k]`: whole, or a slice of rows and/or of `k`, stored or added.
+fn tiles(c: &Case, rng: &mut Rng) -> Vec<GemmTile> {
+    let mut v = vec![GemmTile {
+        n: 0..c.n,
+        k: 0..c.k,
+        mode: OutMode::Store,
+    }];
+    for _ in 0..2 {
+        let n0 = rng.below(c.n);
+        let n1 = n0 + 1 + rng.below(c.n - n0);
+        let k0 = rng.below(c.k);
+        let k1 = k0 + 1 + rng.below(c.k - k0);
+        v.push(GemmTile {
+            n: n0..n1,
+            k: k0..k1,
+            mode: if rng.below(2) == 0 {
+                OutMode::Add
+            } else {
+                OutMode::Store
+            },
+        });
+    }
+    v
+}
+
+fn check_w8a8(c: &Case, paths: &[I8Path], seed: u64) {
+    let mut rng = Rng(seed ^ 0x5EED);
+    for tile in tiles(c, &mut rng) {
+        let ld = tile.n.len() + rng.below(3);
+        let seed_out = rng.vec_f32((c.batch - 1) * ld + tile.n.len(), 1.0);
+        let mut expect = seed_out.clone();
+        for b in 0..c.batch {
+            for n in tile.n.clone() {
+                let v = reference_w8a8(c, b, n, tile.k.clone());
+                let o = &mut expect[b * ld + n - tile.n.start];
+                match tile.mode {
+                    OutMode::Store => *o = v,
+                    OutMode::Add => *o += v,
+                }
+            }
+        }
+        for &p in paths {
+            let got = with_i8_path(p, || run_w8a8(c, &tile, &seed_out, ld)).expect("supported");
+            for (i, (g, e)) in got.iter().zip(&expect).enumerate() {
+                assert!(
+                    g.to_bits() == e.to_bits(),
+                    "{}: [{} x {}] batch {} tile {tile:?} out[{i}] = {g}, reference {e}",
+                    p.name(),
+                    c.n,
+                    c.k,
+                    c.batch
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn w8a8_every_path_equals_the_reference_bit_for_bit_at_ragged_shapes() {
+    let paths = paths("w8a8 ragged");
+    let mut seed = 1;
+    // Rows around the 4-row blocks and 16-row tiles; k around the 32/64-byte steps; batches
+    // around the 2/4-row blocks, the AMX minimum and its 16-row groups.
+    for n in [1, 3, 4, 5, 15, 16, 17, 32, 33, 49] {
+        for k in [1, 31, 32, 33, 64, 65, 127, 200] {
+            for batch in [1, 2, 3, 4, 5, 16, 17] {
+                seed += 1;
+                check_w8a8(&case(n, k, batch, false, seed), &paths, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn w8a8_extreme_values_neither_saturate_nor_wrap() {
+    let paths = paths("w8a8 extremes");
+    for (i, &(n, k, batch)) in [(16, 1024, 1), (33, 4096, 5), (32, 256, 16)]
+        .iter()
+        .enumerate()
+    {
+        check_w8a8(
+            &case(n, k, batch, true, 100 + i as u64),
+            &paths,
+            7 + i as u64,
+        );
+    }
+}
+
+#[test]
+fn w8a8_at_the_largest_k_keeps_the_exact_sum() {
+    let paths = paths("w8a8 max k");
+    // Every product at its largest (127 * 127 and 127 * -128): the sum is near i32::MAX, the
+    // +128 offset sum of the VNNI paths wraps and must cancel.
+    let k = simpler_kernels_cpu::gemm_i8::MAX_K;
+    for (wv, av) in [(127i8, 127i8), (-128, -127), (-128, 127)] {
+        let (n, batch) = (16, 4);
+        let c = Case {
+            n,
+            k,
+            batch,
+            ldw: k,
+            lda: k,
+            w: vec![wv; n * k],
+            sw: vec![1.0; n],
+            a: vec![av; batch * k],
+            sa: vec![1.0; batch],
+            x: Vec::new(),
+        };
+        let expect = (i64::from(wv) * i64::from(av) * k as i64) as f32;
+        let tile = GemmTile {
+            n: 0..n,
+            k: 0..k,
+            mode: OutMode::Store,
+        };
+        for &p in &paths {
+            let got = with_i8_path(p, || run_w8a8(&c, &tile, &vec![0.0; batch * n], n)).unwrap();
+            assert!(
+                got.iter().all(|&g| g == expect),
+                "{}: {wv} x {av}: {:?} != {expect}",
+                p.name(),
+                &got[..4]
+            );
+        }
+    }
+}
+
+#[test]
+#[allow(clippy::needless_range_loop)] // (b, n) index several arrays at once
+fn wide_every_path_matches_an_f64_loop() {
+    let paths = paths("wide");
+    let mut seed = 1000;
+    for n in [1, 4, 5, 17, 33] {
+        for k in [1, 7, 8, 16, 17, 64, 100, 1024] {
+            for batch in [1, 2, 3, 5, 16] {
+                seed += 1;
+                let c = case(n, k, batch, false, seed);
+                let mut rng = Rng(seed);
+                let row_scale = rng.vec_f32(batch, 2.0);
+                for tile in tiles(&c, &mut rng) {
+                    let ld = tile.n.len() + 1;
+                    let seed_out = rng.vec_f32((batch - 1) * ld + tile.n.len(), 1.0);
+                    for &p in &paths {
+                        let mut out = seed_out.clone();
+                        with_i8_path(p, || {
+                            let w = WeightsI8::new(&c.w, &c.sw, n, k, c.ldw);
+                            gemm_i8_wide(
+                                w,
+                                &c.x,
+                                batch,
+                                c.lda,
+                                Some(&row_scale),
+                                &tile,
+                                &mut out,
+                                ld,
+                            )
+                        })
+                        .unwrap();
+                        for b in 0..batch {
+                            for nn in tile.n.clone() {
+                                let (mut s, mut mag) = (0.0f64, 0.0f64);
+                                for i in tile.k.clone() {
+                                    let t = f64::from(c.w[nn * c.ldw + i])
+                                        * f64::from(c.x[b * c.lda + i]);
+                                    s += t;
+                                    mag += t.abs();
+                                }
+                                let f = f64::from(c.sw[nn]) * f64::from(row_scale[b]);
+                                let at = b * ld + nn - tile.n.start;
+                                let base = if tile.mode == OutMode::Add {
+                                    f64::from(seed_out[at])
+                                } else {
+                                    0.0
+                                };
+                                let e = base + s * f;
+                                let tol = mag * f.abs() * 1e-5 + 1e-6;
+                                let g = f64::from(out[at]);
+                                assert!(
+                                    (g - e).abs() <= tol,
+                                    "{}: [{n} x {k}] b{batch} {tile:?} ({b}, {nn}): {g} vs {e}",
+                                    p.name()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantised_rows_round_trip_within_half_a_step() {
+    let mut rng = Rng(42);
+    for len in [1, 5, 64, 1000] {
+        let x = rng.vec_f32(len, 3.0);
+        let mut q = vec![0i8; len];
+        let s = quantize_row_i8(&x, &mut q);
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(s, amax / 127.0);
+        assert!(q.iter().all(|&v| v != i8::MIN));
+        assert!(
+            q.iter().any(|&v| v.unsigned_abs() == 127),
+            "the largest value maps to +-127"
+        );
+        for (v, qv) in x.iter().zip(&q) {
+            assert!(
+                (v - f32::from(*qv) * s).abs() <= s * 0.5 + 1e-6,
+                "{v} -> {qv} * {s}"
+            );
+        }
+    }
+    let mut q = vec![5i8; 4];
+    assert_eq!(quantize_row_i8(&[0.0; 4], &mut q), 0.0);
+    assert_eq!(q, [0; 4]);
+}
+
+#[test]
+fn quantised_activations_fold_the_row_factor_into_the_scale() {
+    let mut rng = Rng(9);
+    let (rows, cols, ldx, ldq) = (3, 40, 45, 48);
+    let x = rng.vec_f32(rows * ldx, 1.0);
+    let r = [0.5f32, 2.0, -1.0];
+    let (mut q, mut s) = (vec![0i8; rows * ldq], vec![0.0f32; rows]);
+    quantize_acts_i8(&x, rows, cols, ldx, Some(&r), &mut q, ldq, &mut s);
+    for b in 0..rows {
+        let mut qq = vec![0i8; cols];
+        let s0 = quantize_row_i8(&x[b * ldx..b * ldx + cols], &mut qq);
+        assert_eq!(&q[b * ldq..b * ldq + cols], &qq[..]);
+        assert_eq!(s[b], s0 * r[b]);
+    }
+}
+
+#[test]
+#[should_panic(expected = "holds -128")]
+fn activations_holding_minus_128_are_refused() {
+    let a = [0i8, -128];
+    let _ = ActsI8::new(&a, &[1.0], 1, 2, 2);
+}
