@@ -932,6 +932,28 @@ fn scope_buffers_end_with_their_scope() {
         Err(NodeError::CallFailed { message, .. }) => assert_eq!(message, "buffer not mapped"),
         other => panic!("expected an unmapped buffer, got {other:?}"),
     }
+    // A scope whose writer fails still ends its buffer (its reader is poisoned, the end is not).
+    let mut doomed = None;
+    let err = node
+        .run(|o| {
+            o.scope(|o| {
+                let b = o.create_buffer(8)?;
+                doomed = Some(b);
+                let failing = Step {
+                    fail: true,
+                    ..l(4).op(OP_WRITE, b, 1)
+                };
+                o.submit(chip_step(0, failing).writes(b))?;
+                o.submit(sub_step(0, l(5).op(OP_READ, b, 0)).reads(b))?;
+                Ok(())
+            })
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, NodeError::TaskFailed { ref poisoned, .. } if poisoned == &[1]),
+        "{err}"
+    );
+    assert!(node.buffer(doomed.unwrap()).is_none());
     node.close().unwrap();
 }
 
