@@ -16,6 +16,17 @@
 //! other task does, and `run` then returns the first failure (in submit order) with the
 //! child's message and the poisoned tasks. A deadline passing or a child dying ends the node
 //! (a function stuck in a child cannot be stopped otherwise): `run` returns at once.
+//!
+//! # Memory ordering
+//! No new shared-memory protocol: a dependent task sees what its predecessors wrote to a
+//! shared buffer through the mailboxes' release/acquire pairs (`mailbox.rs`). Child A writes
+//! the buffer, then stores its `done_seq` with `Release`; the parent sees the task finished
+//! only by loading that `done_seq` with `Acquire`, and only then posts the dependent task to
+//! child B by storing B's `cmd_seq` with `Release`, which B loads with `Acquire` before it
+//! runs the function. So A's writes happen before B's reads (and, for write-after-read, B's
+//! reads before a later writer's writes, by the same chain). Tasks with no edge between them
+//! may run at the same time and must not touch common bytes unless they synchronise
+//! themselves (atomics in the buffer).
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
