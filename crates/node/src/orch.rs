@@ -363,8 +363,7 @@ impl Node {
             while scan_from < tasks.len() && tasks[scan_from].state != State::Waiting {
                 scan_from += 1;
             }
-            for t in scan_from..tasks.len() {
-                let rec = &tasks[t];
+            for (t, rec) in tasks.iter_mut().enumerate().skip(scan_from) {
                 if rec.state != State::Waiting || rec.preds_left > 0 {
                     continue;
                 }
@@ -382,12 +381,12 @@ impl Node {
                     Work::Call { payload, .. } => (CMD_CALL, payload.clone()),
                     Work::Free(buf) => (CMD_UNMAP, buf.to_bits().to_le_bytes().to_vec()),
                 };
-                for &i in &rec.targets.clone() {
+                for &i in &rec.targets {
                     self.post(i, kind, &payload)?;
                     busy[i] = Some(t);
                 }
-                tasks[t].state = State::Running {
-                    deadline: Instant::now() + tasks[t].timeout,
+                rec.state = State::Running {
+                    deadline: Instant::now() + rec.timeout,
                 };
             }
             let running: Vec<usize> = (0..busy.len()).filter(|&i| busy[i].is_some()).collect();

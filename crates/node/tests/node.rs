@@ -805,28 +805,22 @@ fn run_errors_carry_the_childs_message() {
         other => panic!("expected TaskFailed, got {other:?}"),
     }
     let buf = node.create_buffer(8).unwrap();
-    let refused: [fn(&mut simpler_node::NodeOrch<'_>, SharedBufferId) -> Result<(), NodeError>; 4] = [
-        |o, _| o.submit(NodeTask::group(&[1, 1], "echo", b"")).map(drop),
-        |o, _| {
-            o.submit(NodeTask::chip(0, "echo", b"").after(NodeTaskId(7)))
-                .map(drop)
-        },
-        |o, _| {
-            o.submit(NodeTask::chip(0, "echo", b"").reads(SharedBufferId::from_bits(99)))
-                .map(drop)
-        },
-        |o, _| o.submit(NodeTask::chip(5, "echo", b"")).map(drop),
+    let echo = |c| NodeTask::chip(c, "echo", b"");
+    let refused = [
+        (NodeTask::group(&[1, 1], "echo", b""), 211),
+        (echo(0).after(NodeTaskId(7)), 211),
+        (echo(0).reads(SharedBufferId::from_bits(99)), 209),
+        (echo(5), 209),
     ];
-    for (k, f) in refused.into_iter().enumerate() {
+    for (k, (task, code)) in refused.into_iter().enumerate() {
         let err = node
             .run(|o| {
                 // A buffer of the recording is freed when the recording fails.
                 let tmp = o.create_buffer(8)?;
-                o.submit(NodeTask::chip(0, "echo", b"").writes(tmp))?;
-                f(o, buf)
+                o.submit(echo(0).writes(tmp))?;
+                o.submit(task).map(drop)
             })
             .unwrap_err();
-        let code = [211, 211, 209, 209][k];
         assert_eq!(err.code(), code, "case {k}: {err}");
         assert!(
             node.buffer(SharedBufferId::from_bits(buf.to_bits() + 1 + k as u64))
