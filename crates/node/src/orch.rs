@@ -442,7 +442,15 @@ impl Node {
                     };
                     return Err(self.fail(err));
                 }
-                self.poll_children(&running, deadline - now, Until::Answered)?;
+                // Only the children that have not answered: one that answered (a group's
+                // early finisher) and then exited would keep its pidfd readable and make this
+                // wait spin; its death is seen when it is posted to next, or at `close`.
+                let pending: Vec<usize> = running
+                    .iter()
+                    .copied()
+                    .filter(|&c| !self.is_done(c, Until::Answered))
+                    .collect();
+                self.poll_children(&pending, deadline - now, Until::Answered)?;
                 continue;
             }
             finished.sort_unstable();

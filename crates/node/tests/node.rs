@@ -41,6 +41,7 @@ fn fns() -> ChildFns {
         .register("buffer_check", buffer_check)
         .register("worker_add", worker_add)
         .register("step", step)
+        .register("shared_add", shared_add)
         .register("fail_on_chip_1", |ctx, _| match ctx.id() {
             ChildId::Chip(1) => Err("chip 1 says no".into()),
             _ => Ok(Vec::new()),
@@ -154,6 +155,48 @@ fn worker_add(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
     .map_err(|e| e.to_string())?;
     let out = buf.read::<f32>().map_err(|e| e.to_string())?;
     Ok(out.iter().flat_map(|v| v.to_ne_bytes()).collect())
+}
+
+/// Adds `args[1]` to the 16 floats of shared buffer `args[0]` with as many `add_one` tasks of
+/// a chip-level orchestration on the chip's own worker.
+fn shared_add(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
+    let (id, n) = (SharedBufferId::from_bits(u64_at(args, 0)), u64_at(args, 1));
+    let shared = ctx.buffer(id).ok_or("buffer not mapped")?;
+    let mut bytes = [0u8; 64];
+    // SAFETY: the node runs this task alone among the tasks that declare the buffer.
+    unsafe { shared.read(0, &mut bytes) };
+    let start: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect();
+    let w = ctx.worker().ok_or("no worker")?;
+    let buf = w.buffer_from(&start).map_err(|e| e.to_string())?;
+    let run_args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    w.run_fn(
+        "add",
+        run_args,
+        &CallConfig::default(),
+        move |orch, args| {
+            let t = orch.bind(&args.buffers[0], DType::F32, &[16])?;
+            for _ in 0..n {
+                orch.submit(Task::new(ADD_ONE).in_out(&t))?;
+            }
+            Ok(())
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let out: Vec<u8> = buf
+        .read::<f32>()
+        .map_err(|e| e.to_string())?
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    // SAFETY: as above.
+    unsafe { shared.write(0, &out) };
+    Ok(Vec::new())
 }
 
 fn reduce(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
@@ -951,6 +994,30 @@ fn scope_buffers_end_with_their_scope() {
     node.close().unwrap();
 }
 
+/// Chip tasks run chip-level orchestrations on their own workers on shared buffers, in the
+/// order the buffers give.
+fn chip_tasks_run_chip_orchestrations_on_shared_buffers() {
+    let mut node = Node::start(config(3, 0)).unwrap();
+    let x = node.create_buffer(64).unwrap();
+    let y = node.create_buffer(64).unwrap();
+    node.run(|o| {
+        o.submit(NodeTask::chip(0, "shared_add", &args(&[x.to_bits(), 1])).writes(x))?;
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[x.to_bits(), 2])).writes(x))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[y.to_bits(), 5])).writes(y))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[x.to_bits(), 4])).writes(x))?;
+        Ok(())
+    })
+    .unwrap();
+    for (id, want) in [(x, 7.0f32), (y, 5.0)] {
+        let mut bytes = [0u8; 64];
+        // SAFETY: the run has finished; no child touches the buffers.
+        unsafe { node.buffer(id).unwrap().read(0, &mut bytes) };
+        let expected: Vec<u8> = [want; 16].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        assert_eq!(bytes.to_vec(), expected);
+    }
+    node.close().unwrap();
+}
+
 /// The driver process (see `DRIVER_ENV`): starts a node, prints its pid and its children's
 /// pids, and waits until stdin closes, or a signal ends it.
 fn driver() -> ! {
@@ -1100,6 +1167,10 @@ fn main() {
             dependencies_follow_buffer_identity,
         ),
         ("independent_tasks_overlap", independent_tasks_overlap),
+        (
+            "chip_tasks_run_chip_orchestrations_on_shared_buffers",
+            chip_tasks_run_chip_orchestrations_on_shared_buffers,
+        ),
         (
             "group_starts_when_all_its_chips_are_idle",
             group_starts_when_all_its_chips_are_idle,
