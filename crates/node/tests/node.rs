@@ -42,6 +42,7 @@ fn fns() -> ChildFns {
         .register("worker_add", worker_add)
         .register("step", step)
         .register("shared_add", shared_add)
+        .register("chip_fatal", chip_fatal)
         .register("fail_on_chip_1", |ctx, _| match ctx.id() {
             ChildId::Chip(1) => Err("chip 1 says no".into()),
             _ => Ok(Vec::new()),
@@ -196,6 +197,21 @@ fn shared_add(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
         .collect();
     // SAFETY: as above.
     unsafe { shared.write(0, &out) };
+    Ok(Vec::new())
+}
+
+/// A chip-level orchestration that reports a fatal error (EXPLICIT_ORCH_FATAL).
+fn chip_fatal(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
+    let me = ctx.id().to_string();
+    let w = ctx.worker().ok_or("no worker")?;
+    let run_args = RunArgs {
+        buffers: vec![],
+        scalars: vec![],
+    };
+    w.run_fn("fatal", run_args, &CallConfig::default(), move |orch, _| {
+        Err(orch.fatal(format!("bad input on {me}")))
+    })
+    .map_err(|e| e.to_string())?;
     Ok(Vec::new())
 }
 
@@ -1018,6 +1034,47 @@ fn chip_tasks_run_chip_orchestrations_on_shared_buffers() {
     node.close().unwrap();
 }
 
+/// A chip-level error (with the chip level's code) fails its node task with that message,
+/// poisons its dependents, and leaves the chip's worker usable.
+fn chip_level_errors_reach_run() {
+    let mut node = Node::start(config(2, 0)).unwrap();
+    let x = node.create_buffer(64).unwrap();
+    let err = node
+        .run(|o| {
+            o.submit(NodeTask::chip(1, "chip_fatal", b"").writes(x))?;
+            o.submit(NodeTask::chip(0, "shared_add", &args(&[x.to_bits(), 1])).writes(x))?;
+            Ok(())
+        })
+        .unwrap_err();
+    match err {
+        NodeError::TaskFailed {
+            child,
+            message,
+            poisoned,
+            ..
+        } => {
+            assert_eq!(child, ChildId::Chip(1));
+            assert!(
+                message.contains("EXPLICIT_ORCH_FATAL (code 9)")
+                    && message.contains("bad input on chip 1"),
+                "{message}"
+            );
+            assert_eq!(poisoned, vec![1]);
+        }
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+    node.run(|o| {
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[x.to_bits(), 2])).writes(x))
+            .map(drop)
+    })
+    .unwrap();
+    let mut bytes = [0u8; 4];
+    // SAFETY: the run has finished; no child touches the buffer.
+    unsafe { node.buffer(x).unwrap().read(0, &mut bytes) };
+    assert_eq!(f32::from_ne_bytes(bytes), 2.0);
+    node.close().unwrap();
+}
+
 /// The driver process (see `DRIVER_ENV`): starts a node, prints its pid and its children's
 /// pids, and waits until stdin closes, or a signal ends it.
 fn driver() -> ! {
@@ -1171,6 +1228,7 @@ fn main() {
             "chip_tasks_run_chip_orchestrations_on_shared_buffers",
             chip_tasks_run_chip_orchestrations_on_shared_buffers,
         ),
+        ("chip_level_errors_reach_run", chip_level_errors_reach_run),
         (
             "group_starts_when_all_its_chips_are_idle",
             group_starts_when_all_its_chips_are_idle,
