@@ -195,6 +195,9 @@ impl NodeOrch<'_> {
                     }
                     targets.push(i);
                 }
+                // Chips come first among the children, in order: this is chip order, in
+                // which a group's first failure is reported.
+                targets.sort_unstable();
                 targets
             }
         };

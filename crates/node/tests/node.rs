@@ -863,6 +863,16 @@ fn run_errors_carry_the_childs_message() {
         ),
         other => panic!("expected TaskFailed, got {other:?}"),
     }
+    // When several chips of a group fail, the first in chip order is reported.
+    match node.run(|o| o.submit(NodeTask::group(&[1, 0], "fail", b"")).map(drop)) {
+        Err(NodeError::TaskFailed { child, message, .. }) => {
+            assert_eq!(
+                (child, message.as_str()),
+                (ChildId::Chip(0), "boom from chip 0")
+            )
+        }
+        other => panic!("expected TaskFailed, got {other:?}"),
+    }
     let buf = node.create_buffer(8).unwrap();
     let echo = |c| NodeTask::chip(c, "echo", b"");
     let refused = [
