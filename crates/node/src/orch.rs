@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::buffer::SharedBufferId;
-use crate::child::{self, CMD_CALL, CMD_UNMAP, STATUS_OK};
+use crate::child::{self, CMD_TASK, CMD_UNMAP, STATUS_OK};
 use crate::error::{ChildId, NodeError};
 use crate::mailbox::CMD_CAP;
 use crate::node::{Node, Until};
@@ -52,8 +52,8 @@ enum Target {
 /// One task: a function registered in [`ChildFns`](crate::ChildFns), run in one chip, in a
 /// group of chips (each gets the same arguments; it knows its rank), or in a sub worker, with
 /// the shared buffers it reads and writes declared for the dependencies. The function reaches
-/// the buffers through [`ChildCtx::buffer`](crate::ChildCtx::buffer) (pass their ids, e.g.
-/// [`SharedBufferId::to_bits`], in the arguments).
+/// them, in the order they were declared, through
+/// [`ChildCtx::task_buffer`](crate::ChildCtx::task_buffer).
 #[derive(Clone, Debug)]
 pub struct NodeTask {
     target: Target,
@@ -61,6 +61,8 @@ pub struct NodeTask {
     args: Vec<u8>,
     reads: Vec<SharedBufferId>,
     writes: Vec<SharedBufferId>,
+    /// Every declared buffer in declaration order (what the function sees).
+    declared: Vec<SharedBufferId>,
     after: Vec<NodeTaskId>,
     timeout: Option<Duration>,
 }
@@ -73,6 +75,7 @@ impl NodeTask {
             args: args.to_vec(),
             reads: Vec::new(),
             writes: Vec::new(),
+            declared: Vec::new(),
             after: Vec::new(),
             timeout: None,
         }
@@ -98,6 +101,7 @@ impl NodeTask {
     /// The task reads `buf`: it waits for the buffer's last writer.
     pub fn reads(mut self, buf: SharedBufferId) -> NodeTask {
         self.reads.push(buf);
+        self.declared.push(buf);
         self
     }
 
@@ -105,6 +109,7 @@ impl NodeTask {
     /// every reader since.
     pub fn writes(mut self, buf: SharedBufferId) -> NodeTask {
         self.writes.push(buf);
+        self.declared.push(buf);
         self
     }
 
@@ -220,7 +225,7 @@ impl NodeOrch<'_> {
                 return Err(invalid(format!("after({t}): no such earlier task")));
             }
         }
-        let payload = child::encode_call(&task.function, &task.args);
+        let payload = child::encode_task(&task.declared, &task.function, &task.args);
         if payload.len() > CMD_CAP {
             return Err(NodeError::TooLarge {
                 what: "a task's function name and arguments",
@@ -381,7 +386,7 @@ impl Node {
                     continue;
                 }
                 let (kind, payload) = match &rec.work {
-                    Work::Call { payload, .. } => (CMD_CALL, payload.clone()),
+                    Work::Call { payload, .. } => (CMD_TASK, payload.clone()),
                     Work::Free(buf) => (CMD_UNMAP, buf.to_bits().to_le_bytes().to_vec()),
                 };
                 for &i in &rec.targets {

@@ -158,11 +158,14 @@ fn worker_add(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
     Ok(out.iter().flat_map(|v| v.to_ne_bytes()).collect())
 }
 
-/// Adds `args[1]` to the 16 floats of shared buffer `args[0]` with as many `add_one` tasks of
-/// a chip-level orchestration on the chip's own worker.
+/// Adds `args[0]` to the 16 floats of the node task's first buffer with as many `add_one`
+/// tasks of a chip-level orchestration on the chip's own worker.
 fn shared_add(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
-    let (id, n) = (SharedBufferId::from_bits(u64_at(args, 0)), u64_at(args, 1));
-    let shared = ctx.buffer(id).ok_or("buffer not mapped")?;
+    let n = u64_at(args, 0);
+    if ctx.task_buffers() != 1 {
+        return Err(format!("{} task buffers", ctx.task_buffers()));
+    }
+    let shared = ctx.task_buffer(0).ok_or("no task buffer")?;
     let mut bytes = [0u8; 64];
     // SAFETY: the node runs this task alone among the tasks that declare the buffer.
     unsafe { shared.read(0, &mut bytes) };
@@ -1027,10 +1030,10 @@ fn chip_tasks_run_chip_orchestrations_on_shared_buffers() {
     let x = node.create_buffer(64).unwrap();
     let y = node.create_buffer(64).unwrap();
     node.run(|o| {
-        o.submit(NodeTask::chip(0, "shared_add", &args(&[x.to_bits(), 1])).writes(x))?;
-        o.submit(NodeTask::chip(1, "shared_add", &args(&[x.to_bits(), 2])).writes(x))?;
-        o.submit(NodeTask::chip(2, "shared_add", &args(&[y.to_bits(), 5])).writes(y))?;
-        o.submit(NodeTask::chip(2, "shared_add", &args(&[x.to_bits(), 4])).writes(x))?;
+        o.submit(NodeTask::chip(0, "shared_add", &args(&[1])).writes(x))?;
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[2])).writes(x))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[5])).writes(y))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[4])).writes(x))?;
         Ok(())
     })
     .unwrap();
@@ -1052,7 +1055,7 @@ fn chip_level_errors_reach_run() {
     let err = node
         .run(|o| {
             o.submit(NodeTask::chip(1, "chip_fatal", b"").writes(x))?;
-            o.submit(NodeTask::chip(0, "shared_add", &args(&[x.to_bits(), 1])).writes(x))?;
+            o.submit(NodeTask::chip(0, "shared_add", &args(&[1])).writes(x))?;
             Ok(())
         })
         .unwrap_err();
@@ -1074,7 +1077,7 @@ fn chip_level_errors_reach_run() {
         other => panic!("expected TaskFailed, got {other}"),
     }
     node.run(|o| {
-        o.submit(NodeTask::chip(1, "shared_add", &args(&[x.to_bits(), 2])).writes(x))
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[2])).writes(x))
             .map(drop)
     })
     .unwrap();
