@@ -345,9 +345,14 @@ impl Node {
         let value = match orch.scope(build) {
             Ok(value) => value,
             Err(e) => {
-                // Nothing ran: the buffers of the recording go at once.
+                // Nothing ran: the buffers of the recording go at once. The closure's error is
+                // the one returned. A free fails when `e` broke the node (then nothing is
+                // left to free) or a child refused the unmap (the rest then live until the
+                // node ends).
                 for buf in std::mem::take(&mut orch.created) {
-                    self.free_buffer(buf)?;
+                    if self.free_buffer(buf).is_err() {
+                        break;
+                    }
                 }
                 return Err(e);
             }
