@@ -31,6 +31,8 @@ pub(crate) const CMD_CALL: u32 = 1;
 pub(crate) const CMD_MAP: u32 = 2;
 pub(crate) const CMD_SHUTDOWN: u32 = 3;
 pub(crate) const CMD_UNMAP: u32 = 4;
+/// A node task: the buffers it declared, then a call.
+pub(crate) const CMD_TASK: u32 = 5;
 /// Answer statuses.
 pub(crate) const STATUS_OK: u32 = 0;
 pub(crate) const STATUS_ERR: u32 = 1;
@@ -89,6 +91,8 @@ pub struct ChildCtx {
     collectives: Option<ShmCollectives>,
     buffers: HashMap<SharedBufferId, SharedBuffer>,
     worker: Option<Worker>,
+    /// The buffers the running node task declared, in declaration order.
+    task_buffers: Vec<SharedBufferId>,
 }
 
 impl ChildCtx {
@@ -116,6 +120,17 @@ impl ChildCtx {
     /// A shared buffer the parent created (and this child has mapped).
     pub fn buffer(&self, id: SharedBufferId) -> Option<&SharedBuffer> {
         self.buffers.get(&id)
+    }
+
+    /// The `k`-th buffer the running node task declared (`NodeTask::reads` and `writes`,
+    /// in the order of those calls); `None` outside a node task or past the last.
+    pub fn task_buffer(&self, k: usize) -> Option<&SharedBuffer> {
+        self.buffers.get(self.task_buffers.get(k)?)
+    }
+
+    /// How many buffers the running node task declared.
+    pub fn task_buffers(&self) -> usize {
+        self.task_buffers.len()
     }
 }
 
@@ -240,6 +255,7 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
         collectives: None,
         buffers: HashMap::new(),
         worker: None,
+        task_buffers: Vec::new(),
     };
     let started = (|| {
         if let (ChildId::Chip(rank), Some(fd)) = (spec.id, spec.coll_fd) {
@@ -277,6 +293,7 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
         while let Some((seq, kind, payload)) = mbox.pending() {
             let (status, answer) = match kind {
                 CMD_CALL => call(fns, &mut ctx, &payload),
+                CMD_TASK => task(fns, &mut ctx, &payload),
                 CMD_MAP => map_buffer(&mut ctx, &payload),
                 CMD_UNMAP => {
                     let id = payload.get(..8).and_then(|b| b.try_into().ok());
@@ -341,6 +358,45 @@ fn call(fns: &ChildFns, ctx: &mut ChildCtx, payload: &[u8]) -> (u32, Vec<u8>) {
         Ok(bytes) => (STATUS_OK, bytes),
         Err(msg) => (STATUS_ERR, msg.into_bytes()),
     }
+}
+
+/// A node task: its buffers are set for the call (each must be mapped here), then cleared.
+fn task(fns: &ChildFns, ctx: &mut ChildCtx, payload: &[u8]) -> (u32, Vec<u8>) {
+    let Some((bufs, call_payload)) = decode_task(payload) else {
+        return (STATUS_ERR, b"malformed task".to_vec());
+    };
+    if let Some(b) = bufs.iter().find(|b| !ctx.buffers.contains_key(b)) {
+        return (
+            STATUS_ERR,
+            format!("shared buffer {} is not mapped here", b.0).into_bytes(),
+        );
+    }
+    ctx.task_buffers = bufs;
+    let answer = call(fns, ctx, call_payload);
+    ctx.task_buffers.clear();
+    answer
+}
+
+/// A task's payload: buffer count (u32), buffer ids (u64 each), then a call's payload.
+pub(crate) fn encode_task(bufs: &[SharedBufferId], name: &str, args: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + 8 * bufs.len() + 4 + name.len() + args.len());
+    out.extend_from_slice(&(bufs.len() as u32).to_le_bytes());
+    for b in bufs {
+        out.extend_from_slice(&b.0.to_le_bytes());
+    }
+    out.extend_from_slice(&encode_call(name, args));
+    out
+}
+
+fn decode_task(payload: &[u8]) -> Option<(Vec<SharedBufferId>, &[u8])> {
+    let n = u32::from_le_bytes(payload.get(..4)?.try_into().ok()?) as usize;
+    let end = n.checked_mul(8)?.checked_add(4)?;
+    let bufs = payload
+        .get(4..end)?
+        .chunks_exact(8)
+        .map(|c| SharedBufferId(u64::from_le_bytes(c.try_into().unwrap_or_default())))
+        .collect();
+    Some((bufs, &payload[end..]))
 }
 
 /// A call's payload: name length (u32), name, arguments.
@@ -415,5 +471,16 @@ mod tests {
         let p = encode_call("name", &[1, 2, 3]);
         assert_eq!(decode_call(&p), Some(("name", &[1u8, 2, 3][..])));
         assert_eq!(decode_call(&[9, 0, 0, 0, b'a']), None);
+    }
+
+    #[test]
+    fn task_payload_round_trips() {
+        let bufs = [SharedBufferId(3), SharedBufferId(u64::MAX)];
+        let p = encode_task(&bufs, "f", &[7]);
+        let (got, call) = decode_task(&p).unwrap();
+        assert_eq!(got, bufs);
+        assert_eq!(decode_call(call), Some(("f", &[7u8][..])));
+        assert_eq!(decode_task(&[2, 0, 0, 0, 1, 2, 3]), None);
+        assert_eq!(decode_task(&[0xff, 0xff, 0xff, 0xff]), None);
     }
 }

@@ -157,12 +157,78 @@ pub enum NodeError {
     /// No such child or buffer.
     #[error("no {0}")]
     NotFound(String),
+    /// A task of [`Node::run`](crate::Node::run) cannot be submitted as written.
+    #[error("node task {task} ({function}): {reason}")]
+    InvalidTask {
+        /// The task's index in the run.
+        task: usize,
+        /// Its function.
+        function: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A task of [`Node::run`](crate::Node::run) failed (the first in submit order); the tasks
+    /// that depend on it, directly or not, did not run, every other task did.
+    #[error(
+        "node task {task} ({function}) failed on {child}: {message} ({} dependent tasks poisoned)",
+        poisoned.len()
+    )]
+    TaskFailed {
+        /// The task's index in the run.
+        task: usize,
+        /// The child whose function failed (the first of a group, in chip order).
+        child: ChildId,
+        /// The function.
+        function: String,
+        /// The child's message.
+        message: String,
+        /// Every task poisoned by a failure of this run, in submit order.
+        poisoned: Vec<usize>,
+    },
+    /// A task of [`Node::run`](crate::Node::run) did not finish within its deadline; the node
+    /// is broken (a function stuck in a child cannot be stopped but by ending the child).
+    #[error(
+        "node task {task} ({function}) on {child} (pid {pid}) did not finish within {timeout_ms} ms"
+    )]
+    TaskTimeout {
+        /// The task's index in the run.
+        task: usize,
+        /// A child that had not answered.
+        child: ChildId,
+        /// Its process id.
+        pid: i32,
+        /// The function.
+        function: String,
+        /// The task's deadline.
+        timeout_ms: u128,
+    },
     /// The node failed earlier and must be closed and rebuilt.
     #[error("the node failed earlier and must be rebuilt: {0}")]
     Broken(String),
 }
 
 impl NodeError {
+    /// The node's error code (`docs/node.md`, *Error codes*): 200 and up, apart from the chip
+    /// level's codes.
+    pub fn code(&self) -> u32 {
+        match self {
+            NodeError::Config { .. } => 200,
+            NodeError::ThreadsRunning { .. } => 201,
+            NodeError::Os { .. } => 202,
+            NodeError::ReadyTimeout { .. } => 203,
+            NodeError::StartFailed { .. } => 204,
+            NodeError::ChildDied { .. } => 205,
+            NodeError::CallFailed { .. } => 206,
+            NodeError::CallTimeout { .. } => 207,
+            NodeError::TooLarge { .. } => 208,
+            NodeError::NotFound(_) => 209,
+            NodeError::Broken(_) => 210,
+            NodeError::InvalidTask { .. } => 211,
+            NodeError::TaskFailed { .. } => 212,
+            NodeError::TaskTimeout { .. } => 213,
+        }
+    }
+
     pub(crate) fn os(op: impl Into<String>) -> NodeError {
         NodeError::Os {
             op: op.into(),

@@ -15,6 +15,7 @@ mod error;
 mod futex;
 mod mailbox;
 mod node;
+mod orch;
 mod shm;
 
 pub use buffer::{SharedBuffer, SharedBufferId};
@@ -27,4 +28,5 @@ pub use collective::shm::ShmCollectives;
 pub use collective::{Collectives, ReduceOp, ReduceType, exchange_counts};
 pub use error::{ChildId, CollectiveError, ExitStatus, NodeError};
 pub use node::{Node, NodeConfig};
+pub use orch::{NodeOrch, NodeTask, NodeTaskId};
 pub use shm::{SHM_PREFIX, segments_of_this_process};

@@ -56,10 +56,10 @@ impl Default for NodeConfig {
 
 /// A running node: its children and shared buffers.
 pub struct Node {
-    config: NodeConfig,
+    pub(crate) config: NodeConfig,
     ctl: Segment,
-    children: Vec<Child>,
-    buffers: BTreeMap<SharedBufferId, SharedBuffer>,
+    pub(crate) children: Vec<Child>,
+    pub(crate) buffers: BTreeMap<SharedBufferId, SharedBuffer>,
     next_buffer: u64,
     /// Distinguishes the named segments of several nodes of one process.
     tag: u64,
@@ -67,9 +67,9 @@ pub struct Node {
     failed: Option<String>,
 }
 
-struct Child {
-    id: ChildId,
-    pid: i32,
+pub(crate) struct Child {
+    pub(crate) id: ChildId,
+    pub(crate) pid: i32,
     /// The child's doorbell (we write).
     cmd: File,
     /// Our doorbell (the child writes).
@@ -87,7 +87,7 @@ struct Child {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Until {
+pub(crate) enum Until {
     Ready,
     Answered,
 }
@@ -454,7 +454,7 @@ impl Node {
         })
     }
 
-    fn mailbox(&self, i: usize) -> Mailbox<'_> {
+    pub(crate) fn mailbox(&self, i: usize) -> Mailbox<'_> {
         assert!(i < self.children.len());
         // SAFETY: the control segment holds one mailbox per child (page multiples, so
         // aligned), lives as long as `self`, and mailbox `i` is used by this parent and child
@@ -462,14 +462,14 @@ impl Node {
         unsafe { Mailbox::new(self.ctl.ptr().add(i * MAILBOX_BYTES)) }
     }
 
-    fn index(&self, id: ChildId) -> Result<usize, NodeError> {
+    pub(crate) fn index(&self, id: ChildId) -> Result<usize, NodeError> {
         self.children
             .iter()
             .position(|c| c.id == id)
             .ok_or_else(|| NodeError::NotFound(id.to_string()))
     }
 
-    fn check_usable(&self) -> Result<(), NodeError> {
+    pub(crate) fn check_usable(&self) -> Result<(), NodeError> {
         match &self.failed {
             Some(why) => Err(NodeError::Broken(why.clone())),
             None => Ok(()),
@@ -477,7 +477,7 @@ impl Node {
     }
 
     /// Posts a command to child `i` and rings its doorbell.
-    fn post(&mut self, i: usize, kind: u32, payload: &[u8]) -> Result<(), NodeError> {
+    pub(crate) fn post(&mut self, i: usize, kind: u32, payload: &[u8]) -> Result<(), NodeError> {
         self.children[i].seq += 1;
         let seq = self.children[i].seq;
         self.mailbox(i).post(seq, kind, payload);
@@ -494,7 +494,7 @@ impl Node {
         Ok(())
     }
 
-    fn is_done(&self, i: usize, until: Until) -> bool {
+    pub(crate) fn is_done(&self, i: usize, until: Until) -> bool {
         match until {
             Until::Ready => self.mailbox(i).state() != mailbox::STARTING,
             Until::Answered => self.mailbox(i).done_seq() == self.children[i].seq,
@@ -534,61 +534,75 @@ impl Node {
                 };
                 return Err(self.fail(err));
             }
-            // Per pending child: its pidfd, then its doorbell unless that hung up.
-            let mut fds = Vec::with_capacity(2 * pending.len());
-            let mut owner = Vec::with_capacity(2 * pending.len());
-            for &i in &pending {
-                let child = &self.children[i];
-                fds.push(pollfd(child.pidfd.as_raw_fd()));
-                owner.push((i, true));
-                if !child.hung_up {
-                    fds.push(pollfd(child.done.as_raw_fd()));
-                    owner.push((i, false));
-                }
-            }
-            if let Err(e) = poll(&mut fds, deadline - now) {
-                return Err(self.fail(NodeError::io("poll", e)));
-            }
-            let mut exited = Vec::new();
-            for (pfd, &(i, is_pidfd)) in fds.iter().zip(&owner) {
-                if pfd.revents == 0 {
-                    continue;
-                }
-                if is_pidfd {
-                    exited.push(i);
-                    continue;
-                }
-                if pfd.revents & libc::POLLIN != 0 {
-                    let mut scratch = [0u8; 64];
-                    match (&self.children[i].done).read(&mut scratch) {
-                        Ok(0) => self.children[i].hung_up = true,
-                        Ok(_) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(_) => self.children[i].hung_up = true,
-                    }
-                } else {
-                    self.children[i].hung_up = true;
-                }
-            }
-            // A child that answered and then exited is judged by the next command.
-            for i in exited {
-                if self.is_done(i, until) {
-                    continue;
-                }
-                let status = self.reap(i);
-                let child = &self.children[i];
-                let err = NodeError::ChildDied {
-                    child: child.id,
-                    pid: child.pid,
-                    status,
-                };
-                return Err(self.fail(err));
-            }
+            self.poll_children(&pending, deadline - now, until)?;
         }
     }
 
+    /// One `poll` over the pidfds and doorbells of `pending` for at most `timeout`: drains
+    /// the doorbells that rang, and fails the node with `ChildDied` if one of them exited
+    /// without having answered (judged by `until`). Returns after any event or the timeout;
+    /// the caller re-checks the mailboxes.
+    pub(crate) fn poll_children(
+        &mut self,
+        pending: &[usize],
+        timeout: Duration,
+        until: Until,
+    ) -> Result<(), NodeError> {
+        // Per pending child: its pidfd, then its doorbell unless that hung up.
+        let mut fds = Vec::with_capacity(2 * pending.len());
+        let mut owner = Vec::with_capacity(2 * pending.len());
+        for &i in pending {
+            let child = &self.children[i];
+            fds.push(pollfd(child.pidfd.as_raw_fd()));
+            owner.push((i, true));
+            if !child.hung_up {
+                fds.push(pollfd(child.done.as_raw_fd()));
+                owner.push((i, false));
+            }
+        }
+        if let Err(e) = poll(&mut fds, timeout) {
+            return Err(self.fail(NodeError::io("poll", e)));
+        }
+        let mut exited = Vec::new();
+        for (pfd, &(i, is_pidfd)) in fds.iter().zip(&owner) {
+            if pfd.revents == 0 {
+                continue;
+            }
+            if is_pidfd {
+                exited.push(i);
+                continue;
+            }
+            if pfd.revents & libc::POLLIN != 0 {
+                let mut scratch = [0u8; 64];
+                match (&self.children[i].done).read(&mut scratch) {
+                    Ok(0) => self.children[i].hung_up = true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => self.children[i].hung_up = true,
+                }
+            } else {
+                self.children[i].hung_up = true;
+            }
+        }
+        // A child that answered and then exited is judged by the next command.
+        for i in exited {
+            if self.is_done(i, until) {
+                continue;
+            }
+            let status = self.reap(i);
+            let child = &self.children[i];
+            let err = NodeError::ChildDied {
+                child: child.id,
+                pid: child.pid,
+                status,
+            };
+            return Err(self.fail(err));
+        }
+        Ok(())
+    }
+
     /// Records the failure, ends every child, returns the error.
-    fn fail(&mut self, err: NodeError) -> NodeError {
+    pub(crate) fn fail(&mut self, err: NodeError) -> NodeError {
         self.failed = Some(err.to_string());
         self.teardown();
         err

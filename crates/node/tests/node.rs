@@ -11,7 +11,8 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::panic::AssertUnwindSafe;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use common::{message, mix, reduce_input};
 use simpler_core::{
@@ -20,7 +21,8 @@ use simpler_core::{
 use simpler_cpu::CpuPlatform;
 use simpler_node::{
     ChildCtx, ChildFns, ChildId, CollectiveError, Collectives, ExitStatus, Node, NodeConfig,
-    NodeError, ReduceOp, ReduceType, SharedBufferId, exchange_counts, segments_of_this_process,
+    NodeError, NodeTask, NodeTaskId, ReduceOp, ReduceType, SharedBufferId, exchange_counts,
+    segments_of_this_process,
 };
 
 /// In a child: which child should hang or fail at start-up (`chip 1`, ...).
@@ -38,6 +40,23 @@ fn fns() -> ChildFns {
         .register("reduce", reduce)
         .register("buffer_check", buffer_check)
         .register("worker_add", worker_add)
+        .register("step", step)
+        .register("shared_add", shared_add)
+        .register("chip_fatal", chip_fatal)
+        .register("fail_on_chip_1", |ctx, _| match ctx.id() {
+            ChildId::Chip(1) => Err("chip 1 says no".into()),
+            _ => Ok(Vec::new()),
+        })
+        .register("hang", |_, _| {
+            loop {
+                std::thread::park();
+            }
+        })
+        .register("die", |_, _| {
+            // SAFETY: raising a signal has no memory-safety preconditions.
+            unsafe { libc::raise(libc::SIGKILL) };
+            Ok(Vec::new())
+        })
         .on_start(start_hook)
         .chip_worker(chip_worker)
 }
@@ -137,6 +156,66 @@ fn worker_add(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
     .map_err(|e| e.to_string())?;
     let out = buf.read::<f32>().map_err(|e| e.to_string())?;
     Ok(out.iter().flat_map(|v| v.to_ne_bytes()).collect())
+}
+
+/// Adds `args[0]` to the 16 floats of the node task's first buffer with as many `add_one`
+/// tasks of a chip-level orchestration on the chip's own worker.
+fn shared_add(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
+    let n = u64_at(args, 0);
+    if ctx.task_buffers() != 1 {
+        return Err(format!("{} task buffers", ctx.task_buffers()));
+    }
+    let shared = ctx.task_buffer(0).ok_or("no task buffer")?;
+    let mut bytes = [0u8; 64];
+    // SAFETY: the node runs this task alone among the tasks that declare the buffer.
+    unsafe { shared.read(0, &mut bytes) };
+    let start: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect();
+    let w = ctx.worker().ok_or("no worker")?;
+    let buf = w.buffer_from(&start).map_err(|e| e.to_string())?;
+    let run_args = RunArgs {
+        buffers: vec![buf.clone()],
+        scalars: vec![],
+    };
+    w.run_fn(
+        "add",
+        run_args,
+        &CallConfig::default(),
+        move |orch, args| {
+            let t = orch.bind(&args.buffers[0], DType::F32, &[16])?;
+            for _ in 0..n {
+                orch.submit(Task::new(ADD_ONE).in_out(&t))?;
+            }
+            Ok(())
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let out: Vec<u8> = buf
+        .read::<f32>()
+        .map_err(|e| e.to_string())?
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    // SAFETY: as above.
+    unsafe { shared.write(0, &out) };
+    Ok(Vec::new())
+}
+
+/// A chip-level orchestration that reports a fatal error (EXPLICIT_ORCH_FATAL).
+fn chip_fatal(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
+    let me = ctx.id().to_string();
+    let w = ctx.worker().ok_or("no worker")?;
+    let run_args = RunArgs {
+        buffers: vec![],
+        scalars: vec![],
+    };
+    w.run_fn("fatal", run_args, &CallConfig::default(), move |orch, _| {
+        Err(orch.fatal(format!("bad input on {me}")))
+    })
+    .map_err(|e| e.to_string())?;
+    Ok(Vec::new())
 }
 
 fn reduce(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
@@ -414,6 +493,601 @@ fn bad_collective_arguments_fail_on_every_rank() {
     assert_eq!(e.to_string(), "all_to_all_v: rank 1 refused its arguments");
 }
 
+// ---- orchestration: the event log and the `step` function ----
+
+/// Tags (tasks, or a group's chips) the event log holds.
+const LOG_TAGS: usize = 64;
+const LOG_BYTES: usize = 8 * (1 + 4 * LOG_TAGS);
+/// `step`'s watch modes.
+const NO_WATCH: u64 = 0;
+/// Look out, for a window, for the watched tag's start (which a correct schedule forbids).
+const PEEK: u64 = 1;
+/// Wait until every tag below the watched one has started (which a correct schedule allows).
+const WAIT_ALL: u64 = 2;
+/// How long a `PEEK` looks out. Only a wrong schedule's test depends on it (it gives the
+/// forbidden start time to show); a correct schedule's results do not.
+const PEEK_WINDOW: Duration = Duration::from_millis(20);
+/// `step`'s operations on its buffer (a u64 at offset 0).
+const OP_NONE: u64 = 0;
+const OP_WRITE: u64 = 1;
+const OP_READ: u64 = 2;
+
+/// The event log: a shared buffer of atomic words — word 0 a counter (the clock), then per tag
+/// `[start, end, seen, peeked]`. Every process touches the words only atomically; the
+/// counter's `fetch_add` (SeqCst) orders events across processes, so tick order is the
+/// order in which the events happened.
+struct Log<'a>(&'a simpler_node::SharedBuffer);
+
+impl Log<'_> {
+    fn word(&self, k: usize) -> &AtomicU64 {
+        assert!(8 * (k + 1) <= self.0.len());
+        // SAFETY: in bounds (checked), 8-aligned (the mapping is page-aligned), the mapping
+        // outlives `self`, and every process of the node accesses these words only atomically.
+        unsafe { &*self.0.as_ptr().cast::<AtomicU64>().add(k) }
+    }
+    fn tick(&self) -> u64 {
+        self.word(0).fetch_add(1, Ordering::SeqCst) + 1
+    }
+    fn slot(&self, tag: usize, field: usize) -> &AtomicU64 {
+        assert!(tag < LOG_TAGS);
+        self.word(1 + 4 * tag + field)
+    }
+    fn start(&self, tag: usize) -> u64 {
+        self.slot(tag, 0).load(Ordering::SeqCst)
+    }
+    fn end(&self, tag: usize) -> u64 {
+        self.slot(tag, 1).load(Ordering::SeqCst)
+    }
+    fn seen(&self, tag: usize) -> u64 {
+        self.slot(tag, 2).load(Ordering::SeqCst)
+    }
+    fn peeked(&self, tag: usize) -> u64 {
+        self.slot(tag, 3).load(Ordering::SeqCst)
+    }
+}
+
+/// `step`'s arguments.
+#[derive(Clone, Copy)]
+struct Step {
+    log: SharedBufferId,
+    tag: usize,
+    watch: usize,
+    mode: u64,
+    op: u64,
+    buf: Option<SharedBufferId>,
+    value: u64,
+    fail: bool,
+    /// In a group: the tag is `tag + chip`.
+    per_chip: bool,
+}
+
+impl Step {
+    fn new(log: SharedBufferId, tag: usize) -> Step {
+        Step {
+            log,
+            tag,
+            watch: 0,
+            mode: NO_WATCH,
+            op: OP_NONE,
+            buf: None,
+            value: 0,
+            fail: false,
+            per_chip: false,
+        }
+    }
+    fn watch(self, mode: u64, watch: usize) -> Step {
+        Step {
+            mode,
+            watch,
+            ..self
+        }
+    }
+    fn op(self, op: u64, buf: SharedBufferId, value: u64) -> Step {
+        Step {
+            op,
+            buf: Some(buf),
+            value,
+            ..self
+        }
+    }
+    fn encode(&self) -> Vec<u8> {
+        args(&[
+            self.log.to_bits(),
+            self.tag as u64,
+            self.watch as u64,
+            self.mode,
+            self.op,
+            self.buf.map_or(u64::MAX, SharedBufferId::to_bits),
+            self.value,
+            self.fail as u64,
+            self.per_chip as u64,
+        ])
+    }
+}
+
+/// Records its start, watches other tags (see `PEEK`, `WAIT_ALL`), writes or reads its buffer,
+/// records its end, and fails if asked to.
+fn step(ctx: &mut ChildCtx, a: &[u8]) -> Result<Vec<u8>, String> {
+    let at = |i| u64_at(a, i);
+    let mut tag = at(1) as usize;
+    if at(8) == 1 {
+        let ChildId::Chip(c) = ctx.id() else {
+            return Err("per-chip tags need a chip".into());
+        };
+        tag += c;
+    }
+    let log = Log(ctx
+        .buffer(SharedBufferId::from_bits(at(0)))
+        .ok_or("no log")?);
+    log.slot(tag, 0).store(log.tick(), Ordering::SeqCst);
+    let watch = at(2) as usize;
+    match at(3) {
+        PEEK => {
+            let until = Instant::now() + PEEK_WINDOW;
+            while Instant::now() < until {
+                if log.start(watch) != 0 {
+                    log.slot(tag, 3).store(1, Ordering::SeqCst);
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+        WAIT_ALL => {
+            while (0..watch).any(|t| log.start(t) == 0) {
+                std::thread::yield_now();
+            }
+        }
+        _ => {}
+    }
+    let (op, value) = (at(4), at(6));
+    if op != OP_NONE {
+        let buf = ctx
+            .buffer(SharedBufferId::from_bits(at(5)))
+            .ok_or("no buffer")?;
+        // SAFETY: the node orders this task against every other task that declared the
+        // buffer, and only such tasks touch it.
+        unsafe {
+            if op == OP_WRITE {
+                buf.write(0, &value.to_le_bytes());
+            } else {
+                let mut b = [0u8; 8];
+                buf.read(0, &mut b);
+                log.slot(tag, 2)
+                    .store(u64::from_le_bytes(b), Ordering::SeqCst);
+            }
+        }
+    }
+    log.slot(tag, 1).store(log.tick(), Ordering::SeqCst);
+    if at(7) == 1 {
+        return Err(format!("step {tag} fails on {}", ctx.id()));
+    }
+    Ok(Vec::new())
+}
+
+fn chip_step(chip: usize, s: Step) -> NodeTask {
+    NodeTask::chip(chip, "step", &s.encode())
+}
+
+fn sub_step(sub: usize, s: Step) -> NodeTask {
+    NodeTask::sub(sub, "step", &s.encode())
+}
+
+/// Read after write, write after read and write after write, each across two children: the
+/// earlier task looks out for the later one's start, which would show a missing edge.
+fn dependencies_follow_buffer_identity() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let x = node.create_buffer(8).unwrap();
+    let y = node.create_buffer(8).unwrap();
+    let l = |t| Step::new(log_id, t);
+    node.run(|o| {
+        // 0 writes x; 1 reads it (RAW); 2 writes it (WAR after 1, WAW after 0); 3 reads it.
+        o.submit(chip_step(0, l(0).op(OP_WRITE, x, 7).watch(PEEK, 1)).writes(x))?;
+        o.submit(chip_step(1, l(1).op(OP_READ, x, 0).watch(PEEK, 2)).reads(x))?;
+        o.submit(sub_step(0, l(2).op(OP_WRITE, x, 9).watch(PEEK, 3)).writes(x))?;
+        o.submit(chip_step(0, l(3).op(OP_READ, x, 0)).reads(x))?;
+        // 4 writes y while 0..3 run: nothing orders it against them.
+        o.submit(chip_step(1, l(4).op(OP_WRITE, y, 5)).writes(y))?;
+        // 5 reads y and writes x: after 4 (RAW on y) and after 3 (WAR on x).
+        o.submit(sub_step(0, l(5).op(OP_READ, y, 0)).reads(y).writes(x))?;
+        Ok(())
+    })
+    .unwrap();
+    let log = Log(node.buffer(log_id).unwrap());
+    assert_eq!((log.seen(1), log.seen(3), log.seen(5)), (7, 9, 5));
+    for (before, after) in [(0, 1), (1, 2), (2, 3), (4, 5), (3, 5)] {
+        assert!(
+            log.end(before) < log.start(after),
+            "task {before} ends at {}, task {after} starts at {}",
+            log.end(before),
+            log.start(after)
+        );
+    }
+    for t in 0..3 {
+        assert_eq!(log.peeked(t), 0, "task {} started while {t} ran", t + 1);
+    }
+    node.close().unwrap();
+}
+
+/// Tasks with no common buffer on three children run at once: each waits until all three
+/// have started, so none can end before.
+fn independent_tasks_overlap() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let bufs: Vec<SharedBufferId> = (0..3).map(|_| node.create_buffer(8).unwrap()).collect();
+    let l = |t| Step::new(log_id, t);
+    node.run(|o| {
+        // A schedule that serialises them fails with a task timeout instead of hanging.
+        let t = Duration::from_secs(120);
+        o.submit(
+            chip_step(0, l(0).watch(WAIT_ALL, 3).op(OP_WRITE, bufs[0], 1))
+                .writes(bufs[0])
+                .timeout(t),
+        )?;
+        o.submit(
+            chip_step(1, l(1).watch(WAIT_ALL, 3).op(OP_WRITE, bufs[1], 1))
+                .writes(bufs[1])
+                .timeout(t),
+        )?;
+        o.submit(
+            sub_step(0, l(2).watch(WAIT_ALL, 3).op(OP_WRITE, bufs[2], 1))
+                .writes(bufs[2])
+                .timeout(t),
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let log = Log(node.buffer(log_id).unwrap());
+    let last_start = (0..3).map(|t| log.start(t)).max().unwrap();
+    let first_end = (0..3).map(|t| log.end(t)).min().unwrap();
+    assert!(last_start < first_end, "{last_start} {first_end}");
+    node.close().unwrap();
+}
+
+/// A group waits for all its chips: chip 1 is idle, chip 0 busy with an earlier task that
+/// looks out for the group's start on chip 1. A later single-chip task does not overtake the
+/// group on chip 1.
+fn group_starts_when_all_its_chips_are_idle() {
+    let mut node = Node::start(config(2, 0)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let l = |t| Step::new(log_id, t);
+    node.run(|o| {
+        o.submit(chip_step(0, l(0).watch(PEEK, 11)))?;
+        // Tags 10 (chip 0) and 11 (chip 1).
+        let group = Step {
+            per_chip: true,
+            ..l(10)
+        };
+        o.submit(NodeTask::group(&[0, 1], "step", &group.encode()))?;
+        o.submit(chip_step(1, l(1)))?;
+        Ok(())
+    })
+    .unwrap();
+    let log = Log(node.buffer(log_id).unwrap());
+    assert_eq!(
+        log.peeked(0),
+        0,
+        "the group started on chip 1 while chip 0 was busy"
+    );
+    assert!(log.end(0) < log.start(10).min(log.start(11)));
+    assert!(log.end(10).max(log.end(11)) < log.start(1));
+    node.close().unwrap();
+}
+
+/// A failed task poisons every task that depends on it, directly or not, and no other; the
+/// error names the task, the child and its message; the node goes on.
+fn failure_poisons_dependents_only() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let [x, y, z, w, v] = [0; 5].map(|_| node.create_buffer(8).unwrap());
+    let l = |t| Step::new(log_id, t);
+    let err = node
+        .run(|o| {
+            let failing = Step {
+                fail: true,
+                ..l(0).op(OP_WRITE, x, 1)
+            };
+            o.submit(chip_step(0, failing).writes(x))?; // 0 fails
+            o.submit(chip_step(1, l(1).op(OP_READ, x, 0)).reads(x).writes(y))?; // 1: RAW on 0
+            o.submit(sub_step(0, l(2).op(OP_READ, y, 0)).reads(y))?; // 2: through 1
+            let t3 = o.submit(chip_step(1, l(3).op(OP_WRITE, z, 4)).writes(z))?; // 3: free
+            o.submit(sub_step(0, l(4).op(OP_READ, z, 0)).reads(z).writes(w))?; // 4: after 3
+            o.submit(chip_step(0, l(5).op(OP_READ, w, 0)).reads(w).after(t3))?; // 5: after 4
+            let g = Step {
+                per_chip: true,
+                ..l(6)
+            };
+            // 6 and 7 (a group: tags 6, 7): reads y, through 1.
+            o.submit(NodeTask::group(&[0, 1], "step", &g.encode()).reads(y))?;
+            o.submit(sub_step(0, l(8).op(OP_WRITE, x, 2)).writes(x))?; // 8: WAW after 0
+            o.submit(chip_step(0, l(9)).after(NodeTaskId(5)))?; // 9: after 5, which runs
+            o.submit(chip_step(1, l(10).op(OP_WRITE, v, 3)).writes(v))?; // 10: free
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(err.code(), 212);
+    match err {
+        NodeError::TaskFailed {
+            task,
+            child,
+            function,
+            message,
+            poisoned,
+        } => {
+            assert_eq!(
+                (task, child, function.as_str()),
+                (0, ChildId::Chip(0), "step")
+            );
+            assert_eq!(message, "step 0 fails on chip 0");
+            assert_eq!(poisoned, vec![1, 2, 6, 7]);
+        }
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+    let log = Log(node.buffer(log_id).unwrap());
+    for tag in [1, 2, 6, 7, 8] {
+        assert_eq!(log.start(tag), 0, "poisoned tag {tag} ran");
+    }
+    for tag in [0, 3, 4, 5, 9, 10] {
+        assert_ne!(log.end(tag), 0, "tag {tag} did not run");
+    }
+    assert_eq!((log.seen(4), log.seen(5)), (4, 0));
+    // The node goes on: a new run works.
+    node.run(|o| o.submit(chip_step(1, l(20))).map(drop))
+        .unwrap();
+    assert_ne!(Log(node.buffer(log_id).unwrap()).end(20), 0);
+    node.close().unwrap();
+}
+
+/// The errors of a run carry the child's message and the node's codes; refused tasks leave
+/// nothing behind.
+fn run_errors_carry_the_childs_message() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    match node.run(|o| o.submit(NodeTask::sub(0, "fail", b"")).map(drop)) {
+        Err(NodeError::TaskFailed {
+            child,
+            message,
+            poisoned,
+            ..
+        }) => {
+            assert_eq!(child, ChildId::Sub(0));
+            assert_eq!(message, "boom from sub worker 0");
+            assert!(poisoned.is_empty());
+        }
+        other => panic!("expected TaskFailed, got {other:?}"),
+    }
+    // A group fails when one of its chips does, named by that chip.
+    match node.run(|o| {
+        o.submit(NodeTask::group(&[0, 1], "fail_on_chip_1", b""))
+            .map(drop)
+    }) {
+        Err(e @ NodeError::TaskFailed { .. }) => assert_eq!(
+            e.to_string(),
+            "node task 0 (fail_on_chip_1) failed on chip 1: chip 1 says no (0 dependent tasks poisoned)"
+        ),
+        other => panic!("expected TaskFailed, got {other:?}"),
+    }
+    // When several chips of a group fail, the first in chip order is reported.
+    match node.run(|o| o.submit(NodeTask::group(&[1, 0], "fail", b"")).map(drop)) {
+        Err(NodeError::TaskFailed { child, message, .. }) => {
+            assert_eq!(
+                (child, message.as_str()),
+                (ChildId::Chip(0), "boom from chip 0")
+            )
+        }
+        other => panic!("expected TaskFailed, got {other:?}"),
+    }
+    let buf = node.create_buffer(8).unwrap();
+    let echo = |c| NodeTask::chip(c, "echo", b"");
+    let refused = [
+        (NodeTask::group(&[1, 1], "echo", b""), 211),
+        (echo(0).after(NodeTaskId(7)), 211),
+        (echo(0).reads(SharedBufferId::from_bits(99)), 209),
+        (echo(5), 209),
+    ];
+    for (k, (task, code)) in refused.into_iter().enumerate() {
+        let err = node
+            .run(|o| {
+                // A buffer of the recording is freed when the recording fails.
+                let tmp = o.create_buffer(8)?;
+                o.submit(echo(0).writes(tmp))?;
+                o.submit(task).map(drop)
+            })
+            .unwrap_err();
+        assert_eq!(err.code(), code, "case {k}: {err}");
+        assert!(
+            node.buffer(SharedBufferId::from_bits(buf.to_bits() + 1 + k as u64))
+                .is_none()
+        );
+    }
+    // Nothing ran, and the node works.
+    node.run(|o| o.submit(NodeTask::chip(1, "echo", b"")).map(drop))
+        .unwrap();
+    node.close().unwrap();
+}
+
+/// A task past its deadline ends the node with the node's timeout code, naming the child.
+fn task_deadline_is_reported_and_node_rebuilt() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let err = node
+        .run(|o| {
+            o.submit(NodeTask::chip(0, "echo", b""))?;
+            o.submit(NodeTask::sub(0, "hang", b"").timeout(Duration::from_millis(200)))?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(err.code(), 213);
+    match err {
+        NodeError::TaskTimeout {
+            task,
+            child,
+            function,
+            timeout_ms,
+            ..
+        } => assert_eq!(
+            (task, child, function.as_str(), timeout_ms),
+            (1, ChildId::Sub(0), "hang", 200)
+        ),
+        other => panic!("expected TaskTimeout, got {other}"),
+    }
+    assert_eq!(
+        node.run(|_| Ok(())).unwrap_err().code(),
+        210,
+        "the node is broken"
+    );
+    node.close().unwrap();
+    let mut node = Node::start(config(1, 0)).unwrap();
+    node.run(|o| o.submit(NodeTask::chip(0, "echo", b"")).map(drop))
+        .unwrap();
+    node.close().unwrap();
+}
+
+/// A child that dies in a run is named with its signal.
+fn child_dying_in_a_run_is_named() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let err = node
+        .run(|o| {
+            o.submit(NodeTask::sub(0, "echo", b""))?;
+            o.submit(NodeTask::chip(1, "die", b""))?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(err.code(), 205);
+    match err {
+        NodeError::ChildDied { child, status, .. } => {
+            assert_eq!(
+                (child, status),
+                (ChildId::Chip(1), ExitStatus::Signaled(libc::SIGKILL))
+            )
+        }
+        other => panic!("expected ChildDied, got {other}"),
+    }
+    node.close().unwrap();
+}
+
+/// Buffers created in a scope end with it, after their last user, and cannot be named after
+/// it; the run's own scope ends its buffers too.
+fn scope_buffers_end_with_their_scope() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let l = |t| Step::new(log_id, t);
+    let (inner, outer) = node
+        .run(|o| {
+            let inner = o.scope(|o| {
+                let b = o.create_buffer(8)?;
+                o.submit(chip_step(0, l(0).op(OP_WRITE, b, 3)).writes(b))?;
+                o.submit(sub_step(0, l(1).op(OP_READ, b, 0)).reads(b))?;
+                Ok(b)
+            })?;
+            let outer = o.create_buffer(8)?;
+            // Task 2 runs on chip 1, unordered with the scope's tasks and its end.
+            o.submit(chip_step(1, l(2).op(OP_WRITE, outer, 1)).writes(outer))?;
+            match o.submit(chip_step(1, l(3)).reads(inner)) {
+                Err(NodeError::InvalidTask { reason, .. }) => {
+                    assert!(reason.contains("after its scope ended"), "{reason}")
+                }
+                other => panic!("expected InvalidTask, got {other:?}"),
+            }
+            Ok((inner, outer))
+        })
+        .unwrap();
+    assert_eq!(Log(node.buffer(log_id).unwrap()).seen(1), 3);
+    assert!(node.buffer(inner).is_none() && node.buffer(outer).is_none());
+    // Unmapped in the children as well.
+    let a = args(&[inner.to_bits(), 0, 0]);
+    match node.call(ChildId::Chip(0), "buffer_check", &a) {
+        Err(NodeError::CallFailed { message, .. }) => assert_eq!(message, "buffer not mapped"),
+        other => panic!("expected an unmapped buffer, got {other:?}"),
+    }
+    // A scope whose writer fails still ends its buffer (its reader is poisoned, the end is not).
+    let mut doomed = None;
+    let err = node
+        .run(|o| {
+            o.scope(|o| {
+                let b = o.create_buffer(8)?;
+                doomed = Some(b);
+                let failing = Step {
+                    fail: true,
+                    ..l(4).op(OP_WRITE, b, 1)
+                };
+                o.submit(chip_step(0, failing).writes(b))?;
+                o.submit(sub_step(0, l(5).op(OP_READ, b, 0)).reads(b))?;
+                Ok(())
+            })
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, NodeError::TaskFailed { ref poisoned, .. } if poisoned == &[1]),
+        "{err}"
+    );
+    assert!(node.buffer(doomed.unwrap()).is_none());
+    node.close().unwrap();
+}
+
+/// Chip tasks run chip-level orchestrations on their own workers on shared buffers, in the
+/// order the buffers give.
+fn chip_tasks_run_chip_orchestrations_on_shared_buffers() {
+    let mut node = Node::start(config(3, 0)).unwrap();
+    let x = node.create_buffer(64).unwrap();
+    let y = node.create_buffer(64).unwrap();
+    node.run(|o| {
+        o.submit(NodeTask::chip(0, "shared_add", &args(&[1])).writes(x))?;
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[2])).writes(x))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[5])).writes(y))?;
+        o.submit(NodeTask::chip(2, "shared_add", &args(&[4])).writes(x))?;
+        Ok(())
+    })
+    .unwrap();
+    for (id, want) in [(x, 7.0f32), (y, 5.0)] {
+        let mut bytes = [0u8; 64];
+        // SAFETY: the run has finished; no child touches the buffers.
+        unsafe { node.buffer(id).unwrap().read(0, &mut bytes) };
+        let expected: Vec<u8> = [want; 16].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        assert_eq!(bytes.to_vec(), expected);
+    }
+    node.close().unwrap();
+}
+
+/// A chip-level error (with the chip level's code) fails its node task with that message,
+/// poisons its dependents, and leaves the chip's worker usable.
+fn chip_level_errors_reach_run() {
+    let mut node = Node::start(config(2, 0)).unwrap();
+    let x = node.create_buffer(64).unwrap();
+    let err = node
+        .run(|o| {
+            o.submit(NodeTask::chip(1, "chip_fatal", b"").writes(x))?;
+            o.submit(NodeTask::chip(0, "shared_add", &args(&[1])).writes(x))?;
+            Ok(())
+        })
+        .unwrap_err();
+    match err {
+        NodeError::TaskFailed {
+            child,
+            message,
+            poisoned,
+            ..
+        } => {
+            assert_eq!(child, ChildId::Chip(1));
+            assert!(
+                message.contains("EXPLICIT_ORCH_FATAL (code 9)")
+                    && message.contains("bad input on chip 1"),
+                "{message}"
+            );
+            assert_eq!(poisoned, vec![1]);
+        }
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+    node.run(|o| {
+        o.submit(NodeTask::chip(1, "shared_add", &args(&[2])).writes(x))
+            .map(drop)
+    })
+    .unwrap();
+    let mut bytes = [0u8; 4];
+    // SAFETY: the run has finished; no child touches the buffer.
+    unsafe { node.buffer(x).unwrap().read(0, &mut bytes) };
+    assert_eq!(f32::from_ne_bytes(bytes), 2.0);
+    node.close().unwrap();
+}
+
 /// The driver process (see `DRIVER_ENV`): starts a node, prints its pid and its children's
 /// pids, and waits until stdin closes, or a signal ends it.
 fn driver() -> ! {
@@ -557,6 +1231,40 @@ fn main() {
         (
             "bad_collective_arguments_fail_on_every_rank",
             bad_collective_arguments_fail_on_every_rank,
+        ),
+        (
+            "dependencies_follow_buffer_identity",
+            dependencies_follow_buffer_identity,
+        ),
+        ("independent_tasks_overlap", independent_tasks_overlap),
+        (
+            "chip_tasks_run_chip_orchestrations_on_shared_buffers",
+            chip_tasks_run_chip_orchestrations_on_shared_buffers,
+        ),
+        ("chip_level_errors_reach_run", chip_level_errors_reach_run),
+        (
+            "group_starts_when_all_its_chips_are_idle",
+            group_starts_when_all_its_chips_are_idle,
+        ),
+        (
+            "failure_poisons_dependents_only",
+            failure_poisons_dependents_only,
+        ),
+        (
+            "run_errors_carry_the_childs_message",
+            run_errors_carry_the_childs_message,
+        ),
+        (
+            "task_deadline_is_reported_and_node_rebuilt",
+            task_deadline_is_reported_and_node_rebuilt,
+        ),
+        (
+            "child_dying_in_a_run_is_named",
+            child_dying_in_a_run_is_named,
+        ),
+        (
+            "scope_buffers_end_with_their_scope",
+            scope_buffers_end_with_their_scope,
         ),
         ("sigterm_ends_the_tree", sigterm_ends_the_tree),
         ("sigint_ends_the_tree", sigint_ends_the_tree),

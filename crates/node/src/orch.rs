@@ -1,0 +1,549 @@
+//! The node's orchestration: task graphs over chips, groups of chips and sub workers, ordered
+//! by the shared buffers each task reads and writes.
+//!
+//! [`Node::run`] first records a graph (the closure submits [`NodeTask`]s and may create
+//! buffers and open scopes; nothing runs yet), then executes it: the parent posts every task
+//! whose predecessors have finished to its idle children, waits in one `poll` for any answer,
+//! a death or the nearest deadline, and repeats. Independent tasks on different children
+//! therefore run at the same time; one child runs one task at a time.
+//!
+//! Dependencies come from buffer identity, as at the chip level but on whole buffers: a task
+//! that reads a buffer waits for its last writer; a task that writes it waits for the last
+//! writer and every reader since (write-after-read); `after` adds explicit edges. Every edge
+//! points to an earlier task, so the graph has no cycle and cannot deadlock.
+//!
+//! A task whose function fails poisons its consumers, transitively: they never run, every
+//! other task does, and `run` then returns the first failure (in submit order) with the
+//! child's message and the poisoned tasks. A deadline passing or a child dying ends the node
+//! (a function stuck in a child cannot be stopped otherwise): `run` returns at once.
+//!
+//! # Memory ordering
+//! No new shared-memory protocol: a dependent task sees what its predecessors wrote to a
+//! shared buffer through the mailboxes' release/acquire pairs (`mailbox.rs`). Child A writes
+//! the buffer, then stores its `done_seq` with `Release`; the parent sees the task finished
+//! only by loading that `done_seq` with `Acquire`, and only then posts the dependent task to
+//! child B by storing B's `cmd_seq` with `Release`, which B loads with `Acquire` before it
+//! runs the function. So A's writes happen before B's reads (and, for write-after-read, B's
+//! reads before a later writer's writes, by the same chain). Tasks with no edge between them
+//! may run at the same time and must not touch common bytes unless they synchronise
+//! themselves (atomics in the buffer).
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::buffer::SharedBufferId;
+use crate::child::{self, CMD_TASK, CMD_UNMAP, STATUS_OK};
+use crate::error::{ChildId, NodeError};
+use crate::mailbox::CMD_CAP;
+use crate::node::{Node, Until};
+
+/// A task of the current run, in submit order from 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeTaskId(pub usize);
+
+/// Where a task runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Target {
+    Chip(usize),
+    Group(Vec<usize>),
+    Sub(usize),
+}
+
+/// One task: a function registered in [`ChildFns`](crate::ChildFns), run in one chip, in a
+/// group of chips (each gets the same arguments; it knows its rank), or in a sub worker, with
+/// the shared buffers it reads and writes declared for the dependencies. The function reaches
+/// them, in the order they were declared, through
+/// [`ChildCtx::task_buffer`](crate::ChildCtx::task_buffer).
+#[derive(Clone, Debug)]
+pub struct NodeTask {
+    target: Target,
+    function: String,
+    args: Vec<u8>,
+    reads: Vec<SharedBufferId>,
+    writes: Vec<SharedBufferId>,
+    /// Every declared buffer in declaration order (what the function sees).
+    declared: Vec<SharedBufferId>,
+    after: Vec<NodeTaskId>,
+    timeout: Option<Duration>,
+}
+
+impl NodeTask {
+    fn new(target: Target, function: &str, args: &[u8]) -> NodeTask {
+        NodeTask {
+            target,
+            function: function.to_string(),
+            args: args.to_vec(),
+            reads: Vec::new(),
+            writes: Vec::new(),
+            declared: Vec::new(),
+            after: Vec::new(),
+            timeout: None,
+        }
+    }
+
+    /// `function` on chip `chip` (a chip-level orchestration or kernel launch run on that
+    /// chip's own worker, reached through [`ChildCtx::worker`](crate::ChildCtx::worker)).
+    pub fn chip(chip: usize, function: &str, args: &[u8]) -> NodeTask {
+        NodeTask::new(Target::Chip(chip), function, args)
+    }
+
+    /// `function` on every chip of `chips` at once (e.g. a collective): it starts when all of
+    /// them are idle, and has finished when all of them have answered.
+    pub fn group(chips: &[usize], function: &str, args: &[u8]) -> NodeTask {
+        NodeTask::new(Target::Group(chips.to_vec()), function, args)
+    }
+
+    /// Host function `function` on sub worker `sub`.
+    pub fn sub(sub: usize, function: &str, args: &[u8]) -> NodeTask {
+        NodeTask::new(Target::Sub(sub), function, args)
+    }
+
+    /// The task reads `buf`: it waits for the buffer's last writer.
+    pub fn reads(mut self, buf: SharedBufferId) -> NodeTask {
+        self.reads.push(buf);
+        self.declared.push(buf);
+        self
+    }
+
+    /// The task writes `buf` (or reads and writes it): it waits for the last writer and for
+    /// every reader since.
+    pub fn writes(mut self, buf: SharedBufferId) -> NodeTask {
+        self.writes.push(buf);
+        self.declared.push(buf);
+        self
+    }
+
+    /// The task waits for `task` as well.
+    pub fn after(mut self, task: NodeTaskId) -> NodeTask {
+        self.after.push(task);
+        self
+    }
+
+    /// The task's deadline, from when it is posted (default: `NodeConfig.call_timeout`).
+    pub fn timeout(mut self, timeout: Duration) -> NodeTask {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+/// What a recorded task does.
+enum Work {
+    Call {
+        function: String,
+        payload: Vec<u8>,
+    },
+    /// Unmaps a scope's buffer everywhere (the scope's end): runs after every user of the
+    /// buffer has finished, whether it succeeded or not, and is never poisoned.
+    Free(SharedBufferId),
+}
+
+struct Rec {
+    work: Work,
+    /// Child indices (the node's slots).
+    targets: Vec<usize>,
+    timeout: Duration,
+    preds_left: usize,
+    succs: Vec<usize>,
+    state: State,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Waiting,
+    Running { deadline: Instant },
+    Done,
+    Failed,
+    Poisoned,
+}
+
+/// Per buffer: the last writer and the readers since.
+#[derive(Default)]
+struct Access {
+    writer: Option<usize>,
+    readers: Vec<usize>,
+}
+
+/// Records a run's graph; given to [`Node::run`]'s closure.
+pub struct NodeOrch<'a> {
+    node: &'a mut Node,
+    tasks: Vec<Rec>,
+    access: BTreeMap<SharedBufferId, Access>,
+    /// Buffers created in each open scope (innermost last).
+    scopes: Vec<Vec<SharedBufferId>>,
+    /// Buffers whose scope has ended.
+    ended: HashSet<SharedBufferId>,
+    /// Every buffer created while recording (freed at once if recording fails).
+    created: Vec<SharedBufferId>,
+}
+
+impl NodeOrch<'_> {
+    /// Submits a task; it runs once the closure has returned and its predecessors finished.
+    pub fn submit(&mut self, task: NodeTask) -> Result<NodeTaskId, NodeError> {
+        let index = self.tasks.len();
+        let invalid = |reason: String| NodeError::InvalidTask {
+            task: index,
+            function: task.function.clone(),
+            reason,
+        };
+        let targets = match &task.target {
+            Target::Chip(c) => vec![self.node.index(ChildId::Chip(*c))?],
+            Target::Sub(s) => vec![self.node.index(ChildId::Sub(*s))?],
+            Target::Group(chips) => {
+                if chips.is_empty() {
+                    return Err(invalid("a group needs at least one chip".into()));
+                }
+                let mut targets = Vec::with_capacity(chips.len());
+                for &c in chips {
+                    let i = self.node.index(ChildId::Chip(c))?;
+                    if targets.contains(&i) {
+                        return Err(invalid(format!("chip {c} appears twice in the group")));
+                    }
+                    targets.push(i);
+                }
+                // Chips come first among the children, in order: this is chip order, in
+                // which a group's first failure is reported.
+                targets.sort_unstable();
+                targets
+            }
+        };
+        for &buf in task.reads.iter().chain(&task.writes) {
+            if self.ended.contains(&buf) {
+                return Err(invalid(format!(
+                    "shared buffer {} is used after its scope ended",
+                    buf.to_bits()
+                )));
+            }
+            if !self.node.buffers.contains_key(&buf) {
+                return Err(NodeError::NotFound(format!(
+                    "shared buffer {}",
+                    buf.to_bits()
+                )));
+            }
+        }
+        for &NodeTaskId(t) in &task.after {
+            if t >= index {
+                return Err(invalid(format!("after({t}): no such earlier task")));
+            }
+        }
+        let payload = child::encode_task(&task.declared, &task.function, &task.args);
+        if payload.len() > CMD_CAP {
+            return Err(NodeError::TooLarge {
+                what: "a task's function name and arguments",
+                len: payload.len(),
+                cap: CMD_CAP,
+            });
+        }
+        let mut preds: Vec<usize> = task.after.iter().map(|t| t.0).collect();
+        for &buf in &task.reads {
+            if !task.writes.contains(&buf) {
+                preds.extend(self.access.entry(buf).or_default().writer);
+            }
+        }
+        for &buf in &task.writes {
+            let a = self.access.entry(buf).or_default();
+            preds.extend(a.writer);
+            preds.extend(a.readers.iter().copied());
+        }
+        // Update the buffers' histories only after every predecessor is known, so a task that
+        // reads and writes one buffer does not wait for itself.
+        for &buf in &task.reads {
+            if !task.writes.contains(&buf) {
+                self.access.entry(buf).or_default().readers.push(index);
+            }
+        }
+        for &buf in &task.writes {
+            let a = self.access.entry(buf).or_default();
+            a.writer = Some(index);
+            a.readers.clear();
+        }
+        let timeout = task.timeout.unwrap_or(self.node.config.call_timeout);
+        self.push(
+            Work::Call {
+                function: task.function,
+                payload,
+            },
+            targets,
+            timeout,
+            preds,
+        );
+        Ok(NodeTaskId(index))
+    }
+
+    fn push(&mut self, work: Work, targets: Vec<usize>, timeout: Duration, mut preds: Vec<usize>) {
+        let index = self.tasks.len();
+        preds.sort_unstable();
+        preds.dedup();
+        for &p in &preds {
+            self.tasks[p].succs.push(index);
+        }
+        self.tasks.push(Rec {
+            work,
+            targets,
+            timeout,
+            preds_left: preds.len(),
+            succs: Vec::new(),
+            state: State::Waiting,
+        });
+    }
+
+    /// Creates a shared buffer of `len` zeroed bytes (see [`Node::create_buffer`]). Inside a
+    /// scope it belongs to the scope: it is freed once the scope has ended and every task
+    /// that uses it has finished, and naming it in a task after the scope is refused.
+    pub fn create_buffer(&mut self, len: usize) -> Result<SharedBufferId, NodeError> {
+        // Nothing runs while the graph is recorded, so every child is idle.
+        let id = self.node.create_buffer(len)?;
+        self.created.push(id);
+        if let Some(scope) = self.scopes.last_mut() {
+            scope.push(id);
+        }
+        Ok(id)
+    }
+
+    /// Runs `body` in a scope: the buffers it creates through
+    /// [`NodeOrch::create_buffer`] end with it (see there). Ending them is a task on every
+    /// child that writes the buffer, so it waits for all its users (and for every child to be
+    /// idle); it is never poisoned.
+    pub fn scope<R>(
+        &mut self,
+        body: impl FnOnce(&mut Self) -> Result<R, NodeError>,
+    ) -> Result<R, NodeError> {
+        self.scopes.push(Vec::new());
+        let result = body(self);
+        let bufs = self.scopes.pop().unwrap_or_default();
+        let all: Vec<usize> = (0..self.node.children.len()).collect();
+        for buf in bufs {
+            let a = self.access.remove(&buf).unwrap_or_default();
+            let preds: Vec<usize> = a.writer.into_iter().chain(a.readers).collect();
+            let timeout = self.node.config.call_timeout;
+            self.push(Work::Free(buf), all.clone(), timeout, preds);
+            self.ended.insert(buf);
+        }
+        result
+    }
+}
+
+impl Node {
+    /// Records a task graph with `build`, then runs it; returns `build`'s value once every
+    /// task has finished.
+    ///
+    /// Errors: `build`'s own (nothing runs); [`NodeError::TaskFailed`] for the first failed
+    /// task in submit order, after every task it does not poison has run;
+    /// [`NodeError::TaskTimeout`] or [`NodeError::ChildDied`] at once, with the node broken.
+    pub fn run<R>(
+        &mut self,
+        build: impl FnOnce(&mut NodeOrch<'_>) -> Result<R, NodeError>,
+    ) -> Result<R, NodeError> {
+        self.check_usable()?;
+        let mut orch = NodeOrch {
+            node: self,
+            tasks: Vec::new(),
+            access: BTreeMap::new(),
+            scopes: Vec::new(),
+            ended: HashSet::new(),
+            created: Vec::new(),
+        };
+        let value = match orch.scope(build) {
+            Ok(value) => value,
+            Err(e) => {
+                // Nothing ran: the buffers of the recording go at once. The closure's error is
+                // the one returned. A free fails when `e` broke the node (then nothing is
+                // left to free) or a child refused the unmap (the rest then live until the
+                // node ends).
+                for buf in std::mem::take(&mut orch.created) {
+                    if self.free_buffer(buf).is_err() {
+                        break;
+                    }
+                }
+                return Err(e);
+            }
+        };
+        let mut tasks = std::mem::take(&mut orch.tasks);
+        self.execute(&mut tasks)?;
+        Ok(value)
+    }
+
+    fn execute(&mut self, tasks: &mut [Rec]) -> Result<(), NodeError> {
+        // The task each child runs.
+        let mut busy: Vec<Option<usize>> = vec![None; self.children.len()];
+        let mut first_failure: Option<(usize, ChildId, String)> = None;
+        // Lowest index that may still be waiting (everything before it has started).
+        let mut scan_from = 0;
+        loop {
+            // Post the ready tasks in submit order. A ready task that cannot start because a
+            // child of it is busy reserves its idle children, so a group is not overtaken for
+            // ever by later single-chip tasks: it starts when all its chips are idle.
+            let mut reserved = vec![false; busy.len()];
+            while scan_from < tasks.len() && tasks[scan_from].state != State::Waiting {
+                scan_from += 1;
+            }
+            for (t, rec) in tasks.iter_mut().enumerate().skip(scan_from) {
+                if rec.state != State::Waiting || rec.preds_left > 0 {
+                    continue;
+                }
+                if rec
+                    .targets
+                    .iter()
+                    .any(|&i| busy[i].is_some() || reserved[i])
+                {
+                    for &i in &rec.targets {
+                        reserved[i] = true;
+                    }
+                    continue;
+                }
+                let (kind, payload) = match &rec.work {
+                    Work::Call { payload, .. } => (CMD_TASK, payload.clone()),
+                    Work::Free(buf) => (CMD_UNMAP, buf.to_bits().to_le_bytes().to_vec()),
+                };
+                for &i in &rec.targets {
+                    self.post(i, kind, &payload)?;
+                    busy[i] = Some(t);
+                }
+                rec.state = State::Running {
+                    deadline: Instant::now() + rec.timeout,
+                };
+            }
+            let running: Vec<usize> = (0..busy.len()).filter(|&i| busy[i].is_some()).collect();
+            if running.is_empty() {
+                // Nothing runs and nothing could start: every task has finished (edges point
+                // backwards, so a waiting task always has an unfinished predecessor).
+                debug_assert!(
+                    tasks
+                        .iter()
+                        .all(|r| !matches!(r.state, State::Waiting | State::Running { .. }))
+                );
+                break;
+            }
+            // Collect the tasks every child of which has answered.
+            let mut finished = Vec::new();
+            for &i in &running {
+                let Some(t) = busy[i] else { continue };
+                if finished.contains(&t) {
+                    continue;
+                }
+                if tasks[t]
+                    .targets
+                    .iter()
+                    .all(|&c| self.is_done(c, Until::Answered))
+                {
+                    finished.push(t);
+                }
+            }
+            if finished.is_empty() {
+                let (t, deadline) = running
+                    .iter()
+                    .filter_map(|&i| busy[i])
+                    .filter_map(|t| match tasks[t].state {
+                        State::Running { deadline } => Some((t, deadline)),
+                        _ => None,
+                    })
+                    .min_by_key(|&(_, d)| d)
+                    .expect("a running child runs a running task");
+                let now = Instant::now();
+                if now >= deadline {
+                    let rec = &tasks[t];
+                    let c = *rec
+                        .targets
+                        .iter()
+                        .find(|&&c| !self.is_done(c, Until::Answered))
+                        .expect("an unfinished task has a child that has not answered");
+                    let err = NodeError::TaskTimeout {
+                        task: t,
+                        child: self.children[c].id,
+                        pid: self.children[c].pid,
+                        function: rec.function().to_string(),
+                        timeout_ms: rec.timeout.as_millis(),
+                    };
+                    return Err(self.fail(err));
+                }
+                // Only the children that have not answered: one that answered (a group's
+                // early finisher) and then exited would keep its pidfd readable and make this
+                // wait spin; its death is seen when it is posted to next, or at `close`.
+                let pending: Vec<usize> = running
+                    .iter()
+                    .copied()
+                    .filter(|&c| !self.is_done(c, Until::Answered))
+                    .collect();
+                self.poll_children(&pending, deadline - now, Until::Answered)?;
+                continue;
+            }
+            finished.sort_unstable();
+            for t in finished {
+                let failure = tasks[t].targets.iter().find_map(|&c| {
+                    let (status, msg) = self.mailbox(c).answer();
+                    (status != STATUS_OK).then(|| (c, String::from_utf8_lossy(&msg).into_owned()))
+                });
+                for &c in &tasks[t].targets {
+                    busy[c] = None;
+                }
+                if let Work::Free(buf) = tasks[t].work {
+                    if let Some((c, message)) = failure {
+                        // Unmapping cannot fail in a sound child: the node is not trusted.
+                        let err = NodeError::CallFailed {
+                            child: self.children[c].id,
+                            function: "unmap buffer".into(),
+                            message,
+                        };
+                        return Err(self.fail(err));
+                    }
+                    self.buffers.remove(&buf);
+                    finish(tasks, t, State::Done);
+                    continue;
+                }
+                match failure {
+                    None => finish(tasks, t, State::Done),
+                    Some((c, message)) => {
+                        if first_failure.as_ref().is_none_or(|f| t < f.0) {
+                            first_failure = Some((t, self.children[c].id, message));
+                        }
+                        finish(tasks, t, State::Failed);
+                    }
+                }
+            }
+        }
+        match first_failure {
+            None => Ok(()),
+            Some((task, child, message)) => Err(NodeError::TaskFailed {
+                task,
+                child,
+                function: tasks[task].function().to_string(),
+                message,
+                poisoned: (0..tasks.len())
+                    .filter(|&t| tasks[t].state == State::Poisoned)
+                    .collect(),
+            }),
+        }
+    }
+}
+
+impl Rec {
+    fn function(&self) -> &str {
+        match &self.work {
+            Work::Call { function, .. } => function,
+            Work::Free(_) => "free buffer",
+        }
+    }
+}
+
+/// Marks `t` finished with `state` and releases its successors: after a failure or a
+/// poisoning, every successor that calls a function is poisoned in turn (transitively); a
+/// scope's free runs regardless.
+fn finish(tasks: &mut [Rec], t: usize, state: State) {
+    let mut work = vec![(t, state)];
+    while let Some((t, state)) = work.pop() {
+        tasks[t].state = state;
+        for k in 0..tasks[t].succs.len() {
+            let s = tasks[t].succs[k];
+            if tasks[s].state != State::Waiting {
+                continue; // already poisoned through another predecessor
+            }
+            let poison = state != State::Done && matches!(tasks[s].work, Work::Call { .. });
+            if poison {
+                work.push((s, State::Poisoned));
+                // Marked now, so another path does not push it twice.
+                tasks[s].state = State::Poisoned;
+            } else {
+                tasks[s].preds_left -= 1;
+            }
+        }
+    }
+}
