@@ -161,12 +161,9 @@ fn gather(
     k.resize(nt * nks, ZERO_LINE);
     v.clear();
     v.resize(nt / 2 * ncb, ZERO_LINE);
-    fn head<'p>(pool: &'p [half::bf16], at: usize, hd: usize) -> &'p [half::bf16] {
-        &pool[at..at + hd]
-    }
     let at = |t: usize| kv.slot(block_table, t) * row + kv_head * hd;
     for t in 0..end {
-        let src = head(kv.k, at(t), hd);
+        let src = &kv.k[at(t)..at(t) + hd];
         for (line, chunk) in k[t * nks..(t + 1) * nks]
             .iter_mut()
             .zip(src.chunks_exact(32))
@@ -177,8 +174,8 @@ fn gather(
         }
     }
     for t in (0..end).step_by(2) {
-        let v0 = head(kv.v, at(t), hd);
-        let v1 = (t + 1 < end).then(|| head(kv.v, at(t + 1), hd));
+        let v0 = &kv.v[at(t)..at(t) + hd];
+        let v1 = (t + 1 < end).then(|| &kv.v[at(t + 1)..at(t + 1) + hd]);
         let (b, j) = (t / KB, (t % KB) / 2);
         for c in 0..ncb {
             let line = &mut v[(b * ncb + c) * 16 + j].0;
