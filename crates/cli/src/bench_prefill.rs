@@ -372,6 +372,15 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
 
         println!("prompt {len} tokens (positions 0..{len}, {tasks} tasks per step):");
         println!("  {}", crate::qwen3_decode::format_paths(len));
+        println!(
+            "  prefill attention path: {} (head_dim {})",
+            simpler_kernels_cpu::attention::prefill_path(
+                simpler_kernels_cpu::Isa::detected(),
+                c.head_dim
+            )
+            .name(),
+            c.head_dim
+        );
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
             "  {:.1} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step (medians)",

@@ -188,6 +188,113 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Every path of the causal prefill rows (the AMX-BF16 tiles where the CPU has them)
+    /// against the portable one and the fp64 reference, at shapes that straddle the AMX path's
+    /// edges: query counts around its 16-query blocks, prefixes ending inside and at the edges
+    /// of its 32-token blocks, pages smaller and larger than a block, head dimensions of one to
+    /// eight 32-element steps (and 80, which the tiles do not take), groups up to 8.
+    #[test]
+    fn prefill_rows_agree_on_every_path(
+        kv_heads in 1usize..3, group in 1usize..9, first_pos in 0usize..140, n_rows in 1usize..40,
+        hd_pick in 0usize..6, small_pages in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let hd = [32, 64, 128, 128, 256, 80][hd_pick];
+        let ps = if small_pages { 16 } else { 128 };
+        let blocks = (first_pos + n_rows).div_ceil(ps);
+        let st = Setup::new(2, blocks, kv_heads, hd, ps, &mut rng);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
+        let g = kv_heads - 1;
+        let ran = common::all_paths("prefill rows", || {
+            let mut out = vec![0.0f32; q.len()];
+            prefill_attention_rows_f32(&q, group, &st.kv(), &st.tables[1], g, first_pos, scale, &mut out);
+            out
+        });
+        let portable = &ran[0].1;
+        for (isa, out) in &ran {
+            println!("prefill rows on {} (prefill path {})", isa.name(), attention::prefill_path(*isa, hd).name());
+            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
+            for i in 0..n_rows {
+                for j in 0..group {
+                    let at = (i * group + j) * hd;
+                    let e = st.reference(1, g, &q[at..at + hd], first_pos + i + 1, scale);
+                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
+                        &format!("{} prefill rows vs reference", isa.name()));
+                }
+            }
+        }
+    }
+}
+
+/// A long prefix (several 128-token pages, a score range wide enough that the running max
+/// moves block after block) on every path against the portable one, the shape Qwen3-0.6B
+/// prefill runs (group 2, head 128, 32 rows per call).
+#[test]
+fn prefill_rows_long_prefix_on_every_path() {
+    let mut rng = Rng(5);
+    let (kv_heads, group, hd, ps) = (2, 2, 128, 128);
+    let (first_pos, n_rows) = (457, 32);
+    let st = Setup::new(1, 4, kv_heads, hd, ps, &mut rng);
+    // Large queries: sharp, position-dependent softmax.
+    let q: Vec<f32> = rng
+        .vec_bf16(n_rows * group * hd, 4.0)
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let ran = common::all_paths("prefill rows, long prefix", || {
+        let mut out = vec![0.0f32; q.len()];
+        prefill_attention_rows_f32(
+            &q,
+            group,
+            &st.kv(),
+            &st.tables[0],
+            1,
+            first_pos,
+            scale,
+            &mut out,
+        );
+        out
+    });
+    for (isa, out) in &ran {
+        common::assert_close(
+            out,
+            &ran[0].1,
+            5e-3,
+            2e-2,
+            &format!("{} vs portable", isa.name()),
+        );
+        for i in [0, 15, 16, 31] {
+            let at = i * group * hd;
+            let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
+            common::assert_close(
+                &out[at..at + hd],
+                &e,
+                5e-3,
+                2e-2,
+                &format!("{} vs reference", isa.name()),
+            );
+        }
+    }
+}
+
+#[test]
+fn prefill_path_takes_tiles_only_where_they_fit() {
+    assert_eq!(attention::prefill_path(Isa::Avx2, 128), Isa::Avx2);
+    assert_eq!(attention::prefill_path(Isa::Portable, 128), Isa::Portable);
+    assert_eq!(attention::prefill_path(Isa::Avx512Bf16, 128), Isa::Avx2);
+    if cfg!(target_arch = "x86_64") {
+        assert_eq!(attention::prefill_path(Isa::AmxBf16, 128), Isa::AmxBf16);
+        assert_eq!(attention::prefill_path(Isa::AmxBf16, 256), Isa::AmxBf16);
+    }
+    assert_eq!(attention::prefill_path(Isa::AmxBf16, 80), Isa::Avx2);
+    assert_eq!(attention::prefill_path(Isa::AmxBf16, 288), Isa::Avx2);
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]

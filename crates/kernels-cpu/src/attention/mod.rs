@@ -20,17 +20,32 @@ use crate::convert::f32_to_bf16;
 use crate::multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 mod core;
 mod prefill;
 
 pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
-/// The path the attention kernels take when kernels run on `isa`: they have AVX2 and portable
-/// code (decode attention reads the KV cache once per step and stays bound by that stream, so
-/// wider vectors would not shorten it), and every wider path runs the AVX2 code.
+/// The path the decode attention kernels take when kernels run on `isa`: they have AVX2 and
+/// portable code (decode attention reads the KV cache once per step and stays bound by that
+/// stream, so wider vectors would not shorten it), and every wider path runs the AVX2 code.
 pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
     isa.min(crate::isa::Isa::Avx2)
+}
+
+/// The path [`prefill_attention_rows_f32`] takes for `head_dim` when kernels run on `isa`:
+/// AMX-BF16 tiles where the CPU has them and `head_dim` is a multiple of 32 up to 256 (causal
+/// prefill attention is two matrix products per query block, compute-bound), else the decode
+/// path's.
+pub fn prefill_path(isa: crate::isa::Isa, head_dim: usize) -> crate::isa::Isa {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= crate::isa::Isa::AmxBf16 && amx::supports(head_dim) {
+        return crate::isa::Isa::AmxBf16;
+    }
+    let _ = head_dim;
+    path(isa)
 }
 
 /// One layer's paged K and V pools.

@@ -136,6 +136,18 @@ pub fn prefill_attention_rows_f32(
     assert!(kv_head < kv.kv_heads, "prefill rows: kv head {kv_head}");
     let n_rows = q.len() / per_row;
     #[cfg(target_arch = "x86_64")]
+    if super::prefill_path(crate::isa::Isa::current(), hd) == crate::isa::Isa::AmxBf16 {
+        kv.check_pages(block_table, &(0..first_pos + n_rows));
+        // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512 BF16 and
+        // Linux granted the tile state (`Isa::hardware`); `prefill_path` checked the head
+        // dimension; `kv` was checked, every page of the rows' tokens by `check_pages`,
+        // `kv_head` and the whole rows of `q`/`out` by the asserts above.
+        unsafe {
+            super::amx::prefill_rows(q, group, kv, block_table, kv_head, first_pos, scale, out)
+        };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && super::avx2::supports(group, hd) {
         kv.check_pages(block_table, &(0..first_pos + n_rows));
         // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is supported;

@@ -286,7 +286,7 @@ fn unpack_index() -> __m512i {
 /// Transposes a 16 × 16 matrix of 32-bit elements held one row per register.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn transpose16(r: &mut [__m512i; 16]) {
+pub(crate) fn transpose16(r: &mut [__m512i; 16]) {
     let z = _mm512_setzero_si512();
     // Within each 128-bit lane: 2 × 2 blocks of 32-bit, then of 64-bit elements, so `u[4 i + c]`
     // lane `l` holds column `4 l + c` of rows `4 i .. 4 i + 4`.

@@ -43,7 +43,12 @@ mod avx2;
 mod avx512;
 mod portable;
 
-/// The AMX tile configuration of the GEMM (eight 16 × 64-byte tiles), for the peak measurement.
+/// The 16 × 16 32-bit transpose of the AMX path (the prefill attention's tiles use it too).
+#[cfg(target_arch = "x86_64")]
+pub(crate) use amx::transpose16 as amx_transpose16;
+
+/// The AMX tile configuration of the GEMM (eight 16 × 64-byte tiles), for the peak measurement
+/// and the prefill attention.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn amx_tile_config() -> *const u8 {
     amx::tile_config()

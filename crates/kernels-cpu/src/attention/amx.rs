@@ -1,0 +1,409 @@
+//! AMX-BF16 causal prefill attention (flash-attention style): a block of 16 queries against the
+//! prefix 32 tokens at a time, both products on the tile unit.
+//!
+//! The AVX2 path runs each query row as its own decode pass, so every K/V element it widens
+//! serves only the `group` queries of one row; here each K/V tile serves 16 queries and the
+//! multiply-adds run on `tdpbf16ps` (16 × 16 × 32 per instruction).
+//!
+//! # Orientation
+//! - Scores are computed transposed, `Sᵀ[t, q] = sum_d K[t, d] Q[q, d]`: K rows (contiguous
+//!   along `d`) are the `A` operand as they are, and the queries are the `B` operand in the
+//!   VNNI layout (line `j` holds, for the 16 queries, the pair `d = 2j, 2j + 1`), built once per
+//!   query block. A row of `Sᵀ` is then one token for 16 queries, so the online softmax (max,
+//!   `exp`, sums, causal mask) runs across queries, one 16-lane vector per token, without any
+//!   horizontal reduction.
+//! - `O[q, d] += sum_t P[q, t] V[t, d]`: `P` is the `A` operand (the softmax weights rounded to
+//!   bf16, paired along `t` and transposed into query rows), V the `B` operand in VNNI layout
+//!   (line `j` interleaves tokens `2j` and `2j + 1` over 16 columns). The fp32 outputs live in
+//!   memory and go through the accumulator tile per 16-column block.
+//!
+//! The prefix's K rows (gathered out of the pages) and V pairs are prepared once per call and
+//! shared by the call's query blocks (the model calls this for 32 rows, i.e. 64 queries of
+//! Qwen3's group of 2, per task).
+//!
+//! # Numerics
+//! Queries, K and V are bf16 values already (the queries are widened bf16); the tile unit
+//! accumulates their products in fp32. The scores are scaled in fp32 and the softmax is the
+//! AVX2 path's (same `exp` polynomial); the one extra rounding is `P` to bf16 before `P · V`
+//! (relative 2⁻⁹ per weight, as the GEMM's activations on this path).
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::PagedKv;
+use crate::gemm::{amx_tile_config, amx_transpose16};
+
+/// Queries per block (the width of a `B` tile).
+const QB: usize = 16;
+/// Tokens per block (two 16-row score tiles; one 32-element `K` step of `P · V`).
+const KB: usize = 32;
+/// Largest head dimension handled here.
+const MAX_HD: usize = 256;
+
+/// Whether this path handles the head dimension.
+pub(super) fn supports(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim.is_multiple_of(32) && head_dim <= MAX_HD
+}
+
+/// One 64-byte tile row, 64-byte aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+const ZERO_LINE: Line = Line([0; 16]);
+
+#[derive(Default)]
+struct Scratch {
+    /// K rows of tokens `0..nt` (zero past the prefix): token `t`, 32-element step `s` at
+    /// `t * nks + s`.
+    k: Vec<Line>,
+    /// V in VNNI tiles: token block `b`, 16-column block `c`, line `j` at
+    /// `(b * ncb + c) * 16 + j` (tokens `32 b + 2j`, `32 b + 2j + 1`).
+    v: Vec<Line>,
+    /// Query VNNI tiles of the current block: step `s`, line `j` at `s * 16 + j`.
+    q: Vec<Line>,
+    /// Unnormalised outputs of the current block: query `q`, column block `c` at `q * ncb + c`.
+    o: Vec<Line>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of `q`
+/// (`group` widened queries, `[n_rows, group, head_dim]`) attends to tokens `0..=first_pos + i`;
+/// `out` gets the normalised outputs.
+///
+/// # Safety
+/// The CPU supports AMX-BF16 and AVX-512 F/BW/VL/BF16 and Linux granted the tile state
+/// ([`crate::amx::request_tile_permission`]); `supports(kv.head_dim)`; `kv` passed its checks;
+/// `kv_head < kv.kv_heads`; every page of tokens `0..first_pos + n_rows` is inside
+/// `block_table` and the pool; `q.len() == out.len()`, a whole number of rows of
+/// `group * head_dim`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn prefill_rows(
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let nks = hd / 32;
+    let ncb = hd / 16;
+    let nq = q.len() / hd;
+    let n_rows = nq / group;
+    let end = first_pos + n_rows;
+    let nt = end.div_ceil(KB) * KB;
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let s = &mut *s;
+        gather(kv, block_table, kv_head, end, nt, &mut s.k, &mut s.v);
+        s.q.resize(nks * 16, ZERO_LINE);
+        s.o.resize(QB * ncb, ZERO_LINE);
+        // SAFETY: the configuration is the crate's valid palette-1 layout (eight 16 × 64-byte
+        // tiles); the tile state was granted (contract). Released below before returning.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
+        let mut qb0 = 0;
+        while qb0 < nq {
+            let nqb = QB.min(nq - qb0);
+            pack_queries(&q[qb0 * hd..(qb0 + nqb) * hd], hd, &mut s.q);
+            // Query `qb0 + i` sees tokens below `first_pos + (qb0 + i) / group + 1`; padding
+            // lanes see token 0 only (finite, and never written out).
+            let lim: [i32; QB] = std::array::from_fn(|i| {
+                if i < nqb {
+                    (first_pos + (qb0 + i) / group + 1) as i32
+                } else {
+                    1
+                }
+            });
+            let block_end = first_pos + (qb0 + nqb - 1) / group + 1;
+            // SAFETY: the tiles are configured; the scratch holds every token block below
+            // `nt >= block_end` and this block's query tiles.
+            unsafe { block(s, &lim, block_end, nks, ncb, scale) };
+            for (i, o) in out[qb0 * hd..(qb0 + nqb) * hd]
+                .chunks_exact_mut(hd)
+                .enumerate()
+            {
+                let src = &s.o[i * ncb..(i + 1) * ncb];
+                for (dst, line) in o.chunks_exact_mut(16).zip(src) {
+                    for (d, &bits) in dst.iter_mut().zip(&line.0) {
+                        *d = f32::from_bits(bits);
+                    }
+                }
+            }
+            qb0 += nqb;
+        }
+        // SAFETY: releases the tile state configured above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
+
+/// Gathers the K rows and V pairs of tokens `0..end` (zero up to `nt`) of one KV head
+/// (compiled for AVX-512 so its lane-wise loops vectorise 512 bits wide).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn gather(
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    end: usize,
+    nt: usize,
+    k: &mut Vec<Line>,
+    v: &mut Vec<Line>,
+) {
+    let hd = kv.head_dim;
+    let (nks, ncb) = (hd / 32, hd / 16);
+    let row = kv.row();
+    k.clear();
+    k.resize(nt * nks, ZERO_LINE);
+    v.clear();
+    v.resize(nt / 2 * ncb, ZERO_LINE);
+    let at = |t: usize| kv.slot(block_table, t) * row + kv_head * hd;
+    for t in 0..end {
+        let src = &kv.k[at(t)..at(t) + hd];
+        for (line, chunk) in k[t * nks..(t + 1) * nks]
+            .iter_mut()
+            .zip(src.chunks_exact(32))
+        {
+            for (w, pair) in line.0.iter_mut().zip(chunk.chunks_exact(2)) {
+                *w = u32::from(pair[0].to_bits()) | (u32::from(pair[1].to_bits()) << 16);
+            }
+        }
+    }
+    // Written as plain lane-wise loops over whole slices (the odd last token paired with a
+    // zero row) so the compiler vectorises them: this runs once per call over the whole prefix.
+    let zero = [half::bf16::ZERO; MAX_HD];
+    for t in (0..end).step_by(2) {
+        let v0 = &kv.v[at(t)..at(t) + hd];
+        let v1 = if t + 1 < end {
+            &kv.v[at(t + 1)..at(t + 1) + hd]
+        } else {
+            &zero[..hd]
+        };
+        let (b, j) = (t / KB, (t % KB) / 2);
+        for (c, (c0, c1)) in v0.chunks_exact(16).zip(v1.chunks_exact(16)).enumerate() {
+            let line = &mut v[(b * ncb + c) * 16 + j].0;
+            for ((w, lo), hi) in line.iter_mut().zip(c0).zip(c1) {
+                *w = u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16);
+            }
+        }
+    }
+}
+
+/// Packs up to 16 fp32 queries (`q`, `[n, hd]`) as bf16 VNNI tiles (zero past `n`).
+fn pack_queries(q: &[f32], hd: usize, tiles: &mut [Line]) {
+    tiles.fill(ZERO_LINE);
+    for (i, qi) in q.chunks_exact(hd).enumerate() {
+        for (p, pair) in qi.chunks_exact(2).enumerate() {
+            let lo = u32::from(crate::convert::f32_to_bf16(pair[0]).to_bits());
+            let hi = u32::from(crate::convert::f32_to_bf16(pair[1]).to_bits());
+            // Pair `p` is line `p % 16` of step `p / 16`.
+            tiles[p].0[i] = lo | (hi << 16);
+        }
+    }
+}
+
+/// One query block (its VNNI tiles in `s.q`) over the token blocks below `block_end`, leaving
+/// the normalised outputs in `s.o`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/BF16; the crate's tile configuration is loaded; `s.k`/`s.v` hold every
+/// token block below `block_end` for `nks`/`ncb` steps/column blocks; `s.q` has `nks` tiles,
+/// `s.o` 16 × `ncb` lines.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn block(
+    s: &mut Scratch,
+    lim: &[i32; QB],
+    block_end: usize,
+    nks: usize,
+    ncb: usize,
+    scale: f32,
+) {
+    s.o.fill(ZERO_LINE);
+    // SAFETY: 16 i32.
+    let limv = unsafe { _mm512_loadu_si512(lim.as_ptr().cast()) };
+    let scalev = _mm512_set1_ps(scale);
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut l = _mm512_setzero_ps();
+    let mut st = [ZERO_LINE; KB];
+    let mut pt = [ZERO_LINE; QB];
+    let pair_idx = pair_index();
+    for b in 0..block_end.div_ceil(KB) {
+        let t0 = b * KB;
+        // SAFETY: K tiles of tokens t0..t0 + 32 (two 16-row tiles, `nks` 64-byte steps at a
+        // row stride of `nks * 64` bytes) are inside `s.k`; `s.q` holds `nks` 1 KiB tiles; the
+        // stores write the 2 KiB of `st`.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "2:",
+                "tileloadd tmm2, [{k0} + {sk}*1]",
+                "tileloadd tmm3, [{k1} + {sk}*1]",
+                "tileloadd tmm4, [{qp} + {s64}*1]",
+                "tdpbf16ps tmm0, tmm2, tmm4",
+                "tdpbf16ps tmm1, tmm3, tmm4",
+                "add {k0}, 64",
+                "add {k1}, 64",
+                "add {qp}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{st} + {s64}*1], tmm0",
+                "tilestored [{st} + {s64}*1 + 1024], tmm1",
+                k0 = inout(reg) s.k.as_ptr().add(t0 * nks) => _,
+                k1 = inout(reg) s.k.as_ptr().add((t0 + 16) * nks) => _,
+                sk = in(reg) nks * 64,
+                qp = inout(reg) s.q.as_ptr() => _,
+                s64 = in(reg) 64usize,
+                n = inout(reg) nks => _,
+                st = in(reg) st.as_mut_ptr(),
+                options(nostack),
+            );
+        }
+        // Scaled, masked scores (one token per vector, 16 queries) and their max.
+        let mut x = [_mm512_setzero_ps(); KB];
+        let mut valid: [__mmask16; KB] = [0; KB];
+        let mut mx = m;
+        for (r, line) in st.iter().enumerate() {
+            // SAFETY: a line is 64 bytes, 64-byte aligned.
+            let v = _mm512_mul_ps(unsafe { _mm512_load_ps(line.0.as_ptr().cast()) }, scalev);
+            valid[r] = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((t0 + r) as i32), limv);
+            x[r] = _mm512_mask_blend_ps(valid[r], _mm512_set1_ps(f32::NEG_INFINITY), v);
+            mx = _mm512_max_ps(mx, x[r]);
+        }
+        // Every query sees token 0, so `mx` is finite from the first block on.
+        let corr = exp512(_mm512_sub_ps(m, mx));
+        let mut sum = _mm512_setzero_ps();
+        let mut pairs = [_mm512_setzero_si512(); 16];
+        for j in 0..16 {
+            let p0 = _mm512_maskz_mov_ps(valid[2 * j], exp512(_mm512_sub_ps(x[2 * j], mx)));
+            let p1 = _mm512_maskz_mov_ps(valid[2 * j + 1], exp512(_mm512_sub_ps(x[2 * j + 1], mx)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            // SAFETY: plain 512-bit vectors with no invalid bit patterns.
+            let words =
+                unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(p1, p0)) };
+            // Lane q: (P[q, 2j], P[q, 2j + 1]).
+            pairs[j] = _mm512_permutexvar_epi16(pair_idx, words);
+        }
+        l = _mm512_fmadd_ps(l, corr, sum);
+        m = mx;
+        // Line q: the 16 token pairs of query q (the `A` tile of `P · V`).
+        amx_transpose16(&mut pairs);
+        for (line, v) in pt.iter_mut().zip(pairs) {
+            // SAFETY: a line is 64 bytes, 64-byte aligned.
+            unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
+        }
+        // Rescale the outputs where the max moved.
+        if _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.0)) != 0 {
+            let mut c = [0.0f32; QB];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), corr) };
+            for (qi, &cq) in c.iter().enumerate() {
+                let cv = _mm512_set1_ps(cq);
+                for line in &mut s.o[qi * ncb..(qi + 1) * ncb] {
+                    // SAFETY: a line is 64 bytes, 64-byte aligned.
+                    unsafe {
+                        let p = line.0.as_mut_ptr().cast::<f32>();
+                        _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), cv));
+                    }
+                }
+            }
+        }
+        // SAFETY: `pt` is one 1 KiB tile; the V tiles of block `b` (`ncb` of 1 KiB, an even
+        // number since hd is a multiple of 32) are inside `s.v`; the output tiles are the 16
+        // rows of `s.o` at a stride of `ncb * 64` bytes, 64 bytes per column block.
+        unsafe {
+            asm!(
+                "tileloadd tmm4, [{pt} + {s64}*1]",
+                "2:",
+                "tileloadd tmm0, [{o} + {so}*1]",
+                "tileloadd tmm1, [{o} + {so}*1 + 64]",
+                "tileloadd tmm5, [{v} + {s64}*1]",
+                "tileloadd tmm6, [{v} + {s64}*1 + 1024]",
+                "tdpbf16ps tmm0, tmm4, tmm5",
+                "tdpbf16ps tmm1, tmm4, tmm6",
+                "tilestored [{o} + {so}*1], tmm0",
+                "tilestored [{o} + {so}*1 + 64], tmm1",
+                "add {o}, 128",
+                "add {v}, 2048",
+                "sub {n}, 2",
+                "jnz 2b",
+                pt = in(reg) pt.as_ptr(),
+                s64 = in(reg) 64usize,
+                o = inout(reg) s.o.as_mut_ptr() => _,
+                so = in(reg) ncb * 64,
+                v = inout(reg) s.v.as_ptr().add(b * ncb * 16) => _,
+                n = inout(reg) ncb => _,
+                options(nostack),
+            );
+        }
+    }
+    // Normalise.
+    let mut inv = [0.0f32; QB];
+    let invv = _mm512_maskz_div_ps(
+        _mm512_cmp_ps_mask::<_CMP_GT_OQ>(l, _mm512_setzero_ps()),
+        _mm512_set1_ps(1.0),
+        l,
+    );
+    // SAFETY: 16 floats.
+    unsafe { _mm512_storeu_ps(inv.as_mut_ptr(), invv) };
+    for (qi, &iq) in inv.iter().enumerate() {
+        let iv = _mm512_set1_ps(iq);
+        for line in &mut s.o[qi * ncb..(qi + 1) * ncb] {
+            // SAFETY: a line is 64 bytes, 64-byte aligned.
+            unsafe {
+                let p = line.0.as_mut_ptr().cast::<f32>();
+                _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), iv));
+            }
+        }
+    }
+}
+
+/// The word permutation that interleaves the two halves of a `cvtne2ps` result: word `2q`
+/// takes word `q` (first source), word `2q + 1` takes word `16 + q` (second source).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn pair_index() -> __m512i {
+    const IDX: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut q = 0;
+        while q < 16 {
+            idx[2 * q] = q as u16;
+            idx[2 * q + 1] = 16 + q as u16;
+            q += 1;
+        }
+        idx
+    };
+    // SAFETY: IDX is 64 bytes.
+    unsafe { _mm512_loadu_si512(IDX.as_ptr().cast()) }
+}
+
+/// Sixteen-lane `e^x`, the polynomial of the AVX2 path (`crate::math::exp_approx`), clamped to
+/// `[-87, 88]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn exp512(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.0),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f);
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(e))
+}
