@@ -84,3 +84,50 @@ pub fn exchange_counts<C: Collectives<Buf = [u8]> + ?Sized>(
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
         .collect())
 }
+
+/// This rank's own verdict on the arguments of an all-to-all over `ranks` ranks whose
+/// backend carries at most `cap` bytes from one rank: `None` when they are consistent. Every
+/// backend checks the same things, so every backend refuses the same calls.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_all_to_all_args(
+    op: &'static str,
+    rank: usize,
+    ranks: usize,
+    send_len: usize,
+    send_counts: &[usize],
+    recv_len: usize,
+    recv_counts: &[usize],
+    cap: usize,
+) -> Option<CollectiveError> {
+    let bad = |reason: String| CollectiveError::BadArgs { op, rank, reason };
+    if send_counts.len() != ranks || recv_counts.len() != ranks {
+        return Some(bad(format!(
+            "{} send and {} receive counts for {ranks} ranks",
+            send_counts.len(),
+            recv_counts.len()
+        )));
+    }
+    let (sent, received) = (
+        send_counts.iter().sum::<usize>(),
+        recv_counts.iter().sum::<usize>(),
+    );
+    if sent != send_len {
+        return Some(bad(format!(
+            "send counts add up to {sent}, the send buffer is {send_len} bytes"
+        )));
+    }
+    if received != recv_len {
+        return Some(bad(format!(
+            "receive counts add up to {received}, the receive buffer is {recv_len} bytes"
+        )));
+    }
+    if send_len > cap {
+        return Some(CollectiveError::TooLarge {
+            op,
+            rank,
+            len: send_len,
+            cap,
+        });
+    }
+    None
+}

@@ -94,38 +94,17 @@ impl Collectives for MpiCollectives {
     ) -> Result<(), CollectiveError> {
         const OP: &str = "all_to_all_v";
         let (n, me) = (self.ranks, self.rank);
-        let bad = |reason: String| CollectiveError::BadArgs {
-            op: OP,
-            rank: me,
-            reason,
-        };
-        let own = if send_counts.len() != n || recv_counts.len() != n {
-            Some(bad(format!(
-                "{} send and {} receive counts for {n} ranks",
-                send_counts.len(),
-                recv_counts.len()
-            )))
-        } else if send_counts.iter().sum::<usize>() != send.len()
-            || recv_counts.iter().sum::<usize>() != recv.len()
-        {
-            Some(bad(format!(
-                "counts add up to {} sent and {} received, the buffers are {} and {} bytes",
-                send_counts.iter().sum::<usize>(),
-                recv_counts.iter().sum::<usize>(),
-                send.len(),
-                recv.len()
-            )))
-        } else if send.len() > Count::MAX as usize {
-            // MPI counts and displacements are C ints.
-            Some(CollectiveError::TooLarge {
-                op: OP,
-                rank: me,
-                len: send.len(),
-                cap: Count::MAX as usize,
-            })
-        } else {
-            None
-        };
+        // MPI counts and displacements are C ints.
+        let own = super::check_all_to_all_args(
+            OP,
+            me,
+            n,
+            send.len(),
+            send_counts,
+            recv.len(),
+            recv_counts,
+            Count::MAX as usize,
+        );
         let flag = match &own {
             None => FLAG_OK,
             Some(CollectiveError::TooLarge { .. }) => FLAG_TOO_LARGE,

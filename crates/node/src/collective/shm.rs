@@ -176,39 +176,16 @@ impl Collectives for ShmCollectives {
     ) -> Result<(), CollectiveError> {
         const OP: &str = "all_to_all_v";
         let (n, me) = (self.ranks, self.rank);
-        let bad = |reason: String| CollectiveError::BadArgs {
-            op: OP,
-            rank: me,
-            reason,
-        };
-        let own = if send_counts.len() != n || recv_counts.len() != n {
-            Some(bad(format!(
-                "{} send and {} receive counts for {n} ranks",
-                send_counts.len(),
-                recv_counts.len()
-            )))
-        } else if send_counts.iter().sum::<usize>() != send.len() {
-            Some(bad(format!(
-                "send counts add up to {}, the send buffer is {} bytes",
-                send_counts.iter().sum::<usize>(),
-                send.len()
-            )))
-        } else if recv_counts.iter().sum::<usize>() != recv.len() {
-            Some(bad(format!(
-                "receive counts add up to {}, the receive buffer is {} bytes",
-                recv_counts.iter().sum::<usize>(),
-                recv.len()
-            )))
-        } else if send.len() > self.cap {
-            Some(CollectiveError::TooLarge {
-                op: OP,
-                rank: me,
-                len: send.len(),
-                cap: self.cap,
-            })
-        } else {
-            None
-        };
+        let own = super::check_all_to_all_args(
+            OP,
+            me,
+            n,
+            send.len(),
+            send_counts,
+            recv.len(),
+            recv_counts,
+            self.cap,
+        );
         match &own {
             None => {
                 self.write_header(FLAG_OK, send.len(), send_counts);
