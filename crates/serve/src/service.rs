@@ -315,15 +315,7 @@ impl Loop {
             if self.engine.has_work() {
                 self.step();
             }
-            let stats = self.engine.stats();
-            self.metrics
-                .prefix_totals(stats.prefix_hit_tokens, stats.prompt_tokens);
-            self.metrics.preemptions_total(stats.preemptions);
-            self.metrics.set_load(
-                self.engine.running(),
-                self.engine.waiting(),
-                self.engine.total_blocks() - self.engine.free_blocks(),
-            );
+            self.sync_metrics();
         }
         // Whatever is left (a closed channel with requests queued) ends with an error.
         self.end_all("the server shut down");
@@ -506,37 +498,52 @@ impl Loop {
     }
 
     fn finish(&mut self, id: RequestId, finish: TextFinish, cached_tokens: usize) {
-        if let Some(l) = self.live.get(&id) {
-            let usage = Usage {
-                prompt_tokens: l.prompt_tokens,
-                completion_tokens: l.generated,
-                cached_tokens,
-            };
-            let _ = l.events.send(Event::Done { finish, usage });
-        }
+        let Some(l) = self.live.get(&id) else {
+            return;
+        };
+        let usage = Usage {
+            prompt_tokens: l.prompt_tokens,
+            completion_tokens: l.generated,
+            cached_tokens,
+        };
         self.end(
             id,
             match finish {
                 TextFinish::Length => Ended::Length,
                 TextFinish::Eos | TextFinish::Stop => Ended::Stop,
             },
-            None,
+            Some(Event::Done { finish, usage }),
         );
     }
 
-    /// Forgets request `id` (its blocks already released by the engine) and counts it; sends
-    /// `last` (an error event) if given.
+    /// Brings the gauges and the engine's running totals into the metrics.
+    fn sync_metrics(&self) {
+        let stats = self.engine.stats();
+        self.metrics
+            .prefix_totals(stats.prefix_hit_tokens, stats.prompt_tokens);
+        self.metrics.preemptions_total(stats.preemptions);
+        self.metrics.set_load(
+            self.engine.running(),
+            self.engine.waiting(),
+            self.engine.total_blocks() - self.engine.free_blocks(),
+        );
+    }
+
+    /// Forgets request `id` (its blocks already released by the engine), counts it, and then
+    /// sends `last` (`Done` or an error) if given. Counting first means a client that reads
+    /// `/metrics` after its answer sees its request counted.
     fn end(&mut self, id: RequestId, how: Ended, last: Option<Event>) {
         let Some(l) = self.live.remove(&id) else {
             return;
         };
-        if let Some(e) = last {
-            let _ = l.events.send(e);
-        }
         let tpot = match (l.first_token, l.generated) {
             (Some(first), n) if n > 1 => Some((Instant::now() - first) / (n as u32 - 1)),
             _ => None,
         };
         self.metrics.ended(how, tpot);
+        self.sync_metrics();
+        if let Some(e) = last {
+            let _ = l.events.send(e);
+        }
     }
 }
