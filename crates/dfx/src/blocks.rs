@@ -95,7 +95,9 @@ pub(crate) fn execution_span(r: &SwimlaneRecords) -> Option<(u64, u64)> {
         .iter()
         .map(|b| dispatch_finish(r, b).1.max(b.end))
         .max()?;
-    Some((lo, hi))
+    // A hostile file can have every record end before it starts; the span is then empty,
+    // never reversed (the analyses clamp into it and subtract its ends).
+    Some((lo, hi.max(lo)))
 }
 
 /// Number of cores: the larger of the recorded count and the highest core id seen + 1.
