@@ -3,11 +3,13 @@
 //!
 //! Files read top to bottom: [`config`] (shapes, presets, validation) -> [`fixture`] (seeded
 //! weights, caches and inputs of one decode step) -> [`golden`] (plain-loop reference of each
-//! layer kind) -> [`check`] (the relative-difference tolerances).
+//! layer kind) -> [`check`] (the relative-difference tolerances); [`fixture_file`] keeps a
+//! fixture in a safetensors file.
 
 pub mod check;
 pub mod config;
 pub mod fixture;
+pub mod fixture_file;
 pub mod golden;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
