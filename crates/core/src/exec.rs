@@ -331,6 +331,9 @@ fn run_bound(
             if job.cfg.dep_gen {
                 report.deps = g.inner.deps.clone();
             }
+            if let Some(s) = report.swimlane.as_mut() {
+                s.fingerprint = g.fingerprint_hex();
+            }
         }
     }
     for c in orch.cursors.iter_mut() {

@@ -291,8 +291,9 @@ impl CapturedGraph {
     pub fn name(&self) -> &str {
         &self.inner.name
     }
-    /// Topology fingerprint: every task's kernel and block count and every edge (the value
-    /// swimlane and dependency files carry for a run of this graph).
+    /// Topology fingerprint: every task's kernel and block count and every recorded edge (the
+    /// value the capture's and its replays' swimlane and dependency files carry; it does not
+    /// depend on the captured run's timing, since a capture records every hazard edge).
     pub fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }

@@ -121,16 +121,8 @@ impl Orchestrator {
             splits: Splits::new(t.blocks, t.args.len()),
         };
         self.fill_slot(local, dep_start, n_deps, desc);
+        // The fingerprint is the captured one (the executor reports it); nothing to fold.
         self.wire(id, dep_start, n_deps);
-        if self.diag.fingerprinting() {
-            let edges = self
-                .producers
-                .iter()
-                .filter(|p| p.wait)
-                .map(|p| (p.task, p.source, p.overlap));
-            self.diag
-                .capture_edges(id, edges, t.blocks, t.kernel.map(|k| k.0));
-        }
         self.make_ready(id);
         if self.run.swimlane >= 4 {
             self.diag.submit_record(
