@@ -229,3 +229,140 @@ fn rope_and_its_inverse_turn_the_last_pairs_and_undo_each_other() {
         assert!((a - e).abs() < 1e-6, "{a} vs {e}");
     }
 }
+
+/// The one-pass form of the attention (`docs/dsv4.md`): global max, `o = Σ bf16(p) · kv`,
+/// `out = o / (Σ p + exp(sink − m))`, in f64 apart from the bf16 rounding of `p`.
+fn attention_reference(
+    q: &[f32],
+    rows: &[Option<Vec<half::bf16>>],
+    scale: f32,
+    sink: f32,
+) -> Vec<f32> {
+    let d = q.len();
+    let s: Vec<Option<f64>> = rows
+        .iter()
+        .map(|r| {
+            r.as_ref().map(|r| {
+                q.iter()
+                    .zip(r)
+                    .map(|(&a, b)| f64::from(a) * f64::from(b.to_f32()))
+                    .sum::<f64>()
+                    * f64::from(scale)
+            })
+        })
+        .collect();
+    let Some(m) = s.iter().flatten().copied().reduce(f64::max) else {
+        return vec![0.0; d];
+    };
+    let mut o = vec![0.0f64; d];
+    let mut l = 0.0f64;
+    for (s, r) in s.iter().zip(rows) {
+        if let (Some(s), Some(r)) = (s, r) {
+            let p = (s - m).exp();
+            l += p;
+            let pb = f64::from(half::bf16::from_f64(p).to_f32());
+            for (o, v) in o.iter_mut().zip(r) {
+                *o += pb * f64::from(v.to_f32());
+            }
+        }
+    }
+    let z = l + (f64::from(sink) - m).exp();
+    o.iter().map(|v| (v / z) as f32).collect()
+}
+
+#[test]
+fn sparse_attention_matches_the_one_pass_form_across_tiles_masks_and_paths() {
+    let (heads, d) = (5, 40);
+    // 300 candidates: three tiles, the second all masked, scattered masks in the others.
+    let n = 300;
+    let rows: Vec<Option<Vec<half::bf16>>> = (0..n)
+        .map(|j| {
+            let masked = (128..256).contains(&j) || j % 7 == 3;
+            (!masked).then(|| {
+                values(d, 100 + j as u64)
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(2.0 * v))
+                    .collect()
+            })
+        })
+        .collect();
+    let q: Vec<f32> = values(heads * d, 13)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let sinks = values(heads, 14);
+    let scale = 1.0 / (d as f32).sqrt();
+    let cands: Vec<Option<&[half::bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
+    for isa in Isa::ALL {
+        with_isa(isa, || {
+            let mut out = vec![0.0f32; heads * d];
+            sparse_attention(
+                &q,
+                d,
+                &cands,
+                scale,
+                &sinks,
+                &mut out,
+                &mut AttnScratch::default(),
+            );
+            for h in 0..heads {
+                let e = attention_reference(&q[h * d..(h + 1) * d], &rows, scale, sinks[h]);
+                for (c, (a, e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
+                    // bf16(p) is taken against each tile's running max, not the global one:
+                    // every term may move by a bf16 step (2^-9) of its size (~1 here).
+                    assert!(
+                        (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
+                        "{isa:?} head {h} [{c}]: {a} vs {e}"
+                    );
+                }
+            }
+        });
+    }
+    // No valid candidate: zeros, whatever the sink.
+    let none: Vec<Option<&[half::bf16]>> = vec![None; 5];
+    let mut out = vec![1.0f32; heads * d];
+    sparse_attention(
+        &q,
+        d,
+        &none,
+        scale,
+        &sinks,
+        &mut out,
+        &mut AttnScratch::default(),
+    );
+    assert!(out.iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn softmax_pool_matches_a_plain_loop() {
+    let (w, n) = (19, 9);
+    let kv: Vec<Vec<f32>> = (0..n).map(|j| values(w, 200 + j)).collect();
+    let sc: Vec<Vec<f32>> = (0..n)
+        .map(|j| values(w, 300 + j).iter().map(|v| 3.0 * v).collect())
+        .collect();
+    let kr: Vec<&[f32]> = kv.iter().map(Vec::as_slice).collect();
+    let sr: Vec<&[f32]> = sc.iter().map(Vec::as_slice).collect();
+    let got = on_every_path(|| {
+        let mut out = vec![0.0f32; w];
+        softmax_pool(&kr, &sr, &mut out);
+        out
+    });
+    for c in 0..w {
+        let m = sc.iter().map(|s| s[c]).fold(f32::NEG_INFINITY, f32::max);
+        let z: f32 = sc.iter().map(|s| (s[c] - m).exp()).sum();
+        let e: f32 = sc
+            .iter()
+            .zip(&kv)
+            .map(|(s, k)| (s[c] - m).exp() * k[c])
+            .sum::<f32>()
+            / z;
+        assert!(
+            (got[c] - e).abs() <= 1e-6 * (1.0 + e.abs()),
+            "[{c}] {} vs {e}",
+            got[c]
+        );
+    }
+    let mut out = vec![1.0f32; w];
+    softmax_pool(&[], &[], &mut out);
+    assert!(out.iter().all(|&v| v == 0.0));
+}
