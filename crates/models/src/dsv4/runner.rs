@@ -272,8 +272,11 @@ impl AttnLayer {
                     "starts[{b}]: position {p} has no page in the window cache's block table"
                 ))
             })?;
-            tok.extend([b as u32, p as u32, slot as u32]);
-            debug_assert!(slot as u32 != NO_SLOT);
+            let slot32 = u32::try_from(slot).ok().filter(|&s| s != NO_SLOT).ok_or_else(|| {
+                Dsv4RunError::Invalid(format!("window slot {slot} does not fit the token table"))
+            })?;
+            // b < batch and p < max_position were checked: both fit u32.
+            tok.extend([b as u32, p as u32, slot32]);
             for (i, q) in (p.saturating_sub(wn - 1)..=p).enumerate() {
                 if let Some(s) = self.window.slot(b, q) {
                     win[t * wn + i] = i32::try_from(s).map_err(|_| {
