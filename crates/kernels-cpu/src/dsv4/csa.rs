@@ -13,8 +13,9 @@
 //!   angle whose cosine and sine are `cos[j]`, `sin[j]`).
 //!
 //! # Paths
-//! The pooling, the Hadamard transform and the score finish are plain loops written in lanes
-//! and compiled twice (`multiversion!`: portable and AVX2, the compiler vectorises them); the
+//! The pooling, RMSNorm and RoPE are the layer's shared kernels ([`super::softmax_pool`],
+//! [`super::rms_norm_round`], [`super::rope_interleaved`]); the Hadamard transform and the
+//! score finish are plain loops written in lanes and compiled twice (`multiversion!`: portable and AVX2, the compiler vectorises them); the
 //! score dot products run on the int8 GEMM ([`crate::gemm_i8_w8a8`], whose path is chosen at
 //! run time: AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2 or portable) with unit scales, so they
 //! come back as exact integers and the finish applies the scales in the documented order:
@@ -22,11 +23,12 @@
 
 use std::ops::Range;
 
+use super::compress::softmax_pool;
+use super::norm::rms_norm_round;
+use super::rope::{RopeDir, rope_interleaved};
 use crate::gemm::{GemmTile, OutMode};
 use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8};
-use crate::math::exp_approx;
 use crate::multiversion::multiversion;
-use crate::norm::rms_norm_bf16;
 
 /// The geometry of an overlapping compressor: windows of `ratio` positions, output rows of
 /// `width` channels, state rows of `2 · width` (the first half pairs with the next window, the
@@ -105,53 +107,6 @@ pub fn overlap_state_write(
     }
 }
 
-/// Channels pooled per pass (stack lanes of the running max and sums).
-const POOL_LANES: usize = 64;
-
-multiversion! {
-    /// `out[c] = Σ_j softmax_j(score[j][c]) · kv[j][c]` over the candidate rows `cands`
-    /// (float offsets into the rings, candidate order = summation order), `c < out.len()`.
-    fn pool_channels(kv: &[f32], score: &[f32], cands: &[usize], out: &mut [f32]) {
-        let width = out.len();
-        let mut c0 = 0;
-        while c0 < width {
-            let n = POOL_LANES.min(width - c0);
-            let mut m = [f32::NEG_INFINITY; POOL_LANES];
-            for &off in cands {
-                let s = &score[off + c0..off + c0 + n];
-                for (mm, &v) in m[..n].iter_mut().zip(s) {
-                    *mm = mm.max(v);
-                }
-            }
-            let mut num = [0.0f32; POOL_LANES];
-            let mut den = [0.0f32; POOL_LANES];
-            for &off in cands {
-                let s = &score[off + c0..off + c0 + n];
-                let k = &kv[off + c0..off + c0 + n];
-                for l in 0..n {
-                    let e = exp_approx(s[l] - m[l]);
-                    num[l] += e * k[l];
-                    den[l] += e;
-                }
-            }
-            for l in 0..n {
-                out[c0 + l] = num[l] / den[l];
-            }
-            c0 += n;
-        }
-    }
-}
-
-/// Interleaved RoPE in place: pair `(2j, 2j + 1)` of `v` turns by the angle of `cos[j]`,
-/// `sin[j]` (`e' = e c − o s`, `o' = e s + o c`).
-fn rope_pairs(v: &mut [f32], cos: &[f32], sin: &[f32]) {
-    for ((p, &c), &s) in v.chunks_exact_mut(2).zip(cos).zip(sin) {
-        let (e, o) = (p[0], p[1]);
-        p[0] = e * c - o * s;
-        p[1] = e * s + o * c;
-    }
-}
-
 /// The compressed row of the window starting at `w0` (a multiple of `ratio`) from one
 /// sequence's rings, as of the write of the window's last position: per output channel `c`,
 /// the softmax pool of the previous window's rows at channel `c` and this window's rows at
@@ -196,27 +151,18 @@ pub fn overlap_pool_row(
         2 * cos.len() <= width,
         "overlap_pool_row: rope wider than row"
     );
-    // Candidates in the golden's order: the previous window's rows at channel offset 0, then
-    // this window's at offset W.
-    let mut cands = [0usize; 64];
-    let mut n = 0;
+    // Candidates in the golden's order: the previous window's rows at channels `0..W`, then
+    // this window's at `W..2W`.
     let prev = if w0 >= ratio { w0 - ratio..w0 } else { 0..0 };
-    for q in prev {
-        cands[n] = ov.slot(q) * wide;
-        n += 1;
-    }
-    for q in w0..w0 + ratio {
-        cands[n] = ov.slot(q) * wide + width;
-        n += 1;
-    }
-    let mut pooled = vec![0.0f32; width];
-    pool_channels(ring_kv, ring_score, &cands[..n], &mut pooled);
-    let mut normed = vec![half::bf16::ZERO; width];
-    rms_norm_bf16(&pooled, norm, eps, &mut normed);
-    for (o, v) in out.iter_mut().zip(&normed) {
-        *o = v.to_f32();
-    }
-    rope_pairs(&mut out[width - 2 * cos.len()..], cos, sin);
+    let cands: Vec<usize> = prev
+        .map(|q| ov.slot(q) * wide)
+        .chain((w0..w0 + ratio).map(|q| ov.slot(q) * wide + width))
+        .collect();
+    let kv: Vec<&[f32]> = cands.iter().map(|&o| &ring_kv[o..o + width]).collect();
+    let score: Vec<&[f32]> = cands.iter().map(|&o| &ring_score[o..o + width]).collect();
+    softmax_pool(&kv, &score, out);
+    rms_norm_round(out, width, Some(norm), eps);
+    rope_interleaved(out, width, cos, sin, RopeDir::Forward);
 }
 
 multiversion! {
@@ -291,7 +237,7 @@ pub fn index_query_i8(
         .zip(q_i8.chunks_exact_mut(head_dim))
         .zip(q_scale.iter_mut())
     {
-        rope_pairs(&mut head[head_dim - 2 * cos.len()..], cos, sin);
+        rope_interleaved(head, head_dim, cos, sin, RopeDir::Forward);
         *s = index_row_i8(head, qi);
     }
 }

@@ -1,5 +1,5 @@
 //! The planning step of the DeepSeek-V4 sparse attention (`docs/dsv4.md`, "CSA layer"): each
-//! token's candidate list in tiles of [`TILE_ROWS`] rows, and the order in which the
+//! token's candidate list in tiles of [`super::ATTN_TILE`] rows, and the order in which the
 //! attention's (token, tile) work items run.
 //!
 //! A token's list is its window tiles (window-cache pool slots, oldest first) followed by its
@@ -9,8 +9,7 @@
 //! and returns how many are non-empty, so the attention's blocks take real work first and
 //! skip the tail without waiting on it.
 
-/// Rows per attention tile.
-pub const TILE_ROWS: usize = 128;
+use super::attention::ATTN_TILE as TILE_ROWS;
 
 /// A padding or invalid candidate: the attention masks it (it changes nothing).
 pub const MASKED: i32 = -1;
