@@ -9,8 +9,12 @@ pub mod check;
 pub mod config;
 pub mod fixture;
 pub mod golden;
+pub mod ops;
+mod orchestrate;
+pub mod runner;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
 pub use fixture::{
     Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture, uniform_starts,
 };
+pub use runner::{AttnCaches, AttnLayer, AttnStepOutput, AttnTiles, Dsv4RunError};
