@@ -27,7 +27,7 @@ use super::compress::softmax_pool;
 use super::norm::rms_norm_round;
 use super::rope::{RopeDir, rope_interleaved};
 use crate::gemm::{GemmTile, OutMode};
-use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8};
+use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8_ties_away};
 use crate::multiversion::multiversion;
 
 /// The geometry of an overlapping compressor: windows of `ratio` positions, output rows of
@@ -192,13 +192,13 @@ multiversion! {
 }
 
 /// An index row from the indexer compressor's row: Hadamard in place on `row`, then per-row
-/// int8 into `q`; returns the scale.
+/// int8 into `q` (ties away from zero, the layer's rule); returns the scale.
 ///
 /// # Panics
 /// As [`hadamard_f32`], and if `q.len() != row.len()`.
 pub fn index_row_i8(row: &mut [f32], q: &mut [i8]) -> f32 {
     hadamard_f32(row);
-    quantize_row_i8(row, q)
+    quantize_row_i8_ties_away(row, q)
 }
 
 /// The indexer's query heads of one token from `q` (`[heads, head_dim]` fp32, overwritten):
