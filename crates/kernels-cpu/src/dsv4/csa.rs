@@ -303,6 +303,15 @@ pub fn index_scores(
         out.len() >= (tokens - 1) * ld_out + n,
         "index_scores: out too short"
     );
+    #[cfg(target_arch = "x86_64")]
+    if dim.is_multiple_of(4)
+        && crate::gemm_i8::I8Path::current() >= crate::gemm_i8::I8Path::Avx512Vnni
+    {
+        // SAFETY: `I8Path::current` is AVX-512 VNNI or AMX only when this CPU has AVX-512
+        // F/BW/VNNI; the slices were checked above (queries, keys up to `rows.end`, output).
+        unsafe { vnni::scores(&qs, keys, key_scale, rows, out, ld_out) };
+        return;
+    }
     // Unit scales: the GEMM returns `dot as f32`, exact (|dot| <= 127² · dim < 2^24 for the
     // dims a config allows) and the finish below applies the real scales.
     let ones = vec![1.0f32; nq.max(SCORE_CHUNK)];
@@ -346,6 +355,149 @@ multiversion! {
         }
         for (o, &s) in out.iter_mut().zip(key_scale) {
             *o *= s;
+        }
+    }
+}
+
+/// The AVX-512 VNNI scores: 16 index rows per vector lane set, keys transposed per block into
+/// `[dim / 4][16 rows][4 bytes]` so each `vpdpbusd` multiplies one broadcast query quad by the
+/// same quad of 16 rows. `vpdpbusd` takes unsigned × signed bytes: the query enters as
+/// `q + 128` (a xor of the sign bit) and `128 · Σ key` per row, summed alongside, is taken
+/// off; the sums are exact. The finish is the documented expression in the documented order
+/// (multiply, max with 0, multiply, add, heads in order from `−0.0`, no fused multiply-add),
+/// so it gives the same bits as the other paths.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::IndexQueries;
+
+    /// Query heads processed together (independent accumulator chains).
+    const HEADS: usize = 4;
+
+    /// # Safety
+    /// AVX-512 F/BW/VNNI available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple
+    /// of 4) with their scales and weights, `keys` and `key_scale` reach `rows.end`, `out`
+    /// holds `tokens` rows of `rows.len()` at stride `ld_out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn scores(
+        qs: &IndexQueries<'_>,
+        keys: &[i8],
+        key_scale: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+        let quads = dim / 4;
+        // Query quads as unsigned bytes (`q ^ 0x80` = `q + 128`).
+        let qd: Vec<i32> = qs.q[..tokens * heads * dim]
+            .chunks_exact(4)
+            .map(|b| {
+                i32::from_le_bytes([
+                    b[0] as u8 ^ 0x80,
+                    b[1] as u8 ^ 0x80,
+                    b[2] as u8 ^ 0x80,
+                    b[3] as u8 ^ 0x80,
+                ])
+            })
+            .collect();
+        let mut blk = vec![0i32; quads * 16];
+        let ones = _mm512_set1_epi8(1);
+        let mut c0 = rows.start;
+        while c0 < rows.end {
+            let n = 16.min(rows.end - c0);
+            // Transpose the block: quad j of row l at blk[j * 16 + l]; missing rows are zeros.
+            blk.fill(0);
+            for l in 0..n {
+                let row = &keys[(c0 + l) * dim..(c0 + l + 1) * dim];
+                for (j, q) in row.chunks_exact(4).enumerate() {
+                    blk[j * 16 + l] =
+                        i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
+            }
+            // 128 · Σ_k key[l][k] per lane.
+            let mut ksum = _mm512_setzero_si512();
+            for j in 0..quads {
+                // SAFETY: `blk` holds `quads · 16` i32 values.
+                let k = unsafe { _mm512_loadu_si512(blk.as_ptr().add(j * 16).cast()) };
+                ksum = _mm512_dpbusd_epi32(ksum, ones, k);
+            }
+            let corr = _mm512_slli_epi32::<7>(ksum);
+            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
+            let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
+            let zero = _mm512_setzero_ps();
+            let kp = blk.as_ptr();
+            for t in 0..tokens {
+                let mut acc_s = _mm512_set1_ps(-0.0);
+                // One head's finish, in head order: `relu(dot · q_scale) · weight` added.
+                macro_rules! finish {
+                    ($a:expr, $r:expr) => {{
+                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32($a, corr));
+                        let v = _mm512_mul_ps(dot, _mm512_set1_ps(qs.scale[$r]));
+                        let v = _mm512_max_ps(v, zero);
+                        let v = _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[$r]));
+                        acc_s = _mm512_add_ps(acc_s, v);
+                    }};
+                }
+                let mut h = 0;
+                while h + HEADS <= heads {
+                    let r = t * heads + h;
+                    // SAFETY: `qd` holds `quads` values for each of the `tokens · heads` rows.
+                    let q0 = unsafe { qd.as_ptr().add(r * quads) };
+                    let zi = _mm512_setzero_si512();
+                    let (mut a0, mut a1, mut a2, mut a3) = (zi, zi, zi, zi);
+                    for j in 0..quads {
+                        // SAFETY: `blk` holds `quads · 16` values; rows `r..r + 4` of `qd`
+                        // hold `quads` each.
+                        unsafe {
+                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
+                            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(*q0.add(j)), k);
+                            a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(*q0.add(quads + j)), k);
+                            a2 = _mm512_dpbusd_epi32(
+                                a2,
+                                _mm512_set1_epi32(*q0.add(2 * quads + j)),
+                                k,
+                            );
+                            a3 = _mm512_dpbusd_epi32(
+                                a3,
+                                _mm512_set1_epi32(*q0.add(3 * quads + j)),
+                                k,
+                            );
+                        }
+                    }
+                    finish!(a0, r);
+                    finish!(a1, r + 1);
+                    finish!(a2, r + 2);
+                    finish!(a3, r + 3);
+                    h += HEADS;
+                }
+                while h < heads {
+                    let r = t * heads + h;
+                    let mut a = _mm512_setzero_si512();
+                    for j in 0..quads {
+                        // SAFETY: as above.
+                        unsafe {
+                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
+                            a = _mm512_dpbusd_epi32(
+                                a,
+                                _mm512_set1_epi32(*qd.as_ptr().add(r * quads + j)),
+                                k,
+                            );
+                        }
+                    }
+                    finish!(a, r);
+                    h += 1;
+                }
+                let s = _mm512_mul_ps(acc_s, kscale);
+                let o = t * ld_out + (c0 - rows.start);
+                // SAFETY: the caller checked `out` holds `tokens` rows of `rows.len()` at
+                // stride `ld_out`; the mask covers `n` of them from `o`.
+                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, s) };
+            }
+            c0 += n;
         }
     }
 }
