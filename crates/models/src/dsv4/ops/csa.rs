@@ -425,6 +425,12 @@ pub(super) fn csa_plan(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             scores.len(),
             seqs * chunks * per_seq * chunk,
         )?;
+        if seq >= seqs {
+            return Err(bad(
+                NAME,
+                format!("sequence {seq} outside the {seqs} sequences of the step"),
+            ));
+        }
         let vis = visible(pos, ratio, max_rows);
         let s = t - t0;
         let mine: Vec<f32> = (0..chunks)
