@@ -9,12 +9,12 @@
 
 use half::bf16;
 use simpler_core::{CallConfig, Worker, WorkerConfig};
-use simpler_models::dsv4::check::{CacheTol, RelDiff};
+use simpler_models::dsv4::check::{CacheTol, RelDiff, csa_cache_checks};
 use simpler_models::dsv4::fixture::{
-    AttnWeights, CsaParts, OverlapState, StepInputs, WindowCache, generate_attn_weights,
-    generate_csa, generate_inputs, generate_window_cache,
+    AttnWeights, CsaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
+    generate_inputs, generate_window_cache,
 };
-use simpler_models::dsv4::golden::{self, AttnStep, StateWrite};
+use simpler_models::dsv4::golden::{self, AttnStep};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
 
 fn worker(cores: usize) -> Worker {
@@ -52,21 +52,9 @@ fn widen(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// A ring as the step leaves it: the fixture's rows with the golden's writes applied.
-fn ring_after(state: &OverlapState, sw: &StateWrite) -> (Vec<f32>, Vec<f32>) {
-    let wide = 2 * state.width;
-    let (mut kv, mut score) = (state.kv.clone(), state.score.clone());
-    for (i, &s) in sw.slots.iter().enumerate() {
-        kv[s * wide..(s + 1) * wide].copy_from_slice(&sw.kv[i * wide..(i + 1) * wide]);
-        score[s * wide..(s + 1) * wide].copy_from_slice(&sw.score[i * wide..(i + 1) * wide]);
-    }
-    (kv, score)
-}
-
 /// Runs the step on the worker and checks the residual and every cache against the golden.
 fn run_and_check(c: &Case, w: &Worker) {
     let g: AttnStep = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
-    let gw = g.csa.as_ref().expect("a CSA step");
     let mut layer = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
     RelDiff::CSA.check("x_out", &out.x_out, &g.x_out).unwrap();
@@ -86,65 +74,24 @@ fn run_and_check(c: &Case, w: &Worker) {
         .check("window cache", &widen(&caches.window), &want)
         .unwrap();
     let cc = caches.csa.as_ref().expect("CSA caches");
-    for (what, state, sw, kv, score) in [
-        (
-            "main ring",
-            &c.csa.state,
-            &gw.state_write,
-            &cc.ring_kv,
-            &cc.ring_score,
-        ),
-        (
-            "index ring",
-            &c.csa.index_state,
-            &gw.index_state_write,
-            &cc.index_ring_kv,
-            &cc.index_ring_score,
-        ),
-    ] {
-        let (wkv, wscore) = ring_after(state, sw);
-        CacheTol::KV.check(&format!("{what} kv"), kv, &wkv).unwrap();
-        CacheTol::KV
-            .check(&format!("{what} score"), score, &wscore)
-            .unwrap();
+    for (what, outcome) in csa_cache_checks(&c.csa, &g, cc) {
+        if let Err(e) = outcome {
+            panic!("{what}: {e}");
+        }
     }
-    let mut comp = widen(&c.csa.cache.rows);
-    for (slot, row) in gw
-        .compressed
-        .slots
-        .iter()
-        .zip(gw.compressed.rows.chunks(hd))
-    {
-        let s = slot.expect("compressed rows have slots");
-        comp[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+    // The checker sees a wrong written row: shift the first compressed row the step wrote.
+    if let Some(Some(slot)) = g.csa.as_ref().and_then(|w| w.compressed.slots.first()) {
+        let mut bad = cc.clone();
+        for v in &mut bad.compressed[slot * hd..(slot + 1) * hd] {
+            *v = bf16::from_f32(v.to_f32() + 0.5);
+        }
+        let failed: Vec<&str> = csa_cache_checks(&c.csa, &g, &bad)
+            .into_iter()
+            .filter(|(_, o)| o.is_err())
+            .map(|(w, _)| w)
+            .collect();
+        assert_eq!(failed, ["compressed rows written"]);
     }
-    CacheTol::KV
-        .check("compressed cache", &widen(&cc.compressed), &comp)
-        .unwrap();
-    // Index rows compared dequantised (an int8 step that rounds the other way counts as
-    // outside), scales relatively.
-    let iw = c.cfg.index_head_dim;
-    let (mut iq, mut is) = (c.csa.index_cache.q.clone(), c.csa.index_cache.scale.clone());
-    for (k, &s) in gw.index_write.slots.iter().enumerate() {
-        iq[s * iw..(s + 1) * iw].copy_from_slice(&gw.index_write.q[k * iw..(k + 1) * iw]);
-        is[s] = gw.index_write.scale[k];
-    }
-    let deq = |q: &[i8], s: &[f32]| -> Vec<f32> {
-        q.iter()
-            .enumerate()
-            .map(|(i, &v)| f32::from(v) * s[i / iw])
-            .collect()
-    };
-    CacheTol::KV
-        .check(
-            "index rows",
-            &deq(&cc.index_q, &cc.index_scale),
-            &deq(&iq, &is),
-        )
-        .unwrap();
-    CacheTol::KV
-        .check("index scales", &cc.index_scale, &is)
-        .unwrap();
     // The same step on a fresh upload gives the same bits (a replay on this layer would not:
     // its rings have moved on).
     let mut fresh = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
