@@ -322,7 +322,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         None => None,
     };
     // 2: the W8A8 query projection, a block of whole heads per SPMD block.
-    let q = v.q.clone();
+    let q = v.q;
     // SAFETY: weights, scales, the host-written token table and the RoPE tables are written by
     // no task during the run.
     let t = unsafe {
@@ -389,7 +389,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         orchestrate_csa::submit(o, c, cv, &io, t_n, p.batch, p.comp_rows, blocks, projection)?;
     }
     // 4: attention, one task per (token, block of heads).
-    let attn = v.attn.clone();
+    let attn = v.attn;
     let comp = match (&v.hca, &v.csa) {
         (Some(hv), _) => Some((&v.comp, &hv.cache)),
         (None, Some(cv)) => Some((&v.comp, &cv.cache)),
@@ -406,7 +406,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .blocks(blocks)
         .timing_slot(5);
     o.submit(t)?;
-    let y = v.y.clone();
+    let y = v.y;
     // SAFETY: `Wo_b` and its scales are written by no task.
     let t = unsafe {
         Task::new(ops::WO_B)
