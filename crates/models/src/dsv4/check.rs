@@ -118,7 +118,8 @@ impl CacheTol {
     }
 }
 
-/// Every comparison of an SWA or HCA step run on the runtime against the golden step `g`:
+/// Every comparison of an SWA, CSA or HCA step run on the runtime against the golden step `g`
+/// (for CSA, [`csa_cache_checks`] adds its own caches):
 /// the golden's intermediates (`q`, `attn`, `o_proj`) and the new residual with the layer's
 /// tolerance, then each cache the step writes, read back whole from the worker and compared
 /// with the fixture's cache (`window`, `hca`) plus the golden's writes. Each entry is the
@@ -130,7 +131,12 @@ pub fn attn_step_checks(
     out: &AttnStepOutput,
     caches: &AttnCaches,
 ) -> Vec<(&'static str, Result<Outcome, String>)> {
-    let t = RelDiff::SWA_HCA;
+    // The CSA step's outputs have the CSA tolerance.
+    let t = if g.csa.is_some() {
+        RelDiff::CSA
+    } else {
+        RelDiff::SWA_HCA
+    };
     let widen = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
     let hd = window.width;
     let mut checks = vec![
