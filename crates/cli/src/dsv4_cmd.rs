@@ -15,12 +15,12 @@ use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::membw::MachinePeaks;
 use simpler_kernels_cpu::{I8Path, Isa};
-use simpler_models::dsv4::check::attn_step_checks;
+use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks};
 use simpler_models::dsv4::fixture::{
-    AttnWeights, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_hca,
-    generate_inputs, generate_window_cache,
+    AttnWeights, CsaParts, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
+    generate_hca, generate_inputs, generate_window_cache,
 };
-use simpler_models::dsv4::golden::{hca_step, swa_step};
+use simpler_models::dsv4::golden::{csa_step, hca_step, swa_step};
 use simpler_models::dsv4::{
     AttnLayer, Dsv4Config, LayerCost, LayerKind, MIXED_STARTS, Peaks, TOKENS_PER_SEQ, ops,
     uniform_starts,
@@ -147,14 +147,21 @@ fn prepare(
             seed,
             LayerKind::Hca,
         )?)),
-        LayerArg::Csa | LayerArg::Moe => bail!(
-            "{flag} {}: not implemented yet (implemented: swa, hca)",
+        LayerArg::Csa => Ok(Box::new(AttnCase::new(
+            worker,
+            cfg,
+            starts,
+            seed,
+            LayerKind::Csa,
+        )?)),
+        LayerArg::Moe => bail!(
+            "{flag} {}: not implemented yet (implemented: swa, csa, hca)",
             layer.name()
         ),
     }
 }
 
-/// An SWA or HCA layer with its fixture.
+/// An SWA, CSA or HCA layer with its fixture.
 struct AttnCase {
     kind: LayerKind,
     cfg: Dsv4Config,
@@ -162,8 +169,25 @@ struct AttnCase {
     weights: AttnWeights,
     window: WindowCache,
     hca: Option<HcaParts>,
+    csa: Option<CsaParts>,
     inputs: StepInputs,
     layer: AttnLayer,
+}
+
+/// Uploads the layer of `kind` (its compressor parts in `hca` or `csa`).
+fn upload_layer(
+    worker: &Worker,
+    cfg: &Dsv4Config,
+    weights: &AttnWeights,
+    window: &WindowCache,
+    hca: Option<&HcaParts>,
+    csa: Option<&CsaParts>,
+    batch: usize,
+) -> Result<AttnLayer> {
+    Ok(match csa {
+        Some(p) => AttnLayer::upload_csa(worker, cfg, weights, window, p, batch)?,
+        None => AttnLayer::upload(worker, cfg, weights, window, hca, batch)?,
+    })
 }
 
 impl AttnCase {
@@ -177,8 +201,17 @@ impl AttnCase {
         let weights = generate_attn_weights(cfg, seed);
         let window = generate_window_cache(cfg, starts, seed);
         let hca = (kind == LayerKind::Hca).then(|| generate_hca(cfg, starts, seed));
+        let csa = (kind == LayerKind::Csa).then(|| generate_csa(cfg, starts, seed));
         let inputs = generate_inputs(cfg, starts, seed);
-        let layer = AttnLayer::upload(worker, cfg, &weights, &window, hca.as_ref(), starts.len())?;
+        let layer = upload_layer(
+            worker,
+            cfg,
+            &weights,
+            &window,
+            hca.as_ref(),
+            csa.as_ref(),
+            starts.len(),
+        )?;
         Ok(AttnCase {
             kind,
             cfg: cfg.clone(),
@@ -186,6 +219,7 @@ impl AttnCase {
             weights,
             window,
             hca,
+            csa,
             inputs,
             layer,
         })
@@ -199,17 +233,21 @@ impl LayerStep for AttnCase {
             "{} layer: hidden {}, {} heads x {} ({} roped), window {}{}, batch {} x {} tokens at starts {:?}",
             match self.kind {
                 LayerKind::Hca => "HCA",
-                _ => "SWA",
+                LayerKind::Csa => "CSA",
+                LayerKind::Swa => "SWA",
             },
             c.hidden,
             c.n_heads,
             c.head_dim,
             c.rope_dim,
             c.window,
-            if self.kind == LayerKind::Hca {
-                format!(", compressed every {} positions", c.hca_ratio)
-            } else {
-                String::new()
+            match self.kind {
+                LayerKind::Hca => format!(", compressed every {} positions", c.hca_ratio),
+                LayerKind::Csa => format!(
+                    ", overlapping windows of {} positions, top-{} by {} index heads x {}",
+                    c.csa_ratio, c.index_topk, c.index_heads, c.index_head_dim
+                ),
+                LayerKind::Swa => String::new(),
             },
             self.starts.len(),
             TOKENS_PER_SEQ,
@@ -223,35 +261,39 @@ impl LayerStep for AttnCase {
 
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {
         let c = &self.cfg;
-        let mut fresh = AttnLayer::upload(
+        let mut fresh = upload_layer(
             worker,
             c,
             &self.weights,
             &self.window,
             self.hca.as_ref(),
+            self.csa.as_ref(),
             self.starts.len(),
         )?;
         let out = fresh.step(worker, &self.inputs, cfg)?;
         let caches = fresh.read_caches()?;
-        let g = match &self.hca {
-            Some(h) => hca_step(c, &self.weights, &self.window, h, &self.inputs),
-            None => swa_step(c, &self.weights, &self.window, &self.inputs),
+        let g = match (&self.hca, &self.csa) {
+            (Some(h), _) => hca_step(c, &self.weights, &self.window, h, &self.inputs),
+            (None, Some(p)) => csa_step(c, &self.weights, &self.window, p, &self.inputs),
+            (None, None) => swa_step(c, &self.weights, &self.window, &self.inputs),
         };
-        Ok(
-            attn_step_checks(&self.window, self.hca.as_ref(), &g, &out, &caches)
-                .into_iter()
-                .map(|(what, r)| match r {
-                    Ok(o) => (
-                        format!(
-                            "ok: {what}: {} of {} elements over (worst {:.2e})",
-                            o.over, o.n, o.worst_value
-                        ),
-                        true,
+        let mut checks = attn_step_checks(&self.window, self.hca.as_ref(), &g, &out, &caches);
+        if let (Some(p), Some(cc)) = (&self.csa, &caches.csa) {
+            checks.extend(csa_cache_checks(p, &g, cc));
+        }
+        Ok(checks
+            .into_iter()
+            .map(|(what, r)| match r {
+                Ok(o) => (
+                    format!(
+                        "ok: {what}: {} of {} elements over (worst {:.2e})",
+                        o.over, o.n, o.worst_value
                     ),
-                    Err(e) => (format!("FAILED: {e}"), false),
-                })
-                .collect(),
-        )
+                    true,
+                ),
+                Err(e) => (format!("FAILED: {e}"), false),
+            })
+            .collect())
     }
 
     fn cost(&self) -> LayerCost {

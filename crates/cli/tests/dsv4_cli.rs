@@ -8,7 +8,7 @@ use common::{simpler, text};
 
 #[test]
 fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
-    for layer in ["swa", "hca"] {
+    for layer in ["swa", "csa", "hca"] {
         let out = simpler(&[
             "run",
             "dsv4",
@@ -48,47 +48,61 @@ fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
             assert!(so.contains("ok: compressed cache"), "{so}");
             assert!(so.contains("ok: state kv"), "{so}");
         }
+        if layer == "csa" {
+            for needle in [
+                "CSA layer",
+                "ok: ring kv",
+                "ok: index ring score",
+                "ok: compressed rows written",
+                "ok: index rows written",
+                "ok: index scales",
+            ] {
+                assert!(so.contains(needle), "csa: missing {needle:?} in\n{so}");
+            }
+        }
     }
 }
 
 #[test]
 fn bench_dsv4_prints_effective_us_statistics_and_ratios() {
-    let out = simpler(&[
-        "bench",
-        "dsv4",
-        "--kernel",
-        "hca",
-        "--preset",
-        "tiny",
-        "--start-pos",
-        "300",
-        "--rounds",
-        "3",
-        "--warmup",
-        "1",
-        "--membw-seconds",
-        "0.2",
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "effective_us: n=3 (warm-up 1 discarded) min=",
-        "median=",
-        "mean=",
-        "max=",
-        "% of membw",
-        "per-phase bound",
-        "quietest step",
-        "starts [300, 300, 300, 300]",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    for kernel in ["hca", "csa"] {
+        let out = simpler(&[
+            "bench",
+            "dsv4",
+            "--kernel",
+            kernel,
+            "--preset",
+            "tiny",
+            "--start-pos",
+            "300",
+            "--rounds",
+            "3",
+            "--warmup",
+            "1",
+            "--membw-seconds",
+            "0.2",
+        ]);
+        let (so, se) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{kernel}: {so}\n{se}");
+        for needle in [
+            "effective_us: n=3 (warm-up 1 discarded) min=",
+            "median=",
+            "mean=",
+            "max=",
+            "% of membw",
+            "per-phase bound",
+            "quietest step",
+            "starts [300, 300, 300, 300]",
+        ] {
+            assert!(so.contains(needle), "{kernel}: missing {needle:?} in\n{so}");
+        }
     }
 }
 
 #[test]
 fn layers_not_implemented_yet_and_bad_starts_are_refused_by_name() {
     for (cmd, flag) in [("run", "--layer"), ("bench", "--kernel")] {
-        for layer in ["csa", "moe"] {
+        for layer in ["moe"] {
             let out = simpler(&[cmd, "dsv4", flag, layer, "--preset", "tiny"]);
             let se = text(&out.stderr);
             assert!(!out.status.success());

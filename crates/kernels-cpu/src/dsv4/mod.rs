@@ -2,7 +2,9 @@
 //! logits, the sigmoid/Sinkhorn weights, the mixed stream, `hc_post`), RMSNorm to bf16 values
 //! with or without a weight ([`norm`]), interleaved RoPE with plain or YaRN frequencies and
 //! its inverse ([`rope`]), the sparse attention core with its sink over a candidate list
-//! ([`attention`]) and the compressors' softmax pooling ([`compress`]).
+//! ([`attention`]), the compressors' softmax pooling ([`compress`]), the CSA layer's
+//! overlapping compressor, indexer and top-k ([`csa`]) and the sparse attention's planning
+//! ([`plan`]).
 //!
 //! The element-wise kernels are `multiversion!` bodies (a portable build and an AVX2 build
 //! chosen on [`crate::Isa::current`]); both builds add in the same order, so they agree
@@ -11,8 +13,10 @@
 
 pub mod attention;
 pub mod compress;
+pub mod csa;
 pub mod hc;
 pub mod norm;
+pub mod plan;
 pub mod rope;
 
 pub use attention::{ATTN_TILE, AttnScratch, sparse_attention};

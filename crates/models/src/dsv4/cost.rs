@@ -40,8 +40,10 @@ pub struct Peaks {
 }
 
 impl LayerCost {
-    /// An SWA or HCA step (`kind` Csa costs as SWA plus nothing: not supported here) with
-    /// sequences starting at `starts` (`TOKENS_PER_SEQ` tokens each).
+    /// An SWA, CSA or HCA step with sequences starting at `starts` (`TOKENS_PER_SEQ` tokens
+    /// each). CSA adds its compressors' and head weights' projections, `W_idx` to the query
+    /// projection's phase, its ring rows, index-cache reads and int8 scores to the writes
+    /// phase, and each token's top-k compressed rows to the attention.
     pub fn attn_step(c: &Dsv4Config, kind: LayerKind, starts: &[usize]) -> LayerCost {
         let f = |v: usize| v as f64;
         let t = f(starts.len() * TOKENS_PER_SEQ);
@@ -49,13 +51,33 @@ impl LayerCost {
         let (g, r, hcd) = (f(c.o_groups), f(c.o_lora_rank), f(c.hc_mult * c.hidden));
         let mix = f(c.hc_mix());
         let hca = kind == LayerKind::Hca;
-        let proj_rows = ql + hd + if hca { 2.0 * hd } else { 0.0 };
+        let csa = kind == LayerKind::Csa;
+        let (ihd, ih) = (f(c.index_head_dim), f(c.index_heads));
+        // CSA: both overlapping compressors (`[2·W, D]` kv and gate each) and `W_w`.
+        let proj_rows = ql
+            + hd
+            + if hca { 2.0 * hd } else { 0.0 }
+            + if csa { 4.0 * hd + 4.0 * ihd + ih } else { 0.0 };
+        // CSA: the index rows each sequence scores (the most any of its tokens sees) and the
+        // scores' int8 work per token.
+        let (mut index_rows, mut index_macs, mut csa_closing) = (0.0, 0.0, 0.0);
         // Candidates each token scores: its visible window, and for HCA its compressed rows.
         let mut cands = 0.0;
         let mut closing = 0.0;
+        let csa_rows = (starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ) / c.csa_ratio;
         for &s in starts {
+            if csa {
+                let last = s + TOKENS_PER_SEQ - 1;
+                index_rows += f(((last + 1) / c.csa_ratio).min(csa_rows.max(1)));
+            }
             for p in s..s + TOKENS_PER_SEQ {
                 cands += f(p.min(c.window - 1) + 1);
+                if csa {
+                    let visible = ((p + 1) / c.csa_ratio).min(csa_rows.max(1));
+                    cands += f(visible.min(c.index_topk));
+                    index_macs += f(visible) * ih * ihd;
+                    csa_closing += f(usize::from((p + 1) % c.csa_ratio == 0));
+                }
                 if hca {
                     cands += f(((p + 1) / c.hca_ratio).min(c.max_position / c.hca_ratio));
                     closing += f(usize::from((p + 1) % c.hca_ratio == 0));
@@ -78,9 +100,15 @@ impl LayerCost {
             },
             PhaseCost {
                 name: "q_b",
-                bytes: h * hd * ql + 4.0 * h * hd,
+                bytes: h * hd * ql
+                    + 4.0 * h * hd
+                    + if csa {
+                        ih * ihd * ql + 4.0 * ih * ihd
+                    } else {
+                        0.0
+                    },
                 flops: 0.0,
-                int8_ops: 2.0 * t * h * hd * ql,
+                int8_ops: 2.0 * t * (h * hd + if csa { ih * ihd } else { 0.0 }) * ql,
             },
             PhaseCost {
                 name: "kv_write+compress",
@@ -89,9 +117,19 @@ impl LayerCost {
                         8.0 * t * hd + closing * (8.0 * ratio * hd + 2.0 * hd)
                     } else {
                         0.0
+                    }
+                    // CSA: each token's `[kv | score]` rows (2·W each, both compressors),
+                    // a closing token's 8-row pool and its rows written, the index rows
+                    // scored (int8 and a scale each).
+                    + if csa {
+                        16.0 * t * (hd + ihd)
+                            + csa_closing * (128.0 * (hd + ihd) + 2.0 * hd + ihd + 4.0)
+                            + index_rows * (ihd + 4.0)
+                    } else {
+                        0.0
                     },
                 flops: 0.0,
-                int8_ops: 0.0,
+                int8_ops: 2.0 * index_macs,
             },
             PhaseCost {
                 name: "attention",
@@ -190,6 +228,37 @@ mod tests {
         // At a low compute peak the attention phase becomes compute-bound.
         let slow = Peaks { gflops: 1.0, ..m };
         assert!(swa.phase_bound_s(&slow) > swa.phase_bound_s(&m));
+    }
+
+    #[test]
+    fn flash_csa_adds_its_compressors_indexer_and_top_k_rows() {
+        let c = Dsv4Config::flash();
+        let starts = [8192; 4];
+        let swa = LayerCost::attn_step(&c, LayerKind::Swa, &starts);
+        let csa = LayerCost::attn_step(&c, LayerKind::Csa, &starts);
+        // Projections: both compressors' kv and gate (2 x 1024 and 2 x 256 rows) and W_w
+        // (64 rows), bf16 over 4096.
+        let proj = 2.0 * (2.0 * 1024.0 + 2.0 * 256.0 + 64.0) * 4096.0;
+        assert_eq!(csa.phases[1].bytes - swa.phases[1].bytes, proj);
+        // W_idx int8 and its scales; its int8 work for 8 tokens.
+        assert_eq!(
+            csa.phases[2].bytes - swa.phases[2].bytes,
+            8192.0 * 1024.0 + 4.0 * 8192.0
+        );
+        assert_eq!(
+            csa.phases[2].int8_ops - swa.phases[2].int8_ops,
+            2.0 * 8.0 * 8192.0 * 1024.0
+        );
+        // Ring rows (no window closes at 8192), 2048 index rows of 128 + 4 per sequence, and
+        // 2048 visible rows x 64 heads x 128 per token scored.
+        let writes = 16.0 * 8.0 * (512.0 + 128.0) + 4.0 * 2048.0 * 132.0;
+        assert_eq!(csa.phases[3].bytes - swa.phases[3].bytes, writes);
+        assert_eq!(csa.phases[3].int8_ops, 2.0 * 8.0 * 2048.0 * 64.0 * 128.0);
+        // Each token attends to 512 compressed rows more.
+        assert_eq!(
+            csa.phases[4].bytes - swa.phases[4].bytes,
+            8.0 * 512.0 * 2.0 * 512.0
+        );
     }
 
     #[test]

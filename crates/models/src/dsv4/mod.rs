@@ -17,6 +17,7 @@ pub mod fixture_file;
 pub mod golden;
 pub mod ops;
 mod orchestrate;
+mod orchestrate_csa;
 pub mod runner;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
@@ -24,4 +25,4 @@ pub use cost::{LayerCost, Peaks, PhaseCost};
 pub use fixture::{
     Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture, uniform_starts,
 };
-pub use runner::{AttnCaches, AttnLayer, AttnStepOutput, AttnTiles, Dsv4RunError};
+pub use runner::{AttnCaches, AttnLayer, AttnStepOutput, AttnTiles, CsaCaches, Dsv4RunError};

@@ -13,6 +13,9 @@
 //! 6 wo_b (SPMD cols, W8A8)         int8 per (token, group), @ Wo_bᵀ, bf16 -> y [T, D]
 //! 7 hc_post (SPMD rows)            -> x_out [T, hc·D]
 //! ```
+//! A CSA step adds its compressors, indexer and planning task ([`super::orchestrate_csa`]:
+//! phases 1–3, the scores and the top-k in phase 3) and passes the planned compressed lists to
+//! the attention.
 //! Every edge is a tracked tensor: the caches are `InOut` of the tasks that write them and
 //! `In` of the attention tasks, so attention waits for the step's own rows.
 
@@ -23,6 +26,7 @@ use simpler_kernels_cpu::packed_ld;
 use super::config::{Dsv4Config, LayerKind};
 use super::fixture::TOKENS_PER_SEQ;
 use super::ops;
+use super::orchestrate_csa;
 use super::runner::AttnTiles;
 use crate::qwen3::ops::GEMM_TILE;
 use crate::qwen3::ops::scalars::{GemmScalars, PushScalars};
@@ -138,6 +142,7 @@ pub(crate) struct Views {
     sin: Tensor,
     window: Tensor,
     hca: Option<HcaViews>,
+    csa: Option<orchestrate_csa::CsaViews>,
     tok: Tensor,
     win: Tensor,
     comp: Tensor,
@@ -161,8 +166,14 @@ struct HcaViews {
 fn bind_all(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<Views> {
     let c = &p.config;
     let hca = p.kind == LayerKind::Hca;
-    let n_w = if hca { buf::WEIGHTS_HCA } else { buf::WEIGHTS };
-    let n_caches = if hca { 4 } else { 1 };
+    let (n_w, n_caches) = match p.kind {
+        LayerKind::Swa => (buf::WEIGHTS, 1),
+        LayerKind::Hca => (buf::WEIGHTS_HCA, 4),
+        LayerKind::Csa => (
+            orchestrate_csa::buf::WEIGHTS_CSA,
+            1 + orchestrate_csa::buf::CACHES,
+        ),
+    };
     let want = n_w + n_caches + io::COUNT;
     if a.buffers.len() != want {
         return Err(o.fatal(format!(
@@ -196,6 +207,7 @@ fn bind_all(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<Views> {
         sin: bind(buf::SIN, DType::F32, &[u(p.rope_positions), pairs])?,
         window: bind(n_w, DType::BF16, &[u(p.window_slots), hd])?,
         hca: None,
+        csa: None,
         tok: bind(n_w + n_caches + io::TOK, DType::U32, &[t, u(ops::TOK_COLS)])?,
         win: bind(n_w + n_caches + io::WIN, DType::I32, &[t, u(c.window)])?,
         comp: bind(
@@ -221,6 +233,16 @@ fn bind_all(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<Views> {
             state_score: bind(n_w + 2, DType::F32, &state)?,
             cache: bind(n_w + 3, DType::BF16, &[u(p.batch * p.comp_rows), hd])?,
         });
+    }
+    if p.kind == LayerKind::Csa {
+        v.csa = Some(orchestrate_csa::bind(
+            o,
+            a,
+            c,
+            p.batch,
+            p.comp_rows,
+            n_w + 1,
+        )?);
     }
     Ok(v)
 }
@@ -354,9 +376,25 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .timing_slot(3);
         o.submit(t)?;
     }
+    if let Some(cv) = &v.csa {
+        let io = orchestrate_csa::CsaIo {
+            xn: &xn,
+            qr: &qr,
+            q_norm: &v.q_norm,
+            tok: &v.tok,
+            cos: &v.cos,
+            sin: &v.sin,
+            comp: &v.comp,
+        };
+        orchestrate_csa::submit(o, c, cv, &io, t_n, p.batch, p.comp_rows, blocks, projection)?;
+    }
     // 4: attention, one task per (token, block of heads).
     let attn = v.attn;
-    let comp = v.hca.as_ref().map(|hv| (&v.comp, &hv.cache));
+    let comp = match (&v.hca, &v.csa) {
+        (Some(hv), _) => Some((&v.comp, &hv.cache)),
+        (None, Some(cv)) => Some((&v.comp, &cv.cache)),
+        (None, None) => None,
+    };
     attention(o, &v, p, &q, comp, &attn)?;
     // 5, 6: the grouped output projection.
     let (g, r) = (c.o_groups, c.o_lora_rank);

@@ -12,10 +12,11 @@ use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
 use super::config::{Dsv4Config, LayerKind};
-use super::fixture::{AttnWeights, HcaParts, StepInputs, TOKENS_PER_SEQ, WindowCache};
+use super::fixture::{AttnWeights, CsaParts, HcaParts, StepInputs, TOKENS_PER_SEQ, WindowCache};
 use super::ops::{NO_SLOT, TOK_COLS};
 use super::orchestrate::io as io_slot;
 use super::orchestrate::{self, AttnPlan, buf};
+use super::orchestrate_csa;
 
 /// A step the layer cannot run, or a runtime failure.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +66,39 @@ struct HcaBuffers {
     max_rows: usize,
 }
 
+/// The CSA layer's worker-side state: both compressors' rings, the compressed cache and the
+/// index cache.
+#[derive(Debug)]
+struct CsaBuffers {
+    ring_kv: Buffer,
+    ring_score: Buffer,
+    cache: Buffer,
+    index_ring_kv: Buffer,
+    index_ring_score: Buffer,
+    index_q: Buffer,
+    index_scale: Buffer,
+    max_rows: usize,
+}
+
+/// The CSA caches as the worker holds them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CsaCaches {
+    /// Main compressor ring kv `[batch · 2 · ratio, 2 · head_dim]`.
+    pub ring_kv: Vec<f32>,
+    /// Main compressor ring scores.
+    pub ring_score: Vec<f32>,
+    /// Compressed cache `[batch · max_rows, head_dim]`.
+    pub compressed: Vec<bf16>,
+    /// Indexer compressor ring kv `[batch · 2 · ratio, 2 · index_head_dim]`.
+    pub index_ring_kv: Vec<f32>,
+    /// Indexer compressor ring scores.
+    pub index_ring_score: Vec<f32>,
+    /// Index rows `[batch · max_rows, index_head_dim]` int8.
+    pub index_q: Vec<i8>,
+    /// Index row scales `[batch · max_rows]`.
+    pub index_scale: Vec<f32>,
+}
+
 /// What one step produced.
 #[derive(Clone, Debug)]
 pub struct AttnStepOutput {
@@ -91,6 +125,8 @@ pub struct AttnCaches {
     pub state_score: Vec<f32>,
     /// HCA compressed cache `[batch · max_rows, head_dim]` (empty for SWA).
     pub compressed: Vec<bf16>,
+    /// CSA: both compressors' rings, the compressed cache and the index cache.
+    pub csa: Option<CsaCaches>,
 }
 
 /// A resident SWA or HCA layer with its caches.
@@ -104,6 +140,7 @@ pub struct AttnLayer {
     weights: Vec<Buffer>,
     window_buf: Buffer,
     hca: Option<HcaBuffers>,
+    csa: Option<CsaBuffers>,
     hc_scale: [f32; 3],
     /// How steps are cut into tasks.
     pub tiles: AttnTiles,
@@ -147,13 +184,44 @@ impl AttnLayer {
         hca: Option<&HcaParts>,
         batch: usize,
     ) -> Result<AttnLayer, Dsv4RunError> {
+        AttnLayer::upload_with(worker, cfg, weights, window, hca, None, batch)
+    }
+
+    /// Uploads a CSA layer (its compressors, indexer and caches in `csa`) for steps of
+    /// `batch` sequences.
+    ///
+    /// # Errors
+    /// As [`AttnLayer::upload`]; the CSA tensors are named `csa.<field>`.
+    pub fn upload_csa(
+        worker: &Worker,
+        cfg: &Dsv4Config,
+        weights: &AttnWeights,
+        window: &WindowCache,
+        csa: &CsaParts,
+        batch: usize,
+    ) -> Result<AttnLayer, Dsv4RunError> {
+        AttnLayer::upload_with(worker, cfg, weights, window, None, Some(csa), batch)
+    }
+
+    fn upload_with(
+        worker: &Worker,
+        cfg: &Dsv4Config,
+        weights: &AttnWeights,
+        window: &WindowCache,
+        hca: Option<&HcaParts>,
+        csa: Option<&CsaParts>,
+        batch: usize,
+    ) -> Result<AttnLayer, Dsv4RunError> {
         cfg.validate()
             .map_err(|e| Dsv4RunError::Invalid(e.to_string()))?;
         check_weights(cfg, weights, window, hca, batch)?;
-        let kind = if hca.is_some() {
-            LayerKind::Hca
-        } else {
-            LayerKind::Swa
+        if let Some(p) = csa {
+            check_csa(cfg, p, batch)?;
+        }
+        let kind = match (hca, csa) {
+            (Some(_), _) => LayerKind::Hca,
+            (None, Some(_)) => LayerKind::Csa,
+            (None, None) => LayerKind::Swa,
         };
         let table = rope_table(cfg, kind);
         let mut bufs = vec![
@@ -191,12 +259,40 @@ impl AttnLayer {
             }
             None => None,
         };
+        let csa_bufs = match csa {
+            Some(p) => {
+                bufs.extend([
+                    upload(worker, &p.compressor.wkv)?,
+                    upload(worker, &p.compressor.wgate)?,
+                    upload(worker, &p.compressor.ape)?,
+                    upload(worker, &p.compressor.norm)?,
+                    upload(worker, &p.index_compressor.wkv)?,
+                    upload(worker, &p.index_compressor.wgate)?,
+                    upload(worker, &p.index_compressor.ape)?,
+                    upload(worker, &p.index_compressor.norm)?,
+                    upload(worker, &p.wq_idx.q)?,
+                    upload(worker, &p.wq_idx.scale)?,
+                    upload(worker, &p.w_weights)?,
+                ]);
+                Some(CsaBuffers {
+                    ring_kv: upload(worker, &p.state.kv)?,
+                    ring_score: upload(worker, &p.state.score)?,
+                    cache: upload(worker, &p.cache.rows)?,
+                    index_ring_kv: upload(worker, &p.index_state.kv)?,
+                    index_ring_score: upload(worker, &p.index_state.score)?,
+                    index_q: upload(worker, &p.index_cache.q)?,
+                    index_scale: upload(worker, &p.index_cache.scale)?,
+                    max_rows: p.cache.max_rows,
+                })
+            }
+            None => None,
+        };
         debug_assert_eq!(
             bufs.len(),
-            if hca.is_some() {
-                buf::WEIGHTS_HCA
-            } else {
-                buf::WEIGHTS
+            match kind {
+                LayerKind::Swa => buf::WEIGHTS,
+                LayerKind::Hca => buf::WEIGHTS_HCA,
+                LayerKind::Csa => orchestrate_csa::buf::WEIGHTS_CSA,
             }
         );
         let tokens = batch * TOKENS_PER_SEQ;
@@ -211,6 +307,7 @@ impl AttnLayer {
             weights: bufs,
             window_buf: upload(worker, &window.rows)?,
             hca: hca_bufs,
+            csa: csa_bufs,
             hc_scale: weights.hc.scale,
             tiles: AttnTiles::for_cores(worker.cores(), tokens, cfg.n_heads),
             io: None,
@@ -229,9 +326,10 @@ impl AttnLayer {
 
     /// Compressed rows each token sees at most (0 for SWA).
     fn comp_width(&self) -> usize {
-        match &self.hca {
-            Some(h) => (self.config.max_position / h.ratio).min(h.max_rows),
-            None => 0,
+        match (&self.hca, &self.csa) {
+            (Some(h), _) => (self.config.max_position / h.ratio).min(h.max_rows),
+            (None, Some(_)) => orchestrate_csa::comp_width(&self.config),
+            (None, None) => 0,
         }
     }
 
@@ -340,7 +438,11 @@ impl AttnLayer {
             batch: self.batch,
             window_slots: self.window.block_table.len() * self.window.page_size,
             comp_width: self.comp_width(),
-            comp_rows: self.hca.as_ref().map_or(0, |h| h.max_rows),
+            comp_rows: match (&self.hca, &self.csa) {
+                (Some(h), _) => h.max_rows,
+                (None, Some(c)) => c.max_rows,
+                (None, None) => 0,
+            },
             rope_positions: self.config.max_position,
             tiles: self.tiles,
             starts: inputs.starts.clone(),
@@ -358,10 +460,22 @@ impl AttnLayer {
         if let Some(h) = &self.hca {
             buffers.extend([h.state_kv.clone(), h.state_score.clone(), h.cache.clone()]);
         }
+        if let Some(c) = &self.csa {
+            buffers.extend([
+                c.ring_kv.clone(),
+                c.ring_score.clone(),
+                c.cache.clone(),
+                c.index_ring_kv.clone(),
+                c.index_ring_score.clone(),
+                c.index_q.clone(),
+                c.index_scale.clone(),
+            ]);
+        }
         buffers.extend(io.bufs.iter().cloned());
         let name = match self.kind {
             LayerKind::Hca => "dsv4.hca_decode",
-            _ => "dsv4.swa_decode",
+            LayerKind::Csa => "dsv4.csa_decode",
+            LayerKind::Swa => "dsv4.swa_decode",
         };
         let args = RunArgs {
             buffers,
@@ -394,12 +508,28 @@ impl AttnLayer {
             state_kv: Vec::new(),
             state_score: Vec::new(),
             compressed: Vec::new(),
+            csa: None,
         };
         if let Some(h) = &self.hca {
             let n = self.batch * h.ratio * hd;
             caches.state_kv = h.state_kv.read_at::<f32>(0, n)?;
             caches.state_score = h.state_score.read_at::<f32>(0, n)?;
             caches.compressed = h.cache.read_at::<bf16>(0, self.batch * h.max_rows * hd)?;
+        }
+        if let Some(cb) = &self.csa {
+            let c = &self.config;
+            let ring = self.batch * 2 * c.csa_ratio;
+            let rows = self.batch * cb.max_rows;
+            let iw = c.index_head_dim;
+            caches.csa = Some(CsaCaches {
+                ring_kv: cb.ring_kv.read_at::<f32>(0, ring * 2 * hd)?,
+                ring_score: cb.ring_score.read_at::<f32>(0, ring * 2 * hd)?,
+                compressed: cb.cache.read_at::<bf16>(0, rows * hd)?,
+                index_ring_kv: cb.index_ring_kv.read_at::<f32>(0, ring * 2 * iw)?,
+                index_ring_score: cb.index_ring_score.read_at::<f32>(0, ring * 2 * iw)?,
+                index_q: cb.index_q.read_at::<i8>(0, rows * iw)?,
+                index_scale: cb.index_scale.read_at::<f32>(0, rows)?,
+            });
         }
         Ok(caches)
     }
@@ -493,6 +623,87 @@ fn check_weights(
             "window.block_table: page {b} outside the pool"
         )));
     }
+    for (name, got, want) in checks {
+        if got != want {
+            return Err(Dsv4RunError::Invalid(format!(
+                "{name}: {got}, expected {want} for this configuration"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the CSA tensors' lengths against `cfg`; the error names the tensor (`csa.<field>`).
+fn check_csa(cfg: &Dsv4Config, p: &CsaParts, batch: usize) -> Result<(), Dsv4RunError> {
+    let (d, hd, iw, ih) = (
+        cfg.hidden,
+        cfg.head_dim,
+        cfg.index_head_dim,
+        cfg.index_heads,
+    );
+    let ratio = cfg.csa_ratio;
+    let ring = batch * 2 * ratio;
+    let rows = p.cache.max_rows;
+    let checks: [(&str, usize, usize); 26] = [
+        ("csa.compressor.wkv", p.compressor.wkv.len(), 2 * hd * d),
+        ("csa.compressor.wgate", p.compressor.wgate.len(), 2 * hd * d),
+        ("csa.compressor.ape", p.compressor.ape.len(), ratio * 2 * hd),
+        ("csa.compressor.norm", p.compressor.norm.len(), hd),
+        (
+            "csa.index_compressor.wkv",
+            p.index_compressor.wkv.len(),
+            2 * iw * d,
+        ),
+        (
+            "csa.index_compressor.wgate",
+            p.index_compressor.wgate.len(),
+            2 * iw * d,
+        ),
+        (
+            "csa.index_compressor.ape",
+            p.index_compressor.ape.len(),
+            ratio * 2 * iw,
+        ),
+        (
+            "csa.index_compressor.norm",
+            p.index_compressor.norm.len(),
+            iw,
+        ),
+        ("csa.state.ratio", p.state.ratio, ratio),
+        ("csa.state.width", p.state.width, hd),
+        ("csa.state.kv", p.state.kv.len(), ring * 2 * hd),
+        ("csa.state.score", p.state.score.len(), ring * 2 * hd),
+        ("csa.index_state.ratio", p.index_state.ratio, ratio),
+        ("csa.index_state.width", p.index_state.width, iw),
+        ("csa.index_state.kv", p.index_state.kv.len(), ring * 2 * iw),
+        (
+            "csa.index_state.score",
+            p.index_state.score.len(),
+            ring * 2 * iw,
+        ),
+        ("csa.cache.width", p.cache.width, hd),
+        ("csa.cache.rows", p.cache.rows.len(), batch * rows * hd),
+        ("csa.index_cache.width", p.index_cache.width, iw),
+        ("csa.index_cache.max_rows", p.index_cache.max_rows, rows),
+        (
+            "csa.index_cache.q",
+            p.index_cache.q.len(),
+            batch * rows * iw,
+        ),
+        (
+            "csa.index_cache.scale",
+            p.index_cache.scale.len(),
+            batch * rows,
+        ),
+        ("csa.wq_idx.q", p.wq_idx.q.len(), ih * iw * cfg.q_lora_rank),
+        ("csa.wq_idx.scale", p.wq_idx.scale.len(), ih * iw),
+        ("csa.w_weights", p.w_weights.len(), ih * d),
+        (
+            "csa.cache.max_rows",
+            usize::from(rows > 0 && batch * rows <= i32::MAX as usize),
+            1,
+        ),
+    ];
     for (name, got, want) in checks {
         if got != want {
             return Err(Dsv4RunError::Invalid(format!(

@@ -19,11 +19,17 @@
 //! | [`WO_B`] (SPMD cols) | o_r In f32 `[T,G·R]`, wo_b NoDep i8 `[D,G·R]`, scales NoDep f32 `[D]`, y Out f32 `[T,D]` | groups |
 //! | [`HC_POST`] (SPMD rows) | x_hc In, y In f32 `[T,D]`, hcw In f32 `[T,M]`, x_out Out f32 `[T,hc·D]` | hc |
 //!
+//! | [`CSA_COMPRESS`] | kv In f32 `[T,2W]`, gate In f32 `[T,2W]`, ape NoDep `[ratio,2W]`, norm NoDep `[W]`, tok NoDep, cos, sin, ring_kv InOut `[B·2·ratio,2W]`, ring_score InOut, then main: cache InOut bf16 `[B·rows,W]`; indexer: index_q InOut i8 `[B·rows,W]`, index_scale InOut f32 `[B·rows]` | ratio, max_rows, eps |
+//! | [`CSA_INDEX_Q`] (SPMD heads) | qr In f32 `[T,q_lora]`, q_norm NoDep, W_idx NoDep i8 `[IH·W,q_lora]`, scales NoDep f32, tok NoDep, cos, sin, q_i8 Out i8 `[T,IH·W]`, q_scale Out f32 `[T,IH]` | W, eps |
+//! | [`CSA_SCORES`] (SPMD (seq, chunk)) | q_i8 In, q_scale In, weights In f32 `[T,IH]`, tok NoDep, index_q In i8 `[B·rows,W]`, index_scale In, scores Out f32 `[B·chunks·T/B, chunk]` | ratio, max_rows, chunk, weight_scale |
+//! | [`CSA_PLAN`] (SPMD tokens) | scores In, tok NoDep, comp Out i32 `[T,C]` (compressed-cache rows, −1 masked) | ratio, max_rows, chunk, top_k |
+//!
 //! `tok` holds per token `(sequence, position, window slot)` (`u32::MAX`: no slot). RoPE
 //! tables are `[positions, rope_dim/2]` f32 ([`simpler_kernels_cpu::dsv4::RopeTable`]).
 //! Malformed arguments give a [`KernelError`] naming the kernel, never a panic.
 
 mod attn;
+mod csa;
 mod hc;
 
 use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
@@ -47,6 +53,16 @@ pub const WO_B: KernelId = KernelId(3206);
 /// hc_post of a block of tokens.
 pub const HC_POST: KernelId = KernelId(3207);
 
+/// The CSA overlapping compressor (main or the indexer's): ring rows, and the pooled row of
+/// every token closing a window (bf16 KV row, or Hadamard-rotated int8 index row).
+pub const CSA_COMPRESS: KernelId = KernelId(3220);
+/// The indexer's query heads of a block of heads: W8A8 `W_idx`, RoPE, Hadamard, int8.
+pub const CSA_INDEX_Q: KernelId = KernelId(3221);
+/// The indexer's int8 scores of one sequence's chunk of visible compressed rows.
+pub const CSA_SCORES: KernelId = KernelId(3222);
+/// The planning task: each token's top-k compressed rows as its candidate list.
+pub const CSA_PLAN: KernelId = KernelId(3223);
+
 /// `tok` columns: sequence, position, window slot.
 pub const TOK_COLS: usize = 3;
 /// A `tok` window slot meaning "no slot" (the position has no page).
@@ -55,7 +71,7 @@ pub const NO_SLOT: u32 = u32::MAX;
 /// Every kernel of the attention layers, and the bf16 GEMM they share with Qwen3.
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 8] = [
+    let table: [(KernelId, &str, EngineClass, Body); 12] = [
         (HC_PRE, "dsv4_hc_pre", EngineClass::Vector, hc::hc_pre),
         (Q_B, "dsv4_q_b_w8a8", EngineClass::Cube, attn::q_b),
         (
@@ -79,6 +95,30 @@ pub fn specs() -> Vec<KernelSpec> {
         (WO_A, "dsv4_wo_a", EngineClass::Cube, attn::wo_a),
         (WO_B, "dsv4_wo_b_w8a8", EngineClass::Cube, attn::wo_b),
         (HC_POST, "dsv4_hc_post", EngineClass::Vector, hc::hc_post),
+        (
+            CSA_COMPRESS,
+            "dsv4_csa_compress",
+            EngineClass::Vector,
+            csa::csa_compress,
+        ),
+        (
+            CSA_INDEX_Q,
+            "dsv4_csa_index_q_w8a8",
+            EngineClass::Cube,
+            csa::csa_index_q,
+        ),
+        (
+            CSA_SCORES,
+            "dsv4_csa_scores_i8",
+            EngineClass::Cube,
+            csa::csa_scores,
+        ),
+        (
+            CSA_PLAN,
+            "dsv4_csa_plan",
+            EngineClass::Vector,
+            csa::csa_plan,
+        ),
     ];
     let mut specs: Vec<KernelSpec> = table
         .into_iter()
