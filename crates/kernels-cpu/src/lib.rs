@@ -12,6 +12,7 @@
 pub mod amx;
 pub mod attention;
 pub mod convert;
+pub mod dsv4;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemm_i8;
