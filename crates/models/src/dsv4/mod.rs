@@ -9,6 +9,8 @@ pub mod check;
 pub mod config;
 pub mod fixture;
 pub mod golden;
+pub mod moe_graph;
+pub mod moe_ops;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
 pub use fixture::{
