@@ -1,12 +1,14 @@
 //! The MoE layer's decode step as a task graph (`docs/dsv4.md`, "MoE on the runtime"):
 //!
 //! ```text
+//! hc_pre                x_hc [T,hc,D] -> x_mixed [T,D], post [T,hc], comb [T,hc,hc]
 //! route                 x_mixed -> xq, xs [T]; experts, weights [T,K]
 //! dispatch              -> counts [L], offsets [L+1], rows i8 [C,D], scales, weights, route ids [C]
 //! shared gate_up/quant/down   xq -> shared [S,T,D]              (every token, weight 1)
 //! routed gate_up (SPMD) rows -> h [C,I]; quant_h -> hq, hs (weight folded); down (SPMD) -> y [C,D]
 //! combine (SPMD)        y -> routed [T,K,D] in route order
 //! reduce                -> bf16 y [T,D] = shared + Σ routed
+//! hc_post               -> x_out [T,hc,D]
 //! ```
 //!
 //! # The expert-parallel seam
@@ -95,16 +97,22 @@ mod io {
     pub(super) const ROUTED: usize = 4;
     /// The same six of the shared experts.
     pub(super) const SHARED: usize = 10;
+    pub(super) const HC_MIX: usize = 16;
+    pub(super) const HC_BASE: usize = 17;
     /// Weights end here.
-    pub(super) const WEIGHTS: usize = 16;
-    pub(super) const X_MIXED: usize = WEIGHTS;
+    pub(super) const WEIGHTS: usize = 18;
+    pub(super) const X_HC: usize = WEIGHTS;
     pub(super) const TOKENS: usize = WEIGHTS + 1;
     pub(super) const Y: usize = WEIGHTS + 2;
     pub(super) const SHARED_OUT: usize = WEIGHTS + 3;
     pub(super) const ROUTED_OUT: usize = WEIGHTS + 4;
     pub(super) const EXPERTS: usize = WEIGHTS + 5;
     pub(super) const ROUTE_W: usize = WEIGHTS + 6;
-    pub(super) const COUNT: usize = WEIGHTS + 7;
+    pub(super) const X_OUT: usize = WEIGHTS + 7;
+    pub(super) const X_MIXED: usize = WEIGHTS + 8;
+    pub(super) const POST: usize = WEIGHTS + 9;
+    pub(super) const COMB: usize = WEIGHTS + 10;
+    pub(super) const COUNT: usize = WEIGHTS + 11;
 }
 
 /// A MoE layer's weights resident in worker buffers: the gate, the shared experts and the
@@ -116,12 +124,21 @@ pub struct MoeLayer {
     rank: usize,
     /// Layer index (below `n_hash_layers`: hash routing).
     pub layer: usize,
+    hc_scale: [f32; 3],
     weights: Vec<Buffer>,
 }
 
-/// What one MoE step produced (the golden's `MoeStep` parts, minus `hc_post`).
+/// What one MoE step produced (the golden's `MoeStep` parts).
 #[derive(Clone, Debug)]
 pub struct MoeOutput {
+    /// New residual `[T, hc, D]`.
+    pub x_out: Vec<f32>,
+    /// `hc_pre`'s mixed stream `[T, D]` (bf16 values).
+    pub x_mixed: Vec<f32>,
+    /// `hc_pre`'s post weights `[T, hc]`.
+    pub post: Vec<f32>,
+    /// `hc_pre`'s Sinkhorn-normalised comb `[T, hc, hc]`.
+    pub comb: Vec<f32>,
     /// `bf16(shared + Σ routed)` `[T, D]`, as f32.
     pub y: Vec<f32>,
     /// Shared experts' outputs `[S, T, D]`.
@@ -153,6 +170,10 @@ struct Plan {
     limit: f32,
     hash: bool,
     blocks: u32,
+    hc: usize,
+    hc_scale: [f32; 3],
+    hc_eps: f32,
+    hc_iters: usize,
 }
 
 fn upload<T: simpler_core::Element>(w: &Worker, data: &[T]) -> Result<Buffer, MoeRunError> {
@@ -214,6 +235,12 @@ impl MoeLayer {
             ("tid2eid", w.tid2eid.len(), config.vocab_size * k),
             ("routed experts", w.routed.len(), e),
             ("shared experts", w.shared.len(), config.n_shared_experts),
+            (
+                "hc.mix",
+                w.hc.mix.len(),
+                config.hc_mix() * config.hc_mult * d,
+            ),
+            ("hc.base", w.hc.base.len(), config.hc_mix()),
         ] {
             if got != want {
                 return Err(MoeRunError::Invalid(format!(
@@ -246,12 +273,15 @@ impl MoeLayer {
         weights.extend(expert_buffers(worker, &local)?);
         let shared: Vec<&Expert> = w.shared.iter().collect();
         weights.extend(expert_buffers(worker, &shared)?);
+        weights.push(upload(worker, &w.hc.mix)?);
+        weights.push(upload(worker, &w.hc.base)?);
         debug_assert_eq!(weights.len(), io::WEIGHTS);
         Ok(MoeLayer {
             config: config.clone(),
             placement,
             rank,
             layer,
+            hc_scale: w.hc.scale,
             weights,
         })
     }
@@ -285,15 +315,19 @@ impl MoeLayer {
             limit: c.swiglu_limit,
             hash: self.layer < c.n_hash_layers,
             blocks,
+            hc: c.hc_mult,
+            hc_scale: self.hc_scale,
+            hc_eps: c.hc_eps,
+            hc_iters: c.hc_sinkhorn_iters,
         }
     }
 
-    /// One step on `x_mixed` (`[T, D]` fp32, the `hc_pre` output) with the tokens' ids (hash
-    /// routing reads them), every route computed on this rank (single-rank placement).
+    /// One step on the residual `x_hc` (`[T, hc, D]` fp32) with the tokens' ids (hash routing
+    /// reads them), every route computed on this rank (single-rank placement).
     pub fn step(
         &self,
         worker: &Worker,
-        x_mixed: &[f32],
+        x_hc: &[f32],
         token_ids: &[u32],
         cfg: &CallConfig,
     ) -> Result<MoeOutput, MoeRunError> {
@@ -306,10 +340,11 @@ impl MoeLayer {
                 self.placement.ranks()
             )));
         }
-        if t == 0 || x_mixed.len() != t * c.hidden {
+        if t == 0 || x_hc.len() != t * c.hc_mult * c.hidden {
             return Err(MoeRunError::Invalid(format!(
-                "x_mixed of {} elements for {t} tokens of {}",
-                x_mixed.len(),
+                "x_hc of {} elements for {t} tokens of {} x {}",
+                x_hc.len(),
+                c.hc_mult,
                 c.hidden
             )));
         }
@@ -325,14 +360,19 @@ impl MoeLayer {
         }
         let (d, k, s) = (c.hidden, c.n_activated_experts, c.n_shared_experts);
         let mut buffers = self.weights.clone();
-        buffers.push(upload(worker, x_mixed)?);
+        buffers.push(upload(worker, x_hc)?);
         buffers.push(upload(worker, token_ids)?);
+        let x_out = t * c.hc_mult * d * 4;
         for bytes in [
             t * d * 2,
             s * t * d * 4,
             t * k * d * 4,
             t * k * 4,
             t * k * 4,
+            x_out,
+            t * d * 4,
+            t * c.hc_mult * 4,
+            t * c.hc_mult * c.hc_mult * 4,
         ] {
             buffers.push(worker.alloc(bytes)?);
         }
@@ -345,6 +385,10 @@ impl MoeLayer {
         let report = worker.run_fn("dsv4.moe", args, cfg, move |o, a| graph(o, a, &plan))?;
         let y: Vec<half::bf16> = buffers[io::Y].read()?;
         Ok(MoeOutput {
+            x_out: buffers[io::X_OUT].read()?,
+            x_mixed: buffers[io::X_MIXED].read()?,
+            post: buffers[io::POST].read()?,
+            comb: buffers[io::COMB].read()?,
             y: y.iter().map(|v| v.to_f32()).collect(),
             shared: buffers[io::SHARED_OUT].read()?,
             routed: buffers[io::ROUTED_OUT].read()?,
@@ -460,13 +504,39 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
     let hash = o.bind(&b[io::HASH], DType::U32, &[p.vocab as u64, k])?;
     let routed_w = bind_experts(o, a, io::ROUTED, p.local.len(), p)?;
     let shared_w = bind_experts(o, a, io::SHARED, p.n_shared, p)?;
-    let x = o.bind(&b[io::X_MIXED], DType::F32, &[t, d])?;
+    let hc = p.hc as u64;
+    let m = (2 + hc) * hc;
+    let mix = o.bind(&b[io::HC_MIX], DType::F32, &[m, hc * d])?;
+    let base = o.bind(&b[io::HC_BASE], DType::F32, &[m])?;
+    let x_hc = o.bind(&b[io::X_HC], DType::F32, &[t, hc, d])?;
+    let x_out = o.bind(&b[io::X_OUT], DType::F32, &[t, hc, d])?;
     let tokens = o.bind(&b[io::TOKENS], DType::U32, &[t])?;
     let y = o.bind(&b[io::Y], DType::BF16, &[t, d])?;
     let shared = o.bind(&b[io::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
     let routed = o.bind(&b[io::ROUTED_OUT], DType::F32, &[t, k, d])?;
     let experts_t = o.bind(&b[io::EXPERTS], DType::U32, &[t, k])?;
     let weights_t = o.bind(&b[io::ROUTE_W], DType::F32, &[t, k])?;
+
+    // hc_pre.
+    let x = o.bind(&b[io::X_MIXED], DType::F32, &[t, d])?;
+    let post = o.bind(&b[io::POST], DType::F32, &[t, hc])?;
+    let comb = o.bind(&b[io::COMB], DType::F32, &[t, hc, hc])?;
+    let mut task = Task::new(moe_ops::HC_PRE).input(&x_hc);
+    // SAFETY: the hyper-connection weights are written by no task during a run.
+    unsafe {
+        task = task.no_dep(&mix).no_dep(&base);
+    }
+    let task = task
+        .output_existing(&x)
+        .output_existing(&post)
+        .output_existing(&comb)
+        .scalar_f32(p.hc_scale[0])
+        .scalar_f32(p.hc_scale[1])
+        .scalar_f32(p.hc_scale[2])
+        .scalar_f32(p.eps)
+        .scalar_f32(p.hc_eps)
+        .scalar(p.hc_iters as u64);
+    o.submit(task.timing_slot(1))?;
 
     // Route.
     let xq = o.alloc(DType::I8, &[t, d])?;
@@ -558,6 +628,13 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .input(&shared)
         .input(&routed)
         .output_existing(&y);
+    o.submit(task.timing_slot(1))?;
+    let task = Task::new(moe_ops::HC_POST)
+        .input(&x_hc)
+        .input(&y)
+        .input(&post)
+        .input(&comb)
+        .output_existing(&x_out);
     o.submit(task.timing_slot(1))?;
     Ok(())
 }

@@ -11,6 +11,8 @@
 //! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
 //! | [`MOE_REDUCE`] | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out bf16 `[T,D]` | |
+//! | [`HC_PRE`] | x_hc In f32 `[T,hc,D]`, mix NoDep f32 `[hc_mix,hc·D]`, base NoDep f32 `[hc_mix]`; x_mixed Out f32 `[T,D]`, post Out f32 `[T,hc]`, comb Out f32 `[T,hc,hc]` | scale0..2, rms_eps, hc_eps, iters |
+//! | [`HC_POST`] | x_hc In, out In bf16 `[T,D]`, post In, comb In; x_out Out f32 `[T,hc,D]` | |
 //!
 //! `T` tokens, `K` routes per token, `E` routed experts, `L` local experts, `C` dispatch rows
 //! (capacity), `G` groups (experts) of an expert phase, `R` its rows. Without offsets an expert
@@ -19,6 +21,7 @@
 
 use half::bf16;
 use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
+use simpler_kernels_cpu::dsv4::hc;
 use simpler_kernels_cpu::dsv4::moe as k;
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 
@@ -36,6 +39,10 @@ pub const MOE_DOWN: KernelId = KernelId(3404);
 pub const MOE_COMBINE: KernelId = KernelId(3405);
 /// `y = bf16(Σ shared + Σ routed)`.
 pub const MOE_REDUCE: KernelId = KernelId(3406);
+/// `hc_pre` of every token: the mixed stream and the post/comb weights.
+pub const HC_PRE: KernelId = KernelId(3407);
+/// `hc_post` of every token: the sub-layer output back into the streams.
+pub const HC_POST: KernelId = KernelId(3408);
 
 /// Argument indices of each kernel (the orchestration pushes them in this order).
 pub mod idx {
@@ -143,6 +150,34 @@ pub mod idx {
         /// `[T·K, D]` written.
         pub const ROUTED: usize = 3;
     }
+    /// [`super::HC_PRE`].
+    pub mod hc_pre {
+        /// The residual streams.
+        pub const X: usize = 0;
+        /// Mix weights.
+        pub const MIX: usize = 1;
+        /// Mix biases.
+        pub const BASE: usize = 2;
+        /// `x_mixed` written.
+        pub const MIXED: usize = 3;
+        /// `post` written.
+        pub const POST: usize = 4;
+        /// `comb` written.
+        pub const COMB: usize = 5;
+    }
+    /// [`super::HC_POST`].
+    pub mod hc_post {
+        /// The residual streams.
+        pub const X: usize = 0;
+        /// The sub-layer output (bf16).
+        pub const OUT: usize = 1;
+        /// `post`.
+        pub const POST: usize = 2;
+        /// `comb`.
+        pub const COMB: usize = 3;
+        /// The new residual written.
+        pub const X_OUT: usize = 4;
+    }
     /// [`super::MOE_REDUCE`].
     pub mod reduce {
         /// Shared experts' outputs.
@@ -157,7 +192,7 @@ pub mod idx {
 /// Every MoE kernel: `(id, name, class, body)`.
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 7] = [
+    let table: [(KernelId, &str, EngineClass, Body); 9] = [
         (MOE_ROUTE, "moe_route_i8", EngineClass::Vector, route),
         (MOE_DISPATCH, "moe_dispatch", EngineClass::Vector, dispatch),
         (MOE_GATE_UP, "moe_gate_up_w8a8", EngineClass::Cube, gate_up),
@@ -165,6 +200,8 @@ pub fn specs() -> Vec<KernelSpec> {
         (MOE_DOWN, "moe_down_w8a8", EngineClass::Cube, down),
         (MOE_COMBINE, "moe_combine", EngineClass::Vector, combine),
         (MOE_REDUCE, "moe_reduce_bf16", EngineClass::Vector, reduce),
+        (HC_PRE, "hc_pre_f32", EngineClass::Vector, hc_pre),
+        (HC_POST, "hc_post_f32", EngineClass::Vector, hc_post),
     ];
     table
         .into_iter()
@@ -629,6 +666,87 @@ fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             .map(|j| &routed[(r * top_k + j) * d..(r * top_k + j + 1) * d])
             .collect();
         k::moe_reduce(&s, &ro, &mut y[r * d..(r + 1) * d]);
+    }
+    Ok(())
+}
+
+fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    use idx::hc_pre as a;
+    const NAME: &str = "hc_pre_f32";
+    expect_scalars(ctx, NAME, 6)?;
+    let scale = [ctx.scalar_f32(0)?, ctx.scalar_f32(1)?, ctx.scalar_f32(2)?];
+    let (rms_eps, hc_eps) = (ctx.scalar_f32(3)?, ctx.scalar_f32(4)?);
+    let iters = ctx.scalar_usize(5)?;
+    let shape = ctx.tensor(a::X)?.shape().to_vec();
+    if shape.len() != 3 || shape.iter().any(|&v| v == 0) {
+        return Err(bad(
+            NAME,
+            format!("x_hc of shape {shape:?}, expected [T, hc, D]"),
+        ));
+    }
+    let (t, n_hc, d) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
+    let m = hc::hc_mix_len(n_hc);
+    let x = ctx.read::<f32>(a::X)?;
+    let mix_w = ctx.read::<f32>(a::MIX)?;
+    let base = ctx.read::<f32>(a::BASE)?;
+    expect_len(NAME, "mix", mix_w.len(), m * n_hc * d)?;
+    expect_len(NAME, "base", base.len(), m)?;
+    let mixed = ctx.write::<f32>(a::MIXED)?;
+    expect_len(NAME, "x_mixed", mixed.len(), t * d)?;
+    let post = ctx.write::<f32>(a::POST)?;
+    expect_len(NAME, "post", post.len(), t * n_hc)?;
+    let comb = ctx.write::<f32>(a::COMB)?;
+    expect_len(NAME, "comb", comb.len(), t * n_hc * n_hc)?;
+    let mut mix = vec![0.0f32; t * m];
+    hc::hc_mix_logits(x, n_hc * d, mix_w, rms_eps, &mut mix);
+    for r in 0..t {
+        let w = &mut mix[r * m..(r + 1) * m];
+        hc::hc_weights(w, n_hc, scale, base, iters, hc_eps);
+        hc::hc_mix_streams(
+            &x[r * n_hc * d..(r + 1) * n_hc * d],
+            &w[..n_hc],
+            &mut mixed[r * d..(r + 1) * d],
+        );
+        post[r * n_hc..(r + 1) * n_hc].copy_from_slice(&w[n_hc..2 * n_hc]);
+        comb[r * n_hc * n_hc..(r + 1) * n_hc * n_hc].copy_from_slice(&w[2 * n_hc..]);
+    }
+    Ok(())
+}
+
+fn hc_post(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    use idx::hc_post as a;
+    const NAME: &str = "hc_post_f32";
+    expect_scalars(ctx, NAME, 0)?;
+    let shape = ctx.tensor(a::X)?.shape().to_vec();
+    if shape.len() != 3 || shape.iter().any(|&v| v == 0) {
+        return Err(bad(
+            NAME,
+            format!("x_hc of shape {shape:?}, expected [T, hc, D]"),
+        ));
+    }
+    let (t, n_hc, d) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
+    let x = ctx.read::<f32>(a::X)?;
+    let out = ctx.read::<bf16>(a::OUT)?;
+    expect_len(NAME, "out", out.len(), t * d)?;
+    let post = ctx.read::<f32>(a::POST)?;
+    expect_len(NAME, "post", post.len(), t * n_hc)?;
+    let comb = ctx.read::<f32>(a::COMB)?;
+    expect_len(NAME, "comb", comb.len(), t * n_hc * n_hc)?;
+    let y = ctx.write::<f32>(a::X_OUT)?;
+    expect_len(NAME, "x_out", y.len(), t * n_hc * d)?;
+    let mut row = vec![0.0f32; d];
+    for r in 0..t {
+        for (o, v) in row.iter_mut().zip(&out[r * d..(r + 1) * d]) {
+            *o = v.to_f32();
+        }
+        let w = n_hc * d;
+        hc::hc_post(
+            &x[r * w..(r + 1) * w],
+            &row,
+            &post[r * n_hc..(r + 1) * n_hc],
+            &comb[r * n_hc * n_hc..(r + 1) * n_hc * n_hc],
+            &mut y[r * w..(r + 1) * w],
+        );
     }
     Ok(())
 }
