@@ -9,6 +9,7 @@ pub mod check;
 pub mod config;
 pub mod fixture;
 pub mod golden;
+pub mod moe_cost;
 pub mod moe_graph;
 pub mod moe_ops;
 
