@@ -90,6 +90,7 @@ pub(crate) fn moe_case(
 /// The layer resident on `worker` (MoE kernels registered here).
 fn resident(worker: &Worker, case: &MoeCase) -> Result<MoeLayer> {
     moe_ops::register(worker)?;
+    simpler_models::dsv4::ops::register(worker)?;
     Ok(MoeLayer::new(
         worker,
         &case.cfg,

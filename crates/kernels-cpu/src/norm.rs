@@ -10,7 +10,7 @@ use crate::multiversion::multiversion;
 
 /// `1/sqrt(mean(x²) + eps)`, summed in eight fp32 lanes.
 #[inline(always)]
-pub(crate) fn inv_rms(x: &[f32], eps: f32) -> f32 {
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {

@@ -10,8 +10,8 @@
 //! A token's hyper-connection weights are one `[hc_mix]` row, `hc_mix = (2 + hc) · hc`:
 //! `pre [hc] | post [hc] | comb [hc, hc]` (`comb[i][o]`: from stream `i` into stream `o`).
 
+use super::norm::inv_rms_f64;
 use crate::multiversion::multiversion;
-use crate::norm::inv_rms;
 
 /// Weights per token of `hc` streams: `pre`, `post` and the `hc × hc` mixing matrix.
 pub const fn hc_mix_len(hc: usize) -> usize {
@@ -21,7 +21,9 @@ pub const fn hc_mix_len(hc: usize) -> usize {
 multiversion! {
     /// The mix logits of `rows` tokens: for token `t` (`x` row `t`, `n = hc·d` values) and mix
     /// row `m` (`w` row `m`, `n` values), `out[t, m] = (Σ x·w[m]) / sqrt(mean(x²) + eps)`.
-    /// Each dot product is summed in eight fp32 lanes.
+    /// The sums run in f64 (four lanes): the mixed stream is rounded to bf16 right after, and
+    /// an fp32 sum over `hc · d` values errs enough to flip some of those roundings (each flip
+    /// moves the layer's output visibly); the product is small (`hc_mix` rows per token).
     ///
     /// # Panics
     /// If `w.len()` is not a multiple of `n`, or `x` and `out` do not hold the same number of
@@ -31,32 +33,32 @@ multiversion! {
         assert!(x.len().is_multiple_of(n), "hc_mix_logits: x len {} for rows of {n}", x.len());
         let (rows, m) = (x.len() / n, w.len() / n);
         assert_eq!(out.len(), rows * m, "hc_mix_logits: out len");
-        let inv: Vec<f32> = x.chunks_exact(n).map(|r| inv_rms(r, eps)).collect();
+        let inv: Vec<f32> = x.chunks_exact(n).map(|r| inv_rms_f64(r, eps)).collect();
         for (j, wr) in w.chunks_exact(n).enumerate() {
             for (t, xr) in x.chunks_exact(n).enumerate() {
-                out[t * m + j] = inv[t] * dot8(xr, wr);
+                out[t * m + j] = inv[t] * dot_f64(xr, wr) as f32;
             }
         }
     }
 }
 
-/// `Σ a·b` in eight lanes, combined pairwise.
+/// `Σ a·b` in f64, four lanes combined pairwise.
 #[inline(always)]
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
+fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let tail: f64 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
         .sum();
     for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+        for i in 0..4 {
+            acc[i] += f64::from(x[i]) * f64::from(y[i]);
         }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail
 }
 
 /// Turns one token's mix logits (`[hc_mix]`) into its weights (same layout, in place):

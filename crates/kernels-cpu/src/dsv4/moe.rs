@@ -12,7 +12,7 @@ use std::ops::Range;
 use half::bf16;
 
 use crate::gemm::{GemmTile, OutMode};
-use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8};
+use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8_ties_away};
 use crate::multiversion::multiversion;
 
 /// A routing input the kernels cannot use; names the offending value.
@@ -96,7 +96,7 @@ pub fn moe_quant_input(x: &[f32], norm_w: &[f32], eps: f32, q: &mut [i8]) -> f32
     assert_eq!(norm_w.len(), x.len(), "moe_quant_input: norm weight length");
     let inv = 1.0 / (sum_squares(x) / x.len().max(1) as f32 + eps).sqrt();
     let a: Vec<f32> = x.iter().zip(norm_w).map(|(x, g)| x * g).collect();
-    quantize_row_i8(&a, q) * inv
+    quantize_row_i8_ties_away(&a, q) * inv
 }
 
 multiversion!(
@@ -363,7 +363,7 @@ pub fn expert_gate_up(
 /// times `weight` (the routing weight, 1 for shared experts), so `W2`'s output arrives already
 /// weighted.
 pub fn expert_quant_h(h: &[f32], weight: f32, q: &mut [i8]) -> f32 {
-    quantize_row_i8(h, q) * weight
+    quantize_row_i8_ties_away(h, q) * weight
 }
 
 /// Columns `cols` of the expert's down projection: `y = hq @ W2ᵀ` (scales folded) into `y`
@@ -403,8 +403,9 @@ pub fn expert_forward(e: &ExpertI8<'_>, x: ActsI8<'_>, weights: &[f32], limit: f
 }
 
 /// The reduce of one token's column slice: `y = bf16(Σ_s shared[s] + Σ_k routed[k])`, summed
-/// from zero in exactly that order (shared experts, then the routes in route order).
-pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [bf16]) {
+/// from zero in exactly that order (shared experts, then the routes in route order); the bf16
+/// values are stored as f32 (what `hc_post` reads).
+pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [f32]) {
     for (j, o) in y.iter_mut().enumerate() {
         let mut acc = 0.0f32;
         for s in shared {
@@ -413,7 +414,7 @@ pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [bf16]) {
         for r in routed {
             acc += r[j];
         }
-        *o = bf16::from_f32(acc);
+        *o = bf16::from_f32(acc).to_f32();
     }
 }
 
@@ -547,6 +548,7 @@ mod tests {
             let amax = h.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let hs = amax / 127.0;
             let hq: Vec<i8> = h.iter().map(|v| (v / hs).round() as i8).collect();
+            // (ties away from zero, as the spec's int8 and `f32::round`)
             for n in 0..d {
                 want[r * d + n] = dot(&w2, n, inter, &hq) as f32 * s2[n] * hs * weights[r];
             }
@@ -570,7 +572,7 @@ mod tests {
         let portable = with_isa(Isa::Portable, run).unwrap();
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for (a, b) in portable.iter().zip(&want) {
-            // One int8 step of h may differ where a value rounds at a half.
+            // The same integers; the scales multiply in another order (an ulp of `g`, `u`).
             assert!((a - b).abs() <= 0.02 * scale, "{a} vs {b}");
         }
         for path in I8Path::ALL {
@@ -636,9 +638,9 @@ mod tests {
         let s = [1.0f32, 2.0];
         let r0 = [1e-3f32, 0.5];
         let r1 = [-1.0f32, 0.25];
-        let mut y = [bf16::ZERO; 2];
+        let mut y = [0.0f32; 2];
         moe_reduce(&[&s], &[&r0, &r1], &mut y);
-        assert_eq!(y[0], bf16::from_f32((1.0 + 1e-3) - 1.0));
-        assert_eq!(y[1].to_f32(), 2.75);
+        assert_eq!(y[0], bf16::from_f32((1.0 + 1e-3) - 1.0).to_f32());
+        assert_eq!(y[1], 2.75);
     }
 }

@@ -12,8 +12,12 @@ pub mod golden;
 pub mod moe_cost;
 pub mod moe_graph;
 pub mod moe_ops;
+pub mod ops;
+mod orchestrate;
+pub mod runner;
 
 pub use config::{ConfigError, Dsv4Config, LayerKind, Yarn};
 pub use fixture::{
     Dsv4Fixture, FixtureError, MIXED_STARTS, TOKENS_PER_SEQ, generate_fixture, uniform_starts,
 };
+pub use runner::{AttnCaches, AttnLayer, AttnStepOutput, AttnTiles, Dsv4RunError};

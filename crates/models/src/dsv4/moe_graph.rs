@@ -1,13 +1,13 @@
 //! The MoE layer's decode step as a task graph (`docs/dsv4.md`, "MoE on the runtime"):
 //!
 //! ```text
-//! hc_pre                x_hc [T,hc,D] -> x_mixed [T,D], post [T,hc], comb [T,hc,hc]
+//! hc_pre (no norm)      x_hc [T,hc·D] -> x_mixed [T,D], hc weights [T,M] (pre, post, comb)
 //! route                 x_mixed -> xq, xs [T]; experts, weights [T,K]
 //! dispatch              -> counts [L], offsets [L+1], rows i8 [C,D], scales, weights, route ids [C]
 //! shared gate_up/quant/down   xq -> shared [S,T,D]              (every token, weight 1)
 //! routed gate_up (SPMD) rows -> h [C,I]; quant_h -> hq, hs (weight folded); down (SPMD) -> y [C,D]
 //! combine (SPMD)        y -> routed [T,K,D] in route order
-//! reduce                -> bf16 y [T,D] = shared + Σ routed
+//! reduce                -> y [T,D] = bf16(shared + Σ routed)
 //! hc_post               -> x_out [T,hc,D]
 //! ```
 //!
@@ -110,9 +110,8 @@ mod io {
     pub(super) const ROUTE_W: usize = WEIGHTS + 6;
     pub(super) const X_OUT: usize = WEIGHTS + 7;
     pub(super) const X_MIXED: usize = WEIGHTS + 8;
-    pub(super) const POST: usize = WEIGHTS + 9;
-    pub(super) const COMB: usize = WEIGHTS + 10;
-    pub(super) const COUNT: usize = WEIGHTS + 11;
+    pub(super) const HCW: usize = WEIGHTS + 9;
+    pub(super) const COUNT: usize = WEIGHTS + 10;
 }
 
 /// A MoE layer's weights resident in worker buffers: the gate, the shared experts and the
@@ -364,15 +363,14 @@ impl MoeLayer {
         buffers.push(upload(worker, token_ids)?);
         let x_out = t * c.hc_mult * d * 4;
         for bytes in [
-            t * d * 2,
+            t * d * 4,
             s * t * d * 4,
             t * k * d * 4,
             t * k * 4,
             t * k * 4,
             x_out,
             t * d * 4,
-            t * c.hc_mult * 4,
-            t * c.hc_mult * c.hc_mult * 4,
+            t * c.hc_mix() * 4,
         ] {
             buffers.push(worker.alloc(bytes)?);
         }
@@ -383,13 +381,19 @@ impl MoeLayer {
             scalars: Vec::new(),
         };
         let report = worker.run_fn("dsv4.moe", args, cfg, move |o, a| graph(o, a, &plan))?;
-        let y: Vec<half::bf16> = buffers[io::Y].read()?;
+        let hcw: Vec<f32> = buffers[io::HCW].read()?;
+        let (hc, m) = (c.hc_mult, c.hc_mix());
+        let part = |r: std::ops::Range<usize>| -> Vec<f32> {
+            hcw.chunks_exact(m)
+                .flat_map(|w| w[r.clone()].to_vec())
+                .collect()
+        };
         Ok(MoeOutput {
             x_out: buffers[io::X_OUT].read()?,
             x_mixed: buffers[io::X_MIXED].read()?,
-            post: buffers[io::POST].read()?,
-            comb: buffers[io::COMB].read()?,
-            y: y.iter().map(|v| v.to_f32()).collect(),
+            post: part(hc..2 * hc),
+            comb: part(2 * hc..m),
+            y: buffers[io::Y].read()?,
             shared: buffers[io::SHARED_OUT].read()?,
             routed: buffers[io::ROUTED_OUT].read()?,
             experts: buffers[io::EXPERTS].read()?,
@@ -508,10 +512,10 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
     let m = (2 + hc) * hc;
     let mix = o.bind(&b[io::HC_MIX], DType::F32, &[m, hc * d])?;
     let base = o.bind(&b[io::HC_BASE], DType::F32, &[m])?;
-    let x_hc = o.bind(&b[io::X_HC], DType::F32, &[t, hc, d])?;
-    let x_out = o.bind(&b[io::X_OUT], DType::F32, &[t, hc, d])?;
+    let x_hc = o.bind(&b[io::X_HC], DType::F32, &[t, hc * d])?;
+    let x_out = o.bind(&b[io::X_OUT], DType::F32, &[t, hc * d])?;
     let tokens = o.bind(&b[io::TOKENS], DType::U32, &[t])?;
-    let y = o.bind(&b[io::Y], DType::BF16, &[t, d])?;
+    let y = o.bind(&b[io::Y], DType::F32, &[t, d])?;
     let shared = o.bind(&b[io::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
     let routed = o.bind(&b[io::ROUTED_OUT], DType::F32, &[t, k, d])?;
     let experts_t = o.bind(&b[io::EXPERTS], DType::U32, &[t, k])?;
@@ -519,23 +523,22 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
 
     // hc_pre.
     let x = o.bind(&b[io::X_MIXED], DType::F32, &[t, d])?;
-    let post = o.bind(&b[io::POST], DType::F32, &[t, hc])?;
-    let comb = o.bind(&b[io::COMB], DType::F32, &[t, hc, hc])?;
-    let mut task = Task::new(moe_ops::HC_PRE).input(&x_hc);
+    let hcw = o.bind(&b[io::HCW], DType::F32, &[t, m])?;
+    let mut task = Task::new(moe_ops::MOE_HC_PRE).input(&x_hc);
     // SAFETY: the hyper-connection weights are written by no task during a run.
     unsafe {
         task = task.no_dep(&mix).no_dep(&base);
     }
     let task = task
+        .output_existing(&hcw)
         .output_existing(&x)
-        .output_existing(&post)
-        .output_existing(&comb)
+        .scalar(hc)
+        .scalar(p.hc_iters as u64)
+        .scalar_f32(p.hc_eps)
+        .scalar_f32(p.eps)
         .scalar_f32(p.hc_scale[0])
         .scalar_f32(p.hc_scale[1])
-        .scalar_f32(p.hc_scale[2])
-        .scalar_f32(p.eps)
-        .scalar_f32(p.hc_eps)
-        .scalar(p.hc_iters as u64);
+        .scalar_f32(p.hc_scale[2]);
     o.submit(task.timing_slot(1))?;
 
     // Route.
@@ -629,12 +632,12 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .input(&routed)
         .output_existing(&y);
     o.submit(task.timing_slot(1))?;
-    let task = Task::new(moe_ops::HC_POST)
+    let task = Task::new(super::ops::HC_POST)
         .input(&x_hc)
         .input(&y)
-        .input(&post)
-        .input(&comb)
-        .output_existing(&x_out);
+        .input(&hcw)
+        .output_existing(&x_out)
+        .scalar(hc);
     o.submit(task.timing_slot(1))?;
     Ok(())
 }

@@ -10,16 +10,17 @@
 //! | [`MOE_QUANT_H`] | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
 //! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
-//! | [`MOE_REDUCE`] | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out bf16 `[T,D]` | |
-//! | [`HC_PRE`] | x_hc In f32 `[T,hc,D]`, mix NoDep f32 `[hc_mix,hc·D]`, base NoDep f32 `[hc_mix]`; x_mixed Out f32 `[T,D]`, post Out f32 `[T,hc]`, comb Out f32 `[T,hc,hc]` | scale0..2, rms_eps, hc_eps, iters |
-//! | [`HC_POST`] | x_hc In, out In bf16 `[T,D]`, post In, comb In; x_out Out f32 `[T,hc,D]` | |
+//! | [`MOE_REDUCE`] | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
+//! | [`MOE_HC_PRE`] | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
+//!
+//! The step ends with [`super::ops::HC_POST`] (the attention layers' `hc_post`), so a worker
+//! running it registers both [`register`] and [`super::ops::register`].
 //!
 //! `T` tokens, `K` routes per token, `E` routed experts, `L` local experts, `C` dispatch rows
 //! (capacity), `G` groups (experts) of an expert phase, `R` its rows. Without offsets an expert
 //! phase is one group over all its rows (the shared experts); with them, group `g` owns rows
 //! `offsets[g]..offsets[g+1]` and rows past `offsets[G]` are unused (the quantiser zeroes them).
 
-use half::bf16;
 use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
 use simpler_kernels_cpu::dsv4::hc;
 use simpler_kernels_cpu::dsv4::moe as k;
@@ -39,10 +40,9 @@ pub const MOE_DOWN: KernelId = KernelId(3404);
 pub const MOE_COMBINE: KernelId = KernelId(3405);
 /// `y = bf16(Σ shared + Σ routed)`.
 pub const MOE_REDUCE: KernelId = KernelId(3406);
-/// `hc_pre` of every token: the mixed stream and the post/comb weights.
-pub const HC_PRE: KernelId = KernelId(3407);
-/// `hc_post` of every token: the sub-layer output back into the streams.
-pub const HC_POST: KernelId = KernelId(3408);
+/// `hc_pre` of every token without a norm (the route task folds the FFN norm into the int8
+/// scale): the mixed stream and the hyper-connection weights.
+pub const MOE_HC_PRE: KernelId = KernelId(3407);
 
 /// Argument indices of each kernel (the orchestration pushes them in this order).
 pub mod idx {
@@ -150,33 +150,18 @@ pub mod idx {
         /// `[T·K, D]` written.
         pub const ROUTED: usize = 3;
     }
-    /// [`super::HC_PRE`].
+    /// [`super::MOE_HC_PRE`].
     pub mod hc_pre {
-        /// The residual streams.
+        /// The residual streams `[T, hc·D]`.
         pub const X: usize = 0;
         /// Mix weights.
         pub const MIX: usize = 1;
         /// Mix biases.
         pub const BASE: usize = 2;
+        /// Hyper-connection weights written `[T, M]`.
+        pub const HCW: usize = 3;
         /// `x_mixed` written.
-        pub const MIXED: usize = 3;
-        /// `post` written.
-        pub const POST: usize = 4;
-        /// `comb` written.
-        pub const COMB: usize = 5;
-    }
-    /// [`super::HC_POST`].
-    pub mod hc_post {
-        /// The residual streams.
-        pub const X: usize = 0;
-        /// The sub-layer output (bf16).
-        pub const OUT: usize = 1;
-        /// `post`.
-        pub const POST: usize = 2;
-        /// `comb`.
-        pub const COMB: usize = 3;
-        /// The new residual written.
-        pub const X_OUT: usize = 4;
+        pub const MIXED: usize = 4;
     }
     /// [`super::MOE_REDUCE`].
     pub mod reduce {
@@ -184,7 +169,7 @@ pub mod idx {
         pub const SHARED: usize = 0;
         /// Routed outputs in route order.
         pub const ROUTED: usize = 1;
-        /// bf16 `y` written.
+        /// `y` written (bf16 values in f32).
         pub const Y: usize = 2;
     }
 }
@@ -192,7 +177,7 @@ pub mod idx {
 /// Every MoE kernel: `(id, name, class, body)`.
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 9] = [
+    let table: [(KernelId, &str, EngineClass, Body); 8] = [
         (MOE_ROUTE, "moe_route_i8", EngineClass::Vector, route),
         (MOE_DISPATCH, "moe_dispatch", EngineClass::Vector, dispatch),
         (MOE_GATE_UP, "moe_gate_up_w8a8", EngineClass::Cube, gate_up),
@@ -200,8 +185,7 @@ pub fn specs() -> Vec<KernelSpec> {
         (MOE_DOWN, "moe_down_w8a8", EngineClass::Cube, down),
         (MOE_COMBINE, "moe_combine", EngineClass::Vector, combine),
         (MOE_REDUCE, "moe_reduce_bf16", EngineClass::Vector, reduce),
-        (HC_PRE, "hc_pre_f32", EngineClass::Vector, hc_pre),
-        (HC_POST, "hc_post_f32", EngineClass::Vector, hc_post),
+        (MOE_HC_PRE, "moe_hc_pre", EngineClass::Vector, hc_pre),
     ];
     table
         .into_iter()
@@ -656,7 +640,7 @@ fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let n_shared = shared.len() / (t * d);
-    let y = ctx.write::<bf16>(a::Y)?;
+    let y = ctx.write::<f32>(a::Y)?;
     expect_len(NAME, "y", y.len(), t * d)?;
     for r in 0..t {
         let s: Vec<&[f32]> = (0..n_shared)
@@ -672,80 +656,33 @@ fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     use idx::hc_pre as a;
-    const NAME: &str = "hc_pre_f32";
-    expect_scalars(ctx, NAME, 6)?;
-    let scale = [ctx.scalar_f32(0)?, ctx.scalar_f32(1)?, ctx.scalar_f32(2)?];
-    let (rms_eps, hc_eps) = (ctx.scalar_f32(3)?, ctx.scalar_f32(4)?);
-    let iters = ctx.scalar_usize(5)?;
-    let shape = ctx.tensor(a::X)?.shape().to_vec();
-    if shape.len() != 3 || shape.iter().any(|&v| v == 0) {
-        return Err(bad(
-            NAME,
-            format!("x_hc of shape {shape:?}, expected [T, hc, D]"),
-        ));
+    const NAME: &str = "moe_hc_pre";
+    expect_scalars(ctx, NAME, 7)?;
+    let n_hc = ctx.scalar_usize(0)?;
+    let iters = ctx.scalar_usize(1)?;
+    let (hc_eps, rms_eps) = (ctx.scalar_f32(2)?, ctx.scalar_f32(3)?);
+    let scale = [ctx.scalar_f32(4)?, ctx.scalar_f32(5)?, ctx.scalar_f32(6)?];
+    let (t, n) = dims2(ctx, a::X)?;
+    if n_hc == 0 || !n.is_multiple_of(n_hc) {
+        return Err(bad(NAME, format!("rows of {n} are not {n_hc} streams")));
     }
-    let (t, n_hc, d) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
-    let m = hc::hc_mix_len(n_hc);
+    let (d, m) = (n / n_hc, hc::hc_mix_len(n_hc));
     let x = ctx.read::<f32>(a::X)?;
     let mix_w = ctx.read::<f32>(a::MIX)?;
     let base = ctx.read::<f32>(a::BASE)?;
-    expect_len(NAME, "mix", mix_w.len(), m * n_hc * d)?;
+    expect_len(NAME, "mix", mix_w.len(), m * n)?;
     expect_len(NAME, "base", base.len(), m)?;
+    let hcw = ctx.write::<f32>(a::HCW)?;
+    expect_len(NAME, "hc weights", hcw.len(), t * m)?;
     let mixed = ctx.write::<f32>(a::MIXED)?;
     expect_len(NAME, "x_mixed", mixed.len(), t * d)?;
-    let post = ctx.write::<f32>(a::POST)?;
-    expect_len(NAME, "post", post.len(), t * n_hc)?;
-    let comb = ctx.write::<f32>(a::COMB)?;
-    expect_len(NAME, "comb", comb.len(), t * n_hc * n_hc)?;
-    let mut mix = vec![0.0f32; t * m];
-    hc::hc_mix_logits(x, n_hc * d, mix_w, rms_eps, &mut mix);
-    for r in 0..t {
-        let w = &mut mix[r * m..(r + 1) * m];
+    hc::hc_mix_logits(x, n, mix_w, rms_eps, hcw);
+    for (r, w) in hcw.chunks_exact_mut(m).enumerate() {
         hc::hc_weights(w, n_hc, scale, base, iters, hc_eps);
         hc::hc_mix_streams(
-            &x[r * n_hc * d..(r + 1) * n_hc * d],
+            &x[r * n..(r + 1) * n],
             &w[..n_hc],
             &mut mixed[r * d..(r + 1) * d],
-        );
-        post[r * n_hc..(r + 1) * n_hc].copy_from_slice(&w[n_hc..2 * n_hc]);
-        comb[r * n_hc * n_hc..(r + 1) * n_hc * n_hc].copy_from_slice(&w[2 * n_hc..]);
-    }
-    Ok(())
-}
-
-fn hc_post(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    use idx::hc_post as a;
-    const NAME: &str = "hc_post_f32";
-    expect_scalars(ctx, NAME, 0)?;
-    let shape = ctx.tensor(a::X)?.shape().to_vec();
-    if shape.len() != 3 || shape.iter().any(|&v| v == 0) {
-        return Err(bad(
-            NAME,
-            format!("x_hc of shape {shape:?}, expected [T, hc, D]"),
-        ));
-    }
-    let (t, n_hc, d) = (shape[0] as usize, shape[1] as usize, shape[2] as usize);
-    let x = ctx.read::<f32>(a::X)?;
-    let out = ctx.read::<bf16>(a::OUT)?;
-    expect_len(NAME, "out", out.len(), t * d)?;
-    let post = ctx.read::<f32>(a::POST)?;
-    expect_len(NAME, "post", post.len(), t * n_hc)?;
-    let comb = ctx.read::<f32>(a::COMB)?;
-    expect_len(NAME, "comb", comb.len(), t * n_hc * n_hc)?;
-    let y = ctx.write::<f32>(a::X_OUT)?;
-    expect_len(NAME, "x_out", y.len(), t * n_hc * d)?;
-    let mut row = vec![0.0f32; d];
-    for r in 0..t {
-        for (o, v) in row.iter_mut().zip(&out[r * d..(r + 1) * d]) {
-            *o = v.to_f32();
-        }
-        let w = n_hc * d;
-        hc::hc_post(
-            &x[r * w..(r + 1) * w],
-            &row,
-            &post[r * n_hc..(r + 1) * n_hc],
-            &comb[r * n_hc * n_hc..(r + 1) * n_hc * n_hc],
-            &mut y[r * w..(r + 1) * w],
         );
     }
     Ok(())

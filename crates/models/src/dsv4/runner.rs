@@ -1,0 +1,493 @@
+//! One DeepSeek-V4 attention layer's decode step (SWA or HCA) on a worker: [`AttnLayer`]
+//! holds the layer's weights, its window cache and (HCA) its compressor state and compressed
+//! cache in worker buffers; [`AttnLayer::step`] plans the step on the host (each token's
+//! position, window slot and candidate lists), runs the task graph of [`super::orchestrate`]
+//! and reads the new residual back. The caches stay on the worker, written in place by the
+//! step; [`AttnLayer::read_caches`] reads them back for the checks.
+
+use std::sync::Arc;
+
+use half::bf16;
+use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
+use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
+
+use super::config::{Dsv4Config, LayerKind};
+use super::fixture::{AttnWeights, HcaParts, StepInputs, TOKENS_PER_SEQ, WindowCache};
+use super::ops::{NO_SLOT, TOK_COLS};
+use super::orchestrate::io as io_slot;
+use super::orchestrate::{self, AttnPlan, buf};
+
+/// A step the layer cannot run, or a runtime failure.
+#[derive(Debug, thiserror::Error)]
+pub enum Dsv4RunError {
+    /// The runtime refused or failed the run.
+    #[error(transparent)]
+    Runtime(#[from] simpler_core::Error),
+    /// A host copy into or out of a buffer failed.
+    #[error(transparent)]
+    Buffer(#[from] simpler_core::BufferError),
+    /// The request does not fit the layer, its caches or its inputs (names the field).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// How a step is cut into tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnTiles {
+    /// SPMD blocks of each projection (they split its output columns).
+    pub proj_blocks: u32,
+    /// Attention tasks per token (each a contiguous block of heads).
+    pub head_blocks: usize,
+}
+
+impl AttnTiles {
+    /// Tiles for `cores` cores and `tokens` tokens: every projection in four blocks per core
+    /// (tapered, so the cores finish together), and attention in enough head blocks that each
+    /// core gets at least four (token, head block) tasks, no block narrower than 16 heads
+    /// (the AMX tiles' batch) unless the layer has fewer.
+    pub fn for_cores(cores: usize, tokens: usize, heads: usize) -> AttnTiles {
+        let want = (4 * cores).div_ceil(tokens.max(1)).max(1);
+        let most = (heads / 16).max(1);
+        AttnTiles {
+            proj_blocks: (4 * cores).max(1) as u32,
+            head_blocks: want.min(most).min(heads.max(1)),
+        }
+    }
+}
+
+/// The HCA layer's worker-side state.
+#[derive(Debug)]
+struct HcaBuffers {
+    state_kv: Buffer,
+    state_score: Buffer,
+    cache: Buffer,
+    ratio: usize,
+    max_rows: usize,
+}
+
+/// What one step produced.
+#[derive(Clone, Debug)]
+pub struct AttnStepOutput {
+    /// New residual `[T, hc_mult, hidden]` fp32.
+    pub x_out: Vec<f32>,
+    /// Roped queries `[T, n_heads, head_dim]` (bf16 values).
+    pub q: Vec<f32>,
+    /// Attention output after inverse RoPE `[T, n_heads, head_dim]` (bf16 values).
+    pub attn: Vec<f32>,
+    /// Output projection `[T, hidden]` (bf16 values), the input of `hc_post`.
+    pub o_proj: Vec<f32>,
+    /// The run's timing.
+    pub report: RunReport,
+}
+
+/// The caches as the worker holds them (after the steps run so far).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnCaches {
+    /// Window cache `[slots, head_dim]`.
+    pub window: Vec<bf16>,
+    /// HCA compressor state kv `[batch · ratio, head_dim]` (empty for SWA).
+    pub state_kv: Vec<f32>,
+    /// HCA compressor state scores (empty for SWA).
+    pub state_score: Vec<f32>,
+    /// HCA compressed cache `[batch · max_rows, head_dim]` (empty for SWA).
+    pub compressed: Vec<bf16>,
+}
+
+/// A resident SWA or HCA layer with its caches.
+#[derive(Debug)]
+pub struct AttnLayer {
+    kind: LayerKind,
+    config: Dsv4Config,
+    batch: usize,
+    window: WindowCache,
+    /// Weight and table buffers in [`buf`] order (`buf::WEIGHTS` of them).
+    weights: Vec<Buffer>,
+    window_buf: Buffer,
+    hca: Option<HcaBuffers>,
+    hc_scale: [f32; 3],
+    /// How steps are cut into tasks.
+    pub tiles: AttnTiles,
+    io: Option<StepIo>,
+}
+
+/// The step's host-written inputs and its output, sized for the layer's batch.
+#[derive(Debug)]
+struct StepIo {
+    /// In [`io_slot`] order.
+    bufs: Vec<Buffer>,
+}
+
+fn upload<T: Element>(w: &Worker, data: &[T]) -> Result<Buffer, Dsv4RunError> {
+    if data.is_empty() {
+        return Ok(w.alloc(4)?);
+    }
+    Ok(w.buffer_from(data)?)
+}
+
+impl AttnLayer {
+    /// Uploads an SWA layer (`hca: None`) or an HCA layer (`hca: Some`) for steps of `batch`
+    /// sequences.
+    ///
+    /// # Errors
+    /// [`Dsv4RunError::Invalid`] naming the tensor whose shape does not match `cfg`; runtime
+    /// errors from the uploads.
+    pub fn upload(
+        worker: &Worker,
+        cfg: &Dsv4Config,
+        weights: &AttnWeights,
+        window: &WindowCache,
+        hca: Option<&HcaParts>,
+        batch: usize,
+    ) -> Result<AttnLayer, Dsv4RunError> {
+        cfg.validate()
+            .map_err(|e| Dsv4RunError::Invalid(e.to_string()))?;
+        check_weights(cfg, weights, window, hca, batch)?;
+        let kind = if hca.is_some() {
+            LayerKind::Hca
+        } else {
+            LayerKind::Swa
+        };
+        let table = rope_table(cfg, kind);
+        let mut bufs = vec![
+            upload(worker, &weights.hc.mix)?,
+            upload(worker, &weights.hc.base)?,
+            upload(worker, &weights.attn_norm)?,
+            upload(worker, &weights.wq_a)?,
+            upload(worker, &weights.q_norm)?,
+            upload(worker, &weights.wq_b.q)?,
+            upload(worker, &weights.wq_b.scale)?,
+            upload(worker, &weights.wkv)?,
+            upload(worker, &weights.kv_norm)?,
+            upload(worker, &weights.wo_a)?,
+            upload(worker, &weights.wo_b.q)?,
+            upload(worker, &weights.wo_b.scale)?,
+            upload(worker, &weights.sink)?,
+            upload(worker, table.cos())?,
+            upload(worker, table.sin())?,
+        ];
+        let hca_bufs = match hca {
+            Some(h) => {
+                bufs.extend([
+                    upload(worker, &h.compressor.wkv)?,
+                    upload(worker, &h.compressor.wgate)?,
+                    upload(worker, &h.compressor.ape)?,
+                    upload(worker, &h.compressor.norm)?,
+                ]);
+                Some(HcaBuffers {
+                    state_kv: upload(worker, &h.state.kv)?,
+                    state_score: upload(worker, &h.state.score)?,
+                    cache: upload(worker, &h.cache.rows)?,
+                    ratio: h.state.ratio,
+                    max_rows: h.cache.max_rows,
+                })
+            }
+            None => None,
+        };
+        debug_assert_eq!(
+            bufs.len(),
+            if hca.is_some() {
+                buf::WEIGHTS_HCA
+            } else {
+                buf::WEIGHTS
+            }
+        );
+        let tokens = batch * TOKENS_PER_SEQ;
+        Ok(AttnLayer {
+            kind,
+            config: cfg.clone(),
+            batch,
+            window: WindowCache {
+                rows: Vec::new(),
+                ..window.clone()
+            },
+            weights: bufs,
+            window_buf: upload(worker, &window.rows)?,
+            hca: hca_bufs,
+            hc_scale: weights.hc.scale,
+            tiles: AttnTiles::for_cores(worker.cores(), tokens, cfg.n_heads),
+            io: None,
+        })
+    }
+
+    /// The layer kind (SWA or HCA).
+    pub fn kind(&self) -> LayerKind {
+        self.kind
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Dsv4Config {
+        &self.config
+    }
+
+    /// Compressed rows each token sees at most (0 for SWA).
+    fn comp_width(&self) -> usize {
+        match &self.hca {
+            Some(h) => (self.config.max_position / h.ratio).min(h.max_rows),
+            None => 0,
+        }
+    }
+
+    /// The step's host plan: `tok` rows and the candidate lists.
+    fn plan(&self, inputs: &StepInputs) -> Result<(Vec<u32>, Vec<i32>, Vec<i32>), Dsv4RunError> {
+        let c = &self.config;
+        if inputs.starts.len() != self.batch {
+            return Err(Dsv4RunError::Invalid(format!(
+                "starts: {} sequences for a layer uploaded for {}",
+                inputs.starts.len(),
+                self.batch
+            )));
+        }
+        let t_n = inputs.n_tokens();
+        let want = t_n * c.hc_mult * c.hidden;
+        if inputs.x_hc.len() != want {
+            return Err(Dsv4RunError::Invalid(format!(
+                "x_hc: {} values, expected {want} ({t_n} tokens x {} streams x {})",
+                inputs.x_hc.len(),
+                c.hc_mult,
+                c.hidden
+            )));
+        }
+        let (wn, cn) = (c.window, self.comp_width().max(1));
+        let mut tok = Vec::with_capacity(t_n * TOK_COLS);
+        let mut win = vec![-1i32; t_n * wn];
+        let mut comp = vec![-1i32; t_n * cn];
+        for t in 0..t_n {
+            let (b, p) = (t / TOKENS_PER_SEQ, inputs.position(t));
+            if p >= c.max_position {
+                return Err(Dsv4RunError::Invalid(format!(
+                    "starts[{b}]: position {p} is past max_position {}",
+                    c.max_position
+                )));
+            }
+            let slot = self.window.slot(b, p).ok_or_else(|| {
+                Dsv4RunError::Invalid(format!(
+                    "starts[{b}]: position {p} has no page in the window cache's block table"
+                ))
+            })?;
+            tok.extend([b as u32, p as u32, slot as u32]);
+            debug_assert!(slot as u32 != NO_SLOT);
+            for (i, q) in (p.saturating_sub(wn - 1)..=p).enumerate() {
+                if let Some(s) = self.window.slot(b, q) {
+                    win[t * wn + i] = i32::try_from(s).map_err(|_| {
+                        Dsv4RunError::Invalid(format!("window slot {s} does not fit i32"))
+                    })?;
+                }
+            }
+            if let Some(h) = &self.hca {
+                let visible = ((p + 1) / h.ratio).min(self.comp_width());
+                for i in 0..visible {
+                    comp[t * cn + i] = (b * h.max_rows + i) as i32;
+                }
+            }
+        }
+        Ok((tok, win, comp))
+    }
+
+    fn step_io(&mut self, worker: &Worker) -> Result<(), Dsv4RunError> {
+        if self.io.is_none() {
+            let c = &self.config;
+            let t_n = self.batch * TOKENS_PER_SEQ;
+            let x = t_n * c.hc_mult * c.hidden * 4;
+            let q = t_n * c.n_heads * c.head_dim * 4;
+            let sizes = [
+                t_n * TOK_COLS * 4,
+                t_n * c.window * 4,
+                t_n * self.comp_width().max(1) * 4,
+                x,
+                q,
+                q,
+                t_n * c.hidden * 4,
+                x,
+            ];
+            debug_assert_eq!(sizes.len(), io_slot::COUNT);
+            let bufs = sizes
+                .iter()
+                .map(|&b| worker.alloc(b))
+                .collect::<Result<Vec<Buffer>, _>>()?;
+            self.io = Some(StepIo { bufs });
+        }
+        Ok(())
+    }
+
+    /// One decode step: every token's new residual; the window cache (and for HCA the
+    /// compressor state and compressed cache) are written in place.
+    ///
+    /// # Errors
+    /// [`Dsv4RunError::Invalid`] for inputs that do not fit the layer (naming the field);
+    /// runtime and buffer errors.
+    pub fn step(
+        &mut self,
+        worker: &Worker,
+        inputs: &StepInputs,
+        cfg: &CallConfig,
+    ) -> Result<AttnStepOutput, Dsv4RunError> {
+        let (tok, win, comp) = self.plan(inputs)?;
+        let plan = Arc::new(AttnPlan {
+            config: self.config.clone(),
+            kind: self.kind,
+            tokens: inputs.n_tokens(),
+            batch: self.batch,
+            window_slots: self.window.block_table.len() * self.window.page_size,
+            comp_width: self.comp_width(),
+            comp_rows: self.hca.as_ref().map_or(0, |h| h.max_rows),
+            rope_positions: self.config.max_position,
+            tiles: self.tiles,
+            starts: inputs.starts.clone(),
+            hc_scale: self.hc_scale,
+        });
+        self.step_io(worker)?;
+        let io = self.io.as_ref().expect("allocated by step_io");
+        io.bufs[io_slot::TOK].write(&tok)?;
+        io.bufs[io_slot::WIN].write(&win)?;
+        io.bufs[io_slot::COMP].write(&comp)?;
+        io.bufs[io_slot::X].write(&inputs.x_hc)?;
+        let outs = io.bufs.clone();
+        let mut buffers = self.weights.clone();
+        buffers.push(self.window_buf.clone());
+        if let Some(h) = &self.hca {
+            buffers.extend([h.state_kv.clone(), h.state_score.clone(), h.cache.clone()]);
+        }
+        buffers.extend(io.bufs.iter().cloned());
+        let name = match self.kind {
+            LayerKind::Hca => "dsv4.hca_decode",
+            _ => "dsv4.swa_decode",
+        };
+        let args = RunArgs {
+            buffers,
+            scalars: Vec::new(),
+        };
+        let report = worker.run_fn(name, args, cfg, move |o, a| {
+            orchestrate::attn_step(o, a, &plan)
+        })?;
+        let c = &self.config;
+        let t_n = inputs.n_tokens();
+        let q = t_n * c.n_heads * c.head_dim;
+        Ok(AttnStepOutput {
+            x_out: outs[io_slot::X_OUT].read_at::<f32>(0, inputs.x_hc.len())?,
+            q: outs[io_slot::Q].read_at::<f32>(0, q)?,
+            attn: outs[io_slot::ATTN].read_at::<f32>(0, q)?,
+            o_proj: outs[io_slot::Y].read_at::<f32>(0, t_n * c.hidden)?,
+            report,
+        })
+    }
+
+    /// Reads the caches back from the worker.
+    ///
+    /// # Errors
+    /// Buffer errors.
+    pub fn read_caches(&self) -> Result<AttnCaches, Dsv4RunError> {
+        let hd = self.config.head_dim;
+        let slots = self.window.block_table.len() * self.window.page_size;
+        let mut caches = AttnCaches {
+            window: self.window_buf.read_at::<bf16>(0, slots * hd)?,
+            state_kv: Vec::new(),
+            state_score: Vec::new(),
+            compressed: Vec::new(),
+        };
+        if let Some(h) = &self.hca {
+            let n = self.batch * h.ratio * hd;
+            caches.state_kv = h.state_kv.read_at::<f32>(0, n)?;
+            caches.state_score = h.state_score.read_at::<f32>(0, n)?;
+            caches.compressed = h.cache.read_at::<bf16>(0, self.batch * h.max_rows * hd)?;
+        }
+        Ok(caches)
+    }
+}
+
+/// The layer's RoPE table: plain θ for SWA, YaRN with the compressed θ for HCA and CSA.
+pub fn rope_table(cfg: &Dsv4Config, kind: LayerKind) -> RopeTable {
+    let freq = match kind {
+        LayerKind::Swa => rope_inv_freq_plain(cfg.rope_theta, cfg.rope_dim),
+        LayerKind::Csa | LayerKind::Hca => rope_inv_freq_yarn(
+            cfg.compress_rope_theta,
+            cfg.rope_dim,
+            YarnRamp {
+                factor: cfg.yarn.factor,
+                beta_fast: cfg.yarn.beta_fast,
+                beta_slow: cfg.yarn.beta_slow,
+                original_len: cfg.yarn.original_max_position,
+            },
+        ),
+    };
+    RopeTable::new(&freq, cfg.max_position)
+}
+
+/// Checks every tensor's length against `cfg`; the error names the tensor.
+fn check_weights(
+    cfg: &Dsv4Config,
+    w: &AttnWeights,
+    window: &WindowCache,
+    hca: Option<&HcaParts>,
+    batch: usize,
+) -> Result<(), Dsv4RunError> {
+    let (d, hd, h) = (cfg.hidden, cfg.head_dim, cfg.n_heads);
+    let (ql, g, r) = (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank);
+    let m = cfg.hc_mix();
+    let mut checks: Vec<(&str, usize, usize)> = vec![
+        ("hc.mix", w.hc.mix.len(), m * cfg.hc_mult * d),
+        ("hc.base", w.hc.base.len(), m),
+        ("attn_norm", w.attn_norm.len(), d),
+        ("wq_a", w.wq_a.len(), ql * d),
+        ("q_norm", w.q_norm.len(), ql),
+        ("wq_b", w.wq_b.q.len(), h * hd * ql),
+        ("wq_b.scale", w.wq_b.scale.len(), h * hd),
+        ("wkv", w.wkv.len(), hd * d),
+        ("kv_norm", w.kv_norm.len(), hd),
+        ("wo_a", w.wo_a.len(), g * r * cfg.heads_per_group() * hd),
+        ("wo_b", w.wo_b.q.len(), d * g * r),
+        ("wo_b.scale", w.wo_b.scale.len(), d),
+        ("sink", w.sink.len(), h),
+        ("window.width", window.width, hd),
+        (
+            "window.block_table",
+            window.block_table.len(),
+            batch * window.max_blocks,
+        ),
+        (
+            "window.rows",
+            window.rows.len(),
+            window.block_table.len() * window.page_size * hd,
+        ),
+    ];
+    if let Some(p) = hca {
+        let ratio = cfg.hca_ratio;
+        checks.extend([
+            ("hca.compressor.wkv", p.compressor.wkv.len(), hd * d),
+            ("hca.compressor.wgate", p.compressor.wgate.len(), hd * d),
+            ("hca.compressor.ape", p.compressor.ape.len(), ratio * hd),
+            ("hca.compressor.norm", p.compressor.norm.len(), hd),
+            ("hca.state.ratio", p.state.ratio, ratio),
+            ("hca.state.width", p.state.width, hd),
+            ("hca.state.kv", p.state.kv.len(), batch * ratio * hd),
+            ("hca.state.score", p.state.score.len(), batch * ratio * hd),
+            ("hca.cache.width", p.cache.width, hd),
+            (
+                "hca.cache.rows",
+                p.cache.rows.len(),
+                batch * p.cache.max_rows * hd,
+            ),
+        ]);
+    }
+    if batch == 0 {
+        return Err(Dsv4RunError::Invalid(
+            "batch: at least one sequence is needed".into(),
+        ));
+    }
+    if let Some(&b) = window
+        .block_table
+        .iter()
+        .find(|&&b| (b + 1) * window.page_size * hd > window.rows.len())
+    {
+        return Err(Dsv4RunError::Invalid(format!(
+            "window.block_table: page {b} outside the pool"
+        )));
+    }
+    for (name, got, want) in checks {
+        if got != want {
+            return Err(Dsv4RunError::Invalid(format!(
+                "{name}: {got}, expected {want} for this configuration"
+            )));
+        }
+    }
+    Ok(())
+}
