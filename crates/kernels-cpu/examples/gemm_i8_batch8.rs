@@ -59,7 +59,7 @@ fn main() {
     drop(bw_buf);
     println!(
         "W8A8 GEMM [{n} x {k}] int8, batch {batch}, one thread, {mats} matrices ({} MiB) per pass, {rounds} rounds",
-        mats * n * k >> 20
+        (mats * n * k) >> 20
     );
     println!("streaming read, one thread: best {bw_best:.1} GB/s, median {bw_median:.1} GB/s");
 

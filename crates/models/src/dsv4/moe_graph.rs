@@ -454,8 +454,8 @@ fn experts(
 ) -> Result<TaskId, RunError> {
     let (r, i) = (rows as u64, p.inter as u64);
     let h = o.alloc(DType::F32, &[r, i])?;
-    // SAFETY (every `no_dep` below): expert weights are written by no task during a run.
     let mut t = Task::new(moe_ops::MOE_GATE_UP).input(q).input(s);
+    // SAFETY: expert weights are written by no task during a run.
     unsafe {
         t = t.no_dep(&w.w1).no_dep(&w.s1).no_dep(&w.w3).no_dep(&w.s3);
     }

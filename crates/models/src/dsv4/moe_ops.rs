@@ -420,14 +420,18 @@ fn groups(
     Ok(off.to_vec())
 }
 
-/// The int8 weights `[G, n, kdim]` at `wi` (scales `[G, n]` at `si`) as `(data, scales, n)`.
+/// Stacked int8 weights of `groups` experts, `rows` rows each, and their scales.
+type GroupWeights<'a> = (&'a [i8], &'a [f32], usize, usize);
+
+/// The int8 weights `[G, n, kdim]` at `wi` (scales `[G, n]` at `si`) as
+/// `(data, scales, G, n)`.
 fn group_weights<'a>(
     ctx: &'a TaskCtx<'_>,
     wi: usize,
     si: usize,
     kdim: usize,
     kernel: &str,
-) -> Result<(&'a [i8], &'a [f32], usize, usize), KernelError> {
+) -> Result<GroupWeights<'a>, KernelError> {
     let w = ctx.read::<i8>(wi)?;
     let s = ctx.read::<f32>(si)?;
     let shape = ctx.tensor(wi)?.shape();
