@@ -11,7 +11,7 @@
 //! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
 //! | [`MOE_REDUCE`] | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
-//! | [`MOE_HC_PRE`] | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
+//! | [`MOE_HC_PRE`] (SPMD over rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
 //!
 //! The step ends with [`super::ops::HC_POST`] (the attention layers' `hc_post`), so a worker
 //! running it registers both [`register`] and [`super::ops::register`].
@@ -676,18 +676,30 @@ fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let base = ctx.read::<f32>(a::BASE)?;
     expect_len(NAME, "mix", mix_w.len(), m * n)?;
     expect_len(NAME, "base", base.len(), m)?;
-    let hcw = ctx.write::<f32>(a::HCW)?;
-    expect_len(NAME, "hc weights", hcw.len(), t * m)?;
-    let mixed = ctx.write::<f32>(a::MIXED)?;
-    expect_len(NAME, "x_mixed", mixed.len(), t * d)?;
-    hc::hc_mix_logits(x, n, mix_w, rms_eps, hcw);
-    for (r, w) in hcw.chunks_exact_mut(m).enumerate() {
+    // SPMD over token rows: each block mixes its share of the tokens.
+    let mut hcw = ctx.write_block_rows::<f32>(a::HCW)?;
+    let mut mixed = ctx.write_block_rows::<f32>(a::MIXED)?;
+    if hcw.row_len() != m || mixed.row_len() != d || hcw.len() != mixed.len() {
+        return Err(bad(
+            NAME,
+            format!(
+                "hc weights rows of {} and x_mixed rows of {} for hc_mix {m} and hidden {d}",
+                hcw.row_len(),
+                mixed.row_len()
+            ),
+        ));
+    }
+    let (t0, nt) = (hcw.first_row(), hcw.len());
+    if t0 + nt > t {
+        return Err(bad(NAME, "more output rows than input rows"));
+    }
+    let xs = &x[t0 * n..(t0 + nt) * n];
+    let mut logits = vec![0.0f32; nt * m];
+    hc::hc_mix_logits(xs, n, mix_w, rms_eps, &mut logits);
+    for (r, w) in logits.chunks_exact_mut(m).enumerate() {
         hc::hc_weights(w, n_hc, scale, base, iters, hc_eps);
-        hc::hc_mix_streams(
-            &x[r * n..(r + 1) * n],
-            &w[..n_hc],
-            &mut mixed[r * d..(r + 1) * d],
-        );
+        hcw.row(r).copy_from_slice(w);
+        hc::hc_mix_streams(&xs[r * n..(r + 1) * n], &w[..n_hc], mixed.row(r));
     }
     Ok(())
 }
