@@ -6,6 +6,7 @@ mod bench_qwen3;
 mod bench_runtime;
 mod bench_serve;
 mod demo;
+mod dsv4_cmd;
 mod dsv4_moe;
 mod generate;
 mod npy;
@@ -53,9 +54,10 @@ enum RunCommand {
     /// against the golden, with a per-token report (TPOT, timing layers, bandwidth, roofline).
     #[command(name = "qwen3-decode")]
     Qwen3Decode(qwen3_decode::DecodeArgs),
-    /// One DeepSeek-V4 decode-layer step (`--layer moe`) with its report; `--check` compares
-    /// it with the golden.
-    Dsv4(dsv4_moe::Dsv4RunArgs),
+    /// One DeepSeek-V4 layer's decode step (batch 4 x 2 tokens) from a seeded fixture:
+    /// timing layers, bytes and GB/s per phase, % of membw and of the per-phase bound, and
+    /// `--check` against the golden.
+    Dsv4(dsv4_cmd::RunDsv4Args),
 }
 
 #[derive(Subcommand, Debug)]
@@ -75,9 +77,9 @@ enum BenchCommand {
     /// Concurrent requests served together by the engine: output tokens/s, TTFT and TPOT
     /// percentiles, batched throughput against N times one stream.
     Serve(bench_serve::BenchServeArgs),
-    /// DeepSeek-V4 layer steps (`--kernel moe`): effective_us min/median/mean/max,
-    /// fast_effective_us, valid_rounds, share of the per-phase bound.
-    Dsv4(dsv4_moe::Dsv4BenchArgs),
+    /// One DeepSeek-V4 layer's decode step, `--rounds` times: effective_us statistics, % of
+    /// membw and of the per-phase bound.
+    Dsv4(dsv4_cmd::BenchDsv4Args),
 }
 
 /// Arguments of `simpler run demo`.
@@ -131,13 +133,13 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Run(RunCommand::Demo(a)) => run_demo(a),
         Command::Run(RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
-        Command::Run(RunCommand::Dsv4(a)) => dsv4_moe::run_main(a),
-        Command::Bench(BenchCommand::Dsv4(a)) => dsv4_moe::bench_main(a),
+        Command::Run(RunCommand::Dsv4(a)) => dsv4_cmd::run(a),
         Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
         Command::Bench(BenchCommand::Membw(a)) => bench_membw::membw(a),
         Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
         Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::main(a),
+        Command::Bench(BenchCommand::Dsv4(a)) => dsv4_cmd::bench(a),
         Command::Generate(a) => generate::main(a),
         Command::Serve(a) => serve_cmd::main(a),
         Command::Trace(args) => trace_cmd::main(args),

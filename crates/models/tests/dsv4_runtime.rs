@@ -5,10 +5,9 @@
 //! the mixed starts `[0, 3, 127, 8192]` (an empty window at 0, a ratio-128 window closed at
 //! 127, a full window at 8192), and FLASH shapes at start 8192.
 
-use half::bf16;
 use simpler_core::{CallConfig, Worker, WorkerConfig};
 use simpler_kernels_cpu::{Isa, with_isa};
-use simpler_models::dsv4::check::{CacheTol, RelDiff};
+use simpler_models::dsv4::check::attn_step_checks;
 use simpler_models::dsv4::fixture::{
     AttnWeights, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_hca,
     generate_inputs, generate_window_cache,
@@ -54,57 +53,18 @@ fn golden_step(c: &Case) -> AttnStep {
     }
 }
 
-fn widen(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
-/// Runs the step on the worker and checks the residual and every cache against the golden.
+/// Runs the step on the worker and checks the residual, the intermediates and every cache
+/// against the golden.
 fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
     let mut layer = AttnLayer::upload(w, &c.cfg, &c.attn, &c.window, c.hca.as_ref(), 4).unwrap();
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
-    // The golden's intermediates first: a failure names the first phase that is off.
-    let t = RelDiff::SWA_HCA;
-    t.check("q", &out.q, &g.q).unwrap();
-    t.check("attn", &out.attn, &g.attn).unwrap();
-    t.check("o_proj", &out.o_proj, &g.o_proj).unwrap();
-    t.check("x_out", &out.x_out, &g.x_out).unwrap();
     let caches = layer.read_caches().unwrap();
-    let hd = c.cfg.head_dim;
-    let mut want = widen(&c.window.rows);
-    for (slot, row) in g
-        .window_write
-        .slots
-        .iter()
-        .zip(g.window_write.rows.chunks(hd))
-    {
-        let s = slot.expect("every step position has a page");
-        want[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
-    }
-    CacheTol::KV
-        .check("window cache", &widen(&caches.window), &want)
-        .unwrap();
-    if let Some(h) = &c.hca {
-        let sw = g.state_write.as_ref().expect("HCA writes state");
-        let (mut kv, mut score) = (h.state.kv.clone(), h.state.score.clone());
-        for (i, &s) in sw.slots.iter().enumerate() {
-            kv[s * hd..(s + 1) * hd].copy_from_slice(&sw.kv[i * hd..(i + 1) * hd]);
-            score[s * hd..(s + 1) * hd].copy_from_slice(&sw.score[i * hd..(i + 1) * hd]);
+    let checks = attn_step_checks(&c.window, c.hca.as_ref(), g, &out, &caches);
+    assert_eq!(checks.len(), if c.hca.is_some() { 8 } else { 5 });
+    for (what, r) in checks {
+        if let Err(e) = r {
+            panic!("{what}: {e}");
         }
-        CacheTol::KV
-            .check("state kv", &caches.state_kv, &kv)
-            .unwrap();
-        CacheTol::KV
-            .check("state score", &caches.state_score, &score)
-            .unwrap();
-        let cw = g.compressed_write.as_ref().expect("HCA writes rows");
-        let mut comp = widen(&h.cache.rows);
-        for (slot, row) in cw.slots.iter().zip(cw.rows.chunks(hd)) {
-            let s = slot.expect("compressed rows have slots");
-            comp[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
-        }
-        CacheTol::KV
-            .check("compressed cache", &widen(&caches.compressed), &comp)
-            .unwrap();
     }
     // A second identical step rewrites the same rows, so it gives the same residual — unless
     // a token closed a compressor window: the next window's first token then overwrote a

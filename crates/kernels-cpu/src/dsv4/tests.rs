@@ -370,18 +370,20 @@ fn softmax_pool_matches_a_plain_loop() {
 #[test]
 fn dsv4_quantisation_rounds_ties_away_from_zero() {
     // amax 127 makes the scale 1: x / scale is x itself.
-    let x = [127.0f32, 2.5, -2.5, 0.5, -0.5, 1.4999999, -126.5];
-    let mut q = [0i8; 7];
+    let x = [
+        127.0f32, 2.5, -2.5, 0.5, -0.5, 1.4999999, -126.5, 0.49999997,
+    ];
+    let mut q = [0i8; 8];
     let s = on_every_path(|| {
-        let mut q = [0i8; 7];
+        let mut q = [0i8; 8];
         let s = crate::quantize_row_i8_ties_away(&x, &mut q);
         (s, q)
     });
     assert_eq!(s.0, 1.0);
-    assert_eq!(s.1, [127, 3, -3, 1, -1, 1, -127]);
+    assert_eq!(s.1, [127, 3, -3, 1, -1, 1, -127, 0]);
     // The nearest-even quantiser differs exactly on the ties.
     crate::quantize_row_i8(&x, &mut q);
-    assert_eq!(q, [127, 2, -2, 0, 0, 1, -126]);
+    assert_eq!(q, [127, 2, -2, 0, 0, 1, -126, 0]);
     let mut z = [5i8; 3];
     assert_eq!(crate::quantize_row_i8_ties_away(&[0.0; 3], &mut z), 0.0);
     assert_eq!(z, [0; 3]);

@@ -466,8 +466,17 @@ multiversion!(
         }
         let scale = amax / 127.0;
         for (o, &v) in q.iter_mut().zip(x) {
+            // Round half away from zero from `trunc` (one instruction, where `round` is a
+            // libm call the compiler cannot vectorise): `v - trunc(v)` is exact.
+            let y = v / scale;
+            let t = y.trunc();
+            let r = if (y - t).abs() >= 0.5 {
+                t + 1.0f32.copysign(y)
+            } else {
+                t
+            };
             // `as` saturates (NaN to 0); the clamp keeps -128 out.
-            *o = (v / scale).round().clamp(-127.0, 127.0) as i8;
+            *o = r.clamp(-127.0, 127.0) as i8;
         }
         scale
     }

@@ -1,6 +1,13 @@
 //! The spec's tolerances for DeepSeek-V4 outputs (`docs/dsv4.md`, "Tolerances"): a
 //! relative-difference ratio with a share of elements allowed over it for layer outputs, and
-//! `atol + rtol·|e|` with a share allowed outside for caches.
+//! `atol + rtol·|e|` with a share allowed outside for caches; and the comparisons of a runtime
+//! step against the golden that tests and `simpler run dsv4 --check` share.
+
+use half::bf16;
+
+use super::fixture::{HcaParts, WindowCache};
+use super::golden::AttnStep;
+use super::runner::{AttnCaches, AttnStepOutput};
 
 /// A relative-difference check: `rdiff = |a - e|` when that is below `thd`, else
 /// `|a - e| / max(|a|, |e|, 2^-14 / thd)`; passes when at most `pct` of the elements have
@@ -109,6 +116,70 @@ impl CacheTol {
         });
         judge(what, out, self.pct, actual, expected)
     }
+}
+
+/// Every comparison of an SWA or HCA step run on the runtime against the golden step `g`:
+/// the golden's intermediates (`q`, `attn`, `o_proj`) and the new residual with the layer's
+/// tolerance, then each cache the step writes, read back whole from the worker and compared
+/// with the fixture's cache (`window`, `hca`) plus the golden's writes. Each entry is the
+/// output's name and its outcome (`Err` names the share over and the worst element).
+pub fn attn_step_checks(
+    window: &WindowCache,
+    hca: Option<&HcaParts>,
+    g: &AttnStep,
+    out: &AttnStepOutput,
+    caches: &AttnCaches,
+) -> Vec<(&'static str, Result<Outcome, String>)> {
+    let t = RelDiff::SWA_HCA;
+    let widen = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+    let hd = window.width;
+    let mut checks = vec![
+        ("q", t.check("q", &out.q, &g.q)),
+        ("attn", t.check("attn", &out.attn, &g.attn)),
+        ("o_proj", t.check("o_proj", &out.o_proj, &g.o_proj)),
+        ("x_out", t.check("x_out", &out.x_out, &g.x_out)),
+    ];
+    let mut want = widen(&window.rows);
+    for (slot, row) in g
+        .window_write
+        .slots
+        .iter()
+        .zip(g.window_write.rows.chunks(hd))
+    {
+        if let Some(s) = slot {
+            want[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+        }
+    }
+    checks.push((
+        "window cache",
+        CacheTol::KV.check("window cache", &widen(&caches.window), &want),
+    ));
+    if let (Some(h), Some(sw), Some(cw)) = (hca, &g.state_write, &g.compressed_write) {
+        let (mut kv, mut score) = (h.state.kv.clone(), h.state.score.clone());
+        for (i, &s) in sw.slots.iter().enumerate() {
+            kv[s * hd..(s + 1) * hd].copy_from_slice(&sw.kv[i * hd..(i + 1) * hd]);
+            score[s * hd..(s + 1) * hd].copy_from_slice(&sw.score[i * hd..(i + 1) * hd]);
+        }
+        checks.push((
+            "state kv",
+            CacheTol::KV.check("state kv", &caches.state_kv, &kv),
+        ));
+        checks.push((
+            "state score",
+            CacheTol::KV.check("state score", &caches.state_score, &score),
+        ));
+        let mut comp = widen(&h.cache.rows);
+        for (slot, row) in cw.slots.iter().zip(cw.rows.chunks(hd)) {
+            if let Some(s) = slot {
+                comp[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+            }
+        }
+        checks.push((
+            "compressed cache",
+            CacheTol::KV.check("compressed cache", &widen(&caches.compressed), &comp),
+        ));
+    }
+    checks
 }
 
 fn outcome(actual: &[f32], expected: &[f32], over: impl Fn(f32, f32) -> (bool, f32)) -> Outcome {

@@ -1,65 +1,13 @@
 //! What one MoE decode step must move and compute, phase by phase (`docs/dsv4.md`, "MoE on the
-//! runtime"): the numerators of its per-phase bound. Each phase is bounded by the slowest of
-//! its bytes at the machine's bandwidth, its int8 operations at the int8 peak and its fp32
-//! FLOPs at the FMA peak; phases follow each other in dependency order, so the step's bound is
-//! their sum. Only experts that received a row count: an expert without a token costs nothing.
+//! runtime"), as a [`LayerCost`] whose phases are the graph's timing slots; the per-phase
+//! bound is [`LayerCost::phase_bound_s`]. Only experts that received a row count: an expert without a token costs nothing.
 
 use super::config::Dsv4Config;
-
-/// One phase's work.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PhaseCost {
-    /// Phase name.
-    pub name: &'static str,
-    /// Bytes read or written (weights streamed once, activations).
-    pub bytes: f64,
-    /// int8 operations (2 per multiply-add).
-    pub int8_ops: f64,
-    /// fp32 FLOPs (2 per multiply-add).
-    pub flops: f64,
-}
-
-/// The machine limits a bound divides by.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Limits {
-    /// Streaming read bandwidth, GB/s.
-    pub gbs: f64,
-    /// int8 dot-product peak of the path the GEMM takes, GOP/s.
-    pub int8_gops: f64,
-    /// fp32 FMA peak, GFLOP/s.
-    pub fma_gflops: f64,
-}
-
-impl PhaseCost {
-    /// The phase's bound in seconds: the slowest of its three demands.
-    pub fn bound_s(&self, l: &Limits) -> f64 {
-        let t = |work: f64, rate: f64| if rate > 0.0 { work / (rate * 1e9) } else { 0.0 };
-        t(self.bytes, l.gbs)
-            .max(t(self.int8_ops, l.int8_gops))
-            .max(t(self.flops, l.fma_gflops))
-    }
-
-    /// What binds the phase under `l`.
-    pub fn binding(&self, l: &Limits) -> &'static str {
-        let t = |work: f64, rate: f64| if rate > 0.0 { work / (rate * 1e9) } else { 0.0 };
-        let (b, i, f) = (
-            t(self.bytes, l.gbs),
-            t(self.int8_ops, l.int8_gops),
-            t(self.flops, l.fma_gflops),
-        );
-        if b >= i && b >= f {
-            "bandwidth"
-        } else if i >= f {
-            "int8"
-        } else {
-            "fp32"
-        }
-    }
-}
+use super::cost::{LayerCost, PhaseCost};
 
 /// The phases of one MoE step of `tokens` rows whose local experts received `rows_per_expert`
 /// rows each (the shared experts get every token).
-pub fn moe_step_phases(c: &Dsv4Config, tokens: usize, rows_per_expert: &[usize]) -> Vec<PhaseCost> {
+pub fn moe_step_cost(c: &Dsv4Config, tokens: usize, rows_per_expert: &[usize]) -> LayerCost {
     let (t, d, i, hc) = (
         tokens as f64,
         c.hidden as f64,
@@ -76,7 +24,7 @@ pub fn moe_step_phases(c: &Dsv4Config, tokens: usize, rows_per_expert: &[usize])
     let hit = rows_per_expert.iter().filter(|&&r| r > 0).count() as f64;
     let experts = hit + s;
     let rows = routed_rows + s * t;
-    vec![
+    let phases = vec![
         PhaseCost {
             name: "hc_pre",
             bytes: 4.0 * (m * hc * d + t * hc * d + t * d),
@@ -113,42 +61,42 @@ pub fn moe_step_phases(c: &Dsv4Config, tokens: usize, rows_per_expert: &[usize])
             int8_ops: 0.0,
             flops: 2.0 * t * hc * d * (hc + 1.0),
         },
-    ]
-}
-
-/// The step's per-phase bound in seconds (phases in dependency order, summed).
-pub fn per_phase_bound_s(phases: &[PhaseCost], l: &Limits) -> f64 {
-    phases.iter().map(|p| p.bound_s(l)).sum()
+    ];
+    LayerCost { phases }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dsv4::cost::Peaks;
 
     #[test]
     fn experts_without_rows_cost_nothing_and_the_bound_sums_phases() {
         let c = Dsv4Config::small();
-        let a = moe_step_phases(&c, 8, &[8, 0, 0, 40]);
-        let b = moe_step_phases(&c, 8, &[8, 40]);
-        let gate_up = |p: &[PhaseCost]| p.iter().find(|p| p.name == "experts gate/up").cloned();
+        let a = moe_step_cost(&c, 8, &[8, 0, 0, 40]);
+        let b = moe_step_cost(&c, 8, &[8, 40]);
+        let gate_up = |l: &LayerCost| {
+            l.phases
+                .iter()
+                .find(|p| p.name == "experts gate/up")
+                .copied()
+        };
         assert_eq!(gate_up(&a), gate_up(&b));
         // Two routed experts and one shared: three experts' weights streamed.
         let g = gate_up(&a).unwrap();
         let (i, d) = (c.moe_inter_dim as f64, c.hidden as f64);
         assert!(g.bytes > 3.0 * 2.0 * i * d && g.bytes < 4.0 * 2.0 * i * d);
         assert_eq!(g.int8_ops, 2.0 * (48.0 + 8.0) * 2.0 * i * d);
-        let l = Limits {
+        let m = Peaks {
             gbs: 10.0,
+            gflops: 1e12,
             int8_gops: 1e12,
-            fma_gflops: 1e12,
         };
-        let sum: f64 = a.iter().map(|p| p.bytes).sum::<f64>() / 10e9;
-        assert!((per_phase_bound_s(&a, &l) - sum).abs() < 1e-12);
-        assert_eq!(g.binding(&l), "bandwidth");
-        let slow = Limits {
+        assert!((a.phase_bound_s(&m) - a.bytes() / 10e9).abs() < 1e-12);
+        let slow = Peaks {
             int8_gops: 1e-3,
-            ..l
+            ..m
         };
-        assert_eq!(g.binding(&slow), "int8");
+        assert!(LayerCost::phase_s(&g, &slow) > 1e6);
     }
 }

@@ -470,7 +470,7 @@ fn experts(
     if let Some((off, _)) = grouping {
         t = t.input(off);
     }
-    o.submit(t.scalar_f32(p.limit).blocks(p.blocks).timing_slot(1))?;
+    o.submit(t.scalar_f32(p.limit).blocks(p.blocks).timing_slot(3))?;
     let hq = o.alloc(DType::I8, &[r, i])?;
     let hs = o.alloc(DType::F32, &[r])?;
     let mut t = Task::new(moe_ops::MOE_QUANT_H)
@@ -480,7 +480,7 @@ fn experts(
     if let Some((off, wts)) = grouping {
         t = t.input(wts).input(off);
     }
-    o.submit(t.timing_slot(1))?;
+    o.submit(t.timing_slot(3))?;
     let mut t = Task::new(moe_ops::MOE_DOWN).input(&hq).input(&hs);
     // SAFETY: as above.
     unsafe {
@@ -490,7 +490,7 @@ fn experts(
     if let Some((off, _)) = grouping {
         t = t.input(off);
     }
-    Ok(o.submit(t.blocks(p.blocks).timing_slot(1))?.id)
+    Ok(o.submit(t.blocks(p.blocks).timing_slot(4))?.id)
 }
 
 /// The step's graph (module docs).
@@ -547,7 +547,7 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .scalar_f32(p.hc_scale[1])
         .scalar_f32(p.hc_scale[2])
         .blocks(p.row_blocks);
-    o.submit(task.timing_slot(1))?;
+    o.submit(task.timing_slot(0))?;
 
     // Route.
     let xq = o.alloc(DType::I8, &[t, d])?;
@@ -606,7 +606,7 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .output_existing(&ids)
         .scalar(p.local.start as u64)
         .scalar(p.n_experts as u64);
-    o.submit(task.timing_slot(1))?;
+    o.submit(task.timing_slot(2))?;
     debug_assert_eq!(idx::dispatch::ROUTE_IDS, 9);
 
     // Routed experts on the dispatched rows.
@@ -634,19 +634,19 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .input(&offsets)
         .output_existing(&routed_flat)
         .blocks(p.blocks);
-    o.submit(task.timing_slot(1))?;
+    o.submit(task.timing_slot(5))?;
     let task = Task::new(moe_ops::MOE_REDUCE)
         .input(&shared)
         .input(&routed)
         .output_existing(&y);
-    o.submit(task.timing_slot(1))?;
+    o.submit(task.timing_slot(5))?;
     let task = Task::new(super::ops::HC_POST)
         .input(&x_hc)
         .input(&y)
         .input(&hcw)
         .output_existing(&x_out)
         .scalar(hc);
-    o.submit(task.timing_slot(1))?;
+    o.submit(task.timing_slot(5))?;
     Ok(())
 }
 

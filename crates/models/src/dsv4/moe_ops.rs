@@ -27,22 +27,22 @@ use simpler_kernels_cpu::dsv4::moe as k;
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 
 /// Gate input, logits, scores and routing of every token.
-pub const MOE_ROUTE: KernelId = KernelId(3400);
+pub const MOE_ROUTE: KernelId = KernelId(3240);
 /// Routed rows grouped per local expert (the seam a collective replaces).
-pub const MOE_DISPATCH: KernelId = KernelId(3401);
+pub const MOE_DISPATCH: KernelId = KernelId(3241);
 /// `h = silu(min(x W1ᵀ, l)) · clamp(x W3ᵀ, ±l)` for a share of the `I` columns of every group.
-pub const MOE_GATE_UP: KernelId = KernelId(3402);
+pub const MOE_GATE_UP: KernelId = KernelId(3242);
 /// `h` re-quantised per row, the routing weight folded into its scale.
-pub const MOE_QUANT_H: KernelId = KernelId(3403);
+pub const MOE_QUANT_H: KernelId = KernelId(3243);
 /// `y = hq W2ᵀ` for a share of the `D` columns of every group.
-pub const MOE_DOWN: KernelId = KernelId(3404);
+pub const MOE_DOWN: KernelId = KernelId(3244);
 /// Expert outputs back to `[T, K, D]` route order (the seam a collective replaces).
-pub const MOE_COMBINE: KernelId = KernelId(3405);
+pub const MOE_COMBINE: KernelId = KernelId(3245);
 /// `y = bf16(Σ shared + Σ routed)`.
-pub const MOE_REDUCE: KernelId = KernelId(3406);
+pub const MOE_REDUCE: KernelId = KernelId(3246);
 /// `hc_pre` of every token without a norm (the route task folds the FFN norm into the int8
 /// scale): the mixed stream and the hyper-connection weights.
-pub const MOE_HC_PRE: KernelId = KernelId(3407);
+pub const MOE_HC_PRE: KernelId = KernelId(3247);
 
 /// Argument indices of each kernel (the orchestration pushes them in this order).
 pub mod idx {

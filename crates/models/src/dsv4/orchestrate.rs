@@ -300,7 +300,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         None => None,
     };
     // 2: the W8A8 query projection, a block of whole heads per SPMD block.
-    let q = v.q.clone();
+    let q = v.q;
     // SAFETY: weights, scales, the host-written token table and the RoPE tables are written by
     // no task during the run.
     let t = unsafe {
@@ -355,7 +355,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         o.submit(t)?;
     }
     // 4: attention, one task per (token, block of heads).
-    let attn = v.attn.clone();
+    let attn = v.attn;
     let comp = v.hca.as_ref().map(|hv| (&v.comp, &hv.cache));
     attention(o, &v, p, &q, comp, &attn)?;
     // 5, 6: the grouped output projection.
@@ -368,7 +368,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .blocks(blocks)
         .timing_slot(5);
     o.submit(t)?;
-    let y = v.y.clone();
+    let y = v.y;
     // SAFETY: `Wo_b` and its scales are written by no task.
     let t = unsafe {
         Task::new(ops::WO_B)

@@ -110,6 +110,14 @@ pub struct AttnLayer {
     io: Option<StepIo>,
 }
 
+/// What the host writes for a step: per token `(sequence, position, window slot)`, and the
+/// window and compressed candidate lists (`-1`: masked).
+struct HostPlan {
+    tok: Vec<u32>,
+    win: Vec<i32>,
+    comp: Vec<i32>,
+}
+
 /// The step's host-written inputs and its output, sized for the layer's batch.
 #[derive(Debug)]
 struct StepIo {
@@ -228,7 +236,7 @@ impl AttnLayer {
     }
 
     /// The step's host plan: `tok` rows and the candidate lists.
-    fn plan(&self, inputs: &StepInputs) -> Result<(Vec<u32>, Vec<i32>, Vec<i32>), Dsv4RunError> {
+    fn plan(&self, inputs: &StepInputs) -> Result<HostPlan, Dsv4RunError> {
         let c = &self.config;
         if inputs.starts.len() != self.batch {
             return Err(Dsv4RunError::Invalid(format!(
@@ -280,7 +288,7 @@ impl AttnLayer {
                 }
             }
         }
-        Ok((tok, win, comp))
+        Ok(HostPlan { tok, win, comp })
     }
 
     fn step_io(&mut self, worker: &Worker) -> Result<(), Dsv4RunError> {
@@ -321,7 +329,7 @@ impl AttnLayer {
         inputs: &StepInputs,
         cfg: &CallConfig,
     ) -> Result<AttnStepOutput, Dsv4RunError> {
-        let (tok, win, comp) = self.plan(inputs)?;
+        let HostPlan { tok, win, comp } = self.plan(inputs)?;
         let plan = Arc::new(AttnPlan {
             config: self.config.clone(),
             kind: self.kind,

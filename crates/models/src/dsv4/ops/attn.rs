@@ -51,7 +51,7 @@ pub(crate) mod compress {
 }
 
 /// `SPARSE_ATTN` argument indices.
-pub(crate) mod attn {
+pub(crate) mod sparse {
     pub(crate) const Q: usize = 0;
     pub(crate) const WIN: usize = 1;
     pub(crate) const WIN_CACHE: usize = 2;
@@ -275,23 +275,23 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let hd = ctx.scalar_usize(0)?;
     let pos = ctx.scalar_usize(1)?;
     let scale = ctx.scalar_f32(2)?;
-    let q = ctx.read::<f32>(attn::Q)?;
-    let win = ctx.read::<i32>(attn::WIN)?;
-    let wcache = ctx.read::<bf16>(attn::WIN_CACHE)?;
-    let sinks = ctx.read::<f32>(attn::SINKS)?;
-    let (cos, sin) = (ctx.read::<f32>(attn::COS)?, ctx.read::<f32>(attn::SIN)?);
-    let pairs = rope_pairs(ctx, attn::COS)?;
+    let q = ctx.read::<f32>(sparse::Q)?;
+    let win = ctx.read::<i32>(sparse::WIN)?;
+    let wcache = ctx.read::<bf16>(sparse::WIN_CACHE)?;
+    let sinks = ctx.read::<f32>(sparse::SINKS)?;
+    let (cos, sin) = (ctx.read::<f32>(sparse::COS)?, ctx.read::<f32>(sparse::SIN)?);
+    let pairs = rope_pairs(ctx, sparse::COS)?;
     let heads = sinks.len();
     check_len(NAME, "q", q.len(), heads * hd)?;
-    if dims2(ctx, attn::WIN_CACHE)?.1 != hd || 2 * pairs > hd {
+    if dims2(ctx, sparse::WIN_CACHE)?.1 != hd || 2 * pairs > hd {
         return Err(bad(NAME, format!("window-cache rows are not {hd} wide")));
     }
     let mut cands = Vec::with_capacity(win.len() + 64);
     candidates(win, wcache, hd, &mut cands)?;
-    if ctx.num_args() > attn::COMP_CACHE {
-        let comp = ctx.read::<i32>(attn::COMP)?;
-        let ccache = ctx.read::<bf16>(attn::COMP_CACHE)?;
-        if dims2(ctx, attn::COMP_CACHE)?.1 != hd {
+    if ctx.num_args() > sparse::COMP_CACHE {
+        let comp = ctx.read::<i32>(sparse::COMP)?;
+        let ccache = ctx.read::<bf16>(sparse::COMP_CACHE)?;
+        if dims2(ctx, sparse::COMP_CACHE)?.1 != hd {
             return Err(bad(
                 NAME,
                 format!("compressed-cache rows are not {hd} wide"),
@@ -299,7 +299,7 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         }
         candidates(comp, ccache, hd, &mut cands)?;
     }
-    let out = ctx.write::<f32>(attn::OUT)?;
+    let out = ctx.write::<f32>(sparse::OUT)?;
     check_len(NAME, "out", out.len(), heads * hd)?;
     ATTN_SCRATCH.with(|s| {
         k::sparse_attention(q, hd, &cands, scale, sinks, out, &mut s.borrow_mut());
