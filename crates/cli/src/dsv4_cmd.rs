@@ -121,6 +121,11 @@ pub(crate) trait LayerStep {
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>>;
     /// Bytes and operations per phase.
     fn cost(&self) -> LayerCost;
+    /// Whether the latest step's output is valid (reproduces the first step's), for a kind
+    /// whose bench counts `valid_rounds` (the MoE); `None` for the others.
+    fn round_valid(&self) -> Option<bool> {
+        None
+    }
 }
 
 /// The step of `layer` on `cfg`'s shapes at `starts`.
@@ -154,10 +159,9 @@ fn prepare(
             seed,
             LayerKind::Csa,
         )?)),
-        LayerArg::Moe => bail!(
-            "{flag} {}: not implemented yet (implemented: swa, csa, hca)",
-            layer.name()
-        ),
+        LayerArg::Moe => Ok(Box::new(crate::dsv4_moe::MoeStep::new(
+            worker, cfg, starts, seed,
+        )?)),
     }
 }
 
@@ -421,14 +425,21 @@ fn setup(layer: LayerArg, flag: &str, case: &CaseArgs, run: &RunOpts) -> Result<
     })
 }
 
-/// Runs `warmup + rounds` steps; the measured ones' effective times (us) and the last report.
-fn measure(
-    s: &mut Setup,
-    cfg: &CallConfig,
-    warmup: usize,
-    rounds: usize,
-) -> Result<(Vec<f64>, Vec<f64>, RunReport)> {
-    let (mut eff, mut wall) = (Vec::new(), Vec::new());
+/// The measured rounds of a command.
+struct Measured {
+    /// Effective times, us.
+    eff: Vec<f64>,
+    /// Host step times, us.
+    wall: Vec<f64>,
+    /// Each round's validity, for kinds that judge it ([`LayerStep::round_valid`]).
+    valid: Vec<Option<bool>>,
+    /// The last step's report.
+    last: RunReport,
+}
+
+/// Runs `warmup + rounds` steps.
+fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Result<Measured> {
+    let (mut eff, mut wall, mut valid) = (Vec::new(), Vec::new(), Vec::new());
     let mut last = None;
     for i in 0..warmup + rounds {
         let t = Instant::now();
@@ -437,11 +448,17 @@ fn measure(
         if i >= warmup {
             eff.push(r.effective().us());
             wall.push(dt);
+            valid.push(s.step.round_valid());
             last = Some(r);
         }
     }
     let last = last.ok_or_else(|| anyhow::anyhow!("--rounds must be at least 1"))?;
-    Ok((eff, wall, last))
+    Ok(Measured {
+        eff,
+        wall,
+        valid,
+        last,
+    })
 }
 
 pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
@@ -467,7 +484,9 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
             bail!("the step differs from the golden beyond the spec's tolerance");
         }
     }
-    let (eff, wall, last) = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    let Measured {
+        eff, wall, last, ..
+    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     opts::emit(&last, &cfg)?;
     let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
     let peaks = peaks_of(&machine, s.int8.0);
@@ -507,7 +526,9 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         s.worker.cores()
     );
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
-    let (eff, _, last) = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    let Measured {
+        eff, valid, last, ..
+    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
     let peaks = peaks_of(&machine, s.int8.0);
     println!("{}", format_peaks(&machine));
@@ -517,6 +538,14 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
     );
     let e = Summary::of(&eff);
     println!("{}", format_summary("effective_us", &e, args.warmup));
+    let judged: Vec<(f64, bool)> = eff
+        .iter()
+        .zip(&valid)
+        .filter_map(|(&t, v)| v.map(|v| (t, v)))
+        .collect();
+    if !judged.is_empty() {
+        println!("{}", crate::dsv4_moe::format_moe_rounds(&judged)?);
+    }
     let cost = s.step.cost();
     println!(
         "{}",

@@ -7,6 +7,7 @@ mod bench_runtime;
 mod bench_serve;
 mod demo;
 mod dsv4_cmd;
+mod dsv4_moe;
 mod generate;
 mod npy;
 mod opts;

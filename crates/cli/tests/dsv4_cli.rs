@@ -100,18 +100,7 @@ fn bench_dsv4_prints_effective_us_statistics_and_ratios() {
 }
 
 #[test]
-fn layers_not_implemented_yet_and_bad_starts_are_refused_by_name() {
-    for (cmd, flag) in [("run", "--layer"), ("bench", "--kernel")] {
-        for layer in ["moe"] {
-            let out = simpler(&[cmd, "dsv4", flag, layer, "--preset", "tiny"]);
-            let se = text(&out.stderr);
-            assert!(!out.status.success());
-            assert!(
-                se.contains(&format!("{flag} {layer}: not implemented yet")),
-                "{cmd} {layer}: {se}"
-            );
-        }
-    }
+fn bad_layers_and_starts_are_refused_by_name() {
     let out = simpler(&[
         "run",
         "dsv4",
@@ -131,4 +120,67 @@ fn layers_not_implemented_yet_and_bad_starts_are_refused_by_name() {
     let out = simpler(&["run", "dsv4", "--layer", "mla"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("mla"));
+}
+
+#[test]
+fn run_and_bench_dsv4_moe() {
+    let out = simpler(&[
+        "run",
+        "dsv4",
+        "--layer",
+        "moe",
+        "--preset",
+        "small",
+        "--check",
+        "--rounds",
+        "2",
+        "--warmup",
+        "0",
+        "--membw-seconds",
+        "0.2",
+        "--cores",
+        "2",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    for needle in [
+        "MoE layer 3 (top-6 of score + bias)",
+        "16 routed experts, all local",
+        "ok: routing: 48 routes as the golden",
+        "ok: shared",
+        "ok: routed [T, K, D]",
+        "ok: y",
+        "ok: x_out",
+        "experts gate/up",
+        "effective_us: n=2",
+        "% of membw",
+        "per-phase bound",
+        "quietest step",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+    let out = simpler(&[
+        "bench",
+        "dsv4",
+        "--kernel",
+        "moe",
+        "--preset",
+        "tiny",
+        "--rounds",
+        "4",
+        "--warmup",
+        "1",
+        "--membw-seconds",
+        "0.2",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    for needle in [
+        "effective_us: n=4 (warm-up 1 discarded) min=",
+        "fast_effective_us",
+        "valid_rounds 4/4",
+        "per-phase bound",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
 }

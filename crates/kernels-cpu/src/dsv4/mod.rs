@@ -3,8 +3,8 @@
 //! with or without a weight ([`norm`]), interleaved RoPE with plain or YaRN frequencies and
 //! its inverse ([`rope`]), the sparse attention core with its sink over a candidate list
 //! ([`attention`]), the compressors' softmax pooling ([`compress`]), the CSA layer's
-//! overlapping compressor, indexer and top-k ([`csa`]) and the sparse attention's planning
-//! ([`plan`]).
+//! overlapping compressor, indexer and top-k ([`csa`]), the sparse attention's planning
+//! ([`plan`]), and the MoE gate, routing, dispatch plan, experts and reduce ([`moe`]).
 //!
 //! The element-wise kernels are `multiversion!` bodies (a portable build and an AVX2 build
 //! chosen on [`crate::Isa::current`]); both builds add in the same order, so they agree
@@ -15,6 +15,7 @@ pub mod attention;
 pub mod compress;
 pub mod csa;
 pub mod hc;
+pub mod moe;
 pub mod norm;
 pub mod plan;
 pub mod rope;

@@ -370,9 +370,14 @@ impl AttnLayer {
                     "starts[{b}]: position {p} has no page in the window cache's block table"
                 ))
             })?;
-            let slot32 = u32::try_from(slot).ok().filter(|&s| s != NO_SLOT).ok_or_else(|| {
-                Dsv4RunError::Invalid(format!("window slot {slot} does not fit the token table"))
-            })?;
+            let slot32 = u32::try_from(slot)
+                .ok()
+                .filter(|&s| s != NO_SLOT)
+                .ok_or_else(|| {
+                    Dsv4RunError::Invalid(format!(
+                        "window slot {slot} does not fit the token table"
+                    ))
+                })?;
             // b < batch and p < max_position were checked: both fit u32.
             tok.extend([b as u32, p as u32, slot32]);
             for (i, q) in (p.saturating_sub(wn - 1)..=p).enumerate() {

@@ -23,7 +23,9 @@ pub use compress::{StateWrite, compress_step, pool_window};
 pub use csa::{
     ClosedRow, CsaWrites, IndexPick, IndexWrite, hadamard, index_pick, overlap_compress_step,
 };
-pub use moe::{MoeStep, Route, expert_forward, moe_step, quant_activations, route};
+pub use moe::{
+    MoeStep, Route, expert_forward, moe_after_hc_pre, moe_step, quant_activations, route,
+};
 
 /// `bf16(x)` as f32, round to nearest even (every cast point unless stated otherwise).
 pub fn rb(x: f32) -> f32 {
