@@ -30,7 +30,7 @@ pub(crate) fn inv_rms_f64(x: &[f32], eps: f32) -> f32 {
 
 multiversion! {
     /// RMSNorm in place over rows of `row` values: `x = bf16(x · r · w)` with
-    /// `r = 1/sqrt(mean(x²) + eps)` per row (the mean in f64, see [`inv_rms_f64`]); `w = None`
+    /// `r = 1/sqrt(mean(x²) + eps)` per row (the mean in f64); `w = None`
     /// is the weightless norm.
     ///
     /// # Panics

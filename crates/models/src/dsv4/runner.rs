@@ -1,7 +1,7 @@
 //! One DeepSeek-V4 attention layer's decode step (SWA or HCA) on a worker: [`AttnLayer`]
 //! holds the layer's weights, its window cache and (HCA) its compressor state and compressed
 //! cache in worker buffers; [`AttnLayer::step`] plans the step on the host (each token's
-//! position, window slot and candidate lists), runs the task graph of [`super::orchestrate`]
+//! position, window slot and candidate lists), runs the task graph of `orchestrate.rs`
 //! and reads the new residual back. The caches stay on the worker, written in place by the
 //! step; [`AttnLayer::read_caches`] reads them back for the checks.
 
@@ -136,7 +136,7 @@ pub struct AttnLayer {
     config: Dsv4Config,
     batch: usize,
     window: WindowCache,
-    /// Weight and table buffers in [`buf`] order (`buf::WEIGHTS` of them).
+    /// Weight and table buffers in `buf` order (`buf::WEIGHTS` of them).
     weights: Vec<Buffer>,
     window_buf: Buffer,
     hca: Option<HcaBuffers>,
@@ -158,7 +158,7 @@ struct HostPlan {
 /// The step's host-written inputs and its output, sized for the layer's batch.
 #[derive(Debug)]
 struct StepIo {
-    /// In [`io_slot`] order.
+    /// In `io_slot` order.
     bufs: Vec<Buffer>,
 }
 

@@ -34,6 +34,8 @@ mod hc;
 
 use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
 
+use crate::qwen3::ops::dims2;
+
 /// hc_pre of a block of tokens: mix logits, weights (Sinkhorn), mixed stream, attention norm
 /// into packed GEMM activations.
 pub const HC_PRE: KernelId = KernelId(3200);
@@ -143,17 +145,6 @@ pub fn register(worker: &Worker) -> Result<(), simpler_core::Error> {
 /// An argument error naming the kernel.
 fn bad(kernel: &str, what: impl std::fmt::Display) -> KernelError {
     KernelError::new(format!("{kernel}: {what}"))
-}
-
-/// `(rows, cols)` of a view (leading dimensions flattened).
-fn dims2(ctx: &TaskCtx<'_>, i: usize) -> Result<(usize, usize), KernelError> {
-    let t = ctx.tensor(i)?;
-    let shape = t.shape();
-    let cols = *shape.last().unwrap_or(&1) as usize;
-    let rows = shape[..shape.len().saturating_sub(1)]
-        .iter()
-        .product::<u64>() as usize;
-    Ok((rows, cols))
 }
 
 /// Checks `what` holds `want` elements.

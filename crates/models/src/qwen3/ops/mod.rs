@@ -221,7 +221,7 @@ fn bad(kernel: &str, what: impl std::fmt::Display) -> KernelError {
 }
 
 /// `(rows, cols)` of a 2-D (or flattened leading-dims) view.
-fn dims2(ctx: &TaskCtx<'_>, i: usize) -> Result<(usize, usize), KernelError> {
+pub(crate) fn dims2(ctx: &TaskCtx<'_>, i: usize) -> Result<(usize, usize), KernelError> {
     let t = ctx.tensor(i)?;
     let shape = t.shape();
     let cols = *shape.last().unwrap_or(&1) as usize;
