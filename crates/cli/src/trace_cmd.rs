@@ -24,7 +24,9 @@ enum TraceCmd {
         /// Trace files (JSON Lines).
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        /// One row per invocation: Round, Host, Device, Effective, Orch, Sched (µs), then a summary.
+        /// One row per invocation: Round, Host, Device, Effective, Orch, Sched (µs), then a
+        /// summary; for files of several ranks, also effective_us / fast_effective_us /
+        /// valid_rounds with rounds joined by invocation number.
         #[arg(long)]
         rounds: bool,
         /// Rounds excluded from the `--rounds` summary (per callable, earliest first).
@@ -110,6 +112,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             perfetto,
         } => {
             let trace = reader::read_traces(&files)?;
+            print!("{}", trace.clock_summary());
             if rounds {
                 print!("{}", timing::rounds_table(&trace, warmup));
             }
