@@ -29,7 +29,8 @@ enum TraceCmd {
         /// valid_rounds with rounds joined by invocation number.
         #[arg(long)]
         rounds: bool,
-        /// Rounds excluded from the `--rounds` summary (per callable, earliest first).
+        /// Rounds excluded from the `--rounds` summary (per callable and process, earliest
+        /// first).
         #[arg(long, default_value_t = 0)]
         warmup: usize,
         /// The median span tree per callable (orch ∥ sched shown as overlapping).

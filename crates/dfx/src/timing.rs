@@ -235,9 +235,21 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             "Round", "Pid", "Inv", "Host", "Device", "Effective", "Orch", "Sched"
         );
         let rows: Vec<Round> = g.invs.iter().map(|i| round(trace, i)).collect();
+        // The warm-up is each process's first `warmup` invocations (with one process: the
+        // first rows).
+        let mut seen: HashMap<usize, usize> = HashMap::new();
+        let warm: Vec<bool> = g
+            .invs
+            .iter()
+            .map(|i| {
+                let k = seen.entry(i.process).or_insert(0);
+                *k += 1;
+                *k <= warmup
+            })
+            .collect();
         let cell = |v: Option<u64>| v.map_or("-".to_string(), |v| us(v as f64));
         for (k, r) in rows.iter().enumerate() {
-            let mark = if k < warmup { " (warm-up)" } else { "" };
+            let mark = if warm[k] { " (warm-up)" } else { "" };
             let _ = writeln!(
                 out,
                 "{:>6} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}{mark}",
@@ -258,7 +270,12 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             ("Orch", |r| r.orch),
             ("Sched", |r| r.sched),
         ];
-        let measured = &rows[warmup.min(rows.len())..];
+        let measured: Vec<Round> = rows
+            .iter()
+            .zip(&warm)
+            .filter(|(_, w)| !**w)
+            .map(|(r, _)| *r)
+            .collect();
         let _ = writeln!(
             out,
             "summary of {} rounds ({} warm-up excluded), µs:",
