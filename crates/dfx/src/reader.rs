@@ -349,6 +349,34 @@ fn align(trace: &mut Trace) {
 }
 
 impl Trace {
+    /// Adds a process known from another kind of file (a swimlane file's anchor and `process`
+    /// line) and places every process again; returns its index. A `process` line whose rank
+    /// fields are impossible is refused, naming `file`.
+    pub fn add_process(
+        &mut self,
+        anchor: ClockAnchor,
+        clock: Option<ProcessClock>,
+        file: &Path,
+    ) -> Result<usize> {
+        if let Some(why) = clock.as_ref().and_then(refused_rank) {
+            return Err(DfxError::Invalid {
+                path: file.to_path_buf(),
+                line: 0,
+                what: why,
+            });
+        }
+        self.processes.push(ProcessInfo {
+            pid: anchor.pid,
+            anchor,
+            file: file.to_path_buf(),
+            clock,
+            zero_wall_ns: anchor.wall_ns as i128,
+            alignment: ClockAlignment::Wall,
+        });
+        align(self);
+        Ok(self.processes.len() - 1)
+    }
+
     /// How the processes' clocks were aligned, and how well, in a few lines: per host (boot
     /// id), how many processes share its monotonic clock, the largest uncertainty of that
     /// alignment, and how far their wall-clock anchors disagree with it (what a merge by wall

@@ -427,3 +427,133 @@ fn libc_now() -> u64 {
     );
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
+
+/// Writes `records` as a rank's `swimlane.json` with the given anchor and process line (what
+/// `write_run_diagnostics` writes in that rank's process).
+fn write_swimlane(
+    dir: &Path,
+    records: &simpler_core::trace::SwimlaneRecords,
+    clock: Option<(ClockAnchor, ProcessClock)>,
+) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut doc = serde_json::to_value(records).unwrap();
+    doc["v"] = 1.into();
+    if let Some((a, p)) = clock {
+        doc["anchor"] = serde_json::to_value(a).unwrap();
+        doc["process"] = serde_json::to_value(p).unwrap();
+    }
+    let path = dir.join("swimlane.json");
+    std::fs::write(&path, doc.to_string()).unwrap();
+    path
+}
+
+#[test]
+fn swimlanes_of_several_ranks_merge_with_core_lanes_per_rank() {
+    use simpler_dfx::diag::{load_joined, read_swimlane_clock};
+    use simpler_dfx::swimlane::{RankSwimlane, ranks_to_perfetto};
+
+    let dir = common::temp_dir("ranks-swimlane");
+    let (records, _) = common::scenario_a();
+    // Rank 1's process started 1 µs after rank 0's on the monotonic clock; its wall anchor
+    // says 3 ms earlier.
+    let p0 = write_swimlane(
+        &dir.join("r0"),
+        &records,
+        Some((
+            ClockAnchor {
+                pid: 50,
+                wall_ns: 2_000_000_000,
+            },
+            clock(50, BOOT, 10_000, Some(0)),
+        )),
+    );
+    let p1 = write_swimlane(
+        &dir.join("r1"),
+        &records,
+        Some((
+            ClockAnchor {
+                pid: 51,
+                wall_ns: 1_997_000_000,
+            },
+            clock(51, BOOT, 11_000, Some(1)),
+        )),
+    );
+    // The records still load on their own (the clock fields are extra).
+    let (j0, j1) = (
+        load_joined(&p0, None).unwrap(),
+        load_joined(&p1, None).unwrap(),
+    );
+    // Rank 1 given first: rows are still ordered by rank.
+    let ranks = [
+        RankSwimlane {
+            path: &p1,
+            records: &j1.swimlane,
+            deps: None,
+            clock: read_swimlane_clock(&p1).unwrap(),
+        },
+        RankSwimlane {
+            path: &p0,
+            records: &j0.swimlane,
+            deps: None,
+            clock: read_swimlane_clock(&p0).unwrap(),
+        },
+    ];
+    let (doc, clocks) = ranks_to_perfetto(&ranks).unwrap();
+    assert!(clocks.contains("2 processes of host boot"), "{clocks}");
+    let doc = doc.to_json();
+    let events = common::check_trace_events(&doc);
+    let pid_of = |rank: &str| {
+        events
+            .iter()
+            .find(|e| {
+                e["name"] == "process_name" && e["args"]["name"].as_str().unwrap().starts_with(rank)
+            })
+            .unwrap()["pid"]
+            .as_u64()
+            .unwrap()
+    };
+    let (a, b) = (
+        pid_of("rank 0 (chip 0, pid 50): "),
+        pid_of("rank 1 (chip 1, pid 51): "),
+    );
+    assert_ne!(a, b);
+    let sort = |pid: u64| {
+        events
+            .iter()
+            .find(|e| e["name"] == "process_sort_index" && e["pid"] == pid)
+            .unwrap()["args"]["sort_index"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!((sort(a), sort(b)), (0, 1));
+    // Every core lane exists in both ranks, and rank 1's first block starts 1 µs after rank 0's.
+    let lanes = |pid: u64| {
+        events
+            .iter()
+            .filter(|e| e["name"] == "thread_name" && e["pid"] == pid)
+            .filter(|e| e["args"]["name"].as_str().unwrap().starts_with("core"))
+            .count()
+    };
+    assert_eq!((lanes(a), lanes(b)), (2, 2));
+    let first_block = |pid: u64| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["cat"] != "sched")
+            .map(|e| e["ts"].as_f64().unwrap())
+            .fold(f64::INFINITY, f64::min)
+    };
+    assert!((first_block(b) - first_block(a) - 1.0).abs() < 1e-9);
+    // A file from before the clock fields cannot be placed: refused, naming it.
+    let old = write_swimlane(&dir.join("old"), &records, None);
+    let jo = load_joined(&old, None).unwrap();
+    let e = ranks_to_perfetto(&[RankSwimlane {
+        path: &old,
+        records: &jo.swimlane,
+        deps: None,
+        clock: read_swimlane_clock(&old).unwrap(),
+    }])
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("old/swimlane.json"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
