@@ -98,3 +98,63 @@ fn bench_collectives_refuses_bad_flags_by_name() {
         assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
     }
 }
+
+#[test]
+fn swimlanes_of_two_processes_merge_into_one_view_with_their_core_lanes() {
+    let dir = tmp("swimlanes");
+    let outs: Vec<String> = (0..2)
+        .map(|i| dir.join(format!("p{i}")).to_str().unwrap().to_string())
+        .collect();
+    for o in &outs {
+        let out = simpler(&[
+            "run",
+            "demo",
+            "--m",
+            "64",
+            "--k",
+            "64",
+            "--n",
+            "64",
+            "--tile",
+            "32",
+            "--swimlane",
+            "2",
+            "--dep-gen",
+            "--output-dir",
+            o,
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let perfetto = dir.join("merged.json");
+    let out = simpler(&[
+        "trace",
+        "swimlane",
+        &outs[0],
+        &outs[1],
+        "--perfetto",
+        perfetto.to_str().unwrap(),
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+    assert!(so.contains("clocks: 2 processes of host boot"), "{so}");
+    assert!(so.contains("wrote") && so.contains("(2 ranks)"), "{so}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&perfetto).unwrap()).unwrap();
+    let events = doc["traceEvents"].as_array().unwrap();
+    let pids: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter(|e| e["name"] == "thread_name")
+        .filter(|e| e["args"]["name"].as_str().unwrap().starts_with("core "))
+        .map(|e| e["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "core lanes in both processes");
+    // One graph for several swimlanes is refused by name.
+    let out = simpler(&["trace", "swimlane", &outs[0], &outs[1], "--deps", &outs[0]]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--deps"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
