@@ -117,6 +117,9 @@ impl Op {
 /// Largest all-to-all message per peer (the shared-memory backend stages a rank's whole send).
 const MAX_SIZE: usize = 64 << 20;
 
+/// Most message bytes of one call over all ranks (`ranks² × size`).
+const MAX_TOTAL: usize = 1 << 30;
+
 /// Most rounds (warm-up included): every rank's times come back in one mailbox answer.
 const MAX_ROUNDS: usize = 1000;
 
@@ -270,6 +273,16 @@ fn check(args: &BenchCollectivesArgs) -> Result<()> {
     }
     if let Some(&s) = args.sizes.iter().find(|&&s| s > MAX_SIZE) {
         bail!("--sizes {s}: at most {MAX_SIZE} bytes per peer");
+    }
+    // Every rank stages its whole send (ranks × size) in the shared segment, and sends and
+    // receives as much from its own memory: bound the total before anything is allocated.
+    let largest = args.sizes.iter().max().copied().unwrap_or(0);
+    let most = args.ranks.iter().max().copied().unwrap_or(0);
+    if most * most * largest > MAX_TOTAL {
+        bail!(
+            "--ranks {most} --sizes {largest}: {} bytes of messages in flight, at most {MAX_TOTAL}",
+            most * most * largest
+        );
     }
     if args.rounds == 0 || args.rounds + args.warmup > MAX_ROUNDS {
         bail!(
