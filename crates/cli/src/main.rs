@@ -1,5 +1,6 @@
 //! The `simpler` command line: thin glue over the runtime, the models and the DFX tools.
 
+mod bench_collectives;
 mod bench_membw;
 mod bench_prefill;
 mod bench_qwen3;
@@ -80,6 +81,10 @@ enum BenchCommand {
     /// One DeepSeek-V4 layer's decode step, `--rounds` times: effective_us statistics, % of
     /// membw and of the per-phase bound.
     Dsv4(dsv4_cmd::BenchDsv4Args),
+    /// All-to-all and all-reduce latency and bandwidth by message size, for 2 and 4 ranks,
+    /// over the node's shared memory or over MPI (`mpirun`); effective_us (slowest rank),
+    /// fast_effective_us (fastest) and valid_rounds per row.
+    Collectives(bench_collectives::BenchCollectivesArgs),
 }
 
 /// Arguments of `simpler run demo`.
@@ -129,6 +134,11 @@ fn run_demo(args: DemoArgs) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // In a node's child process (a chip of `bench collectives`) this runs the child and exits;
+    // it must come before anything starts a thread.
+    simpler_node::child_main_if_requested(&bench_collectives::register(
+        simpler_node::ChildFns::new(),
+    ));
     let cli = Cli::parse();
     match cli.command {
         Command::Run(RunCommand::Demo(a)) => run_demo(a),
@@ -140,6 +150,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::main(a),
         Command::Bench(BenchCommand::Dsv4(a)) => dsv4_cmd::bench(a),
+        Command::Bench(BenchCommand::Collectives(a)) => bench_collectives::main(a),
         Command::Generate(a) => generate::main(a),
         Command::Serve(a) => serve_cmd::main(a),
         Command::Trace(args) => trace_cmd::main(args),

@@ -24,10 +24,13 @@ enum TraceCmd {
         /// Trace files (JSON Lines).
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        /// One row per invocation: Round, Host, Device, Effective, Orch, Sched (µs), then a summary.
+        /// One row per invocation: Round, Host, Device, Effective, Orch, Sched (µs), then a
+        /// summary; for files of several ranks, also effective_us / fast_effective_us /
+        /// valid_rounds with rounds joined by invocation number.
         #[arg(long)]
         rounds: bool,
-        /// Rounds excluded from the `--rounds` summary (per callable, earliest first).
+        /// Rounds excluded from the `--rounds` summary (per callable and process, earliest
+        /// first).
         #[arg(long, default_value_t = 0)]
         warmup: usize,
         /// The median span tree per callable (orch ∥ sched shown as overlapping).
@@ -38,10 +41,12 @@ enum TraceCmd {
         #[arg(long, value_name = "OUT.json")]
         perfetto: Option<PathBuf>,
     },
-    /// Per-task timeline to Perfetto JSON and the per-kernel table.
+    /// Per-task timeline to Perfetto JSON and the per-kernel table. Several paths (one per
+    /// rank) make one Perfetto view with a process per rank and its core lanes, on one clock.
     Swimlane {
-        /// A run's output directory or its swimlane.json.
-        path: PathBuf,
+        /// A run's output directory or its swimlane.json; one per rank for a merged view.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
         /// The captured dependency graph (default: deps.json beside the swimlane, if present).
         #[arg(long)]
         deps: Option<PathBuf>,
@@ -110,6 +115,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             perfetto,
         } => {
             let trace = reader::read_traces(&files)?;
+            print!("{}", trace.clock_summary());
             if rounds {
                 print!("{}", timing::rounds_table(&trace, warmup));
             }
@@ -130,16 +136,51 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             }
         }
         TraceCmd::Swimlane {
-            path,
+            paths,
             deps,
             perfetto,
         } => {
-            let j = load_joined(&path, deps.as_deref())?;
-            print_sources(&j);
-            print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
+            if let [path] = &paths[..] {
+                let j = load_joined(path, deps.as_deref())?;
+                print_sources(&j);
+                print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
+                if let Some(out) = perfetto {
+                    swimlane::to_perfetto(&j.swimlane, j.deps.as_ref()).write(&out)?;
+                    println!("wrote {}", out.display());
+                }
+                return Ok(());
+            }
+            if deps.is_some() {
+                anyhow::bail!(
+                    "--deps names one graph; with {} swimlanes each takes the deps.json beside it",
+                    paths.len()
+                );
+            }
+            let joined = paths
+                .iter()
+                .map(|p| load_joined(p, None))
+                .collect::<Result<Vec<_>, _>>()?;
+            for j in &joined {
+                print_sources(j);
+                print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
+                println!();
+            }
             if let Some(out) = perfetto {
-                swimlane::to_perfetto(&j.swimlane, j.deps.as_ref()).write(&out)?;
-                println!("wrote {}", out.display());
+                let ranks = joined
+                    .iter()
+                    .map(|j| {
+                        Ok(swimlane::RankSwimlane {
+                            path: &j.swimlane_path,
+                            records: &j.swimlane,
+                            deps: j.deps.as_ref(),
+                            clock: diag::read_swimlane_clock(&j.swimlane_path)?,
+                        })
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let (doc, clocks) = swimlane::ranks_to_perfetto(&ranks)?;
+                doc.write(&out)?;
+                print!("{clocks}");
+                println!("wrote {} ({} ranks)", out.display(), ranks.len());
             }
         }
         TraceCmd::Deps {

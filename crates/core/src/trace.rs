@@ -81,12 +81,41 @@ pub struct DeviceClockAlignment {
     pub uncertainty_ns: u64,
 }
 
+/// Where a process's monotonic axis lies on its host's shared monotonic clock, and which rank
+/// of a multi-process run (a node's chip, an `mpirun` rank) the process is.
+///
+/// Processes of one kernel boot (equal `boot_id`) read one `CLOCK_MONOTONIC`, so their axes
+/// line up through `mono_ns` to within the stated uncertainties, however far their wall clocks
+/// (the anchors) drift apart.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessClock {
+    /// Process id (as in its anchor).
+    pub pid: u32,
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`): one host, one boot.
+    pub boot_id: String,
+    /// `CLOCK_MONOTONIC` (ns since boot) at the process's monotonic zero.
+    pub mono_ns: u64,
+    /// Half-width of the interval holding the true `mono_ns`.
+    pub uncertainty_ns: u64,
+    /// Rank of this process among `ranks`, when it is one of several.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    /// Number of ranks of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<u32>,
+    /// What the process is (`chip 1`, `mpi rank 3`, `parent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+}
+
 /// One line of a trace file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TraceLine {
     /// Maps this process's monotonic axis onto wall-clock time; first line of every file.
     Anchor(ClockAnchor),
+    /// The process's place on its host's monotonic clock and its rank; follows its anchor.
+    Process(ProcessClock),
     /// A timed span.
     Span(SpanRecord),
     /// Device clock alignment for the spans of one invocation that use [`Clock::Device`].

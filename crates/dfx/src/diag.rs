@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use simpler_core::RunReport;
-use simpler_core::trace::{DepGraph, RingStats, SwimlaneRecords, TRACE_FORMAT_VERSION};
+use simpler_core::clock::ClockAnchor;
+use simpler_core::trace::{
+    DepGraph, ProcessClock, RingStats, SwimlaneRecords, TRACE_FORMAT_VERSION,
+};
 
 pub use crate::blocks::MAX_CORES;
 use crate::error::{DfxError, Result, io};
@@ -97,6 +100,53 @@ struct Versioned<'a, T: Serialize> {
     inner: &'a T,
 }
 
+/// `swimlane.json`: the records with a `"v"`, and the writing process's anchor and `process`
+/// line (host clock, rank), as in a trace file.
+#[derive(Serialize)]
+struct ClockedSwimlane<'a> {
+    v: u32,
+    anchor: ClockAnchor,
+    process: ProcessClock,
+    #[serde(flatten)]
+    inner: &'a SwimlaneRecords,
+}
+
+/// Where a swimlane file's times lie: the anchor and `process` line of the process that wrote
+/// it (both absent in files written before they were added).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct SwimlaneClock {
+    /// The writing process's clock anchor.
+    #[serde(default)]
+    pub anchor: Option<ClockAnchor>,
+    /// Its host clock and rank.
+    #[serde(default)]
+    pub process: Option<ProcessClock>,
+}
+
+/// Reads the [`SwimlaneClock`] of a `swimlane.json` (streaming; the records are skipped).
+pub fn read_swimlane_clock(path: &Path) -> Result<SwimlaneClock> {
+    let file = File::open(path).map_err(io("open", path))?;
+    let clock: SwimlaneClock = serde_json::from_reader(BufReader::with_capacity(1 << 16, file))
+        .map_err(|source| DfxError::Json {
+            path: path.to_path_buf(),
+            line: 0,
+            source,
+        })?;
+    if let (Some(a), Some(p)) = (&clock.anchor, &clock.process)
+        && a.pid != p.pid
+    {
+        return Err(DfxError::Invalid {
+            path: path.to_path_buf(),
+            line: 0,
+            what: format!(
+                "anchor of pid {} with a process line of pid {}",
+                a.pid, p.pid
+            ),
+        });
+    }
+    Ok(clock)
+}
+
 /// Writes the diagnostics present in `report` into `dir` (created if needed): `swimlane.json`
 /// when it has swimlane records, `deps.json` when it has a dependency graph, `ring_stats.json`
 /// when it has ring statistics. Returns the files written.
@@ -107,10 +157,14 @@ pub fn write_run_diagnostics(dir: &Path, report: &RunReport) -> Result<Vec<PathB
     }
     std::fs::create_dir_all(dir).map_err(io("create directory", dir))?;
     if let Some(s) = &report.swimlane {
+        // The records' times are on this process's axis: say where it lies, so files of
+        // several ranks can be merged (`SwimlaneClock`).
         written.push(write_json(
             &dir.join(SWIMLANE_FILE),
-            &Versioned {
+            &ClockedSwimlane {
                 v: TRACE_FORMAT_VERSION,
+                anchor: ClockAnchor::process(),
+                process: crate::writer::this_process_clock(),
                 inner: s,
             },
         )?);

@@ -90,6 +90,13 @@ impl PerfettoTrace {
         self.events.push(e);
     }
 
+    /// Fixes a process's position among the processes (ranks in rank order).
+    pub fn process_sort_index(&mut self, pid: u32, index: u64) {
+        let mut e = Self::base("process_sort_index", "M", 0, pid, 0);
+        e.args.insert("sort_index".into(), index.into());
+        self.events.push(e);
+    }
+
     /// Names a thread (lane) and fixes its position among its process's lanes.
     pub fn thread_name(&mut self, pid: u32, tid: u64, name: &str) {
         let mut e = Self::base("thread_name", "M", 0, pid, tid);
@@ -207,7 +214,10 @@ pub fn timing_to_perfetto(trace: &Trace) -> PerfettoTrace {
         let pid = chrome_pid[process];
         if named.insert(process) {
             let p = &trace.processes[process];
-            out.process_name(pid, &format!("pid {} ({})", p.pid, p.file.display()));
+            out.process_name(pid, &format!("{} ({})", p.display_name(), p.file.display()));
+            if let Some(rank) = p.rank() {
+                out.process_sort_index(pid, rank.into());
+            }
         }
         idx.sort_by_key(|&i| {
             let s = &trace.spans[i];
@@ -273,5 +283,9 @@ pub fn timing_to_perfetto(trace: &Trace) -> PerfettoTrace {
         }
     }
     out.other.insert("origin_wall_ns".into(), origin.into());
+    let clocks = trace.clock_summary();
+    if !clocks.is_empty() {
+        out.other.insert("clock_alignment".into(), clocks.into());
+    }
     out
 }

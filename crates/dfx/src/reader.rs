@@ -1,9 +1,13 @@
 //! Reads trace files and merges them onto one wall-clock axis.
 //!
-//! Every writer starts with its process's clock anchor; a span's host timestamp plus the anchor
-//! of its process gives wall time, so spans of several processes (and files) line up. Device
-//! spans of an invocation with a `device_alignment` line are mapped through it onto the host
-//! axis first. Lines with a format version newer than [`TRACE_FORMAT_VERSION`] are refused with
+//! Every writer starts with its process's clock anchor, and (since the node level) a `process`
+//! line giving the process's zero on its host's `CLOCK_MONOTONIC` and its rank. Processes of
+//! one host (one boot id) are placed through that shared clock onto the axis of the first of
+//! them, exactly up to the stated read uncertainties; a process without a `process` line (or
+//! the first of another host) is placed by its wall-clock anchor. A span's host timestamp plus
+//! its process's place gives wall time, so spans of several processes (and files) line up.
+//! Device spans of an invocation with a `device_alignment` line are mapped through it onto the
+//! host axis first. Lines with a format version newer than [`TRACE_FORMAT_VERSION`] are refused with
 //! the file and line named.
 //!
 //! Files are streamed line by line (a trace of many steps is never held whole), a line longer
@@ -11,6 +15,7 @@
 //! a file may hold any value, and a bad one gives an error or a clamped time, never a panic.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -18,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use simpler_core::clock::ClockAnchor;
 use simpler_core::trace::{
-    Clock, DeviceClockAlignment, SpanRecord, TRACE_FORMAT_VERSION, TraceLine,
+    Clock, DeviceClockAlignment, ProcessClock, SpanRecord, TRACE_FORMAT_VERSION, TraceLine,
 };
 
 use crate::error::{DfxError, Result, io};
@@ -32,12 +37,52 @@ pub struct ProcessInfo {
     pub anchor: ClockAnchor,
     /// File the anchor came from.
     pub file: PathBuf,
+    /// Its `process` line (host clock, rank), if it wrote one.
+    pub clock: Option<ProcessClock>,
+    /// Wall-clock ns of its monotonic zero on the merged axis.
+    pub zero_wall_ns: i128,
+    /// How its axis was placed on the merged one.
+    pub alignment: ClockAlignment,
+}
+
+impl ProcessInfo {
+    /// Its rank, if its `process` line named one.
+    pub fn rank(&self) -> Option<u32> {
+        self.clock.as_ref().and_then(|c| c.rank)
+    }
+
+    /// `rank 1 (chip 1, pid 4242)`, or `pid 4242` for a process that named no rank.
+    pub fn display_name(&self) -> String {
+        let role = self.clock.as_ref().and_then(|c| c.role.as_deref());
+        match (self.rank(), role) {
+            (Some(r), Some(role)) => format!("rank {r} ({role}, pid {})", self.pid),
+            (Some(r), None) => format!("rank {r} (pid {})", self.pid),
+            (None, Some(role)) => format!("{role} (pid {})", self.pid),
+            (None, None) => format!("pid {}", self.pid),
+        }
+    }
+}
+
+/// How a process's axis was placed on the merged axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClockAlignment {
+    /// Through its host's monotonic clock, onto the axis of process `reference` (the first
+    /// process of the same boot id; itself for that one), within `uncertainty_ns`.
+    Monotonic {
+        /// Index into [`Trace::processes`].
+        reference: usize,
+        /// Half-width of the interval holding the true offset to `reference`.
+        uncertainty_ns: u64,
+    },
+    /// By its own wall-clock anchor (no `process` line, or the reference of another host):
+    /// as good as the wall clocks' agreement, which the files cannot tell.
+    Wall,
 }
 
 /// How a span's start was placed on the wall-clock axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
-    /// A host span: anchor + `ts_ns`, exact.
+    /// A host span: its process's zero on the merged axis + `ts_ns`.
     Host,
     /// A device span mapped through its invocation's alignment, within `uncertainty_ns`.
     Device {
@@ -59,6 +104,9 @@ pub struct AlignedSpan {
     pub wall_ns: u64,
     /// How `wall_ns` was obtained.
     pub placement: Placement,
+    /// Start on its process's axis (device spans mapped onto it); `wall_ns` is this plus the
+    /// process's `zero_wall_ns`.
+    host_ns: i128,
 }
 
 impl AlignedSpan {
@@ -165,10 +213,37 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                             pid: anchor.pid,
                             anchor,
                             file: path.to_path_buf(),
+                            clock: None,
+                            zero_wall_ns: anchor.wall_ns as i128,
+                            alignment: ClockAlignment::Wall,
                         });
                         trace.processes.len() - 1
                     });
                 current.insert(anchor.pid, idx);
+            }
+            TraceLine::Process(clock) => {
+                let process = *current
+                    .get(&clock.pid)
+                    .ok_or_else(|| DfxError::MissingAnchor {
+                        path: path.to_path_buf(),
+                        line: line_no,
+                        pid: clock.pid,
+                    })?;
+                if let Some(why) = refused_rank(&clock) {
+                    return Err(invalid(line_no, why));
+                }
+                match &trace.processes[process].clock {
+                    Some(known) if *known != clock => {
+                        return Err(invalid(
+                            line_no,
+                            format!(
+                                "a second, different process line for pid {} under one anchor",
+                                clock.pid
+                            ),
+                        ));
+                    }
+                    _ => trace.processes[process].clock = Some(clock),
+                }
             }
             TraceLine::Span(span) => {
                 let process = *current
@@ -187,6 +262,7 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                     process,
                     wall_ns: 0,
                     placement,
+                    host_ns: 0,
                 });
             }
             TraceLine::DeviceAlignment {
@@ -204,8 +280,7 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
         }
     }
     for s in &mut trace.spans[first_span..] {
-        let anchor = trace.processes[s.process].anchor.wall_ns as i128;
-        let host: i128 = match s.span.clock {
+        s.host_ns = match s.span.clock {
             Clock::Host => s.span.ts_ns as i128,
             Clock::Device => match alignments.get(&(s.process, s.span.inv)) {
                 Some(a) => {
@@ -217,9 +292,159 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                 None => s.span.ts_ns as i128,
             },
         };
-        s.wall_ns = (anchor + host).clamp(0, u64::MAX as i128) as u64;
     }
+    // A later file may add a process of an earlier one's host: place everything again.
+    align(trace);
     Ok(())
+}
+
+/// Most ranks a `process` line may name (a bound for the tables built per rank).
+pub const MAX_RANKS: u32 = 1 << 16;
+
+/// Why a `process` line's rank fields are refused, if they are.
+fn refused_rank(c: &ProcessClock) -> Option<String> {
+    match (c.rank, c.ranks) {
+        (_, Some(n)) if n == 0 || n > MAX_RANKS => {
+            Some(format!("ranks {n} is not between 1 and {MAX_RANKS}"))
+        }
+        (Some(r), Some(n)) if r >= n => Some(format!("rank {r} is not below ranks {n}")),
+        (Some(r), None) if r >= MAX_RANKS => Some(format!("rank {r} is not below {MAX_RANKS}")),
+        _ => None,
+    }
+}
+
+/// Places every process's axis on the merged one (see the module header) and every span on it.
+fn align(trace: &mut Trace) {
+    let mut reference: HashMap<String, usize> = HashMap::new();
+    for i in 0..trace.processes.len() {
+        let p = &trace.processes[i];
+        let (zero, alignment) = match p.clock.as_ref().filter(|c| !c.boot_id.is_empty()) {
+            Some(c) => {
+                let r = *reference.entry(c.boot_id.clone()).or_insert(i);
+                let rp = &trace.processes[r];
+                let rc = rp.clock.as_ref().expect("a reference has a clock line");
+                let uncertainty_ns = if r == i {
+                    0
+                } else {
+                    c.uncertainty_ns.saturating_add(rc.uncertainty_ns)
+                };
+                (
+                    rp.anchor.wall_ns as i128 + c.mono_ns as i128 - rc.mono_ns as i128,
+                    ClockAlignment::Monotonic {
+                        reference: r,
+                        uncertainty_ns,
+                    },
+                )
+            }
+            None => (p.anchor.wall_ns as i128, ClockAlignment::Wall),
+        };
+        let p = &mut trace.processes[i];
+        p.zero_wall_ns = zero;
+        p.alignment = alignment;
+    }
+    for s in &mut trace.spans {
+        let zero = trace.processes[s.process].zero_wall_ns;
+        s.wall_ns = (zero + s.host_ns).clamp(0, u64::MAX as i128) as u64;
+    }
+}
+
+impl Trace {
+    /// Adds a process known from another kind of file (a swimlane file's anchor and `process`
+    /// line) and places every process again; returns its index. A `process` line whose rank
+    /// fields are impossible is refused, naming `file`.
+    pub fn add_process(
+        &mut self,
+        anchor: ClockAnchor,
+        clock: Option<ProcessClock>,
+        file: &Path,
+    ) -> Result<usize> {
+        if let Some(why) = clock.as_ref().and_then(refused_rank) {
+            return Err(DfxError::Invalid {
+                path: file.to_path_buf(),
+                line: 0,
+                what: why,
+            });
+        }
+        self.processes.push(ProcessInfo {
+            pid: anchor.pid,
+            anchor,
+            file: file.to_path_buf(),
+            clock,
+            zero_wall_ns: anchor.wall_ns as i128,
+            alignment: ClockAlignment::Wall,
+        });
+        align(self);
+        Ok(self.processes.len() - 1)
+    }
+
+    /// How the processes' clocks were aligned, and how well, in a few lines: per host (boot
+    /// id), how many processes share its monotonic clock, the largest uncertainty of that
+    /// alignment, and how far their wall-clock anchors disagree with it (what a merge by wall
+    /// clock alone would have been off by); then the processes placed by wall clock only.
+    /// Empty for a single process.
+    pub fn clock_summary(&self) -> String {
+        let mut out = String::new();
+        if self.processes.len() < 2 {
+            return out;
+        }
+        let mut hosts: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut wall_only = 0;
+        for (i, p) in self.processes.iter().enumerate() {
+            match p.alignment {
+                ClockAlignment::Monotonic { reference, .. } => {
+                    match hosts.iter_mut().find(|(r, _)| *r == reference) {
+                        Some((_, members)) => members.push(i),
+                        None => hosts.push((reference, vec![i])),
+                    }
+                }
+                ClockAlignment::Wall => wall_only += 1,
+            }
+        }
+        for (r, members) in &hosts {
+            let boot = self.processes[*r]
+                .clock
+                .as_ref()
+                .map_or("", |c| c.boot_id.as_str());
+            let worst = members
+                .iter()
+                .map(|&i| match self.processes[i].alignment {
+                    ClockAlignment::Monotonic { uncertainty_ns, .. } => uncertainty_ns,
+                    ClockAlignment::Wall => 0,
+                })
+                .max()
+                .unwrap_or(0);
+            let wall_gap = members
+                .iter()
+                .map(|&i| {
+                    let p = &self.processes[i];
+                    (p.anchor.wall_ns as i128 - p.zero_wall_ns).unsigned_abs()
+                })
+                .max()
+                .unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "clocks: {} processes of host boot {} aligned on its CLOCK_MONOTONIC within ±{} ns (their wall-clock anchors are off that by up to {:.1} µs)",
+                members.len(),
+                boot.get(..8).unwrap_or(boot),
+                worst,
+                wall_gap as f64 / 1e3
+            );
+        }
+        if hosts.len() > 1 {
+            let _ = writeln!(
+                out,
+                "clocks: the {} hosts are placed against each other by their first processes' wall clocks (as good as the hosts' clock synchronisation)",
+                hosts.len()
+            );
+        }
+        if wall_only > 0 {
+            let _ = writeln!(
+                out,
+                "clocks: {wall_only} processes wrote no process line and are placed by their wall-clock anchors only"
+            );
+        }
+        out
+    }
 }
 
 /// Just the version of a line, to explain a line that does not parse.

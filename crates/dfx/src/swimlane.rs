@@ -12,7 +12,10 @@ use crate::blocks::{
     TaskTimes, dispatch_finish, has_sched_times, signed_diff, task_name, task_times,
 };
 use crate::deps::kernel_label;
+use crate::diag::SwimlaneClock;
+use crate::error::{DfxError, Result};
 use crate::perfetto::{PerfettoTrace, ns_to_us};
+use crate::reader::Trace;
 use crate::stats::us;
 
 const PID: u32 = 1;
@@ -263,6 +266,80 @@ fn origin(r: &SwimlaneRecords) -> u64 {
         .chain(queue)
         .min()
         .unwrap_or(0)
+}
+
+/// One rank's swimlane, for a merged view of several ranks.
+pub struct RankSwimlane<'a> {
+    /// Its file (named in errors and in the view).
+    pub path: &'a std::path::Path,
+    /// Its records.
+    pub records: &'a SwimlaneRecords,
+    /// Its dependency graph, if any (fingerprint already checked against the records).
+    pub deps: Option<&'a DepGraph>,
+    /// Where its times lie ([`crate::diag::read_swimlane_clock`]).
+    pub clock: SwimlaneClock,
+}
+
+/// Several ranks' swimlanes in one Perfetto document: one process per rank (named `rank r
+/// (role, pid)` and ordered by rank) with its orchestrator, scheduler and per-core lanes,
+/// all on one axis (placed as trace files are: through the host's monotonic clock where the
+/// files share a boot id, else by wall clock; `otherData.clock_alignment` says which and how
+/// well). Returns the document and the clock summary. A file without an anchor (written
+/// before files carried one) cannot be placed and is refused, naming it.
+pub fn ranks_to_perfetto(ranks: &[RankSwimlane<'_>]) -> Result<(PerfettoTrace, String)> {
+    let mut trace = Trace::default();
+    let mut zero = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        let anchor = r.clock.anchor.ok_or_else(|| DfxError::Invalid {
+            path: r.path.to_path_buf(),
+            line: 0,
+            what: "no `anchor`: this swimlane file cannot be placed among other ranks' (record it again)".into(),
+        })?;
+        let i = trace.add_process(anchor, r.clock.process.clone(), r.path)?;
+        zero.push(i);
+    }
+    // Each file's origin on the merged axis.
+    let starts: Vec<i128> = ranks
+        .iter()
+        .zip(&zero)
+        .map(|(r, &i)| trace.processes[i].zero_wall_ns + origin(r.records) as i128)
+        .collect();
+    let first = starts.iter().copied().min().unwrap_or(0);
+    let mut out = PerfettoTrace::default();
+    let mut dropped = 0u64;
+    let mut fingerprints = Vec::new();
+    for (k, r) in ranks.iter().enumerate() {
+        let p = &trace.processes[zero[k]];
+        let pid = PID + k as u32;
+        let shift_us = (starts[k] - first) as f64 / 1e3;
+        let one = to_perfetto(r.records, r.deps);
+        for mut e in one.events {
+            e.pid = pid;
+            if e.ph == "M" {
+                if e.name == "process_name" {
+                    let inner = e.args["name"].as_str().unwrap_or_default().to_string();
+                    e.args.insert(
+                        "name".into(),
+                        format!("{}: {inner}", p.display_name()).into(),
+                    );
+                }
+            } else {
+                e.ts += shift_us;
+            }
+            // Flow ids are unique per file; keep them apart between files.
+            e.id = e.id.map(|id| id | ((k as u64) << 40));
+            out.events.push(e);
+        }
+        out.process_sort_index(pid, p.rank().map_or(k as u64, u64::from));
+        dropped = dropped.saturating_add(r.records.dropped);
+        fingerprints.push(Value::from(r.records.fingerprint.clone()));
+    }
+    let clocks = trace.clock_summary();
+    out.other.insert("dropped_records".into(), dropped.into());
+    out.other.insert("fingerprints".into(), fingerprints.into());
+    out.other
+        .insert("clock_alignment".into(), clocks.clone().into());
+    Ok((out, clocks))
 }
 
 /// The Perfetto document: orchestrator lane (submits), scheduler lanes (phases) with one

@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use simpler_core::trace::AttrValue;
 
-use crate::bench_stats::Summary;
+use crate::bench_stats::{self, Summary};
 use crate::reader::{AlignedSpan, Trace};
 use crate::stats::{self, us};
 
@@ -235,9 +235,21 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             "Round", "Pid", "Inv", "Host", "Device", "Effective", "Orch", "Sched"
         );
         let rows: Vec<Round> = g.invs.iter().map(|i| round(trace, i)).collect();
+        // The warm-up is each process's first `warmup` invocations (with one process: the
+        // first rows).
+        let mut seen: HashMap<usize, usize> = HashMap::new();
+        let warm: Vec<bool> = g
+            .invs
+            .iter()
+            .map(|i| {
+                let k = seen.entry(i.process).or_insert(0);
+                *k += 1;
+                *k <= warmup
+            })
+            .collect();
         let cell = |v: Option<u64>| v.map_or("-".to_string(), |v| us(v as f64));
         for (k, r) in rows.iter().enumerate() {
-            let mark = if k < warmup { " (warm-up)" } else { "" };
+            let mark = if warm[k] { " (warm-up)" } else { "" };
             let _ = writeln!(
                 out,
                 "{:>6} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}{mark}",
@@ -258,7 +270,12 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             ("Orch", |r| r.orch),
             ("Sched", |r| r.sched),
         ];
-        let measured = &rows[warmup.min(rows.len())..];
+        let measured: Vec<Round> = rows
+            .iter()
+            .zip(&warm)
+            .filter(|(_, w)| !**w)
+            .map(|(r, _)| *r)
+            .collect();
         let _ = writeln!(
             out,
             "summary of {} rounds ({} warm-up excluded), µs:",
@@ -297,9 +314,85 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             }
             out.push('\n');
         }
+        if let Some(m) = multi_rank(trace, &g, warmup) {
+            out.push_str(&m);
+        }
         out.push('\n');
     }
     out
+}
+
+/// The ranks of a callable's invocations joined per round, as the benchmarks do for several
+/// ranks (`docs/trace-format.md`): round `k` is every rank's invocation `inv = k`; per round
+/// the slowest rank's effective time (its `run` where it has no `orch`/`sched`) is
+/// `effective_us`, the fastest's `fast_effective_us`, and a round some rank lacks is dropped
+/// (`valid_rounds`). `None` unless the invocations come from at least two ranked processes.
+pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<String> {
+    let mut by_rank: BTreeMap<u32, BTreeMap<u64, f64>> = BTreeMap::new();
+    let mut ranks_said = 0u32;
+    for inv in &g.invs {
+        let p = &trace.processes[inv.process];
+        let rank = p.rank()?;
+        ranks_said = ranks_said.max(p.clock.as_ref().and_then(|c| c.ranks).unwrap_or(0));
+        let r = round(trace, inv);
+        if let Some(v) = r.effective.or(r.host) {
+            by_rank
+                .entry(rank)
+                .or_default()
+                .insert(inv.inv, v as f64 / 1e3);
+        }
+    }
+    if by_rank.len() < 2 {
+        return None;
+    }
+    // Ranks the files said exist, even those that recorded nothing of this callable.
+    let n = (ranks_said as usize).max(*by_rank.keys().max()? as usize + 1);
+    let invs: std::collections::BTreeSet<u64> =
+        by_rank.values().flat_map(|m| m.keys().copied()).collect();
+    let missing: Vec<u32> = (0..n as u32).filter(|r| !by_rank.contains_key(r)).collect();
+    if !missing.is_empty() {
+        // Every round lacks these ranks.
+        return Some(format!(
+            "{n} ranks: valid_rounds=0/{} (ranks {missing:?} recorded no invocation of this callable)\n",
+            invs.len().saturating_sub(warmup)
+        ));
+    }
+    if invs.len().saturating_mul(n) > 1 << 24 {
+        return Some(format!(
+            "{n} ranks × {} rounds: too many to join per round here\n",
+            invs.len()
+        ));
+    }
+    let rounds: Vec<Vec<Option<f64>>> = invs
+        .iter()
+        .map(|k| {
+            (0..n as u32)
+                .map(|r| by_rank.get(&r).and_then(|m| m.get(k)).copied())
+                .collect()
+        })
+        .collect();
+    let m = bench_stats::combine_ranks(&rounds, n, warmup);
+    let mut out = format!(
+        "{n} ranks, rounds joined by invocation number (per round: slowest rank = effective_us, fastest = fast_effective_us):\n"
+    );
+    if m.valid_rounds == 0 {
+        let _ = writeln!(out, "valid_rounds=0/{} (no round has every rank)", m.rounds);
+    } else {
+        out.push_str(&bench_stats::format_multi_rank(&m, warmup));
+        out.push('\n');
+    }
+    for (r, vals) in &by_rank {
+        let v: Vec<f64> = vals.values().copied().skip(warmup).collect();
+        if !v.is_empty() {
+            let s = Summary::of(&v);
+            let _ = writeln!(
+                out,
+                "rank {r}: n={} median={:.2} min={:.2} max={:.2} µs",
+                s.n, s.median, s.min, s.max
+            );
+        }
+    }
+    Some(out)
 }
 
 /// `--tree`: per callable, the median start offset (from `run`'s start) and duration of each

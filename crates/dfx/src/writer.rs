@@ -8,11 +8,12 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use serde::Serialize;
 use simpler_core::RunReport;
 use simpler_core::clock::ClockAnchor;
-use simpler_core::trace::{DeviceClockAlignment, SpanRecord, TraceLine};
+use simpler_core::trace::{DeviceClockAlignment, ProcessClock, SpanRecord, TraceLine};
 
 use crate::error::{DfxError, Result, io};
 
@@ -37,6 +38,7 @@ pub struct TraceWriter<W: Write = File> {
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum LineRef<'a> {
     Anchor(&'a ClockAnchor),
+    Process(&'a ProcessClock),
     Span(&'a SpanRecord),
     DeviceAlignment {
         pid: u32,
@@ -45,11 +47,88 @@ enum LineRef<'a> {
     },
 }
 
+/// Which rank of a multi-process run this process is, for the `process` line of its traces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessRole {
+    /// This process's rank.
+    pub rank: u32,
+    /// Number of ranks.
+    pub ranks: u32,
+    /// What it is (`chip 1`, `mpi rank 3`).
+    pub role: String,
+}
+
+static ROLE: OnceLock<ProcessRole> = OnceLock::new();
+
+/// Names this process's rank in every trace it writes from now on (a node's chip, an `mpirun`
+/// rank). Set once; a second call with a different role is refused (returns the role already
+/// set), since one process has one rank.
+pub fn set_process_role(role: ProcessRole) -> std::result::Result<(), ProcessRole> {
+    let set = ROLE.get_or_init(|| role.clone());
+    if *set == role {
+        Ok(())
+    } else {
+        Err(set.clone())
+    }
+}
+
+/// `CLOCK_MONOTONIC` in ns.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// This process's place on the host's monotonic clock (and its rank, if set).
+///
+/// The process axis is `Instant`-based, which on Linux reads `CLOCK_MONOTONIC`: one clock read
+/// between two axis reads gives the axis' zero on that clock, to within half the bracket
+/// (the narrowest of a few tries). The boot id says which hosts' (boots') clocks are one.
+pub fn this_process_clock() -> ProcessClock {
+    static BASE: OnceLock<(String, u64, u64)> = OnceLock::new();
+    let (boot_id, mono_ns, uncertainty_ns) = BASE
+        .get_or_init(|| {
+            let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default();
+            let (mut best, mut zero) = (u64::MAX, 0);
+            for _ in 0..5 {
+                let a = simpler_core::clock::now_ns();
+                let m = monotonic_ns();
+                let b = simpler_core::clock::now_ns();
+                if b - a < best {
+                    best = b - a;
+                    zero = m.saturating_sub(a + (b - a) / 2);
+                }
+            }
+            (boot_id, zero, best / 2 + 1)
+        })
+        .clone();
+    let role = ROLE.get();
+    ProcessClock {
+        pid: std::process::id(),
+        boot_id,
+        mono_ns,
+        uncertainty_ns,
+        rank: role.map(|r| r.rank),
+        ranks: role.map(|r| r.ranks),
+        role: role.map(|r| r.role.clone()),
+    }
+}
+
 impl TraceWriter<File> {
     /// Opens `path` for appending (creating it and its directory if needed) and writes this
-    /// process's anchor line.
+    /// process's anchor line and its `process` line (host clock and rank).
     pub fn append(path: impl AsRef<Path>) -> Result<TraceWriter<File>> {
-        TraceWriter::append_with_anchor(path, ClockAnchor::process())
+        let mut w = TraceWriter::append_with_anchor(path, ClockAnchor::process())?;
+        w.process_clock(&this_process_clock())?;
+        Ok(w)
     }
 
     /// Like [`TraceWriter::append`] with an explicit anchor (tests, replays).
@@ -119,6 +198,12 @@ impl<W: Write> TraceWriter<W> {
         self.spans(&spans)
     }
 
+    /// Appends a process's host clock and rank (what [`TraceWriter::append`] writes after the
+    /// anchor; an explicit one for tests and replays).
+    pub fn process_clock(&mut self, clock: &ProcessClock) -> Result<()> {
+        self.line(&LineRef::Process(clock))
+    }
+
     /// Appends the device clock alignment of one invocation.
     pub fn device_alignment(
         &mut self,
@@ -137,6 +222,7 @@ impl<W: Write> TraceWriter<W> {
     pub fn trace_line(&mut self, line: &TraceLine) -> Result<()> {
         match line {
             TraceLine::Anchor(a) => self.line(&LineRef::Anchor(a)),
+            TraceLine::Process(p) => self.line(&LineRef::Process(p)),
             TraceLine::Span(s) => self.line(&LineRef::Span(s)),
             TraceLine::DeviceAlignment {
                 pid,

@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::{message, reduce_input};
 use simpler_node::{
     CollectiveError, Collectives, MpiCollectives, ReduceOp, ReduceType, exchange_counts,
+    mpirun_command, under_mpirun,
 };
 
 fn rank_main() {
@@ -71,22 +70,13 @@ fn rank_main() {
 }
 
 fn main() {
-    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() || std::env::var_os("PMI_SIZE").is_some()
-    {
+    if under_mpirun() {
         rank_main();
         return;
     }
     let exe = std::env::current_exe().unwrap();
     for ranks in [2, 4] {
-        let mut cmd = Command::new("mpirun");
-        // Ranks may outnumber cores here; root (CI containers) must be allowed explicitly.
-        cmd.args(["--oversubscribe", "-np", &ranks.to_string()]);
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            cmd.arg("--allow-run-as-root");
-        }
-        let status = cmd
-            .arg(&exe)
+        let status = mpirun_command(ranks, &exe)
             .status()
             .expect("mpirun (Debian: openmpi-bin) runs");
         assert!(status.success(), "mpirun -np {ranks}: {status}");

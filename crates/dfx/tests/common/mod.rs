@@ -195,7 +195,9 @@ pub(crate) fn check_trace_events(doc: &Value) -> Vec<Value> {
                         assert!(e["args"]["name"].is_string(), "{e}");
                         thread_names.insert((pid, tid));
                     }
-                    "thread_sort_index" => assert!(e["args"]["sort_index"].is_number(), "{e}"),
+                    "thread_sort_index" | "process_sort_index" => {
+                        assert!(e["args"]["sort_index"].is_number(), "{e}")
+                    }
                     other => panic!("unexpected metadata {other}"),
                 }
             }
