@@ -1,0 +1,9 @@
+//! The platform on the CUDA driver (feature `cuda`).
+
+mod device;
+mod nvrtc;
+mod qwen3;
+
+pub use device::{CudaDevice, CudaPlatform, DeviceBuffer, probe};
+pub use nvrtc::{compile_cubin, compile_modules, nvrtc_version};
+pub use qwen3::{Qwen3Decoder, read_bandwidth};
