@@ -35,8 +35,13 @@ pub use stub::{
     nvrtc_version, probe, read_bandwidth,
 };
 
+/// Compiled kernel modules: each source with its cubin.
+pub type CompiledModules = Vec<(simpler_kernels_cuda::KernelSource, Vec<u8>)>;
+
 /// Whether this build has the CUDA platform (the `cuda` feature).
-pub const COMPILED: bool = cfg!(feature = "cuda");
+pub fn compiled() -> bool {
+    cfg!(feature = "cuda")
+}
 
 /// What a device is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,7 +124,9 @@ impl DecodeShape {
         if let Some((f, _)) = nonzero.iter().find(|(_, v)| *v == 0) {
             return Err(CudaError::invalid(f, "must be at least 1"));
         }
-        if self.head_dim % 32 != 0 || self.head_dim > simpler_kernels_cuda::ATTN_MAX_HEAD_DIM {
+        if !self.head_dim.is_multiple_of(32)
+            || self.head_dim > simpler_kernels_cuda::ATTN_MAX_HEAD_DIM
+        {
             return Err(CudaError::invalid(
                 "head_dim",
                 format!(
@@ -129,7 +136,7 @@ impl DecodeShape {
                 ),
             ));
         }
-        if self.heads % self.kv_heads != 0
+        if !self.heads.is_multiple_of(self.kv_heads)
             || self.heads / self.kv_heads > simpler_kernels_cuda::ATTN_MAX_GROUP
         {
             return Err(CudaError::invalid(
@@ -147,7 +154,7 @@ impl DecodeShape {
             ("intermediate", self.intermediate),
             ("heads * head_dim", self.heads * self.head_dim),
         ] {
-            if k % 8 != 0 {
+            if !k.is_multiple_of(8) {
                 return Err(CudaError::invalid(f, format!("{k} is not a multiple of 8")));
             }
         }
@@ -297,4 +304,141 @@ pub struct StepTiming {
     pub host_wall: Duration,
     /// Device time between the start and end events.
     pub device: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3-14B at batch 16, context 3500 (pages of 128).
+    fn q14b() -> DecodeShape {
+        DecodeShape {
+            hidden: 5120,
+            heads: 40,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 17408,
+            layers: 40,
+            vocab: 151_936,
+            rms_norm_eps: 1e-6,
+            batch: 16,
+            page_size: 128,
+            max_blocks: 28,
+            pages: 16 * 28,
+            rope_positions: 3584,
+        }
+    }
+
+    #[test]
+    fn shapes_the_kernels_cannot_take_are_refused_by_field() {
+        assert!(q14b().validate().is_ok());
+        let field = |s: DecodeShape| match s.validate() {
+            Err(CudaError::Invalid { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(DecodeShape { batch: 0, ..q14b() }), "batch");
+        assert_eq!(
+            field(DecodeShape {
+                head_dim: 100,
+                ..q14b()
+            }),
+            "head_dim"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                head_dim: 512,
+                ..q14b()
+            }),
+            "head_dim"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                kv_heads: 3,
+                ..q14b()
+            }),
+            "heads"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                kv_heads: 2,
+                ..q14b()
+            }),
+            "heads"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                hidden: 5124,
+                ..q14b()
+            }),
+            "hidden"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                rms_norm_eps: 0.0,
+                ..q14b()
+            }),
+            "rms_norm_eps"
+        );
+        assert_eq!(
+            field(DecodeShape {
+                pages: usize::MAX / 2,
+                ..q14b()
+            }),
+            "pages"
+        );
+    }
+
+    /// The byte counts of the benchmark: Qwen3-14B streams ~26.4 GB of weights per step
+    /// besides the embedding table (the spec's figure); the KV term is 2 (K, V) × 2 bytes ×
+    /// 1024 (kv width) per token per layer.
+    #[test]
+    fn qwen3_14b_byte_counts() {
+        let s = q14b();
+        let w = s.weight_bytes() as f64 / 1e9;
+        assert!((w - 27.2).abs() < 0.9, "{w} GB");
+        let per_token_layer = 2 * 2 * 1024;
+        assert_eq!(s.kv_bytes(&[3500]), 40 * 3501 * per_token_layer);
+        assert!(s.device_bytes() > s.weight_bytes());
+    }
+
+    #[test]
+    fn decode_splits_fill_the_device_and_keep_chunks_whole() {
+        let s = q14b();
+        // 132 SMs: 16 sequences x 8 KV heads = 128 blocks per split; two splits fill twice.
+        assert_eq!(s.decode_splits(132), 3);
+        let one = DecodeShape {
+            batch: 1,
+            max_blocks: 4,
+            ..s
+        };
+        // 264 / 8 = 33 wanted, capped at 512 / 32 = 16 chunks of 32 tokens.
+        assert_eq!(one.decode_splits(132), 16);
+        let short = DecodeShape {
+            batch: 1,
+            page_size: 16,
+            max_blocks: 1,
+            ..s
+        };
+        assert_eq!(short.decode_splits(132), 1);
+    }
+
+    #[test]
+    fn without_the_feature_every_entry_point_says_so() {
+        if compiled() {
+            return;
+        }
+        let e = probe(0).unwrap_err();
+        assert!(matches!(e, CudaError::NotCompiled));
+        assert!(
+            e.to_string().contains("not compiled with CUDA support"),
+            "{e}"
+        );
+        assert!(matches!(CudaPlatform::new(0), Err(CudaError::NotCompiled)));
+        assert!(matches!(nvrtc_version(), Err(CudaError::NotCompiled)));
+        let cache = KernelCache::new(std::env::temp_dir());
+        assert!(matches!(
+            CudaDevice::open(0, &cache),
+            Err(CudaError::NotCompiled)
+        ));
+    }
 }

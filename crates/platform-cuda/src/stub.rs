@@ -8,7 +8,7 @@ use half::bf16;
 use simpler_kernels_cuda::KernelSource;
 
 use crate::cache::{CompileReport, KernelCache};
-use crate::{CudaError, DecodeShape, DeviceInfo, HostModel, StepTiming};
+use crate::{CompiledModules, CudaError, DecodeShape, DeviceInfo, HostModel, StepTiming};
 
 /// Always [`CudaError::NotCompiled`].
 pub fn probe(_ordinal: usize) -> Result<DeviceInfo, CudaError> {
@@ -25,15 +25,12 @@ pub fn compile_cubin(_module: &str, _source: &str, _arch: &str) -> Result<Vec<u8
     Err(CudaError::NotCompiled)
 }
 
-/// The output of [`compile_modules`]: each module with its cubin, and the report.
-type Compiled = (Vec<(KernelSource, Vec<u8>)>, CompileReport);
-
 /// Always [`CudaError::NotCompiled`].
 pub fn compile_modules(
     _cache: &KernelCache,
     _sources: &[KernelSource],
     _arch: &str,
-) -> Result<Compiled, CudaError> {
+) -> Result<(CompiledModules, CompileReport), CudaError> {
     Err(CudaError::NotCompiled)
 }
 

@@ -6,8 +6,8 @@ use std::ffi::{CString, c_char, c_int};
 use cudarc::nvrtc::{result, sys};
 use simpler_kernels_cuda::KernelSource;
 
-use crate::CudaError;
 use crate::cache::{CacheKey, CompileReport, KernelCache};
+use crate::{CompiledModules, CudaError};
 
 /// Options every module is compiled with (besides the architecture).
 pub(crate) const OPTIONS: &[&str] = &["--std=c++17", "--fmad=true"];
@@ -104,7 +104,7 @@ pub fn compile_modules(
     cache: &KernelCache,
     sources: &[KernelSource],
     arch: &str,
-) -> Result<(Vec<(KernelSource, Vec<u8>)>, CompileReport), CudaError> {
+) -> Result<(CompiledModules, CompileReport), CudaError> {
     let version = nvrtc_version()?;
     let start = std::time::Instant::now();
     let mut report = CompileReport {
