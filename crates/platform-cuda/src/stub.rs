@@ -44,6 +44,7 @@ pub fn read_bandwidth(
 }
 
 /// A device (never made in this build).
+#[derive(Clone)]
 pub struct CudaDevice(Infallible);
 
 impl CudaDevice {

@@ -61,10 +61,12 @@ fn describe(ctx: &Arc<CudaContext>) -> Result<DeviceInfo, CudaError> {
 }
 
 /// One device: its context, one stream, and every kernel of `simpler-kernels-cuda` loaded.
+/// Clones share all of it.
+#[derive(Clone)]
 pub struct CudaDevice {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: Arc<HashMap<&'static str, CudaFunction>>,
     info: DeviceInfo,
 }
 
@@ -101,7 +103,7 @@ impl CudaDevice {
             CudaDevice {
                 ctx,
                 stream,
-                functions,
+                functions: Arc::new(functions),
                 info,
             },
             report,
