@@ -23,7 +23,8 @@ use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, WeightForma
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{
-    DecodeCase, ModelArgs, TileArgs, describe_weights, load_weights, upload, upload_keeping,
+    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_weights,
+    upload, upload_keeping,
 };
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
@@ -79,6 +80,15 @@ pub(crate) struct DecodeBenchArgs {
     /// outside kernels (the median is reported: one step's share varies with host noise).
     #[arg(long, default_value_t = 5)]
     outside_steps: usize,
+    /// Replay a captured graph for every step after the first (`on`), or run the
+    /// orchestration for every step (`off`); the report says which ran.
+    #[arg(long, value_enum, default_value_t = Replay::On)]
+    replay: Replay,
+    /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
+    /// process: interleaved A B B A .. step times (B/A of the medians with its 95% interval),
+    /// and the outside-kernel share and orchestration span of interleaved recorded steps.
+    #[arg(long)]
+    versus_replay: bool,
     #[command(flatten)]
     tiles: TileArgs,
     #[command(flatten)]
@@ -287,6 +297,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         case.fill_kv(&c, &kv)?;
         let mut session = Session::new(&worker, model.clone(), kv);
         args.tiles.apply(&mut session);
+        session.replay = args.replay.on();
         session.read_logits = false;
         let mut samples = Vec::new();
         let mut last = None;
@@ -388,6 +399,34 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
         if let Some(line) = median_step.and_then(largest_idle_boundaries) {
             println!("{line}");
+        }
+        println!(
+            "  {}",
+            describe_graphs(
+                args.replay,
+                last.iter().chain(recorded.iter().map(|r| &r.1))
+            )
+        );
+        if args.versus_replay {
+            let v = ab_replay(
+                &mut session,
+                &case,
+                &worker,
+                &cfg,
+                args.rounds,
+                args.warmup,
+                args.outside_steps.max(1),
+            )?;
+            println!(
+                "  replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            print_indented(&format_compare(
+                "step_ms",
+                "replay",
+                "orchestrated",
+                &v.step,
+            ));
+            println!("{}", v.describe());
         }
         if args.trace_overhead {
             let path = std::env::temp_dir().join(format!(
@@ -569,6 +608,96 @@ fn ab_steps(
         return Err(e);
     }
     Ok(compare(&pairs.a, &pairs.b))
+}
+
+/// Replayed against orchestrated steps of one session.
+struct ReplayCompare {
+    step: Comparison,
+    /// Outside-kernel shares of interleaved recorded steps: replayed, orchestrated.
+    outside: [Vec<f64>; 2],
+    /// Orchestration spans (us) of the same steps.
+    orch_us: [Vec<f64>; 2],
+}
+
+impl ReplayCompare {
+    fn describe(&self) -> String {
+        let med = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            (
+                v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+                v.first().copied().unwrap_or(f64::NAN),
+                v.last().copied().unwrap_or(f64::NAN),
+            )
+        };
+        let (ra, la, ha) = med(&self.outside[0]);
+        let (rb, lb, hb) = med(&self.outside[1]);
+        let (oa, _, _) = med(&self.orch_us[0]);
+        let (ob, _, _) = med(&self.orch_us[1]);
+        format!(
+            "    outside kernels (interleaved recorded steps, {} each, median [range]): replay {:.2}% [{:.2}..{:.2}], orchestrated {:.2}% [{:.2}..{:.2}]\n    orchestration span (median): replay {oa:.0} us (the submission loop), orchestrated {ob:.0} us",
+            self.outside[0].len(),
+            100.0 * ra,
+            100.0 * la,
+            100.0 * ha,
+            100.0 * rb,
+            100.0 * lb,
+            100.0 * hb,
+        )
+    }
+}
+
+/// Interleaved replayed (A) and orchestrated (B) steps of `session`: step times, then the
+/// outside-kernel share and orchestration span of `recorded` interleaved pairs at swimlane
+/// level 1. The session's replay switch is restored.
+fn ab_replay(
+    session: &mut Session,
+    case: &DecodeCase,
+    worker: &Worker,
+    cfg: &CallConfig,
+    rounds: usize,
+    warmup: usize,
+    recorded: usize,
+) -> Result<ReplayCompare> {
+    let was = session.replay;
+    let failure = RefCell::new(None);
+    let session = RefCell::new(session);
+    let step = |replay: bool, cfg: &CallConfig| -> Option<(f64, RunReport)> {
+        let mut s = session.borrow_mut();
+        s.replay = replay;
+        let t = Instant::now();
+        match s.decode(worker, &case.batch, &case.tokens, cfg) {
+            Ok(out) => Some((t.elapsed().as_secs_f64() * 1e3, out.report)),
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(anyhow::Error::from(e));
+                None
+            }
+        }
+    };
+    let ms = |replay| step(replay, cfg).map_or(f64::NAN, |r| r.0);
+    let pairs = run_interleaved(rounds, warmup, || ms(true), || ms(false));
+    let sw_cfg = swimlane_config(cfg);
+    let reports = RefCell::new([Vec::new(), Vec::new()]);
+    let record = |replay: bool| {
+        if let Some((_, r)) = step(replay, &sw_cfg) {
+            reports.borrow_mut()[usize::from(!replay)].push(r);
+        }
+        0.0
+    };
+    run_interleaved(recorded, 0, || record(true), || record(false));
+    session.borrow_mut().replay = was;
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    let reports = reports.into_inner();
+    let of = |f: &dyn Fn(&RunReport) -> Option<f64>| {
+        [0, 1].map(|i| reports[i].iter().filter_map(f).collect::<Vec<f64>>())
+    };
+    Ok(ReplayCompare {
+        step: compare(&pairs.a, &pairs.b),
+        outside: of(&outside_kernels),
+        orch_us: of(&|r| Some(r.orch.us())),
+    })
 }
 
 /// Interleaved steps A B B A .. of two sessions (two weight formats) on the same case.

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
-use simpler_core::Worker;
+use simpler_core::{GraphMode, RunReport, Worker};
 use simpler_cpu::host_memory;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
@@ -195,6 +195,53 @@ impl ModelArgs {
         );
         Ok(())
     }
+}
+
+/// Whether decode steps replay a captured graph (`Session::replay`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Replay {
+    /// Capture the first step of each topology, replay the graph afterwards.
+    On,
+    /// Run the orchestration for every step.
+    Off,
+}
+
+impl Replay {
+    /// Whether replay is on.
+    pub(crate) fn on(self) -> bool {
+        self == Replay::On
+    }
+}
+
+/// One line saying how the steps' graphs came about: orchestrated, captured or replayed, with
+/// the median orchestration span of each kind (a replay's is its submission loop).
+pub(crate) fn describe_graphs<'a>(
+    replay: Replay,
+    reports: impl Iterator<Item = &'a RunReport>,
+) -> String {
+    let mut us: [Vec<f64>; 3] = Default::default();
+    for r in reports {
+        let kind = match r.graph {
+            GraphMode::Orchestrated => 0,
+            GraphMode::Captured { .. } => 1,
+            GraphMode::Replayed { .. } => 2,
+        };
+        us[kind].push(r.orch.us());
+    }
+    let parts: Vec<String> = ["orchestrated", "captured", "replayed"]
+        .iter()
+        .zip(&mut us)
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(name, v)| {
+            v.sort_by(f64::total_cmp);
+            format!("{} {name} (orch {:.0} us median)", v.len(), v[v.len() / 2])
+        })
+        .collect();
+    format!(
+        "graph: --replay {} -> {}",
+        if replay.on() { "on" } else { "off" },
+        parts.join(", ")
+    )
 }
 
 /// How steps are cut into tasks (defaults: the models crate's `TilePolicy`).

@@ -17,7 +17,10 @@ use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
 
 use crate::opts::{self, RunOpts};
-use crate::qwen3_cmd::{DecodeCase, ModelArgs, TileArgs, describe_weights, load_weights, upload};
+use crate::qwen3_cmd::{
+    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_weights,
+    upload,
+};
 
 /// What a decode step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -89,6 +92,10 @@ pub(crate) struct DecodeArgs {
     /// Seconds spent measuring this machine's bandwidth and FMA peak before the run.
     #[arg(long, default_value_t = 1.5)]
     pub(crate) membw_seconds: f64,
+    /// Replay a captured graph for the steps of one topology (`on`), or run the orchestration
+    /// for every step (`off`); the report says which ran.
+    #[arg(long, value_enum, default_value_t = Replay::On)]
+    pub(crate) replay: Replay,
     #[command(flatten)]
     pub(crate) tiles: TileArgs,
     #[command(flatten)]
@@ -254,6 +261,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     case.fill_kv(&c, &kv)?;
     let mut session = Session::new(&worker, model.clone(), kv);
     args.tiles.apply(&mut session);
+    session.replay = args.replay.on();
 
     println!(
         "simpler run qwen3-decode: {}, {} layers (hidden {}, heads {}/{}x{}, intermediate {}, vocab {}), variant {:?}",
@@ -394,6 +402,10 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         args.warmup,
         args.rounds,
         args.steps,
+    );
+    println!(
+        "  {}",
+        describe_graphs(args.replay, samples.iter().map(|s| &s.report))
     );
     Ok(())
 }

@@ -17,6 +17,7 @@ use crate::config::CallConfig;
 use crate::config::{OrchMode, RING_COUNT};
 use crate::diag::{Diagnostics, Fnv};
 use crate::error::{Error, ErrorCode, RunError};
+use crate::graph::{Capture, CaptureEnd, CapturedGraph, GraphMode, GraphShape};
 use crate::kernel::Registry;
 use crate::orch::Orchestrator;
 use crate::platform::Platform;
@@ -46,6 +47,20 @@ pub(crate) struct Job {
     pub(crate) args: RunArgs,
     pub(crate) cfg: CallConfig,
     pub(crate) result: Arc<JobResult>,
+    pub(crate) graph: JobGraph,
+}
+
+/// Whether a run records its graph or replays one.
+pub(crate) enum JobGraph {
+    /// An ordinary run.
+    Plain,
+    /// Record the graph under `shape`; a successful run leaves it in `out`.
+    Capture {
+        shape: GraphShape,
+        out: Arc<Mutex<Option<CapturedGraph>>>,
+    },
+    /// `f` replays this graph.
+    Replay(CapturedGraph),
 }
 
 /// What executing a run needs of its worker: the platform (for arenas), the core pool (to
@@ -60,6 +75,8 @@ pub(crate) struct ExecEnv<'a> {
     pub(crate) registry: Arc<Registry>,
     pub(crate) arena: &'a Mutex<Option<Arc<Arena>>>,
     pub(crate) warnings: &'a [String],
+    /// The worker's process-unique id (captured graphs replay only on their worker).
+    pub(crate) worker_id: u64,
 }
 
 /// Per-process invocation counter.
@@ -152,10 +169,23 @@ fn run_bound(
             (cursors, TensorMap::new(job.cfg.tensormap_capacity))
         }
     };
-    let diag = Diagnostics::new(job.cfg.dep_gen, job.cfg.swimlane, job.cfg.ring_stats);
+    // A replay records no dependency graph (it reports the captured one); a capture needs the
+    // topology fingerprint whatever the diagnostics switches say.
+    let replaying = matches!(job.graph, JobGraph::Replay(_));
+    let mut diag = Diagnostics::new(
+        job.cfg.dep_gen && !replaying,
+        job.cfg.swimlane,
+        job.cfg.ring_stats,
+    );
+    let capturing = matches!(job.graph, JobGraph::Capture { .. });
+    diag.fingerprint_on |= capturing;
     let mut orch = Orchestrator::new(run.clone(), cursors, map, epoch, serial, diag, parker);
     for b in &job.args.buffers {
         orch.adopt_bound(b.clone());
+    }
+    if capturing {
+        orch.capture = Some(Box::new(Capture::new(&job.args.buffers)));
+        orch.map.keep_completed();
     }
     let reset1 = now_ns();
 
@@ -257,6 +287,55 @@ fn run_bound(
         ..RunReport::default()
     };
     collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
+    match &job.graph {
+        JobGraph::Plain => {}
+        JobGraph::Capture { shape, out } => {
+            let fingerprint = orch.diag.fingerprint.finish();
+            let recorded = orch.capture.take().map(|c| {
+                c.finish(CaptureEnd {
+                    name: job.name.clone(),
+                    fingerprint,
+                    shape: shape.clone(),
+                    worker: inner.worker_id,
+                    rings: valid.rings,
+                    run_args: job.args.buffers.len(),
+                    scalars: job.args.scalars.clone(),
+                    deps: report.deps.clone(),
+                })
+            });
+            match recorded {
+                Some(Ok(g)) => {
+                    report.graph = GraphMode::Captured {
+                        fingerprint: g.fingerprint_hex(),
+                    };
+                    *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(g);
+                }
+                Some(Err(why)) => {
+                    park_orchestrator(&arena, orch);
+                    drop(run);
+                    *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
+                    return Err(RunError::new(
+                        ErrorCode::InvalidArgs,
+                        format!("the run of {:?} cannot be captured: {why}", job.name),
+                        "submit only tasks over buffers the run binds",
+                    )
+                    .into());
+                }
+                None => {}
+            }
+        }
+        JobGraph::Replay(g) => {
+            report.graph = GraphMode::Replayed {
+                fingerprint: g.fingerprint_hex(),
+            };
+            if job.cfg.dep_gen {
+                report.deps = g.inner.deps.clone();
+            }
+            if let Some(s) = report.swimlane.as_mut() {
+                s.fingerprint = g.fingerprint_hex();
+            }
+        }
+    }
     for c in orch.cursors.iter_mut() {
         c.reclaim(&arena.rings.rings[c.ring as usize]);
         report.ring_final.push(RingOccupancy {

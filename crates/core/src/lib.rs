@@ -12,9 +12,11 @@ mod diag;
 pub mod dtype;
 pub mod error;
 mod exec;
+pub mod graph;
 pub mod kernel;
 mod orch;
 mod orch_data;
+mod orch_replay;
 mod orch_validate;
 mod orch_wait;
 pub mod platform;
@@ -42,6 +44,9 @@ pub use error::{
     RunError, SchedSubclass, TensorError,
 };
 pub use exec::{OrchFn, RunArgs};
+pub use graph::{
+    ArgSource, CapturedGraph, GraphArg, GraphDep, GraphMode, GraphOutput, GraphShape, GraphTask,
+};
 pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
 pub use orch::{Orchestrator, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo};

@@ -77,7 +77,7 @@ pub struct Orchestrator {
     pub(crate) run_tag: u32,
     pub(crate) serial: bool,
     hits: Vec<Hit>,
-    producers: Vec<Producer>,
+    pub(crate) producers: Vec<Producer>,
     pub(crate) diag: Diagnostics,
     pub(crate) ring_waits: u64,
     /// Parks the orchestrator while it waits; `RunShared::orch_unparker` wakes it.
@@ -86,6 +86,8 @@ pub struct Orchestrator {
     submits: u32,
     /// When the orchestrator last yielded its CPU (ns since the process anchor).
     last_yield: u64,
+    /// The recording of a capturing run (`Worker::capture_fn`).
+    pub(crate) capture: Option<Box<crate::graph::Capture>>,
 }
 
 /// The orchestrator yields its CPU once this much time has passed since its last yield
@@ -138,6 +140,7 @@ impl Orchestrator {
             diag,
             ring_waits: 0,
             parker,
+            capture: None,
         }
     }
 
@@ -204,6 +207,9 @@ impl Orchestrator {
             }
             self.bound.insert(buffer.id(), buffer.clone());
             self.run.bound.push(buffer.clone());
+            if let Some(c) = &mut self.capture {
+                c.add_buffer(buffer);
+            }
         }
         buffer.tensor(dtype, shape).map_err(|e| {
             self.fail(invalid(
@@ -248,7 +254,7 @@ impl Orchestrator {
         self.open_scope(ScopeKind::Manual, Location::caller())
     }
 
-    fn open_scope(
+    pub(crate) fn open_scope(
         &mut self,
         kind: ScopeKind,
         site: &'static Location<'static>,
@@ -266,6 +272,9 @@ impl Orchestrator {
         let seq = self.next_scope_seq;
         self.next_scope_seq += 1;
         let first_local = self.cursors[ring as usize].next_local;
+        if let Some(c) = &mut self.capture {
+            c.ops.push(crate::graph::GraphOp::Open(kind, site));
+        }
         self.scopes.push(ScopeFrame {
             seq,
             kind,
@@ -331,6 +340,11 @@ impl Orchestrator {
     /// Drops the scope reference of every task submitted directly in the innermost scope.
     pub(crate) fn close_innermost(&mut self) {
         let frame = self.scopes.pop().expect("scope to close");
+        if frame.seq != 0
+            && let Some(c) = &mut self.capture
+        {
+            c.ops.push(crate::graph::GraphOp::Close);
+        }
         let cursor = &mut self.cursors[frame.ring as usize];
         let mut local = frame.first_local.max(cursor.reclaimed);
         while local < cursor.next_local {
@@ -418,7 +432,7 @@ impl Orchestrator {
     }
 
     /// Yields the CPU now and then (see [`YIELD_INTERVAL_NS`]).
-    fn maybe_yield(&mut self) {
+    pub(crate) fn maybe_yield(&mut self) {
         self.submits = self.submits.wrapping_add(1);
         if self.submits.is_multiple_of(YIELD_CHECK) {
             let now = now_ns();
@@ -603,6 +617,7 @@ impl Orchestrator {
             kname,
             scope_kind,
             out_offsets,
+            block_bytes,
             ..
         } = c;
         // Arguments as the kernel sees them.
@@ -653,8 +668,44 @@ impl Orchestrator {
                 &self.map,
             );
         }
+        if let Some(cap) = &mut self.capture {
+            cap.record(crate::graph::SubmittedTask {
+                id,
+                kernel: &kernel,
+                kname: &kname,
+                class,
+                blocks: task.block_num,
+                sync_start: task.sync_start,
+                args: &args,
+                scalars: &task.scalars,
+                predicate: task.predicate,
+                timing_slot: task.timing_slot,
+                ring: id.ring(),
+                block_bytes,
+                out_offsets: &out_offsets,
+                producers: &self.producers[..n_unique],
+            });
+        }
+        let desc = TaskDesc {
+            id,
+            kernel,
+            class,
+            block_num: task.block_num,
+            sync_start: task.sync_start,
+            args,
+            scalars: std::mem::take(&mut task.scalars),
+            predicate: task.predicate,
+            timing_slot: task.timing_slot,
+            splits: crate::kernel::Splits::new(task.block_num, task.args.len()),
+        };
+        self.fill_slot(local, dep_start, n_unique, desc);
+        Ok(outputs)
+    }
 
-        let slot = self.run.arena.rings.slot(id);
+    /// Writes a task's slot (its counters, an empty fan-out list, its description) before it
+    /// is published; nobody else looks at the slot until then.
+    pub(crate) fn fill_slot(&self, local: u32, dep_start: u64, n_unique: usize, desc: TaskDesc) {
+        let slot = self.run.arena.rings.slot(desc.id);
         slot.task_local.store(local, Ordering::Relaxed);
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
@@ -670,33 +721,20 @@ impl Orchestrator {
         }
         {
             let mut d = slot.desc.lock().unwrap_or_else(|p| p.into_inner());
-            let fresh = TaskDesc {
-                id,
-                kernel,
-                class,
-                block_num: task.block_num,
-                sync_start: task.sync_start,
-                args,
-                scalars: std::mem::take(&mut task.scalars),
-                predicate: task.predicate,
-                timing_slot: task.timing_slot,
-                splits: crate::kernel::Splits::new(task.block_num, task.args.len()),
-            };
             match Arc::get_mut(&mut d) {
-                Some(slot_desc) => *slot_desc = fresh,
-                None => *d = Arc::new(fresh),
+                Some(slot_desc) => *slot_desc = desc,
+                None => *d = Arc::new(desc),
             }
         }
         self.run.outstanding.fetch_add(1, Ordering::AcqRel);
         self.run.submitted.fetch_add(1, Ordering::Relaxed);
-        Ok(outputs)
     }
 
     /// Step 5: links the task's edges into its producers' fan-out lists. The fan-in count is
     /// raised *before* an edge becomes visible in the producer's list (under its lock): the
     /// producer may complete the moment the lock is released, and its decrement must never
     /// meet a count that lacks its own increment.
-    fn wire(&self, id: TaskId, dep_start: u64, n_unique: usize) {
+    pub(crate) fn wire(&self, id: TaskId, dep_start: u64, n_unique: usize) {
         let ring = id.ring();
         let rings = &self.run.arena.rings;
         let slot = rings.slot(id);
@@ -737,7 +775,11 @@ impl Orchestrator {
                 _ => {}
             }
         }
+        self.make_ready(id);
+    }
 
+    /// Drops the submit guard: the task is ready now if every producer has completed.
+    pub(crate) fn make_ready(&self, id: TaskId) {
         let slot = self.run.arena.rings.slot(id);
         if slot.fanin.fetch_sub(1, Ordering::AcqRel) == 1 {
             let mut work = Vec::new();

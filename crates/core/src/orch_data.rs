@@ -78,6 +78,15 @@ impl Orchestrator {
         what: &str,
     ) -> Result<(), RunError> {
         self.check_fatal()?;
+        if self.capture.is_some() {
+            return Err(self.fail(RunError::new(
+                ErrorCode::InvalidArgs,
+                format!(
+                    "{what} in a captured run: data the orchestration reads or writes mid-run cannot be replayed"
+                ),
+                "keep host data exchange out of captured runs (put per-run values in buffers written before the run)",
+            )));
+        }
         if tensor.dtype != T::DTYPE {
             return Err(self.fail(RunError::new(
                 ErrorCode::InvalidArgs,

@@ -87,6 +87,20 @@ impl Orchestrator {
             let Some(res) = blocked else {
                 return Ok(self.cursors[r].heap_fit(bytes).expect("checked above"));
             };
+            if res == Resource::TensorMap && self.map.keeps_completed() {
+                // A capturing run keeps every entry: no completion frees map room.
+                return Err(self.fail(
+                    RunError::new(
+                        ErrorCode::TensormapOverflow,
+                        format!(
+                            "a captured run keeps every dependency-map entry, and kernel {kname:?} needs {entries} more than the {} the map holds",
+                            self.map.capacity()
+                        ),
+                        "raise CallConfig.tensormap_capacity for the capture",
+                    )
+                    .diagnosed(Diagnosis::Proven),
+                ));
+            }
             if !waited {
                 waited = true;
                 self.ring_waits += 1;

@@ -125,6 +125,10 @@ pub struct RunReport {
     pub deps: Option<DepGraph>,
     /// Ring high-water marks, when `CallConfig::ring_stats`.
     pub ring_stats: Option<RingStats>,
+    /// Whether the orchestration submitted the graph, and captured it, or a captured graph
+    /// was replayed (then `orch` is the replay's submission loop).
+    #[serde(default)]
+    pub graph: crate::graph::GraphMode,
 }
 
 impl RunReport {

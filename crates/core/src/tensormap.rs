@@ -59,14 +59,14 @@ struct BufferWriters {
 fn scan(
     entries: &mut Vec<MapEntry>,
     region: &Region,
-    rings: &Rings,
+    live: &dyn Fn(TaskId) -> bool,
     len: &mut u64,
     out: &mut Vec<Hit>,
 ) {
     let mut i = 0;
     while i < entries.len() {
         let e = &entries[i];
-        if !rings.is_live(e.task) {
+        if !live(e.task) {
             entries.swap_remove(i);
             *len -= 1;
             continue;
@@ -94,6 +94,11 @@ pub(crate) struct TensorMap {
     len: u64,
     capacity: u64,
     high_water: u64,
+    /// Treat every task of the run as live (a capturing run): lookups then find every earlier
+    /// overlapping access not retired by a covering writer, whether or not it has completed,
+    /// so the recorded edges do not depend on how far execution got (a replay runs with other
+    /// timing). Entries then leave only when retired.
+    keep_completed: bool,
 }
 
 impl TensorMap {
@@ -103,7 +108,22 @@ impl TensorMap {
             len: 0,
             capacity,
             high_water: 0,
+            keep_completed: false,
         }
+    }
+
+    /// Keeps entries of completed tasks until the next reset (see `keep_completed`).
+    pub(crate) fn keep_completed(&mut self) {
+        self.keep_completed = true;
+    }
+
+    /// Whether entries of completed tasks are kept (a capturing run).
+    pub(crate) fn keeps_completed(&self) -> bool {
+        self.keep_completed
+    }
+
+    fn liveness<'a>(keep: bool, rings: &'a Rings) -> impl Fn(TaskId) -> bool + 'a {
+        move |t| keep || rings.is_live(t)
     }
 
     /// Forgets every entry, keeping the allocations.
@@ -112,6 +132,7 @@ impl TensorMap {
         self.len = 0;
         self.capacity = capacity;
         self.high_water = 0;
+        self.keep_completed = false;
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -141,9 +162,10 @@ impl TensorMap {
         let Some(b) = self.buffers.get_mut(&region.buffer) else {
             return;
         };
-        scan(&mut b.writers, region, rings, &mut self.len, out);
+        let live = Self::liveness(self.keep_completed, rings);
+        scan(&mut b.writers, region, &live, &mut self.len, out);
         if readers {
-            scan(&mut b.readers, region, rings, &mut self.len, out);
+            scan(&mut b.readers, region, &live, &mut self.len, out);
         }
     }
 
@@ -159,9 +181,10 @@ impl TensorMap {
     /// Drops every entry whose task has completed.
     pub(crate) fn sweep(&mut self, rings: &Rings) {
         let mut len = 0;
+        let live = Self::liveness(self.keep_completed, rings);
         self.buffers.retain(|_, b| {
-            b.writers.retain(|e| rings.is_live(e.task));
-            b.readers.retain(|e| rings.is_live(e.task));
+            b.writers.retain(|e| live(e.task));
+            b.readers.retain(|e| live(e.task));
             len += (b.writers.len() + b.readers.len()) as u64;
             !b.writers.is_empty() || !b.readers.is_empty() || b.version > 0
         });

@@ -24,7 +24,8 @@ use std::time::Duration;
 use crate::buffer::Buffer;
 use crate::config::{CallConfig, Timeouts};
 use crate::error::{ConfigError, Error, PlatformError, RunError};
-use crate::exec::{ExecEnv, Job, OrchFn, RunArgs};
+use crate::exec::{ExecEnv, Job, JobGraph, OrchFn, RunArgs};
+use crate::graph::{CapturedGraph, GraphShape};
 use crate::kernel::{KernelSpec, Registry};
 use crate::orch::Orchestrator;
 use crate::platform::{Platform, PlatformInfo};
@@ -46,6 +47,8 @@ pub struct WorkerConfig {
 /// What the worker's handle, its orchestrator thread and its watchdog share: the platform, the
 /// core pool, registered kernels and orchestrations, the job queue and the cached arena.
 pub(crate) struct WorkerShared {
+    /// Process-unique id (a captured graph replays only on the worker that captured it).
+    pub(crate) id: u64,
     pub(crate) platform: Arc<dyn Platform>,
     pub(crate) info: PlatformInfo,
     pub(crate) core_pool: Arc<CorePool>,
@@ -104,7 +107,9 @@ impl Worker {
             std::env::var(k).ok()
         }));
         let core_pool = CorePool::start(platform.clone(), n_cores)?;
+        static NEXT_WORKER_ID: AtomicU64 = AtomicU64::new(1);
         let inner = Arc::new(WorkerShared {
+            id: NEXT_WORKER_ID.fetch_add(1, Ordering::Relaxed),
             platform,
             info,
             core_pool,
@@ -243,7 +248,7 @@ impl Worker {
                 }
             }
         };
-        self.enqueue(name.to_string(), f, args, cfg)
+        self.enqueue(name.to_string(), f, args, cfg, JobGraph::Plain)
     }
 
     /// Queues a run of an ad-hoc orchestration function.
@@ -254,7 +259,56 @@ impl Worker {
         cfg: &CallConfig,
         f: impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static,
     ) -> Result<RunHandle, Error> {
-        self.enqueue(name.to_string(), Arc::new(f), args, cfg)
+        self.enqueue(name.to_string(), Arc::new(f), args, cfg, JobGraph::Plain)
+    }
+
+    /// Runs an ad-hoc orchestration function, waits for it and returns its graph captured
+    /// under `shape` for [`Worker::replay`] (see [`crate::graph`]). The run fails (nothing is
+    /// captured) if it fails, or if the orchestration exchanges data with the host mid-run.
+    pub fn capture_fn(
+        &self,
+        name: &str,
+        args: RunArgs,
+        cfg: &CallConfig,
+        shape: GraphShape,
+        f: impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static,
+    ) -> Result<(RunReport, CapturedGraph), Error> {
+        let out = Arc::new(Mutex::new(None));
+        let graph = JobGraph::Capture {
+            shape,
+            out: out.clone(),
+        };
+        let report = self
+            .enqueue(name.to_string(), Arc::new(f), args, cfg, graph)?
+            .wait()?;
+        let captured = out.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match captured {
+            Some(g) => Ok((report, g)),
+            None => Err(Error::Internal(format!(
+                "the capture of {name:?} succeeded without a graph"
+            ))),
+        }
+    }
+
+    /// Replays `graph` (captured on this worker) with `args` and waits for it: the recorded
+    /// tasks run again on the bytes the buffers hold now, without the orchestration function
+    /// or the dependency map. Refused before anything runs, with an error naming what differs,
+    /// when `shape`, a `RunArgs` buffer or scalar, the ring sizes or the worker differ from the
+    /// capture (see [`crate::graph`]).
+    pub fn replay(
+        &self,
+        graph: &CapturedGraph,
+        args: RunArgs,
+        cfg: &CallConfig,
+        shape: &GraphShape,
+    ) -> Result<RunReport, Error> {
+        let valid = cfg.validate()?;
+        graph.check_replay(self.inner.id, &args, &valid.rings, cfg.dep_gen, shape)?;
+        let g = graph.clone();
+        let f: OrchFn = Arc::new(move |o: &mut Orchestrator, _: &RunArgs| o.replay(&g));
+        let name = graph.name().to_string();
+        self.enqueue(name, f, args, cfg, JobGraph::Replay(graph.clone()))?
+            .wait()
     }
 
     fn enqueue(
@@ -263,6 +317,7 @@ impl Worker {
         f: OrchFn,
         args: RunArgs,
         cfg: &CallConfig,
+        graph: JobGraph,
     ) -> Result<RunHandle, Error> {
         if self.inner.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
@@ -275,6 +330,7 @@ impl Worker {
             args,
             cfg: cfg.clone(),
             result: result.clone(),
+            graph,
         };
         self.inner
             .jobs
@@ -374,6 +430,7 @@ impl WorkerShared {
                 arena: &self.arena,
                 cores: self.n_cores,
                 warnings: &self.warnings,
+                worker_id: self.id,
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 crate::exec::execute(&env, job)

@@ -423,3 +423,122 @@ fn a_saved_checkpoint_runs_identically_to_the_in_memory_model() {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// The block tables of step `s`: every sequence's pages rotated by `7 * s` through the pool,
+/// so each step's K/V writes and attention reads land on other pages than the last step's.
+fn rotated(f: &Fixture, seq_lens: Vec<usize>, s: usize) -> PagedBatch {
+    let mb = f.batch.max_blocks;
+    let pages = f.kv.num_pages;
+    PagedBatch {
+        page_size: f.batch.page_size,
+        max_blocks: mb,
+        block_table: (0..seq_lens.len() * mb)
+            .map(|i| ((i + 7 * s) % pages) as u32)
+            .collect(),
+        seq_lens,
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+fn kv_bits(s: &Session) -> (Vec<u16>, Vec<u16>) {
+    let read = |b: &simpler_core::Buffer| -> Vec<u16> {
+        b.read::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    (read(&s.kv().k), read(&s.kv().v))
+}
+
+/// Decode steps replayed from captured graphs give the same bits as orchestrated steps: logits,
+/// hidden states, tokens, and the KV caches, over steps whose positions, block tables and slots
+/// all move, across recaptures (a sequence crossing a page and a KV-chunk boundary, a batch
+/// that shrinks), and after a replay whose kernel failed.
+#[test]
+fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
+    use simpler_core::{Error, ErrorCode, GraphMode, GraphShape, RunArgs};
+    let f = fixture("small", &[300, 300, 300]);
+    let w = worker(2);
+    let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
+    let session = |replay: bool| {
+        let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+        kv.upload(&f.kv).unwrap();
+        let mut s = Session::new(&w, model.clone(), kv);
+        s.replay = replay;
+        s
+    };
+    let (mut a, mut b) = (session(true), session(false));
+    let cfg = CallConfig::default();
+    let mut lens = vec![110usize, 250, 30];
+    let mut tokens = vec![11u32, 2222, 333];
+    let (mut captured, mut replayed) = (0, 0);
+    let mut step =
+        |s: usize, lens: &[usize], tokens: &mut Vec<u32>, a: &mut Session, b: &mut Session| {
+            let batch = rotated(&f, lens.to_vec(), s);
+            let ra = a.decode(&w, &batch, tokens, &cfg).unwrap();
+            let rb = b.decode(&w, &batch, tokens, &cfg).unwrap();
+            assert_eq!(rb.report.graph, GraphMode::Orchestrated);
+            match ra.report.graph {
+                GraphMode::Captured { .. } => captured += 1,
+                GraphMode::Replayed { .. } => replayed += 1,
+                GraphMode::Orchestrated => panic!("step {s}: replay on, but orchestrated"),
+            }
+            assert_eq!(ra.next_tokens, rb.next_tokens, "step {s}");
+            assert_eq!(bits(&ra.logits), bits(&rb.logits), "step {s}: logits");
+            assert_eq!(bits(&ra.hidden), bits(&rb.hidden), "step {s}: hidden");
+            *tokens = ra.next_tokens;
+        };
+    for s in 0..24 {
+        step(s, &lens, &mut tokens, &mut a, &mut b);
+        lens.iter_mut().for_each(|l| *l += 1);
+    }
+    assert_eq!(kv_bits(&a), kv_bits(&b), "KV caches after 24 steps");
+
+    // A replay whose shape changed is refused, naming the field; one whose kernel fails is
+    // diagnosed, and the sessions go on.
+    let g = a.decode_graph().expect("a captured decode graph").clone();
+    let mut smaller = GraphShape::new();
+    for (name, v) in g.shape().fields() {
+        smaller.push(name.clone(), if name == "batch" { 2 } else { *v });
+    }
+    let args = RunArgs {
+        buffers: g.buffers().to_vec(),
+        scalars: vec![],
+    };
+    match w.replay(&g, args.clone(), &cfg, &smaller) {
+        Err(Error::Run(e)) => assert!(
+            e.detail
+                .contains("shape field `batch` is 2, the graph was captured with 3"),
+            "{}",
+            e.detail
+        ),
+        other => panic!("expected a refused replay, got {other:?}"),
+    }
+    let step_entries = g.buffers().last().unwrap();
+    step_entries.write(&[u32::MAX; 6]).unwrap();
+    match w.replay(&g, args, &cfg, g.shape()) {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::KernelFailed);
+            assert_eq!(e.locator.kernel.as_deref(), Some("qk_norm_rope_step_bf16"));
+            assert!(e.detail.contains("outside the RoPE tables"), "{}", e.detail);
+        }
+        other => panic!("expected KERNEL_FAILED, got {other:?}"),
+    }
+
+    // The batch shrinks: a new topology, captured, then replayed.
+    lens.pop();
+    tokens.pop();
+    for s in 24..30 {
+        step(s, &lens, &mut tokens, &mut a, &mut b);
+        lens.iter_mut().for_each(|l| *l += 1);
+    }
+    assert_eq!(kv_bits(&a), kv_bits(&b), "KV caches at the end");
+    // First step, the page / chunk boundaries of sequence 0 (at 128) and 1 (at 256), and the
+    // smaller batch were captured; everything else replayed.
+    assert!((3..=6).contains(&captured), "{captured} captures");
+    assert_eq!(captured + replayed, 30);
+}

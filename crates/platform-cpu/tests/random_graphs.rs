@@ -454,7 +454,11 @@ fn run_if_flagged(ctx: &TaskCtx<'_>) -> bool {
 
 /// Sequential execution of the program, in submit order.
 fn model(p: &Program) -> Vec<Vec<f32>> {
-    let mut user: Vec<Vec<f32>> = (0..BUFS).map(initial).collect();
+    model_from(p, (0..BUFS).map(initial).collect())
+}
+
+/// The buffers after a sequential execution of `p` over `user`.
+fn model_from(p: &Program, mut user: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
     let mut outs: HashMap<usize, Vec<f32>> = HashMap::new();
     let mut idx = 0;
     for op in &p.ops {
@@ -516,8 +520,13 @@ fn model(p: &Program) -> Vec<Vec<f32>> {
 }
 
 fn initial(b: usize) -> Vec<f32> {
+    initial_round(b, 0)
+}
+
+/// Buffer `b`'s contents before run `round` (each round different).
+fn initial_round(b: usize, round: usize) -> Vec<f32> {
     (0..ELEMS)
-        .map(|e| (b as f32 + 1.0) * 0.5 + e as f32 * 0.125)
+        .map(|e| (b as f32 + 1.0) * 0.5 + e as f32 * 0.125 - round as f32 * 0.375)
         .collect()
 }
 
@@ -636,6 +645,18 @@ fn workers() -> &'static [Worker] {
 }
 
 fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), TestCaseError> {
+    check_runs(seed, n_tasks, cores, serial, 0)
+}
+
+/// Runs the program (captured when `replays > 0`), then replays it `replays` times over fresh
+/// buffer contents; every run must match the sequential model of its contents.
+fn check_runs(
+    seed: u64,
+    n_tasks: usize,
+    cores: usize,
+    serial: bool,
+    replays: usize,
+) -> Result<(), TestCaseError> {
     let w = &workers()[cores - 1];
     let p = Arc::new(generate(seed, n_tasks, cores as u32 + 1));
     let expect = model(&p);
@@ -672,9 +693,61 @@ fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), Te
         buffers: buffers.clone(),
         scalars: vec![],
     };
-    let report = w.run_fn("random", args, &cfg, move |o, a| orchestrate(o, a, &prog));
+    let shape = GraphShape::new().with("seed", seed);
+    let (report, graph) = if replays == 0 {
+        let r = w.run_fn("random", args.clone(), &cfg, move |o, a| {
+            orchestrate(o, a, &prog)
+        });
+        (r, None)
+    } else {
+        match w.capture_fn("random", args.clone(), &cfg, shape.clone(), move |o, a| {
+            orchestrate(o, a, &prog)
+        }) {
+            Ok((r, g)) => (Ok(r), Some(g)),
+            Err(e) => (Err(e), None),
+        }
+    };
     let report =
         report.map_err(|e| TestCaseError::fail(format!("seed {seed}: run failed: {e}")))?;
+    expect_buffers(seed, 0, &p, &buffers, &expect)?;
+    prop_assert_eq!(report.counters.tasks as usize, n_tasks);
+    check_edges(seed, &p, report.deps.as_ref().expect("dep_gen was on"))?;
+    let Some(graph) = graph else { return Ok(()) };
+    prop_assert_eq!(graph.tasks().len(), n_tasks);
+    prop_assert_eq!(
+        &report.graph,
+        &GraphMode::Captured {
+            fingerprint: graph.fingerprint_hex()
+        }
+    );
+    for round in 1..=replays {
+        let init: Vec<Vec<f32>> = (0..BUFS).map(|b| initial_round(b, round)).collect();
+        for (b, v) in init.iter().enumerate() {
+            buffers[b].write(v).unwrap();
+        }
+        let r = w
+            .replay(&graph, args.clone(), &cfg, &shape)
+            .map_err(|e| TestCaseError::fail(format!("seed {seed}: replay {round} failed: {e}")))?;
+        prop_assert_eq!(
+            &r.graph,
+            &GraphMode::Replayed {
+                fingerprint: graph.fingerprint_hex()
+            }
+        );
+        prop_assert_eq!(r.counters.tasks as usize, n_tasks);
+        prop_assert_eq!(r.counters.edges, report.counters.edges);
+        expect_buffers(seed, round, &p, &buffers, &model_from(&p, init))?;
+    }
+    Ok(())
+}
+
+fn expect_buffers(
+    seed: u64,
+    round: usize,
+    p: &Program,
+    buffers: &[Buffer],
+    expect: &[Vec<f32>],
+) -> Result<(), TestCaseError> {
     for (b, want) in expect.iter().enumerate() {
         let got = buffers[b].read::<f32>().unwrap();
         let diff: Vec<(usize, f32, f32)> = got
@@ -686,8 +759,9 @@ fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), Te
             .collect();
         prop_assert!(
             diff.is_empty(),
-            "seed {} buffer {} differs at (element, got, want) {:?} (window {}, heap {}, pool {})",
+            "seed {} run {} buffer {} differs at (element, got, want) {:?} (window {}, heap {}, pool {})",
             seed,
+            round,
             b,
             diff,
             p.window,
@@ -695,8 +769,7 @@ fn check(seed: u64, n_tasks: usize, cores: usize, serial: bool) -> Result<(), Te
             p.dep_pool
         );
     }
-    prop_assert_eq!(report.counters.tasks as usize, n_tasks);
-    check_edges(seed, &p, report.deps.as_ref().expect("dep_gen was on"))
+    Ok(())
 }
 
 /// Flags over-serialisation: every TensorMap edge reported as an exact overlap must join two
@@ -760,6 +833,22 @@ proptest! {
         serial in proptest::bool::weighted(0.1),
     ) {
         check(seed, n_tasks, cores, serial)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// A captured random graph replayed over new buffer contents (tiny rings, so replays place
+    /// outputs elsewhere in the heap than the capture did) matches the sequential model.
+    #[test]
+    fn random_graphs_replay_like_their_captured_run(
+        seed in any::<u64>(),
+        n_tasks in 50usize..200,
+        cores in 1usize..=3,
+        serial in proptest::bool::weighted(0.1),
+    ) {
+        check_runs(seed, n_tasks, cores, serial, 3)?;
     }
 }
 

@@ -33,9 +33,11 @@ use simpler_kernels_cpu::{packed_ld, partial_len};
 
 use super::config::Qwen3Config;
 use super::ops;
+use super::ops::STEP_FIELDS;
 use super::ops::args::{
     Arg, ArgmaxArgs, AttnCombineArgs, AttnDecodeArgs, AttnPrefillArgs, CastArgs, EmbedArgs,
-    GateUpArgs, GemmArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
+    GateUpArgs, GemmArgs, KvScatterArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
+    RopeStepArgs,
 };
 use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
@@ -62,8 +64,11 @@ pub(crate) mod io {
     pub(crate) const OUT_IDS: usize = slot::COUNT + 5;
     /// Final hidden state f32 `[S, H]` before the final norm (model).
     pub(crate) const OUT_HIDDEN: usize = slot::COUNT + 6;
+    /// Decode step entries u32 `[R, 2]`: each row's `seq_len` and the slot its new K/V goes
+    /// to (unused by prefill).
+    pub(crate) const STEP: usize = slot::COUNT + 7;
     /// Buffers of a run.
-    pub(crate) const COUNT: usize = slot::COUNT + 7;
+    pub(crate) const COUNT: usize = slot::COUNT + 8;
 }
 
 /// Decode or prefill.
@@ -156,6 +161,8 @@ struct Views {
     k_cache: Tensor,
     v_cache: Tensor,
     table: Tensor,
+    /// Decode: the step entries `[R, 2]`.
+    step: Option<Tensor>,
 }
 
 fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
@@ -214,6 +221,14 @@ fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
             DType::U32,
             &[p.table_rows as u64, p.max_blocks as u64],
         )?,
+        step: match p.kind {
+            StepKind::Decode => Some(o.bind(
+                &args.buffers[io::STEP],
+                DType::U32,
+                &[p.rows as u64, STEP_FIELDS as u64],
+            )?),
+            StepKind::Prefill => None,
+        },
     })
 }
 
@@ -412,22 +427,67 @@ fn attention_block(
     let qb = o.alloc(DType::BF16, &[r, qw as u64])?;
     let kl = entry(o, &vw.k_cache, l)?;
     let vl = entry(o, &vw.v_cache, l)?;
+    let kv_ready = match (p.kind, &vw.step) {
+        (StepKind::Decode, Some(step)) => {
+            rope_kv_step(o, p, vw, w, step, qkv_done, [&q, &k, &v], &qb, [&kl, &vl])?
+        }
+        _ => rope_kv_runs(o, p, vw, w, qkv_done, [&q, &k, &v], &qb, [&kl, &vl])?,
+    };
+
+    // Attention into packed activations for o_proj.
+    let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
+    let attn = match p.kind {
+        StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
+        StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
+    };
+    let attn_done = Dep::After(barrier(o, attn)?);
+
+    // Residual: x += a @ Wo^T, in place.
+    gemm(
+        o,
+        &a,
+        attn_done,
+        &w.wo,
+        p.blocks.o,
+        x,
+        None,
+        qw,
+        true,
+        p.w8a8(),
+    )?;
+    Ok(())
+}
+
+/// Prefill: q/k norm and RoPE per (sequence, page run), each task writing its rows' K/V into
+/// the pools at the run's slots; returns the task that follows every K/V write.
+#[allow(clippy::too_many_arguments)]
+fn rope_kv_runs(
+    o: &mut Orchestrator,
+    p: &StepPlan,
+    vw: &Views,
+    w: &LayerViews,
+    qkv_done: Dep,
+    [q, k, v]: [&Tensor; 3],
+    qb: &Tensor,
+    [kl, vl]: [&Tensor; 2],
+) -> R<TaskId> {
+    let c = &p.config;
     let mut writes: Vec<TaskId> = Vec::new();
     for runs in &p.slot_runs {
         for &(row, pos, slot, cnt) in runs {
             let (qr, kr, vr) = (
-                rows(o, &q, row, row + cnt)?,
-                rows(o, &k, row, row + cnt)?,
-                rows(o, &v, row, row + cnt)?,
+                rows(o, q, row, row + cnt)?,
+                rows(o, k, row, row + cnt)?,
+                rows(o, v, row, row + cnt)?,
             );
             let (cos, sin) = (
                 rows(o, &vw.cos, pos, pos + cnt)?,
                 rows(o, &vw.sin, pos, pos + cnt)?,
             );
             let (q_out, k_out, v_out) = (
-                rows(o, &qb, row, row + cnt)?,
-                rows(o, &kl, slot, slot + cnt)?,
-                rows(o, &vl, slot, slot + cnt)?,
+                rows(o, qb, row, row + cnt)?,
+                rows(o, kl, slot, slot + cnt)?,
+                rows(o, vl, slot, slot + cnt)?,
             );
             let t = RopeKvArgs {
                 q: qkv_done.arg(&qr),
@@ -455,30 +515,77 @@ fn attention_block(
             writes.push(o.submit(t)?.id);
         }
     }
-    let kv_ready = o.submit(Task::dummy().after_all(writes))?.id;
+    Ok(o.submit(Task::dummy().after_all(writes))?.id)
+}
 
-    // Attention into packed activations for o_proj.
-    let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
-    let attn = match p.kind {
-        StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
-        StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
-    };
-    let attn_done = Dep::After(barrier(o, attn)?);
-
-    // Residual: x += a @ Wo^T, in place.
-    gemm(
-        o,
-        &a,
-        attn_done,
-        &w.wo,
-        p.blocks.o,
-        x,
-        None,
-        qw,
-        true,
-        p.w8a8(),
-    )?;
-    Ok(())
+/// Decode: q/k norm and RoPE per sequence at the position its step entry holds, the new K/V
+/// rows gathered, and one task writing them into the pools at the entries' slots (so the
+/// graph does not depend on positions or slots); returns that task.
+#[allow(clippy::too_many_arguments)]
+fn rope_kv_step(
+    o: &mut Orchestrator,
+    p: &StepPlan,
+    vw: &Views,
+    w: &LayerViews,
+    step: &Tensor,
+    qkv_done: Dep,
+    [q, k, v]: [&Tensor; 3],
+    qb: &Tensor,
+    [kl, vl]: [&Tensor; 2],
+) -> R<TaskId> {
+    let c = &p.config;
+    let (r, kvw) = (p.rows as u64, c.kv_width() as u64);
+    let k_new = o.alloc(DType::BF16, &[r, kvw])?;
+    let v_new = o.alloc(DType::BF16, &[r, kvw])?;
+    for b in 0..p.rows {
+        let (qr, kr, vr) = (
+            rows(o, q, b, b + 1)?,
+            rows(o, k, b, b + 1)?,
+            rows(o, v, b, b + 1)?,
+        );
+        let entry = rows(o, step, b, b + 1)?;
+        let (q_out, k_out, v_out) = (
+            rows(o, qb, b, b + 1)?,
+            rows(o, &k_new, b, b + 1)?,
+            rows(o, &v_new, b, b + 1)?,
+        );
+        let t = RopeStepArgs {
+            q: qkv_done.arg(&qr),
+            k: qkv_done.arg(&kr),
+            v: qkv_done.arg(&vr),
+            // SAFETY: a q/k norm weight: written by no task during a run.
+            q_norm: unsafe { Arg::untracked(&w.q_norm) },
+            // SAFETY: a q/k norm weight: written by no task during a run.
+            k_norm: unsafe { Arg::untracked(&w.k_norm) },
+            // SAFETY: the RoPE tables: written by no task during a run.
+            cos: unsafe { Arg::untracked(&vw.cos) },
+            // SAFETY: the RoPE tables: written by no task during a run.
+            sin: unsafe { Arg::untracked(&vw.sin) },
+            // SAFETY: the step entries: written by no task during a run.
+            step: unsafe { Arg::untracked(&entry) },
+            q_out: Arg::Out(&q_out),
+            k_out: Arg::Out(&k_out),
+            v_out: Arg::Out(&v_out),
+        }
+        .push(Task::new(ops::ROPE_KV_STEP));
+        let t = qkv_done
+            .order(t)
+            .push_scalars(NormScalars {
+                eps: c.rms_norm_eps as f32,
+            })
+            .timing_slot(1);
+        o.submit(t)?;
+    }
+    let t = KvScatterArgs {
+        k_rows: Arg::In(&k_new),
+        v_rows: Arg::In(&v_new),
+        // SAFETY: the step entries: written by no task during a run.
+        step: unsafe { Arg::untracked(step) },
+        k_pool: Arg::Out(kl),
+        v_pool: Arg::Out(vl),
+    }
+    .push(Task::new(ops::KV_SCATTER));
+    Ok(o.submit(t.timing_slot(1))?.id)
 }
 
 /// Split-KV decode attention: per sequence one final task over every KV head, or one task per
@@ -514,41 +621,47 @@ fn attention_decode(
         let b = s.row0;
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
+        let Some(steps) = &vw.step else {
+            return Err(o.fatal("qwen3 orchestration: decode attention without step entries"));
+        };
+        let step = rows(o, steps, b, b + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
-        let task = |r: &Range<usize>, fin: bool, out: &Tensor| {
+        let n_chunks = chunks.len();
+        let task = |chunk: usize, out: &Tensor| {
             AttnDecodeArgs {
                 q: Arg::In(&qrow),
-                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
-                // follows (the task runs after it), and by no later task of this layer.
+                // SAFETY: this layer's K/V rows are written by the KV_SCATTER task `kv_ready`
+                // names (the task runs after it), and by no later task of this layer.
                 k_pool: unsafe { Arg::untracked(kl) },
-                // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
-                // follows (the task runs after it), and by no later task of this layer.
+                // SAFETY: this layer's K/V rows are written by the KV_SCATTER task `kv_ready`
+                // names (the task runs after it), and by no later task of this layer.
                 v_pool: unsafe { Arg::untracked(vl) },
                 // SAFETY: the block table: written by no task during a run.
                 table: unsafe { Arg::untracked(&table) },
+                // SAFETY: the step entries: written by no task during a run.
+                step: unsafe { Arg::untracked(&step) },
                 out: Arg::Out(out),
             }
             .push(Task::new(ops::ATTN_DECODE))
             .after(kv_ready)
             .push_scalars(AttnDecodeScalars {
-                t0: r.start,
-                t1: r.end,
-                is_final: fin,
+                chunk,
+                chunks: n_chunks,
                 scale: c.attn_scale(),
                 page: p.page_size,
                 head_dim: d,
             })
             .timing_slot(1)
         };
-        match (chunks.as_slice(), &partials) {
-            ([one], _) => {
-                writers.push(o.submit(task(one, true, &out))?.id);
+        match (n_chunks, &partials) {
+            (1, _) => {
+                writers.push(o.submit(task(0, &out))?.id);
             }
-            (many, Some(parts)) => {
+            (_, Some(parts)) => {
                 let p0 = next_partial;
-                for ch in many {
+                for chunk in 0..n_chunks {
                     let slot = rows(o, parts, next_partial, next_partial + 1)?;
-                    o.submit(task(ch, false, &slot))?;
+                    o.submit(task(chunk, &slot))?;
                     next_partial += 1;
                 }
                 let mine = rows(o, parts, p0, next_partial)?;

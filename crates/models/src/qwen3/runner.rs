@@ -7,11 +7,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
-use simpler_core::{Buffer, CallConfig, RunArgs, RunReport, Worker};
+use simpler_core::{Buffer, CallConfig, CapturedGraph, GraphShape, RunArgs, RunReport, Worker};
 
 use super::golden::PrefillChunk;
+use super::ops::STEP_FIELDS;
 use super::orchestrate::{self, StepKind, StepPlan, Variant, io};
 use super::plan::{LayerBlocks, SeqRows, TilePolicy, check_batch};
+use super::quant::{Int8Acts, WeightFormat};
 use super::resident::{KvBuffers, Qwen3RunError, ResidentModel};
 use super::weights::PagedBatch;
 
@@ -45,6 +47,15 @@ enum Role {
     Main,
     Ids,
     Hidden,
+    Step,
+}
+
+/// A captured decode graph and what it was captured for.
+#[derive(Debug)]
+struct DecodeGraph {
+    graph: CapturedGraph,
+    /// The ring sizes and `dep_gen` of the capture (a replay must match them).
+    env: (simpler_core::RuntimeEnv, bool),
 }
 
 /// A resident model with its KV cache, ready to run steps.
@@ -56,6 +67,13 @@ pub struct Session {
     pub policy: TilePolicy,
     /// Whether full-model steps read the logits back (off saves a `[rows, vocab]` copy).
     pub read_logits: bool,
+    /// Whether decode steps replay a captured graph: the first step of a topology (batch,
+    /// block-table width, KV chunk counts, ...) is captured, later steps of the same topology
+    /// replay it without running the orchestration (`docs/runtime.md`, "Captured graphs").
+    /// Off: every step is orchestrated. The step's `RunReport::graph` says which ran.
+    pub replay: bool,
+    /// The last captured decode graph.
+    decode_graph: Option<DecodeGraph>,
     /// One step I/O buffer per role, grown (to a power of two) when a step needs more: a
     /// long-lived session keeps at most one buffer per role, however many step sizes it sees.
     io: HashMap<Role, Buffer>,
@@ -69,6 +87,8 @@ impl Session {
             kv,
             policy: TilePolicy::for_cores(worker.cores()),
             read_logits: true,
+            replay: true,
+            decode_graph: None,
             io: HashMap::new(),
         }
     }
@@ -186,21 +206,66 @@ impl Session {
     ) -> Result<RunReport, Qwen3RunError> {
         let table = self.io_buffer(worker, Role::Table, batch.block_table.len() * 4)?;
         table.write(&batch.block_table)?;
+        // Decode reads each row's length and new slot from the step entries (prefill does
+        // not read them).
+        let entries: Vec<u32> = match plan.kind {
+            StepKind::Decode => plan
+                .seqs
+                .iter()
+                .flat_map(|s| {
+                    let slot = batch.slot(s.table_row, s.seq_len - 1) as u32;
+                    [s.seq_len as u32, slot]
+                })
+                .collect(),
+            StepKind::Prefill => vec![0; STEP_FIELDS],
+        };
+        let step = self.io_buffer(worker, Role::Step, entries.len() * 4)?;
+        step.write(&entries)?;
         let mut buffers = self.model.buffers().to_vec();
         buffers.extend([self.kv.k.clone(), self.kv.v.clone(), table, input]);
         buffers.extend(out);
+        buffers.push(step);
         debug_assert_eq!(buffers.len(), io::COUNT);
         let name = match (plan.kind, plan.variant) {
             (StepKind::Decode, Variant::Model) => "qwen3.decode",
             (StepKind::Decode, Variant::Layers) => "qwen3.decode_layers",
             (StepKind::Prefill, _) => "qwen3.prefill",
         };
-        let plan = Arc::new(plan);
         let args = RunArgs {
             buffers,
             scalars: Vec::new(),
         };
-        Ok(worker.run_fn(name, args, cfg, move |o, a| orchestrate::step(o, a, &plan))?)
+        if plan.kind != StepKind::Decode || !self.replay {
+            let plan = Arc::new(plan);
+            return Ok(worker.run_fn(name, args, cfg, move |o, a| orchestrate::step(o, a, &plan))?);
+        }
+        let shape = decode_shape(&plan);
+        let env = (cfg.runtime_env, cfg.dep_gen);
+        if let Some(d) = &self.decode_graph {
+            let same_buffers = d
+                .graph
+                .buffers()
+                .iter()
+                .zip(&args.buffers)
+                .all(|(a, b)| a.id() == b.id());
+            if d.graph.shape() == &shape && d.env == env && same_buffers {
+                return Ok(worker.replay(&d.graph, args, cfg, &shape)?);
+            }
+        }
+        // A new topology (or new buffers): capture it, dropping the old graph first so its
+        // buffers are not held past their last use.
+        self.decode_graph = None;
+        let plan = Arc::new(plan);
+        let (report, graph) = worker.capture_fn(name, args, cfg, shape, move |o, a| {
+            orchestrate::step(o, a, &plan)
+        })?;
+        self.decode_graph = Some(DecodeGraph { graph, env });
+        Ok(report)
+    }
+
+    /// The captured decode graph the next step of the same topology would replay, if any.
+    pub fn decode_graph(&self) -> Option<&CapturedGraph> {
+        self.decode_graph.as_ref().map(|d| &d.graph)
     }
 
     /// One full-model decode step: `tokens[b]` is sequence `b`'s newest token, at position
@@ -362,6 +427,42 @@ impl Session {
             report,
         })
     }
+}
+
+/// What shapes a decode step's graph: everything of the plan but the positions, slots and
+/// lengths the kernels read from the step entries (the KV chunk counts stay: they set the
+/// number of attention tasks).
+fn decode_shape(p: &StepPlan) -> GraphShape {
+    let format = match p.format {
+        WeightFormat::Bf16 => 0,
+        WeightFormat::Int8(Int8Acts::Wide) => 1,
+        WeightFormat::Int8(Int8Acts::Quantised) => 2,
+    };
+    let b = &p.blocks;
+    let mut s = GraphShape::new()
+        .with("variant", u64::from(p.variant == Variant::Layers))
+        .with("weights", format)
+        .with("layers.start", p.layers.start as u64)
+        .with("layers.end", p.layers.end as u64)
+        .with("batch", p.rows as u64)
+        .with("table_rows", p.table_rows as u64)
+        .with("max_blocks", p.max_blocks as u64)
+        .with("page_size", p.page_size as u64)
+        .with("slots", p.slots as u64)
+        .with("max_seq", p.max_seq as u64)
+        .with("kv_layers", p.kv_layers as u64)
+        .with("blocks.q", u64::from(b.q))
+        .with("blocks.k", u64::from(b.k))
+        .with("blocks.v", u64::from(b.v))
+        .with("blocks.o", u64::from(b.o))
+        .with("blocks.gate_up", u64::from(b.gate_up))
+        .with("blocks.down", u64::from(b.down))
+        .with("blocks.lm_head", u64::from(b.lm_head));
+    for (i, (seq, chunks)) in p.seqs.iter().zip(&p.kv_chunks).enumerate() {
+        s.push(format!("seq{i}.table_row"), seq.table_row as u64);
+        s.push(format!("seq{i}.kv_chunks"), chunks.len() as u64);
+    }
+    s
 }
 
 /// Decode rows: sequence `b` is row `b`, one token at position `seq_lens[b] - 1`.

@@ -1,12 +1,14 @@
 //! Attention-side kernels: the q/k norm + RoPE epilogue that also writes K/V into the paged
 //! cache, split-KV decode attention with its combine, and chunked causal prefill attention.
 
+use std::ops::Range;
+
 use half::bf16;
 use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, f32_to_bf16, partial_len};
 
-use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv};
+use super::args::{attn_combine, attn_decode, attn_prefill, kv_scatter, rope_kv, rope_step};
 use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
@@ -14,43 +16,124 @@ use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "qk_norm_rope_kv_bf16";
-    let NormScalars { eps } = NormScalars::read(ctx)?;
-    let (n, qw) = dims2(ctx, rope_kv::q)?;
-    let (nk, kvw) = dims2(ctx, rope_kv::k)?;
-    let q = ctx.read::<f32>(rope_kv::q)?;
-    let kx = ctx.read::<f32>(rope_kv::k)?;
-    let v = ctx.read::<f32>(rope_kv::v)?;
-    let qn = ctx.read::<f32>(rope_kv::q_norm)?;
-    let kn = ctx.read::<f32>(rope_kv::k_norm)?;
     let cos = ctx.read::<f32>(rope_kv::cos)?;
     let sin = ctx.read::<f32>(rope_kv::sin)?;
+    let (n, _) = dims2(ctx, rope_kv::q)?;
+    let d = ctx.read::<f32>(rope_kv::q_norm)?.len();
+    if cos.len() != n * d || sin.len() != n * d {
+        return Err(bad(
+            NAME,
+            format!("tables of {} for {n} rows of head_dim {d}", cos.len()),
+        ));
+    }
+    let rows = RopeRows {
+        q: rope_kv::q,
+        k: rope_kv::k,
+        v: rope_kv::v,
+        q_norm: rope_kv::q_norm,
+        k_norm: rope_kv::k_norm,
+        q_out: rope_kv::q_out,
+        k_out: rope_kv::k_out,
+        v_out: rope_kv::v_out,
+    };
+    rope_rows(ctx, NAME, &rows, |t| {
+        Ok((&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]))
+    })
+}
+
+/// The decode step's q/k norm + RoPE: each row's position comes from its step entry
+/// (`seq_len - 1`), its cos/sin rows from the whole tables, so one graph serves every step.
+pub(super) fn rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "qk_norm_rope_step_bf16";
+    let (n, _) = dims2(ctx, rope_step::q)?;
+    let (max_seq, d) = dims2(ctx, rope_step::cos)?;
+    let cos = ctx.read::<f32>(rope_step::cos)?;
+    let sin = ctx.read::<f32>(rope_step::sin)?;
+    let step = ctx.read::<u32>(rope_step::step)?;
+    if step.len() != n * STEP_FIELDS || sin.len() != cos.len() {
+        return Err(bad(
+            NAME,
+            format!("{} step entries for {n} rows", step.len()),
+        ));
+    }
+    let rows = RopeRows {
+        q: rope_step::q,
+        k: rope_step::k,
+        v: rope_step::v,
+        q_norm: rope_step::q_norm,
+        k_norm: rope_step::k_norm,
+        q_out: rope_step::q_out,
+        k_out: rope_step::k_out,
+        v_out: rope_step::v_out,
+    };
+    rope_rows(ctx, NAME, &rows, |t| {
+        let len = step[t * STEP_FIELDS] as usize;
+        if len == 0 || len > max_seq {
+            return Err(bad(
+                NAME,
+                format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
+            ));
+        }
+        let p = len - 1;
+        Ok((&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]))
+    })
+}
+
+/// Entries of a decode row's step record: `[seq_len, slot]`.
+pub(crate) const STEP_FIELDS: usize = 2;
+
+/// Argument indices of a q/k norm + RoPE kernel.
+struct RopeRows {
+    q: usize,
+    k: usize,
+    v: usize,
+    q_norm: usize,
+    k_norm: usize,
+    q_out: usize,
+    k_out: usize,
+    v_out: usize,
+}
+
+/// q/k norm and RoPE of each row with the cos/sin rows `tables(row)`, bf16 Q and K/V out.
+fn rope_rows<'t>(
+    ctx: &TaskCtx<'_>,
+    name: &str,
+    a: &RopeRows,
+    tables: impl Fn(usize) -> Result<(&'t [f32], &'t [f32]), KernelError>,
+) -> Result<(), KernelError> {
+    let NormScalars { eps } = NormScalars::read(ctx)?;
+    let (n, qw) = dims2(ctx, a.q)?;
+    let (nk, kvw) = dims2(ctx, a.k)?;
+    let q = ctx.read::<f32>(a.q)?;
+    let kx = ctx.read::<f32>(a.k)?;
+    let v = ctx.read::<f32>(a.v)?;
+    let qn = ctx.read::<f32>(a.q_norm)?;
+    let kn = ctx.read::<f32>(a.k_norm)?;
     let d = qn.len();
     let shapes_ok = nk == n
         && v.len() == n * kvw
         && kn.len() == d
         && d > 0
         && qw.is_multiple_of(d)
-        && kvw.is_multiple_of(d)
-        && cos.len() == n * d
-        && sin.len() == n * d;
+        && kvw.is_multiple_of(d);
     if !shapes_ok {
         return Err(bad(
-            NAME,
-            format!(
-                "inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}, tables {}",
-                cos.len()
-            ),
+            name,
+            format!("inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}"),
         ));
     }
-    let qo = ctx.write::<bf16>(rope_kv::q_out)?;
-    let ko = ctx.write::<bf16>(rope_kv::k_out)?;
-    let vo = ctx.write::<bf16>(rope_kv::v_out)?;
+    let qo = ctx.write::<bf16>(a.q_out)?;
+    let ko = ctx.write::<bf16>(a.k_out)?;
+    let vo = ctx.write::<bf16>(a.v_out)?;
     if qo.len() != n * qw || ko.len() != n * kvw || vo.len() != n * kvw {
-        return Err(bad(NAME, "output rows do not match the inputs"));
+        return Err(bad(name, "output rows do not match the inputs"));
     }
     with_scratch(qw.max(kvw), |s| {
         for t in 0..n {
-            let (c, sn) = (&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]);
+            let (c, sn) = tables(t)?;
+            if c.len() != d || sn.len() != d {
+                return Err(bad(name, format!("row {t}: cos/sin rows of {}", c.len())));
+            }
             s[..qw].copy_from_slice(&q[t * qw..(t + 1) * qw]);
             k::qk_norm_rope_bf16(&mut s[..qw], qn, eps, c, sn, &mut qo[t * qw..(t + 1) * qw]);
             s[..kvw].copy_from_slice(&kx[t * kvw..(t + 1) * kvw]);
@@ -64,7 +147,60 @@ pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             );
             k::cast_f32_bf16(&v[t * kvw..(t + 1) * kvw], &mut vo[t * kvw..(t + 1) * kvw]);
         }
-    });
+        Ok(())
+    })
+}
+
+/// Writes each new K/V row into one layer's pools at the slot its step entry names.
+pub(super) fn kv_scatter(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "kv_scatter_bf16";
+    let (n, kvw) = dims2(ctx, kv_scatter::k_rows)?;
+    let kr = ctx.read::<bf16>(kv_scatter::k_rows)?;
+    let vr = ctx.read::<bf16>(kv_scatter::v_rows)?;
+    let step = ctx.read::<u32>(kv_scatter::step)?;
+    if vr.len() != kr.len() || step.len() != n * STEP_FIELDS {
+        return Err(bad(
+            NAME,
+            format!(
+                "{n} K rows, {} V values, {} step entries",
+                vr.len(),
+                step.len()
+            ),
+        ));
+    }
+    let slots: Vec<usize> = (0..n).map(|t| step[t * STEP_FIELDS + 1] as usize).collect();
+    if let Some(t) = (0..n).find(|&t| slots[..t].contains(&slots[t])) {
+        return Err(bad(
+            NAME,
+            format!(
+                "rows {t} and {} both write slot {}",
+                slots.iter().position(|&s| s == slots[t]).unwrap_or(t),
+                slots[t]
+            ),
+        ));
+    }
+    for (i, rows) in [(kv_scatter::k_pool, kr), (kv_scatter::v_pool, vr)] {
+        let mut pool = ctx.write_rows::<bf16>(i)?;
+        if pool.row_len() != kvw {
+            return Err(bad(
+                NAME,
+                format!("pool rows of {} for K/V rows of {kvw}", pool.row_len()),
+            ));
+        }
+        for (t, &slot) in slots.iter().enumerate() {
+            if slot >= pool.len() {
+                return Err(bad(
+                    NAME,
+                    format!(
+                        "row {t}: slot {slot} outside the pool's {} slots",
+                        pool.len()
+                    ),
+                ));
+            }
+            pool.row(slot)
+                .copy_from_slice(&rows[t * kvw..(t + 1) * kvw]);
+        }
+    }
     Ok(())
 }
 
@@ -135,13 +271,21 @@ fn combine_into(
 pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "attention_decode_bf16";
     let AttnDecodeScalars {
-        t0,
-        t1,
-        is_final,
+        chunk,
+        chunks,
         scale,
         page,
         head_dim: d,
     } = AttnDecodeScalars::read(ctx)?;
+    let step = ctx.read::<u32>(attn_decode::step)?;
+    if step.len() != STEP_FIELDS || chunk >= chunks {
+        return Err(bad(
+            NAME,
+            format!("chunk {chunk} of {chunks} with {} step entries", step.len()),
+        ));
+    }
+    let is_final = chunks == 1;
+    let Range { start: t0, end: t1 } = k::split_range(step[0] as usize, chunks, chunk);
     let q = ctx.read::<bf16>(attn_decode::q)?;
     let (kv, table) = paged(ctx, d, page, t1, NAME)?;
     let nq = q.len();

@@ -136,12 +136,11 @@ kernel_scalars!(
 kernel_scalars!(
     /// Split-KV decode attention of one sequence over one KV chunk.
     AttnDecodeScalars {
-        /// First token of the chunk.
-        t0: usize,
-        /// One past its last token.
-        t1: usize,
-        /// The chunk is the whole sequence: write the final output, not partials.
-        is_final: bool,
+        /// Which KV chunk of the sequence (its tokens are `split_range(seq_len, chunks,
+        /// chunk)`, the length read from the step entry at run time).
+        chunk: usize,
+        /// KV chunks of the sequence; 1: write the final output, not partials.
+        chunks: usize,
         /// Attention scale.
         scale: f32,
         /// Tokens per page.
