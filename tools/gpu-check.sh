@@ -54,7 +54,7 @@ run() {
     LOG=$OUT/log
     : >"$LOG"
     FAILED=0
-    for f in simpler test-nvrtc test-device; do
+    for f in simpler test-nvrtc test-device test-graph_plan; do
         [ -x "$CARRY/$f" ] || { echo "missing $CARRY/$f: run 'tools/gpu-check.sh prepare' and carry $CARRY" | tee -a "$LOG"; exit 2; }
     done
     # libnvrtc.so.13: the CUDA toolkit's, else the pip package beside PyTorch.
@@ -73,6 +73,7 @@ run() {
     step "device" nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
     step "nvrtc: every module for sm_90" "$CARRY/test-nvrtc" --test-threads 1 --nocapture
     step "golden: decode steps on the device vs the fp32 golden" "$CARRY/test-device" --test-threads 1 --nocapture
+    step "captured task graph -> CUDA graph" "$CARRY/test-graph_plan" --test-threads 1 --nocapture
     step "bench: simpler, Qwen3-14B decode" timeout 240 "$CARRY/simpler" bench qwen3-decode \
         --platform cuda --preset qwen3-14b --shapes 1x512,16x3500 --warmup 3 --rounds 20
     step "bench: PyTorch/transformers, same shapes" timeout 240 python3 tools/hf_qwen3_decode.py \

@@ -14,6 +14,47 @@ use simpler_core::{CapturedGraph, GraphTask};
 
 use crate::CudaError;
 
+/// One kernel argument, passed by value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelArg {
+    /// A device pointer.
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `unsigned long long`.
+    U64(u64),
+    /// `float`.
+    F32(f32),
+}
+
+impl KernelArg {
+    /// The value's bytes, in the first 4 or 8 of an 8-byte slot (little-endian, as the driver
+    /// reads a parameter of that size from the slot's address).
+    pub fn slot(self) -> [u8; 8] {
+        let mut out = [0u8; 8];
+        match self {
+            KernelArg::Ptr(v) | KernelArg::U64(v) => out = v.to_le_bytes(),
+            KernelArg::I32(v) => out[..4].copy_from_slice(&v.to_le_bytes()),
+            KernelArg::F32(v) => out[..4].copy_from_slice(&v.to_le_bytes()),
+        }
+        out
+    }
+}
+
+/// One kernel launch of `simpler-kernels-cuda`: the kernel's name, the launch shape and the
+/// arguments in the kernel's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelLaunch {
+    /// The `extern "C"` kernel name.
+    pub kernel: &'static str,
+    /// Grid dimensions.
+    pub grid: (u32, u32, u32),
+    /// Block dimensions.
+    pub block: (u32, u32, u32),
+    /// Arguments.
+    pub args: Vec<KernelArg>,
+}
+
 /// One device-graph node: the launch of one captured task.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanNode<L> {

@@ -12,6 +12,7 @@
 
 pub mod cache;
 mod error;
+pub mod graph_plan;
 
 #[cfg(feature = "cuda")]
 mod imp;
@@ -26,13 +27,13 @@ pub use cache::{CompileReport, KernelCache};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use imp::{
-    CudaDevice, CudaPlatform, DeviceBuffer, Qwen3Decoder, compile_cubin, compile_modules,
-    nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
+    compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    CudaDevice, CudaPlatform, DeviceBuffer, Qwen3Decoder, compile_cubin, compile_modules,
-    nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
+    compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 
 /// Compiled kernel modules: each source with its cubin.

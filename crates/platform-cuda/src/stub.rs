@@ -69,6 +69,31 @@ impl CudaDevice {
     }
 }
 
+/// A device graph built from a plan (never made in this build).
+pub struct DeviceGraph(Infallible);
+
+impl DeviceGraph {
+    /// Always [`CudaError::NotCompiled`].
+    pub fn build(
+        _dev: &CudaDevice,
+        _plan: &crate::graph_plan::GraphPlan<crate::graph_plan::KernelLaunch>,
+    ) -> Result<DeviceGraph, CudaError> {
+        Err(CudaError::NotCompiled)
+    }
+    /// Unreachable: no value exists.
+    pub fn launch(&self) -> Result<(), CudaError> {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn fingerprint(&self) -> u64 {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn nodes(&self) -> usize {
+        match self.0 {}
+    }
+}
+
 /// Device memory (never made in this build).
 pub struct DeviceBuffer(Infallible);
 
