@@ -326,15 +326,7 @@ impl Qwen3Decoder {
         offset: f32,
         scale: f32,
     ) -> Result<(), CudaError> {
-        let n = (b.len() / BF) as u64;
-        let f = self.dev.function("fill_random_bf16")?;
-        let mut a = self.dev.stream.launch_builder(f);
-        let p = b.ptr();
-        a.arg(&p).arg(&n).arg(&seed).arg(&offset).arg(&scale);
-        // SAFETY: `fill_random_bf16(bf16*, u64 n, u64 seed, float, float)` writes n elements
-        // of `b`, which holds n bf16.
-        unsafe { a.launch(cfg((1024, 1, 1), 256)) }.map_err(driver_err("fill_random_bf16"))?;
-        Ok(())
+        fill_random(&self.dev, "fill_random_bf16", BF, b, seed, offset, scale)
     }
 
     fn fill_f32(
@@ -344,14 +336,7 @@ impl Qwen3Decoder {
         offset: f32,
         scale: f32,
     ) -> Result<(), CudaError> {
-        let n = (b.len() / F32) as u64;
-        let f = self.dev.function("fill_random_f32")?;
-        let mut a = self.dev.stream.launch_builder(f);
-        let p = b.ptr();
-        a.arg(&p).arg(&n).arg(&seed).arg(&offset).arg(&scale);
-        // SAFETY: as `fill_bf16`, with n f32 elements.
-        unsafe { a.launch(cfg((1024, 1, 1), 256)) }.map_err(driver_err("fill_random_f32"))?;
-        Ok(())
+        fill_random(&self.dev, "fill_random_f32", F32, b, seed, offset, scale)
     }
 
     /// `y[R, n] (+)= x[R, k] @ w[n, k]^T` in launches of up to `GEMV_MAX_ROWS` rows.
@@ -696,6 +681,28 @@ impl Qwen3Decoder {
     }
 }
 
+/// Fills `b` with `offset + scale * u`, `u` uniform in [-1, 1) from `seed`, through `kernel`
+/// (`fill_random_bf16` or `fill_random_f32`, whose elements are `elem` bytes).
+fn fill_random(
+    dev: &CudaDevice,
+    kernel: &'static str,
+    elem: usize,
+    b: &DeviceBuffer,
+    seed: u64,
+    offset: f32,
+    scale: f32,
+) -> Result<(), CudaError> {
+    let n = (b.len() / elem) as u64;
+    let f = dev.function(kernel)?;
+    let mut a = dev.stream.launch_builder(f);
+    let p = b.ptr();
+    a.arg(&p).arg(&n).arg(&seed).arg(&offset).arg(&scale);
+    // SAFETY: `fill_random_*(T*, u64 n, u64 seed, float, float)` writes n elements of `b`,
+    // which holds n elements of `elem` bytes.
+    unsafe { a.launch(cfg((1024, 1, 1), 256)) }.map_err(driver_err(kernel))?;
+    Ok(())
+}
+
 /// The device's streaming read bandwidth: `rounds` passes of the `read_probe` kernel over a
 /// buffer of `bytes` (random contents), timed with events; bytes/s of each pass.
 pub fn read_bandwidth(
@@ -713,14 +720,7 @@ pub fn read_bandwidth(
     let buf = dev.alloc(bytes)?;
     let blocks = dev.info().multiprocessors.max(1) * 8;
     let sink = dev.alloc(blocks as usize * 4)?;
-    {
-        let f = dev.function("fill_random_f32")?;
-        let (p, n, seed, off, scale) = (buf.ptr(), (bytes / 4) as u64, 7u64, 0.0f32, 1.0f32);
-        let mut a = dev.stream.launch_builder(f);
-        a.arg(&p).arg(&n).arg(&seed).arg(&off).arg(&scale);
-        // SAFETY: fills bytes / 4 floats of `buf`.
-        unsafe { a.launch(cfg((1024, 1, 1), 256)) }.map_err(driver_err("fill_random_f32"))?;
-    }
+    fill_random(dev, "fill_random_f32", F32, &buf, 7, 0.0, 1.0)?;
     let ev = || {
         dev.ctx
             .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
