@@ -181,7 +181,7 @@ impl DeviceBuffer {
         self.len == 0
     }
 
-    /// Copies `src` to the start of the buffer (synchronously).
+    /// Copies `src` to the start of the buffer; returns when it is on the device.
     pub fn upload<T: Copy>(&self, src: &[T]) -> Result<(), CudaError> {
         let bytes = std::mem::size_of_val(src);
         if bytes > self.len {
@@ -194,10 +194,15 @@ impl DeviceBuffer {
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
         // SAFETY: the destination holds `bytes` bytes (checked); `T: Copy` has no drop glue.
-        unsafe { drv::memcpy_htod_sync(self.ptr, src) }.map_err(driver_err("cuMemcpyHtoD"))
+        unsafe { drv::memcpy_htod_sync(self.ptr, src) }.map_err(driver_err("cuMemcpyHtoD"))?;
+        // A copy from pageable memory may return before its DMA lands, and the kernels run on
+        // a non-blocking stream that does not wait for it: wait for the context.
+        self.ctx
+            .synchronize()
+            .map_err(driver_err("cuCtxSynchronize"))
     }
 
-    /// Copies the start of the buffer into `dst` (synchronously).
+    /// Copies the start of the buffer into `dst` after all work queued on the device.
     pub fn download<T: Copy>(&self, dst: &mut [T]) -> Result<(), CudaError> {
         let bytes = std::mem::size_of_val(dst);
         if bytes > self.len {
@@ -209,6 +214,11 @@ impl DeviceBuffer {
         self.ctx
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
+        // The copy waits for the legacy stream only; kernels on non-blocking streams may
+        // still be writing the buffer.
+        self.ctx
+            .synchronize()
+            .map_err(driver_err("cuCtxSynchronize"))?;
         // SAFETY: the source holds `bytes` bytes (checked); any bit pattern is written into
         // plain `Copy` elements the caller chose.
         unsafe { drv::memcpy_dtoh_sync(dst, self.ptr) }.map_err(driver_err("cuMemcpyDtoH"))
