@@ -163,6 +163,9 @@ impl DeviceBuffer {
         };
         // SAFETY: `ptr .. ptr + len` was just allocated.
         unsafe { drv::memset_d8_sync(ptr, 0, len) }.map_err(driver_err("cuMemsetD8"))?;
+        // cuMemsetD8 on device memory may still be running when it returns, on the legacy
+        // stream, which the kernels' non-blocking stream does not wait for.
+        ctx.synchronize().map_err(driver_err("cuCtxSynchronize"))?;
         Ok(buf)
     }
 
