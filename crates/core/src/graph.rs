@@ -23,7 +23,7 @@
 //! are replayed as recorded: values that change from run to run (positions, block tables, slot
 //! mappings) belong in buffers the graph reads, written by the host between runs. Everything
 //! after submission is an ordinary run: the cores, the watchdog, failure diagnosis, the timing
-//! report (its `orch` span is the replay's submission loop, and [`RunReport::graph`] says
+//! report (its `orch` span is the replay's submission loop, and [`RunReport::graph`](crate::RunReport::graph) says
 //! `Replayed`), swimlane records (with the captured topology fingerprint) and the buffers bound
 //! for the run's duration.
 //!
