@@ -7,6 +7,8 @@ mod bench_qwen3_cuda;
 mod bench_runtime;
 mod bench_serve;
 mod demo;
+mod dsv4_cmd;
+mod dsv4_moe;
 mod generate;
 mod npy;
 mod opts;
@@ -67,6 +69,10 @@ enum RunCommand {
     /// against the golden, with a per-token report (TPOT, timing layers, bandwidth, roofline).
     #[command(name = "qwen3-decode")]
     Qwen3Decode(qwen3_decode::DecodeArgs),
+    /// One DeepSeek-V4 layer's decode step (batch 4 x 2 tokens) from a seeded fixture:
+    /// timing layers, bytes and GB/s per phase, % of membw and of the per-phase bound, and
+    /// `--check` against the golden.
+    Dsv4(dsv4_cmd::RunDsv4Args),
 }
 
 #[derive(Subcommand, Debug)]
@@ -86,6 +92,9 @@ enum BenchCommand {
     /// Concurrent requests served together by the engine: output tokens/s, TTFT and TPOT
     /// percentiles, batched throughput against N times one stream.
     Serve(bench_serve::BenchServeArgs),
+    /// One DeepSeek-V4 layer's decode step, `--rounds` times: effective_us statistics, % of
+    /// membw and of the per-phase bound.
+    Dsv4(dsv4_cmd::BenchDsv4Args),
 }
 
 /// Arguments of `simpler run demo`.
@@ -141,8 +150,10 @@ fn main() -> Result<()> {
         Command::Run { platform, command } => match (platform.platform, command) {
             (Cpu, RunCommand::Demo(a)) => run_demo(a),
             (Cpu, RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
+            (Cpu, RunCommand::Dsv4(a)) => dsv4_cmd::run(a),
             (Cuda, RunCommand::Demo(_)) => platform::refuse_cuda("run demo"),
             (Cuda, RunCommand::Qwen3Decode(_)) => platform::refuse_cuda("run qwen3-decode"),
+            (Cuda, RunCommand::Dsv4(_)) => platform::refuse_cuda("run dsv4"),
         },
         Command::Bench { platform, command } => match (platform.platform, command) {
             (Cpu, BenchCommand::Runtime(a)) => bench_runtime::main(a),
@@ -151,10 +162,12 @@ fn main() -> Result<()> {
             (Cuda, BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode_cuda(a),
             (Cpu, BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
             (Cpu, BenchCommand::Serve(a)) => bench_serve::main(a),
+            (Cpu, BenchCommand::Dsv4(a)) => dsv4_cmd::bench(a),
             (Cuda, BenchCommand::Runtime(_)) => platform::refuse_cuda("bench runtime"),
             (Cuda, BenchCommand::Membw(_)) => platform::refuse_cuda("bench membw"),
             (Cuda, BenchCommand::Qwen3Prefill(_)) => platform::refuse_cuda("bench qwen3-prefill"),
             (Cuda, BenchCommand::Serve(_)) => platform::refuse_cuda("bench serve"),
+            (Cuda, BenchCommand::Dsv4(_)) => platform::refuse_cuda("bench dsv4"),
         },
         Command::Generate { platform, args } => match platform.platform {
             Cpu => generate::main(args),

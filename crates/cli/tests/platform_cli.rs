@@ -17,6 +17,8 @@ fn cuda_is_refused_with_the_reason() {
         &["bench", "membw"],
         &["bench", "qwen3-prefill", "--preset", "tiny"],
         &["bench", "serve", "--preset", "tiny"],
+        &["run", "dsv4"],
+        &["bench", "dsv4"],
         &["generate", "--preset", "tiny", "--prompt-ids", "1,2"],
     ];
     for args in commands {

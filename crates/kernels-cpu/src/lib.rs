@@ -12,6 +12,7 @@
 pub mod amx;
 pub mod attention;
 pub mod convert;
+pub mod dsv4;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemm_i8;
@@ -39,7 +40,7 @@ pub use gemm::{
 };
 pub use gemm_i8::{
     ActsI8, I8Path, WeightsI8, gemm_i8_w8a8, gemm_i8_wide, quantize_acts_i8, quantize_row_bf16_i8,
-    quantize_row_i8, with_i8_path,
+    quantize_row_i8, quantize_row_i8_ties_away, with_i8_path,
 };
 pub use isa::{Isa, set_process_isa, with_isa};
 pub use norm::{

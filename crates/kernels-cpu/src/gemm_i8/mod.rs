@@ -444,6 +444,44 @@ fn scale_round(n: usize, x: impl Fn(usize) -> f32, amax: f32, q: &mut [i8]) -> f
     amax / 127.0
 }
 
+/// Symmetric quantisation of one row as DeepSeek-V4 defines it (`docs/dsv4.md`, "Building
+/// blocks"): `scale = max|x| / 127`, `q = round(x / scale)` with ties away from zero, in
+/// `-127..=127`; returns the scale (0 for an all-zero row). Differs from
+/// [`quantize_row_i8`] only on exact ties (and by dividing by the scale instead of
+/// multiplying by its inverse), which decides one int8 step of a value.
+///
+/// # Panics
+/// If `q.len() != x.len()`.
+pub fn quantize_row_i8_ties_away(x: &[f32], q: &mut [i8]) -> f32 {
+    assert_eq!(q.len(), x.len(), "quantize_row_i8_ties_away: lengths");
+    quantize_f32_away(x, q)
+}
+
+multiversion!(
+    fn quantize_f32_away(x: &[f32], q: &mut [i8]) -> f32 {
+        let amax = abs_max(x.len(), |i| x[i]);
+        if amax == 0.0 {
+            q.fill(0);
+            return 0.0;
+        }
+        let scale = amax / 127.0;
+        for (o, &v) in q.iter_mut().zip(x) {
+            // Round half away from zero from `trunc` (one instruction, where `round` is a
+            // libm call the compiler cannot vectorise): `v - trunc(v)` is exact.
+            let y = v / scale;
+            let t = y.trunc();
+            let r = if (y - t).abs() >= 0.5 {
+                t + 1.0f32.copysign(y)
+            } else {
+                t
+            };
+            // `as` saturates (NaN to 0); the clamp keeps -128 out.
+            *o = r.clamp(-127.0, 127.0) as i8;
+        }
+        scale
+    }
+);
+
 /// Quantises fp32 activations `x [rows, cols]` (row stride `ldx`) per row into `q` (row stride
 /// `ldq`) and `scales`, each scale multiplied by `row_scale[b]` when given (a deferred per-row
 /// factor such as RMSNorm's `1/rms` then costs nothing in the product).

@@ -1,6 +1,13 @@
 //! The spec's tolerances for DeepSeek-V4 outputs (`docs/dsv4.md`, "Tolerances"): a
 //! relative-difference ratio with a share of elements allowed over it for layer outputs, and
-//! `atol + rtol·|e|` with a share allowed outside for caches.
+//! `atol + rtol·|e|` with a share allowed outside for caches; and the comparisons of a runtime
+//! step against the golden that tests and `simpler run dsv4 --check` share.
+
+use half::bf16;
+
+use super::fixture::{HcaParts, WindowCache};
+use super::golden::AttnStep;
+use super::runner::{AttnCaches, AttnStepOutput};
 
 /// A relative-difference check: `rdiff = |a - e|` when that is below `thd`, else
 /// `|a - e| / max(|a|, |e|, 2^-14 / thd)`; passes when at most `pct` of the elements have
@@ -111,6 +118,76 @@ impl CacheTol {
     }
 }
 
+/// Every comparison of an SWA, CSA or HCA step run on the runtime against the golden step `g`
+/// (for CSA, [`csa_cache_checks`] adds its own caches):
+/// the golden's intermediates (`q`, `attn`, `o_proj`) and the new residual with the layer's
+/// tolerance, then each cache the step writes, read back whole from the worker and compared
+/// with the fixture's cache (`window`, `hca`) plus the golden's writes. Each entry is the
+/// output's name and its outcome (`Err` names the share over and the worst element).
+pub fn attn_step_checks(
+    window: &WindowCache,
+    hca: Option<&HcaParts>,
+    g: &AttnStep,
+    out: &AttnStepOutput,
+    caches: &AttnCaches,
+) -> Vec<(&'static str, Result<Outcome, String>)> {
+    // The CSA step's outputs have the CSA tolerance.
+    let t = if g.csa.is_some() {
+        RelDiff::CSA
+    } else {
+        RelDiff::SWA_HCA
+    };
+    let widen = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+    let hd = window.width;
+    let mut checks = vec![
+        ("q", t.check("q", &out.q, &g.q)),
+        ("attn", t.check("attn", &out.attn, &g.attn)),
+        ("o_proj", t.check("o_proj", &out.o_proj, &g.o_proj)),
+        ("x_out", t.check("x_out", &out.x_out, &g.x_out)),
+    ];
+    let mut want = widen(&window.rows);
+    for (slot, row) in g
+        .window_write
+        .slots
+        .iter()
+        .zip(g.window_write.rows.chunks(hd))
+    {
+        if let Some(s) = slot {
+            want[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+        }
+    }
+    checks.push((
+        "window cache",
+        CacheTol::KV.check("window cache", &widen(&caches.window), &want),
+    ));
+    if let (Some(h), Some(sw), Some(cw)) = (hca, &g.state_write, &g.compressed_write) {
+        let (mut kv, mut score) = (h.state.kv.clone(), h.state.score.clone());
+        for (i, &s) in sw.slots.iter().enumerate() {
+            kv[s * hd..(s + 1) * hd].copy_from_slice(&sw.kv[i * hd..(i + 1) * hd]);
+            score[s * hd..(s + 1) * hd].copy_from_slice(&sw.score[i * hd..(i + 1) * hd]);
+        }
+        checks.push((
+            "state kv",
+            CacheTol::KV.check("state kv", &caches.state_kv, &kv),
+        ));
+        checks.push((
+            "state score",
+            CacheTol::KV.check("state score", &caches.state_score, &score),
+        ));
+        let mut comp = widen(&h.cache.rows);
+        for (slot, row) in cw.slots.iter().zip(cw.rows.chunks(hd)) {
+            if let Some(s) = slot {
+                comp[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+            }
+        }
+        checks.push((
+            "compressed cache",
+            CacheTol::KV.check("compressed cache", &widen(&caches.compressed), &comp),
+        ));
+    }
+    checks
+}
+
 fn outcome(actual: &[f32], expected: &[f32], over: impl Fn(f32, f32) -> (bool, f32)) -> Outcome {
     let mut o = Outcome {
         n: actual.len(),
@@ -156,6 +233,122 @@ fn judge(
         ));
     }
     Ok(out)
+}
+
+/// The CSA caches a step wrote, read back from the worker (`caches`), against the fixture's
+/// CSA parts with the golden step's writes (`g`) applied: both compressors' rings, the
+/// compressed rows, the index rows (compared dequantised, so an int8 step rounded the other
+/// way counts as outside) and their scales, each at [`CacheTol::KV`]. Each entry is the
+/// cache's name and its outcome (`Err` names the share outside and the worst element; a step
+/// without CSA writes is an `Err` too).
+pub fn csa_cache_checks(
+    csa: &super::fixture::CsaParts,
+    g: &super::golden::AttnStep,
+    caches: &super::runner::CsaCaches,
+) -> Vec<(&'static str, Result<Outcome, String>)> {
+    let Some(gw) = g.csa.as_ref() else {
+        return vec![(
+            "csa caches",
+            Err("the golden step wrote no CSA caches".into()),
+        )];
+    };
+    let widen = |v: &[half::bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+    // A ring as the step leaves it: the fixture's rows with the golden's writes.
+    let ring = |state: &super::fixture::OverlapState, sw: &super::golden::StateWrite| {
+        let wide = 2 * state.width;
+        let (mut kv, mut score) = (state.kv.clone(), state.score.clone());
+        for (i, &s) in sw.slots.iter().enumerate() {
+            kv[s * wide..(s + 1) * wide].copy_from_slice(&sw.kv[i * wide..(i + 1) * wide]);
+            score[s * wide..(s + 1) * wide].copy_from_slice(&sw.score[i * wide..(i + 1) * wide]);
+        }
+        (kv, score)
+    };
+    let t = CacheTol::KV;
+    let mut checks = Vec::new();
+    let (kv, score) = ring(&csa.state, &gw.state_write);
+    checks.push(("ring kv", t.check("ring kv", &caches.ring_kv, &kv)));
+    checks.push((
+        "ring score",
+        t.check("ring score", &caches.ring_score, &score),
+    ));
+    let (kv, score) = ring(&csa.index_state, &gw.index_state_write);
+    checks.push((
+        "index ring kv",
+        t.check("index ring kv", &caches.index_ring_kv, &kv),
+    ));
+    checks.push((
+        "index ring score",
+        t.check("index ring score", &caches.index_ring_score, &score),
+    ));
+    let hd = csa.cache.width;
+    let mut comp = widen(&csa.cache.rows);
+    for (slot, row) in gw
+        .compressed
+        .slots
+        .iter()
+        .zip(gw.compressed.rows.chunks(hd))
+    {
+        if let Some(s) = slot {
+            comp[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+        }
+    }
+    checks.push((
+        "compressed cache",
+        t.check("compressed cache", &widen(&caches.compressed), &comp),
+    ));
+    // The rows this step wrote on their own too: a wrong row must not hide in the cache's
+    // share allowance.
+    let written = |all: &[f32], slots: &mut dyn Iterator<Item = usize>, w: usize| -> Vec<f32> {
+        slots
+            .flat_map(|s| all.get(s * w..(s + 1) * w).unwrap_or(&[]).to_vec())
+            .collect()
+    };
+    let got = widen(&caches.compressed);
+    let slots: Vec<usize> = gw.compressed.slots.iter().flatten().copied().collect();
+    checks.push((
+        "compressed rows written",
+        t.check(
+            "compressed rows written",
+            &written(&got, &mut slots.iter().copied(), hd),
+            &widen(&gw.compressed.rows),
+        ),
+    ));
+    let iw = csa.index_cache.width;
+    let (mut iq, mut is) = (csa.index_cache.q.clone(), csa.index_cache.scale.clone());
+    for (k, &s) in gw.index_write.slots.iter().enumerate() {
+        iq[s * iw..(s + 1) * iw].copy_from_slice(&gw.index_write.q[k * iw..(k + 1) * iw]);
+        is[s] = gw.index_write.scale[k];
+    }
+    let deq = |q: &[i8], s: &[f32]| -> Vec<f32> {
+        q.iter()
+            .enumerate()
+            .map(|(i, &v)| f32::from(v) * s.get(i / iw.max(1)).copied().unwrap_or(f32::NAN))
+            .collect()
+    };
+    checks.push((
+        "index rows",
+        t.check(
+            "index rows",
+            &deq(&caches.index_q, &caches.index_scale),
+            &deq(&iq, &is),
+        ),
+    ));
+    checks.push((
+        "index scales",
+        t.check("index scales", &caches.index_scale, &is),
+    ));
+    let got = deq(&caches.index_q, &caches.index_scale);
+    let want = deq(&iq, &is);
+    let slots = &gw.index_write.slots;
+    checks.push((
+        "index rows written",
+        t.check(
+            "index rows written",
+            &written(&got, &mut slots.iter().copied(), iw),
+            &written(&want, &mut slots.iter().copied(), iw),
+        ),
+    ));
+    checks
 }
 
 #[cfg(test)]

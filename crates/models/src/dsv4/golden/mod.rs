@@ -23,7 +23,9 @@ pub use compress::{StateWrite, compress_step, pool_window};
 pub use csa::{
     ClosedRow, CsaWrites, IndexPick, IndexWrite, hadamard, index_pick, overlap_compress_step,
 };
-pub use moe::{MoeStep, Route, expert_forward, moe_step, quant_activations, route};
+pub use moe::{
+    MoeStep, Route, expert_forward, moe_after_hc_pre, moe_step, quant_activations, route,
+};
 
 /// `bf16(x)` as f32, round to nearest even (every cast point unless stated otherwise).
 pub fn rb(x: f32) -> f32 {
@@ -58,12 +60,19 @@ pub fn hc_pre(cfg: &Dsv4Config, w: &HcWeights, x: &[f32]) -> HcPre {
     let hc = cfg.hc_mult;
     let d = cfg.hidden;
     let n = hc * d;
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / n as f32;
+    // Sums over the hc · hidden values in f64 (see `matvec_bf16`): `x_mixed` is rounded to
+    // bf16 right after, so an fp32 sum's error would flip some of its values.
+    let ms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n as f64) as f32;
     let inv = 1.0 / (ms + cfg.rms_eps).sqrt();
     let mix: Vec<f32> = (0..cfg.hc_mix())
         .map(|m| {
             let row = &w.mix[m * n..(m + 1) * n];
-            inv * row.iter().zip(x).map(|(a, b)| a * b).sum::<f32>()
+            let dot = row
+                .iter()
+                .zip(x)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum::<f64>();
+            inv * dot as f32
         })
         .collect();
     let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
@@ -149,7 +158,7 @@ pub fn hc_post(cfg: &Dsv4Config, hp: &HcPre, x: &[f32], out: &[f32]) -> Vec<f32>
 
 /// `bf16(x · rsqrt(mean x² + eps) · w)`; `w = None` is the weightless norm.
 pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32) -> Vec<f32> {
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let ms = (x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64) as f32;
     let inv = 1.0 / (ms + eps).sqrt();
     x.iter()
         .enumerate()
@@ -248,7 +257,13 @@ pub fn dot_i8(a: &[i32], b: &[i8]) -> i32 {
     a.iter().zip(b).map(|(&x, &w)| x * i32::from(w)).sum()
 }
 
-/// `y[o] = Σ_k x[k] · w[o, k]` with `w` `[n_out, x.len()]` bf16, fp32 accumulation.
+/// `y[o] = Σ_k x[k] · w[o, k]` with `w` `[n_out, x.len()]` bf16, rounded to fp32.
+///
+/// The sum is taken in f64: a sequential fp32 sum over thousands of terms errs by ~1e-5
+/// relative (ten times a blocked kernel's error), enough to flip the bf16 and int8 roundings
+/// that follow every projection, and each flip moves the layer's output by more than the
+/// tolerance allows. Accumulated exactly enough, the reference is what fp32 accumulation
+/// approximates, whatever its order.
 pub fn matvec_bf16(x: &[f32], w: &[bf16], n_out: usize) -> Vec<f32> {
     let k = x.len();
     (0..n_out)
@@ -256,8 +271,8 @@ pub fn matvec_bf16(x: &[f32], w: &[bf16], n_out: usize) -> Vec<f32> {
             w[o * k..(o + 1) * k]
                 .iter()
                 .zip(x)
-                .map(|(w, x)| w.to_f32() * x)
-                .sum()
+                .map(|(w, x)| f64::from(w.to_f32()) * f64::from(*x))
+                .sum::<f64>() as f32
         })
         .collect()
 }

@@ -126,6 +126,23 @@ pub fn expert_forward(cfg: &Dsv4Config, e: &Expert, xs: f32, xq: &[i32], weight:
 /// One MoE decode step of layer `layer` (which decides hash vs top-k routing).
 pub fn moe_step(cfg: &Dsv4Config, w: &MoeWeights, layer: usize, inputs: &StepInputs) -> MoeStep {
     let (hc, d) = (cfg.hc_mult, cfg.hidden);
+    let hps = (0..inputs.n_tokens())
+        .map(|t| hc_pre(cfg, &w.hc, &inputs.x_hc[t * hc * d..(t + 1) * hc * d]))
+        .collect();
+    moe_after_hc_pre(cfg, w, layer, inputs, hps)
+}
+
+/// The MoE step from each token's `hc_pre` result on: a check can feed another
+/// implementation's `hc_pre` (whose bf16 `x_mixed` may differ by an ulp where the sum lies
+/// at a rounding boundary) and judge the rest on the same input.
+pub fn moe_after_hc_pre(
+    cfg: &Dsv4Config,
+    w: &MoeWeights,
+    layer: usize,
+    inputs: &StepInputs,
+    hps: Vec<HcPre>,
+) -> MoeStep {
+    let (hc, d) = (cfg.hc_mult, cfg.hidden);
     let n_tokens = inputs.n_tokens();
     let mut step = MoeStep {
         x_out: vec![0.0; n_tokens * hc * d],
@@ -135,9 +152,8 @@ pub fn moe_step(cfg: &Dsv4Config, w: &MoeWeights, layer: usize, inputs: &StepInp
         routes: Vec::with_capacity(n_tokens),
         hc: Vec::with_capacity(n_tokens),
     };
-    for t in 0..n_tokens {
+    for (t, hp) in hps.into_iter().enumerate().take(n_tokens) {
         let x = &inputs.x_hc[t * hc * d..(t + 1) * hc * d];
-        let hp = hc_pre(cfg, &w.hc, x);
         let (xs, xq) = quant_activations(cfg, w, &hp.x_mixed);
         let r = route(cfg, w, layer, inputs.token_ids[t], xs, &xq);
         let mut acc = vec![0.0f32; d];

@@ -1,0 +1,561 @@
+//! `simpler run dsv4` and `simpler bench dsv4`: one decode step (batch 4 × 2 tokens) of a
+//! DeepSeek-V4 layer on the runtime, from a seeded fixture, with the timing layers, the bytes
+//! and GB/s of each phase, the share of this machine's bandwidth and of the per-phase bound
+//! (both measured in the run), and (`--check`) the comparison with the golden.
+//!
+//! Each layer kind is a [`LayerStep`]; [`prepare`] picks one per `--layer`/`--kernel`, so a
+//! new kind is one implementation and one match arm.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use clap::{Args, ValueEnum};
+use simpler_core::{CallConfig, RunReport, TaskSlotTiming, Worker};
+use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
+use simpler_kernels_cpu::membw::MachinePeaks;
+use simpler_kernels_cpu::{I8Path, Isa};
+use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks};
+use simpler_models::dsv4::fixture::{
+    AttnWeights, CsaParts, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
+    generate_hca, generate_inputs, generate_window_cache,
+};
+use simpler_models::dsv4::golden::{csa_step, hca_step, swa_step};
+use simpler_models::dsv4::{
+    AttnLayer, Dsv4Config, LayerCost, LayerKind, MIXED_STARTS, Peaks, TOKENS_PER_SEQ, ops,
+    uniform_starts,
+};
+
+use crate::opts::{self, RunOpts};
+use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
+
+/// The layer kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LayerArg {
+    /// Sliding window attention.
+    Swa,
+    /// Ratio-4 compressed attention with the indexer.
+    Csa,
+    /// Ratio-128 compressed attention.
+    Hca,
+    /// The mixture of experts.
+    Moe,
+}
+
+impl LayerArg {
+    fn name(self) -> &'static str {
+        match self {
+            LayerArg::Swa => "swa",
+            LayerArg::Csa => "csa",
+            LayerArg::Hca => "hca",
+            LayerArg::Moe => "moe",
+        }
+    }
+}
+
+/// What a step is made of: shapes, starts, seed, and the measurement of the machine.
+#[derive(Args, Debug)]
+pub(crate) struct CaseArgs {
+    /// Shapes: the spec's FLASH configuration or a narrower variant.
+    #[arg(long, default_value = "flash", value_parser = ["flash", "small", "tiny"])]
+    preset: String,
+    /// Every sequence starts at N (at 8192 no compression boundary falls inside the step)
+    /// [default: the mixed starts 0,3,127,8192].
+    #[arg(long, value_name = "N")]
+    start_pos: Option<usize>,
+    /// Fixture seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps).
+    #[arg(long, default_value_t = 1.5)]
+    membw_seconds: f64,
+}
+
+/// Arguments of `simpler run dsv4`.
+#[derive(Args, Debug)]
+pub(crate) struct RunDsv4Args {
+    /// The layer whose decode step runs.
+    #[arg(long, value_enum)]
+    layer: LayerArg,
+    #[command(flatten)]
+    case: CaseArgs,
+    /// Compare the step's output, intermediates and every cache it writes with the golden.
+    #[arg(long)]
+    check: bool,
+    /// Measured steps (each replays the same step from the layer's caches).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Warm-up steps (discarded).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+/// Arguments of `simpler bench dsv4`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchDsv4Args {
+    /// The layer whose decode step is measured.
+    #[arg(long, value_enum)]
+    kernel: LayerArg,
+    #[command(flatten)]
+    case: CaseArgs,
+    /// Measured steps.
+    #[arg(long, default_value_t = 100)]
+    rounds: usize,
+    /// Warm-up steps (discarded).
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+/// One layer kind's prepared decode step: what `run` and `bench` drive.
+pub(crate) trait LayerStep {
+    /// One line: the layer and its shapes.
+    fn describe(&self) -> String;
+    /// Runs the step once.
+    fn step(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<RunReport>;
+    /// Runs the step on a fresh copy of the fixture's caches and compares everything it
+    /// produces with the golden: one `(output, outcome)` line each.
+    fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>>;
+    /// Bytes and operations per phase.
+    fn cost(&self) -> LayerCost;
+    /// Whether the latest step's output is valid (reproduces the first step's), for a kind
+    /// whose bench counts `valid_rounds` (the MoE); `None` for the others.
+    fn round_valid(&self) -> Option<bool> {
+        None
+    }
+}
+
+/// The step of `layer` on `cfg`'s shapes at `starts`.
+fn prepare(
+    layer: LayerArg,
+    flag: &str,
+    cfg: &Dsv4Config,
+    starts: &[usize],
+    seed: u64,
+    worker: &Worker,
+) -> Result<Box<dyn LayerStep>> {
+    match layer {
+        LayerArg::Swa => Ok(Box::new(AttnCase::new(
+            worker,
+            cfg,
+            starts,
+            seed,
+            LayerKind::Swa,
+        )?)),
+        LayerArg::Hca => Ok(Box::new(AttnCase::new(
+            worker,
+            cfg,
+            starts,
+            seed,
+            LayerKind::Hca,
+        )?)),
+        LayerArg::Csa => Ok(Box::new(AttnCase::new(
+            worker,
+            cfg,
+            starts,
+            seed,
+            LayerKind::Csa,
+        )?)),
+        LayerArg::Moe => Ok(Box::new(crate::dsv4_moe::MoeStep::new(
+            worker, cfg, starts, seed,
+        )?)),
+    }
+}
+
+/// An SWA, CSA or HCA layer with its fixture.
+struct AttnCase {
+    kind: LayerKind,
+    cfg: Dsv4Config,
+    starts: Vec<usize>,
+    weights: AttnWeights,
+    window: WindowCache,
+    hca: Option<HcaParts>,
+    csa: Option<CsaParts>,
+    inputs: StepInputs,
+    layer: AttnLayer,
+}
+
+/// Uploads the layer of `kind` (its compressor parts in `hca` or `csa`).
+fn upload_layer(
+    worker: &Worker,
+    cfg: &Dsv4Config,
+    weights: &AttnWeights,
+    window: &WindowCache,
+    hca: Option<&HcaParts>,
+    csa: Option<&CsaParts>,
+    batch: usize,
+) -> Result<AttnLayer> {
+    Ok(match csa {
+        Some(p) => AttnLayer::upload_csa(worker, cfg, weights, window, p, batch)?,
+        None => AttnLayer::upload(worker, cfg, weights, window, hca, batch)?,
+    })
+}
+
+impl AttnCase {
+    fn new(
+        worker: &Worker,
+        cfg: &Dsv4Config,
+        starts: &[usize],
+        seed: u64,
+        kind: LayerKind,
+    ) -> Result<AttnCase> {
+        let weights = generate_attn_weights(cfg, seed);
+        let window = generate_window_cache(cfg, starts, seed);
+        let hca = (kind == LayerKind::Hca).then(|| generate_hca(cfg, starts, seed));
+        let csa = (kind == LayerKind::Csa).then(|| generate_csa(cfg, starts, seed));
+        let inputs = generate_inputs(cfg, starts, seed);
+        let layer = upload_layer(
+            worker,
+            cfg,
+            &weights,
+            &window,
+            hca.as_ref(),
+            csa.as_ref(),
+            starts.len(),
+        )?;
+        Ok(AttnCase {
+            kind,
+            cfg: cfg.clone(),
+            starts: starts.to_vec(),
+            weights,
+            window,
+            hca,
+            csa,
+            inputs,
+            layer,
+        })
+    }
+}
+
+impl LayerStep for AttnCase {
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "{} layer: hidden {}, {} heads x {} ({} roped), window {}{}, batch {} x {} tokens at starts {:?}",
+            match self.kind {
+                LayerKind::Hca => "HCA",
+                LayerKind::Csa => "CSA",
+                LayerKind::Swa => "SWA",
+            },
+            c.hidden,
+            c.n_heads,
+            c.head_dim,
+            c.rope_dim,
+            c.window,
+            match self.kind {
+                LayerKind::Hca => format!(", compressed every {} positions", c.hca_ratio),
+                LayerKind::Csa => format!(
+                    ", overlapping windows of {} positions, top-{} by {} index heads x {}",
+                    c.csa_ratio, c.index_topk, c.index_heads, c.index_head_dim
+                ),
+                LayerKind::Swa => String::new(),
+            },
+            self.starts.len(),
+            TOKENS_PER_SEQ,
+            self.starts
+        )
+    }
+
+    fn step(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<RunReport> {
+        Ok(self.layer.step(worker, &self.inputs, cfg)?.report)
+    }
+
+    fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {
+        let c = &self.cfg;
+        let mut fresh = upload_layer(
+            worker,
+            c,
+            &self.weights,
+            &self.window,
+            self.hca.as_ref(),
+            self.csa.as_ref(),
+            self.starts.len(),
+        )?;
+        let out = fresh.step(worker, &self.inputs, cfg)?;
+        let caches = fresh.read_caches()?;
+        let g = match (&self.hca, &self.csa) {
+            (Some(h), _) => hca_step(c, &self.weights, &self.window, h, &self.inputs),
+            (None, Some(p)) => csa_step(c, &self.weights, &self.window, p, &self.inputs),
+            (None, None) => swa_step(c, &self.weights, &self.window, &self.inputs),
+        };
+        let mut checks = attn_step_checks(&self.window, self.hca.as_ref(), &g, &out, &caches);
+        if let (Some(p), Some(cc)) = (&self.csa, &caches.csa) {
+            checks.extend(csa_cache_checks(p, &g, cc));
+        }
+        Ok(checks
+            .into_iter()
+            .map(|(what, r)| match r {
+                Ok(o) => (
+                    format!(
+                        "ok: {what}: {} of {} elements over (worst {:.2e})",
+                        o.over, o.n, o.worst_value
+                    ),
+                    true,
+                ),
+                Err(e) => (format!("FAILED: {e}"), false),
+            })
+            .collect())
+    }
+
+    fn cost(&self) -> LayerCost {
+        LayerCost::attn_step(&self.cfg, self.kind, &self.starts)
+    }
+}
+
+/// The starts of `--start-pos` (or the mixed starts), checked against the configuration.
+fn starts_of(case: &CaseArgs, cfg: &Dsv4Config) -> Result<Vec<usize>> {
+    let starts = match case.start_pos {
+        Some(n) => uniform_starts(n).to_vec(),
+        None => MIXED_STARTS.to_vec(),
+    };
+    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ - 1;
+    if last >= cfg.max_position {
+        bail!(
+            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {}",
+            case.start_pos.unwrap_or(0),
+            cfg.max_position,
+            case.preset
+        );
+    }
+    Ok(starts)
+}
+
+/// This machine's int8 dot-product peak on the path a step of `rows` rows takes, GOP/s over
+/// all threads (0 when no SIMD int8 path was measured).
+fn int8_peak(threads: usize, seconds: f64) -> (f64, &'static str) {
+    let path = I8Path::detected();
+    let budget = Duration::from_secs_f64((seconds / 4.0).max(0.1));
+    int8_peaks(threads, budget)
+        .into_iter()
+        .find(|p| p.path == path)
+        .map_or((0.0, "portable (not measured)"), |p| {
+            (p.gops_all, p.path.name())
+        })
+}
+
+/// The denominators: bandwidth, the best float matrix peak, the int8 peak.
+fn peaks_of(m: &MachinePeaks, int8_gops: f64) -> Peaks {
+    Peaks {
+        gbs: m.read_gbs_all,
+        gflops: m.matmul_gflops_all(Isa::detected()),
+        // A portable-only machine has no measured int8 peak: count int8 at the FMA rate.
+        int8_gops: if int8_gops > 0.0 {
+            int8_gops
+        } else {
+            m.fma_gflops_all
+        },
+    }
+}
+
+fn slot_us(slots: &[TaskSlotTiming], s: u8) -> f64 {
+    slots
+        .iter()
+        .find(|t| t.slot == s)
+        .map_or(0.0, |t| t.span.us())
+}
+
+/// The per-phase table of one step: each phase's measured span (its timing slot), bytes,
+/// GB/s and its bound at the machine's limits.
+fn format_phases(cost: &LayerCost, peaks: &Peaks, report: &RunReport) -> String {
+    let mut s =
+        String::from("  phase                 span_us      MB     GB/s   bound_us  % of bound\n");
+    for (i, p) in cost.phases.iter().enumerate() {
+        let span = slot_us(&report.task_slots, i as u8);
+        let bound = LayerCost::phase_s(p, peaks) * 1e6;
+        s += &format!(
+            "  {:<18} {:>10.1} {:>7.2} {:>8.2} {:>10.1} {:>10.1}%\n",
+            p.name,
+            span,
+            p.bytes / 1e6,
+            if span > 0.0 {
+                p.bytes / span / 1e3
+            } else {
+                0.0
+            },
+            bound,
+            if span > 0.0 {
+                100.0 * bound / span
+            } else {
+                0.0
+            }
+        );
+    }
+    s
+}
+
+/// The summary lines of a step time (seconds) against the cost.
+fn format_ratios(cost: &LayerCost, peaks: &Peaks, t: f64, what: &str) -> String {
+    let gbs = cost.bytes() / t / 1e9;
+    let bound = cost.phase_bound_s(peaks);
+    format!(
+        "  {what}: {:.1} us; bytes/step {:.2} MB -> {gbs:.2} GB/s = {:.1}% of membw ({:.1} GB/s); per-phase bound {:.1} us = {:.1}% achieved",
+        t * 1e6,
+        cost.bytes() / 1e6,
+        100.0 * gbs / peaks.gbs,
+        peaks.gbs,
+        bound * 1e6,
+        100.0 * bound / t
+    )
+}
+
+/// The fixture, worker and measured machine of a command.
+struct Setup {
+    worker: Worker,
+    step: Box<dyn LayerStep>,
+    machine: MachinePeaks,
+    int8: (f64, &'static str),
+}
+
+fn setup(layer: LayerArg, flag: &str, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
+    let cfg = Dsv4Config::preset(&case.preset)?;
+    let starts = starts_of(case, &cfg)?;
+    let worker = run.worker()?;
+    ops::register(&worker)?;
+    let step = prepare(layer, flag, &cfg, &starts, case.seed, &worker)?;
+    let machine = machine_peaks(case.membw_seconds);
+    let int8 = int8_peak(machine.threads, case.membw_seconds);
+    Ok(Setup {
+        worker,
+        step,
+        machine,
+        int8,
+    })
+}
+
+/// The measured rounds of a command.
+struct Measured {
+    /// Effective times, us.
+    eff: Vec<f64>,
+    /// Host step times, us.
+    wall: Vec<f64>,
+    /// Each round's validity, for kinds that judge it ([`LayerStep::round_valid`]).
+    valid: Vec<Option<bool>>,
+    /// The last step's report.
+    last: RunReport,
+}
+
+/// Runs `warmup + rounds` steps.
+fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Result<Measured> {
+    let (mut eff, mut wall, mut valid) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last = None;
+    for i in 0..warmup + rounds {
+        let t = Instant::now();
+        let r = s.step.step(&s.worker, cfg)?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        if i >= warmup {
+            eff.push(r.effective().us());
+            wall.push(dt);
+            valid.push(s.step.round_valid());
+            last = Some(r);
+        }
+    }
+    let last = last.ok_or_else(|| anyhow::anyhow!("--rounds must be at least 1"))?;
+    Ok(Measured {
+        eff,
+        wall,
+        valid,
+        last,
+    })
+}
+
+pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let mut s = setup(args.layer, "--layer", &args.case, &args.run)?;
+    let cfg = args.run.call_config("dsv4")?;
+    println!(
+        "simpler run dsv4 --layer {}: {}; {} cores",
+        args.layer.name(),
+        s.step.describe(),
+        s.worker.cores()
+    );
+    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    if args.check {
+        println!("check vs golden:");
+        let lines = s.step.check(&s.worker, &cfg)?;
+        for (line, _) in &lines {
+            println!("  {line}");
+        }
+        if lines.iter().any(|(_, ok)| !ok) {
+            bail!("the step differs from the golden beyond the spec's tolerance");
+        }
+    }
+    let Measured {
+        eff, wall, last, ..
+    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    opts::emit(&last, &cfg)?;
+    let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
+    let peaks = peaks_of(&machine, s.int8.0);
+    println!("{}", format_peaks(&machine));
+    println!(
+        "int8 dot-product peak ({}): {:.1} GOP/s",
+        s.int8.1, s.int8.0
+    );
+    print!("{}", opts::format_report(&last));
+    let cost = s.step.cost();
+    println!("per phase (last step; span = first start to last end of the phase's tasks):");
+    print!("{}", format_phases(&cost, &peaks, &last));
+    let (e, w) = (Summary::of(&eff), Summary::of(&wall));
+    println!("  {}", format_summary("effective_us", &e, args.warmup));
+    println!("  {}", format_summary("host_step_us", &w, args.warmup));
+    println!(
+        "{}",
+        format_ratios(&cost, &peaks, e.median / 1e6, "median step (effective)")
+    );
+    println!(
+        "{}",
+        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step (effective)")
+    );
+    Ok(())
+}
+
+pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let mut s = setup(args.kernel, "--kernel", &args.case, &args.run)?;
+    let cfg = args.run.call_config("dsv4")?;
+    println!(
+        "simpler bench dsv4 --kernel {}: {}; {} cores",
+        args.kernel.name(),
+        s.step.describe(),
+        s.worker.cores()
+    );
+    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    let Measured {
+        eff, valid, last, ..
+    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
+    let peaks = peaks_of(&machine, s.int8.0);
+    println!("{}", format_peaks(&machine));
+    println!(
+        "int8 dot-product peak ({}): {:.1} GOP/s",
+        s.int8.1, s.int8.0
+    );
+    let e = Summary::of(&eff);
+    println!("{}", format_summary("effective_us", &e, args.warmup));
+    let judged: Vec<(f64, bool)> = eff
+        .iter()
+        .zip(&valid)
+        .filter_map(|(&t, v)| v.map(|v| (t, v)))
+        .collect();
+    if !judged.is_empty() {
+        println!("{}", crate::dsv4_moe::format_moe_rounds(&judged)?);
+    }
+    let cost = s.step.cost();
+    println!(
+        "{}",
+        format_ratios(&cost, &peaks, e.median / 1e6, "median step")
+    );
+    println!(
+        "{}",
+        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step")
+    );
+    println!("per phase (last step):");
+    print!("{}", format_phases(&cost, &peaks, &last));
+    Ok(())
+}

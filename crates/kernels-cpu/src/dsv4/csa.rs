@@ -1,0 +1,557 @@
+//! The DeepSeek-V4 CSA layer's own kernels (compress ratio 4, `docs/dsv4.md`, "CSA layer"):
+//! the overlapping compressor (state rows into a ring, the pooled, normed and roped row when a
+//! window closes, finished as a bf16 KV row or as a Hadamard-rotated int8 index row), the
+//! indexer's query heads, its int8 scores over the visible compressed rows, and the top-k.
+//!
+//! # Layouts
+//! - An overlapping compressor of output width `W` and ratio `r` keeps, per sequence, a ring
+//!   of `2r` state rows (the previous window and the open one), row `pos % 2r`, each
+//!   `[kv | score]` as two fp32 rows of `2W` channels ([`Overlap`]).
+//! - Index rows are `[rows, index_head_dim]` int8 with one fp32 scale per row; index queries
+//!   `[heads, index_head_dim]` int8 with one scale per head.
+//! - RoPE is interleaved (pair `(2j, 2j + 1)` of the last `2 · cos.len()` values turns by the
+//!   angle whose cosine and sine are `cos[j]`, `sin[j]`).
+//!
+//! # Paths
+//! The pooling, RMSNorm and RoPE are the layer's shared kernels ([`super::softmax_pool`],
+//! [`super::rms_norm_round`], [`super::rope_interleaved`]); the Hadamard transform and the
+//! score finish are plain loops written in lanes and compiled twice (`multiversion!`: portable and AVX2, the compiler vectorises them); the
+//! score dot products run on the int8 GEMM ([`crate::gemm_i8_w8a8`], whose path is chosen at
+//! run time: AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2 or portable) with unit scales, so they
+//! come back as exact integers and the finish applies the scales in the documented order:
+//! every path gives the same bits, and so does the golden given the same inputs.
+
+use std::ops::Range;
+
+use super::compress::softmax_pool;
+use super::norm::rms_norm_round;
+use super::rope::{RopeDir, rope_interleaved};
+use crate::gemm::{GemmTile, OutMode};
+use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8_ties_away};
+use crate::multiversion::multiversion;
+
+/// The geometry of an overlapping compressor: windows of `ratio` positions, output rows of
+/// `width` channels, state rows of `2 · width` (the first half pairs with the next window, the
+/// second with this one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Overlap {
+    /// Positions per window (4 for CSA).
+    pub ratio: usize,
+    /// Output width `W` (`head_dim` for the main compressor, `index_head_dim` for the
+    /// indexer's).
+    pub width: usize,
+}
+
+impl Overlap {
+    /// Rows in one sequence's ring (`2 · ratio`).
+    pub fn ring_rows(&self) -> usize {
+        2 * self.ratio
+    }
+
+    /// Channels of one state row (`2 · width`).
+    pub fn row_width(&self) -> usize {
+        2 * self.width
+    }
+
+    /// Floats of one sequence's ring of kv (or of scores).
+    pub fn ring_len(&self) -> usize {
+        self.ring_rows() * self.row_width()
+    }
+
+    /// Ring row of position `pos`.
+    pub fn slot(&self, pos: usize) -> usize {
+        pos % self.ring_rows()
+    }
+
+    /// Whether position `pos` closes a window (then its window starts at `pos + 1 - ratio`).
+    pub fn closes(&self, pos: usize) -> bool {
+        (pos + 1).is_multiple_of(self.ratio)
+    }
+}
+
+/// Writes one token's state row into its sequence's ring: `ring_kv[slot] = kv`,
+/// `ring_score[slot] = gate + ape[pos % ratio]` (`kv`, `gate` its projections, `ape` the
+/// `[ratio, 2W]` position bias).
+///
+/// # Panics
+/// If `ratio` or `width` is zero, or a slice does not have the length the geometry gives.
+pub fn overlap_state_write(
+    ov: Overlap,
+    pos: usize,
+    kv: &[f32],
+    gate: &[f32],
+    ape: &[f32],
+    ring_kv: &mut [f32],
+    ring_score: &mut [f32],
+) {
+    let wide = ov.row_width();
+    assert!(ov.ratio > 0 && ov.width > 0, "overlap_state_write: {ov:?}");
+    assert_eq!(kv.len(), wide, "overlap_state_write: kv len");
+    assert_eq!(gate.len(), wide, "overlap_state_write: gate len");
+    assert_eq!(ape.len(), ov.ratio * wide, "overlap_state_write: ape len");
+    assert_eq!(
+        ring_kv.len(),
+        ov.ring_len(),
+        "overlap_state_write: ring kv len"
+    );
+    assert_eq!(
+        ring_score.len(),
+        ov.ring_len(),
+        "overlap_state_write: ring score len"
+    );
+    let row = ov.slot(pos) * wide..(ov.slot(pos) + 1) * wide;
+    ring_kv[row.clone()].copy_from_slice(kv);
+    let bias = &ape[(pos % ov.ratio) * wide..(pos % ov.ratio + 1) * wide];
+    for ((s, &g), &b) in ring_score[row].iter_mut().zip(gate).zip(bias) {
+        *s = g + b;
+    }
+}
+
+/// The compressed row of the window starting at `w0` (a multiple of `ratio`) from one
+/// sequence's rings, as of the write of the window's last position: per output channel `c`,
+/// the softmax pool of the previous window's rows at channel `c` and this window's rows at
+/// channel `W + c` (only this window's for `w0 = 0`), then `bf16(RMSNorm(·) · norm)` and RoPE
+/// at `w0` on the last `2 · cos.len()` channels (`cos`, `sin`: that position's angles). `out`
+/// is `W` long; its values are bf16 values except the roped ones.
+///
+/// # Panics
+/// If `w0` is not a multiple of `ratio`, a slice has the wrong length, or RoPE is wider than
+/// `W`.
+#[allow(clippy::too_many_arguments)]
+pub fn overlap_pool_row(
+    ov: Overlap,
+    ring_kv: &[f32],
+    ring_score: &[f32],
+    w0: usize,
+    norm: &[f32],
+    eps: f32,
+    cos: &[f32],
+    sin: &[f32],
+    out: &mut [f32],
+) {
+    let (ratio, width, wide) = (ov.ratio, ov.width, ov.row_width());
+    assert!(
+        ratio > 0 && w0.is_multiple_of(ratio),
+        "overlap_pool_row: window start {w0} for ratio {ratio}"
+    );
+    assert_eq!(
+        ring_kv.len(),
+        ov.ring_len(),
+        "overlap_pool_row: ring kv len"
+    );
+    assert_eq!(
+        ring_score.len(),
+        ov.ring_len(),
+        "overlap_pool_row: ring score len"
+    );
+    assert_eq!(norm.len(), width, "overlap_pool_row: norm len");
+    assert_eq!(out.len(), width, "overlap_pool_row: out len");
+    assert_eq!(cos.len(), sin.len(), "overlap_pool_row: cos/sin lens");
+    assert!(
+        2 * cos.len() <= width,
+        "overlap_pool_row: rope wider than row"
+    );
+    // Candidates in the golden's order: the previous window's rows at channels `0..W`, then
+    // this window's at `W..2W`.
+    let prev = if w0 >= ratio { w0 - ratio..w0 } else { 0..0 };
+    let cands: Vec<usize> = prev
+        .map(|q| ov.slot(q) * wide)
+        .chain((w0..w0 + ratio).map(|q| ov.slot(q) * wide + width))
+        .collect();
+    let kv: Vec<&[f32]> = cands.iter().map(|&o| &ring_kv[o..o + width]).collect();
+    let score: Vec<&[f32]> = cands.iter().map(|&o| &ring_score[o..o + width]).collect();
+    softmax_pool(&kv, &score, out);
+    rms_norm_round(out, width, Some(norm), eps);
+    rope_interleaved(out, width, cos, sin, RopeDir::Forward);
+}
+
+multiversion! {
+    /// The orthonormal Walsh–Hadamard transform in place (Sylvester order, scaled by
+    /// `1/sqrt(n)`), `n = v.len()` a power of two.
+    ///
+    /// # Panics
+    /// If `v.len()` is not a power of two.
+    pub fn hadamard_f32(v: &mut [f32]) {
+        let n = v.len();
+        assert!(n.is_power_of_two(), "hadamard_f32: length {n} is not a power of two");
+        let mut h = 1;
+        while h < n {
+            for block in v.chunks_exact_mut(2 * h) {
+                let (a, b) = block.split_at_mut(h);
+                for (x, y) in a.iter_mut().zip(b.iter_mut()) {
+                    let (p, q) = (*x, *y);
+                    *x = p + q;
+                    *y = p - q;
+                }
+            }
+            h *= 2;
+        }
+        let s = 1.0 / (n as f32).sqrt();
+        v.iter_mut().for_each(|x| *x *= s);
+    }
+}
+
+/// An index row from the indexer compressor's row: Hadamard in place on `row`, then per-row
+/// int8 into `q` (ties away from zero, the layer's rule); returns the scale.
+///
+/// # Panics
+/// As [`hadamard_f32`], and if `q.len() != row.len()`.
+pub fn index_row_i8(row: &mut [f32], q: &mut [i8]) -> f32 {
+    hadamard_f32(row);
+    quantize_row_i8_ties_away(row, q)
+}
+
+/// The indexer's query heads of one token from `q` (`[heads, head_dim]` fp32, overwritten):
+/// per head RoPE on the last `2 · cos.len()` values, Hadamard, int8 per head into `q_i8` and
+/// `q_scale`.
+///
+/// # Panics
+/// If `q` is not a whole number of heads, `head_dim` is not a power of two, RoPE is wider than
+/// a head, or the outputs do not match.
+pub fn index_query_i8(
+    q: &mut [f32],
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+    q_i8: &mut [i8],
+    q_scale: &mut [f32],
+) {
+    assert!(
+        head_dim > 0 && q.len().is_multiple_of(head_dim),
+        "index_query_i8: {} values for heads of {head_dim}",
+        q.len()
+    );
+    assert_eq!(cos.len(), sin.len(), "index_query_i8: cos/sin lens");
+    assert!(
+        2 * cos.len() <= head_dim,
+        "index_query_i8: rope wider than a head"
+    );
+    assert_eq!(q_i8.len(), q.len(), "index_query_i8: q_i8 len");
+    assert_eq!(
+        q_scale.len(),
+        q.len() / head_dim,
+        "index_query_i8: q_scale len"
+    );
+    for ((head, qi), s) in q
+        .chunks_exact_mut(head_dim)
+        .zip(q_i8.chunks_exact_mut(head_dim))
+        .zip(q_scale.iter_mut())
+    {
+        rope_interleaved(head, head_dim, cos, sin, RopeDir::Forward);
+        *s = index_row_i8(head, qi);
+    }
+}
+
+/// One sequence's int8 index queries and head weights: `tokens` rows of `heads` query heads.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexQueries<'a> {
+    /// `[tokens · heads, head_dim]` int8 (values in `-127..=127`).
+    pub q: &'a [i8],
+    /// `[tokens · heads]` per-head scales.
+    pub scale: &'a [f32],
+    /// `[tokens · heads]` head weights.
+    pub weight: &'a [f32],
+    /// Tokens.
+    pub tokens: usize,
+    /// Heads per token.
+    pub heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+/// Index rows scored per GEMM call: the dot products of a chunk (`[tokens · heads, CHUNK]`
+/// fp32, 128 KiB at FLASH) stay in L2.
+const SCORE_CHUNK: usize = 256;
+
+/// Scores of compressed rows `rows` of one sequence for each token:
+/// `out[t · ld_out + c − rows.start] = key_scale[c] · Σ_h relu((q[t,h] · keys[c]) · q_scale[t,h]) · weight[t,h]`,
+/// the head sum taken in order from `−0.0` (as an iterator sum), the dot products exact.
+/// `keys` is `[≥ rows.end, head_dim]` int8, `key_scale` one scale per row.
+///
+/// # Panics
+/// If a slice is shorter than its shape, `rows` runs past the keys, or `ld_out` is narrower
+/// than `rows`.
+pub fn index_scores(
+    qs: IndexQueries<'_>,
+    keys: &[i8],
+    key_scale: &[f32],
+    rows: Range<usize>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+    let nq = tokens * heads;
+    assert!(dim > 0, "index_scores: head_dim 0");
+    assert!(
+        qs.q.len() >= nq * dim && qs.scale.len() >= nq && qs.weight.len() >= nq,
+        "index_scores: queries shorter than {tokens} x {heads} heads of {dim}"
+    );
+    assert!(
+        rows.start <= rows.end && rows.end <= key_scale.len() && keys.len() >= rows.end * dim,
+        "index_scores: rows {rows:?} past the {} keys",
+        key_scale.len()
+    );
+    let n = rows.len();
+    if n == 0 || tokens == 0 {
+        return;
+    }
+    assert!(
+        tokens == 1 || ld_out >= n,
+        "index_scores: ld_out {ld_out} < {n}"
+    );
+    assert!(
+        out.len() >= (tokens - 1) * ld_out + n,
+        "index_scores: out too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if dim.is_multiple_of(4)
+        && crate::gemm_i8::I8Path::current() >= crate::gemm_i8::I8Path::Avx512Vnni
+    {
+        // SAFETY: `I8Path::current` is AVX-512 VNNI or AMX only when this CPU has AVX-512
+        // F/BW/VNNI; the slices were checked above (queries, keys up to `rows.end`, output).
+        unsafe { vnni::scores(&qs, keys, key_scale, rows, out, ld_out) };
+        return;
+    }
+    // Unit scales: the GEMM returns `dot as f32`, exact (|dot| <= 127² · dim < 2^24 for the
+    // dims a config allows) and the finish below applies the real scales.
+    let ones = vec![1.0f32; nq.max(SCORE_CHUNK)];
+    let acts = ActsI8::new(&qs.q[..nq * dim], &ones[..nq], nq, dim, dim);
+    let mut dots = vec![0.0f32; nq * SCORE_CHUNK];
+    let mut c0 = rows.start;
+    while c0 < rows.end {
+        let m = SCORE_CHUNK.min(rows.end - c0);
+        let w = WeightsI8::new(&keys[c0 * dim..(c0 + m) * dim], &ones[..m], m, dim, dim);
+        let tile = GemmTile {
+            n: 0..m,
+            k: 0..dim,
+            mode: OutMode::Store,
+        };
+        gemm_i8_w8a8(w, acts, &tile, &mut dots, SCORE_CHUNK);
+        for t in 0..tokens {
+            let o = t * ld_out + (c0 - rows.start);
+            finish_scores(
+                &dots[t * heads * SCORE_CHUNK..(t + 1) * heads * SCORE_CHUNK],
+                &qs.scale[t * heads..(t + 1) * heads],
+                &qs.weight[t * heads..(t + 1) * heads],
+                &key_scale[c0..c0 + m],
+                &mut out[o..o + m],
+            );
+        }
+        c0 += m;
+    }
+}
+
+multiversion! {
+    /// `out[c] = key_scale[c] · Σ_h relu(dots[h][c] · q_scale[h]) · weight[h]` (rows of
+    /// `dots` [`SCORE_CHUNK`] apart), summed over `h` in order from `−0.0`, lanes across `c`.
+    fn finish_scores(dots: &[f32], q_scale: &[f32], weight: &[f32], key_scale: &[f32], out: &mut [f32]) {
+        let m = out.len();
+        out.fill(-0.0);
+        for (h, (&qs, &w)) in q_scale.iter().zip(weight).enumerate() {
+            let d = &dots[h * SCORE_CHUNK..h * SCORE_CHUNK + m];
+            for (o, &v) in out.iter_mut().zip(d) {
+                *o += (v * qs).max(0.0) * w;
+            }
+        }
+        for (o, &s) in out.iter_mut().zip(key_scale) {
+            *o *= s;
+        }
+    }
+}
+
+/// The AVX-512 VNNI scores: 16 index rows per vector lane set, keys transposed per block into
+/// `[dim / 4][16 rows][4 bytes]` so each `vpdpbusd` multiplies one broadcast query quad by the
+/// same quad of 16 rows. `vpdpbusd` takes unsigned × signed bytes: the query enters as
+/// `q + 128` (a xor of the sign bit) and `128 · Σ key` per row, summed alongside, is taken
+/// off; the sums are exact. The finish is the documented expression in the documented order
+/// (multiply, max with 0, multiply, add, heads in order from `−0.0`, no fused multiply-add),
+/// so it gives the same bits as the other paths.
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::IndexQueries;
+
+    /// Query heads processed together (independent accumulator chains).
+    const HEADS: usize = 4;
+
+    /// # Safety
+    /// AVX-512 F/BW/VNNI available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple
+    /// of 4) with their scales and weights, `keys` and `key_scale` reach `rows.end`, `out`
+    /// holds `tokens` rows of `rows.len()` at stride `ld_out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn scores(
+        qs: &IndexQueries<'_>,
+        keys: &[i8],
+        key_scale: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+        let quads = dim / 4;
+        // Query quads as unsigned bytes (`q ^ 0x80` = `q + 128`).
+        let qd: Vec<i32> = qs.q[..tokens * heads * dim]
+            .chunks_exact(4)
+            .map(|b| {
+                i32::from_le_bytes([
+                    b[0] as u8 ^ 0x80,
+                    b[1] as u8 ^ 0x80,
+                    b[2] as u8 ^ 0x80,
+                    b[3] as u8 ^ 0x80,
+                ])
+            })
+            .collect();
+        let mut blk = vec![0i32; quads * 16];
+        let ones = _mm512_set1_epi8(1);
+        let mut c0 = rows.start;
+        while c0 < rows.end {
+            let n = 16.min(rows.end - c0);
+            // Transpose the block: quad j of row l at blk[j * 16 + l]; missing rows are zeros.
+            blk.fill(0);
+            for l in 0..n {
+                let row = &keys[(c0 + l) * dim..(c0 + l + 1) * dim];
+                for (j, q) in row.chunks_exact(4).enumerate() {
+                    blk[j * 16 + l] =
+                        i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+                }
+            }
+            // 128 · Σ_k key[l][k] per lane.
+            let mut ksum = _mm512_setzero_si512();
+            for j in 0..quads {
+                // SAFETY: `blk` holds `quads · 16` i32 values.
+                let k = unsafe { _mm512_loadu_si512(blk.as_ptr().add(j * 16).cast()) };
+                ksum = _mm512_dpbusd_epi32(ksum, ones, k);
+            }
+            let corr = _mm512_slli_epi32::<7>(ksum);
+            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
+            let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
+            let zero = _mm512_setzero_ps();
+            let kp = blk.as_ptr();
+            for t in 0..tokens {
+                let mut acc_s = _mm512_set1_ps(-0.0);
+                // One head's finish, in head order: `relu(dot · q_scale) · weight` added.
+                macro_rules! finish {
+                    ($a:expr, $r:expr) => {{
+                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32($a, corr));
+                        let v = _mm512_mul_ps(dot, _mm512_set1_ps(qs.scale[$r]));
+                        let v = _mm512_max_ps(v, zero);
+                        let v = _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[$r]));
+                        acc_s = _mm512_add_ps(acc_s, v);
+                    }};
+                }
+                let mut h = 0;
+                while h + HEADS <= heads {
+                    let r = t * heads + h;
+                    // SAFETY: `qd` holds `quads` values for each of the `tokens · heads` rows.
+                    let q0 = unsafe { qd.as_ptr().add(r * quads) };
+                    let zi = _mm512_setzero_si512();
+                    let (mut a0, mut a1, mut a2, mut a3) = (zi, zi, zi, zi);
+                    for j in 0..quads {
+                        // SAFETY: `blk` holds `quads · 16` values; rows `r..r + 4` of `qd`
+                        // hold `quads` each.
+                        unsafe {
+                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
+                            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(*q0.add(j)), k);
+                            a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(*q0.add(quads + j)), k);
+                            a2 = _mm512_dpbusd_epi32(
+                                a2,
+                                _mm512_set1_epi32(*q0.add(2 * quads + j)),
+                                k,
+                            );
+                            a3 = _mm512_dpbusd_epi32(
+                                a3,
+                                _mm512_set1_epi32(*q0.add(3 * quads + j)),
+                                k,
+                            );
+                        }
+                    }
+                    finish!(a0, r);
+                    finish!(a1, r + 1);
+                    finish!(a2, r + 2);
+                    finish!(a3, r + 3);
+                    h += HEADS;
+                }
+                while h < heads {
+                    let r = t * heads + h;
+                    let mut a = _mm512_setzero_si512();
+                    for j in 0..quads {
+                        // SAFETY: as above.
+                        unsafe {
+                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
+                            a = _mm512_dpbusd_epi32(
+                                a,
+                                _mm512_set1_epi32(*qd.as_ptr().add(r * quads + j)),
+                                k,
+                            );
+                        }
+                    }
+                    finish!(a, r);
+                    h += 1;
+                }
+                let s = _mm512_mul_ps(acc_s, kscale);
+                let o = t * ld_out + (c0 - rows.start);
+                // SAFETY: the caller checked `out` holds `tokens` rows of `rows.len()` at
+                // stride `ld_out`; the mask covers `n` of them from `o`.
+                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, s) };
+            }
+            c0 += n;
+        }
+    }
+}
+
+/// The best `min(k, scores.len())` rows into `out` (cleared first), best first, ties to the
+/// lower row (scores ordered by `f32::total_cmp`).
+pub fn top_k_rows(scores: &[f32], k: usize, out: &mut Vec<u32>) {
+    let n = scores.len();
+    let k = k.min(n);
+    out.clear();
+    out.extend(0..n as u32);
+    let order = |a: &u32, b: &u32| {
+        scores[*b as usize]
+            .total_cmp(&scores[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k == 0 {
+        out.clear();
+        return;
+    }
+    if k < n {
+        out.select_nth_unstable_by(k - 1, order);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(order);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hadamard_is_orthonormal_and_self_inverse() {
+        let mut v: Vec<f32> = (0..16).map(|i| (i as f32 * 0.37).sin()).collect();
+        let orig = v.clone();
+        hadamard_f32(&mut v);
+        let n0: f32 = orig.iter().map(|x| x * x).sum();
+        let n1: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n0 - n1).abs() < 1e-5 * n0);
+        hadamard_f32(&mut v);
+        for (a, b) in v.iter().zip(&orig) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn top_k_breaks_ties_to_the_lower_row() {
+        let s = [1.0, 3.0, 3.0, -1.0, 3.0, 2.0];
+        let mut out = Vec::new();
+        top_k_rows(&s, 4, &mut out);
+        assert_eq!(out, [1, 2, 4, 5]);
+        top_k_rows(&s, 10, &mut out);
+        assert_eq!(out, [1, 2, 4, 5, 0, 3]);
+        top_k_rows(&s, 0, &mut out);
+        assert!(out.is_empty());
+    }
+}

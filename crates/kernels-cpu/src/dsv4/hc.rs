@@ -1,0 +1,197 @@
+//! Hyper-connections (`docs/dsv4.md`, "hc_pre", "hc_post"): the residual is `hc` streams of
+//! `d` values per token; a sub-layer reads one mixed stream and writes its output back into
+//! every stream.
+//!
+//! `hc_pre` is three kernels so a task can batch the expensive part: [`hc_mix_logits`] (the
+//! `hc_mix × hc·d` projection of every token, the only one that streams weights),
+//! [`hc_weights`] (sigmoids and Sinkhorn on a token's `hc_mix` logits, scalar: 24 values) and
+//! [`hc_mix_streams`] (the weighted sum of the streams, rounded half up to bf16).
+//!
+//! A token's hyper-connection weights are one `[hc_mix]` row, `hc_mix = (2 + hc) · hc`:
+//! `pre [hc] | post [hc] | comb [hc, hc]` (`comb[i][o]`: from stream `i` into stream `o`).
+
+use super::norm::inv_rms_f64;
+use crate::multiversion::multiversion;
+
+/// Weights per token of `hc` streams: `pre`, `post` and the `hc × hc` mixing matrix.
+pub const fn hc_mix_len(hc: usize) -> usize {
+    (2 + hc) * hc
+}
+
+multiversion! {
+    /// The mix logits of `rows` tokens: for token `t` (`x` row `t`, `n = hc·d` values) and mix
+    /// row `m` (`w` row `m`, `n` values), `out[t, m] = (Σ x·w[m]) / sqrt(mean(x²) + eps)`.
+    /// The sums run in f64 (four lanes): the mixed stream is rounded to bf16 right after, and
+    /// an fp32 sum over `hc · d` values errs enough to flip some of those roundings (each flip
+    /// moves the layer's output visibly); the product is small (`hc_mix` rows per token).
+    ///
+    /// # Panics
+    /// If `w.len()` is not a multiple of `n`, or `x` and `out` do not hold the same number of
+    /// rows (`x.len() / n == out.len() / (w.len() / n)`).
+    pub fn hc_mix_logits(x: &[f32], n: usize, w: &[f32], eps: f32, out: &mut [f32]) {
+        assert!(n > 0 && w.len().is_multiple_of(n), "hc_mix_logits: w len {} for rows of {n}", w.len());
+        assert!(x.len().is_multiple_of(n), "hc_mix_logits: x len {} for rows of {n}", x.len());
+        let (rows, m) = (x.len() / n, w.len() / n);
+        assert_eq!(out.len(), rows * m, "hc_mix_logits: out len");
+        let inv: Vec<f32> = x.chunks_exact(n).map(|r| inv_rms_f64(r, eps)).collect();
+        for (j, wr) in w.chunks_exact(n).enumerate() {
+            for (t, xr) in x.chunks_exact(n).enumerate() {
+                out[t * m + j] = inv[t] * dot_f64(xr, wr) as f32;
+            }
+        }
+    }
+}
+
+/// `Σ a·b` in f64, four lanes combined pairwise.
+#[inline(always)]
+fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 4];
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let tail: f64 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..4 {
+            acc[i] += f64::from(x[i]) * f64::from(y[i]);
+        }
+    }
+    (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail
+}
+
+/// Turns one token's mix logits (`[hc_mix]`) into its weights (same layout, in place):
+/// `pre_i = σ(l_i · s0 + b_i) + hc_eps`, `post_i = 2 σ(l_{hc+i} · s1 + b_{hc+i})`, and `comb`
+/// the `hc × hc` logits `l · s2 + b` put through [`sinkhorn`] with `iters` iterations.
+///
+/// # Panics
+/// If `mix` or `base` is not `hc_mix_len(hc)` long.
+pub fn hc_weights(
+    mix: &mut [f32],
+    hc: usize,
+    scale: [f32; 3],
+    base: &[f32],
+    iters: usize,
+    eps: f32,
+) {
+    let len = hc_mix_len(hc);
+    assert_eq!(mix.len(), len, "hc_weights: mix len");
+    assert_eq!(base.len(), len, "hc_weights: base len");
+    let sigmoid = |v: f32| 1.0 / (1.0 + (-v).exp());
+    for i in 0..hc {
+        mix[i] = sigmoid(mix[i] * scale[0] + base[i]) + eps;
+        mix[hc + i] = 2.0 * sigmoid(mix[hc + i] * scale[1] + base[hc + i]);
+    }
+    let comb = &mut mix[2 * hc..];
+    for (c, &b) in comb.iter_mut().zip(&base[2 * hc..]) {
+        *c = *c * scale[2] + b;
+    }
+    sinkhorn(comb, hc, iters, eps);
+}
+
+/// Sinkhorn normalisation in place of `c` (`[n, n]` logits): row softmax plus `eps`, columns
+/// divided by (sum + `eps`), then `iters - 1` rounds of rows and columns, each divided by
+/// (sum + `eps`).
+///
+/// # Panics
+/// If `c` is not `n · n` long.
+pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    assert_eq!(c.len(), n * n, "sinkhorn: len");
+    if n == 0 {
+        return;
+    }
+    for row in c.chunks_exact_mut(n) {
+        let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for v in row.iter_mut() {
+            *v = (*v - m).exp();
+        }
+        let s: f32 = row.iter().sum();
+        for v in row.iter_mut() {
+            *v = *v / s + eps;
+        }
+    }
+    let cols = |c: &mut [f32]| {
+        for o in 0..n {
+            let s: f32 = (0..n).map(|i| c[i * n + o]).sum();
+            for i in 0..n {
+                c[i * n + o] /= s + eps;
+            }
+        }
+    };
+    cols(c);
+    for _ in 1..iters {
+        for row in c.chunks_exact_mut(n) {
+            let s: f32 = row.iter().sum();
+            for v in row.iter_mut() {
+                *v /= s + eps;
+            }
+        }
+        cols(c);
+    }
+}
+
+/// `bf16(x)` with ties rounded away from zero in magnitude, as f32 (`x_mixed`'s rounding).
+#[inline(always)]
+pub fn round_bf16_half_up(x: f32) -> f32 {
+    if x.is_finite() {
+        f32::from_bits(x.to_bits().wrapping_add(0x8000) & 0xFFFF_0000)
+    } else {
+        crate::convert::f32_to_bf16(x).to_f32()
+    }
+}
+
+multiversion! {
+    /// The mixed stream of one token: `out[j] = bf16_half_up(Σ_i x[i, j] · pre[i])` over the
+    /// `pre.len()` streams of `x` (`[hc, d]`, `d = out.len()`); four streams are summed
+    /// pairwise, `(x0 p0 + x1 p1) + (x2 p2 + x3 p3)`, other counts in order.
+    ///
+    /// # Panics
+    /// If `x` is not `pre.len() · out.len()` long.
+    pub fn hc_mix_streams(x: &[f32], pre: &[f32], out: &mut [f32]) {
+        let (hc, d) = (pre.len(), out.len());
+        assert_eq!(x.len(), hc * d, "hc_mix_streams: x len");
+        if hc == 4 {
+            let (x0, r) = x.split_at(d);
+            let (x1, r) = r.split_at(d);
+            let (x2, x3) = r.split_at(d);
+            for j in 0..d {
+                let v = (x0[j] * pre[0] + x1[j] * pre[1]) + (x2[j] * pre[2] + x3[j] * pre[3]);
+                out[j] = round_bf16_half_up(v);
+            }
+            return;
+        }
+        for (j, o) in out.iter_mut().enumerate() {
+            let mut v = 0.0f32;
+            for (i, &p) in pre.iter().enumerate() {
+                v += x[i * d + j] * p;
+            }
+            *o = round_bf16_half_up(v);
+        }
+    }
+}
+
+multiversion! {
+    /// `hc_post` of one token: `y[o, j] = post[o] · out[j] + Σ_i x[i, j] · comb[i·hc + o]`
+    /// (fp32, added in stream order), `x` and `y` `[hc, d]`, `d = out.len()`.
+    ///
+    /// # Panics
+    /// If `x` or `y` is not `hc · d` long or `comb` not `hc · hc`.
+    pub fn hc_post(x: &[f32], out: &[f32], post: &[f32], comb: &[f32], y: &mut [f32]) {
+        let (hc, d) = (post.len(), out.len());
+        assert_eq!(x.len(), hc * d, "hc_post: x len");
+        assert_eq!(y.len(), hc * d, "hc_post: y len");
+        assert_eq!(comb.len(), hc * hc, "hc_post: comb len");
+        for (o, yo) in y.chunks_exact_mut(d.max(1)).enumerate() {
+            for (j, v) in yo.iter_mut().enumerate() {
+                *v = post[o] * out[j];
+            }
+            for i in 0..hc {
+                let c = comb[i * hc + o];
+                for (v, &xv) in yo.iter_mut().zip(&x[i * d..(i + 1) * d]) {
+                    *v += xv * c;
+                }
+            }
+        }
+    }
+}

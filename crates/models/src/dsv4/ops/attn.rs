@@ -1,0 +1,410 @@
+//! The attention layers' kernels: the W8A8 query projection with its head epilogue, the KV
+//! row written into the window cache, the ratio-128 compressor, the sparse attention over a
+//! token's candidate lists, and the grouped output projection.
+
+use std::cell::RefCell;
+
+use half::bf16;
+use simpler_core::{KernelError, TaskCtx};
+use simpler_kernels_cpu as kc;
+use simpler_kernels_cpu::dsv4::{self as k, AttnScratch, RopeDir};
+use simpler_kernels_cpu::{
+    ActsI8, GemmTile, OutMode, PackedActs, WeightsBf16, WeightsI8, packed_len,
+};
+
+use super::{bad, check_len, dims2, rope_rows, token};
+
+/// `Q_B` argument indices.
+pub(crate) mod q_b {
+    pub(crate) const QR: usize = 0;
+    pub(crate) const NORM: usize = 1;
+    pub(crate) const W: usize = 2;
+    pub(crate) const SCALES: usize = 3;
+    pub(crate) const TOK: usize = 4;
+    pub(crate) const COS: usize = 5;
+    pub(crate) const SIN: usize = 6;
+    pub(crate) const Q: usize = 7;
+}
+
+/// `KV_WRITE` argument indices.
+pub(crate) mod kv_write {
+    pub(crate) const KV: usize = 0;
+    pub(crate) const NORM: usize = 1;
+    pub(crate) const TOK: usize = 2;
+    pub(crate) const COS: usize = 3;
+    pub(crate) const SIN: usize = 4;
+    pub(crate) const CACHE: usize = 5;
+}
+
+/// `HCA_COMPRESS` argument indices.
+pub(crate) mod compress {
+    pub(crate) const KV: usize = 0;
+    pub(crate) const SCORE: usize = 1;
+    pub(crate) const APE: usize = 2;
+    pub(crate) const NORM: usize = 3;
+    pub(crate) const TOK: usize = 4;
+    pub(crate) const COS: usize = 5;
+    pub(crate) const SIN: usize = 6;
+    pub(crate) const STATE_KV: usize = 7;
+    pub(crate) const STATE_SCORE: usize = 8;
+    pub(crate) const CACHE: usize = 9;
+}
+
+/// `SPARSE_ATTN` argument indices.
+pub(crate) mod sparse {
+    pub(crate) const Q: usize = 0;
+    pub(crate) const WIN: usize = 1;
+    pub(crate) const WIN_CACHE: usize = 2;
+    pub(crate) const SINKS: usize = 3;
+    pub(crate) const COS: usize = 4;
+    pub(crate) const SIN: usize = 5;
+    pub(crate) const OUT: usize = 6;
+    pub(crate) const COMP: usize = 7;
+    pub(crate) const COMP_CACHE: usize = 8;
+}
+
+/// `WO_A` / `WO_B` argument indices.
+pub(crate) mod wo {
+    pub(crate) const X: usize = 0;
+    pub(crate) const W: usize = 1;
+    pub(crate) const A_OUT: usize = 2;
+    pub(crate) const B_SCALES: usize = 2;
+    pub(crate) const B_OUT: usize = 3;
+}
+
+thread_local! {
+    /// Per-core buffers of the attention tasks, kept between tasks.
+    static ATTN_SCRATCH: RefCell<AttnScratch> = RefCell::new(AttnScratch::default());
+}
+
+/// The RoPE table's pair count (`[positions, pairs]`).
+fn rope_pairs(ctx: &TaskCtx<'_>, i: usize) -> Result<usize, KernelError> {
+    Ok(dims2(ctx, i)?.1)
+}
+
+pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_q_b_w8a8";
+    let hd = ctx.scalar_usize(0)?;
+    let eps = ctx.scalar_f32(1)?;
+    let (rows, ql) = dims2(ctx, q_b::QR)?;
+    let qr = ctx.read::<f32>(q_b::QR)?;
+    let norm = ctx.read::<f32>(q_b::NORM)?;
+    let (wrows, wcols) = dims2(ctx, q_b::W)?;
+    let w = ctx.read::<i8>(q_b::W)?;
+    let scales = ctx.read::<f32>(q_b::SCALES)?;
+    let tok = ctx.read::<u32>(q_b::TOK)?;
+    let (cos, sin) = (ctx.read::<f32>(q_b::COS)?, ctx.read::<f32>(q_b::SIN)?);
+    let pairs = rope_pairs(ctx, q_b::COS)?;
+    check_len(NAME, "q_norm", norm.len(), ql)?;
+    check_len(NAME, "Wq_b scales", scales.len(), wrows)?;
+    if wcols != ql || hd == 0 || !wrows.is_multiple_of(hd) || 2 * pairs > hd {
+        return Err(bad(
+            NAME,
+            format!("Wq_b [{wrows}, {wcols}] for q_lora {ql}, heads of {hd}"),
+        ));
+    }
+    let mut q = ctx.write_block_cols::<f32>(q_b::Q, hd)?;
+    if q.len() != rows || q.view_row_len() != wrows {
+        return Err(bad(NAME, "q is not [tokens, heads · head_dim]"));
+    }
+    let (c0, n) = (q.first_col(), q.row_len());
+    if n == 0 {
+        return Ok(());
+    }
+    // qr = RMSNorm(qr) (bf16 values), then int8 per row.
+    let mut x = qr.to_vec();
+    k::rms_norm_round(&mut x, ql, Some(norm), eps);
+    let mut xq = vec![0i8; rows * ql];
+    let mut xs = vec![0.0f32; rows];
+    for ((xr, qr), s) in x.chunks_exact(ql).zip(xq.chunks_exact_mut(ql)).zip(&mut xs) {
+        *s = kc::quantize_row_i8_ties_away(xr, qr);
+    }
+    let wi = WeightsI8::new(w, scales, wrows, ql, ql).rows_range(c0..c0 + n);
+    let mut out = vec![0.0f32; rows * n];
+    let tile = GemmTile {
+        n: 0..n,
+        k: 0..ql,
+        mode: OutMode::Store,
+    };
+    kc::gemm_i8_w8a8(wi, ActsI8::new(&xq, &xs, rows, ql, ql), &tile, &mut out, n);
+    for (t, o) in out.chunks_exact_mut(n).enumerate() {
+        let (_, pos, _) = token(NAME, tok, t)?;
+        let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
+        k::rms_norm_round(o, hd, None, eps);
+        k::rope_interleaved(o, hd, c, s, RopeDir::Forward);
+        k::round_bf16(o);
+        q.row(t).copy_from_slice(o);
+    }
+    Ok(())
+}
+
+pub(super) fn kv_write(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_kv_write";
+    let eps = ctx.scalar_f32(0)?;
+    let (rows, hd) = dims2(ctx, kv_write::KV)?;
+    let mut kv = ctx.read::<f32>(kv_write::KV)?.to_vec();
+    let norm = ctx.read::<f32>(kv_write::NORM)?;
+    let tok = ctx.read::<u32>(kv_write::TOK)?;
+    let (cos, sin) = (
+        ctx.read::<f32>(kv_write::COS)?,
+        ctx.read::<f32>(kv_write::SIN)?,
+    );
+    let pairs = rope_pairs(ctx, kv_write::COS)?;
+    check_len(NAME, "kv_norm", norm.len(), hd)?;
+    let (slots, width) = dims2(ctx, kv_write::CACHE)?;
+    if width != hd || 2 * pairs > hd {
+        return Err(bad(
+            NAME,
+            format!("cache rows of {width} for kv rows of {hd}"),
+        ));
+    }
+    let cache = ctx.write::<bf16>(kv_write::CACHE)?;
+    k::rms_norm_round(&mut kv, hd, Some(norm), eps);
+    for (t, row) in kv.chunks_exact_mut(hd).enumerate().take(rows) {
+        let (_, pos, slot) = token(NAME, tok, t)?;
+        let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
+        k::rope_interleaved(row, hd, c, s, RopeDir::Forward);
+        let Some(slot) = slot else { continue };
+        if slot >= slots {
+            return Err(bad(
+                NAME,
+                format!("slot {slot} outside the cache's {slots}"),
+            ));
+        }
+        kc::cast_f32_bf16(row, &mut cache[slot * hd..(slot + 1) * hd]);
+    }
+    Ok(())
+}
+
+pub(super) fn hca_compress(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_hca_compress";
+    let ratio = ctx.scalar_usize(0)?;
+    let max_rows = ctx.scalar_usize(1)?;
+    let eps = ctx.scalar_f32(2)?;
+    let (rows, w) = dims2(ctx, compress::KV)?;
+    let kv = ctx.read::<f32>(compress::KV)?;
+    let score = ctx.read::<f32>(compress::SCORE)?;
+    let ape = ctx.read::<f32>(compress::APE)?;
+    let norm = ctx.read::<f32>(compress::NORM)?;
+    let tok = ctx.read::<u32>(compress::TOK)?;
+    let (cos, sin) = (
+        ctx.read::<f32>(compress::COS)?,
+        ctx.read::<f32>(compress::SIN)?,
+    );
+    let pairs = rope_pairs(ctx, compress::COS)?;
+    check_len(NAME, "score", score.len(), rows * w)?;
+    check_len(NAME, "ape", ape.len(), ratio * w)?;
+    check_len(NAME, "norm", norm.len(), w)?;
+    let (state_rows, _) = dims2(ctx, compress::STATE_KV)?;
+    let (cache_rows, _) = dims2(ctx, compress::CACHE)?;
+    if ratio == 0 || 2 * pairs > w {
+        return Err(bad(
+            NAME,
+            format!("ratio {ratio}, rows of {w}, {pairs} RoPE pairs"),
+        ));
+    }
+    let state_kv = ctx.write::<f32>(compress::STATE_KV)?;
+    let state_score = ctx.write::<f32>(compress::STATE_SCORE)?;
+    let cache = ctx.write::<bf16>(compress::CACHE)?;
+    check_len(NAME, "state score", state_score.len(), state_kv.len())?;
+    check_len(NAME, "state", state_kv.len(), state_rows * w)?;
+    check_len(NAME, "compressed cache", cache.len(), cache_rows * w)?;
+    let mut pooled = vec![0.0f32; w];
+    for t in 0..rows {
+        let (seq, pos, _) = token(NAME, tok, t)?;
+        let slot = seq * ratio + pos % ratio;
+        if (seq + 1) * ratio > state_rows {
+            return Err(bad(
+                NAME,
+                format!("sequence {seq} outside the state's {state_rows} rows"),
+            ));
+        }
+        state_kv[slot * w..(slot + 1) * w].copy_from_slice(&kv[t * w..(t + 1) * w]);
+        let a = &ape[(pos % ratio) * w..(pos % ratio + 1) * w];
+        for ((o, &s), &a) in state_score[slot * w..(slot + 1) * w]
+            .iter_mut()
+            .zip(&score[t * w..(t + 1) * w])
+            .zip(a)
+        {
+            *o = s + a;
+        }
+        if (pos + 1) % ratio != 0 {
+            continue;
+        }
+        let win = seq * ratio..(seq + 1) * ratio;
+        let kr: Vec<&[f32]> = win.clone().map(|r| &state_kv[r * w..(r + 1) * w]).collect();
+        let sr: Vec<&[f32]> = win.map(|r| &state_score[r * w..(r + 1) * w]).collect();
+        k::softmax_pool(&kr, &sr, &mut pooled);
+        k::rms_norm_round(&mut pooled, w, Some(norm), eps);
+        let (c, s) = rope_rows(NAME, cos, sin, pairs, pos + 1 - ratio)?;
+        k::rope_interleaved(&mut pooled, w, c, s, RopeDir::Forward);
+        let row = seq * max_rows + (pos + 1) / ratio - 1;
+        if (pos + 1) / ratio > max_rows || row >= cache_rows {
+            return Err(bad(NAME, format!("compressed row {row} outside the cache")));
+        }
+        kc::cast_f32_bf16(&pooled, &mut cache[row * w..(row + 1) * w]);
+    }
+    Ok(())
+}
+
+/// The rows of a candidate list (`-1`: masked) in a cache of `rows` rows of `width`.
+fn candidates<'a>(
+    list: &[i32],
+    cache: &'a [bf16],
+    width: usize,
+    out: &mut Vec<Option<&'a [bf16]>>,
+) -> Result<(), KernelError> {
+    let rows = cache.len() / width.max(1);
+    for &c in list {
+        out.push(match usize::try_from(c) {
+            Ok(r) if r < rows => Some(&cache[r * width..(r + 1) * width]),
+            Ok(r) => {
+                return Err(bad(
+                    "dsv4_sparse_attention",
+                    format!("candidate row {r} outside a cache of {rows}"),
+                ));
+            }
+            Err(_) => None,
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_sparse_attention";
+    let hd = ctx.scalar_usize(0)?;
+    let pos = ctx.scalar_usize(1)?;
+    let scale = ctx.scalar_f32(2)?;
+    let q = ctx.read::<f32>(sparse::Q)?;
+    let win = ctx.read::<i32>(sparse::WIN)?;
+    let wcache = ctx.read::<bf16>(sparse::WIN_CACHE)?;
+    let sinks = ctx.read::<f32>(sparse::SINKS)?;
+    let (cos, sin) = (ctx.read::<f32>(sparse::COS)?, ctx.read::<f32>(sparse::SIN)?);
+    let pairs = rope_pairs(ctx, sparse::COS)?;
+    let heads = sinks.len();
+    check_len(NAME, "q", q.len(), heads * hd)?;
+    if dims2(ctx, sparse::WIN_CACHE)?.1 != hd || 2 * pairs > hd {
+        return Err(bad(NAME, format!("window-cache rows are not {hd} wide")));
+    }
+    let mut cands = Vec::with_capacity(win.len() + 64);
+    candidates(win, wcache, hd, &mut cands)?;
+    if ctx.num_args() > sparse::COMP_CACHE {
+        let comp = ctx.read::<i32>(sparse::COMP)?;
+        let ccache = ctx.read::<bf16>(sparse::COMP_CACHE)?;
+        if dims2(ctx, sparse::COMP_CACHE)?.1 != hd {
+            return Err(bad(
+                NAME,
+                format!("compressed-cache rows are not {hd} wide"),
+            ));
+        }
+        candidates(comp, ccache, hd, &mut cands)?;
+    }
+    let out = ctx.write::<f32>(sparse::OUT)?;
+    check_len(NAME, "out", out.len(), heads * hd)?;
+    ATTN_SCRATCH.with(|s| {
+        k::sparse_attention(q, hd, &cands, scale, sinks, out, &mut s.borrow_mut());
+    });
+    let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
+    k::rope_interleaved(out, hd, c, s, RopeDir::Inverse);
+    k::round_bf16(out);
+    Ok(())
+}
+
+pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_wo_a";
+    let groups = ctx.scalar_usize(0)?;
+    let (rows, width) = dims2(ctx, wo::X)?;
+    let x = ctx.read::<f32>(wo::X)?;
+    let (wrows, kg) = dims2(ctx, wo::W)?;
+    let w = ctx.read::<bf16>(wo::W)?;
+    if groups == 0 || !wrows.is_multiple_of(groups) || kg * groups != width {
+        return Err(bad(
+            NAME,
+            format!("Wo_a [{wrows}, {kg}] in {groups} groups for rows of {width}"),
+        ));
+    }
+    let r = wrows / groups;
+    let mut out = ctx.write_block_cols::<f32>(wo::A_OUT, kc::PACK_BLOCK)?;
+    if out.len() != rows || out.view_row_len() != wrows {
+        return Err(bad(NAME, "o_r is not [tokens, groups · o_lora]"));
+    }
+    let (c0, n) = (out.first_col(), out.row_len());
+    let mut packed = vec![0.0f32; packed_len(rows, kg)];
+    let mut group_x = vec![0.0f32; rows * kg];
+    let mut res = vec![0.0f32; rows * n];
+    let mut c = c0;
+    while c < c0 + n {
+        let g = c / r;
+        let end = ((g + 1) * r).min(c0 + n);
+        for t in 0..rows {
+            group_x[t * kg..(t + 1) * kg]
+                .copy_from_slice(&x[t * width + g * kg..t * width + (g + 1) * kg]);
+        }
+        kc::pack_acts_f32(&group_x, rows, kg, &mut packed);
+        let wg = WeightsBf16::new(&w[c * kg..end * kg], end - c, kg);
+        let tile = GemmTile::full(&wg);
+        kc::gemm_bf16(
+            wg,
+            PackedActs::new(&packed, rows, kg),
+            &tile,
+            &mut res[c - c0..],
+            n,
+        );
+        c = end;
+    }
+    for t in 0..rows {
+        out.row(t).copy_from_slice(&res[t * n..(t + 1) * n]);
+    }
+    Ok(())
+}
+
+pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_wo_b_w8a8";
+    let groups = ctx.scalar_usize(0)?;
+    let (rows, width) = dims2(ctx, wo::X)?;
+    let x = ctx.read::<f32>(wo::X)?;
+    let (wrows, wcols) = dims2(ctx, wo::W)?;
+    let w = ctx.read::<i8>(wo::W)?;
+    let scales = ctx.read::<f32>(wo::B_SCALES)?;
+    check_len(NAME, "Wo_b scales", scales.len(), wrows)?;
+    if groups == 0 || wcols != width || !width.is_multiple_of(groups) {
+        return Err(bad(
+            NAME,
+            format!("Wo_b [{wrows}, {wcols}] in {groups} groups for rows of {width}"),
+        ));
+    }
+    let r = width / groups;
+    let mut out = ctx.write_block_cols::<f32>(wo::B_OUT, kc::PACK_BLOCK)?;
+    if out.len() != rows || out.view_row_len() != wrows {
+        return Err(bad(NAME, "y is not [tokens, hidden]"));
+    }
+    let (c0, n) = (out.first_col(), out.row_len());
+    if n == 0 {
+        return Ok(());
+    }
+    // int8 per (token, group): group g's scales in xs[g * rows ..].
+    let mut xq = vec![0i8; rows * width];
+    let mut xs = vec![0.0f32; groups * rows];
+    for t in 0..rows {
+        for g in 0..groups {
+            let span = t * width + g * r..t * width + (g + 1) * r;
+            xs[g * rows + t] = kc::quantize_row_i8_ties_away(&x[span.clone()], &mut xq[span]);
+        }
+    }
+    let wi = WeightsI8::new(w, scales, wrows, width, width).rows_range(c0..c0 + n);
+    let mut res = vec![0.0f32; rows * n];
+    for g in 0..groups {
+        let acts = ActsI8::new(&xq, &xs[g * rows..(g + 1) * rows], rows, width, width);
+        let tile = GemmTile {
+            n: 0..n,
+            k: g * r..(g + 1) * r,
+            mode: OutMode::Add,
+        };
+        kc::gemm_i8_w8a8(wi, acts, &tile, &mut res, n);
+    }
+    k::round_bf16(&mut res);
+    for t in 0..rows {
+        out.row(t).copy_from_slice(&res[t * n..(t + 1) * n]);
+    }
+    Ok(())
+}

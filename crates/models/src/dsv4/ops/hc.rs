@@ -1,0 +1,108 @@
+//! Hyper-connection kernels: `hc_pre` (with the attention or FFN norm into packed GEMM
+//! activations) and `hc_post`, each an SPMD task over token rows.
+
+use simpler_core::{KernelError, TaskCtx};
+use simpler_kernels_cpu::dsv4 as k;
+use simpler_kernels_cpu::{pack_index, packed_ld};
+
+use super::{bad, check_len, dims2};
+
+/// `HC_PRE` argument indices.
+pub(crate) mod pre {
+    pub(crate) const X: usize = 0;
+    pub(crate) const MIX: usize = 1;
+    pub(crate) const BASE: usize = 2;
+    pub(crate) const NORM: usize = 3;
+    pub(crate) const HCW: usize = 4;
+    pub(crate) const XN: usize = 5;
+}
+
+/// `HC_POST` argument indices.
+pub(crate) mod post {
+    pub(crate) const X: usize = 0;
+    pub(crate) const Y: usize = 1;
+    pub(crate) const HCW: usize = 2;
+    pub(crate) const OUT: usize = 3;
+}
+
+pub(super) fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_hc_pre";
+    let hc = ctx.scalar_usize(0)?;
+    let iters = ctx.scalar_usize(1)?;
+    let hc_eps = ctx.scalar_f32(2)?;
+    let rms_eps = ctx.scalar_f32(3)?;
+    let scale = [ctx.scalar_f32(4)?, ctx.scalar_f32(5)?, ctx.scalar_f32(6)?];
+    let (rows, n) = dims2(ctx, pre::X)?;
+    let m = k::hc_mix_len(hc);
+    if hc == 0 || !n.is_multiple_of(hc) {
+        return Err(bad(NAME, format!("rows of {n} are not {hc} streams")));
+    }
+    let d = n / hc;
+    let x = ctx.read::<f32>(pre::X)?;
+    let mix = ctx.read::<f32>(pre::MIX)?;
+    let base = ctx.read::<f32>(pre::BASE)?;
+    let norm = ctx.read::<f32>(pre::NORM)?;
+    check_len(NAME, "mix", mix.len(), m * n)?;
+    check_len(NAME, "base", base.len(), m)?;
+    check_len(NAME, "norm", norm.len(), d)?;
+    let mut hcw = ctx.write_block_rows::<f32>(pre::HCW)?;
+    let mut xn = ctx.write_block_rows::<f32>(pre::XN)?;
+    if hcw.row_len() != m || xn.row_len() != packed_ld(d) || hcw.len() != xn.len() {
+        return Err(bad(
+            NAME,
+            "weights rows of hc_mix and packed rows of the hidden size",
+        ));
+    }
+    let (t0, nt) = (hcw.first_row(), hcw.len());
+    if t0 + nt > rows {
+        return Err(bad(NAME, "more output rows than input rows"));
+    }
+    let xs = &x[t0 * n..(t0 + nt) * n];
+    let mut logits = vec![0.0f32; nt * m];
+    k::hc_mix_logits(xs, n, mix, rms_eps, &mut logits);
+    let mut mixed = vec![0.0f32; d];
+    for (r, lg) in logits.chunks_exact_mut(m).enumerate() {
+        k::hc_weights(lg, hc, scale, base, iters, hc_eps);
+        hcw.row(r).copy_from_slice(lg);
+        k::hc_mix_streams(&xs[r * n..(r + 1) * n], &lg[..hc], &mut mixed);
+        k::rms_norm_round(&mut mixed, d, Some(norm), rms_eps);
+        let dst = xn.row(r);
+        for (j, &v) in mixed.iter().enumerate() {
+            dst[pack_index(j, d)] = v;
+        }
+        dst[d..].fill(0.0);
+    }
+    Ok(())
+}
+
+pub(super) fn hc_post(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_hc_post";
+    let hc = ctx.scalar_usize(0)?;
+    let (rows, n) = dims2(ctx, post::X)?;
+    if hc == 0 || !n.is_multiple_of(hc) {
+        return Err(bad(NAME, format!("rows of {n} are not {hc} streams")));
+    }
+    let (d, m) = (n / hc, k::hc_mix_len(hc));
+    let x = ctx.read::<f32>(post::X)?;
+    let y = ctx.read::<f32>(post::Y)?;
+    let hcw = ctx.read::<f32>(post::HCW)?;
+    check_len(NAME, "y", y.len(), rows * d)?;
+    check_len(NAME, "hc weights", hcw.len(), rows * m)?;
+    let mut out = ctx.write_block_rows::<f32>(post::OUT)?;
+    if out.row_len() != n {
+        return Err(bad(NAME, "output rows are not hc · hidden wide"));
+    }
+    let t0 = out.first_row();
+    for r in 0..out.len() {
+        let t = t0 + r;
+        let w = &hcw[t * m..(t + 1) * m];
+        k::hc_post(
+            &x[t * n..(t + 1) * n],
+            &y[t * d..(t + 1) * d],
+            &w[hc..2 * hc],
+            &w[2 * hc..],
+            out.row(r),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,158 @@
+//! The DeepSeek-V4 CSA decode step on the runtime (2 CPU cores) against the independent
+//! golden (`golden::csa_step`): the new residual with the CSA tolerance, and every cache the
+//! step writes — window cache, both compressors' rings, the compressed rows, the index rows
+//! (int8 and scale) — read back whole from the worker and compared with the fixture's caches
+//! plus the golden's writes. Small shapes at the mixed starts (ratio-4 windows closed inside
+//! the step at 3 and 127, start 0 with fewer visible rows than the top-k), at starts whose
+//! visible rows outnumber the top-k (so the selection matters), tiny shapes with sliding
+//! windows, and FLASH shapes at start 8192 (2048 visible rows, top-512).
+
+use half::bf16;
+use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_models::dsv4::check::{CacheTol, RelDiff, csa_cache_checks};
+use simpler_models::dsv4::fixture::{
+    AttnWeights, CsaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
+    generate_inputs, generate_window_cache,
+};
+use simpler_models::dsv4::golden::{self, AttnStep};
+use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
+
+fn worker(cores: usize) -> Worker {
+    let w = Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(cores),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    ops::register(&w).unwrap();
+    w
+}
+
+struct Case {
+    cfg: Dsv4Config,
+    attn: AttnWeights,
+    window: WindowCache,
+    csa: CsaParts,
+    inputs: StepInputs,
+}
+
+fn case(cfg: Dsv4Config, starts: &[usize], seed: u64) -> Case {
+    Case {
+        attn: generate_attn_weights(&cfg, seed),
+        window: generate_window_cache(&cfg, starts, seed),
+        csa: generate_csa(&cfg, starts, seed),
+        inputs: generate_inputs(&cfg, starts, seed),
+        cfg,
+    }
+}
+
+fn widen(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Runs the step on the worker and checks the residual and every cache against the golden.
+fn run_and_check(c: &Case, w: &Worker) {
+    let g: AttnStep = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
+    let mut layer = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
+    let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
+    RelDiff::CSA.check("x_out", &out.x_out, &g.x_out).unwrap();
+    let caches = layer.read_caches().unwrap();
+    let hd = c.cfg.head_dim;
+    let mut want = widen(&c.window.rows);
+    for (slot, row) in g
+        .window_write
+        .slots
+        .iter()
+        .zip(g.window_write.rows.chunks(hd))
+    {
+        let s = slot.expect("every step position has a page");
+        want[s * hd..(s + 1) * hd].copy_from_slice(&widen(row));
+    }
+    CacheTol::KV
+        .check("window cache", &widen(&caches.window), &want)
+        .unwrap();
+    let cc = caches.csa.as_ref().expect("CSA caches");
+    for (what, outcome) in csa_cache_checks(&c.csa, &g, cc) {
+        if let Err(e) = outcome {
+            panic!("{what}: {e}");
+        }
+    }
+    // The checker sees a wrong written row: shift the first compressed row the step wrote.
+    if let Some(Some(slot)) = g.csa.as_ref().and_then(|w| w.compressed.slots.first()) {
+        let mut bad = cc.clone();
+        for v in &mut bad.compressed[slot * hd..(slot + 1) * hd] {
+            *v = bf16::from_f32(v.to_f32() + 0.5);
+        }
+        let failed: Vec<&str> = csa_cache_checks(&c.csa, &g, &bad)
+            .into_iter()
+            .filter(|(_, o)| o.is_err())
+            .map(|(w, _)| w)
+            .collect();
+        assert_eq!(failed, ["compressed rows written"]);
+    }
+    // The same step on a fresh upload gives the same bits (a replay on this layer would not:
+    // its rings have moved on).
+    let mut fresh = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
+    let again = fresh.step(w, &c.inputs, &CallConfig::default()).unwrap();
+    assert_eq!(again.x_out, out.x_out, "a step is deterministic");
+}
+
+#[test]
+fn csa_step_matches_the_golden_at_mixed_starts_on_every_path() {
+    let c = case(Dsv4Config::small(), &MIXED_STARTS, 31);
+    let g = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
+    let gw = g.csa.as_ref().unwrap();
+    // Positions 3 and 127 close ratio-4 windows inside the step; start 0 sees no compressed
+    // row and start 3 fewer than the top-k.
+    assert_eq!(gw.compressed.slots.len(), 2);
+    assert_eq!(gw.picks[0].visible, 0);
+    assert!(gw.picks[2].visible < c.cfg.index_topk);
+    let w = worker(2);
+    for isa in simpler_kernels_cpu::Isa::ALL
+        .into_iter()
+        .filter(|i| i.is_supported())
+    {
+        // The kernels run on the worker's threads: the process-wide choice reaches them.
+        assert!(simpler_kernels_cpu::set_process_isa(Some(isa)));
+        run_and_check(&c, &w);
+    }
+    assert!(simpler_kernels_cpu::set_process_isa(None));
+}
+
+#[test]
+fn csa_step_matches_the_golden_where_the_selection_matters() {
+    // small: top-16 of 32..256 visible rows; 130 and 1023 close windows inside the step.
+    let c = case(Dsv4Config::small(), &[126, 130, 67, 1023], 32);
+    let g = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
+    let picks = &g.csa.as_ref().unwrap().picks;
+    assert!(picks.iter().all(|p| p.visible > c.cfg.index_topk));
+    run_and_check(&c, &worker(2));
+}
+
+#[test]
+fn tiny_csa_layers_match_the_golden_with_windows_sliding_inside_the_step() {
+    let c = case(Dsv4Config::tiny(), &[0, 7, 126, 300], 33);
+    run_and_check(&c, &worker(2));
+}
+
+#[test]
+fn flash_csa_step_matches_the_golden_at_start_8192() {
+    let c = case(Dsv4Config::flash(), &uniform_starts(8192), 34);
+    run_and_check(&c, &worker(2));
+}
+
+#[test]
+fn malformed_csa_parts_are_refused_naming_the_tensor() {
+    let c = case(Dsv4Config::tiny(), &[0, 1, 2, 3], 35);
+    let w = worker(1);
+    let mut bad = c.csa.clone();
+    bad.wq_idx.scale.pop();
+    let e = AttnLayer::upload_csa(&w, &c.cfg, &c.attn, &c.window, &bad, 4).unwrap_err();
+    assert!(e.to_string().contains("csa.wq_idx.scale"), "{e}");
+    let mut bad = c.csa.clone();
+    bad.index_state.kv.pop();
+    let e = AttnLayer::upload_csa(&w, &c.cfg, &c.attn, &c.window, &bad, 4).unwrap_err();
+    assert!(e.to_string().contains("csa.index_state.kv"), "{e}");
+}
