@@ -131,7 +131,6 @@ pub(crate) trait LayerStep {
 /// The step of `layer` on `cfg`'s shapes at `starts`.
 fn prepare(
     layer: LayerArg,
-    flag: &str,
     cfg: &Dsv4Config,
     starts: &[usize],
     seed: u64,
@@ -409,12 +408,12 @@ struct Setup {
     int8: (f64, &'static str),
 }
 
-fn setup(layer: LayerArg, flag: &str, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
+fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
     let cfg = Dsv4Config::preset(&case.preset)?;
     let starts = starts_of(case, &cfg)?;
     let worker = run.worker()?;
     ops::register(&worker)?;
-    let step = prepare(layer, flag, &cfg, &starts, case.seed, &worker)?;
+    let step = prepare(layer, &cfg, &starts, case.seed, &worker)?;
     let machine = machine_peaks(case.membw_seconds);
     let int8 = int8_peak(machine.threads, case.membw_seconds);
     Ok(Setup {
@@ -465,7 +464,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let mut s = setup(args.layer, "--layer", &args.case, &args.run)?;
+    let mut s = setup(args.layer, &args.case, &args.run)?;
     let cfg = args.run.call_config("dsv4")?;
     println!(
         "simpler run dsv4 --layer {}: {}; {} cores",
@@ -517,7 +516,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let mut s = setup(args.kernel, "--kernel", &args.case, &args.run)?;
+    let mut s = setup(args.kernel, &args.case, &args.run)?;
     let cfg = args.run.call_config("dsv4")?;
     println!(
         "simpler bench dsv4 --kernel {}: {}; {} cores",
