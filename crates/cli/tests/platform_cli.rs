@@ -17,8 +17,8 @@ fn cuda_is_refused_with_the_reason() {
         &["bench", "membw"],
         &["bench", "qwen3-prefill", "--preset", "tiny"],
         &["bench", "serve", "--preset", "tiny"],
-        &["run", "dsv4"],
-        &["bench", "dsv4"],
+        &["run", "dsv4", "--layer", "swa"],
+        &["bench", "dsv4", "--kernel", "swa"],
         &["generate", "--preset", "tiny", "--prompt-ids", "1,2"],
     ];
     for args in commands {
