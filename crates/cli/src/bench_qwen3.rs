@@ -33,9 +33,10 @@ use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 pub(crate) struct DecodeBenchArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Shapes to measure, `BATCHxSEQ_LEN`, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1x256,4x1024,16x1024")]
-    shapes: Vec<String>,
+    /// Shapes to measure, `BATCHxSEQ_LEN`, comma-separated [default: 1x256,4x1024,16x1024;
+    /// with `--platform cuda`: 1x512,16x3500].
+    #[arg(long, value_delimiter = ',')]
+    shapes: Option<Vec<String>>,
     /// Decoder layers [default: all of the model's].
     #[arg(long)]
     layers: Option<usize>,
@@ -157,12 +158,73 @@ struct Row {
     limit: &'static str,
 }
 
+/// The shapes of `--shapes`, or `default`.
+fn shapes_or(args: &DecodeBenchArgs, default: &[&str]) -> Result<Vec<(usize, usize)>> {
+    match &args.shapes {
+        Some(list) => list.iter().map(|s| parse_shape(s)).collect(),
+        None => default.iter().map(|s| parse_shape(s)).collect(),
+    }
+}
+
+/// `simpler bench qwen3-decode --platform cuda`: the flags that only mean something on the
+/// CPU runtime are refused by name; the rest goes to [`crate::bench_qwen3_cuda`].
+pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
+    let device = crate::platform::cuda_device()?;
+    let cpu_only = [
+        (
+            "--model (checkpoint upload to the device is not wired yet)",
+            args.model.model.is_some(),
+        ),
+        ("--shared-weights", args.shared_weights),
+        ("--trace-overhead", args.trace_overhead),
+        ("--versus", args.versus.is_some()),
+        ("--versus-isa", args.versus_isa.is_some()),
+        ("--versus-weights", args.versus_weights.is_some()),
+        (
+            "--weights other than bf16",
+            args.model.weights != WeightFormat::Bf16,
+        ),
+        (
+            "--tile-kib / --tiles-per-core / --max-kv-chunk",
+            args.tiles.tile_kib.is_some()
+                || args.tiles.tiles_per_core.is_some()
+                || args.tiles.max_kv_chunk.is_some(),
+        ),
+        ("--cores", args.run.cores.is_some()),
+        ("--serial", args.run.serial),
+        ("--swimlane", args.run.swimlane > 0),
+        ("--trace", args.run.trace.is_some()),
+        ("--dep-gen", args.run.dep_gen),
+        ("--ring-stats", args.run.ring_stats),
+        (
+            "--ring-task-window / --ring-heap / --ring-dep-pool",
+            args.run.ring_task_window.is_some()
+                || args.run.ring_heap.is_some()
+                || args.run.ring_dep_pool.is_some(),
+        ),
+    ];
+    if let Some((flag, _)) = cpu_only.iter().find(|(_, set)| *set) {
+        bail!("{flag}: not available with --platform cuda (a CPU-runtime option)");
+    }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let shapes = shapes_or(&args, &["1x512", "16x3500"])?;
+    let c = args.model.config(args.layers)?;
+    let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
+    ModelArgs::check_positions(&c, max_seq, "--shapes")?;
+    crate::bench_qwen3_cuda::run(&crate::bench_qwen3_cuda::CudaBench {
+        config: c,
+        device,
+        shapes,
+        seed: args.model.seed,
+        warmup: args.warmup,
+        rounds: args.rounds,
+    })
+}
+
 pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
-    let shapes: Vec<(usize, usize)> = args
-        .shapes
-        .iter()
-        .map(|s| parse_shape(s))
-        .collect::<Result<_>>()?;
+    let shapes = shapes_or(&args, &["1x256", "4x1024", "16x1024"])?;
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }

@@ -4,6 +4,7 @@ mod bench_collectives;
 mod bench_membw;
 mod bench_prefill;
 mod bench_qwen3;
+mod bench_qwen3_cuda;
 mod bench_runtime;
 mod bench_serve;
 mod demo;
@@ -12,6 +13,7 @@ mod dsv4_moe;
 mod generate;
 mod npy;
 mod opts;
+mod platform;
 mod profile;
 mod qwen3_cmd;
 mod qwen3_decode;
@@ -32,16 +34,29 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run a workload on the runtime and print its report.
-    #[command(subcommand)]
-    Run(RunCommand),
+    Run {
+        #[command(flatten)]
+        platform: platform::PlatformOpt,
+        #[command(subcommand)]
+        command: RunCommand,
+    },
     /// Benchmarks: warm-up, rounds, median and spread, ratios to this machine's limits.
-    #[command(subcommand)]
-    Bench(BenchCommand),
+    Bench {
+        #[command(flatten)]
+        platform: platform::PlatformOpt,
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
     /// Read trace files and diagnostics: timing tables, swimlanes, dependency graphs, analyses.
     Trace(trace_cmd::TraceArgs),
     /// Qwen3 text generation from token ids: chunked prefill, then greedy decode, on the
     /// runtime; prints the generated ids, comma-separated.
-    Generate(generate::GenerateArgs),
+    Generate {
+        #[command(flatten)]
+        platform: platform::PlatformOpt,
+        #[command(flatten)]
+        args: generate::GenerateArgs,
+    },
     /// The OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over the
     /// engine: continuous batching, prefix cache, the model's tokenizer.
     Serve(serve_cmd::ServeArgs),
@@ -140,18 +155,36 @@ fn main() -> Result<()> {
         simpler_node::ChildFns::new(),
     ));
     let cli = Cli::parse();
+    use platform::PlatformChoice::{Cpu, Cuda};
     match cli.command {
-        Command::Run(RunCommand::Demo(a)) => run_demo(a),
-        Command::Run(RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
-        Command::Run(RunCommand::Dsv4(a)) => dsv4_cmd::run(a),
-        Command::Bench(BenchCommand::Runtime(a)) => bench_runtime::main(a),
-        Command::Bench(BenchCommand::Membw(a)) => bench_membw::membw(a),
-        Command::Bench(BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
-        Command::Bench(BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
-        Command::Bench(BenchCommand::Serve(a)) => bench_serve::main(a),
-        Command::Bench(BenchCommand::Dsv4(a)) => dsv4_cmd::bench(a),
-        Command::Bench(BenchCommand::Collectives(a)) => bench_collectives::main(a),
-        Command::Generate(a) => generate::main(a),
+        Command::Run { platform, command } => match (platform.platform, command) {
+            (Cpu, RunCommand::Demo(a)) => run_demo(a),
+            (Cpu, RunCommand::Qwen3Decode(a)) => qwen3_decode::main(a),
+            (Cpu, RunCommand::Dsv4(a)) => dsv4_cmd::run(a),
+            (Cuda, RunCommand::Demo(_)) => platform::refuse_cuda("run demo"),
+            (Cuda, RunCommand::Qwen3Decode(_)) => platform::refuse_cuda("run qwen3-decode"),
+            (Cuda, RunCommand::Dsv4(_)) => platform::refuse_cuda("run dsv4"),
+        },
+        Command::Bench { platform, command } => match (platform.platform, command) {
+            (Cpu, BenchCommand::Runtime(a)) => bench_runtime::main(a),
+            (Cpu, BenchCommand::Membw(a)) => bench_membw::membw(a),
+            (Cpu, BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode(a),
+            (Cuda, BenchCommand::Qwen3Decode(a)) => bench_qwen3::decode_cuda(a),
+            (Cpu, BenchCommand::Qwen3Prefill(a)) => bench_prefill::main(a),
+            (Cpu, BenchCommand::Serve(a)) => bench_serve::main(a),
+            (Cpu, BenchCommand::Dsv4(a)) => dsv4_cmd::bench(a),
+            (Cpu, BenchCommand::Collectives(a)) => bench_collectives::main(a),
+            (Cuda, BenchCommand::Runtime(_)) => platform::refuse_cuda("bench runtime"),
+            (Cuda, BenchCommand::Membw(_)) => platform::refuse_cuda("bench membw"),
+            (Cuda, BenchCommand::Qwen3Prefill(_)) => platform::refuse_cuda("bench qwen3-prefill"),
+            (Cuda, BenchCommand::Serve(_)) => platform::refuse_cuda("bench serve"),
+            (Cuda, BenchCommand::Dsv4(_)) => platform::refuse_cuda("bench dsv4"),
+            (Cuda, BenchCommand::Collectives(_)) => platform::refuse_cuda("bench collectives"),
+        },
+        Command::Generate { platform, args } => match platform.platform {
+            Cpu => generate::main(args),
+            Cuda => platform::refuse_cuda("generate"),
+        },
         Command::Serve(a) => serve_cmd::main(a),
         Command::Trace(args) => trace_cmd::main(args),
     }

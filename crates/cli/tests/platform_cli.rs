@@ -1,0 +1,93 @@
+//! `--platform cpu|cuda` on every `run`, `bench` and `generate`: `cuda` is refused with the
+//! reason — not compiled in, no driver or device, or no CUDA path for the command — and
+//! never panics; `cpu` is the default and changes nothing.
+
+mod common;
+
+use common::{simpler, text};
+
+/// Each command refuses `--platform cuda` early (before any model is generated) with an
+/// error that starts with the flag and says why.
+#[test]
+fn cuda_is_refused_with_the_reason() {
+    let commands: &[&[&str]] = &[
+        &["run", "demo"],
+        &["run", "qwen3-decode", "--preset", "tiny"],
+        &["bench", "runtime"],
+        &["bench", "membw"],
+        &["bench", "qwen3-prefill", "--preset", "tiny"],
+        &["bench", "serve", "--preset", "tiny"],
+        &["run", "dsv4", "--layer", "swa"],
+        &["bench", "dsv4", "--kernel", "swa"],
+        &["generate", "--preset", "tiny", "--prompt-ids", "1,2"],
+    ];
+    for args in commands {
+        let mut a = args.to_vec();
+        a.extend(["--platform", "cuda"]);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{a:?} succeeded");
+        assert!(!err.contains("panicked"), "{a:?}: {err}");
+        assert!(err.contains("--platform cuda: "), "{a:?}: {err}");
+        let why = [
+            "not compiled with CUDA support",
+            "CUDA is not usable on this machine",
+            "has no CUDA path yet",
+        ];
+        assert!(why.iter().any(|w| err.contains(w)), "{a:?}: {err}");
+    }
+}
+
+/// The flag also stands before the subcommand, and an unknown platform is refused by clap.
+#[test]
+fn the_flag_is_global_and_checked() {
+    let out = simpler(&["bench", "--platform", "cuda", "membw"]);
+    assert!(text(&out.stderr).contains("--platform cuda: "));
+    let out = simpler(&["run", "demo", "--platform", "tpu"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("tpu") && err.contains("cuda"), "{err}");
+}
+
+/// `bench qwen3-decode --platform cuda` refuses the CPU-runtime flags by name (once a device
+/// exists; before that the missing device is the reason).
+#[test]
+fn cpu_runtime_flags_are_refused_on_cuda() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--platform",
+        "cuda",
+        "--versus-isa",
+        "avx2",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--versus-isa: not available with --platform cuda")
+            || err.contains("not compiled with CUDA support")
+            || err.contains("CUDA is not usable on this machine"),
+        "{err}"
+    );
+}
+
+/// `--platform cpu` is the default: spelling it out runs the same command.
+#[test]
+fn cpu_is_the_default() {
+    let out = simpler(&[
+        "run",
+        "demo",
+        "--m",
+        "64",
+        "--k",
+        "64",
+        "--n",
+        "64",
+        "--platform",
+        "cpu",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("outputs match the plain reference"));
+}
