@@ -460,19 +460,51 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
     })
 }
 
-pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
-    if args.rounds == 0 {
+/// The command's step and call configuration, after printing what runs.
+fn start(
+    cmd: &str,
+    flag: &str,
+    layer: LayerArg,
+    case: &CaseArgs,
+    run: &RunOpts,
+    rounds: usize,
+) -> Result<(Setup, CallConfig)> {
+    if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let mut s = setup(args.layer, &args.case, &args.run)?;
-    let cfg = args.run.call_config("dsv4")?;
+    let s = setup(layer, case, run)?;
+    let cfg = run.call_config("dsv4")?;
     println!(
-        "simpler run dsv4 --layer {}: {}; {} cores",
-        args.layer.name(),
+        "simpler {cmd} dsv4 {flag} {}: {}; {} cores",
+        layer.name(),
         s.step.describe(),
         s.worker.cores()
     );
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    Ok((s, cfg))
+}
+
+/// This machine's limits after the measurement (the better of the passes before and after),
+/// printed, as the denominators of the step's ratios.
+fn finish_peaks(s: &Setup, case: &CaseArgs) -> Peaks {
+    let machine = best_peaks(&s.machine, &machine_peaks(case.membw_seconds.min(1.0)));
+    println!("{}", format_peaks(&machine));
+    println!(
+        "int8 dot-product peak ({}): {:.1} GOP/s",
+        s.int8.1, s.int8.0
+    );
+    peaks_of(&machine, s.int8.0)
+}
+
+pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
+    let (mut s, cfg) = start(
+        "run",
+        "--layer",
+        args.layer,
+        &args.case,
+        &args.run,
+        args.rounds,
+    )?;
     if args.check {
         println!("check vs golden:");
         let lines = s.step.check(&s.worker, &cfg)?;
@@ -487,13 +519,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
         eff, wall, last, ..
     } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     opts::emit(&last, &cfg)?;
-    let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
-    let peaks = peaks_of(&machine, s.int8.0);
-    println!("{}", format_peaks(&machine));
-    println!(
-        "int8 dot-product peak ({}): {:.1} GOP/s",
-        s.int8.1, s.int8.0
-    );
+    let peaks = finish_peaks(&s, &args.case);
     print!("{}", opts::format_report(&last));
     let cost = s.step.cost();
     println!("per phase (last step; span = first start to last end of the phase's tasks):");
@@ -513,28 +539,18 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 }
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
-    let mut s = setup(args.kernel, &args.case, &args.run)?;
-    let cfg = args.run.call_config("dsv4")?;
-    println!(
-        "simpler bench dsv4 --kernel {}: {}; {} cores",
-        args.kernel.name(),
-        s.step.describe(),
-        s.worker.cores()
-    );
-    println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    let (mut s, cfg) = start(
+        "bench",
+        "--kernel",
+        args.kernel,
+        &args.case,
+        &args.run,
+        args.rounds,
+    )?;
     let Measured {
         eff, valid, last, ..
     } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
-    let machine = best_peaks(&s.machine, &machine_peaks(args.case.membw_seconds.min(1.0)));
-    let peaks = peaks_of(&machine, s.int8.0);
-    println!("{}", format_peaks(&machine));
-    println!(
-        "int8 dot-product peak ({}): {:.1} GOP/s",
-        s.int8.1, s.int8.0
-    );
+    let peaks = finish_peaks(&s, &args.case);
     let e = Summary::of(&eff);
     println!("{}", format_summary("effective_us", &e, args.warmup));
     let judged: Vec<(f64, bool)> = eff
