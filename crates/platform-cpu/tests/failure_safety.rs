@@ -593,21 +593,33 @@ fn an_abandoned_orchestrator_returning_late_leaves_the_next_run_alone() {
     gang_of_all_cores(&w, &gang);
 }
 
-/// A platform whose allocations can be made slow, to widen the gap between the orchestrator
-/// thread taking a job off the queue and registering it as the current run.
+/// A platform whose next allocation can be held at a gate, so a test knows the orchestrator
+/// thread has taken a job off the queue (it allocates the run's arena then) and has not yet
+/// registered it as the current run.
 #[derive(Clone, Default)]
-struct SlowAlloc {
+struct GatedAlloc {
     cpu: CpuPlatform,
-    delay_ms: Arc<std::sync::atomic::AtomicU64>,
+    gate: Arc<AllocGate>,
 }
 
-// SAFETY: allocation and threads come from the CPU platform; only a sleep is added.
-unsafe impl Platform for SlowAlloc {
+#[derive(Default)]
+struct AllocGate {
+    armed: AtomicBool,
+    entered: AtomicBool,
+    open: AtomicBool,
+}
+
+// SAFETY: allocation and threads come from the CPU platform; an armed gate only delays the
+// allocation (bounded: it opens by itself after 20 s so a broken test cannot hang).
+unsafe impl Platform for GatedAlloc {
     fn info(&self) -> PlatformInfo {
         self.cpu.info()
     }
     fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError> {
-        std::thread::sleep(Duration::from_millis(self.delay_ms.load(Ordering::SeqCst)));
+        if self.gate.armed.swap(false, Ordering::SeqCst) {
+            self.gate.entered.store(true, Ordering::SeqCst);
+            wait_for(|| self.gate.open.load(Ordering::SeqCst));
+        }
         self.cpu.alloc(bytes)
     }
     fn spawn_core(
@@ -624,7 +636,7 @@ unsafe impl Platform for SlowAlloc {
 /// the run spinning with no cores and its handle never completing).
 #[test]
 fn close_right_after_submit_finishes_the_queued_run() {
-    let platform = SlowAlloc::default();
+    let platform = GatedAlloc::default();
     let w = Worker::new(
         platform.clone(),
         WorkerConfig {
@@ -639,8 +651,8 @@ fn close_right_after_submit_finishes_the_queued_run() {
     }))
     .unwrap();
     let buf = w.alloc(4096).unwrap();
-    // The run's arena (ring heaps) is allocated after the job leaves the queue: slow it down.
-    platform.delay_ms.store(100, Ordering::SeqCst);
+    // The run's arena (ring heaps) is allocated after the job leaves the queue: hold it there.
+    platform.gate.armed.store(true, Ordering::SeqCst);
     let mut h = w
         .submit_fn(
             "late",
@@ -656,8 +668,15 @@ fn close_right_after_submit_finishes_the_queued_run() {
             },
         )
         .unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        wait_for(|| platform.gate.entered.load(Ordering::SeqCst)),
+        "the orchestrator thread never took the job"
+    );
     let closer = std::thread::spawn(move || w.close());
+    // close() must find the job taken but not yet registered; give it time to get there (the
+    // assertions below hold whether or not it has).
+    std::thread::sleep(Duration::from_millis(20));
+    platform.gate.open.store(true, Ordering::SeqCst);
     // Bounded: the bug made this wait forever.
     let finished = wait_for(|| h.is_done());
     assert!(finished, "the queued run never completed after close()");
