@@ -5,6 +5,8 @@
 //! the mixed starts `[0, 3, 127, 8192]` (an empty window at 0, a ratio-128 window closed at
 //! 127, a full window at 8192), and FLASH shapes at start 8192.
 
+use std::sync::{RwLock, RwLockReadGuard};
+
 use simpler_core::{CallConfig, Worker, WorkerConfig};
 use simpler_kernels_cpu::{Isa, with_isa};
 use simpler_models::dsv4::check::attn_step_checks;
@@ -14,6 +16,15 @@ use simpler_models::dsv4::fixture::{
 };
 use simpler_models::dsv4::golden::{self, AttnStep};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
+
+/// The kernel path is chosen process-wide (`set_process_isa`) so that it reaches the worker's
+/// threads. The every-path test holds this lock exclusively while it switches paths; every
+/// other test holds it shared, so its two steps (compared bit for bit) run on one path.
+static PROCESS_ISA: RwLock<()> = RwLock::new(());
+
+fn same_isa_throughout() -> RwLockReadGuard<'static, ()> {
+    PROCESS_ISA.read().unwrap_or_else(|e| e.into_inner())
+}
 
 fn worker(cores: usize) -> Worker {
     let w = Worker::new(
@@ -80,6 +91,7 @@ fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
 
 #[test]
 fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
+    let _switching = PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner());
     let c = case(Dsv4Config::small(), &MIXED_STARTS, false, 11);
     let g = golden_step(&c);
     let w = worker(2);
@@ -94,6 +106,7 @@ fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
 
 #[test]
 fn hca_step_matches_the_golden_at_mixed_starts() {
+    let _isa = same_isa_throughout();
     let c = case(Dsv4Config::small(), &MIXED_STARTS, true, 12);
     let g = golden_step(&c);
     let cw = g.compressed_write.as_ref().unwrap();
@@ -107,6 +120,7 @@ fn hca_step_matches_the_golden_at_mixed_starts() {
 
 #[test]
 fn tiny_layers_match_the_golden_with_windows_sliding_inside_the_step() {
+    let _isa = same_isa_throughout();
     // Window 8: every sequence but the first has a full, sliding window.
     for hca in [false, true] {
         let c = case(Dsv4Config::tiny(), &[0, 7, 126, 300], hca, 13);
@@ -116,12 +130,14 @@ fn tiny_layers_match_the_golden_with_windows_sliding_inside_the_step() {
 
 #[test]
 fn flash_swa_step_matches_the_golden_at_start_8192() {
+    let _isa = same_isa_throughout();
     let c = case(Dsv4Config::flash(), &uniform_starts(8192), false, 21);
     run_and_check(&c, &worker(2), &golden_step(&c));
 }
 
 #[test]
 fn flash_hca_step_matches_the_golden_at_start_8192() {
+    let _isa = same_isa_throughout();
     let c = case(Dsv4Config::flash(), &uniform_starts(8192), true, 22);
     run_and_check(&c, &worker(2), &golden_step(&c));
 }
