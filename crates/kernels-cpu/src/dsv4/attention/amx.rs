@@ -7,7 +7,8 @@
 //! `m` is the head, `k` the candidate, `n` the column: `A` is `P` as bf16 `[heads, n32]` (the
 //! softmax weights are bf16 values already, so this rounds nothing), `B` is the rows
 //! interleaved in pairs (line `i`, column block `cb`: rows `2i` and `2i + 1` over columns
-//! `16 cb ..`), built once per tile with two permutes per 64 bytes (no transpose), and `C` is
+//! `16 cb ..`; the lines of one column block are contiguous, so a `B` tile is 1 KiB in one
+//! piece), built once per tile with two permutes per 64 bytes (no transpose), and `C` is
 //! a 16 × 16 block of `out` itself (`out` is `[heads, d]` fp32, so a block is 16 rows of 64
 //! bytes at a stride of `4 d` bytes): loaded, accumulated over the tile, stored back.
 
@@ -27,7 +28,8 @@ const KSTEP: usize = 32;
 pub(super) struct PvScratch {
     /// `P` as bf16 bits `[heads, n32]`, zero past `n`.
     p: Vec<u16>,
-    /// The rows in pairs: pair `i` at `i · 2d`, element `(2c + r)` = row `2i + r`, column `c`.
+    /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · pairs + i) ·
+    /// 32`, element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
     vnni: Vec<u16>,
 }
 
@@ -82,29 +84,32 @@ pub(super) fn pv_add(
     // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
     // tile state was granted (asserted above); released below.
     unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
-    let steps = n32 / KSTEP;
-    for hb in 0..heads / 16 {
-        for cb in (0..d / 16).step_by(2) {
+    let (steps, pairs) = (n32 / KSTEP, n32 / 2);
+    // Column blocks outer, heads inner: a pair of column blocks' B lines (2 × pairs × 64
+    // bytes) stay in L1 for every head block.
+    for cb in (0..d / 16).step_by(2) {
+        for hb in 0..heads / 16 {
             let c = out[hb * 16 * d + cb * 16..].as_mut_ptr();
             let a = s.p[hb * 16 * n32..].as_ptr();
-            let b = s.vnni[cb * 32..].as_ptr();
+            let b = s.vnni[cb * pairs * 32..].as_ptr();
             // SAFETY: C: 16 rows of `out` at a stride of 4d bytes, 128 bytes from column 16 cb
             // (cb + 2 <= d / 16), inside `out` ([heads, d], hb · 16 + 16 <= heads). A: 16 rows
             // of `s.p` at a stride of 2 n32 bytes, 64 bytes per step, `steps` steps inside a
-            // row. B: 16 pairs per step at a stride of 4d bytes, 128 bytes from column 16 cb,
-            // `steps` steps of 16 pairs inside `s.vnni` (n32 / 2 pairs).
+            // row. B0: block cb's lines, 16 (1 KiB) per step, `steps` steps = `pairs` lines;
+            // B1: block cb + 1's, `pairs · 64` bytes further, inside `s.vnni` (d / 16 blocks).
             unsafe {
                 asm!(
                     "tileloadd tmm0, [{c} + {sc}*1]",
                     "tileloadd tmm1, [{c} + {sc}*1 + 64]",
                     "2:",
                     "tileloadd tmm4, [{a} + {sa}*1]",
-                    "tileloadd tmm5, [{b} + {sb}*1]",
-                    "tileloadd tmm6, [{b} + {sb}*1 + 64]",
+                    "tileloadd tmm5, [{b} + {s64}*1]",
+                    "tileloadd tmm6, [{bh} + {s64}*1]",
                     "tdpbf16ps tmm0, tmm4, tmm5",
                     "tdpbf16ps tmm1, tmm4, tmm6",
                     "add {a}, 64",
-                    "add {b}, {bstep}",
+                    "add {b}, 1024",
+                    "add {bh}, 1024",
                     "sub {n}, 1",
                     "jnz 2b",
                     "tilestored [{c} + {sc}*1], tmm0",
@@ -114,8 +119,8 @@ pub(super) fn pv_add(
                     a = inout(reg) a => _,
                     sa = in(reg) 2 * n32,
                     b = inout(reg) b => _,
-                    sb = in(reg) 4 * d,
-                    bstep = in(reg) 16 * 4 * d,
+                    s64 = in(reg) 64usize,
+                    bh = inout(reg) b.add(pairs * 32) => _,
                     n = inout(reg) steps => _,
                     options(nostack),
                 );
@@ -126,8 +131,8 @@ pub(super) fn pv_add(
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// `vnni[i · 2d + 2c + r] = rows[(2i + r) · d + c]` for the `rows.len() / d` rows (an even
-/// number; `d` a multiple of 32).
+/// `vnni[(c / 16 · pairs + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` for the
+/// `2 · pairs = rows.len() / d` rows (`d` a multiple of 32).
 #[target_feature(enable = "avx512f,avx512bw")]
 fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16]) {
     assert!(d.is_multiple_of(32) && rows.len().is_multiple_of(2 * d));
@@ -142,17 +147,21 @@ fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16]) {
             _mm512_loadu_si512(hi.as_ptr().cast()),
         )
     };
-    for (pair, dst) in rows.chunks_exact(2 * d).zip(vnni.chunks_exact_mut(2 * d)) {
+    let pairs = rows.len() / (2 * d);
+    for (i, pair) in rows.chunks_exact(2 * d).enumerate() {
         let (r0, r1) = pair.split_at(d);
         for c in (0..d).step_by(32) {
-            // SAFETY: columns c..c + 32 of both rows (c + 32 <= d) and elements 2c..2c + 64 of
-            // the pair's 2d destination.
+            let cb = c / 16;
+            let (l0, l1) = ((cb * pairs + i) * 32, ((cb + 1) * pairs + i) * 32);
+            assert!(l0 + 32 <= vnni.len() && l1 + 32 <= vnni.len());
+            // SAFETY: columns c..c + 32 of both rows (c + 32 <= d); lines l0 and l1 (32
+            // elements each) are inside `vnni` (asserted).
             unsafe {
                 let a = _mm512_loadu_si512(r0[c..].as_ptr().cast());
                 let b = _mm512_loadu_si512(r1[c..].as_ptr().cast());
-                let out = dst[2 * c..].as_mut_ptr();
-                _mm512_storeu_si512(out.cast(), _mm512_permutex2var_epi16(a, lo, b));
-                _mm512_storeu_si512(out.add(32).cast(), _mm512_permutex2var_epi16(a, hi, b));
+                let out = vnni.as_mut_ptr();
+                _mm512_storeu_si512(out.add(l0).cast(), _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_storeu_si512(out.add(l1).cast(), _mm512_permutex2var_epi16(a, hi, b));
             }
         }
     }
