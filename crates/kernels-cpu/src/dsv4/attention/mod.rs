@@ -16,13 +16,13 @@
 //! 2. the scores of every head against the tile are one [`crate::gemm_bf16`] product with the
 //!    rows as the weights and the heads' queries as the activations (AMX tiles from 16 heads,
 //!    AVX-512 BF16, AVX2, portable);
-//! 3. the online softmax of all heads ([`softmax_tile`]: scale, max, `exp`, sum, `bf16(p)`)
+//! 3. the online softmax of all heads (`softmax_tile`: scale, max, `exp`, sum, `bf16(p)`)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
 //! 4. the value product `out[h] += Σ_j bf16(p[h, j]) · row_j` reads the rows as they lie
 //!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
 //!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
-//!    heads' weights are the `A` operand; elsewhere [`pv_add`] is a register-blocked body
+//!    heads' weights are the `A` operand; elsewhere `pv_add` is a register-blocked body
 //!    (4 heads × 32 columns) built like the softmax.
 
 use half::bf16;
