@@ -268,7 +268,7 @@ three_builds! {
 /// Heads per block of [`pv_add`].
 const PV_HEADS: usize = 4;
 /// Columns per block of [`pv_add`].
-const PV_COLS: usize = 32;
+const PV_COLS: usize = 16;
 
 three_builds! {
     /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, n]`, `rows` `[n, d]` bf16 read
