@@ -3,18 +3,14 @@
 //! on every path this CPU has (each test prints the paths it ran).
 
 use super::*;
+use crate::dsv4::tests::{attention_reference, values};
 use crate::isa::with_isa;
 
-/// Uniform values in `[-1, 1)` from a fixed xorshift stream.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 * 2.0 - 1.0
-        })
+/// Softmax-like weights: bf16 values in `[0, 1)`.
+fn weights(n: usize, seed: u64) -> Vec<f32> {
+    values(n, seed)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
         .collect()
 }
 
@@ -96,10 +92,7 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
         (4, 33, 64),
         (9, 128, 70),
     ] {
-        let p: Vec<f32> = values(heads * n, 3)
-            .iter()
-            .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
-            .collect();
+        let p = weights(heads * n, 3);
         let rows = bf16_rows(n * d, 4);
         let base = values(heads * d, 5);
         let (out, ran) = same_on_every_path(|| {
@@ -134,10 +127,7 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
         (32, 33, 96),
         (64, 128, 512),
     ] {
-        let p: Vec<f32> = values(heads * n, 6)
-            .iter()
-            .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
-            .collect();
+        let p = weights(heads * n, 6);
         let n32 = n.div_ceil(32) * 32;
         let mut rows = bf16_rows(n * d, 7);
         rows.resize(n32 * d, bf16::ZERO);
@@ -165,40 +155,6 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
         }
     }
     println!("amx value product ran");
-}
-
-/// The one-pass form in f64 (global max, `bf16(p)`, the sink in the denominator).
-fn reference(q: &[f32], rows: &[Option<Vec<bf16>>], scale: f32, sink: f32) -> Vec<f64> {
-    let d = q.len();
-    let s: Vec<Option<f64>> = rows
-        .iter()
-        .map(|r| {
-            r.as_ref().map(|r| {
-                q.iter()
-                    .zip(r)
-                    .map(|(&a, b)| f64::from(a) * f64::from(b.to_f32()))
-                    .sum::<f64>()
-                    * f64::from(scale)
-            })
-        })
-        .collect();
-    let Some(m) = s.iter().flatten().copied().reduce(f64::max) else {
-        return vec![0.0; d];
-    };
-    let mut o = vec![0.0f64; d];
-    let mut l = 0.0;
-    for (s, r) in s.iter().zip(rows) {
-        if let (Some(s), Some(r)) = (s, r) {
-            let p = (s - m).exp();
-            l += p;
-            let pb = f64::from(half::bf16::from_f64(p).to_f32());
-            for (o, v) in o.iter_mut().zip(r) {
-                *o += pb * f64::from(v.to_f32());
-            }
-        }
-    }
-    let z = l + (f64::from(sink) - m).exp();
-    o.iter().map(|v| v / z).collect()
 }
 
 #[test]
@@ -244,9 +200,8 @@ fn sparse_attention_at_tile_edges_on_every_path() {
                 let owned: Vec<Option<Vec<bf16>>> =
                     cands.iter().map(|c| c.map(<[bf16]>::to_vec)).collect();
                 for h in 0..heads {
-                    let e = reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
+                    let e = attention_reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
                     for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
-                        let a = f64::from(a);
                         assert!(
                             (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
                             "{isa:?} {what} head {h} [{c}]: {a} vs {e}"
