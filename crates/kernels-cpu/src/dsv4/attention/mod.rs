@@ -23,7 +23,7 @@
 //!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
 //!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
 //!    heads' weights are the `A` operand; elsewhere `pv_add` is a register-blocked body
-//!    (4 heads × 32 columns) built like the softmax.
+//!    (4 heads × 16 columns) built like the softmax.
 
 use half::bf16;
 
@@ -43,7 +43,7 @@ pub struct AttnScratch {
     /// The tile's valid rows `[n, d]`, zero rows after them up to a multiple of 32.
     rows: Vec<bf16>,
     q_packed: Vec<f32>,
-    /// Scores, then (in place) nothing: `[heads, n]`.
+    /// The tile's scores `[heads, n]`.
     scores: Vec<f32>,
     /// `bf16(p)` as fp32 `[heads, n]`.
     p: Vec<f32>,
