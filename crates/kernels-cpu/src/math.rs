@@ -8,8 +8,13 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding 1.5 · 2^23 rounds `x · log2 e` (|·| < 2^22) to the nearest integer, ties to even,
+    // and leaves that integer in the low mantissa bits: `n` and `2^n` without a float-to-int
+    // conversion, so the body vectorises (Rust's saturating `as i32` does not).
+    const ROUNDER: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E).round_ties_even();
+    let t = x * LOG2E + ROUNDER;
+    let n = t - ROUNDER;
     let f = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0 / 720.0;
     let p = p * f + 1.0 / 120.0;
@@ -18,8 +23,8 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     let p = p * f + 0.5;
     let p = p * f + 1.0;
     let p = p * f + 1.0;
-    // n in [-126, 127]: a normal power of two.
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    // n in [-126, 127]: a normal power of two (t's bits are those of 1.5 · 2^23 plus n).
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUNDER.to_bits() - 127) << 23);
     p * scale
 }
 

@@ -6,7 +6,7 @@ use super::*;
 use crate::isa::{Isa, with_isa};
 
 /// Uniform values in `[-1, 1)` from a fixed xorshift stream.
-fn values(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {
@@ -232,7 +232,7 @@ fn rope_and_its_inverse_turn_the_last_pairs_and_undo_each_other() {
 
 /// The one-pass form of the attention (`docs/dsv4.md`): global max, `o = Σ bf16(p) · kv`,
 /// `out = o / (Σ p + exp(sink − m))`, in f64 apart from the bf16 rounding of `p`.
-fn attention_reference(
+pub(crate) fn attention_reference(
     q: &[f32],
     rows: &[Option<Vec<half::bf16>>],
     scale: f32,

@@ -1,0 +1,168 @@
+//! AMX-BF16 value product of the sparse attention: `out[h, c] += Σ_j P[h, j] V[j, c]` for one
+//! tile, on `tdpbf16ps` (16 × 16 × 32 per instruction).
+//!
+//! # Orientation
+//! The tile unit computes `C[m, n] += Σ_k A[m, k] B[k, n]` with `A` rows contiguous along `k`
+//! and `B` in the VNNI layout (a line holds, for 16 columns, a pair of neighbouring `k`). Here
+//! `m` is the head, `k` the candidate, `n` the column: `A` is `P` as bf16 `[heads, n32]` (the
+//! softmax weights are bf16 values already, so this rounds nothing), `B` is the rows
+//! interleaved in pairs (line `i`, column block `cb`: rows `2i` and `2i + 1` over columns
+//! `16 cb ..`; the lines of one column block are contiguous, so a `B` tile is 1 KiB in one
+//! piece), built once per tile with two permutes per 64 bytes (no transpose), and `C` is
+//! a 16 × 16 block of `out` itself (`out` is `[heads, d]` fp32, so a block is 16 rows of 64
+//! bytes at a stride of `4 d` bytes): loaded, accumulated over the tile, stored back.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use half::bf16;
+
+use crate::gemm::amx_tile_config;
+use crate::isa::Isa;
+
+/// Candidates per `K` step of `tdpbf16ps`.
+const KSTEP: usize = 32;
+
+/// The operands of one tile's product (sized on first use).
+#[derive(Debug, Default)]
+pub(super) struct PvScratch {
+    /// `P` as bf16 bits `[heads, n32]`, zero past `n`.
+    p: Vec<u16>,
+    /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · pairs + i) ·
+    /// 32`, element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
+    vnni: Vec<u16>,
+}
+
+/// Whether this path handles `heads` heads of `d` (whole 16-head blocks, whole 32-column
+/// pairs of column blocks).
+pub(super) fn supports(heads: usize, d: usize) -> bool {
+    heads > 0 && heads.is_multiple_of(16) && d > 0 && d.is_multiple_of(32)
+}
+
+/// `out[h] += Σ_j p[h, j] · rows[j]` for `p` `[heads, n]` (bf16 values), `rows` at least
+/// `n32 · d` long (`n32 = n` rounded up to 32; the rows past `n` must be zero: they meet zero
+/// weights, and a zero row keeps a NaN out), `out` `[heads, d]`.
+///
+/// # Panics
+/// If the CPU has no AMX-BF16 (or the tile state was not granted), [`supports`] is false, or
+/// the lengths disagree.
+pub(super) fn pv_add(
+    p: &[f32],
+    heads: usize,
+    n: usize,
+    rows: &[bf16],
+    d: usize,
+    out: &mut [f32],
+    s: &mut PvScratch,
+) {
+    assert!(
+        Isa::AmxBf16.is_supported(),
+        "dsv4 attention: the AMX path runs only where AMX-BF16 is granted"
+    );
+    assert!(
+        supports(heads, d),
+        "dsv4 attention: AMX with {heads} heads of {d}"
+    );
+    let n32 = n.div_ceil(KSTEP) * KSTEP;
+    assert_eq!(p.len(), heads * n, "pv_add (amx): p len");
+    assert!(rows.len() >= n32 * d, "pv_add (amx): rows len");
+    assert_eq!(out.len(), heads * d, "pv_add (amx): out len");
+    if n == 0 {
+        return;
+    }
+    s.p.clear();
+    s.p.resize(heads * n32, 0);
+    for (dst, src) in s.p.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            // A bf16 value: its upper half is exact.
+            *d = (v.to_bits() >> 16) as u16;
+        }
+    }
+    s.vnni.resize(n32 * d, 0);
+    // SAFETY: AMX-BF16 is supported (asserted), which implies AVX-512 F/BW.
+    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
+    // tile state was granted (asserted above); released below.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
+    let (steps, pairs) = (n32 / KSTEP, n32 / 2);
+    // Column blocks outer, heads inner: a pair of column blocks' B lines (2 × pairs × 64
+    // bytes) stay in L1 for every head block.
+    for cb in (0..d / 16).step_by(2) {
+        for hb in 0..heads / 16 {
+            let c = out[hb * 16 * d + cb * 16..].as_mut_ptr();
+            let a = s.p[hb * 16 * n32..].as_ptr();
+            let b = s.vnni[cb * pairs * 32..].as_ptr();
+            // SAFETY: C: 16 rows of `out` at a stride of 4d bytes, 128 bytes from column 16 cb
+            // (cb + 2 <= d / 16), inside `out` ([heads, d], hb · 16 + 16 <= heads). A: 16 rows
+            // of `s.p` at a stride of 2 n32 bytes, 64 bytes per step, `steps` steps inside a
+            // row. B0: block cb's lines, 16 (1 KiB) per step, `steps` steps = `pairs` lines;
+            // B1: block cb + 1's, `pairs · 64` bytes further, inside `s.vnni` (d / 16 blocks).
+            unsafe {
+                asm!(
+                    "tileloadd tmm0, [{c} + {sc}*1]",
+                    "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+                    "2:",
+                    "tileloadd tmm4, [{a} + {sa}*1]",
+                    "tileloadd tmm5, [{b} + {s64}*1]",
+                    "tileloadd tmm6, [{bh} + {s64}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm5",
+                    "tdpbf16ps tmm1, tmm4, tmm6",
+                    "add {a}, 64",
+                    "add {b}, 1024",
+                    "add {bh}, 1024",
+                    "sub {n}, 1",
+                    "jnz 2b",
+                    "tilestored [{c} + {sc}*1], tmm0",
+                    "tilestored [{c} + {sc}*1 + 64], tmm1",
+                    c = in(reg) c,
+                    sc = in(reg) 4 * d,
+                    a = inout(reg) a => _,
+                    sa = in(reg) 2 * n32,
+                    b = inout(reg) b => _,
+                    s64 = in(reg) 64usize,
+                    bh = inout(reg) b.add(pairs * 32) => _,
+                    n = inout(reg) steps => _,
+                    options(nostack),
+                );
+            }
+        }
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// `vnni[(c / 16 · pairs + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` for the
+/// `2 · pairs = rows.len() / d` rows (`d` a multiple of 32).
+#[target_feature(enable = "avx512f,avx512bw")]
+fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16]) {
+    assert!(d.is_multiple_of(32) && rows.len().is_multiple_of(2 * d));
+    assert_eq!(vnni.len(), rows.len(), "interleave_pairs: vnni len");
+    let lo: [u16; 32] = std::array::from_fn(|k| (k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
+    let hi: [u16; 32] =
+        std::array::from_fn(|k| (16 + k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
+    // SAFETY: 64-byte arrays.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_si512(lo.as_ptr().cast()),
+            _mm512_loadu_si512(hi.as_ptr().cast()),
+        )
+    };
+    let pairs = rows.len() / (2 * d);
+    for (i, pair) in rows.chunks_exact(2 * d).enumerate() {
+        let (r0, r1) = pair.split_at(d);
+        for c in (0..d).step_by(32) {
+            let cb = c / 16;
+            let (l0, l1) = ((cb * pairs + i) * 32, ((cb + 1) * pairs + i) * 32);
+            assert!(l0 + 32 <= vnni.len() && l1 + 32 <= vnni.len());
+            // SAFETY: columns c..c + 32 of both rows (c + 32 <= d); lines l0 and l1 (32
+            // elements each) are inside `vnni` (asserted).
+            unsafe {
+                let a = _mm512_loadu_si512(r0[c..].as_ptr().cast());
+                let b = _mm512_loadu_si512(r1[c..].as_ptr().cast());
+                let out = vnni.as_mut_ptr();
+                _mm512_storeu_si512(out.add(l0).cast(), _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_storeu_si512(out.add(l1).cast(), _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+    }
+}

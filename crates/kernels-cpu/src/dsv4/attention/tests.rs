@@ -1,0 +1,226 @@
+//! The attention's own kernels against plain loops, the builds against each other (bit for
+//! bit), the AMX value product against the portable one, and the whole kernel at ragged tiles
+//! on every path this CPU has (each test prints the paths it ran).
+
+use super::*;
+use crate::dsv4::tests::{attention_reference, values};
+use crate::isa::with_isa;
+
+/// Softmax-like weights: bf16 values in `[0, 1)`.
+fn weights(n: usize, seed: u64) -> Vec<f32> {
+    values(n, seed)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
+        .collect()
+}
+
+fn bf16_rows(n: usize, seed: u64) -> Vec<bf16> {
+    values(n, seed)
+        .iter()
+        .map(|&v| bf16::from_f32(2.0 * v))
+        .collect()
+}
+
+/// Runs `f` on every path this CPU has; returns the portable result and the paths that ran,
+/// after checking every path's result equals the portable one.
+fn same_on_every_path<T: PartialEq + std::fmt::Debug>(f: impl Fn() -> T) -> (T, Vec<Isa>) {
+    let first = with_isa(Isa::Portable, &f).expect("portable always runs");
+    let mut ran = Vec::new();
+    for isa in Isa::ALL {
+        if let Some(r) = with_isa(isa, &f) {
+            assert_eq!(r, first, "{isa:?} differs from portable");
+            ran.push(isa);
+        }
+    }
+    (first, ran)
+}
+
+#[test]
+fn softmax_tile_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
+    let heads = 3;
+    for n in [1usize, 15, 16, 17, 128] {
+        let scores: Vec<f32> = values(heads * n, n as u64)
+            .iter()
+            .map(|v| 9.0 * v)
+            .collect();
+        // Head 0 starts fresh, head 1 has a lower max, head 2 a higher one than the tile's.
+        let m0 = [f32::NEG_INFINITY, -50.0, 50.0];
+        let l0 = [0.0f32, 2.5, 7.0];
+        let ((m, l, alpha, p), ran) = same_on_every_path(|| {
+            let (mut m, mut l) = (m0.to_vec(), l0.to_vec());
+            let mut alpha = vec![0.0f32; heads];
+            let mut p = vec![0.0f32; heads * n];
+            softmax_tile(&scores, n, 0.5, &mut m, &mut l, &mut alpha, &mut p);
+            (m, l, alpha, p)
+        });
+        for h in 0..heads {
+            let sc: Vec<f64> = scores[h * n..(h + 1) * n]
+                .iter()
+                .map(|&v| f64::from(v) * 0.5)
+                .collect();
+            let mt = sc.iter().copied().fold(f64::from(m0[h]), f64::max);
+            assert_eq!(f64::from(m[h]), mt, "n {n} head {h}: max");
+            let a = if h == 0 {
+                0.0
+            } else {
+                (f64::from(m0[h]) - mt).exp()
+            };
+            // `m − m'` is taken in fp32: a relative error of ~1e-7 of its size (~55) in the exponent.
+            assert!((f64::from(alpha[h]) - a).abs() <= 2e-5 * a, "alpha {h}");
+            let mut sum = 0.0;
+            for (j, s) in sc.iter().enumerate() {
+                let e = (s - mt).exp();
+                sum += e;
+                let pb = p[h * n + j];
+                assert_eq!(pb, half::bf16::from_f32(pb).to_f32(), "p is a bf16 value");
+                assert!((f64::from(pb) - e).abs() <= 4e-3 * e + 1e-30, "p[{h},{j}]");
+            }
+            let want = f64::from(l0[h]) * a + sum;
+            assert!((f64::from(l[h]) - want).abs() <= 1e-5 * want, "l {h}");
+        }
+        if n == 128 {
+            println!("softmax_tile paths: {ran:?}");
+        }
+    }
+}
+
+#[test]
+fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
+    for (heads, n, d) in [
+        (1usize, 1usize, 1usize),
+        (5, 1, 40),
+        (4, 33, 64),
+        (9, 128, 70),
+    ] {
+        let p = weights(heads * n, 3);
+        let rows = bf16_rows(n * d, 4);
+        let base = values(heads * d, 5);
+        let (out, ran) = same_on_every_path(|| {
+            let mut out = base.clone();
+            pv_add(&p, heads, n, &rows, d, &mut out);
+            out
+        });
+        for h in 0..heads {
+            for c in 0..d {
+                let want: f64 = f64::from(base[h * d + c])
+                    + (0..n)
+                        .map(|j| f64::from(p[h * n + j]) * f64::from(rows[j * d + c].to_f32()))
+                        .sum::<f64>();
+                let got = f64::from(out[h * d + c]);
+                assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "[{h},{c}]");
+            }
+        }
+        println!("pv_add {heads}x{n}x{d} paths: {ran:?}");
+    }
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn amx_value_product_matches_the_portable_one_at_tile_edges() {
+    if !Isa::AmxBf16.is_supported() {
+        println!("AMX-BF16 not available here: the AMX value product did not run");
+        return;
+    }
+    for (heads, n, d) in [
+        (16usize, 1usize, 32usize),
+        (16, 31, 64),
+        (32, 33, 96),
+        (64, 128, 512),
+    ] {
+        let p = weights(heads * n, 6);
+        let n32 = n.div_ceil(32) * 32;
+        let mut rows = bf16_rows(n * d, 7);
+        rows.resize(n32 * d, bf16::ZERO);
+        let base = values(heads * d, 8);
+        let mut want = base.clone();
+        with_isa(Isa::Portable, || {
+            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
+        });
+        let mut got = base.clone();
+        amx::pv_add(
+            &p,
+            heads,
+            n,
+            &rows,
+            d,
+            &mut got,
+            &mut amx::PvScratch::default(),
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // Same bf16 products, fp32 sums in another order.
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{heads}x{n}x{d} [{i}]: {g} vs {w}"
+            );
+        }
+    }
+    println!("amx value product ran");
+}
+
+#[test]
+fn sparse_attention_at_tile_edges_on_every_path() {
+    // 16 heads of 64: the AMX value product's shape where the CPU has it.
+    let (heads, d) = (16usize, 64usize);
+    let q: Vec<f32> = values(heads * d, 21)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let sinks = values(heads, 22);
+    let scale = 1.0 / (d as f32).sqrt();
+    // Tile 0: one valid row (its last); tile 1: empty; tile 2: full; tile 3: 33 rows.
+    let n = 3 * ATTN_TILE + 40;
+    let rows: Vec<Option<Vec<bf16>>> = (0..n)
+        .map(|j| {
+            let valid = j == ATTN_TILE - 1 || (2 * ATTN_TILE..3 * ATTN_TILE + 33).contains(&j);
+            valid.then(|| bf16_rows(d, 300 + j as u64))
+        })
+        .collect();
+    let lists: [(&str, Vec<Option<&[bf16]>>); 3] = [
+        ("ragged tiles", rows.iter().map(|r| r.as_deref()).collect()),
+        (
+            "one valid row",
+            rows[..ATTN_TILE].iter().map(|r| r.as_deref()).collect(),
+        ),
+        ("no candidate", Vec::new()),
+    ];
+    let mut ran = Vec::new();
+    for isa in Isa::ALL {
+        let Some(()) = with_isa(isa, || {
+            for (what, cands) in &lists {
+                let mut out = vec![7.0f32; heads * d];
+                sparse_attention(
+                    &q,
+                    d,
+                    cands,
+                    scale,
+                    &sinks,
+                    &mut out,
+                    &mut AttnScratch::default(),
+                );
+                let owned: Vec<Option<Vec<bf16>>> =
+                    cands.iter().map(|c| c.map(<[bf16]>::to_vec)).collect();
+                for h in 0..heads {
+                    let e = attention_reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
+                    for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
+                        assert!(
+                            (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
+                            "{isa:?} {what} head {h} [{c}]: {a} vs {e}"
+                        );
+                    }
+                }
+            }
+        }) else {
+            continue;
+        };
+        ran.push((isa, pv_path(isa, heads, d)));
+    }
+    // The sink alone (every candidate masked): zeros, on the scratch of an earlier call.
+    let mut s = AttnScratch::default();
+    let mut out = vec![0.0f32; heads * d];
+    let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
+    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
+    let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
+    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
+    assert!(out.iter().all(|&v| v == 0.0));
+    println!("sparse_attention (path, value-product path): {ran:?}");
+}
