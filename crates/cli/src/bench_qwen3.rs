@@ -17,7 +17,7 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_kernels_cpu::{Isa, path_for_batch, set_process_isa};
+use simpler_kernels_cpu::{Isa, attention, path_for_batch, set_process_isa};
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
     DecodePhases, RunShape, Session, StepCost, TilePolicy, WeightFormat, ops,
@@ -72,6 +72,12 @@ pub(crate) struct DecodeBenchArgs {
     /// steps A B B A .. and the ratio B/A of the medians with its 95% interval.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
+    /// Also compare this run's decode attention path with another (`portable`, `avx2`,
+    /// `avx512-bf16`; the GEMM and every other kernel keep this run's path), step against step
+    /// in this process: interleaved steps A B B A .. and the ratio B/A of the medians with its
+    /// 95% interval.
+    #[arg(long, value_name = "PATH")]
+    versus_attention: Option<String>,
     /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
     /// against step: a second copy of the model is uploaded in that format and each shape runs
     /// interleaved steps A B B A .. on the two, reporting B/A of the step-time medians with its
@@ -182,6 +188,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ("--trace-overhead", args.trace_overhead),
         ("--versus", args.versus.is_some()),
         ("--versus-isa", args.versus_isa.is_some()),
+        ("--versus-attention", args.versus_attention.is_some()),
         ("--versus-weights", args.versus_weights.is_some()),
         (
             "--weights other than bf16",
@@ -232,17 +239,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
-    let versus_isa = match args.versus_isa.as_deref() {
-        None => None,
-        Some(name) => match Isa::from_name(name) {
-            Some(isa) if isa.is_supported() => Some(isa),
-            Some(isa) => bail!("--versus-isa {}: this CPU cannot run it", isa.name()),
-            None => bail!(
-                "--versus-isa {name:?}: not one of {:?}",
-                Isa::ALL.map(Isa::name)
-            ),
-        },
-    };
+    let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
+    let versus_attention = isa_flag("--versus-attention", args.versus_attention.as_deref())?;
     let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
@@ -496,31 +494,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             print_indented(&format_compare("step_ms", "this run's tiling", spec, &c));
         }
         if let Some(isa) = versus_isa {
-            let step_ms = |path: Option<Isa>| {
-                set_process_isa(path);
-                let t = Instant::now();
-                let r = session.decode(&worker, &case.batch, &case.tokens, &cfg);
-                set_process_isa(None);
-                r.map(|_| t.elapsed().as_secs_f64() * 1e3)
-            };
-            let failure = RefCell::new(None);
-            let step = RefCell::new(step_ms);
-            let timed = |path: Option<Isa>| match (step.borrow_mut())(path) {
-                Ok(ms) => ms,
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    f64::NAN
-                }
-            };
-            let pairs = run_interleaved(
-                args.rounds,
-                args.warmup,
-                || timed(None),
-                || timed(Some(isa)),
-            );
-            if let Some(e) = failure.into_inner() {
-                return Err(e.into());
-            }
+            let c = ab_switched(
+                &mut session,
+                &case,
+                &worker,
+                &cfg,
+                (args.rounds, args.warmup),
+                |b| {
+                    set_process_isa(b.then_some(isa));
+                },
+            )?;
             println!(
                 "  kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
             );
@@ -529,12 +512,25 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 path_for_batch(Isa::detected(), batch).name()
             );
             let b_name = path_for_batch(isa, batch).name();
-            print_indented(&format_compare(
-                "step_ms",
-                &a_name,
-                b_name,
-                &compare(&pairs.a, &pairs.b),
-            ));
+            print_indented(&format_compare("step_ms", &a_name, b_name, &c));
+        }
+        if let Some(isa) = versus_attention {
+            let c = ab_switched(
+                &mut session,
+                &case,
+                &worker,
+                &cfg,
+                (args.rounds, args.warmup),
+                |b| {
+                    attention::set_process_decode_path(b.then_some(isa));
+                },
+            )?;
+            println!(
+                "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
+            let b_name = attention::path(isa).name();
+            print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }
         if let (Some(vm), Some(vf)) = (&versus_model, args.versus_weights) {
             let kv_b = case.kv_buffers(&worker, &c)?;
@@ -605,6 +601,53 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The path a `--versus-*` flag names, refused by name when it is not a path or this CPU
+/// cannot run it.
+fn isa_flag(flag: &str, name: Option<&str>) -> Result<Option<Isa>> {
+    match name {
+        None => Ok(None),
+        Some(name) => match Isa::from_name(name) {
+            Some(isa) if isa.is_supported() => Ok(Some(isa)),
+            Some(isa) => bail!("{flag} {}: this CPU cannot run it", isa.name()),
+            None => bail!("{flag} {name:?}: not one of {:?}", Isa::ALL.map(Isa::name)),
+        },
+    }
+}
+
+/// Interleaved steps A B B A .. of `session`, `switch(true)` before each B step and
+/// `switch(false)` after it (a process-wide kernel path switch); the step times compared.
+fn ab_switched(
+    session: &mut Session,
+    case: &DecodeCase,
+    worker: &Worker,
+    cfg: &CallConfig,
+    (rounds, warmup): (usize, usize),
+    switch: impl Fn(bool),
+) -> Result<Comparison> {
+    let failure = RefCell::new(None);
+    let session = RefCell::new(session);
+    let timed = |b: bool| {
+        switch(b);
+        let t = Instant::now();
+        let r = session
+            .borrow_mut()
+            .decode(worker, &case.batch, &case.tokens, cfg);
+        switch(false);
+        match r {
+            Ok(_) => t.elapsed().as_secs_f64() * 1e3,
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(anyhow::Error::from(e));
+                f64::NAN
+            }
+        }
+    };
+    let pairs = run_interleaved(rounds, warmup, || timed(false), || timed(true));
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    Ok(compare(&pairs.a, &pairs.b))
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) of `session`, each

@@ -253,9 +253,10 @@ pub(crate) fn format_paths(rows: usize) -> String {
         Err(_) => String::new(),
     };
     format!(
-        "kernel paths: GEMM {} ({rows} activation rows), attention and vector kernels {}; this CPU's best path {}{capped}",
+        "kernel paths: GEMM {} ({rows} activation rows), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
         path_for_batch(isa, rows).name(),
         simpler_kernels_cpu::attention::path(isa).name(),
+        simpler_kernels_cpu::attention::vector_path(isa).name(),
         Isa::hardware().name(),
     )
 }

@@ -551,3 +551,31 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
         }
     }
 }
+
+/// The process-wide decode attention cap: capped at AVX2, the all-heads kernel gives the AVX2
+/// path's bits exactly; uncapped, the thread's own path again; a path this CPU lacks is
+/// refused.
+#[test]
+fn decode_path_cap_selects_the_capped_path() {
+    let mut rng = Rng(5);
+    let (kv_heads, group, hd) = (2usize, 2usize, 128usize);
+    let st = Setup::new(1, 3, kv_heads, hd, 16, &mut rng);
+    let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
+    let run = || {
+        let mut all = vec![0.0f32; kv_heads * partial_len(group, hd)];
+        decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], 3..45, 0.1, &mut all);
+        all
+    };
+    let Some(avx2) = with_isa(Isa::Avx2, run) else {
+        assert!(!attention::set_process_decode_path(Some(Isa::Avx2)));
+        return;
+    };
+    assert!(attention::set_process_decode_path(Some(Isa::Avx2)));
+    let capped = run();
+    assert!(attention::set_process_decode_path(None));
+    assert_eq!(capped, avx2);
+    assert_eq!(
+        run(),
+        with_isa(Isa::detected(), run).expect("detected path")
+    );
+}
