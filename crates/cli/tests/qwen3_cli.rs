@@ -485,3 +485,45 @@ fn an_unsupported_weight_format_is_refused_by_name() {
         );
     }
 }
+
+#[test]
+fn bench_qwen3_decode_compares_decode_attention_paths() {
+    let args = |path: &'static str| {
+        [
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "2x40",
+            "--rounds",
+            "2",
+            "--warmup",
+            "0",
+            "--outside-steps",
+            "1",
+            "--membw-seconds",
+            "0.1",
+            "--versus-attention",
+            path,
+        ]
+    };
+    let out = simpler(&args("portable"));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+    assert_contains_all(
+        &so,
+        &[
+            "decode attention paths compared",
+            "[B: portable]",
+            "ratio B/A of medians",
+        ],
+    );
+    let out = simpler(&args("avx9"));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--versus-attention \"avx9\""),
+        "{}",
+        text(&out.stderr)
+    );
+}
