@@ -17,9 +17,11 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_kernels_cpu::{Isa, path_for_batch, set_process_isa};
+use simpler_kernels_cpu::{Isa, attention, path_for_batch, set_process_isa};
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_models::qwen3::{RunShape, Session, StepCost, TilePolicy, WeightFormat, ops};
+use simpler_models::qwen3::{
+    DecodePhases, RunShape, Session, StepCost, TilePolicy, WeightFormat, ops,
+};
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{
@@ -70,6 +72,12 @@ pub(crate) struct DecodeBenchArgs {
     /// steps A B B A .. and the ratio B/A of the medians with its 95% interval.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
+    /// Also compare this run's decode attention path with another (`portable`, `avx2`,
+    /// `avx512-bf16`; the GEMM and every other kernel keep this run's path), step against step
+    /// in this process: interleaved steps A B B A .. and the ratio B/A of the medians with its
+    /// 95% interval.
+    #[arg(long, value_name = "PATH")]
+    versus_attention: Option<String>,
     /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
     /// against step: a second copy of the model is uploaded in that format and each shape runs
     /// interleaved steps A B B A .. on the two, reporting B/A of the step-time medians with its
@@ -154,6 +162,7 @@ struct Row {
     roofline_pct: f64,
     best_roofline_pct: f64,
     phase_pct: f64,
+    best_phase_pct: f64,
     outside_pct: f64,
     limit: &'static str,
 }
@@ -179,6 +188,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ("--trace-overhead", args.trace_overhead),
         ("--versus", args.versus.is_some()),
         ("--versus-isa", args.versus_isa.is_some()),
+        ("--versus-attention", args.versus_attention.is_some()),
         ("--versus-weights", args.versus_weights.is_some()),
         (
             "--weights other than bf16",
@@ -229,17 +239,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
-    let versus_isa = match args.versus_isa.as_deref() {
-        None => None,
-        Some(name) => match Isa::from_name(name) {
-            Some(isa) if isa.is_supported() => Some(isa),
-            Some(isa) => bail!("--versus-isa {}: this CPU cannot run it", isa.name()),
-            None => bail!(
-                "--versus-isa {name:?}: not one of {:?}",
-                Isa::ALL.map(Isa::name)
-            ),
-        },
-    };
+    let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
+    let versus_attention = isa_flag("--versus-attention", args.versus_attention.as_deref())?;
     let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
@@ -335,7 +336,15 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let gbs = cost.bytes() / t / 1e9;
         let compute = crate::qwen3_decode::matmul_peak(&peaks, batch);
         let bound = cost.roofline_s(peaks.read_gbs_all, compute);
-        let phase = cost.phase_bound_s(peaks.read_gbs_all, compute);
+        let phases =
+            DecodePhases::decode(&c, layers, true, &case.batch.seq_lens, args.model.weights);
+        let dpeaks = crate::qwen3_decode::decode_peaks(
+            &peaks,
+            batch,
+            args.model.weights,
+            args.membw_seconds.min(1.0),
+        );
+        let phase = phases.bound_s(&dpeaks);
         let outside = outsides
             .get(outsides.len() / 2)
             .copied()
@@ -368,13 +377,19 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             peaks.read_gbs_all
         );
         println!(
-            "  FLOPs/step {:.2} G -> {:.1} GFLOP/s; roofline bound {:.2} ms ({limit}-bound) = {:.1}% achieved; per-phase bound {:.2} ms = {:.1}%",
+            "  FLOPs/step {:.2} G -> {:.1} GFLOP/s; roofline bound {:.2} ms ({limit}-bound) = {:.1}% achieved",
             cost.flops() / 1e9,
             cost.flops() / t / 1e9,
             bound * 1e3,
             100.0 * bound / t,
-            phase * 1e3,
-            100.0 * phase / t
+        );
+        println!(
+            "  {}",
+            crate::qwen3_decode::format_phase_share("median step", t, phase)
+        );
+        println!(
+            "  {}",
+            crate::qwen3_decode::format_phase_share("quietest step", s.min / 1e3, phase)
         );
         // The quietest step against the best bandwidth pass: both are the machine with its
         // co-tenants idle, where the median step pays for every burst of host load that the
@@ -399,6 +414,12 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
         if let Some(line) = median_step.and_then(largest_idle_boundaries) {
             println!("{line}");
+        }
+        if let Some(table) =
+            median_step.and_then(|r| crate::qwen3_decode::format_phase_table(&phases, &dpeaks, r))
+        {
+            println!("  per phase (the recorded step with the median outside-kernel share):");
+            print!("{table}");
         }
         println!(
             "  {}",
@@ -473,31 +494,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             print_indented(&format_compare("step_ms", "this run's tiling", spec, &c));
         }
         if let Some(isa) = versus_isa {
-            let step_ms = |path: Option<Isa>| {
-                set_process_isa(path);
-                let t = Instant::now();
-                let r = session.decode(&worker, &case.batch, &case.tokens, &cfg);
-                set_process_isa(None);
-                r.map(|_| t.elapsed().as_secs_f64() * 1e3)
-            };
-            let failure = RefCell::new(None);
-            let step = RefCell::new(step_ms);
-            let timed = |path: Option<Isa>| match (step.borrow_mut())(path) {
-                Ok(ms) => ms,
-                Err(e) => {
-                    failure.borrow_mut().get_or_insert(e);
-                    f64::NAN
-                }
-            };
-            let pairs = run_interleaved(
-                args.rounds,
-                args.warmup,
-                || timed(None),
-                || timed(Some(isa)),
-            );
-            if let Some(e) = failure.into_inner() {
-                return Err(e.into());
-            }
+            let c = ab_switched(
+                &mut session,
+                &case,
+                &worker,
+                &cfg,
+                (args.rounds, args.warmup),
+                |b| {
+                    set_process_isa(b.then_some(isa));
+                },
+            )?;
             println!(
                 "  kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
             );
@@ -506,12 +512,25 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 path_for_batch(Isa::detected(), batch).name()
             );
             let b_name = path_for_batch(isa, batch).name();
-            print_indented(&format_compare(
-                "step_ms",
-                &a_name,
-                b_name,
-                &compare(&pairs.a, &pairs.b),
-            ));
+            print_indented(&format_compare("step_ms", &a_name, b_name, &c));
+        }
+        if let Some(isa) = versus_attention {
+            let c = ab_switched(
+                &mut session,
+                &case,
+                &worker,
+                &cfg,
+                (args.rounds, args.warmup),
+                |b| {
+                    attention::set_process_decode_path(b.then_some(isa));
+                },
+            )?;
+            println!(
+                "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            );
+            let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
+            let b_name = attention::path(isa).name();
+            print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }
         if let (Some(vm), Some(vf)) = (&versus_model, args.versus_weights) {
             let kv_b = case.kv_buffers(&worker, &c)?;
@@ -546,18 +565,29 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             roofline_pct: 100.0 * bound / t,
             best_roofline_pct,
             phase_pct: 100.0 * phase / t,
+            best_phase_pct: 100.0 * phase / (s.min / 1e3),
             outside_pct: 100.0 * outside,
             limit,
         });
     }
-    println!("summary (medians; %roof best: the quietest step against the best pass):");
     println!(
-        "  {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>10} {:>9}  bound",
-        "shape", "step ms", "GB/s", "%membw", "%roofline", "%roof best", "%phase", "%outside"
+        "summary (medians; \"best\": the quietest step against the best pass; %phase: of the per-phase bound):"
+    );
+    println!(
+        "  {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>8} {:>11} {:>9}  bound",
+        "shape",
+        "step ms",
+        "GB/s",
+        "%membw",
+        "%roofline",
+        "%roof best",
+        "%phase",
+        "%phase best",
+        "%outside"
     );
     for r in &rows {
         println!(
-            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>10.1} {:>9.1}  {}",
+            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>8.1} {:>11.1} {:>9.1}  {}",
             r.shape,
             r.tpot_ms,
             r.gbs,
@@ -565,11 +595,59 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             r.roofline_pct,
             r.best_roofline_pct,
             r.phase_pct,
+            r.best_phase_pct,
             r.outside_pct,
             r.limit
         );
     }
     Ok(())
+}
+
+/// The path a `--versus-*` flag names, refused by name when it is not a path or this CPU
+/// cannot run it.
+fn isa_flag(flag: &str, name: Option<&str>) -> Result<Option<Isa>> {
+    match name {
+        None => Ok(None),
+        Some(name) => match Isa::from_name(name) {
+            Some(isa) if isa.is_supported() => Ok(Some(isa)),
+            Some(isa) => bail!("{flag} {}: this CPU cannot run it", isa.name()),
+            None => bail!("{flag} {name:?}: not one of {:?}", Isa::ALL.map(Isa::name)),
+        },
+    }
+}
+
+/// Interleaved steps A B B A .. of `session`, `switch(true)` before each B step and
+/// `switch(false)` after it (a process-wide kernel path switch); the step times compared.
+fn ab_switched(
+    session: &mut Session,
+    case: &DecodeCase,
+    worker: &Worker,
+    cfg: &CallConfig,
+    (rounds, warmup): (usize, usize),
+    switch: impl Fn(bool),
+) -> Result<Comparison> {
+    let failure = RefCell::new(None);
+    let session = RefCell::new(session);
+    let timed = |b: bool| {
+        switch(b);
+        let t = Instant::now();
+        let r = session
+            .borrow_mut()
+            .decode(worker, &case.batch, &case.tokens, cfg);
+        switch(false);
+        match r {
+            Ok(_) => t.elapsed().as_secs_f64() * 1e3,
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(anyhow::Error::from(e));
+                f64::NAN
+            }
+        }
+    };
+    let pairs = run_interleaved(rounds, warmup, || timed(false), || timed(true));
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    Ok(compare(&pairs.a, &pairs.b))
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) of `session`, each

@@ -324,7 +324,7 @@ fn starts_of(case: &CaseArgs, cfg: &Dsv4Config) -> Result<Vec<usize>> {
 
 /// This machine's int8 dot-product peak on the path a step of `rows` rows takes, GOP/s over
 /// all threads (0 when no SIMD int8 path was measured).
-fn int8_peak(threads: usize, seconds: f64) -> (f64, &'static str) {
+pub(crate) fn int8_peak(threads: usize, seconds: f64) -> (f64, &'static str) {
     let path = I8Path::detected();
     let budget = Duration::from_secs_f64((seconds / 4.0).max(0.1));
     int8_peaks(threads, budget)

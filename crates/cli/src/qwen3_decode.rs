@@ -14,7 +14,10 @@ use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
 use simpler_kernels_cpu::{Isa, path_for_batch};
 use simpler_models::qwen3::check::compare_step_as;
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_models::qwen3::{PagedBatch, RunShape, Session, StepCost, ops};
+use simpler_models::qwen3::{
+    DecodePeaks, DecodePhases, PagedBatch, RunShape, Session, StepCost, WeightFormat, ops,
+    phase_spans_ns,
+};
 
 use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{
@@ -159,6 +162,88 @@ pub(crate) fn matmul_peak(p: &MachinePeaks, rows: usize) -> f64 {
     p.matmul_gflops_all(path_for_batch(Isa::detected(), rows))
 }
 
+/// The denominators of a decode step's phases with `rows` activation rows: bandwidth, the
+/// peak of the GEMM path those rows take, the fp32 FMA peak (attention, widened int8
+/// products), and for W8A8 weights the int8 peak of the path that runs (measured now, over
+/// about `seconds / 4`).
+pub(crate) fn decode_peaks(
+    p: &MachinePeaks,
+    rows: usize,
+    format: WeightFormat,
+    seconds: f64,
+) -> DecodePeaks {
+    let int8_gops = if format.is_int8() {
+        crate::dsv4_cmd::int8_peak(p.threads, seconds).0
+    } else {
+        0.0
+    };
+    DecodePeaks {
+        gbs: p.read_gbs_all,
+        matrix_gflops: matmul_peak(p, rows),
+        fma_gflops: p.fma_gflops_all,
+        int8_gops,
+    }
+}
+
+/// One line: a step time against the per-phase bound.
+pub(crate) fn format_phase_share(what: &str, t_s: f64, bound_s: f64) -> String {
+    format!(
+        "{what} {:.2} ms = {:.1}% of the per-phase bound ({:.2} ms: each phase at this machine's bandwidth or the peak of the path it runs on, phases in dependency order)",
+        t_s * 1e3,
+        100.0 * bound_s / t_s,
+        bound_s * 1e3
+    )
+}
+
+/// The per-phase table of a step recorded at swimlane level >= 1: each phase's time (its
+/// runs, one per layer, first block start to last block end, summed), its bound, bytes and
+/// GB/s, and the time between phases (first block start to last block end, less the phases'
+/// time).
+pub(crate) fn format_phase_table(
+    phases: &DecodePhases,
+    peaks: &DecodePeaks,
+    report: &RunReport,
+) -> Option<String> {
+    let sw = report.swimlane.as_ref()?;
+    let spans = phase_spans_ns(sw);
+    let first = sw.tasks.iter().map(|t| t.start).min()?;
+    let last = sw.tasks.iter().map(|t| t.end).max()?;
+    let exec = last.saturating_sub(first) as f64 / 1e6;
+    let mut s = String::from(
+        "    phase        time_ms  bound_ms  % of bound  bound by       MB     GB/s\n",
+    );
+    let mut in_phases = 0.0;
+    for (i, p) in phases.phases.iter().enumerate() {
+        let t = spans[i] as f64 / 1e6;
+        in_phases += t;
+        let (bound, limit) = phases.phase_bound(i, peaks);
+        let bound = bound * 1e3;
+        let pct = if t > 0.0 { 100.0 * bound / t } else { 0.0 };
+        let gbs = if t > 0.0 { p.cost.bytes / t / 1e6 } else { 0.0 };
+        s += &format!(
+            "    {:<10} {:>9.2} {:>9.2} {:>10.1}%  {:<9} {:>8.1} {:>8.2}\n",
+            p.cost.name,
+            t,
+            bound,
+            pct,
+            limit.name(),
+            p.cost.bytes / 1e6,
+            gbs
+        );
+    }
+    let total = phases.bound_s(peaks) * 1e3;
+    s += &format!(
+        "    between phases {:.2} ms (first block start to last block end {exec:.2} ms, less the phases' {in_phases:.2} ms: one phase done, the next not started on any core); the phases' time at {:.1}% of their bound\n",
+        exec - in_phases,
+        if in_phases > 0.0 {
+            100.0 * total / in_phases
+        } else {
+            0.0
+        }
+    );
+    Some(s)
+}
+
 /// One line naming the instruction-set paths the kernels of a step with `rows` activation
 /// rows take (so every number says which path produced it).
 pub(crate) fn format_paths(rows: usize) -> String {
@@ -168,9 +253,10 @@ pub(crate) fn format_paths(rows: usize) -> String {
         Err(_) => String::new(),
     };
     format!(
-        "kernel paths: GEMM {} ({rows} activation rows), attention and vector kernels {}; this CPU's best path {}{capped}",
+        "kernel paths: GEMM {} ({rows} activation rows), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
         path_for_batch(isa, rows).name(),
         simpler_kernels_cpu::attention::path(isa).name(),
+        simpler_kernels_cpu::attention::vector_path(isa).name(),
         Isa::hardware().name(),
     )
 }
@@ -394,6 +480,28 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         after.read_gbs_all, after.fma_gflops_all
     );
     let peaks = best_peaks(&peaks, &after);
+    // One more step recorded at swimlane level 1 for the per-phase table (the measured steps
+    // ran without the recorder).
+    let batch = PagedBatch {
+        seq_lens: case.batch.seq_lens.clone(),
+        ..case.batch.clone()
+    };
+    session.read_logits = false;
+    let sw_cfg = crate::bench_qwen3::swimlane_config(&cfg);
+    let recorded = match args.variant {
+        Variant::Model => {
+            session
+                .decode(&worker, &batch, &case.tokens, &sw_cfg)?
+                .report
+        }
+        Variant::Layers => {
+            session
+                .decode_layers(&worker, &batch, &case.hidden, 0..layers, &sw_cfg)?
+                .report
+        }
+    };
+    let phases = DecodePhases::decode(&c, layers, with_head, &batch.seq_lens, args.model.weights);
+    let dpeaks = decode_peaks(&peaks, args.batch, args.model.weights, args.membw_seconds);
     print_report(
         &samples,
         &peaks,
@@ -403,6 +511,23 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         args.rounds,
         args.steps,
     );
+    let tpot = Summary::of(&samples.iter().map(|s| s.e2e_s).collect::<Vec<f64>>());
+    // The phases of the first step's shape (later steps of a round are a token longer).
+    let bound = phases.bound_s(&dpeaks);
+    println!(
+        "  {}",
+        format_phase_share("median step", tpot.median, bound)
+    );
+    println!("  {}", format_phase_share("quietest step", tpot.min, bound));
+    match format_phase_table(&phases, &dpeaks, &recorded) {
+        Some(t) => {
+            println!(
+                "  per phase (one step recorded at swimlane level 1 after the measured ones, at the first step's lengths):"
+            );
+            print!("{t}");
+        }
+        None => println!("  per phase: the recorded step carried no swimlane"),
+    }
     println!(
         "  {}",
         describe_graphs(args.replay, samples.iter().map(|s| &s.report))
@@ -445,7 +570,6 @@ fn print_report(
     let gbs = cost.bytes() / t / 1e9;
     let compute = matmul_peak(peaks, batch);
     let bound = cost.roofline_s(peaks.read_gbs_all, compute);
-    let phase = cost.phase_bound_s(peaks.read_gbs_all, compute);
     let limit = if cost.bytes() / (peaks.read_gbs_all * 1e9) >= cost.flops() / (compute * 1e9) {
         "bandwidth"
     } else {
@@ -484,14 +608,12 @@ fn print_report(
         100.0 * gbs / peaks.read_gbs_all_median
     );
     println!(
-        "  FLOPs per step {:.2} G (matmul {:.2} G, attention {:.3} G) = {:.1} GFLOP/s; roofline bound max(bytes/bw, flops/peak) = {:.2} ms ({limit}-bound): achieved {:.1}% of the roofline (per-phase bound {:.2} ms: {:.1}%)",
+        "  FLOPs per step {:.2} G (matmul {:.2} G, attention {:.3} G) = {:.1} GFLOP/s; roofline bound max(bytes/bw, flops/peak) = {:.2} ms ({limit}-bound): achieved {:.1}% of the roofline",
         cost.flops() / 1e9,
         cost.matmul_flops / 1e9,
         cost.attention_flops / 1e9,
         cost.flops() / t / 1e9,
         bound * 1e3,
         100.0 * bound / t,
-        phase * 1e3,
-        100.0 * phase / t
     );
 }

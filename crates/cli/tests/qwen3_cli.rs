@@ -48,6 +48,12 @@ fn run_qwen3_decode_checks_against_the_golden_and_reports() {
             "bytes per step",
             "% of this machine's streaming read bandwidth",
             "roofline bound",
+            "quietest step",
+            "% of the per-phase bound",
+            "per phase (one step recorded",
+            "qkv",
+            "attention",
+            "between phases",
         ] {
             assert!(
                 so.contains(needle),
@@ -306,6 +312,9 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
             "quietest step",
             "outside kernels",
             "largest idle boundaries of that step",
+            "% of the per-phase bound",
+            "per phase (the recorded step",
+            "between phases",
             "tiling compared",
             "[B: max-kv-chunk=16,tile-kib=64]",
             "ratio B/A of medians",
@@ -318,13 +327,15 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
     let table = summary_rows(&so);
     assert_eq!(table.len(), 2, "{so}");
     for row in table {
-        // shape, step ms, GB/s, %membw, %roofline, %roof best, %phase, %outside, bound.
+        // shape, step ms, GB/s, %membw, %roofline, %roof best, %phase, %phase best,
+        // %outside, bound.
         let f: Vec<&str> = row.split_whitespace().collect();
-        assert_eq!(f.len(), 9, "{row}");
-        let v: Vec<f64> = f[1..8].iter().map(|x| x.parse().unwrap()).collect();
+        assert_eq!(f.len(), 10, "{row}");
+        let v: Vec<f64> = f[1..9].iter().map(|x| x.parse().unwrap()).collect();
         assert!(v.iter().all(|x| x.is_finite() && *x >= 0.0), "{row}");
         // The quietest step is no slower than the median one.
         assert!(v[4] >= v[3], "{row}");
+        assert!(v[6] >= v[5], "{row}");
     }
 }
 
@@ -473,4 +484,46 @@ fn an_unsupported_weight_format_is_refused_by_name() {
             "{cmd:?}: {err}"
         );
     }
+}
+
+#[test]
+fn bench_qwen3_decode_compares_decode_attention_paths() {
+    let args = |path: &'static str| {
+        [
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "2x40",
+            "--rounds",
+            "2",
+            "--warmup",
+            "0",
+            "--outside-steps",
+            "1",
+            "--membw-seconds",
+            "0.1",
+            "--versus-attention",
+            path,
+        ]
+    };
+    let out = simpler(&args("portable"));
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+    assert_contains_all(
+        &so,
+        &[
+            "decode attention paths compared",
+            "[B: portable]",
+            "ratio B/A of medians",
+        ],
+    );
+    let out = simpler(&args("avx9"));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--versus-attention \"avx9\""),
+        "{}",
+        text(&out.stderr)
+    );
 }

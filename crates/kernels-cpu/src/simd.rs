@@ -29,3 +29,12 @@ pub(crate) fn prefetch_l2<T>(p: *const T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
+
+/// 32 bf16 values as the operand type of `vdpbf16ps`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+pub(crate) fn as_pbh(v: __m512i) -> __m512bh {
+    // SAFETY: both are plain 512-bit vectors with no invalid bit patterns.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}

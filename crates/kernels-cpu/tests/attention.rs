@@ -311,22 +311,27 @@ proptest! {
         let (t0, t1) = (rng.below(len), rng.below(len));
         let tokens = t0.min(t1)..t0.max(t1) + 1;
         let rec = partial_len(group, hd);
-        let (p, a) = both(|| {
+        let ran = common::all_paths("decode attention, all heads", || {
             let mut all = vec![0.0f32; kv_heads * rec];
             decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], tokens.clone(), 0.1, &mut all);
             all
         });
         let mut per_head = vec![0.0f32; kv_heads * rec];
-        for (g, part) in per_head.chunks_exact_mut(rec).enumerate() {
-            decode_attention_partial_bf16(&q, group, &st.kv(), &st.tables[0], g, tokens.clone(), 0.1, part);
-        }
-        common::assert_close(&p, &per_head, 1e-4, 1e-5, "portable all heads vs per head");
-        if let Some(a) = &a {
+        with_isa(Isa::Portable, || {
+            for (g, part) in per_head.chunks_exact_mut(rec).enumerate() {
+                decode_attention_partial_bf16(&q, group, &st.kv(), &st.tables[0], g, tokens.clone(), 0.1, part);
+            }
+        });
+        for (isa, out) in &ran {
+            if *isa == Isa::Portable {
+                common::assert_close(out, &per_head, 1e-4, 1e-5, "portable all heads vs per head");
+                continue;
+            }
             // Compare normalised outputs (the running max may differ by rounding).
-            for (x, y) in a.chunks_exact(hd + 2).zip(per_head.chunks_exact(hd + 2)) {
+            for (x, y) in out.chunks_exact(hd + 2).zip(per_head.chunks_exact(hd + 2)) {
                 let ox: Vec<f32> = x[2..].iter().map(|v| v / x[1]).collect();
                 let oy: Vec<f32> = y[2..].iter().map(|v| v / y[1]).collect();
-                common::assert_close(&ox, &oy, 5e-3, 1e-3, "avx2 all heads vs per head");
+                common::assert_close(&ox, &oy, 5e-3, 1e-3, isa.name());
             }
         }
     }
@@ -418,4 +423,159 @@ fn non_finite_scores_behave_the_same_on_both_paths() {
             }
         }
     }
+}
+
+/// Every path of the all-heads decode attention against the fp64 softmax reference over a
+/// token range (normalised partials), at ragged shapes: every group the kernels take, head
+/// dimensions from one 32-element block to 256, pages smaller and larger than a run, ranges
+/// starting and ending mid-page, a single token.
+#[test]
+fn all_heads_decode_matches_the_reference_on_every_path() {
+    let mut rng = Rng(2024);
+    for (group, hd, ps, kv_heads) in [
+        (1, 32, 16, 3),
+        (2, 128, 128, 8),
+        (2, 96, 16, 2),
+        (3, 64, 128, 2),
+        (4, 160, 16, 1),
+        (5, 128, 128, 2),
+        (6, 32, 128, 1),
+        (7, 256, 16, 1),
+        (8, 64, 128, 2),
+    ] {
+        let st = Setup::new(1, 4, kv_heads, hd, ps, &mut rng);
+        let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let n = 4 * ps;
+        for tokens in [0..n, 3..n - 5, ps - 1..ps + 1, 7..8, ps + 2..3 * ps + 9] {
+            let rec = partial_len(group, hd);
+            let ran = common::all_paths("decode attention vs reference", || {
+                let mut all = vec![0.0f32; kv_heads * rec];
+                decode_attention_heads_bf16(
+                    &q,
+                    group,
+                    &st.kv(),
+                    &st.tables[0],
+                    tokens.clone(),
+                    scale,
+                    &mut all,
+                );
+                all
+            });
+            for (isa, out) in &ran {
+                for h in 0..kv_heads * group {
+                    let qh = to_f32(&q[h * hd..(h + 1) * hd]);
+                    let want = range_reference(&st, h / group, &qh, tokens.clone(), scale);
+                    let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
+                    let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
+                    let what = format!(
+                        "{} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}",
+                        isa.name()
+                    );
+                    common::assert_close(&got, &want, 5e-3, 2e-2, &what);
+                }
+            }
+        }
+    }
+}
+
+/// [`Setup::reference`] over tokens `range` of sequence 0.
+fn range_reference(
+    st: &Setup,
+    kv_head: usize,
+    q: &[f32],
+    range: std::ops::Range<usize>,
+    scale: f32,
+) -> Vec<f32> {
+    let row = st.kv_heads * st.hd;
+    let slot = |t: usize| st.tables[0][t / st.ps] as usize * st.ps + t % st.ps;
+    let at = |pool: &[bf16], t: usize, d: usize| {
+        f64::from(pool[slot(t) * row + kv_head * st.hd + d].to_f32())
+    };
+    let scores: Vec<f64> = range
+        .clone()
+        .map(|t| {
+            (0..st.hd)
+                .map(|d| f64::from(q[d]) * at(&st.k, t, d))
+                .sum::<f64>()
+                * f64::from(scale)
+        })
+        .collect();
+    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let l: f64 = p.iter().sum();
+    (0..st.hd)
+        .map(|d| {
+            (range
+                .clone()
+                .zip(&p)
+                .map(|(t, w)| w * at(&st.v, t, d))
+                .sum::<f64>()
+                / l) as f32
+        })
+        .collect()
+}
+
+/// Infinite keys on the all-heads path: every path agrees with the portable one on which
+/// outputs are finite (a key of minus infinity drops its token, plus infinity poisons the
+/// head). A NaN key is left out: the vector paths share the AVX2 online softmax, whose
+/// running max skips a NaN score where the portable one propagates it.
+#[test]
+fn all_heads_non_finite_keys_agree_on_every_path() {
+    let mut rng = Rng(77);
+    let (hd, ps, group, kv_heads) = (64usize, 16usize, 2usize, 2usize);
+    let q: Vec<bf16> = (0..kv_heads * group * hd)
+        .map(|_| bf16::from_f32(0.1 + 0.5 * rng.uniform().abs()))
+        .collect();
+    for poison in [f32::NEG_INFINITY, f32::INFINITY] {
+        let mut s = Setup::new(1, 4, kv_heads, hd, ps, &mut rng);
+        let at = (s.tables[0][0] as usize * ps + 9) * kv_heads * hd + hd + 5;
+        s.k[at] = bf16::from_f32(poison);
+        let rec = partial_len(group, hd);
+        let ran = common::all_paths("decode attention, non-finite key", || {
+            let mut all = vec![0.0f32; kv_heads * rec];
+            decode_attention_heads_bf16(&q, group, &s.kv(), &s.tables[0], 0..40, 0.125, &mut all);
+            all.chunks_exact(hd + 2)
+                .flat_map(|r| r[2..].iter().map(|v| v / r[1]).collect::<Vec<f32>>())
+                .collect::<Vec<f32>>()
+        });
+        let (_, p) = &ran[0];
+        for (isa, out) in &ran[1..] {
+            for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
+                assert!(
+                    same_class(x, y),
+                    "key {poison}, element {i}: portable {x} vs {} {y}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
+/// The process-wide decode attention cap: capped at AVX2, the all-heads kernel gives the AVX2
+/// path's bits exactly; uncapped, the thread's own path again; a path this CPU lacks is
+/// refused.
+#[test]
+fn decode_path_cap_selects_the_capped_path() {
+    let mut rng = Rng(5);
+    let (kv_heads, group, hd) = (2usize, 2usize, 128usize);
+    let st = Setup::new(1, 3, kv_heads, hd, 16, &mut rng);
+    let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
+    let run = || {
+        let mut all = vec![0.0f32; kv_heads * partial_len(group, hd)];
+        decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], 3..45, 0.1, &mut all);
+        all
+    };
+    let Some(avx2) = with_isa(Isa::Avx2, run) else {
+        assert!(!attention::set_process_decode_path(Some(Isa::Avx2)));
+        return;
+    };
+    assert!(attention::set_process_decode_path(Some(Isa::Avx2)));
+    let capped = run();
+    assert!(attention::set_process_decode_path(None));
+    assert_eq!(capped, avx2);
+    assert_eq!(
+        run(),
+        with_isa(Isa::detected(), run).expect("detected path")
+    );
 }

@@ -8,5 +8,6 @@
 //! addresses). The golden reference is independent of both and calls no kernel library.
 
 pub mod dsv4;
+pub mod phase_cost;
 pub mod qwen3;
 pub mod rng;

@@ -23,15 +23,56 @@ use crate::multiversion::multiversion;
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod core;
 mod prefill;
 
 pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
-/// The path the decode attention kernels take when kernels run on `isa`: they have AVX2 and
-/// portable code (decode attention reads the KV cache once per step and stays bound by that
-/// stream, so wider vectors would not shorten it), and every wider path runs the AVX2 code.
+/// The path the model's decode attention ([`decode_attention_heads_bf16`]) takes when kernels
+/// run on `isa`: AVX-512 BF16 (`vdpbf16ps` scores; AMX adds nothing to a one-query product),
+/// AVX2 or portable. The single-head [`decode_attention_partial_bf16`] and the prefill
+/// fallback stop at AVX2 ([`vector_path`]).
 pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
+    isa.min(crate::isa::Isa::Avx512Bf16)
+}
+
+/// The [`set_process_decode_path`] cap: 0 for none, else its index in `Isa::ALL` plus one.
+static DECODE_CAP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Caps the path [`decode_attention_heads_bf16`] takes on every thread at `isa` (`None`: no
+/// cap), leaving every other kernel's path alone, so a benchmark can compare decode attention
+/// paths step by step in one process with the GEMM unchanged. A call in flight finishes on the
+/// path it started on. Returns `false` (and changes nothing) when this CPU cannot run `isa`.
+pub fn set_process_decode_path(isa: Option<crate::isa::Isa>) -> bool {
+    use crate::isa::Isa;
+    let v = match isa {
+        Some(i) if !i.is_supported() => return false,
+        Some(i) => Isa::ALL
+            .iter()
+            .position(|&a| a == i)
+            .map_or(0, |p| p as u8 + 1),
+        None => 0,
+    };
+    DECODE_CAP.store(v, std::sync::atomic::Ordering::Relaxed);
+    true
+}
+
+/// The path [`decode_attention_heads_bf16`] runs on now: the thread's path, capped by
+/// [`set_process_decode_path`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn decode_isa() -> crate::isa::Isa {
+    let cur = crate::isa::Isa::current();
+    match DECODE_CAP.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => cur,
+        i => cur.min(crate::isa::Isa::ALL[usize::from(i) - 1]),
+    }
+}
+
+/// The path of the attention kernels that have AVX2 and portable code only (single-head
+/// decode, prefill rows without tiles): every wider path runs the AVX2 code.
+pub fn vector_path(isa: crate::isa::Isa) -> crate::isa::Isa {
     isa.min(crate::isa::Isa::Avx2)
 }
 
@@ -45,7 +86,7 @@ pub fn prefill_path(isa: crate::isa::Isa, head_dim: usize) -> crate::isa::Isa {
         return crate::isa::Isa::AmxBf16;
     }
     let _ = head_dim;
-    path(isa)
+    vector_path(isa)
 }
 
 /// One layer's paged K and V pools.
@@ -194,8 +235,9 @@ pub fn decode_attention_partial_bf16(
 
 /// [`decode_attention_partial_bf16`] for every KV head of sequence row `q`
 /// (`kv_heads * group * head_dim` bf16) over the same `tokens`: `partials` gets one record set
-/// per head, in head order (`kv_heads * partial_len(group, head_dim)` floats). The AVX2 path
-/// reads each pool row once for all heads (rows are contiguous, heads are not), prefetching
+/// per head, in head order (`kv_heads * partial_len(group, head_dim)` floats). The AVX-512 BF16
+/// path takes the bf16 query and key pairs as they are (`vdpbf16ps`); it and the AVX2 path
+/// read each pool row once for all heads (rows are contiguous, heads are not), prefetching
 /// the next page run while computing the current one.
 ///
 /// # Panics
@@ -224,13 +266,40 @@ pub fn decode_attention_heads_bf16(
         "decode attention: partials len"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+    let isa = decode_isa();
+    #[cfg(target_arch = "x86_64")]
+    if isa >= crate::isa::Isa::Avx512Bf16 && avx512::supports(group, hd) {
+        kv.check_pages(block_table, &tokens);
+        HEADS_STATE.with(|cell| {
+            let mut state = cell.borrow_mut();
+            state.resize(avx512::heads_state_len(kv.kv_heads, group, hd), 0.0);
+            // SAFETY: `decode_isa` is Avx512Bf16 or wider only when the CPU has AVX-512
+            // F/BW/VL and BF16 (and AVX2, FMA); the shape is supported; `kv` was checked,
+            // every page of `tokens` by `check_pages`, `q` and `partials` by the asserts;
+            // `state` has the length the kernel needs.
+            unsafe {
+                avx512::decode_partials_heads(
+                    q,
+                    group,
+                    kv,
+                    block_table,
+                    tokens,
+                    scale,
+                    partials,
+                    &mut state,
+                )
+            };
+        });
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
         kv.check_pages(block_table, &tokens);
         HEADS_STATE.with(|cell| {
             let mut state = cell.borrow_mut();
             state.resize(avx2::heads_state_len(kv.kv_heads, group, hd), 0.0);
-            // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is
-            // supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
+            // SAFETY: `decode_isa` is Avx2 or wider only when the CPU has AVX2 and FMA; the
+            // shape is supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
             // `partials` by the asserts; `state` has the length the kernel needs.
             unsafe {
                 avx2::decode_partials_heads(

@@ -16,6 +16,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::{Lowered, PACK_BLOCK, edge_sum, finish};
+use crate::simd::as_pbh;
 
 /// Weight rows per pass.
 const R: usize = 4;
@@ -105,14 +106,6 @@ pub(super) unsafe fn to_natural(src: &[f32], dst: &mut [u16]) {
 fn pbh256_bits(v: __m256bh) -> __m256i {
     // SAFETY: both are plain 256-bit vectors with no invalid bit patterns.
     unsafe { std::mem::transmute::<__m256bh, __m256i>(v) }
-}
-
-/// 32 bf16 values as the operand type of `vdpbf16ps`.
-#[target_feature(enable = "avx512f,avx512bf16")]
-#[inline]
-fn as_pbh(v: __m512i) -> __m512bh {
-    // SAFETY: both are plain 512-bit vectors with no invalid bit patterns.
-    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
 /// `r` weight rows `n0 + rstride * i` against every batch row, `BB` at a time.

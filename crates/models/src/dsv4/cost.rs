@@ -7,36 +7,13 @@
 
 use super::config::{Dsv4Config, LayerKind};
 use super::fixture::TOKENS_PER_SEQ;
-
-/// One phase's compulsory traffic and work.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PhaseCost {
-    /// Phase name (the timing slot's).
-    pub name: &'static str,
-    /// Bytes read or written once (weights, cache rows, activations crossing memory).
-    pub bytes: f64,
-    /// Float FLOPs (2 per multiply-add) of matrix products and attention.
-    pub flops: f64,
-    /// int8 operations (2 per multiply-add).
-    pub int8_ops: f64,
-}
+pub use crate::phase_cost::{Peaks, PhaseCost};
 
 /// A layer step's phases, in dependency order (index = timing slot).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerCost {
     /// The phases.
     pub phases: Vec<PhaseCost>,
-}
-
-/// The machine's denominators.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Peaks {
-    /// Streaming read bandwidth, GB/s.
-    pub gbs: f64,
-    /// Float matrix peak of the path the products run on, GFLOP/s.
-    pub gflops: f64,
-    /// int8 dot-product peak, GOP/s.
-    pub int8_gops: f64,
 }
 
 impl LayerCost {
@@ -177,18 +154,7 @@ impl LayerCost {
     /// Seconds of one phase at the machine's limits: the longest of its bytes, FLOPs and int8
     /// operations at their rates.
     pub fn phase_s(p: &PhaseCost, m: &Peaks) -> f64 {
-        let bw = p.bytes / (m.gbs * 1e9);
-        let fl = if p.flops > 0.0 {
-            p.flops / (m.gflops * 1e9)
-        } else {
-            0.0
-        };
-        let i8 = if p.int8_ops > 0.0 {
-            p.int8_ops / (m.int8_gops * 1e9)
-        } else {
-            0.0
-        };
-        bw.max(fl).max(i8)
+        p.bound_s(m)
     }
 
     /// The per-phase bound in seconds: the phases one after the other, each at its limit.

@@ -1,10 +1,12 @@
 //! What a decode or prefill step must move and compute: weight bytes streamed, KV bytes read
 //! and written, matmul and attention FLOPs — the numerators of the bandwidth share, the FLOP
-//! rate and the roofline bound (`docs/performance.md`).
+//! rate and the roofline bound (`docs/performance.md`) — and the same step as phases in
+//! dependency order ([`DecodePhases`]), the numerators of the per-phase bound.
 
 use super::config::Qwen3Config;
-use super::quant::WeightFormat;
+use super::quant::{Int8Acts, WeightFormat};
 use super::weights::LayerWeights;
+use crate::phase_cost::{Limit, Peaks, PhaseCost};
 
 /// Bytes and FLOPs of one decode or prefill step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -120,18 +122,286 @@ impl StepCost {
     pub fn roofline_s(&self, gbs: f64, gflops: f64) -> f64 {
         (self.bytes() / (gbs * 1e9)).max(self.flops() / (gflops * 1e9))
     }
+}
 
-    /// The per-phase bound: weights and matmuls (`max(weights / bw, matmul / peak)`) plus
-    /// attention (`max(kv / bw, attention / peak)`). Phases of a layer run one after the
-    /// other, so this is the tighter bound when one is FMA-bound and the other bandwidth-bound.
-    pub fn phase_bound_s(&self, gbs: f64, gflops: f64) -> f64 {
-        let bw = gbs * 1e9;
-        let peak = gflops * 1e9;
-        let dense = (self.weight_bytes / bw).max(self.matmul_flops / peak);
-        let attn =
-            ((self.kv_read_bytes + self.kv_write_bytes) / bw).max(self.attention_flops / peak);
-        dense + attn
+/// Which compute rate a phase's float work runs at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// The bf16 GEMM path the step's projections take (AMX tiles, `vdpbf16ps` or fp32 FMA,
+    /// by batch and CPU).
+    Matrix,
+    /// fp32 FMA: decode attention, and products that widen int8 weights to fp32.
+    Fma,
+}
+
+/// A decode step phase: its bytes and operations summed over the layers it repeats in (every
+/// layer's instance is the same shape, so the sum of their bounds is the bound of the sum), and
+/// the engine its float work runs on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepPhase {
+    /// Bytes and operations.
+    pub cost: PhaseCost,
+    /// The rate its float FLOPs run at.
+    pub engine: Engine,
+}
+
+/// The machine's denominators for a decode step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodePeaks {
+    /// Streaming read bandwidth, GB/s.
+    pub gbs: f64,
+    /// Peak of the bf16 GEMM path the step's batch takes, GFLOP/s.
+    pub matrix_gflops: f64,
+    /// fp32 FMA peak, GFLOP/s.
+    pub fma_gflops: f64,
+    /// int8 dot-product peak of the int8 path (0 when the step has no int8 products).
+    pub int8_gops: f64,
+}
+
+impl DecodePeaks {
+    /// The denominators of a phase on `engine`.
+    pub fn on(&self, engine: Engine) -> Peaks {
+        Peaks {
+            gbs: self.gbs,
+            gflops: match engine {
+                Engine::Matrix => self.matrix_gflops,
+                Engine::Fma => self.fma_gflops,
+            },
+            int8_gops: self.int8_gops,
+        }
     }
+}
+
+/// A decode step as phases in dependency order: per layer the input norm, the q/k/v
+/// projections, q/k norm + RoPE + the K/V writes, attention, `o_proj`, the post-attention
+/// norm, gate/up + SwiGLU and down (each waits for the one before: the task graph of
+/// `orchestrate.rs` joins every phase in a barrier), with the embedding gather before the
+/// layers and the head (final norm, LM head, argmax) after them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodePhases {
+    /// The phases, in dependency order.
+    pub phases: Vec<StepPhase>,
+}
+
+/// Index of each phase in [`DecodePhases::phases`] (a task's phase in a recorded step).
+pub mod phase {
+    /// Embedding gather (or the layers variant's cast).
+    pub const INPUT: usize = 0;
+    /// Input RMSNorm.
+    pub const ATTN_NORM: usize = 1;
+    /// q/k/v projections.
+    pub const QKV: usize = 2;
+    /// q/k norm, RoPE, the new K/V rows into the pools.
+    pub const ROPE_KV: usize = 3;
+    /// Decode attention (and the split-KV combine).
+    pub const ATTENTION: usize = 4;
+    /// Output projection into the residual.
+    pub const O_PROJ: usize = 5;
+    /// Post-attention RMSNorm.
+    pub const MLP_NORM: usize = 6;
+    /// Gate and up projections with SwiGLU.
+    pub const GATE_UP: usize = 7;
+    /// Down projection into the residual.
+    pub const DOWN: usize = 8;
+    /// Final norm, LM head, argmax (or the layers variant's cast out).
+    pub const HEAD: usize = 9;
+    /// Phases of a step.
+    pub const COUNT: usize = 10;
+}
+
+impl DecodePhases {
+    /// The phases of a decode step over `layers` layers for sequences of `seq_lens` (current
+    /// token included), the embedding gather and the LM head when `with_head`, projections and
+    /// LM head held in `format`. Bytes and FLOPs add up to [`StepCost::decode`] in that format.
+    pub fn decode(
+        c: &Qwen3Config,
+        layers: usize,
+        with_head: bool,
+        seq_lens: &[usize],
+        format: WeightFormat,
+    ) -> DecodePhases {
+        let f = |v: usize| v as f64;
+        let (r, l) = (f(seq_lens.len()), f(layers));
+        let tokens: f64 = seq_lens.iter().map(|&s| f(s)).sum();
+        let (h, d, kv_row) = (f(c.hidden_size), f(c.head_dim), f(c.kv_width() * 2));
+        let shapes = LayerWeights::shapes(c);
+        let w8a8 = format == WeightFormat::Int8(Int8Acts::Quantised);
+        // Projections: weights at the format's size; W8A8 counts int8 operations, the rest
+        // float FLOPs (int8 weights with wide activations are widened to fp32 and FMA'd).
+        let engine = if format.is_int8() {
+            Engine::Fma
+        } else {
+            Engine::Matrix
+        };
+        let proj = |name: &'static str, which: &[usize]| {
+            let bytes: f64 = which
+                .iter()
+                .map(|&i| f(format.matrix_bytes(shapes[i].1[0], shapes[i].1[1])))
+                .sum();
+            let macs: f64 = which
+                .iter()
+                .map(|&i| f(shapes[i].1[0] * shapes[i].1[1]))
+                .sum();
+            let ops = 2.0 * r * l * macs;
+            StepPhase {
+                cost: PhaseCost {
+                    name,
+                    bytes: l * bytes,
+                    flops: if w8a8 { 0.0 } else { ops },
+                    int8_ops: if w8a8 { ops } else { 0.0 },
+                },
+                engine,
+            }
+        };
+        let vector = |name: &'static str, bytes: f64| StepPhase {
+            cost: PhaseCost {
+                name,
+                bytes,
+                flops: 0.0,
+                int8_ops: 0.0,
+            },
+            engine: Engine::Fma,
+        };
+        let (head_bytes, head_flops, input_bytes) = if with_head {
+            let (v, s) = (f(c.vocab_size), r);
+            let w = f(format.matrix_bytes(c.vocab_size, c.hidden_size));
+            (4.0 * h + w, 2.0 * s * v * h, 2.0 * r * h)
+        } else {
+            (0.0, 0.0, 0.0)
+        };
+        let head_engine = if format.is_int8() {
+            Engine::Fma
+        } else {
+            Engine::Matrix
+        };
+        let phases = vec![
+            vector("input", input_bytes),
+            vector("attn_norm", l * 4.0 * h),
+            proj("qkv", &[0, 1, 2]),
+            // q/k norm weights, and the new K and V rows written.
+            vector("rope_kv", l * (8.0 * d + r * 2.0 * kv_row)),
+            StepPhase {
+                cost: PhaseCost {
+                    name: "attention",
+                    bytes: l * tokens * 2.0 * kv_row,
+                    flops: l * 4.0 * f(c.q_width()) * tokens,
+                    int8_ops: 0.0,
+                },
+                engine: Engine::Fma,
+            },
+            proj("o_proj", &[3]),
+            vector("mlp_norm", l * 4.0 * h),
+            proj("gate_up", &[4, 5]),
+            proj("down", &[6]),
+            StepPhase {
+                cost: PhaseCost {
+                    name: "head",
+                    bytes: head_bytes,
+                    flops: head_flops,
+                    int8_ops: 0.0,
+                },
+                engine: head_engine,
+            },
+        ];
+        debug_assert_eq!(phases.len(), phase::COUNT);
+        DecodePhases { phases }
+    }
+
+    /// Seconds of phase `i` at the machine's limits, and what binds it.
+    pub fn phase_bound(&self, i: usize, m: &DecodePeaks) -> (f64, Limit) {
+        let p = &self.phases[i];
+        p.cost.bound(&m.on(p.engine))
+    }
+
+    /// The per-phase bound in seconds: the phases one after the other, each at its limit.
+    pub fn bound_s(&self, m: &DecodePeaks) -> f64 {
+        (0..self.phases.len())
+            .map(|i| self.phase_bound(i, m).0)
+            .sum()
+    }
+
+    /// All bytes.
+    pub fn bytes(&self) -> f64 {
+        self.phases.iter().map(|p| p.cost.bytes).sum()
+    }
+
+    /// All float FLOPs and int8 operations.
+    pub fn ops(&self) -> f64 {
+        self.phases
+            .iter()
+            .map(|p| p.cost.flops + p.cost.int8_ops)
+            .sum()
+    }
+}
+
+/// The phase of a recorded task of a decode step, by kernel, given the phase before it (a
+/// projection's phase follows from what ran before it); `None` for tasks that belong to no
+/// phase (barriers).
+fn phase_of(func: u32, before: usize) -> Option<usize> {
+    use super::ops;
+    let is = |k: simpler_core::KernelId| k.0 == func;
+    Some(if is(ops::EMBED) || is(ops::CAST_BF16_F32) {
+        phase::INPUT
+    } else if is(ops::RMS_NORM_DEFERRED) {
+        if before == phase::O_PROJ {
+            phase::MLP_NORM
+        } else {
+            phase::ATTN_NORM
+        }
+    } else if is(ops::GEMM_TILE) {
+        match before {
+            phase::ATTN_NORM | phase::QKV => phase::QKV,
+            phase::ATTENTION | phase::O_PROJ => phase::O_PROJ,
+            _ => phase::DOWN,
+        }
+    } else if is(ops::ROPE_KV_STEP) || is(ops::KV_SCATTER) {
+        phase::ROPE_KV
+    } else if is(ops::ATTN_DECODE) || is(ops::ATTN_COMBINE) {
+        phase::ATTENTION
+    } else if is(ops::GATE_UP_SWIGLU) {
+        phase::GATE_UP
+    } else if is(ops::COPY_F32)
+        || is(ops::RMS_NORM)
+        || is(ops::LM_HEAD_TILE)
+        || is(ops::ARGMAX_COMBINE)
+        || is(ops::CAST_F32_BF16)
+    {
+        phase::HEAD
+    } else {
+        return None;
+    })
+}
+
+/// Time of each phase of a recorded decode step (`[phase::COUNT]`, ns): the blocks taken in
+/// order of their start, each maximal run of one phase (one layer's instance) spanning from
+/// its first block's start to its last block's end, the runs of a phase summed. The phases
+/// follow one another (each waits for the one before), so what the step's execution span
+/// holds beyond the sum is time between phases: one phase's last block done, the next not yet
+/// started on any core.
+pub fn phase_spans_ns(sw: &simpler_core::trace::SwimlaneRecords) -> [u64; phase::COUNT] {
+    let mut blocks: Vec<_> = sw.tasks.iter().filter(|t| t.func != u32::MAX).collect();
+    blocks.sort_by_key(|t| t.start);
+    let mut spans = [0u64; phase::COUNT];
+    // The current run: its phase, first start, last end.
+    let mut run: Option<(usize, u64, u64)> = None;
+    for t in blocks {
+        let before = run.map_or(phase::INPUT, |r| r.0);
+        let Some(p) = phase_of(t.func, before) else {
+            continue;
+        };
+        run = match run {
+            Some((q, a, b)) if q == p => Some((q, a, b.max(t.end))),
+            Some((q, a, b)) => {
+                spans[q] += b.saturating_sub(a);
+                Some((p, t.start, t.end))
+            }
+            None => Some((p, t.start, t.end)),
+        };
+    }
+    if let Some((q, a, b)) = run {
+        spans[q] += b.saturating_sub(a);
+    }
+    spans
 }
 
 #[cfg(test)]
@@ -151,7 +421,6 @@ mod tests {
         assert_eq!(s.kv_read_bytes as usize, c.kv_read_bytes(&[256]));
         assert_eq!(s.kv_write_bytes as usize, c.kv_bytes_per_token());
         assert_eq!(s.matmul_flops as usize, c.matmul_flops_per_step(1));
-        assert!(s.phase_bound_s(20.0, 180.0) >= s.roofline_s(20.0, 180.0));
     }
 
     /// A shape small enough to count by hand: hidden 4, 2 query heads and 1 KV head of
@@ -211,5 +480,134 @@ mod tests {
             let d = StepCost::decode(&c, c.num_hidden_layers, true, &[past + 1]);
             assert_eq!(p, d, "past {past}");
         }
+    }
+
+    fn peaks(gbs: f64, matrix: f64, fma: f64) -> DecodePeaks {
+        DecodePeaks {
+            gbs,
+            matrix_gflops: matrix,
+            fma_gflops: fma,
+            int8_gops: 400.0,
+        }
+    }
+
+    #[test]
+    fn decode_phases_add_up_to_the_step() {
+        let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+        let lens = [1024, 1000, 1024, 7];
+        for format in [
+            WeightFormat::Bf16,
+            WeightFormat::Int8(Int8Acts::Quantised),
+            WeightFormat::Int8(Int8Acts::Wide),
+        ] {
+            for head in [true, false] {
+                let s = StepCost::decode(&c, 28, head, &lens).in_format(&c, 28, head, format);
+                let p = DecodePhases::decode(&c, 28, head, &lens, format);
+                assert!((p.bytes() - s.bytes()).abs() < 1.0, "{format:?} {head}");
+                assert!((p.ops() - s.flops()).abs() < 1.0, "{format:?} {head}");
+            }
+        }
+    }
+
+    #[test]
+    fn phase_bound_by_hand() {
+        // hidden 4, q_width 4, kv_width 2, intermediate 8, vocabulary 10 (hand_config).
+        let c = hand_config();
+        let p = DecodePhases::decode(&c, 1, true, &[3, 5], WeightFormat::Bf16);
+        let qkv = &p.phases[phase::QKV].cost;
+        // Wq 4x4, Wk and Wv 2x4 bf16; 2 rows x 32 multiply-adds x 2.
+        assert_eq!((qkv.bytes, qkv.flops), (64.0, 128.0));
+        // 8 cached tokens, K and V rows of 4 bytes; 4 x q_width 4 FLOPs per token.
+        let at = &p.phases[phase::ATTENTION].cost;
+        assert_eq!((at.bytes, at.flops), (64.0, 128.0));
+        // Bandwidth-bound: 64 B at 1 GB/s = 64 ns, 128 FLOP at 100 GFLOP/s = 1.28 ns.
+        let m = peaks(1.0, 100.0, 100.0);
+        let (s, lim) = p.phase_bound(phase::QKV, &m);
+        assert!(
+            (s - 64e-9).abs() < 1e-15 && lim == Limit::Bandwidth,
+            "{s} {lim:?}"
+        );
+        // Compute-bound: 128 FLOP at 0.5 GFLOP/s = 256 ns over 64 B at 1 GB/s.
+        let slow = peaks(1.0, 0.5, 100.0);
+        let (s, lim) = p.phase_bound(phase::QKV, &slow);
+        assert!(
+            (s - 256e-9).abs() < 1e-15 && lim == Limit::Float,
+            "{s} {lim:?}"
+        );
+        // Attention runs on the FMA rate, not the matrix path's.
+        assert_eq!(p.phase_bound(phase::ATTENTION, &slow).1, Limit::Bandwidth);
+        let slow_fma = peaks(1.0, 100.0, 0.5);
+        assert_eq!(p.phase_bound(phase::ATTENTION, &slow_fma).1, Limit::Float);
+        // The bound is the sum of the phases, at least the roofline's.
+        let total: f64 = (0..phase::COUNT).map(|i| p.phase_bound(i, &slow).0).sum();
+        assert_eq!(p.bound_s(&slow), total);
+        let s = StepCost::decode(&c, 1, true, &[3, 5]);
+        assert!(p.bound_s(&m) >= s.roofline_s(1.0, 100.0) * (1.0 - 1e-12));
+    }
+
+    #[test]
+    fn w8a8_projections_count_int8_operations() {
+        let c = hand_config();
+        let p = DecodePhases::decode(&c, 1, true, &[3], WeightFormat::Int8(Int8Acts::Quantised));
+        let o = &p.phases[phase::O_PROJ].cost;
+        assert_eq!((o.flops, o.int8_ops), (0.0, 2.0 * 16.0));
+        // The head keeps fp32 activations.
+        assert_eq!(p.phases[phase::HEAD].cost.flops, 2.0 * 10.0 * 4.0);
+        assert_eq!(p.phases[phase::HEAD].engine, Engine::Fma);
+    }
+
+    #[test]
+    fn recorded_blocks_are_charged_to_their_phase_runs() {
+        use super::super::ops;
+        use simpler_core::EngineClass;
+        use simpler_core::trace::{SwimlaneRecords, TaskRecord};
+        let rec = |func: simpler_core::KernelId, core: u32, start: u64, end: u64| TaskRecord {
+            task_id: 0,
+            func: func.0,
+            class: EngineClass::Vector,
+            core,
+            block: 0,
+            dispatch: start,
+            start,
+            end,
+            finish: end,
+        };
+        // One layer on two cores: the norm, two q/k/v blocks overlapping, a barrier, RoPE,
+        // attention, o_proj, the post norm, gate/up, down; then the next layer's norm and
+        // q/k/v (charged to the same phases).
+        let mut tasks = vec![
+            rec(ops::RMS_NORM_DEFERRED, 0, 0, 10),
+            rec(ops::GEMM_TILE, 0, 12, 40),
+            rec(ops::GEMM_TILE, 1, 13, 45),
+            rec(ops::ROPE_KV_STEP, 1, 50, 52),
+            rec(ops::KV_SCATTER, 0, 53, 55),
+            rec(ops::ATTN_DECODE, 0, 56, 80),
+            rec(ops::ATTN_DECODE, 1, 57, 79),
+            rec(ops::GEMM_TILE, 0, 81, 90),
+            rec(ops::RMS_NORM_DEFERRED, 0, 91, 93),
+            rec(ops::GATE_UP_SWIGLU, 1, 95, 120),
+            rec(ops::GEMM_TILE, 0, 121, 130),
+            rec(ops::RMS_NORM_DEFERRED, 1, 131, 133),
+            rec(ops::GEMM_TILE, 1, 134, 140),
+        ];
+        // A barrier's record belongs to no phase.
+        tasks.push(TaskRecord {
+            func: u32::MAX,
+            ..rec(ops::EMBED, 0, 46, 47)
+        });
+        let sw = SwimlaneRecords {
+            tasks,
+            ..SwimlaneRecords::default()
+        };
+        let s = phase_spans_ns(&sw);
+        assert_eq!(s[phase::ATTN_NORM], 10 + 2);
+        assert_eq!(s[phase::QKV], 33 + 6);
+        assert_eq!(s[phase::ROPE_KV], 5);
+        assert_eq!(s[phase::ATTENTION], 24);
+        assert_eq!(s[phase::O_PROJ], 9);
+        assert_eq!(s[phase::MLP_NORM], 2);
+        assert_eq!(s[phase::GATE_UP], 25);
+        assert_eq!(s[phase::DOWN], 9);
+        assert_eq!(s[phase::INPUT] + s[phase::HEAD], 0);
     }
 }

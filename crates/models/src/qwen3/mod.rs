@@ -27,7 +27,7 @@ pub use checkpoint::{
     load_config, save_checkpoint,
 };
 pub use config::{ConfigError, Qwen3Config};
-pub use cost::StepCost;
+pub use cost::{DecodePeaks, DecodePhases, Engine, StepCost, StepPhase, phase_spans_ns};
 pub use fixture::{
     Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
 };

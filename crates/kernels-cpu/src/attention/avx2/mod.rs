@@ -211,7 +211,13 @@ fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
 /// # Safety
 /// AVX2 and FMA; `run <= sr`; `s.len() >= G * sr`; `st` one head's state.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn update<const G: usize>(s: &mut [f32], sr: usize, run: usize, hd: usize, st: &mut [f32]) {
+pub(super) unsafe fn update<const G: usize>(
+    s: &mut [f32],
+    sr: usize,
+    run: usize,
+    hd: usize,
+    st: &mut [f32],
+) {
     let (_, rest) = st.split_at_mut(G * hd);
     let (o, ml) = rest.split_at_mut(G * hd);
     let (m, l) = ml.split_at_mut(G);

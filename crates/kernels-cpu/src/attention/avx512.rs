@@ -1,0 +1,252 @@
+//! AVX-512 BF16 split-KV decode attention for every KV head of a sequence at once (what the
+//! model runs at decode; `decode_attention_heads_bf16`).
+//!
+//! Per step a decode token's attention reads each KV row once and does 2 FLOPs per byte; the
+//! AVX2 kernel spends several instructions per bf16 element (widen, two FMAs per query, the
+//! partial outputs loaded and stored per row), which on two busy cores made attention the
+//! phase furthest from its bound. Here:
+//! - `q · k` takes the bf16 query and key pairs as they are (`vdpbf16ps`: 32 multiply-adds
+//!   per instruction, no widening); the scale multiplies the finished score.
+//! - `p · v` widens 32 bf16 of V per 512-bit load (shift for the even elements, mask for the
+//!   odd ones) and keeps a slice of every query's outputs in registers across a run of up to
+//!   32 tokens, so the outputs are loaded and stored once per run, not once per row.
+//! - A run is worked head by head (registers stay on one head) while the next run's rows are
+//!   prefetched into L2 a head slice at a time, whole rows in address order overall, so the
+//!   pool is still streamed sequentially from memory.
+//!
+//! The running outputs are kept in this module's own order (each 32-element block as its 16
+//! even then 16 odd elements) and put back in order when the partials are written. The
+//! online-softmax update is the AVX2 kernel's.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use half::bf16;
+
+use super::PagedKv;
+use super::avx2::update;
+use crate::simd::{as_pbh, prefetch_l2};
+
+/// Largest query group handled here.
+const MAX_GROUP: usize = 8;
+
+/// Largest head dimension handled here.
+const MAX_HD: usize = 256;
+
+/// Tokens per run (the online-softmax tile; never crosses a page).
+const RUN: usize = 32;
+
+/// Whether [`decode_partials_heads`] handles this shape.
+pub(super) fn supports(group: usize, head_dim: usize) -> bool {
+    (1..=MAX_GROUP).contains(&group) && head_dim.is_multiple_of(32) && head_dim <= MAX_HD
+}
+
+/// Floats of scratch [`decode_partials_heads`] needs: per head its outputs, max and sum, and
+/// the run's scores.
+pub(super) fn heads_state_len(kv_heads: usize, group: usize, head_dim: usize) -> usize {
+    kv_heads * state_len(group, head_dim) + kv_heads * group * RUN
+}
+
+/// One head's state: `[group, hd]` unused (the layout `update` expects starts with the
+/// queries, which this kernel reads as bf16 from the row), `[group, hd]` outputs, `[group]`
+/// running max, `[group]` running sum.
+fn state_len(group: usize, hd: usize) -> usize {
+    group * (2 * hd + 2)
+}
+
+/// The partial records (`[m, l, o]` per query, see the module docs of `attention`) of every KV
+/// head of the row `q` over `tokens`, head after head in `partials`.
+///
+/// # Safety
+/// The CPU supports AVX-512 F/BW/VL and BF16 (and AVX2, FMA); `supports(group, kv.head_dim)`;
+/// `kv` passed its checks; every page of `tokens` is inside `block_table` and the pool;
+/// `q.len() == kv.kv_heads * group * head_dim`; `partials.len() == kv.kv_heads * group *
+/// (head_dim + 2)`; `state.len() >= heads_state_len(..)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn decode_partials_heads(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    scale: f32,
+    partials: &mut [f32],
+    state: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let per = state_len(group, hd);
+    let (states, scores) = state.split_at_mut(kv.kv_heads * per);
+    for st in states.chunks_exact_mut(per) {
+        let (_, rest) = st.split_at_mut(group * hd);
+        let (o, ml) = rest.split_at_mut(group * hd);
+        o.fill(0.0);
+        ml[..group].fill(f32::NEG_INFINITY);
+        ml[group..].fill(0.0);
+    }
+    macro_rules! go {
+        ($($g:literal => $wide:literal);*) => {
+            match group {
+                $($g => {
+                    // Output vectors per query held in registers per pass: `G * NV <= 16`.
+                    if hd.is_multiple_of(16 * $wide) {
+                        // SAFETY: forwarded contract; `hd` is a multiple of 16 * NV.
+                        unsafe { heads_g::<$g, $wide>(q, kv, block_table, tokens, scale, states, scores) }
+                    } else {
+                        // SAFETY: as above (`hd` is a multiple of 32).
+                        unsafe { heads_g::<$g, 2>(q, kv, block_table, tokens, scale, states, scores) }
+                    }
+                })*
+                _ => unreachable!("group {group} not supported"),
+            }
+        };
+    }
+    go!(1 => 8; 2 => 8; 3 => 4; 4 => 4; 5 => 2; 6 => 2; 7 => 2; 8 => 2);
+    let rec = group * (hd + 2);
+    for (st, out) in states.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
+        write_partials(st, group, hd, out);
+    }
+}
+
+/// The partial records of one head's state (outputs back in element order).
+fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+    let o = &st[group * hd..2 * group * hd];
+    let ml = &st[2 * group * hd..];
+    for j in 0..group {
+        let rec = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
+        rec[0] = ml[j];
+        rec[1] = ml[group + j];
+        for (dst, src) in rec[2..]
+            .chunks_exact_mut(32)
+            .zip(o[j * hd..(j + 1) * hd].chunks_exact(32))
+        {
+            for i in 0..16 {
+                dst[2 * i] = src[i];
+                dst[2 * i + 1] = src[16 + i];
+            }
+        }
+    }
+}
+
+/// Every head over `tokens`, a run of at most [`RUN`] tokens (inside one page) at a time.
+///
+/// # Safety
+/// As [`decode_partials_heads`]; `G == group`, `hd` a multiple of `16 * NV`; `states` one
+/// state per head, `scores` at least `heads * G * RUN` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+unsafe fn heads_g<const G: usize, const NV: usize>(
+    q: &[bf16],
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    scale: f32,
+    states: &mut [f32],
+    scores: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let heads = kv.kv_heads;
+    let row = kv.row();
+    let per = state_len(G, hd);
+    let sh = G * RUN;
+    let page = kv.page_size;
+    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let kp = kv.k.as_ptr().cast::<u16>();
+    let vp = kv.v.as_ptr().cast::<u16>();
+    let qp = q.as_ptr().cast::<u16>();
+    let run_len = |t: usize| RUN.min(page - t % page).min(tokens.end - t);
+    // The first run, which no earlier run prefetches.
+    if tokens.start < tokens.end {
+        let (base, n) = (slot_of(tokens.start) * row, run_len(tokens.start));
+        for e in (0..n * row).step_by(32) {
+            prefetch_l2(kp.wrapping_add(base + e));
+            prefetch_l2(vp.wrapping_add(base + e));
+        }
+    }
+    let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut t = tokens.start;
+    while t < tokens.end {
+        let run = run_len(t);
+        let base = slot_of(t) * row;
+        let next = t + run;
+        // The next run's rows (one head slice per head and row, below), or none.
+        let (nbase, nrun) = if next < tokens.end {
+            (slot_of(next) * row, run_len(next))
+        } else {
+            (0, 0)
+        };
+        for h in 0..heads {
+            let s = &mut scores[h * sh..(h + 1) * sh];
+            // Scores: the group's bf16 queries against each row's head slice.
+            for r in 0..run {
+                if r < nrun {
+                    for e in (0..hd).step_by(32) {
+                        prefetch_l2(kp.wrapping_add(nbase + r * row + h * hd + e));
+                    }
+                }
+                let k = kp.wrapping_add(base + r * row + h * hd);
+                let mut acc = [_mm512_setzero_ps(); G];
+                let mut d = 0;
+                while d < hd {
+                    // SAFETY: row `base / row + r` of the pool holds `row` bf16 and this head's
+                    // slice `h * hd .. h * hd + hd` is inside it (d + 32 <= hd); the query row
+                    // holds `heads * G * hd` bf16.
+                    unsafe {
+                        let kv32 = _mm512_loadu_si512(k.add(d).cast());
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let qv = _mm512_loadu_si512(qp.add((h * G + j) * hd + d).cast());
+                            *a = _mm512_dpbf16_ps(*a, as_pbh(qv), as_pbh(kv32));
+                        }
+                    }
+                    d += 32;
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    s[j * RUN + r] = _mm512_reduce_add_ps(*a) * scale;
+                }
+            }
+            let st = &mut states[h * per..(h + 1) * per];
+            // SAFETY: AVX2 and FMA by contract; run <= RUN, the score stride of `s`.
+            unsafe { update::<G>(s, RUN, run, hd, st) };
+            // o += p · V, NV output vectors per query in registers across the run.
+            let o = st[G * hd..2 * G * hd].as_mut_ptr();
+            let mut dc = 0;
+            while dc < hd {
+                let mut acc = [[_mm512_setzero_ps(); NV]; G];
+                for (j, aj) in acc.iter_mut().enumerate() {
+                    for (x, a) in aj.iter_mut().enumerate() {
+                        // SAFETY: j * hd + dc + 16 * NV <= G * hd, this head's outputs.
+                        *a = unsafe { _mm512_loadu_ps(o.add(j * hd + dc + 16 * x)) };
+                    }
+                }
+                for r in 0..run {
+                    if r < nrun && dc == 0 {
+                        for e in (0..hd).step_by(32) {
+                            prefetch_l2(vp.wrapping_add(nbase + r * row + h * hd + e));
+                        }
+                    }
+                    let v = vp.wrapping_add(base + r * row + h * hd + dc);
+                    let mut vv = [_mm512_setzero_ps(); NV];
+                    for b in 0..NV / 2 {
+                        // SAFETY: this row's head slice holds hd bf16 and dc + 16 * NV <= hd.
+                        let raw = unsafe { _mm512_loadu_si512(v.add(32 * b).cast()) };
+                        vv[2 * b] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(raw));
+                        vv[2 * b + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
+                    }
+                    for (j, aj) in acc.iter_mut().enumerate() {
+                        let p = _mm512_set1_ps(s[j * RUN + r]);
+                        for (a, &w) in aj.iter_mut().zip(&vv) {
+                            *a = _mm512_fmadd_ps(p, w, *a);
+                        }
+                    }
+                }
+                for (j, aj) in acc.iter().enumerate() {
+                    for (x, a) in aj.iter().enumerate() {
+                        // SAFETY: as for the loads.
+                        unsafe { _mm512_storeu_ps(o.add(j * hd + dc + 16 * x), *a) };
+                    }
+                }
+                dc += 16 * NV;
+            }
+        }
+        t = next;
+    }
+}
