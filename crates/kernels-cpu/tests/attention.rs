@@ -516,10 +516,10 @@ fn range_reference(
         .collect()
 }
 
-/// Infinite keys on the all-heads path: every path agrees with the portable one on which
+/// Non-finite keys on the all-heads path: every path agrees with the portable one on which
 /// outputs are finite (a key of minus infinity drops its token, plus infinity poisons the
-/// head). A NaN key is left out: the vector paths share the AVX2 online softmax, whose
-/// running max skips a NaN score where the portable one propagates it.
+/// head, and so does NaN: the vector paths' running max skips a NaN score, but its
+/// exponential stays NaN as the portable path's does).
 #[test]
 fn all_heads_non_finite_keys_agree_on_every_path() {
     let mut rng = Rng(77);
@@ -527,7 +527,7 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
     let q: Vec<bf16> = (0..kv_heads * group * hd)
         .map(|_| bf16::from_f32(0.1 + 0.5 * rng.uniform().abs()))
         .collect();
-    for poison in [f32::NEG_INFINITY, f32::INFINITY] {
+    for poison in [f32::NEG_INFINITY, f32::INFINITY, f32::NAN] {
         let mut s = Setup::new(1, 4, kv_heads, hd, ps, &mut rng);
         let at = (s.tables[0][0] as usize * ps + 9) * kv_heads * hd + hd + 5;
         s.k[at] = bf16::from_f32(poison);

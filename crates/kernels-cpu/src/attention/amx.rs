@@ -388,9 +388,11 @@ fn pair_index() -> __m512i {
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn exp512(x: __m512) -> __m512 {
+    // `max`/`min` return their second operand when either is NaN: `x` goes second so a NaN
+    // score stays NaN (as `exp_approx`'s clamp keeps it) instead of becoming e^-87.
     let x = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
         _mm512_set1_ps(88.0),
+        _mm512_max_ps(_mm512_set1_ps(-87.0), x),
     );
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),

@@ -241,9 +241,11 @@ pub(super) unsafe fn update<const G: usize>(
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn exp256(x: __m256) -> __m256 {
+    // `max`/`min` return their second operand when either is NaN: `x` goes second so a NaN
+    // score stays NaN (as `exp_approx`'s clamp keeps it) instead of becoming e^-87.
     let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
         _mm256_set1_ps(88.0),
+        _mm256_max_ps(_mm256_set1_ps(-87.0), x),
     );
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
