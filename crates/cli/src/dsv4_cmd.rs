@@ -400,17 +400,25 @@ impl LayerStep for AttnCase {
 
 /// The starts of `--start-pos` (or the mixed starts), checked against the configuration.
 fn starts_of(case: &CaseArgs, cfg: &Dsv4Config) -> Result<Vec<usize>> {
-    let starts = match case.start_pos {
+    starts_at(case.start_pos, &case.preset, cfg)
+}
+
+/// The starts of `--start-pos start_pos` (or the mixed starts) on `--preset preset`'s `cfg`.
+pub(crate) fn starts_at(
+    start_pos: Option<usize>,
+    preset: &str,
+    cfg: &Dsv4Config,
+) -> Result<Vec<usize>> {
+    let starts = match start_pos {
         Some(n) => uniform_starts(n).to_vec(),
         None => MIXED_STARTS.to_vec(),
     };
     let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ - 1;
     if last >= cfg.max_position {
         bail!(
-            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {}",
-            case.start_pos.unwrap_or(0),
+            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {preset}",
+            start_pos.unwrap_or(0),
             cfg.max_position,
-            case.preset
         );
     }
     Ok(starts)

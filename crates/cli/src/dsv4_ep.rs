@@ -38,9 +38,7 @@ use simpler_models::dsv4::moe_ep::{
     rank_tokens, unpack_combine, unpack_dispatch,
 };
 use simpler_models::dsv4::moe_graph::{ExpertPlacement, MoeLayer, MoeOutput};
-use simpler_models::dsv4::{
-    Dsv4Config, MIXED_STARTS, TOKENS_PER_SEQ, moe_ops, ops, uniform_starts,
-};
+use simpler_models::dsv4::{Dsv4Config, TOKENS_PER_SEQ, moe_ops, ops};
 use simpler_node::{ChildCtx, ChildFns, ChildId, Collectives, Node, NodeConfig, exchange_counts};
 
 use crate::bench_collectives::Backend;
@@ -129,19 +127,7 @@ pub(crate) fn ep_config(cmd: &EpCmd) -> Result<(Dsv4Config, ExpertPlacement)> {
 }
 
 fn starts_of(cmd: &EpCmd, cfg: &Dsv4Config) -> Result<Vec<usize>> {
-    let starts = match cmd.start_pos {
-        Some(n) => uniform_starts(n).to_vec(),
-        None => MIXED_STARTS.to_vec(),
-    };
-    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ - 1;
-    if last >= cfg.max_position {
-        bail!(
-            "--start-pos {}: the step's last position {last} is past max_position {}",
-            cmd.start_pos.unwrap_or(0),
-            cfg.max_position
-        );
-    }
-    Ok(starts)
+    crate::dsv4_cmd::starts_at(cmd.start_pos, &cmd.preset, cfg)
 }
 
 /// Refuses what an expert-parallel command cannot do, by flag, before anything starts.
