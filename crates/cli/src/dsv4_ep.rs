@@ -335,10 +335,13 @@ fn encode_rank(run: &RankRun, check: bool) -> Vec<u8> {
     out
 }
 
+/// One step of one rank: its phase times (ns) and whether its output was valid.
+type StepRecord = ([u64; 5], bool);
+
 /// What rank 0 reads of one rank's message.
 struct RankResult {
-    /// Per step: phase times (ns) and validity.
-    steps: Vec<([u64; 5], bool)>,
+    /// Per step: phase times and validity.
+    steps: Vec<StepRecord>,
     /// `[x_out, x_mixed, post, comb, y, shared, routed, weights]` and the experts.
     outputs: Option<(Vec<Vec<f32>>, Vec<u32>)>,
 }
@@ -364,7 +367,6 @@ fn decode_rank(b: &[u8], check: bool) -> Result<RankResult> {
         }
         steps.push((p, word()? == 1));
     }
-    drop(word);
     if !check {
         return Ok(RankResult {
             steps,
@@ -472,7 +474,7 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
     if results.iter().any(|r| r.steps.len() != steps) {
         bail!("a rank reported a different number of steps than {steps}");
     }
-    let median_of = |f: &dyn Fn(&([u64; 5], bool)) -> f64, r: &RankResult| {
+    let median_of = |f: &dyn Fn(&StepRecord) -> f64, r: &RankResult| {
         let v: Vec<f64> = r.steps[cmd.warmup..].iter().map(f).collect();
         Summary::of(&v).median
     };
