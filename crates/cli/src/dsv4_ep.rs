@@ -479,7 +479,7 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         Summary::of(&v).median
     };
     s += &format!(
-        "expert-parallel MoE: {} ranks over {}, {} routed experts ({} per rank), {} shared, top-{}, hidden {}, width {}; batch {} tokens; {} steps after {} warm-up; host cores {} shared by every rank\n",
+        "expert-parallel MoE: {} ranks over {}, {} routed experts ({} per rank), {} shared, top-{}, hidden {}, width {}; batch {} tokens; {} steps after {} warm-up; rank 0 may use {} cores (every rank runs on this host's cores; mpirun may bind each rank to its own)\n",
         n,
         cmd.collectives.name(),
         cfg.n_routed_experts,
