@@ -41,7 +41,7 @@ pub(crate) enum Backend {
 }
 
 impl Backend {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Backend::Shm => "shm",
             Backend::Mpi => "mpi",

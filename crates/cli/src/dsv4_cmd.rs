@@ -67,8 +67,98 @@ pub(crate) struct CaseArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps).
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = CaseArgs::MEMBW_SECONDS)]
     membw_seconds: f64,
+}
+
+impl CaseArgs {
+    const MEMBW_SECONDS: f64 = 1.5;
+}
+
+/// Expert parallelism of the MoE layer.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct EpOpts {
+    /// Expert-parallel ranks (moe only): each routes its own tokens, exchanges rows with the
+    /// others and computes its share of the experts (1 runs the same pieces in this process).
+    #[arg(long, value_name = "N")]
+    ep: Option<usize>,
+    /// The ranks' collectives (with --ep): `shm` (a node's chip processes on this host) or
+    /// `mpi` (`mpirun -np N`; build with --features mpi) [default: shm].
+    #[arg(long, value_enum)]
+    collectives: Option<crate::bench_collectives::Backend>,
+    /// Routed experts per rank at the flash preset, 16 or 32 (with --ep) [default: 16].
+    #[arg(long, value_name = "N")]
+    experts_per_rank: Option<usize>,
+}
+
+/// The expert-parallel command of these flags, `None` without `--ep`; refuses the flags that
+/// do not apply, by name.
+fn ep_cmd(
+    layer: LayerArg,
+    ep: &EpOpts,
+    case: &CaseArgs,
+    run: &RunOpts,
+    (check, rounds, warmup): (bool, usize, usize),
+) -> Result<Option<crate::dsv4_ep::EpCmd>> {
+    let Some(n) = ep.ep else {
+        if ep.collectives.is_some() {
+            bail!("--collectives: only with --ep");
+        }
+        if ep.experts_per_rank.is_some() {
+            bail!("--experts-per-rank: only with --ep");
+        }
+        return Ok(None);
+    };
+    if layer != LayerArg::Moe {
+        bail!(
+            "--ep {n}: expert parallelism applies to the moe layer, not {}",
+            layer.name()
+        );
+    }
+    if case.membw_seconds != CaseArgs::MEMBW_SECONDS {
+        bail!("--membw-seconds: the expert-parallel step prints no bandwidth ratios");
+    }
+    if run.diag_steps != opts::StepSet::All {
+        bail!("--diag-steps: with --ep every rank writes its last step's diagnostics");
+    }
+    let cmd = crate::dsv4_ep::EpCmd {
+        preset: case.preset.clone(),
+        start_pos: case.start_pos,
+        seed: case.seed,
+        ep: n,
+        collectives: ep
+            .collectives
+            .unwrap_or(crate::bench_collectives::Backend::Shm),
+        per_rank: ep.experts_per_rank,
+        check,
+        rounds,
+        warmup,
+        run: run.clone(),
+    };
+    crate::dsv4_ep::check_cmd(&cmd)?;
+    Ok(Some(cmd))
+}
+
+/// The expert-parallel command of `run dsv4` (`None` without `--ep`).
+pub(crate) fn ep_cmd_of_run(a: &RunDsv4Args) -> Result<Option<crate::dsv4_ep::EpCmd>> {
+    ep_cmd(
+        a.layer,
+        &a.ep,
+        &a.case,
+        &a.run,
+        (a.check, a.rounds, a.warmup),
+    )
+}
+
+/// The expert-parallel command of `bench dsv4` (`None` without `--ep`).
+pub(crate) fn ep_cmd_of_bench(a: &BenchDsv4Args) -> Result<Option<crate::dsv4_ep::EpCmd>> {
+    ep_cmd(
+        a.kernel,
+        &a.ep,
+        &a.case,
+        &a.run,
+        (false, a.rounds, a.warmup),
+    )
 }
 
 /// Arguments of `simpler run dsv4`.
@@ -89,6 +179,8 @@ pub(crate) struct RunDsv4Args {
     #[arg(long, default_value_t = 1)]
     warmup: usize,
     #[command(flatten)]
+    ep: EpOpts,
+    #[command(flatten)]
     run: RunOpts,
 }
 
@@ -106,6 +198,8 @@ pub(crate) struct BenchDsv4Args {
     /// Warm-up steps (discarded).
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    #[command(flatten)]
+    ep: EpOpts,
     #[command(flatten)]
     run: RunOpts,
 }
@@ -306,17 +400,25 @@ impl LayerStep for AttnCase {
 
 /// The starts of `--start-pos` (or the mixed starts), checked against the configuration.
 fn starts_of(case: &CaseArgs, cfg: &Dsv4Config) -> Result<Vec<usize>> {
-    let starts = match case.start_pos {
+    starts_at(case.start_pos, &case.preset, cfg)
+}
+
+/// The starts of `--start-pos start_pos` (or the mixed starts) on `--preset preset`'s `cfg`.
+pub(crate) fn starts_at(
+    start_pos: Option<usize>,
+    preset: &str,
+    cfg: &Dsv4Config,
+) -> Result<Vec<usize>> {
+    let starts = match start_pos {
         Some(n) => uniform_starts(n).to_vec(),
         None => MIXED_STARTS.to_vec(),
     };
     let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ - 1;
     if last >= cfg.max_position {
         bail!(
-            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {}",
-            case.start_pos.unwrap_or(0),
+            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {preset}",
+            start_pos.unwrap_or(0),
             cfg.max_position,
-            case.preset
         );
     }
     Ok(starts)
@@ -497,6 +599,9 @@ fn finish_peaks(s: &Setup, case: &CaseArgs) -> Peaks {
 }
 
 pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
+    if let Some(cmd) = ep_cmd_of_run(&args)? {
+        return crate::dsv4_ep::main(cmd);
+    }
     let (mut s, cfg) = start(
         "run",
         "--layer",
@@ -539,6 +644,9 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 }
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
+    if let Some(cmd) = ep_cmd_of_bench(&args)? {
+        return crate::dsv4_ep::main(cmd);
+    }
     let (mut s, cfg) = start(
         "bench",
         "--kernel",

@@ -160,37 +160,13 @@ impl LayerStep for MoeStep {
 
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {
         let out = self.run(worker, cfg)?;
-        let g = moe_step(&self.cfg, &self.weights, self.layer.layer, &self.inputs);
-        let want: Vec<u32> = g
-            .routes
-            .iter()
-            .flat_map(|r| r.experts.iter().map(|&e| e as u32))
-            .collect();
-        let mut lines = vec![if out.experts == want {
-            (
-                format!("ok: routing: {} routes as the golden", want.len()),
-                true,
-            )
-        } else {
-            ("FAILED: routing differs from the golden".to_string(), false)
-        }];
-        for (what, a, e) in [
-            ("shared", &out.shared, &g.shared),
-            ("routed [T, K, D]", &out.routed, &g.routed),
-            ("y", &out.y, &g.y),
-            ("x_out", &out.x_out, &g.x_out),
-        ] {
-            lines.push(match RelDiff::MOE.check(what, a, e) {
-                Ok(o) => (
-                    format!(
-                        "ok: {what}: {} of {} elements over 3e-3 (5% allowed; worst {:.2e})",
-                        o.over, o.n, o.worst_value
-                    ),
-                    true,
-                ),
-                Err(e) => (format!("FAILED: {e}"), false),
-            });
-        }
+        let lines = golden_lines(
+            &self.cfg,
+            &self.weights,
+            self.layer.layer,
+            &self.inputs,
+            &out,
+        );
         self.last = Some(out);
         Ok(lines)
     }
@@ -202,6 +178,49 @@ impl LayerStep for MoeStep {
     fn round_valid(&self) -> Option<bool> {
         Some(self.last_round_valid())
     }
+}
+
+/// A MoE step's output against the golden: the routing exactly, the shared and routed parts,
+/// `y` and `x_out` within the MoE tolerance; one `(line, ok)` each.
+pub(crate) fn golden_lines(
+    cfg: &Dsv4Config,
+    weights: &MoeWeights,
+    layer: usize,
+    inputs: &StepInputs,
+    out: &MoeOutput,
+) -> Vec<(String, bool)> {
+    let g = moe_step(cfg, weights, layer, inputs);
+    let want: Vec<u32> = g
+        .routes
+        .iter()
+        .flat_map(|r| r.experts.iter().map(|&e| e as u32))
+        .collect();
+    let mut lines = vec![if out.experts == want {
+        (
+            format!("ok: routing: {} routes as the golden", want.len()),
+            true,
+        )
+    } else {
+        ("FAILED: routing differs from the golden".to_string(), false)
+    }];
+    for (what, a, e) in [
+        ("shared", &out.shared, &g.shared),
+        ("routed [T, K, D]", &out.routed, &g.routed),
+        ("y", &out.y, &g.y),
+        ("x_out", &out.x_out, &g.x_out),
+    ] {
+        lines.push(match RelDiff::MOE.check(what, a, e) {
+            Ok(o) => (
+                format!(
+                    "ok: {what}: {} of {} elements over 3e-3 (5% allowed; worst {:.2e}) vs the golden",
+                    o.over, o.n, o.worst_value
+                ),
+                true,
+            ),
+            Err(e) => (format!("FAILED: {e}"), false),
+        });
+    }
+    lines
 }
 
 /// `fast_effective_us`: the mean of the faster half (at least one) of the valid rounds' times.

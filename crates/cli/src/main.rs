@@ -9,6 +9,7 @@ mod bench_runtime;
 mod bench_serve;
 mod demo;
 mod dsv4_cmd;
+mod dsv4_ep;
 mod dsv4_moe;
 mod generate;
 mod npy;
@@ -148,12 +149,30 @@ fn run_demo(args: DemoArgs) -> Result<()> {
     Ok(())
 }
 
+/// The expert-parallel command of a `simpler` command line (what a rank of `run dsv4 --ep` or
+/// `bench dsv4 --ep` re-reads in its own process).
+pub(crate) fn parse_ep_cmd(argv: &[String]) -> Result<dsv4_ep::EpCmd> {
+    let cli = Cli::try_parse_from(argv)?;
+    let cmd = match cli.command {
+        Command::Run {
+            command: RunCommand::Dsv4(a),
+            ..
+        } => dsv4_cmd::ep_cmd_of_run(&a)?,
+        Command::Bench {
+            command: BenchCommand::Dsv4(a),
+            ..
+        } => dsv4_cmd::ep_cmd_of_bench(&a)?,
+        _ => None,
+    };
+    cmd.ok_or_else(|| anyhow::anyhow!("not an expert-parallel dsv4 command: {argv:?}"))
+}
+
 fn main() -> Result<()> {
     // In a node's child process (a chip of `bench collectives`) this runs the child and exits;
     // it must come before anything starts a thread.
-    simpler_node::child_main_if_requested(&bench_collectives::register(
+    simpler_node::child_main_if_requested(&dsv4_ep::register(bench_collectives::register(
         simpler_node::ChildFns::new(),
-    ));
+    )));
     let cli = Cli::parse();
     use platform::PlatformChoice::{Cpu, Cuda};
     match cli.command {

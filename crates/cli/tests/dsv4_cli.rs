@@ -184,3 +184,219 @@ fn run_and_bench_dsv4_moe() {
         assert!(so.contains(needle), "missing {needle:?} in\n{so}");
     }
 }
+
+/// Runs `simpler` with `args`, and then asserts that it left no shared-memory segment and no
+/// child process of its node behind (both carry `simpler-node.<pid>.` in their name or
+/// environment).
+fn simpler_leaving_nothing(args: &[&str]) -> std::process::Output {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run simpler");
+    let tag = format!("simpler-node.{}.", child.id());
+    let out = child.wait_with_output().expect("wait for simpler");
+    let segments: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(&tag))
+                .map(|e| e.file_name())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(segments.is_empty(), "left behind: {segments:?}");
+    let orphans: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read(e.path().join("environ"))
+                .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&tag))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(orphans.is_empty(), "processes left behind: {orphans:?}");
+    out
+}
+
+#[test]
+fn run_dsv4_moe_ep2_over_shm_is_bit_identical_to_one_rank_and_writes_a_trace_per_rank() {
+    let dir = std::env::temp_dir().join(format!("simpler-cli-{}-ep", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let trace = dir.join("ep.jsonl");
+    let out = simpler_leaving_nothing(&[
+        "run",
+        "dsv4",
+        "--layer",
+        "moe",
+        "--ep",
+        "2",
+        "--preset",
+        "small",
+        "--check",
+        "--rounds",
+        "3",
+        "--warmup",
+        "1",
+        "--cores",
+        "1",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    for needle in [
+        "2 ranks over shm, 16 routed experts (8 per rank)",
+        "rank 0: effective_us",
+        "rank 1: effective_us",
+        "fast_effective_us",
+        "valid_rounds 3/3",
+        "step split",
+        "ok: x_out: 8192 elements bit-identical to one rank",
+        "ok: routed [T, K, D]: 12288 elements bit-identical to one rank",
+        "ok: y: 0 of 2048 elements over 3e-3",
+    ] {
+        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
+    }
+    for phase in ["route", "dispatch", "compute", "combine", "reduce"] {
+        assert!(so.contains(&format!("{phase} ")), "{so}");
+    }
+    assert!(!so.contains("FAILED"), "{so}");
+    let files: Vec<String> = (0..2)
+        .map(|r| {
+            dir.join(format!("ep.rank{r}.jsonl"))
+                .to_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let out = simpler(&[
+        "trace", "timing", "--rounds", "--warmup", "1", &files[0], &files[1],
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+    assert!(so.contains("clocks: 2 processes of host boot"), "{so}");
+    assert!(so.contains("valid_rounds=3/3"), "{so}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn run_dsv4_moe_ep4_over_shm_is_bit_identical_to_one_rank() {
+    let out = simpler_leaving_nothing(&[
+        "run", "dsv4", "--layer", "moe", "--ep", "4", "--preset", "small", "--check", "--rounds",
+        "1", "--warmup", "0", "--cores", "1",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("4 ranks over shm"), "{so}");
+    assert!(
+        so.contains("ok: x_out: 8192 elements bit-identical to one rank"),
+        "{so}"
+    );
+    assert!(!so.contains("FAILED"), "{so}");
+}
+
+#[test]
+fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
+    for (args, says) in [
+        (
+            &["run", "dsv4", "--layer", "swa", "--ep", "2"][..],
+            "--ep 2: expert parallelism applies to the moe layer",
+        ),
+        (
+            &[
+                "run", "dsv4", "--layer", "moe", "--preset", "small", "--ep", "3",
+            ][..],
+            "--ep 3: must divide the 16 routed experts",
+        ),
+        (
+            &["run", "dsv4", "--layer", "moe", "--collectives", "shm"][..],
+            "--collectives: only with --ep",
+        ),
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "small",
+                "--ep",
+                "2",
+                "--experts-per-rank",
+                "16",
+            ][..],
+            "--experts-per-rank 16",
+        ),
+        (
+            &["run", "dsv4", "--layer", "moe", "--ep", "16"][..],
+            "--ep 16",
+        ),
+        (
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "moe",
+                "--preset",
+                "tiny",
+                "--ep",
+                "2",
+                "--diag-steps",
+                "0",
+            ][..],
+            "--diag-steps",
+        ),
+    ] {
+        let out = simpler(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            text(&out.stderr).contains(says),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+/// EP 2 over MPI on loopback: the binary must be built with the `mpi` feature
+/// (`cargo test -p simpler-cli --features mpi`), and `mpirun` must be on the path.
+#[cfg(feature = "mpi")]
+#[test]
+fn run_dsv4_moe_ep2_over_mpi_is_bit_identical_to_one_rank() {
+    if std::process::Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: no mpirun on the path (Debian: openmpi-bin)");
+        return;
+    }
+    let out = simpler(&[
+        "run",
+        "dsv4",
+        "--layer",
+        "moe",
+        "--ep",
+        "2",
+        "--collectives",
+        "mpi",
+        "--preset",
+        "small",
+        "--check",
+        "--rounds",
+        "2",
+        "--warmup",
+        "0",
+        "--cores",
+        "1",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("2 ranks over mpi"), "{so}");
+    assert!(
+        so.contains("ok: x_out: 8192 elements bit-identical to one rank"),
+        "{so}"
+    );
+    assert!(!so.contains("FAILED"), "{so}");
+}

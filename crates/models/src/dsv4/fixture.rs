@@ -425,8 +425,19 @@ pub fn generate_attn_weights(cfg: &Dsv4Config, seed: u64) -> AttnWeights {
     }
 }
 
-/// The MoE layer's weights (every routed expert; the EP split is not modelled here).
+/// The MoE layer's weights (every routed expert).
 pub fn generate_moe_weights(cfg: &Dsv4Config, seed: u64) -> MoeWeights {
+    generate_moe_weights_local(cfg, seed, 0..cfg.n_routed_experts)
+}
+
+/// The MoE layer's weights with only the routed experts `routed` (one rank's range of an
+/// expert-parallel placement; each expert has its own stream, so these equal the same experts
+/// of [`generate_moe_weights`]). An empty or out-of-range part of `routed` yields no expert.
+pub fn generate_moe_weights_local(
+    cfg: &Dsv4Config,
+    seed: u64,
+    routed: std::ops::Range<usize>,
+) -> MoeWeights {
     let (d, e, k) = (cfg.hidden, cfg.n_routed_experts, cfg.n_activated_experts);
     let id = stream::MOE;
     // Each token's hash row holds k distinct experts (a partial Fisher–Yates shuffle).
@@ -446,7 +457,7 @@ pub fn generate_moe_weights(cfg: &Dsv4Config, seed: u64) -> MoeWeights {
         gate: projection(seed, id + 3, e, d),
         bias: normal(seed, id + 4, e, 0.0, 0.1),
         tid2eid,
-        routed: (0..e as u64)
+        routed: (routed.start as u64..routed.end.min(e) as u64)
             .map(|x| expert(cfg, seed, stream::EXPERT0 + 4 * x))
             .collect(),
         shared: (0..cfg.n_shared_experts as u64)

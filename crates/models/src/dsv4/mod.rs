@@ -16,6 +16,7 @@ pub mod fixture;
 pub mod fixture_file;
 pub mod golden;
 pub mod moe_cost;
+pub mod moe_ep;
 pub mod moe_graph;
 pub mod moe_ops;
 pub mod ops;

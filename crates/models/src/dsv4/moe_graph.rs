@@ -112,6 +112,47 @@ mod io {
     pub(super) const X_MIXED: usize = WEIGHTS + 8;
     pub(super) const HCW: usize = WEIGHTS + 9;
     pub(super) const COUNT: usize = WEIGHTS + 10;
+
+    /// The front graph (`hc_pre`, route) of an expert-parallel step, after the weights.
+    pub(super) mod front {
+        use super::WEIGHTS;
+        pub(crate) const X_HC: usize = WEIGHTS;
+        pub(crate) const TOKENS: usize = WEIGHTS + 1;
+        pub(crate) const X_MIXED: usize = WEIGHTS + 2;
+        pub(crate) const HCW: usize = WEIGHTS + 3;
+        pub(crate) const XQ: usize = WEIGHTS + 4;
+        pub(crate) const XS: usize = WEIGHTS + 5;
+        pub(crate) const EXPERTS: usize = WEIGHTS + 6;
+        pub(crate) const ROUTE_W: usize = WEIGHTS + 7;
+        pub(crate) const COUNT: usize = WEIGHTS + 8;
+    }
+
+    /// The expert graph (shared experts on the own tokens, local experts on the received
+    /// rows), after the weights.
+    pub(super) mod expert {
+        use super::WEIGHTS;
+        pub(crate) const XQ: usize = WEIGHTS;
+        pub(crate) const XS: usize = WEIGHTS + 1;
+        pub(crate) const SHARED_OUT: usize = WEIGHTS + 2;
+        pub(crate) const ROWS: usize = WEIGHTS + 3;
+        pub(crate) const SCALES: usize = WEIGHTS + 4;
+        pub(crate) const ROW_W: usize = WEIGHTS + 5;
+        pub(crate) const OFFSETS: usize = WEIGHTS + 6;
+        pub(crate) const Y_ROWS: usize = WEIGHTS + 7;
+        pub(crate) const COUNT: usize = WEIGHTS + 8;
+    }
+
+    /// The back graph (reduce, `hc_post`), after the weights.
+    pub(super) mod back {
+        use super::WEIGHTS;
+        pub(crate) const X_HC: usize = WEIGHTS;
+        pub(crate) const HCW: usize = WEIGHTS + 1;
+        pub(crate) const SHARED_OUT: usize = WEIGHTS + 2;
+        pub(crate) const ROUTED_OUT: usize = WEIGHTS + 3;
+        pub(crate) const Y: usize = WEIGHTS + 4;
+        pub(crate) const X_OUT: usize = WEIGHTS + 5;
+        pub(crate) const COUNT: usize = WEIGHTS + 6;
+    }
 }
 
 /// A MoE layer's weights resident in worker buffers: the gate, the shared experts and the
@@ -204,7 +245,9 @@ fn expert_buffers(w: &Worker, experts: &[&Expert]) -> Result<Vec<Buffer>, MoeRun
 
 impl MoeLayer {
     /// Uploads layer `layer`'s MoE weights for `rank` of `placement` (the gate and the shared
-    /// experts on every rank, the routed experts of the rank's range).
+    /// experts on every rank, the routed experts of the rank's range). `w.routed` holds every
+    /// routed expert or only the rank's range
+    /// ([`generate_moe_weights_local`](super::fixture::generate_moe_weights_local)).
     pub fn new(
         worker: &Worker,
         config: &Dsv4Config,
@@ -235,7 +278,16 @@ impl MoeLayer {
             ("gate", w.gate.len(), e * d),
             ("bias", w.bias.len(), e),
             ("tid2eid", w.tid2eid.len(), config.vocab_size * k),
-            ("routed experts", w.routed.len(), e),
+            (
+                "routed experts",
+                w.routed.len(),
+                // Every routed expert, or only this rank's (a rank need not hold the others).
+                if w.routed.len() == placement.local(rank).len() {
+                    w.routed.len()
+                } else {
+                    e
+                },
+            ),
             ("shared experts", w.shared.len(), config.n_shared_experts),
             (
                 "hc.mix",
@@ -271,7 +323,11 @@ impl MoeLayer {
             upload(worker, &w.bias)?,
             upload(worker, &w.tid2eid)?,
         ];
-        let local: Vec<&Expert> = w.routed[placement.local(rank)].iter().collect();
+        let local: Vec<&Expert> = if w.routed.len() == e {
+            w.routed[placement.local(rank)].iter().collect()
+        } else {
+            w.routed.iter().collect()
+        };
         weights.extend(expert_buffers(worker, &local)?);
         let shared: Vec<&Expert> = w.shared.iter().collect();
         weights.extend(expert_buffers(worker, &shared)?);
@@ -328,24 +384,10 @@ impl MoeLayer {
         }
     }
 
-    /// One step on the residual `x_hc` (`[T, hc, D]` fp32) with the tokens' ids (hash routing
-    /// reads them), every route computed on this rank (single-rank placement).
-    pub fn step(
-        &self,
-        worker: &Worker,
-        x_hc: &[f32],
-        token_ids: &[u32],
-        cfg: &CallConfig,
-    ) -> Result<MoeOutput, MoeRunError> {
+    /// Checks a step's residual (`[T, hc, D]`) and token ids against the layer.
+    fn check_inputs(&self, x_hc: &[f32], token_ids: &[u32]) -> Result<(), MoeRunError> {
         let c = &self.config;
         let t = token_ids.len();
-        if self.placement.ranks() != 1 {
-            return Err(MoeRunError::Invalid(format!(
-                "a step on one worker needs every expert local; the placement has {} ranks \
-                 (the node level runs the expert-parallel step)",
-                self.placement.ranks()
-            )));
-        }
         if t == 0 || x_hc.len() != t * c.hc_mult * c.hidden {
             return Err(MoeRunError::Invalid(format!(
                 "x_hc of {} elements for {t} tokens of {} x {}",
@@ -364,6 +406,28 @@ impl MoeLayer {
                 c.vocab_size
             )));
         }
+        Ok(())
+    }
+
+    /// One step on the residual `x_hc` (`[T, hc, D]` fp32) with the tokens' ids (hash routing
+    /// reads them), every route computed on this rank (single-rank placement).
+    pub fn step(
+        &self,
+        worker: &Worker,
+        x_hc: &[f32],
+        token_ids: &[u32],
+        cfg: &CallConfig,
+    ) -> Result<MoeOutput, MoeRunError> {
+        let c = &self.config;
+        let t = token_ids.len();
+        if self.placement.ranks() != 1 {
+            return Err(MoeRunError::Invalid(format!(
+                "a step on one worker needs every expert local; the placement has {} ranks \
+                 (the node level runs the expert-parallel step)",
+                self.placement.ranks()
+            )));
+        }
+        self.check_inputs(x_hc, token_ids)?;
         let (d, k, s) = (c.hidden, c.n_activated_experts, c.n_shared_experts);
         let mut buffers = self.weights.clone();
         buffers.push(upload(worker, x_hc)?);
@@ -390,21 +454,190 @@ impl MoeLayer {
         let report = worker.run_fn("dsv4.moe", args, cfg, move |o, a| graph(o, a, &plan))?;
         let hcw: Vec<f32> = buffers[io::HCW].read()?;
         let (hc, m) = (c.hc_mult, c.hc_mix());
-        let part = |r: std::ops::Range<usize>| -> Vec<f32> {
-            hcw.chunks_exact(m)
-                .flat_map(|w| w[r.clone()].to_vec())
-                .collect()
-        };
         Ok(MoeOutput {
             x_out: buffers[io::X_OUT].read()?,
             x_mixed: buffers[io::X_MIXED].read()?,
-            post: part(hc..2 * hc),
-            comb: part(2 * hc..m),
+            post: hc_part(&hcw, m, hc..2 * hc),
+            comb: hc_part(&hcw, m, 2 * hc..m),
             y: buffers[io::Y].read()?,
             shared: buffers[io::SHARED_OUT].read()?,
             routed: buffers[io::ROUTED_OUT].read()?,
             experts: buffers[io::EXPERTS].read()?,
             weights: buffers[io::ROUTE_W].read()?,
+            report,
+        })
+    }
+
+    /// This rank's placement of the routed experts.
+    pub fn placement(&self) -> ExpertPlacement {
+        self.placement
+    }
+
+    /// The rank this layer's routed experts belong to.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The buffers of a graph: the weights, then `extra`.
+    fn args(&self, extra: Vec<Buffer>) -> RunArgs {
+        let mut buffers = self.weights.clone();
+        buffers.extend(extra);
+        RunArgs {
+            buffers,
+            scalars: Vec::new(),
+        }
+    }
+
+    /// The front of an expert-parallel step on this rank's tokens: `hc_pre` and route
+    /// (`docs/dsv4.md`, "Expert parallelism"). What it returns feeds
+    /// [`moe_ep::pack_dispatch`](super::moe_ep::pack_dispatch), [`MoeLayer::expert_step`]
+    /// and [`MoeLayer::back_step`].
+    pub fn front_step(
+        &self,
+        worker: &Worker,
+        x_hc: &[f32],
+        token_ids: &[u32],
+        cfg: &CallConfig,
+    ) -> Result<MoeFront, MoeRunError> {
+        self.check_inputs(x_hc, token_ids)?;
+        let c = &self.config;
+        let (t, d, k) = (token_ids.len(), c.hidden, c.n_activated_experts);
+        let x_hc = upload(worker, x_hc)?;
+        let mut extra = vec![x_hc.clone(), upload(worker, token_ids)?];
+        for bytes in [
+            t * d * 4,
+            t * c.hc_mix() * 4,
+            t * d,
+            t * 4,
+            t * k * 4,
+            t * k * 4,
+        ] {
+            extra.push(worker.alloc(bytes)?);
+        }
+        let args = self.args(extra);
+        let buffers = args.buffers.clone();
+        let plan = Arc::new(self.plan(t, worker.cores()));
+        let report = worker.run_fn("dsv4.moe.front", args, cfg, move |o, a| {
+            front_graph(o, a, &plan)
+        })?;
+        use io::front as f;
+        Ok(MoeFront {
+            tokens: t,
+            x_hc,
+            x_mixed: buffers[f::X_MIXED].clone(),
+            hcw: buffers[f::HCW].clone(),
+            xq_buf: buffers[f::XQ].clone(),
+            xs_buf: buffers[f::XS].clone(),
+            xq: buffers[f::XQ].read()?,
+            xs: buffers[f::XS].read()?,
+            experts: buffers[f::EXPERTS].read()?,
+            weights: buffers[f::ROUTE_W].read()?,
+            report,
+        })
+    }
+
+    /// The expert phases of an expert-parallel step: the shared experts on this rank's tokens
+    /// (`front`) and this rank's routed experts on the rows it received (`rows`).
+    pub fn expert_step(
+        &self,
+        worker: &Worker,
+        front: &MoeFront,
+        rows: &ReceivedRows,
+        cfg: &CallConfig,
+    ) -> Result<ExpertOutput, MoeRunError> {
+        let c = &self.config;
+        let (t, d) = (front.tokens, c.hidden);
+        let local = self.local_experts().len();
+        if rows.offsets.len() != local + 1 || rows.scales.len() * d != rows.q.len() {
+            return Err(MoeRunError::Invalid(format!(
+                "received rows: {} offsets and {} scales for {} int8 values; this rank has {local} experts of width {d}",
+                rows.offsets.len(),
+                rows.scales.len(),
+                rows.q.len()
+            )));
+        }
+        // A rank that received nothing still binds one (unused) row.
+        let r = rows.scales.len().max(1);
+        let pad = |v: &[f32]| -> Vec<f32> {
+            let mut v = v.to_vec();
+            v.resize(r, 0.0);
+            v
+        };
+        let mut q = rows.q.clone();
+        q.resize(r * d, 0);
+        let shared = worker.alloc(c.n_shared_experts * t * d * 4)?;
+        let args = self.args(vec![
+            front.xq_buf.clone(),
+            front.xs_buf.clone(),
+            shared.clone(),
+            upload(worker, &q)?,
+            upload(worker, &pad(&rows.scales))?,
+            upload(worker, &pad(&rows.weights))?,
+            upload(worker, &rows.offsets)?,
+            worker.alloc(r * d * 4)?,
+        ]);
+        let buffers = args.buffers.clone();
+        let plan = Arc::new(Plan {
+            capacity: r,
+            ..self.plan(t, worker.cores())
+        });
+        let report = worker.run_fn("dsv4.moe.experts", args, cfg, move |o, a| {
+            expert_graph(o, a, &plan)
+        })?;
+        let mut y: Vec<f32> = buffers[io::expert::Y_ROWS].read()?;
+        y.truncate(rows.scales.len() * d);
+        Ok(ExpertOutput {
+            shared,
+            y_rows: y,
+            report,
+        })
+    }
+
+    /// The back of an expert-parallel step: `routed` (`[T, K, D]` in route order, combined
+    /// from every rank) and the shared experts' outputs reduced in the single-rank order,
+    /// then `hc_post`.
+    pub fn back_step(
+        &self,
+        worker: &Worker,
+        front: &MoeFront,
+        experts: &ExpertOutput,
+        routed: &[f32],
+        cfg: &CallConfig,
+    ) -> Result<MoeOutput, MoeRunError> {
+        let c = &self.config;
+        let (t, d, k) = (front.tokens, c.hidden, c.n_activated_experts);
+        if routed.len() != t * k * d {
+            return Err(MoeRunError::Invalid(format!(
+                "combined routes of {} elements, expected {t} x {k} x {d}",
+                routed.len()
+            )));
+        }
+        let args = self.args(vec![
+            front.x_hc.clone(),
+            front.hcw.clone(),
+            experts.shared.clone(),
+            upload(worker, routed)?,
+            worker.alloc(t * d * 4)?,
+            worker.alloc(t * c.hc_mult * d * 4)?,
+        ]);
+        let buffers = args.buffers.clone();
+        let plan = Arc::new(self.plan(t, worker.cores()));
+        let report = worker.run_fn("dsv4.moe.back", args, cfg, move |o, a| {
+            back_graph(o, a, &plan)
+        })?;
+        use io::back as b;
+        let (hc, m) = (c.hc_mult, c.hc_mix());
+        let hcw: Vec<f32> = front.hcw.read()?;
+        Ok(MoeOutput {
+            x_out: buffers[b::X_OUT].read()?,
+            x_mixed: front.x_mixed.read()?,
+            post: hc_part(&hcw, m, hc..2 * hc),
+            comb: hc_part(&hcw, m, 2 * hc..m),
+            y: buffers[b::Y].read()?,
+            shared: experts.shared.read()?,
+            routed: routed.to_vec(),
+            experts: front.experts.clone(),
+            weights: front.weights.clone(),
             report,
         })
     }
@@ -493,53 +726,65 @@ fn experts(
     Ok(o.submit(t.blocks(p.blocks).timing_slot(4))?.id)
 }
 
-/// The step's graph (module docs).
-fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
-    if a.buffers.len() != io::COUNT {
-        return Err(o.fatal(format!(
-            "dsv4 moe orchestration: {} buffers, expected {}",
-            a.buffers.len(),
-            io::COUNT
-        )));
-    }
-    let (t, d, k, e) = (
-        p.tokens as u64,
-        p.d as u64,
-        p.top_k as u64,
-        p.n_experts as u64,
-    );
-    let b = &a.buffers;
-    let norm = o.bind(&b[io::FFN_NORM], DType::F32, &[d])?;
-    let gate = o.bind(&b[io::GATE], DType::F32, &[e, d])?;
-    let bias = o.bind(&b[io::BIAS], DType::F32, &[e])?;
-    let hash = o.bind(&b[io::HASH], DType::U32, &[p.vocab as u64, k])?;
-    let routed_w = bind_experts(o, a, io::ROUTED, p.local.len(), p)?;
-    let shared_w = bind_experts(o, a, io::SHARED, p.n_shared, p)?;
-    let hc = p.hc as u64;
-    let m = (2 + hc) * hc;
-    let mix = o.bind(&b[io::HC_MIX], DType::F32, &[m, hc * d])?;
-    let base = o.bind(&b[io::HC_BASE], DType::F32, &[m])?;
-    let x_hc = o.bind(&b[io::X_HC], DType::F32, &[t, hc * d])?;
-    let x_out = o.bind(&b[io::X_OUT], DType::F32, &[t, hc * d])?;
-    let tokens = o.bind(&b[io::TOKENS], DType::U32, &[t])?;
-    let y = o.bind(&b[io::Y], DType::F32, &[t, d])?;
-    let shared = o.bind(&b[io::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
-    let routed = o.bind(&b[io::ROUTED_OUT], DType::F32, &[t, k, d])?;
-    let experts_t = o.bind(&b[io::EXPERTS], DType::U32, &[t, k])?;
-    let weights_t = o.bind(&b[io::ROUTE_W], DType::F32, &[t, k])?;
+/// The gate's tensors and the hyper-connection weights, bound from the layer's weights.
+struct GateViews {
+    norm: Tensor,
+    gate: Tensor,
+    bias: Tensor,
+    hash: Tensor,
+    mix: Tensor,
+    base: Tensor,
+}
 
-    // hc_pre.
-    let x = o.bind(&b[io::X_MIXED], DType::F32, &[t, d])?;
-    let hcw = o.bind(&b[io::HCW], DType::F32, &[t, m])?;
-    let mut task = Task::new(moe_ops::MOE_HC_PRE).input(&x_hc);
+fn bind_gate(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<GateViews, RunError> {
+    let (d, k, e, hc) = (p.d as u64, p.top_k as u64, p.n_experts as u64, p.hc as u64);
+    let b = &a.buffers;
+    Ok(GateViews {
+        norm: o.bind(&b[io::FFN_NORM], DType::F32, &[d])?,
+        gate: o.bind(&b[io::GATE], DType::F32, &[e, d])?,
+        bias: o.bind(&b[io::BIAS], DType::F32, &[e])?,
+        hash: o.bind(&b[io::HASH], DType::U32, &[p.vocab as u64, k])?,
+        mix: o.bind(&b[io::HC_MIX], DType::F32, &[p.hc_mix(), hc * d])?,
+        base: o.bind(&b[io::HC_BASE], DType::F32, &[p.hc_mix()])?,
+    })
+}
+
+impl Plan {
+    /// Hyper-connection weights per token (pre, post, comb).
+    fn hc_mix(&self) -> u64 {
+        let hc = self.hc as u64;
+        (2 + hc) * hc
+    }
+}
+
+/// The tensors `hc_pre` and route write.
+struct RouteOut<'a> {
+    hcw: &'a Tensor,
+    x_mixed: &'a Tensor,
+    xq: &'a Tensor,
+    xs: &'a Tensor,
+    experts: &'a Tensor,
+    weights: &'a Tensor,
+}
+
+/// `hc_pre` then route, on the residual `x_hc` and the token ids.
+fn submit_route(
+    o: &mut Orchestrator,
+    p: &Plan,
+    g: &GateViews,
+    x_hc: &Tensor,
+    tokens: &Tensor,
+    out: &RouteOut<'_>,
+) -> Result<(), RunError> {
+    let mut task = Task::new(moe_ops::MOE_HC_PRE).input(x_hc);
     // SAFETY: the hyper-connection weights are written by no task during a run.
     unsafe {
-        task = task.no_dep(&mix).no_dep(&base);
+        task = task.no_dep(&g.mix).no_dep(&g.base);
     }
     let task = task
-        .output_existing(&hcw)
-        .output_existing(&x)
-        .scalar(hc)
+        .output_existing(out.hcw)
+        .output_existing(out.x_mixed)
+        .scalar(p.hc as u64)
         .scalar(p.hc_iters as u64)
         .scalar_f32(p.hc_eps)
         .scalar_f32(p.eps)
@@ -548,26 +793,41 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .scalar_f32(p.hc_scale[2])
         .blocks(p.row_blocks);
     o.submit(task.timing_slot(0))?;
-
-    // Route.
-    let xq = o.alloc(DType::I8, &[t, d])?;
-    let xs = o.alloc(DType::F32, &[t])?;
-    let mut task = Task::new(moe_ops::MOE_ROUTE).input(&x).input(&tokens);
+    let mut task = Task::new(moe_ops::MOE_ROUTE)
+        .input(out.x_mixed)
+        .input(tokens);
     // SAFETY: the norm, gate, bias and hash table are written by no task during a run.
     unsafe {
-        task = task.no_dep(&norm).no_dep(&gate).no_dep(&bias).no_dep(&hash);
+        task = task
+            .no_dep(&g.norm)
+            .no_dep(&g.gate)
+            .no_dep(&g.bias)
+            .no_dep(&g.hash);
     }
     let task = task
-        .output_existing(&xq)
-        .output_existing(&xs)
-        .output_existing(&experts_t)
-        .output_existing(&weights_t)
+        .output_existing(out.xq)
+        .output_existing(out.xs)
+        .output_existing(out.experts)
+        .output_existing(out.weights)
         .scalar_f32(p.eps)
         .scalar_f32(p.route_scale)
         .scalar(u64::from(p.hash));
     o.submit(task.timing_slot(1))?;
+    Ok(())
+}
 
-    // Shared experts: every token, weight 1, straight from the routed activations.
+/// The shared experts: every token, weight 1, straight from the routed activations, into
+/// `shared` `[S, T, D]`.
+fn submit_shared(
+    o: &mut Orchestrator,
+    a: &RunArgs,
+    p: &Plan,
+    xq: &Tensor,
+    xs: &Tensor,
+    shared: &Tensor,
+) -> Result<(), RunError> {
+    let (t, d) = (p.tokens as u64, p.d as u64);
+    let shared_w = bind_experts(o, a, io::SHARED, p.n_shared, p)?;
     for s in 0..p.n_shared {
         let one = |o: &mut Orchestrator, v: &Tensor| -> Result<Tensor, RunError> {
             o.fatal_on(v.slice(0, s as u64, s as u64 + 1))
@@ -582,8 +842,73 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         };
         let out = o.fatal_on(shared.slice(0, s as u64, s as u64 + 1))?;
         let out = o.fatal_on(out.reshape(&[t, d]))?;
-        experts(o, p, &sw, &xq, &xs, None, p.tokens, &out)?;
+        experts(o, p, &sw, xq, xs, None, p.tokens, &out)?;
     }
+    Ok(())
+}
+
+/// Reduce (`y = bf16(shared + Σ routed)`) then `hc_post` into `x_out`.
+#[allow(clippy::too_many_arguments)]
+fn submit_reduce(
+    o: &mut Orchestrator,
+    p: &Plan,
+    shared: &Tensor,
+    routed: &Tensor,
+    y: &Tensor,
+    x_hc: &Tensor,
+    hcw: &Tensor,
+    x_out: &Tensor,
+) -> Result<(), RunError> {
+    let task = Task::new(moe_ops::MOE_REDUCE)
+        .input(shared)
+        .input(routed)
+        .output_existing(y);
+    o.submit(task.timing_slot(5))?;
+    let task = Task::new(super::ops::HC_POST)
+        .input(x_hc)
+        .input(y)
+        .input(hcw)
+        .output_existing(x_out)
+        .scalar(p.hc as u64);
+    o.submit(task.timing_slot(5))?;
+    Ok(())
+}
+
+/// The step's graph (module docs).
+fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
+    if a.buffers.len() != io::COUNT {
+        return Err(o.fatal(format!(
+            "dsv4 moe orchestration: {} buffers, expected {}",
+            a.buffers.len(),
+            io::COUNT
+        )));
+    }
+    let (t, d, k, hc) = (p.tokens as u64, p.d as u64, p.top_k as u64, p.hc as u64);
+    let b = &a.buffers;
+    let g = bind_gate(o, a, p)?;
+    let routed_w = bind_experts(o, a, io::ROUTED, p.local.len(), p)?;
+    let x_hc = o.bind(&b[io::X_HC], DType::F32, &[t, hc * d])?;
+    let x_out = o.bind(&b[io::X_OUT], DType::F32, &[t, hc * d])?;
+    let tokens = o.bind(&b[io::TOKENS], DType::U32, &[t])?;
+    let y = o.bind(&b[io::Y], DType::F32, &[t, d])?;
+    let shared = o.bind(&b[io::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
+    let routed = o.bind(&b[io::ROUTED_OUT], DType::F32, &[t, k, d])?;
+    let experts_t = o.bind(&b[io::EXPERTS], DType::U32, &[t, k])?;
+    let weights_t = o.bind(&b[io::ROUTE_W], DType::F32, &[t, k])?;
+    let x = o.bind(&b[io::X_MIXED], DType::F32, &[t, d])?;
+    let hcw = o.bind(&b[io::HCW], DType::F32, &[t, p.hc_mix()])?;
+    let xq = o.alloc(DType::I8, &[t, d])?;
+    let xs = o.alloc(DType::F32, &[t])?;
+    let route_out = RouteOut {
+        hcw: &hcw,
+        x_mixed: &x,
+        xq: &xq,
+        xs: &xs,
+        experts: &experts_t,
+        weights: &weights_t,
+    };
+    submit_route(o, p, &g, &x_hc, &tokens, &route_out)?;
+    submit_shared(o, a, p, &xq, &xs, &shared)?;
 
     // Dispatch: this rank's rows grouped per local expert.
     let (l, cap) = (p.local.len() as u64, p.capacity as u64);
@@ -635,19 +960,143 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
         .output_existing(&routed_flat)
         .blocks(p.blocks);
     o.submit(task.timing_slot(5))?;
-    let task = Task::new(moe_ops::MOE_REDUCE)
-        .input(&shared)
-        .input(&routed)
-        .output_existing(&y);
-    o.submit(task.timing_slot(5))?;
-    let task = Task::new(super::ops::HC_POST)
-        .input(&x_hc)
-        .input(&y)
-        .input(&hcw)
-        .output_existing(&x_out)
-        .scalar(hc);
-    o.submit(task.timing_slot(5))?;
+    submit_reduce(o, p, &shared, &routed, &y, &x_hc, &hcw, &x_out)
+}
+
+/// Columns `r` of every token's `m` hyper-connection weights.
+fn hc_part(hcw: &[f32], m: usize, r: Range<usize>) -> Vec<f32> {
+    hcw.chunks_exact(m)
+        .flat_map(|w| w[r.clone()].to_vec())
+        .collect()
+}
+
+/// What the front of an expert-parallel step leaves for the rest of it.
+#[derive(Debug)]
+pub struct MoeFront {
+    tokens: usize,
+    x_hc: Buffer,
+    x_mixed: Buffer,
+    hcw: Buffer,
+    xq_buf: Buffer,
+    xs_buf: Buffer,
+    /// int8 activations `[T, D]` (what dispatch sends).
+    pub xq: Vec<i8>,
+    /// Their scales `[T]`.
+    pub xs: Vec<f32>,
+    /// Chosen experts `[T, K]`.
+    pub experts: Vec<u32>,
+    /// Routing weights `[T, K]`.
+    pub weights: Vec<f32>,
+    /// The front graph's timing.
+    pub report: RunReport,
+}
+
+/// The rows one rank's routed experts compute: int8 rows grouped per local expert
+/// (`offsets`, `L + 1` entries), with their scales and routing weights.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReceivedRows {
+    /// int8 rows `[R, D]`.
+    pub q: Vec<i8>,
+    /// Their scales `[R]`.
+    pub scales: Vec<f32>,
+    /// Their routing weights `[R]`.
+    pub weights: Vec<f32>,
+    /// Group offsets `[L + 1]`: local expert `g` owns rows `offsets[g]..offsets[g + 1]`.
+    pub offsets: Vec<u32>,
+}
+
+/// What the expert phases of an expert-parallel step produced.
+#[derive(Debug)]
+pub struct ExpertOutput {
+    /// The shared experts' outputs `[S, T, D]` (stays on the worker for the back graph).
+    shared: Buffer,
+    /// The routed experts' outputs `[R, D]`, one per received row, weighted.
+    pub y_rows: Vec<f32>,
+    /// The expert graph's timing.
+    pub report: RunReport,
+}
+
+fn expect_buffers(o: &Orchestrator, a: &RunArgs, n: usize, what: &str) -> Result<(), RunError> {
+    if a.buffers.len() == n {
+        Ok(())
+    } else {
+        Err(o.fatal(format!(
+            "dsv4 moe {what} orchestration: {} buffers, expected {n}",
+            a.buffers.len()
+        )))
+    }
+}
+
+/// `hc_pre` and route of an expert-parallel step.
+fn front_graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
+    use io::front as f;
+    expect_buffers(o, a, f::COUNT, "front")?;
+    let (t, d, k, hc) = (p.tokens as u64, p.d as u64, p.top_k as u64, p.hc as u64);
+    let b = &a.buffers;
+    let g = bind_gate(o, a, p)?;
+    let x_hc = o.bind(&b[f::X_HC], DType::F32, &[t, hc * d])?;
+    let tokens = o.bind(&b[f::TOKENS], DType::U32, &[t])?;
+    let out = RouteOut {
+        hcw: &o.bind(&b[f::HCW], DType::F32, &[t, p.hc_mix()])?,
+        x_mixed: &o.bind(&b[f::X_MIXED], DType::F32, &[t, d])?,
+        xq: &o.bind(&b[f::XQ], DType::I8, &[t, d])?,
+        xs: &o.bind(&b[f::XS], DType::F32, &[t])?,
+        experts: &o.bind(&b[f::EXPERTS], DType::U32, &[t, k])?,
+        weights: &o.bind(&b[f::ROUTE_W], DType::F32, &[t, k])?,
+    };
+    submit_route(o, p, &g, &x_hc, &tokens, &out)
+}
+
+/// The shared experts on the own tokens and the local experts on the received rows.
+fn expert_graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
+    use io::expert as x;
+    expect_buffers(o, a, x::COUNT, "experts")?;
+    let (t, d, r, l) = (
+        p.tokens as u64,
+        p.d as u64,
+        p.capacity as u64,
+        p.local.len() as u64,
+    );
+    let b = &a.buffers;
+    let xq = o.bind(&b[x::XQ], DType::I8, &[t, d])?;
+    let xs = o.bind(&b[x::XS], DType::F32, &[t])?;
+    let shared = o.bind(&b[x::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
+    submit_shared(o, a, p, &xq, &xs, &shared)?;
+    if p.local.is_empty() {
+        return Ok(());
+    }
+    let routed_w = bind_experts(o, a, io::ROUTED, p.local.len(), p)?;
+    let rows = o.bind(&b[x::ROWS], DType::I8, &[r, d])?;
+    let scales = o.bind(&b[x::SCALES], DType::F32, &[r])?;
+    let row_w = o.bind(&b[x::ROW_W], DType::F32, &[r])?;
+    let offsets = o.bind(&b[x::OFFSETS], DType::U32, &[l + 1])?;
+    let y = o.bind(&b[x::Y_ROWS], DType::F32, &[r, d])?;
+    experts(
+        o,
+        p,
+        &routed_w,
+        &rows,
+        &scales,
+        Some((&offsets, &row_w)),
+        p.capacity,
+        &y,
+    )?;
     Ok(())
+}
+
+/// Reduce and `hc_post` of an expert-parallel step.
+fn back_graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
+    use io::back as bk;
+    expect_buffers(o, a, bk::COUNT, "back")?;
+    let (t, d, k, hc) = (p.tokens as u64, p.d as u64, p.top_k as u64, p.hc as u64);
+    let b = &a.buffers;
+    let x_hc = o.bind(&b[bk::X_HC], DType::F32, &[t, hc * d])?;
+    let hcw = o.bind(&b[bk::HCW], DType::F32, &[t, p.hc_mix()])?;
+    let shared = o.bind(&b[bk::SHARED_OUT], DType::F32, &[p.n_shared as u64, t, d])?;
+    let routed = o.bind(&b[bk::ROUTED_OUT], DType::F32, &[t, k, d])?;
+    let y = o.bind(&b[bk::Y], DType::F32, &[t, d])?;
+    let x_out = o.bind(&b[bk::X_OUT], DType::F32, &[t, hc * d])?;
+    submit_reduce(o, p, &shared, &routed, &y, &x_hc, &hcw, &x_out)
 }
 
 /// Orchestrator helpers for view errors.
