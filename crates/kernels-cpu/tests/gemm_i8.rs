@@ -148,11 +148,12 @@ fn check_w8a8(c: &Case, paths: &[I8Path], seed: u64) {
 fn w8a8_every_path_equals_the_reference_bit_for_bit_at_ragged_shapes() {
     let paths = paths("w8a8 ragged");
     let mut seed = 1;
-    // Rows around the 4-row blocks and 16-row tiles; k around the 32/64-byte steps; batches
-    // around the 2/4-row blocks, the AMX minimum and its 16-row groups.
-    for n in [1, 3, 4, 5, 15, 16, 17, 32, 33, 49] {
+    // Rows around the 3- and 4-row blocks and 16-row tiles; k around the 32/64-byte steps;
+    // batches around the 2-, 4- and 8-row blocks (every count up to 9), the AMX minimum and
+    // its 16-row groups.
+    for n in [1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 32, 33, 49] {
         for k in [1, 31, 32, 33, 64, 65, 127, 200] {
-            for batch in [1, 2, 3, 4, 5, 16, 17] {
+            for batch in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17] {
                 seed += 1;
                 check_w8a8(&case(n, k, batch, false, seed), &paths, seed);
             }
@@ -163,7 +164,7 @@ fn w8a8_every_path_equals_the_reference_bit_for_bit_at_ragged_shapes() {
 #[test]
 fn w8a8_extreme_values_neither_saturate_nor_wrap() {
     let paths = paths("w8a8 extremes");
-    for (i, &(n, k, batch)) in [(16, 1024, 1), (33, 4096, 5), (32, 256, 16)]
+    for (i, &(n, k, batch)) in [(16, 1024, 1), (33, 4096, 5), (35, 4096, 8), (32, 256, 16)]
         .iter()
         .enumerate()
     {

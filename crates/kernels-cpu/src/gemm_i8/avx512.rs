@@ -1,17 +1,21 @@
-//! 512-bit int8 paths: AVX-512 VNNI `vpdpbusd` (activations offset by +128, removed with the
-//! weight-row sums taken alongside) and the wide product in 512-bit registers. Blocks of `R`
-//! weight rows × up to `B` batch rows, every accumulator in one of the 32 registers.
+//! 512-bit int8 paths: AVX-512 VNNI `vpdpbusd` (weights offset by +128, removed with the
+//! activation rows' sums taken once per call) and the wide product in 512-bit registers.
+//! Blocks of weight rows × batch rows, every accumulator in one of the 32 registers.
 
 use std::arch::x86_64::*;
 
-use super::{Lowered, LoweredWide};
+use super::{Lowered, LoweredWide, WithActSums};
 use crate::simd::prefetch_l2;
 
-/// Weight rows per block.
-const R: usize = 4;
-/// Most batch rows per block: 16 accumulators, 4 row sums, 4 activation vectors and the
-/// weights stay within 32 registers.
-const B: usize = 4;
+/// Weight rows per W8A8 block: 24 accumulators at 8 batch rows (more independent
+/// `vpdpbusd` chains than the instruction's latency needs), 3 offset weight vectors and the
+/// offset constant within 32 registers; each activation vector is used three times.
+const R: usize = 3;
+/// Most batch rows per W8A8 block: the decode batch of 8 in one pass over the weights.
+const B: usize = 8;
+/// Weight rows and batch rows per wide block.
+const R_WIDE: usize = 4;
+const B_WIDE: usize = 4;
 /// Bytes of `k` per step.
 const STEP: usize = 64;
 
@@ -21,54 +25,51 @@ const STEP: usize = 64;
 /// AVX-512 F/BW/VNNI available; `lw` checked by `gemm_i8_w8a8`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(lw, out, ld_out, R, B, STEP, block_vnni, 0i32);
+    let lo = WithActSums::new(lw, STEP);
+    drive!(&lo, out, ld_out, R, B, STEP, block_vnni, 0i32);
 }
 
-/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b`: `sum (a + 128) w` minus
-/// `128 sum w`, wrapping in i32 (the true value is in range, so the wrap cancels).
+/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b`: `sum (w + 128) a` minus
+/// `128 sum a`, wrapping in i32 (the true value is in range, so the wrap cancels).
 ///
 /// # Safety
 /// AVX-512 F/BW/VNNI available; the rows lie inside the tile of a checked `lw`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn block_vnni<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
+unsafe fn block_vnni<const RR: usize, const BB: usize>(
+    lo: &WithActSums<'_, '_>,
     n0: usize,
     b0: usize,
     sums: &mut [[i32; B]; R],
 ) {
+    let lw = lo.lw;
     let steps = lw.k.len() / STEP;
     let k0 = lw.k.start;
     let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
     let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
     let flip = _mm512_set1_epi8(i8::MIN);
-    let ones = _mm512_set1_epi8(1);
     let mut acc = [[_mm512_setzero_si512(); BB]; RR];
-    let mut wsum = [_mm512_setzero_si512(); RR];
     for s in 0..steps {
-        // SAFETY: `s * STEP + STEP <= k.len()` values lie after each start pointer (the rows
-        // lie inside their slices: checked by the caller).
-        let a: [__m512i; BB] = std::array::from_fn(|b| {
+        let w: [__m512i; RR] = std::array::from_fn(|r| {
+            // The same row of the next block, one block ahead (module docs of `gemm_i8`).
+            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
+            // SAFETY: `s * STEP + STEP <= k.len()` values lie after each start pointer (the
+            // rows lie inside their slices: checked by the caller).
             _mm512_xor_si512(
-                // SAFETY: as above.
-                unsafe { _mm512_loadu_si512(ap[b].add(s * STEP).cast()) },
+                unsafe { _mm512_loadu_si512(wp[r].add(s * STEP).cast()) },
                 flip,
             )
         });
-        for r in 0..RR {
-            // The same row of the next block, one block ahead (see `PREFETCH`).
-            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
+        for b in 0..BB {
             // SAFETY: as above.
-            let w = unsafe { _mm512_loadu_si512(wp[r].add(s * STEP).cast()) };
-            wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, w);
-            for b in 0..BB {
-                acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], a[b], w);
+            let a = unsafe { _mm512_loadu_si512(ap[b].add(s * STEP).cast()) };
+            for r in 0..RR {
+                acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], w[r], a);
             }
         }
     }
     for r in 0..RR {
-        let off = _mm512_reduce_add_epi32(wsum[r]).wrapping_mul(128);
         for b in 0..BB {
-            sums[r][b] = _mm512_reduce_add_epi32(acc[r][b]).wrapping_sub(off);
+            sums[r][b] = _mm512_reduce_add_epi32(acc[r][b]).wrapping_sub(lo.offset(b0 + b));
         }
     }
 }
@@ -79,7 +80,7 @@ pub(super) unsafe fn block_vnni<const RR: usize, const BB: usize>(
 /// AVX-512 F available; `lw` checked by `gemm_i8_wide`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
 pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(lw, out, ld_out, R, B, 16, block_wide, 0.0f32);
+    drive!(lw, out, ld_out, R_WIDE, B_WIDE, 16, block_wide, 0.0f32);
 }
 
 /// `sums[r][b]` of the body in steps of 16.
@@ -91,7 +92,7 @@ unsafe fn block_wide<const RR: usize, const BB: usize>(
     lw: &LoweredWide<'_>,
     n0: usize,
     b0: usize,
-    sums: &mut [[f32; B]; R],
+    sums: &mut [[f32; B_WIDE]; R_WIDE],
 ) {
     let steps = lw.k.len() / 16;
     let k0 = lw.k.start;

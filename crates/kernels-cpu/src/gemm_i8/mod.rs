@@ -23,10 +23,12 @@
 //! - AVX2 (`vpmaddubsw`): `|w|` as u8 times `sign(x, w)` as s8, pairs summed to i16 (at most
 //!   `2 * 128 * 127`, no saturation) then to i32 with `vpmaddwd` against ones.
 //! - AVX-VNNI (256-bit) and AVX-512 VNNI (`vpdpbusd`): the instruction wants u8 × s8, so the
-//!   activations enter as `x + 128` (a xor of the sign bit) and each weight row's sum over the
-//!   slice, taken alongside with a second `vpdpbusd` against ones, removes the offset:
-//!   `sum (x + 128) w - 128 sum w`. Sums wrap in i32 and the final value is in range, so the
-//!   wrap cancels.
+//!   weights enter as `w + 128` (a xor of the sign bit on each loaded vector) against the
+//!   activations as they lie, and each batch row's sum over the slice, taken once per call,
+//!   removes the offset: `sum (w + 128) x - 128 sum x`. Every `vpdpbusd` is then a useful
+//!   one (offsetting the activations instead needs each weight row's sum, a `vpdpbusd` per
+//!   weight vector and batch pass: a fifth of the instructions at 8 rows in two passes).
+//!   Sums wrap in i32 and the final value is in range, so the wrap cancels.
 //! - AMX-INT8 (`tdpbssd`): the weight rows are the A tile as they lie (16 rows × 64 bytes),
 //!   the activations are repacked per call into the B tile layout (`k / 4` rows of four bytes
 //!   per batch row), so nothing about the weights changes; for batches of at least
@@ -51,8 +53,8 @@ use crate::isa::Isa;
 use crate::multiversion::multiversion;
 
 /// Runs `$block::<rows, batch>` over a lowered tile in blocks of `$r` weight rows (single rows
-/// at the end) and up to `$b` batch rows, finishing each sum with the slice's scalar tail (the
-/// `k` values after the last whole `$step`).
+/// at the end) and up to `$b` (at most 8) batch rows, finishing each sum with the slice's
+/// scalar tail (the `k` values after the last whole `$step`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! drive {
     ($lw:expr, $out:expr, $ld_out:expr, $r:expr, $b:expr, $step:expr, $block:ident, $zero:expr) => {{
@@ -67,15 +69,24 @@ macro_rules! drive {
                 let mut sums = [[$zero; $b]; $r];
                 // SAFETY: rows n0..n0+nr and batch rows b0..b0+bb lie inside the tile (loop
                 // bounds); the caller's contract covers the features and the slices.
+                // `bb` is at most `$b`, so the last arm of each half is the full block.
                 unsafe {
                     match (nr == $r, bb) {
                         (true, 1) => $block::<$r, 1>(lw, n0, b0, &mut sums),
                         (true, 2) if $b > 2 => $block::<$r, 2>(lw, n0, b0, &mut sums),
                         (true, 3) if $b > 3 => $block::<$r, 3>(lw, n0, b0, &mut sums),
+                        (true, 4) if $b > 4 => $block::<$r, 4>(lw, n0, b0, &mut sums),
+                        (true, 5) if $b > 5 => $block::<$r, 5>(lw, n0, b0, &mut sums),
+                        (true, 6) if $b > 6 => $block::<$r, 6>(lw, n0, b0, &mut sums),
+                        (true, 7) if $b > 7 => $block::<$r, 7>(lw, n0, b0, &mut sums),
                         (true, _) => $block::<$r, $b>(lw, n0, b0, &mut sums),
                         (false, 1) => $block::<1, 1>(lw, n0, b0, &mut sums),
                         (false, 2) if $b > 2 => $block::<1, 2>(lw, n0, b0, &mut sums),
                         (false, 3) if $b > 3 => $block::<1, 3>(lw, n0, b0, &mut sums),
+                        (false, 4) if $b > 4 => $block::<1, 4>(lw, n0, b0, &mut sums),
+                        (false, 5) if $b > 5 => $block::<1, 5>(lw, n0, b0, &mut sums),
+                        (false, 6) if $b > 6 => $block::<1, 6>(lw, n0, b0, &mut sums),
+                        (false, 7) if $b > 7 => $block::<1, 7>(lw, n0, b0, &mut sums),
                         (false, _) => $block::<1, $b>(lw, n0, b0, &mut sums),
                     }
                 }
@@ -539,6 +550,44 @@ impl Lowered<'_> {
             OutMode::Store => *o = v,
             OutMode::Add => *o += v,
         }
+    }
+}
+
+/// A lowered W8A8 tile with each batch row's activation sum over the slice's body (the
+/// `k` values in whole steps of `step` bytes), the offset the VNNI paths remove.
+#[cfg(target_arch = "x86_64")]
+struct WithActSums<'l, 'a> {
+    lw: &'l Lowered<'a>,
+    sums: Vec<i32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'l, 'a> WithActSums<'l, 'a> {
+    fn new(lw: &'l Lowered<'a>, step: usize) -> WithActSums<'l, 'a> {
+        let body = lw.k.start..lw.k.start + lw.k.len() / step * step;
+        let sums = (0..lw.batch)
+            .map(|b| {
+                lw.a[b * lw.lda + body.start..b * lw.lda + body.end]
+                    .iter()
+                    .map(|&v| i32::from(v))
+                    .sum()
+            })
+            .collect();
+        WithActSums { lw, sums }
+    }
+
+    /// `128 ·` batch row `b`'s sum, the offset its body sums carry.
+    #[inline]
+    fn offset(&self, b: usize) -> i32 {
+        self.sums[b].wrapping_mul(128)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> std::ops::Deref for WithActSums<'_, 'a> {
+    type Target = Lowered<'a>;
+    fn deref(&self) -> &Lowered<'a> {
+        self.lw
     }
 }
 
