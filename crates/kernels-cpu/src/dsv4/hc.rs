@@ -3,7 +3,8 @@
 //! every stream.
 //!
 //! `hc_pre` is three kernels so a task can batch the expensive part: [`hc_mix_logits`] (the
-//! `hc_mix × hc·d` projection of every token, the only one that streams weights),
+//! `hc_mix × hc·d` projection of every token, the only one that streams weights; also as its
+//! two factors [`hc_mix_dots`] and [`hc_inv_rms`], so a task graph can split the weight rows),
 //! [`hc_weights`] (sigmoids and Sinkhorn on a token's `hc_mix` logits, scalar: 24 values) and
 //! [`hc_mix_streams`] (the weighted sum of the streams, rounded half up to bf16).
 //!
@@ -18,47 +19,140 @@ pub const fn hc_mix_len(hc: usize) -> usize {
     (2 + hc) * hc
 }
 
-multiversion! {
-    /// The mix logits of `rows` tokens: for token `t` (`x` row `t`, `n = hc·d` values) and mix
-    /// row `m` (`w` row `m`, `n` values), `out[t, m] = (Σ x·w[m]) / sqrt(mean(x²) + eps)`.
-    /// The sums run in f64 (four lanes): the mixed stream is rounded to bf16 right after, and
-    /// an fp32 sum over `hc · d` values errs enough to flip some of those roundings (each flip
-    /// moves the layer's output visibly); the product is small (`hc_mix` rows per token).
-    ///
-    /// # Panics
-    /// If `w.len()` is not a multiple of `n`, or `x` and `out` do not hold the same number of
-    /// rows (`x.len() / n == out.len() / (w.len() / n)`).
-    pub fn hc_mix_logits(x: &[f32], n: usize, w: &[f32], eps: f32, out: &mut [f32]) {
-        assert!(n > 0 && w.len().is_multiple_of(n), "hc_mix_logits: w len {} for rows of {n}", w.len());
-        assert!(x.len().is_multiple_of(n), "hc_mix_logits: x len {} for rows of {n}", x.len());
-        let (rows, m) = (x.len() / n, w.len() / n);
-        assert_eq!(out.len(), rows * m, "hc_mix_logits: out len");
-        let inv: Vec<f32> = x.chunks_exact(n).map(|r| inv_rms_f64(r, eps)).collect();
-        for (j, wr) in w.chunks_exact(n).enumerate() {
-            for (t, xr) in x.chunks_exact(n).enumerate() {
-                out[t * m + j] = inv[t] * dot_f64(xr, wr) as f32;
-            }
+/// The mix logits of `rows` tokens: for token `t` (`x` row `t`, `n = hc·d` values) and mix
+/// row `m` (`w` row `m`, `n` values), `out[t, m] = (Σ x·w[m]) / sqrt(mean(x²) + eps)` — the
+/// token's [`hc_inv_rms`] times its [`hc_mix_dots`] (so a task graph may take the two apart).
+///
+/// # Panics
+/// If `w.len()` is not a multiple of `n`, or `x` and `out` do not hold the same number of
+/// rows (`x.len() / n == out.len() / (w.len() / n)`).
+pub fn hc_mix_logits(x: &[f32], n: usize, w: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(
+        n > 0 && w.len().is_multiple_of(n) && x.len().is_multiple_of(n),
+        "hc_mix_logits: x len {}, w len {} for rows of {n}",
+        x.len(),
+        w.len()
+    );
+    let m = w.len() / n;
+    assert_eq!(out.len(), x.len() / n * m, "hc_mix_logits: out len");
+    if m == 0 {
+        return;
+    }
+    hc_mix_dots(x, n, w, out, m);
+    for (xr, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(m)) {
+        let inv = hc_inv_rms(xr, eps);
+        for v in o {
+            *v *= inv;
         }
     }
 }
 
-/// `Σ a·b` in f64, four lanes combined pairwise.
-#[inline(always)]
-fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 4];
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: f64 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(&x, &y)| f64::from(x) * f64::from(y))
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..4 {
-            acc[i] += f64::from(x[i]) * f64::from(y[i]);
+/// `1 / sqrt(mean(x²) + eps)` of one token's `hc · d` values, the mean in f64 rounded to f32
+/// once: the factor [`hc_mix_logits`] applies to the token's [`hc_mix_dots`].
+pub fn hc_inv_rms(x: &[f32], eps: f32) -> f32 {
+    inv_rms_f64(x, eps)
+}
+
+/// Weight rows and tokens of one register block of [`hc_mix_dots`]: eight independent f64
+/// accumulators of four lanes cover the latency of the adds that one dot product's single
+/// chain waits on, and each converted chunk is used two or four times.
+const MIX_ROWS: usize = 2;
+const MIX_TOKENS: usize = 4;
+/// Weight rows per block for tokens left over from whole blocks of [`MIX_TOKENS`].
+const MIX_ROWS_ALONE: usize = 8;
+
+multiversion! {
+    /// The raw mix products of `rows` tokens: `out[t · ld_out + j] = f32(Σ x[t]·w[j])` for
+    /// every token `t` (`x` row `t`, `n` values) and weight row `j` (`w` row `j`). Each sum
+    /// runs in f64 in four lanes (lane `i` adds the products of values `i, i + 4, ...` in
+    /// order; the lanes combine as `(l0 + l2) + (l1 + l3)`, then the `n % 4` tail in order):
+    /// the mixed stream is rounded to bf16 right after, and an fp32 sum over `hc · d` values
+    /// errs enough to flip some of those roundings. A product of two f32 is exact in f64, so
+    /// a fused multiply-add gives the bits of a multiply then an add. Tokens and weight rows
+    /// are taken in register blocks: a weight row is read once per four tokens.
+    ///
+    /// # Panics
+    /// If `n` is 0, `w.len()` or `x.len()` is not a multiple of `n`, `ld_out` is less than
+    /// `w`'s row count, or `out` is shorter than `rows` rows of `ld_out`.
+    pub fn hc_mix_dots(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
+        assert!(n > 0 && w.len().is_multiple_of(n), "hc_mix_dots: w len {} for rows of {n}", w.len());
+        assert!(x.len().is_multiple_of(n), "hc_mix_dots: x len {} for rows of {n}", x.len());
+        let (rows, m) = (x.len() / n, w.len() / n);
+        assert!(ld_out >= m, "hc_mix_dots: ld_out {ld_out} < {m} weight rows");
+        assert!(rows == 0 || out.len() >= (rows - 1) * ld_out + m, "hc_mix_dots: out len {}", out.len());
+        let xr = |t: usize| &x[t * n..(t + 1) * n];
+        let wr = |j: usize| &w[j * n..(j + 1) * n];
+        let mut t0 = 0;
+        while t0 < rows {
+            let tb = (rows - t0).min(MIX_TOKENS);
+            let per = if tb == MIX_TOKENS { MIX_ROWS } else { MIX_ROWS_ALONE };
+            let mut j0 = 0;
+            while j0 < m {
+                let jb = (m - j0).min(per);
+                let mut put = |r: usize, t: usize, v: f64| out[(t0 + t) * ld_out + j0 + r] = v as f32;
+                if (jb, tb) == (MIX_ROWS, MIX_TOKENS) {
+                    let s = mix_block::<MIX_ROWS, MIX_TOKENS>(
+                        std::array::from_fn(|t| xr(t0 + t)),
+                        std::array::from_fn(|r| wr(j0 + r)),
+                    );
+                    for (r, st) in s.iter().enumerate() {
+                        for (t, &v) in st.iter().enumerate() {
+                            put(r, t, v);
+                        }
+                    }
+                } else if jb == MIX_ROWS_ALONE {
+                    for t in 0..tb {
+                        let s = mix_block::<MIX_ROWS_ALONE, 1>([xr(t0 + t)], std::array::from_fn(|r| wr(j0 + r)));
+                        for (r, st) in s.iter().enumerate() {
+                            put(r, t, st[0]);
+                        }
+                    }
+                } else {
+                    for r in 0..jb {
+                        for t in 0..tb {
+                            put(r, t, mix_block::<1, 1>([xr(t0 + t)], [wr(j0 + r)])[0][0]);
+                        }
+                    }
+                }
+                j0 += jb;
+            }
+            t0 += tb;
         }
     }
-    (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail
+}
+
+/// `Σ x[t]·w[r]` for every pair of a register block (rows of equal length), each summed as
+/// [`hc_mix_dots`] describes.
+#[inline(always)]
+fn mix_block<const R: usize, const T: usize>(x: [&[f32]; T], w: [&[f32]; R]) -> [[f64; T]; R] {
+    let n = x[0].len();
+    let body = n / 4 * 4;
+    let xb: [&[f32]; T] = x.map(|r| &r[..body]);
+    let wb: [&[f32]; R] = w.map(|r| &r[..body]);
+    let mut acc = [[[0.0f64; 4]; T]; R];
+    for c in (0..body).step_by(4) {
+        let xc: [[f64; 4]; T] =
+            std::array::from_fn(|t| std::array::from_fn(|i| f64::from(xb[t][c + i])));
+        for r in 0..R {
+            let wc: [f64; 4] = std::array::from_fn(|i| f64::from(wb[r][c + i]));
+            for t in 0..T {
+                for i in 0..4 {
+                    acc[r][t][i] = xc[t][i].mul_add(wc[i], acc[r][t][i]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        std::array::from_fn(|t| {
+            let a = &acc[r][t];
+            let tail: f64 = x[t][body..]
+                .iter()
+                .zip(&w[r][body..n])
+                .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                .sum();
+            (a[0] + a[2]) + (a[1] + a[3]) + tail
+        })
+    })
 }
 
 /// Turns one token's mix logits (`[hc_mix]`) into its weights (same layout, in place):

@@ -388,3 +388,68 @@ fn dsv4_quantisation_rounds_ties_away_from_zero() {
     assert_eq!(crate::quantize_row_i8_ties_away(&[0.0; 3], &mut z), 0.0);
     assert_eq!(z, [0; 3]);
 }
+
+/// `Σ a·b` as `hc_mix_dots` promises to add it: four f64 lanes over the whole chunks in
+/// order, combined `(l0 + l2) + (l1 + l3)`, then the tail in order.
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let body = a.len() / 4 * 4;
+    let mut l = [0.0f64; 4];
+    for c in (0..body).step_by(4) {
+        for i in 0..4 {
+            l[i] += f64::from(a[c + i]) * f64::from(b[c + i]);
+        }
+    }
+    let tail: f64 = (body..a.len())
+        .map(|i| f64::from(a[i]) * f64::from(b[i]))
+        .sum();
+    ((l[0] + l[2]) + (l[1] + l[3]) + tail) as f32
+}
+
+#[test]
+fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
+    // Token counts around the four-token blocks, weight-row counts around the two- and
+    // eight-row blocks, lengths with and without a tail; a wider output stride.
+    for (rows, m, n) in [
+        (8, 24, 64),
+        (9, 24, 70),
+        (5, 7, 33),
+        (1, 24, 3),
+        (4, 3, 4),
+        (3, 9, 17),
+    ] {
+        let x = values(rows * n, 10 + rows as u64);
+        let w = values(m * n, 20 + m as u64);
+        let ld = m + 3;
+        let got = on_every_path(|| {
+            // The columns past `m` are the caller's: they keep their value.
+            let mut out = vec![-7.0f32; rows * ld];
+            hc_mix_dots(&x, n, &w, &mut out, ld);
+            out
+        });
+        for t in 0..rows {
+            for j in 0..m {
+                let e = lane_dot(&x[t * n..(t + 1) * n], &w[j * n..(j + 1) * n]);
+                assert_eq!(
+                    got[t * ld + j].to_bits(),
+                    e.to_bits(),
+                    "({rows},{m},{n}) [{t},{j}]"
+                );
+            }
+        }
+        // The logits are the token's 1/rms times these dots, bit for bit.
+        let logits = on_every_path(|| {
+            let mut out = vec![0.0f32; rows * m];
+            hc_mix_logits(&x, n, &w, 1e-6, &mut out);
+            out
+        });
+        for t in 0..rows {
+            let inv = hc_inv_rms(&x[t * n..(t + 1) * n], 1e-6);
+            for j in 0..m {
+                assert_eq!(
+                    logits[t * m + j].to_bits(),
+                    (inv * got[t * ld + j]).to_bits()
+                );
+            }
+        }
+    }
+}
