@@ -2,15 +2,18 @@
 //! `attention_step`; `golden/compress.rs`). `T` tokens, `H` heads of `hd`, one timing slot
 //! per phase (the slot is the phase's index below):
 //! ```text
-//! 0 hc_pre (SPMD rows)             x_hc -> hcw [T, hc_mix], x_n packed [T, ld(D)]
+//! 0 hc_mix (SPMD mix rows)         x_hc @ mixᵀ -> dots [T, hc_mix] (each mix row read once)
+//!   hc_pre (SPMD rows)             dots, x_hc -> hcw [T, hc_mix], x_n packed [T, ld(D)]
 //! 1 projections (SPMD cols, bf16)  x_n @ Wq_aᵀ -> qr [T, q_lora]; x_n @ Wkvᵀ -> kv [T, hd]
 //!                                  HCA: x_n @ Wc_kvᵀ, x_n @ Wc_gateᵀ -> c_kv, c_score [T, hd]
-//! 2 q_b (SPMD heads, W8A8)         norm, int8, @ Wq_bᵀ, head norm, RoPE -> q [T, H·hd]
+//! 2 act_i8 (SPMD rows)            norm, int8 per row -> qr_i8 [T, q_lora], scales (once)
+//!   q_b (SPMD heads, W8A8)         qr_i8 @ Wq_bᵀ, head norm, RoPE -> q [T, H·hd]
 //! 3 kv_write                       norm, RoPE, bf16 -> window cache rows
 //!   HCA compress                   state rows; pooled rows of closed windows -> compressed cache
 //! 4 attention per (token, heads)   window list (+ compressed list) -> attn [T, H·hd]
 //! 5 wo_a (SPMD cols, bf16)         attn[g] @ Wo_a[g]ᵀ -> o_r [T, G·o_lora]
-//! 6 wo_b (SPMD cols, W8A8)         int8 per (token, group), @ Wo_bᵀ, bf16 -> y [T, D]
+//! 6 act_i8 (SPMD rows)            int8 per (token, group) -> o_r_i8, scales [T, G] (once)
+//!   wo_b (SPMD cols, W8A8)         o_r_i8 @ Wo_bᵀ per group, bf16 -> y [T, D]
 //! 7 hc_post (SPMD rows)            -> x_out [T, hc·D]
 //! ```
 //! A CSA step adds its compressors, indexer and planning task ([`super::orchestrate_csa`]:
@@ -278,14 +281,23 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
     let (d, ql, hc) = (c.hidden, c.q_lora_rank, c.hc_mult);
     let u = |v: usize| v as u64;
     let blocks = p.tiles.proj_blocks;
-    // 0: hc_pre and the attention norm.
-    let hcw = o.alloc(DType::F32, &[u(t_n), u(hc_mix_len(hc))])?;
+    // 0: hc_pre and the attention norm: the mix products split over the mix weight rows
+    // (each row read once), then per token the weights, mixed stream and norm.
+    let m = hc_mix_len(hc);
+    let dots = o.alloc(DType::F32, &[u(t_n), u(m)])?;
+    // SAFETY: the hyper-connection weights are written by no task.
+    let t = unsafe { Task::new(ops::HC_MIX).input(&v.x).no_dep(&v.mix) }
+        .output_existing(&dots)
+        .blocks(hc_mix_blocks(blocks, m))
+        .timing_slot(0);
+    o.submit(t)?;
+    let hcw = o.alloc(DType::F32, &[u(t_n), u(m)])?;
     let xn = o.alloc(DType::F32, &[u(t_n), u(packed_ld(d))])?;
-    // SAFETY: the hyper-connection weights and the norm weight are written by no task.
+    // SAFETY: the hyper-connection biases and the norm weight are written by no task.
     let t = unsafe {
         Task::new(ops::HC_PRE)
             .input(&v.x)
-            .no_dep(&v.mix)
+            .input(&dots)
             .no_dep(&v.base)
             .no_dep(&v.attn_norm)
     }
@@ -321,14 +333,16 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         }
         None => None,
     };
-    // 2: the W8A8 query projection, a block of whole heads per SPMD block.
+    // 2: qr normed and quantised once (the query and indexer projections read it), then the
+    // W8A8 query projection, a block of whole heads per SPMD block.
+    let (qr_i8, qr_scale) = act_i8(o, &qr, Some(&v.q_norm), 1, c.rms_eps, t_n, blocks, 2)?;
     let q = v.q;
     // SAFETY: weights, scales, the host-written token table and the RoPE tables are written by
     // no task during the run.
     let t = unsafe {
         Task::new(ops::Q_B)
-            .input(&qr)
-            .no_dep(&v.q_norm)
+            .input(&qr_i8)
+            .input(&qr_scale)
             .no_dep(&v.wq_b)
             .no_dep(&v.wq_b_scale)
             .no_dep(&v.tok)
@@ -379,8 +393,8 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
     if let Some(cv) = &v.csa {
         let io = orchestrate_csa::CsaIo {
             xn: &xn,
-            qr: &qr,
-            q_norm: &v.q_norm,
+            qr_i8: &qr_i8,
+            qr_scale: &qr_scale,
             tok: &v.tok,
             cos: &v.cos,
             sin: &v.sin,
@@ -406,11 +420,13 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .blocks(blocks)
         .timing_slot(5);
     o.submit(t)?;
+    let (or_i8, or_scale) = act_i8(o, &o_r, None, g, c.rms_eps, t_n, blocks, 6)?;
     let y = v.y;
     // SAFETY: `Wo_b` and its scales are written by no task.
     let t = unsafe {
         Task::new(ops::WO_B)
-            .input(&o_r)
+            .input(&or_i8)
+            .input(&or_scale)
             .no_dep(&v.wo_b)
             .no_dep(&v.wo_b_scale)
     }
@@ -430,6 +446,48 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .timing_slot(7);
     o.submit(t)?;
     Ok(())
+}
+
+/// Submits the per-row int8 quantisation of `x` `[T, K]` (RMS-normed with `norm` first when
+/// given) in `groups` spans per row, once for every block of the projection that reads it:
+/// returns the int8 rows `[T, K]` and scales `[T, groups]`. One block per core (a quarter of
+/// the projections' blocks), at most one per row.
+#[allow(clippy::too_many_arguments)]
+fn act_i8(
+    o: &mut Orchestrator,
+    x: &Tensor,
+    norm: Option<&Tensor>,
+    groups: usize,
+    eps: f32,
+    tokens: usize,
+    proj_blocks: u32,
+    slot: u8,
+) -> R<(Tensor, Tensor)> {
+    let k = x.shape().get(1).copied().unwrap_or(0);
+    let q = o.alloc(DType::I8, &[tokens as u64, k])?;
+    let s = o.alloc(DType::F32, &[tokens as u64, groups as u64])?;
+    let mut t = Task::new(ops::ACT_I8)
+        .input(x)
+        .output_existing(&q)
+        .output_existing(&s);
+    if let Some(n) = norm {
+        // SAFETY: the norm weight is written by no task.
+        t = unsafe { t.no_dep(n) };
+    }
+    let most = u32::try_from(tokens).unwrap_or(u32::MAX).max(1);
+    let t = t
+        .scalar(groups as u64)
+        .scalar_f32(eps)
+        .blocks((proj_blocks / 4).clamp(1, most))
+        .timing_slot(slot);
+    o.submit(t)?;
+    Ok((q, s))
+}
+
+/// SPMD blocks of the hc mix products: half the projections' blocks (each block reads every
+/// token's residual, so more blocks would re-read it more), at most one per mix row.
+fn hc_mix_blocks(proj_blocks: u32, mix_rows: usize) -> u32 {
+    (proj_blocks / 2).clamp(1, u32::try_from(mix_rows).unwrap_or(u32::MAX).max(1))
 }
 
 /// The hc scales as the kernel's last three scalars.

@@ -5,8 +5,9 @@
 //! 1 projections (SPMD cols, bf16)   x_n @ Wc_kvᵀ, x_n @ Wc_gateᵀ -> [T, 2·hd]   (main)
 //!                                   x_n @ Wi_kvᵀ, x_n @ Wi_gateᵀ -> [T, 2·ihd]  (indexer)
 //!                                   x_n @ W_wᵀ -> head weights [T, IH]
-//! 2 csa_index_q (SPMD heads, W8A8)  qr normed, int8, @ W_idxᵀ, RoPE at the sequence's first
-//!                                   position, Hadamard, int8 -> q_i8 [T, IH·ihd], q_scale
+//! 2 csa_index_q (SPMD heads, W8A8)  the query projection's int8 qr @ W_idxᵀ, RoPE at the
+//!                                   sequence's first position, Hadamard, int8
+//!                                   -> q_i8 [T, IH·ihd], q_scale
 //! 3 csa_compress main / indexer     ring rows; closed windows -> compressed rows (bf16) /
 //!                                   index rows (int8 + scale)
 //!   csa_scores (SPMD (seq, chunk))  int8 scores of the visible index rows -> scores
@@ -121,10 +122,10 @@ pub(crate) fn bind(
 pub(crate) struct CsaIo<'a> {
     /// `x_n` packed `[T, ld(D)]`.
     pub(crate) xn: &'a Tensor,
-    /// `x_n @ Wq_aᵀ` `[T, q_lora]` (before its norm).
-    pub(crate) qr: &'a Tensor,
-    /// The attention norm of `qr`.
-    pub(crate) q_norm: &'a Tensor,
+    /// `qr` normed and quantised per row (`[T, q_lora]` i8) and its scales (`[T, 1]`), as
+    /// the query projection reads them.
+    pub(crate) qr_i8: &'a Tensor,
+    pub(crate) qr_scale: &'a Tensor,
     /// Token table, RoPE tables (host-written).
     pub(crate) tok: &'a Tensor,
     pub(crate) cos: &'a Tensor,
@@ -170,12 +171,12 @@ pub(crate) fn submit(
     // 2: the indexer's query heads, a block of whole heads per SPMD block.
     let q_i8 = o.alloc(DType::I8, &[t_n, u(ih * ihd)])?;
     let q_scale = o.alloc(DType::F32, &[t_n, u(ih)])?;
-    // SAFETY: the norm weight, `W_idx` and its scales, the host-written token table and the
-    // RoPE tables are written by no task during the run.
+    // SAFETY: `W_idx` and its scales, the host-written token table and the RoPE tables are
+    // written by no task during the run.
     let t = unsafe {
         Task::new(ops::CSA_INDEX_Q)
-            .input(io.qr)
-            .no_dep(io.q_norm)
+            .input(io.qr_i8)
+            .input(io.qr_scale)
             .no_dep(&cv.w_idx)
             .no_dep(&cv.w_idx_scale)
             .no_dep(io.tok)
@@ -185,7 +186,6 @@ pub(crate) fn submit(
     .output_existing(&q_i8)
     .output_existing(&q_scale)
     .scalar(u(ihd))
-    .scalar_f32(cfg.rms_eps)
     .blocks(blocks.min(u32::try_from(ih).unwrap_or(u32::MAX)))
     .timing_slot(2);
     o.submit(t)?;

@@ -14,10 +14,18 @@ use simpler_kernels_cpu::{
 
 use super::{bad, check_len, dims2, rope_rows, token};
 
+/// `ACT_I8` argument indices (`NORM` optional, last).
+pub(crate) mod act_i8 {
+    pub(crate) const X: usize = 0;
+    pub(crate) const Q: usize = 1;
+    pub(crate) const SCALES: usize = 2;
+    pub(crate) const NORM: usize = 3;
+}
+
 /// `Q_B` argument indices.
 pub(crate) mod q_b {
-    pub(crate) const QR: usize = 0;
-    pub(crate) const NORM: usize = 1;
+    pub(crate) const QI8: usize = 0;
+    pub(crate) const QS: usize = 1;
     pub(crate) const W: usize = 2;
     pub(crate) const SCALES: usize = 3;
     pub(crate) const TOK: usize = 4;
@@ -63,13 +71,20 @@ pub(crate) mod sparse {
     pub(crate) const COMP_CACHE: usize = 8;
 }
 
-/// `WO_A` / `WO_B` argument indices.
+/// `WO_A` argument indices.
 pub(crate) mod wo {
     pub(crate) const X: usize = 0;
     pub(crate) const W: usize = 1;
     pub(crate) const A_OUT: usize = 2;
-    pub(crate) const B_SCALES: usize = 2;
-    pub(crate) const B_OUT: usize = 3;
+}
+
+/// `WO_B` argument indices.
+pub(crate) mod wo_b {
+    pub(crate) const XQ: usize = 0;
+    pub(crate) const XS: usize = 1;
+    pub(crate) const W: usize = 2;
+    pub(crate) const SCALES: usize = 3;
+    pub(crate) const OUT: usize = 4;
 }
 
 thread_local! {
@@ -82,20 +97,94 @@ fn rope_pairs(ctx: &TaskCtx<'_>, i: usize) -> Result<usize, KernelError> {
     Ok(dims2(ctx, i)?.1)
 }
 
+/// Per-row int8 activations of a projection input, computed once per step for every SPMD
+/// block of the projection that reads them: each token row (optionally RMS-normed with a
+/// weight, bf16 values) is quantised in `groups` equal spans, `scale = amax / 127`, ties away
+/// from zero (`quantize_row_i8_ties_away`). SPMD over token rows.
+pub(super) fn act_i8(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_act_i8";
+    let groups = ctx.scalar_usize(0)?;
+    let eps = ctx.scalar_f32(1)?;
+    let (rows, width) = dims2(ctx, act_i8::X)?;
+    if groups == 0 || !width.is_multiple_of(groups) {
+        return Err(bad(
+            NAME,
+            format!("rows of {width} in {groups} equal groups"),
+        ));
+    }
+    let x = ctx.read::<f32>(act_i8::X)?;
+    let norm = if ctx.num_args() > act_i8::NORM {
+        let n = ctx.read::<f32>(act_i8::NORM)?;
+        check_len(NAME, "norm", n.len(), width)?;
+        Some(n)
+    } else {
+        None
+    };
+    let mut q = ctx.write_block_rows::<i8>(act_i8::Q)?;
+    let mut sc = ctx.write_block_rows::<f32>(act_i8::SCALES)?;
+    if q.row_len() != width || sc.row_len() != groups || q.len() != sc.len() {
+        return Err(bad(
+            NAME,
+            format!("int8 rows of {width} and {groups} scales per row"),
+        ));
+    }
+    let t0 = q.first_row();
+    if t0 + q.len() > rows || sc.first_row() != t0 {
+        return Err(bad(NAME, "int8 rows and scales are not the input's rows"));
+    }
+    let span = width / groups;
+    let mut xr = vec![0.0f32; width];
+    for r in 0..q.len() {
+        xr.copy_from_slice(&x[(t0 + r) * width..(t0 + r + 1) * width]);
+        if let Some(n) = norm {
+            k::rms_norm_round(&mut xr, width, Some(n), eps);
+        }
+        let qr = q.row(r);
+        let sr = sc.row(r);
+        for (g, s) in sr.iter_mut().enumerate() {
+            let cols = g * span..(g + 1) * span;
+            *s = kc::quantize_row_i8_ties_away(&xr[cols.clone()], &mut qr[cols]);
+        }
+    }
+    Ok(())
+}
+
+/// `ActsI8` over `q` (`rows` rows of `cols`) with per-row scales `s`, refused (not a panic)
+/// when a value is `-128`, which no quantiser of this layer writes and the int8 paths exclude.
+pub(super) fn acts_i8<'a>(
+    kernel: &str,
+    q: &'a [i8],
+    s: &'a [f32],
+    rows: usize,
+    cols: usize,
+) -> Result<ActsI8<'a>, KernelError> {
+    check_len(kernel, "int8 activations", q.len(), rows * cols)?;
+    check_len(kernel, "activation scales", s.len(), rows)?;
+    refuse_i8_min(kernel, q)?;
+    Ok(ActsI8::new(q, s, rows, cols, cols))
+}
+
+/// Refuses int8 activations holding `-128` (`ActsI8` would panic on them).
+fn refuse_i8_min(kernel: &str, q: &[i8]) -> Result<(), KernelError> {
+    if q.contains(&i8::MIN) {
+        return Err(bad(kernel, "int8 activations hold -128"));
+    }
+    Ok(())
+}
+
 pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "dsv4_q_b_w8a8";
     let hd = ctx.scalar_usize(0)?;
     let eps = ctx.scalar_f32(1)?;
-    let (rows, ql) = dims2(ctx, q_b::QR)?;
-    let qr = ctx.read::<f32>(q_b::QR)?;
-    let norm = ctx.read::<f32>(q_b::NORM)?;
+    let (rows, ql) = dims2(ctx, q_b::QI8)?;
+    let xq = ctx.read::<i8>(q_b::QI8)?;
+    let xs = ctx.read::<f32>(q_b::QS)?;
     let (wrows, wcols) = dims2(ctx, q_b::W)?;
     let w = ctx.read::<i8>(q_b::W)?;
     let scales = ctx.read::<f32>(q_b::SCALES)?;
     let tok = ctx.read::<u32>(q_b::TOK)?;
     let (cos, sin) = (ctx.read::<f32>(q_b::COS)?, ctx.read::<f32>(q_b::SIN)?);
     let pairs = rope_pairs(ctx, q_b::COS)?;
-    check_len(NAME, "q_norm", norm.len(), ql)?;
     check_len(NAME, "Wq_b scales", scales.len(), wrows)?;
     if wcols != ql || hd == 0 || !wrows.is_multiple_of(hd) || 2 * pairs > hd {
         return Err(bad(
@@ -111,14 +200,7 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     if n == 0 {
         return Ok(());
     }
-    // qr = RMSNorm(qr) (bf16 values), then int8 per row.
-    let mut x = qr.to_vec();
-    k::rms_norm_round(&mut x, ql, Some(norm), eps);
-    let mut xq = vec![0i8; rows * ql];
-    let mut xs = vec![0.0f32; rows];
-    for ((xr, qr), s) in x.chunks_exact(ql).zip(xq.chunks_exact_mut(ql)).zip(&mut xs) {
-        *s = kc::quantize_row_i8_ties_away(xr, qr);
-    }
+    let acts = acts_i8(NAME, xq, xs, rows, ql)?;
     let wi = WeightsI8::new(w, scales, wrows, ql, ql).rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
     let tile = GemmTile {
@@ -126,7 +208,7 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..ql,
         mode: OutMode::Store,
     };
-    kc::gemm_i8_w8a8(wi, ActsI8::new(&xq, &xs, rows, ql, ql), &tile, &mut out, n);
+    kc::gemm_i8_w8a8(wi, acts, &tile, &mut out, n);
     for (t, o) in out.chunks_exact_mut(n).enumerate() {
         let (_, pos, _) = token(NAME, tok, t)?;
         let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
@@ -361,12 +443,14 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "dsv4_wo_b_w8a8";
     let groups = ctx.scalar_usize(0)?;
-    let (rows, width) = dims2(ctx, wo::X)?;
-    let x = ctx.read::<f32>(wo::X)?;
-    let (wrows, wcols) = dims2(ctx, wo::W)?;
-    let w = ctx.read::<i8>(wo::W)?;
-    let scales = ctx.read::<f32>(wo::B_SCALES)?;
+    let (rows, width) = dims2(ctx, wo_b::XQ)?;
+    let xq = ctx.read::<i8>(wo_b::XQ)?;
+    let xs = ctx.read::<f32>(wo_b::XS)?;
+    let (wrows, wcols) = dims2(ctx, wo_b::W)?;
+    let w = ctx.read::<i8>(wo_b::W)?;
+    let scales = ctx.read::<f32>(wo_b::SCALES)?;
     check_len(NAME, "Wo_b scales", scales.len(), wrows)?;
+    check_len(NAME, "o_r scales", xs.len(), rows * groups)?;
     if groups == 0 || wcols != width || !width.is_multiple_of(groups) {
         return Err(bad(
             NAME,
@@ -374,7 +458,7 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let r = width / groups;
-    let mut out = ctx.write_block_cols::<f32>(wo::B_OUT, kc::PACK_BLOCK)?;
+    let mut out = ctx.write_block_cols::<f32>(wo_b::OUT, kc::PACK_BLOCK)?;
     if out.len() != rows || out.view_row_len() != wrows {
         return Err(bad(NAME, "y is not [tokens, hidden]"));
     }
@@ -382,19 +466,17 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     if n == 0 {
         return Ok(());
     }
-    // int8 per (token, group): group g's scales in xs[g * rows ..].
-    let mut xq = vec![0i8; rows * width];
-    let mut xs = vec![0.0f32; groups * rows];
-    for t in 0..rows {
-        for g in 0..groups {
-            let span = t * width + g * r..t * width + (g + 1) * r;
-            xs[g * rows + t] = kc::quantize_row_i8_ties_away(&x[span.clone()], &mut xq[span]);
-        }
-    }
+    // `xs` is `[tokens, groups]`; a group's product takes its column as per-row scales.
+    let mut gs = vec![0.0f32; rows];
+    check_len(NAME, "o_r int8", xq.len(), rows * width)?;
+    refuse_i8_min(NAME, xq)?;
     let wi = WeightsI8::new(w, scales, wrows, width, width).rows_range(c0..c0 + n);
     let mut res = vec![0.0f32; rows * n];
     for g in 0..groups {
-        let acts = ActsI8::new(&xq, &xs[g * rows..(g + 1) * rows], rows, width, width);
+        for (t, s) in gs.iter_mut().enumerate() {
+            *s = xs[t * groups + g];
+        }
+        let acts = ActsI8::new(xq, &gs, rows, width, width);
         let tile = GemmTile {
             n: 0..n,
             k: g * r..(g + 1) * r,

@@ -13,8 +13,7 @@ use simpler_kernels_cpu::dsv4::csa::{
     overlap_state_write, top_k_rows,
 };
 use simpler_kernels_cpu::dsv4::plan::{CandidateLayout, plan_token};
-use simpler_kernels_cpu::dsv4::rms_norm_round;
-use simpler_kernels_cpu::{ActsI8, GemmTile, OutMode, WeightsI8};
+use simpler_kernels_cpu::{GemmTile, OutMode, WeightsI8};
 
 use super::{bad, check_len, dims2, rope_rows, token};
 
@@ -37,8 +36,8 @@ pub(crate) mod compress {
 
 /// `CSA_INDEX_Q` argument indices.
 pub(crate) mod index_q {
-    pub(crate) const QR: usize = 0;
-    pub(crate) const NORM: usize = 1;
+    pub(crate) const QI8: usize = 0;
+    pub(crate) const QS: usize = 1;
     pub(crate) const W: usize = 2;
     pub(crate) const SCALES: usize = 3;
     pub(crate) const TOK: usize = 4;
@@ -238,10 +237,10 @@ pub(super) fn csa_compress(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "dsv4_csa_index_q";
     let hd = ctx.scalar_usize(0)?;
-    let eps = ctx.scalar_f32(1)?;
-    let (rows, ql) = dims2(ctx, index_q::QR)?;
-    let qr = ctx.read::<f32>(index_q::QR)?;
-    let norm = ctx.read::<f32>(index_q::NORM)?;
+    let (rows, ql) = dims2(ctx, index_q::QI8)?;
+    // The token's int8 `qr`, the same the query projection (`Q_B`) reads.
+    let xq = ctx.read::<i8>(index_q::QI8)?;
+    let xs = ctx.read::<f32>(index_q::QS)?;
     let (wrows, wcols) = dims2(ctx, index_q::W)?;
     let w = ctx.read::<i8>(index_q::W)?;
     let scales = ctx.read::<f32>(index_q::SCALES)?;
@@ -251,7 +250,6 @@ pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ctx.read::<f32>(index_q::SIN)?,
     );
     let pairs = rope_pairs(ctx, index_q::COS)?;
-    check_len(NAME, "q_norm", norm.len(), ql)?;
     check_len(NAME, "W_idx scales", scales.len(), wrows)?;
     if wcols != ql || !hd.is_power_of_two() || !wrows.is_multiple_of(hd) || 2 * pairs > hd {
         return Err(bad(
@@ -275,14 +273,7 @@ pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     if n == 0 {
         return Ok(());
     }
-    let mut x = qr.to_vec();
-    rms_norm_round(&mut x, ql, Some(norm), eps);
-    let mut xq = vec![0i8; rows * ql];
-    let mut xs = vec![0.0f32; rows];
-    // The same int8 `qr` as the query projection's (`Q_B`).
-    for ((xr, qr), s) in x.chunks_exact(ql).zip(xq.chunks_exact_mut(ql)).zip(&mut xs) {
-        *s = kc::quantize_row_i8_ties_away(xr, qr);
-    }
+    let acts = super::attn::acts_i8(NAME, xq, xs, rows, ql)?;
     let wi = WeightsI8::new(w, scales, wrows, ql, ql).rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
     let tile = GemmTile {
@@ -290,7 +281,7 @@ pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..ql,
         mode: OutMode::Store,
     };
-    kc::gemm_i8_w8a8(wi, ActsI8::new(&xq, &xs, rows, ql, ql), &tile, &mut out, n);
+    kc::gemm_i8_w8a8(wi, acts, &tile, &mut out, n);
     let mut qi = vec![0i8; n];
     let mut qs = vec![0.0f32; n / hd];
     for (t, o) in out.chunks_exact_mut(n).enumerate() {

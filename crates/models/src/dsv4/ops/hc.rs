@@ -1,5 +1,7 @@
-//! Hyper-connection kernels: `hc_pre` (with the attention or FFN norm into packed GEMM
-//! activations) and `hc_post`, each an SPMD task over token rows.
+//! Hyper-connection kernels: the mix products of every token (`hc_mix`, SPMD over the mix
+//! weight rows, so each weight row is read once per step), `hc_pre` (the weights, the mixed
+//! stream and the attention norm into packed GEMM activations, SPMD over token rows) and
+//! `hc_post` (SPMD over token rows).
 
 use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu::dsv4 as k;
@@ -7,10 +9,17 @@ use simpler_kernels_cpu::{pack_index, packed_ld};
 
 use super::{bad, check_len, dims2};
 
+/// `HC_MIX` argument indices.
+pub(crate) mod mix {
+    pub(crate) const X: usize = 0;
+    pub(crate) const W: usize = 1;
+    pub(crate) const DOTS: usize = 2;
+}
+
 /// `HC_PRE` argument indices.
 pub(crate) mod pre {
     pub(crate) const X: usize = 0;
-    pub(crate) const MIX: usize = 1;
+    pub(crate) const DOTS: usize = 1;
     pub(crate) const BASE: usize = 2;
     pub(crate) const NORM: usize = 3;
     pub(crate) const HCW: usize = 4;
@@ -23,6 +32,34 @@ pub(crate) mod post {
     pub(crate) const Y: usize = 1;
     pub(crate) const HCW: usize = 2;
     pub(crate) const OUT: usize = 3;
+}
+
+pub(super) fn hc_mix(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "dsv4_hc_mix";
+    let (rows, n) = dims2(ctx, mix::X)?;
+    let (m, wn) = dims2(ctx, mix::W)?;
+    if wn != n || n == 0 {
+        return Err(bad(
+            NAME,
+            format!("mix weights [{m}, {wn}] for rows of {n}"),
+        ));
+    }
+    let x = ctx.read::<f32>(mix::X)?;
+    let w = ctx.read::<f32>(mix::W)?;
+    let mut dots = ctx.write_block_cols::<f32>(mix::DOTS, 1)?;
+    if dots.len() != rows || dots.view_row_len() != m {
+        return Err(bad(NAME, "dots are not [tokens, mix rows]"));
+    }
+    let (j0, nj) = (dots.first_col(), dots.row_len());
+    if nj == 0 {
+        return Ok(());
+    }
+    let mut out = vec![0.0f32; rows * nj];
+    k::hc_mix_dots(x, n, &w[j0 * n..(j0 + nj) * n], &mut out, nj);
+    for (t, o) in out.chunks_exact(nj).enumerate() {
+        dots.row(t).copy_from_slice(o);
+    }
+    Ok(())
 }
 
 pub(super) fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -39,10 +76,10 @@ pub(super) fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let d = n / hc;
     let x = ctx.read::<f32>(pre::X)?;
-    let mix = ctx.read::<f32>(pre::MIX)?;
+    let dots = ctx.read::<f32>(pre::DOTS)?;
     let base = ctx.read::<f32>(pre::BASE)?;
     let norm = ctx.read::<f32>(pre::NORM)?;
-    check_len(NAME, "mix", mix.len(), m * n)?;
+    check_len(NAME, "mix dots", dots.len(), rows * m)?;
     check_len(NAME, "base", base.len(), m)?;
     check_len(NAME, "norm", norm.len(), d)?;
     let mut hcw = ctx.write_block_rows::<f32>(pre::HCW)?;
@@ -58,8 +95,14 @@ pub(super) fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(NAME, "more output rows than input rows"));
     }
     let xs = &x[t0 * n..(t0 + nt) * n];
-    let mut logits = vec![0.0f32; nt * m];
-    k::hc_mix_logits(xs, n, mix, rms_eps, &mut logits);
+    // The logits as `hc_mix_logits` forms them: the token's 1/rms times its dots.
+    let mut logits = dots[t0 * m..(t0 + nt) * m].to_vec();
+    for (lg, xr) in logits.chunks_exact_mut(m).zip(xs.chunks_exact(n)) {
+        let inv = k::hc_inv_rms(xr, rms_eps);
+        for v in lg {
+            *v *= inv;
+        }
+    }
     let mut mixed = vec![0.0f32; d];
     for (r, lg) in logits.chunks_exact_mut(m).enumerate() {
         k::hc_weights(lg, hc, scale, base, iters, hc_eps);

@@ -10,17 +10,19 @@
 //!
 //! | kernel | tensor arguments (in order) | scalars |
 //! |---|---|---|
-//! | [`HC_PRE`] (SPMD rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`, norm NoDep f32 `[D]`, hcw Out f32 `[T,M]`, xn Out packed `[T,ld(D)]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
-//! | [`Q_B`] (SPMD heads) | qr In f32 `[T,q_lora]`, q_norm NoDep, wq_b NoDep i8 `[H·hd,q_lora]`, scales NoDep f32 `[H·hd]`, tok NoDep u32 `[T,3]`, cos NoDep, sin NoDep, q Out f32 `[T,H·hd]` | hd, eps |
+//! | [`HC_MIX`] (SPMD mix rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, dots Out f32 `[T,M]` | — |
+//! | [`HC_PRE`] (SPMD rows) | x_hc In f32 `[T,hc·D]`, dots In f32 `[T,M]`, base NoDep f32 `[M]`, norm NoDep f32 `[D]`, hcw Out f32 `[T,M]`, xn Out packed `[T,ld(D)]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
+//! | [`ACT_I8`] (SPMD rows) | x In f32 `[T,K]`, q Out i8 `[T,K]`, scales Out f32 `[T,G]`, (norm NoDep f32 `[K]`) | groups G, eps |
+//! | [`Q_B`] (SPMD heads) | qr_i8 In i8 `[T,q_lora]`, qr_scale In f32 `[T,1]`, wq_b NoDep i8 `[H·hd,q_lora]`, scales NoDep f32 `[H·hd]`, tok NoDep u32 `[T,3]`, cos NoDep, sin NoDep, q Out f32 `[T,H·hd]` | hd, eps |
 //! | [`KV_WRITE`] | kv In f32 `[T,hd]`, kv_norm NoDep, tok NoDep, cos, sin, cache InOut bf16 `[slots,hd]` | eps |
 //! | [`HCA_COMPRESS`] | kv In f32 `[T,hd]`, score In f32 `[T,hd]`, ape NoDep `[ratio,hd]`, norm NoDep `[hd]`, tok NoDep, cos, sin, state_kv InOut `[B·ratio,hd]`, state_score InOut, cache InOut bf16 `[B·rows,hd]` | ratio, max_rows, eps |
 //! | [`SPARSE_ATTN`] | q In f32 `[1,h·hd]`, win NoDep i32 `[1,W]` (window-cache slots, −1 masked), window cache In bf16, sinks NoDep `[h]`, cos, sin, out Out f32 `[1,h·hd]`, (comp NoDep i32 `[1,C]` rows, −1 masked; compressed cache In bf16) | hd, pos, scale |
 //! | [`WO_A`] (SPMD cols) | attn In f32 `[T,H·hd]`, wo_a NoDep bf16 `[G·R,K]`, o_r Out f32 `[T,G·R]` | groups |
-//! | [`WO_B`] (SPMD cols) | o_r In f32 `[T,G·R]`, wo_b NoDep i8 `[D,G·R]`, scales NoDep f32 `[D]`, y Out f32 `[T,D]` | groups |
+//! | [`WO_B`] (SPMD cols) | o_r_i8 In i8 `[T,G·R]`, o_r_scale In f32 `[T,G]`, wo_b NoDep i8 `[D,G·R]`, scales NoDep f32 `[D]`, y Out f32 `[T,D]` | groups |
 //! | [`HC_POST`] (SPMD rows) | x_hc In, y In f32 `[T,D]`, hcw In f32 `[T,M]`, x_out Out f32 `[T,hc·D]` | hc |
 //!
 //! | [`CSA_COMPRESS`] | kv In f32 `[T,2W]`, gate In f32 `[T,2W]`, ape NoDep `[ratio,2W]`, norm NoDep `[W]`, tok NoDep, cos, sin, ring_kv InOut `[B·2·ratio,2W]`, ring_score InOut, then main: cache InOut bf16 `[B·rows,W]`; indexer: index_q InOut i8 `[B·rows,W]`, index_scale InOut f32 `[B·rows]` | ratio, max_rows, eps |
-//! | [`CSA_INDEX_Q`] (SPMD heads) | qr In f32 `[T,q_lora]`, q_norm NoDep, W_idx NoDep i8 `[IH·W,q_lora]`, scales NoDep f32, tok NoDep, cos, sin, q_i8 Out i8 `[T,IH·W]`, q_scale Out f32 `[T,IH]` | W, eps |
+//! | [`CSA_INDEX_Q`] (SPMD heads) | qr_i8 In i8 `[T,q_lora]`, qr_scale In f32 `[T,1]`, W_idx NoDep i8 `[IH·W,q_lora]`, scales NoDep f32, tok NoDep, cos, sin, q_i8 Out i8 `[T,IH·W]`, q_scale Out f32 `[T,IH]` | W |
 //! | [`CSA_SCORES`] (SPMD (seq, chunk)) | q_i8 In, q_scale In, weights In f32 `[T,IH]`, tok NoDep, index_q In i8 `[B·rows,W]`, index_scale In, scores Out f32 `[B·chunks·T/B, chunk]` | ratio, max_rows, chunk, weight_scale |
 //! | [`CSA_PLAN`] (SPMD tokens) | scores In, tok NoDep, comp Out i32 `[T,C]` (compressed-cache rows, −1 masked) | ratio, max_rows, chunk, top_k |
 //!
@@ -36,10 +38,16 @@ use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Work
 
 use crate::qwen3::ops::dims2;
 
-/// hc_pre of a block of tokens: mix logits, weights (Sinkhorn), mixed stream, attention norm
-/// into packed GEMM activations.
+/// hc_pre of a block of tokens from their mix dots ([`HC_MIX`]): logits, weights (Sinkhorn),
+/// mixed stream, attention norm into packed GEMM activations.
 pub const HC_PRE: KernelId = KernelId(3200);
-/// The W8A8 query projection of a block of heads with its epilogue (head norm, RoPE, bf16).
+/// The hc mix products of every token for a block of the mix weight rows.
+pub const HC_MIX: KernelId = KernelId(3208);
+/// Per-row int8 activations of a projection input (optionally RMS-normed first), written once
+/// for every block of the W8A8 projections that read them.
+pub const ACT_I8: KernelId = KernelId(3209);
+/// The W8A8 query projection of a block of heads from the int8 `qr` ([`ACT_I8`]) with its
+/// epilogue (head norm, RoPE, bf16).
 pub const Q_B: KernelId = KernelId(3201);
 /// The KV row of every token: norm, RoPE, bf16, written into the window cache.
 pub const KV_WRITE: KernelId = KernelId(3202);
@@ -50,7 +58,8 @@ pub const HCA_COMPRESS: KernelId = KernelId(3203);
 pub const SPARSE_ATTN: KernelId = KernelId(3204);
 /// The grouped output projection's first half: `o_r[g] = o[g] @ Wo_a[g]ᵀ`.
 pub const WO_A: KernelId = KernelId(3205);
-/// The grouped output projection's second half: int8 per (token, group), `Wo_b`, bf16.
+/// The grouped output projection's second half: `Wo_b` against the int8 `o_r` per (token,
+/// group) ([`ACT_I8`]), bf16.
 pub const WO_B: KernelId = KernelId(3206);
 /// hc_post of a block of tokens.
 pub const HC_POST: KernelId = KernelId(3207);
@@ -58,7 +67,8 @@ pub const HC_POST: KernelId = KernelId(3207);
 /// The CSA overlapping compressor (main or the indexer's): ring rows, and the pooled row of
 /// every token closing a window (bf16 KV row, or Hadamard-rotated int8 index row).
 pub const CSA_COMPRESS: KernelId = KernelId(3220);
-/// The indexer's query heads of a block of heads: W8A8 `W_idx`, RoPE, Hadamard, int8.
+/// The indexer's query heads of a block of heads: W8A8 `W_idx` on the int8 `qr` ([`ACT_I8`]),
+/// RoPE, Hadamard, int8.
 pub const CSA_INDEX_Q: KernelId = KernelId(3221);
 /// The indexer's int8 scores of one sequence's chunk of visible compressed rows.
 pub const CSA_SCORES: KernelId = KernelId(3222);
@@ -73,7 +83,9 @@ pub const NO_SLOT: u32 = u32::MAX;
 /// Every kernel of the attention layers, and the bf16 GEMM they share with Qwen3.
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 12] = [
+    let table: [(KernelId, &str, EngineClass, Body); 14] = [
+        (ACT_I8, "dsv4_act_i8", EngineClass::Vector, attn::act_i8),
+        (HC_MIX, "dsv4_hc_mix", EngineClass::Vector, hc::hc_mix),
         (HC_PRE, "dsv4_hc_pre", EngineClass::Vector, hc::hc_pre),
         (Q_B, "dsv4_q_b_w8a8", EngineClass::Cube, attn::q_b),
         (
