@@ -292,7 +292,18 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
         }
         while let Some((seq, kind, payload)) = mbox.pending() {
             let (status, answer) = match kind {
-                CMD_CALL => call(fns, &mut ctx, &payload),
+                CMD_CALL => {
+                    let answer = call(fns, &mut ctx, &payload);
+                    // A failed rank of a group call makes no more collective calls: release
+                    // the ranks waiting for it now rather than at the node's call timeout. The
+                    // parent resets the segment once the whole group has answered.
+                    if answer.0 != STATUS_OK
+                        && let Some(comm) = &ctx.collectives
+                    {
+                        comm.abandon();
+                    }
+                    answer
+                }
                 CMD_TASK => task(fns, &mut ctx, &payload),
                 CMD_MAP => map_buffer(&mut ctx, &payload),
                 CMD_UNMAP => {

@@ -293,6 +293,17 @@ pub enum CollectiveError {
         /// Capacity.
         cap: usize,
     },
+    /// Another rank gave up on the group (its function failed), so this call cannot
+    /// complete; the failing rank's own error says why.
+    #[error("{op} on rank {rank}: the group was abandoned by rank {by}")]
+    Abandoned {
+        /// The collective.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The rank that abandoned the group first.
+        by: usize,
+    },
     /// The backend does not implement this element type or operation.
     #[error("{op}: {what} is not supported by the {backend} backend")]
     Unsupported {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::{SharedBuffer, SharedBufferId};
 use crate::child::{self, CHILD_ENV, CMD_CALL, CMD_MAP, CMD_SHUTDOWN, CMD_UNMAP, STATUS_OK, Spec};
-use crate::collective::shm::segment_bytes;
+use crate::collective::shm::{self as shm_coll, segment_bytes};
 use crate::error::{ChildId, ExitStatus, NodeError};
 use crate::mailbox::{self, CMD_CAP, MAILBOX_BYTES, Mailbox};
 use crate::shm::{self, Named, SHM_PREFIX, Segment};
@@ -58,6 +58,9 @@ impl Default for NodeConfig {
 pub struct Node {
     pub(crate) config: NodeConfig,
     ctl: Segment,
+    /// The chips' collective segment (none without chips). The parent only touches its
+    /// barrier words: to learn who abandoned a group call and to reset them after one.
+    coll: Option<Segment>,
     pub(crate) children: Vec<Child>,
     pub(crate) buffers: BTreeMap<SharedBufferId, SharedBuffer>,
     next_buffer: u64,
@@ -123,19 +126,19 @@ impl Node {
         shm::sweep_stale();
         let exe = std::env::current_exe().map_err(|e| NodeError::io("current_exe", e))?;
         let (ctl, ctl_fd) = Segment::anonymous("simpler-node-control", n * MAILBOX_BYTES)?;
-        // The parent never touches the collective segment; only the descriptor is passed on.
-        let coll_fd = match config.chips {
-            0 => None,
-            chips => Some(
-                Segment::anonymous(
+        let (coll, coll_fd) = match config.chips {
+            0 => (None, None),
+            chips => {
+                let (seg, fd) = Segment::anonymous(
                     "simpler-node-collectives",
                     segment_bytes(chips, config.collective_bytes),
-                )?
-                .1,
-            ),
+                )?;
+                (Some(seg), Some(fd))
+            }
         };
         let mut node = Node {
             ctl,
+            coll,
             children: Vec::with_capacity(n),
             buffers: BTreeMap::new(),
             next_buffer: 0,
@@ -194,8 +197,10 @@ impl Node {
 
     /// Runs `function` in several children at once (each with its own arguments), and waits
     /// for all of them: what collectives need, since every rank must take part. Returns the
-    /// answers in the order of `calls`; the first child (in that order) whose function failed
-    /// makes the error.
+    /// answers in the order of `calls`. A chip whose function fails abandons the collectives,
+    /// so the other chips' collective calls fail at once instead of waiting for it; its error
+    /// is then the call's. Otherwise the first child (in the order of `calls`) whose function
+    /// failed makes the error. The collectives are reset after the call either way.
     pub fn call_group(
         &mut self,
         function: &str,
@@ -235,11 +240,21 @@ impl Node {
         )?;
         let answers: Vec<(u32, Vec<u8>)> =
             targets.iter().map(|&i| self.mailbox(i).answer()).collect();
-        if let Some((k, (_, msg))) = answers
-            .iter()
-            .enumerate()
-            .find(|(_, (s, _))| *s != STATUS_OK)
-        {
+        // Every target has answered and every other child is idle, so no chip is inside a
+        // collective: the barrier can be reset for the next call.
+        let abandoner = self.coll.as_ref().and_then(|seg| {
+            let by = shm_coll::abandoned_by(seg);
+            shm_coll::reset(seg);
+            by
+        });
+        let failed = |k: &usize| answers[*k].0 != STATUS_OK;
+        let root_cause = abandoner.and_then(|r| {
+            (0..targets.len())
+                .filter(failed)
+                .find(|&k| self.children[targets[k]].id == ChildId::Chip(r))
+        });
+        if let Some(k) = root_cause.or_else(|| (0..targets.len()).find(failed)) {
+            let msg = &answers[k].1;
             return Err(NodeError::CallFailed {
                 child: self.children[targets[k]].id,
                 function: function.to_string(),

@@ -38,6 +38,7 @@ fn fns() -> ChildFns {
         .register("a2a", a2a)
         .register("a2a_die", a2a_die)
         .register("reduce", reduce)
+        .register("collective_or_fail", collective_or_fail)
         .register("buffer_check", buffer_check)
         .register("worker_add", worker_add)
         .register("step", step)
@@ -218,6 +219,38 @@ fn chip_fatal(ctx: &mut ChildCtx, _args: &[u8]) -> Result<Vec<u8>, String> {
     Ok(Vec::new())
 }
 
+/// Bytes of `collective_or_fail`'s report buffer per chip: a length word, then the text.
+const REPORT_BYTES: usize = 256;
+
+/// Chip `args[1]` fails at once; the others run `a2a` (`args[2]` = 0) or `reduce` (1) with
+/// seed `args[0]`, and write the error they get into their slot of buffer `args[3]`.
+fn collective_or_fail(ctx: &mut ChildCtx, a: &[u8]) -> Result<Vec<u8>, String> {
+    let ChildId::Chip(me) = ctx.id() else {
+        return Err("not a chip".into());
+    };
+    if me == u64_at(a, 1) as usize {
+        return Err(format!("chip {me} gives up before its collective"));
+    }
+    let result = match u64_at(a, 2) {
+        0 => a2a(ctx, a),
+        _ => reduce(ctx, &args(&[u64_at(a, 0), 1000])),
+    };
+    let err = match result {
+        Ok(_) => "no error".to_string(),
+        Err(e) => e,
+    };
+    let buf = ctx
+        .buffer(SharedBufferId::from_bits(u64_at(a, 3)))
+        .ok_or("report buffer not mapped")?;
+    let text = &err.as_bytes()[..err.len().min(REPORT_BYTES - 8)];
+    // SAFETY: each chip writes only its own slot; the parent reads after the call.
+    unsafe {
+        buf.write(REPORT_BYTES * me, &(text.len() as u64).to_le_bytes());
+        buf.write(REPORT_BYTES * me + 8, text);
+    }
+    Err(err)
+}
+
 fn reduce(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
     let (seed, len) = (u64_at(args, 0), u64_at(args, 1) as usize);
     let comm = ctx.collectives().ok_or("not a chip")?;
@@ -289,6 +322,20 @@ fn all_to_all_2_and_4_ranks() {
     }
 }
 
+/// Runs `reduce` on all `n` chips of `node` and checks every rank's sum.
+fn check_reduce(node: &mut Node, n: usize, seed: u64, len: usize) {
+    let a = args(&[seed, len as u64]);
+    let got = node.call_group("reduce", &chips_all(n, &a)).unwrap();
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| reduce_input(seed, r, len)).collect();
+    let expected: Vec<u8> = (0..len)
+        .map(|k| (1..n).fold(inputs[0][k], |acc, r| acc + inputs[r][k]))
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    for (rank, bytes) in got.iter().enumerate() {
+        assert_eq!(bytes, &expected, "rank {rank} of {n}, len {len}");
+    }
+}
+
 fn all_reduce_2_and_4_ranks() {
     for n in [2, 4] {
         // 256 staging bytes: 1000 elements take 16 rounds; 0 elements take one.
@@ -298,16 +345,7 @@ fn all_reduce_2_and_4_ranks() {
         })
         .unwrap();
         for (seed, len) in [(7u64, 1000usize), (8, 1), (9, 0), (10, 64)] {
-            let a = args(&[seed, len as u64]);
-            let got = node.call_group("reduce", &chips_all(n, &a)).unwrap();
-            let inputs: Vec<Vec<f32>> = (0..n).map(|r| reduce_input(seed, r, len)).collect();
-            let expected: Vec<u8> = (0..len)
-                .map(|k| (1..n).fold(inputs[0][k], |acc, r| acc + inputs[r][k]))
-                .flat_map(|v| v.to_ne_bytes())
-                .collect();
-            for (rank, bytes) in got.iter().enumerate() {
-                assert_eq!(bytes, &expected, "rank {rank} of {n}, len {len}");
-            }
+            check_reduce(&mut node, n, seed, len);
         }
         node.close().unwrap();
     }
@@ -411,6 +449,62 @@ fn child_error_is_reported_and_node_survives() {
         node.call(ChildId::Sub(3), "echo", b""),
         Err(NodeError::NotFound(_))
     ));
+    node.close().unwrap();
+}
+
+/// A chip that fails while the others wait for it in a collective releases them at once: the
+/// call reports its error (not a peer's, nor a timeout), and the next group call works.
+fn failed_rank_abandons_the_collective_and_node_survives() {
+    let chips = 3;
+    let timeout = Duration::from_secs(120);
+    let mut node = Node::start(NodeConfig {
+        call_timeout: timeout,
+        // Small staging: a reduction of 1000 elements takes several rounds.
+        collective_bytes: 256,
+        ..config(chips, 0)
+    })
+    .unwrap();
+    let report = node.create_buffer(REPORT_BYTES * chips).unwrap();
+    // (failing chip, 0: all-to-all / 1: all-reduce); a failing chip after chip 0 checks that
+    // the failing chip's error is the call's, not the first abandoned peer's.
+    for (failing, op) in [(2usize, 0u64), (1, 1), (0, 0)] {
+        let a = args(&[5, failing as u64, op, report.to_bits()]);
+        let started = Instant::now();
+        match node.call_group("collective_or_fail", &chips_all(chips, &a)) {
+            Err(NodeError::CallFailed { child, message, .. }) => {
+                assert_eq!(child, ChildId::Chip(failing));
+                assert_eq!(
+                    message,
+                    format!("chip {failing} gives up before its collective")
+                );
+            }
+            other => panic!("expected chip {failing} to fail, got {other:?}"),
+        }
+        let took = started.elapsed();
+        assert!(
+            took < timeout / 4,
+            "the failure took {took:?}, near the {timeout:?} call timeout"
+        );
+        let buf = node.buffer(report).unwrap();
+        let op_name = ["all_to_all_v", "all_reduce"][op as usize];
+        for rank in (0..chips).filter(|&r| r != failing) {
+            let mut len = [0u8; 8];
+            // SAFETY: the chips have answered; nobody writes the buffer now.
+            unsafe { buf.read(REPORT_BYTES * rank, &mut len) };
+            let mut text = vec![0u8; u64::from_le_bytes(len) as usize];
+            // SAFETY: as above.
+            unsafe { buf.read(REPORT_BYTES * rank + 8, &mut text) };
+            let text = String::from_utf8(text).unwrap();
+            // The all-to-all starts with an exchange of counts, itself an all-to-all.
+            assert_eq!(
+                text,
+                format!("{op_name} on rank {rank}: the group was abandoned by rank {failing}"),
+            );
+        }
+        // The collectives were reset: the same node reduces again (over several rounds).
+        check_reduce(&mut node, chips, 9, 1000);
+    }
+    node.free_buffer(report).unwrap();
     node.close().unwrap();
 }
 
@@ -1207,6 +1301,10 @@ fn main() {
         (
             "child_error_is_reported_and_node_survives",
             child_error_is_reported_and_node_survives,
+        ),
+        (
+            "failed_rank_abandons_the_collective_and_node_survives",
+            failed_rank_abandons_the_collective_and_node_survives,
         ),
         (
             "child_killed_mid_collective_is_named_then_node_rebuilt",

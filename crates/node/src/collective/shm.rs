@@ -2,7 +2,7 @@
 //! by every chip process.
 //!
 //! # Layout
-//! A barrier (two `u32` atomics), then one *area* per rank: a header (a flag, a byte total and
+//! A barrier (three `u32` atomics: arrival count, generation, abandoned-by), then one *area* per rank: a header (a flag, a byte total and
 //! `ranks` byte counts, all `u64`) and a staging area of `cap` bytes. Every offset is a multiple
 //! of 64, so no two ranks write the same cache line.
 //!
@@ -25,6 +25,29 @@
 //!
 //! A rank that dies leaves the others waiting in the barrier; the node's parent sees the death
 //! (its doorbell pipe hangs up) and ends every child, so no process waits for ever.
+//!
+//! # Abandonment
+//! A rank that gives up (its function failed, so it will not make the calls the others wait
+//! for) *abandons* the group: it sets a third barrier word, `abandoned`, from 0 to its rank
+//! plus one (a compare-exchange, so the first abandoner stays named), then bumps `generation`
+//! with a `Release` read-modify-write and futex-wakes it. Every rank checks `abandoned` when
+//! it enters a barrier and when it leaves one on a changed generation, and returns
+//! [`CollectiveError::Abandoned`] instead of going on. No wake-up is lost: a waiter only
+//! sleeps on `generation` while it holds the value it read before arriving, and the
+//! abandoner changes that word after setting the flag, so the sleep returns at once or is
+//! woken. Every change of `generation` (the last arrival's included) is a read-modify-write,
+//! so each one continues the release sequence of the abandoner's bump: a rank whose `Acquire`
+//! load sees any generation from the bump on happens-after the flag was set, and sees it.
+//!
+//! A rank that leaves a barrier on the abandoner's bump returns the error and writes no area
+//! again (every call checks the flag before writing); a rank that leaves on the last arrival
+//! passed a complete barrier, so the read phase it starts is protected as before. The
+//! fast path costs one extra load of a word that stays in every rank's cache (it is only
+//! written on abandonment).
+//!
+//! The flag stays set until the node's parent [`reset`]s the barrier after the group call,
+//! when no rank is inside a collective: every rank of the group has answered, and a chip
+//! that was not in the call was idle (the parent waits for every call it starts).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -34,6 +57,10 @@ use crate::futex;
 use crate::shm::Segment;
 
 const BARRIER_BYTES: usize = 64;
+/// Byte offsets of the barrier words.
+const COUNT: usize = 0;
+const GENERATION: usize = 4;
+const ABANDONED: usize = 8;
 /// Spins (with a yield every 128) before a waiting rank sleeps in the kernel.
 const SPINS: u32 = 4096;
 const FLAG_OK: u64 = 0;
@@ -51,6 +78,34 @@ fn header_bytes(ranks: usize) -> usize {
 /// Bytes of the segment for `ranks` ranks with `cap` bytes of staging each.
 pub(crate) fn segment_bytes(ranks: usize, cap: usize) -> usize {
     BARRIER_BYTES + ranks * (header_bytes(ranks) + round64(cap))
+}
+
+fn barrier_word(segment: &Segment, offset: usize) -> &AtomicU32 {
+    assert!(
+        offset + 4 <= BARRIER_BYTES && offset.is_multiple_of(4) && segment.len() >= BARRIER_BYTES
+    );
+    // SAFETY: the barrier words lie at the start of the live mapping (page-aligned, so 4-byte
+    // aligned; in bounds, checked above), are only ever accessed atomically, and zero is a
+    // valid value.
+    unsafe { &*segment.ptr().add(offset).cast::<AtomicU32>() }
+}
+
+/// Clears an abandonment and the arrival count of a segment made with [`segment_bytes`], so
+/// the next collective call starts afresh. The caller (the node's parent, after a group call)
+/// guarantees that no rank is inside a collective and that the ranks' next calls are ordered
+/// after this (its command post is a `Release` store the child reads with `Acquire`).
+/// `generation` keeps its value: a rank compares it only with the value it read on arrival.
+pub(crate) fn reset(segment: &Segment) {
+    barrier_word(segment, COUNT).store(0, Ordering::Relaxed);
+    barrier_word(segment, ABANDONED).store(0, Ordering::Relaxed);
+}
+
+/// The rank that abandoned the group on this segment since the last [`reset`], if one did.
+pub(crate) fn abandoned_by(segment: &Segment) -> Option<usize> {
+    match barrier_word(segment, ABANDONED).load(Ordering::Acquire) {
+        0 => None,
+        r => Some(r as usize - 1),
+    }
 }
 
 /// The shared-memory communicator of one chip process.
@@ -79,21 +134,50 @@ impl ShmCollectives {
     }
 
     fn word(&self, offset: usize) -> &AtomicU32 {
-        // SAFETY: the barrier words lie at the start of the live mapping (4-byte aligned), are
-        // only ever accessed atomically, and zero is a valid value.
-        unsafe { &*self.segment.ptr().add(offset).cast::<AtomicU32>() }
+        barrier_word(&self.segment, offset)
     }
 
-    /// Waits until every rank has arrived (see the protocol in the module header).
-    fn barrier(&self) {
-        let count = self.word(0);
-        let generation = self.word(4);
+    /// Fails with `Abandoned` once the group is abandoned (see the module header).
+    fn check_abandoned(&self, op: &'static str) -> Result<(), CollectiveError> {
+        match abandoned_by(&self.segment) {
+            None => Ok(()),
+            Some(by) => Err(CollectiveError::Abandoned {
+                op,
+                rank: self.rank,
+                by,
+            }),
+        }
+    }
+
+    /// Gives up on the group: every rank waiting in a barrier, now or later, returns
+    /// [`CollectiveError::Abandoned`] naming the first rank that abandoned, until the parent
+    /// resets the segment after the group call. Idempotent.
+    pub fn abandon(&self) {
+        let _ = self.word(ABANDONED).compare_exchange(
+            0,
+            self.rank as u32 + 1,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let generation = self.word(GENERATION);
+        generation.fetch_add(1, Ordering::Release);
+        futex::wake_all(generation);
+    }
+
+    /// Waits until every rank has arrived (see the protocol in the module header), or fails
+    /// once the group is abandoned.
+    fn barrier(&self, op: &'static str) -> Result<(), CollectiveError> {
+        let count = self.word(COUNT);
+        let generation = self.word(GENERATION);
         let g = generation.load(Ordering::Acquire);
+        // Read after `g`: a flag set after this load comes with a bump after it, which ends
+        // the wait below.
+        self.check_abandoned(op)?;
         if count.fetch_add(1, Ordering::AcqRel) as usize == self.ranks - 1 {
             count.store(0, Ordering::Relaxed);
-            generation.store(g.wrapping_add(1), Ordering::Release);
+            generation.fetch_add(1, Ordering::Release);
             futex::wake_all(generation);
-            return;
+            return Ok(());
         }
         let mut spins = 0u32;
         while generation.load(Ordering::Acquire) == g {
@@ -110,6 +194,8 @@ impl ShmCollectives {
                 futex::wait(generation, g);
             }
         }
+        // The generation changed: the last arrival or an abandoner bumped it.
+        self.check_abandoned(op)
     }
 
     fn area(&self, rank: usize) -> *mut u8 {
@@ -175,6 +261,7 @@ impl Collectives for ShmCollectives {
         recv_counts: &[usize],
     ) -> Result<(), CollectiveError> {
         const OP: &str = "all_to_all_v";
+        self.check_abandoned(OP)?;
         let (n, me) = (self.ranks, self.rank);
         let own = super::check_all_to_all_args(
             OP,
@@ -196,7 +283,7 @@ impl Collectives for ShmCollectives {
             Some(CollectiveError::TooLarge { .. }) => self.write_header(FLAG_TOO_LARGE, 0, &[]),
             Some(_) => self.write_header(FLAG_BAD_ARGS, 0, &[]),
         }
-        self.barrier();
+        self.barrier(OP)?;
         let result = match self.refusal(OP, &own) {
             Some(e) => Err(e),
             None => {
@@ -232,7 +319,7 @@ impl Collectives for ShmCollectives {
                 result
             }
         };
-        self.barrier();
+        self.barrier(OP)?;
         result
     }
 
@@ -244,6 +331,7 @@ impl Collectives for ShmCollectives {
     ) -> Result<(), CollectiveError> {
         const OP: &str = "all_reduce";
         let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
+        self.check_abandoned(OP)?;
         let (n, me) = (self.ranks, self.rank);
         let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
             op: OP,
@@ -273,7 +361,7 @@ impl Collectives for ShmCollectives {
                     )
                 };
             }
-            self.barrier();
+            self.barrier(OP)?;
             if start == 0 {
                 let refused = self.refusal(OP, &own).or_else(|| {
                     (0..n)
@@ -287,7 +375,7 @@ impl Collectives for ShmCollectives {
                         })
                 });
                 if let Some(e) = refused {
-                    self.barrier();
+                    self.barrier(OP)?;
                     return Err(e);
                 }
             }
@@ -308,7 +396,7 @@ impl Collectives for ShmCollectives {
             for (dst, a) in buf[start..end].chunks_exact_mut(4).zip(&acc) {
                 dst.copy_from_slice(&a.to_ne_bytes());
             }
-            self.barrier();
+            self.barrier(OP)?;
             start = end;
             if start >= buf.len() {
                 return Ok(());
@@ -405,6 +493,96 @@ mod tests {
         for (first, sum) in results {
             assert!(matches!(first, Err(CollectiveError::CountMismatch { .. })));
             assert_eq!(sum, 3.0);
+        }
+    }
+
+    #[test]
+    fn an_abandoned_group_releases_its_waiters_and_resets() {
+        let between = std::sync::Barrier::new(3);
+        let results = on_ranks(3, 64, |rank, comm| {
+            let mut one = 1f32.to_ne_bytes();
+            // Rank 1 takes part in one reduction, then gives up while the others wait in
+            // the next (or, if it is quick, before they arrive: the same error either way).
+            comm.all_reduce(&mut one, ReduceType::F32, ReduceOp::Sum)
+                .unwrap();
+            // Everyone has left that reduction before rank 1 gives up.
+            between.wait();
+            let first = if rank == 1 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                comm.abandon();
+                comm.abandon();
+                Ok(Vec::new())
+            } else {
+                let mut recv = [0u8; 3];
+                comm.all_to_all_v(&[rank as u8; 3], &[1, 1, 1], &mut recv, &[1, 1, 1])
+                    .map(|()| recv.to_vec())
+            };
+            let mut buf = vec![0u8; 4 * 100];
+            let later = comm.all_reduce(&mut buf, ReduceType::F32, ReduceOp::Sum);
+            between.wait();
+            if rank == 0 {
+                reset(&comm.segment);
+            }
+            between.wait();
+            let mut two = 2f32.to_ne_bytes();
+            comm.all_reduce(&mut two, ReduceType::F32, ReduceOp::Sum)
+                .unwrap();
+            (
+                f32::from_ne_bytes(one),
+                first,
+                later,
+                f32::from_ne_bytes(two),
+            )
+        });
+        for (rank, (one, first, later, two)) in results.into_iter().enumerate() {
+            assert_eq!(one, 3.0);
+            if rank != 1 {
+                assert_eq!(
+                    first,
+                    Err(CollectiveError::Abandoned {
+                        op: "all_to_all_v",
+                        rank,
+                        by: 1
+                    })
+                );
+            }
+            assert_eq!(
+                later,
+                Err(CollectiveError::Abandoned {
+                    op: "all_reduce",
+                    rank,
+                    by: 1
+                })
+            );
+            assert_eq!(two, 6.0, "rank {rank} after the reset");
+        }
+    }
+
+    #[test]
+    fn the_first_abandoner_is_named() {
+        let between = std::sync::Barrier::new(2);
+        let results = on_ranks(2, 64, |rank, comm| {
+            if rank == 0 {
+                comm.abandon();
+            }
+            between.wait();
+            comm.abandon();
+            let mut b = [0u8; 4];
+            (
+                comm.all_reduce(&mut b, ReduceType::F32, ReduceOp::Sum),
+                abandoned_by(&comm.segment),
+            )
+        });
+        for (rank, (r, by)) in results.into_iter().enumerate() {
+            assert_eq!(
+                r,
+                Err(CollectiveError::Abandoned {
+                    op: "all_reduce",
+                    rank,
+                    by: 0
+                })
+            );
+            assert_eq!(by, Some(0));
         }
     }
 
