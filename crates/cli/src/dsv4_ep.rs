@@ -821,7 +821,16 @@ fn mpi_main(cmd: &EpCmd) -> Result<()> {
         ranks: n as u32,
         role: format!("mpi rank {me}"),
     });
-    if let Some((text, ok)) = rank_main(&mut comm, cmd)? {
+    let report = match rank_main(&mut comm, cmd) {
+        Ok(report) => report,
+        // The other ranks may be waiting for this one inside an exchange, which MPI cannot
+        // release: end the job now rather than leave them to `mpirun`'s own limits.
+        Err(e) => {
+            eprintln!("error: mpi rank {me}: {e:#}");
+            comm.abort(1)
+        }
+    };
+    if let Some((text, ok)) = report {
         print!("{text}");
         if !ok {
             bail!("the expert-parallel step differs from the single-rank step or the golden");

@@ -4,7 +4,8 @@
 //! (loopback) and checks that every rank succeeded. Run by `mpirun` (it sees
 //! `OMPI_COMM_WORLD_SIZE` or `PMI_SIZE`), it is one rank: it runs the same all-to-all (ragged
 //! and zero-size messages) and all-reduce cases as the shared-memory tests and compares each
-//! result with the plain computation, bit for bit, exiting non-zero on any difference.
+//! result with the plain computation, bit for bit, exiting non-zero on any difference. A last
+//! job of 3 ranks checks that a rank's `abort` ends the job while the others wait for it.
 
 mod common;
 
@@ -13,6 +14,9 @@ use simpler_node::{
     CollectiveError, Collectives, MpiCollectives, ReduceOp, ReduceType, exchange_counts,
     mpirun_command, under_mpirun,
 };
+
+/// Makes a rank run `abort_main`.
+const ABORT_ARG: &str = "abort";
 
 fn rank_main() {
     let universe = mpi::initialize().expect("MPI initializes once");
@@ -69,8 +73,26 @@ fn rank_main() {
     println!("rank {me} of {n}: ok");
 }
 
+/// Rank 1 fails and aborts the job while the others wait for it in an all-reduce.
+fn abort_main() {
+    let universe = mpi::initialize().expect("MPI initializes once");
+    let mut comm = MpiCollectives::new(universe.world());
+    if comm.rank() == 1 {
+        comm.abort(3);
+    }
+    let mut buf = [0u8; 4];
+    let r = comm.all_reduce(&mut buf, ReduceType::F32, ReduceOp::Sum);
+    panic!(
+        "rank {}: the all-reduce returned ({r:?}) without rank 1",
+        comm.rank()
+    );
+}
+
 fn main() {
     if under_mpirun() {
+        if std::env::args().any(|a| a == ABORT_ARG) {
+            abort_main();
+        }
         rank_main();
         return;
     }
@@ -82,4 +104,28 @@ fn main() {
         assert!(status.success(), "mpirun -np {ranks}: {status}");
         println!("test mpi_collectives_{ranks}_ranks ... ok");
     }
+    // An aborting rank ends the job, the ranks waiting for it included. The deadline only
+    // turns a hang into a failure; a working abort ends the job long before it.
+    let mut job = mpirun_command(3, &exe)
+        .arg(ABORT_ARG)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("mpirun (Debian: openmpi-bin) runs");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = job.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            job.kill().unwrap();
+            job.wait().unwrap();
+            panic!("mpirun -np 3 with an aborting rank still runs after 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        !status.success(),
+        "mpirun -np 3 with an aborting rank: {status}"
+    );
+    println!("test mpi_abort_ends_the_job ... ok");
 }

@@ -44,6 +44,13 @@ impl MpiCollectives {
         MpiCollectives { comm, rank, ranks }
     }
 
+    /// Ends every rank of the job (`MPI_Abort` with `code`). What a rank that failed does
+    /// when its peers may be inside a collective waiting for it: MPI has no way to release
+    /// them short of this, and `mpirun` then ends the job with a failure.
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+
     /// The refusal of the lowest refusing rank (this rank's own in detail), given every rank's
     /// flag.
     fn refusal(
