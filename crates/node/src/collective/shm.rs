@@ -2,9 +2,10 @@
 //! by every chip process.
 //!
 //! # Layout
-//! A barrier (three `u32` atomics: arrival count, generation, abandoned-by), then one *area* per rank: a header (a flag, a byte total and
-//! `ranks` byte counts, all `u64`) and a staging area of `cap` bytes. Every offset is a multiple
-//! of 64, so no two ranks write the same cache line.
+//! A barrier (three `u32` atomics: arrival count, generation, abandoned-by), then one *area*
+//! per rank: a header (a flag, a byte total and `ranks` byte counts, all `u64`) and a staging
+//! area of `cap` bytes. Every offset is a multiple of 64, so no two ranks write the same cache
+//! line.
 //!
 //! # Protocol
 //! A collective call is rounds of: every rank writes its own area, barrier, every rank reads
@@ -14,9 +15,9 @@
 //! The barrier makes the writes before it visible to the reads after it. A rank arrives with
 //! `count.fetch_add(1, AcqRel)`: the increments form one release sequence, so the last rank to
 //! arrive (the one that reads `ranks - 1`) has acquired every earlier rank's writes. It resets
-//! `count` to 0 and then bumps `generation` with `Release`; a waiting rank loads `generation`
-//! with `Acquire`, sees the bump, and so happens-after the last arrival and thereby after every
-//! rank's writes. Each rank reads `generation` *before* arriving, so it cannot miss the bump
+//! `count` to 0 and then bumps `generation` (a `Release` `fetch_add`); a waiting rank loads
+//! `generation` with `Acquire`, sees the bump, and so happens-after the last arrival and
+//! thereby after every rank's writes. Each rank reads `generation` *before* arriving, so it cannot miss the bump
 //! (it only waits while the value is still the one it read, and futex-waits only on that
 //! value: a bump between its load and its wait makes the wait return at once). The reset of
 //! `count` is sequenced before the bump, so a rank that goes on to the next barrier (after
@@ -45,7 +46,7 @@
 //! fast path costs one extra load of a word that stays in every rank's cache (it is only
 //! written on abandonment).
 //!
-//! The flag stays set until the node's parent [`reset`]s the barrier after the group call,
+//! The flag stays set until the node's parent resets the barrier (`reset`) after the group call,
 //! when no rank is inside a collective: every rank of the group has answered, and a chip
 //! that was not in the call was idle (the parent waits for every call it starts).
 
