@@ -17,9 +17,10 @@
 //! arrive (the one that reads `ranks - 1`) has acquired every earlier rank's writes. It resets
 //! `count` to 0 and then bumps `generation` (a `Release` `fetch_add`); a waiting rank loads
 //! `generation` with `Acquire`, sees the bump, and so happens-after the last arrival and
-//! thereby after every rank's writes. Each rank reads `generation` *before* arriving, so it cannot miss the bump
-//! (it only waits while the value is still the one it read, and futex-waits only on that
-//! value: a bump between its load and its wait makes the wait return at once). The reset of
+//! thereby after every rank's writes. Each rank reads `generation` *before* arriving, so it
+//! cannot miss the bump (it only waits while the value is still the one it read, and
+//! futex-waits only on that value: a bump between its load and its wait makes the wait return
+//! at once). The reset of
 //! `count` is sequenced before the bump, so a rank that goes on to the next barrier (after
 //! seeing the bump) finds `count` reset. Generations wrap at 2^32 barriers; a rank can only be
 //! one barrier behind the others, so wrapping never aliases.
