@@ -1185,6 +1185,11 @@ fn chip_level_errors_reach_run() {
 /// The driver process (see `DRIVER_ENV`): starts a node, prints its pid and its children's
 /// pids, and waits until stdin closes, or a signal ends it.
 fn driver() -> ! {
+    // A shell that starts the tests in the background (`cmd &` without job control) hands
+    // them SIGINT ignored, and exec keeps an ignored disposition: the driver must die of the
+    // signal the test sends, as it would started from a terminal.
+    // SAFETY: resetting a disposition to its default, before any thread of this process.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_DFL) };
     let mut node = Node::start(config(2, 1)).unwrap();
     node.create_buffer(4096).unwrap();
     let pids: Vec<String> = node.children().iter().map(|(_, p)| p.to_string()).collect();
