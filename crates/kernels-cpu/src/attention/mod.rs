@@ -266,55 +266,58 @@ pub fn decode_attention_heads_bf16(
         "decode attention: partials len"
     );
     #[cfg(target_arch = "x86_64")]
-    let isa = decode_isa();
-    #[cfg(target_arch = "x86_64")]
-    if isa >= crate::isa::Isa::Avx512Bf16 && avx512::supports(group, hd) {
-        kv.check_pages(block_table, &tokens);
-        HEADS_STATE.with(|cell| {
-            let mut state = cell.borrow_mut();
-            state.resize(avx512::heads_state_len(kv.kv_heads, group, hd), 0.0);
-            // SAFETY: `decode_isa` is Avx512Bf16 or wider only when the CPU has AVX-512
-            // F/BW/VL and BF16 (and AVX2, FMA); the shape is supported; `kv` was checked,
-            // every page of `tokens` by `check_pages`, `q` and `partials` by the asserts;
-            // `state` has the length the kernel needs.
-            unsafe {
-                avx512::decode_partials_heads(
-                    q,
-                    group,
-                    kv,
-                    block_table,
-                    tokens,
-                    scale,
-                    partials,
-                    &mut state,
-                )
+    {
+        type HeadsKernel = unsafe fn(
+            &[bf16],
+            usize,
+            &PagedKv<'_>,
+            &[u32],
+            Range<usize>,
+            f32,
+            &mut [f32],
+            &mut [f32],
+        );
+        let isa = decode_isa();
+        // `decode_isa` is Avx512Bf16 or wider only when the CPU has AVX-512 F/BW/VL and BF16
+        // (and AVX2, FMA), Avx2 or wider only when it has AVX2 and FMA.
+        let chosen: Option<(HeadsKernel, usize)> =
+            if isa >= crate::isa::Isa::Avx512Bf16 && avx512::supports(group, hd) {
+                Some((
+                    avx512::decode_partials_heads,
+                    avx512::heads_state_len(kv.kv_heads, group, hd),
+                ))
+            } else if isa >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
+                Some((
+                    avx2::decode_partials_heads,
+                    avx2::heads_state_len(kv.kv_heads, group, hd),
+                ))
+            } else {
+                None
             };
-        });
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
-        kv.check_pages(block_table, &tokens);
-        HEADS_STATE.with(|cell| {
-            let mut state = cell.borrow_mut();
-            state.resize(avx2::heads_state_len(kv.kv_heads, group, hd), 0.0);
-            // SAFETY: `decode_isa` is Avx2 or wider only when the CPU has AVX2 and FMA; the
-            // shape is supported; `kv` was checked, every page of `tokens` by `check_pages`, `q` and
-            // `partials` by the asserts; `state` has the length the kernel needs.
-            unsafe {
-                avx2::decode_partials_heads(
-                    q,
-                    group,
-                    kv,
-                    block_table,
-                    tokens,
-                    scale,
-                    partials,
-                    &mut state,
-                )
-            };
-        });
-        return;
+        if let Some((kernel, state_len)) = chosen {
+            kv.check_pages(block_table, &tokens);
+            HEADS_STATE.with(|cell| {
+                let mut state = cell.borrow_mut();
+                state.resize(state_len, 0.0);
+                // SAFETY: the kernel's instruction set is present (see `chosen`) and it
+                // supports the shape; `kv` was checked, every page of `tokens` by
+                // `check_pages`, `q` and `partials` by the asserts; `state` has the length
+                // that kernel needs.
+                unsafe {
+                    kernel(
+                        q,
+                        group,
+                        kv,
+                        block_table,
+                        tokens,
+                        scale,
+                        partials,
+                        &mut state,
+                    )
+                };
+            });
+            return;
+        }
     }
     for (g, p) in partials.chunks_exact_mut(rec).enumerate() {
         decode_attention_partial_bf16(q, group, kv, block_table, g, tokens.clone(), scale, p);
