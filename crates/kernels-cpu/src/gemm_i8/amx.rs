@@ -97,7 +97,13 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         };
         // SAFETY: the same checked tile restricted to its last rows, writing the same output
         // elements (the output slice starts at those rows' column); AVX-512 VNNI available.
-        unsafe { avx512::gemm(&sub, &mut out[rest - lw.n.start..], ld_out) };
+        unsafe {
+            avx512::gemm(
+                std::slice::from_ref(&sub),
+                &mut out[rest - lw.n.start..],
+                ld_out,
+            )
+        };
     }
 }
 

@@ -44,13 +44,13 @@ fn starts<const RR: usize, const BB: usize>(
     )
 }
 
-/// W8A8 with `vpmaddubsw`.
+/// W8A8 with `vpmaddubsw` over a tile's `k` segments.
 ///
 /// # Safety
-/// AVX2 available; `lw` checked by `gemm_i8_w8a8`.
+/// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(lw, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`).
@@ -101,13 +101,13 @@ const R_VNNI: usize = 2;
 /// Most batch rows per AVX-VNNI block.
 const B_VNNI: usize = 4;
 
-/// W8A8 with 256-bit `vpdpbusd` (AVX-VNNI).
+/// W8A8 with 256-bit `vpdpbusd` (AVX-VNNI) over a tile's `k` segments.
 ///
 /// # Safety
-/// AVX2 and AVX-VNNI available; `lw` checked by `gemm_i8_w8a8`.
+/// AVX2 and AVX-VNNI available; `segs` (at least one) checked by `gemm_i8_w8a8`.
 #[target_feature(enable = "avx2,fma,avxvnni")]
-pub(super) unsafe fn gemm_vnni(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let lo = WithActSums::new(lw, STEP);
+pub(super) unsafe fn gemm_vnni(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    let lo: Vec<WithActSums<'_, '_>> = segs.iter().map(|s| WithActSums::new(s, STEP)).collect();
     drive!(&lo, out, ld_out, R_VNNI, B_VNNI, STEP, block_vnni, 0i32);
 }
 
@@ -159,7 +159,16 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 /// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(lw, out, ld_out, R, B, 8, block_wide, 0.0f32);
+    drive!(
+        std::slice::from_ref(lw),
+        out,
+        ld_out,
+        R,
+        B,
+        8,
+        block_wide,
+        0.0f32
+    );
 }
 
 /// `sums[r][b]` of the body in steps of 8.

@@ -19,13 +19,13 @@ const B_WIDE: usize = 4;
 /// Bytes of `k` per step.
 const STEP: usize = 64;
 
-/// W8A8 with 512-bit `vpdpbusd`.
+/// W8A8 with 512-bit `vpdpbusd` over a tile's `k` segments.
 ///
 /// # Safety
-/// AVX-512 F/BW/VNNI available; `lw` checked by `gemm_i8_w8a8`.
+/// AVX-512 F/BW/VNNI available; `segs` (at least one) checked by `gemm_i8_w8a8`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let lo = WithActSums::new(lw, STEP);
+pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    let lo: Vec<WithActSums<'_, '_>> = segs.iter().map(|s| WithActSums::new(s, STEP)).collect();
     drive!(&lo, out, ld_out, R, B, STEP, block_vnni, 0i32);
 }
 
@@ -80,7 +80,16 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 /// AVX-512 F available; `lw` checked by `gemm_i8_wide`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
 pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(lw, out, ld_out, R_WIDE, B_WIDE, 16, block_wide, 0.0f32);
+    drive!(
+        std::slice::from_ref(lw),
+        out,
+        ld_out,
+        R_WIDE,
+        B_WIDE,
+        16,
+        block_wide,
+        0.0f32
+    );
 }
 
 /// `sums[r][b]` of the body in steps of 16.

@@ -16,6 +16,12 @@
 //!   keep other bytes after each row), fp32 scale per row: `w_real[n, k] = sw[n] * w[n, k]`.
 //! - Quantised activations `[B, K]` int8 at row stride `ld`, one fp32 scale per row, values in
 //!   `-127..=127` (the AVX2 sign trick below needs `-128` absent; the quantiser never makes it).
+//!   Or one scale per (row, group) when each row was quantised in equal groups of `K`
+//!   ([`ActsI8::grouped`], DeepSeek-V4's `o_r` per output group): the product then cuts the
+//!   tile's `k` at the group boundaries, and each block of weight rows runs through every
+//!   group before the next block, so the weights still stream once, row by row (a product
+//!   per group read every row in strided pieces, one group's span at a time: measured
+//!   1.4–1.7× slower at `Wo_b`'s FLASH shape on the shared host).
 //! - Output fp32: element `(b, n)` of a tile at `out[b * ld_out + (n - tile.n.start)]`.
 //!
 //! # Paths ([`I8Path`], chosen at run time)
@@ -52,51 +58,57 @@ use crate::gemm::{GemmTile, OutMode};
 use crate::isa::Isa;
 use crate::multiversion::multiversion;
 
-/// Runs `$block::<rows, batch>` over a lowered tile in blocks of `$r` weight rows (single rows
+/// Runs `$block::<rows, batch>` over lowered tiles in blocks of `$r` weight rows (single rows
 /// at the end) and up to `$b` (at most 8) batch rows, finishing each sum with the slice's
-/// scalar tail (the `k` values after the last whole `$step`).
+/// scalar tail (the `k` values after the last whole `$step`). `$segs` holds the `k` segments
+/// of one tile (the same rows, consecutive `k` ranges, each finished on its own): every block
+/// of rows runs through all segments before the next, so a row streams from memory once, in
+/// order, however many activation-scale groups split its `k`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! drive {
-    ($lw:expr, $out:expr, $ld_out:expr, $r:expr, $b:expr, $step:expr, $block:ident, $zero:expr) => {{
-        let lw = $lw;
-        let tail = lw.k.start + lw.k.len() / $step * $step..lw.k.end;
-        let mut n0 = lw.n.start;
-        while n0 < lw.n.end {
-            let nr = if lw.n.end - n0 >= $r { $r } else { 1 };
-            let mut b0 = 0;
-            while b0 < lw.batch {
-                let bb = (lw.batch - b0).min($b);
-                let mut sums = [[$zero; $b]; $r];
-                // SAFETY: rows n0..n0+nr and batch rows b0..b0+bb lie inside the tile (loop
-                // bounds); the caller's contract covers the features and the slices.
-                // `bb` is at most `$b`, so the last arm of each half is the full block.
-                unsafe {
-                    match (nr == $r, bb) {
-                        (true, 1) => $block::<$r, 1>(lw, n0, b0, &mut sums),
-                        (true, 2) if $b > 2 => $block::<$r, 2>(lw, n0, b0, &mut sums),
-                        (true, 3) if $b > 3 => $block::<$r, 3>(lw, n0, b0, &mut sums),
-                        (true, 4) if $b > 4 => $block::<$r, 4>(lw, n0, b0, &mut sums),
-                        (true, 5) if $b > 5 => $block::<$r, 5>(lw, n0, b0, &mut sums),
-                        (true, 6) if $b > 6 => $block::<$r, 6>(lw, n0, b0, &mut sums),
-                        (true, 7) if $b > 7 => $block::<$r, 7>(lw, n0, b0, &mut sums),
-                        (true, _) => $block::<$r, $b>(lw, n0, b0, &mut sums),
-                        (false, 1) => $block::<1, 1>(lw, n0, b0, &mut sums),
-                        (false, 2) if $b > 2 => $block::<1, 2>(lw, n0, b0, &mut sums),
-                        (false, 3) if $b > 3 => $block::<1, 3>(lw, n0, b0, &mut sums),
-                        (false, 4) if $b > 4 => $block::<1, 4>(lw, n0, b0, &mut sums),
-                        (false, 5) if $b > 5 => $block::<1, 5>(lw, n0, b0, &mut sums),
-                        (false, 6) if $b > 6 => $block::<1, 6>(lw, n0, b0, &mut sums),
-                        (false, 7) if $b > 7 => $block::<1, 7>(lw, n0, b0, &mut sums),
-                        (false, _) => $block::<1, $b>(lw, n0, b0, &mut sums),
+    ($segs:expr, $out:expr, $ld_out:expr, $r:expr, $b:expr, $step:expr, $block:ident, $zero:expr) => {{
+        let segs = $segs;
+        let first = &segs[0];
+        let mut n0 = first.n.start;
+        while n0 < first.n.end {
+            let nr = if first.n.end - n0 >= $r { $r } else { 1 };
+            for lw in segs.iter() {
+                let tail = lw.k.start + lw.k.len() / $step * $step..lw.k.end;
+                let mut b0 = 0;
+                while b0 < lw.batch {
+                    let bb = (lw.batch - b0).min($b);
+                    let mut sums = [[$zero; $b]; $r];
+                    // SAFETY: rows n0..n0+nr and batch rows b0..b0+bb lie inside the tile (loop
+                    // bounds); the caller's contract covers the features and the slices.
+                    // `bb` is at most `$b`, so the last arm of each half is the full block.
+                    unsafe {
+                        match (nr == $r, bb) {
+                            (true, 1) => $block::<$r, 1>(lw, n0, b0, &mut sums),
+                            (true, 2) if $b > 2 => $block::<$r, 2>(lw, n0, b0, &mut sums),
+                            (true, 3) if $b > 3 => $block::<$r, 3>(lw, n0, b0, &mut sums),
+                            (true, 4) if $b > 4 => $block::<$r, 4>(lw, n0, b0, &mut sums),
+                            (true, 5) if $b > 5 => $block::<$r, 5>(lw, n0, b0, &mut sums),
+                            (true, 6) if $b > 6 => $block::<$r, 6>(lw, n0, b0, &mut sums),
+                            (true, 7) if $b > 7 => $block::<$r, 7>(lw, n0, b0, &mut sums),
+                            (true, _) => $block::<$r, $b>(lw, n0, b0, &mut sums),
+                            (false, 1) => $block::<1, 1>(lw, n0, b0, &mut sums),
+                            (false, 2) if $b > 2 => $block::<1, 2>(lw, n0, b0, &mut sums),
+                            (false, 3) if $b > 3 => $block::<1, 3>(lw, n0, b0, &mut sums),
+                            (false, 4) if $b > 4 => $block::<1, 4>(lw, n0, b0, &mut sums),
+                            (false, 5) if $b > 5 => $block::<1, 5>(lw, n0, b0, &mut sums),
+                            (false, 6) if $b > 6 => $block::<1, 6>(lw, n0, b0, &mut sums),
+                            (false, 7) if $b > 7 => $block::<1, 7>(lw, n0, b0, &mut sums),
+                            (false, _) => $block::<1, $b>(lw, n0, b0, &mut sums),
+                        }
                     }
-                }
-                for r in 0..nr {
-                    for b in 0..bb {
-                        let s = sums[r][b] + lw.dot(n0 + r, b0 + b, tail.clone());
-                        lw.finish($out, $ld_out, n0 + r, b0 + b, s);
+                    for r in 0..nr {
+                        for b in 0..bb {
+                            let s = sums[r][b] + lw.dot(n0 + r, b0 + b, tail.clone());
+                            lw.finish($out, $ld_out, n0 + r, b0 + b, s);
+                        }
                     }
+                    b0 += bb;
                 }
-                b0 += bb;
             }
             n0 += nr;
         }
@@ -336,7 +348,9 @@ impl<'a> WeightsI8<'a> {
 }
 
 /// Activations quantised per row: int8 `[rows, cols]` at row stride `ld`, values in
-/// `-127..=127`, one fp32 scale per row (`x_real[b, k] = sa[b] * x[b, k]`).
+/// `-127..=127`, one fp32 scale per row (`x_real[b, k] = sa[b] * x[b, k]`), or one per
+/// (row, group) when `k` is quantised in equal groups ([`ActsI8::grouped`]:
+/// `x_real[b, k] = sa[b * groups + k / (cols / groups)] * x[b, k]`).
 #[derive(Clone, Copy, Debug)]
 pub struct ActsI8<'a> {
     data: &'a [i8],
@@ -344,6 +358,7 @@ pub struct ActsI8<'a> {
     rows: usize,
     cols: usize,
     ld: usize,
+    groups: usize,
 }
 
 impl<'a> ActsI8<'a> {
@@ -371,6 +386,40 @@ impl<'a> ActsI8<'a> {
             rows,
             cols,
             ld,
+            groups: 1,
+        }
+    }
+
+    /// Views `data` as activations quantised in `groups` equal spans of `cols` per row, with
+    /// `scales [rows, groups]` (row-major): a product sums each span exactly and scales it by
+    /// its own factor, so one pass over the weights serves every group.
+    ///
+    /// # Panics
+    /// As [`ActsI8::new`], and if `groups` is 0, does not divide `cols`, or
+    /// `scales.len() != rows * groups`.
+    pub fn grouped(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+        ld: usize,
+        groups: usize,
+    ) -> ActsI8<'a> {
+        assert!(
+            groups > 0 && cols.is_multiple_of(groups),
+            "int8 activations: {cols} columns in {groups} equal groups"
+        );
+        assert_eq!(
+            scales.len(),
+            rows * groups,
+            "int8 activations: {} scales for {rows} rows of {groups} groups",
+            scales.len()
+        );
+        let one = ActsI8::new(data, &scales[..rows], rows, cols, ld);
+        ActsI8 {
+            scales,
+            groups,
+            ..one
         }
     }
     /// Number of batch rows (`B`).
@@ -381,9 +430,13 @@ impl<'a> ActsI8<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    /// The per-row scales.
+    /// The scales: one per row, or `[rows, groups]` ([`ActsI8::grouped`]).
     pub fn scales(&self) -> &'a [f32] {
         self.scales
+    }
+    /// Quantisation groups per row (1 for [`ActsI8::new`]).
+    pub fn groups(&self) -> usize {
+        self.groups
     }
 }
 
@@ -517,7 +570,9 @@ pub fn quantize_acts_i8(
     }
 }
 
-/// Arguments checked and lowered for the W8A8 path kernels.
+/// Arguments checked and lowered for the W8A8 path kernels: one `k` segment of a tile that
+/// lies inside one activation-scale group.
+#[derive(Clone)]
 struct Lowered<'a> {
     w: &'a [i8],
     ldw: usize,
@@ -525,6 +580,10 @@ struct Lowered<'a> {
     a: &'a [i8],
     lda: usize,
     sa: &'a [f32],
+    /// Activation scales per row (`sa[b * groups + group]`).
+    groups: usize,
+    /// The activation-scale group this segment's `k` lies in.
+    group: usize,
     batch: usize,
     n: Range<usize>,
     k: Range<usize>,
@@ -544,13 +603,40 @@ impl Lowered<'_> {
     /// Writes one finished sum (the same expression on every path).
     #[inline]
     fn finish(&self, out: &mut [f32], ld_out: usize, n: usize, b: usize, sum: i32) {
-        let v = sum as f32 * self.sw[n] * self.sa[b];
+        let v = sum as f32 * self.sw[n] * self.sa[b * self.groups + self.group];
         let o = &mut out[b * ld_out + (n - self.n.start)];
         match self.mode {
             OutMode::Store => *o = v,
             OutMode::Add => *o += v,
         }
     }
+}
+
+/// The tile `lw` (whose `k` may cross groups of `span` values) cut at the group boundaries:
+/// one segment per group it touches, in `k` order, the first with the tile's output mode and
+/// the others adding to it.
+fn segments<'a>(lw: &Lowered<'a>, span: usize) -> Vec<Lowered<'a>> {
+    let mut segs = Vec::new();
+    let mut k0 = lw.k.start;
+    while k0 < lw.k.end {
+        let group = k0 / span;
+        let k1 = ((group + 1) * span).min(lw.k.end);
+        segs.push(Lowered {
+            group,
+            k: k0..k1,
+            mode: if k0 == lw.k.start {
+                lw.mode
+            } else {
+                OutMode::Add
+            },
+            ..lw.clone()
+        });
+        k0 = k1;
+    }
+    if segs.is_empty() {
+        segs.push(lw.clone());
+    }
+    segs
 }
 
 /// A lowered W8A8 tile with each batch row's activation sum over the slice's body (the
@@ -637,7 +723,10 @@ fn check_tile(
 }
 
 /// One tile of `out[b, n] (+)= sw[n] * sa[b] * sum_{k in tile.k} w[n, k] * x[b, k]` for every
-/// batch row of `x` (exact i32 sums; bit-identical on every path).
+/// batch row of `x` (exact i32 sums; bit-identical on every path). With grouped activations
+/// ([`ActsI8::grouped`]) each group's part of `tile.k` is summed and scaled on its own, in `k`
+/// order, the first part stored or added as `tile.mode` says and the others added: the same
+/// values as one call per group with that group's scales, in one pass over the weights.
 ///
 /// # Panics
 /// If the tile lies outside `w`, `x` has a different `K`, or `out` is too short for
@@ -659,28 +748,36 @@ pub fn gemm_i8_w8a8(
         a: x.data,
         lda: x.ld,
         sa: x.scales,
+        groups: x.groups,
+        group: 0,
         batch: x.rows(),
         n: tile.n.clone(),
         k: tile.k.clone(),
         mode: tile.mode,
     };
+    let segs = segments(&lw, x.cols / x.groups);
     #[cfg(target_arch = "x86_64")]
     {
         let path = I8Path::current();
         // SAFETY: `I8Path::current` returns a path only when `is_supported` said this CPU has
-        // its features (and, for AMX, Linux granted the tile state); `lw` was checked above
-        // (ranges inside the matrices, output long enough).
+        // its features (and, for AMX, Linux granted the tile state); every segment is the
+        // tile checked above restricted to a `k` range inside it.
         unsafe {
             match path {
-                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => return amx::gemm(&lw, out, ld_out),
-                I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&lw, out, ld_out),
-                I8Path::AvxVnni => return avx2::gemm_vnni(&lw, out, ld_out),
-                I8Path::Avx2 => return avx2::gemm(&lw, out, ld_out),
+                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => {
+                    for seg in &segs {
+                        amx::gemm(seg, out, ld_out);
+                    }
+                    return;
+                }
+                I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&segs, out, ld_out),
+                I8Path::AvxVnni => return avx2::gemm_vnni(&segs, out, ld_out),
+                I8Path::Avx2 => return avx2::gemm(&segs, out, ld_out),
                 I8Path::Portable => {}
             }
         }
     }
-    portable::gemm(&lw, out, ld_out);
+    portable::gemm(&segs, out, ld_out);
 }
 
 /// Arguments checked and lowered for the wide path kernels.

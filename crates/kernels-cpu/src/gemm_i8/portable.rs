@@ -2,12 +2,14 @@
 
 use super::{Lowered, LoweredWide};
 
-/// Computes the W8A8 tile described by `lw` into `out`.
-pub(super) fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    for n in lw.n.clone() {
-        for b in 0..lw.batch {
-            let sum = lw.dot(n, b, lw.k.clone());
-            lw.finish(out, ld_out, n, b, sum);
+/// Computes the W8A8 tile described by its `k` segments into `out`.
+pub(super) fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    for lw in segs {
+        for n in lw.n.clone() {
+            for b in 0..lw.batch {
+                let sum = lw.dot(n, b, lw.k.clone());
+                lw.finish(out, ld_out, n, b, sum);
+            }
         }
     }
 }

@@ -457,7 +457,6 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("Wo_b [{wrows}, {wcols}] in {groups} groups for rows of {width}"),
         ));
     }
-    let r = width / groups;
     let mut out = ctx.write_block_cols::<f32>(wo_b::OUT, kc::PACK_BLOCK)?;
     if out.len() != rows || out.view_row_len() != wrows {
         return Err(bad(NAME, "y is not [tokens, hidden]"));
@@ -466,24 +465,20 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     if n == 0 {
         return Ok(());
     }
-    // `xs` is `[tokens, groups]`; a group's product takes its column as per-row scales.
-    let mut gs = vec![0.0f32; rows];
+    // `xs` is `[tokens, groups]`, one scale per (token, group): one grouped product streams
+    // each weight row once, where a product per group would walk every row `groups` times
+    // in strided pieces.
     check_len(NAME, "o_r int8", xq.len(), rows * width)?;
     refuse_i8_min(NAME, xq)?;
     let wi = WeightsI8::new(w, scales, wrows, width, width).rows_range(c0..c0 + n);
     let mut res = vec![0.0f32; rows * n];
-    for g in 0..groups {
-        for (t, s) in gs.iter_mut().enumerate() {
-            *s = xs[t * groups + g];
-        }
-        let acts = ActsI8::new(xq, &gs, rows, width, width);
-        let tile = GemmTile {
-            n: 0..n,
-            k: g * r..(g + 1) * r,
-            mode: OutMode::Add,
-        };
-        kc::gemm_i8_w8a8(wi, acts, &tile, &mut res, n);
-    }
+    let acts = ActsI8::grouped(xq, xs, rows, width, width, groups);
+    let tile = GemmTile {
+        n: 0..n,
+        k: 0..width,
+        mode: OutMode::Add,
+    };
+    kc::gemm_i8_w8a8(wi, acts, &tile, &mut res, n);
     k::round_bf16(&mut res);
     for t in 0..rows {
         out.row(t).copy_from_slice(&res[t * n..(t + 1) * n]);

@@ -1,0 +1,244 @@
+//! The DeepSeek-V4 FLASH int8 projections as their task graphs split them, kernel only: the
+//! weights of each case are cut into the graph's SPMD blocks, `threads` threads take blocks
+//! from a shared counter (as the runtime's workers do), and each round streams every case's
+//! weights once per int8 path in rotating order. Reports per case, path and thread count the
+//! best and median time and the weight bandwidth, against the machine's streaming read
+//! bandwidth measured with the same thread count.
+//!
+//! Cases (FLASH shapes, batch 4 × 2 tokens):
+//! - `q_b`: `Wq_b [32768, 1024]`, 8 token rows, 8 blocks of whole heads;
+//! - `wo_b`: `Wo_b [4096, 8192]` in 8 `k` groups (each with its own activation scales),
+//!   8 token rows, 8 column blocks;
+//! - `wo_b_grouped`: the same in one call over the 8 groups (`ActsI8::grouped`);
+//! - `moe_w13`: 17 experts' `W1` and `W3 [2048, 4096]`, 3 rows per expert (8 tokens × 6 of
+//!   16 routed, plus the shared expert's 8), 32 column blocks;
+//! - `moe_w2`: 17 experts' `W2 [4096, 2048]`, as above.
+//!
+//! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASE]]`
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use simpler_kernels_cpu::membw::read_bandwidth;
+use simpler_kernels_cpu::{
+    ActsI8, GemmTile, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, quantize_acts_i8, with_i8_path,
+};
+
+/// One weight matrix of a case and the activation rows that multiply it.
+struct Mat {
+    w: &'static [i8],
+    sw: Vec<f32>,
+    n: usize,
+    k: usize,
+    batch: usize,
+}
+
+struct Case {
+    name: &'static str,
+    mats: Vec<Mat>,
+    /// Column blocks per matrix (SPMD blocks; every block covers the same rows of each matrix).
+    blocks: usize,
+    /// `k` groups with separate activation scales.
+    groups: usize,
+    /// One call over every group ([`ActsI8::grouped`]) instead of one call per group.
+    grouped: bool,
+}
+
+fn huge_i8(len: usize, seed: u64) -> &'static [i8] {
+    const HUGE: usize = 2 << 20;
+    let map = memmap2::MmapOptions::new()
+        .len(len + HUGE)
+        .map_anon()
+        .expect("anonymous mapping");
+    let off = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
+    let _ = map.advise_range(memmap2::Advice::HugePage, off, len);
+    let map = Box::leak(Box::new(map));
+    // SAFETY: the mapping holds `off + len` bytes and lives for the program (leaked).
+    let s = unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<i8>(), len) };
+    let mut x = seed;
+    for v in s.iter_mut() {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *v = ((x >> 56) as i8).max(-127);
+    }
+    s
+}
+
+fn mat(n: usize, k: usize, batch: usize, seed: u64) -> Mat {
+    Mat {
+        w: huge_i8(n * k, seed),
+        sw: vec![0.01; n],
+        n,
+        k,
+        batch,
+    }
+}
+
+fn run_case(c: &Case, threads: usize, acts: &[(Vec<i8>, Vec<f32>)]) {
+    let next = AtomicUsize::new(0);
+    let total = c.blocks;
+    let next = &next;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            let path = I8Path::current();
+            s.spawn(move || {
+                with_i8_path(path, || {
+                    let mut out = Vec::new();
+                    loop {
+                        let blk = next.fetch_add(1, Ordering::Relaxed);
+                        if blk >= total {
+                            break;
+                        }
+                        for (m, (xq, xs)) in c.mats.iter().zip(acts) {
+                            let r = blk * m.n / total..(blk + 1) * m.n / total;
+                            let w = WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k).rows_range(r.clone());
+                            out.clear();
+                            out.resize(m.batch * r.len(), 0.0f32);
+                            let span = m.k / c.groups;
+                            if c.grouped {
+                                let tile = GemmTile {
+                                    n: 0..r.len(),
+                                    k: 0..m.k,
+                                    mode: OutMode::Add,
+                                };
+                                let x = ActsI8::grouped(xq, xs, m.batch, m.k, m.k, c.groups);
+                                gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                                continue;
+                            }
+                            for g in 0..c.groups {
+                                let tile = GemmTile {
+                                    n: 0..r.len(),
+                                    k: g * span..(g + 1) * span,
+                                    mode: OutMode::Add,
+                                };
+                                let x = ActsI8::new(xq, &xs[..m.batch], m.batch, m.k, m.k);
+                                gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                            }
+                        }
+                    }
+                })
+            });
+        }
+    });
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rounds: usize = args.first().map_or(7, |a| a.parse().expect("rounds"));
+    let only = args.get(1).cloned();
+    let mut cases = vec![
+        Case {
+            name: "q_b",
+            mats: vec![mat(32768, 1024, 8, 1)],
+            blocks: 8,
+            groups: 1,
+            grouped: false,
+        },
+        Case {
+            name: "wo_b",
+            mats: vec![mat(4096, 8192, 8, 2)],
+            blocks: 8,
+            groups: 8,
+            grouped: false,
+        },
+        Case {
+            name: "wo_b_grouped",
+            mats: vec![mat(4096, 8192, 8, 2)],
+            blocks: 8,
+            groups: 8,
+            grouped: true,
+        },
+        Case {
+            name: "moe_w13",
+            mats: (0..34).map(|e| mat(2048, 4096, 3, 10 + e)).collect(),
+            blocks: 32,
+            groups: 1,
+            grouped: false,
+        },
+        Case {
+            name: "moe_w2",
+            mats: (0..17).map(|e| mat(4096, 2048, 3, 100 + e)).collect(),
+            blocks: 32,
+            groups: 1,
+            grouped: false,
+        },
+    ];
+    if let Some(o) = &only {
+        cases.retain(|c| c.name == o);
+        // `N:K:BATCH:MATS:BLOCKS`: a case of these dimensions.
+        let d: Vec<usize> = o.split(':').filter_map(|v| v.parse().ok()).collect();
+        if let [n, k, batch, mats, blocks] = d[..] {
+            cases.push(Case {
+                name: "custom",
+                mats: (0..mats)
+                    .map(|e| mat(n, k, batch, 200 + e as u64))
+                    .collect(),
+                blocks,
+                groups: 1,
+                grouped: false,
+            });
+        }
+    }
+    let paths: Vec<I8Path> = [I8Path::Avx512Vnni, I8Path::Amx]
+        .into_iter()
+        .filter(|p| p.is_supported())
+        .collect();
+    let acts: Vec<Vec<(Vec<i8>, Vec<f32>)>> = cases
+        .iter()
+        .map(|c| {
+            c.mats
+                .iter()
+                .map(|m| {
+                    let x: Vec<f32> = (0..m.batch * m.k)
+                        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 500.0)
+                        .collect();
+                    let mut q = vec![0i8; m.batch * m.k];
+                    let mut s = vec![0.0f32; m.batch];
+                    quantize_acts_i8(&x, m.batch, m.k, m.k, None, &mut q, m.k, &mut s);
+                    let s = s.iter().flat_map(|&v| vec![v; c.groups]).collect();
+                    (q, s)
+                })
+                .collect()
+        })
+        .collect();
+    let variants: Vec<(I8Path, usize)> = paths.iter().flat_map(|&p| [(p, 1), (p, 2)]).collect();
+    let bw_buf = vec![1u64; (256usize << 20) / 8];
+    let mut bw = [0.0f64; 2];
+    let mut secs = vec![vec![Vec::new(); variants.len()]; cases.len()];
+    for round in 0..rounds {
+        for (t, b) in bw.iter_mut().enumerate() {
+            *b = b.max(read_bandwidth(&bw_buf, t + 1, Duration::from_millis(200)).0);
+        }
+        for (ci, c) in cases.iter().enumerate() {
+            for j in 0..variants.len() {
+                let i = (round + j) % variants.len();
+                let (p, t) = variants[i];
+                let t0 = Instant::now();
+                with_i8_path(p, || run_case(c, t, &acts[ci]));
+                secs[ci][i].push(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    println!(
+        "streaming read (best of the rounds): 1 thread {:.1} GB/s, 2 threads {:.1} GB/s",
+        bw[0], bw[1]
+    );
+    for (ci, c) in cases.iter().enumerate() {
+        let bytes: usize = c.mats.iter().map(|m| m.n * m.k).sum();
+        println!("{} ({} MiB of weights):", c.name, bytes >> 20);
+        for (i, (p, t)) in variants.iter().enumerate() {
+            let s = &mut secs[ci][i];
+            s.sort_by(f64::total_cmp);
+            let (best, med) = (s[0], s[s.len() / 2]);
+            let gbs = bytes as f64 / best / 1e9;
+            println!(
+                "  {:<12} {t} thr: best {:>8.0} us  med {:>8.0} us  {gbs:>5.1} GB/s = {:>3.0}% of membw",
+                p.name(),
+                best * 1e6,
+                med * 1e6,
+                100.0 * gbs / bw[t - 1]
+            );
+        }
+    }
+}
