@@ -176,6 +176,8 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
         (7, 8, 32),
         (17, 5, 65),
         (33, 4, 100),
+        (33, 3, 40),
+        (20, 2, 200),
         (49, 8, 128),
     ] {
         for batch in [1, 2, 3, 5, 8, 9, 16] {

@@ -5,7 +5,9 @@
 //! `k`): nothing is repacked at load. The activations (a few rows) are repacked per call into
 //! the B operand's layout, one 1 KiB block per 64 bytes of `k`: row `j` of a block holds, for
 //! each batch row `b`, the four values `x[b, 4j..4j + 4]`. Two accumulator tiles (32 weight
-//! rows) share each B tile. Weight rows left over (fewer than 16) and the `k` values after the
+//! rows) share each B tile. With grouped activations every block of 32 (or 16) rows runs through the
+//! groups' `k` segments in order, the accumulators zeroed, stored and finished with the
+//! group's scale per segment, so the rows stream once. Weight rows left over (fewer than 16) and the `k` values after the
 //! last whole 64 go to the AVX-512 VNNI path and a scalar loop.
 //!
 //! The tile registers are configured per batch group of up to 16 rows and released at the end
@@ -65,76 +67,81 @@ impl TileConfig {
     }
 }
 
-/// Computes the W8A8 tile described by `lw` (batch of at least 1) into `out`.
+/// Computes the W8A8 tile described by its `k` segments (at least one, batch of at least 1)
+/// into `out`: every block of 16 or 32 weight rows runs through all segments before the next.
 ///
 /// # Safety
 /// AMX-TILE/AMX-INT8 and AVX-512 F/BW/VNNI available, tile state granted by Linux
-/// (`request_tile_permission`); `lw` checked by `gemm_i8_w8a8`.
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let chunks = lw.k.len() / KSTEP;
+/// (`request_tile_permission`); `segs` checked by `gemm_i8_w8a8`.
+pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    let lw = &segs[0];
+    let any_chunks = segs.iter().any(|s| s.k.len() >= KSTEP);
     let groups_end = lw.n.start + lw.n.len() / TILE_ROWS * TILE_ROWS;
-    if chunks > 0 && groups_end > lw.n.start {
+    if any_chunks && groups_end > lw.n.start {
         PACK.with(|p| {
             let mut pack = p.borrow_mut();
             let mut b0 = 0;
             while b0 < lw.batch {
                 let bb = (lw.batch - b0).min(BATCH);
-                repack(lw, b0, bb, chunks, &mut pack);
+                repack(segs, b0, bb, &mut pack);
                 // SAFETY: forwarded contract; rows `n.start..groups_end` in whole groups of 16,
-                // batch rows `b0..b0 + bb` inside the batch, `pack` holds `chunks` blocks.
-                unsafe { tiles(lw, b0, bb, chunks, groups_end, &pack, out, ld_out) };
+                // batch rows `b0..b0 + bb` inside the batch, `pack` holds every segment's
+                // blocks one after another.
+                unsafe { tiles(segs, b0, bb, groups_end, &pack, out, ld_out) };
                 b0 += bb;
             }
         });
     }
     // Rows after the last whole group of 16 (and every row when `k` has no whole step).
-    let rest = if chunks > 0 { groups_end } else { lw.n.start };
+    let rest = if any_chunks { groups_end } else { lw.n.start };
     if rest < lw.n.end {
-        let sub = Lowered {
-            n: rest..lw.n.end,
-            k: lw.k.clone(),
-            ..*lw
-        };
+        let sub: Vec<Lowered<'_>> = segs
+            .iter()
+            .map(|s| Lowered {
+                n: rest..s.n.end,
+                ..s.clone()
+            })
+            .collect();
         // SAFETY: the same checked tile restricted to its last rows, writing the same output
         // elements (the output slice starts at those rows' column); AVX-512 VNNI available.
-        unsafe {
-            avx512::gemm(
-                std::slice::from_ref(&sub),
-                &mut out[rest - lw.n.start..],
-                ld_out,
-            )
-        };
+        unsafe { avx512::gemm(&sub, &mut out[rest - lw.n.start..], ld_out) };
     }
 }
 
-/// Writes batch rows `b0..b0 + bb` of the body into `pack` as `chunks` B blocks of
-/// `16 × 64` bytes (unused columns zero).
-fn repack(lw: &Lowered<'_>, b0: usize, bb: usize, chunks: usize, pack: &mut Vec<i8>) {
+/// Writes batch rows `b0..b0 + bb` of each segment's body into `pack`, the segments one
+/// after another, each as its `k.len() / 64` B blocks of `16 × 64` bytes (unused columns
+/// zero).
+fn repack(segs: &[Lowered<'_>], b0: usize, bb: usize, pack: &mut Vec<i8>) {
+    let blocks: usize = segs.iter().map(|s| s.k.len() / KSTEP).sum();
     pack.clear();
-    pack.resize(chunks * TILE_ROWS * KSTEP, 0);
-    for b in 0..bb {
-        let row = &lw.a[(b0 + b) * lw.lda + lw.k.start..];
-        for c in 0..chunks {
-            for j in 0..TILE_ROWS {
-                let src = &row[c * KSTEP + 4 * j..c * KSTEP + 4 * j + 4];
-                let at = c * TILE_ROWS * KSTEP + j * KSTEP + b * 4;
-                pack[at..at + 4].copy_from_slice(src);
+    pack.resize(blocks * TILE_ROWS * KSTEP, 0);
+    let mut first = 0;
+    for lw in segs {
+        let chunks = lw.k.len() / KSTEP;
+        for b in 0..bb {
+            let row = &lw.a[(b0 + b) * lw.lda + lw.k.start..];
+            for c in 0..chunks {
+                for j in 0..TILE_ROWS {
+                    let src = &row[c * KSTEP + 4 * j..c * KSTEP + 4 * j + 4];
+                    let at = (first + c) * TILE_ROWS * KSTEP + j * KSTEP + b * 4;
+                    pack[at..at + 4].copy_from_slice(src);
+                }
             }
         }
+        first += chunks;
     }
 }
 
-/// Rows `n.start..groups_end` (whole groups of 16) against batch rows `b0..b0 + bb`.
+/// Rows `n.start..groups_end` (whole groups of 16) against batch rows `b0..b0 + bb`, each
+/// block of rows through every segment in order.
 ///
 /// # Safety
 /// As [`gemm`]; `groups_end - n.start` a multiple of 16 inside the tile, `pack` holding
-/// `chunks` blocks of batch rows `b0..b0 + bb`.
-#[allow(clippy::too_many_arguments)]
+/// every segment's blocks of batch rows `b0..b0 + bb` (as [`repack`] writes them).
 unsafe fn tiles(
-    lw: &Lowered<'_>,
+    segs: &[Lowered<'_>],
     b0: usize,
     bb: usize,
-    chunks: usize,
     groups_end: usize,
     pack: &[i8],
     out: &mut [f32],
@@ -142,14 +149,61 @@ unsafe fn tiles(
 ) {
     let cfg = TileConfig::new(bb);
     let mut c = [[0i32; BATCH]; 2 * TILE_ROWS];
-    let tail = lw.k.start + chunks * KSTEP..lw.k.end;
-    let wstride = lw.ldw;
+    let first = &segs[0];
     // SAFETY: `cfg` is a valid palette-1 configuration (rows <= 16, colsb <= 64) and the tile
     // state is granted (caller's contract).
     unsafe { asm!("ldtilecfg [{}]", in(reg) &raw const cfg, options(nostack, readonly)) };
-    let mut n0 = lw.n.start;
+    let mut n0 = first.n.start;
     while n0 < groups_end {
         let pair = groups_end - n0 >= 2 * TILE_ROWS;
+        let mut block0 = 0;
+        for lw in segs {
+            let chunks = lw.k.len() / KSTEP;
+            // SAFETY: as below, for this segment's rows and blocks.
+            unsafe {
+                segment(
+                    lw,
+                    b0,
+                    bb,
+                    n0,
+                    pair,
+                    &pack[block0 * TILE_ROWS * KSTEP..],
+                    chunks,
+                    &mut c,
+                    out,
+                    ld_out,
+                )
+            };
+            block0 += chunks;
+        }
+        n0 += if pair { 2 * TILE_ROWS } else { TILE_ROWS };
+    }
+    // SAFETY: releasing the tile state touches no memory; later calls configure again.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// One segment of the rows `n0..n0 + 16` (or `+ 32` when `pair`) against batch rows
+/// `b0..b0 + bb`, finished into `out` (its body on the tiles, its tail by a scalar loop).
+///
+/// # Safety
+/// Tiles configured for `bb` batch columns (caller); the rows lie inside the checked tile of
+/// `lw`, and `pack` starts at this segment's `chunks` blocks of batch rows `b0..b0 + bb`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn segment(
+    lw: &Lowered<'_>,
+    b0: usize,
+    bb: usize,
+    n0: usize,
+    pair: bool,
+    pack: &[i8],
+    chunks: usize,
+    c: &mut [[i32; BATCH]; 2 * TILE_ROWS],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let tail = lw.k.start + chunks * KSTEP..lw.k.end;
+    let wstride = lw.ldw;
+    {
         let w0 = lw.w[n0 * lw.ldw + lw.k.start..].as_ptr();
         // SAFETY: zeroing tile registers touches no memory.
         unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
@@ -219,8 +273,5 @@ unsafe fn tiles(
                 lw.finish(out, ld_out, n0 + r, b0 + b, s);
             }
         }
-        n0 += rows;
     }
-    // SAFETY: releasing the tile state touches no memory; later calls configure again.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }

@@ -764,12 +764,7 @@ pub fn gemm_i8_w8a8(
         // tile checked above restricted to a `k` range inside it.
         unsafe {
             match path {
-                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => {
-                    for seg in &segs {
-                        amx::gemm(seg, out, ld_out);
-                    }
-                    return;
-                }
+                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => return amx::gemm(&segs, out, ld_out),
                 I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&segs, out, ld_out),
                 I8Path::AvxVnni => return avx2::gemm_vnni(&segs, out, ld_out),
                 I8Path::Avx2 => return avx2::gemm(&segs, out, ld_out),
