@@ -14,7 +14,9 @@
 //!   16 routed, plus the shared expert's 8), 32 column blocks;
 //! - `moe_w2`: 17 experts' `W2 [4096, 2048]`, as above.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASE]]`
+//! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASES]]`
+//! (`CASES`: names separated by commas, or `N:K:BATCH:MATRICES:BLOCKS` for a case of those
+//! dimensions).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -186,7 +188,8 @@ fn main() {
         },
     ];
     if let Some(o) = &only {
-        cases.retain(|c| c.name == o);
+        // Case names separated by commas run interleaved round by round.
+        cases.retain(|c| o.split(',').any(|n| n == c.name));
         // `N:K:BATCH:MATS:BLOCKS`: a case of these dimensions.
         let d: Vec<usize> = o.split(':').filter_map(|v| v.parse().ok()).collect();
         if let [n, k, batch, mats, blocks] = d[..] {
