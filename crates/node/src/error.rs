@@ -12,6 +12,13 @@ pub enum ChildId {
     Sub(usize),
 }
 
+impl ChildId {
+    /// Whether it is a chip (a rank of the collectives).
+    pub fn is_chip(self) -> bool {
+        matches!(self, ChildId::Chip(_))
+    }
+}
+
 impl fmt::Display for ChildId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
