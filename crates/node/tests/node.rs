@@ -1129,7 +1129,7 @@ fn task_deadline_is_reported_and_node_rebuilt() {
     node.close().unwrap();
 }
 
-/// A child that dies in a run is named with its signal.
+/// A child that dies in a run is named with its signal; the node is closed and rebuilt.
 fn child_dying_in_a_run_is_named() {
     let mut node = Node::start(config(2, 1)).unwrap();
     let err = node
@@ -1149,6 +1149,12 @@ fn child_dying_in_a_run_is_named() {
         }
         other => panic!("expected ChildDied, got {other}"),
     }
+    // The node is broken (its other children were ended with it); a new one works.
+    assert_eq!(node.run(|_| Ok(())).unwrap_err().code(), 210);
+    node.close().unwrap();
+    let mut node = Node::start(config(2, 1)).unwrap();
+    node.run(|o| o.submit(NodeTask::chip(1, "echo", b"")).map(drop))
+        .unwrap();
     node.close().unwrap();
 }
 
