@@ -808,6 +808,7 @@ pub(crate) fn mpi_rank_role(comm: &mut simpler_node::MpiCollectives) -> ProcessR
     let (e, reference_boot_id) = comm.clock_offset_to_rank_0(
         CLOCK_ROUND_TRIPS,
         &simpler_dfx::writer::this_process_clock().boot_id,
+        simpler_dfx::writer::monotonic_ns,
     );
     ProcessRole::mpi_rank(
         comm.rank() as u32,

@@ -102,8 +102,9 @@ pub fn set_process_role(role: ProcessRole) -> std::result::Result<(), ProcessRol
     }
 }
 
-/// `CLOCK_MONOTONIC` in ns.
-fn monotonic_ns() -> u64 {
+/// `CLOCK_MONOTONIC` in ns: the clock of the `process` lines' `mono_ns` (and of the clock
+/// offsets between ranks).
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

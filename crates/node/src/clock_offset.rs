@@ -55,19 +55,6 @@ pub fn estimate_offset(samples: &[PingSample]) -> Option<OffsetEstimate> {
     })
 }
 
-/// `CLOCK_MONOTONIC` now, in ns: the clock the traces' `process` lines are on.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,12 +148,5 @@ mod tests {
             received_ns: 0,
         };
         assert_eq!(estimate_offset(&[extreme]).unwrap().offset_ns, i64::MAX);
-    }
-
-    #[test]
-    fn the_clock_reads_forward() {
-        let a = monotonic_ns();
-        let b = monotonic_ns();
-        assert!(b >= a && a > 0);
     }
 }

@@ -183,7 +183,8 @@ pub enum NodeError {
     TaskFailed {
         /// The task's index in the run.
         task: usize,
-        /// The child whose function failed (the first of a group, in chip order).
+        /// The child whose function failed (in a group: the chip that abandoned the
+        /// collectives, if one did, else the first failed chip in chip order).
         child: ChildId,
         /// The function.
         function: String,

@@ -73,7 +73,11 @@ fn rank_main() {
     }
     // Clock offsets to rank 0: every rank learns rank 0's host (boot id), and on one host
     // (one CLOCK_MONOTONIC) the true offset is zero, so it lies within the stated bound.
-    let (offset, reference) = comm.clock_offset_to_rank_0(16, &format!("host of rank {me}"));
+    let (offset, reference) = comm.clock_offset_to_rank_0(
+        16,
+        &format!("host of rank {me}"),
+        simpler_dfx::writer::monotonic_ns,
+    );
     assert_eq!(reference, "host of rank 0", "rank {me}");
     if me == 0 {
         assert_eq!(offset, OffsetEstimate::ZERO);

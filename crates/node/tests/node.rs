@@ -493,6 +493,21 @@ fn failed_rank_abandons_the_collective_and_node_survives() {
     node.close().unwrap();
 }
 
+/// The fields of a `TaskFailed` (task, child, function, message, poisoned tasks); any other
+/// error fails the test.
+fn task_failed(err: NodeError) -> (usize, ChildId, String, String, Vec<usize>) {
+    match err {
+        NodeError::TaskFailed {
+            task,
+            child,
+            function,
+            message,
+            poisoned,
+        } => (task, child, function, message, poisoned),
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+}
+
 /// Every chip of `collective_or_fail` but `failing` wrote that its collective `op` was
 /// abandoned by `failing` into its slot of `report`.
 fn assert_peers_saw_abandonment(
@@ -557,26 +572,16 @@ fn failed_chip_in_a_run_releases_its_group() {
                 Ok(())
             })
             .unwrap_err();
-        match err {
-            NodeError::TaskFailed {
-                task,
-                child,
-                function,
-                message,
-                poisoned,
-            } => {
-                assert_eq!(
-                    (task, child, function.as_str()),
-                    (0, ChildId::Chip(failing), "collective_or_fail")
-                );
-                assert_eq!(
-                    message,
-                    format!("chip {failing} gives up before its collective")
-                );
-                assert_eq!(poisoned, vec![1, 3]);
-            }
-            other => panic!("chip {failing}: expected TaskFailed, got {other}"),
-        }
+        let (task, child, function, message, poisoned) = task_failed(err);
+        assert_eq!(
+            (task, child, function.as_str()),
+            (0, ChildId::Chip(failing), "collective_or_fail")
+        );
+        assert_eq!(
+            message,
+            format!("chip {failing} gives up before its collective")
+        );
+        assert_eq!(poisoned, vec![1, 3]);
         assert_peers_saw_abandonment(&node, report, chips, failing, op);
         let log = Log(node.buffer(log_id).unwrap());
         assert_eq!(
@@ -994,23 +999,13 @@ fn failure_poisons_dependents_only() {
         })
         .unwrap_err();
     assert_eq!(err.code(), 212);
-    match err {
-        NodeError::TaskFailed {
-            task,
-            child,
-            function,
-            message,
-            poisoned,
-        } => {
-            assert_eq!(
-                (task, child, function.as_str()),
-                (0, ChildId::Chip(0), "step")
-            );
-            assert_eq!(message, "step 0 fails on chip 0");
-            assert_eq!(poisoned, vec![1, 2, 6, 7]);
-        }
-        other => panic!("expected TaskFailed, got {other}"),
-    }
+    let (task, child, function, message, poisoned) = task_failed(err);
+    assert_eq!(
+        (task, child, function.as_str()),
+        (0, ChildId::Chip(0), "step")
+    );
+    assert_eq!(message, "step 0 fails on chip 0");
+    assert_eq!(poisoned, vec![1, 2, 6, 7]);
     let log = Log(node.buffer(log_id).unwrap());
     for tag in [1, 2, 6, 7, 8] {
         assert_eq!(log.start(tag), 0, "poisoned tag {tag} ran");

@@ -22,7 +22,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
 use super::{Collectives, ReduceOp, ReduceType};
-use crate::clock_offset::{OffsetEstimate, PingSample, estimate_offset, monotonic_ns};
+use crate::clock_offset::{OffsetEstimate, PingSample, estimate_offset};
 use crate::error::CollectiveError;
 
 /// Bytes of a boot id sent to every rank (the kernel's are 36).
@@ -57,6 +57,7 @@ impl MpiCollectives {
 
     /// This rank's `CLOCK_MONOTONIC` offset to rank 0's, and rank 0's boot id (which host's
     /// clock the offset is to; `boot_id` is this rank's, longer ones are cut at 64 bytes).
+    /// `now_ns` reads the clock to compare: the one the ranks' traces record (`CLOCK_MONOTONIC`).
     /// Every rank must call it at the same point (a collective). Rank 0 runs `round_trips`
     /// ping-pongs with each other rank in turn and keeps the shortest
     /// ([`crate::clock_offset`]); its own offset is zero. Run it at start-up, before the
@@ -65,6 +66,7 @@ impl MpiCollectives {
         &mut self,
         round_trips: usize,
         boot_id: &str,
+        now_ns: impl Fn() -> u64,
     ) -> (OffsetEstimate, String) {
         let mut boot = [0u8; BOOT_ID_BYTES];
         if self.rank == 0 {
@@ -80,10 +82,10 @@ impl MpiCollectives {
                 let peer = self.comm.process_at_rank(r as i32);
                 let samples: Vec<PingSample> = (0..round_trips)
                     .map(|_| {
-                        let sent_ns = monotonic_ns();
+                        let sent_ns = now_ns();
                         peer.send(&sent_ns);
                         let (remote_ns, _) = peer.receive::<u64>();
-                        let received_ns = monotonic_ns();
+                        let received_ns = now_ns();
                         PingSample {
                             sent_ns,
                             remote_ns,
@@ -103,7 +105,7 @@ impl MpiCollectives {
             let root = self.comm.process_at_rank(0);
             for _ in 0..round_trips {
                 let _ = root.receive::<u64>();
-                root.send(&monotonic_ns());
+                root.send(&now_ns());
             }
             let mut e = [0u64; 2];
             root.receive_into(&mut e[..]);
