@@ -257,11 +257,7 @@ fn chip_fn(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
     };
     let ranks = ctx.chips();
     // One process, one rank: a second node's chip is another process.
-    let _ = set_process_role(ProcessRole {
-        rank: rank as u32,
-        ranks: ranks as u32,
-        role: format!("chip {rank}"),
-    });
+    let _ = set_process_role(ProcessRole::chip(rank as u32, ranks as u32));
     let comm = ctx.collectives().ok_or("no collectives in this chip")?;
     let times = time_calls(comm, &job)?;
     Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect())
@@ -461,11 +457,7 @@ fn mpi_main(args: &BenchCollectivesArgs) -> Result<()> {
     if args.ranks != [n] {
         bail!("--ranks {:?} under an mpirun job of {n} ranks", args.ranks);
     }
-    let _ = set_process_role(ProcessRole {
-        rank: me as u32,
-        ranks: n as u32,
-        role: format!("mpi rank {me}"),
-    });
+    let _ = set_process_role(crate::dsv4_ep::mpi_rank_role(&mut comm));
     for job in jobs(args) {
         let times = time_calls(&mut comm, &job).map_err(anyhow::Error::msg)?;
         // Every rank's times to rank 0, through the collectives themselves.

@@ -688,11 +688,7 @@ fn chip_fn(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
         return Err("dsv4_moe_ep runs on chips".into());
     };
     let ranks = ctx.chips();
-    let _ = set_process_role(ProcessRole {
-        rank: rank as u32,
-        ranks: ranks as u32,
-        role: format!("chip {rank}"),
-    });
+    let _ = set_process_role(ProcessRole::chip(rank as u32, ranks as u32));
     let argv: Vec<String> = std::str::from_utf8(args)
         .map_err(|e| format!("dsv4_moe_ep arguments: {e}"))?
         .split('\0')
@@ -800,6 +796,31 @@ fn mpi_main(_: &EpCmd) -> Result<()> {
     )
 }
 
+/// Round trips to rank 0 for a rank's clock offset (the shortest is kept).
+#[cfg(feature = "mpi")]
+const CLOCK_ROUND_TRIPS: usize = 16;
+
+/// This `mpirun` rank's role in its traces, with its clock offset to rank 0 measured now, so
+/// the `trace` tools can merge ranks of several hosts on rank 0's clock. A collective: every
+/// rank calls it at the same point, before its traced work.
+#[cfg(feature = "mpi")]
+pub(crate) fn mpi_rank_role(comm: &mut simpler_node::MpiCollectives) -> ProcessRole {
+    let (e, reference_boot_id) = comm.clock_offset_to_rank_0(
+        CLOCK_ROUND_TRIPS,
+        &simpler_dfx::writer::this_process_clock().boot_id,
+        simpler_dfx::writer::monotonic_ns,
+    );
+    ProcessRole::mpi_rank(
+        comm.rank() as u32,
+        comm.ranks() as u32,
+        simpler_core::trace::ClockOffset {
+            reference_boot_id,
+            offset_ns: e.offset_ns,
+            uncertainty_ns: e.uncertainty_ns,
+        },
+    )
+}
+
 /// Outside `mpirun`: starts `mpirun -np N` of this same command line. Inside: one rank.
 #[cfg(feature = "mpi")]
 fn mpi_main(cmd: &EpCmd) -> Result<()> {
@@ -815,12 +836,8 @@ fn mpi_main(cmd: &EpCmd) -> Result<()> {
     }
     let universe = mpi::initialize().context("MPI initializes once")?;
     let mut comm = simpler_node::MpiCollectives::new(universe.world());
-    let (me, n) = (comm.rank(), comm.ranks());
-    let _ = set_process_role(ProcessRole {
-        rank: me as u32,
-        ranks: n as u32,
-        role: format!("mpi rank {me}"),
-    });
+    let me = comm.rank();
+    let _ = set_process_role(mpi_rank_role(&mut comm));
     let report = match rank_main(&mut comm, cmd) {
         Ok(report) => report,
         // The other ranks may be waiting for this one inside an exchange, which MPI cannot

@@ -4,46 +4,80 @@
 
 mod common;
 
+use std::process::Output;
+
 use common::{simpler, text};
+
+/// `run dsv4 --layer LAYER --preset small --check`, then `more`.
+fn small_checked<'a>(layer: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "run", "dsv4", "--layer", layer, "--preset", "small", "--check",
+    ];
+    args.extend_from_slice(more);
+    args
+}
+
+/// `bench dsv4 --kernel KERNEL --preset tiny` with a short bandwidth probe, then `more`.
+fn bench_tiny<'a>(kernel: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "bench",
+        "dsv4",
+        "--kernel",
+        kernel,
+        "--preset",
+        "tiny",
+        "--membw-seconds",
+        "0.2",
+    ];
+    args.extend_from_slice(more);
+    args
+}
+
+/// Two measured rounds, no warm-up, a short bandwidth probe, two cores.
+const QUICK: &[&str] = &[
+    "--rounds",
+    "2",
+    "--warmup",
+    "0",
+    "--membw-seconds",
+    "0.2",
+    "--cores",
+    "2",
+];
+
+/// Asserts that `out` succeeded and its output holds every one of `needles`; returns it.
+fn succeeded_with(out: &Output, what: &str, needles: &[&str]) -> String {
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{what}: {so}\n{se}");
+    for needle in needles {
+        assert!(so.contains(needle), "{what}: missing {needle:?} in\n{so}");
+    }
+    assert!(!so.contains("FAILED"), "{what}: {so}");
+    so
+}
 
 #[test]
 fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
     for layer in ["swa", "csa", "hca"] {
-        let out = simpler(&[
-            "run",
-            "dsv4",
-            "--layer",
+        let out = simpler(&small_checked(layer, QUICK));
+        let so = succeeded_with(
+            &out,
             layer,
-            "--preset",
-            "small",
-            "--check",
-            "--rounds",
-            "2",
-            "--warmup",
-            "0",
-            "--membw-seconds",
-            "0.2",
-            "--cores",
-            "2",
-        ]);
-        let (so, se) = (text(&out.stdout), text(&out.stderr));
-        assert!(out.status.success(), "{layer}: {so}\n{se}");
-        for needle in [
-            "check vs golden",
-            "ok: x_out",
-            "ok: window cache",
-            "(1) effective (orch ∪ sched)",
-            "task_slot_4",
-            "per phase",
-            "attention",
-            "effective_us: n=2",
-            "% of membw",
-            "per-phase bound",
-            "quietest step",
-            "starts [0, 3, 127, 8192]",
-        ] {
-            assert!(so.contains(needle), "{layer}: missing {needle:?} in\n{so}");
-        }
+            &[
+                "check vs golden",
+                "ok: x_out",
+                "ok: window cache",
+                "(1) effective (orch ∪ sched)",
+                "task_slot_4",
+                "per phase",
+                "attention",
+                "effective_us: n=2",
+                "% of membw",
+                "per-phase bound",
+                "quietest step",
+                "starts [0, 3, 127, 8192]",
+            ],
+        );
         if layer == "hca" {
             assert!(so.contains("ok: compressed cache"), "{so}");
             assert!(so.contains("ok: state kv"), "{so}");
@@ -66,36 +100,24 @@ fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
 #[test]
 fn bench_dsv4_prints_effective_us_statistics_and_ratios() {
     for kernel in ["hca", "csa"] {
-        let out = simpler(&[
-            "bench",
-            "dsv4",
-            "--kernel",
+        let out = simpler(&bench_tiny(
             kernel,
-            "--preset",
-            "tiny",
-            "--start-pos",
-            "300",
-            "--rounds",
-            "3",
-            "--warmup",
-            "1",
-            "--membw-seconds",
-            "0.2",
-        ]);
-        let (so, se) = (text(&out.stdout), text(&out.stderr));
-        assert!(out.status.success(), "{kernel}: {so}\n{se}");
-        for needle in [
-            "effective_us: n=3 (warm-up 1 discarded) min=",
-            "median=",
-            "mean=",
-            "max=",
-            "% of membw",
-            "per-phase bound",
-            "quietest step",
-            "starts [300, 300, 300, 300]",
-        ] {
-            assert!(so.contains(needle), "{kernel}: missing {needle:?} in\n{so}");
-        }
+            &["--start-pos", "300", "--rounds", "3", "--warmup", "1"],
+        ));
+        succeeded_with(
+            &out,
+            kernel,
+            &[
+                "effective_us: n=3 (warm-up 1 discarded) min=",
+                "median=",
+                "mean=",
+                "max=",
+                "% of membw",
+                "per-phase bound",
+                "quietest step",
+                "starts [300, 300, 300, 300]",
+            ],
+        );
     }
 }
 
@@ -124,65 +146,36 @@ fn bad_layers_and_starts_are_refused_by_name() {
 
 #[test]
 fn run_and_bench_dsv4_moe() {
-    let out = simpler(&[
-        "run",
-        "dsv4",
-        "--layer",
-        "moe",
-        "--preset",
-        "small",
-        "--check",
-        "--rounds",
-        "2",
-        "--warmup",
-        "0",
-        "--membw-seconds",
-        "0.2",
-        "--cores",
-        "2",
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "MoE layer 3 (top-6 of score + bias)",
-        "16 routed experts, all local",
-        "ok: routing: 48 routes as the golden",
-        "ok: shared",
-        "ok: routed [T, K, D]",
-        "ok: y",
-        "ok: x_out",
-        "experts gate/up",
-        "effective_us: n=2",
-        "% of membw",
-        "per-phase bound",
-        "quietest step",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
-    let out = simpler(&[
-        "bench",
-        "dsv4",
-        "--kernel",
-        "moe",
-        "--preset",
-        "tiny",
-        "--rounds",
-        "4",
-        "--warmup",
-        "1",
-        "--membw-seconds",
-        "0.2",
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "effective_us: n=4 (warm-up 1 discarded) min=",
-        "fast_effective_us",
-        "valid_rounds 4/4",
-        "per-phase bound",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
+    let out = simpler(&small_checked("moe", QUICK));
+    succeeded_with(
+        &out,
+        "run moe",
+        &[
+            "MoE layer 3 (top-6 of score + bias)",
+            "16 routed experts, all local",
+            "ok: routing: 48 routes as the golden",
+            "ok: shared",
+            "ok: routed [T, K, D]",
+            "ok: y",
+            "ok: x_out",
+            "experts gate/up",
+            "effective_us: n=2",
+            "% of membw",
+            "per-phase bound",
+            "quietest step",
+        ],
+    );
+    let out = simpler(&bench_tiny("moe", &["--rounds", "4", "--warmup", "1"]));
+    succeeded_with(
+        &out,
+        "bench moe",
+        &[
+            "effective_us: n=4 (warm-up 1 discarded) min=",
+            "fast_effective_us",
+            "valid_rounds 4/4",
+            "per-phase bound",
+        ],
+    );
 }
 
 /// Runs `simpler` with `args`, and then asserts that it left no shared-memory segment and no
@@ -222,47 +215,41 @@ fn simpler_leaving_nothing(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn run_dsv4_moe_ep2_over_shm_is_bit_identical_to_one_rank_and_writes_a_trace_per_rank() {
-    let dir = std::env::temp_dir().join(format!("simpler-cli-{}-ep", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::tmp("ep");
     let trace = dir.join("ep.jsonl");
-    let out = simpler_leaving_nothing(&[
-        "run",
-        "dsv4",
-        "--layer",
+    let out = simpler_leaving_nothing(&small_checked(
         "moe",
-        "--ep",
-        "2",
-        "--preset",
-        "small",
-        "--check",
-        "--rounds",
-        "3",
-        "--warmup",
-        "1",
-        "--cores",
-        "1",
-        "--trace",
-        trace.to_str().unwrap(),
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    for needle in [
-        "2 ranks over shm, 16 routed experts (8 per rank)",
-        "rank 0: effective_us",
-        "rank 1: effective_us",
-        "fast_effective_us",
-        "valid_rounds 3/3",
-        "step split",
-        "ok: x_out: 8192 elements bit-identical to one rank",
-        "ok: routed [T, K, D]: 12288 elements bit-identical to one rank",
-        "ok: y: 0 of 2048 elements over 3e-3",
-    ] {
-        assert!(so.contains(needle), "missing {needle:?} in\n{so}");
-    }
+        &[
+            "--ep",
+            "2",
+            "--rounds",
+            "3",
+            "--warmup",
+            "1",
+            "--cores",
+            "1",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    ));
+    let so = succeeded_with(
+        &out,
+        "ep 2 over shm",
+        &[
+            "2 ranks over shm, 16 routed experts (8 per rank)",
+            "rank 0: effective_us",
+            "rank 1: effective_us",
+            "fast_effective_us",
+            "valid_rounds 3/3",
+            "step split",
+            "ok: x_out: 8192 elements bit-identical to one rank",
+            "ok: routed [T, K, D]: 12288 elements bit-identical to one rank",
+            "ok: y: 0 of 2048 elements over 3e-3",
+        ],
+    );
     for phase in ["route", "dispatch", "compute", "combine", "reduce"] {
         assert!(so.contains(&format!("{phase} ")), "{so}");
     }
-    assert!(!so.contains("FAILED"), "{so}");
     let files: Vec<String> = (0..2)
         .map(|r| {
             dir.join(format!("ep.rank{r}.jsonl"))
@@ -283,18 +270,20 @@ fn run_dsv4_moe_ep2_over_shm_is_bit_identical_to_one_rank_and_writes_a_trace_per
 
 #[test]
 fn run_dsv4_moe_ep4_over_shm_is_bit_identical_to_one_rank() {
-    let out = simpler_leaving_nothing(&[
-        "run", "dsv4", "--layer", "moe", "--ep", "4", "--preset", "small", "--check", "--rounds",
-        "1", "--warmup", "0", "--cores", "1",
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    assert!(so.contains("4 ranks over shm"), "{so}");
-    assert!(
-        so.contains("ok: x_out: 8192 elements bit-identical to one rank"),
-        "{so}"
+    let out = simpler_leaving_nothing(&small_checked(
+        "moe",
+        &[
+            "--ep", "4", "--rounds", "1", "--warmup", "0", "--cores", "1",
+        ],
+    ));
+    succeeded_with(
+        &out,
+        "ep 4 over shm",
+        &[
+            "4 ranks over shm",
+            "ok: x_out: 8192 elements bit-identical to one rank",
+        ],
     );
-    assert!(!so.contains("FAILED"), "{so}");
 }
 
 #[test]
@@ -359,8 +348,9 @@ fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
     }
 }
 
-/// EP 2 over MPI on loopback: the binary must be built with the `mpi` feature
-/// (`cargo test -p simpler-cli --features mpi`), and `mpirun` must be on the path.
+/// EP 2 over MPI on loopback, with a trace per rank holding its clock offset to rank 0: the
+/// binary must be built with the `mpi` feature (`cargo test -p simpler-cli --features mpi`),
+/// and `mpirun` must be on the path.
 #[cfg(feature = "mpi")]
 #[test]
 fn run_dsv4_moe_ep2_over_mpi_is_bit_identical_to_one_rank() {
@@ -372,31 +362,52 @@ fn run_dsv4_moe_ep2_over_mpi_is_bit_identical_to_one_rank() {
         eprintln!("skipped: no mpirun on the path (Debian: openmpi-bin)");
         return;
     }
-    let out = simpler(&[
-        "run",
-        "dsv4",
-        "--layer",
+    let dir = common::tmp("ep-mpi");
+    let trace = dir.join("ep.jsonl");
+    let out = simpler(&small_checked(
         "moe",
-        "--ep",
-        "2",
-        "--collectives",
-        "mpi",
-        "--preset",
-        "small",
-        "--check",
-        "--rounds",
-        "2",
-        "--warmup",
-        "0",
-        "--cores",
-        "1",
-    ]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    assert!(so.contains("2 ranks over mpi"), "{so}");
-    assert!(
-        so.contains("ok: x_out: 8192 elements bit-identical to one rank"),
-        "{so}"
+        &[
+            "--ep",
+            "2",
+            "--collectives",
+            "mpi",
+            "--rounds",
+            "2",
+            "--warmup",
+            "0",
+            "--cores",
+            "1",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    ));
+    succeeded_with(
+        &out,
+        "ep 2 over mpi",
+        &[
+            "2 ranks over mpi",
+            "ok: x_out: 8192 elements bit-identical to one rank",
+        ],
     );
-    assert!(!so.contains("FAILED"), "{so}");
+    // Every rank recorded its clock offset to rank 0, measured at start-up. On one host the
+    // true offset is zero, so it lies within the recorded bound; rank 0's is zero exactly.
+    let files: Vec<_> = (0..2)
+        .map(|r| dir.join(format!("ep.rank{r}.jsonl")))
+        .collect();
+    let t = simpler_dfx::reader::read_traces(&files).unwrap();
+    assert_eq!(t.processes.len(), 2);
+    for p in &t.processes {
+        let c = p.clock.as_ref().expect("a process line");
+        let o = c.clock_offset.as_ref().expect("a clock offset");
+        assert_eq!(o.reference_boot_id, c.boot_id);
+        assert!(o.offset_ns.unsigned_abs() <= o.uncertainty_ns, "{c:?}");
+        if c.rank == Some(0) {
+            assert_eq!((o.offset_ns, o.uncertainty_ns), (0, 0));
+        }
+    }
+    assert!(
+        t.clock_summary()
+            .contains("clocks: 2 processes of host boot")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

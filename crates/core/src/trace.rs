@@ -106,6 +106,27 @@ pub struct ProcessClock {
     /// What the process is (`chip 1`, `mpi rank 3`, `parent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
+    /// Its host clock's offset to the clock of the run's reference process (rank 0), when
+    /// the ranks may run on several hosts (`mpirun`); absent in traces written before it
+    /// existed, which read as "no offset known".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_offset: Option<ClockOffset>,
+}
+
+/// How far a process's `CLOCK_MONOTONIC` is from the reference process's (rank 0 of an
+/// `mpirun` job), estimated at start-up by round trips to it.
+///
+/// Processes on the reference's own host (equal boot ids) share its clock exactly, and the
+/// readers ignore the measured offset for them; for a process on another host it is the only
+/// link between the two clocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockOffset {
+    /// The reference's boot id (which host's clock the offset is to).
+    pub reference_boot_id: String,
+    /// This process's `CLOCK_MONOTONIC` minus the reference's at one instant, in ns.
+    pub offset_ns: i64,
+    /// Half-width of the interval holding the true offset (half the round trip it came from).
+    pub uncertainty_ns: u64,
 }
 
 /// One line of a trace file.

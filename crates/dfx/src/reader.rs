@@ -4,7 +4,10 @@
 //! line giving the process's zero on its host's `CLOCK_MONOTONIC` and its rank. Processes of
 //! one host (one boot id) are placed through that shared clock onto the axis of the first of
 //! them, exactly up to the stated read uncertainties; a process without a `process` line (or
-//! the first of another host) is placed by its wall-clock anchor. A span's host timestamp plus
+//! the first of another host) is placed by its wall-clock anchor. A process of another host
+//! whose `process` line carries a clock offset to rank 0's host (an `mpirun` rank, measured
+//! by round trips at start-up) is placed on that host's clock through the offset, so the ranks
+//! of several hosts share one axis too. A span's host timestamp plus
 //! its process's place gives wall time, so spans of several processes (and files) line up.
 //! Device spans of an invocation with a `device_alignment` line are mapped through it onto the
 //! host axis first. Lines with a format version newer than [`TRACE_FORMAT_VERSION`] are refused with
@@ -74,9 +77,37 @@ pub enum ClockAlignment {
         /// Half-width of the interval holding the true offset to `reference`.
         uncertainty_ns: u64,
     },
+    /// Through the clock offset its `process` line gives to another host's monotonic clock
+    /// (measured at start-up by round trips to rank 0), then that clock, onto the axis of
+    /// process `reference` (the first process placed on that host's clock).
+    Measured {
+        /// Index into [`Trace::processes`].
+        reference: usize,
+        /// Half-width of the interval holding the true offset to `reference`: the read
+        /// uncertainties and the offset's own.
+        uncertainty_ns: u64,
+    },
     /// By its own wall-clock anchor (no `process` line, or the reference of another host):
     /// as good as the wall clocks' agreement, which the files cannot tell.
     Wall,
+}
+
+impl ClockAlignment {
+    /// The process whose axis it was placed on, and the uncertainty of that placement; `None`
+    /// for [`ClockAlignment::Wall`].
+    pub fn reference(&self) -> Option<(usize, u64)> {
+        match *self {
+            ClockAlignment::Monotonic {
+                reference,
+                uncertainty_ns,
+            }
+            | ClockAlignment::Measured {
+                reference,
+                uncertainty_ns,
+            } => Some((reference, uncertainty_ns)),
+            ClockAlignment::Wall => None,
+        }
+    }
 }
 
 /// How a span's start was placed on the wall-clock axis.
@@ -313,28 +344,57 @@ fn refused_rank(c: &ProcessClock) -> Option<String> {
     }
 }
 
+/// A process's zero on a host's monotonic clock: that host's boot id, the zero on its clock
+/// (ns), the uncertainty, and whether a measured offset put it there. A process's own host,
+/// unless its `process` line carries an offset to another host's clock (a clock offset to its
+/// own host is a measurement of zero, and the shared clock is exact).
+fn host_clock(c: &ProcessClock) -> Option<(&str, i128, u64, bool)> {
+    match &c.clock_offset {
+        Some(o) if !o.reference_boot_id.is_empty() && o.reference_boot_id != c.boot_id => Some((
+            o.reference_boot_id.as_str(),
+            c.mono_ns as i128 - o.offset_ns as i128,
+            c.uncertainty_ns.saturating_add(o.uncertainty_ns),
+            true,
+        )),
+        _ if c.boot_id.is_empty() => None,
+        _ => Some((
+            c.boot_id.as_str(),
+            c.mono_ns as i128,
+            c.uncertainty_ns,
+            false,
+        )),
+    }
+}
+
 /// Places every process's axis on the merged one (see the module header) and every span on it.
 fn align(trace: &mut Trace) {
-    let mut reference: HashMap<String, usize> = HashMap::new();
+    // Per host clock (boot id): the first process placed on it, its zero there and uncertainty.
+    let mut reference: HashMap<String, (usize, i128, u64)> = HashMap::new();
     for i in 0..trace.processes.len() {
         let p = &trace.processes[i];
-        let (zero, alignment) = match p.clock.as_ref().filter(|c| !c.boot_id.is_empty()) {
-            Some(c) => {
-                let r = *reference.entry(c.boot_id.clone()).or_insert(i);
-                let rp = &trace.processes[r];
-                let rc = rp.clock.as_ref().expect("a reference has a clock line");
+        let (zero, alignment) = match p.clock.as_ref().and_then(host_clock) {
+            Some((boot, mono, uncertainty, measured)) => {
+                let &mut (r, ref_mono, ref_uncertainty) = reference
+                    .entry(boot.to_string())
+                    .or_insert((i, mono, uncertainty));
                 let uncertainty_ns = if r == i {
                     0
                 } else {
-                    c.uncertainty_ns.saturating_add(rc.uncertainty_ns)
+                    uncertainty.saturating_add(ref_uncertainty)
                 };
-                (
-                    rp.anchor.wall_ns as i128 + c.mono_ns as i128 - rc.mono_ns as i128,
+                let zero = trace.processes[r].anchor.wall_ns as i128 + mono - ref_mono;
+                let alignment = if measured {
+                    ClockAlignment::Measured {
+                        reference: r,
+                        uncertainty_ns,
+                    }
+                } else {
                     ClockAlignment::Monotonic {
                         reference: r,
                         uncertainty_ns,
-                    },
-                )
+                    }
+                };
+                (zero, alignment)
             }
             None => (p.anchor.wall_ns as i128, ClockAlignment::Wall),
         };
@@ -390,29 +450,32 @@ impl Trace {
         let mut hosts: Vec<(usize, Vec<usize>)> = Vec::new();
         let mut wall_only = 0;
         for (i, p) in self.processes.iter().enumerate() {
-            match p.alignment {
-                ClockAlignment::Monotonic { reference, .. } => {
-                    match hosts.iter_mut().find(|(r, _)| *r == reference) {
-                        Some((_, members)) => members.push(i),
-                        None => hosts.push((reference, vec![i])),
-                    }
-                }
-                ClockAlignment::Wall => wall_only += 1,
+            match p.alignment.reference() {
+                Some((reference, _)) => match hosts.iter_mut().find(|(r, _)| *r == reference) {
+                    Some((_, members)) => members.push(i),
+                    None => hosts.push((reference, vec![i])),
+                },
+                None => wall_only += 1,
             }
         }
         for (r, members) in &hosts {
             let boot = self.processes[*r]
                 .clock
                 .as_ref()
-                .map_or("", |c| c.boot_id.as_str());
+                .and_then(host_clock)
+                .map_or("", |(boot, ..)| boot);
             let worst = members
                 .iter()
-                .map(|&i| match self.processes[i].alignment {
-                    ClockAlignment::Monotonic { uncertainty_ns, .. } => uncertainty_ns,
-                    ClockAlignment::Wall => 0,
-                })
+                .filter_map(|&i| self.processes[i].alignment.reference())
+                .map(|(_, uncertainty_ns)| uncertainty_ns)
                 .max()
                 .unwrap_or(0);
+            let measured = members
+                .iter()
+                .filter(|&&i| {
+                    matches!(self.processes[i].alignment, ClockAlignment::Measured { .. })
+                })
+                .count();
             let wall_gap = members
                 .iter()
                 .map(|&i| {
@@ -421,9 +484,16 @@ impl Trace {
                 })
                 .max()
                 .unwrap_or(0);
+            let through = if measured > 0 {
+                format!(
+                    " ({measured} of them from other hosts, through the clock offsets they measured to rank 0)"
+                )
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 out,
-                "clocks: {} processes of host boot {} aligned on its CLOCK_MONOTONIC within ±{} ns (their wall-clock anchors are off that by up to {:.1} µs)",
+                "clocks: {} processes of host boot {} aligned on its CLOCK_MONOTONIC{through} within ±{} ns (their wall-clock anchors are off that by up to {:.1} µs)",
                 members.len(),
                 boot.get(..8).unwrap_or(boot),
                 worst,

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use serde::Serialize;
 use simpler_core::RunReport;
 use simpler_core::clock::ClockAnchor;
-use simpler_core::trace::{DeviceClockAlignment, ProcessClock, SpanRecord, TraceLine};
+use simpler_core::trace::{ClockOffset, DeviceClockAlignment, ProcessClock, SpanRecord, TraceLine};
 
 use crate::error::{DfxError, Result, io};
 
@@ -56,6 +56,36 @@ pub struct ProcessRole {
     pub ranks: u32,
     /// What it is (`chip 1`, `mpi rank 3`).
     pub role: String,
+    /// Its clock's offset to rank 0's (see [`ClockOffset`]).
+    pub clock_offset: Option<ClockOffset>,
+}
+
+impl ProcessRole {
+    /// Chip `rank` of a node of `ranks` chips: a child process of this host, so on rank 0's
+    /// clock exactly (offset 0).
+    pub fn chip(rank: u32, ranks: u32) -> ProcessRole {
+        ProcessRole {
+            rank,
+            ranks,
+            role: format!("chip {rank}"),
+            clock_offset: Some(ClockOffset {
+                reference_boot_id: this_process_clock().boot_id,
+                offset_ns: 0,
+                uncertainty_ns: 0,
+            }),
+        }
+    }
+
+    /// Rank `rank` of an `mpirun` job of `ranks`, with its clock offset to rank 0 as measured
+    /// at start-up (on another host, the only link between the two clocks).
+    pub fn mpi_rank(rank: u32, ranks: u32, clock_offset: ClockOffset) -> ProcessRole {
+        ProcessRole {
+            rank,
+            ranks,
+            role: format!("mpi rank {rank}"),
+            clock_offset: Some(clock_offset),
+        }
+    }
 }
 
 static ROLE: OnceLock<ProcessRole> = OnceLock::new();
@@ -72,8 +102,9 @@ pub fn set_process_role(role: ProcessRole) -> std::result::Result<(), ProcessRol
     }
 }
 
-/// `CLOCK_MONOTONIC` in ns.
-fn monotonic_ns() -> u64 {
+/// `CLOCK_MONOTONIC` in ns: the clock of the `process` lines' `mono_ns` (and of the clock
+/// offsets between ranks).
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -119,6 +150,7 @@ pub fn this_process_clock() -> ProcessClock {
         rank: role.map(|r| r.rank),
         ranks: role.map(|r| r.ranks),
         role: role.map(|r| r.role.clone()),
+        clock_offset: role.and_then(|r| r.clock_offset.clone()),
     }
 }
 

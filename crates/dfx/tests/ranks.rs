@@ -8,11 +8,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use simpler_core::clock::ClockAnchor;
-use simpler_core::trace::ProcessClock;
+use simpler_core::trace::{ClockOffset, ProcessClock};
 use simpler_dfx::DfxError;
 use simpler_dfx::TraceWriter;
 use simpler_dfx::perfetto::timing_to_perfetto;
-use simpler_dfx::reader::{ClockAlignment, read_traces};
+use simpler_dfx::reader::{ClockAlignment, Trace, read_traces};
 use simpler_dfx::timing::{by_callable, multi_rank, rounds_table};
 use simpler_dfx::writer::{ProcessRole, set_process_role, this_process_clock};
 
@@ -27,6 +27,7 @@ fn clock(pid: u32, boot: &str, mono_ns: u64, rank: Option<u32>) -> ProcessClock 
         rank,
         ranks: rank.map(|_| 2),
         role: rank.map(|r| format!("chip {r}")),
+        clock_offset: None,
     }
 }
 
@@ -36,14 +37,16 @@ fn span_line(pid: u32, inv: u64, name: &str, ts_ns: u64, dur_ns: u64) -> String 
     )
 }
 
-/// Writes one rank's file: anchor, optional process line, then `run` spans of the given
-/// `(inv, ts_ns, dur_ns)`.
+/// Writes one rank's file: the anchor of `pid` at `wall_ns`, an optional process line, then
+/// `run` spans of the given `(inv, ts_ns, dur_ns)`.
 fn write_rank(
     path: &Path,
-    anchor: ClockAnchor,
+    pid: u32,
+    wall_ns: u64,
     process: Option<&ProcessClock>,
     runs: &[(u64, u64, u64)],
 ) {
+    let anchor = ClockAnchor { pid, wall_ns };
     let mut w = TraceWriter::append_with_anchor(path, anchor).unwrap();
     if let Some(p) = process {
         w.process_clock(p).unwrap();
@@ -73,32 +76,20 @@ fn one_host_aligns_on_its_monotonic_clock_whatever_the_wall_anchors_say() {
     // anchor says 5 ms before (a wall clock stepped between the two starts).
     write_rank(
         &a,
-        ClockAnchor {
-            pid: 10,
-            wall_ns: 1_000_000_000,
-        },
+        10,
+        1_000_000_000,
         Some(&clock(10, BOOT, 50_000, Some(0))),
         &[(0, 1_000, 100)],
     );
     write_rank(
         &b,
-        ClockAnchor {
-            pid: 11,
-            wall_ns: 995_000_000,
-        },
+        11,
+        995_000_000,
         Some(&clock(11, BOOT, 50_700, Some(1))),
         &[(0, 1_000, 100)],
     );
     // An old-style file without a process line: placed by its wall anchor.
-    write_rank(
-        &c,
-        ClockAnchor {
-            pid: 12,
-            wall_ns: 1_000_002_000,
-        },
-        None,
-        &[(0, 0, 10)],
-    );
+    write_rank(&c, 12, 1_000_002_000, None, &[(0, 0, 10)]);
     let t = read_traces(&[&a, &b, &c]).unwrap();
     let start = |pid: u32| t.spans.iter().find(|s| s.span.pid == pid).unwrap().wall_ns;
     assert_eq!(start(10), 1_000_001_000);
@@ -142,19 +133,15 @@ fn other_hosts_are_placed_by_their_wall_clocks() {
     let (a, b, _) = files(&dir);
     write_rank(
         &a,
-        ClockAnchor {
-            pid: 10,
-            wall_ns: 1_000_000_000,
-        },
+        10,
+        1_000_000_000,
         Some(&clock(10, BOOT, 50_000, Some(0))),
         &[(0, 0, 100)],
     );
     write_rank(
         &b,
-        ClockAnchor {
-            pid: 10,
-            wall_ns: 1_000_000_500,
-        },
+        10,
+        1_000_000_500,
         Some(&clock(10, "another-boot", 9_999_999, Some(1))),
         &[(0, 0, 100)],
     );
@@ -169,6 +156,90 @@ fn other_hosts_are_placed_by_their_wall_clocks() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Start of the first span of `pid` on the merged axis.
+fn start_of(t: &Trace, pid: u32) -> u64 {
+    t.spans.iter().find(|s| s.span.pid == pid).unwrap().wall_ns
+}
+
+/// A rank on another host whose process line carries its measured clock offset to rank 0's
+/// host is placed on rank 0's clock through it (its own monotonic clock and its wall anchor
+/// say nothing about rank 0's); without the offset (a trace from before offsets were
+/// written) it is placed by its wall anchor, as before.
+#[test]
+fn a_measured_offset_places_another_hosts_rank_on_rank_0s_clock() {
+    let dir = common::temp_dir("ranks-offset");
+    let r0 = dir.join("r0.jsonl");
+    write_rank(
+        &r0,
+        10,
+        1_000_000_000,
+        Some(&clock(10, BOOT, 50_000, Some(0))),
+        &[(0, 1_000, 100)],
+    );
+    let offset = |offset_ns| ClockOffset {
+        reference_boot_id: BOOT.into(),
+        offset_ns,
+        uncertainty_ns: 500,
+    };
+    // Rank 1's CLOCK_MONOTONIC reads 8_949_300 ns more than rank 0's at every instant, so its
+    // zero (9_000_000 on its clock) is 50_700 on rank 0's: 700 ns after rank 0's zero. Its
+    // wall anchor is 3 ms off.
+    let ahead = dir.join("ahead.jsonl");
+    let mut c1 = clock(11, "another-boot", 9_000_000, Some(1));
+    c1.clock_offset = Some(offset(8_949_300));
+    write_rank(&ahead, 11, 1_003_000_000, Some(&c1), &[(0, 1_000, 100)]);
+    let t = read_traces(&[&r0, &ahead]).unwrap();
+    assert_eq!(start_of(&t, 10), 1_000_001_000);
+    assert_eq!(start_of(&t, 11), 1_000_001_700);
+    assert_eq!(
+        t.processes[1].alignment,
+        ClockAlignment::Measured {
+            reference: 0,
+            uncertainty_ns: 20 + 500 + 20
+        }
+    );
+    let summary = t.clock_summary();
+    assert!(
+        summary.contains(
+            "2 processes of host boot 0f1e2d3c aligned on its CLOCK_MONOTONIC (1 of them from other hosts, through the clock offsets they measured to rank 0) within ±540 ns"
+        ),
+        "{summary}"
+    );
+    // Rank 1's file first makes it the reference: the same gap.
+    let t2 = read_traces(&[&ahead, &r0]).unwrap();
+    assert_eq!(start_of(&t2, 11) - start_of(&t2, 10), 700);
+    // A clock behind rank 0's: 1_000 on it is 50_700 on rank 0's.
+    let behind = dir.join("behind.jsonl");
+    let mut c1 = clock(11, "another-boot", 1_000, Some(1));
+    c1.clock_offset = Some(offset(-49_700));
+    write_rank(&behind, 11, 990_000_000, Some(&c1), &[(0, 1_000, 100)]);
+    let t = read_traces(&[&r0, &behind]).unwrap();
+    assert_eq!(start_of(&t, 11), 1_000_001_700);
+    // The same file without the offset: placed by its own wall anchor.
+    let old = dir.join("old.jsonl");
+    c1.clock_offset = None;
+    write_rank(&old, 11, 990_000_000, Some(&c1), &[(0, 1_000, 100)]);
+    let t = read_traces(&[&r0, &old]).unwrap();
+    assert_eq!(start_of(&t, 11), 990_001_000);
+    assert!(t.clock_summary().contains("the 2 hosts are placed"));
+    // On rank 0's own host an offset is a measurement of zero: the shared clock is exact and
+    // the recorded offset is not applied.
+    let same = dir.join("same.jsonl");
+    let mut c1 = clock(11, BOOT, 50_700, Some(1));
+    c1.clock_offset = Some(offset(123_456));
+    write_rank(&same, 11, 1_000_000_000, Some(&c1), &[(0, 1_000, 100)]);
+    let t = read_traces(&[&r0, &same]).unwrap();
+    assert_eq!(start_of(&t, 11), 1_000_001_700);
+    assert_eq!(
+        t.processes[1].alignment,
+        ClockAlignment::Monotonic {
+            reference: 0,
+            uncertainty_ns: 40
+        }
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn perfetto_rows_are_named_and_ordered_by_rank() {
     let dir = common::temp_dir("ranks-perfetto");
@@ -176,19 +247,15 @@ fn perfetto_rows_are_named_and_ordered_by_rank() {
     // Rank 1's file comes first.
     write_rank(
         &a,
-        ClockAnchor {
-            pid: 21,
-            wall_ns: 0,
-        },
+        21,
+        0,
         Some(&clock(21, BOOT, 0, Some(1))),
         &[(0, 10, 100)],
     );
     write_rank(
         &b,
-        ClockAnchor {
-            pid: 20,
-            wall_ns: 0,
-        },
+        20,
+        0,
         Some(&clock(20, BOOT, 0, Some(0))),
         &[(0, 10, 100)],
     );
@@ -232,10 +299,8 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
     // Rank 0: 10, 20, 30, 40 µs; rank 1: 15, 5, (missing), 50 µs.
     write_rank(
         &a,
-        ClockAnchor {
-            pid: 30,
-            wall_ns: 0,
-        },
+        30,
+        0,
         Some(&clock(30, BOOT, 0, Some(0))),
         &[
             (0, 0, 10_000),
@@ -246,10 +311,8 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
     );
     write_rank(
         &b,
-        ClockAnchor {
-            pid: 31,
-            wall_ns: 0,
-        },
+        31,
+        0,
         Some(&clock(31, BOOT, 0, Some(1))),
         &[(0, 0, 15_000), (1, 100_000, 5_000), (3, 300_000, 50_000)],
     );
@@ -281,24 +344,8 @@ fn a_rank_that_recorded_nothing_leaves_no_valid_round() {
     let mut c0 = clock(40, BOOT, 0, Some(0));
     let mut c2 = clock(41, BOOT, 0, Some(2));
     (c0.ranks, c2.ranks) = (Some(3), Some(3));
-    write_rank(
-        &a,
-        ClockAnchor {
-            pid: 40,
-            wall_ns: 0,
-        },
-        Some(&c0),
-        &[(0, 0, 1_000)],
-    );
-    write_rank(
-        &b,
-        ClockAnchor {
-            pid: 41,
-            wall_ns: 0,
-        },
-        Some(&c2),
-        &[(0, 0, 1_000)],
-    );
+    write_rank(&a, 40, 0, Some(&c0), &[(0, 0, 1_000)]);
+    write_rank(&b, 41, 0, Some(&c2), &[(0, 0, 1_000)]);
     let t = read_traces(&[&a, &b]).unwrap();
     let m = multi_rank(&t, &by_callable(&t)[0], 0).unwrap();
     assert!(
@@ -375,21 +422,9 @@ fn hostile_process_lines_are_refused_naming_the_file() {
 
 #[test]
 fn the_writer_names_this_process_and_its_rank() {
-    set_process_role(ProcessRole {
-        rank: 3,
-        ranks: 4,
-        role: "chip 3".into(),
-    })
-    .unwrap();
+    set_process_role(ProcessRole::chip(3, 4)).unwrap();
     // One process, one rank.
-    assert!(
-        set_process_role(ProcessRole {
-            rank: 0,
-            ranks: 4,
-            role: "chip 0".into()
-        })
-        .is_err()
-    );
+    assert!(set_process_role(ProcessRole::chip(0, 4)).is_err());
     let dir = common::temp_dir("ranks-writer");
     let path = dir.join("me.jsonl");
     TraceWriter::append(&path).unwrap().finish().unwrap();
@@ -403,6 +438,15 @@ fn the_writer_names_this_process_and_its_rank() {
     );
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
     assert_eq!(c.boot_id, boot.trim());
+    // A chip of a node: on rank 0's host, offset 0.
+    assert_eq!(
+        c.clock_offset,
+        Some(ClockOffset {
+            reference_boot_id: boot.trim().into(),
+            offset_ns: 0,
+            uncertainty_ns: 0
+        })
+    );
     // The process's zero on CLOCK_MONOTONIC lies before now and after boot.
     let mut ts = libc_now();
     ts = ts.saturating_sub(simpler_core::clock::now_ns());

@@ -292,11 +292,15 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
         }
         while let Some((seq, kind, payload)) = mbox.pending() {
             let (status, answer) = match kind {
-                CMD_CALL => {
-                    let answer = call(fns, &mut ctx, &payload);
-                    // A failed rank of a group call makes no more collective calls: release
-                    // the ranks waiting for it now rather than at the node's call timeout. The
-                    // parent resets the segment once the whole group has answered.
+                CMD_CALL | CMD_TASK => {
+                    let answer = if kind == CMD_CALL {
+                        call(fns, &mut ctx, &payload)
+                    } else {
+                        task(fns, &mut ctx, &payload)
+                    };
+                    // A failed rank of a group call or group task makes no more collective
+                    // calls: release the ranks waiting for it now rather than at the node's
+                    // timeout. The parent resets the segment once no chip is busy.
                     if answer.0 != STATUS_OK
                         && let Some(comm) = &ctx.collectives
                     {
@@ -304,7 +308,6 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
                     }
                     answer
                 }
-                CMD_TASK => task(fns, &mut ctx, &payload),
                 CMD_MAP => map_buffer(&mut ctx, &payload),
                 CMD_UNMAP => {
                     let id = payload.get(..8).and_then(|b| b.try_into().ok());

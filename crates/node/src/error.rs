@@ -12,6 +12,13 @@ pub enum ChildId {
     Sub(usize),
 }
 
+impl ChildId {
+    /// Whether it is a chip (a rank of the collectives).
+    pub fn is_chip(self) -> bool {
+        matches!(self, ChildId::Chip(_))
+    }
+}
+
 impl fmt::Display for ChildId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -176,7 +183,8 @@ pub enum NodeError {
     TaskFailed {
         /// The task's index in the run.
         task: usize,
-        /// The child whose function failed (the first of a group, in chip order).
+        /// The child whose function failed (in a group: the chip that abandoned the
+        /// collectives, if one did, else the first failed chip in chip order).
         child: ChildId,
         /// The function.
         function: String,

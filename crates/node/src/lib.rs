@@ -6,10 +6,13 @@
 //! through shared-memory mailboxes (`mailbox.rs` states the protocol). Buffers created at any
 //! time ([`Node::create_buffer`]) are mapped in every process. Chips exchange data through
 //! [`Collectives`] (all-to-all with variable sizes, all-reduce); the shared-memory backend is
-//! [`ShmCollectives`]. `docs/node.md` describes the process model and teardown.
+//! [`ShmCollectives`]. [`clock_offset`] estimates how far another host's monotonic clock is
+//! from this one's (for merging the traces of ranks on several hosts). `docs/node.md`
+//! describes the process model and teardown.
 
 mod buffer;
 mod child;
+pub mod clock_offset;
 pub mod collective;
 mod error;
 mod futex;
@@ -23,6 +26,7 @@ pub use buffer::{SharedBuffer, SharedBufferId};
 pub use child::{
     CHILD_ENV, ChildCtx, ChildFn, ChildFns, ChipWorkerFn, StartHook, child_main_if_requested,
 };
+pub use clock_offset::{OffsetEstimate, PingSample, estimate_offset};
 #[cfg(feature = "mpi")]
 pub use collective::mpi::MpiCollectives;
 pub use collective::shm::ShmCollectives;

@@ -242,11 +242,8 @@ impl Node {
             targets.iter().map(|&i| self.mailbox(i).answer()).collect();
         // Every target has answered and every other child is idle, so no chip is inside a
         // collective: the barrier can be reset for the next call.
-        let abandoner = self.coll.as_ref().and_then(|seg| {
-            let by = shm_coll::abandoned_by(seg);
-            shm_coll::reset(seg);
-            by
-        });
+        let abandoner = self.coll_abandoned_by();
+        self.reset_collectives();
         let failed = |k: &usize| answers[*k].0 != STATUS_OK;
         let root_cause = abandoner.and_then(|r| {
             (0..targets.len())
@@ -467,6 +464,19 @@ impl Node {
             seq: 0,
             status: None,
         })
+    }
+
+    /// The chip that abandoned the collectives since their last reset, if one did.
+    pub(crate) fn coll_abandoned_by(&self) -> Option<usize> {
+        self.coll.as_ref().and_then(shm_coll::abandoned_by)
+    }
+
+    /// Clears the collectives' barrier for the next group. Only while no chip is inside a
+    /// collective (every chip idle).
+    pub(crate) fn reset_collectives(&self) {
+        if let Some(seg) = &self.coll {
+            shm_coll::reset(seg);
+        }
     }
 
     pub(crate) fn mailbox(&self, i: usize) -> Mailbox<'_> {

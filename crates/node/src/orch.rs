@@ -373,6 +373,20 @@ impl Node {
             // child of it is busy reserves its idle children, so a group is not overtaken for
             // ever by later single-chip tasks: it starts when all its chips are idle.
             let mut reserved = vec![false; busy.len()];
+            // A chip whose task failed abandoned the collectives (so the chips of its group
+            // waiting in one returned at once). Chips start nothing until every chip is idle
+            // (none inside a collective); then the segment is reset for the next group.
+            let chips_held = match self.coll_abandoned_by() {
+                None => false,
+                Some(_) => {
+                    let chip_busy =
+                        (0..busy.len()).any(|i| busy[i].is_some() && self.children[i].id.is_chip());
+                    if !chip_busy {
+                        self.reset_collectives();
+                    }
+                    chip_busy
+                }
+            };
             while scan_from < tasks.len() && tasks[scan_from].state != State::Waiting {
                 scan_from += 1;
             }
@@ -380,10 +394,11 @@ impl Node {
                 if rec.state != State::Waiting || rec.preds_left > 0 {
                     continue;
                 }
+                let held = |i: usize| chips_held && self.children[i].id.is_chip();
                 if rec
                     .targets
                     .iter()
-                    .any(|&i| busy[i].is_some() || reserved[i])
+                    .any(|&i| busy[i].is_some() || reserved[i] || held(i))
                 {
                     for &i in &rec.targets {
                         reserved[i] = true;
@@ -467,11 +482,26 @@ impl Node {
                 continue;
             }
             finished.sort_unstable();
+            // The chip that abandoned the collectives since the last reset: its failure is
+            // the cause of its group's, not a peer's "abandoned" error.
+            let abandoner = self.coll_abandoned_by().map(ChildId::Chip);
             for t in finished {
-                let failure = tasks[t].targets.iter().find_map(|&c| {
-                    let (status, msg) = self.mailbox(c).answer();
-                    (status != STATUS_OK).then(|| (c, String::from_utf8_lossy(&msg).into_owned()))
-                });
+                let failed: Vec<usize> = tasks[t]
+                    .targets
+                    .iter()
+                    .copied()
+                    .filter(|&c| self.mailbox(c).answer().0 != STATUS_OK)
+                    .collect();
+                let failure = failed
+                    .iter()
+                    .find(|&&c| Some(self.children[c].id) == abandoner)
+                    .or(failed.first())
+                    .map(|&c| {
+                        (
+                            c,
+                            String::from_utf8_lossy(&self.mailbox(c).answer().1).into_owned(),
+                        )
+                    });
                 for &c in &tasks[t].targets {
                     busy[c] = None;
                 }

@@ -4,15 +4,16 @@
 //! (loopback) and checks that every rank succeeded. Run by `mpirun` (it sees
 //! `OMPI_COMM_WORLD_SIZE` or `PMI_SIZE`), it is one rank: it runs the same all-to-all (ragged
 //! and zero-size messages) and all-reduce cases as the shared-memory tests and compares each
-//! result with the plain computation, bit for bit, exiting non-zero on any difference. A last
+//! result with the plain computation, bit for bit, exiting non-zero on any difference, then
+//! estimates its clock offset to rank 0 (zero within its bound on one host). A last
 //! job of 3 ranks checks that a rank's `abort` ends the job while the others wait for it.
 
 mod common;
 
 use common::{message, reduce_input};
 use simpler_node::{
-    CollectiveError, Collectives, MpiCollectives, ReduceOp, ReduceType, exchange_counts,
-    mpirun_command, under_mpirun,
+    CollectiveError, Collectives, MpiCollectives, OffsetEstimate, ReduceOp, ReduceType,
+    exchange_counts, mpirun_command, under_mpirun,
 };
 
 /// Makes a rank run `abort_main`.
@@ -70,7 +71,24 @@ fn rank_main() {
             .collect();
         assert_eq!(buf, expected, "all-reduce rank {me} of {n}, len {len}");
     }
-    println!("rank {me} of {n}: ok");
+    // Clock offsets to rank 0: every rank learns rank 0's host (boot id), and on one host
+    // (one CLOCK_MONOTONIC) the true offset is zero, so it lies within the stated bound.
+    let (offset, reference) = comm.clock_offset_to_rank_0(
+        16,
+        &format!("host of rank {me}"),
+        simpler_dfx::writer::monotonic_ns,
+    );
+    assert_eq!(reference, "host of rank 0", "rank {me}");
+    if me == 0 {
+        assert_eq!(offset, OffsetEstimate::ZERO);
+    } else {
+        assert!(offset.uncertainty_ns < u64::MAX, "rank {me}: {offset:?}");
+        assert!(
+            offset.offset_ns.unsigned_abs() <= offset.uncertainty_ns,
+            "rank {me}: {offset:?} on one host"
+        );
+    }
+    println!("rank {me} of {n}: ok (clock offset {offset:?})");
 }
 
 /// Rank 1 fails and aborts the job while the others wait for it in an all-reduce.

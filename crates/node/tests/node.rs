@@ -485,26 +485,125 @@ fn failed_rank_abandons_the_collective_and_node_survives() {
             took < timeout / 4,
             "the failure took {took:?}, near the {timeout:?} call timeout"
         );
-        let buf = node.buffer(report).unwrap();
-        let op_name = ["all_to_all_v", "all_reduce"][op as usize];
-        for rank in (0..chips).filter(|&r| r != failing) {
-            let mut len = [0u8; 8];
-            // SAFETY: the chips have answered; nobody writes the buffer now.
-            unsafe { buf.read(REPORT_BYTES * rank, &mut len) };
-            let mut text = vec![0u8; u64::from_le_bytes(len) as usize];
-            // SAFETY: as above.
-            unsafe { buf.read(REPORT_BYTES * rank + 8, &mut text) };
-            let text = String::from_utf8(text).unwrap();
-            // The all-to-all starts with an exchange of counts, itself an all-to-all.
-            assert_eq!(
-                text,
-                format!("{op_name} on rank {rank}: the group was abandoned by rank {failing}"),
-            );
-        }
+        assert_peers_saw_abandonment(&node, report, chips, failing, op);
         // The collectives were reset: the same node reduces again (over several rounds).
         check_reduce(&mut node, chips, 9, 1000);
     }
     node.free_buffer(report).unwrap();
+    node.close().unwrap();
+}
+
+/// The fields of a `TaskFailed` (task, child, function, message, poisoned tasks); any other
+/// error fails the test.
+fn task_failed(err: NodeError) -> (usize, ChildId, String, String, Vec<usize>) {
+    match err {
+        NodeError::TaskFailed {
+            task,
+            child,
+            function,
+            message,
+            poisoned,
+        } => (task, child, function, message, poisoned),
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+}
+
+/// Every chip of `collective_or_fail` but `failing` wrote that its collective `op` was
+/// abandoned by `failing` into its slot of `report`.
+fn assert_peers_saw_abandonment(
+    node: &Node,
+    report: SharedBufferId,
+    chips: usize,
+    failing: usize,
+    op: u64,
+) {
+    let buf = node.buffer(report).unwrap();
+    let op_name = ["all_to_all_v", "all_reduce"][op as usize];
+    for rank in (0..chips).filter(|&r| r != failing) {
+        let mut len = [0u8; 8];
+        // SAFETY: the chips have answered; nobody writes the buffer now.
+        unsafe { buf.read(REPORT_BYTES * rank, &mut len) };
+        let mut text = vec![0u8; u64::from_le_bytes(len) as usize];
+        // SAFETY: as above.
+        unsafe { buf.read(REPORT_BYTES * rank + 8, &mut text) };
+        let text = String::from_utf8(text).unwrap();
+        // The all-to-all starts with an exchange of counts, itself an all-to-all.
+        assert_eq!(
+            text,
+            format!("{op_name} on rank {rank}: the group was abandoned by rank {failing}"),
+        );
+    }
+}
+
+/// The same inside an orchestrated run: a chip of a group task that fails before its
+/// collective releases the chips waiting in it (the run ends with the task's failure, named by
+/// that chip, not with the task's deadline), its dependents are poisoned, independent tasks
+/// run, and the next run's group collectives work on the reset segment.
+fn failed_chip_in_a_run_releases_its_group() {
+    let chips = 3;
+    let mut node = Node::start(NodeConfig {
+        // Small staging: a reduction of 1000 elements takes several rounds.
+        collective_bytes: 256,
+        ..config(chips, 1)
+    })
+    .unwrap();
+    let report = node.create_buffer(REPORT_BYTES * chips).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let out = node.create_buffer(8).unwrap();
+    let l = |t| Step::new(log_id, t);
+    let all: Vec<usize> = (0..chips).collect();
+    // A hang would end the run with TaskTimeout at this deadline, not with TaskFailed.
+    let deadline = Duration::from_secs(120);
+    for (k, (failing, op)) in [(1usize, 0u64), (2, 1), (0, 1)].into_iter().enumerate() {
+        let a = args(&[5, failing as u64, op, report.to_bits()]);
+        // Tags of this round: t(1)..t(4).
+        let t = |n: usize| 4 * k + n;
+        let err = node
+            .run(|o| {
+                o.submit(
+                    NodeTask::group(&all, "collective_or_fail", &a)
+                        .writes(out)
+                        .timeout(deadline),
+                )?;
+                o.submit(chip_step(0, l(t(1)).op(OP_READ, out, 0)).reads(out))?; // poisoned
+                o.submit(sub_step(0, l(t(2))))?; // independent
+                o.submit(chip_step(failing, l(t(3))).after(NodeTaskId(0)))?; // poisoned
+                o.submit(chip_step(1, l(t(4))))?; // independent, after the group on chip 1
+                Ok(())
+            })
+            .unwrap_err();
+        let (task, child, function, message, poisoned) = task_failed(err);
+        assert_eq!(
+            (task, child, function.as_str()),
+            (0, ChildId::Chip(failing), "collective_or_fail")
+        );
+        assert_eq!(
+            message,
+            format!("chip {failing} gives up before its collective")
+        );
+        assert_eq!(poisoned, vec![1, 3]);
+        assert_peers_saw_abandonment(&node, report, chips, failing, op);
+        let log = Log(node.buffer(log_id).unwrap());
+        assert_eq!(
+            (log.start(t(1)), log.start(t(3))),
+            (0, 0),
+            "a poisoned task ran"
+        );
+        assert!(
+            log.end(t(2)) != 0 && log.end(t(4)) != 0,
+            "an independent task did not run"
+        );
+        // The next run's group collectives work: two reductions over several rounds of the
+        // small staging area.
+        node.run(|o| {
+            for seed in [3, 4] {
+                o.submit(NodeTask::group(&all, "reduce", &args(&[seed, 1000])).timeout(deadline))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        check_reduce(&mut node, chips, 9, 1000);
+    }
     node.close().unwrap();
 }
 
@@ -900,23 +999,13 @@ fn failure_poisons_dependents_only() {
         })
         .unwrap_err();
     assert_eq!(err.code(), 212);
-    match err {
-        NodeError::TaskFailed {
-            task,
-            child,
-            function,
-            message,
-            poisoned,
-        } => {
-            assert_eq!(
-                (task, child, function.as_str()),
-                (0, ChildId::Chip(0), "step")
-            );
-            assert_eq!(message, "step 0 fails on chip 0");
-            assert_eq!(poisoned, vec![1, 2, 6, 7]);
-        }
-        other => panic!("expected TaskFailed, got {other}"),
-    }
+    let (task, child, function, message, poisoned) = task_failed(err);
+    assert_eq!(
+        (task, child, function.as_str()),
+        (0, ChildId::Chip(0), "step")
+    );
+    assert_eq!(message, "step 0 fails on chip 0");
+    assert_eq!(poisoned, vec![1, 2, 6, 7]);
     let log = Log(node.buffer(log_id).unwrap());
     for tag in [1, 2, 6, 7, 8] {
         assert_eq!(log.start(tag), 0, "poisoned tag {tag} ran");
@@ -1035,7 +1124,7 @@ fn task_deadline_is_reported_and_node_rebuilt() {
     node.close().unwrap();
 }
 
-/// A child that dies in a run is named with its signal.
+/// A child that dies in a run is named with its signal; the node is closed and rebuilt.
 fn child_dying_in_a_run_is_named() {
     let mut node = Node::start(config(2, 1)).unwrap();
     let err = node
@@ -1055,6 +1144,12 @@ fn child_dying_in_a_run_is_named() {
         }
         other => panic!("expected ChildDied, got {other}"),
     }
+    // The node is broken (its other children were ended with it); a new one works.
+    assert_eq!(node.run(|_| Ok(())).unwrap_err().code(), 210);
+    node.close().unwrap();
+    let mut node = Node::start(config(2, 1)).unwrap();
+    node.run(|o| o.submit(NodeTask::chip(1, "echo", b"")).map(drop))
+        .unwrap();
     node.close().unwrap();
 }
 
@@ -1310,6 +1405,10 @@ fn main() {
         (
             "failed_rank_abandons_the_collective_and_node_survives",
             failed_rank_abandons_the_collective_and_node_survives,
+        ),
+        (
+            "failed_chip_in_a_run_releases_its_group",
+            failed_chip_in_a_run_releases_its_group,
         ),
         (
             "child_killed_mid_collective_is_named_then_node_rebuilt",

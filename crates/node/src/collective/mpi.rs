@@ -19,10 +19,14 @@
 use mpi::Count;
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator, CommunicatorCollectives};
+use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Root, Source};
 
 use super::{Collectives, ReduceOp, ReduceType};
+use crate::clock_offset::{OffsetEstimate, PingSample, estimate_offset};
 use crate::error::CollectiveError;
+
+/// Bytes of a boot id sent to every rank (the kernel's are 36).
+const BOOT_ID_BYTES: usize = 64;
 
 const FLAG_OK: u64 = 0;
 const FLAG_BAD_ARGS: u64 = 1;
@@ -49,6 +53,68 @@ impl MpiCollectives {
     /// them short of this, and `mpirun` then ends the job with a failure.
     pub fn abort(&self, code: i32) -> ! {
         self.comm.abort(code)
+    }
+
+    /// This rank's `CLOCK_MONOTONIC` offset to rank 0's, and rank 0's boot id (which host's
+    /// clock the offset is to; `boot_id` is this rank's, longer ones are cut at 64 bytes).
+    /// `now_ns` reads the clock to compare: the one the ranks' traces record (`CLOCK_MONOTONIC`).
+    /// Every rank must call it at the same point (a collective). Rank 0 runs `round_trips`
+    /// ping-pongs with each other rank in turn and keeps the shortest
+    /// ([`crate::clock_offset`]); its own offset is zero. Run it at start-up, before the
+    /// ranks' traced work, so the traces can be merged on rank 0's clock across hosts.
+    pub fn clock_offset_to_rank_0(
+        &mut self,
+        round_trips: usize,
+        boot_id: &str,
+        now_ns: impl Fn() -> u64,
+    ) -> (OffsetEstimate, String) {
+        let mut boot = [0u8; BOOT_ID_BYTES];
+        if self.rank == 0 {
+            let b = &boot_id.as_bytes()[..boot_id.len().min(BOOT_ID_BYTES)];
+            boot[..b.len()].copy_from_slice(b);
+        }
+        self.comm.process_at_rank(0).broadcast_into(&mut boot[..]);
+        let len = boot.iter().position(|&b| b == 0).unwrap_or(BOOT_ID_BYTES);
+        let reference_boot_id = String::from_utf8_lossy(&boot[..len]).into_owned();
+        let round_trips = round_trips.max(1);
+        let estimate = if self.rank == 0 {
+            for r in 1..self.ranks {
+                let peer = self.comm.process_at_rank(r as i32);
+                let samples: Vec<PingSample> = (0..round_trips)
+                    .map(|_| {
+                        let sent_ns = now_ns();
+                        peer.send(&sent_ns);
+                        let (remote_ns, _) = peer.receive::<u64>();
+                        let received_ns = now_ns();
+                        PingSample {
+                            sent_ns,
+                            remote_ns,
+                            received_ns,
+                        }
+                    })
+                    .collect();
+                // A monotonic clock gives usable samples; if not, the offset is unknown.
+                let e = estimate_offset(&samples).unwrap_or(OffsetEstimate {
+                    offset_ns: 0,
+                    uncertainty_ns: u64::MAX,
+                });
+                peer.send(&[e.offset_ns as u64, e.uncertainty_ns][..]);
+            }
+            OffsetEstimate::ZERO
+        } else {
+            let root = self.comm.process_at_rank(0);
+            for _ in 0..round_trips {
+                let _ = root.receive::<u64>();
+                root.send(&now_ns());
+            }
+            let mut e = [0u64; 2];
+            root.receive_into(&mut e[..]);
+            OffsetEstimate {
+                offset_ns: e[0] as i64,
+                uncertainty_ns: e[1],
+            }
+        };
+        (estimate, reference_boot_id)
     }
 
     /// The refusal of the lowest refusing rank (this rank's own in detail), given every rank's
