@@ -6,7 +6,8 @@
 //! partial outputs loaded and stored per row), which on two busy cores made attention the
 //! phase furthest from its bound. Here:
 //! - `q · k` takes the bf16 query and key pairs as they are (`vdpbf16ps`: 32 multiply-adds
-//!   per instruction, no widening); the scale multiplies the finished score.
+//!   per instruction, no widening); the scale multiplies the finished score. The 16-lane dot
+//!   products of 16 rows are summed horizontally together (`sum16`), not one row at a time.
 //! - `p · v` widens 32 bf16 of V per 512-bit load (shift for the even elements, mask for the
 //!   odd ones) and keeps a slice of every query's outputs in registers across a run of up to
 //!   32 tokens, so the outputs are loaded and stored once per run, not once per row.

@@ -204,13 +204,13 @@ unsafe fn tile_pass<const COLS: usize>(
     c: &mut [Line; 64],
 ) {
     let a1 = a.cast::<u8>().wrapping_add(16 * sa);
-    // SAFETY (both blocks): every tile load reads 16 rows of 64 bytes: the weight rows
-    // `a + 16 r * sa` (and `a1`) at a 64-byte column step per iteration, `nk` steps, inside the
-    // rows by the contract; the activation tiles are 1 KiB each, `nk` consecutive per column.
-    // The stores write the first 2 or 4 KiB tiles of `c`'s 4 KiB. Prefetches touch no state.
-    // Only tile registers and the declared operands change.
     if COLS == 2 {
         let b1 = vnni.wrapping_add(nk * 16);
+        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa`
+        // (and `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
+        // contract; the activation tiles are 1 KiB each, `nk` consecutive per column. The
+        // stores write the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile
+        // registers and the declared operands change.
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -260,6 +260,7 @@ unsafe fn tile_pass<const COLS: usize>(
             );
         }
     } else {
+        // SAFETY: as above with one activation tile: the stores write tiles 0 and 2 of `c`.
         unsafe {
             asm!(
                 "tilezero tmm0",
