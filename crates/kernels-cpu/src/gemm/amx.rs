@@ -148,11 +148,14 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
                     // kb0 + k32 <= kb1 <= ldw, or the padded copy), and so does `pf` (at the
                     // stride `sa` of the resident rows, or `a` itself); the VNNI tiles
                     // (bp, 0..nk), and (bp + 1, 0..nk) when bp + 1 < nbt, exist.
+                    // Only the first pass over the group prefetches (wider batches reuse the
+                    // group from cache for their later column tiles).
                     unsafe {
-                        if bp + 1 < nbt {
-                            tile_pass::<2>(a, sa, vnni, nk, pf, &mut c);
-                        } else {
-                            tile_pass::<1>(a, sa, vnni, nk, pf, &mut c);
+                        match (bp + 1 < nbt, bp == 0) {
+                            (true, true) => tile_pass::<2, true>(a, sa, vnni, nk, pf, &mut c),
+                            (true, false) => tile_pass::<2, false>(a, sa, vnni, nk, pf, &mut c),
+                            (false, true) => tile_pass::<1, true>(a, sa, vnni, nk, pf, &mut c),
+                            (false, false) => tile_pass::<1, false>(a, sa, vnni, nk, pf, &mut c),
                         }
                     }
                     // SAFETY: AVX-512 by contract; the rows and batch columns are inside the
@@ -189,13 +192,13 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
 /// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` (and
 /// `vnni[nk..2nk]` when `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16
 /// tiles at `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left
-/// alone when `COLS == 1`). Each step also prefetches into L2 one line of each of the 32 rows
-/// at `pf` (stride `sa`), at the same offset as the step's weight tiles.
+/// alone when `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 one line of
+/// each of the 32 rows at `pf` (stride `sa`), at the same offset as the step's weight tiles.
 ///
 /// # Safety
 /// The tile configuration of this module is loaded; `a` and `vnni` are readable as described
 /// for `nk >= 1` steps; `COLS` is 1 or 2. `pf` is only prefetched (never faults).
-unsafe fn tile_pass<const COLS: usize>(
+unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool>(
     a: *const u16,
     sa: usize,
     vnni: *const Line,
@@ -226,6 +229,8 @@ unsafe fn tile_pass<const COLS: usize>(
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
+                "test {on}, {on}",
+                "jz 4f",
                 "mov {t}, {p}",
                 "mov {r}, 16",
                 "3:",
@@ -234,6 +239,7 @@ unsafe fn tile_pass<const COLS: usize>(
                 "lea {t}, [{t} + {sa}*2]",
                 "dec {r}",
                 "jnz 3b",
+                "4:",
                 "add {p}, 64",
                 "add {a0}, 64",
                 "add {a1}, 64",
@@ -255,6 +261,7 @@ unsafe fn tile_pass<const COLS: usize>(
                 p = inout(reg) pf => _,
                 t = out(reg) _,
                 r = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );
@@ -271,6 +278,8 @@ unsafe fn tile_pass<const COLS: usize>(
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
+                "test {on}, {on}",
+                "jz 4f",
                 "mov {t}, {p}",
                 "mov {r}, 16",
                 "3:",
@@ -279,6 +288,7 @@ unsafe fn tile_pass<const COLS: usize>(
                 "lea {t}, [{t} + {sa}*2]",
                 "dec {r}",
                 "jnz 3b",
+                "4:",
                 "add {p}, 64",
                 "add {a0}, 64",
                 "add {a1}, 64",
@@ -296,6 +306,7 @@ unsafe fn tile_pass<const COLS: usize>(
                 p = inout(reg) pf => _,
                 t = out(reg) _,
                 r = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );
