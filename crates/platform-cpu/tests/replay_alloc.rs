@@ -104,7 +104,7 @@ fn replaying_more_tasks_allocates_no_more() {
         .unwrap();
     // Allocations of one replay, the fewest of a few (a thread may allocate for its own
     // reasons now and then).
-    let mut count = |g: &CapturedGraph| {
+    let count = |g: &CapturedGraph| {
         (0..5)
             .map(|_| {
                 let before = ALLOCS.load(Ordering::Relaxed);
