@@ -705,7 +705,23 @@ impl Orchestrator {
     /// Writes a task's slot (its counters, an empty fan-out list, its description) before it
     /// is published; nobody else looks at the slot until then.
     pub(crate) fn fill_slot(&self, local: u32, dep_start: u64, n_unique: usize, desc: TaskDesc) {
-        let slot = self.run.arena.rings.slot(desc.id);
+        let id = desc.id;
+        self.fill_slot_with(id, local, dep_start, n_unique, |d| *d = desc);
+    }
+
+    /// [`Orchestrator::fill_slot`] with the description written in place by `write` (which
+    /// must set every field): the slot's previous description is reused, its argument and
+    /// scalar vectors keeping their capacity, whenever no core still holds it (a replayed step
+    /// then allocates nothing per task).
+    pub(crate) fn fill_slot_with(
+        &self,
+        id: TaskId,
+        local: u32,
+        dep_start: u64,
+        n_unique: usize,
+        write: impl FnOnce(&mut TaskDesc),
+    ) {
+        let slot = self.run.arena.rings.slot(id);
         slot.task_local.store(local, Ordering::Relaxed);
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
@@ -722,8 +738,12 @@ impl Orchestrator {
         {
             let mut d = slot.desc.lock().unwrap_or_else(|p| p.into_inner());
             match Arc::get_mut(&mut d) {
-                Some(slot_desc) => *slot_desc = desc,
-                None => *d = Arc::new(desc),
+                Some(slot_desc) => write(slot_desc),
+                None => {
+                    let mut fresh = TaskDesc::empty();
+                    write(&mut fresh);
+                    *d = Arc::new(fresh);
+                }
             }
         }
         self.run.outstanding.fetch_add(1, Ordering::AcqRel);

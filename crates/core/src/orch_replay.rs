@@ -5,7 +5,7 @@
 use crate::clock::now_ns;
 use crate::error::{ErrorCode, RunError};
 use crate::graph::{ArgSource, CapturedGraph, GraphOp};
-use crate::kernel::{Splits, TaskDesc, TensorArg};
+use crate::kernel::TensorArg;
 use crate::orch::{Orchestrator, Producer};
 use crate::task::TaskId;
 
@@ -94,33 +94,33 @@ impl Orchestrator {
         }
         ids[i] = id;
         blocks[i] = block_addr;
-        // Views of outputs move to where this run placed them; user-buffer views stay.
-        let args = t
-            .args
-            .iter()
-            .map(|a| {
+        // Views of outputs move to where this run placed them; user-buffer views stay. The
+        // description is written into the slot's previous one (no allocation once every slot
+        // has held a task this wide).
+        let epoch = self.epoch;
+        let (ids, blocks) = (&*ids, &*blocks);
+        self.fill_slot_with(id, local, dep_start, n_deps, |d| {
+            d.id = id;
+            d.kernel.clone_from(&g.specs[i]);
+            d.class = t.class;
+            d.block_num = t.blocks;
+            d.sync_start = t.sync_start;
+            d.args.clear();
+            d.args.extend(t.args.iter().map(|a| {
                 let mut tensor = a.view;
                 if let ArgSource::Output { task, output } = a.source {
                     tensor.addr = blocks[task] + g.tasks[task].outputs[output].offset as usize;
                     tensor.owner = Some(ids[task]);
-                    tensor.run_epoch = self.epoch;
+                    tensor.run_epoch = epoch;
                 }
                 TensorArg { tag: a.tag, tensor }
-            })
-            .collect();
-        let desc = TaskDesc {
-            id,
-            kernel: g.specs[i].clone(),
-            class: t.class,
-            block_num: t.blocks,
-            sync_start: t.sync_start,
-            args,
-            scalars: t.scalars.clone(),
-            predicate: t.predicate,
-            timing_slot: t.timing_slot,
-            splits: Splits::new(t.blocks, t.args.len()),
-        };
-        self.fill_slot(local, dep_start, n_deps, desc);
+            }));
+            d.scalars.clear();
+            d.scalars.extend_from_slice(&t.scalars);
+            d.predicate = t.predicate;
+            d.timing_slot = t.timing_slot;
+            d.splits.reset(t.blocks, t.args.len());
+        });
         // The fingerprint is the captured one (the executor reports it); nothing to fold.
         self.wire(id, dep_start, n_deps);
         self.make_ready(id);

@@ -3,6 +3,10 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example gemv_bw [-- --batches 1,4,16 --layers 6 --reps 5 --rows N --k K --shape N,K --portable]`
 //!
+//! `--versus-isa PATH` also times every pass on a second path (e.g. `avx512-bf16` against the
+//! detected `amx-bf16`), passes interleaved A B B A so both see the same host load, and prints
+//! the median and fastest pass of each with the median of the paired ratios B/A.
+//!
 //! `--shape N,K` replaces the 0.6B shapes by one `N × K` matrix (per layer), e.g. a 14B
 //! projection: `--shape 96,17408 --layers 1 --reps 30` times one tile from cache.
 
@@ -49,10 +53,15 @@ fn main() {
     } else {
         Isa::detected()
     };
-    with_isa(isa, || run(&batches, layers, reps, isa)).expect("isa not supported");
+    let versus = get("--versus-isa").map(|n| {
+        let i = Isa::from_name(&n).unwrap_or_else(|| panic!("--versus-isa: unknown path {n:?}"));
+        assert!(i.is_supported(), "--versus-isa: {n} not supported here");
+        i
+    });
+    with_isa(isa, || run(&batches, layers, reps, isa, versus)).expect("isa not supported");
 }
 
-fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
+fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa, versus: Option<Isa>) {
     let peaks = measure(&MeasureOptions::default());
     println!(
         "membw: read 1t {:.1} GB/s (median {:.1}), {}t {:.1} GB/s (median {:.1}); FMA 1t {:.1} GFLOP/s, {}t {:.1} GFLOP/s; isa {}",
@@ -133,7 +142,11 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
             })
             .collect();
         for threads in [1usize, 2] {
-            let secs = time_pass(&mats, &packed, batch, threads, reps);
+            if let Some(b_isa) = versus {
+                versus_passes(&mats, &packed, batch, threads, reps, (isa, b_isa));
+                continue;
+            }
+            let secs = time_pass(&mats, &packed, batch, threads, reps, isa);
             let gbs = weight_bytes as f64 / secs / 1e9;
             let gflops = 2.0 * (params * batch) as f64 / secs / 1e9;
             let (bw, fma) = if threads == 1 {
@@ -151,16 +164,55 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa) {
     }
 }
 
-/// Best time of `reps` passes over every matrix, rows split in halves across `threads`.
+/// `reps` rounds of A B B A passes (one pass each on paths `a` and `b`): the median and fastest
+/// pass of each path and the median of the paired ratios B/A.
+fn versus_passes(
+    mats: &[(usize, usize, &[bf16])],
+    packed: &[(usize, Vec<f32>)],
+    batch: usize,
+    threads: usize,
+    reps: usize,
+    (a, b): (Isa, Isa),
+) {
+    let (mut ta, mut tb, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps.max(1) {
+        let a1 = time_pass(mats, packed, batch, threads, 1, a);
+        let b1 = time_pass(mats, packed, batch, threads, 1, b);
+        let b2 = time_pass(mats, packed, batch, threads, 1, b);
+        let a2 = time_pass(mats, packed, batch, threads, 1, a);
+        ratio.push(b1 / a1);
+        ratio.push(b2 / a2);
+        ta.extend([a1, a2]);
+        tb.extend([b1, b2]);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "batch {batch:>2} threads {threads}: A {} median {:.2} ms (fastest {:.2}), B {} median {:.2} ms (fastest {:.2}), B/A median {:.3} of {} pairs",
+        a.name(),
+        med(&mut ta) * 1e3,
+        ta[0] * 1e3,
+        b.name(),
+        med(&mut tb) * 1e3,
+        tb[0] * 1e3,
+        med(&mut ratio),
+        ratio.len()
+    );
+}
+
+/// Best time of `reps` passes over every matrix on path `isa`, rows split in halves across
+/// `threads`.
 fn time_pass(
     mats: &[(usize, usize, &[bf16])],
     packed: &[(usize, Vec<f32>)],
     batch: usize,
     threads: usize,
     reps: usize,
+    isa: Isa,
 ) -> f64 {
     let barrier = Barrier::new(threads);
-    let isa = Isa::current();
     let times: Vec<f64> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {

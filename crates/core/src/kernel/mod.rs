@@ -171,6 +171,18 @@ impl Splits {
             Splits::default()
         }
     }
+
+    /// Makes this the fresh record [`Splits::new`] gives, reusing its storage when the shape
+    /// matches (a replayed task refilling its slot).
+    pub(crate) fn reset(&mut self, blocks: u32, args: usize) {
+        if blocks > 1 && self.0.len() == args {
+            for s in self.0.iter_mut() {
+                *s.get_mut() = 0;
+            }
+        } else {
+            *self = Splits::new(blocks, args);
+        }
+    }
 }
 
 /// Kinds of split (top bits of a [`Splits`] entry; the low bits hold the parameter).

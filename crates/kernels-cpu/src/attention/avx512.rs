@@ -6,7 +6,8 @@
 //! partial outputs loaded and stored per row), which on two busy cores made attention the
 //! phase furthest from its bound. Here:
 //! - `q · k` takes the bf16 query and key pairs as they are (`vdpbf16ps`: 32 multiply-adds
-//!   per instruction, no widening); the scale multiplies the finished score.
+//!   per instruction, no widening); the scale multiplies the finished score. The 16-lane dot
+//!   products of 16 rows are summed horizontally together (`sum16`), not one row at a time.
 //! - `p · v` widens 32 bf16 of V per 512-bit load (shift for the even elements, mask for the
 //!   odd ones) and keeps a slice of every query's outputs in registers across a run of up to
 //!   32 tokens, so the outputs are loaded and stored once per run, not once per row.
@@ -128,6 +129,39 @@ fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
     }
 }
 
+/// Lane `i` of the result is the sum of the 16 lanes of `v[i]`: pairs of vectors are folded
+/// into each other (32-bit, then 64-bit unpacks within 128-bit lanes, then two 128-bit
+/// shuffles across them), 45 instructions for 16 sums where one horizontal sum takes 8.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn sum16(v: &[__m512; 16]) -> __m512 {
+    // Rows 2i, 2i + 1 interleaved: lane block l holds [a0+a2, b0+b2, a1+a3, b1+b3] of it.
+    let p: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+    });
+    // Rows 4i .. 4i + 4 in order within each 128-bit block (that block's partial sums).
+    let q: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (_mm512_castps_pd(p[2 * i]), _mm512_castps_pd(p[2 * i + 1]));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        )
+    });
+    // Rows 8i .. 8i + 8: blocks [rows 0-3 (blocks 0+1), rows 0-3 (2+3), rows 4-7 (0+1), (2+3)].
+    let w: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (q[2 * i], q[2 * i + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    });
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(w[0], w[1]),
+        _mm512_shuffle_f32x4::<0xDD>(w[0], w[1]),
+    )
+}
+
 /// Every head over `tokens`, a run of at most [`RUN`] tokens (inside one page) at a time.
 ///
 /// # Safety
@@ -176,32 +210,49 @@ unsafe fn heads_g<const G: usize, const NV: usize>(
         };
         for h in 0..heads {
             let s = &mut scores[h * sh..(h + 1) * sh];
-            // Scores: the group's bf16 queries against each row's head slice.
-            for r in 0..run {
-                if r < nrun {
-                    for e in (0..hd).step_by(32) {
-                        prefetch_l2(kp.wrapping_add(nbase + r * row + h * hd + e));
-                    }
-                }
-                let k = kp.wrapping_add(base + r * row + h * hd);
-                let mut acc = [_mm512_setzero_ps(); G];
-                let mut d = 0;
-                while d < hd {
-                    // SAFETY: row `base / row + r` of the pool holds `row` bf16 and this head's
-                    // slice `h * hd .. h * hd + hd` is inside it (d + 32 <= hd); the query row
-                    // holds `heads * G * hd` bf16.
-                    unsafe {
-                        let kv32 = _mm512_loadu_si512(k.add(d).cast());
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            let qv = _mm512_loadu_si512(qp.add((h * G + j) * hd + d).cast());
-                            *a = _mm512_dpbf16_ps(*a, as_pbh(qv), as_pbh(kv32));
+            // Scores: the group's bf16 queries against each row's head slice, 16 rows at a
+            // time so their 16 horizontal sums per query take one transposing reduction.
+            let scale_v = _mm512_set1_ps(scale);
+            let mut r0 = 0;
+            while r0 < run {
+                let rows = (run - r0).min(16);
+                let mut part = [[_mm512_setzero_ps(); 16]; G];
+                for rr in 0..rows {
+                    let r = r0 + rr;
+                    if r < nrun {
+                        for e in (0..hd).step_by(32) {
+                            prefetch_l2(kp.wrapping_add(nbase + r * row + h * hd + e));
                         }
                     }
-                    d += 32;
+                    let k = kp.wrapping_add(base + r * row + h * hd);
+                    let mut acc = [_mm512_setzero_ps(); G];
+                    let mut d = 0;
+                    while d < hd {
+                        // SAFETY: row `base / row + r` of the pool holds `row` bf16 and this
+                        // head's slice `h * hd .. h * hd + hd` is inside it (d + 32 <= hd); the
+                        // query row holds `heads * G * hd` bf16.
+                        unsafe {
+                            let kv32 = _mm512_loadu_si512(k.add(d).cast());
+                            for (j, a) in acc.iter_mut().enumerate() {
+                                let qv = _mm512_loadu_si512(qp.add((h * G + j) * hd + d).cast());
+                                *a = _mm512_dpbf16_ps(*a, as_pbh(qv), as_pbh(kv32));
+                            }
+                        }
+                        d += 32;
+                    }
+                    for (pj, a) in part.iter_mut().zip(acc) {
+                        pj[rr] = a;
+                    }
                 }
-                for (j, a) in acc.iter().enumerate() {
-                    s[j * RUN + r] = _mm512_reduce_add_ps(*a) * scale;
+                let keep: __mmask16 = if rows == 16 { 0xFFFF } else { (1 << rows) - 1 };
+                for (j, pj) in part.iter().enumerate() {
+                    let sums = _mm512_mul_ps(sum16(pj), scale_v);
+                    // SAFETY: lanes `0..rows` are scores `r0..r0 + rows` of query `j`, inside
+                    // its `RUN` scores (r0 + rows <= run <= RUN); masked-off lanes are not
+                    // written.
+                    unsafe { _mm512_mask_storeu_ps(s.as_mut_ptr().add(j * RUN + r0), keep, sums) };
                 }
+                r0 += rows;
             }
             let st = &mut states[h * per..(h + 1) * per];
             // SAFETY: AVX2 and FMA by contract; run <= RUN, the score stride of `s`.

@@ -16,7 +16,12 @@
 //! # Blocking
 //! Four accumulator tiles (`tmm0`–`tmm3`) hold 32 weight rows × 32 batch rows; `tmm4`/`tmm5`
 //! take two 16-row weight tiles and `tmm6`/`tmm7` two 16-column activation tiles per 32-element
-//! `K` step. Batch rows are taken in blocks whose VNNI copy fits in about half the L2.
+//! `K` step. A last single 16-column activation tile (batch 16, or an odd count of 16s) runs
+//! with two accumulators instead of multiplying a tile of zeros. Batch rows are taken in blocks
+//! whose VNNI copy fits in about half the L2. While a group of 32 weight rows is multiplied,
+//! the next group is prefetched into L2 one line per row per step: a tile load gathers a line
+//! from each of 16 rows a row stride apart, a pattern the hardware prefetchers follow poorly,
+//! and at batch 16 the product is bound by that weight stream.
 //!
 //! # Edges
 //! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
@@ -106,8 +111,8 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         let mut bo = 0;
         while bo < lw.batch {
             let bend = (bo + bblock).min(lw.batch);
-            // Pairs of 16-column activation tiles.
-            let nbt = (bend - bo).div_ceil(32) * 2;
+            // 16-column activation tiles (the last one zero-padded past the batch).
+            let nbt = (bend - bo).div_ceil(16);
             s.vnni.resize(nbt * nk * 16, ZERO_LINE);
             for bt in 0..nbt {
                 for i in 0..nk {
@@ -125,14 +130,33 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
                     copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
                     (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
                 };
+                // The next group of 32 rows is fetched into L2 while this one is multiplied
+                // (tile loads gather 16 rows a line apiece, which the hardware prefetchers
+                // follow poorly); a shorter last group, or none, fetches this group again
+                // (already cached, so nothing moves).
+                let next = n0 + 32;
+                let pf = if next + 32 <= lw.n.end {
+                    lw.w[next * lw.ldw + lw.kb0..].as_ptr()
+                } else {
+                    a
+                };
                 for bp in (0..nbt).step_by(2) {
                     let mut c = [ZERO_LINE; 64];
+                    let vnni = s.vnni[bp * nk * 16..].as_ptr();
                     // SAFETY: `a` points at 32 rows of at least k32 elements at stride `sa`
                     // bytes (the weight rows n0..n0+32 from kb0, inside the matrix since
-                    // kb0 + k32 <= kb1 <= ldw, or the padded copy); the VNNI tiles (bp, 0..nk)
-                    // and (bp + 1, 0..nk) exist (nbt is even).
+                    // kb0 + k32 <= kb1 <= ldw, or the padded copy), and so does `pf` (at the
+                    // stride `sa` of the resident rows, or `a` itself); the VNNI tiles
+                    // (bp, 0..nk), and (bp + 1, 0..nk) when bp + 1 < nbt, exist.
+                    // Only the first pass over the group prefetches (wider batches reuse the
+                    // group from cache for their later column tiles).
                     unsafe {
-                        tile_pass(a, sa, s.vnni[bp * nk * 16..].as_ptr(), nk, &mut c);
+                        match (bp + 1 < nbt, bp == 0) {
+                            (true, true) => tile_pass::<2, true>(a, sa, vnni, nk, pf, &mut c),
+                            (true, false) => tile_pass::<2, false>(a, sa, vnni, nk, pf, &mut c),
+                            (false, true) => tile_pass::<1, true>(a, sa, vnni, nk, pf, &mut c),
+                            (false, false) => tile_pass::<1, false>(a, sa, vnni, nk, pf, &mut c),
+                        }
                     }
                     // SAFETY: AVX-512 by contract; the rows and batch columns are inside the
                     // tile and the batch.
@@ -164,56 +188,129 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
     }
 }
 
-/// Four accumulator tiles over `nk` 32-element steps: weight tiles from `a` (32 rows at
-/// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` and
-/// `vnni[nk..2nk]` (16 lines each); the fp32 results land in `c` as four 16 × 16 tiles
-/// (rows 0–15 × batch 0–15, rows 0–15 × batch 16–31, rows 16–31 × batch 0–15, rows 16–31 ×
-/// batch 16–31).
+/// `2 * COLS` accumulator tiles over `nk` 32-element steps: weight tiles from `a` (32 rows at
+/// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` (and
+/// `vnni[nk..2nk]` when `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16
+/// tiles at `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left
+/// alone when `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 one line of
+/// each of the 32 rows at `pf` (stride `sa`), at the same offset as the step's weight tiles.
 ///
 /// # Safety
 /// The tile configuration of this module is loaded; `a` and `vnni` are readable as described
-/// for `nk >= 1` steps.
-unsafe fn tile_pass(a: *const u16, sa: usize, vnni: *const Line, nk: usize, c: &mut [Line; 64]) {
-    let b1 = vnni.wrapping_add(nk * 16);
-    // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa` (and
-    // `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
-    // contract; the activation tiles are 1 KiB each, `nk` consecutive per column pair. The
-    // stores write the 4 KiB of `c`. Only tile registers and the declared operands change.
-    unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            "2:",
-            "tileloadd tmm4, [{a0} + {sa}*1]",
-            "tileloadd tmm5, [{a1} + {sa}*1]",
-            "tileloadd tmm6, [{b0} + {sb}*1]",
-            "tileloadd tmm7, [{b1} + {sb}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "add {a0}, 64",
-            "add {a1}, 64",
-            "add {b0}, 1024",
-            "add {b1}, 1024",
-            "dec {n}",
-            "jnz 2b",
-            "tilestored [{c} + {sb}*1], tmm0",
-            "tilestored [{c} + {sb}*1 + 1024], tmm1",
-            "tilestored [{c} + {sb}*1 + 2048], tmm2",
-            "tilestored [{c} + {sb}*1 + 3072], tmm3",
-            a0 = inout(reg) a => _,
-            a1 = inout(reg) a.cast::<u8>().wrapping_add(16 * sa) => _,
-            sa = in(reg) sa,
-            b0 = inout(reg) vnni => _,
-            b1 = inout(reg) b1 => _,
-            sb = in(reg) 64usize,
-            n = inout(reg) nk => _,
-            c = in(reg) c.as_mut_ptr(),
-            options(nostack),
-        );
+/// for `nk >= 1` steps; `COLS` is 1 or 2. `pf` is only prefetched (never faults).
+unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool>(
+    a: *const u16,
+    sa: usize,
+    vnni: *const Line,
+    nk: usize,
+    pf: *const u16,
+    c: &mut [Line; 64],
+) {
+    let a1 = a.cast::<u8>().wrapping_add(16 * sa);
+    if COLS == 2 {
+        let b1 = vnni.wrapping_add(nk * 16);
+        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa`
+        // (and `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
+        // contract; the activation tiles are 1 KiB each, `nk` consecutive per column. The
+        // stores write the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile
+        // registers and the declared operands change.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "test {on}, {on}",
+                "jz 4f",
+                "mov {t}, {p}",
+                "mov {r}, 16",
+                "3:",
+                "prefetcht1 [{t}]",
+                "prefetcht1 [{t} + {sa}*1]",
+                "lea {t}, [{t} + {sa}*2]",
+                "dec {r}",
+                "jnz 3b",
+                "4:",
+                "add {p}, 64",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {sb}*1], tmm0",
+                "tilestored [{c} + {sb}*1 + 1024], tmm1",
+                "tilestored [{c} + {sb}*1 + 2048], tmm2",
+                "tilestored [{c} + {sb}*1 + 3072], tmm3",
+                a0 = inout(reg) a => _,
+                a1 = inout(reg) a1 => _,
+                sa = in(reg) sa,
+                b0 = inout(reg) vnni => _,
+                b1 = inout(reg) b1 => _,
+                sb = in(reg) 64usize,
+                n = inout(reg) nk => _,
+                p = inout(reg) pf => _,
+                t = out(reg) _,
+                r = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
+                c = in(reg) c.as_mut_ptr(),
+                options(nostack),
+            );
+        }
+    } else {
+        // SAFETY: as above with one activation tile: the stores write tiles 0 and 2 of `c`.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm2",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "test {on}, {on}",
+                "jz 4f",
+                "mov {t}, {p}",
+                "mov {r}, 16",
+                "3:",
+                "prefetcht1 [{t}]",
+                "prefetcht1 [{t} + {sa}*1]",
+                "lea {t}, [{t} + {sa}*2]",
+                "dec {r}",
+                "jnz 3b",
+                "4:",
+                "add {p}, 64",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {sb}*1], tmm0",
+                "tilestored [{c} + {sb}*1 + 2048], tmm2",
+                a0 = inout(reg) a => _,
+                a1 = inout(reg) a1 => _,
+                sa = in(reg) sa,
+                b0 = inout(reg) vnni => _,
+                sb = in(reg) 64usize,
+                n = inout(reg) nk => _,
+                p = inout(reg) pf => _,
+                t = out(reg) _,
+                r = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
+                c = in(reg) c.as_mut_ptr(),
+                options(nostack),
+            );
+        }
     }
 }
 
