@@ -634,25 +634,40 @@ mod amx {
 
 /// The best `min(k, scores.len())` rows into `out` (cleared first), best first, ties to the
 /// lower row (scores ordered by `f32::total_cmp`).
+///
+/// # Panics
+/// If there are more than `2³²` rows (they are numbered in `u32`).
 pub fn top_k_rows(scores: &[f32], k: usize, out: &mut Vec<u32>) {
     let n = scores.len();
+    assert!(
+        u32::try_from(n.saturating_sub(1)).is_ok(),
+        "top_k_rows: {n} rows"
+    );
     let k = k.min(n);
     out.clear();
-    out.extend(0..n as u32);
-    let order = |a: &u32, b: &u32| {
-        scores[*b as usize]
-            .total_cmp(&scores[*a as usize])
-            .then(a.cmp(b))
-    };
     if k == 0 {
-        out.clear();
         return;
     }
+    // One integer key per row whose ascending order is (score descending by `total_cmp`, row
+    // ascending): the selection and the sort compare plain integers.
+    let mut keys: Vec<u64> = scores
+        .iter()
+        .enumerate()
+        .map(|(r, &v)| (u64::from(!total_order_bits(v)) << 32) | r as u64)
+        .collect();
     if k < n {
-        out.select_nth_unstable_by(k - 1, order);
-        out.truncate(k);
+        keys.select_nth_unstable(k - 1);
+        keys.truncate(k);
     }
-    out.sort_unstable_by(order);
+    keys.sort_unstable();
+    out.extend(keys.iter().map(|&key| key as u32));
+}
+
+/// `v`'s bits as a `u32` whose unsigned order is [`f32::total_cmp`]'s order of the values.
+#[inline]
+fn total_order_bits(v: f32) -> u32 {
+    let b = v.to_bits();
+    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
 }
 
 #[cfg(test)]
@@ -683,5 +698,17 @@ mod tests {
         assert_eq!(out, [1, 2, 4, 5, 0, 3]);
         top_k_rows(&s, 0, &mut out);
         assert!(out.is_empty());
+        // Signed zeros, infinities and NaNs in `total_cmp` order.
+        let s = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+            -f32::NAN,
+            1.0,
+            f32::INFINITY,
+        ];
+        top_k_rows(&s, 7, &mut out);
+        assert_eq!(out, [2, 6, 5, 0, 1, 3, 4]);
     }
 }
