@@ -139,6 +139,10 @@ pub fn sparse_attention(
         match path {
             #[cfg(target_arch = "x86_64")]
             Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 if amx::dpbf16_supports(d) => {
+                amx::pv_add_dpbf16(&s.p, heads, n, &s.rows, d, out, &mut s.amx)
+            }
             _ => pv_add(&s.p, heads, n, &s.rows[..n * d], d, out),
         }
     }

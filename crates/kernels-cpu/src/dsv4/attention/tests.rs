@@ -158,6 +158,51 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
 }
 
 #[test]
+#[cfg(target_arch = "x86_64")]
+fn dpbf16_value_product_matches_the_portable_one_at_tile_edges() {
+    if !Isa::Avx512Bf16.is_supported() {
+        println!("AVX-512 BF16 not available here: the vdpbf16ps value product did not run");
+        return;
+    }
+    // Head counts around the 4-head blocks, one row, a ragged last pair, a full tile.
+    for (heads, n, d) in [
+        (1usize, 1usize, 64usize),
+        (3, 31, 64),
+        (5, 33, 192),
+        (16, 2, 128),
+        (64, 128, 512),
+    ] {
+        let p = weights(heads * n, 9);
+        let n32 = n.div_ceil(32) * 32;
+        let mut rows = bf16_rows(n * d, 10);
+        rows.resize(n32 * d, bf16::ZERO);
+        let base = values(heads * d, 11);
+        let mut want = base.clone();
+        with_isa(Isa::Portable, || {
+            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
+        });
+        let mut got = base.clone();
+        amx::pv_add_dpbf16(
+            &p,
+            heads,
+            n,
+            &rows,
+            d,
+            &mut got,
+            &mut amx::PvScratch::default(),
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // Same bf16 products, fp32 sums in another order.
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{heads}x{n}x{d} [{i}]: {g} vs {w}"
+            );
+        }
+    }
+    println!("vdpbf16ps value product ran");
+}
+
+#[test]
 fn sparse_attention_at_tile_edges_on_every_path() {
     // 16 heads of 64: the AMX value product's shape where the CPU has it.
     let (heads, d) = (16usize, 64usize);
