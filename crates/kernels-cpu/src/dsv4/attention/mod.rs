@@ -23,8 +23,10 @@
 //! 4. the value product `out[h] += Σ_j bf16(p[h, j]) · row_j` reads the rows as they lie
 //!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
 //!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
-//!    heads' weights are the `A` operand; elsewhere `pv_add` is a register-blocked body
-//!    (4 heads × 16 columns) built like the softmax.
+//!    heads' weights are the `A` operand; on AVX-512 BF16 without AMX (rows a multiple of 64
+//!    wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
+//!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` is a register-blocked body (4 heads × 16
+//!    columns) built like the softmax.
 
 use half::bf16;
 
