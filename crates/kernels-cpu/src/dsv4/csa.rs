@@ -379,7 +379,7 @@ mod vnni {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{IndexQueries, transpose_keys};
+    use super::{IndexQueries, add_head_term, store_scores, transpose_keys};
 
     /// Query heads processed together (independent accumulator chains).
     const HEADS: usize = 4;
@@ -428,18 +428,13 @@ mod vnni {
             let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
             // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
             let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
-            let zero = _mm512_setzero_ps();
             let kp = blk.as_ptr();
             for t in 0..tokens {
                 let mut acc_s = _mm512_set1_ps(-0.0);
                 // One head's finish, in head order: `relu(dot · q_scale) · weight` added.
                 macro_rules! finish {
                     ($a:expr, $r:expr) => {{
-                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32($a, corr));
-                        let v = _mm512_mul_ps(dot, _mm512_set1_ps(qs.scale[$r]));
-                        let v = _mm512_max_ps(v, zero);
-                        let v = _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[$r]));
-                        acc_s = _mm512_add_ps(acc_s, v);
+                        acc_s = add_head_term(acc_s, _mm512_sub_epi32($a, corr), qs, $r);
                     }};
                 }
                 let mut h = 0;
@@ -491,15 +486,54 @@ mod vnni {
                     finish!(a, r);
                     h += 1;
                 }
-                let s = _mm512_mul_ps(acc_s, kscale);
-                let o = t * ld_out + (c0 - rows.start);
-                // SAFETY: the caller checked `out` holds `tokens` rows of `rows.len()` at
-                // stride `ld_out`; the mask covers `n` of them from `o`.
-                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, s) };
+                store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
             }
             c0 += n;
         }
     }
+}
+
+/// One head's term of the score finish added to the 16 rows' sums: `acc + relu(dot ·
+/// q_scale[r]) · weight[r]` (`dot` the exact integer products), in that order, no fused
+/// multiply-add — what every path computes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn add_head_term(
+    acc: std::arch::x86_64::__m512,
+    dot: std::arch::x86_64::__m512i,
+    qs: &IndexQueries<'_>,
+    r: usize,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs.scale[r]));
+    let v = _mm512_max_ps(v, _mm512_setzero_ps());
+    _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[r])))
+}
+
+/// The 16 rows' head sums times their key scales, stored to the `mask`ed rows of `out` from
+/// `o`.
+///
+/// # Panics
+/// If the masked rows run past `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store_scores(
+    acc: std::arch::x86_64::__m512,
+    kscale: std::arch::x86_64::__m512,
+    mask: std::arch::x86_64::__mmask16,
+    out: &mut [f32],
+    o: usize,
+) {
+    use std::arch::x86_64::*;
+    assert!(
+        o + (16 - mask.leading_zeros() as usize) <= out.len(),
+        "index scores: out"
+    );
+    // SAFETY: the mask's rows from `o` are inside `out` (asserted; its set bits are the low
+    // ones).
+    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, _mm512_mul_ps(acc, kscale)) };
 }
 
 /// The key block of up to 16 rows (`keys`, rows of `dim` bytes) transposed into `blk`
@@ -528,7 +562,7 @@ mod amx {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{IndexQueries, transpose_keys};
+    use super::{IndexQueries, add_head_term, store_scores, transpose_keys};
     use crate::gemm::amx_tile_config;
 
     /// Bytes of `dim` per tile step.
@@ -562,7 +596,6 @@ mod amx {
         let mut blk = vec![0i32; dim / 4 * 16];
         // Dots of one block of 16 index rows: row `r` (query row) at `dots[r · 16..]`.
         let mut dots = vec![0i32; groups * 16 * 16];
-        let zero = _mm512_setzero_ps();
         // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles);
         // the tile state was granted (contract). Released below; nothing between uses tiles
         // otherwise.
@@ -613,17 +646,9 @@ mod amx {
                     let r = t * heads + h;
                     // SAFETY: row `r < nq` of `dots` is 16 values.
                     let a = unsafe { _mm512_loadu_si512(dots.as_ptr().add(r * 16).cast()) };
-                    let dot = _mm512_cvtepi32_ps(a);
-                    let v = _mm512_mul_ps(dot, _mm512_set1_ps(qs.scale[r]));
-                    let v = _mm512_max_ps(v, zero);
-                    let v = _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[r]));
-                    acc_s = _mm512_add_ps(acc_s, v);
+                    acc_s = add_head_term(acc_s, a, qs, r);
                 }
-                let s = _mm512_mul_ps(acc_s, kscale);
-                let o = t * ld_out + (c0 - rows.start);
-                // SAFETY: the caller checked `out` holds `tokens` rows of `rows.len()` at
-                // stride `ld_out`; the mask covers `n` of them from `o`.
-                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, s) };
+                store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
             }
             c0 += n;
         }

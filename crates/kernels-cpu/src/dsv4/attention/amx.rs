@@ -63,17 +63,9 @@ pub(super) fn pv_add(
         supports(heads, d),
         "dsv4 attention: AMX with {heads} heads of {d}"
     );
-    let n32 = n.div_ceil(KSTEP) * KSTEP;
-    assert_eq!(p.len(), heads * n, "pv_add (amx): p len");
-    assert!(rows.len() >= n32 * d, "pv_add (amx): rows len");
-    assert_eq!(out.len(), heads * d, "pv_add (amx): out len");
-    if n == 0 {
+    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
         return;
-    }
-    bf16_weights(p, heads, n, n32, &mut s.p);
-    s.vnni.resize(n32 * d, 0);
-    // SAFETY: AMX-BF16 is supported (asserted), which implies AVX-512 F/BW.
-    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    };
     // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
     // tile state was granted (asserted above); released below.
     unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
@@ -163,31 +155,51 @@ pub(super) fn pv_add_dpbf16(
         dpbf16_supports(d),
         "dsv4 attention: dpbf16 with rows of {d}"
     );
-    let n32 = n.div_ceil(KSTEP) * KSTEP;
-    assert_eq!(p.len(), heads * n, "pv_add (dpbf16): p len");
-    assert!(rows.len() >= n32 * d, "pv_add (dpbf16): rows len");
-    assert_eq!(out.len(), heads * d, "pv_add (dpbf16): out len");
-    if n == 0 || heads == 0 {
+    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
         return;
-    }
-    bf16_weights(p, heads, n, n32, &mut s.p);
-    s.vnni.resize(n32 * d, 0);
-    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW.
-    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    };
     // SAFETY: as above; the operands' lengths were checked.
     unsafe { dpbf16_blocks(&s.p, heads, n32, &s.vnni, d, out) };
 }
 
-/// `P` as bf16 bits `[heads, n32]`, zero past `n` (its values are bf16 values: the upper half
-/// of each is exact).
-fn bf16_weights(p: &[f32], heads: usize, n: usize, n32: usize, dst: &mut Vec<u16>) {
-    dst.clear();
-    dst.resize(heads * n32, 0);
-    for (dst, src) in dst.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
+/// The value product's operands in `s`, after checking the lengths (`p` `[heads, n]`, `rows` at
+/// least `n32 · d`, `out` `[heads, d]`): `P` as bf16 bits `[heads, n32]`, zero past `n` (its
+/// values are bf16 values: the upper half of each is exact), and the rows interleaved in
+/// pairs. `None` for an empty tile; else `n32`.
+///
+/// # Panics
+/// If the lengths disagree, `d` is not a multiple of 32, or the CPU has no AVX-512 F/BW.
+fn operands(
+    p: &[f32],
+    heads: usize,
+    n: usize,
+    rows: &[bf16],
+    d: usize,
+    out: &[f32],
+    s: &mut PvScratch,
+) -> Option<usize> {
+    let n32 = n.div_ceil(KSTEP) * KSTEP;
+    assert_eq!(p.len(), heads * n, "dsv4 value product: p len");
+    assert!(rows.len() >= n32 * d, "dsv4 value product: rows len");
+    assert_eq!(out.len(), heads * d, "dsv4 value product: out len");
+    assert!(
+        Isa::Avx512Bf16.is_supported(),
+        "dsv4 value product: needs AVX-512"
+    );
+    if n == 0 || heads == 0 {
+        return None;
+    }
+    s.p.clear();
+    s.p.resize(heads * n32, 0);
+    for (dst, src) in s.p.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
         for (d, &v) in dst.iter_mut().zip(src) {
             *d = (v.to_bits() >> 16) as u16;
         }
     }
+    s.vnni.resize(n32 * d, 0);
+    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW.
+    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    Some(n32)
 }
 
 /// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`
