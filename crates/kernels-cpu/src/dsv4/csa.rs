@@ -15,11 +15,12 @@
 //! # Paths
 //! The pooling, RMSNorm and RoPE are the layer's shared kernels ([`super::softmax_pool`],
 //! [`super::rms_norm_round`], [`super::rope_interleaved`]); the Hadamard transform and the
-//! score finish are plain loops written in lanes and compiled twice (`multiversion!`: portable and AVX2, the compiler vectorises them); the
-//! score dot products run on the int8 GEMM ([`crate::gemm_i8_w8a8`], whose path is chosen at
-//! run time: AMX-INT8, AVX-512 VNNI, AVX-VNNI, AVX2 or portable) with unit scales, so they
-//! come back as exact integers and the finish applies the scales in the documented order:
-//! every path gives the same bits, and so does the golden given the same inputs.
+//! score finish are plain loops written in lanes and compiled twice (`multiversion!`: portable
+//! and AVX2, the compiler vectorises them); the score dot products run on the int8 GEMM
+//! ([`crate::gemm_i8_w8a8`], whose path is chosen at run time: AVX-VNNI, AVX2 or portable) with unit scales, so they come back as exact
+//! integers and the finish applies the scales in the documented order; on AVX-512 VNNI and on
+//! AMX-INT8 kernels of this module's own (`vnni`, `amx`) do the dot products and the finish
+//! together. Every path gives the same bits, and so does the golden given the same inputs.
 
 use std::ops::Range;
 
@@ -304,6 +305,13 @@ pub fn index_scores(
         "index_scores: out too short"
     );
     #[cfg(target_arch = "x86_64")]
+    if dim.is_multiple_of(amx::KSTEP) && crate::gemm_i8::I8Path::current() == crate::I8Path::Amx {
+        // SAFETY: `I8Path::current` is AMX only when this CPU has AMX-INT8 and AVX-512
+        // F/BW/VNNI and the tile state was granted; the slices were checked above.
+        unsafe { amx::scores(&qs, keys, key_scale, rows, out, ld_out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if dim.is_multiple_of(4)
         && crate::gemm_i8::I8Path::current() >= crate::gemm_i8::I8Path::Avx512Vnni
     {
@@ -371,7 +379,7 @@ mod vnni {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::IndexQueries;
+    use super::{IndexQueries, add_head_term, store_scores, transpose_keys};
 
     /// Query heads processed together (independent accumulator chains).
     const HEADS: usize = 4;
@@ -408,15 +416,7 @@ mod vnni {
         let mut c0 = rows.start;
         while c0 < rows.end {
             let n = 16.min(rows.end - c0);
-            // Transpose the block: quad j of row l at blk[j * 16 + l]; missing rows are zeros.
-            blk.fill(0);
-            for l in 0..n {
-                let row = &keys[(c0 + l) * dim..(c0 + l + 1) * dim];
-                for (j, q) in row.chunks_exact(4).enumerate() {
-                    blk[j * 16 + l] =
-                        i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
-                }
-            }
+            transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk);
             // 128 · Σ_k key[l][k] per lane.
             let mut ksum = _mm512_setzero_si512();
             for j in 0..quads {
@@ -428,18 +428,13 @@ mod vnni {
             let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
             // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
             let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
-            let zero = _mm512_setzero_ps();
             let kp = blk.as_ptr();
             for t in 0..tokens {
                 let mut acc_s = _mm512_set1_ps(-0.0);
                 // One head's finish, in head order: `relu(dot · q_scale) · weight` added.
                 macro_rules! finish {
                     ($a:expr, $r:expr) => {{
-                        let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32($a, corr));
-                        let v = _mm512_mul_ps(dot, _mm512_set1_ps(qs.scale[$r]));
-                        let v = _mm512_max_ps(v, zero);
-                        let v = _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[$r]));
-                        acc_s = _mm512_add_ps(acc_s, v);
+                        acc_s = add_head_term(acc_s, _mm512_sub_epi32($a, corr), qs, $r);
                     }};
                 }
                 let mut h = 0;
@@ -491,38 +486,213 @@ mod vnni {
                     finish!(a, r);
                     h += 1;
                 }
-                let s = _mm512_mul_ps(acc_s, kscale);
-                let o = t * ld_out + (c0 - rows.start);
-                // SAFETY: the caller checked `out` holds `tokens` rows of `rows.len()` at
-                // stride `ld_out`; the mask covers `n` of them from `o`.
-                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, s) };
+                store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
             }
             c0 += n;
         }
     }
 }
 
+/// One head's term of the score finish added to the 16 rows' sums: `acc + relu(dot ·
+/// q_scale[r]) · weight[r]` (`dot` the exact integer products), in that order, no fused
+/// multiply-add — what every path computes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn add_head_term(
+    acc: std::arch::x86_64::__m512,
+    dot: std::arch::x86_64::__m512i,
+    qs: &IndexQueries<'_>,
+    r: usize,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qs.scale[r]));
+    let v = _mm512_max_ps(v, _mm512_setzero_ps());
+    _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_set1_ps(qs.weight[r])))
+}
+
+/// The 16 rows' head sums times their key scales, stored to the `mask`ed rows of `out` from
+/// `o`.
+///
+/// # Panics
+/// If the masked rows run past `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store_scores(
+    acc: std::arch::x86_64::__m512,
+    kscale: std::arch::x86_64::__m512,
+    mask: std::arch::x86_64::__mmask16,
+    out: &mut [f32],
+    o: usize,
+) {
+    use std::arch::x86_64::*;
+    assert!(
+        o + (16 - mask.leading_zeros() as usize) <= out.len(),
+        "index scores: out"
+    );
+    // SAFETY: the mask's rows from `o` are inside `out` (asserted; its set bits are the low
+    // ones).
+    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(o), mask, _mm512_mul_ps(acc, kscale)) };
+}
+
+/// The key block of up to 16 rows (`keys`, rows of `dim` bytes) transposed into `blk`
+/// (`dim / 4 · 16` values): quad `j` of row `l` at `blk[j · 16 + l]` (four bytes of one row,
+/// little-endian), the missing rows zero. This is both the `vpdpbusd` operand of `vnni` and
+/// the B tile layout of `amx` (16 lines of 16 rows × 4 bytes per 64 bytes of `dim`).
+#[cfg(target_arch = "x86_64")]
+fn transpose_keys(keys: &[i8], dim: usize, blk: &mut [i32]) {
+    blk.fill(0);
+    for (l, row) in keys.chunks_exact(dim).take(16).enumerate() {
+        for (j, q) in row.chunks_exact(4).enumerate() {
+            blk[j * 16 + l] = i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8]);
+        }
+    }
+}
+
+/// The AMX-INT8 scores: per block of 16 index rows (transposed once by [`transpose_keys`], the
+/// `B` operand, 1 KiB per 64 bytes of `dim`), `tdpbssd` of every 16 query rows (the `A`
+/// operand: the queries as they lie, in a copy padded with zero rows to whole pairs of 16)
+/// gives the exact signed dot products `[query row, 16 index rows]`; the finish is the
+/// `vnni` kernel's, the documented expression in the documented order, so every path gives
+/// the same bits.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{IndexQueries, add_head_term, store_scores, transpose_keys};
+    use crate::gemm::amx_tile_config;
+
+    /// Bytes of `dim` per tile step.
+    pub(super) const KSTEP: usize = 64;
+
+    /// # Safety
+    /// AMX-INT8 and AVX-512 F/BW available and the tile state granted; `qs` holds
+    /// `tokens · heads` rows of `head_dim` (a multiple of [`KSTEP`]) with their scales and
+    /// weights, `keys` and `key_scale` reach `rows.end`, `out` holds `tokens` rows of
+    /// `rows.len()` at stride `ld_out`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn scores(
+        qs: &IndexQueries<'_>,
+        keys: &[i8],
+        key_scale: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+        let nq = tokens * heads;
+        assert!(
+            dim > 0 && dim.is_multiple_of(KSTEP),
+            "amx scores: head_dim {dim}"
+        );
+        // The queries, padded to whole pairs of 16-row tiles.
+        let groups = nq.div_ceil(32) * 2;
+        let mut qp = vec![0i8; groups * 16 * dim];
+        qp[..nq * dim].copy_from_slice(&qs.q[..nq * dim]);
+        let steps = dim / KSTEP;
+        let mut blk = vec![0i32; dim / 4 * 16];
+        // Dots of one block of 16 index rows: row `r` (query row) at `dots[r · 16..]`.
+        let mut dots = vec![0i32; groups * 16 * 16];
+        // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles);
+        // the tile state was granted (contract). Released below; nothing between uses tiles
+        // otherwise.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
+        let mut c0 = rows.start;
+        while c0 < rows.end {
+            let n = 16.min(rows.end - c0);
+            transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk);
+            for g in (0..groups).step_by(2) {
+                // SAFETY: A: query rows 16 g .. 16 g + 32 of `qp` (groups is even, so they
+                // exist) at a stride of `dim` bytes, 64 bytes per step, `steps` steps inside
+                // a row. B: `blk` holds `steps` tiles of 16 lines of 64 bytes. C: rows
+                // 16 g .. 16 g + 32 of `dots`, 64 bytes each.
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "2:",
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b} + {s64}*1]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        "add {a0}, 64",
+                        "add {a1}, 64",
+                        "add {b}, 1024",
+                        "sub {n}, 1",
+                        "jnz 2b",
+                        "tilestored [{c} + {s64}*1], tmm0",
+                        "tilestored [{c} + {s64}*1 + 1024], tmm1",
+                        a0 = inout(reg) qp.as_ptr().add(g * 16 * dim) => _,
+                        a1 = inout(reg) qp.as_ptr().add((g + 1) * 16 * dim) => _,
+                        sa = in(reg) dim,
+                        b = inout(reg) blk.as_ptr() => _,
+                        s64 = in(reg) 64usize,
+                        n = inout(reg) steps => _,
+                        c = in(reg) dots.as_mut_ptr().add(g * 256),
+                        options(nostack),
+                    );
+                }
+            }
+            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+            // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
+            let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
+            for t in 0..tokens {
+                let mut acc_s = _mm512_set1_ps(-0.0);
+                for h in 0..heads {
+                    let r = t * heads + h;
+                    // SAFETY: row `r < nq` of `dots` is 16 values.
+                    let a = unsafe { _mm512_loadu_si512(dots.as_ptr().add(r * 16).cast()) };
+                    acc_s = add_head_term(acc_s, a, qs, r);
+                }
+                store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
+            }
+            c0 += n;
+        }
+        // SAFETY: releases the tile state configured above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
 /// The best `min(k, scores.len())` rows into `out` (cleared first), best first, ties to the
 /// lower row (scores ordered by `f32::total_cmp`).
+///
+/// # Panics
+/// If there are more than `2³²` rows (they are numbered in `u32`).
 pub fn top_k_rows(scores: &[f32], k: usize, out: &mut Vec<u32>) {
     let n = scores.len();
+    assert!(
+        u32::try_from(n.saturating_sub(1)).is_ok(),
+        "top_k_rows: {n} rows"
+    );
     let k = k.min(n);
     out.clear();
-    out.extend(0..n as u32);
-    let order = |a: &u32, b: &u32| {
-        scores[*b as usize]
-            .total_cmp(&scores[*a as usize])
-            .then(a.cmp(b))
-    };
     if k == 0 {
-        out.clear();
         return;
     }
+    // One integer key per row whose ascending order is (score descending by `total_cmp`, row
+    // ascending): the selection and the sort compare plain integers.
+    let mut keys: Vec<u64> = scores
+        .iter()
+        .enumerate()
+        .map(|(r, &v)| (u64::from(!total_order_bits(v)) << 32) | r as u64)
+        .collect();
     if k < n {
-        out.select_nth_unstable_by(k - 1, order);
-        out.truncate(k);
+        keys.select_nth_unstable(k - 1);
+        keys.truncate(k);
     }
-    out.sort_unstable_by(order);
+    keys.sort_unstable();
+    out.extend(keys.iter().map(|&key| key as u32));
+}
+
+/// `v`'s bits as a `u32` whose unsigned order is [`f32::total_cmp`]'s order of the values.
+#[inline]
+fn total_order_bits(v: f32) -> u32 {
+    let b = v.to_bits();
+    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
 }
 
 #[cfg(test)]
@@ -553,5 +723,17 @@ mod tests {
         assert_eq!(out, [1, 2, 4, 5, 0, 3]);
         top_k_rows(&s, 0, &mut out);
         assert!(out.is_empty());
+        // Signed zeros, infinities and NaNs in `total_cmp` order.
+        let s = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+            -f32::NAN,
+            1.0,
+            f32::INFINITY,
+        ];
+        top_k_rows(&s, 7, &mut out);
+        assert_eq!(out, [2, 6, 5, 0, 1, 3, 4]);
     }
 }

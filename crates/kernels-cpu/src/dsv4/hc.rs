@@ -69,7 +69,9 @@ multiversion! {
     /// the mixed stream is rounded to bf16 right after, and an fp32 sum over `hc · d` values
     /// errs enough to flip some of those roundings. A product of two f32 is exact in f64, so
     /// a fused multiply-add gives the bits of a multiply then an add. Tokens and weight rows
-    /// are taken in register blocks: a weight row is read once per four tokens.
+    /// are taken in register blocks: a weight row is read once per four tokens. Where the CPU
+    /// has AVX-512 the 2 × 4 block runs in 512-bit registers (two tokens' lanes per register),
+    /// with the same sums.
     ///
     /// # Panics
     /// If `n` is 0, `w.len()` or `x.len()` is not a multiple of `n`, `ld_out` is less than
@@ -82,6 +84,8 @@ multiversion! {
         assert!(rows == 0 || out.len() >= (rows - 1) * ld_out + m, "hc_mix_dots: out len {}", out.len());
         let xr = |t: usize| &x[t * n..(t + 1) * n];
         let wr = |j: usize| &w[j * n..(j + 1) * n];
+        #[cfg(target_arch = "x86_64")]
+        let wide = crate::isa::Isa::current() >= crate::isa::Isa::Avx512Bf16;
         let mut t0 = 0;
         while t0 < rows {
             let tb = (rows - t0).min(MIX_TOKENS);
@@ -91,10 +95,18 @@ multiversion! {
                 let jb = (m - j0).min(per);
                 let mut put = |r: usize, t: usize, v: f64| out[(t0 + t) * ld_out + j0 + r] = v as f32;
                 if (jb, tb) == (MIX_ROWS, MIX_TOKENS) {
-                    let s = mix_block::<MIX_ROWS, MIX_TOKENS>(
-                        std::array::from_fn(|t| xr(t0 + t)),
-                        std::array::from_fn(|r| wr(j0 + r)),
-                    );
+                    let xs = std::array::from_fn(|t| xr(t0 + t));
+                    let ws = std::array::from_fn(|r| wr(j0 + r));
+                    #[cfg(target_arch = "x86_64")]
+                    let s = if wide {
+                        // SAFETY: `Isa::current` is Avx512Bf16 or wider only on a CPU with
+                        // AVX-512 F; every row is `n` long.
+                        unsafe { mix_block_avx512(xs, ws) }
+                    } else {
+                        mix_block::<MIX_ROWS, MIX_TOKENS>(xs, ws)
+                    };
+                    #[cfg(not(target_arch = "x86_64"))]
+                    let s = mix_block::<MIX_ROWS, MIX_TOKENS>(xs, ws);
                     for (r, st) in s.iter().enumerate() {
                         for (t, &v) in st.iter().enumerate() {
                             put(r, t, v);
@@ -142,17 +154,72 @@ fn mix_block<const R: usize, const T: usize>(x: [&[f32]; T], w: [&[f32]; R]) -> 
             }
         }
     }
-    std::array::from_fn(|r| {
-        std::array::from_fn(|t| {
-            let a = &acc[r][t];
-            let tail: f64 = x[t][body..]
-                .iter()
-                .zip(&w[r][body..n])
-                .map(|(&p, &q)| f64::from(p) * f64::from(q))
-                .sum();
-            (a[0] + a[2]) + (a[1] + a[3]) + tail
-        })
-    })
+    std::array::from_fn(|r| std::array::from_fn(|t| lanes_and_tail(&acc[r][t], x[t], w[r], body)))
+}
+
+/// One dot product's four lanes combined as [`hc_mix_dots`] promises, `(l0 + l2) + (l1 + l3)`,
+/// plus the products from `body` on, in order.
+#[inline(always)]
+fn lanes_and_tail(a: &[f64; 4], x: &[f32], w: &[f32], body: usize) -> f64 {
+    let tail: f64 = x[body..]
+        .iter()
+        .zip(&w[body..])
+        .map(|(&p, &q)| f64::from(p) * f64::from(q))
+        .sum();
+    (a[0] + a[2]) + (a[1] + a[3]) + tail
+}
+
+/// [`mix_block`] for the 2-row × 4-token block in 512-bit registers: a register holds the
+/// four lanes of two tokens (token `2p` in lanes 0–3, `2p + 1` in 4–7) against one weight
+/// row, whose four values are converted once and used for both halves. Each lane adds the
+/// same products in the same order as [`mix_block`] (fused multiply-add of an exact f64
+/// product), so the sums are bit for bit the same, at half the multiply-adds and conversions.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+///
+/// # Panics
+/// If the rows do not all have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn mix_block_avx512(x: [&[f32]; 4], w: [&[f32]; 2]) -> [[f64; 4]; 2] {
+    use std::arch::x86_64::*;
+    let n = x[0].len();
+    assert!(
+        x.iter().all(|r| r.len() == n) && w.iter().all(|r| r.len() == n),
+        "mix_block_avx512: row lengths"
+    );
+    let body = n / 4 * 4;
+    // acc[r][p]: tokens 2p and 2p + 1 against weight row r.
+    let mut acc = [[_mm512_setzero_pd(); 2]; 2];
+    let mut c = 0;
+    while c < body {
+        // SAFETY: `c + 4 <= body <= n` and every row is `n` long.
+        let four = |s: &[f32]| unsafe { _mm_loadu_ps(s.as_ptr().add(c)) };
+        let xp = [
+            _mm512_cvtps_pd(_mm256_set_m128(four(x[1]), four(x[0]))),
+            _mm512_cvtps_pd(_mm256_set_m128(four(x[3]), four(x[2]))),
+        ];
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let wv = four(w[r]);
+            let wr = _mm512_cvtps_pd(_mm256_set_m128(wv, wv));
+            for (a, &xv) in acc_r.iter_mut().zip(&xp) {
+                *a = _mm512_fmadd_pd(xv, wr, *a);
+            }
+        }
+        c += 4;
+    }
+    let mut lanes = [[[0.0f64; 4]; 4]; 2];
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (p, &a) in acc_r.iter().enumerate() {
+            let mut v = [0.0f64; 8];
+            // SAFETY: `v` holds eight f64.
+            unsafe { _mm512_storeu_pd(v.as_mut_ptr(), a) };
+            lanes[r][2 * p].copy_from_slice(&v[..4]);
+            lanes[r][2 * p + 1].copy_from_slice(&v[4..]);
+        }
+    }
+    std::array::from_fn(|r| std::array::from_fn(|t| lanes_and_tail(&lanes[r][t], x[t], w[r], body)))
 }
 
 /// Turns one token's mix logits (`[hc_mix]`) into its weights (same layout, in place):

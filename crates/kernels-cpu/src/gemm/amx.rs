@@ -46,7 +46,7 @@ const VNNI_BLOCK_BYTES: usize = 1 << 20;
 /// One 64-byte tile row, 64-byte aligned (tile loads and stores are fastest on whole lines).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u32; 16]);
+pub(super) struct Line([u32; 16]);
 
 const ZERO_LINE: Line = Line([0; 16]);
 
@@ -85,14 +85,54 @@ pub(crate) fn tile_config() -> *const u8 {
     CONFIG.0.as_ptr()
 }
 
-/// Computes the tile described by `lw` into `out`.
+/// Batch rows of one batch block (whose VNNI copy is converted at once) for a body of `nk`
+/// 32-element steps.
+fn batch_block(nk: usize) -> usize {
+    (VNNI_BLOCK_BYTES / (nk * 32 * 2) / 32 * 32).max(32)
+}
+
+/// The VNNI tiles of every batch row of `lw` over its body, as [`gemm_with`] converts them, into
+/// `dst`; false (and `dst` cleared) when the body has no whole 32-element step or the batch
+/// does not fit one batch block (then [`gemm_with`] converts per call).
+///
+/// # Safety
+/// As [`gemm_with`] (only the activations of `lw` are read).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn convert(lw: &Lowered<'_>, dst: &mut Vec<Line>) -> bool {
+    dst.clear();
+    let nk = (lw.kb1 - lw.kb0) / 32;
+    if nk == 0 || lw.batch > batch_block(nk) {
+        return false;
+    }
+    let nbt = lw.batch.div_ceil(16);
+    dst.resize(nbt * nk * 16, ZERO_LINE);
+    for bt in 0..nbt {
+        for i in 0..nk {
+            let tile = &mut dst[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
+            // SAFETY: AVX-512 by contract; rows and columns inside the activations.
+            unsafe { vnni_tile(lw, bt * 16, lw.batch, lw.kb0 + 32 * i, tile) };
+        }
+    }
+    true
+}
+
+/// Computes the tile described by `lw` into `out`, with the activations' VNNI tiles taken from
+/// `pre` when given (made by [`convert`] for the same activations and body) instead of
+/// converted here.
 ///
 /// # Safety
 /// The CPU must support AMX-BF16 and AVX-512 F/BW/VL/BF16, Linux must have granted this
 /// process the tile state ([`crate::amx::request_tile_permission`]), and `lw` must describe a
 /// tile inside its matrices with `out` long enough (as checked by `gemm_dispatch`).
+/// `pre`, when given, holds what [`convert`] wrote for `lw`'s activations, batch
+/// and body (its length is checked; its values are used as they are).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+pub(super) unsafe fn gemm_with(
+    lw: &Lowered<'_>,
+    pre: Option<&[Line]>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
     let klen = lw.kb1 - lw.kb0;
     let nk = klen / 32;
     if nk == 0 {
@@ -101,7 +141,8 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         return;
     }
     let k32 = nk * 32;
-    let bblock = (VNNI_BLOCK_BYTES / (k32 * 2) / 32 * 32).max(32);
+    let bblock = batch_block(nk);
+    let pre = pre.filter(|p| lw.batch <= bblock && p.len() == lw.batch.div_ceil(16) * nk * 16);
     SCRATCH.with(|cell| {
         let mut s = cell.borrow_mut();
         let s = &mut *s;
@@ -113,14 +154,22 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
             let bend = (bo + bblock).min(lw.batch);
             // 16-column activation tiles (the last one zero-padded past the batch).
             let nbt = (bend - bo).div_ceil(16);
-            s.vnni.resize(nbt * nk * 16, ZERO_LINE);
-            for bt in 0..nbt {
-                for i in 0..nk {
-                    let tile = &mut s.vnni[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
-                    // SAFETY: AVX-512 by contract; rows and columns inside the activations.
-                    unsafe { vnni_tile(lw, bo + bt * 16, bend, lw.kb0 + 32 * i, tile) };
+            let vnni: &[Line] = match pre {
+                // One batch block (checked above): the caller's tiles of the whole batch.
+                Some(p) => p,
+                None => {
+                    s.vnni.resize(nbt * nk * 16, ZERO_LINE);
+                    for bt in 0..nbt {
+                        for i in 0..nk {
+                            let tile = &mut s.vnni[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
+                            // SAFETY: AVX-512 by contract; rows and columns inside the
+                            // activations.
+                            unsafe { vnni_tile(lw, bo + bt * 16, bend, lw.kb0 + 32 * i, tile) };
+                        }
+                    }
+                    &s.vnni
                 }
-            }
+            };
             let mut n0 = lw.n.start;
             while n0 < lw.n.end {
                 let nr = (lw.n.end - n0).min(32);
@@ -142,7 +191,7 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
                 };
                 for bp in (0..nbt).step_by(2) {
                     let mut c = [ZERO_LINE; 64];
-                    let vnni = s.vnni[bp * nk * 16..].as_ptr();
+                    let tiles = vnni[bp * nk * 16..].as_ptr();
                     // SAFETY: `a` points at 32 rows of at least k32 elements at stride `sa`
                     // bytes (the weight rows n0..n0+32 from kb0, inside the matrix since
                     // kb0 + k32 <= kb1 <= ldw, or the padded copy), and so does `pf` (at the
@@ -152,10 +201,10 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
                     // group from cache for their later column tiles).
                     unsafe {
                         match (bp + 1 < nbt, bp == 0) {
-                            (true, true) => tile_pass::<2, true>(a, sa, vnni, nk, pf, &mut c),
-                            (true, false) => tile_pass::<2, false>(a, sa, vnni, nk, pf, &mut c),
-                            (false, true) => tile_pass::<1, true>(a, sa, vnni, nk, pf, &mut c),
-                            (false, false) => tile_pass::<1, false>(a, sa, vnni, nk, pf, &mut c),
+                            (true, true) => tile_pass::<2, true>(a, sa, tiles, nk, pf, &mut c),
+                            (true, false) => tile_pass::<2, false>(a, sa, tiles, nk, pf, &mut c),
+                            (false, true) => tile_pass::<1, true>(a, sa, tiles, nk, pf, &mut c),
+                            (false, false) => tile_pass::<1, false>(a, sa, tiles, nk, pf, &mut c),
                         }
                     }
                     // SAFETY: AVX-512 by contract; the rows and batch columns are inside the

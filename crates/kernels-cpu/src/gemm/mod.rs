@@ -297,6 +297,96 @@ pub fn gemm_scaled_bf16(
     gemm_dispatch(w, x, tile, Some(row_scale), out, ld_out);
 }
 
+/// Activations prepared once for many products against different weights (the sparse
+/// attention's queries against each tile of candidate rows): a copy of the packed rows and,
+/// where [`gemm_bf16`] would take the AMX path for this batch, the tile unit's VNNI copy of
+/// them over the whole of `K`, so [`gemm_bf16_prepared`] skips the per-call conversion.
+/// Results are those of [`gemm_bf16`] with the same activations, bit for bit.
+#[derive(Default)]
+pub struct PreparedActs {
+    packed: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    /// The VNNI tiles of the body `0 .. cols / 32 · 32` (empty: none made).
+    #[cfg(target_arch = "x86_64")]
+    vnni: Vec<amx::Line>,
+}
+
+impl std::fmt::Debug for PreparedActs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("PreparedActs");
+        d.field("rows", &self.rows).field("cols", &self.cols);
+        #[cfg(target_arch = "x86_64")]
+        d.field("vnni_lines", &self.vnni.len());
+        d.finish()
+    }
+}
+
+impl PreparedActs {
+    /// Takes `x` (copied; the buffers are reused between calls) and converts it for the path
+    /// [`gemm_bf16`] takes now.
+    pub fn prepare(&mut self, x: PackedActs<'_>) {
+        self.packed.clear();
+        self.packed.extend_from_slice(x.data());
+        self.rows = x.rows();
+        self.cols = x.cols();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut vnni = std::mem::take(&mut self.vnni);
+            vnni.clear();
+            if Isa::current() >= Isa::AmxBf16 && x.rows() >= amx::MIN_BATCH {
+                let lw = self.whole_k_lowered(&[]);
+                // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
+                // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the
+                // packed rows as they are (`convert` reads only the activations).
+                unsafe { amx::convert(&lw, &mut vnni) };
+            }
+            self.vnni = vnni;
+        }
+    }
+
+    /// The prepared activations as packed rows.
+    pub fn acts(&self) -> PackedActs<'_> {
+        PackedActs::new(&self.packed, self.rows, self.cols)
+    }
+
+    /// The lowering of a product over the whole of `K` with weight data `w` (what `prepare`
+    /// converts and what `gemm_bf16_prepared` compares against).
+    #[cfg(target_arch = "x86_64")]
+    fn whole_k_lowered<'a>(&'a self, w: &'a [u16]) -> Lowered<'a> {
+        let body = self.cols / PACK_BLOCK * PACK_BLOCK;
+        Lowered {
+            w,
+            ldw: self.cols,
+            x: &self.packed,
+            ldx: packed_ld(self.cols),
+            batch: self.rows,
+            n: 0..0,
+            k: 0..self.cols,
+            kb0: 0,
+            kb1: body,
+            mode: OutMode::Store,
+            scale: None,
+        }
+    }
+}
+
+/// [`gemm_bf16`] on activations prepared by [`PreparedActs::prepare`]: the same results, with
+/// the AMX path's activation tiles taken from `x` when the tile covers the whole of `K` and the
+/// path is still AMX (otherwise as [`gemm_bf16`] on `x.acts()`).
+///
+/// # Panics
+/// As [`gemm_bf16`].
+pub fn gemm_bf16_prepared(
+    w: WeightsBf16<'_>,
+    x: &PreparedActs,
+    tile: &GemmTile,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    gemm_dispatch_with(w, x.acts(), tile, None, Some(x), out, ld_out);
+}
+
 /// Arguments checked and lowered for the path kernels.
 struct Lowered<'a> {
     w: &'a [u16],
@@ -329,6 +419,20 @@ fn gemm_dispatch(
     out: &mut [f32],
     ld_out: usize,
 ) {
+    gemm_dispatch_with(w, x, tile, scale, None, out, ld_out);
+}
+
+/// [`gemm_dispatch`] with, optionally, the prepared form of `x` (`pre.acts()` is `x`).
+fn gemm_dispatch_with(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    tile: &GemmTile,
+    scale: Option<&[f32]>,
+    pre: Option<&PreparedActs>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let _ = &pre;
     let (n, k) = (tile.n.clone(), tile.k.clone());
     assert!(
         n.start <= n.end && n.end <= w.rows(),
@@ -391,10 +495,17 @@ fn gemm_dispatch(
     {
         let isa = Isa::current();
         if isa >= Isa::AmxBf16 && batch >= amx::MIN_BATCH {
+            // The prepared tiles, when they were made for this body.
+            let tiles = pre
+                .filter(|p| {
+                    !p.vnni.is_empty() && (lw.kb0, lw.kb1) == (0, p.cols / PACK_BLOCK * PACK_BLOCK)
+                })
+                .map(|p| p.vnni.as_slice());
             // SAFETY: `Isa::current` only returns AmxBf16 when the CPU has AMX-BF16 and
             // AVX-512 BF16 and Linux granted the tile state; `lw` was checked above (ranges
-            // inside the matrices, output long enough).
-            unsafe { amx::gemm(&lw, out, ld_out) };
+            // inside the matrices, output long enough); the prepared tiles were converted by
+            // `amx::convert` from `x`'s rows over this body.
+            unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
         if isa >= Isa::Avx512Bf16 {

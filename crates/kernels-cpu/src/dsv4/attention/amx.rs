@@ -63,24 +63,9 @@ pub(super) fn pv_add(
         supports(heads, d),
         "dsv4 attention: AMX with {heads} heads of {d}"
     );
-    let n32 = n.div_ceil(KSTEP) * KSTEP;
-    assert_eq!(p.len(), heads * n, "pv_add (amx): p len");
-    assert!(rows.len() >= n32 * d, "pv_add (amx): rows len");
-    assert_eq!(out.len(), heads * d, "pv_add (amx): out len");
-    if n == 0 {
+    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
         return;
-    }
-    s.p.clear();
-    s.p.resize(heads * n32, 0);
-    for (dst, src) in s.p.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
-        for (d, &v) in dst.iter_mut().zip(src) {
-            // A bf16 value: its upper half is exact.
-            *d = (v.to_bits() >> 16) as u16;
-        }
-    }
-    s.vnni.resize(n32 * d, 0);
-    // SAFETY: AMX-BF16 is supported (asserted), which implies AVX-512 F/BW.
-    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    };
     // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
     // tile state was granted (asserted above); released below.
     unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
@@ -129,6 +114,144 @@ pub(super) fn pv_add(
     }
     // SAFETY: releases the tile state configured above.
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Whether [`pv_add_dpbf16`] handles rows of `d` (whole 64-column groups of four column
+/// blocks).
+pub(super) fn dpbf16_supports(d: usize) -> bool {
+    d > 0 && d.is_multiple_of(DP_COLS)
+}
+
+/// Columns per register block of [`pv_add_dpbf16`] (four 16-column blocks).
+const DP_COLS: usize = 64;
+
+/// Heads per register block of [`pv_add_dpbf16`].
+const DP_HEADS: usize = 4;
+
+/// The value product on AVX-512 BF16 (machines without AMX): the same operands as
+/// [`pv_add`] — `P` as bf16 pairs, the rows interleaved in pairs into the VNNI layout — and
+/// `vdpbf16ps` of a broadcast weight pair `(p[h, 2i], p[h, 2i + 1])` against line `i` of a
+/// 16-column block adds both rows' products to 16 columns of one head; blocks of 4 heads × 64
+/// columns (16 accumulators, each broadcast used four times) accumulate over the tile in
+/// registers and are added to `out` once. Same bf16
+/// products as the other paths, fp32 sums in another order. Same arguments as [`pv_add`].
+///
+/// # Panics
+/// If the CPU has no AVX-512 BF16, [`dpbf16_supports`] is false, or the lengths disagree.
+pub(super) fn pv_add_dpbf16(
+    p: &[f32],
+    heads: usize,
+    n: usize,
+    rows: &[bf16],
+    d: usize,
+    out: &mut [f32],
+    s: &mut PvScratch,
+) {
+    assert!(
+        Isa::Avx512Bf16.is_supported(),
+        "dsv4 attention: the AVX-512 BF16 value product runs only where AVX-512 BF16 is"
+    );
+    assert!(
+        dpbf16_supports(d),
+        "dsv4 attention: dpbf16 with rows of {d}"
+    );
+    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
+        return;
+    };
+    // SAFETY: as above; the operands' lengths were checked.
+    unsafe { dpbf16_blocks(&s.p, heads, n32, &s.vnni, d, out) };
+}
+
+/// The value product's operands in `s`, after checking the lengths (`p` `[heads, n]`, `rows` at
+/// least `n32 · d`, `out` `[heads, d]`): `P` as bf16 bits `[heads, n32]`, zero past `n` (its
+/// values are bf16 values: the upper half of each is exact), and the rows interleaved in
+/// pairs. `None` for an empty tile; else `n32`.
+///
+/// # Panics
+/// If the lengths disagree, `d` is not a multiple of 32, or the CPU has no AVX-512 F/BW.
+fn operands(
+    p: &[f32],
+    heads: usize,
+    n: usize,
+    rows: &[bf16],
+    d: usize,
+    out: &[f32],
+    s: &mut PvScratch,
+) -> Option<usize> {
+    let n32 = n.div_ceil(KSTEP) * KSTEP;
+    assert_eq!(p.len(), heads * n, "dsv4 value product: p len");
+    assert!(rows.len() >= n32 * d, "dsv4 value product: rows len");
+    assert_eq!(out.len(), heads * d, "dsv4 value product: out len");
+    assert!(
+        Isa::Avx512Bf16.is_supported(),
+        "dsv4 value product: needs AVX-512"
+    );
+    if n == 0 || heads == 0 {
+        return None;
+    }
+    s.p.clear();
+    s.p.resize(heads * n32, 0);
+    for (dst, src) in s.p.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = (v.to_bits() >> 16) as u16;
+        }
+    }
+    s.vnni.resize(n32 * d, 0);
+    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW.
+    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
+    Some(n32)
+}
+
+/// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`
+/// (`n32 · d`, [`interleave_pairs`]' layout).
+///
+/// # Panics
+/// If the lengths disagree.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, out: &mut [f32]) {
+    use crate::simd::as_pbh;
+    const CB: usize = DP_COLS / 16;
+    let pairs = n32 / 2;
+    assert!(d.is_multiple_of(DP_COLS) && n32.is_multiple_of(2));
+    assert!(pb.len() == heads * n32 && vnni.len() == n32 * d && out.len() == heads * d);
+    let mut h0 = 0;
+    while h0 < heads {
+        let hb = DP_HEADS.min(heads - h0);
+        // Head `h0 + hh`'s weight pairs, one `i32` per pair (little-endian: `p[2i]` low).
+        let rows: [*const u16; DP_HEADS] =
+            std::array::from_fn(|hh| pb[(h0 + hh.min(hb - 1)) * n32..].as_ptr());
+        for cg in (0..d / 16).step_by(CB) {
+            let mut acc = [[_mm512_setzero_ps(); CB]; DP_HEADS];
+            let lines: [*const u16; CB] =
+                std::array::from_fn(|c| vnni[(cg + c) * pairs * 32..].as_ptr());
+            for i in 0..pairs {
+                // SAFETY: line `i < pairs` of column blocks `cg .. cg + CB` (< d / 16) is 32
+                // elements inside `vnni` (lengths checked above).
+                let b: [__m512bh; CB] = std::array::from_fn(|c| unsafe {
+                    as_pbh(_mm512_loadu_si512(lines[c].add(i * 32).cast()))
+                });
+                for (hh, a) in acc.iter_mut().enumerate().take(hb) {
+                    // SAFETY: elements `2i, 2i + 1 < n32` of the head's row of `pb`.
+                    let pair = unsafe { rows[hh].add(2 * i).cast::<i32>().read_unaligned() };
+                    let pv = as_pbh(_mm512_set1_epi32(pair));
+                    for (a, &b) in a.iter_mut().zip(&b) {
+                        *a = _mm512_dpbf16_ps(*a, pv, b);
+                    }
+                }
+            }
+            for (hh, a) in acc.iter().enumerate().take(hb) {
+                let o = &mut out[(h0 + hh) * d + cg * 16..(h0 + hh) * d + cg * 16 + DP_COLS];
+                for (c, &a) in a.iter().enumerate() {
+                    // SAFETY: `o` is `DP_COLS` fp32; block `c` is 16 of them.
+                    unsafe {
+                        let p = o.as_mut_ptr().add(16 * c);
+                        _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), a));
+                    }
+                }
+            }
+        }
+        h0 += hb;
+    }
 }
 
 /// `vnni[(c / 16 · pairs + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` for the

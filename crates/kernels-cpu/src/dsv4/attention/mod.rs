@@ -13,21 +13,26 @@
 //! the call:
 //! 1. its valid rows are copied once into a contiguous `[n, d]` block (a row copy per
 //!    candidate: the compressed candidates are scattered cache rows); nothing is transposed;
-//! 2. the scores of every head against the tile are one [`crate::gemm_bf16`] product with the
-//!    rows as the weights and the heads' queries as the activations (AMX tiles from 16 heads,
-//!    AVX-512 BF16, AVX2, portable);
+//! 2. the scores of every head against the tile are one [`crate::gemm_bf16_prepared`] product
+//!    with the rows as the weights and the heads' queries as the activations (AMX tiles from 16
+//!    heads, AVX-512 BF16, AVX2, portable); the queries are packed and, on AMX, converted to
+//!    the tile unit's layout once per call, not once per tile;
 //! 3. the online softmax of all heads (`softmax_tile`: scale, max, `exp`, sum, `bf16(p)`)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
 //! 4. the value product `out[h] += Σ_j bf16(p[h, j]) · row_j` reads the rows as they lie
 //!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
 //!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
-//!    heads' weights are the `A` operand; elsewhere `pv_add` is a register-blocked body
-//!    (4 heads × 16 columns) built like the softmax.
+//!    heads' weights are the `A` operand; on AVX-512 BF16 without AMX (rows a multiple of 64
+//!    wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
+//!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` is a register-blocked body (4 heads × 16
+//!    columns) built like the softmax.
 
 use half::bf16;
 
-use crate::gemm::{GemmTile, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len};
+use crate::gemm::{
+    GemmTile, PackedActs, PreparedActs, WeightsBf16, gemm_bf16_prepared, pack_acts_f32, packed_len,
+};
 use crate::isa::Isa;
 use crate::math::exp_approx;
 
@@ -43,6 +48,8 @@ pub struct AttnScratch {
     /// The tile's valid rows `[n, d]`, zero rows after them up to a multiple of 32.
     rows: Vec<bf16>,
     q_packed: Vec<f32>,
+    /// The queries as the scores' product takes them (converted once per call).
+    q: PreparedActs,
     /// The tile's scores `[heads, n]`.
     scores: Vec<f32>,
     /// `bf16(p)` as fp32 `[heads, n]`.
@@ -91,6 +98,7 @@ pub fn sparse_attention(
     let path = pv_path(Isa::current(), heads, d);
     s.q_packed.resize(packed_len(heads, d), 0.0);
     pack_acts_f32(q, heads, d, &mut s.q_packed);
+    s.q.prepare(PackedActs::new(&s.q_packed, heads, d));
     s.m.clear();
     s.m.resize(heads, f32::NEG_INFINITY);
     s.l.clear();
@@ -112,8 +120,7 @@ pub fn sparse_attention(
         // 2. scores[h, j] = q[h] · row[j]
         s.scores.resize(heads * n, 0.0);
         let rows = WeightsBf16::new(&s.rows[..n * d], n, d);
-        let qa = PackedActs::new(&s.q_packed, heads, d);
-        gemm_bf16(rows, qa, &GemmTile::full(&rows), &mut s.scores, n);
+        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores, n);
         // 3. Online softmax; what the earlier tiles left is rescaled by exp(m_old − m_new).
         s.p.resize(heads * n, 0.0);
         softmax_tile(
@@ -134,6 +141,10 @@ pub fn sparse_attention(
         match path {
             #[cfg(target_arch = "x86_64")]
             Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 if amx::dpbf16_supports(d) => {
+                amx::pv_add_dpbf16(&s.p, heads, n, &s.rows, d, out, &mut s.amx)
+            }
             _ => pv_add(&s.p, heads, n, &s.rows[..n * d], d, out),
         }
     }

@@ -114,6 +114,36 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
     }
 }
 
+/// `product` (a value product over the rows zero-padded to whole 32-row steps) against the
+/// portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in another
+/// order.
+#[cfg(target_arch = "x86_64")]
+fn matches_portable_value_product(
+    shapes: &[(usize, usize, usize)],
+    seed: u64,
+    product: impl Fn(&[f32], usize, usize, &[bf16], usize, &mut [f32]),
+) {
+    for &(heads, n, d) in shapes {
+        let p = weights(heads * n, seed);
+        let n32 = n.div_ceil(32) * 32;
+        let mut rows = bf16_rows(n * d, seed + 1);
+        rows.resize(n32 * d, bf16::ZERO);
+        let base = values(heads * d, seed + 2);
+        let mut want = base.clone();
+        with_isa(Isa::Portable, || {
+            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
+        });
+        let mut got = base.clone();
+        product(&p, heads, n, &rows, d, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{heads}x{n}x{d} [{i}]: {g} vs {w}"
+            );
+        }
+    }
+}
+
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn amx_value_product_matches_the_portable_one_at_tile_edges() {
@@ -121,40 +151,32 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
         println!("AMX-BF16 not available here: the AMX value product did not run");
         return;
     }
-    for (heads, n, d) in [
-        (16usize, 1usize, 32usize),
-        (16, 31, 64),
-        (32, 33, 96),
-        (64, 128, 512),
-    ] {
-        let p = weights(heads * n, 6);
-        let n32 = n.div_ceil(32) * 32;
-        let mut rows = bf16_rows(n * d, 7);
-        rows.resize(n32 * d, bf16::ZERO);
-        let base = values(heads * d, 8);
-        let mut want = base.clone();
-        with_isa(Isa::Portable, || {
-            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
-        });
-        let mut got = base.clone();
-        amx::pv_add(
-            &p,
-            heads,
-            n,
-            &rows,
-            d,
-            &mut got,
-            &mut amx::PvScratch::default(),
-        );
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            // Same bf16 products, fp32 sums in another order.
-            assert!(
-                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                "{heads}x{n}x{d} [{i}]: {g} vs {w}"
-            );
-        }
-    }
+    let shapes = [(16, 1, 32), (16, 31, 64), (32, 33, 96), (64, 128, 512)];
+    matches_portable_value_product(&shapes, 6, |p, heads, n, rows, d, out| {
+        amx::pv_add(p, heads, n, rows, d, out, &mut amx::PvScratch::default())
+    });
     println!("amx value product ran");
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn dpbf16_value_product_matches_the_portable_one_at_tile_edges() {
+    if !Isa::Avx512Bf16.is_supported() {
+        println!("AVX-512 BF16 not available here: the vdpbf16ps value product did not run");
+        return;
+    }
+    // Head counts around the 4-head blocks, one row, a ragged last pair, a full tile.
+    let shapes = [
+        (1, 1, 64),
+        (3, 31, 64),
+        (5, 33, 192),
+        (16, 2, 128),
+        (64, 128, 512),
+    ];
+    matches_portable_value_product(&shapes, 9, |p, heads, n, rows, d, out| {
+        amx::pv_add_dpbf16(p, heads, n, rows, d, out, &mut amx::PvScratch::default())
+    });
+    println!("vdpbf16ps value product ran");
 }
 
 #[test]

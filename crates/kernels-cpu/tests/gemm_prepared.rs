@@ -1,0 +1,81 @@
+//! `gemm_bf16_prepared` against `gemm_bf16` on the same activations, bit for bit, on every
+//! path: whole-`K` tiles (the prepared AMX tiles are used), partial `K` and split-`K` adds
+//! (they are not), batches around the AMX path's smallest batch and its 32-row blocks, `K`
+//! with and without a 16-element strip and an edge, and one preparation reused for several
+//! weight matrices.
+
+mod common;
+
+use common::{Rng, all_paths};
+use simpler_kernels_cpu::{
+    GemmTile, OutMode, PackedActs, PreparedActs, WeightsBf16, gemm_bf16, gemm_bf16_prepared,
+    pack_acts_bf16, packed_len,
+};
+
+#[test]
+fn prepared_activations_give_the_bits_of_the_plain_product() {
+    let mut rng = Rng(41);
+    for (batch, k) in [
+        (64, 512),
+        (16, 64),
+        (17, 48),
+        (33, 40),
+        (3, 512),
+        (64, 100),
+        (40, 16),
+    ] {
+        let x = rng.vec_bf16(batch * k, 1.0);
+        let mut packed = vec![0.0f32; packed_len(batch, k)];
+        pack_acts_bf16(&x, batch, k, &mut packed);
+        let acts = PackedActs::new(&packed, batch, k);
+        // Several weight matrices of different row counts against one preparation.
+        let ws: Vec<(usize, Vec<_>)> = [128usize, 37, 16]
+            .iter()
+            .map(|&n| (n, rng.vec_bf16(n * k, 1.0)))
+            .collect();
+        let tiles = |n: usize| {
+            [
+                GemmTile {
+                    n: 0..n,
+                    k: 0..k,
+                    mode: OutMode::Store,
+                },
+                GemmTile {
+                    n: n / 3..n,
+                    k: 0..k,
+                    mode: OutMode::Store,
+                },
+                GemmTile {
+                    n: 0..n,
+                    k: k / 2..k,
+                    mode: OutMode::Add,
+                },
+            ]
+        };
+        let ran = all_paths(&format!("prepared batch {batch} K {k}"), || {
+            let mut prep = PreparedActs::default();
+            prep.prepare(acts);
+            let mut diffs = 0usize;
+            for (n, w) in &ws {
+                let wm = WeightsBf16::new(w, *n, k);
+                for tile in tiles(*n) {
+                    let ld = tile.n.len() + 5;
+                    let seed: Vec<f32> = (0..batch * ld).map(|i| i as f32 * 0.25).collect();
+                    let mut want = seed.clone();
+                    gemm_bf16(wm, acts, &tile, &mut want, ld);
+                    let mut got = seed;
+                    gemm_bf16_prepared(wm, &prep, &tile, &mut got, ld);
+                    diffs += want
+                        .iter()
+                        .zip(&got)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                }
+            }
+            diffs
+        });
+        for (isa, diffs) in ran {
+            assert_eq!(diffs, 0, "{} batch {batch} K {k}", isa.name());
+        }
+    }
+}
