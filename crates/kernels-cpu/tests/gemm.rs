@@ -132,12 +132,16 @@ fn qwen_like_shapes_full_and_split_k() {
         (290, 64, 3),
         (400, 48, 4),
         (317, 32, 6),
-        // AMX tiles (batch >= 16): a batch of exactly one activation tile, of several tile
+        // AMX tiles (batch >= 5, so 5-9 above take them too): one activation tile mostly
+        // padding over several weight groups (batch 8, 15), a batch of exactly one tile, of
+        // several tile
         // pairs with a ragged last one, 32-row weight groups with a last group of fewer than
         // 16 and of 16-31 rows, a body with a 16-element strip after whole 32-element steps,
         // a body shorter than one step, and (K = 8192) more than one batch block; batches of
         // one tile and of an odd count (the two-accumulator pass) over several whole 32-row
         // groups (each prefetching the next) and a short last one.
+        (70, 1024, 8),
+        (45, 528, 15),
         (64, 1024, 16),
         (100, 256, 16),
         (133, 160, 48),

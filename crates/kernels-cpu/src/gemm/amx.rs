@@ -35,10 +35,12 @@ use std::cell::RefCell;
 
 use super::{Lowered, PACK_BLOCK, edge_sum, finish};
 
-/// Smallest batch that takes this path; smaller batches take the AVX-512 BF16 path (a tile
-/// is 16 batch columns wide, and below this the product is bound by the weight stream, which
-/// both paths read at the same rate).
-pub(super) const MIN_BATCH: usize = 16;
+/// Smallest batch that takes this path; smaller batches take the AVX-512 BF16 path. Below
+/// it both paths stream the weights at the same rate (a tile is 16 batch columns wide, so the
+/// tiles' spare columns cost nothing but the VNNI conversion). From 5 rows on the AVX-512 BF16
+/// path runs out of `vdpbf16ps` throughput on this class of host (at 8 rows, 2 threads, it
+/// streams at ~14 GB/s against ~22 for the tiles; docs/benchmarks.md), so the tiles take over.
+pub(super) const MIN_BATCH: usize = 5;
 
 /// Bytes of VNNI activations one batch block may hold (about half of a 2 MiB L2).
 const VNNI_BLOCK_BYTES: usize = 1 << 20;

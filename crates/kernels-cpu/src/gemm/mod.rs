@@ -19,9 +19,9 @@
 //! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
 //!
 //! # Paths (chosen per call on [`Isa::current`])
-//! - `amx-bf16`, batch ≥ 16: AMX tiles (`amx.rs`): the weights are the tile unit's `A` operand
+//! - `amx-bf16`, batch ≥ 5: AMX tiles (`amx.rs`): the weights are the tile unit's `A` operand
 //!   in place, the activations are converted per call into VNNI tiles.
-//! - `avx512-bf16` (and `amx-bf16` below batch 16): `vdpbf16ps` on the weights as they lie and
+//! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
 //!   the activations converted per call to natural-order bf16 (`avx512.rs`).
 //! - `avx2`: the even/odd widening above (`avx2/`).
 //! - `portable`: plain Rust.
@@ -55,7 +55,7 @@ pub(crate) fn amx_tile_config() -> *const u8 {
 }
 
 /// Which path [`gemm_bf16`] takes for a product of `batch` activation rows when kernels run on
-/// `isa` (AMX tiles start at batch 16; narrower batches take the AVX-512 BF16 path).
+/// `isa` (AMX tiles start at batch 5; narrower batches take the AVX-512 BF16 path).
 pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::AmxBf16 && batch < amx::MIN_BATCH {
