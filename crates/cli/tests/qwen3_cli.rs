@@ -413,8 +413,10 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
             .collect();
         assert_eq!(v.len(), 8, "{row}");
         assert_eq!(v[0], prompt, "{row}");
-        // step ms, tokens/s, GFLOP/s, %peak, %GEMM, %roofline.
-        assert!(v[1..7].iter().all(|x| x.is_finite() && *x > 0.0), "{row}");
+        // step ms, tokens/s, GFLOP/s: positive; %peak, %GEMM, %roofline: shares, which a
+        // tiny prompt on AMX tiles (a peak of thousands of GFLOP/s) rounds to 0.0.
+        assert!(v[1..4].iter().all(|x| x.is_finite() && *x > 0.0), "{row}");
+        assert!(v[4..7].iter().all(|x| (0.0..=100.0).contains(x)), "{row}");
         // The share outside kernels is a fraction of the cores' time.
         assert!((0.0..=100.0).contains(&v[7]), "{row}");
     }
