@@ -387,7 +387,7 @@ fn pair_index() -> __m512i {
 /// `[-87, 88]`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn exp512(x: __m512) -> __m512 {
+pub(super) fn exp512(x: __m512) -> __m512 {
     // `max`/`min` return their second operand when either is NaN: `x` goes second so a NaN
     // score stays NaN (as `exp_approx`'s clamp keeps it) instead of becoming e^-87.
     let x = _mm512_min_ps(
