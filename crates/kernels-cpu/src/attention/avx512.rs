@@ -43,6 +43,10 @@ const MAX_HD: usize = 256;
 /// Tokens per run (the online-softmax tile; never crosses a page).
 const RUN: usize = 32;
 
+/// The head dimension, in 32-element blocks, whose queries are held in registers across a
+/// run (Qwen3's 128): the score loop is then unrolled and loads only K.
+const QB: usize = 4;
+
 /// Whether [`decode_partials_heads`] handles this shape.
 pub(super) fn supports(group: usize, head_dim: usize) -> bool {
     (1..=MAX_GROUP).contains(&group) && head_dim.is_multiple_of(32) && head_dim <= MAX_HD
@@ -96,12 +100,16 @@ pub(super) unsafe fn decode_partials_heads(
             match group {
                 $($g => {
                     // Output vectors per query held in registers per pass: `G * NV <= 16`.
-                    if hd.is_multiple_of(16 * $wide) {
+                    if hd == 32 * QB {
+                        // SAFETY: forwarded contract; `hd` = 32 * QB is a multiple of 16 * NV
+                        // (every `$wide` is at most 8).
+                        unsafe { heads_g::<$g, $wide, QB>(q, kv, block_table, tokens, scale, states, scores) }
+                    } else if hd.is_multiple_of(16 * $wide) {
                         // SAFETY: forwarded contract; `hd` is a multiple of 16 * NV.
-                        unsafe { heads_g::<$g, $wide>(q, kv, block_table, tokens, scale, states, scores) }
+                        unsafe { heads_g::<$g, $wide, 0>(q, kv, block_table, tokens, scale, states, scores) }
                     } else {
                         // SAFETY: as above (`hd` is a multiple of 32).
-                        unsafe { heads_g::<$g, 2>(q, kv, block_table, tokens, scale, states, scores) }
+                        unsafe { heads_g::<$g, 2, 0>(q, kv, block_table, tokens, scale, states, scores) }
                     }
                 })*
                 _ => unreachable!("group {group} not supported"),
@@ -171,10 +179,11 @@ fn sum16(v: &[__m512; 16]) -> __m512 {
 /// Every head over `tokens`, a run of at most [`RUN`] tokens (inside one page) at a time.
 ///
 /// # Safety
-/// As [`decode_partials_heads`]; `G == group`, `hd` a multiple of `16 * NV`; `states` one
-/// state per head, `scores` at least `heads * G * RUN` floats.
+/// As [`decode_partials_heads`]; `G == group`, `hd` a multiple of `16 * NV`, and `hd == 32 *
+/// NB` unless `NB == 0` (then `hd` is read at run time); `states` one state per head, `scores`
+/// at least `heads * G * RUN` floats.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-unsafe fn heads_g<const G: usize, const NV: usize>(
+unsafe fn heads_g<const G: usize, const NV: usize, const NB: usize>(
     q: &[bf16],
     kv: &PagedKv<'_>,
     block_table: &[u32],
@@ -223,6 +232,14 @@ unsafe fn heads_g<const G: usize, const NV: usize>(
             while r0 < run {
                 let rows = (run - r0).min(16);
                 let mut part = [[_mm512_setzero_ps(); 16]; G];
+                // With `NB` fixed, the head's queries stay in registers for the 16 rows.
+                let qh: [[__m512i; NB]; G] = std::array::from_fn(|j| {
+                    std::array::from_fn(|b| {
+                        // SAFETY: NB > 0 only when hd == 32 * NB, so block b of query j of
+                        // head h lies inside the row of `heads * G * hd` bf16.
+                        unsafe { _mm512_loadu_si512(qp.add((h * G + j) * hd + 32 * b).cast()) }
+                    })
+                });
                 for rr in 0..rows {
                     let r = r0 + rr;
                     if r < nrun {
@@ -234,7 +251,16 @@ unsafe fn heads_g<const G: usize, const NV: usize>(
                     // Two chains per query: blocks d and d + 32 go to `acc` and `odd`.
                     let mut acc = [_mm512_setzero_ps(); G];
                     let mut odd = [_mm512_setzero_ps(); G];
-                    let mut d = 0;
+                    for b in 0..NB {
+                        // SAFETY: hd == 32 * NB: block b of this row's head slice is inside
+                        // the pool row.
+                        let kb = unsafe { _mm512_loadu_si512(k.add(32 * b).cast()) };
+                        let chains = if b % 2 == 0 { &mut acc } else { &mut odd };
+                        for (a, qj) in chains.iter_mut().zip(&qh) {
+                            *a = _mm512_dpbf16_ps(*a, as_pbh(qj[b]), as_pbh(kb));
+                        }
+                    }
+                    let mut d = if NB > 0 { hd } else { 0 };
                     while d < hd {
                         // SAFETY: row `base / row + r` of the pool holds `row` bf16 and this
                         // head's slice `h * hd .. h * hd + hd` is inside it (d + 32 <= hd, and
