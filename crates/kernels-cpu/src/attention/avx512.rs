@@ -14,9 +14,10 @@
 //! - A run is worked head by head (registers stay on one head) while the next run's rows are
 //!   prefetched into L2 a head slice at a time, whole rows in address order overall, so the
 //!   pool is still streamed sequentially from memory.
-//!
 //! - Each score takes two chains of `vdpbf16ps` (even and odd 32-element blocks) summed at the
-//!   end, so a row's dot product waits on half as many dependent instructions.
+//!   end, so a row's dot product waits on half as many dependent instructions. At head_dim 128
+//!   ([`QB`] blocks) the head's queries are loaded into registers once per 16 rows and the
+//!   loop is unrolled, so each row loads only its K slice.
 //! - The online-softmax update runs on 16 lanes ([`update16`], the AVX2 kernel's `e^x`
 //!   polynomial), and the rescale of the running outputs by `e^(m_old - m_new)` happens as
 //!   the `p · v` pass loads them (one pass over the outputs per run, not two). At batch 4 the
