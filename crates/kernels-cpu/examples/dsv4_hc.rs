@@ -22,17 +22,12 @@ fn main() {
         .max(1);
     let (tokens, hc, d) = (8usize, 4usize, 4096usize);
     let (n, m) = (hc * d, hc_mix_len(hc));
-    let mut seed = 7u64;
-    let mut rnd = move || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-    };
-    let x: Vec<f32> = (0..tokens * n).map(|_| rnd()).collect();
-    let w: Vec<f32> = (0..m * n).map(|_| rnd() * 0.01).collect();
-    let base: Vec<f32> = (0..m).map(|_| rnd()).collect();
-    let norm: Vec<f32> = (0..d).map(|_| 1.0 + rnd() * 0.1).collect();
+    // Deterministic values in (-0.5, 0.5) that do not repeat over the rows.
+    let val = |i: usize| (i as f32 * 0.618_034).sin() * 0.5;
+    let x: Vec<f32> = (0..tokens * n).map(val).collect();
+    let w: Vec<f32> = (0..m * n).map(|i| val(i + 7) * 0.01).collect();
+    let base: Vec<f32> = (0..m).map(|i| val(i + 11)).collect();
+    let norm: Vec<f32> = (0..d).map(|i| 1.0 + val(i + 13) * 0.1).collect();
     let mut dots = vec![0.0f32; tokens * m];
     let mut part = vec![0.0f32; tokens * ROWS_PER_TASK];
     let mut mixed = vec![0.0f32; tokens * d];
