@@ -23,8 +23,8 @@ pub mod rope;
 pub use attention::{ATTN_TILE, AttnScratch, sparse_attention};
 pub use compress::softmax_pool;
 pub use hc::{
-    hc_inv_rms, hc_mix_dots, hc_mix_len, hc_mix_logits, hc_mix_streams, hc_post, hc_weights,
-    round_bf16_half_up, sinkhorn,
+    hc_inv_rms, hc_inv_rms_rows, hc_mix_dots, hc_mix_len, hc_mix_logits, hc_mix_streams, hc_post,
+    hc_weights, round_bf16_half_up, sinkhorn,
 };
 pub use norm::{rms_norm_round, round_bf16};
 pub use rope::{

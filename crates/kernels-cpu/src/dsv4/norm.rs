@@ -14,17 +14,102 @@ use crate::multiversion::multiversion;
 pub(crate) fn inv_rms_f64(x: &[f32], eps: f32) -> f32 {
     let mut acc = [0.0f64; 4];
     let c = x.chunks_exact(4);
-    let tail: f64 = c
-        .remainder()
-        .iter()
-        .map(|&v| f64::from(v) * f64::from(v))
-        .sum();
+    let tail = c.remainder();
     for v in c {
         for i in 0..4 {
             acc[i] += f64::from(v[i]) * f64::from(v[i]);
         }
     }
-    let ms = (((acc[0] + acc[2]) + (acc[1] + acc[3]) + tail) / x.len() as f64) as f32;
+    inv_rms_finish(&acc, tail, x.len(), eps)
+}
+
+/// Rows per block of [`inv_rms_rows_f64`].
+const RMS_ROWS: usize = 4;
+
+/// [`inv_rms_f64`] of each of the `out.len()` rows of `x` (`row` values each), bit for bit:
+/// rows are taken [`RMS_ROWS`] at a time with their lanes interleaved (on AVX2 one register
+/// per row), so the rows' independent chains of adds overlap where one row's chain of
+/// `row / 4` adds would wait on each add's latency.
+///
+/// # Panics
+/// If `x` is not `out.len()` rows of `row`.
+#[inline(always)]
+pub(crate) fn inv_rms_rows_f64(x: &[f32], row: usize, eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), out.len() * row, "inv_rms_rows_f64: x len");
+    let body = row / 4 * 4;
+    let mut r0 = 0;
+    while r0 + RMS_ROWS <= out.len() {
+        let xs: [&[f32]; RMS_ROWS] =
+            std::array::from_fn(|i| &x[(r0 + i) * row..(r0 + i + 1) * row]);
+        #[cfg(target_arch = "x86_64")]
+        let acc = if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 {
+            // SAFETY: `Isa::current` is Avx2 or wider only on a CPU with AVX2 and FMA.
+            unsafe { sums_avx2(xs, body) }
+        } else {
+            sums(xs, body)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let acc = sums(xs, body);
+        for (i, (a, xr)) in acc.iter().zip(&xs).enumerate() {
+            out[r0 + i] = inv_rms_finish(a, &xr[body..], row, eps);
+        }
+        r0 += RMS_ROWS;
+    }
+    for (r, o) in out.iter_mut().enumerate().skip(r0) {
+        *o = inv_rms_f64(&x[r * row..(r + 1) * row], eps);
+    }
+}
+
+/// The four lane sums of squares of each row over `body` values (a multiple of 4), in order.
+#[inline(always)]
+fn sums(xs: [&[f32]; RMS_ROWS], body: usize) -> [[f64; 4]; RMS_ROWS] {
+    let mut acc = [[0.0f64; 4]; RMS_ROWS];
+    for (a, xr) in acc.iter_mut().zip(&xs) {
+        for v in xr[..body].chunks_exact(4) {
+            for i in 0..4 {
+                a[i] += f64::from(v[i]) * f64::from(v[i]);
+            }
+        }
+    }
+    acc
+}
+
+/// [`sums`] with the rows interleaved, one 256-bit register of four lanes per row: a fused
+/// multiply-add of an exact f64 square (a product of two f32 fits in f64) gives the bits of
+/// the multiply then add.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+///
+/// # Panics
+/// If a row is shorter than `body`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sums_avx2(xs: [&[f32]; RMS_ROWS], body: usize) -> [[f64; 4]; RMS_ROWS] {
+    use std::arch::x86_64::*;
+    assert!(xs.iter().all(|r| r.len() >= body) && body.is_multiple_of(4));
+    let mut acc = [_mm256_setzero_pd(); RMS_ROWS];
+    for c in (0..body).step_by(4) {
+        for (a, xr) in acc.iter_mut().zip(&xs) {
+            // SAFETY: `c + 4 <= body <= xr.len()`.
+            let v = _mm256_cvtps_pd(unsafe { _mm_loadu_ps(xr.as_ptr().add(c)) });
+            *a = _mm256_fmadd_pd(v, v, *a);
+        }
+    }
+    acc.map(|a| {
+        let mut out = [0.0f64; 4];
+        // SAFETY: `out` holds four f64.
+        unsafe { _mm256_storeu_pd(out.as_mut_ptr(), a) };
+        out
+    })
+}
+
+/// The end of [`inv_rms_f64`]: its four lanes combined, the tail added in order, the mean over
+/// `len` values rounded to f32, then `1/sqrt(mean + eps)`.
+#[inline(always)]
+fn inv_rms_finish(acc: &[f64; 4], tail: &[f32], len: usize, eps: f32) -> f32 {
+    let tail: f64 = tail.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let ms = (((acc[0] + acc[2]) + (acc[1] + acc[3]) + tail) / len as f64) as f32;
     1.0 / (ms + eps).sqrt()
 }
 
@@ -40,17 +125,22 @@ multiversion! {
         if let Some(w) = w {
             assert_eq!(w.len(), row, "rms_norm_round: weight len");
         }
-        for xr in x.chunks_exact_mut(row) {
-            let r = inv_rms_f64(xr, eps);
-            match w {
-                Some(w) => {
-                    for (v, &g) in xr.iter_mut().zip(w) {
-                        *v = f32_to_bf16(*v * r * g).to_f32();
+        // The factors of a block of rows first (their sums overlap), then the rows scaled.
+        let mut inv = [0.0f32; RMS_ROWS];
+        for xb in x.chunks_mut(RMS_ROWS * row) {
+            let rows = xb.len() / row;
+            inv_rms_rows_f64(xb, row, eps, &mut inv[..rows]);
+            for (xr, &r) in xb.chunks_exact_mut(row).zip(&inv) {
+                match w {
+                    Some(w) => {
+                        for (v, &g) in xr.iter_mut().zip(w) {
+                            *v = f32_to_bf16(*v * r * g).to_f32();
+                        }
                     }
-                }
-                None => {
-                    for v in xr.iter_mut() {
-                        *v = f32_to_bf16(*v * r).to_f32();
+                    None => {
+                        for v in xr.iter_mut() {
+                            *v = f32_to_bf16(*v * r).to_f32();
+                        }
                     }
                 }
             }

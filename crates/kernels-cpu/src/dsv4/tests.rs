@@ -453,3 +453,34 @@ fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
         }
     }
 }
+
+#[test]
+fn inv_rms_of_many_rows_is_the_one_row_sum_bit_for_bit() {
+    // Row counts around the four-row blocks, lengths with and without a tail.
+    for (rows, n) in [(1, 16), (3, 7), (4, 64), (5, 33), (8, 16384), (9, 130)] {
+        let x = values(rows * n, 60 + rows as u64);
+        let got = on_every_path(|| {
+            let mut out = vec![0.0f32; rows];
+            hc_inv_rms_rows(&x, n, 1e-6, &mut out);
+            out
+        });
+        for (r, g) in got.iter().enumerate() {
+            let want = hc_inv_rms(&x[r * n..(r + 1) * n], 1e-6);
+            assert_eq!(g.to_bits(), want.to_bits(), "({rows},{n}) row {r}");
+        }
+        // The norm over many rows scales each row by its own factor.
+        let normed = on_every_path(|| {
+            let mut y = x.clone();
+            rms_norm_round(&mut y, n, None, 1e-6);
+            y
+        });
+        for r in 0..rows {
+            let mut one = x[r * n..(r + 1) * n].to_vec();
+            rms_norm_round(&mut one, n, None, 1e-6);
+            assert!(
+                one == normed[r * n..(r + 1) * n],
+                "({rows},{n}) row {r} normed"
+            );
+        }
+    }
+}

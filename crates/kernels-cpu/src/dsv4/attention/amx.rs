@@ -10,7 +10,8 @@
 //! `16 cb ..`; the lines of one column block are contiguous, so a `B` tile is 1 KiB in one
 //! piece), built once per tile with two permutes per 64 bytes (no transpose), and `C` is
 //! a 16 × 16 block of `out` itself (`out` is `[heads, d]` fp32, so a block is 16 rows of 64
-//! bytes at a stride of `4 d` bytes): loaded, accumulated over the tile, stored back.
+//! bytes at a stride of `4 d` bytes): loaded (zero tiles instead for a call's first tile, whose
+//! `out` is all zeros), accumulated over the tile, stored back.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -41,11 +42,14 @@ pub(super) fn supports(heads: usize, d: usize) -> bool {
 
 /// `out[h] += Σ_j p[h, j] · rows[j]` for `p` `[heads, n]` (bf16 values), `rows` at least
 /// `n32 · d` long (`n32 = n` rounded up to 32; the rows past `n` must be zero: they meet zero
-/// weights, and a zero row keeps a NaN out), `out` `[heads, d]`.
+/// weights, and a zero row keeps a NaN out), `out` `[heads, d]`. With `fresh` the sums start
+/// from zero tiles instead of `out` (which is then only written): the first tile of a call,
+/// whose `out` is all zeros, skips reading it back.
 ///
 /// # Panics
 /// If the CPU has no AMX-BF16 (or the tile state was not granted), [`supports`] is false, or
 /// the lengths disagree.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn pv_add(
     p: &[f32],
     heads: usize,
@@ -54,6 +58,7 @@ pub(super) fn pv_add(
     d: usize,
     out: &mut [f32],
     s: &mut PvScratch,
+    fresh: bool,
 ) {
     assert!(
         Isa::AmxBf16.is_supported(),
@@ -83,9 +88,18 @@ pub(super) fn pv_add(
             // row. B0: block cb's lines, 16 (1 KiB) per step, `steps` steps = `pairs` lines;
             // B1: block cb + 1's, `pairs · 64` bytes further, inside `s.vnni` (d / 16 blocks).
             unsafe {
+                if fresh {
+                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                } else {
+                    asm!(
+                        "tileloadd tmm0, [{c} + {sc}*1]",
+                        "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+                        c = in(reg) c,
+                        sc = in(reg) 4 * d,
+                        options(nostack, readonly),
+                    );
+                }
                 asm!(
-                    "tileloadd tmm0, [{c} + {sc}*1]",
-                    "tileloadd tmm1, [{c} + {sc}*1 + 64]",
                     "2:",
                     "tileloadd tmm4, [{a} + {sa}*1]",
                     "tileloadd tmm5, [{b} + {s64}*1]",

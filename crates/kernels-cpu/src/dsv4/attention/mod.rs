@@ -104,6 +104,7 @@ pub fn sparse_attention(
     s.l.clear();
     s.l.resize(heads, 0.0);
     s.alpha.resize(heads, 0.0);
+    let mut first = true;
     for tile in cands.chunks(ATTN_TILE) {
         let n = tile.iter().flatten().count();
         if n == 0 {
@@ -132,21 +133,27 @@ pub fn sparse_attention(
             &mut s.alpha,
             &mut s.p,
         );
-        for (o, &a) in out.chunks_exact_mut(d).zip(&s.alpha) {
-            if a != 1.0 {
-                o.iter_mut().for_each(|v| *v *= a);
+        // The heads' first tile (every head sees the same rows) has alpha 0 over an `out` of
+        // zeros: nothing to scale.
+        if !first {
+            for (o, &a) in out.chunks_exact_mut(d).zip(&s.alpha) {
+                if a != 1.0 {
+                    o.iter_mut().for_each(|v| *v *= a);
+                }
             }
         }
-        // 4. out[h] += bf16(p[h]) @ rows
+        // 4. out[h] += bf16(p[h]) @ rows (on AMX the first tile's sums start from zero
+        // tiles rather than reading the zeros back)
         match path {
             #[cfg(target_arch = "x86_64")]
-            Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx),
+            Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx, first),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 if amx::dpbf16_supports(d) => {
                 amx::pv_add_dpbf16(&s.p, heads, n, &s.rows, d, out, &mut s.amx)
             }
             _ => pv_add(&s.p, heads, n, &s.rows[..n * d], d, out),
         }
+        first = false;
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
         if m == f32::NEG_INFINITY {

@@ -153,7 +153,25 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
     }
     let shapes = [(16, 1, 32), (16, 31, 64), (32, 33, 96), (64, 128, 512)];
     matches_portable_value_product(&shapes, 6, |p, heads, n, rows, d, out| {
-        amx::pv_add(p, heads, n, rows, d, out, &mut amx::PvScratch::default())
+        amx::pv_add(
+            p,
+            heads,
+            n,
+            rows,
+            d,
+            out,
+            &mut amx::PvScratch::default(),
+            false,
+        )
+    });
+    // Fresh: `out` is not read (garbage in it changes nothing), the sums start from zero.
+    matches_portable_value_product(&shapes, 7, |p, heads, n, rows, d, out| {
+        let mut s = amx::PvScratch::default();
+        let mut fresh = vec![f32::NAN; out.len()];
+        amx::pv_add(p, heads, n, rows, d, &mut fresh, &mut s, true);
+        for (o, f) in out.iter_mut().zip(&fresh) {
+            *o += f;
+        }
     });
     println!("amx value product ran");
 }

@@ -96,21 +96,30 @@ pub(super) fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let xs = &x[t0 * n..(t0 + nt) * n];
     // The logits as `hc_mix_logits` forms them: the token's 1/rms times its dots.
+    // The tokens of the block go through each step together: their f64 sums (1/rms of the
+    // streams, then of the mixed rows) are independent chains that overlap.
     let mut logits = dots[t0 * m..(t0 + nt) * m].to_vec();
-    for (lg, xr) in logits.chunks_exact_mut(m).zip(xs.chunks_exact(n)) {
-        let inv = k::hc_inv_rms(xr, rms_eps);
+    let mut inv = vec![0.0f32; nt];
+    k::hc_inv_rms_rows(xs, n, rms_eps, &mut inv);
+    for (lg, &inv) in logits.chunks_exact_mut(m).zip(&inv) {
         for v in lg {
             *v *= inv;
         }
     }
-    let mut mixed = vec![0.0f32; d];
-    for (r, lg) in logits.chunks_exact_mut(m).enumerate() {
+    let mut mixed = vec![0.0f32; nt * d];
+    for (r, (lg, mx)) in logits
+        .chunks_exact_mut(m)
+        .zip(mixed.chunks_exact_mut(d))
+        .enumerate()
+    {
         k::hc_weights(lg, hc, scale, base, iters, hc_eps);
         hcw.row(r).copy_from_slice(lg);
-        k::hc_mix_streams(&xs[r * n..(r + 1) * n], &lg[..hc], &mut mixed);
-        k::rms_norm_round(&mut mixed, d, Some(norm), rms_eps);
+        k::hc_mix_streams(&xs[r * n..(r + 1) * n], &lg[..hc], mx);
+    }
+    k::rms_norm_round(&mut mixed, d, Some(norm), rms_eps);
+    for (r, mx) in mixed.chunks_exact(d).enumerate() {
         let dst = xn.row(r);
-        for (j, &v) in mixed.iter().enumerate() {
+        for (j, &v) in mx.iter().enumerate() {
             dst[pack_index(j, d)] = v;
         }
         dst[d..].fill(0.0);
