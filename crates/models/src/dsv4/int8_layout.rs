@@ -1,0 +1,61 @@
+//! Where DeepSeek-V4's int8 weights (`Wq_b`, `Wo_b`, the indexer's `Wq_idx`, the experts'
+//! `W1`/`W3`/`W2`) take the packed layout of the int8 GEMM
+//! ([`I8Layout::Packed`], `docs/dsv4.md`, "int8 weight layout"): the upload and the kernels
+//! that read the buffers must agree, and both decide from the same process-wide query.
+//!
+//! - Upload ([`upload_layout`]): packed when the worker's kernels run on the host
+//!   ([`PlatformInfo::host_kernels`](simpler_core::PlatformInfo)) and the int8 GEMM prefers
+//!   packed weights on this machine ([`I8Layout::preferred`]); row-major otherwise, so a
+//!   device platform receives the same bytes as before.
+//! - Kernels ([`kernel_layout`]): these kernels run only on host-kernel platforms, so they
+//!   read [`I8Layout::preferred`].
+//!
+//! Packing reorders the `N * K` values of a matrix in place of the row-major copy (the
+//! buffer has the same size and shape); the scales stay per row in row order.
+
+use std::borrow::Cow;
+
+use simpler_core::Worker;
+use simpler_kernels_cpu::{I8Layout, pack_weights_i8};
+
+/// The layout int8 weights are uploaded in for `worker`.
+pub fn upload_layout(worker: &Worker) -> I8Layout {
+    if worker.platform().host_kernels {
+        I8Layout::preferred()
+    } else {
+        I8Layout::RowMajor
+    }
+}
+
+/// The layout this process's int8 kernels read weight buffers in.
+pub fn kernel_layout() -> I8Layout {
+    I8Layout::preferred()
+}
+
+/// `count` row-major matrices `[rows, cols]` stacked in `q`, each in `layout` (stacked in the
+/// same order).
+///
+/// # Panics
+/// If `q.len() != count * rows * cols`.
+pub fn stacked_in_layout(
+    q: &[i8],
+    count: usize,
+    rows: usize,
+    cols: usize,
+    layout: I8Layout,
+) -> Cow<'_, [i8]> {
+    let one = rows * cols;
+    assert_eq!(q.len(), count * one, "stacked int8 weights: length");
+    match layout {
+        I8Layout::RowMajor => Cow::Borrowed(q),
+        I8Layout::Packed => {
+            let mut out = vec![0i8; q.len()];
+            if one > 0 {
+                for (src, dst) in q.chunks_exact(one).zip(out.chunks_exact_mut(one)) {
+                    pack_weights_i8(src, rows, cols, cols, dst);
+                }
+            }
+            Cow::Owned(out)
+        }
+    }
+}
