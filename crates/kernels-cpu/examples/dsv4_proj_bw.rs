@@ -100,6 +100,9 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Builds a case (its weights only when it runs).
+type MakeCase<'a> = Box<dyn Fn() -> Case + 'a>;
+
 /// Block `blk`'s output of matrix `mat`.
 type BlockOut = (usize, usize, Vec<f32>);
 
@@ -193,7 +196,7 @@ fn main() {
             grouped,
         };
     // Built only when named (or all without a list): each holds its weights twice.
-    let all: Vec<(&str, Box<dyn Fn() -> Case>)> = vec![
+    let all: Vec<(&str, MakeCase<'_>)> = vec![
         (
             "q_b",
             Box::new(|| case("q_b", vec![mat(32768, 1024, 8, 1)], 8, 1, false)),

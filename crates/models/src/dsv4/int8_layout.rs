@@ -59,3 +59,37 @@ pub fn stacked_in_layout(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use simpler_kernels_cpu::packed_index_i8;
+
+    /// Row-major borrows the stack as it is; packed reorders each matrix on its own, every
+    /// value where the GEMM's index formula puts it within its matrix's span.
+    #[test]
+    fn stacked_matrices_are_packed_one_by_one() {
+        let (count, rows, cols) = (3, 19, 70);
+        let q: Vec<i8> = (0..count * rows * cols)
+            .map(|i| ((i % 251) as i32 - 125) as i8)
+            .collect();
+        let rm = stacked_in_layout(&q, count, rows, cols, I8Layout::RowMajor);
+        assert!(matches!(rm, Cow::Borrowed(_)));
+        let packed = stacked_in_layout(&q, count, rows, cols, I8Layout::Packed);
+        assert_eq!(packed.len(), q.len());
+        for m in 0..count {
+            let base = m * rows * cols;
+            for n in 0..rows {
+                for k in 0..cols {
+                    assert_eq!(
+                        packed[base + packed_index_i8(rows, cols, n, k)],
+                        q[base + n * cols + k],
+                        "matrix {m} ({n}, {k})"
+                    );
+                }
+            }
+        }
+        // No matrices: nothing to pack.
+        assert!(stacked_in_layout(&[], 0, 0, 0, I8Layout::Packed).is_empty());
+    }
+}
