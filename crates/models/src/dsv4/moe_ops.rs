@@ -26,7 +26,7 @@ use simpler_kernels_cpu::dsv4::hc;
 use simpler_kernels_cpu::dsv4::moe as k;
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 
-use super::int8_layout::kernel_layout;
+use super::int8_layout::{Int8Use, kernel_layout};
 
 /// Gate input, logits, scores and routing of every token.
 pub const MOE_ROUTE: KernelId = KernelId(3240);
@@ -479,7 +479,7 @@ fn gate_up(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let n = cols.len();
-    let layout = kernel_layout();
+    let layout = kernel_layout(Int8Use::Experts);
     for e in 0..g {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
         // An expert without rows costs nothing: its weights are never touched.
@@ -564,7 +564,7 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let n = cols.len();
-    let layout = kernel_layout();
+    let layout = kernel_layout(Int8Use::Experts);
     for e in 0..g {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
         if r0 == r1 {

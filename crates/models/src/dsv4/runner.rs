@@ -15,7 +15,7 @@ use super::config::{Dsv4Config, LayerKind};
 use super::fixture::{
     AttnWeights, CsaParts, HcaParts, Int8Matrix, StepInputs, TOKENS_PER_SEQ, WindowCache,
 };
-use super::int8_layout::{stacked_in_layout, upload_layout};
+use super::int8_layout::{Int8Use, stacked_in_layout, upload_layout};
 use super::ops::{NO_SLOT, TOK_COLS};
 use super::orchestrate::io as io_slot;
 use super::orchestrate::{self, AttnPlan, buf};
@@ -227,7 +227,7 @@ impl AttnLayer {
             (None, None) => LayerKind::Swa,
         };
         let table = rope_table(cfg, kind);
-        let layout = upload_layout(worker);
+        let layout = upload_layout(worker, Int8Use::Attention);
         let int8 = |m: &Int8Matrix| stacked_in_layout(&m.q, 1, m.rows, m.cols, layout).into_owned();
         let mut bufs = vec![
             upload(worker, &weights.hc.mix)?,
