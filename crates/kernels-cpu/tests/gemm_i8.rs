@@ -373,6 +373,31 @@ fn wide_product_refuses_packed_weights() {
     );
 }
 
+/// Bytes after a packed matrix (a buffer larger than the matrix) are never read.
+#[test]
+fn packed_weights_ignore_bytes_after_the_matrix() {
+    let paths = paths("w8a8 packed trailing bytes");
+    let c = case(33, 130, 5, false, 4242);
+    let packed = packed_of(&c);
+    let mut longer = packed.clone();
+    longer.extend([127i8; 70]);
+    let tile = GemmTile {
+        n: 0..33,
+        k: 0..130,
+        mode: OutMode::Store,
+    };
+    let a = ActsI8::new(&c.a, &c.sa, 5, 130, c.lda);
+    for &p in &paths {
+        let run = |data: &[i8]| {
+            let mut out = vec![0.0f32; 5 * 33];
+            let w = WeightsI8::packed(data, &c.sw, 33, 130);
+            with_i8_path(p, || gemm_i8_w8a8(w, a, &tile, &mut out, 33)).expect("supported");
+            out
+        };
+        assert_eq!(run(&packed), run(&longer), "{}", p.name());
+    }
+}
+
 #[test]
 #[should_panic(expected = "packed int8 weights: 31 bytes for [4, 8]")]
 fn packed_weights_refuse_a_wrong_length() {

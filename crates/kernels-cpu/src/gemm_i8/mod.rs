@@ -424,15 +424,20 @@ impl<'a> WeightsI8<'a> {
     /// Views `data` as packed weights `[rows, cols]` ([`I8Layout::Packed`], as
     /// [`pack_weights_i8`] writes them).
     ///
+    /// Values after the first `rows * cols` are not part of the matrix (as after the last
+    /// row of row-major weights).
+    ///
     /// # Panics
-    /// If `cols > MAX_K`, `data.len() != rows * cols`, or `scales.len() != rows`.
+    /// If `cols > MAX_K`, `data` is shorter than `rows * cols`, or `scales.len() != rows`.
     pub fn packed(data: &'a [i8], scales: &'a [f32], rows: usize, cols: usize) -> WeightsI8<'a> {
-        assert_eq!(
-            Some(data.len()),
-            rows.checked_mul(cols),
-            "packed int8 weights: {} bytes for [{rows}, {cols}]",
-            data.len()
-        );
+        let len = rows.checked_mul(cols).filter(|&len| len <= data.len());
+        let Some(len) = len else {
+            panic!(
+                "packed int8 weights: {} bytes for [{rows}, {cols}]",
+                data.len()
+            );
+        };
+        let data = &data[..len];
         WeightsI8 {
             packed: Some(PackedRows {
                 total: rows,
