@@ -1,8 +1,10 @@
 //! AMX-INT8 path (`tdpbssd`, through `asm!`: the tile intrinsics are not stable Rust).
 //!
 //! The product is computed transposed, `C[n, b] = sum_k W[n, k] * X[b, k]`, so the weights are
-//! the A operand exactly as they lie in memory (16 rows at the weight row stride, 64 bytes of
-//! `k`): nothing is repacked at load. The activations (a few rows) are repacked per call into
+//! the A operand as they lie in memory: 16 rows at the weight row stride, 64 bytes of `k`, when
+//! row-major; one contiguous 1 KiB block (rows 64 bytes apart) of a whole 16-row group when
+//! packed (`gemm_i8` module docs, "Layouts"; rows outside whole groups go to AVX-512 VNNI).
+//! Nothing is repacked per call. The activations (a few rows) are repacked per call into
 //! the B operand's layout, one 1 KiB block per 64 bytes of `k`: row `j` of a block holds, for
 //! each batch row `b`, the four values `x[b, 4j..4j + 4]`. Two accumulator tiles (32 weight
 //! rows) share each B tile. With grouped activations every block of 32 (or 16) rows runs through the
