@@ -3,7 +3,9 @@
 //! from a shared counter (as the runtime's workers do), and each round streams every case's
 //! weights once per int8 path in rotating order. Reports per case, path and thread count the
 //! best and median time and the weight bandwidth, against the machine's streaming read
-//! bandwidth measured with the same thread count.
+//! bandwidth measured with the same thread count. Every case runs on row-major weights and on
+//! the same weights packed ([`I8Layout::Packed`]), the layouts alternated within each round.
+//! Both layouts are checked to give the same output bits before timing.
 //!
 //! Cases (FLASH shapes, batch 4 × 2 tokens):
 //! - `q_b`: `Wq_b [32768, 1024]`, 8 token rows, 8 blocks of whole heads;
@@ -14,21 +16,26 @@
 //!   16 routed, plus the shared expert's 8), 32 column blocks;
 //! - `moe_w2`: 17 experts' `W2 [4096, 2048]`, as above.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASES]]`
-//! (`CASES`: names separated by commas, or `N:K:BATCH:MATRICES:BLOCKS` for a case of those
-//! dimensions).
+//! - `moe_w13_b1`, `moe_w2_b1`: the expert products at 1 row per expert (a decode batch of 1).
+//!
+//! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASES
+//! [THREADS]]]` (`CASES`: names separated by commas, or `N:K:BATCH:MATRICES:BLOCKS` for a
+//! case of those dimensions; `THREADS`: thread counts separated by commas, default `1,2`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, quantize_acts_i8, with_i8_path,
+    ActsI8, GemmTile, I8Layout, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, pack_weights_i8,
+    quantize_acts_i8, with_i8_path,
 };
 
 /// One weight matrix of a case and the activation rows that multiply it.
 struct Mat {
     w: &'static [i8],
+    /// The same weights packed.
+    packed: &'static [i8],
     sw: Vec<f32>,
     n: usize,
     k: usize,
@@ -46,7 +53,7 @@ struct Case {
     grouped: bool,
 }
 
-fn huge_i8(len: usize, seed: u64) -> &'static [i8] {
+fn huge_i8(len: usize, seed: u64) -> &'static mut [i8] {
     const HUGE: usize = 2 << 20;
     let map = memmap2::MmapOptions::new()
         .len(len + HUGE)
@@ -68,8 +75,12 @@ fn huge_i8(len: usize, seed: u64) -> &'static [i8] {
 }
 
 fn mat(n: usize, k: usize, batch: usize, seed: u64) -> Mat {
+    let w = huge_i8(n * k, seed);
+    let packed = huge_i8(n * k, seed);
+    pack_weights_i8(w, n, k, k, packed);
     Mat {
-        w: huge_i8(n * k, seed),
+        w,
+        packed,
         sw: vec![0.01; n],
         n,
         k,
@@ -89,8 +100,21 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// Runs case `c` on `threads` threads; returns the longest thread CPU time.
-fn run_case(c: &Case, threads: usize, acts: &[(Vec<i8>, Vec<f32>)]) -> f64 {
+/// Builds a case (its weights only when it runs).
+type MakeCase<'a> = Box<dyn Fn() -> Case + 'a>;
+
+/// Block `blk`'s output of matrix `mat`.
+type BlockOut = (usize, usize, Vec<f32>);
+
+/// Runs case `c` on `threads` threads with the weights in `layout`; returns the longest
+/// thread CPU time and, when `keep`, every block's output (sorted).
+fn run_case(
+    c: &Case,
+    threads: usize,
+    layout: I8Layout,
+    acts: &[(Vec<i8>, Vec<f32>)],
+    keep: bool,
+) -> (f64, Vec<BlockOut>) {
     let next = AtomicUsize::new(0);
     let total = c.blocks;
     let next = &next;
@@ -102,14 +126,19 @@ fn run_case(c: &Case, threads: usize, acts: &[(Vec<i8>, Vec<f32>)]) -> f64 {
                 with_i8_path(path, || {
                     let t0 = thread_cpu_seconds();
                     let mut out = Vec::new();
+                    let mut outs = Vec::new();
                     loop {
                         let blk = next.fetch_add(1, Ordering::Relaxed);
                         if blk >= total {
                             break;
                         }
-                        for (m, (xq, xs)) in c.mats.iter().zip(acts) {
+                        for (mi, (m, (xq, xs))) in c.mats.iter().zip(acts).enumerate() {
                             let r = blk * m.n / total..(blk + 1) * m.n / total;
-                            let w = WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k).rows_range(r.clone());
+                            let w = match layout {
+                                I8Layout::RowMajor => WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k),
+                                I8Layout::Packed => WeightsI8::packed(m.packed, &m.sw, m.n, m.k),
+                            }
+                            .rows_range(r.clone());
                             out.clear();
                             out.resize(m.batch * r.len(), 0.0f32);
                             let span = m.k / c.groups;
@@ -121,28 +150,36 @@ fn run_case(c: &Case, threads: usize, acts: &[(Vec<i8>, Vec<f32>)]) -> f64 {
                                 };
                                 let x = ActsI8::grouped(xq, xs, m.batch, m.k, m.k, c.groups);
                                 gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
-                                continue;
+                            } else {
+                                for g in 0..c.groups {
+                                    let tile = GemmTile {
+                                        n: 0..r.len(),
+                                        k: g * span..(g + 1) * span,
+                                        mode: OutMode::Add,
+                                    };
+                                    let x = ActsI8::new(xq, &xs[..m.batch], m.batch, m.k, m.k);
+                                    gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                                }
                             }
-                            for g in 0..c.groups {
-                                let tile = GemmTile {
-                                    n: 0..r.len(),
-                                    k: g * span..(g + 1) * span,
-                                    mode: OutMode::Add,
-                                };
-                                let x = ActsI8::new(xq, &xs[..m.batch], m.batch, m.k, m.k);
-                                gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                            if keep {
+                                outs.push((blk, mi, out.clone()));
                             }
                         }
                     }
-                    thread_cpu_seconds() - t0
+                    (thread_cpu_seconds() - t0, outs)
                 })
                 .expect("a supported path")
             }));
         }
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("no panic"))
-            .fold(0.0, f64::max)
+        let mut cpu = 0.0f64;
+        let mut outs = Vec::new();
+        for h in handles {
+            let (t, o) = h.join().expect("no panic");
+            cpu = cpu.max(t);
+            outs.extend(o);
+        }
+        outs.sort_by_key(|o| (o.0, o.1));
+        (cpu, outs)
     })
 }
 
@@ -150,60 +187,75 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rounds: usize = args.first().map_or(7, |a| a.parse().expect("rounds"));
     let only = args.get(1).cloned();
-    let mut cases = vec![
-        Case {
-            name: "q_b",
-            mats: vec![mat(32768, 1024, 8, 1)],
-            blocks: 8,
-            groups: 1,
-            grouped: false,
-        },
-        Case {
-            name: "wo_b",
-            mats: vec![mat(4096, 8192, 8, 2)],
-            blocks: 8,
-            groups: 8,
-            grouped: false,
-        },
-        Case {
-            name: "wo_b_grouped",
-            mats: vec![mat(4096, 8192, 8, 2)],
-            blocks: 8,
-            groups: 8,
-            grouped: true,
-        },
-        Case {
-            name: "moe_w13",
-            mats: (0..34).map(|e| mat(2048, 4096, 3, 10 + e)).collect(),
-            blocks: 32,
-            groups: 1,
-            grouped: false,
-        },
-        Case {
-            name: "moe_w2",
-            mats: (0..17).map(|e| mat(4096, 2048, 3, 100 + e)).collect(),
-            blocks: 32,
-            groups: 1,
-            grouped: false,
-        },
+    let case =
+        |name: &'static str, mats: Vec<Mat>, blocks: usize, groups: usize, grouped: bool| Case {
+            name,
+            mats,
+            blocks,
+            groups,
+            grouped,
+        };
+    // Built only when named (or all without a list): each holds its weights twice.
+    let all: Vec<(&str, MakeCase<'_>)> = vec![
+        (
+            "q_b",
+            Box::new(|| case("q_b", vec![mat(32768, 1024, 8, 1)], 8, 1, false)),
+        ),
+        (
+            "wo_b",
+            Box::new(|| case("wo_b", vec![mat(4096, 8192, 8, 2)], 8, 8, false)),
+        ),
+        (
+            "wo_b_grouped",
+            Box::new(|| case("wo_b_grouped", vec![mat(4096, 8192, 8, 2)], 8, 8, true)),
+        ),
+        (
+            "moe_w13",
+            Box::new(|| {
+                let mats = (0..34).map(|e| mat(2048, 4096, 3, 10 + e)).collect();
+                case("moe_w13", mats, 32, 1, false)
+            }),
+        ),
+        (
+            "moe_w2",
+            Box::new(|| {
+                let mats = (0..17).map(|e| mat(4096, 2048, 3, 100 + e)).collect();
+                case("moe_w2", mats, 32, 1, false)
+            }),
+        ),
+        (
+            "moe_w13_b1",
+            Box::new(|| {
+                let mats = (0..34).map(|e| mat(2048, 4096, 1, 10 + e)).collect();
+                case("moe_w13_b1", mats, 32, 1, false)
+            }),
+        ),
+        (
+            "moe_w2_b1",
+            Box::new(|| {
+                let mats = (0..17).map(|e| mat(4096, 2048, 1, 100 + e)).collect();
+                case("moe_w2_b1", mats, 32, 1, false)
+            }),
+        ),
     ];
+    let mut cases: Vec<Case> = all
+        .iter()
+        .filter(|(n, _)| only.as_ref().is_none_or(|o| o.split(',').any(|x| x == *n)))
+        .map(|(_, f)| f())
+        .collect();
     if let Some(o) = &only {
-        // Case names separated by commas run interleaved round by round.
-        cases.retain(|c| o.split(',').any(|n| n == c.name));
         // `N:K:BATCH:MATS:BLOCKS`: a case of these dimensions.
         let d: Vec<usize> = o.split(':').filter_map(|v| v.parse().ok()).collect();
         if let [n, k, batch, mats, blocks] = d[..] {
-            cases.push(Case {
-                name: "custom",
-                mats: (0..mats)
-                    .map(|e| mat(n, k, batch, 200 + e as u64))
-                    .collect(),
-                blocks,
-                groups: 1,
-                grouped: false,
-            });
+            let mats = (0..mats)
+                .map(|e| mat(n, k, batch, 200 + e as u64))
+                .collect();
+            cases.push(case("custom", mats, blocks, 1, false));
         }
     }
+    let threads: Vec<usize> = args.get(2).map_or(vec![1, 2], |t| {
+        t.split(',').map(|v| v.parse().expect("threads")).collect()
+    });
     let paths: Vec<I8Path> = [I8Path::Avx512Vnni, I8Path::Amx]
         .into_iter()
         .filter(|p| p.is_supported())
@@ -226,34 +278,54 @@ fn main() {
                 .collect()
         })
         .collect();
-    let variants: Vec<(I8Path, usize)> = paths.iter().flat_map(|&p| [(p, 1), (p, 2)]).collect();
+    let variants: Vec<(I8Path, usize, I8Layout)> = paths
+        .iter()
+        .flat_map(|&p| {
+            threads
+                .iter()
+                .flat_map(move |&t| [I8Layout::RowMajor, I8Layout::Packed].map(|l| (p, t, l)))
+        })
+        .collect();
+    // Both layouts give the same bits on every path.
+    for (ci, c) in cases.iter().enumerate() {
+        for &p in &paths {
+            let run = |l| with_i8_path(p, || run_case(c, 2, l, &acts[ci], true).1);
+            let (rm, pk) = (run(I8Layout::RowMajor), run(I8Layout::Packed));
+            assert!(rm == pk, "{}: {} differs between layouts", c.name, p.name());
+        }
+    }
+    let max_t = threads.iter().copied().max().unwrap_or(1);
     let bw_buf = vec![1u64; (256usize << 20) / 8];
-    let mut bw = [0.0f64; 2];
+    let mut bw = vec![0.0f64; max_t];
     let mut secs = vec![vec![Vec::new(); variants.len()]; cases.len()];
     let mut cpu_secs = secs.clone();
     for round in 0..rounds {
-        for (t, b) in bw.iter_mut().enumerate() {
-            *b = b.max(read_bandwidth(&bw_buf, t + 1, Duration::from_millis(200)).0);
+        for &t in &threads {
+            let b = &mut bw[t - 1];
+            *b = b.max(read_bandwidth(&bw_buf, t, Duration::from_millis(200)).0);
         }
         for (ci, c) in cases.iter().enumerate() {
             for j in 0..variants.len() {
                 let i = (round + j) % variants.len();
-                let (p, t) = variants[i];
+                let (p, t, l) = variants[i];
                 let t0 = Instant::now();
-                let cpu = with_i8_path(p, || run_case(c, t, &acts[ci])).expect("supported");
+                let cpu =
+                    with_i8_path(p, || run_case(c, t, l, &acts[ci], false).0).expect("supported");
                 secs[ci][i].push(t0.elapsed().as_secs_f64());
                 cpu_secs[ci][i].push(cpu);
             }
         }
     }
-    println!(
-        "streaming read (best of the rounds): 1 thread {:.1} GB/s, 2 threads {:.1} GB/s",
-        bw[0], bw[1]
-    );
+    for &t in &threads {
+        println!(
+            "streaming read (best of the rounds), {t} threads: {:.1} GB/s",
+            bw[t - 1]
+        );
+    }
     for (ci, c) in cases.iter().enumerate() {
         let bytes: usize = c.mats.iter().map(|m| m.n * m.k).sum();
         println!("{} ({} MiB of weights):", c.name, bytes >> 20);
-        for (i, (p, t)) in variants.iter().enumerate() {
+        for (i, (p, t, l)) in variants.iter().enumerate() {
             let s = &mut secs[ci][i];
             s.sort_by(f64::total_cmp);
             let (best, med) = (s[0], s[s.len() / 2]);
@@ -261,9 +333,14 @@ fn main() {
             let cs = &mut cpu_secs[ci][i];
             cs.sort_by(f64::total_cmp);
             println!(
-                "  {:<12} {t} thr: best {:>8.0} us  med {:>8.0} us  {gbs:>5.1} GB/s = {:>3.0}% of membw; \
+                "  {:<12} {:<9} {t} thr: best {:>8.0} us  med {:>8.0} us  {gbs:>5.1} GB/s = {:>3.0}% of membw; \
                  thread CPU best {:>8.0} us med {:>8.0} us ({:.1} GB/s)",
                 p.name(),
+                if *l == I8Layout::Packed {
+                    "packed"
+                } else {
+                    "row-major"
+                },
                 best * 1e6,
                 med * 1e6,
                 100.0 * gbs / bw[t - 1],

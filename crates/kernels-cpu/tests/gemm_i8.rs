@@ -1,6 +1,8 @@
 //! int8 GEMM: the quantisers, every W8A8 path bit for bit against an i64 reference loop (and
 //! so against each other), and every wide path against an f64 loop, at ragged shapes, tile
-//! edges, split-K slices and extreme values. Each test prints the paths it covered.
+//! edges, split-K slices and extreme values, with the weights row-major and packed
+//! ([`I8Layout::Packed`]: the same reference, bit for bit). Each test prints the paths it
+//! covered.
 
 mod common;
 
@@ -8,8 +10,9 @@ use std::ops::Range;
 
 use common::Rng;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, gemm_i8_wide, quantize_acts_i8,
-    quantize_row_i8, with_i8_path,
+    ActsI8, GemmTile, I8Layout, I8Path, OutMode, PACK_K, PACK_ROWS, WeightsI8, gemm_i8_w8a8,
+    gemm_i8_wide, pack_weights_i8, packed_index_i8, quantize_acts_i8, quantize_row_i8,
+    with_i8_path,
 };
 
 /// The supported paths, after printing which ran and which this machine lacks.
@@ -79,21 +82,54 @@ fn reference_w8a8(c: &Case, b: usize, n: usize, k: Range<usize>) -> f32 {
     i32::try_from(s).expect("sum in i32") as f32 * c.sw[n] * c.sa[b]
 }
 
-fn run_w8a8(c: &Case, tile: &GemmTile, seed_out: &[f32], ld: usize) -> Vec<f32> {
+/// The case's weights packed.
+fn packed_of(c: &Case) -> Vec<i8> {
+    let mut p = vec![0i8; c.n * c.k];
+    pack_weights_i8(&c.w, c.n, c.k, c.ldw, &mut p);
+    p
+}
+
+/// The case's weights in `layout` (`packed` holds them packed).
+fn weights<'a>(c: &'a Case, packed: &'a [i8], layout: I8Layout) -> WeightsI8<'a> {
+    match layout {
+        I8Layout::RowMajor => WeightsI8::new(&c.w, &c.sw, c.n, c.k, c.ldw),
+        I8Layout::Packed => WeightsI8::packed(packed, &c.sw, c.n, c.k),
+    }
+}
+
+const LAYOUTS: [I8Layout; 2] = [I8Layout::RowMajor, I8Layout::Packed];
+
+fn run_w8a8(
+    c: &Case,
+    packed: &[i8],
+    layout: I8Layout,
+    tile: &GemmTile,
+    seed_out: &[f32],
+    ld: usize,
+) -> Vec<f32> {
     let mut out = seed_out.to_vec();
-    let w = WeightsI8::new(&c.w, &c.sw, c.n, c.k, c.ldw);
+    let w = weights(c, packed, layout);
     let a = ActsI8::new(&c.a, &c.sa, c.batch, c.k, c.lda);
     gemm_i8_w8a8(w, a, tile, &mut out, ld);
     out
 }
 
-/// Random tile inside `[n, k]`: whole, or a slice of rows and/or of `k`, stored or added.
+/// Random tile inside `[n, k]`: whole, or a slice of rows and/or of `k`, stored or added;
+/// one of them starting `k` at a multiple of 64 (a packed chunk's start, where the SIMD paths
+/// read packed weights) and its rows anywhere (crossing packed groups).
 fn tiles(c: &Case, rng: &mut Rng) -> Vec<GemmTile> {
     let mut v = vec![GemmTile {
         n: 0..c.n,
         k: 0..c.k,
         mode: OutMode::Store,
     }];
+    let n0 = rng.below(c.n);
+    let k0 = rng.below(c.k.div_ceil(PACK_K)) * PACK_K;
+    v.push(GemmTile {
+        n: n0..n0 + 1 + rng.below(c.n - n0),
+        k: k0..k0 + 1 + rng.below(c.k - k0),
+        mode: OutMode::Add,
+    });
     for _ in 0..2 {
         let n0 = rng.below(c.n);
         let n1 = n0 + 1 + rng.below(c.n - n0);
@@ -114,6 +150,7 @@ fn tiles(c: &Case, rng: &mut Rng) -> Vec<GemmTile> {
 
 fn check_w8a8(c: &Case, paths: &[I8Path], seed: u64) {
     let mut rng = Rng(seed ^ 0x5EED);
+    let packed = packed_of(c);
     for tile in tiles(c, &mut rng) {
         let ld = tile.n.len() + rng.below(3);
         let seed_out = rng.vec_f32((c.batch - 1) * ld + tile.n.len(), 1.0);
@@ -129,16 +166,19 @@ fn check_w8a8(c: &Case, paths: &[I8Path], seed: u64) {
             }
         }
         for &p in paths {
-            let got = with_i8_path(p, || run_w8a8(c, &tile, &seed_out, ld)).expect("supported");
-            for (i, (g, e)) in got.iter().zip(&expect).enumerate() {
-                assert!(
-                    g.to_bits() == e.to_bits(),
-                    "{}: [{} x {}] batch {} tile {tile:?} out[{i}] = {g}, reference {e}",
-                    p.name(),
-                    c.n,
-                    c.k,
-                    c.batch
-                );
+            for layout in LAYOUTS {
+                let got = with_i8_path(p, || run_w8a8(c, &packed, layout, &tile, &seed_out, ld))
+                    .expect("supported");
+                for (i, (g, e)) in got.iter().zip(&expect).enumerate() {
+                    assert!(
+                        g.to_bits() == e.to_bits(),
+                        "{} {layout:?}: [{} x {}] batch {} tile {tile:?} out[{i}] = {g}, reference {e}",
+                        p.name(),
+                        c.n,
+                        c.k,
+                        c.batch
+                    );
+                }
             }
         }
     }
@@ -184,6 +224,7 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
             seed += 1;
             let k = groups * span;
             let c = case(n, k, batch, false, seed);
+            let packed = packed_of(&c);
             let mut rng = Rng(seed ^ 0x6A0);
             let gs = rng.vec_f32(batch * groups, 0.05);
             for tile in tiles(&c, &mut rng) {
@@ -214,10 +255,10 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
                         }
                     }
                 }
-                for &p in &paths {
+                for (&p, layout) in paths.iter().flat_map(|p| LAYOUTS.map(|l| (p, l))) {
                     let mut got = seed_out.clone();
                     with_i8_path(p, || {
-                        let w = WeightsI8::new(&c.w, &c.sw, n, k, c.ldw);
+                        let w = weights(&c, &packed, layout);
                         let a = ActsI8::grouped(&c.a, &gs, batch, k, c.lda, groups);
                         gemm_i8_w8a8(w, a, &tile, &mut got, ld);
                     })
@@ -225,8 +266,8 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
                     for (i, (g, e)) in got.iter().zip(&expect).enumerate() {
                         assert!(
                             g.to_bits() == e.to_bits(),
-                            "{}: [{n} x {k}] in {groups} groups, batch {batch}, tile {tile:?} \
-                             out[{i}] = {g}, reference {e}",
+                            "{} {layout:?}: [{n} x {k}] in {groups} groups, batch {batch}, \
+                             tile {tile:?} out[{i}] = {g}, reference {e}",
                             p.name()
                         );
                     }
@@ -234,6 +275,135 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
             }
         }
     }
+}
+
+/// Packing is a permutation of the `N * K` values that puts `(n, k)` where
+/// `packed_index_i8` says: 16-row groups, 64-byte chunks, the last group and chunk shrunk.
+#[test]
+fn packing_puts_every_value_at_its_documented_index() {
+    for (n, k) in [
+        (1, 1),
+        (16, 64),
+        (17, 65),
+        (33, 200),
+        (5, 130),
+        (48, 128),
+        (50, 63),
+    ] {
+        let c = case(n, k, 1, false, 9000 + (n * k) as u64);
+        let packed = packed_of(&c);
+        let mut seen = vec![false; n * k];
+        for r in 0..n {
+            for col in 0..k {
+                let i = packed_index_i8(n, k, r, col);
+                assert!(!seen[i], "[{n} x {k}]: index {i} twice");
+                seen[i] = true;
+                assert_eq!(packed[i], c.w[r * c.ldw + col], "[{n} x {k}] ({r}, {col})");
+            }
+        }
+        // A whole group and chunk is one 1 KiB block: row r of chunk c at 1024 c + 64 r.
+        if n >= PACK_ROWS && k >= 2 * PACK_K {
+            assert_eq!(
+                packed_index_i8(n, k, 3, PACK_K + 5),
+                PACK_K * PACK_ROWS + 3 * 64 + 5
+            );
+        }
+    }
+}
+
+/// Views of row ranges of packed weights (starting inside, at and across 16-row groups)
+/// give the same bits as the same views of the row-major weights, on every path.
+#[test]
+fn packed_row_range_views_equal_row_major_views() {
+    let paths = paths("w8a8 packed views");
+    let mut seed = 7000;
+    for (n, k) in [(50, 256), (70, 200), (40, 64)] {
+        for batch in [1, 3, 4, 8, 16] {
+            seed += 1;
+            let c = case(n, k, batch, false, seed);
+            let packed = packed_of(&c);
+            for rows in [0..n, 3..n, 16..48.min(n), 17..40, 5..21, 32..n] {
+                let tile = GemmTile {
+                    n: 0..rows.len(),
+                    k: 0..k,
+                    mode: OutMode::Store,
+                };
+                let a = ActsI8::new(&c.a, &c.sa, batch, k, c.lda);
+                for &p in &paths {
+                    let run = |layout| {
+                        let mut out = vec![0.0f32; batch * rows.len()];
+                        let w = weights(&c, &packed, layout).rows_range(rows.clone());
+                        with_i8_path(p, || gemm_i8_w8a8(w, a, &tile, &mut out, rows.len()))
+                            .expect("supported");
+                        out
+                    };
+                    let (rm, pk) = (run(I8Layout::RowMajor), run(I8Layout::Packed));
+                    assert!(
+                        rm.iter().zip(&pk).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{}: [{n} x {k}] batch {batch} rows {rows:?}: packed view differs",
+                        p.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "packed int8 weights are not supported")]
+fn wide_product_refuses_packed_weights() {
+    let w = vec![0i8; 4 * 8];
+    let sw = vec![1.0f32; 4];
+    let x = vec![0.0f32; 8];
+    let tile = GemmTile {
+        n: 0..4,
+        k: 0..8,
+        mode: OutMode::Store,
+    };
+    let mut out = vec![0.0f32; 4];
+    gemm_i8_wide(
+        WeightsI8::packed(&w, &sw, 4, 8),
+        &x,
+        1,
+        8,
+        None,
+        &tile,
+        &mut out,
+        4,
+    );
+}
+
+/// Bytes after a packed matrix (a buffer larger than the matrix) are never read.
+#[test]
+fn packed_weights_ignore_bytes_after_the_matrix() {
+    let paths = paths("w8a8 packed trailing bytes");
+    let c = case(33, 130, 5, false, 4242);
+    let packed = packed_of(&c);
+    let mut longer = packed.clone();
+    longer.extend([127i8; 70]);
+    let tile = GemmTile {
+        n: 0..33,
+        k: 0..130,
+        mode: OutMode::Store,
+    };
+    let a = ActsI8::new(&c.a, &c.sa, 5, 130, c.lda);
+    for &p in &paths {
+        let run = |data: &[i8]| {
+            let mut out = vec![0.0f32; 5 * 33];
+            let w = WeightsI8::packed(data, &c.sw, 33, 130);
+            with_i8_path(p, || gemm_i8_w8a8(w, a, &tile, &mut out, 33)).expect("supported");
+            out
+        };
+        assert_eq!(run(&packed), run(&longer), "{}", p.name());
+    }
+}
+
+#[test]
+#[should_panic(expected = "packed int8 weights: 31 bytes for [4, 8]")]
+fn packed_weights_refuse_a_wrong_length() {
+    let w = vec![0i8; 31];
+    let sw = vec![1.0f32; 4];
+    let _ = WeightsI8::packed(&w, &sw, 4, 8);
 }
 
 #[test]
@@ -285,11 +455,13 @@ fn w8a8_at_the_largest_k_keeps_the_exact_sum() {
             k: 0..k,
             mode: OutMode::Store,
         };
-        for &p in &paths {
-            let got = with_i8_path(p, || run_w8a8(&c, &tile, &vec![0.0; batch * n], n)).unwrap();
+        let packed = packed_of(&c);
+        for (&p, layout) in paths.iter().flat_map(|p| LAYOUTS.map(|l| (p, l))) {
+            let zero = vec![0.0; batch * n];
+            let got = with_i8_path(p, || run_w8a8(&c, &packed, layout, &tile, &zero, n)).unwrap();
             assert!(
                 got.iter().all(|&g| g == expect),
-                "{}: {wv} x {av}: {:?} != {expect}",
+                "{} {layout:?}: {wv} x {av}: {:?} != {expect}",
                 p.name(),
                 &got[..4]
             );

@@ -1,8 +1,10 @@
 //! AMX-INT8 path (`tdpbssd`, through `asm!`: the tile intrinsics are not stable Rust).
 //!
 //! The product is computed transposed, `C[n, b] = sum_k W[n, k] * X[b, k]`, so the weights are
-//! the A operand exactly as they lie in memory (16 rows at the weight row stride, 64 bytes of
-//! `k`): nothing is repacked at load. The activations (a few rows) are repacked per call into
+//! the A operand as they lie in memory: 16 rows at the weight row stride, 64 bytes of `k`, when
+//! row-major; one contiguous 1 KiB block (rows 64 bytes apart) of a whole 16-row group when
+//! packed (`gemm_i8` module docs, "Layouts"; rows outside whole groups go to AVX-512 VNNI).
+//! Nothing is repacked per call. The activations (a few rows) are repacked per call into
 //! the B operand's layout, one 1 KiB block per 64 bytes of `k`: row `j` of a block holds, for
 //! each batch row `b`, the four values `x[b, 4j..4j + 4]`. Two accumulator tiles (32 weight
 //! rows) share each B tile. With grouped activations every block of 32 (or 16) rows runs through the
@@ -76,35 +78,57 @@ impl TileConfig {
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let lw = &segs[0];
     let any_chunks = segs.iter().any(|s| s.k.len() >= KSTEP);
-    let groups_end = lw.n.start + lw.n.len() / TILE_ROWS * TILE_ROWS;
-    if any_chunks && groups_end > lw.n.start {
+    // Rows in whole tiles of 16: from the tile's first row when row-major; the whole groups
+    // inside the tile when packed (the rows before and after go to AVX-512 VNNI).
+    let (groups_start, groups_end) = if lw.wa.packed.is_some() {
+        let mut a = lw.n.start;
+        while a < lw.n.end && !lw.wa.whole_group_at(a) {
+            a += 1;
+        }
+        let mut e = a;
+        while e + TILE_ROWS <= lw.n.end && lw.wa.whole_group_at(e) {
+            e += TILE_ROWS;
+        }
+        (a, e)
+    } else {
+        (lw.n.start, lw.n.start + lw.n.len() / TILE_ROWS * TILE_ROWS)
+    };
+    let (groups_start, groups_end) = if any_chunks && groups_end > groups_start {
+        (groups_start, groups_end)
+    } else {
+        (lw.n.start, lw.n.start)
+    };
+    if groups_end > groups_start {
         PACK.with(|p| {
             let mut pack = p.borrow_mut();
             let mut b0 = 0;
             while b0 < lw.batch {
                 let bb = (lw.batch - b0).min(BATCH);
                 repack(segs, b0, bb, &mut pack);
-                // SAFETY: forwarded contract; rows `n.start..groups_end` in whole groups of 16,
-                // batch rows `b0..b0 + bb` inside the batch, `pack` holds every segment's
-                // blocks one after another.
-                unsafe { tiles(segs, b0, bb, groups_end, &pack, out, ld_out) };
+                // SAFETY: forwarded contract; rows `groups_start..groups_end` in whole groups
+                // of 16 (whole packed groups when packed), batch rows `b0..b0 + bb` inside the
+                // batch, `pack` holds every segment's blocks one after another.
+                unsafe { tiles(segs, b0, bb, groups_start..groups_end, &pack, out, ld_out) };
                 b0 += bb;
             }
         });
     }
-    // Rows after the last whole group of 16 (and every row when `k` has no whole step).
-    let rest = if any_chunks { groups_end } else { lw.n.start };
-    if rest < lw.n.end {
+    // Rows outside the whole groups of 16 (every row when `k` has no whole step).
+    for rows in [lw.n.start..groups_start, groups_end..lw.n.end] {
+        if rows.is_empty() {
+            continue;
+        }
         let sub: Vec<Lowered<'_>> = segs
             .iter()
             .map(|s| Lowered {
-                n: rest..s.n.end,
+                n: rows.clone(),
                 ..s.clone()
             })
             .collect();
-        // SAFETY: the same checked tile restricted to its last rows, writing the same output
-        // elements (the output slice starts at those rows' column); AVX-512 VNNI available.
-        unsafe { avx512::gemm(&sub, &mut out[rest - lw.n.start..], ld_out) };
+        // SAFETY: the same checked tile restricted to some of its rows, writing the same
+        // output elements (the output slice starts at those rows' column); AVX-512 VNNI
+        // available.
+        unsafe { avx512::gemm(&sub, &mut out[rows.start - lw.n.start..], ld_out) };
     }
 }
 
@@ -132,28 +156,29 @@ fn repack(segs: &[Lowered<'_>], b0: usize, bb: usize, pack: &mut Vec<i8>) {
     }
 }
 
-/// Rows `n.start..groups_end` (whole groups of 16) against batch rows `b0..b0 + bb`, each
-/// block of rows through every segment in order.
+/// Rows `groups` (whole groups of 16, whole packed groups when packed) against batch rows
+/// `b0..b0 + bb`, each block of rows through every segment in order.
 ///
 /// # Safety
-/// As [`gemm`]; `groups_end - n.start` a multiple of 16 inside the tile, `pack` holding
-/// every segment's blocks of batch rows `b0..b0 + bb` (as [`repack`] writes them).
+/// As [`gemm`]; `groups` inside the tile, its length a multiple of 16 (and its start a
+/// packed group's when packed), `pack` holding every segment's blocks of batch rows
+/// `b0..b0 + bb` (as [`repack`] writes them).
 unsafe fn tiles(
     segs: &[Lowered<'_>],
     b0: usize,
     bb: usize,
-    groups_end: usize,
+    groups: std::ops::Range<usize>,
     pack: &[i8],
     out: &mut [f32],
     ld_out: usize,
 ) {
     let cfg = TileConfig::new(bb);
     let mut c = [[0i32; BATCH]; 2 * TILE_ROWS];
-    let first = &segs[0];
+    let groups_end = groups.end;
     // SAFETY: `cfg` is a valid palette-1 configuration (rows <= 16, colsb <= 64) and the tile
     // state is granted (caller's contract).
     unsafe { asm!("ldtilecfg [{}]", in(reg) &raw const cfg, options(nostack, readonly)) };
-    let mut n0 = first.n.start;
+    let mut n0 = groups.start;
     while n0 < groups_end {
         let pair = groups_end - n0 >= 2 * TILE_ROWS;
         let mut block0 = 0;
@@ -202,26 +227,35 @@ unsafe fn segment(
     ld_out: usize,
 ) {
     let tail = lw.k.start + chunks * KSTEP..lw.k.end;
-    let wstride = lw.ldw;
+    // Row-major: a tile's rows lie `ldw` apart, its 64-byte steps 64 apart, the next 16 rows
+    // `16 ldw` on. Packed: a tile is one 1 KiB block (rows 64 apart), the blocks of a group
+    // follow one another, the next group starts `16 K` on (`k.start` a multiple of 64).
+    let (wstride, cstride, gstride) = match lw.wa.packed {
+        None => (lw.wa.ldw, KSTEP, TILE_ROWS * lw.wa.ldw),
+        Some(_) => (KSTEP, TILE_ROWS * KSTEP, TILE_ROWS * lw.wa.cols),
+    };
     {
-        let w0 = lw.w[n0 * lw.ldw + lw.k.start..].as_ptr();
+        let w0 = lw.w_ptr(n0, lw.k.start);
         // SAFETY: zeroing tile registers touches no memory.
         unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
         for ch in 0..chunks {
             let bp = pack[ch * TILE_ROWS * KSTEP..].as_ptr();
-            let wa = w0.wrapping_add(ch * KSTEP);
-            let wb = wa.wrapping_add(TILE_ROWS * wstride);
-            // The same 64 bytes of the next group's rows: 32 row streams at a large stride are
-            // more than the hardware prefetcher follows.
-            let next = wa.wrapping_add(2 * TILE_ROWS * wstride);
-            for r in 0..2 * TILE_ROWS {
-                prefetch_l2(next.wrapping_add(r * wstride));
+            let wa = w0.wrapping_add(ch * cstride);
+            let wb = wa.wrapping_add(gstride);
+            // The same 64 bytes of the next two groups' rows: 32 row streams at a large stride
+            // are more than the hardware prefetcher follows.
+            for g in [wa, wb] {
+                let next = g.wrapping_add(2 * gstride);
+                for r in 0..TILE_ROWS {
+                    prefetch_l2(next.wrapping_add(r * wstride));
+                }
             }
             if pair {
                 // SAFETY: tmm6 reads 16 rows of `bb * 4` bytes at stride 64 inside block `ch`
                 // of `pack`; tmm4/tmm5 read 16 rows of 64 bytes at the weight stride from rows
-                // n0..n0 + 32 at `k.start + 64 ch`, inside the tile's rows and body (the
-                // caller checked the rows lie in `lw.w`).
+                // n0..n0 + 32 at `k.start + 64 ch` (row-major), or the 1 KiB blocks of chunk
+                // `k.start / 64 + ch` of the two whole groups n0.. and n0 + 16.. (packed),
+                // inside the tile's rows and body (the caller checked the rows lie in `lw.w`).
                 unsafe {
                     asm!(
                         "tileloadd tmm6, [{b} + {bs}*1]",

@@ -65,7 +65,7 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
     sums: &mut [[i32; B]; R],
 ) {
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw.w, lw.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
+    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_si256(); BB]; RR];
     for s in 0..steps {
@@ -75,7 +75,7 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
             std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
         for r in 0..RR {
             // The same row of the next block, one block ahead (see `PREFETCH`).
-            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
+            prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
             let w_abs = _mm256_sign_epi8(w, w);
@@ -125,13 +125,13 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 ) {
     let lw = lo.lw;
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw.w, lw.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
+    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
     let flip = _mm256_set1_epi8(i8::MIN);
     let mut acc = [[_mm256_setzero_si256(); BB]; RR];
     for s in 0..steps {
         let w: [__m256i; RR] = std::array::from_fn(|r| {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
-            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
+            prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
             // SAFETY: as in `block_maddubs`.
             _mm256_xor_si256(
                 unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) },

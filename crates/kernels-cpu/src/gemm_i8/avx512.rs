@@ -44,18 +44,31 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     let lw = lo.lw;
     let steps = lw.k.len() / STEP;
     let k0 = lw.k.start;
-    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
+    // Row-major: each row's steps follow one another; packed: a row's 64-byte chunks lie a
+    // block (its group's rows × 64) apart, and `k0` is a multiple of 64 (`gemm_i8_w8a8`).
+    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r, k0));
+    let ws: [usize; RR] = std::array::from_fn(|r| lw.wa.chunk_stride(n0 + r));
+    // The same rows of the next block (this block's own when it is the tile's last).
+    let pf: [*const i8; RR] = std::array::from_fn(|r| {
+        if n0 + RR + r < lw.n.end {
+            lw.w_ptr(n0 + RR + r, k0)
+        } else {
+            wp[r]
+        }
+    });
     let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
     let flip = _mm512_set1_epi8(i8::MIN);
     let mut acc = [[_mm512_setzero_si512(); BB]; RR];
     for s in 0..steps {
         let w: [__m512i; RR] = std::array::from_fn(|r| {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
-            prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * STEP));
-            // SAFETY: `s * STEP + STEP <= k.len()` values lie after each start pointer (the
-            // rows lie inside their slices: checked by the caller).
+            prefetch_l2(pf[r].wrapping_add(s * ws[r]));
+            // SAFETY: `s * STEP + STEP <= k.len()` values of row `n0 + r` lie from each start
+            // pointer, step `s` at `s * ws[r]` (contiguous when row-major; in whole chunks
+            // of the row's group when packed), inside the weights (rows checked by the
+            // caller).
             _mm512_xor_si512(
-                unsafe { _mm512_loadu_si512(wp[r].add(s * STEP).cast()) },
+                unsafe { _mm512_loadu_si512(wp[r].add(s * ws[r]).cast()) },
                 flip,
             )
         });

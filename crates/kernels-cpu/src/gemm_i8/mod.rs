@@ -23,6 +23,31 @@
 //!   per group read every row in strided pieces, one group's span at a time: measured
 //!   1.4–1.7× slower at `Wo_b`'s FLASH shape on the shared host).
 //! - Output fp32: element `(b, n)` of a tile at `out[b * ld_out + (n - tile.n.start)]`.
+//! - Packed weights ([`I8Layout::Packed`], written by [`pack_weights_i8`], viewed by
+//!   [`WeightsI8::packed`]): the same `N * K` bytes of a row-major `[N, K]` matrix, reordered
+//!   so a kernel step reads contiguous memory. Rows go in groups of [`PACK_ROWS`] (16), `k` in
+//!   chunks of [`PACK_K`] (64 bytes); inside a group each chunk is a block of the group's rows
+//!   × the chunk's bytes, row after row, and the blocks follow in `k` order:
+//!
+//!   ```text
+//!   g = n / 16, r = n % 16, h = min(16, N - 16 g)      (rows of the group)
+//!   c = k / 64, j = k % 64, w = min(64, K - 64 c)      (bytes of the chunk)
+//!   index(n, k) = 16 g K + 64 c h + r w + j
+//!   ```
+//!
+//!   No padding: a whole group and a whole chunk make one 1 KiB block (16 rows × 64 bytes,
+//!   exactly an AMX A tile at stride 64); the last group may have fewer rows and the last chunk
+//!   fewer bytes, and their blocks shrink to `h × w`. The scales stay one per row in row order.
+//!   Why: at row stride `K` a kernel step reads 16 (AMX) or 3 (AVX-512) rows a stride apart,
+//!   separate streams that cross pages on their own (no transparent huge pages here) and that
+//!   the hardware prefetchers follow poorly; packed, an AMX group streams 1 KiB blocks in order.
+//!   Every path reads either layout and computes the same integers (bit-identical results). The
+//!   SIMD paths need each `k` slice (and, with grouped activations, each group's span) to start
+//!   at a multiple of 64 in packed weights; other slices, and the AVX2 and AVX-VNNI paths (whose
+//!   machines [`I8Layout::preferred`] never packs for), run the portable loops, which read any
+//!   element through the formula. The wide product ([`gemm_i8_wide`]) takes row-major weights
+//!   only and refuses packed ones by name. Views of a row range of packed weights
+//!   ([`WeightsI8::rows_range`]) keep the whole matrix and an offset, so any range works.
 //!
 //! # Paths ([`I8Path`], chosen at run time)
 //! - Portable: plain loops.
@@ -261,7 +286,86 @@ fn amx_int8_supported() -> bool {
     false
 }
 
-/// int8 weights `[rows, cols]` at row stride `ld`, one fp32 scale per row.
+/// Rows per group of packed int8 weights ([`I8Layout::Packed`]): an AMX-INT8 A tile.
+pub const PACK_ROWS: usize = 16;
+/// Bytes of `k` per chunk of packed int8 weights: one tile row, one 512-bit load.
+pub const PACK_K: usize = 64;
+
+/// How the values of int8 weights `[N, K]` lie in memory (module docs, "Layouts").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum I8Layout {
+    /// Row `n` at `n * ld` (`ld >= K`).
+    RowMajor,
+    /// Groups of [`PACK_ROWS`] rows × chunks of [`PACK_K`] bytes, blocks in `k` order
+    /// ([`packed_index_i8`]), `N * K` bytes.
+    Packed,
+}
+
+impl I8Layout {
+    /// The layout int8 weights should be built in for this machine's kernels: packed where
+    /// the best int8 path is AVX-512 VNNI or AMX (whose kernels read packed blocks as
+    /// contiguous memory), row-major elsewhere (AVX2 and AVX-VNNI step through rows in
+    /// 32-byte pieces and read packed weights only through the portable loops). Decided
+    /// from the detected path, not a thread's override, so it is the same for a whole
+    /// process: weights packed at load and the kernels reading them agree.
+    pub fn preferred() -> I8Layout {
+        match I8Path::detected() {
+            I8Path::Avx512Vnni | I8Path::Amx => I8Layout::Packed,
+            I8Path::Portable | I8Path::Avx2 | I8Path::AvxVnni => I8Layout::RowMajor,
+        }
+    }
+}
+
+/// Index of element `(n, k)` of packed int8 weights `[rows, cols]` (module docs, "Layouts").
+///
+/// # Panics
+/// If `(n, k)` lies outside `[rows, cols]`.
+pub fn packed_index_i8(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    assert!(
+        n < rows && k < cols,
+        "packed int8 weights: element ({n}, {k}) outside [{rows}, {cols}]"
+    );
+    packed_index(rows, cols, n, k)
+}
+
+#[inline]
+fn packed_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    let (g, r) = (n / PACK_ROWS, n % PACK_ROWS);
+    let h = (rows - g * PACK_ROWS).min(PACK_ROWS);
+    let (c, j) = (k / PACK_K, k % PACK_K);
+    let w = (cols - c * PACK_K).min(PACK_K);
+    g * PACK_ROWS * cols + c * PACK_K * h + r * w + j
+}
+
+/// Writes row-major int8 weights `src [rows, cols]` (row stride `ld`) into `dst` in the
+/// packed layout ([`I8Layout::Packed`]); `dst` holds exactly `rows * cols` values.
+///
+/// # Panics
+/// If `ld < cols`, `src` is shorter than its last row's end, or `dst.len() != rows * cols`.
+pub fn pack_weights_i8(src: &[i8], rows: usize, cols: usize, ld: usize, dst: &mut [i8]) {
+    assert!(ld >= cols, "pack_weights_i8: ld {ld} < cols {cols}");
+    let need = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+    assert!(
+        src.len() >= need,
+        "pack_weights_i8: {} source bytes for {rows} rows of {cols} at stride {ld}",
+        src.len()
+    );
+    assert_eq!(
+        Some(dst.len()),
+        rows.checked_mul(cols),
+        "pack_weights_i8: destination length for [{rows}, {cols}]"
+    );
+    for n in 0..rows {
+        let row = &src[n * ld..n * ld + cols];
+        for (c, piece) in row.chunks(PACK_K).enumerate() {
+            let at = packed_index(rows, cols, n, c * PACK_K);
+            dst[at..at + piece.len()].copy_from_slice(piece);
+        }
+    }
+}
+
+/// int8 weights `[rows, cols]`, one fp32 scale per row: row-major at row stride `ld`, or
+/// packed ([`WeightsI8::packed`]).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightsI8<'a> {
     data: &'a [i8],
@@ -269,6 +373,16 @@ pub struct WeightsI8<'a> {
     rows: usize,
     cols: usize,
     ld: usize,
+    packed: Option<PackedRows>,
+}
+
+/// Where a view of packed weights lies in its whole matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PackedRows {
+    /// Rows of the whole packed matrix (`data` holds all of it).
+    total: usize,
+    /// The whole matrix's row of the view's row 0.
+    first: usize,
 }
 
 impl<'a> WeightsI8<'a> {
@@ -304,6 +418,49 @@ impl<'a> WeightsI8<'a> {
             rows,
             cols,
             ld,
+            packed: None,
+        }
+    }
+    /// Views `data` as packed weights `[rows, cols]` ([`I8Layout::Packed`], as
+    /// [`pack_weights_i8`] writes them).
+    ///
+    /// Values after the first `rows * cols` are not part of the matrix (as after the last
+    /// row of row-major weights).
+    ///
+    /// # Panics
+    /// If `cols > MAX_K`, `data` is shorter than `rows * cols`, or `scales.len() != rows`.
+    pub fn packed(data: &'a [i8], scales: &'a [f32], rows: usize, cols: usize) -> WeightsI8<'a> {
+        let len = rows.checked_mul(cols).filter(|&len| len <= data.len());
+        let Some(len) = len else {
+            panic!(
+                "packed int8 weights: {} bytes for [{rows}, {cols}]",
+                data.len()
+            );
+        };
+        let data = &data[..len];
+        WeightsI8 {
+            packed: Some(PackedRows {
+                total: rows,
+                first: 0,
+            }),
+            ..WeightsI8::new(data, scales, rows, cols, cols)
+        }
+    }
+    /// Views `data` as dense weights `[rows, cols]` in `layout` (row stride `cols` when
+    /// row-major).
+    ///
+    /// # Panics
+    /// As [`WeightsI8::new`] or [`WeightsI8::packed`].
+    pub fn with_layout(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+        layout: I8Layout,
+    ) -> WeightsI8<'a> {
+        match layout {
+            I8Layout::RowMajor => WeightsI8::new(data, scales, rows, cols, cols),
+            I8Layout::Packed => WeightsI8::packed(data, scales, rows, cols),
         }
     }
     /// Number of rows (`N`).
@@ -314,15 +471,23 @@ impl<'a> WeightsI8<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    /// Row stride in elements.
+    /// Row stride in elements (row-major; `cols` for packed weights, whose rows have none).
     pub fn ld(&self) -> usize {
         self.ld
+    }
+    /// The layout of the values.
+    pub fn layout(&self) -> I8Layout {
+        if self.packed.is_some() {
+            I8Layout::Packed
+        } else {
+            I8Layout::RowMajor
+        }
     }
     /// The per-row scales.
     pub fn scales(&self) -> &'a [f32] {
         self.scales
     }
-    /// The values.
+    /// The values (for packed weights, the whole packed matrix the view lies in).
     pub fn data(&self) -> &'a [i8] {
         self.data
     }
@@ -336,6 +501,17 @@ impl<'a> WeightsI8<'a> {
             "int8 weights: rows {r:?} of {}",
             self.rows
         );
+        if let Some(p) = self.packed {
+            return WeightsI8 {
+                scales: &self.scales[r.clone()],
+                rows: r.len(),
+                packed: Some(PackedRows {
+                    first: p.first + r.start,
+                    ..p
+                }),
+                ..*self
+            };
+        }
         let start = (r.start * self.ld).min(self.data.len());
         WeightsI8::new(
             &self.data[start..],
@@ -575,7 +751,7 @@ pub fn quantize_acts_i8(
 #[derive(Clone)]
 struct Lowered<'a> {
     w: &'a [i8],
-    ldw: usize,
+    wa: WAddr,
     sw: &'a [f32],
     a: &'a [i8],
     lda: usize,
@@ -590,14 +766,88 @@ struct Lowered<'a> {
     mode: OutMode,
 }
 
+/// Where the weight values of a lowered tile lie: row-major at stride `ldw`, or packed.
+#[derive(Clone, Copy, Debug)]
+struct WAddr {
+    ldw: usize,
+    cols: usize,
+    packed: Option<PackedRows>,
+}
+
+impl WAddr {
+    fn of(w: &WeightsI8<'_>) -> WAddr {
+        WAddr {
+            ldw: w.ld,
+            cols: w.cols,
+            packed: w.packed,
+        }
+    }
+
+    /// Index of element `(n, k)` (`n` a row of the view) in the weight values.
+    #[inline]
+    fn index(&self, n: usize, k: usize) -> usize {
+        match self.packed {
+            None => n * self.ldw + k,
+            Some(p) => packed_index(p.total, self.cols, p.first + n, k),
+        }
+    }
+
+    /// Values of row `n` that lie contiguously from `k` on (to the end of `k`'s chunk when
+    /// packed), at most `len`.
+    #[inline]
+    fn run(&self, k: usize, len: usize) -> usize {
+        match self.packed {
+            None => len,
+            Some(_) => len.min(PACK_K - k % PACK_K),
+        }
+    }
+
+    /// Distance between the starts of consecutive 64-byte chunks of row `n` (from a `k` that
+    /// is a multiple of 64 when packed).
+    #[inline]
+    fn chunk_stride(&self, n: usize) -> usize {
+        match self.packed {
+            None => PACK_K,
+            Some(p) => {
+                let g = (p.first + n) / PACK_ROWS;
+                PACK_K * (p.total - g * PACK_ROWS).min(PACK_ROWS)
+            }
+        }
+    }
+
+    /// Whether row `n` starts a whole group of [`PACK_ROWS`] rows (packed) of the view.
+    #[inline]
+    fn whole_group_at(&self, n: usize) -> bool {
+        self.packed.is_none_or(|p| {
+            (p.first + n).is_multiple_of(PACK_ROWS) && p.first + n + PACK_ROWS <= p.total
+        })
+    }
+}
+
 impl Lowered<'_> {
     /// Exact i32 sum of row `n` against batch row `b` over `k`.
     #[inline]
     fn dot(&self, n: usize, b: usize, k: Range<usize>) -> i32 {
-        let w = &self.w[n * self.ldw..];
         let a = &self.a[b * self.lda..];
-        k.map(|i| i32::from(w[i]) * i32::from(a[i]))
-            .fold(0i32, i32::wrapping_add)
+        let mut sum = 0i32;
+        let mut i = k.start;
+        while i < k.end {
+            let len = self.wa.run(i, k.end - i);
+            let w = &self.w[self.wa.index(n, i)..][..len];
+            sum = w
+                .iter()
+                .zip(&a[i..i + len])
+                .map(|(&w, &a)| i32::from(w) * i32::from(a))
+                .fold(sum, i32::wrapping_add);
+            i += len;
+        }
+        sum
+    }
+
+    /// Pointer to element `(n, k)` of the weights, `n` a row of the tile.
+    #[inline]
+    fn w_ptr(&self, n: usize, k: usize) -> *const i8 {
+        self.w[self.wa.index(n, k)..].as_ptr()
     }
 
     /// Writes one finished sum (the same expression on every path).
@@ -743,7 +993,7 @@ pub fn gemm_i8_w8a8(
     }
     let lw = Lowered {
         w: w.data,
-        ldw: w.ld,
+        wa: WAddr::of(&w),
         sw: w.scales,
         a: x.data,
         lda: x.ld,
@@ -756,9 +1006,16 @@ pub fn gemm_i8_w8a8(
         mode: tile.mode,
     };
     let segs = segments(&lw, x.cols / x.groups);
+    // Packed weights: the SIMD paths step through whole 64-byte chunks from each segment's
+    // start (module docs, "Layouts").
+    let simd = w.packed.is_none()
+        || segs
+            .iter()
+            .all(|s| s.k.start.is_multiple_of(PACK_K) || s.k.len() < PACK_K);
     #[cfg(target_arch = "x86_64")]
-    {
+    if simd {
         let path = I8Path::current();
+        let packed = w.packed.is_some();
         // SAFETY: `I8Path::current` returns a path only when `is_supported` said this CPU has
         // its features (and, for AMX, Linux granted the tile state); every segment is the
         // tile checked above restricted to a `k` range inside it.
@@ -766,12 +1023,14 @@ pub fn gemm_i8_w8a8(
             match path {
                 I8Path::Amx if lw.batch >= AMX_MIN_BATCH => return amx::gemm(&segs, out, ld_out),
                 I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&segs, out, ld_out),
-                I8Path::AvxVnni => return avx2::gemm_vnni(&segs, out, ld_out),
-                I8Path::Avx2 => return avx2::gemm(&segs, out, ld_out),
-                I8Path::Portable => {}
+                I8Path::AvxVnni if !packed => return avx2::gemm_vnni(&segs, out, ld_out),
+                I8Path::Avx2 if !packed => return avx2::gemm(&segs, out, ld_out),
+                I8Path::AvxVnni | I8Path::Avx2 | I8Path::Portable => {}
             }
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd;
     portable::gemm(&segs, out, ld_out);
 }
 
@@ -816,7 +1075,8 @@ impl LoweredWide<'_> {
 /// with `x` fp32 `[batch, K]` in natural order at row stride `ldx`.
 ///
 /// # Panics
-/// As [`gemm_i8_w8a8`], and if `x` is too short or `row_scale` is not `batch` long.
+/// As [`gemm_i8_w8a8`], if `x` is too short or `row_scale` is not `batch` long, and if `w`
+/// is packed (this product reads row-major weights only).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_i8_wide(
     w: WeightsI8<'_>,
@@ -828,6 +1088,10 @@ pub fn gemm_i8_wide(
     out: &mut [f32],
     ld_out: usize,
 ) {
+    assert!(
+        w.packed.is_none(),
+        "gemm_i8_wide: packed int8 weights are not supported (row-major only)"
+    );
     if !check_tile(&w, w.cols(), batch, tile, out, ld_out) {
         return;
     }

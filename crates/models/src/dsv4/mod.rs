@@ -15,6 +15,7 @@ pub mod cost;
 pub mod fixture;
 pub mod fixture_file;
 pub mod golden;
+pub mod int8_layout;
 pub mod moe_cost;
 pub mod moe_ep;
 pub mod moe_graph;

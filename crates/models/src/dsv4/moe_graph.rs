@@ -32,6 +32,7 @@ use simpler_core::{
 
 use super::config::Dsv4Config;
 use super::fixture::{Expert, Int8Matrix, MoeWeights};
+use super::int8_layout::{Int8Use, stacked_in_layout, upload_layout};
 use super::moe_ops::{self, idx};
 
 /// Where the routed experts live: `per_rank` consecutive experts per rank, expert `e` on rank
@@ -226,12 +227,18 @@ fn upload<T: simpler_core::Element>(w: &Worker, data: &[T]) -> Result<Buffer, Mo
 /// The six buffers (W1, S1, W3, S3, W2, S2) of `experts`, each stacked `[G, ...]`.
 fn expert_buffers(w: &Worker, experts: &[&Expert]) -> Result<Vec<Buffer>, MoeRunError> {
     let mut out = Vec::with_capacity(6);
+    let layout = upload_layout(w, Int8Use::Experts);
     let pick: [fn(&Expert) -> &Int8Matrix; 3] = [|e| &e.w1, |e| &e.w3, |e| &e.w2];
     for pick in pick {
         let q: Vec<i8> = experts
             .iter()
             .flat_map(|e| pick(e).q.iter().copied())
             .collect();
+        // Every expert of a layer has the same shape (`MoeLayer::new` checked it).
+        let (rows, cols) = experts
+            .first()
+            .map_or((0, 0), |e| (pick(e).rows, pick(e).cols));
+        let q = stacked_in_layout(&q, experts.len(), rows, cols, layout);
         let s: Vec<f32> = experts
             .iter()
             .flat_map(|e| pick(e).scale.iter().copied())

@@ -26,6 +26,8 @@ use simpler_kernels_cpu::dsv4::hc;
 use simpler_kernels_cpu::dsv4::moe as k;
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 
+use super::int8_layout::{Int8Use, kernel_layout};
+
 /// Gate input, logits, scores and routing of every token.
 pub const MOE_ROUTE: KernelId = KernelId(3240);
 /// Routed rows grouped per local expert (the seam a collective replaces).
@@ -477,6 +479,7 @@ fn gate_up(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let n = cols.len();
+    let layout = kernel_layout(Int8Use::Experts);
     for e in 0..g {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
         // An expert without rows costs nothing: its weights are never touched.
@@ -488,8 +491,8 @@ fn gate_up(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         let x = ActsI8::new(&q[r0 * d..r1 * d], &s[r0..r1], r1 - r0, d, d);
         let mut buf = vec![0.0f32; (r1 - r0) * n];
         k::expert_gate_up(
-            WeightsI8::new(&w1[wsl.clone()], &s1[ssl.clone()], inter, d, d),
-            WeightsI8::new(&w3[wsl], &s3[ssl], inter, d, d),
+            WeightsI8::with_layout(&w1[wsl.clone()], &s1[ssl.clone()], inter, d, layout),
+            WeightsI8::with_layout(&w3[wsl], &s3[ssl], inter, d, layout),
             x,
             cols.clone(),
             limit,
@@ -561,6 +564,7 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let n = cols.len();
+    let layout = kernel_layout(Int8Use::Experts);
     for e in 0..g {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
         if r0 == r1 {
@@ -573,12 +577,12 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             inter,
             inter,
         );
-        let w = WeightsI8::new(
+        let w = WeightsI8::with_layout(
             &w2[e * d * inter..(e + 1) * d * inter],
             &s2[e * d..(e + 1) * d],
             d,
             inter,
-            inter,
+            layout,
         );
         let mut buf = vec![0.0f32; (r1 - r0) * n];
         k::expert_down(w, x, cols.clone(), &mut buf, n);

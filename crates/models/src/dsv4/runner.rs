@@ -12,7 +12,10 @@ use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
 use super::config::{Dsv4Config, LayerKind};
-use super::fixture::{AttnWeights, CsaParts, HcaParts, StepInputs, TOKENS_PER_SEQ, WindowCache};
+use super::fixture::{
+    AttnWeights, CsaParts, HcaParts, Int8Matrix, StepInputs, TOKENS_PER_SEQ, WindowCache,
+};
+use super::int8_layout::{Int8Use, stacked_in_layout, upload_layout};
 use super::ops::{NO_SLOT, TOK_COLS};
 use super::orchestrate::io as io_slot;
 use super::orchestrate::{self, AttnPlan, buf};
@@ -224,18 +227,20 @@ impl AttnLayer {
             (None, None) => LayerKind::Swa,
         };
         let table = rope_table(cfg, kind);
+        let layout = upload_layout(worker, Int8Use::Attention);
+        let int8 = |m: &Int8Matrix| stacked_in_layout(&m.q, 1, m.rows, m.cols, layout).into_owned();
         let mut bufs = vec![
             upload(worker, &weights.hc.mix)?,
             upload(worker, &weights.hc.base)?,
             upload(worker, &weights.attn_norm)?,
             upload(worker, &weights.wq_a)?,
             upload(worker, &weights.q_norm)?,
-            upload(worker, &weights.wq_b.q)?,
+            upload(worker, &int8(&weights.wq_b))?,
             upload(worker, &weights.wq_b.scale)?,
             upload(worker, &weights.wkv)?,
             upload(worker, &weights.kv_norm)?,
             upload(worker, &weights.wo_a)?,
-            upload(worker, &weights.wo_b.q)?,
+            upload(worker, &int8(&weights.wo_b))?,
             upload(worker, &weights.wo_b.scale)?,
             upload(worker, &weights.sink)?,
             upload(worker, table.cos())?,
@@ -270,7 +275,7 @@ impl AttnLayer {
                     upload(worker, &p.index_compressor.wgate)?,
                     upload(worker, &p.index_compressor.ape)?,
                     upload(worker, &p.index_compressor.norm)?,
-                    upload(worker, &p.wq_idx.q)?,
+                    upload(worker, &int8(&p.wq_idx))?,
                     upload(worker, &p.wq_idx.scale)?,
                     upload(worker, &p.w_weights)?,
                 ]);

@@ -201,7 +201,14 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let acts = acts_i8(NAME, xq, xs, rows, ql)?;
-    let wi = WeightsI8::new(w, scales, wrows, ql, ql).rows_range(c0..c0 + n);
+    let wi = WeightsI8::with_layout(
+        w,
+        scales,
+        wrows,
+        ql,
+        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention),
+    )
+    .rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
     let tile = GemmTile {
         n: 0..n,
@@ -470,7 +477,14 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // in strided pieces.
     check_len(NAME, "o_r int8", xq.len(), rows * width)?;
     refuse_i8_min(NAME, xq)?;
-    let wi = WeightsI8::new(w, scales, wrows, width, width).rows_range(c0..c0 + n);
+    let wi = WeightsI8::with_layout(
+        w,
+        scales,
+        wrows,
+        width,
+        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention),
+    )
+    .rows_range(c0..c0 + n);
     let mut res = vec![0.0f32; rows * n];
     let acts = ActsI8::grouped(xq, xs, rows, width, width, groups);
     let tile = GemmTile {

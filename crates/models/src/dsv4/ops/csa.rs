@@ -15,6 +15,8 @@ use simpler_kernels_cpu::dsv4::csa::{
 use simpler_kernels_cpu::dsv4::plan::{CandidateLayout, plan_token};
 use simpler_kernels_cpu::{GemmTile, OutMode, WeightsI8};
 
+use crate::dsv4::int8_layout::{Int8Use, kernel_layout};
+
 use super::{bad, check_len, dims2, rope_rows, token};
 
 /// `CSA_COMPRESS` argument indices (the main compressor ends with `CACHE`, the indexer's with
@@ -274,7 +276,8 @@ pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let acts = super::attn::acts_i8(NAME, xq, xs, rows, ql)?;
-    let wi = WeightsI8::new(w, scales, wrows, ql, ql).rows_range(c0..c0 + n);
+    let wi = WeightsI8::with_layout(w, scales, wrows, ql, kernel_layout(Int8Use::Attention))
+        .rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
     let tile = GemmTile {
         n: 0..n,

@@ -1,0 +1,123 @@
+//! Where DeepSeek-V4's int8 weights take the packed layout of the int8 GEMM
+//! ([`I8Layout::Packed`], `docs/dsv4.md`, "int8 weight layout"): the upload and the kernels
+//! that read the buffers must agree, and both decide from the same process-wide query.
+//!
+//! - Upload ([`upload_layout`]): packed when the weights' use packs ([`Int8Use::packs`]),
+//!   the worker's kernels run on the host
+//!   ([`PlatformInfo::host_kernels`](simpler_core::PlatformInfo)) and the int8 GEMM prefers
+//!   packed weights on this machine ([`I8Layout::preferred`]); row-major otherwise, so a
+//!   device platform receives the same bytes as before.
+//! - Kernels ([`kernel_layout`]): these kernels run only on host-kernel platforms, so they
+//!   read the same decision without the platform test.
+//!
+//! Packing reorders the `N * K` values of a matrix in place of the row-major copy (the
+//! buffer has the same size and shape); the scales stay per row in row order.
+
+use std::borrow::Cow;
+
+use simpler_core::Worker;
+use simpler_kernels_cpu::{I8Layout, pack_weights_i8};
+
+/// What a DeepSeek-V4 int8 weight matrix is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Use {
+    /// `Wq_b`, `Wo_b` and the indexer's `W_idx`: products of the step's 8 token rows, on
+    /// AMX-INT8 tiles where the machine has them.
+    Attention,
+    /// The experts' `W1`, `W3`, `W2`: 1–3 rows per routed expert at decode, on the AVX-512
+    /// VNNI blocks.
+    Experts,
+}
+
+impl Int8Use {
+    /// Whether weights of this use are packed where the int8 GEMM prefers packed weights.
+    /// The experts stay row-major: paired in one process on the shared host, their 1–3-row
+    /// products measured level to 7% slower packed, where the 8-row attention products on
+    /// tiles measured level to 10% faster (`docs/benchmarks.md`, "Packed int8 weights").
+    pub fn packs(self) -> bool {
+        match self {
+            Int8Use::Attention => true,
+            Int8Use::Experts => false,
+        }
+    }
+}
+
+/// The layout int8 weights of `use_` are uploaded in for `worker`.
+pub fn upload_layout(worker: &Worker, use_: Int8Use) -> I8Layout {
+    if worker.platform().host_kernels {
+        kernel_layout(use_)
+    } else {
+        I8Layout::RowMajor
+    }
+}
+
+/// The layout this process's int8 kernels read weight buffers of `use_` in.
+pub fn kernel_layout(use_: Int8Use) -> I8Layout {
+    if use_.packs() {
+        I8Layout::preferred()
+    } else {
+        I8Layout::RowMajor
+    }
+}
+
+/// `count` row-major matrices `[rows, cols]` stacked in `q`, each in `layout` (stacked in the
+/// same order).
+///
+/// # Panics
+/// If `q.len() != count * rows * cols`.
+pub fn stacked_in_layout(
+    q: &[i8],
+    count: usize,
+    rows: usize,
+    cols: usize,
+    layout: I8Layout,
+) -> Cow<'_, [i8]> {
+    let one = rows * cols;
+    assert_eq!(q.len(), count * one, "stacked int8 weights: length");
+    match layout {
+        I8Layout::RowMajor => Cow::Borrowed(q),
+        I8Layout::Packed => {
+            let mut out = vec![0i8; q.len()];
+            if one > 0 {
+                for (src, dst) in q.chunks_exact(one).zip(out.chunks_exact_mut(one)) {
+                    pack_weights_i8(src, rows, cols, cols, dst);
+                }
+            }
+            Cow::Owned(out)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use simpler_kernels_cpu::packed_index_i8;
+
+    /// Row-major borrows the stack as it is; packed reorders each matrix on its own, every
+    /// value where the GEMM's index formula puts it within its matrix's span.
+    #[test]
+    fn stacked_matrices_are_packed_one_by_one() {
+        let (count, rows, cols) = (3, 19, 70);
+        let q: Vec<i8> = (0..count * rows * cols)
+            .map(|i| ((i % 251) as i32 - 125) as i8)
+            .collect();
+        let rm = stacked_in_layout(&q, count, rows, cols, I8Layout::RowMajor);
+        assert!(matches!(rm, Cow::Borrowed(_)));
+        let packed = stacked_in_layout(&q, count, rows, cols, I8Layout::Packed);
+        assert_eq!(packed.len(), q.len());
+        for m in 0..count {
+            let base = m * rows * cols;
+            for n in 0..rows {
+                for k in 0..cols {
+                    assert_eq!(
+                        packed[base + packed_index_i8(rows, cols, n, k)],
+                        q[base + n * cols + k],
+                        "matrix {m} ({n}, {k})"
+                    );
+                }
+            }
+        }
+        // No matrices: nothing to pack.
+        assert!(stacked_in_layout(&[], 0, 0, 0, I8Layout::Packed).is_empty());
+    }
+}
