@@ -35,9 +35,10 @@ pub use elementwise::{
     argmax_combine, argmax_f32, embedding_gather_bf16, kv_write_bf16, residual_add_f32, swiglu_bf16,
 };
 pub use gemm::{
-    GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, WeightsBf16, gemm_bf16,
-    gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, pack_acts_f32, pack_index, packed_ld,
-    packed_len, path_for_batch,
+    GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout,
+    WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, pack_acts_f32,
+    pack_index, packed_ld, packed_len, path_for, path_for_batch, tile_weights_bf16, tiled_index,
+    tiled_len, tiled_weights_pay,
 };
 pub use gemm_i8::{
     ActsI8, I8Path, WeightsI8, gemm_i8_w8a8, gemm_i8_wide, quantize_acts_i8, quantize_row_bf16_i8,
