@@ -12,7 +12,8 @@ use proptest::prelude::*;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout,
     WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, packed_len,
-    path_for, tile_weights_bf16, tiled_index, tiled_len, tiled_weights_pay, with_isa,
+    path_for, tile_weights_bf16, tiled_index, tiled_len, tiled_weights_pay, untile_weights_bf16,
+    with_isa,
 };
 
 struct Case {
@@ -179,6 +180,11 @@ fn tiled_index_places_every_element_once_and_padding_is_zero() {
             .collect();
         let t = tile_weights_bf16(&w, rows, cols);
         assert_eq!(t.len(), len);
+        assert_eq!(
+            untile_weights_bf16(&t, rows, cols),
+            w,
+            "{rows}x{cols}: round trip"
+        );
         let mut seen = vec![false; len];
         for n in 0..rows {
             for k in 0..cols {

@@ -162,6 +162,27 @@ pub fn tile_weights_bf16(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
     out
 }
 
+/// The row-major matrix of tiled `t` (`[rows, cols]`, as [`tile_weights_bf16`] wrote it).
+///
+/// # Panics
+/// If `t.len() != tiled_len(rows, cols)`.
+pub fn untile_weights_bf16(t: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        Some(t.len()),
+        tiled_len(rows, cols),
+        "untile_weights_bf16: len {} for {rows} x {cols}",
+        t.len()
+    );
+    let mut out = Vec::with_capacity(rows * cols);
+    for n in 0..rows {
+        for s in (0..cols).step_by(TILE_COLS) {
+            let at = tiled_index(n, s, cols);
+            out.extend_from_slice(&t[at..at + TILE_COLS.min(cols - s)]);
+        }
+    }
+    out
+}
+
 /// Whether kernels running on `isa` stream tiled weights faster than row-major ones, so a
 /// model should tile its bf16 matrices at load: on the AMX path, which then takes every batch
 /// (`docs/performance.md`). The AVX-512 BF16 path computes tiled weights but reads row-major
