@@ -11,7 +11,7 @@ use half::bf16;
 use simpler_core::{RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
-use simpler_kernels_cpu::{Isa, path_for_batch};
+use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, path_for};
 use simpler_models::qwen3::check::compare_step_as;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
@@ -159,7 +159,16 @@ pub(crate) fn best_peaks(a: &MachinePeaks, b: &MachinePeaks) -> MachinePeaks {
 /// that of the path the GEMM takes for them on this machine (`Isa::detected`, so
 /// `SIMPLER_ISA` counts).
 pub(crate) fn matmul_peak(p: &MachinePeaks, rows: usize) -> f64 {
-    p.matmul_gflops_all(path_for_batch(Isa::detected(), rows))
+    p.matmul_gflops_all(gemm_path(rows))
+}
+
+/// The path a Qwen3 model's bf16 GEMM takes for `rows` activation rows on this machine
+/// (`Isa::detected`): its matrices are tiled where that pays (`qwen3::layout`; every preset's
+/// are whole 16-row groups and 32-column steps), and tiled weights take the AMX tiles at
+/// every batch.
+fn gemm_path(rows: usize) -> Isa {
+    let layout = simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS);
+    path_for(Isa::detected(), rows, layout)
 }
 
 /// The denominators of a decode step's phases with `rows` activation rows: bandwidth, the
@@ -254,7 +263,7 @@ pub(crate) fn format_paths(rows: usize) -> String {
     };
     format!(
         "kernel paths: GEMM {} ({rows} activation rows), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
-        path_for_batch(isa, rows).name(),
+        gemm_path(rows).name(),
         simpler_kernels_cpu::attention::path(isa).name(),
         simpler_kernels_cpu::attention::vector_path(isa).name(),
         Isa::hardware().name(),

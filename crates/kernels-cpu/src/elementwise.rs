@@ -67,6 +67,38 @@ multiversion! {
     }
 }
 
+/// [`embedding_gather_bf16`] from a table in either [`crate::WeightLayout`]: a tiled table's
+/// row is gathered 32 elements (one line) at a time.
+///
+/// # Panics
+/// If an id is outside the table or `out.len() != ids.len() * table.cols()`.
+pub fn embedding_gather_rows_bf16(table: crate::WeightsBf16<'_>, ids: &[u32], out: &mut [f32]) {
+    let (vocab, hidden) = (table.rows(), table.cols());
+    if table.layout() == crate::WeightLayout::RowMajor {
+        embedding_gather_bf16(table.data(), hidden, ids, out);
+        return;
+    }
+    assert_eq!(
+        out.len(),
+        ids.len() * hidden,
+        "embedding_gather_rows_bf16: out len"
+    );
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(hidden.max(1))) {
+        let id = id as usize;
+        assert!(
+            id < vocab,
+            "embedding_gather_rows_bf16: token id {id} outside vocabulary {vocab}"
+        );
+        for (s, dst) in o.chunks_mut(crate::TILE_COLS).enumerate() {
+            let at = crate::tiled_index(id, s * crate::TILE_COLS, hidden);
+            let len = dst.len();
+            for (d, &v) in dst.iter_mut().zip(&table.data()[at..at + len]) {
+                *d = v.to_f32();
+            }
+        }
+    }
+}
+
 /// Greedy pick: the index and value of the largest element; ties go to the lowest index and
 /// NaNs never win. `None` for an empty slice or one holding only NaNs.
 pub fn argmax_f32(x: &[f32]) -> Option<(usize, f32)> {

@@ -32,12 +32,14 @@ pub use attention::{
 };
 pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
 pub use elementwise::{
-    argmax_combine, argmax_f32, embedding_gather_bf16, kv_write_bf16, residual_add_f32, swiglu_bf16,
+    argmax_combine, argmax_f32, embedding_gather_bf16, embedding_gather_rows_bf16, kv_write_bf16,
+    residual_add_f32, swiglu_bf16,
 };
 pub use gemm::{
-    GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, WeightsBf16, gemm_bf16,
-    gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, pack_acts_f32, pack_index, packed_ld,
-    packed_len, path_for_batch,
+    GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout,
+    WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, pack_acts_f32,
+    pack_index, packed_ld, packed_len, path_for, path_for_batch, tile_weights_bf16, tiled_index,
+    tiled_len, tiled_weights_pay, untile_weights_bf16,
 };
 pub use gemm_i8::{
     ActsI8, I8Layout, I8Path, PACK_K, PACK_ROWS, WeightsI8, gemm_i8_w8a8, gemm_i8_wide,

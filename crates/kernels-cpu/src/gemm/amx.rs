@@ -23,6 +23,12 @@
 //! from each of 16 rows a row stride apart, a pattern the hardware prefetchers follow poorly,
 //! and at batch 16 the product is bound by that weight stream.
 //!
+//! # Tiled weights
+//! With the tiled layout (`WeightLayout::Tiled`) a weight tile is one 1 KiB block, so the
+//! 32-row pass reads two sequential streams (the two 16-row groups) instead of 32 row streams,
+//! and the next pair of groups is prefetched block by block the same way. Rows past a
+//! group's last row are the layout's zero padding: a short last group is read in place.
+//!
 //! # Edges
 //! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
 //! than 32 weight rows is copied into a zero-padded scratch; a body whose length is an odd
@@ -33,7 +39,10 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::{Lowered, PACK_BLOCK, edge_sum, finish};
+use super::{Lowered, PACK_BLOCK, TILE_COLS, TILE_ROWS, edge_sum, finish, tiled_index};
+
+/// Elements of one tiled weight block (16 rows × 32; one tile).
+const TILED_BLOCK: usize = TILE_ROWS * TILE_COLS;
 
 /// Smallest batch that takes this path; smaller batches take the AVX-512 BF16 path. Below
 /// it both paths stream the weights at the same rate (a tile is 16 batch columns wide, so the
@@ -173,6 +182,50 @@ pub(super) unsafe fn gemm_with(
                 }
             };
             let mut n0 = lw.n.start;
+            while lw.tiled && n0 < lw.n.end {
+                let nr = (lw.n.end - n0).min(32);
+                // A step's two weight tiles: the blocks of the groups at n0 and n0 + 16 (when
+                // that group holds rows of the tile; else group n0 again, whose products
+                // `store_block` leaves unwritten). Each covers `nk` blocks.
+                let blocks = |n: usize| {
+                    let at = tiled_index(n, lw.kb0, lw.ldw);
+                    lw.w[at..at + nk * TILED_BLOCK].as_ptr()
+                };
+                let a0 = blocks(n0);
+                let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
+                let next = n0 + 32;
+                let (p0, p1) = if next + 32 <= lw.n.end {
+                    (blocks(next), blocks(next + 16))
+                } else {
+                    (a0, a1)
+                };
+                for bp in (0..nbt).step_by(2) {
+                    let mut c = [ZERO_LINE; 64];
+                    let tiles = vnni[bp * nk * 16..].as_ptr();
+                    // SAFETY: `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive 1 KiB
+                    // blocks inside the weights (sliced above); the VNNI tiles (bp, 0..nk), and
+                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist.
+                    unsafe {
+                        match (bp + 1 < nbt, bp == 0) {
+                            (true, true) => {
+                                tiled_pass::<2, true>(a0, a1, tiles, nk, p0, p1, &mut c)
+                            }
+                            (true, false) => {
+                                tiled_pass::<2, false>(a0, a1, tiles, nk, p0, p1, &mut c)
+                            }
+                            (false, true) => {
+                                tiled_pass::<1, true>(a0, a1, tiles, nk, p0, p1, &mut c)
+                            }
+                            (false, false) => {
+                                tiled_pass::<1, false>(a0, a1, tiles, nk, p0, p1, &mut c)
+                            }
+                        }
+                    }
+                    // SAFETY: as below.
+                    unsafe { store_block(lw, &c, n0, nr, bo + bp * 16, bend, k32, out, ld_out) };
+                }
+                n0 += nr;
+            }
             while n0 < lw.n.end {
                 let nr = (lw.n.end - n0).min(32);
                 let (a, sa) = if nr == 32 {
@@ -365,6 +418,127 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool>(
     }
 }
 
+/// [`tile_pass`] on tiled weights: the two weight tiles of a step are the 1 KiB blocks at `a0`
+/// and `a1` (64-byte rows, consecutive blocks one step apart); with `PREFETCH`, each step also
+/// prefetches into L2 the blocks at `pf0` and `pf1` (moving one block per step).
+///
+/// # Safety
+/// The tile configuration of this module is loaded; `a0`, `a1` point at `nk >= 1` readable
+/// consecutive blocks and `vnni` as for [`tile_pass`]; `COLS` is 1 or 2. `pf0`, `pf1` are only
+/// prefetched (never fault).
+unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
+    a0: *const u16,
+    a1: *const u16,
+    vnni: *const Line,
+    nk: usize,
+    pf0: *const u16,
+    pf1: *const u16,
+    c: &mut [Line; 64],
+) {
+    if COLS == 2 {
+        let b1 = vnni.wrapping_add(nk * 16);
+        // SAFETY: every tile load reads one 1 KiB block (16 rows of 64 bytes, stride 64): the
+        // weight blocks at `a0`/`a1` and the activation tiles, `nk` steps, readable by the
+        // contract. The stores write the four 1 KiB tiles of `c`. Prefetches touch no state.
+        // Only tile registers and the declared operands change.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tileloadd tmm7, [{b1} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "test {on}, {on}",
+                "jz 4f",
+                "xor {t:e}, {t:e}",
+                "3:",
+                "prefetcht1 [{p0} + {t}]",
+                "prefetcht1 [{p1} + {t}]",
+                "add {t}, 64",
+                "cmp {t}, 1024",
+                "jne 3b",
+                "4:",
+                "add {p0}, 1024",
+                "add {p1}, 1024",
+                "add {a0}, 1024",
+                "add {a1}, 1024",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {sb}*1], tmm0",
+                "tilestored [{c} + {sb}*1 + 1024], tmm1",
+                "tilestored [{c} + {sb}*1 + 2048], tmm2",
+                "tilestored [{c} + {sb}*1 + 3072], tmm3",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a1 => _,
+                b0 = inout(reg) vnni => _,
+                b1 = inout(reg) b1 => _,
+                sb = in(reg) 64usize,
+                n = inout(reg) nk => _,
+                p0 = inout(reg) pf0 => _,
+                p1 = inout(reg) pf1 => _,
+                t = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
+                c = in(reg) c.as_mut_ptr(),
+                options(nostack),
+            );
+        }
+    } else {
+        // SAFETY: as above with one activation tile: the stores write tiles 0 and 2 of `c`.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm2",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm6, [{b0} + {sb}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "test {on}, {on}",
+                "jz 4f",
+                "xor {t:e}, {t:e}",
+                "3:",
+                "prefetcht1 [{p0} + {t}]",
+                "prefetcht1 [{p1} + {t}]",
+                "add {t}, 64",
+                "cmp {t}, 1024",
+                "jne 3b",
+                "4:",
+                "add {p0}, 1024",
+                "add {p1}, 1024",
+                "add {a0}, 1024",
+                "add {a1}, 1024",
+                "add {b0}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c} + {sb}*1], tmm0",
+                "tilestored [{c} + {sb}*1 + 2048], tmm2",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a1 => _,
+                b0 = inout(reg) vnni => _,
+                sb = in(reg) 64usize,
+                n = inout(reg) nk => _,
+                p0 = inout(reg) pf0 => _,
+                p1 = inout(reg) pf1 => _,
+                t = out(reg) _,
+                on = in(reg) usize::from(PREFETCH),
+                c = in(reg) c.as_mut_ptr(),
+                options(nostack),
+            );
+        }
+    }
+}
+
 /// Converts the activations of batch rows `b0..b0 + 16` (those below `bend`; the rest are
 /// zero) at `K` offset `k0..k0 + 32` (two whole packing blocks) into one VNNI tile: line `j`
 /// holds, for each of the 16 batch rows, the bf16 pair `(x[b, k0 + 2j], x[b, k0 + 2j + 1])`.
@@ -546,13 +720,12 @@ unsafe fn store_block(
 
 /// The 16-element strip at `k` (one packing block) of weight row `n` against batch row `b`.
 fn strip_dot(lw: &Lowered<'_>, n: usize, b: usize, k: usize) -> f32 {
-    let w = &lw.w[n * lw.ldw + k..][..PACK_BLOCK];
     let x = &lw.x[b * lw.ldx + k..][..PACK_BLOCK];
+    let w = |i: usize| f32::from_bits(u32::from(lw.w_at(n, k + i)) << 16);
     let half = PACK_BLOCK / 2;
     let mut s = 0.0f32;
     for i in 0..half {
-        s += f32::from_bits(u32::from(w[2 * i]) << 16) * x[i]
-            + f32::from_bits(u32::from(w[2 * i + 1]) << 16) * x[half + i];
+        s += w(2 * i) * x[i] + w(2 * i + 1) * x[half + i];
     }
     s
 }

@@ -3,8 +3,29 @@
 //! zero-seeded fp32 buffer.
 //!
 //! # Layouts
-//! - Weights `[N, K]` bf16, row-major: row `n` is contiguous along `K` (the HF `[out, in]`
-//!   layout).
+//! - Weights `[N, K]` bf16 in one of two [`WeightLayout`]s:
+//!   - `RowMajor`: row `n` is contiguous along `K` (the HF `[out, in]` layout), element
+//!     `(n, k)` at `n * K + k`.
+//!   - `Tiled`: the streaming order of the AVX-512 BF16 and AMX paths, made once at load by
+//!     [`tile_weights_bf16`]. Rows form groups of [`TILE_ROWS`] = 16, `K` steps of
+//!     [`TILE_COLS`] = 32; one group's step is a 1 KiB block (16 rows × 32 elements, row-major
+//!     inside: exactly one AMX tile of 64-byte rows), and a group's blocks follow each other
+//!     along `K`, then the next group. With `Kp = K` rounded up to 32, element `(n, k)` is at
+//!     [`tiled_index`]: `((n / 16 * (Kp / 32) + k / 32) * 16 + n % 16) * 32 + k % 32`. The
+//!     buffer holds `N` rounded up to 16 rows of `Kp` elements ([`tiled_len`]); the padding
+//!     (rows past `N`, columns past `K`) is zero. A kernel then reads each row group as one
+//!     sequential stream (an AMX tile load is 1 KiB of consecutive bytes instead of a 64-byte
+//!     line from each of 16 rows a row apart, which the hardware prefetchers follow poorly).
+//!     Rows `16 g..` of a tiled matrix are again a tiled matrix (a row group is contiguous), so
+//!     a row slice from a multiple of 16 ([`WeightsBf16::row_range`]) needs no copy; when
+//!     `K % 32 == 0` and `N % 16 == 0` the tiled buffer is exactly as long as the row-major
+//!     one, so byte offsets of such row slices agree between the layouts.
+//!     Tiles on tiled weights start at a multiple of 16 rows and of 32 in `K` (else
+//!     [`gemm_bf16`] panics, as for a tile outside the matrix).
+//!     Which paths benefit: [`tiled_weights_pay`] (the AMX path, which takes tiled weights at
+//!     every batch). The AVX-512 BF16 path streams the tiled form directly too (a whole group
+//!     per pass); the AVX2 path never receives it from a model that asks
+//!     [`tiled_weights_pay`], and computes it (correctly, slowly) through the portable path.
 //! - Activations are *packed* once per layer input by [`pack_acts_bf16`]: fp32 `[B, K]` where
 //!   each full 16-element block of a row is reordered to `[x0, x2, .., x14, x1, x3, .., x15]`
 //!   (a row's last `K % 16` elements stay in order). The AVX2 path widens a 256-bit load of
@@ -19,12 +40,13 @@
 //! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
 //!
 //! # Paths (chosen per call on [`Isa::current`])
-//! - `amx-bf16`, batch ≥ 5: AMX tiles (`amx.rs`): the weights are the tile unit's `A` operand
-//!   in place, the activations are converted per call into VNNI tiles.
+//! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights
+//!   are the tile unit's `A` operand in place, the activations are converted per call into
+//!   VNNI tiles.
 //! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
 //!   the activations converted per call to natural-order bf16 (`avx512.rs`).
-//! - `avx2`: the even/odd widening above (`avx2/`).
-//! - `portable`: plain Rust.
+//! - `avx2`: the even/odd widening above (`avx2/`); tiled weights go to `portable`.
+//! - `portable`: plain Rust (tiled weights: each row's tile body is gathered into a row first).
 //!
 //! The bf16 paths round activations that are not bf16 values to nearest even (the model's
 //! activations are bf16 values, so for them every path multiplies the same numbers).
@@ -57,6 +79,19 @@ pub(crate) fn amx_tile_config() -> *const u8 {
 /// Which path [`gemm_bf16`] takes for a product of `batch` activation rows when kernels run on
 /// `isa` (AMX tiles start at batch 5; narrower batches take the AVX-512 BF16 path).
 pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
+    path_for(isa, batch, WeightLayout::RowMajor)
+}
+
+/// Which path [`gemm_bf16`] takes for `batch` activation rows against weights in `layout` on
+/// `isa`: as [`path_for_batch`], except that tiled weights take the AMX tiles at every batch
+/// (a tile load of a tiled block is 1 KiB in order, so even one batch row streams faster than
+/// on the vector path).
+pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if layout == WeightLayout::Tiled && isa >= Isa::AmxBf16 {
+        return isa;
+    }
+    let _ = layout;
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::AmxBf16 && batch < amx::MIN_BATCH {
         return Isa::Avx512Bf16;
@@ -68,17 +103,105 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 /// Elements per packing block (one 256-bit load of bf16).
 pub const PACK_BLOCK: usize = 16;
 
-/// bf16 weights `[rows, cols]`, row-major (row `n` contiguous along `K`: the HF `[out, in]`
-/// layout).
+/// Rows per group of the tiled weight layout (one AMX tile's rows; the module docs).
+pub const TILE_ROWS: usize = 16;
+/// `K` elements per block of the tiled weight layout (one 64-byte line of bf16).
+pub const TILE_COLS: usize = 32;
+
+/// How a bf16 weight matrix lies in memory (the module docs give the index formulas).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WeightLayout {
+    /// Row `n` contiguous along `K`.
+    #[default]
+    RowMajor,
+    /// 16-row groups of 1 KiB blocks along `K` ([`tile_weights_bf16`]).
+    Tiled,
+}
+
+/// Length of a tiled `[rows, cols]` matrix: `rows` rounded up to 16 times `cols` rounded up to
+/// 32 (`None` on overflow).
+pub const fn tiled_len(rows: usize, cols: usize) -> Option<usize> {
+    let r = match rows.checked_next_multiple_of(TILE_ROWS) {
+        Some(r) => r,
+        None => return None,
+    };
+    match cols.checked_next_multiple_of(TILE_COLS) {
+        Some(c) => r.checked_mul(c),
+        None => None,
+    }
+}
+
+/// Where element `(n, k)` of a tiled matrix of `cols` columns lies.
+#[inline]
+pub const fn tiled_index(n: usize, k: usize, cols: usize) -> usize {
+    let steps = cols.div_ceil(TILE_COLS);
+    ((n / TILE_ROWS * steps + k / TILE_COLS) * TILE_ROWS + n % TILE_ROWS) * TILE_COLS
+        + k % TILE_COLS
+}
+
+/// Rearranges row-major `w` (`[rows, cols]`) into the tiled layout (zero padding; see the
+/// module docs).
+///
+/// # Panics
+/// If `w.len() != rows * cols` or the tiled length overflows.
+pub fn tile_weights_bf16(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        Some(w.len()),
+        rows.checked_mul(cols),
+        "tile_weights_bf16: len {} != {rows} x {cols}",
+        w.len()
+    );
+    let len = tiled_len(rows, cols).expect("tile_weights_bf16: size overflows");
+    let mut out = vec![bf16::ZERO; len];
+    for (n, row) in w.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (s, chunk) in row.chunks(TILE_COLS).enumerate() {
+            let at = tiled_index(n, s * TILE_COLS, cols);
+            out[at..at + chunk.len()].copy_from_slice(chunk);
+        }
+    }
+    out
+}
+
+/// The row-major matrix of tiled `t` (`[rows, cols]`, as [`tile_weights_bf16`] wrote it).
+///
+/// # Panics
+/// If `t.len() != tiled_len(rows, cols)`.
+pub fn untile_weights_bf16(t: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        Some(t.len()),
+        tiled_len(rows, cols),
+        "untile_weights_bf16: len {} for {rows} x {cols}",
+        t.len()
+    );
+    let mut out = Vec::with_capacity(rows * cols);
+    for n in 0..rows {
+        for s in (0..cols).step_by(TILE_COLS) {
+            let at = tiled_index(n, s, cols);
+            out.extend_from_slice(&t[at..at + TILE_COLS.min(cols - s)]);
+        }
+    }
+    out
+}
+
+/// Whether kernels running on `isa` stream tiled weights faster than row-major ones, so a
+/// model should tile its bf16 matrices at load: on the AMX path, which then takes every batch
+/// (`docs/performance.md`). The AVX-512 BF16 path computes tiled weights but reads row-major
+/// ones as fast or faster; the AVX2 and portable paths read row-major weights best.
+pub fn tiled_weights_pay(isa: Isa) -> bool {
+    isa >= Isa::AmxBf16
+}
+
+/// bf16 weights `[rows, cols]` in a [`WeightLayout`] (row-major: the HF `[out, in]` layout).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightsBf16<'a> {
     data: &'a [bf16],
     rows: usize,
     cols: usize,
+    layout: WeightLayout,
 }
 
 impl<'a> WeightsBf16<'a> {
-    /// Views `data` as `[rows, cols]`.
+    /// Views row-major `data` as `[rows, cols]`.
     ///
     /// # Panics
     /// If `data.len() != rows * cols`.
@@ -89,7 +212,74 @@ impl<'a> WeightsBf16<'a> {
             "weights: len {} != {rows} x {cols}",
             data.len()
         );
-        WeightsBf16 { data, rows, cols }
+        WeightsBf16 {
+            data,
+            rows,
+            cols,
+            layout: WeightLayout::RowMajor,
+        }
+    }
+    /// Views `data`, written by [`tile_weights_bf16`], as tiled `[rows, cols]`.
+    ///
+    /// # Panics
+    /// If `data.len() != tiled_len(rows, cols)`.
+    pub fn tiled(data: &'a [bf16], rows: usize, cols: usize) -> WeightsBf16<'a> {
+        assert_eq!(
+            Some(data.len()),
+            tiled_len(rows, cols),
+            "tiled weights: len {} for {rows} x {cols}",
+            data.len()
+        );
+        WeightsBf16 {
+            data,
+            rows,
+            cols,
+            layout: WeightLayout::Tiled,
+        }
+    }
+    /// Views `data` as `[rows, cols]` in `layout`.
+    ///
+    /// # Panics
+    /// As [`WeightsBf16::new`] or [`WeightsBf16::tiled`].
+    pub fn with_layout(
+        data: &'a [bf16],
+        rows: usize,
+        cols: usize,
+        layout: WeightLayout,
+    ) -> WeightsBf16<'a> {
+        match layout {
+            WeightLayout::RowMajor => WeightsBf16::new(data, rows, cols),
+            WeightLayout::Tiled => WeightsBf16::tiled(data, rows, cols),
+        }
+    }
+    /// Rows `r` as a matrix of their own, in the same layout (no copy).
+    ///
+    /// # Panics
+    /// If `r` lies outside the rows, or (tiled) does not start on a multiple of 16 rows.
+    pub fn row_range(&self, r: Range<usize>) -> WeightsBf16<'a> {
+        assert!(
+            r.start <= r.end && r.end <= self.rows,
+            "weights: rows {r:?} outside {} rows",
+            self.rows
+        );
+        let n = r.end - r.start;
+        match self.layout {
+            WeightLayout::RowMajor => WeightsBf16::new(
+                &self.data[r.start * self.cols..r.end * self.cols],
+                n,
+                self.cols,
+            ),
+            WeightLayout::Tiled => {
+                assert!(
+                    r.start.is_multiple_of(TILE_ROWS),
+                    "tiled weights: row slice {r:?} does not start on a group of {TILE_ROWS}"
+                );
+                let group = self.cols.next_multiple_of(TILE_COLS) * TILE_ROWS;
+                let g0 = r.start / TILE_ROWS;
+                let len = n.div_ceil(TILE_ROWS) * group;
+                WeightsBf16::tiled(&self.data[g0 * group..g0 * group + len], n, self.cols)
+            }
+        }
     }
     /// Number of rows (`N`).
     pub fn rows(&self) -> usize {
@@ -99,9 +289,13 @@ impl<'a> WeightsBf16<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    /// The elements.
+    /// The elements, in [`WeightsBf16::layout`] order.
     pub fn data(&self) -> &'a [bf16] {
         self.data
+    }
+    /// How the elements lie.
+    pub fn layout(&self) -> WeightLayout {
+        self.layout
     }
 }
 
@@ -358,6 +552,7 @@ impl PreparedActs {
         Lowered {
             w,
             ldw: self.cols,
+            tiled: false,
             x: &self.packed,
             ldx: packed_ld(self.cols),
             batch: self.rows,
@@ -390,7 +585,10 @@ pub fn gemm_bf16_prepared(
 /// Arguments checked and lowered for the path kernels.
 struct Lowered<'a> {
     w: &'a [u16],
+    /// `K` of the weights (row-major: the row stride).
     ldw: usize,
+    /// The weights are in the tiled layout (`tiled_index`), else row-major.
+    tiled: bool,
     x: &'a [f32],
     ldx: usize,
     batch: usize,
@@ -408,6 +606,30 @@ impl Lowered<'_> {
     #[inline]
     fn has_edges(&self) -> bool {
         self.kb0 != self.k.start || self.kb1 != self.k.end
+    }
+
+    /// Weight element `(n, k)` (bits).
+    #[inline]
+    fn w_at(&self, n: usize, k: usize) -> u16 {
+        if self.tiled {
+            self.w[tiled_index(n, k, self.ldw)]
+        } else {
+            self.w[n * self.ldw + k]
+        }
+    }
+
+    /// Elements from one tiled row's line to the same row's line at the next 32 `K`.
+    const TILED_STEP: usize = TILE_ROWS * TILE_COLS;
+
+    /// Where the body of weight row `n` starts (at `kb0`), and how many elements lie between
+    /// its 32-element steps: the row itself, or one 1 KiB block per step when tiled.
+    #[inline]
+    fn body_start(&self, n: usize) -> (usize, usize) {
+        if self.tiled {
+            (tiled_index(n, self.kb0, self.ldw), Self::TILED_STEP)
+        } else {
+            (n * self.ldw + self.kb0, 32)
+        }
     }
 }
 
@@ -476,11 +698,20 @@ fn gemm_dispatch_with(
     } else {
         (k.start, k.start)
     };
+    let tiled = w.layout() == WeightLayout::Tiled;
+    if tiled {
+        assert!(
+            n.start.is_multiple_of(TILE_ROWS) && k.start.is_multiple_of(TILE_COLS),
+            "gemm_bf16: tile rows {n:?} / k {k:?} of tiled weights must start on multiples of \
+             {TILE_ROWS} rows / {TILE_COLS} columns"
+        );
+    }
     let lw = Lowered {
         // SAFETY: bf16 is a `repr(transparent)` wrapper of u16, so the slice is reinterpreted
         // element for element with the same length and alignment.
         w: unsafe { std::slice::from_raw_parts(w.data().as_ptr().cast::<u16>(), w.data().len()) },
         ldw: cols,
+        tiled,
         x: x.data(),
         ldx: packed_ld(cols),
         batch,
@@ -494,7 +725,7 @@ fn gemm_dispatch_with(
     #[cfg(target_arch = "x86_64")]
     {
         let isa = Isa::current();
-        if isa >= Isa::AmxBf16 && batch >= amx::MIN_BATCH {
+        if isa >= Isa::AmxBf16 && (batch >= amx::MIN_BATCH || tiled) {
             // The prepared tiles, when they were made for this body.
             let tiles = pre
                 .filter(|p| {
@@ -514,7 +745,7 @@ fn gemm_dispatch_with(
             unsafe { avx512::gemm(&lw, out, ld_out) };
             return;
         }
-        if isa >= Isa::Avx2 {
+        if isa >= Isa::Avx2 && !tiled {
             // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2, FMA
             // and F16C; `lw` was checked above.
             unsafe { avx2::gemm(&lw, out, ld_out) };
@@ -530,11 +761,10 @@ fn edge_sum(lw: &Lowered<'_>, n: usize, b: usize) -> f32 {
     if !lw.has_edges() {
         return 0.0;
     }
-    let wrow = &lw.w[n * lw.ldw..(n + 1) * lw.ldw];
     let xrow = &lw.x[b * lw.ldx..b * lw.ldx + lw.ldw];
     let mut s = 0.0f32;
     for kk in (lw.k.start..lw.kb0).chain(lw.kb1..lw.k.end) {
-        s += f32::from_bits(u32::from(wrow[kk]) << 16) * xrow[pack_index(kk, lw.ldw)];
+        s += f32::from_bits(u32::from(lw.w_at(n, kk)) << 16) * xrow[pack_index(kk, lw.ldw)];
     }
     s
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod cost;
 pub mod fixture;
 pub mod golden;
+pub mod layout;
 pub mod memory;
 pub mod ops;
 mod orchestrate;

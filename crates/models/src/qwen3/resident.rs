@@ -8,6 +8,7 @@ use half::bf16;
 use simpler_core::{Buffer, Element, Worker};
 
 use super::config::Qwen3Config;
+use super::layout::{bf16_layout, upload_layout};
 use super::quant::{self, WeightFormat};
 use super::weights::{KvCache, LayerWeights, Qwen3Weights, Tensor};
 
@@ -55,6 +56,9 @@ pub struct ResidentModel {
     pub max_seq: usize,
     /// How the projections and the LM head are held.
     pub format: WeightFormat,
+    /// The bf16 matrices whose shape allows it are tiled (`layout`: the worker runs kernels on
+    /// the host and the CPU path gains from it).
+    tiled_bf16: bool,
     pub(crate) buffers: Vec<Buffer>,
 }
 
@@ -158,14 +162,19 @@ impl ResidentModel {
                     Tensor::Bf16(x) if kind < PROJECTIONS && format.is_int8() => {
                         upload_int8(&buf, at, x, cols, &tick)?
                     }
+                    Tensor::Bf16(x) if kind < PROJECTIONS => {
+                        let [r, k] = shapes[kind].1;
+                        upload_bf16_matrix(worker, &buf, at, x, r, k, &tick)?
+                    }
                     Tensor::Bf16(x) => upload_chunked(&buf, at, x, &tick)?,
                     Tensor::F32(x) => upload_chunked(&buf, at, x, &tick)?,
                 }
             }
             buffers.push(buf);
         }
+        let (v, h) = (c.vocab_size, c.hidden_size);
         let embedding = worker.alloc(as_bytes_len(&weights.embedding))?;
-        upload_chunked(&embedding, 0, &weights.embedding, &tick)?;
+        upload_bf16_matrix(worker, &embedding, 0, &weights.embedding, v, h, &tick)?;
         buffers.push(embedding.clone());
         buffers.push(worker.buffer_from(&weights.final_norm)?);
         tick(as_bytes_len(&weights.final_norm));
@@ -175,9 +184,9 @@ impl ResidentModel {
                 upload_int8(&b, 0, weights.lm_head(), c.hidden_size, &tick)?;
                 buffers.push(b);
             }
-            (Some(h), WeightFormat::Bf16) => {
-                let b = worker.alloc(as_bytes_len(h))?;
-                upload_chunked(&b, 0, h, &tick)?;
+            (Some(head), WeightFormat::Bf16) => {
+                let b = worker.alloc(as_bytes_len(head))?;
+                upload_bf16_matrix(worker, &b, 0, head, v, h, &tick)?;
                 buffers.push(b);
             }
             (None, WeightFormat::Bf16) => buffers.push(embedding),
@@ -191,6 +200,7 @@ impl ResidentModel {
             set_of_layer,
             max_seq,
             format,
+            tiled_bf16: worker.platform().host_kernels,
             buffers,
         })
     }
@@ -230,6 +240,11 @@ impl ResidentModel {
                     let q = buf.read_at::<i8>(set * bytes, bytes)?;
                     x.copy_from_slice(&quant::dequantize_matrix_bf16(&q, k));
                 }
+                super::weights::TensorMut::Bf16(x) if kind < PROJECTIONS => {
+                    let [r, k] = shapes[kind].1;
+                    let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
+                    x.copy_from_slice(&self.row_major(v, r, k));
+                }
                 super::weights::TensorMut::Bf16(x) => {
                     let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
                     x.copy_from_slice(&v);
@@ -256,7 +271,29 @@ impl ResidentModel {
                 self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
             return Ok(quant::dequantize_matrix_bf16(&q, h));
         }
+        if self.tiled(self.config.vocab_size, h) {
+            // Whole 16-row groups around the rows, back in row order.
+            let (g0, g1) = (rows.start / 16 * 16, rows.end.next_multiple_of(16));
+            let g1 = g1.min(self.config.vocab_size).max(g0);
+            let t = self.buffers[slot::LM_HEAD].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
+            let rm = simpler_kernels_cpu::untile_weights_bf16(&t, g1 - g0, h);
+            return Ok(rm[(rows.start - g0) * h..(rows.end - g0) * h].to_vec());
+        }
         Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
+    }
+
+    /// Whether this model's `[rows, cols]` bf16 matrices are held tiled (`layout`).
+    fn tiled(&self, rows: usize, cols: usize) -> bool {
+        self.tiled_bf16 && bf16_layout(rows, cols) == simpler_kernels_cpu::WeightLayout::Tiled
+    }
+
+    /// A `[rows, cols]` bf16 matrix read back from its buffer, in row order.
+    fn row_major(&self, v: Vec<bf16>, rows: usize, cols: usize) -> Vec<bf16> {
+        if self.tiled(rows, cols) {
+            simpler_kernels_cpu::untile_weights_bf16(&v, rows, cols)
+        } else {
+            v
+        }
     }
 
     /// Reads embedding rows of `ids` back to the host as fp32 `[ids, hidden]`.
@@ -287,6 +324,31 @@ fn upload_chunked<T: Element>(
     for (i, c) in data.chunks(per).enumerate() {
         buf.write_at(offset + i * per * size_of::<T>(), c)?;
         tick(as_bytes_len(c));
+    }
+    Ok(())
+}
+
+/// Copies bf16 matrix `w` (`[rows, cols]`) into `buf` at byte `offset` in the layout the
+/// worker's kernels read (`layout`): tiled, 64 MiB of whole 16-row groups at a time (a group
+/// is contiguous in either form, and the tiled matrix has the row-major length), or as it is.
+fn upload_bf16_matrix(
+    worker: &Worker,
+    buf: &Buffer,
+    offset: usize,
+    w: &[bf16],
+    rows: usize,
+    cols: usize,
+    tick: &dyn Fn(usize),
+) -> Result<(), Qwen3RunError> {
+    if upload_layout(worker, rows, cols) == simpler_kernels_cpu::WeightLayout::RowMajor {
+        return upload_chunked(buf, offset, w, tick);
+    }
+    let group = 16 * cols;
+    let per = ((32usize << 20) / group).max(1) * group;
+    for (i, c) in w.chunks(per).enumerate() {
+        let t = simpler_kernels_cpu::tile_weights_bf16(c, c.len() / cols, cols);
+        buf.write_at(offset + i * per * 2, &t)?;
+        tick(as_bytes_len(&t));
     }
     Ok(())
 }

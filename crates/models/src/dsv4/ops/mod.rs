@@ -138,11 +138,8 @@ pub fn specs() -> Vec<KernelSpec> {
         .into_iter()
         .map(|(id, name, class, body)| KernelSpec::new(id, name, class, body))
         .collect();
-    specs.extend(
-        crate::qwen3::ops::specs()
-            .into_iter()
-            .filter(|s| s.id == crate::qwen3::ops::GEMM_TILE),
-    );
+    // The Qwen3 GEMM on row-major weights (a Qwen3 model's own may be tiled).
+    specs.push(crate::qwen3::ops::row_major_gemm_spec());
     specs
 }
 

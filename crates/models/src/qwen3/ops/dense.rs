@@ -15,9 +15,11 @@ use half::bf16;
 use simpler_core::{DType, KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, WeightsI8,
+    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, TILE_ROWS, WeightLayout, WeightsBf16,
+    WeightsI8,
 };
 
+use crate::qwen3::layout::bf16_layout;
 use crate::qwen3::quant::{int8_record, record_scale};
 
 use super::args::{argmax, gate_up, gemm, lm_head};
@@ -44,16 +46,20 @@ impl<'a> Weights<'a> {
         }
     }
 
-    /// Rows `first..first + n` (an SPMD block's share).
-    fn block_rows(self, first: usize, n: usize) -> Weights<'a> {
-        match self {
+    /// Rows `first..first + n` (an SPMD block's share; shares start on multiples of 16, as
+    /// tiled weights need: checked, `name` names the kernel in the error).
+    fn block_rows(self, first: usize, n: usize, name: &str) -> Result<Weights<'a>, KernelError> {
+        Ok(match self {
             Weights::Bf16(w) => {
-                let k = w.cols();
-                Weights::Bf16(WeightsBf16::new(
-                    &w.data()[first * k..(first + n) * k],
-                    n,
-                    k,
-                ))
+                if w.layout() == WeightLayout::Tiled && !first.is_multiple_of(TILE_ROWS) {
+                    return Err(bad(
+                        name,
+                        format!(
+                            "block share from row {first} of tiled weights is not on a group of {TILE_ROWS}"
+                        ),
+                    ));
+                }
+                Weights::Bf16(w.row_range(first..first + n))
             }
             Weights::I8 { data, k, .. } => {
                 let rec = int8_record(k);
@@ -63,7 +69,7 @@ impl<'a> Weights<'a> {
                     k,
                 }
             }
-        }
+        })
     }
 }
 
@@ -223,11 +229,22 @@ fn optional_scale<'a>(
 }
 
 /// The weight tile at argument `i` as `[n, kdim]` (bf16, or int8 records when bound as i8).
+/// Where a bf16 weight tensor's layout comes from.
+#[derive(Clone, Copy)]
+enum Source {
+    /// A Qwen3 resident model: the layout follows from the bound matrix's shape
+    /// (`qwen3::layout`; a tiled matrix has its row-major length).
+    Resident,
+    /// Row-major whatever the shape (other models running the Qwen3 GEMM kernel).
+    RowMajor,
+}
+
 fn weights<'a>(
     ctx: &'a TaskCtx<'_>,
     i: usize,
     kdim: usize,
     name: &str,
+    source: Source,
 ) -> Result<Weights<'a>, KernelError> {
     if ctx.tensor(i)?.dtype() == DType::I8 {
         let w = ctx.read::<i8>(i)?;
@@ -254,7 +271,14 @@ fn weights<'a>(
             format!("weight tile of {} elements is not rows of {kdim}", w.len()),
         ));
     }
-    Ok(Weights::Bf16(WeightsBf16::new(w, w.len() / kdim, kdim)))
+    let rows = w.len() / kdim;
+    let layout = match source {
+        Source::Resident => bf16_layout(rows, kdim),
+        Source::RowMajor => WeightLayout::RowMajor,
+    };
+    Ok(Weights::Bf16(WeightsBf16::with_layout(
+        w, rows, kdim, layout,
+    )))
 }
 
 /// The packed activations at argument `i` as `[rows, kdim]`.
@@ -270,11 +294,21 @@ fn acts<'a>(
     Ok(PackedActs::new(x, rows, kdim))
 }
 
+/// The projection kernel on a Qwen3 resident model's weights (`qwen3::layout`).
 pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    gemm_tile_from(ctx, Source::Resident)
+}
+
+/// The projection kernel on row-major weights whatever their shape.
+pub(super) fn gemm_tile_row_major(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    gemm_tile_from(ctx, Source::RowMajor)
+}
+
+fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> {
     const NAME: &str = "gemm_tile_bf16";
     let GemmScalars { k: kdim, add, w8a8 } = GemmScalars::read(ctx)?;
     let x = acts(ctx, gemm::acts, kdim, NAME)?;
-    let w = weights(ctx, gemm::w, kdim, NAME)?;
+    let w = weights(ctx, gemm::w, kdim, NAME, source)?;
     let scale = optional_scale(ctx, gemm::scale, x.rows(), NAME)?;
     let mut out = ctx.write_block_cols::<f32>(gemm::out, PACK_BLOCK)?;
     if out.len() != x.rows() || out.view_row_len() != w.rows() {
@@ -289,7 +323,7 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    let w = w.block_rows(out.first_col(), out.row_len());
+    let w = w.block_rows(out.first_col(), out.row_len(), NAME)?;
     let tile = GemmTile {
         n: 0..w.rows(),
         k: 0..kdim,
@@ -311,8 +345,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         w8a8,
     } = GateUpScalars::read(ctx)?;
     let x = acts(ctx, gate_up::acts, h, NAME)?;
-    let wg = weights(ctx, gate_up::w_gate, h, NAME)?;
-    let wu = weights(ctx, gate_up::w_up, h, NAME)?;
+    let wg = weights(ctx, gate_up::w_gate, h, NAME, Source::Resident)?;
+    let wu = weights(ctx, gate_up::w_up, h, NAME, Source::Resident)?;
     let rows = x.rows();
     if wu.rows() != wg.rows() {
         return Err(bad(NAME, "gate and up tiles differ in rows"));
@@ -334,8 +368,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // This block's columns (a multiple of 16 from the tile's start, so packed blocks stay
     // whole).
     let (wg, wu) = (
-        wg.block_rows(out.first_col(), out.row_len()),
-        wu.block_rows(out.first_col(), out.row_len()),
+        wg.block_rows(out.first_col(), out.row_len(), NAME)?,
+        wu.block_rows(out.first_col(), out.row_len(), NAME)?,
     );
     let c0 = out.first_col();
     let n = wg.rows();
@@ -375,14 +409,14 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "lm_head_tile_bf16";
     let LmHeadScalars { hidden: h, w8a8 } = LmHeadScalars::read(ctx)?;
     let x = acts(ctx, lm_head::acts, h, NAME)?;
-    let w = weights(ctx, lm_head::w, h, NAME)?;
+    let w = weights(ctx, lm_head::w, h, NAME, Source::Resident)?;
     let rows = x.rows();
     let mut logits = ctx.write_block_cols::<f32>(lm_head::logits, PACK_BLOCK)?;
     if logits.len() != rows || logits.view_row_len() != w.rows() {
         return Err(bad(NAME, "logits view does not match the tile"));
     }
     let n0 = logits.first_col();
-    let w = w.block_rows(logits.first_col(), logits.row_len());
+    let w = w.block_rows(logits.first_col(), logits.row_len(), NAME)?;
     let tile = GemmTile {
         n: 0..w.rows(),
         k: 0..h,

@@ -89,7 +89,8 @@ pub const ROPE_KV_STEP: KernelId = KernelId(3114);
 /// The decode step's new K/V rows written into one layer's pools at the step entries' slots.
 pub const KV_SCATTER: KernelId = KernelId(3115);
 
-/// Every kernel of the Qwen3 step: `(id, name, class, body)`.
+/// Every kernel of the Qwen3 step: `(id, name, class, body)`. The projection, gate/up, LM-head
+/// and embedding kernels read a resident model's bf16 layout (`qwen3::layout`).
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
     let table: [(KernelId, &str, EngineClass, Body); 16] = [
@@ -189,6 +190,19 @@ pub fn specs() -> Vec<KernelSpec> {
         .into_iter()
         .map(|(id, name, class, body)| KernelSpec::new(id, name, class, body))
         .collect()
+}
+
+/// The Qwen3 projection kernel (`GEMM_TILE`, `gemm_tile_bf16`) on row-major bf16 weights
+/// whatever their shape, for models that run it on their own weights: the form in [`specs`]
+/// reads a Qwen3 resident model's layout (`qwen3::layout`, which tiles matrices of some shapes
+/// on the AMX path).
+pub fn row_major_gemm_spec() -> KernelSpec {
+    KernelSpec::new(
+        GEMM_TILE,
+        "gemm_tile_bf16",
+        EngineClass::Cube,
+        dense::gemm_tile_row_major,
+    )
 }
 
 /// Registers every kernel of the Qwen3 step on `worker` (once per worker).

@@ -8,6 +8,7 @@ use simpler_kernels_cpu as k;
 use super::args::{cast, embed, norm, norm_deferred};
 use super::scalars::{KernelScalars, NormScalars};
 use super::{bad, check_packed, dims2};
+use crate::qwen3::layout::bf16_layout;
 
 pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let (vocab, hidden) = dims2(ctx, embed::table)?;
@@ -30,7 +31,10 @@ pub(super) fn embed(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    k::embedding_gather_bf16(table, hidden, ids, x);
+    // The table's layout follows from its shape (`qwen3::layout`; a tied LM head is this
+    // buffer).
+    let t = k::WeightsBf16::with_layout(table, vocab, hidden, bf16_layout(vocab, hidden));
+    k::embedding_gather_rows_bf16(t, ids, x);
     Ok(())
 }
 

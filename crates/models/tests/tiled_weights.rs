@@ -1,0 +1,76 @@
+//! A Qwen3 model whose bf16 matrices the upload tiles (`qwen3::layout`: on the AMX path, every
+//! matrix of whole 16-row groups and 32-column steps): a tied LM head (the embedding buffer, so
+//! the gather reads tiled rows too) against the golden, and the weights read back in row order.
+//! Elsewhere the same checks run on row-major weights.
+
+use std::sync::Arc;
+
+use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_kernels_cpu::WeightLayout;
+use simpler_models::qwen3::golden::{self, Tolerance};
+use simpler_models::qwen3::layout::bf16_layout;
+use simpler_models::qwen3::{
+    FixtureOptions, KvBuffers, Qwen3Config, ResidentModel, Session, generate_fixture, ops,
+};
+
+fn worker() -> Worker {
+    let w = Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .unwrap();
+    ops::register(&w).unwrap();
+    w
+}
+
+#[test]
+fn tied_tiled_model_matches_the_golden_and_reads_back_in_row_order() {
+    let mut c = Qwen3Config::preset("tiny").unwrap();
+    // Whole 16-row groups for the tied head / embedding too.
+    c.vocab_size = 1024;
+    assert!(c.tie_word_embeddings);
+    println!(
+        "embedding layout on this process: {:?}",
+        bf16_layout(c.vocab_size, c.hidden_size)
+    );
+    let lens = [1usize, 40, 129, 7, 64];
+    let mut f = generate_fixture(&c, &FixtureOptions::small(lens.len(), 129), None);
+    f.batch.seq_lens = lens.to_vec();
+    let w = worker();
+    let model = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();
+    // Read back in row order whatever the layout.
+    assert_eq!(model.download_layer(0).unwrap(), *f.weights.layers[0]);
+    assert_eq!(
+        model.download_lm_head_rows(5..40).unwrap(),
+        f.weights.lm_head()[5 * c.hidden_size..40 * c.hidden_size]
+    );
+    let kv = KvBuffers::new(&w, &c, f.kv.num_pages, f.kv.page_size).unwrap();
+    kv.upload(&f.kv).unwrap();
+    let mut s = Session::new(&w, Arc::new(model), kv);
+    let got = s
+        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+        .unwrap();
+    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    Tolerance::STACK
+        .check("hidden", &got.hidden, &want.hidden)
+        .unwrap();
+    Tolerance::STACK
+        .check("logits", &got.logits, &want.logits)
+        .unwrap();
+    golden::check_argmax(
+        &got.next_tokens,
+        &want.next_tokens,
+        &want.logits,
+        Tolerance::STACK,
+    )
+    .unwrap();
+}
+
+#[test]
+fn ragged_shapes_stay_row_major() {
+    assert_eq!(bf16_layout(1000, 256), WeightLayout::RowMajor);
+    assert_eq!(bf16_layout(1024, 48), WeightLayout::RowMajor);
+}
