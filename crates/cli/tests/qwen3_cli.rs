@@ -470,6 +470,37 @@ fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
 }
 
 #[test]
+fn run_qwen3_decode_with_tiled_bf16_weights_checks_against_the_golden() {
+    let out = simpler(&[
+        "run",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--bf16-layout",
+        "tiled",
+        "--batch",
+        "3",
+        "--seq-len",
+        "130",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--membw-seconds",
+        "0.2",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
+    let out = simpler(&["run", "qwen3-decode", "--preset", "tiny", "--bf16-layout", "column"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("column") && err.contains("--bf16-layout"), "{err}");
+}
+
+#[test]
 fn an_unsupported_weight_format_is_refused_by_name() {
     for cmd in [
         &["run", "qwen3-decode"][..],

@@ -13,18 +13,73 @@
 //! embedding table (a tied LM head is the embedding buffer, so the gather reads the same
 //! layout). Workers whose kernels do not run on the host (CUDA) always get row-major weights.
 //!
+//! Tiling is opt-in ([`choose_bf16_layout`], the CLI's `--bf16-layout tiled`): on this
+//! class of host it streams 4–6% faster at batch 4 and 16 but about 8–15% slower at batch 1
+//! (the AMX tiles and the AVX-512 whole-group pass both read one sequential stream per thread
+//! and fall behind the row-major pass's several row streams; `docs/qwen3.md`), so the default
+//! stays row-major until a batch-1 pass on tiled weights matches it.
+//!
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
 //! projection and for the LM head). Other models that run the Qwen3 GEMM kernel on their own
 //! row-major weights (DeepSeek-V4) register [`crate::qwen3::ops::row_major_gemm_spec`].
 
+use std::sync::OnceLock;
+
 use simpler_core::Worker;
 use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, WeightLayout, tiled_weights_pay};
+
+/// Which bf16 layout this process's Qwen3 CPU models use where the shape and path allow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Bf16LayoutChoice {
+    /// Row-major everywhere (the default).
+    #[default]
+    RowMajor,
+    /// Tiled where [`tiled_weights_pay`] says the path streams it faster and the shape is
+    /// whole groups and steps.
+    Tiled,
+}
+
+/// The process's choice, fixed by the first [`choose_bf16_layout`] or [`bf16_layout`] call.
+static CHOICE: OnceLock<Bf16LayoutChoice> = OnceLock::new();
+
+/// A second, different layout choice in one process (uploads and kernels already agreed on
+/// the first: changing it would make kernels misread resident weights).
+#[derive(Debug, thiserror::Error)]
+#[error("the bf16 weight layout of this process is already {fixed:?}; {asked:?} cannot be chosen now")]
+pub struct LayoutAlreadyFixed {
+    /// The choice in force.
+    pub fixed: Bf16LayoutChoice,
+    /// The choice refused.
+    pub asked: Bf16LayoutChoice,
+}
+
+/// Fixes this process's bf16 layout choice before any Qwen3 model is uploaded. Choosing what
+/// is already in force is accepted; a different choice after the first (or after a model was
+/// uploaded or a kernel ran with the default) is refused.
+pub fn choose_bf16_layout(choice: Bf16LayoutChoice) -> Result<(), LayoutAlreadyFixed> {
+    let fixed = *CHOICE.get_or_init(|| choice);
+    if fixed == choice {
+        Ok(())
+    } else {
+        Err(LayoutAlreadyFixed {
+            fixed,
+            asked: choice,
+        })
+    }
+}
 
 /// The layout of a resident `[rows, cols]` bf16 matrix read by this process's Qwen3 CPU
 /// kernels.
 pub fn bf16_layout(rows: usize, cols: usize) -> WeightLayout {
-    if tiled_weights_pay(Isa::detected())
+    let choice = *CHOICE.get_or_init(Bf16LayoutChoice::default);
+    layout_for(choice, tiled_weights_pay(Isa::detected()), rows, cols)
+}
+
+/// The rule of [`bf16_layout`] for a given choice and whether the path pays for tiles.
+fn layout_for(choice: Bf16LayoutChoice, pays: bool, rows: usize, cols: usize) -> WeightLayout {
+    if choice == Bf16LayoutChoice::Tiled
+        && pays
         && rows.is_multiple_of(TILE_ROWS)
         && cols.is_multiple_of(TILE_COLS)
         && rows > 0
@@ -49,20 +104,16 @@ pub(crate) fn upload_layout(worker: &Worker, rows: usize, cols: usize) -> Weight
 #[cfg(test)]
 mod tests {
     use super::*;
+    use Bf16LayoutChoice::{RowMajor, Tiled};
 
     #[test]
-    fn only_whole_groups_and_steps_are_tiled_and_only_on_the_amx_path() {
-        let pays = tiled_weights_pay(Isa::detected());
-        let tiled = if pays {
-            WeightLayout::Tiled
-        } else {
-            WeightLayout::RowMajor
-        };
-        assert_eq!(bf16_layout(2048, 1024), tiled);
-        assert_eq!(bf16_layout(151_936, 1024), tiled);
-        assert_eq!(bf16_layout(1000, 256), WeightLayout::RowMajor);
-        assert_eq!(bf16_layout(64, 48), WeightLayout::RowMajor);
-        assert_eq!(bf16_layout(0, 64), WeightLayout::RowMajor);
-        println!("tiled on this process's path: {pays}");
+    fn only_chosen_whole_groups_and_steps_on_a_paying_path_are_tiled() {
+        assert_eq!(layout_for(Tiled, true, 2048, 1024), WeightLayout::Tiled);
+        assert_eq!(layout_for(Tiled, true, 151_936, 1024), WeightLayout::Tiled);
+        for (rows, cols) in [(1000, 256), (64, 48), (0, 64), (16, 0)] {
+            assert_eq!(layout_for(Tiled, true, rows, cols), WeightLayout::RowMajor);
+        }
+        assert_eq!(layout_for(Tiled, false, 2048, 1024), WeightLayout::RowMajor);
+        assert_eq!(layout_for(RowMajor, true, 2048, 1024), WeightLayout::RowMajor);
     }
 }
