@@ -46,7 +46,9 @@ static CHOICE: OnceLock<Bf16LayoutChoice> = OnceLock::new();
 /// A second, different layout choice in one process (uploads and kernels already agreed on
 /// the first: changing it would make kernels misread resident weights).
 #[derive(Debug, thiserror::Error)]
-#[error("the bf16 weight layout of this process is already {fixed:?}; {asked:?} cannot be chosen now")]
+#[error(
+    "the bf16 weight layout of this process is already {fixed:?}; {asked:?} cannot be chosen now"
+)]
 pub struct LayoutAlreadyFixed {
     /// The choice in force.
     pub fixed: Bf16LayoutChoice,
@@ -114,6 +116,9 @@ mod tests {
             assert_eq!(layout_for(Tiled, true, rows, cols), WeightLayout::RowMajor);
         }
         assert_eq!(layout_for(Tiled, false, 2048, 1024), WeightLayout::RowMajor);
-        assert_eq!(layout_for(RowMajor, true, 2048, 1024), WeightLayout::RowMajor);
+        assert_eq!(
+            layout_for(RowMajor, true, 2048, 1024),
+            WeightLayout::RowMajor
+        );
     }
 }
