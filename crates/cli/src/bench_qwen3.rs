@@ -200,6 +200,10 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
                 || args.tiles.tiles_per_core.is_some()
                 || args.tiles.max_kv_chunk.is_some(),
         ),
+        (
+            "--bf16-layout tiled",
+            args.model.bf16_layout == crate::qwen3_cmd::Bf16LayoutArg::Tiled,
+        ),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),
         ("--swimlane", args.run.swimlane > 0),

@@ -53,24 +53,29 @@ fn the_flag_is_global_and_checked() {
 /// exists; before that the missing device is the reason).
 #[test]
 fn cpu_runtime_flags_are_refused_on_cuda() {
-    let out = simpler(&[
-        "bench",
-        "qwen3-decode",
-        "--preset",
-        "tiny",
-        "--platform",
-        "cuda",
-        "--versus-isa",
-        "avx2",
-    ]);
-    let err = text(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--versus-isa: not available with --platform cuda")
-            || err.contains("not compiled with CUDA support")
-            || err.contains("CUDA is not usable on this machine"),
-        "{err}"
-    );
+    for (flag, value, named) in [
+        ("--versus-isa", "avx2", "--versus-isa"),
+        ("--bf16-layout", "tiled", "--bf16-layout tiled"),
+    ] {
+        let out = simpler(&[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--platform",
+            "cuda",
+            flag,
+            value,
+        ]);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{flag}");
+        assert!(
+            err.contains(&format!("{named}: not available with --platform cuda"))
+                || err.contains("not compiled with CUDA support")
+                || err.contains("CUDA is not usable on this machine"),
+            "{err}"
+        );
+    }
 }
 
 /// `--platform cpu` is the default: spelling it out runs the same command.
