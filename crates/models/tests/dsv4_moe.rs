@@ -4,7 +4,9 @@
 //! top-k-routed layers, with mixed starts, an expert that gets every token and one that gets
 //! none, and once at FLASH width.
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+mod common;
+
+use simpler_core::{CallConfig, Worker};
 use simpler_models::dsv4::check::{CacheTol, RelDiff};
 use simpler_models::dsv4::fixture::{
     MoeWeights, StepInputs, generate_inputs, generate_moe_weights,
@@ -14,14 +16,7 @@ use simpler_models::dsv4::moe_graph::{ExpertPlacement, MoeLayer, MoeRunError};
 use simpler_models::dsv4::{Dsv4Config, MIXED_STARTS, moe_ops, uniform_starts};
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     moe_ops::register(&w).unwrap();
     simpler_models::dsv4::ops::register(&w).unwrap();
     w

@@ -4,7 +4,9 @@
 //! own experts, mixed starts, a hash-routed and a top-k-routed layer. (The node level runs the
 //! same pieces over real collectives; the CLI tests cover those.)
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+mod common;
+
+use simpler_core::{CallConfig, Worker};
 use simpler_models::dsv4::fixture::{
     generate_inputs, generate_moe_weights, generate_moe_weights_local,
 };
@@ -15,14 +17,7 @@ use simpler_models::dsv4::moe_graph::{ExpertPlacement, MoeLayer, MoeOutput};
 use simpler_models::dsv4::{Dsv4Config, MIXED_STARTS, moe_ops};
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     moe_ops::register(&w).unwrap();
     simpler_models::dsv4::ops::register(&w).unwrap();
     w

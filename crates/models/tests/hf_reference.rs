@@ -6,11 +6,13 @@
 //! compared: relative L2 error, cosine, and argmax (a different id only where the reference
 //! logits of both ids are within the tolerance of each other, a near-tie).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use safetensors::SafeTensors;
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::{
     KvBuffers, LoadOptions, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel, RopeScaling,
@@ -112,14 +114,7 @@ fn check_row(case: &str, pos: usize, got: &[f32], want: &[f32]) -> bool {
 }
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     ops::register(&w).unwrap();
     w
 }

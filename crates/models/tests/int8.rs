@@ -2,10 +2,12 @@
 //! golden on the dequantised weights within the bf16 tolerances, and the bf16 model's logits
 //! within the int8 tolerance (`docs/qwen3.md`, "int8 weights").
 
+mod common;
+
 use std::sync::Arc;
 
 use half::bf16;
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::{self, Int8Agreement, Tolerance};
 use simpler_models::qwen3::quant::{dequantize_matrix_bf16, quantize_matrix};
 use simpler_models::qwen3::{
@@ -19,14 +21,7 @@ const MODES: [WeightFormat; 2] = [
 ];
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     ops::register(&w).unwrap();
     w
 }

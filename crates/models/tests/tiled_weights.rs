@@ -4,9 +4,11 @@
 //! Elsewhere the same checks run on row-major weights. Every test of this binary chooses
 //! tiling (the choice is per process), and a second, different choice is refused.
 
+mod common;
+
 use std::sync::Arc;
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_kernels_cpu::WeightLayout;
 use simpler_models::qwen3::golden::{self, Tolerance};
 use simpler_models::qwen3::layout::{Bf16LayoutChoice, bf16_layout, choose_bf16_layout};
@@ -15,14 +17,7 @@ use simpler_models::qwen3::{
 };
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     ops::register(&w).unwrap();
     w
 }
