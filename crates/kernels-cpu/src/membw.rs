@@ -254,17 +254,18 @@ pub fn compute_peak(path: Isa, threads: usize, budget: Duration) -> f64 {
     }
 }
 
-/// The best rate of `threads` threads each running `kernel(iters)` (`flops_per_iter` FLOPs
-/// per iteration), GFLOP/s summed over threads.
-fn chain_peak(
+/// The best rate of `threads` threads each running `kernel(iters)` (`ops_per_iter` operations
+/// per iteration; best of three runs per thread, summed over threads), in G operations/s. The
+/// iteration count is calibrated on the calling thread so one run takes about `budget / 4`.
+/// Shared by the FMA, BF16 and int8 peaks so they are timed the same way.
+pub(crate) fn chain_peak<R>(
     threads: usize,
     budget: Duration,
-    kernel: fn(u64) -> f32,
-    flops_per_iter: f64,
+    kernel: fn(u64) -> R,
+    ops_per_iter: f64,
 ) -> f64 {
     let threads = threads.max(1);
-    // Calibrate the iteration count on this thread.
-    let mut iters = 1u64 << 14;
+    let mut iters = 1u64 << 10;
     loop {
         let t = Instant::now();
         std::hint::black_box(kernel(iters));
@@ -275,7 +276,7 @@ fn chain_peak(
         }
         iters *= 4;
     }
-    let iters = iters.max(1 << 10);
+    let iters = iters.max(1 << 8);
     let barrier = Barrier::new(threads);
     let best: Vec<f64> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -295,11 +296,11 @@ fn chain_peak(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().expect("fma thread panicked"))
+            .map(|h| h.join().expect("peak thread panicked"))
             .collect()
     });
-    let flops = flops_per_iter * iters as f64;
-    best.iter().map(|t| flops / t.max(1e-9) / 1e9).sum()
+    let ops = ops_per_iter * iters as f64;
+    best.iter().map(|t| ops / t.max(1e-9) / 1e9).sum()
 }
 
 /// Independent accumulators per chain loop.

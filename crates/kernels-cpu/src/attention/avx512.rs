@@ -120,27 +120,7 @@ pub(super) unsafe fn decode_partials_heads(
     go!(1 => 8; 2 => 8; 3 => 4; 4 => 4; 5 => 2; 6 => 2; 7 => 2; 8 => 2);
     let rec = group * (hd + 2);
     for (st, out) in states.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
-        write_partials(st, group, hd, out);
-    }
-}
-
-/// The partial records of one head's state (outputs back in element order).
-fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
-    let o = &st[group * hd..2 * group * hd];
-    let ml = &st[2 * group * hd..];
-    for j in 0..group {
-        let rec = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
-        rec[0] = ml[j];
-        rec[1] = ml[group + j];
-        for (dst, src) in rec[2..]
-            .chunks_exact_mut(32)
-            .zip(o[j * hd..(j + 1) * hd].chunks_exact(32))
-        {
-            for i in 0..16 {
-                dst[2 * i] = src[i];
-                dst[2 * i + 1] = src[16 + i];
-            }
-        }
+        super::write_partials::<16>(st, group, hd, out);
     }
 }
 

@@ -25,6 +25,30 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+
+/// The partial records (`[m, l, o...]` per query, `hd + 2` floats) of one head's SIMD state
+/// `st` (`[queries, o, m, l]` as the x86 kernels keep it, `group` queries). The kernels hold
+/// `o` in lane pairs: each `2 * HALF` outputs sit as the even elements then the odd ones
+/// (what one 2-wide `bf16` dot product yields), so the records put them back in element order.
+#[cfg(target_arch = "x86_64")]
+fn write_partials<const HALF: usize>(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+    let o = &st[group * hd..2 * group * hd];
+    let ml = &st[2 * group * hd..];
+    for j in 0..group {
+        let rec = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
+        rec[0] = ml[j];
+        rec[1] = ml[group + j];
+        for (dst, src) in rec[2..]
+            .chunks_exact_mut(2 * HALF)
+            .zip(o[j * hd..(j + 1) * hd].chunks_exact(2 * HALF))
+        {
+            for i in 0..HALF {
+                dst[2 * i] = src[i];
+                dst[2 * i + 1] = src[HALF + i];
+            }
+        }
+    }
+}
 mod core;
 mod prefill;
 

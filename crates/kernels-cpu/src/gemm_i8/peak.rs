@@ -2,10 +2,11 @@
 //! the kernels' inner loops issue, in registers only (no loads), one thread and all threads.
 //! Rates count two operations per multiply-accumulate (GOP/s, like GFLOP/s).
 
-use std::sync::Barrier;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::I8Path;
+#[cfg(target_arch = "x86_64")]
+use crate::membw::chain_peak;
 
 /// One path's measured peak.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,8 +41,9 @@ pub fn int8_peaks(threads: usize, budget: Duration) -> Vec<Int8Peak> {
             I8Path::Amx => ("tdpbssd (16x16x64 tiles)", x86::AMX_MACS, x86::amx),
             I8Path::Portable => unreachable!(),
         };
-        let one = rate(run, macs, 1, budget / 2);
-        let all = rate(run, macs, threads.max(1), budget / 2);
+        // Two operations per multiply-accumulate.
+        let one = chain_peak(1, budget / 2, run, 2.0 * macs);
+        let all = chain_peak(threads.max(1), budget / 2, run, 2.0 * macs);
         peaks.push(Int8Peak {
             path,
             instructions,
@@ -51,46 +53,6 @@ pub fn int8_peaks(threads: usize, budget: Duration) -> Vec<Int8Peak> {
     }
     let _ = (threads, budget);
     peaks
-}
-
-/// GOP/s of `threads` threads each running `run(iters)` (best of three per thread, summed).
-fn rate(run: fn(u64), macs_per_iter: f64, threads: usize, budget: Duration) -> f64 {
-    let mut iters = 1u64 << 10;
-    loop {
-        let t = Instant::now();
-        run(iters);
-        let dt = t.elapsed().as_secs_f64();
-        if dt > budget.as_secs_f64() / 20.0 || iters > 1 << 34 {
-            iters = ((iters as f64) * budget.as_secs_f64() / 4.0 / dt.max(1e-9)) as u64;
-            break;
-        }
-        iters *= 4;
-    }
-    let iters = iters.max(1 << 8);
-    let barrier = Barrier::new(threads);
-    let best: Vec<f64> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                let barrier = &barrier;
-                s.spawn(move || {
-                    let mut best = f64::MAX;
-                    for _ in 0..3 {
-                        barrier.wait();
-                        let t = Instant::now();
-                        run(iters);
-                        best = best.min(t.elapsed().as_secs_f64());
-                    }
-                    best
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("int8 peak thread panicked"))
-            .collect()
-    });
-    best.iter()
-        .map(|t| 2.0 * macs_per_iter * iters as f64 / t.max(1e-9) / 1e9)
-        .sum()
 }
 
 #[cfg(target_arch = "x86_64")]

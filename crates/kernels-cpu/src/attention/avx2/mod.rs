@@ -69,7 +69,7 @@ pub(super) unsafe fn decode_partial(
     init_state(q, group, hd, scale, st);
     // SAFETY: forwarded contract; `st` is one head's state.
     unsafe { head_over(group, kv, block_table, kv_head, tokens, st) };
-    write_partials(st, group, hd, partial);
+    super::write_partials::<8>(st, group, hd, partial);
 }
 
 /// [`decode_partial`] for every KV head at once (`q` the whole row, `kv_heads * group *
@@ -103,7 +103,7 @@ pub(super) unsafe fn decode_partials_heads(
     unsafe { rows_over(group, kv, block_table, tokens, state, scores) };
     let rec = group * (hd + 2);
     for (st, out) in state.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
-        write_partials(st, group, hd, out);
+        super::write_partials::<8>(st, group, hd, out);
     }
 }
 
@@ -142,7 +142,7 @@ pub(super) unsafe fn prefill_rows(
         init_state_with(qr, group, hd, scale, st, |v| *v);
         // SAFETY: forwarded contract (tokens 0..=first_pos + i are covered).
         unsafe { head_over(group, kv, block_table, kv_head, 0..first_pos + i + 1, st) };
-        write_partials(st, group, hd, recs);
+        super::write_partials::<8>(st, group, hd, recs);
         for (o, rec) in or.chunks_exact_mut(hd).zip(recs.chunks_exact(hd + 2)) {
             let inv = if rec[1] > 0.0 { 1.0 / rec[1] } else { 0.0 };
             for (d, &a) in o.iter_mut().zip(&rec[2..]) {
@@ -184,25 +184,6 @@ fn init_state_with<T>(
     o.fill(0.0);
     ml[..group].fill(f32::NEG_INFINITY);
     ml[group..].fill(0.0);
-}
-
-fn write_partials(st: &[f32], group: usize, hd: usize, out: &mut [f32]) {
-    let o = &st[group * hd..2 * group * hd];
-    let ml = &st[2 * group * hd..];
-    for j in 0..group {
-        let rec = &mut out[j * (hd + 2)..(j + 1) * (hd + 2)];
-        rec[0] = ml[j];
-        rec[1] = ml[group + j];
-        for (dst, src) in rec[2..]
-            .chunks_exact_mut(16)
-            .zip(o[j * hd..(j + 1) * hd].chunks_exact(16))
-        {
-            for i in 0..8 {
-                dst[2 * i] = src[i];
-                dst[2 * i + 1] = src[8 + i];
-            }
-        }
-    }
 }
 
 /// The online-softmax update of one head's state `st` after a run of `run` scores per query
