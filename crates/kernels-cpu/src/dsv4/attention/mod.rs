@@ -1,32 +1,34 @@
 //! Sparse attention with an attention sink over a candidate list (`docs/dsv4.md`, "SWA layer"
 //! step 3): every head of a token attends to the same candidate rows (one row is K and V of
-//! every head), the list taken in tiles of [`ATTN_TILE`] entries with an online softmax in
-//! fp32, `o += bf16(p) @ kv`, and the sink as a logit with a zero value row:
-//! `out = o / (Σ p + exp(sink − m))`.
+//! every head), with the softmax in fp32, `o = bf16(p) @ kv` and the sink as a logit with a
+//! zero value row: `out = o / (Σ p + exp(sink − m))`.
 //!
 //! A candidate is `None` when masked (padding, an invalid index): it is skipped, so it changes
-//! nothing; a tile with no valid row is skipped whole before anything is read; a list with no
-//! valid row gives zeros.
+//! nothing; a list with no valid row gives zeros.
 //!
-//! # One tile
-//! The KV row is shared by every head (MQA-like), so a tile is read once for all the heads of
-//! the call:
-//! 1. its valid rows are copied once into a contiguous `[n, d]` block (a row copy per
-//!    candidate: the compressed candidates are scattered cache rows); nothing is transposed;
-//! 2. the scores of every head against the tile are one [`crate::gemm_bf16_prepared`] product
-//!    with the rows as the weights and the heads' queries as the activations (AMX tiles from 16
-//!    heads, AVX-512 BF16, AVX2, portable); the queries are packed and, on AMX, converted to
-//!    the tile unit's layout once per call, not once per tile;
-//! 3. the online softmax of all heads (`softmax_tile`: scale, max, `exp`, sum, `bf16(p)`)
-//!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
-//!    time; the builds agree bit for bit;
-//! 4. the value product `out[h] += Σ_j bf16(p[h, j]) · row_j` reads the rows as they lie
-//!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
-//!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
-//!    heads' weights are the `A` operand; on AVX-512 BF16 without AMX (rows a multiple of 64
-//!    wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
+//! # One call
+//! The KV row is shared by every head (MQA-like), so the rows are read once for all the heads
+//! of the call, and the softmax is taken over all of them at once (the exact max of each head,
+//! not a running one), so the value product runs once over every row and `out` is written once:
+//! 1. the valid rows are copied, [`ATTN_TILE`] at a time, into a contiguous `[n, d]` block
+//!    (a row copy per candidate: the compressed candidates are scattered cache rows), the last
+//!    block zero-padded to a multiple of 32 rows; nothing is transposed;
+//! 2. the scores of every head against each block are one [`crate::gemm_bf16_prepared`]
+//!    product with the rows as the weights and the heads' queries as the activations (AMX
+//!    tiles from 16 heads, AVX-512 BF16, AVX2, portable), written into the call's `[heads, n]`
+//!    scores; the queries are packed and, on AMX, converted to the tile unit's layout once per
+//!    call; where the value product takes the rows in pairs (below), each block is interleaved
+//!    into that layout while it is still near, and only one block of rows is kept;
+//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp`, sum,
+//!    `bf16(p)`) is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen
+//!    at run time; the builds agree bit for bit;
+//! 4. the value product `out[h] = Σ_j bf16(p[h, j]) · row_j` over all `n` rows: on AMX
+//!    (`amx.rs`, heads a multiple of 16, `d` of 32) the rows are in pairs in the tile unit's
+//!    VNNI layout, the heads' weights are the `A` operand and each 32-head × 32-column block
+//!    of `out` stays in tiles over every row, stored once; on AVX-512 BF16 without AMX (rows
+//!    a multiple of 64 wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
 //!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` is a register-blocked body (4 heads × 16
-//!    columns) built like the softmax.
+//!    columns) built like the softmax, reading the rows as they lie (`[n, d]`).
 
 use half::bf16;
 
@@ -39,25 +41,29 @@ use crate::math::exp_approx;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 
-/// Candidates per tile.
+/// Rows per block of the copy and the scores' product.
 pub const ATTN_TILE: usize = 128;
+
+/// Rows per step of the value product's pair layout: a call's rows are zero-padded to a
+/// multiple of it.
+const ROW_STEP: usize = 32;
 
 /// Reusable buffers of [`sparse_attention`] (sized on first use, kept between calls).
 #[derive(Debug, Default)]
 pub struct AttnScratch {
-    /// The tile's valid rows `[n, d]`, zero rows after them up to a multiple of 32.
+    /// The valid rows `[n, d]` (one [`ATTN_TILE`] block of them where the value product takes
+    /// the pair layout), zero rows after the last up to a multiple of [`ROW_STEP`].
     rows: Vec<bf16>,
     q_packed: Vec<f32>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
-    /// The tile's scores `[heads, n]`.
+    /// The scores `[heads, n]`.
     scores: Vec<f32>,
     /// `bf16(p)` as fp32 `[heads, n]`.
     p: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
-    alpha: Vec<f32>,
-    /// The AMX value product's operands.
+    /// The pair-layout value products' operands.
     #[cfg(target_arch = "x86_64")]
     amx: amx::PvScratch,
 }
@@ -70,6 +76,19 @@ pub fn pv_path(isa: Isa, heads: usize, d: usize) -> Isa {
     }
     let _ = (heads, d);
     isa.min(Isa::Avx512Bf16)
+}
+
+/// Whether the value product on `path` (from [`pv_path`]) takes the rows in the pair layout.
+fn takes_pairs(path: Isa, d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        path == Isa::AmxBf16 || (path == Isa::Avx512Bf16 && amx::dpbf16_supports(d))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (path, d);
+        false
+    }
 }
 
 /// Attention of `heads = sinks.len()` heads over `cands`.
@@ -91,74 +110,69 @@ pub fn sparse_attention(
     let heads = sinks.len();
     assert_eq!(q.len(), heads * d, "sparse_attention: q len");
     assert_eq!(out.len(), heads * d, "sparse_attention: out len");
-    out.fill(0.0);
-    if heads == 0 || d == 0 {
+    let n = cands.iter().flatten().count();
+    if heads == 0 || d == 0 || n == 0 {
+        out.fill(0.0);
         return;
     }
     let path = pv_path(Isa::current(), heads, d);
+    let pairs = takes_pairs(path, d);
+    let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
     s.q_packed.resize(packed_len(heads, d), 0.0);
     pack_acts_f32(q, heads, d, &mut s.q_packed);
     s.q.prepare(PackedActs::new(&s.q_packed, heads, d));
-    s.m.clear();
-    s.m.resize(heads, f32::NEG_INFINITY);
-    s.l.clear();
-    s.l.resize(heads, 0.0);
-    s.alpha.resize(heads, 0.0);
-    let mut first = true;
-    for tile in cands.chunks(ATTN_TILE) {
-        let n = tile.iter().flatten().count();
-        if n == 0 {
-            continue;
-        }
-        // 1. The valid rows, contiguous, zero-padded to whole 32-row steps.
-        let n32 = n.div_ceil(32) * 32;
-        s.rows.clear();
-        for r in tile.iter().flatten() {
+    s.scores.resize(heads * n, 0.0);
+    s.rows
+        .resize(if pairs { ATTN_TILE.min(n32) } else { n32 } * d, bf16::ZERO);
+    #[cfg(target_arch = "x86_64")]
+    if pairs {
+        s.amx.vnni.resize(n32 * d, 0);
+    }
+    // 1-2. Block by block: the rows, contiguous; scores[h, j] = q[h] · row[j]; the pairs.
+    let mut valid = cands.iter().flatten();
+    let mut j0 = 0;
+    while j0 < n {
+        let nb = ATTN_TILE.min(n - j0);
+        let nb32 = nb.div_ceil(ROW_STEP) * ROW_STEP;
+        let at = if pairs { 0 } else { j0 * d };
+        let block = &mut s.rows[at..at + nb32 * d];
+        for (dst, r) in block.chunks_exact_mut(d).zip(valid.by_ref().take(nb)) {
             assert_eq!(r.len(), d, "sparse_attention: candidate row len");
-            s.rows.extend_from_slice(r);
+            dst.copy_from_slice(r);
         }
-        s.rows.resize(n32 * d, bf16::ZERO);
-        // 2. scores[h, j] = q[h] · row[j]
-        s.scores.resize(heads * n, 0.0);
-        let rows = WeightsBf16::new(&s.rows[..n * d], n, d);
-        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores, n);
-        // 3. Online softmax; what the earlier tiles left is rescaled by exp(m_old − m_new).
-        s.p.resize(heads * n, 0.0);
-        softmax_tile(
-            &s.scores,
-            n,
-            scale,
-            &mut s.m,
-            &mut s.l,
-            &mut s.alpha,
-            &mut s.p,
-        );
-        // The heads' first tile (every head sees the same rows) has alpha 0 over an `out` of
-        // zeros: nothing to scale.
-        if !first {
-            for (o, &a) in out.chunks_exact_mut(d).zip(&s.alpha) {
-                if a != 1.0 {
-                    o.iter_mut().for_each(|v| *v *= a);
-                }
-            }
+        block[nb * d..].fill(bf16::ZERO);
+        let rows = WeightsBf16::new(&block[..nb * d], nb, d);
+        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        #[cfg(target_arch = "x86_64")]
+        if pairs {
+            amx::interleave(block, d, &mut s.amx.vnni, n32 / 2, j0 / 2);
         }
-        // 4. out[h] += bf16(p[h]) @ rows (on AMX the first tile's sums start from zero
-        // tiles rather than reading the zeros back)
-        match path {
-            #[cfg(target_arch = "x86_64")]
-            Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx, first),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 if amx::dpbf16_supports(d) => {
-                amx::pv_add_dpbf16(&s.p, heads, n, &s.rows, d, out, &mut s.amx)
-            }
-            _ => pv_add(&s.p, heads, n, &s.rows[..n * d], d, out),
+        j0 += nb;
+    }
+    // 3. The softmax over every row.
+    s.m.resize(heads, 0.0);
+    s.l.resize(heads, 0.0);
+    s.p.resize(heads * n, 0.0);
+    softmax_rows(&s.scores, n, scale, &mut s.m, &mut s.l, &mut s.p);
+    // 4. out[h] = bf16(p[h]) @ rows
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Isa::AmxBf16 => {
+            amx::pack_p(&s.p, heads, n, n32, &mut s.amx.p);
+            amx::pv_store(&s.amx.p, heads, n32, &s.amx.vnni, d, out);
         }
-        first = false;
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 if pairs => {
+            amx::pack_p(&s.p, heads, n, n32, &mut s.amx.p);
+            out.fill(0.0);
+            amx::pv_add_dpbf16(&s.amx.p, heads, n32, &s.amx.vnni, d, out);
+        }
+        _ => {
+            out.fill(0.0);
+            pv_add(&s.p, heads, n, &s.rows[..n * d], d, out);
+        }
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
-        if m == f32::NEG_INFINITY {
-            continue; // no valid candidate: zeros
-        }
         let denom = l + (sink - m).exp();
         o.iter_mut().for_each(|v| *v /= denom);
     }
@@ -213,31 +227,25 @@ macro_rules! three_builds {
 }
 
 three_builds! {
-    /// The online softmax of one tile for every head: `scores` `[heads, n]` (unscaled, heads
-    /// = `m.len()`) are scaled; per head the new max `m' = max(m, scores)`, `alpha =
-    /// exp(m − m')` (written to `alpha`, 0 for a head's first tile), `e = exp(score − m')`,
-    /// `l = l · alpha + Σ e` and `p = bf16(e)` (`[heads, n]`). The maxima and sums run in
-    /// [`LANES`] lanes reduced in a fixed order.
+    /// The softmax of every head over `n` scores: `scores` `[heads, n]` (unscaled, heads =
+    /// `m.len()`) are scaled; per head the max `m`, `e = exp(score − m)`, `l = Σ e` and `p =
+    /// bf16(e)` (`[heads, n]`). The maxima and sums run in [`LANES`] lanes reduced in a fixed
+    /// order.
     ///
     /// # Panics
-    /// If `scores` or `p` is not `heads · n` long or `l`, `alpha` not `heads` long.
-    pub(crate) fn softmax_tile(
+    /// If `scores` or `p` is not `heads · n` long or `l` not `heads` long.
+    pub(crate) fn softmax_rows(
         scores: &[f32],
         n: usize,
         scale: f32,
         m: &mut [f32],
         l: &mut [f32],
-        alpha: &mut [f32],
         p: &mut [f32],
     ) {
         let heads = m.len();
-        assert_eq!(scores.len(), heads * n, "softmax_tile: scores len");
-        assert_eq!(p.len(), heads * n, "softmax_tile: p len");
-        assert!(l.len() == heads && alpha.len() == heads, "softmax_tile: state len");
-        if n == 0 {
-            alpha.fill(1.0);
-            return;
-        }
+        assert_eq!(scores.len(), heads * n, "softmax_rows: scores len");
+        assert_eq!(p.len(), heads * n, "softmax_rows: p len");
+        assert_eq!(l.len(), heads, "softmax_rows: l len");
         let body = n / LANES * LANES;
         for h in 0..heads {
             let sc = &scores[h * n..(h + 1) * n];
@@ -254,8 +262,7 @@ three_builds! {
                 *o = s * scale;
                 mx[i] = mx[i].max(*o);
             }
-            let mt = mx.iter().fold(m[h], |a, &b| a.max(b));
-            alpha[h] = if m[h] == f32::NEG_INFINITY { 0.0 } else { (m[h] - mt).exp() };
+            let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             m[h] = mt;
             let mut sum = [0.0f32; LANES];
             for o in ph[..body].chunks_exact_mut(LANES) {
@@ -278,7 +285,7 @@ three_builds! {
                     sum[i] += sum[i + w];
                 }
             }
-            l[h] = l[h] * alpha[h] + sum[0];
+            l[h] = sum[0];
         }
     }
 }
