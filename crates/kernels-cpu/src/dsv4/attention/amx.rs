@@ -216,19 +216,20 @@ pub(super) fn pv_add_dpbf16(
 /// (the upper half of each value is exact).
 ///
 /// # Panics
-/// If `p` is not `heads · n` long or `n32 < n`.
-pub(super) fn pack_p(p: &[f32], heads: usize, n: usize, n32: usize, pb: &mut Vec<u16>) {
+/// If `p` is not `heads · n` long, `pb` not `heads · n32` or `n32 < n`.
+pub(super) fn pack_p(p: &[f32], heads: usize, n: usize, n32: usize, pb: &mut [u16]) {
     assert_eq!(p.len(), heads * n, "dsv4 value product: p len");
+    assert_eq!(pb.len(), heads * n32, "dsv4 value product: pb len");
     assert!(n32 >= n, "dsv4 value product: n32 {n32} < n {n}");
-    pb.clear();
-    pb.resize(heads * n32, 0);
-    if n == 0 {
+    if n32 == 0 {
         return;
     }
-    for (dst, src) in pb.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
+    for (h, dst) in pb.chunks_exact_mut(n32).enumerate() {
+        let src = &p[h * n..(h + 1) * n];
         for (d, &v) in dst.iter_mut().zip(src) {
             *d = (v.to_bits() >> 16) as u16;
         }
+        dst[n..].fill(0);
     }
 }
 

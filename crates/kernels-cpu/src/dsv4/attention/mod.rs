@@ -122,31 +122,47 @@ pub fn sparse_attention(
     pack_acts_f32(q, heads, d, &mut s.q_packed);
     s.q.prepare(PackedActs::new(&s.q_packed, heads, d));
     s.scores.resize(heads * n, 0.0);
-    s.rows
-        .resize(if pairs { ATTN_TILE.min(n32) } else { n32 } * d, bf16::ZERO);
+    let rows_at = aligned64(
+        &mut s.rows,
+        if pairs { ATTN_TILE.min(n32) } else { n32 } * d,
+    );
     #[cfg(target_arch = "x86_64")]
-    if pairs {
-        s.amx.vnni.resize(n32 * d, 0);
-    }
-    // 1-2. Block by block: the rows, contiguous; scores[h, j] = q[h] · row[j]; the pairs.
+    let vnni_at = if pairs {
+        aligned64(&mut s.amx.vnni, n32 * d)
+    } else {
+        0..0
+    };
+    // 1-2. Block by block: the rows, contiguous; scores[h, j] = q[h] · row[j]; the pairs, each
+    // made as soon as its two rows are copied (read back from L1).
     let mut valid = cands.iter().flatten();
     let mut j0 = 0;
     while j0 < n {
         let nb = ATTN_TILE.min(n - j0);
         let nb32 = nb.div_ceil(ROW_STEP) * ROW_STEP;
-        let at = if pairs { 0 } else { j0 * d };
+        let at = rows_at.start + if pairs { 0 } else { j0 * d };
         let block = &mut s.rows[at..at + nb32 * d];
-        for (dst, r) in block.chunks_exact_mut(d).zip(valid.by_ref().take(nb)) {
-            assert_eq!(r.len(), d, "sparse_attention: candidate row len");
-            dst.copy_from_slice(r);
-        }
         block[nb * d..].fill(bf16::ZERO);
+        for (k, pair) in block.chunks_exact_mut(2 * d).enumerate() {
+            for (dst, r) in pair
+                .chunks_exact_mut(d)
+                .zip(valid.by_ref().take(nb - (2 * k).min(nb)))
+            {
+                assert_eq!(r.len(), d, "sparse_attention: candidate row len");
+                dst.copy_from_slice(r);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if pairs {
+                amx::interleave(
+                    pair,
+                    d,
+                    &mut s.amx.vnni[vnni_at.clone()],
+                    n32 / 2,
+                    j0 / 2 + k,
+                );
+            }
+        }
         let rows = WeightsBf16::new(&block[..nb * d], nb, d);
         gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
-        #[cfg(target_arch = "x86_64")]
-        if pairs {
-            amx::interleave(block, d, &mut s.amx.vnni, n32 / 2, j0 / 2);
-        }
         j0 += nb;
     }
     // 3. The softmax over every row.
@@ -157,25 +173,37 @@ pub fn sparse_attention(
     // 4. out[h] = bf16(p[h]) @ rows
     match path {
         #[cfg(target_arch = "x86_64")]
-        Isa::AmxBf16 => {
-            amx::pack_p(&s.p, heads, n, n32, &mut s.amx.p);
-            amx::pv_store(&s.amx.p, heads, n32, &s.amx.vnni, d, out);
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 if pairs => {
-            amx::pack_p(&s.p, heads, n, n32, &mut s.amx.p);
-            out.fill(0.0);
-            amx::pv_add_dpbf16(&s.amx.p, heads, n32, &s.amx.vnni, d, out);
+        Isa::AmxBf16 | Isa::Avx512Bf16 if pairs => {
+            let p_at = aligned64(&mut s.amx.p, heads * n32);
+            let (pb, vnni) = (&mut s.amx.p[p_at], &s.amx.vnni[vnni_at]);
+            amx::pack_p(&s.p, heads, n, n32, pb);
+            if path == Isa::AmxBf16 {
+                amx::pv_store(pb, heads, n32, vnni, d, out);
+            } else {
+                out.fill(0.0);
+                amx::pv_add_dpbf16(pb, heads, n32, vnni, d, out);
+            }
         }
         _ => {
             out.fill(0.0);
-            pv_add(&s.p, heads, n, &s.rows[..n * d], d, out);
+            let rows = &s.rows[rows_at.start..rows_at.start + n * d];
+            pv_add(&s.p, heads, n, rows, d, out);
         }
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
         let denom = l + (sink - m).exp();
         o.iter_mut().for_each(|v| *v /= denom);
     }
+}
+
+/// `v` resized to hold `len` elements from a 64-byte boundary (whole cache lines for the
+/// tile loads and the pair layout's stores); where those elements are.
+fn aligned64<T: Clone + Default>(v: &mut Vec<T>, len: usize) -> std::ops::Range<usize> {
+    let spare = 64 / size_of::<T>().max(1);
+    v.resize(len + spare, T::default());
+    let at = v.as_ptr().align_offset(64);
+    let at = if at < spare { at } else { 0 };
+    at..at + len
 }
 
 /// Lanes of the softmax's partial maxima and sums.

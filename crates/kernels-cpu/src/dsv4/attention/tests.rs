@@ -123,7 +123,7 @@ fn matches_portable_value_product(
         with_isa(Isa::Portable, || {
             pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
         });
-        let mut pb = Vec::new();
+        let mut pb = vec![0x7fc0u16; heads * n32];
         amx::pack_p(&p, heads, n, n32, &mut pb);
         // Stale values where the layout is written: every line must be overwritten.
         let mut vnni = vec![0x7fc0u16; n32 * d];
