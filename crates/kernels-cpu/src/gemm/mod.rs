@@ -524,11 +524,29 @@ impl PreparedActs {
         self.packed.extend_from_slice(x.data());
         self.rows = x.rows();
         self.cols = x.cols();
+        self.convert_packed();
+    }
+
+    /// [`PreparedActs::prepare`] of fp32 rows `x` (`[rows, cols]`), packed straight into the
+    /// kept buffer ([`pack_acts_f32`]) instead of packed then copied.
+    ///
+    /// # Panics
+    /// If `x` is not `rows * cols` long.
+    pub fn prepare_f32(&mut self, x: &[f32], rows: usize, cols: usize) {
+        self.packed.resize(packed_len(rows, cols), 0.0);
+        pack_acts_f32(x, rows, cols, &mut self.packed);
+        self.rows = rows;
+        self.cols = cols;
+        self.convert_packed();
+    }
+
+    /// The AMX VNNI copy of the kept packed rows, where [`gemm_bf16`] takes the AMX path now.
+    fn convert_packed(&mut self) {
         #[cfg(target_arch = "x86_64")]
         {
             let mut vnni = std::mem::take(&mut self.vnni);
             vnni.clear();
-            if Isa::current() >= Isa::AmxBf16 && x.rows() >= amx::MIN_BATCH {
+            if Isa::current() >= Isa::AmxBf16 && self.rows >= amx::MIN_BATCH {
                 let lw = self.whole_k_lowered(&[]);
                 // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
                 // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the

@@ -25,11 +25,9 @@ use crate::isa::Isa;
 /// Candidates per `K` step of `tdpbf16ps`.
 pub(super) const KSTEP: usize = 32;
 
-/// The value product's operands for one call (sized on first use).
+/// The rows of a call in the value product's pair layout (sized on first use).
 #[derive(Debug, Default)]
 pub(super) struct PvScratch {
-    /// `P` as bf16 bits `[heads, n32]`, zero past `n`.
-    pub(super) p: Vec<u16>,
     /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · pairs + i) ·
     /// 32`, element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
     pub(super) vnni: Vec<u16>,
@@ -41,7 +39,7 @@ pub(super) fn supports(heads: usize, d: usize) -> bool {
     heads > 0 && heads.is_multiple_of(16) && d > 0 && d.is_multiple_of(32)
 }
 
-/// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, [`pack_p`]), `vnni` `n32 · d` in
+/// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, zero past the call's `n`), `vnni` `n32 · d` in
 /// [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero weights, and a
 /// zero row keeps a NaN out), `out` `[heads, d]` (only written).
 ///
@@ -210,27 +208,6 @@ pub(super) fn pv_add_dpbf16(
     // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW; the function
     // checks the lengths itself.
     unsafe { dpbf16_blocks(pb, heads, n32, vnni, d, out) };
-}
-
-/// `P` `[heads, n]` (bf16 values as fp32) as bf16 bits `[heads, n32]` in `pb`, zero past `n`
-/// (the upper half of each value is exact).
-///
-/// # Panics
-/// If `p` is not `heads · n` long, `pb` not `heads · n32` or `n32 < n`.
-pub(super) fn pack_p(p: &[f32], heads: usize, n: usize, n32: usize, pb: &mut [u16]) {
-    assert_eq!(p.len(), heads * n, "dsv4 value product: p len");
-    assert_eq!(pb.len(), heads * n32, "dsv4 value product: pb len");
-    assert!(n32 >= n, "dsv4 value product: n32 {n32} < n {n}");
-    if n32 == 0 {
-        return;
-    }
-    for (h, dst) in pb.chunks_exact_mut(n32).enumerate() {
-        let src = &p[h * n..(h + 1) * n];
-        for (d, &v) in dst.iter_mut().zip(src) {
-            *d = (v.to_bits() >> 16) as u16;
-        }
-        dst[n..].fill(0);
-    }
 }
 
 /// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`

@@ -32,9 +32,7 @@
 
 use half::bf16;
 
-use crate::gemm::{
-    GemmTile, PackedActs, PreparedActs, WeightsBf16, gemm_bf16_prepared, pack_acts_f32, packed_len,
-};
+use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
 use crate::math::exp_approx;
 
@@ -54,13 +52,12 @@ pub struct AttnScratch {
     /// The valid rows `[n, d]` (one [`ATTN_TILE`] block of them where the value product takes
     /// the pair layout), zero rows after the last up to a multiple of [`ROW_STEP`].
     rows: Vec<bf16>,
-    q_packed: Vec<f32>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
     /// The scores `[heads, n]`.
     scores: Vec<f32>,
-    /// `bf16(p)` as fp32 `[heads, n]`.
-    p: Vec<f32>,
+    /// `bf16(p)` as bf16 bits `[heads, n32]`, zero past `n` (every value product's `P`).
+    p: Vec<u16>,
     m: Vec<f32>,
     l: Vec<f32>,
     /// The pair-layout value products' operands.
@@ -118,9 +115,7 @@ pub fn sparse_attention(
     let path = pv_path(Isa::current(), heads, d);
     let pairs = takes_pairs(path, d);
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
-    s.q_packed.resize(packed_len(heads, d), 0.0);
-    pack_acts_f32(q, heads, d, &mut s.q_packed);
-    s.q.prepare(PackedActs::new(&s.q_packed, heads, d));
+    s.q.prepare_f32(q, heads, d);
     s.scores.resize(heads * n, 0.0);
     let rows_at = aligned64(
         &mut s.rows,
@@ -168,15 +163,15 @@ pub fn sparse_attention(
     // 3. The softmax over every row.
     s.m.resize(heads, 0.0);
     s.l.resize(heads, 0.0);
-    s.p.resize(heads * n, 0.0);
-    softmax_rows(&s.scores, n, scale, &mut s.m, &mut s.l, &mut s.p);
+    let p_at = aligned64(&mut s.p, heads * n32);
+    let pb = &mut s.p[p_at];
+    softmax_rows(&s.scores, n, scale, &mut s.m, &mut s.l, pb, n32);
+    let pb = &*pb;
     // 4. out[h] = bf16(p[h]) @ rows
     match path {
         #[cfg(target_arch = "x86_64")]
         Isa::AmxBf16 | Isa::Avx512Bf16 if pairs => {
-            let p_at = aligned64(&mut s.amx.p, heads * n32);
-            let (pb, vnni) = (&mut s.amx.p[p_at], &s.amx.vnni[vnni_at]);
-            amx::pack_p(&s.p, heads, n, n32, pb);
+            let vnni = &s.amx.vnni[vnni_at];
             if path == Isa::AmxBf16 {
                 amx::pv_store(pb, heads, n32, vnni, d, out);
             } else {
@@ -187,12 +182,14 @@ pub fn sparse_attention(
         _ => {
             out.fill(0.0);
             let rows = &s.rows[rows_at.start..rows_at.start + n * d];
-            pv_add(&s.p, heads, n, rows, d, out);
+            pv_add(pb, n32, heads, n, rows, d, out);
         }
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
-        let denom = l + (sink - m).exp();
-        o.iter_mut().for_each(|v| *v /= denom);
+        // One division per head, then products (a division per element costs more than the
+        // rest of this pass).
+        let inv = 1.0 / (l + (sink - m).exp());
+        o.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
@@ -257,54 +254,56 @@ macro_rules! three_builds {
 three_builds! {
     /// The softmax of every head over `n` scores: `scores` `[heads, n]` (unscaled, heads =
     /// `m.len()`) are scaled; per head the max `m`, `e = exp(score − m)`, `l = Σ e` and `p =
-    /// bf16(e)` (`[heads, n]`). The maxima and sums run in [`LANES`] lanes reduced in a fixed
-    /// order.
+    /// bf16(e)` as bf16 bits, row `h` at `h · ld` in `p` (`[heads, ld]`, zeros after the `n`
+    /// values). The maxima and sums run in [`LANES`] lanes reduced in a fixed order.
     ///
     /// # Panics
-    /// If `scores` or `p` is not `heads · n` long or `l` not `heads` long.
+    /// If `scores` is not `heads · n` long, `p` not `heads · ld`, `ld < n` or `l` not `heads`
+    /// long.
     pub(crate) fn softmax_rows(
         scores: &[f32],
         n: usize,
         scale: f32,
         m: &mut [f32],
         l: &mut [f32],
-        p: &mut [f32],
+        p: &mut [u16],
+        ld: usize,
     ) {
         let heads = m.len();
         assert_eq!(scores.len(), heads * n, "softmax_rows: scores len");
-        assert_eq!(p.len(), heads * n, "softmax_rows: p len");
+        assert!(ld >= n && p.len() == heads * ld, "softmax_rows: p len");
         assert_eq!(l.len(), heads, "softmax_rows: l len");
         let body = n / LANES * LANES;
+        let bits = |e: f32| (round_bf16(e).to_bits() >> 16) as u16;
         for h in 0..heads {
             let sc = &scores[h * n..(h + 1) * n];
-            let ph = &mut p[h * n..(h + 1) * n];
-            // Scaled scores into `p`, and their max.
+            let ph = &mut p[h * ld..(h + 1) * ld];
+            // The max of the scaled scores.
             let mut mx = [f32::NEG_INFINITY; LANES];
-            for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
+            for s in sc[..body].chunks_exact(LANES) {
                 for i in 0..LANES {
-                    o[i] = s[i] * scale;
-                    mx[i] = mx[i].max(o[i]);
+                    mx[i] = mx[i].max(s[i] * scale);
                 }
             }
-            for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..]).enumerate() {
-                *o = s * scale;
-                mx[i] = mx[i].max(*o);
+            for (i, s) in sc[body..].iter().enumerate() {
+                mx[i] = mx[i].max(s * scale);
             }
             let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             m[h] = mt;
             let mut sum = [0.0f32; LANES];
-            for o in ph[..body].chunks_exact_mut(LANES) {
+            for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
                 for i in 0..LANES {
-                    let e = exp_approx(o[i] - mt);
+                    let e = exp_approx(s[i] * scale - mt);
                     sum[i] += e;
-                    o[i] = round_bf16(e);
+                    o[i] = bits(e);
                 }
             }
-            for (i, o) in ph[body..].iter_mut().enumerate() {
-                let e = exp_approx(*o - mt);
+            for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..n]).enumerate() {
+                let e = exp_approx(s * scale - mt);
                 sum[i] += e;
-                *o = round_bf16(e);
+                *o = bits(e);
             }
+            ph[n..].fill(0);
             // Pairwise, in a fixed order.
             let mut w = LANES;
             while w > 1 {
@@ -324,25 +323,26 @@ const PV_HEADS: usize = 4;
 const PV_COLS: usize = 16;
 
 three_builds! {
-    /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, n]`, `rows` `[n, d]` bf16 read
-    /// in place, `out` `[heads, d]` (heads = `out.len() / d`): blocks of [`PV_HEADS`] heads ×
+    /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
+    /// of each row read), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads = `out.len() / d`): blocks of [`PV_HEADS`] heads ×
     /// [`PV_COLS`] columns accumulate over `j` in registers (products then sums, in `j`
     /// order) and are added to `out` once.
     ///
     /// # Panics
     /// If the lengths disagree.
     pub(crate) fn pv_add(
-        p: &[f32],
+        p: &[u16],
+        ld: usize,
         heads: usize,
         n: usize,
         rows: &[bf16],
         d: usize,
         out: &mut [f32],
     ) {
-        assert_eq!(p.len(), heads * n, "pv_add: p len");
+        assert!(ld >= n && p.len() == heads * ld, "pv_add: p len");
         assert_eq!(rows.len(), n * d, "pv_add: rows len");
         assert_eq!(out.len(), heads * d, "pv_add: out len");
-        let widen = |v: bf16| f32::from_bits(u32::from(v.to_bits()) << 16);
+        let widen = |v: u16| f32::from_bits(u32::from(v) << 16);
         let mut h0 = 0;
         while h0 < heads {
             let hb = PV_HEADS.min(heads - h0);
@@ -353,9 +353,9 @@ three_builds! {
                 if hb == PV_HEADS && cw == PV_COLS {
                     for j in 0..n {
                         let src = &rows[j * d + c0..j * d + c0 + PV_COLS];
-                        let r: [f32; PV_COLS] = std::array::from_fn(|c| widen(src[c]));
+                        let r: [f32; PV_COLS] = std::array::from_fn(|c| widen(src[c].to_bits()));
                         for (hh, a) in acc.iter_mut().enumerate() {
-                            let pj = p[(h0 + hh) * n + j];
+                            let pj = widen(p[(h0 + hh) * ld + j]);
                             for c in 0..PV_COLS {
                                 a[c] += pj * r[c];
                             }
@@ -365,9 +365,9 @@ three_builds! {
                     for j in 0..n {
                         let src = &rows[j * d + c0..j * d + c0 + cw];
                         for (hh, a) in acc.iter_mut().enumerate().take(hb) {
-                            let pj = p[(h0 + hh) * n + j];
+                            let pj = widen(p[(h0 + hh) * ld + j]);
                             for (a, &v) in a.iter_mut().zip(src) {
-                                *a += pj * widen(v);
+                                *a += pj * widen(v.to_bits());
                             }
                         }
                     }

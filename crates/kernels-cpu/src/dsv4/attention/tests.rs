@@ -6,12 +6,21 @@ use super::*;
 use crate::dsv4::tests::{attention_reference, values};
 use crate::isa::with_isa;
 
-/// Softmax-like weights: bf16 values in `[0, 1)`.
-fn weights(n: usize, seed: u64) -> Vec<f32> {
-    values(n, seed)
-        .iter()
-        .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
-        .collect()
+/// Softmax-like weights `[heads, ld]`: bf16 values in `[0, 1)` as bits, zero past `n` in
+/// each row.
+fn weights(heads: usize, n: usize, ld: usize, seed: u64) -> Vec<u16> {
+    let v = values(heads * n, seed);
+    let mut w = vec![0u16; heads * ld];
+    for h in 0..heads {
+        for j in 0..n {
+            w[h * ld + j] = half::bf16::from_f32(v[h * n + j].abs()).to_bits();
+        }
+    }
+    w
+}
+
+fn widen(bits: u16) -> f64 {
+    f64::from(half::bf16::from_bits(bits).to_f32())
 }
 
 fn bf16_rows(n: usize, seed: u64) -> Vec<bf16> {
@@ -43,10 +52,12 @@ fn softmax_rows_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
             .iter()
             .map(|v| 9.0 * v)
             .collect();
+        // Rows of `p` longer than `n`: the rest is zeroed (over stale values).
+        let ld = n + 3;
         let ((m, l, p), ran) = same_on_every_path(|| {
             let (mut m, mut l) = (vec![0.0f32; heads], vec![0.0f32; heads]);
-            let mut p = vec![0.0f32; heads * n];
-            softmax_rows(&scores, n, 0.5, &mut m, &mut l, &mut p);
+            let mut p = vec![0x7fc0u16; heads * ld];
+            softmax_rows(&scores, n, 0.5, &mut m, &mut l, &mut p, ld);
             (m, l, p)
         });
         for h in 0..heads {
@@ -60,10 +71,13 @@ fn softmax_rows_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
             for (j, s) in sc.iter().enumerate() {
                 let e = (s - mt).exp();
                 sum += e;
-                let pb = p[h * n + j];
-                assert_eq!(pb, half::bf16::from_f32(pb).to_f32(), "p is a bf16 value");
-                assert!((f64::from(pb) - e).abs() <= 4e-3 * e + 1e-30, "p[{h},{j}]");
+                let pb = widen(p[h * ld + j]);
+                assert!((pb - e).abs() <= 4e-3 * e + 1e-30, "p[{h},{j}]");
             }
+            assert!(
+                p[h * ld + n..(h + 1) * ld].iter().all(|&b| b == 0),
+                "pad {h}"
+            );
             assert!((f64::from(l[h]) - sum).abs() <= 1e-5 * sum, "l {h}");
         }
         if n == 128 {
@@ -80,19 +94,20 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
         (4, 33, 64),
         (9, 128, 70),
     ] {
-        let p = weights(heads * n, 3);
+        let ld = n + 1;
+        let p = weights(heads, n, ld, 3);
         let rows = bf16_rows(n * d, 4);
         let base = values(heads * d, 5);
         let (out, ran) = same_on_every_path(|| {
             let mut out = base.clone();
-            pv_add(&p, heads, n, &rows, d, &mut out);
+            pv_add(&p, ld, heads, n, &rows, d, &mut out);
             out
         });
         for h in 0..heads {
             for c in 0..d {
                 let want: f64 = f64::from(base[h * d + c])
                     + (0..n)
-                        .map(|j| f64::from(p[h * n + j]) * f64::from(rows[j * d + c].to_f32()))
+                        .map(|j| widen(p[h * ld + j]) * f64::from(rows[j * d + c].to_f32()))
                         .sum::<f64>();
                 let got = f64::from(out[h * d + c]);
                 assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "[{h},{c}]");
@@ -103,7 +118,7 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
 }
 
 /// `product` (a value product over the rows zero-padded to whole 32-row steps, given `P` as
-/// bf16 bits `[heads, n32]` and the rows in the pair layout, adding to `out`) against the
+/// bf16 bits `[heads, n32]` zero past `n` and the rows in the pair layout, adding to `out`) against the
 /// portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in another
 /// order. The rows are put in the pair layout in two calls (the first 32-row step alone, then
 /// the rest at its offset), as the kernel puts them block by block.
@@ -114,17 +129,15 @@ fn matches_portable_value_product(
     product: impl Fn(&[u16], usize, usize, &[u16], usize, &mut [f32]),
 ) {
     for &(heads, n, d) in shapes {
-        let p = weights(heads * n, seed);
         let n32 = n.div_ceil(32) * 32;
+        let pb = weights(heads, n, n32, seed);
         let mut rows = bf16_rows(n * d, seed + 1);
         rows.resize(n32 * d, bf16::ZERO);
         let base = values(heads * d, seed + 2);
         let mut want = base.clone();
         with_isa(Isa::Portable, || {
-            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
+            pv_add(&pb, n32, heads, n, &rows[..n * d], d, &mut want)
         });
-        let mut pb = vec![0x7fc0u16; heads * n32];
-        amx::pack_p(&p, heads, n, n32, &mut pb);
         // Stale values where the layout is written: every line must be overwritten.
         let mut vnni = vec![0x7fc0u16; n32 * d];
         let (first, rest) = rows.split_at(32 * d);
