@@ -39,7 +39,8 @@ use crate::math::exp_approx;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 
-/// Rows per block of the copy and the scores' product.
+/// Rows per block of the copy and the scores' product; the planning's tile of a candidate
+/// list ([`super::plan`]).
 pub const ATTN_TILE: usize = 128;
 
 /// Rows per step of the value product's pair layout: a call's rows are zero-padded to a
