@@ -267,8 +267,9 @@ fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, o
 /// `vnni[(c / 16 · pairs + i0 + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]`.
 ///
 /// # Panics
-/// If the CPU has no AVX-512 F/BW, `d` is not a multiple of 32, the rows are not whole pairs
-/// or the lines fall outside `vnni` (`pairs · d · 2` long).
+/// If the CPU has no AVX-512 BF16 (the paths that take the pair layout have it), `d` is not a
+/// multiple of 32, the rows are not whole pairs or the lines fall outside `vnni` (`pairs · d ·
+/// 2` long).
 pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
     assert!(
         Isa::Avx512Bf16.is_supported(),
