@@ -22,8 +22,8 @@ use half::bf16;
 use crate::gemm::amx_tile_config;
 use crate::isa::Isa;
 
-/// Candidates per `K` step of `tdpbf16ps`.
-pub(super) const KSTEP: usize = 32;
+/// Candidates per `K` step of `tdpbf16ps` (the kernel pads a call's rows to whole steps).
+const KSTEP: usize = super::ROW_STEP;
 
 /// The rows of a call in the value product's pair layout (sized on first use).
 #[derive(Debug, Default)]
@@ -39,9 +39,9 @@ pub(super) fn supports(heads: usize, d: usize) -> bool {
     heads > 0 && heads.is_multiple_of(16) && d > 0 && d.is_multiple_of(32)
 }
 
-/// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, zero past the call's `n`), `vnni` `n32 · d` in
-/// [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero weights, and a
-/// zero row keeps a NaN out), `out` `[heads, d]` (only written).
+/// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, zero past the call's `n`), `vnni`
+/// `n32 · d` in [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero
+/// weights, and a zero row keeps a NaN out), `out` `[heads, d]` (only written).
 ///
 /// # Panics
 /// If the CPU has no AMX-BF16 (or the tile state was not granted), [`supports`] is false, or

@@ -43,8 +43,8 @@ mod amx;
 /// list ([`super::plan`]).
 pub const ATTN_TILE: usize = 128;
 
-/// Rows per step of the value product's pair layout: a call's rows are zero-padded to a
-/// multiple of it.
+/// Rows per step of the value product's pair layout (one `K` step of the AMX tiles): a call's
+/// rows are zero-padded to a multiple of it.
 const ROW_STEP: usize = 32;
 
 /// Reusable buffers of [`sparse_attention`] (sized on first use, kept between calls).
@@ -325,9 +325,9 @@ const PV_COLS: usize = 16;
 
 three_builds! {
     /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
-    /// of each row read), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads = `out.len() / d`): blocks of [`PV_HEADS`] heads ×
-    /// [`PV_COLS`] columns accumulate over `j` in registers (products then sums, in `j`
-    /// order) and are added to `out` once.
+    /// of each row read), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =
+    /// `out.len() / d`): blocks of [`PV_HEADS`] heads × [`PV_COLS`] columns accumulate over `j`
+    /// in registers (products then sums, in `j` order) and are added to `out` once.
     ///
     /// # Panics
     /// If the lengths disagree.

@@ -118,10 +118,10 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
 }
 
 /// `product` (a value product over the rows zero-padded to whole 32-row steps, given `P` as
-/// bf16 bits `[heads, n32]` zero past `n` and the rows in the pair layout, adding to `out`) against the
-/// portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in another
-/// order. The rows are put in the pair layout in two calls (the first 32-row step alone, then
-/// the rest at its offset), as the kernel puts them block by block.
+/// bf16 bits `[heads, n32]` zero past `n` and the rows in the pair layout, adding to `out`)
+/// against the portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in
+/// another order. The rows are put in the pair layout in two calls (the first 32-row step
+/// alone, then the rest at its offset), as the kernel puts them block by block.
 #[cfg(target_arch = "x86_64")]
 fn matches_portable_value_product(
     shapes: &[(usize, usize, usize)],
