@@ -17,11 +17,13 @@
 //!    product with the rows as the weights and the heads' queries as the activations (AMX
 //!    tiles from 16 heads, AVX-512 BF16, AVX2, portable), written into the call's `[heads, n]`
 //!    scores; the queries are packed and, on AMX, converted to the tile unit's layout once per
-//!    call; where the value product takes the rows in pairs (below), each block is interleaved
-//!    into that layout while it is still near, and only one block of rows is kept;
+//!    call; where the value product takes the rows in pairs (below), each pair of rows is
+//!    interleaved into that layout right after its copy (read back from L1), and only one
+//!    block of plain rows is kept;
 //! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp`, sum,
-//!    `bf16(p)`) is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen
-//!    at run time; the builds agree bit for bit;
+//!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
+//!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
+//!    time; the builds agree bit for bit;
 //! 4. the value product `out[h] = Σ_j bf16(p[h, j]) · row_j` over all `n` rows: on AMX
 //!    (`amx.rs`, heads a multiple of 16, `d` of 32) the rows are in pairs in the tile unit's
 //!    VNNI layout, the heads' weights are the `A` operand and each 32-head × 32-column block
