@@ -2,7 +2,7 @@
 //! path: whole-`K` tiles (the prepared AMX tiles are used), partial `K` and split-`K` adds
 //! (they are not), batches around the AMX path's smallest batch and its 32-row blocks, `K`
 //! with and without a 16-element strip and an edge, and one preparation reused for several
-//! weight matrices.
+//! weight matrices; the same with the activations prepared from fp32 rows (`prepare_f32`).
 
 mod common;
 
@@ -28,6 +28,7 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
         let mut packed = vec![0.0f32; packed_len(batch, k)];
         pack_acts_bf16(&x, batch, k, &mut packed);
         let acts = PackedActs::new(&packed, batch, k);
+        let x_f32: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
         // Several weight matrices of different row counts against one preparation.
         let ws: Vec<(usize, Vec<_>)> = [128usize, 37, 16]
             .iter()
@@ -55,8 +56,10 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
         let ran = all_paths(&format!("prepared batch {batch} K {k}"), || {
             let mut prep = PreparedActs::default();
             prep.prepare(acts);
+            let mut from_f32 = PreparedActs::default();
+            from_f32.prepare_f32(&x_f32, batch, k);
             let mut diffs = 0usize;
-            for (n, w) in &ws {
+            for ((n, w), prep) in ws.iter().flat_map(|w| [(w, &prep), (w, &from_f32)]) {
                 let wm = WeightsBf16::new(w, *n, k);
                 for tile in tiles(*n) {
                     let ld = tile.n.len() + 5;
@@ -64,7 +67,7 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
                     let mut want = seed.clone();
                     gemm_bf16(wm, acts, &tile, &mut want, ld);
                     let mut got = seed;
-                    gemm_bf16_prepared(wm, &prep, &tile, &mut got, ld);
+                    gemm_bf16_prepared(wm, prep, &tile, &mut got, ld);
                     diffs += want
                         .iter()
                         .zip(&got)

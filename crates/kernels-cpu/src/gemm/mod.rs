@@ -56,6 +56,7 @@ use std::ops::Range;
 use half::bf16;
 
 use crate::isa::Isa;
+use crate::multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -420,26 +421,30 @@ pub fn pack_acts_bf16(x: &[bf16], rows: usize, cols: usize, out: &mut [f32]) {
     }
 }
 
-/// Packs fp32 activations `x [rows, cols]` (normally bf16-representable values; others are
-/// used unrounded) into `out` ([`packed_len`]`(rows, cols)`; padding is zeroed).
-///
-/// # Panics
-/// If `x` is not `rows * cols` long or `out` not `packed_len(rows, cols)`.
-pub fn pack_acts_f32(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
-    assert_eq!(
-        Some(x.len()),
-        rows.checked_mul(cols),
-        "pack_acts_f32: x len"
-    );
-    assert_eq!(out.len(), packed_len(rows, cols), "pack_acts_f32: out len");
-    for (src, dst) in x
-        .chunks_exact(cols.max(1))
-        .zip(out.chunks_exact_mut(packed_ld(cols)))
-    {
-        pack_row(src, dst, |v| *v);
+// Built for AVX2 as well: the baseline build moves one element at a time.
+multiversion! {
+    /// Packs fp32 activations `x [rows, cols]` (normally bf16-representable values; others are
+    /// used unrounded) into `out` ([`packed_len`]`(rows, cols)`; padding is zeroed).
+    ///
+    /// # Panics
+    /// If `x` is not `rows * cols` long or `out` not `packed_len(rows, cols)`.
+    pub fn pack_acts_f32(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
+        assert_eq!(
+            Some(x.len()),
+            rows.checked_mul(cols),
+            "pack_acts_f32: x len"
+        );
+        assert_eq!(out.len(), packed_len(rows, cols), "pack_acts_f32: out len");
+        for (src, dst) in x
+            .chunks_exact(cols.max(1))
+            .zip(out.chunks_exact_mut(packed_ld(cols)))
+        {
+            pack_row(src, dst, |v| *v);
+        }
     }
 }
 
+#[inline(always)]
 fn pack_row<T>(src: &[T], dst: &mut [f32], f: impl Fn(&T) -> f32) {
     let full = src.len() / PACK_BLOCK * PACK_BLOCK;
     for (s, d) in src[..full]
@@ -524,11 +529,29 @@ impl PreparedActs {
         self.packed.extend_from_slice(x.data());
         self.rows = x.rows();
         self.cols = x.cols();
+        self.convert_packed();
+    }
+
+    /// [`PreparedActs::prepare`] of fp32 rows `x` (`[rows, cols]`), packed straight into the
+    /// kept buffer ([`pack_acts_f32`]) instead of packed then copied.
+    ///
+    /// # Panics
+    /// If `x` is not `rows * cols` long.
+    pub fn prepare_f32(&mut self, x: &[f32], rows: usize, cols: usize) {
+        self.packed.resize(packed_len(rows, cols), 0.0);
+        pack_acts_f32(x, rows, cols, &mut self.packed);
+        self.rows = rows;
+        self.cols = cols;
+        self.convert_packed();
+    }
+
+    /// The AMX VNNI copy of the kept packed rows, where [`gemm_bf16`] takes the AMX path now.
+    fn convert_packed(&mut self) {
         #[cfg(target_arch = "x86_64")]
         {
             let mut vnni = std::mem::take(&mut self.vnni);
             vnni.clear();
-            if Isa::current() >= Isa::AmxBf16 && x.rows() >= amx::MIN_BATCH {
+            if Isa::current() >= Isa::AmxBf16 && self.rows >= amx::MIN_BATCH {
                 let lw = self.whole_k_lowered(&[]);
                 // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
                 // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the

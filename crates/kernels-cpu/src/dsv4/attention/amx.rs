@@ -1,5 +1,6 @@
-//! AMX-BF16 value product of the sparse attention: `out[h, c] += Σ_j P[h, j] V[j, c]` for one
-//! tile, on `tdpbf16ps` (16 × 16 × 32 per instruction).
+//! The value product of the sparse attention on AMX-BF16 tiles (`tdpbf16ps`, 16 × 16 × 32 per
+//! instruction) and on `vdpbf16ps`: `out[h, c] = Σ_j P[h, j] V[j, c]` over all of a token's
+//! rows at once.
 //!
 //! # Orientation
 //! The tile unit computes `C[m, n] += Σ_k A[m, k] B[k, n]` with `A` rows contiguous along `k`
@@ -8,10 +9,10 @@
 //! softmax weights are bf16 values already, so this rounds nothing), `B` is the rows
 //! interleaved in pairs (line `i`, column block `cb`: rows `2i` and `2i + 1` over columns
 //! `16 cb ..`; the lines of one column block are contiguous, so a `B` tile is 1 KiB in one
-//! piece), built once per tile with two permutes per 64 bytes (no transpose), and `C` is
-//! a 16 × 16 block of `out` itself (`out` is `[heads, d]` fp32, so a block is 16 rows of 64
-//! bytes at a stride of `4 d` bytes): loaded (zero tiles instead for a call's first tile, whose
-//! `out` is all zeros), accumulated over the tile, stored back.
+//! piece), made once per row with two permutes per 64 bytes (no transpose). `C` stays in the
+//! tile unit over every candidate of the token: blocks of 2 × 2 tiles (32 heads × 32 columns)
+//! start from zero tiles, accumulate over all `n32` candidates and are stored into `out` once,
+//! so `out` is written once per call and never read back.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -21,44 +22,37 @@ use half::bf16;
 use crate::gemm::amx_tile_config;
 use crate::isa::Isa;
 
-/// Candidates per `K` step of `tdpbf16ps`.
-const KSTEP: usize = 32;
+/// Candidates per `K` step of `tdpbf16ps` (the kernel pads a call's rows to whole steps).
+const KSTEP: usize = super::ROW_STEP;
 
-/// The operands of one tile's product (sized on first use).
+/// The rows of a call in the value product's pair layout (sized on first use).
 #[derive(Debug, Default)]
 pub(super) struct PvScratch {
-    /// `P` as bf16 bits `[heads, n32]`, zero past `n`.
-    p: Vec<u16>,
     /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · pairs + i) ·
     /// 32`, element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
-    vnni: Vec<u16>,
+    pub(super) vnni: Vec<u16>,
 }
 
-/// Whether this path handles `heads` heads of `d` (whole 16-head blocks, whole 32-column
+/// Whether the AMX path handles `heads` heads of `d` (whole 16-head blocks, whole 32-column
 /// pairs of column blocks).
 pub(super) fn supports(heads: usize, d: usize) -> bool {
     heads > 0 && heads.is_multiple_of(16) && d > 0 && d.is_multiple_of(32)
 }
 
-/// `out[h] += Σ_j p[h, j] · rows[j]` for `p` `[heads, n]` (bf16 values), `rows` at least
-/// `n32 · d` long (`n32 = n` rounded up to 32; the rows past `n` must be zero: they meet zero
-/// weights, and a zero row keeps a NaN out), `out` `[heads, d]`. With `fresh` the sums start
-/// from zero tiles instead of `out` (which is then only written): the first tile of a call,
-/// whose `out` is all zeros, skips reading it back.
+/// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, zero past the call's `n`), `vnni`
+/// `n32 · d` in [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero
+/// weights, and a zero row keeps a NaN out), `out` `[heads, d]` (only written).
 ///
 /// # Panics
 /// If the CPU has no AMX-BF16 (or the tile state was not granted), [`supports`] is false, or
 /// the lengths disagree.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn pv_add(
-    p: &[f32],
+pub(super) fn pv_store(
+    pb: &[u16],
     heads: usize,
-    n: usize,
-    rows: &[bf16],
+    n32: usize,
+    vnni: &[u16],
     d: usize,
     out: &mut [f32],
-    s: &mut PvScratch,
-    fresh: bool,
 ) {
     assert!(
         Isa::AmxBf16.is_supported(),
@@ -68,63 +62,107 @@ pub(super) fn pv_add(
         supports(heads, d),
         "dsv4 attention: AMX with {heads} heads of {d}"
     );
-    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
+    assert!(n32.is_multiple_of(KSTEP), "dsv4 value product: n32 {n32}");
+    assert_eq!(pb.len(), heads * n32, "dsv4 value product: p len");
+    assert_eq!(vnni.len(), n32 * d, "dsv4 value product: vnni len");
+    assert_eq!(out.len(), heads * d, "dsv4 value product: out len");
+    if n32 == 0 {
+        out.fill(0.0);
         return;
-    };
+    }
     // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
     // tile state was granted (asserted above); released below.
     unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
     let (steps, pairs) = (n32 / KSTEP, n32 / 2);
-    // Column blocks outer, heads inner: a pair of column blocks' B lines (2 × pairs × 64
-    // bytes) stay in L1 for every head block.
-    for cb in (0..d / 16).step_by(2) {
-        for hb in 0..heads / 16 {
+    // Head blocks outer: a pair of head blocks' `A` rows (32 × 2 n32 bytes) stay near for every
+    // column block; each `A` and `B` tile loaded serves two products.
+    let mut hb = 0;
+    while hb < heads / 16 {
+        let two = hb + 2 <= heads / 16;
+        for cb in (0..d / 16).step_by(2) {
             let c = out[hb * 16 * d + cb * 16..].as_mut_ptr();
-            let a = s.p[hb * 16 * n32..].as_ptr();
-            let b = s.vnni[cb * pairs * 32..].as_ptr();
-            // SAFETY: C: 16 rows of `out` at a stride of 4d bytes, 128 bytes from column 16 cb
-            // (cb + 2 <= d / 16), inside `out` ([heads, d], hb · 16 + 16 <= heads). A: 16 rows
-            // of `s.p` at a stride of 2 n32 bytes, 64 bytes per step, `steps` steps inside a
-            // row. B0: block cb's lines, 16 (1 KiB) per step, `steps` steps = `pairs` lines;
-            // B1: block cb + 1's, `pairs · 64` bytes further, inside `s.vnni` (d / 16 blocks).
-            unsafe {
-                if fresh {
-                    asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
-                } else {
+            let a = pb[hb * 16 * n32..].as_ptr();
+            let b = vnni[cb * pairs * 32..].as_ptr();
+            if two {
+                // SAFETY: C: tiles (r, s) for r, s in {0, 1}: 16 rows of `out` at a stride of
+                // 4d bytes from row (hb + r) · 16 (hb + 2 <= heads / 16), column 16 (cb + s)
+                // (cb + 2 <= d / 16), inside `out` ([heads, d]). A: 16 rows of `pb` at a
+                // stride of 2 n32 bytes from row (hb + r) · 16, 64 bytes per step, `steps`
+                // steps inside a row. B0: block cb's lines, 16 (1 KiB) per step, `steps`
+                // steps = `pairs` lines; B1: block cb + 1's, `pairs · 64` bytes further,
+                // inside `vnni` (d / 16 blocks).
+                unsafe {
                     asm!(
-                        "tileloadd tmm0, [{c} + {sc}*1]",
-                        "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "2:",
+                        "tileloadd tmm4, [{a} + {sa}*1]",
+                        "tileloadd tmm6, [{b} + {s64}*1]",
+                        "tileloadd tmm7, [{bh} + {s64}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a2} + {sa}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "add {a}, 64",
+                        "add {a2}, 64",
+                        "add {b}, 1024",
+                        "add {bh}, 1024",
+                        "sub {n}, 1",
+                        "jnz 2b",
+                        "tilestored [{c} + {sc}*1], tmm0",
+                        "tilestored [{c} + {sc}*1 + 64], tmm1",
+                        "tilestored [{c2} + {sc}*1], tmm2",
+                        "tilestored [{c2} + {sc}*1 + 64], tmm3",
                         c = in(reg) c,
+                        c2 = in(reg) c.add(16 * d),
                         sc = in(reg) 4 * d,
-                        options(nostack, readonly),
+                        a = inout(reg) a => _,
+                        a2 = inout(reg) a.add(16 * n32) => _,
+                        sa = in(reg) 2 * n32,
+                        b = inout(reg) b => _,
+                        s64 = in(reg) 64usize,
+                        bh = inout(reg) b.add(pairs * 32) => _,
+                        n = inout(reg) steps => _,
+                        options(nostack),
                     );
                 }
-                asm!(
-                    "2:",
-                    "tileloadd tmm4, [{a} + {sa}*1]",
-                    "tileloadd tmm5, [{b} + {s64}*1]",
-                    "tileloadd tmm6, [{bh} + {s64}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm5",
-                    "tdpbf16ps tmm1, tmm4, tmm6",
-                    "add {a}, 64",
-                    "add {b}, 1024",
-                    "add {bh}, 1024",
-                    "sub {n}, 1",
-                    "jnz 2b",
-                    "tilestored [{c} + {sc}*1], tmm0",
-                    "tilestored [{c} + {sc}*1 + 64], tmm1",
-                    c = in(reg) c,
-                    sc = in(reg) 4 * d,
-                    a = inout(reg) a => _,
-                    sa = in(reg) 2 * n32,
-                    b = inout(reg) b => _,
-                    s64 = in(reg) 64usize,
-                    bh = inout(reg) b.add(pairs * 32) => _,
-                    n = inout(reg) steps => _,
-                    options(nostack),
-                );
+            } else {
+                // SAFETY: as above with one head block (hb + 1 <= heads / 16): tiles 0 and 1
+                // of C, A from row hb · 16.
+                unsafe {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "2:",
+                        "tileloadd tmm4, [{a} + {sa}*1]",
+                        "tileloadd tmm6, [{b} + {s64}*1]",
+                        "tileloadd tmm7, [{bh} + {s64}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "add {a}, 64",
+                        "add {b}, 1024",
+                        "add {bh}, 1024",
+                        "sub {n}, 1",
+                        "jnz 2b",
+                        "tilestored [{c} + {sc}*1], tmm0",
+                        "tilestored [{c} + {sc}*1 + 64], tmm1",
+                        c = in(reg) c,
+                        sc = in(reg) 4 * d,
+                        a = inout(reg) a => _,
+                        sa = in(reg) 2 * n32,
+                        b = inout(reg) b => _,
+                        s64 = in(reg) 64usize,
+                        bh = inout(reg) b.add(pairs * 32) => _,
+                        n = inout(reg) steps => _,
+                        options(nostack),
+                    );
+                }
             }
         }
+        hb += if two { 2 } else { 1 };
     }
     // SAFETY: releases the tile state configured above.
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
@@ -142,24 +180,22 @@ const DP_COLS: usize = 64;
 /// Heads per register block of [`pv_add_dpbf16`].
 const DP_HEADS: usize = 4;
 
-/// The value product on AVX-512 BF16 (machines without AMX): the same operands as
-/// [`pv_add`] — `P` as bf16 pairs, the rows interleaved in pairs into the VNNI layout — and
-/// `vdpbf16ps` of a broadcast weight pair `(p[h, 2i], p[h, 2i + 1])` against line `i` of a
-/// 16-column block adds both rows' products to 16 columns of one head; blocks of 4 heads × 64
-/// columns (16 accumulators, each broadcast used four times) accumulate over the tile in
-/// registers and are added to `out` once. Same bf16
-/// products as the other paths, fp32 sums in another order. Same arguments as [`pv_add`].
+/// The value product on AVX-512 BF16 (machines without AMX), `out += P · V`: the same operands
+/// as [`pv_store`] — `P` as bf16 pairs, the rows interleaved in pairs — and `vdpbf16ps` of a
+/// broadcast weight pair `(p[h, 2i], p[h, 2i + 1])` against line `i` of a 16-column block adds
+/// both rows' products to 16 columns of one head; blocks of 4 heads × 64 columns (16
+/// accumulators, each broadcast used four times) accumulate over all the rows in registers and
+/// are added to `out` once. Same bf16 products as the other paths, fp32 sums in another order.
 ///
 /// # Panics
 /// If the CPU has no AVX-512 BF16, [`dpbf16_supports`] is false, or the lengths disagree.
 pub(super) fn pv_add_dpbf16(
-    p: &[f32],
+    pb: &[u16],
     heads: usize,
-    n: usize,
-    rows: &[bf16],
+    n32: usize,
+    vnni: &[u16],
     d: usize,
     out: &mut [f32],
-    s: &mut PvScratch,
 ) {
     assert!(
         Isa::Avx512Bf16.is_supported(),
@@ -169,55 +205,13 @@ pub(super) fn pv_add_dpbf16(
         dpbf16_supports(d),
         "dsv4 attention: dpbf16 with rows of {d}"
     );
-    let Some(n32) = operands(p, heads, n, rows, d, out, s) else {
-        return;
-    };
-    // SAFETY: as above; the operands' lengths were checked.
-    unsafe { dpbf16_blocks(&s.p, heads, n32, &s.vnni, d, out) };
-}
-
-/// The value product's operands in `s`, after checking the lengths (`p` `[heads, n]`, `rows` at
-/// least `n32 · d`, `out` `[heads, d]`): `P` as bf16 bits `[heads, n32]`, zero past `n` (its
-/// values are bf16 values: the upper half of each is exact), and the rows interleaved in
-/// pairs. `None` for an empty tile; else `n32`.
-///
-/// # Panics
-/// If the lengths disagree, `d` is not a multiple of 32, or the CPU has no AVX-512 F/BW.
-fn operands(
-    p: &[f32],
-    heads: usize,
-    n: usize,
-    rows: &[bf16],
-    d: usize,
-    out: &[f32],
-    s: &mut PvScratch,
-) -> Option<usize> {
-    let n32 = n.div_ceil(KSTEP) * KSTEP;
-    assert_eq!(p.len(), heads * n, "dsv4 value product: p len");
-    assert!(rows.len() >= n32 * d, "dsv4 value product: rows len");
-    assert_eq!(out.len(), heads * d, "dsv4 value product: out len");
-    assert!(
-        Isa::Avx512Bf16.is_supported(),
-        "dsv4 value product: needs AVX-512"
-    );
-    if n == 0 || heads == 0 {
-        return None;
-    }
-    s.p.clear();
-    s.p.resize(heads * n32, 0);
-    for (dst, src) in s.p.chunks_exact_mut(n32).zip(p.chunks_exact(n)) {
-        for (d, &v) in dst.iter_mut().zip(src) {
-            *d = (v.to_bits() >> 16) as u16;
-        }
-    }
-    s.vnni.resize(n32 * d, 0);
-    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW.
-    unsafe { interleave_pairs(&rows[..n32 * d], d, &mut s.vnni) };
-    Some(n32)
+    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW; the function
+    // checks the lengths itself.
+    unsafe { dpbf16_blocks(pb, heads, n32, vnni, d, out) };
 }
 
 /// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`
-/// (`n32 · d`, [`interleave_pairs`]' layout).
+/// (`n32 · d`, [`interleave`]'s layout).
 ///
 /// # Panics
 /// If the lengths disagree.
@@ -268,12 +262,32 @@ fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, o
     }
 }
 
-/// `vnni[(c / 16 · pairs + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` for the
-/// `2 · pairs = rows.len() / d` rows (`d` a multiple of 32).
-#[target_feature(enable = "avx512f,avx512bw")]
-fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16]) {
+/// Lines `i0 ..` of the pair layout of `pairs` lines per column block in `vnni` from `rows`
+/// (an even number of rows of `d`, a multiple of 32; they become rows `2 i0 ..` of the call):
+/// `vnni[(c / 16 · pairs + i0 + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]`.
+///
+/// # Panics
+/// If the CPU has no AVX-512 BF16 (the paths that take the pair layout have it), `d` is not a
+/// multiple of 32, the rows are not whole pairs or the lines fall outside `vnni` (`pairs · d ·
+/// 2` long).
+pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
+    assert!(
+        Isa::Avx512Bf16.is_supported(),
+        "dsv4 value product: the pair layout needs AVX-512"
+    );
     assert!(d.is_multiple_of(32) && rows.len().is_multiple_of(2 * d));
-    assert_eq!(vnni.len(), rows.len(), "interleave_pairs: vnni len");
+    assert_eq!(vnni.len(), 2 * pairs * d, "dsv4 value product: vnni len");
+    assert!(
+        i0 + rows.len() / (2 * d) <= pairs,
+        "dsv4 value product: lines past the layout"
+    );
+    // SAFETY: AVX-512 BF16 implies AVX-512 F/BW; the bounds were checked above.
+    unsafe { interleave_pairs(rows, d, vnni, pairs, i0) };
+}
+
+/// The body of [`interleave`] (arguments checked there).
+#[target_feature(enable = "avx512f,avx512bw")]
+fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
     let lo: [u16; 32] = std::array::from_fn(|k| (k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
     let hi: [u16; 32] =
         std::array::from_fn(|k| (16 + k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
@@ -284,9 +298,9 @@ fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16]) {
             _mm512_loadu_si512(hi.as_ptr().cast()),
         )
     };
-    let pairs = rows.len() / (2 * d);
     for (i, pair) in rows.chunks_exact(2 * d).enumerate() {
         let (r0, r1) = pair.split_at(d);
+        let i = i0 + i;
         for c in (0..d).step_by(32) {
             let cb = c / 16;
             let (l0, l1) = ((cb * pairs + i) * 32, ((cb + 1) * pairs + i) * 32);

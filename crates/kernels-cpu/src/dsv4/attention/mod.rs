@@ -1,63 +1,69 @@
 //! Sparse attention with an attention sink over a candidate list (`docs/dsv4.md`, "SWA layer"
 //! step 3): every head of a token attends to the same candidate rows (one row is K and V of
-//! every head), the list taken in tiles of [`ATTN_TILE`] entries with an online softmax in
-//! fp32, `o += bf16(p) @ kv`, and the sink as a logit with a zero value row:
-//! `out = o / (Σ p + exp(sink − m))`.
+//! every head), with the softmax in fp32, `o = bf16(p) @ kv` and the sink as a logit with a
+//! zero value row: `out = o / (Σ p + exp(sink − m))`.
 //!
 //! A candidate is `None` when masked (padding, an invalid index): it is skipped, so it changes
-//! nothing; a tile with no valid row is skipped whole before anything is read; a list with no
-//! valid row gives zeros.
+//! nothing; a list with no valid row gives zeros.
 //!
-//! # One tile
-//! The KV row is shared by every head (MQA-like), so a tile is read once for all the heads of
-//! the call:
-//! 1. its valid rows are copied once into a contiguous `[n, d]` block (a row copy per
-//!    candidate: the compressed candidates are scattered cache rows); nothing is transposed;
-//! 2. the scores of every head against the tile are one [`crate::gemm_bf16_prepared`] product
-//!    with the rows as the weights and the heads' queries as the activations (AMX tiles from 16
-//!    heads, AVX-512 BF16, AVX2, portable); the queries are packed and, on AMX, converted to
-//!    the tile unit's layout once per call, not once per tile;
-//! 3. the online softmax of all heads (`softmax_tile`: scale, max, `exp`, sum, `bf16(p)`)
+//! # One call
+//! The KV row is shared by every head (MQA-like), so the rows are read once for all the heads
+//! of the call, and the softmax is taken over all of them at once (the exact max of each head,
+//! not a running one), so the value product runs once over every row and `out` is written once:
+//! 1. the valid rows are copied, [`ATTN_TILE`] at a time, into a contiguous `[n, d]` block
+//!    (a row copy per candidate: the compressed candidates are scattered cache rows), the last
+//!    block zero-padded to a multiple of 32 rows; nothing is transposed;
+//! 2. the scores of every head against each block are one [`crate::gemm_bf16_prepared`]
+//!    product with the rows as the weights and the heads' queries as the activations (AMX
+//!    tiles from 16 heads, AVX-512 BF16, AVX2, portable), written into the call's `[heads, n]`
+//!    scores; the queries are packed and, on AMX, converted to the tile unit's layout once per
+//!    call; where the value product takes the rows in pairs (below), each pair of rows is
+//!    interleaved into that layout right after its copy (read back from L1), and only one
+//!    block of plain rows is kept;
+//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp`, sum,
+//!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
-//! 4. the value product `out[h] += Σ_j bf16(p[h, j]) · row_j` reads the rows as they lie
-//!    (`[n, d]`, the `B` operand's natural layout): on AMX (`amx.rs`, heads a multiple of 16,
-//!    `d` of 32) the rows are interleaved in pairs into the tile unit's VNNI layout and the
-//!    heads' weights are the `A` operand; on AVX-512 BF16 without AMX (rows a multiple of 64
-//!    wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
+//! 4. the value product `out[h] = Σ_j bf16(p[h, j]) · row_j` over all `n` rows: on AMX
+//!    (`amx.rs`, heads a multiple of 16, `d` of 32) the rows are in pairs in the tile unit's
+//!    VNNI layout, the heads' weights are the `A` operand and each 32-head × 32-column block
+//!    of `out` stays in tiles over every row, stored once; on AVX-512 BF16 without AMX (rows
+//!    a multiple of 64 wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
 //!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` is a register-blocked body (4 heads × 16
-//!    columns) built like the softmax.
+//!    columns) built like the softmax, reading the rows as they lie (`[n, d]`).
 
 use half::bf16;
 
-use crate::gemm::{
-    GemmTile, PackedActs, PreparedActs, WeightsBf16, gemm_bf16_prepared, pack_acts_f32, packed_len,
-};
+use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
 use crate::math::exp_approx;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
 
-/// Candidates per tile.
+/// Rows per block of the copy and the scores' product; the planning's tile of a candidate
+/// list ([`super::plan`]).
 pub const ATTN_TILE: usize = 128;
+
+/// Rows per step of the value product's pair layout (one `K` step of the AMX tiles): a call's
+/// rows are zero-padded to a multiple of it.
+const ROW_STEP: usize = 32;
 
 /// Reusable buffers of [`sparse_attention`] (sized on first use, kept between calls).
 #[derive(Debug, Default)]
 pub struct AttnScratch {
-    /// The tile's valid rows `[n, d]`, zero rows after them up to a multiple of 32.
+    /// The valid rows `[n, d]` (one [`ATTN_TILE`] block of them where the value product takes
+    /// the pair layout), zero rows after the last up to a multiple of [`ROW_STEP`].
     rows: Vec<bf16>,
-    q_packed: Vec<f32>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
-    /// The tile's scores `[heads, n]`.
+    /// The scores `[heads, n]`.
     scores: Vec<f32>,
-    /// `bf16(p)` as fp32 `[heads, n]`.
-    p: Vec<f32>,
+    /// `bf16(p)` as bf16 bits `[heads, n32]`, zero past `n` (every value product's `P`).
+    p: Vec<u16>,
     m: Vec<f32>,
     l: Vec<f32>,
-    alpha: Vec<f32>,
-    /// The AMX value product's operands.
+    /// The pair-layout value products' operands.
     #[cfg(target_arch = "x86_64")]
     amx: amx::PvScratch,
 }
@@ -70,6 +76,19 @@ pub fn pv_path(isa: Isa, heads: usize, d: usize) -> Isa {
     }
     let _ = (heads, d);
     isa.min(Isa::Avx512Bf16)
+}
+
+/// Whether the value product on `path` (from [`pv_path`]) takes the rows in the pair layout.
+fn takes_pairs(path: Isa, d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        path == Isa::AmxBf16 || (path == Isa::Avx512Bf16 && amx::dpbf16_supports(d))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (path, d);
+        false
+    }
 }
 
 /// Attention of `heads = sinks.len()` heads over `cands`.
@@ -91,77 +110,100 @@ pub fn sparse_attention(
     let heads = sinks.len();
     assert_eq!(q.len(), heads * d, "sparse_attention: q len");
     assert_eq!(out.len(), heads * d, "sparse_attention: out len");
-    out.fill(0.0);
-    if heads == 0 || d == 0 {
+    let n = cands.iter().flatten().count();
+    if heads == 0 || d == 0 || n == 0 {
+        out.fill(0.0);
         return;
     }
     let path = pv_path(Isa::current(), heads, d);
-    s.q_packed.resize(packed_len(heads, d), 0.0);
-    pack_acts_f32(q, heads, d, &mut s.q_packed);
-    s.q.prepare(PackedActs::new(&s.q_packed, heads, d));
-    s.m.clear();
-    s.m.resize(heads, f32::NEG_INFINITY);
-    s.l.clear();
+    let pairs = takes_pairs(path, d);
+    let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
+    s.q.prepare_f32(q, heads, d);
+    s.scores.resize(heads * n, 0.0);
+    let rows_at = aligned64(
+        &mut s.rows,
+        if pairs { ATTN_TILE.min(n32) } else { n32 } * d,
+    );
+    #[cfg(target_arch = "x86_64")]
+    let vnni_at = if pairs {
+        aligned64(&mut s.amx.vnni, n32 * d)
+    } else {
+        0..0
+    };
+    // 1-2. Block by block: the rows, contiguous; scores[h, j] = q[h] · row[j]; the pairs, each
+    // made as soon as its two rows are copied (read back from L1).
+    let mut valid = cands.iter().flatten();
+    let mut j0 = 0;
+    while j0 < n {
+        let nb = ATTN_TILE.min(n - j0);
+        let nb32 = nb.div_ceil(ROW_STEP) * ROW_STEP;
+        let at = rows_at.start + if pairs { 0 } else { j0 * d };
+        let block = &mut s.rows[at..at + nb32 * d];
+        block[nb * d..].fill(bf16::ZERO);
+        for (k, pair) in block.chunks_exact_mut(2 * d).enumerate() {
+            for (dst, r) in pair
+                .chunks_exact_mut(d)
+                .zip(valid.by_ref().take(nb - (2 * k).min(nb)))
+            {
+                assert_eq!(r.len(), d, "sparse_attention: candidate row len");
+                dst.copy_from_slice(r);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if pairs {
+                amx::interleave(
+                    pair,
+                    d,
+                    &mut s.amx.vnni[vnni_at.clone()],
+                    n32 / 2,
+                    j0 / 2 + k,
+                );
+            }
+        }
+        let rows = WeightsBf16::new(&block[..nb * d], nb, d);
+        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        j0 += nb;
+    }
+    // 3. The softmax over every row.
+    s.m.resize(heads, 0.0);
     s.l.resize(heads, 0.0);
-    s.alpha.resize(heads, 0.0);
-    let mut first = true;
-    for tile in cands.chunks(ATTN_TILE) {
-        let n = tile.iter().flatten().count();
-        if n == 0 {
-            continue;
-        }
-        // 1. The valid rows, contiguous, zero-padded to whole 32-row steps.
-        let n32 = n.div_ceil(32) * 32;
-        s.rows.clear();
-        for r in tile.iter().flatten() {
-            assert_eq!(r.len(), d, "sparse_attention: candidate row len");
-            s.rows.extend_from_slice(r);
-        }
-        s.rows.resize(n32 * d, bf16::ZERO);
-        // 2. scores[h, j] = q[h] · row[j]
-        s.scores.resize(heads * n, 0.0);
-        let rows = WeightsBf16::new(&s.rows[..n * d], n, d);
-        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores, n);
-        // 3. Online softmax; what the earlier tiles left is rescaled by exp(m_old − m_new).
-        s.p.resize(heads * n, 0.0);
-        softmax_tile(
-            &s.scores,
-            n,
-            scale,
-            &mut s.m,
-            &mut s.l,
-            &mut s.alpha,
-            &mut s.p,
-        );
-        // The heads' first tile (every head sees the same rows) has alpha 0 over an `out` of
-        // zeros: nothing to scale.
-        if !first {
-            for (o, &a) in out.chunks_exact_mut(d).zip(&s.alpha) {
-                if a != 1.0 {
-                    o.iter_mut().for_each(|v| *v *= a);
-                }
+    let p_at = aligned64(&mut s.p, heads * n32);
+    let pb = &mut s.p[p_at];
+    softmax_rows(&s.scores, n, scale, &mut s.m, &mut s.l, pb, n32);
+    let pb = &*pb;
+    // 4. out[h] = bf16(p[h]) @ rows
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Isa::AmxBf16 | Isa::Avx512Bf16 if pairs => {
+            let vnni = &s.amx.vnni[vnni_at];
+            if path == Isa::AmxBf16 {
+                amx::pv_store(pb, heads, n32, vnni, d, out);
+            } else {
+                out.fill(0.0);
+                amx::pv_add_dpbf16(pb, heads, n32, vnni, d, out);
             }
         }
-        // 4. out[h] += bf16(p[h]) @ rows (on AMX the first tile's sums start from zero
-        // tiles rather than reading the zeros back)
-        match path {
-            #[cfg(target_arch = "x86_64")]
-            Isa::AmxBf16 => amx::pv_add(&s.p, heads, n, &s.rows, d, out, &mut s.amx, first),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 if amx::dpbf16_supports(d) => {
-                amx::pv_add_dpbf16(&s.p, heads, n, &s.rows, d, out, &mut s.amx)
-            }
-            _ => pv_add(&s.p, heads, n, &s.rows[..n * d], d, out),
+        _ => {
+            out.fill(0.0);
+            let rows = &s.rows[rows_at.start..rows_at.start + n * d];
+            pv_add(pb, n32, heads, n, rows, d, out);
         }
-        first = false;
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
-        if m == f32::NEG_INFINITY {
-            continue; // no valid candidate: zeros
-        }
-        let denom = l + (sink - m).exp();
-        o.iter_mut().for_each(|v| *v /= denom);
+        // One division per head, then products (a division per element costs more than the
+        // rest of this pass).
+        let inv = 1.0 / (l + (sink - m).exp());
+        o.iter_mut().for_each(|v| *v *= inv);
     }
+}
+
+/// `v` resized to hold `len` elements from a 64-byte boundary (whole cache lines for the
+/// tile loads and the pair layout's stores); where those elements are.
+fn aligned64<T: Clone + Default>(v: &mut Vec<T>, len: usize) -> std::ops::Range<usize> {
+    let spare = 64 / size_of::<T>().max(1);
+    v.resize(len + spare, T::default());
+    let at = v.as_ptr().align_offset(64);
+    let at = if at < spare { at } else { 0 };
+    at..at + len
 }
 
 /// Lanes of the softmax's partial maxima and sums.
@@ -213,63 +255,58 @@ macro_rules! three_builds {
 }
 
 three_builds! {
-    /// The online softmax of one tile for every head: `scores` `[heads, n]` (unscaled, heads
-    /// = `m.len()`) are scaled; per head the new max `m' = max(m, scores)`, `alpha =
-    /// exp(m − m')` (written to `alpha`, 0 for a head's first tile), `e = exp(score − m')`,
-    /// `l = l · alpha + Σ e` and `p = bf16(e)` (`[heads, n]`). The maxima and sums run in
-    /// [`LANES`] lanes reduced in a fixed order.
+    /// The softmax of every head over `n` scores: `scores` `[heads, n]` (unscaled, heads =
+    /// `m.len()`) are scaled; per head the max `m`, `e = exp(score − m)`, `l = Σ e` and `p =
+    /// bf16(e)` as bf16 bits, row `h` at `h · ld` in `p` (`[heads, ld]`, zeros after the `n`
+    /// values). The maxima and sums run in [`LANES`] lanes reduced in a fixed order.
     ///
     /// # Panics
-    /// If `scores` or `p` is not `heads · n` long or `l`, `alpha` not `heads` long.
-    pub(crate) fn softmax_tile(
+    /// If `scores` is not `heads · n` long, `p` not `heads · ld`, `ld < n` or `l` not `heads`
+    /// long.
+    pub(crate) fn softmax_rows(
         scores: &[f32],
         n: usize,
         scale: f32,
         m: &mut [f32],
         l: &mut [f32],
-        alpha: &mut [f32],
-        p: &mut [f32],
+        p: &mut [u16],
+        ld: usize,
     ) {
         let heads = m.len();
-        assert_eq!(scores.len(), heads * n, "softmax_tile: scores len");
-        assert_eq!(p.len(), heads * n, "softmax_tile: p len");
-        assert!(l.len() == heads && alpha.len() == heads, "softmax_tile: state len");
-        if n == 0 {
-            alpha.fill(1.0);
-            return;
-        }
+        assert_eq!(scores.len(), heads * n, "softmax_rows: scores len");
+        assert!(ld >= n && p.len() == heads * ld, "softmax_rows: p len");
+        assert_eq!(l.len(), heads, "softmax_rows: l len");
         let body = n / LANES * LANES;
+        let bits = |e: f32| (round_bf16(e).to_bits() >> 16) as u16;
         for h in 0..heads {
             let sc = &scores[h * n..(h + 1) * n];
-            let ph = &mut p[h * n..(h + 1) * n];
-            // Scaled scores into `p`, and their max.
+            let ph = &mut p[h * ld..(h + 1) * ld];
+            // The max of the scaled scores.
             let mut mx = [f32::NEG_INFINITY; LANES];
-            for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
+            for s in sc[..body].chunks_exact(LANES) {
                 for i in 0..LANES {
-                    o[i] = s[i] * scale;
-                    mx[i] = mx[i].max(o[i]);
+                    mx[i] = mx[i].max(s[i] * scale);
                 }
             }
-            for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..]).enumerate() {
-                *o = s * scale;
-                mx[i] = mx[i].max(*o);
+            for (i, s) in sc[body..].iter().enumerate() {
+                mx[i] = mx[i].max(s * scale);
             }
-            let mt = mx.iter().fold(m[h], |a, &b| a.max(b));
-            alpha[h] = if m[h] == f32::NEG_INFINITY { 0.0 } else { (m[h] - mt).exp() };
+            let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             m[h] = mt;
             let mut sum = [0.0f32; LANES];
-            for o in ph[..body].chunks_exact_mut(LANES) {
+            for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
                 for i in 0..LANES {
-                    let e = exp_approx(o[i] - mt);
+                    let e = exp_approx(s[i] * scale - mt);
                     sum[i] += e;
-                    o[i] = round_bf16(e);
+                    o[i] = bits(e);
                 }
             }
-            for (i, o) in ph[body..].iter_mut().enumerate() {
-                let e = exp_approx(*o - mt);
+            for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..n]).enumerate() {
+                let e = exp_approx(s * scale - mt);
                 sum[i] += e;
-                *o = round_bf16(e);
+                *o = bits(e);
             }
+            ph[n..].fill(0);
             // Pairwise, in a fixed order.
             let mut w = LANES;
             while w > 1 {
@@ -278,7 +315,7 @@ three_builds! {
                     sum[i] += sum[i + w];
                 }
             }
-            l[h] = l[h] * alpha[h] + sum[0];
+            l[h] = sum[0];
         }
     }
 }
@@ -289,25 +326,26 @@ const PV_HEADS: usize = 4;
 const PV_COLS: usize = 16;
 
 three_builds! {
-    /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, n]`, `rows` `[n, d]` bf16 read
-    /// in place, `out` `[heads, d]` (heads = `out.len() / d`): blocks of [`PV_HEADS`] heads ×
-    /// [`PV_COLS`] columns accumulate over `j` in registers (products then sums, in `j`
-    /// order) and are added to `out` once.
+    /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
+    /// of each row read), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =
+    /// `out.len() / d`): blocks of [`PV_HEADS`] heads × [`PV_COLS`] columns accumulate over `j`
+    /// in registers (products then sums, in `j` order) and are added to `out` once.
     ///
     /// # Panics
     /// If the lengths disagree.
     pub(crate) fn pv_add(
-        p: &[f32],
+        p: &[u16],
+        ld: usize,
         heads: usize,
         n: usize,
         rows: &[bf16],
         d: usize,
         out: &mut [f32],
     ) {
-        assert_eq!(p.len(), heads * n, "pv_add: p len");
+        assert!(ld >= n && p.len() == heads * ld, "pv_add: p len");
         assert_eq!(rows.len(), n * d, "pv_add: rows len");
         assert_eq!(out.len(), heads * d, "pv_add: out len");
-        let widen = |v: bf16| f32::from_bits(u32::from(v.to_bits()) << 16);
+        let widen = |v: u16| f32::from_bits(u32::from(v) << 16);
         let mut h0 = 0;
         while h0 < heads {
             let hb = PV_HEADS.min(heads - h0);
@@ -318,9 +356,9 @@ three_builds! {
                 if hb == PV_HEADS && cw == PV_COLS {
                     for j in 0..n {
                         let src = &rows[j * d + c0..j * d + c0 + PV_COLS];
-                        let r: [f32; PV_COLS] = std::array::from_fn(|c| widen(src[c]));
+                        let r: [f32; PV_COLS] = std::array::from_fn(|c| widen(src[c].to_bits()));
                         for (hh, a) in acc.iter_mut().enumerate() {
-                            let pj = p[(h0 + hh) * n + j];
+                            let pj = widen(p[(h0 + hh) * ld + j]);
                             for c in 0..PV_COLS {
                                 a[c] += pj * r[c];
                             }
@@ -330,9 +368,9 @@ three_builds! {
                     for j in 0..n {
                         let src = &rows[j * d + c0..j * d + c0 + cw];
                         for (hh, a) in acc.iter_mut().enumerate().take(hb) {
-                            let pj = p[(h0 + hh) * n + j];
+                            let pj = widen(p[(h0 + hh) * ld + j]);
                             for (a, &v) in a.iter_mut().zip(src) {
-                                *a += pj * widen(v);
+                                *a += pj * widen(v.to_bits());
                             }
                         }
                     }

@@ -1,17 +1,26 @@
 //! The attention's own kernels against plain loops, the builds against each other (bit for
-//! bit), the AMX value product against the portable one, and the whole kernel at ragged tiles
-//! on every path this CPU has (each test prints the paths it ran).
+//! bit), the pair-layout value products against the portable one, and the whole kernel at
+//! ragged blocks on every path this CPU has (each test prints the paths it ran).
 
 use super::*;
 use crate::dsv4::tests::{attention_reference, values};
 use crate::isa::with_isa;
 
-/// Softmax-like weights: bf16 values in `[0, 1)`.
-fn weights(n: usize, seed: u64) -> Vec<f32> {
-    values(n, seed)
-        .iter()
-        .map(|&v| half::bf16::from_f32(v.abs()).to_f32())
-        .collect()
+/// Softmax-like weights `[heads, ld]`: bf16 values in `[0, 1)` as bits, zero past `n` in
+/// each row.
+fn weights(heads: usize, n: usize, ld: usize, seed: u64) -> Vec<u16> {
+    let v = values(heads * n, seed);
+    let mut w = vec![0u16; heads * ld];
+    for h in 0..heads {
+        for j in 0..n {
+            w[h * ld + j] = half::bf16::from_f32(v[h * n + j].abs()).to_bits();
+        }
+    }
+    w
+}
+
+fn widen(bits: u16) -> f64 {
+    f64::from(half::bf16::from_bits(bits).to_f32())
 }
 
 fn bf16_rows(n: usize, seed: u64) -> Vec<bf16> {
@@ -36,50 +45,43 @@ fn same_on_every_path<T: PartialEq + std::fmt::Debug>(f: impl Fn() -> T) -> (T, 
 }
 
 #[test]
-fn softmax_tile_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
+fn softmax_rows_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
     let heads = 3;
-    for n in [1usize, 15, 16, 17, 128] {
+    for n in [1usize, 15, 16, 17, 128, 640] {
         let scores: Vec<f32> = values(heads * n, n as u64)
             .iter()
             .map(|v| 9.0 * v)
             .collect();
-        // Head 0 starts fresh, head 1 has a lower max, head 2 a higher one than the tile's.
-        let m0 = [f32::NEG_INFINITY, -50.0, 50.0];
-        let l0 = [0.0f32, 2.5, 7.0];
-        let ((m, l, alpha, p), ran) = same_on_every_path(|| {
-            let (mut m, mut l) = (m0.to_vec(), l0.to_vec());
-            let mut alpha = vec![0.0f32; heads];
-            let mut p = vec![0.0f32; heads * n];
-            softmax_tile(&scores, n, 0.5, &mut m, &mut l, &mut alpha, &mut p);
-            (m, l, alpha, p)
+        // Rows of `p` longer than `n`: the rest is zeroed (over stale values).
+        let ld = n + 3;
+        let ((m, l, p), ran) = same_on_every_path(|| {
+            let (mut m, mut l) = (vec![0.0f32; heads], vec![0.0f32; heads]);
+            let mut p = vec![0x7fc0u16; heads * ld];
+            softmax_rows(&scores, n, 0.5, &mut m, &mut l, &mut p, ld);
+            (m, l, p)
         });
         for h in 0..heads {
             let sc: Vec<f64> = scores[h * n..(h + 1) * n]
                 .iter()
                 .map(|&v| f64::from(v) * 0.5)
                 .collect();
-            let mt = sc.iter().copied().fold(f64::from(m0[h]), f64::max);
+            let mt = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             assert_eq!(f64::from(m[h]), mt, "n {n} head {h}: max");
-            let a = if h == 0 {
-                0.0
-            } else {
-                (f64::from(m0[h]) - mt).exp()
-            };
-            // `m − m'` is taken in fp32: a relative error of ~1e-7 of its size (~55) in the exponent.
-            assert!((f64::from(alpha[h]) - a).abs() <= 2e-5 * a, "alpha {h}");
             let mut sum = 0.0;
             for (j, s) in sc.iter().enumerate() {
                 let e = (s - mt).exp();
                 sum += e;
-                let pb = p[h * n + j];
-                assert_eq!(pb, half::bf16::from_f32(pb).to_f32(), "p is a bf16 value");
-                assert!((f64::from(pb) - e).abs() <= 4e-3 * e + 1e-30, "p[{h},{j}]");
+                let pb = widen(p[h * ld + j]);
+                assert!((pb - e).abs() <= 4e-3 * e + 1e-30, "p[{h},{j}]");
             }
-            let want = f64::from(l0[h]) * a + sum;
-            assert!((f64::from(l[h]) - want).abs() <= 1e-5 * want, "l {h}");
+            assert!(
+                p[h * ld + n..(h + 1) * ld].iter().all(|&b| b == 0),
+                "pad {h}"
+            );
+            assert!((f64::from(l[h]) - sum).abs() <= 1e-5 * sum, "l {h}");
         }
         if n == 128 {
-            println!("softmax_tile paths: {ran:?}");
+            println!("softmax_rows paths: {ran:?}");
         }
     }
 }
@@ -92,19 +94,20 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
         (4, 33, 64),
         (9, 128, 70),
     ] {
-        let p = weights(heads * n, 3);
+        let ld = n + 1;
+        let p = weights(heads, n, ld, 3);
         let rows = bf16_rows(n * d, 4);
         let base = values(heads * d, 5);
         let (out, ran) = same_on_every_path(|| {
             let mut out = base.clone();
-            pv_add(&p, heads, n, &rows, d, &mut out);
+            pv_add(&p, ld, heads, n, &rows, d, &mut out);
             out
         });
         for h in 0..heads {
             for c in 0..d {
                 let want: f64 = f64::from(base[h * d + c])
                     + (0..n)
-                        .map(|j| f64::from(p[h * n + j]) * f64::from(rows[j * d + c].to_f32()))
+                        .map(|j| widen(p[h * ld + j]) * f64::from(rows[j * d + c].to_f32()))
                         .sum::<f64>();
                 let got = f64::from(out[h * d + c]);
                 assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "[{h},{c}]");
@@ -114,27 +117,34 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
     }
 }
 
-/// `product` (a value product over the rows zero-padded to whole 32-row steps) against the
-/// portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in another
-/// order.
+/// `product` (a value product over the rows zero-padded to whole 32-row steps, given `P` as
+/// bf16 bits `[heads, n32]` zero past `n` and the rows in the pair layout, adding to `out`)
+/// against the portable `pv_add` at each `(heads, n, d)`: the same bf16 products, fp32 sums in
+/// another order. The rows are put in the pair layout in two calls (the first 32-row step
+/// alone, then the rest at its offset), as the kernel puts them block by block.
 #[cfg(target_arch = "x86_64")]
 fn matches_portable_value_product(
     shapes: &[(usize, usize, usize)],
     seed: u64,
-    product: impl Fn(&[f32], usize, usize, &[bf16], usize, &mut [f32]),
+    product: impl Fn(&[u16], usize, usize, &[u16], usize, &mut [f32]),
 ) {
     for &(heads, n, d) in shapes {
-        let p = weights(heads * n, seed);
         let n32 = n.div_ceil(32) * 32;
+        let pb = weights(heads, n, n32, seed);
         let mut rows = bf16_rows(n * d, seed + 1);
         rows.resize(n32 * d, bf16::ZERO);
         let base = values(heads * d, seed + 2);
         let mut want = base.clone();
         with_isa(Isa::Portable, || {
-            pv_add(&p, heads, n, &rows[..n * d], d, &mut want)
+            pv_add(&pb, n32, heads, n, &rows[..n * d], d, &mut want)
         });
+        // Stale values where the layout is written: every line must be overwritten.
+        let mut vnni = vec![0x7fc0u16; n32 * d];
+        let (first, rest) = rows.split_at(32 * d);
+        amx::interleave(first, d, &mut vnni, n32 / 2, 0);
+        amx::interleave(rest, d, &mut vnni, n32 / 2, 16);
         let mut got = base.clone();
-        product(&p, heads, n, &rows, d, &mut got);
+        product(&pb, heads, n32, &vnni, d, &mut got);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(
                 (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
@@ -151,24 +161,20 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
         println!("AMX-BF16 not available here: the AMX value product did not run");
         return;
     }
-    let shapes = [(16, 1, 32), (16, 31, 64), (32, 33, 96), (64, 128, 512)];
-    matches_portable_value_product(&shapes, 6, |p, heads, n, rows, d, out| {
-        amx::pv_add(
-            p,
-            heads,
-            n,
-            rows,
-            d,
-            out,
-            &mut amx::PvScratch::default(),
-            false,
-        )
-    });
-    // Fresh: `out` is not read (garbage in it changes nothing), the sums start from zero.
-    matches_portable_value_product(&shapes, 7, |p, heads, n, rows, d, out| {
-        let mut s = amx::PvScratch::default();
+    // One and three 16-head blocks (the odd one alone), pairs of 32-column blocks, ragged
+    // rows, one and five 128-row blocks of rows.
+    let shapes = [
+        (16, 1, 32),
+        (16, 31, 64),
+        (32, 33, 96),
+        (48, 200, 64),
+        (64, 128, 512),
+        (64, 640, 512),
+    ];
+    // `out` is only written: garbage in it changes nothing.
+    matches_portable_value_product(&shapes, 6, |pb, heads, n32, vnni, d, out| {
         let mut fresh = vec![f32::NAN; out.len()];
-        amx::pv_add(p, heads, n, rows, d, &mut fresh, &mut s, true);
+        amx::pv_store(pb, heads, n32, vnni, d, &mut fresh);
         for (o, f) in out.iter_mut().zip(&fresh) {
             *o += f;
         }
@@ -190,24 +196,30 @@ fn dpbf16_value_product_matches_the_portable_one_at_tile_edges() {
         (5, 33, 192),
         (16, 2, 128),
         (64, 128, 512),
+        (64, 640, 512),
     ];
-    matches_portable_value_product(&shapes, 9, |p, heads, n, rows, d, out| {
-        amx::pv_add_dpbf16(p, heads, n, rows, d, out, &mut amx::PvScratch::default())
-    });
+    matches_portable_value_product(&shapes, 9, amx::pv_add_dpbf16);
     println!("vdpbf16ps value product ran");
 }
 
 #[test]
-fn sparse_attention_at_tile_edges_on_every_path() {
-    // 16 heads of 64: the AMX value product's shape where the CPU has it.
-    let (heads, d) = (16usize, 64usize);
+fn sparse_attention_at_block_edges_on_every_path() {
+    // 16 and 48 heads of 64: one AMX head block, then a pair and a lone one where the CPU has
+    // AMX.
+    for (heads, d) in [(16usize, 64usize), (48, 64)] {
+        attention_at_block_edges(heads, d);
+    }
+}
+
+fn attention_at_block_edges(heads: usize, d: usize) {
     let q: Vec<f32> = values(heads * d, 21)
         .iter()
         .map(|&v| half::bf16::from_f32(v).to_f32())
         .collect();
     let sinks = values(heads, 22);
     let scale = 1.0 / (d as f32).sqrt();
-    // Tile 0: one valid row (its last); tile 1: empty; tile 2: full; tile 3: 33 rows.
+    // Entries 0..128: one valid row (the last); 128..256: none; 256..384: all; then 33 of 40:
+    // 162 valid rows, one whole 128-row block and a ragged one of 34.
     let n = 3 * ATTN_TILE + 40;
     let rows: Vec<Option<Vec<bf16>>> = (0..n)
         .map(|j| {
@@ -216,7 +228,7 @@ fn sparse_attention_at_tile_edges_on_every_path() {
         })
         .collect();
     let lists: [(&str, Vec<Option<&[bf16]>>); 3] = [
-        ("ragged tiles", rows.iter().map(|r| r.as_deref()).collect()),
+        ("ragged blocks", rows.iter().map(|r| r.as_deref()).collect()),
         (
             "one valid row",
             rows[..ATTN_TILE].iter().map(|r| r.as_deref()).collect(),
@@ -226,17 +238,11 @@ fn sparse_attention_at_tile_edges_on_every_path() {
     let mut ran = Vec::new();
     for isa in Isa::ALL {
         let Some(()) = with_isa(isa, || {
+            // One scratch for the three calls: what a longer call left in it changes nothing.
+            let mut s = AttnScratch::default();
             for (what, cands) in &lists {
                 let mut out = vec![7.0f32; heads * d];
-                sparse_attention(
-                    &q,
-                    d,
-                    cands,
-                    scale,
-                    &sinks,
-                    &mut out,
-                    &mut AttnScratch::default(),
-                );
+                sparse_attention(&q, d, cands, scale, &sinks, &mut out, &mut s);
                 let owned: Vec<Option<Vec<bf16>>> =
                     cands.iter().map(|c| c.map(<[bf16]>::to_vec)).collect();
                 for h in 0..heads {
@@ -244,7 +250,7 @@ fn sparse_attention_at_tile_edges_on_every_path() {
                     for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
                         assert!(
                             (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
-                            "{isa:?} {what} head {h} [{c}]: {a} vs {e}"
+                            "{isa:?} {heads}x{d} {what} head {h} [{c}]: {a} vs {e}"
                         );
                     }
                 }
@@ -262,5 +268,5 @@ fn sparse_attention_at_tile_edges_on_every_path() {
     let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
     sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
     assert!(out.iter().all(|&v| v == 0.0));
-    println!("sparse_attention (path, value-product path): {ran:?}");
+    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
 }
