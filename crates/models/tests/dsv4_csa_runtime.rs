@@ -143,6 +143,15 @@ fn flash_csa_step_matches_the_golden_at_start_8192() {
     run_and_check(&c, &worker(2));
 }
 
+/// Seed 1 is `run dsv4`'s default fixture: here the residual is the most sensitive to how the
+/// attention rounds (an `attn` a few ulps off flips the int8 rounding of some `o_proj` input
+/// rows); a kernel with a per-tile rescale of `out` put 3.8% of `x_out` over the tolerance.
+#[test]
+fn flash_csa_step_matches_the_golden_at_mixed_starts() {
+    let c = case(Dsv4Config::flash(), &MIXED_STARTS, 1);
+    run_and_check(&c, &worker(2));
+}
+
 #[test]
 fn malformed_csa_parts_are_refused_naming_the_tensor() {
     let c = case(Dsv4Config::tiny(), &[0, 1, 2, 3], 35);
