@@ -29,6 +29,15 @@
 //! and the next pair of groups is prefetched block by block the same way. Rows past a
 //! group's last row are the layout's zero padding: a short last group is read in place.
 //!
+//! One batch row on tiled weights takes a pass of its own (`tiled_single_row`): a
+//! one-column product needs no VNNI tiles (the row in natural-order bf16, read at a 4-byte
+//! stride, is the `B` tile) and its accumulators are single columns, so four of them walk
+//! four regions of the tile's groups side by side. That keeps four sequential streams in
+//! flight per thread, each prefetched two blocks ahead, as the row-major vector pass keeps
+//! four row streams; the two-group pass above, with a VNNI conversion per call and one
+//! stream pair, streamed 6–11% slower than the row-major vector pass on the Qwen3 decode
+//! plan's ~1 MiB blocks (`docs/performance.md`).
+//!
 //! # Edges
 //! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
 //! than 32 weight rows is copied into a zero-padded scratch; a body whose length is an odd
@@ -68,6 +77,8 @@ struct Scratch {
     vnni: Vec<Line>,
     /// A last group of fewer than 32 weight rows, zero-padded to 32 rows of `k32` elements.
     wtail: Vec<Line>,
+    /// The single activation row in natural-order bf16 (the batch-1 pass on tiled weights).
+    natural: Vec<u16>,
 }
 
 thread_local! {
@@ -149,6 +160,11 @@ pub(super) unsafe fn gemm_with(
     if nk == 0 {
         // SAFETY: the AVX-512 BF16 path needs a subset of this function's features.
         unsafe { super::avx512::gemm(lw, out, ld_out) };
+        return;
+    }
+    if lw.tiled && lw.batch == 1 {
+        // SAFETY: forwarded contract; the body holds a whole 32-element step (nk >= 1).
+        unsafe { tiled_single_row(lw, out, ld_out) };
         return;
     }
     let k32 = nk * 32;
@@ -273,6 +289,170 @@ pub(super) unsafe fn gemm_with(
         // SAFETY: releases the tile state configured above.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     });
+}
+
+/// The tile configuration of the batch-1 pass on tiled weights: `tmm0`–`tmm3` are 16 rows
+/// × 4 bytes (one fp32 output column each), `tmm4`, `tmm5` and `tmm7` 16 × 64 bytes (weight
+/// blocks), `tmm6` 16 rows × 4 bytes (the activation row's bf16 pairs, read in place).
+static SINGLE_ROW_CONFIG: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = if t < 4 || t == 6 { 4 } else { 64 };
+        c[48 + t] = 16;
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+/// Weight streams of the batch-1 pass: the tile's groups are cut into this many contiguous
+/// regions, walked side by side one group at a time.
+const SINGLE_ROW_STREAMS: usize = 4;
+
+/// How far ahead of its tile loads each stream of the batch-1 pass prefetches into L1, in
+/// bytes (two blocks).
+const SINGLE_ROW_PREFETCH: usize = 2 * TILED_BLOCK * 2;
+
+/// One batch row against tiled weights (see the module docs): the row is converted once to
+/// natural-order bf16, which is already the `B` operand of a one-column product (row `j` of
+/// the tile is the pair `x[2j], x[2j + 1]`, 4 bytes apart), so no VNNI tiles are made; each
+/// 1 KiB weight block meets it in one `tdpbf16ps` into a one-column accumulator. The tile's
+/// 16-row groups are cut into [`SINGLE_ROW_STREAMS`] contiguous regions walked side by side,
+/// so several sequential streams are in flight per thread as on the row-major vector path,
+/// each prefetched [`SINGLE_ROW_PREFETCH`] bytes ahead. Each output sums the same products in
+/// the same order as the wider tile passes (one `tdpbf16ps` per 32-element step).
+///
+/// # Safety
+/// As [`gemm_with`], with `lw` tiled, one batch row and a body of at least one 32-element step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn tiled_single_row(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let nk = (lw.kb1 - lw.kb0) / 32;
+    assert!(lw.tiled && lw.batch == 1 && nk >= 1);
+    let k32 = nk * 32;
+    let strip = lw.kb0 + k32 < lw.kb1;
+    let groups = lw.n.len().div_ceil(TILE_ROWS);
+    let region = |r: usize| groups * r / SINGLE_ROW_STREAMS..groups * (r + 1) / SINGLE_ROW_STREAMS;
+    let blocks = |g: usize| {
+        let at = tiled_index(lw.n.start + g * TILE_ROWS, lw.kb0, lw.ldw);
+        lw.w[at..at + nk * TILED_BLOCK].as_ptr()
+    };
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let xn = &mut s.natural;
+        xn.resize(k32, 0);
+        // SAFETY: AVX-512 by contract; the slice is the body's whole steps of the one row
+        // (k32 is a multiple of 16, `xn` exactly as long).
+        unsafe { super::avx512::to_natural(&lw.x[lw.kb0..lw.kb0 + k32], xn) };
+        // SAFETY: the configuration is a valid palette-1 layout; the tile state was granted
+        // (contract). Released below; nothing between uses tiles otherwise.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &SINGLE_ROW_CONFIG, options(nostack, readonly)) };
+        for j in 0..groups.div_ceil(SINGLE_ROW_STREAMS) {
+            // Step j of each region that still has a group. The last region is a longest one
+            // (`groups.div_ceil(4)` groups), so it always has; a region already done repeats
+            // its group, whose products are not stored.
+            let live: [Option<usize>; SINGLE_ROW_STREAMS] = std::array::from_fn(|r| {
+                let g = region(r).start + j;
+                (g < region(r).end).then_some(g)
+            });
+            let longest = region(SINGLE_ROW_STREAMS - 1).start + j;
+            let a: [*const u16; SINGLE_ROW_STREAMS] =
+                std::array::from_fn(|r| blocks(live[r].unwrap_or(longest)));
+            let mut c = [0f32; 16 * SINGLE_ROW_STREAMS];
+            // SAFETY: every `a[r]` points at `nk` consecutive 1 KiB blocks inside the weights
+            // (sliced above) and `xn` holds `nk` steps of 32 bf16; `c` takes four 16-lane
+            // columns.
+            unsafe { single_row_pass(a, xn.as_ptr(), nk, &mut c) };
+            for (r, g) in live.iter().enumerate() {
+                let Some(g) = *g else { continue };
+                let n0 = lw.n.start + g * TILE_ROWS;
+                for (i, &v) in c[r * 16..r * 16 + TILE_ROWS.min(lw.n.end - n0)]
+                    .iter()
+                    .enumerate()
+                {
+                    let n = n0 + i;
+                    let mut sum = v + edge_sum(lw, n, 0);
+                    if strip {
+                        sum += strip_dot(lw, n, 0, lw.kb0 + k32);
+                    }
+                    finish(lw, out, ld_out, n, 0, sum);
+                }
+            }
+        }
+        // SAFETY: releases the tile state configured above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
+
+/// Four groups' blocks (`a[r]`, moving one block per step) against the one activation row `x`
+/// (natural-order bf16, 32 per step) over `nk` steps; group `r`'s 16 sums land in
+/// `c[16 r..16 r + 16]`. Each stream prefetches [`SINGLE_ROW_PREFETCH`] bytes ahead (past a
+/// stream's end that is the next region, or memory after the tile, only prefetched).
+///
+/// # Safety
+/// [`SINGLE_ROW_CONFIG`] is loaded; each `a[r]` points at `nk >= 1` readable consecutive
+/// blocks and `x` at `32 nk` readable bf16.
+unsafe fn single_row_pass(
+    a: [*const u16; SINGLE_ROW_STREAMS],
+    x: *const u16,
+    nk: usize,
+    c: &mut [f32; 16 * SINGLE_ROW_STREAMS],
+) {
+    // SAFETY: per step, the `B` tile load reads 16 rows of 4 bytes at a 4-byte stride (64
+    // consecutive bytes of `x`) and each weight tile load one 1 KiB block, `nk` steps,
+    // readable by the contract; the stores write 16 rows of 4 bytes at a 4-byte stride, the
+    // four 64-byte quarters of `c`. Prefetches touch no state. Only tile registers and the
+    // declared operands change.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm6, [{x} + {s4}*1]",
+            "tileloadd tmm4, [{a0} + {s64}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm5, [{a1} + {s64}*1]",
+            "tdpbf16ps tmm1, tmm5, tmm6",
+            "tileloadd tmm7, [{a2} + {s64}*1]",
+            "tdpbf16ps tmm2, tmm7, tmm6",
+            "tileloadd tmm4, [{a3} + {s64}*1]",
+            "tdpbf16ps tmm3, tmm4, tmm6",
+            "xor {t:e}, {t:e}",
+            "3:",
+            "prefetcht0 [{a0} + {t} + {pf}]",
+            "prefetcht0 [{a1} + {t} + {pf}]",
+            "prefetcht0 [{a2} + {t} + {pf}]",
+            "prefetcht0 [{a3} + {t} + {pf}]",
+            "add {t}, 64",
+            "cmp {t}, 1024",
+            "jne 3b",
+            "add {x}, 64",
+            "add {a0}, 1024",
+            "add {a1}, 1024",
+            "add {a2}, 1024",
+            "add {a3}, 1024",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {s4}*1], tmm0",
+            "tilestored [{c} + {s4}*1 + 64], tmm1",
+            "tilestored [{c} + {s4}*1 + 128], tmm2",
+            "tilestored [{c} + {s4}*1 + 192], tmm3",
+            a0 = inout(reg) a[0] => _,
+            a1 = inout(reg) a[1] => _,
+            a2 = inout(reg) a[2] => _,
+            a3 = inout(reg) a[3] => _,
+            x = inout(reg) x => _,
+            s4 = in(reg) 4usize,
+            s64 = in(reg) 64usize,
+            n = inout(reg) nk => _,
+            t = out(reg) _,
+            pf = const SINGLE_ROW_PREFETCH,
+            c = in(reg) c.as_mut_ptr(),
+            options(nostack),
+        );
+    }
 }
 
 /// Copies weight rows `n0..n0 + nr` (`nr < 32`), `k32` elements each from `kb0`, into `dst` as

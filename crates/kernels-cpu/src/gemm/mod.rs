@@ -42,7 +42,8 @@
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights
 //!   are the tile unit's `A` operand in place, the activations are converted per call into
-//!   VNNI tiles.
+//!   VNNI tiles (one batch row on tiled weights: one-column tiles over four streams, no
+//!   conversion).
 //! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
 //!   the activations converted per call to natural-order bf16 (`avx512.rs`).
 //! - `avx2`: the even/odd widening above (`avx2/`); tiled weights go to `portable`.
