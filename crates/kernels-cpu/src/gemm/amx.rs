@@ -198,84 +198,80 @@ pub(super) unsafe fn gemm_with(
                 }
             };
             let mut n0 = lw.n.start;
-            while lw.tiled && n0 < lw.n.end {
-                let nr = (lw.n.end - n0).min(32);
-                // A step's two weight tiles: the blocks of the groups at n0 and n0 + 16 (when
-                // that group holds rows of the tile; else group n0 again, whose products
-                // `store_block` leaves unwritten). Each covers `nk` blocks.
-                let blocks = |n: usize| {
-                    let at = tiled_index(n, lw.kb0, lw.ldw);
-                    lw.w[at..at + nk * TILED_BLOCK].as_ptr()
-                };
-                let a0 = blocks(n0);
-                let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
-                let next = n0 + 32;
-                let (p0, p1) = if next + 32 <= lw.n.end {
-                    (blocks(next), blocks(next + 16))
-                } else {
-                    (a0, a1)
-                };
-                for bp in (0..nbt).step_by(2) {
-                    let mut c = [ZERO_LINE; 64];
-                    let tiles = vnni[bp * nk * 16..].as_ptr();
-                    // SAFETY: `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive 1 KiB
-                    // blocks inside the weights (sliced above); the VNNI tiles (bp, 0..nk), and
-                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist.
-                    unsafe {
-                        match (bp + 1 < nbt, bp == 0) {
-                            (true, true) => {
-                                tiled_pass::<2, true>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (true, false) => {
-                                tiled_pass::<2, false>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (false, true) => {
-                                tiled_pass::<1, true>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (false, false) => {
-                                tiled_pass::<1, false>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                        }
-                    }
-                    // SAFETY: as below.
-                    unsafe { store_block(lw, &c, n0, nr, bo + bp * 16, bend, k32, out, ld_out) };
-                }
-                n0 += nr;
-            }
             while n0 < lw.n.end {
                 let nr = (lw.n.end - n0).min(32);
-                let (a, sa) = if nr == 32 {
-                    (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
-                } else {
-                    copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
-                    (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
-                };
-                // The next group of 32 rows is fetched into L2 while this one is multiplied
-                // (tile loads gather 16 rows a line apiece, which the hardware prefetchers
-                // follow poorly); a shorter last group, or none, fetches this group again
-                // (already cached, so nothing moves).
                 let next = n0 + 32;
-                let pf = if next + 32 <= lw.n.end {
-                    lw.w[next * lw.ldw + lw.kb0..].as_ptr()
+                let has_next = next + 32 <= lw.n.end;
+                // The step's two weight tiles (rows n0.. and n0 + 16..) and the next group of
+                // 32 rows, fetched into L2 while this one is multiplied (tile loads gather 16
+                // rows a line apiece, which the hardware prefetchers follow poorly); a shorter
+                // last group, or none, fetches this group again (already cached, so nothing
+                // moves).
+                let t = if lw.tiled {
+                    // The blocks of the groups at n0 and n0 + 16 (when that group holds rows of
+                    // the tile; else group n0 again, whose products `store_block` leaves
+                    // unwritten), `nk` each.
+                    let blocks = |n: usize| {
+                        let at = tiled_index(n, lw.kb0, lw.ldw);
+                        lw.w[at..at + nk * TILED_BLOCK].as_ptr()
+                    };
+                    let a0 = blocks(n0);
+                    let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
+                    let (p0, p1) = if has_next {
+                        (blocks(next), blocks(next + 16))
+                    } else {
+                        (a0, a1)
+                    };
+                    WeightTiles {
+                        a0,
+                        a1,
+                        stride: 64,
+                        p0,
+                        p1,
+                    }
                 } else {
-                    a
+                    let (a, sa) = if nr == 32 {
+                        (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
+                    } else {
+                        copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
+                        (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
+                    };
+                    let pf = if has_next {
+                        lw.w[next * lw.ldw + lw.kb0..].as_ptr()
+                    } else {
+                        a
+                    };
+                    WeightTiles {
+                        a0: a,
+                        a1: a.wrapping_byte_add(16 * sa),
+                        stride: sa,
+                        p0: pf,
+                        p1: pf.wrapping_byte_add(16 * sa),
+                    }
                 };
                 for bp in (0..nbt).step_by(2) {
                     let mut c = [ZERO_LINE; 64];
                     let tiles = vnni[bp * nk * 16..].as_ptr();
-                    // SAFETY: `a` points at 32 rows of at least k32 elements at stride `sa`
-                    // bytes (the weight rows n0..n0+32 from kb0, inside the matrix since
-                    // kb0 + k32 <= kb1 <= ldw, or the padded copy), and so does `pf` (at the
-                    // stride `sa` of the resident rows, or `a` itself); the VNNI tiles
-                    // (bp, 0..nk), and (bp + 1, 0..nk) when bp + 1 < nbt, exist.
-                    // Only the first pass over the group prefetches (wider batches reuse the
-                    // group from cache for their later column tiles).
+                    // SAFETY: tiled, `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive
+                    // 1 KiB blocks inside the weights (sliced above); row-major, `a0` points at
+                    // 32 rows of at least k32 elements at stride `sa` bytes (the weight rows
+                    // n0..n0+32 from kb0, inside the matrix since kb0 + k32 <= kb1 <= ldw, or
+                    // the padded copy) and `a1` at its row 16, and so do `p0`/`p1` (the next
+                    // rows, or `a0`/`a1` themselves); the VNNI tiles (bp, 0..nk), and
+                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist. Only the first pass over the
+                    // group prefetches (wider batches reuse the group from cache for their
+                    // later column tiles).
                     unsafe {
-                        match (bp + 1 < nbt, bp == 0) {
-                            (true, true) => tile_pass::<2, true>(a, sa, tiles, nk, pf, &mut c),
-                            (true, false) => tile_pass::<2, false>(a, sa, tiles, nk, pf, &mut c),
-                            (false, true) => tile_pass::<1, true>(a, sa, tiles, nk, pf, &mut c),
-                            (false, false) => tile_pass::<1, false>(a, sa, tiles, nk, pf, &mut c),
+                        let c = &mut c;
+                        match (bp + 1 < nbt, bp == 0, lw.tiled) {
+                            (true, true, true) => tile_pass::<2, true, 1024>(&t, tiles, nk, c),
+                            (true, false, true) => tile_pass::<2, false, 1024>(&t, tiles, nk, c),
+                            (false, true, true) => tile_pass::<1, true, 1024>(&t, tiles, nk, c),
+                            (false, false, true) => tile_pass::<1, false, 1024>(&t, tiles, nk, c),
+                            (true, true, false) => tile_pass::<2, true, 64>(&t, tiles, nk, c),
+                            (true, false, false) => tile_pass::<2, false, 64>(&t, tiles, nk, c),
+                            (false, true, false) => tile_pass::<1, true, 64>(&t, tiles, nk, c),
+                            (false, false, false) => tile_pass::<1, false, 64>(&t, tiles, nk, c),
                         }
                     }
                     // SAFETY: AVX-512 by contract; the rows and batch columns are inside the
@@ -472,155 +468,43 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
     }
 }
 
-/// `2 * COLS` accumulator tiles over `nk` 32-element steps: weight tiles from `a` (32 rows at
-/// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` (and
-/// `vnni[nk..2nk]` when `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16
-/// tiles at `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left
-/// alone when `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 one line of
-/// each of the 32 rows at `pf` (stride `sa`), at the same offset as the step's weight tiles.
-///
-/// # Safety
-/// The tile configuration of this module is loaded; `a` and `vnni` are readable as described
-/// for `nk >= 1` steps; `COLS` is 1 or 2. `pf` is only prefetched (never faults).
-unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool>(
-    a: *const u16,
-    sa: usize,
-    vnni: *const Line,
-    nk: usize,
-    pf: *const u16,
-    c: &mut [Line; 64],
-) {
-    let a1 = a.cast::<u8>().wrapping_add(16 * sa);
-    if COLS == 2 {
-        let b1 = vnni.wrapping_add(nk * 16);
-        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa`
-        // (and `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
-        // contract; the activation tiles are 1 KiB each, `nk` consecutive per column. The
-        // stores write the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile
-        // registers and the declared operands change.
-        unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
-                "tileloadd tmm6, [{b0} + {sb}*1]",
-                "tileloadd tmm7, [{b1} + {sb}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "test {on}, {on}",
-                "jz 4f",
-                "mov {t}, {p}",
-                "mov {r}, 16",
-                "3:",
-                "prefetcht1 [{t}]",
-                "prefetcht1 [{t} + {sa}*1]",
-                "lea {t}, [{t} + {sa}*2]",
-                "dec {r}",
-                "jnz 3b",
-                "4:",
-                "add {p}, 64",
-                "add {a0}, 64",
-                "add {a1}, 64",
-                "add {b0}, 1024",
-                "add {b1}, 1024",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c} + {sb}*1], tmm0",
-                "tilestored [{c} + {sb}*1 + 1024], tmm1",
-                "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                "tilestored [{c} + {sb}*1 + 3072], tmm3",
-                a0 = inout(reg) a => _,
-                a1 = inout(reg) a1 => _,
-                sa = in(reg) sa,
-                b0 = inout(reg) vnni => _,
-                b1 = inout(reg) b1 => _,
-                sb = in(reg) 64usize,
-                n = inout(reg) nk => _,
-                p = inout(reg) pf => _,
-                t = out(reg) _,
-                r = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
-                c = in(reg) c.as_mut_ptr(),
-                options(nostack),
-            );
-        }
-    } else {
-        // SAFETY: as above with one activation tile: the stores write tiles 0 and 2 of `c`.
-        unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm2",
-                "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
-                "tileloadd tmm6, [{b0} + {sb}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "test {on}, {on}",
-                "jz 4f",
-                "mov {t}, {p}",
-                "mov {r}, 16",
-                "3:",
-                "prefetcht1 [{t}]",
-                "prefetcht1 [{t} + {sa}*1]",
-                "lea {t}, [{t} + {sa}*2]",
-                "dec {r}",
-                "jnz 3b",
-                "4:",
-                "add {p}, 64",
-                "add {a0}, 64",
-                "add {a1}, 64",
-                "add {b0}, 1024",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c} + {sb}*1], tmm0",
-                "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                a0 = inout(reg) a => _,
-                a1 = inout(reg) a1 => _,
-                sa = in(reg) sa,
-                b0 = inout(reg) vnni => _,
-                sb = in(reg) 64usize,
-                n = inout(reg) nk => _,
-                p = inout(reg) pf => _,
-                t = out(reg) _,
-                r = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
-                c = in(reg) c.as_mut_ptr(),
-                options(nostack),
-            );
-        }
-    }
-}
-
-/// [`tile_pass`] on tiled weights: the two weight tiles of a step are the 1 KiB blocks at `a0`
-/// and `a1` (64-byte rows, consecutive blocks one step apart); with `PREFETCH`, each step also
-/// prefetches into L2 the blocks at `pf0` and `pf1` (moving one block per step).
-///
-/// # Safety
-/// The tile configuration of this module is loaded; `a0`, `a1` point at `nk >= 1` readable
-/// consecutive blocks and `vnni` as for [`tile_pass`]; `COLS` is 1 or 2. `pf0`, `pf1` are only
-/// prefetched (never fault).
-unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
+/// Where the two weight tiles of a 32-row pass lie: tile `i` of step `s` is 16 rows of 64
+/// bytes at `a_i + s * STEP`, `stride` bytes apart (row-major: `a1` is 16 rows below `a0`,
+/// `stride` the row stride, the step one 64-byte line; tiled: `a0`, `a1` the two groups'
+/// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the rows
+/// prefetched meanwhile.
+struct WeightTiles {
     a0: *const u16,
     a1: *const u16,
+    stride: usize,
+    p0: *const u16,
+    p1: *const u16,
+}
+
+/// `2 * COLS` accumulator tiles over `nk` 32-element steps: the weight tiles of `w` (moving
+/// `STEP` bytes per step), activation tiles `vnni[0..nk]` (and `vnni[nk..2nk]` when
+/// `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16 tiles at
+/// `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left alone when
+/// `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 the 16 lines of each of
+/// `w.p0` and `w.p1` at the step's offset (stride `w.stride`).
+///
+/// # Safety
+/// The tile configuration of this module is loaded; the weight tiles of `w.a0`, `w.a1` and
+/// `vnni` are readable as described for `nk >= 1` steps; `COLS` is 1 or 2. `w.p0`, `w.p1` are
+/// only prefetched (never fault).
+unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
+    w: &WeightTiles,
     vnni: *const Line,
     nk: usize,
-    pf0: *const u16,
-    pf1: *const u16,
     c: &mut [Line; 64],
 ) {
     if COLS == 2 {
         let b1 = vnni.wrapping_add(nk * 16);
-        // SAFETY: every tile load reads one 1 KiB block (16 rows of 64 bytes, stride 64): the
-        // weight blocks at `a0`/`a1` and the activation tiles, `nk` steps, readable by the
-        // contract. The stores write the four 1 KiB tiles of `c`. Prefetches touch no state.
-        // Only tile registers and the declared operands change.
+        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight tiles at `a0`/`a1`
+        // (stride `stride`, moving STEP bytes per step) and the activation tiles (1 KiB each,
+        // `nk` consecutive per column), `nk` steps, readable by the contract. The stores write
+        // the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile registers and the
+        // declared operands change.
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -628,28 +512,30 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilezero tmm2",
                 "tilezero tmm3",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tileloadd tmm7, [{b1} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                "test {on}, {on}",
+                "mov {t:e}, {on}",
+                "test {t:e}, {t:e}",
                 "jz 4f",
                 "xor {t:e}, {t:e}",
+                "mov {r:e}, 16",
                 "3:",
                 "prefetcht1 [{p0} + {t}]",
                 "prefetcht1 [{p1} + {t}]",
-                "add {t}, 64",
-                "cmp {t}, 1024",
-                "jne 3b",
+                "add {t}, {sa}",
+                "dec {r:e}",
+                "jnz 3b",
                 "4:",
-                "add {p0}, 1024",
-                "add {p1}, 1024",
-                "add {a0}, 1024",
-                "add {a1}, 1024",
+                "add {p0}, {step}",
+                "add {p1}, {step}",
+                "add {a0}, {step}",
+                "add {a1}, {step}",
                 "add {b0}, 1024",
                 "add {b1}, 1024",
                 "dec {n}",
@@ -658,16 +544,19 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilestored [{c} + {sb}*1 + 1024], tmm1",
                 "tilestored [{c} + {sb}*1 + 2048], tmm2",
                 "tilestored [{c} + {sb}*1 + 3072], tmm3",
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a1 => _,
+                a0 = inout(reg) w.a0 => _,
+                a1 = inout(reg) w.a1 => _,
+                sa = in(reg) w.stride,
                 b0 = inout(reg) vnni => _,
                 b1 = inout(reg) b1 => _,
                 sb = in(reg) 64usize,
                 n = inout(reg) nk => _,
-                p0 = inout(reg) pf0 => _,
-                p1 = inout(reg) pf1 => _,
+                p0 = inout(reg) w.p0 => _,
+                p1 = inout(reg) w.p1 => _,
                 t = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
+                r = out(reg) _,
+                on = const PREFETCH as u32,
+                step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );
@@ -679,39 +568,44 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilezero tmm0",
                 "tilezero tmm2",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
-                "test {on}, {on}",
+                "mov {t:e}, {on}",
+                "test {t:e}, {t:e}",
                 "jz 4f",
                 "xor {t:e}, {t:e}",
+                "mov {r:e}, 16",
                 "3:",
                 "prefetcht1 [{p0} + {t}]",
                 "prefetcht1 [{p1} + {t}]",
-                "add {t}, 64",
-                "cmp {t}, 1024",
-                "jne 3b",
+                "add {t}, {sa}",
+                "dec {r:e}",
+                "jnz 3b",
                 "4:",
-                "add {p0}, 1024",
-                "add {p1}, 1024",
-                "add {a0}, 1024",
-                "add {a1}, 1024",
+                "add {p0}, {step}",
+                "add {p1}, {step}",
+                "add {a0}, {step}",
+                "add {a1}, {step}",
                 "add {b0}, 1024",
                 "dec {n}",
                 "jnz 2b",
                 "tilestored [{c} + {sb}*1], tmm0",
                 "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a1 => _,
+                a0 = inout(reg) w.a0 => _,
+                a1 = inout(reg) w.a1 => _,
+                sa = in(reg) w.stride,
                 b0 = inout(reg) vnni => _,
                 sb = in(reg) 64usize,
                 n = inout(reg) nk => _,
-                p0 = inout(reg) pf0 => _,
-                p1 = inout(reg) pf1 => _,
+                p0 = inout(reg) w.p0 => _,
+                p1 = inout(reg) w.p1 => _,
                 t = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
+                r = out(reg) _,
+                on = const PREFETCH as u32,
+                step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );
