@@ -85,8 +85,8 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 
 /// Which path [`gemm_bf16`] takes for `batch` activation rows against weights in `layout` on
 /// `isa`: as [`path_for_batch`], except that tiled weights take the AMX tiles at every batch
-/// (a tile load of a tiled block is 1 KiB in order, so even one batch row streams faster than
-/// on the vector path).
+/// (a tile load of a tiled block is 1 KiB in order; one batch row gets its own pass over four
+/// streams, level with the vector path on row-major weights).
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
     if layout == WeightLayout::Tiled && isa >= Isa::AmxBf16 {
