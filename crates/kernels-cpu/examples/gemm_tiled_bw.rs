@@ -191,7 +191,7 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
             .map(|_| {
                 let next = &next;
                 s.spawn(move || {
-                    let c0 = thread_cpu_seconds();
+                    let c0 = common::thread_cpu_seconds();
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= total {
@@ -211,7 +211,7 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
                         gemm_bf16(part, acts, &tile, &mut out, rows.len());
                         std::hint::black_box(&out);
                     }
-                    thread_cpu_seconds() - c0
+                    common::thread_cpu_seconds() - c0
                 })
             })
             .collect();
@@ -222,15 +222,4 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
     } else {
         t0.elapsed().as_secs_f64()
     }
-}
-
-/// The calling thread's CPU time in seconds.
-fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for the call to write.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
