@@ -43,10 +43,11 @@ pub(crate) struct ModelArgs {
     /// mode here). `int8-w8a8` is `int8`; `int8-wide` keeps fp32 activations (for comparison).
     #[arg(long, default_value = "bf16", value_parser = parse_weight_format)]
     pub(crate) weights: WeightFormat,
-    /// How bf16 matrices lie in memory on the CPU: `tiled` (16-row groups of 1 KiB blocks,
-    /// streamed by the AMX tiles at every batch; row-major where the path or a shape does not
-    /// allow it, and always on `--platform cuda`, which refuses an explicit `tiled`), or
-    /// `row-major` [default: tiled].
+    /// How bf16 matrices lie in memory on the CPU: `row-major`, or `tiled` (16-row groups of
+    /// 1 KiB blocks, streamed by the AMX tiles at every batch: faster from batch 4 on AMX
+    /// hosts, level at batch 1 kernel by kernel; row-major where the path or a shape does not
+    /// allow it; `--platform cuda` refuses an explicit `tiled`, the device holds row-major
+    /// weights) [default: row-major].
     #[arg(long, value_enum)]
     pub(crate) bf16_layout: Option<Bf16LayoutArg>,
     /// Most memory the run may take, in GB [default: what the machine has available: the
@@ -347,8 +348,10 @@ pub(crate) fn load_weights(
     shared: bool,
 ) -> Result<Qwen3Weights> {
     simpler_models::qwen3::layout::choose_bf16_layout(match args.bf16_layout {
-        Some(Bf16LayoutArg::RowMajor) => simpler_models::qwen3::layout::Bf16LayoutChoice::RowMajor,
-        Some(Bf16LayoutArg::Tiled) | None => simpler_models::qwen3::layout::Bf16LayoutChoice::Tiled,
+        Some(Bf16LayoutArg::RowMajor) | None => {
+            simpler_models::qwen3::layout::Bf16LayoutChoice::RowMajor
+        }
+        Some(Bf16LayoutArg::Tiled) => simpler_models::qwen3::layout::Bf16LayoutChoice::Tiled,
     })
     .context("--bf16-layout")?;
     if let Some(dir) = &args.model {

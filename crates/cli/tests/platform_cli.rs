@@ -78,7 +78,7 @@ fn cpu_runtime_flags_are_refused_on_cuda() {
     }
 }
 
-/// The CPU's default bf16 layout (tiled) is not an explicit choice: without the flag,
+/// Only an explicit `--bf16-layout tiled` is refused: without the flag,
 /// `bench qwen3-decode --platform cuda` refuses nothing about the layout (`--serial`, checked
 /// after it, is what gets refused, so the bench never starts).
 #[test]

@@ -472,7 +472,7 @@ fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
     assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
 }
 
-/// Both layouts (tiled, the default, and row-major) by name check against the golden.
+/// Both layouts, named, check against the golden.
 #[test]
 fn run_qwen3_decode_with_either_bf16_layout_checks_against_the_golden() {
     for layout in ["tiled", "row-major"] {

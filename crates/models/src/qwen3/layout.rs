@@ -13,11 +13,11 @@
 //! embedding table (a tied LM head is the embedding buffer, so the gather reads the same
 //! layout). Workers whose kernels do not run on the host (CUDA) always get row-major weights.
 //!
-//! A process chooses with [`choose_bf16_layout`]; one that never chooses gets row-major (the
-//! library default, so embedders and tests opt in), while the CLI chooses tiled unless
-//! `--bf16-layout row-major` is given: on this class of host tiled weights stream faster at
-//! batch 4 and 16 and, with the AMX path's batch-1 pass that walks four regions of groups
-//! side by side, level with the row-major vector pass at batch 1 (`docs/qwen3.md`).
+//! Tiling is opt-in ([`choose_bf16_layout`], the CLI's `--bf16-layout tiled`): on this class
+//! of host tiled weights stream faster at batch 4 and 16, and with the AMX path's batch-1 pass
+//! that walks four regions of groups side by side they are level with the row-major vector
+//! pass at batch 1 kernel by kernel; the default stays row-major until a decode step at
+//! batch 1 is shown not to lose on a quiet host (`docs/qwen3.md`).
 //!
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
