@@ -202,7 +202,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ),
         (
             "--bf16-layout tiled",
-            args.model.bf16_layout == crate::qwen3_cmd::Bf16LayoutArg::Tiled,
+            args.model.bf16_layout == Some(crate::qwen3_cmd::Bf16LayoutArg::Tiled),
         ),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),

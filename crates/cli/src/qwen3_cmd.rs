@@ -44,10 +44,12 @@ pub(crate) struct ModelArgs {
     #[arg(long, default_value = "bf16", value_parser = parse_weight_format)]
     pub(crate) weights: WeightFormat,
     /// How bf16 matrices lie in memory on the CPU: `row-major`, or `tiled` (16-row groups of
-    /// 1 KiB blocks, streamed by the AMX tiles at every batch: faster at batch 4 and up on AMX
-    /// hosts, slower at batch 1; row-major where the path or a shape does not allow it).
-    #[arg(long, value_enum, default_value_t = Bf16LayoutArg::RowMajor)]
-    pub(crate) bf16_layout: Bf16LayoutArg,
+    /// 1 KiB blocks, streamed by the AMX tiles at every batch: faster from batch 4 on AMX
+    /// hosts, level at batch 1 kernel by kernel; row-major where the path or a shape does not
+    /// allow it; `--platform cuda` refuses an explicit `tiled`, the device holds row-major
+    /// weights) [default: row-major].
+    #[arg(long, value_enum)]
+    pub(crate) bf16_layout: Option<Bf16LayoutArg>,
     /// Most memory the run may take, in GB [default: what the machine has available: the
     /// smaller of MemAvailable and the room under the cgroup limit].
     #[arg(long, value_name = "GB")]
@@ -346,8 +348,10 @@ pub(crate) fn load_weights(
     shared: bool,
 ) -> Result<Qwen3Weights> {
     simpler_models::qwen3::layout::choose_bf16_layout(match args.bf16_layout {
-        Bf16LayoutArg::RowMajor => simpler_models::qwen3::layout::Bf16LayoutChoice::RowMajor,
-        Bf16LayoutArg::Tiled => simpler_models::qwen3::layout::Bf16LayoutChoice::Tiled,
+        Some(Bf16LayoutArg::RowMajor) | None => {
+            simpler_models::qwen3::layout::Bf16LayoutChoice::RowMajor
+        }
+        Some(Bf16LayoutArg::Tiled) => simpler_models::qwen3::layout::Bf16LayoutChoice::Tiled,
     })
     .context("--bf16-layout")?;
     if let Some(dir) = &args.model {

@@ -78,6 +78,31 @@ fn cpu_runtime_flags_are_refused_on_cuda() {
     }
 }
 
+/// Only an explicit `--bf16-layout tiled` is refused: without the flag,
+/// `bench qwen3-decode --platform cuda` refuses nothing about the layout (`--serial`, checked
+/// after it, is what gets refused, so the bench never starts).
+#[test]
+fn the_default_bf16_layout_is_not_refused_on_cuda() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--platform",
+        "cuda",
+        "--serial",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!err.contains("--bf16-layout"), "{err}");
+    assert!(
+        err.contains("--serial: not available with --platform cuda")
+            || err.contains("not compiled with CUDA support")
+            || err.contains("CUDA is not usable on this machine"),
+        "{err}"
+    );
+}
+
 /// `--platform cpu` is the default: spelling it out runs the same command.
 #[test]
 fn cpu_is_the_default() {

@@ -472,12 +472,18 @@ fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
     assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
 }
 
+/// Both layouts, named, check against the golden.
 #[test]
-fn run_qwen3_decode_with_tiled_bf16_weights_checks_against_the_golden() {
-    let out = short_tiny_decode(&["--bf16-layout", "tiled"]);
-    let (so, se) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{so}\n{se}");
-    assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
+fn run_qwen3_decode_with_either_bf16_layout_checks_against_the_golden() {
+    for layout in ["tiled", "row-major"] {
+        let out = short_tiny_decode(&["--bf16-layout", layout]);
+        let (so, se) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{layout}: {so}\n{se}");
+        assert!(
+            so.contains("ok: argmax identical for all 3 rows"),
+            "{layout}: {so}"
+        );
+    }
     let out = simpler(&[
         "run",
         "qwen3-decode",

@@ -22,6 +22,8 @@
 //! [THREADS]]]` (`CASES`: names separated by commas, or `N:K:BATCH:MATRICES:BLOCKS` for a
 //! case of those dimensions; `THREADS`: thread counts separated by commas, default `1,2`).
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -88,18 +90,6 @@ fn mat(n: usize, k: usize, batch: usize, seed: u64) -> Mat {
     }
 }
 
-/// This thread's CPU time, seconds: on a host shared with other work, time spent descheduled
-/// does not count against the kernel.
-fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write; the clock id is a constant Linux supports.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
-
 /// Builds a case (its weights only when it runs).
 type MakeCase<'a> = Box<dyn Fn() -> Case + 'a>;
 
@@ -124,7 +114,7 @@ fn run_case(
             let path = I8Path::current();
             handles.push(s.spawn(move || {
                 with_i8_path(path, || {
-                    let t0 = thread_cpu_seconds();
+                    let t0 = common::thread_cpu_seconds();
                     let mut out = Vec::new();
                     let mut outs = Vec::new();
                     loop {
@@ -166,7 +156,7 @@ fn run_case(
                             }
                         }
                     }
-                    (thread_cpu_seconds() - t0, outs)
+                    (common::thread_cpu_seconds() - t0, outs)
                 })
                 .expect("a supported path")
             }));

@@ -422,3 +422,77 @@ proptest! {
         check(&c, GemmTile { n: n0..n1, k: k0..k1, mode }, scaled, seed);
     }
 }
+
+/// One activation row against tiled weights (on AMX its own pass: one-column tiles, the
+/// tile's groups walked as four regions side by side) gives, bit for bit, that row's outputs
+/// of a three-row product where it is the middle row (the tile pass shared with wider
+/// batches), on every path: ragged `N` (regions of unequal length, fewer groups than
+/// regions, a short last group), `K` with a 16-element strip and edges, tiles off the
+/// matrix's origin, store and add, scaled and not.
+#[test]
+fn tiled_single_row_matches_its_row_in_a_batch() {
+    for &(n, k) in &[
+        (1usize, 64usize),
+        (16, 32),
+        (37, 1040),
+        (64, 1024),
+        (80, 48),
+        (130, 1000),
+        (208, 96),
+        (250, 3072),
+        (33, 7),
+    ] {
+        let batch = case(n, k, 3, (n * 7 + k) as u64);
+        let mut single = case(n, k, 1, 0);
+        single.w.clone_from(&batch.w);
+        single.tiled.clone_from(&batch.tiled);
+        single.x = batch.x[k..2 * k].to_vec();
+        single.packed = vec![0.0; packed_len(1, k)];
+        pack_acts_bf16(&single.x, 1, k, &mut single.packed);
+        let n0 = if n > 16 { 16 } else { 0 };
+        let k0 = if k > 64 { 32 } else { 0 };
+        let tiles = [
+            GemmTile::full(&batch.weights(WeightLayout::Tiled)),
+            GemmTile {
+                n: n0..n,
+                k: k0..k - k.min(5) / 2,
+                mode: OutMode::Add,
+            },
+        ];
+        for tile in tiles {
+            let width = tile.n.len();
+            let mut rng = Rng((n * 31 + k) as u64);
+            let seed_out = rng.vec_f32(3 * width, 1.0);
+            let scale = rng.vec_f32(3, 2.0);
+            let one = all_paths("tiled single row", || {
+                run(
+                    &single,
+                    WeightLayout::Tiled,
+                    &tile,
+                    Some(&scale[1..2]),
+                    &seed_out[width..2 * width],
+                    width,
+                )
+            });
+            for (isa, got) in one {
+                let three = with_isa(isa, || {
+                    run(
+                        &batch,
+                        WeightLayout::Tiled,
+                        &tile,
+                        Some(&scale),
+                        &seed_out,
+                        width,
+                    )
+                })
+                .expect("the path runs");
+                assert_eq!(
+                    bits(&got),
+                    bits(&three[width..2 * width]),
+                    "{}: n={n} k={k} tile={tile:?}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}

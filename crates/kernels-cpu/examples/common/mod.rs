@@ -1,4 +1,5 @@
-//! Helpers shared by the examples.
+//! Helpers shared by the examples (each example uses some of them).
+#![allow(dead_code)]
 
 use half::bf16;
 
@@ -18,4 +19,16 @@ pub(crate) fn huge_pool(len: usize) -> &'static mut [bf16] {
     // SAFETY: the mapping holds `off + bytes` bytes, `off` keeps 2-byte alignment, an anonymous
     // mapping is zeroed (valid bf16), and the leaked mapping lives for the program.
     unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
+}
+
+/// This thread's CPU time, seconds: on a host shared with other work, time spent descheduled
+/// does not count against the kernel.
+pub(crate) fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; the clock id is a constant Linux supports.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }

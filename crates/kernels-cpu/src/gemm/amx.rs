@@ -29,6 +29,15 @@
 //! and the next pair of groups is prefetched block by block the same way. Rows past a
 //! group's last row are the layout's zero padding: a short last group is read in place.
 //!
+//! One batch row on tiled weights takes a pass of its own (`tiled_single_row`): a
+//! one-column product needs no VNNI tiles (the row in natural-order bf16, read at a 4-byte
+//! stride, is the `B` tile) and its accumulators are single columns, so four of them walk
+//! four regions of the tile's groups side by side. That keeps four sequential streams in
+//! flight per thread, each prefetched two blocks ahead, as the row-major vector pass keeps
+//! four row streams; the two-group pass above, with a VNNI conversion per call and one
+//! stream pair, streamed 6–11% slower than the row-major vector pass on the Qwen3 decode
+//! plan's ~1 MiB blocks (`docs/performance.md`).
+//!
 //! # Edges
 //! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
 //! than 32 weight rows is copied into a zero-padded scratch; a body whose length is an odd
@@ -68,6 +77,8 @@ struct Scratch {
     vnni: Vec<Line>,
     /// A last group of fewer than 32 weight rows, zero-padded to 32 rows of `k32` elements.
     wtail: Vec<Line>,
+    /// The single activation row in natural-order bf16 (the batch-1 pass on tiled weights).
+    natural: Vec<u16>,
 }
 
 thread_local! {
@@ -151,6 +162,11 @@ pub(super) unsafe fn gemm_with(
         unsafe { super::avx512::gemm(lw, out, ld_out) };
         return;
     }
+    if lw.tiled && lw.batch == 1 {
+        // SAFETY: forwarded contract; the body holds a whole 32-element step (nk >= 1).
+        unsafe { tiled_single_row(lw, out, ld_out) };
+        return;
+    }
     let k32 = nk * 32;
     let bblock = batch_block(nk);
     let pre = pre.filter(|p| lw.batch <= bblock && p.len() == lw.batch.div_ceil(16) * nk * 16);
@@ -182,84 +198,80 @@ pub(super) unsafe fn gemm_with(
                 }
             };
             let mut n0 = lw.n.start;
-            while lw.tiled && n0 < lw.n.end {
-                let nr = (lw.n.end - n0).min(32);
-                // A step's two weight tiles: the blocks of the groups at n0 and n0 + 16 (when
-                // that group holds rows of the tile; else group n0 again, whose products
-                // `store_block` leaves unwritten). Each covers `nk` blocks.
-                let blocks = |n: usize| {
-                    let at = tiled_index(n, lw.kb0, lw.ldw);
-                    lw.w[at..at + nk * TILED_BLOCK].as_ptr()
-                };
-                let a0 = blocks(n0);
-                let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
-                let next = n0 + 32;
-                let (p0, p1) = if next + 32 <= lw.n.end {
-                    (blocks(next), blocks(next + 16))
-                } else {
-                    (a0, a1)
-                };
-                for bp in (0..nbt).step_by(2) {
-                    let mut c = [ZERO_LINE; 64];
-                    let tiles = vnni[bp * nk * 16..].as_ptr();
-                    // SAFETY: `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive 1 KiB
-                    // blocks inside the weights (sliced above); the VNNI tiles (bp, 0..nk), and
-                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist.
-                    unsafe {
-                        match (bp + 1 < nbt, bp == 0) {
-                            (true, true) => {
-                                tiled_pass::<2, true>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (true, false) => {
-                                tiled_pass::<2, false>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (false, true) => {
-                                tiled_pass::<1, true>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                            (false, false) => {
-                                tiled_pass::<1, false>(a0, a1, tiles, nk, p0, p1, &mut c)
-                            }
-                        }
-                    }
-                    // SAFETY: as below.
-                    unsafe { store_block(lw, &c, n0, nr, bo + bp * 16, bend, k32, out, ld_out) };
-                }
-                n0 += nr;
-            }
             while n0 < lw.n.end {
                 let nr = (lw.n.end - n0).min(32);
-                let (a, sa) = if nr == 32 {
-                    (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
-                } else {
-                    copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
-                    (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
-                };
-                // The next group of 32 rows is fetched into L2 while this one is multiplied
-                // (tile loads gather 16 rows a line apiece, which the hardware prefetchers
-                // follow poorly); a shorter last group, or none, fetches this group again
-                // (already cached, so nothing moves).
                 let next = n0 + 32;
-                let pf = if next + 32 <= lw.n.end {
-                    lw.w[next * lw.ldw + lw.kb0..].as_ptr()
+                let has_next = next + 32 <= lw.n.end;
+                // The step's two weight tiles (rows n0.. and n0 + 16..) and the next group of
+                // 32 rows, fetched into L2 while this one is multiplied (tile loads gather 16
+                // rows a line apiece, which the hardware prefetchers follow poorly); a shorter
+                // last group, or none, fetches this group again (already cached, so nothing
+                // moves).
+                let t = if lw.tiled {
+                    // The blocks of the groups at n0 and n0 + 16 (when that group holds rows of
+                    // the tile; else group n0 again, whose products `store_block` leaves
+                    // unwritten), `nk` each.
+                    let blocks = |n: usize| {
+                        let at = tiled_index(n, lw.kb0, lw.ldw);
+                        lw.w[at..at + nk * TILED_BLOCK].as_ptr()
+                    };
+                    let a0 = blocks(n0);
+                    let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
+                    let (p0, p1) = if has_next {
+                        (blocks(next), blocks(next + 16))
+                    } else {
+                        (a0, a1)
+                    };
+                    WeightTiles {
+                        a0,
+                        a1,
+                        stride: 64,
+                        p0,
+                        p1,
+                    }
                 } else {
-                    a
+                    let (a, sa) = if nr == 32 {
+                        (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
+                    } else {
+                        copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
+                        (s.wtail.as_ptr().cast::<u16>(), k32 * 2)
+                    };
+                    let pf = if has_next {
+                        lw.w[next * lw.ldw + lw.kb0..].as_ptr()
+                    } else {
+                        a
+                    };
+                    WeightTiles {
+                        a0: a,
+                        a1: a.wrapping_byte_add(16 * sa),
+                        stride: sa,
+                        p0: pf,
+                        p1: pf.wrapping_byte_add(16 * sa),
+                    }
                 };
                 for bp in (0..nbt).step_by(2) {
                     let mut c = [ZERO_LINE; 64];
                     let tiles = vnni[bp * nk * 16..].as_ptr();
-                    // SAFETY: `a` points at 32 rows of at least k32 elements at stride `sa`
-                    // bytes (the weight rows n0..n0+32 from kb0, inside the matrix since
-                    // kb0 + k32 <= kb1 <= ldw, or the padded copy), and so does `pf` (at the
-                    // stride `sa` of the resident rows, or `a` itself); the VNNI tiles
-                    // (bp, 0..nk), and (bp + 1, 0..nk) when bp + 1 < nbt, exist.
-                    // Only the first pass over the group prefetches (wider batches reuse the
-                    // group from cache for their later column tiles).
+                    // SAFETY: tiled, `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive
+                    // 1 KiB blocks inside the weights (sliced above); row-major, `a0` points at
+                    // 32 rows of at least k32 elements at stride `sa` bytes (the weight rows
+                    // n0..n0+32 from kb0, inside the matrix since kb0 + k32 <= kb1 <= ldw, or
+                    // the padded copy) and `a1` at its row 16, and so do `p0`/`p1` (the next
+                    // rows, or `a0`/`a1` themselves); the VNNI tiles (bp, 0..nk), and
+                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist. Only the first pass over the
+                    // group prefetches (wider batches reuse the group from cache for their
+                    // later column tiles).
                     unsafe {
-                        match (bp + 1 < nbt, bp == 0) {
-                            (true, true) => tile_pass::<2, true>(a, sa, tiles, nk, pf, &mut c),
-                            (true, false) => tile_pass::<2, false>(a, sa, tiles, nk, pf, &mut c),
-                            (false, true) => tile_pass::<1, true>(a, sa, tiles, nk, pf, &mut c),
-                            (false, false) => tile_pass::<1, false>(a, sa, tiles, nk, pf, &mut c),
+                        let c = &mut c;
+                        match (bp + 1 < nbt, bp == 0, lw.tiled) {
+                            (true, true, true) => tile_pass::<2, true, 1024>(&t, tiles, nk, c),
+                            (true, false, true) => tile_pass::<2, false, 1024>(&t, tiles, nk, c),
+                            (false, true, true) => tile_pass::<1, true, 1024>(&t, tiles, nk, c),
+                            (false, false, true) => tile_pass::<1, false, 1024>(&t, tiles, nk, c),
+                            (true, true, false) => tile_pass::<2, true, 64>(&t, tiles, nk, c),
+                            (true, false, false) => tile_pass::<2, false, 64>(&t, tiles, nk, c),
+                            (false, true, false) => tile_pass::<1, true, 64>(&t, tiles, nk, c),
+                            (false, false, false) => tile_pass::<1, false, 64>(&t, tiles, nk, c),
                         }
                     }
                     // SAFETY: AVX-512 by contract; the rows and batch columns are inside the
@@ -273,6 +285,170 @@ pub(super) unsafe fn gemm_with(
         // SAFETY: releases the tile state configured above.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     });
+}
+
+/// The tile configuration of the batch-1 pass on tiled weights: `tmm0`–`tmm3` are 16 rows
+/// × 4 bytes (one fp32 output column each), `tmm4`, `tmm5` and `tmm7` 16 × 64 bytes (weight
+/// blocks), `tmm6` 16 rows × 4 bytes (the activation row's bf16 pairs, read in place).
+static SINGLE_ROW_CONFIG: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = if t < 4 || t == 6 { 4 } else { 64 };
+        c[48 + t] = 16;
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+/// Weight streams of the batch-1 pass: the tile's groups are cut into this many contiguous
+/// regions, walked side by side one group at a time.
+const SINGLE_ROW_STREAMS: usize = 4;
+
+/// How far ahead of its tile loads each stream of the batch-1 pass prefetches into L1, in
+/// bytes (two blocks).
+const SINGLE_ROW_PREFETCH: usize = 2 * TILED_BLOCK * 2;
+
+/// One batch row against tiled weights (see the module docs): the row is converted once to
+/// natural-order bf16, which is already the `B` operand of a one-column product (row `j` of
+/// the tile is the pair `x[2j], x[2j + 1]`, 4 bytes apart), so no VNNI tiles are made; each
+/// 1 KiB weight block meets it in one `tdpbf16ps` into a one-column accumulator. The tile's
+/// 16-row groups are cut into [`SINGLE_ROW_STREAMS`] contiguous regions walked side by side,
+/// so several sequential streams are in flight per thread as on the row-major vector path,
+/// each prefetched [`SINGLE_ROW_PREFETCH`] bytes ahead. Each output sums the same products in
+/// the same order as the wider tile passes (one `tdpbf16ps` per 32-element step).
+///
+/// # Safety
+/// As [`gemm_with`], with `lw` tiled, one batch row and a body of at least one 32-element step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn tiled_single_row(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let nk = (lw.kb1 - lw.kb0) / 32;
+    assert!(lw.tiled && lw.batch == 1 && nk >= 1);
+    let k32 = nk * 32;
+    let strip = lw.kb0 + k32 < lw.kb1;
+    let groups = lw.n.len().div_ceil(TILE_ROWS);
+    let region = |r: usize| groups * r / SINGLE_ROW_STREAMS..groups * (r + 1) / SINGLE_ROW_STREAMS;
+    let blocks = |g: usize| {
+        let at = tiled_index(lw.n.start + g * TILE_ROWS, lw.kb0, lw.ldw);
+        lw.w[at..at + nk * TILED_BLOCK].as_ptr()
+    };
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let xn = &mut s.natural;
+        xn.resize(k32, 0);
+        // SAFETY: AVX-512 by contract; the slice is the body's whole steps of the one row
+        // (k32 is a multiple of 16, `xn` exactly as long).
+        unsafe { super::avx512::to_natural(&lw.x[lw.kb0..lw.kb0 + k32], xn) };
+        // SAFETY: the configuration is a valid palette-1 layout; the tile state was granted
+        // (contract). Released below; nothing between uses tiles otherwise.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &SINGLE_ROW_CONFIG, options(nostack, readonly)) };
+        for j in 0..groups.div_ceil(SINGLE_ROW_STREAMS) {
+            // Step j of each region that still has a group. The last region is a longest one
+            // (`groups.div_ceil(4)` groups), so it always has; a region already done repeats
+            // its group, whose products are not stored.
+            let live: [Option<usize>; SINGLE_ROW_STREAMS] = std::array::from_fn(|r| {
+                let g = region(r).start + j;
+                (g < region(r).end).then_some(g)
+            });
+            let longest = region(SINGLE_ROW_STREAMS - 1).start + j;
+            let a: [*const u16; SINGLE_ROW_STREAMS] =
+                std::array::from_fn(|r| blocks(live[r].unwrap_or(longest)));
+            let mut c = [0f32; 16 * SINGLE_ROW_STREAMS];
+            // SAFETY: every `a[r]` points at `nk` consecutive 1 KiB blocks inside the weights
+            // (sliced above) and `xn` holds `nk` steps of 32 bf16; `c` takes four 16-lane
+            // columns.
+            unsafe { single_row_pass(a, xn.as_ptr(), nk, &mut c) };
+            for (r, g) in live.iter().enumerate() {
+                let Some(g) = *g else { continue };
+                let n0 = lw.n.start + g * TILE_ROWS;
+                for (i, &v) in c[r * 16..r * 16 + TILE_ROWS.min(lw.n.end - n0)]
+                    .iter()
+                    .enumerate()
+                {
+                    let n = n0 + i;
+                    let mut sum = v + edge_sum(lw, n, 0);
+                    if strip {
+                        sum += strip_dot(lw, n, 0, lw.kb0 + k32);
+                    }
+                    finish(lw, out, ld_out, n, 0, sum);
+                }
+            }
+        }
+        // SAFETY: releases the tile state configured above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
+
+/// Four groups' blocks (`a[r]`, moving one block per step) against the one activation row `x`
+/// (natural-order bf16, 32 per step) over `nk` steps; group `r`'s 16 sums land in
+/// `c[16 r..16 r + 16]`. Each stream prefetches [`SINGLE_ROW_PREFETCH`] bytes ahead (past a
+/// stream's end that is the next region, or memory after the tile, only prefetched).
+///
+/// # Safety
+/// [`SINGLE_ROW_CONFIG`] is loaded; each `a[r]` points at `nk >= 1` readable consecutive
+/// blocks and `x` at `32 nk` readable bf16.
+unsafe fn single_row_pass(
+    a: [*const u16; SINGLE_ROW_STREAMS],
+    x: *const u16,
+    nk: usize,
+    c: &mut [f32; 16 * SINGLE_ROW_STREAMS],
+) {
+    // SAFETY: per step, the `B` tile load reads 16 rows of 4 bytes at a 4-byte stride (64
+    // consecutive bytes of `x`) and each weight tile load one 1 KiB block, `nk` steps,
+    // readable by the contract; the stores write 16 rows of 4 bytes at a 4-byte stride, the
+    // four 64-byte quarters of `c`. Prefetches touch no state. Only tile registers and the
+    // declared operands change.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm6, [{x} + {s4}*1]",
+            "tileloadd tmm4, [{a0} + {s64}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm5, [{a1} + {s64}*1]",
+            "tdpbf16ps tmm1, tmm5, tmm6",
+            "tileloadd tmm7, [{a2} + {s64}*1]",
+            "tdpbf16ps tmm2, tmm7, tmm6",
+            "tileloadd tmm4, [{a3} + {s64}*1]",
+            "tdpbf16ps tmm3, tmm4, tmm6",
+            "xor {t:e}, {t:e}",
+            "3:",
+            "prefetcht0 [{a0} + {t} + {pf}]",
+            "prefetcht0 [{a1} + {t} + {pf}]",
+            "prefetcht0 [{a2} + {t} + {pf}]",
+            "prefetcht0 [{a3} + {t} + {pf}]",
+            "add {t}, 64",
+            "cmp {t}, 1024",
+            "jne 3b",
+            "add {x}, 64",
+            "add {a0}, 1024",
+            "add {a1}, 1024",
+            "add {a2}, 1024",
+            "add {a3}, 1024",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {s4}*1], tmm0",
+            "tilestored [{c} + {s4}*1 + 64], tmm1",
+            "tilestored [{c} + {s4}*1 + 128], tmm2",
+            "tilestored [{c} + {s4}*1 + 192], tmm3",
+            a0 = inout(reg) a[0] => _,
+            a1 = inout(reg) a[1] => _,
+            a2 = inout(reg) a[2] => _,
+            a3 = inout(reg) a[3] => _,
+            x = inout(reg) x => _,
+            s4 = in(reg) 4usize,
+            s64 = in(reg) 64usize,
+            n = inout(reg) nk => _,
+            t = out(reg) _,
+            pf = const SINGLE_ROW_PREFETCH,
+            c = in(reg) c.as_mut_ptr(),
+            options(nostack),
+        );
+    }
 }
 
 /// Copies weight rows `n0..n0 + nr` (`nr < 32`), `k32` elements each from `kb0`, into `dst` as
@@ -292,155 +468,43 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
     }
 }
 
-/// `2 * COLS` accumulator tiles over `nk` 32-element steps: weight tiles from `a` (32 rows at
-/// stride `sa` bytes, moving 64 bytes per step), activation tiles `vnni[0..nk]` (and
-/// `vnni[nk..2nk]` when `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16
-/// tiles at `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left
-/// alone when `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 one line of
-/// each of the 32 rows at `pf` (stride `sa`), at the same offset as the step's weight tiles.
-///
-/// # Safety
-/// The tile configuration of this module is loaded; `a` and `vnni` are readable as described
-/// for `nk >= 1` steps; `COLS` is 1 or 2. `pf` is only prefetched (never faults).
-unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool>(
-    a: *const u16,
-    sa: usize,
-    vnni: *const Line,
-    nk: usize,
-    pf: *const u16,
-    c: &mut [Line; 64],
-) {
-    let a1 = a.cast::<u8>().wrapping_add(16 * sa);
-    if COLS == 2 {
-        let b1 = vnni.wrapping_add(nk * 16);
-        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight rows `a + 16 r * sa`
-        // (and `a1`) at a 64-byte column step per iteration, `nk` steps, inside the rows by the
-        // contract; the activation tiles are 1 KiB each, `nk` consecutive per column. The
-        // stores write the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile
-        // registers and the declared operands change.
-        unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
-                "tileloadd tmm6, [{b0} + {sb}*1]",
-                "tileloadd tmm7, [{b1} + {sb}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "tdpbf16ps tmm3, tmm5, tmm7",
-                "test {on}, {on}",
-                "jz 4f",
-                "mov {t}, {p}",
-                "mov {r}, 16",
-                "3:",
-                "prefetcht1 [{t}]",
-                "prefetcht1 [{t} + {sa}*1]",
-                "lea {t}, [{t} + {sa}*2]",
-                "dec {r}",
-                "jnz 3b",
-                "4:",
-                "add {p}, 64",
-                "add {a0}, 64",
-                "add {a1}, 64",
-                "add {b0}, 1024",
-                "add {b1}, 1024",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c} + {sb}*1], tmm0",
-                "tilestored [{c} + {sb}*1 + 1024], tmm1",
-                "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                "tilestored [{c} + {sb}*1 + 3072], tmm3",
-                a0 = inout(reg) a => _,
-                a1 = inout(reg) a1 => _,
-                sa = in(reg) sa,
-                b0 = inout(reg) vnni => _,
-                b1 = inout(reg) b1 => _,
-                sb = in(reg) 64usize,
-                n = inout(reg) nk => _,
-                p = inout(reg) pf => _,
-                t = out(reg) _,
-                r = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
-                c = in(reg) c.as_mut_ptr(),
-                options(nostack),
-            );
-        }
-    } else {
-        // SAFETY: as above with one activation tile: the stores write tiles 0 and 2 of `c`.
-        unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm2",
-                "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
-                "tileloadd tmm6, [{b0} + {sb}*1]",
-                "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
-                "tdpbf16ps tmm2, tmm5, tmm6",
-                "test {on}, {on}",
-                "jz 4f",
-                "mov {t}, {p}",
-                "mov {r}, 16",
-                "3:",
-                "prefetcht1 [{t}]",
-                "prefetcht1 [{t} + {sa}*1]",
-                "lea {t}, [{t} + {sa}*2]",
-                "dec {r}",
-                "jnz 3b",
-                "4:",
-                "add {p}, 64",
-                "add {a0}, 64",
-                "add {a1}, 64",
-                "add {b0}, 1024",
-                "dec {n}",
-                "jnz 2b",
-                "tilestored [{c} + {sb}*1], tmm0",
-                "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                a0 = inout(reg) a => _,
-                a1 = inout(reg) a1 => _,
-                sa = in(reg) sa,
-                b0 = inout(reg) vnni => _,
-                sb = in(reg) 64usize,
-                n = inout(reg) nk => _,
-                p = inout(reg) pf => _,
-                t = out(reg) _,
-                r = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
-                c = in(reg) c.as_mut_ptr(),
-                options(nostack),
-            );
-        }
-    }
-}
-
-/// [`tile_pass`] on tiled weights: the two weight tiles of a step are the 1 KiB blocks at `a0`
-/// and `a1` (64-byte rows, consecutive blocks one step apart); with `PREFETCH`, each step also
-/// prefetches into L2 the blocks at `pf0` and `pf1` (moving one block per step).
-///
-/// # Safety
-/// The tile configuration of this module is loaded; `a0`, `a1` point at `nk >= 1` readable
-/// consecutive blocks and `vnni` as for [`tile_pass`]; `COLS` is 1 or 2. `pf0`, `pf1` are only
-/// prefetched (never fault).
-unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
+/// Where the two weight tiles of a 32-row pass lie: tile `i` of step `s` is 16 rows of 64
+/// bytes at `a_i + s * STEP`, `stride` bytes apart (row-major: `a1` is 16 rows below `a0`,
+/// `stride` the row stride, the step one 64-byte line; tiled: `a0`, `a1` the two groups'
+/// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the rows
+/// prefetched meanwhile.
+struct WeightTiles {
     a0: *const u16,
     a1: *const u16,
+    stride: usize,
+    p0: *const u16,
+    p1: *const u16,
+}
+
+/// `2 * COLS` accumulator tiles over `nk` 32-element steps: the weight tiles of `w` (moving
+/// `STEP` bytes per step), activation tiles `vnni[0..nk]` (and `vnni[nk..2nk]` when
+/// `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16 tiles at
+/// `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left alone when
+/// `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 the 16 lines of each of
+/// `w.p0` and `w.p1` at the step's offset (stride `w.stride`).
+///
+/// # Safety
+/// The tile configuration of this module is loaded; the weight tiles of `w.a0`, `w.a1` and
+/// `vnni` are readable as described for `nk >= 1` steps; `COLS` is 1 or 2. `w.p0`, `w.p1` are
+/// only prefetched (never fault).
+unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
+    w: &WeightTiles,
     vnni: *const Line,
     nk: usize,
-    pf0: *const u16,
-    pf1: *const u16,
     c: &mut [Line; 64],
 ) {
     if COLS == 2 {
         let b1 = vnni.wrapping_add(nk * 16);
-        // SAFETY: every tile load reads one 1 KiB block (16 rows of 64 bytes, stride 64): the
-        // weight blocks at `a0`/`a1` and the activation tiles, `nk` steps, readable by the
-        // contract. The stores write the four 1 KiB tiles of `c`. Prefetches touch no state.
-        // Only tile registers and the declared operands change.
+        // SAFETY: every tile load reads 16 rows of 64 bytes: the weight tiles at `a0`/`a1`
+        // (stride `stride`, moving STEP bytes per step) and the activation tiles (1 KiB each,
+        // `nk` consecutive per column), `nk` steps, readable by the contract. The stores write
+        // the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile registers and the
+        // declared operands change.
         unsafe {
             asm!(
                 "tilezero tmm0",
@@ -448,28 +512,30 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilezero tmm2",
                 "tilezero tmm3",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tileloadd tmm7, [{b1} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                "test {on}, {on}",
+                "mov {t:e}, {on}",
+                "test {t:e}, {t:e}",
                 "jz 4f",
                 "xor {t:e}, {t:e}",
+                "mov {r:e}, 16",
                 "3:",
                 "prefetcht1 [{p0} + {t}]",
                 "prefetcht1 [{p1} + {t}]",
-                "add {t}, 64",
-                "cmp {t}, 1024",
-                "jne 3b",
+                "add {t}, {sa}",
+                "dec {r:e}",
+                "jnz 3b",
                 "4:",
-                "add {p0}, 1024",
-                "add {p1}, 1024",
-                "add {a0}, 1024",
-                "add {a1}, 1024",
+                "add {p0}, {step}",
+                "add {p1}, {step}",
+                "add {a0}, {step}",
+                "add {a1}, {step}",
                 "add {b0}, 1024",
                 "add {b1}, 1024",
                 "dec {n}",
@@ -478,16 +544,19 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilestored [{c} + {sb}*1 + 1024], tmm1",
                 "tilestored [{c} + {sb}*1 + 2048], tmm2",
                 "tilestored [{c} + {sb}*1 + 3072], tmm3",
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a1 => _,
+                a0 = inout(reg) w.a0 => _,
+                a1 = inout(reg) w.a1 => _,
+                sa = in(reg) w.stride,
                 b0 = inout(reg) vnni => _,
                 b1 = inout(reg) b1 => _,
                 sb = in(reg) 64usize,
                 n = inout(reg) nk => _,
-                p0 = inout(reg) pf0 => _,
-                p1 = inout(reg) pf1 => _,
+                p0 = inout(reg) w.p0 => _,
+                p1 = inout(reg) w.p1 => _,
                 t = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
+                r = out(reg) _,
+                on = const PREFETCH as u32,
+                step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );
@@ -499,39 +568,44 @@ unsafe fn tiled_pass<const COLS: usize, const PREFETCH: bool>(
                 "tilezero tmm0",
                 "tilezero tmm2",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sb}*1]",
+                "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{a1} + {sb}*1]",
+                "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
-                "test {on}, {on}",
+                "mov {t:e}, {on}",
+                "test {t:e}, {t:e}",
                 "jz 4f",
                 "xor {t:e}, {t:e}",
+                "mov {r:e}, 16",
                 "3:",
                 "prefetcht1 [{p0} + {t}]",
                 "prefetcht1 [{p1} + {t}]",
-                "add {t}, 64",
-                "cmp {t}, 1024",
-                "jne 3b",
+                "add {t}, {sa}",
+                "dec {r:e}",
+                "jnz 3b",
                 "4:",
-                "add {p0}, 1024",
-                "add {p1}, 1024",
-                "add {a0}, 1024",
-                "add {a1}, 1024",
+                "add {p0}, {step}",
+                "add {p1}, {step}",
+                "add {a0}, {step}",
+                "add {a1}, {step}",
                 "add {b0}, 1024",
                 "dec {n}",
                 "jnz 2b",
                 "tilestored [{c} + {sb}*1], tmm0",
                 "tilestored [{c} + {sb}*1 + 2048], tmm2",
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a1 => _,
+                a0 = inout(reg) w.a0 => _,
+                a1 = inout(reg) w.a1 => _,
+                sa = in(reg) w.stride,
                 b0 = inout(reg) vnni => _,
                 sb = in(reg) 64usize,
                 n = inout(reg) nk => _,
-                p0 = inout(reg) pf0 => _,
-                p1 = inout(reg) pf1 => _,
+                p0 = inout(reg) w.p0 => _,
+                p1 = inout(reg) w.p1 => _,
                 t = out(reg) _,
-                on = in(reg) usize::from(PREFETCH),
+                r = out(reg) _,
+                on = const PREFETCH as u32,
+                step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
             );

@@ -42,7 +42,8 @@
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights
 //!   are the tile unit's `A` operand in place, the activations are converted per call into
-//!   VNNI tiles.
+//!   VNNI tiles (one batch row on tiled weights: one-column tiles over four streams, no
+//!   conversion).
 //! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
 //!   the activations converted per call to natural-order bf16 (`avx512.rs`).
 //! - `avx2`: the even/odd widening above (`avx2/`); tiled weights go to `portable`.
@@ -85,8 +86,8 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 
 /// Which path [`gemm_bf16`] takes for `batch` activation rows against weights in `layout` on
 /// `isa`: as [`path_for_batch`], except that tiled weights take the AMX tiles at every batch
-/// (a tile load of a tiled block is 1 KiB in order, so even one batch row streams faster than
-/// on the vector path).
+/// (a tile load of a tiled block is 1 KiB in order; one batch row gets its own pass over four
+/// streams, level with the vector path on row-major weights).
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
     if layout == WeightLayout::Tiled && isa >= Isa::AmxBf16 {

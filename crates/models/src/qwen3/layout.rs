@@ -13,11 +13,11 @@
 //! embedding table (a tied LM head is the embedding buffer, so the gather reads the same
 //! layout). Workers whose kernels do not run on the host (CUDA) always get row-major weights.
 //!
-//! Tiling is opt-in ([`choose_bf16_layout`], the CLI's `--bf16-layout tiled`): on this
-//! class of host it streams 4–6% faster at batch 4 and 16 but about 8–15% slower at batch 1
-//! (the AMX tiles and the AVX-512 whole-group pass both read one sequential stream per thread
-//! and fall behind the row-major pass's several row streams; `docs/qwen3.md`), so the default
-//! stays row-major until a batch-1 pass on tiled weights matches it.
+//! Tiling is opt-in ([`choose_bf16_layout`], the CLI's `--bf16-layout tiled`): on this class
+//! of host tiled weights stream faster at batch 4 and 16, and with the AMX path's batch-1 pass
+//! that walks four regions of groups side by side they are level with the row-major vector
+//! pass at batch 1 kernel by kernel; the default stays row-major until a decode step at
+//! batch 1 is shown not to lose on a quiet host (`docs/qwen3.md`).
 //!
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
@@ -32,7 +32,7 @@ use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, WeightLayout, tiled_weights
 /// Which bf16 layout this process's Qwen3 CPU models use where the shape and path allow it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Bf16LayoutChoice {
-    /// Row-major everywhere (the default).
+    /// Row-major everywhere (the default of a process that does not choose).
     #[default]
     RowMajor,
     /// Tiled where [`tiled_weights_pay`] says the path streams it faster and the shape is
