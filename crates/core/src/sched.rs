@@ -7,8 +7,9 @@
 //! stays visible while blocks remain: the core that claims a block pushes the task back before
 //! running it, so idle cores claim the others; a core that finished a block claims the task's
 //! next one directly, without a trip through the queues, leaving the last block to the queued
-//! entry (the protocol and why a slot is never reused under it: `claim`). A sync-start task is run as a *gang*: one gang
-//! forms at a time, idle cores join it, and all its blocks start together.
+//! entry (the protocol, and why a slot is never reused under it: `claim`). A sync-start task
+//! is run as a *gang*: one gang forms at a time, idle cores join it, and all its blocks start
+//! together.
 //!
 //! Completion (by the core that finished the last block) walks the task's fan-out list, makes
 //! consumers whose fan-in reaches zero ready, releases the task's producers and its own
