@@ -365,8 +365,8 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         };
         let outside = outside_report
             .as_ref()
-            .and_then(crate::bench_qwen3::outside_kernels)
-            .unwrap_or(f64::NAN);
+            .and_then(RunReport::outside_kernels)
+            .map_or(f64::NAN, |s| s.raw);
         let eff_ms = Summary::of(&effective_ms).median;
         let tasks = last.as_ref().map_or(0, |r| r.counters.tasks);
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use simpler_core::{CallConfig, RunReport, Worker};
+use simpler_core::{CallConfig, OutsideShare, RunReport, Worker};
 use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
     run_interleaved,
@@ -114,7 +114,7 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((b, l))
 }
 
-/// `cfg` recording a swimlane (level 1 at least) for [`outside_kernels`]. The core only
+/// `cfg` recording a swimlane (level 1 at least) for [`RunReport::outside_kernels`]. The core only
 /// requires an output directory when a diagnostic is on; nothing is written to it.
 pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
     CallConfig {
@@ -127,12 +127,37 @@ pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
     }
 }
 
-/// `1 - kernel busy / (cores x effective)` of a run recorded at swimlane level >= 1.
-pub(crate) fn outside_kernels(r: &RunReport) -> Option<f64> {
-    let sw = r.swimlane.as_ref()?;
-    let busy: u64 = sw.tasks.iter().map(|t| t.end.saturating_sub(t.start)).sum();
-    let denom = r.cores as f64 * r.effective().dur_ns() as f64;
-    (denom > 0.0).then(|| 1.0 - busy as f64 / denom)
+/// Median, least and greatest of `v` (NaN when empty).
+fn median_range(v: &[f64]) -> (f64, f64, f64) {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    (
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+        v.first().copied().unwrap_or(f64::NAN),
+        v.last().copied().unwrap_or(f64::NAN),
+    )
+}
+
+/// The outside-kernel share net of the cores' descheduled time, and that time's share, of
+/// recorded steps as `net X% [lo..hi], descheduled Y% [lo..hi]` (percent; median [range]);
+/// `None` when no step measured its descheduled time.
+fn net_of_preemption(shares: &[OutsideShare]) -> Option<String> {
+    let net: Vec<f64> = shares.iter().filter_map(|s| s.net).collect();
+    let desched: Vec<f64> = shares.iter().filter_map(|s| s.descheduled).collect();
+    if net.is_empty() {
+        return None;
+    }
+    let (n, nl, nh) = median_range(&net);
+    let (d, dl, dh) = median_range(&desched);
+    Some(format!(
+        "net {:.2}% [{:.2}..{:.2}], descheduled {:.2}% [{:.2}..{:.2}]",
+        100.0 * n,
+        100.0 * nl,
+        100.0 * nh,
+        100.0 * d,
+        100.0 * dl,
+        100.0 * dh
+    ))
 }
 
 /// The three phase boundaries where the cores of a recorded step waited longest (what
@@ -164,6 +189,8 @@ struct Row {
     phase_pct: f64,
     best_phase_pct: f64,
     outside_pct: f64,
+    /// Net of the cores' descheduled time (NaN where not measured).
+    net_pct: f64,
     limit: &'static str,
 }
 
@@ -316,15 +343,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             }
         }
         let sw_cfg = swimlane_config(&cfg);
-        let mut recorded: Vec<(f64, RunReport)> = Vec::new();
+        let mut recorded: Vec<(OutsideShare, RunReport)> = Vec::new();
         for _ in 0..args.outside_steps.max(1) {
             let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;
-            if let Some(o) = outside_kernels(&sw.report) {
+            if let Some(o) = sw.report.outside_kernels() {
                 recorded.push((o, sw.report));
             }
         }
-        recorded.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let outsides: Vec<f64> = recorded.iter().map(|r| r.0).collect();
+        recorded.sort_by(|a, b| a.0.raw.total_cmp(&b.0.raw));
+        let outsides: Vec<f64> = recorded.iter().map(|r| r.0.raw).collect();
+        let shares: Vec<OutsideShare> = recorded.iter().map(|r| r.0).collect();
         let median_step = recorded.get(recorded.len() / 2).map(|r| &r.1);
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
@@ -416,6 +444,11 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             100.0 * outside_lo,
             100.0 * outside_hi
         );
+        if let Some(net) = net_of_preemption(&shares) {
+            println!(
+                "  of the time the cores' threads held a CPU (the same steps, median [range]): {net} (net: 1 - kernel busy / (cores x effective - descheduled); descheduled: the threads runnable but waiting while the OS ran other processes, / (cores x effective))"
+            );
+        }
         if let Some(line) = median_step.and_then(largest_idle_boundaries) {
             println!("{line}");
         }
@@ -571,6 +604,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             phase_pct: 100.0 * phase / t,
             best_phase_pct: 100.0 * phase / (s.min / 1e3),
             outside_pct: 100.0 * outside,
+            net_pct: 100.0
+                * median_range(&shares.iter().filter_map(|s| s.net).collect::<Vec<_>>()).0,
             limit,
         });
     }
@@ -578,7 +613,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         "summary (medians; \"best\": the quietest step against the best pass; %phase: of the per-phase bound):"
     );
     println!(
-        "  {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>8} {:>11} {:>9}  bound",
+        "  {:>9} {:>10} {:>8} {:>8} {:>10} {:>10} {:>8} {:>11} {:>9} {:>5}  bound",
         "shape",
         "step ms",
         "GB/s",
@@ -587,11 +622,12 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         "%roof best",
         "%phase",
         "%phase best",
-        "%outside"
+        "%outside",
+        "%net"
     );
     for r in &rows {
         println!(
-            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>8.1} {:>11.1} {:>9.1}  {}",
+            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>8.1} {:>11.1} {:>9.1} {:>5.1}  {}",
             r.shape,
             r.tpot_ms,
             r.gbs,
@@ -601,6 +637,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             r.phase_pct,
             r.best_phase_pct,
             r.outside_pct,
+            r.net_pct,
             r.limit
         );
     }
@@ -696,28 +733,29 @@ fn ab_steps(
 struct ReplayCompare {
     step: Comparison,
     /// Outside-kernel shares of interleaved recorded steps: replayed, orchestrated.
-    outside: [Vec<f64>; 2],
+    outside: [Vec<OutsideShare>; 2],
     /// Orchestration spans (us) of the same steps.
     orch_us: [Vec<f64>; 2],
 }
 
 impl ReplayCompare {
     fn describe(&self) -> String {
-        let med = |v: &[f64]| {
-            let mut v = v.to_vec();
-            v.sort_by(f64::total_cmp);
-            (
-                v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
-                v.first().copied().unwrap_or(f64::NAN),
-                v.last().copied().unwrap_or(f64::NAN),
-            )
+        let raw = |i: usize| self.outside[i].iter().map(|s| s.raw).collect::<Vec<_>>();
+        let (ra, la, ha) = median_range(&raw(0));
+        let (rb, lb, hb) = median_range(&raw(1));
+        let (oa, _, _) = median_range(&self.orch_us[0]);
+        let (ob, _, _) = median_range(&self.orch_us[1]);
+        let net = match (
+            net_of_preemption(&self.outside[0]),
+            net_of_preemption(&self.outside[1]),
+        ) {
+            (Some(a), Some(b)) => format!(
+                "\n    of the time the cores' threads held a CPU (same steps): replay {a}; orchestrated {b}"
+            ),
+            _ => String::new(),
         };
-        let (ra, la, ha) = med(&self.outside[0]);
-        let (rb, lb, hb) = med(&self.outside[1]);
-        let (oa, _, _) = med(&self.orch_us[0]);
-        let (ob, _, _) = med(&self.orch_us[1]);
         format!(
-            "    outside kernels (interleaved recorded steps, {} each, median [range]): replay {:.2}% [{:.2}..{:.2}], orchestrated {:.2}% [{:.2}..{:.2}]\n    orchestration span (median): replay {oa:.0} us (the submission loop), orchestrated {ob:.0} us",
+            "    outside kernels (interleaved recorded steps, {} each, median [range]): replay {:.2}% [{:.2}..{:.2}], orchestrated {:.2}% [{:.2}..{:.2}]{net}\n    orchestration span (median): replay {oa:.0} us (the submission loop), orchestrated {ob:.0} us",
             self.outside[0].len(),
             100.0 * ra,
             100.0 * la,
@@ -772,13 +810,15 @@ fn ab_replay(
         return Err(e);
     }
     let reports = reports.into_inner();
-    let of = |f: &dyn Fn(&RunReport) -> Option<f64>| {
-        [0, 1].map(|i| reports[i].iter().filter_map(f).collect::<Vec<f64>>())
-    };
     Ok(ReplayCompare {
         step: compare(&pairs.a, &pairs.b),
-        outside: of(&outside_kernels),
-        orch_us: of(&|r| Some(r.orch.us())),
+        outside: [0, 1].map(|i| {
+            reports[i]
+                .iter()
+                .filter_map(RunReport::outside_kernels)
+                .collect()
+        }),
+        orch_us: [0, 1].map(|i| reports[i].iter().map(|r| r.orch.us()).collect()),
     })
 }
 

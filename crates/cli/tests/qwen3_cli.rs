@@ -311,6 +311,7 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
             "roofline bound",
             "quietest step",
             "outside kernels",
+            "of the time the cores' threads held a CPU",
             "largest idle boundaries of that step",
             "% of the per-phase bound",
             "per phase (the recorded step",
@@ -328,11 +329,13 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
     assert_eq!(table.len(), 2, "{so}");
     for row in table {
         // shape, step ms, GB/s, %membw, %roofline, %roof best, %phase, %phase best,
-        // %outside, bound.
+        // %outside, %net (of preemption: Linux reads the threads' schedstat), bound.
         let f: Vec<&str> = row.split_whitespace().collect();
-        assert_eq!(f.len(), 10, "{row}");
-        let v: Vec<f64> = f[1..9].iter().map(|x| x.parse().unwrap()).collect();
+        assert_eq!(f.len(), 11, "{row}");
+        let v: Vec<f64> = f[1..10].iter().map(|x| x.parse().unwrap()).collect();
         assert!(v.iter().all(|x| x.is_finite() && *x >= 0.0), "{row}");
+        // The share net of preemption is at most the raw one.
+        assert!(v[8] <= v[7] + 1e-9, "{row}");
         // The quietest step is no slower than the median one.
         assert!(v[4] >= v[3], "{row}");
         assert!(v[6] >= v[5], "{row}");

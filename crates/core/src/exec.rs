@@ -20,7 +20,7 @@ use crate::error::{Error, ErrorCode, RunError};
 use crate::graph::{Capture, CaptureEnd, CapturedGraph, GraphMode, GraphShape};
 use crate::kernel::Registry;
 use crate::orch::Orchestrator;
-use crate::platform::Platform;
+use crate::platform::{Platform, ThreadCounters};
 use crate::pool::{CorePool, JobResult};
 use crate::report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 use crate::ring::RingCursor;
@@ -189,6 +189,12 @@ fn run_bound(
     }
     let reset1 = now_ns();
 
+    // The cores' scheduler counters around the run, when it records a swimlane (reading them
+    // costs a few microseconds per core, outside the run's spans).
+    let counters = (job.cfg.swimlane > 0)
+        .then(|| inner.core_pool.thread_counters())
+        .flatten();
+    let waits_before = counters.as_deref().and_then(waiting_ns);
     // Launch: cores join the run, the watchdog starts watching it.
     let launch = now_ns();
     run.sched_start.store(launch, Ordering::Release);
@@ -218,6 +224,7 @@ fn run_bound(
     while !run.wait_done(Duration::from_millis(200)) {}
     let done = now_ns();
     let runner1 = done;
+    let waits_after = counters.as_deref().and_then(waiting_ns);
 
     // Validate: stop the cores, collect errors and diagnostics.
     run.finished.store(true, Ordering::SeqCst);
@@ -284,6 +291,12 @@ fn run_bound(
         cores: n as u32,
         overlapped: !serial,
         warnings: inner.warnings.to_vec(),
+        descheduled_ns: waits_before.zip(waits_after).map(|(a, b)| {
+            a.iter()
+                .zip(&b)
+                .map(|(a, b)| b.saturating_sub(*a))
+                .collect()
+        }),
         ..RunReport::default()
     };
     collect_diagnostics(&run, &mut orch, &job.cfg, &mut report);
@@ -355,6 +368,14 @@ fn run_bound(
     drop(run);
     *inner.arena.lock().unwrap_or_else(|p| p.into_inner()) = Some(arena);
     Ok(report)
+}
+
+/// Each thread's time waiting for a CPU so far; `None` if any cannot be read.
+fn waiting_ns(counters: &[Arc<dyn ThreadCounters>]) -> Option<Vec<u64>> {
+    counters
+        .iter()
+        .map(|c| c.read().map(|t| t.waiting_ns))
+        .collect()
 }
 
 /// Closes what the orchestration left open and drops the orchestration's guard.

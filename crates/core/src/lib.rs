@@ -6,6 +6,7 @@
 //! `ARCHITECTURE.md` at the repository root describes how one run flows through these modules.
 
 mod buffer;
+mod claim;
 pub mod clock;
 pub mod config;
 mod diag;
@@ -49,9 +50,9 @@ pub use graph::{
 };
 pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
 pub use orch::{Orchestrator, Submitted};
-pub use platform::{Memory, Platform, PlatformInfo};
+pub use platform::{Memory, Platform, PlatformInfo, ThreadCounters, ThreadTimes};
 pub use pool::RunHandle;
-pub use report::{Interval, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
+pub use report::{Interval, OutsideShare, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 pub use task::{ArgTag, EngineClass, OutputSpec, ScopeKind, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
 pub use worker::{Worker, WorkerConfig};

@@ -726,8 +726,7 @@ impl Orchestrator {
         slot.state.store(state::PENDING, Ordering::Relaxed);
         slot.fanin.store(1, Ordering::Relaxed);
         slot.refs.store(2, Ordering::Relaxed);
-        slot.next_block.store(0, Ordering::Relaxed);
-        slot.done_blocks.store(0, Ordering::Relaxed);
+        slot.blocks.reset();
         slot.dep_start.store(dep_start, Ordering::Relaxed);
         slot.dep_count.store(n_unique as u32, Ordering::Relaxed);
         {

@@ -1,5 +1,6 @@
 //! The [`Platform`] trait a platform implements (CPU threads, CUDA), and platform memory.
 
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::error::PlatformError;
@@ -63,6 +64,29 @@ pub unsafe trait Platform: Send + Sync + 'static {
     fn memory_available(&self) -> Option<(u64, String)> {
         None
     }
+    /// The OS scheduler's counters of the calling thread, readable from any thread, or `None`
+    /// when the platform cannot read them. Called by each core thread as it starts; a run
+    /// recording a swimlane reads them before and after to tell the time the OS gave a core's
+    /// CPU to other processes from the runtime's own time outside kernels
+    /// ([`crate::RunReport::descheduled_ns`]).
+    fn current_thread_counters(&self) -> Option<Arc<dyn ThreadCounters>> {
+        None
+    }
+}
+
+/// Cumulative scheduler times of one thread since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ThreadTimes {
+    /// Time the thread ran on a CPU.
+    pub on_cpu_ns: u64,
+    /// Time the thread was runnable but waiting for a CPU (the OS ran something else).
+    pub waiting_ns: u64,
+}
+
+/// The scheduler counters of one thread ([`Platform::current_thread_counters`]).
+pub trait ThreadCounters: Send + Sync {
+    /// The thread's times now, or `None` when they cannot be read (the thread has exited).
+    fn read(&self) -> Option<ThreadTimes>;
 }
 
 /// Host memory for the core's unit tests (no platform crate is a dependency of the core).

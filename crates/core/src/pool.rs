@@ -14,7 +14,7 @@ use std::time::Duration;
 use crossbeam_utils::sync::Parker;
 
 use crate::error::{Error, PlatformError, RunError};
-use crate::platform::Platform;
+use crate::platform::{Platform, ThreadCounters};
 use crate::report::RunReport;
 use crate::run::RunShared;
 use crate::sleep::{CoreWake, Sleep};
@@ -33,6 +33,9 @@ pub(crate) struct CorePool {
     pub(crate) registered: Condvar,
     /// Bumped after every change of `current`, so idle cores notice one without the lock.
     run_seq: AtomicU64,
+    /// Per core: the scheduler counters of its current thread, once that thread has started
+    /// (and when the platform reads them).
+    counters: Mutex<Vec<Option<Arc<dyn ThreadCounters>>>>,
 }
 
 /// The run being executed, as the cores and the watchdog see it.
@@ -83,6 +86,7 @@ impl CorePool {
             current: Mutex::new(None),
             registered: Condvar::new(),
             run_seq: AtomicU64::new(0),
+            counters: Mutex::new(vec![None; cores]),
         });
         for (i, p) in parkers.into_iter().enumerate() {
             if let Err(e) = pool.spawn_core(i, 0, p) {
@@ -167,6 +171,17 @@ impl CorePool {
         }
     }
 
+    /// Per core, the scheduler counters of its current thread; `None` unless every core's thread
+    /// has started and reports them.
+    pub(crate) fn thread_counters(&self) -> Option<Vec<Arc<dyn ThreadCounters>>> {
+        self.counters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
     /// The current run, if any.
     pub(crate) fn current(&self) -> Option<ActiveRun> {
         self.current
@@ -188,6 +203,13 @@ impl CorePool {
     /// Body of core thread `core` (generation `generation`): takes part in each run until the
     /// worker shuts down or the core is handed to a new thread.
     pub(crate) fn core_main(&self, core: usize, generation: u64, parker: Parker) {
+        let counters = self.platform.current_thread_counters();
+        {
+            let mut all = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+            if self.wake.is_current_generation(core, generation) {
+                all[core] = counters;
+            }
+        }
         let mut seen = 0;
         loop {
             if self.wake.shutdown.load(Ordering::Acquire)

@@ -129,6 +129,63 @@ pub struct RunReport {
     /// was replayed (then `orch` is the replay's submission loop).
     #[serde(default)]
     pub graph: crate::graph::GraphMode,
+    /// Per core: how long its thread was runnable but waiting for a CPU (the OS ran another
+    /// thread or process on it) from just before launch to just after the last completion.
+    /// Read from the platform's thread counters in runs recording a swimlane; `None` otherwise
+    /// or where the platform cannot read them.
+    #[serde(default)]
+    pub descheduled_ns: Option<Vec<u64>>,
+}
+
+/// Where the cores' time went during `effective` ([`RunReport::outside_kernels`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OutsideShare {
+    /// `1 - kernel busy / (cores x effective)`: everything outside kernels, the OS running
+    /// other processes on the cores included.
+    pub raw: f64,
+    /// `descheduled / (cores x effective)`: the time the cores' threads waited for a CPU.
+    pub descheduled: Option<f64>,
+    /// `1 - kernel busy / (cores x effective - descheduled)`: the share of the time the cores'
+    /// threads held a CPU that was spent outside kernels, i.e. the runtime's own share. Per
+    /// core, only descheduled time up to the core's time outside kernels is taken off (the OS
+    /// may also preempt a kernel, whose span then includes the wait: such time counts as
+    /// kernel time, so this is a lower bound when kernels were preempted).
+    pub net: Option<f64>,
+}
+
+impl OutsideShare {
+    /// From each core's kernel busy time, the effective span and each core's descheduled time
+    /// (all ns; `descheduled`, when given, has one entry per core).
+    pub fn of(
+        busy: &[u64],
+        effective_ns: u64,
+        descheduled: Option<&[u64]>,
+    ) -> Option<OutsideShare> {
+        let total = busy.len() as f64 * effective_ns as f64;
+        if total <= 0.0 {
+            return None;
+        }
+        let busy_sum: u64 = busy.iter().sum();
+        let raw = 1.0 - busy_sum as f64 / total;
+        let d = descheduled.filter(|d| d.len() == busy.len());
+        let descheduled = d.map(|d| d.iter().sum::<u64>() as f64 / total);
+        let net = d.and_then(|d| {
+            let held: f64 = busy
+                .iter()
+                .zip(d)
+                .map(|(&b, &w)| {
+                    let outside = effective_ns.saturating_sub(b);
+                    (effective_ns - w.min(outside)) as f64
+                })
+                .sum();
+            (held > 0.0).then(|| 1.0 - busy_sum as f64 / held)
+        });
+        Some(OutsideShare {
+            raw,
+            descheduled,
+            net,
+        })
+    }
 }
 
 impl RunReport {
@@ -140,8 +197,92 @@ impl RunReport {
         }
     }
 
+    /// The cores' time outside kernels during [`RunReport::effective`], from the swimlane
+    /// (level 1 at least) and, where measured, the cores' descheduled time; `None` without a
+    /// swimlane.
+    pub fn outside_kernels(&self) -> Option<OutsideShare> {
+        let sw = self.swimlane.as_ref()?;
+        let mut busy = vec![0u64; self.cores as usize];
+        for t in &sw.tasks {
+            if let Some(b) = busy.get_mut(t.core as usize) {
+                *b += t.end.saturating_sub(t.start);
+            }
+        }
+        OutsideShare::of(
+            &busy,
+            self.effective().dur_ns(),
+            self.descheduled_ns.as_deref(),
+        )
+    }
+
     /// The standard span tree of this run as trace records (see `docs/trace-format.md`).
     pub fn spans(&self, pid: u32, tid: u64) -> Vec<SpanRecord> {
         crate::timing::spans_of(self, pid, tid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outside_share_takes_descheduled_time_off_the_cores_time() {
+        // Two cores, 1000 ns effective: core 0 ran kernels 900 ns, core 1 600 ns.
+        let busy = [900, 600];
+        let s = OutsideShare::of(&busy, 1000, None).unwrap();
+        assert!((s.raw - 0.25).abs() < 1e-12);
+        assert_eq!((s.descheduled, s.net), (None, None));
+        // Core 1 waited 300 ns for a CPU: of its 400 ns outside kernels, 100 ns are ours.
+        // 1 - 1500 / (2000 - 300).
+        let s = OutsideShare::of(&busy, 1000, Some(&[0, 300])).unwrap();
+        assert!((s.raw - 0.25).abs() < 1e-12);
+        assert!((s.descheduled.unwrap() - 0.15).abs() < 1e-12);
+        assert!((s.net.unwrap() - (1.0 - 1500.0 / 1700.0)).abs() < 1e-12);
+        // Core 0 waited more than its time outside kernels (the OS also preempted a kernel):
+        // only its 100 ns outside count, so no core's share goes negative.
+        let s = OutsideShare::of(&busy, 1000, Some(&[250, 400])).unwrap();
+        assert!((s.descheduled.unwrap() - 0.325).abs() < 1e-12);
+        assert!((s.net.unwrap() - 0.0).abs() < 1e-12);
+        // A count per core or nothing; no cores or no span, no share.
+        assert_eq!(OutsideShare::of(&busy, 1000, Some(&[1])).unwrap().net, None);
+        assert_eq!(OutsideShare::of(&[], 1000, None), None);
+        assert_eq!(OutsideShare::of(&busy, 0, None), None);
+    }
+
+    #[test]
+    fn outside_kernels_sums_each_cores_kernel_spans() {
+        use crate::trace::{SwimlaneRecords, TaskRecord};
+        let task = |core: u32, start: u64, end: u64| TaskRecord {
+            task_id: 0,
+            func: 0,
+            class: crate::EngineClass::Vector,
+            core,
+            block: 0,
+            dispatch: start,
+            start,
+            end,
+            finish: end,
+        };
+        let r = RunReport {
+            cores: 2,
+            orch: Interval {
+                start_ns: 100,
+                end_ns: 500,
+            },
+            sched: Interval {
+                start_ns: 100,
+                end_ns: 1100,
+            },
+            swimlane: Some(SwimlaneRecords {
+                tasks: vec![task(0, 100, 600), task(0, 700, 1100), task(1, 200, 800)],
+                ..SwimlaneRecords::default()
+            }),
+            descheduled_ns: Some(vec![0, 300]),
+            ..RunReport::default()
+        };
+        let s = r.outside_kernels().unwrap();
+        assert!((s.raw - 0.25).abs() < 1e-12);
+        assert!((s.net.unwrap() - (1.0 - 1500.0 / 1700.0)).abs() < 1e-12);
+        assert_eq!(RunReport::default().outside_kernels(), None);
     }
 }

@@ -5,8 +5,11 @@
 //! first (a consumer its last completion made ready: the cheapest hand-off for dependency
 //! chains), then the ready queues (Mix first, then Cube and Vector alternately). An SPMD task
 //! stays visible while blocks remain: the core that claims a block pushes the task back before
-//! running it, so idle cores claim the others. A sync-start task is run as a *gang*: one gang
-//! forms at a time, idle cores join it, and all its blocks start together.
+//! running it, so idle cores claim the others; a core that finished a block claims the task's
+//! next one directly, without a trip through the queues, leaving the last block to the queued
+//! entry (the protocol, and why a slot is never reused under it: `claim`). A sync-start task
+//! is run as a *gang*: one gang forms at a time, idle cores join it, and all its blocks start
+//! together.
 //!
 //! Completion (by the core that finished the last block) walks the task's fan-out list, makes
 //! consumers whose fan-in reaches zero ready, releases the task's producers and its own
@@ -162,15 +165,18 @@ impl RunShared {
             self.form_gang(cx, t, desc);
             return;
         }
-        let b = slot.next_block.fetch_add(1, Ordering::AcqRel);
-        if b >= desc.block_num {
+        let Some(mut b) = slot.blocks.claim(desc.block_num) else {
             return;
-        }
+        };
         if b + 1 < desc.block_num {
             self.queue(desc.class).push(t);
             self.wake.sleep.notify_one();
         }
-        self.exec_block(cx, t, &desc, b, None);
+        // Blocks this core claims directly after the one it ran (`claim`: the pushed-back entry
+        // keeps the task visible, and its last block is left to that entry).
+        while let Some(next) = self.exec_block(cx, t, &desc, b, None) {
+            b = next;
+        }
     }
 
     fn form_gang(&self, cx: &mut CoreCtx<'_>, t: TaskId, desc: Arc<TaskDesc>) {
@@ -218,6 +224,8 @@ impl RunShared {
         true
     }
 
+    /// Runs block `block` of `t`; completes `t` if it was the last block to finish. Outside a
+    /// gang, returns another block of `t` this core claimed directly, to run next.
     fn exec_block(
         &self,
         cx: &mut CoreCtx<'_>,
@@ -225,7 +233,7 @@ impl RunShared {
         desc: &TaskDesc,
         block: u32,
         gang: Option<&dyn GangBarrier>,
-    ) {
+    ) -> Option<u32> {
         let slot = self.slot(t);
         let level = self.swimlane;
         let dispatch = if level >= 2 || desc.timing_slot.is_some() {
@@ -273,13 +281,17 @@ impl RunShared {
                     ring: Some(t.ring()),
                 }),
             );
-            return;
+            return None;
         }
         if self.stopped() {
-            return;
+            return None;
         }
-        let last = slot.done_blocks.fetch_add(1, Ordering::AcqRel) + 1 == desc.block_num;
-        if last {
+        // A forming gang needs idle cores, and a retired thread must leave: neither takes more.
+        let more = gang.is_none()
+            && !self.gang_pending.load(Ordering::Acquire)
+            && self.wake.is_current_generation(cx.core, cx.generation);
+        let finished = slot.blocks.finish(desc.block_num, more);
+        if finished.last {
             let t0 = self.phase_start();
             self.complete(t, Some(cx.core), &mut cx.next, &mut cx.work);
             self.phase_end(cx, SchedPhase::Complete, t0);
@@ -299,6 +311,7 @@ impl RunShared {
             };
             self.record(&core_state.records, rec);
         }
+        finished.next
     }
 
     /// Completes `first` and everything that completes on the spot because of it.

@@ -16,6 +16,7 @@
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::claim::BlockClaims;
 use crate::kernel::TaskDesc;
 use crate::task::TaskId;
 
@@ -56,8 +57,8 @@ pub(crate) struct Slot {
     pub(crate) state: AtomicU8,
     pub(crate) fanin: AtomicU32,
     pub(crate) refs: AtomicU32,
-    pub(crate) next_block: AtomicU32,
-    pub(crate) done_blocks: AtomicU32,
+    /// Blocks claimed and finished (the claiming protocol is `claim`'s).
+    pub(crate) blocks: BlockClaims,
     /// First dependency-pool entry of this task's producer list (in its own ring's pool).
     pub(crate) dep_start: AtomicU64,
     pub(crate) dep_count: AtomicU32,
@@ -72,8 +73,7 @@ impl Slot {
             state: AtomicU8::new(state::CONSUMED),
             fanin: AtomicU32::new(0),
             refs: AtomicU32::new(0),
-            next_block: AtomicU32::new(0),
-            done_blocks: AtomicU32::new(0),
+            blocks: BlockClaims::new(),
             dep_start: AtomicU64::new(0),
             dep_count: AtomicU32::new(0),
             fanout: Mutex::new(Fanout {

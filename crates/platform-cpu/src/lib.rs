@@ -6,12 +6,14 @@
 //! 2-core machine still gives the orchestrator thread its share.
 
 pub mod host_memory;
+mod thread_counters;
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use simpler_core::{Memory, Platform, PlatformError, PlatformInfo};
+use simpler_core::{Memory, Platform, PlatformError, PlatformInfo, ThreadCounters};
 
 /// Alignment of every allocation (a page: AVX loads never straddle it, and offsets stay
 /// aligned for every element type).
@@ -169,6 +171,10 @@ unsafe impl Platform for CpuPlatform {
 
     fn memory_available(&self) -> Option<(u64, String)> {
         host_memory::available().map(|m| (m.available, m.source))
+    }
+
+    fn current_thread_counters(&self) -> Option<Arc<dyn ThreadCounters>> {
+        thread_counters::current()
     }
 
     fn spawn_core(
