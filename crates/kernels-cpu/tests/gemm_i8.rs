@@ -582,6 +582,32 @@ fn activations_holding_minus_128_are_refused() {
     let _ = ActsI8::new(&a, &[1.0], 1, 2, 2);
 }
 
+/// `-128` is found wherever it lies in a row (the 32-lane body or the tail) and in whichever
+/// row, while the bytes between rows (past `cols`, before the next row's stride) are not read.
+#[test]
+fn minus_128_is_found_anywhere_and_only_inside_rows() {
+    let (rows, cols, ld) = (3, 100, 107);
+    let clean: Vec<i8> = (0..rows * ld)
+        .map(|i| {
+            if i % ld >= cols {
+                i8::MIN
+            } else {
+                ((i % 255) as i32 - 127) as i8
+            }
+        })
+        .collect();
+    let scales = [1.0f32; 3];
+    assert_eq!(ActsI8::new(&clean, &scales, rows, cols, ld).rows(), rows);
+    for b in 0..rows {
+        for k in [0, 31, 32, 63, 95, 96, 99] {
+            let mut bad = clean.clone();
+            bad[b * ld + k] = i8::MIN;
+            let refused = std::panic::catch_unwind(|| ActsI8::new(&bad, &scales, rows, cols, ld));
+            assert!(refused.is_err(), "-128 at row {b} column {k} was accepted");
+        }
+    }
+}
+
 /// The rows a caller streams next ([`NextRows`]) are a prefetch hint only: with any next
 /// weights (another shape, the other layout, a first row inside, at the end of or past their
 /// rows) every path gives the reference's bits, on whole tiles and row views whose last
