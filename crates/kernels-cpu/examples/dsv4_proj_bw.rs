@@ -18,6 +18,9 @@
 //!
 //! - `moe_w13_b1`, `moe_w2_b1`: the expert products at 1 row per expert (a decode batch of 1).
 //!
+//! Every case also runs "chained": each call names the next matrix's rows of the same block
+//! ([`NextRows`], as the MoE graph's expert loop does), alternated with the plain calls.
+//!
 //! `cargo run --release -p simpler-kernels-cpu --example dsv4_proj_bw -- [ROUNDS [CASES
 //! [THREADS]]]` (`CASES`: names separated by commas, or `N:K:BATCH:MATRICES:BLOCKS` for a
 //! case of those dimensions; `THREADS`: thread counts separated by commas, default `1,2`).
@@ -29,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, I8Layout, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, pack_weights_i8,
-    quantize_acts_i8, with_i8_path,
+    ActsI8, GemmTile, I8Layout, I8Path, NextRows, OutMode, WeightsI8, gemm_i8_w8a8_then,
+    pack_weights_i8, quantize_acts_i8, with_i8_path,
 };
 
 /// One weight matrix of a case and the activation rows that multiply it.
@@ -90,18 +93,27 @@ fn mat(n: usize, k: usize, batch: usize, seed: u64) -> Mat {
     }
 }
 
+/// Matrix `m`'s weights in `layout`.
+fn whole(m: &Mat, layout: I8Layout) -> WeightsI8<'_> {
+    match layout {
+        I8Layout::RowMajor => WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k),
+        I8Layout::Packed => WeightsI8::packed(m.packed, &m.sw, m.n, m.k),
+    }
+}
+
 /// Builds a case (its weights only when it runs).
 type MakeCase<'a> = Box<dyn Fn() -> Case + 'a>;
 
 /// Block `blk`'s output of matrix `mat`.
 type BlockOut = (usize, usize, Vec<f32>);
 
-/// Runs case `c` on `threads` threads with the weights in `layout`; returns the longest
-/// thread CPU time and, when `keep`, every block's output (sorted).
+/// Runs case `c` on `threads` threads with the weights in `layout` (each call naming the
+/// next matrix's rows when `chained`); returns the longest thread CPU time and, when `keep`,
+/// every block's output (sorted).
 fn run_case(
     c: &Case,
     threads: usize,
-    layout: I8Layout,
+    (layout, chained): (I8Layout, bool),
     acts: &[(Vec<i8>, Vec<f32>)],
     keep: bool,
 ) -> (f64, Vec<BlockOut>) {
@@ -124,11 +136,12 @@ fn run_case(
                         }
                         for (mi, (m, (xq, xs))) in c.mats.iter().zip(acts).enumerate() {
                             let r = blk * m.n / total..(blk + 1) * m.n / total;
-                            let w = match layout {
-                                I8Layout::RowMajor => WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k),
-                                I8Layout::Packed => WeightsI8::packed(m.packed, &m.sw, m.n, m.k),
-                            }
-                            .rows_range(r.clone());
+                            let w = whole(m, layout).rows_range(r.clone());
+                            let next = c
+                                .mats
+                                .get(mi + 1)
+                                .filter(|_| chained)
+                                .map(|m| NextRows::new(whole(m, layout), blk * m.n / total));
                             out.clear();
                             out.resize(m.batch * r.len(), 0.0f32);
                             let span = m.k / c.groups;
@@ -139,7 +152,7 @@ fn run_case(
                                     mode: OutMode::Add,
                                 };
                                 let x = ActsI8::grouped(xq, xs, m.batch, m.k, m.k, c.groups);
-                                gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                                gemm_i8_w8a8_then(w, x, &tile, &mut out, r.len(), next);
                             } else {
                                 for g in 0..c.groups {
                                     let tile = GemmTile {
@@ -148,7 +161,8 @@ fn run_case(
                                         mode: OutMode::Add,
                                     };
                                     let x = ActsI8::new(xq, &xs[..m.batch], m.batch, m.k, m.k);
-                                    gemm_i8_w8a8(w, x, &tile, &mut out, r.len());
+                                    let next = next.filter(|_| g + 1 == c.groups);
+                                    gemm_i8_w8a8_then(w, x, &tile, &mut out, r.len(), next);
                                 }
                             }
                             if keep {
@@ -268,20 +282,28 @@ fn main() {
                 .collect()
         })
         .collect();
-    let variants: Vec<(I8Path, usize, I8Layout)> = paths
+    let layouts = [
+        (I8Layout::RowMajor, false),
+        (I8Layout::Packed, false),
+        (I8Layout::RowMajor, true),
+        (I8Layout::Packed, true),
+    ];
+    let variants: Vec<(I8Path, usize, (I8Layout, bool))> = paths
         .iter()
         .flat_map(|&p| {
             threads
                 .iter()
-                .flat_map(move |&t| [I8Layout::RowMajor, I8Layout::Packed].map(|l| (p, t, l)))
+                .flat_map(move |&t| layouts.map(|l| (p, t, l)))
         })
         .collect();
     // Both layouts give the same bits on every path.
     for (ci, c) in cases.iter().enumerate() {
         for &p in &paths {
             let run = |l| with_i8_path(p, || run_case(c, 2, l, &acts[ci], true).1);
-            let (rm, pk) = (run(I8Layout::RowMajor), run(I8Layout::Packed));
-            assert!(rm == pk, "{}: {} differs between layouts", c.name, p.name());
+            let rm = run(layouts[0]);
+            for l in &layouts[1..] {
+                assert!(rm == run(*l), "{}: {} differs in {l:?}", c.name, p.name());
+            }
         }
     }
     let max_t = threads.iter().copied().max().unwrap_or(1);
@@ -323,13 +345,14 @@ fn main() {
             let cs = &mut cpu_secs[ci][i];
             cs.sort_by(f64::total_cmp);
             println!(
-                "  {:<12} {:<9} {t} thr: best {:>8.0} us  med {:>8.0} us  {gbs:>5.1} GB/s = {:>3.0}% of membw; \
+                "  {:<12} {:<17} {t} thr: best {:>8.0} us  med {:>8.0} us  {gbs:>5.1} GB/s = {:>3.0}% of membw; \
                  thread CPU best {:>8.0} us med {:>8.0} us ({:.1} GB/s)",
                 p.name(),
-                if *l == I8Layout::Packed {
-                    "packed"
-                } else {
-                    "row-major"
+                match l {
+                    (I8Layout::Packed, false) => "packed",
+                    (I8Layout::RowMajor, false) => "row-major",
+                    (I8Layout::Packed, true) => "packed chained",
+                    (I8Layout::RowMajor, true) => "row-major chained",
                 },
                 best * 1e6,
                 med * 1e6,

@@ -10,9 +10,9 @@ use std::ops::Range;
 
 use common::Rng;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, I8Layout, I8Path, OutMode, PACK_K, PACK_ROWS, WeightsI8, gemm_i8_w8a8,
-    gemm_i8_wide, pack_weights_i8, packed_index_i8, quantize_acts_i8, quantize_row_i8,
-    with_i8_path,
+    ActsI8, GemmTile, I8Layout, I8Path, NextRows, OutMode, PACK_K, PACK_ROWS, WeightsI8,
+    gemm_i8_w8a8, gemm_i8_w8a8_then, gemm_i8_wide, pack_weights_i8, packed_index_i8,
+    quantize_acts_i8, quantize_row_i8, with_i8_path,
 };
 
 /// The supported paths, after printing which ran and which this machine lacks.
@@ -580,4 +580,88 @@ fn quantised_activations_fold_the_row_factor_into_the_scale() {
 fn activations_holding_minus_128_are_refused() {
     let a = [0i8, -128];
     let _ = ActsI8::new(&a, &[1.0], 1, 2, 2);
+}
+
+/// `-128` is found wherever it lies in a row (the 32-lane body or the tail) and in whichever
+/// row, while the bytes between rows (past `cols`, before the next row's stride) are not read.
+#[test]
+fn minus_128_is_found_anywhere_and_only_inside_rows() {
+    let (rows, cols, ld) = (3, 100, 107);
+    let clean: Vec<i8> = (0..rows * ld)
+        .map(|i| {
+            if i % ld >= cols {
+                i8::MIN
+            } else {
+                ((i % 255) as i32 - 127) as i8
+            }
+        })
+        .collect();
+    let scales = [1.0f32; 3];
+    assert_eq!(ActsI8::new(&clean, &scales, rows, cols, ld).rows(), rows);
+    for b in 0..rows {
+        for k in [0, 31, 32, 63, 95, 96, 99] {
+            let mut bad = clean.clone();
+            bad[b * ld + k] = i8::MIN;
+            let refused = std::panic::catch_unwind(|| ActsI8::new(&bad, &scales, rows, cols, ld));
+            assert!(refused.is_err(), "-128 at row {b} column {k} was accepted");
+        }
+    }
+}
+
+/// The rows a caller streams next ([`NextRows`]) are a prefetch hint only: with any next
+/// weights (another shape, the other layout, a first row inside, at the end of or past their
+/// rows) every path gives the reference's bits, on whole tiles and row views whose last
+/// blocks are whole or single rows.
+#[test]
+fn next_rows_hint_never_changes_results() {
+    let paths = paths("w8a8 next rows");
+    let mut seed = 9100;
+    let other = case(37, 300, 2, false, 9099);
+    let other_packed = packed_of(&other);
+    for (n, k) in [(64, 4096), (50, 256), (7, 200), (67, 130)] {
+        for batch in [1, 2, 3, 4, 8] {
+            seed += 1;
+            let c = case(n, k, batch, false, seed);
+            let packed = packed_of(&c);
+            let a = ActsI8::new(&c.a, &c.sa, batch, k, c.lda);
+            for rows in [0..n, 1..n, 0..n - 1, n / 2..n] {
+                let tile = GemmTile {
+                    n: 0..rows.len(),
+                    k: 0..k,
+                    mode: OutMode::Store,
+                };
+                let want: Vec<f32> = (0..batch)
+                    .flat_map(|b| rows.clone().map(move |r| (b, r)))
+                    .map(|(b, r)| reference_w8a8(&c, b, r, 0..k))
+                    .collect();
+                for &p in &paths {
+                    for layout in LAYOUTS {
+                        let nexts = [
+                            NextRows::new(weights(&c, &packed, layout), 0),
+                            NextRows::new(weights(&c, &packed, layout), n - 1),
+                            NextRows::new(weights(&c, &packed, layout), n + 5),
+                            NextRows::new(weights(&other, &other_packed, I8Layout::Packed), 30),
+                            NextRows::new(weights(&other, &other_packed, I8Layout::RowMajor), 0),
+                        ];
+                        for next in nexts {
+                            let mut out = vec![0.0f32; batch * rows.len()];
+                            let w = weights(&c, &packed, layout).rows_range(rows.clone());
+                            with_i8_path(p, || {
+                                gemm_i8_w8a8_then(w, a, &tile, &mut out, rows.len(), Some(next))
+                            })
+                            .expect("supported");
+                            assert!(
+                                out.iter()
+                                    .zip(&want)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{}: [{n} x {k}] batch {batch} rows {rows:?} {layout:?} \
+                                 next {next:?}: differs from the reference",
+                                p.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -12,7 +12,7 @@ use std::ops::Range;
 use half::bf16;
 
 use crate::gemm::{GemmTile, OutMode};
-use crate::gemm_i8::{ActsI8, WeightsI8, gemm_i8_w8a8, quantize_row_i8_ties_away};
+use crate::gemm_i8::{ActsI8, NextRows, WeightsI8, gemm_i8_w8a8_then, quantize_row_i8_ties_away};
 use crate::multiversion::multiversion;
 
 /// A routing input the kernels cannot use; names the offending value.
@@ -323,10 +323,13 @@ multiversion!(
 
 /// Columns `cols` of the expert's first half for the rows of `x`:
 /// `g = x @ W1ᵀ`, `u = x @ W3ᵀ` (W8A8, scales folded), `h = silu(min(g, limit)) ·
-/// clamp(u, ±limit)` into `h` (`[x.rows(), cols.len()]` at row stride `ld_h`).
+/// clamp(u, ±limit)` into `h` (`[x.rows(), cols.len()]` at row stride `ld_h`). `next` names
+/// the weight rows the caller streams afterwards (prefetched while `W3`'s rows finish; W3's
+/// first rows are prefetched while `W1`'s finish): a hint that never changes results.
 ///
 /// # Panics
 /// If `cols` lies outside `W1`/`W3`, their `K` differs from `x`'s, or `h` is too short.
+#[allow(clippy::too_many_arguments)]
 pub fn expert_gate_up(
     w1: WeightsI8<'_>,
     w3: WeightsI8<'_>,
@@ -335,6 +338,7 @@ pub fn expert_gate_up(
     limit: f32,
     h: &mut [f32],
     ld_h: usize,
+    next: Option<NextRows<'_>>,
 ) {
     let (rows, n) = (x.rows(), cols.len());
     if rows == 0 || n == 0 {
@@ -347,8 +351,9 @@ pub fn expert_gate_up(
     };
     let mut g = vec![0.0f32; rows * n];
     let mut u = vec![0.0f32; rows * n];
-    gemm_i8_w8a8(w1, x, &tile, &mut g, n);
-    gemm_i8_w8a8(w3, x, &tile, &mut u, n);
+    let w3_next = NextRows::new(w3, tile.n.start);
+    gemm_i8_w8a8_then(w1, x, &tile, &mut g, n, Some(w3_next));
+    gemm_i8_w8a8_then(w3, x, &tile, &mut u, n, next);
     for r in 0..rows {
         swiglu_clamp(
             &g[r * n..(r + 1) * n],
@@ -367,20 +372,21 @@ pub fn expert_quant_h(h: &[f32], weight: f32, q: &mut [i8]) -> f32 {
 }
 
 /// Columns `cols` of the expert's down projection: `y = hq @ W2ᵀ` (scales folded) into `y`
-/// (`[hq.rows(), cols.len()]` at row stride `ld_y`).
+/// (`[hq.rows(), cols.len()]` at row stride `ld_y`); `next` as for [`expert_gate_up`].
 pub fn expert_down(
     w2: WeightsI8<'_>,
     hq: ActsI8<'_>,
     cols: Range<usize>,
     y: &mut [f32],
     ld_y: usize,
+    next: Option<NextRows<'_>>,
 ) {
     let tile = GemmTile {
         n: cols,
         k: 0..hq.cols(),
         mode: OutMode::Store,
     };
-    gemm_i8_w8a8(w2, hq, &tile, y, ld_y);
+    gemm_i8_w8a8_then(w2, hq, &tile, y, ld_y, next);
 }
 
 /// A whole expert on the int8 rows `x` (the scalar-free composition of the three kernels
@@ -388,7 +394,9 @@ pub fn expert_down(
 pub fn expert_forward(e: &ExpertI8<'_>, x: ActsI8<'_>, weights: &[f32], limit: f32, y: &mut [f32]) {
     let (rows, inter, d) = (x.rows(), e.w1.rows(), e.w2.rows());
     let mut h = vec![0.0f32; rows * inter];
-    expert_gate_up(e.w1, e.w3, x, 0..inter, limit, &mut h, inter);
+    // W2's first rows follow W3's last.
+    let w2_next = NextRows::new(e.w2, 0);
+    expert_gate_up(e.w1, e.w3, x, 0..inter, limit, &mut h, inter, Some(w2_next));
     let mut hq = vec![0i8; rows * inter];
     let mut hs = vec![0.0f32; rows];
     for r in 0..rows {
@@ -399,7 +407,7 @@ pub fn expert_forward(e: &ExpertI8<'_>, x: ActsI8<'_>, weights: &[f32], limit: f
         );
     }
     let hq = ActsI8::new(&hq, &hs, rows, inter, inter);
-    expert_down(e.w2, hq, 0..d, y, d);
+    expert_down(e.w2, hq, 0..d, y, d, None);
 }
 
 /// The reduce of one token's column slice: `y = bf16(Σ_s shared[s] + Σ_k routed[k])`, summed

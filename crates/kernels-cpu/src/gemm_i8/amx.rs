@@ -122,6 +122,8 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             .iter()
             .map(|s| Lowered {
                 n: rows.clone(),
+                // Only rows that end the tile lead into the caller's next rows.
+                next: s.next.filter(|_| rows.end == lw.n.end),
                 ..s.clone()
             })
             .collect();

@@ -48,12 +48,16 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     // block (its group's rows × 64) apart, and `k0` is a multiple of 64 (`gemm_i8_w8a8`).
     let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r, k0));
     let ws: [usize; RR] = std::array::from_fn(|r| lw.wa.chunk_stride(n0 + r));
-    // The same rows of the next block (this block's own when it is the tile's last).
-    let pf: [*const i8; RR] = std::array::from_fn(|r| {
+    // The same rows of the next block; past the tile's end, the rows the caller streams next
+    // (counted as if every block were whole, so the single-row blocks at the end continue
+    // where the last whole block stopped), else this block's own.
+    let pf: [(*const i8, usize); RR] = std::array::from_fn(|r| {
         if n0 + RR + r < lw.n.end {
-            lw.w_ptr(n0 + RR + r, k0)
+            (lw.w_ptr(n0 + RR + r, k0), lw.wa.chunk_stride(n0 + RR + r))
         } else {
-            wp[r]
+            lw.next
+                .and_then(|nx| nx.row(n0 + R + r - lw.n.end, k0))
+                .unwrap_or((wp[r], ws[r]))
         }
     });
     let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
@@ -62,7 +66,7 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     for s in 0..steps {
         let w: [__m512i; RR] = std::array::from_fn(|r| {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
-            prefetch_l2(pf[r].wrapping_add(s * ws[r]));
+            prefetch_l2(pf[r].0.wrapping_add(s * pf[r].1));
             // SAFETY: `s * STEP + STEP <= k.len()` values of row `n0 + r` lie from each start
             // pointer, step `s` at `s * ws[r]` (contiguous when row-major; in whole chunks
             // of the row's group when packed), inside the weights (rows checked by the

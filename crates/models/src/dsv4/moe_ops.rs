@@ -10,7 +10,7 @@
 //! | [`MOE_QUANT_H`] | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
 //! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
-//! | [`MOE_REDUCE`] | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
+//! | [`MOE_REDUCE`] (SPMD over rows) | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
 //! | [`MOE_HC_PRE`] (SPMD over rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
 //!
 //! The step ends with [`super::ops::HC_POST`] (the attention layers' `hc_post`), so a worker
@@ -24,7 +24,7 @@
 use simpler_core::{EngineClass, KernelError, KernelId, KernelSpec, TaskCtx, Worker};
 use simpler_kernels_cpu::dsv4::hc;
 use simpler_kernels_cpu::dsv4::moe as k;
-use simpler_kernels_cpu::{ActsI8, WeightsI8};
+use simpler_kernels_cpu::{ActsI8, I8Layout, NextRows, WeightsI8};
 
 use super::int8_layout::{Int8Use, kernel_layout};
 
@@ -422,6 +422,36 @@ fn groups(
     Ok(off.to_vec())
 }
 
+/// The groups of checked `offsets` that own rows, in order: an expert without rows costs
+/// nothing (its weights are never touched), and each active expert's call names the next one's
+/// rows for prefetching.
+fn active_groups(offsets: &[u32]) -> Vec<usize> {
+    offsets
+        .windows(2)
+        .enumerate()
+        .filter(|(_, w)| w[0] != w[1])
+        .map(|(e, _)| e)
+        .collect()
+}
+
+/// Expert `e`'s `[rows, cols]` matrix of the stacked weights `w` (scales `s`).
+fn expert_weights<'a>(
+    w: &'a [i8],
+    s: &'a [f32],
+    e: usize,
+    rows: usize,
+    cols: usize,
+    layout: I8Layout,
+) -> WeightsI8<'a> {
+    WeightsI8::with_layout(
+        &w[e * rows * cols..(e + 1) * rows * cols],
+        &s[e * rows..(e + 1) * rows],
+        rows,
+        cols,
+        layout,
+    )
+}
+
 /// Stacked int8 weights of `groups` experts, `rows` rows each, and their scales.
 type GroupWeights<'a> = (&'a [i8], &'a [f32], usize, usize);
 
@@ -448,7 +478,7 @@ fn group_weights<'a>(
     Ok((w, s, g, n))
 }
 
-fn gate_up(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+fn gate_up<'a>(ctx: &'a TaskCtx<'_>) -> Result<(), KernelError> {
     use idx::gate_up as a;
     const NAME: &str = "moe_gate_up_w8a8";
     expect_scalars(ctx, NAME, 1)?;
@@ -480,24 +510,25 @@ fn gate_up(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let n = cols.len();
     let layout = kernel_layout(Int8Use::Experts);
-    for e in 0..g {
+    let expert = |(w, s): (&'a [i8], &'a [f32]), e| expert_weights(w, s, e, inter, d, layout);
+    let active = active_groups(&off);
+    for (i, &e) in active.iter().enumerate() {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
-        // An expert without rows costs nothing: its weights are never touched.
-        if r0 == r1 {
-            continue;
-        }
-        let wsl = e * inter * d..(e + 1) * inter * d;
-        let ssl = e * inter..(e + 1) * inter;
         let x = ActsI8::new(&q[r0 * d..r1 * d], &s[r0..r1], r1 - r0, d, d);
         let mut buf = vec![0.0f32; (r1 - r0) * n];
+        // The next expert's W1 rows of this block follow this one's W3 rows.
+        let next = active
+            .get(i + 1)
+            .map(|&e| NextRows::new(expert((w1, s1), e), cols.start));
         k::expert_gate_up(
-            WeightsI8::with_layout(&w1[wsl.clone()], &s1[ssl.clone()], inter, d, layout),
-            WeightsI8::with_layout(&w3[wsl], &s3[ssl], inter, d, layout),
+            expert((w1, s1), e),
+            expert((w3, s3), e),
             x,
             cols.clone(),
             limit,
             &mut buf,
             n,
+            next,
         );
         for (i, r) in (r0..r1).enumerate() {
             h.row(r).copy_from_slice(&buf[i * n..(i + 1) * n]);
@@ -565,11 +596,10 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let n = cols.len();
     let layout = kernel_layout(Int8Use::Experts);
-    for e in 0..g {
+    let expert = |e| expert_weights(w2, s2, e, d, inter, layout);
+    let active = active_groups(&off);
+    for (i, &e) in active.iter().enumerate() {
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
-        if r0 == r1 {
-            continue;
-        }
         let x = ActsI8::new(
             &hq[r0 * inter..r1 * inter],
             &hs[r0..r1],
@@ -577,15 +607,11 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             inter,
             inter,
         );
-        let w = WeightsI8::with_layout(
-            &w2[e * d * inter..(e + 1) * d * inter],
-            &s2[e * d..(e + 1) * d],
-            d,
-            inter,
-            layout,
-        );
         let mut buf = vec![0.0f32; (r1 - r0) * n];
-        k::expert_down(w, x, cols.clone(), &mut buf, n);
+        let next = active
+            .get(i + 1)
+            .map(|&e| NextRows::new(expert(e), cols.start));
+        k::expert_down(expert(e), x, cols.clone(), &mut buf, n, next);
         for (i, r) in (r0..r1).enumerate() {
             y.row(r).copy_from_slice(&buf[i * n..(i + 1) * n]);
         }
@@ -648,16 +674,27 @@ fn reduce(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let n_shared = shared.len() / (t * d);
-    let y = ctx.write::<f32>(a::Y)?;
-    expect_len(NAME, "y", y.len(), t * d)?;
-    for r in 0..t {
+    // SPMD over token rows: each block reduces its share of the tokens.
+    let mut y = ctx.write_block_rows::<f32>(a::Y)?;
+    let (r0, nr) = (y.first_row(), y.len());
+    if y.row_len() != d || r0 + nr > t {
+        return Err(bad(
+            NAME,
+            format!(
+                "y rows {r0}..{} of {} for {t} tokens of {d}",
+                r0 + nr,
+                y.row_len()
+            ),
+        ));
+    }
+    for r in r0..r0 + nr {
         let s: Vec<&[f32]> = (0..n_shared)
             .map(|i| &shared[(i * t + r) * d..(i * t + r + 1) * d])
             .collect();
         let ro: Vec<&[f32]> = (0..top_k)
             .map(|j| &routed[(r * top_k + j) * d..(r * top_k + j + 1) * d])
             .collect();
-        k::moe_reduce(&s, &ro, &mut y[r * d..(r + 1) * d]);
+        k::moe_reduce(&s, &ro, y.row(r - r0));
     }
     Ok(())
 }
