@@ -139,7 +139,7 @@ fn median_range(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// The outside-kernel share net of the cores' descheduled time, and that time's share, of
-/// recorded steps as `net X% [lo..hi], descheduled Y% [lo..hi]` (percent; median [range]);
+/// recorded steps as `net X% [lo..hi], descheduled Y% [lo..hi]` (percent; median \[range\]);
 /// `None` when no step measured its descheduled time.
 fn net_of_preemption(shares: &[OutsideShare]) -> Option<String> {
     let net: Vec<f64> = shares.iter().filter_map(|s| s.net).collect();
