@@ -2,73 +2,26 @@
 
 mod common;
 
-use common::{Rng, all_paths};
+use common::{GemmCase, Rng, all_paths};
 use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
-    GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16, pack_acts_bf16,
-    pack_index, packed_len,
+    GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, pack_index,
 };
 
-struct Case {
-    n: usize,
-    k: usize,
-    batch: usize,
-    w: Vec<bf16>,
-    x: Vec<bf16>,
-    packed: Vec<f32>,
-}
-
-fn case(n: usize, k: usize, batch: usize, seed: u64) -> Case {
-    let mut rng = Rng(seed);
-    let w = rng.vec_bf16(n * k, 0.5);
-    let x = rng.vec_bf16(batch * k, 2.0);
-    let mut packed = vec![0.0; packed_len(batch, k)];
-    pack_acts_bf16(&x, batch, k, &mut packed);
-    Case {
-        n,
-        k,
-        batch,
-        w,
-        x,
-        packed,
-    }
-}
-
-/// f64 reference of one tile, and the error bound of an fp32 sum of those terms.
-fn reference(c: &Case, tile: &GemmTile, b: usize, n: usize) -> (f64, f64) {
-    let mut s = 0.0f64;
-    let mut mag = 0.0f64;
-    for kk in tile.k.clone() {
-        let t = f64::from(c.w[n * c.k + kk].to_f32()) * f64::from(c.x[b * c.k + kk].to_f32());
-        s += t;
-        mag += t.abs();
-    }
-    (s, mag * 1e-5 + 1e-6)
-}
-
-fn run(c: &Case, tile: &GemmTile, scale: Option<&[f32]>, seed_out: &[f32], ld: usize) -> Vec<f32> {
-    let mut out = seed_out.to_vec();
-    let w = WeightsBf16::new(&c.w, c.n, c.k);
-    let x = PackedActs::new(&c.packed, c.batch, c.k);
-    match scale {
-        Some(s) => gemm_scaled_bf16(w, x, tile, s, &mut out, ld),
-        None => gemm_bf16(w, x, tile, &mut out, ld),
-    }
-    out
-}
-
-fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
+fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
     let mut rng = Rng(seed ^ 0xABCD);
     let ld = tile.n.len() + rng.below(3);
     let out_len = (c.batch - 1) * ld + tile.n.len();
     let seed_out = rng.vec_f32(out_len, 1.0);
     let scale = rng.vec_f32(c.batch, 2.0);
     let scale = scaled.then_some(&scale[..]);
-    let outs = all_paths("gemm", || run(c, &tile, scale, &seed_out, ld));
+    let outs = all_paths("gemm", || {
+        c.run(WeightLayout::RowMajor, &tile, scale, &seed_out, ld)
+    });
     for b in 0..c.batch {
         for n in tile.n.clone() {
-            let (mut e, mut tol) = reference(c, &tile, b, n);
+            let (mut e, mut tol) = c.reference(&tile, b, n);
             if let Some(s) = scale {
                 e *= f64::from(s[b]);
                 tol *= f64::from(s[b].abs());
@@ -150,7 +103,7 @@ fn qwen_like_shapes_full_and_split_k() {
         (20, 16, 33),
         (5, 8192, 70),
     ] {
-        let c = case(n, k, batch, (n * k + batch) as u64);
+        let c = GemmCase::new(n, k, batch, (n * k + batch) as u64);
         check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);
         // Split-K: four slices accumulated into a zero-seeded buffer equal the full product.
         let slices = 4;
@@ -185,7 +138,7 @@ proptest! {
         n_cut in 0.0f64..1.0, n_len in 0.0f64..1.0, k_cut in 0.0f64..1.0, k_len in 0.0f64..1.0,
         add in any::<bool>(), scaled in any::<bool>(), seed in any::<u64>(),
     ) {
-        let c = case(n, k, batch, seed);
+        let c = GemmCase::new(n, k, batch, seed);
         let n0 = (n_cut * n as f64) as usize;
         let n1 = n0 + 1 + ((n - n0 - 1) as f64 * n_len) as usize;
         let k0 = (k_cut * k as f64) as usize;
@@ -201,13 +154,19 @@ proptest! {
 #[test]
 fn non_finite_weights_give_the_same_logits_on_every_path() {
     for (n, k, batch) in [(40, 96, 3), (40, 96, 20)] {
-        let mut c = case(n, k, batch, 77);
+        let mut c = GemmCase::new(n, k, batch, 77);
         c.w[3 * k + 10] = bf16::from_f32(f32::INFINITY);
         c.w[7 * k + 2] = bf16::from_f32(f32::NAN);
         c.w[11 * k + 50] = bf16::from_f32(f32::NEG_INFINITY);
         let tile = GemmTile::full(&WeightsBf16::new(&c.w, n, k));
         let outs = all_paths("non-finite", || {
-            run(&c, &tile, None, &vec![0.0; batch * n], n)
+            c.run(
+                WeightLayout::RowMajor,
+                &tile,
+                None,
+                &vec![0.0; batch * n],
+                n,
+            )
         });
         let p = &outs[0].1;
         for b in 0..batch {

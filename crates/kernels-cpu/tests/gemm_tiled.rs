@@ -6,74 +6,14 @@
 
 mod common;
 
-use common::{Rng, all_paths};
+use common::{GemmCase, Rng, all_paths};
 use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
-    GemmTile, Isa, OutMode, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout,
-    WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, packed_len,
-    path_for, tile_weights_bf16, tiled_index, tiled_len, tiled_weights_pay, untile_weights_bf16,
-    with_isa,
+    GemmTile, Isa, OutMode, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout, WeightsBf16,
+    gemm_bf16, gemm_bf16_prepared, pack_acts_bf16, packed_len, path_for, tile_weights_bf16,
+    tiled_index, tiled_len, tiled_weights_pay, untile_weights_bf16, with_isa,
 };
-
-struct Case {
-    n: usize,
-    k: usize,
-    batch: usize,
-    w: Vec<bf16>,
-    x: Vec<bf16>,
-    tiled: Vec<bf16>,
-    packed: Vec<f32>,
-}
-
-fn case(n: usize, k: usize, batch: usize, seed: u64) -> Case {
-    let mut rng = Rng(seed);
-    let w = rng.vec_bf16(n * k, 0.5);
-    let x = rng.vec_bf16(batch * k, 2.0);
-    let mut packed = vec![0.0; packed_len(batch, k)];
-    pack_acts_bf16(&x, batch, k, &mut packed);
-    let tiled = tile_weights_bf16(&w, n, k);
-    Case {
-        n,
-        k,
-        batch,
-        w,
-        x,
-        tiled,
-        packed,
-    }
-}
-
-impl Case {
-    fn weights(&self, layout: WeightLayout) -> WeightsBf16<'_> {
-        match layout {
-            WeightLayout::RowMajor => WeightsBf16::new(&self.w, self.n, self.k),
-            WeightLayout::Tiled => WeightsBf16::tiled(&self.tiled, self.n, self.k),
-        }
-    }
-
-    fn acts(&self) -> PackedActs<'_> {
-        PackedActs::new(&self.packed, self.batch, self.k)
-    }
-}
-
-/// Output of `tile` on `layout` (the output pre-filled with `seed_out`).
-fn run(
-    c: &Case,
-    layout: WeightLayout,
-    tile: &GemmTile,
-    scale: Option<&[f32]>,
-    seed_out: &[f32],
-    ld: usize,
-) -> Vec<f32> {
-    let mut out = seed_out.to_vec();
-    let w = c.weights(layout);
-    match scale {
-        Some(s) => gemm_scaled_bf16(w, c.acts(), tile, s, &mut out, ld),
-        None => gemm_bf16(w, c.acts(), tile, &mut out, ld),
-    }
-    out
-}
 
 /// The path whose row-major result the tiled result of `isa` must equal bit for bit at
 /// `batch` (the same kernel), or `None` when no row-major call runs that kernel.
@@ -90,24 +30,12 @@ fn close(got: &[f32], want: &[f32], what: &str) {
     common::assert_close(got, want, 1e-4, 1e-4, what);
 }
 
-/// f64 reference of one output, and the error bound of an fp32 sum of those terms.
-fn reference(c: &Case, tile: &GemmTile, b: usize, n: usize) -> (f64, f64) {
-    let mut s = 0.0f64;
-    let mut mag = 0.0f64;
-    for kk in tile.k.clone() {
-        let t = f64::from(c.w[n * c.k + kk].to_f32()) * f64::from(c.x[b * c.k + kk].to_f32());
-        s += t;
-        mag += t.abs();
-    }
-    (s, mag * 1e-5 + 1e-6)
-}
-
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Tiled vs row-major on every path this CPU has.
-fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
+fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
     let mut rng = Rng(seed ^ 0x5EED);
     let ld = tile.n.len() + rng.below(3);
     let out_len = (c.batch - 1) * ld + tile.n.len();
@@ -115,13 +43,13 @@ fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
     let scale = rng.vec_f32(c.batch, 2.0);
     let scale = scaled.then_some(&scale[..]);
     let tiled = all_paths("gemm tiled", || {
-        run(c, WeightLayout::Tiled, &tile, scale, &seed_out, ld)
+        c.run(WeightLayout::Tiled, &tile, scale, &seed_out, ld)
     });
     for (isa, got) in &tiled {
         let Some(twin) = row_major_twin(*isa, c.batch) else {
             for b in 0..c.batch {
                 for n in tile.n.clone() {
-                    let (mut e, mut tol) = reference(c, &tile, b, n);
+                    let (mut e, mut tol) = c.reference(&tile, b, n);
                     if let Some(s) = scale {
                         e *= f64::from(s[b]);
                         tol *= f64::from(s[b].abs());
@@ -147,7 +75,7 @@ fn check(c: &Case, tile: GemmTile, scaled: bool, seed: u64) {
             continue;
         };
         let want = with_isa(twin, || {
-            run(c, WeightLayout::RowMajor, &tile, scale, &seed_out, ld)
+            c.run(WeightLayout::RowMajor, &tile, scale, &seed_out, ld)
         })
         .expect("the twin path runs where the path does");
         assert_eq!(
@@ -232,7 +160,7 @@ fn tiled_matches_row_major_on_every_path() {
         (70, 1000),
     ] {
         for batch in 1..=20 {
-            let c = case(n, k, batch, (n * 131 + k * 7 + batch) as u64);
+            let c = GemmCase::new(n, k, batch, (n * 131 + k * 7 + batch) as u64);
             check(
                 &c,
                 GemmTile::full(&c.weights(WeightLayout::Tiled)),
@@ -264,7 +192,7 @@ fn tiled_matches_row_major_on_every_path() {
 #[test]
 fn tiled_split_k_matches_row_major() {
     for &(n, k, batch) in &[(48usize, 3072usize, 4usize), (40, 1040, 16), (33, 200, 7)] {
-        let c = case(n, k, batch, 9);
+        let c = GemmCase::new(n, k, batch, 9);
         let steps = k.div_ceil(TILE_COLS);
         let cuts: Vec<usize> = (0..=4)
             .map(|s| (steps * s / 4 * TILE_COLS).min(k))
@@ -302,7 +230,7 @@ fn tiled_split_k_matches_row_major() {
 #[test]
 fn tiled_row_range_is_the_rows_of_the_whole() {
     let (n, k, batch) = (70, 96, 6);
-    let c = case(n, k, batch, 3);
+    let c = GemmCase::new(n, k, batch, 3);
     let whole = c.weights(WeightLayout::Tiled);
     let mut full = vec![0.0f32; batch * n];
     gemm_bf16(whole, c.acts(), &GemmTile::full(&whole), &mut full, n);
@@ -326,14 +254,14 @@ fn tiled_row_range_is_the_rows_of_the_whole() {
 #[test]
 #[should_panic(expected = "does not start on a group")]
 fn tiled_row_range_off_a_group_edge_panics() {
-    let c = case(40, 64, 1, 1);
+    let c = GemmCase::new(40, 64, 1, 1);
     let _ = c.weights(WeightLayout::Tiled).row_range(8..20);
 }
 
 #[test]
 #[should_panic(expected = "must start on multiples")]
 fn tiled_tile_off_a_group_edge_panics() {
-    let c = case(40, 64, 2, 1);
+    let c = GemmCase::new(40, 64, 2, 1);
     let tile = GemmTile {
         n: 8..40,
         k: 0..64,
@@ -352,7 +280,7 @@ fn tiled_tile_off_a_group_edge_panics() {
 #[test]
 #[should_panic(expected = "must start on multiples")]
 fn tiled_tile_off_a_step_edge_panics() {
-    let c = case(40, 64, 2, 1);
+    let c = GemmCase::new(40, 64, 2, 1);
     let tile = GemmTile {
         n: 0..40,
         k: 16..64,
@@ -379,7 +307,7 @@ fn tiled_view_of_a_row_major_length_panics() {
 #[test]
 fn tiled_prepared_matches_row_major() {
     for batch in [3usize, 8, 20] {
-        let c = case(45, 512, batch, 11);
+        let c = GemmCase::new(45, 512, batch, 11);
         let run = |layout: WeightLayout| {
             let mut pre = PreparedActs::default();
             pre.prepare(c.acts());
@@ -413,7 +341,7 @@ proptest! {
         n_cut in 0.0f64..1.0, n_len in 0.0f64..1.0, k_cut in 0.0f64..1.0, k_len in 0.0f64..1.0,
         add in any::<bool>(), scaled in any::<bool>(), seed in any::<u64>(),
     ) {
-        let c = case(n, k, batch, seed);
+        let c = GemmCase::new(n, k, batch, seed);
         let n0 = (n_cut * n as f64) as usize / TILE_ROWS * TILE_ROWS;
         let n1 = n0 + 1 + ((n - n0 - 1) as f64 * n_len) as usize;
         let k0 = (k_cut * k as f64) as usize / TILE_COLS * TILE_COLS;
@@ -442,8 +370,8 @@ fn tiled_single_row_matches_its_row_in_a_batch() {
         (250, 3072),
         (33, 7),
     ] {
-        let batch = case(n, k, 3, (n * 7 + k) as u64);
-        let mut single = case(n, k, 1, 0);
+        let batch = GemmCase::new(n, k, 3, (n * 7 + k) as u64);
+        let mut single = GemmCase::new(n, k, 1, 0);
         single.w.clone_from(&batch.w);
         single.tiled.clone_from(&batch.tiled);
         single.x = batch.x[k..2 * k].to_vec();
@@ -465,8 +393,7 @@ fn tiled_single_row_matches_its_row_in_a_batch() {
             let seed_out = rng.vec_f32(3 * width, 1.0);
             let scale = rng.vec_f32(3, 2.0);
             let one = all_paths("tiled single row", || {
-                run(
-                    &single,
+                single.run(
                     WeightLayout::Tiled,
                     &tile,
                     Some(&scale[1..2]),
@@ -476,14 +403,7 @@ fn tiled_single_row_matches_its_row_in_a_batch() {
             });
             for (isa, got) in one {
                 let three = with_isa(isa, || {
-                    run(
-                        &batch,
-                        WeightLayout::Tiled,
-                        &tile,
-                        Some(&scale),
-                        &seed_out,
-                        width,
-                    )
+                    batch.run(WeightLayout::Tiled, &tile, Some(&scale), &seed_out, width)
                 })
                 .expect("the path runs");
                 assert_eq!(

@@ -3,7 +3,10 @@
 #![allow(dead_code, unreachable_pub)]
 
 use half::bf16;
-use simpler_kernels_cpu::{Isa, with_isa};
+use simpler_kernels_cpu::{
+    GemmTile, Isa, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
+    pack_acts_bf16, packed_len, tile_weights_bf16, with_isa,
+};
 
 /// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path: for kernels
 /// whose wider paths run their AVX2 code (attention, vector kernels), these two are every
@@ -77,4 +80,81 @@ pub fn assert_close(a: &[f32], e: &[f32], rtol: f32, atol: f32, what: &str) {
 
 pub fn to_f32(x: &[bf16]) -> Vec<f32> {
     x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// A seeded bf16 GEMM case: `n × k` weights (row-major, and tiled as built from them at
+/// construction), `batch` activation rows, and those rows packed for the kernels.
+pub struct GemmCase {
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub w: Vec<bf16>,
+    pub x: Vec<bf16>,
+    pub tiled: Vec<bf16>,
+    pub packed: Vec<f32>,
+}
+
+impl GemmCase {
+    pub fn new(n: usize, k: usize, batch: usize, seed: u64) -> GemmCase {
+        let mut rng = Rng(seed);
+        let w = rng.vec_bf16(n * k, 0.5);
+        let x = rng.vec_bf16(batch * k, 2.0);
+        let mut packed = vec![0.0; packed_len(batch, k)];
+        pack_acts_bf16(&x, batch, k, &mut packed);
+        let tiled = tile_weights_bf16(&w, n, k);
+        GemmCase {
+            n,
+            k,
+            batch,
+            w,
+            x,
+            tiled,
+            packed,
+        }
+    }
+
+    /// The weights in `layout` (`Tiled` is `w` as it was at construction).
+    pub fn weights(&self, layout: WeightLayout) -> WeightsBf16<'_> {
+        match layout {
+            WeightLayout::RowMajor => WeightsBf16::new(&self.w, self.n, self.k),
+            WeightLayout::Tiled => WeightsBf16::tiled(&self.tiled, self.n, self.k),
+        }
+    }
+
+    pub fn acts(&self) -> PackedActs<'_> {
+        PackedActs::new(&self.packed, self.batch, self.k)
+    }
+
+    /// Output of `tile` on `layout`, the output pre-filled with `seed_out` (row stride `ld`),
+    /// scaled per batch row by `scale` when given.
+    pub fn run(
+        &self,
+        layout: WeightLayout,
+        tile: &GemmTile,
+        scale: Option<&[f32]>,
+        seed_out: &[f32],
+        ld: usize,
+    ) -> Vec<f32> {
+        let mut out = seed_out.to_vec();
+        let w = self.weights(layout);
+        match scale {
+            Some(s) => gemm_scaled_bf16(w, self.acts(), tile, s, &mut out, ld),
+            None => gemm_bf16(w, self.acts(), tile, &mut out, ld),
+        }
+        out
+    }
+
+    /// f64 reference of output (`b`, `n`) over `tile.k`, and the error bound of an fp32 sum of
+    /// those terms.
+    pub fn reference(&self, tile: &GemmTile, b: usize, n: usize) -> (f64, f64) {
+        let mut s = 0.0f64;
+        let mut mag = 0.0f64;
+        for kk in tile.k.clone() {
+            let t = f64::from(self.w[n * self.k + kk].to_f32())
+                * f64::from(self.x[b * self.k + kk].to_f32());
+            s += t;
+            mag += t.abs();
+        }
+        (s, mag * 1e-5 + 1e-6)
+    }
 }
