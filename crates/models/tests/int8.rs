@@ -6,51 +6,20 @@ mod common;
 
 use std::sync::Arc;
 
+use common::qwen3::{check_model_step, stretched_fixture, worker};
+
 use half::bf16;
 use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::{self, Int8Agreement, Tolerance};
 use simpler_models::qwen3::quant::{dequantize_matrix_bf16, quantize_matrix};
 use simpler_models::qwen3::{
-    Fixture, FixtureOptions, Int8Acts, KvBuffers, LayerWeights, Qwen3Config, Qwen3Weights,
-    ResidentModel, Session, WeightFormat, generate_fixture, ops,
+    Fixture, Int8Acts, KvBuffers, LayerWeights, Qwen3Weights, ResidentModel, Session, WeightFormat,
 };
 
 const MODES: [WeightFormat; 2] = [
     WeightFormat::Int8(Int8Acts::Quantised),
     WeightFormat::Int8(Int8Acts::Wide),
 ];
-
-fn worker() -> Worker {
-    let w = common::two_core_worker();
-    ops::register(&w).unwrap();
-    w
-}
-
-/// A `small` fixture with ragged lengths; as in `runtime.rs`, `o_proj`/`down_proj` are scaled
-/// by 50 and the cached K/V stretched so every layer's update and the attention pattern
-/// matter to the output.
-fn fixture(seq_lens: &[usize]) -> Fixture {
-    let max = *seq_lens.iter().max().unwrap();
-    let mut f = generate_fixture(
-        &Qwen3Config::preset("small").unwrap(),
-        &FixtureOptions::small(seq_lens.len(), max),
-        None,
-    );
-    f.batch.seq_lens = seq_lens.to_vec();
-    for layer in &mut f.weights.layers {
-        let lw = Arc::make_mut(layer);
-        for w in lw.wo.iter_mut().chain(lw.w_down.iter_mut()) {
-            *w = bf16::from_f32(w.to_f32() * 50.0);
-        }
-    }
-    f.kv.k
-        .iter_mut()
-        .for_each(|x| *x = bf16::from_f32(x.to_f32() * 100.0));
-    f.kv.v
-        .iter_mut()
-        .for_each(|x| *x = bf16::from_f32((x.to_f32() - 0.3) * 50.0));
-    f
-}
 
 /// The weights an int8 model stands for: every projection and the LM head quantised and
 /// dequantised (rounded to bf16, the golden's weight type).
@@ -98,7 +67,7 @@ fn session(w: &Worker, f: &Fixture, format: WeightFormat) -> Session {
 
 #[test]
 fn int8_model_matches_the_golden_on_the_dequantised_weights() {
-    let f = fixture(&[1, 127, 128, 129, 300]);
+    let f = stretched_fixture("small", &[1, 127, 128, 129, 300]);
     let deq = dequantised(&f.weights);
     let want = golden::decode_model(&deq, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
     let w = worker();
@@ -107,20 +76,7 @@ fn int8_model_matches_the_golden_on_the_dequantised_weights() {
         let got = s
             .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
             .unwrap();
-        let what = format.name();
-        Tolerance::STACK
-            .check(&format!("{what}: hidden"), &got.hidden, &want.hidden)
-            .unwrap();
-        Tolerance::STACK
-            .check(&format!("{what}: logits"), &got.logits, &want.logits)
-            .unwrap();
-        golden::check_argmax(
-            &got.next_tokens,
-            &want.next_tokens,
-            &want.logits,
-            Tolerance::STACK,
-        )
-        .unwrap();
+        check_model_step(format.name(), &got, &want);
     }
 }
 
@@ -128,7 +84,7 @@ fn int8_model_matches_the_golden_on_the_dequantised_weights() {
 fn int8_logits_agree_with_the_bf16_model() {
     // 64 rows: with 16, one near-tie flipped is 6% of the agreement.
     let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 37) % 290).collect();
-    let f = fixture(&lens);
+    let f = stretched_fixture("small", &lens);
     let w = worker();
     let vocab = f.weights.config.vocab_size;
     let bf16_logits = session(&w, &f, WeightFormat::Bf16)
@@ -147,7 +103,7 @@ fn int8_logits_agree_with_the_bf16_model() {
 
 #[test]
 fn an_int8_model_reads_back_its_dequantised_weights() {
-    let f = fixture(&[5]);
+    let f = stretched_fixture("small", &[5]);
     let w = worker();
     let deq = dequantised(&f.weights);
     let m = ResidentModel::upload_as(&w, &f.weights, f.rope.max_seq, MODES[0], None).unwrap();
@@ -168,7 +124,7 @@ fn an_int8_model_reads_back_its_dequantised_weights() {
 /// golden's weights are the dequantised values rounded to bf16).
 #[test]
 fn one_int8_layer_against_the_dequantised_golden() {
-    let f = fixture(&[1, 128, 129, 260]);
+    let f = stretched_fixture("small", &[1, 128, 129, 260]);
     let deq = dequantised(&f.weights);
     let x: Vec<f32> = f.hidden.iter().map(|v| v.to_f32()).collect();
     let mut kv = f.kv.clone();

@@ -3,58 +3,18 @@
 //! full model's argmax, prefill-then-decode against token-by-token decode, and a checkpoint
 //! round trip giving identical results.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::qwen3::{check_model_step, stretched_fixture, worker};
 use half::bf16;
-use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker, WorkerConfig};
+use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker};
 use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
 use simpler_models::qwen3::{
-    Fixture, FixtureOptions, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, ResidentModel,
-    SaveOptions, Session, generate_fixture, load_checkpoint, ops, save_checkpoint,
+    Fixture, KvBuffers, LoadOptions, PagedBatch, ResidentModel, SaveOptions, Session,
+    load_checkpoint, save_checkpoint,
 };
-
-fn worker(cores: usize) -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(cores),
-            timeouts: None,
-        },
-    )
-    .unwrap();
-    ops::register(&w).unwrap();
-    w
-}
-
-/// A fixture of `preset` with ragged `seq_lens` (block tables sized for the longest).
-///
-/// The spec's `o_proj`/`down_proj` scales (std 6e-4 / 4e-4) barely move the residual, so a
-/// broken attention or MLP would still meet the hidden-state tolerance; the tests scale both
-/// by 50 so every layer's update is of the order of the residual itself. Likewise the cached
-/// K (std 0.01) and V (0.3 ± 0.02) make softmax nearly uniform over nearly equal values, so
-/// the tests stretch them to N(0, 1) and the attention pattern matters.
-fn fixture(preset: &str, seq_lens: &[usize]) -> Fixture {
-    let max = *seq_lens.iter().max().unwrap();
-    let mut f = generate_fixture(
-        &Qwen3Config::preset(preset).unwrap(),
-        &FixtureOptions::small(seq_lens.len(), max),
-        None,
-    );
-    f.batch.seq_lens = seq_lens.to_vec();
-    for layer in &mut f.weights.layers {
-        let lw = Arc::make_mut(layer);
-        for w in lw.wo.iter_mut().chain(lw.w_down.iter_mut()) {
-            *w = bf16::from_f32(w.to_f32() * 50.0);
-        }
-    }
-    f.kv.k
-        .iter_mut()
-        .for_each(|x| *x = bf16::from_f32(x.to_f32() * 100.0));
-    f.kv.v
-        .iter_mut()
-        .for_each(|x| *x = bf16::from_f32((x.to_f32() - 0.3) * 50.0));
-    f
-}
 
 fn session(w: &Worker, f: &Fixture) -> Session {
     let model = ResidentModel::upload(w, &f.weights, f.rope.max_seq, None).unwrap();
@@ -91,8 +51,8 @@ fn check_kv_writes(s: &Session, want: &[golden::LayerKvWrite], tol: Tolerance, f
 }
 
 fn layers_chunk_matches_golden(preset: &str, seq_lens: &[usize], cfg: &CallConfig) {
-    let f = fixture(preset, seq_lens);
-    let w = worker(2);
+    let f = stretched_fixture(preset, seq_lens);
+    let w = worker();
     let mut s = session(&w, &f);
     let layers = f.weights.config.num_hidden_layers;
     let got = s
@@ -121,8 +81,8 @@ fn layers_chunk_ragged_batch_16_matches_the_golden() {
 
 #[test]
 fn one_layer_meets_the_one_layer_tolerance() {
-    let f = fixture("small", &[1, 128, 129, 260]);
-    let w = worker(2);
+    let f = stretched_fixture("small", &[1, 128, 129, 260]);
+    let w = worker();
     let mut s = session(&w, &f);
     let x: Vec<f32> = f32s(&f.hidden);
     let got = s
@@ -151,27 +111,15 @@ fn full_model_matches_golden(seq_lens: &[usize], cfg: &CallConfig) {
 }
 
 fn full_model_matches_golden_with(seq_lens: &[usize], cfg: &CallConfig, tile_bytes: Option<usize>) {
-    let f = fixture("small", seq_lens);
-    let w = worker(2);
+    let f = stretched_fixture("small", seq_lens);
+    let w = worker();
     let mut s = session(&w, &f);
     if let Some(b) = tile_bytes {
         s.policy.tile_bytes = b;
     }
     let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    Tolerance::STACK
-        .check("hidden after all layers", &got.hidden, &want.hidden)
-        .unwrap();
-    Tolerance::STACK
-        .check("logits", &got.logits, &want.logits)
-        .unwrap();
-    golden::check_argmax(
-        &got.next_tokens,
-        &want.next_tokens,
-        &want.logits,
-        Tolerance::STACK,
-    )
-    .unwrap();
+    check_model_step("after all layers", &got, &want);
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
@@ -183,8 +131,8 @@ fn full_model_argmax_is_identical_to_the_golden() {
 #[test]
 fn batch_64_full_model_matches_the_golden() {
     let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 53) % 200).collect();
-    let f = fixture("tiny", &lens);
-    let w = worker(2);
+    let f = stretched_fixture("tiny", &lens);
+    let w = worker();
     let mut s = session(&w, &f);
     let got = s
         .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
@@ -253,8 +201,8 @@ fn prefill_then_decode_equals_token_by_token_decode() {
         (0..70).map(|i| (i * 13 + 1) % 4000).collect(),
     ];
     let new_tokens = 4;
-    let f = fixture("small", &[150 + new_tokens, 70 + new_tokens]);
-    let w = worker(2);
+    let f = stretched_fixture("small", &[150 + new_tokens, 70 + new_tokens]);
+    let w = worker();
     let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
     let kv = |_: ()| KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
     let cfg = CallConfig::default();
@@ -345,8 +293,8 @@ fn prefill_then_decode_equals_token_by_token_decode() {
 
 #[test]
 fn prefill_matches_the_golden() {
-    let f = fixture("small", &[200, 90]);
-    let w = worker(2);
+    let f = stretched_fixture("small", &[200, 90]);
+    let w = worker();
     let mut s = session(&w, &f);
     // Sequence 0 has 120 tokens cached (the fixture's K/V), its chunk adds 80; sequence 1
     // starts empty.
@@ -392,7 +340,7 @@ fn a_saved_checkpoint_runs_identically_to_the_in_memory_model() {
             },
         ),
     ] {
-        let f = fixture(preset, &[130, 5]);
+        let f = stretched_fixture(preset, &[130, 5]);
         let dir = std::env::temp_dir().join(format!(
             "simpler-models-runtime-{}-{preset}",
             std::process::id()
@@ -407,7 +355,7 @@ fn a_saved_checkpoint_runs_identically_to_the_in_memory_model() {
             },
         )
         .unwrap();
-        let w = worker(2);
+        let w = worker();
         let run = |weights| {
             let model = ResidentModel::upload(&w, weights, f.rope.max_seq, None).unwrap();
             let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
@@ -461,8 +409,8 @@ fn kv_bits(s: &Session) -> (Vec<u16>, Vec<u16>) {
 #[test]
 fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
     use simpler_core::{Error, ErrorCode, GraphMode, GraphShape, RunArgs};
-    let f = fixture("small", &[300, 300, 300]);
-    let w = worker(2);
+    let f = stretched_fixture("small", &[300, 300, 300]);
+    let w = worker();
     let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
     let session = |replay: bool| {
         let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();

@@ -8,19 +8,14 @@ mod common;
 
 use std::sync::Arc;
 
-use simpler_core::{CallConfig, Worker};
+use common::qwen3::{check_model_step, worker};
+use simpler_core::CallConfig;
 use simpler_kernels_cpu::WeightLayout;
-use simpler_models::qwen3::golden::{self, Tolerance};
+use simpler_models::qwen3::golden;
 use simpler_models::qwen3::layout::{Bf16LayoutChoice, bf16_layout, choose_bf16_layout};
 use simpler_models::qwen3::{
-    FixtureOptions, KvBuffers, Qwen3Config, ResidentModel, Session, generate_fixture, ops,
+    FixtureOptions, KvBuffers, Qwen3Config, ResidentModel, Session, generate_fixture,
 };
-
-fn worker() -> Worker {
-    let w = common::two_core_worker();
-    ops::register(&w).unwrap();
-    w
-}
 
 #[test]
 fn tied_tiled_model_matches_the_golden_and_reads_back_in_row_order() {
@@ -51,19 +46,7 @@ fn tied_tiled_model_matches_the_golden_and_reads_back_in_row_order() {
         .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
         .unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    Tolerance::STACK
-        .check("hidden", &got.hidden, &want.hidden)
-        .unwrap();
-    Tolerance::STACK
-        .check("logits", &got.logits, &want.logits)
-        .unwrap();
-    golden::check_argmax(
-        &got.next_tokens,
-        &want.next_tokens,
-        &want.logits,
-        Tolerance::STACK,
-    )
-    .unwrap();
+    check_model_step("tiled", &got, &want);
 }
 
 #[test]

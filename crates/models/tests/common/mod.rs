@@ -14,3 +14,5 @@ pub(crate) fn two_core_worker() -> Worker {
     )
     .unwrap()
 }
+
+pub(crate) mod qwen3;

@@ -1,0 +1,71 @@
+//! Qwen3 set-up shared by the tests that run the decode step on the runtime: the worker, the
+//! stretched fixture and the full-model check against the golden.
+//!
+//! Every test binary that declares `mod common` compiles this module, and each uses a subset
+//! of it (the DeepSeek-V4 binaries none), hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use half::bf16;
+use simpler_core::Worker;
+use simpler_models::qwen3::golden::{self, ModelOutput, Tolerance};
+use simpler_models::qwen3::{
+    Fixture, FixtureOptions, Qwen3Config, StepOutput, generate_fixture, ops,
+};
+
+/// Two CPU cores with the Qwen3 ops registered.
+pub(crate) fn worker() -> Worker {
+    let w = super::two_core_worker();
+    ops::register(&w).unwrap();
+    w
+}
+
+/// A fixture of `preset` with ragged `seq_lens` (block tables sized for the longest).
+///
+/// The spec's `o_proj`/`down_proj` scales (std 6e-4 / 4e-4) barely move the residual, so a
+/// broken attention or MLP would still meet the hidden-state tolerance; the tests scale both
+/// by 50 so every layer's update is of the order of the residual itself. Likewise the cached
+/// K (std 0.01) and V (0.3 ± 0.02) make softmax nearly uniform over nearly equal values, so
+/// the tests stretch them to N(0, 1) and the attention pattern matters.
+pub(crate) fn stretched_fixture(preset: &str, seq_lens: &[usize]) -> Fixture {
+    let max = *seq_lens.iter().max().unwrap();
+    let mut f = generate_fixture(
+        &Qwen3Config::preset(preset).unwrap(),
+        &FixtureOptions::small(seq_lens.len(), max),
+        None,
+    );
+    f.batch.seq_lens = seq_lens.to_vec();
+    for layer in &mut f.weights.layers {
+        let lw = Arc::make_mut(layer);
+        for w in lw.wo.iter_mut().chain(lw.w_down.iter_mut()) {
+            *w = bf16::from_f32(w.to_f32() * 50.0);
+        }
+    }
+    f.kv.k
+        .iter_mut()
+        .for_each(|x| *x = bf16::from_f32(x.to_f32() * 100.0));
+    f.kv.v
+        .iter_mut()
+        .for_each(|x| *x = bf16::from_f32((x.to_f32() - 0.3) * 50.0));
+    f
+}
+
+/// A full-model step against the golden's: the final hidden state and the logits within the
+/// stack tolerance, and the greedy tokens identical except at near-ties (`check_argmax`).
+/// `what` prefixes every message.
+pub(crate) fn check_model_step(what: &str, got: &StepOutput, want: &ModelOutput) {
+    Tolerance::STACK
+        .check(&format!("{what}: hidden"), &got.hidden, &want.hidden)
+        .unwrap();
+    Tolerance::STACK
+        .check(&format!("{what}: logits"), &got.logits, &want.logits)
+        .unwrap();
+    golden::check_argmax(
+        &got.next_tokens,
+        &want.next_tokens,
+        &want.logits,
+        Tolerance::STACK,
+    )
+    .unwrap();
+}
