@@ -138,16 +138,7 @@ fn batch_64_full_model_matches_the_golden() {
         .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
         .unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    Tolerance::STACK
-        .check("hidden", &got.hidden, &want.hidden)
-        .unwrap();
-    golden::check_argmax(
-        &got.next_tokens,
-        &want.next_tokens,
-        &want.logits,
-        Tolerance::STACK,
-    )
-    .unwrap();
+    check_model_step("batch 64", &got, &want);
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
@@ -314,16 +305,7 @@ fn prefill_matches_the_golden() {
         .prefill(&w, &f.batch, &chunks, &CallConfig::default())
         .unwrap();
     let want = golden::prefill_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &chunks);
-    Tolerance::STACK
-        .check("prefill hidden", &got.hidden, &want.hidden)
-        .unwrap();
-    golden::check_argmax(
-        &got.next_tokens,
-        &want.next_tokens,
-        &want.logits,
-        Tolerance::STACK,
-    )
-    .unwrap();
+    check_model_step("prefill", &got, &want);
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
