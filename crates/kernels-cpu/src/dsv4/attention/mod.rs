@@ -34,6 +34,8 @@
 
 use half::bf16;
 
+#[cfg(target_arch = "x86_64")]
+use crate::gemm::{AmxActs, gemm_bf16_amx};
 use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
 use crate::math::exp_approx;
@@ -57,6 +59,10 @@ pub struct AttnScratch {
     rows: Vec<bf16>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
+    /// The queries as the AMX path's tiles alone, where that path takes the scores' product
+    /// (then `q` is not made).
+    #[cfg(target_arch = "x86_64")]
+    q_amx: AmxActs,
     /// The scores `[heads, n]`.
     scores: Vec<f32>,
     /// `bf16(p)` as bf16 bits `[heads, n32]`, zero past `n` (every value product's `P`).
@@ -178,7 +184,13 @@ pub fn sparse_attention(
     let path = pv_path(Isa::current(), heads, d);
     let pairs = takes_pairs(path, d);
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
-    s.q.prepare_f32(q, heads, d);
+    #[cfg(target_arch = "x86_64")]
+    let q_tiles = s.q_amx.prepare_f32(q, heads, d);
+    #[cfg(not(target_arch = "x86_64"))]
+    let q_tiles = false;
+    if !q_tiles {
+        s.q.prepare_f32(q, heads, d);
+    }
     s.scores.resize(heads * n, 0.0);
     let rows_at = aligned64(
         &mut s.rows,
@@ -261,7 +273,13 @@ pub fn sparse_attention(
             Block::Copied(at) => &s.rows[at..at + nb * d],
         };
         let rows = WeightsBf16::new(rows, nb, d);
-        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        #[cfg(target_arch = "x86_64")]
+        if q_tiles {
+            gemm_bf16_amx(rows, &s.q_amx, &mut s.scores[j0..], n);
+        }
+        if !q_tiles {
+            gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        }
         if !pairs {
             blocks.push((j0, nb, block));
         }
