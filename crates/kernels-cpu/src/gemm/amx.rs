@@ -157,12 +157,14 @@ pub(super) unsafe fn convert_rows(
     dst: &mut Vec<Line>,
 ) -> bool {
     assert_eq!(Some(x.len()), rows.checked_mul(cols), "convert_rows: x len");
-    dst.clear();
     let nk = cols / 32;
     if nk == 0 || !cols.is_multiple_of(32) || rows > batch_block(nk) {
+        dst.clear();
         return false;
     }
     let nbt = rows.div_ceil(16);
+    // Every line is written below (rows past the batch as zeros), so what a longer call left
+    // is not cleared first.
     dst.resize(nbt * nk * 16, ZERO_LINE);
     for bt in 0..nbt {
         for i in 0..nk {

@@ -641,8 +641,8 @@ impl AmxActs {
     pub(crate) fn prepare_f32(&mut self, x: &[f32], rows: usize, cols: usize) -> bool {
         assert_eq!(Some(x.len()), rows.checked_mul(cols), "AmxActs: x len");
         (self.rows, self.cols) = (rows, cols);
-        self.vnni.clear();
         if Isa::current() < Isa::AmxBf16 || rows < amx::MIN_BATCH {
+            self.vnni.clear();
             return false;
         }
         // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
@@ -941,11 +941,13 @@ mod tests {
     #[test]
     fn amx_acts_from_rows_match_the_packed_product_bit_for_bit() {
         let ran = with_isa(Isa::AmxBf16, || {
+            // One `AmxActs` for every shape: what a bigger call left changes nothing.
+            let mut acts = AmxActs::default();
             for (rows, cols, n) in [
-                (5usize, 32usize, 1usize),
-                (16, 64, 17),
-                (64, 512, 128),
+                (64usize, 512usize, 128usize),
+                (5, 32, 1),
                 (70, 96, 33),
+                (16, 64, 17),
             ] {
                 let x = values(rows * cols, (rows * cols) as u64);
                 let wv: Vec<bf16> = values(n * cols, 7)
@@ -964,14 +966,12 @@ mod tests {
                     &mut want,
                     ld,
                 );
-                let mut acts = AmxActs::default();
                 assert!(acts.prepare_f32(&x, rows, cols), "{rows}x{cols}");
                 let mut got = vec![0.5f32; rows * ld];
                 gemm_bf16_amx(w, &acts, &mut got, ld);
                 let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&want), "{rows}x{cols} by {n}");
             }
-            let mut acts = AmxActs::default();
             // Too few rows for the tiles, a body with a 16-element strip.
             assert!(!acts.prepare_f32(&values(4 * 64, 1), 4, 64));
             assert!(!acts.prepare_f32(&values(8 * 48, 1), 8, 48));
