@@ -10,17 +10,21 @@
 //! The KV row is shared by every head (MQA-like), so the rows are read once for all the heads
 //! of the call, and the softmax is taken over all of them at once (the exact max of each head,
 //! not a running one), so the value product runs once over every row and `out` is written once:
-//! 1. the valid rows are copied, [`ATTN_TILE`] at a time, into a contiguous `[n, d]` block
-//!    (a row copy per candidate: the compressed candidates are scattered cache rows), the last
-//!    block zero-padded to a multiple of 32 rows; nothing is transposed;
-//! 2. the scores of every head against each block are one [`crate::gemm_bf16_prepared`]
-//!    product with the rows as the weights and the heads' queries as the activations (AMX
-//!    tiles from 16 heads, AVX-512 BF16, AVX2, portable), written into the call's `[heads, n]`
-//!    scores; the queries are packed and, on AMX, converted to the tile unit's layout once per
-//!    call; where the value product takes the rows in pairs (below), each pair of rows is
-//!    interleaved into that layout right after its copy (read back from L1), and only one
+//! 1. the valid rows are taken block by block (at most [`ATTN_TILE`] rows): a candidate may
+//!    be a run of rows adjacent in their cache (a sequence's window slots, HCA's compressed
+//!    rows), and a run of at least `MIN_IN_PLACE` (32) rows is read where it lies; the other rows
+//!    (the scattered compressed candidates) are copied into a contiguous `[nb, d]` block, a
+//!    row copy each; nothing is transposed;
+//! 2. the scores of every head against each block are one product with the rows as the
+//!    weights and the heads' queries as the activations (AMX tiles from 16 heads, AVX-512
+//!    BF16, AVX2, portable), written into the call's `[heads, n]` scores; on AMX the queries
+//!    are converted once per call straight into the tile unit's layout (`AmxActs`: no packed
+//!    copy), elsewhere packed once ([`crate::gemm_bf16_prepared`]); where the value product
+//!    takes the rows in pairs (below), each pair of rows is interleaved into that layout as
+//!    soon as it is copied (read back from L1) or, in place, from its cache, and only one
 //!    block of plain rows is kept;
-//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp`, sum,
+//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp` as a
+//!    power of two (`exp2_softmax`, ~2e-7 relative), sum,
 //!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
@@ -143,7 +147,7 @@ impl<'a> Runs<'_, 'a> {
 ///
 /// `q` is `[heads, d]` (bf16 values), `out` `[heads, d]`. A present candidate is one row of
 /// `d` or a run of rows adjacent in their cache (a whole multiple of `d` long, e.g. a
-/// sequence's window slots): a run of at least [`MIN_IN_PLACE`] rows is read where it lies,
+/// sequence's window slots): a run of at least `MIN_IN_PLACE` (32) rows is read where it lies,
 /// the rest are copied. Scores are `q · row · scale`.
 ///
 /// # Panics
@@ -365,6 +369,8 @@ fn exp2_softmax(x: f32) -> f32 {
     let p = 0.001_326_471_2 * f + 0.009_671_512;
     let p = p * f + 0.055_507_34;
     let p = p * f + 0.240_222_42;
+    // The fit's coefficient, 3 ulp below ln 2 (the fit trades it against the others).
+    #[allow(clippy::approx_constant)]
     let p = p * f + 0.693_147;
     let p = p * f + 1.0;
     // n in [-126, 1]: a normal power of two.
