@@ -920,20 +920,9 @@ fn finish(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize, n: usize, b: usize, 
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+    // Seeded values in (-1, 1), most not bf16 values.
+    use crate::dsv4::tests::values;
     use crate::isa::with_isa;
-
-    /// Values in (-1, 1) from a seed (xorshift), most not bf16 values.
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     /// The AMX tiles made straight from fp32 rows give [`gemm_bf16`]'s results on the packed
     /// rows bit for bit (activations not bf16 values, so the conversion's rounding is tested

@@ -235,18 +235,45 @@ fn attention_at_block_edges(heads: usize, d: usize) {
         ),
         ("no candidate", Vec::new()),
     ];
+    let ran = lists_match_the_reference(&q, d, scale, &sinks, &lists);
+    // The sink alone (every candidate masked): zeros, on the scratch of an earlier call.
+    let mut s = AttnScratch::default();
+    let mut out = vec![0.0f32; heads * d];
+    let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
+    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
+    let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
+    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
+    assert!(out.iter().all(|&v| v == 0.0));
+    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
+}
+
+/// Runs every candidate list of `lists` on every path this CPU has, one scratch per path for
+/// all the lists (what a longer call left in it changes nothing), against the reference over
+/// the same rows (runs taken row by row); the paths that ran, each with its value product's.
+fn lists_match_the_reference(
+    q: &[f32],
+    d: usize,
+    scale: f32,
+    sinks: &[f32],
+    lists: &[(&str, Vec<Option<&[bf16]>>)],
+) -> Vec<(Isa, Isa)> {
+    let heads = sinks.len();
     let mut ran = Vec::new();
     for isa in Isa::ALL {
         let Some(()) = with_isa(isa, || {
-            // One scratch for the three calls: what a longer call left in it changes nothing.
             let mut s = AttnScratch::default();
-            for (what, cands) in &lists {
+            for (what, cands) in lists {
                 let mut out = vec![7.0f32; heads * d];
-                sparse_attention(&q, d, cands, scale, &sinks, &mut out, &mut s);
-                let owned: Vec<Option<Vec<bf16>>> =
-                    cands.iter().map(|c| c.map(<[bf16]>::to_vec)).collect();
+                sparse_attention(q, d, cands, scale, sinks, &mut out, &mut s);
+                let rows: Vec<Option<Vec<bf16>>> = cands
+                    .iter()
+                    .flat_map(|c| match c {
+                        Some(r) => r.chunks_exact(d).map(|r| Some(r.to_vec())).collect(),
+                        None => vec![None],
+                    })
+                    .collect();
                 for h in 0..heads {
-                    let e = attention_reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
+                    let e = attention_reference(&q[h * d..(h + 1) * d], &rows, scale, sinks[h]);
                     for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
                         assert!(
                             (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
@@ -260,15 +287,7 @@ fn attention_at_block_edges(heads: usize, d: usize) {
         };
         ran.push((isa, pv_path(isa, heads, d)));
     }
-    // The sink alone (every candidate masked): zeros, on the scratch of an earlier call.
-    let mut s = AttnScratch::default();
-    let mut out = vec![0.0f32; heads * d];
-    let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
-    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
-    let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
-    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
-    assert!(out.iter().all(|&v| v == 0.0));
-    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
+    ran
 }
 
 #[test]
@@ -319,33 +338,7 @@ fn runs_match_single_rows(heads: usize, d: usize) {
             (0..40).map(|i| run(i * 17 % 690, 2)).collect(),
         ),
     ];
-    let mut ran = Vec::new();
-    for isa in Isa::ALL {
-        let Some(()) = with_isa(isa, || {
-            let mut s = AttnScratch::default();
-            for (what, cands) in &lists {
-                let mut out = vec![7.0f32; heads * d];
-                sparse_attention(&q, d, cands, scale, &sinks, &mut out, &mut s);
-                let owned: Vec<Option<Vec<bf16>>> = cands
-                    .iter()
-                    .flatten()
-                    .flat_map(|r| r.chunks_exact(d).map(|r| Some(r.to_vec())))
-                    .collect();
-                for h in 0..heads {
-                    let e = attention_reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
-                    for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
-                        assert!(
-                            (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
-                            "{isa:?} {heads}x{d} {what} head {h} [{c}]: {a} vs {e}"
-                        );
-                    }
-                }
-            }
-        }) else {
-            continue;
-        };
-        ran.push((isa, pv_path(isa, heads, d)));
-    }
+    let ran = lists_match_the_reference(&q, d, scale, &sinks, &lists);
     println!("sparse_attention runs {heads}x{d} (path, value-product path): {ran:?}");
 }
 
