@@ -3,7 +3,9 @@
 //! (adjacent slots of a window cache) and 512 scattered rows of an 8192-row compressed cache
 //! (CSA's top-512 at start 8192). Reports per path the best and median round in thread CPU
 //! time (what the kernel itself costs, not the waits of a loaded host) and in wall time, and
-//! the rate of the kernel's float work (`4 · heads · hd · candidates` per token).
+//! the rate of the kernel's float work (`4 · heads · hd · candidates` per token), for two
+//! forms of the same lists in interleaved rounds (A B B A): the window as single rows (each
+//! copied) and as one run of adjacent rows (read in place), with the per-round ratio.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example dsv4_sparse_attention -- [ROUNDS
 //! COMPRESSED [PATH]]` (default 15 512, every path; COMPRESSED 64 is HCA's step, 0 SWA's).
@@ -56,15 +58,13 @@ fn main() {
         .map(|_| bf16::from_f32(rnd()).to_f32())
         .collect();
     let sinks: Vec<f32> = (0..heads).map(|_| rnd()).collect();
-    let lists: Vec<Vec<Option<&[bf16]>>> = (0..tokens)
+    // Each token's window as one run of adjacent rows (read in place) and the same rows one
+    // slice each (every row copied): the two forms compared in the same rounds.
+    let window_runs: Vec<Vec<Option<&[bf16]>>> = (0..tokens)
         .map(|t| {
             let seq = t / 2;
-            let mut l: Vec<Option<&[bf16]>> = (0..window)
-                .map(|i| {
-                    let r = seq * window + i;
-                    Some(&wcache[r * hd..(r + 1) * hd])
-                })
-                .collect();
+            let r0 = seq * window;
+            let mut l = vec![Some(&wcache[r0 * hd..(r0 + window) * hd])];
             // Scattered rows of the sequence's quarter of the compressed cache.
             let per_seq = cache_rows / 4;
             l.extend((0..comp).map(|i| {
@@ -74,43 +74,87 @@ fn main() {
             l
         })
         .collect();
+    let single_rows: Vec<Vec<Option<&[bf16]>>> = window_runs
+        .iter()
+        .map(|l| {
+            l.iter()
+                .flatten()
+                .flat_map(|r| r.chunks_exact(hd).map(Some))
+                .collect()
+        })
+        .collect();
     let flops = 4.0 * (heads * hd * (window + comp) * tokens) as f64;
     println!(
         "dsv4 sparse attention: {tokens} tokens x {heads} heads x {hd}, {window} window + {comp} compressed candidates, one thread"
     );
+    println!("  per round: the window as single rows (copied) and as one run (in place), A B B A");
     let mut out = vec![0.0f32; heads * hd];
     let mut s = AttnScratch::default();
     for isa in Isa::ALL
         .into_iter()
         .filter(|i| only.is_none_or(|o| o == *i))
     {
-        let Some((cpu, wall)) = with_isa(isa, || {
-            let (mut cpu, mut wall) = (Vec::new(), Vec::new());
-            for round in 0..rounds + 1 {
+        let Some(times) = with_isa(isa, || {
+            // [form][clock] per round: form 0 single rows, 1 runs; clock 0 cpu, 1 wall (ms).
+            let mut times = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+            let mut step = |lists: &[Vec<Option<&[bf16]>>]| {
                 let (c0, w0) = (thread_cpu_s(), Instant::now());
                 for (t, list) in lists.iter().enumerate() {
                     let qt = &q[t * heads * hd..(t + 1) * heads * hd];
                     sparse_attention(qt, hd, list, 0.044, &sinks, &mut out, &mut s);
                 }
-                if round > 0 {
-                    cpu.push((thread_cpu_s() - c0) * 1e3);
-                    wall.push(w0.elapsed().as_secs_f64() * 1e3);
+                (
+                    (thread_cpu_s() - c0) * 1e3,
+                    w0.elapsed().as_secs_f64() * 1e3,
+                )
+            };
+            step(&single_rows);
+            step(&window_runs);
+            for _ in 0..rounds {
+                for form in [0, 1, 1, 0] {
+                    let (cpu, wall) = step(if form == 0 {
+                        &single_rows
+                    } else {
+                        &window_runs
+                    });
+                    times[form][0].push(cpu);
+                    times[form][1].push(wall);
                 }
             }
-            cpu.sort_by(f64::total_cmp);
-            wall.sort_by(f64::total_cmp);
-            (cpu, wall)
+            times
         }) else {
             continue;
         };
+        let ratios: Vec<f64> = {
+            let mut r: Vec<f64> = times[1][0]
+                .chunks_exact(2)
+                .zip(times[0][0].chunks_exact(2))
+                .map(|(b, a)| (b[0] + b[1]) / (a[0] + a[1]))
+                .collect();
+            r.sort_by(f64::total_cmp);
+            r
+        };
+        for (form, name) in ["single rows", "runs"].into_iter().enumerate() {
+            let mut cpu = times[form][0].clone();
+            let mut wall = times[form][1].clone();
+            cpu.sort_by(f64::total_cmp);
+            wall.sort_by(f64::total_cmp);
+            println!(
+                "  {:<12} {name:<11} cpu ms/step best {:7.3} median {:7.3}  wall best {:7.3} median {:7.3}  {:6.1} GFLOP/s (best cpu)",
+                isa.name(),
+                cpu[0],
+                cpu[cpu.len() / 2],
+                wall[0],
+                wall[wall.len() / 2],
+                flops / cpu[0] / 1e6
+            );
+        }
         println!(
-            "  {:<12} cpu ms/step best {:7.3} median {:7.3}  wall best {:7.3} median {:7.3}  {:6.1} GFLOP/s (best cpu)",
+            "  {:<12} runs / single rows (cpu, per A B B A round): min {:.3} median {:.3} max {:.3}",
             isa.name(),
-            cpu[0],
-            cpu[cpu.len() / 2],
-            wall[0],
-            wall[wall.len() / 2],
-            flops / cpu[0] / 1e6
+            ratios[0],
+            ratios[ratios.len() / 2],
+            ratios[ratios.len() - 1]
         );
     }
 }

@@ -32,4 +32,4 @@ pub use rope::{
 };
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

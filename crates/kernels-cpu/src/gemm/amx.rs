@@ -138,6 +138,60 @@ pub(super) unsafe fn convert(lw: &Lowered<'_>, dst: &mut Vec<Line>) -> bool {
     true
 }
 
+/// [`convert`] of fp32 rows in their natural order (`x` `[rows, cols]`) over the whole of
+/// `cols`: the same tiles `convert` makes from the packed copy of the same rows (one
+/// conversion of the same values, without the packing's permutation), with no packed copy.
+/// False (and `dst` cleared) where the rows have no whole 32-element step, `cols` is not made
+/// of whole steps, or the batch does not fit one batch block.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL and BF16.
+///
+/// # Panics
+/// If `x` is not `rows · cols` long.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn convert_rows(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    dst: &mut Vec<Line>,
+) -> bool {
+    assert_eq!(Some(x.len()), rows.checked_mul(cols), "convert_rows: x len");
+    let nk = cols / 32;
+    if nk == 0 || !cols.is_multiple_of(32) || rows > batch_block(nk) {
+        dst.clear();
+        return false;
+    }
+    let nbt = rows.div_ceil(16);
+    // Every line is written below (rows past the batch as zeros), so what a longer call left
+    // is not cleared first.
+    dst.resize(nbt * nk * 16, ZERO_LINE);
+    for bt in 0..nbt {
+        for i in 0..nk {
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (j, rj) in r.iter_mut().enumerate().take(rows - bt * 16) {
+                let src = &x[(bt * 16 + j) * cols + 32 * i..][..32];
+                // SAFETY: `src` is 32 fp32; AVX-512 BF16 by contract. Words 0-15 are the bf16 of
+                // the first 16, 16-31 of the next: the pairs in `K` order.
+                *rj = unsafe {
+                    let (v0, v1) = (
+                        _mm512_loadu_ps(src.as_ptr()),
+                        _mm512_loadu_ps(src.as_ptr().add(16)),
+                    );
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0))
+                };
+            }
+            transpose16(&mut r);
+            let tile = &mut dst[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
+            for (line, v) in tile.iter_mut().zip(r) {
+                // SAFETY: a line is 64 bytes, 64-byte aligned.
+                unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
+            }
+        }
+    }
+    true
+}
+
 /// Computes the tile described by `lw` into `out`, with the activations' VNNI tiles taken from
 /// `pre` when given (made by [`convert`] for the same activations and body) instead of
 /// converted here.

@@ -606,6 +606,116 @@ pub fn gemm_bf16_prepared(
     gemm_dispatch_with(w, x.acts(), tile, None, Some(x), out, ld_out);
 }
 
+/// Fp32 activations converted for the AMX path alone: the tile unit's VNNI copy of the rows
+/// over the whole of `K`, made straight from the rows (no packed copy, which only the other
+/// paths and partial tiles read). For a product that is known to take the AMX path over whole
+/// weight rows, e.g. the attention's queries against blocks of candidate rows.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+pub(crate) struct AmxActs {
+    vnni: Vec<amx::Line>,
+    rows: usize,
+    cols: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl std::fmt::Debug for AmxActs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmxActs")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("vnni_lines", &self.vnni.len())
+            .finish()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AmxActs {
+    /// Converts `x` (`[rows, cols]` fp32) where [`gemm_bf16`] takes the AMX path over the whole
+    /// of `K` now with the tiles made once (AMX-BF16 is the current path, `rows` from the AMX
+    /// path's least batch to one batch block, `cols` a multiple of 32): true, and
+    /// [`gemm_bf16_amx`] takes these activations; false (nothing kept) otherwise.
+    ///
+    /// # Panics
+    /// If `x` is not `rows · cols` long.
+    pub(crate) fn prepare_f32(&mut self, x: &[f32], rows: usize, cols: usize) -> bool {
+        assert_eq!(Some(x.len()), rows.checked_mul(cols), "AmxActs: x len");
+        (self.rows, self.cols) = (rows, cols);
+        if Isa::current() < Isa::AmxBf16 || rows < amx::MIN_BATCH {
+            self.vnni.clear();
+            return false;
+        }
+        // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
+        unsafe { amx::convert_rows(x, rows, cols, &mut self.vnni) }
+    }
+}
+
+/// [`gemm_bf16`] of row-major `w` over all its rows and the whole of `K` against activations
+/// converted by [`AmxActs::prepare_f32`] (which returned true, on this path): `out[b, n] = Σ_k
+/// w[n, k] x[b, k]`, the same results bit for bit.
+///
+/// # Panics
+/// If `x` holds no tiles, AMX-BF16 is not the current path, `w` is tiled or of another `K`,
+/// or `out` is too short for `x`'s rows at `ld_out`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn gemm_bf16_amx(w: WeightsBf16<'_>, x: &AmxActs, out: &mut [f32], ld_out: usize) {
+    assert!(
+        !x.vnni.is_empty(),
+        "gemm_bf16_amx: activations not converted"
+    );
+    assert!(
+        Isa::current() >= Isa::AmxBf16,
+        "gemm_bf16_amx: the AMX path is not the current one"
+    );
+    assert_eq!(
+        w.layout(),
+        WeightLayout::RowMajor,
+        "gemm_bf16_amx: tiled weights"
+    );
+    assert_eq!(
+        w.cols(),
+        x.cols,
+        "gemm_bf16_amx: weights K {} != {}",
+        w.cols(),
+        x.cols
+    );
+    let n = w.rows();
+    if n == 0 {
+        return;
+    }
+    assert!(ld_out >= n, "gemm_bf16_amx: ld_out {ld_out} < {n} rows");
+    assert!(
+        (x.rows - 1)
+            .checked_mul(ld_out)
+            .and_then(|v| v.checked_add(n))
+            .is_some_and(|need| out.len() >= need),
+        "gemm_bf16_amx: out too short"
+    );
+    let lw = Lowered {
+        // SAFETY: bf16 is a `repr(transparent)` wrapper of u16, so the slice is reinterpreted
+        // element for element with the same length and alignment.
+        w: unsafe { std::slice::from_raw_parts(w.data().as_ptr().cast::<u16>(), w.data().len()) },
+        ldw: x.cols,
+        tiled: false,
+        // Not read: the body is the whole of `K` in 32-element steps (no edges, no strip) and
+        // its tiles are given.
+        x: &[],
+        ldx: x.cols,
+        batch: x.rows,
+        n: 0..n,
+        k: 0..x.cols,
+        kb0: 0,
+        kb1: x.cols,
+        mode: OutMode::Store,
+        scale: None,
+    };
+    // SAFETY: AMX-BF16 is the current path (asserted: the CPU has it with AVX-512 BF16 and the
+    // tile state was granted); `lw` is inside `w` and `out` (checked above); the tiles were
+    // converted by `amx::convert_rows` for `x.rows` rows over this body, which fits one batch
+    // block, so `gemm_with` takes them and reads no activations of `lw`.
+    unsafe { amx::gemm_with(&lw, Some(&x.vnni), out, ld_out) };
+}
+
 /// Arguments checked and lowered for the path kernels.
 struct Lowered<'a> {
     w: &'a [u16],
@@ -804,5 +914,61 @@ fn finish(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize, n: usize, b: usize, 
     match lw.mode {
         OutMode::Store => *o = v,
         OutMode::Add => *o += v,
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    // Seeded values in (-1, 1), most not bf16 values.
+    use crate::dsv4::tests::values;
+    use crate::isa::with_isa;
+
+    /// The AMX tiles made straight from fp32 rows give [`gemm_bf16`]'s results on the packed
+    /// rows bit for bit (activations not bf16 values, so the conversion's rounding is tested
+    /// too), and are refused where the AMX path would not take them whole.
+    #[test]
+    fn amx_acts_from_rows_match_the_packed_product_bit_for_bit() {
+        let ran = with_isa(Isa::AmxBf16, || {
+            // One `AmxActs` for every shape: what a bigger call left changes nothing.
+            let mut acts = AmxActs::default();
+            for (rows, cols, n) in [
+                (64usize, 512usize, 128usize),
+                (5, 32, 1),
+                (70, 96, 33),
+                (16, 64, 17),
+            ] {
+                let x = values(rows * cols, (rows * cols) as u64);
+                let wv: Vec<bf16> = values(n * cols, 7)
+                    .iter()
+                    .map(|&v| bf16::from_f32(v))
+                    .collect();
+                let w = WeightsBf16::new(&wv, n, cols);
+                let mut packed = vec![0.0; packed_len(rows, cols)];
+                pack_acts_f32(&x, rows, cols, &mut packed);
+                let ld = n + 3;
+                let mut want = vec![0.5f32; rows * ld];
+                gemm_bf16(
+                    w,
+                    PackedActs::new(&packed, rows, cols),
+                    &GemmTile::full(&w),
+                    &mut want,
+                    ld,
+                );
+                assert!(acts.prepare_f32(&x, rows, cols), "{rows}x{cols}");
+                let mut got = vec![0.5f32; rows * ld];
+                gemm_bf16_amx(w, &acts, &mut got, ld);
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{rows}x{cols} by {n}");
+            }
+            // Too few rows for the tiles, a body with a 16-element strip.
+            assert!(!acts.prepare_f32(&values(4 * 64, 1), 4, 64));
+            assert!(!acts.prepare_f32(&values(8 * 48, 1), 8, 48));
+        });
+        // Off the AMX path nothing is made.
+        with_isa(Isa::Avx512Bf16, || {
+            assert!(!AmxActs::default().prepare_f32(&values(64 * 64, 1), 64, 64));
+        });
+        println!("AMX activations from rows ran: {}", ran.is_some());
     }
 }

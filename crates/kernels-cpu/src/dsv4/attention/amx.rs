@@ -285,6 +285,19 @@ pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize
     unsafe { interleave_pairs(rows, d, vnni, pairs, i0) };
 }
 
+/// Zeroes lines `from ..` of every column block of the pair layout of `pairs` lines per block
+/// in `vnni` (rows `2 from ..` of the call: the padding past its last row).
+///
+/// # Panics
+/// If `vnni` is not `pairs · d · 2` long, `d` not a multiple of 16 or `from > pairs`.
+pub(super) fn zero_lines(vnni: &mut [u16], d: usize, pairs: usize, from: usize) {
+    assert!(d.is_multiple_of(16) && from <= pairs);
+    assert_eq!(vnni.len(), 2 * pairs * d, "dsv4 value product: vnni len");
+    for block in vnni.chunks_exact_mut(pairs * 32) {
+        block[from * 32..].fill(0);
+    }
+}
+
 /// The body of [`interleave`] (arguments checked there).
 #[target_feature(enable = "avx512f,avx512bw")]
 fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {

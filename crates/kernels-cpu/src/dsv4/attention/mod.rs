@@ -10,17 +10,21 @@
 //! The KV row is shared by every head (MQA-like), so the rows are read once for all the heads
 //! of the call, and the softmax is taken over all of them at once (the exact max of each head,
 //! not a running one), so the value product runs once over every row and `out` is written once:
-//! 1. the valid rows are copied, [`ATTN_TILE`] at a time, into a contiguous `[n, d]` block
-//!    (a row copy per candidate: the compressed candidates are scattered cache rows), the last
-//!    block zero-padded to a multiple of 32 rows; nothing is transposed;
-//! 2. the scores of every head against each block are one [`crate::gemm_bf16_prepared`]
-//!    product with the rows as the weights and the heads' queries as the activations (AMX
-//!    tiles from 16 heads, AVX-512 BF16, AVX2, portable), written into the call's `[heads, n]`
-//!    scores; the queries are packed and, on AMX, converted to the tile unit's layout once per
-//!    call; where the value product takes the rows in pairs (below), each pair of rows is
-//!    interleaved into that layout right after its copy (read back from L1), and only one
+//! 1. the valid rows are taken block by block (at most [`ATTN_TILE`] rows): a candidate may
+//!    be a run of rows adjacent in their cache (a sequence's window slots, HCA's compressed
+//!    rows), and a run of at least `MIN_IN_PLACE` (32) rows is read where it lies; the other rows
+//!    (the scattered compressed candidates) are copied into a contiguous `[nb, d]` block, a
+//!    row copy each; nothing is transposed;
+//! 2. the scores of every head against each block are one product with the rows as the
+//!    weights and the heads' queries as the activations (AMX tiles from 16 heads, AVX-512
+//!    BF16, AVX2, portable), written into the call's `[heads, n]` scores; on AMX the queries
+//!    are converted once per call straight into the tile unit's layout (`AmxActs`: no packed
+//!    copy), elsewhere packed once ([`crate::gemm_bf16_prepared`]); where the value product
+//!    takes the rows in pairs (below), each pair of rows is interleaved into that layout as
+//!    soon as it is copied (read back from L1) or, in place, from its cache, and only one
 //!    block of plain rows is kept;
-//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp`, sum,
+//! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp` as a
+//!    power of two (`exp2_softmax`, ~2e-7 relative), sum,
 //!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
@@ -34,9 +38,10 @@
 
 use half::bf16;
 
+#[cfg(target_arch = "x86_64")]
+use crate::gemm::{AmxActs, gemm_bf16_amx};
 use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
-use crate::math::exp_approx;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -57,6 +62,10 @@ pub struct AttnScratch {
     rows: Vec<bf16>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
+    /// The queries as the AMX path's tiles alone, where that path takes the scores' product
+    /// (then `q` is not made).
+    #[cfg(target_arch = "x86_64")]
+    q_amx: AmxActs,
     /// The scores `[heads, n]`.
     scores: Vec<f32>,
     /// `bf16(p)` as bf16 bits `[heads, n32]`, zero past `n` (every value product's `P`).
@@ -91,13 +100,58 @@ fn takes_pairs(path: Isa, d: usize) -> bool {
     }
 }
 
+/// Runs of at least this many rows (adjacent in their cache) are read where they lie, by the
+/// scores' product and the pair layout; the other rows are copied into a block. A block of
+/// fewer rows would pay more in the product's per-block work than its copy costs.
+const MIN_IN_PLACE: usize = ROW_STEP;
+
+/// Where a block of a call's rows lies: in its cache, or copied at an offset of the scratch's
+/// `rows`.
+#[derive(Clone, Copy)]
+enum Block<'a> {
+    InPlace(&'a [bf16]),
+    Copied(usize),
+}
+
+/// The present rows of a candidate list in order, run by run.
+struct Runs<'c, 'a> {
+    cands: std::slice::Iter<'c, Option<&'a [bf16]>>,
+    /// What is left of the current run.
+    run: &'a [bf16],
+    d: usize,
+}
+
+impl<'a> Runs<'_, 'a> {
+    /// Rows left in the current run, moving to the next present one when it is spent; 0 when
+    /// the list is.
+    fn left(&mut self) -> usize {
+        while self.run.is_empty() {
+            match self.cands.next() {
+                Some(Some(r)) => self.run = r,
+                Some(None) => {}
+                None => return 0,
+            }
+        }
+        self.run.len() / self.d
+    }
+
+    /// The next `k` rows of the current run (`k <= left()`).
+    fn take(&mut self, k: usize) -> &'a [bf16] {
+        let (rows, rest) = self.run.split_at(k * self.d);
+        self.run = rest;
+        rows
+    }
+}
+
 /// Attention of `heads = sinks.len()` heads over `cands`.
 ///
-/// `q` is `[heads, d]` (bf16 values), every present candidate `d` long, `out` `[heads, d]`.
-/// Scores are `q · row · scale`.
+/// `q` is `[heads, d]` (bf16 values), `out` `[heads, d]`. A present candidate is one row of
+/// `d` or a run of rows adjacent in their cache (a whole multiple of `d` long, e.g. a
+/// sequence's window slots): a run of at least `MIN_IN_PLACE` (32) rows is read where it lies,
+/// the rest are copied. Scores are `q · row · scale`.
 ///
 /// # Panics
-/// If `q` or `out` is not `heads · d` long or a candidate is not `d` long.
+/// If `q` or `out` is not `heads · d` long or a candidate is not a whole number of rows.
 pub fn sparse_attention(
     q: &[f32],
     d: usize,
@@ -110,15 +164,36 @@ pub fn sparse_attention(
     let heads = sinks.len();
     assert_eq!(q.len(), heads * d, "sparse_attention: q len");
     assert_eq!(out.len(), heads * d, "sparse_attention: out len");
-    let n = cands.iter().flatten().count();
-    if heads == 0 || d == 0 || n == 0 {
+    if heads == 0 || d == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let n: usize = cands
+        .iter()
+        .flatten()
+        .map(|r| {
+            assert!(
+                r.len().is_multiple_of(d),
+                "sparse_attention: candidate len {} is not whole rows of {d}",
+                r.len()
+            );
+            r.len() / d
+        })
+        .sum();
+    if n == 0 {
         out.fill(0.0);
         return;
     }
     let path = pv_path(Isa::current(), heads, d);
     let pairs = takes_pairs(path, d);
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
-    s.q.prepare_f32(q, heads, d);
+    #[cfg(target_arch = "x86_64")]
+    let q_tiles = s.q_amx.prepare_f32(q, heads, d);
+    #[cfg(not(target_arch = "x86_64"))]
+    let q_tiles = false;
+    if !q_tiles {
+        s.q.prepare_f32(q, heads, d);
+    }
     s.scores.resize(heads * n, 0.0);
     let rows_at = aligned64(
         &mut s.rows,
@@ -130,38 +205,93 @@ pub fn sparse_attention(
     } else {
         0..0
     };
-    // 1-2. Block by block: the rows, contiguous; scores[h, j] = q[h] · row[j]; the pairs, each
-    // made as soon as its two rows are copied (read back from L1).
-    let mut valid = cands.iter().flatten();
+    // 1-2. Block by block: the rows (a long run where it lies, else copied, each pair put in
+    // the pair layout as soon as it is copied, read back from L1); scores[h, j] = q[h] · row[j].
+    // A block in place is an even number of rows and a copied one is cut at an even count
+    // before a long run, so every block starts on a whole pair.
+    let mut runs = Runs {
+        cands: cands.iter(),
+        run: &[],
+        d,
+    };
+    // The blocks, kept for the value product that reads the rows as they lie.
+    let mut blocks = Vec::new();
     let mut j0 = 0;
     while j0 < n {
-        let nb = ATTN_TILE.min(n - j0);
-        let nb32 = nb.div_ceil(ROW_STEP) * ROW_STEP;
-        let at = rows_at.start + if pairs { 0 } else { j0 * d };
-        let block = &mut s.rows[at..at + nb32 * d];
-        block[nb * d..].fill(bf16::ZERO);
-        for (k, pair) in block.chunks_exact_mut(2 * d).enumerate() {
-            for (dst, r) in pair
-                .chunks_exact_mut(d)
-                .zip(valid.by_ref().take(nb - (2 * k).min(nb)))
-            {
-                assert_eq!(r.len(), d, "sparse_attention: candidate row len");
-                dst.copy_from_slice(r);
-            }
+        let left = runs.left();
+        let (nb, block) = if left >= MIN_IN_PLACE {
+            let nb = ATTN_TILE.min(left) & !1;
+            let rows = runs.take(nb);
             #[cfg(target_arch = "x86_64")]
             if pairs {
-                amx::interleave(
-                    pair,
-                    d,
-                    &mut s.amx.vnni[vnni_at.clone()],
-                    n32 / 2,
-                    j0 / 2 + k,
-                );
+                amx::interleave(rows, d, &mut s.amx.vnni[vnni_at.clone()], n32 / 2, j0 / 2);
             }
+            (nb, Block::InPlace(rows))
+        } else {
+            let at = rows_at.start + if pairs { 0 } else { j0 * d };
+            let cap = ATTN_TILE.min(n - j0);
+            // Room for the block and, at the end of an odd call, the zero row its last row pairs
+            // with (a block cut before a long run is even).
+            let room = if pairs { ATTN_TILE.min(n32) } else { n32 - j0 };
+            let copy = &mut s.rows[at..at + room * d];
+            let mut nb = 0;
+            while nb < cap {
+                let left = runs.left();
+                if left >= MIN_IN_PLACE && nb.is_multiple_of(2) {
+                    break;
+                }
+                // One row of a long run only evens the block; short runs are copied whole.
+                let k = if left >= MIN_IN_PLACE {
+                    1
+                } else {
+                    left.min(cap - nb)
+                };
+                copy[nb * d..(nb + k) * d].copy_from_slice(runs.take(k));
+                let done = nb / 2 * 2;
+                nb += k;
+                let upto = if pairs && !nb.is_multiple_of(2) && nb == n - j0 {
+                    // The last row pairs with a zero row.
+                    copy[nb * d..(nb + 1) * d].fill(bf16::ZERO);
+                    nb + 1
+                } else {
+                    nb / 2 * 2
+                };
+                #[cfg(target_arch = "x86_64")]
+                if pairs && upto > done {
+                    amx::interleave(
+                        &copy[done * d..upto * d],
+                        d,
+                        &mut s.amx.vnni[vnni_at.clone()],
+                        n32 / 2,
+                        (j0 + done) / 2,
+                    );
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = (done, upto);
+            }
+            (nb, Block::Copied(at))
+        };
+        let rows = match block {
+            Block::InPlace(r) => r,
+            Block::Copied(at) => &s.rows[at..at + nb * d],
+        };
+        let rows = WeightsBf16::new(rows, nb, d);
+        #[cfg(target_arch = "x86_64")]
+        if q_tiles {
+            gemm_bf16_amx(rows, &s.q_amx, &mut s.scores[j0..], n);
         }
-        let rows = WeightsBf16::new(&block[..nb * d], nb, d);
-        gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        if !q_tiles {
+            gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
+        }
+        if !pairs {
+            blocks.push((j0, nb, block));
+        }
         j0 += nb;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if pairs {
+        // The pairs past the last row meet zero weights; zero rows keep a NaN out.
+        amx::zero_lines(&mut s.amx.vnni[vnni_at.clone()], d, n32 / 2, n.div_ceil(2));
     }
     // 3. The softmax over every row.
     s.m.resize(heads, 0.0);
@@ -184,8 +314,13 @@ pub fn sparse_attention(
         }
         _ => {
             out.fill(0.0);
-            let rows = &s.rows[rows_at.start..rows_at.start + n * d];
-            pv_add(pb, n32, heads, n, rows, d, out);
+            for &(j0, nb, block) in &blocks {
+                let rows = match block {
+                    Block::InPlace(r) => r,
+                    Block::Copied(at) => &s.rows[at..at + nb * d],
+                };
+                pv_add(&pb[j0..], n32, heads, nb, rows, d, out);
+            }
         }
     }
     for ((o, &m), (&l, &sink)) in out.chunks_exact_mut(d).zip(&s.m).zip(s.l.iter().zip(sinks)) {
@@ -214,6 +349,32 @@ const LANES: usize = 16;
 fn round_bf16(x: f32) -> f32 {
     let b = x.to_bits();
     f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
+}
+
+/// `2^x` for the softmax's exponents (`x <= 0`, or above 0 by a rounding), to ~2e-7 relative:
+/// `x = n + f` with `n` the nearest integer, `2^f` a degree-5 fit on `[-1/2, 1/2]` (relative
+/// error 1.8e-7 evaluated in fp32), `2^n` made in the exponent bits. Below -126 it is taken at
+/// -126 (~1e-38, as good as zero next to the max's 1); a NaN stays NaN. With the exponent in
+/// base 2 the range reduction is one exact subtraction (no two-part `ln 2`) and the
+/// polynomial one degree shorter than `math::exp_approx`'s, for the same accuracy.
+#[inline(always)]
+fn exp2_softmax(x: f32) -> f32 {
+    // Adding 1.5 · 2^23 rounds `x` (|x| <= 126) to the nearest integer and leaves it in the low
+    // mantissa bits (see `exp_approx`).
+    const ROUNDER: f32 = 12_582_912.0;
+    let x = if x < -126.0 { -126.0 } else { x };
+    let t = x + ROUNDER;
+    let n = t - ROUNDER;
+    let f = x - n;
+    let p = 0.001_326_471_2 * f + 0.009_671_512;
+    let p = p * f + 0.055_507_34;
+    let p = p * f + 0.240_222_42;
+    // The fit's coefficient, 3 ulp below ln 2 (the fit trades it against the others).
+    #[allow(clippy::approx_constant)]
+    let p = p * f + 0.693_147;
+    let p = p * f + 1.0;
+    // n in [-126, 1]: a normal power of two.
+    p * f32::from_bits(t.to_bits().wrapping_sub(ROUNDER.to_bits() - 127) << 23)
 }
 
 /// One body compiled three times (portable, AVX2+FMA, AVX-512) and chosen on
@@ -293,16 +454,18 @@ three_builds! {
             }
             let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             m[h] = mt;
+            // exp(s · scale − m) = 2^(s · scale · log2 e − m · log2 e).
+            let (c, mc) = (scale * std::f32::consts::LOG2_E, mt * std::f32::consts::LOG2_E);
             let mut sum = [0.0f32; LANES];
             for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
                 for i in 0..LANES {
-                    let e = exp_approx(s[i] * scale - mt);
+                    let e = exp2_softmax(s[i] * c - mc);
                     sum[i] += e;
                     o[i] = bits(e);
                 }
             }
             for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..n]).enumerate() {
-                let e = exp_approx(s * scale - mt);
+                let e = exp2_softmax(s * c - mc);
                 sum[i] += e;
                 *o = bits(e);
             }
@@ -327,7 +490,8 @@ const PV_COLS: usize = 16;
 
 three_builds! {
     /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
-    /// of each row read), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =
+    /// of each row read; the last row may stop there, so a view from a column offset of a
+    /// wider `P` is one too), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =
     /// `out.len() / d`): blocks of [`PV_HEADS`] heads × [`PV_COLS`] columns accumulate over `j`
     /// in registers (products then sums, in `j` order) and are added to `out` once.
     ///
@@ -342,7 +506,10 @@ three_builds! {
         d: usize,
         out: &mut [f32],
     ) {
-        assert!(ld >= n && p.len() == heads * ld, "pv_add: p len");
+        assert!(
+            ld >= n && (heads == 0 || p.len() >= (heads - 1) * ld + n),
+            "pv_add: p len"
+        );
         assert_eq!(rows.len(), n * d, "pv_add: rows len");
         assert_eq!(out.len(), heads * d, "pv_add: out len");
         let widen = |v: u16| f32::from_bits(u32::from(v) << 16);

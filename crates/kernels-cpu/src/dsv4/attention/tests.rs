@@ -235,18 +235,45 @@ fn attention_at_block_edges(heads: usize, d: usize) {
         ),
         ("no candidate", Vec::new()),
     ];
+    let ran = lists_match_the_reference(&q, d, scale, &sinks, &lists);
+    // The sink alone (every candidate masked): zeros, on the scratch of an earlier call.
+    let mut s = AttnScratch::default();
+    let mut out = vec![0.0f32; heads * d];
+    let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
+    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
+    let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
+    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
+    assert!(out.iter().all(|&v| v == 0.0));
+    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
+}
+
+/// Runs every candidate list of `lists` on every path this CPU has, one scratch per path for
+/// all the lists (what a longer call left in it changes nothing), against the reference over
+/// the same rows (runs taken row by row); the paths that ran, each with its value product's.
+fn lists_match_the_reference(
+    q: &[f32],
+    d: usize,
+    scale: f32,
+    sinks: &[f32],
+    lists: &[(&str, Vec<Option<&[bf16]>>)],
+) -> Vec<(Isa, Isa)> {
+    let heads = sinks.len();
     let mut ran = Vec::new();
     for isa in Isa::ALL {
         let Some(()) = with_isa(isa, || {
-            // One scratch for the three calls: what a longer call left in it changes nothing.
             let mut s = AttnScratch::default();
-            for (what, cands) in &lists {
+            for (what, cands) in lists {
                 let mut out = vec![7.0f32; heads * d];
-                sparse_attention(&q, d, cands, scale, &sinks, &mut out, &mut s);
-                let owned: Vec<Option<Vec<bf16>>> =
-                    cands.iter().map(|c| c.map(<[bf16]>::to_vec)).collect();
+                sparse_attention(q, d, cands, scale, sinks, &mut out, &mut s);
+                let rows: Vec<Option<Vec<bf16>>> = cands
+                    .iter()
+                    .flat_map(|c| match c {
+                        Some(r) => r.chunks_exact(d).map(|r| Some(r.to_vec())).collect(),
+                        None => vec![None],
+                    })
+                    .collect();
                 for h in 0..heads {
-                    let e = attention_reference(&q[h * d..(h + 1) * d], &owned, scale, sinks[h]);
+                    let e = attention_reference(&q[h * d..(h + 1) * d], &rows, scale, sinks[h]);
                     for (c, (&a, &e)) in out[h * d..(h + 1) * d].iter().zip(&e).enumerate() {
                         assert!(
                             (a - e).abs() <= 1e-2 * e.abs() + 2e-3,
@@ -260,13 +287,97 @@ fn attention_at_block_edges(heads: usize, d: usize) {
         };
         ran.push((isa, pv_path(isa, heads, d)));
     }
-    // The sink alone (every candidate masked): zeros, on the scratch of an earlier call.
-    let mut s = AttnScratch::default();
+    ran
+}
+
+#[test]
+fn sparse_attention_reads_runs_of_adjacent_rows_on_every_path() {
+    for (heads, d) in [(16usize, 64usize), (48, 64), (5, 40)] {
+        runs_match_single_rows(heads, d);
+    }
+}
+
+/// Runs of adjacent cache rows (long ones read in place, an odd one split into an even run and
+/// a copied row, short ones copied with their neighbours, a copied block cut before a long run
+/// at an odd count) against the reference over the same rows, on every path.
+fn runs_match_single_rows(heads: usize, d: usize) {
+    let cache_rows = 700;
+    let cache = bf16_rows(cache_rows * d, 41);
+    let q: Vec<f32> = values(heads * d, 42)
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    let sinks = values(heads, 43);
+    let scale = 1.0 / (d as f32).sqrt();
+    let run = |r0: usize, k: usize| Some(&cache[r0 * d..(r0 + k) * d]);
+    // (first row, rows); `None` entries are masked.
+    let lists: [(&str, Vec<Option<&[bf16]>>); 4] = [
+        (
+            "mixed runs",
+            vec![
+                run(10, 3),
+                run(600, 1),
+                run(100, 128),
+                None,
+                run(300, 33),
+                run(5, 1),
+                run(400, 200),
+                run(650, 5),
+                run(2, 1),
+                run(40, 31),
+                run(660, 1),
+            ],
+        ),
+        ("one long odd run", vec![run(1, 257)]),
+        (
+            "an odd copy before a long run",
+            vec![run(7, 1), run(9, 1), run(20, 1), run(200, 64), run(3, 1)],
+        ),
+        (
+            "short runs only",
+            (0..40).map(|i| run(i * 17 % 690, 2)).collect(),
+        ),
+    ];
+    let ran = lists_match_the_reference(&q, d, scale, &sinks, &lists);
+    println!("sparse_attention runs {heads}x{d} (path, value-product path): {ran:?}");
+}
+
+#[test]
+#[should_panic(expected = "not whole rows")]
+fn sparse_attention_refuses_a_candidate_of_part_of_a_row() {
+    let (heads, d) = (2, 8);
+    let rows = bf16_rows(3 * d, 44);
+    let cands = [Some(&rows[..2 * d]), Some(&rows[..d + 1])];
     let mut out = vec![0.0f32; heads * d];
-    let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
-    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
-    let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
-    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
-    assert!(out.iter().all(|&v| v == 0.0));
-    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
+    sparse_attention(
+        &values(heads * d, 45),
+        d,
+        &cands,
+        1.0,
+        &values(heads, 46),
+        &mut out,
+        &mut AttnScratch::default(),
+    );
+}
+
+#[test]
+fn exp2_softmax_is_within_3e_7_of_exp2_over_the_softmax_range() {
+    let mut worst = 0.0f64;
+    let mut x = -126.0f32;
+    while x <= 1e-3 {
+        let want = f64::from(x).exp2();
+        let got = f64::from(exp2_softmax(x));
+        worst = worst.max((got - want).abs() / want);
+        x += 0.000_731;
+    }
+    // Every fraction of one binade, densely.
+    for i in 0..=100_000 {
+        let x = -3.0 + 3.0 * i as f32 / 100_000.0;
+        let want = f64::from(x).exp2();
+        worst = worst.max((f64::from(exp2_softmax(x)) - want).abs() / want);
+    }
+    assert!(worst < 3e-7, "worst relative error {worst}");
+    assert_eq!(exp2_softmax(0.0), 1.0);
+    assert!(exp2_softmax(f32::NEG_INFINITY) < 1.2e-38);
+    assert!(exp2_softmax(f32::NAN).is_nan());
 }

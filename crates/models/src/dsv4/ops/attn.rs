@@ -336,7 +336,9 @@ pub(super) fn hca_compress(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The rows of a candidate list (`-1`: masked) in a cache of `rows` rows of `width`.
+/// The rows of a candidate list (`-1`: masked) in a cache of `rows` rows of `width`, rows
+/// that follow each other in the list and in the cache as one run (the kernel reads long runs
+/// in place instead of copying them).
 fn candidates<'a>(
     list: &[i32],
     cache: &'a [bf16],
@@ -344,17 +346,31 @@ fn candidates<'a>(
     out: &mut Vec<Option<&'a [bf16]>>,
 ) -> Result<(), KernelError> {
     let rows = cache.len() / width.max(1);
+    // The first row and length of the run last pushed by this call.
+    let mut run: Option<(usize, usize)> = None;
     for &c in list {
-        out.push(match usize::try_from(c) {
-            Ok(r) if r < rows => Some(&cache[r * width..(r + 1) * width]),
+        match usize::try_from(c) {
+            Ok(r) if r < rows => match (run, out.last_mut()) {
+                (Some((r0, k)), Some(last)) if r == r0 + k => {
+                    *last = Some(&cache[r0 * width..(r + 1) * width]);
+                    run = Some((r0, k + 1));
+                }
+                _ => {
+                    out.push(Some(&cache[r * width..(r + 1) * width]));
+                    run = Some((r, 1));
+                }
+            },
             Ok(r) => {
                 return Err(bad(
                     "dsv4_sparse_attention",
                     format!("candidate row {r} outside a cache of {rows}"),
                 ));
             }
-            Err(_) => None,
-        });
+            Err(_) => {
+                out.push(None);
+                run = None;
+            }
+        }
     }
     Ok(())
 }
