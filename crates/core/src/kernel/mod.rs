@@ -888,7 +888,7 @@ mod tests {
         );
         let b0 = TaskCtx::new(&d, 0, 0, &cancel, None);
         let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
-        let held = b0.write_rect::<f32>(0, 2..4, 1..6).unwrap();
+        let mut held = b0.write_rect::<f32>(0, 2..4, 1..6).unwrap();
         let err = |r: Result<RowsMut<'_, f32>, KernelError>| match r {
             Ok(_) => panic!("an aliasing rectangle was handed out"),
             Err(e) => e.to_string(),
@@ -914,16 +914,19 @@ mod tests {
         // Touching rectangles (sharing an edge, not an element) are fine (a fresh context:
         // the refused `write_block_cols` above counts as this block's borrow).
         let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
-        let beside = b1.write_rect::<f32>(0, 2..4, 6..8).unwrap();
-        drop((held, beside));
+        let mut beside = b1.write_rect::<f32>(0, 2..4, 6..8).unwrap();
+        // Both still held: write them interleaved.
+        held.row(1).fill(1.0);
+        beside.row(1).fill(2.0);
+        held.row(0).fill(1.0);
         // Another split fixed first refuses rectangles.
         let cols = desc(vec![arg(ArgTag::OutputExisting, m)], 2);
         let c0 = TaskCtx::new(&cols, 0, 0, &cancel, None);
         let c1 = TaskCtx::new(&cols, 1, 0, &cancel, None);
-        let share = c0.write_block_cols::<f32>(0, 1).unwrap();
+        let mut share = c0.write_block_cols::<f32>(0, 1).unwrap();
         let e = err(c1.write_rect::<f32>(0, 0..1, 7..8));
         assert!(e.contains("already split it by write_block_cols"), "{e}");
-        drop(share);
+        share.row(0).fill(0.0);
         // One block: a whole-argument borrow and a rectangle exclude each other.
         let one = desc(vec![arg(ArgTag::OutputExisting, m)], 1);
         let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
@@ -932,10 +935,10 @@ mod tests {
         assert!(e.contains("already borrowed mutably in this block"), "{e}");
         whole[0] = 1.0;
         let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
-        let rect = ctx.write_rect::<f32>(0, 0..1, 0..1).unwrap();
+        let mut rect = ctx.write_rect::<f32>(0, 0..1, 0..1).unwrap();
         assert!(ctx.write::<f32>(0).is_err());
         assert!(ctx.gather::<f32>(0).is_err());
-        drop(rect);
+        rect.row(0)[0] = 2.0;
     }
 
     /// A replayed task starts with no rectangles taken.
