@@ -6,7 +6,7 @@
 
 mod common;
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_kernels_cpu::dsv4::moe::{ExpertI8, expert_forward};
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 use simpler_models::dsv4::check::{CacheTol, RelDiff};
@@ -227,14 +227,7 @@ fn expert_split_is_bit_identical_to_whole_expert_calls() {
     };
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for cores in [1, 2, 3] {
-        let w = Worker::new(
-            simpler_cpu::CpuPlatform::new(),
-            WorkerConfig {
-                cores: Some(cores),
-                timeouts: None,
-            },
-        )
-        .unwrap();
+        let w = common::cpu_worker(cores);
         moe_ops::register(&w).unwrap();
         simpler_models::dsv4::ops::register(&w).unwrap();
         let moe = MoeLayer::new(

@@ -18,9 +18,9 @@
 //! only those tensors, and combine scatters the expert outputs back by route id. A node level
 //! replaces the dispatch task with "exchange counts, all-to-all the rows" writing the same
 //! tensors and the combine task with "all-to-all back, scatter by route id", leaving route,
-//! the expert phases and reduce as they are. The expert phases are SPMD over output columns
-//! and loop over the groups with rows, so an expert without a token costs a read of the
-//! offsets and nothing else.
+//! the expert phases and reduce as they are. The expert phases are SPMD over the output
+//! columns of the groups with rows, laid end to end (each block one long call per group it
+//! reaches), so an expert without a token costs a read of the offsets and nothing else.
 
 use std::ops::Range;
 use std::sync::Arc;

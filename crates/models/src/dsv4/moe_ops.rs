@@ -6,9 +6,9 @@
 //! |---|---|---|
 //! | [`MOE_ROUTE`] | x_mixed In f32 `[T,D]`, token ids In u32 `[T]`, ffn_norm NoDep f32 `[D]`, gate NoDep f32 `[E,D]`, bias NoDep f32 `[E]`, hash table NoDep u32 `[V,K]`; xq Out i8 `[T,D]`, xs Out f32 `[T]`, experts Out u32 `[T,K]`, weights Out f32 `[T,K]` | eps, route_scale, hash |
 //! | [`MOE_DISPATCH`] | experts In, weights In, xq In, xs In; counts Out u32 `[L]`, offsets Out u32 `[L+1]`, rows Out i8 `[C,D]`, scales Out f32 `[C]`, row weights Out f32 `[C]`, route ids Out u32 `[C]` | first_expert, n_experts |
-//! | [`MOE_GATE_UP`] (SPMD over `I` columns) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
+//! | [`MOE_GATE_UP`] (SPMD over the active groups' `I` columns end to end) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
 //! | [`MOE_QUANT_H`] | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
-//! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
+//! | [`MOE_DOWN`] (SPMD over the active groups' `D` columns end to end) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
 //! | [`MOE_REDUCE`] (SPMD over rows) | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
 //! | [`MOE_HC_PRE`] (SPMD over rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
@@ -32,11 +32,12 @@ use super::int8_layout::{Int8Use, kernel_layout};
 pub const MOE_ROUTE: KernelId = KernelId(3240);
 /// Routed rows grouped per local expert (the seam a collective replaces).
 pub const MOE_DISPATCH: KernelId = KernelId(3241);
-/// `h = silu(min(x W1ᵀ, l)) · clamp(x W3ᵀ, ±l)` for a share of the `I` columns of every group.
+/// `h = silu(min(x W1ᵀ, l)) · clamp(x W3ᵀ, ±l)` for a share of the active groups' `I` columns
+/// laid end to end (one call per group the share reaches).
 pub const MOE_GATE_UP: KernelId = KernelId(3242);
 /// `h` re-quantised per row, the routing weight folded into its scale.
 pub const MOE_QUANT_H: KernelId = KernelId(3243);
-/// `y = hq W2ᵀ` for a share of the `D` columns of every group.
+/// `y = hq W2ᵀ` for a share of the active groups' `D` columns laid end to end.
 pub const MOE_DOWN: KernelId = KernelId(3244);
 /// Expert outputs back to `[T, K, D]` route order (the seam a collective replaces).
 pub const MOE_COMBINE: KernelId = KernelId(3245);
