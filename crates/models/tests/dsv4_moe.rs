@@ -7,9 +7,11 @@
 mod common;
 
 use simpler_core::{CallConfig, Worker};
+use simpler_kernels_cpu::dsv4::moe::{ExpertI8, expert_forward};
+use simpler_kernels_cpu::{ActsI8, WeightsI8};
 use simpler_models::dsv4::check::{CacheTol, RelDiff};
 use simpler_models::dsv4::fixture::{
-    MoeWeights, StepInputs, generate_inputs, generate_moe_weights,
+    Expert, Int8Matrix, MoeWeights, StepInputs, generate_inputs, generate_moe_weights,
 };
 use simpler_models::dsv4::golden::{HcPre, moe_after_hc_pre, moe_step};
 use simpler_models::dsv4::moe_graph::{ExpertPlacement, MoeLayer, MoeRunError};
@@ -183,4 +185,87 @@ fn flash_width_moe_matches_the_golden() {
     let weights = generate_moe_weights(&cfg, 21);
     let inputs = generate_inputs(&cfg, &uniform_starts(8192), 21);
     check(&w, &cfg, &weights, &inputs, cfg.n_hash_layers);
+}
+
+fn mat(m: &Int8Matrix) -> WeightsI8<'_> {
+    WeightsI8::new(&m.q, &m.scale, m.rows, m.cols, m.cols)
+}
+
+/// The expert phases' split (each block a tapered share of the active experts' columns laid
+/// end to end, one call per expert it reaches) changes no bit: at a ragged shape (experts 200
+/// wide, 12.5 column units; one expert with every token, the others with uneven groups), on
+/// 1, 2 and 3 cores (16, 32 and 48 blocks, so shares start and end inside experts and inside
+/// units' rows), every routed contribution and the shared expert's output equal the
+/// whole-expert composition `expert_forward` (one call per expert over all its columns, one
+/// row at a time) bit for bit.
+#[test]
+fn expert_split_is_bit_identical_to_whole_expert_calls() {
+    let cfg = Dsv4Config {
+        moe_inter_dim: 200,
+        ..Dsv4Config::small()
+    };
+    let mut weights = generate_moe_weights(&cfg, 31);
+    weights.bias[3] = 100.0;
+    let inputs = generate_inputs(&cfg, &MIXED_STARTS, 31);
+    let layer = cfg.n_hash_layers;
+    let (d, k) = (cfg.hidden, cfg.n_activated_experts);
+    let whole = |e: &Expert, x: &[i8], s: &[f32], wt: &[f32]| {
+        let mut y = vec![0.0f32; wt.len() * d];
+        let e = ExpertI8 {
+            w1: mat(&e.w1),
+            w3: mat(&e.w3),
+            w2: mat(&e.w2),
+        };
+        expert_forward(
+            &e,
+            ActsI8::new(x, s, wt.len(), d, d),
+            wt,
+            cfg.swiglu_limit,
+            &mut y,
+        );
+        y
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for cores in [1, 2, 3] {
+        let w = common::cpu_worker(cores);
+        moe_ops::register(&w).unwrap();
+        simpler_models::dsv4::ops::register(&w).unwrap();
+        let moe = MoeLayer::new(
+            &w,
+            &cfg,
+            &weights,
+            layer,
+            ExpertPlacement::single(cfg.n_routed_experts),
+            0,
+        )
+        .unwrap();
+        let run = CallConfig::default();
+        let out = moe.step(&w, &inputs.x_hc, &inputs.token_ids, &run).unwrap();
+        let front = moe
+            .front_step(&w, &inputs.x_hc, &inputs.token_ids, &run)
+            .unwrap();
+        assert_eq!(front.experts, out.experts);
+        assert!(out.experts.chunks(k).all(|r| r.contains(&3)));
+        let t = inputs.n_tokens();
+        for route in 0..t * k {
+            let (tok, e) = (route / k, out.experts[route] as usize);
+            let want = whole(
+                &weights.routed[e],
+                &front.xq[tok * d..(tok + 1) * d],
+                &front.xs[tok..tok + 1],
+                &out.weights[route..route + 1],
+            );
+            assert_eq!(
+                bits(&out.routed[route * d..(route + 1) * d]),
+                bits(&want),
+                "{cores} cores: route {route} (token {tok}, expert {e})"
+            );
+        }
+        let want = whole(&weights.shared[0], &front.xq, &front.xs, &vec![1.0; t]);
+        assert_eq!(
+            bits(&out.shared[..t * d]),
+            bits(&want),
+            "{cores} cores: shared expert"
+        );
+    }
 }

@@ -15,6 +15,7 @@ const SAME_SPLIT: KernelId = KernelId(3);
 const SLOW_READ: KernelId = KernelId(4);
 const SLOW_WRITE: KernelId = KernelId(5);
 const WRITE_2: KernelId = KernelId(6);
+const RECTS: KernelId = KernelId(7);
 
 fn worker() -> Worker {
     let w = Worker::new(
@@ -54,6 +55,26 @@ fn worker() -> Worker {
             };
             for r in rows.iter_mut() {
                 r.fill(1.0);
+            }
+            Ok(())
+        },
+    ))
+    .unwrap();
+    // Block b writes rows 2b..2b+2 of columns 0..2 and, as a second rectangle, the same rows
+    // of columns 2..4, block 0's moved down by the scalar: with 0 the rectangles tile the
+    // matrix; with 1 block 0's second rectangle (rows 1..3) overlaps block 1's (rows 2..4).
+    w.register_kernel(KernelSpec::new(
+        RECTS,
+        "rects",
+        EngineClass::Vector,
+        |ctx| {
+            let b = 2 * ctx.block_idx();
+            let shift = if b == 0 { ctx.scalar_usize(0)? } else { 0 };
+            let mut left = ctx.write_rect::<f32>(0, b..b + 2, 0..2)?;
+            let mut right = ctx.write_rect::<f32>(0, b + shift..b + shift + 2, 2..4)?;
+            for r in 0..2 {
+                left.row(r).fill(10.0 + b as f32);
+                right.row(r).fill(20.0 + b as f32);
             }
             Ok(())
         },
@@ -105,6 +126,47 @@ fn blocks_cannot_split_one_argument_two_ways() {
     // One split taken by every block works, and the worker is fine after the failures.
     let v = run_on(&w, SAME_SPLIT, 2).unwrap();
     assert_eq!(v, [0.0, 0.0, 2.0, 2.0].repeat(4));
+}
+
+/// Rectangles a kernel picks at run time: disjoint ones are written where they say; an
+/// overlapping one fails the run naming both blocks' rectangles (whichever block asked second),
+/// and the worker runs on.
+#[test]
+fn run_time_rectangles_are_disjoint_or_refused() {
+    let w = worker();
+    let run = |shift: u64| {
+        let buf = w.buffer_from(&[0.0f32; 16]).unwrap();
+        let args = RunArgs {
+            buffers: vec![buf.clone()],
+            scalars: vec![],
+        };
+        w.run_fn("rects", args, &CallConfig::default(), move |o, a| {
+            let t = o.bind(&a.buffers[0], DType::F32, &[4, 4])?;
+            o.submit(Task::new(RECTS).output_existing(&t).scalar(shift).blocks(2))?;
+            Ok(())
+        })
+        .map(|_| buf.read::<f32>().unwrap())
+    };
+    let v = run(0).unwrap();
+    let row = |l: f32, r: f32| [l, l, r, r];
+    assert_eq!(
+        v,
+        [
+            row(10.0, 20.0),
+            row(10.0, 20.0),
+            row(12.0, 22.0),
+            row(12.0, 22.0)
+        ]
+        .concat()
+    );
+    match run(1) {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::KernelFailed, "{e}");
+            assert!(e.detail.contains("overlaps rows"), "{e}");
+        }
+        other => panic!("overlapping rectangles were granted: {other:?}"),
+    }
+    assert_eq!(run(0).unwrap(), v);
 }
 
 /// Waits up to `bound` for `flag`; whether it was set.

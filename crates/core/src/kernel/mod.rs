@@ -15,8 +15,11 @@
 //!   [`TaskCtx::write_rows`] / [`TaskCtx::write_block_rows`] (rows of strided tiles: exactly the
 //!   view's elements, never the neighbours between its rows), [`TaskCtx::scatter`] (any view);
 //! - the blocks of a multi-block task share a written argument one way only: the first block
-//!   to take a share fixes the split (chunk size, rows, or columns with their granule), and a
-//!   block asking for a different split gets an error, never an overlapping share;
+//!   to take a share fixes the split (chunk size, rows, columns with their granule, or
+//!   rectangles), and a block asking for a different split gets an error, never an overlapping
+//!   share;
+//! - rectangles chosen at run time ([`TaskCtx::write_rect`]) are checked against every
+//!   rectangle of the argument the task's blocks took before, and an overlapping one is refused;
 //! - the orchestrator rejects a task whose written argument overlaps another of its arguments.
 //!
 //! Slices never cover elements outside the view, so tasks writing neighbouring tiles of one
@@ -24,8 +27,8 @@
 
 use std::cell::Cell;
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::dtype::{DType, Element};
 use crate::error::{KernelError, TensorError};
@@ -157,16 +160,42 @@ pub(crate) struct TaskDesc {
 /// split fails instead of getting a share that overlaps another block's. Shares of one split
 /// are disjoint by construction, so fixing the split is what keeps every block's `&mut` apart.
 ///
-/// Single-block tasks need no record (one block, and `claim` stops double borrows) and carry an
-/// empty one, so the common task's descriptor stays small.
+/// Single-block tasks need no per-argument record (one block, and `claim` stops double
+/// borrows) and carry an empty one, so the common task's descriptor stays small.
+///
+/// The rectangles handed out by [`TaskCtx::write_rect`] are listed too (every block's, of every
+/// argument, for the task's whole run): a rectangle is only handed out after it was checked
+/// against that list, so no two rectangles of one argument ever overlap, whichever blocks ask.
 #[derive(Default)]
-pub(crate) struct Splits(Box<[AtomicU64]>);
+pub(crate) struct Splits {
+    shares: Box<[AtomicU64]>,
+    rects: Mutex<Vec<Rect>>,
+}
+
+/// One rectangle a block of a task took with [`TaskCtx::write_rect`].
+struct Rect {
+    arg: usize,
+    block: u32,
+    rows: Range<usize>,
+    cols: Range<usize>,
+}
+
+impl Rect {
+    /// Whether the two share an element (empty rectangles share none).
+    fn overlaps(&self, rows: &Range<usize>, cols: &Range<usize>) -> bool {
+        let meet = |a: &Range<usize>, b: &Range<usize>| a.start.max(b.start) < a.end.min(b.end);
+        meet(&self.rows, rows) && meet(&self.cols, cols)
+    }
+}
 
 impl Splits {
     /// The record for a task of `blocks` blocks and `args` tensor arguments.
     pub(crate) fn new(blocks: u32, args: usize) -> Splits {
         if blocks > 1 {
-            Splits((0..args).map(|_| AtomicU64::new(0)).collect())
+            Splits {
+                shares: (0..args).map(|_| AtomicU64::new(0)).collect(),
+                rects: Mutex::default(),
+            }
         } else {
             Splits::default()
         }
@@ -175,10 +204,16 @@ impl Splits {
     /// Makes this the fresh record [`Splits::new`] gives, reusing its storage when the shape
     /// matches (a replayed task refilling its slot).
     pub(crate) fn reset(&mut self, blocks: u32, args: usize) {
-        if blocks > 1 && self.0.len() == args {
-            for s in self.0.iter_mut() {
+        if blocks > 1 && self.shares.len() == args {
+            for s in self.shares.iter_mut() {
                 *s.get_mut() = 0;
             }
+            // A poisoned lock only means a block panicked while holding it; the list is
+            // cleared either way.
+            self.rects
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
         } else {
             *self = Splits::new(blocks, args);
         }
@@ -191,6 +226,7 @@ enum Split {
     Chunk = 1,
     BlockRows = 2,
     BlockCols = 3,
+    Rects = 4,
 }
 
 impl Split {
@@ -201,7 +237,8 @@ impl Split {
         match code >> Split::PARAM_BITS {
             1 => format!("write_chunk with chunk {param}"),
             2 => "write_block_rows".to_string(),
-            _ => format!("write_block_cols with granule {param}"),
+            3 => format!("write_block_cols with granule {param}"),
+            _ => "write_rect".to_string(),
         }
     }
 }
@@ -244,6 +281,9 @@ pub struct TaskCtx<'a> {
     gang: Option<&'a dyn GangBarrier>,
     /// Arguments already borrowed mutably in this block (bit i = argument i).
     borrowed: Cell<u32>,
+    /// Of those, the ones borrowed only as rectangles ([`TaskCtx::write_rect`]), which may be
+    /// borrowed again as further rectangles.
+    rect_borrowed: Cell<u32>,
 }
 
 impl<'a> TaskCtx<'a> {
@@ -261,6 +301,7 @@ impl<'a> TaskCtx<'a> {
             cancel,
             gang,
             borrowed: Cell::new(0),
+            rect_borrowed: Cell::new(0),
         }
     }
 
@@ -391,13 +432,19 @@ impl<'a> TaskCtx<'a> {
     }
 
     fn writable(&self, i: usize, a: &TensorArg, what: &str) -> Result<(), KernelError> {
-        if !a.tag.is_written() {
-            return Err(KernelError::new(format!(
+        Self::written_tag(i, a)?;
+        self.claim(i, what)
+    }
+
+    fn written_tag(i: usize, a: &TensorArg) -> Result<(), KernelError> {
+        if a.tag.is_written() {
+            Ok(())
+        } else {
+            Err(KernelError::new(format!(
                 "argument {i} is tagged {} and cannot be written",
                 a.tag.name()
-            )));
+            )))
         }
-        self.claim(i, what)
     }
 
     fn claim(&self, i: usize, what: &str) -> Result<(), KernelError> {
@@ -416,7 +463,7 @@ impl<'a> TaskCtx<'a> {
         if self.desc.block_num == 1 {
             return Ok(());
         }
-        let Some(slot) = self.desc.splits.0.get(i) else {
+        let Some(slot) = self.desc.splits.shares.get(i) else {
             // Descriptors built without a record (tests) have one block.
             return Err(KernelError::new(format!(
                 "argument {i}: no split record for a task of {} blocks",
@@ -604,6 +651,72 @@ impl<'a> TaskCtx<'a> {
         Ok(rows)
     }
 
+    /// Rows `rows` by columns `cols` of a written view whose innermost stride is 1 (leading
+    /// dimensions flattened), for an SPMD task whose blocks choose their output tiles at run
+    /// time from data the task reads (how many rows each expert of a MoE step received, say),
+    /// where no split fixed at submission fits.
+    ///
+    /// A block may take several rectangles of one argument. Each is checked against every
+    /// rectangle the task's blocks took of that argument before (they stay taken until the
+    /// task ends) and refused if it shares an element with one, or if it reaches past the
+    /// view; so no two `&mut` rows handed out this way alias, whichever blocks ask and in
+    /// whatever order. In a multi-block task every block must reach the argument this way (the
+    /// split is fixed as for the other shares), and in any task an argument this block already
+    /// borrowed through another accessor is refused. Empty rectangles overlap nothing.
+    pub fn write_rect<T: Element>(
+        &self,
+        i: usize,
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<RowsMut<'_, T>, KernelError> {
+        let (a, _, _) = self.typed::<T>(i)?;
+        let all = RowsMut::<T>::new(i, &a.tensor, None)?;
+        let (n_rows, width) = (all.len(), all.view_row_len());
+        if rows.start > rows.end || rows.end > n_rows || cols.start > cols.end || cols.end > width {
+            return Err(KernelError::new(format!(
+                "write_rect({i}): rows {rows:?} by columns {cols:?} is not a rectangle inside the view's {n_rows} rows of {width}"
+            )));
+        }
+        Self::written_tag(i, a)?;
+        let bit = 1u32 << i;
+        if self.borrowed.get() & bit != 0 && self.rect_borrowed.get() & bit == 0 {
+            return Err(KernelError::new(format!(
+                "argument {i} is already borrowed mutably in this block (write_rect)"
+            )));
+        }
+        self.fix_split(i, Split::Rects, 0)?;
+        {
+            // A poisoned lock only means a block panicked while holding it; the list itself is
+            // always whole (it is only searched and pushed to).
+            let mut taken = self
+                .desc
+                .splits
+                .rects
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if let Some(r) = taken
+                .iter()
+                .find(|r| r.arg == i && r.overlaps(&rows, &cols))
+            {
+                return Err(KernelError::new(format!(
+                    "write_rect({i}): block {} asks for rows {rows:?} by columns {cols:?}, which overlaps rows {:?} by columns {:?} that block {} took",
+                    self.block, r.rows, r.cols, r.block
+                )));
+            }
+            taken.push(Rect {
+                arg: i,
+                block: self.block,
+                rows: rows.clone(),
+                cols: cols.clone(),
+            });
+        }
+        self.borrowed.set(self.borrowed.get() | bit);
+        self.rect_borrowed.set(self.rect_borrowed.get() | bit);
+        let mut share = RowsMut::new(i, &a.tensor, Some(rows))?;
+        share.set_cols(cols);
+        Ok(share)
+    }
+
     /// Writes `values` (row-major, one per element) into any written view of a single-block
     /// task.
     pub fn scatter<T: Element>(&self, i: usize, values: &[T]) -> Result<(), KernelError> {
@@ -716,6 +829,132 @@ mod tests {
         assert!(e.contains("already borrowed mutably"), "{e}");
         w[1] = old[0] + 2.0;
         assert_eq!((w[0], w[1]), (1.0, 2.0));
+    }
+
+    /// Rectangles chosen at run time: blocks hold several at once (one block two of them) and
+    /// write them interleaved (Miri would report aliasing `&mut` rows); the writes land where
+    /// the rectangles say.
+    #[test]
+    fn rectangles_of_different_blocks_are_disjoint_while_held_together() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let d = desc(vec![arg(ArgTag::OutputExisting, m)], 3);
+        let ctxs: Vec<TaskCtx<'_>> = (0..3)
+            .map(|b| TaskCtx::new(&d, b, 0, &cancel, None))
+            .collect();
+        let mut rects = vec![
+            ctxs[0].write_rect::<f32>(0, 0..3, 0..8).unwrap(),
+            ctxs[1].write_rect::<f32>(0, 3..8, 0..5).unwrap(),
+            ctxs[1].write_rect::<f32>(0, 3..8, 5..8).unwrap(),
+            ctxs[2].write_rect::<f32>(0, 2..2, 0..8).unwrap(),
+        ];
+        assert_eq!(
+            rects
+                .iter()
+                .map(|r| (r.first_row(), r.len(), r.first_col(), r.row_len()))
+                .collect::<Vec<_>>(),
+            [(0, 3, 0, 8), (3, 5, 0, 5), (3, 5, 5, 3), (2, 0, 0, 8)]
+        );
+        for r in 0..5 {
+            for (k, rect) in rects.iter_mut().enumerate() {
+                if r < rect.len() {
+                    rect.row(r).fill(k as f32 + 1.0);
+                }
+            }
+        }
+        drop(rects);
+        let read = desc(vec![arg(ArgTag::Input, m)], 1);
+        let all = TaskCtx::new(&read, 0, 0, &cancel, None)
+            .read::<f32>(0)
+            .unwrap()
+            .to_vec();
+        assert_eq!(&all[16..24], &[1.0; 8]);
+        assert_eq!(&all[24..32], &[2.0, 2.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0]);
+        assert_eq!(&all[56..64], &[2.0, 2.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0]);
+    }
+
+    /// Every way to ask for an aliasing rectangle is refused with an error that says why:
+    /// overlapping another block's, taking one's own twice, past the view, after another
+    /// accessor's borrow (both ways round), mixed with another split, or on a read argument.
+    #[test]
+    fn overlapping_or_mixed_rectangles_are_refused() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let d = desc(
+            vec![arg(ArgTag::OutputExisting, m), arg(ArgTag::Input, m)],
+            2,
+        );
+        let b0 = TaskCtx::new(&d, 0, 0, &cancel, None);
+        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
+        let mut held = b0.write_rect::<f32>(0, 2..4, 1..6).unwrap();
+        let err = |r: Result<RowsMut<'_, f32>, KernelError>| match r {
+            Ok(_) => panic!("an aliasing rectangle was handed out"),
+            Err(e) => e.to_string(),
+        };
+        let e = err(b1.write_rect::<f32>(0, 3..8, 5..6));
+        assert!(
+            e.contains("overlaps rows 2..4 by columns 1..6 that block 0"),
+            "{e}"
+        );
+        let e = err(b0.write_rect::<f32>(0, 2..4, 1..6));
+        assert!(e.contains("overlaps"), "{e}");
+        let e = err(b1.write_rect::<f32>(0, 0..9, 0..1));
+        assert!(e.contains("inside the view's 8 rows of 8"), "{e}");
+        let e = err(b1.write_rect::<f32>(0, 0..1, 6..9));
+        assert!(e.contains("not a rectangle inside"), "{e}");
+        #[allow(clippy::reversed_empty_ranges)]
+        let e = err(b1.write_rect::<f32>(0, 5..4, 0..1));
+        assert!(e.contains("not a rectangle inside"), "{e}");
+        let e = err(b1.write_block_cols::<f32>(0, 2));
+        assert!(e.contains("already split it by write_rect"), "{e}");
+        let e = err(b1.write_rect::<f32>(1, 0..1, 0..1));
+        assert!(e.contains("cannot be written"), "{e}");
+        // Touching rectangles (sharing an edge, not an element) are fine (a fresh context:
+        // the refused `write_block_cols` above counts as this block's borrow).
+        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
+        let mut beside = b1.write_rect::<f32>(0, 2..4, 6..8).unwrap();
+        // Both still held: write them interleaved.
+        held.row(1).fill(1.0);
+        beside.row(1).fill(2.0);
+        held.row(0).fill(1.0);
+        // Another split fixed first refuses rectangles.
+        let cols = desc(vec![arg(ArgTag::OutputExisting, m)], 2);
+        let c0 = TaskCtx::new(&cols, 0, 0, &cancel, None);
+        let c1 = TaskCtx::new(&cols, 1, 0, &cancel, None);
+        let mut share = c0.write_block_cols::<f32>(0, 1).unwrap();
+        let e = err(c1.write_rect::<f32>(0, 0..1, 7..8));
+        assert!(e.contains("already split it by write_block_cols"), "{e}");
+        share.row(0).fill(0.0);
+        // One block: a whole-argument borrow and a rectangle exclude each other.
+        let one = desc(vec![arg(ArgTag::OutputExisting, m)], 1);
+        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
+        let whole = ctx.write::<f32>(0).unwrap();
+        let e = err(ctx.write_rect::<f32>(0, 0..1, 0..1));
+        assert!(e.contains("already borrowed mutably in this block"), "{e}");
+        whole[0] = 1.0;
+        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
+        let mut rect = ctx.write_rect::<f32>(0, 0..1, 0..1).unwrap();
+        assert!(ctx.write::<f32>(0).is_err());
+        assert!(ctx.gather::<f32>(0).is_err());
+        rect.row(0)[0] = 2.0;
+    }
+
+    /// A replayed task starts with no rectangles taken.
+    #[test]
+    fn reset_forgets_the_rectangles() {
+        let mem = HostVec::new(256);
+        let m = matrix(&mem);
+        let cancel = AtomicBool::new(false);
+        let mut d = desc(vec![arg(ArgTag::OutputExisting, m)], 2);
+        {
+            let ctx = TaskCtx::new(&d, 0, 0, &cancel, None);
+            let _r = ctx.write_rect::<f32>(0, 0..8, 0..8).unwrap();
+        }
+        d.splits.reset(2, 1);
+        let ctx = TaskCtx::new(&d, 1, 0, &cancel, None);
+        assert!(ctx.write_rect::<f32>(0, 0..8, 0..8).is_ok());
     }
 
     /// The blocks' shares of one argument are held at the same time and written interleaved:

@@ -18,9 +18,9 @@
 //! only those tensors, and combine scatters the expert outputs back by route id. A node level
 //! replaces the dispatch task with "exchange counts, all-to-all the rows" writing the same
 //! tensors and the combine task with "all-to-all back, scatter by route id", leaving route,
-//! the expert phases and reduce as they are. The expert phases are SPMD over output columns
-//! and loop over the groups with rows, so an expert without a token costs a read of the
-//! offsets and nothing else.
+//! the expert phases and reduce as they are. The expert phases are SPMD over the output
+//! columns of the groups with rows, laid end to end (each block one long call per group it
+//! reaches), so an expert without a token costs a read of the offsets and nothing else.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -210,8 +210,10 @@ struct Plan {
     route_scale: f32,
     limit: f32,
     hash: bool,
-    /// SPMD blocks of the column-split phases.
+    /// SPMD blocks of the column-split phases (combine; the routed experts' phases).
     blocks: u32,
+    /// SPMD blocks of each shared expert's phases.
+    shared_blocks: u32,
     /// SPMD blocks of `hc_pre` (token rows).
     row_blocks: u32,
     hc: usize,
@@ -379,10 +381,14 @@ impl MoeLayer {
             route_scale: c.route_scale,
             limit: c.swiglu_limit,
             hash: self.layer < c.n_hash_layers,
-            // Column blocks of the expert phases: 16 per core, so the phase's tail (the
-            // last, smallest blocks) stays near a millisecond at FLASH widths (8 per core
-            // left one core idle 5.7 ms at the end of a 97 ms step).
+            // Blocks of the routed experts' phases: 16 per core, tapered, so the phase ends on
+            // blocks of a few hundred columns of one expert and the cores finish together,
+            // while a full block still spans most of an expert (at FLASH widths, 1280 of
+            // gate/up's 2048 columns with 16 active experts on 2 cores).
             blocks: u32::try_from(16 * cores.max(1)).unwrap_or(u32::MAX),
+            // A shared expert is one group: 2 blocks per core keep its calls long (512 of
+            // 2048 columns on 2 cores) and give every core a share.
+            shared_blocks: u32::try_from(2 * cores.max(1)).unwrap_or(u32::MAX),
             row_blocks: u32::try_from(cores.clamp(1, tokens.max(1))).unwrap_or(1),
             hc: c.hc_mult,
             hc_scale: self.hc_scale,
@@ -686,8 +692,9 @@ fn bind_experts(
 }
 
 /// The three expert phases over `rows` int8 rows (`q` `[R, D]`, `s` `[R]`) grouped by
-/// `offsets` (one group of every row when `None`), writing `y` `[R, D]`. Returns the down
-/// projection's task.
+/// `offsets` (one group of every row when `None`), writing `y` `[R, D]`; the two GEMM phases
+/// are SPMD tasks of `blocks` blocks, each a tapered share of the active groups' columns laid
+/// end to end. Returns the down projection's task.
 #[allow(clippy::too_many_arguments)]
 fn experts(
     o: &mut Orchestrator,
@@ -698,6 +705,7 @@ fn experts(
     grouping: Option<(&Tensor, &Tensor)>,
     rows: usize,
     y: &Tensor,
+    blocks: u32,
 ) -> Result<TaskId, RunError> {
     let (r, i) = (rows as u64, p.inter as u64);
     let h = o.alloc(DType::F32, &[r, i])?;
@@ -710,7 +718,7 @@ fn experts(
     if let Some((off, _)) = grouping {
         t = t.input(off);
     }
-    o.submit(t.scalar_f32(p.limit).blocks(p.blocks).timing_slot(3))?;
+    o.submit(t.scalar_f32(p.limit).blocks(blocks).timing_slot(3))?;
     let hq = o.alloc(DType::I8, &[r, i])?;
     let hs = o.alloc(DType::F32, &[r])?;
     let mut t = Task::new(moe_ops::MOE_QUANT_H)
@@ -730,7 +738,7 @@ fn experts(
     if let Some((off, _)) = grouping {
         t = t.input(off);
     }
-    Ok(o.submit(t.blocks(p.blocks).timing_slot(4))?.id)
+    Ok(o.submit(t.blocks(blocks).timing_slot(4))?.id)
 }
 
 /// The gate's tensors and the hyper-connection weights, bound from the layer's weights.
@@ -849,7 +857,7 @@ fn submit_shared(
         };
         let out = o.fatal_on(shared.slice(0, s as u64, s as u64 + 1))?;
         let out = o.fatal_on(out.reshape(&[t, d]))?;
-        experts(o, p, &sw, xq, xs, None, p.tokens, &out)?;
+        experts(o, p, &sw, xq, xs, None, p.tokens, &out, p.shared_blocks)?;
     }
     Ok(())
 }
@@ -958,6 +966,7 @@ fn graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunError> {
             Some((&offsets, &row_w)),
             p.capacity,
             &y_disp,
+            p.blocks,
         )?;
     }
 
@@ -1090,6 +1099,7 @@ fn expert_graph(o: &mut Orchestrator, a: &RunArgs, p: &Plan) -> Result<(), RunEr
         Some((&offsets, &row_w)),
         p.capacity,
         &y,
+        p.blocks,
     )?;
     Ok(())
 }

@@ -6,9 +6,9 @@
 //! |---|---|---|
 //! | [`MOE_ROUTE`] | x_mixed In f32 `[T,D]`, token ids In u32 `[T]`, ffn_norm NoDep f32 `[D]`, gate NoDep f32 `[E,D]`, bias NoDep f32 `[E]`, hash table NoDep u32 `[V,K]`; xq Out i8 `[T,D]`, xs Out f32 `[T]`, experts Out u32 `[T,K]`, weights Out f32 `[T,K]` | eps, route_scale, hash |
 //! | [`MOE_DISPATCH`] | experts In, weights In, xq In, xs In; counts Out u32 `[L]`, offsets Out u32 `[L+1]`, rows Out i8 `[C,D]`, scales Out f32 `[C]`, row weights Out f32 `[C]`, route ids Out u32 `[C]` | first_expert, n_experts |
-//! | [`MOE_GATE_UP`] (SPMD over `I` columns) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
+//! | [`MOE_GATE_UP`] (SPMD over the active groups' `I` columns end to end) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
 //! | [`MOE_QUANT_H`] | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
-//! | [`MOE_DOWN`] (SPMD over `D` columns) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
+//! | [`MOE_DOWN`] (SPMD over the active groups' `D` columns end to end) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
 //! | [`MOE_REDUCE`] (SPMD over rows) | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
 //! | [`MOE_HC_PRE`] (SPMD over rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, base NoDep f32 `[M]`; hcw Out f32 `[T,M]` (pre, post, comb as [`super::ops::HC_PRE`] writes them), x_mixed Out f32 `[T,D]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
@@ -32,11 +32,12 @@ use super::int8_layout::{Int8Use, kernel_layout};
 pub const MOE_ROUTE: KernelId = KernelId(3240);
 /// Routed rows grouped per local expert (the seam a collective replaces).
 pub const MOE_DISPATCH: KernelId = KernelId(3241);
-/// `h = silu(min(x W1ᵀ, l)) · clamp(x W3ᵀ, ±l)` for a share of the `I` columns of every group.
+/// `h = silu(min(x W1ᵀ, l)) · clamp(x W3ᵀ, ±l)` for a share of the active groups' `I` columns
+/// laid end to end (one call per group the share reaches).
 pub const MOE_GATE_UP: KernelId = KernelId(3242);
 /// `h` re-quantised per row, the routing weight folded into its scale.
 pub const MOE_QUANT_H: KernelId = KernelId(3243);
-/// `y = hq W2ᵀ` for a share of the `D` columns of every group.
+/// `y = hq W2ᵀ` for a share of the active groups' `D` columns laid end to end.
 pub const MOE_DOWN: KernelId = KernelId(3244);
 /// Expert outputs back to `[T, K, D]` route order (the seam a collective replaces).
 pub const MOE_COMBINE: KernelId = KernelId(3245);
@@ -478,6 +479,50 @@ fn group_weights<'a>(
     Ok((w, s, g, n))
 }
 
+/// Output columns per unit of an expert phase's split (a multiple of every GEMM path's
+/// column tile).
+const COL_UNIT: usize = 16;
+
+/// One call of an expert phase: group `group`'s rows, output columns `cols`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Piece {
+    group: usize,
+    cols: std::ops::Range<usize>,
+}
+
+/// The calls of the block whose share is `share` of the units of the `active` groups'
+/// outputs, `width` columns each, laid end to end group after group in units of
+/// [`COL_UNIT`]: one call per group the share reaches, over the columns it covers. Every
+/// group's unit costs the same weight bytes whatever its rows, so equal shares of units are
+/// equal shares of the phase's bytes, and a block makes one long call per group instead of
+/// one short call per group and column block.
+fn pieces(active: &[usize], width: usize, share: std::ops::Range<usize>) -> Vec<Piece> {
+    let units = width.div_ceil(COL_UNIT);
+    let mut out = Vec::new();
+    let mut u = share.start;
+    while u < share.end && units > 0 {
+        let (slot, first) = (u / units, u % units);
+        let Some(&group) = active.get(slot) else {
+            break;
+        };
+        let last = (share.end - slot * units).min(units);
+        out.push(Piece {
+            group,
+            cols: (first * COL_UNIT).min(width)..(last * COL_UNIT).min(width),
+        });
+        u = slot * units + last;
+    }
+    out
+}
+
+/// This block's calls of an expert phase over checked `offsets`, `width` output columns per
+/// group: its tapered share ([`TaskCtx::block_range_tapered`]) of the active groups' units.
+fn block_pieces(ctx: &TaskCtx<'_>, offsets: &[u32], width: usize) -> Vec<Piece> {
+    let active = active_groups(offsets);
+    let share = ctx.block_range_tapered(active.len() * width.div_ceil(COL_UNIT));
+    pieces(&active, width, share)
+}
+
 fn gate_up<'a>(ctx: &'a TaskCtx<'_>) -> Result<(), KernelError> {
     use idx::gate_up as a;
     const NAME: &str = "moe_gate_up_w8a8";
@@ -493,33 +538,26 @@ fn gate_up<'a>(ctx: &'a TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(NAME, "W1 and W3 differ in shape"));
     }
     let off = groups(ctx, a::OFFSETS, rows, g, NAME)?;
-    let mut h = ctx.write_block_cols::<f32>(a::H, 16)?;
-    if h.len() != rows || h.view_row_len() != inter {
+    let h_dims = dims2(ctx, a::H)?;
+    if h_dims != (rows, inter) {
         return Err(bad(
             NAME,
-            format!(
-                "h [{}, {}] for {rows} rows of {inter}",
-                h.len(),
-                h.view_row_len()
-            ),
+            format!("h {h_dims:?} for {rows} rows of {inter}"),
         ));
     }
-    let cols = h.first_col()..h.first_col() + h.row_len();
-    if cols.is_empty() {
-        return Ok(());
-    }
-    let n = cols.len();
     let layout = kernel_layout(Int8Use::Experts);
     let expert = |(w, s): (&'a [i8], &'a [f32]), e| expert_weights(w, s, e, inter, d, layout);
-    let active = active_groups(&off);
-    for (i, &e) in active.iter().enumerate() {
+    let calls = block_pieces(ctx, &off, inter);
+    for (i, Piece { group: e, cols }) in calls.iter().enumerate() {
+        let (e, n) = (*e, cols.len());
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
+        let mut h = ctx.write_rect::<f32>(a::H, r0..r1, cols.clone())?;
         let x = ActsI8::new(&q[r0 * d..r1 * d], &s[r0..r1], r1 - r0, d, d);
         let mut buf = vec![0.0f32; (r1 - r0) * n];
-        // The next expert's W1 rows of this block follow this one's W3 rows.
-        let next = active
+        // The block's next call streams the next group's W1 rows after this one's W3 rows.
+        let next = calls
             .get(i + 1)
-            .map(|&e| NextRows::new(expert((w1, s1), e), cols.start));
+            .map(|p| NextRows::new(expert((w1, s1), p.group), p.cols.start));
         k::expert_gate_up(
             expert((w1, s1), e),
             expert((w3, s3), e),
@@ -530,8 +568,8 @@ fn gate_up<'a>(ctx: &'a TaskCtx<'_>) -> Result<(), KernelError> {
             n,
             next,
         );
-        for (i, r) in (r0..r1).enumerate() {
-            h.row(r).copy_from_slice(&buf[i * n..(i + 1) * n]);
+        for (i, row) in h.iter_mut().enumerate() {
+            row.copy_from_slice(&buf[i * n..(i + 1) * n]);
         }
     }
     Ok(())
@@ -579,27 +617,17 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     expect_len(NAME, "hs", hs.len(), rows)?;
     let (w2, s2, g, d) = group_weights(ctx, a::W2, a::S2, inter, NAME)?;
     let off = groups(ctx, a::OFFSETS, rows, g, NAME)?;
-    let mut y = ctx.write_block_cols::<f32>(a::Y, 16)?;
-    if y.len() != rows || y.view_row_len() != d {
-        return Err(bad(
-            NAME,
-            format!(
-                "y [{}, {}] for {rows} rows of {d}",
-                y.len(),
-                y.view_row_len()
-            ),
-        ));
+    let y_dims = dims2(ctx, a::Y)?;
+    if y_dims != (rows, d) {
+        return Err(bad(NAME, format!("y {y_dims:?} for {rows} rows of {d}")));
     }
-    let cols = y.first_col()..y.first_col() + y.row_len();
-    if cols.is_empty() {
-        return Ok(());
-    }
-    let n = cols.len();
     let layout = kernel_layout(Int8Use::Experts);
     let expert = |e| expert_weights(w2, s2, e, d, inter, layout);
-    let active = active_groups(&off);
-    for (i, &e) in active.iter().enumerate() {
+    let calls = block_pieces(ctx, &off, d);
+    for (i, Piece { group: e, cols }) in calls.iter().enumerate() {
+        let (e, n) = (*e, cols.len());
         let (r0, r1) = (off[e] as usize, off[e + 1] as usize);
+        let mut y = ctx.write_rect::<f32>(a::Y, r0..r1, cols.clone())?;
         let x = ActsI8::new(
             &hq[r0 * inter..r1 * inter],
             &hs[r0..r1],
@@ -608,12 +636,12 @@ fn down(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             inter,
         );
         let mut buf = vec![0.0f32; (r1 - r0) * n];
-        let next = active
+        let next = calls
             .get(i + 1)
-            .map(|&e| NextRows::new(expert(e), cols.start));
+            .map(|p| NextRows::new(expert(p.group), p.cols.start));
         k::expert_down(expert(e), x, cols.clone(), &mut buf, n, next);
-        for (i, r) in (r0..r1).enumerate() {
-            y.row(r).copy_from_slice(&buf[i * n..(i + 1) * n]);
+        for (i, row) in y.iter_mut().enumerate() {
+            row.copy_from_slice(&buf[i * n..(i + 1) * n]);
         }
     }
     Ok(())
@@ -743,4 +771,57 @@ fn hc_pre(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         hc::hc_mix_streams(&xs[r * n..(r + 1) * n], &w[..n_hc], mixed.row(r));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{COL_UNIT, Piece, pieces};
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_share_makes_one_call_per_group_it_reaches() {
+        // Groups 1, 4 and 6 of 40 columns (3 units each, the last one 8 wide).
+        let p = |group, cols| Piece { group, cols };
+        assert_eq!(
+            pieces(&[1, 4, 6], 40, 2..7),
+            [p(1, 32..40), p(4, 0..40), p(6, 0..16)]
+        );
+        assert_eq!(pieces(&[1, 4, 6], 40, 0..9).len(), 3);
+        assert!(pieces(&[1, 4, 6], 40, 9..9).is_empty());
+        assert!(pieces(&[], 40, 0..0).is_empty());
+    }
+
+    proptest! {
+        /// The blocks' calls cover every active group's columns exactly once, in order.
+        #[test]
+        fn shares_cover_every_group_once(
+            n_active in 0usize..20,
+            width in 1usize..200,
+            blocks in 1usize..40,
+        ) {
+            let active: Vec<usize> = (0..n_active).map(|a| 3 * a + 1).collect();
+            let units = width.div_ceil(COL_UNIT);
+            let total = n_active * units;
+            let mut seen: Vec<Vec<usize>> = vec![vec![0; width]; n_active];
+            for b in 0..blocks {
+                let share = total * b / blocks..total * (b + 1) / blocks;
+                let calls = pieces(&active, width, share.clone());
+                // One call per group the share reaches.
+                let reach = if share.is_empty() {
+                    0
+                } else {
+                    (share.end - 1) / units - share.start / units + 1
+                };
+                prop_assert_eq!(calls.len(), reach);
+                for c in calls {
+                    let slot = (c.group - 1) / 3;
+                    prop_assert!(!c.cols.is_empty() && c.cols.end <= width);
+                    for col in c.cols {
+                        seen[slot][col] += 1;
+                    }
+                }
+            }
+            prop_assert!(seen.iter().flatten().all(|&n| n == 1));
+        }
+    }
 }

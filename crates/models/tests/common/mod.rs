@@ -5,10 +5,15 @@ use simpler_core::{Worker, WorkerConfig};
 /// A CPU worker on two cores with no kernels registered yet (each test registers the model
 /// ops it runs).
 pub(crate) fn two_core_worker() -> Worker {
+    cpu_worker(2)
+}
+
+/// A CPU worker on `cores` cores with no kernels registered yet.
+pub(crate) fn cpu_worker(cores: usize) -> Worker {
     Worker::new(
         simpler_cpu::CpuPlatform::new(),
         WorkerConfig {
-            cores: Some(2),
+            cores: Some(cores),
             timeouts: None,
         },
     )
