@@ -182,7 +182,26 @@ fn main() {
                 let (w, wb) = rate(&|t| t.wall);
                 let (b, _) = rate(&|t| t.busy / threads as f64);
                 let (c, _) = rate(&|t| t.cpu / threads as f64);
-                println!("  {name:<8} wall {w:>5.1} (best {wb:>5.1})  busy {b:>5.1}  cpu {c:>5.1}");
+                // Tiled against row-major, pass by pass (neighbouring passes of A B B A).
+                let paired = if li == 1 {
+                    let mut r: Vec<f64> = stats[1]
+                        .iter()
+                        .zip(&stats[0])
+                        .map(|(t, r)| r[p].cpu / t[p].cpu)
+                        .collect();
+                    r.sort_by(f64::total_cmp);
+                    format!(
+                        "  CPU-time rate tiled/row-major median {:.3} (range {:.3}..{:.3})",
+                        r[r.len() / 2],
+                        r[0],
+                        r[r.len() - 1]
+                    )
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {name:<8} wall {w:>5.1} (best {wb:>5.1})  busy {b:>5.1}  cpu {c:>5.1}{paired}"
+                );
             }
         }
     }
