@@ -71,18 +71,8 @@ struct Block {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let batches: Vec<usize> = get("--batches")
-        .unwrap_or_else(|| "4,16".into())
-        .split(',')
-        .map(|s| s.parse().expect("--batches: comma-separated integers"))
-        .collect();
+    let get = common::arg;
+    let batches = common::batches("4,16");
     let layers: usize = get("--layers").map_or(12, |s| s.parse().expect("--layers"));
     let reps: usize = get("--reps").map_or(5, |s| s.parse().expect("--reps"));
     let threads: usize = get("--threads")
