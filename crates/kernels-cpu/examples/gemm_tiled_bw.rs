@@ -52,17 +52,8 @@ struct Split {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let batches: Vec<usize> = get("--batches")
-        .unwrap_or_else(|| "1,4,8,16".into())
-        .split(',')
-        .map(|s| s.parse().expect("--batches: comma-separated integers"))
-        .collect();
+    let get = common::arg;
+    let batches = common::batches("1,4,8,16");
     let reps: usize = get("--reps").map_or(5, |s| s.parse().expect("--reps"));
     let mib: usize = get("--mib").map_or(256, |s| s.parse().expect("--mib"));
     let threads: usize = get("--threads").map_or(2, |s| s.parse().expect("--threads"));

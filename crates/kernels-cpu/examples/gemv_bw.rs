@@ -35,17 +35,8 @@ const SHAPES: [(&str, usize, usize); 7] = [
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let batches: Vec<usize> = get("--batches")
-        .unwrap_or_else(|| "1,2,4,16".into())
-        .split(',')
-        .map(|s| s.parse().expect("--batches: comma-separated integers"))
-        .collect();
+    let get = common::arg;
+    let batches = common::batches("1,2,4,16");
     let layers: usize = get("--layers").map_or(6, |s| s.parse().expect("--layers"));
     let reps: usize = get("--reps").map_or(5, |s| s.parse().expect("--reps"));
     let isa = if args.iter().any(|a| a == "--portable") {

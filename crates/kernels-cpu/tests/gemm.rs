@@ -7,6 +7,7 @@ use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
     GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, pack_index,
+    pack_segment_bf16,
 };
 
 fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
@@ -60,6 +61,40 @@ fn pack_index_is_a_permutation() {
             assert!(!seen[p], "cols {cols}: {k} collides");
             seen[p] = true;
         }
+    }
+}
+
+/// A packed segment (an SPMD block's columns) lands where `pack_index` puts each column of
+/// the whole row, on every path, for every valid range; ranges off the blocks are refused.
+#[test]
+fn packed_segments_match_pack_index() {
+    for cols in [1usize, 15, 16, 17, 40, 64, 100, 257] {
+        let row: Vec<bf16> = (0..cols).map(|c| bf16::from_f32(c as f32)).collect();
+        for c0 in (0..cols).step_by(16) {
+            let mut ends: Vec<usize> = (c0 + 16..=cols).step_by(16).collect();
+            ends.push(cols);
+            for end in ends {
+                let mut want = vec![f32::NAN; end - c0];
+                for c in c0..end {
+                    want[pack_index(c, cols) - c0] = c as f32;
+                }
+                for (path, got) in all_paths("pack_segment_bf16", || {
+                    let mut dst = vec![f32::NAN; end - c0];
+                    pack_segment_bf16(&row[c0..end], c0, cols, &mut dst);
+                    dst
+                }) {
+                    assert_eq!(got, want, "{} cols {cols}, {c0}..{end}", path.name());
+                }
+            }
+        }
+    }
+    for (c0, end, cols) in [(1, 17, 40), (0, 20, 40), (32, 48, 40)] {
+        let src = vec![bf16::ZERO; end - c0];
+        let mut dst = vec![0.0; end - c0];
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pack_segment_bf16(&src, c0, cols, &mut dst)
+        }));
+        assert!(r.is_err(), "{c0}..{end} of {cols} accepted");
     }
 }
 

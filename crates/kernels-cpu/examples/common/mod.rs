@@ -32,3 +32,21 @@ pub(crate) fn thread_cpu_seconds() -> f64 {
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
+
+/// The value after `name` (e.g. `--reps`) on the command line.
+pub(crate) fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+/// The comma-separated batch sizes after `--batches`, or `default`'s.
+pub(crate) fn batches(default: &str) -> Vec<usize> {
+    arg("--batches")
+        .unwrap_or_else(|| default.into())
+        .split(',')
+        .map(|s| s.parse().expect("--batches: comma-separated integers"))
+        .collect()
+}

@@ -21,7 +21,12 @@
 //! whose VNNI copy fits in about half the L2. While a group of 32 weight rows is multiplied,
 //! the next group is prefetched into L2 one line per row per step: a tile load gathers a line
 //! from each of 16 rows a row stride apart, a pattern the hardware prefetchers follow poorly,
-//! and at batch 16 the product is bound by that weight stream.
+//! and at batch 16 the product is bound by that weight stream. The first group has no pass
+//! before it: its lines are prefetched step by step while the activations are converted, so
+//! the weight stream starts with the call instead of after the conversion (the decode plan's
+//! blocks are 128–512 rows, and the conversion was a stretch of each with no weight traffic:
+//! +3.5–8% weights per second of thread CPU time on the AMX paths at batches 4 and 16,
+//! `docs/benchmarks.md`).
 //!
 //! # Tiled weights
 //! With the tiled layout (`WeightLayout::Tiled`) a weight tile is one 1 KiB block, so the
@@ -242,6 +247,9 @@ pub(super) unsafe fn gemm_with(
                     s.vnni.resize(nbt * nk * 16, ZERO_LINE);
                     for bt in 0..nbt {
                         for i in 0..nk {
+                            if bt == 0 {
+                                prefetch_first_group_step(lw, i);
+                            }
                             let tile = &mut s.vnni[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];
                             // SAFETY: AVX-512 by contract; rows and columns inside the
                             // activations.
@@ -502,6 +510,41 @@ unsafe fn single_row_pass(
             c = in(reg) c.as_mut_ptr(),
             options(nostack),
         );
+    }
+}
+
+/// Prefetches into L2 the weight lines of 32-element step `i` of the tile's first 32-row group
+/// (the lines the first `tile_pass` loads at that step), so the weight stream starts while the
+/// activations are converted instead of after. Nothing for a row-major group of fewer than 32
+/// rows (it is copied into scratch first).
+#[inline(always)]
+fn prefetch_first_group_step(lw: &Lowered<'_>, i: usize) {
+    let n0 = lw.n.start;
+    let nr = (lw.n.end - n0).min(32);
+    // Element offsets of the two 16-row tiles' first lines, elements between a tile's lines,
+    // and between steps.
+    let (at0, at1, line, step) = if lw.tiled {
+        let at0 = tiled_index(n0, lw.kb0, lw.ldw);
+        let at1 = if nr > 16 {
+            tiled_index(n0 + 16, lw.kb0, lw.ldw)
+        } else {
+            at0
+        };
+        (at0, at1, TILE_COLS, TILED_BLOCK)
+    } else if nr == 32 {
+        let at0 = n0 * lw.ldw + lw.kb0;
+        (at0, at0 + 16 * lw.ldw, lw.ldw, 32)
+    } else {
+        return;
+    };
+    let base = lw.w.as_ptr();
+    for r in 0..16 {
+        for at in [at0, at1] {
+            let p = base.wrapping_add(at + i * step + r * line);
+            // SAFETY: a prefetch never faults and changes no program state, whatever the
+            // address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
+        }
     }
 }
 

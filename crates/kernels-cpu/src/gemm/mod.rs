@@ -445,6 +445,29 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// Packs bf16 values for columns `c0 .. c0 + src.len()` of a row of `cols` columns into
+    /// `dst`, that column range of the packed row (an SPMD block's share of a packed
+    /// activation row, written in place: the gate/up block's SwiGLU rows).
+    ///
+    /// # Panics
+    /// If `dst` and `src` differ in length, the range passes `cols`, or it does not start on a
+    /// packing block and end on one or at `cols`.
+    pub fn pack_segment_bf16(src: &[bf16], c0: usize, cols: usize, dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len(), "pack_segment_bf16: dst len");
+        let end = c0.checked_add(src.len()).expect("pack_segment_bf16: range overflows");
+        assert!(
+            end <= cols
+                && c0.is_multiple_of(PACK_BLOCK)
+                && (end.is_multiple_of(PACK_BLOCK) || end == cols),
+            "pack_segment_bf16: columns {c0}..{end} of {cols} are not whole packing blocks"
+        );
+        // The segment's blocks are whole exactly where the row's are, and a last partial one
+        // is the row's own tail: packed like a row of its own.
+        pack_row(src, dst, |v| v.to_f32());
+    }
+}
+
 #[inline(always)]
 fn pack_row<T>(src: &[T], dst: &mut [f32], f: impl Fn(&T) -> f32) {
     let full = src.len() / PACK_BLOCK * PACK_BLOCK;

@@ -29,7 +29,7 @@ use std::ops::Range;
 use simpler_core::{
     DType, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor, TensorError,
 };
-use simpler_kernels_cpu::{packed_ld, partial_len};
+use simpler_kernels_cpu::{packed_ld, partial_len, split_range};
 
 use super::config::Qwen3Config;
 use super::ops;
@@ -116,6 +116,9 @@ pub(crate) struct StepPlan {
     pub(crate) kv_chunks: Vec<Vec<Range<usize>>>,
     /// Prefill: query rows per attention task.
     pub(crate) prefill_rows: usize,
+    /// Decode: tasks the step's q/k norm + RoPE rows are cut into (one per core: a task per
+    /// row paid the runtime's per-task cost 16 times a layer at batch 16).
+    pub(crate) rope_tasks: usize,
 }
 
 impl StepPlan {
@@ -518,9 +521,10 @@ fn rope_kv_runs(
     Ok(o.submit(Task::dummy().after_all(writes))?.id)
 }
 
-/// Decode: q/k norm and RoPE per sequence at the position its step entry holds, the new K/V
-/// rows gathered, and one task writing them into the pools at the entries' slots (so the
-/// graph does not depend on positions or slots); returns that task.
+/// Decode: q/k norm and RoPE of each row at the position its step entry holds, in
+/// `rope_tasks` tasks of consecutive rows, the new K/V rows gathered, and one task writing them
+/// into the pools at the entries' slots (so the graph does not depend on positions or slots);
+/// returns that task.
 #[allow(clippy::too_many_arguments)]
 fn rope_kv_step(
     o: &mut Orchestrator,
@@ -537,17 +541,19 @@ fn rope_kv_step(
     let (r, kvw) = (p.rows as u64, c.kv_width() as u64);
     let k_new = o.alloc(DType::BF16, &[r, kvw])?;
     let v_new = o.alloc(DType::BF16, &[r, kvw])?;
-    for b in 0..p.rows {
+    let tasks = p.rope_tasks.clamp(1, p.rows);
+    for t in 0..tasks {
+        let Range { start: b0, end: b1 } = split_range(p.rows, tasks, t);
         let (qr, kr, vr) = (
-            rows(o, q, b, b + 1)?,
-            rows(o, k, b, b + 1)?,
-            rows(o, v, b, b + 1)?,
+            rows(o, q, b0, b1)?,
+            rows(o, k, b0, b1)?,
+            rows(o, v, b0, b1)?,
         );
-        let entry = rows(o, step, b, b + 1)?;
+        let entry = rows(o, step, b0, b1)?;
         let (q_out, k_out, v_out) = (
-            rows(o, qb, b, b + 1)?,
-            rows(o, &k_new, b, b + 1)?,
-            rows(o, &v_new, b, b + 1)?,
+            rows(o, qb, b0, b1)?,
+            rows(o, &k_new, b0, b1)?,
+            rows(o, &v_new, b0, b1)?,
         );
         let t = RopeStepArgs {
             q: qkv_done.arg(&qr),

@@ -24,7 +24,7 @@ use crate::qwen3::quant::{int8_record, record_scale};
 
 use super::args::{argmax, gate_up, gemm, lm_head};
 use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
-use super::{bad, check_packed, check_packed_range, dims2, store_packed, with_scratch};
+use super::{bad, check_packed, check_packed_range, dims2, with_scratch};
 
 /// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
 /// scale), told apart by the bound dtype.
@@ -399,8 +399,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k::swiglu_bf16(gate, up, scale, &mut act);
     });
     for (b, dst) in out.iter_mut().enumerate() {
-        let row = &act[b * n..(b + 1) * n];
-        store_packed(dst, c0, inter, |i| row[i].to_f32());
+        k::pack_segment_bf16(&act[b * n..(b + 1) * n], c0, inter, dst);
     }
     Ok(())
 }

@@ -247,8 +247,27 @@ pub(crate) fn dims2(ctx: &TaskCtx<'_>, i: usize) -> Result<(usize, usize), Kerne
 
 /// Writes values for columns `c0..c0+n` of a packed row of `k` columns into `dst`, that
 /// column range of the packed row (`c0` a multiple of 16; `c0 + n` one too, or `k`).
+///
+/// Whole packing blocks are written with the block's fixed permutation (even then odd
+/// elements) rather than a `pack_index` per element, which cost ~3× as much (a 16 × 256
+/// block of SwiGLU rows: 33 against ~10 µs on a loaded host). Columns past the last whole
+/// block (a row's last `k % 16`), or any range not starting on a block, go through
+/// `pack_index`.
 fn store_packed(dst: &mut [f32], c0: usize, k: usize, value: impl Fn(usize) -> f32) {
-    for i in 0..dst.len() {
+    const HALF: usize = PACK_BLOCK / 2;
+    let whole = if c0.is_multiple_of(PACK_BLOCK) {
+        (k.saturating_sub(c0) / PACK_BLOCK * PACK_BLOCK).min(dst.len() / PACK_BLOCK * PACK_BLOCK)
+    } else {
+        0
+    };
+    for (b, d) in dst[..whole].chunks_exact_mut(PACK_BLOCK).enumerate() {
+        let o = b * PACK_BLOCK;
+        for i in 0..HALF {
+            d[i] = value(o + 2 * i);
+            d[HALF + i] = value(o + 2 * i + 1);
+        }
+    }
+    for i in whole..dst.len() {
         dst[pack_index(c0 + i, k) - c0] = value(i);
     }
 }
@@ -277,4 +296,36 @@ fn check_packed(kernel: &str, len: usize, rows: usize, k: usize) -> Result<(), K
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every valid column range (from a block, to a block or the row's end) and a range off
+    /// the block starts land where `pack_index` says.
+    #[test]
+    fn store_packed_puts_each_column_at_its_pack_index() {
+        for k in [1usize, 15, 16, 17, 40, 64, 100, 257] {
+            let mut ranges: Vec<(usize, usize)> = Vec::new();
+            for c0 in (0..k).step_by(PACK_BLOCK) {
+                let mut ends: Vec<usize> = (c0 + PACK_BLOCK..=k).step_by(PACK_BLOCK).collect();
+                ends.push(k);
+                ranges.extend(ends.into_iter().map(|e| (c0, e)));
+            }
+            // Inside the row's last partial block (in order), off the block start.
+            if k % PACK_BLOCK > 1 {
+                ranges.push((k / PACK_BLOCK * PACK_BLOCK + 1, k));
+            }
+            for (c0, end) in ranges {
+                let mut dst = vec![f32::NAN; end - c0];
+                store_packed(&mut dst, c0, k, |i| (c0 + i) as f32);
+                let mut want = vec![f32::NAN; end - c0];
+                for c in c0..end {
+                    want[pack_index(c, k) - c0] = c as f32;
+                }
+                assert_eq!(dst, want, "k {k}, columns {c0}..{end}");
+            }
+        }
+    }
 }
