@@ -2,6 +2,13 @@
 //! Qwen3 head shape over a paged pool larger than the last-level cache.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
+//!
+//! `--shape BxL [--layers 28 --rounds 9 --paths avx512-bf16,amx-bf16]`: the model's decode
+//! attention phase instead — batch `B` of `L` tokens, every layer with its own pools (cold, as
+//! in a step), each sequence cut into the plan's chunks of 256 tokens (one task per chunk,
+//! every KV head), the tasks claimed by two threads in order, a barrier between layers. The
+//! named decode paths (`set_process_decode_path`) alternate round by round; per path, the
+//! median and minimum wall time of a round and of the threads' CPU time.
 
 mod common;
 
@@ -9,7 +16,7 @@ use std::time::Instant;
 
 use half::bf16;
 use simpler_kernels_cpu::{
-    PagedKv, decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len,
+    PagedKv, decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len, split_range,
 };
 
 fn main() {
@@ -26,6 +33,25 @@ fn main() {
         get("--heads", 8),
         get("--seqs", 64),
     );
+    if let Some(i) = args.iter().position(|a| a == "--shape") {
+        let shape = args.get(i + 1).expect("--shape BxL");
+        let (b, l) = shape.split_once('x').expect("--shape BxL");
+        let paths = args
+            .iter()
+            .position(|a| a == "--paths")
+            .and_then(|i| args.get(i + 1))
+            .map_or("avx512-bf16,amx-bf16", String::as_str);
+        plan_phase(
+            b.parse().expect("batch"),
+            l.parse().expect("length"),
+            group,
+            kv_heads,
+            get("--layers", 28),
+            get("--rounds", 9),
+            paths,
+        );
+        return;
+    }
     let passes = get("--passes", 1);
     let hd = 128;
     let page = 128;
@@ -81,53 +107,255 @@ fn main() {
     let threads = get("--threads", 1).max(1);
     for rep in 0..3 {
         let t = Instant::now();
-        std::thread::scope(|sc| {
-            for th in 0..threads {
-                let (tables, kv, q) = (&tables, &kv, &q);
-                sc.spawn(move || {
-                    let mut partial = vec![0.0f32; partial_len(group, hd)];
-                    let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
-                    for table in tables
-                        .iter()
-                        .skip(th)
-                        .step_by(threads)
-                        .cycle()
-                        .take(seqs * passes / threads)
-                    {
-                        if all_heads {
-                            decode_attention_heads_bf16(
-                                q,
-                                group,
-                                kv,
-                                table,
-                                0..seq,
-                                0.088,
-                                &mut partials,
-                            );
-                        } else {
-                            for g in 0..kv_heads {
-                                decode_attention_partial_bf16(
+        let cpu: f64 = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|th| {
+                    let (tables, kv, q) = (&tables, &kv, &q);
+                    sc.spawn(move || {
+                        let c0 = common::thread_cpu_seconds();
+                        let mut partial = vec![0.0f32; partial_len(group, hd)];
+                        let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
+                        for table in tables
+                            .iter()
+                            .skip(th)
+                            .step_by(threads)
+                            .cycle()
+                            .take(seqs * passes / threads)
+                        {
+                            if all_heads {
+                                decode_attention_heads_bf16(
                                     q,
                                     group,
                                     kv,
                                     table,
-                                    g,
                                     0..seq,
                                     0.088,
-                                    &mut partial,
+                                    &mut partials,
                                 );
+                            } else {
+                                for g in 0..kv_heads {
+                                    decode_attention_partial_bf16(
+                                        q,
+                                        group,
+                                        kv,
+                                        table,
+                                        g,
+                                        0..seq,
+                                        0.088,
+                                        &mut partial,
+                                    );
+                                }
                             }
                         }
-                    }
-                });
-            }
+                        common::thread_cpu_seconds() - c0
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).sum()
         });
         let dt = t.elapsed().as_secs_f64();
         let bytes = (passes * seqs * kv_heads * seq * hd * 2 * 2) as f64;
         println!(
-            "rep {rep}: {:.1} us per (sequence, kv head) call, {:.2} GB/s of KV",
+            "rep {rep}: {:.1} us per (sequence, kv head) call, {:.2} GB/s of KV, {:.2} GB per thread CPU second",
             dt / (passes * seqs * kv_heads) as f64 * 1e6,
-            bytes / dt / 1e9
+            bytes / dt / 1e9,
+            bytes / cpu / 1e9
         );
     }
+}
+
+/// Tokens per decode attention task at the Qwen3 shapes on 2 cores (the plan's longest chunk).
+const PLAN_CHUNK: usize = 256;
+
+/// The `--shape` mode (see the module docs).
+fn plan_phase(
+    batch: usize,
+    len: usize,
+    group: usize,
+    kv_heads: usize,
+    layers: usize,
+    rounds: usize,
+    paths: &str,
+) {
+    use simpler_kernels_cpu::isa::Isa;
+    use std::sync::Barrier;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (hd, page, threads) = (128, 128, 2);
+    let blocks = len.div_ceil(page);
+    let row = kv_heads * hd;
+    let slots = batch * blocks * page;
+    // `None`: the plain read pass over the same rows.
+    let paths: Vec<Option<Isa>> = paths
+        .split(',')
+        .map(|n| match n {
+            "read" => None,
+            _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
+        })
+        .collect();
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut rnd = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+    };
+    let pools: Vec<(&[bf16], &[bf16])> = (0..layers)
+        .map(|_| {
+            let k = common::huge_pool(slots * row);
+            let v = common::huge_pool(slots * row);
+            for x in k.iter_mut().chain(v.iter_mut()) {
+                *x = rnd();
+            }
+            (&*k, &*v)
+        })
+        .collect();
+    let qs: Vec<Vec<bf16>> = (0..batch)
+        .map(|_| (0..kv_heads * group * hd).map(|_| rnd()).collect())
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
+        .collect();
+    let chunks = len.div_ceil(PLAN_CHUNK);
+    let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..batch)
+        .flat_map(|b| (0..chunks).map(move |c| (b, split_range(len, chunks, c))))
+        .collect();
+    let rec = partial_len(group, hd);
+    println!(
+        "{batch} x {len}: {} tasks of ~{} tokens per layer, {layers} layers, {:.0} MB of KV per round, 2 threads",
+        tasks.len(),
+        len / chunks,
+        (layers * batch * len * row * 4) as f64 / 1e6
+    );
+    let mut walls: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    let mut cpus: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    for round in 0..=rounds {
+        for (pi, &path) in paths.iter().enumerate() {
+            if let Some(path) = path {
+                assert!(
+                    simpler_kernels_cpu::attention::set_process_decode_path(Some(path)),
+                    "this CPU lacks {}",
+                    path.name()
+                );
+            }
+            let next: Vec<AtomicUsize> = (0..layers).map(|_| AtomicUsize::new(0)).collect();
+            let barrier = Barrier::new(threads);
+            let t = Instant::now();
+            let cpu: f64 = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let (pools, qs, tables, tasks, next, barrier) =
+                            (&pools, &qs, &tables, &tasks, &next, &barrier);
+                        sc.spawn(move || {
+                            let c0 = common::thread_cpu_seconds();
+                            let mut partials = vec![0.0f32; kv_heads * rec];
+                            let mut sink = 0u64;
+                            for (layer, &(k, v)) in pools.iter().enumerate() {
+                                let kv = PagedKv {
+                                    k,
+                                    v,
+                                    kv_heads,
+                                    head_dim: hd,
+                                    page_size: page,
+                                };
+                                loop {
+                                    let i = next[layer].fetch_add(1, Ordering::Relaxed);
+                                    let Some((b, r)) = tasks.get(i) else { break };
+                                    if path.is_none() {
+                                        let at = |t: usize| {
+                                            (tables[*b][t / page] as usize * page + t % page) * row
+                                        };
+                                        for pool in [k, v] {
+                                            sink ^=
+                                                read_rows(&pool[at(r.start)..at(r.end - 1) + row]);
+                                        }
+                                        continue;
+                                    }
+                                    decode_attention_heads_bf16(
+                                        &qs[*b],
+                                        group,
+                                        &kv,
+                                        &tables[*b],
+                                        r.clone(),
+                                        0.088,
+                                        &mut partials,
+                                    );
+                                }
+                                barrier.wait();
+                            }
+                            std::hint::black_box(sink);
+                            common::thread_cpu_seconds() - c0
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("thread")).sum()
+            });
+            let wall = t.elapsed().as_secs_f64();
+            // Round 0 warms every path up and is not counted.
+            if round > 0 {
+                walls[pi].push(wall);
+                cpus[pi].push(cpu);
+            }
+        }
+    }
+    assert!(simpler_kernels_cpu::attention::set_process_decode_path(
+        None
+    ));
+    let stat = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2] * 1e3, v[0] * 1e3)
+    };
+    let bytes = (layers * batch * len * row * 4) as f64;
+    for (pi, path) in paths.iter().enumerate() {
+        let (wm, wmin) = stat(&mut walls[pi]);
+        let (cm, cmin) = stat(&mut cpus[pi]);
+        let name = path.map_or("read", Isa::name);
+        println!(
+            "{name:>12}: wall median {wm:.2} ms (min {wmin:.2}, {:.1} GB/s at the min), thread CPU median {cm:.2} ms (min {cmin:.2}, {:.1} GB/s per core-second)",
+            bytes / wmin / 1e6,
+            bytes / cmin / 1e6,
+        );
+    }
+    let mut load = String::new();
+    if std::fs::File::open("/proc/loadavg")
+        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut load))
+        .is_ok()
+    {
+        println!("load average: {}", load.trim());
+    }
+}
+
+/// Reads every bf16 of `rows` (a plain read pass: 512-bit loads, four independent sums), the
+/// bound the attention kernel's pass over the same rows is compared with.
+fn read_rows(rows: &[bf16]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F.
+        return unsafe { read_rows_avx512(rows) };
+    }
+    rows.iter().map(|x| u64::from(x.to_bits())).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn read_rows_avx512(rows: &[bf16]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_si512(); 4];
+    let blocks = rows.chunks_exact(128);
+    let tail: u64 = blocks
+        .remainder()
+        .iter()
+        .map(|x| u64::from(x.to_bits()))
+        .sum();
+    for b in blocks {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `b` holds 128 bf16: four 64-byte loads.
+            let v = unsafe { _mm512_loadu_si512(b[32 * i..].as_ptr().cast()) };
+            *a = _mm512_add_epi32(*a, v);
+        }
+    }
+    let s = _mm512_add_epi32(
+        _mm512_add_epi32(acc[0], acc[1]),
+        _mm512_add_epi32(acc[2], acc[3]),
+    );
+    tail.wrapping_add(_mm512_reduce_add_epi32(s) as u32 as u64)
 }
