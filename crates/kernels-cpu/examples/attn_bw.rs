@@ -3,12 +3,14 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
 //!
-//! `--shape BxL [--layers 28 --rounds 9 --paths avx512-bf16,amx-bf16]`: the model's decode
-//! attention phase instead — batch `B` of `L` tokens, every layer with its own pools (cold, as
-//! in a step), each sequence cut into the plan's chunks of 256 tokens (one task per chunk,
-//! every KV head), the tasks claimed by two threads in order, a barrier between layers. The
-//! named decode paths (`set_process_decode_path`) alternate round by round; per path, the
-//! median and minimum wall time of a round and of the threads' CPU time.
+//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --paths read,read-heads:1,avx512-bf16]`:
+//! the model's decode attention phase instead — batch `B` of `L` tokens, every layer with its
+//! own pools (cold, as in a step), each sequence cut into chunks of about `--chunk` tokens (the
+//! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by two
+//! threads in order, a barrier between layers. The named paths alternate round by round: decode
+//! paths (`set_process_decode_path`), `read` (a plain read of each task's rows in address
+//! order) and `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per
+//! pass); per path, the median and minimum wall time of a round and of the threads' CPU time.
 
 mod common;
 
@@ -48,6 +50,7 @@ fn main() {
             kv_heads,
             get("--layers", 28),
             get("--rounds", 9),
+            get("--chunk", PLAN_CHUNK),
             paths,
         );
         return;
@@ -168,6 +171,7 @@ fn main() {
 const PLAN_CHUNK: usize = 256;
 
 /// The `--shape` mode (see the module docs).
+#[allow(clippy::too_many_arguments)]
 fn plan_phase(
     batch: usize,
     len: usize,
@@ -175,6 +179,7 @@ fn plan_phase(
     kv_heads: usize,
     layers: usize,
     rounds: usize,
+    chunk: usize,
     paths: &str,
 ) {
     use simpler_kernels_cpu::isa::Isa;
@@ -185,10 +190,12 @@ fn plan_phase(
     let row = kv_heads * hd;
     let slots = batch * blocks * page;
     // `None`: the plain read pass over the same rows.
+    let names: Vec<&str> = paths.split(',').collect();
     let paths: Vec<Option<Isa>> = paths
         .split(',')
         .map(|n| match n {
             "read" => None,
+            _ if n.starts_with("read-heads") => None,
             _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
         })
         .collect();
@@ -215,7 +222,7 @@ fn plan_phase(
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
         .collect();
-    let chunks = len.div_ceil(PLAN_CHUNK);
+    let chunks = len.div_ceil(chunk.max(1));
     let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..batch)
         .flat_map(|b| (0..chunks).map(move |c| (b, split_range(len, chunks, c))))
         .collect();
@@ -245,6 +252,11 @@ fn plan_phase(
                     .map(|_| {
                         let (pools, qs, tables, tasks, next, barrier) =
                             (&pools, &qs, &tables, &tasks, &next, &barrier);
+                        // `read-heads:N`: N heads per pass (1, the kernel's order, by default).
+                        let heads_order = names[pi].strip_prefix("read-heads").map(|n| {
+                            n.strip_prefix(':')
+                                .map_or(1, |n| n.parse::<usize>().expect("read-heads:N"))
+                        });
                         sc.spawn(move || {
                             let c0 = common::thread_cpu_seconds();
                             let mut partials = vec![0.0f32; kv_heads * rec];
@@ -260,6 +272,12 @@ fn plan_phase(
                                 loop {
                                     let i = next[layer].fetch_add(1, Ordering::Relaxed);
                                     let Some((b, r)) = tasks.get(i) else { break };
+                                    if let Some(per_pass) = heads_order {
+                                        let w = per_pass.clamp(1, kv_heads) * hd;
+                                        sink ^=
+                                            read_heads(k, v, &tables[*b], page, row, w, r.clone());
+                                        continue;
+                                    }
                                     if path.is_none() {
                                         let at = |t: usize| {
                                             (tables[*b][t / page] as usize * page + t % page) * row
@@ -308,7 +326,8 @@ fn plan_phase(
     for (pi, path) in paths.iter().enumerate() {
         let (wm, wmin) = stat(&mut walls[pi]);
         let (cm, cmin) = stat(&mut cpus[pi]);
-        let name = path.map_or("read", Isa::name);
+        let name = names[pi];
+        let _ = path;
         println!(
             "{name:>12}: wall median {wm:.2} ms (min {wmin:.2}, {:.1} GB/s at the min), thread CPU median {cm:.2} ms (min {cmin:.2}, {:.1} GB/s per core-second)",
             bytes / wmin / 1e6,
@@ -358,4 +377,64 @@ fn read_rows_avx512(rows: &[bf16]) -> u64 {
         _mm512_add_epi32(acc[2], acc[3]),
     );
     tail.wrapping_add(_mm512_reduce_add_epi32(s) as u32 as u64)
+}
+
+/// Reads the rows of `tokens` in the AVX-512 decode kernel's order without its arithmetic:
+/// runs of 32 tokens inside a page, a slice of `w` columns at a time (the kernel's is one
+/// head), each row's slice of K then of V, the next run's slices prefetched into L2
+/// meanwhile. At `w = hd` this separates the kernel's access pattern from its compute; wider
+/// slices show what passes over several heads would read at.
+fn read_heads(
+    k: &[bf16],
+    v: &[bf16],
+    table: &[u32],
+    page: usize,
+    row: usize,
+    w: usize,
+    tokens: std::ops::Range<usize>,
+) -> u64 {
+    let slot = |t: usize| table[t / page] as usize * page + t % page;
+    let run_len = |t: usize| 32.min(page - t % page).min(tokens.end - t);
+    let pf = |p: *const bf16| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+        };
+    };
+    let mut sink = 0u64;
+    let mut t = tokens.start;
+    if t < tokens.end {
+        let base = slot(t) * row;
+        for e in (0..run_len(t) * row).step_by(32) {
+            pf(k[base + e..].as_ptr());
+            pf(v[base + e..].as_ptr());
+        }
+    }
+    while t < tokens.end {
+        let run = run_len(t);
+        let base = slot(t) * row;
+        let next = t + run;
+        let (nbase, nrun) = if next < tokens.end {
+            (slot(next) * row, run_len(next))
+        } else {
+            (0, 0)
+        };
+        for c in (0..row).step_by(w) {
+            let w = w.min(row - c);
+            for pool in [k, v] {
+                for r in 0..run {
+                    if r < nrun {
+                        for e in (0..w).step_by(32) {
+                            pf(pool[nbase + r * row + c + e..].as_ptr());
+                        }
+                    }
+                    let at = base + r * row + c;
+                    sink ^= read_rows(&pool[at..at + w]);
+                }
+            }
+        }
+        t = next;
+    }
+    sink
 }
