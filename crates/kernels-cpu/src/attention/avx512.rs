@@ -304,6 +304,14 @@ unsafe fn heads_g<const G: usize, const NV: usize, const NB: usize>(
                 }
                 r0 += rows;
             }
+            // Rows of a longer next run than this one (this run ended at a page's end).
+            let (pbase, prows, ph) = target(h);
+            for r in run..prows {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(kp.wrapping_add(pbase + r * row + ph * hd + e));
+                    prefetch_l2(vp.wrapping_add(pbase + r * row + ph * hd + e));
+                }
+            }
             let st = &mut states[h * per..(h + 1) * per];
             let corr = update16::<G>(s, run, hd, st);
             let corr: [__m512; G] = std::array::from_fn(|j| _mm512_set1_ps(corr[j]));
