@@ -61,13 +61,7 @@ fn main() {
     let blocks = seq.div_ceil(page);
     let row = kv_heads * hd;
     let slots = seqs * blocks * page;
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut rnd = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-    };
+    let mut rnd = uniform_bf16(0x9E37_79B9_7F4A_7C15);
     // Pools in 2 MiB-aligned anonymous mappings advised to use huge pages, as the runtime
     // allocates them.
     let kmap = common::huge_pool(slots * row);
@@ -167,6 +161,17 @@ fn main() {
     }
 }
 
+/// A seeded xorshift generator of bf16 values uniform in [-0.5, 0.5).
+fn uniform_bf16(seed: u64) -> impl FnMut() -> bf16 {
+    let mut s = seed;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+    }
+}
+
 /// Tokens per decode attention task at the Qwen3 shapes on 2 cores (the plan's longest chunk).
 const PLAN_CHUNK: usize = 256;
 
@@ -199,13 +204,7 @@ fn plan_phase(
             _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
         })
         .collect();
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut rnd = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-    };
+    let mut rnd = uniform_bf16(0x2545_F491_4F6C_DD1D);
     let pools: Vec<(&[bf16], &[bf16])> = (0..layers)
         .map(|_| {
             let k = common::huge_pool(slots * row);
