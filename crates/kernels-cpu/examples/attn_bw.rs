@@ -2,6 +2,15 @@
 //! Qwen3 head shape over a paged pool larger than the last-level cache.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
+//!
+//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --paths read,read-heads:1,avx512-bf16]`:
+//! the model's decode attention phase instead — batch `B` of `L` tokens, every layer with its
+//! own pools (cold, as in a step), each sequence cut into chunks of about `--chunk` tokens (the
+//! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by two
+//! threads in order, a barrier between layers. The named paths alternate round by round: decode
+//! paths (`set_process_decode_path`), `read` (a plain read of each task's rows in address
+//! order) and `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per
+//! pass); per path, the median and minimum wall time of a round and of the threads' CPU time.
 
 mod common;
 
@@ -9,7 +18,7 @@ use std::time::Instant;
 
 use half::bf16;
 use simpler_kernels_cpu::{
-    PagedKv, decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len,
+    PagedKv, decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len, split_range,
 };
 
 fn main() {
@@ -26,19 +35,33 @@ fn main() {
         get("--heads", 8),
         get("--seqs", 64),
     );
+    if let Some(i) = args.iter().position(|a| a == "--shape") {
+        let shape = args.get(i + 1).expect("--shape BxL");
+        let (b, l) = shape.split_once('x').expect("--shape BxL");
+        let paths = args
+            .iter()
+            .position(|a| a == "--paths")
+            .and_then(|i| args.get(i + 1))
+            .map_or("avx512-bf16,amx-bf16", String::as_str);
+        plan_phase(
+            b.parse().expect("batch"),
+            l.parse().expect("length"),
+            group,
+            kv_heads,
+            get("--layers", 28),
+            get("--rounds", 9),
+            get("--chunk", PLAN_CHUNK),
+            paths,
+        );
+        return;
+    }
     let passes = get("--passes", 1);
     let hd = 128;
     let page = 128;
     let blocks = seq.div_ceil(page);
     let row = kv_heads * hd;
     let slots = seqs * blocks * page;
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut rnd = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-    };
+    let mut rnd = uniform_bf16(0x9E37_79B9_7F4A_7C15);
     // Pools in 2 MiB-aligned anonymous mappings advised to use huge pages, as the runtime
     // allocates them.
     let kmap = common::huge_pool(slots * row);
@@ -81,53 +104,350 @@ fn main() {
     let threads = get("--threads", 1).max(1);
     for rep in 0..3 {
         let t = Instant::now();
-        std::thread::scope(|sc| {
-            for th in 0..threads {
-                let (tables, kv, q) = (&tables, &kv, &q);
-                sc.spawn(move || {
-                    let mut partial = vec![0.0f32; partial_len(group, hd)];
-                    let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
-                    for table in tables
-                        .iter()
-                        .skip(th)
-                        .step_by(threads)
-                        .cycle()
-                        .take(seqs * passes / threads)
-                    {
-                        if all_heads {
-                            decode_attention_heads_bf16(
-                                q,
-                                group,
-                                kv,
-                                table,
-                                0..seq,
-                                0.088,
-                                &mut partials,
-                            );
-                        } else {
-                            for g in 0..kv_heads {
-                                decode_attention_partial_bf16(
+        let cpu: f64 = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|th| {
+                    let (tables, kv, q) = (&tables, &kv, &q);
+                    sc.spawn(move || {
+                        let c0 = common::thread_cpu_seconds();
+                        let mut partial = vec![0.0f32; partial_len(group, hd)];
+                        let mut partials = vec![0.0f32; kv_heads * partial_len(group, hd)];
+                        for table in tables
+                            .iter()
+                            .skip(th)
+                            .step_by(threads)
+                            .cycle()
+                            .take(seqs * passes / threads)
+                        {
+                            if all_heads {
+                                decode_attention_heads_bf16(
                                     q,
                                     group,
                                     kv,
                                     table,
-                                    g,
                                     0..seq,
                                     0.088,
-                                    &mut partial,
+                                    &mut partials,
                                 );
+                            } else {
+                                for g in 0..kv_heads {
+                                    decode_attention_partial_bf16(
+                                        q,
+                                        group,
+                                        kv,
+                                        table,
+                                        g,
+                                        0..seq,
+                                        0.088,
+                                        &mut partial,
+                                    );
+                                }
                             }
                         }
-                    }
-                });
-            }
+                        common::thread_cpu_seconds() - c0
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).sum()
         });
         let dt = t.elapsed().as_secs_f64();
         let bytes = (passes * seqs * kv_heads * seq * hd * 2 * 2) as f64;
         println!(
-            "rep {rep}: {:.1} us per (sequence, kv head) call, {:.2} GB/s of KV",
+            "rep {rep}: {:.1} us per (sequence, kv head) call, {:.2} GB/s of KV, {:.2} GB per thread CPU second",
             dt / (passes * seqs * kv_heads) as f64 * 1e6,
-            bytes / dt / 1e9
+            bytes / dt / 1e9,
+            bytes / cpu / 1e9
         );
     }
+}
+
+/// A seeded xorshift generator of bf16 values uniform in [-0.5, 0.5).
+fn uniform_bf16(seed: u64) -> impl FnMut() -> bf16 {
+    let mut s = seed;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+    }
+}
+
+/// Tokens per decode attention task at the Qwen3 shapes on 2 cores (the plan's longest chunk).
+const PLAN_CHUNK: usize = 256;
+
+/// The `--shape` mode (see the module docs).
+#[allow(clippy::too_many_arguments)]
+fn plan_phase(
+    batch: usize,
+    len: usize,
+    group: usize,
+    kv_heads: usize,
+    layers: usize,
+    rounds: usize,
+    chunk: usize,
+    paths: &str,
+) {
+    use simpler_kernels_cpu::isa::Isa;
+    use std::sync::Barrier;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (hd, page, threads) = (128, 128, 2);
+    let blocks = len.div_ceil(page);
+    let row = kv_heads * hd;
+    let slots = batch * blocks * page;
+    // `None`: the plain read pass over the same rows.
+    let names: Vec<&str> = paths.split(',').collect();
+    let paths: Vec<Option<Isa>> = paths
+        .split(',')
+        .map(|n| match n {
+            "read" => None,
+            _ if n.starts_with("read-heads") => None,
+            _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
+        })
+        .collect();
+    let mut rnd = uniform_bf16(0x2545_F491_4F6C_DD1D);
+    let pools: Vec<(&[bf16], &[bf16])> = (0..layers)
+        .map(|_| {
+            let k = common::huge_pool(slots * row);
+            let v = common::huge_pool(slots * row);
+            for x in k.iter_mut().chain(v.iter_mut()) {
+                *x = rnd();
+            }
+            (&*k, &*v)
+        })
+        .collect();
+    let qs: Vec<Vec<bf16>> = (0..batch)
+        .map(|_| (0..kv_heads * group * hd).map(|_| rnd()).collect())
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
+        .collect();
+    let chunks = len.div_ceil(chunk.max(1));
+    let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..batch)
+        .flat_map(|b| (0..chunks).map(move |c| (b, split_range(len, chunks, c))))
+        .collect();
+    let rec = partial_len(group, hd);
+    println!(
+        "{batch} x {len}: {} tasks of ~{} tokens per layer, {layers} layers, {:.0} MB of KV per round, 2 threads",
+        tasks.len(),
+        len / chunks,
+        (layers * batch * len * row * 4) as f64 / 1e6
+    );
+    let mut walls: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    let mut cpus: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    for round in 0..=rounds {
+        for (pi, &path) in paths.iter().enumerate() {
+            if let Some(path) = path {
+                assert!(
+                    simpler_kernels_cpu::attention::set_process_decode_path(Some(path)),
+                    "this CPU lacks {}",
+                    path.name()
+                );
+            }
+            let next: Vec<AtomicUsize> = (0..layers).map(|_| AtomicUsize::new(0)).collect();
+            let barrier = Barrier::new(threads);
+            let t = Instant::now();
+            let cpu: f64 = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let (pools, qs, tables, tasks, next, barrier) =
+                            (&pools, &qs, &tables, &tasks, &next, &barrier);
+                        // `read-heads:N`: N heads per pass (1, the kernel's order, by default).
+                        let heads_order = names[pi].strip_prefix("read-heads").map(|n| {
+                            n.strip_prefix(':')
+                                .map_or(1, |n| n.parse::<usize>().expect("read-heads:N"))
+                        });
+                        sc.spawn(move || {
+                            let c0 = common::thread_cpu_seconds();
+                            let mut partials = vec![0.0f32; kv_heads * rec];
+                            let mut sink = 0u64;
+                            for (layer, &(k, v)) in pools.iter().enumerate() {
+                                let kv = PagedKv {
+                                    k,
+                                    v,
+                                    kv_heads,
+                                    head_dim: hd,
+                                    page_size: page,
+                                };
+                                loop {
+                                    let i = next[layer].fetch_add(1, Ordering::Relaxed);
+                                    let Some((b, r)) = tasks.get(i) else { break };
+                                    if let Some(per_pass) = heads_order {
+                                        let w = per_pass.clamp(1, kv_heads) * hd;
+                                        sink ^=
+                                            read_heads(k, v, &tables[*b], page, row, w, r.clone());
+                                        continue;
+                                    }
+                                    if path.is_none() {
+                                        let at = |t: usize| {
+                                            (tables[*b][t / page] as usize * page + t % page) * row
+                                        };
+                                        for pool in [k, v] {
+                                            sink ^=
+                                                read_rows(&pool[at(r.start)..at(r.end - 1) + row]);
+                                        }
+                                        continue;
+                                    }
+                                    decode_attention_heads_bf16(
+                                        &qs[*b],
+                                        group,
+                                        &kv,
+                                        &tables[*b],
+                                        r.clone(),
+                                        0.088,
+                                        &mut partials,
+                                    );
+                                }
+                                barrier.wait();
+                            }
+                            std::hint::black_box(sink);
+                            common::thread_cpu_seconds() - c0
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("thread")).sum()
+            });
+            let wall = t.elapsed().as_secs_f64();
+            // Round 0 warms every path up and is not counted.
+            if round > 0 {
+                walls[pi].push(wall);
+                cpus[pi].push(cpu);
+            }
+        }
+    }
+    assert!(simpler_kernels_cpu::attention::set_process_decode_path(
+        None
+    ));
+    let stat = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2] * 1e3, v[0] * 1e3)
+    };
+    let bytes = (layers * batch * len * row * 4) as f64;
+    for (pi, path) in paths.iter().enumerate() {
+        let (wm, wmin) = stat(&mut walls[pi]);
+        let (cm, cmin) = stat(&mut cpus[pi]);
+        let name = names[pi];
+        let _ = path;
+        println!(
+            "{name:>12}: wall median {wm:.2} ms (min {wmin:.2}, {:.1} GB/s at the min), thread CPU median {cm:.2} ms (min {cmin:.2}, {:.1} GB/s per core-second)",
+            bytes / wmin / 1e6,
+            bytes / cmin / 1e6,
+        );
+    }
+    let mut load = String::new();
+    if std::fs::File::open("/proc/loadavg")
+        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut load))
+        .is_ok()
+    {
+        println!("load average: {}", load.trim());
+    }
+}
+
+/// Loads every 64-byte line of `slice` (whole lines only; a slice is a multiple of 32 bf16),
+/// with no per-call set-up, so a read of many short slices costs what their lines cost.
+#[inline(always)]
+fn read_lines(slice: &[bf16]) -> u64 {
+    let mut acc = 0u64;
+    for line in slice.chunks_exact(32) {
+        // SAFETY: 8 bytes inside the line; an unaligned read of plain data.
+        let w = unsafe { line.as_ptr().cast::<u64>().read_unaligned() };
+        acc = acc.wrapping_add(w);
+    }
+    acc
+}
+
+/// Reads every bf16 of `rows` (a plain read pass: 512-bit loads, four independent sums), the
+/// bound the attention kernel's pass over the same rows is compared with.
+fn read_rows(rows: &[bf16]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F.
+        return unsafe { read_rows_avx512(rows) };
+    }
+    rows.iter().map(|x| u64::from(x.to_bits())).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn read_rows_avx512(rows: &[bf16]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_si512(); 4];
+    let blocks = rows.chunks_exact(128);
+    let tail: u64 = blocks
+        .remainder()
+        .iter()
+        .map(|x| u64::from(x.to_bits()))
+        .sum();
+    for b in blocks {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `b` holds 128 bf16: four 64-byte loads.
+            let v = unsafe { _mm512_loadu_si512(b[32 * i..].as_ptr().cast()) };
+            *a = _mm512_add_epi32(*a, v);
+        }
+    }
+    let s = _mm512_add_epi32(
+        _mm512_add_epi32(acc[0], acc[1]),
+        _mm512_add_epi32(acc[2], acc[3]),
+    );
+    tail.wrapping_add(_mm512_reduce_add_epi32(s) as u32 as u64)
+}
+
+/// Reads the rows of `tokens` in the AVX-512 decode kernel's order without its arithmetic:
+/// runs of 32 tokens inside a page, a slice of `w` columns at a time (the kernel's is one
+/// head), each row's slice of K then of V, the next run's slices prefetched into L2
+/// meanwhile. At `w = hd` this separates the kernel's access pattern from its compute; wider
+/// slices show what passes over several heads would read at.
+fn read_heads(
+    k: &[bf16],
+    v: &[bf16],
+    table: &[u32],
+    page: usize,
+    row: usize,
+    w: usize,
+    tokens: std::ops::Range<usize>,
+) -> u64 {
+    let slot = |t: usize| table[t / page] as usize * page + t % page;
+    let run_len = |t: usize| 32.min(page - t % page).min(tokens.end - t);
+    let pf = |p: *const bf16| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+        };
+    };
+    let mut sink = 0u64;
+    // One load per line: the plain read's memory traffic without its arithmetic.
+    let mut t = tokens.start;
+    if t < tokens.end {
+        let base = slot(t) * row;
+        for e in (0..run_len(t) * row).step_by(32) {
+            pf(k[base + e..].as_ptr());
+            pf(v[base + e..].as_ptr());
+        }
+    }
+    while t < tokens.end {
+        let run = run_len(t);
+        let base = slot(t) * row;
+        let next = t + run;
+        let (nbase, nrun) = if next < tokens.end {
+            (slot(next) * row, run_len(next))
+        } else {
+            (0, 0)
+        };
+        for c in (0..row).step_by(w) {
+            let w = w.min(row - c);
+            for pool in [k, v] {
+                for r in 0..run {
+                    if r < nrun {
+                        for e in (0..w).step_by(32) {
+                            pf(pool[nbase + r * row + c + e..].as_ptr());
+                        }
+                    }
+                    let at = base + r * row + c;
+                    sink = sink.wrapping_add(read_lines(&pool[at..at + w]));
+                }
+            }
+        }
+        t = next;
+    }
+    sink
 }
