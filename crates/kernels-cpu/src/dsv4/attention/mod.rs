@@ -24,7 +24,7 @@
 //!    soon as it is copied (read back from L1) or, in place, from its cache, and only one
 //!    block of plain rows is kept;
 //! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp` as a
-//!    power of two (`exp2_softmax`, ~2e-7 relative), sum,
+//!    power of two (`math::exp2_approx`, ~2e-7 relative), sum,
 //!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
 //!    is one lane-blocked body compiled portable, for AVX2 and for AVX-512, chosen at run
 //!    time; the builds agree bit for bit;
@@ -42,6 +42,7 @@ use half::bf16;
 use crate::gemm::{AmxActs, gemm_bf16_amx};
 use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
+use crate::math::exp2_approx;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -351,32 +352,6 @@ fn round_bf16(x: f32) -> f32 {
     f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
 }
 
-/// `2^x` for the softmax's exponents (`x <= 0`, or above 0 by a rounding), to ~2e-7 relative:
-/// `x = n + f` with `n` the nearest integer, `2^f` a degree-5 fit on `[-1/2, 1/2]` (relative
-/// error 1.8e-7 evaluated in fp32), `2^n` made in the exponent bits. Below -126 it is taken at
-/// -126 (~1e-38, as good as zero next to the max's 1); a NaN stays NaN. With the exponent in
-/// base 2 the range reduction is one exact subtraction (no two-part `ln 2`) and the
-/// polynomial one degree shorter than `math::exp_approx`'s, for the same accuracy.
-#[inline(always)]
-fn exp2_softmax(x: f32) -> f32 {
-    // Adding 1.5 · 2^23 rounds `x` (|x| <= 126) to the nearest integer and leaves it in the low
-    // mantissa bits (see `exp_approx`).
-    const ROUNDER: f32 = 12_582_912.0;
-    let x = if x < -126.0 { -126.0 } else { x };
-    let t = x + ROUNDER;
-    let n = t - ROUNDER;
-    let f = x - n;
-    let p = 0.001_326_471_2 * f + 0.009_671_512;
-    let p = p * f + 0.055_507_34;
-    let p = p * f + 0.240_222_42;
-    // The fit's coefficient, 3 ulp below ln 2 (the fit trades it against the others).
-    #[allow(clippy::approx_constant)]
-    let p = p * f + 0.693_147;
-    let p = p * f + 1.0;
-    // n in [-126, 1]: a normal power of two.
-    p * f32::from_bits(t.to_bits().wrapping_sub(ROUNDER.to_bits() - 127) << 23)
-}
-
 /// One body compiled three times (portable, AVX2+FMA, AVX-512) and chosen on
 /// [`Isa::current`]: no `mul_add` is written and the compiler contracts none, so the builds
 /// compute the same operations in the same order and agree bit for bit.
@@ -459,13 +434,13 @@ three_builds! {
             let mut sum = [0.0f32; LANES];
             for (s, o) in sc[..body].chunks_exact(LANES).zip(ph[..body].chunks_exact_mut(LANES)) {
                 for i in 0..LANES {
-                    let e = exp2_softmax(s[i] * c - mc);
+                    let e = exp2_approx(s[i] * c - mc);
                     sum[i] += e;
                     o[i] = bits(e);
                 }
             }
             for (i, (s, o)) in sc[body..].iter().zip(&mut ph[body..n]).enumerate() {
-                let e = exp2_softmax(s * c - mc);
+                let e = exp2_approx(s * c - mc);
                 sum[i] += e;
                 *o = bits(e);
             }
