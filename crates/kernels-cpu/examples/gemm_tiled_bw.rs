@@ -5,14 +5,18 @@
 //! tiled / row-major of the rates.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example gemm_tiled_bw [-- --batches 1,4,8,16
-//! --reps 5 --mib 256 --threads 2 --split plan|halves --shapes q,k,down --cpu-time]`
+//! --reps 5 --mib 256 --threads 2 --split plan|taper|halves --shapes q,k,down --cpu-time]`
 //!
 //! - `--mib`: the size of each layout's copies of a shape (above the last-level cache, so
 //!   every pass streams from memory; at least one copy of the largest shape).
 //! - `--split plan` (the default) cuts each matrix into the SPMD blocks of the Qwen3 decode
 //!   plan (about 1 MiB of weights each, at least 4 per thread, whole 16-row groups) that the
 //!   threads take from a shared counter, as the runtime's workers do, so the per-call costs
-//!   of small blocks count; `halves` gives each thread one call over its share of the rows.
+//!   of small blocks count; `taper` takes the same number of blocks with the runtime's tapered
+//!   shares (`write_block_cols`: the last quarter of 8 or more blocks halving down to 1/8 of a
+//!   full share, so most shares are an odd number of 16-row groups, as a prefill step's
+//!   projections are cut); `halves` gives each thread one call over its share of the rows.
+//!   Prefill-shaped runs: `--batches 512,128,64 --split taper --mib 32`.
 //! - `--shapes`: name prefixes of the shapes to run (default all but the LM head).
 //! - `--cpu-time`: rates from the threads' CPU time instead of the wall clock (on a host
 //!   loaded with other work the threads are descheduled for much of the wall time; their
@@ -46,6 +50,8 @@ struct Split {
     threads: usize,
     /// Row blocks per matrix, taken from a shared counter.
     blocks: usize,
+    /// Tapered shares instead of equal ones.
+    taper: bool,
     /// Rates from CPU time.
     cpu_time: bool,
 }
@@ -58,10 +64,11 @@ fn main() {
     let mib: usize = get("--mib").map_or(256, |s| s.parse().expect("--mib"));
     let threads: usize = get("--threads").map_or(2, |s| s.parse().expect("--threads"));
     let threads = threads.max(1);
-    let plan = match get("--split").as_deref() {
-        None | Some("plan") => true,
-        Some("halves") => false,
-        Some(other) => panic!("--split: plan or halves, not {other}"),
+    let (plan, taper) = match get("--split").as_deref() {
+        None | Some("plan") => (true, false),
+        Some("taper") => (true, true),
+        Some("halves") => (false, false),
+        Some(other) => panic!("--split: plan, taper or halves, not {other}"),
     };
     let shapes = get("--shapes");
     let cpu_time = args.iter().any(|a| a == "--cpu-time");
@@ -82,7 +89,11 @@ fn main() {
         "isa {}; {} MiB of copies per layout per shape; {threads} threads; {} split; {} time",
         isa.name(),
         pool_len >> 19,
-        if plan { "plan" } else { "halves" },
+        match (plan, taper) {
+            (true, true) => "tapered plan",
+            (true, false) => "plan",
+            _ => "halves",
+        },
         if cpu_time { "CPU" } else { "wall" }
     );
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
@@ -118,6 +129,7 @@ fn main() {
             } else {
                 threads
             },
+            taper,
             cpu_time,
         };
         for &batch in &batches {
@@ -171,6 +183,29 @@ fn plan_blocks(n: usize, k: usize, threads: usize) -> usize {
         .max(1)
 }
 
+/// Share `i` of `n` units over `blocks` blocks as the runtime tapers them
+/// (`simpler_core`'s `block_range_tapered`, which this crate does not depend on): with 8 or more
+/// blocks the last quarter get 1/2, 1/4, 1/8, then 1/8 of a full share when every share stays
+/// non-empty, else half shares; fewer blocks share equally.
+fn tapered_share(n: usize, blocks: usize, i: usize) -> std::ops::Range<usize> {
+    const FULL: usize = 8;
+    let tail_weights = |k: usize| (0..k).map(|t| (FULL >> (t + 1)).max(1)).sum::<usize>();
+    let tail = if blocks >= 8 { blocks / 4 } else { 0 };
+    let full = blocks - tail;
+    let geometric = tail > 0 && n >= FULL * full + tail_weights(tail);
+    let halves = tail > 0 && !geometric && n >= 2 * blocks;
+    let before = |j: usize| {
+        let (head, k) = (j.min(full), j.saturating_sub(full));
+        match (geometric, halves) {
+            (true, _) => FULL * head + tail_weights(k),
+            (_, true) => 2 * head + k,
+            _ => j,
+        }
+    };
+    let at = |j: usize| n * before(j) / before(blocks);
+    at(i)..at(i + 1)
+}
+
 /// One pass over every copy, the threads taking each copy's row blocks (whole 16-row groups)
 /// from a shared counter; seconds of wall time, or of CPU time per thread.
 fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
@@ -190,8 +225,12 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
                         }
                         let (w, b) = (&mats[i / split.blocks], i % split.blocks);
                         let units = w.rows().div_ceil(16);
-                        let rows = (units * b / split.blocks * 16).min(w.rows())
-                            ..(units * (b + 1) / split.blocks * 16).min(w.rows());
+                        let share = if split.taper {
+                            tapered_share(units, split.blocks, b)
+                        } else {
+                            units * b / split.blocks..units * (b + 1) / split.blocks
+                        };
+                        let rows = (share.start * 16).min(w.rows())..(share.end * 16).min(w.rows());
                         let part = w.row_range(rows.clone());
                         let mut out = vec![0.0f32; acts.rows() * rows.len()];
                         let tile = GemmTile {
