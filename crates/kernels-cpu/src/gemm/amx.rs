@@ -290,9 +290,10 @@ pub(super) unsafe fn gemm_with(
                         stride: 64,
                         p0,
                         p1,
+                        both: nr > 16,
                     }
                 } else {
-                    let (a, sa) = if nr == 32 {
+                    let (a, sa) = if nr == 32 || nr == 16 {
                         (lw.w[n0 * lw.ldw + lw.kb0..].as_ptr(), lw.ldw * 2)
                     } else {
                         copy_tail_rows(lw, n0, nr, k32, &mut s.wtail);
@@ -309,6 +310,7 @@ pub(super) unsafe fn gemm_with(
                         stride: sa,
                         p0: pf,
                         p1: pf.wrapping_byte_add(16 * sa),
+                        both: nr > 16,
                     }
                 };
                 for bp in (0..nbt).step_by(2) {
@@ -515,8 +517,8 @@ unsafe fn single_row_pass(
 
 /// Prefetches into L2 the weight lines of 32-element step `i` of the tile's first 32-row group
 /// (the lines the first `tile_pass` loads at that step), so the weight stream starts while the
-/// activations are converted instead of after. Nothing for a row-major group of fewer than 32
-/// rows (it is copied into scratch first).
+/// activations are converted instead of after. Nothing for a row-major group of other than 16
+/// or 32 rows (it is copied into scratch first).
 #[inline(always)]
 fn prefetch_first_group_step(lw: &Lowered<'_>, i: usize) {
     let n0 = lw.n.start;
@@ -531,9 +533,10 @@ fn prefetch_first_group_step(lw: &Lowered<'_>, i: usize) {
             at0
         };
         (at0, at1, TILE_COLS, TILED_BLOCK)
-    } else if nr == 32 {
+    } else if nr == 32 || nr == 16 {
         let at0 = n0 * lw.ldw + lw.kb0;
-        (at0, at0 + 16 * lw.ldw, lw.ldw, 32)
+        let at1 = if nr > 16 { at0 + 16 * lw.ldw } else { at0 };
+        (at0, at1, lw.ldw, 32)
     } else {
         return;
     };
@@ -569,26 +572,31 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
 /// bytes at `a_i + s * STEP`, `stride` bytes apart (row-major: `a1` is 16 rows below `a0`,
 /// `stride` the row stride, the step one 64-byte line; tiled: `a0`, `a1` the two groups'
 /// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the rows
-/// prefetched meanwhile.
+/// prefetched meanwhile. Without `both` the group has 16 rows or fewer: only the tile at `a0`
+/// is loaded and multiplied (`a1` is neither read nor needed to point at readable memory).
 struct WeightTiles {
     a0: *const u16,
     a1: *const u16,
     stride: usize,
     p0: *const u16,
     p1: *const u16,
+    both: bool,
 }
 
 /// `2 * COLS` accumulator tiles over `nk` 32-element steps: the weight tiles of `w` (moving
 /// `STEP` bytes per step), activation tiles `vnni[0..nk]` (and `vnni[nk..2nk]` when
 /// `COLS == 2`, 16 lines each); the fp32 results land in `c` as 16 × 16 tiles at
 /// `(rt * 2 + ct) * 16` lines (rows `16 rt..`, batch `16 ct..`; `ct == 1` is left alone when
-/// `COLS == 1`). With `PREFETCH`, each step also prefetches into L2 the 16 lines of each of
-/// `w.p0` and `w.p1` at the step's offset (stride `w.stride`).
+/// `COLS == 1`). Without `w.both` the second weight tile is skipped (a group of 16 rows or
+/// fewer, which the tapered SPMD shares leave at the end of most blocks: it costs half a
+/// pass, not a pass over a repeated or zero tile) and `rt == 1` of `c` holds zeros. With
+/// `PREFETCH`, each step also prefetches into L2 the 16 lines of each of `w.p0` and `w.p1` at
+/// the step's offset (stride `w.stride`).
 ///
 /// # Safety
-/// The tile configuration of this module is loaded; the weight tiles of `w.a0`, `w.a1` and
-/// `vnni` are readable as described for `nk >= 1` steps; `COLS` is 1 or 2. `w.p0`, `w.p1` are
-/// only prefetched (never fault).
+/// The tile configuration of this module is loaded; the weight tiles of `w.a0`, `w.a1` (when
+/// `w.both`) and `vnni` are readable as described for `nk >= 1` steps; `COLS` is 1 or 2.
+/// `w.p0`, `w.p1` are only prefetched (never fault).
 unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
     w: &WeightTiles,
     vnni: *const Line,
@@ -598,7 +606,7 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
     if COLS == 2 {
         let b1 = vnni.wrapping_add(nk * 16);
         // SAFETY: every tile load reads 16 rows of 64 bytes: the weight tiles at `a0`/`a1`
-        // (stride `stride`, moving STEP bytes per step) and the activation tiles (1 KiB each,
+        // (`a1` only when `both`; stride `stride`, moving STEP bytes per step) and the activation tiles (1 KiB each,
         // `nk` consecutive per column), `nk` steps, readable by the contract. The stores write
         // the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile registers and the
         // declared operands change.
@@ -614,9 +622,12 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 "tileloadd tmm7, [{b1} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "test {both:e}, {both:e}",
+                "jz 5f",
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
+                "5:",
                 "mov {t:e}, {on}",
                 "test {t:e}, {t:e}",
                 "jz 4f",
@@ -653,6 +664,7 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 t = out(reg) _,
                 r = out(reg) _,
                 on = const PREFETCH as u32,
+                both = in(reg) u32::from(w.both),
                 step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
@@ -668,8 +680,11 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 "tileloadd tmm4, [{a0} + {sa}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "test {both:e}, {both:e}",
+                "jz 5f",
                 "tileloadd tmm5, [{a1} + {sa}*1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
+                "5:",
                 "mov {t:e}, {on}",
                 "test {t:e}, {t:e}",
                 "jz 4f",
@@ -702,6 +717,7 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 t = out(reg) _,
                 r = out(reg) _,
                 on = const PREFETCH as u32,
+                both = in(reg) u32::from(w.both),
                 step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
                 options(nostack),
