@@ -158,7 +158,7 @@ fn main() {
             };
             let (ma, mb, mr) = (med(&mut ga), med(&mut gb), med(&mut ratio));
             println!(
-                "{name:<20} batch {batch:>2}, {} blocks: row-major ({}) median {ma:>5.1} GB/s (best {:>5.1}), tiled ({}) median {mb:>5.1} (best {:>5.1}), tiled/row-major median {mr:.3} (range {:.3}..{:.3}) of {} pairs",
+                "{name:<20} batch {batch:>2}, {} blocks: row-major ({}) median {ma:>6.2} GB/s (best {:>6.2}), tiled ({}) median {mb:>6.2} (best {:>6.2}), tiled/row-major median {mr:.3} (range {:.3}..{:.3}) of {} pairs",
                 split.blocks,
                 path_for(isa, batch, WeightLayout::RowMajor).name(),
                 ga[ga.len() - 1],
