@@ -17,16 +17,21 @@
 //! Four accumulator tiles (`tmm0`–`tmm3`) hold 32 weight rows × 32 batch rows; `tmm4`/`tmm5`
 //! take two 16-row weight tiles and `tmm6`/`tmm7` two 16-column activation tiles per 32-element
 //! `K` step. A last single 16-column activation tile (batch 16, or an odd count of 16s) runs
-//! with two accumulators instead of multiplying a tile of zeros. Batch rows are taken in blocks
-//! whose VNNI copy fits in about half the L2. While a group of 32 weight rows is multiplied,
-//! the next group is prefetched into L2 one line per row per step: a tile load gathers a line
-//! from each of 16 rows a row stride apart, a pattern the hardware prefetchers follow poorly,
-//! and at batch 16 the product is bound by that weight stream. The first group has no pass
-//! before it: its lines are prefetched step by step while the activations are converted, so
-//! the weight stream starts with the call instead of after the conversion (the decode plan's
-//! blocks are 128–512 rows, and the conversion was a stretch of each with no weight traffic:
-//! +3.5–8% weights per second of thread CPU time on the AMX paths at batches 4 and 16,
-//! `docs/benchmarks.md`).
+//! with two accumulators instead of multiplying a tile of zeros; likewise a group of 16 weight
+//! rows or fewer loads and multiplies one weight tile, not a second one of zeros or repeats.
+//! That group is common: the runtime's tapered SPMD shares (`write_block_cols`) leave most
+//! projection blocks an odd number of 16-row groups; at a prefill's 512 batch rows, where the
+//! pass is bound by the tile unit, the wasted half passes were 2–9% of the Qwen3-0.6B
+//! projections' tile products (counted over their shares; `docs/benchmarks.md`). Batch rows are
+//! taken in blocks whose VNNI copy fits in about half the L2. While a group of 32 weight rows
+//! is multiplied, the next group is prefetched into L2 one line per row per step: a tile load
+//! gathers a line from each of 16 rows a row stride apart, a pattern the hardware prefetchers
+//! follow poorly, and at batch 16 the product is bound by that weight stream. The first group
+//! has no pass before it: its lines are prefetched step by step while the activations are
+//! converted, so the weight stream starts with the call instead of after the conversion (the
+//! decode plan's blocks are 128–512 rows, and the conversion was a stretch of each with no
+//! weight traffic: +3.5–8% weights per second of thread CPU time on the AMX paths at batches 4
+//! and 16, `docs/benchmarks.md`).
 //!
 //! # Tiled weights
 //! With the tiled layout (`WeightLayout::Tiled`) a weight tile is one 1 KiB block, so the
@@ -44,8 +49,9 @@
 //! plan's ~1 MiB blocks (`docs/performance.md`).
 //!
 //! # Edges
-//! Batch rows past the batch are zero columns of the activation tiles; a last group of fewer
-//! than 32 weight rows is copied into a zero-padded scratch; a body whose length is an odd
+//! Batch rows past the batch are zero columns of the activation tiles; a last row-major group
+//! of other than 16 or 32 weight rows is copied into a zero-padded scratch (16 rows are read in
+//! place as one tile; a tiled group is always read in place); a body whose length is an odd
 //! multiple of 16 leaves a 16-element strip that is added per output with `vdpbf16ps`; `K`
 //! elements outside whole packing blocks go through the shared `edge_sum`.
 
