@@ -137,6 +137,10 @@ fn qwen_like_shapes_full_and_split_k() {
         (53, 528, 45),
         (20, 16, 33),
         (5, 8192, 70),
+        // An odd count of 16-row groups (the runtime's tapered shares) at several tile pairs
+        // and at a prefill-sized batch: the last 16 rows take the one-weight-tile pass.
+        (48, 1024, 40),
+        (144, 512, 300),
     ] {
         let c = GemmCase::new(n, k, batch, (n * k + batch) as u64);
         check(&c, GemmTile::full(&WeightsBf16::new(&c.w, n, k)), false, 1);

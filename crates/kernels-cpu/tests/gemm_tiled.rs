@@ -187,6 +187,33 @@ fn tiled_matches_row_major_on_every_path() {
     }
 }
 
+/// Tiles with an odd count of 16-row groups (as the runtime's tapered shares cut most
+/// projection blocks) at batches of several activation tile pairs, a ragged last pair and a
+/// prefill-sized batch: the last group of 16 rows takes the one-weight-tile pass, read in
+/// place in both layouts (at the matrix's end too, where a second tile would lie outside).
+#[test]
+fn odd_group_counts_at_wide_batches() {
+    for &(n, k, batch) in &[(48usize, 1024usize, 40usize), (16, 96, 64), (144, 512, 300)] {
+        let c = GemmCase::new(n, k, batch, (n * 7 + k + batch) as u64);
+        check(
+            &c,
+            GemmTile::full(&c.weights(WeightLayout::Tiled)),
+            false,
+            3,
+        );
+        if n > 32 {
+            for mode in [OutMode::Store, OutMode::Add] {
+                let tile = GemmTile {
+                    n: 16..n - 16,
+                    k: 0..k,
+                    mode,
+                };
+                check(&c, tile, true, 5);
+            }
+        }
+    }
+}
+
 /// Split-K slices on 32-element steps accumulated into a zero-seeded buffer, tiled and
 /// row-major, give the same sums on every path.
 #[test]
