@@ -324,13 +324,14 @@ pub(super) unsafe fn gemm_with(
                     let tiles = vnni[bp * nk * 16..].as_ptr();
                     // SAFETY: tiled, `a0`, `a1`, `p0` and `p1` each point at `nk` consecutive
                     // 1 KiB blocks inside the weights (sliced above); row-major, `a0` points at
-                    // 32 rows of at least k32 elements at stride `sa` bytes (the weight rows
-                    // n0..n0+32 from kb0, inside the matrix since kb0 + k32 <= kb1 <= ldw, or
-                    // the padded copy) and `a1` at its row 16, and so do `p0`/`p1` (the next
-                    // rows, or `a0`/`a1` themselves); the VNNI tiles (bp, 0..nk), and
-                    // (bp + 1, 0..nk) when bp + 1 < nbt, exist. Only the first pass over the
-                    // group prefetches (wider batches reuse the group from cache for their
-                    // later column tiles).
+                    // 32 rows (16 when `nr` is 16, and then `both` is false and `a1` is not
+                    // loaded) of at least k32 elements at stride `sa` bytes (the weight rows
+                    // n0..n0+nr from kb0, inside the matrix since kb0 + k32 <= kb1 <= ldw, or
+                    // the padded copy) and `a1` at its row 16, and `p0`/`p1` are only
+                    // prefetched (the next rows, or `a0`/`a1` themselves); the VNNI tiles (bp,
+                    // 0..nk), and (bp + 1, 0..nk) when bp + 1 < nbt, exist. Only the first pass
+                    // over the group prefetches (wider batches reuse the group from cache for
+                    // their later column tiles).
                     unsafe {
                         let c = &mut c;
                         match (bp + 1 < nbt, bp == 0, lw.tiled) {
@@ -612,8 +613,9 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
     if COLS == 2 {
         let b1 = vnni.wrapping_add(nk * 16);
         // SAFETY: every tile load reads 16 rows of 64 bytes: the weight tiles at `a0`/`a1`
-        // (`a1` only when `both`; stride `stride`, moving STEP bytes per step) and the activation tiles (1 KiB each,
-        // `nk` consecutive per column), `nk` steps, readable by the contract. The stores write
+        // (`a1` only when `both`; stride `stride`, moving STEP bytes per step) and the
+        // activation tiles (1 KiB each, `nk` consecutive per column), `nk` steps, readable by
+        // the contract. The stores write
         // the four 1 KiB tiles of `c`. Prefetches touch no state. Only tile registers and the
         // declared operands change.
         unsafe {
