@@ -159,18 +159,23 @@ impl KvSplit {
     /// one unit, the others two, and the units are `len` split as evenly as possible. Chunks
     /// past the last, or a `short` above `chunks`, give empty or clamped ranges, never panic.
     pub fn range(&self, len: usize, chunk: usize) -> Range<usize> {
+        if chunk >= self.chunks {
+            return len..len;
+        }
         let short = self.short.min(self.chunks);
+        if short == 0 {
+            return split_range(len, self.chunks, chunk);
+        }
         let units = short + 2 * (self.chunks - short);
         let unit = |c: usize| c.min(short) + 2 * c.saturating_sub(short);
-        let (u0, u1) = (unit(chunk).min(units), unit(chunk + 1).min(units));
         let at = |u: usize| {
             if u >= units {
                 len
             } else {
-                split_range(len, units.max(1), u).start
+                split_range(len, units, u).start
             }
         };
-        at(u0)..at(u1).max(at(u0))
+        at(unit(chunk))..at(unit(chunk + 1))
     }
 
     /// Every chunk's tokens, in order.
@@ -356,8 +361,11 @@ mod tests {
     #[test]
     fn long_contexts_are_cut_into_chunks_no_longer_than_the_cap() {
         let p = TilePolicy::for_cores(2);
-        let chunks = p.kv_chunks(&[4096; 4]);
-        assert!(chunks.iter().flatten().all(|r| r.len() == p.max_kv_chunk));
+        let splits = p.kv_splits(&[4096; 4]);
+        for (s, r) in splits.iter().zip(p.kv_chunks(&[4096; 4])) {
+            assert!(r[..s.short].iter().all(|r| r.len() == p.max_kv_chunk / 2));
+            assert!(r[s.short..].iter().all(|r| r.len() == p.max_kv_chunk));
+        }
         for lens in [vec![3500; 16], vec![4097], vec![40_000, 1000, 9000]] {
             let chunks = p.kv_chunks(&lens);
             let longest = chunks.iter().flatten().map(|r| r.len()).max().unwrap();
