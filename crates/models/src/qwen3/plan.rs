@@ -408,7 +408,10 @@ mod tests {
             }
         }
         // With no short chunks, the rule is the plain even split.
-        let even = KvSplit { chunks: 5, short: 0 };
+        let even = KvSplit {
+            chunks: 5,
+            short: 0,
+        };
         assert_eq!(
             even.ranges(1003),
             (0..5).map(|c| split_range(1003, 5, c)).collect::<Vec<_>>()
@@ -419,29 +422,66 @@ mod tests {
     fn the_first_sequence_ends_the_attention_phase_on_half_chunks() {
         let p = TilePolicy::for_cores(2);
         let splits = p.kv_splits(&[1024; 4]);
-        assert_eq!(splits[0], KvSplit { chunks: 6, short: 4 });
-        assert!(splits[1..].iter().all(|s| *s == KvSplit { chunks: 4, short: 0 }));
         assert_eq!(
-            splits[0].ranges(1024).iter().map(|r| r.len()).collect::<Vec<_>>(),
+            splits[0],
+            KvSplit {
+                chunks: 6,
+                short: 4
+            }
+        );
+        assert!(splits[1..].iter().all(|s| *s
+            == KvSplit {
+                chunks: 4,
+                short: 0
+            }));
+        assert_eq!(
+            splits[0]
+                .ranges(1024)
+                .iter()
+                .map(|r| r.len())
+                .collect::<Vec<_>>(),
             [128, 128, 128, 128, 256, 256]
         );
         // Ragged batch: the count stays a multiple of the cores, every token in one chunk.
         for cores in [2, 3, 4] {
             let p = TilePolicy::for_cores(cores);
-            for lens in [vec![1024; 4], vec![3000, 10, 700], vec![5000, 1024], vec![700; 8]] {
+            for lens in [
+                vec![1024; 4],
+                vec![3000, 10, 700],
+                vec![5000, 1024],
+                vec![700; 8],
+            ] {
                 let splits = p.kv_splits(&lens);
                 let n: usize = splits.iter().map(|s| s.chunks).sum();
-                assert!(n <= cores || n.is_multiple_of(cores), "{cores} {lens:?}: {n}");
+                assert!(
+                    n <= cores || n.is_multiple_of(cores),
+                    "{cores} {lens:?}: {n}"
+                );
                 for (s, &len) in splits.iter().zip(&lens) {
                     let r = s.ranges(len);
                     assert_eq!(r.iter().map(|r| r.len()).sum::<usize>(), len);
-                    assert!(r[..s.short].iter().all(|r| r.len() >= p.min_kv_chunk), "{r:?}");
+                    assert!(
+                        r[..s.short].iter().all(|r| r.len() >= p.min_kv_chunk),
+                        "{r:?}"
+                    );
                 }
             }
         }
         // Batch 1 with a round of chunks or less, and short contexts: no halves.
-        assert_eq!(p.kv_splits(&[257]), [KvSplit { chunks: 2, short: 0 }]);
-        assert_eq!(p.kv_splits(&[300; 4]).iter().map(|s| s.short).sum::<usize>(), 0);
+        assert_eq!(
+            p.kv_splits(&[257]),
+            [KvSplit {
+                chunks: 2,
+                short: 0
+            }]
+        );
+        assert_eq!(
+            p.kv_splits(&[300; 4])
+                .iter()
+                .map(|s| s.short)
+                .sum::<usize>(),
+            0
+        );
         assert_eq!(p.kv_splits(&[1024])[0].short, 0);
         assert_eq!(p.kv_splits(&[2048])[0].short, 4);
     }
