@@ -103,8 +103,9 @@ impl TilePolicy {
     /// At batch 4 × 1024 on 2 cores (16 chunks of 256 → 18, four of them 128), the two cores'
     /// idle between the attention phase and `o_proj` went from a median 88–97 µs a layer to
     /// 50–77 µs, and all idle gaps under 1 ms of a step from 6.6–10.4 ms (median 8.4) to
-    /// 6.0–7.8 ms (median 6.8), paired runs under a load of 2.5–5; the bench's "net" outside
-    /// share moved less (median 3.5% → 3.35%, too noisy at that load to resolve).
+    /// 6.0–7.8 ms (median 6.8), paired runs under a load of 2.5–5; at a load of 1.5 the idle
+    /// a layer went 46–98 → 44–64 µs, the gap sums a step 7.6 → 6.6 ms (medians), and the
+    /// bench's "net" outside share 3.6% → 3.15% (medians of four runs each).
     pub fn kv_splits(&self, seq_lens: &[usize]) -> Vec<KvSplit> {
         let total: usize = seq_lens.iter().sum();
         let tasks = (self.attn_tasks_per_core * self.cores).max(1);
