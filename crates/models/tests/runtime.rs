@@ -12,7 +12,7 @@ use half::bf16;
 use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker};
 use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
 use simpler_models::qwen3::{
-    Fixture, KvBuffers, LoadOptions, PagedBatch, ResidentModel, SaveOptions, Session,
+    Fixture, KvBuffers, LoadOptions, PagedBatch, ResidentModel, SaveOptions, Session, TilePolicy,
     load_checkpoint, save_checkpoint,
 };
 
@@ -107,16 +107,18 @@ fn one_layer_meets_the_one_layer_tolerance() {
 }
 
 fn full_model_matches_golden(seq_lens: &[usize], cfg: &CallConfig) {
-    full_model_matches_golden_with(seq_lens, cfg, None);
+    full_model_matches_golden_with(seq_lens, cfg, |_| {});
 }
 
-fn full_model_matches_golden_with(seq_lens: &[usize], cfg: &CallConfig, tile_bytes: Option<usize>) {
+fn full_model_matches_golden_with(
+    seq_lens: &[usize],
+    cfg: &CallConfig,
+    policy: impl FnOnce(&mut TilePolicy),
+) {
     let f = stretched_fixture("small", seq_lens);
     let w = worker();
     let mut s = session(&w, &f);
-    if let Some(b) = tile_bytes {
-        s.policy.tile_bytes = b;
-    }
+    policy(&mut s.policy);
     let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
     check_model_step("after all layers", &got, &want);
@@ -126,6 +128,22 @@ fn full_model_matches_golden_with(seq_lens: &[usize], cfg: &CallConfig, tile_byt
 #[test]
 fn full_model_argmax_is_identical_to_the_golden() {
     full_model_matches_golden(&[1, 127, 128, 129, 300], &CallConfig::default());
+}
+
+/// Short KV chunks, so the first sequence's first chunks are halves (`KvSplit::short`), at
+/// these small lengths: the attention kernel's tapered split against the golden.
+fn tapered_chunks(p: &mut TilePolicy) {
+    p.min_kv_chunk = 16;
+    p.max_kv_chunk = 64;
+}
+
+#[test]
+fn tapered_kv_chunks_match_the_golden() {
+    let lens = [300, 127, 1, 129];
+    let mut p = TilePolicy::for_cores(2);
+    tapered_chunks(&mut p);
+    assert!(p.kv_splits(&lens)[0].short > 0, "{:?}", p.kv_splits(&lens));
+    full_model_matches_golden_with(&lens, &CallConfig::default(), tapered_chunks);
 }
 
 #[test]
@@ -172,7 +190,7 @@ fn full_model_in_serial_mode_and_tiny_rings() {
         },
         ..CallConfig::default()
     };
-    full_model_matches_golden_with(&[200, 3], &many, Some(4096));
+    full_model_matches_golden_with(&[200, 3], &many, |p| p.tile_bytes = 4096);
 }
 
 /// A one-sequence view of row `b` of a batch's block tables.
@@ -382,6 +400,44 @@ fn kv_bits(s: &Session) -> (Vec<u16>, Vec<u16>) {
             .collect()
     };
     (read(&s.kv().k), read(&s.kv().v))
+}
+
+/// Replayed steps with tapered KV chunks (the kernel splits the longer lengths of later steps by
+/// the same rule) give the same bits as orchestrated ones.
+#[test]
+fn replayed_steps_with_tapered_kv_chunks_are_bit_identical() {
+    let f = stretched_fixture("small", &[300, 300]);
+    let w = worker();
+    let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
+    let session = |replay: bool| {
+        let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+        kv.upload(&f.kv).unwrap();
+        let mut s = Session::new(&w, model.clone(), kv);
+        s.replay = replay;
+        tapered_chunks(&mut s.policy);
+        s
+    };
+    let (mut a, mut b) = (session(true), session(false));
+    let cfg = CallConfig::default();
+    let mut lens = vec![250usize, 120];
+    assert!(a.policy.kv_splits(&lens)[0].short > 0);
+    let mut tokens = vec![7u32, 1234];
+    let mut replayed = 0;
+    for s in 0..6 {
+        let batch = rotated(&f, lens.clone(), s);
+        let ra = a.decode(&w, &batch, &tokens, &cfg).unwrap();
+        let rb = b.decode(&w, &batch, &tokens, &cfg).unwrap();
+        if matches!(ra.report.graph, simpler_core::GraphMode::Replayed { .. }) {
+            replayed += 1;
+        }
+        assert_eq!(ra.next_tokens, rb.next_tokens, "step {s}");
+        assert_eq!(bits(&ra.logits), bits(&rb.logits), "step {s}: logits");
+        assert_eq!(bits(&ra.hidden), bits(&rb.hidden), "step {s}: hidden");
+        tokens = ra.next_tokens;
+        lens.iter_mut().for_each(|l| *l += 1);
+    }
+    assert!(replayed >= 4, "{replayed} replayed");
+    assert_eq!(kv_bits(&a), kv_bits(&b), "KV caches");
 }
 
 /// Decode steps replayed from captured graphs give the same bits as orchestrated steps: logits,

@@ -43,7 +43,7 @@ use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
     LmHeadScalars, NormScalars, PushScalars,
 };
-use super::plan::{LayerBlocks, SeqRows};
+use super::plan::{KvSplit, LayerBlocks, SeqRows};
 use super::quant::{Int8Acts, WeightFormat, int8_record};
 use super::resident::slot;
 
@@ -112,8 +112,8 @@ pub(crate) struct StepPlan {
     /// Per sequence: `(first row, first position, first slot, rows)` runs of one page each.
     pub(crate) slot_runs: Vec<Vec<(usize, usize, usize, usize)>>,
     pub(crate) blocks: LayerBlocks,
-    /// Decode: KV chunks of each sequence.
-    pub(crate) kv_chunks: Vec<Vec<Range<usize>>>,
+    /// Decode: how each sequence's KV is cut into chunks.
+    pub(crate) kv_chunks: Vec<KvSplit>,
     /// Prefill: query rows per attention task.
     pub(crate) prefill_rows: usize,
     /// Decode: tasks the step's q/k norm + RoPE rows are cut into (one per core: a task per
@@ -614,8 +614,8 @@ fn attention_decode(
     let n_partials: usize = p
         .kv_chunks
         .iter()
-        .filter(|ch| ch.len() > 1)
-        .map(Vec::len)
+        .filter(|ch| ch.chunks > 1)
+        .map(|ch| ch.chunks)
         .sum();
     let partials = if n_partials > 0 {
         Some(o.alloc(DType::F32, &[n_partials as u64, set as u64])?)
@@ -623,7 +623,7 @@ fn attention_decode(
         None
     };
     let mut next_partial = 0;
-    for (s, chunks) in p.seqs.iter().zip(&p.kv_chunks) {
+    for (s, split) in p.seqs.iter().zip(&p.kv_chunks) {
         let b = s.row0;
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
@@ -632,7 +632,7 @@ fn attention_decode(
         };
         let step = rows(o, steps, b, b + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
-        let n_chunks = chunks.len();
+        let n_chunks = split.chunks;
         let task = |chunk: usize, out: &Tensor| {
             AttnDecodeArgs {
                 q: Arg::In(&qrow),
@@ -653,6 +653,7 @@ fn attention_decode(
             .push_scalars(AttnDecodeScalars {
                 chunk,
                 chunks: n_chunks,
+                short: split.short,
                 scale: c.attn_scale(),
                 page: p.page_size,
                 head_dim: d,

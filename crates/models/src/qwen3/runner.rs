@@ -167,7 +167,7 @@ impl Session {
         let kv_chunks = match kind {
             StepKind::Decode => {
                 let lens: Vec<usize> = seqs.iter().map(|s| s.seq_len).collect();
-                self.policy.kv_chunks(&lens)
+                self.policy.kv_splits(&lens)
             }
             StepKind::Prefill => Vec::new(),
         };
@@ -461,7 +461,8 @@ fn decode_shape(p: &StepPlan) -> GraphShape {
         .with("blocks.lm_head", u64::from(b.lm_head));
     for (i, (seq, chunks)) in p.seqs.iter().zip(&p.kv_chunks).enumerate() {
         s.push(format!("seq{i}.table_row"), seq.table_row as u64);
-        s.push(format!("seq{i}.kv_chunks"), chunks.len() as u64);
+        s.push(format!("seq{i}.kv_chunks"), chunks.chunks as u64);
+        s.push(format!("seq{i}.kv_short_chunks"), chunks.short as u64);
     }
     s
 }

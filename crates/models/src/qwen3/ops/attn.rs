@@ -13,6 +13,7 @@ use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
 use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
+use crate::qwen3::plan::KvSplit;
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "qk_norm_rope_kv_bf16";
@@ -273,19 +274,23 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let AttnDecodeScalars {
         chunk,
         chunks,
+        short,
         scale,
         page,
         head_dim: d,
     } = AttnDecodeScalars::read(ctx)?;
     let step = ctx.read::<u32>(attn_decode::step)?;
-    if step.len() != STEP_FIELDS || chunk >= chunks {
+    if step.len() != STEP_FIELDS || chunk >= chunks || short > chunks {
         return Err(bad(
             NAME,
-            format!("chunk {chunk} of {chunks} with {} step entries", step.len()),
+            format!(
+                "chunk {chunk} of {chunks} ({short} short) with {} step entries",
+                step.len()
+            ),
         ));
     }
     let is_final = chunks == 1;
-    let Range { start: t0, end: t1 } = k::split_range(step[0] as usize, chunks, chunk);
+    let Range { start: t0, end: t1 } = KvSplit { chunks, short }.range(step[0] as usize, chunk);
     let q = ctx.read::<bf16>(attn_decode::q)?;
     let (kv, table) = paged(ctx, d, page, t1, NAME)?;
     let nq = q.len();
