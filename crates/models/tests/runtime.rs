@@ -402,6 +402,16 @@ fn kv_bits(s: &Session) -> (Vec<u16>, Vec<u16>) {
     (read(&s.kv().k), read(&s.kv().v))
 }
 
+/// A session on `model` with its own copy of the fixture's KV cache, replaying captured
+/// decode graphs or not.
+fn replay_session(w: &Worker, f: &Fixture, model: &Arc<ResidentModel>, replay: bool) -> Session {
+    let kv = KvBuffers::new(w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+    kv.upload(&f.kv).unwrap();
+    let mut s = Session::new(w, model.clone(), kv);
+    s.replay = replay;
+    s
+}
+
 /// Replayed steps with tapered KV chunks (the kernel splits the longer lengths of later steps by
 /// the same rule) give the same bits as orchestrated ones.
 #[test]
@@ -410,10 +420,7 @@ fn replayed_steps_with_tapered_kv_chunks_are_bit_identical() {
     let w = worker();
     let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
     let session = |replay: bool| {
-        let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
-        kv.upload(&f.kv).unwrap();
-        let mut s = Session::new(&w, model.clone(), kv);
-        s.replay = replay;
+        let mut s = replay_session(&w, &f, &model, replay);
         tapered_chunks(&mut s.policy);
         s
     };
@@ -450,13 +457,7 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
     let f = stretched_fixture("small", &[300, 300, 300]);
     let w = worker();
     let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
-    let session = |replay: bool| {
-        let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
-        kv.upload(&f.kv).unwrap();
-        let mut s = Session::new(&w, model.clone(), kv);
-        s.replay = replay;
-        s
-    };
+    let session = |replay: bool| replay_session(&w, &f, &model, replay);
     let (mut a, mut b) = (session(true), session(false));
     let cfg = CallConfig::default();
     let mut lens = vec![110usize, 250, 30];
