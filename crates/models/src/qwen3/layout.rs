@@ -14,10 +14,9 @@
 //! layout). Workers whose kernels do not run on the host (CUDA) always get row-major weights.
 //!
 //! Tiling is opt-in ([`choose_bf16_layout`], the CLI's `--bf16-layout tiled`): on this class
-//! of host tiled weights stream faster at batch 4 and 16, and with the AMX path's batch-1 pass
-//! that walks four regions of groups side by side they are level with the row-major vector
-//! pass at batch 1 kernel by kernel; the default stays row-major until a decode step at
-//! batch 1 is shown not to lose on a quiet host (`docs/qwen3.md`).
+//! of host tiled weights stream faster at batch 4 and 16 and are level at batch 1, but a
+//! 512-token prefill measured slower end to end while its GEMM kernels were not; the default
+//! stays row-major until that is explained (`docs/qwen3.md`).
 //!
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
