@@ -48,7 +48,9 @@ pub use exec::{OrchFn, RunArgs};
 pub use graph::{
     ArgSource, CapturedGraph, GraphArg, GraphDep, GraphMode, GraphOutput, GraphShape, GraphTask,
 };
-pub use kernel::{KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg};
+pub use kernel::{
+    KernelFn, KernelId, KernelSpec, Predicate, Rows, RowsMut, TaskCtx, TensorArg, tapered_range,
+};
 pub use orch::{Orchestrator, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo, ThreadCounters, ThreadTimes};
 pub use pool::RunHandle;

@@ -183,29 +183,6 @@ fn plan_blocks(n: usize, k: usize, threads: usize) -> usize {
         .max(1)
 }
 
-/// Share `i` of `n` units over `blocks` blocks as the runtime tapers them
-/// (`simpler_core`'s `block_range_tapered`, which this crate does not depend on): with 8 or more
-/// blocks the last quarter get 1/2, 1/4, 1/8, then 1/8 of a full share when every share stays
-/// non-empty, else half shares; fewer blocks share equally.
-fn tapered_share(n: usize, blocks: usize, i: usize) -> std::ops::Range<usize> {
-    const FULL: usize = 8;
-    let tail_weights = |k: usize| (0..k).map(|t| (FULL >> (t + 1)).max(1)).sum::<usize>();
-    let tail = if blocks >= 8 { blocks / 4 } else { 0 };
-    let full = blocks - tail;
-    let geometric = tail > 0 && n >= FULL * full + tail_weights(tail);
-    let halves = tail > 0 && !geometric && n >= 2 * blocks;
-    let before = |j: usize| {
-        let (head, k) = (j.min(full), j.saturating_sub(full));
-        match (geometric, halves) {
-            (true, _) => FULL * head + tail_weights(k),
-            (_, true) => 2 * head + k,
-            _ => j,
-        }
-    };
-    let at = |j: usize| n * before(j) / before(blocks);
-    at(i)..at(i + 1)
-}
-
 /// One pass over every copy, the threads taking each copy's row blocks (whole 16-row groups)
 /// from a shared counter; seconds of wall time, or of CPU time per thread.
 fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
@@ -226,7 +203,7 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
                         let (w, b) = (&mats[i / split.blocks], i % split.blocks);
                         let units = w.rows().div_ceil(16);
                         let share = if split.taper {
-                            tapered_share(units, split.blocks, b)
+                            simpler_core::tapered_range(units, split.blocks, b)
                         } else {
                             units * b / split.blocks..units * (b + 1) / split.blocks
                         };

@@ -39,7 +39,7 @@ mod rows;
 mod shares;
 
 pub use rows::{Rows, RowsMut};
-use shares::tapered_range;
+pub use shares::tapered_range;
 
 /// A kernel's id, chosen by whoever registers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

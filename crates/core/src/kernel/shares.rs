@@ -23,7 +23,8 @@ fn geometric_tail(k: usize) -> usize {
 /// then 1/8 of a full share) when there are enough items for every share to be non-empty;
 /// failing that, the last quarter's shares are half size (with at least two items per block);
 /// otherwise the shares are equal. With at least as many items as blocks, no share is empty.
-pub(crate) fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
+/// Public so that kernel benchmarks can split work exactly as the runtime does.
+pub fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
     let blocks = blocks.max(1);
     let tail = if blocks >= 8 { blocks / 4 } else { 0 };
     let full = blocks - tail;
