@@ -159,9 +159,10 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
-/// Each step prefetches (into L2) its rows a chunk ahead: AMD fills L1 on every prefetch
-/// level, and the next block's rows (the small-batch prefetch) evicted the chunk in use
-/// (measured 10–16% slower at batch 8 than this).
+/// Each step prefetches (into L2) its rows a chunk ahead, and during the last chunk the next
+/// block's first chunk (or the caller's next rows, [`super::NextRows`]): AMD fills L1 on
+/// every prefetch level, and prefetching the next block's rows at the step's own offset (the
+/// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
 ///
 /// # Safety
 /// AVX2 available; rows `n0..n0 + RR` lie inside the tile of checked, row-major segments.
@@ -175,9 +176,19 @@ unsafe fn rows_maddubs<const RR: usize>(
     for lw in segs {
         let body = lw.k.len() / STEP * STEP;
         let tail = lw.k.start + body..lw.k.end;
-        // Each row a chunk ahead of the step (past a row's end, the next row's start).
-        let pf: [*const i8; RR] =
-            std::array::from_fn(|r| lw.w_ptr(n0 + r, lw.k.start).wrapping_add(KC));
+        // The first chunk of the rows streamed after this block: the next block's, past the
+        // tile's end the caller's next rows (row-major ones; else this block's own).
+        let next: [*const i8; RR] = std::array::from_fn(|r| {
+            let n = n0 + RR + r;
+            if n < lw.n.end {
+                lw.w_ptr(n, lw.k.start)
+            } else {
+                lw.next
+                    .and_then(|nx| nx.row(n - lw.n.end, lw.k.start))
+                    .filter(|&(_, stride)| stride == 64)
+                    .map_or(lw.w_ptr(n0 + r, lw.k.start), |(p, _)| p)
+            }
+        });
         let mut g0 = 0;
         while g0 < lw.batch {
             let gb = (lw.batch - g0).min(G);
@@ -187,7 +198,15 @@ unsafe fn rows_maddubs<const RR: usize>(
                 let len = KC.min(body - kc);
                 let k0 = lw.k.start + kc;
                 let steps = len / STEP;
-                let pfc: [*const i8; RR] = std::array::from_fn(|r| pf[r].wrapping_add(kc));
+                // Each step prefetches its row a chunk ahead; the last chunk, the same row of
+                // the next block's first chunk.
+                let pfc: [*const i8; RR] = std::array::from_fn(|r| {
+                    if kc + KC < body {
+                        lw.w_ptr(n0 + r, k0).wrapping_add(KC)
+                    } else {
+                        next[r]
+                    }
+                });
                 let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r, k0));
                 let mut b0 = 0;
                 while b0 < gb {
