@@ -100,12 +100,13 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     }
     let mut n0 = first.n.start;
     while n0 < first.n.end {
-        // SAFETY: rows `n0..n0 + R` (or `n0`) lie inside the tile; the caller's contract
-        // covers the features and the slices.
         if first.n.end - n0 >= R {
+            // SAFETY: rows `n0..n0 + R` lie inside the tile; the caller's contract covers the
+            // features and the slices.
             unsafe { rows_maddubs::<R>(segs, n0, out, ld_out) };
             n0 += R;
         } else {
+            // SAFETY: row `n0` lies inside the tile; as above.
             unsafe { rows_maddubs::<1>(segs, n0, out, ld_out) };
             n0 += 1;
         }
