@@ -201,6 +201,24 @@ fn w8a8_every_path_equals_the_reference_bit_for_bit_at_ragged_shapes() {
     }
 }
 
+/// Slices longer than the AVX2 path's 1024-byte `k` chunks, at batches that take its chunked
+/// sets (5 rows and more: whole sets of 8, a set of 8 and a remainder, ragged sets) and the
+/// ones that do not: every path equals the reference bit for bit, with and without a scalar
+/// tail, tiles starting and ending inside chunks.
+#[test]
+fn w8a8_long_slices_across_chunks_equal_the_reference_bit_for_bit() {
+    let paths = paths("w8a8 long slices");
+    let mut seed = 9000;
+    for n in [1, 4, 5, 9] {
+        for k in [1024, 1057, 2048 + 64, 3001] {
+            for batch in [4, 5, 7, 8, 9, 16, 17] {
+                seed += 1;
+                check_w8a8(&case(n, k, batch, false, seed), &paths, seed);
+            }
+        }
+    }
+}
+
 /// Grouped activations ([`ActsI8::grouped`]): every path, for tiles whose `k` starts, ends
 /// and crosses group boundaries anywhere, equals the reference summing each group's part
 /// exactly, scaling it by that group's factor and adding the parts in `k` order, the first
@@ -219,6 +237,7 @@ fn w8a8_grouped_every_path_equals_the_per_group_reference_bit_for_bit() {
         (33, 3, 40),
         (20, 2, 200),
         (49, 8, 128),
+        (9, 3, 1100),
     ] {
         for batch in [1, 2, 3, 5, 8, 9, 16] {
             seed += 1;

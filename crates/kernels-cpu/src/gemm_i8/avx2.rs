@@ -3,10 +3,18 @@
 //! FMA). Each computes blocks of `R` weight rows × up to `B` batch rows with every
 //! accumulator in a register; the activation rows of a block stay in L1 while the weight
 //! rows stream.
+//!
+//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) run each block over
+//! the whole slice, prefetching the next block's rows. Batches of [`MIN_SETS_BATCH`] rows or
+//! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
+//! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
+//! activations and weights stay in L1 through the block's passes, the accumulators kept in
+//! memory between chunks and reduced eight at a time by a tree of horizontal adds.
 
 use std::arch::x86_64::*;
 
 use super::{Lowered, LoweredWide, WithActSums};
+use crate::gemm::OutMode;
 use crate::simd::hsum256;
 use crate::simd::prefetch_l2;
 
@@ -16,6 +24,19 @@ const R: usize = 4;
 const B: usize = 2;
 /// Bytes of `k` per step.
 const STEP: usize = 32;
+/// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
+/// the weights bandwidth bound, where the row blocks of [`block_maddubs`] prefetching the
+/// next block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]`
+/// streamed from memory, Zen 3).
+const MIN_SETS_BATCH: usize = 5;
+/// Batch rows whose `vpmaddubsw` accumulators a block of weight rows keeps between chunks
+/// (the decode batch of 8 in one set).
+const G: usize = 8;
+/// Bytes of `k` per chunk of the `vpmaddubsw` sets: the [`G`] batch rows' and the block's
+/// slices of one chunk (12 KiB) stay in the 32 KiB L1 through the block's passes. Over whole
+/// rows, 8 activation rows of `K = 4096` alone fill L1, and each pass re-read them from L2
+/// (`docs/benchmarks.md`, "Zen 3 / AVX2").
+const KC: usize = 1024;
 
 /// Sum of the eight i32 lanes (wrapping, like the lanes).
 #[target_feature(enable = "avx2")]
@@ -25,6 +46,25 @@ fn hsum_epi32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
     _mm_cvtsi128_si32(s)
+}
+
+/// The sums of eight vectors' lanes, `[sum(v[0]), .., sum(v[7])]` (wrapping, like the lanes):
+/// a tree of horizontal adds, seven instructions for eight sums.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum8(v: &[__m256i; 8]) -> __m256i {
+    let t0 = _mm256_hadd_epi32(v[0], v[1]);
+    let t1 = _mm256_hadd_epi32(v[2], v[3]);
+    let t2 = _mm256_hadd_epi32(v[4], v[5]);
+    let t3 = _mm256_hadd_epi32(v[6], v[7]);
+    // Each 128-bit half of u0 holds a partial sum of each of v[0..4] in order; of u1, of
+    // v[4..8].
+    let u0 = _mm256_hadd_epi32(t0, t1);
+    let u1 = _mm256_hadd_epi32(t2, t3);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(u0, u1),
+        _mm256_permute2x128_si256::<0x31>(u0, u1),
+    )
 }
 
 /// Pointers to `k.start` of weight rows `n0..n0 + RR` and batch rows `b0..b0 + BB`.
@@ -44,16 +84,37 @@ fn starts<const RR: usize, const BB: usize>(
     )
 }
 
-/// W8A8 with `vpmaddubsw` over a tile's `k` segments.
+/// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
+/// than [`MIN_SETS_BATCH`] rows stream the weights in blocks of [`R`] rows × [`B`] batch
+/// rows over the whole slice ([`block_maddubs`], bandwidth bound); larger batches take the
+/// chunked sets of [`rows_maddubs`] (compute bound).
 ///
 /// # Safety
-/// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`.
+/// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
-    drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+    let first = &segs[0];
+    if first.batch < MIN_SETS_BATCH {
+        drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+        return;
+    }
+    let mut n0 = first.n.start;
+    while n0 < first.n.end {
+        if first.n.end - n0 >= R {
+            // SAFETY: rows `n0..n0 + R` lie inside the tile; the caller's contract covers the
+            // features and the slices.
+            unsafe { rows_maddubs::<R>(segs, n0, out, ld_out) };
+            n0 += R;
+        } else {
+            // SAFETY: row `n0` lies inside the tile; as above.
+            unsafe { rows_maddubs::<1>(segs, n0, out, ld_out) };
+            n0 += 1;
+        }
+    }
 }
 
-/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`).
+/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
+/// whole slice in one pass.
 ///
 /// # Safety
 /// AVX2 available; the rows lie inside the tile of a checked `lw`.
@@ -74,7 +135,7 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
         let a: [__m256i; BB] =
             std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
         for r in 0..RR {
-            // The same row of the next block, one block ahead (see `PREFETCH`).
+            // The same row of the next block, one block ahead (module docs of `gemm_i8`).
             prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
@@ -90,6 +151,205 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
         for b in 0..BB {
             sums[r][b] = hsum_epi32(acc[r][b]);
         }
+    }
+}
+
+/// Weight rows `n0..n0 + RR` against every batch row, finished into `out`: per segment, the
+/// batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes, each chunk
+/// taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
+/// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
+/// sums are those of one pass over the whole slice.
+///
+/// Each step prefetches (into L2) its rows a chunk ahead, and during the last chunk the next
+/// block's first chunk (or the caller's next rows, [`super::NextRows`]): AMD fills L1 on
+/// every prefetch level, and prefetching the next block's rows at the step's own offset (the
+/// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
+///
+/// # Safety
+/// AVX2 available; rows `n0..n0 + RR` lie inside the tile of checked, row-major segments.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_maddubs<const RR: usize>(
+    segs: &[Lowered<'_>],
+    n0: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    for lw in segs {
+        let body = lw.k.len() / STEP * STEP;
+        let tail = lw.k.start + body..lw.k.end;
+        // The first chunk of the rows streamed after this block: the next block's, past the
+        // tile's end the caller's next rows (row-major ones; else this block's own).
+        let next: [*const i8; RR] = std::array::from_fn(|r| {
+            let n = n0 + RR + r;
+            if n < lw.n.end {
+                lw.w_ptr(n, lw.k.start)
+            } else {
+                lw.next
+                    .and_then(|nx| nx.row(n - lw.n.end, lw.k.start))
+                    .filter(|&(_, stride)| stride == 64)
+                    .map_or(lw.w_ptr(n0 + r, lw.k.start), |(p, _)| p)
+            }
+        });
+        let mut g0 = 0;
+        while g0 < lw.batch {
+            let gb = (lw.batch - g0).min(G);
+            let mut acc = [[_mm256_setzero_si256(); G]; RR];
+            let mut kc = 0;
+            while kc < body {
+                let len = KC.min(body - kc);
+                let k0 = lw.k.start + kc;
+                let steps = len / STEP;
+                // Each step prefetches its row a chunk ahead; the last chunk, the same row of
+                // the next block's first chunk.
+                let pfc: [*const i8; RR] = std::array::from_fn(|r| {
+                    if kc + KC < body {
+                        lw.w_ptr(n0 + r, k0).wrapping_add(KC)
+                    } else {
+                        next[r]
+                    }
+                });
+                let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r, k0));
+                let mut b0 = 0;
+                while b0 < gb {
+                    let bb = (gb - b0).min(B);
+                    // Batch rows past `bb` are never read: their pointers only wrap.
+                    let a0 = lw.a[k0..].as_ptr();
+                    let ap: [*const i8; B] =
+                        std::array::from_fn(|b| a0.wrapping_add((g0 + b0 + b) * lw.lda));
+                    // SAFETY: rows `n0..n0 + RR` and batch rows `g0 + b0..g0 + b0 + bb` hold
+                    // `len` bytes from `k0` (inside the tile's `k`); `b0 + bb <= G`.
+                    unsafe {
+                        if bb == 1 {
+                            chunk_maddubs::<RR, 1>(wp, ap, steps, pfc, &mut acc, b0);
+                        } else {
+                            chunk_maddubs::<RR, B>(wp, ap, steps, pfc, &mut acc, b0);
+                        }
+                    }
+                    b0 += bb;
+                }
+                kc += len;
+            }
+            if gb == G && tail.is_empty() {
+                let sa: [f32; G] = std::array::from_fn(|b| lw.sa[(g0 + b) * lw.groups + lw.group]);
+                // SAFETY: eight f32 in `sa`.
+                let sa = unsafe { _mm256_loadu_ps(sa.as_ptr()) };
+                for (r, acc) in acc.iter().enumerate() {
+                    // The same expression as `Lowered::finish`, eight batch rows at a time.
+                    let sw = _mm256_set1_ps(lw.sw[n0 + r]);
+                    let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(acc)), sw), sa);
+                    let mut vs = [0.0f32; G];
+                    // SAFETY: room for eight f32 in `vs`.
+                    unsafe { _mm256_storeu_ps(vs.as_mut_ptr(), v) };
+                    for (b, &v) in vs.iter().enumerate() {
+                        let o = &mut out[(g0 + b) * ld_out + (n0 + r - lw.n.start)];
+                        match lw.mode {
+                            OutMode::Store => *o = v,
+                            OutMode::Add => *o += v,
+                        }
+                    }
+                }
+            } else {
+                for (r, acc) in acc.iter().enumerate() {
+                    for (b, &v) in acc.iter().enumerate().take(gb) {
+                        // Most slices have no tail: skip the call per output element.
+                        let t = if tail.is_empty() {
+                            0
+                        } else {
+                            lw.dot(n0 + r, g0 + b, tail.clone())
+                        };
+                        lw.finish(out, ld_out, n0 + r, g0 + b, hsum_epi32(v).wrapping_add(t));
+                    }
+                }
+            }
+            g0 += gb;
+        }
+    }
+}
+
+/// One chunk of `steps` steps of weight rows `wp` against batch rows `ap` (the first `BB`),
+/// added to the accumulators `acc[r][b0 + b]`, with an L2 prefetch per step of each row at
+/// `pf`.
+///
+/// # Safety
+/// AVX2 available; each of `wp[..RR]` and `ap[..BB]` holds `steps * STEP` bytes; `b0 + BB <= G`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn chunk_maddubs<const RR: usize, const BB: usize>(
+    wp: [*const i8; RR],
+    ap: [*const i8; B],
+    steps: usize,
+    pf: [*const i8; RR],
+    acc: &mut [[__m256i; G]; RR],
+    b0: usize,
+) {
+    let ones = _mm256_set1_epi16(1);
+    let mut v: [[__m256i; BB]; RR] =
+        std::array::from_fn(|r| std::array::from_fn(|b| acc[r][b0 + b]));
+    for s in 0..steps {
+        // SAFETY: `s * STEP + STEP <= steps * STEP` bytes lie after each pointer (contract).
+        let a: [__m256i; BB] =
+            std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
+        for r in 0..RR {
+            prefetch_l2(pf[r].wrapping_add(s * STEP));
+            // SAFETY: as above: 32 bytes of row `r` at step `s`.
+            unsafe { step_row(wp[r], s * STEP, &a, ones, &mut v[r]) };
+        }
+    }
+    for r in 0..RR {
+        for b in 0..BB {
+            acc[r][b0 + b] = v[r][b];
+        }
+    }
+}
+
+/// `acc[b] += w · a[b]` (pairs of products summed to i16, then to i32 lanes) for the 32
+/// weight bytes at `w + off` and each batch vector: `|w| · sign(a, w) = w · a`, pairs at most
+/// `2 · 128 · 127` in i16 (`a != -128`).
+///
+/// The weight vector is read as a memory operand of `vpabsb` and of each `vpsignb` instead of
+/// being loaded into a register once (the compiler merges reads of one address, hence the
+/// assembly): Zen 3 issues at most 6 macro-ops per cycle, and a step of 4 rows × 2 batch
+/// rows counts 45 of them this way against 49 with the loads (with its prefetches and the
+/// loop), while the vector pipes see the same work either way.
+///
+/// # Safety
+/// AVX2 available; 32 bytes readable at `w + off`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn step_row<const BB: usize>(
+    w: *const i8,
+    off: usize,
+    a: &[__m256i; BB],
+    ones: __m256i,
+    acc: &mut [__m256i; BB],
+) {
+    let w_abs: __m256i;
+    // SAFETY: 32 bytes are readable at `w + off` (contract); AVX2 is available; the block
+    // reads memory only, writes only its register operands and leaves the flags alone.
+    unsafe {
+        std::arch::asm!(
+            "vpabsb {wa}, ymmword ptr [{w} + {o}]",
+            w = in(reg) w,
+            o = in(reg) off,
+            wa = out(ymm_reg) w_abs,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    for b in 0..BB {
+        let t: __m256i;
+        // SAFETY: as above.
+        unsafe {
+            std::arch::asm!(
+                "vpsignb {t}, {a}, ymmword ptr [{w} + {o}]",
+                w = in(reg) w,
+                o = in(reg) off,
+                a = in(ymm_reg) a[b],
+                t = out(ymm_reg) t,
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        let p = _mm256_maddubs_epi16(w_abs, t);
+        acc[b] = _mm256_add_epi32(acc[b], _mm256_madd_epi16(p, ones));
     }
 }
 

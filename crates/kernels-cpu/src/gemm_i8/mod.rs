@@ -52,7 +52,9 @@
 //! # Paths ([`I8Path`], chosen at run time)
 //! - Portable: plain loops.
 //! - AVX2 (`vpmaddubsw`): `|w|` as u8 times `sign(x, w)` as s8, pairs summed to i16 (at most
-//!   `2 * 128 * 127`, no saturation) then to i32 with `vpmaddwd` against ones.
+//!   `2 * 128 * 127`, no saturation) then to i32 with `vpmaddwd` against ones; 1–4 batch rows
+//!   stream the weights in blocks over the whole slice, 5 and more go in sets of 8 over `k`
+//!   chunks held in L1 (`avx2.rs`).
 //! - AVX-VNNI (256-bit) and AVX-512 VNNI (`vpdpbusd`): the instruction wants u8 × s8, so the
 //!   weights enter as `w + 128` (a xor of the sign bit on each loaded vector) against the
 //!   activations as they lie, and each batch row's sum over the slice, taken once per call,
@@ -75,7 +77,8 @@
 //! starts on rows already in L2. The expert products of a MoE step are many short calls (one
 //! per expert and column block, ~64–128 rows each), each of which would otherwise start cold:
 //! an int8 row stream is latency bound at 1–3 batch rows, and its first rows cost most.
-//! The AVX-512 VNNI blocks use the hint; the other paths ignore it.
+//! The AVX-512 VNNI blocks and the AVX2 path's sets (batches of 5 rows and more) use the hint;
+//! the other paths ignore it.
 //!
 //! `k` slices are summed in steps of 32 (AVX2, AVX-VNNI) or 64 bytes (AVX-512, AMX) from the
 //! slice start, the rest by a scalar loop: no alignment or multiple is required of `K`.

@@ -33,8 +33,9 @@
 //!    VNNI layout, the heads' weights are the `A` operand and each 32-head × 32-column block
 //!    of `out` stays in tiles over every row, stored once; on AVX-512 BF16 without AMX (rows
 //!    a multiple of 64 wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
-//!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` is a register-blocked body (4 heads × 16
-//!    columns) built like the softmax, reading the rows as they lie (`[n, d]`).
+//!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` reads the rows as they lie (`[n, d]`): on
+//!    AVX2 a register-blocked kernel of 6 heads × 16 columns (`pv_avx2`), on the other builds
+//!    a lane body of 4 heads × 16 columns built like the softmax; the two give the same bits.
 
 use half::bf16;
 
@@ -46,6 +47,8 @@ use crate::math::exp2_approx;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod pv_avx2;
 
 /// Rows per block of the copy and the scores' product; the planning's tile of a candidate
 /// list ([`super::plan`]).
@@ -458,10 +461,44 @@ three_builds! {
     }
 }
 
-/// Heads per block of [`pv_add`].
+/// Heads per block of [`pv_add_lanes`].
 const PV_HEADS: usize = 4;
-/// Columns per block of [`pv_add`].
+/// Columns per block of [`pv_add_lanes`].
 const PV_COLS: usize = 16;
+
+/// `out[h, c] += Σ_j p[h, j] · rows[j, c]`: [`pv_add_lanes`]'s contract and results (the
+/// same bits), on AVX2 (without AVX-512) by `pv_avx2`'s register-blocked kernel, elsewhere by
+/// the lane body.
+///
+/// # Panics
+/// If the lengths disagree.
+pub(crate) fn pv_add(
+    p: &[u16],
+    ld: usize,
+    heads: usize,
+    n: usize,
+    rows: &[bf16],
+    d: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = Isa::current();
+        if isa >= Isa::Avx2 && isa < Isa::Avx512Bf16 {
+            assert!(
+                ld >= n && (heads == 0 || p.len() >= (heads - 1) * ld + n),
+                "pv_add: p len"
+            );
+            assert_eq!(rows.len(), n * d, "pv_add: rows len");
+            assert_eq!(out.len(), heads * d, "pv_add: out len");
+            // SAFETY: `Isa::current` is Avx2 or wider only on a CPU with AVX2 and FMA; the
+            // lengths were checked just above.
+            unsafe { pv_avx2::pv_add(p, ld, heads, n, rows, d, out) };
+            return;
+        }
+    }
+    pv_add_lanes(p, ld, heads, n, rows, d, out);
+}
 
 three_builds! {
     /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
@@ -472,7 +509,7 @@ three_builds! {
     ///
     /// # Panics
     /// If the lengths disagree.
-    pub(crate) fn pv_add(
+    pub(crate) fn pv_add_lanes(
         p: &[u16],
         ld: usize,
         heads: usize,

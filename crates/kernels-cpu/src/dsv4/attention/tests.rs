@@ -93,6 +93,7 @@ fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
         (5, 1, 40),
         (4, 33, 64),
         (9, 128, 70),
+        (13, 37, 512),
     ] {
         let ld = n + 1;
         let p = weights(heads, n, ld, 3);
