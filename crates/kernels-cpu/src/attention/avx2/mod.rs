@@ -17,7 +17,8 @@
 //!   software prefetch a few rows ahead spread over the head calls.
 //!
 //! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
-//! scratch.
+//! scratch. Causal prefill rows ([`prefill_rows`]) run as blocked matrix products in
+//! `prefill` (its scratch is per thread), or one decode pass per row for small calls.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
