@@ -9,8 +9,9 @@
 //! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by two
 //! threads in order, a barrier between layers. The named paths alternate round by round: decode
 //! paths (`set_process_decode_path`), `read` (a plain read of each task's rows in address
-//! order) and `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per
-//! pass); per path, the median and minimum wall time of a round and of the threads' CPU time.
+//! order), `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per
+//! pass) and `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's
+//! slices prefetched `A` head passes ahead); per path, the median and minimum wall time of a round and of the threads' CPU time.
 
 mod common;
 
@@ -200,7 +201,7 @@ fn plan_phase(
         .split(',')
         .map(|n| match n {
             "read" => None,
-            _ if n.starts_with("read-heads") => None,
+            _ if n.starts_with("read-heads") || n.starts_with("read-ahead") => None,
             _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
         })
         .collect();
@@ -256,6 +257,11 @@ fn plan_phase(
                             n.strip_prefix(':')
                                 .map_or(1, |n| n.parse::<usize>().expect("read-heads:N"))
                         });
+                        // `read-ahead:A`: head-major runs, slices prefetched A head passes ahead.
+                        let ahead = names[pi].strip_prefix("read-ahead").map(|n| {
+                            n.strip_prefix(':')
+                                .map_or(2, |n| n.parse::<usize>().expect("read-ahead:A"))
+                        });
                         sc.spawn(move || {
                             let c0 = common::thread_cpu_seconds();
                             let mut partials = vec![0.0f32; kv_heads * rec];
@@ -271,6 +277,18 @@ fn plan_phase(
                                 loop {
                                     let i = next[layer].fetch_add(1, Ordering::Relaxed);
                                     let Some((b, r)) = tasks.get(i) else { break };
+                                    if let Some(a) = ahead {
+                                        sink ^= read_ahead(
+                                            k,
+                                            v,
+                                            &tables[*b],
+                                            page,
+                                            (kv_heads, hd),
+                                            a,
+                                            r.clone(),
+                                        );
+                                        continue;
+                                    }
                                     if let Some(per_pass) = heads_order {
                                         let w = per_pass.clamp(1, kv_heads) * hd;
                                         sink ^=
@@ -355,13 +373,18 @@ fn read_lines(slice: &[bf16]) -> u64 {
     acc
 }
 
-/// Reads every bf16 of `rows` (a plain read pass: 512-bit loads, four independent sums), the
+/// Reads every bf16 of `rows` (a plain read pass: 512-bit or 256-bit loads, four independent sums), the
 /// bound the attention kernel's pass over the same rows is compared with.
 fn read_rows(rows: &[bf16]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512 F.
         return unsafe { read_rows_avx512(rows) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { read_rows_avx2(rows) };
     }
     rows.iter().map(|x| u64::from(x.to_bits())).sum()
 }
@@ -389,6 +412,36 @@ fn read_rows_avx512(rows: &[bf16]) -> u64 {
         _mm512_add_epi32(acc[2], acc[3]),
     );
     tail.wrapping_add(_mm512_reduce_add_epi32(s) as u32 as u64)
+}
+
+/// [`read_rows_avx512`] in 256-bit loads, for CPUs without AVX-512 (the scalar sum's
+/// widening arithmetic, not memory, bounded it there).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn read_rows_avx2(rows: &[bf16]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let blocks = rows.chunks_exact(64);
+    let tail: u64 = blocks
+        .remainder()
+        .iter()
+        .map(|x| u64::from(x.to_bits()))
+        .sum();
+    for b in blocks {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `b` holds 64 bf16: four 32-byte loads.
+            let v = unsafe { _mm256_loadu_si256(b[16 * i..].as_ptr().cast()) };
+            *a = _mm256_add_epi32(*a, v);
+        }
+    }
+    let s = _mm256_add_epi32(
+        _mm256_add_epi32(acc[0], acc[1]),
+        _mm256_add_epi32(acc[2], acc[3]),
+    );
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` holds eight u32.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
+    tail.wrapping_add(lanes.iter().map(|&x| u64::from(x)).sum::<u64>())
 }
 
 /// Reads the rows of `tokens` in the AVX-512 decode kernel's order without its arithmetic:
@@ -444,6 +497,75 @@ fn read_heads(
                     }
                     let at = base + r * row + c;
                     sink = sink.wrapping_add(read_lines(&pool[at..at + w]));
+                }
+            }
+        }
+        t = next;
+    }
+    sink
+}
+
+/// Reads the rows of `tokens` in the decode kernels' head-major order without their
+/// arithmetic: runs of 32 tokens inside a page, one head at a time, its K slices then its V
+/// slices, while the slices `ahead` head passes on (this run's later heads, then the next
+/// run's first ones) are prefetched into L2.
+fn read_ahead(
+    k: &[bf16],
+    v: &[bf16],
+    table: &[u32],
+    page: usize,
+    (heads, hd): (usize, usize),
+    ahead: usize,
+    tokens: std::ops::Range<usize>,
+) -> u64 {
+    let row = heads * hd;
+    let slot = |t: usize| table[t / page] as usize * page + t % page;
+    let run_len = |t: usize| 32.min(page - t % page).min(tokens.end - t);
+    let pf = |p: *const bf16| {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
+        };
+    };
+    let ahead = ahead.min(heads);
+    let mut sink = 0u64;
+    let mut t = tokens.start;
+    if t < tokens.end {
+        let base = slot(t) * row;
+        for r in 0..run_len(t) {
+            for e in (0..ahead * hd).step_by(32) {
+                pf(k[base + r * row + e..].as_ptr());
+                pf(v[base + r * row + e..].as_ptr());
+            }
+        }
+    }
+    while t < tokens.end {
+        let run = run_len(t);
+        let base = slot(t) * row;
+        let next = t + run;
+        let (nbase, nrun) = if next < tokens.end {
+            (slot(next) * row, run_len(next))
+        } else {
+            (0, 0)
+        };
+        for h in 0..heads {
+            let (pb, pr, ph) = if h + ahead < heads {
+                (base, run, h + ahead)
+            } else {
+                (nbase, nrun, h + ahead - heads)
+            };
+            for pool in [k, v] {
+                for r in 0..run.max(pr) {
+                    if r < pr && ahead > 0 {
+                        for e in (0..hd).step_by(32) {
+                            pf(pool[pb + r * row + ph * hd + e..].as_ptr());
+                        }
+                    }
+                    if r < run {
+                        let at = base + r * row + h * hd;
+                        sink = sink.wrapping_add(read_lines(&pool[at..at + hd]));
+                    }
                 }
             }
         }

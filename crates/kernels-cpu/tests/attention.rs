@@ -579,3 +579,127 @@ fn decode_path_cap_selects_the_capped_path() {
         with_isa(Isa::detected(), run).expect("detected path")
     );
 }
+
+/// The causal prefill rows on every path against the portable one and the fp64 reference at
+/// the edges of the AVX2 blocked kernel: query counts just below, at and above its smallest
+/// block (12), its 16-query tiles and its 64-query blocks (split into nearly equal blocks),
+/// prefixes ending inside, at and past its 48-token runs and 16- or 128-token pages, GQA
+/// groups 1 to 8, and a call whose first row starts at position 0.
+#[test]
+fn prefill_rows_blocked_edges_on_every_path() {
+    let mut rng = Rng(4242);
+    for (group, n_rows, first_pos, hd, ps, kv_heads) in [
+        (1usize, 11usize, 0usize, 32usize, 16usize, 1usize),
+        (1, 12, 47, 64, 16, 2),
+        (2, 8, 48, 128, 128, 2),
+        (3, 5, 95, 96, 16, 1),
+        (2, 32, 96, 128, 128, 3),
+        (1, 65, 1, 32, 16, 1),
+        (4, 17, 130, 64, 128, 2),
+        (8, 9, 17, 256, 16, 1),
+        (5, 13, 200, 32, 16, 2),
+        (2, 50, 0, 128, 16, 2),
+    ] {
+        let blocks = (first_pos + n_rows).div_ceil(ps);
+        let st = Setup::new(1, blocks, kv_heads, hd, ps, &mut rng);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q: Vec<f32> = rng
+            .vec_bf16(n_rows * group * hd, 3.0)
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let g = kv_heads - 1;
+        let what = format!("group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}");
+        let ran = common::all_paths("prefill rows, blocked edges", || {
+            let mut out = vec![0.0f32; q.len()];
+            prefill_attention_rows_f32(
+                &q,
+                group,
+                &st.kv(),
+                &st.tables[0],
+                g,
+                first_pos,
+                scale,
+                &mut out,
+            );
+            out
+        });
+        for (isa, out) in &ran {
+            common::assert_close(
+                out,
+                &ran[0].1,
+                5e-3,
+                2e-2,
+                &format!("{} vs portable, {what}", isa.name()),
+            );
+            for i in 0..n_rows {
+                for j in 0..group {
+                    let at = (i * group + j) * hd;
+                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
+                    common::assert_close(
+                        &out[at..at + hd],
+                        &e,
+                        5e-3,
+                        2e-2,
+                        &format!("{} vs reference, {what}, row {i} query {j}", isa.name()),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Non-finite keys in causal prefill: every path agrees with the portable one on which
+/// outputs are finite, with enough rows for the AVX2 blocked kernel: a key of minus infinity
+/// drops its token, plus infinity and NaN poison the rows that see it, and rows before the
+/// poisoned token stay finite (the causal mask keeps it out of their softmax).
+#[test]
+fn prefill_rows_non_finite_keys_agree_on_every_path() {
+    let mut rng = Rng(99);
+    let (hd, ps, group, n_rows) = (64usize, 16usize, 2usize, 24usize);
+    let q: Vec<f32> = (0..n_rows * group * hd)
+        .map(|_| 0.1 + 0.5 * rng.uniform().abs())
+        .collect();
+    let poisoned = 30;
+    for poison in [f32::NEG_INFINITY, f32::INFINITY, f32::NAN] {
+        let mut s = Setup::new(1, 4, 1, hd, ps, &mut rng);
+        let at = (s.tables[0][poisoned / ps] as usize * ps + poisoned % ps) * hd + 5;
+        s.k[at] = bf16::from_f32(poison);
+        let first_pos = 20;
+        let ran = common::all_paths("prefill rows, non-finite key", || {
+            let mut out = vec![0.0f32; q.len()];
+            prefill_attention_rows_f32(
+                &q,
+                group,
+                &s.kv(),
+                &s.tables[0],
+                0,
+                first_pos,
+                0.125,
+                &mut out,
+            );
+            out
+        });
+        let (_, p) = &ran[0];
+        // Rows before the poisoned token never see it.
+        let clean = (poisoned - first_pos) * group * hd;
+        assert!(
+            p[..clean].iter().all(|v| v.is_finite()),
+            "key {poison}: rows before it"
+        );
+        assert_eq!(
+            p[clean..].iter().all(|v| v.is_finite()),
+            poison == f32::NEG_INFINITY,
+            "key {poison}: rows that see it"
+        );
+        for (isa, out) in &ran[1..] {
+            for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
+                assert!(
+                    same_class(x, y),
+                    "key {poison}, element {i}: portable {x} vs {} {y}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}

@@ -17,7 +17,8 @@
 //!   software prefetch a few rows ahead spread over the head calls.
 //!
 //! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
-//! scratch.
+//! scratch. Causal prefill rows ([`prefill_rows`]) run as blocked matrix products in
+//! `prefill` (its scratch is per thread), or one decode pass per row for small calls.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -28,6 +29,7 @@ use super::PagedKv;
 use crate::simd::hsum256;
 
 mod head;
+mod prefill;
 mod rows;
 
 use head::head_over;
@@ -109,9 +111,9 @@ pub(super) unsafe fn decode_partials_heads(
 
 /// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of `q`
 /// (`group` widened queries) attends to tokens `0..=first_pos + i`; `out` gets the normalised
-/// outputs. Each row is one single-head decode pass over its prefix, which the register-blocked
-/// kernel runs several times faster than the portable block loop (the prefix's K/V of one
-/// head stays in L2 across the rows).
+/// outputs. From [`prefill::MIN_QUERIES`] queries on, blocks of queries go through the
+/// register-blocked matrix products of [`prefill`]; fewer rows (whose 16-query tiles would be
+/// mostly padding) each take one single-head decode pass over their prefix.
 ///
 /// # Safety
 /// As [`decode_partial`] for tokens `0..first_pos + rows`; `q.len() == out.len()`, a whole
@@ -119,6 +121,32 @@ pub(super) unsafe fn decode_partials_heads(
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn prefill_rows(
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    if q.len() / kv.head_dim >= prefill::MIN_QUERIES {
+        // SAFETY: forwarded contract; `supports` made head_dim a multiple of 32.
+        unsafe { prefill::prefill_rows(q, group, kv, block_table, kv_head, first_pos, scale, out) }
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { prefill_rows_per_row(q, group, kv, block_table, kv_head, first_pos, scale, out) }
+    }
+}
+
+/// [`prefill_rows`] one row at a time: each row is one single-head decode pass over its
+/// prefix (the prefix's K/V of one head stays in L2 across the rows).
+///
+/// # Safety
+/// As [`prefill_rows`].
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn prefill_rows_per_row(
     q: &[f32],
     group: usize,
     kv: &PagedKv<'_>,

@@ -1,0 +1,365 @@
+//! Causal prefill rows on AVX2+FMA: a block of queries against the prefix as two register-
+//! blocked matrix products per run of tokens, with online softmax.
+//!
+//! One decode pass per query row (what this path ran before) widens every K and V element
+//! once per row and reads each row's outputs once per token; here a run of [`RUN`] tokens is
+//! widened to fp32 once for a block of up to [`QBLK`] queries, and
+//! - scores `Sᵀ[t][q] = Σ_d K[t][d] · Qᵀ[d][q]` take [`NT`] tokens × 16 queries per tile: each
+//!   key element is broadcast against two 8-query vectors of the transposed (pre-scaled)
+//!   queries, 12 accumulators and no horizontal sums;
+//! - the online-softmax update runs down the token axis with 8 queries per vector (max,
+//!   causal mask, `e^x`, sums, rescale factors: vertical operations only);
+//! - `O[q][d] = O[q][d] · corr[q] + Σ_t P[t][q] · V[t][d]` takes up to 6 queries × 16 output
+//!   lanes per tile, the outputs in registers across the run.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::super::PagedKv;
+use super::exp256;
+
+/// Most queries per block (a multiple of 16).
+const QBLK: usize = 64;
+
+/// Fewest queries worth a block: below it the padding to 16-query tiles costs more than the
+/// per-row passes (`prefill_attn`, group 1: 8 queries ran at parity with the per-row passes,
+/// 12 in 0.74 of their time, 4 in 1.8 times).
+pub(super) const MIN_QUERIES: usize = 12;
+
+/// Tokens per run (a multiple of [`NT`]).
+const RUN: usize = 48;
+
+/// Tokens per score tile.
+const NT: usize = 6;
+
+/// Per-thread scratch: transposed queries, the run's widened K and V, its scores, the block's
+/// outputs and per-query softmax state.
+#[derive(Default)]
+struct Scratch {
+    qt: Vec<f32>,
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    st: Vec<f32>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    corr: Vec<f32>,
+    lim: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): query `i * group +
+/// j` of `q` (`[n_rows, group, head_dim]` fp32) attends to tokens `0..=first_pos + i`; `out`
+/// (same shape) gets the normalised outputs.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; `head_dim` is a multiple of 16; `kv` passed its checks;
+/// `kv_head < kv.kv_heads`; every page of tokens `0..first_pos + n_rows` is inside
+/// `block_table` and the pool; `q.len() == out.len()`, a whole number of rows of
+/// `group * head_dim`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn prefill_rows(
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    assert!(hd.is_multiple_of(16) && group > 0 && q.len() == out.len());
+    let nq = q.len() / hd;
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let s = &mut *s;
+        s.qt.resize(hd * QBLK, 0.0);
+        s.kf.resize(RUN * hd, 0.0);
+        s.vf.resize(RUN * hd, 0.0);
+        s.st.resize(RUN * QBLK, 0.0);
+        s.o.resize(QBLK * hd, 0.0);
+        for v in [&mut s.m, &mut s.l, &mut s.corr, &mut s.lim] {
+            v.resize(QBLK, 0.0);
+        }
+        // Blocks of nearly equal size, so no last block is mostly padding.
+        let nblocks = nq.div_ceil(QBLK);
+        let mut qb0 = 0;
+        while qb0 < nq {
+            let nqb = nq.div_ceil(nblocks).min(nq - qb0);
+            // SAFETY: forwarded contract; queries qb0..qb0+nqb are inside `q` and `out`.
+            unsafe {
+                block(
+                    &q[qb0 * hd..(qb0 + nqb) * hd],
+                    qb0,
+                    group,
+                    kv,
+                    block_table,
+                    kv_head,
+                    first_pos,
+                    scale,
+                    &mut out[qb0 * hd..(qb0 + nqb) * hd],
+                    s,
+                )
+            };
+            qb0 += nqb;
+        }
+    });
+}
+
+/// One block of `q.len() / head_dim <= QBLK` queries, the first being query `qb0` of the call.
+///
+/// # Safety
+/// As [`prefill_rows`]; the scratch has the sizes `prefill_rows` gives it.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(
+    q: &[f32],
+    qb0: usize,
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    let hd = kv.head_dim;
+    let row = kv.row();
+    let nqb = q.len() / hd;
+    let qp = nqb.next_multiple_of(16);
+    assert!(qp <= QBLK);
+    // Transposed, pre-scaled queries; the padding queries are zero and see no token.
+    for d in 0..hd {
+        for c in 0..qp {
+            s.qt[d * qp + c] = if c < nqb { q[c * hd + d] * scale } else { 0.0 };
+        }
+    }
+    for c in 0..qp {
+        s.lim[c] = if c < nqb {
+            (first_pos + (qb0 + c) / group + 1) as f32
+        } else {
+            0.0
+        };
+    }
+    s.m[..qp].fill(f32::NEG_INFINITY);
+    s.l[..qp].fill(0.0);
+    s.o[..qp * hd].fill(0.0);
+    // Tokens any query of the block sees, and the first one some query does not.
+    let end = first_pos + (qb0 + nqb - 1) / group + 1;
+    let first_masked = first_pos + qb0 / group + 1;
+    let page = kv.page_size;
+    let kp = kv.k.as_ptr().cast::<u16>();
+    let vp = kv.v.as_ptr().cast::<u16>();
+    let mut t0 = 0;
+    while t0 < end {
+        let run = RUN.min(end - t0);
+        let runp = run.next_multiple_of(NT);
+        for i in 0..run {
+            let t = t0 + i;
+            let at = (block_table[t / page] as usize * page + t % page) * row + kv_head * hd;
+            // SAFETY: token t's page is inside the table and the pool (contract), so its head
+            // slice of hd bf16 is readable at `at`; rows i < RUN of `kf`/`vf` hold hd floats.
+            unsafe {
+                widen(kp.add(at), s.kf.as_mut_ptr().add(i * hd), hd);
+                widen(vp.add(at), s.vf.as_mut_ptr().add(i * hd), hd);
+            }
+        }
+        s.kf[run * hd..runp * hd].fill(0.0);
+        // Scores of the run (padding tokens run..runp included; the update skips them).
+        let mut tt = 0;
+        while tt < runp {
+            let mut c = 0;
+            while c < qp {
+                // SAFETY: tokens tt..tt+NT <= runp <= RUN rows of `kf`; queries c..c+16 <= qp
+                // columns of `qt` (hd rows) and of `st` (RUN rows of qp).
+                unsafe {
+                    score_tile(
+                        s.qt.as_ptr().add(c),
+                        qp,
+                        s.kf.as_ptr().add(tt * hd),
+                        hd,
+                        s.st.as_mut_ptr().add(tt * qp + c),
+                    )
+                };
+                c += 16;
+            }
+            tt += NT;
+        }
+        // SAFETY: run <= RUN rows of qp scores; the state vectors hold qp >= 8 floats.
+        unsafe { update(s, qp, t0, run, t0 + run > first_masked) };
+        let mut c = 0;
+        while c < qp {
+            let n = (qp - c).min(6);
+            // SAFETY: queries c..c+n <= qp rows of `o` and columns of `st`; run rows of `vf`.
+            unsafe {
+                match n {
+                    6 => pv_tile::<6>(s, qp, c, run, hd),
+                    4 => pv_tile::<4>(s, qp, c, run, hd),
+                    _ => pv_tile::<2>(s, qp, c, run, hd),
+                }
+            }
+            c += n;
+        }
+        t0 += run;
+    }
+    for (c, o) in out.chunks_exact_mut(hd).enumerate() {
+        let inv = if s.l[c] > 0.0 { 1.0 / s.l[c] } else { 0.0 };
+        for (d, &a) in o.iter_mut().zip(&s.o[c * hd..(c + 1) * hd]) {
+            *d = a * inv;
+        }
+    }
+}
+
+/// Widens `n` (a multiple of 8) bf16 at `src` into fp32 at `dst`, in order.
+///
+/// # Safety
+/// AVX2; `n` bf16 readable at `src`, `n` floats writable at `dst`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn widen(src: *const u16, dst: *mut f32, n: usize) {
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 8 <= n elements on both sides.
+        unsafe {
+            let h = _mm_loadu_si128(src.add(i).cast::<__m128i>());
+            let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+            _mm256_storeu_ps(dst.add(i), _mm256_castsi256_ps(w));
+        }
+        i += 8;
+    }
+}
+
+/// `st[r * qp + x] = Σ_d kf[r * hd + d] · qt[d * qp + x]` for tokens `r < NT`, queries
+/// `x < 16` (pointers at the tile's first token and query).
+///
+/// # Safety
+/// AVX2 and FMA; `NT` rows of `hd` floats at `kf`; `hd` rows of 16 floats `qp` apart at `qt`;
+/// `NT` rows of 16 floats `qp` apart writable at `st`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn score_tile(qt: *const f32, qp: usize, kf: *const f32, hd: usize, st: *mut f32) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; NT];
+    for d in 0..hd {
+        // SAFETY: row d of the query tile and element d of each token row (contract).
+        unsafe {
+            let a = _mm256_loadu_ps(qt.add(d * qp));
+            let b = _mm256_loadu_ps(qt.add(d * qp + 8));
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let k = _mm256_broadcast_ss(&*kf.add(r * hd + d));
+                ar[0] = _mm256_fmadd_ps(k, a, ar[0]);
+                ar[1] = _mm256_fmadd_ps(k, b, ar[1]);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        // SAFETY: row r of the score tile (contract).
+        unsafe {
+            _mm256_storeu_ps(st.add(r * qp), ar[0]);
+            _mm256_storeu_ps(st.add(r * qp + 8), ar[1]);
+        }
+    }
+}
+
+/// The online-softmax update of the run's scores `st[i * qp + c]` (`i < run`, tokens
+/// `t0 + i`), eight queries at a time: tokens at or past a query's limit are masked (only
+/// checked when `masked`), the scores become `P = exp(s - m_new)` (0 where masked), and `m`,
+/// `l` and the outputs' rescale factor `corr = e^(m_old - m_new)` (0 while `m_old` is minus
+/// infinity) are updated. A NaN score is skipped by the max and makes `P` and the sum NaN, as
+/// on the other paths.
+///
+/// # Safety
+/// AVX2 and FMA; `qp` a multiple of 8 at most the state vectors' length; `run * qp <= st.len()`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn update(s: &mut Scratch, qp: usize, t0: usize, run: usize, masked: bool) {
+    assert!(
+        qp.is_multiple_of(8) && qp <= s.m.len().min(s.l.len()).min(s.corr.len()).min(s.lim.len())
+    );
+    assert!(run * qp <= s.st.len());
+    let sp = s.st.as_mut_ptr();
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in (0..qp).step_by(8) {
+        // SAFETY: i * qp + c + 8 <= run * qp <= st.len(); c + 8 <= qp for the state vectors
+        // (asserted above).
+        unsafe {
+            let lim = _mm256_loadu_ps(s.lim.as_ptr().add(c));
+            let valid = |i: usize| {
+                if masked {
+                    _mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_set1_ps((t0 + i) as f32), lim)
+                } else {
+                    _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                }
+            };
+            let mut mx = ninf;
+            for i in 0..run {
+                let v = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sp.add(i * qp + c)), valid(i));
+                // `max` returns its second operand when the first is NaN: NaN scores skipped.
+                mx = _mm256_max_ps(v, mx);
+            }
+            let mo = _mm256_loadu_ps(s.m.as_ptr().add(c));
+            let mn = _mm256_max_ps(mx, mo);
+            let first = _mm256_cmp_ps::<_CMP_EQ_OQ>(mo, ninf);
+            let corr = _mm256_andnot_ps(first, exp256(_mm256_sub_ps(mo, mn)));
+            let mut sum = _mm256_setzero_ps();
+            for i in 0..run {
+                let e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sp.add(i * qp + c)), mn));
+                let p = _mm256_and_ps(valid(i), e);
+                _mm256_storeu_ps(sp.add(i * qp + c), p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            let l = _mm256_loadu_ps(s.l.as_ptr().add(c));
+            _mm256_storeu_ps(s.l.as_mut_ptr().add(c), _mm256_fmadd_ps(l, corr, sum));
+            _mm256_storeu_ps(s.m.as_mut_ptr().add(c), mn);
+            _mm256_storeu_ps(s.corr.as_mut_ptr().add(c), corr);
+        }
+    }
+}
+
+/// `o[c + j] = o[c + j] · corr[c + j] + Σ_{i < run} st[i * qp + c + j] · vf[i]` for `j < MQ`,
+/// 16 output lanes at a time held in registers across the run.
+///
+/// # Safety
+/// AVX2 and FMA; `c + MQ <= qp`; `hd` a multiple of 16; `run * hd <= vf.len()`, `run * qp <=
+/// st.len()`, `qp * hd <= o.len()`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register blocks indexed by query
+unsafe fn pv_tile<const MQ: usize>(s: &mut Scratch, qp: usize, c: usize, run: usize, hd: usize) {
+    assert!(
+        c + MQ <= qp && run * hd <= s.vf.len() && run * qp <= s.st.len() && qp * hd <= s.o.len()
+    );
+    let corr: [__m256; MQ] = std::array::from_fn(|j| _mm256_set1_ps(s.corr[c + j]));
+    let (vf, st, o) = (s.vf.as_ptr(), s.st.as_ptr(), s.o.as_mut_ptr());
+    let mut dc = 0;
+    while dc < hd {
+        // SAFETY: (c + j) * hd + dc + 16 <= qp * hd; i * hd + dc + 16 <= run * hd;
+        // i * qp + c + j < run * qp (asserted above).
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; MQ];
+            for j in 0..MQ {
+                let at = o.add((c + j) * hd + dc);
+                acc[j][0] = _mm256_mul_ps(_mm256_loadu_ps(at), corr[j]);
+                acc[j][1] = _mm256_mul_ps(_mm256_loadu_ps(at.add(8)), corr[j]);
+            }
+            for i in 0..run {
+                let v0 = _mm256_loadu_ps(vf.add(i * hd + dc));
+                let v1 = _mm256_loadu_ps(vf.add(i * hd + dc + 8));
+                for j in 0..MQ {
+                    let p = _mm256_broadcast_ss(&*st.add(i * qp + c + j));
+                    acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);
+                }
+            }
+            for j in 0..MQ {
+                let at = o.add((c + j) * hd + dc);
+                _mm256_storeu_ps(at, acc[j][0]);
+                _mm256_storeu_ps(at.add(8), acc[j][1]);
+            }
+        }
+        dc += 16;
+    }
+}
