@@ -7,6 +7,9 @@
 //! detected `amx-bf16`), passes interleaved A B B A so both see the same host load, and prints
 //! the median and fastest pass of each with the median of the paired ratios B/A.
 //!
+//! `--cpu-time` times each thread's pass by its CPU time instead of the wall clock (on a host
+//! shared with other work, time descheduled does not count; cache pollution still does).
+//!
 //! `--shape N,K` replaces the 0.6B shapes by one `N × K` matrix (per layer), e.g. a 14B
 //! projection: `--shape 96,17408 --layers 1 --reps 30` times one tile from cache.
 
@@ -133,6 +136,10 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa, versus: Option<I
             })
             .collect();
         for threads in [1usize, 2] {
+            if let (Some(ka), Some(kb)) = (common::arg("--knobs-a"), common::arg("--knobs-b")) {
+                knob_passes(&mats, &packed, batch, threads, reps, isa, (&ka, &kb));
+                continue;
+            }
             if let Some(b_isa) = versus {
                 versus_passes(&mats, &packed, batch, threads, reps, (isa, b_isa));
                 continue;
@@ -193,6 +200,62 @@ fn versus_passes(
     );
 }
 
+fn set_knobs(spec: &str) {
+    for k in &simpler_kernels_cpu::gemm::DEV_KNOBS {
+        k.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+    for kv in spec.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv.split_once('=').expect("knob k=v");
+        simpler_kernels_cpu::gemm::DEV_KNOBS[k.parse::<usize>().expect("knob")].store(
+            v.parse().expect("knob value"),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
+fn knob_passes(
+    mats: &[(usize, usize, &[bf16])],
+    packed: &[(usize, Vec<f32>)],
+    batch: usize,
+    threads: usize,
+    reps: usize,
+    isa: Isa,
+    (ka, kb): (&str, &str),
+) {
+    let (mut ta, mut tb, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let flops = 2.0 * mats.iter().map(|(n, k, _)| n * k).sum::<usize>() as f64 * batch as f64;
+    let bytes = 2.0 * mats.iter().map(|(n, k, _)| n * k).sum::<usize>() as f64;
+    for _ in 0..reps.max(1) {
+        set_knobs(ka);
+        let a1 = time_pass(mats, packed, batch, threads, 1, isa);
+        set_knobs(kb);
+        let b1 = time_pass(mats, packed, batch, threads, 1, isa);
+        let b2 = time_pass(mats, packed, batch, threads, 1, isa);
+        set_knobs(ka);
+        let a2 = time_pass(mats, packed, batch, threads, 1, isa);
+        ratio.push(b1 / a1);
+        ratio.push(b2 / a2);
+        ta.extend([a1, a2]);
+        tb.extend([b1, b2]);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (ma, mb) = (med(&mut ta), med(&mut tb));
+    println!(
+        "batch {batch:>2} threads {threads}: A [{ka}] {:.3} ms {:.1} GF {:.1} GB/s, B [{kb}] {:.3} ms {:.1} GF {:.1} GB/s, B/A median {:.3} of {} pairs",
+        ma * 1e3,
+        flops / ma / 1e9,
+        bytes / ma / 1e9,
+        mb * 1e3,
+        flops / mb / 1e9,
+        bytes / mb / 1e9,
+        med(&mut ratio),
+        ratio.len()
+    );
+}
+
 /// Best time of `reps` passes over every matrix on path `isa`, rows split in halves across
 /// `threads`.
 fn time_pass(
@@ -213,9 +276,11 @@ fn time_pass(
                         let nmax = mats.iter().map(|m| m.0).max().unwrap_or(0);
                         let mut out = vec![0.0f32; batch * nmax];
                         let mut best = f64::MAX;
+                        let cpu = std::env::args().any(|a| a == "--cpu-time");
                         for _ in 0..reps {
                             barrier.wait();
                             let t0 = Instant::now();
+                            let c0 = common::thread_cpu_seconds();
                             for (n, k, w) in mats {
                                 let x = &packed.iter().find(|p| p.0 == *k).expect("packed K").1;
                                 let rows = (n / threads * t)..(n / threads * (t + 1));
@@ -232,7 +297,12 @@ fn time_pass(
                                     rows.len(),
                                 );
                             }
-                            best = best.min(t0.elapsed().as_secs_f64());
+                            let t = if cpu {
+                                common::thread_cpu_seconds() - c0
+                            } else {
+                                t0.elapsed().as_secs_f64()
+                            };
+                            best = best.min(t);
                             std::hint::black_box(&out);
                         }
                         best

@@ -165,7 +165,16 @@ fn qwen_like_shapes_full_and_split_k() {
             );
         }
         gemm_bf16(w, x, &GemmTile::full(&w), &mut full, n);
-        common::assert_close(&acc, &full, 1e-5, 1e-5, "split-K vs full");
+        // Both orders of summation are within the fp32 bound of the terms (a fixed tolerance
+        // would fail long rows, whose sums cancel far below their terms' size).
+        let whole = GemmTile::full(&w);
+        for (i, (&a, &f)) in acc.iter().zip(&full).enumerate() {
+            let (_, tol) = c.reference(&whole, i / n, i % n);
+            assert!(
+                f64::from((a - f).abs()) <= tol,
+                "split-K vs full, {n} x {k} batch {batch} [{i}]: {a} vs {f}"
+            );
+        }
     }
 }
 

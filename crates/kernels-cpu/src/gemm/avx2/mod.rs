@@ -50,6 +50,22 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         // SAFETY: forwarded contract; batch >= QB as checked.
         (quad::QR, unsafe { gemm_quad(lw, out, ld_out) })
     };
+    // The last rows (fewer than a row group): from batch 4 in the assembly pass with the
+    // missing rows repeated, for the whole groups of four batch rows.
+    if lw.batch >= quad::QB && n0 < lw.n.end && knob(3, 2) == 2 {
+        let rows = lw.n.end - n0;
+        for b0 in (0..lw.batch / quad::QB * quad::QB).step_by(quad::QB) {
+            // SAFETY: rows n0..n.end (fewer than QR) and batch rows b0..b0+QB lie inside the
+            // tile; the caller's contract covers the rest.
+            unsafe { quad_block(lw, n0, rows, 1, rows, b0, Prefetch::Ahead, out, ld_out) };
+        }
+        let rest = lw.batch % quad::QB;
+        if rest > 0 {
+            // SAFETY: as above, for the batch rows left over.
+            unsafe { block_dyn(lw, n0, rows, lw.batch - rest, rest, out, ld_out, 1, rows) };
+        }
+        n0 = lw.n.end;
+    }
     // The last rows (fewer than a row group), adjacent, `r_main` at a time.
     while n0 < lw.n.end {
         let r = r_main.min(lw.n.end - n0);
@@ -105,6 +121,13 @@ fn next_stream(h: usize, rs: usize, r: usize) -> usize {
     if h + 1 < rs { 1 } else { rs * r - (rs - 1) }
 }
 
+fn knob(i: usize, default: usize) -> usize {
+    match super::DEV_KNOBS[i].load(std::sync::atomic::Ordering::Relaxed) {
+        0 => default,
+        v => v,
+    }
+}
+
 /// The tile's rows in groups of `QR` streams (up to `ROW_STRIDE` rows apart, closer for the
 /// last rows so that fewer than `QR` are left over) for a batch of 4 or more, batch block by
 /// batch block; returns the first row not done (fewer than `QR` remain after it).
@@ -115,6 +138,7 @@ fn next_stream(h: usize, rs: usize, r: usize) -> usize {
 unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     let quads_end = lw.batch / quad::QB * quad::QB;
     let block = (ACT_BLOCK_BYTES / (lw.ldx * 4) / quad::QB * quad::QB).max(quad::QB);
+    let cross = knob(2, 2) == 2;
     let mut bo = 0;
     let mut n0 = lw.n.start;
     while bo < quads_end {
@@ -126,10 +150,15 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
             for h in 0..rs {
                 let next = next_stream(h, rs, quad::QR);
                 for b0 in (bo..bend).step_by(quad::QB) {
+                    let pf = if cross && b0 == bo + quad::QB {
+                        Prefetch::NextPass
+                    } else {
+                        Prefetch::Ahead
+                    };
                     // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
                     // (n0 + rs * QR <= n.end), batch rows b0..b0+QB inside the batch
                     // (b0 + QB <= quads_end); the caller's contract covers the rest.
-                    unsafe { quad_block(lw, n0 + h, rs, next, b0, out, ld_out) };
+                    unsafe { quad_block(lw, n0 + h, quad::QR, rs, next, b0, pf, out, ld_out) };
                 }
                 let rest = lw.batch - quads_end;
                 if bend == quads_end && rest > 0 {
@@ -146,26 +175,41 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     n0
 }
 
-/// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `b0..b0 + QB` in one pass of
-/// the assembly loop; prefetches past a row's end continue `next` rows on.
+/// What the prefetches of a [`quad_block`] pass fetch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Prefetch {
+    /// `PF_ELEMS` ahead in the pass's own rows, then on into the next pass's.
+    Ahead,
+    /// The next pass's rows at the same positions (a pass whose own rows are already in L1,
+    /// so the next pass's memory stream overlaps this pass's FMAs).
+    NextPass,
+}
+
+/// Weight rows `n0 + rstride * r` (`r < rows`, `rows <= QR`) against batch rows
+/// `b0..b0 + QB` in one pass of the assembly loop; prefetches follow `pf`, `next` rows on for
+/// the next pass.
 ///
 /// # Safety
-/// AVX2 and FMA available; `n0 + rstride * (QR - 1) < lw.n.end`, `b0 + QB <= lw.batch`; `lw`
-/// checked by `gemm_dispatch`.
+/// AVX2 and FMA available; `1 <= rows <= QR`, `n0 + rstride * (rows - 1) < lw.n.end`,
+/// `b0 + QB <= lw.batch`; `lw` checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn quad_block(
     lw: &Lowered<'_>,
     n0: usize,
+    rows: usize,
     rstride: usize,
     next: usize,
     b0: usize,
+    pf: Prefetch,
     out: &mut [f32],
     ld_out: usize,
 ) {
     let ldw = lw.ldw;
     let klen = lw.kb1 - lw.kb0;
+    // Rows past `rows` repeat the last one: their sums are computed and dropped.
     let w: [&[u16]; quad::QR] = std::array::from_fn(|r| {
-        let row = (n0 + r * rstride) * ldw;
+        let row = (n0 + r.min(rows - 1) * rstride) * ldw;
         &lw.w[row + lw.kb0..row + lw.kb1]
     });
     let x: [&[f32]; quad::QB] = std::array::from_fn(|b| {
@@ -173,17 +217,25 @@ unsafe fn quad_block(
         &lw.x[at + lw.kb0..at + lw.kb1]
     });
     let mut acc = [_mm256_setzero_ps(); quad::QR * quad::QB];
-    // Two runs: prefetches PF_ELEMS ahead in the same rows while that stays inside them, then
-    // on into the same streams of the next pass (`next` rows on).
-    let split = klen.saturating_sub(PF_ELEMS) / 32 * 32;
-    let wrap = (next * ldw).wrapping_sub(klen);
+    let pf_elems = knob(0, PF_ELEMS);
+    // Ahead: two runs, prefetching `pf_elems` ahead in the same rows while that stays inside
+    // them, then on into the same streams of the next pass (`next` rows on). NextPass: one
+    // run, prefetching the next pass's rows at the loads' positions.
+    let (split, ahead, wrap) = match pf {
+        Prefetch::Ahead => (
+            klen.saturating_sub(pf_elems) / 32 * 32,
+            pf_elems,
+            (next * ldw).wrapping_sub(klen),
+        ),
+        Prefetch::NextPass => (0, 0, next * ldw),
+    };
     for (end, pf_shift) in [(split, 0), (klen, wrap)] {
         let start = if end == split { 0 } else { split };
         let run = quad::Run {
             w: w.map(|row| row[..end].as_ptr_range().end),
             pf: w.map(|row| {
                 row.as_ptr()
-                    .wrapping_add(end + PF_ELEMS)
+                    .wrapping_add(end + ahead)
                     .wrapping_add(pf_shift)
             }),
             x: x.map(|row| row[..end].as_ptr_range().end),
@@ -192,15 +244,45 @@ unsafe fn quad_block(
         // SAFETY: the `len` elements before each stream end are `row[start..end]`, inside the
         // slices above; `len` is a multiple of 16 (klen is, and `split` of 32); AVX2/FMA by
         // this function's contract.
-        unsafe { quad::accumulate(&mut acc, &run) };
+        unsafe { quad::accumulate(&mut acc, &run, knob(5, 1) == 2) };
     }
-    for r in 0..quad::QR {
-        for b in 0..quad::QB {
-            let n = n0 + r * rstride;
-            let sum = hsum256(acc[r * quad::QB + b]) + edge_sum(lw, n, b0 + b);
+    if knob(1, 2) == 1 {
+        for r in 0..rows {
+            for b in 0..quad::QB {
+                let n = n0 + r * rstride;
+                let sum = hsum256(acc[r * quad::QB + b]) + edge_sum(lw, n, b0 + b);
+                finish(lw, out, ld_out, n, b0 + b, sum);
+            }
+        }
+        return;
+    }
+    let edges = lw.has_edges();
+    for r in 0..rows {
+        let n = n0 + r * rstride;
+        let sums = hsum4(&acc[r * quad::QB..(r + 1) * quad::QB]);
+        for (b, &sum) in sums.iter().enumerate() {
+            let sum = if edges {
+                sum + edge_sum(lw, n, b0 + b)
+            } else {
+                sum
+            };
             finish(lw, out, ld_out, n, b0 + b, sum);
         }
     }
+}
+
+/// The lane sums of four vectors.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum4(v: &[__m256]) -> [f32; 4] {
+    let s01 = _mm256_hadd_ps(v[0], v[1]);
+    let s23 = _mm256_hadd_ps(v[2], v[3]);
+    let s = _mm256_hadd_ps(s01, s23);
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let mut sums = [0.0f32; 4];
+    // SAFETY: `sums` holds four f32.
+    unsafe { _mm_storeu_ps(sums.as_mut_ptr(), s) };
+    sums
 }
 
 /// Dispatches runtime `(r, bb)` to a const instantiation of [`block`].
@@ -262,6 +344,7 @@ unsafe fn block<const R: usize, const BB: usize>(
         std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + lw.kb0..].as_ptr());
     // Prefetches past a row's end land in the same stream of the next pass, `next` rows on.
     let pf_wrap = (next * ldw).wrapping_sub(klen);
+    let pf_elems = knob(4, PF_ELEMS);
     let mut acc = [[_mm256_setzero_ps(); BB]; R];
     let mut acc_odd = [[_mm256_setzero_ps(); BB]; R];
 
@@ -293,7 +376,7 @@ unsafe fn block<const R: usize, const BB: usize>(
     let mut kk = 0;
     while kk + 32 <= klen {
         for p in wrow {
-            let off = kk + PF_ELEMS;
+            let off = kk + pf_elems;
             let off = if off < klen {
                 off
             } else {
