@@ -136,10 +136,6 @@ fn run(batches: &[usize], layers: usize, reps: usize, isa: Isa, versus: Option<I
             })
             .collect();
         for threads in [1usize, 2] {
-            if let (Some(ka), Some(kb)) = (common::arg("--knobs-a"), common::arg("--knobs-b")) {
-                knob_passes(&mats, &packed, batch, threads, reps, isa, (&ka, &kb));
-                continue;
-            }
             if let Some(b_isa) = versus {
                 versus_passes(&mats, &packed, batch, threads, reps, (isa, b_isa));
                 continue;
@@ -195,62 +191,6 @@ fn versus_passes(
         b.name(),
         med(&mut tb) * 1e3,
         tb[0] * 1e3,
-        med(&mut ratio),
-        ratio.len()
-    );
-}
-
-fn set_knobs(spec: &str) {
-    for k in &simpler_kernels_cpu::gemm::DEV_KNOBS {
-        k.store(0, std::sync::atomic::Ordering::Relaxed);
-    }
-    for kv in spec.split(',').filter(|s| !s.is_empty()) {
-        let (k, v) = kv.split_once('=').expect("knob k=v");
-        simpler_kernels_cpu::gemm::DEV_KNOBS[k.parse::<usize>().expect("knob")].store(
-            v.parse().expect("knob value"),
-            std::sync::atomic::Ordering::Relaxed,
-        );
-    }
-}
-
-fn knob_passes(
-    mats: &[(usize, usize, &[bf16])],
-    packed: &[(usize, Vec<f32>)],
-    batch: usize,
-    threads: usize,
-    reps: usize,
-    isa: Isa,
-    (ka, kb): (&str, &str),
-) {
-    let (mut ta, mut tb, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    let flops = 2.0 * mats.iter().map(|(n, k, _)| n * k).sum::<usize>() as f64 * batch as f64;
-    let bytes = 2.0 * mats.iter().map(|(n, k, _)| n * k).sum::<usize>() as f64;
-    for _ in 0..reps.max(1) {
-        set_knobs(ka);
-        let a1 = time_pass(mats, packed, batch, threads, 1, isa);
-        set_knobs(kb);
-        let b1 = time_pass(mats, packed, batch, threads, 1, isa);
-        let b2 = time_pass(mats, packed, batch, threads, 1, isa);
-        set_knobs(ka);
-        let a2 = time_pass(mats, packed, batch, threads, 1, isa);
-        ratio.push(b1 / a1);
-        ratio.push(b2 / a2);
-        ta.extend([a1, a2]);
-        tb.extend([b1, b2]);
-    }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (ma, mb) = (med(&mut ta), med(&mut tb));
-    println!(
-        "batch {batch:>2} threads {threads}: A [{ka}] {:.3} ms {:.1} GF {:.1} GB/s, B [{kb}] {:.3} ms {:.1} GF {:.1} GB/s, B/A median {:.3} of {} pairs",
-        ma * 1e3,
-        flops / ma / 1e9,
-        bytes / ma / 1e9,
-        mb * 1e3,
-        flops / mb / 1e9,
-        bytes / mb / 1e9,
         med(&mut ratio),
         ratio.len()
     );

@@ -739,11 +739,6 @@ pub(crate) fn gemm_bf16_amx(w: WeightsBf16<'_>, x: &AmxActs, out: &mut [f32], ld
     unsafe { amx::gemm_with(&lw, Some(&x.vnni), out, ld_out) };
 }
 
-/// Development knobs read by the AVX2 path (0: the default).
-#[doc(hidden)]
-pub static DEV_KNOBS: [std::sync::atomic::AtomicUsize; 8] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 8];
-
 /// Arguments checked and lowered for the path kernels.
 struct Lowered<'a> {
     w: &'a [u16],

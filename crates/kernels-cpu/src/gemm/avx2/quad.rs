@@ -129,7 +129,7 @@ pub(super) struct Run {
 /// `run.pf` may point anywhere: prefetches never fault.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run, l2: bool) {
+pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run) {
     debug_assert!(run.len.is_multiple_of(16));
     let [
         mut a0,
@@ -159,15 +159,14 @@ pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run, l2: bool
     // in the tail step, relative to `end - tail`: inside the `len` elements before the stream
     // end, readable by the contract. Prefetches may point anywhere. Only ymm0–15 and `k` are
     // written, all declared; no stack, no memory writes.
-    macro_rules! run_loop {
-        ($pf:literal) => {
+    unsafe {
         asm!(
             "test {k}, {k}",
             "jz 3f",
             "2:",
-            concat!($pf, " [{p0} + {k}*2]"),
-            concat!($pf, " [{p1} + {k}*2]"),
-            concat!($pf, " [{p2} + {k}*2]"),
+            "prefetcht0 [{p0} + {k}*2]",
+            "prefetcht0 [{p1} + {k}*2]",
+            "prefetcht0 [{p2} + {k}*2]",
             step16!("0", "0"),
             step16!("32", "64"),
             "add {k}, 32",
@@ -196,14 +195,6 @@ pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run, l2: bool
             out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
             options(nostack, readonly),
         );
-        };
-    }
-    unsafe {
-        if l2 {
-            run_loop!("prefetcht1");
-        } else {
-            run_loop!("prefetcht0");
-        }
     }
     *acc = [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11];
 }
