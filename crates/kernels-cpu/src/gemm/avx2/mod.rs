@@ -51,10 +51,10 @@ const ACT_BLOCK_BYTES: usize = 256 * 1024;
 /// The least count of batch rows left over (`batch % QB`) that the assembly pass takes with
 /// its missing batch rows repeated. Measured on Zen 3 against the intrinsics passes (one core,
 /// the 0.6B projections, alternating in one process): 3 left over took 4-6% less time
-/// (batch 3 and 7); 2 left over 0-11% more and 1 left over 6-12% more.
+/// (batch 3 and 7); 2 left over level to 11% more, 1 left over 6-12% more.
 const PADDED_MIN: usize = 3;
 
-/// Weight rows per pass of the bandwidth-bound batches (1–3).
+/// Weight rows per pass of the bandwidth-bound batches (1–2).
 const NARROW_ROWS: usize = 4;
 
 /// Computes the tile described by `lw` into `out`.
@@ -69,12 +69,12 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         // SAFETY: forwarded contract.
         (quad::QR, unsafe { gemm_quad(lw, out, ld_out) })
     } else {
-        // SAFETY: forwarded contract; batch < QB as checked.
+        // SAFETY: forwarded contract; batch < PADDED_MIN as checked.
         (NARROW_ROWS, unsafe { gemm_narrow(lw, out, ld_out) })
     };
     // The last rows (fewer than a row group) in the assembly pass with the missing rows
-    // repeated: at the loop's rate, 1 or 2 of 3 rows' FMAs cost no more than the intrinsics
-    // pass of those rows alone.
+    // repeated: the intrinsics pass ran these rows ~3.5× slower per row than the loop (`perf`
+    // at batch 16), so the padded pass costs no more.
     if wide && n0 < lw.n.end {
         let rows = lw.n.end - n0;
         let (full, rest) = quad_groups(lw.batch);
@@ -106,11 +106,11 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
 }
 
 /// The tile's rows in groups of `NARROW_ROWS` streams (up to `ROW_STRIDE` rows apart, closer
-/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–3, the
+/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–2, the
 /// whole batch per pass; returns the first row not done.
 ///
 /// # Safety
-/// AVX2 and FMA available; `lw.batch < QB`; `lw` checked by `gemm_dispatch`.
+/// AVX2 and FMA available; `lw.batch < PADDED_MIN`; `lw` checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     let r = NARROW_ROWS;
