@@ -35,9 +35,10 @@
 //!
 //! # Speed (see `docs/performance.md`)
 //! Batch 1–2 is bandwidth-bound: the AVX2 path streams four rows per pass with software
-//! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
-//! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several
-//! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
+//! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 an
+//! assembly loop keeps a 3 × 4 block of accumulators in registers (a last group of three batch
+//! rows padded to four), each widened weight vector feeding four FMAs, prefetching 2 KiB
+//! ahead; from batch 8 a row group's second batch group prefetches the next row group.
 //!
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights

@@ -2,11 +2,17 @@
 //! the high half) against packed activations, with software prefetch that runs ahead of each
 //! row stream and on into the next row group.
 //!
-//! - Batch 1–3 (bandwidth-bound): `4` weight rows × the whole batch per pass.
-//! - Batch 4 and up (FMA-bound): the assembly pass of [`quad`], `3` weight rows × `4` batch
-//!   rows, once per group of four batch rows while the three rows sit in L1; batch rows left
-//!   over (`batch % 4`) take a `3 × (batch % 4)` pass. Activations are taken in blocks that
-//!   fit in L2, so a prefill's many rows re-stream the weights once per block.
+//! - Batch 1–2 (bandwidth-bound): `4` weight rows × the whole batch per pass.
+//! - Batch 3 and up: the assembly pass of [`quad`], `3` weight rows × `4` batch rows, once per
+//!   group of four batch rows while the three rows sit in L1. A last group of three batch
+//!   rows runs it too with one row repeated (its sums dropped: 3 of 4 rows' FMAs at the
+//!   assembly loop's rate beat the intrinsics pass); one or two left over take a
+//!   `3 × (batch % 4)` intrinsics pass. The rows left at a tile's end (fewer than three) run
+//!   the assembly pass with a row repeated too. Activations are taken in blocks that fit in
+//!   L2, so a prefill's many rows re-stream the weights once per block.
+//! - Memory: a pass's loads and prefetches bring its three rows into L1 while the first group
+//!   of batch rows runs; the second group, which finds them there, prefetches the next pass's
+//!   rows instead, so from batch 8 the weight stream overlaps FMAs that do not wait on it.
 //!
 //! The concurrent row streams of a pass are up to `ROW_STRIDE` rows apart.
 
@@ -17,8 +23,17 @@ use crate::simd::hsum256;
 
 mod quad;
 
-/// Prefetch distance along a row, in bf16 elements (512 B).
+/// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
+/// (512 B). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in
+/// one process) 1 KiB took 17% more time at batch 1 and 2 KiB 27% more.
 const PF_ELEMS: usize = 256;
+
+/// Prefetch distance along a row of the assembly pass, in bf16 elements (2 KiB): the pass
+/// spends ~24 cycles per 64-byte line of each row on Zen 3 (two 256-bit FMAs a cycle), so 512
+/// B ahead was ~200 cycles, short of a DRAM miss. Against 512 B, on one core with the 0.6B
+/// projections: 5% less time at batch 4 with 1 or 2 KiB (the same at 16, where the
+/// next-pass prefetch feeds the rows), and 4 KiB 9% more at batch 16.
+const QUAD_PF_ELEMS: usize = 1024;
 
 /// Most rows between the concurrent row streams of a pass: passes over `n0 + h + rs * r` for
 /// `h in 0..rs` cover `rs * R` consecutive rows (`rs` is this, or less near a tile's end).
@@ -33,7 +48,13 @@ const ROW_STRIDE: usize = 32;
 /// for the weight streams).
 const ACT_BLOCK_BYTES: usize = 256 * 1024;
 
-/// Weight rows per pass of the bandwidth-bound batches (1–3).
+/// The least count of batch rows left over (`batch % QB`) that the assembly pass takes with
+/// its missing batch rows repeated. Measured on Zen 3 against the intrinsics passes (one core,
+/// the 0.6B projections, alternating in one process): 3 left over took 4-6% less time
+/// (batch 3 and 7); 2 left over level to 11% more, 1 left over 6-12% more.
+const PADDED_MIN: usize = 3;
+
+/// Weight rows per pass of the bandwidth-bound batches (1–2).
 const NARROW_ROWS: usize = 4;
 
 /// Computes the tile described by `lw` into `out`.
@@ -43,13 +64,32 @@ const NARROW_ROWS: usize = 4;
 /// `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
-    let (r_main, mut n0) = if lw.batch < quad::QB {
-        // SAFETY: forwarded contract; batch < QB as checked.
-        (NARROW_ROWS, unsafe { gemm_narrow(lw, out, ld_out) })
-    } else {
-        // SAFETY: forwarded contract; batch >= QB as checked.
+    let wide = lw.batch >= quad::QB || lw.batch >= PADDED_MIN;
+    let (r_main, mut n0) = if wide {
+        // SAFETY: forwarded contract.
         (quad::QR, unsafe { gemm_quad(lw, out, ld_out) })
+    } else {
+        // SAFETY: forwarded contract; batch < PADDED_MIN as checked.
+        (NARROW_ROWS, unsafe { gemm_narrow(lw, out, ld_out) })
     };
+    // The last rows (fewer than a row group) in the assembly pass with the missing rows
+    // repeated: the intrinsics pass ran these rows ~3.5× slower per row than the loop (`perf`
+    // at batch 16), so the padded pass costs no more.
+    if wide && n0 < lw.n.end {
+        let rows = lw.n.end - n0;
+        let (full, rest) = quad_groups(lw.batch);
+        for b0 in (0..full).step_by(quad::QB) {
+            let bv = quad::QB.min(lw.batch - b0);
+            // SAFETY: rows n0..n.end (fewer than QR) and batch rows b0..b0+bv lie inside the
+            // tile; the caller's contract covers the rest.
+            unsafe { quad_block(lw, n0, rows, 1, rows, b0, bv, Prefetch::Ahead, out, ld_out) };
+        }
+        if rest > 0 {
+            // SAFETY: as above, for the batch rows left over.
+            unsafe { block_dyn(lw, n0, rows, full, rest, out, ld_out, 1, rows) };
+        }
+        n0 = lw.n.end;
+    }
     // The last rows (fewer than a row group), adjacent, `r_main` at a time.
     while n0 < lw.n.end {
         let r = r_main.min(lw.n.end - n0);
@@ -66,11 +106,11 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
 }
 
 /// The tile's rows in groups of `NARROW_ROWS` streams (up to `ROW_STRIDE` rows apart, closer
-/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–3, the
+/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–2, the
 /// whole batch per pass; returns the first row not done.
 ///
 /// # Safety
-/// AVX2 and FMA available; `lw.batch < QB`; `lw` checked by `gemm_dispatch`.
+/// AVX2 and FMA available; `lw.batch < PADDED_MIN`; `lw` checked by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     let r = NARROW_ROWS;
@@ -106,19 +146,21 @@ fn next_stream(h: usize, rs: usize, r: usize) -> usize {
 }
 
 /// The tile's rows in groups of `QR` streams (up to `ROW_STRIDE` rows apart, closer for the
-/// last rows so that fewer than `QR` are left over) for a batch of 4 or more, batch block by
-/// batch block; returns the first row not done (fewer than `QR` remain after it).
+/// last rows so that fewer than `QR` are left over) for a batch of `PADDED_MIN` or more,
+/// batch block by batch block; returns the first row not done (fewer than `QR` remain after
+/// it).
 ///
 /// # Safety
-/// AVX2 and FMA available; `lw.batch >= QB`; `lw` checked by `gemm_dispatch`.
+/// AVX2 and FMA available; `lw.batch >= PADDED_MIN.min(QB)`; `lw` checked by
+/// `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
-    let quads_end = lw.batch / quad::QB * quad::QB;
+    let (full, rest) = quad_groups(lw.batch);
     let block = (ACT_BLOCK_BYTES / (lw.ldx * 4) / quad::QB * quad::QB).max(quad::QB);
     let mut bo = 0;
     let mut n0 = lw.n.start;
-    while bo < quads_end {
-        let bend = (bo + block).min(quads_end);
+    while bo < full {
+        let bend = (bo + block).min(full);
         // Every batch block covers the same rows; the last leaves `n0` at the first row left.
         n0 = lw.n.start;
         while n0 + quad::QR <= lw.n.end {
@@ -126,17 +168,22 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
             for h in 0..rs {
                 let next = next_stream(h, rs, quad::QR);
                 for b0 in (bo..bend).step_by(quad::QB) {
-                    // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
-                    // (n0 + rs * QR <= n.end), batch rows b0..b0+QB inside the batch
-                    // (b0 + QB <= quads_end); the caller's contract covers the rest.
-                    unsafe { quad_block(lw, n0 + h, rs, next, b0, out, ld_out) };
-                }
-                let rest = lw.batch - quads_end;
-                if bend == quads_end && rest > 0 {
-                    // SAFETY: as above, for the batch rows quads_end..batch.
-                    unsafe {
-                        block_dyn(lw, n0 + h, quad::QR, quads_end, rest, out, ld_out, rs, next)
+                    // The second group of a block fetches the next pass's rows: the first
+                    // group's loads brought this pass's rows into L1.
+                    let pf = if b0 == bo + quad::QB {
+                        Prefetch::NextPass
+                    } else {
+                        Prefetch::Ahead
                     };
+                    let bv = quad::QB.min(lw.batch - b0);
+                    // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
+                    // (n0 + rs * QR <= n.end), batch rows b0..b0+bv inside the batch; the
+                    // caller's contract covers the rest.
+                    unsafe { quad_block(lw, n0 + h, quad::QR, rs, next, b0, bv, pf, out, ld_out) };
+                }
+                if bend == full && rest > 0 {
+                    // SAFETY: as above, for the batch rows full..batch.
+                    unsafe { block_dyn(lw, n0 + h, quad::QR, full, rest, out, ld_out, rs, next) };
                 }
             }
             n0 += rs * quad::QR;
@@ -146,44 +193,80 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
     n0
 }
 
-/// Weight rows `n0 + rstride * r` (`r < QR`) against batch rows `b0..b0 + QB` in one pass of
-/// the assembly loop; prefetches past a row's end continue `next` rows on.
+/// The batch rows the assembly pass takes (whole groups of `QB`, and a last partial group of
+/// at least `PADDED_MIN` rows), and the count left over for the intrinsics passes.
+fn quad_groups(batch: usize) -> (usize, usize) {
+    let quads = batch / quad::QB * quad::QB;
+    let rest = batch - quads;
+    if rest >= PADDED_MIN {
+        (batch, 0)
+    } else {
+        (quads, rest)
+    }
+}
+
+/// What the prefetches of a [`quad_block`] pass fetch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Prefetch {
+    /// `QUAD_PF_ELEMS` ahead in the pass's own rows, then on into the next pass's.
+    Ahead,
+    /// The next pass's rows at the same positions (a pass whose own rows are already in L1,
+    /// so the next pass's memory stream overlaps this pass's FMAs).
+    NextPass,
+}
+
+/// Weight rows `n0 + rstride * r` (`r < rows`, `rows <= QR`) against batch rows
+/// `b0..b0 + bv` (`bv <= QB`) in one pass of the assembly loop; prefetches follow `pf`, `next`
+/// rows on for the next pass. Missing rows of either kind repeat the last one and their sums
+/// are dropped.
 ///
 /// # Safety
-/// AVX2 and FMA available; `n0 + rstride * (QR - 1) < lw.n.end`, `b0 + QB <= lw.batch`; `lw`
-/// checked by `gemm_dispatch`.
+/// AVX2 and FMA available; `1 <= rows <= QR`, `1 <= bv <= QB`,
+/// `n0 + rstride * (rows - 1) < lw.n.end`, `b0 + bv <= lw.batch`; `lw` checked by
+/// `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn quad_block(
     lw: &Lowered<'_>,
     n0: usize,
+    rows: usize,
     rstride: usize,
     next: usize,
     b0: usize,
+    bv: usize,
+    pf: Prefetch,
     out: &mut [f32],
     ld_out: usize,
 ) {
     let ldw = lw.ldw;
     let klen = lw.kb1 - lw.kb0;
     let w: [&[u16]; quad::QR] = std::array::from_fn(|r| {
-        let row = (n0 + r * rstride) * ldw;
+        let row = (n0 + r.min(rows - 1) * rstride) * ldw;
         &lw.w[row + lw.kb0..row + lw.kb1]
     });
     let x: [&[f32]; quad::QB] = std::array::from_fn(|b| {
-        let at = (b0 + b) * lw.ldx;
+        let at = (b0 + b.min(bv - 1)) * lw.ldx;
         &lw.x[at + lw.kb0..at + lw.kb1]
     });
     let mut acc = [_mm256_setzero_ps(); quad::QR * quad::QB];
-    // Two runs: prefetches PF_ELEMS ahead in the same rows while that stays inside them, then
-    // on into the same streams of the next pass (`next` rows on).
-    let split = klen.saturating_sub(PF_ELEMS) / 32 * 32;
-    let wrap = (next * ldw).wrapping_sub(klen);
+    // Ahead: two runs, prefetching `QUAD_PF_ELEMS` ahead in the same rows while that stays inside
+    // them, then on into the same streams of the next pass (`next` rows on). NextPass: one
+    // run, prefetching the next pass's rows at the loads' positions.
+    let (split, ahead, wrap) = match pf {
+        Prefetch::Ahead => (
+            klen.saturating_sub(QUAD_PF_ELEMS) / 32 * 32,
+            QUAD_PF_ELEMS,
+            (next * ldw).wrapping_sub(klen),
+        ),
+        Prefetch::NextPass => (0, 0, next * ldw),
+    };
     for (end, pf_shift) in [(split, 0), (klen, wrap)] {
         let start = if end == split { 0 } else { split };
         let run = quad::Run {
             w: w.map(|row| row[..end].as_ptr_range().end),
             pf: w.map(|row| {
                 row.as_ptr()
-                    .wrapping_add(end + PF_ELEMS)
+                    .wrapping_add(end + ahead)
                     .wrapping_add(pf_shift)
             }),
             x: x.map(|row| row[..end].as_ptr_range().end),
@@ -194,13 +277,33 @@ unsafe fn quad_block(
         // this function's contract.
         unsafe { quad::accumulate(&mut acc, &run) };
     }
-    for r in 0..quad::QR {
-        for b in 0..quad::QB {
-            let n = n0 + r * rstride;
-            let sum = hsum256(acc[r * quad::QB + b]) + edge_sum(lw, n, b0 + b);
+    let edges = lw.has_edges();
+    for r in 0..rows {
+        let n = n0 + r * rstride;
+        let sums = hsum4(&acc[r * quad::QB..(r + 1) * quad::QB]);
+        for (b, &sum) in sums.iter().enumerate().take(bv) {
+            let sum = if edges {
+                sum + edge_sum(lw, n, b0 + b)
+            } else {
+                sum
+            };
             finish(lw, out, ld_out, n, b0 + b, sum);
         }
     }
+}
+
+/// The lane sums of four vectors.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn hsum4(v: &[__m256]) -> [f32; 4] {
+    let s01 = _mm256_hadd_ps(v[0], v[1]);
+    let s23 = _mm256_hadd_ps(v[2], v[3]);
+    let s = _mm256_hadd_ps(s01, s23);
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let mut sums = [0.0f32; 4];
+    // SAFETY: `sums` holds four f32.
+    unsafe { _mm_storeu_ps(sums.as_mut_ptr(), s) };
+    sums
 }
 
 /// Dispatches runtime `(r, bb)` to a const instantiation of [`block`].
