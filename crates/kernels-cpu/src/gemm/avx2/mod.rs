@@ -15,6 +15,7 @@ use std::arch::x86_64::*;
 use super::{Lowered, edge_sum, finish};
 use crate::simd::hsum256;
 
+mod panel;
 mod quad;
 
 /// Prefetch distance along a row, in bf16 elements (512 B).
@@ -43,6 +44,11 @@ const NARROW_ROWS: usize = 4;
 /// `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    if lw.batch >= super::avx2_panel_min_batch(panel::MIN_BATCH) && lw.kb1 > lw.kb0 {
+        // SAFETY: forwarded contract (the dispatch sends only row-major weights here).
+        unsafe { panel::gemm(lw, out, ld_out) };
+        return;
+    }
     let (r_main, mut n0) = if lw.batch < quad::QB {
         // SAFETY: forwarded contract; batch < QB as checked.
         (NARROW_ROWS, unsafe { gemm_narrow(lw, out, ld_out) })
