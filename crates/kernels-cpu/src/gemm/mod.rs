@@ -37,7 +37,9 @@
 //! Batch 1–2 is bandwidth-bound: the AVX2 path streams four rows per pass with software
 //! prefetch ~512 B ahead that carries on into the next rows past a row's end. From batch 3 it
 //! is FMA-bound: rows and batch rows are blocked so each widened weight vector feeds several
-//! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers.
+//! FMAs; from batch 4 an assembly loop keeps a 3 × 4 block of accumulators in registers. From
+//! batch 64 (prefill) the AVX2 path widens each weight once per call into fp32 panels and runs
+//! a register-blocked 6 × 16 micro-kernel over them (`avx2/panel.rs`).
 //!
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights

@@ -7,6 +7,8 @@
 //!   rows, once per group of four batch rows while the three rows sit in L1; batch rows left
 //!   over (`batch % 4`) take a `3 × (batch % 4)` pass. Activations are taken in blocks that
 //!   fit in L2, so a prefill's many rows re-stream the weights once per block.
+//! - Batch 64 and up (prefill; `set_avx2_panel_min_batch` moves the threshold): the packed
+//!   GEMM of [`panel`], each weight widened once per call into fp32 panels.
 //!
 //! The concurrent row streams of a pass are up to `ROW_STRIDE` rows apart.
 

@@ -2,30 +2,37 @@
 //! register-blocked product in the manner of BLIS, instead of the dot-product passes of the
 //! decode batches.
 //!
-//! Why: the dot-product passes widen every weight vector (a shift or a mask) for each group of
-//! four batch rows, and those integer ops share Zen's vector pipes with the FMAs; at a prefill
-//! batch the same weights are widened again and again. Here each weight is widened once per
-//! call into fp32 and then feeds every batch row.
+//! Why: the dot-product passes widen every weight vector (a shift or a mask) again for each
+//! group of four batch rows, and those integer ops share Zen's vector pipes with the FMAs;
+//! measured at 55-68% of the FMA peak at 512 rows. Here each weight is widened once per call
+//! into fp32 and then feeds every batch row: 77-86% (`examples/gemm_prefill_rate.rs`,
+//! `docs/benchmarks.md`).
 //!
-//! - The `K` body is taken in blocks of [`KC`] elements and the tile's rows in blocks of
-//!   [`NC`]; each such block of weights is widened into a per-thread buffer (`NC × KC` fp32,
-//!   128 KiB: it stays in the 512 KiB L2) as panels of [`NR`] = 16 columns: panel element
-//!   `(kp, j)` at `kp * 16 + j` is weight row `j` of the panel at the `kp`-th element of the
-//!   block *in packed order* (the activations' even/odd permutation of each 16-element block,
-//!   `pack_acts_bf16`), so the activations are read straight along their packed rows. The
-//!   widening is a shift / mask of 16 bf16 (the even and odd halves, already the packed order)
-//!   and two 8 × 8 transposes per 8 rows. Rows past the tile's end are zero.
-//! - The micro-kernel keeps [`MR`] = 6 batch rows × 16 columns in 12 `ymm` accumulators; per
-//!   `K` element it loads the panel's two vectors and broadcasts each batch row's activation:
-//!   12 FMAs per 8 loads, which Zen 3's three load ports sustain at the two FMA pipes' rate.
-//!   The 6 × `KC` activations (6 KiB) stay in L1 while the block's panels pass under them
-//!   from L2.
+//! - The `K` body is taken in blocks of [`KC`] = 512 elements and the tile's rows in blocks of
+//!   [`NC`] = 64; each such block of weights is widened into a per-thread buffer (`NC × KC`
+//!   fp32, 128 KiB) as panels of [`NR`] = 16 rows: panel element `(kp, j)` at `kp * 16 + j` is
+//!   row `j` of the panel at the `kp`-th element of the block *in packed order* (the
+//!   activations' even/odd permutation of each 16-element block, `pack_acts_bf16`), so the
+//!   activations are read straight along their packed rows. The widening is a shift / mask of
+//!   16 bf16 (the even and odd halves, already in packed order) and an 8 × 8 transpose per 8
+//!   rows and half. Rows past the tile's end are zero.
+//! - The micro-kernel (assembly for 6 rows, intrinsics for the last 1-5) keeps [`MR`] = 6
+//!   batch rows × 16 columns in 12 `ymm` accumulators; per `K` element it loads the panel's two
+//!   vectors and broadcasts each batch row's activation: 12 FMAs per 8 loads, which Zen 3's
+//!   load ports sustain at the two FMA pipes' rate.
+//! - Loop order: per widened block, per [`MC`] = 72 batch rows (their `MC × KC` activations,
+//!   144 KiB, stay in L2), each panel passes under those rows 6 at a time. A call prefetches
+//!   the next call's six activation rows line by line (the rows are short streams the hardware
+//!   prefetchers would meet cold at each call), and its output lines (read or written only
+//!   after the `K` block); the calls of a block spread prefetches of the next block's weights
+//!   (otherwise the widening waits on DRAM for each line: a sixth of the time at 144 rows).
 //! - Each `K` block's sums are stored (the first block of a `Store` tile) or added to the
-//!   output, times the row scale when there is one; a tile's `K` elements outside the
-//!   16-element body are added last, one sum per output element.
+//!   output, times the row scale when there is one (so a scaled product over several `K`
+//!   blocks rounds the scale per block, within the tests' tolerance); a tile's `K` elements
+//!   outside the 16-element body are added last, one sum per output element.
 //!
-//! The buffer is one per thread, grown once to its fixed size (`NC × KC` fp32) on the first
-//! prefill call and kept for the thread's life; nothing is allocated per call after that.
+//! The buffer is one per thread, grown once to its fixed size (`NC × KC` fp32, 128 KiB) on the
+//! thread's first prefill call and kept for its life; nothing is allocated per call after that.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -69,6 +76,8 @@ thread_local! {
 /// with `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    #[cfg(test)]
+    tests::CALLS.with(|c| c.set(c.get() + 1));
     BUF.with_borrow_mut(|buf| {
         if buf.len() < BUF_VECS {
             buf.resize(BUF_VECS, _mm256_setzero_ps());
@@ -545,4 +554,187 @@ unsafe fn micro6_body(t: &Micro) -> [__m256; 12] {
         );
     }
     [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use half::bf16;
+
+    use crate::dsv4::tests::values;
+    use crate::gemm::{
+        GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, gemm_scaled_bf16, pack_acts_f32,
+        packed_len, with_avx2_panel_min_batch,
+    };
+    use crate::isa::{Isa, with_isa};
+
+    thread_local! {
+        /// Calls of the packed kernel on this thread (so a test knows it ran).
+        pub(super) static CALLS: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// `(N, K, batch, tile rows, tile K, mode, scaled)`.
+    type Case = (
+        usize,
+        usize,
+        usize,
+        std::ops::Range<usize>,
+        std::ops::Range<usize>,
+        OutMode,
+        bool,
+    );
+
+    /// One product on the current path: `out` seeded with `seed_out` (ld `ld`).
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        w: WeightsBf16<'_>,
+        x: PackedActs<'_>,
+        tile: &GemmTile,
+        scale: Option<&[f32]>,
+        seed_out: &[f32],
+        ld: usize,
+    ) -> Vec<f32> {
+        let mut out = seed_out.to_vec();
+        match scale {
+            Some(s) => gemm_scaled_bf16(w, x, tile, s, &mut out, ld),
+            None => gemm_bf16(w, x, tile, &mut out, ld),
+        }
+        out
+    }
+
+    /// The packed kernel against the portable path and an f64 sum at ragged shapes: batches
+    /// not a multiple of the 6-row block (and past one and two activation blocks of 72), rows
+    /// not a multiple of the 16-column panel (and over several 64-row widened blocks), `K`
+    /// not a multiple of the 512-element block nor of 16 (edges on both sides of the body),
+    /// tiles starting mid-matrix, `Store` and `Add`, with and without row scales.
+    #[test]
+    fn packed_kernel_matches_portable_at_ragged_shapes() {
+        if !Isa::Avx2.is_supported() {
+            println!("avx2 packed kernel skipped: not on this CPU");
+            return;
+        }
+        // (N, K, batch, tile rows, tile K, mode, scaled)
+        let cases: [Case; 8] = [
+            (37, 528, 13, 0..37, 0..528, OutMode::Store, false),
+            (150, 1100, 79, 5..143, 20..1093, OutMode::Add, true),
+            (16, 1024, 6, 0..16, 0..1024, OutMode::Store, true),
+            (70, 48, 145, 33..70, 0..48, OutMode::Store, false),
+            (5, 2000, 1, 0..5, 0..2000, OutMode::Add, false),
+            (129, 1536, 64, 1..129, 512..1536, OutMode::Store, true),
+            (33, 100, 7, 17..33, 3..97, OutMode::Store, false),
+            // No whole 16-element block inside `K`: the dispatch keeps the passes.
+            (20, 40, 64, 3..19, 17..31, OutMode::Store, false),
+        ];
+        for (n, k, batch, nr, kr, mode, scaled) in cases {
+            let wv: Vec<bf16> = values(n * k, (n * k) as u64)
+                .iter()
+                .map(|&v| bf16::from_f32(v))
+                .collect();
+            let xv: Vec<f32> = values(batch * k, 3 + batch as u64)
+                .iter()
+                .map(|&v| bf16::from_f32(v).to_f32())
+                .collect();
+            let mut packed = vec![0.0f32; packed_len(batch, k)];
+            pack_acts_f32(&xv, batch, k, &mut packed);
+            let w = WeightsBf16::new(&wv, n, k);
+            let x = PackedActs::new(&packed, batch, k);
+            let tile = GemmTile {
+                n: nr.clone(),
+                k: kr.clone(),
+                mode,
+            };
+            let ld = nr.len() + 3;
+            let seed_out = values((batch - 1) * ld + nr.len(), 99);
+            let scale_v: Vec<f32> = values(batch, 5).iter().map(|v| v * 2.0).collect();
+            let scale = scaled.then_some(&scale_v[..]);
+            let before = CALLS.with(Cell::get);
+            let got = with_isa(Isa::Avx2, || {
+                with_avx2_panel_min_batch(1, || product(w, x, &tile, scale, &seed_out, ld))
+            })
+            .expect("avx2 supported");
+            let body = kr.start.next_multiple_of(16) + 16 <= kr.end.min(k / 16 * 16);
+            assert_eq!(
+                CALLS.with(Cell::get) > before,
+                body,
+                "packed kernel taken for {n}x{k} batch {batch}"
+            );
+            let port = with_isa(Isa::Portable, || product(w, x, &tile, scale, &seed_out, ld))
+                .expect("portable runs");
+            for b in 0..batch {
+                for nn in nr.clone() {
+                    let (mut e, mut mag) = (0.0f64, 0.0f64);
+                    for kk in kr.clone() {
+                        let p = f64::from(wv[nn * k + kk].to_f32()) * f64::from(xv[b * k + kk]);
+                        e += p;
+                        mag += p.abs();
+                    }
+                    let s = scale.map_or(1.0, |s| f64::from(s[b]));
+                    let i = b * ld + (nn - nr.start);
+                    e *= s;
+                    let mut tol = 2e-6 * mag * s.abs() + 1e-6;
+                    if mode == OutMode::Add {
+                        e += f64::from(seed_out[i]);
+                        tol += 1e-6;
+                    }
+                    for (what, v) in [("packed", &got), ("portable", &port)] {
+                        assert!(
+                            (f64::from(v[i]) - e).abs() <= tol,
+                            "{what} {n}x{k} batch {batch} tile {nr:?}/{kr:?} b={b} n={nn}: {} vs {e}",
+                            v[i]
+                        );
+                    }
+                }
+            }
+            // Nothing outside the tile's columns is written.
+            for (i, (&o, &s0)) in got.iter().zip(&seed_out).enumerate() {
+                if i % ld >= nr.len() {
+                    assert_eq!(o.to_bits(), s0.to_bits(), "padding element {i} written");
+                }
+            }
+        }
+    }
+
+    /// Non-finite weights reach the same outputs as on the portable path (a NaN or infinity
+    /// in a widened panel is not lost or spread to other columns, and zero padding columns
+    /// stay out of the written ones).
+    #[test]
+    fn packed_kernel_keeps_non_finite_weights_in_their_columns() {
+        if !Isa::Avx2.is_supported() {
+            return;
+        }
+        let (n, k, batch) = (21, 96, 13);
+        let mut wv: Vec<bf16> = values(n * k, 4)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        wv[3 * k + 10] = bf16::from_f32(f32::INFINITY);
+        wv[7 * k + 2] = bf16::NAN;
+        wv[20 * k + 50] = bf16::from_f32(f32::NEG_INFINITY);
+        let xv: Vec<f32> = values(batch * k, 8)
+            .iter()
+            .map(|v| v.abs() + 0.25)
+            .collect();
+        let mut packed = vec![0.0f32; packed_len(batch, k)];
+        pack_acts_f32(&xv, batch, k, &mut packed);
+        let w = WeightsBf16::new(&wv, n, k);
+        let x = PackedActs::new(&packed, batch, k);
+        let tile = GemmTile::full(&w);
+        let seed = vec![0.0f32; batch * n];
+        let got = with_isa(Isa::Avx2, || {
+            with_avx2_panel_min_batch(1, || product(w, x, &tile, None, &seed, n))
+        })
+        .expect("avx2");
+        let want =
+            with_isa(Isa::Portable, || product(w, x, &tile, None, &seed, n)).expect("portable");
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            let col = i % n;
+            match col {
+                3 => assert_eq!(*g, f32::INFINITY, "{i}"),
+                7 => assert!(g.is_nan(), "{i}"),
+                20 => assert_eq!(*g, f32::NEG_INFINITY, "{i}"),
+                _ => assert!(g.is_finite() && (g - e).abs() <= 1e-4, "{i}: {g} vs {e}"),
+            }
+        }
+    }
 }
