@@ -47,7 +47,8 @@ const NARROW_ROWS: usize = 4;
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     if lw.batch >= super::avx2_panel_min_batch(panel::MIN_BATCH) && lw.kb1 > lw.kb0 {
-        // SAFETY: forwarded contract (the dispatch sends only row-major weights here).
+        // SAFETY: forwarded contract (the dispatch sends only row-major weights here), and the
+        // body is non-empty (checked).
         unsafe { panel::gemm(lw, out, ld_out) };
         return;
     }

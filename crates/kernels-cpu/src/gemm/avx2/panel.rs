@@ -57,8 +57,8 @@ pub(super) const NC: usize = 64;
 /// within 3% of each other.
 pub(super) const MC: usize = 72;
 
-/// Least batch that takes this kernel by default (below it, the dot-product passes; measured
-/// in `docs/performance.md`).
+/// Least batch that takes this kernel by default (below it, the dot-product passes): from 64
+/// rows it was ahead on every 0.6B shape, level around 48, behind at 32 (`docs/benchmarks.md`).
 pub(crate) const MIN_BATCH: usize = 64;
 
 /// `ymm` vectors in the widened block buffer.
@@ -73,7 +73,7 @@ thread_local! {
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `lw` must describe a row-major tile inside its matrices
-/// with `out` long enough (as checked by `gemm_dispatch`).
+/// with `out` long enough (as checked by `gemm_dispatch`) and a non-empty body (`kb0 < kb1`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     #[cfg(test)]
@@ -90,10 +90,11 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
 /// [`gemm`] with the thread's buffer.
 ///
 /// # Safety
-/// As [`gemm`], and `buf.len() >= BUF_VECS`.
+/// As [`gemm`], with a non-empty body (`kb0 < kb1`, as the AVX2 dispatch sends), and
+/// `buf.len() >= BUF_VECS`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemm_with(lw: &Lowered<'_>, buf: &mut [__m256], out: &mut [f32], ld_out: usize) {
-    debug_assert!(!lw.tiled && buf.len() >= BUF_VECS);
+    debug_assert!(!lw.tiled && lw.kb1 > lw.kb0 && buf.len() >= BUF_VECS);
     let n = lw.n.clone();
     let out_ptr = out.as_mut_ptr();
     let mut kc0 = lw.kb0;
@@ -173,13 +174,8 @@ unsafe fn gemm_with(lw: &Lowered<'_>, buf: &mut [__m256], out: &mut [f32], ld_ou
             let s = lw.scale.map_or(1.0, |s| s[b]);
             for nn in n.clone() {
                 let e = edge_sum(lw, nn, b);
-                let o = &mut out[b * ld_out + (nn - n.start)];
-                if lw.kb0 == lw.kb1 && lw.mode == OutMode::Store {
-                    // No body: the edges are the whole sum.
-                    *o = e * s;
-                } else {
-                    *o += e * s;
-                }
+                // The body (never empty here) was stored or added above.
+                out[b * ld_out + (nn - n.start)] += e * s;
             }
         }
     }
