@@ -4,9 +4,9 @@
 //!
 //! Why: the dot-product passes widen every weight vector (a shift or a mask) again for each
 //! group of four batch rows, and those integer ops share Zen's vector pipes with the FMAs;
-//! measured at 55-68% of the FMA peak at 512 rows. Here each weight is widened once per call
-//! into fp32 and then feeds every batch row: 77-86% (`examples/gemm_prefill_rate.rs`,
-//! `docs/benchmarks.md`).
+//! measured at 42-68% of the FMA rate at 512 rows on a shared Zen 3 host. Here each weight is
+//! widened once per call into fp32 and then feeds every batch row: 70-85% in the same runs,
+//! 1.2-1.7 times the passes' rate (`examples/gemm_prefill_rate.rs`, `docs/benchmarks.md`).
 //!
 //! - The `K` body is taken in blocks of [`KC`] = 512 elements and the tile's rows in blocks of
 //!   [`NC`] = 64; each such block of weights is widened into a per-thread buffer (`NC × KC`
