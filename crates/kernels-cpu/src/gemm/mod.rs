@@ -39,6 +39,8 @@
 //! assembly loop keeps a 3 × 4 block of accumulators in registers (a last group of three batch
 //! rows padded to four), each widened weight vector feeding four FMAs, prefetching 2 KiB
 //! ahead; from batch 8 a row group's second batch group prefetches the next row group.
+//! From batch 64 (prefill) the AVX2 path widens each weight once per call into fp32 panels
+//! and runs a register-blocked 6 × 16 micro-kernel over them (`avx2/panel.rs`).
 //!
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights
@@ -53,7 +55,9 @@
 //! The bf16 paths round activations that are not bf16 values to nearest even (the model's
 //! activations are bf16 values, so for them every path multiplies the same numbers).
 
+use std::cell::Cell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::bf16;
 
@@ -101,6 +105,48 @@ pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     }
     let _ = batch;
     isa
+}
+
+/// The batch from which the AVX2 path takes its packed prefill kernel, set process-wide by
+/// [`set_avx2_panel_min_batch`] (0: the kernel's default).
+static AVX2_PANEL_MIN_BATCH: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// [`with_avx2_panel_min_batch`]'s override on this thread.
+    static AVX2_PANEL_OVERRIDE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Sets the least batch at which the AVX2 path takes its packed prefill kernel (the
+/// register-blocked product over widened weight panels) instead of its dot-product passes, for
+/// every thread without a [`with_avx2_panel_min_batch`] override (`None`: the default, 64), so
+/// a benchmark can alternate the two on the runtime's worker threads. `Some(usize::MAX)` turns
+/// the packed kernel off. Other paths ignore it.
+pub fn set_avx2_panel_min_batch(min: Option<usize>) {
+    AVX2_PANEL_MIN_BATCH.store(min.map_or(0, |m| m.max(1)), Ordering::Relaxed);
+}
+
+/// Runs `f` with [`set_avx2_panel_min_batch`]`(Some(min))` in force on this thread alone.
+pub fn with_avx2_panel_min_batch<R>(min: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            AVX2_PANEL_OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(AVX2_PANEL_OVERRIDE.with(|o| o.replace(Some(min.max(1)))));
+    f()
+}
+
+/// The least batch of the AVX2 packed prefill kernel in force on this thread (`default` when
+/// nothing is set).
+#[cfg(target_arch = "x86_64")]
+fn avx2_panel_min_batch(default: usize) -> usize {
+    AVX2_PANEL_OVERRIDE.with(Cell::get).unwrap_or_else(|| {
+        match AVX2_PANEL_MIN_BATCH.load(Ordering::Relaxed) {
+            0 => default,
+            m => m,
+        }
+    })
 }
 
 /// Elements per packing block (one 256-bit load of bf16).

@@ -13,6 +13,8 @@
 //! - Memory: a pass's loads and prefetches bring its three rows into L1 while the first group
 //!   of batch rows runs; the second group, which finds them there, prefetches the next pass's
 //!   rows instead, so from batch 8 the weight stream overlaps FMAs that do not wait on it.
+//! - Batch 64 and up (prefill; `set_avx2_panel_min_batch` moves the threshold): the packed
+//!   GEMM of [`panel`], each weight widened once per call into fp32 panels.
 //!
 //! The concurrent row streams of a pass are up to `ROW_STRIDE` rows apart.
 
@@ -21,6 +23,7 @@ use std::arch::x86_64::*;
 use super::{Lowered, edge_sum, finish};
 use crate::simd::hsum256;
 
+mod panel;
 mod quad;
 
 /// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
@@ -64,6 +67,12 @@ const NARROW_ROWS: usize = 4;
 /// `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    if lw.batch >= super::avx2_panel_min_batch(panel::MIN_BATCH) && lw.kb1 > lw.kb0 {
+        // SAFETY: forwarded contract (the dispatch sends only row-major weights here), and the
+        // body is non-empty (checked).
+        unsafe { panel::gemm(lw, out, ld_out) };
+        return;
+    }
     let wide = lw.batch >= quad::QB || lw.batch >= PADDED_MIN;
     let (r_main, mut n0) = if wide {
         // SAFETY: forwarded contract.
