@@ -83,6 +83,25 @@ impl Setup {
     }
 }
 
+/// `prefill_attention_rows_f32` on every path this CPU has (see `common::all_paths`).
+#[allow(clippy::too_many_arguments)]
+fn prefill_on_every_path(
+    what: &str,
+    q: &[f32],
+    group: usize,
+    kv: &PagedKv<'_>,
+    table: &[u32],
+    kv_head: usize,
+    first_pos: usize,
+    scale: f32,
+) -> Vec<(Isa, Vec<f32>)> {
+    common::all_paths(what, || {
+        let mut out = vec![0.0f32; q.len()];
+        prefill_attention_rows_f32(q, group, kv, table, kv_head, first_pos, scale, &mut out);
+        out
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
@@ -208,11 +227,9 @@ proptest! {
         let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
         let g = kv_heads - 1;
-        let ran = common::all_paths("prefill rows", || {
-            let mut out = vec![0.0f32; q.len()];
-            prefill_attention_rows_f32(&q, group, &st.kv(), &st.tables[1], g, first_pos, scale, &mut out);
-            out
-        });
+        let ran = prefill_on_every_path(
+            "prefill rows", &q, group, &st.kv(), &st.tables[1], g, first_pos, scale,
+        );
         let portable = &ran[0].1;
         for (isa, out) in &ran {
             println!("prefill rows on {} (prefill path {})", isa.name(), attention::prefill_path(*isa, hd).name());
@@ -245,20 +262,16 @@ fn prefill_rows_long_prefix_on_every_path() {
         .map(|v| v.to_f32())
         .collect();
     let scale = 1.0 / (hd as f32).sqrt();
-    let ran = common::all_paths("prefill rows, long prefix", || {
-        let mut out = vec![0.0f32; q.len()];
-        prefill_attention_rows_f32(
-            &q,
-            group,
-            &st.kv(),
-            &st.tables[0],
-            1,
-            first_pos,
-            scale,
-            &mut out,
-        );
-        out
-    });
+    let ran = prefill_on_every_path(
+        "prefill rows, long prefix",
+        &q,
+        group,
+        &st.kv(),
+        &st.tables[0],
+        1,
+        first_pos,
+        scale,
+    );
     for (isa, out) in &ran {
         common::assert_close(
             out,
@@ -610,20 +623,16 @@ fn prefill_rows_blocked_edges_on_every_path() {
             .collect();
         let g = kv_heads - 1;
         let what = format!("group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}");
-        let ran = common::all_paths("prefill rows, blocked edges", || {
-            let mut out = vec![0.0f32; q.len()];
-            prefill_attention_rows_f32(
-                &q,
-                group,
-                &st.kv(),
-                &st.tables[0],
-                g,
-                first_pos,
-                scale,
-                &mut out,
-            );
-            out
-        });
+        let ran = prefill_on_every_path(
+            "prefill rows, blocked edges",
+            &q,
+            group,
+            &st.kv(),
+            &st.tables[0],
+            g,
+            first_pos,
+            scale,
+        );
         for (isa, out) in &ran {
             common::assert_close(
                 out,
@@ -666,20 +675,16 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
         let at = (s.tables[0][poisoned / ps] as usize * ps + poisoned % ps) * hd + 5;
         s.k[at] = bf16::from_f32(poison);
         let first_pos = 20;
-        let ran = common::all_paths("prefill rows, non-finite key", || {
-            let mut out = vec![0.0f32; q.len()];
-            prefill_attention_rows_f32(
-                &q,
-                group,
-                &s.kv(),
-                &s.tables[0],
-                0,
-                first_pos,
-                0.125,
-                &mut out,
-            );
-            out
-        });
+        let ran = prefill_on_every_path(
+            "prefill rows, non-finite key",
+            &q,
+            group,
+            &s.kv(),
+            &s.tables[0],
+            0,
+            first_pos,
+            0.125,
+        );
         let (_, p) = &ran[0];
         // Rows before the poisoned token never see it.
         let clean = (poisoned - first_pos) * group * hd;
