@@ -23,7 +23,7 @@ const PV_QUERIES: usize = 4;
 /// next run's head slices prefetched while the current one computes.
 ///
 /// # Safety
-/// As [`decode_partial`].
+/// As [`decode_partial`](super::decode_partial).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn head_over(
     group: usize,

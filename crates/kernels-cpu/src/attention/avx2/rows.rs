@@ -16,7 +16,7 @@ use crate::simd::{hsum256, prefetch_l2};
 /// over the arithmetic (a whole row's 32 prefetches at once stall on the miss buffers).
 ///
 /// # Safety
-/// As [`decode_partial`] for every head.
+/// As [`decode_partial`](super::decode_partial) for every head.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn rows_over(
     group: usize,
