@@ -404,6 +404,30 @@ mod tests {
     }
 
     #[test]
+    fn bf16_intermediates_are_judged_at_their_rows_scale() {
+        // Unit-RMS rows with some small values, as a roped `q` has.
+        let e: Vec<f32> = (0..1000)
+            .map(|i| if i % 10 == 0 { 0.01 } else { 1.05 })
+            .collect();
+        let t = CacheTol::bf16_intermediate(&e);
+        assert!((t.atol - 1.0 / 128.0).abs() < 1e-3, "{}", t.atol);
+        // One bf16 ulp at the row's scale on every small value passes (the output threshold
+        // would count each of them).
+        let mut a = e.clone();
+        for v in a.iter_mut().step_by(10) {
+            *v += 1.0 / 128.0;
+        }
+        assert!(t.check("q", &a, &e).is_ok());
+        assert!(RelDiff::SWA_HCA.check("q", &a, &e).is_err());
+        // Four ulps on 1% of the values is a wrong result.
+        let mut a = e.clone();
+        for v in a.iter_mut().skip(1).step_by(100) {
+            *v += 4.0 / 128.0;
+        }
+        assert!(t.check("q", &a, &e).unwrap_err().contains("q"));
+    }
+
+    #[test]
     fn cache_tolerance_counts_elements_outside() {
         let t = CacheTol::KV;
         let e = vec![1.0f32; 1000];
