@@ -87,13 +87,23 @@ unsafe fn gemv_q<const S: usize>(
     let len = rows.len() / S;
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     for i in 0..len {
-        let wr: [*const u16; S] =
-            std::array::from_fn(|j| unsafe { w.add((rows.start + j * len + i) * k) });
+        let wr: [*const u16; S] = std::array::from_fn(|j| {
+            // SAFETY: row rows.start + j * len + i lies inside the matrix (caller's contract).
+            unsafe { w.add((rows.start + j * len + i) * k) }
+        });
         let mut acc = [_mm256_setzero_ps(); S];
         let mut acco = [_mm256_setzero_ps(); S];
         let mut kk = 0;
+        let wide = hint >= 10;
+        let hint = hint % 10;
+        let stepk = if wide { 64 } else { 32 };
         while kk < k {
-            if pf > 0 {
+            if pf > 0 && wide {
+                for p in wr {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + pf).cast::<i8>());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + pf + 32).cast::<i8>());
+                }
+            } else if pf > 0 {
                 for p in wr {
                     let a = p.wrapping_add(kk + pf).cast::<i8>();
                     match hint {
@@ -104,7 +114,8 @@ unsafe fn gemv_q<const S: usize>(
                     }
                 }
             }
-            for h in [0, 16] {
+            for h in (0..stepk).step_by(16) {
+                // SAFETY: kk + h + 16 <= k: inside the packed activations.
                 let (xe, xo) = unsafe {
                     (
                         _mm256_loadu_ps(x.add(kk + h)),
@@ -112,6 +123,7 @@ unsafe fn gemv_q<const S: usize>(
                     )
                 };
                 for j in 0..S {
+                    // SAFETY: kk + h + 16 <= k: inside stream j's row.
                     let raw = unsafe { _mm256_loadu_si256(wr[j].add(kk + h).cast()) };
                     let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
                     let wo = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
@@ -119,7 +131,7 @@ unsafe fn gemv_q<const S: usize>(
                     acco[j] = _mm256_fmadd_ps(wo, xo, acco[j]);
                 }
             }
-            kk += 32;
+            kk += stepk;
         }
         for j in 0..S {
             let v = _mm256_add_ps(acc[j], acco[j]);

@@ -234,9 +234,13 @@ unsafe fn gemv_pass<const S: usize>(
     if kk + 16 <= klen {
         step(&mut acc, &mut acc_odd, kk);
     }
-    for j in 0..S {
+    // Every row's sum before any edge sum: an `edge_sum` call with accumulators still live
+    // spilled them all to the stack, once per row.
+    let sums: [f32; S] = std::array::from_fn(|j| hsum256(_mm256_add_ps(acc[j], acc_odd[j])));
+    let edges = lw.has_edges();
+    for (j, &sum) in sums.iter().enumerate() {
         let n = n0 + j * rstride;
-        let sum = hsum256(_mm256_add_ps(acc[j], acc_odd[j])) + edge_sum(lw, n, 0);
+        let sum = if edges { sum + edge_sum(lw, n, 0) } else { sum };
         finish(lw, out, ld_out, n, 0, sum);
     }
 }
