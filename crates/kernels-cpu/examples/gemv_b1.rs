@@ -6,9 +6,13 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example gemv_b1 [-- --layers 6 --reps 10 --threads 2 --head]`
 //!
-//! Variants: `read` (one sequential AVX2 read of each tile), `read4` (each tile as four
-//! concurrent streams), `gemm` (the library's `gemm_bf16` at batch 1). `--head` adds the LM
-//! head (151936 × 1024) once per pass.
+//! Variants: `Read` (one sequential AVX2 read of each tile), `Read4` (each tile as four
+//! concurrent streams, as `membw` reads), `Gemm` (the library's `gemm_bf16` at batch 1), and
+//! `--q S:PF[:HINT],...` GEMVs written here for comparison: the tile's rows as `S` contiguous
+//! ranges walked side by side, prefetching `PF` elements ahead (0: none) with hint `HINT` (0
+//! T0, 1 T1, 2 T2, 3 NTA; plus 10: 64-element steps with two prefetches). `--base I` names
+//! the variant the paired ratios divide by (0: `Read`). `--head` adds the LM head
+//! (151936 × 1024) once per pass.
 
 mod common;
 
