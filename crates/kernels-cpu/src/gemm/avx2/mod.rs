@@ -29,8 +29,9 @@ mod panel;
 mod quad;
 
 /// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
-/// (512 B; at batch 1, 256 B and 1 KiB measured level or slower on Zen 3 as well). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in
-/// one process) 1 KiB took 17% more time at batch 1 and 2 KiB 27% more.
+/// (512 B). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in
+/// one process) 1 KiB took 17% more time at batch 1 and 2 KiB 27% more; for the four-quarter
+/// batch-1 pass on two cores 256 B was level and 1 KiB slower.
 const PF_ELEMS: usize = 256;
 
 /// Prefetch distance along a row of the assembly pass, in bf16 elements (2 KiB): the pass
@@ -156,9 +157,9 @@ unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize
 }
 
 /// Concurrent row streams of the batch-1 pass. On Zen 3 (2 threads, the decode plan's ~1 MiB
-/// tiles of the 0.6B projections from memory, thread CPU time, paired, one run each): 8 streams
-/// took ~5% more time, 2 ~15% more and 16 ~50% more; a plain read of the same tiles is ~25% faster as four
-/// concurrent streams than as one (`examples/gemv_b1.rs`).
+/// tiles of the 0.6B projections from memory, thread CPU time, paired, one run each): 8
+/// streams took ~5% more time, 2 ~15% more and 16 ~50% more; a plain read of the same tiles
+/// is ~25% faster as four concurrent streams than as one (`examples/gemv_b1.rs`).
 const GEMV_STREAMS: usize = 4;
 
 /// Batch 1: the tile's rows as `GEMV_STREAMS` contiguous ranges walked side by side, one row
