@@ -212,6 +212,29 @@ fn every_batch_at_ragged_shapes() {
     }
 }
 
+/// Batch 1 (the AVX2 pass cuts a tile's rows into four streams and does the rows left over
+/// one at a time): row counts on and off multiples of four, from one row to more than one
+/// pass, `K` bodies on 32 elements, ending on a 16-element half step, and off both (the edge
+/// sums), whole matrices and tiles starting mid-matrix, stored and added with a row scale.
+#[test]
+fn batch_one_streams_at_ragged_row_counts() {
+    let mut seed = 31;
+    for n in [1usize, 2, 3, 4, 5, 7, 8, 9, 13, 64, 67, 257] {
+        for k in [32usize, 48, 1024, 1040, 77, 3071] {
+            let c = GemmCase::new(n, k, 1, (n * k) as u64 + 3);
+            let w = WeightsBf16::new(&c.w, n, k);
+            check(&c, GemmTile::full(&w), false, seed);
+            let mid = GemmTile {
+                n: n / 3..n,
+                k: 5.min(k / 2)..k,
+                mode: OutMode::Add,
+            };
+            check(&c, mid, true, seed + 1);
+            seed += 2;
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
     #[test]

@@ -2,7 +2,9 @@
 //! the high half) against packed activations, with software prefetch that runs ahead of each
 //! row stream and on into the next row group.
 //!
-//! - Batch 1–2 (bandwidth-bound): `4` weight rows × the whole batch per pass.
+//! - Batch 1 (bandwidth-bound): the tile's rows as four contiguous quarters walked side by
+//!   side, one row of each per pass, the activations loaded once per step for all four.
+//! - Batch 2 (bandwidth-bound): `4` weight rows × the whole batch per pass.
 //! - Batch 3 and up: the assembly pass of [`quad`], `3` weight rows × `4` batch rows, once per
 //!   group of four batch rows while the three rows sit in L1. A last group of three batch
 //!   rows runs it too with one row repeated (its sums dropped: 3 of 4 rows' FMAs at the
@@ -28,7 +30,8 @@ mod quad;
 
 /// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
 /// (512 B). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in
-/// one process) 1 KiB took 17% more time at batch 1 and 2 KiB 27% more.
+/// one process) 1 KiB took 17% more time at batch 1 and 2 KiB 27% more; for the four-quarter
+/// batch-1 pass on two cores 256 B was level and 1 KiB slower.
 const PF_ELEMS: usize = 256;
 
 /// Prefetch distance along a row of the assembly pass, in bf16 elements (2 KiB): the pass
@@ -73,6 +76,11 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
         unsafe { panel::gemm(lw, out, ld_out) };
         return;
     }
+    if lw.batch == 1 {
+        // SAFETY: forwarded contract; batch 1 as checked.
+        unsafe { gemv(lw, out, ld_out) };
+        return;
+    }
     let wide = lw.batch >= quad::QB || lw.batch >= PADDED_MIN;
     let (r_main, mut n0) = if wide {
         // SAFETY: forwarded contract.
@@ -115,7 +123,7 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
 }
 
 /// The tile's rows in groups of `NARROW_ROWS` streams (up to `ROW_STRIDE` rows apart, closer
-/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 1–2, the
+/// for the last rows so that fewer than `NARROW_ROWS` are left over) for a batch of 2, the
 /// whole batch per pass; returns the first row not done.
 ///
 /// # Safety
@@ -146,6 +154,96 @@ unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize
         n0 += rs * r;
     }
     n0
+}
+
+/// Concurrent row streams of the batch-1 pass. On Zen 3 (2 threads, the decode plan's ~1 MiB
+/// tiles of the 0.6B projections from memory, thread CPU time, paired, one run each): 8
+/// streams took ~5% more time, 2 ~15% more and 16 ~50% more; a plain read of the same tiles
+/// is ~25% faster as four concurrent streams than as one (`examples/gemv_b1.rs`).
+const GEMV_STREAMS: usize = 4;
+
+/// Batch 1: the tile's rows as `GEMV_STREAMS` contiguous ranges walked side by side, one row
+/// of each per pass (a tile's rows lie back to back, so each stream reads consecutive bytes
+/// and its prefetch runs on into the stream's next row); the `rows % GEMV_STREAMS` rows left
+/// over one at a time.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw.batch == 1`; `lw` checked by `gemm_dispatch` (row-major).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    let len = lw.n.len() / GEMV_STREAMS;
+    for i in 0..len {
+        // SAFETY: rows n.start + i + len * j (j < GEMV_STREAMS) lie inside the tile, and the
+        // caller's contract covers the rest.
+        unsafe { gemv_pass::<GEMV_STREAMS>(lw, lw.n.start + i, len, out, ld_out) };
+    }
+    for n in lw.n.start + GEMV_STREAMS * len..lw.n.end {
+        // SAFETY: row n lies inside the tile.
+        unsafe { gemv_pass::<1>(lw, n, 0, out, ld_out) };
+    }
+}
+
+/// Batch 1, `S` weight rows `n0 + rstride * j` over the whole `k` range: each 16-element step
+/// loads the packed activations once for every row.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw.batch == 1`; `n0 + rstride * (S - 1) < lw.n.end`; `lw`
+/// checked by `gemm_dispatch` (row-major, so every element read in `[kb0, kb1)` is inside
+/// `lw.w` / `lw.x`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn gemv_pass<const S: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    rstride: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let ldw = lw.ldw;
+    let klen = lw.kb1 - lw.kb0;
+    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let x = lw.x[lw.kb0..lw.kb1].as_ptr();
+    let wrow: [*const u16; S] =
+        std::array::from_fn(|j| lw.w[(n0 + j * rstride) * ldw + lw.kb0..].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); S];
+    let mut acc_odd = [_mm256_setzero_ps(); S];
+    let step = |acc: &mut [__m256; S], acc_odd: &mut [__m256; S], kk: usize| {
+        // SAFETY: kk + 16 <= klen: the 16 packed activations at kk lie in [kb0, kb1) of
+        // batch row 0.
+        let (xe, xo) = unsafe { (_mm256_loadu_ps(x.add(kk)), _mm256_loadu_ps(x.add(kk + 8))) };
+        for j in 0..S {
+            // SAFETY: the 16 elements at wrow[j] + kk lie in row n0 + rstride * j's body.
+            let raw = unsafe { _mm256_loadu_si256(wrow[j].add(kk).cast::<__m256i>()) };
+            let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
+            let wo = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
+            acc[j] = _mm256_fmadd_ps(we, xe, acc[j]);
+            acc_odd[j] = _mm256_fmadd_ps(wo, xo, acc_odd[j]);
+        }
+    };
+    let mut kk = 0;
+    while kk + 32 <= klen {
+        for p in wrow {
+            // Past the row's end this is the next row of the same stream (rows lie back to
+            // back); prefetch never faults, and `wrapping_add` keeps the address computation
+            // defined past the matrix.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + PF_ELEMS).cast::<i8>());
+        }
+        step(&mut acc, &mut acc_odd, kk);
+        step(&mut acc, &mut acc_odd, kk + 16);
+        kk += 32;
+    }
+    if kk + 16 <= klen {
+        step(&mut acc, &mut acc_odd, kk);
+    }
+    // Every row's sum before any edge sum: an `edge_sum` call with accumulators still live
+    // spilled them all to the stack, once per row.
+    let sums: [f32; S] = std::array::from_fn(|j| hsum256(_mm256_add_ps(acc[j], acc_odd[j])));
+    let edges = lw.has_edges();
+    for (j, &sum) in sums.iter().enumerate() {
+        let n = n0 + j * rstride;
+        let sum = if edges { sum + edge_sum(lw, n, 0) } else { sum };
+        finish(lw, out, ld_out, n, 0, sum);
+    }
 }
 
 /// Rows from a pass's first row to the same stream of the next pass, for pass `h` of a
