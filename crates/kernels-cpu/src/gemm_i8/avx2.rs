@@ -24,6 +24,16 @@ const R: usize = 4;
 const B: usize = 2;
 /// Bytes of `k` per step.
 const STEP: usize = 32;
+/// Smallest batch that takes the blocks of [`R_WIDE`] weight rows × [`B_WIDE`] batch rows:
+/// one pass over the weights per block, each `|w|` serving up to four batch rows, where the
+/// [`R`] × [`B`] blocks ran a second pass (from L1) for the third and fourth batch rows and
+/// took `|w|` once per pass.
+const MIN_WIDE_BATCH: usize = 3;
+/// Weight rows per block of the batches of 3–4 rows.
+const R_WIDE: usize = 2;
+/// Most batch rows per block of the batches of 3–4 rows (`R_WIDE * B_WIDE` accumulators, the
+/// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
+const B_WIDE: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
 /// the weights bandwidth bound, where the row blocks of [`block_maddubs`] prefetching the
 /// next block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]`
@@ -95,7 +105,20 @@ fn starts<const RR: usize, const BB: usize>(
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let first = &segs[0];
     if first.batch < MIN_SETS_BATCH {
-        drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+        if first.batch >= MIN_WIDE_BATCH {
+            drive!(
+                segs,
+                out,
+                ld_out,
+                R_WIDE,
+                B_WIDE,
+                STEP,
+                block_maddubs_wide,
+                0i32
+            );
+        } else {
+            drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+        }
         return;
     }
     let mut n0 = first.n.start;
@@ -113,17 +136,55 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     }
 }
 
-/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
-/// whole slice in one pass.
+/// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
 ///
 /// # Safety
-/// AVX2 available; the rows lie inside the tile of a checked `lw`.
+/// As [`block_into`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_maddubs<const RR: usize, const BB: usize>(
     lw: &Lowered<'_>,
     n0: usize,
     b0: usize,
     sums: &mut [[i32; B]; R],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R, B, false>(lw, n0, b0, sums) }
+}
+
+/// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of 3–4).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; B_WIDE]; R_WIDE],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, b0, sums) }
+}
+
+/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
+/// whole slice in one pass. `MEM_W`: the weight vector as a memory operand ([`step_row`]),
+/// which leaves a register free for a fourth batch row's activations.
+///
+/// # Safety
+/// AVX2 available; the rows lie inside the tile of a checked `lw`; `RR <= RM`, `BB <= BM`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_into<
+    const RR: usize,
+    const BB: usize,
+    const RM: usize,
+    const BM: usize,
+    const MEM_W: bool,
+>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; BM]; RM],
 ) {
     let steps = lw.k.len() / STEP;
     let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
@@ -137,6 +198,11 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
         for r in 0..RR {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
             prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
+            if MEM_W {
+                // SAFETY: as above: 32 bytes of row `r` at step `s`.
+                unsafe { step_row(wp[r], s * STEP, &a, ones, &mut acc[r]) };
+                continue;
+            }
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
             let w_abs = _mm256_sign_epi8(w, w);
@@ -160,8 +226,11 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
-/// Each step prefetches (into L2) its rows a chunk ahead, and during the last chunk the next
-/// block's first chunk (or the caller's next rows, [`super::NextRows`]): AMD fills L1 on
+/// Each step prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
+/// same rows' first chunk of the next segment (grouped activations cut `k` into segments of
+/// one chunk each, so without this every segment began on demand misses), and during the
+/// last segment's last chunk the next block's first chunk (or the caller's next rows,
+/// [`super::NextRows`]). AMD fills L1 on
 /// every prefetch level, and prefetching the next block's rows at the step's own offset (the
 /// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
 ///
@@ -174,20 +243,26 @@ unsafe fn rows_maddubs<const RR: usize>(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    for lw in segs {
+    let k_first = segs[0].k.start;
+    for (si, lw) in segs.iter().enumerate() {
         let body = lw.k.len() / STEP * STEP;
         let tail = lw.k.start + body..lw.k.end;
-        // The first chunk of the rows streamed after this block: the next block's, past the
-        // tile's end the caller's next rows (row-major ones; else this block's own).
+        // The first chunk streamed after this segment: with a segment after it (grouped
+        // activations), this block's rows from that segment's start; after the last, the
+        // next block's first chunk, past the tile's end the caller's next rows (row-major
+        // ones; else this block's own).
         let next: [*const i8; RR] = std::array::from_fn(|r| {
+            if let Some(s) = segs.get(si + 1) {
+                return lw.w_ptr(n0 + r, s.k.start);
+            }
             let n = n0 + RR + r;
             if n < lw.n.end {
-                lw.w_ptr(n, lw.k.start)
+                lw.w_ptr(n, k_first)
             } else {
                 lw.next
-                    .and_then(|nx| nx.row(n - lw.n.end, lw.k.start))
+                    .and_then(|nx| nx.row(n - lw.n.end, k_first))
                     .filter(|&(_, stride)| stride == 64)
-                    .map_or(lw.w_ptr(n0 + r, lw.k.start), |(p, _)| p)
+                    .map_or(lw.w_ptr(n0 + r, k_first), |(p, _)| p)
             }
         });
         let mut g0 = 0;
