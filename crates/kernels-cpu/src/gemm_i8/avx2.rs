@@ -31,6 +31,9 @@ const STEP: usize = 32;
 const MIN_WIDE_BATCH: usize = 3;
 /// Weight rows per block of the batches of 3–4 rows.
 const R_WIDE: usize = 2;
+/// Weight rows per block of a batch of 3: three row streams (the 4-row batches' blocks have
+/// two) and `3 · 3` accumulators.
+const R3: usize = 3;
 /// Most batch rows per block of the batches of 3–4 rows (`R_WIDE * B_WIDE` accumulators, the
 /// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
 const B_WIDE: usize = 4;
@@ -105,7 +108,9 @@ fn starts<const RR: usize, const BB: usize>(
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let first = &segs[0];
     if first.batch < MIN_SETS_BATCH {
-        if first.batch >= MIN_WIDE_BATCH {
+        if first.batch == 3 {
+            drive!(segs, out, ld_out, R3, 3, STEP, block_maddubs_3, 0i32);
+        } else if first.batch >= MIN_WIDE_BATCH {
             drive!(
                 segs,
                 out,
@@ -164,6 +169,21 @@ unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
 ) {
     // SAFETY: forwarded contract.
     unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, b0, sums) }
+}
+
+/// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_3<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; 3]; R3],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R3, 3, true>(lw, n0, b0, sums) }
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
