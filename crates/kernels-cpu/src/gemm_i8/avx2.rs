@@ -5,7 +5,9 @@
 //! rows stream.
 //!
 //! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) run each block over
-//! the whole slice, prefetching the next block's rows. Batches of [`MIN_SETS_BATCH`] rows or
+//! the whole slice, prefetching the next block's rows: 4 weight rows × 2 batch rows at 1–2
+//! rows, and at 3–4 rows one pass of 3 × 3 or 2 × 4, so that each `|w|` serves the whole
+//! batch and the weights are read once. Batches of [`MIN_SETS_BATCH`] rows or
 //! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
 //! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
 //! activations and weights stay in L1 through the block's passes, the accumulators kept in
@@ -24,10 +26,12 @@ const R: usize = 4;
 const B: usize = 2;
 /// Bytes of `k` per step.
 const STEP: usize = 32;
-/// Smallest batch that takes the blocks of [`R_WIDE`] weight rows × [`B_WIDE`] batch rows:
-/// one pass over the weights per block, each `|w|` serving up to four batch rows, where the
-/// [`R`] × [`B`] blocks ran a second pass (from L1) for the third and fourth batch rows and
-/// took `|w|` once per pass.
+/// Smallest batch that takes one pass over the weights per block with every batch row (a
+/// batch of 3 in [`R3`] × 3 blocks, 4 in [`R_WIDE`] × [`B_WIDE`]), each `|w|` serving the
+/// whole batch, where the [`R`] × [`B`] blocks ran a second pass (from L1) for the third and
+/// fourth batch rows and took `|w|` once per pass: on Zen 3, 3 rows per FLASH expert
+/// (`[2048, 4096]`) took 0.72–0.86× the thread CPU time and 4 rows 0.80–0.91×
+/// (`docs/benchmarks.md`).
 const MIN_WIDE_BATCH: usize = 3;
 /// Weight rows per block of the batches of 3–4 rows.
 const R_WIDE: usize = 2;
@@ -98,9 +102,11 @@ fn starts<const RR: usize, const BB: usize>(
 }
 
 /// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
-/// than [`MIN_SETS_BATCH`] rows stream the weights in blocks of [`R`] rows × [`B`] batch
-/// rows over the whole slice ([`block_maddubs`], bandwidth bound); larger batches take the
-/// chunked sets of [`rows_maddubs`] (compute bound).
+/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound): 1–2
+/// rows in blocks of [`R`] rows × [`B`] batch rows ([`block_maddubs`]), 3 in blocks of
+/// [`R3`] × 3 ([`block_maddubs_3`]), 4 in blocks of [`R_WIDE`] × [`B_WIDE`]
+/// ([`block_maddubs_wide`]); larger batches take the chunked sets of [`rows_maddubs`]
+/// (compute bound).
 ///
 /// # Safety
 /// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
