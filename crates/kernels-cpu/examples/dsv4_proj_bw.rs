@@ -4,7 +4,8 @@
 //! weights once per int8 path in rotating order. Reports per case, path and thread count the
 //! best and median time and the weight bandwidth, against the machine's streaming read
 //! bandwidth measured with the same thread count. Every case runs on row-major weights and on
-//! the same weights packed ([`I8Layout::Packed`]), the layouts alternated within each round.
+//! the same weights packed ([`I8Layout::Packed`]), the layouts alternated within each round
+//! (the AVX2 path on row-major weights only: it hands packed ones to the portable code).
 //! Both layouts are checked to give the same output bits before timing.
 //!
 //! Cases (FLASH shapes, batch 4 × 2 tokens):
