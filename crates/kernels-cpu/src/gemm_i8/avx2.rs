@@ -5,7 +5,9 @@
 //! rows stream.
 //!
 //! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) run each block over
-//! the whole slice, prefetching the next block's rows. Batches of [`MIN_SETS_BATCH`] rows or
+//! the whole slice, prefetching the next block's rows: 4 weight rows × 2 batch rows at 1–2
+//! rows, and at 3–4 rows one pass of 3 × 3 or 2 × 4, so that each `|w|` serves the whole
+//! batch and the weights are read once. Batches of [`MIN_SETS_BATCH`] rows or
 //! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
 //! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
 //! activations and weights stay in L1 through the block's passes, the accumulators kept in
@@ -24,6 +26,21 @@ const R: usize = 4;
 const B: usize = 2;
 /// Bytes of `k` per step.
 const STEP: usize = 32;
+/// Smallest batch that takes one pass over the weights per block with every batch row (a
+/// batch of 3 in [`R3`] × 3 blocks, 4 in [`R_WIDE`] × [`B_WIDE`]), each `|w|` serving the
+/// whole batch, where the [`R`] × [`B`] blocks ran a second pass (from L1) for the third and
+/// fourth batch rows and took `|w|` once per pass: on Zen 3, 3 rows per FLASH expert
+/// (`[2048, 4096]`) took 0.72–0.86× the thread CPU time and 4 rows 0.80–0.91×
+/// (`docs/benchmarks.md`).
+const MIN_WIDE_BATCH: usize = 3;
+/// Weight rows per block of the batches of 3–4 rows.
+const R_WIDE: usize = 2;
+/// Weight rows per block of a batch of 3: three row streams (the 4-row batches' blocks have
+/// two) and `3 · 3` accumulators.
+const R3: usize = 3;
+/// Most batch rows per block of the batches of 3–4 rows (`R_WIDE * B_WIDE` accumulators, the
+/// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
+const B_WIDE: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
 /// the weights bandwidth bound, where the row blocks of [`block_maddubs`] prefetching the
 /// next block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]`
@@ -85,9 +102,11 @@ fn starts<const RR: usize, const BB: usize>(
 }
 
 /// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
-/// than [`MIN_SETS_BATCH`] rows stream the weights in blocks of [`R`] rows × [`B`] batch
-/// rows over the whole slice ([`block_maddubs`], bandwidth bound); larger batches take the
-/// chunked sets of [`rows_maddubs`] (compute bound).
+/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound): 1–2
+/// rows in blocks of [`R`] rows × [`B`] batch rows ([`block_maddubs`]), 3 in blocks of
+/// [`R3`] × 3 ([`block_maddubs_3`]), 4 in blocks of [`R_WIDE`] × [`B_WIDE`]
+/// ([`block_maddubs_wide`]); larger batches take the chunked sets of [`rows_maddubs`]
+/// (compute bound).
 ///
 /// # Safety
 /// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
@@ -95,7 +114,22 @@ fn starts<const RR: usize, const BB: usize>(
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let first = &segs[0];
     if first.batch < MIN_SETS_BATCH {
-        drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+        if first.batch == 3 {
+            drive!(segs, out, ld_out, R3, 3, STEP, block_maddubs_3, 0i32);
+        } else if first.batch >= MIN_WIDE_BATCH {
+            drive!(
+                segs,
+                out,
+                ld_out,
+                R_WIDE,
+                B_WIDE,
+                STEP,
+                block_maddubs_wide,
+                0i32
+            );
+        } else {
+            drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+        }
         return;
     }
     let mut n0 = first.n.start;
@@ -113,17 +147,70 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     }
 }
 
-/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
-/// whole slice in one pass.
+/// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
 ///
 /// # Safety
-/// AVX2 available; the rows lie inside the tile of a checked `lw`.
+/// As [`block_into`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_maddubs<const RR: usize, const BB: usize>(
     lw: &Lowered<'_>,
     n0: usize,
     b0: usize,
     sums: &mut [[i32; B]; R],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R, B, false>(lw, n0, b0, sums) }
+}
+
+/// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of 3–4).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; B_WIDE]; R_WIDE],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, b0, sums) }
+}
+
+/// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_3<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; 3]; R3],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R3, 3, true>(lw, n0, b0, sums) }
+}
+
+/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
+/// whole slice in one pass. `MEM_W`: the weight vector as a memory operand ([`step_row`]),
+/// which leaves a register free for a fourth batch row's activations.
+///
+/// # Safety
+/// AVX2 available; the rows lie inside the tile of a checked `lw`; `RR <= RM`, `BB <= BM`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_into<
+    const RR: usize,
+    const BB: usize,
+    const RM: usize,
+    const BM: usize,
+    const MEM_W: bool,
+>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; BM]; RM],
 ) {
     let steps = lw.k.len() / STEP;
     let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, b0);
@@ -137,6 +224,11 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
         for r in 0..RR {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
             prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
+            if MEM_W {
+                // SAFETY: as above: 32 bytes of row `r` at step `s`.
+                unsafe { step_row(wp[r], s * STEP, &a, ones, &mut acc[r]) };
+                continue;
+            }
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) };
             let w_abs = _mm256_sign_epi8(w, w);
@@ -160,8 +252,11 @@ unsafe fn block_maddubs<const RR: usize, const BB: usize>(
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
-/// Each step prefetches (into L2) its rows a chunk ahead, and during the last chunk the next
-/// block's first chunk (or the caller's next rows, [`super::NextRows`]): AMD fills L1 on
+/// Each step prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
+/// same rows' first chunk of the next segment (grouped activations cut `k` into segments of
+/// one chunk each, so without this every segment began on demand misses), and during the
+/// last segment's last chunk the next block's first chunk (or the caller's next rows,
+/// [`super::NextRows`]). AMD fills L1 on
 /// every prefetch level, and prefetching the next block's rows at the step's own offset (the
 /// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
 ///
@@ -174,20 +269,26 @@ unsafe fn rows_maddubs<const RR: usize>(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    for lw in segs {
+    let k_first = segs[0].k.start;
+    for (si, lw) in segs.iter().enumerate() {
         let body = lw.k.len() / STEP * STEP;
         let tail = lw.k.start + body..lw.k.end;
-        // The first chunk of the rows streamed after this block: the next block's, past the
-        // tile's end the caller's next rows (row-major ones; else this block's own).
+        // The first chunk streamed after this segment: with a segment after it (grouped
+        // activations), this block's rows from that segment's start; after the last, the
+        // next block's first chunk, past the tile's end the caller's next rows (row-major
+        // ones; else this block's own).
         let next: [*const i8; RR] = std::array::from_fn(|r| {
+            if let Some(s) = segs.get(si + 1) {
+                return lw.w_ptr(n0 + r, s.k.start);
+            }
             let n = n0 + RR + r;
             if n < lw.n.end {
-                lw.w_ptr(n, lw.k.start)
+                lw.w_ptr(n, k_first)
             } else {
                 lw.next
-                    .and_then(|nx| nx.row(n - lw.n.end, lw.k.start))
+                    .and_then(|nx| nx.row(n - lw.n.end, k_first))
                     .filter(|&(_, stride)| stride == 64)
-                    .map_or(lw.w_ptr(n0 + r, lw.k.start), |(p, _)| p)
+                    .map_or(lw.w_ptr(n0 + r, k_first), |(p, _)| p)
             }
         });
         let mut g0 = 0;
