@@ -243,6 +243,21 @@ fn prefill_step(
     Ok((t.elapsed().as_secs_f64(), out.report))
 }
 
+/// The CPU time every thread of this process has had so far (Linux `schedstat`: time on a
+/// CPU, in ns), for a step's CPU time on a host shared with other work, where its wall time
+/// also counts the time the threads waited for a CPU. `None` where the files are missing.
+fn process_cpu_ns() -> Option<u64> {
+    let mut total = 0u64;
+    for entry in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = entry.ok()?.path().join("schedstat");
+        // A thread may end between the listing and the read: it no longer counts.
+        if let Ok(text) = std::fs::read_to_string(path) {
+            total += text.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+    }
+    Some(total)
+}
+
 /// One prompt length's results.
 struct Row {
     prompt: usize,
@@ -330,15 +345,27 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         }
         let mut samples = Vec::with_capacity(args.rounds);
         let mut effective_ms = Vec::with_capacity(args.rounds);
+        let mut cpu_ms = Vec::with_capacity(args.rounds);
         let mut last = None;
         for _ in 0..args.rounds {
+            let c0 = process_cpu_ns();
             let (secs, report) = prefill_step(&mut session, &worker, &batch, &tokens, &cfg)?;
+            if let (Some(a), Some(b)) = (c0, process_cpu_ns()) {
+                cpu_ms.push(b.saturating_sub(a) as f64 / 1e6);
+            }
             samples.push(secs * 1e3);
             effective_ms.push(report.effective().us() / 1e3);
             last = Some(report);
         }
         if outside_report.is_none() {
             outside_report = Some(prefill_step(&mut session, &worker, &batch, &tokens, &sw_cfg)?.1);
+        }
+        // With `--output-dir`, the recorded step's swimlane (and whatever else was asked for)
+        // is written there, for `simpler trace swimlane` / `idle` / `critical-path`.
+        if cfg.output_dir.is_some()
+            && let Some(report) = &outside_report
+        {
+            simpler_dfx::write_run_outputs(report, &sw_cfg)?;
         }
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
 
@@ -387,6 +414,13 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             len as f64 / t,
             s.median
         );
+        if !cpu_ms.is_empty() {
+            let c = Summary::of(&cpu_ms);
+            println!(
+                "  step CPU time (every thread of the process): median {:.2} ms [{:.2}, {:.2}]",
+                c.median, c.min, c.max
+            );
+        }
         println!(
             "  FLOPs/step {:.2} G (matmul {:.2} G, attention {:.3} G) -> {gflops:.2} GFLOP/s = {fma_pct:.1}% of the {} peak ({:.1} GFLOP/s, best of the measurements before and after; fp32 FMA peak {:.1}), {gemm_pct:.1}% of the GEMM rate",
             cost.flops() / 1e9,

@@ -246,6 +246,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    /// Calls of several query blocks (the AVX2 kernel widens each run of tokens once for every
+    /// block that sees it, so blocks end on different tokens of a shared run) at ragged query
+    /// counts, prefixes and head dimensions, on every path against the portable one and the
+    /// fp64 reference.
+    #[test]
+    fn prefill_rows_of_many_blocks_agree_on_every_path(
+        group in 1usize..5, first_pos in 0usize..200, n_rows in 40usize..150,
+        hd_pick in 0usize..3, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed);
+        let hd = [32, 128, 96][hd_pick];
+        let ps = 16;
+        let blocks = (first_pos + n_rows).div_ceil(ps);
+        let st = Setup::new(1, blocks, 2, hd, ps, &mut rng);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 2.0).iter().map(|v| v.to_f32()).collect();
+        let ran = prefill_on_every_path(
+            "prefill rows, many blocks", &q, group, &st.kv(), &st.tables[0], 1, first_pos, scale,
+        );
+        let portable = &ran[0].1;
+        for (isa, out) in &ran {
+            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
+            for i in [0, n_rows / 3, n_rows / 2 + 1, n_rows - 1] {
+                for j in 0..group {
+                    let at = (i * group + j) * hd;
+                    let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
+                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
+                        &format!("{} prefill rows vs reference", isa.name()));
+                }
+            }
+        }
+    }
+}
+
 /// A long prefix (several 128-token pages, a score range wide enough that the running max
 /// moves block after block) on every path against the portable one, the shape Qwen3-0.6B
 /// prefill runs (group 2, head 128, 32 rows per call).

@@ -270,6 +270,10 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
                 packed: Arg::New(DType::F32, vec![r, ld]),
             }
             .push(Task::new(ops::RMS_NORM));
+            // A block of rows per core: as one task the norm ran on one core while the other
+            // waited for the projections it feeds.
+            let blocks = o.total_cores().clamp(1, p.rows.max(1));
+            let t = t.blocks(u32::try_from(blocks).unwrap_or(1));
             let s = o.submit(t.push_scalars(NormScalars { eps }).timing_slot(1))?;
             (s.output(0), None)
         }

@@ -17,6 +17,7 @@ use std::cell::RefCell;
 
 use super::super::PagedKv;
 use super::exp256;
+use crate::simd::transpose8;
 
 /// Most queries per block (a multiple of 16).
 const QBLK: usize = 64;
@@ -32,8 +33,9 @@ const RUN: usize = 48;
 /// Tokens per score tile.
 const NT: usize = 6;
 
-/// Per-thread scratch: transposed queries, the run's widened K and V, its scores, the block's
-/// outputs and per-query softmax state.
+/// Per-thread scratch: per query block its transposed queries, outputs and softmax state (at
+/// block `b`'s offset: `qt` and `o` `b * QBLK * head_dim`, the state vectors `b * QBLK`); the
+/// run's widened K and V and one block's scores, shared by the blocks.
 #[derive(Default)]
 struct Scratch {
     qt: Vec<f32>,
@@ -51,9 +53,24 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// One query block of a call: its first query, its query count, the tokens any of its
+/// queries sees (`0..end`) and the first token some query of it does not see.
+#[derive(Clone, Copy)]
+struct Block {
+    qb0: usize,
+    nqb: usize,
+    end: usize,
+    first_masked: usize,
+}
+
 /// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): query `i * group +
 /// j` of `q` (`[n_rows, group, head_dim]` fp32) attends to tokens `0..=first_pos + i`; `out`
 /// (same shape) gets the normalised outputs.
+///
+/// The call's queries are cut into blocks of at most [`QBLK`], and each run of [`RUN`] tokens
+/// is widened once for every block that sees it (a call of 64 rows at group 2 is two blocks:
+/// the widening of the prefix, ~12% of a one-block call's time in the step's profile, is
+/// shared).
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA; `head_dim` is a multiple of 16; `kv` passed its checks;
@@ -75,144 +92,194 @@ pub(super) unsafe fn prefill_rows(
     let hd = kv.head_dim;
     assert!(hd.is_multiple_of(16) && group > 0 && q.len() == out.len());
     let nq = q.len() / hd;
+    // Blocks of nearly equal size, so no last block is mostly padding.
+    let per = nq.div_ceil(nq.div_ceil(QBLK).max(1)).max(1);
+    let blocks: Vec<Block> = (0..nq)
+        .step_by(per)
+        .map(|qb0| {
+            let nqb = per.min(nq - qb0);
+            Block {
+                qb0,
+                nqb,
+                end: first_pos + (qb0 + nqb - 1) / group + 1,
+                first_masked: first_pos + qb0 / group + 1,
+            }
+        })
+        .collect();
+    let nb = blocks.len();
     SCRATCH.with(|cell| {
         let mut s = cell.borrow_mut();
         let s = &mut *s;
-        s.qt.resize(hd * QBLK, 0.0);
+        s.qt.resize(nb * QBLK * hd, 0.0);
         s.kf.resize(RUN * hd, 0.0);
         s.vf.resize(RUN * hd, 0.0);
         s.st.resize(RUN * QBLK, 0.0);
-        s.o.resize(QBLK * hd, 0.0);
+        s.o.resize(nb * QBLK * hd, 0.0);
         for v in [&mut s.m, &mut s.l, &mut s.corr, &mut s.lim] {
-            v.resize(QBLK, 0.0);
+            v.resize(nb * QBLK, 0.0);
         }
-        // Blocks of nearly equal size, so no last block is mostly padding.
-        let nblocks = nq.div_ceil(QBLK);
-        let mut qb0 = 0;
-        while qb0 < nq {
-            let nqb = nq.div_ceil(nblocks).min(nq - qb0);
-            // SAFETY: forwarded contract; queries qb0..qb0+nqb are inside `q` and `out`.
+        for (b, blk) in blocks.iter().enumerate() {
+            let qp = blk.nqb.next_multiple_of(16);
+            let (sb, ob) = (b * QBLK, b * QBLK * hd);
+            // SAFETY: the block's queries lie inside `q`; its transposed tile (hd rows of qp
+            // <= QBLK) inside `qt` at the block's offset.
             unsafe {
-                block(
-                    &q[qb0 * hd..(qb0 + nqb) * hd],
-                    qb0,
-                    group,
-                    kv,
-                    block_table,
-                    kv_head,
-                    first_pos,
+                transpose_queries(
+                    &q[blk.qb0 * hd..(blk.qb0 + blk.nqb) * hd],
+                    hd,
+                    qp,
                     scale,
-                    &mut out[qb0 * hd..(qb0 + nqb) * hd],
-                    s,
+                    &mut s.qt[ob..ob + hd * qp],
                 )
             };
-            qb0 += nqb;
+            for c in 0..qp {
+                s.lim[sb + c] = if c < blk.nqb {
+                    (first_pos + (blk.qb0 + c) / group + 1) as f32
+                } else {
+                    0.0
+                };
+            }
+            s.m[sb..sb + qp].fill(f32::NEG_INFINITY);
+            s.l[sb..sb + qp].fill(0.0);
+            s.o[ob..ob + qp * hd].fill(0.0);
+        }
+        // The last block sees the most tokens.
+        let end = blocks.iter().map(|b| b.end).max().unwrap_or(0);
+        let page = kv.page_size;
+        let row = kv.row();
+        let kp = kv.k.as_ptr().cast::<u16>();
+        let vp = kv.v.as_ptr().cast::<u16>();
+        let mut t0 = 0;
+        while t0 < end {
+            let wide = RUN.min(end - t0);
+            for i in 0..wide {
+                let t = t0 + i;
+                let at = (block_table[t / page] as usize * page + t % page) * row + kv_head * hd;
+                // SAFETY: token t's page is inside the table and the pool (contract), so its
+                // head slice of hd bf16 is readable at `at`; rows i < RUN of `kf`/`vf` hold hd
+                // floats.
+                unsafe {
+                    widen(kp.add(at), s.kf.as_mut_ptr().add(i * hd), hd);
+                    widen(vp.add(at), s.vf.as_mut_ptr().add(i * hd), hd);
+                }
+            }
+            s.kf[wide * hd..wide.next_multiple_of(NT) * hd].fill(0.0);
+            for (b, blk) in blocks.iter().enumerate() {
+                if blk.end > t0 {
+                    let run = RUN.min(blk.end - t0);
+                    // SAFETY: run <= wide rows of `kf`/`vf` widened (and the score tiles'
+                    // padding up to a multiple of NT, zero or widened, inside RUN rows);
+                    // block b's state at its offsets (sized above).
+                    unsafe { block_run(s, b, blk.nqb.next_multiple_of(16), hd, t0, run, blk) };
+                }
+            }
+            t0 += wide;
+        }
+        let mut outs = out.chunks_exact_mut(hd);
+        for (b, blk) in blocks.iter().enumerate() {
+            for c in 0..blk.nqb {
+                let (sb, ob) = (b * QBLK + c, (b * QBLK + c) * hd);
+                let inv = if s.l[sb] > 0.0 { 1.0 / s.l[sb] } else { 0.0 };
+                let o = outs.next().expect("one output row per query");
+                for (d, &a) in o.iter_mut().zip(&s.o[ob..ob + hd]) {
+                    *d = a * inv;
+                }
+            }
         }
     });
 }
 
-/// One block of `q.len() / head_dim <= QBLK` queries, the first being query `qb0` of the call.
+/// `qt[d * qp + c] = q[c * hd + d] · scale` for the block's `q.len() / hd` queries, zero for
+/// the padding queries up to `qp`, by 8 × 8 transposes.
 ///
 /// # Safety
-/// As [`prefill_rows`]; the scratch has the sizes `prefill_rows` gives it.
+/// AVX2; `hd` and `qp` multiples of 8; `q.len() / hd <= qp`; `qt.len() >= hd * qp`.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn block(
-    q: &[f32],
-    qb0: usize,
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-    s: &mut Scratch,
-) {
-    let hd = kv.head_dim;
-    let row = kv.row();
+unsafe fn transpose_queries(q: &[f32], hd: usize, qp: usize, scale: f32, qt: &mut [f32]) {
     let nqb = q.len() / hd;
-    let qp = nqb.next_multiple_of(16);
-    assert!(qp <= QBLK);
-    // Transposed, pre-scaled queries; the padding queries are zero and see no token.
-    for d in 0..hd {
-        for c in 0..qp {
-            s.qt[d * qp + c] = if c < nqb { q[c * hd + d] * scale } else { 0.0 };
-        }
-    }
-    for c in 0..qp {
-        s.lim[c] = if c < nqb {
-            (first_pos + (qb0 + c) / group + 1) as f32
-        } else {
-            0.0
-        };
-    }
-    s.m[..qp].fill(f32::NEG_INFINITY);
-    s.l[..qp].fill(0.0);
-    s.o[..qp * hd].fill(0.0);
-    // Tokens any query of the block sees, and the first one some query does not.
-    let end = first_pos + (qb0 + nqb - 1) / group + 1;
-    let first_masked = first_pos + qb0 / group + 1;
-    let page = kv.page_size;
-    let kp = kv.k.as_ptr().cast::<u16>();
-    let vp = kv.v.as_ptr().cast::<u16>();
-    let mut t0 = 0;
-    while t0 < end {
-        let run = RUN.min(end - t0);
-        let runp = run.next_multiple_of(NT);
-        for i in 0..run {
-            let t = t0 + i;
-            let at = (block_table[t / page] as usize * page + t % page) * row + kv_head * hd;
-            // SAFETY: token t's page is inside the table and the pool (contract), so its head
-            // slice of hd bf16 is readable at `at`; rows i < RUN of `kf`/`vf` hold hd floats.
-            unsafe {
-                widen(kp.add(at), s.kf.as_mut_ptr().add(i * hd), hd);
-                widen(vp.add(at), s.vf.as_mut_ptr().add(i * hd), hd);
-            }
-        }
-        s.kf[run * hd..runp * hd].fill(0.0);
-        // Scores of the run (padding tokens run..runp included; the update skips them).
-        let mut tt = 0;
-        while tt < runp {
-            let mut c = 0;
-            while c < qp {
-                // SAFETY: tokens tt..tt+NT <= runp <= RUN rows of `kf`; queries c..c+16 <= qp
-                // columns of `qt` (hd rows) and of `st` (RUN rows of qp).
-                unsafe {
-                    score_tile(
-                        s.qt.as_ptr().add(c),
-                        qp,
-                        s.kf.as_ptr().add(tt * hd),
-                        hd,
-                        s.st.as_mut_ptr().add(tt * qp + c),
+    assert!(hd.is_multiple_of(8) && qp.is_multiple_of(8) && nqb <= qp && qt.len() >= hd * qp);
+    let sc = _mm256_set1_ps(scale);
+    for c0 in (0..qp).step_by(8) {
+        for d0 in (0..hd).step_by(8) {
+            let r: [__m256; 8] = std::array::from_fn(|i| {
+                if c0 + i < nqb {
+                    // SAFETY: query c0 + i < nqb has hd floats from (c0 + i) * hd, and
+                    // d0 + 8 <= hd.
+                    _mm256_mul_ps(
+                        unsafe { _mm256_loadu_ps(q.as_ptr().add((c0 + i) * hd + d0)) },
+                        sc,
                     )
-                };
-                c += 16;
+                } else {
+                    _mm256_setzero_ps()
+                }
+            });
+            for (j, v) in transpose8(r).into_iter().enumerate() {
+                // SAFETY: (d0 + j) * qp + c0 + 8 <= hd * qp <= qt.len() (asserted).
+                unsafe { _mm256_storeu_ps(qt.as_mut_ptr().add((d0 + j) * qp + c0), v) };
             }
-            tt += NT;
         }
-        // SAFETY: run <= RUN rows of qp scores; the state vectors hold qp >= 8 floats.
-        unsafe { update(s, qp, t0, run, t0 + run > first_masked) };
+    }
+}
+
+/// One run of tokens `t0..t0 + run` (widened in `kf`/`vf` from row 0) for query block `b`
+/// (`qp` padded queries): score tiles, the online-softmax update and `P · V` into the block's
+/// outputs.
+///
+/// # Safety
+/// AVX2 and FMA; `run <= RUN`; rows `0..run.next_multiple_of(NT)` of `kf` hold finite values
+/// and rows `0..run` of `vf` the run's V; block `b`'s state in `s` sized for `qp <= QBLK`
+/// queries of `hd` (a multiple of 16).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_run(
+    s: &mut Scratch,
+    b: usize,
+    qp: usize,
+    hd: usize,
+    t0: usize,
+    run: usize,
+    blk: &Block,
+) {
+    let (sb, ob) = (b * QBLK, b * QBLK * hd);
+    assert!(run <= RUN && qp <= QBLK && s.qt.len() >= ob + hd * qp);
+    let runp = run.next_multiple_of(NT);
+    // Scores of the run (padding tokens run..runp included; the update skips them).
+    let qt = s.qt[ob..].as_ptr();
+    let mut tt = 0;
+    while tt < runp {
         let mut c = 0;
         while c < qp {
-            let n = (qp - c).min(6);
-            // SAFETY: queries c..c+n <= qp rows of `o` and columns of `st`; run rows of `vf`.
+            // SAFETY: tokens tt..tt+NT <= runp <= RUN rows of `kf`; queries c..c+16 <= qp
+            // columns of the block's `qt` (hd rows, asserted above) and of `st` (RUN rows of
+            // qp).
             unsafe {
-                match n {
-                    6 => pv_tile::<6>(s, qp, c, run, hd),
-                    4 => pv_tile::<4>(s, qp, c, run, hd),
-                    _ => pv_tile::<2>(s, qp, c, run, hd),
-                }
-            }
-            c += n;
+                score_tile(
+                    qt.add(c),
+                    qp,
+                    s.kf.as_ptr().add(tt * hd),
+                    hd,
+                    s.st.as_mut_ptr().add(tt * qp + c),
+                )
+            };
+            c += 16;
         }
-        t0 += run;
+        tt += NT;
     }
-    for (c, o) in out.chunks_exact_mut(hd).enumerate() {
-        let inv = if s.l[c] > 0.0 { 1.0 / s.l[c] } else { 0.0 };
-        for (d, &a) in o.iter_mut().zip(&s.o[c * hd..(c + 1) * hd]) {
-            *d = a * inv;
+    // SAFETY: run <= RUN rows of qp scores; the block's state vectors hold qp >= 8 floats
+    // from sb.
+    unsafe { update(s, sb, qp, t0, run, t0 + run > blk.first_masked) };
+    let mut c = 0;
+    while c < qp {
+        let n = (qp - c).min(6);
+        // SAFETY: queries c..c+n <= qp rows of the block's `o` and columns of `st`; run rows
+        // of `vf`.
+        unsafe {
+            match n {
+                6 => pv_tile::<6>(s, sb, ob, qp, c, run, hd),
+                4 => pv_tile::<4>(s, sb, ob, qp, c, run, hd),
+                _ => pv_tile::<2>(s, sb, ob, qp, c, run, hd),
+            }
         }
+        c += n;
     }
 }
 
@@ -267,27 +334,29 @@ unsafe fn score_tile(qt: *const f32, qp: usize, kf: *const f32, hd: usize, st: *
 }
 
 /// The online-softmax update of the run's scores `st[i * qp + c]` (`i < run`, tokens
-/// `t0 + i`), eight queries at a time: tokens at or past a query's limit are masked (only
+/// `t0 + i`) for the block whose state starts at `sb`, eight queries at a time: tokens at or past a query's limit are masked (only
 /// checked when `masked`), the scores become `P = exp(s - m_new)` (0 where masked), and `m`,
 /// `l` and the outputs' rescale factor `corr = e^(m_old - m_new)` (0 while `m_old` is minus
 /// infinity) are updated. A NaN score is skipped by the max and makes `P` and the sum NaN, as
 /// on the other paths.
 ///
 /// # Safety
-/// AVX2 and FMA; `qp` a multiple of 8 at most the state vectors' length; `run * qp <= st.len()`.
+/// AVX2 and FMA; `qp` a multiple of 8, `sb + qp` at most the state vectors' length; `run * qp
+/// <= st.len()`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn update(s: &mut Scratch, qp: usize, t0: usize, run: usize, masked: bool) {
+unsafe fn update(s: &mut Scratch, sb: usize, qp: usize, t0: usize, run: usize, masked: bool) {
     assert!(
-        qp.is_multiple_of(8) && qp <= s.m.len().min(s.l.len()).min(s.corr.len()).min(s.lim.len())
+        qp.is_multiple_of(8)
+            && sb + qp <= s.m.len().min(s.l.len()).min(s.corr.len()).min(s.lim.len())
     );
     assert!(run * qp <= s.st.len());
     let sp = s.st.as_mut_ptr();
     let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     for c in (0..qp).step_by(8) {
-        // SAFETY: i * qp + c + 8 <= run * qp <= st.len(); c + 8 <= qp for the state vectors
-        // (asserted above).
+        // SAFETY: i * qp + c + 8 <= run * qp <= st.len(); sb + c + 8 <= sb + qp for the state
+        // vectors (asserted above).
         unsafe {
-            let lim = _mm256_loadu_ps(s.lim.as_ptr().add(c));
+            let lim = _mm256_loadu_ps(s.lim.as_ptr().add(sb + c));
             let valid = |i: usize| {
                 if masked {
                     _mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_set1_ps((t0 + i) as f32), lim)
@@ -301,7 +370,7 @@ unsafe fn update(s: &mut Scratch, qp: usize, t0: usize, run: usize, masked: bool
                 // `max` returns its second operand when the first is NaN: NaN scores skipped.
                 mx = _mm256_max_ps(v, mx);
             }
-            let mo = _mm256_loadu_ps(s.m.as_ptr().add(c));
+            let mo = _mm256_loadu_ps(s.m.as_ptr().add(sb + c));
             let mn = _mm256_max_ps(mx, mo);
             let first = _mm256_cmp_ps::<_CMP_EQ_OQ>(mo, ninf);
             let corr = _mm256_andnot_ps(first, exp256(_mm256_sub_ps(mo, mn)));
@@ -312,31 +381,44 @@ unsafe fn update(s: &mut Scratch, qp: usize, t0: usize, run: usize, masked: bool
                 _mm256_storeu_ps(sp.add(i * qp + c), p);
                 sum = _mm256_add_ps(sum, p);
             }
-            let l = _mm256_loadu_ps(s.l.as_ptr().add(c));
-            _mm256_storeu_ps(s.l.as_mut_ptr().add(c), _mm256_fmadd_ps(l, corr, sum));
-            _mm256_storeu_ps(s.m.as_mut_ptr().add(c), mn);
-            _mm256_storeu_ps(s.corr.as_mut_ptr().add(c), corr);
+            let l = _mm256_loadu_ps(s.l.as_ptr().add(sb + c));
+            _mm256_storeu_ps(s.l.as_mut_ptr().add(sb + c), _mm256_fmadd_ps(l, corr, sum));
+            _mm256_storeu_ps(s.m.as_mut_ptr().add(sb + c), mn);
+            _mm256_storeu_ps(s.corr.as_mut_ptr().add(sb + c), corr);
         }
     }
 }
 
 /// `o[c + j] = o[c + j] · corr[c + j] + Σ_{i < run} st[i * qp + c + j] · vf[i]` for `j < MQ`,
-/// 16 output lanes at a time held in registers across the run.
+/// 16 output lanes at a time held in registers across the run; the block's outputs start at
+/// `ob` of `o`, its rescale factors at `sb` of `corr`.
 ///
 /// # Safety
 /// AVX2 and FMA; `c + MQ <= qp`; `hd` a multiple of 16; `run * hd <= vf.len()`, `run * qp <=
-/// st.len()`, `qp * hd <= o.len()`.
+/// st.len()`, `ob + qp * hd <= o.len()`, `sb + qp <= corr.len()`.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register blocks indexed by query
-unsafe fn pv_tile<const MQ: usize>(s: &mut Scratch, qp: usize, c: usize, run: usize, hd: usize) {
+unsafe fn pv_tile<const MQ: usize>(
+    s: &mut Scratch,
+    sb: usize,
+    ob: usize,
+    qp: usize,
+    c: usize,
+    run: usize,
+    hd: usize,
+) {
     assert!(
-        c + MQ <= qp && run * hd <= s.vf.len() && run * qp <= s.st.len() && qp * hd <= s.o.len()
+        c + MQ <= qp
+            && run * hd <= s.vf.len()
+            && run * qp <= s.st.len()
+            && ob + qp * hd <= s.o.len()
+            && sb + qp <= s.corr.len()
     );
-    let corr: [__m256; MQ] = std::array::from_fn(|j| _mm256_set1_ps(s.corr[c + j]));
-    let (vf, st, o) = (s.vf.as_ptr(), s.st.as_ptr(), s.o.as_mut_ptr());
+    let corr: [__m256; MQ] = std::array::from_fn(|j| _mm256_set1_ps(s.corr[sb + c + j]));
+    let (vf, st, o) = (s.vf.as_ptr(), s.st.as_ptr(), s.o[ob..].as_mut_ptr());
     let mut dc = 0;
     while dc < hd {
-        // SAFETY: (c + j) * hd + dc + 16 <= qp * hd; i * hd + dc + 16 <= run * hd;
+        // SAFETY: (c + j) * hd + dc + 16 <= qp * hd from `ob`; i * hd + dc + 16 <= run * hd;
         // i * qp + c + j < run * qp (asserted above).
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); 2]; MQ];

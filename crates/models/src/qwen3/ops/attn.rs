@@ -6,7 +6,7 @@ use std::ops::Range;
 use half::bf16;
 use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
-use simpler_kernels_cpu::{PagedKv, f32_to_bf16, partial_len};
+use simpler_kernels_cpu::{PagedKv, partial_len};
 
 use super::args::{attn_combine, attn_decode, attn_prefill, kv_scatter, rope_kv, rope_step};
 use super::scalars::{
@@ -398,8 +398,12 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let mut of = vec![0.0f32; n * per_row];
     k::prefill_attention_rows_f32(&qf, group, &kv, table, kv_head, first_pos, scale, &mut of);
-    for (row, src) in out.iter_mut().zip(of.chunks_exact(per_row)) {
-        store_packed(row, c0, nq, |j| f32_to_bf16(src[j]).to_f32());
+    // Rounded to bf16 and packed by whole vectors (a per-element rounding and `store_packed`
+    // was ~11% of the attention tasks's CPU time in the 0.6B prefill profile).
+    let mut ob = vec![bf16::ZERO; of.len()];
+    k::cast_f32_bf16(&of, &mut ob);
+    for (row, src) in out.iter_mut().zip(ob.chunks_exact(per_row)) {
+        k::pack_segment_bf16(src, c0, nq, row);
     }
     Ok(())
 }

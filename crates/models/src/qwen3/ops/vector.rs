@@ -107,8 +107,39 @@ pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// Each block normalises its share of the rows (the prefill norms are one block per core).
 pub(super) fn rms_norm(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let (_, x, g, eps, packed) = norm_operands(ctx, "rms_norm_f32")?;
-    k::rms_norm_packed(x, g, eps, packed);
+    const NAME: &str = "rms_norm_f32";
+    let (rows, h) = dims2(ctx, norm::x)?;
+    let x = ctx.read::<f32>(norm::x)?;
+    let g = ctx.read::<f32>(norm::g)?;
+    let NormScalars { eps } = NormScalars::read(ctx)?;
+    if g.len() != h || x.len() != rows * h {
+        return Err(bad(
+            NAME,
+            format!("norm weight of {} for {rows} rows of {h}", g.len()),
+        ));
+    }
+    let mut packed = ctx.write_block_rows::<f32>(norm::packed)?;
+    if packed.view_row_len() != k::packed_ld(h) {
+        return Err(bad(
+            NAME,
+            format!("packed rows of {} for rows of {h}", packed.view_row_len()),
+        ));
+    }
+    let first = packed.first_row();
+    if first + packed.len() > rows {
+        return Err(bad(
+            NAME,
+            format!(
+                "packed rows {first}..{} for {rows} rows",
+                first + packed.len()
+            ),
+        ));
+    }
+    for (i, dst) in packed.iter_mut().enumerate() {
+        let r = first + i;
+        k::rms_norm_packed(&x[r * h..(r + 1) * h], g, eps, dst);
+    }
     Ok(())
 }
