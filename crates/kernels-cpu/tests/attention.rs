@@ -83,23 +83,42 @@ impl Setup {
     }
 }
 
-/// `prefill_attention_rows_f32` on every path this CPU has (see `common::all_paths`).
-#[allow(clippy::too_many_arguments)]
-fn prefill_on_every_path(
-    what: &str,
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-) -> Vec<(Isa, Vec<f32>)> {
+/// `prefill_attention_rows_f32` of `rows` on every path this CPU has (see
+/// `common::all_paths`).
+fn prefill_on_every_path(what: &str, rows: &PrefillRows<'_>) -> Vec<(Isa, Vec<f32>)> {
     common::all_paths(what, || {
-        let mut out = vec![0.0f32; q.len()];
-        prefill_attention_rows_f32(q, group, kv, table, kv_head, first_pos, scale, &mut out);
+        let mut out = vec![0.0f32; rows.queries.len()];
+        prefill_attention_rows_f32(rows, &mut out);
         out
     })
+}
+
+/// [`prefill_on_every_path`] for `rows` of sequence `seq` of `st`, each path's outputs checked
+/// against the portable path's and, for every query of the rows `check_rows`, against the
+/// fp64 reference.
+fn prefill_agrees_on_every_path(
+    what: &str,
+    st: &Setup,
+    seq: usize,
+    rows: &PrefillRows<'_>,
+    check_rows: impl Iterator<Item = usize> + Clone,
+) {
+    let (hd, group) = (st.hd, rows.group);
+    let ran = prefill_on_every_path(what, rows);
+    for (isa, out) in &ran {
+        let path = attention::prefill_path(*isa, hd);
+        let on = format!("{what} on {} (prefill path {})", isa.name(), path.name());
+        common::assert_close(out, &ran[0].1, 5e-3, 2e-2, &format!("{on} vs portable"));
+        for i in check_rows.clone() {
+            for j in 0..group {
+                let at = (i * group + j) * hd;
+                let q = &rows.queries[at..at + hd];
+                let e = st.reference(seq, rows.kv_head, q, rows.first_pos + i + 1, rows.scale);
+                let ctx = format!("{on} vs reference, row {i} query {j}");
+                common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, &ctx);
+            }
+        }
+    }
 }
 
 proptest! {
@@ -150,21 +169,11 @@ proptest! {
         let st = Setup::new(2, 6, kv_heads, hd, ps, &mut rng);
         let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
-        let g = kv_heads - 1;
-        let (p, a) = both(|| {
-            let mut out = vec![0.0f32; q.len()];
-            prefill_attention_rows_f32(&q, group, &st.kv(), &st.tables[0], g, first_pos, scale, &mut out);
-            out
-        });
-        for out in std::iter::once(&p).chain(a.as_ref()) {
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, "prefill rows vs reference");
-                }
-            }
-        }
+        let rows = PrefillRows {
+            queries: &q, group, kv: st.kv(), block_table: &st.tables[0], kv_head: kv_heads - 1,
+            first_pos, scale,
+        };
+        prefill_agrees_on_every_path("prefill rows", &st, 0, &rows, 0..n_rows);
     }
 
     #[test]
@@ -226,23 +235,11 @@ proptest! {
         let st = Setup::new(2, blocks, kv_heads, hd, ps, &mut rng);
         let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
-        let g = kv_heads - 1;
-        let ran = prefill_on_every_path(
-            "prefill rows", &q, group, &st.kv(), &st.tables[1], g, first_pos, scale,
-        );
-        let portable = &ran[0].1;
-        for (isa, out) in &ran {
-            println!("prefill rows on {} (prefill path {})", isa.name(), attention::prefill_path(*isa, hd).name());
-            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(1, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
-                        &format!("{} prefill rows vs reference", isa.name()));
-                }
-            }
-        }
+        let rows = PrefillRows {
+            queries: &q, group, kv: st.kv(), block_table: &st.tables[1], kv_head: kv_heads - 1,
+            first_pos, scale,
+        };
+        prefill_agrees_on_every_path("prefill rows", &st, 1, &rows, 0..n_rows);
     }
 }
 
@@ -265,21 +262,12 @@ proptest! {
         let st = Setup::new(1, blocks, 2, hd, ps, &mut rng);
         let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 2.0).iter().map(|v| v.to_f32()).collect();
-        let ran = prefill_on_every_path(
-            "prefill rows, many blocks", &q, group, &st.kv(), &st.tables[0], 1, first_pos, scale,
-        );
-        let portable = &ran[0].1;
-        for (isa, out) in &ran {
-            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
-            for i in [0, n_rows / 3, n_rows / 2 + 1, n_rows - 1] {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
-                        &format!("{} prefill rows vs reference", isa.name()));
-                }
-            }
-        }
+        let rows = PrefillRows {
+            queries: &q, group, kv: st.kv(), block_table: &st.tables[0], kv_head: 1, first_pos,
+            scale,
+        };
+        let check = [0, n_rows / 3, n_rows / 2 + 1, n_rows - 1];
+        prefill_agrees_on_every_path("prefill rows, many blocks", &st, 0, &rows, check.into_iter());
     }
 }
 
@@ -299,36 +287,17 @@ fn prefill_rows_long_prefix_on_every_path() {
         .map(|v| v.to_f32())
         .collect();
     let scale = 1.0 / (hd as f32).sqrt();
-    let ran = prefill_on_every_path(
-        "prefill rows, long prefix",
-        &q,
+    let rows = PrefillRows {
+        queries: &q,
         group,
-        &st.kv(),
-        &st.tables[0],
-        1,
+        kv: st.kv(),
+        block_table: &st.tables[0],
+        kv_head: 1,
         first_pos,
         scale,
-    );
-    for (isa, out) in &ran {
-        common::assert_close(
-            out,
-            &ran[0].1,
-            5e-3,
-            2e-2,
-            &format!("{} vs portable", isa.name()),
-        );
-        for i in [0, 15, 16, 31] {
-            let at = i * group * hd;
-            let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
-            common::assert_close(
-                &out[at..at + hd],
-                &e,
-                5e-3,
-                2e-2,
-                &format!("{} vs reference", isa.name()),
-            );
-        }
-    }
+    };
+    let check = [0, 15, 16, 31].into_iter();
+    prefill_agrees_on_every_path("prefill rows, long prefix", &st, 0, &rows, check);
 }
 
 #[test]
@@ -658,40 +627,19 @@ fn prefill_rows_blocked_edges_on_every_path() {
             .iter()
             .map(|v| v.to_f32())
             .collect();
-        let g = kv_heads - 1;
-        let what = format!("group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}");
-        let ran = prefill_on_every_path(
-            "prefill rows, blocked edges",
-            &q,
+        let what = format!(
+            "prefill rows, blocked edges, group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}"
+        );
+        let rows = PrefillRows {
+            queries: &q,
             group,
-            &st.kv(),
-            &st.tables[0],
-            g,
+            kv: st.kv(),
+            block_table: &st.tables[0],
+            kv_head: kv_heads - 1,
             first_pos,
             scale,
-        );
-        for (isa, out) in &ran {
-            common::assert_close(
-                out,
-                &ran[0].1,
-                5e-3,
-                2e-2,
-                &format!("{} vs portable, {what}", isa.name()),
-            );
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(
-                        &out[at..at + hd],
-                        &e,
-                        5e-3,
-                        2e-2,
-                        &format!("{} vs reference, {what}, row {i} query {j}", isa.name()),
-                    );
-                }
-            }
-        }
+        };
+        prefill_agrees_on_every_path(&what, &st, 0, &rows, 0..n_rows);
     }
 }
 
@@ -712,16 +660,16 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
         let at = (s.tables[0][poisoned / ps] as usize * ps + poisoned % ps) * hd + 5;
         s.k[at] = bf16::from_f32(poison);
         let first_pos = 20;
-        let ran = prefill_on_every_path(
-            "prefill rows, non-finite key",
-            &q,
+        let rows = PrefillRows {
+            queries: &q,
             group,
-            &s.kv(),
-            &s.tables[0],
-            0,
+            kv: s.kv(),
+            block_table: &s.tables[0],
+            kv_head: 0,
             first_pos,
-            0.125,
-        );
+            scale: 0.125,
+        };
+        let ran = prefill_on_every_path("prefill rows, non-finite key", &rows);
         let (_, p) = &ran[0];
         // Rows before the poisoned token never see it.
         let clean = (poisoned - first_pos) * group * hd;
