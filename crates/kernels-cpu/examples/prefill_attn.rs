@@ -104,11 +104,5 @@ fn main() {
             m / base
         );
     }
-    let mut load = String::new();
-    if std::fs::File::open("/proc/loadavg")
-        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut load))
-        .is_ok()
-    {
-        println!("load average: {}", load.trim());
-    }
+    common::print_load_average();
 }
