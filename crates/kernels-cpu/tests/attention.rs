@@ -61,12 +61,25 @@ impl Setup {
 
     /// fp64 softmax attention of query `q` (one head, fp32) over tokens `0..len` of sequence `s`.
     fn reference(&self, s: usize, kv_head: usize, q: &[f32], len: usize, scale: f32) -> Vec<f32> {
+        self.range_reference(s, kv_head, q, 0..len, scale)
+    }
+
+    /// [`Setup::reference`] over tokens `range` of sequence `s`.
+    fn range_reference(
+        &self,
+        s: usize,
+        kv_head: usize,
+        q: &[f32],
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Vec<f32> {
         let row = self.kv_heads * self.hd;
         let slot = |t: usize| self.tables[s][t / self.ps] as usize * self.ps + t % self.ps;
         let at = |pool: &[bf16], t: usize, d: usize| {
             f64::from(pool[slot(t) * row + kv_head * self.hd + d].to_f32())
         };
-        let scores: Vec<f64> = (0..len)
+        let scores: Vec<f64> = range
+            .clone()
             .map(|t| {
                 (0..self.hd)
                     .map(|d| f64::from(q[d]) * at(&self.k, t, d))
@@ -78,7 +91,14 @@ impl Setup {
         let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let l: f64 = p.iter().sum();
         (0..self.hd)
-            .map(|d| ((0..len).map(|t| p[t] * at(&self.v, t, d)).sum::<f64>() / l) as f32)
+            .map(|d| {
+                (range
+                    .clone()
+                    .zip(&p)
+                    .map(|(t, w)| w * at(&self.v, t, d))
+                    .sum::<f64>()
+                    / l) as f32
+            })
             .collect()
     }
 }
@@ -484,7 +504,7 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             for (isa, out) in &ran {
                 for h in 0..kv_heads * group {
                     let qh = to_f32(&q[h * hd..(h + 1) * hd]);
-                    let want = range_reference(&st, h / group, &qh, tokens.clone(), scale);
+                    let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
                     let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
                     let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
                     let what = format!(
@@ -496,43 +516,6 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             }
         }
     }
-}
-
-/// [`Setup::reference`] over tokens `range` of sequence 0.
-fn range_reference(
-    st: &Setup,
-    kv_head: usize,
-    q: &[f32],
-    range: std::ops::Range<usize>,
-    scale: f32,
-) -> Vec<f32> {
-    let row = st.kv_heads * st.hd;
-    let slot = |t: usize| st.tables[0][t / st.ps] as usize * st.ps + t % st.ps;
-    let at = |pool: &[bf16], t: usize, d: usize| {
-        f64::from(pool[slot(t) * row + kv_head * st.hd + d].to_f32())
-    };
-    let scores: Vec<f64> = range
-        .clone()
-        .map(|t| {
-            (0..st.hd)
-                .map(|d| f64::from(q[d]) * at(&st.k, t, d))
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .collect();
-    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-    let l: f64 = p.iter().sum();
-    (0..st.hd)
-        .map(|d| {
-            (range
-                .clone()
-                .zip(&p)
-                .map(|(t, w)| w * at(&st.v, t, d))
-                .sum::<f64>()
-                / l) as f32
-        })
-        .collect()
 }
 
 /// Non-finite keys on the all-heads path: every path agrees with the portable one on which
