@@ -84,19 +84,23 @@ fn hsum8(v: &[__m256i; 8]) -> __m256i {
     )
 }
 
-/// Pointers to `k.start` of `lw`'s weight rows `n0 + rstride * r` (`r < RR`, row-major) and
-/// batch rows `b0..b0 + BB`.
+/// Pointers to `k.start` of weight rows `n0 + rstride * r` (`r < RR`) and batch rows
+/// `b0..b0 + BB`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn starts<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
+    w: &[i8],
+    ldw: usize,
+    a: &[i8],
+    lda: usize,
+    k0: usize,
     n0: usize,
     rstride: usize,
     b0: usize,
 ) -> ([*const i8; RR], [*const i8; BB]) {
-    let (ldw, k0) = (lw.wa.ldw, lw.k.start);
     (
-        std::array::from_fn(|r| lw.w[(n0 + rstride * r) * ldw + k0..].as_ptr()),
-        std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr()),
+        std::array::from_fn(|r| w[(n0 + rstride * r) * ldw + k0..].as_ptr()),
+        std::array::from_fn(|b| a[(b0 + b) * lda + k0..].as_ptr()),
     )
 }
 
@@ -152,36 +156,49 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     }
 }
 
-/// Defines the [`block_into`] instantiations `drive!` takes: `$name::<RR, BB>` for blocks of
-/// at most `$rm` rows × `$bm` batch rows of consecutive weight rows, the weights a memory
-/// operand when `$mem_w`.
-macro_rules! maddubs_blocks {
-    ($($(#[$doc:meta])* $name:ident: $rm:expr, $bm:expr, $mem_w:literal;)*) => {$(
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// As [`block_into`].
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn $name<const RR: usize, const BB: usize>(
-            lw: &Lowered<'_>,
-            n0: usize,
-            b0: usize,
-            sums: &mut [[i32; $bm]; $rm],
-        ) {
-            // SAFETY: forwarded contract.
-            unsafe { block_into::<RR, BB, $rm, $bm, $mem_w>(lw, n0, 1, b0, sums) }
-        }
-    )*};
+/// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; B]; R],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R, B, false>(lw, n0, 1, b0, sums) }
 }
 
-maddubs_blocks! {
-    /// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
-    block_maddubs: R, B, false;
-    /// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of
-    /// 3–4).
-    block_maddubs_wide: R_WIDE, B_WIDE, true;
-    /// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
-    block_maddubs_3: R3, 3, true;
+/// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of 3–4).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; B_WIDE]; R_WIDE],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, 1, b0, sums) }
+}
+
+/// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
+///
+/// # Safety
+/// As [`block_into`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_maddubs_3<const RR: usize, const BB: usize>(
+    lw: &Lowered<'_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[i32; 3]; R3],
+) {
+    // SAFETY: forwarded contract.
+    unsafe { block_into::<RR, BB, R3, 3, true>(lw, n0, 1, b0, sums) }
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
@@ -206,7 +223,7 @@ unsafe fn block_into<
     sums: &mut [[i32; BM]; RM],
 ) {
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw, n0, rstride, b0);
+    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, rstride, b0);
     // The rows a block ahead: the next block's (consecutive rows), or each stream's next row.
     let ahead = if rstride == 1 { RR } else { 1 } * lw.wa.ldw;
     let ones = _mm256_set1_epi16(1);
@@ -481,7 +498,7 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 ) {
     let lw = lo.lw;
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw, n0, 1, b0);
+    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, 1, b0);
     let flip = _mm256_set1_epi8(i8::MIN);
     let mut acc = [[_mm256_setzero_si256(); BB]; RR];
     for s in 0..steps {
