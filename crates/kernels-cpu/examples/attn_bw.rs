@@ -15,6 +15,7 @@
 
 mod common;
 
+use std::ops::Range;
 use std::time::Instant;
 
 use half::bf16;
@@ -22,28 +23,21 @@ use simpler_kernels_cpu::{
     PagedKv, decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len, split_range,
 };
 
+/// Head dimension and tokens per page (Qwen3's) in both modes.
+const HD: usize = 128;
+const PAGE: usize = 128;
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str, d: usize| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .map_or(d, |s| s.parse().expect("integer"))
-    };
+    let get = |name: &str, d: usize| common::arg(name).map_or(d, |s| s.parse().expect("integer"));
     let (seq, group, kv_heads, seqs) = (
         get("--seq", 256),
         get("--group", 2),
         get("--heads", 8),
         get("--seqs", 64),
     );
-    if let Some(i) = args.iter().position(|a| a == "--shape") {
-        let shape = args.get(i + 1).expect("--shape BxL");
+    if let Some(shape) = common::arg("--shape") {
         let (b, l) = shape.split_once('x').expect("--shape BxL");
-        let paths = args
-            .iter()
-            .position(|a| a == "--paths")
-            .and_then(|i| args.get(i + 1))
-            .map_or("avx512-bf16,amx-bf16", String::as_str);
         plan_phase(
             b.parse().expect("batch"),
             l.parse().expect("length"),
@@ -52,36 +46,18 @@ fn main() {
             get("--layers", 28),
             get("--rounds", 9),
             get("--chunk", PLAN_CHUNK),
-            paths,
+            &common::arg("--paths").unwrap_or_else(|| "avx512-bf16,amx-bf16".into()),
         );
         return;
     }
     let passes = get("--passes", 1);
-    let hd = 128;
-    let page = 128;
-    let blocks = seq.div_ceil(page);
-    let row = kv_heads * hd;
-    let slots = seqs * blocks * page;
+    let hd = HD;
+    let blocks = seq.div_ceil(PAGE);
     let mut rnd = uniform_bf16(0x9E37_79B9_7F4A_7C15);
-    // Pools in 2 MiB-aligned anonymous mappings advised to use huge pages, as the runtime
-    // allocates them.
-    let kmap = common::huge_pool(slots * row);
-    let vmap = common::huge_pool(slots * row);
-    for x in kmap.iter_mut().chain(vmap.iter_mut()) {
-        *x = rnd();
-    }
-    let (k, v) = (&kmap[..], &vmap[..]);
+    let kv = random_pools(seqs * blocks * PAGE, kv_heads, &mut rnd);
+    let (k, v) = (kv.k, kv.v);
     let q: Vec<bf16> = (0..kv_heads * group * hd).map(|_| rnd()).collect();
-    let kv = PagedKv {
-        k,
-        v,
-        kv_heads,
-        head_dim: hd,
-        page_size: page,
-    };
-    let tables: Vec<Vec<u32>> = (0..seqs)
-        .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
-        .collect();
+    let tables = contiguous_tables(seqs, blocks);
     let all_heads = args.iter().any(|a| a == "--all-heads");
     if args.iter().any(|a| a == "--stream") {
         for _ in 0..3 {
@@ -173,6 +149,30 @@ fn uniform_bf16(seed: u64) -> impl FnMut() -> bf16 {
     }
 }
 
+/// K and V pools of `slots` rows of `kv_heads` heads filled by `rnd`, each in a 2 MiB-aligned
+/// anonymous mapping advised to use huge pages, as the runtime allocates them.
+fn random_pools(slots: usize, kv_heads: usize, rnd: &mut impl FnMut() -> bf16) -> PagedKv<'static> {
+    let k = common::huge_pool(slots * kv_heads * HD);
+    let v = common::huge_pool(slots * kv_heads * HD);
+    for x in k.iter_mut().chain(v.iter_mut()) {
+        *x = rnd();
+    }
+    PagedKv {
+        k,
+        v,
+        kv_heads,
+        head_dim: HD,
+        page_size: PAGE,
+    }
+}
+
+/// Block tables of `seqs` sequences of `blocks` pages each, laid out one after the other.
+fn contiguous_tables(seqs: usize, blocks: usize) -> Vec<Vec<u32>> {
+    (0..seqs)
+        .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
+        .collect()
+}
+
 /// Tokens per decode attention task at the Qwen3 shapes on 2 cores (the plan's longest chunk).
 const PLAN_CHUNK: usize = 256;
 
@@ -191,10 +191,9 @@ fn plan_phase(
     use simpler_kernels_cpu::isa::Isa;
     use std::sync::Barrier;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let (hd, page, threads) = (128, 128, 2);
+    let (hd, page, threads) = (HD, PAGE, 2);
     let blocks = len.div_ceil(page);
     let row = kv_heads * hd;
-    let slots = batch * blocks * page;
     // `None`: the plain read pass over the same rows.
     let names: Vec<&str> = paths.split(',').collect();
     let paths: Vec<Option<Isa>> = paths
@@ -206,22 +205,13 @@ fn plan_phase(
         })
         .collect();
     let mut rnd = uniform_bf16(0x2545_F491_4F6C_DD1D);
-    let pools: Vec<(&[bf16], &[bf16])> = (0..layers)
-        .map(|_| {
-            let k = common::huge_pool(slots * row);
-            let v = common::huge_pool(slots * row);
-            for x in k.iter_mut().chain(v.iter_mut()) {
-                *x = rnd();
-            }
-            (&*k, &*v)
-        })
+    let pools: Vec<PagedKv<'static>> = (0..layers)
+        .map(|_| random_pools(batch * blocks * page, kv_heads, &mut rnd))
         .collect();
     let qs: Vec<Vec<bf16>> = (0..batch)
         .map(|_| (0..kv_heads * group * hd).map(|_| rnd()).collect())
         .collect();
-    let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|b| (0..blocks).map(|j| (b * blocks + j) as u32).collect())
-        .collect();
+    let tables = contiguous_tables(batch, blocks);
     let chunks = len.div_ceil(chunk.max(1));
     let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..batch)
         .flat_map(|b| (0..chunks).map(move |c| (b, split_range(len, chunks, c))))
@@ -266,14 +256,8 @@ fn plan_phase(
                             let c0 = common::thread_cpu_seconds();
                             let mut partials = vec![0.0f32; kv_heads * rec];
                             let mut sink = 0u64;
-                            for (layer, &(k, v)) in pools.iter().enumerate() {
-                                let kv = PagedKv {
-                                    k,
-                                    v,
-                                    kv_heads,
-                                    head_dim: hd,
-                                    page_size: page,
-                                };
+                            for (layer, kv) in pools.iter().enumerate() {
+                                let (k, v) = (kv.k, kv.v);
                                 loop {
                                     let i = next[layer].fetch_add(1, Ordering::Relaxed);
                                     let Some((b, r)) = tasks.get(i) else { break };
@@ -308,7 +292,7 @@ fn plan_phase(
                                     decode_attention_heads_bf16(
                                         &qs[*b],
                                         group,
-                                        &kv,
+                                        kv,
                                         &tables[*b],
                                         r.clone(),
                                         0.088,
@@ -351,13 +335,7 @@ fn plan_phase(
             bytes / cmin / 1e6,
         );
     }
-    let mut load = String::new();
-    if std::fs::File::open("/proc/loadavg")
-        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut load))
-        .is_ok()
-    {
-        println!("load average: {}", load.trim());
-    }
+    common::print_load_average();
 }
 
 /// Loads every 64-byte line of `slice` (whole lines only; a slice is a multiple of 32 bf16),
@@ -389,59 +367,103 @@ fn read_rows(rows: &[bf16]) -> u64 {
     rows.iter().map(|x| u64::from(x.to_bits())).sum()
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn read_rows_avx512(rows: &[bf16]) -> u64 {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_si512(); 4];
-    let blocks = rows.chunks_exact(128);
-    let tail: u64 = blocks
-        .remainder()
-        .iter()
-        .map(|x| u64::from(x.to_bits()))
-        .sum();
-    for b in blocks {
-        for (i, a) in acc.iter_mut().enumerate() {
-            // SAFETY: `b` holds 128 bf16: four 64-byte loads.
-            let v = unsafe { _mm512_loadu_si512(b[32 * i..].as_ptr().cast()) };
-            *a = _mm512_add_epi32(*a, v);
+/// Defines `fn $name(rows: &[bf16]) -> u64`, [`read_rows`] at one vector width: four
+/// accumulators of 32-bit adds over blocks of four `$vec` loads, the tail summed as scalars.
+macro_rules! read_rows_at {
+    ($(#[$doc:meta])* $name:ident, $feature:literal, $vec:ty, $zero:ident, $load:ident, $add:ident) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        fn $name(rows: &[bf16]) -> u64 {
+            use std::arch::x86_64::*;
+            const LANES: usize = size_of::<$vec>() / 2;
+            let mut acc = [$zero(); 4];
+            let blocks = rows.chunks_exact(4 * LANES);
+            let tail: u64 = blocks
+                .remainder()
+                .iter()
+                .map(|x| u64::from(x.to_bits()))
+                .sum();
+            for b in blocks {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: `b` holds four vectors of bf16; vector `i` starts at `LANES * i`.
+                    let v = unsafe { $load(b[LANES * i..].as_ptr().cast()) };
+                    *a = $add(*a, v);
+                }
+            }
+            let s = $add($add(acc[0], acc[1]), $add(acc[2], acc[3]));
+            // SAFETY: a vector of 32-bit lanes is plain data of the array's size.
+            let lanes: [u32; LANES / 2] = unsafe { std::mem::transmute(s) };
+            tail.wrapping_add(lanes.iter().map(|&x| u64::from(x)).sum::<u64>())
         }
-    }
-    let s = _mm512_add_epi32(
-        _mm512_add_epi32(acc[0], acc[1]),
-        _mm512_add_epi32(acc[2], acc[3]),
-    );
-    tail.wrapping_add(_mm512_reduce_add_epi32(s) as u32 as u64)
+    };
 }
 
-/// [`read_rows_avx512`] in 256-bit loads, for CPUs without AVX-512 (the scalar sum's
-/// widening arithmetic, not memory, bounded it there).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn read_rows_avx2(rows: &[bf16]) -> u64 {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_si256(); 4];
-    let blocks = rows.chunks_exact(64);
-    let tail: u64 = blocks
-        .remainder()
-        .iter()
-        .map(|x| u64::from(x.to_bits()))
-        .sum();
-    for b in blocks {
-        for (i, a) in acc.iter_mut().enumerate() {
-            // SAFETY: `b` holds 64 bf16: four 32-byte loads.
-            let v = unsafe { _mm256_loadu_si256(b[16 * i..].as_ptr().cast()) };
-            *a = _mm256_add_epi32(*a, v);
+read_rows_at!(
+    read_rows_avx512,
+    "avx512f",
+    __m512i,
+    _mm512_setzero_si512,
+    _mm512_loadu_si512,
+    _mm512_add_epi32
+);
+read_rows_at!(
+    /// In 256-bit loads, for CPUs without AVX-512 (the scalar sum's widening arithmetic, not
+    /// memory, bounded it there).
+    read_rows_avx2,
+    "avx2",
+    __m256i,
+    _mm256_setzero_si256,
+    _mm256_loadu_si256,
+    _mm256_add_epi32
+);
+
+/// One run of the decode kernels' walk over a sequence's tokens (at most 32 tokens, inside
+/// one page): its first pool element and token count, and the next run's (`(0, 0)` after the
+/// last).
+#[derive(Clone, Copy)]
+struct Run {
+    base: usize,
+    len: usize,
+    next_base: usize,
+    next_len: usize,
+}
+
+/// The runs of `tokens` of the sequence with `table` (pool rows of `row` elements).
+fn runs(table: &[u32], page: usize, row: usize, tokens: Range<usize>) -> impl Iterator<Item = Run> {
+    let slot = move |t: usize| table[t / page] as usize * page + t % page;
+    let end = tokens.end;
+    let run_len = move |t: usize| 32.min(page - t % page).min(end - t);
+    let mut t = tokens.start;
+    std::iter::from_fn(move || {
+        if t >= end {
+            return None;
         }
-    }
-    let s = _mm256_add_epi32(
-        _mm256_add_epi32(acc[0], acc[1]),
-        _mm256_add_epi32(acc[2], acc[3]),
-    );
-    let mut lanes = [0u32; 8];
-    // SAFETY: `lanes` holds eight u32.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
-    tail.wrapping_add(lanes.iter().map(|&x| u64::from(x)).sum::<u64>())
+        let len = run_len(t);
+        let next = t + len;
+        let (next_base, next_len) = if next < end {
+            (slot(next) * row, run_len(next))
+        } else {
+            (0, 0)
+        };
+        let run = Run {
+            base: slot(t) * row,
+            len,
+            next_base,
+            next_len,
+        };
+        t = next;
+        Some(run)
+    })
+}
+
+/// Prefetches the line of `at[0]` into L2 (the kernels' `prefetch_l2`).
+fn prefetch(at: &[bf16]) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at.as_ptr().cast())
+    };
 }
 
 /// Reads the rows of `tokens` in the AVX-512 decode kernel's order without its arithmetic:
@@ -456,51 +478,33 @@ fn read_heads(
     page: usize,
     row: usize,
     w: usize,
-    tokens: std::ops::Range<usize>,
+    tokens: Range<usize>,
 ) -> u64 {
-    let slot = |t: usize| table[t / page] as usize * page + t % page;
-    let run_len = |t: usize| 32.min(page - t % page).min(tokens.end - t);
-    let pf = |p: *const bf16| {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch never faults.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
-        };
-    };
-    let mut sink = 0u64;
-    // One load per line: the plain read's memory traffic without its arithmetic.
-    let mut t = tokens.start;
-    if t < tokens.end {
-        let base = slot(t) * row;
-        for e in (0..run_len(t) * row).step_by(32) {
-            pf(k[base + e..].as_ptr());
-            pf(v[base + e..].as_ptr());
+    let mut runs = runs(table, page, row, tokens).peekable();
+    // The first run's rows, which no earlier run prefetches.
+    if let Some(first) = runs.peek() {
+        for e in (0..first.len * row).step_by(32) {
+            prefetch(&k[first.base + e..]);
+            prefetch(&v[first.base + e..]);
         }
     }
-    while t < tokens.end {
-        let run = run_len(t);
-        let base = slot(t) * row;
-        let next = t + run;
-        let (nbase, nrun) = if next < tokens.end {
-            (slot(next) * row, run_len(next))
-        } else {
-            (0, 0)
-        };
+    let mut sink = 0u64;
+    // One load per line: the plain read's memory traffic without its arithmetic.
+    for run in runs {
         for c in (0..row).step_by(w) {
             let w = w.min(row - c);
             for pool in [k, v] {
-                for r in 0..run {
-                    if r < nrun {
+                for r in 0..run.len {
+                    if r < run.next_len {
                         for e in (0..w).step_by(32) {
-                            pf(pool[nbase + r * row + c + e..].as_ptr());
+                            prefetch(&pool[run.next_base + r * row + c + e..]);
                         }
                     }
-                    let at = base + r * row + c;
+                    let at = run.base + r * row + c;
                     sink = sink.wrapping_add(read_lines(&pool[at..at + w]));
                 }
             }
         }
-        t = next;
     }
     sink
 }
@@ -516,60 +520,42 @@ fn read_ahead(
     page: usize,
     (heads, hd): (usize, usize),
     ahead: usize,
-    tokens: std::ops::Range<usize>,
+    tokens: Range<usize>,
 ) -> u64 {
     let row = heads * hd;
-    let slot = |t: usize| table[t / page] as usize * page + t % page;
-    let run_len = |t: usize| 32.min(page - t % page).min(tokens.end - t);
-    let pf = |p: *const bf16| {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch never faults.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast())
-        };
-    };
     let ahead = ahead.min(heads);
-    let mut sink = 0u64;
-    let mut t = tokens.start;
-    if t < tokens.end {
-        let base = slot(t) * row;
-        for r in 0..run_len(t) {
+    let mut runs = runs(table, page, row, tokens).peekable();
+    // The first run's first `ahead` heads, which no earlier pass prefetches.
+    if let Some(first) = runs.peek() {
+        for r in 0..first.len {
             for e in (0..ahead * hd).step_by(32) {
-                pf(k[base + r * row + e..].as_ptr());
-                pf(v[base + r * row + e..].as_ptr());
+                prefetch(&k[first.base + r * row + e..]);
+                prefetch(&v[first.base + r * row + e..]);
             }
         }
     }
-    while t < tokens.end {
-        let run = run_len(t);
-        let base = slot(t) * row;
-        let next = t + run;
-        let (nbase, nrun) = if next < tokens.end {
-            (slot(next) * row, run_len(next))
-        } else {
-            (0, 0)
-        };
+    let mut sink = 0u64;
+    for run in runs {
         for h in 0..heads {
             let (pb, pr, ph) = if h + ahead < heads {
-                (base, run, h + ahead)
+                (run.base, run.len, h + ahead)
             } else {
-                (nbase, nrun, h + ahead - heads)
+                (run.next_base, run.next_len, h + ahead - heads)
             };
             for pool in [k, v] {
-                for r in 0..run.max(pr) {
+                for r in 0..run.len.max(pr) {
                     if r < pr && ahead > 0 {
                         for e in (0..hd).step_by(32) {
-                            pf(pool[pb + r * row + ph * hd + e..].as_ptr());
+                            prefetch(&pool[pb + r * row + ph * hd + e..]);
                         }
                     }
-                    if r < run {
-                        let at = base + r * row + h * hd;
+                    if r < run.len {
+                        let at = run.base + r * row + h * hd;
                         sink = sink.wrapping_add(read_lines(&pool[at..at + hd]));
                     }
                 }
             }
         }
-        t = next;
     }
     sink
 }

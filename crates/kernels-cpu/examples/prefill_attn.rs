@@ -9,7 +9,7 @@ mod common;
 
 use half::bf16;
 use simpler_kernels_cpu::isa::{Isa, with_isa};
-use simpler_kernels_cpu::{PagedKv, prefill_attention_rows_f32};
+use simpler_kernels_cpu::{PagedKv, PrefillRows, prefill_attention_rows_f32};
 
 fn main() {
     let get = |name: &str, d: usize| common::arg(name).map_or(d, |s| s.parse().expect("integer"));
@@ -60,16 +60,16 @@ fn main() {
             while r0 < len {
                 let n = rows.min(len - r0);
                 let w = group * hd;
-                prefill_attention_rows_f32(
-                    &q[r0 * w..(r0 + n) * w],
+                let rows = PrefillRows {
+                    queries: &q[r0 * w..(r0 + n) * w],
                     group,
-                    &kv,
-                    &table,
-                    g,
-                    r0,
+                    kv,
+                    block_table: &table,
+                    kv_head: g,
+                    first_pos: r0,
                     scale,
-                    &mut out[r0 * w..(r0 + n) * w],
-                );
+                };
+                prefill_attention_rows_f32(&rows, &mut out[r0 * w..(r0 + n) * w]);
                 r0 += n;
             }
         }
@@ -104,11 +104,5 @@ fn main() {
             m / base
         );
     }
-    let mut load = String::new();
-    if std::fs::File::open("/proc/loadavg")
-        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut load))
-        .is_ok()
-    {
-        println!("load average: {}", load.trim());
-    }
+    common::print_load_average();
 }

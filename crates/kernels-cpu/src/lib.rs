@@ -26,7 +26,7 @@ pub mod rope;
 mod simd;
 
 pub use attention::{
-    PagedKv, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
+    PagedKv, PrefillRows, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
     decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len,
     prefill_attention_bf16, prefill_attention_rows_f32, split_range,
 };

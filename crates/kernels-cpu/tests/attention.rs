@@ -59,14 +59,48 @@ impl Setup {
         }
     }
 
+    /// Prefill rows of sequence `s` (queries `q`, row 0 at position `first_pos`) against KV head
+    /// `kv_head`, at the scale `1 / sqrt(head_dim)`.
+    fn prefill_rows<'a>(
+        &'a self,
+        s: usize,
+        q: &'a [f32],
+        group: usize,
+        kv_head: usize,
+        first_pos: usize,
+    ) -> PrefillRows<'a> {
+        PrefillRows {
+            queries: q,
+            group,
+            kv: self.kv(),
+            block_table: &self.tables[s],
+            kv_head,
+            first_pos,
+            scale: 1.0 / (self.hd as f32).sqrt(),
+        }
+    }
+
     /// fp64 softmax attention of query `q` (one head, fp32) over tokens `0..len` of sequence `s`.
     fn reference(&self, s: usize, kv_head: usize, q: &[f32], len: usize, scale: f32) -> Vec<f32> {
+        self.range_reference(s, kv_head, q, 0..len, scale)
+    }
+
+    /// [`Setup::reference`] over tokens `range` of sequence `s`.
+    fn range_reference(
+        &self,
+        s: usize,
+        kv_head: usize,
+        q: &[f32],
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Vec<f32> {
         let row = self.kv_heads * self.hd;
         let slot = |t: usize| self.tables[s][t / self.ps] as usize * self.ps + t % self.ps;
         let at = |pool: &[bf16], t: usize, d: usize| {
             f64::from(pool[slot(t) * row + kv_head * self.hd + d].to_f32())
         };
-        let scores: Vec<f64> = (0..len)
+        let scores: Vec<f64> = range
+            .clone()
             .map(|t| {
                 (0..self.hd)
                     .map(|d| f64::from(q[d]) * at(&self.k, t, d))
@@ -78,28 +112,54 @@ impl Setup {
         let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let l: f64 = p.iter().sum();
         (0..self.hd)
-            .map(|d| ((0..len).map(|t| p[t] * at(&self.v, t, d)).sum::<f64>() / l) as f32)
+            .map(|d| {
+                (range
+                    .clone()
+                    .zip(&p)
+                    .map(|(t, w)| w * at(&self.v, t, d))
+                    .sum::<f64>()
+                    / l) as f32
+            })
             .collect()
     }
 }
 
-/// `prefill_attention_rows_f32` on every path this CPU has (see `common::all_paths`).
-#[allow(clippy::too_many_arguments)]
-fn prefill_on_every_path(
-    what: &str,
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-) -> Vec<(Isa, Vec<f32>)> {
+/// `prefill_attention_rows_f32` of `rows` on every path this CPU has (see
+/// `common::all_paths`).
+fn prefill_on_every_path(what: &str, rows: &PrefillRows<'_>) -> Vec<(Isa, Vec<f32>)> {
     common::all_paths(what, || {
-        let mut out = vec![0.0f32; q.len()];
-        prefill_attention_rows_f32(q, group, kv, table, kv_head, first_pos, scale, &mut out);
+        let mut out = vec![0.0f32; rows.queries.len()];
+        prefill_attention_rows_f32(rows, &mut out);
         out
     })
+}
+
+/// [`prefill_on_every_path`] for `rows` of sequence `seq` of `st`, each path's outputs checked
+/// against the portable path's and, for every query of the rows `check_rows`, against the
+/// fp64 reference.
+fn prefill_agrees_on_every_path(
+    what: &str,
+    st: &Setup,
+    seq: usize,
+    rows: &PrefillRows<'_>,
+    check_rows: impl Iterator<Item = usize> + Clone,
+) {
+    let (hd, group) = (st.hd, rows.group);
+    let ran = prefill_on_every_path(what, rows);
+    for (isa, out) in &ran {
+        let path = attention::prefill_path(*isa, hd);
+        let on = format!("{what} on {} (prefill path {})", isa.name(), path.name());
+        common::assert_close(out, &ran[0].1, 5e-3, 2e-2, &format!("{on} vs portable"));
+        for i in check_rows.clone() {
+            for j in 0..group {
+                let at = (i * group + j) * hd;
+                let q = &rows.queries[at..at + hd];
+                let e = st.reference(seq, rows.kv_head, q, rows.first_pos + i + 1, rows.scale);
+                let ctx = format!("{on} vs reference, row {i} query {j}");
+                common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, &ctx);
+            }
+        }
+    }
 }
 
 proptest! {
@@ -136,33 +196,6 @@ proptest! {
                 let qh = to_f32(&q[h * hd..(h + 1) * hd]);
                 let e = st.reference(s, h / group, &qh, len, scale);
                 common::assert_close(&p[h * hd..(h + 1) * hd], &e, 5e-3, 2e-2, "decode vs reference");
-            }
-        }
-    }
-
-    #[test]
-    fn prefill_rows_match_causal_reference(
-        kv_heads in 1usize..3, group in 1usize..5, first_pos in 0usize..70, n_rows in 1usize..24,
-        hd32 in 1usize..4, seed in any::<u64>(),
-    ) {
-        let mut rng = Rng(seed);
-        let (hd, ps) = (32 * hd32, 16);
-        let st = Setup::new(2, 6, kv_heads, hd, ps, &mut rng);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
-        let g = kv_heads - 1;
-        let (p, a) = both(|| {
-            let mut out = vec![0.0f32; q.len()];
-            prefill_attention_rows_f32(&q, group, &st.kv(), &st.tables[0], g, first_pos, scale, &mut out);
-            out
-        });
-        for out in std::iter::once(&p).chain(a.as_ref()) {
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, "prefill rows vs reference");
-                }
             }
         }
     }
@@ -207,7 +240,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig::with_cases(48))]
 
     /// Every path of the causal prefill rows (the AMX-BF16 tiles where the CPU has them)
     /// against the portable one and the fp64 reference, at shapes that straddle the AMX path's
@@ -217,32 +250,16 @@ proptest! {
     #[test]
     fn prefill_rows_agree_on_every_path(
         kv_heads in 1usize..3, group in 1usize..9, first_pos in 0usize..140, n_rows in 1usize..40,
-        hd_pick in 0usize..6, small_pages in any::<bool>(), seed in any::<u64>(),
+        hd_pick in 0usize..7, small_pages in any::<bool>(), seed in any::<u64>(),
     ) {
         let mut rng = Rng(seed);
-        let hd = [32, 64, 128, 128, 256, 80][hd_pick];
+        let hd = [32, 64, 96, 128, 128, 256, 80][hd_pick];
         let ps = if small_pages { 16 } else { 128 };
         let blocks = (first_pos + n_rows).div_ceil(ps);
         let st = Setup::new(2, blocks, kv_heads, hd, ps, &mut rng);
-        let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 1.0).iter().map(|v| v.to_f32()).collect();
-        let g = kv_heads - 1;
-        let ran = prefill_on_every_path(
-            "prefill rows", &q, group, &st.kv(), &st.tables[1], g, first_pos, scale,
-        );
-        let portable = &ran[0].1;
-        for (isa, out) in &ran {
-            println!("prefill rows on {} (prefill path {})", isa.name(), attention::prefill_path(*isa, hd).name());
-            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(1, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
-                        &format!("{} prefill rows vs reference", isa.name()));
-                }
-            }
-        }
+        let rows = st.prefill_rows(1, &q, group, kv_heads - 1, first_pos);
+        prefill_agrees_on_every_path("prefill rows", &st, 1, &rows, 0..n_rows);
     }
 }
 
@@ -263,23 +280,10 @@ proptest! {
         let ps = 16;
         let blocks = (first_pos + n_rows).div_ceil(ps);
         let st = Setup::new(1, blocks, 2, hd, ps, &mut rng);
-        let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng.vec_bf16(n_rows * group * hd, 2.0).iter().map(|v| v.to_f32()).collect();
-        let ran = prefill_on_every_path(
-            "prefill rows, many blocks", &q, group, &st.kv(), &st.tables[0], 1, first_pos, scale,
-        );
-        let portable = &ran[0].1;
-        for (isa, out) in &ran {
-            common::assert_close(out, portable, 5e-3, 2e-2, &format!("{} vs portable", isa.name()));
-            for i in [0, n_rows / 3, n_rows / 2 + 1, n_rows - 1] {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2,
-                        &format!("{} prefill rows vs reference", isa.name()));
-                }
-            }
-        }
+        let rows = st.prefill_rows(0, &q, group, 1, first_pos);
+        let check = [0, n_rows / 3, n_rows / 2 + 1, n_rows - 1];
+        prefill_agrees_on_every_path("prefill rows, many blocks", &st, 0, &rows, check.into_iter());
     }
 }
 
@@ -298,37 +302,9 @@ fn prefill_rows_long_prefix_on_every_path() {
         .iter()
         .map(|v| v.to_f32())
         .collect();
-    let scale = 1.0 / (hd as f32).sqrt();
-    let ran = prefill_on_every_path(
-        "prefill rows, long prefix",
-        &q,
-        group,
-        &st.kv(),
-        &st.tables[0],
-        1,
-        first_pos,
-        scale,
-    );
-    for (isa, out) in &ran {
-        common::assert_close(
-            out,
-            &ran[0].1,
-            5e-3,
-            2e-2,
-            &format!("{} vs portable", isa.name()),
-        );
-        for i in [0, 15, 16, 31] {
-            let at = i * group * hd;
-            let e = st.reference(0, 1, &q[at..at + hd], first_pos + i + 1, scale);
-            common::assert_close(
-                &out[at..at + hd],
-                &e,
-                5e-3,
-                2e-2,
-                &format!("{} vs reference", isa.name()),
-            );
-        }
-    }
+    let rows = st.prefill_rows(0, &q, group, 1, first_pos);
+    let check = [0, 15, 16, 31].into_iter();
+    prefill_agrees_on_every_path("prefill rows, long prefix", &st, 0, &rows, check);
 }
 
 #[test]
@@ -413,6 +389,21 @@ fn same_class(a: f32, b: f32) -> bool {
     (a.is_nan() && b.is_nan())
         || (a.is_infinite() && a == b)
         || (a.is_finite() && b.is_finite() && (a - b).abs() <= 1e-2 * (1.0 + a.abs()))
+}
+
+/// Every path's outputs in `ran` (the portable path's first) against the portable path's,
+/// element by element, with [`same_class`] (a key was set to `poison`).
+fn assert_same_classes_as_portable(ran: &[(Isa, Vec<f32>)], poison: f32) {
+    let (_, p) = &ran[0];
+    for (isa, out) in &ran[1..] {
+        for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
+            assert!(
+                same_class(x, y),
+                "key {poison}, element {i}: portable {x} vs {} {y}",
+                isa.name()
+            );
+        }
+    }
 }
 
 /// Non-finite keys make non-finite scores: an infinite or NaN score poisons the softmax, a
@@ -515,7 +506,7 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             for (isa, out) in &ran {
                 for h in 0..kv_heads * group {
                     let qh = to_f32(&q[h * hd..(h + 1) * hd]);
-                    let want = range_reference(&st, h / group, &qh, tokens.clone(), scale);
+                    let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
                     let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
                     let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
                     let what = format!(
@@ -527,43 +518,6 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             }
         }
     }
-}
-
-/// [`Setup::reference`] over tokens `range` of sequence 0.
-fn range_reference(
-    st: &Setup,
-    kv_head: usize,
-    q: &[f32],
-    range: std::ops::Range<usize>,
-    scale: f32,
-) -> Vec<f32> {
-    let row = st.kv_heads * st.hd;
-    let slot = |t: usize| st.tables[0][t / st.ps] as usize * st.ps + t % st.ps;
-    let at = |pool: &[bf16], t: usize, d: usize| {
-        f64::from(pool[slot(t) * row + kv_head * st.hd + d].to_f32())
-    };
-    let scores: Vec<f64> = range
-        .clone()
-        .map(|t| {
-            (0..st.hd)
-                .map(|d| f64::from(q[d]) * at(&st.k, t, d))
-                .sum::<f64>()
-                * f64::from(scale)
-        })
-        .collect();
-    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-    let l: f64 = p.iter().sum();
-    (0..st.hd)
-        .map(|d| {
-            (range
-                .clone()
-                .zip(&p)
-                .map(|(t, w)| w * at(&st.v, t, d))
-                .sum::<f64>()
-                / l) as f32
-        })
-        .collect()
 }
 
 /// Non-finite keys on the all-heads path: every path agrees with the portable one on which
@@ -589,16 +543,7 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
                 .flat_map(|r| r[2..].iter().map(|v| v / r[1]).collect::<Vec<f32>>())
                 .collect::<Vec<f32>>()
         });
-        let (_, p) = &ran[0];
-        for (isa, out) in &ran[1..] {
-            for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
-                assert!(
-                    same_class(x, y),
-                    "key {poison}, element {i}: portable {x} vs {} {y}",
-                    isa.name()
-                );
-            }
-        }
+        assert_same_classes_as_portable(&ran, poison);
     }
 }
 
@@ -652,46 +597,16 @@ fn prefill_rows_blocked_edges_on_every_path() {
     ] {
         let blocks = (first_pos + n_rows).div_ceil(ps);
         let st = Setup::new(1, blocks, kv_heads, hd, ps, &mut rng);
-        let scale = 1.0 / (hd as f32).sqrt();
         let q: Vec<f32> = rng
             .vec_bf16(n_rows * group * hd, 3.0)
             .iter()
             .map(|v| v.to_f32())
             .collect();
-        let g = kv_heads - 1;
-        let what = format!("group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}");
-        let ran = prefill_on_every_path(
-            "prefill rows, blocked edges",
-            &q,
-            group,
-            &st.kv(),
-            &st.tables[0],
-            g,
-            first_pos,
-            scale,
+        let what = format!(
+            "prefill rows, blocked edges, group {group} rows {n_rows} first_pos {first_pos} hd {hd} page {ps}"
         );
-        for (isa, out) in &ran {
-            common::assert_close(
-                out,
-                &ran[0].1,
-                5e-3,
-                2e-2,
-                &format!("{} vs portable, {what}", isa.name()),
-            );
-            for i in 0..n_rows {
-                for j in 0..group {
-                    let at = (i * group + j) * hd;
-                    let e = st.reference(0, g, &q[at..at + hd], first_pos + i + 1, scale);
-                    common::assert_close(
-                        &out[at..at + hd],
-                        &e,
-                        5e-3,
-                        2e-2,
-                        &format!("{} vs reference, {what}, row {i} query {j}", isa.name()),
-                    );
-                }
-            }
-        }
+        let rows = st.prefill_rows(0, &q, group, kv_heads - 1, first_pos);
+        prefill_agrees_on_every_path(&what, &st, 0, &rows, 0..n_rows);
     }
 }
 
@@ -712,16 +627,11 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
         let at = (s.tables[0][poisoned / ps] as usize * ps + poisoned % ps) * hd + 5;
         s.k[at] = bf16::from_f32(poison);
         let first_pos = 20;
-        let ran = prefill_on_every_path(
-            "prefill rows, non-finite key",
-            &q,
-            group,
-            &s.kv(),
-            &s.tables[0],
-            0,
-            first_pos,
-            0.125,
-        );
+        let rows = PrefillRows {
+            scale: 0.125,
+            ..s.prefill_rows(0, &q, group, 0, first_pos)
+        };
+        let ran = prefill_on_every_path("prefill rows, non-finite key", &rows);
         let (_, p) = &ran[0];
         // Rows before the poisoned token never see it.
         let clean = (poisoned - first_pos) * group * hd;
@@ -734,14 +644,6 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
             poison == f32::NEG_INFINITY,
             "key {poison}: rows that see it"
         );
-        for (isa, out) in &ran[1..] {
-            for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
-                assert!(
-                    same_class(x, y),
-                    "key {poison}, element {i}: portable {x} vs {} {y}",
-                    isa.name()
-                );
-            }
-        }
+        assert_same_classes_as_portable(&ran, poison);
     }
 }

@@ -33,6 +33,14 @@ pub(crate) fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// Prints the host's load average (`/proc/loadavg`), which every number of a shared host's
+/// run is read beside; nothing where the file is missing.
+pub(crate) fn print_load_average() {
+    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
+        println!("load average: {}", load.trim());
+    }
+}
+
 /// The value after `name` (e.g. `--reps`) on the command line.
 pub(crate) fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();

@@ -31,7 +31,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::PagedKv;
+use super::PrefillRows;
 use crate::gemm::{amx_tile_config, amx_transpose16};
 
 /// Queries per block (the width of a `B` tile).
@@ -71,39 +71,26 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of `q`
-/// (`group` widened queries, `[n_rows, group, head_dim]`) attends to tokens `0..=first_pos + i`;
-/// `out` gets the normalised outputs.
+/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of
+/// `rows.queries` (`group` widened queries, `[n_rows, group, head_dim]`) attends to tokens
+/// `0..=first_pos + i`; `out` gets the normalised outputs.
 ///
 /// # Safety
 /// The CPU supports AMX-BF16 and AVX-512 F/BW/VL/BF16 and Linux granted the tile state
-/// ([`crate::amx::request_tile_permission`]); `supports(kv.head_dim)`; `kv` passed its checks;
-/// `kv_head < kv.kv_heads`; every page of tokens `0..first_pos + n_rows` is inside
-/// `block_table` and the pool; `q.len() == out.len()`, a whole number of rows of
-/// `group * head_dim`.
+/// ([`crate::amx::request_tile_permission`]); `supports(rows.kv.head_dim)`; `rows` passed
+/// `PrefillRows::check` with `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn prefill_rows(
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let hd = kv.head_dim;
+pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    let (hd, group, first_pos) = (rows.kv.head_dim, rows.group, rows.first_pos);
     let nks = hd / 32;
     let ncb = hd / 16;
-    let nq = q.len() / hd;
-    let n_rows = nq / group;
-    let end = first_pos + n_rows;
+    let nq = rows.queries.len() / hd;
+    let end = rows.tokens().end;
     let nt = end.div_ceil(KB) * KB;
     SCRATCH.with(|cell| {
         let mut s = cell.borrow_mut();
         let s = &mut *s;
-        gather(kv, block_table, kv_head, end, nt, &mut s.k, &mut s.v);
+        gather(rows, nt, &mut s.k, &mut s.v);
         s.q.resize(nks * 16, ZERO_LINE);
         s.o.resize(QB * ncb, ZERO_LINE);
         // SAFETY: the configuration is the crate's valid palette-1 layout (eight 16 × 64-byte
@@ -112,7 +99,7 @@ pub(super) unsafe fn prefill_rows(
         let mut qb0 = 0;
         while qb0 < nq {
             let nqb = QB.min(nq - qb0);
-            pack_queries(&q[qb0 * hd..(qb0 + nqb) * hd], hd, &mut s.q);
+            pack_queries(&rows.queries[qb0 * hd..(qb0 + nqb) * hd], hd, &mut s.q);
             // Query `qb0 + i` sees tokens below `first_pos + (qb0 + i) / group + 1`; padding
             // lanes see token 0 only (finite, and never written out).
             let lim: [i32; QB] = std::array::from_fn(|i| {
@@ -125,7 +112,7 @@ pub(super) unsafe fn prefill_rows(
             let block_end = first_pos + (qb0 + nqb - 1) / group + 1;
             // SAFETY: the tiles are configured; the scratch holds every token block below
             // `nt >= block_end` and this block's query tiles.
-            unsafe { block(s, &lim, block_end, nks, ncb, scale) };
+            unsafe { block(s, &lim, block_end, nks, ncb, rows.scale) };
             for (i, o) in out[qb0 * hd..(qb0 + nqb) * hd]
                 .chunks_exact_mut(hd)
                 .enumerate()
@@ -144,18 +131,12 @@ pub(super) unsafe fn prefill_rows(
     });
 }
 
-/// Gathers the K rows and V pairs of tokens `0..end` (zero up to `nt`) of one KV head
-/// (compiled for AVX-512 so its lane-wise loops vectorise 512 bits wide).
+/// Gathers the K rows and V pairs of the tokens `rows` sees (`0..end`, zero up to `nt`) of
+/// its KV head (compiled for AVX-512 so its lane-wise loops vectorise 512 bits wide).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn gather(
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    end: usize,
-    nt: usize,
-    k: &mut Vec<Line>,
-    v: &mut Vec<Line>,
-) {
+fn gather(rows: &PrefillRows<'_>, nt: usize, k: &mut Vec<Line>, v: &mut Vec<Line>) {
+    let (kv, block_table, kv_head) = (&rows.kv, rows.block_table, rows.kv_head);
+    let end = rows.tokens().end;
     let hd = kv.head_dim;
     let (nks, ncb) = (hd / 32, hd / 16);
     let row = kv.row();

@@ -52,7 +52,7 @@ fn write_partials<const HALF: usize>(st: &[f32], group: usize, hd: usize, out: &
 mod core;
 mod prefill;
 
-pub use prefill::{PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
+pub use prefill::{PrefillRows, PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
 /// The path the model's decode attention ([`decode_attention_heads_bf16`]) takes when kernels
 /// run on `isa`: AVX-512 BF16 (`vdpbf16ps` scores; AMX adds nothing to a one-query product),

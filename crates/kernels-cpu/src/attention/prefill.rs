@@ -104,79 +104,119 @@ pub fn prefill_attention_bf16(
     }
 }
 
-/// Causal attention of a block of query rows of one sequence, for the runtime's per-task
-/// tiles: row `i` is the token at position `first_pos + i` and attends to tokens
-/// `0..=first_pos + i` (their K/V already in the pool). `q` holds the group's query heads of
-/// each row, widened: `[n_rows, group, head_dim]` fp32 (query head `kv_head * group + j` at
-/// `[i, j]`); `out` (same shape) gets the normalised `softmax · V`, unrounded.
+/// A block of query rows of one sequence against one KV head, for the runtime's per-task
+/// tiles of causal prefill: row `i` is the token at position `first_pos + i` and attends to
+/// tokens `0..=first_pos + i` (their K/V already in the pool). What
+/// [`prefill_attention_rows_f32`] and each of its paths take.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillRows<'a> {
+    /// The group's query heads of each row, widened: `[n_rows, group, head_dim]` fp32 (query
+    /// head `kv_head * group + j` of row `i` at `[i, j]`).
+    pub queries: &'a [f32],
+    /// Query heads per KV head (GQA).
+    pub group: usize,
+    /// The layer's K and V pools.
+    pub kv: PagedKv<'a>,
+    /// The sequence's block table.
+    pub block_table: &'a [u32],
+    /// The KV head the queries read.
+    pub kv_head: usize,
+    /// Position of row 0's token.
+    pub first_pos: usize,
+    /// Factor on every score (`1 / sqrt(head_dim)`).
+    pub scale: f32,
+}
+
+impl PrefillRows<'_> {
+    /// Query rows (`group` query heads each).
+    pub fn n_rows(&self) -> usize {
+        self.queries.len() / (self.group * self.kv.head_dim)
+    }
+
+    /// The tokens some row attends to: `0..first_pos + n_rows`.
+    pub fn tokens(&self) -> Range<usize> {
+        0..self.first_pos + self.n_rows()
+    }
+
+    /// Panics unless the pools pass their checks, `queries` is a whole number of rows, `out`
+    /// as long, `kv_head` a head of the pools and every page of [`Self::tokens`] inside
+    /// `block_table` and the pool: the contract every path's kernel relies on.
+    fn check(&self, out: &[f32]) {
+        self.kv.check();
+        let per_row = self.group * self.kv.head_dim;
+        assert!(
+            per_row > 0 && self.queries.len().is_multiple_of(per_row),
+            "prefill rows: q len {} not a multiple of {per_row}",
+            self.queries.len()
+        );
+        assert_eq!(out.len(), self.queries.len(), "prefill rows: out len");
+        assert!(
+            self.kv_head < self.kv.kv_heads,
+            "prefill rows: kv head {}",
+            self.kv_head
+        );
+        self.kv.check_pages(self.block_table, &self.tokens());
+    }
+}
+
+/// Causal attention of `rows` (see [`PrefillRows`]): `out` (the shape of `rows.queries`) gets
+/// the normalised `softmax · V` of every query, unrounded.
 ///
 /// # Panics
-/// If `q` is not a whole number of rows, `out.len() != q.len()`, or a page is outside
-/// `block_table` or the pool.
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_attention_rows_f32(
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    kv.check();
-    let hd = kv.head_dim;
-    let per_row = group * hd;
-    assert!(
-        per_row > 0 && q.len().is_multiple_of(per_row),
-        "prefill rows: q len {} not a multiple of {per_row}",
-        q.len()
-    );
-    assert_eq!(out.len(), q.len(), "prefill rows: out len");
-    assert!(kv_head < kv.kv_heads, "prefill rows: kv head {kv_head}");
-    let n_rows = q.len() / per_row;
+/// If `rows.queries` is not a whole number of rows, `out.len() != rows.queries.len()`,
+/// `rows.kv_head` is not a head of the pools, or a page is outside the block table or the
+/// pool.
+pub fn prefill_attention_rows_f32(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    rows.check(out);
     #[cfg(target_arch = "x86_64")]
-    if super::prefill_path(crate::isa::Isa::current(), hd) == crate::isa::Isa::AmxBf16 {
-        kv.check_pages(block_table, &(0..first_pos + n_rows));
-        // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512 BF16 and
-        // Linux granted the tile state (`Isa::hardware`); `prefill_path` checked the head
-        // dimension; `kv` was checked, every page of the rows' tokens by `check_pages`,
-        // `kv_head` and the whole rows of `q`/`out` by the asserts above.
-        unsafe {
-            super::amx::prefill_rows(q, group, kv, block_table, kv_head, first_pos, scale, out)
-        };
-        return;
+    {
+        let hd = rows.kv.head_dim;
+        if super::prefill_path(crate::isa::Isa::current(), hd) == crate::isa::Isa::AmxBf16 {
+            // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512 BF16
+            // and Linux granted the tile state (`Isa::hardware`); `prefill_path` checked the
+            // head dimension; `rows.check` checked the pools, `kv_head`, every page of the
+            // rows' tokens and that `queries`/`out` are the same whole rows.
+            unsafe { super::amx::prefill_rows(rows, out) };
+            return;
+        }
+        if crate::isa::Isa::current() >= crate::isa::Isa::Avx2
+            && super::avx2::supports(rows.group, hd)
+        {
+            // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the
+            // shape is supported; `rows.check` checked the pools, `kv_head`, every page of the
+            // rows' tokens and that `queries`/`out` are the same whole rows.
+            unsafe { super::avx2::prefill_rows(rows, out) };
+            return;
+        }
     }
-    #[cfg(target_arch = "x86_64")]
-    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 && super::avx2::supports(group, hd) {
-        kv.check_pages(block_table, &(0..first_pos + n_rows));
-        // SAFETY: Avx2 or a wider path is current only when the CPU has AVX2 and FMA; the shape is supported;
-        // `kv` was checked, every page of the rows' tokens by `check_pages`, and `q`/`out` are
-        // whole rows of the same length (asserted above).
-        unsafe {
-            super::avx2::prefill_rows(q, group, kv, block_table, kv_head, first_pos, scale, out)
-        };
-        return;
-    }
-    let nq = n_rows * group;
-    let limits: Vec<usize> = (0..nq).map(|qi| first_pos + qi / group + 1).collect();
+    let PrefillRows {
+        queries,
+        group,
+        ref kv,
+        block_table,
+        kv_head,
+        scale,
+        ..
+    } = *rows;
+    let nq = rows.n_rows() * group;
+    let limits: Vec<usize> = (0..nq).map(|qi| rows.first_pos + qi / group + 1).collect();
     let mut m = vec![f32::NEG_INFINITY; nq];
     let mut l = vec![0.0f32; nq];
     out.fill(0.0);
     core::attend(
-        q,
+        queries,
         nq,
         kv,
         block_table,
         kv_head,
-        0..first_pos + n_rows,
+        rows.tokens(),
         &limits,
         scale,
         &mut m,
         &mut l,
         out,
     );
-    for (o, &lq) in out.chunks_exact_mut(hd).zip(&l) {
+    for (o, &lq) in out.chunks_exact_mut(kv.head_dim).zip(&l) {
         let inv = if lq > 0.0 { 1.0 / lq } else { 0.0 };
         o.iter_mut().for_each(|v| *v *= inv);
     }

@@ -25,7 +25,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::PagedKv;
+use super::{PagedKv, PrefillRows};
 use crate::simd::hsum256;
 
 mod head;
@@ -109,33 +109,23 @@ pub(super) unsafe fn decode_partials_heads(
     }
 }
 
-/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of `q`
-/// (`group` widened queries) attends to tokens `0..=first_pos + i`; `out` gets the normalised
-/// outputs. From [`prefill::MIN_QUERIES`] queries on, blocks of queries go through the
-/// register-blocked matrix products of [`prefill`]; fewer rows (whose 16-query tiles would be
-/// mostly padding) each take one single-head decode pass over their prefix.
+/// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of
+/// `rows.queries` (`group` widened queries) attends to tokens `0..=first_pos + i`; `out` gets
+/// the normalised outputs. From [`prefill::MIN_QUERIES`] queries on, blocks of queries go
+/// through the register-blocked matrix products of [`prefill`]; fewer rows (whose 16-query
+/// tiles would be mostly padding) each take one single-head decode pass over their prefix.
 ///
 /// # Safety
-/// As [`decode_partial`] for tokens `0..first_pos + rows`; `q.len() == out.len()`, a whole
-/// number of rows of `group * head_dim`.
+/// The CPU supports AVX2 and FMA; `supports(rows.group, rows.kv.head_dim)`; `rows` passed
+/// `PrefillRows::check` with `out`.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn prefill_rows(
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    if q.len() / kv.head_dim >= prefill::MIN_QUERIES {
+pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    if rows.queries.len() / rows.kv.head_dim >= prefill::MIN_QUERIES {
         // SAFETY: forwarded contract; `supports` made head_dim a multiple of 32.
-        unsafe { prefill::prefill_rows(q, group, kv, block_table, kv_head, first_pos, scale, out) }
+        unsafe { prefill::prefill_rows(rows, out) }
     } else {
         // SAFETY: forwarded contract.
-        unsafe { prefill_rows_per_row(q, group, kv, block_table, kv_head, first_pos, scale, out) }
+        unsafe { prefill_rows_per_row(rows, out) }
     }
 }
 
@@ -145,17 +135,8 @@ pub(super) unsafe fn prefill_rows(
 /// # Safety
 /// As [`prefill_rows`].
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn prefill_rows_per_row(
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+unsafe fn prefill_rows_per_row(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    let (q, group, kv, first_pos) = (rows.queries, rows.group, &rows.kv, rows.first_pos);
     let hd = kv.head_dim;
     let per_row = group * hd;
     let mut state = [0.0f32; MAX_GROUP * (2 * MAX_HD + 2)];
@@ -167,9 +148,10 @@ unsafe fn prefill_rows_per_row(
         .zip(out.chunks_exact_mut(per_row))
         .enumerate()
     {
-        init_state_with(qr, group, hd, scale, st, |v| *v);
+        init_state_with(qr, group, hd, rows.scale, st, |v| *v);
+        let tokens = 0..first_pos + i + 1;
         // SAFETY: forwarded contract (tokens 0..=first_pos + i are covered).
-        unsafe { head_over(group, kv, block_table, kv_head, 0..first_pos + i + 1, st) };
+        unsafe { head_over(group, kv, rows.block_table, rows.kv_head, tokens, st) };
         super::write_partials::<8>(st, group, hd, recs);
         for (o, rec) in or.chunks_exact_mut(hd).zip(recs.chunks_exact(hd + 2)) {
             let inv = if rec[1] > 0.0 { 1.0 / rec[1] } else { 0.0 };

@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::super::PagedKv;
+use super::super::PrefillRows;
 use super::exp256;
 use crate::simd::transpose8;
 
@@ -64,8 +64,8 @@ struct Block {
 }
 
 /// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): query `i * group +
-/// j` of `q` (`[n_rows, group, head_dim]` fp32) attends to tokens `0..=first_pos + i`; `out`
-/// (same shape) gets the normalised outputs.
+/// j` of `rows.queries` (`[n_rows, group, head_dim]` fp32) attends to tokens `0..=first_pos +
+/// i`; `out` (same shape) gets the normalised outputs.
 ///
 /// The call's queries are cut into blocks of at most [`QBLK`], and each run of [`RUN`] tokens
 /// is widened once for every block that sees it (a call of 64 rows at group 2 is two blocks:
@@ -73,22 +73,11 @@ struct Block {
 /// shared).
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA; `head_dim` is a multiple of 16; `kv` passed its checks;
-/// `kv_head < kv.kv_heads`; every page of tokens `0..first_pos + n_rows` is inside
-/// `block_table` and the pool; `q.len() == out.len()`, a whole number of rows of
-/// `group * head_dim`.
+/// The CPU supports AVX2 and FMA; `rows.kv.head_dim` is a multiple of 16; `rows` passed
+/// `PrefillRows::check` with `out`.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn prefill_rows(
-    q: &[f32],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    kv_head: usize,
-    first_pos: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    let (q, group, kv, first_pos) = (rows.queries, rows.group, &rows.kv, rows.first_pos);
     let hd = kv.head_dim;
     assert!(hd.is_multiple_of(16) && group > 0 && q.len() == out.len());
     let nq = q.len() / hd;
@@ -128,7 +117,7 @@ pub(super) unsafe fn prefill_rows(
                     &q[blk.qb0 * hd..(blk.qb0 + blk.nqb) * hd],
                     hd,
                     qp,
-                    scale,
+                    rows.scale,
                     &mut s.qt[ob..ob + hd * qp],
                 )
             };
@@ -145,6 +134,7 @@ pub(super) unsafe fn prefill_rows(
         }
         // The last block sees the most tokens.
         let end = blocks.iter().map(|b| b.end).max().unwrap_or(0);
+        let (block_table, kv_head) = (rows.block_table, rows.kv_head);
         let page = kv.page_size;
         let row = kv.row();
         let kp = kv.k.as_ptr().cast::<u16>();

@@ -44,6 +44,7 @@ use crate::gemm::{AmxActs, gemm_bf16_amx};
 use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
 use crate::math::exp2_approx;
+use crate::multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -355,45 +356,8 @@ fn round_bf16(x: f32) -> f32 {
     f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
 }
 
-/// One body compiled three times (portable, AVX2+FMA, AVX-512) and chosen on
-/// [`Isa::current`]: no `mul_add` is written and the compiler contracts none, so the builds
-/// compute the same operations in the same order and agree bit for bit.
-macro_rules! three_builds {
-    ($(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
-        $(#[$attr])*
-        $vis fn $name($($arg: $ty),*) {
-            #[inline(always)]
-            fn generic($($arg: $ty),*) $body
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma,f16c")]
-            fn avx2($($arg: $ty),*) {
-                generic($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn avx512($($arg: $ty),*) {
-                generic($($arg),*)
-            }
-            #[cfg(target_arch = "x86_64")]
-            {
-                let isa = Isa::current();
-                if isa >= Isa::Avx512Bf16 {
-                    // SAFETY: `Isa::current` is Avx512Bf16 or wider only on a CPU with
-                    // AVX-512 F/BW/VL (and AVX2, FMA, F16C), the features `avx512` uses.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if isa >= Isa::Avx2 {
-                    // SAFETY: `Isa::current` is Avx2 or wider only on a CPU with AVX2, FMA and
-                    // F16C, the features `avx2` uses.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            generic($($arg),*)
-        }
-    };
-}
-
-three_builds! {
+multiversion! {
+    avx512;
     /// The softmax of every head over `n` scores: `scores` `[heads, n]` (unscaled, heads =
     /// `m.len()`) are scaled; per head the max `m`, `e = exp(score − m)`, `l = Σ e` and `p =
     /// bf16(e)` as bf16 bits, row `h` at `h · ld` in `p` (`[heads, ld]`, zeros after the `n`
@@ -500,7 +464,8 @@ pub(crate) fn pv_add(
     pv_add_lanes(p, ld, heads, n, rows, d, out);
 }
 
-three_builds! {
+multiversion! {
+    avx512;
     /// `out[h, c] += Σ_j p[h, j] · rows[j, c]` for `p` `[heads, ld]` (bf16 bits, the first `n`
     /// of each row read; the last row may stop there, so a view from a column offset of a
     /// wider `P` is one too), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =

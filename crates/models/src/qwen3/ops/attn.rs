@@ -397,7 +397,16 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k::cast_bf16_f32(src, dst);
     }
     let mut of = vec![0.0f32; n * per_row];
-    k::prefill_attention_rows_f32(&qf, group, &kv, table, kv_head, first_pos, scale, &mut of);
+    let rows = k::PrefillRows {
+        queries: &qf,
+        group,
+        kv,
+        block_table: table,
+        kv_head,
+        first_pos,
+        scale,
+    };
+    k::prefill_attention_rows_f32(&rows, &mut of);
     // Rounded to bf16 and packed by whole vectors (a per-element rounding and `store_packed`
     // was ~11% of the attention tasks's CPU time in the 0.6B prefill profile).
     let mut ob = vec![bf16::ZERO; of.len()];
