@@ -9,8 +9,9 @@
 //! stay in L2 (`K`-loop speed without the memory stream).
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example dsv4_wo_a_bw -- [ROUNDS [THREADS
-//! [ROWS]]]` (`THREADS`: thread counts separated by commas, default `1,2`; `ROWS`: batch
-//! rows, default 8).
+//! [ROWS [G:N:K]]]]` (`THREADS`: thread counts separated by commas, default `1,2`; `ROWS`:
+//! batch rows, default 8; `G:N:K`: `G` matrices `[N, K]` instead of FLASH's `8:1024:4096`, cut
+//! into at least 8 blocks, e.g. `1:3072:1024` for a Qwen3-0.6B `gate` at batch 16).
 
 mod common;
 
@@ -24,9 +25,12 @@ use simpler_kernels_cpu::{
     GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
 };
 
-const GROUPS: usize = 8;
-const R: usize = 1024;
-const K: usize = 4096;
+/// `(groups, rows per group, K)`: FLASH `wo_a` unless the command line names another shape.
+static SHAPE: std::sync::OnceLock<(usize, usize, usize)> = std::sync::OnceLock::new();
+
+fn shape() -> (usize, usize, usize) {
+    *SHAPE.get().unwrap_or(&(8, 1024, 4096))
+}
 
 /// One pass over `blocks` blocks of `rows_per` weight rows (block `b` is group `b % GROUPS`'s
 /// rows from `b / GROUPS * rows_per`) on `threads` threads; returns the longest thread CPU
@@ -39,6 +43,7 @@ fn pass(
     threads: usize,
     keep: bool,
 ) -> (f64, Vec<(usize, Vec<f32>)>) {
+    let (groups, r_, k) = shape();
     let next = AtomicUsize::new(0);
     let next = &next;
     std::thread::scope(|s| {
@@ -53,17 +58,17 @@ fn pass(
                         if blk >= blocks {
                             break;
                         }
-                        let g = blk % GROUPS;
-                        let r0 = g * R + blk / GROUPS * rows_per;
+                        let g = blk % groups;
+                        let r0 = g * r_ + blk / groups * rows_per;
                         let packed = &packed[g];
-                        let wg = WeightsBf16::new(&w[r0 * K..(r0 + rows_per) * K], rows_per, K);
+                        let wg = WeightsBf16::new(&w[r0 * k..(r0 + rows_per) * k], rows_per, k);
                         let tile = GemmTile {
                             mode: OutMode::Store,
                             ..GemmTile::full(&wg)
                         };
                         gemm_bf16(
                             wg,
-                            PackedActs::new(&packed, batch, K),
+                            PackedActs::new(packed, batch, k),
                             &tile,
                             &mut res,
                             rows_per,
@@ -100,7 +105,12 @@ fn main() {
         t.split(',').map(|v| v.parse().expect("threads")).collect()
     });
     let batch: usize = args.get(2).map_or(8, |a| a.parse().expect("rows"));
-    let w = common::huge_pool(GROUPS * R * K);
+    if let Some(sh) = args.get(3) {
+        let d: Vec<usize> = sh.split(':').map(|v| v.parse().expect("G:N:K")).collect();
+        SHAPE.set((d[0], d[1], d[2])).expect("set once");
+    }
+    let (groups, r_, k) = shape();
+    let w = common::huge_pool(groups * r_ * k);
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     for v in w.iter_mut() {
         s = s
@@ -109,22 +119,27 @@ fn main() {
         *v = bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1);
     }
     // The attention output is rounded to bf16 before `wo_a`.
-    let x: Vec<f32> = (0..batch * GROUPS * K)
+    let x: Vec<f32> = (0..batch * groups * k)
         .map(|i| bf16::from_f32(((i * 7919 % 1000) as f32 - 500.0) / 500.0).to_f32())
         .collect();
     // Each group's activations packed once (the op packs them per block; not timed here).
-    let packed: Vec<Vec<f32>> = (0..GROUPS)
+    let packed: Vec<Vec<f32>> = (0..groups)
         .map(|g| {
-            let mut gx = vec![0.0f32; batch * K];
+            let mut gx = vec![0.0f32; batch * k];
             for t in 0..batch {
-                gx[t * K..(t + 1) * K].copy_from_slice(&x[t * GROUPS * K + g * K..][..K]);
+                gx[t * k..(t + 1) * k].copy_from_slice(&x[t * groups * k + g * k..][..k]);
             }
-            let mut p = vec![0.0f32; packed_len(batch, K)];
-            pack_acts_f32(&gx, batch, K, &mut p);
+            let mut p = vec![0.0f32; packed_len(batch, k)];
+            pack_acts_f32(&gx, batch, k, &mut p);
             p
         })
         .collect();
-    let whole = (GROUPS, R);
+    // At least 8 blocks (the graph's 4 per core), each inside one group.
+    let whole = if groups >= 8 {
+        (groups, r_)
+    } else {
+        (8 / groups * groups, r_ / (8 / groups))
+    };
     let cached = (1usize, 24usize);
     for case in [whole, cached] {
         set_avx2_spread_prefetch(false);
@@ -134,11 +149,11 @@ fn main() {
         assert!(a == b, "the spread prefetch changes the bits");
     }
     let bw_buf = vec![1u64; (256usize << 20) / 8];
-    let flop = |c: (usize, usize)| (2 * batch * c.0 * c.1 * K) as f64;
-    let bytes = |c: (usize, usize)| (c.0 * c.1 * K * 2) as f64;
+    let flop = |c: (usize, usize)| (2 * batch * c.0 * c.1 * k) as f64;
+    let bytes = |c: (usize, usize)| (c.0 * c.1 * k * 2) as f64;
     let mut cases: Vec<(String, (usize, usize), usize, usize)> = threads
         .iter()
-        .map(|&t| (format!("wo_a FLASH, {t} thr"), whole, t, 1))
+        .map(|&t| (format!("{groups} x [{r_}, {k}], {t} thr"), whole, t, 1))
         .collect();
     cases.push(("24 rows in L2, 1 thr, x80".into(), cached, 1, 80));
     for (name, case, t, reps) in cases {
