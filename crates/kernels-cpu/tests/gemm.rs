@@ -212,6 +212,57 @@ fn every_batch_at_ragged_shapes() {
     }
 }
 
+/// The AVX2 spread prefetch (from two groups of four batch rows, the first two groups each
+/// prefetch half of the next pass's rows at half the rate) changes only where the prefetches
+/// point: the same bits with it on and off, at batches of one group and of two to five
+/// (padded last groups, left-over rows, several activation blocks at `K = 8200`), row counts
+/// on and off multiples of the pass's three rows and its 32-row streams, `K` off the 32- and
+/// 16-element steps and tiles starting mid-matrix; and within the reference's bound.
+#[test]
+fn spread_prefetch_changes_no_bits() {
+    use simpler_kernels_cpu::gemm::set_avx2_spread_prefetch;
+    let mut seed = 71;
+    for batch in [4usize, 5, 7, 8, 9, 11, 12, 16, 19, 35] {
+        for (n, k) in [
+            (7usize, 1000usize),
+            (101, 530),
+            (200, 72),
+            (3, 40),
+            (97, 8200),
+        ] {
+            let c = GemmCase::new(n, k, batch, (n * k + batch) as u64 + 7);
+            let w = WeightsBf16::new(&c.w, n, k);
+            let mid = GemmTile {
+                n: 1.min(n - 1)..n,
+                k: 3..k - 5,
+                mode: OutMode::Add,
+            };
+            for tile in [GemmTile::full(&w), mid] {
+                let ld = tile.n.len() + 1;
+                let seed_out = Rng(seed).vec_f32((batch - 1) * ld + tile.n.len(), 1.0);
+                let run = |on: bool| {
+                    all_paths("gemm spread prefetch", || {
+                        set_avx2_spread_prefetch(on);
+                        let out = c.run(WeightLayout::RowMajor, &tile, None, &seed_out, ld);
+                        set_avx2_spread_prefetch(true);
+                        out
+                    })
+                };
+                let (off, on) = (run(false), run(true));
+                for ((path, a), (_, b)) in off.iter().zip(&on) {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{} batch {batch} [{n}, {k}] {tile:?}: the spread prefetch changed bits",
+                        path.name()
+                    );
+                }
+                check(&c, tile, false, seed);
+                seed += 1;
+            }
+        }
+    }
+}
+
 /// Batch 1 (the AVX2 pass cuts a tile's rows into four streams and does the rows left over
 /// one at a time): row counts on and off multiples of four, from one row to more than one
 /// pass, `K` bodies on 32 elements, ending on a 16-element half step, and off both (the edge

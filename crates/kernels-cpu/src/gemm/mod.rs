@@ -57,7 +57,7 @@
 
 use std::cell::Cell;
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use half::bf16;
 
@@ -135,6 +135,25 @@ pub fn with_avx2_panel_min_batch<R>(min: usize, f: impl FnOnce() -> R) -> R {
     }
     let _restore = Restore(AVX2_PANEL_OVERRIDE.with(|o| o.replace(Some(min.max(1)))));
     f()
+}
+
+/// Whether the AVX2 assembly pass spreads the prefetch of a pass's successor over its first
+/// two groups of batch rows (the default), set process-wide by [`set_avx2_spread_prefetch`].
+static AVX2_SPREAD_PREFETCH: AtomicBool = AtomicBool::new(true);
+
+/// Turns the AVX2 path's spread prefetch on (the default) or off for every thread, so a
+/// benchmark can alternate the two in one process. On: at 7 batch rows and more, the first
+/// two groups of four batch rows of a pass each prefetch half of the next pass's weight rows,
+/// at half the rate. Off: the second group prefetches all of them and the first runs ahead in
+/// its own rows. Results are the same bits either way; other paths ignore it.
+pub fn set_avx2_spread_prefetch(on: bool) {
+    AVX2_SPREAD_PREFETCH.store(on, Ordering::Relaxed);
+}
+
+/// Whether the AVX2 spread prefetch is on ([`set_avx2_spread_prefetch`]).
+#[cfg(target_arch = "x86_64")]
+fn avx2_spread_prefetch() -> bool {
+    AVX2_SPREAD_PREFETCH.load(Ordering::Relaxed)
 }
 
 /// The least batch of the AVX2 packed prefill kernel in force on this thread (`default` when

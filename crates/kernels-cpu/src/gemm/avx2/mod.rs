@@ -12,9 +12,12 @@
 //!   `3 × (batch % 4)` intrinsics pass. The rows left at a tile's end (fewer than three) run
 //!   the assembly pass with a row repeated too. Activations are taken in blocks that fit in
 //!   L2, so a prefill's many rows re-stream the weights once per block.
-//! - Memory: a pass's loads and prefetches bring its three rows into L1 while the first group
-//!   of batch rows runs; the second group, which finds them there, prefetches the next pass's
-//!   rows instead, so from batch 8 the weight stream overlaps FMAs that do not wait on it.
+//! - Memory: from batch 7 (two groups of batch rows) each of the first two groups prefetches
+//!   half of the next pass's rows at half the rate, so the weight stream runs through the whole
+//!   pass and overlaps FMAs that do not wait on it (with the second group alone prefetching
+//!   them, it asked for the rows at twice a core's share of the bandwidth and left memory idle
+//!   during the first group: `set_avx2_spread_prefetch` alternates the two). A single group
+//!   prefetches ahead in its own rows and on into the next pass's.
 //! - Batch 64 and up (prefill; `set_avx2_panel_min_batch` moves the threshold): the packed
 //!   GEMM of [`panel`], each weight widened once per call into fp32 panels.
 //!
@@ -270,17 +273,21 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
         let bend = (bo + block).min(full);
         // Every batch block covers the same rows; the last leaves `n0` at the first row left.
         n0 = lw.n.start;
+        let spread = super::avx2_spread_prefetch() && bend - bo > quad::QB;
         while n0 + quad::QR <= lw.n.end {
             let rs = ((lw.n.end - n0) / quad::QR).min(ROW_STRIDE);
             for h in 0..rs {
                 let next = next_stream(h, rs, quad::QR);
                 for b0 in (bo..bend).step_by(quad::QB) {
-                    // The second group of a block fetches the next pass's rows: the first
+                    // The first two groups of a block each fetch half of the next pass's
+                    // rows, at half the rate, so the weight stream runs through the whole
+                    // pass (`spread`); else the second group fetches all of them: the first
                     // group's loads brought this pass's rows into L1.
-                    let pf = if b0 == bo + quad::QB {
-                        Prefetch::NextPass
-                    } else {
-                        Prefetch::Ahead
+                    let pf = match b0 - bo {
+                        0 if spread => Prefetch::NextHalf(0),
+                        quad::QB if spread => Prefetch::NextHalf(1),
+                        quad::QB => Prefetch::NextPass,
+                        _ => Prefetch::Ahead,
                     };
                     let bv = quad::QB.min(lw.batch - b0);
                     // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
@@ -320,6 +327,11 @@ enum Prefetch {
     /// The next pass's rows at the same positions (a pass whose own rows are already in L1,
     /// so the next pass's memory stream overlaps this pass's FMAs).
     NextPass,
+    /// Half `h` (0: `K`'s first half, 1: its second) of the next pass's rows, at half the
+    /// rate, over the whole pass: two groups of batch rows fetch the next pass between them at
+    /// the pace the pair of them spends on a pass (one group alone asks for the rows twice as
+    /// fast as a core's share of the bandwidth, then leaves memory idle for the other).
+    NextHalf(usize),
 }
 
 /// Weight rows `n0 + rstride * r` (`r < rows`, `rows <= QR`) against batch rows
@@ -366,7 +378,10 @@ unsafe fn quad_block(
             (next * ldw).wrapping_sub(klen),
         ),
         Prefetch::NextPass => (0, 0, next * ldw),
+        // One run ending `(h + 1) · klen / 2` elements into the next pass's rows.
+        Prefetch::NextHalf(h) => (0, 0, (next * ldw + (h + 1) * klen / 2).wrapping_sub(klen)),
     };
+    let half_pf = matches!(pf, Prefetch::NextHalf(_));
     for (end, pf_shift) in [(split, 0), (klen, wrap)] {
         let start = if end == split { 0 } else { split };
         let run = quad::Run {
@@ -378,6 +393,7 @@ unsafe fn quad_block(
             }),
             x: x.map(|row| row[..end].as_ptr_range().end),
             len: end - start,
+            half_pf,
         };
         // SAFETY: the `len` elements before each stream end are `row[start..end]`, inside the
         // slices above; `len` is a multiple of 16 (klen is, and `split` of 32); AVX2/FMA by

@@ -112,8 +112,11 @@ pub(super) struct Run {
     /// The three weight rows (bf16 bits).
     pub w: [*const u16; QR],
     /// Where each row stream's prefetch points at the end of the run (one line per 32
-    /// elements, touched from `pf - len`).
+    /// elements, touched from `pf - len`; with `half_pf`, half a line per 32 elements, touched
+    /// from `pf - len / 2`).
     pub pf: [*const u16; QR],
+    /// Prefetch at half the rate: each stream covers `len / 2` elements over the run.
+    pub half_pf: bool,
     /// The four packed activation rows.
     pub x: [*const f32; QB],
     /// Elements covered.
@@ -154,47 +157,58 @@ pub(super) unsafe fn accumulate(acc: &mut [__m256; QR * QB], run: &Run) {
     // streams through pointers moved back by the tail.
     let pairs = run.len / 32;
     let tail = run.len - pairs * 32;
+    // The same loop with the prefetches at `p + k*2` (a line per 32 elements) or `p + k`
+    // (half a line per 32 elements, so a stream covers half the run's elements).
+    macro_rules! run_loop {
+        ($pf:literal) => {
+            asm!(
+                "test {k}, {k}",
+                "jz 3f",
+                "2:",
+                concat!("prefetcht0 [{p0} + ", $pf, "]"),
+                concat!("prefetcht0 [{p1} + ", $pf, "]"),
+                concat!("prefetcht0 [{p2} + ", $pf, "]"),
+                step16!("0", "0"),
+                step16!("32", "64"),
+                "add {k}, 32",
+                "jnz 2b",
+                "3:",
+                "test {tail}, {tail}",
+                "jz 4f",
+                step16!("0", "0"),
+                "4:",
+                k = inout(reg) -((pairs * 32) as isize) => _,
+                tail = in(reg) tail,
+                w0 = in(reg) run.w[0].wrapping_sub(tail),
+                w1 = in(reg) run.w[1].wrapping_sub(tail),
+                w2 = in(reg) run.w[2].wrapping_sub(tail),
+                p0 = in(reg) run.pf[0].wrapping_sub(tail),
+                p1 = in(reg) run.pf[1].wrapping_sub(tail),
+                p2 = in(reg) run.pf[2].wrapping_sub(tail),
+                x0 = in(reg) run.x[0].wrapping_sub(tail),
+                x1 = in(reg) run.x[1].wrapping_sub(tail),
+                x2 = in(reg) run.x[2].wrapping_sub(tail),
+                x3 = in(reg) run.x[3].wrapping_sub(tail),
+                mask = sym ODD_MASK,
+                inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+                inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+                inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nostack, readonly),
+            )
+        };
+    }
     // SAFETY: every load is at `p + k*scale + d` for a stream end `p` moved back by `tail`,
     // with the element offset `k + d/scale` in `[-pairs*32, 0)` in the loop and `[0, tail)`
     // in the tail step, relative to `end - tail`: inside the `len` elements before the stream
     // end, readable by the contract. Prefetches may point anywhere. Only ymm0–15 and `k` are
     // written, all declared; no stack, no memory writes.
     unsafe {
-        asm!(
-            "test {k}, {k}",
-            "jz 3f",
-            "2:",
-            "prefetcht0 [{p0} + {k}*2]",
-            "prefetcht0 [{p1} + {k}*2]",
-            "prefetcht0 [{p2} + {k}*2]",
-            step16!("0", "0"),
-            step16!("32", "64"),
-            "add {k}, 32",
-            "jnz 2b",
-            "3:",
-            "test {tail}, {tail}",
-            "jz 4f",
-            step16!("0", "0"),
-            "4:",
-            k = inout(reg) -((pairs * 32) as isize) => _,
-            tail = in(reg) tail,
-            w0 = in(reg) run.w[0].wrapping_sub(tail),
-            w1 = in(reg) run.w[1].wrapping_sub(tail),
-            w2 = in(reg) run.w[2].wrapping_sub(tail),
-            p0 = in(reg) run.pf[0].wrapping_sub(tail),
-            p1 = in(reg) run.pf[1].wrapping_sub(tail),
-            p2 = in(reg) run.pf[2].wrapping_sub(tail),
-            x0 = in(reg) run.x[0].wrapping_sub(tail),
-            x1 = in(reg) run.x[1].wrapping_sub(tail),
-            x2 = in(reg) run.x[2].wrapping_sub(tail),
-            x3 = in(reg) run.x[3].wrapping_sub(tail),
-            mask = sym ODD_MASK,
-            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
-            inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
-            inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
-            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-            options(nostack, readonly),
-        );
+        if run.half_pf {
+            run_loop!("{k}");
+        } else {
+            run_loop!("{k}*2");
+        }
     }
     *acc = [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11];
 }

@@ -90,6 +90,8 @@ pub(crate) mod wo_b {
 thread_local! {
     /// Per-core buffers of the attention tasks, kept between tasks.
     static ATTN_SCRATCH: RefCell<AttnScratch> = RefCell::new(AttnScratch::default());
+    /// Per-core buffers of the `wo_a` tasks (packed activations, the block's sums).
+    static WO_A_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The RoPE table's pair count (`[positions, pairs]`).
@@ -434,32 +436,36 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(NAME, "o_r is not [tokens, groups · o_lora]"));
     }
     let (c0, n) = (out.first_col(), out.row_len());
-    let mut packed = vec![0.0f32; packed_len(rows, kg)];
-    let mut group_x = vec![0.0f32; rows * kg];
-    let mut res = vec![0.0f32; rows * n];
-    let mut c = c0;
-    while c < c0 + n {
-        let g = c / r;
-        let end = ((g + 1) * r).min(c0 + n);
-        for t in 0..rows {
-            group_x[t * kg..(t + 1) * kg]
-                .copy_from_slice(&x[t * width + g * kg..t * width + (g + 1) * kg]);
+    // The packed group rows and the block's sums live in per-core buffers kept between tasks:
+    // at FLASH shapes each is ~128 KiB, past the allocator's mmap threshold, so fresh vectors
+    // cost a mapping and its page faults on every block.
+    WO_A_SCRATCH.with_borrow_mut(|(packed, res)| {
+        let ld = kc::packed_ld(kg);
+        packed.resize(packed_len(rows, kg), 0.0);
+        res.resize(rows * n, 0.0);
+        let mut c = c0;
+        while c < c0 + n {
+            let g = c / r;
+            let end = ((g + 1) * r).min(c0 + n);
+            for t in 0..rows {
+                let src = &x[t * width + g * kg..t * width + (g + 1) * kg];
+                kc::pack_acts_f32(src, 1, kg, &mut packed[t * ld..(t + 1) * ld]);
+            }
+            let wg = WeightsBf16::new(&w[c * kg..end * kg], end - c, kg);
+            let tile = GemmTile::full(&wg);
+            kc::gemm_bf16(
+                wg,
+                PackedActs::new(&packed[..], rows, kg),
+                &tile,
+                &mut res[c - c0..],
+                n,
+            );
+            c = end;
         }
-        kc::pack_acts_f32(&group_x, rows, kg, &mut packed);
-        let wg = WeightsBf16::new(&w[c * kg..end * kg], end - c, kg);
-        let tile = GemmTile::full(&wg);
-        kc::gemm_bf16(
-            wg,
-            PackedActs::new(&packed, rows, kg),
-            &tile,
-            &mut res[c - c0..],
-            n,
-        );
-        c = end;
-    }
-    for t in 0..rows {
-        out.row(t).copy_from_slice(&res[t * n..(t + 1) * n]);
-    }
+        for t in 0..rows {
+            out.row(t).copy_from_slice(&res[t * n..(t + 1) * n]);
+        }
+    });
     Ok(())
 }
 
