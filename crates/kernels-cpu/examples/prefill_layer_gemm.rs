@@ -9,7 +9,10 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example prefill_layer_gemm -- [--rows 512]
 //! [--layers 4] [--reps 4] [--a q=8,k=8,v=8,o=8,gu=12,d=8] [--b q=4,k=2,v=2,o=4,gu=12,d=4]
-//! [--a-zero 1] [--b-zero 0]`
+//! [--a-zero 1] [--b-zero 0] [--threads 2] [--b-layers N]`
+//!
+//! `--b-layers N` has B cycle over the first `N` layers' weights only (1: one layer, 30 MiB,
+//! mostly in the 32 MiB L3 between passes), to price the weights' trip from memory.
 //!
 //! `--a-zero` / `--b-zero` (default 1 / 0) zero each block's scratch first, as the step's
 //! kernels did before session 16. `--ceiling N,K,batch` instead repeats one small product on
@@ -144,6 +147,11 @@ fn main() {
     let rows: usize = common::arg("--rows").map_or(512, |s| s.parse().expect("--rows"));
     let layers: usize = common::arg("--layers").map_or(4, |s| s.parse().expect("--layers"));
     let reps: usize = common::arg("--reps").map_or(4, |s| s.parse().expect("--reps"));
+    // B's distinct layers (cycled): 1 keeps one layer's 30 MiB of weights mostly in L3.
+    let lb: usize = common::arg("--b-layers")
+        .map_or(layers, |s| s.parse().expect("--b-layers"))
+        .clamp(1, layers);
+    let threads: usize = common::arg("--threads").map_or(2, |s| s.parse().expect("--threads"));
     let sa = parse_split(&common::arg("--a").unwrap_or_else(|| "q=8".into()));
     let sb = parse_split(&common::arg("--b").unwrap_or_else(|| "q=4,k=2,v=2,o=4,d=4".into()));
     let za = common::arg("--a-zero").is_none_or(|s| s != "0");
@@ -193,7 +201,7 @@ fn main() {
     ];
     let names = ["qkv", "o", "gate/up", "down"];
 
-    let run = |sp: Split, zero: bool, outs: &mut Outs| -> ([f64; 4], f64) {
+    let run = |sp: Split, zero: bool, distinct: usize, outs: &mut Outs| -> ([f64; 4], f64) {
         let phases = [
             jobs(&[
                 (Prod::Q, QW, sp.q),
@@ -205,7 +213,7 @@ fn main() {
             jobs(&[(Prod::D, H, sp.d)]),
         ];
         let counters: Vec<AtomicUsize> = (0..layers * 4).map(|_| AtomicUsize::new(0)).collect();
-        let barrier = Barrier::new(2);
+        let barrier = Barrier::new(threads);
         let op = OutPtrs {
             q: outs.q.as_mut_ptr(),
             k: outs.k.as_mut_ptr(),
@@ -216,7 +224,7 @@ fn main() {
         let (xn, xa, xm) = (&xn, &xa, &xm);
         let (phases, counters, barrier, ws) = (&phases, &counters, &barrier, &ws);
         let res: Vec<([f64; 4], f64)> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
+            let hs: Vec<_> = (0..threads)
                 .map(|_| {
                     s.spawn(move || {
                         let mut scratch = vec![0.0f32; 2 * rows * I];
@@ -224,11 +232,13 @@ fn main() {
                         let ones = vec![1.0f32; rows];
                         barrier.wait();
                         let f0 = common::thread_cpu_seconds();
+                        // SAFETY: AVX2 and FMA are detected (asserted in main).
                         std::hint::black_box(unsafe { fma_chains(FMA_ITERS) });
                         let fma =
                             FMA_ITERS as f64 * 192.0 / (common::thread_cpu_seconds() - f0) / 1e9;
                         let mut t = [0.0f64; 4];
-                        for (l, w) in ws.iter().enumerate() {
+                        for l in 0..layers {
+                            let w = &ws[l % distinct];
                             for (ph, js) in phases.iter().enumerate() {
                                 barrier.wait();
                                 let c0 = common::thread_cpu_seconds();
@@ -269,19 +279,23 @@ fn main() {
                 t[p] += ti[p];
             }
         }
-        let fma = res.iter().map(|r| r.1).sum::<f64>() / 2.0;
+        let fma = res.iter().map(|r| r.1).sum::<f64>() / threads as f64;
         (t, fma)
     };
 
     // Warm-up of both.
-    run(sa, za, &mut outs);
-    run(sb, zb, &mut outs);
+    run(sa, za, layers, &mut outs);
+    run(sb, zb, lb, &mut outs);
     let mut res: [Vec<([f64; 4], f64)>; 2] = [Vec::new(), Vec::new()];
     for r in 0..reps {
         let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
         for which in order {
-            let (sp, z) = if which == 0 { (sa, za) } else { (sb, zb) };
-            let x = run(sp, z, &mut outs);
+            let (sp, z, d) = if which == 0 {
+                (sa, za, layers)
+            } else {
+                (sb, zb, lb)
+            };
+            let x = run(sp, z, d, &mut outs);
             let tot: f64 = x.0.iter().sum();
             println!(
                 "{} cpu {:.1} ms (qkv {:.1}, o {:.1}, gu {:.1}, d {:.1}); {:.1}% of FMA ({:.1} GFLOP/s/thread)",
