@@ -1,11 +1,11 @@
 //! The Qwen3-0.6B prefill layer's four GEMM phases as the step runs them — q/k/v together, then
-//! o (added into the residual), gate/up with SwiGLU, down (added) — on 2 threads that claim
-//! SPMD blocks from a shared counter, over several layers' weights (so each layer's weights
-//! come from memory, as in the step, not from L3 as in a one-shape loop). Two block splits
+//! o (added into the residual), gate/up with SwiGLU, down (added) — on 2 threads (`--threads`)
+//! that claim SPMD blocks from a shared counter, over several layers' weights (so each layer's
+//! weights come from memory, as in the step, not from L3 as in a one-shape loop). Two block splits
 //! (`--a` and `--b`, blocks per projection) alternate A B B A; each pass's cost is the CPU time
-//! of both threads (time spent waiting at a phase end or descheduled does not count), printed
-//! per phase as GFLOP per CPU second and as % of the FMA rate the same threads measured just
-//! before the pass in thread CPU time.
+//! of the threads (time spent waiting at a phase end or descheduled does not count), printed
+//! per phase as CPU ms and, over the runs, as % of the FMA rate the same threads measured just
+//! before each pass in thread CPU time, with the median of the paired ratios B/A.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example prefill_layer_gemm -- [--rows 512]
 //! [--layers 4] [--reps 4] [--a q=8,k=8,v=8,o=8,gu=12,d=8] [--b q=4,k=2,v=2,o=4,gu=12,d=4]
