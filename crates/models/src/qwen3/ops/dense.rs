@@ -24,7 +24,7 @@ use crate::qwen3::quant::{int8_record, record_scale};
 
 use super::args::{argmax, gate_up, gemm, lm_head};
 use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
-use super::{bad, check_packed, check_packed_range, dims2, with_scratch};
+use super::{bad, check_packed, check_packed_range, dims2, with_scratch_dirty};
 
 /// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
 /// scale), told apart by the bound dtype.
@@ -198,7 +198,8 @@ fn gemm_into_rows(
         run_gemm(w, x, tile, scale, out.row(0), n);
         return;
     }
-    with_scratch(rows * n, |s| {
+    // Every element is copied in (`Add`) or stored by the product before it is read.
+    with_scratch_dirty(rows * n, |s| {
         if tile.mode == OutMode::Add {
             for (dst, src) in s.chunks_exact_mut(n).zip(out.iter_mut()) {
                 dst.copy_from_slice(src);
@@ -337,6 +338,12 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
     Ok(())
 }
 
+thread_local! {
+    /// A gate/up block's SwiGLU rows (bf16) before they are packed, kept across blocks so no
+    /// block allocates and zeroes them.
+    static ACT: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gate_up_swiglu_bf16";
     let GateUpScalars {
@@ -391,16 +398,23 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             &ones
         }
     };
-    let mut act = vec![bf16::ZERO; rows * n];
-    with_scratch(2 * rows * n, |s| {
-        let (gate, up) = s.split_at_mut(rows * n);
-        run_gemm(wg, &x, &full, None, gate, n);
-        run_gemm(wu, &x, &full, None, up, n);
-        k::swiglu_bf16(gate, up, scale, &mut act);
+    ACT.with_borrow_mut(|act| {
+        // Stale values are fine: SwiGLU writes every element before the rows are packed.
+        if act.len() < rows * n {
+            act.resize(rows * n, bf16::ZERO);
+        }
+        let act = &mut act[..rows * n];
+        // Both products store every element of their halves.
+        with_scratch_dirty(2 * rows * n, |s| {
+            let (gate, up) = s.split_at_mut(rows * n);
+            run_gemm(wg, &x, &full, None, gate, n);
+            run_gemm(wu, &x, &full, None, up, n);
+            k::swiglu_bf16(gate, up, scale, act);
+        });
+        for (b, dst) in out.iter_mut().enumerate() {
+            k::pack_segment_bf16(&act[b * n..(b + 1) * n], c0, inter, dst);
+        }
     });
-    for (b, dst) in out.iter_mut().enumerate() {
-        k::pack_segment_bf16(&act[b * n..(b + 1) * n], c0, inter, dst);
-    }
     Ok(())
 }
 

@@ -229,6 +229,19 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
+/// Runs `f` with a scratch slice of `len` floats owned by this thread, holding whatever an
+/// earlier call left (not zeroed: for callers that write every element before reading it,
+/// where zeroing was a pass over up to 1 MiB per GEMM block).
+fn with_scratch_dirty<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buf = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    let r = f(&mut buf[..len]);
+    SCRATCH.with(|s| *s.borrow_mut() = buf);
+    r
+}
+
 /// An argument-shape error naming the kernel.
 fn bad(kernel: &str, what: impl std::fmt::Display) -> KernelError {
     KernelError::new(format!("{kernel}: {what}"))
