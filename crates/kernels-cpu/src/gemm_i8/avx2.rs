@@ -4,10 +4,11 @@
 //! accumulator in a register; the activation rows of a block stay in L1 while the weight
 //! rows stream.
 //!
-//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) run each block over
-//! the whole slice, prefetching the next block's rows: 4 weight rows × 2 batch rows at 1–2
-//! rows, and at 3–4 rows one pass of 3 × 3 or 2 × 4, so that each `|w|` serves the whole
-//! batch and the weights are read once. Batches of [`MIN_SETS_BATCH`] rows or
+//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) walk a tile's rows
+//! as far-apart streams, one row of each per block over the whole slice against the whole
+//! batch, each stream prefetching its next row: 4 streams at 1–2 batch rows, 3 at 3 rows, 2
+//! at 4 (so that each `|w|` serves the whole batch and the weights are read once); blocks of
+//! adjacent rows streamed at about half the speed on Zen 3. Batches of [`MIN_SETS_BATCH`] rows or
 //! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
 //! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
 //! activations and weights stay in L1 through the block's passes, the accumulators kept in
@@ -42,9 +43,9 @@ const R3: usize = 3;
 /// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
 const B_WIDE: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
-/// the weights bandwidth bound, where the row blocks of [`block_maddubs`] prefetching the
-/// next block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]`
-/// streamed from memory, Zen 3).
+/// the weights bandwidth bound, where row blocks over the whole slice prefetching the next
+/// block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]` streamed
+/// from memory, Zen 3), and the far-apart streams of [`streams`] faster again.
 const MIN_SETS_BATCH: usize = 5;
 /// Batch rows whose `vpmaddubsw` accumulators a block of weight rows keeps between chunks
 /// (the decode batch of 8 in one set).
@@ -105,12 +106,10 @@ fn starts<const RR: usize, const BB: usize>(
 }
 
 /// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
-/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound): 1 row
-/// as [`R`] far-apart row streams ([`gemv_quarters`]), 2 in blocks of [`R`] adjacent rows ×
-/// [`B`] batch rows ([`block_maddubs`]), 3 in blocks of
-/// [`R3`] × 3 ([`block_maddubs_3`]), 4 in blocks of [`R_WIDE`] × [`B_WIDE`]
-/// ([`block_maddubs_wide`]); larger batches take the chunked sets of [`rows_maddubs`]
-/// (compute bound).
+/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound) as
+/// far-apart row streams: 1 row as [`R`] streams ([`gemv_quarters`]), 2 as [`R`] streams ×
+/// [`B`] batch rows, 3 as [`R3`] × 3, 4 as [`R_WIDE`] × [`B_WIDE`] ([`streams`]); larger
+/// batches take the chunked sets of [`rows_maddubs`] (compute bound).
 ///
 /// # Safety
 /// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
@@ -124,20 +123,14 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             return;
         }
         if first.batch == 3 {
-            drive!(segs, out, ld_out, R3, 3, STEP, block_maddubs_3, 0i32);
+            // SAFETY: forwarded contract; batch 3 as checked.
+            unsafe { streams::<R3, 3>(segs, out, ld_out) };
         } else if first.batch >= MIN_WIDE_BATCH {
-            drive!(
-                segs,
-                out,
-                ld_out,
-                R_WIDE,
-                B_WIDE,
-                STEP,
-                block_maddubs_wide,
-                0i32
-            );
+            // SAFETY: forwarded contract; batch 4 (between 3 and `MIN_SETS_BATCH`).
+            unsafe { streams::<R_WIDE, B_WIDE>(segs, out, ld_out) };
         } else {
-            drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+            // SAFETY: forwarded contract; batch 2 (under `MIN_WIDE_BATCH`, not 1).
+            unsafe { streams::<R, B>(segs, out, ld_out) };
         }
         return;
     }
@@ -154,51 +147,6 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             n0 += 1;
         }
     }
-}
-
-/// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; B]; R],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R, B, false>(lw, n0, 1, b0, sums) }
-}
-
-/// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of 3–4).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; B_WIDE]; R_WIDE],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, 1, b0, sums) }
-}
-
-/// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs_3<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; 3]; R3],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R3, 3, true>(lw, n0, 1, b0, sums) }
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
@@ -484,7 +432,7 @@ pub(super) unsafe fn gemm_vnni(segs: &[Lowered<'_>], out: &mut [f32], ld_out: us
     drive!(&lo, out, ld_out, R_VNNI, B_VNNI, STEP, block_vnni, 0i32);
 }
 
-/// `sums[r][b]` as [`block_maddubs`], with `vpdpbusd` of `w + 128` against the activations
+/// `sums[r][b]` as [`block_into`], with `vpdpbusd` of `w + 128` against the activations
 /// and the offset (`128 ·` the activation row's sum) removed.
 ///
 /// # Safety
@@ -505,14 +453,14 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
         let w: [__m256i; RR] = std::array::from_fn(|r| {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
             prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
-            // SAFETY: as in `block_maddubs`.
+            // SAFETY: as in `block_into`.
             _mm256_xor_si256(
                 unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) },
                 flip,
             )
         });
         for b in 0..BB {
-            // SAFETY: as in `block_maddubs`.
+            // SAFETY: as in `block_into`.
             let a = unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) };
             for r in 0..RR {
                 acc[r][b] = _mm256_dpbusd_avx_epi32(acc[r][b], w[r], a);
@@ -624,6 +572,58 @@ unsafe fn gemv_quarters(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
         run(first.n.start + i, R, len);
     }
     for n in first.n.start + R * len..first.n.end {
+        run(n, 1, 1);
+    }
+}
+
+/// Batches of 2–4 (`BM` rows): the tile's rows as `RR` contiguous ranges walked side by side,
+/// one row of each per block against the whole batch (each stream reads consecutive rows, its
+/// prefetch one row ahead), as [`gemv_quarters`] does for one batch row; the `rows % RR` rows
+/// left over one at a time. On Zen 3 (one thread, the 0.6B projections from memory, thread
+/// CPU time, alternating) this took 0.51× the time of blocks of adjacent rows at batch 2,
+/// 0.64× at 3 and 0.71× at 4 (`docs/benchmarks.md`).
+///
+/// # Safety
+/// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major,
+/// batch `BM`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn streams<const RR: usize, const BM: usize>(
+    segs: &[Lowered<'_>],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let first = &segs[0];
+    debug_assert_eq!(first.batch, BM);
+    let len = first.n.len() / RR;
+    let mut run = |n0: usize, nr: usize, rstride: usize| {
+        for lw in segs {
+            let tail = lw.k.start + lw.k.len() / STEP * STEP..lw.k.end;
+            let mut sums = [[0i32; BM]; RR];
+            if nr == RR {
+                // SAFETY: rows n0 + rstride * r (r < RR) lie inside the tile, the batch is
+                // `BM` rows; the caller's contract covers the rest.
+                unsafe { block_into::<RR, BM, RR, BM, true>(lw, n0, rstride, 0, &mut sums) };
+            } else {
+                // SAFETY: row n0 lies inside the tile; as above.
+                unsafe { block_into::<1, BM, RR, BM, true>(lw, n0, 1, 0, &mut sums) };
+            }
+            for (r, row) in sums.iter().enumerate().take(nr) {
+                let n = n0 + rstride * r;
+                for (b, &v) in row.iter().enumerate() {
+                    let t = if tail.is_empty() {
+                        0
+                    } else {
+                        lw.dot(n, b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b, v.wrapping_add(t));
+                }
+            }
+        }
+    };
+    for i in 0..len {
+        run(first.n.start + i, RR, len);
+    }
+    for n in first.n.start + RR * len..first.n.end {
         run(n, 1, 1);
     }
 }
