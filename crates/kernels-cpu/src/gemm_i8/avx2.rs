@@ -34,13 +34,14 @@ const STEP: usize = 32;
 /// (`[2048, 4096]`) took 0.72–0.86× the thread CPU time and 4 rows 0.80–0.91×
 /// (`docs/benchmarks.md`).
 const MIN_WIDE_BATCH: usize = 3;
-/// Weight rows per block of the batches of 3–4 rows.
+/// Weight rows per block of the batches of 4 rows (and of the wide product from batch 2).
 const R_WIDE: usize = 2;
 /// Weight rows per block of a batch of 3: three row streams (the 4-row batches' blocks have
 /// two) and `3 · 3` accumulators.
 const R3: usize = 3;
-/// Most batch rows per block of the batches of 3–4 rows (`R_WIDE * B_WIDE` accumulators, the
-/// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
+/// Most batch rows per block of the batches of 4 rows and of the wide product (`R_WIDE *
+/// B_WIDE` accumulators, the `B_WIDE` activation vectors, `|w|`, a product and the constant
+/// fit 16 registers).
 const B_WIDE: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
 /// the weights bandwidth bound, where row blocks over the whole slice prefetching the next
@@ -489,59 +490,24 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     }
 }
 
-/// Wide product: int8 widened to fp32 (`vpmovsxbd`, `vcvtdq2ps`), FMA against fp32 rows.
+/// Wide product: int8 widened to fp32 (`vpmovsxbd`, `vcvtdq2ps`), FMA against fp32 rows; the
+/// tile's rows as far-apart streams ([`wide_streams`]): four at batch 1, two against groups
+/// of up to four batch rows from batch 2 (each widened weight vector feeds every batch row of
+/// the group). On Zen 3 (one thread, the 0.6B projections from memory, thread CPU time,
+/// alternating) this took 0.70× the time of the blocks of 4 adjacent rows × 2 batch rows at
+/// batch 1, 0.86× at 4 and 0.94× at 16; 3 × 4 or 2 × 6 blocks spill and ran 1.2× slower
+/// (`docs/benchmarks.md`).
 ///
 /// # Safety
 /// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(
-        std::slice::from_ref(lw),
-        out,
-        ld_out,
-        R,
-        B,
-        8,
-        block_wide,
-        0.0f32
-    );
-}
-
-/// `sums[r][b]` of the body in steps of 8.
-///
-/// # Safety
-/// AVX2 and FMA available; the rows lie inside the tile of a checked `lw`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_wide<const RR: usize, const BB: usize>(
-    lw: &LoweredWide<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[f32; B]; R],
-) {
-    let steps = lw.k.len() / 8;
-    let k0 = lw.k.start;
-    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
-    let xp: [*const f32; BB] = std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + k0..].as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); BB]; RR];
-    for s in 0..steps {
-        // SAFETY: `s * 8 + 8 <= k.len()` values lie after each start pointer.
-        let x: [__m256; BB] = std::array::from_fn(|b| unsafe { _mm256_loadu_ps(xp[b].add(s * 8)) });
-        for r in 0..RR {
-            if s % 8 == 0 {
-                // As in the W8A8 blocks: the next block's rows, a cache line per 64 bytes.
-                prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * 8));
-            }
-            // SAFETY: as above (8 bytes of the weight row).
-            let w8 = unsafe { _mm_loadl_epi64(wp[r].add(s * 8).cast()) };
-            let wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
-            for b in 0..BB {
-                acc[r][b] = _mm256_fmadd_ps(wf, x[b], acc[r][b]);
-            }
-        }
-    }
-    for r in 0..RR {
-        for b in 0..BB {
-            sums[r][b] = hsum256(acc[r][b]);
+    // SAFETY: forwarded contract.
+    unsafe {
+        if lw.batch == 1 {
+            wide_streams::<R, 1>(lw, out, ld_out);
+        } else {
+            wide_streams::<R_WIDE, B_WIDE>(lw, out, ld_out);
         }
     }
 }
@@ -640,5 +606,111 @@ unsafe fn streams<const RR: usize, const BM: usize>(
     }
     for n in first.n.start + RR * len..first.n.end {
         run(n, 1, 1);
+    }
+}
+
+/// The wide product over a tile's rows as `RR` far-apart streams (contiguous ranges walked
+/// side by side, each prefetching its next row), one row of each per block
+/// against the batch in groups of up to `BM` rows (each widened weight vector feeding `BM`
+/// FMAs); the `rows % RR` rows left over one at a time.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn wide_streams<const RR: usize, const BM: usize>(
+    lw: &LoweredWide<'_>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let len = lw.n.len() / RR;
+    let tail = lw.k.start + lw.k.len() / 8 * 8..lw.k.end;
+    let mut run = |n0: usize, nr: usize, rstride: usize| {
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bb = (lw.batch - b0).min(BM);
+            let mut sums = [[0.0f32; BM]; RR];
+            macro_rules! go {
+                ($($b:literal),*) => {
+                    match (nr == RR, bb) {
+                        $(
+                            // SAFETY: rows n0 + rstride * r (r < nr) and batch rows b0..b0+bb
+                            // lie inside the tile; the caller's contract covers the rest.
+                            (true, $b) if $b <= BM => unsafe {
+                                block_wide_s::<RR, $b, RR, BM>(lw, n0, rstride, b0, &mut sums)
+                            },
+                            // SAFETY: as above, one row.
+                            (false, $b) if $b <= BM => unsafe {
+                                block_wide_s::<1, $b, RR, BM>(lw, n0, 1, b0, &mut sums)
+                            },
+                        )*
+                        _ => unreachable!("wide block {nr} x {bb}"),
+                    }
+                };
+            }
+            go!(1, 2, 3, 4, 5, 6);
+            for (r, row) in sums.iter().enumerate().take(nr) {
+                let n = n0 + rstride * r;
+                for (b, &v) in row.iter().enumerate().take(bb) {
+                    let t = if tail.is_empty() {
+                        0.0
+                    } else {
+                        lw.dot(n, b0 + b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b0 + b, v + t);
+                }
+            }
+            b0 += bb;
+        }
+    };
+    for i in 0..len {
+        run(lw.n.start + i, RR, len);
+    }
+    for n in lw.n.start + RR * len..lw.n.end {
+        run(n, 1, 1);
+    }
+}
+
+/// `sums[r][b]` of the body in steps of 8 for rows `n0 + rstride * r` (`r < RR`) and batch
+/// rows `b0 + b` (`b < BB`); each step prefetches the stream's next row (adjacent rows: the
+/// next block's), a line per 64 bytes.
+///
+/// # Safety
+/// AVX2 and FMA available; the rows and batch rows lie inside the tile of a checked `lw`;
+/// `RR <= RM`, `BB <= BM`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_wide_s<const RR: usize, const BB: usize, const RM: usize, const BM: usize>(
+    lw: &LoweredWide<'_>,
+    n0: usize,
+    rstride: usize,
+    b0: usize,
+    sums: &mut [[f32; BM]; RM],
+) {
+    let steps = lw.k.len() / 8;
+    let k0 = lw.k.start;
+    let wp: [*const i8; RR] =
+        std::array::from_fn(|r| lw.w[(n0 + rstride * r) * lw.ldw + k0..].as_ptr());
+    let xp: [*const f32; BB] = std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + k0..].as_ptr());
+    let ahead = if rstride == 1 { RR } else { 1 } * lw.ldw;
+    let mut acc = [[_mm256_setzero_ps(); BB]; RR];
+    for s in 0..steps {
+        for r in 0..RR {
+            if s % 8 == 0 {
+                prefetch_l2(wp[r].wrapping_add(ahead + s * 8));
+            }
+            // SAFETY: `s * 8 + 8 <= k.len()` bytes lie after each row's start pointer.
+            let w8 = unsafe { _mm_loadl_epi64(wp[r].add(s * 8).cast()) };
+            let wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
+            for b in 0..BB {
+                // SAFETY: as above, 8 values of batch row b0 + b.
+                let x = unsafe { _mm256_loadu_ps(xp[b].add(s * 8)) };
+                acc[r][b] = _mm256_fmadd_ps(wf, x, acc[r][b]);
+            }
+        }
+    }
+    for r in 0..RR {
+        for b in 0..BB {
+            sums[r][b] = hsum256(acc[r][b]);
+        }
     }
 }
