@@ -206,8 +206,8 @@ unsafe fn block_into<
     }
 }
 
-/// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per segment, the
-/// batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes, each chunk
+/// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per
+/// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes, each chunk
 /// taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
