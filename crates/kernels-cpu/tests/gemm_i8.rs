@@ -504,11 +504,12 @@ fn w8a8_at_the_largest_k_keeps_the_exact_sum() {
 fn wide_every_path_matches_an_f64_loop() {
     let paths = paths("wide");
     let mut seed = 1000;
-    // Rows around the far-apart streams (2 and 4 of them, rows left over), batches around
-    // the groups of 4 batch rows.
+    // Rows around the far-apart streams (2, 3 and 4 of them, rows left over); `k` around the
+    // 8-element steps and the assembly loop's 64; batches around the groups of 4 batch rows
+    // (a last group of 1, 2 or 3).
     for n in [1, 4, 5, 17, 33] {
         for k in [1, 7, 8, 16, 17, 64, 100, 1024] {
-            for batch in [1, 2, 3, 4, 5, 6, 16] {
+            for batch in [1, 2, 3, 4, 5, 6, 7, 16] {
                 seed += 1;
                 let c = case(n, k, batch, false, seed);
                 let mut rng = Rng(seed);

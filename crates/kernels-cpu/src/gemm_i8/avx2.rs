@@ -43,6 +43,11 @@ const R3: usize = 3;
 /// B_WIDE` accumulators, the `B_WIDE` activation vectors, `|w|`, a product and the constant
 /// fit 16 registers).
 const B_WIDE: usize = 4;
+/// Smallest batch of the wide product's assembly blocks ([`wide_streams3x4`], 3 rows × 4
+/// batch rows): on Zen 3 (one thread, the 0.6B projections from memory, thread CPU time,
+/// alternating) 0.69× the time of the compiled 2 × 4 blocks at batch 16, 0.71× at 8, 0.82× at
+/// 4, but 1.11× at 2 and 3 (padded to 4).
+const WIDE_ASM_MIN_BATCH: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
 /// the weights bandwidth bound, where row blocks over the whole slice prefetching the next
 /// block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]` streamed
@@ -207,8 +212,8 @@ unsafe fn block_into<
 }
 
 /// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per
-/// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes, each chunk
-/// taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
+/// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes,
+/// each chunk taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
@@ -491,12 +496,13 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 }
 
 /// Wide product: int8 widened to fp32 (`vpmovsxbd`, `vcvtdq2ps`), FMA against fp32 rows; the
-/// tile's rows as far-apart streams ([`wide_streams`]): four at batch 1, two against groups
-/// of up to four batch rows from batch 2 (each widened weight vector feeds every batch row of
-/// the group). On Zen 3 (one thread, the 0.6B projections from memory, thread CPU time,
-/// alternating) this took 0.70× the time of the blocks of 4 adjacent rows × 2 batch rows at
-/// batch 1, 0.86× at 4 and 0.94× at 16; 3 × 4 or 2 × 6 blocks spill and ran 1.2× slower
-/// (`docs/benchmarks.md`).
+/// tile's rows as far-apart streams: four at batch 1 and two against groups of up to four
+/// batch rows at 2–3 ([`wide_streams`]), three in an assembly loop against groups of four
+/// from batch [`WIDE_ASM_MIN_BATCH`] ([`wide_streams3x4`]); each widened weight vector feeds
+/// every batch row of its group. On Zen 3 (one thread, the 0.6B projections from memory,
+/// thread CPU time, alternating) the far-apart compiled blocks took 0.70× the time of the
+/// blocks of 4 adjacent rows × 2 batch rows at batch 1, 0.86× at 4 and 0.94× at 16; compiled
+/// 3 × 4 or 2 × 6 blocks spill (1.2× slower), hence the assembly (`docs/benchmarks.md`).
 ///
 /// # Safety
 /// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
@@ -506,6 +512,8 @@ pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: us
     unsafe {
         if lw.batch == 1 {
             wide_streams::<R, 1>(lw, out, ld_out);
+        } else if lw.batch >= WIDE_ASM_MIN_BATCH {
+            wide_streams3x4(lw, out, ld_out);
         } else {
             wide_streams::<R_WIDE, B_WIDE>(lw, out, ld_out);
         }
@@ -711,6 +719,237 @@ unsafe fn block_wide_s<const RR: usize, const BB: usize, const RM: usize, const 
     for r in 0..RR {
         for b in 0..BB {
             sums[r][b] = hsum256(acc[r][b]);
+        }
+    }
+}
+
+/// One 8-element step of [`wide_acc`] at byte displacements `$wd` (weights) and `$xd`
+/// (activations) from the loop position: three weight rows widened (`vpmovsxbd`,
+/// `vcvtdq2ps`), each fed to four batch rows' FMAs (accumulator `ymm(4 r + b)`).
+macro_rules! wide_step {
+    ($wd:literal, $xd:literal) => {
+        concat!(
+            "vpmovsxbd ymm12, qword ptr [{w0} + {k} + ",
+            $wd,
+            "]\n",
+            "vpmovsxbd ymm13, qword ptr [{w1} + {k} + ",
+            $wd,
+            "]\n",
+            "vpmovsxbd ymm14, qword ptr [{w2} + {k} + ",
+            $wd,
+            "]\n",
+            "vcvtdq2ps ymm12, ymm12\n",
+            "vcvtdq2ps ymm13, ymm13\n",
+            "vcvtdq2ps ymm14, ymm14\n",
+            "vmovups ymm15, [{x0} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm0, ymm12, ymm15\n",
+            "vfmadd231ps ymm4, ymm13, ymm15\n",
+            "vfmadd231ps ymm8, ymm14, ymm15\n",
+            "vmovups ymm15, [{x1} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm1, ymm12, ymm15\n",
+            "vfmadd231ps ymm5, ymm13, ymm15\n",
+            "vfmadd231ps ymm9, ymm14, ymm15\n",
+            "vmovups ymm15, [{x2} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm2, ymm12, ymm15\n",
+            "vfmadd231ps ymm6, ymm13, ymm15\n",
+            "vfmadd231ps ymm10, ymm14, ymm15\n",
+            "vmovups ymm15, [{x3} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm3, ymm12, ymm15\n",
+            "vfmadd231ps ymm7, ymm13, ymm15\n",
+            "vfmadd231ps ymm11, ymm14, ymm15\n",
+        )
+    };
+}
+
+/// `acc[4 r + b]` += the lane-wise products of weight row `w[r]` (int8, widened) and batch
+/// row `x[b]` over the `len` elements before each pointer (`len` a multiple of 8), three rows
+/// × four batch rows with all twelve accumulators in registers (the compiled loop spilled
+/// them); each stream prefetches the line at `pf[r] - len + 64 i` per 64 elements.
+///
+/// # Safety
+/// AVX2 and FMA available; the `len` bytes before each `w[r]` and the `len` f32 before each
+/// `x[b]` are readable; `len` is a multiple of 8. `pf` may point anywhere.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn wide_acc(
+    acc: &mut [__m256; 12],
+    w: [*const i8; 3],
+    pf: [*const i8; 3],
+    x: [*const f32; 4],
+    len: usize,
+) {
+    let [
+        mut a0,
+        mut a1,
+        mut a2,
+        mut a3,
+        mut a4,
+        mut a5,
+        mut a6,
+        mut a7,
+        mut a8,
+        mut a9,
+        mut a10,
+        mut a11,
+    ] = *acc;
+    // The loop covers the first `len / 64 * 64` elements counting up from minus that to 0
+    // (one register indexes every stream, the loop ends on its own increment's flags); the
+    // rest, 8 at a time, from pointers moved back by it.
+    let main = len / 64 * 64;
+    let rest = len - main;
+    // SAFETY: every load is at `p + k*scale + d` for a stream end `p` moved back by `rest`,
+    // with the element offset in `[-main, 0)` in the loop and `[0, rest)` in the tail,
+    // relative to `end - rest`: inside the `len` elements before the stream end, readable by
+    // the contract. Prefetches may point anywhere. Only ymm0–15 and the two counters are
+    // written, all declared; no stack, no memory writes.
+    unsafe {
+        std::arch::asm!(
+            "test {k}, {k}",
+            "jz 3f",
+            "2:",
+            "prefetcht0 [{p0} + {k}]",
+            "prefetcht0 [{p1} + {k}]",
+            "prefetcht0 [{p2} + {k}]",
+            wide_step!("0", "0"),
+            wide_step!("8", "32"),
+            wide_step!("16", "64"),
+            wide_step!("24", "96"),
+            wide_step!("32", "128"),
+            wide_step!("40", "160"),
+            wide_step!("48", "192"),
+            wide_step!("56", "224"),
+            "add {k}, 64",
+            "jnz 2b",
+            "3:",
+            "test {t}, {t}",
+            "jz 5f",
+            "4:",
+            wide_step!("0", "0"),
+            "add {k}, 8",
+            "cmp {k}, {t}",
+            "jb 4b",
+            "5:",
+            k = inout(reg) -(main as isize) => _,
+            t = in(reg) rest,
+            w0 = in(reg) w[0].wrapping_sub(rest),
+            w1 = in(reg) w[1].wrapping_sub(rest),
+            w2 = in(reg) w[2].wrapping_sub(rest),
+            p0 = in(reg) pf[0].wrapping_sub(rest),
+            p1 = in(reg) pf[1].wrapping_sub(rest),
+            p2 = in(reg) pf[2].wrapping_sub(rest),
+            x0 = in(reg) x[0].wrapping_sub(rest),
+            x1 = in(reg) x[1].wrapping_sub(rest),
+            x2 = in(reg) x[2].wrapping_sub(rest),
+            x3 = in(reg) x[3].wrapping_sub(rest),
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+            inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+            options(nostack, readonly),
+        );
+    }
+    *acc = [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11];
+}
+
+/// The wide product from batch [`WIDE_ASM_MIN_BATCH`]: the tile's rows as three far-apart
+/// streams, one row of each per pass against the batch in groups of four (a last group of
+/// three repeats its last row and drops those sums) in the assembly loop of [`wide_acc`]; a
+/// last group of one or two batch rows, and the rows left over after whole streams, take
+/// [`block_wide_s`].
+///
+/// # Safety
+/// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn wide_streams3x4(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
+    let len = lw.n.len() / 3;
+    let body = lw.k.len() / 8 * 8;
+    let tail = lw.k.start + body..lw.k.end;
+    let k0 = lw.k.start;
+    for i in 0..len {
+        let rows: [usize; 3] = std::array::from_fn(|r| lw.n.start + i + r * len);
+        let w: [&[i8]; 3] = rows.map(|n| &lw.w[n * lw.ldw + k0..n * lw.ldw + k0 + body]);
+        // Each stream's next row (the rows of a stream lie back to back).
+        let pf = w.map(|row| row.as_ptr_range().end.wrapping_add(lw.ldw));
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bv = (lw.batch - b0).min(4);
+            if bv < 3 {
+                // One or two batch rows left: the compiled blocks (padding them to four in
+                // the loop costs more than it saves).
+                let mut sums = [[0.0f32; B_WIDE]; 3];
+                // SAFETY: rows `rows` and batch rows b0..b0+bv lie inside the tile.
+                unsafe {
+                    if bv == 1 {
+                        block_wide_s::<3, 1, 3, B_WIDE>(lw, rows[0], len, b0, &mut sums);
+                    } else {
+                        block_wide_s::<3, 2, 3, B_WIDE>(lw, rows[0], len, b0, &mut sums);
+                    }
+                }
+                for (&n, row) in rows.iter().zip(&sums) {
+                    for (b, &v) in row.iter().enumerate().take(bv) {
+                        let t = if tail.is_empty() {
+                            0.0
+                        } else {
+                            lw.dot(n, b0 + b, tail.clone())
+                        };
+                        lw.finish(out, ld_out, n, b0 + b, v + t);
+                    }
+                }
+                b0 += bv;
+                continue;
+            }
+            let x: [*const f32; 4] = std::array::from_fn(|b| {
+                let at = (b0 + b.min(bv - 1)) * lw.ldx + k0;
+                lw.x[at..at + body].as_ptr_range().end
+            });
+            let mut acc = [_mm256_setzero_ps(); 12];
+            // SAFETY: the `body` elements before each stream end are the rows' and batch
+            // rows' slices above; `body` is a multiple of 8; AVX2/FMA by the contract.
+            unsafe { wide_acc(&mut acc, w.map(|row| row.as_ptr_range().end), pf, x, body) };
+            for (r, &n) in rows.iter().enumerate() {
+                for b in 0..bv {
+                    let t = if tail.is_empty() {
+                        0.0
+                    } else {
+                        lw.dot(n, b0 + b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b0 + b, hsum256(acc[4 * r + b]) + t);
+                }
+            }
+            b0 += bv;
+        }
+    }
+    for n in lw.n.start + 3 * len..lw.n.end {
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bb = (lw.batch - b0).min(B_WIDE);
+            let mut sums = [[0.0f32; B_WIDE]; 1];
+            // SAFETY: row n and batch rows b0..b0+bb lie inside the tile.
+            unsafe {
+                match bb {
+                    1 => block_wide_s::<1, 1, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    2 => block_wide_s::<1, 2, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    3 => block_wide_s::<1, 3, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    _ => block_wide_s::<1, B_WIDE, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                }
+            }
+            for (b, &v) in sums[0].iter().enumerate().take(bb) {
+                let t = if tail.is_empty() {
+                    0.0
+                } else {
+                    lw.dot(n, b0 + b, tail.clone())
+                };
+                lw.finish(out, ld_out, n, b0 + b, v + t);
+            }
+            b0 += bb;
         }
     }
 }
