@@ -203,15 +203,16 @@ fn w8a8_every_path_equals_the_reference_bit_for_bit_at_ragged_shapes() {
 
 /// Slices longer than the AVX2 path's 1024-byte `k` chunks, at batches that take its chunked
 /// sets (5 rows and more: whole sets of 8, a set of 8 and a remainder, ragged sets) and the
-/// ones that do not (its blocks of 2 weight rows × up to 4 batch rows at 3–4): every path equals the reference bit for bit, with and without a scalar
-/// tail, tiles starting and ending inside chunks.
+/// ones that do not (its far-apart row streams at 2–4, with rows left over after whole
+/// streams): every path equals the reference bit for bit, with and without a scalar tail,
+/// tiles starting and ending inside chunks.
 #[test]
 fn w8a8_long_slices_across_chunks_equal_the_reference_bit_for_bit() {
     let paths = paths("w8a8 long slices");
     let mut seed = 9000;
-    for n in [1, 4, 5, 9] {
+    for n in [1, 4, 5, 9, 13] {
         for k in [1024, 1057, 2048 + 64, 3001] {
-            for batch in [3, 4, 5, 7, 8, 9, 16, 17] {
+            for batch in [2, 3, 4, 5, 7, 8, 9, 16, 17] {
                 seed += 1;
                 check_w8a8(&case(n, k, batch, false, seed), &paths, seed);
             }
@@ -503,9 +504,12 @@ fn w8a8_at_the_largest_k_keeps_the_exact_sum() {
 fn wide_every_path_matches_an_f64_loop() {
     let paths = paths("wide");
     let mut seed = 1000;
+    // Rows around the far-apart streams (2, 3 and 4 of them, rows left over); `k` around the
+    // 8-element steps and the assembly loop's 64; batches around the groups of 4 batch rows
+    // (a last group of 1, 2 or 3).
     for n in [1, 4, 5, 17, 33] {
         for k in [1, 7, 8, 16, 17, 64, 100, 1024] {
-            for batch in [1, 2, 3, 5, 16] {
+            for batch in [1, 2, 3, 4, 5, 6, 7, 16] {
                 seed += 1;
                 let c = case(n, k, batch, false, seed);
                 let mut rng = Rng(seed);

@@ -4,10 +4,11 @@
 //! accumulator in a register; the activation rows of a block stay in L1 while the weight
 //! rows stream.
 //!
-//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) run each block over
-//! the whole slice, prefetching the next block's rows: 4 weight rows × 2 batch rows at 1–2
-//! rows, and at 3–4 rows one pass of 3 × 3 or 2 × 4, so that each `|w|` serves the whole
-//! batch and the weights are read once. Batches of [`MIN_SETS_BATCH`] rows or
+//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) walk a tile's rows
+//! as far-apart streams, one row of each per block over the whole slice against the whole
+//! batch, each stream prefetching its next row: 4 streams at 1–2 batch rows, 3 at 3 rows, 2
+//! at 4 (so that each `|w|` serves the whole batch and the weights are read once); blocks of
+//! adjacent rows streamed at about half the speed on Zen 3. Batches of [`MIN_SETS_BATCH`] rows or
 //! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
 //! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
 //! activations and weights stay in L1 through the block's passes, the accumulators kept in
@@ -33,18 +34,24 @@ const STEP: usize = 32;
 /// (`[2048, 4096]`) took 0.72–0.86× the thread CPU time and 4 rows 0.80–0.91×
 /// (`docs/benchmarks.md`).
 const MIN_WIDE_BATCH: usize = 3;
-/// Weight rows per block of the batches of 3–4 rows.
+/// Weight rows per block of the batches of 4 rows (and of the wide product from batch 2).
 const R_WIDE: usize = 2;
 /// Weight rows per block of a batch of 3: three row streams (the 4-row batches' blocks have
 /// two) and `3 · 3` accumulators.
 const R3: usize = 3;
-/// Most batch rows per block of the batches of 3–4 rows (`R_WIDE * B_WIDE` accumulators, the
-/// `B_WIDE` activation vectors, `|w|`, a product and the constant fit 16 registers).
+/// Most batch rows per block of the batches of 4 rows and of the wide product (`R_WIDE *
+/// B_WIDE` accumulators, the `B_WIDE` activation vectors, `|w|`, a product and the constant
+/// fit 16 registers).
 const B_WIDE: usize = 4;
+/// Smallest batch of the wide product's assembly blocks ([`wide_streams3x4`], 3 rows × 4
+/// batch rows): on Zen 3 (one thread, the 0.6B projections from memory, thread CPU time,
+/// alternating) 0.69× the time of the compiled 2 × 4 blocks at batch 16, 0.71× at 8, 0.82× at
+/// 4, but 1.11× at 2 and 3 (padded to 4).
+const WIDE_ASM_MIN_BATCH: usize = 4;
 /// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
-/// the weights bandwidth bound, where the row blocks of [`block_maddubs`] prefetching the
-/// next block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]`
-/// streamed from memory, Zen 3).
+/// the weights bandwidth bound, where row blocks over the whole slice prefetching the next
+/// block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]` streamed
+/// from memory, Zen 3), and the far-apart streams of [`streams`] faster again.
 const MIN_SETS_BATCH: usize = 5;
 /// Batch rows whose `vpmaddubsw` accumulators a block of weight rows keeps between chunks
 /// (the decode batch of 8 in one set).
@@ -105,12 +112,10 @@ fn starts<const RR: usize, const BB: usize>(
 }
 
 /// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
-/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound): 1 row
-/// as [`R`] far-apart row streams ([`gemv_quarters`]), 2 in blocks of [`R`] adjacent rows ×
-/// [`B`] batch rows ([`block_maddubs`]), 3 in blocks of
-/// [`R3`] × 3 ([`block_maddubs_3`]), 4 in blocks of [`R_WIDE`] × [`B_WIDE`]
-/// ([`block_maddubs_wide`]); larger batches take the chunked sets of [`rows_maddubs`]
-/// (compute bound).
+/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound) as
+/// far-apart row streams: 1 row as [`R`] streams ([`gemv_quarters`]), 2 as [`R`] streams ×
+/// [`B`] batch rows, 3 as [`R3`] × 3, 4 as [`R_WIDE`] × [`B_WIDE`] ([`streams`]); larger
+/// batches take the chunked sets of [`rows_maddubs`] (compute bound).
 ///
 /// # Safety
 /// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
@@ -124,81 +129,29 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             return;
         }
         if first.batch == 3 {
-            drive!(segs, out, ld_out, R3, 3, STEP, block_maddubs_3, 0i32);
+            // SAFETY: forwarded contract; batch 3 as checked.
+            unsafe { streams::<R3, 3>(segs, out, ld_out) };
         } else if first.batch >= MIN_WIDE_BATCH {
-            drive!(
-                segs,
-                out,
-                ld_out,
-                R_WIDE,
-                B_WIDE,
-                STEP,
-                block_maddubs_wide,
-                0i32
-            );
+            // SAFETY: forwarded contract; batch 4 (between 3 and `MIN_SETS_BATCH`).
+            unsafe { streams::<R_WIDE, B_WIDE>(segs, out, ld_out) };
         } else {
-            drive!(segs, out, ld_out, R, B, STEP, block_maddubs, 0i32);
+            // SAFETY: forwarded contract; batch 2 (under `MIN_WIDE_BATCH`, not 1).
+            unsafe { streams::<R, B>(segs, out, ld_out) };
         }
         return;
     }
-    let mut n0 = first.n.start;
-    while n0 < first.n.end {
-        if first.n.end - n0 >= R {
-            // SAFETY: rows `n0..n0 + R` lie inside the tile; the caller's contract covers the
-            // features and the slices.
-            unsafe { rows_maddubs::<R>(segs, n0, out, ld_out) };
-            n0 += R;
-        } else {
-            // SAFETY: row `n0` lies inside the tile; as above.
-            unsafe { rows_maddubs::<1>(segs, n0, out, ld_out) };
-            n0 += 1;
-        }
+    // Far-apart row streams, as the small batches take them (`streams`): on Zen 3 5–7% less
+    // time than blocks of adjacent rows at batches 8 and 16, though compute bound.
+    let len = first.n.len() / R;
+    for i in 0..len {
+        // SAFETY: rows `n.start + i + len * r` (r < R) lie inside the tile; the caller's
+        // contract covers the features and the slices.
+        unsafe { rows_maddubs::<R>(segs, first.n.start + i, len, out, ld_out) };
     }
-}
-
-/// [`block_into`] for the blocks of [`R`] rows × [`B`] batch rows (batches of 1–2).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; B]; R],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R, B, false>(lw, n0, 1, b0, sums) }
-}
-
-/// [`block_into`] for the blocks of [`R_WIDE`] rows × [`B_WIDE`] batch rows (batches of 3–4).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs_wide<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; B_WIDE]; R_WIDE],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R_WIDE, B_WIDE, true>(lw, n0, 1, b0, sums) }
-}
-
-/// [`block_into`] for the blocks of [`R3`] rows × 3 batch rows (batches of 3).
-///
-/// # Safety
-/// As [`block_into`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_maddubs_3<const RR: usize, const BB: usize>(
-    lw: &Lowered<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[i32; 3]; R3],
-) {
-    // SAFETY: forwarded contract.
-    unsafe { block_into::<RR, BB, R3, 3, true>(lw, n0, 1, b0, sums) }
+    for n0 in first.n.start + R * len..first.n.end {
+        // SAFETY: row `n0` lies inside the tile; as above.
+        unsafe { rows_maddubs::<1>(segs, n0, 1, out, ld_out) };
+    }
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
@@ -258,26 +211,29 @@ unsafe fn block_into<
     }
 }
 
-/// Weight rows `n0..n0 + RR` against every batch row, finished into `out`: per segment, the
-/// batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes, each chunk
-/// taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
+/// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per
+/// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes,
+/// each chunk taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
 /// Each step prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
 /// same rows' first chunk of the next segment (grouped activations cut `k` into segments of
 /// one chunk each, so without this every segment began on demand misses), and during the
-/// last segment's last chunk the next block's first chunk (or the caller's next rows,
+/// last segment's last chunk the next block's first chunk (the streams' next rows, or the
+/// rows after the streams, or the caller's next rows,
 /// [`super::NextRows`]). AMD fills L1 on
 /// every prefetch level, and prefetching the next block's rows at the step's own offset (the
 /// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
 ///
 /// # Safety
-/// AVX2 available; rows `n0..n0 + RR` lie inside the tile of checked, row-major segments.
+/// AVX2 available; rows `n0 + rs * r` (`r < RR`) lie inside the tile of checked, row-major
+/// segments.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_maddubs<const RR: usize>(
     segs: &[Lowered<'_>],
     n0: usize,
+    rs: usize,
     out: &mut [f32],
     ld_out: usize,
 ) {
@@ -291,16 +247,23 @@ unsafe fn rows_maddubs<const RR: usize>(
         // ones; else this block's own).
         let next: [*const i8; RR] = std::array::from_fn(|r| {
             if let Some(s) = segs.get(si + 1) {
-                return lw.w_ptr(n0 + r, s.k.start);
+                return lw.w_ptr(n0 + r * rs, s.k.start);
             }
-            let n = n0 + RR + r;
+            let n = if rs == 1 {
+                n0 + RR + r
+            } else if n0 + 1 == lw.n.start + rs {
+                // The streams' last block: the rows after them (or the caller's next rows).
+                lw.n.start + RR * rs + r
+            } else {
+                n0 + 1 + r * rs
+            };
             if n < lw.n.end {
                 lw.w_ptr(n, k_first)
             } else {
                 lw.next
                     .and_then(|nx| nx.row(n - lw.n.end, k_first))
                     .filter(|&(_, stride)| stride == 64)
-                    .map_or(lw.w_ptr(n0 + r, k_first), |(p, _)| p)
+                    .map_or(lw.w_ptr(n0 + r * rs, k_first), |(p, _)| p)
             }
         });
         let mut g0 = 0;
@@ -316,12 +279,12 @@ unsafe fn rows_maddubs<const RR: usize>(
                 // the next block's first chunk.
                 let pfc: [*const i8; RR] = std::array::from_fn(|r| {
                     if kc + KC < body {
-                        lw.w_ptr(n0 + r, k0).wrapping_add(KC)
+                        lw.w_ptr(n0 + r * rs, k0).wrapping_add(KC)
                     } else {
                         next[r]
                     }
                 });
-                let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r, k0));
+                let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r * rs, k0));
                 let mut b0 = 0;
                 while b0 < gb {
                     let bb = (gb - b0).min(B);
@@ -329,7 +292,7 @@ unsafe fn rows_maddubs<const RR: usize>(
                     let a0 = lw.a[k0..].as_ptr();
                     let ap: [*const i8; B] =
                         std::array::from_fn(|b| a0.wrapping_add((g0 + b0 + b) * lw.lda));
-                    // SAFETY: rows `n0..n0 + RR` and batch rows `g0 + b0..g0 + b0 + bb` hold
+                    // SAFETY: rows `n0 + rs * r` and batch rows `g0 + b0..g0 + b0 + bb` hold
                     // `len` bytes from `k0` (inside the tile's `k`); `b0 + bb <= G`.
                     unsafe {
                         if bb == 1 {
@@ -348,13 +311,13 @@ unsafe fn rows_maddubs<const RR: usize>(
                 let sa = unsafe { _mm256_loadu_ps(sa.as_ptr()) };
                 for (r, acc) in acc.iter().enumerate() {
                     // The same expression as `Lowered::finish`, eight batch rows at a time.
-                    let sw = _mm256_set1_ps(lw.sw[n0 + r]);
+                    let sw = _mm256_set1_ps(lw.sw[n0 + r * rs]);
                     let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(acc)), sw), sa);
                     let mut vs = [0.0f32; G];
                     // SAFETY: room for eight f32 in `vs`.
                     unsafe { _mm256_storeu_ps(vs.as_mut_ptr(), v) };
                     for (b, &v) in vs.iter().enumerate() {
-                        let o = &mut out[(g0 + b) * ld_out + (n0 + r - lw.n.start)];
+                        let o = &mut out[(g0 + b) * ld_out + (n0 + r * rs - lw.n.start)];
                         match lw.mode {
                             OutMode::Store => *o = v,
                             OutMode::Add => *o += v,
@@ -368,9 +331,15 @@ unsafe fn rows_maddubs<const RR: usize>(
                         let t = if tail.is_empty() {
                             0
                         } else {
-                            lw.dot(n0 + r, g0 + b, tail.clone())
+                            lw.dot(n0 + r * rs, g0 + b, tail.clone())
                         };
-                        lw.finish(out, ld_out, n0 + r, g0 + b, hsum_epi32(v).wrapping_add(t));
+                        lw.finish(
+                            out,
+                            ld_out,
+                            n0 + r * rs,
+                            g0 + b,
+                            hsum_epi32(v).wrapping_add(t),
+                        );
                     }
                 }
             }
@@ -484,7 +453,7 @@ pub(super) unsafe fn gemm_vnni(segs: &[Lowered<'_>], out: &mut [f32], ld_out: us
     drive!(&lo, out, ld_out, R_VNNI, B_VNNI, STEP, block_vnni, 0i32);
 }
 
-/// `sums[r][b]` as [`block_maddubs`], with `vpdpbusd` of `w + 128` against the activations
+/// `sums[r][b]` as [`block_into`], with `vpdpbusd` of `w + 128` against the activations
 /// and the offset (`128 ·` the activation row's sum) removed.
 ///
 /// # Safety
@@ -505,14 +474,14 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
         let w: [__m256i; RR] = std::array::from_fn(|r| {
             // The same row of the next block, one block ahead (module docs of `gemm_i8`).
             prefetch_l2(wp[r].wrapping_add(RR * lw.wa.ldw + s * STEP));
-            // SAFETY: as in `block_maddubs`.
+            // SAFETY: as in `block_into`.
             _mm256_xor_si256(
                 unsafe { _mm256_loadu_si256(wp[r].add(s * STEP).cast()) },
                 flip,
             )
         });
         for b in 0..BB {
-            // SAFETY: as in `block_maddubs`.
+            // SAFETY: as in `block_into`.
             let a = unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) };
             for r in 0..RR {
                 acc[r][b] = _mm256_dpbusd_avx_epi32(acc[r][b], w[r], a);
@@ -526,59 +495,27 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     }
 }
 
-/// Wide product: int8 widened to fp32 (`vpmovsxbd`, `vcvtdq2ps`), FMA against fp32 rows.
+/// Wide product: int8 widened to fp32 (`vpmovsxbd`, `vcvtdq2ps`), FMA against fp32 rows; the
+/// tile's rows as far-apart streams: four at batch 1 and two against groups of up to four
+/// batch rows at 2–3 ([`wide_streams`]), three in an assembly loop against groups of four
+/// from batch [`WIDE_ASM_MIN_BATCH`] ([`wide_streams3x4`]); each widened weight vector feeds
+/// every batch row of its group. On Zen 3 (one thread, the 0.6B projections from memory,
+/// thread CPU time, alternating) the far-apart compiled blocks took 0.70× the time of the
+/// blocks of 4 adjacent rows × 2 batch rows at batch 1, 0.86× at 4 and 0.94× at 16; compiled
+/// 3 × 4 or 2 × 6 blocks spill (1.2× slower), hence the assembly (`docs/benchmarks.md`).
 ///
 /// # Safety
 /// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
-    drive!(
-        std::slice::from_ref(lw),
-        out,
-        ld_out,
-        R,
-        B,
-        8,
-        block_wide,
-        0.0f32
-    );
-}
-
-/// `sums[r][b]` of the body in steps of 8.
-///
-/// # Safety
-/// AVX2 and FMA available; the rows lie inside the tile of a checked `lw`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_wide<const RR: usize, const BB: usize>(
-    lw: &LoweredWide<'_>,
-    n0: usize,
-    b0: usize,
-    sums: &mut [[f32; B]; R],
-) {
-    let steps = lw.k.len() / 8;
-    let k0 = lw.k.start;
-    let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w[(n0 + r) * lw.ldw + k0..].as_ptr());
-    let xp: [*const f32; BB] = std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + k0..].as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); BB]; RR];
-    for s in 0..steps {
-        // SAFETY: `s * 8 + 8 <= k.len()` values lie after each start pointer.
-        let x: [__m256; BB] = std::array::from_fn(|b| unsafe { _mm256_loadu_ps(xp[b].add(s * 8)) });
-        for r in 0..RR {
-            if s % 8 == 0 {
-                // As in the W8A8 blocks: the next block's rows, a cache line per 64 bytes.
-                prefetch_l2(wp[r].wrapping_add(RR * lw.ldw + s * 8));
-            }
-            // SAFETY: as above (8 bytes of the weight row).
-            let w8 = unsafe { _mm_loadl_epi64(wp[r].add(s * 8).cast()) };
-            let wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
-            for b in 0..BB {
-                acc[r][b] = _mm256_fmadd_ps(wf, x[b], acc[r][b]);
-            }
-        }
-    }
-    for r in 0..RR {
-        for b in 0..BB {
-            sums[r][b] = hsum256(acc[r][b]);
+    // SAFETY: forwarded contract.
+    unsafe {
+        if lw.batch == 1 {
+            wide_streams::<R, 1>(lw, out, ld_out);
+        } else if lw.batch >= WIDE_ASM_MIN_BATCH {
+            wide_streams3x4(lw, out, ld_out);
+        } else {
+            wide_streams::<R_WIDE, B_WIDE>(lw, out, ld_out);
         }
     }
 }
@@ -625,5 +562,394 @@ unsafe fn gemv_quarters(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     }
     for n in first.n.start + R * len..first.n.end {
         run(n, 1, 1);
+    }
+}
+
+/// Batches of 2–4 (`BM` rows): the tile's rows as `RR` contiguous ranges walked side by side,
+/// one row of each per block against the whole batch (each stream reads consecutive rows, its
+/// prefetch one row ahead), as [`gemv_quarters`] does for one batch row; the `rows % RR` rows
+/// left over one at a time. On Zen 3 (one thread, the 0.6B projections from memory, thread
+/// CPU time, alternating) this took 0.51× the time of blocks of adjacent rows at batch 2,
+/// 0.64× at 3 and 0.71× at 4 (`docs/benchmarks.md`).
+///
+/// # Safety
+/// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major,
+/// batch `BM`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn streams<const RR: usize, const BM: usize>(
+    segs: &[Lowered<'_>],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let first = &segs[0];
+    debug_assert_eq!(first.batch, BM);
+    let len = first.n.len() / RR;
+    let mut run = |n0: usize, nr: usize, rstride: usize| {
+        for lw in segs {
+            let tail = lw.k.start + lw.k.len() / STEP * STEP..lw.k.end;
+            let mut sums = [[0i32; BM]; RR];
+            if nr == RR {
+                // SAFETY: rows n0 + rstride * r (r < RR) lie inside the tile, the batch is
+                // `BM` rows; the caller's contract covers the rest.
+                unsafe { block_into::<RR, BM, RR, BM, true>(lw, n0, rstride, 0, &mut sums) };
+            } else {
+                // SAFETY: row n0 lies inside the tile; as above.
+                unsafe { block_into::<1, BM, RR, BM, true>(lw, n0, 1, 0, &mut sums) };
+            }
+            for (r, row) in sums.iter().enumerate().take(nr) {
+                let n = n0 + rstride * r;
+                for (b, &v) in row.iter().enumerate() {
+                    let t = if tail.is_empty() {
+                        0
+                    } else {
+                        lw.dot(n, b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b, v.wrapping_add(t));
+                }
+            }
+        }
+    };
+    for i in 0..len {
+        run(first.n.start + i, RR, len);
+    }
+    for n in first.n.start + RR * len..first.n.end {
+        run(n, 1, 1);
+    }
+}
+
+/// The wide product over a tile's rows as `RR` far-apart streams (contiguous ranges walked
+/// side by side, each prefetching its next row), one row of each per block
+/// against the batch in groups of up to `BM` rows (each widened weight vector feeding `BM`
+/// FMAs); the `rows % RR` rows left over one at a time.
+///
+/// # Safety
+/// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn wide_streams<const RR: usize, const BM: usize>(
+    lw: &LoweredWide<'_>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let len = lw.n.len() / RR;
+    let tail = lw.k.start + lw.k.len() / 8 * 8..lw.k.end;
+    let mut run = |n0: usize, nr: usize, rstride: usize| {
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bb = (lw.batch - b0).min(BM);
+            let mut sums = [[0.0f32; BM]; RR];
+            macro_rules! go {
+                ($($b:literal),*) => {
+                    match (nr == RR, bb) {
+                        $(
+                            // SAFETY: rows n0 + rstride * r (r < nr) and batch rows b0..b0+bb
+                            // lie inside the tile; the caller's contract covers the rest.
+                            (true, $b) if $b <= BM => unsafe {
+                                block_wide_s::<RR, $b, RR, BM>(lw, n0, rstride, b0, &mut sums)
+                            },
+                            // SAFETY: as above, one row.
+                            (false, $b) if $b <= BM => unsafe {
+                                block_wide_s::<1, $b, RR, BM>(lw, n0, 1, b0, &mut sums)
+                            },
+                        )*
+                        _ => unreachable!("wide block {nr} x {bb}"),
+                    }
+                };
+            }
+            go!(1, 2, 3, 4, 5, 6);
+            for (r, row) in sums.iter().enumerate().take(nr) {
+                let n = n0 + rstride * r;
+                for (b, &v) in row.iter().enumerate().take(bb) {
+                    let t = if tail.is_empty() {
+                        0.0
+                    } else {
+                        lw.dot(n, b0 + b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b0 + b, v + t);
+                }
+            }
+            b0 += bb;
+        }
+    };
+    for i in 0..len {
+        run(lw.n.start + i, RR, len);
+    }
+    for n in lw.n.start + RR * len..lw.n.end {
+        run(n, 1, 1);
+    }
+}
+
+/// `sums[r][b]` of the body in steps of 8 for rows `n0 + rstride * r` (`r < RR`) and batch
+/// rows `b0 + b` (`b < BB`); each step prefetches the stream's next row (adjacent rows: the
+/// next block's), a line per 64 bytes.
+///
+/// # Safety
+/// AVX2 and FMA available; the rows and batch rows lie inside the tile of a checked `lw`;
+/// `RR <= RM`, `BB <= BM`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_wide_s<const RR: usize, const BB: usize, const RM: usize, const BM: usize>(
+    lw: &LoweredWide<'_>,
+    n0: usize,
+    rstride: usize,
+    b0: usize,
+    sums: &mut [[f32; BM]; RM],
+) {
+    let steps = lw.k.len() / 8;
+    let k0 = lw.k.start;
+    let wp: [*const i8; RR] =
+        std::array::from_fn(|r| lw.w[(n0 + rstride * r) * lw.ldw + k0..].as_ptr());
+    let xp: [*const f32; BB] = std::array::from_fn(|b| lw.x[(b0 + b) * lw.ldx + k0..].as_ptr());
+    let ahead = if rstride == 1 { RR } else { 1 } * lw.ldw;
+    let mut acc = [[_mm256_setzero_ps(); BB]; RR];
+    for s in 0..steps {
+        for r in 0..RR {
+            if s % 8 == 0 {
+                prefetch_l2(wp[r].wrapping_add(ahead + s * 8));
+            }
+            // SAFETY: `s * 8 + 8 <= k.len()` bytes lie after each row's start pointer.
+            let w8 = unsafe { _mm_loadl_epi64(wp[r].add(s * 8).cast()) };
+            let wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8));
+            for b in 0..BB {
+                // SAFETY: as above, 8 values of batch row b0 + b.
+                let x = unsafe { _mm256_loadu_ps(xp[b].add(s * 8)) };
+                acc[r][b] = _mm256_fmadd_ps(wf, x, acc[r][b]);
+            }
+        }
+    }
+    for r in 0..RR {
+        for b in 0..BB {
+            sums[r][b] = hsum256(acc[r][b]);
+        }
+    }
+}
+
+/// One 8-element step of [`wide_acc`] at byte displacements `$wd` (weights) and `$xd`
+/// (activations) from the loop position: three weight rows widened (`vpmovsxbd`,
+/// `vcvtdq2ps`), each fed to four batch rows' FMAs (accumulator `ymm(4 r + b)`).
+macro_rules! wide_step {
+    ($wd:literal, $xd:literal) => {
+        concat!(
+            "vpmovsxbd ymm12, qword ptr [{w0} + {k} + ",
+            $wd,
+            "]\n",
+            "vpmovsxbd ymm13, qword ptr [{w1} + {k} + ",
+            $wd,
+            "]\n",
+            "vpmovsxbd ymm14, qword ptr [{w2} + {k} + ",
+            $wd,
+            "]\n",
+            "vcvtdq2ps ymm12, ymm12\n",
+            "vcvtdq2ps ymm13, ymm13\n",
+            "vcvtdq2ps ymm14, ymm14\n",
+            "vmovups ymm15, [{x0} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm0, ymm12, ymm15\n",
+            "vfmadd231ps ymm4, ymm13, ymm15\n",
+            "vfmadd231ps ymm8, ymm14, ymm15\n",
+            "vmovups ymm15, [{x1} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm1, ymm12, ymm15\n",
+            "vfmadd231ps ymm5, ymm13, ymm15\n",
+            "vfmadd231ps ymm9, ymm14, ymm15\n",
+            "vmovups ymm15, [{x2} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm2, ymm12, ymm15\n",
+            "vfmadd231ps ymm6, ymm13, ymm15\n",
+            "vfmadd231ps ymm10, ymm14, ymm15\n",
+            "vmovups ymm15, [{x3} + {k}*4 + ",
+            $xd,
+            "]\n",
+            "vfmadd231ps ymm3, ymm12, ymm15\n",
+            "vfmadd231ps ymm7, ymm13, ymm15\n",
+            "vfmadd231ps ymm11, ymm14, ymm15\n",
+        )
+    };
+}
+
+/// `acc[4 r + b]` += the lane-wise products of weight row `w[r]` (int8, widened) and batch
+/// row `x[b]` over the `len` elements before each pointer (`len` a multiple of 8), three rows
+/// × four batch rows with all twelve accumulators in registers (the compiled loop spilled
+/// them); each stream prefetches the line at `pf[r] - len + 64 i` per 64 elements.
+///
+/// # Safety
+/// AVX2 and FMA available; the `len` bytes before each `w[r]` and the `len` f32 before each
+/// `x[b]` are readable; `len` is a multiple of 8. `pf` may point anywhere.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn wide_acc(
+    acc: &mut [__m256; 12],
+    w: [*const i8; 3],
+    pf: [*const i8; 3],
+    x: [*const f32; 4],
+    len: usize,
+) {
+    let [
+        mut a0,
+        mut a1,
+        mut a2,
+        mut a3,
+        mut a4,
+        mut a5,
+        mut a6,
+        mut a7,
+        mut a8,
+        mut a9,
+        mut a10,
+        mut a11,
+    ] = *acc;
+    // The loop covers the first `len / 64 * 64` elements counting up from minus that to 0
+    // (one register indexes every stream, the loop ends on its own increment's flags); the
+    // rest, 8 at a time, from pointers moved back by it.
+    let main = len / 64 * 64;
+    let rest = len - main;
+    // SAFETY: every load is at `p + k*scale + d` for a stream end `p` moved back by `rest`,
+    // with the element offset in `[-main, 0)` in the loop and `[0, rest)` in the tail,
+    // relative to `end - rest`: inside the `len` elements before the stream end, readable by
+    // the contract. Prefetches may point anywhere. Only ymm0–15 and the two counters are
+    // written, all declared; no stack, no memory writes.
+    unsafe {
+        std::arch::asm!(
+            "test {k}, {k}",
+            "jz 3f",
+            "2:",
+            "prefetcht0 [{p0} + {k}]",
+            "prefetcht0 [{p1} + {k}]",
+            "prefetcht0 [{p2} + {k}]",
+            wide_step!("0", "0"),
+            wide_step!("8", "32"),
+            wide_step!("16", "64"),
+            wide_step!("24", "96"),
+            wide_step!("32", "128"),
+            wide_step!("40", "160"),
+            wide_step!("48", "192"),
+            wide_step!("56", "224"),
+            "add {k}, 64",
+            "jnz 2b",
+            "3:",
+            "test {t}, {t}",
+            "jz 5f",
+            "4:",
+            wide_step!("0", "0"),
+            "add {k}, 8",
+            "cmp {k}, {t}",
+            "jb 4b",
+            "5:",
+            k = inout(reg) -(main as isize) => _,
+            t = in(reg) rest,
+            w0 = in(reg) w[0].wrapping_sub(rest),
+            w1 = in(reg) w[1].wrapping_sub(rest),
+            w2 = in(reg) w[2].wrapping_sub(rest),
+            p0 = in(reg) pf[0].wrapping_sub(rest),
+            p1 = in(reg) pf[1].wrapping_sub(rest),
+            p2 = in(reg) pf[2].wrapping_sub(rest),
+            x0 = in(reg) x[0].wrapping_sub(rest),
+            x1 = in(reg) x[1].wrapping_sub(rest),
+            x2 = in(reg) x[2].wrapping_sub(rest),
+            x3 = in(reg) x[3].wrapping_sub(rest),
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            inout("ymm4") a4, inout("ymm5") a5, inout("ymm6") a6, inout("ymm7") a7,
+            inout("ymm8") a8, inout("ymm9") a9, inout("ymm10") a10, inout("ymm11") a11,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+            options(nostack, readonly),
+        );
+    }
+    *acc = [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11];
+}
+
+/// The wide product from batch [`WIDE_ASM_MIN_BATCH`]: the tile's rows as three far-apart
+/// streams, one row of each per pass against the batch in groups of four (a last group of
+/// three repeats its last row and drops those sums) in the assembly loop of [`wide_acc`]; a
+/// last group of one or two batch rows, and the rows left over after whole streams, take
+/// [`block_wide_s`].
+///
+/// # Safety
+/// AVX2 and FMA available; `lw` checked by `gemm_i8_wide`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn wide_streams3x4(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: usize) {
+    let len = lw.n.len() / 3;
+    let body = lw.k.len() / 8 * 8;
+    let tail = lw.k.start + body..lw.k.end;
+    let k0 = lw.k.start;
+    for i in 0..len {
+        let rows: [usize; 3] = std::array::from_fn(|r| lw.n.start + i + r * len);
+        let w: [&[i8]; 3] = rows.map(|n| &lw.w[n * lw.ldw + k0..n * lw.ldw + k0 + body]);
+        // Each stream's next row (the rows of a stream lie back to back).
+        let pf = w.map(|row| row.as_ptr_range().end.wrapping_add(lw.ldw));
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bv = (lw.batch - b0).min(4);
+            if bv < 3 {
+                // One or two batch rows left: the compiled blocks (padding them to four in
+                // the loop costs more than it saves).
+                let mut sums = [[0.0f32; B_WIDE]; 3];
+                // SAFETY: rows `rows` and batch rows b0..b0+bv lie inside the tile.
+                unsafe {
+                    if bv == 1 {
+                        block_wide_s::<3, 1, 3, B_WIDE>(lw, rows[0], len, b0, &mut sums);
+                    } else {
+                        block_wide_s::<3, 2, 3, B_WIDE>(lw, rows[0], len, b0, &mut sums);
+                    }
+                }
+                for (&n, row) in rows.iter().zip(&sums) {
+                    for (b, &v) in row.iter().enumerate().take(bv) {
+                        let t = if tail.is_empty() {
+                            0.0
+                        } else {
+                            lw.dot(n, b0 + b, tail.clone())
+                        };
+                        lw.finish(out, ld_out, n, b0 + b, v + t);
+                    }
+                }
+                b0 += bv;
+                continue;
+            }
+            let x: [*const f32; 4] = std::array::from_fn(|b| {
+                let at = (b0 + b.min(bv - 1)) * lw.ldx + k0;
+                lw.x[at..at + body].as_ptr_range().end
+            });
+            let mut acc = [_mm256_setzero_ps(); 12];
+            // SAFETY: the `body` elements before each stream end are the rows' and batch
+            // rows' slices above; `body` is a multiple of 8; AVX2/FMA by the contract.
+            unsafe { wide_acc(&mut acc, w.map(|row| row.as_ptr_range().end), pf, x, body) };
+            for (r, &n) in rows.iter().enumerate() {
+                for b in 0..bv {
+                    let t = if tail.is_empty() {
+                        0.0
+                    } else {
+                        lw.dot(n, b0 + b, tail.clone())
+                    };
+                    lw.finish(out, ld_out, n, b0 + b, hsum256(acc[4 * r + b]) + t);
+                }
+            }
+            b0 += bv;
+        }
+    }
+    for n in lw.n.start + 3 * len..lw.n.end {
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bb = (lw.batch - b0).min(B_WIDE);
+            let mut sums = [[0.0f32; B_WIDE]; 1];
+            // SAFETY: row n and batch rows b0..b0+bb lie inside the tile.
+            unsafe {
+                match bb {
+                    1 => block_wide_s::<1, 1, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    2 => block_wide_s::<1, 2, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    3 => block_wide_s::<1, 3, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                    _ => block_wide_s::<1, B_WIDE, 1, B_WIDE>(lw, n, 1, b0, &mut sums),
+                }
+            }
+            for (b, &v) in sums[0].iter().enumerate().take(bb) {
+                let t = if tail.is_empty() {
+                    0.0
+                } else {
+                    lw.dot(n, b0 + b, tail.clone())
+                };
+                lw.finish(out, ld_out, n, b0 + b, v + t);
+            }
+            b0 += bb;
+        }
     }
 }

@@ -153,9 +153,13 @@ fn run_gemm(
             acts,
         ) => {
             let rec = int8_record(kdim);
-            let sw: Vec<f32> = (0..rows)
-                .map(|r| record_scale(&data[r * rec..], kdim))
-                .collect();
+            // The tile's rows' scales only (the products read no others): each lies at the end
+            // of its row's record, so reading every row's cost a scattered line per row of the
+            // whole matrix in every SPMD block.
+            let mut sw = vec![0.0f32; rows];
+            for r in tile.n.clone() {
+                sw[r] = record_scale(&data[r * rec..], kdim);
+            }
             let wi = WeightsI8::new(data, &sw, rows, kdim, rec);
             match acts {
                 Acts::Wide { x, rows: b, k: kx } => {
