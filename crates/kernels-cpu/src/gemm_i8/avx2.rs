@@ -91,23 +91,19 @@ fn hsum8(v: &[__m256i; 8]) -> __m256i {
     )
 }
 
-/// Pointers to `k.start` of weight rows `n0 + rstride * r` (`r < RR`) and batch rows
-/// `b0..b0 + BB`.
+/// Pointers to `k.start` of `lw`'s weight rows `n0 + rstride * r` (`r < RR`, row-major) and
+/// batch rows `b0..b0 + BB`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn starts<const RR: usize, const BB: usize>(
-    w: &[i8],
-    ldw: usize,
-    a: &[i8],
-    lda: usize,
-    k0: usize,
+    lw: &Lowered<'_>,
     n0: usize,
     rstride: usize,
     b0: usize,
 ) -> ([*const i8; RR], [*const i8; BB]) {
+    let (ldw, k0) = (lw.wa.ldw, lw.k.start);
     (
-        std::array::from_fn(|r| w[(n0 + rstride * r) * ldw + k0..].as_ptr()),
-        std::array::from_fn(|b| a[(b0 + b) * lda + k0..].as_ptr()),
+        std::array::from_fn(|r| lw.w[(n0 + rstride * r) * ldw + k0..].as_ptr()),
+        std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr()),
     )
 }
 
@@ -176,7 +172,7 @@ unsafe fn block_into<
     sums: &mut [[i32; BM]; RM],
 ) {
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, rstride, b0);
+    let (wp, ap) = starts::<RR, BB>(lw, n0, rstride, b0);
     // The rows a block ahead: the next block's (consecutive rows), or each stream's next row.
     let ahead = if rstride == 1 { RR } else { 1 } * lw.wa.ldw;
     let ones = _mm256_set1_epi16(1);
@@ -467,7 +463,7 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
 ) {
     let lw = lo.lw;
     let steps = lw.k.len() / STEP;
-    let (wp, ap) = starts::<RR, BB>(lw.w, lw.wa.ldw, lw.a, lw.lda, lw.k.start, n0, 1, b0);
+    let (wp, ap) = starts::<RR, BB>(lw, n0, 1, b0);
     let flip = _mm256_set1_epi8(i8::MIN);
     let mut acc = [[_mm256_setzero_si256(); BB]; RR];
     for s in 0..steps {

@@ -96,17 +96,17 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     // repeated: the intrinsics pass ran these rows ~3.5× slower per row than the loop (`perf`
     // at batch 16), so the padded pass costs no more.
     if wide && n0 < lw.n.end {
-        let rows = lw.n.end - n0;
+        let pass = Pass::adjacent(n0, lw.n.end - n0);
         let (full, rest) = quad_groups(lw.batch);
         for b0 in (0..full).step_by(quad::QB) {
             let bv = quad::QB.min(lw.batch - b0);
             // SAFETY: rows n0..n.end (fewer than QR) and batch rows b0..b0+bv lie inside the
             // tile; the caller's contract covers the rest.
-            unsafe { quad_block(lw, n0, rows, 1, rows, b0, bv, Prefetch::Ahead, out, ld_out) };
+            unsafe { quad_block(lw, pass, b0, bv, Prefetch::Ahead, out, ld_out) };
         }
         if rest > 0 {
             // SAFETY: as above, for the batch rows left over.
-            unsafe { block_dyn(lw, n0, rows, full, rest, out, ld_out, 1, rows) };
+            unsafe { block_dyn(lw, pass, full, rest, out, ld_out) };
         }
         n0 = lw.n.end;
     }
@@ -118,7 +118,7 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
             let bb = quad::QB.min(lw.batch - b0);
             // SAFETY: rows n0..n0+r and batch rows b0..b0+bb lie inside the tile (loop
             // bounds), and the caller's contract covers the rest.
-            unsafe { block_dyn(lw, n0, r, b0, bb, out, ld_out, 1, r) };
+            unsafe { block_dyn(lw, Pass::adjacent(n0, r), b0, bb, out, ld_out) };
             b0 += bb;
         }
         n0 += r;
@@ -140,19 +140,7 @@ unsafe fn gemm_narrow(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize
         for h in 0..rs {
             // SAFETY: rows n0 + h + rs * i (i < r) lie inside the tile (loop bound), the batch
             // rows inside the batch, and the caller's contract covers the rest.
-            unsafe {
-                block_dyn(
-                    lw,
-                    n0 + h,
-                    r,
-                    0,
-                    lw.batch,
-                    out,
-                    ld_out,
-                    rs,
-                    next_stream(h, rs, r),
-                )
-            };
+            unsafe { block_dyn(lw, Pass::streams(n0, h, rs, r), 0, lw.batch, out, ld_out) };
         }
         n0 += rs * r;
     }
@@ -249,10 +237,38 @@ unsafe fn gemv_pass<const S: usize>(
     }
 }
 
-/// Rows from a pass's first row to the same stream of the next pass, for pass `h` of a
-/// group of `r` streams `rs` rows apart (the next group starts `rs * r` rows on).
-fn next_stream(h: usize, rs: usize, r: usize) -> usize {
-    if h + 1 < rs { 1 } else { rs * r - (rs - 1) }
+/// The weight rows of one pass of [`quad_block`] or [`block_dyn`]: `rows` rows
+/// `n0 + rstride * r`, whose prefetches past a row's end continue `next` rows on (the same
+/// stream of the next pass).
+#[derive(Clone, Copy)]
+struct Pass {
+    n0: usize,
+    rows: usize,
+    rstride: usize,
+    next: usize,
+}
+
+impl Pass {
+    /// `rows` adjacent rows from `n0`, the next pass right after them.
+    fn adjacent(n0: usize, rows: usize) -> Pass {
+        Pass {
+            n0,
+            rows,
+            rstride: 1,
+            next: rows,
+        }
+    }
+
+    /// Pass `h` of a group of `r` streams `rs` rows apart from `n0` (rows `n0 + h + rs * i`;
+    /// the next group starts `rs * r` rows on).
+    fn streams(n0: usize, h: usize, rs: usize, r: usize) -> Pass {
+        Pass {
+            n0: n0 + h,
+            rows: r,
+            rstride: rs,
+            next: if h + 1 < rs { 1 } else { rs * r - (rs - 1) },
+        }
+    }
 }
 
 /// The tile's rows in groups of `QR` streams (up to `ROW_STRIDE` rows apart, closer for the
@@ -277,7 +293,7 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
         while n0 + quad::QR <= lw.n.end {
             let rs = ((lw.n.end - n0) / quad::QR).min(ROW_STRIDE);
             for h in 0..rs {
-                let next = next_stream(h, rs, quad::QR);
+                let pass = Pass::streams(n0, h, rs, quad::QR);
                 for b0 in (bo..bend).step_by(quad::QB) {
                     // The first two groups of a block each fetch half of the next pass's
                     // rows, at half the rate, so the weight stream runs through the whole
@@ -293,11 +309,11 @@ unsafe fn gemm_quad(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) -> usize {
                     // SAFETY: rows n0 + h + rs * r (r < QR) lie inside the tile
                     // (n0 + rs * QR <= n.end), batch rows b0..b0+bv inside the batch; the
                     // caller's contract covers the rest.
-                    unsafe { quad_block(lw, n0 + h, quad::QR, rs, next, b0, bv, pf, out, ld_out) };
+                    unsafe { quad_block(lw, pass, b0, bv, pf, out, ld_out) };
                 }
                 if bend == full && rest > 0 {
                     // SAFETY: as above, for the batch rows full..batch.
-                    unsafe { block_dyn(lw, n0 + h, quad::QR, full, rest, out, ld_out, rs, next) };
+                    unsafe { block_dyn(lw, pass, full, rest, out, ld_out) };
                 }
             }
             n0 += rs * quad::QR;
@@ -334,29 +350,30 @@ enum Prefetch {
     NextHalf(usize),
 }
 
-/// Weight rows `n0 + rstride * r` (`r < rows`, `rows <= QR`) against batch rows
-/// `b0..b0 + bv` (`bv <= QB`) in one pass of the assembly loop; prefetches follow `pf`, `next`
-/// rows on for the next pass. Missing rows of either kind repeat the last one and their sums
-/// are dropped.
+/// The weight rows of `pass` (at most `QR`) against batch rows `b0..b0 + bv` (`bv <= QB`) in
+/// one pass of the assembly loop; prefetches follow `pf`, on into the next pass's rows.
+/// Missing rows of either kind repeat the last one and their sums are dropped.
 ///
 /// # Safety
-/// AVX2 and FMA available; `1 <= rows <= QR`, `1 <= bv <= QB`,
-/// `n0 + rstride * (rows - 1) < lw.n.end`, `b0 + bv <= lw.batch`; `lw` checked by
-/// `gemm_dispatch`.
+/// AVX2 and FMA available; `1 <= pass.rows <= QR`, `1 <= bv <= QB`,
+/// `n0 + rstride * (rows - 1) < lw.n.end` (of `pass`), `b0 + bv <= lw.batch`; `lw` checked
+/// by `gemm_dispatch`.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn quad_block(
     lw: &Lowered<'_>,
-    n0: usize,
-    rows: usize,
-    rstride: usize,
-    next: usize,
+    pass: Pass,
     b0: usize,
     bv: usize,
     pf: Prefetch,
     out: &mut [f32],
     ld_out: usize,
 ) {
+    let Pass {
+        n0,
+        rows,
+        rstride,
+        next,
+    } = pass;
     let ldw = lw.ldw;
     let klen = lw.kb1 - lw.kb0;
     let w: [&[u16]; quad::QR] = std::array::from_fn(|r| {
@@ -429,29 +446,26 @@ fn hsum4(v: &[__m256]) -> [f32; 4] {
     sums
 }
 
-/// Dispatches runtime `(r, bb)` to a const instantiation of [`block`].
+/// Dispatches runtime `(pass.rows, bb)` to a const instantiation of [`block`].
 ///
 /// # Safety
-/// As [`block`].
+/// As [`block`], with `R = pass.rows`.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn block_dyn(
     lw: &Lowered<'_>,
-    n0: usize,
-    r: usize,
+    pass: Pass,
     b0: usize,
     bb: usize,
     out: &mut [f32],
     ld_out: usize,
-    rstride: usize,
-    next: usize,
 ) {
+    let r = pass.rows;
     macro_rules! go {
         ($($r:literal, $b:literal);*) => {
             match (r, bb) {
                 $(($r, $b) => {
                     // SAFETY: forwarded contract.
-                    unsafe { block::<$r, $b>(lw, n0, b0, out, ld_out, rstride, next) }
+                    unsafe { block::<$r, $b>(lw, pass, b0, out, ld_out) }
                 })*
                 _ => unreachable!("block shape {r}x{bb}"),
             }
@@ -460,25 +474,25 @@ unsafe fn block_dyn(
     go!(1,1; 1,2; 1,3; 1,4; 2,1; 2,2; 2,3; 2,4; 3,1; 3,2; 3,3; 3,4; 4,1; 4,2; 4,3; 4,4);
 }
 
-/// `R` weight rows `n0 + rstride * r` against `BB` batch rows from `b0`, over the whole k
-/// range; prefetches that run past a row's end continue `next` rows on (the same stream of
-/// the next pass).
+/// The `R` weight rows of `pass` (`R == pass.rows`) against `BB` batch rows from `b0`, over
+/// the whole k range.
 ///
 /// # Safety
-/// AVX2 and FMA available; `n0 + rstride * (R - 1) < lw.n.end`, `b0 + BB <= lw.batch`; `lw`
-/// checked by `gemm_dispatch` (so every row read in `[kb0, kb1)` is inside `lw.w` / `lw.x`).
+/// AVX2 and FMA available; `n0 + rstride * (R - 1) < lw.n.end` (of `pass`), `b0 + BB <=
+/// lw.batch`; `lw` checked by `gemm_dispatch` (so every row read in `[kb0, kb1)` is inside
+/// `lw.w` / `lw.x`).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
 unsafe fn block<const R: usize, const BB: usize>(
     lw: &Lowered<'_>,
-    n0: usize,
+    pass: Pass,
     b0: usize,
     out: &mut [f32],
     ld_out: usize,
-    rstride: usize,
-    next: usize,
 ) {
+    let Pass {
+        n0, rstride, next, ..
+    } = pass;
     let ldw = lw.ldw;
     let klen = lw.kb1 - lw.kb0;
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
