@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use half::bf16;
 use simpler_kernels_cpu::gemm::set_avx2_panel_min_batch;
-use simpler_kernels_cpu::membw::fma_peak;
+use simpler_kernels_cpu::membw::{FMA_FLOPS_PER_ITER, fma_chains, fma_peak};
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
 };
@@ -212,8 +212,10 @@ fn cpu_fma_peak(threads: usize) -> f64 {
                             let c0 = common::thread_cpu_seconds();
                             // SAFETY: the benchmark runs only where AVX2 is the detected path,
                             // so the CPU has AVX2 and FMA.
-                            std::hint::black_box(unsafe { fma_chains(ITERS) });
-                            ITERS as f64 * 12.0 * 16.0 / (common::thread_cpu_seconds() - c0) / 1e9
+                            std::hint::black_box(fma_chains(ITERS));
+                            ITERS as f64 * FMA_FLOPS_PER_ITER
+                                / (common::thread_cpu_seconds() - c0)
+                                / 1e9
                         })
                         .fold(0.0, f64::max)
                 })
@@ -224,27 +226,6 @@ fn cpu_fma_peak(threads: usize) -> f64 {
             .map(|h| h.join().expect("peak thread"))
             .sum()
     })
-}
-
-/// `iters` rounds of twelve independent 8-lane FMA chains.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_chains(iters: u64) -> f32 {
-    use std::arch::x86_64::*;
-    let m = _mm256_set1_ps(std::hint::black_box(0.999_999));
-    let a = _mm256_set1_ps(std::hint::black_box(1e-7));
-    let mut acc = [_mm256_set1_ps(1.0); 12];
-    for _ in 0..iters {
-        for v in &mut acc {
-            *v = _mm256_fmadd_ps(*v, m, a);
-        }
-    }
-    let s = acc
-        .iter()
-        .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
-    _mm256_cvtss_f32(s)
 }
 
 fn fmt_peaks(threads: &[usize], peaks: &[f64]) -> String {
@@ -278,8 +259,10 @@ fn pass(w: WeightsBf16<'_>, acts: PackedActs<'_>, threads: usize, min: usize) ->
                     barrier.wait();
                     let f0 = common::thread_cpu_seconds();
                     // SAFETY: the benchmark runs only where AVX2 (with FMA) is detected.
-                    std::hint::black_box(unsafe { fma_chains(FMA_ITERS) });
-                    let fma = FMA_ITERS as f64 * 192.0 / (common::thread_cpu_seconds() - f0) / 1e9;
+                    std::hint::black_box(fma_chains(FMA_ITERS));
+                    let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER
+                        / (common::thread_cpu_seconds() - f0)
+                        / 1e9;
                     let c0 = common::thread_cpu_seconds();
                     for i in 0..my_tiles {
                         let a = r0 + width * i / my_tiles;

@@ -24,6 +24,7 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::bf16;
+use simpler_kernels_cpu::membw::{FMA_FLOPS_PER_ITER, fma_chains};
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16,
     pack_segment_bf16, packed_ld, packed_len, split_range, swiglu_bf16,
@@ -233,9 +234,10 @@ fn main() {
                         barrier.wait();
                         let f0 = common::thread_cpu_seconds();
                         // SAFETY: AVX2 and FMA are detected (asserted in main).
-                        std::hint::black_box(unsafe { fma_chains(FMA_ITERS) });
-                        let fma =
-                            FMA_ITERS as f64 * 192.0 / (common::thread_cpu_seconds() - f0) / 1e9;
+                        std::hint::black_box(fma_chains(FMA_ITERS));
+                        let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER
+                            / (common::thread_cpu_seconds() - f0)
+                            / 1e9;
                         let mut t = [0.0f64; 4];
                         for l in 0..layers {
                             let w = &ws[l % distinct];
@@ -425,27 +427,6 @@ unsafe fn block(
 /// Rounds of the FMA kernel run before each pass (~10 ms).
 const FMA_ITERS: u64 = 5_000_000;
 
-/// `iters` rounds of twelve independent 8-lane FMA chains.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_chains(iters: u64) -> f32 {
-    use std::arch::x86_64::*;
-    let m = _mm256_set1_ps(std::hint::black_box(0.999_999));
-    let a = _mm256_set1_ps(std::hint::black_box(1e-7));
-    let mut acc = [_mm256_set1_ps(1.0); 12];
-    for _ in 0..iters {
-        for v in &mut acc {
-            *v = _mm256_fmadd_ps(*v, m, a);
-        }
-    }
-    let s = acc
-        .iter()
-        .fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
-    _mm256_cvtss_f32(s)
-}
-
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -480,8 +461,8 @@ fn ceiling(shape: &str, reps: usize) {
     for r in 0..2 * reps + 2 {
         let f0 = common::thread_cpu_seconds();
         // SAFETY: AVX2 and FMA are detected (asserted in main).
-        std::hint::black_box(unsafe { fma_chains(FMA_ITERS) });
-        let fma = FMA_ITERS as f64 * 192.0 / (common::thread_cpu_seconds() - f0) / 1e9;
+        std::hint::black_box(fma_chains(FMA_ITERS));
+        let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER / (common::thread_cpu_seconds() - f0) / 1e9;
         let c0 = common::thread_cpu_seconds();
         for _ in 0..calls {
             gemm_bf16(wm, acts, &tile, &mut out, n);

@@ -306,7 +306,7 @@ pub(crate) fn chain_peak<R>(
 /// Independent accumulators per chain loop.
 const CHAINS: usize = 12;
 /// FLOPs per loop iteration: `CHAINS` FMAs of 8 lanes, 2 FLOPs each.
-const FMA_FLOPS_PER_ITER: f64 = (CHAINS * 8 * 2) as f64;
+pub const FMA_FLOPS_PER_ITER: f64 = (CHAINS * 8 * 2) as f64;
 
 /// FLOPs per `vdpbf16ps` chain iteration: `CHAINS` instructions of 16 lanes × 2 products, 2
 /// FLOPs each.
@@ -455,7 +455,10 @@ fn stream_words(len: usize) -> usize {
     len / READ_STREAMS / 8 * 8
 }
 
-fn fma_chains(iters: u64) -> f32 {
+/// `iters` rounds of twelve independent 8-lane FMA chains on this thread (the AVX2 kernel
+/// where the CPU has it), [`FMA_FLOPS_PER_ITER`] FLOPs a round: the loop [`fma_peak`] times,
+/// for callers that price their own work against this thread's FMA rate.
+pub fn fma_chains(iters: u64) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if Isa::current() >= Isa::Avx2 {
         // SAFETY: `Isa::current` returned Avx2 or a wider path, so the CPU supports AVX2 and FMA.
