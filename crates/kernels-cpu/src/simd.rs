@@ -3,6 +3,36 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+/// Assembly text shared by the AVX2 3 × 4 passes (bf16 `gemm::avx2::quad`, int8 wide
+/// product): four activation vectors at `[{x_b} + {k}*4 + disp]` (b = 0..4, `disp` the
+/// concatenated `$disp` pieces), each fed to the three widened weight vectors in `ymm12`–`ymm14`
+/// and accumulated into `ymm(4 r + b)`; `ymm15` is the scratch. Text only: the caller's `asm!`
+/// names the operands and declares the registers.
+macro_rules! fma_3x4_asm {
+    ($($disp:expr),+) => {
+        concat!(
+            "vmovups ymm15, [{x0} + {k}*4 + ", $($disp,)+ "]\n",
+            "vfmadd231ps ymm0, ymm12, ymm15\n",
+            "vfmadd231ps ymm4, ymm13, ymm15\n",
+            "vfmadd231ps ymm8, ymm14, ymm15\n",
+            "vmovups ymm15, [{x1} + {k}*4 + ", $($disp,)+ "]\n",
+            "vfmadd231ps ymm1, ymm12, ymm15\n",
+            "vfmadd231ps ymm5, ymm13, ymm15\n",
+            "vfmadd231ps ymm9, ymm14, ymm15\n",
+            "vmovups ymm15, [{x2} + {k}*4 + ", $($disp,)+ "]\n",
+            "vfmadd231ps ymm2, ymm12, ymm15\n",
+            "vfmadd231ps ymm6, ymm13, ymm15\n",
+            "vfmadd231ps ymm10, ymm14, ymm15\n",
+            "vmovups ymm15, [{x3} + {k}*4 + ", $($disp,)+ "]\n",
+            "vfmadd231ps ymm3, ymm12, ymm15\n",
+            "vfmadd231ps ymm7, ymm13, ymm15\n",
+            "vfmadd231ps ymm11, ymm14, ymm15\n",
+        )
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use fma_3x4_asm;
+
 /// Sum of the eight lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]

@@ -18,8 +18,8 @@ use std::arch::x86_64::*;
 
 use super::{Lowered, LoweredWide, WithActSums};
 use crate::gemm::OutMode;
-use crate::simd::hsum256;
 use crate::simd::prefetch_l2;
+use crate::simd::{fma_3x4_asm, hsum256};
 
 /// Weight rows per block.
 const R: usize = 4;
@@ -737,30 +737,7 @@ macro_rules! wide_step {
             "vcvtdq2ps ymm12, ymm12\n",
             "vcvtdq2ps ymm13, ymm13\n",
             "vcvtdq2ps ymm14, ymm14\n",
-            "vmovups ymm15, [{x0} + {k}*4 + ",
-            $xd,
-            "]\n",
-            "vfmadd231ps ymm0, ymm12, ymm15\n",
-            "vfmadd231ps ymm4, ymm13, ymm15\n",
-            "vfmadd231ps ymm8, ymm14, ymm15\n",
-            "vmovups ymm15, [{x1} + {k}*4 + ",
-            $xd,
-            "]\n",
-            "vfmadd231ps ymm1, ymm12, ymm15\n",
-            "vfmadd231ps ymm5, ymm13, ymm15\n",
-            "vfmadd231ps ymm9, ymm14, ymm15\n",
-            "vmovups ymm15, [{x2} + {k}*4 + ",
-            $xd,
-            "]\n",
-            "vfmadd231ps ymm2, ymm12, ymm15\n",
-            "vfmadd231ps ymm6, ymm13, ymm15\n",
-            "vfmadd231ps ymm10, ymm14, ymm15\n",
-            "vmovups ymm15, [{x3} + {k}*4 + ",
-            $xd,
-            "]\n",
-            "vfmadd231ps ymm3, ymm12, ymm15\n",
-            "vfmadd231ps ymm7, ymm13, ymm15\n",
-            "vfmadd231ps ymm11, ymm14, ymm15\n",
+            fma_3x4_asm!($xd),
         )
     };
 }
