@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use half::bf16;
 use simpler_kernels_cpu::gemm::set_avx2_panel_min_batch;
-use simpler_kernels_cpu::membw::{FMA_FLOPS_PER_ITER, fma_chains, fma_peak};
+use simpler_kernels_cpu::membw::fma_peak;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
 };
@@ -208,15 +208,7 @@ fn cpu_fma_peak(threads: usize) -> f64 {
             .map(|_| {
                 s.spawn(|| {
                     (0..5)
-                        .map(|_| {
-                            let c0 = common::thread_cpu_seconds();
-                            // SAFETY: the benchmark runs only where AVX2 is the detected path,
-                            // so the CPU has AVX2 and FMA.
-                            std::hint::black_box(fma_chains(ITERS));
-                            ITERS as f64 * FMA_FLOPS_PER_ITER
-                                / (common::thread_cpu_seconds() - c0)
-                                / 1e9
-                        })
+                        .map(|_| common::thread_fma_gflops(ITERS))
                         .fold(0.0, f64::max)
                 })
             })
@@ -257,12 +249,7 @@ fn pass(w: WeightsBf16<'_>, acts: PackedActs<'_>, threads: usize, min: usize) ->
                     let mut out = vec![0.0f32; batch * width];
                     let my_tiles = tiles / threads;
                     barrier.wait();
-                    let f0 = common::thread_cpu_seconds();
-                    // SAFETY: the benchmark runs only where AVX2 (with FMA) is detected.
-                    std::hint::black_box(fma_chains(FMA_ITERS));
-                    let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER
-                        / (common::thread_cpu_seconds() - f0)
-                        / 1e9;
+                    let fma = common::thread_fma_gflops(FMA_ITERS);
                     let c0 = common::thread_cpu_seconds();
                     for i in 0..my_tiles {
                         let a = r0 + width * i / my_tiles;

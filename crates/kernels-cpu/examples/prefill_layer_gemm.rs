@@ -24,7 +24,6 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::bf16;
-use simpler_kernels_cpu::membw::{FMA_FLOPS_PER_ITER, fma_chains};
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PACK_BLOCK, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16,
     pack_segment_bf16, packed_ld, packed_len, split_range, swiglu_bf16,
@@ -232,12 +231,7 @@ fn main() {
                         let mut act = vec![bf16::ZERO; rows * I];
                         let ones = vec![1.0f32; rows];
                         barrier.wait();
-                        let f0 = common::thread_cpu_seconds();
-                        // SAFETY: AVX2 and FMA are detected (asserted in main).
-                        std::hint::black_box(fma_chains(FMA_ITERS));
-                        let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER
-                            / (common::thread_cpu_seconds() - f0)
-                            / 1e9;
+                        let fma = common::thread_fma_gflops(FMA_ITERS);
                         let mut t = [0.0f64; 4];
                         for l in 0..layers {
                             let w = &ws[l % distinct];
@@ -459,10 +453,7 @@ fn ceiling(shape: &str, reps: usize) {
     let calls = (4e8 / (2.0 * (n * k * batch) as f64)).ceil() as usize;
     let mut res = Vec::new();
     for r in 0..2 * reps + 2 {
-        let f0 = common::thread_cpu_seconds();
-        // SAFETY: AVX2 and FMA are detected (asserted in main).
-        std::hint::black_box(fma_chains(FMA_ITERS));
-        let fma = FMA_ITERS as f64 * FMA_FLOPS_PER_ITER / (common::thread_cpu_seconds() - f0) / 1e9;
+        let fma = common::thread_fma_gflops(FMA_ITERS);
         let c0 = common::thread_cpu_seconds();
         for _ in 0..calls {
             gemm_bf16(wm, acts, &tile, &mut out, n);

@@ -21,6 +21,15 @@ pub(crate) fn huge_pool(len: usize) -> &'static mut [bf16] {
     unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().add(off).cast::<bf16>(), len) }
 }
 
+/// This thread's fp32 FMA rate by its own CPU time, GFLOP/s: `iters` rounds of the FMA
+/// chains `bench membw` times, for pricing a thread's work against its own peak.
+pub(crate) fn thread_fma_gflops(iters: u64) -> f64 {
+    use simpler_kernels_cpu::membw::{FMA_FLOPS_PER_ITER, fma_chains};
+    let t0 = thread_cpu_seconds();
+    std::hint::black_box(fma_chains(iters));
+    iters as f64 * FMA_FLOPS_PER_ITER / (thread_cpu_seconds() - t0) / 1e9
+}
+
 /// This thread's CPU time, seconds: on a host shared with other work, time spent descheduled
 /// does not count against the kernel.
 pub(crate) fn thread_cpu_seconds() -> f64 {
