@@ -647,3 +647,47 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
         assert_same_classes_as_portable(&ran, poison);
     }
 }
+
+/// Rows the kernels cannot serve are refused before anything is read or written, on every
+/// path: rows running past the block table, a table naming a page outside the pool, an output
+/// of the wrong length. The output is left as it was, and the same rows with a sound table then
+/// run and agree with the portable path.
+#[test]
+fn bad_prefill_rows_are_refused_before_any_write_and_the_next_call_runs() {
+    let mut rng = Rng(17);
+    let (hd, ps, group) = (64, 16, 2);
+    let st = Setup::new(1, 2, 2, hd, ps, &mut rng);
+    let n_rows = 5;
+    let q: Vec<f32> = rng
+        .vec_bf16(n_rows * group * hd, 1.0)
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let refuse = |what: &str, rows: &PrefillRows<'_>, out_len: usize, expect: &str| {
+        common::all_paths(what, || {
+            let mut out = vec![7.25f32; out_len];
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                prefill_attention_rows_f32(rows, &mut out)
+            }));
+            let msg = r.expect_err("bad rows must be refused");
+            let msg = msg
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| msg.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            assert!(msg.contains(expect), "{what}: {msg}");
+            assert!(out.iter().all(|&v| v == 7.25), "{what}: output written");
+        });
+    };
+    // Tokens up to 2 pages + 1: one past the two-entry table.
+    let past = st.prefill_rows(0, &q, group, 1, 2 * ps + 1 - n_rows + 1);
+    refuse("rows past the table", &past, q.len(), "attention");
+    // A table naming page 9 of a two-page pool.
+    let bad_table = [0u32, 9];
+    let mut outside = st.prefill_rows(0, &q, group, 1, ps);
+    outside.block_table = &bad_table;
+    refuse("page outside the pool", &outside, q.len(), "attention");
+    let sound = st.prefill_rows(0, &q, group, 1, ps);
+    refuse("short output", &sound, q.len() - 1, "out len");
+    prefill_agrees_on_every_path("after the refusals", &st, 0, &sound, 0..n_rows);
+}
