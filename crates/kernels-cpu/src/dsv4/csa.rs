@@ -320,6 +320,24 @@ pub fn index_scores(
         unsafe { vnni::scores(&qs, keys, key_scale, rows, out, ld_out) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if dim.is_multiple_of(avx2::QUADS_PER_VECTOR * 4)
+        && crate::gemm_i8::I8Path::current() == crate::gemm_i8::I8Path::Avx2
+    {
+        for (r, q) in qs.q[..nq * dim].chunks_exact(dim).enumerate() {
+            // The sign trick needs `-128` absent from the queries, as `ActsI8::new` asks of
+            // the GEMM's activations on every path below.
+            assert!(
+                !crate::gemm_i8::holds_i8_min(q),
+                "index_scores: query row {r} holds -128"
+            );
+        }
+        // SAFETY: `I8Path::current` is AVX2 only when this CPU has AVX2; the slices were
+        // checked above (queries, keys up to `rows.end`, output) and the queries hold no
+        // `-128`; `dim` is a whole number of 32-byte vectors.
+        unsafe { avx2::scores(&qs, keys, key_scale, rows, out, ld_out) };
+        return;
+    }
     // Unit scales: the GEMM returns `dot as f32`, exact (|dot| <= 127² · dim < 2^24 for the
     // dims a config allows) and the finish below applies the real scales.
     let ones = vec![1.0f32; nq.max(SCORE_CHUNK)];
@@ -487,6 +505,194 @@ mod vnni {
                     h += 1;
                 }
                 store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
+            }
+            c0 += n;
+        }
+    }
+}
+
+/// The AVX2 scores (no VNNI): the `vnni` kernel's layout, each 16-row key block transposed
+/// once (quad `j` of the block's rows at `blk[j · 16..]`, with its bytes' magnitudes beside it
+/// in `abs`) and read as two 8-lane halves. A query quad broadcast to every lane meets the
+/// same quad of 8 rows: `vpmaddubsw(|k|, sign(q, k))` gives the pairs `k · q` as i16 (at most
+/// `2 · 128 · 127`: `|k|` is read unsigned, so a key of `-128` is exact, and the queries hold
+/// no `-128`), `vpmaddwd` against ones adds the pairs into the quad's i32, so each lane sums
+/// its row's exact dot product with no horizontal sum, and the finish runs on 8 rows per
+/// vector in the documented order, the same bits as every other path. Against the
+/// row-major GEMM this replaces (query rows as its batch, `k` only 128 bytes), whose blocks
+/// spent more on starting, reducing and finishing than on the four steps of products: see
+/// `docs/benchmarks.md` for the measured rates.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::IndexQueries;
+    use crate::simd::transpose8;
+
+    /// Query heads processed together: `2 · HEADS` accumulators, the two `|k|` halves, the
+    /// broadcast quad, a product and the constant fit 16 registers.
+    const HEADS: usize = 4;
+
+    /// Quads (4 bytes of `dim`) per 256-bit vector: `dim` must be a multiple of
+    /// `4 · QUADS_PER_VECTOR` for the block transpose.
+    pub(super) const QUADS_PER_VECTOR: usize = 8;
+
+    /// `keys` (up to 16 rows of `dim` bytes; the missing rows zero) transposed into `blk`
+    /// (`dim / 4 · 16` i32: quad `j` of row `l` at `blk[j · 16 + l]`) and the bytes'
+    /// magnitudes into `abs` (same layout), by 8 × 8 transposes of 32-byte row slices.
+    ///
+    /// # Safety
+    /// AVX2 available; `dim` a multiple of 32; `keys.len() <= 16 · dim`, a whole number of
+    /// rows; `blk` and `abs` hold `dim / 4 · 16` values.
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose_block(keys: &[i8], dim: usize, blk: &mut [i32], abs: &mut [i32]) {
+        let n = keys.len() / dim;
+        let quads = dim / 4;
+        assert!(
+            n <= 16 && blk.len() >= quads * 16 && abs.len() >= quads * 16,
+            "transpose_block"
+        );
+        for half in 0..2 {
+            for j0 in (0..quads).step_by(QUADS_PER_VECTOR) {
+                let rows: [__m256; 8] = std::array::from_fn(|l| {
+                    let r = half * 8 + l;
+                    if r < n {
+                        // SAFETY: row `r < n` holds `dim` bytes and `4 · j0 + 32 <= dim`.
+                        unsafe {
+                            _mm256_castsi256_ps(_mm256_loadu_si256(
+                                keys.as_ptr().add(r * dim + 4 * j0).cast(),
+                            ))
+                        }
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
+                for (i, v) in transpose8(rows).into_iter().enumerate() {
+                    let v = _mm256_castps_si256(v);
+                    let at = (j0 + i) * 16 + half * 8;
+                    // SAFETY: `j0 + i < quads`, so 8 values from `at` lie inside both.
+                    unsafe {
+                        _mm256_storeu_si256(blk.as_mut_ptr().add(at).cast(), v);
+                        _mm256_storeu_si256(abs.as_mut_ptr().add(at).cast(), _mm256_abs_epi8(v));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One head's term of the finish added to 8 rows' sums: `acc + relu(dot · q_scale[r]) ·
+    /// weight[r]`, in that order, no fused multiply-add (as `super::add_head_term`).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn head_term(acc: __m256, dot: __m256i, qs: &IndexQueries<'_>, r: usize) -> __m256 {
+        let v = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qs.scale[r]));
+        let v = _mm256_max_ps(v, _mm256_setzero_ps());
+        _mm256_add_ps(acc, _mm256_mul_ps(v, _mm256_set1_ps(qs.weight[r])))
+    }
+
+    /// `acc[h][half] += ` the dot products of query rows `r..r + H` (quads at `q`, `quads`
+    /// apart) with the block's two 8-row halves.
+    ///
+    /// # Safety
+    /// AVX2 available; `H` query rows of `quads` quads readable at `q`; `blk` and `abs` hold
+    /// `quads · 16` values.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn dots<const H: usize>(
+        q: *const i8,
+        quads: usize,
+        blk: &[i32],
+        abs: &[i32],
+    ) -> [[__m256i; 2]; H] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_si256(); 2]; H];
+        for j in 0..quads {
+            // SAFETY: `j < quads`: 16 values at `j · 16` in both (contract).
+            let (k, ka) = unsafe {
+                let kp = blk.as_ptr().add(j * 16).cast::<__m256i>();
+                let ap = abs.as_ptr().add(j * 16).cast::<__m256i>();
+                (
+                    [_mm256_loadu_si256(kp), _mm256_loadu_si256(kp.add(1))],
+                    [_mm256_loadu_si256(ap), _mm256_loadu_si256(ap.add(1))],
+                )
+            };
+            for (h, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: quad `j` of query row `h < H` (contract).
+                let qb = _mm256_set1_epi32(unsafe {
+                    q.add((h * quads + j) * 4).cast::<i32>().read_unaligned()
+                });
+                for half in 0..2 {
+                    let p = _mm256_maddubs_epi16(ka[half], _mm256_sign_epi8(qb, k[half]));
+                    acc[half] = _mm256_add_epi32(acc[half], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        acc
+    }
+
+    /// # Safety
+    /// AVX2 available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple of 32), none
+    /// holding `-128`, with their scales and weights; `keys` and `key_scale` reach
+    /// `rows.end`; `out` holds `tokens` rows of `rows.len()` at stride `ld_out`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn scores(
+        qs: &IndexQueries<'_>,
+        keys: &[i8],
+        key_scale: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+        let quads = dim / 4;
+        let mut blk = vec![0i32; quads * 16];
+        let mut abs = vec![0i32; quads * 16];
+        let mut c0 = rows.start;
+        while c0 < rows.end {
+            let n = 16.min(rows.end - c0);
+            // SAFETY: AVX2 (contract); `dim` a multiple of 32; `n <= 16` rows; both buffers
+            // hold `quads · 16` values.
+            unsafe { transpose_block(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk, &mut abs) };
+            let mut kscale = [0.0f32; 16];
+            kscale[..n].copy_from_slice(&key_scale[c0..c0 + n]);
+            for t in 0..tokens {
+                let mut acc_s = [_mm256_set1_ps(-0.0); 2];
+                let mut h = 0;
+                while h < heads {
+                    let r = t * heads + h;
+                    let q = qs.q[r * dim..].as_ptr();
+                    if h + HEADS <= heads {
+                        // SAFETY: AVX2; query rows `r..r + HEADS` (`h + HEADS <= heads`) hold
+                        // `quads` quads each; `blk` and `abs` hold `quads · 16` values.
+                        let a = unsafe { dots::<HEADS>(q, quads, &blk, &abs) };
+                        for (i, a) in a.iter().enumerate() {
+                            for half in 0..2 {
+                                acc_s[half] = head_term(acc_s[half], a[half], qs, r + i);
+                            }
+                        }
+                        h += HEADS;
+                    } else {
+                        // SAFETY: as above, for query row `r`.
+                        let [a] = unsafe { dots::<1>(q, quads, &blk, &abs) };
+                        for half in 0..2 {
+                            acc_s[half] = head_term(acc_s[half], a[half], qs, r);
+                        }
+                        h += 1;
+                    }
+                }
+                let mut v = [0.0f32; 16];
+                for ((v, ks), acc) in v.chunks_exact_mut(8).zip(kscale.chunks_exact(8)).zip(acc_s) {
+                    // SAFETY: 8 floats in each chunk.
+                    unsafe {
+                        _mm256_storeu_ps(
+                            v.as_mut_ptr(),
+                            _mm256_mul_ps(acc, _mm256_loadu_ps(ks.as_ptr())),
+                        )
+                    };
+                }
+                let o = t * ld_out + (c0 - rows.start);
+                out[o..o + n].copy_from_slice(&v[..n]);
             }
             c0 += n;
         }

@@ -766,7 +766,7 @@ multiversion!(
     /// Whether `a` holds `-128`: its minimum, a reduction the compiler vectorises
     /// (`vpminsb`). Every [`ActsI8::new`] scans its rows: the slice's `contains` ran a
     /// word-at-a-time search, 1–2% of all samples of the 3-row expert products in 64-row calls.
-    fn holds_i8_min(a: &[i8]) -> bool {
+    pub(crate) fn holds_i8_min(a: &[i8]) -> bool {
         a.iter().fold(i8::MAX, |m, &v| m.min(v)) == i8::MIN
     }
 );
