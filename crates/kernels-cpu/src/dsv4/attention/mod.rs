@@ -470,7 +470,13 @@ multiversion! {
     /// of each row read; the last row may stop there, so a view from a column offset of a
     /// wider `P` is one too), `rows` `[n, d]` bf16 read in place, `out` `[heads, d]` (heads =
     /// `out.len() / d`): blocks of [`PV_HEADS`] heads × [`PV_COLS`] columns accumulate over `j`
-    /// in registers (products then sums, in `j` order) and are added to `out` once.
+    /// in registers (fused multiply-adds, in `j` order) and are added to `out` once.
+    ///
+    /// Fused, unlike this crate's other lane bodies: every build gives the same bits either
+    /// way (the portable one calls the C library's `fmaf`, slow but exact, and runs only where
+    /// the CPU has no AVX2 or a test forces it), and the AVX2 kernel that must match them
+    /// ([`pv_avx2`]) is bound by its vector pipes, where a product and a sum cost two
+    /// instructions against one (`docs/benchmarks.md`).
     ///
     /// # Panics
     /// If the lengths disagree.
@@ -504,7 +510,7 @@ multiversion! {
                         for (hh, a) in acc.iter_mut().enumerate() {
                             let pj = widen(p[(h0 + hh) * ld + j]);
                             for c in 0..PV_COLS {
-                                a[c] += pj * r[c];
+                                a[c] = pj.mul_add(r[c], a[c]);
                             }
                         }
                     }
@@ -514,7 +520,7 @@ multiversion! {
                         for (hh, a) in acc.iter_mut().enumerate().take(hb) {
                             let pj = widen(p[(h0 + hh) * ld + j]);
                             for (a, &v) in a.iter_mut().zip(src) {
-                                *a += pj * widen(v.to_bits());
+                                *a = pj.mul_add(widen(v.to_bits()), *a);
                             }
                         }
                     }
