@@ -688,6 +688,7 @@ impl Orchestrator {
         }
         let desc = TaskDesc {
             id,
+            epoch: self.epoch,
             kernel,
             class,
             block_num: task.block_num,

@@ -101,6 +101,7 @@ impl Orchestrator {
         let (ids, blocks) = (&*ids, &*blocks);
         self.fill_slot_with(id, local, dep_start, n_deps, |d| {
             d.id = id;
+            d.epoch = epoch;
             d.kernel.clone_from(&g.specs[i]);
             d.class = t.class;
             d.block_num = t.blocks;

@@ -151,3 +151,30 @@ fn one_int8_layer_against_the_dequantised_golden() {
         );
     }
 }
+
+/// Consecutive decode steps of one int8 session (the graph replayed from the second step on;
+/// each core reuses the int8 activations it prepared for a task across that task's blocks):
+/// every step against the golden on the dequantised weights, with the positions and the
+/// tokens changing from step to step, so activations prepared for one step's task standing
+/// in for the next step's would show.
+#[test]
+fn consecutive_int8_steps_each_match_the_golden() {
+    let f = stretched_fixture("small", &[1, 127, 128, 129, 296]);
+    let deq = dequantised(&f.weights);
+    let w = worker();
+    for format in MODES {
+        let mut s = session(&w, &f, format);
+        let mut kv = f.kv.clone();
+        let mut batch = f.batch.clone();
+        let mut tokens = f.tokens.clone();
+        for step in 0..4 {
+            let want = golden::decode_model(&deq, &mut kv, &batch, &f.rope, &tokens);
+            let got = s
+                .decode(&w, &batch, &tokens, &CallConfig::default())
+                .unwrap();
+            check_model_step(&format!("{} step {step}", format.name()), &got, &want);
+            tokens = want.next_tokens.clone();
+            batch.seq_lens.iter_mut().for_each(|l| *l += 1);
+        }
+    }
+}

@@ -316,3 +316,58 @@ fn buffers_the_orchestration_binds_itself_are_held_and_bound_by_replays() {
     w.replay(&g, RunArgs::default(), &cfg, &shape).unwrap();
     assert_eq!(y.read::<f32>().unwrap(), expected(&input(9)));
 }
+
+/// `TaskCtx::instance`: every block of one task sees the same value, and no other task of any
+/// run does — not the same task of the next run, nor of a replay, whose tasks take the
+/// captured ids and ring places (kernels key per-thread caches of their inputs on it).
+#[test]
+fn a_task_instance_is_shared_by_its_blocks_and_by_no_other_task() {
+    const RECORD: KernelId = KernelId(9);
+    let w = worker(2);
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<(u64, TaskId, usize)>>> = Default::default();
+    let s2 = seen.clone();
+    w.register_kernel(KernelSpec::new(
+        RECORD,
+        "record",
+        EngineClass::Vector,
+        move |ctx| {
+            let (epoch, id) = ctx.instance();
+            s2.lock().unwrap().push((epoch, id, ctx.block_idx()));
+            Ok(())
+        },
+    ))
+    .unwrap();
+    let (args, shape, cfg) = setup(&w);
+    let two_tasks = |o: &mut Orchestrator, a: &RunArgs| -> Result<(), RunError> {
+        let x = o.bind(&a.buffers[0], DType::F32, &[N])?;
+        o.scope(ScopeKind::Auto, |o| {
+            for _ in 0..2 {
+                o.submit(Task::new(RECORD).input(&x).blocks(4))?;
+            }
+            Ok(())
+        })
+    };
+    let (_, g) = w
+        .capture_fn("record", args.clone(), &cfg, shape.clone(), two_tasks)
+        .unwrap();
+    w.run_fn("record", args.clone(), &cfg, two_tasks).unwrap();
+    w.replay(&g, args.clone(), &cfg, &shape).unwrap();
+    w.replay(&g, args, &cfg, &shape).unwrap();
+    let seen = seen.lock().unwrap();
+    let mut instances: Vec<(u64, TaskId)> = seen.iter().map(|&(e, id, _)| (e, id)).collect();
+    instances.sort();
+    instances.dedup();
+    // 4 runs of 2 tasks, each seen by its 4 blocks.
+    assert_eq!(seen.len(), 4 * 2 * 4);
+    assert_eq!(instances.len(), 4 * 2, "{instances:?}");
+    for inst in &instances {
+        let mut blocks: Vec<usize> = seen
+            .iter()
+            .filter(|&&(e, id, _)| (e, id) == *inst)
+            .map(|&(_, _, b)| b)
+            .collect();
+        blocks.sort();
+        assert_eq!(blocks, vec![0, 1, 2, 3], "{inst:?}");
+        assert_ne!(inst.0, 0, "a run's epoch is never 0");
+    }
+}

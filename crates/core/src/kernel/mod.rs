@@ -141,6 +141,8 @@ pub struct TensorArg {
 /// Everything about a submitted task that cores need; immutable once published.
 pub(crate) struct TaskDesc {
     pub(crate) id: TaskId,
+    /// The submitting run's epoch (process-unique, never reused; 0 outside a run).
+    pub(crate) epoch: u64,
     pub(crate) kernel: Option<Arc<KernelSpec>>,
     pub(crate) class: EngineClass,
     pub(crate) block_num: u32,
@@ -247,6 +249,7 @@ impl TaskDesc {
     pub(crate) fn empty() -> TaskDesc {
         TaskDesc {
             id: TaskId(0),
+            epoch: 0,
             kernel: None,
             class: EngineClass::Vector,
             block_num: 1,
@@ -308,6 +311,14 @@ impl<'a> TaskCtx<'a> {
     /// The task's id.
     pub fn task_id(&self) -> TaskId {
         self.desc.id
+    }
+    /// This execution of the task, unlike any other task's of any run in this process: the
+    /// submitting run's epoch (a process-wide counter, never reused) and the task's id. Its
+    /// inputs do not change while it runs, so a kernel may keep values derived from them in a
+    /// per-thread cache keyed on this (and on which input), for the task's other blocks that
+    /// the same thread runs; no later task matches the key.
+    pub fn instance(&self) -> (u64, TaskId) {
+        (self.desc.epoch, self.desc.id)
     }
     /// This block's index (`0..block_num`).
     pub fn block_idx(&self) -> usize {

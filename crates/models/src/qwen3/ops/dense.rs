@@ -90,11 +90,59 @@ enum Acts<'a> {
     },
 }
 
-impl<'a> Acts<'a> {
-    fn prepare(x: PackedActs<'a>, int8: bool, w8a8: bool) -> Acts<'a> {
-        if !int8 {
-            return Acts::Packed(x);
-        }
+/// What a core's cached int8 activations were prepared from: the task's execution
+/// ([`TaskCtx::instance`]: no other task of any run matches it), the input's place and shape,
+/// and the activation mode.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct PreparedKey {
+    instance: (u64, simpler_core::TaskId),
+    at: usize,
+    rows: usize,
+    k: usize,
+    w8a8: bool,
+}
+
+thread_local! {
+    /// The int8 activations this core prepared last, with what they were prepared from.
+    /// Every SPMD block of an int8 projection reads the same input; each block quantised all
+    /// of it, which at 4 × 1024 took ~18% of the cores' time in the step
+    /// (`docs/benchmarks.md`). Now a core prepares them once per task and its other blocks
+    /// of the task reuse them; a block of any other task (or run) has another key.
+    static PREPARED: std::cell::RefCell<Option<(PreparedKey, Acts<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` on `x` prepared for `int8` weights or not ([`Acts`]), the int8 forms from this
+/// core's cache when it already prepared this task's input ([`PREPARED`]).
+fn with_acts<R>(
+    ctx: &TaskCtx<'_>,
+    x: PackedActs<'_>,
+    int8: bool,
+    w8a8: bool,
+    f: impl FnOnce(&Acts<'_>) -> R,
+) -> R {
+    if !int8 {
+        return f(&Acts::Packed(x));
+    }
+    let key = PreparedKey {
+        instance: ctx.instance(),
+        at: x.data().as_ptr() as usize,
+        rows: x.rows(),
+        k: x.cols(),
+        w8a8,
+    };
+    PREPARED.with_borrow_mut(|cached| {
+        let acts = match cached {
+            Some((k, acts)) if *k == key => acts,
+            _ => &mut cached.insert((key, Acts::prepare_int8(x, w8a8))).1,
+        };
+        f(acts)
+    })
+}
+
+impl Acts<'_> {
+    /// `x` in natural order (wide) or quantised per row (W8A8), for int8 weights.
+    fn prepare_int8(x: PackedActs<'_>, w8a8: bool) -> Acts<'static> {
         let (rows, k) = (x.rows(), x.cols());
         let ld = simpler_kernels_cpu::packed_ld(k);
         let mut nat = vec![0.0f32; rows * k];
@@ -337,8 +385,10 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
     if w.rows() == 0 {
         return Ok(());
     }
-    let x = Acts::prepare(x, matches!(w, Weights::I8 { .. }), w8a8);
-    gemm_into_rows(w, &x, &tile, scale, &mut out);
+    let int8 = matches!(w, Weights::I8 { .. });
+    with_acts(ctx, x, int8, w8a8, |x| {
+        gemm_into_rows(w, x, &tile, scale, &mut out)
+    });
     Ok(())
 }
 
@@ -393,7 +443,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..h,
         mode: OutMode::Store,
     };
-    let x = Acts::prepare(x, matches!(wg, Weights::I8 { .. }), w8a8);
+    let int8 = matches!(wg, Weights::I8 { .. });
     let ones;
     let scale = match scale {
         Some(s) => s,
@@ -411,8 +461,10 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         // Both products store every element of their halves.
         with_scratch_dirty(2 * rows * n, |s| {
             let (gate, up) = s.split_at_mut(rows * n);
-            run_gemm(wg, &x, &full, None, gate, n);
-            run_gemm(wu, &x, &full, None, up, n);
+            with_acts(ctx, x, int8, w8a8, |x| {
+                run_gemm(wg, x, &full, None, gate, n);
+                run_gemm(wu, x, &full, None, up, n);
+            });
             k::swiglu_bf16(gate, up, scale, act);
         });
         for (b, dst) in out.iter_mut().enumerate() {
@@ -440,8 +492,10 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         mode: OutMode::Store,
     };
     if w.rows() > 0 {
-        let x = Acts::prepare(x, matches!(w, Weights::I8 { .. }), w8a8);
-        gemm_into_rows(w, &x, &tile, None, &mut logits);
+        let int8 = matches!(w, Weights::I8 { .. });
+        with_acts(ctx, x, int8, w8a8, |x| {
+            gemm_into_rows(w, x, &tile, None, &mut logits)
+        });
     }
     // This block's `[rows, 2]` slot of the per-block argmax results.
     let best = ctx.write_chunk::<u32>(lm_head::best, 2 * rows)?;
@@ -507,6 +561,95 @@ mod tests {
             let mut back = vec![-1.0; k];
             unpack_row(&packed[..k], &mut back);
             assert_eq!(back, x, "k = {k}");
+        }
+    }
+
+    use half::bf16;
+    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
+
+    use super::super::args::{Arg, GemmArgs};
+    use super::super::scalars::{GemmScalars, PushScalars};
+    use super::super::{GEMM_TILE, register};
+    use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
+
+    /// One int8 projection task run three times on one input buffer whose values change
+    /// between the runs, in 8 blocks on 2 cores: each run's output is the product of its own
+    /// values. Each core keeps the int8 activations it prepared for a task ([`super::with_acts`]),
+    /// and the input sits at the same address every run, so only the key's task execution
+    /// tells one run's task from the last's.
+    #[test]
+    fn prepared_int8_activations_never_outlive_their_task() {
+        let w = Worker::new(
+            simpler_cpu::CpuPlatform::new(),
+            WorkerConfig {
+                cores: Some(2),
+                timeouts: None,
+            },
+        )
+        .unwrap();
+        register(&w).unwrap();
+        let (rows, n, k) = (2usize, 256usize, 64usize);
+        let weights: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
+            .collect();
+        let records = quantize_matrix(&weights, n, k);
+        let deq = dequantize_matrix_bf16(&records, k);
+        let wbuf = w.buffer_from(&records).unwrap();
+        let xbuf = w.alloc(packed_len(rows, k) * 4).unwrap();
+        let obuf = w.alloc(rows * n * 4).unwrap();
+        for round in 0..3usize {
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 31 + round * 17) % 23) as f32 - 11.0)
+                .collect();
+            let mut packed = vec![0.0f32; packed_len(rows, k)];
+            pack_acts_f32(&x, rows, k, &mut packed);
+            xbuf.write(&packed).unwrap();
+            let args = RunArgs {
+                buffers: vec![xbuf.clone(), wbuf.clone(), obuf.clone()],
+                scalars: vec![],
+            };
+            w.run_fn("int8 gemm", args, &Default::default(), move |o, a| {
+                let xt = o.bind(
+                    &a.buffers[0],
+                    DType::F32,
+                    &[rows as u64, (packed_len(rows, k) / rows) as u64],
+                )?;
+                let wt = o.bind(&a.buffers[1], DType::I8, &[n as u64, int8_record(k) as u64])?;
+                let ot = o.bind(&a.buffers[2], DType::F32, &[rows as u64, n as u64])?;
+                o.scope(ScopeKind::Auto, |o| {
+                    let task = GemmArgs {
+                        acts: Arg::In(&xt),
+                        w: Arg::In(&wt),
+                        out: Arg::Out(&ot),
+                        scale: None,
+                    }
+                    .push(Task::new(GEMM_TILE))
+                    .blocks(8)
+                    .push_scalars(GemmScalars {
+                        k,
+                        add: false,
+                        w8a8: true,
+                    });
+                    o.submit(task)?;
+                    Ok(())
+                })
+            })
+            .unwrap();
+            let got = obuf.read::<f32>().unwrap();
+            for b in 0..rows {
+                for c in 0..n {
+                    let terms = (0..k).map(|i| x[b * k + i] * deq[c * k + i].to_f32());
+                    let want: f32 = terms.clone().sum();
+                    let size: f32 = terms.map(f32::abs).sum();
+                    let g = got[b * n + c];
+                    // W8A8 rounds each activation to its row's 127 steps (half a step of 11 /
+                    // 127 at most); another round's values miss by the size of the sum.
+                    assert!(
+                        (g - want).abs() <= 0.01 * size,
+                        "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
+                    );
+                }
+            }
         }
     }
 }
