@@ -549,8 +549,15 @@ pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 
 #[cfg(test)]
 mod tests {
-    use super::unpack_row;
+    use half::bf16;
+    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
     use simpler_kernels_cpu::{pack_acts_f32, packed_len};
+
+    use super::super::args::{Arg, GemmArgs};
+    use super::super::scalars::{GemmScalars, PushScalars};
+    use super::super::{GEMM_TILE, register};
+    use super::unpack_row;
+    use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
 
     #[test]
     fn unpack_row_inverts_the_packing() {
@@ -563,14 +570,6 @@ mod tests {
             assert_eq!(back, x, "k = {k}");
         }
     }
-
-    use half::bf16;
-    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
-
-    use super::super::args::{Arg, GemmArgs};
-    use super::super::scalars::{GemmScalars, PushScalars};
-    use super::super::{GEMM_TILE, register};
-    use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
 
     /// One int8 projection task run three times on one input buffer whose values change
     /// between the runs, in 8 blocks on 2 cores: each run's output is the product of its own
