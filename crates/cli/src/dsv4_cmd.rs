@@ -6,12 +6,16 @@
 //! Each layer kind is a [`LayerStep`]; [`prepare`] picks one per `--layer`/`--kernel`, so a
 //! new kind is one implementation and one match arm.
 
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use simpler_core::{CallConfig, RunReport, TaskSlotTiming, Worker};
-use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_dfx::bench_stats::{
+    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
+    run_interleaved,
+};
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::membw::MachinePeaks;
 use simpler_kernels_cpu::{I8Path, Isa};
@@ -198,6 +202,12 @@ pub(crate) struct BenchDsv4Args {
     /// Warm-up steps (discarded).
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Also compare this run's SPMD blocks per projection (SWA, CSA and HCA: the projections
+    /// and `q_b`, `wo_a`, `wo_b`; four per core by default) with `N` blocks, step against step
+    /// in this process: interleaved steps A B B A .. and the ratio B/A of the effective-time
+    /// medians with its 95% interval
+    #[arg(long, value_name = "N")]
+    versus_proj_blocks: Option<u32>,
     #[command(flatten)]
     ep: EpOpts,
     #[command(flatten)]
@@ -220,6 +230,14 @@ pub(crate) trait LayerStep {
     fn round_valid(&self) -> Option<bool> {
         None
     }
+    /// SPMD blocks of each projection, for a kind whose graph has a projection tiling
+    /// (`--versus-proj-blocks`); `None` for the others.
+    fn proj_blocks(&self) -> Option<u32> {
+        None
+    }
+    /// Sets the projection blocks of the next steps (only where [`LayerStep::proj_blocks`]
+    /// is `Some`).
+    fn set_proj_blocks(&mut self, _blocks: u32) {}
 }
 
 /// The step of `layer` on `cfg`'s shapes at `starts`.
@@ -395,6 +413,14 @@ impl LayerStep for AttnCase {
 
     fn cost(&self) -> LayerCost {
         LayerCost::attn_step(&self.cfg, self.kind, &self.starts)
+    }
+
+    fn proj_blocks(&self) -> Option<u32> {
+        Some(self.layer.tiles.proj_blocks)
+    }
+
+    fn set_proj_blocks(&mut self, blocks: u32) {
+        self.layer.tiles.proj_blocks = blocks;
     }
 }
 
@@ -644,6 +670,14 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 }
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
+    if args.versus_proj_blocks == Some(0) {
+        bail!("--versus-proj-blocks: at least 1 block");
+    }
+    if args.versus_proj_blocks.is_some() && args.kernel == LayerArg::Moe {
+        bail!(
+            "--versus-proj-blocks: the moe layer's experts have their own blocks; it applies to swa, csa and hca"
+        );
+    }
     if let Some(cmd) = ep_cmd_of_bench(&args)? {
         return crate::dsv4_ep::main(cmd);
     }
@@ -680,5 +714,53 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
     );
     println!("per phase (last step):");
     print!("{}", format_phases(&cost, &peaks, &last));
+    if let Some(b) = args.versus_proj_blocks {
+        let c = versus_proj_blocks(&mut s, &cfg, b, args.rounds, args.warmup)?;
+        println!(
+            "projection blocks compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+        );
+        println!("{c}");
+    }
     Ok(())
+}
+
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's
+/// projection blocks (A) and `blocks` (B); the effective times compared, formatted. The step
+/// goes back to A's blocks afterwards.
+fn versus_proj_blocks(
+    s: &mut Setup,
+    cfg: &CallConfig,
+    blocks: u32,
+    rounds: usize,
+    warmup: usize,
+) -> Result<String> {
+    let Some(a) = s.step.proj_blocks() else {
+        bail!("--versus-proj-blocks: this layer has no projection tiling to change");
+    };
+    let failure = RefCell::new(None);
+    let setup = RefCell::new(&mut *s);
+    let step_us = |n: u32| {
+        let mut s = setup.borrow_mut();
+        s.step.set_proj_blocks(n);
+        let Setup { worker, step, .. } = &mut **s;
+        match step.step(worker, cfg) {
+            Ok(r) => r.effective().us(),
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(e);
+                f64::NAN
+            }
+        }
+    };
+    let pairs = run_interleaved(rounds, warmup, || step_us(a), || step_us(blocks));
+    s.step.set_proj_blocks(a);
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    let c = compare(&pairs.a, &pairs.b);
+    Ok(format_compare(
+        "effective_us",
+        &format!("{a} blocks (this run)"),
+        &format!("{blocks} blocks"),
+        &c,
+    ))
 }

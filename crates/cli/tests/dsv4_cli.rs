@@ -121,6 +121,58 @@ fn bench_dsv4_prints_effective_us_statistics_and_ratios() {
     }
 }
 
+/// `--versus-proj-blocks` runs both tilings interleaved and prints their ratio, and the main
+/// measurement before it is the same report as without the flag.
+#[test]
+fn bench_dsv4_compares_projection_blocks_step_against_step() {
+    let out = simpler(&bench_tiny(
+        "swa",
+        &[
+            "--rounds",
+            "4",
+            "--warmup",
+            "1",
+            "--versus-proj-blocks",
+            "3",
+        ],
+    ));
+    let so = succeeded_with(
+        &out,
+        "swa --versus-proj-blocks 3",
+        &[
+            "effective_us: n=4 (warm-up 1 discarded) min=",
+            "per-phase bound",
+            "projection blocks compared (interleaved steps A B B A ..",
+            "blocks (this run)",
+            "[B: 3 blocks]: n=4",
+            "ratio B/A of medians = ",
+        ],
+    );
+    assert!(so.contains("95% interval ["), "{so}");
+}
+
+/// The flag is refused by name where it changes nothing (the MoE's experts have their own
+/// blocks) or makes no tiling, before any fixture is built.
+#[test]
+fn versus_proj_blocks_is_refused_where_it_does_not_apply() {
+    for (kernel, blocks, needle) in [
+        ("moe", "8", "the moe layer's experts have their own blocks"),
+        ("swa", "0", "at least 1 block"),
+    ] {
+        let out = simpler(&bench_tiny(kernel, &["--versus-proj-blocks", blocks]));
+        let se = text(&out.stderr);
+        assert!(!out.status.success(), "{kernel} {blocks}: {se}");
+        assert!(
+            se.contains("--versus-proj-blocks") && se.contains(needle),
+            "{kernel} {blocks}: {se}"
+        );
+        assert!(
+            text(&out.stdout).is_empty(),
+            "{kernel} {blocks}: ran anyway"
+        );
+    }
+}
+
 #[test]
 fn bad_layers_and_starts_are_refused_by_name() {
     let out = simpler(&[

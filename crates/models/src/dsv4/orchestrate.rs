@@ -288,7 +288,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
     // SAFETY: the hyper-connection weights are written by no task.
     let t = unsafe { Task::new(ops::HC_MIX).input(&v.x).no_dep(&v.mix) }
         .output_existing(&dots)
-        .blocks(hc_mix_blocks(blocks, m))
+        .blocks(hc_mix_blocks(p.tiles.vector_blocks, m))
         .timing_slot(0);
     o.submit(t)?;
     let hcw = o.alloc(DType::F32, &[u(t_n), u(m)])?;
@@ -335,7 +335,16 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
     };
     // 2: qr normed and quantised once (the query and indexer projections read it), then the
     // W8A8 query projection, a block of whole heads per SPMD block.
-    let (qr_i8, qr_scale) = act_i8(o, &qr, Some(&v.q_norm), 1, c.rms_eps, t_n, blocks, 2)?;
+    let (qr_i8, qr_scale) = act_i8(
+        o,
+        &qr,
+        Some(&v.q_norm),
+        1,
+        c.rms_eps,
+        t_n,
+        p.tiles.vector_blocks,
+        2,
+    )?;
     let q = v.q;
     // SAFETY: weights, scales, the host-written token table and the RoPE tables are written by
     // no task during the run.
@@ -420,7 +429,7 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
         .blocks(blocks)
         .timing_slot(5);
     o.submit(t)?;
-    let (or_i8, or_scale) = act_i8(o, &o_r, None, g, c.rms_eps, t_n, blocks, 6)?;
+    let (or_i8, or_scale) = act_i8(o, &o_r, None, g, c.rms_eps, t_n, p.tiles.vector_blocks, 6)?;
     let y = v.y;
     // SAFETY: `Wo_b` and its scales are written by no task.
     let t = unsafe {
@@ -450,8 +459,8 @@ pub(crate) fn attn_step(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<()
 
 /// Submits the per-row int8 quantisation of `x` `[T, K]` (RMS-normed with `norm` first when
 /// given) in `groups` spans per row, once for every block of the projection that reads it:
-/// returns the int8 rows `[T, K]` and scales `[T, groups]`. One block per core (a quarter of
-/// the projections' blocks), at most one per row.
+/// returns the int8 rows `[T, K]` and scales `[T, groups]`. `blocks` blocks (the tiling's
+/// vector blocks, one per core), at most one per row.
 #[allow(clippy::too_many_arguments)]
 fn act_i8(
     o: &mut Orchestrator,
@@ -460,7 +469,7 @@ fn act_i8(
     groups: usize,
     eps: f32,
     tokens: usize,
-    proj_blocks: u32,
+    blocks: u32,
     slot: u8,
 ) -> R<(Tensor, Tensor)> {
     let k = x.shape().get(1).copied().unwrap_or(0);
@@ -478,16 +487,16 @@ fn act_i8(
     let t = t
         .scalar(groups as u64)
         .scalar_f32(eps)
-        .blocks((proj_blocks / 4).clamp(1, most))
+        .blocks(blocks.clamp(1, most))
         .timing_slot(slot);
     o.submit(t)?;
     Ok((q, s))
 }
 
-/// SPMD blocks of the hc mix products: half the projections' blocks (each block reads every
-/// token's residual, so more blocks would re-read it more), at most one per mix row.
-fn hc_mix_blocks(proj_blocks: u32, mix_rows: usize) -> u32 {
-    (proj_blocks / 2).clamp(1, u32::try_from(mix_rows).unwrap_or(u32::MAX).max(1))
+/// SPMD blocks of the hc mix products: two per vector block (each block reads every token's
+/// residual, so more blocks would re-read it more), at most one per mix row.
+fn hc_mix_blocks(vector_blocks: u32, mix_rows: usize) -> u32 {
+    (2 * vector_blocks).clamp(1, u32::try_from(mix_rows).unwrap_or(u32::MAX).max(1))
 }
 
 /// The hc scales as the kernel's last three scalars.

@@ -42,18 +42,30 @@ pub struct AttnTiles {
     pub proj_blocks: u32,
     /// Attention tasks per token (each a contiguous block of heads).
     pub head_blocks: usize,
+    /// Blocks of the small per-token vector tasks: the activation quantisation before `q_b`
+    /// and `wo_b` takes this many, the hc mix products twice as many.
+    pub vector_blocks: u32,
 }
 
 impl AttnTiles {
-    /// Tiles for `cores` cores and `tokens` tokens: every projection in four blocks per core
+    /// Tiles for `cores` cores and `tokens` tokens: every projection in six blocks per core
     /// (tapered, so the cores finish together), and attention in enough head blocks that each
     /// core gets at least four (token, head block) tasks, no block narrower than 16 heads
     /// (the AMX tiles' batch) unless the layer has fewer.
+    ///
+    /// Six, not four: with four per core the int8 projections (`q_b`, `wo_a`, `wo_b`, ~0.7–1
+    /// ms a full block at FLASH shapes on 2 cores) ended on a half and a quarter block run side
+    /// by side, and one core waited 150–240 µs at each (2.7% of an SWA step's cores' time).
+    /// Paired in one process (`bench dsv4 --versus-proj-blocks 8`, start 8192, 30 A B B A
+    /// rounds, Zen 3, 2 cores), 8 blocks took 1.003 [1.001, 1.009] of the 12-block SWA step,
+    /// 1.003 [1.000, 1.008] of CSA and 1.007 [1.003, 1.012] of HCA: a small gain, most of the
+    /// tail being the blocks' own spread. 10 blocks were level with 8, 16 with 12.
     pub fn for_cores(cores: usize, tokens: usize, heads: usize) -> AttnTiles {
         let want = (4 * cores).div_ceil(tokens.max(1)).max(1);
         let most = (heads / 16).max(1);
         AttnTiles {
-            proj_blocks: (4 * cores).max(1) as u32,
+            proj_blocks: (6 * cores).max(1) as u32,
+            vector_blocks: cores.max(1) as u32,
             head_blocks: want.min(most).min(heads.max(1)),
         }
     }
