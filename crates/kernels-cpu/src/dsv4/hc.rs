@@ -95,6 +95,14 @@ multiversion! {
         let wr = |j: usize| &w[j * n..(j + 1) * n];
         #[cfg(target_arch = "x86_64")]
         let wide = crate::isa::Isa::current() >= crate::isa::Isa::Avx512Bf16;
+        #[cfg(not(target_arch = "x86_64"))]
+        let wide = false;
+        // One block of tokens converts each weight value once either way; more tokens take
+        // the chunked path, which converts them once for all the token blocks.
+        if !wide && rows > MIX_TOKENS {
+            mix_chunked(x, n, w, out, ld_out);
+            return;
+        }
         let mut t0 = 0;
         while t0 < rows {
             let tb = (rows - t0).min(MIX_TOKENS);
@@ -138,6 +146,138 @@ multiversion! {
                 j0 += jb;
             }
             t0 += tb;
+        }
+    }
+}
+
+/// Most values of a weight row converted to f64 at a time by [`mix_chunked`].
+const MIX_CHUNK: usize = 256;
+
+/// Bytes of converted weight values a chunk of [`mix_chunked`] may take, so that they stay in
+/// L1 while every token block reads them: the FLASH attention step's 6 weight rows per task
+/// take chunks of [`MIX_CHUNK`] (12 KiB), the MoE step's 24 rows chunks of 84 values.
+const MIX_CHUNK_BYTES: usize = 16 << 10;
+
+/// Weight rows and tokens of one register block of [`mix_chunked`]: eight accumulators, the
+/// two rows' converted values and one token's. On Zen 3 (`examples/dsv4_hc`, one thread) 2 × 4
+/// and 3 × 3 took 208–213 us, 4 × 2 and 3 × 2 ~230, 2 × 3 ~245; 3 × 4 spilled accumulators
+/// (330).
+const CHUNK_ROWS: usize = 2;
+const CHUNK_TOKENS: usize = 4;
+
+/// [`hc_mix_dots`] with each weight value converted to f64 once: `k` in chunks of at most
+/// [`MIX_CHUNK`] values ([`MIX_CHUNK_BYTES`] for all rows), each weight row's chunk converted
+/// into scratch, then register blocks of
+/// [`CHUNK_ROWS`] rows × [`CHUNK_TOKENS`] tokens (accumulators kept in memory between chunks)
+/// convert each token's values once per block and read the rows' converted chunks. The 2 × 4
+/// blocks of [`mix_block`] converted each token's values once per pair of weight rows and each
+/// row's once per four tokens (six conversions per eight fused multiply-adds): on Zen 3 the
+/// FLASH step's mix (8 tokens × 24 rows × 16384, four tasks) took 368 us on one thread, these
+/// blocks 208–218 us. With one block of tokens or fewer (the MoE step's `hc_pre` blocks of 4
+/// tokens against 24 rows) the 2 × 4 blocks already convert each weight value once, and the
+/// scratch only added stores: its phase took 1.2× the time, so those calls keep the blocks. Each lane adds the same products in the same order as before: the sums
+/// are bit for bit the same.
+#[inline(always)]
+fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
+    let (rows, m) = (x.len() / n, w.len() / n);
+    let body = n / 4 * 4;
+    let chunk = (MIX_CHUNK_BYTES / (8 * m.max(1)) / 4 * 4).clamp(4, MIX_CHUNK);
+    let ch4 = chunk / 4;
+    // acc[j * rows + t]: the four lanes of token `t` against weight row `j`.
+    let mut acc = vec![[0.0f64; 4]; rows * m];
+    let mut wf = vec![[0.0f64; 4]; m * ch4];
+    let mut c0 = 0;
+    while c0 < body {
+        let len = chunk.min(body - c0);
+        let q = len / 4;
+        for j in 0..m {
+            // Element by element over flat views: one widening per vector.
+            let dst = wf[j * ch4..j * ch4 + q].as_flattened_mut();
+            for (d, &v) in dst.iter_mut().zip(&w[j * n + c0..j * n + c0 + len]) {
+                *d = f64::from(v);
+            }
+        }
+        let xs = |t: usize| &x[t * n + c0..t * n + c0 + len];
+        let ws = |j: usize| &wf[j * ch4..j * ch4 + q];
+        let mut j0 = 0;
+        while j0 < m {
+            let jb = (m - j0).min(CHUNK_ROWS);
+            let mut t0 = 0;
+            while t0 < rows {
+                let tb = (rows - t0).min(CHUNK_TOKENS);
+                macro_rules! blocks {
+                    ($(($r:literal, $t:literal)),*) => {
+                        match (jb, tb) {
+                            $(($r, $t) => chunk_block::<$r, $t>(
+                                &mut acc,
+                                rows,
+                                (j0, t0),
+                                std::array::from_fn(|t| xs(t0 + t)),
+                                std::array::from_fn(|r| ws(j0 + r)),
+                            ),)*
+                            _ => unreachable!("block {jb} x {tb} past {CHUNK_ROWS} x {CHUNK_TOKENS}"),
+                        }
+                    };
+                }
+                blocks!(
+                    (1, 1),
+                    (1, 2),
+                    (1, 3),
+                    (1, 4),
+                    (2, 1),
+                    (2, 2),
+                    (2, 3),
+                    (2, 4)
+                );
+                t0 += tb;
+            }
+            j0 += jb;
+        }
+        c0 += len;
+    }
+    for j in 0..m {
+        for t in 0..rows {
+            let v = lanes_and_tail(
+                &acc[j * rows + t],
+                &x[t * n..(t + 1) * n],
+                &w[j * n..(j + 1) * n],
+                body,
+            );
+            out[t * ld_out + j] = v as f32;
+        }
+    }
+}
+
+/// One register block of [`mix_chunked`] over a chunk: `acc[(j0 + r) * rows + t0 + t]` gains,
+/// lane by lane in order, the products of the token values `x[t]` (f32, converted here) and
+/// the converted weight values `w[r]` (a quarter as many entries as `x[t]` has values).
+#[inline(always)]
+fn chunk_block<const R: usize, const T: usize>(
+    acc: &mut [[f64; 4]],
+    rows: usize,
+    (j0, t0): (usize, usize),
+    x: [&[f32]; T],
+    w: [&[[f64; 4]]; R],
+) {
+    let q = w[0].len();
+    let x: [&[[f32; 4]]; T] = x.map(|v| &v.as_chunks::<4>().0[..q]);
+    let w: [&[[f64; 4]]; R] = w.map(|v| &v[..q]);
+    let mut a: [[[f64; 4]; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[(j0 + r) * rows + t0 + t]));
+    for c in 0..q {
+        for t in 0..T {
+            let xv = x[t][c].map(f64::from);
+            for r in 0..R {
+                let wv = w[r][c];
+                for i in 0..4 {
+                    a[r][t][i] = xv[i].mul_add(wv[i], a[r][t][i]);
+                }
+            }
+        }
+    }
+    for (r, ar) in a.iter().enumerate() {
+        for (t, &v) in ar.iter().enumerate() {
+            acc[(j0 + r) * rows + t0 + t] = v;
         }
     }
 }
