@@ -99,19 +99,85 @@ pub fn moe_quant_input(x: &[f32], norm_w: &[f32], eps: f32, q: &mut [i8]) -> f32
     quantize_row_i8_ties_away(&a, q) * inv
 }
 
-multiversion!(
-    fn dot_i8_f32(q: &[f32], g: &[f32]) -> f32 {
-        let mut acc = [0.0f32; 8];
-        let body = q.len() / 8 * 8;
-        for (a, b) in q[..body].chunks_exact(8).zip(g[..body].chunks_exact(8)) {
+/// Token rows whose dot products with one gate row [`gate_dots`] computes together.
+const GATE_ROWS: usize = 4;
+
+/// `out[r] = q[r] · g` for the rows `q[r]` (each `g.len()` long), each sum in eight lanes
+/// (lane `l` adds the products of values `l, l + 8, ...` in order, a multiply then an add),
+/// the lanes summed in order, then the tail in order: the same bits on every path. On AVX2,
+/// blocks of [`GATE_ROWS`] rows share each loaded chunk of `g` and run independent chains:
+/// one row at a time was a single chain of dependent adds (4096 at FLASH), ~60 us of the MoE
+/// route task's critical path; the compiler regrouped a plain-Rust block's lanes into
+/// shuffled half vectors, hence the intrinsics.
+fn gate_dots(q: &[&[f32]], g: &[f32], out: &mut [f32]) {
+    let d = g.len();
+    assert!(
+        q.iter().all(|r| r.len() == d) && out.len() == q.len(),
+        "gate_dots: shapes"
+    );
+    let body = d / 8 * 8;
+    let finish = |lanes: &[f32; 8], row: &[f32]| {
+        let tail: f32 = row[body..].iter().zip(&g[body..]).map(|(a, b)| a * b).sum();
+        lanes.iter().sum::<f32>() + tail
+    };
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 {
+        let mut r0 = 0;
+        while r0 < q.len() {
+            let lanes = if r0 + GATE_ROWS <= q.len() {
+                // SAFETY: AVX2 is available (checked); every row is `d >= body` long.
+                unsafe { gate_lanes_avx2::<GATE_ROWS>(std::array::from_fn(|r| q[r0 + r]), g, body) }
+                    .to_vec()
+            } else {
+                // SAFETY: as above.
+                unsafe { gate_lanes_avx2::<1>([q[r0]], g, body) }.to_vec()
+            };
+            for (r, l) in lanes.iter().enumerate() {
+                out[r0 + r] = finish(l, q[r0 + r]);
+            }
+            r0 += lanes.len();
+        }
+        return;
+    }
+    for (row, o) in q.iter().zip(out.iter_mut()) {
+        let mut lanes = [0.0f32; 8];
+        for (a, b) in row[..body].chunks_exact(8).zip(g[..body].chunks_exact(8)) {
             for l in 0..8 {
-                acc[l] += a[l] * b[l];
+                lanes[l] += a[l] * b[l];
             }
         }
-        let tail: f32 = q[body..].iter().zip(&g[body..]).map(|(a, b)| a * b).sum();
-        acc.iter().sum::<f32>() + tail
+        *o = finish(&lanes, row);
     }
-);
+}
+
+/// The eight lanes of each row's sum over the first `body` values (a multiple of 8), as
+/// [`gate_dots`] adds them.
+///
+/// # Safety
+/// The CPU has AVX2; every row and `g` hold at least `body` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gate_lanes_avx2<const R: usize>(q: [&[f32]; R], g: &[f32], body: usize) -> [[f32; 8]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut c = 0;
+    while c < body {
+        // SAFETY: `c + 8 <= body`, inside `g` and every row (contract).
+        let b = unsafe { _mm256_loadu_ps(g.as_ptr().add(c)) };
+        for r in 0..R {
+            // SAFETY: as above.
+            let a = unsafe { _mm256_loadu_ps(q[r].as_ptr().add(c)) };
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(a, b));
+        }
+        c += 8;
+    }
+    let mut out = [[0.0f32; 8]; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` holds eight floats.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+    }
+    out
+}
 
 /// Gate logits of `rows` tokens: `logits[r, e] = (q[r] · gate[e]) · scale[r]` with the int8
 /// activations `q` `[rows, d]`, their scales `[rows]` and the fp32 gate `[n_experts, d]`
@@ -135,9 +201,12 @@ pub fn moe_gate_logits(
     let n_experts = gate.len() / d;
     shape("logits", logits.len(), rows * n_experts)?;
     let qf: Vec<f32> = q.iter().map(|&v| f32::from(v)).collect();
+    let qr: Vec<&[f32]> = qf.chunks_exact(d).collect();
+    let mut dots = vec![0.0f32; rows];
     for (e, g) in gate.chunks_exact(d).enumerate() {
+        gate_dots(&qr, g, &mut dots);
         for r in 0..rows {
-            logits[r * n_experts + e] = dot_i8_f32(&qf[r * d..(r + 1) * d], g) * scales[r];
+            logits[r * n_experts + e] = dots[r] * scales[r];
         }
     }
     Ok(())
@@ -430,6 +499,63 @@ pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::{I8Path, Isa, with_i8_path, with_isa};
+
+    /// The gate logits of every row, on every path, are the bits of one dot product at a time
+    /// in the promised order (eight lanes in order, summed in order, then the tail), times the
+    /// row's scale: row counts around the blocks of four, widths with and without a tail, and
+    /// `-128` among the activations.
+    #[test]
+    fn gate_logits_are_the_lane_ordered_dots_on_every_path() {
+        let reference = |q: &[f32], g: &[f32]| {
+            let body = q.len() / 8 * 8;
+            let mut l = [0.0f32; 8];
+            for c in (0..body).step_by(8) {
+                for i in 0..8 {
+                    l[i] += q[c + i] * g[c + i];
+                }
+            }
+            let tail: f32 = (body..q.len()).map(|i| q[i] * g[i]).sum();
+            l.iter().sum::<f32>() + tail
+        };
+        for (rows, experts, d) in [(8, 32, 4096), (5, 7, 70), (1, 3, 5), (9, 4, 64), (4, 2, 8)] {
+            let q: Vec<i8> = crate::dsv4::tests::values(rows * d, 3 + d as u64)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| if i % 97 == 5 { -128 } else { (v * 127.0) as i8 })
+                .collect();
+            let scales: Vec<f32> = (0..rows).map(|r| 0.01 + r as f32 * 1e-3).collect();
+            let gate = crate::dsv4::tests::values(experts * d, 7 + experts as u64);
+            let mut first: Option<Vec<u32>> = None;
+            for isa in Isa::ALL {
+                let Some(got) = with_isa(isa, || {
+                    let mut out = vec![0.0f32; rows * experts];
+                    moe_gate_logits(&q, &scales, &gate, d, &mut out).unwrap();
+                    out
+                }) else {
+                    continue;
+                };
+                for r in 0..rows {
+                    let qf: Vec<f32> = q[r * d..(r + 1) * d]
+                        .iter()
+                        .map(|&v| f32::from(v))
+                        .collect();
+                    for e in 0..experts {
+                        let want = reference(&qf, &gate[e * d..(e + 1) * d]) * scales[r];
+                        assert_eq!(
+                            got[r * experts + e].to_bits(),
+                            want.to_bits(),
+                            "{isa:?} ({rows},{experts},{d}) [{r},{e}]"
+                        );
+                    }
+                }
+                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(first.get_or_insert(bits.clone()), &bits, "{isa:?}");
+            }
+        }
+        // A gate that is not whole rows of `d` is refused by name.
+        let err = moe_gate_logits(&[0; 8], &[1.0], &[0.0; 9], 8, &mut [0.0; 1]).unwrap_err();
+        assert!(err.to_string().contains("gate"), "{err}");
+    }
 
     #[test]
     fn top_k_ties_go_to_the_lower_expert_and_weights_normalise() {
