@@ -103,6 +103,10 @@ multiversion! {
             mix_chunked(x, n, w, out, ld_out);
             return;
         }
+        if !wide && rows > 0 && m > MIX_ROWS {
+            mix_few_tokens(x, n, w, out, ld_out);
+            return;
+        }
         let mut t0 = 0;
         while t0 < rows {
             let tb = (rows - t0).min(MIX_TOKENS);
@@ -174,9 +178,10 @@ const CHUNK_TOKENS: usize = 4;
 /// row's once per four tokens (six conversions per eight fused multiply-adds): on Zen 3 the
 /// FLASH step's mix (8 tokens × 24 rows × 16384, four tasks) took 368 us on one thread, these
 /// blocks 208–218 us. With one block of tokens or fewer (the MoE step's `hc_pre` blocks of 4
-/// tokens against 24 rows) the 2 × 4 blocks already convert each weight value once, and the
-/// scratch only added stores: its phase took 1.2× the time, so those calls keep the blocks. Each lane adds the same products in the same order as before: the sums
-/// are bit for bit the same.
+/// tokens against 24 rows) each weight value is converted once anyway and the rows' scratch
+/// only added stores (the phase took 1.2× the time): those calls take [`mix_few_tokens`].
+/// Each lane adds the same products in the same order as before: the sums are bit for bit
+/// the same.
 #[inline(always)]
 fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
     let (rows, m) = (x.len() / n, w.len() / n);
@@ -197,7 +202,7 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
                 *d = f64::from(v);
             }
         }
-        let xs = |t: usize| &x[t * n + c0..t * n + c0 + len];
+        let xs = |t: usize| &x[t * n + c0..t * n + c0 + len].as_chunks::<4>().0[..q];
         let ws = |j: usize| &wf[j * ch4..j * ch4 + q];
         let mut j0 = 0;
         while j0 < m {
@@ -208,12 +213,13 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
                 macro_rules! blocks {
                     ($(($r:literal, $t:literal)),*) => {
                         match (jb, tb) {
-                            $(($r, $t) => chunk_block::<$r, $t>(
+                            $(($r, $t) => chunk_block::<$r, $t, _, _>(
                                 &mut acc,
                                 rows,
                                 (j0, t0),
                                 std::array::from_fn(|t| xs(t0 + t)),
                                 std::array::from_fn(|r| ws(j0 + r)),
+                                q,
                             ),)*
                             _ => unreachable!("block {jb} x {tb} past {CHUNK_ROWS} x {CHUNK_TOKENS}"),
                         }
@@ -248,29 +254,119 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
     }
 }
 
-/// One register block of [`mix_chunked`] over a chunk: `acc[(j0 + r) * rows + t0 + t]` gains,
-/// lane by lane in order, the products of the token values `x[t]` (f32, converted here) and
-/// the converted weight values `w[r]` (a quarter as many entries as `x[t]` has values).
+/// [`hc_mix_dots`] for one block of tokens (at most [`MIX_TOKENS`]) against several pairs of
+/// weight rows: `k` in chunks of [`MIX_CHUNK`], the tokens' chunk converted to f64 once into
+/// scratch, the weight rows converted in the loop (each value once, for every token). The
+/// 2 × 4 blocks of [`mix_block`] converted every token value again for each pair of rows
+/// (the MoE step's `hc_pre` blocks: 4 tokens against 24 rows, twelve times; its phase took
+/// 234–271 us, now 192–217 on Zen 3). Same products in the same order as every path: the
+/// same bits.
 #[inline(always)]
-fn chunk_block<const R: usize, const T: usize>(
+fn mix_few_tokens(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
+    let (rows, m) = (x.len() / n, w.len() / n);
+    let body = n / 4 * 4;
+    let ch4 = MIX_CHUNK / 4;
+    let mut acc = vec![[0.0f64; 4]; rows * m];
+    let mut xf = vec![[0.0f64; 4]; rows * ch4];
+    let mut c0 = 0;
+    while c0 < body {
+        let len = MIX_CHUNK.min(body - c0);
+        let q = len / 4;
+        for t in 0..rows {
+            // Element by element over flat views: one widening per vector.
+            let dst = xf[t * ch4..t * ch4 + q].as_flattened_mut();
+            for (d, &v) in dst.iter_mut().zip(&x[t * n + c0..t * n + c0 + len]) {
+                *d = f64::from(v);
+            }
+        }
+        let xs = |t: usize| &xf[t * ch4..t * ch4 + q];
+        let ws = |j: usize| &w[j * n + c0..j * n + c0 + len].as_chunks::<4>().0[..q];
+        let mut j0 = 0;
+        while j0 < m {
+            let jb = (m - j0).min(CHUNK_ROWS);
+            macro_rules! blocks {
+                ($(($r:literal, $t:literal)),*) => {
+                    match (jb, rows) {
+                        $(($r, $t) => chunk_block::<$r, $t, _, _>(
+                            &mut acc,
+                            rows,
+                            (j0, 0),
+                            std::array::from_fn(|t| xs(t)),
+                            std::array::from_fn(|r| ws(j0 + r)),
+                            q,
+                        ),)*
+                        _ => unreachable!("block {jb} x {rows} past {CHUNK_ROWS} x {MIX_TOKENS}"),
+                    }
+                };
+            }
+            blocks!(
+                (1, 1),
+                (1, 2),
+                (1, 3),
+                (1, 4),
+                (2, 1),
+                (2, 2),
+                (2, 3),
+                (2, 4)
+            );
+            j0 += jb;
+        }
+        c0 += len;
+    }
+    for j in 0..m {
+        for t in 0..rows {
+            let v = lanes_and_tail(
+                &acc[j * rows + t],
+                &x[t * n..(t + 1) * n],
+                &w[j * n..(j + 1) * n],
+                body,
+            );
+            out[t * ld_out + j] = v as f32;
+        }
+    }
+}
+
+/// Four consecutive values of a row as f64: converted ones read back, or f32 ones converted
+/// on the spot.
+trait Quad: Copy {
+    fn quad(self, c: usize) -> [f64; 4];
+}
+
+impl Quad for &[[f64; 4]] {
+    #[inline(always)]
+    fn quad(self, c: usize) -> [f64; 4] {
+        self[c]
+    }
+}
+
+impl Quad for &[[f32; 4]] {
+    #[inline(always)]
+    fn quad(self, c: usize) -> [f64; 4] {
+        self[c].map(f64::from)
+    }
+}
+
+/// One register block of the chunked mix over `q` quads: `acc[(j0 + r) * rows + t0 + t]`
+/// gains, lane by lane in order, the products of token `t`'s values `x[t]` and weight row
+/// `r`'s `w[r]` (each side converted already or converted here).
+#[inline(always)]
+fn chunk_block<const R: usize, const T: usize, X: Quad, W: Quad>(
     acc: &mut [[f64; 4]],
     rows: usize,
     (j0, t0): (usize, usize),
-    x: [&[f32]; T],
-    w: [&[[f64; 4]]; R],
+    x: [X; T],
+    w: [W; R],
+    q: usize,
 ) {
-    let q = w[0].len();
-    let x: [&[[f32; 4]]; T] = x.map(|v| &v.as_chunks::<4>().0[..q]);
-    let w: [&[[f64; 4]]; R] = w.map(|v| &v[..q]);
     let mut a: [[[f64; 4]; T]; R] =
         std::array::from_fn(|r| std::array::from_fn(|t| acc[(j0 + r) * rows + t0 + t]));
     for c in 0..q {
-        for t in 0..T {
-            let xv = x[t][c].map(f64::from);
-            for r in 0..R {
-                let wv = w[r][c];
+        let xv: [[f64; 4]; T] = std::array::from_fn(|t| x[t].quad(c));
+        for r in 0..R {
+            let wv = w[r].quad(c);
+            for t in 0..T {
                 for i in 0..4 {
-                    a[r][t][i] = xv[i].mul_add(wv[i], a[r][t][i]);
+                    a[r][t][i] = xv[t][i].mul_add(wv[i], a[r][t][i]);
                 }
             }
         }

@@ -414,6 +414,8 @@ fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
     // stride.
     for (rows, m, n) in [
         (8, 6, 16384),
+        (4, 24, 16384),
+        (2, 3, 1030),
         (9, 7, 1030),
         (3, 5, 513),
         (8, 24, 64),
