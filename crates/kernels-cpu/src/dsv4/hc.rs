@@ -97,8 +97,9 @@ multiversion! {
         let wide = crate::isa::Isa::current() >= crate::isa::Isa::Avx512Bf16;
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
-        // One block of tokens converts each weight value once either way; more tokens take
-        // the chunked path, which converts them once for all the token blocks.
+        // Several token blocks: each weight value converted once for all of them; one block
+        // against several row pairs: each token value converted once for all of those. The
+        // AVX-512 blocks convert a weight quad once for two tokens' lanes and keep their path.
         if !wide && rows > MIX_TOKENS {
             mix_chunked(x, n, w, out, ld_out);
             return;
