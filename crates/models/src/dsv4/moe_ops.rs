@@ -7,7 +7,7 @@
 //! | [`MOE_ROUTE`] | x_mixed In f32 `[T,D]`, token ids In u32 `[T]`, ffn_norm NoDep f32 `[D]`, gate NoDep f32 `[E,D]`, bias NoDep f32 `[E]`, hash table NoDep u32 `[V,K]`; xq Out i8 `[T,D]`, xs Out f32 `[T]`, experts Out u32 `[T,K]`, weights Out f32 `[T,K]` | eps, route_scale, hash |
 //! | [`MOE_DISPATCH`] | experts In, weights In, xq In, xs In; counts Out u32 `[L]`, offsets Out u32 `[L+1]`, rows Out i8 `[C,D]`, scales Out f32 `[C]`, row weights Out f32 `[C]`, route ids Out u32 `[C]` | first_expert, n_experts |
 //! | [`MOE_GATE_UP`] (SPMD over the active groups' `I` columns end to end) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
-//! | [`MOE_QUANT_H`] | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
+//! | [`MOE_QUANT_H`] (SPMD over rows) | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R,1]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
 //! | [`MOE_DOWN`] (SPMD over the active groups' `D` columns end to end) | hq In, hs In, W2 NoDep i8 `[G,D,I]`, S2 NoDep f32 `[G,D]`; y Out f32 `[R,D]`; (offsets In) | |
 //! | [`MOE_COMBINE`] (SPMD over `D` columns) | y In f32 `[C,D]`, route ids In u32 `[C]`, offsets In u32 `[L+1]`; routed Out f32 `[T·K,D]` | |
 //! | [`MOE_REDUCE`] (SPMD over rows) | shared In f32 `[S,T,D]`, routed In f32 `[T,K,D]`; y Out f32 `[T,D]` (bf16 values) | |
@@ -590,19 +590,32 @@ fn quant_h(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     } else {
         (rows, None)
     };
-    let hq = ctx.write::<i8>(a::HQ)?;
-    expect_len(NAME, "hq", hq.len(), rows * inter)?;
-    let hs = ctx.write::<f32>(a::HS)?;
-    expect_len(NAME, "hs", hs.len(), rows)?;
-    for r in 0..rows {
-        let dst = &mut hq[r * inter..(r + 1) * inter];
-        if r < used {
+    let mut hq = ctx.write_block_rows::<i8>(a::HQ)?;
+    let mut hs = ctx.write_block_rows::<f32>(a::HS)?;
+    if hq.view_row_len() != inter || hs.view_row_len() != 1 {
+        return Err(bad(
+            NAME,
+            format!(
+                "hq rows of {} and hs rows of {} for h rows of {inter} (expected {inter} and 1)",
+                hq.view_row_len(),
+                hs.view_row_len()
+            ),
+        ));
+    }
+    let r0 = hq.first_row();
+    if hs.first_row() != r0 || hs.len() != hq.len() || r0 + hq.len() > rows {
+        return Err(bad(NAME, "hq and hs are not the rows of h"));
+    }
+    for i in 0..hq.len() {
+        let r = r0 + i;
+        let dst = hq.row(i);
+        hs.row(i)[0] = if r < used {
             let w = weights.map_or(1.0, |w| w[r]);
-            hs[r] = k::expert_quant_h(&h[r * inter..(r + 1) * inter], w, dst);
+            k::expert_quant_h(&h[r * inter..(r + 1) * inter], w, dst)
         } else {
             dst.fill(0);
-            hs[r] = 0.0;
-        }
+            0.0
+        };
     }
     Ok(())
 }
