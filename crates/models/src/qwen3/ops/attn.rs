@@ -280,11 +280,19 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         head_dim: d,
     } = AttnDecodeScalars::read(ctx)?;
     let step = ctx.read::<u32>(attn_decode::step)?;
-    if step.len() != STEP_FIELDS || chunk >= chunks || short > chunks {
+    // An SPMD task takes a block per chunk from `chunk` on (each block's partial is its row of
+    // the output); a single-block task computes chunk `chunk`.
+    let blocks = ctx.block_num();
+    let chunk = chunk + ctx.block_idx();
+    if step.len() != STEP_FIELDS
+        || chunk >= chunks
+        || short > chunks
+        || (blocks > 1 && blocks != chunks)
+    {
         return Err(bad(
             NAME,
             format!(
-                "chunk {chunk} of {chunks} ({short} short) with {} step entries",
+                "chunk {chunk} of {chunks} ({short} short, {blocks} blocks) with {} step entries",
                 step.len()
             ),
         ));
@@ -302,17 +310,25 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let group = nq / kv.row();
     let all = kv.kv_heads * partial_len(group, d);
-    let out = ctx.write::<f32>(attn_decode::out)?;
     if !is_final {
-        if out.len() != all {
+        let mut slot = ctx.write_block_rows::<f32>(attn_decode::out)?;
+        let want_row = if blocks > 1 { ctx.block_idx() } else { 0 };
+        if slot.len() != 1 || slot.row_len() != all || slot.first_row() != want_row {
             return Err(bad(
                 NAME,
-                format!("partial slot of {} floats, expected {all}", out.len()),
+                format!(
+                    "partial rows {}..{} of {} floats for block {} of {blocks}, expected row {want_row} of {all}",
+                    slot.first_row(),
+                    slot.first_row() + slot.len(),
+                    slot.row_len(),
+                    ctx.block_idx()
+                ),
             ));
         }
-        k::decode_attention_heads_bf16(q, group, &kv, table, t0..t1, scale, out);
+        k::decode_attention_heads_bf16(q, group, &kv, table, t0..t1, scale, slot.row(0));
         return Ok(());
     }
+    let out = ctx.write::<f32>(attn_decode::out)?;
     if out.len() != nq {
         return Err(bad(
             NAME,
