@@ -196,63 +196,13 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
     while c0 < body {
         let len = chunk.min(body - c0);
         let q = len / 4;
-        for j in 0..m {
-            // Element by element over flat views: one widening per vector.
-            let dst = wf[j * ch4..j * ch4 + q].as_flattened_mut();
-            for (d, &v) in dst.iter_mut().zip(&w[j * n + c0..j * n + c0 + len]) {
-                *d = f64::from(v);
-            }
-        }
+        convert_chunks(w, n, c0..c0 + len, &mut wf, ch4);
         let xs = |t: usize| &x[t * n + c0..t * n + c0 + len].as_chunks::<4>().0[..q];
         let ws = |j: usize| &wf[j * ch4..j * ch4 + q];
-        let mut j0 = 0;
-        while j0 < m {
-            let jb = (m - j0).min(CHUNK_ROWS);
-            let mut t0 = 0;
-            while t0 < rows {
-                let tb = (rows - t0).min(CHUNK_TOKENS);
-                macro_rules! blocks {
-                    ($(($r:literal, $t:literal)),*) => {
-                        match (jb, tb) {
-                            $(($r, $t) => chunk_block::<$r, $t, _, _>(
-                                &mut acc,
-                                rows,
-                                (j0, t0),
-                                std::array::from_fn(|t| xs(t0 + t)),
-                                std::array::from_fn(|r| ws(j0 + r)),
-                                q,
-                            ),)*
-                            _ => unreachable!("block {jb} x {tb} past {CHUNK_ROWS} x {CHUNK_TOKENS}"),
-                        }
-                    };
-                }
-                blocks!(
-                    (1, 1),
-                    (1, 2),
-                    (1, 3),
-                    (1, 4),
-                    (2, 1),
-                    (2, 2),
-                    (2, 3),
-                    (2, 4)
-                );
-                t0 += tb;
-            }
-            j0 += jb;
-        }
+        chunk_blocks(&mut acc, (rows, m, q), xs, ws);
         c0 += len;
     }
-    for j in 0..m {
-        for t in 0..rows {
-            let v = lanes_and_tail(
-                &acc[j * rows + t],
-                &x[t * n..(t + 1) * n],
-                &w[j * n..(j + 1) * n],
-                body,
-            );
-            out[t * ld_out + j] = v as f32;
-        }
-    }
+    write_mix(&acc, (x, w, n), out, ld_out);
 }
 
 /// [`hc_mix_dots`] for one block of tokens (at most [`MIX_TOKENS`]) against several pairs of
@@ -273,30 +223,62 @@ fn mix_few_tokens(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize
     while c0 < body {
         let len = MIX_CHUNK.min(body - c0);
         let q = len / 4;
-        for t in 0..rows {
-            // Element by element over flat views: one widening per vector.
-            let dst = xf[t * ch4..t * ch4 + q].as_flattened_mut();
-            for (d, &v) in dst.iter_mut().zip(&x[t * n + c0..t * n + c0 + len]) {
-                *d = f64::from(v);
-            }
-        }
+        convert_chunks(x, n, c0..c0 + len, &mut xf, ch4);
         let xs = |t: usize| &xf[t * ch4..t * ch4 + q];
         let ws = |j: usize| &w[j * n + c0..j * n + c0 + len].as_chunks::<4>().0[..q];
-        let mut j0 = 0;
-        while j0 < m {
-            let jb = (m - j0).min(CHUNK_ROWS);
+        chunk_blocks(&mut acc, (rows, m, q), xs, ws);
+        c0 += len;
+    }
+    write_mix(&acc, (x, w, n), out, ld_out);
+}
+
+/// Converts values `cols` of every row of `src` (rows of `n`) to f64 into `dst`, row `i` at
+/// `dst[i * stride..]`: element by element over flat views, one widening per vector.
+#[inline(always)]
+fn convert_chunks(
+    src: &[f32],
+    n: usize,
+    cols: std::ops::Range<usize>,
+    dst: &mut [[f64; 4]],
+    stride: usize,
+) {
+    let q = cols.len() / 4;
+    for (i, row) in src.chunks_exact(n).enumerate() {
+        let d = dst[i * stride..i * stride + q].as_flattened_mut();
+        for (d, &v) in d.iter_mut().zip(&row[cols.clone()]) {
+            *d = f64::from(v);
+        }
+    }
+}
+
+/// Every register block of one chunk of `q` quads: [`CHUNK_ROWS`] weight rows × up to
+/// [`CHUNK_TOKENS`] tokens at a time, `xs(t)` and `ws(j)` the chunk's quads of token `t` and
+/// weight row `j`.
+#[inline(always)]
+fn chunk_blocks<'a, X: Quad + 'a, W: Quad + 'a>(
+    acc: &mut [[f64; 4]],
+    (rows, m, q): (usize, usize, usize),
+    xs: impl Fn(usize) -> X,
+    ws: impl Fn(usize) -> W,
+) {
+    let mut j0 = 0;
+    while j0 < m {
+        let jb = (m - j0).min(CHUNK_ROWS);
+        let mut t0 = 0;
+        while t0 < rows {
+            let tb = (rows - t0).min(CHUNK_TOKENS);
             macro_rules! blocks {
                 ($(($r:literal, $t:literal)),*) => {
-                    match (jb, rows) {
+                    match (jb, tb) {
                         $(($r, $t) => chunk_block::<$r, $t, _, _>(
-                            &mut acc,
+                            acc,
                             rows,
-                            (j0, 0),
-                            std::array::from_fn(|t| xs(t)),
+                            (j0, t0),
+                            std::array::from_fn(|t| xs(t0 + t)),
                             std::array::from_fn(|r| ws(j0 + r)),
                             q,
                         ),)*
-                        _ => unreachable!("block {jb} x {rows} past {CHUNK_ROWS} x {MIX_TOKENS}"),
+                        _ => unreachable!("block {jb} x {tb} past {CHUNK_ROWS} x {CHUNK_TOKENS}"),
                     }
                 };
             }
@@ -310,19 +292,20 @@ fn mix_few_tokens(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize
                 (2, 3),
                 (2, 4)
             );
-            j0 += jb;
+            t0 += tb;
         }
-        c0 += len;
+        j0 += jb;
     }
-    for j in 0..m {
-        for t in 0..rows {
-            let v = lanes_and_tail(
-                &acc[j * rows + t],
-                &x[t * n..(t + 1) * n],
-                &w[j * n..(j + 1) * n],
-                body,
-            );
-            out[t * ld_out + j] = v as f32;
+}
+
+/// `out[t · ld_out + j]`: the lanes `acc[j * rows + t]` combined with the row's tail as
+/// [`hc_mix_dots`] promises.
+#[inline(always)]
+fn write_mix(acc: &[[f64; 4]], (x, w, n): (&[f32], &[f32], usize), out: &mut [f32], ld_out: usize) {
+    let (rows, body) = (x.len() / n, n / 4 * 4);
+    for (j, wr) in w.chunks_exact(n).enumerate() {
+        for (t, xr) in x.chunks_exact(n).enumerate() {
+            out[t * ld_out + j] = lanes_and_tail(&acc[j * rows + t], xr, wr, body) as f32;
         }
     }
 }
