@@ -280,15 +280,12 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         head_dim: d,
     } = AttnDecodeScalars::read(ctx)?;
     let step = ctx.read::<u32>(attn_decode::step)?;
-    // An SPMD task takes a block per chunk from `chunk` on (each block's partial is its row of
-    // the output); a single-block task computes chunk `chunk`.
+    // An SPMD task has a block per chunk (`chunk` 0; each block's partial is its row of the
+    // output); a single-block task computes chunk `chunk`.
     let blocks = ctx.block_num();
+    let spmd_ok = blocks == 1 || (blocks == chunks && chunk == 0);
     let chunk = chunk + ctx.block_idx();
-    if step.len() != STEP_FIELDS
-        || chunk >= chunks
-        || short > chunks
-        || (blocks > 1 && blocks != chunks)
-    {
+    if step.len() != STEP_FIELDS || chunk >= chunks || short > chunks || !spmd_ok {
         return Err(bad(
             NAME,
             format!(
