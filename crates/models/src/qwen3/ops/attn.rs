@@ -429,3 +429,123 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
+    use simpler_kernels_cpu::partial_len;
+
+    use super::super::args::{Arg, AttnDecodeArgs};
+    use super::super::register;
+    use super::super::scalars::{AttnDecodeScalars, PushScalars};
+
+    /// One KV head of 32, group 2, page 16: a sequence of 100 tokens over 7 pages.
+    const D: usize = 32;
+    const GROUP: usize = 2;
+    const PAGE: usize = 16;
+    const LEN: usize = 100;
+    const CHUNKS: usize = 3;
+
+    fn worker() -> Worker {
+        let w = Worker::new(
+            simpler_cpu::CpuPlatform::new(),
+            WorkerConfig {
+                cores: Some(2),
+                timeouts: None,
+            },
+        )
+        .unwrap();
+        register(&w).unwrap();
+        w
+    }
+
+    /// Runs one decode-attention task of `blocks` blocks with first chunk `chunk` over the
+    /// sequence, writing `out_rows` partial rows; returns the partials or the run's error.
+    fn run(w: &Worker, blocks: u32, chunk: usize, out_rows: usize) -> Result<Vec<f32>, String> {
+        let pages = LEN.div_ceil(PAGE);
+        let val = |i: usize, s: usize| bf16::from_f32(((i * s) % 97) as f32 / 97.0 - 0.5);
+        let q: Vec<bf16> = (0..GROUP * D).map(|i| val(i, 13)).collect();
+        let k: Vec<bf16> = (0..pages * PAGE * D).map(|i| val(i, 31)).collect();
+        let v: Vec<bf16> = (0..pages * PAGE * D).map(|i| val(i, 7)).collect();
+        // Pages in reverse order, so the table matters.
+        let table: Vec<u32> = (0..pages as u32).rev().collect();
+        let step = [LEN as u32, 0];
+        let set = partial_len(GROUP, D);
+        let bufs = vec![
+            w.buffer_from(&q).unwrap(),
+            w.buffer_from(&k).unwrap(),
+            w.buffer_from(&v).unwrap(),
+            w.buffer_from(&table).unwrap(),
+            w.buffer_from(&step).unwrap(),
+            w.alloc(out_rows * set * 4).unwrap(),
+        ];
+        let out = bufs[5].clone();
+        let args = RunArgs {
+            buffers: bufs,
+            scalars: vec![],
+        };
+        w.run_fn("attention", args, &Default::default(), move |o, a| {
+            let u = |v: usize| v as u64;
+            let q = o.bind(&a.buffers[0], DType::BF16, &[1, u(GROUP * D)])?;
+            let kp = o.bind(&a.buffers[1], DType::BF16, &[u(pages * PAGE), u(D)])?;
+            let vp = o.bind(&a.buffers[2], DType::BF16, &[u(pages * PAGE), u(D)])?;
+            let table = o.bind(&a.buffers[3], DType::U32, &[1, u(pages)])?;
+            let step = o.bind(&a.buffers[4], DType::U32, &[1, 2])?;
+            let out = o.bind(&a.buffers[5], DType::F32, &[u(out_rows), u(set)])?;
+            o.scope(ScopeKind::Auto, |o| {
+                let task = AttnDecodeArgs {
+                    q: Arg::In(&q),
+                    k_pool: Arg::In(&kp),
+                    v_pool: Arg::In(&vp),
+                    table: Arg::In(&table),
+                    step: Arg::In(&step),
+                    out: Arg::Out(&out),
+                }
+                .push(Task::new(super::super::ATTN_DECODE))
+                .blocks(blocks)
+                .push_scalars(AttnDecodeScalars {
+                    chunk,
+                    chunks: CHUNKS,
+                    short: 1,
+                    scale: 0.125,
+                    page: PAGE,
+                    head_dim: D,
+                });
+                o.submit(task)?;
+                Ok(())
+            })
+        })
+        .map_err(|e| e.to_string())?;
+        Ok(out.read::<f32>().unwrap())
+    }
+
+    /// A task of one block per chunk writes, row by row, the partials that one single-block
+    /// task per chunk writes, bit for bit; a task whose blocks are not one per chunk from
+    /// chunk 0 is refused by name, and the worker's next run is unaffected.
+    #[test]
+    fn a_block_per_chunk_equals_a_task_per_chunk_and_other_splits_are_refused() {
+        let w = worker();
+        let spmd = run(&w, CHUNKS as u32, 0, CHUNKS).unwrap();
+        let set = partial_len(GROUP, D);
+        for c in 0..CHUNKS {
+            let alone = run(&w, 1, c, 1).unwrap();
+            assert_eq!(
+                spmd[c * set..(c + 1) * set]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "chunk {c}"
+            );
+        }
+        for (blocks, chunk) in [(2, 0), (CHUNKS as u32, 1)] {
+            let err = run(&w, blocks, chunk, CHUNKS).unwrap_err();
+            assert!(
+                err.contains("attention_decode_bf16") && err.contains(&format!("{blocks} blocks")),
+                "{blocks} blocks from chunk {chunk}: {err}"
+            );
+        }
+        assert_eq!(run(&w, CHUNKS as u32, 0, CHUNKS).unwrap(), spmd);
+    }
+}

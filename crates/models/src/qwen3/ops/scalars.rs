@@ -136,12 +136,14 @@ kernel_scalars!(
 kernel_scalars!(
     /// Split-KV decode attention of one sequence over one KV chunk.
     AttnDecodeScalars {
-        /// Which KV chunk of the sequence (its tokens are `KvSplit { chunks, short
-        /// }.range(seq_len, chunk)`, the length read from the step entry at run time).
+        /// Which KV chunk of the sequence a single-block task computes (its tokens are
+        /// `KvSplit { chunks, short }.range(seq_len, chunk)`, the length read from the step
+        /// entry at run time); 0 for a task of one block per chunk, block `b` computing chunk
+        /// `b` into partial row `b`.
         chunk: usize,
         /// KV chunks of the sequence; 1: write the final output, not partials.
         chunks: usize,
-        /// Leading chunks of half weight (`KvSplit::short`).
+        /// Trailing chunks of half weight (`KvSplit::short`).
         short: usize,
         /// Attention scale.
         scale: f32,
