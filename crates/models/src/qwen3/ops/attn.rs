@@ -433,11 +433,10 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 #[cfg(test)]
 mod tests {
     use half::bf16;
-    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
+    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker};
     use simpler_kernels_cpu::partial_len;
 
     use super::super::args::{Arg, AttnDecodeArgs};
-    use super::super::register;
     use super::super::scalars::{AttnDecodeScalars, PushScalars};
 
     /// One KV head of 32, group 2, page 16: a sequence of 100 tokens over 7 pages.
@@ -446,19 +445,6 @@ mod tests {
     const PAGE: usize = 16;
     const LEN: usize = 100;
     const CHUNKS: usize = 3;
-
-    fn worker() -> Worker {
-        let w = Worker::new(
-            simpler_cpu::CpuPlatform::new(),
-            WorkerConfig {
-                cores: Some(2),
-                timeouts: None,
-            },
-        )
-        .unwrap();
-        register(&w).unwrap();
-        w
-    }
 
     /// Runs one decode-attention task of `blocks` blocks with first chunk `chunk` over the
     /// sequence, writing `out_rows` partial rows; returns the partials or the run's error.
@@ -525,7 +511,7 @@ mod tests {
     /// chunk 0 is refused by name, and the worker's next run is unaffected.
     #[test]
     fn a_block_per_chunk_equals_a_task_per_chunk_and_other_splits_are_refused() {
-        let w = worker();
+        let w = super::super::test_worker();
         let spmd = run(&w, CHUNKS as u32, 0, CHUNKS).unwrap();
         let set = partial_len(GROUP, D);
         for c in 0..CHUNKS {

@@ -550,12 +550,12 @@ pub(super) fn argmax_combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
 #[cfg(test)]
 mod tests {
     use half::bf16;
-    use simpler_core::{DType, RunArgs, ScopeKind, Task, Worker, WorkerConfig};
+    use simpler_core::{DType, RunArgs, ScopeKind, Task};
     use simpler_kernels_cpu::{pack_acts_f32, packed_len};
 
+    use super::super::GEMM_TILE;
     use super::super::args::{Arg, GemmArgs};
     use super::super::scalars::{GemmScalars, PushScalars};
-    use super::super::{GEMM_TILE, register};
     use super::unpack_row;
     use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
 
@@ -578,15 +578,7 @@ mod tests {
     /// tells one run's task from the last's.
     #[test]
     fn prepared_int8_activations_never_outlive_their_task() {
-        let w = Worker::new(
-            simpler_cpu::CpuPlatform::new(),
-            WorkerConfig {
-                cores: Some(2),
-                timeouts: None,
-            },
-        )
-        .unwrap();
-        register(&w).unwrap();
+        let w = super::super::test_worker();
         let (rows, n, k) = (2usize, 256usize, 64usize);
         let weights: Vec<bf16> = (0..n * k)
             .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))

@@ -311,6 +311,21 @@ fn check_packed(kernel: &str, len: usize, rows: usize, k: usize) -> Result<(), K
     Ok(())
 }
 
+/// A two-core CPU worker with these kernels registered, for the kernels' own tests.
+#[cfg(test)]
+fn test_worker() -> simpler_core::Worker {
+    let w = simpler_core::Worker::new(
+        simpler_cpu::CpuPlatform::new(),
+        simpler_core::WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+        },
+    )
+    .expect("a two-core CPU worker");
+    register(&w).expect("the Qwen3 kernels register");
+    w
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
