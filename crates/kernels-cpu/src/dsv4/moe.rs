@@ -123,19 +123,20 @@ fn gate_dots(q: &[&[f32]], g: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::isa::Isa::current() >= crate::isa::Isa::Avx2 {
         let mut r0 = 0;
-        while r0 < q.len() {
-            let lanes = if r0 + GATE_ROWS <= q.len() {
-                // SAFETY: AVX2 is available (checked); every row is `d >= body` long.
-                unsafe { gate_lanes_avx2::<GATE_ROWS>(std::array::from_fn(|r| q[r0 + r]), g, body) }
-                    .to_vec()
-            } else {
-                // SAFETY: as above.
-                unsafe { gate_lanes_avx2::<1>([q[r0]], g, body) }.to_vec()
+        while r0 + GATE_ROWS <= q.len() {
+            // SAFETY: AVX2 is available (checked); every row is `d >= body` long.
+            let lanes = unsafe {
+                gate_lanes_avx2::<GATE_ROWS>(std::array::from_fn(|r| q[r0 + r]), g, body)
             };
             for (r, l) in lanes.iter().enumerate() {
                 out[r0 + r] = finish(l, q[r0 + r]);
             }
-            r0 += lanes.len();
+            r0 += GATE_ROWS;
+        }
+        for r in r0..q.len() {
+            // SAFETY: as above.
+            let [lanes] = unsafe { gate_lanes_avx2::<1>([q[r]], g, body) };
+            out[r] = finish(&lanes, q[r]);
         }
         return;
     }
