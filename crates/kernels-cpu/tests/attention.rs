@@ -469,7 +469,7 @@ fn non_finite_scores_behave_the_same_on_both_paths() {
 /// Every path of the all-heads decode attention against the fp64 softmax reference over a
 /// token range (normalised partials), at ragged shapes: every group the kernels take, head
 /// dimensions from one 32-element block to 256, pages smaller and larger than a run, ranges
-/// starting and ending mid-page, a single token.
+/// starting and ending mid-page, a single token, odd lengths.
 #[test]
 fn all_heads_decode_matches_the_reference_on_every_path() {
     let mut rng = Rng(2024);
@@ -488,7 +488,17 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
         let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
         let scale = 1.0 / (hd as f32).sqrt();
         let n = 4 * ps;
-        for tokens in [0..n, 3..n - 5, ps - 1..ps + 1, 7..8, ps + 2..3 * ps + 9] {
+        // Groups 1–2 read a range as two halves side by side: 1..4 and the odd range whose
+        // halves cross pages at different rows cover the halves' uneven ends.
+        for tokens in [
+            0..n,
+            3..n - 5,
+            ps - 1..ps + 1,
+            7..8,
+            ps + 2..3 * ps + 9,
+            1..4,
+            ps / 2 + 1..4 * ps - 2,
+        ] {
             let rec = partial_len(group, hd);
             let ran = common::all_paths("decode attention vs reference", || {
                 let mut all = vec![0.0f32; kv_heads * rec];

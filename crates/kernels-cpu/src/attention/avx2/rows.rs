@@ -1,5 +1,6 @@
 //! Every KV head at once over a range of tokens, token-major: each pool row's K (then V) is
 //! read whole, for all heads, in address order, with a software prefetch a few rows ahead.
+//! Groups 1 and 2 read the range as two far-apart streams side by side ([`rows_streams`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -14,6 +15,7 @@ use crate::simd::{hsum256, prefetch_l2};
 /// (what the hardware prefetchers follow), and a software prefetch stays [`ROWS_AHEAD`] rows
 /// ahead of each of the K and V streams, one head's lines per head call so the misses spread
 /// over the arithmetic (a whole row's 32 prefetches at once stall on the miss buffers).
+/// Groups 1 and 2, whose arithmetic per row is smallest, read two such streams side by side.
 ///
 /// # Safety
 /// As [`decode_partial`](super::decode_partial) for every head.
@@ -31,16 +33,22 @@ pub(super) unsafe fn rows_over(
             match group {
                 // SAFETY: forwarded contract; the group matches the instantiation.
                 $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, state, s) },)*
+                // SAFETY: forwarded contract.
+                1 => unsafe { rows_streams::<1, 2, 32>(kv, block_table, tokens, state, s) },
+                // SAFETY: forwarded contract.
+                2 => unsafe { rows_streams::<2, 2, 32>(kv, block_table, tokens, state, s) },
                 _ => unreachable!("group {group} not supported"),
             }
         };
     }
-    // Rows per scores / p·V block and p·V lanes, by group. Small groups read one row at a
-    // time: measured from DRAM, blocks of several rows (their head slices 2 KB apart) kept the
-    // reads from overlapping the arithmetic (group 2: ~7 GB/s per core with 4-row blocks,
-    // ~8 with single rows; group 1: 7 vs 10), while larger groups have enough arithmetic per
-    // row that the register reuse of multi-row blocks wins.
-    go!(1 => 1, 1, 32; 2 => 1, 1, 32; 3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
+    // Rows per scores / p·V block and p·V lanes, by group. Groups 1 and 2 are bound by the
+    // pool's reads: blocks of adjacent rows (their head slices 2 KB apart) kept the reads from
+    // overlapping the arithmetic (group 2: ~7 GB/s per core with 4-row blocks, ~8 with single
+    // rows; group 1: 7 vs 10), while a row from each of two far-apart streams gives both the
+    // register reuse and a faster read (see `rows_streams`). Larger groups have enough
+    // arithmetic per row that the register reuse of adjacent multi-row blocks wins, and two
+    // streams measured level (group 4) or slower (group 5).
+    go!(3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
 }
 
 /// Tokens per run of the token-major pass (the online-softmax tile).
@@ -101,11 +109,13 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
             unsafe {
                 if i + SR <= run {
                     let pf = std::array::from_fn(|r| ahead_row(kp, t + i + r));
-                    scores_rows::<G, SR>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    let kr = std::array::from_fn(|r| kr.wrapping_add(r * row));
+                    let idx = std::array::from_fn(|r| i + r);
+                    scores_rows::<G, SR>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx);
                     i += SR;
                 } else {
                     let pf = [ahead_row(kp, t + i)];
-                    scores_rows::<G, 1>(state, per, kr, pf, row, heads, hd, s, sh, ROWS_RUN, i);
+                    scores_rows::<G, 1>(state, per, [kr], pf, heads, hd, s, sh, ROWS_RUN, [i]);
                     i += 1;
                 }
             }
@@ -123,11 +133,13 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
             unsafe {
                 if i + PR <= run {
                     let pf = std::array::from_fn(|r| ahead_row(vp, t + i + r));
-                    pv_rows::<G, PR, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    let vr = std::array::from_fn(|r| vr.wrapping_add(r * row));
+                    let idx = std::array::from_fn(|r| i + r);
+                    pv_rows::<G, PR, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per);
                     i += PR;
                 } else {
                     let pf = [ahead_row(vp, t + i)];
-                    pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, i, vr, pf, row, heads, hd, state, per);
+                    pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, [i], [vr], pf, heads, hd, state, per);
                     i += 1;
                 }
             }
@@ -136,29 +148,140 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
     }
 }
 
-/// Scores of `R` consecutive K rows (at `k`, `row` elements apart, every head's slice)
-/// against every head's `G` permuted queries (`state`, one head state of `per` floats each),
-/// into `s[h * sh + j * sr + i + r]`. Each query vector loaded serves the `R` rows and each
-/// widened K vector the `G` queries; the `G * R` accumulators hide the FMA latency.
+/// [`rows_g`] over `S` far-apart streams: `tokens` cut into `S` equal sub-ranges read side
+/// by side, each block taking the next row of every stream (one online-softmax run holds up
+/// to `ROWS_RUN / S` rows of each; the softmax does not care which tokens a run holds).
+///
+/// Why: on Zen 3 a core reads several far-apart sequential streams faster than one (a plain
+/// read of a decode step's pools as 2–4 interleaved streams: ~1.15× the bytes per second of
+/// the same read as one), the same finding as the int8 GEMM's row streams, while blocks of
+/// *adjacent* rows read slower than single rows. Two streams at group 2 took 0.87–0.91× the
+/// single-stream kernel's time at 16 × 1024 and 4 × 1024 (`attn_bw --shape`, 2 threads, cold
+/// pools); four were no better than two.
 ///
 /// # Safety
-/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `k + r * row`; `hd` a multiple
-/// of 16; `state.len() >= heads * per`, each head's queries first; `s` long enough.
+/// As [`rows_over`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    state: &mut [f32],
+    s: &mut [f32],
+) {
+    let hd = kv.head_dim;
+    let heads = kv.kv_heads;
+    let row = kv.row();
+    let per = G * (2 * hd + 2);
+    let sh = G * ROWS_RUN;
+    let kp = kv.k.as_ptr().cast::<u16>();
+    let vp = kv.v.as_ptr().cast::<u16>();
+    let page = kv.page_size;
+    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let len = tokens.len();
+    let mut cur: [usize; S] = std::array::from_fn(|x| tokens.start + len * x / S);
+    let ends: [usize; S] = std::array::from_fn(|x| tokens.start + len * (x + 1) / S);
+    let ahead = ROWS_AHEAD;
+    let ahead_row = |p: *const u16, t: usize, e: usize| {
+        if t + ahead < e {
+            p.wrapping_add(slot_of(t + ahead) * row)
+        } else {
+            std::ptr::null()
+        }
+    };
+    for x in 0..S {
+        for u in cur[x]..(cur[x] + ahead).min(ends[x]) {
+            for e in (0..row).step_by(32) {
+                prefetch_l2(kp.wrapping_add(slot_of(u) * row + e));
+                prefetch_l2(vp.wrapping_add(slot_of(u) * row + e));
+            }
+        }
+    }
+    loop {
+        let n: [usize; S] = std::array::from_fn(|x| {
+            (ROWS_RUN / S)
+                .min(ends[x] - cur[x])
+                .min(page - cur[x] % page)
+        });
+        let run: usize = n.iter().sum();
+        if run == 0 {
+            break;
+        }
+        let mut off = [0usize; S];
+        for x in 1..S {
+            off[x] = off[x - 1] + n[x - 1];
+        }
+        let m = n.iter().copied().min().unwrap_or(0);
+        let base: [usize; S] =
+            std::array::from_fn(|x| if n[x] > 0 { slot_of(cur[x]) * row } else { 0 });
+        // Row `i < n[x]` of stream `x` is token `cur[x] + i`: inside `tokens` and inside
+        // `cur[x]`'s page, so inside the pool by the caller's contract; its score index
+        // `off[x] + i < run <= ROWS_RUN`, the score stride.
+        for i in 0..m {
+            let kr = std::array::from_fn(|x| kp.wrapping_add(base[x] + i * row));
+            let pf = std::array::from_fn(|x| ahead_row(kp, cur[x] + i, ends[x]));
+            let idx = std::array::from_fn(|x| off[x] + i);
+            // SAFETY: rows and score indices as above (i < m <= n[x] for every stream).
+            unsafe { scores_rows::<G, S>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx) };
+        }
+        for x in 0..S {
+            for i in m..n[x] {
+                let kr = [kp.wrapping_add(base[x] + i * row)];
+                let pf = [ahead_row(kp, cur[x] + i, ends[x])];
+                let idx = [off[x] + i];
+                // SAFETY: as above (i < n[x]).
+                unsafe { scores_rows::<G, 1>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx) };
+            }
+        }
+        for (h, st) in state.chunks_exact_mut(per).enumerate() {
+            // SAFETY: run <= ROWS_RUN, the score stride.
+            unsafe { update::<G>(&mut s[h * sh..(h + 1) * sh], ROWS_RUN, run, hd, st) };
+        }
+        for i in 0..m {
+            let vr = std::array::from_fn(|x| vp.wrapping_add(base[x] + i * row));
+            let pf = std::array::from_fn(|x| ahead_row(vp, cur[x] + i, ends[x]));
+            let idx = std::array::from_fn(|x| off[x] + i);
+            // SAFETY: as for the scores.
+            unsafe { pv_rows::<G, S, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per) };
+        }
+        for x in 0..S {
+            for i in m..n[x] {
+                let vr = [vp.wrapping_add(base[x] + i * row)];
+                let pf = [ahead_row(vp, cur[x] + i, ends[x])];
+                let idx = [off[x] + i];
+                // SAFETY: as for the scores.
+                unsafe { pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per) };
+            }
+        }
+        for x in 0..S {
+            cur[x] += n[x];
+        }
+    }
+}
+
+/// Scores of `R` K rows (row `r` at `k[r]`, every head's slice) against every head's `G`
+/// permuted queries (`state`, one head state of `per` floats each), into `s[h * sh + j * sr
+/// + idx[r]]`. Each query vector loaded serves the `R` rows and each widened K vector the `G`
+/// queries; the `G * R` accumulators hide the FMA latency. `pf` are the rows to prefetch
+/// (null: none), a head's lines per head.
+///
+/// # Safety
+/// AVX2 and FMA; `heads * hd` bf16 readable at each `k[r]`; `hd` a multiple of 16;
+/// `state.len() >= heads * per`, each head's queries first; `s` long enough.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 unsafe fn scores_rows<const G: usize, const R: usize>(
     state: &[f32],
     per: usize,
-    k: *const u16,
+    k: [*const u16; R],
     pf: [*const u16; R],
-    row: usize,
     heads: usize,
     hd: usize,
     s: &mut [f32],
     sh: usize,
     sr: usize,
-    i: usize,
+    idx: [usize; R],
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     for h in 0..heads {
@@ -184,8 +307,7 @@ unsafe fn scores_rows<const G: usize, const R: usize>(
             });
             for r in 0..R {
                 // SAFETY: row r's head h slice holds hd bf16 and d + 16 <= hd.
-                let raw =
-                    unsafe { _mm256_loadu_si256(k.add(r * row + h * hd + d).cast::<__m256i>()) };
+                let raw = unsafe { _mm256_loadu_si256(k[r].add(h * hd + d).cast::<__m256i>()) };
                 let ke = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
                 let ko = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
                 for j in 0..G {
@@ -197,20 +319,20 @@ unsafe fn scores_rows<const G: usize, const R: usize>(
         }
         for j in 0..G {
             for r in 0..R {
-                s[h * sh + j * sr + i + r] = hsum256(acc[j][r]);
+                s[h * sh + j * sr + idx[r]] = hsum256(acc[j][r]);
             }
         }
     }
 }
 
-/// `o += p · V` for `R` consecutive V rows of a run (row `i` at `v`, the next `row`
-/// elements on) and every head, `L` output lanes (16 or 32) at a time: the lanes' outputs of
-/// the `G` queries stay in registers across the `R` rows, so each is loaded and stored once
-/// per `R` rows, and each widened V vector feeds `G` FMAs.
+/// `o += p · V` for `R` V rows of a run (row `r` at `v[r]`, its probabilities at score index
+/// `idx[r]`) and every head, `L` output lanes (16 or 32) at a time: the lanes' outputs of the
+/// `G` queries stay in registers across the `R` rows, so each is loaded and stored once per
+/// `R` rows, and each widened V vector feeds `G` FMAs.
 ///
 /// # Safety
-/// AVX2 and FMA; `R` rows of `heads * hd` bf16 readable at `v + r * row`; `hd` a multiple of
-/// `L`; `state.len() >= heads * per`; `p[h * sh + j * sr + i + r]` inside `p`.
+/// AVX2 and FMA; `heads * hd` bf16 readable at each `v[r]`; `hd` a multiple of `L`;
+/// `state.len() >= heads * per`; `p[h * sh + j * sr + idx[r]]` inside `p`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
@@ -218,10 +340,9 @@ unsafe fn pv_rows<const G: usize, const R: usize, const L: usize>(
     p: &[f32],
     sh: usize,
     sr: usize,
-    i: usize,
-    v: *const u16,
+    idx: [usize; R],
+    v: [*const u16; R],
     pf: [*const u16; R],
-    row: usize,
     heads: usize,
     hd: usize,
     state: &mut [f32],
@@ -253,15 +374,13 @@ unsafe fn pv_rows<const G: usize, const R: usize, const L: usize>(
                 for blk in 0..vecs / 2 {
                     // SAFETY: row r's head h slice holds hd bf16 and dc + L <= hd.
                     let raw = unsafe {
-                        _mm256_loadu_si256(
-                            v.add(r * row + h * hd + dc + 16 * blk).cast::<__m256i>(),
-                        )
+                        _mm256_loadu_si256(v[r].add(h * hd + dc + 16 * blk).cast::<__m256i>())
                     };
                     vv[2 * blk] = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw));
                     vv[2 * blk + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, mask));
                 }
                 for j in 0..G {
-                    let pj = _mm256_set1_ps(ph[j * sr + i + r]);
+                    let pj = _mm256_set1_ps(ph[j * sr + idx[r]]);
                     for x in 0..vecs {
                         acc[j][x] = _mm256_fmadd_ps(pj, vv[x], acc[j][x]);
                     }
