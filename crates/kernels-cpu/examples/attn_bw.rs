@@ -3,14 +3,15 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
 //!
-//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --paths read,read-heads:1,avx512-bf16]`:
+//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --threads 2 --paths read,read-heads:1,avx512-bf16]`:
 //! the model's decode attention phase instead — batch `B` of `L` tokens, every layer with its
 //! own pools (cold, as in a step), each sequence cut into chunks of about `--chunk` tokens (the
-//! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by two
-//! threads in order, a barrier between layers. The named paths alternate round by round: decode
+//! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by
+//! `--threads` threads (2, the step's) in order, a barrier between layers. The named paths alternate round by round: decode
 //! paths (`set_process_decode_path`), `read` (a plain read of each task's rows in address
-//! order), `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per
-//! pass) and `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's
+//! order), `read-split:N[kv]` (the same rows as `N` far-apart streams read side by side, 128
+//! bytes of each in turn; `kv`: K's and V's together), `read-heads:N` (the kernel's access
+//! pattern without its arithmetic, `N` heads per pass) and `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's
 //! slices prefetched `A` head passes ahead); per path, the median and minimum wall time of a round and of the threads' CPU time.
 
 mod common;
@@ -46,6 +47,7 @@ fn main() {
             get("--layers", 28),
             get("--rounds", 9),
             get("--chunk", PLAN_CHUNK),
+            get("--threads", 2).max(1),
             &common::arg("--paths").unwrap_or_else(|| "avx512-bf16,amx-bf16".into()),
         );
         return;
@@ -186,12 +188,13 @@ fn plan_phase(
     layers: usize,
     rounds: usize,
     chunk: usize,
+    threads: usize,
     paths: &str,
 ) {
     use simpler_kernels_cpu::isa::Isa;
     use std::sync::Barrier;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let (hd, page, threads) = (HD, PAGE, 2);
+    let (hd, page) = (HD, PAGE);
     let blocks = len.div_ceil(page);
     let row = kv_heads * hd;
     // `None`: the plain read pass over the same rows.
@@ -200,7 +203,12 @@ fn plan_phase(
         .split(',')
         .map(|n| match n {
             "read" => None,
-            _ if n.starts_with("read-heads") || n.starts_with("read-ahead") => None,
+            _ if n.starts_with("read-heads")
+                || n.starts_with("read-ahead")
+                || n.starts_with("read-split") =>
+            {
+                None
+            }
             _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
         })
         .collect();
@@ -218,7 +226,7 @@ fn plan_phase(
         .collect();
     let rec = partial_len(group, hd);
     println!(
-        "{batch} x {len}: {} tasks of ~{} tokens per layer, {layers} layers, {:.0} MB of KV per round, 2 threads",
+        "{batch} x {len}: {} tasks of ~{} tokens per layer, {layers} layers, {:.0} MB of KV per round, {threads} threads",
         tasks.len(),
         len / chunks,
         (layers * batch * len * row * 4) as f64 / 1e6
@@ -252,6 +260,14 @@ fn plan_phase(
                             n.strip_prefix(':')
                                 .map_or(2, |n| n.parse::<usize>().expect("read-ahead:A"))
                         });
+                        // `read-split:N[kv]`: each task's K range, then its V range, as N equal
+                        // parts read side by side 128 bytes at a time (`kv`: K's and V's parts
+                        // all side by side).
+                        let split = names[pi].strip_prefix("read-split:").map(|n| {
+                            let kv = n.ends_with("kv");
+                            let parts = n.trim_end_matches("kv").parse::<usize>();
+                            (parts.expect("read-split:N[kv]").max(1), kv)
+                        });
                         sc.spawn(move || {
                             let c0 = common::thread_cpu_seconds();
                             let mut partials = vec![0.0f32; kv_heads * rec];
@@ -271,6 +287,29 @@ fn plan_phase(
                                             a,
                                             r.clone(),
                                         );
+                                        continue;
+                                    }
+                                    if let Some((parts, kv_too)) = split {
+                                        let at = |t: usize| {
+                                            (tables[*b][t / page] as usize * page + t % page) * row
+                                        };
+                                        let (lo, hi) = (at(r.start), at(r.end - 1) + row);
+                                        let len = (hi - lo) / parts / 64 * 64;
+                                        let part = |pool: &'static [bf16], p: usize| {
+                                            &pool[lo + p * len..lo + (p + 1) * len]
+                                        };
+                                        if kv_too {
+                                            let all: Vec<&[bf16]> = (0..parts)
+                                                .flat_map(|p| [part(k, p), part(v, p)])
+                                                .collect();
+                                            sink ^= read_side_by_side(&all);
+                                        } else {
+                                            for pool in [k, v] {
+                                                let all: Vec<&[bf16]> =
+                                                    (0..parts).map(|p| part(pool, p)).collect();
+                                                sink ^= read_side_by_side(&all);
+                                            }
+                                        }
                                         continue;
                                     }
                                     if let Some(per_pass) = heads_order {
@@ -353,6 +392,45 @@ fn read_lines(slice: &[bf16]) -> u64 {
 
 /// Reads every bf16 of `rows` (a plain read pass: 512-bit or 256-bit loads, four independent sums), the
 /// bound the attention kernel's pass over the same rows is compared with.
+/// A plain read of equal-length slices side by side, 64 elements (128 bytes) of each in turn:
+/// as many concurrent sequential streams as slices (AVX2 32-bit adds, as `read_rows`).
+fn read_side_by_side(slices: &[&[bf16]]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { side_by_side_avx2(slices) };
+    }
+    slices
+        .iter()
+        .map(|x| read_rows(x))
+        .fold(0, u64::wrapping_add)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn side_by_side_avx2(slices: &[&[bf16]]) -> u64 {
+    use std::arch::x86_64::*;
+    let len = slices[0].len() / 64 * 64;
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for i in (0..len).step_by(64) {
+        for x in slices {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 16 * j + 16 <= len <= x.len().
+                let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(i + 16 * j).cast()) };
+                *a = _mm256_add_epi32(*a, v);
+            }
+        }
+    }
+    let mut lanes = [0u32; 8];
+    let s = _mm256_add_epi32(
+        _mm256_add_epi32(acc[0], acc[1]),
+        _mm256_add_epi32(acc[2], acc[3]),
+    );
+    // SAFETY: eight u32 in `lanes`.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
+    lanes.iter().map(|&l| u64::from(l)).sum()
+}
+
 fn read_rows(rows: &[bf16]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {

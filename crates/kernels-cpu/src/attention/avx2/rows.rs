@@ -153,9 +153,10 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
 /// to `ROWS_RUN / S` rows of each; the softmax does not care which tokens a run holds).
 ///
 /// Why: on Zen 3 a core reads several far-apart sequential streams faster than one (a plain
-/// read of a decode step's pools as 2–4 interleaved streams: ~1.15× the bytes per second of
-/// the same read as one), the same finding as the int8 GEMM's row streams, while blocks of
-/// *adjacent* rows read slower than single rows. Two streams at group 2 took 0.87–0.91× the
+/// read of a decode step's pools as 2 or 4 interleaved streams took ~0.9× the time of the
+/// same read as one: `attn_bw --paths read-split:1,read-split:2`), the same finding as the
+/// GEMMs' row streams, while blocks of *adjacent* rows read slower than single rows (a
+/// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1× its time). Two streams at group 2 took 0.87–0.91× the
 /// single-stream kernel's time at 16 × 1024 and 4 × 1024 (`attn_bw --shape`, 2 threads, cold
 /// pools); four were no better than two.
 ///
