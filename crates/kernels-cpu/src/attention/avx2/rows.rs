@@ -156,9 +156,9 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
 /// read of a decode step's pools as 2 or 4 interleaved streams took ~0.9× the time of the
 /// same read as one: `attn_bw --paths read-split:1,read-split:2`), the same finding as the
 /// GEMMs' row streams, while blocks of *adjacent* rows read slower than single rows (a
-/// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1× its time). Two streams at group 2 took 0.87–0.91× the
-/// single-stream kernel's time at 16 × 1024 and 4 × 1024 (`attn_bw --shape`, 2 threads, cold
-/// pools); four were no better than two.
+/// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1× its time). Two
+/// streams at group 2 took 0.87–0.91× the single-stream kernel's time at 16 × 1024 and
+/// 4 × 1024 (`attn_bw --shape`, 2 threads, cold pools); four were no better than two.
 ///
 /// # Safety
 /// As [`rows_over`].
