@@ -3,16 +3,18 @@
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
 //!
-//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --threads 2 --paths read,read-heads:1,avx512-bf16]`:
+//! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --threads 2 --paths read,avx512-bf16]`:
 //! the model's decode attention phase instead — batch `B` of `L` tokens, every layer with its
 //! own pools (cold, as in a step), each sequence cut into chunks of about `--chunk` tokens (the
 //! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by
-//! `--threads` threads (2, the step's) in order, a barrier between layers. The named paths alternate round by round: decode
-//! paths (`set_process_decode_path`), `read` (a plain read of each task's rows in address
-//! order), `read-split:N[kv]` (the same rows as `N` far-apart streams read side by side, 128
-//! bytes of each in turn; `kv`: K's and V's together), `read-heads:N` (the kernel's access
-//! pattern without its arithmetic, `N` heads per pass) and `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's
-//! slices prefetched `A` head passes ahead); per path, the median and minimum wall time of a round and of the threads' CPU time.
+//! `--threads` threads (2, the step's) in order, a barrier between layers. The named paths
+//! alternate round by round: decode paths (`set_process_decode_path`), `read` (a plain read of
+//! each task's rows in address order), `read-split:N[kv]` (the same rows as `N` far-apart
+//! streams read side by side, 128 bytes of each in turn; `kv`: K's and V's together),
+//! `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per pass) and
+//! `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's slices
+//! prefetched `A` head passes ahead); per path, the median and minimum wall time of a round
+//! and of the threads' CPU time.
 
 mod common;
 

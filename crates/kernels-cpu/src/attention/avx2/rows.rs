@@ -262,9 +262,9 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
 
 /// Scores of `R` K rows (row `r` at `k[r]`, every head's slice) against every head's `G`
 /// permuted queries (`state`, one head state of `per` floats each), row `r`'s into
-/// `s[h * sh + j * sr + idx[r]]`. Each query vector loaded serves the `R` rows and each widened K vector the `G`
-/// queries; the `G * R` accumulators hide the FMA latency. `pf` are the rows to prefetch
-/// (null: none), a head's lines per head.
+/// `s[h * sh + j * sr + idx[r]]`. Each query vector loaded serves the `R` rows and each
+/// widened K vector the `G` queries; the `G * R` accumulators hide the FMA latency. `pf` are
+/// the rows to prefetch (null: none), a head's lines per head.
 ///
 /// # Safety
 /// AVX2 and FMA; `heads * hd` bf16 readable at each `k[r]`; `hd` a multiple of 16;
