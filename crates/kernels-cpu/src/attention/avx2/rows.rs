@@ -62,6 +62,67 @@ pub(super) fn rows_scores_len(kv_heads: usize, group: usize) -> usize {
     kv_heads * group * ROWS_RUN
 }
 
+/// What one call walks: the two pools' rows by token, and the strides of the heads' states
+/// and scores for a group of `G`.
+struct Walk<'a> {
+    kp: *const u16,
+    vp: *const u16,
+    /// Elements per pool row (every head's slice).
+    row: usize,
+    page: usize,
+    block_table: &'a [u32],
+    heads: usize,
+    hd: usize,
+    /// Floats per head state.
+    per: usize,
+    /// Score floats per head.
+    sh: usize,
+}
+
+impl<'a> Walk<'a> {
+    fn new<const G: usize>(kv: &PagedKv<'_>, block_table: &'a [u32]) -> Walk<'a> {
+        Walk {
+            kp: kv.k.as_ptr().cast::<u16>(),
+            vp: kv.v.as_ptr().cast::<u16>(),
+            row: kv.row(),
+            page: kv.page_size,
+            block_table,
+            heads: kv.kv_heads,
+            hd: kv.head_dim,
+            per: G * (2 * kv.head_dim + 2),
+            sh: G * ROWS_RUN,
+        }
+    }
+
+    /// Token `t`'s row in pool `p` (`kp` or `vp`; a plain address, dereferenced only by the
+    /// callers, for tokens their contract covers).
+    fn at(&self, p: *const u16, t: usize) -> *const u16 {
+        let slot = self.block_table[t / self.page] as usize * self.page + t % self.page;
+        p.wrapping_add(slot * self.row)
+    }
+
+    /// Token `t + ROWS_AHEAD`'s row in pool `p`, or null from `end` on: what a block at `t`
+    /// prefetches.
+    fn ahead(&self, p: *const u16, t: usize, end: usize) -> *const u16 {
+        if t + ROWS_AHEAD < end {
+            self.at(p, t + ROWS_AHEAD)
+        } else {
+            std::ptr::null()
+        }
+    }
+
+    /// Prefetches the first `ROWS_AHEAD` rows of `tokens` in both pools (no earlier block
+    /// prefetches them).
+    fn prefetch_first(&self, tokens: Range<usize>) {
+        for u in tokens.start..(tokens.start + ROWS_AHEAD).min(tokens.end) {
+            for e in (0..self.row).step_by(32) {
+                prefetch_l2(self.at(self.kp, u).wrapping_add(e));
+                prefetch_l2(self.at(self.vp, u).wrapping_add(e));
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usize>(
     kv: &PagedKv<'_>,
@@ -70,40 +131,21 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
     state: &mut [f32],
     s: &mut [f32],
 ) {
-    let hd = kv.head_dim;
-    let heads = kv.kv_heads;
-    let row = kv.row();
-    let per = G * (2 * hd + 2);
-    let sh = G * ROWS_RUN; // score floats per head
-    let kp = kv.k.as_ptr().cast::<u16>();
-    let vp = kv.v.as_ptr().cast::<u16>();
-    let page = kv.page_size;
-    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let w = Walk::new::<G>(kv, block_table);
+    let (kp, vp, row, page) = (w.kp, w.vp, w.row, w.page);
+    let (heads, hd, per, sh) = (w.heads, w.hd, w.per, w.sh);
     let end = tokens.end;
-    let ahead = ROWS_AHEAD;
-    // Row `t + ahead`'s pointer in pool `p`, or null past the end.
-    let ahead_row = |p: *const u16, t: usize| {
-        if t + ahead < end {
-            p.wrapping_add(slot_of(t + ahead) * row)
-        } else {
-            std::ptr::null()
-        }
-    };
-    // The first rows, which no earlier row prefetches.
-    for u in tokens.start..(tokens.start + ahead).min(end) {
-        for e in (0..row).step_by(32) {
-            prefetch_l2(kp.wrapping_add(slot_of(u) * row + e));
-            prefetch_l2(vp.wrapping_add(slot_of(u) * row + e));
-        }
-    }
+    let ahead_row = |p: *const u16, t: usize| w.ahead(p, t, end);
+    w.prefetch_first(tokens.clone());
     let mut t = tokens.start;
     while t < end {
         let run = ROWS_RUN.min(page - t % page).min(end - t);
-        let base = slot_of(t) * row;
+        // Rows of a run lie in one page, one after another.
+        let (kb, vb) = (w.at(kp, t), w.at(vp, t));
         // Scores, SR rows at a time (every head of them, in address order).
         let mut i = 0;
         while i < run {
-            let kr = kp.wrapping_add(base + i * row);
+            let kr = kb.wrapping_add(i * row);
             // SAFETY: rows i..i+SR (or i) of this run are inside the pool (caller's
             // contract); `s` holds `heads * sh` floats and i + SR <= run <= ROWS_RUN.
             unsafe {
@@ -127,7 +169,7 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
         // o += p · V, PR rows at a time (every head of them, in address order).
         let mut i = 0;
         while i < run {
-            let vr = vp.wrapping_add(base + i * row);
+            let vr = vb.wrapping_add(i * row);
             // SAFETY: rows i..i+PR (or i) of this run are inside the pool (caller's
             // contract); their scores are inside `s`.
             unsafe {
@@ -170,33 +212,15 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
     state: &mut [f32],
     s: &mut [f32],
 ) {
-    let hd = kv.head_dim;
-    let heads = kv.kv_heads;
-    let row = kv.row();
-    let per = G * (2 * hd + 2);
-    let sh = G * ROWS_RUN;
-    let kp = kv.k.as_ptr().cast::<u16>();
-    let vp = kv.v.as_ptr().cast::<u16>();
-    let page = kv.page_size;
-    let slot_of = |t: usize| block_table[t / page] as usize * page + t % page;
+    let w = Walk::new::<G>(kv, block_table);
+    let (kp, vp, row, page) = (w.kp, w.vp, w.row, w.page);
+    let (heads, hd, per, sh) = (w.heads, w.hd, w.per, w.sh);
     let len = tokens.len();
     let mut cur: [usize; S] = std::array::from_fn(|x| tokens.start + len * x / S);
     let ends: [usize; S] = std::array::from_fn(|x| tokens.start + len * (x + 1) / S);
-    let ahead = ROWS_AHEAD;
-    let ahead_row = |p: *const u16, t: usize, e: usize| {
-        if t + ahead < e {
-            p.wrapping_add(slot_of(t + ahead) * row)
-        } else {
-            std::ptr::null()
-        }
-    };
+    let ahead_row = |p: *const u16, t: usize, e: usize| w.ahead(p, t, e);
     for x in 0..S {
-        for u in cur[x]..(cur[x] + ahead).min(ends[x]) {
-            for e in (0..row).step_by(32) {
-                prefetch_l2(kp.wrapping_add(slot_of(u) * row + e));
-                prefetch_l2(vp.wrapping_add(slot_of(u) * row + e));
-            }
-        }
+        w.prefetch_first(cur[x]..ends[x]);
     }
     loop {
         let n: [usize; S] = std::array::from_fn(|x| {
@@ -213,13 +237,16 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
             off[x] = off[x - 1] + n[x - 1];
         }
         let m = n.iter().copied().min().unwrap_or(0);
-        let base: [usize; S] =
-            std::array::from_fn(|x| if n[x] > 0 { slot_of(cur[x]) * row } else { 0 });
+        // Each stream's rows of this run lie in one page, one after another.
+        let kb: [*const u16; S] =
+            std::array::from_fn(|x| if n[x] > 0 { w.at(kp, cur[x]) } else { kp });
+        let vb: [*const u16; S] =
+            std::array::from_fn(|x| if n[x] > 0 { w.at(vp, cur[x]) } else { vp });
         // Row `i < n[x]` of stream `x` is token `cur[x] + i`: inside `tokens` and inside
         // `cur[x]`'s page, so inside the pool by the caller's contract; its score index
         // `off[x] + i < run <= ROWS_RUN`, the score stride.
         for i in 0..m {
-            let kr = std::array::from_fn(|x| kp.wrapping_add(base[x] + i * row));
+            let kr = std::array::from_fn(|x| kb[x].wrapping_add(i * row));
             let pf = std::array::from_fn(|x| ahead_row(kp, cur[x] + i, ends[x]));
             let idx = std::array::from_fn(|x| off[x] + i);
             // SAFETY: rows and score indices as above (i < m <= n[x] for every stream).
@@ -227,7 +254,7 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         }
         for x in 0..S {
             for i in m..n[x] {
-                let kr = [kp.wrapping_add(base[x] + i * row)];
+                let kr = [kb[x].wrapping_add(i * row)];
                 let pf = [ahead_row(kp, cur[x] + i, ends[x])];
                 let idx = [off[x] + i];
                 // SAFETY: as above (i < n[x]).
@@ -239,7 +266,7 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
             unsafe { update::<G>(&mut s[h * sh..(h + 1) * sh], ROWS_RUN, run, hd, st) };
         }
         for i in 0..m {
-            let vr = std::array::from_fn(|x| vp.wrapping_add(base[x] + i * row));
+            let vr = std::array::from_fn(|x| vb[x].wrapping_add(i * row));
             let pf = std::array::from_fn(|x| ahead_row(vp, cur[x] + i, ends[x]));
             let idx = std::array::from_fn(|x| off[x] + i);
             // SAFETY: as for the scores.
@@ -247,7 +274,7 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         }
         for x in 0..S {
             for i in m..n[x] {
-                let vr = [vp.wrapping_add(base[x] + i * row)];
+                let vr = [vb[x].wrapping_add(i * row)];
                 let pf = [ahead_row(vp, cur[x] + i, ends[x])];
                 let idx = [off[x] + i];
                 // SAFETY: as for the scores.
