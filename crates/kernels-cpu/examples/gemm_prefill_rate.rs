@@ -11,6 +11,8 @@
 //! shared host does not count. Printed: the median and best GFLOP/s of each, the median of the
 //! paired ratios B/A, and the best of each as % of the FMA peak of as many threads (the best of
 //! the measurements before and after). `--head` adds the LM head (151936 × 1024, 311 MB).
+//! `--pairs`: A is row-major weights at the default kernel choice (the packed kernel from
+//! batch 64), B the same weights paired (`pair_weights_bf16`).
 
 mod common;
 
@@ -22,6 +24,7 @@ use simpler_kernels_cpu::gemm::set_avx2_panel_min_batch;
 use simpler_kernels_cpu::membw::fma_peak;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
+    pair_weights_bf16,
 };
 
 const SHAPES: [(&str, usize, usize); 6] = [
@@ -73,6 +76,12 @@ fn main() {
                 bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
             })
             .collect();
+        let pairs_mode = std::env::args().any(|a| a == "--pairs");
+        let wp_data = if pairs_mode {
+            pair_weights_bf16(&w, n, k)
+        } else {
+            Vec::new()
+        };
         for &batch in &batches {
             let x: Vec<bf16> = (0..batch * k)
                 .map(|i| bf16::from_f32((i % 97) as f32 / 97.0 - 0.5))
@@ -81,6 +90,12 @@ fn main() {
             pack_acts_bf16(&x, batch, k, &mut packed);
             let acts = PackedActs::new(&packed, batch, k);
             let wm = WeightsBf16::new(&w, n, k);
+            // (weights, least panel batch) of variants A and B.
+            let (va, vb) = if pairs_mode {
+                ((wm, 64), (WeightsBf16::paired(&wp_data, n, k), 64))
+            } else {
+                ((wm, usize::MAX), (wm, 1))
+            };
             for &t in &threads {
                 let flops = 2.0 * (batch * n * k) as f64;
                 // Per pass: GFLOP/s and that as a fraction of the FMA rate the same threads
@@ -88,8 +103,8 @@ fn main() {
                 let mut a = Vec::new();
                 let mut b = Vec::new();
                 // One untimed pass of each first (buffers, page faults).
-                pass(wm, acts, t, usize::MAX);
-                pass(wm, acts, t, 1);
+                pass(va.0, acts, t, va.1);
+                pass(vb.0, acts, t, vb.1);
                 for r in 0..reps {
                     let order = if r % 2 == 0 {
                         [false, true]
@@ -97,8 +112,8 @@ fn main() {
                         [true, false]
                     };
                     for packed_kernel in order {
-                        let min = if packed_kernel { 1 } else { usize::MAX };
-                        let (s, fma) = pass(wm, acts, t, min);
+                        let (wv, min) = if packed_kernel { vb } else { va };
+                        let (s, fma) = pass(wv, acts, t, min);
                         let rate = flops / s / 1e9;
                         let v = if packed_kernel { &mut b } else { &mut a };
                         v.push((rate, rate / fma));

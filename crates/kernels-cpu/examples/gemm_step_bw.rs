@@ -5,8 +5,10 @@
 //! decode plan's SPMD blocks (`TilePolicy::blocks`: about 1 MiB of weights, at least 4 per
 //! thread, whole 16-row groups, equal shares) that the threads take from a shared counter,
 //! with a spinning barrier between phases as the runtime's workers wait on the next phase.
-//! Each layer has its own weights in both layouts (row-major and tiled), so every pass
-//! streams them from memory; passes of the two layouts alternate A B B A in one process.
+//! Each layer has its own weights in both layouts (row-major and the other one, `--layout
+//! tiled|pairs`, by default the one this CPU's path streams: paired on AVX2, else tiled), so
+//! every pass streams them from memory; passes of the two layouts alternate A B B A in one
+//! process.
 //!
 //! Per batch, layout and phase it prints the weights' GB/s by the phase's wall time (barrier
 //! to barrier, summed over the layers), by the threads' busy time (wall time inside the
@@ -15,7 +17,7 @@
 //! host): medians over the passes.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example gemm_step_bw [-- --batches 4,16
-//! --layers 12 --reps 5 --threads 2]`
+//! --layers 12 --reps 5 --threads 2 --layout pairs]`
 
 mod common;
 
@@ -25,7 +27,8 @@ use std::time::Instant;
 use half::bf16;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
-    pack_acts_bf16, packed_len, path_for, swiglu_bf16, tile_weights_bf16,
+    pack_acts_bf16, packed_len, pair_weights_bf16, paired_weights_pay, path_for, swiglu_bf16,
+    tile_weights_bf16,
 };
 
 /// Hidden size, q width, KV width and intermediate size of Qwen3-0.6B.
@@ -50,6 +53,7 @@ impl Mat<'_> {
         match layout {
             WeightLayout::RowMajor => WeightsBf16::new(self.rm, self.n, self.k),
             WeightLayout::Tiled => WeightsBf16::tiled(self.tl, self.n, self.k),
+            WeightLayout::Pairs => WeightsBf16::paired(self.tl, self.n, self.k),
         }
     }
 }
@@ -87,6 +91,13 @@ fn main() {
         (INTER, H),
         (H, INTER),
     ];
+    let other = match get("--layout").as_deref() {
+        Some("tiled") => WeightLayout::Tiled,
+        Some("pairs") => WeightLayout::Pairs,
+        None if paired_weights_pay(Isa::current()) => WeightLayout::Pairs,
+        None => WeightLayout::Tiled,
+        Some(l) => panic!("--layout {l}: tiled or pairs"),
+    };
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     let mut fill = |n: usize, k: usize| {
         let rm = common::huge_pool(n * k);
@@ -97,7 +108,10 @@ fn main() {
             *d = bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04);
         }
         let tl = common::huge_pool(n * k);
-        tl.copy_from_slice(&tile_weights_bf16(rm, n, k));
+        tl.copy_from_slice(&match other {
+            WeightLayout::Pairs => pair_weights_bf16(rm, n, k),
+            _ => tile_weights_bf16(rm, n, k),
+        });
         Mat {
             n,
             k,
@@ -143,7 +157,7 @@ fn main() {
             i: PackedActs::new(&pi, batch, INTER),
             scale: vec![1.0; batch],
         };
-        let layouts = [WeightLayout::RowMajor, WeightLayout::Tiled];
+        let layouts = [WeightLayout::RowMajor, other];
         let mut stats: [Vec<[PhaseTimes; 4]>; 2] = [Vec::new(), Vec::new()];
         // One untimed pass of each to fault in scratch and settle the clocks.
         for l in layouts {
@@ -172,7 +186,8 @@ fn main() {
                 let (w, wb) = rate(&|t| t.wall);
                 let (b, _) = rate(&|t| t.busy / threads as f64);
                 let (c, _) = rate(&|t| t.cpu / threads as f64);
-                // Tiled against row-major, pass by pass (neighbouring passes of A B B A).
+                // The other layout against row-major, pass by pass (neighbouring passes of A
+                // B B A).
                 let paired = if li == 1 {
                     let mut r: Vec<f64> = stats[1]
                         .iter()
@@ -181,7 +196,8 @@ fn main() {
                         .collect();
                     r.sort_by(f64::total_cmp);
                     format!(
-                        "  CPU-time rate tiled/row-major median {:.3} (range {:.3}..{:.3})",
+                        "  CPU-time rate {:?}/row-major median {:.3} (range {:.3}..{:.3})",
+                        layouts[1],
                         r[r.len() / 2],
                         r[0],
                         r[r.len() - 1]

@@ -36,7 +36,9 @@ pub use elementwise::{
     residual_add_f32, swiglu_bf16,
 };
 pub use gemm::{
-    GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout,
+    GemmTile, OutMode, PACK_BLOCK, PAIR_ROWS, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS,
+    WeightLayout, pair_weights_bf16, paired_weights_pay, pairs_index, pairs_len,
+    unpair_weights_bf16,
     WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16, pack_acts_bf16, pack_acts_f32,
     pack_index, pack_segment_bf16, packed_ld, packed_len, path_for, path_for_batch,
     tile_weights_bf16, tiled_index, tiled_len, tiled_weights_pay, untile_weights_bf16,

@@ -26,6 +26,21 @@
 //!     every batch). The AVX-512 BF16 path streams the tiled form directly too (a whole group
 //!     per pass); the AVX2 path never receives it from a model that asks
 //!     [`tiled_weights_pay`], and computes it (correctly, slowly) through the portable path.
+//!   - `Pairs`: the streaming order of the AVX2 path's batched products, made once at load by
+//!     [`pair_weights_bf16`]. Rows form groups of [`PAIR_ROWS`] = 8; inside a group the
+//!     elements go by pairs of `K`: pair `p` of the group is 16 bf16 (32 bytes), rows `8 g ..
+//!     8 g + 8` at `k = 2 p` and `2 p + 1`, interleaved row by row. With `Kp = K` rounded up to
+//!     2, element `(n, k)` is at [`pairs_index`]: `((n / 8 * (Kp / 2) + k / 2) * 8 + n % 8) * 2
+//!     + k % 2`; the buffer holds `N` rounded up to 8 rows of `Kp` elements ([`pairs_len`]),
+//!     padding zero. One 256-bit load is then eight rows' pair at one `k`: a shift left by 16
+//!     gives the eight rows at the even `k` as fp32 and a mask the eight at the odd `k`, each
+//!     multiplied by one broadcast activation, so eight output rows accumulate lane by lane
+//!     (no horizontal sums) and each batch row's activations are read as scalars instead of
+//!     as a vector per weight vector (`avx2/pairs.rs` gives the measurements). A row group
+//!     is contiguous, so row slices from a multiple of 8 need no copy, and when `K` is even
+//!     and `N % 8 == 0` the buffer is exactly as long as the row-major one. Tiles on paired
+//!     weights start at a multiple of 8 rows ([`gemm_bf16`] panics otherwise). Paths other
+//!     than AVX2 compute them through the portable path.
 //! - Activations are *packed* once per layer input by [`pack_acts_bf16`]: fp32 `[B, K]` where
 //!   each full 16-element block of a row is reordered to `[x0, x2, .., x14, x1, x3, .., x15]`
 //!   (a row's last `K % 16` elements stay in order). The AVX2 path widens a 256-bit load of
@@ -175,6 +190,8 @@ pub const PACK_BLOCK: usize = 16;
 pub const TILE_ROWS: usize = 16;
 /// `K` elements per block of the tiled weight layout (one 64-byte line of bf16).
 pub const TILE_COLS: usize = 32;
+/// Rows per group of the paired weight layout (one 256-bit vector of fp32 outputs).
+pub const PAIR_ROWS: usize = 8;
 
 /// How a bf16 weight matrix lies in memory (the module docs give the index formulas).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -184,6 +201,74 @@ pub enum WeightLayout {
     RowMajor,
     /// 16-row groups of 1 KiB blocks along `K` ([`tile_weights_bf16`]).
     Tiled,
+    /// 8-row groups of interleaved `K` pairs ([`pair_weights_bf16`]).
+    Pairs,
+}
+
+/// Length of a paired `[rows, cols]` matrix: `rows` rounded up to 8 times `cols` rounded up to
+/// 2 (`None` on overflow).
+pub const fn pairs_len(rows: usize, cols: usize) -> Option<usize> {
+    let r = match rows.checked_next_multiple_of(PAIR_ROWS) {
+        Some(r) => r,
+        None => return None,
+    };
+    match cols.checked_next_multiple_of(2) {
+        Some(c) => r.checked_mul(c),
+        None => None,
+    }
+}
+
+/// Where element `(n, k)` of a paired matrix of `cols` columns lies.
+#[inline]
+pub const fn pairs_index(n: usize, k: usize, cols: usize) -> usize {
+    let pairs = cols.div_ceil(2);
+    ((n / PAIR_ROWS * pairs + k / 2) * PAIR_ROWS + n % PAIR_ROWS) * 2 + k % 2
+}
+
+/// Rearranges row-major `w` (`[rows, cols]`) into the paired layout (zero padding; see the
+/// module docs).
+///
+/// # Panics
+/// If `w.len() != rows * cols` or the paired length overflows.
+pub fn pair_weights_bf16(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        Some(w.len()),
+        rows.checked_mul(cols),
+        "pair_weights_bf16: len {} != {rows} x {cols}",
+        w.len()
+    );
+    let len = pairs_len(rows, cols).expect("pair_weights_bf16: size overflows");
+    let mut out = vec![bf16::ZERO; len];
+    for (n, row) in w.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (k, &v) in row.iter().enumerate() {
+            out[pairs_index(n, k, cols)] = v;
+        }
+    }
+    out
+}
+
+/// The row-major matrix of paired `t` (`[rows, cols]`, as [`pair_weights_bf16`] wrote it).
+///
+/// # Panics
+/// If `t.len() != pairs_len(rows, cols)`.
+pub fn unpair_weights_bf16(t: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    assert_eq!(
+        Some(t.len()),
+        pairs_len(rows, cols),
+        "unpair_weights_bf16: len {} for {rows} x {cols}",
+        t.len()
+    );
+    let mut out = Vec::with_capacity(rows * cols);
+    for n in 0..rows {
+        out.extend((0..cols).map(|k| t[pairs_index(n, k, cols)]));
+    }
+    out
+}
+
+/// Whether kernels running on `isa` stream paired weights faster than row-major ones: the
+/// AVX2 path (not the wider paths, which read row-major or tiled weights; `avx2/pairs.rs`).
+pub fn paired_weights_pay(isa: Isa) -> bool {
+    isa == Isa::Avx2
 }
 
 /// Length of a tiled `[rows, cols]` matrix: `rows` rounded up to 16 times `cols` rounded up to
@@ -305,10 +390,28 @@ impl<'a> WeightsBf16<'a> {
             layout: WeightLayout::Tiled,
         }
     }
+    /// Views `data`, written by [`pair_weights_bf16`], as paired `[rows, cols]`.
+    ///
+    /// # Panics
+    /// If `data.len() != pairs_len(rows, cols)`.
+    pub fn paired(data: &'a [bf16], rows: usize, cols: usize) -> WeightsBf16<'a> {
+        assert_eq!(
+            Some(data.len()),
+            pairs_len(rows, cols),
+            "paired weights: len {} for {rows} x {cols}",
+            data.len()
+        );
+        WeightsBf16 {
+            data,
+            rows,
+            cols,
+            layout: WeightLayout::Pairs,
+        }
+    }
     /// Views `data` as `[rows, cols]` in `layout`.
     ///
     /// # Panics
-    /// As [`WeightsBf16::new`] or [`WeightsBf16::tiled`].
+    /// As [`WeightsBf16::new`], [`WeightsBf16::tiled`] or [`WeightsBf16::paired`].
     pub fn with_layout(
         data: &'a [bf16],
         rows: usize,
@@ -318,12 +421,14 @@ impl<'a> WeightsBf16<'a> {
         match layout {
             WeightLayout::RowMajor => WeightsBf16::new(data, rows, cols),
             WeightLayout::Tiled => WeightsBf16::tiled(data, rows, cols),
+            WeightLayout::Pairs => WeightsBf16::paired(data, rows, cols),
         }
     }
     /// Rows `r` as a matrix of their own, in the same layout (no copy).
     ///
     /// # Panics
-    /// If `r` lies outside the rows, or (tiled) does not start on a multiple of 16 rows.
+    /// If `r` lies outside the rows, or does not start on a multiple of 16 rows (tiled) or
+    /// of 8 (paired).
     pub fn row_range(&self, r: Range<usize>) -> WeightsBf16<'a> {
         assert!(
             r.start <= r.end && r.end <= self.rows,
@@ -346,6 +451,16 @@ impl<'a> WeightsBf16<'a> {
                 let g0 = r.start / TILE_ROWS;
                 let len = n.div_ceil(TILE_ROWS) * group;
                 WeightsBf16::tiled(&self.data[g0 * group..g0 * group + len], n, self.cols)
+            }
+            WeightLayout::Pairs => {
+                assert!(
+                    r.start.is_multiple_of(PAIR_ROWS),
+                    "paired weights: row slice {r:?} does not start on a group of {PAIR_ROWS}"
+                );
+                let group = self.cols.next_multiple_of(2) * PAIR_ROWS;
+                let g0 = r.start / PAIR_ROWS;
+                let len = n.div_ceil(PAIR_ROWS) * group;
+                WeightsBf16::paired(&self.data[g0 * group..g0 * group + len], n, self.cols)
             }
         }
     }
@@ -666,6 +781,7 @@ impl PreparedActs {
             w,
             ldw: self.cols,
             tiled: false,
+            pairs: false,
             x: &self.packed,
             ldx: packed_ld(self.cols),
             batch: self.rows,
@@ -786,6 +902,7 @@ pub(crate) fn gemm_bf16_amx(w: WeightsBf16<'_>, x: &AmxActs, out: &mut [f32], ld
         w: unsafe { std::slice::from_raw_parts(w.data().as_ptr().cast::<u16>(), w.data().len()) },
         ldw: x.cols,
         tiled: false,
+        pairs: false,
         // Not read: the body is the whole of `K` in 32-element steps (no edges, no strip) and
         // its tiles are given.
         x: &[],
@@ -810,8 +927,10 @@ struct Lowered<'a> {
     w: &'a [u16],
     /// `K` of the weights (row-major: the row stride).
     ldw: usize,
-    /// The weights are in the tiled layout (`tiled_index`), else row-major.
+    /// The weights are in the tiled layout (`tiled_index`).
     tiled: bool,
+    /// The weights are in the paired layout (`pairs_index`); neither flag: row-major.
+    pairs: bool,
     x: &'a [f32],
     ldx: usize,
     batch: usize,
@@ -836,6 +955,8 @@ impl Lowered<'_> {
     fn w_at(&self, n: usize, k: usize) -> u16 {
         if self.tiled {
             self.w[tiled_index(n, k, self.ldw)]
+        } else if self.pairs {
+            self.w[pairs_index(n, k, self.ldw)]
         } else {
             self.w[n * self.ldw + k]
         }
@@ -922,6 +1043,11 @@ fn gemm_dispatch_with(
         (k.start, k.start)
     };
     let tiled = w.layout() == WeightLayout::Tiled;
+    let pairs = w.layout() == WeightLayout::Pairs;
+    assert!(
+        !pairs || n.start.is_multiple_of(PAIR_ROWS),
+        "gemm_bf16: tile rows {n:?} of paired weights must start on a multiple of {PAIR_ROWS}"
+    );
     if tiled {
         assert!(
             n.start.is_multiple_of(TILE_ROWS) && k.start.is_multiple_of(TILE_COLS),
@@ -935,6 +1061,7 @@ fn gemm_dispatch_with(
         w: unsafe { std::slice::from_raw_parts(w.data().as_ptr().cast::<u16>(), w.data().len()) },
         ldw: cols,
         tiled,
+        pairs,
         x: x.data(),
         ldx: packed_ld(cols),
         batch,
@@ -948,7 +1075,14 @@ fn gemm_dispatch_with(
     #[cfg(target_arch = "x86_64")]
     {
         let isa = Isa::current();
-        if isa >= Isa::AmxBf16 && (batch >= amx::MIN_BATCH || tiled) {
+        if pairs {
+            if isa >= Isa::Avx2 {
+                // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2,
+                // FMA and F16C; `lw` was checked above, paired with its first row on a group.
+                unsafe { avx2::gemm_pairs(&lw, out, ld_out) };
+                return;
+            }
+        } else if isa >= Isa::AmxBf16 && (batch >= amx::MIN_BATCH || tiled) {
             // The prepared tiles, when they were made for this body.
             let tiles = pre
                 .filter(|p| {
@@ -962,7 +1096,7 @@ fn gemm_dispatch_with(
             unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
-        if isa >= Isa::Avx512Bf16 {
+        if isa >= Isa::Avx512Bf16 && !pairs {
             // SAFETY: `Isa::current` only returns Avx512Bf16 or wider when the CPU supports
             // AVX-512 F/BW/VL and BF16; `lw` was checked above.
             unsafe { avx512::gemm(&lw, out, ld_out) };

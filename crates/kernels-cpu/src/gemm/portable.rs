@@ -1,5 +1,5 @@
 //! Portable GEMM path: plain Rust over the packed layout, eight lanes per accumulator so the
-//! compiler can vectorise it. Tiled weights are gathered one row body at a time into a
+//! compiler can vectorise it. Tiled and paired weights are gathered one row body at a time into a
 //! row-major copy (this path reads them only where nothing faster runs them).
 
 use super::{Lowered, PACK_BLOCK, edge_sum, finish};
@@ -10,7 +10,7 @@ const HALF: usize = PACK_BLOCK / 2;
 pub(super) fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
     let mut gathered = Vec::new();
     for n in lw.n.clone() {
-        let body: &[u16] = if lw.tiled {
+        let body: &[u16] = if lw.tiled || lw.pairs {
             gathered.clear();
             gathered.extend((lw.kb0..lw.kb1).map(|kk| lw.w_at(n, kk)));
             &gathered

@@ -5,7 +5,7 @@
 use half::bf16;
 use simpler_kernels_cpu::{
     GemmTile, Isa, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, gemm_scaled_bf16,
-    pack_acts_bf16, packed_len, tile_weights_bf16, with_isa,
+    pack_acts_bf16, packed_len, pair_weights_bf16, tile_weights_bf16, with_isa,
 };
 
 /// Runs `f` on the portable path and, when this CPU has it, on the AVX2 path: for kernels
@@ -82,8 +82,8 @@ pub fn to_f32(x: &[bf16]) -> Vec<f32> {
     x.iter().map(|v| v.to_f32()).collect()
 }
 
-/// A seeded bf16 GEMM case: `n × k` weights (row-major, and tiled as built from them at
-/// construction), `batch` activation rows, and those rows packed for the kernels.
+/// A seeded bf16 GEMM case: `n × k` weights (row-major, and tiled and paired as built from
+/// them at construction), `batch` activation rows, and those rows packed for the kernels.
 pub struct GemmCase {
     pub n: usize,
     pub k: usize,
@@ -91,6 +91,7 @@ pub struct GemmCase {
     pub w: Vec<bf16>,
     pub x: Vec<bf16>,
     pub tiled: Vec<bf16>,
+    pub paired: Vec<bf16>,
     pub packed: Vec<f32>,
 }
 
@@ -102,6 +103,7 @@ impl GemmCase {
         let mut packed = vec![0.0; packed_len(batch, k)];
         pack_acts_bf16(&x, batch, k, &mut packed);
         let tiled = tile_weights_bf16(&w, n, k);
+        let paired = pair_weights_bf16(&w, n, k);
         GemmCase {
             n,
             k,
@@ -109,15 +111,17 @@ impl GemmCase {
             w,
             x,
             tiled,
+            paired,
             packed,
         }
     }
 
-    /// The weights in `layout` (`Tiled` is `w` as it was at construction).
+    /// The weights in `layout` (`Tiled` and `Pairs` are `w` as it was at construction).
     pub fn weights(&self, layout: WeightLayout) -> WeightsBf16<'_> {
         match layout {
             WeightLayout::RowMajor => WeightsBf16::new(&self.w, self.n, self.k),
             WeightLayout::Tiled => WeightsBf16::tiled(&self.tiled, self.n, self.k),
+            WeightLayout::Pairs => WeightsBf16::paired(&self.paired, self.n, self.k),
         }
     }
 

@@ -28,8 +28,11 @@ use std::arch::x86_64::*;
 use super::{Lowered, edge_sum, finish};
 use crate::simd::hsum256;
 
+mod pairs;
 mod panel;
 mod quad;
+
+pub(super) use pairs::gemm as gemm_pairs;
 
 /// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
 /// (512 B). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in

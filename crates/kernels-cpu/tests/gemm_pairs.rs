@@ -1,0 +1,192 @@
+//! The paired bf16 weight layout (8-row groups of interleaved `K` pairs): packing, indexing,
+//! and the GEMM on paired weights on every path this CPU has, against an f64 reference at
+//! ragged shapes (rows not whole groups, `K` not whole packing blocks, split-K tiles, every
+//! batch from 1 to 20), and bit for bit against the portable path on row-major weights where
+//! the paired call runs that same code (the portable path gathers paired rows).
+
+mod common;
+
+use common::{GemmCase, Rng, all_paths};
+use half::bf16;
+use proptest::prelude::*;
+use simpler_kernels_cpu::{
+    GemmTile, Isa, OutMode, PAIR_ROWS, WeightLayout, gemm_bf16, pair_weights_bf16,
+    paired_weights_pay, pairs_index, pairs_len, unpair_weights_bf16, with_isa,
+};
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Paired results of `tile` on every path against the f64 reference (and, on the portable
+/// path, bit for bit against the row-major result); padding between output rows untouched.
+fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
+    let mut rng = Rng(seed ^ 0x9A1F);
+    let ld = tile.n.len() + rng.below(3);
+    let out_len = (c.batch - 1) * ld + tile.n.len();
+    let seed_out = rng.vec_f32(out_len, 1.0);
+    let scale = rng.vec_f32(c.batch, 2.0);
+    let scale = scaled.then_some(&scale[..]);
+    for (isa, got) in all_paths("gemm paired", || {
+        c.run(WeightLayout::Pairs, &tile, scale, &seed_out, ld)
+    }) {
+        if isa == Isa::Portable {
+            let want = with_isa(Isa::Portable, || {
+                c.run(WeightLayout::RowMajor, &tile, scale, &seed_out, ld)
+            })
+            .expect("portable runs");
+            assert_eq!(bits(&got), bits(&want), "portable paired vs row-major {tile:?}");
+        }
+        for b in 0..c.batch {
+            for n in tile.n.clone() {
+                let (mut e, mut tol) = c.reference(&tile, b, n);
+                if let Some(s) = scale {
+                    e *= f64::from(s[b]);
+                    tol *= f64::from(s[b].abs());
+                }
+                let i = b * ld + (n - tile.n.start);
+                if tile.mode == OutMode::Add {
+                    e += f64::from(seed_out[i]);
+                    tol += 1e-6;
+                }
+                let g = f64::from(got[i]);
+                assert!(
+                    (g - e).abs() <= tol,
+                    "{} paired n={} k={} batch={} b={b} row={n} tile={tile:?}: {g} vs {e}",
+                    isa.name(),
+                    c.n,
+                    c.k,
+                    c.batch
+                );
+            }
+        }
+        for (i, (&o, &s)) in got.iter().zip(&seed_out).enumerate() {
+            if i % ld >= tile.n.len() {
+                assert_eq!(o, s, "{} wrote padding element {i}", isa.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn pairs_index_places_every_element_once_and_padding_is_zero() {
+    for (rows, cols) in [(1usize, 1usize), (8, 2), (9, 3), (5, 100), (40, 64), (33, 1001)] {
+        let len = pairs_len(rows, cols).unwrap();
+        assert_eq!(len, rows.div_ceil(8) * 8 * cols.div_ceil(2) * 2);
+        let w: Vec<bf16> = (0..rows * cols)
+            .map(|i| bf16::from_f32((i + 1) as f32))
+            .collect();
+        let t = pair_weights_bf16(&w, rows, cols);
+        assert_eq!(t.len(), len);
+        assert_eq!(unpair_weights_bf16(&t, rows, cols), w, "{rows}x{cols}: round trip");
+        let mut seen = vec![false; len];
+        for n in 0..rows {
+            for k in 0..cols {
+                let at = pairs_index(n, k, cols);
+                assert!(!seen[at], "{rows}x{cols}: ({n}, {k}) collides");
+                seen[at] = true;
+                assert_eq!(t[at], w[n * cols + k], "{rows}x{cols}: ({n}, {k})");
+            }
+        }
+        for (i, v) in t.iter().enumerate() {
+            if !seen[i] {
+                assert_eq!(v.to_f32(), 0.0, "{rows}x{cols}: padding element {i}");
+            }
+        }
+    }
+    // One 32-byte pair holds eight rows at k and k + 1, row by row; a group is contiguous.
+    assert_eq!(pairs_index(0, 1, 64), 1);
+    assert_eq!(pairs_index(1, 0, 64), 2);
+    assert_eq!(pairs_index(0, 2, 64), 2 * PAIR_ROWS);
+    assert_eq!(pairs_index(8, 0, 64), 8 * 64);
+    assert_eq!(pairs_len(usize::MAX, 2), None);
+    assert!(paired_weights_pay(Isa::Avx2));
+    assert!(!paired_weights_pay(Isa::Portable));
+    assert!(!paired_weights_pay(Isa::AmxBf16));
+}
+
+#[test]
+fn paired_products_match_the_reference_at_edges_and_every_batch() {
+    let mut seed = 1;
+    for (n, k) in [(24usize, 64usize), (25, 48), (7, 16), (72, 1024), (97, 33), (40, 17)] {
+        for batch in (1..=9).chain([12, 16, 17, 20]) {
+            let c = GemmCase::new(n, k, batch, seed);
+            seed += 1;
+            check(&c, GemmTile::full(&c.weights(WeightLayout::Pairs)), false, seed);
+            // A tile from a later group, split-K with edge elements, added and scaled.
+            if n > 8 {
+                let tile = GemmTile {
+                    n: 8..n,
+                    k: 3.min(k - 1)..k,
+                    mode: OutMode::Add,
+                };
+                check(&c, tile, true, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_paired_row_range_computes_those_rows_of_the_whole() {
+    let (n, k, batch) = (70, 96, 6);
+    let c = GemmCase::new(n, k, batch, 3);
+    let whole = c.weights(WeightLayout::Pairs);
+    let mut full = vec![0.0f32; batch * n];
+    gemm_bf16(whole, c.acts(), &GemmTile::full(&whole), &mut full, n);
+    for r in [8..70, 32..48, 64..70, 0..5] {
+        let part = whole.row_range(r.clone());
+        assert_eq!(part.layout(), WeightLayout::Pairs);
+        let mut out = vec![0.0f32; batch * r.len()];
+        gemm_bf16(part, c.acts(), &GemmTile::full(&part), &mut out, r.len());
+        for b in 0..batch {
+            let (got, want) = (&out[b * r.len()..(b + 1) * r.len()], &full[b * n + r.start..b * n + r.end]);
+            common::assert_close(got, want, 1e-5, 1e-5, &format!("rows {r:?} batch {b}"));
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "does not start on a group")]
+fn a_paired_row_range_off_a_group_edge_panics() {
+    let c = GemmCase::new(40, 64, 1, 1);
+    let _ = c.weights(WeightLayout::Pairs).row_range(4..20);
+}
+
+#[test]
+#[should_panic(expected = "must start on a multiple")]
+fn a_paired_tile_off_a_group_edge_panics() {
+    let c = GemmCase::new(40, 64, 2, 1);
+    let tile = GemmTile {
+        n: 4..40,
+        k: 0..64,
+        mode: OutMode::Store,
+    };
+    let mut out = vec![0.0; 2 * 36];
+    gemm_bf16(c.weights(WeightLayout::Pairs), c.acts(), &tile, &mut out, 36);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Random shapes, tiles and batches on paired weights against the reference.
+    #[test]
+    fn paired_products_at_random_shapes(
+        n in 1usize..90,
+        k in 1usize..300,
+        batch in 1usize..22,
+        g0 in 0usize..10,
+        k0 in 0usize..40,
+        add in any::<bool>(),
+        scaled in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let c = GemmCase::new(n, k, batch, seed);
+        let start = (g0 * PAIR_ROWS).min((n - 1) / PAIR_ROWS * PAIR_ROWS);
+        let k0 = k0.min(k - 1);
+        let tile = GemmTile {
+            n: start..n,
+            k: k0..k,
+            mode: if add { OutMode::Add } else { OutMode::Store },
+        };
+        check(&c, tile, scaled, seed);
+    }
+}
