@@ -228,8 +228,13 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
                 || args.tiles.max_kv_chunk.is_some(),
         ),
         (
-            "--bf16-layout tiled",
-            args.model.bf16_layout == Some(crate::qwen3_cmd::Bf16LayoutArg::Tiled),
+            "--bf16-layout tiled / pairs",
+            matches!(
+                args.model.bf16_layout,
+                Some(
+                    crate::qwen3_cmd::Bf16LayoutArg::Tiled | crate::qwen3_cmd::Bf16LayoutArg::Pairs
+                )
+            ),
         ),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),

@@ -43,11 +43,13 @@ pub(crate) struct ModelArgs {
     /// mode here). `int8-w8a8` is `int8`; `int8-wide` keeps fp32 activations (for comparison).
     #[arg(long, default_value = "bf16", value_parser = parse_weight_format)]
     pub(crate) weights: WeightFormat,
-    /// How bf16 matrices lie in memory on the CPU: `row-major`, or `tiled` (16-row groups of
-    /// 1 KiB blocks, streamed by the AMX tiles at every batch: faster from batch 4 on AMX
-    /// hosts, level at batch 1 kernel by kernel; row-major where the path or a shape does not
-    /// allow it; `--platform cuda` refuses an explicit `tiled`, the device holds row-major
-    /// weights) [default: row-major].
+    /// How bf16 matrices lie in memory on the CPU: `row-major`; `pairs` (8-row groups of
+    /// interleaved column pairs, the AVX2 path's streaming order: faster at every decode batch
+    /// there); or `tiled` (16-row groups of 1 KiB blocks, streamed by the AMX tiles at every
+    /// batch: faster from batch 4 on AMX hosts, level at batch 1 kernel by kernel). Each only
+    /// where the shape allows it (row-major elsewhere); `tiled` only on the AMX path. `--platform
+    /// cuda` refuses an explicit `tiled` or `pairs`: the device holds row-major weights
+    /// [default: pairs on the AVX2 path, row-major elsewhere].
     #[arg(long, value_enum)]
     pub(crate) bf16_layout: Option<Bf16LayoutArg>,
     /// Most memory the run may take, in GB [default: what the machine has available: the
@@ -61,6 +63,7 @@ pub(crate) struct ModelArgs {
 pub(crate) enum Bf16LayoutArg {
     RowMajor,
     Tiled,
+    Pairs,
 }
 
 /// `--weights`: an unknown value is refused with an error naming it.
@@ -347,11 +350,12 @@ pub(crate) fn load_weights(
     config: &Qwen3Config,
     shared: bool,
 ) -> Result<Qwen3Weights> {
+    use simpler_models::qwen3::layout::Bf16LayoutChoice;
     simpler_models::qwen3::layout::choose_bf16_layout(match args.bf16_layout {
-        Some(Bf16LayoutArg::RowMajor) | None => {
-            simpler_models::qwen3::layout::Bf16LayoutChoice::RowMajor
-        }
-        Some(Bf16LayoutArg::Tiled) => simpler_models::qwen3::layout::Bf16LayoutChoice::Tiled,
+        None => Bf16LayoutChoice::Streaming,
+        Some(Bf16LayoutArg::RowMajor) => Bf16LayoutChoice::RowMajor,
+        Some(Bf16LayoutArg::Tiled) => Bf16LayoutChoice::Tiled,
+        Some(Bf16LayoutArg::Pairs) => Bf16LayoutChoice::Pairs,
     })
     .context("--bf16-layout")?;
     if let Some(dir) = &args.model {

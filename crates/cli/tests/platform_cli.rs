@@ -55,7 +55,8 @@ fn the_flag_is_global_and_checked() {
 fn cpu_runtime_flags_are_refused_on_cuda() {
     for (flag, value, named) in [
         ("--versus-isa", "avx2", "--versus-isa"),
-        ("--bf16-layout", "tiled", "--bf16-layout tiled"),
+        ("--bf16-layout", "tiled", "--bf16-layout tiled / pairs"),
+        ("--bf16-layout", "pairs", "--bf16-layout tiled / pairs"),
     ] {
         let out = simpler(&[
             "bench",
@@ -78,7 +79,7 @@ fn cpu_runtime_flags_are_refused_on_cuda() {
     }
 }
 
-/// Only an explicit `--bf16-layout tiled` is refused: without the flag,
+/// Only an explicit `--bf16-layout tiled` or `pairs` is refused: without the flag,
 /// `bench qwen3-decode --platform cuda` refuses nothing about the layout (`--serial`, checked
 /// after it, is what gets refused, so the bench never starts).
 #[test]

@@ -475,10 +475,10 @@ fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
     assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
 }
 
-/// Both layouts, named, check against the golden.
+/// Every layout, named, checks against the golden.
 #[test]
-fn run_qwen3_decode_with_either_bf16_layout_checks_against_the_golden() {
-    for layout in ["tiled", "row-major"] {
+fn run_qwen3_decode_with_each_bf16_layout_checks_against_the_golden() {
+    for layout in ["tiled", "row-major", "pairs"] {
         let out = short_tiny_decode(&["--bf16-layout", layout]);
         let (so, se) = (text(&out.stdout), text(&out.stderr));
         assert!(out.status.success(), "{layout}: {so}\n{se}");

@@ -71,8 +71,9 @@ multiversion! {
     }
 }
 
-/// [`embedding_gather_bf16`] from a table in either [`crate::WeightLayout`]: a tiled table's
-/// row is gathered 32 elements (one line) at a time.
+/// [`embedding_gather_bf16`] from a table in any [`crate::WeightLayout`]: a tiled table's
+/// row is gathered 32 elements (one line) at a time, a paired table's element by element (a
+/// row's pair every 32 bytes).
 ///
 /// # Panics
 /// If an id is outside the table or `out.len() != ids.len() * table.cols()`.
@@ -93,11 +94,20 @@ pub fn embedding_gather_rows_bf16(table: crate::WeightsBf16<'_>, ids: &[u32], ou
             id < vocab,
             "embedding_gather_rows_bf16: token id {id} outside vocabulary {vocab}"
         );
-        for (s, dst) in o.chunks_mut(crate::TILE_COLS).enumerate() {
-            let at = crate::tiled_index(id, s * crate::TILE_COLS, hidden);
-            let len = dst.len();
-            for (d, &v) in dst.iter_mut().zip(&table.data()[at..at + len]) {
-                *d = v.to_f32();
+        match table.layout() {
+            crate::WeightLayout::Pairs => {
+                for (kk, d) in o.iter_mut().enumerate() {
+                    *d = table.data()[crate::pairs_index(id, kk, hidden)].to_f32();
+                }
+            }
+            _ => {
+                for (s, dst) in o.chunks_mut(crate::TILE_COLS).enumerate() {
+                    let at = crate::tiled_index(id, s * crate::TILE_COLS, hidden);
+                    let len = dst.len();
+                    for (d, &v) in dst.iter_mut().zip(&table.data()[at..at + len]) {
+                        *d = v.to_f32();
+                    }
+                }
             }
         }
     }

@@ -35,7 +35,11 @@ fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
                 c.run(WeightLayout::RowMajor, &tile, scale, &seed_out, ld)
             })
             .expect("portable runs");
-            assert_eq!(bits(&got), bits(&want), "portable paired vs row-major {tile:?}");
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "portable paired vs row-major {tile:?}"
+            );
         }
         for b in 0..c.batch {
             for n in tile.n.clone() {
@@ -70,7 +74,14 @@ fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
 
 #[test]
 fn pairs_index_places_every_element_once_and_padding_is_zero() {
-    for (rows, cols) in [(1usize, 1usize), (8, 2), (9, 3), (5, 100), (40, 64), (33, 1001)] {
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (8, 2),
+        (9, 3),
+        (5, 100),
+        (40, 64),
+        (33, 1001),
+    ] {
         let len = pairs_len(rows, cols).unwrap();
         assert_eq!(len, rows.div_ceil(8) * 8 * cols.div_ceil(2) * 2);
         let w: Vec<bf16> = (0..rows * cols)
@@ -78,7 +89,11 @@ fn pairs_index_places_every_element_once_and_padding_is_zero() {
             .collect();
         let t = pair_weights_bf16(&w, rows, cols);
         assert_eq!(t.len(), len);
-        assert_eq!(unpair_weights_bf16(&t, rows, cols), w, "{rows}x{cols}: round trip");
+        assert_eq!(
+            unpair_weights_bf16(&t, rows, cols),
+            w,
+            "{rows}x{cols}: round trip"
+        );
         let mut seen = vec![false; len];
         for n in 0..rows {
             for k in 0..cols {
@@ -108,11 +123,23 @@ fn pairs_index_places_every_element_once_and_padding_is_zero() {
 #[test]
 fn paired_products_match_the_reference_at_edges_and_every_batch() {
     let mut seed = 1;
-    for (n, k) in [(24usize, 64usize), (25, 48), (7, 16), (72, 1024), (97, 33), (40, 17)] {
+    for (n, k) in [
+        (24usize, 64usize),
+        (25, 48),
+        (7, 16),
+        (72, 1024),
+        (97, 33),
+        (40, 17),
+    ] {
         for batch in (1..=9).chain([12, 16, 17, 20]) {
             let c = GemmCase::new(n, k, batch, seed);
             seed += 1;
-            check(&c, GemmTile::full(&c.weights(WeightLayout::Pairs)), false, seed);
+            check(
+                &c,
+                GemmTile::full(&c.weights(WeightLayout::Pairs)),
+                false,
+                seed,
+            );
             // A tile from a later group, split-K with edge elements, added and scaled.
             if n > 8 {
                 let tile = GemmTile {
@@ -139,7 +166,10 @@ fn a_paired_row_range_computes_those_rows_of_the_whole() {
         let mut out = vec![0.0f32; batch * r.len()];
         gemm_bf16(part, c.acts(), &GemmTile::full(&part), &mut out, r.len());
         for b in 0..batch {
-            let (got, want) = (&out[b * r.len()..(b + 1) * r.len()], &full[b * n + r.start..b * n + r.end]);
+            let (got, want) = (
+                &out[b * r.len()..(b + 1) * r.len()],
+                &full[b * n + r.start..b * n + r.end],
+            );
             common::assert_close(got, want, 1e-5, 1e-5, &format!("rows {r:?} batch {b}"));
         }
     }
@@ -162,7 +192,13 @@ fn a_paired_tile_off_a_group_edge_panics() {
         mode: OutMode::Store,
     };
     let mut out = vec![0.0; 2 * 36];
-    gemm_bf16(c.weights(WeightLayout::Pairs), c.acts(), &tile, &mut out, 36);
+    gemm_bf16(
+        c.weights(WeightLayout::Pairs),
+        c.acts(),
+        &tile,
+        &mut out,
+        36,
+    );
 }
 
 proptest! {
@@ -189,4 +225,32 @@ proptest! {
         };
         check(&c, tile, scaled, seed);
     }
+}
+
+/// An embedding row gathered from a paired table (a tied LM head) is the row-major row, and
+/// the layout's own conversions round-trip.
+#[test]
+fn paired_tables_gather_and_convert_like_row_major_ones() {
+    let (vocab, hidden) = (40usize, 96usize);
+    let w = Rng(5).vec_bf16(vocab * hidden, 1.0);
+    let paired = WeightLayout::Pairs.arrange_bf16(&w, vocab, hidden);
+    assert_eq!(paired, pair_weights_bf16(&w, vocab, hidden));
+    assert_eq!(
+        WeightLayout::Pairs.row_major_bf16(&paired, vocab, hidden),
+        w
+    );
+    let ids = [0u32, 39, 7, 8, 7];
+    let mut want = vec![0.0f32; ids.len() * hidden];
+    let mut got = vec![1.0f32; ids.len() * hidden];
+    simpler_kernels_cpu::embedding_gather_rows_bf16(
+        simpler_kernels_cpu::WeightsBf16::new(&w, vocab, hidden),
+        &ids,
+        &mut want,
+    );
+    simpler_kernels_cpu::embedding_gather_rows_bf16(
+        simpler_kernels_cpu::WeightsBf16::paired(&paired, vocab, hidden),
+        &ids,
+        &mut got,
+    );
+    assert_eq!(bits(&got), bits(&want));
 }

@@ -30,8 +30,8 @@
 //!     [`pair_weights_bf16`]. Rows form groups of [`PAIR_ROWS`] = 8; inside a group the
 //!     elements go by pairs of `K`: pair `p` of the group is 16 bf16 (32 bytes), rows `8 g ..
 //!     8 g + 8` at `k = 2 p` and `2 p + 1`, interleaved row by row. With `Kp = K` rounded up to
-//!     2, element `(n, k)` is at [`pairs_index`]: `((n / 8 * (Kp / 2) + k / 2) * 8 + n % 8) * 2
-//!     + k % 2`; the buffer holds `N` rounded up to 8 rows of `Kp` elements ([`pairs_len`]),
+//!     2, element `(n, k)` is at [`pairs_index`]:
+//!     `((n / 8 * (Kp / 2) + k / 2) * 8 + n % 8) * 2 + k % 2`; the buffer holds `N` rounded up to 8 rows of `Kp` elements ([`pairs_len`]),
 //!     padding zero. One 256-bit load is then eight rows' pair at one `k`: a shift left by 16
 //!     gives the eight rows at the even `k` as fp32 and a mask the eight at the odd `k`, each
 //!     multiplied by one broadcast activation, so eight output rows accumulate lane by lane
@@ -203,6 +203,49 @@ pub enum WeightLayout {
     Tiled,
     /// 8-row groups of interleaved `K` pairs ([`pair_weights_bf16`]).
     Pairs,
+}
+
+impl WeightLayout {
+    /// Row-major `w` (`[rows, cols]`) rearranged into this layout (a copy; row-major: as it
+    /// is).
+    ///
+    /// # Panics
+    /// If `w.len() != rows * cols` or the arranged length overflows.
+    pub fn arrange_bf16(self, w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+        match self {
+            WeightLayout::RowMajor => {
+                assert_eq!(
+                    Some(w.len()),
+                    rows.checked_mul(cols),
+                    "arrange_bf16: len {} != {rows} x {cols}",
+                    w.len()
+                );
+                w.to_vec()
+            }
+            WeightLayout::Tiled => tile_weights_bf16(w, rows, cols),
+            WeightLayout::Pairs => pair_weights_bf16(w, rows, cols),
+        }
+    }
+
+    /// The row-major matrix of `t`, a `[rows, cols]` matrix in this layout.
+    ///
+    /// # Panics
+    /// If `t` is not the layout's length for `[rows, cols]`.
+    pub fn row_major_bf16(self, t: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+        match self {
+            WeightLayout::RowMajor => {
+                assert_eq!(
+                    Some(t.len()),
+                    rows.checked_mul(cols),
+                    "row_major_bf16: len {} != {rows} x {cols}",
+                    t.len()
+                );
+                t.to_vec()
+            }
+            WeightLayout::Tiled => untile_weights_bf16(t, rows, cols),
+            WeightLayout::Pairs => unpair_weights_bf16(t, rows, cols),
+        }
+    }
 }
 
 /// Length of a paired `[rows, cols]` matrix: `rows` rounded up to 8 times `cols` rounded up to

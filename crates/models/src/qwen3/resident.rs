@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use simpler_core::{Buffer, Element, Worker};
+use simpler_kernels_cpu::WeightLayout;
 
 use super::config::Qwen3Config;
 use super::layout::{bf16_layout, upload_layout};
@@ -56,9 +57,9 @@ pub struct ResidentModel {
     pub max_seq: usize,
     /// How the projections and the LM head are held.
     pub format: WeightFormat,
-    /// The bf16 matrices whose shape allows it are tiled (`layout`: the worker runs kernels on
-    /// the host and the CPU path gains from it).
-    tiled_bf16: bool,
+    /// The bf16 matrices are held in the host kernels' layout (`layout::bf16_layout`): the
+    /// worker runs kernels on the host. Otherwise row-major.
+    host_layouts: bool,
     pub(crate) buffers: Vec<Buffer>,
 }
 
@@ -200,7 +201,7 @@ impl ResidentModel {
             set_of_layer,
             max_seq,
             format,
-            tiled_bf16: worker.platform().host_kernels,
+            host_layouts: worker.platform().host_kernels,
             buffers,
         })
     }
@@ -271,28 +272,33 @@ impl ResidentModel {
                 self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
             return Ok(quant::dequantize_matrix_bf16(&q, h));
         }
-        if self.tiled(self.config.vocab_size, h) {
-            // Whole 16-row groups around the rows, back in row order.
+        let layout = self.held_layout(self.config.vocab_size, h);
+        if layout != WeightLayout::RowMajor {
+            // Whole 16-row groups around the rows (contiguous in every layout), back in row
+            // order.
             let (g0, g1) = (rows.start / 16 * 16, rows.end.next_multiple_of(16));
             let g1 = g1.min(self.config.vocab_size).max(g0);
             let t = self.buffers[slot::LM_HEAD].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
-            let rm = simpler_kernels_cpu::untile_weights_bf16(&t, g1 - g0, h);
+            let rm = layout.row_major_bf16(&t, g1 - g0, h);
             return Ok(rm[(rows.start - g0) * h..(rows.end - g0) * h].to_vec());
         }
         Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
     }
 
-    /// Whether this model's `[rows, cols]` bf16 matrices are held tiled (`layout`).
-    fn tiled(&self, rows: usize, cols: usize) -> bool {
-        self.tiled_bf16 && bf16_layout(rows, cols) == simpler_kernels_cpu::WeightLayout::Tiled
+    /// How this model's `[rows, cols]` bf16 matrices are held (`layout`).
+    fn held_layout(&self, rows: usize, cols: usize) -> WeightLayout {
+        if self.host_layouts {
+            bf16_layout(rows, cols)
+        } else {
+            WeightLayout::RowMajor
+        }
     }
 
     /// A `[rows, cols]` bf16 matrix read back from its buffer, in row order.
     fn row_major(&self, v: Vec<bf16>, rows: usize, cols: usize) -> Vec<bf16> {
-        if self.tiled(rows, cols) {
-            simpler_kernels_cpu::untile_weights_bf16(&v, rows, cols)
-        } else {
-            v
+        match self.held_layout(rows, cols) {
+            WeightLayout::RowMajor => v,
+            layout => layout.row_major_bf16(&v, rows, cols),
         }
     }
 
@@ -329,8 +335,9 @@ fn upload_chunked<T: Element>(
 }
 
 /// Copies bf16 matrix `w` (`[rows, cols]`) into `buf` at byte `offset` in the layout the
-/// worker's kernels read (`layout`): tiled, 64 MiB of whole 16-row groups at a time (a group
-/// is contiguous in either form, and the tiled matrix has the row-major length), or as it is.
+/// worker's kernels read (`layout`): tiled or paired, 32 MiB of whole 16-row groups at a time
+/// (a group is contiguous in every form, and the arranged matrix has the row-major length), or
+/// as it is.
 fn upload_bf16_matrix(
     worker: &Worker,
     buf: &Buffer,
@@ -340,13 +347,14 @@ fn upload_bf16_matrix(
     cols: usize,
     tick: &dyn Fn(usize),
 ) -> Result<(), Qwen3RunError> {
-    if upload_layout(worker, rows, cols) == simpler_kernels_cpu::WeightLayout::RowMajor {
+    let layout = upload_layout(worker, rows, cols);
+    if layout == WeightLayout::RowMajor {
         return upload_chunked(buf, offset, w, tick);
     }
     let group = 16 * cols;
     let per = ((32usize << 20) / group).max(1) * group;
     for (i, c) in w.chunks(per).enumerate() {
-        let t = simpler_kernels_cpu::tile_weights_bf16(c, c.len() / cols, cols);
+        let t = layout.arrange_bf16(c, c.len() / cols, cols);
         buf.write_at(offset + i * per * 2, &t)?;
         tick(as_bytes_len(&t));
     }

@@ -35,7 +35,8 @@ const NV: usize = 3;
 const QB: usize = 4;
 /// Row-group streams of the batch-1 pass.
 const GEMV_STREAMS: usize = 4;
-/// How far ahead of its loads the batch-1 pass prefetches each stream, in bytes.
+/// How far ahead of its loads the batch-1 pass prefetches each stream, in bytes (0, 128,
+/// 256, 1024 and 2048 measured level or slower on Zen 3 in `gemm_step_bw`).
 const GEMV_PF_BYTES: usize = 512;
 /// bf16 elements of one group's pair (eight rows × two `k`).
 const PAIR_ELEMS: usize = 2 * PAIR_ROWS;
@@ -272,17 +273,19 @@ unsafe fn block<const S: usize>(
 unsafe fn run_dyn<const S: usize, const B: usize>(run: &Run<S, B>, acc: &mut Acc) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     let steps = run.len / 16;
-    // SAFETY (all pointer arithmetic below): step `t < steps` reads pairs `8 t .. 8 t + 8` of
-    // each group (elements `16 (8 t + j) ..` of the `len * 8` before `g[s]`) and activations
-    // `16 t .. 16 t + 16` of the `len` before `x[b]`: inside the readable ranges.
+    // Step `t < steps` reads pairs `8 t .. 8 t + 8` of each group (elements `16 (8 t + j) ..`
+    // of the `len * 8` before `g[s]`) and activations `16 t .. 16 t + 16` of the `len` before
+    // `x[b]`: inside the readable ranges (the loads below rely on this).
+    // SAFETY: the starts of those ranges, inside the same readable ranges.
     let g = run.g.map(|p| unsafe { p.sub(run.len * PAIR_ROWS) });
+    // SAFETY: as above.
     let x = run.x.map(|p| unsafe { p.sub(run.len) });
     let pf = run.pf.map(|p| p.wrapping_sub(run.len * 4 * run.lines));
     let mut a = [[_mm256_setzero_ps(); B]; S];
     for t in 0..steps {
-        for s in 0..S {
+        for p in pf {
             for m in 0..run.lines {
-                prefetch_l1(pf[s].wrapping_add((t * run.lines + m) * 64));
+                prefetch_l1(p.wrapping_add((t * run.lines + m) * 64));
             }
         }
         for j in 0..8 {
@@ -320,19 +323,27 @@ unsafe fn run_dyn<const S: usize, const B: usize>(run: &Run<S, B>, acc: &mut Acc
 macro_rules! bcast4 {
     ($xd:literal) => {
         concat!(
-            "vbroadcastss ymm15, [{x0} + {c} + ", $xd, "]\n",
+            "vbroadcastss ymm15, [{x0} + {c} + ",
+            $xd,
+            "]\n",
             "vfmadd231ps ymm0, ymm12, ymm15\n",
             "vfmadd231ps ymm4, ymm13, ymm15\n",
             "vfmadd231ps ymm8, ymm14, ymm15\n",
-            "vbroadcastss ymm15, [{x1} + {c} + ", $xd, "]\n",
+            "vbroadcastss ymm15, [{x1} + {c} + ",
+            $xd,
+            "]\n",
             "vfmadd231ps ymm1, ymm12, ymm15\n",
             "vfmadd231ps ymm5, ymm13, ymm15\n",
             "vfmadd231ps ymm9, ymm14, ymm15\n",
-            "vbroadcastss ymm15, [{x2} + {c} + ", $xd, "]\n",
+            "vbroadcastss ymm15, [{x2} + {c} + ",
+            $xd,
+            "]\n",
             "vfmadd231ps ymm2, ymm12, ymm15\n",
             "vfmadd231ps ymm6, ymm13, ymm15\n",
             "vfmadd231ps ymm10, ymm14, ymm15\n",
-            "vbroadcastss ymm15, [{x3} + {c} + ", $xd, "]\n",
+            "vbroadcastss ymm15, [{x3} + {c} + ",
+            $xd,
+            "]\n",
             "vfmadd231ps ymm3, ymm12, ymm15\n",
             "vfmadd231ps ymm7, ymm13, ymm15\n",
             "vfmadd231ps ymm11, ymm14, ymm15\n",
@@ -346,17 +357,29 @@ macro_rules! bcast4 {
 macro_rules! pair {
     ($wd:literal, $xe:literal, $xo:literal) => {
         concat!(
-            "vmovdqu ymm12, [{g0} + {c}*4 + ", $wd, "]\n",
-            "vmovdqu ymm13, [{g1} + {c}*4 + ", $wd, "]\n",
-            "vmovdqu ymm14, [{g2} + {c}*4 + ", $wd, "]\n",
+            "vmovdqu ymm12, [{g0} + {c}*4 + ",
+            $wd,
+            "]\n",
+            "vmovdqu ymm13, [{g1} + {c}*4 + ",
+            $wd,
+            "]\n",
+            "vmovdqu ymm14, [{g2} + {c}*4 + ",
+            $wd,
+            "]\n",
             "vpslld ymm12, ymm12, 16\n",
             "vpslld ymm13, ymm13, 16\n",
             "vpslld ymm14, ymm14, 16\n",
             bcast4!($xe),
             "vmovdqa ymm12, [rip + {mask}]\n",
-            "vpand ymm13, ymm12, [{g1} + {c}*4 + ", $wd, "]\n",
-            "vpand ymm14, ymm12, [{g2} + {c}*4 + ", $wd, "]\n",
-            "vpand ymm12, ymm12, [{g0} + {c}*4 + ", $wd, "]\n",
+            "vpand ymm13, ymm12, [{g1} + {c}*4 + ",
+            $wd,
+            "]\n",
+            "vpand ymm14, ymm12, [{g2} + {c}*4 + ",
+            $wd,
+            "]\n",
+            "vpand ymm12, ymm12, [{g0} + {c}*4 + ",
+            $wd,
+            "]\n",
             bcast4!($xo),
         )
     };
@@ -366,9 +389,15 @@ macro_rules! pair {
 macro_rules! pf3 {
     ($d:literal) => {
         concat!(
-            "prefetcht0 [{p0} + ", $d, "]\n",
-            "prefetcht0 [{p1} + ", $d, "]\n",
-            "prefetcht0 [{p2} + ", $d, "]\n",
+            "prefetcht0 [{p0} + ",
+            $d,
+            "]\n",
+            "prefetcht0 [{p1} + ",
+            $d,
+            "]\n",
+            "prefetcht0 [{p2} + ",
+            $d,
+            "]\n",
         )
     };
 }
@@ -498,9 +527,7 @@ fn store(
                 unsafe {
                     let v = match lw.mode {
                         super::super::OutMode::Store => v,
-                        super::super::OutMode::Add => {
-                            _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v)
-                        }
+                        super::super::OutMode::Add => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
                     };
                     _mm256_storeu_ps(o.as_mut_ptr(), v);
                 }

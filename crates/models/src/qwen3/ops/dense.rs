@@ -47,15 +47,16 @@ impl<'a> Weights<'a> {
     }
 
     /// Rows `first..first + n` (an SPMD block's share; shares start on multiples of 16, as
-    /// tiled weights need: checked, `name` names the kernel in the error).
+    /// tiled and paired weights need: checked, `name` names the kernel in the error).
     fn block_rows(self, first: usize, n: usize, name: &str) -> Result<Weights<'a>, KernelError> {
         Ok(match self {
             Weights::Bf16(w) => {
-                if w.layout() == WeightLayout::Tiled && !first.is_multiple_of(TILE_ROWS) {
+                if w.layout() != WeightLayout::RowMajor && !first.is_multiple_of(TILE_ROWS) {
                     return Err(bad(
                         name,
                         format!(
-                            "block share from row {first} of tiled weights is not on a group of {TILE_ROWS}"
+                            "block share from row {first} of {:?} weights is not on a group of {TILE_ROWS}",
+                            w.layout()
                         ),
                     ));
                 }
@@ -286,7 +287,7 @@ fn optional_scale<'a>(
 #[derive(Clone, Copy)]
 enum Source {
     /// A Qwen3 resident model: the layout follows from the bound matrix's shape
-    /// (`qwen3::layout`; a tiled matrix has its row-major length).
+    /// (`qwen3::layout`; a tiled or paired matrix has its row-major length).
     Resident,
     /// Row-major whatever the shape (other models running the Qwen3 GEMM kernel).
     RowMajor,

@@ -1,0 +1,62 @@
+//! A Qwen3 model whose bf16 matrices the upload pairs (`qwen3::layout`: the choice `Pairs`
+//! pairs every matrix of whole 16-row groups and 32-column steps on any path; the AVX2 path
+//! streams them, the others compute them through the portable kernel): a tied LM head (the
+//! embedding buffer, so the gather reads paired rows too) against the golden over several
+//! steps, and the weights read back in row order. Every test of this binary chooses pairs (the
+//! choice is per process).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::qwen3::{check_model_step, worker};
+use simpler_core::CallConfig;
+use simpler_kernels_cpu::WeightLayout;
+use simpler_models::qwen3::golden;
+use simpler_models::qwen3::layout::{Bf16LayoutChoice, bf16_layout, choose_bf16_layout};
+use simpler_models::qwen3::{
+    FixtureOptions, KvBuffers, Qwen3Config, ResidentModel, Session, generate_fixture,
+};
+
+#[test]
+fn tied_paired_model_matches_the_golden_and_reads_back_in_row_order() {
+    choose_bf16_layout(Bf16LayoutChoice::Pairs).unwrap();
+    let mut c = Qwen3Config::preset("tiny").unwrap();
+    // Whole 16-row groups for the tied head / embedding too.
+    c.vocab_size = 1024;
+    assert!(c.tie_word_embeddings);
+    assert_eq!(
+        bf16_layout(c.vocab_size, c.hidden_size),
+        WeightLayout::Pairs
+    );
+    // Batches of 1, 3 and 5 rows: the batch-1 streams, the padded 3 × 4 block, and a pass
+    // with a last batch group of one row.
+    for lens in [&[40usize][..], &[1, 129, 7], &[1, 40, 129, 7, 64]] {
+        let mut f = generate_fixture(&c, &FixtureOptions::small(lens.len(), 129), None);
+        f.batch.seq_lens = lens.to_vec();
+        let w = worker();
+        let model = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();
+        assert_eq!(model.download_layer(0).unwrap(), *f.weights.layers[0]);
+        assert_eq!(
+            model.download_lm_head_rows(5..40).unwrap(),
+            f.weights.lm_head()[5 * c.hidden_size..40 * c.hidden_size]
+        );
+        let kv = KvBuffers::new(&w, &c, f.kv.num_pages, f.kv.page_size).unwrap();
+        kv.upload(&f.kv).unwrap();
+        let mut s = Session::new(&w, Arc::new(model), kv);
+        let got = s
+            .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+            .unwrap();
+        let want =
+            golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+        check_model_step(&format!("paired, batch {}", lens.len()), &got, &want);
+    }
+}
+
+#[test]
+fn ragged_shapes_stay_row_major_when_paired() {
+    choose_bf16_layout(Bf16LayoutChoice::Pairs).unwrap();
+    assert_eq!(bf16_layout(1000, 256), WeightLayout::RowMajor);
+    assert_eq!(bf16_layout(1024, 48), WeightLayout::RowMajor);
+    assert_eq!(bf16_layout(2048, 1024), WeightLayout::Pairs);
+}
