@@ -1,9 +1,10 @@
 //! DeepSeek-V4 FLASH `wo_a` (the grouped bf16 output projection, `Wo_a [8 · 1024, 4096]`, 8
 //! token rows) as the SWA graph splits it, kernel only: 8 SPMD blocks of whole groups taken
 //! from a shared counter by `threads` threads, each block running `gemm_bf16` over its 1024
-//! weight rows against its group's activations (packed once, outside the timing). The AVX2 spread
-//! prefetch (`set_avx2_spread_prefetch`) is alternated on and off A B B A, round by round, and both
-//! are checked to give the same bits first. Reports per thread count the median of the
+//! weight rows against its group's activations (packed once, outside the timing). Row-major
+//! weights ("off") and the same weights paired (`pair_weights_bf16`, "on": the layout the
+//! model uploads on the AVX2 path) alternate A B B A, round by round, after a check that both
+//! give the same results within fp32 rounding. Reports per thread count the median of the
 //! longest thread CPU time per pass for each, the ratios on/off of adjacent pairs, and
 //! GFLOP/s and GB/s of thread CPU time; then the same on one thread over 24 weight rows that
 //! stay in L2 (`K`-loop speed without the memory stream).
@@ -19,10 +20,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use half::bf16;
-use simpler_kernels_cpu::gemm::set_avx2_spread_prefetch;
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
     GemmTile, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
+    pair_weights_bf16,
 };
 
 /// `(groups, rows per group, K)`: FLASH `wo_a` unless the command line names another shape.
@@ -36,7 +37,7 @@ fn shape() -> (usize, usize, usize) {
 /// rows from `b / GROUPS * rows_per`) on `threads` threads; returns the longest thread CPU
 /// time and, when `keep`, every block's output.
 fn pass(
-    w: &[bf16],
+    w: WeightsBf16<'_>,
     packed: &[Vec<f32>],
     batch: usize,
     (blocks, rows_per): (usize, usize),
@@ -61,7 +62,7 @@ fn pass(
                         let g = blk % groups;
                         let r0 = g * r_ + blk / groups * rows_per;
                         let packed = &packed[g];
-                        let wg = WeightsBf16::new(&w[r0 * k..(r0 + rows_per) * k], rows_per, k);
+                        let wg = w.row_range(r0..r0 + rows_per);
                         let tile = GemmTile {
                             mode: OutMode::Store,
                             ..GemmTile::full(&wg)
@@ -141,12 +142,20 @@ fn main() {
         (8 / groups * groups, r_ / (8 / groups))
     };
     let cached = (1usize, 24usize);
+    let wp = common::huge_pool(groups * r_ * k);
+    wp.copy_from_slice(&pair_weights_bf16(w, groups * r_, k));
+    let layouts = [
+        WeightsBf16::new(w, groups * r_, k),
+        WeightsBf16::paired(wp, groups * r_, k),
+    ];
     for case in [whole, cached] {
-        set_avx2_spread_prefetch(false);
-        let a = pass(w, &packed, batch, case, 2, true).1;
-        set_avx2_spread_prefetch(true);
-        let b = pass(w, &packed, batch, case, 2, true).1;
-        assert!(a == b, "the spread prefetch changes the bits");
+        let a = pass(layouts[0], &packed, batch, case, 2, true).1;
+        let b = pass(layouts[1], &packed, batch, case, 2, true).1;
+        for ((_, x), (_, y)) in a.iter().zip(&b) {
+            for (x, y) in x.iter().zip(y) {
+                assert!((x - y).abs() <= 1e-3 * (1.0 + x.abs()), "paired {y} vs {x}");
+            }
+        }
     }
     let bw_buf = vec![1u64; (256usize << 20) / 8];
     let flop = |c: (usize, usize)| (2 * batch * c.0 * c.1 * k) as f64;
@@ -161,10 +170,9 @@ fn main() {
             .map(|_| read_bandwidth(&bw_buf, t, Duration::from_millis(200)).0)
             .fold(0.0, f64::max);
         let (mut off, mut on, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-        let run = |spread: bool| {
-            set_avx2_spread_prefetch(spread);
+        let run = |paired: bool| {
             (0..reps)
-                .map(|_| pass(w, &packed, batch, case, t, false).0)
+                .map(|_| pass(layouts[usize::from(paired)], &packed, batch, case, t, false).0)
                 .sum::<f64>()
                 / reps as f64
         };
@@ -180,7 +188,6 @@ fn main() {
             on.push(b);
             ratios.push(b / a);
         }
-        set_avx2_spread_prefetch(true);
         let (mo, mn) = (median(&mut off), median(&mut on));
         let mut sorted = ratios.clone();
         println!(

@@ -9,6 +9,7 @@
 //! its caches on a worker) -> [`cost`] (bytes and operations per phase, the per-phase bound);
 //! [`fixture_file`] keeps a fixture in a safetensors file.
 
+pub mod bf16_layout;
 pub mod check;
 pub mod config;
 pub mod cost;

@@ -15,6 +15,7 @@ use super::config::{Dsv4Config, LayerKind};
 use super::fixture::{
     AttnWeights, CsaParts, HcaParts, Int8Matrix, StepInputs, TOKENS_PER_SEQ, WindowCache,
 };
+use super::bf16_layout::wo_a_upload_layout;
 use super::int8_layout::{Int8Use, stacked_in_layout, upload_layout};
 use super::ops::{NO_SLOT, TOK_COLS};
 use super::orchestrate::io as io_slot;
@@ -240,6 +241,7 @@ impl AttnLayer {
         };
         let table = rope_table(cfg, kind);
         let layout = upload_layout(worker, Int8Use::Attention);
+        let kg = cfg.heads_per_group() * cfg.head_dim;
         let int8 = |m: &Int8Matrix| stacked_in_layout(&m.q, 1, m.rows, m.cols, layout).into_owned();
         let mut bufs = vec![
             upload(worker, &weights.hc.mix)?,
@@ -251,7 +253,14 @@ impl AttnLayer {
             upload(worker, &weights.wq_b.scale)?,
             upload(worker, &weights.wkv)?,
             upload(worker, &weights.kv_norm)?,
-            upload(worker, &weights.wo_a)?,
+            upload(
+                worker,
+                &wo_a_upload_layout(worker, cfg.o_groups, cfg.o_lora_rank, kg).arrange_bf16(
+                    &weights.wo_a,
+                    cfg.o_groups * cfg.o_lora_rank,
+                    kg,
+                ),
+            )?,
             upload(worker, &int8(&weights.wo_b))?,
             upload(worker, &weights.wo_b.scale)?,
             upload(worker, &weights.sink)?,

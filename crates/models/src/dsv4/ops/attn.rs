@@ -431,6 +431,10 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let r = wrows / groups;
+    // Paired or row-major as the upload held it (`dsv4::bf16_layout`): every output group and
+    // block then starts on a row group.
+    let layout = crate::dsv4::bf16_layout::wo_a_kernel_layout(groups, r, kg);
+    let whole = WeightsBf16::with_layout(w, wrows, kg, layout);
     let mut out = ctx.write_block_cols::<f32>(wo::A_OUT, kc::PACK_BLOCK)?;
     if out.len() != rows || out.view_row_len() != wrows {
         return Err(bad(NAME, "o_r is not [tokens, groups · o_lora]"));
@@ -451,7 +455,7 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
                 let src = &x[t * width + g * kg..t * width + (g + 1) * kg];
                 kc::pack_acts_f32(src, 1, kg, &mut packed[t * ld..(t + 1) * ld]);
             }
-            let wg = WeightsBf16::new(&w[c * kg..end * kg], end - c, kg);
+            let wg = whole.row_range(c..end);
             let tile = GemmTile::full(&wg);
             kc::gemm_bf16(
                 wg,

@@ -1,0 +1,61 @@
+//! Where DeepSeek-V4's bf16 `Wo_a` takes the paired layout of the AVX2 GEMM
+//! (`WeightLayout::Pairs`, `docs/dsv4.md`, "bf16 weight layout"): the upload and the `wo_a`
+//! kernel must agree, and both decide from the same shape and process-wide path.
+//!
+//! - Paired where the AVX2 path streams paired weights faster
+//!   (`simpler_kernels_cpu::paired_weights_pay`), the worker's kernels run on the host, and
+//!   the shape is whole 16-row groups per output group and 32-column steps (so every
+//!   output group and every SPMD block, which start on 16 columns of the output, start on a
+//!   row group); row-major otherwise, so a device platform receives the same bytes as before.
+//! - The kernel reads the same decision without the platform test (these kernels run only on
+//!   host-kernel platforms).
+//!
+//! Pairing reorders the `G · R × K` values in place of the row-major copy (the buffer has the
+//! same size and shape).
+
+use simpler_core::Worker;
+use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, WeightLayout, paired_weights_pay};
+
+/// The layout this process's `wo_a` kernel reads a `Wo_a` of `groups` groups of `rows` rows
+/// by `cols` in.
+pub fn wo_a_kernel_layout(groups: usize, rows: usize, cols: usize) -> WeightLayout {
+    if std::env::var_os("TMP_WO_A_RM").is_some() { return WeightLayout::RowMajor; }
+    if paired_weights_pay(Isa::detected())
+        && groups > 0
+        && rows > 0
+        && cols > 0
+        && rows.is_multiple_of(TILE_ROWS)
+        && cols.is_multiple_of(TILE_COLS)
+    {
+        WeightLayout::Pairs
+    } else {
+        WeightLayout::RowMajor
+    }
+}
+
+/// The layout `Wo_a` (`groups` groups of `rows` rows by `cols`) is uploaded in for `worker`.
+pub fn wo_a_upload_layout(worker: &Worker, groups: usize, rows: usize, cols: usize) -> WeightLayout {
+    if worker.platform().host_kernels {
+        wo_a_kernel_layout(groups, rows, cols)
+    } else {
+        WeightLayout::RowMajor
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_whole_groups_and_steps_pair() {
+        let want = if paired_weights_pay(Isa::detected()) {
+            WeightLayout::Pairs
+        } else {
+            WeightLayout::RowMajor
+        };
+        assert_eq!(wo_a_kernel_layout(8, 1024, 4096), want);
+        for (g, r, k) in [(2, 16, 48), (2, 8, 64), (0, 16, 64), (2, 0, 64)] {
+            assert_eq!(wo_a_kernel_layout(g, r, k), WeightLayout::RowMajor, "{g} {r} {k}");
+        }
+    }
+}
