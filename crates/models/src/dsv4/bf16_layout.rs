@@ -19,7 +19,6 @@ use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, WeightLayout, paired_weight
 /// The layout this process's `wo_a` kernel reads a `Wo_a` of `groups` groups of `rows` rows
 /// by `cols` in.
 pub fn wo_a_kernel_layout(groups: usize, rows: usize, cols: usize) -> WeightLayout {
-    if std::env::var_os("TMP_WO_A_RM").is_some() { return WeightLayout::RowMajor; }
     if paired_weights_pay(Isa::detected())
         && groups > 0
         && rows > 0
@@ -34,7 +33,12 @@ pub fn wo_a_kernel_layout(groups: usize, rows: usize, cols: usize) -> WeightLayo
 }
 
 /// The layout `Wo_a` (`groups` groups of `rows` rows by `cols`) is uploaded in for `worker`.
-pub fn wo_a_upload_layout(worker: &Worker, groups: usize, rows: usize, cols: usize) -> WeightLayout {
+pub fn wo_a_upload_layout(
+    worker: &Worker,
+    groups: usize,
+    rows: usize,
+    cols: usize,
+) -> WeightLayout {
     if worker.platform().host_kernels {
         wo_a_kernel_layout(groups, rows, cols)
     } else {
@@ -55,7 +59,11 @@ mod tests {
         };
         assert_eq!(wo_a_kernel_layout(8, 1024, 4096), want);
         for (g, r, k) in [(2, 16, 48), (2, 8, 64), (0, 16, 64), (2, 0, 64)] {
-            assert_eq!(wo_a_kernel_layout(g, r, k), WeightLayout::RowMajor, "{g} {r} {k}");
+            assert_eq!(
+                wo_a_kernel_layout(g, r, k),
+                WeightLayout::RowMajor,
+                "{g} {r} {k}"
+            );
         }
     }
 }

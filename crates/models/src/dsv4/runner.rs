@@ -11,11 +11,11 @@ use half::bf16;
 use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
+use super::bf16_layout::wo_a_upload_layout;
 use super::config::{Dsv4Config, LayerKind};
 use super::fixture::{
     AttnWeights, CsaParts, HcaParts, Int8Matrix, StepInputs, TOKENS_PER_SEQ, WindowCache,
 };
-use super::bf16_layout::wo_a_upload_layout;
 use super::int8_layout::{Int8Use, stacked_in_layout, upload_layout};
 use super::ops::{NO_SLOT, TOK_COLS};
 use super::orchestrate::io as io_slot;
