@@ -55,7 +55,9 @@
 //! rows padded to four), each widened weight vector feeding four FMAs, prefetching 2 KiB
 //! ahead; from batch 8 a row group's second batch group prefetches the next row group.
 //! From batch 64 (prefill) the AVX2 path widens each weight once per call into fp32 panels
-//! and runs a register-blocked 6 × 16 micro-kernel over them (`avx2/panel.rs`).
+//! and runs a register-blocked 6 × 16 micro-kernel over them (`avx2/panel.rs`). On paired
+//! weights the AVX2 path runs one broadcast kernel at every batch (`avx2/pairs.rs`), faster
+//! than the passes above from batch 5 and level below.
 //!
 //! # Paths (chosen per call on [`Isa::current`])
 //! - `amx-bf16`, batch ≥ 5, or any batch on tiled weights: AMX tiles (`amx.rs`): the weights
