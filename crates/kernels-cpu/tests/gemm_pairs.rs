@@ -41,34 +41,14 @@ fn check(c: &GemmCase, tile: GemmTile, scaled: bool, seed: u64) {
                 "portable paired vs row-major {tile:?}"
             );
         }
-        for b in 0..c.batch {
-            for n in tile.n.clone() {
-                let (mut e, mut tol) = c.reference(&tile, b, n);
-                if let Some(s) = scale {
-                    e *= f64::from(s[b]);
-                    tol *= f64::from(s[b].abs());
-                }
-                let i = b * ld + (n - tile.n.start);
-                if tile.mode == OutMode::Add {
-                    e += f64::from(seed_out[i]);
-                    tol += 1e-6;
-                }
-                let g = f64::from(got[i]);
-                assert!(
-                    (g - e).abs() <= tol,
-                    "{} paired n={} k={} batch={} b={b} row={n} tile={tile:?}: {g} vs {e}",
-                    isa.name(),
-                    c.n,
-                    c.k,
-                    c.batch
-                );
-            }
-        }
-        for (i, (&o, &s)) in got.iter().zip(&seed_out).enumerate() {
-            if i % ld >= tile.n.len() {
-                assert_eq!(o, s, "{} wrote padding element {i}", isa.name());
-            }
-        }
+        c.assert_reference(
+            &tile,
+            scale,
+            &seed_out,
+            ld,
+            &got,
+            &format!("{} paired", isa.name()),
+        );
     }
 }
 

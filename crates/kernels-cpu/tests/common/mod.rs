@@ -148,6 +148,48 @@ impl GemmCase {
         out
     }
 
+    /// Asserts `got` (an output of `tile` written over `seed_out` at row stride `ld`, scaled
+    /// by `scale` when given) against the f64 reference, and that the padding between output
+    /// rows still holds `seed_out`; `what` names the run in a failure.
+    #[track_caller]
+    pub fn assert_reference(
+        &self,
+        tile: &GemmTile,
+        scale: Option<&[f32]>,
+        seed_out: &[f32],
+        ld: usize,
+        got: &[f32],
+        what: &str,
+    ) {
+        for b in 0..self.batch {
+            for n in tile.n.clone() {
+                let (mut e, mut tol) = self.reference(tile, b, n);
+                if let Some(s) = scale {
+                    e *= f64::from(s[b]);
+                    tol *= f64::from(s[b].abs());
+                }
+                let i = b * ld + (n - tile.n.start);
+                if tile.mode == simpler_kernels_cpu::OutMode::Add {
+                    e += f64::from(seed_out[i]);
+                    tol += 1e-6;
+                }
+                let g = f64::from(got[i]);
+                assert!(
+                    (g - e).abs() <= tol,
+                    "{what} n={} k={} batch={} b={b} row={n} tile={tile:?}: {g} vs {e}",
+                    self.n,
+                    self.k,
+                    self.batch
+                );
+            }
+        }
+        for (i, (&o, &s)) in got.iter().zip(seed_out).enumerate() {
+            if i % ld >= tile.n.len() {
+                assert_eq!(o, s, "{what} wrote padding element {i}");
+            }
+        }
+    }
+
     /// f64 reference of output (`b`, `n`) over `tile.k`, and the error bound of an fp32 sum of
     /// those terms.
     pub fn reference(&self, tile: &GemmTile, b: usize, n: usize) -> (f64, f64) {
