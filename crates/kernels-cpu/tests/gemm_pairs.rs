@@ -7,11 +7,10 @@
 mod common;
 
 use common::{GemmCase, Rng, all_paths};
-use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PAIR_ROWS, WeightLayout, gemm_bf16, pair_weights_bf16,
-    paired_weights_pay, pairs_index, pairs_len, unpair_weights_bf16, with_isa,
+    paired_weights_pay, pairs_index, pairs_len, with_isa,
 };
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -64,30 +63,13 @@ fn pairs_index_places_every_element_once_and_padding_is_zero() {
     ] {
         let len = pairs_len(rows, cols).unwrap();
         assert_eq!(len, rows.div_ceil(8) * 8 * cols.div_ceil(2) * 2);
-        let w: Vec<bf16> = (0..rows * cols)
-            .map(|i| bf16::from_f32((i + 1) as f32))
-            .collect();
-        let t = pair_weights_bf16(&w, rows, cols);
-        assert_eq!(t.len(), len);
-        assert_eq!(
-            unpair_weights_bf16(&t, rows, cols),
-            w,
-            "{rows}x{cols}: round trip"
+        common::assert_layout_places_every_element(
+            WeightLayout::Pairs,
+            rows,
+            cols,
+            len,
+            pairs_index,
         );
-        let mut seen = vec![false; len];
-        for n in 0..rows {
-            for k in 0..cols {
-                let at = pairs_index(n, k, cols);
-                assert!(!seen[at], "{rows}x{cols}: ({n}, {k}) collides");
-                seen[at] = true;
-                assert_eq!(t[at], w[n * cols + k], "{rows}x{cols}: ({n}, {k})");
-            }
-        }
-        for (i, v) in t.iter().enumerate() {
-            if !seen[i] {
-                assert_eq!(v.to_f32(), 0.0, "{rows}x{cols}: padding element {i}");
-            }
-        }
     }
     // One 32-byte pair holds eight rows at k and k + 1, row by row; a group is contiguous.
     assert_eq!(pairs_index(0, 1, 64), 1);

@@ -11,8 +11,8 @@ use half::bf16;
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PreparedActs, TILE_COLS, TILE_ROWS, WeightLayout, WeightsBf16,
-    gemm_bf16, gemm_bf16_prepared, pack_acts_bf16, packed_len, path_for, tile_weights_bf16,
-    tiled_index, tiled_len, tiled_weights_pay, untile_weights_bf16, with_isa,
+    gemm_bf16, gemm_bf16_prepared, pack_acts_bf16, packed_len, path_for, tiled_index, tiled_len,
+    tiled_weights_pay, with_isa,
 };
 
 /// The path whose row-major result the tiled result of `isa` must equal bit for bit at
@@ -86,30 +86,13 @@ fn tiled_index_places_every_element_once_and_padding_is_zero() {
     ] {
         let len = tiled_len(rows, cols).unwrap();
         assert_eq!(len, rows.div_ceil(16) * 16 * cols.div_ceil(32) * 32);
-        let w: Vec<bf16> = (0..rows * cols)
-            .map(|i| bf16::from_f32((i + 1) as f32))
-            .collect();
-        let t = tile_weights_bf16(&w, rows, cols);
-        assert_eq!(t.len(), len);
-        assert_eq!(
-            untile_weights_bf16(&t, rows, cols),
-            w,
-            "{rows}x{cols}: round trip"
+        common::assert_layout_places_every_element(
+            WeightLayout::Tiled,
+            rows,
+            cols,
+            len,
+            tiled_index,
         );
-        let mut seen = vec![false; len];
-        for n in 0..rows {
-            for k in 0..cols {
-                let at = tiled_index(n, k, cols);
-                assert!(!seen[at], "{rows}x{cols}: ({n}, {k}) collides");
-                seen[at] = true;
-                assert_eq!(t[at], w[n * cols + k], "{rows}x{cols}: ({n}, {k})");
-            }
-        }
-        for (i, v) in t.iter().enumerate() {
-            if !seen[i] {
-                assert_eq!(v.to_f32(), 0.0, "{rows}x{cols}: padding element {i}");
-            }
-        }
         // A 16-row group's step is one 1 KiB block, the group's blocks consecutive along K.
         if rows >= 16 && cols >= 64 {
             assert_eq!(tiled_index(0, 32, cols), TILE_ROWS * TILE_COLS);

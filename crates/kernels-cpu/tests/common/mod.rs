@@ -78,6 +78,51 @@ pub fn assert_close(a: &[f32], e: &[f32], rtol: f32, atol: f32, what: &str) {
     }
 }
 
+/// Asserts that `layout` arranges a `[rows, cols]` matrix into `len` elements, round-trips it,
+/// puts element `(n, k)` at `index(n, k, cols)` with no two elements in one place, and zeroes
+/// the rest.
+#[track_caller]
+pub fn assert_layout_places_every_element(
+    layout: WeightLayout,
+    rows: usize,
+    cols: usize,
+    len: usize,
+    index: impl Fn(usize, usize, usize) -> usize,
+) {
+    let w: Vec<bf16> = (0..rows * cols)
+        .map(|i| bf16::from_f32((i + 1) as f32))
+        .collect();
+    let t = layout.arrange_bf16(&w, rows, cols);
+    assert_eq!(t.len(), len, "{layout:?} {rows}x{cols}: length");
+    assert_eq!(
+        layout.row_major_bf16(&t, rows, cols),
+        w,
+        "{layout:?} {rows}x{cols}: round trip"
+    );
+    let mut seen = vec![false; len];
+    for n in 0..rows {
+        for k in 0..cols {
+            let at = index(n, k, cols);
+            assert!(!seen[at], "{layout:?} {rows}x{cols}: ({n}, {k}) collides");
+            seen[at] = true;
+            assert_eq!(
+                t[at],
+                w[n * cols + k],
+                "{layout:?} {rows}x{cols}: ({n}, {k})"
+            );
+        }
+    }
+    for (i, v) in t.iter().enumerate() {
+        if !seen[i] {
+            assert_eq!(
+                v.to_f32(),
+                0.0,
+                "{layout:?} {rows}x{cols}: padding element {i}"
+            );
+        }
+    }
+}
+
 pub fn to_f32(x: &[bf16]) -> Vec<f32> {
     x.iter().map(|v| v.to_f32()).collect()
 }
