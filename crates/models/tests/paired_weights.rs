@@ -7,16 +7,10 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::qwen3::{check_model_step, worker};
-use simpler_core::CallConfig;
+use common::qwen3::upload_read_back_and_decode;
 use simpler_kernels_cpu::WeightLayout;
-use simpler_models::qwen3::golden;
+use simpler_models::qwen3::Qwen3Config;
 use simpler_models::qwen3::layout::{Bf16LayoutChoice, bf16_layout, choose_bf16_layout};
-use simpler_models::qwen3::{
-    FixtureOptions, KvBuffers, Qwen3Config, ResidentModel, Session, generate_fixture,
-};
 
 #[test]
 fn tied_paired_model_matches_the_golden_and_reads_back_in_row_order() {
@@ -32,24 +26,7 @@ fn tied_paired_model_matches_the_golden_and_reads_back_in_row_order() {
     // Batches of 1, 3 and 5 rows: the batch-1 streams, the padded 3 × 4 block, and a pass
     // with a last batch group of one row.
     for lens in [&[40usize][..], &[1, 129, 7], &[1, 40, 129, 7, 64]] {
-        let mut f = generate_fixture(&c, &FixtureOptions::small(lens.len(), 129), None);
-        f.batch.seq_lens = lens.to_vec();
-        let w = worker();
-        let model = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();
-        assert_eq!(model.download_layer(0).unwrap(), *f.weights.layers[0]);
-        assert_eq!(
-            model.download_lm_head_rows(5..40).unwrap(),
-            f.weights.lm_head()[5 * c.hidden_size..40 * c.hidden_size]
-        );
-        let kv = KvBuffers::new(&w, &c, f.kv.num_pages, f.kv.page_size).unwrap();
-        kv.upload(&f.kv).unwrap();
-        let mut s = Session::new(&w, Arc::new(model), kv);
-        let got = s
-            .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
-            .unwrap();
-        let want =
-            golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-        check_model_step(&format!("paired, batch {}", lens.len()), &got, &want);
+        upload_read_back_and_decode(&c, lens, &format!("paired, batch {}", lens.len()));
     }
 }
 

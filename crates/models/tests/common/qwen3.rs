@@ -69,3 +69,28 @@ pub(crate) fn check_model_step(what: &str, got: &StepOutput, want: &ModelOutput)
     )
     .unwrap();
 }
+
+/// Uploads a fixture of `c` with ragged `lens` under this process's bf16 layout choice, checks
+/// that layer 0 and LM-head rows 5..40 read back in row order, and runs one decode step
+/// against the golden (`what` names the run).
+pub(crate) fn upload_read_back_and_decode(c: &Qwen3Config, lens: &[usize], what: &str) {
+    use simpler_core::CallConfig;
+    use simpler_models::qwen3::{KvBuffers, ResidentModel, Session};
+    let mut f = generate_fixture(c, &FixtureOptions::small(lens.len(), 129), None);
+    f.batch.seq_lens = lens.to_vec();
+    let w = worker();
+    let model = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();
+    assert_eq!(model.download_layer(0).unwrap(), *f.weights.layers[0]);
+    assert_eq!(
+        model.download_lm_head_rows(5..40).unwrap(),
+        f.weights.lm_head()[5 * c.hidden_size..40 * c.hidden_size]
+    );
+    let kv = KvBuffers::new(&w, c, f.kv.num_pages, f.kv.page_size).unwrap();
+    kv.upload(&f.kv).unwrap();
+    let mut s = Session::new(&w, Arc::new(model), kv);
+    let got = s
+        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+        .unwrap();
+    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    check_model_step(what, &got, &want);
+}
