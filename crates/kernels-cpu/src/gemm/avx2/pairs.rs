@@ -122,37 +122,42 @@ pub(in crate::gemm) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: us
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gemv(lw: &Lowered<'_>, g0: usize, g1: usize, out: &mut [f32], ld_out: usize) {
     let len = (g1 - g0) / GEMV_STREAMS;
-    let x = [x_end(lw, 0)];
     for i in 0..len {
-        let groups: [usize; GEMV_STREAMS] = std::array::from_fn(|s| g0 + s * len + i);
-        let g = groups.map(|gg| group_end(lw, gg));
-        let run = Run::<GEMV_STREAMS, 1> {
-            g,
-            x,
-            pf: g.map(|p| p.cast::<u8>().wrapping_add(GEMV_PF_BYTES)),
-            lines: 4,
-            len: lw.kb1 - lw.kb0,
+        // SAFETY: groups of the tile (`s * len + i < g1 - g0`); forwarded contract.
+        unsafe {
+            gemv_run::<GEMV_STREAMS>(lw, std::array::from_fn(|s| g0 + s * len + i), out, ld_out)
         };
-        let mut acc = [_mm256_setzero_ps(); 16];
-        // SAFETY: each group's body lies inside `lw.w` (a group of the tile), the activation
-        // row's body inside `lw.x`; AVX2/FMA by contract.
-        unsafe { run_dyn(&run, &mut acc) };
-        store(lw, &acc, &groups, 0, 1, out, ld_out);
     }
     for gg in g0 + GEMV_STREAMS * len..g1 {
-        let g = [group_end(lw, gg)];
-        let run = Run::<1, 1> {
-            g,
-            x,
-            pf: g.map(|p| p.cast::<u8>().wrapping_add(GEMV_PF_BYTES)),
-            lines: 4,
-            len: lw.kb1 - lw.kb0,
-        };
-        let mut acc = [_mm256_setzero_ps(); 16];
-        // SAFETY: as above.
-        unsafe { run_dyn(&run, &mut acc) };
-        store(lw, &acc, &[gg], 0, 1, out, ld_out);
+        // SAFETY: a group of the tile; forwarded contract.
+        unsafe { gemv_run::<1>(lw, [gg], out, ld_out) };
     }
+}
+
+/// Batch 1 over `S` groups side by side, each stream prefetching [`GEMV_PF_BYTES`] ahead.
+///
+/// # Safety
+/// As [`gemv`], with every group in `groups` inside the tile.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_run<const S: usize>(
+    lw: &Lowered<'_>,
+    groups: [usize; S],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let g = groups.map(|gg| group_end(lw, gg));
+    let run = Run::<S, 1> {
+        g,
+        x: [x_end(lw, 0)],
+        pf: g.map(|p| p.cast::<u8>().wrapping_add(GEMV_PF_BYTES)),
+        lines: 4,
+        len: lw.kb1 - lw.kb0,
+    };
+    let mut acc = [_mm256_setzero_ps(); 16];
+    // SAFETY: each group's body lies inside `lw.w` (a group of the tile), the activation row's
+    // body inside `lw.x`; AVX2/FMA by contract.
+    unsafe { run_dyn(&run, &mut acc) };
+    store(lw, &acc, &groups, 0, 1, out, ld_out);
 }
 
 /// Where group `gg`'s body (`K` elements `kb0..kb1`) ends: a pointer one past its last pair.
