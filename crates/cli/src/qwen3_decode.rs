@@ -261,8 +261,13 @@ pub(crate) fn format_paths(rows: usize) -> String {
         Ok(v) => format!(", SIMPLER_ISA={v}"),
         Err(_) => String::new(),
     };
+    let layout = match simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS) {
+        simpler_kernels_cpu::WeightLayout::RowMajor => "row-major",
+        simpler_kernels_cpu::WeightLayout::Pairs => "paired",
+        simpler_kernels_cpu::WeightLayout::Tiled => "tiled",
+    };
     format!(
-        "kernel paths: GEMM {} ({rows} activation rows), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
+        "kernel paths: GEMM {} ({rows} activation rows; bf16 matrices {layout}), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
         gemm_path(rows).name(),
         simpler_kernels_cpu::attention::path(isa).name(),
         simpler_kernels_cpu::attention::vector_path(isa).name(),

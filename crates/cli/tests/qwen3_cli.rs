@@ -486,6 +486,15 @@ fn run_qwen3_decode_with_each_bf16_layout_checks_against_the_golden() {
             so.contains("ok: argmax identical for all 3 rows"),
             "{layout}: {so}"
         );
+        // The run says how its matrices lie (tiled only where the AMX path takes it).
+        let named = match layout {
+            "pairs" => Some("bf16 matrices paired"),
+            "row-major" => Some("bf16 matrices row-major"),
+            _ => None,
+        };
+        if let Some(named) = named {
+            assert!(so.contains(named), "{layout}: {so}");
+        }
     }
     let out = simpler(&[
         "run",

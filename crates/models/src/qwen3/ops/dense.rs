@@ -560,6 +560,38 @@ mod tests {
     use super::unpack_row;
     use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
 
+    /// A block share off a 16-row group of arranged (paired or tiled) weights is refused with
+    /// an error naming the kernel and the layout, where slicing would panic; row-major weights
+    /// take any share, and the refused weights still serve a share on a group.
+    #[test]
+    fn a_block_share_off_a_group_of_arranged_weights_is_an_error() {
+        use simpler_kernels_cpu::{WeightLayout, WeightsBf16};
+        let rm = vec![bf16::ZERO; 32 * 64];
+        for layout in [WeightLayout::Pairs, WeightLayout::Tiled] {
+            let data = layout.arrange_bf16(&rm, 32, 64);
+            let w = super::Weights::Bf16(WeightsBf16::with_layout(&data, 32, 64, layout));
+            let e = match w.block_rows(8, 8, "qwen3_gemm") {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("{layout:?}: a share from row 8 was accepted"),
+            };
+            assert!(
+                e.contains("qwen3_gemm")
+                    && e.contains(&format!("{layout:?}"))
+                    && e.contains("row 8"),
+                "{e}"
+            );
+            let part = w
+                .block_rows(16, 16, "qwen3_gemm")
+                .expect("a share on a group");
+            assert_eq!(part.rows(), 16);
+        }
+        let w = super::Weights::Bf16(WeightsBf16::new(&rm, 32, 64));
+        assert_eq!(
+            w.block_rows(8, 8, "qwen3_gemm").ok().map(|p| p.rows()),
+            Some(8)
+        );
+    }
+
     #[test]
     fn unpack_row_inverts_the_packing() {
         for k in [1, 15, 16, 17, 40, 64] {
