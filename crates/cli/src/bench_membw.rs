@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 use simpler_kernels_cpu::Isa;
-use simpler_kernels_cpu::membw::{MeasureOptions, measure};
+use simpler_kernels_cpu::membw::{MeasureOptions, last_level_cache_bytes, measure};
 
 /// Arguments of `simpler bench membw`.
 #[derive(Args, Debug)]
@@ -16,9 +16,10 @@ pub(crate) struct MembwArgs {
     /// Total seconds of measurement (split over the four figures).
     #[arg(long, default_value_t = 4.0)]
     seconds: f64,
-    /// Size of the streamed buffer in MiB (several times the last-level cache).
-    #[arg(long, default_value_t = 512)]
-    buffer_mib: usize,
+    /// Size of the streamed buffer in MiB [default: four times the last-level cache Linux
+    /// reports, at least 256 MiB, at most a quarter of the available memory].
+    #[arg(long)]
+    buffer_mib: Option<usize>,
     /// Threads for the all-threads figures [default: available parallelism].
     #[arg(long)]
     threads: Option<usize>,
@@ -28,12 +29,17 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
     let d = MeasureOptions::default();
     let p = measure(&MeasureOptions {
         duration: Duration::from_secs_f64(args.seconds.max(0.4)),
-        buffer_bytes: args.buffer_mib.max(1) << 20,
+        buffer_bytes: args.buffer_mib.map_or(d.buffer_bytes, |m| m.max(1) << 20),
         threads: args.threads.unwrap_or(d.threads),
     });
+    let llc = match last_level_cache_bytes() {
+        Some(c) => format!("last-level cache {} MiB", c >> 20),
+        None => "last-level cache not reported".to_string(),
+    };
     println!(
-        "simpler bench membw: {} MiB buffer, {:.1} s",
-        args.buffer_mib, args.seconds
+        "simpler bench membw: {} MiB buffer ({llc}), {:.1} s",
+        args.buffer_mib.unwrap_or(d.buffer_bytes >> 20),
+        args.seconds
     );
     println!(
         "streaming read, 1 thread:   best {:>6.1} GB/s  median {:>6.1} GB/s",
