@@ -100,8 +100,9 @@ pub(crate) fn amx_tile_config() -> *const u8 {
     amx::tile_config()
 }
 
-/// Which path [`gemm_bf16`] takes for a product of `batch` activation rows when kernels run on
-/// `isa` (AMX tiles start at batch 5; narrower batches take the AVX-512 BF16 path).
+/// Which path [`gemm_bf16`] takes for a product of `batch` row-major activation rows when
+/// kernels run on `isa` (AMX tiles start at batch 5; batches 3–4 take the AVX-512 BF16 path,
+/// batches 1–2 the AVX2 passes).
 pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
     path_for(isa, batch, WeightLayout::RowMajor)
 }
@@ -109,11 +110,17 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 /// Which path [`gemm_bf16`] takes for `batch` activation rows against weights in `layout` on
 /// `isa`: as [`path_for_batch`], except that tiled weights take the AMX tiles at every batch
 /// (a tile load of a tiled block is 1 KiB in order; one batch row gets its own pass over four
-/// streams, level with the vector path on row-major weights).
+/// streams, level with the vector path on row-major weights) and paired weights the AVX2
+/// passes on every path that has them.
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
-    if layout == WeightLayout::Tiled && isa >= Isa::AmxBf16 {
-        return isa;
+    match layout {
+        WeightLayout::Tiled if isa >= Isa::AmxBf16 => return isa,
+        WeightLayout::Pairs if isa >= Isa::Avx2 => return Isa::Avx2,
+        WeightLayout::RowMajor if isa >= Isa::Avx512Bf16 && batch <= AVX2_STREAMS_MAX_BATCH => {
+            return Isa::Avx2;
+        }
+        _ => {}
     }
     let _ = layout;
     #[cfg(target_arch = "x86_64")]
@@ -1141,7 +1148,7 @@ fn gemm_dispatch_with(
             unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
-        if isa >= Isa::Avx512Bf16 && !pairs {
+        if isa >= Isa::Avx512Bf16 && !pairs && (tiled || batch > AVX2_STREAMS_MAX_BATCH) {
             // SAFETY: `Isa::current` only returns Avx512Bf16 or wider when the CPU supports
             // AVX-512 F/BW/VL and BF16; `lw` was checked above.
             unsafe { avx512::gemm(&lw, out, ld_out) };
@@ -1156,6 +1163,15 @@ fn gemm_dispatch_with(
     }
     portable::gemm(&lw, out, ld_out);
 }
+
+/// The widest batch whose row-major tiles the AVX-512 BF16 path leaves to the AVX2 passes. On
+/// the 2-core Xeon with AMX of session 21 (the decode plan's blocks of the 0.6B projections
+/// streamed from memory, `examples/gemm_step_bw`, 2 threads, processes alternated) the AVX2
+/// four-stream passes, with their AVX-512 host prefetch distance, streamed 35–37 GB/s at
+/// batches 1 and 2 where the 512-bit `vdpbf16ps` passes streamed 31–33 (a 512-bit batch-1
+/// GEMV in the same four-stream shape read its tiles in 1.11× a plain read's time, a 256-bit
+/// one 1.03–1.06×, the AVX2 one 1.01–1.03×). From batch 3 the two were level.
+const AVX2_STREAMS_MAX_BATCH: usize = 2;
 
 /// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.
 #[inline]

@@ -40,6 +40,27 @@ pub(super) use pairs::gemm as gemm_pairs;
 /// batch-1 pass on two cores 256 B was level and 1 KiB slower.
 const PF_ELEMS: usize = 256;
 
+/// The bandwidth-bound passes' prefetch distance on hosts with AVX-512, in bf16 elements (2
+/// KiB). On the 2-core Xeon with AMX of session 21 (its memory takes more bytes in flight per
+/// core than Zen 3's), with the decode plan's blocks of the 0.6B projections streamed from
+/// memory (`examples/gemm_step_bw`, 2 threads, processes alternated): 2 KiB instead of 512 B
+/// raised the rate 10% at batch 1 (31.5–33.7 to 35.2–37.6 GB/s) and at batch 2 (30.7–32.5 to
+/// 34.8–37.1 GB/s); 4 KiB was level with 2 KiB at batch 2 and a little slower at batch 1. A
+/// four-stream GEMV written outside the library read its tiles in 1.08× a plain read's time
+/// at 512 B, 1.00× at 1 KiB and 0.95–0.97× at 2 KiB (`examples/gemv_b1.rs`).
+const FAR_PF_ELEMS: usize = 1024;
+
+/// The prefetch distance of the bandwidth-bound passes on this host: [`FAR_PF_ELEMS`] where
+/// the processor has AVX-512 (the Xeons these kernels were measured on), else [`PF_ELEMS`]
+/// (Zen 3). Keyed on the hardware, not on `SIMPLER_ISA`: it is the memory system's property.
+fn narrow_pf_elems() -> usize {
+    if crate::Isa::hardware() >= crate::Isa::Avx512Bf16 {
+        FAR_PF_ELEMS
+    } else {
+        PF_ELEMS
+    }
+}
+
 /// Prefetch distance along a row of the assembly pass, in bf16 elements (2 KiB): the pass
 /// spends ~24 cycles per 64-byte line of each row on Zen 3 (two 256-bit FMAs a cycle), so 512
 /// B ahead was ~200 cycles, short of a DRAM miss. Against 512 B, on one core with the 0.6B
@@ -214,13 +235,14 @@ unsafe fn gemv_pass<const S: usize>(
             acc_odd[j] = _mm256_fmadd_ps(wo, xo, acc_odd[j]);
         }
     };
+    let pf = narrow_pf_elems();
     let mut kk = 0;
     while kk + 32 <= klen {
         for p in wrow {
             // Past the row's end this is the next row of the same stream (rows lie back to
             // back); prefetch never faults, and `wrapping_add` keeps the address computation
             // defined past the matrix.
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + PF_ELEMS).cast::<i8>());
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(kk + pf).cast::<i8>());
         }
         step(&mut acc, &mut acc_odd, kk);
         step(&mut acc, &mut acc_odd, kk + 16);
@@ -533,10 +555,11 @@ unsafe fn block<const R: usize, const BB: usize>(
         }
     };
 
+    let pf = narrow_pf_elems();
     let mut kk = 0;
     while kk + 32 <= klen {
         for p in wrow {
-            let off = kk + PF_ELEMS;
+            let off = kk + pf;
             let off = if off < klen {
                 off
             } else {
