@@ -1168,9 +1168,10 @@ fn gemm_dispatch_with(
 /// the 2-core Xeon with AMX of session 21 (the decode plan's blocks of the 0.6B projections
 /// streamed from memory, `examples/gemm_step_bw`, 2 threads, processes alternated) the AVX2
 /// four-stream passes, with their AVX-512 host prefetch distance, streamed 35–37 GB/s at
-/// batches 1 and 2 where the 512-bit `vdpbf16ps` passes streamed 31–33 (a 512-bit batch-1
-/// GEMV in the same four-stream shape read its tiles in 1.11× a plain read's time, a 256-bit
-/// one 1.03–1.06×, the AVX2 one 1.01–1.03×). From batch 3 the two were level.
+/// batches 1 and 2 where the 512-bit `vdpbf16ps` passes streamed 31–33. A `vdpbf16ps` batch-1
+/// GEMV in the AVX2 pass's four-stream shape was tried and left: over 377 MB of projections it
+/// read its tiles in 1.11× a plain read's time with 512-bit vectors and 1.03–1.06× with 256-bit
+/// ones, where the AVX2 pass took 1.01–1.03×. From batch 3 the two paths were level.
 const AVX2_STREAMS_MAX_BATCH: usize = 2;
 
 /// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.

@@ -46,8 +46,9 @@ const PF_ELEMS: usize = 256;
 /// memory (`examples/gemm_step_bw`, 2 threads, processes alternated): 2 KiB instead of 512 B
 /// raised the rate 10% at batch 1 (31.5–33.7 to 35.2–37.6 GB/s) and at batch 2 (30.7–32.5 to
 /// 34.8–37.1 GB/s); 4 KiB was level with 2 KiB at batch 2 and a little slower at batch 1. A
-/// four-stream GEMV written outside the library read its tiles in 1.08× a plain read's time
-/// at 512 B, 1.00× at 1 KiB and 0.95–0.97× at 2 KiB (`examples/gemv_b1.rs`).
+/// four-stream GEMV written outside the library, over 945 MB of projections (twice the L3),
+/// read its tiles in 1.04× a plain read's time at 512 B and 0.985× at 2 KiB
+/// (`examples/gemv_b1.rs`).
 const FAR_PF_ELEMS: usize = 1024;
 
 /// The prefetch distance of the bandwidth-bound passes on this host: [`FAR_PF_ELEMS`] where
