@@ -168,10 +168,15 @@ mod portable;
 /// Largest `K` a call accepts: `K * 128 * 127` must fit an i32 (the exact integer sum).
 pub const MAX_K: usize = 1 << 17;
 
-/// Smallest batch the AMX path takes: a batch of one would use one of a tile's 16 columns, so
-/// it goes to AVX-512 VNNI; at batch 4 and 16 the two measured level within the noise of the
-/// shared host (`docs/benchmarks.md`), and the tiles leave the vector units free.
-pub const AMX_MIN_BATCH: usize = 4;
+/// Smallest batch the AMX path takes; narrower batches go to AVX-512 VNNI. A batch of one would
+/// use one of a tile's 16 columns. On the Xeon with AMX of session 21 (`examples/
+/// gemm_i8_batch8`, one FLASH expert's `[2048, 4096]` streamed from 1.5 GiB of copies, three
+/// times its 480 MiB L3, one thread) VNNI streamed 85% of the read bandwidth at batch 4 where
+/// the tiles streamed 76%, and 80–82% at batch 8 against 72–74%; at 16 the tiles were ahead
+/// (51% against 45%). The DeepSeek-V4 FLASH steps, whose projections and experts run at 8
+/// rows, then took 6–9% less time (`docs/benchmarks.md`). An earlier Xeon had measured the
+/// two level at batches 4 and 16.
+pub const AMX_MIN_BATCH: usize = 9;
 
 /// An int8 product path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
