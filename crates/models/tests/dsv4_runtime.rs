@@ -8,13 +8,14 @@
 use std::sync::{RwLock, RwLockReadGuard};
 
 use simpler_core::{CallConfig, Worker, WorkerConfig};
-use simpler_kernels_cpu::{Isa, with_isa};
+use simpler_kernels_cpu::{I8Layout, I8Path, Isa, with_isa};
 use simpler_models::dsv4::check::attn_step_checks;
 use simpler_models::dsv4::fixture::{
     AttnWeights, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_hca,
     generate_inputs, generate_window_cache,
 };
 use simpler_models::dsv4::golden::{self, AttnStep};
+use simpler_models::dsv4::int8_layout::{Int8Use, kernel_layout};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
 
 /// The kernel path is chosen process-wide (`set_process_isa`) so that it reaches the worker's
@@ -41,6 +42,8 @@ fn worker(cores: usize) -> Worker {
 
 struct Case {
     cfg: Dsv4Config,
+    /// Sequences in the step.
+    batch: usize,
     attn: AttnWeights,
     window: WindowCache,
     hca: Option<HcaParts>,
@@ -49,6 +52,7 @@ struct Case {
 
 fn case(cfg: Dsv4Config, starts: &[usize], hca: bool, seed: u64) -> Case {
     Case {
+        batch: starts.len(),
         attn: generate_attn_weights(&cfg, seed),
         window: generate_window_cache(&cfg, starts, seed),
         hca: hca.then(|| generate_hca(&cfg, starts, seed)),
@@ -67,7 +71,8 @@ fn golden_step(c: &Case) -> AttnStep {
 /// Runs the step on the worker and checks the residual, the intermediates and every cache
 /// against the golden.
 fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
-    let mut layer = AttnLayer::upload(w, &c.cfg, &c.attn, &c.window, c.hca.as_ref(), 4).unwrap();
+    let mut layer =
+        AttnLayer::upload(w, &c.cfg, &c.attn, &c.window, c.hca.as_ref(), c.batch).unwrap();
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
     let caches = layer.read_caches().unwrap();
     let checks = attn_step_checks(&c.window, c.hca.as_ref(), g, &out, &caches);
@@ -116,6 +121,35 @@ fn hca_step_matches_the_golden_at_mixed_starts() {
         "position 127 closes the only window of the step"
     );
     run_and_check(&c, &worker(2), &g);
+}
+
+/// Eight sequences (16 token rows): the attention's int8 products then run on AMX-INT8 tiles
+/// where the machine has them, and their weights go up packed; at four sequences (8 rows, the
+/// other tests) they run on the AVX-512 VNNI blocks and go up row-major. Either way the step
+/// matches the golden, so the upload and the kernels agree on the layout.
+#[test]
+fn swa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
+    let _isa = same_isa_throughout();
+    let layout = kernel_layout(Int8Use::Attention { rows: 16 });
+    let amx = I8Path::detected() == I8Path::Amx;
+    assert_eq!(
+        layout == I8Layout::Packed,
+        amx,
+        "16 rows pack only on AMX-INT8"
+    );
+    assert_eq!(
+        kernel_layout(Int8Use::Attention { rows: 8 }),
+        I8Layout::RowMajor,
+        "8 rows run on the vector blocks, which read row-major weights faster"
+    );
+    eprintln!("attention int8 weights at 16 rows: {layout:?}");
+    let c = case(
+        Dsv4Config::small(),
+        &[0, 3, 127, 8192, 1, 64, 128, 300],
+        false,
+        14,
+    );
+    run_and_check(&c, &worker(2), &golden_step(&c));
 }
 
 #[test]

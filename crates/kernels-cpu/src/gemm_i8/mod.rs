@@ -44,7 +44,7 @@
 //!   Every path reads either layout and computes the same integers (bit-identical results). The
 //!   SIMD paths need each `k` slice (and, with grouped activations, each group's span) to start
 //!   at a multiple of 64 in packed weights; other slices, and the AVX2 and AVX-VNNI paths (whose
-//!   machines [`I8Layout::preferred`] never packs for), run the portable loops, which read any
+//!   machines [`I8Layout::preferred_for`] never packs for), run the portable loops, which read any
 //!   element through the formula. The wide product ([`gemm_i8_wide`]) takes row-major weights
 //!   only and refuses packed ones by name. Views of a row range of packed weights
 //!   ([`WeightsI8::rows_range`]) keep the whole matrix and an offset, so any range works.
@@ -323,16 +323,20 @@ pub enum I8Layout {
 }
 
 impl I8Layout {
-    /// The layout int8 weights should be built in for this machine's kernels: packed where
-    /// the best int8 path is AVX-512 VNNI or AMX (whose kernels read packed blocks as
-    /// contiguous memory), row-major elsewhere (AVX2 and AVX-VNNI step through rows in
-    /// 32-byte pieces and read packed weights only through the portable loops). Decided
-    /// from the detected path, not a thread's override, so it is the same for a whole
-    /// process: weights packed at load and the kernels reading them agree.
-    pub fn preferred() -> I8Layout {
+    /// The layout int8 weights multiplied by `rows` activation rows at a time should be built
+    /// in for this machine's kernels: packed where those products run on AMX-INT8 tiles (the
+    /// best path is AMX and `rows >= AMX_MIN_BATCH`; a weight tile is then one contiguous
+    /// 1 KiB block), row-major elsewhere. The AVX-512 VNNI blocks read 3 lines of every
+    /// packed 1 KiB block per pass and streamed the FLASH `Wq_b` and `Wo_b` at 8 rows 12–18%
+    /// slower packed than row-major on an AMX Xeon (`dsv4_proj_bw`, `docs/benchmarks.md`);
+    /// AVX2 and AVX-VNNI read packed weights only through the portable loops. Decided from
+    /// the detected path, not a thread's override, so it is the same for a whole process:
+    /// weights packed at load and the kernels reading them agree when both name the same
+    /// `rows`.
+    pub fn preferred_for(rows: usize) -> I8Layout {
         match I8Path::detected() {
-            I8Path::Avx512Vnni | I8Path::Amx => I8Layout::Packed,
-            I8Path::Portable | I8Path::Avx2 | I8Path::AvxVnni => I8Layout::RowMajor,
+            I8Path::Amx if rows >= AMX_MIN_BATCH => I8Layout::Packed,
+            _ => I8Layout::RowMajor,
         }
     }
 }

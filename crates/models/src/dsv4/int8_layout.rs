@@ -2,10 +2,10 @@
 //! ([`I8Layout::Packed`], `docs/dsv4.md`, "int8 weight layout"): the upload and the kernels
 //! that read the buffers must agree, and both decide from the same process-wide query.
 //!
-//! - Upload ([`upload_layout`]): packed when the weights' use packs ([`Int8Use::packs`]),
-//!   the worker's kernels run on the host
-//!   ([`PlatformInfo::host_kernels`](simpler_core::PlatformInfo)) and the int8 GEMM prefers
-//!   packed weights on this machine ([`I8Layout::preferred`]); row-major otherwise, so a
+//! - Upload ([`upload_layout`]): packed when the weights' use packs on this machine
+//!   ([`kernel_layout`]: the attention products where their rows run on AMX-INT8 tiles,
+//!   [`I8Layout::preferred_for`]) and the worker's kernels run on the host
+//!   ([`PlatformInfo::host_kernels`](simpler_core::PlatformInfo)); row-major otherwise, so a
 //!   device platform receives the same bytes as before.
 //! - Kernels ([`kernel_layout`]): these kernels run only on host-kernel platforms, so they
 //!   read the same decision without the platform test.
@@ -21,25 +21,15 @@ use simpler_kernels_cpu::{I8Layout, pack_weights_i8};
 /// What a DeepSeek-V4 int8 weight matrix is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Int8Use {
-    /// `Wq_b`, `Wo_b` and the indexer's `W_idx`: products of the step's 8 token rows, on
-    /// AMX-INT8 tiles where the machine has them.
-    Attention,
+    /// `Wq_b`, `Wo_b` and the indexer's `W_idx`: products of the step's `rows` token rows
+    /// (`batch · 2`), the same count at upload and in the kernels.
+    Attention {
+        /// Token rows per product.
+        rows: usize,
+    },
     /// The experts' `W1`, `W3`, `W2`: 1–3 rows per routed expert at decode, on the AVX-512
     /// VNNI blocks.
     Experts,
-}
-
-impl Int8Use {
-    /// Whether weights of this use are packed where the int8 GEMM prefers packed weights.
-    /// The experts stay row-major: paired in one process on the shared host, their 1–3-row
-    /// products measured level to 7% slower packed, where the 8-row attention products on
-    /// tiles measured level to 10% faster (`docs/benchmarks.md`, "Packed int8 weights").
-    pub fn packs(self) -> bool {
-        match self {
-            Int8Use::Attention => true,
-            Int8Use::Experts => false,
-        }
-    }
 }
 
 /// The layout int8 weights of `use_` are uploaded in for `worker`.
@@ -51,12 +41,15 @@ pub fn upload_layout(worker: &Worker, use_: Int8Use) -> I8Layout {
     }
 }
 
-/// The layout this process's int8 kernels read weight buffers of `use_` in.
+/// The layout this process's int8 kernels read weight buffers of `use_` in. The attention
+/// products pack where their rows run on AMX-INT8 tiles ([`I8Layout::preferred_for`]); at the
+/// spec's 8 rows they run on the AVX-512 VNNI blocks, which read row-major weights 12–18%
+/// faster. The experts stay row-major: their 1–3-row products measured level to 7% slower
+/// packed (`docs/benchmarks.md`, "Packed int8 weights").
 pub fn kernel_layout(use_: Int8Use) -> I8Layout {
-    if use_.packs() {
-        I8Layout::preferred()
-    } else {
-        I8Layout::RowMajor
+    match use_ {
+        Int8Use::Attention { rows } => I8Layout::preferred_for(rows),
+        Int8Use::Experts => I8Layout::RowMajor,
     }
 }
 

@@ -240,7 +240,12 @@ impl AttnLayer {
             (None, None) => LayerKind::Swa,
         };
         let table = rope_table(cfg, kind);
-        let layout = upload_layout(worker, Int8Use::Attention);
+        let layout = upload_layout(
+            worker,
+            Int8Use::Attention {
+                rows: batch * TOKENS_PER_SEQ,
+            },
+        );
         let kg = cfg.heads_per_group() * cfg.head_dim;
         let int8 = |m: &Int8Matrix| stacked_in_layout(&m.q, 1, m.rows, m.cols, layout).into_owned();
         let mut bufs = vec![

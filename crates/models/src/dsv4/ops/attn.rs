@@ -208,7 +208,9 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         scales,
         wrows,
         ql,
-        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention),
+        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention {
+            rows,
+        }),
     )
     .rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
@@ -508,7 +510,9 @@ pub(super) fn wo_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         scales,
         wrows,
         width,
-        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention),
+        crate::dsv4::int8_layout::kernel_layout(crate::dsv4::int8_layout::Int8Use::Attention {
+            rows,
+        }),
     )
     .rows_range(c0..c0 + n);
     let mut res = vec![0.0f32; rows * n];

@@ -276,8 +276,14 @@ pub(super) fn csa_index_q(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Ok(());
     }
     let acts = super::attn::acts_i8(NAME, xq, xs, rows, ql)?;
-    let wi = WeightsI8::with_layout(w, scales, wrows, ql, kernel_layout(Int8Use::Attention))
-        .rows_range(c0..c0 + n);
+    let wi = WeightsI8::with_layout(
+        w,
+        scales,
+        wrows,
+        ql,
+        kernel_layout(Int8Use::Attention { rows }),
+    )
+    .rows_range(c0..c0 + n);
     let mut out = vec![0.0f32; rows * n];
     let tile = GemmTile {
         n: 0..n,
