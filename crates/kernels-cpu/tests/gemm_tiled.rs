@@ -18,10 +18,7 @@ use simpler_kernels_cpu::{
 /// The path whose row-major result the tiled result of `isa` must equal bit for bit at
 /// `batch` (the same kernel), or `None` when no row-major call runs that kernel.
 fn row_major_twin(isa: Isa, batch: usize) -> Option<Isa> {
-    let p = match path_for(isa, batch, WeightLayout::Tiled) {
-        Isa::Avx2 => Isa::Portable,
-        p => p,
-    };
+    let p = path_for(isa, batch, WeightLayout::Tiled);
     (path_for(p, batch, WeightLayout::RowMajor) == p).then_some(p)
 }
 
@@ -405,6 +402,47 @@ fn tiled_single_row_matches_its_row_in_a_batch() {
                     "{}: n={n} k={k} tile={tile:?}",
                     isa.name()
                 );
+            }
+        }
+    }
+}
+
+/// `path_for`, which the dispatch itself asks, never names a path wider than the one kernels
+/// run on, and follows the layouts' rules: paired weights on the AVX2 passes wherever they
+/// exist, tiled ones on the portable loops where AVX2 is the widest path (its passes read
+/// rows in place), row-major batches of 1–2 on the AVX2 passes on every wider path.
+#[test]
+fn path_for_stays_within_the_isa_and_follows_the_layouts() {
+    for isa in Isa::ALL {
+        for batch in 1..=40 {
+            for layout in [
+                WeightLayout::RowMajor,
+                WeightLayout::Tiled,
+                WeightLayout::Pairs,
+            ] {
+                let p = path_for(isa, batch, layout);
+                let what = format!("{} batch {batch} {layout:?}", isa.name());
+                assert!(p <= isa, "{what}: took {}", p.name());
+                if !cfg!(target_arch = "x86_64") {
+                    assert_eq!(p, Isa::Portable, "{what}");
+                    continue;
+                }
+                let want = match layout {
+                    WeightLayout::Pairs => isa.min(Isa::Avx2),
+                    WeightLayout::Tiled if isa == Isa::Avx2 => Isa::Portable,
+                    WeightLayout::Tiled => isa,
+                    WeightLayout::RowMajor if batch <= 2 => isa.min(Isa::Avx2),
+                    // AMX tiles from their least batch on, the AVX-512 BF16 path below it.
+                    WeightLayout::RowMajor if isa == Isa::AmxBf16 && p == Isa::Avx512Bf16 => {
+                        assert!(
+                            batch < 16 && path_for(isa, batch - 1, layout) != Isa::AmxBf16,
+                            "{what}: tiles at a smaller batch, or none at 16"
+                        );
+                        p
+                    }
+                    WeightLayout::RowMajor => isa,
+                };
+                assert_eq!(p, want, "{what}");
             }
         }
     }

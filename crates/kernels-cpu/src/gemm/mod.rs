@@ -108,27 +108,36 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 }
 
 /// Which path [`gemm_bf16`] takes for `batch` activation rows against weights in `layout` on
-/// `isa`: as [`path_for_batch`], except that tiled weights take the AMX tiles at every batch
-/// (a tile load of a tiled block is 1 KiB in order; one batch row gets its own pass over four
-/// streams, level with the vector path on row-major weights) and paired weights the AVX2
-/// passes on every path that has them.
+/// `isa`, never a wider one than `isa`: the dispatch itself asks this function, so what a
+/// bench or test names is what runs. Row-major weights as [`path_for_batch`] says; tiled
+/// weights take the AMX tiles at every batch (a tile load of a tiled block is 1 KiB in order;
+/// one batch row gets its own pass over four streams, level with the vector path on row-major
+/// weights), the AVX-512 BF16 path below AMX and the portable loops below that (the AVX2
+/// passes read rows in place); paired weights take the AVX2 passes on every path that has
+/// them.
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
-    match layout {
-        WeightLayout::Tiled if isa >= Isa::AmxBf16 => return isa,
-        WeightLayout::Pairs if isa >= Isa::Avx2 => return Isa::Avx2,
-        WeightLayout::RowMajor if isa >= Isa::Avx512Bf16 && batch <= AVX2_STREAMS_MAX_BATCH => {
-            return Isa::Avx2;
+    {
+        let (amx, avx512, avx2) = (
+            isa >= Isa::AmxBf16,
+            isa >= Isa::Avx512Bf16,
+            isa >= Isa::Avx2,
+        );
+        match layout {
+            WeightLayout::Pairs if avx2 => Isa::Avx2,
+            WeightLayout::Tiled if amx => Isa::AmxBf16,
+            WeightLayout::Tiled if avx512 => Isa::Avx512Bf16,
+            WeightLayout::RowMajor if amx && batch >= amx::MIN_BATCH => Isa::AmxBf16,
+            WeightLayout::RowMajor if avx512 && batch > AVX2_STREAMS_MAX_BATCH => Isa::Avx512Bf16,
+            WeightLayout::RowMajor if avx2 => Isa::Avx2,
+            _ => Isa::Portable,
         }
-        _ => {}
     }
-    let _ = layout;
-    #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::AmxBf16 && batch < amx::MIN_BATCH {
-        return Isa::Avx512Bf16;
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, batch, layout);
+        Isa::Portable
     }
-    let _ = batch;
-    isa
 }
 
 /// The batch from which the AVX2 path takes its packed prefill kernel, set process-wide by
@@ -1125,41 +1134,43 @@ fn gemm_dispatch_with(
         scale,
     };
     #[cfg(target_arch = "x86_64")]
-    {
-        let isa = Isa::current();
-        if pairs {
-            if isa >= Isa::Avx2 {
-                // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2,
-                // FMA and F16C; `lw` was checked above, paired with its first row on a group.
-                unsafe { avx2::gemm_pairs(&lw, out, ld_out) };
-                return;
-            }
-        } else if isa >= Isa::AmxBf16 && (batch >= amx::MIN_BATCH || tiled) {
+    match path_for(Isa::current(), batch, w.layout()) {
+        Isa::AmxBf16 => {
             // The prepared tiles, when they were made for this body.
             let tiles = pre
                 .filter(|p| {
                     !p.vnni.is_empty() && (lw.kb0, lw.kb1) == (0, p.cols / PACK_BLOCK * PACK_BLOCK)
                 })
                 .map(|p| p.vnni.as_slice());
-            // SAFETY: `Isa::current` only returns AmxBf16 when the CPU has AMX-BF16 and
-            // AVX-512 BF16 and Linux granted the tile state; `lw` was checked above (ranges
-            // inside the matrices, output long enough); the prepared tiles were converted by
-            // `amx::convert` from `x`'s rows over this body.
+            // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
+            // AmxBf16 when the CPU has AMX-BF16 and AVX-512 BF16 and Linux granted the tile
+            // state; `lw` was checked above (ranges inside the matrices, output long enough);
+            // the prepared tiles were converted by `amx::convert` from `x`'s rows over this
+            // body.
             unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
-        if isa >= Isa::Avx512Bf16 && !pairs && (tiled || batch > AVX2_STREAMS_MAX_BATCH) {
-            // SAFETY: `Isa::current` only returns Avx512Bf16 or wider when the CPU supports
-            // AVX-512 F/BW/VL and BF16; `lw` was checked above.
+        Isa::Avx512Bf16 => {
+            // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
+            // Avx512Bf16 or wider when the CPU supports AVX-512 F/BW/VL and BF16; `lw` was
+            // checked above, and `path_for` gives paired weights to the AVX2 passes.
             unsafe { avx512::gemm(&lw, out, ld_out) };
             return;
         }
-        if isa >= Isa::Avx2 && !tiled {
-            // SAFETY: `Isa::current` only returns Avx2 or wider when the CPU supports AVX2, FMA
-            // and F16C; `lw` was checked above.
+        Isa::Avx2 if pairs => {
+            // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
+            // Avx2 or wider when the CPU supports AVX2, FMA and F16C; `lw` was checked above,
+            // paired with its first row on a group.
+            unsafe { avx2::gemm_pairs(&lw, out, ld_out) };
+            return;
+        }
+        Isa::Avx2 => {
+            // SAFETY: as above; `path_for` gives the AVX2 passes row-major weights only here
+            // (tiled weights take the portable loops below AVX-512).
             unsafe { avx2::gemm(&lw, out, ld_out) };
             return;
         }
+        Isa::Portable => {}
     }
     portable::gemm(&lw, out, ld_out);
 }
