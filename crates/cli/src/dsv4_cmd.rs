@@ -17,7 +17,7 @@ use simpler_dfx::bench_stats::{
     run_interleaved,
 };
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
-use simpler_kernels_cpu::membw::MachinePeaks;
+use simpler_kernels_cpu::membw::{CacheFlush, MachinePeaks};
 use simpler_kernels_cpu::{I8Path, Isa};
 use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks};
 use simpler_models::dsv4::fixture::{
@@ -73,6 +73,11 @@ pub(crate) struct CaseArgs {
     /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps).
     #[arg(long, default_value_t = CaseArgs::MEMBW_SECONDS)]
     membw_seconds: f64,
+    /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
+    /// previous step left there. By default each step starts after a read of twice the
+    /// last-level cache (not timed), as a step of a whole model finds the layer: in memory.
+    #[arg(long)]
+    warm_cache: bool,
 }
 
 impl CaseArgs {
@@ -121,6 +126,11 @@ fn ep_cmd(
     }
     if case.membw_seconds != CaseArgs::MEMBW_SECONDS {
         bail!("--membw-seconds: the expert-parallel step prints no bandwidth ratios");
+    }
+    if case.warm_cache {
+        bail!(
+            "--warm-cache: the expert-parallel ranks run their steps back to back (they do not flush the cache); the flag applies without --ep"
+        );
     }
     if run.diag_steps != opts::StepSet::All {
         bail!("--diag-steps: with --ep every rank writes its last step's diagnostics");
@@ -534,6 +544,17 @@ struct Setup {
     step: Box<dyn LayerStep>,
     machine: MachinePeaks,
     int8: (f64, &'static str),
+    /// The read before each step that evicts the last-level cache; `None` with `--warm-cache`.
+    flush: Option<CacheFlush>,
+}
+
+impl Setup {
+    /// Evicts the last-level cache before a step, unless the caches stay warm.
+    fn flush_cache(&self) {
+        if let Some(f) = &self.flush {
+            f.run();
+        }
+    }
 }
 
 fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
@@ -544,12 +565,25 @@ fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
     let step = prepare(layer, &cfg, &starts, case.seed, &worker)?;
     let machine = machine_peaks(case.membw_seconds);
     let int8 = int8_peak(machine.threads, case.membw_seconds);
+    let flush = (!case.warm_cache).then(|| CacheFlush::new(machine.threads));
     Ok(Setup {
         worker,
         step,
         machine,
         int8,
+        flush,
     })
+}
+
+/// The line saying what the caches hold when a step starts.
+fn format_cache_state(flush: Option<&CacheFlush>) -> String {
+    match flush {
+        Some(f) => format!(
+            "caches: each step starts after a {} MiB read (twice the last-level cache, not timed), so the layer comes from memory as in a whole model",
+            f.bytes() >> 20
+        ),
+        None => "caches: warm (--warm-cache): steps run back to back, and a layer that fits the last-level cache is partly read from it".into(),
+    }
 }
 
 /// The measured rounds of a command.
@@ -569,6 +603,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
     let (mut eff, mut wall, mut valid) = (Vec::new(), Vec::new(), Vec::new());
     let mut last = None;
     for i in 0..warmup + rounds {
+        s.flush_cache();
         let t = Instant::now();
         let r = s.step.step(&s.worker, cfg)?;
         let dt = t.elapsed().as_secs_f64() * 1e6;
@@ -609,6 +644,7 @@ fn start(
         s.worker.cores()
     );
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
+    println!("{}", format_cache_state(s.flush.as_ref()));
     Ok((s, cfg))
 }
 
@@ -742,6 +778,7 @@ fn versus_proj_blocks(
     let step_us = |n: u32| {
         let mut s = setup.borrow_mut();
         s.step.set_proj_blocks(n);
+        s.flush_cache();
         let Setup { worker, step, .. } = &mut **s;
         match step.step(worker, cfg) {
             Ok(r) => r.effective().us(),

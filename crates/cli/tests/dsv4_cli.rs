@@ -226,7 +226,17 @@ fn run_and_bench_dsv4_moe() {
             "fast_effective_us",
             "valid_rounds 4/4",
             "per-phase bound",
+            "caches: each step starts after a",
         ],
+    );
+    let out = simpler(&bench_tiny(
+        "swa",
+        &["--rounds", "2", "--warmup", "0", "--warm-cache"],
+    ));
+    succeeded_with(
+        &out,
+        "bench swa --warm-cache",
+        &["caches: warm (--warm-cache)", "quietest step"],
     );
 }
 
@@ -354,6 +364,20 @@ fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
         (
             &["run", "dsv4", "--layer", "moe", "--collectives", "shm"][..],
             "--collectives: only with --ep",
+        ),
+        (
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "moe",
+                "--preset",
+                "small",
+                "--ep",
+                "2",
+                "--warm-cache",
+            ][..],
+            "--warm-cache: the expert-parallel ranks run their steps back to back",
         ),
         (
             &[

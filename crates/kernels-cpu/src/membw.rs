@@ -143,6 +143,62 @@ fn available_memory_bytes() -> Option<usize> {
     kib.checked_mul(1024)
 }
 
+/// A buffer whose read pushes a step's data out of the last-level cache, so a benchmark of one
+/// layer can start each step the way a step of a whole model finds that layer: in memory.
+///
+/// Why: one DeepSeek-V4 FLASH layer's step reads 150–400 MB, which fits a 480 MiB L3 (a Xeon
+/// host of these sessions); run back to back, its steps read much of it from the cache, and a
+/// share of the memory bandwidth above 100% for a phase was the sign. A model's other layers
+/// would have evicted it. The read is not part of any timed step.
+pub struct CacheFlush {
+    buf: StreamBuffer,
+    threads: usize,
+}
+
+impl CacheFlush {
+    /// The flushing reads' buffer per last-level cache byte: a streaming read does not evict
+    /// every line of a cache with adaptive replacement, so it reads more than the cache holds.
+    pub const PER_LLC: usize = 2;
+
+    /// A flush of [`Self::PER_LLC`] times the last-level cache (at least [`MIN_BUFFER_BYTES`],
+    /// at most a quarter of the available memory), read by `threads` threads.
+    pub fn new(threads: usize) -> CacheFlush {
+        let want = last_level_cache_bytes()
+            .map_or(MIN_BUFFER_BYTES, |c| c.saturating_mul(Self::PER_LLC))
+            .max(MIN_BUFFER_BYTES);
+        let bytes = match available_memory_bytes() {
+            Some(avail) => want.min(avail / 4),
+            None => want,
+        };
+        let mut buf = StreamBuffer::new((bytes / 8).max(4096) / 64 * 64);
+        // Written once, so every page is backed by memory of its own (an untouched anonymous
+        // mapping reads the shared zero page, which the cache holds after one line).
+        for (i, w) in buf.words_mut().iter_mut().enumerate() {
+            *w = i as u64;
+        }
+        CacheFlush {
+            buf,
+            threads: threads.max(1),
+        }
+    }
+
+    /// Bytes read per flush.
+    pub fn bytes(&self) -> usize {
+        self.buf.words().len() * 8
+    }
+
+    /// Reads the whole buffer once, split over the threads.
+    pub fn run(&self) {
+        let words = self.buf.words();
+        let part = words.len().div_ceil(self.threads);
+        std::thread::scope(|s| {
+            for chunk in words.chunks(part) {
+                s.spawn(move || std::hint::black_box(read_sum(chunk)));
+            }
+        });
+    }
+}
+
 /// Measures read bandwidth and FMA peak (see the module docs).
 pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
     let threads = opts.threads.max(1);
@@ -636,6 +692,36 @@ mod tests {
             }
             None => println!("no cache size reported here: buffer {} MiB", b >> 20),
         }
+    }
+
+    /// The flush reads twice the cache (or the floor, or the memory cap) and every part of
+    /// its buffer, whatever the thread count, including more threads than 64-word blocks.
+    #[test]
+    fn the_cache_flush_reads_twice_the_last_level_cache() {
+        let f = CacheFlush::new(2);
+        let quarter = available_memory_bytes().map_or(usize::MAX, |a| a / 4);
+        let want = last_level_cache_bytes()
+            .map_or(MIN_BUFFER_BYTES, |c| c * CacheFlush::PER_LLC)
+            .max(MIN_BUFFER_BYTES)
+            .min(quarter);
+        // Whole 64-word blocks of the wanted bytes.
+        assert!(
+            f.bytes() <= want && f.bytes() + 512 > want,
+            "{} {want}",
+            f.bytes()
+        );
+        f.run();
+        let words = f.buf.words();
+        assert_eq!(
+            words[words.len() - 1],
+            words.len() as u64 - 1,
+            "written once"
+        );
+        let many = CacheFlush {
+            buf: StreamBuffer::new(4096),
+            threads: 1000,
+        };
+        many.run();
     }
 
     #[test]
