@@ -76,6 +76,7 @@ pub(crate) struct CaseArgs {
     /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
     /// previous step left there. By default each step starts after a read of twice the
     /// last-level cache (not timed), as a step of a whole model finds the layer: in memory.
+    /// Refused with --ep, whose ranks always run their steps back to back.
     #[arg(long)]
     warm_cache: bool,
 }
@@ -579,8 +580,8 @@ fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
 fn format_cache_state(flush: Option<&CacheFlush>) -> String {
     match flush {
         Some(f) => format!(
-            "caches: each step starts after a {} MiB read (twice the last-level cache, not timed), so the layer comes from memory as in a whole model",
-            f.bytes() >> 20
+            "caches: each step starts after {} (not timed), so the layer comes from memory as in a whole model",
+            f.describe()
         ),
         None => "caches: warm (--warm-cache): steps run back to back, and a layer that fits the last-level cache is partly read from it".into(),
     }

@@ -493,6 +493,7 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         cmd.warmup,
         std::thread::available_parallelism().map_or(0, |c| c.get()),
     );
+    s += "caches: warm: the ranks run their steps back to back, and a rank's share of the experts that fits the last-level cache is partly read from it (the single-process bench flushes it)\n";
     s += "per rank (median us of the measured steps; a phase includes waiting for the other ranks in its exchange):\n";
     for (r, res) in results.iter().enumerate() {
         let total = median_of(&|x| us(x.0.iter().sum()), res);

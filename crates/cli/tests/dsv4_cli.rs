@@ -299,6 +299,7 @@ fn run_dsv4_moe_ep2_over_shm_is_bit_identical_to_one_rank_and_writes_a_trace_per
         "ep 2 over shm",
         &[
             "2 ranks over shm, 16 routed experts (8 per rank)",
+            "caches: warm: the ranks run their steps back to back",
             "rank 0: effective_us",
             "rank 1: effective_us",
             "fast_effective_us",

@@ -153,6 +153,8 @@ fn available_memory_bytes() -> Option<usize> {
 pub struct CacheFlush {
     buf: StreamBuffer,
     threads: usize,
+    /// The last-level cache the size was taken from, `None` where none is reported.
+    llc: Option<usize>,
 }
 
 impl CacheFlush {
@@ -163,7 +165,8 @@ impl CacheFlush {
     /// A flush of [`Self::PER_LLC`] times the last-level cache (at least [`MIN_BUFFER_BYTES`],
     /// at most a quarter of the available memory), read by `threads` threads.
     pub fn new(threads: usize) -> CacheFlush {
-        let want = last_level_cache_bytes()
+        let llc = last_level_cache_bytes();
+        let want = llc
             .map_or(MIN_BUFFER_BYTES, |c| c.saturating_mul(Self::PER_LLC))
             .max(MIN_BUFFER_BYTES);
         let bytes = match available_memory_bytes() {
@@ -179,6 +182,33 @@ impl CacheFlush {
         CacheFlush {
             buf,
             threads: threads.max(1),
+            llc,
+        }
+    }
+
+    /// What one flush reads, against the cache it is meant to evict: `"a 960 MiB read, twice
+    /// the 480 MiB last-level cache"`, or what made it less (no cache size reported, the
+    /// memory cap). Only the cache Linux reports for CPU 0 counts: on a host of several
+    /// sockets each reads its own share.
+    pub fn describe(&self) -> String {
+        let mib = self.bytes() >> 20;
+        match self.llc {
+            Some(c) if self.bytes() + 512 >= c.saturating_mul(Self::PER_LLC) => {
+                format!(
+                    "a {mib} MiB read, {} times the {} MiB last-level cache",
+                    Self::PER_LLC,
+                    c >> 20
+                )
+            }
+            Some(c) if self.bytes() < c => format!(
+                "a {mib} MiB read, capped at a quarter of the available memory: less than the {} MiB last-level cache, so steps start partly warm",
+                c >> 20
+            ),
+            Some(c) => format!(
+                "a {mib} MiB read, capped at a quarter of the available memory (the last-level cache is {} MiB)",
+                c >> 20
+            ),
+            None => format!("a {mib} MiB read (no last-level cache size reported here)"),
         }
     }
 
@@ -717,11 +747,20 @@ mod tests {
             words.len() as u64 - 1,
             "written once"
         );
+        println!("{}", f.describe());
         let many = CacheFlush {
             buf: StreamBuffer::new(4096),
             threads: 1000,
+            llc: Some(1 << 30),
         };
         many.run();
+        assert!(
+            many.describe().contains("steps start partly warm"),
+            "{}",
+            many.describe()
+        );
+        let unknown = CacheFlush { llc: None, ..many };
+        assert!(unknown.describe().contains("no last-level cache size"));
     }
 
     #[test]

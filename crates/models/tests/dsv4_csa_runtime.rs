@@ -32,6 +32,8 @@ fn worker(cores: usize) -> Worker {
 
 struct Case {
     cfg: Dsv4Config,
+    /// Sequences in the step.
+    batch: usize,
     attn: AttnWeights,
     window: WindowCache,
     csa: CsaParts,
@@ -40,6 +42,7 @@ struct Case {
 
 fn case(cfg: Dsv4Config, starts: &[usize], seed: u64) -> Case {
     Case {
+        batch: starts.len(),
         attn: generate_attn_weights(&cfg, seed),
         window: generate_window_cache(&cfg, starts, seed),
         csa: generate_csa(&cfg, starts, seed),
@@ -55,7 +58,7 @@ fn widen(v: &[bf16]) -> Vec<f32> {
 /// Runs the step on the worker and checks the residual and every cache against the golden.
 fn run_and_check(c: &Case, w: &Worker) {
     let g: AttnStep = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
-    let mut layer = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
+    let mut layer = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, c.batch).unwrap();
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
     RelDiff::CSA.check("x_out", &out.x_out, &g.x_out).unwrap();
     let caches = layer.read_caches().unwrap();
@@ -94,7 +97,7 @@ fn run_and_check(c: &Case, w: &Worker) {
     }
     // The same step on a fresh upload gives the same bits (a replay on this layer would not:
     // its rings have moved on).
-    let mut fresh = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, 4).unwrap();
+    let mut fresh = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, c.batch).unwrap();
     let again = fresh.step(w, &c.inputs, &CallConfig::default()).unwrap();
     assert_eq!(again.x_out, out.x_out, "a step is deterministic");
 }
@@ -128,6 +131,19 @@ fn csa_step_matches_the_golden_where_the_selection_matters() {
     let g = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
     let picks = &g.csa.as_ref().unwrap().picks;
     assert!(picks.iter().all(|p| p.visible > c.cfg.index_topk));
+    run_and_check(&c, &worker(2));
+}
+
+/// Eight sequences (16 token rows): the query, indexer and output int8 products run on
+/// AMX-INT8 tiles where the machine has them, on weights uploaded packed
+/// (`int8_layout::kernel_layout`); the step still matches the golden.
+#[test]
+fn csa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
+    let c = case(
+        Dsv4Config::small(),
+        &[0, 3, 127, 8192, 1, 64, 130, 1023],
+        35,
+    );
     run_and_check(&c, &worker(2));
 }
 
