@@ -93,8 +93,14 @@ pub const BUFFER_PER_LLC: usize = 4;
 /// sessions) measured 45 GB/s on 2 threads, against 34–35 GB/s from buffers of 2 and 4 GiB,
 /// so every bandwidth share was divided by an L3 rate no step can reach from memory.
 pub fn default_buffer_bytes() -> usize {
-    let want = last_level_cache_bytes()
-        .map_or(MIN_BUFFER_BYTES, |c| c.saturating_mul(BUFFER_PER_LLC))
+    cache_multiple_bytes(last_level_cache_bytes(), BUFFER_PER_LLC)
+}
+
+/// `per_llc` times the last-level cache `llc` ([`MIN_BUFFER_BYTES`] where none is reported),
+/// at least [`MIN_BUFFER_BYTES`], at most a quarter of the memory Linux reports available.
+fn cache_multiple_bytes(llc: Option<usize>, per_llc: usize) -> usize {
+    let want = llc
+        .map_or(MIN_BUFFER_BYTES, |c| c.saturating_mul(per_llc))
         .max(MIN_BUFFER_BYTES);
     match available_memory_bytes() {
         Some(avail) => want.min(avail / 4),
@@ -169,13 +175,7 @@ impl CacheFlush {
     /// at most a quarter of the available memory), read by `threads` threads.
     pub fn new(threads: usize) -> CacheFlush {
         let llc = last_level_cache_bytes();
-        let want = llc
-            .map_or(MIN_BUFFER_BYTES, |c| c.saturating_mul(Self::PER_LLC))
-            .max(MIN_BUFFER_BYTES);
-        let bytes = match available_memory_bytes() {
-            Some(avail) => want.min(avail / 4),
-            None => want,
-        };
+        let bytes = cache_multiple_bytes(llc, Self::PER_LLC);
         // Written once, so every page is backed by memory of its own (an untouched anonymous
         // mapping reads the shared zero page, which the cache holds after one line).
         let buf: Vec<u64> = (0..(bytes / 8).max(4096) / 64 * 64)
