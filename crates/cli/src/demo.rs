@@ -247,6 +247,7 @@ mod tests {
             WorkerConfig {
                 cores: Some(cores),
                 timeouts: None,
+                idle_spin: None,
             },
         )
         .unwrap();
@@ -295,6 +296,7 @@ mod tests {
             WorkerConfig {
                 cores: Some(2),
                 timeouts: None,
+                idle_spin: None,
             },
         )
         .unwrap();

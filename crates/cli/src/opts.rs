@@ -130,6 +130,7 @@ impl RunOpts {
             WorkerConfig {
                 cores: self.cores,
                 timeouts: None,
+                idle_spin: None,
             },
         )
         .context("starting the CPU worker")?;

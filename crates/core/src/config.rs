@@ -278,6 +278,41 @@ pub(crate) fn legacy_env_warnings(env: &dyn Fn(&str) -> Option<String>) -> Vec<S
         .collect()
 }
 
+/// How long a core with nothing to do inside a run spins (yielding now and then) before it
+/// parks, unless `WorkerConfig.idle_spin` or [`ENV_IDLE_SPIN_US`] says otherwise.
+///
+/// A parked core costs a wake-up when work arrives: a futex wake, and on a virtual machine
+/// whose idle virtual CPU the host has descheduled, whatever the host takes to run it again.
+/// On the 2-core development VM that was up to 3 ms at a time, so a 50 µs spin turned every
+/// phase end longer than 50 µs inside a DeepSeek-V4 layer step into a stall of one core
+/// (`docs/runtime.md`, "Idle cores"). Cores spin only inside a run; between runs they park.
+pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_millis(2);
+
+/// Largest idle spin a worker accepts (a core spinning longer than this is a busy loop).
+pub const MAX_IDLE_SPIN: Duration = Duration::from_secs(1);
+
+/// Environment variable overriding the idle spin (microseconds; 0 parks at once).
+pub const ENV_IDLE_SPIN_US: &str = "SIMPLER_IDLE_SPIN_US";
+
+/// The idle spin from the environment read through `env`: [`DEFAULT_IDLE_SPIN`] when unset, and
+/// with a warning when the value is not a whole number of microseconds up to [`MAX_IDLE_SPIN`].
+pub fn idle_spin_from_env_with(env: &dyn Fn(&str) -> Option<String>) -> (Duration, Option<String>) {
+    let Some(raw) = env(ENV_IDLE_SPIN_US) else {
+        return (DEFAULT_IDLE_SPIN, None);
+    };
+    match raw.trim().parse::<u64>() {
+        Ok(us) if Duration::from_micros(us) <= MAX_IDLE_SPIN => (Duration::from_micros(us), None),
+        _ => (
+            DEFAULT_IDLE_SPIN,
+            Some(format!(
+                "{ENV_IDLE_SPIN_US}={raw:?} is not a whole number of microseconds from 0 to {}; using the default idle spin ({} µs)",
+                MAX_IDLE_SPIN.as_micros(),
+                DEFAULT_IDLE_SPIN.as_micros()
+            )),
+        ),
+    }
+}
+
 /// The three timeouts of a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
@@ -432,6 +467,24 @@ mod tests {
             assert_eq!(t, Timeouts::default(), "{case:?}");
             assert_eq!(w.len(), 1, "{w:?}");
             assert!(w[0].contains(rule), "{w:?} should name {rule}");
+        }
+    }
+
+    #[test]
+    fn idle_spin_reads_microseconds_and_warns_on_the_rest() {
+        assert_eq!(
+            idle_spin_from_env_with(&env_of(&[])),
+            (DEFAULT_IDLE_SPIN, None)
+        );
+        for (raw, us) in [("0", 0), (" 500 ", 500), ("1000000", 1_000_000)] {
+            let (d, w) = idle_spin_from_env_with(&env_of(&[(ENV_IDLE_SPIN_US, raw)]));
+            assert_eq!((d, w), (Duration::from_micros(us), None), "{raw:?}");
+        }
+        for raw in ["ten", "-1", "1000001", "2.5"] {
+            let (d, w) = idle_spin_from_env_with(&env_of(&[(ENV_IDLE_SPIN_US, raw)]));
+            assert_eq!(d, DEFAULT_IDLE_SPIN, "{raw:?}");
+            let w = w.expect("a warning");
+            assert!(w.contains(ENV_IDLE_SPIN_US) && w.contains(raw), "{w}");
         }
     }
 

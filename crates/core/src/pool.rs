@@ -70,15 +70,18 @@ impl Drop for Registration<'_> {
 }
 
 impl CorePool {
-    /// Starts `cores` core threads on `platform`.
+    /// Starts `cores` core threads on `platform`, whose idle cores spin `idle_spin` inside a
+    /// run before they park.
     pub(crate) fn start(
         platform: Arc<dyn Platform>,
         cores: usize,
+        idle_spin: Duration,
     ) -> Result<Arc<CorePool>, PlatformError> {
         let parkers: Vec<Parker> = (0..cores).map(|_| Parker::new()).collect();
-        let wake = Arc::new(CoreWake::new(Sleep::new(
-            parkers.iter().map(|p| p.unparker().clone()).collect(),
-        )));
+        let wake = Arc::new(CoreWake::new(
+            Sleep::new(parkers.iter().map(|p| p.unparker().clone()).collect()),
+            idle_spin,
+        ));
         let pool = Arc::new(CorePool {
             wake,
             platform,

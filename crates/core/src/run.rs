@@ -421,7 +421,10 @@ impl RunShared {
         RunShared::new(RunParts {
             epoch: crate::tensor::fresh_run_epoch(),
             arena: Arc::new(arena),
-            wake: Arc::new(CoreWake::new(crate::sleep::Sleep::new(unparkers.collect()))),
+            wake: Arc::new(CoreWake::new(
+                crate::sleep::Sleep::new(unparkers.collect()),
+                crate::config::DEFAULT_IDLE_SPIN,
+            )),
             registry: Arc::default(),
             bound: BoundBuffers::default(),
             orch_unparker: Parker::new().unparker().clone(),

@@ -33,8 +33,6 @@ use crate::slot::{NO_ENTRY, state};
 use crate::task::{EngineClass, TaskId};
 use crate::trace::{PhaseRecord, QueueDepthSample, SchedPhase, TaskRecord};
 
-/// How long an idle core spins (yielding now and then) before it parks.
-const SPIN: Duration = Duration::from_micros(50);
 /// A parked core wakes at least this often to re-check (a safety net; wake-ups are explicit).
 const PARK: Duration = Duration::from_millis(100);
 
@@ -129,7 +127,7 @@ impl RunShared {
 
     fn idle(&self, cx: &mut CoreCtx<'_>) {
         let t0 = self.phase_start();
-        let spin_until = Instant::now() + SPIN;
+        let spin_until = Instant::now() + self.wake.idle_spin;
         let mut i = 0u32;
         loop {
             if self.has_work() {

@@ -197,16 +197,19 @@ impl<U: Wake> RoomSignal<U> {
 /// a new thread) to leave.
 pub(crate) struct CoreWake {
     pub(crate) sleep: Sleep,
+    /// How long a core with nothing to do inside a run spins before it parks.
+    pub(crate) idle_spin: std::time::Duration,
     pub(crate) shutdown: std::sync::atomic::AtomicBool,
     /// Per core: the generation of the thread that currently owns it.
     generation: Box<[std::sync::atomic::AtomicU64]>,
 }
 
 impl CoreWake {
-    pub(crate) fn new(sleep: Sleep) -> CoreWake {
+    pub(crate) fn new(sleep: Sleep, idle_spin: std::time::Duration) -> CoreWake {
         let n = sleep.flags.len();
         CoreWake {
             sleep,
+            idle_spin,
             shutdown: std::sync::atomic::AtomicBool::new(false),
             generation: (0..n)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))

@@ -42,6 +42,11 @@ pub struct WorkerConfig {
     pub cores: Option<usize>,
     /// Timeouts; `None` reads the defaults and the environment overrides.
     pub timeouts: Option<Timeouts>,
+    /// How long a core with nothing to do inside a run spins before it parks (at most
+    /// [`crate::config::MAX_IDLE_SPIN`]; zero parks at once). `None` reads
+    /// [`crate::config::ENV_IDLE_SPIN_US`], else [`crate::config::DEFAULT_IDLE_SPIN`]. Spinning
+    /// saves the wake-up at a phase end; lower it where several processes share the CPUs.
+    pub idle_spin: Option<Duration>,
 }
 
 /// What the worker's handle, its orchestrator thread and its watchdog share: the platform, the
@@ -106,7 +111,27 @@ impl Worker {
         warnings.extend(crate::config::legacy_env_warnings(&|k| {
             std::env::var(k).ok()
         }));
-        let core_pool = CorePool::start(platform.clone(), n_cores)?;
+        let idle_spin = match config.idle_spin {
+            Some(d) if d > crate::config::MAX_IDLE_SPIN => {
+                return Err(ConfigError {
+                    field: "WorkerConfig.idle_spin".into(),
+                    value: format!("{d:?}"),
+                    reason: format!(
+                        "must be at most {:?} (a core spinning longer is a busy loop)",
+                        crate::config::MAX_IDLE_SPIN
+                    ),
+                }
+                .into());
+            }
+            Some(d) => d,
+            None => {
+                let (d, warning) =
+                    crate::config::idle_spin_from_env_with(&|k| std::env::var(k).ok());
+                warnings.extend(warning);
+                d
+            }
+        };
+        let core_pool = CorePool::start(platform.clone(), n_cores, idle_spin)?;
         static NEXT_WORKER_ID: AtomicU64 = AtomicU64::new(1);
         let inner = Arc::new(WorkerShared {
             id: NEXT_WORKER_ID.fetch_add(1, Ordering::Relaxed),
@@ -174,6 +199,11 @@ impl Worker {
     /// Timeouts in force.
     pub fn timeouts(&self) -> Timeouts {
         self.inner.timeouts
+    }
+
+    /// How long an idle core spins inside a run before it parks (see `WorkerConfig.idle_spin`).
+    pub fn idle_spin(&self) -> Duration {
+        self.inner.core_pool.wake.idle_spin
     }
 
     /// Warnings raised while configuring the worker (ignored environment overrides).

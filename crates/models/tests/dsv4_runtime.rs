@@ -33,6 +33,7 @@ fn worker(cores: usize) -> Worker {
         WorkerConfig {
             cores: Some(cores),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

@@ -85,6 +85,7 @@ fn chip_worker(_chip: usize) -> Result<Worker, String> {
         WorkerConfig {
             cores: Some(1),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .map_err(|e| e.to_string())?;

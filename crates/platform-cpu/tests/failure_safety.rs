@@ -108,6 +108,7 @@ fn worker(platform: Tracking, flags: Arc<Flags>, gang_cores: Arc<Mutex<Vec<usize
                 op_execute: Duration::from_millis(2000),
                 stream_sync: Duration::from_millis(5000),
             }),
+            idle_spin: None,
         },
     )
     .unwrap();
@@ -642,6 +643,7 @@ fn close_right_after_submit_finishes_the_queued_run() {
         WorkerConfig {
             cores: Some(1),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();
@@ -698,6 +700,7 @@ fn a_panicking_predicate_fails_the_run_by_name_and_the_worker_goes_on() {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

@@ -27,6 +27,7 @@ fn worker_with(cores: usize, timeouts: Option<Timeouts>) -> Worker {
         WorkerConfig {
             cores: Some(cores),
             timeouts,
+            idle_spin: None,
         },
     )
     .unwrap();
@@ -670,6 +671,7 @@ fn worker_config_rejects_misordered_timeouts() {
         WorkerConfig {
             cores: Some(1),
             timeouts: Some(t),
+            idle_spin: None,
         },
     ) {
         Err(Error::Config(e)) => assert_eq!(e.field, "WorkerConfig.timeouts"),

@@ -633,6 +633,7 @@ fn workers() -> &'static [Worker] {
                     WorkerConfig {
                         cores: Some(cores),
                         timeouts: None,
+                        idle_spin: None,
                     },
                 )
                 .unwrap();

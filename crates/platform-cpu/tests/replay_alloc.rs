@@ -75,6 +75,7 @@ fn replaying_more_tasks_allocates_no_more() {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

@@ -27,6 +27,7 @@ fn worker() -> Worker {
                 op_execute: Duration::from_millis(4000),
                 stream_sync: Duration::from_millis(8000),
             }),
+            idle_spin: None,
         },
     )
     .unwrap();

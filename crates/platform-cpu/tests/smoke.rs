@@ -12,6 +12,7 @@ fn worker(cores: usize) -> Worker {
         WorkerConfig {
             cores: Some(cores),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();
@@ -298,6 +299,75 @@ fn spmd_blocks_write_disjoint_column_shares_of_a_strided_view() {
                 0.0
             };
             assert_eq!(got[r * 40 + c], want, "row {r} col {c}");
+        }
+    }
+}
+
+/// The idle spin is bounded by name, and both ends of its range run graphs whose cores wait on
+/// each other (a serial chain leaves one core idle throughout; SPMD phases end on one core):
+/// a core spinning the longest allowed still leaves each run at its end, and runs go on.
+#[test]
+fn idle_spin_is_bounded_and_both_ends_run() {
+    let too_long = config::MAX_IDLE_SPIN + std::time::Duration::from_millis(1);
+    match Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+            idle_spin: Some(too_long),
+        },
+    ) {
+        Err(Error::Config(e)) => {
+            assert_eq!(e.field, "WorkerConfig.idle_spin");
+            assert!(e.reason.contains("at most"), "{e}");
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("an idle spin over the limit was accepted"),
+    }
+    for spin in [std::time::Duration::ZERO, config::MAX_IDLE_SPIN] {
+        let w = Worker::new(
+            CpuPlatform::new(),
+            WorkerConfig {
+                cores: Some(2),
+                timeouts: None,
+                idle_spin: Some(spin),
+            },
+        )
+        .unwrap();
+        assert_eq!(w.idle_spin(), spin);
+        w.register_kernel(KernelSpec::new(
+            ADD_ONE,
+            "add_one",
+            EngineClass::Vector,
+            |ctx| {
+                let x = ctx.write_chunk::<f32>(0, 64 / ctx.block_num())?;
+                for v in x.iter_mut() {
+                    *v += 1.0;
+                }
+                Ok(())
+            },
+        ))
+        .unwrap();
+        let buf = w.buffer_from(&[0.0f32; 64]).unwrap();
+        for round in 1..=3 {
+            let args = RunArgs {
+                buffers: vec![buf.clone()],
+                scalars: vec![],
+            };
+            w.run_fn("spin", args, &CallConfig::default(), |orch, args| {
+                let t = orch.bind(&args.buffers[0], DType::F32, &[64])?;
+                for i in 0..20 {
+                    let task = Task::new(ADD_ONE).in_out(&t);
+                    orch.submit(if i % 4 == 0 { task.blocks(2) } else { task })?;
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(
+                buf.read::<f32>().unwrap(),
+                vec![20.0 * round as f32; 64],
+                "spin {spin:?}, round {round}"
+            );
         }
     }
 }

@@ -20,6 +20,7 @@ fn a_million_tasks_through_small_rings_reclaim_everything() {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

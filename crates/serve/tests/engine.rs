@@ -13,6 +13,7 @@ fn engine(num_blocks: usize, budget: usize) -> Engine {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

@@ -27,6 +27,7 @@ fn engine(cfg: EngineConfig) -> Engine {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

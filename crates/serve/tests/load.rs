@@ -13,6 +13,7 @@ fn worker() -> Worker {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap()

@@ -16,6 +16,7 @@ fn engine() -> Engine {
         WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap();

@@ -15,6 +15,7 @@ pub(crate) fn cpu_worker(cores: usize) -> Worker {
         WorkerConfig {
             cores: Some(cores),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .unwrap()

@@ -173,6 +173,7 @@ mod tests {
             WorkerConfig {
                 cores: Some(1),
                 timeouts: None,
+                idle_spin: None,
             },
         )
         .unwrap();

@@ -319,6 +319,7 @@ fn test_worker() -> simpler_core::Worker {
         simpler_core::WorkerConfig {
             cores: Some(2),
             timeouts: None,
+            idle_spin: None,
         },
     )
     .expect("a two-core CPU worker");
