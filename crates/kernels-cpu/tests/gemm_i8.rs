@@ -11,8 +11,8 @@ use std::ops::Range;
 use common::Rng;
 use simpler_kernels_cpu::{
     ActsI8, GemmTile, I8Layout, I8Path, NextRows, OutMode, PACK_K, PACK_ROWS, WeightsI8,
-    gemm_i8_w8a8, gemm_i8_w8a8_then, gemm_i8_wide, pack_weights_i8, packed_index_i8,
-    quantize_acts_i8, quantize_row_i8, with_i8_path,
+    gemm_i8_w8a8, gemm_i8_w8a8_then, gemm_i8_wide, interleaved_index_i8, pack_weights_i8,
+    pack_weights_i8_as, packed_index_i8, quantize_acts_i8, quantize_row_i8, with_i8_path,
 };
 
 /// The supported paths, after printing which ran and which this machine lacks.
@@ -82,22 +82,27 @@ fn reference_w8a8(c: &Case, b: usize, n: usize, k: Range<usize>) -> f32 {
     i32::try_from(s).expect("sum in i32") as f32 * c.sw[n] * c.sa[b]
 }
 
-/// The case's weights packed.
+/// The case's weights packed, then the same interleaved.
 fn packed_of(c: &Case) -> Vec<i8> {
-    let mut p = vec![0i8; c.n * c.k];
-    pack_weights_i8(&c.w, c.n, c.k, c.ldw, &mut p);
+    let nk = c.n * c.k;
+    let mut p = vec![0i8; 2 * nk];
+    let (packed, interleaved) = p.split_at_mut(nk);
+    pack_weights_i8(&c.w, c.n, c.k, c.ldw, packed);
+    pack_weights_i8_as(I8Layout::Interleaved, &c.w, c.n, c.k, c.ldw, interleaved);
     p
 }
 
-/// The case's weights in `layout` (`packed` holds them packed).
+/// The case's weights in `layout` (`packed` as [`packed_of`] makes it).
 fn weights<'a>(c: &'a Case, packed: &'a [i8], layout: I8Layout) -> WeightsI8<'a> {
+    let nk = c.n * c.k;
     match layout {
         I8Layout::RowMajor => WeightsI8::new(&c.w, &c.sw, c.n, c.k, c.ldw),
-        I8Layout::Packed => WeightsI8::packed(packed, &c.sw, c.n, c.k),
+        I8Layout::Packed => WeightsI8::packed(&packed[..nk], &c.sw, c.n, c.k),
+        I8Layout::Interleaved => WeightsI8::interleaved(&packed[nk..], &c.sw, c.n, c.k),
     }
 }
 
-const LAYOUTS: [I8Layout; 2] = [I8Layout::RowMajor, I8Layout::Packed];
+const LAYOUTS: [I8Layout; 3] = [I8Layout::RowMajor, I8Layout::Packed, I8Layout::Interleaved];
 
 fn run_w8a8(
     c: &Case,
@@ -345,15 +350,29 @@ fn packing_puts_every_value_at_its_documented_index() {
         (50, 63),
     ] {
         let c = case(n, k, 1, false, 9000 + (n * k) as u64);
-        let packed = packed_of(&c);
+        let both = packed_of(&c);
+        let (packed, interleaved) = both.split_at(n * k);
         let mut seen = vec![false; n * k];
+        let mut seen_i = vec![false; n * k];
         for r in 0..n {
             for col in 0..k {
                 let i = packed_index_i8(n, k, r, col);
                 assert!(!seen[i], "[{n} x {k}]: index {i} twice");
                 seen[i] = true;
                 assert_eq!(packed[i], c.w[r * c.ldw + col], "[{n} x {k}] ({r}, {col})");
+                let i = interleaved_index_i8(n, k, r, col);
+                assert!(!seen_i[i], "[{n} x {k}] interleaved: index {i} twice");
+                seen_i[i] = true;
+                assert_eq!(
+                    interleaved[i],
+                    c.w[r * c.ldw + col],
+                    "[{n} x {k}] ({r}, {col})"
+                );
             }
+        }
+        // A whole group's quad is one 64-byte line: row r of quad q at 64 q + 4 r.
+        if n >= PACK_ROWS && k >= 8 {
+            assert_eq!(interleaved_index_i8(n, k, 3, 4 + 2), 64 + 3 * 4 + 2);
         }
         // A whole group and chunk is one 1 KiB block: row r of chunk c at 1024 c + 64 r.
         if n >= PACK_ROWS && k >= 2 * PACK_K {
@@ -391,12 +410,16 @@ fn packed_row_range_views_equal_row_major_views() {
                             .expect("supported");
                         out
                     };
-                    let (rm, pk) = (run(I8Layout::RowMajor), run(I8Layout::Packed));
-                    assert!(
-                        rm.iter().zip(&pk).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{}: [{n} x {k}] batch {batch} rows {rows:?}: packed view differs",
-                        p.name()
-                    );
+                    let rm = run(I8Layout::RowMajor);
+                    for layout in [I8Layout::Packed, I8Layout::Interleaved] {
+                        let pk = run(layout);
+                        assert!(
+                            rm.iter().zip(&pk).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{}: [{n} x {k}] batch {batch} rows {rows:?}: {} view differs",
+                            p.name(),
+                            layout.name()
+                        );
+                    }
                 }
             }
         }
@@ -427,29 +450,59 @@ fn wide_product_refuses_packed_weights() {
     );
 }
 
-/// Bytes after a packed matrix (a buffer larger than the matrix) are never read.
+/// Bytes after a packed or interleaved matrix (a buffer larger than the matrix) are never
+/// read.
 #[test]
 fn packed_weights_ignore_bytes_after_the_matrix() {
     let paths = paths("w8a8 packed trailing bytes");
     let c = case(33, 130, 5, false, 4242);
-    let packed = packed_of(&c);
-    let mut longer = packed.clone();
-    longer.extend([127i8; 70]);
+    let both = packed_of(&c);
     let tile = GemmTile {
         n: 0..33,
         k: 0..130,
         mode: OutMode::Store,
     };
     let a = ActsI8::new(&c.a, &c.sa, 5, 130, c.lda);
-    for &p in &paths {
-        let run = |data: &[i8]| {
-            let mut out = vec![0.0f32; 5 * 33];
-            let w = WeightsI8::packed(data, &c.sw, 33, 130);
-            with_i8_path(p, || gemm_i8_w8a8(w, a, &tile, &mut out, 33)).expect("supported");
-            out
-        };
-        assert_eq!(run(&packed), run(&longer), "{}", p.name());
+    for (layout, values) in [
+        (I8Layout::Packed, &both[..33 * 130]),
+        (I8Layout::Interleaved, &both[33 * 130..]),
+    ] {
+        let mut longer = values.to_vec();
+        longer.extend([127i8; 70]);
+        for &p in &paths {
+            let run = |data: &[i8]| {
+                let mut out = vec![0.0f32; 5 * 33];
+                let w = WeightsI8::with_layout(data, &c.sw, 33, 130, layout);
+                with_i8_path(p, || gemm_i8_w8a8(w, a, &tile, &mut out, 33)).expect("supported");
+                out
+            };
+            assert_eq!(run(values), run(&longer), "{} {}", p.name(), layout.name());
+        }
     }
+}
+
+#[test]
+#[should_panic(expected = "interleaved int8 weights are not supported")]
+fn wide_product_refuses_interleaved_weights() {
+    let w = vec![0i8; 4 * 8];
+    let sw = vec![1.0f32; 4];
+    let x = vec![0.0f32; 8];
+    let tile = GemmTile {
+        n: 0..4,
+        k: 0..8,
+        mode: OutMode::Store,
+    };
+    let mut out = vec![0.0f32; 4];
+    gemm_i8_wide(
+        WeightsI8::interleaved(&w, &sw, 4, 8),
+        &x,
+        1,
+        8,
+        None,
+        &tile,
+        &mut out,
+        4,
+    );
 }
 
 #[test]

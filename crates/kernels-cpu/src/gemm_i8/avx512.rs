@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Lowered, LoweredWide, WithActSums};
+use super::{Lowered, LoweredWide, PACK_ROWS, QUAD, WithActSums};
 use crate::simd::prefetch_l2;
 
 /// Weight rows per W8A8 block: 24 accumulators at 8 batch rows (more independent
@@ -87,6 +87,145 @@ unsafe fn block_vnni<const RR: usize, const BB: usize>(
     for r in 0..RR {
         for b in 0..BB {
             sums[r][b] = _mm512_reduce_add_epi32(acc[r][b]).wrapping_sub(lo.offset(b0 + b));
+        }
+    }
+}
+
+/// Groups of 16 weight rows per lane-wise block: 16 accumulators at 8 batch rows. Three
+/// groups measured slower at 8 rows (24 accumulators, 3 weight vectors and the broadcast
+/// leave the compiler too few registers), one group a little slower at 4 to 8.
+const G_LANES: usize = 2;
+
+/// W8A8 over interleaved weights ([`super::I8Layout::Interleaved`]): each 64-byte line of a
+/// whole group is one quad of `k` of its 16 rows, so a `vpdpbusd` against the batch row's
+/// quad broadcast to every lane adds to 16 outputs at once, and the sums come out with the
+/// rows in the lanes: no horizontal sums per output, no transposes. Rows outside whole groups
+/// of the view (a tile that starts or ends inside a group, the matrix's last short group) are
+/// summed by the scalar loop. Every block of rows runs through every segment before the next,
+/// so the weights stream once, group pair by group pair, and each step prefetches the same
+/// line of the next pair into L2.
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI available; `segs` (at least one, the tile of a checked call with
+/// interleaved weights, every segment starting on a whole quad) as `gemm_i8_w8a8` makes them.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    let lo: Vec<WithActSums<'_, '_>> = segs.iter().map(|s| WithActSums::new(s, QUAD)).collect();
+    let first = &segs[0];
+    let rows = first.n.clone();
+    let mut g_start = rows.start;
+    while g_start < rows.end && !first.wa.whole_group_at(g_start) {
+        g_start += 1;
+    }
+    let mut g_end = g_start;
+    while g_end + PACK_ROWS <= rows.end && first.wa.whole_group_at(g_end) {
+        g_end += PACK_ROWS;
+    }
+    for n in (rows.start..g_start.min(rows.end)).chain(g_end.max(g_start)..rows.end) {
+        for lw in segs {
+            for b in 0..lw.batch {
+                let s = lw.dot(n, b, lw.k.clone());
+                lw.finish(out, ld_out, n, b, s);
+            }
+        }
+    }
+    let mut n0 = g_start;
+    while n0 < g_end {
+        let gg = ((g_end - n0) / PACK_ROWS).min(G_LANES);
+        for lo in &lo {
+            let tail = lo.k.start + lo.k.len() / QUAD * QUAD..lo.k.end;
+            let mut b0 = 0;
+            while b0 < lo.batch {
+                let bb = (lo.batch - b0).min(8);
+                let mut sums = [[[0i32; PACK_ROWS]; 8]; G_LANES];
+                macro_rules! arms {
+                    ($($b:literal)*) => {
+                        match (gg, bb) {
+                            $((G_LANES, $b) => lanes_block::<G_LANES, $b>(lo, n0, b0, &mut sums),)*
+                            $((_, $b) => lanes_block::<1, $b>(lo, n0, b0, &mut sums),)*
+                            _ => unreachable!("at most 8 batch rows per pass"),
+                        }
+                    };
+                }
+                // SAFETY: groups n0..n0 + 16 gg are whole groups inside the tile (found
+                // above), batch rows b0..b0 + bb inside the batch; the features and the
+                // segment's quad start come from the caller's contract.
+                unsafe { arms!(1 2 3 4 5 6 7 8) };
+                for (g, sg) in sums.iter().enumerate().take(gg) {
+                    for (b, sb) in sg.iter().enumerate().take(bb) {
+                        for (r, &v) in sb.iter().enumerate() {
+                            let n = n0 + g * PACK_ROWS + r;
+                            let t = if tail.is_empty() {
+                                0
+                            } else {
+                                lo.dot(n, b0 + b, tail.clone())
+                            };
+                            let sum = v.wrapping_sub(lo.offset(b0 + b)).wrapping_add(t);
+                            lo.finish(out, ld_out, n, b0 + b, sum);
+                        }
+                    }
+                }
+                b0 += bb;
+            }
+        }
+        n0 += gg * PACK_ROWS;
+    }
+}
+
+/// `sums[g][b][r]`: the body (whole quads) of row `n0 + 16 g + r` × batch row `b0 + b`, as
+/// `sum (w + 128) a` (the caller removes the offset).
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI available; groups `n0..n0 + 16 GG` are whole interleaved groups inside
+/// the tile of a checked `lo`, whose `k` starts on a whole quad; batch rows inside the batch.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+unsafe fn lanes_block<const GG: usize, const BB: usize>(
+    lo: &WithActSums<'_, '_>,
+    n0: usize,
+    b0: usize,
+    sums: &mut [[[i32; PACK_ROWS]; 8]; G_LANES],
+) {
+    let lw = lo.lw;
+    let quads = lw.k.len() / QUAD;
+    let k0 = lw.k.start;
+    // A whole group's quads are consecutive 64-byte lines from the quad of `k0`.
+    let wp: [*const i8; GG] = std::array::from_fn(|g| lw.w_ptr(n0 + g * PACK_ROWS, k0));
+    // The same lines of the next pair of groups while they lie in the tile and are whole
+    // (else this pair's own, already cached): only prefetched.
+    let pf: [*const i8; GG] = std::array::from_fn(|g| {
+        let n = n0 + (GG + g) * PACK_ROWS;
+        if n + PACK_ROWS <= lw.n.end && lw.wa.whole_group_at(n) {
+            lw.w_ptr(n, k0)
+        } else {
+            wp[g]
+        }
+    });
+    let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
+    let flip = _mm512_set1_epi8(i8::MIN);
+    let mut acc = [[_mm512_setzero_si512(); BB]; GG];
+    for q in 0..quads {
+        let w: [__m512i; GG] = std::array::from_fn(|g| {
+            prefetch_l2(pf[g].wrapping_add(q * 64));
+            // SAFETY: quad q of a whole group is 64 bytes at `q * 64` from the group's line
+            // of `k0`, inside the weights (`q < quads`, the body within the tile's `k`).
+            _mm512_xor_si512(
+                unsafe { _mm512_loadu_si512(wp[g].add(q * 64).cast()) },
+                flip,
+            )
+        });
+        for b in 0..BB {
+            // SAFETY: 4 bytes at `k0 + 4 q` of batch row `b0 + b`, inside the row's `k`.
+            let a =
+                _mm512_set1_epi32(unsafe { ap[b].add(q * QUAD).cast::<i32>().read_unaligned() });
+            for g in 0..GG {
+                acc[g][b] = _mm512_dpbusd_epi32(acc[g][b], w[g], a);
+            }
+        }
+    }
+    for g in 0..GG {
+        for b in 0..BB {
+            // SAFETY: 16 i32 into a 16-element array.
+            unsafe { _mm512_storeu_si512(sums[g][b].as_mut_ptr().cast(), acc[g][b]) };
         }
     }
 }

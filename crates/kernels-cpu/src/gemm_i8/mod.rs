@@ -311,6 +311,15 @@ fn amx_int8_supported() -> bool {
 pub const PACK_ROWS: usize = 16;
 /// Bytes of `k` per chunk of packed int8 weights: one tile row, one 512-bit load.
 pub const PACK_K: usize = 64;
+/// Bytes of `k` per quad of interleaved int8 weights ([`I8Layout::Interleaved`]): what one
+/// 32-bit lane of `vpdpbusd` sums.
+pub const QUAD: usize = 4;
+/// Fewest activation rows for which the AVX-512 VNNI paths read interleaved weights
+/// ([`I8Layout::preferred_for`]). From 4 rows on, the blocks over row-major weights spend
+/// more on their per-row horizontal sums and register pressure than on the weights (at 8
+/// rows they consumed ~15 GB/s per thread from L2, against ~30 for the lane-wise kernel);
+/// below it both run far ahead of memory.
+pub const INTERLEAVED_MIN_ROWS: usize = 4;
 
 /// How the values of int8 weights `[N, K]` lie in memory (module docs, "Layouts").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -320,9 +329,22 @@ pub enum I8Layout {
     /// Groups of [`PACK_ROWS`] rows × chunks of [`PACK_K`] bytes, blocks in `k` order
     /// ([`packed_index_i8`]), `N * K` bytes.
     Packed,
+    /// Groups of [`PACK_ROWS`] rows × quads of [`QUAD`] bytes: a whole group's quad is one
+    /// 64-byte line holding 4 bytes of each of its 16 rows, the `vpdpbusd` operand that puts
+    /// 16 output rows in the lanes ([`interleaved_index_i8`]), `N * K` bytes.
+    Interleaved,
 }
 
 impl I8Layout {
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            I8Layout::RowMajor => "row-major",
+            I8Layout::Packed => "packed",
+            I8Layout::Interleaved => "interleaved",
+        }
+    }
+
     /// The layout int8 weights multiplied by `rows` activation rows at a time should be built
     /// in for this machine's kernels: packed where those products run on AMX-INT8 tiles (the
     /// best path is AMX and `rows >= AMX_MIN_BATCH`; a weight tile is then one contiguous
@@ -336,6 +358,9 @@ impl I8Layout {
     pub fn preferred_for(rows: usize) -> I8Layout {
         match I8Path::detected() {
             I8Path::Amx if rows >= AMX_MIN_BATCH => I8Layout::Packed,
+            I8Path::Amx | I8Path::Avx512Vnni if rows >= INTERLEAVED_MIN_ROWS => {
+                I8Layout::Interleaved
+            }
             _ => I8Layout::RowMajor,
         }
     }
@@ -362,12 +387,62 @@ fn packed_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
     g * PACK_ROWS * cols + c * PACK_K * h + r * w + j
 }
 
-/// Writes row-major int8 weights `src [rows, cols]` (row stride `ld`) into `dst` in the
-/// packed layout ([`I8Layout::Packed`]); `dst` holds exactly `rows * cols` values.
+/// Index of element `(n, k)` of interleaved int8 weights `[rows, cols]`
+/// ([`I8Layout::Interleaved`]): `16 g K + 4 q h + r w + j` for row `16 g + r` of a group of
+/// `h` rows and `k = 4 q + j` in a quad of `w` bytes (the last group and quad shrunk).
 ///
 /// # Panics
-/// If `ld < cols`, `src` is shorter than its last row's end, or `dst.len() != rows * cols`.
-pub fn pack_weights_i8(src: &[i8], rows: usize, cols: usize, ld: usize, dst: &mut [i8]) {
+/// If `(n, k)` lies outside `[rows, cols]`.
+pub fn interleaved_index_i8(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    assert!(
+        n < rows && k < cols,
+        "interleaved int8 weights: element ({n}, {k}) outside [{rows}, {cols}]"
+    );
+    interleaved_index(rows, cols, n, k)
+}
+
+#[inline]
+fn interleaved_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    let (g, r) = (n / PACK_ROWS, n % PACK_ROWS);
+    let h = (rows - g * PACK_ROWS).min(PACK_ROWS);
+    let (q, j) = (k / QUAD, k % QUAD);
+    let w = (cols - q * QUAD).min(QUAD);
+    g * PACK_ROWS * cols + q * QUAD * h + r * w + j
+}
+
+/// Writes row-major int8 weights `src [rows, cols]` (row stride `ld`) into `dst` in `layout`
+/// (row-major: dense, row stride `cols`); `dst` holds exactly `rows * cols` values.
+///
+/// # Panics
+/// As [`pack_weights_i8`].
+pub fn pack_weights_i8_as(
+    layout: I8Layout,
+    src: &[i8],
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    dst: &mut [i8],
+) {
+    match layout {
+        I8Layout::Packed => pack_weights_i8(src, rows, cols, ld, dst),
+        I8Layout::RowMajor | I8Layout::Interleaved => {
+            check_pack(src, rows, cols, ld, dst);
+            for n in 0..rows {
+                let row = &src[n * ld..n * ld + cols];
+                if layout == I8Layout::RowMajor {
+                    dst[n * cols..(n + 1) * cols].copy_from_slice(row);
+                    continue;
+                }
+                for (q, piece) in row.chunks(QUAD).enumerate() {
+                    let at = interleaved_index(rows, cols, n, q * QUAD);
+                    dst[at..at + piece.len()].copy_from_slice(piece);
+                }
+            }
+        }
+    }
+}
+
+fn check_pack(src: &[i8], rows: usize, cols: usize, ld: usize, dst: &[i8]) {
     assert!(ld >= cols, "pack_weights_i8: ld {ld} < cols {cols}");
     let need = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
     assert!(
@@ -380,6 +455,15 @@ pub fn pack_weights_i8(src: &[i8], rows: usize, cols: usize, ld: usize, dst: &mu
         rows.checked_mul(cols),
         "pack_weights_i8: destination length for [{rows}, {cols}]"
     );
+}
+
+/// Writes row-major int8 weights `src [rows, cols]` (row stride `ld`) into `dst` in the
+/// packed layout ([`I8Layout::Packed`]); `dst` holds exactly `rows * cols` values.
+///
+/// # Panics
+/// If `ld < cols`, `src` is shorter than its last row's end, or `dst.len() != rows * cols`.
+pub fn pack_weights_i8(src: &[i8], rows: usize, cols: usize, ld: usize, dst: &mut [i8]) {
+    check_pack(src, rows, cols, ld, dst);
     for n in 0..rows {
         let row = &src[n * ld..n * ld + cols];
         for (c, piece) in row.chunks(PACK_K).enumerate() {
@@ -401,13 +485,15 @@ pub struct WeightsI8<'a> {
     packed: Option<PackedRows>,
 }
 
-/// Where a view of packed weights lies in its whole matrix.
+/// Where a view of packed or interleaved weights lies in its whole matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PackedRows {
     /// Rows of the whole packed matrix (`data` holds all of it).
     total: usize,
     /// The whole matrix's row of the view's row 0.
     first: usize,
+    /// Interleaved ([`I8Layout::Interleaved`]) rather than packed.
+    quads: bool,
 }
 
 impl<'a> WeightsI8<'a> {
@@ -455,10 +541,37 @@ impl<'a> WeightsI8<'a> {
     /// # Panics
     /// If `cols > MAX_K`, `data` is shorter than `rows * cols`, or `scales.len() != rows`.
     pub fn packed(data: &'a [i8], scales: &'a [f32], rows: usize, cols: usize) -> WeightsI8<'a> {
+        WeightsI8::whole(data, scales, rows, cols, false)
+    }
+
+    /// Views `data` as interleaved weights `[rows, cols]` ([`I8Layout::Interleaved`], as
+    /// [`pack_weights_i8_as`] writes them).
+    ///
+    /// Values after the first `rows * cols` are not part of the matrix.
+    ///
+    /// # Panics
+    /// If `cols > MAX_K`, `data` is shorter than `rows * cols`, or `scales.len() != rows`.
+    pub fn interleaved(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+    ) -> WeightsI8<'a> {
+        WeightsI8::whole(data, scales, rows, cols, true)
+    }
+
+    fn whole(
+        data: &'a [i8],
+        scales: &'a [f32],
+        rows: usize,
+        cols: usize,
+        quads: bool,
+    ) -> WeightsI8<'a> {
         let len = rows.checked_mul(cols).filter(|&len| len <= data.len());
         let Some(len) = len else {
+            let what = if quads { "interleaved" } else { "packed" };
             panic!(
-                "packed int8 weights: {} bytes for [{rows}, {cols}]",
+                "{what} int8 weights: {} bytes for [{rows}, {cols}]",
                 data.len()
             );
         };
@@ -467,6 +580,7 @@ impl<'a> WeightsI8<'a> {
             packed: Some(PackedRows {
                 total: rows,
                 first: 0,
+                quads,
             }),
             ..WeightsI8::new(data, scales, rows, cols, cols)
         }
@@ -486,6 +600,7 @@ impl<'a> WeightsI8<'a> {
         match layout {
             I8Layout::RowMajor => WeightsI8::new(data, scales, rows, cols, cols),
             I8Layout::Packed => WeightsI8::packed(data, scales, rows, cols),
+            I8Layout::Interleaved => WeightsI8::interleaved(data, scales, rows, cols),
         }
     }
     /// Number of rows (`N`).
@@ -502,10 +617,10 @@ impl<'a> WeightsI8<'a> {
     }
     /// The layout of the values.
     pub fn layout(&self) -> I8Layout {
-        if self.packed.is_some() {
-            I8Layout::Packed
-        } else {
-            I8Layout::RowMajor
+        match self.packed {
+            None => I8Layout::RowMajor,
+            Some(p) if p.quads => I8Layout::Interleaved,
+            Some(_) => I8Layout::Packed,
         }
     }
     /// The per-row scales.
@@ -879,16 +994,18 @@ impl WAddr {
     fn index(&self, n: usize, k: usize) -> usize {
         match self.packed {
             None => n * self.ldw + k,
+            Some(p) if p.quads => interleaved_index(p.total, self.cols, p.first + n, k),
             Some(p) => packed_index(p.total, self.cols, p.first + n, k),
         }
     }
 
     /// Values of row `n` that lie contiguously from `k` on (to the end of `k`'s chunk when
-    /// packed), at most `len`.
+    /// packed, of its quad when interleaved), at most `len`.
     #[inline]
     fn run(&self, k: usize, len: usize) -> usize {
         match self.packed {
             None => len,
+            Some(p) if p.quads => len.min(QUAD - k % QUAD),
             Some(_) => len.min(PACK_K - k % PACK_K),
         }
     }
@@ -1135,25 +1252,37 @@ pub fn gemm_i8_w8a8_then(
     };
     let segs = segments(&lw, x.cols / x.groups);
     // Packed weights: the SIMD paths step through whole 64-byte chunks from each segment's
-    // start (module docs, "Layouts").
-    let simd = w.packed.is_none()
-        || segs
-            .iter()
-            .all(|s| s.k.start.is_multiple_of(PACK_K) || s.k.len() < PACK_K);
+    // start; interleaved ones through whole quads (module docs, "Layouts").
+    let step = match w.layout() {
+        I8Layout::RowMajor => 1,
+        I8Layout::Packed => PACK_K,
+        I8Layout::Interleaved => QUAD,
+    };
+    let simd = segs
+        .iter()
+        .all(|s| s.k.start.is_multiple_of(step) || s.k.len() < step);
     #[cfg(target_arch = "x86_64")]
     if simd {
         let path = I8Path::current();
-        let packed = w.packed.is_some();
         // SAFETY: `I8Path::current` returns a path only when `is_supported` said this CPU has
         // its features (and, for AMX, Linux granted the tile state); every segment is the
-        // tile checked above restricted to a `k` range inside it.
+        // tile checked above restricted to a `k` range inside it, starting on a whole quad
+        // when interleaved (checked just above).
         unsafe {
-            match path {
-                I8Path::Amx if lw.batch >= AMX_MIN_BATCH => return amx::gemm(&segs, out, ld_out),
-                I8Path::Amx | I8Path::Avx512Vnni => return avx512::gemm(&segs, out, ld_out),
-                I8Path::AvxVnni if !packed => return avx2::gemm_vnni(&segs, out, ld_out),
-                I8Path::Avx2 if !packed => return avx2::gemm(&segs, out, ld_out),
-                I8Path::AvxVnni | I8Path::Avx2 | I8Path::Portable => {}
+            match (path, w.layout()) {
+                (I8Path::Amx | I8Path::Avx512Vnni, I8Layout::Interleaved) => {
+                    return avx512::gemm_lanes(&segs, out, ld_out);
+                }
+                (_, I8Layout::Interleaved) => {}
+                (I8Path::Amx, _) if lw.batch >= AMX_MIN_BATCH => {
+                    return amx::gemm(&segs, out, ld_out);
+                }
+                (I8Path::Amx | I8Path::Avx512Vnni, _) => return avx512::gemm(&segs, out, ld_out),
+                (I8Path::AvxVnni, I8Layout::RowMajor) => {
+                    return avx2::gemm_vnni(&segs, out, ld_out);
+                }
+                (I8Path::Avx2, I8Layout::RowMajor) => return avx2::gemm(&segs, out, ld_out),
+                (I8Path::AvxVnni | I8Path::Avx2 | I8Path::Portable, _) => {}
             }
         }
     }
@@ -1218,7 +1347,8 @@ pub fn gemm_i8_wide(
 ) {
     assert!(
         w.packed.is_none(),
-        "gemm_i8_wide: packed int8 weights are not supported (row-major only)"
+        "gemm_i8_wide: {} int8 weights are not supported (row-major only)",
+        w.layout().name()
     );
     if !check_tile(&w, w.cols(), batch, tile, out, ld_out) {
         return;
