@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
     ActsI8, GemmTile, I8Layout, I8Path, NextRows, OutMode, WeightsI8, gemm_i8_w8a8_then,
-    pack_weights_i8, quantize_acts_i8, with_i8_path,
+    pack_weights_i8, pack_weights_i8_as, quantize_acts_i8, with_i8_path,
 };
 
 /// One weight matrix of a case and the activation rows that multiply it.
@@ -42,6 +42,8 @@ struct Mat {
     w: &'static [i8],
     /// The same weights packed.
     packed: &'static [i8],
+    /// The same weights interleaved.
+    interleaved: &'static [i8],
     sw: Vec<f32>,
     n: usize,
     k: usize,
@@ -84,9 +86,12 @@ fn mat(n: usize, k: usize, batch: usize, seed: u64) -> Mat {
     let w = huge_i8(n * k, seed);
     let packed = huge_i8(n * k, seed);
     pack_weights_i8(w, n, k, k, packed);
+    let interleaved = huge_i8(n * k, seed);
+    pack_weights_i8_as(I8Layout::Interleaved, w, n, k, k, interleaved);
     Mat {
         w,
         packed,
+        interleaved,
         sw: vec![0.01; n],
         n,
         k,
@@ -99,6 +104,7 @@ fn whole(m: &Mat, layout: I8Layout) -> WeightsI8<'_> {
     match layout {
         I8Layout::RowMajor => WeightsI8::new(m.w, &m.sw, m.n, m.k, m.k),
         I8Layout::Packed => WeightsI8::packed(m.packed, &m.sw, m.n, m.k),
+        I8Layout::Interleaved => WeightsI8::interleaved(m.interleaved, &m.sw, m.n, m.k),
     }
 }
 
@@ -288,6 +294,8 @@ fn main() {
         (I8Layout::Packed, false),
         (I8Layout::RowMajor, true),
         (I8Layout::Packed, true),
+        (I8Layout::Interleaved, false),
+        (I8Layout::Interleaved, true),
     ];
     let variants: Vec<(I8Path, usize, (I8Layout, bool))> = paths
         .iter()
@@ -361,6 +369,8 @@ fn main() {
                     (I8Layout::RowMajor, false) => "row-major",
                     (I8Layout::Packed, true) => "packed chained",
                     (I8Layout::RowMajor, true) => "row-major chained",
+                    (I8Layout::Interleaved, false) => "interleaved",
+                    (I8Layout::Interleaved, true) => "interleaved chained",
                 },
                 best * 1e6,
                 med * 1e6,

@@ -126,7 +126,8 @@ fn hca_step_matches_the_golden_at_mixed_starts() {
 
 /// Eight sequences (16 token rows): the attention's int8 products then run on AMX-INT8 tiles
 /// where the machine has them, and their weights go up packed; at four sequences (8 rows, the
-/// other tests) they run on the AVX-512 VNNI blocks and go up row-major. Either way the step
+/// other tests) they run on the AVX-512 VNNI lane-wise kernel and go up interleaved (row-major
+/// on machines without AVX-512 VNNI). Either way the step
 /// matches the golden, so the upload and the kernels agree on the layout.
 #[test]
 fn swa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
@@ -138,10 +139,15 @@ fn swa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
         amx,
         "16 rows pack only on AMX-INT8"
     );
+    let vnni512 = matches!(I8Path::detected(), I8Path::Amx | I8Path::Avx512Vnni);
     assert_eq!(
         kernel_layout(Int8Use::Attention { rows: 8 }),
-        I8Layout::RowMajor,
-        "8 rows run on the vector blocks, which read row-major weights faster"
+        if vnni512 {
+            I8Layout::Interleaved
+        } else {
+            I8Layout::RowMajor
+        },
+        "8 rows run on the AVX-512 VNNI lane-wise kernel, which reads interleaved weights"
     );
     eprintln!("attention int8 weights at 16 rows: {layout:?}");
     let c = case(

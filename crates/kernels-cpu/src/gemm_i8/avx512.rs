@@ -5,6 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::{Lowered, LoweredWide, PACK_ROWS, QUAD, WithActSums};
+use crate::gemm::OutMode;
 use crate::simd::prefetch_l2;
 
 /// Weight rows per W8A8 block: 24 accumulators at 8 batch rows (more independent
@@ -153,6 +154,11 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
                 unsafe { arms!(1 2 3 4 5 6 7 8) };
                 for (g, sg) in sums.iter().enumerate().take(gg) {
                     for (b, sb) in sg.iter().enumerate().take(bb) {
+                        if tail.is_empty() {
+                            // SAFETY: AVX-512 F by the caller's contract.
+                            unsafe { finish16(lo, out, ld_out, n0 + g * PACK_ROWS, b0 + b, sb) };
+                            continue;
+                        }
                         for (r, &v) in sb.iter().enumerate() {
                             let n = n0 + g * PACK_ROWS + r;
                             let t = if tail.is_empty() {
@@ -169,6 +175,41 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
             }
         }
         n0 += gg * PACK_ROWS;
+    }
+}
+
+/// [`Lowered::finish`] of the 16 sums of rows `n..n + 16` (inside the tile) × batch row
+/// `b`, `sums` without the offset yet: the same expression per lane (`sum as f32`, times the
+/// row's scale, times the batch row's), so the same bits as the scalar finish.
+///
+/// # Safety
+/// AVX-512 F available.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+unsafe fn finish16(
+    lo: &WithActSums<'_, '_>,
+    out: &mut [f32],
+    ld_out: usize,
+    n: usize,
+    b: usize,
+    sums: &[i32; PACK_ROWS],
+) {
+    let lw = lo.lw;
+    // SAFETY: 16 i32 read from a 16-element array.
+    let s = unsafe { _mm512_loadu_si512(sums.as_ptr().cast()) };
+    let s = _mm512_sub_epi32(s, _mm512_set1_epi32(lo.offset(b)));
+    let sw = &lw.sw[n..n + PACK_ROWS];
+    // SAFETY: 16 f32 read from a 16-element slice.
+    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), unsafe { _mm512_loadu_ps(sw.as_ptr()) });
+    let v = _mm512_mul_ps(v, _mm512_set1_ps(lw.sa[b * lw.groups + lw.group]));
+    let at = b * ld_out + (n - lw.n.start);
+    let o = &mut out[at..at + PACK_ROWS];
+    // SAFETY: 16 f32 read and written in a 16-element slice.
+    unsafe {
+        let v = match lw.mode {
+            OutMode::Store => v,
+            OutMode::Add => _mm512_add_ps(_mm512_loadu_ps(o.as_ptr()), v),
+        };
+        _mm512_storeu_ps(o.as_mut_ptr(), v);
     }
 }
 

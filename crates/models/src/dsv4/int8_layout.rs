@@ -16,7 +16,7 @@
 use std::borrow::Cow;
 
 use simpler_core::Worker;
-use simpler_kernels_cpu::{I8Layout, pack_weights_i8};
+use simpler_kernels_cpu::{I8Layout, pack_weights_i8_as};
 
 /// What a DeepSeek-V4 int8 weight matrix is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,11 +69,11 @@ pub fn stacked_in_layout(
     assert_eq!(q.len(), count * one, "stacked int8 weights: length");
     match layout {
         I8Layout::RowMajor => Cow::Borrowed(q),
-        I8Layout::Packed => {
+        I8Layout::Packed | I8Layout::Interleaved => {
             let mut out = vec![0i8; q.len()];
             if one > 0 {
                 for (src, dst) in q.chunks_exact(one).zip(out.chunks_exact_mut(one)) {
-                    pack_weights_i8(src, rows, cols, cols, dst);
+                    pack_weights_i8_as(layout, src, rows, cols, cols, dst);
                 }
             }
             Cow::Owned(out)
@@ -84,7 +84,7 @@ pub fn stacked_in_layout(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use simpler_kernels_cpu::packed_index_i8;
+    use simpler_kernels_cpu::{interleaved_index_i8, packed_index_i8};
 
     /// Row-major borrows the stack as it is; packed reorders each matrix on its own, every
     /// value where the GEMM's index formula puts it within its matrix's span.
@@ -106,6 +106,19 @@ mod tests {
                         packed[base + packed_index_i8(rows, cols, n, k)],
                         q[base + n * cols + k],
                         "matrix {m} ({n}, {k})"
+                    );
+                }
+            }
+        }
+        let inter = stacked_in_layout(&q, count, rows, cols, I8Layout::Interleaved);
+        for m in 0..count {
+            let base = m * rows * cols;
+            for n in 0..rows {
+                for k in 0..cols {
+                    assert_eq!(
+                        inter[base + interleaved_index_i8(rows, cols, n, k)],
+                        q[base + n * cols + k],
+                        "interleaved matrix {m} ({n}, {k})"
                     );
                 }
             }
