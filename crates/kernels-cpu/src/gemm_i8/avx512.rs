@@ -199,7 +199,9 @@ unsafe fn finish16(
     let s = _mm512_sub_epi32(s, _mm512_set1_epi32(lo.offset(b)));
     let sw = &lw.sw[n..n + PACK_ROWS];
     // SAFETY: 16 f32 read from a 16-element slice.
-    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), unsafe { _mm512_loadu_ps(sw.as_ptr()) });
+    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), unsafe {
+        _mm512_loadu_ps(sw.as_ptr())
+    });
     let v = _mm512_mul_ps(v, _mm512_set1_ps(lw.sa[b * lw.groups + lw.group]));
     let at = b * ld_out + (n - lw.n.start);
     let o = &mut out[at..at + PACK_ROWS];

@@ -48,6 +48,24 @@
 //!   element through the formula. The wide product ([`gemm_i8_wide`]) takes row-major weights
 //!   only and refuses packed ones by name. Views of a row range of packed weights
 //!   ([`WeightsI8::rows_range`]) keep the whole matrix and an offset, so any range works.
+//! - Interleaved weights ([`I8Layout::Interleaved`], written by [`pack_weights_i8_as`],
+//!   viewed by [`WeightsI8::interleaved`]): the same `N * K` bytes in the same 16-row groups,
+//!   but `k` in quads of [`QUAD`] (4) bytes, and inside a group each quad a block of the
+//!   group's rows × the quad's bytes:
+//!
+//!   ```text
+//!   q = k / 4, j = k % 4, w = min(4, K - 4 q)           (bytes of the quad)
+//!   index(n, k) = 16 g K + 4 q h + r w + j
+//!   ```
+//!
+//!   A whole group's quad is one 64-byte line, 4 bytes of each of its 16 rows: the
+//!   `vpdpbusd` operand whose 16 lanes are 16 output rows, against one batch row's quad
+//!   broadcast to every lane. The sums then come out with the rows in the lanes: no horizontal
+//!   sum per output (the row-major blocks reduce 16 lanes per output, which at 8 batch rows
+//!   held them to ~15 GB/s per thread with the weights in L2, against ~25–31 for the
+//!   lane-wise kernel; `docs/benchmarks.md`). Only the AVX-512 VNNI paths (and AMX below
+//!   [`AMX_MIN_BATCH`]) read them with SIMD, from segments that start on a whole quad; rows
+//!   outside whole groups of a tile, and every other path, go through the formula.
 //!
 //! # Paths ([`I8Path`], chosen at run time)
 //! - Portable: plain loops.
@@ -62,6 +80,8 @@
 //!   one (offsetting the activations instead needs each weight row's sum, a `vpdpbusd` per
 //!   weight vector and batch pass: a fifth of the instructions at 8 rows in two passes).
 //!   Sums wrap in i32 and the final value is in range, so the wrap cancels.
+//!   On interleaved weights the same offset trick runs lane-wise (`avx512::gemm_lanes`): two
+//!   16-row groups × up to 8 batch rows in 16 accumulators, each step one line per group.
 //! - AMX-INT8 (`tdpbssd`): the weight rows are the A tile as they lie (16 rows × 64 bytes),
 //!   the activations are repacked per call into the B tile layout (`k / 4` rows of four bytes
 //!   per batch row), so nothing about the weights changes; for batches of at least
