@@ -7,7 +7,8 @@
 //! the best and median rounds reach.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example gemm_i8_batch8 -- [N K ROUNDS BATCH
-//! MIB]` (default 2048 4096 9 8 256: one FLASH expert's `W1`, 256 MiB of matrices per pass).
+//! MIB [LAYOUT]]` (default 2048 4096 9 8 256 row-major: one FLASH expert's `W1`, 256 MiB of
+//! matrices per pass; `LAYOUT`: `row-major`, `packed` or `interleaved`).
 //! A small `MIB` (one or two) keeps the matrices in the core's cache: the products then run
 //! at the int8 rate, and `%peak` (the rate over the path's measured peak) is the share that
 //! counts; the bandwidth columns assume streaming and do not apply.
@@ -17,12 +18,21 @@ use std::time::{Duration, Instant};
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, quantize_acts_i8, with_i8_path,
+    ActsI8, GemmTile, I8Layout, I8Path, OutMode, WeightsI8, gemm_i8_w8a8, pack_weights_i8_as,
+    quantize_acts_i8, with_i8_path,
 };
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    let layout = match all.get(5).map(String::as_str) {
+        None | Some("row-major") => I8Layout::RowMajor,
+        Some("packed") => I8Layout::Packed,
+        Some("interleaved") => I8Layout::Interleaved,
+        Some(other) => panic!("LAYOUT {other:?}: row-major, packed or interleaved"),
+    };
+    let args: Vec<usize> = all
+        .iter()
+        .take(5)
         .map(|a| a.parse().expect("numbers"))
         .collect();
     let n = args.first().copied().unwrap_or(2048);
@@ -39,7 +49,12 @@ fn main() {
         ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     };
     let wq: Vec<Vec<i8>> = (0..mats)
-        .map(|_| (0..n * k).map(|_| (rnd() * 250.0) as i8).collect())
+        .map(|_| {
+            let rm: Vec<i8> = (0..n * k).map(|_| (rnd() * 250.0) as i8).collect();
+            let mut w = vec![0i8; n * k];
+            pack_weights_i8_as(layout, &rm, n, k, k, &mut w);
+            w
+        })
         .collect();
     let sw = vec![0.01f32; n];
     let x: Vec<f32> = (0..batch * k).map(|_| rnd()).collect();
@@ -53,16 +68,19 @@ fn main() {
     };
     let mut out = vec![0.0f32; batch * n];
 
+    // AVX2 and AVX-VNNI read packed and interleaved weights only through the portable loops.
     let paths: Vec<I8Path> = I8Path::ALL
         .into_iter()
         .filter(|p| p.is_supported())
+        .filter(|p| layout == I8Layout::RowMajor || *p >= I8Path::Avx512Vnni)
         .collect();
     let peaks = int8_peaks(1, Duration::from_secs(2));
     let bw_buf = vec![1u64; (512usize << 20) / 8];
     let (bw_best, bw_median) = read_bandwidth(&bw_buf, 1, Duration::from_secs(2));
     drop(bw_buf);
     println!(
-        "W8A8 GEMM [{n} x {k}] int8, batch {batch}, one thread, {mats} matrices ({} MiB) per pass, {rounds} rounds",
+        "W8A8 GEMM [{n} x {k}] int8 {}, batch {batch}, one thread, {mats} matrices ({} MiB) per pass, {rounds} rounds",
+        layout.name(),
         (mats * n * k) >> 20
     );
     println!("streaming read, one thread: best {bw_best:.1} GB/s, median {bw_median:.1} GB/s");
@@ -74,7 +92,7 @@ fn main() {
             let t = Instant::now();
             with_i8_path(paths[i], || {
                 for m in &wq {
-                    let w = WeightsI8::new(m, &sw, n, k, k);
+                    let w = WeightsI8::with_layout(m, &sw, n, k, layout);
                     gemm_i8_w8a8(w, ActsI8::new(&xq, &xs, batch, k, k), &tile, &mut out, n);
                 }
             });
