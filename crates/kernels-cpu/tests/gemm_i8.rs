@@ -426,11 +426,8 @@ fn packed_row_range_views_equal_row_major_views() {
     }
 }
 
-#[test]
-#[should_panic(expected = "packed int8 weights are not supported")]
-fn wide_product_refuses_packed_weights() {
-    let w = vec![0i8; 4 * 8];
-    let sw = vec![1.0f32; 4];
+/// The wide product on one row of `w` (which it refuses unless row-major).
+fn wide_on(w: WeightsI8<'_>) {
     let x = vec![0.0f32; 8];
     let tile = GemmTile {
         n: 0..4,
@@ -438,16 +435,19 @@ fn wide_product_refuses_packed_weights() {
         mode: OutMode::Store,
     };
     let mut out = vec![0.0f32; 4];
-    gemm_i8_wide(
-        WeightsI8::packed(&w, &sw, 4, 8),
-        &x,
-        1,
-        8,
-        None,
-        &tile,
-        &mut out,
-        4,
-    );
+    gemm_i8_wide(w, &x, 1, 8, None, &tile, &mut out, 4);
+}
+
+#[test]
+#[should_panic(expected = "packed int8 weights are not supported")]
+fn wide_product_refuses_packed_weights() {
+    wide_on(WeightsI8::packed(&[0i8; 32], &[1.0f32; 4], 4, 8));
+}
+
+#[test]
+#[should_panic(expected = "interleaved int8 weights are not supported")]
+fn wide_product_refuses_interleaved_weights() {
+    wide_on(WeightsI8::interleaved(&[0i8; 32], &[1.0f32; 4], 4, 8));
 }
 
 /// Bytes after a packed or interleaved matrix (a buffer larger than the matrix) are never
@@ -479,30 +479,6 @@ fn packed_weights_ignore_bytes_after_the_matrix() {
             assert_eq!(run(values), run(&longer), "{} {}", p.name(), layout.name());
         }
     }
-}
-
-#[test]
-#[should_panic(expected = "interleaved int8 weights are not supported")]
-fn wide_product_refuses_interleaved_weights() {
-    let w = vec![0i8; 4 * 8];
-    let sw = vec![1.0f32; 4];
-    let x = vec![0.0f32; 8];
-    let tile = GemmTile {
-        n: 0..4,
-        k: 0..8,
-        mode: OutMode::Store,
-    };
-    let mut out = vec![0.0f32; 4];
-    gemm_i8_wide(
-        WeightsI8::interleaved(&w, &sw, 4, 8),
-        &x,
-        1,
-        8,
-        None,
-        &tile,
-        &mut out,
-        4,
-    );
 }
 
 #[test]

@@ -391,20 +391,32 @@ impl I8Layout {
 /// # Panics
 /// If `(n, k)` lies outside `[rows, cols]`.
 pub fn packed_index_i8(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    check_element("packed", rows, cols, n, k);
+    packed_index(rows, cols, n, k)
+}
+
+fn check_element(what: &str, rows: usize, cols: usize, n: usize, k: usize) {
     assert!(
         n < rows && k < cols,
-        "packed int8 weights: element ({n}, {k}) outside [{rows}, {cols}]"
+        "{what} int8 weights: element ({n}, {k}) outside [{rows}, {cols}]"
     );
-    packed_index(rows, cols, n, k)
 }
 
 #[inline]
 fn packed_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
+    grouped_index(rows, cols, n, k, PACK_K)
+}
+
+/// Index of `(n, k)` in 16-row groups whose `k` is cut into chunks of `chunk` bytes, each
+/// chunk of a group a block of the group's rows × the chunk's bytes (the last group and chunk
+/// shrunk): the packed (`chunk` 64) and interleaved (`chunk` 4) layouts.
+#[inline]
+fn grouped_index(rows: usize, cols: usize, n: usize, k: usize, chunk: usize) -> usize {
     let (g, r) = (n / PACK_ROWS, n % PACK_ROWS);
     let h = (rows - g * PACK_ROWS).min(PACK_ROWS);
-    let (c, j) = (k / PACK_K, k % PACK_K);
-    let w = (cols - c * PACK_K).min(PACK_K);
-    g * PACK_ROWS * cols + c * PACK_K * h + r * w + j
+    let (c, j) = (k / chunk, k % chunk);
+    let w = (cols - c * chunk).min(chunk);
+    g * PACK_ROWS * cols + c * chunk * h + r * w + j
 }
 
 /// Index of element `(n, k)` of interleaved int8 weights `[rows, cols]`
@@ -414,20 +426,13 @@ fn packed_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
 /// # Panics
 /// If `(n, k)` lies outside `[rows, cols]`.
 pub fn interleaved_index_i8(rows: usize, cols: usize, n: usize, k: usize) -> usize {
-    assert!(
-        n < rows && k < cols,
-        "interleaved int8 weights: element ({n}, {k}) outside [{rows}, {cols}]"
-    );
+    check_element("interleaved", rows, cols, n, k);
     interleaved_index(rows, cols, n, k)
 }
 
 #[inline]
 fn interleaved_index(rows: usize, cols: usize, n: usize, k: usize) -> usize {
-    let (g, r) = (n / PACK_ROWS, n % PACK_ROWS);
-    let h = (rows - g * PACK_ROWS).min(PACK_ROWS);
-    let (q, j) = (k / QUAD, k % QUAD);
-    let w = (cols - q * QUAD).min(QUAD);
-    g * PACK_ROWS * cols + q * QUAD * h + r * w + j
+    grouped_index(rows, cols, n, k, QUAD)
 }
 
 /// Writes row-major int8 weights `src [rows, cols]` (row stride `ld`) into `dst` in `layout`

@@ -96,30 +96,24 @@ mod tests {
             .collect();
         let rm = stacked_in_layout(&q, count, rows, cols, I8Layout::RowMajor);
         assert!(matches!(rm, Cow::Borrowed(_)));
-        let packed = stacked_in_layout(&q, count, rows, cols, I8Layout::Packed);
-        assert_eq!(packed.len(), q.len());
-        for m in 0..count {
-            let base = m * rows * cols;
-            for n in 0..rows {
-                for k in 0..cols {
-                    assert_eq!(
-                        packed[base + packed_index_i8(rows, cols, n, k)],
-                        q[base + n * cols + k],
-                        "matrix {m} ({n}, {k})"
-                    );
-                }
-            }
-        }
-        let inter = stacked_in_layout(&q, count, rows, cols, I8Layout::Interleaved);
-        for m in 0..count {
-            let base = m * rows * cols;
-            for n in 0..rows {
-                for k in 0..cols {
-                    assert_eq!(
-                        inter[base + interleaved_index_i8(rows, cols, n, k)],
-                        q[base + n * cols + k],
-                        "interleaved matrix {m} ({n}, {k})"
-                    );
+        type Index = fn(usize, usize, usize, usize) -> usize;
+        let layouts: [(I8Layout, Index); 2] = [
+            (I8Layout::Packed, packed_index_i8),
+            (I8Layout::Interleaved, interleaved_index_i8),
+        ];
+        for (layout, index) in layouts {
+            let packed = stacked_in_layout(&q, count, rows, cols, layout);
+            assert_eq!(packed.len(), q.len());
+            for m in 0..count {
+                let base = m * rows * cols;
+                for n in 0..rows {
+                    for k in 0..cols {
+                        assert_eq!(
+                            packed[base + index(rows, cols, n, k)],
+                            q[base + n * cols + k],
+                            "{layout:?} matrix {m} ({n}, {k})"
+                        );
+                    }
                 }
             }
         }
