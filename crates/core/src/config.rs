@@ -291,7 +291,8 @@ pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_millis(2);
 /// Largest idle spin a worker accepts (a core spinning longer than this is a busy loop).
 pub const MAX_IDLE_SPIN: Duration = Duration::from_secs(1);
 
-/// Environment variable overriding the idle spin (microseconds; 0 parks at once).
+/// Environment variable overriding the idle spin (microseconds; 0 parks after the first few
+/// checks for work).
 pub const ENV_IDLE_SPIN_US: &str = "SIMPLER_IDLE_SPIN_US";
 
 /// The idle spin from the environment read through `env`: [`DEFAULT_IDLE_SPIN`] when unset, and

@@ -43,7 +43,7 @@ pub struct WorkerConfig {
     /// Timeouts; `None` reads the defaults and the environment overrides.
     pub timeouts: Option<Timeouts>,
     /// How long a core with nothing to do inside a run spins before it parks (at most
-    /// [`crate::config::MAX_IDLE_SPIN`]; zero parks at once). `None` reads
+    /// [`crate::config::MAX_IDLE_SPIN`]; zero parks after the first few checks). `None` reads
     /// [`crate::config::ENV_IDLE_SPIN_US`], else [`crate::config::DEFAULT_IDLE_SPIN`]. Spinning
     /// saves the wake-up at a phase end; lower it where several processes share the CPUs.
     pub idle_spin: Option<Duration>,

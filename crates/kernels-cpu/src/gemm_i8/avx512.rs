@@ -161,11 +161,7 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
                         }
                         for (r, &v) in sb.iter().enumerate() {
                             let n = n0 + g * PACK_ROWS + r;
-                            let t = if tail.is_empty() {
-                                0
-                            } else {
-                                lo.dot(n, b0 + b, tail.clone())
-                            };
+                            let t = lo.dot(n, b0 + b, tail.clone());
                             let sum = v.wrapping_sub(lo.offset(b0 + b)).wrapping_add(t);
                             lo.finish(out, ld_out, n, b0 + b, sum);
                         }

@@ -63,8 +63,9 @@
 //!   broadcast to every lane. The sums then come out with the rows in the lanes: no horizontal
 //!   sum per output (the row-major blocks reduce 16 lanes per output, which at 8 batch rows
 //!   held them to ~15 GB/s per thread with the weights in L2, against ~25–31 for the
-//!   lane-wise kernel; `docs/benchmarks.md`). Only the AVX-512 VNNI paths (and AMX below
-//!   [`AMX_MIN_BATCH`]) read them with SIMD, from segments that start on a whole quad; rows
+//!   lane-wise kernel; `docs/benchmarks.md`). Only the AVX-512 VNNI and AMX paths (the
+//!   latter at any batch: the tiles take packed weights only) read them with SIMD, through
+//!   the lane-wise kernel, from segments that start on a whole quad; rows
 //!   outside whole groups of a tile, and every other path, go through the formula.
 //!
 //! # Paths ([`I8Path`], chosen at run time)
@@ -98,7 +99,7 @@
 //! per expert and column block, ~64–128 rows each), each of which would otherwise start cold:
 //! an int8 row stream is latency bound at 1–3 batch rows, and its first rows cost most.
 //! The AVX-512 VNNI blocks and the AVX2 path's sets (batches of 5 rows and more) use the hint;
-//! the other paths ignore it.
+//! the other paths, the lane-wise kernel on interleaved weights among them, ignore it.
 //!
 //! `k` slices are summed in steps of 32 (AVX2, AVX-VNNI) or 64 bytes (AVX-512, AMX) from the
 //! slice start, the rest by a scalar loop: no alignment or multiple is required of `K`.
@@ -368,10 +369,12 @@ impl I8Layout {
     /// The layout int8 weights multiplied by `rows` activation rows at a time should be built
     /// in for this machine's kernels: packed where those products run on AMX-INT8 tiles (the
     /// best path is AMX and `rows >= AMX_MIN_BATCH`; a weight tile is then one contiguous
-    /// 1 KiB block), row-major elsewhere. The AVX-512 VNNI blocks read 3 lines of every
-    /// packed 1 KiB block per pass and streamed the FLASH `Wq_b` and `Wo_b` at 8 rows 12–18%
-    /// slower packed than row-major on an AMX Xeon (`dsv4_proj_bw`, `docs/benchmarks.md`);
-    /// AVX2 and AVX-VNNI read packed weights only through the portable loops. Decided from
+    /// 1 KiB block); interleaved where they run on the AVX-512 VNNI lane-wise kernel (the best
+    /// path has AVX-512 VNNI and `rows` is from [`INTERLEAVED_MIN_ROWS`] to 8: at 8 rows the
+    /// FLASH `Wq_b` shape streamed 26.5 GB/s interleaved against 19.0 row-major on an AMX Xeon,
+    /// `docs/benchmarks.md`); row-major elsewhere (fewer rows, where the row blocks run far
+    /// ahead of memory, and machines without AVX-512 VNNI, whose AVX2 and AVX-VNNI paths read
+    /// the other layouts only through the portable loops). Decided from
     /// the detected path, not a thread's override, so it is the same for a whole process:
     /// weights packed at load and the kernels reading them agree when both name the same
     /// `rows`.
@@ -1048,7 +1051,8 @@ impl WAddr {
         }
     }
 
-    /// Whether row `n` starts a whole group of [`PACK_ROWS`] rows (packed) of the view.
+    /// Whether row `n` starts a whole group of [`PACK_ROWS`] rows (packed or interleaved) of
+    /// the view.
     #[inline]
     fn whole_group_at(&self, n: usize) -> bool {
         self.packed.is_none_or(|p| {

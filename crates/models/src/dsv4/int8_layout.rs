@@ -1,17 +1,18 @@
-//! Where DeepSeek-V4's int8 weights take the packed layout of the int8 GEMM
-//! ([`I8Layout::Packed`], `docs/dsv4.md`, "int8 weight layout"): the upload and the kernels
-//! that read the buffers must agree, and both decide from the same process-wide query.
+//! Which layout of the int8 GEMM DeepSeek-V4's int8 weights take (row-major,
+//! [`I8Layout::Packed`] or [`I8Layout::Interleaved`]; `docs/dsv4.md`, "int8 weight layout"):
+//! the upload and the kernels that read the buffers must agree, and both decide from the same
+//! process-wide query.
 //!
-//! - Upload ([`upload_layout`]): packed when the weights' use packs on this machine
-//!   ([`kernel_layout`]: the attention products where their rows run on AMX-INT8 tiles,
-//!   [`I8Layout::preferred_for`]) and the worker's kernels run on the host
+//! - Upload ([`upload_layout`]): the layout the weights' use takes on this machine
+//!   ([`kernel_layout`]: for the attention products, [`I8Layout::preferred_for`] their rows)
+//!   when the worker's kernels run on the host
 //!   ([`PlatformInfo::host_kernels`](simpler_core::PlatformInfo)); row-major otherwise, so a
 //!   device platform receives the same bytes as before.
 //! - Kernels ([`kernel_layout`]): these kernels run only on host-kernel platforms, so they
 //!   read the same decision without the platform test.
 //!
-//! Packing reorders the `N * K` values of a matrix in place of the row-major copy (the
-//! buffer has the same size and shape); the scales stay per row in row order.
+//! Packing or interleaving reorders the `N * K` values of a matrix in place of the row-major
+//! copy (the buffer has the same size and shape); the scales stay per row in row order.
 
 use std::borrow::Cow;
 
@@ -42,10 +43,11 @@ pub fn upload_layout(worker: &Worker, use_: Int8Use) -> I8Layout {
 }
 
 /// The layout this process's int8 kernels read weight buffers of `use_` in. The attention
-/// products pack where their rows run on AMX-INT8 tiles ([`I8Layout::preferred_for`]); at the
-/// spec's 8 rows they run on the AVX-512 VNNI blocks, which read row-major weights 12–18%
-/// faster. The experts stay row-major: their 1–3-row products measured level to 7% slower
-/// packed (`docs/benchmarks.md`, "Packed int8 weights").
+/// products take [`I8Layout::preferred_for`] their rows: at the spec's 8 rows, interleaved for
+/// the AVX-512 VNNI lane-wise kernel where the machine has it; packed from 9 rows on AMX-INT8
+/// tiles. The experts stay row-major: at 1–3 rows per expert the row-major blocks run far
+/// ahead of memory, and packed weights measured level to 7% slower (`docs/benchmarks.md`,
+/// "Packed int8 weights").
 pub fn kernel_layout(use_: Int8Use) -> I8Layout {
     match use_ {
         Int8Use::Attention { rows } => I8Layout::preferred_for(rows),
@@ -86,10 +88,10 @@ mod tests {
     use super::*;
     use simpler_kernels_cpu::{interleaved_index_i8, packed_index_i8};
 
-    /// Row-major borrows the stack as it is; packed reorders each matrix on its own, every
-    /// value where the GEMM's index formula puts it within its matrix's span.
+    /// Row-major borrows the stack as it is; packed and interleaved reorder each matrix on its
+    /// own, every value where the GEMM's index formula puts it within its matrix's span.
     #[test]
-    fn stacked_matrices_are_packed_one_by_one() {
+    fn stacked_matrices_are_reordered_one_by_one() {
         let (count, rows, cols) = (3, 19, 70);
         let q: Vec<i8> = (0..count * rows * cols)
             .map(|i| ((i % 251) as i32 - 125) as i8)
