@@ -734,6 +734,10 @@ fn next_rows_hint_never_changes_results() {
                             NextRows::new(weights(&c, &packed, layout), n - 1),
                             NextRows::new(weights(&c, &packed, layout), n + 5),
                             NextRows::new(weights(&other, &other_packed, I8Layout::Packed), 30),
+                            NextRows::new(
+                                weights(&other, &other_packed, I8Layout::Interleaved),
+                                17,
+                            ),
                             NextRows::new(weights(&other, &other_packed, I8Layout::RowMajor), 0),
                         ];
                         for next in nexts {
