@@ -495,33 +495,55 @@ fn slot_us(slots: &[TaskSlotTiming], s: u8) -> f64 {
         .map_or(0.0, |t| t.span.us())
 }
 
-/// The per-phase table of one step: each phase's measured span (its timing slot), bytes,
-/// GB/s and its bound at the machine's limits.
-fn format_phases(cost: &LayerCost, peaks: &Peaks, report: &RunReport) -> String {
-    let mut s =
-        String::from("  phase                 span_us      MB     GB/s   bound_us  % of bound\n");
+/// The per-phase table over the measured steps: each phase's span (its timing slot) as the
+/// median, the quickest and the last step had it, its bytes, and the GB/s and share of its
+/// bound at the machine's limits for the median span. One step's spans move by tens of
+/// percent on a shared host, so a comparison of two builds reads the medians.
+///
+/// `spans[step][phase]`, in the order the steps ran (the last row is the last step).
+fn format_phases(cost: &LayerCost, peaks: &Peaks, spans: &[Vec<f64>]) -> String {
+    let mut s = String::from(
+        "  phase              median_us     min_us    last_us      MB     GB/s   bound_us  % of bound\n",
+    );
     for (i, p) in cost.phases.iter().enumerate() {
-        let span = slot_us(&report.task_slots, i as u8);
-        let bound = LayerCost::phase_s(p, peaks) * 1e6;
-        s += &format!(
-            "  {:<18} {:>10.1} {:>7.2} {:>8.2} {:>10.1} {:>10.1}%\n",
-            p.name,
-            span,
-            p.bytes / 1e6,
-            if span > 0.0 {
-                p.bytes / span / 1e3
-            } else {
-                0.0
-            },
-            bound,
-            if span > 0.0 {
-                100.0 * bound / span
-            } else {
-                0.0
+        let of_phase: Vec<f64> = spans.iter().filter_map(|st| st.get(i).copied()).collect();
+        let (med, min, last) = match of_phase.last() {
+            Some(&last) => {
+                let sum = Summary::of(&of_phase);
+                (sum.median, sum.min, last)
             }
+            None => (0.0, 0.0, 0.0),
+        };
+        let bound = LayerCost::phase_s(p, peaks) * 1e6;
+        let per = |v: f64| if med > 0.0 { v / med } else { 0.0 };
+        s += &format!(
+            "  {:<18} {:>10.1} {:>10.1} {:>10.1} {:>7.2} {:>8.2} {:>10.1} {:>10.1}%\n",
+            p.name,
+            med,
+            min,
+            last,
+            p.bytes / 1e6,
+            per(p.bytes / 1e3),
+            bound,
+            per(100.0 * bound),
         );
     }
     s
+}
+
+/// The line above [`format_phases`]'s table.
+fn phases_title(steps: usize) -> String {
+    format!(
+        "per phase over the {steps} measured steps (span = first start to last end of the phase's tasks; GB/s and % of bound from the median):"
+    )
+}
+
+/// Each timing slot's span of `report` for the first `phases` slots, us (0 where a slot has
+/// no task).
+fn phase_spans(report: &RunReport, phases: usize) -> Vec<f64> {
+    (0..phases)
+        .map(|i| slot_us(&report.task_slots, u8::try_from(i).unwrap_or(u8::MAX)))
+        .collect()
 }
 
 /// The summary lines of a step time (seconds) against the cost.
@@ -595,13 +617,17 @@ struct Measured {
     wall: Vec<f64>,
     /// Each round's validity, for kinds that judge it ([`LayerStep::round_valid`]).
     valid: Vec<Option<bool>>,
+    /// Each measured round's phase spans, us ([`phase_spans`]).
+    phases: Vec<Vec<f64>>,
     /// The last step's report.
     last: RunReport,
 }
 
 /// Runs `warmup + rounds` steps.
 fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Result<Measured> {
-    let (mut eff, mut wall, mut valid) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut eff, mut wall, mut valid, mut phases) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let n_phases = s.step.cost().phases.len();
     let mut last = None;
     for i in 0..warmup + rounds {
         s.flush_cache();
@@ -612,6 +638,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
             eff.push(r.effective().us());
             wall.push(dt);
             valid.push(s.step.round_valid());
+            phases.push(phase_spans(&r, n_phases));
             last = Some(r);
         }
     }
@@ -620,6 +647,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
         eff,
         wall,
         valid,
+        phases,
         last,
     })
 }
@@ -684,14 +712,18 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
         }
     }
     let Measured {
-        eff, wall, last, ..
+        eff,
+        wall,
+        phases,
+        last,
+        ..
     } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     opts::emit(&last, &cfg)?;
     let peaks = finish_peaks(&s, &args.case);
     print!("{}", opts::format_report(&last));
     let cost = s.step.cost();
-    println!("per phase (last step; span = first start to last end of the phase's tasks):");
-    print!("{}", format_phases(&cost, &peaks, &last));
+    println!("{}", phases_title(phases.len()));
+    print!("{}", format_phases(&cost, &peaks, &phases));
     let (e, w) = (Summary::of(&eff), Summary::of(&wall));
     println!("  {}", format_summary("effective_us", &e, args.warmup));
     println!("  {}", format_summary("host_step_us", &w, args.warmup));
@@ -727,7 +759,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         args.rounds,
     )?;
     let Measured {
-        eff, valid, last, ..
+        eff, valid, phases, ..
     } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     let peaks = finish_peaks(&s, &args.case);
     let e = Summary::of(&eff);
@@ -749,8 +781,8 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         "{}",
         format_ratios(&cost, &peaks, e.min / 1e6, "quietest step")
     );
-    println!("per phase (last step):");
-    print!("{}", format_phases(&cost, &peaks, &last));
+    println!("{}", phases_title(phases.len()));
+    print!("{}", format_phases(&cost, &peaks, &phases));
     if let Some(b) = args.versus_proj_blocks {
         let c = versus_proj_blocks(&mut s, &cfg, b, args.rounds, args.warmup)?;
         println!(
@@ -801,4 +833,57 @@ fn versus_proj_blocks(
         &format!("{blocks} blocks"),
         &c,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use simpler_models::dsv4::PhaseCost;
+
+    #[test]
+    fn the_phase_table_reads_every_measured_step() {
+        // 1 MB per phase at 1 GB/s: a 1000 us bound each.
+        let phase = |name| PhaseCost {
+            name,
+            bytes: 1e6,
+            flops: 0.0,
+            int8_ops: 0.0,
+        };
+        let cost = LayerCost {
+            phases: vec![phase("first"), phase("second")],
+        };
+        let peaks = Peaks {
+            gbs: 1.0,
+            gflops: 1.0,
+            int8_gops: 1.0,
+        };
+        // Three steps; the second phase is missing from the last one's slots.
+        let spans = vec![vec![3000.0, 500.0], vec![2000.0, 1000.0], vec![4000.0]];
+        let t = format_phases(&cost, &peaks, &spans);
+        let rows: Vec<Vec<&str>> = t
+            .lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        // median 3000, quickest 2000, last 4000; 1 MB / 3000 us; bound 1000 of 3000.
+        assert_eq!(
+            rows[0],
+            [
+                "first", "3000.0", "2000.0", "4000.0", "1.00", "0.33", "1000.0", "33.3%"
+            ]
+        );
+        // The steps that recorded the phase: median of 500 and 1000, the last of them 1000.
+        assert_eq!(
+            rows[1],
+            [
+                "second", "750.0", "500.0", "1000.0", "1.00", "1.33", "1000.0", "133.3%"
+            ]
+        );
+        // No step at all: zeros, not a panic or a division by zero.
+        let t = format_phases(&cost, &peaks, &[]);
+        assert!(
+            t.lines().nth(1).is_some_and(|l| l.ends_with(" 0.0%")),
+            "{t}"
+        );
+    }
 }
