@@ -97,11 +97,12 @@ multiversion! {
         let wide = crate::isa::Isa::current() >= crate::isa::Isa::Avx512Bf16;
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
-        // Several token blocks: each weight value converted once for all of them; one block
-        // against several row pairs: each token value converted once for all of those. The
-        // AVX-512 blocks convert a weight quad once for two tokens' lanes and keep their path.
-        if !wide && rows > MIX_TOKENS {
-            mix_chunked(x, n, w, out, ld_out);
+        // Several token blocks: each weight value converted once for all of them (on AVX-512
+        // in 6-row blocks of 512-bit registers); one block against several row pairs: each
+        // token value converted once for all of those (on AVX-512 the 2 × 4 blocks below
+        // convert a weight quad once for two tokens' lanes and keep their path).
+        if rows > MIX_TOKENS {
+            mix_chunked(x, n, w, out, ld_out, wide);
             return;
         }
         if !wide && rows > 0 && m > MIX_ROWS {
@@ -183,8 +184,11 @@ const CHUNK_TOKENS: usize = 4;
 /// only added stores (the phase took 1.2× the time): those calls take [`mix_few_tokens`].
 /// Each lane adds the same products in the same order as before: the sums are bit for bit
 /// the same.
+///
+/// With `wide` (the CPU has AVX-512 F) the blocks are [`chunk_block_avx512`]'s: up to
+/// [`WIDE_ROWS`] rows × 4 tokens in 512-bit registers.
 #[inline(always)]
-fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
+fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize, wide: bool) {
     let (rows, m) = (x.len() / n, w.len() / n);
     let body = n / 4 * 4;
     let chunk = (MIX_CHUNK_BYTES / (8 * m.max(1)) / 4 * 4).clamp(4, MIX_CHUNK);
@@ -199,10 +203,131 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize) {
         convert_chunks(w, n, c0..c0 + len, &mut wf, ch4);
         let xs = |t: usize| &x[t * n + c0..t * n + c0 + len].as_chunks::<4>().0[..q];
         let ws = |j: usize| &wf[j * ch4..j * ch4 + q];
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: `wide` only where the CPU has AVX-512 F (the caller's check).
+            unsafe { chunk_blocks_avx512(&mut acc, (rows, m, q), xs, ws) };
+            c0 += len;
+            continue;
+        }
+        let _ = wide;
         chunk_blocks(&mut acc, (rows, m, q), xs, ws);
         c0 += len;
     }
     write_mix(&acc, (x, w, n), out, ld_out);
+}
+
+/// Weight rows per register block of [`chunk_block_avx512`]: six rows × two registers of
+/// two tokens' lanes are twelve accumulators, each converted pair of tokens feeds six
+/// multiply-adds and each weight quad (converted already) is one broadcast load, so the
+/// block is bound by its multiply-adds, where the 2 × 4 blocks of [`mix_block_avx512`]
+/// spent about three shuffle or conversion operations per multiply-add (the FLASH SWA step's
+/// mix: `docs/dsv4.md`, "hc_pre on the runtime").
+#[cfg(target_arch = "x86_64")]
+const WIDE_ROWS: usize = 6;
+
+/// [`chunk_blocks`] on AVX-512: blocks of 4 tokens run [`chunk_block_avx512`] over up to
+/// [`WIDE_ROWS`] rows, fewer tokens the portable blocks. Same products in the same order.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_blocks_avx512<'a>(
+    acc: &mut [[f64; 4]],
+    (rows, m, q): (usize, usize, usize),
+    xs: impl Fn(usize) -> &'a [[f32; 4]],
+    ws: impl Fn(usize) -> &'a [[f64; 4]],
+) {
+    let mut j0 = 0;
+    while j0 < m {
+        let jb = (m - j0).min(WIDE_ROWS);
+        let mut t0 = 0;
+        while t0 + MIX_TOKENS <= rows {
+            let x = std::array::from_fn(|t| xs(t0 + t));
+            macro_rules! rows {
+                ($($r:literal)*) => {
+                    match jb {
+                        // SAFETY: AVX-512 F by this function's contract.
+                        $($r => unsafe {
+                            chunk_block_avx512::<$r>(acc, rows, (j0, t0), x, std::array::from_fn(|r| ws(j0 + r)), q)
+                        },)*
+                        _ => unreachable!("{jb} rows past {WIDE_ROWS}"),
+                    }
+                };
+            }
+            rows!(1 2 3 4 5 6);
+            t0 += MIX_TOKENS;
+        }
+        for t in t0..rows {
+            for r in j0..j0 + jb {
+                chunk_block::<1, 1, _, _>(acc, rows, (r, t), [xs(t)], [ws(r)], q);
+            }
+        }
+        j0 += jb;
+    }
+}
+
+/// One register block of the chunked mix on AVX-512: `R` weight rows × 4 tokens, a register
+/// holding two tokens' four lanes (token `2p` in lanes 0–3, `2p + 1` in 4–7) against one
+/// row. Each lane adds, in order, the same exact f64 products as [`chunk_block`] (a fused
+/// multiply-add of an exact product rounds once, as the add does), so the sums are bit for
+/// bit the same; `acc` holds the lanes between chunks.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+///
+/// # Panics
+/// If a token's or row's chunk is shorter than `q` quads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_block_avx512<const R: usize>(
+    acc: &mut [[f64; 4]],
+    rows: usize,
+    (j0, t0): (usize, usize),
+    x: [&[[f32; 4]]; 4],
+    w: [&[[f64; 4]]; R],
+    q: usize,
+) {
+    use std::arch::x86_64::*;
+    assert!(x.iter().all(|s| s.len() >= q) && w.iter().all(|s| s.len() >= q));
+    let at = |r: usize, t: usize| (j0 + r) * rows + t0 + t;
+    let mut a: [[__m512d; 2]; R] = std::array::from_fn(|r| {
+        std::array::from_fn(|p| {
+            let (lo, hi) = (acc[at(r, 2 * p)], acc[at(r, 2 * p + 1)]);
+            // SAFETY: two arrays of four f64 each.
+            unsafe {
+                _mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(_mm256_loadu_pd(lo.as_ptr())),
+                    _mm256_loadu_pd(hi.as_ptr()),
+                )
+            }
+        })
+    });
+    for c in 0..q {
+        // SAFETY: quad `c < q` of each token's and row's chunk (asserted above).
+        let four = |t: usize| unsafe { _mm_loadu_ps(x[t].get_unchecked(c).as_ptr()) };
+        let xp = [
+            _mm512_cvtps_pd(_mm256_set_m128(four(1), four(0))),
+            _mm512_cvtps_pd(_mm256_set_m128(four(3), four(2))),
+        ];
+        for (ar, wr) in a.iter_mut().zip(&w) {
+            // SAFETY: as above.
+            let wv =
+                unsafe { _mm512_broadcast_f64x4(_mm256_loadu_pd(wr.get_unchecked(c).as_ptr())) };
+            ar[0] = _mm512_fmadd_pd(xp[0], wv, ar[0]);
+            ar[1] = _mm512_fmadd_pd(xp[1], wv, ar[1]);
+        }
+    }
+    for (r, ar) in a.iter().enumerate() {
+        for (p, &v) in ar.iter().enumerate() {
+            let mut l = [0.0f64; 8];
+            // SAFETY: `l` holds eight f64.
+            unsafe { _mm512_storeu_pd(l.as_mut_ptr(), v) };
+            acc[at(r, 2 * p)].copy_from_slice(&l[..4]);
+            acc[at(r, 2 * p + 1)].copy_from_slice(&l[4..]);
+        }
+    }
 }
 
 /// [`hc_mix_dots`] for one block of tokens (at most [`MIX_TOKENS`]) against several pairs of
