@@ -103,8 +103,11 @@ const G_LANES: usize = 2;
 /// rows in the lanes: no horizontal sums per output, no transposes. Rows outside whole groups
 /// of the view (a tile that starts or ends inside a group, the matrix's last short group) are
 /// summed by the scalar loop. Every block of rows runs through every segment before the next,
-/// so the weights stream once, group pair by group pair, and each step prefetches the same
-/// line of the next pair into L2.
+/// so the weights stream once, group pair by group pair, and each step prefetches into L2 the
+/// line as far into what the pair streams next: its next segment, or after its last the next
+/// pair's first. (Prefetching the next pair's same segment instead, as a grouped `Wo_b` was
+/// first run, reached 256 KiB ahead and left each segment's start to the hardware: the
+/// kernel streamed 22–23 GB/s on 2 threads against 26 with the next segment.)
 ///
 /// # Safety
 /// AVX-512 F/BW/VNNI available; `segs` (at least one, the tile of a checked call with
@@ -112,6 +115,11 @@ const G_LANES: usize = 2;
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let lo: Vec<WithActSums<'_, '_>> = segs.iter().map(|s| WithActSums::new(s, QUAD)).collect();
+    // Each segment's activation quads gathered quad-major (`[quad][batch row]` as i32), so a
+    // step's broadcasts read one line from one pointer at fixed offsets: with a pointer per
+    // batch row the loop ran out of general registers and reloaded six of them from the
+    // stack every step.
+    let quads: Vec<Vec<i32>> = lo.iter().map(|l| quad_major(l)).collect();
     let first = &segs[0];
     let rows = first.n.clone();
     let mut g_start = rows.start;
@@ -133,7 +141,14 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
     let mut n0 = g_start;
     while n0 < g_end {
         let gg = ((g_end - n0) / PACK_ROWS).min(G_LANES);
-        for lo in &lo {
+        let k_first = lo[0].k.start;
+        for (i, (lo_i, qm)) in lo.iter().zip(&quads).enumerate() {
+            let lo = lo_i;
+            // What this pair streams next: its next segment, or the next pair's first.
+            let ahead = match segs.get(i + 1) {
+                Some(nx) => (n0, nx.k.start),
+                None => (n0 + gg * PACK_ROWS, k_first),
+            };
             let tail = lo.k.start + lo.k.len() / QUAD * QUAD..lo.k.end;
             let mut b0 = 0;
             while b0 < lo.batch {
@@ -142,8 +157,8 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
                 macro_rules! arms {
                     ($($b:literal)*) => {
                         match (gg, bb) {
-                            $((G_LANES, $b) => lanes_block::<G_LANES, $b>(lo, n0, b0, &mut sums),)*
-                            $((_, $b) => lanes_block::<1, $b>(lo, n0, b0, &mut sums),)*
+                            $((G_LANES, $b) => lanes_block::<G_LANES, $b>(lo, qm, n0, ahead, b0, &mut sums),)*
+                            $((_, $b) => lanes_block::<1, $b>(lo, qm, n0, ahead, b0, &mut sums),)*
                             _ => unreachable!("at most 8 batch rows per pass"),
                         }
                     };
@@ -220,7 +235,9 @@ unsafe fn finish16(
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
 unsafe fn lanes_block<const GG: usize, const BB: usize>(
     lo: &WithActSums<'_, '_>,
+    qm: &[i32],
     n0: usize,
+    ahead: (usize, usize),
     b0: usize,
     sums: &mut [[[i32; PACK_ROWS]; 8]; G_LANES],
 ) {
@@ -229,17 +246,21 @@ unsafe fn lanes_block<const GG: usize, const BB: usize>(
     let k0 = lw.k.start;
     // A whole group's quads are consecutive 64-byte lines from the quad of `k0`.
     let wp: [*const i8; GG] = std::array::from_fn(|g| lw.w_ptr(n0 + g * PACK_ROWS, k0));
-    // The same lines of the next pair of groups while they lie in the tile and are whole
-    // (else this pair's own, already cached): only prefetched.
+    // The lines streamed after these (`ahead`: the groups and `k` the caller takes next) while
+    // they lie in the tile and are whole (else this pair's own, already cached): only
+    // prefetched, so a shorter next segment only prefetches past it.
     let pf: [*const i8; GG] = std::array::from_fn(|g| {
-        let n = n0 + (GG + g) * PACK_ROWS;
+        let n = ahead.0 + g * PACK_ROWS;
         if n + PACK_ROWS <= lw.n.end && lw.wa.whole_group_at(n) {
-            lw.w_ptr(n, k0)
+            lw.w_ptr(n, ahead.1)
         } else {
             wp[g]
         }
     });
-    let ap: [*const i8; BB] = std::array::from_fn(|b| lw.a[(b0 + b) * lw.lda + k0..].as_ptr());
+    let batch = lw.batch;
+    assert!(b0 + BB <= batch && qm.len() == quads * batch);
+    // Only dereferenced below at `q < quads` (an empty `qm` has no step).
+    let ap = qm.as_ptr().wrapping_add(b0);
     let flip = _mm512_set1_epi8(i8::MIN);
     let mut acc = [[_mm512_setzero_si512(); BB]; GG];
     for q in 0..quads {
@@ -252,10 +273,11 @@ unsafe fn lanes_block<const GG: usize, const BB: usize>(
                 flip,
             )
         });
+        #[allow(clippy::needless_range_loop)] // `b` indexes the inner dimension of `acc` too
         for b in 0..BB {
-            // SAFETY: 4 bytes at `k0 + 4 q` of batch row `b0 + b`, inside the row's `k`.
-            let a =
-                _mm512_set1_epi32(unsafe { ap[b].add(q * QUAD).cast::<i32>().read_unaligned() });
+            // SAFETY: quad `q` of batch row `b0 + b`: element `q * batch + b0 + b` of `qm`,
+            // inside it (asserted above: `q < quads`, `b0 + b < batch`).
+            let a = _mm512_set1_epi32(unsafe { *ap.add(q * batch + b) });
             for g in 0..GG {
                 acc[g][b] = _mm512_dpbusd_epi32(acc[g][b], w[g], a);
             }
@@ -267,6 +289,21 @@ unsafe fn lanes_block<const GG: usize, const BB: usize>(
             unsafe { _mm512_storeu_si512(sums[g][b].as_mut_ptr().cast(), acc[g][b]) };
         }
     }
+}
+
+/// The body quads of `lo`'s batch rows, quad-major: element `q * batch + b` holds bytes
+/// `k0 + 4 q .. k0 + 4 q + 4` of batch row `b` (native byte order, as the kernel reads them).
+fn quad_major(lo: &WithActSums<'_, '_>) -> Vec<i32> {
+    let (k0, quads, batch) = (lo.k.start, lo.k.len() / QUAD, lo.batch);
+    let mut qm = vec![0i32; quads * batch];
+    for b in 0..batch {
+        let row = &lo.a[b * lo.lda + k0..b * lo.lda + k0 + quads * QUAD];
+        for (q, c) in row.chunks_exact(QUAD).enumerate() {
+            qm[q * batch + b] =
+                i32::from_ne_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8]);
+        }
+    }
+    qm
 }
 
 /// Wide product: 16 int8 widened to fp32 per step, FMA against fp32 rows.
