@@ -41,8 +41,13 @@ pub fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
             j
         }
     };
+    // Rounded from the end: each share's start is `n` less the floor of what its weights
+    // from there on ask for, so the last shares are at most their exact size and the rounding
+    // excess lands on the first ones. (Rounded from the front, 64 whole heads over 12 blocks
+    // ended on 3, 3 and 4 heads: the 4-head block ran alone at the end of a DeepSeek-V4 `q_b`
+    // phase while the other core waited ~170 µs.)
     let total = before(blocks) as u128;
-    let at = |j: usize| (n as u128 * before(j) as u128 / total) as usize;
+    let at = |j: usize| n - (n as u128 * (total - before(j) as u128) / total) as usize;
     at(i.min(blocks))..at((i + 1).min(blocks))
 }
 
@@ -60,10 +65,13 @@ mod tests {
             lens[..9].iter().all(|&l| (19..=20).contains(&l)),
             "{lens:?}"
         );
-        assert_eq!(&lens[9..], &[10, 5, 3], "{lens:?}");
-        // Too few items for the geometric taper: half-size shares.
+        assert_eq!(&lens[9..], &[10, 5, 2], "{lens:?}");
+        // Too few items for the geometric taper: half-size shares, the excess on the first.
         let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
-        assert_eq!(lens, [2, 3, 3, 3, 3, 3, 1, 2], "{lens:?}");
+        assert_eq!(lens, [3, 3, 3, 3, 3, 3, 1, 1], "{lens:?}");
+        // 64 whole heads over 12 blocks: nine of 6–7, then three of 3.
+        let lens: Vec<usize> = (0..12).map(|i| tapered_range(64, 12, i).len()).collect();
+        assert_eq!(lens, [7, 6, 6, 6, 6, 6, 6, 6, 6, 3, 3, 3], "{lens:?}");
     }
 
     proptest! {
@@ -91,6 +99,13 @@ mod tests {
                 for w in shares[blocks - blocks / 4 - 1..].windows(2) {
                     prop_assert!(w[1].len() <= w[0].len() + 1, "{shares:?}");
                 }
+            }
+            if blocks >= 8 && n >= 2 * blocks {
+                // The task ends on the smallest share of its tail: rounding never makes the
+                // last share the larger one.
+                let tail = &shares[blocks - blocks / 4..];
+                let least = tail.iter().map(|r| r.len()).min().unwrap_or(0);
+                prop_assert_eq!(shares[blocks - 1].len(), least, "{:?}", shares);
             }
             if blocks < 8 || n < 2 * blocks {
                 let (lo, hi) = shares.iter().map(|r| r.len()).fold((usize::MAX, 0), |(a, b), l| (a.min(l), b.max(l)));
