@@ -285,10 +285,11 @@ fn spmd_blocks_write_disjoint_column_shares_of_a_strided_view() {
             assert!((0.0..0.115).contains(&v), "row {r} col {c}: block term {v}");
         }
     }
-    // 30 columns in units of 8 over 3 blocks: units 1, 1, 2 -> columns 0..8, 8..16, 16..30.
+    // 30 columns in units of 8 over 3 blocks: units 2, 1, 1 (the rounding's excess on the
+    // first share) -> columns 0..16, 16..24, 24..30.
     let block_of = |c: usize| match c {
-        0..8 => 0.0,
-        8..16 => 1.0,
+        0..16 => 0.0,
+        16..24 => 1.0,
         _ => 2.0,
     };
     for r in 0..6 {
