@@ -142,8 +142,7 @@ pub(super) unsafe fn gemm_lanes(segs: &[Lowered<'_>], out: &mut [f32], ld_out: u
     while n0 < g_end {
         let gg = ((g_end - n0) / PACK_ROWS).min(G_LANES);
         let k_first = lo[0].k.start;
-        for (i, (lo_i, qm)) in lo.iter().zip(&quads).enumerate() {
-            let lo = lo_i;
+        for (i, (lo, qm)) in lo.iter().zip(&quads).enumerate() {
             // What this pair streams next: its next segment, or the next pair's first.
             let ahead = match segs.get(i + 1) {
                 Some(nx) => (n0, nx.k.start),

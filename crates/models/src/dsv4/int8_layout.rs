@@ -28,8 +28,8 @@ pub enum Int8Use {
         /// Token rows per product.
         rows: usize,
     },
-    /// The experts' `W1`, `W3`, `W2`: 1–3 rows per routed expert at decode, on the AVX-512
-    /// VNNI blocks.
+    /// The experts' `W1`, `W3`, `W2`: 0–8 rows per expert at the spec's decode batch (about 3
+    /// per routed expert, every token on the shared one).
     Experts,
 }
 
@@ -45,13 +45,21 @@ pub fn upload_layout(worker: &Worker, use_: Int8Use) -> I8Layout {
 /// The layout this process's int8 kernels read weight buffers of `use_` in. The attention
 /// products take [`I8Layout::preferred_for`] their rows: at the spec's 8 rows, interleaved for
 /// the AVX-512 VNNI lane-wise kernel where the machine has it; packed from 9 rows on AMX-INT8
-/// tiles. The experts stay row-major: at 1–3 rows per expert the row-major blocks run far
-/// ahead of memory, and packed weights measured level to 7% slower (`docs/benchmarks.md`,
-/// "Packed int8 weights").
+/// tiles. The experts go interleaved wherever the lane-wise kernel runs (whatever their row
+/// count: it takes 1–8 rows), row-major elsewhere. Whole cold MoE steps measured 8–10% faster
+/// interleaved than row-major (16 experts in one process, and 2 ranks of 32), although the
+/// kernel harness alone (`dsv4_proj_bw moe_*`) streams 1–3 rows faster row-major
+/// (`docs/benchmarks.md`, "Session 25"); packed weights measured level to 7% slower
+/// ("Packed int8 weights").
 pub fn kernel_layout(use_: Int8Use) -> I8Layout {
     match use_ {
         Int8Use::Attention { rows } => I8Layout::preferred_for(rows),
-        Int8Use::Experts => I8Layout::RowMajor,
+        Int8Use::Experts => {
+            match I8Layout::preferred_for(simpler_kernels_cpu::INTERLEAVED_MIN_ROWS) {
+                I8Layout::Interleaved => I8Layout::Interleaved,
+                _ => I8Layout::RowMajor,
+            }
+        }
     }
 }
 
