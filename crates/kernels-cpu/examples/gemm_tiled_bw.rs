@@ -18,6 +18,8 @@
 //!   projections are cut); `halves` gives each thread one call over its share of the rows.
 //!   Prefill-shaped runs: `--batches 512,128,64 --split taper --mib 32`.
 //! - `--shapes`: name prefixes of the shapes to run (default all but the LM head).
+//! - `--blocks N`: N blocks per matrix instead of the split's count (DeepSeek-V4's graphs cut
+//!   each projection into 12, with `--split taper`).
 //! - `--cpu-time`: rates from the threads' CPU time instead of the wall clock (on a host
 //!   loaded with other work the threads are descheduled for much of the wall time; their
 //!   CPU time still sees the shared memory traffic but not the waiting).
@@ -33,8 +35,9 @@ use simpler_kernels_cpu::{
     packed_len, path_for, tile_weights_bf16, tiled_len,
 };
 
-/// `(name, N, K)`: q, k (and v), o, gate (and up), down, gate+up as one matrix, LM head.
-const SHAPES: [(&str, usize, usize); 7] = [
+/// `(name, N, K)`: q, k (and v), o, gate (and up), down, gate+up as one matrix, LM head; then
+/// DeepSeek-V4 FLASH's bf16 input projections (`Wq_a`, and `Wkv` / a compressor matrix).
+const SHAPES: [(&str, usize, usize); 9] = [
     ("q 2048x1024", 2048, 1024),
     ("k 1024x1024", 1024, 1024),
     ("o 1024x2048", 1024, 2048),
@@ -42,6 +45,8 @@ const SHAPES: [(&str, usize, usize); 7] = [
     ("down 1024x3072", 1024, 3072),
     ("gate_up 6144x1024", 6144, 1024),
     ("lm_head 151936x1024", 151_936, 1024),
+    ("dsv4_wq_a 1024x4096", 1024, 4096),
+    ("dsv4_wkv 512x4096", 512, 4096),
 ];
 
 /// How a pass cuts a matrix among the threads.
@@ -50,6 +55,8 @@ struct Split {
     threads: usize,
     /// Row blocks per matrix, taken from a shared counter.
     blocks: usize,
+    /// Activations prepared once per matrix and thread (`PreparedActs`), not per block.
+    prepared: bool,
     /// Tapered shares instead of equal ones.
     taper: bool,
     /// Rates from CPU time.
@@ -124,13 +131,16 @@ fn main() {
         let bytes = (copies * len * 2) as f64;
         let split = Split {
             threads,
-            blocks: if plan {
+            blocks: if let Some(b) = common::arg("--blocks") {
+                b.parse().expect("--blocks: an integer")
+            } else if plan {
                 plan_blocks(n, k, threads)
             } else {
                 threads
             },
             taper,
             cpu_time,
+            prepared: std::env::args().any(|a| a == "--prepared"),
         };
         for &batch in &batches {
             let x: Vec<bf16> = (0..batch * k)
@@ -195,6 +205,8 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
                 let next = &next;
                 s.spawn(move || {
                     let c0 = common::thread_cpu_seconds();
+                    let mut prepared = simpler_kernels_cpu::PreparedActs::default();
+                    let mut prepared_for = usize::MAX;
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         if i >= total {
@@ -215,7 +227,22 @@ fn pass(mats: &[WeightsBf16<'_>], acts: PackedActs<'_>, split: Split) -> f64 {
                             k: 0..w.cols(),
                             mode: OutMode::Store,
                         };
-                        gemm_bf16(part, acts, &tile, &mut out, rows.len());
+                        if split.prepared {
+                            // Once per matrix and thread, as a task's blocks on one core.
+                            if prepared_for != i / split.blocks {
+                                prepared.prepare(acts);
+                                prepared_for = i / split.blocks;
+                            }
+                            simpler_kernels_cpu::gemm_bf16_prepared(
+                                part,
+                                &prepared,
+                                &tile,
+                                &mut out,
+                                rows.len(),
+                            );
+                        } else {
+                            gemm_bf16(part, acts, &tile, &mut out, rows.len());
+                        }
                         std::hint::black_box(&out);
                     }
                     common::thread_cpu_seconds() - c0

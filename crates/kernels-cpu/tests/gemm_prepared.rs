@@ -2,14 +2,16 @@
 //! path: whole-`K` tiles (the prepared AMX tiles are used), partial `K` and split-`K` adds
 //! (they are not), batches around the AMX path's smallest batch and its 32-row blocks, `K`
 //! with and without a 16-element strip and an edge, and one preparation reused for several
-//! weight matrices; the same with the activations prepared from fp32 rows (`prepare_f32`).
+//! weight matrices; the same with the activations prepared from fp32 rows (`prepare_f32`);
+//! the row-scaled product (`gemm_scaled_bf16_prepared`), on row-major and tiled weights.
 
 mod common;
 
 use common::{Rng, all_paths};
 use simpler_kernels_cpu::{
-    GemmTile, OutMode, PackedActs, PreparedActs, WeightsBf16, gemm_bf16, gemm_bf16_prepared,
-    pack_acts_bf16, packed_len,
+    GemmTile, OutMode, PackedActs, PreparedActs, WeightLayout, WeightsBf16, gemm_bf16,
+    gemm_bf16_prepared, gemm_scaled_bf16, gemm_scaled_bf16_prepared, pack_acts_bf16, packed_len,
+    tile_weights_bf16,
 };
 
 #[test]
@@ -73,6 +75,34 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
                         .zip(&got)
                         .filter(|(a, b)| a.to_bits() != b.to_bits())
                         .count();
+                    // The scaled product, and both on the tiled copy where the shape has one.
+                    let scale: Vec<f32> = (0..batch).map(|b| 0.5 + b as f32 * 0.125).collect();
+                    let mut want = vec![0.0f32; batch * ld];
+                    gemm_scaled_bf16(wm, acts, &tile, &scale, &mut want, ld);
+                    let mut got = vec![0.0f32; batch * ld];
+                    gemm_scaled_bf16_prepared(wm, prep, &tile, &scale, &mut got, ld);
+                    diffs += want
+                        .iter()
+                        .zip(&got)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    if n % 16 == 0
+                        && k % 32 == 0
+                        && tile.n.start % 16 == 0
+                        && tile.k.start % 32 == 0
+                    {
+                        let t = tile_weights_bf16(w, *n, k);
+                        let wt = WeightsBf16::with_layout(&t, *n, k, WeightLayout::Tiled);
+                        let mut want = vec![0.0f32; batch * ld];
+                        gemm_scaled_bf16(wt, acts, &tile, &scale, &mut want, ld);
+                        let mut got = vec![0.0f32; batch * ld];
+                        gemm_scaled_bf16_prepared(wt, prep, &tile, &scale, &mut got, ld);
+                        diffs += want
+                            .iter()
+                            .zip(&got)
+                            .filter(|(a, b)| a.to_bits() != b.to_bits())
+                            .count();
+                    }
                 }
             }
             diffs

@@ -35,9 +35,12 @@
 //!
 //! # Tiled weights
 //! With the tiled layout (`WeightLayout::Tiled`) a weight tile is one 1 KiB block, so the
-//! 32-row pass reads two sequential streams (the two 16-row groups) instead of 32 row streams,
-//! and the next pair of groups is prefetched block by block the same way. Rows past a
-//! group's last row are the layout's zero padding: a short last group is read in place.
+//! 32-row pass reads two sequential streams (the two 16-row groups) instead of 32 row streams.
+//! Each step prefetches each stream's next block into L1 (`TILED_STEP`) rather than the next
+//! pair of groups into L2 as the row-major pass does: a probe of bare tile loads on the
+//! tiled stream (2 threads, 1.5 GiB) read 31–32 GB/s with the next-groups prefetch, as a plain
+//! read of the buffer did, and 34–37 GB/s with the next block in L1. Rows past a group's last
+//! row are the layout's zero padding: a short last group is read in place.
 //!
 //! One batch row on tiled weights takes a pass of its own (`tiled_single_row`): a
 //! one-column product needs no VNNI tiles (the row in natural-order bf16, read at a 4-byte
@@ -63,6 +66,13 @@ use super::{Lowered, PACK_BLOCK, TILE_COLS, TILE_ROWS, edge_sum, finish, tiled_i
 
 /// Elements of one tiled weight block (16 rows × 32; one tile).
 const TILED_BLOCK: usize = TILE_ROWS * TILE_COLS;
+
+/// Bytes a tiled group's stream moves per 32-element step (one block). The tiled passes
+/// prefetch each stream's next block into L1 (`prefetcht0`) while multiplying this one; the
+/// row-major passes prefetch the next group of rows into L2 (`prefetcht1`). On tiled weights
+/// the near L1 prefetch streamed 4–14% faster than the next-group L2 prefetch at batches 8 and
+/// 16 (`docs/benchmarks.md`, session 26); on row-major weights it was 5% slower at `K = 1024`.
+const TILED_STEP: usize = TILED_BLOCK * 2;
 
 /// Smallest batch that takes this path; smaller batches take the AVX-512 BF16 path. Below
 /// it both paths stream the weights at the same rate (a tile is 16 batch columns wide, so the
@@ -118,6 +128,11 @@ pub(crate) fn tile_config() -> *const u8 {
     CONFIG.0.as_ptr()
 }
 
+/// Whether [`convert`] makes tiles for `batch` rows over a body of `nk` 32-element steps.
+pub(super) fn converts(batch: usize, nk: usize) -> bool {
+    nk > 0 && batch <= batch_block(nk)
+}
+
 /// Batch rows of one batch block (whose VNNI copy is converted at once) for a body of `nk`
 /// 32-element steps.
 fn batch_block(nk: usize) -> usize {
@@ -134,7 +149,7 @@ fn batch_block(nk: usize) -> usize {
 pub(super) unsafe fn convert(lw: &Lowered<'_>, dst: &mut Vec<Line>) -> bool {
     dst.clear();
     let nk = (lw.kb1 - lw.kb0) / 32;
-    if nk == 0 || lw.batch > batch_block(nk) {
+    if !converts(lw.batch, nk) {
         return false;
     }
     let nbt = lw.batch.div_ceil(16);
@@ -285,11 +300,11 @@ pub(super) unsafe fn gemm_with(
                     };
                     let a0 = blocks(n0);
                     let a1 = if nr > 16 { blocks(n0 + 16) } else { a0 };
-                    let (p0, p1) = if has_next {
-                        (blocks(next), blocks(next + 16))
-                    } else {
-                        (a0, a1)
-                    };
+                    // The next block of each group, into L1 (see `TILED_STEP`).
+                    let (p0, p1) = (
+                        a0.wrapping_byte_add(TILED_STEP),
+                        a1.wrapping_byte_add(TILED_STEP),
+                    );
                     WeightTiles {
                         a0,
                         a1,
@@ -335,10 +350,18 @@ pub(super) unsafe fn gemm_with(
                     unsafe {
                         let c = &mut c;
                         match (bp + 1 < nbt, bp == 0, lw.tiled) {
-                            (true, true, true) => tile_pass::<2, true, 1024>(&t, tiles, nk, c),
-                            (true, false, true) => tile_pass::<2, false, 1024>(&t, tiles, nk, c),
-                            (false, true, true) => tile_pass::<1, true, 1024>(&t, tiles, nk, c),
-                            (false, false, true) => tile_pass::<1, false, 1024>(&t, tiles, nk, c),
+                            (true, true, true) => {
+                                tile_pass::<2, true, TILED_STEP>(&t, tiles, nk, c)
+                            }
+                            (true, false, true) => {
+                                tile_pass::<2, false, TILED_STEP>(&t, tiles, nk, c)
+                            }
+                            (false, true, true) => {
+                                tile_pass::<1, true, TILED_STEP>(&t, tiles, nk, c)
+                            }
+                            (false, false, true) => {
+                                tile_pass::<1, false, TILED_STEP>(&t, tiles, nk, c)
+                            }
                             (true, true, false) => tile_pass::<2, true, 64>(&t, tiles, nk, c),
                             (true, false, false) => tile_pass::<2, false, 64>(&t, tiles, nk, c),
                             (false, true, false) => tile_pass::<1, true, 64>(&t, tiles, nk, c),
@@ -578,8 +601,8 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
 /// Where the two weight tiles of a 32-row pass lie: tile `i` of step `s` is 16 rows of 64
 /// bytes at `a_i + s * STEP`, `stride` bytes apart (row-major: `a1` is 16 rows below `a0`,
 /// `stride` the row stride, the step one 64-byte line; tiled: `a0`, `a1` the two groups'
-/// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the rows
-/// prefetched meanwhile. Without `both` the group has 16 rows or fewer: only the tile at `a0`
+/// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the lines
+/// prefetched meanwhile (row-major: the next group's rows; tiled: each stream's next block). Without `both` the group has 16 rows or fewer: only the tile at `a0`
 /// is loaded and multiplied (`a1` is neither read nor needed to point at readable memory).
 struct WeightTiles {
     a0: *const u16,
@@ -597,8 +620,9 @@ struct WeightTiles {
 /// `COLS == 1`). Without `w.both` the second weight tile is skipped (a group of 16 rows or
 /// fewer, which the tapered SPMD shares leave at the end of most blocks: it costs half a
 /// pass, not a pass over a repeated or zero tile) and `rt == 1` of `c` holds zeros. With
-/// `PREFETCH`, each step also prefetches into L2 the 16 lines of each of `w.p0` and `w.p1` at
-/// the step's offset (stride `w.stride`).
+/// `PREFETCH`, each step also prefetches the 16 lines of each of `w.p0` and `w.p1` at the
+/// step's offset (stride `w.stride`): into L1 on tiled weights (`STEP == TILED_STEP`, where
+/// they are the streams' next blocks), into L2 on row-major ones (the next group's rows).
 ///
 /// # Safety
 /// The tile configuration of this module is loaded; the weight tiles of `w.a0`, `w.a1` (when
@@ -642,8 +666,8 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 "xor {t:e}, {t:e}",
                 "mov {r:e}, 16",
                 "3:",
-                "prefetcht1 [{p0} + {t}]",
-                "prefetcht1 [{p1} + {t}]",
+                "prefetcht{hint} [{p0} + {t}]",
+                "prefetcht{hint} [{p1} + {t}]",
                 "add {t}, {sa}",
                 "dec {r:e}",
                 "jnz 3b",
@@ -672,6 +696,7 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 t = out(reg) _,
                 r = out(reg) _,
                 on = const PREFETCH as u32,
+                hint = const (STEP != TILED_STEP) as u32,
                 both = in(reg) u32::from(w.both),
                 step = const STEP,
                 c = in(reg) c.as_mut_ptr(),
@@ -699,8 +724,8 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 "xor {t:e}, {t:e}",
                 "mov {r:e}, 16",
                 "3:",
-                "prefetcht1 [{p0} + {t}]",
-                "prefetcht1 [{p1} + {t}]",
+                "prefetcht{hint} [{p0} + {t}]",
+                "prefetcht{hint} [{p1} + {t}]",
                 "add {t}, {sa}",
                 "dec {r:e}",
                 "jnz 3b",
@@ -725,6 +750,7 @@ unsafe fn tile_pass<const COLS: usize, const PREFETCH: bool, const STEP: usize>(
                 t = out(reg) _,
                 r = out(reg) _,
                 on = const PREFETCH as u32,
+                hint = const (STEP != TILED_STEP) as u32,
                 both = in(reg) u32::from(w.both),
                 step = const STEP,
                 c = in(reg) c.as_mut_ptr(),

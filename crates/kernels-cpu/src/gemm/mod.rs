@@ -828,6 +828,23 @@ impl PreparedActs {
         }
     }
 
+    /// Whether [`PreparedActs::prepare`] of `rows` rows of `cols` makes the AMX path's tiles on
+    /// this thread's path now, i.e. whether preparing saves [`gemm_bf16`]'s per-call
+    /// conversion (elsewhere a prepared copy only adds a copy).
+    pub fn converts(rows: usize, cols: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            Isa::current() >= Isa::AmxBf16
+                && rows >= amx::MIN_BATCH
+                && amx::converts(rows, cols / PACK_BLOCK * PACK_BLOCK / 32)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (rows, cols);
+            false
+        }
+    }
+
     /// The prepared activations as packed rows.
     pub fn acts(&self) -> PackedActs<'_> {
         PackedActs::new(&self.packed, self.rows, self.cols)
@@ -870,6 +887,24 @@ pub fn gemm_bf16_prepared(
     ld_out: usize,
 ) {
     gemm_dispatch_with(w, x.acts(), tile, None, Some(x), out, ld_out);
+}
+
+/// [`gemm_scaled_bf16`] on activations prepared by [`PreparedActs::prepare`]: the same
+/// results, bit for bit, with the AMX path's activation tiles taken from `x` as
+/// [`gemm_bf16_prepared`] takes them.
+///
+/// # Panics
+/// As [`gemm_scaled_bf16`].
+pub fn gemm_scaled_bf16_prepared(
+    w: WeightsBf16<'_>,
+    x: &PreparedActs,
+    tile: &GemmTile,
+    row_scale: &[f32],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    assert_eq!(row_scale.len(), x.rows, "gemm_scaled_bf16: row_scale len");
+    gemm_dispatch_with(w, x.acts(), tile, Some(row_scale), Some(x), out, ld_out);
 }
 
 /// Fp32 activations converted for the AMX path alone: the tile unit's VNNI copy of the rows

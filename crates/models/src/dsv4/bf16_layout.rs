@@ -1,6 +1,15 @@
-//! Where DeepSeek-V4's bf16 `Wo_a` takes the paired layout of the AVX2 GEMM
-//! (`WeightLayout::Pairs`, `docs/dsv4.md`, "bf16 weight layout"): the upload and the `wo_a`
-//! kernel must agree, and both decide from the same shape and process-wide path.
+//! The layouts of DeepSeek-V4's bf16 matrices (`docs/dsv4.md`, "bf16 weight layout"): the
+//! upload and the kernel that reads a matrix must agree, and both decide from the same shape
+//! and process-wide path.
+//!
+//! **The input projections** (`Wq_a`, `Wkv`, the compressors' and the indexer's matrices, all
+//! `[rows, hidden]`, every one run by the GEMM kernel on a whole bound matrix) are tiled
+//! (`WeightLayout::Tiled`) where the AMX path runs (`simpler_kernels_cpu::tiled_weights_pay`)
+//! and the shape is whole 16-row groups and 32-column steps; row-major elsewhere. At 8 token
+//! rows in 12 blocks a tiled matrix with its activations converted once per task streamed
+//! 30–33 GB/s against 23–26 row-major (`docs/benchmarks.md`, session 26).
+//!
+//! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`):
 //!
 //! - Paired where the AVX2 path streams paired weights faster
 //!   (`simpler_kernels_cpu::paired_weights_pay`), the worker's kernels run on the host, and
@@ -14,18 +23,38 @@
 //! same size and shape).
 
 use simpler_core::Worker;
-use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, WeightLayout, paired_weights_pay};
+use simpler_kernels_cpu::{
+    Isa, TILE_COLS, TILE_ROWS, WeightLayout, paired_weights_pay, tiled_weights_pay,
+};
+
+/// Whether a `[rows, cols]` matrix is whole 16-row groups and 32-column steps (the shapes the
+/// streaming layouts keep at the row-major length, every 16-row SPMD share on a group).
+fn whole(rows: usize, cols: usize) -> bool {
+    rows > 0 && cols > 0 && rows.is_multiple_of(TILE_ROWS) && cols.is_multiple_of(TILE_COLS)
+}
+
+/// The layout this process's GEMM kernel reads an input projection `[rows, cols]` in.
+pub fn projection_kernel_layout(rows: usize, cols: usize) -> WeightLayout {
+    if tiled_weights_pay(Isa::detected()) && whole(rows, cols) {
+        WeightLayout::Tiled
+    } else {
+        WeightLayout::RowMajor
+    }
+}
+
+/// The layout an input projection `[rows, cols]` is uploaded in for `worker`.
+pub fn projection_upload_layout(worker: &Worker, rows: usize, cols: usize) -> WeightLayout {
+    if worker.platform().host_kernels {
+        projection_kernel_layout(rows, cols)
+    } else {
+        WeightLayout::RowMajor
+    }
+}
 
 /// The layout this process's `wo_a` kernel reads a `Wo_a` of `groups` groups of `rows` rows
 /// by `cols` in.
 pub fn wo_a_kernel_layout(groups: usize, rows: usize, cols: usize) -> WeightLayout {
-    if paired_weights_pay(Isa::detected())
-        && groups > 0
-        && rows > 0
-        && cols > 0
-        && rows.is_multiple_of(TILE_ROWS)
-        && cols.is_multiple_of(TILE_COLS)
-    {
+    if paired_weights_pay(Isa::detected()) && groups > 0 && whole(rows, cols) {
         WeightLayout::Pairs
     } else {
         WeightLayout::RowMajor
@@ -49,6 +78,24 @@ pub fn wo_a_upload_layout(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_whole_projections_on_the_amx_path_are_tiled() {
+        let want = if tiled_weights_pay(Isa::detected()) {
+            WeightLayout::Tiled
+        } else {
+            WeightLayout::RowMajor
+        };
+        assert_eq!(projection_kernel_layout(1024, 4096), want);
+        assert_eq!(projection_kernel_layout(64, 4096), want);
+        for (r, k) in [(24, 64), (16, 48), (0, 64), (16, 0)] {
+            assert_eq!(
+                projection_kernel_layout(r, k),
+                WeightLayout::RowMajor,
+                "{r} {k}"
+            );
+        }
+    }
 
     #[test]
     fn only_whole_groups_and_steps_pair() {

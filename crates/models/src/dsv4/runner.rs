@@ -11,7 +11,7 @@ use half::bf16;
 use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
-use super::bf16_layout::wo_a_upload_layout;
+use super::bf16_layout::{projection_upload_layout, wo_a_upload_layout};
 use super::config::{Dsv4Config, LayerKind};
 use super::fixture::{
     AttnWeights, CsaParts, HcaParts, Int8Matrix, StepInputs, TOKENS_PER_SEQ, WindowCache,
@@ -248,15 +248,24 @@ impl AttnLayer {
         );
         let kg = cfg.heads_per_group() * cfg.head_dim;
         let int8 = |m: &Int8Matrix| stacked_in_layout(&m.q, 1, m.rows, m.cols, layout).into_owned();
+        // An input projection `[rows, hidden]` (shapes checked above) in its GEMM's layout.
+        let d = cfg.hidden;
+        let proj = |w: &[bf16]| {
+            let rows = w.len() / d.max(1);
+            upload(
+                worker,
+                &projection_upload_layout(worker, rows, d).arrange_bf16(w, rows, d),
+            )
+        };
         let mut bufs = vec![
             upload(worker, &weights.hc.mix)?,
             upload(worker, &weights.hc.base)?,
             upload(worker, &weights.attn_norm)?,
-            upload(worker, &weights.wq_a)?,
+            proj(&weights.wq_a)?,
             upload(worker, &weights.q_norm)?,
             upload(worker, &int8(&weights.wq_b))?,
             upload(worker, &weights.wq_b.scale)?,
-            upload(worker, &weights.wkv)?,
+            proj(&weights.wkv)?,
             upload(worker, &weights.kv_norm)?,
             upload(
                 worker,
@@ -275,8 +284,8 @@ impl AttnLayer {
         let hca_bufs = match hca {
             Some(h) => {
                 bufs.extend([
-                    upload(worker, &h.compressor.wkv)?,
-                    upload(worker, &h.compressor.wgate)?,
+                    proj(&h.compressor.wkv)?,
+                    proj(&h.compressor.wgate)?,
                     upload(worker, &h.compressor.ape)?,
                     upload(worker, &h.compressor.norm)?,
                 ]);
@@ -293,17 +302,17 @@ impl AttnLayer {
         let csa_bufs = match csa {
             Some(p) => {
                 bufs.extend([
-                    upload(worker, &p.compressor.wkv)?,
-                    upload(worker, &p.compressor.wgate)?,
+                    proj(&p.compressor.wkv)?,
+                    proj(&p.compressor.wgate)?,
                     upload(worker, &p.compressor.ape)?,
                     upload(worker, &p.compressor.norm)?,
-                    upload(worker, &p.index_compressor.wkv)?,
-                    upload(worker, &p.index_compressor.wgate)?,
+                    proj(&p.index_compressor.wkv)?,
+                    proj(&p.index_compressor.wgate)?,
                     upload(worker, &p.index_compressor.ape)?,
                     upload(worker, &p.index_compressor.norm)?,
                     upload(worker, &int8(&p.wq_idx))?,
                     upload(worker, &p.wq_idx.scale)?,
-                    upload(worker, &p.w_weights)?,
+                    proj(&p.w_weights)?,
                 ]);
                 Some(CsaBuffers {
                     ring_kv: upload(worker, &p.state.kv)?,

@@ -26,7 +26,8 @@
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
 //! projection and for the LM head). Other models that run the Qwen3 GEMM kernel on their own
-//! row-major weights (DeepSeek-V4) register [`crate::qwen3::ops::row_major_gemm_spec`].
+//! weights (DeepSeek-V4) register it with their own layout rule
+//! ([`crate::qwen3::ops::gemm_spec_with`]).
 
 use std::sync::OnceLock;
 

@@ -138,9 +138,15 @@ pub fn specs() -> Vec<KernelSpec> {
         .into_iter()
         .map(|(id, name, class, body)| KernelSpec::new(id, name, class, body))
         .collect();
-    // The Qwen3 GEMM on row-major weights (a Qwen3 model's own may be tiled).
-    specs.push(crate::qwen3::ops::row_major_gemm_spec());
+    // The Qwen3 GEMM on this model's input projections, in their layout.
+    specs.push(crate::qwen3::ops::gemm_spec_with(projection_gemm));
     specs
+}
+
+/// The Qwen3 GEMM kernel on an input projection uploaded in
+/// [`crate::dsv4::bf16_layout::projection_upload_layout`].
+fn projection_gemm(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    crate::qwen3::ops::gemm_tile_in(ctx, crate::dsv4::bf16_layout::projection_kernel_layout)
 }
 
 /// Registers every kernel of the DeepSeek-V4 layers on `worker` (once per worker).

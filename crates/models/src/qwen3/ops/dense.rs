@@ -15,8 +15,8 @@ use half::bf16;
 use simpler_core::{DType, KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, TILE_ROWS, WeightLayout, WeightsBf16,
-    WeightsI8,
+    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, TILE_ROWS, WeightLayout,
+    WeightsBf16, WeightsI8,
 };
 
 use crate::qwen3::layout::bf16_layout;
@@ -78,6 +78,9 @@ impl<'a> Weights<'a> {
 /// weights; for int8 weights, natural-order fp32 (wide) or int8 rows with their scales (W8A8).
 enum Acts<'a> {
     Packed(PackedActs<'a>),
+    /// Packed fp32 for bf16 weights with the AMX path's activation tiles made once
+    /// ([`PREPARED_BF16`]).
+    Prepared(&'a PreparedActs),
     Wide {
         x: Vec<f32>,
         rows: usize,
@@ -111,20 +114,31 @@ thread_local! {
     /// of the task reuse them; a block of any other task (or run) has another key.
     static PREPARED: std::cell::RefCell<Option<(PreparedKey, Acts<'static>)>> =
         const { std::cell::RefCell::new(None) };
+
+    /// The bf16 activations this core converted last into the AMX path's tiles, with what
+    /// they were converted from (`None` while a conversion is under way), kept as [`PREPARED`]
+    /// is (the buffers stay across tasks). Every SPMD block converted the whole input before
+    /// streaming its rows: at DeepSeek-V4's 8 rows × 4096 that is 128 KiB of tiles per block
+    /// of 0.35–0.7 MB of weights. Converted once per task and core, tiled matrices at 8 rows
+    /// in 12 blocks streamed 30–33 GB/s against 23–28 (`docs/benchmarks.md`, session 26).
+    static PREPARED_BF16: std::cell::RefCell<(Option<PreparedKey>, PreparedActs)> =
+        std::cell::RefCell::new((None, PreparedActs::default()));
 }
 
-/// Runs `f` on `x` prepared for `int8` weights or not ([`Acts`]), the int8 forms from this
-/// core's cache when it already prepared this task's input ([`PREPARED`]).
+/// Runs `f` on `x` prepared for weights like `w` ([`Acts`]): the int8 forms, and for tiled
+/// bf16 weights the AMX path's tiles, from this core's cache when it already prepared this
+/// task's input ([`PREPARED`], [`PREPARED_BF16`]). Row-major bf16 weights take the packed rows:
+/// each call converts them while the first weight rows are prefetched, which streamed 3–7%
+/// faster than tiles made once (`docs/benchmarks.md`, session 26).
 fn with_acts<R>(
     ctx: &TaskCtx<'_>,
     x: PackedActs<'_>,
-    int8: bool,
+    w: &Weights<'_>,
     w8a8: bool,
     f: impl FnOnce(&Acts<'_>) -> R,
 ) -> R {
-    if !int8 {
-        return f(&Acts::Packed(x));
-    }
+    let int8 = matches!(w, Weights::I8 { .. });
+    let tiled = matches!(w, Weights::Bf16(w) if w.layout() == WeightLayout::Tiled);
     let key = PreparedKey {
         instance: ctx.instance(),
         at: x.data().as_ptr() as usize,
@@ -132,6 +146,19 @@ fn with_acts<R>(
         k: x.cols(),
         w8a8,
     };
+    if !int8 {
+        if !tiled || !PreparedActs::converts(x.rows(), x.cols()) {
+            return f(&Acts::Packed(x));
+        }
+        return PREPARED_BF16.with_borrow_mut(|(made_from, prepared)| {
+            if *made_from != Some(key) {
+                *made_from = None;
+                prepared.prepare(x);
+                *made_from = Some(key);
+            }
+            f(&Acts::Prepared(prepared))
+        });
+    }
     PREPARED.with_borrow_mut(|cached| {
         let acts = match cached {
             Some((k, acts)) if *k == key => acts,
@@ -193,6 +220,10 @@ fn run_gemm(
             Some(s) => k::gemm_scaled_bf16(w, *x, tile, s, out, ld),
             None => k::gemm_bf16(w, *x, tile, out, ld),
         },
+        (Weights::Bf16(w), Acts::Prepared(x)) => match scale {
+            Some(s) => k::gemm_scaled_bf16_prepared(w, x, tile, s, out, ld),
+            None => k::gemm_bf16_prepared(w, x, tile, out, ld),
+        },
         (
             Weights::I8 {
                 data,
@@ -227,7 +258,9 @@ fn run_gemm(
                     };
                     k::gemm_i8_w8a8(wi, ActsI8::new(q, &sa, *b, *kx, *kx), tile, out, ld);
                 }
-                Acts::Packed(_) => unreachable!("int8 weights get prepared activations"),
+                Acts::Packed(_) | Acts::Prepared(_) => {
+                    unreachable!("int8 weights get prepared activations")
+                }
             }
         }
         (Weights::Bf16(_), _) => unreachable!("bf16 weights get packed activations"),
@@ -289,8 +322,9 @@ enum Source {
     /// A Qwen3 resident model: the layout follows from the bound matrix's shape
     /// (`qwen3::layout`; a tiled or paired matrix has its row-major length).
     Resident,
-    /// Row-major whatever the shape (other models running the Qwen3 GEMM kernel).
-    RowMajor,
+    /// The layout another model's rule gives the bound matrix's `[rows, cols]` (models
+    /// running the Qwen3 GEMM kernel on their own weights).
+    Rule(fn(usize, usize) -> WeightLayout),
 }
 
 fn weights<'a>(
@@ -328,7 +362,7 @@ fn weights<'a>(
     let rows = w.len() / kdim;
     let layout = match source {
         Source::Resident => bf16_layout(rows, kdim),
-        Source::RowMajor => WeightLayout::RowMajor,
+        Source::Rule(rule) => rule(rows, kdim),
     };
     Ok(Weights::Bf16(WeightsBf16::with_layout(
         w, rows, kdim, layout,
@@ -353,9 +387,13 @@ pub(super) fn gemm_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     gemm_tile_from(ctx, Source::Resident)
 }
 
-/// The projection kernel on row-major weights whatever their shape.
-pub(super) fn gemm_tile_row_major(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    gemm_tile_from(ctx, Source::RowMajor)
+/// The projection kernel on weights in the layout `rule` gives a bound `[rows, cols]`
+/// matrix (the rule of the model that uploaded them).
+pub(crate) fn gemm_tile_in(
+    ctx: &TaskCtx<'_>,
+    rule: fn(usize, usize) -> WeightLayout,
+) -> Result<(), KernelError> {
+    gemm_tile_from(ctx, Source::Rule(rule))
 }
 
 fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> {
@@ -386,8 +424,7 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
     if w.rows() == 0 {
         return Ok(());
     }
-    let int8 = matches!(w, Weights::I8 { .. });
-    with_acts(ctx, x, int8, w8a8, |x| {
+    with_acts(ctx, x, &w, w8a8, |x| {
         gemm_into_rows(w, x, &tile, scale, &mut out)
     });
     Ok(())
@@ -444,7 +481,6 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..h,
         mode: OutMode::Store,
     };
-    let int8 = matches!(wg, Weights::I8 { .. });
     let ones;
     let scale = match scale {
         Some(s) => s,
@@ -462,7 +498,7 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         // Both products store every element of their halves.
         with_scratch_dirty(2 * rows * n, |s| {
             let (gate, up) = s.split_at_mut(rows * n);
-            with_acts(ctx, x, int8, w8a8, |x| {
+            with_acts(ctx, x, &wg, w8a8, |x| {
                 run_gemm(wg, x, &full, None, gate, n);
                 run_gemm(wu, x, &full, None, up, n);
             });
@@ -493,8 +529,7 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         mode: OutMode::Store,
     };
     if w.rows() > 0 {
-        let int8 = matches!(w, Weights::I8 { .. });
-        with_acts(ctx, x, int8, w8a8, |x| {
+        with_acts(ctx, x, &w, w8a8, |x| {
             gemm_into_rows(w, x, &tile, None, &mut logits)
         });
     }
@@ -670,6 +705,92 @@ mod tests {
                     // 127 at most); another round's values miss by the size of the sum.
                     assert!(
                         (g - want).abs() <= 0.01 * size,
+                        "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// [`prepared_int8_activations_never_outlive_their_task`] for tiled bf16 weights at 8
+    /// rows, where the AMX path converts each task's activations once per core
+    /// ([`super::PREPARED_BF16`]; on a machine without AMX nothing is kept and the test checks
+    /// the plain product). The GEMM kernel is registered as another model registers it, with
+    /// a rule that tiles every matrix.
+    #[test]
+    fn prepared_bf16_activations_never_outlive_their_task() {
+        fn tiled_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
+            super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Tiled)
+        }
+        let w = simpler_core::Worker::new(
+            simpler_cpu::CpuPlatform::new(),
+            simpler_core::WorkerConfig {
+                cores: Some(2),
+                timeouts: None,
+                idle_spin: None,
+            },
+        )
+        .unwrap();
+        w.register_kernel(super::super::gemm_spec_with(tiled_gemm))
+            .unwrap();
+        let (rows, n, k) = (8usize, 256usize, 64usize);
+        let weights: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
+            .collect();
+        let wbuf = w
+            .buffer_from(&simpler_kernels_cpu::tile_weights_bf16(&weights, n, k))
+            .unwrap();
+        let xbuf = w.alloc(packed_len(rows, k) * 4).unwrap();
+        let obuf = w.alloc(rows * n * 4).unwrap();
+        for round in 0..3usize {
+            // Small integers: exact in bf16, so only the summation order separates the
+            // kernel from the plain sum.
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 31 + round * 17) % 23) as f32 - 11.0)
+                .collect();
+            let mut packed = vec![0.0f32; packed_len(rows, k)];
+            pack_acts_f32(&x, rows, k, &mut packed);
+            xbuf.write(&packed).unwrap();
+            let args = RunArgs {
+                buffers: vec![xbuf.clone(), wbuf.clone(), obuf.clone()],
+                scalars: vec![],
+            };
+            w.run_fn("bf16 gemm", args, &Default::default(), move |o, a| {
+                let xt = o.bind(
+                    &a.buffers[0],
+                    DType::F32,
+                    &[rows as u64, (packed_len(rows, k) / rows) as u64],
+                )?;
+                let wt = o.bind(&a.buffers[1], DType::BF16, &[n as u64, k as u64])?;
+                let ot = o.bind(&a.buffers[2], DType::F32, &[rows as u64, n as u64])?;
+                o.scope(ScopeKind::Auto, |o| {
+                    let task = GemmArgs {
+                        acts: Arg::In(&xt),
+                        w: Arg::In(&wt),
+                        out: Arg::Out(&ot),
+                        scale: None,
+                    }
+                    .push(Task::new(GEMM_TILE))
+                    .blocks(8)
+                    .push_scalars(GemmScalars {
+                        k,
+                        add: false,
+                        w8a8: false,
+                    });
+                    o.submit(task)?;
+                    Ok(())
+                })
+            })
+            .unwrap();
+            let got = obuf.read::<f32>().unwrap();
+            for b in 0..rows {
+                for c in 0..n {
+                    let terms = (0..k).map(|i| x[b * k + i] * weights[c * k + i].to_f32());
+                    let want: f32 = terms.clone().sum();
+                    let size: f32 = terms.map(f32::abs).sum();
+                    let g = got[b * n + c];
+                    assert!(
+                        (g - want).abs() <= 1e-5 * size,
                         "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
                     );
                 }

@@ -192,18 +192,15 @@ pub fn specs() -> Vec<KernelSpec> {
         .collect()
 }
 
-/// The Qwen3 projection kernel (`GEMM_TILE`, `gemm_tile_bf16`) on row-major bf16 weights
-/// whatever their shape, for models that run it on their own weights: the form in [`specs`]
-/// reads a Qwen3 resident model's layout (`qwen3::layout`, which tiles matrices of some shapes
-/// on the AMX path).
-pub fn row_major_gemm_spec() -> KernelSpec {
-    KernelSpec::new(
-        GEMM_TILE,
-        "gemm_tile_bf16",
-        EngineClass::Cube,
-        dense::gemm_tile_row_major,
-    )
+/// The Qwen3 projection kernel (`GEMM_TILE`, `gemm_tile_bf16`) for models that run it on
+/// their own bf16 weights, in the layout their own rule gives each bound `[rows, cols]` matrix
+/// (the form in [`specs`] reads a Qwen3 resident model's layout, `qwen3::layout`). `body` is
+/// the model's kernel function, which calls `gemm_tile_in` with its rule.
+pub fn gemm_spec_with(body: fn(&TaskCtx<'_>) -> Result<(), KernelError>) -> KernelSpec {
+    KernelSpec::new(GEMM_TILE, "gemm_tile_bf16", EngineClass::Cube, body)
 }
+
+pub(crate) use dense::gemm_tile_in;
 
 /// Registers every kernel of the Qwen3 step on `worker` (once per worker).
 pub fn register(worker: &Worker) -> Result<(), simpler_core::Error> {
