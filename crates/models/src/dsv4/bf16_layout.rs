@@ -9,18 +9,21 @@
 //! rows in 12 blocks a tiled matrix with its activations converted once per task streamed
 //! 30–33 GB/s against 23–26 row-major (`docs/benchmarks.md`, session 26).
 //!
-//! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`):
+//! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`) or the tiled
+//! one of the AMX path:
 //!
-//! - Paired where the AVX2 path streams paired weights faster
-//!   (`simpler_kernels_cpu::paired_weights_pay`), the worker's kernels run on the host, and
-//!   the shape is whole 16-row groups per output group and 32-column steps (so every
-//!   output group and every SPMD block, which start on 16 columns of the output, start on a
-//!   row group); row-major otherwise, so a device platform receives the same bytes as before.
+//! - where the worker's kernels run on the host and the shape is whole 16-row groups per
+//!   output group and 32-column steps (so every output group and every SPMD block, which start
+//!   on 16 columns of the output, start on a row group): paired where the AVX2 path streams
+//!   paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), tiled where the AMX
+//!   path runs (at 8 rows in blocks of 1024 rows × 4096 the tiled pass streamed 33 GB/s
+//!   against 28 row-major, `docs/benchmarks.md`, session 26);
+//! - row-major otherwise, so a device platform receives the same bytes as before.
 //! - The kernel reads the same decision without the platform test (these kernels run only on
 //!   host-kernel platforms).
 //!
-//! Pairing reorders the `G · R × K` values in place of the row-major copy (the buffer has the
-//! same size and shape).
+//! Pairing or tiling reorders the `G · R × K` values in place of the row-major copy (the buffer
+//! has the same size and shape).
 
 use simpler_core::Worker;
 use simpler_kernels_cpu::{
@@ -54,8 +57,13 @@ pub fn projection_upload_layout(worker: &Worker, rows: usize, cols: usize) -> We
 /// The layout this process's `wo_a` kernel reads a `Wo_a` of `groups` groups of `rows` rows
 /// by `cols` in.
 pub fn wo_a_kernel_layout(groups: usize, rows: usize, cols: usize) -> WeightLayout {
-    if paired_weights_pay(Isa::detected()) && groups > 0 && whole(rows, cols) {
+    let isa = Isa::detected();
+    if groups == 0 || !whole(rows, cols) {
+        WeightLayout::RowMajor
+    } else if paired_weights_pay(isa) {
         WeightLayout::Pairs
+    } else if tiled_weights_pay(isa) {
+        WeightLayout::Tiled
     } else {
         WeightLayout::RowMajor
     }
@@ -98,9 +106,11 @@ mod tests {
     }
 
     #[test]
-    fn only_whole_groups_and_steps_pair() {
+    fn only_whole_groups_and_steps_pair_or_tile() {
         let want = if paired_weights_pay(Isa::detected()) {
             WeightLayout::Pairs
+        } else if tiled_weights_pay(Isa::detected()) {
+            WeightLayout::Tiled
         } else {
             WeightLayout::RowMajor
         };

@@ -433,7 +433,7 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let r = wrows / groups;
-    // Paired or row-major as the upload held it (`dsv4::bf16_layout`): every output group and
+    // Paired, tiled or row-major as the upload held it (`dsv4::bf16_layout`): every output group and
     // block then starts on a row group.
     let layout = crate::dsv4::bf16_layout::wo_a_kernel_layout(groups, r, kg);
     let whole = WeightsBf16::with_layout(w, wrows, kg, layout);
