@@ -14,6 +14,14 @@ use simpler_kernels_cpu::{
     tile_weights_bf16,
 };
 
+/// How many elements of `got` differ from `want` in their bits.
+fn bit_diffs(want: &[f32], got: &[f32]) -> usize {
+    want.iter()
+        .zip(got)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count()
+}
+
 #[test]
 fn prepared_activations_give_the_bits_of_the_plain_product() {
     let mut rng = Rng(41);
@@ -70,22 +78,14 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
                     gemm_bf16(wm, acts, &tile, &mut want, ld);
                     let mut got = seed;
                     gemm_bf16_prepared(wm, prep, &tile, &mut got, ld);
-                    diffs += want
-                        .iter()
-                        .zip(&got)
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
+                    diffs += bit_diffs(&want, &got);
                     // The scaled product, and both on the tiled copy where the shape has one.
                     let scale: Vec<f32> = (0..batch).map(|b| 0.5 + b as f32 * 0.125).collect();
                     let mut want = vec![0.0f32; batch * ld];
                     gemm_scaled_bf16(wm, acts, &tile, &scale, &mut want, ld);
                     let mut got = vec![0.0f32; batch * ld];
                     gemm_scaled_bf16_prepared(wm, prep, &tile, &scale, &mut got, ld);
-                    diffs += want
-                        .iter()
-                        .zip(&got)
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
+                    diffs += bit_diffs(&want, &got);
                     if n % 16 == 0
                         && k % 32 == 0
                         && tile.n.start % 16 == 0
@@ -97,11 +97,7 @@ fn prepared_activations_give_the_bits_of_the_plain_product() {
                         gemm_scaled_bf16(wt, acts, &tile, &scale, &mut want, ld);
                         let mut got = vec![0.0f32; batch * ld];
                         gemm_scaled_bf16_prepared(wt, prep, &tile, &scale, &mut got, ld);
-                        diffs += want
-                            .iter()
-                            .zip(&got)
-                            .filter(|(a, b)| a.to_bits() != b.to_bits())
-                            .count();
+                        diffs += bit_diffs(&want, &got);
                     }
                 }
             }

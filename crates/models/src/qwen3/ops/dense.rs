@@ -639,6 +639,82 @@ mod tests {
         }
     }
 
+    /// Runs one projection task (`GEMM_TILE` in 8 blocks on `w`'s cores, weights `wbuf` bound
+    /// as `wdtype [n, wcols]`) three times on one input buffer whose values change between the
+    /// runs, and hands each run's activations `[rows, k]` and output `[rows, n]` to `check`.
+    #[allow(clippy::too_many_arguments)]
+    fn three_runs_on_one_input(
+        w: &simpler_core::Worker,
+        wbuf: &simpler_core::Buffer,
+        wdtype: DType,
+        wcols: usize,
+        (rows, n, k): (usize, usize, usize),
+        w8a8: bool,
+        check: impl Fn(usize, &[f32], &[f32]),
+    ) {
+        let xbuf = w.alloc(packed_len(rows, k) * 4).unwrap();
+        let obuf = w.alloc(rows * n * 4).unwrap();
+        for round in 0..3usize {
+            // Small integers: exact in bf16.
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 31 + round * 17) % 23) as f32 - 11.0)
+                .collect();
+            let mut packed = vec![0.0f32; packed_len(rows, k)];
+            pack_acts_f32(&x, rows, k, &mut packed);
+            xbuf.write(&packed).unwrap();
+            let args = RunArgs {
+                buffers: vec![xbuf.clone(), wbuf.clone(), obuf.clone()],
+                scalars: vec![],
+            };
+            w.run_fn("gemm", args, &Default::default(), move |o, a| {
+                let xt = o.bind(
+                    &a.buffers[0],
+                    DType::F32,
+                    &[rows as u64, (packed_len(rows, k) / rows) as u64],
+                )?;
+                let wt = o.bind(&a.buffers[1], wdtype, &[n as u64, wcols as u64])?;
+                let ot = o.bind(&a.buffers[2], DType::F32, &[rows as u64, n as u64])?;
+                o.scope(ScopeKind::Auto, |o| {
+                    let task = GemmArgs {
+                        acts: Arg::In(&xt),
+                        w: Arg::In(&wt),
+                        out: Arg::Out(&ot),
+                        scale: None,
+                    }
+                    .push(Task::new(GEMM_TILE))
+                    .blocks(8)
+                    .push_scalars(GemmScalars {
+                        k,
+                        add: false,
+                        w8a8,
+                    });
+                    o.submit(task)?;
+                    Ok(())
+                })
+            })
+            .unwrap();
+            check(round, &x, &obuf.read::<f32>().unwrap());
+        }
+    }
+
+    /// Each output of `got` (`[rows, n]`) against the plain sum of `x` (`[rows, k]`) times
+    /// `w` (`[n, k]`), within `tol` of the sum of the terms' sizes.
+    fn check_products(round: usize, x: &[f32], w: &[bf16], got: &[f32], n: usize, tol: f32) {
+        let k = w.len() / n;
+        for (b, xr) in x.chunks_exact(k).enumerate() {
+            for (c, wr) in w.chunks_exact(k).enumerate() {
+                let terms = xr.iter().zip(wr).map(|(a, b)| a * b.to_f32());
+                let want: f32 = terms.clone().sum();
+                let size: f32 = terms.map(f32::abs).sum();
+                let g = got[b * n + c];
+                assert!(
+                    (g - want).abs() <= tol * size,
+                    "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
+                );
+            }
+        }
+    }
+
     /// One int8 projection task run three times on one input buffer whose values change
     /// between the runs, in 8 blocks on 2 cores: each run's output is the product of its own
     /// values. Each core keeps the int8 activations it prepared for a task ([`super::with_acts`]),
@@ -654,62 +730,17 @@ mod tests {
         let records = quantize_matrix(&weights, n, k);
         let deq = dequantize_matrix_bf16(&records, k);
         let wbuf = w.buffer_from(&records).unwrap();
-        let xbuf = w.alloc(packed_len(rows, k) * 4).unwrap();
-        let obuf = w.alloc(rows * n * 4).unwrap();
-        for round in 0..3usize {
-            let x: Vec<f32> = (0..rows * k)
-                .map(|i| ((i * 31 + round * 17) % 23) as f32 - 11.0)
-                .collect();
-            let mut packed = vec![0.0f32; packed_len(rows, k)];
-            pack_acts_f32(&x, rows, k, &mut packed);
-            xbuf.write(&packed).unwrap();
-            let args = RunArgs {
-                buffers: vec![xbuf.clone(), wbuf.clone(), obuf.clone()],
-                scalars: vec![],
-            };
-            w.run_fn("int8 gemm", args, &Default::default(), move |o, a| {
-                let xt = o.bind(
-                    &a.buffers[0],
-                    DType::F32,
-                    &[rows as u64, (packed_len(rows, k) / rows) as u64],
-                )?;
-                let wt = o.bind(&a.buffers[1], DType::I8, &[n as u64, int8_record(k) as u64])?;
-                let ot = o.bind(&a.buffers[2], DType::F32, &[rows as u64, n as u64])?;
-                o.scope(ScopeKind::Auto, |o| {
-                    let task = GemmArgs {
-                        acts: Arg::In(&xt),
-                        w: Arg::In(&wt),
-                        out: Arg::Out(&ot),
-                        scale: None,
-                    }
-                    .push(Task::new(GEMM_TILE))
-                    .blocks(8)
-                    .push_scalars(GemmScalars {
-                        k,
-                        add: false,
-                        w8a8: true,
-                    });
-                    o.submit(task)?;
-                    Ok(())
-                })
-            })
-            .unwrap();
-            let got = obuf.read::<f32>().unwrap();
-            for b in 0..rows {
-                for c in 0..n {
-                    let terms = (0..k).map(|i| x[b * k + i] * deq[c * k + i].to_f32());
-                    let want: f32 = terms.clone().sum();
-                    let size: f32 = terms.map(f32::abs).sum();
-                    let g = got[b * n + c];
-                    // W8A8 rounds each activation to its row's 127 steps (half a step of 11 /
-                    // 127 at most); another round's values miss by the size of the sum.
-                    assert!(
-                        (g - want).abs() <= 0.01 * size,
-                        "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
-                    );
-                }
-            }
-        }
+        // W8A8 rounds each activation to its row's 127 steps (half a step of 11 / 127 at
+        // most); another round's values miss by the size of the sum.
+        three_runs_on_one_input(
+            &w,
+            &wbuf,
+            DType::I8,
+            int8_record(k),
+            (rows, n, k),
+            true,
+            |round, x, got| check_products(round, x, &deq, got, n, 0.01),
+        );
     }
 
     /// [`prepared_int8_activations_never_outlive_their_task`] for tiled bf16 weights at 8
@@ -722,15 +753,7 @@ mod tests {
         fn tiled_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
             super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Tiled)
         }
-        let w = simpler_core::Worker::new(
-            simpler_cpu::CpuPlatform::new(),
-            simpler_core::WorkerConfig {
-                cores: Some(2),
-                timeouts: None,
-                idle_spin: None,
-            },
-        )
-        .unwrap();
+        let w = super::super::bare_test_worker();
         w.register_kernel(super::super::gemm_spec_with(tiled_gemm))
             .unwrap();
         let (rows, n, k) = (8usize, 256usize, 64usize);
@@ -740,61 +763,15 @@ mod tests {
         let wbuf = w
             .buffer_from(&simpler_kernels_cpu::tile_weights_bf16(&weights, n, k))
             .unwrap();
-        let xbuf = w.alloc(packed_len(rows, k) * 4).unwrap();
-        let obuf = w.alloc(rows * n * 4).unwrap();
-        for round in 0..3usize {
-            // Small integers: exact in bf16, so only the summation order separates the
-            // kernel from the plain sum.
-            let x: Vec<f32> = (0..rows * k)
-                .map(|i| ((i * 31 + round * 17) % 23) as f32 - 11.0)
-                .collect();
-            let mut packed = vec![0.0f32; packed_len(rows, k)];
-            pack_acts_f32(&x, rows, k, &mut packed);
-            xbuf.write(&packed).unwrap();
-            let args = RunArgs {
-                buffers: vec![xbuf.clone(), wbuf.clone(), obuf.clone()],
-                scalars: vec![],
-            };
-            w.run_fn("bf16 gemm", args, &Default::default(), move |o, a| {
-                let xt = o.bind(
-                    &a.buffers[0],
-                    DType::F32,
-                    &[rows as u64, (packed_len(rows, k) / rows) as u64],
-                )?;
-                let wt = o.bind(&a.buffers[1], DType::BF16, &[n as u64, k as u64])?;
-                let ot = o.bind(&a.buffers[2], DType::F32, &[rows as u64, n as u64])?;
-                o.scope(ScopeKind::Auto, |o| {
-                    let task = GemmArgs {
-                        acts: Arg::In(&xt),
-                        w: Arg::In(&wt),
-                        out: Arg::Out(&ot),
-                        scale: None,
-                    }
-                    .push(Task::new(GEMM_TILE))
-                    .blocks(8)
-                    .push_scalars(GemmScalars {
-                        k,
-                        add: false,
-                        w8a8: false,
-                    });
-                    o.submit(task)?;
-                    Ok(())
-                })
-            })
-            .unwrap();
-            let got = obuf.read::<f32>().unwrap();
-            for b in 0..rows {
-                for c in 0..n {
-                    let terms = (0..k).map(|i| x[b * k + i] * weights[c * k + i].to_f32());
-                    let want: f32 = terms.clone().sum();
-                    let size: f32 = terms.map(f32::abs).sum();
-                    let g = got[b * n + c];
-                    assert!(
-                        (g - want).abs() <= 1e-5 * size,
-                        "round {round} [{b}, {c}]: {g} vs {want} (terms of size {size})"
-                    );
-                }
-            }
-        }
+        // Exact inputs: only the summation order separates the kernel from the plain sum.
+        three_runs_on_one_input(
+            &w,
+            &wbuf,
+            DType::BF16,
+            k,
+            (rows, n, k),
+            false,
+            |round, x, got| check_products(round, x, &weights, got, n, 1e-5),
+        );
     }
 }

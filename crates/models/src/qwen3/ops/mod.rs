@@ -308,10 +308,10 @@ fn check_packed(kernel: &str, len: usize, rows: usize, k: usize) -> Result<(), K
     Ok(())
 }
 
-/// A two-core CPU worker with these kernels registered, for the kernels' own tests.
+/// A two-core CPU worker with no kernels registered, for the kernels' own tests.
 #[cfg(test)]
-fn test_worker() -> simpler_core::Worker {
-    let w = simpler_core::Worker::new(
+fn bare_test_worker() -> simpler_core::Worker {
+    simpler_core::Worker::new(
         simpler_cpu::CpuPlatform::new(),
         simpler_core::WorkerConfig {
             cores: Some(2),
@@ -319,7 +319,13 @@ fn test_worker() -> simpler_core::Worker {
             idle_spin: None,
         },
     )
-    .expect("a two-core CPU worker");
+    .expect("a two-core CPU worker")
+}
+
+/// A two-core CPU worker with these kernels registered, for the kernels' own tests.
+#[cfg(test)]
+fn test_worker() -> simpler_core::Worker {
+    let w = bare_test_worker();
     register(&w).expect("the Qwen3 kernels register");
     w
 }
