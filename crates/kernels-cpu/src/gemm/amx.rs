@@ -602,8 +602,9 @@ fn copy_tail_rows(lw: &Lowered<'_>, n0: usize, nr: usize, k32: usize, dst: &mut 
 /// bytes at `a_i + s * STEP`, `stride` bytes apart (row-major: `a1` is 16 rows below `a0`,
 /// `stride` the row stride, the step one 64-byte line; tiled: `a0`, `a1` the two groups'
 /// blocks, `stride` 64, the step one 1 KiB block). `p0`, `p1` are the same for the lines
-/// prefetched meanwhile (row-major: the next group's rows; tiled: each stream's next block). Without `both` the group has 16 rows or fewer: only the tile at `a0`
-/// is loaded and multiplied (`a1` is neither read nor needed to point at readable memory).
+/// prefetched meanwhile (row-major: the next group's rows; tiled: each stream's next block).
+/// Without `both` the group has 16 rows or fewer: only the tile at `a0` is loaded and
+/// multiplied (`a1` is neither read nor needed to point at readable memory).
 struct WeightTiles {
     a0: *const u16,
     a1: *const u16,

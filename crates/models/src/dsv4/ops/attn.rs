@@ -433,8 +433,8 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let r = wrows / groups;
-    // Paired, tiled or row-major as the upload held it (`dsv4::bf16_layout`): every output group and
-    // block then starts on a row group.
+    // Paired, tiled or row-major as the upload held it (`dsv4::bf16_layout`): every output
+    // group and block then starts on a row group.
     let layout = crate::dsv4::bf16_layout::wo_a_kernel_layout(groups, r, kg);
     let whole = WeightsBf16::with_layout(w, wrows, kg, layout);
     let mut out = ctx.write_block_cols::<f32>(wo::A_OUT, kc::PACK_BLOCK)?;
