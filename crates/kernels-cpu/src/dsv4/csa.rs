@@ -746,8 +746,21 @@ fn store_scores(
 /// (`dim / 4 · 16` values): quad `j` of row `l` at `blk[j · 16 + l]` (four bytes of one row,
 /// little-endian), the missing rows zero. This is both the `vpdpbusd` operand of `vnni` and
 /// the B tile layout of `amx` (16 lines of 16 rows × 4 bytes per 64 bytes of `dim`).
+///
+/// A whole block (16 rows, `dim` a multiple of 64) goes through AVX-512 where the CPU has it:
+/// each 64 bytes of the 16 rows are a 16 × 16 matrix of 32-bit quads, transposed in registers
+/// (the scalar loop was a sixth of the AMX scores' time at FLASH shape).
 #[cfg(target_arch = "x86_64")]
 fn transpose_keys(keys: &[i8], dim: usize, blk: &mut [i32]) {
+    if keys.len() >= 16 * dim
+        && dim.is_multiple_of(64)
+        && blk.len() >= dim / 4 * 16
+        && is_x86_feature_detected!("avx512f")
+    {
+        // SAFETY: AVX-512 F available (checked just above); the lengths were checked.
+        unsafe { transpose_keys_avx512(keys, dim, blk) };
+        return;
+    }
     blk.fill(0);
     for (l, row) in keys.chunks_exact(dim).take(16).enumerate() {
         for (j, q) in row.chunks_exact(4).enumerate() {
@@ -756,12 +769,39 @@ fn transpose_keys(keys: &[i8], dim: usize, blk: &mut [i32]) {
     }
 }
 
+/// [`transpose_keys`] of a whole block: 16 rows, `dim` a multiple of 64.
+///
+/// # Safety
+/// AVX-512 F available; `keys.len() >= 16 · dim`, `blk.len() >= dim / 4 · 16`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_keys_avx512(keys: &[i8], dim: usize, blk: &mut [i32]) {
+    use std::arch::x86_64::*;
+    assert!(keys.len() >= 16 * dim && blk.len() >= dim / 4 * 16 && dim.is_multiple_of(64));
+    for c in 0..dim / 64 {
+        // SAFETY: row `l`'s bytes `64 c .. 64 c + 64` lie inside `keys` (asserted).
+        let mut r: [__m512i; 16] = std::array::from_fn(|l| unsafe {
+            _mm512_loadu_si512(keys.as_ptr().add(l * dim + c * 64).cast())
+        });
+        crate::gemm::amx_transpose16(&mut r);
+        for (j, v) in r.iter().enumerate() {
+            // SAFETY: quads `16 c .. 16 c + 16` of the 16 rows: values `(16 c + j) · 16 ..
+            // + 16` of `blk`, inside it (asserted).
+            unsafe { _mm512_storeu_si512(blk.as_mut_ptr().add((c * 16 + j) * 16).cast(), *v) };
+        }
+    }
+}
+
 /// The AMX-INT8 scores: per block of 16 index rows (transposed once by [`transpose_keys`], the
 /// `B` operand, 1 KiB per 64 bytes of `dim`), `tdpbssd` of every 16 query rows (the `A`
-/// operand: the queries as they lie, in a copy padded with zero rows to whole pairs of 16)
-/// gives the exact signed dot products `[query row, 16 index rows]`; the finish is the
-/// `vnni` kernel's, the documented expression in the documented order, so every path gives
-/// the same bits.
+/// operand: the queries as they lie, or in a copy padded with zero rows when they do not fill
+/// whole pairs of 16) gives the exact signed dot products `[query row, 16 index rows]`; the
+/// finish is the `vnni` kernel's, the documented expression in the documented order, so every
+/// path gives the same bits. At FLASH shape (`examples/dsv4_csa_scores`, one 256-row chunk of
+/// 2 tokens × 64 heads per call, warm) a call took 12.9–13.0 µs with a padded copy of the
+/// queries made per call, the keys transposed by a scalar loop and every step on the same
+/// tiles, and 4.8–5.0 µs with the queries read in place, the transpose in registers and the
+/// steps alternating tiles.
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use std::arch::asm;
@@ -794,10 +834,18 @@ mod amx {
             dim > 0 && dim.is_multiple_of(KSTEP),
             "amx scores: head_dim {dim}"
         );
-        // The queries, padded to whole pairs of 16-row tiles.
+        // The queries in whole pairs of 16-row tiles: as they lie when they fill them, else
+        // a copy padded with zero rows.
         let groups = nq.div_ceil(32) * 2;
-        let mut qp = vec![0i8; groups * 16 * dim];
-        qp[..nq * dim].copy_from_slice(&qs.q[..nq * dim]);
+        let padded;
+        let qp: &[i8] = if nq == groups * 16 {
+            &qs.q[..nq * dim]
+        } else {
+            let mut p = vec![0i8; groups * 16 * dim];
+            p[..nq * dim].copy_from_slice(&qs.q[..nq * dim]);
+            padded = p;
+            &padded
+        };
         let steps = dim / KSTEP;
         let mut blk = vec![0i32; dim / 4 * 16];
         // Dots of one block of 16 index rows: row `r` (query row) at `dots[r · 16..]`.
@@ -815,21 +863,41 @@ mod amx {
                 // exist) at a stride of `dim` bytes, 64 bytes per step, `steps` steps inside
                 // a row. B: `blk` holds `steps` tiles of 16 lines of 64 bytes. C: rows
                 // 16 g .. 16 g + 32 of `dots`, 64 bytes each.
+                // Steps go in pairs on separate tiles (tmm4–tmm6, then tmm2, tmm3, tmm7): the
+                // tile registers are not renamed, so a load into a tile the previous
+                // `tdpbssd` still reads waits for it; alternating lets the next step's loads
+                // run under this step's products.
                 unsafe {
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
+                        "test {n2}, {n2}",
+                        "jz 3f",
                         "2:",
                         "tileloadd tmm4, [{a0} + {sa}*1]",
                         "tileloadd tmm5, [{a1} + {sa}*1]",
                         "tileloadd tmm6, [{b} + {s64}*1]",
                         "tdpbssd tmm0, tmm4, tmm6",
                         "tdpbssd tmm1, tmm5, tmm6",
-                        "add {a0}, 64",
-                        "add {a1}, 64",
-                        "add {b}, 1024",
-                        "sub {n}, 1",
+                        "tileloadd tmm2, [{a0} + {sa}*1 + 64]",
+                        "tileloadd tmm3, [{a1} + {sa}*1 + 64]",
+                        "tileloadd tmm7, [{b} + {s64}*1 + 1024]",
+                        "tdpbssd tmm0, tmm2, tmm7",
+                        "tdpbssd tmm1, tmm3, tmm7",
+                        "add {a0}, 128",
+                        "add {a1}, 128",
+                        "add {b}, 2048",
+                        "dec {n2}",
                         "jnz 2b",
+                        "3:",
+                        "test {odd}, {odd}",
+                        "jz 4f",
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b} + {s64}*1]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        "4:",
                         "tilestored [{c} + {s64}*1], tmm0",
                         "tilestored [{c} + {s64}*1 + 1024], tmm1",
                         a0 = inout(reg) qp.as_ptr().add(g * 16 * dim) => _,
@@ -837,7 +905,8 @@ mod amx {
                         sa = in(reg) dim,
                         b = inout(reg) blk.as_ptr() => _,
                         s64 = in(reg) 64usize,
-                        n = inout(reg) steps => _,
+                        n2 = inout(reg) steps / 2 => _,
+                        odd = in(reg) steps % 2,
                         c = in(reg) dots.as_mut_ptr().add(g * 256),
                         options(nostack),
                     );
