@@ -815,6 +815,12 @@ mod amx {
     /// Bytes of `dim` per tile step.
     pub(super) const KSTEP: usize = 64;
 
+    /// `len` values of `buf` (at least 15 longer) from its first 64-byte boundary.
+    fn aligned_lines(buf: &mut [i32], len: usize) -> &mut [i32] {
+        let at = buf.as_ptr().align_offset(64).min(buf.len() - len);
+        &mut buf[at..at + len]
+    }
+
     /// # Safety
     /// AMX-INT8 and AVX-512 F/BW available and the tile state granted; `qs` holds
     /// `tokens · heads` rows of `head_dim` (a multiple of [`KSTEP`]) with their scales and
@@ -848,9 +854,13 @@ mod amx {
             &padded
         };
         let steps = dim / KSTEP;
-        let mut blk = vec![0i32; dim / 4 * 16];
+        // Both start on a 64-byte line, as the tile rows they hold (a row across two lines
+        // loads and stores slower).
+        let mut blk_buf = vec![0i32; dim / 4 * 16 + 16];
+        let blk = aligned_lines(&mut blk_buf, dim / 4 * 16);
         // Dots of one block of 16 index rows: row `r` (query row) at `dots[r · 16..]`.
-        let mut dots = vec![0i32; groups * 16 * 16];
+        let mut dots_buf = vec![0i32; groups * 16 * 16 + 16];
+        let dots = aligned_lines(&mut dots_buf, groups * 16 * 16);
         // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles);
         // the tile state was granted (contract). Released below; nothing between uses tiles
         // otherwise.
@@ -858,7 +868,7 @@ mod amx {
         let mut c0 = rows.start;
         while c0 < rows.end {
             let n = 16.min(rows.end - c0);
-            transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk);
+            transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, blk);
             for g in (0..groups).step_by(2) {
                 // SAFETY: A: query rows 16 g .. 16 g + 32 of `qp` (groups is even, so they
                 // exist) at a stride of `dim` bytes, 64 bytes per step, `steps` steps inside
