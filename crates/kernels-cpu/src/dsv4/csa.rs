@@ -800,8 +800,8 @@ unsafe fn transpose_keys_avx512(keys: &[i8], dim: usize, blk: &mut [i32]) {
 /// path gives the same bits. At FLASH shape (`examples/dsv4_csa_scores`, one 256-row chunk of
 /// 2 tokens × 64 heads per call, warm) a call took 12.9–13.0 µs with a padded copy of the
 /// queries made per call, the keys transposed by a scalar loop and every step on the same
-/// tiles, and 4.8–5.0 µs with the queries read in place, the transpose in registers and the
-/// steps alternating tiles. Queries that start off a 64-byte line cost ~25% more per call
+/// tiles, and 4.3–4.4 µs with the queries read in place, the transpose in registers, the steps
+/// alternating tiles and the key tiles and dots on whole 64-byte lines. Queries that start off a 64-byte line cost ~25% more per call
 /// (every tile row then spans two lines); the step's query tensors start on one.
 #[cfg(target_arch = "x86_64")]
 mod amx {
