@@ -10,11 +10,19 @@ use crate::multiversion::multiversion;
 #[inline]
 pub fn f32_to_bf16(x: f32) -> bf16 {
     let bits = x.to_bits();
-    if x.is_nan() {
-        return bf16::from_bits(((bits >> 16) | 0x0040) as u16);
-    }
-    let lsb = (bits >> 16) & 1;
-    bf16::from_bits((bits.wrapping_add(0x7FFF + lsb) >> 16) as u16)
+    // Both results, then a select rather than an early return for NaN: loops over this
+    // vectorise (a blend), where the branch kept them scalar (`round_bf16` over 8 × 32768
+    // values took 69 µs on the AVX-512 Xeon).
+    let quiet_nan = (bits >> 16) | 0x0040;
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+    bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded } as u16)
+}
+
+/// `x` rounded to the nearest bf16 value (ties to even; NaN to a quiet NaN), kept in fp32:
+/// [`f32_to_bf16`] then the exact widening, with no branch, so loops over it vectorise.
+#[inline]
+pub(crate) fn round_bf16_f32(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
 }
 
 /// Widens `x` to fp32 (exact).
@@ -94,5 +102,52 @@ mod avx2 {
         let f = _mm256_castsi256_ps(bits);
         let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(f, f));
         _mm256_blendv_epi8(rounded, quiet_nan, is_nan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The branch-free narrowing and [`round_bf16_f32`] give what the branching form and
+    /// `half`'s widening gave, bit for bit, NaNs (signalling and quiet, both signs) included.
+    #[test]
+    fn round_bf16_f32_is_the_narrowing_then_the_widening() {
+        let mut x = 0x9E37_79B9u32;
+        let mut samples: Vec<u32> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x
+            })
+            .collect();
+        samples.extend([
+            0x7F80_0001, // signalling NaN
+            0xFF80_0001,
+            0x7FC0_0000,
+            0xFFFF_FFFF,
+            0x7F80_0000, // infinities
+            0xFF80_0000,
+            0x7F7F_FFFF, // rounds up to infinity
+            0x3F80_8000, // tie, rounds to even (down)
+            0x3F81_8000, // tie, rounds up
+            0,
+            0x8000_0000,
+        ]);
+        for b in samples {
+            let v = f32::from_bits(b);
+            let branching = if v.is_nan() {
+                ((b >> 16) | 0x0040) as u16
+            } else {
+                (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+            };
+            assert_eq!(f32_to_bf16(v).to_bits(), branching, "{b:#010x}");
+            assert_eq!(
+                round_bf16_f32(v).to_bits(),
+                bf16::from_bits(branching).to_f32().to_bits(),
+                "{b:#010x}"
+            );
+        }
     }
 }

@@ -4,7 +4,7 @@
 
 use half::bf16;
 
-use crate::convert::f32_to_bf16;
+use crate::convert::{f32_to_bf16, round_bf16_f32};
 use crate::gemm::{PACK_BLOCK, pack_index, packed_ld};
 use crate::multiversion::multiversion;
 
@@ -63,12 +63,12 @@ multiversion! {
             for (blk, (xb, gb)) in xr[..full].chunks_exact(PACK_BLOCK).zip(g[..full].chunks_exact(PACK_BLOCK)).enumerate() {
                 let pb = &mut pr[blk * PACK_BLOCK..(blk + 1) * PACK_BLOCK];
                 for i in 0..PACK_BLOCK / 2 {
-                    pb[i] = f32_to_bf16(xb[2 * i] * gb[2 * i]).to_f32();
-                    pb[PACK_BLOCK / 2 + i] = f32_to_bf16(xb[2 * i + 1] * gb[2 * i + 1]).to_f32();
+                    pb[i] = round_bf16_f32(xb[2 * i] * gb[2 * i]);
+                    pb[PACK_BLOCK / 2 + i] = round_bf16_f32(xb[2 * i + 1] * gb[2 * i + 1]);
                 }
             }
             for k in full..h {
-                pr[pack_index(k, h)] = f32_to_bf16(xr[k] * g[k]).to_f32();
+                pr[pack_index(k, h)] = round_bf16_f32(xr[k] * g[k]);
             }
             pr[h..].fill(0.0);
         }
@@ -93,12 +93,12 @@ multiversion! {
             for (blk, (xb, gb)) in xr[..full].chunks_exact(PACK_BLOCK).zip(g[..full].chunks_exact(PACK_BLOCK)).enumerate() {
                 let pb = &mut pr[blk * PACK_BLOCK..(blk + 1) * PACK_BLOCK];
                 for i in 0..PACK_BLOCK / 2 {
-                    pb[i] = f32_to_bf16(xb[2 * i] * r * gb[2 * i]).to_f32();
-                    pb[PACK_BLOCK / 2 + i] = f32_to_bf16(xb[2 * i + 1] * r * gb[2 * i + 1]).to_f32();
+                    pb[i] = round_bf16_f32(xb[2 * i] * r * gb[2 * i]);
+                    pb[PACK_BLOCK / 2 + i] = round_bf16_f32(xb[2 * i + 1] * r * gb[2 * i + 1]);
                 }
             }
             for k in full..g.len() {
-                pr[pack_index(k, g.len())] = f32_to_bf16(xr[k] * r * g[k]).to_f32();
+                pr[pack_index(k, g.len())] = round_bf16_f32(xr[k] * r * g[k]);
             }
             pr[g.len()..].fill(0.0);
         }

@@ -652,7 +652,7 @@ pub fn round_bf16_half_up(x: f32) -> f32 {
     if x.is_finite() {
         f32::from_bits(x.to_bits().wrapping_add(0x8000) & 0xFFFF_0000)
     } else {
-        crate::convert::f32_to_bf16(x).to_f32()
+        crate::convert::round_bf16_f32(x)
     }
 }
 

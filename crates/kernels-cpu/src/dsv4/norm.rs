@@ -4,7 +4,7 @@
 //! int8 quantisation, packing for the bf16 GEMM) reads fp32; [`crate::rms_norm_bf16`] is the
 //! weighted form that stores bf16.
 
-use crate::convert::f32_to_bf16;
+use crate::convert::round_bf16_f32;
 use crate::multiversion::multiversion;
 
 /// `1/sqrt(mean(x²) + eps)` with the mean taken in f64 (four lanes) and rounded to f32 once:
@@ -114,6 +114,7 @@ fn inv_rms_finish(acc: &[f64; 4], tail: &[f32], len: usize, eps: f32) -> f32 {
 }
 
 multiversion! {
+    avx512;
     /// RMSNorm in place over rows of `row` values: `x = bf16(x · r · w)` with
     /// `r = 1/sqrt(mean(x²) + eps)` per row (the mean in f64); `w = None`
     /// is the weightless norm.
@@ -134,12 +135,12 @@ multiversion! {
                 match w {
                     Some(w) => {
                         for (v, &g) in xr.iter_mut().zip(w) {
-                            *v = f32_to_bf16(*v * r * g).to_f32();
+                            *v = round_bf16_f32(*v * r * g);
                         }
                     }
                     None => {
                         for v in xr.iter_mut() {
-                            *v = f32_to_bf16(*v * r).to_f32();
+                            *v = round_bf16_f32(*v * r);
                         }
                     }
                 }
@@ -149,10 +150,11 @@ multiversion! {
 }
 
 multiversion! {
+    avx512;
     /// Rounds every value to bf16 (nearest even) in place, keeping fp32 slots.
     pub fn round_bf16(x: &mut [f32]) {
         for v in x.iter_mut() {
-            *v = f32_to_bf16(*v).to_f32();
+            *v = round_bf16_f32(*v);
         }
     }
 }
