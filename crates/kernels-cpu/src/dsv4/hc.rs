@@ -686,9 +686,17 @@ multiversion! {
     }
 }
 
+/// Columns per block of [`hc_post`]: one 512-bit register of fp32.
+const POST_COLS: usize = 16;
+
 multiversion! {
+    avx512;
     /// `hc_post` of one token: `y[o, j] = post[o] · out[j] + Σ_i x[i, j] · comb[i·hc + o]`
     /// (fp32, added in stream order), `x` and `y` `[hc, d]`, `d = out.len()`.
+    ///
+    /// Each block of [`POST_COLS`] columns makes every output stream's values in registers
+    /// and writes them once (the stream-by-stream form read and wrote each output row `hc + 1`
+    /// times: 6.4 against 3.7–4.0 µs a token at FLASH, warm, one thread).
     ///
     /// # Panics
     /// If `x` or `y` is not `hc · d` long or `comb` not `hc · hc`.
@@ -697,15 +705,32 @@ multiversion! {
         assert_eq!(x.len(), hc * d, "hc_post: x len");
         assert_eq!(y.len(), hc * d, "hc_post: y len");
         assert_eq!(comb.len(), hc * hc, "hc_post: comb len");
-        for (o, yo) in y.chunks_exact_mut(d.max(1)).enumerate() {
-            for (j, v) in yo.iter_mut().enumerate() {
-                *v = post[o] * out[j];
-            }
-            for i in 0..hc {
-                let c = comb[i * hc + o];
-                for (v, &xv) in yo.iter_mut().zip(&x[i * d..(i + 1) * d]) {
-                    *v += xv * c;
+        let body = d / POST_COLS * POST_COLS;
+        for j0 in (0..body).step_by(POST_COLS) {
+            let oj: &[f32; POST_COLS] = out[j0..j0 + POST_COLS].try_into().expect("a block");
+            for o in 0..hc {
+                let mut v = [0.0f32; POST_COLS];
+                for (vl, &ol) in v.iter_mut().zip(oj) {
+                    *vl = post[o] * ol;
                 }
+                for i in 0..hc {
+                    let c = comb[i * hc + o];
+                    let xi: &[f32; POST_COLS] =
+                        x[i * d + j0..i * d + j0 + POST_COLS].try_into().expect("a block");
+                    for (vl, &xl) in v.iter_mut().zip(xi) {
+                        *vl += xl * c;
+                    }
+                }
+                y[o * d + j0..o * d + j0 + POST_COLS].copy_from_slice(&v);
+            }
+        }
+        for j in body..d {
+            for o in 0..hc {
+                let mut v = post[o] * out[j];
+                for i in 0..hc {
+                    v += x[i * d + j] * comb[i * hc + o];
+                }
+                y[o * d + j] = v;
             }
         }
     }

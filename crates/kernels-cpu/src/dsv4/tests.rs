@@ -119,7 +119,13 @@ fn mixed_streams_round_half_up_and_sum_pairwise() {
 
 #[test]
 fn hc_post_matches_a_plain_loop() {
-    let (hc, d) = (4, 29);
+    // Whole column blocks and a tail, a tail alone, whole blocks alone.
+    for (hc, d) in [(4, 29), (4, 70), (3, 7), (2, 32)] {
+        hc_post_case(hc, d);
+    }
+}
+
+fn hc_post_case(hc: usize, d: usize) {
     let x = values(hc * d, 6);
     let out = values(d, 7);
     let post = values(hc, 8);
