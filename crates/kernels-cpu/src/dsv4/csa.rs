@@ -801,8 +801,9 @@ unsafe fn transpose_keys_avx512(keys: &[i8], dim: usize, blk: &mut [i32]) {
 /// 2 tokens × 64 heads per call, warm) a call took 12.9–13.0 µs with a padded copy of the
 /// queries made per call, the keys transposed by a scalar loop and every step on the same
 /// tiles, and 4.3–4.4 µs with the queries read in place, the transpose in registers, the steps
-/// alternating tiles and the key tiles and dots on whole 64-byte lines. Queries that start off a 64-byte line cost ~25% more per call
-/// (every tile row then spans two lines); the step's query tensors start on one.
+/// alternating tiles and the key tiles and dots on whole 64-byte lines. Queries that start
+/// off a 64-byte line cost ~25% more per call (every tile row then spans two lines); the
+/// step's query tensors start on one.
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use std::arch::asm;
@@ -870,14 +871,14 @@ mod amx {
             let n = 16.min(rows.end - c0);
             transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, blk);
             for g in (0..groups).step_by(2) {
-                // SAFETY: A: query rows 16 g .. 16 g + 32 of `qp` (groups is even, so they
-                // exist) at a stride of `dim` bytes, 64 bytes per step, `steps` steps inside
-                // a row. B: `blk` holds `steps` tiles of 16 lines of 64 bytes. C: rows
-                // 16 g .. 16 g + 32 of `dots`, 64 bytes each.
                 // Steps go in pairs on separate tiles (tmm4–tmm6, then tmm2, tmm3, tmm7): the
                 // tile registers are not renamed, so a load into a tile the previous
                 // `tdpbssd` still reads waits for it; alternating lets the next step's loads
                 // run under this step's products.
+                // SAFETY: A: query rows 16 g .. 16 g + 32 of `qp` (groups is even, so they
+                // exist) at a stride of `dim` bytes, 64 bytes per step, `steps` steps (in
+                // pairs, then one) inside a row. B: `blk` holds `steps` tiles of 16 lines of
+                // 64 bytes. C: rows 16 g .. 16 g + 32 of `dots`, 64 bytes each.
                 unsafe {
                     asm!(
                         "tilezero tmm0",

@@ -836,11 +836,12 @@ fn small_int_to_i8(c: f32) -> i8 {
 }
 
 /// `max |f(v)|` over the values of `x` (NaNs skipped, as `f32::max` skips them), 32 running
-/// maxima (the maximum is exact, so their order does not matter). The body keeps a maximum with a plain comparison (`a > m`, false for a NaN), the
-/// `maxps` semantics, over whole chunks of 32 (several vector registers, so the maxima's
-/// latency does not bind): `f32::max`'s NaN rule and indexing through a closure
-/// kept the loop scalar (a load, a compare, a max and a blend per value: half the time of
-/// DeepSeek-V4's per-group activation quantisation).
+/// maxima (the maximum is exact, so their order does not matter). The body keeps each
+/// maximum with a plain comparison (`a > m`, false for a NaN: the `maxps` rule) over whole
+/// chunks of 32, several vector registers, so the maxima's latency does not bind.
+/// `f32::max`'s NaN rule and indexing through a closure had kept the loop scalar (a load, a
+/// compare, a max and a blend per value: half the time of DeepSeek-V4's per-group activation
+/// quantisation).
 #[inline(always)]
 fn abs_max<T: Copy>(x: &[T], f: impl Fn(T) -> f32) -> f32 {
     let mut m = [0.0f32; 32];
