@@ -694,7 +694,7 @@ multiversion! {
     /// `hc_post` of one token: `y[o, j] = post[o] · out[j] + Σ_i x[i, j] · comb[i·hc + o]`
     /// (fp32, added in stream order), `x` and `y` `[hc, d]`, `d = out.len()`.
     ///
-    /// Each block of [`POST_COLS`] columns makes every output stream's values in registers
+    /// Each block of 16 columns (`POST_COLS`) makes every output stream's values in registers
     /// and writes them once (the stream-by-stream form read and wrote each output row `hc + 1`
     /// times: 6.4 against 3.7–4.0 µs a token at FLASH, warm, one thread).
     ///
