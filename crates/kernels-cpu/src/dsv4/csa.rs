@@ -166,15 +166,90 @@ pub fn overlap_pool_row(
     rope_interleaved(out, width, cos, sin, RopeDir::Forward);
 }
 
+/// The orthonormal Walsh–Hadamard transform in place (Sylvester order, scaled by
+/// `1/sqrt(n)`), `n = v.len()` a power of two. On the AVX-512 paths, lengths of 16 and more
+/// run the first four stages inside each 16-lane register (`hadamard_avx512`); the compiled
+/// loop below left those short butterflies scalar. Every path computes the same sums and
+/// differences, so they agree bit for bit.
+///
+/// # Panics
+/// If `v.len()` is not a power of two.
+pub fn hadamard_f32(v: &mut [f32]) {
+    let n = v.len();
+    assert!(
+        n.is_power_of_two(),
+        "hadamard_f32: length {n} is not a power of two"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if n >= 16 && crate::isa::Isa::current() >= crate::isa::Isa::Avx512Bf16 {
+        // SAFETY: `Isa::current` is Avx512Bf16 or wider only on a CPU with AVX-512 F; `n` is
+        // a power of two of at least 16.
+        unsafe { hadamard_avx512(v) };
+        return;
+    }
+    hadamard_lanes(v);
+}
+
+/// [`hadamard_f32`] of a power-of-two length of at least 16: stages 1, 2, 4 and 8 inside each
+/// register (lane `l` with bit `h` clear takes `v[l] + v[l + h]`, with it set `v[l − h] −
+/// v[l]`, the partner from a permute), the wider stages between registers, then the scale.
+///
+/// # Safety
+/// AVX-512 F available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn hadamard_avx512(v: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = v.len();
+    assert!(n >= 16 && n.is_power_of_two());
+    /// One in-register stage: `partner` is each lane's partner, `high` the lanes with the
+    /// stage's bit set.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn stage(x: __m512, partner: __m512, high: __mmask16) -> __m512 {
+        _mm512_mask_sub_ps(_mm512_add_ps(x, partner), high, partner, x)
+    }
+    for c in v.chunks_exact_mut(16) {
+        // SAFETY: `c` is 16 values.
+        let mut x = unsafe { _mm512_loadu_ps(c.as_ptr()) };
+        x = stage(x, _mm512_permute_ps::<0xB1>(x), 0xAAAA);
+        x = stage(x, _mm512_permute_ps::<0x4E>(x), 0xCCCC);
+        x = stage(x, _mm512_shuffle_f32x4::<0xB1>(x, x), 0xF0F0);
+        x = stage(x, _mm512_shuffle_f32x4::<0x4E>(x, x), 0xFF00);
+        // SAFETY: as the load.
+        unsafe { _mm512_storeu_ps(c.as_mut_ptr(), x) };
+    }
+    let mut h = 16;
+    while h < n {
+        for block in v.chunks_exact_mut(2 * h) {
+            let (a, b) = block.split_at_mut(h);
+            for (a, b) in a.chunks_exact_mut(16).zip(b.chunks_exact_mut(16)) {
+                // SAFETY: `a` and `b` are 16 values each.
+                unsafe {
+                    let (p, q) = (_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr()));
+                    _mm512_storeu_ps(a.as_mut_ptr(), _mm512_add_ps(p, q));
+                    _mm512_storeu_ps(b.as_mut_ptr(), _mm512_sub_ps(p, q));
+                }
+            }
+        }
+        h *= 2;
+    }
+    let s = _mm512_set1_ps(1.0 / (n as f32).sqrt());
+    for c in v.chunks_exact_mut(16) {
+        // SAFETY: `c` is 16 values.
+        unsafe {
+            _mm512_storeu_ps(
+                c.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s),
+            )
+        };
+    }
+}
+
 multiversion! {
-    /// The orthonormal Walsh–Hadamard transform in place (Sylvester order, scaled by
-    /// `1/sqrt(n)`), `n = v.len()` a power of two.
-    ///
-    /// # Panics
-    /// If `v.len()` is not a power of two.
-    pub fn hadamard_f32(v: &mut [f32]) {
+    /// [`hadamard_f32`] as plain butterflies, compiled per path.
+    fn hadamard_lanes(v: &mut [f32]) {
         let n = v.len();
-        assert!(n.is_power_of_two(), "hadamard_f32: length {n} is not a power of two");
         let mut h = 1;
         while h < n {
             for block in v.chunks_exact_mut(2 * h) {
