@@ -71,16 +71,30 @@ run() {
     rm -rf "$SIMPLER_KERNEL_CACHE"
     export SIMPLER_REQUIRE_NVRTC=1 SIMPLER_REQUIRE_CUDA=1 RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
     step "device" nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
-    step "nvrtc: every module for sm_90" "$CARRY/test-nvrtc" --test-threads 1 --nocapture
-    step "golden: decode steps on the device vs the fp32 golden" "$CARRY/test-device" --test-threads 1 --nocapture
-    step "captured task graph -> CUDA graph" "$CARRY/test-graph_plan" --test-threads 1 --nocapture
+    step "nvrtc: every module for sm_90" timeout 120 "$CARRY/test-nvrtc" --test-threads 1 --nocapture
+    step "golden: decode steps on the device vs the fp32 golden" timeout 180 "$CARRY/test-device" --test-threads 1 --nocapture
+    step "captured task graph -> CUDA graph" timeout 120 "$CARRY/test-graph_plan" --test-threads 1 --nocapture
     step "bench: simpler, Qwen3-14B decode" timeout 240 "$CARRY/simpler" bench qwen3-decode \
         --platform cuda --preset qwen3-14b --shapes 1x512,16x3500 --warmup 3 --rounds 20
-    step "bench: PyTorch/transformers, same shapes" timeout 240 python3 tools/hf_qwen3_decode.py \
-        --shapes 1x512,16x3500 --warmup 3 --rounds 20
+    # GPU_CHECK_SKIP_HF=1 leaves the peer out (a rerun after a change to simpler alone).
+    if [ "${GPU_CHECK_SKIP_HF:-0}" != 1 ]; then
+        step "bench: PyTorch/transformers, same shapes" timeout 240 python3 tools/hf_qwen3_decode.py \
+            --shapes 1x512,16x3500 --warmup 3 --rounds 20
+    fi
+    # GPU_CHECK_NCU=1: Nsight Compute on the first tensor-core GEMV and attention launches of
+    # the 16x3500 step (throughput, occupancy, stall reasons) into $OUT/ncu.txt.
+    if [ "${GPU_CHECK_NCU:-0}" = 1 ]; then
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        step "ncu: GEMV and attention at 16x3500" timeout 240 "$NCU" --clock-control none \
+            --kernel-name regex:'gemv_bf16_mma$|attn_decode_partial_mma' --launch-count 5 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section LaunchStats \
+            --log-file "$OUT/ncu.txt" "$CARRY/simpler" bench qwen3-decode --platform cuda \
+            --preset qwen3-14b --shapes 16x3500 --warmup 0 --rounds 1
+    fi
     echo "== summary" | tee -a "$LOG"
     printf '%s\n' "${STATUS[@]}" | tee -a "$LOG"
-    grep -E '^\| |^kernels: |^read bandwidth|^hf ' "$LOG" | tee "$OUT/summary"
+    grep -E '^\| |^kernels: |^read bandwidth|^hf |^profile |^[0-9]+x[0-9]+ ' "$LOG" | tee "$OUT/summary"
     exit "$FAILED"
 }
 

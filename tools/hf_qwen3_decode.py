@@ -8,8 +8,14 @@ The same Qwen3 shape (default: Qwen3-14B) with random bf16 weights made on the G
   - graph: a StaticCache of exactly `context` slots, the decode step captured once with
     torch.cuda.CUDAGraph and replayed (transformers' static-cache CUDA-graph path).
 Each is timed with CUDA events (GPU time) and with the host clock around a synchronised step
-(wall time). A variant that fails (an API this transformers version lacks, a capture that
-hits a host sync) prints its error and the others still run.
+(wall time). Every (shape, variant) runs in its own process, so one that fails (an API this
+transformers version lacks, a capture that hits a host sync, a device-side assert that
+poisons the CUDA context) prints its error and the others still run.
+
+transformers 5.x's StaticCache ignores `cache_position` and appends at a per-layer device
+counter (`cumulative_length`) that every update advances, also inside a replayed graph; each
+step here first sets that counter back to `context - 1`, so every step (and every replay)
+writes the same slot, as a decode step at a fixed context does.
 
 Usage (on the GPU machine): python3 tools/hf_qwen3_decode.py --shapes 1x512,16x3500
 """
@@ -17,6 +23,7 @@ Usage (on the GPU machine): python3 tools/hf_qwen3_decode.py --shapes 1x512,16x3
 import argparse
 import inspect
 import statistics
+import subprocess
 import sys
 import time
 
@@ -53,6 +60,10 @@ def make_model(preset):
     return cfg, model.eval()
 
 
+class _Skip(Exception):
+    """The variant this process does not run."""
+
+
 def timed(fn, warmup, rounds):
     """GPU ms (events) and wall ms (synchronised host clock) of each round."""
     for _ in range(warmup):
@@ -84,12 +95,14 @@ def static_cache(cfg, batch, ctx):
 
 
 @torch.no_grad()
-def bench_shape(cfg, model, batch, ctx, warmup, rounds):
+def bench_shape(cfg, model, batch, ctx, warmup, rounds, variant):
     ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device="cuda")
     prompt, tok = ids[:, : ctx - 1], ids[:, ctx - 1 :]
     results = {}
     # Eager, dynamic cache.
     try:
+        if variant != "eager":
+            raise _Skip
         out = model(prompt, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
 
@@ -99,17 +112,28 @@ def bench_shape(cfg, model, batch, ctx, warmup, rounds):
 
         results["eager"] = timed(eager, warmup, rounds)
         del cache, out
+    except _Skip:
+        pass
     except Exception as e:  # noqa: BLE001 - report and go on
         results["eager"] = f"failed: {type(e).__name__}: {e}"
     torch.cuda.empty_cache()
     # Static cache, the step captured as a CUDA graph.
     try:
+        if variant != "graph":
+            raise _Skip
         cache = static_cache(cfg, batch, ctx)
         model(prompt, past_key_values=cache, cache_position=torch.arange(ctx - 1, device="cuda"),
               use_cache=True, logits_to_keep=1)
         pos = torch.tensor([ctx - 1], device="cuda")
+        counters = [
+            layer.cumulative_length
+            for layer in getattr(cache, "layers", [])
+            if torch.is_tensor(getattr(layer, "cumulative_length", None))
+        ]
 
         def step():
+            for c in counters:
+                c.fill_(ctx - 1)
             return model(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
 
         side = torch.cuda.Stream()
@@ -123,10 +147,11 @@ def bench_shape(cfg, model, batch, ctx, warmup, rounds):
             step()
         results["graph"] = timed(graph.replay, warmup, rounds)
         del graph, cache
+    except _Skip:
+        pass
     except Exception as e:  # noqa: BLE001 - report and go on
         results["graph"] = f"failed: {type(e).__name__}: {e}"
-    torch.cuda.empty_cache()
-    return results
+    return results[variant]
 
 
 def main():
@@ -135,24 +160,35 @@ def main():
     ap.add_argument("--shapes", default="1x512,16x3500")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--one", help="internal: run one SHAPE:VARIANT in this process")
     a = ap.parse_args()
+    if a.one is None:
+        # The driver: each (shape, variant) in a child process.
+        failed = 0
+        for shape in a.shapes.split(","):
+            for variant in ("eager", "graph"):
+                cmd = [sys.executable, __file__, "--preset", a.preset, "--warmup", str(a.warmup),
+                       "--rounds", str(a.rounds), "--one", f"{shape}:{variant}"]
+                rc = subprocess.run(cmd).returncode
+                if rc != 0:
+                    print(f"hf {shape} {variant}: failed: the process exited with {rc}")
+                    failed = 1
+        sys.exit(failed)
     if not torch.cuda.is_available():
         sys.exit("hf: no CUDA device visible to PyTorch")
+    shape, variant = a.one.split(":")
     print(f"hf: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.cuda.get_device_name()}")
     t0 = time.perf_counter()
     cfg, model = make_model(a.preset)
     torch.cuda.synchronize()
     print(f"hf: {a.preset} random bf16 weights on the GPU in {time.perf_counter() - t0:.1f} s")
-    for shape in a.shapes.split(","):
-        batch, ctx = (int(x) for x in shape.lower().split("x"))
-        res = bench_shape(cfg, model, batch, ctx, a.warmup, a.rounds)
-        for name in ("eager", "graph"):
-            r = res[name]
-            if isinstance(r, str):
-                print(f"hf {batch}x{ctx} {name}: {r}")
-            else:
-                print(f"hf {batch}x{ctx} {name}: {r[0]:.3f} ms/step on the GPU, {r[1]:.3f} ms wall")
+    batch, ctx = (int(x) for x in shape.lower().split("x"))
+    r = bench_shape(cfg, model, batch, ctx, a.warmup, a.rounds, variant)
+    if isinstance(r, str):
+        print(f"hf {batch}x{ctx} {variant}: {r}")
+        sys.exit(1)
+    print(f"hf {batch}x{ctx} {variant}: {r[0]:.3f} ms/step on the GPU, {r[1]:.3f} ms wall")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,17 @@
 //! host wall time), bytes streamed per step, GB/s and % of the read bandwidth measured in the
 //! same run (`read_probe` over a buffer far larger than L2). Each round runs the step replayed
 //! as a CUDA graph (A) and launched kernel by kernel (B), interleaved A B B A, so the cost of
-//! per-kernel host launches is measured beside the graph under the same conditions.
+//! per-kernel host launches is measured beside the graph under the same conditions. Each shape
+//! runs on the tensor-core kernels with every GEMV form launched programmatically and the
+//! default form launched plainly, and one further step of each is profiled kernel by kernel
+//! (device time per kernel, summed over its launches). The plain CUDA-core kernels are the
+//! golden test's second path (`SIMPLER_CUDA_KERNELS=plain` runs them elsewhere).
 
 use anyhow::{Context, Result};
-use simpler_cuda::{CudaDevice, DecodeShape, DeviceInfo, KernelCache, Qwen3Decoder};
+use simpler_cuda::{
+    CudaDevice, DecodeKernels, DecodeShape, DeviceInfo, GEMV_VARIANT_NAMES, KernelCache,
+    Qwen3Decoder,
+};
 use simpler_dfx::bench_stats::Summary;
 use simpler_models::qwen3::Qwen3Config;
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -93,71 +100,113 @@ pub(crate) fn run(b: &CudaBench) -> Result<()> {
     for &(batch, seq_len) in &b.shapes {
         let shape = decode_shape(c, batch, seq_len);
         let rope = c.rope_tables(shape.rope_positions);
-        let mut dec = Qwen3Decoder::new_random(dev.clone(), shape, b.seed, &rope.cos, &rope.sin)
-            .with_context(|| format!("shape {batch}x{seq_len}"))?;
+        let kernels = DecodeKernels::TensorCore;
+        let mut dec = Qwen3Decoder::new_random_with(
+            dev.clone(),
+            shape,
+            b.seed,
+            &rope.cos,
+            &rope.sin,
+            kernels,
+        )
+        .with_context(|| format!("shape {batch}x{seq_len}"))?;
         let ids: Vec<u32> = (0..batch)
             .map(|i| ((b.seed as usize + 7919 * i) % c.vocab_size) as u32)
             .collect();
         let lens = vec![seq_len as u32; batch];
         let table: Vec<u32> = (0..(batch * shape.max_blocks) as u32).collect();
-        let (mut graph, mut eager) = (Vec::new(), Vec::new());
-        let (mut graph_wall, mut eager_wall) = (Vec::new(), Vec::new());
-        for round in 0..b.warmup + b.rounds {
-            let order = if round % 2 == 0 {
-                [true, false]
-            } else {
-                [false, true]
-            };
-            for use_graph in order {
-                let (_, t) = dec.step(&ids, &lens, &table, use_graph)?;
-                if round < b.warmup {
-                    continue;
-                }
-                let (dev_ms, wall_ms) = (
-                    t.device.as_secs_f64() * 1e3,
-                    t.host_wall.as_secs_f64() * 1e3,
-                );
-                if use_graph {
-                    graph.push(dev_ms);
-                    graph_wall.push(wall_ms);
+        // Every tensor-core GEMV form launched programmatically, then the default one launched
+        // plainly (what programmatic launch buys).
+        let mut configs: Vec<(String, bool, &str)> = GEMV_VARIANT_NAMES
+            .iter()
+            .map(|v| (format!("{v}+pdl"), true, *v))
+            .collect();
+        let default = GEMV_VARIANT_NAMES[0];
+        configs.push((default.to_string(), false, default));
+        for (k, pdl, variant) in &configs {
+            let (k, pdl) = (k.as_str(), *pdl);
+            dec.set_pdl(pdl);
+            dec.set_gemv_variant(variant)?;
+            let (mut graph, mut eager) = (Vec::new(), Vec::new());
+            let (mut graph_wall, mut eager_wall) = (Vec::new(), Vec::new());
+            for round in 0..b.warmup + b.rounds {
+                let order = if round % 2 == 0 {
+                    [true, false]
                 } else {
-                    eager.push(dev_ms);
-                    eager_wall.push(wall_ms);
+                    [false, true]
+                };
+                for use_graph in order {
+                    let (_, t) = dec
+                        .step(&ids, &lens, &table, use_graph)
+                        .with_context(|| format!("{batch}x{seq_len} {k}"))?;
+                    if round < b.warmup {
+                        continue;
+                    }
+                    let (dev_ms, wall_ms) = (
+                        t.device.as_secs_f64() * 1e3,
+                        t.host_wall.as_secs_f64() * 1e3,
+                    );
+                    if use_graph {
+                        graph.push(dev_ms);
+                        graph_wall.push(wall_ms);
+                    } else {
+                        eager.push(dev_ms);
+                        eager_wall.push(wall_ms);
+                    }
                 }
             }
+            let step_bytes = shape.weight_bytes() + shape.kv_bytes(&lens);
+            let (g, e) = (Summary::of(&graph), Summary::of(&eager));
+            let (gw, ew) = (Summary::of(&graph_wall), Summary::of(&eager_wall));
+            let gbs = step_bytes as f64 / (g.median / 1e3) / 1e9;
+            println!(
+                "{batch}x{seq_len} {k}: {:.3} GB/step ({} KV splits); graph: {:.3} ms/step on \
+                 the GPU (min {:.3}), {:.3} ms wall; {:.0} GB/s = {:.1}% of the best read pass, \
+                 {:.1}% of the median; kernel-by-kernel launches: {:.3} ms on the GPU, {:.3} ms \
+                 wall",
+                step_bytes as f64 / 1e9,
+                dec.splits(),
+                g.median,
+                g.min,
+                gw.median,
+                gbs,
+                100.0 * gbs * 1e9 / bw.max,
+                100.0 * gbs * 1e9 / bw.median,
+                e.median,
+                ew.median
+            );
+            let prof = dec.profile_step(&ids, &lens, &table)?;
+            let total: f64 = prof.iter().map(|p| p.ms).sum();
+            for p in &prof {
+                println!(
+                    "profile {batch}x{seq_len} {k}: {:<24} {:>4} launches {:>9.3} ms {:>5.1}%",
+                    p.name,
+                    p.launches,
+                    p.ms,
+                    100.0 * p.ms / total.max(f64::MIN_POSITIVE)
+                );
+            }
+            rows.push((
+                batch,
+                seq_len,
+                k.to_string(),
+                g.median,
+                gw.median,
+                gbs,
+                e.median,
+                ew.median,
+            ));
         }
-        let step_bytes = shape.weight_bytes() + shape.kv_bytes(&lens);
-        let (g, e) = (Summary::of(&graph), Summary::of(&eager));
-        let (gw, ew) = (Summary::of(&graph_wall), Summary::of(&eager_wall));
-        let gbs = step_bytes as f64 / (g.median / 1e3) / 1e9;
-        println!(
-            "{batch}x{seq_len}: {:.3} GB/step ({} KV splits); graph: {:.3} ms/step on the GPU \
-             (min {:.3}), {:.3} ms wall; {:.0} GB/s = {:.1}% of the best read pass, {:.1}% of the \
-             median; kernel-by-kernel launches: {:.3} ms on the GPU, {:.3} ms wall",
-            step_bytes as f64 / 1e9,
-            dec.splits(),
-            g.median,
-            g.min,
-            gw.median,
-            gbs,
-            100.0 * gbs * 1e9 / bw.max,
-            100.0 * gbs * 1e9 / bw.median,
-            e.median,
-            ew.median
-        );
-        rows.push((
-            batch, seq_len, g.median, gw.median, gbs, e.median, ew.median,
-        ));
     }
     println!();
     println!(
-        "| shape | graph ms/step (GPU) | graph ms (wall) | GB/s | % of read BW (best) | \
-         launches ms (GPU) | launches ms (wall) |"
+        "| shape | kernels | graph ms/step (GPU) | graph ms (wall) | GB/s | % of read BW (best) \
+         | launches ms (GPU) | launches ms (wall) |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for (batch, seq_len, g, gw, gbs, e, ew) in rows {
+    println!("|---|---|---|---|---|---|---|---|");
+    for (batch, seq_len, k, g, gw, gbs, e, ew) in rows {
         println!(
-            "| {batch}x{seq_len} | {g:.3} | {gw:.3} | {gbs:.0} | {:.1} | {e:.3} | {ew:.3} |",
+            "| {batch}x{seq_len} | {k} | {g:.3} | {gw:.3} | {gbs:.0} | {:.1} | {e:.3} | {ew:.3} |",
             100.0 * gbs * 1e9 / bw.max
         );
     }

@@ -72,3 +72,28 @@ __device__ __forceinline__ float block_sum(float v) {
 __device__ __forceinline__ u64 paged_slot(const u32* table, u32 page, u32 t) {
     return (u64)table[t / page] * page + (t % page);
 }
+
+// Programmatic dependent launch (sm_90). A grid launched with the host's programmatic
+// serialisation attribute may start before the grid before it ends; `pdl_wait` blocks until
+// that grid has finished and its writes are visible, so every kernel calls it before it reads
+// anything an earlier kernel of the step wrote, and before it writes anything (a kernel reads
+// only weights before it: they are never written during a step). Since each grid waits for the
+// one before it, finishing implies every earlier grid finished too. `pdl_trigger` lets the next
+// grid launch once every block of this one has called it. Both are no-ops for a grid launched
+// without the attribute, and compiled out below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Starts fetching the line holding `p` into L2 (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}

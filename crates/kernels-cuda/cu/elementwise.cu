@@ -1,13 +1,17 @@
 // SwiGLU and the greedy argmax.
 
-// act[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]); gu fp32 [R, 2 * inter] (gate then up,
-// the fused gate/up projection's output). Grid (ceil(inter / blockDim), R).
+// act[r, i] = bf16(silu(gate) * up) from gu fp32 [R, 2 * inter], the fused gate/up
+// projection's output in the weights' row order: groups of 16, the eight gate rows of
+// i = 8 q .. 8 q + 7 then their eight up rows. Grid (ceil(inter / blockDim), R).
 extern "C" __global__ void swiglu(const float* __restrict__ gu, bf16* __restrict__ act,
                                   int inter) {
+    pdl_wait();
+    pdl_trigger();
     int r = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= inter) return;
-    float g = gu[(u64)r * 2 * inter + i], u = gu[(u64)r * 2 * inter + inter + i];
-    act[(u64)r * inter + i] = f2bf(g * (1.0f / (1.0f + __expf(-g))) * u);
+    u64 at = (u64)r * 2 * inter + (u64)(i >> 3) * 16 + (i & 7);
+    float g = gu[at], u = gu[at + 8];
+    act[(u64)r * inter + i] = f2bf(g * (1.0f / (1.0f + expf(-g))) * u);
 }
 
 // ids[r] = the index of the largest logits[r, :], ties to the lowest index, NaN never wins.
@@ -16,6 +20,8 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, u32* __
                                        int vocab) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
+    pdl_wait();
+    pdl_trigger();
     int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float bv = -INFINITY;
     int bi = 0x7fffffff;

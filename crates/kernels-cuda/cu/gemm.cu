@@ -11,6 +11,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16(
     int m, int n, int k, int accumulate) {
     __shared__ float as[GK][GT + 1];
     __shared__ float ws[GK][GT + 1];
+    pdl_wait();
+    pdl_trigger();
     int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     int m0 = blockIdx.y * GT, n0 = blockIdx.x * GT;
     float acc[4][4];

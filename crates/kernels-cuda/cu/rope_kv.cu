@@ -12,6 +12,8 @@ extern "C" __global__ void qk_norm_rope_kv(
     bf16* __restrict__ q_out, bf16* __restrict__ k_pool, bf16* __restrict__ v_pool,
     int hq, int hkv, int d, float eps) {
     __shared__ float t[256];
+    pdl_wait();
+    pdl_trigger();
     int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
     int width = (hq + 2 * hkv) * d;
     float v = qkv[(u64)r * width + (u64)h * d + i];
@@ -22,7 +24,8 @@ extern "C" __global__ void qk_norm_rope_kv(
     }
     const float* g = h < hq ? q_norm : k_norm;
     float s = block_sum(v * v);
-    t[i] = v * rsqrtf(s / (float)d + eps) * g[i];
+    float inv = 1.0f / sqrtf(s / (float)d + eps);
+    t[i] = v * inv * g[i];
     __syncthreads();
     int half = d / 2;
     const float* c = cos_t + (u64)pos[r] * d;

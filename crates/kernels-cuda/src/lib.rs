@@ -35,11 +35,18 @@ pub const NORM: KernelSource = KernelSource {
     kernels: &["embed_rows", "rms_norm"],
 };
 
-/// Decode projections (bf16 weights × up to 16 activation rows).
+/// Decode projections (bf16 weights × up to 16 activation rows): the tensor-core form and
+/// the plain one it is checked against.
 pub const GEMV: KernelSource = KernelSource {
     name: "gemv",
     text: include_str!("../cu/gemv.cu"),
-    kernels: &["gemv_bf16"],
+    kernels: &[
+        "gemv_bf16",
+        "gemv_bf16_mma",
+        "gemv_bf16_mma_swiglu",
+        "gemv_bf16_mma8",
+        "gemv_bf16_mma8_swiglu",
+    ],
 };
 
 /// Prefill projections (tiled GEMM).
@@ -56,11 +63,17 @@ pub const ROPE_KV: KernelSource = KernelSource {
     kernels: &["qk_norm_rope_kv"],
 };
 
-/// Split-KV paged decode attention (two passes) and causal prefill attention.
+/// Split-KV paged decode attention (two passes; the first plain or on tensor cores) and
+/// causal prefill attention.
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     text: include_str!("../cu/attention.cu"),
-    kernels: &["attn_decode_partial", "attn_decode_combine", "attn_prefill"],
+    kernels: &[
+        "attn_decode_partial",
+        "attn_decode_partial_mma",
+        "attn_decode_combine",
+        "attn_prefill",
+    ],
 };
 
 /// SwiGLU and the greedy argmax.
@@ -84,11 +97,24 @@ pub const ALL: &[KernelSource] = &[NORM, GEMV, GEMM, ROPE_KV, ATTENTION, ELEMENT
 /// take several launches.
 pub const GEMV_MAX_ROWS: usize = 16;
 
+/// Threads of an `rms_norm` block (`NORM_THREADS`).
+pub const NORM_THREADS: u32 = 1024;
+
+/// Widest row `rms_norm` takes: `NORM_VEC` float4 per thread held in registers.
+pub const NORM_MAX_HIDDEN: usize = 4 * 8 * NORM_THREADS as usize;
+
 /// Largest head dimension the attention kernels take (`32 * ATT_MAX_ELEMS`).
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
 
 /// Largest number of query heads per KV head (`ATT_MAX_GROUP`).
 pub const ATTN_MAX_GROUP: usize = 8;
+
+/// The one head dimension the tensor-core decode attention takes (`ATTM_D`).
+pub const ATTN_MMA_HEAD_DIM: usize = 128;
+
+/// Largest number of query heads per KV head of the tensor-core decode attention
+/// (`ATTM_GROUP`: the 16 rows of its products).
+pub const ATTN_MMA_MAX_GROUP: usize = 16;
 
 #[cfg(test)]
 mod tests {
@@ -131,6 +157,24 @@ mod tests {
             ATTENTION
                 .text
                 .contains(&format!("#define ATT_MAX_GROUP {ATTN_MAX_GROUP}"))
+        );
+        assert!(
+            ATTENTION
+                .text
+                .contains(&format!("#define ATTM_D {ATTN_MMA_HEAD_DIM}"))
+        );
+        assert!(
+            NORM.text
+                .contains(&format!("#define NORM_THREADS {NORM_THREADS}"))
+        );
+        assert!(NORM.text.contains(&format!(
+            "#define NORM_VEC {}",
+            NORM_MAX_HIDDEN / 4 / NORM_THREADS as usize
+        )));
+        assert!(
+            ATTENTION
+                .text
+                .contains(&format!("#define ATTM_GROUP {ATTN_MMA_MAX_GROUP}"))
         );
     }
 }

@@ -27,13 +27,13 @@ pub use cache::{CompileReport, KernelCache};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use imp::{
-    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
-    compile_modules, nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, GEMV_VARIANT_NAMES, Qwen3Decoder,
+    compile_cubin, compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
-    compile_modules, nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, GEMV_VARIANT_NAMES, Qwen3Decoder,
+    compile_cubin, compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 
 /// Compiled kernel modules: each source with its cubin.
@@ -150,6 +150,16 @@ impl DecodeShape {
                 ),
             ));
         }
+        if self.hidden > simpler_kernels_cuda::NORM_MAX_HIDDEN {
+            return Err(CudaError::invalid(
+                "hidden",
+                format!(
+                    "{} exceeds the {} an RMSNorm block holds",
+                    self.hidden,
+                    simpler_kernels_cuda::NORM_MAX_HIDDEN
+                ),
+            ));
+        }
         for (f, k) in [
             ("hidden", self.hidden),
             ("intermediate", self.intermediate),
@@ -185,11 +195,12 @@ impl DecodeShape {
         self.max_blocks * self.page_size
     }
 
-    /// KV splits of decode attention: enough blocks to fill the device twice over
-    /// (`multiprocessors`), no chunk under 32 tokens.
+    /// KV splits of decode attention: blocks for eight per multiprocessor, and no chunk under
+    /// 64 tokens (four 16-token tiles, one per warp). Measured on an H200 at 16 x 3500: 9 splits
+    /// (this rule) 3.5 ms of attention a step, 17 splits 4.3 ms.
     pub fn decode_splits(&self, multiprocessors: usize) -> usize {
-        let want = (2 * multiprocessors.max(1)).div_ceil(self.batch * self.kv_heads);
-        want.clamp(1, self.context_capacity().div_ceil(32).max(1))
+        let want = (8 * multiprocessors.max(1)).div_ceil(self.batch * self.kv_heads);
+        want.clamp(1, (self.context_capacity() / 64).max(1))
     }
 
     /// Bytes of weights a step streams: every projection, the norms and the LM head (the
@@ -293,6 +304,73 @@ pub struct HostModel<'a> {
     pub sin: &'a [f32],
 }
 
+/// Which kernels the decode step runs for its projections and its attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernels {
+    /// Tensor cores (`mma.m16n8k16`): the projections read each weight byte once for up to 16
+    /// rows, the attention takes 16 tokens per product (head_dim 128, up to 16 query heads per
+    /// KV head; other shapes take the plain attention).
+    TensorCore,
+    /// The plain CUDA-core kernels: one warp per weight row, one warp per token of attention.
+    Plain,
+}
+
+impl DecodeKernels {
+    /// The environment variable that chooses the kernels (`mma` or `plain`; unset: `mma`).
+    pub const ENV: &'static str = "SIMPLER_CUDA_KERNELS";
+
+    /// The choice named by [`Self::ENV`]; any other value is refused, naming the variable.
+    pub fn from_env() -> Result<DecodeKernels, CudaError> {
+        match std::env::var(Self::ENV) {
+            Err(_) => Ok(DecodeKernels::TensorCore),
+            Ok(v) => DecodeKernels::parse(&v).ok_or_else(|| {
+                CudaError::invalid(Self::ENV, format!("{v:?}: expected \"mma\" or \"plain\""))
+            }),
+        }
+    }
+
+    /// `mma` or `plain`.
+    pub fn parse(s: &str) -> Option<DecodeKernels> {
+        match s {
+            "mma" => Some(DecodeKernels::TensorCore),
+            "plain" => Some(DecodeKernels::Plain),
+            _ => None,
+        }
+    }
+
+    /// The name [`Self::parse`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeKernels::TensorCore => "mma",
+            DecodeKernels::Plain => "plain",
+        }
+    }
+}
+
+/// Whether decode kernels launch programmatically (`SIMPLER_CUDA_PDL`: `1` or unset yes, `0`
+/// no; anything else is refused, naming the variable).
+pub fn pdl_from_env() -> Result<bool, CudaError> {
+    match std::env::var("SIMPLER_CUDA_PDL").as_deref() {
+        Err(_) | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(v) => Err(CudaError::invalid(
+            "SIMPLER_CUDA_PDL",
+            format!("{v:?}: expected 0 or 1"),
+        )),
+    }
+}
+
+/// Device time of one kernel of a profiled step, summed over its launches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// The kernel's name.
+    pub name: &'static str,
+    /// Launches in the step.
+    pub launches: usize,
+    /// Device time between the event before each launch and the one after it, summed (ms).
+    pub ms: f64,
+}
+
 /// The timing of one device step: device time from GPU events around the work, and the host
 /// instants it is anchored to (the start event is recorded right after `host_start`).
 #[derive(Clone, Copy, Debug)]
@@ -305,6 +383,50 @@ pub struct StepTiming {
     pub host_wall: Duration,
     /// Device time between the start and end events.
     pub device: Duration,
+}
+
+/// `w` (`[n, k]` bf16 row-major) in the tensor-core GEMV's tile layout (`cu/gemv.cu`): rows
+/// padded with zeros to a multiple of 16 and k to a multiple of 32; for each 16-row tile and
+/// 32-wide block of k, two halves of 32 words of 8 values, word `lane` of half `h` holding row
+/// `16 tile + lane / 4 + 8 h` at `k = 32 kb + 8 (lane % 4) .. + 7`.
+pub fn tile_layout(w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
+    let (tiles, nkb) = (n.div_ceil(16), k.div_ceil(32));
+    let mut out = vec![bf16::ZERO; tiles * nkb * 512];
+    for tile in 0..tiles {
+        for kb in 0..nkb {
+            for half in 0..2 {
+                for lane in 0..32 {
+                    let row = tile * 16 + lane / 4 + 8 * half;
+                    if row >= n {
+                        continue;
+                    }
+                    let word = ((tile * nkb + kb) * 2 + half) * 32 + lane;
+                    let k0 = kb * 32 + 8 * (lane % 4);
+                    for e in 0..8.min(k.saturating_sub(k0)) {
+                        out[word * 8 + e] = w[row * k + k0 + e];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `[w_gate; w_up]` (`[inter, hidden]` each) as the decoder's gate/up matrix: groups of 16
+/// rows, the eight gate rows `8 q .. 8 q + 7` then the eight up rows of the same `j`
+/// (`inter % 8 == 0`, `DecodeShape::validate`).
+pub fn interleave_gate_up(
+    gate: &[bf16],
+    up: &[bf16],
+    inter: usize,
+    hidden: usize,
+) -> Vec<bf16> {
+    let mut out = Vec::with_capacity(2 * inter * hidden);
+    for q in 0..inter / 8 {
+        out.extend_from_slice(&gate[q * 8 * hidden..(q + 1) * 8 * hidden]);
+        out.extend_from_slice(&up[q * 8 * hidden..(q + 1) * 8 * hidden]);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -402,18 +524,67 @@ mod tests {
         assert!(s.device_bytes() > s.weight_bytes());
     }
 
+    /// Every weight lands where the tensor-core GEMV's lane reads it (the formula of
+    /// `cu/gemv.cu`, restated here per element), and the padding is zero.
+    #[test]
+    fn the_tile_layout_puts_each_weight_where_its_lane_reads_it() {
+        for (n, k) in [(16, 32), (40, 96), (1000, 256), (7, 40)] {
+            let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(1.0 + i as f32)).collect();
+            let t = tile_layout(&w, n, k);
+            let nkb = k.div_ceil(32);
+            assert_eq!(t.len(), n.div_ceil(16) * 16 * nkb * 32);
+            let mut seen = 0;
+            for (i, v) in t.iter().enumerate() {
+                let (word, e) = (i / 8, i % 8);
+                let (lane, half) = (word % 32, (word / 32) % 2);
+                let (kb, tile) = ((word / 64) % nkb, word / 64 / nkb);
+                let row = 16 * tile + lane / 4 + 8 * half;
+                let col = 32 * kb + 8 * (lane % 4) + e;
+                if row < n && col < k {
+                    assert_eq!(*v, w[row * k + col], "n {n} k {k} row {row} col {col}");
+                    seen += 1;
+                } else {
+                    assert_eq!(*v, bf16::ZERO, "padding at n {n} k {k}");
+                }
+            }
+            assert_eq!(seen, n * k);
+        }
+    }
+
+    /// Gate and up rows alternate in groups of eight.
+    #[test]
+    fn gate_and_up_rows_interleave_by_eight() {
+        let (inter, hidden) = (16, 3);
+        let gate: Vec<bf16> = (0..inter * hidden)
+            .map(|i| bf16::from_f32(i as f32))
+            .collect();
+        let up: Vec<bf16> = (0..inter * hidden)
+            .map(|i| bf16::from_f32(-(i as f32) - 1.0))
+            .collect();
+        let m = interleave_gate_up(&gate, &up, inter, hidden);
+        for r in 0..2 * inter {
+            let (q, i) = (r / 16, r % 16);
+            let src = if i < 8 {
+                &gate[(8 * q + i) * hidden..][..hidden]
+            } else {
+                &up[(8 * q + i - 8) * hidden..][..hidden]
+            };
+            assert_eq!(&m[r * hidden..(r + 1) * hidden], src, "row {r}");
+        }
+    }
+
     #[test]
     fn decode_splits_fill_the_device_and_keep_chunks_whole() {
         let s = q14b();
-        // 132 SMs: 16 sequences x 8 KV heads = 128 blocks per split; two splits fill twice.
-        assert_eq!(s.decode_splits(132), 3);
+        // 132 SMs: 16 sequences x 8 KV heads = 128 blocks per split; 1056 / 128 -> 9.
+        assert_eq!(s.decode_splits(132), 9);
         let one = DecodeShape {
             batch: 1,
             max_blocks: 4,
             ..s
         };
-        // 264 / 8 = 33 wanted, capped at 512 / 32 = 16 chunks of 32 tokens.
-        assert_eq!(one.decode_splits(132), 16);
+        // 1056 / 8 = 132 wanted, capped at 512 / 64 = 8 chunks of 64 tokens.
+        assert_eq!(one.decode_splits(132), 8);
         let short = DecodeShape {
             batch: 1,
             page_size: 16,

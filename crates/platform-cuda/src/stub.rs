@@ -8,7 +8,10 @@ use half::bf16;
 use simpler_kernels_cuda::KernelSource;
 
 use crate::cache::{CompileReport, KernelCache};
-use crate::{CompiledModules, CudaError, DecodeShape, DeviceInfo, HostModel, StepTiming};
+use crate::{
+    CompiledModules, CudaError, DecodeKernels, DecodeShape, DeviceInfo, HostModel, KernelTime,
+    StepTiming,
+};
 
 /// Always [`CudaError::NotCompiled`].
 pub fn probe(_ordinal: usize) -> Result<DeviceInfo, CudaError> {
@@ -134,6 +137,9 @@ impl CudaPlatform {
     }
 }
 
+/// The tensor-core GEMV's forms (as in the CUDA build, where they are described).
+pub const GEMV_VARIANT_NAMES: [&str; 2] = ["mma8", "mma"];
+
 /// The Qwen3 decode step on a device (never made in this build).
 pub struct Qwen3Decoder(Infallible);
 
@@ -145,6 +151,26 @@ impl Qwen3Decoder {
         _seed: u64,
         _cos: &[f32],
         _sin: &[f32],
+    ) -> Result<Qwen3Decoder, CudaError> {
+        Err(CudaError::NotCompiled)
+    }
+    /// Always [`CudaError::NotCompiled`].
+    pub fn new_random_with(
+        _dev: CudaDevice,
+        _shape: DecodeShape,
+        _seed: u64,
+        _cos: &[f32],
+        _sin: &[f32],
+        _kernels: DecodeKernels,
+    ) -> Result<Qwen3Decoder, CudaError> {
+        Err(CudaError::NotCompiled)
+    }
+    /// Always [`CudaError::NotCompiled`].
+    pub fn from_host_with(
+        _dev: CudaDevice,
+        _shape: DecodeShape,
+        _model: &HostModel<'_>,
+        _kernels: DecodeKernels,
     ) -> Result<Qwen3Decoder, CudaError> {
         Err(CudaError::NotCompiled)
     }
@@ -176,6 +202,32 @@ impl Qwen3Decoder {
         _block_table: &[u32],
         _use_graph: bool,
     ) -> Result<(Vec<u32>, StepTiming), CudaError> {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn kernels(&self) -> DecodeKernels {
+        match self.0 {}
+    }
+
+    /// Unreachable: no value exists.
+    pub fn pdl(&self) -> bool {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn set_pdl(&mut self, _pdl: bool) {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn set_gemv_variant(&mut self, _name: &str) -> Result<(), CudaError> {
+        match self.0 {}
+    }
+    /// Unreachable: no value exists.
+    pub fn profile_step(
+        &mut self,
+        _ids: &[u32],
+        _seq_lens: &[u32],
+        _block_table: &[u32],
+    ) -> Result<Vec<KernelTime>, CudaError> {
         match self.0 {}
     }
     /// Unreachable: no value exists.

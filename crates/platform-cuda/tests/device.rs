@@ -5,7 +5,8 @@
 
 use half::bf16;
 use simpler_cuda::{
-    CudaDevice, CudaError, DecodeShape, HostLayer, HostModel, KernelCache, Qwen3Decoder, probe,
+    CudaDevice, CudaError, DecodeKernels, DecodeShape, GEMV_VARIANT_NAMES, HostLayer, HostModel,
+    KernelCache, Qwen3Decoder, probe,
 };
 use simpler_models::qwen3::golden::{self, Tolerance};
 use simpler_models::qwen3::{FixtureOptions, Qwen3Config, generate_fixture};
@@ -78,22 +79,56 @@ fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// Two decode steps of the tiny model at batch 17 (two GEMV launches per projection) with
-/// ragged lengths crossing page boundaries: logits, greedy ids and every layer's K/V writes
-/// against the golden; the second step replays the captured graph with new inputs; and the
-/// graph and one-launch-per-kernel paths agree bit for bit.
+/// Two decode steps at batch 17 (two GEMV launches per projection) with ragged lengths
+/// crossing page boundaries: logits, greedy ids and every layer's K/V writes against the
+/// golden; the second step replays the captured graph with new inputs; and the graph and
+/// one-launch-per-kernel paths agree bit for bit. On both kernel sets, for the tiny model
+/// (head_dim 64: the plain attention under both) and a variant with head_dim 128 and five
+/// query heads per KV head (Qwen3-14B's attention shape: the tensor-core attention).
 #[test]
 fn decode_steps_match_the_golden() {
     let Some(dev) = device_or_skip("decode_steps_match_the_golden") else {
         return;
     };
-    let c = Qwen3Config::preset("tiny").unwrap();
+    let tiny = Qwen3Config::preset("tiny").unwrap();
+    let mut wide = tiny.clone();
+    wide.head_dim = 128;
+    wide.num_attention_heads = 10;
+    wide.num_key_value_heads = 2;
+    for c in [&tiny, &wide] {
+        let mut configs: Vec<(DecodeKernels, bool, &str)> = GEMV_VARIANT_NAMES
+            .iter()
+            .map(|v| (DecodeKernels::TensorCore, true, *v))
+            .collect();
+        configs.push((DecodeKernels::TensorCore, false, GEMV_VARIANT_NAMES[0]));
+        configs.push((DecodeKernels::Plain, false, GEMV_VARIANT_NAMES[0]));
+        for (kernels, pdl, variant) in configs {
+            eprintln!(
+                "head_dim {}, {} heads / {} KV heads, kernels {}, programmatic launch {pdl}, \
+                 GEMV {variant}",
+                c.head_dim,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                kernels.name()
+            );
+            decode_steps_against_the_golden(&dev, c, kernels, pdl, variant);
+        }
+    }
+}
+
+fn decode_steps_against_the_golden(
+    dev: &CudaDevice,
+    c: &Qwen3Config,
+    kernels: DecodeKernels,
+    pdl: bool,
+    variant: &str,
+) {
     let batch = 17;
-    let f = generate_fixture(&c, &FixtureOptions::small(batch, 300), None);
+    let f = generate_fixture(c, &FixtureOptions::small(batch, 300), None);
     let max_seq = f.batch.max_blocks * 128;
     let rope = c.rope_tables(max_seq);
     let pages = f.kv.num_pages;
-    let shape = shape_of(&c, batch, max_seq, pages);
+    let shape = shape_of(c, batch, max_seq, pages);
     let pool = |l: usize| (f.kv.layer_k(l), f.kv.layer_v(l));
     let layers: Vec<HostLayer<'_>> = (0..c.num_hidden_layers)
         .map(|l| {
@@ -123,7 +158,9 @@ fn decode_steps_match_the_golden() {
         cos: &rope.cos,
         sin: &rope.sin,
     };
-    let mut dec = Qwen3Decoder::from_host(dev, shape, &model).unwrap();
+    let mut dec = Qwen3Decoder::from_host_with(dev.clone(), shape, &model, kernels).unwrap();
+    dec.set_pdl(pdl);
+    dec.set_gemv_variant(variant).unwrap();
     let mut kv = f.kv.clone();
     let mut paged = f.batch.clone();
     // Ragged lengths 1..=300 (the fixture's pools hold 300 tokens of every sequence).

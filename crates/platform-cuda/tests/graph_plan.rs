@@ -162,6 +162,8 @@ fn the_plan_runs_as_a_cuda_graph() {
                     KernelArg::Ptr(x.ptr()),
                     KernelArg::Ptr(g.ptr()),
                     KernelArg::Ptr(out.ptr()),
+                    // No deferred 1/rms: the ordinary norm.
+                    KernelArg::Ptr(0),
                     KernelArg::I32(N as i32),
                     KernelArg::F32(1e-6),
                 ],

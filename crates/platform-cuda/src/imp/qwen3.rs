@@ -4,15 +4,20 @@
 //! tables, sequence lengths) live in device buffers the graph reads; the host writes them
 //! before each replay, so a step is one graph launch whatever its contents.
 
+use std::cell::RefCell;
 use std::time::Instant;
 
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{self, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaGraph, LaunchConfig, PushKernelArg};
 use half::bf16;
 use simpler_kernels_cuda::GEMV_MAX_ROWS;
 
+use crate::graph_plan::KernelArg;
 use crate::imp::device::{CudaDevice, DeviceBuffer, driver_err};
-use crate::{CudaError, DecodeShape, HostLayer, HostModel, StepTiming};
+use crate::{CudaError, DecodeKernels, DecodeShape, HostLayer, HostModel, KernelTime, StepTiming};
+use crate::{interleave_gate_up, tile_layout};
 
 /// One layer's device buffers.
 struct Layer {
@@ -20,7 +25,9 @@ struct Layer {
     qkv: DeviceBuffer,
     /// `[H, Hq d]`.
     o: DeviceBuffer,
-    /// `[2 I, H]`: gate then up.
+    /// `[2 I, H]`: gate and up rows in groups of 16, the eight gate rows of `j = 8 q ..
+    /// 8 q + 7` then their eight up rows (the tensor-core GEMV's SwiGLU epilogue finds each
+    /// pair in one lane; the plain path's `swiglu` reads the same order).
     gate_up: DeviceBuffer,
     /// `[H, I]`.
     down: DeviceBuffer,
@@ -46,6 +53,8 @@ struct Inputs {
 struct Scratch {
     x: DeviceBuffer,
     xn: DeviceBuffer,
+    /// Each row's deferred `1/rms` of the last norm, fp32 `[batch]`.
+    inv: DeviceBuffer,
     qkv: DeviceBuffer,
     q: DeviceBuffer,
     attn: DeviceBuffer,
@@ -74,6 +83,14 @@ pub struct Qwen3Decoder {
     graph: Option<CudaGraph>,
     start: CudaEvent,
     end: CudaEvent,
+    kernels: DecodeKernels,
+    /// Whether kernels launch with programmatic serialisation (may start under the previous
+    /// kernel's tail).
+    pdl: bool,
+    /// The tensor-core GEMV's form ([`GEMV_VARIANT_NAMES`]).
+    gemv: GemvVariant,
+    /// While a step is profiled: an event after each launch, with the kernel's name.
+    marks: RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 const BF: usize = 2;
@@ -103,7 +120,20 @@ impl Qwen3Decoder {
         cos: &[f32],
         sin: &[f32],
     ) -> Result<Qwen3Decoder, CudaError> {
-        let d = Self::alloc(dev, shape, cos, sin)?;
+        let kernels = DecodeKernels::from_env()?;
+        Self::new_random_with(dev, shape, seed, cos, sin, kernels)
+    }
+
+    /// [`Qwen3Decoder::new_random`] on the given kernels (their weight layout is fixed here).
+    pub fn new_random_with(
+        dev: CudaDevice,
+        shape: DecodeShape,
+        seed: u64,
+        cos: &[f32],
+        sin: &[f32],
+        kernels: DecodeKernels,
+    ) -> Result<Qwen3Decoder, CudaError> {
+        let d = Self::alloc(dev, shape, cos, sin, kernels)?;
         let s = d.shape;
         let mut seed = seed;
         let mut next = || {
@@ -138,7 +168,18 @@ impl Qwen3Decoder {
         shape: DecodeShape,
         model: &HostModel<'_>,
     ) -> Result<Qwen3Decoder, CudaError> {
-        let d = Self::alloc(dev, shape, model.cos, model.sin)?;
+        let kernels = DecodeKernels::from_env()?;
+        Self::from_host_with(dev, shape, model, kernels)
+    }
+
+    /// [`Qwen3Decoder::from_host`] on the given kernels (their weight layout is fixed here).
+    pub fn from_host_with(
+        dev: CudaDevice,
+        shape: DecodeShape,
+        model: &HostModel<'_>,
+        kernels: DecodeKernels,
+    ) -> Result<Qwen3Decoder, CudaError> {
+        let d = Self::alloc(dev, shape, model.cos, model.sin, kernels)?;
         let s = d.shape;
         if model.layers.len() != s.layers {
             return Err(CudaError::invalid(
@@ -182,10 +223,14 @@ impl Qwen3Decoder {
             check("k_pool", hl.k_pool.len(), s.pool_slots() * kvw)?;
             check("v_pool", hl.v_pool.len(), s.pool_slots() * kvw)?;
             let stacked: Vec<bf16> = [*wq, *wk, *wv].concat();
-            l.qkv.upload(&stacked)?;
-            l.o.upload(wo)?;
-            l.gate_up.upload(&[*w_gate, *w_up].concat())?;
-            l.down.upload(w_down)?;
+            let gate_up = interleave_gate_up(w_gate, w_up, s.intermediate, s.hidden);
+            l.qkv
+                .upload(&d.weight_layout(&stacked, qw + 2 * kvw, s.hidden))?;
+            l.o.upload(&d.weight_layout(wo, s.hidden, qw))?;
+            l.gate_up
+                .upload(&d.weight_layout(&gate_up, 2 * s.intermediate, s.hidden))?;
+            l.down
+                .upload(&d.weight_layout(w_down, s.hidden, s.intermediate))?;
             l.input_norm.upload(hl.input_norm)?;
             l.post_norm.upload(hl.post_norm)?;
             l.q_norm.upload(hl.q_norm)?;
@@ -197,7 +242,8 @@ impl Qwen3Decoder {
         check("lm_head", model.lm_head.len(), s.vocab * s.hidden)?;
         check("final_norm", model.final_norm.len(), s.hidden)?;
         d.embedding.upload(model.embedding)?;
-        d.lm_head.upload(model.lm_head)?;
+        d.lm_head
+            .upload(&d.weight_layout(model.lm_head, s.vocab, s.hidden))?;
         d.final_norm.upload(model.final_norm)?;
         Ok(d)
     }
@@ -207,6 +253,7 @@ impl Qwen3Decoder {
         shape: DecodeShape,
         cos: &[f32],
         sin: &[f32],
+        kernels: DecodeKernels,
     ) -> Result<Qwen3Decoder, CudaError> {
         let s = shape;
         s.validate()?;
@@ -238,14 +285,15 @@ impl Qwen3Decoder {
             s.batch,
         );
         let splits = s.decode_splits(dev.info().multiprocessors as usize);
-        let chunk = s.context_capacity().div_ceil(splits);
+        // Whole 16-token tiles per chunk (the tensor-core attention's step).
+        let chunk = s.context_capacity().div_ceil(splits).next_multiple_of(16);
         let mut layers = Vec::with_capacity(s.layers);
         for _ in 0..s.layers {
             layers.push(Layer {
-                qkv: dev.alloc((qw + 2 * kvw) * h * BF)?,
-                o: dev.alloc(h * qw * BF)?,
-                gate_up: dev.alloc(2 * i * h * BF)?,
-                down: dev.alloc(h * i * BF)?,
+                qkv: dev.alloc(weight_elems(kernels, qw + 2 * kvw, h) * BF)?,
+                o: dev.alloc(weight_elems(kernels, h, qw) * BF)?,
+                gate_up: dev.alloc(weight_elems(kernels, 2 * i, h) * BF)?,
+                down: dev.alloc(weight_elems(kernels, h, i) * BF)?,
                 input_norm: dev.alloc(h * F32)?,
                 post_norm: dev.alloc(h * F32)?,
                 q_norm: dev.alloc(s.head_dim * F32)?,
@@ -264,6 +312,7 @@ impl Qwen3Decoder {
         let scratch = Scratch {
             x: dev.alloc(b * h * F32)?,
             xn: dev.alloc(b * h * BF)?,
+            inv: dev.alloc(b * F32)?,
             qkv: dev.alloc(b * (qw + 2 * kvw) * F32)?,
             q: dev.alloc(b * qw * BF)?,
             attn: dev.alloc(b * qw * BF)?,
@@ -284,10 +333,15 @@ impl Qwen3Decoder {
                 .map_err(driver_err("cuEventCreate"))
         };
         let (start, end) = (ev()?, ev()?);
+        let pdl = crate::pdl_from_env()?;
+        let gemv = match std::env::var("SIMPLER_CUDA_GEMV") {
+            Err(_) => GEMV_VARIANTS[0],
+            Ok(v) => GemvVariant::named(&v)?,
+        };
         Ok(Qwen3Decoder {
             embedding: dev.alloc(v * h * BF)?,
             final_norm: dev.alloc(h * F32)?,
-            lm_head: dev.alloc(v * h * BF)?,
+            lm_head: dev.alloc(weight_elems(kernels, v, h) * BF)?,
             cos: cos_b,
             sin: sin_b,
             layers,
@@ -298,6 +352,10 @@ impl Qwen3Decoder {
             graph: None,
             start,
             end,
+            kernels,
+            pdl,
+            gemv,
+            marks: RefCell::new(None),
             dev,
             shape: s,
         })
@@ -311,6 +369,70 @@ impl Qwen3Decoder {
     /// The device.
     pub fn device(&self) -> &CudaDevice {
         &self.dev
+    }
+
+    /// The kernels the step runs.
+    pub fn kernels(&self) -> DecodeKernels {
+        self.kernels
+    }
+
+    /// Whether kernels launch programmatically (see [`Qwen3Decoder::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Launches later steps' kernels with programmatic serialisation (each may start under the
+    /// previous one's tail, its weights fetched before it waits) or plainly (the captured
+    /// graph is dropped and captured again).
+    pub fn set_pdl(&mut self, pdl: bool) {
+        if pdl != self.pdl {
+            self.pdl = pdl;
+            self.graph = None;
+        }
+    }
+
+    /// Runs the tensor-core GEMV in the form named `name` (one of [`GEMV_VARIANT_NAMES`]; others
+    /// are refused by name). The captured graph is dropped and captured again.
+    pub fn set_gemv_variant(&mut self, name: &str) -> Result<(), CudaError> {
+        let v = GemvVariant::named(name)?;
+        if v != self.gemv {
+            self.gemv = v;
+            self.graph = None;
+        }
+        Ok(())
+    }
+
+    /// `w` (`[n, k]` bf16 row-major) as this decoder's kernels read it: the tensor-core GEMV's
+    /// tile layout, or as it is for the plain GEMV.
+    fn weight_layout(&self, w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
+        match self.kernels {
+            DecodeKernels::TensorCore => tile_layout(w, n, k),
+            DecodeKernels::Plain => w.to_vec(),
+        }
+    }
+
+    /// Whether the decode attention runs on tensor cores (the chosen kernels, head_dim 128,
+    /// at most 16 query heads per KV head).
+    fn attention_mma(&self) -> bool {
+        let s = &self.shape;
+        self.kernels == DecodeKernels::TensorCore
+            && s.head_dim == simpler_kernels_cuda::ATTN_MMA_HEAD_DIM
+            && s.heads / s.kv_heads <= simpler_kernels_cuda::ATTN_MMA_MAX_GROUP
+    }
+
+    /// While profiling, records an event after the launch just made.
+    fn mark(&self, name: &'static str) -> Result<(), CudaError> {
+        if let Some(marks) = self.marks.borrow_mut().as_mut() {
+            let ev = self
+                .dev
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(driver_err("cuEventCreate"))?;
+            ev.record(&self.dev.stream)
+                .map_err(driver_err("cuEventRecord"))?;
+            marks.push((name, ev));
+        }
+        Ok(())
     }
 
     /// KV splits of the decode attention (fixed when the decoder is made, so one graph serves
@@ -339,60 +461,162 @@ impl Qwen3Decoder {
         fill_random(&self.dev, "fill_random_f32", F32, b, seed, offset, scale)
     }
 
-    /// `y[R, n] (+)= x[R, k] @ w[n, k]^T` in launches of up to `GEMV_MAX_ROWS` rows.
+    /// Launches kernel `name` on the step's stream, `grid` blocks of `block` threads, with
+    /// `args` in the kernel's parameter order; with programmatic launch on
+    /// ([`Qwen3Decoder::set_pdl`]) it may start under the previous kernel's tail (each kernel
+    /// waits for that one before it touches anything the step writes: `pdl_wait` in
+    /// `cu/common.cuh`). Then, while profiling, an event marks its end.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and kind, and every address
+    /// in them must hold what the kernel reads and writes for this grid.
+    unsafe fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), CudaError> {
+        let f = self.dev.function(name)?;
+        let mut slots: Vec<[u8; 8]> = args.iter().map(|a| a.slot()).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr().cast::<c_void>())
+            .collect();
+        // SAFETY: an all-zero attribute is a valid value of this plain C struct (id 0 is
+        // "ignore"); its id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.dev.stream.cu_stream(),
+            attrs: if self.pdl {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the context is current (`record` binds it); `params` points at one 8-byte
+        // slot per argument, alive for this call (the driver copies the values, also into a
+        // graph being captured); the caller vouches that they match the kernel.
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(CudaError::Driver {
+                what: name,
+                detail: format!("cuLaunchKernelEx: {r:?}"),
+            });
+        }
+        self.mark(name)
+    }
+
+    /// `y[R, n] (+)= s[R] * (x[R, k] @ w[n, k]^T)` in launches of up to `GEMV_MAX_ROWS` rows;
+    /// `rscale` is the device address of `s` (fp32 `[batch]`), or 0 for none. With `swiglu`
+    /// (tensor cores only) `w` is the interleaved gate/up matrix and `y` receives
+    /// `act = bf16(silu(gate) * up)`, bf16 `[R, n / 2]`.
+    #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         w: &DeviceBuffer,
         x: u64,
         y: u64,
+        rscale: u64,
         n: usize,
         k: usize,
         accumulate: bool,
+        swiglu: bool,
     ) -> Result<(), CudaError> {
-        let f = self.dev.function("gemv_bf16")?;
+        let (name, rows_per_block, threads) = match (self.kernels, swiglu) {
+            (DecodeKernels::TensorCore, false) => (self.gemv.kernel, 16, 128),
+            (DecodeKernels::TensorCore, true) => (self.gemv.swiglu, 16, 128),
+            (DecodeKernels::Plain, false) => ("gemv_bf16", 8, 256),
+            (DecodeKernels::Plain, true) => {
+                return Err(CudaError::invalid(
+                    "gemv",
+                    "the plain GEMV has no SwiGLU epilogue",
+                ));
+            }
+        };
+        // The SwiGLU epilogue writes bf16 [rows, n / 2].
+        let y_row = if swiglu { n / 2 * BF } else { n * F32 };
         let (ni, ki, acc) = (i32_of("n", n)?, i32_of("k", k)?, i32::from(accumulate));
-        let blocks = n.div_ceil(8) as u32;
+        let blocks = n.div_ceil(rows_per_block) as u32;
         let mut r0 = 0;
         while r0 < self.shape.batch {
             let rows = (self.shape.batch - r0).min(GEMV_MAX_ROWS);
-            let (xp, yp, wp, ri) = (
-                x + (r0 * k * BF) as u64,
-                y + (r0 * n * F32) as u64,
-                w.ptr(),
-                rows as i32,
-            );
-            let mut a = self.dev.stream.launch_builder(f);
-            a.arg(&wp)
-                .arg(&xp)
-                .arg(&yp)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&ri)
-                .arg(&acc);
-            // SAFETY: w holds [n, k] bf16, x [rows, k] bf16 from row r0, y [rows, n] fp32
-            // from row r0 (the buffers are sized for the whole batch); k % 8 == 0 and the
-            // rows are 16-byte aligned (`DecodeShape::validate`).
-            unsafe { a.launch(cfg((blocks, 1, 1), 256)) }.map_err(driver_err("gemv_bf16"))?;
+            let sp = if rscale == 0 {
+                0
+            } else {
+                rscale + (r0 * F32) as u64
+            };
+            let args = [
+                KernelArg::Ptr(w.ptr()),
+                KernelArg::Ptr(x + (r0 * k * BF) as u64),
+                KernelArg::Ptr(y + (r0 * y_row) as u64),
+                KernelArg::Ptr(sp),
+                KernelArg::I32(ni),
+                KernelArg::I32(ki),
+                KernelArg::I32(rows as i32),
+                KernelArg::I32(acc),
+            ];
+            // SAFETY: `gemv_bf16*(w, x, y, rscale, n, k, batch, accumulate)`: w holds [n, k]
+            // bf16, x [rows, k] bf16 from row r0, y [rows, n] fp32 (the SwiGLU forms: bf16
+            // [rows, n / 2]) from row r0, rscale null or fp32 from row r0 (the buffers are
+            // sized for the whole batch); k % 8 == 0 and the rows are 16-byte aligned
+            // (`DecodeShape::validate`).
+            unsafe { self.launch(name, (blocks, 1, 1), threads, &args) }?;
             r0 += rows;
         }
         Ok(())
     }
 
-    fn rms_norm(&self, x: u64, g: &DeviceBuffer, out: u64) -> Result<(), CudaError> {
+    /// RMSNorm of every row of `x` into `out`: deferred (`bf16(x g)` with each row's `1/rms`
+    /// written to `inv`, the decode layers' form) or, with `inv` 0, ordinary.
+    fn rms_norm(&self, x: u64, g: &DeviceBuffer, out: u64, inv: u64) -> Result<(), CudaError> {
         let s = &self.shape;
-        let f = self.dev.function("rms_norm")?;
-        let (gp, h, eps) = (g.ptr(), i32_of("hidden", s.hidden)?, s.rms_norm_eps);
-        let mut a = self.dev.stream.launch_builder(f);
-        a.arg(&x).arg(&gp).arg(&out).arg(&h).arg(&eps);
-        // SAFETY: x fp32 [batch, H], g fp32 [H], out bf16 [batch, H].
-        unsafe { a.launch(cfg((s.batch as u32, 1, 1), 256)) }.map_err(driver_err("rms_norm"))?;
-        Ok(())
+        let args = [
+            KernelArg::Ptr(x),
+            KernelArg::Ptr(g.ptr()),
+            KernelArg::Ptr(out),
+            KernelArg::Ptr(inv),
+            KernelArg::I32(i32_of("hidden", s.hidden)?),
+            KernelArg::F32(s.rms_norm_eps),
+        ];
+        // SAFETY: `rms_norm(x, g, out, inv, hidden, eps)`: x fp32 [batch, H], g fp32 [H], out
+        // bf16 [batch, H], inv null or fp32 [batch]; H % 4 == 0 and H within the kernel's
+        // registers (`validate`); NORM_THREADS threads.
+        unsafe {
+            self.launch(
+                "rms_norm",
+                (s.batch as u32, 1, 1),
+                simpler_kernels_cuda::NORM_THREADS,
+                &args,
+            )
+        }
     }
 
     /// Launches the whole step on the stream, in dependency order.
     fn record(&self) -> Result<(), CudaError> {
         let s = &self.shape;
-        let (sc, inp, st) = (&self.scratch, &self.inputs, &self.dev.stream);
+        let (sc, inp) = (&self.scratch, &self.inputs);
+        self.dev
+            .ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
         let (h, qw, kvw, inter) = (
             s.hidden,
             s.heads * s.head_dim,
@@ -407,12 +631,15 @@ impl Qwen3Decoder {
             i32_of("head_dim", s.head_dim)?,
         );
         {
-            let f = self.dev.function("embed_rows")?;
-            let (t, ids, x) = (self.embedding.ptr(), inp.ids.ptr(), sc.x.ptr());
-            let mut a = st.launch_builder(f);
-            a.arg(&t).arg(&ids).arg(&x).arg(&hi);
-            // SAFETY: table bf16 [V, H], ids u32 [batch] (checked < V by `step`), x fp32 [batch, H].
-            unsafe { a.launch(cfg((b, 1, 1), 256)) }.map_err(driver_err("embed_rows"))?;
+            let args = [
+                KernelArg::Ptr(self.embedding.ptr()),
+                KernelArg::Ptr(inp.ids.ptr()),
+                KernelArg::Ptr(sc.x.ptr()),
+                KernelArg::I32(hi),
+            ];
+            // SAFETY: `embed_rows(table, ids, x, hidden)`: table bf16 [V, H], ids u32 [batch]
+            // (checked < V by `step`), x fp32 [batch, H].
+            unsafe { self.launch("embed_rows", (b, 1, 1), 256, &args) }?;
         }
         let scale = 1.0f32 / (s.head_dim as f32).sqrt();
         let (page, max_blocks, chunk, splits) = (
@@ -422,108 +649,151 @@ impl Qwen3Decoder {
             i32_of("splits", self.splits)?,
         );
         for l in &self.layers {
-            self.rms_norm(sc.x.ptr(), &l.input_norm, sc.xn.ptr())?;
-            self.gemv(&l.qkv, sc.xn.ptr(), sc.qkv.ptr(), qw + 2 * kvw, h, false)?;
+            self.rms_norm(sc.x.ptr(), &l.input_norm, sc.xn.ptr(), sc.inv.ptr())?;
+            let qkv_n = qw + 2 * kvw;
+            self.gemv(
+                &l.qkv,
+                sc.xn.ptr(),
+                sc.qkv.ptr(),
+                sc.inv.ptr(),
+                qkv_n,
+                h,
+                false,
+                false,
+            )?;
             {
-                let f = self.dev.function("qk_norm_rope_kv")?;
-                let ptrs = [
-                    sc.qkv.ptr(),
-                    l.q_norm.ptr(),
-                    l.k_norm.ptr(),
-                    self.cos.ptr(),
-                    self.sin.ptr(),
-                    inp.pos.ptr(),
-                    inp.slots.ptr(),
-                    sc.q.ptr(),
-                    l.k_pool.ptr(),
-                    l.v_pool.ptr(),
+                let args = [
+                    KernelArg::Ptr(sc.qkv.ptr()),
+                    KernelArg::Ptr(l.q_norm.ptr()),
+                    KernelArg::Ptr(l.k_norm.ptr()),
+                    KernelArg::Ptr(self.cos.ptr()),
+                    KernelArg::Ptr(self.sin.ptr()),
+                    KernelArg::Ptr(inp.pos.ptr()),
+                    KernelArg::Ptr(inp.slots.ptr()),
+                    KernelArg::Ptr(sc.q.ptr()),
+                    KernelArg::Ptr(l.k_pool.ptr()),
+                    KernelArg::Ptr(l.v_pool.ptr()),
+                    KernelArg::I32(hq),
+                    KernelArg::I32(hkv),
+                    KernelArg::I32(d),
+                    KernelArg::F32(s.rms_norm_eps),
                 ];
-                let mut a = st.launch_builder(f);
-                for p in &ptrs {
-                    a.arg(p);
-                }
-                a.arg(&hq).arg(&hkv).arg(&d).arg(&s.rms_norm_eps);
                 let grid = (b, (s.heads + 2 * s.kv_heads) as u32, 1);
                 // SAFETY: the argument list of `qk_norm_rope_kv` in order; positions are below
                 // the RoPE table and slots inside the pools (checked by `step`); block = d
                 // threads with d a multiple of 32 up to 256 (`validate`).
-                unsafe { a.launch(cfg(grid, s.head_dim as u32)) }
-                    .map_err(driver_err("qk_norm_rope_kv"))?;
+                unsafe { self.launch("qk_norm_rope_kv", grid, s.head_dim as u32, &args) }?;
             }
             {
-                let f = self.dev.function("attn_decode_partial")?;
-                let ptrs = [
-                    sc.q.ptr(),
-                    l.k_pool.ptr(),
-                    l.v_pool.ptr(),
-                    inp.block_table.ptr(),
-                    inp.seq_lens.ptr(),
-                    sc.part_o.ptr(),
-                    sc.part_ml.ptr(),
+                let name = if self.attention_mma() {
+                    "attn_decode_partial_mma"
+                } else {
+                    "attn_decode_partial"
+                };
+                let args = [
+                    KernelArg::Ptr(sc.q.ptr()),
+                    KernelArg::Ptr(l.k_pool.ptr()),
+                    KernelArg::Ptr(l.v_pool.ptr()),
+                    KernelArg::Ptr(inp.block_table.ptr()),
+                    KernelArg::Ptr(inp.seq_lens.ptr()),
+                    KernelArg::Ptr(sc.part_o.ptr()),
+                    KernelArg::Ptr(sc.part_ml.ptr()),
+                    KernelArg::I32(hq),
+                    KernelArg::I32(hkv),
+                    KernelArg::I32(d),
+                    KernelArg::I32(page),
+                    KernelArg::I32(max_blocks),
+                    KernelArg::I32(chunk),
+                    KernelArg::F32(scale),
                 ];
-                let mut a = st.launch_builder(f);
-                for p in &ptrs {
-                    a.arg(p);
-                }
-                a.arg(&hq)
-                    .arg(&hkv)
-                    .arg(&d)
-                    .arg(&page)
-                    .arg(&max_blocks)
-                    .arg(&chunk)
-                    .arg(&scale);
                 let grid = (self.splits as u32, s.kv_heads as u32, b);
-                // SAFETY: the argument list of `attn_decode_partial`; block-table entries of
-                // the visited pages are inside the pool and lengths within the capacity
-                // (checked by `step`); partials sized [batch, Hq, splits, d] and [.., 2].
-                unsafe { a.launch(cfg(grid, 128)) }.map_err(driver_err("attn_decode_partial"))?;
+                // SAFETY: the argument list of `attn_decode_partial` (and of its tensor-core
+                // form, taken only for head_dim 128 and groups of at most 16); block-table
+                // entries of the visited pages are inside the pool and lengths within the
+                // capacity (checked by `step`); partials sized [batch, Hq, splits, d] and
+                // [.., 2]; both take 128 threads.
+                unsafe { self.launch(name, grid, 128, &args) }?;
             }
             {
-                let f = self.dev.function("attn_decode_combine")?;
-                let (po, pm, out) = (sc.part_o.ptr(), sc.part_ml.ptr(), sc.attn.ptr());
-                let mut a = st.launch_builder(f);
-                a.arg(&po).arg(&pm).arg(&out).arg(&hq).arg(&d).arg(&splits);
-                // SAFETY: partials as written above; out bf16 [batch, Hq d].
-                unsafe { a.launch(cfg((s.heads as u32, b, 1), s.head_dim as u32)) }
-                    .map_err(driver_err("attn_decode_combine"))?;
+                let args = [
+                    KernelArg::Ptr(sc.part_o.ptr()),
+                    KernelArg::Ptr(sc.part_ml.ptr()),
+                    KernelArg::Ptr(sc.attn.ptr()),
+                    KernelArg::I32(hq),
+                    KernelArg::I32(d),
+                    KernelArg::I32(splits),
+                ];
+                // SAFETY: `attn_decode_combine(part_o, part_ml, out, hq, d, n_split)`: partials
+                // as written above; out bf16 [batch, Hq d]; d threads.
+                unsafe {
+                    self.launch(
+                        "attn_decode_combine",
+                        (s.heads as u32, b, 1),
+                        s.head_dim as u32,
+                        &args,
+                    )
+                }?;
             }
             // Residual adds are fused: o_proj and down_proj accumulate into x.
-            self.gemv(&l.o, sc.attn.ptr(), sc.x.ptr(), h, qw, true)?;
-            self.rms_norm(sc.x.ptr(), &l.post_norm, sc.xn.ptr())?;
-            self.gemv(&l.gate_up, sc.xn.ptr(), sc.gu.ptr(), 2 * inter, h, false)?;
-            {
-                let f = self.dev.function("swiglu")?;
-                let (gu, act, ii) = (sc.gu.ptr(), sc.act.ptr(), i32_of("intermediate", inter)?);
-                let mut a = st.launch_builder(f);
-                a.arg(&gu).arg(&act).arg(&ii);
-                // SAFETY: gu fp32 [batch, 2I], act bf16 [batch, I].
-                unsafe { a.launch(cfg((inter.div_ceil(256) as u32, b, 1), 256)) }
-                    .map_err(driver_err("swiglu"))?;
+            self.gemv(&l.o, sc.attn.ptr(), sc.x.ptr(), 0, h, qw, true, false)?;
+            self.rms_norm(sc.x.ptr(), &l.post_norm, sc.xn.ptr(), sc.inv.ptr())?;
+            let gu_n = 2 * inter;
+            let inv = sc.inv.ptr();
+            if self.kernels == DecodeKernels::TensorCore {
+                // The SwiGLU in the product's epilogue: act straight from the tiles.
+                self.gemv(
+                    &l.gate_up,
+                    sc.xn.ptr(),
+                    sc.act.ptr(),
+                    inv,
+                    gu_n,
+                    h,
+                    false,
+                    true,
+                )?;
+            } else {
+                self.gemv(
+                    &l.gate_up,
+                    sc.xn.ptr(),
+                    sc.gu.ptr(),
+                    inv,
+                    gu_n,
+                    h,
+                    false,
+                    false,
+                )?;
+                let args = [
+                    KernelArg::Ptr(sc.gu.ptr()),
+                    KernelArg::Ptr(sc.act.ptr()),
+                    KernelArg::I32(i32_of("intermediate", inter)?),
+                ];
+                // SAFETY: `swiglu(gu, act, inter)`: gu fp32 [batch, 2I] in the interleaved
+                // row order, act bf16 [batch, I].
+                unsafe { self.launch("swiglu", (inter.div_ceil(256) as u32, b, 1), 256, &args) }?;
             }
-            self.gemv(&l.down, sc.act.ptr(), sc.x.ptr(), h, inter, true)?;
+            self.gemv(&l.down, sc.act.ptr(), sc.x.ptr(), 0, h, inter, true, false)?;
         }
-        self.rms_norm(sc.x.ptr(), &self.final_norm, sc.xn.ptr())?;
+        // The final norm is ordinary (as the golden's head).
+        self.rms_norm(sc.x.ptr(), &self.final_norm, sc.xn.ptr(), 0)?;
+        let logits = sc.logits.ptr();
         self.gemv(
             &self.lm_head,
             sc.xn.ptr(),
-            sc.logits.ptr(),
+            logits,
+            0,
             s.vocab,
             h,
             false,
+            false,
         )?;
-        {
-            let f = self.dev.function("argmax_rows")?;
-            let (lg, ids, v) = (
-                sc.logits.ptr(),
-                sc.next_ids.ptr(),
-                i32_of("vocab", s.vocab)?,
-            );
-            let mut a = st.launch_builder(f);
-            a.arg(&lg).arg(&ids).arg(&v);
-            // SAFETY: logits fp32 [batch, V], ids u32 [batch].
-            unsafe { a.launch(cfg((b, 1, 1), 1024)) }.map_err(driver_err("argmax_rows"))?;
-        }
-        Ok(())
+        let args = [
+            KernelArg::Ptr(logits),
+            KernelArg::Ptr(sc.next_ids.ptr()),
+            KernelArg::I32(i32_of("vocab", s.vocab)?),
+        ];
+        // SAFETY: `argmax_rows(logits, ids, vocab)`: logits fp32 [batch, V], ids u32 [batch];
+        // 1024 threads.
+        unsafe { self.launch("argmax_rows", (b, 1, 1), 1024, &args) }
     }
 
     /// Captures the step as a CUDA graph (once; later steps replay it).
@@ -660,6 +930,48 @@ impl Qwen3Decoder {
         ))
     }
 
+    /// One step launched kernel by kernel with an event after every launch: each kernel's
+    /// device time summed over its launches, in order of first launch. The events serialise
+    /// nothing the stream did not already order, but each costs a little, so the sum runs
+    /// slightly above an unprofiled step.
+    pub fn profile_step(
+        &mut self,
+        ids: &[u32],
+        seq_lens: &[u32],
+        block_table: &[u32],
+    ) -> Result<Vec<KernelTime>, CudaError> {
+        self.write_inputs(ids, seq_lens, block_table)?;
+        let st = &self.dev.stream;
+        self.start.record(st).map_err(driver_err("cuEventRecord"))?;
+        *self.marks.borrow_mut() = Some(Vec::new());
+        let recorded = self.record();
+        let marks = self.marks.borrow_mut().take().unwrap_or_default();
+        recorded?;
+        st.synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
+        let mut out: Vec<KernelTime> = Vec::new();
+        let mut prev = &self.start;
+        for (name, ev) in &marks {
+            let ms = f64::from(
+                prev.elapsed_ms(ev)
+                    .map_err(driver_err("cuEventElapsedTime"))?,
+            );
+            match out.iter_mut().find(|k| k.name == *name) {
+                Some(k) => {
+                    k.launches += 1;
+                    k.ms += ms;
+                }
+                None => out.push(KernelTime {
+                    name,
+                    launches: 1,
+                    ms,
+                }),
+            }
+            prev = ev;
+        }
+        Ok(out)
+    }
+
     /// The last step's logits, `[batch, vocab]`.
     pub fn logits(&self) -> Result<Vec<f32>, CudaError> {
         let mut out = vec![0.0f32; self.shape.batch * self.shape.vocab];
@@ -678,6 +990,55 @@ impl Qwen3Decoder {
         layer.k_pool.download(&mut k)?;
         layer.v_pool.download(&mut v)?;
         Ok((k, v))
+    }
+}
+
+/// One form of the tensor-core GEMV: its kernel and its SwiGLU-epilogue kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GemvVariant {
+    name: &'static str,
+    kernel: &'static str,
+    swiglu: &'static str,
+}
+
+/// The tensor-core GEMV's forms (`cu/gemv.cu`), the default first: `mma8` (eight 32-wide k
+/// blocks per warp and step) and `mma` (four).
+pub const GEMV_VARIANT_NAMES: [&str; 2] = ["mma8", "mma"];
+
+const GEMV_VARIANTS: [GemvVariant; 2] = [
+    GemvVariant {
+        name: "mma8",
+        kernel: "gemv_bf16_mma8",
+        swiglu: "gemv_bf16_mma8_swiglu",
+    },
+    GemvVariant {
+        name: "mma",
+        kernel: "gemv_bf16_mma",
+        swiglu: "gemv_bf16_mma_swiglu",
+    },
+];
+
+impl GemvVariant {
+    fn named(name: &str) -> Result<GemvVariant, CudaError> {
+        GEMV_VARIANTS
+            .iter()
+            .find(|v| v.name == name)
+            .copied()
+            .ok_or_else(|| {
+                CudaError::invalid(
+                    "SIMPLER_CUDA_GEMV",
+                    format!("{name:?}: one of {GEMV_VARIANT_NAMES:?}"),
+                )
+            })
+    }
+}
+
+/// Elements of an `[n, k]` weight matrix on the device for `kernels`: the tile layout pads
+/// rows to 16 and k to 32.
+fn weight_elems(kernels: DecodeKernels, n: usize, k: usize) -> usize {
+    match kernels {
+        DecodeKernels::TensorCore => n.next_multiple_of(16) * k.next_multiple_of(32),
+        DecodeKernels::Plain => n * k,
     }
 }
 
