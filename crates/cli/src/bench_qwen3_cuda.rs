@@ -4,16 +4,12 @@
 //! same run (`read_probe` over a buffer far larger than L2). Each round runs the step replayed
 //! as a CUDA graph (A) and launched kernel by kernel (B), interleaved A B B A, so the cost of
 //! per-kernel host launches is measured beside the graph under the same conditions. Each shape
-//! runs on the tensor-core kernels with every GEMV form launched programmatically and the
-//! default form launched plainly, and one further step of each is profiled kernel by kernel
-//! (device time per kernel, summed over its launches). The plain CUDA-core kernels are the
-//! golden test's second path (`SIMPLER_CUDA_KERNELS=plain` runs them elsewhere).
+//! runs on the tensor-core kernels launched programmatically and plainly, and one further step
+//! of each is profiled kernel by kernel (device time per kernel, summed over its launches).
+//! The plain CUDA-core kernels are the golden test's second path.
 
 use anyhow::{Context, Result};
-use simpler_cuda::{
-    CudaDevice, DecodeKernels, DecodeShape, DeviceInfo, GEMV_VARIANT_NAMES, KernelCache,
-    Qwen3Decoder,
-};
+use simpler_cuda::{CudaDevice, DecodeKernels, DecodeShape, DeviceInfo, KernelCache, Qwen3Decoder};
 use simpler_dfx::bench_stats::Summary;
 use simpler_models::qwen3::Qwen3Config;
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -115,18 +111,9 @@ pub(crate) fn run(b: &CudaBench) -> Result<()> {
             .collect();
         let lens = vec![seq_len as u32; batch];
         let table: Vec<u32> = (0..(batch * shape.max_blocks) as u32).collect();
-        // Every tensor-core GEMV form launched programmatically, then the default one launched
-        // plainly (what programmatic launch buys).
-        let mut configs: Vec<(String, bool, &str)> = GEMV_VARIANT_NAMES
-            .iter()
-            .map(|v| (format!("{v}+pdl"), true, *v))
-            .collect();
-        let default = GEMV_VARIANT_NAMES[0];
-        configs.push((default.to_string(), false, default));
-        for (k, pdl, variant) in &configs {
-            let (k, pdl) = (k.as_str(), *pdl);
+        // Programmatic launch on, then off (what it buys).
+        for (k, pdl) in [("mma+pdl", true), ("mma", false)] {
             dec.set_pdl(pdl);
-            dec.set_gemv_variant(variant)?;
             let (mut graph, mut eager) = (Vec::new(), Vec::new());
             let (mut graph_wall, mut eager_wall) = (Vec::new(), Vec::new());
             for round in 0..b.warmup + b.rounds {

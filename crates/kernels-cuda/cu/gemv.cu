@@ -91,9 +91,11 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
 #define GEMV_STORE 0
 #define GEMV_SWIGLU 1
 
-// U: 32-wide blocks of k per warp and step. The products of a step alternate between two
+// U: 32-wide blocks of k per warp and step. NT: activation tiles of 8 rows (1: batch <= 8,
+// whose registers then leave room for four blocks a multiprocessor, so the qkv projection's
+// 448 blocks run in one wave; 2: up to 16 rows). The products of a step alternate between two
 // accumulator sets, so the dependent chain of mma is half as long.
-template <int U, int EPI>
+template <int U, int NT, int EPI>
 __device__ __forceinline__ void gemv_mma_body(
     const bf16* __restrict__ w, const bf16* __restrict__ x, void* __restrict__ yv,
     const float* __restrict__ rscale, int n_rows, int k, int batch, int accumulate) {
@@ -104,7 +106,7 @@ __device__ __forceinline__ void gemv_mma_body(
     const int k8 = k >> 3, nkb = (k + 31) >> 5;
     // This tile's words of this lane: block kb's half 0 at 64 kb, half 1 at 64 kb + 32.
     const uint4* wt = reinterpret_cast<const uint4*>(w) + (u64)blockIdx.x * nkb * 64 + lane;
-    bool x0 = g < batch, x1 = g + 8 < batch, two = batch > 8;
+    bool x0 = g < batch, x1 = NT > 1 && g + 8 < batch, two = NT > 1 && batch > 8;
     const uint4* xa = reinterpret_cast<const uint4*>(x + (u64)(x0 ? g : 0) * k) + t;
     const uint4* xb = reinterpret_cast<const uint4*>(x + (u64)(x1 ? g + 8 : 0) * k) + t;
     const int step = GEMV_WARPS * U;
@@ -126,7 +128,7 @@ __device__ __forceinline__ void gemv_mma_body(
     pdl_trigger();
     pdl_wait();
     for (int kb0 = warp * U; kb0 < nkb; kb0 += step) {
-        uint4 X0[U], X1[U];
+        uint4 X0[U], X1[NT > 1 ? U : 1];
         if (kb0 != warp * U) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -140,7 +142,7 @@ __device__ __forceinline__ void gemv_mma_body(
             int i = (kb0 + u) * 4;
             bool ok = kb0 + u < nkb && i + t < k8;
             X0[u] = ok && x0 ? __ldg(xa + i) : zero;
-            X1[u] = ok && x1 ? __ldg(xb + i) : zero;
+            if (NT > 1) X1[u] = ok && x1 ? __ldg(xb + i) : zero;
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -148,9 +150,9 @@ __device__ __forceinline__ void gemv_mma_body(
             float* a1 = c1[u & 1];
             mma_bf16(a0, A[u].x, B[u].x, A[u].y, B[u].y, X0[u].x, X0[u].y);
             mma_bf16(a0, A[u].z, B[u].z, A[u].w, B[u].w, X0[u].z, X0[u].w);
-            if (two) {
-                mma_bf16(a1, A[u].x, B[u].x, A[u].y, B[u].y, X1[u].x, X1[u].y);
-                mma_bf16(a1, A[u].z, B[u].z, A[u].w, B[u].w, X1[u].z, X1[u].w);
+            if (NT > 1 && two) {
+                mma_bf16(a1, A[u].x, B[u].x, A[u].y, B[u].y, X1[NT > 1 ? u : 0].x, X1[NT > 1 ? u : 0].y);
+                mma_bf16(a1, A[u].z, B[u].z, A[u].w, B[u].w, X1[NT > 1 ? u : 0].z, X1[NT > 1 ? u : 0].w);
             }
         }
     }
@@ -200,28 +202,29 @@ __device__ __forceinline__ void gemv_mma_body(
     }
 }
 
+// Up to 16 activation rows; eight 32-wide k blocks per warp and step.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_mma(
     const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y,
     const float* __restrict__ rscale, int n_rows, int k, int batch, int accumulate) {
-    gemv_mma_body<4, GEMV_STORE>(w, x, y, rscale, n_rows, k, batch, accumulate);
+    gemv_mma_body<8, 2, GEMV_STORE>(w, x, y, rscale, n_rows, k, batch, accumulate);
 }
 
 // The gate/up projection with the SwiGLU in its epilogue: act bf16 [R, n_rows / 2].
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_mma_swiglu(
     const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ act,
     const float* __restrict__ rscale, int n_rows, int k, int batch, int accumulate) {
-    gemv_mma_body<4, GEMV_SWIGLU>(w, x, act, rscale, n_rows, k, batch, accumulate);
+    gemv_mma_body<8, 2, GEMV_SWIGLU>(w, x, act, rscale, n_rows, k, batch, accumulate);
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_mma8(
+// At most 8 activation rows (batch <= 8), four blocks a multiprocessor.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_bf16_mma_n8(
     const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y,
     const float* __restrict__ rscale, int n_rows, int k, int batch, int accumulate) {
-    gemv_mma_body<8, GEMV_STORE>(w, x, y, rscale, n_rows, k, batch, accumulate);
+    gemv_mma_body<8, 1, GEMV_STORE>(w, x, y, rscale, n_rows, k, batch, accumulate);
 }
 
-// The gate/up projection with the SwiGLU in its epilogue: act bf16 [R, n_rows / 2].
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_mma8_swiglu(
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_bf16_mma_n8_swiglu(
     const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ act,
     const float* __restrict__ rscale, int n_rows, int k, int batch, int accumulate) {
-    gemv_mma_body<8, GEMV_SWIGLU>(w, x, act, rscale, n_rows, k, batch, accumulate);
+    gemv_mma_body<8, 1, GEMV_SWIGLU>(w, x, act, rscale, n_rows, k, batch, accumulate);
 }

@@ -44,8 +44,8 @@ pub const GEMV: KernelSource = KernelSource {
         "gemv_bf16",
         "gemv_bf16_mma",
         "gemv_bf16_mma_swiglu",
-        "gemv_bf16_mma8",
-        "gemv_bf16_mma8_swiglu",
+        "gemv_bf16_mma_n8",
+        "gemv_bf16_mma_n8_swiglu",
     ],
 };
 

@@ -27,13 +27,13 @@ pub use cache::{CompileReport, KernelCache};
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use imp::{
-    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, GEMV_VARIANT_NAMES, Qwen3Decoder,
-    compile_cubin, compile_modules, nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
+    compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, GEMV_VARIANT_NAMES, Qwen3Decoder,
-    compile_cubin, compile_modules, nvrtc_version, probe, read_bandwidth,
+    CudaDevice, CudaPlatform, DeviceBuffer, DeviceGraph, Qwen3Decoder, compile_cubin,
+    compile_modules, nvrtc_version, probe, read_bandwidth,
 };
 
 /// Compiled kernel modules: each source with its cubin.
@@ -415,12 +415,7 @@ pub fn tile_layout(w: &[bf16], n: usize, k: usize) -> Vec<bf16> {
 /// `[w_gate; w_up]` (`[inter, hidden]` each) as the decoder's gate/up matrix: groups of 16
 /// rows, the eight gate rows `8 q .. 8 q + 7` then the eight up rows of the same `j`
 /// (`inter % 8 == 0`, `DecodeShape::validate`).
-pub fn interleave_gate_up(
-    gate: &[bf16],
-    up: &[bf16],
-    inter: usize,
-    hidden: usize,
-) -> Vec<bf16> {
+pub fn interleave_gate_up(gate: &[bf16], up: &[bf16], inter: usize, hidden: usize) -> Vec<bf16> {
     let mut out = Vec::with_capacity(2 * inter * hidden);
     for q in 0..inter / 8 {
         out.extend_from_slice(&gate[q * 8 * hidden..(q + 1) * 8 * hidden]);

@@ -137,9 +137,6 @@ impl CudaPlatform {
     }
 }
 
-/// The tensor-core GEMV's forms (as in the CUDA build, where they are described).
-pub const GEMV_VARIANT_NAMES: [&str; 2] = ["mma8", "mma"];
-
 /// The Qwen3 decode step on a device (never made in this build).
 pub struct Qwen3Decoder(Infallible);
 
@@ -217,10 +214,7 @@ impl Qwen3Decoder {
     pub fn set_pdl(&mut self, _pdl: bool) {
         match self.0 {}
     }
-    /// Unreachable: no value exists.
-    pub fn set_gemv_variant(&mut self, _name: &str) -> Result<(), CudaError> {
-        match self.0 {}
-    }
+
     /// Unreachable: no value exists.
     pub fn profile_step(
         &mut self,

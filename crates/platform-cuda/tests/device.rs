@@ -5,8 +5,8 @@
 
 use half::bf16;
 use simpler_cuda::{
-    CudaDevice, CudaError, DecodeKernels, DecodeShape, GEMV_VARIANT_NAMES, HostLayer, HostModel,
-    KernelCache, Qwen3Decoder, probe,
+    CudaDevice, CudaError, DecodeKernels, DecodeShape, HostLayer, HostModel, KernelCache,
+    Qwen3Decoder, probe,
 };
 use simpler_models::qwen3::golden::{self, Tolerance};
 use simpler_models::qwen3::{FixtureOptions, Qwen3Config, generate_fixture};
@@ -96,22 +96,20 @@ fn decode_steps_match_the_golden() {
     wide.num_attention_heads = 10;
     wide.num_key_value_heads = 2;
     for c in [&tiny, &wide] {
-        let mut configs: Vec<(DecodeKernels, bool, &str)> = GEMV_VARIANT_NAMES
-            .iter()
-            .map(|v| (DecodeKernels::TensorCore, true, *v))
-            .collect();
-        configs.push((DecodeKernels::TensorCore, false, GEMV_VARIANT_NAMES[0]));
-        configs.push((DecodeKernels::Plain, false, GEMV_VARIANT_NAMES[0]));
-        for (kernels, pdl, variant) in configs {
+        let configs = [
+            (DecodeKernels::TensorCore, true),
+            (DecodeKernels::TensorCore, false),
+            (DecodeKernels::Plain, false),
+        ];
+        for (kernels, pdl) in configs {
             eprintln!(
-                "head_dim {}, {} heads / {} KV heads, kernels {}, programmatic launch {pdl}, \
-                 GEMV {variant}",
+                "head_dim {}, {} heads / {} KV heads, kernels {}, programmatic launch {pdl}",
                 c.head_dim,
                 c.num_attention_heads,
                 c.num_key_value_heads,
                 kernels.name()
             );
-            decode_steps_against_the_golden(&dev, c, kernels, pdl, variant);
+            decode_steps_against_the_golden(&dev, c, kernels, pdl);
         }
     }
 }
@@ -121,7 +119,6 @@ fn decode_steps_against_the_golden(
     c: &Qwen3Config,
     kernels: DecodeKernels,
     pdl: bool,
-    variant: &str,
 ) {
     let batch = 17;
     let f = generate_fixture(c, &FixtureOptions::small(batch, 300), None);
@@ -160,7 +157,6 @@ fn decode_steps_against_the_golden(
     };
     let mut dec = Qwen3Decoder::from_host_with(dev.clone(), shape, &model, kernels).unwrap();
     dec.set_pdl(pdl);
-    dec.set_gemv_variant(variant).unwrap();
     let mut kv = f.kv.clone();
     let mut paged = f.batch.clone();
     // Ragged lengths 1..=300 (the fixture's pools hold 300 tokens of every sequence).

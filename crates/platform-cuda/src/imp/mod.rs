@@ -8,4 +8,4 @@ mod qwen3;
 pub use device::{CudaDevice, CudaPlatform, DeviceBuffer, probe};
 pub use graph_exec::DeviceGraph;
 pub use nvrtc::{compile_cubin, compile_modules, nvrtc_version};
-pub use qwen3::{GEMV_VARIANT_NAMES, Qwen3Decoder, read_bandwidth};
+pub use qwen3::{Qwen3Decoder, read_bandwidth};

@@ -87,8 +87,6 @@ pub struct Qwen3Decoder {
     /// Whether kernels launch with programmatic serialisation (may start under the previous
     /// kernel's tail).
     pdl: bool,
-    /// The tensor-core GEMV's form ([`GEMV_VARIANT_NAMES`]).
-    gemv: GemvVariant,
     /// While a step is profiled: an event after each launch, with the kernel's name.
     marks: RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
@@ -334,10 +332,6 @@ impl Qwen3Decoder {
         };
         let (start, end) = (ev()?, ev()?);
         let pdl = crate::pdl_from_env()?;
-        let gemv = match std::env::var("SIMPLER_CUDA_GEMV") {
-            Err(_) => GEMV_VARIANTS[0],
-            Ok(v) => GemvVariant::named(&v)?,
-        };
         Ok(Qwen3Decoder {
             embedding: dev.alloc(v * h * BF)?,
             final_norm: dev.alloc(h * F32)?,
@@ -354,7 +348,6 @@ impl Qwen3Decoder {
             end,
             kernels,
             pdl,
-            gemv,
             marks: RefCell::new(None),
             dev,
             shape: s,
@@ -389,17 +382,6 @@ impl Qwen3Decoder {
             self.pdl = pdl;
             self.graph = None;
         }
-    }
-
-    /// Runs the tensor-core GEMV in the form named `name` (one of [`GEMV_VARIANT_NAMES`]; others
-    /// are refused by name). The captured graph is dropped and captured again.
-    pub fn set_gemv_variant(&mut self, name: &str) -> Result<(), CudaError> {
-        let v = GemvVariant::named(name)?;
-        if v != self.gemv {
-            self.gemv = v;
-            self.graph = None;
-        }
-        Ok(())
     }
 
     /// `w` (`[n, k]` bf16 row-major) as this decoder's kernels read it: the tensor-core GEMV's
@@ -540,24 +522,26 @@ impl Qwen3Decoder {
         accumulate: bool,
         swiglu: bool,
     ) -> Result<(), CudaError> {
-        let (name, rows_per_block, threads) = match (self.kernels, swiglu) {
-            (DecodeKernels::TensorCore, false) => (self.gemv.kernel, 16, 128),
-            (DecodeKernels::TensorCore, true) => (self.gemv.swiglu, 16, 128),
-            (DecodeKernels::Plain, false) => ("gemv_bf16", 8, 256),
-            (DecodeKernels::Plain, true) => {
-                return Err(CudaError::invalid(
-                    "gemv",
-                    "the plain GEMV has no SwiGLU epilogue",
-                ));
-            }
-        };
+        if self.kernels == DecodeKernels::Plain && swiglu {
+            return Err(CudaError::invalid(
+                "gemv",
+                "the plain GEMV has no SwiGLU epilogue",
+            ));
+        }
         // The SwiGLU epilogue writes bf16 [rows, n / 2].
         let y_row = if swiglu { n / 2 * BF } else { n * F32 };
         let (ni, ki, acc) = (i32_of("n", n)?, i32_of("k", k)?, i32::from(accumulate));
-        let blocks = n.div_ceil(rows_per_block) as u32;
         let mut r0 = 0;
         while r0 < self.shape.batch {
             let rows = (self.shape.batch - r0).min(GEMV_MAX_ROWS);
+            let (name, rows_per_block, threads) = match (self.kernels, swiglu, rows <= 8) {
+                (DecodeKernels::Plain, _, _) => ("gemv_bf16", 8, 256),
+                (DecodeKernels::TensorCore, false, true) => ("gemv_bf16_mma_n8", 16, 128),
+                (DecodeKernels::TensorCore, true, true) => ("gemv_bf16_mma_n8_swiglu", 16, 128),
+                (DecodeKernels::TensorCore, false, false) => ("gemv_bf16_mma", 16, 128),
+                (DecodeKernels::TensorCore, true, false) => ("gemv_bf16_mma_swiglu", 16, 128),
+            };
+            let blocks = n.div_ceil(rows_per_block) as u32;
             let sp = if rscale == 0 {
                 0
             } else {
@@ -990,46 +974,6 @@ impl Qwen3Decoder {
         layer.k_pool.download(&mut k)?;
         layer.v_pool.download(&mut v)?;
         Ok((k, v))
-    }
-}
-
-/// One form of the tensor-core GEMV: its kernel and its SwiGLU-epilogue kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct GemvVariant {
-    name: &'static str,
-    kernel: &'static str,
-    swiglu: &'static str,
-}
-
-/// The tensor-core GEMV's forms (`cu/gemv.cu`), the default first: `mma8` (eight 32-wide k
-/// blocks per warp and step) and `mma` (four).
-pub const GEMV_VARIANT_NAMES: [&str; 2] = ["mma8", "mma"];
-
-const GEMV_VARIANTS: [GemvVariant; 2] = [
-    GemvVariant {
-        name: "mma8",
-        kernel: "gemv_bf16_mma8",
-        swiglu: "gemv_bf16_mma8_swiglu",
-    },
-    GemvVariant {
-        name: "mma",
-        kernel: "gemv_bf16_mma",
-        swiglu: "gemv_bf16_mma_swiglu",
-    },
-];
-
-impl GemvVariant {
-    fn named(name: &str) -> Result<GemvVariant, CudaError> {
-        GEMV_VARIANTS
-            .iter()
-            .find(|v| v.name == name)
-            .copied()
-            .ok_or_else(|| {
-                CudaError::invalid(
-                    "SIMPLER_CUDA_GEMV",
-                    format!("{name:?}: one of {GEMV_VARIANT_NAMES:?}"),
-                )
-            })
     }
 }
 
