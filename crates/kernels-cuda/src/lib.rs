@@ -21,11 +21,71 @@ pub struct KernelSource {
     pub kernels: &'static [&'static str],
 }
 
+/// How a launch passes one kernel parameter (the 8-byte slot's contents).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A device pointer (any `T*`).
+    Ptr,
+    /// `int`.
+    I32,
+    /// `u32` (`unsigned int`).
+    U32,
+    /// `u64` (`unsigned long long`).
+    U64,
+    /// `float`.
+    F32,
+}
+
 impl KernelSource {
     /// The text NVRTC compiles: [`COMMON`] then the module's own text.
     pub fn full_text(&self) -> String {
         format!("{COMMON}\n{}", self.text)
     }
+
+    /// The parameters of kernel `name` in order, read from its `extern "C"` signature, so a
+    /// launch can be checked against them before the driver reads its argument slots; `None`
+    /// when the module defines no such kernel or a parameter's type is not one of
+    /// [`ParamKind`]'s (a test checks every listed kernel parses).
+    pub fn params(&self, name: &str) -> Option<Vec<ParamKind>> {
+        for def in self.text.split("extern \"C\" __global__ void").skip(1) {
+            let def = def.trim_start();
+            let def = def.strip_prefix("__launch_bounds__").map_or(def, |r| {
+                r.split_once(')').map_or(r, |(_, tail)| tail).trim_start()
+            });
+            let Some((kname, rest)) = def.split_once('(') else {
+                continue;
+            };
+            if kname.trim() != name {
+                continue;
+            }
+            let list = rest.split_once(')')?.0;
+            return list
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    if p.contains('*') {
+                        return Some(ParamKind::Ptr);
+                    }
+                    let words: Vec<&str> = p.split_whitespace().collect();
+                    match words.get(..words.len().checked_sub(1)?)? {
+                        ["int"] => Some(ParamKind::I32),
+                        ["u32"] | ["unsigned", "int"] => Some(ParamKind::U32),
+                        ["u64"] | ["unsigned", "long", "long"] => Some(ParamKind::U64),
+                        ["float"] => Some(ParamKind::F32),
+                        _ => None,
+                    }
+                })
+                .collect();
+        }
+        None
+    }
+}
+
+/// The parameters of kernel `name` in whichever module of [`ALL`] defines it.
+pub fn kernel_params(name: &str) -> Option<Vec<ParamKind>> {
+    ALL.iter()
+        .filter(|m| m.kernels.contains(&name))
+        .find_map(|m| m.params(name))
 }
 
 /// Embedding gather and RMSNorm.
@@ -139,6 +199,31 @@ mod tests {
                 .collect();
             assert_eq!(defined, src.kernels, "module {}", src.name);
         }
+    }
+
+    /// Every listed kernel's signature parses into parameter kinds, and a few are as written.
+    #[test]
+    fn every_kernel_signature_parses() {
+        for src in ALL {
+            for k in src.kernels {
+                let p = src.params(k).unwrap_or_else(|| panic!("{}: {k}", src.name));
+                assert!(!p.is_empty(), "{k}");
+            }
+        }
+        use ParamKind::*;
+        assert_eq!(
+            kernel_params("rms_norm").unwrap(),
+            [Ptr, Ptr, Ptr, Ptr, I32, F32]
+        );
+        assert_eq!(
+            kernel_params("fill_random_bf16").unwrap(),
+            [Ptr, U64, U64, F32, F32]
+        );
+        assert_eq!(
+            kernel_params("gemv_bf16_mma_n8").unwrap(),
+            [Ptr, Ptr, Ptr, Ptr, I32, I32, I32, I32]
+        );
+        assert!(kernel_params("no_such_kernel").is_none());
     }
 
     /// The limits the host checks against are the ones the sources were written for.

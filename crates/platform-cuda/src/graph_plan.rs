@@ -11,6 +11,7 @@
 //! launches, and the CUDA side turns the plan's nodes into kernel nodes.
 
 use simpler_core::{CapturedGraph, GraphTask};
+use simpler_kernels_cuda::ParamKind;
 
 use crate::CudaError;
 
@@ -38,6 +39,44 @@ impl KernelArg {
             KernelArg::F32(v) => out[..4].copy_from_slice(&v.to_le_bytes()),
         }
         out
+    }
+
+    /// Whether this value fits a parameter of `kind` (a 4-byte `int` also fills a `u32`).
+    pub fn fits(self, kind: ParamKind) -> bool {
+        matches!(
+            (self, kind),
+            (KernelArg::Ptr(_), ParamKind::Ptr)
+                | (KernelArg::U64(_), ParamKind::U64)
+                | (KernelArg::I32(_), ParamKind::I32 | ParamKind::U32)
+                | (KernelArg::F32(_), ParamKind::F32)
+        )
+    }
+}
+
+/// Checks `args` against kernel `name`'s parameters `params` (from its signature): the same
+/// number, each of a fitting kind. The driver reads one slot per parameter the kernel
+/// declares, so a short or mistyped list must never reach it; the error names the kernel and
+/// the first difference.
+pub fn check_args(name: &str, params: &[ParamKind], args: &[KernelArg]) -> Result<(), CudaError> {
+    if params.len() != args.len() {
+        return Err(CudaError::invalid(
+            "launch",
+            format!(
+                "`{name}` takes {} arguments, {} given",
+                params.len(),
+                args.len()
+            ),
+        ));
+    }
+    match params.iter().zip(args).position(|(&p, &a)| !a.fits(p)) {
+        Some(i) => Err(CudaError::invalid(
+            "launch",
+            format!(
+                "`{name}` argument {i}: {:?} given for a {:?} parameter",
+                args[i], params[i]
+            ),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -117,4 +156,33 @@ pub fn plan<L>(
         fingerprint: graph.fingerprint(),
         nodes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launch whose arguments differ from the kernel's signature is refused, by count and by
+    /// kind, before anything could read a missing slot.
+    #[test]
+    fn launches_are_checked_against_the_kernels_signature() {
+        let params = simpler_kernels_cuda::kernel_params("rms_norm").unwrap();
+        let good = [
+            KernelArg::Ptr(1),
+            KernelArg::Ptr(2),
+            KernelArg::Ptr(3),
+            KernelArg::Ptr(0),
+            KernelArg::I32(8),
+            KernelArg::F32(1e-6),
+        ];
+        check_args("rms_norm", &params, &good).unwrap();
+        // The list before the deferred-norm pointer was added: one short.
+        let short = [good[0], good[1], good[2], good[4], good[5]];
+        let e = check_args("rms_norm", &params, &short).unwrap_err();
+        assert!(e.to_string().contains("takes 6 arguments, 5 given"), "{e}");
+        let mut mistyped = good;
+        mistyped[4] = KernelArg::F32(8.0);
+        let e = check_args("rms_norm", &params, &mistyped).unwrap_err();
+        assert!(e.to_string().contains("argument 4"), "{e}");
+    }
 }

@@ -9,8 +9,10 @@ use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result as drv, sys as drv_sys};
 use cudarc::nvrtc::Ptx;
 use simpler_core::{Memory, Platform, PlatformError, PlatformInfo};
+use simpler_kernels_cuda::ParamKind;
 
 use crate::cache::{CompileReport, KernelCache};
+use crate::graph_plan::KernelArg;
 use crate::imp::nvrtc::compile_modules;
 use crate::{CudaError, DeviceInfo};
 
@@ -67,6 +69,8 @@ pub struct CudaDevice {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
     functions: Arc<HashMap<&'static str, CudaFunction>>,
+    /// Each loaded kernel's parameters, read from its signature.
+    params: Arc<HashMap<&'static str, Vec<ParamKind>>>,
     info: DeviceInfo,
 }
 
@@ -88,6 +92,7 @@ impl CudaDevice {
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let (modules, report) = compile_modules(cache, simpler_kernels_cuda::ALL, &info.arch())?;
         let mut functions = HashMap::new();
+        let mut params = HashMap::new();
         for (src, cubin) in modules {
             let module = ctx
                 .load_module(Ptx::from_binary(cubin))
@@ -97,6 +102,10 @@ impl CudaDevice {
                     .load_function(k)
                     .map_err(driver_err("cuModuleGetFunction"))?;
                 functions.insert(k, f);
+                let p = src.params(k).ok_or_else(|| {
+                    CudaError::invalid("kernel", format!("`{k}`'s signature does not parse"))
+                })?;
+                params.insert(k, p);
             }
         }
         Ok((
@@ -104,6 +113,7 @@ impl CudaDevice {
                 ctx,
                 stream,
                 functions: Arc::new(functions),
+                params: Arc::new(params),
                 info,
             },
             report,
@@ -120,6 +130,19 @@ impl CudaDevice {
         self.functions
             .get(name)
             .ok_or_else(|| CudaError::invalid("kernel", format!("`{name}` is not loaded")))
+    }
+
+    /// Checks a launch of `name` with `args` against the kernel's signature (count and kinds).
+    pub(crate) fn check_args(
+        &self,
+        name: &'static str,
+        args: &[KernelArg],
+    ) -> Result<(), CudaError> {
+        let params = self
+            .params
+            .get(name)
+            .ok_or_else(|| CudaError::invalid("kernel", format!("`{name}` is not loaded")))?;
+        crate::graph_plan::check_args(name, params, args)
     }
 
     /// `bytes` of zeroed device memory, refused when the device has less free.

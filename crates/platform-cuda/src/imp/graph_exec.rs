@@ -65,6 +65,9 @@ impl DeviceGraph {
                     format!("node {i} ({}) has an empty grid or block", l.kernel),
                 ));
             }
+            // The driver reads one slot per declared parameter: a list that does not match the
+            // signature is refused here (it once read past a list one argument short).
+            dev.check_args(l.kernel, &l.args)?;
             let mut slots: Vec<[u8; 8]> = l.args.iter().map(|a| a.slot()).collect();
             let mut params: Vec<*mut c_void> = slots
                 .iter_mut()

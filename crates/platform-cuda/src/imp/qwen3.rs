@@ -450,8 +450,8 @@ impl Qwen3Decoder {
     /// `cu/common.cuh`). Then, while profiling, an event marks its end.
     ///
     /// # Safety
-    /// `args` must match the kernel's parameters in number, order and kind, and every address
-    /// in them must hold what the kernel reads and writes for this grid.
+    /// Every address in `args` must hold what the kernel reads and writes for this grid. (Their
+    /// number and kinds are checked against the kernel's signature: a mismatch is an error.)
     unsafe fn launch(
         &self,
         name: &'static str,
@@ -460,6 +460,7 @@ impl Qwen3Decoder {
         args: &[KernelArg],
     ) -> Result<(), CudaError> {
         let f = self.dev.function(name)?;
+        self.dev.check_args(name, args)?;
         let mut slots: Vec<[u8; 8]> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
