@@ -81,6 +81,14 @@ __device__ __forceinline__ u64 paged_slot(const u32* table, u32 page, u32 t) {
 // one before it, finishing implies every earlier grid finished too. `pdl_trigger` lets the next
 // grid launch once every block of this one has called it. Both are no-ops for a grid launched
 // without the attribute, and compiled out below sm_90.
+//
+// Reads of step-written data through `__ldg` or `const __restrict__` pointers compile to the
+// non-coherent `ld.global.nc`. They stay correct under programmatic launch because they come
+// after `pdl_wait` in program order, and `griddepcontrol.wait` makes the prerequisite grids'
+// writes visible to this grid before it returns. The volatile asm with a memory clobber keeps
+// the compiler from moving them above it. The PTX NVRTC 13.0 emits for sm_90 was read to
+// confirm this: every such load follows the wait, and only the GEMV's weight loads come
+// before it.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

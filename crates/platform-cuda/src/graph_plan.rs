@@ -41,15 +41,18 @@ impl KernelArg {
         out
     }
 
-    /// Whether this value fits a parameter of `kind` (a 4-byte `int` also fills a `u32`).
+    /// Whether this value fits a parameter of `kind` (a non-negative `int` also fills a `u32`).
     pub fn fits(self, kind: ParamKind) -> bool {
-        matches!(
-            (self, kind),
-            (KernelArg::Ptr(_), ParamKind::Ptr)
-                | (KernelArg::U64(_), ParamKind::U64)
-                | (KernelArg::I32(_), ParamKind::I32 | ParamKind::U32)
-                | (KernelArg::F32(_), ParamKind::F32)
-        )
+        match (self, kind) {
+            (KernelArg::I32(v), ParamKind::U32) => v >= 0,
+            _ => matches!(
+                (self, kind),
+                (KernelArg::Ptr(_), ParamKind::Ptr)
+                    | (KernelArg::U64(_), ParamKind::U64)
+                    | (KernelArg::I32(_), ParamKind::I32)
+                    | (KernelArg::F32(_), ParamKind::F32)
+            ),
+        }
     }
 }
 
@@ -184,5 +187,7 @@ mod tests {
         mistyped[4] = KernelArg::F32(8.0);
         let e = check_args("rms_norm", &params, &mistyped).unwrap_err();
         assert!(e.to_string().contains("argument 4"), "{e}");
+        assert!(KernelArg::I32(3).fits(ParamKind::U32));
+        assert!(!KernelArg::I32(-1).fits(ParamKind::U32));
     }
 }

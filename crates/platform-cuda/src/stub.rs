@@ -77,7 +77,11 @@ pub struct DeviceGraph(Infallible);
 
 impl DeviceGraph {
     /// Always [`CudaError::NotCompiled`].
-    pub fn build(
+    ///
+    /// # Safety
+    /// None needed here; the CUDA build's contract is that every pointer argument is live
+    /// device memory sized for its launch and every block size one the kernel takes.
+    pub unsafe fn build(
         _dev: &CudaDevice,
         _plan: &crate::graph_plan::GraphPlan<crate::graph_plan::KernelLaunch>,
     ) -> Result<DeviceGraph, CudaError> {

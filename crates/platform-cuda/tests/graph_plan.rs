@@ -157,7 +157,8 @@ fn the_plan_runs_as_a_cuda_graph() {
             3 => Some(KernelLaunch {
                 kernel: "rms_norm",
                 grid: (1, 1, 1),
-                block: (256, 1, 1),
+                // The block size the kernel is written for (it holds the row in registers).
+                block: (simpler_kernels_cuda::NORM_THREADS, 1, 1),
                 args: vec![
                     KernelArg::Ptr(x.ptr()),
                     KernelArg::Ptr(g.ptr()),
@@ -176,7 +177,9 @@ fn the_plan_runs_as_a_cuda_graph() {
         p.nodes.iter().map(|n| n.deps.clone()).collect::<Vec<_>>(),
         vec![vec![], vec![], vec![0, 1]]
     );
-    let dg = DeviceGraph::build(&dev, &p).unwrap();
+    // SAFETY: every pointer is a live buffer of this device sized for its launch (x, g: N fp32;
+    // out: N bf16; the fills write N values), and each block size is the kernel's.
+    let dg = unsafe { DeviceGraph::build(&dev, &p) }.unwrap();
     assert_eq!((dg.nodes(), dg.fingerprint()), (3, graph.fingerprint()));
     dg.launch().unwrap();
     dev.synchronize().unwrap();

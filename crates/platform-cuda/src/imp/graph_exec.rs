@@ -31,8 +31,15 @@ pub struct DeviceGraph {
 
 impl DeviceGraph {
     /// Builds and instantiates the graph of `plan` on `dev`: every node's kernel must be loaded
-    /// (an error names it) and its grid and block non-empty.
-    pub fn build(
+    /// (an error names it), its grid and block non-empty, and its arguments of the kernel's
+    /// number and kinds (checked against the signature).
+    ///
+    /// # Safety
+    /// Each node's pointer arguments must be live device memory of `dev` holding what its
+    /// kernel reads and writes for that grid, and each block size one the kernel is written for
+    /// (`cu/*.cu` say which) — none of which the host can check; the graph's launches then
+    /// touch exactly that memory.
+    pub unsafe fn build(
         dev: &CudaDevice,
         plan: &GraphPlan<KernelLaunch>,
     ) -> Result<DeviceGraph, CudaError> {
