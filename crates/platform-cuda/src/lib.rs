@@ -251,7 +251,13 @@ impl DecodeShape {
                 + 32
                 + (self.max_blocks as u64) * 4)
             + b * self.heads as u64 * splits * (self.head_dim as u64 + 2) * 4;
-        self.weight_bytes() + pools + embed + rope + scratch
+        // The tensor-core kernels' tile layout pads each matrix to 16 rows and 32 columns
+        // (`tile_layout`): counted as an upper bound whichever kernels run.
+        let pad = |n: u64, k: u64| 2 * (n.next_multiple_of(16) * k.next_multiple_of(32) - n * k);
+        let padding = self.layers as u64
+            * (pad(qw + 2 * kvw, h) + pad(h, qw) + pad(2 * i, h) + pad(h, i))
+            + pad(v, h);
+        self.weight_bytes() + padding + pools + embed + rope + scratch
     }
 }
 
