@@ -327,9 +327,14 @@ impl DecodeKernels {
 
     /// The choice named by [`Self::ENV`]; any other value is refused, naming the variable.
     pub fn from_env() -> Result<DecodeKernels, CudaError> {
-        match std::env::var(Self::ENV) {
-            Err(_) => Ok(DecodeKernels::TensorCore),
-            Ok(v) => DecodeKernels::parse(&v).ok_or_else(|| {
+        Self::from_value(std::env::var(Self::ENV).ok().as_deref())
+    }
+
+    /// [`Self::from_env`] of the variable's value (`None`: unset).
+    fn from_value(value: Option<&str>) -> Result<DecodeKernels, CudaError> {
+        match value {
+            None => Ok(DecodeKernels::TensorCore),
+            Some(v) => DecodeKernels::parse(v).ok_or_else(|| {
                 CudaError::invalid(Self::ENV, format!("{v:?}: expected \"mma\" or \"plain\""))
             }),
         }
@@ -356,10 +361,15 @@ impl DecodeKernels {
 /// Whether decode kernels launch programmatically (`SIMPLER_CUDA_PDL`: `1` or unset yes, `0`
 /// no; anything else is refused, naming the variable).
 pub fn pdl_from_env() -> Result<bool, CudaError> {
-    match std::env::var("SIMPLER_CUDA_PDL").as_deref() {
-        Err(_) | Ok("1") => Ok(true),
-        Ok("0") => Ok(false),
-        Ok(v) => Err(CudaError::invalid(
+    pdl_from(std::env::var("SIMPLER_CUDA_PDL").ok().as_deref())
+}
+
+/// [`pdl_from_env`] of the variable's value (`None`: unset).
+fn pdl_from(value: Option<&str>) -> Result<bool, CudaError> {
+    match value {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(CudaError::invalid(
             "SIMPLER_CUDA_PDL",
             format!("{v:?}: expected 0 or 1"),
         )),
@@ -550,6 +560,26 @@ mod tests {
             }
             assert_eq!(seen, n * k);
         }
+    }
+
+    /// The launch knobs read from the environment: unset is the default, the named values are
+    /// taken, anything else is refused naming the variable (never silently defaulted).
+    #[test]
+    fn kernel_and_launch_choices_refuse_unknown_values_by_name() {
+        assert_eq!(
+            DecodeKernels::from_value(None).unwrap(),
+            DecodeKernels::TensorCore
+        );
+        for k in [DecodeKernels::TensorCore, DecodeKernels::Plain] {
+            assert_eq!(DecodeKernels::from_value(Some(k.name())).unwrap(), k);
+        }
+        let e = DecodeKernels::from_value(Some("fast")).unwrap_err();
+        assert!(e.to_string().contains(DecodeKernels::ENV), "{e}");
+        assert!(pdl_from(None).unwrap());
+        assert!(pdl_from(Some("1")).unwrap());
+        assert!(!pdl_from(Some("0")).unwrap());
+        let e = pdl_from(Some("yes")).unwrap_err();
+        assert!(e.to_string().contains("SIMPLER_CUDA_PDL"), "{e}");
     }
 
     /// Gate and up rows alternate in groups of eight.
