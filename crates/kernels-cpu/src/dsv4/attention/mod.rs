@@ -236,8 +236,10 @@ pub fn sparse_attention(
         run: &[],
         d,
     };
-    // The rows that will be copied (those of runs shorter than `MIN_IN_PLACE`: a top-k list's
-    // scattered cache rows), in order, so each copy can prefetch the one `COPY_AHEAD` rows on.
+    // The rows of runs shorter than `MIN_IN_PLACE` (a top-k list's scattered cache rows), in
+    // order, so each of their copies can prefetch the one `COPY_AHEAD` rows on. (The few rows
+    // a long run leaves past its last in-place block are copied too but not listed: after them
+    // the prefetches run a little further ahead.)
     let mut scattered = std::mem::take(&mut s.scattered);
     scattered.clear();
     for r in cands.iter().flatten() {
