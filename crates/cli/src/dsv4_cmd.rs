@@ -31,6 +31,7 @@ use simpler_models::dsv4::{
 };
 
 use crate::opts::{self, RunOpts};
+use crate::qwen3_cmd::{Replay, describe_graphs};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
 /// The layer kinds.
@@ -193,6 +194,11 @@ pub(crate) struct RunDsv4Args {
     /// Warm-up steps (discarded).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
+    /// or run the orchestration for every step (`off`) [default: on]. Refused for moe, whose
+    /// steps are orchestrated.
+    #[arg(long, value_enum)]
+    replay: Option<Replay>,
     #[command(flatten)]
     ep: EpOpts,
     #[command(flatten)]
@@ -219,6 +225,16 @@ pub(crate) struct BenchDsv4Args {
     /// medians with its 95% interval
     #[arg(long, value_name = "N")]
     versus_proj_blocks: Option<u32>,
+    /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
+    /// or run the orchestration for every step (`off`) [default: on]. Refused for moe, whose
+    /// steps are orchestrated.
+    #[arg(long, value_enum)]
+    replay: Option<Replay>,
+    /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
+    /// process: interleaved steps A B B A .. and the ratio B/A of the effective-time medians
+    /// with its 95% interval (swa, csa and hca).
+    #[arg(long)]
+    versus_replay: bool,
     #[command(flatten)]
     ep: EpOpts,
     #[command(flatten)]
@@ -249,6 +265,12 @@ pub(crate) trait LayerStep {
     /// Sets the projection blocks of the next steps (only where [`LayerStep::proj_blocks`]
     /// is `Some`).
     fn set_proj_blocks(&mut self, _blocks: u32) {}
+    /// Whether the kind's steps can replay a captured graph ([`LayerStep::set_replay`]).
+    fn can_replay(&self) -> bool {
+        false
+    }
+    /// Turns replay of the next steps on or off (only where [`LayerStep::can_replay`]).
+    fn set_replay(&mut self, _on: bool) {}
 }
 
 /// The step of `layer` on `cfg`'s shapes at `starts`.
@@ -383,6 +405,14 @@ impl LayerStep for AttnCase {
 
     fn step(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<RunReport> {
         Ok(self.layer.step(worker, &self.inputs, cfg)?.report)
+    }
+
+    fn can_replay(&self) -> bool {
+        true
+    }
+
+    fn set_replay(&mut self, on: bool) {
+        self.layer.replay = on;
     }
 
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {
@@ -619,8 +649,17 @@ struct Measured {
     valid: Vec<Option<bool>>,
     /// Each measured round's phase spans, us ([`phase_spans`]).
     phases: Vec<Vec<f64>>,
+    /// The measured steps' reports, in order (the last is the last step's).
+    reports: Vec<RunReport>,
+}
+
+impl Measured {
     /// The last step's report.
-    last: RunReport,
+    fn last(&self) -> &RunReport {
+        self.reports
+            .last()
+            .expect("measure runs at least one round")
+    }
 }
 
 /// Runs `warmup + rounds` steps.
@@ -628,7 +667,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
     let (mut eff, mut wall, mut valid, mut phases) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let n_phases = s.step.cost().phases.len();
-    let mut last = None;
+    let mut reports = Vec::with_capacity(rounds);
     for i in 0..warmup + rounds {
         s.flush_cache();
         let t = Instant::now();
@@ -639,16 +678,18 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
             wall.push(dt);
             valid.push(s.step.round_valid());
             phases.push(phase_spans(&r, n_phases));
-            last = Some(r);
+            reports.push(r);
         }
     }
-    let last = last.ok_or_else(|| anyhow::anyhow!("--rounds must be at least 1"))?;
+    if reports.is_empty() {
+        bail!("--rounds must be at least 1");
+    }
     Ok(Measured {
         eff,
         wall,
         valid,
         phases,
-        last,
+        reports,
     })
 }
 
@@ -660,11 +701,13 @@ fn start(
     case: &CaseArgs,
     run: &RunOpts,
     rounds: usize,
+    replay: Option<Replay>,
 ) -> Result<(Setup, CallConfig)> {
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let s = setup(layer, case, run)?;
+    let mut s = setup(layer, case, run)?;
+    s.step.set_replay(replay.unwrap_or(Replay::On).on());
     let cfg = run.call_config("dsv4")?;
     println!(
         "simpler {cmd} dsv4 {flag} {}: {}; {} cores",
@@ -689,7 +732,18 @@ fn finish_peaks(s: &Setup, case: &CaseArgs) -> Peaks {
     peaks_of(&machine, s.int8.0)
 }
 
+/// Refuses `--replay` where it does not apply, before anything runs.
+fn check_replay(layer: LayerArg, replay: Option<Replay>) -> Result<()> {
+    if replay.is_some() && layer == LayerArg::Moe {
+        bail!(
+            "--replay: the moe layer's steps are orchestrated every step; it applies to swa, csa and hca"
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
+    check_replay(args.layer, args.replay)?;
     if let Some(cmd) = ep_cmd_of_run(&args)? {
         return crate::dsv4_ep::main(cmd);
     }
@@ -700,6 +754,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
         &args.case,
         &args.run,
         args.rounds,
+        args.replay,
     )?;
     if args.check {
         println!("check vs golden:");
@@ -711,16 +766,19 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
             bail!("the step differs from the golden beyond the spec's tolerance");
         }
     }
-    let Measured {
-        eff,
-        wall,
-        phases,
-        last,
-        ..
-    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
-    opts::emit(&last, &cfg)?;
+    let m = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    opts::emit(m.last(), &cfg)?;
     let peaks = finish_peaks(&s, &args.case);
-    print!("{}", opts::format_report(&last));
+    print!("{}", opts::format_report(m.last()));
+    if s.step.can_replay() {
+        println!(
+            "{}",
+            describe_graphs(replay_of(args.replay), m.reports.iter())
+        );
+    }
+    let Measured {
+        eff, wall, phases, ..
+    } = m;
     let cost = s.step.cost();
     println!("{}", phases_title(phases.len()));
     print!("{}", format_phases(&cost, &peaks, &phases));
@@ -739,8 +797,17 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 }
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
+    check_replay(args.kernel, args.replay)?;
     if args.versus_proj_blocks == Some(0) {
         bail!("--versus-proj-blocks: at least 1 block");
+    }
+    if args.versus_replay && args.kernel == LayerArg::Moe {
+        bail!(
+            "--versus-replay: the moe layer's steps are orchestrated every step; it applies to swa, csa and hca"
+        );
+    }
+    if args.versus_replay && args.replay == Some(Replay::Off) {
+        bail!("--versus-replay compares replayed steps with orchestrated ones; drop --replay off");
     }
     if args.versus_proj_blocks.is_some() && args.kernel == LayerArg::Moe {
         bail!(
@@ -757,10 +824,18 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         &args.case,
         &args.run,
         args.rounds,
+        args.replay,
     )?;
+    let m = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    if s.step.can_replay() {
+        println!(
+            "{}",
+            describe_graphs(replay_of(args.replay), m.reports.iter())
+        );
+    }
     let Measured {
         eff, valid, phases, ..
-    } = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    } = m;
     let peaks = finish_peaks(&s, &args.case);
     let e = Summary::of(&eff);
     println!("{}", format_summary("effective_us", &e, args.warmup));
@@ -790,7 +865,55 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         );
         println!("{c}");
     }
+    if args.versus_replay {
+        let c = versus_replay(&mut s, &cfg, args.rounds, args.warmup)?;
+        println!(
+            "replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+        );
+        println!("{c}");
+    }
     Ok(())
+}
+
+/// `--replay`'s value, `on` when not given.
+fn replay_of(r: Option<Replay>) -> Replay {
+    r.unwrap_or(Replay::On)
+}
+
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`): replayed (A) and
+/// orchestrated (B); the effective times compared and the orchestration spans of each,
+/// formatted. Replay stays on afterwards.
+fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) -> Result<String> {
+    let failure = RefCell::new(None);
+    let orch: RefCell<[Vec<f64>; 2]> = RefCell::default();
+    let setup = RefCell::new(&mut *s);
+    let step_us = |replay: bool| {
+        let mut s = setup.borrow_mut();
+        s.step.set_replay(replay);
+        s.flush_cache();
+        let Setup { worker, step, .. } = &mut **s;
+        match step.step(worker, cfg) {
+            Ok(r) => {
+                orch.borrow_mut()[usize::from(!replay)].push(r.orch.us());
+                r.effective().us()
+            }
+            Err(e) => {
+                failure.borrow_mut().get_or_insert(e);
+                f64::NAN
+            }
+        }
+    };
+    let pairs = run_interleaved(rounds, warmup, || step_us(true), || step_us(false));
+    s.step.set_replay(true);
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    let c = compare(&pairs.a, &pairs.b);
+    let [a, b] = orch.into_inner().map(|v| Summary::of(&v).median);
+    Ok(format!(
+        "{}\n    orchestration span (median over every step): replay {a:.0} us (the submission loop), orchestrated {b:.0} us",
+        format_compare("effective_us", "replayed", "orchestrated", &c)
+    ))
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's

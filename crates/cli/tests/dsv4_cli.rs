@@ -184,6 +184,80 @@ fn versus_proj_blocks_is_refused_where_it_does_not_apply() {
     }
 }
 
+/// Steps after the first replay the captured graph by default, `--replay off` orchestrates
+/// every step, and `--versus-replay` runs both interleaved and prints their ratio.
+#[test]
+fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
+    let more = ["--rounds", "4", "--warmup", "1", "--versus-replay"];
+    let out = simpler(&bench_tiny("hca", &more));
+    let so = succeeded_with(
+        &out,
+        "hca --versus-replay",
+        &[
+            // The warm-up step was captured; the measured ones replayed.
+            "graph: --replay on -> 4 replayed (orch ",
+            "replay compared (A: captured graph replayed, B: orchestrated",
+            "[A: replayed]: n=4",
+            "[B: orchestrated]: n=4",
+            "ratio B/A of medians = ",
+            "orchestration span (median over every step): replay ",
+        ],
+    );
+    assert!(so.contains("95% interval ["), "{so}");
+    let out = simpler(&bench_tiny("csa", &["--rounds", "2", "--replay", "off"]));
+    succeeded_with(
+        &out,
+        "csa --replay off",
+        &["graph: --replay off -> 2 orchestrated (orch "],
+    );
+    // No warm-up: the first measured step is the captured one.
+    let out = simpler(&small_checked("swa", QUICK));
+    succeeded_with(
+        &out,
+        "run swa",
+        &[
+            "graph: --replay on -> 1 captured (orch ",
+            ", 1 replayed (orch ",
+        ],
+    );
+}
+
+/// `--replay` and `--versus-replay` are refused by name where they do not apply, before any
+/// fixture is built.
+#[test]
+fn replay_flags_are_refused_where_they_do_not_apply() {
+    for (args, flag, needle) in [
+        (
+            bench_tiny("moe", &["--replay", "on"]),
+            "--replay",
+            "the moe layer's steps are orchestrated every step",
+        ),
+        (
+            vec![
+                "run", "dsv4", "--layer", "moe", "--replay", "off", "--ep", "2",
+            ],
+            "--replay",
+            "the moe layer's steps are orchestrated every step",
+        ),
+        (
+            bench_tiny("moe", &["--versus-replay"]),
+            "--versus-replay",
+            "the moe layer's steps are orchestrated every step",
+        ),
+        (
+            bench_tiny("swa", &["--versus-replay", "--replay", "off"]),
+            "--versus-replay",
+            "drop --replay off",
+        ),
+    ] {
+        let out = simpler(&args);
+        let se = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {se}");
+        assert!(se.contains(flag) && se.contains(needle), "{args:?}: {se}");
+        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+    }
+}
+
 #[test]
 fn bad_layers_and_starts_are_refused_by_name() {
     let out = simpler(&[

@@ -27,7 +27,6 @@ use simpler_kernels_cpu::dsv4::hc_mix_len;
 use simpler_kernels_cpu::packed_ld;
 
 use super::config::{Dsv4Config, LayerKind};
-use super::fixture::TOKENS_PER_SEQ;
 use super::ops;
 use super::orchestrate_csa;
 use super::runner::AttnTiles;
@@ -91,8 +90,6 @@ pub(crate) struct AttnPlan {
     pub(crate) comp_rows: usize,
     pub(crate) rope_positions: usize,
     pub(crate) tiles: AttnTiles,
-    /// Each sequence's first position (its tokens' positions follow).
-    pub(crate) starts: Vec<usize>,
     /// The hyper-connections' pre, post and comb scales.
     pub(crate) hc_scale: [f32; 3],
 }
@@ -521,14 +518,15 @@ pub(crate) fn attention(
     let (hd, h) = (c.head_dim, c.n_heads);
     let heads = head_ranges(h, p.tiles.head_blocks);
     for t in 0..p.tokens {
-        let pos = p.starts[t / TOKENS_PER_SEQ] + t % TOKENS_PER_SEQ;
+        let tok = block(o, &v.tok, (t, t + 1), None)?;
         for hr in &heads {
             let cols = Some((hr.start * hd, hr.end * hd));
             let qv = block(o, q, (t, t + 1), cols)?;
             let ov = block(o, out, (t, t + 1), cols)?;
             let win = block(o, &v.win, (t, t + 1), None)?;
             let sinks = block(o, &v.sink, (hr.start, hr.end), None)?;
-            // SAFETY: the sinks and the RoPE tables are written by no task during the run.
+            // SAFETY: the sinks, the RoPE tables and the host-written token table are written
+            // by no task during the run.
             let mut task = unsafe {
                 Task::new(ops::SPARSE_ATTN)
                     .input(&qv)
@@ -537,6 +535,7 @@ pub(crate) fn attention(
                     .no_dep(&sinks)
                     .no_dep(&v.cos)
                     .no_dep(&v.sin)
+                    .no_dep(&tok)
             }
             .output_existing(&ov);
             if let Some((list, cache)) = comp {
@@ -545,7 +544,6 @@ pub(crate) fn attention(
             }
             let task = task
                 .scalar(hd as u64)
-                .scalar(pos as u64)
                 .scalar_f32(c.softmax_scale())
                 .timing_slot(4);
             o.submit(task)?;

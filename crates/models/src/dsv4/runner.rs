@@ -8,7 +8,9 @@
 use std::sync::Arc;
 
 use half::bf16;
-use simpler_core::{Buffer, CallConfig, Element, RunArgs, RunReport, Worker};
+use simpler_core::{
+    Buffer, CallConfig, CapturedGraph, Element, GraphShape, RunArgs, RunReport, RuntimeEnv, Worker,
+};
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
 use super::bf16_layout::{projection_upload_layout, wo_a_upload_layout};
@@ -160,7 +162,22 @@ pub struct AttnLayer {
     hc_scale: [f32; 3],
     /// How steps are cut into tasks.
     pub tiles: AttnTiles,
+    /// Whether steps replay a captured graph: the first step is captured, later steps of the
+    /// same shape (tiles, call configuration) replay it without running the orchestration
+    /// (`docs/runtime.md`, "Captured graphs"). A step's positions, slots and candidate lists
+    /// are data the kernels read, so they never change the graph. Off: every step is
+    /// orchestrated. The step's `RunReport::graph` says which ran.
+    pub replay: bool,
     io: Option<StepIo>,
+    graph: Option<StepGraph>,
+}
+
+/// A captured step graph and the call environment it was captured under.
+#[derive(Debug)]
+struct StepGraph {
+    graph: CapturedGraph,
+    /// The ring sizes and `dep_gen` of the capture (a replay must match them).
+    env: (RuntimeEnv, bool),
 }
 
 /// What the host writes for a step: per token `(sequence, position, window slot)`, and the
@@ -350,7 +367,9 @@ impl AttnLayer {
             csa: csa_bufs,
             hc_scale: weights.hc.scale,
             tiles: AttnTiles::for_cores(worker.cores(), tokens, cfg.n_heads),
+            replay: true,
             io: None,
+            graph: None,
         })
     }
 
@@ -490,7 +509,6 @@ impl AttnLayer {
             },
             rope_positions: self.config.max_position,
             tiles: self.tiles,
-            starts: inputs.starts.clone(),
             hc_scale: self.hc_scale,
         });
         self.step_io(worker)?;
@@ -526,9 +544,7 @@ impl AttnLayer {
             buffers,
             scalars: Vec::new(),
         };
-        let report = worker.run_fn(name, args, cfg, move |o, a| {
-            orchestrate::attn_step(o, a, &plan)
-        })?;
+        let report = self.run_graph(worker, name, args, cfg, plan)?;
         let c = &self.config;
         let t_n = inputs.n_tokens();
         let q = t_n * c.n_heads * c.head_dim;
@@ -539,6 +555,49 @@ impl AttnLayer {
             o_proj: outs[io_slot::Y].read_at::<f32>(0, t_n * c.hidden)?,
             report,
         })
+    }
+
+    /// Runs the step's graph: replayed when a graph of the same shape was captured on the same
+    /// buffers and environment, otherwise orchestrated (and captured when `replay` is on).
+    fn run_graph(
+        &mut self,
+        worker: &Worker,
+        name: &str,
+        args: RunArgs,
+        cfg: &CallConfig,
+        plan: Arc<AttnPlan>,
+    ) -> Result<RunReport, Dsv4RunError> {
+        if !self.replay {
+            return Ok(worker.run_fn(name, args, cfg, move |o, a| {
+                orchestrate::attn_step(o, a, &plan)
+            })?);
+        }
+        let shape = step_shape(&plan);
+        let env = (cfg.runtime_env, cfg.dep_gen);
+        if let Some(g) = &self.graph {
+            let same_buffers = g.graph.buffers().len() >= args.buffers.len()
+                && g.graph
+                    .buffers()
+                    .iter()
+                    .zip(&args.buffers)
+                    .all(|(a, b)| a.id() == b.id());
+            if g.graph.shape() == &shape && g.env == env && same_buffers {
+                return Ok(worker.replay(&g.graph, args, cfg, &shape)?);
+            }
+        }
+        // A new shape or environment: capture anew, dropping the old graph first so its
+        // buffers are not held past their last use.
+        self.graph = None;
+        let (report, graph) = worker.capture_fn(name, args, cfg, shape, move |o, a| {
+            orchestrate::attn_step(o, a, &plan)
+        })?;
+        self.graph = Some(StepGraph { graph, env });
+        Ok(report)
+    }
+
+    /// The captured step graph the next step would replay, if any.
+    pub fn step_graph(&self) -> Option<&CapturedGraph> {
+        self.graph.as_ref().map(|g| &g.graph)
     }
 
     /// Reads the caches back from the worker.
@@ -578,6 +637,28 @@ impl AttnLayer {
         }
         Ok(caches)
     }
+}
+
+/// What shapes a step's graph: everything of the plan (the host-written positions, slots and
+/// candidate lists are data the kernels read). The configuration's numbers that reach the
+/// graph as shapes or scalars are fixed by the upload, so the layer kind stands for them.
+fn step_shape(p: &AttnPlan) -> GraphShape {
+    let kind = match p.kind {
+        LayerKind::Swa => 0,
+        LayerKind::Hca => 1,
+        LayerKind::Csa => 2,
+    };
+    GraphShape::new()
+        .with("kind", kind)
+        .with("tokens", p.tokens as u64)
+        .with("batch", p.batch as u64)
+        .with("window_slots", p.window_slots as u64)
+        .with("comp_width", p.comp_width as u64)
+        .with("comp_rows", p.comp_rows as u64)
+        .with("rope_positions", p.rope_positions as u64)
+        .with("tiles.proj_blocks", u64::from(p.tiles.proj_blocks))
+        .with("tiles.head_blocks", p.tiles.head_blocks as u64)
+        .with("tiles.vector_blocks", u64::from(p.tiles.vector_blocks))
 }
 
 /// The layer's RoPE table: plain θ for SWA, YaRN with the compressed θ for HCA and CSA.

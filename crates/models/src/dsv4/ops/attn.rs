@@ -66,9 +66,12 @@ pub(crate) mod sparse {
     pub(crate) const SINKS: usize = 3;
     pub(crate) const COS: usize = 4;
     pub(crate) const SIN: usize = 5;
-    pub(crate) const OUT: usize = 6;
-    pub(crate) const COMP: usize = 7;
-    pub(crate) const COMP_CACHE: usize = 8;
+    /// The token's `tok` row: its position sets the inverse RoPE. A tensor rather than a
+    /// scalar, so that one captured step graph serves every position.
+    pub(crate) const TOK: usize = 6;
+    pub(crate) const OUT: usize = 7;
+    pub(crate) const COMP: usize = 8;
+    pub(crate) const COMP_CACHE: usize = 9;
 }
 
 /// `WO_A` argument indices.
@@ -382,8 +385,8 @@ fn candidates<'a>(
 pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "dsv4_sparse_attention";
     let hd = ctx.scalar_usize(0)?;
-    let pos = ctx.scalar_usize(1)?;
-    let scale = ctx.scalar_f32(2)?;
+    let scale = ctx.scalar_f32(1)?;
+    let (_, pos, _) = token(NAME, ctx.read::<u32>(sparse::TOK)?, 0)?;
     let q = ctx.read::<f32>(sparse::Q)?;
     let win = ctx.read::<i32>(sparse::WIN)?;
     let wcache = ctx.read::<bf16>(sparse::WIN_CACHE)?;
