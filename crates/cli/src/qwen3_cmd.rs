@@ -14,10 +14,10 @@ use simpler_core::{GraphMode, RunReport, Worker};
 use simpler_cpu::host_memory;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
 use simpler_models::qwen3::{
-    FixtureOptions, Int8Acts, KvBuffers, LoadOptions, MemoryEstimate, PagedBatch, Qwen3Config,
-    Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy, UnknownWeightFormat, WeightFormat,
-    WeightLayout, generate_inputs, generate_kv_pools, generate_weights, load_checkpoint,
-    load_config,
+    FixtureOptions, Int8Acts, KvBuffers, LayerWeights, LoadOptions, MemoryEstimate, PagedBatch,
+    Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy, UnknownWeightFormat,
+    WeightFormat, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
+    load_checkpoint, load_config,
 };
 
 /// Where the model comes from.
@@ -498,16 +498,16 @@ impl DecodeCase {
         Ok(())
     }
 
-    /// The streamed golden of this case's first step (fp32 input `x`), with the head read
-    /// back from `model` when `with_head`.
+    /// The streamed golden of this case's first step (fp32 input `x`) through `layers`, with
+    /// the head read back from `model` when `with_head`.
     pub(crate) fn golden(
         &self,
-        weights: &Qwen3Weights,
+        c: &Qwen3Config,
+        layers: &[std::sync::Arc<LayerWeights>],
         model: &ResidentModel,
         x: &[f32],
         with_head: bool,
     ) -> Result<GoldenStep> {
-        let c = &weights.config;
         let rope = c.rope_tables(model.max_seq);
         let mut cached: Option<(Vec<bf16>, Vec<bf16>)> = None;
         let opts = self.opts.clone();
@@ -522,14 +522,14 @@ impl DecodeCase {
         };
         let src = GoldenSource {
             config: c,
-            layers: &weights.layers,
+            layers,
             pools: &mut pools,
             num_pages: self.batch.num_pages(),
             page_size: self.batch.page_size,
         };
         let final_norm = model.final_norm()?;
         let mut failure = None;
-        let mut lm_rows = |r: std::ops::Range<usize>| match model.download_lm_head_rows(r) {
+        let mut lm_rows = |r: std::ops::Range<usize>| match model.download_lm_head_rows_f32(r) {
             Ok(v) => v,
             Err(e) => {
                 failure = Some(e);

@@ -457,7 +457,23 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             Variant::Layers => case.hidden.iter().map(|v| v.to_f32()).collect(),
         };
         let t = Instant::now();
-        let mut want = case.golden(&weights, &model, &x0, with_head)?;
+        // An int8 model is checked against the weights it stands for: its layers read back
+        // dequantised (the head is read back by `golden` in every format).
+        let dequantised;
+        let layers = if args.model.weights.is_int8() {
+            let sets = (0..model.sets)
+                .map(|s| model.download_layer(s).map(std::sync::Arc::new))
+                .collect::<Result<Vec<_>, _>>()?;
+            dequantised = model
+                .set_of_layer
+                .iter()
+                .map(|&s| sets[s].clone())
+                .collect::<Vec<_>>();
+            &dequantised
+        } else {
+            &weights.layers
+        };
+        let mut want = case.golden(&weights.config, layers, &model, &x0, with_head)?;
         if args.variant == Variant::Layers {
             // The layers chunk rounds its output to bf16 once, at the end.
             want.hidden

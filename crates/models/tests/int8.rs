@@ -11,7 +11,9 @@ use common::qwen3::{check_model_step, stretched_fixture, worker};
 use half::bf16;
 use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::{self, Int8Agreement, Tolerance};
-use simpler_models::qwen3::quant::{dequantize_matrix_bf16, quantize_matrix};
+use simpler_models::qwen3::quant::{
+    dequantize_matrix_bf16, dequantize_matrix_f32, int8_interleaved, quantize_matrix,
+};
 use simpler_models::qwen3::{
     Fixture, Int8Acts, KvBuffers, LayerWeights, Qwen3Weights, ResidentModel, Session, WeightFormat,
 };
@@ -112,6 +114,28 @@ fn an_int8_model_reads_back_its_dequantised_weights() {
     assert_eq!(
         m.download_lm_head_rows(3..7).unwrap(),
         deq.lm_head.as_ref().unwrap()[3 * h..7 * h]
+    );
+    // The values the head multiplies, unrounded (what the CLI's check feeds its golden), and
+    // their bf16 rounding is the readback above.
+    let exact = m.download_lm_head_rows_f32(3..7).unwrap();
+    let records = quantize_matrix(&f.weights.lm_head()[3 * h..7 * h], 4, h);
+    assert_eq!(exact, dequantize_matrix_f32(&records, h));
+    assert!(
+        exact
+            .iter()
+            .zip(&deq.lm_head.as_ref().unwrap()[3 * h..7 * h])
+            .all(|(a, b)| bf16::from_f32(*a) == *b)
+    );
+    // The projections were held interleaved where this machine's int8 path reads them so
+    // (`quant::int8_interleaved`), records elsewhere: the readback is the same either way.
+    let c = &f.weights.config;
+    eprintln!(
+        "int8 projections held {}",
+        if int8_interleaved(c.hidden_size, c.hidden_size, true) {
+            "interleaved"
+        } else {
+            "as records"
+        }
     );
     // int8 projections (a byte and 4 / K per value) against bf16 (two bytes).
     let bf = ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap();

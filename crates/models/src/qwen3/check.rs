@@ -31,8 +31,11 @@ pub struct GoldenSource<'a> {
 pub struct HeadSource<'a> {
     /// Final norm weights.
     pub final_norm: &'a [f32],
-    /// LM-head rows `[n, hidden]` of a vocabulary range.
-    pub lm_rows: &'a mut dyn FnMut(Range<usize>) -> Vec<bf16>,
+    /// LM-head rows `[n, hidden]` of a vocabulary range, the values the model multiplies (a
+    /// bf16 head widened; an int8 head's `q · scale` exactly: rounding those to bf16 moved the
+    /// 0.6B preset's logits, which reach ±100, by up to 0.25, beyond the stack tolerance of
+    /// the logits near 0).
+    pub lm_rows: &'a mut dyn FnMut(Range<usize>) -> Vec<f32>,
 }
 
 /// What the streamed golden computed.

@@ -8,9 +8,24 @@
 //! task's weight view (a slice of rows, as the orchestration cuts SPMD shares and LM-head
 //! tiles) carries its scales with it, and the orchestration changes only the dtype and the
 //! row width it binds. The 4 bytes cost `4 / cols` of the stream (0.4% at 1024 columns).
+//!
+//! # Interleaved projections
+//! Where the int8 products run lane-wise on AVX-512 VNNI (this machine's int8 path is AVX-512
+//! VNNI or AMX-INT8), a W8A8 projection whose rows fill whole 16-row groups is held
+//! interleaved instead ([`int8_interleaved`]): the `rows × cols` values in the
+//! [`I8Layout::Interleaved`] order (each 64-byte line one quad of `k` of a group's 16 rows, the
+//! `vpdpbusd` operand), then the `rows` fp32 scales. The matrix takes the same bytes as its
+//! records, so the bound shape `[rows, cols + 4]` does not change; the kernel tells the two
+//! apart by the same rule, from the whole matrix it is bound (one matrix per task), and slices
+//! an SPMD share on whole groups (shares are cut in units of 16 rows). On the Qwen3-0.6B
+//! shapes from memory, one thread, the lane-wise kernel over interleaved weights streamed
+//! 1.07×, 1.16×, 1.18× and 1.33× the row-major kernel's bytes per second at 1, 2, 4 and 16
+//! activation rows (`docs/benchmarks.md`, session 30). Wide activations (`int8-wide`, and the
+//! LM head, which keeps fp32 activations) need row-major records, and elsewhere the
+//! interleaved order goes through the portable loops, so those stay records.
 
 use half::bf16;
-use simpler_kernels_cpu::quantize_row_bf16_i8;
+use simpler_kernels_cpu::{I8Layout, I8Path, PACK_ROWS, pack_weights_i8_as, quantize_row_bf16_i8};
 
 /// How a resident model stores its projections and LM head.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -105,10 +120,91 @@ pub fn quantize_matrix(w: &[bf16], rows: usize, cols: usize) -> Vec<i8> {
     out
 }
 
+/// Whether a resident `[rows, cols]` int8 matrix is held interleaved (module docs): a W8A8
+/// projection (`w8a8`) of whole 16-row groups on a machine whose int8 path reads interleaved
+/// weights lane-wise. Decided from the detected path (not a thread's override), so the upload
+/// and every kernel of the process agree.
+pub fn int8_interleaved(rows: usize, cols: usize, w8a8: bool) -> bool {
+    w8a8 && rows > 0
+        && cols > 0
+        && rows.is_multiple_of(PACK_ROWS)
+        && I8Path::detected() >= I8Path::Avx512Vnni
+}
+
+/// Quantises `w` (`[rows, cols]` bf16) into the resident form `interleaved` says: records, or
+/// the interleaved values then the scales (module docs). Either takes `rows * int8_record(cols)`
+/// bytes. Interleaved, `rows` must be whole 16-row groups.
+pub fn quantize_matrix_as(w: &[bf16], rows: usize, cols: usize, interleaved: bool) -> Vec<i8> {
+    if !interleaved {
+        return quantize_matrix(w, rows, cols);
+    }
+    assert!(
+        w.len() == rows * cols && rows.is_multiple_of(PACK_ROWS),
+        "quantize_matrix_as: {} values for {rows} x {cols} interleaved (whole 16-row groups)",
+        w.len()
+    );
+    let mut values = vec![0i8; rows * cols];
+    let mut scales = Vec::with_capacity(rows);
+    for (src, dst) in w
+        .chunks_exact(cols.max(1))
+        .zip(values.chunks_exact_mut(cols.max(1)))
+    {
+        scales.push(quantize_row_bf16_i8(src, dst));
+    }
+    let mut out = vec![0i8; rows * int8_record(cols)];
+    let (data, tail) = out.split_at_mut(rows * cols);
+    pack_weights_i8_as(I8Layout::Interleaved, &values, rows, cols, cols, data);
+    for (d, s) in tail.chunks_exact_mut(4).zip(&scales) {
+        for (b, v) in d.iter_mut().zip(s.to_le_bytes()) {
+            *b = v as i8;
+        }
+    }
+    out
+}
+
+/// The scales of an interleaved resident matrix's rows `first..first + n` (`tail`: its bytes
+/// after the `rows × cols` values).
+pub fn interleaved_scales(tail: &[i8], first: usize, n: usize) -> Vec<f32> {
+    tail[first * 4..(first + n) * 4]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(std::array::from_fn(|i| b[i] as u8)))
+        .collect()
+}
+
+/// The values a resident int8 matrix in the form `interleaved` says stands for, in row
+/// order, rounded to bf16 ([`dequantize_matrix_bf16`] for records).
+pub fn dequantize_matrix_as_bf16(q: &[i8], cols: usize, interleaved: bool) -> Vec<bf16> {
+    if !interleaved {
+        return dequantize_matrix_bf16(q, cols);
+    }
+    let rows = q.len() / int8_record(cols).max(1);
+    let (data, tail) = q.split_at(rows * cols);
+    let scales = interleaved_scales(tail, 0, rows);
+    let mut out = Vec::with_capacity(rows * cols);
+    for (n, s) in scales.iter().enumerate() {
+        for k in 0..cols {
+            let v = data[simpler_kernels_cpu::interleaved_index_i8(rows, cols, n, k)];
+            out.push(bf16::from_f32(f32::from(v) * s));
+        }
+    }
+    out
+}
+
 /// The scale of resident record `rec` (`int8_record(cols)` bytes).
 pub fn record_scale(rec: &[i8], cols: usize) -> f32 {
     let b: [u8; 4] = std::array::from_fn(|i| rec[cols + i] as u8);
     f32::from_le_bytes(b)
+}
+
+/// The values resident int8 records stand for, `q · scale` in fp32 (not rounded).
+pub fn dequantize_matrix_f32(q: &[i8], cols: usize) -> Vec<f32> {
+    let rec = int8_record(cols);
+    q.chunks_exact(rec)
+        .flat_map(|r| {
+            let s = record_scale(r, cols);
+            r[..cols].iter().map(move |&v| f32::from(v) * s)
+        })
+        .collect()
 }
 
 /// The values a resident int8 matrix stands for, rounded to bf16 (the golden computes in
@@ -154,6 +250,36 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The interleaved form holds the records' values and scales, at the records' size, and
+    /// reads back to the same matrix.
+    #[test]
+    fn interleaved_form_holds_what_the_records_hold() {
+        let (rows, cols) = (32, 37);
+        let w: Vec<bf16> = (0..rows * cols)
+            .map(|i| bf16::from_f32(((i * 7919) % 201) as f32 / 100.0 - 1.0))
+            .collect();
+        let rec = quantize_matrix(&w, rows, cols);
+        let il = quantize_matrix_as(&w, rows, cols, true);
+        assert_eq!(il.len(), rec.len());
+        let scales = interleaved_scales(&il[rows * cols..], 0, rows);
+        for n in 0..rows {
+            let r = &rec[n * int8_record(cols)..(n + 1) * int8_record(cols)];
+            assert_eq!(scales[n], record_scale(r, cols));
+            for (k, &v) in r[..cols].iter().enumerate() {
+                let at = simpler_kernels_cpu::interleaved_index_i8(rows, cols, n, k);
+                assert_eq!(il[at], v, "({n}, {k})");
+            }
+        }
+        assert_eq!(
+            dequantize_matrix_as_bf16(&il, cols, true),
+            dequantize_matrix_bf16(&rec, cols)
+        );
+        assert_eq!(
+            interleaved_scales(&il[rows * cols..], 16, 2),
+            scales[16..18]
+        );
     }
 
     #[test]

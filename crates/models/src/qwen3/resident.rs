@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use simpler_core::{Buffer, Element, Worker};
-use simpler_kernels_cpu::WeightLayout;
+use simpler_kernels_cpu::{PACK_ROWS, WeightLayout};
 
 use super::config::Qwen3Config;
 use super::layout::{bf16_layout, upload_layout};
@@ -152,6 +152,7 @@ impl ResidentModel {
             }
         };
         let mut buffers = Vec::with_capacity(slot::COUNT);
+        let host_kernels = worker.platform().host_kernels;
         // Projections and per-layer norms: one buffer per tensor kind, sets back to back.
         debug_assert_eq!(shapes.len(), slot::LAYER_TENSORS);
         for (kind, &(_, [_, cols])) in shapes.iter().enumerate() {
@@ -161,7 +162,9 @@ impl ResidentModel {
                 let at = si * bytes_per_set;
                 match &set.tensors()[kind] {
                     Tensor::Bf16(x) if kind < PROJECTIONS && format.is_int8() => {
-                        upload_int8(&buf, at, x, cols, &tick)?
+                        let rows = shapes[kind].1[0];
+                        let il = host_kernels && int8_interleaved(format, rows, cols);
+                        upload_int8(&buf, at, x, cols, il, &tick)?
                     }
                     Tensor::Bf16(x) if kind < PROJECTIONS => {
                         let [r, k] = shapes[kind].1;
@@ -182,7 +185,8 @@ impl ResidentModel {
         match (&weights.lm_head, format) {
             (_, WeightFormat::Int8(_)) => {
                 let b = worker.alloc(head_bytes)?;
-                upload_int8(&b, 0, weights.lm_head(), c.hidden_size, &tick)?;
+                // Records: the head keeps fp32 activations (`quant`).
+                upload_int8(&b, 0, weights.lm_head(), c.hidden_size, false, &tick)?;
                 buffers.push(b);
             }
             (Some(head), WeightFormat::Bf16) => {
@@ -201,7 +205,7 @@ impl ResidentModel {
             set_of_layer,
             max_seq,
             format,
-            host_layouts: worker.platform().host_kernels,
+            host_layouts: host_kernels,
             buffers,
         })
     }
@@ -239,7 +243,8 @@ impl ResidentModel {
                     let [r, k] = shapes[kind].1;
                     let bytes = self.format.matrix_bytes(r, k);
                     let q = buf.read_at::<i8>(set * bytes, bytes)?;
-                    x.copy_from_slice(&quant::dequantize_matrix_bf16(&q, k));
+                    let il = self.host_layouts && int8_interleaved(self.format, r, k);
+                    x.copy_from_slice(&quant::dequantize_matrix_as_bf16(&q, k, il));
                 }
                 super::weights::TensorMut::Bf16(x) if kind < PROJECTIONS => {
                     let [r, k] = shapes[kind].1;
@@ -283,6 +288,26 @@ impl ResidentModel {
             return Ok(rm[(rows.start - g0) * h..(rows.end - g0) * h].to_vec());
         }
         Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
+    }
+
+    /// Rows `rows` of the LM head as the values the model multiplies (`[rows, hidden]` fp32:
+    /// a bf16 head widened; an int8 head's `q · scale`, not rounded to bf16).
+    pub fn download_lm_head_rows_f32(
+        &self,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>, Qwen3RunError> {
+        let h = self.config.hidden_size;
+        if self.format.is_int8() {
+            let rec = quant::int8_record(h);
+            let q =
+                self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
+            return Ok(quant::dequantize_matrix_f32(&q, h));
+        }
+        Ok(self
+            .download_lm_head_rows(rows)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
     }
 
     /// How this model's `[rows, cols]` bf16 matrices are held (`layout`).
@@ -361,15 +386,39 @@ fn upload_bf16_matrix(
     Ok(())
 }
 
-/// Quantises `w` (`[rows, cols]` bf16) into int8 records (`quant`) and copies them into `buf`
-/// at byte `offset`, about 64 MiB of records at a time, reporting progress.
+/// Whether a `[rows, cols]` projection of a model in `format` is held interleaved on a worker
+/// whose kernels run on the host (`quant`, "Interleaved projections").
+fn int8_interleaved(format: WeightFormat, rows: usize, cols: usize) -> bool {
+    let w8a8 = format == WeightFormat::Int8(quant::Int8Acts::Quantised);
+    quant::int8_interleaved(rows, cols, w8a8)
+}
+
+/// Quantises `w` (`[rows, cols]` bf16) into int8 records (`quant`), or interleaved values then
+/// scales (`interleaved`, whole 16-row groups), and copies them into `buf` at byte `offset`,
+/// about 64 MiB at a time, reporting progress.
 fn upload_int8(
     buf: &Buffer,
     offset: usize,
     w: &[bf16],
     cols: usize,
+    interleaved: bool,
     tick: &dyn Fn(usize),
 ) -> Result<(), Qwen3RunError> {
+    if interleaved {
+        let rows = w.len() / cols.max(1);
+        // Chunks of whole groups: each is the interleaved matrix of its own rows (a group's
+        // bytes do not depend on the others), its scales at their rows' place in the tail.
+        let per = ((64usize << 20) / (cols.max(1) * PACK_ROWS)).max(1) * PACK_ROWS;
+        for (i, part) in w.chunks(per * cols.max(1)).enumerate() {
+            let n = part.len() / cols.max(1);
+            let q = quant::quantize_matrix_as(part, n, cols, true);
+            let (values, scales) = q.split_at(n * cols);
+            buf.write_at(offset + i * per * cols, values)?;
+            buf.write_at(offset + rows * cols + i * per * 4, scales)?;
+            tick(q.len());
+        }
+        return Ok(());
+    }
     let rec = quant::int8_record(cols);
     let per = ((64usize << 20) / rec).max(1);
     for (i, rows) in w.chunks(per * cols.max(1)).enumerate() {

@@ -91,11 +91,17 @@ fn par_items<T: Send>(
 
 /// `y[b, o] = sum_i x[b, i] * w[o, i]` with `w` `[n, k]` bf16 (`[out, in]`), x fp32 rows
 /// holding bf16 values. Returns `[rows, n]`.
-fn matmul(x: &[f32], rows: usize, w: &[bf16], n: usize, k: usize) -> Vec<f32> {
+fn matmul<W: Copy + Into<f32> + Sync>(
+    x: &[f32],
+    rows: usize,
+    w: &[W],
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
     // Computed transposed ([n, rows]) so each thread owns whole weight rows.
     let mut yt = vec![0.0f32; n * rows];
     par_items(n, 2 * k * rows, &mut yt, rows, |o, dst| {
-        let wrow: Vec<f32> = w[o * k..(o + 1) * k].iter().map(|v| v.to_f32()).collect();
+        let wrow: Vec<f32> = w[o * k..(o + 1) * k].iter().map(|&v| v.into()).collect();
         for (b, d) in dst.iter_mut().enumerate() {
             *d = dot(&x[b * k..(b + 1) * k], &wrow);
         }
@@ -389,10 +395,10 @@ fn head(weights: &Qwen3Weights, x: &[f32], rows: usize) -> (Vec<f32>, Vec<u32>) 
 /// The final ordinary RMSNorm of `rows` rows of `x` and their fp32 logits over the LM-head
 /// rows `lm_rows` (`[n, hidden]`, a slice of the vocabulary or all of it): `[rows, n]`.
 /// Checks that cannot hold the whole LM head call it slice by slice.
-pub fn head_logits(
+pub fn head_logits<W: Copy + Into<f32> + Sync>(
     c: &Qwen3Config,
     final_norm: &[f32],
-    lm_rows: &[bf16],
+    lm_rows: &[W],
     x: &[f32],
     rows: usize,
 ) -> Vec<f32> {

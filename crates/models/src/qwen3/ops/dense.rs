@@ -20,14 +20,16 @@ use simpler_kernels_cpu::{
 };
 
 use crate::qwen3::layout::bf16_layout;
-use crate::qwen3::quant::{int8_record, record_scale};
+use crate::qwen3::quant::{int8_interleaved, int8_record, interleaved_scales, record_scale};
 
 use super::args::{argmax, gate_up, gemm, lm_head};
 use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
 use super::{bad, check_packed, check_packed_range, dims2, with_scratch_dirty};
 
 /// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
-/// scale), told apart by the bound dtype.
+/// scale), told apart by the bound dtype; int8 W8A8 projections of whole 16-row groups may be
+/// held interleaved instead (`quant::int8_interleaved`: `scales` holds the rows' scale bytes,
+/// `data` their interleaved values).
 #[derive(Clone, Copy)]
 enum Weights<'a> {
     Bf16(WeightsBf16<'a>),
@@ -35,6 +37,7 @@ enum Weights<'a> {
         data: &'a [i8],
         rows: usize,
         k: usize,
+        scales: Option<&'a [i8]>,
     },
 }
 
@@ -62,12 +65,44 @@ impl<'a> Weights<'a> {
                 }
                 Weights::Bf16(w.row_range(first..first + n))
             }
-            Weights::I8 { data, k, .. } => {
+            Weights::I8 {
+                data,
+                k,
+                scales: None,
+                ..
+            } => {
                 let rec = int8_record(k);
                 Weights::I8 {
                     data: &data[first * rec..(first + n) * rec],
                     rows: n,
                     k,
+                    scales: None,
+                }
+            }
+            Weights::I8 {
+                data,
+                rows,
+                k,
+                scales: Some(tail),
+            } => {
+                // Whole groups are contiguous and read alike wherever they start; a share
+                // ends inside a group only at the matrix's end.
+                if !first.is_multiple_of(TILE_ROWS)
+                    || (first + n != rows && !n.is_multiple_of(TILE_ROWS))
+                {
+                    return Err(bad(
+                        name,
+                        format!(
+                            "block share of rows {first}..{} of interleaved int8 weights is not whole groups of {TILE_ROWS}",
+                            first + n
+                        ),
+                    ));
+                }
+                Weights::I8 {
+                    data: &data[first * k..(first + n) * k],
+                    rows: n,
+                    k,
+                    scales: Some(&tail[first * 4..(first + n) * 4]),
                 }
             }
         })
@@ -229,18 +264,29 @@ fn run_gemm(
                 data,
                 rows,
                 k: kdim,
+                scales,
             },
             acts,
         ) => {
-            let rec = int8_record(kdim);
-            // The tile's rows' scales only (the products read no others): each lies at the end
-            // of its row's record, so reading every row's cost a scattered line per row of the
-            // whole matrix in every SPMD block.
-            let mut sw = vec![0.0f32; rows];
-            for r in tile.n.clone() {
-                sw[r] = record_scale(&data[r * rec..], kdim);
-            }
-            let wi = WeightsI8::new(data, &sw, rows, kdim, rec);
+            let sw;
+            let wi = match scales {
+                Some(tail) => {
+                    sw = interleaved_scales(tail, 0, rows);
+                    WeightsI8::interleaved(data, &sw, rows, kdim)
+                }
+                None => {
+                    let rec = int8_record(kdim);
+                    // The tile's rows' scales only (the products read no others): each lies
+                    // at the end of its row's record, so reading every row's cost a
+                    // scattered line per row of the whole matrix in every SPMD block.
+                    let mut s = vec![0.0f32; rows];
+                    for r in tile.n.clone() {
+                        s[r] = record_scale(&data[r * rec..], kdim);
+                    }
+                    sw = s;
+                    WeightsI8::new(data, &sw, rows, kdim, rec)
+                }
+            };
             match acts {
                 Acts::Wide { x, rows: b, k: kx } => {
                     k::gemm_i8_wide(wi, x, *b, *kx, scale, tile, out, ld)
@@ -327,12 +373,15 @@ enum Source {
     Rule(fn(usize, usize) -> WeightLayout),
 }
 
+/// The weights at argument `i`, rows of `kdim`; an int8 matrix in the form its upload chose
+/// for its shape and `w8a8` (`quant::int8_interleaved`).
 fn weights<'a>(
     ctx: &'a TaskCtx<'_>,
     i: usize,
     kdim: usize,
     name: &str,
     source: Source,
+    w8a8: bool,
 ) -> Result<Weights<'a>, KernelError> {
     if ctx.tensor(i)?.dtype() == DType::I8 {
         let w = ctx.read::<i8>(i)?;
@@ -346,10 +395,21 @@ fn weights<'a>(
                 ),
             ));
         }
+        let rows = w.len() / rec;
+        if int8_interleaved(rows, kdim, w8a8) {
+            let (data, tail) = w.split_at(rows * kdim);
+            return Ok(Weights::I8 {
+                data,
+                rows,
+                k: kdim,
+                scales: Some(tail),
+            });
+        }
         return Ok(Weights::I8 {
             data: w,
-            rows: w.len() / rec,
+            rows,
             k: kdim,
+            scales: None,
         });
     }
     let w = ctx.read::<bf16>(i)?;
@@ -400,7 +460,7 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
     const NAME: &str = "gemm_tile_bf16";
     let GemmScalars { k: kdim, add, w8a8 } = GemmScalars::read(ctx)?;
     let x = acts(ctx, gemm::acts, kdim, NAME)?;
-    let w = weights(ctx, gemm::w, kdim, NAME, source)?;
+    let w = weights(ctx, gemm::w, kdim, NAME, source, w8a8)?;
     let scale = optional_scale(ctx, gemm::scale, x.rows(), NAME)?;
     let mut out = ctx.write_block_cols::<f32>(gemm::out, PACK_BLOCK)?;
     if out.len() != x.rows() || out.view_row_len() != w.rows() {
@@ -444,8 +504,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         w8a8,
     } = GateUpScalars::read(ctx)?;
     let x = acts(ctx, gate_up::acts, h, NAME)?;
-    let wg = weights(ctx, gate_up::w_gate, h, NAME, Source::Resident)?;
-    let wu = weights(ctx, gate_up::w_up, h, NAME, Source::Resident)?;
+    let wg = weights(ctx, gate_up::w_gate, h, NAME, Source::Resident, w8a8)?;
+    let wu = weights(ctx, gate_up::w_up, h, NAME, Source::Resident, w8a8)?;
     let rows = x.rows();
     if wu.rows() != wg.rows() {
         return Err(bad(NAME, "gate and up tiles differ in rows"));
@@ -515,7 +575,7 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "lm_head_tile_bf16";
     let LmHeadScalars { hidden: h, w8a8 } = LmHeadScalars::read(ctx)?;
     let x = acts(ctx, lm_head::acts, h, NAME)?;
-    let w = weights(ctx, lm_head::w, h, NAME, Source::Resident)?;
+    let w = weights(ctx, lm_head::w, h, NAME, Source::Resident, w8a8)?;
     let rows = x.rows();
     let mut logits = ctx.write_block_cols::<f32>(lm_head::logits, PACK_BLOCK)?;
     if logits.len() != rows || logits.view_row_len() != w.rows() {
@@ -593,7 +653,9 @@ mod tests {
     use super::super::args::{Arg, GemmArgs};
     use super::super::scalars::{GemmScalars, PushScalars};
     use super::unpack_row;
-    use crate::qwen3::quant::{dequantize_matrix_bf16, int8_record, quantize_matrix};
+    use crate::qwen3::quant::{
+        dequantize_matrix_as_bf16, int8_interleaved, int8_record, quantize_matrix_as,
+    };
 
     /// A block share off a 16-row group of arranged (paired or tiled) weights is refused with
     /// an error naming the kernel and the layout, where slicing would panic; row-major weights
@@ -625,6 +687,45 @@ mod tests {
             w.block_rows(8, 8, "qwen3_gemm").ok().map(|p| p.rows()),
             Some(8)
         );
+    }
+
+    /// Interleaved int8 weights take block shares of whole 16-row groups (the last may end the
+    /// matrix inside one) and refuse any other share by name, where slicing would read
+    /// another row's bytes.
+    #[test]
+    fn a_block_share_off_a_group_of_interleaved_int8_weights_is_an_error() {
+        let (rows, k) = (48usize, 64usize);
+        let w: Vec<bf16> = (0..rows * k)
+            .map(|i| bf16::from_f32((i % 13) as f32 / 13.0 - 0.5))
+            .collect();
+        let q = quantize_matrix_as(&w, rows, k, true);
+        let (data, tail) = q.split_at(rows * k);
+        let whole = super::Weights::I8 {
+            data,
+            rows,
+            k,
+            scales: Some(tail),
+        };
+        for (first, n) in [(8, 16), (16, 8)] {
+            let e = match whole.block_rows(first, n, "qwen3_gemm") {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("a share of rows {first}..{} was accepted", first + n),
+            };
+            assert!(
+                e.contains("qwen3_gemm") && e.contains("whole groups"),
+                "{e}"
+            );
+        }
+        let Ok(super::Weights::I8 {
+            data: d,
+            rows: r,
+            scales: Some(s),
+            ..
+        }) = whole.block_rows(16, 32, "qwen3_gemm")
+        else {
+            panic!("a share of whole groups was refused");
+        };
+        assert_eq!((r, d, s), (32, &data[16 * k..48 * k], &tail[64..192]));
     }
 
     #[test]
@@ -727,8 +828,11 @@ mod tests {
         let weights: Vec<bf16> = (0..n * k)
             .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
             .collect();
-        let records = quantize_matrix(&weights, n, k);
-        let deq = dequantize_matrix_bf16(&records, k);
+        // In the form the kernel reads a W8A8 projection of this shape in here (interleaved
+        // where the int8 path is AVX-512 VNNI or AMX, else records).
+        let il = int8_interleaved(n, k, true);
+        let records = quantize_matrix_as(&weights, n, k, il);
+        let deq = dequantize_matrix_as_bf16(&records, k, il);
         let wbuf = w.buffer_from(&records).unwrap();
         // W8A8 rounds each activation to its row's 127 steps (half a step of 11 / 127 at
         // most); another round's values miss by the size of the sum.
