@@ -329,10 +329,26 @@ impl ResidentModel {
 
     /// Reads embedding rows of `ids` back to the host as fp32 `[ids, hidden]`.
     pub fn download_embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>, Qwen3RunError> {
-        let h = self.config.hidden_size;
+        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+        let layout = self.held_layout(v, h);
         let mut out = Vec::with_capacity(ids.len() * h);
         for &id in ids {
-            let row = self.buffers[slot::EMBEDDING].read_at::<bf16>(id as usize * h * 2, h)?;
+            let id = id as usize;
+            if id >= v {
+                return Err(Qwen3RunError::Invalid(format!(
+                    "token id {id} is past the vocabulary ({v})"
+                )));
+            }
+            let row = if layout == WeightLayout::RowMajor {
+                self.buffers[slot::EMBEDDING].read_at::<bf16>(id * h * 2, h)?
+            } else {
+                // The row's whole 16-row group (contiguous in every layout), back in row order.
+                let g0 = id / 16 * 16;
+                let g1 = (g0 + 16).min(v);
+                let t = self.buffers[slot::EMBEDDING].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
+                let rm = layout.row_major_bf16(&t, g1 - g0, h);
+                rm[(id - g0) * h..(id - g0 + 1) * h].to_vec()
+            };
             out.extend(row.iter().map(|v| v.to_f32()));
         }
         Ok(out)

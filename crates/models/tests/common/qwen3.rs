@@ -71,7 +71,7 @@ pub(crate) fn check_model_step(what: &str, got: &StepOutput, want: &ModelOutput)
 }
 
 /// Uploads a fixture of `c` with ragged `lens` under this process's bf16 layout choice, checks
-/// that layer 0 and LM-head rows 5..40 read back in row order, and runs one decode step
+/// that layer 0, LM-head rows 5..40 and some embedding rows read back in row order, and runs one decode step
 /// against the golden (`what` names the run).
 pub(crate) fn upload_read_back_and_decode(c: &Qwen3Config, lens: &[usize], what: &str) {
     use simpler_core::CallConfig;
@@ -85,6 +85,18 @@ pub(crate) fn upload_read_back_and_decode(c: &Qwen3Config, lens: &[usize], what:
         model.download_lm_head_rows(5..40).unwrap(),
         f.weights.lm_head()[5 * c.hidden_size..40 * c.hidden_size]
     );
+    // Embedding rows as `run`'s check reads its golden's input (rows 3, 20 and 17: inside
+    // two 16-row groups, out of order).
+    let h = c.hidden_size;
+    let want: Vec<f32> = [3usize, 20, 17]
+        .iter()
+        .flat_map(|&r| {
+            f.weights.embedding[r * h..(r + 1) * h]
+                .iter()
+                .map(|v| v.to_f32())
+        })
+        .collect();
+    assert_eq!(model.download_embedding_rows(&[3, 20, 17]).unwrap(), want);
     let kv = KvBuffers::new(&w, c, f.kv.num_pages, f.kv.page_size).unwrap();
     kv.upload(&f.kv).unwrap();
     let mut s = Session::new(&w, Arc::new(model), kv);
