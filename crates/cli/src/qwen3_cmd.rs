@@ -13,6 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use simpler_core::{GraphMode, RunReport, Worker};
 use simpler_cpu::host_memory;
 use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_decode_streamed};
+use simpler_models::qwen3::golden::Acts;
 use simpler_models::qwen3::{
     FixtureOptions, Int8Acts, KvBuffers, LayerWeights, LoadOptions, MemoryEstimate, PagedBatch,
     Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy, UnknownWeightFormat,
@@ -498,12 +499,14 @@ impl DecodeCase {
         Ok(())
     }
 
-    /// The streamed golden of this case's first step (fp32 input `x`) through `layers`, with
-    /// the head read back from `model` when `with_head`.
+    /// The streamed golden of this case's first step (fp32 input `x`) through `layers`
+    /// (their projections multiplying `acts`), with the head read back from `model` when
+    /// `with_head`.
     pub(crate) fn golden(
         &self,
         c: &Qwen3Config,
         layers: &[std::sync::Arc<LayerWeights>],
+        acts: Acts,
         model: &ResidentModel,
         x: &[f32],
         with_head: bool,
@@ -526,6 +529,7 @@ impl DecodeCase {
             pools: &mut pools,
             num_pages: self.batch.num_pages(),
             page_size: self.batch.page_size,
+            acts,
         };
         let final_norm = model.final_norm()?;
         let mut failure = None;

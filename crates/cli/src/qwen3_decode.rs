@@ -473,7 +473,14 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         } else {
             &weights.layers
         };
-        let mut want = case.golden(&weights.config, layers, &model, &x0, with_head)?;
+        use simpler_models::qwen3::golden::Acts;
+        use simpler_models::qwen3::{Int8Acts, WeightFormat};
+        let acts = if args.model.weights == WeightFormat::Int8(Int8Acts::Quantised) {
+            Acts::PerRowInt8
+        } else {
+            Acts::Float
+        };
+        let mut want = case.golden(&weights.config, layers, acts, &model, &x0, with_head)?;
         if args.variant == Variant::Layers {
             // The layers chunk rounds its output to bf16 once, at the end.
             want.hidden

@@ -202,6 +202,36 @@ fn attend_one(q: &[f32], keys: &[&[bf16]], values: &[&[bf16]], scale: f32) -> Ve
     o
 }
 
+/// What the projections multiply their weights by: the activations as they are, or (an int8
+/// W8A8 model, `qwen3::quant`) each row quantised symmetrically to 127 steps of its largest
+/// magnitude, ties away from zero, and taken back to fp32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acts {
+    /// fp32 (bf16-rounded where the step rounds them).
+    Float,
+    /// Per-row int8, as a W8A8 model computes.
+    PerRowInt8,
+}
+
+impl Acts {
+    /// `x` (rows of `width`) as the projections see them.
+    fn apply(self, mut x: Vec<f32>, width: usize) -> Vec<f32> {
+        if self == Acts::PerRowInt8 {
+            for row in x.chunks_exact_mut(width.max(1)) {
+                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                if amax == 0.0 {
+                    continue;
+                }
+                let step = amax / 127.0;
+                for v in row.iter_mut() {
+                    *v = (*v / step).round().clamp(-127.0, 127.0) * step;
+                }
+            }
+        }
+        x
+    }
+}
+
 /// How a step normalises: decode defers `1/rms` past the projections, prefill does not.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum NormMode {
@@ -230,12 +260,14 @@ fn layer_step(
     x: &[f32],
     tokens: &[TokenPos],
     mode: NormMode,
+    acts: Acts,
 ) -> (Vec<f32>, LayerKvWrite) {
     let (h, t_n, d) = (c.hidden_size, tokens.len(), c.head_dim);
     let (qw, kvw, inter) = (c.q_width(), c.kv_width(), c.intermediate_size);
     let eps = c.rms_norm_eps as f32;
     // Input norm: n = bf16(x*g) with r deferred, or bf16(x*r*g).
     let (n, r) = norm_rows(x, h, &w.input_norm, eps, mode);
+    let n = acts.apply(n, h);
     let scale_rows = |y: &mut [f32], width: usize, s: &[f32]| {
         for (row, &sv) in y.chunks_exact_mut(width).zip(s) {
             row.iter_mut().for_each(|v| *v *= sv);
@@ -304,10 +336,12 @@ fn layer_step(
         },
     );
     // h1 = x + a @ Wo.
+    let a = acts.apply(a, qw);
     let ao = matmul(&a, t_n, &w.wo, h, qw);
     let h1: Vec<f32> = x.iter().zip(&ao).map(|(a, b)| a + b).collect();
     // Post-attention norm, SwiGLU, down projection.
     let (m, r2) = norm_rows(&h1, h, &w.post_norm, eps, mode);
+    let m = acts.apply(m, h);
     let mut gt = matmul(&m, t_n, &w.w_gate, inter, h);
     let mut up = matmul(&m, t_n, &w.w_up, inter, h);
     scale_rows(&mut gt, inter, &r2);
@@ -317,6 +351,7 @@ fn layer_step(
         .zip(&up)
         .map(|(&g, &u)| rb(g * (1.0 / (1.0 + (-g).exp())) * u))
         .collect();
+    let act = acts.apply(act, inter);
     let down = matmul(&act, t_n, &w.w_down, h, inter);
     let out = h1.iter().zip(&down).map(|(a, b)| a + b).collect();
     (
@@ -359,6 +394,7 @@ pub fn decode_layers(
             &hidden,
             &tokens,
             NormMode::Deferred,
+            Acts::Float,
         );
         hidden = next;
         kv_writes.push(wr);
@@ -417,10 +453,12 @@ pub fn head_logits<W: Copy + Into<f32> + Sync>(
 
 /// One decode layer with weights `w` on a one-layer cache `kv` (that layer's pool): the new
 /// token of sequence `b` at position `seq_lens[b] - 1`. Checks that hold one pool at a time
-/// (layers whose caches do not fit the host together) call it layer by layer.
+/// (layers whose caches do not fit the host together) call it layer by layer. `acts` says
+/// what the projections multiply (an int8 W8A8 model's per-row int8 activations, or fp32).
 ///
 /// # Panics
 /// If `kv` holds more than one layer.
+#[allow(clippy::too_many_arguments)]
 pub fn decode_layer(
     c: &Qwen3Config,
     w: &LayerWeights,
@@ -428,6 +466,7 @@ pub fn decode_layer(
     batch: &PagedBatch,
     rope: &RopeTables,
     x: &[f32],
+    acts: Acts,
 ) -> (Vec<f32>, LayerKvWrite) {
     assert_eq!(kv.layers, 1, "decode_layer takes a one-layer cache");
     let tokens: Vec<TokenPos> = batch
@@ -436,7 +475,18 @@ pub fn decode_layer(
         .enumerate()
         .map(|(seq, &len)| TokenPos { seq, pos: len - 1 })
         .collect();
-    layer_step(c, w, 0, kv, batch, rope, x, &tokens, NormMode::Deferred)
+    layer_step(
+        c,
+        w,
+        0,
+        kv,
+        batch,
+        rope,
+        x,
+        &tokens,
+        NormMode::Deferred,
+        acts,
+    )
 }
 
 /// Argmax with ties to the lowest index (NaNs never win).
@@ -535,6 +585,7 @@ pub fn prefill_model(
             &x,
             &tokens,
             NormMode::Ordinary,
+            Acts::Float,
         );
         x = next;
         kv_writes.push(wr);
