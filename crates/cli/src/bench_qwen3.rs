@@ -69,7 +69,9 @@ pub(crate) struct DecodeBenchArgs {
     versus: Option<String>,
     /// Also compare this run's kernel path with another instruction-set path (`portable`,
     /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
-    /// steps A B B A .. and the ratio B/A of the medians with its 95% interval.
+    /// steps A B B A .. and the ratio B/A of the medians with its 95% interval. The weights
+    /// stay as this machine's path holds them: a layout the other path cannot read (tiled bf16,
+    /// interleaved int8) goes through its portable loops, so B is not that path's own speed.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
     /// Also compare this run's decode attention path with another (`portable`, `avx2`,

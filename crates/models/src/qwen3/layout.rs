@@ -20,8 +20,10 @@
 //! The default ([`Bf16LayoutChoice::Streaming`]) is paired weights on the AVX2 path, where
 //! they measured faster at every decode batch and level or faster at prefill, and row-major
 //! elsewhere. Tiling stays opt-in (the CLI's `--bf16-layout tiled`): on AMX hosts tiled
-//! weights stream faster at batch 4 and 16 and are level at batch 1, but a 512-token prefill
-//! measured slower end to end while its GEMM kernels were not (`docs/qwen3.md`).
+//! weights made the 16 × 1024 decode step 6.5% faster, but the 1 × 256 step 8.7% and the
+//! 4 × 1024 step 3.9% slower (the AVX2 four-stream passes over row-major weights outrun the
+//! tiled passes at 1–2 rows), and a 512-token prefill measured slower end to end while its
+//! GEMM kernels were not (`docs/benchmarks.md`, session 29; `docs/qwen3.md`).
 //!
 //! Contract: a Qwen3 kernel derives a bf16 weight tensor's layout from its `[rows, cols]` as
 //! bound, so a task binds a whole matrix (as the orchestration does: one SPMD task per
