@@ -311,3 +311,187 @@ unsafe fn segment(
         }
     }
 }
+
+/// Tile configuration of [`gemm_interleaved`]: tmm0/tmm1 accumulators `[bb batch rows, 16
+/// i32]`, tmm4/tmm5 weights `[16 quads, 64 B]` (a whole group's 16 quads of `k`), tmm6
+/// activations `[bb batch rows, 64 B]`.
+fn interleaved_config(bb: usize) -> TileConfig {
+    let mut c = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    for (t, rows) in [(0, bb), (1, bb), (4, TILE_ROWS), (5, TILE_ROWS), (6, bb)] {
+        c.colsb[t] = KSTEP as u16;
+        c.rows[t] = rows as u8;
+    }
+    c
+}
+
+/// The W8A8 tile over interleaved weights ([`super::I8Layout::Interleaved`]) on AMX-INT8: the
+/// product is computed as it reads, `C[b, n] = sum_k X[b, k] W[n, k]`, with the activation
+/// rows as the A operand where they lie (64 bytes of `k` of up to 16 batch rows at their row
+/// stride) and the weights as the B operand, which is what the interleaved layout is: 64
+/// bytes of `k` of a whole 16-row group are 16 consecutive lines, line `j` holding the quad
+/// `4j..4j + 4` of each of the group's rows — one contiguous 1 KiB block, loaded as it lies
+/// from any quad-aligned `k` (nothing is repacked). Two groups (32 rows) share each
+/// activation tile. Rows outside whole groups go to the lane-wise AVX-512 VNNI kernel, and
+/// the `k` values after the last whole 64 of a segment to a scalar loop.
+///
+/// # Safety
+/// AMX-TILE/AMX-INT8 and AVX-512 F/BW/VNNI available, tile state granted by Linux; `segs`
+/// (at least one) checked by `gemm_i8_w8a8` over interleaved weights, every segment starting
+/// on a whole quad.
+pub(super) unsafe fn gemm_interleaved(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
+    let lw = &segs[0];
+    let mut groups_start = lw.n.start;
+    while groups_start < lw.n.end && !lw.wa.whole_group_at(groups_start) {
+        groups_start += 1;
+    }
+    let mut groups_end = groups_start;
+    while groups_end + TILE_ROWS <= lw.n.end && lw.wa.whole_group_at(groups_end) {
+        groups_end += TILE_ROWS;
+    }
+    if !segs.iter().any(|s| s.k.len() >= KSTEP) {
+        groups_end = groups_start;
+    }
+    if groups_end > groups_start {
+        let mut b0 = 0;
+        while b0 < lw.batch {
+            let bb = (lw.batch - b0).min(BATCH);
+            // SAFETY: forwarded contract; rows `groups_start..groups_end` are whole groups of
+            // the view, batch rows `b0..b0 + bb` inside the batch.
+            unsafe { interleaved_tiles(segs, b0, bb, groups_start..groups_end, out, ld_out) };
+            b0 += bb;
+        }
+    }
+    for rows in [lw.n.start..groups_start, groups_end..lw.n.end] {
+        if rows.is_empty() {
+            continue;
+        }
+        let sub: Vec<Lowered<'_>> = segs
+            .iter()
+            .map(|s| Lowered {
+                n: rows.clone(),
+                next: s.next.filter(|_| rows.end == lw.n.end),
+                ..s.clone()
+            })
+            .collect();
+        // SAFETY: the same checked tile restricted to some of its rows, writing the same
+        // output elements; AVX-512 VNNI available; the segments still start on whole quads.
+        unsafe { avx512::gemm_lanes(&sub, &mut out[rows.start - lw.n.start..], ld_out) };
+    }
+}
+
+/// Whole groups `groups` against batch rows `b0..b0 + bb`, each pair of groups (or a last
+/// single one) through every segment in order.
+///
+/// # Safety
+/// As [`gemm_interleaved`]; `groups` whole interleaved groups of the view, `bb <= 16`.
+unsafe fn interleaved_tiles(
+    segs: &[Lowered<'_>],
+    b0: usize,
+    bb: usize,
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    let cfg = interleaved_config(bb);
+    // Rows: batch rows of the first group (0..16), then of the second (16..32).
+    let mut c = [[0i32; TILE_ROWS]; 2 * BATCH];
+    // SAFETY: `cfg` is a valid palette-1 configuration (rows <= 16, colsb 64) and the tile
+    // state is granted (caller's contract).
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &raw const cfg, options(nostack, readonly)) };
+    let mut n0 = groups.start;
+    while n0 < groups.end {
+        let pair = groups.end - n0 >= 2 * TILE_ROWS;
+        for lw in segs {
+            let chunks = lw.k.len() / KSTEP;
+            let tail = lw.k.start + chunks * KSTEP..lw.k.end;
+            let wa0 = lw.w_ptr(n0, lw.k.start);
+            let wb0 = if pair {
+                lw.w_ptr(n0 + TILE_ROWS, lw.k.start)
+            } else {
+                wa0
+            };
+            let a0 = lw.a[b0 * lw.lda + lw.k.start..].as_ptr();
+            // SAFETY: zeroing tile registers touches no memory.
+            unsafe { asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem)) };
+            for ch in 0..chunks {
+                // 64 bytes of `k` are 16 quads: 16 consecutive lines of the group.
+                let wa = wa0.wrapping_add(ch * TILE_ROWS * KSTEP);
+                let wb = wb0.wrapping_add(ch * TILE_ROWS * KSTEP);
+                let a = a0.wrapping_add(ch * KSTEP);
+                // The groups' blocks four chunks on (4 KiB ahead in each group's stream),
+                // one line of each per step.
+                for g in [wa, wb] {
+                    prefetch_l2(g.wrapping_add(4 * TILE_ROWS * KSTEP));
+                }
+                if pair {
+                    // SAFETY: tmm6 reads `bb` rows of 64 bytes at the activations' row stride
+                    // from batch row `b0`, `k` in this segment's body; tmm4/tmm5 read 16
+                    // lines (1 KiB) of the whole groups n0.. and n0 + 16.. from the quad of
+                    // `k.start + 64 ch`, inside the weights (the caller checked the rows and
+                    // the segment lies in the tile).
+                    unsafe {
+                        asm!(
+                            "tileloadd tmm6, [{a} + {lda}*1]",
+                            "tileloadd tmm4, [{wa} + {ws}*1]",
+                            "tdpbssd tmm0, tmm6, tmm4",
+                            "tileloadd tmm5, [{wb} + {ws}*1]",
+                            "tdpbssd tmm1, tmm6, tmm5",
+                            a = in(reg) a,
+                            lda = in(reg) lw.lda,
+                            wa = in(reg) wa,
+                            wb = in(reg) wb,
+                            ws = in(reg) KSTEP,
+                            options(nostack, readonly),
+                        )
+                    };
+                } else {
+                    // SAFETY: as above, with the group n0.. only.
+                    unsafe {
+                        asm!(
+                            "tileloadd tmm6, [{a} + {lda}*1]",
+                            "tileloadd tmm4, [{wa} + {ws}*1]",
+                            "tdpbssd tmm0, tmm6, tmm4",
+                            a = in(reg) a,
+                            lda = in(reg) lw.lda,
+                            wa = in(reg) wa,
+                            ws = in(reg) KSTEP,
+                            options(nostack, readonly),
+                        )
+                    };
+                }
+            }
+            let cp = c.as_mut_ptr();
+            // SAFETY: tmm0/tmm1 hold `bb` rows of 64 bytes; `c` has 16 rows of 64 bytes per
+            // tile (rows 0..16 and 16..32).
+            unsafe {
+                asm!(
+                    "tilestored [{c0} + {cs}*1], tmm0",
+                    "tilestored [{c1} + {cs}*1], tmm1",
+                    c0 = in(reg) cp,
+                    c1 = in(reg) cp.wrapping_add(BATCH),
+                    cs = in(reg) TILE_ROWS * 4,
+                    options(nostack),
+                )
+            };
+            let groups_here = if pair { 2 } else { 1 };
+            for g in 0..groups_here {
+                for b in 0..bb {
+                    for (r, &v) in c[g * BATCH + b].iter().enumerate() {
+                        let n = n0 + g * TILE_ROWS + r;
+                        let s = v + lw.dot(n, b0 + b, tail.clone());
+                        lw.finish(out, ld_out, n, b0 + b, s);
+                    }
+                }
+            }
+        }
+        n0 += if pair { 2 * TILE_ROWS } else { TILE_ROWS };
+    }
+    // SAFETY: releasing the tile state touches no memory; later calls configure again.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
