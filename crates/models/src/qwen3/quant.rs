@@ -20,7 +20,8 @@
 //! an SPMD share on whole groups (shares are cut in units of 16 rows). On the Qwen3-0.6B
 //! shapes from memory, one thread, the lane-wise kernel over interleaved weights streamed
 //! 1.07×, 1.16×, 1.18× and 1.33× the row-major kernel's bytes per second at 1, 2, 4 and 16
-//! activation rows (`docs/benchmarks.md`, session 30). Wide activations (`int8-wide`, and the
+//! activation rows, and from 9 rows on AMX the interleaved groups are the tile unit's B
+//! operand as they lie (`docs/benchmarks.md`, session 30). Wide activations (`int8-wide`, and the
 //! LM head, which keeps fp32 activations) need row-major records, and elsewhere the
 //! interleaved order goes through the portable loops, so those stay records.
 
