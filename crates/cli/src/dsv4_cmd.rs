@@ -884,17 +884,38 @@ fn replay_of(r: Option<Replay>) -> Replay {
 /// orchestrated (B); the effective times compared and the orchestration spans of each,
 /// formatted. Replay stays on afterwards.
 fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) -> Result<String> {
+    let (pairs, orch) = interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a))?;
+    s.step.set_replay(true);
+    let c = compare(&pairs.a, &pairs.b);
+    let [a, b] = orch.map(|v| Summary::of(&v).median);
+    Ok(format!(
+        "{}\n    orchestration span (median over every step): replay {a:.0} us (the submission loop), orchestrated {b:.0} us",
+        format_compare("effective_us", "replayed", "orchestrated", &c)
+    ))
+}
+
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`), each after the
+/// cache flush, `set(step, true)` before every A step and `set(step, false)` before every B:
+/// the effective times, and every step's orchestration span (A's, then B's), us. The first
+/// failed step's error fails the comparison.
+fn interleaved_steps(
+    s: &mut Setup,
+    cfg: &CallConfig,
+    rounds: usize,
+    warmup: usize,
+    set: impl Fn(&mut dyn LayerStep, bool),
+) -> Result<(simpler_dfx::bench_stats::Interleaved, [Vec<f64>; 2])> {
     let failure = RefCell::new(None);
     let orch: RefCell<[Vec<f64>; 2]> = RefCell::default();
     let setup = RefCell::new(&mut *s);
-    let step_us = |replay: bool| {
+    let step_us = |a: bool| {
         let mut s = setup.borrow_mut();
-        s.step.set_replay(replay);
+        set(&mut *s.step, a);
         s.flush_cache();
         let Setup { worker, step, .. } = &mut **s;
         match step.step(worker, cfg) {
             Ok(r) => {
-                orch.borrow_mut()[usize::from(!replay)].push(r.orch.us());
+                orch.borrow_mut()[usize::from(!a)].push(r.orch.us());
                 r.effective().us()
             }
             Err(e) => {
@@ -904,16 +925,10 @@ fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) 
         }
     };
     let pairs = run_interleaved(rounds, warmup, || step_us(true), || step_us(false));
-    s.step.set_replay(true);
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }
-    let c = compare(&pairs.a, &pairs.b);
-    let [a, b] = orch.into_inner().map(|v| Summary::of(&v).median);
-    Ok(format!(
-        "{}\n    orchestration span (median over every step): replay {a:.0} us (the submission loop), orchestrated {b:.0} us",
-        format_compare("effective_us", "replayed", "orchestrated", &c)
-    ))
+    Ok((pairs, orch.into_inner()))
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's
@@ -929,26 +944,11 @@ fn versus_proj_blocks(
     let Some(a) = s.step.proj_blocks() else {
         bail!("--versus-proj-blocks: this layer has no projection tiling to change");
     };
-    let failure = RefCell::new(None);
-    let setup = RefCell::new(&mut *s);
-    let step_us = |n: u32| {
-        let mut s = setup.borrow_mut();
-        s.step.set_proj_blocks(n);
-        s.flush_cache();
-        let Setup { worker, step, .. } = &mut **s;
-        match step.step(worker, cfg) {
-            Ok(r) => r.effective().us(),
-            Err(e) => {
-                failure.borrow_mut().get_or_insert(e);
-                f64::NAN
-            }
-        }
-    };
-    let pairs = run_interleaved(rounds, warmup, || step_us(a), || step_us(blocks));
+    let result = interleaved_steps(s, cfg, rounds, warmup, |step, first| {
+        step.set_proj_blocks(if first { a } else { blocks })
+    });
     s.step.set_proj_blocks(a);
-    if let Some(e) = failure.into_inner() {
-        return Err(e);
-    }
+    let (pairs, _) = result?;
     let c = compare(&pairs.a, &pairs.b);
     Ok(format_compare(
         "effective_us",

@@ -57,4 +57,4 @@ pub use pool::RunHandle;
 pub use report::{Interval, OutsideShare, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
 pub use task::{ArgTag, EngineClass, OutputSpec, ScopeKind, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
-pub use worker::{Worker, WorkerConfig};
+pub use worker::{GraphCache, Worker, WorkerConfig};

@@ -394,6 +394,61 @@ impl Worker {
     }
 }
 
+/// The graph a caller that runs the same step again and again keeps between steps: a run
+/// replays it while the step's [`GraphShape`], its buffers and the call's ring sizes and
+/// `dep_gen` match the capture, and otherwise runs the orchestration, captured, in its place
+/// (the old graph dropped first, so its buffers are not held past their last use). Qwen3's
+/// decode steps and DeepSeek-V4's attention steps use it.
+#[derive(Debug, Default)]
+pub struct GraphCache {
+    kept: Option<(CapturedGraph, (crate::config::RuntimeEnv, bool))>,
+}
+
+impl GraphCache {
+    /// Runs one step: replayed when the kept graph matches (see the type), else orchestrated
+    /// by `f` and captured under `shape`.
+    ///
+    /// # Errors
+    /// The run's or the capture's errors; a replay the worker refuses (another worker's
+    /// graph, say) is returned, not retried.
+    pub fn run(
+        &mut self,
+        worker: &Worker,
+        name: &str,
+        args: RunArgs,
+        cfg: &CallConfig,
+        shape: GraphShape,
+        f: impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static,
+    ) -> Result<RunReport, Error> {
+        let env = (cfg.runtime_env, cfg.dep_gen);
+        if let Some((graph, kept_env)) = &self.kept {
+            let same_buffers = graph.buffers().len() >= args.buffers.len()
+                && graph
+                    .buffers()
+                    .iter()
+                    .zip(&args.buffers)
+                    .all(|(a, b)| a.id() == b.id());
+            if graph.shape() == &shape && *kept_env == env && same_buffers {
+                return worker.replay(graph, args, cfg, &shape);
+            }
+        }
+        self.kept = None;
+        let (report, graph) = worker.capture_fn(name, args, cfg, shape, f)?;
+        self.kept = Some((graph, env));
+        Ok(report)
+    }
+
+    /// The graph the next step of the same shape would replay, if any.
+    pub fn graph(&self) -> Option<&CapturedGraph> {
+        self.kept.as_ref().map(|(g, _)| g)
+    }
+
+    /// Drops the kept graph (and its hold on the buffers it bound).
+    pub fn clear(&mut self) {
+        self.kept = None;
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         self.inner.shutdown();

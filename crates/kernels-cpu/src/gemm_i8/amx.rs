@@ -77,27 +77,9 @@ impl TileConfig {
 /// (`request_tile_permission`); `segs` checked by `gemm_i8_w8a8`.
 pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let lw = &segs[0];
-    let any_chunks = segs.iter().any(|s| s.k.len() >= KSTEP);
-    // Rows in whole tiles of 16: from the tile's first row when row-major; the whole groups
-    // inside the tile when packed (the rows before and after go to AVX-512 VNNI).
-    let (groups_start, groups_end) = if lw.wa.packed.is_some() {
-        let mut a = lw.n.start;
-        while a < lw.n.end && !lw.wa.whole_group_at(a) {
-            a += 1;
-        }
-        let mut e = a;
-        while e + TILE_ROWS <= lw.n.end && lw.wa.whole_group_at(e) {
-            e += TILE_ROWS;
-        }
-        (a, e)
-    } else {
-        (lw.n.start, lw.n.start + lw.n.len() / TILE_ROWS * TILE_ROWS)
-    };
-    let (groups_start, groups_end) = if any_chunks && groups_end > groups_start {
-        (groups_start, groups_end)
-    } else {
-        (lw.n.start, lw.n.start)
-    };
+    // Rows in whole tiles of 16 (the rows before and after go to AVX-512 VNNI).
+    let groups = whole_groups(segs);
+    let (groups_start, groups_end) = (groups.start, groups.end);
     if groups_end > groups_start {
         PACK.with(|p| {
             let mut pack = p.borrow_mut();
@@ -113,8 +95,44 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             }
         });
     }
-    // Rows outside the whole groups of 16 (every row when `k` has no whole step).
-    for rows in [lw.n.start..groups_start, groups_end..lw.n.end] {
+    // SAFETY: forwarded contract (AVX-512 VNNI available).
+    unsafe { outside_groups(segs, groups, out, ld_out, avx512::gemm) };
+}
+
+/// The rows of the tile in whole groups of 16 (row-major: from its first row; packed or
+/// interleaved: its whole groups), empty when no segment has a whole 64-byte step.
+fn whole_groups(segs: &[Lowered<'_>]) -> std::ops::Range<usize> {
+    let lw = &segs[0];
+    let mut a = lw.n.start;
+    while a < lw.n.end && !lw.wa.whole_group_at(a) {
+        a += 1;
+    }
+    let mut e = a;
+    while e + TILE_ROWS <= lw.n.end && lw.wa.whole_group_at(e) {
+        e += TILE_ROWS;
+    }
+    if segs.iter().any(|s| s.k.len() >= KSTEP) {
+        a..e
+    } else {
+        lw.n.start..lw.n.start
+    }
+}
+
+/// Runs `kernel` on the tile's rows before and after `groups` (every row when `groups` is
+/// empty), each run the same segments restricted to those rows.
+///
+/// # Safety
+/// `kernel`'s contract holds for `segs` and for any of its rows (the same checked tile
+/// restricted to some rows, writing the same output elements).
+unsafe fn outside_groups(
+    segs: &[Lowered<'_>],
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+    ld_out: usize,
+    kernel: unsafe fn(&[Lowered<'_>], &mut [f32], usize),
+) {
+    let lw = &segs[0];
+    for rows in [lw.n.start..groups.start, groups.end..lw.n.end] {
         if rows.is_empty() {
             continue;
         }
@@ -128,9 +146,9 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
             })
             .collect();
         // SAFETY: the same checked tile restricted to some of its rows, writing the same
-        // output elements (the output slice starts at those rows' column); AVX-512 VNNI
-        // available.
-        unsafe { avx512::gemm(&sub, &mut out[rows.start - lw.n.start..], ld_out) };
+        // output elements (the output slice starts at those rows' column): the caller's
+        // contract.
+        unsafe { kernel(&sub, &mut out[rows.start - lw.n.start..], ld_out) };
     }
 }
 
@@ -346,17 +364,8 @@ fn interleaved_config(bb: usize) -> TileConfig {
 /// on a whole quad.
 pub(super) unsafe fn gemm_interleaved(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
     let lw = &segs[0];
-    let mut groups_start = lw.n.start;
-    while groups_start < lw.n.end && !lw.wa.whole_group_at(groups_start) {
-        groups_start += 1;
-    }
-    let mut groups_end = groups_start;
-    while groups_end + TILE_ROWS <= lw.n.end && lw.wa.whole_group_at(groups_end) {
-        groups_end += TILE_ROWS;
-    }
-    if !segs.iter().any(|s| s.k.len() >= KSTEP) {
-        groups_end = groups_start;
-    }
+    let groups = whole_groups(segs);
+    let (groups_start, groups_end) = (groups.start, groups.end);
     if groups_end > groups_start {
         let mut b0 = 0;
         while b0 < lw.batch {
@@ -367,22 +376,8 @@ pub(super) unsafe fn gemm_interleaved(segs: &[Lowered<'_>], out: &mut [f32], ld_
             b0 += bb;
         }
     }
-    for rows in [lw.n.start..groups_start, groups_end..lw.n.end] {
-        if rows.is_empty() {
-            continue;
-        }
-        let sub: Vec<Lowered<'_>> = segs
-            .iter()
-            .map(|s| Lowered {
-                n: rows.clone(),
-                next: s.next.filter(|_| rows.end == lw.n.end),
-                ..s.clone()
-            })
-            .collect();
-        // SAFETY: the same checked tile restricted to some of its rows, writing the same
-        // output elements; AVX-512 VNNI available; the segments still start on whole quads.
-        unsafe { avx512::gemm_lanes(&sub, &mut out[rows.start - lw.n.start..], ld_out) };
-    }
+    // SAFETY: forwarded contract (AVX-512 VNNI available; the segments start on whole quads).
+    unsafe { outside_groups(segs, groups, out, ld_out, avx512::gemm_lanes) };
 }
 
 /// Whole groups `groups` against batch rows `b0..b0 + bb`, each pair of groups (or a last

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use simpler_core::{
-    Buffer, CallConfig, CapturedGraph, Element, GraphShape, RunArgs, RunReport, RuntimeEnv, Worker,
+    Buffer, CallConfig, CapturedGraph, Element, GraphCache, GraphShape, RunArgs, RunReport, Worker,
 };
 use simpler_kernels_cpu::dsv4::{RopeTable, YarnRamp, rope_inv_freq_plain, rope_inv_freq_yarn};
 
@@ -169,15 +169,7 @@ pub struct AttnLayer {
     /// orchestrated. The step's `RunReport::graph` says which ran.
     pub replay: bool,
     io: Option<StepIo>,
-    graph: Option<StepGraph>,
-}
-
-/// A captured step graph and the call environment it was captured under.
-#[derive(Debug)]
-struct StepGraph {
-    graph: CapturedGraph,
-    /// The ring sizes and `dep_gen` of the capture (a replay must match them).
-    env: (RuntimeEnv, bool),
+    graph: GraphCache,
 }
 
 /// What the host writes for a step: per token `(sequence, position, window slot)`, and the
@@ -369,7 +361,7 @@ impl AttnLayer {
             tiles: AttnTiles::for_cores(worker.cores(), tokens, cfg.n_heads),
             replay: true,
             io: None,
-            graph: None,
+            graph: GraphCache::default(),
         })
     }
 
@@ -573,31 +565,16 @@ impl AttnLayer {
             })?);
         }
         let shape = step_shape(&plan);
-        let env = (cfg.runtime_env, cfg.dep_gen);
-        if let Some(g) = &self.graph {
-            let same_buffers = g.graph.buffers().len() >= args.buffers.len()
-                && g.graph
-                    .buffers()
-                    .iter()
-                    .zip(&args.buffers)
-                    .all(|(a, b)| a.id() == b.id());
-            if g.graph.shape() == &shape && g.env == env && same_buffers {
-                return Ok(worker.replay(&g.graph, args, cfg, &shape)?);
-            }
-        }
-        // A new shape or environment: capture anew, dropping the old graph first so its
-        // buffers are not held past their last use.
-        self.graph = None;
-        let (report, graph) = worker.capture_fn(name, args, cfg, shape, move |o, a| {
-            orchestrate::attn_step(o, a, &plan)
-        })?;
-        self.graph = Some(StepGraph { graph, env });
-        Ok(report)
+        Ok(self
+            .graph
+            .run(worker, name, args, cfg, shape, move |o, a| {
+                orchestrate::attn_step(o, a, &plan)
+            })?)
     }
 
     /// The captured step graph the next step would replay, if any.
     pub fn step_graph(&self) -> Option<&CapturedGraph> {
-        self.graph.as_ref().map(|g| &g.graph)
+        self.graph.graph()
     }
 
     /// Reads the caches back from the worker.

@@ -277,17 +277,28 @@ impl ResidentModel {
                 self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
             return Ok(quant::dequantize_matrix_bf16(&q, h));
         }
-        let layout = self.held_layout(self.config.vocab_size, h);
+        self.vocab_rows(slot::LM_HEAD, rows)
+    }
+
+    /// Rows `rows` of a `[vocab, hidden]` bf16 table (the embedding or a bf16 LM head) in row
+    /// order, whatever layout it is held in.
+    fn vocab_rows(
+        &self,
+        slot: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<bf16>, Qwen3RunError> {
+        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+        let layout = self.held_layout(v, h);
         if layout != WeightLayout::RowMajor {
             // Whole 16-row groups around the rows (contiguous in every layout), back in row
             // order.
             let (g0, g1) = (rows.start / 16 * 16, rows.end.next_multiple_of(16));
-            let g1 = g1.min(self.config.vocab_size).max(g0);
-            let t = self.buffers[slot::LM_HEAD].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
+            let g1 = g1.min(v).max(g0);
+            let t = self.buffers[slot].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
             let rm = layout.row_major_bf16(&t, g1 - g0, h);
             return Ok(rm[(rows.start - g0) * h..(rows.end - g0) * h].to_vec());
         }
-        Ok(self.buffers[slot::LM_HEAD].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
+        Ok(self.buffers[slot].read_at::<bf16>(rows.start * h * 2, rows.len() * h)?)
     }
 
     /// Rows `rows` of the LM head as the values the model multiplies (`[rows, hidden]` fp32:
@@ -329,9 +340,8 @@ impl ResidentModel {
 
     /// Reads embedding rows of `ids` back to the host as fp32 `[ids, hidden]`.
     pub fn download_embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>, Qwen3RunError> {
-        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
-        let layout = self.held_layout(v, h);
-        let mut out = Vec::with_capacity(ids.len() * h);
+        let v = self.config.vocab_size;
+        let mut out = Vec::with_capacity(ids.len() * self.config.hidden_size);
         for &id in ids {
             let id = id as usize;
             if id >= v {
@@ -339,17 +349,11 @@ impl ResidentModel {
                     "token id {id} is past the vocabulary ({v})"
                 )));
             }
-            let row = if layout == WeightLayout::RowMajor {
-                self.buffers[slot::EMBEDDING].read_at::<bf16>(id * h * 2, h)?
-            } else {
-                // The row's whole 16-row group (contiguous in every layout), back in row order.
-                let g0 = id / 16 * 16;
-                let g1 = (g0 + 16).min(v);
-                let t = self.buffers[slot::EMBEDDING].read_at::<bf16>(g0 * h * 2, (g1 - g0) * h)?;
-                let rm = layout.row_major_bf16(&t, g1 - g0, h);
-                rm[(id - g0) * h..(id - g0 + 1) * h].to_vec()
-            };
-            out.extend(row.iter().map(|v| v.to_f32()));
+            out.extend(
+                self.vocab_rows(slot::EMBEDDING, id..id + 1)?
+                    .iter()
+                    .map(|x| x.to_f32()),
+            );
         }
         Ok(out)
     }

@@ -7,7 +7,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
-use simpler_core::{Buffer, CallConfig, CapturedGraph, GraphShape, RunArgs, RunReport, Worker};
+use simpler_core::{
+    Buffer, CallConfig, CapturedGraph, GraphCache, GraphShape, RunArgs, RunReport, Worker,
+};
 
 use super::golden::PrefillChunk;
 use super::ops::STEP_FIELDS;
@@ -50,14 +52,6 @@ enum Role {
     Step,
 }
 
-/// A captured decode graph and what it was captured for.
-#[derive(Debug)]
-struct DecodeGraph {
-    graph: CapturedGraph,
-    /// The ring sizes and `dep_gen` of the capture (a replay must match them).
-    env: (simpler_core::RuntimeEnv, bool),
-}
-
 /// A resident model with its KV cache, ready to run steps.
 #[derive(Debug)]
 pub struct Session {
@@ -73,7 +67,7 @@ pub struct Session {
     /// Off: every step is orchestrated. The step's `RunReport::graph` says which ran.
     pub replay: bool,
     /// The last captured decode graph.
-    decode_graph: Option<DecodeGraph>,
+    decode_graph: GraphCache,
     /// One step I/O buffer per role, grown (to a power of two) when a step needs more: a
     /// long-lived session keeps at most one buffer per role, however many step sizes it sees.
     io: HashMap<Role, Buffer>,
@@ -88,7 +82,7 @@ impl Session {
             policy: TilePolicy::for_cores(worker.cores()),
             read_logits: true,
             replay: true,
-            decode_graph: None,
+            decode_graph: GraphCache::default(),
             io: HashMap::new(),
         }
     }
@@ -241,32 +235,17 @@ impl Session {
             return Ok(worker.run_fn(name, args, cfg, move |o, a| orchestrate::step(o, a, &plan))?);
         }
         let shape = decode_shape(&plan);
-        let env = (cfg.runtime_env, cfg.dep_gen);
-        if let Some(d) = &self.decode_graph {
-            let same_buffers = d
-                .graph
-                .buffers()
-                .iter()
-                .zip(&args.buffers)
-                .all(|(a, b)| a.id() == b.id());
-            if d.graph.shape() == &shape && d.env == env && same_buffers {
-                return Ok(worker.replay(&d.graph, args, cfg, &shape)?);
-            }
-        }
-        // A new topology (or new buffers): capture it, dropping the old graph first so its
-        // buffers are not held past their last use.
-        self.decode_graph = None;
         let plan = Arc::new(plan);
-        let (report, graph) = worker.capture_fn(name, args, cfg, shape, move |o, a| {
-            orchestrate::step(o, a, &plan)
-        })?;
-        self.decode_graph = Some(DecodeGraph { graph, env });
-        Ok(report)
+        Ok(self
+            .decode_graph
+            .run(worker, name, args, cfg, shape, move |o, a| {
+                orchestrate::step(o, a, &plan)
+            })?)
     }
 
     /// The captured decode graph the next step of the same topology would replay, if any.
     pub fn decode_graph(&self) -> Option<&CapturedGraph> {
-        self.decode_graph.as_ref().map(|d| &d.graph)
+        self.decode_graph.graph()
     }
 
     /// One full-model decode step: `tokens[b]` is sequence `b`'s newest token, at position
