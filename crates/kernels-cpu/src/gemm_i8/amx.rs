@@ -44,9 +44,8 @@ struct TileConfig {
 }
 
 impl TileConfig {
-    /// tmm0/tmm1: accumulators `[16 weight rows, bb i32]`; tmm4/tmm5: weights `[16, 64 B]`;
-    /// tmm6: activations `[16 quads, bb * 4 B]`.
-    fn new(bb: usize) -> TileConfig {
+    /// Palette 1 with tiles `(register, rows, bytes per row)`, the others unused.
+    fn with(tiles: [(usize, usize, usize); 5]) -> TileConfig {
         let mut c = TileConfig {
             palette: 1,
             start_row: 0,
@@ -54,18 +53,24 @@ impl TileConfig {
             colsb: [0; 16],
             rows: [0; 16],
         };
-        let cb = (bb * 4) as u16;
-        for (t, cols) in [
-            (0, cb),
-            (1, cb),
-            (4, KSTEP as u16),
-            (5, KSTEP as u16),
-            (6, cb),
-        ] {
-            c.colsb[t] = cols;
-            c.rows[t] = TILE_ROWS as u8;
+        for (t, rows, bytes) in tiles {
+            c.rows[t] = rows as u8;
+            c.colsb[t] = bytes as u16;
         }
         c
+    }
+
+    /// tmm0/tmm1: accumulators `[16 weight rows, bb i32]`; tmm4/tmm5: weights `[16, 64 B]`;
+    /// tmm6: activations `[16 quads, bb * 4 B]`.
+    fn new(bb: usize) -> TileConfig {
+        let (r, cb) = (TILE_ROWS, bb * 4);
+        TileConfig::with([
+            (0, r, cb),
+            (1, r, cb),
+            (4, r, KSTEP),
+            (5, r, KSTEP),
+            (6, r, cb),
+        ])
     }
 }
 
@@ -334,18 +339,14 @@ unsafe fn segment(
 /// i32]`, tmm4/tmm5 weights `[16 quads, 64 B]` (a whole group's 16 quads of `k`), tmm6
 /// activations `[bb batch rows, 64 B]`.
 fn interleaved_config(bb: usize) -> TileConfig {
-    let mut c = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
-    for (t, rows) in [(0, bb), (1, bb), (4, TILE_ROWS), (5, TILE_ROWS), (6, bb)] {
-        c.colsb[t] = KSTEP as u16;
-        c.rows[t] = rows as u8;
-    }
-    c
+    let r = TILE_ROWS;
+    TileConfig::with([
+        (0, bb, KSTEP),
+        (1, bb, KSTEP),
+        (4, r, KSTEP),
+        (5, r, KSTEP),
+        (6, bb, KSTEP),
+    ])
 }
 
 /// The W8A8 tile over interleaved weights ([`super::I8Layout::Interleaved`]) on AMX-INT8: the

@@ -270,14 +270,17 @@ impl ResidentModel {
         &self,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<bf16>, Qwen3RunError> {
-        let h = self.config.hidden_size;
         if self.format.is_int8() {
-            let rec = quant::int8_record(h);
-            let q =
-                self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
-            return Ok(quant::dequantize_matrix_bf16(&q, h));
+            let h = self.config.hidden_size;
+            return Ok(quant::dequantize_matrix_bf16(&self.head_records(rows)?, h));
         }
         self.vocab_rows(slot::LM_HEAD, rows)
+    }
+
+    /// Rows `rows` of an int8 LM head, as its resident records.
+    fn head_records(&self, rows: std::ops::Range<usize>) -> Result<Vec<i8>, Qwen3RunError> {
+        let rec = quant::int8_record(self.config.hidden_size);
+        Ok(self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?)
     }
 
     /// Rows `rows` of a `[vocab, hidden]` bf16 table (the embedding or a bf16 LM head) in row
@@ -307,12 +310,9 @@ impl ResidentModel {
         &self,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>, Qwen3RunError> {
-        let h = self.config.hidden_size;
         if self.format.is_int8() {
-            let rec = quant::int8_record(h);
-            let q =
-                self.buffers[slot::LM_HEAD].read_at::<i8>(rows.start * rec, rows.len() * rec)?;
-            return Ok(quant::dequantize_matrix_f32(&q, h));
+            let h = self.config.hidden_size;
+            return Ok(quant::dequantize_matrix_f32(&self.head_records(rows)?, h));
         }
         Ok(self
             .download_lm_head_rows(rows)?
