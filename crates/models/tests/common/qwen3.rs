@@ -99,7 +99,10 @@ pub(crate) fn upload_read_back_and_decode(c: &Qwen3Config, lens: &[usize], what:
     assert_eq!(model.download_embedding_rows(&[3, 20, 17]).unwrap(), want);
     // A token id past the vocabulary is refused by name, and the next read is unaffected.
     let past = c.vocab_size as u32;
-    let e = model.download_embedding_rows(&[3, past]).unwrap_err().to_string();
+    let e = model
+        .download_embedding_rows(&[3, past])
+        .unwrap_err()
+        .to_string();
     assert!(e.contains(&format!("token id {past}")), "{e}");
     assert_eq!(model.download_embedding_rows(&[3, 20, 17]).unwrap(), want);
     let kv = KvBuffers::new(&w, c, f.kv.num_pages, f.kv.page_size).unwrap();
