@@ -505,15 +505,34 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
         ),
         other => panic!("expected a refused replay, got {other:?}"),
     }
+    // Bad step entries: the q/k norm + RoPE task (SPMD over heads, writing the pools) checks
+    // every row's entry in every block before it writes, so the task fails with the pools
+    // untouched (the sessions' caches still agree bit for bit below).
     let step_entries = g.buffers().last().unwrap();
-    step_entries.write(&[u32::MAX; 6]).unwrap();
-    match w.replay(&g, args, &cfg, g.shape()) {
-        Err(Error::Run(e)) => {
-            assert_eq!(e.code, ErrorCode::KernelFailed);
-            assert_eq!(e.locator.kernel.as_deref(), Some("qk_norm_rope_step_bf16"));
-            assert!(e.detail.contains("outside the RoPE tables"), "{}", e.detail);
+    let pools_before = kv_bits(&a);
+    let len = |i: usize| u32::try_from(lens[i]).unwrap();
+    let bad_entries: [([u32; 6], &str); 3] = [
+        ([u32::MAX; 6], "outside the RoPE tables"),
+        (
+            [len(0), 3, len(1), u32::MAX, len(2), 5],
+            "row 1: slot 4294967295 outside the pool",
+        ),
+        (
+            [len(0), 3, len(1), 4, len(2), 3],
+            "rows 0 and 2 both write slot 3",
+        ),
+    ];
+    for (entries, why) in bad_entries {
+        step_entries.write(&entries).unwrap();
+        match w.replay(&g, args.clone(), &cfg, g.shape()) {
+            Err(Error::Run(e)) => {
+                assert_eq!(e.code, ErrorCode::KernelFailed);
+                assert_eq!(e.locator.kernel.as_deref(), Some("qk_norm_rope_step_bf16"));
+                assert!(e.detail.contains(why), "{why}: {}", e.detail);
+            }
+            other => panic!("{why}: expected KERNEL_FAILED, got {other:?}"),
         }
-        other => panic!("expected KERNEL_FAILED, got {other:?}"),
+        assert!(kv_bits(&a) == pools_before, "{why}: the pools changed");
     }
 
     // The batch shrinks: a new topology, captured, then replayed.

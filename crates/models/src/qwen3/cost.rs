@@ -354,7 +354,7 @@ fn phase_of(func: u32, before: usize) -> Option<usize> {
             phase::ATTENTION | phase::O_PROJ => phase::O_PROJ,
             _ => phase::DOWN,
         }
-    } else if is(ops::ROPE_KV_STEP) || is(ops::KV_SCATTER) {
+    } else if is(ops::ROPE_KV_STEP) {
         phase::ROPE_KV
     } else if is(ops::ATTN_DECODE) || is(ops::ATTN_COMBINE) {
         phase::ATTENTION
@@ -580,7 +580,7 @@ mod tests {
             rec(ops::GEMM_TILE, 0, 12, 40),
             rec(ops::GEMM_TILE, 1, 13, 45),
             rec(ops::ROPE_KV_STEP, 1, 50, 52),
-            rec(ops::KV_SCATTER, 0, 53, 55),
+            rec(ops::ROPE_KV_STEP, 0, 50, 53),
             rec(ops::ATTN_DECODE, 0, 56, 80),
             rec(ops::ATTN_DECODE, 1, 57, 79),
             rec(ops::GEMM_TILE, 0, 81, 90),

@@ -29,15 +29,14 @@ use std::ops::Range;
 use simpler_core::{
     DType, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor, TensorError,
 };
-use simpler_kernels_cpu::{packed_ld, partial_len, split_range};
+use simpler_kernels_cpu::{packed_ld, partial_len};
 
 use super::config::Qwen3Config;
 use super::ops;
 use super::ops::STEP_FIELDS;
 use super::ops::args::{
     Arg, ArgmaxArgs, AttnCombineArgs, AttnDecodeArgs, AttnPrefillArgs, CastArgs, EmbedArgs,
-    GateUpArgs, GemmArgs, KvScatterArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
-    RopeStepArgs,
+    GateUpArgs, GemmArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs, RopeStepArgs,
 };
 use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
@@ -116,9 +115,12 @@ pub(crate) struct StepPlan {
     pub(crate) kv_chunks: Vec<KvSplit>,
     /// Prefill: query rows per attention task.
     pub(crate) prefill_rows: usize,
-    /// Decode: tasks the step's q/k norm + RoPE rows are cut into (one per core: a task per
-    /// row paid the runtime's per-task cost 16 times a layer at batch 16).
-    pub(crate) rope_tasks: usize,
+    /// Decode: blocks (one per core) of the layer's small tasks that every core waits for —
+    /// the q/k norm + RoPE task (each block a share of the heads over every row; a task per
+    /// row had paid the runtime's per-task cost 16 times a layer at batch 16, and one task at
+    /// batch 1 ran alone while the other cores waited) and the attention combine of the
+    /// sequence whose chunks end the attention phase (each block a share of the KV heads).
+    pub(crate) small_task_blocks: usize,
 }
 
 impl StepPlan {
@@ -525,10 +527,10 @@ fn rope_kv_runs(
     Ok(o.submit(Task::dummy().after_all(writes))?.id)
 }
 
-/// Decode: q/k norm and RoPE of each row at the position its step entry holds, in
-/// `rope_tasks` tasks of consecutive rows, the new K/V rows gathered, and one task writing them
-/// into the pools at the entries' slots (so the graph does not depend on positions or slots);
-/// returns that task.
+/// Decode: q/k norm and RoPE of each row at the position its step entry holds, the new K/V
+/// rows written into the layer's pools at the entries' slots (so the graph does not depend on
+/// positions or slots), in one SPMD task of `small_task_blocks` blocks, each a share of the heads
+/// over every row; returns that task.
 #[allow(clippy::too_many_arguments)]
 fn rope_kv_step(
     o: &mut Orchestrator,
@@ -542,60 +544,35 @@ fn rope_kv_step(
     [kl, vl]: [&Tensor; 2],
 ) -> R<TaskId> {
     let c = &p.config;
-    let (r, kvw) = (p.rows as u64, c.kv_width() as u64);
-    let k_new = o.alloc(DType::BF16, &[r, kvw])?;
-    let v_new = o.alloc(DType::BF16, &[r, kvw])?;
-    let tasks = p.rope_tasks.clamp(1, p.rows);
-    for t in 0..tasks {
-        let Range { start: b0, end: b1 } = split_range(p.rows, tasks, t);
-        let (qr, kr, vr) = (
-            rows(o, q, b0, b1)?,
-            rows(o, k, b0, b1)?,
-            rows(o, v, b0, b1)?,
-        );
-        let entry = rows(o, step, b0, b1)?;
-        let (q_out, k_out, v_out) = (
-            rows(o, qb, b0, b1)?,
-            rows(o, &k_new, b0, b1)?,
-            rows(o, &v_new, b0, b1)?,
-        );
-        let t = RopeStepArgs {
-            q: qkv_done.arg(&qr),
-            k: qkv_done.arg(&kr),
-            v: qkv_done.arg(&vr),
-            // SAFETY: a q/k norm weight: written by no task during a run.
-            q_norm: unsafe { Arg::untracked(&w.q_norm) },
-            // SAFETY: a q/k norm weight: written by no task during a run.
-            k_norm: unsafe { Arg::untracked(&w.k_norm) },
-            // SAFETY: the RoPE tables: written by no task during a run.
-            cos: unsafe { Arg::untracked(&vw.cos) },
-            // SAFETY: the RoPE tables: written by no task during a run.
-            sin: unsafe { Arg::untracked(&vw.sin) },
-            // SAFETY: the step entries: written by no task during a run.
-            step: unsafe { Arg::untracked(&entry) },
-            q_out: Arg::Out(&q_out),
-            k_out: Arg::Out(&k_out),
-            v_out: Arg::Out(&v_out),
-        }
-        .push(Task::new(ops::ROPE_KV_STEP));
-        let t = qkv_done
-            .order(t)
-            .push_scalars(NormScalars {
-                eps: c.rms_norm_eps as f32,
-            })
-            .timing_slot(1);
-        o.submit(t)?;
-    }
-    let t = KvScatterArgs {
-        k_rows: Arg::In(&k_new),
-        v_rows: Arg::In(&v_new),
+    // No more blocks than the K/V heads, so every block writes some of the pools.
+    let blocks = p.small_task_blocks.clamp(1, c.num_key_value_heads.max(1));
+    let t = RopeStepArgs {
+        q: qkv_done.arg(q),
+        k: qkv_done.arg(k),
+        v: qkv_done.arg(v),
+        // SAFETY: a q/k norm weight: written by no task during a run.
+        q_norm: unsafe { Arg::untracked(&w.q_norm) },
+        // SAFETY: a q/k norm weight: written by no task during a run.
+        k_norm: unsafe { Arg::untracked(&w.k_norm) },
+        // SAFETY: the RoPE tables: written by no task during a run.
+        cos: unsafe { Arg::untracked(&vw.cos) },
+        // SAFETY: the RoPE tables: written by no task during a run.
+        sin: unsafe { Arg::untracked(&vw.sin) },
         // SAFETY: the step entries: written by no task during a run.
         step: unsafe { Arg::untracked(step) },
+        q_out: Arg::Out(qb),
         k_pool: Arg::Out(kl),
         v_pool: Arg::Out(vl),
     }
-    .push(Task::new(ops::KV_SCATTER));
-    Ok(o.submit(t.timing_slot(1))?.id)
+    .push(Task::new(ops::ROPE_KV_STEP));
+    let t = qkv_done
+        .order(t)
+        .push_scalars(NormScalars {
+            eps: c.rms_norm_eps as f32,
+        })
+        .blocks(u32::try_from(blocks).unwrap_or(u32::MAX))
+        .timing_slot(1);
+    Ok(o.submit(t)?.id)
 }
 
 /// Split-KV decode attention: per sequence one final task over every KV head, or one task per
@@ -627,7 +604,7 @@ fn attention_decode(
         None
     };
     let mut next_partial = 0;
-    for (s, split) in p.seqs.iter().zip(&p.kv_chunks) {
+    for (i, (s, split)) in p.seqs.iter().zip(&p.kv_chunks).enumerate() {
         let b = s.row0;
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
@@ -640,10 +617,10 @@ fn attention_decode(
         let task = |chunk: usize, out: &Tensor| {
             AttnDecodeArgs {
                 q: Arg::In(&qrow),
-                // SAFETY: this layer's K/V rows are written by the KV_SCATTER task `kv_ready`
+                // SAFETY: this layer's K/V rows are written by the ROPE_KV_STEP task `kv_ready`
                 // names (the task runs after it), and by no later task of this layer.
                 k_pool: unsafe { Arg::untracked(kl) },
-                // SAFETY: this layer's K/V rows are written by the KV_SCATTER task `kv_ready`
+                // SAFETY: this layer's K/V rows are written by the ROPE_KV_STEP task `kv_ready`
                 // names (the task runs after it), and by no later task of this layer.
                 v_pool: unsafe { Arg::untracked(vl) },
                 // SAFETY: the block table: written by no task during a run.
@@ -683,12 +660,21 @@ fn attention_decode(
                     out: Arg::Out(&out),
                 }
                 .push(Task::new(ops::ATTN_COMBINE));
+                // The first sequence's chunks run last (`TilePolicy::kv_splits`), so its
+                // combine ends the phase with the other cores idle: it is split over the KV
+                // heads. The others overlap the later chunks and stay one block each.
+                let blocks = if i == 0 {
+                    p.small_task_blocks.clamp(1, kv_heads.max(1))
+                } else {
+                    1
+                };
                 let id = o.submit(
                     t.push_scalars(AttnCombineScalars {
                         kv_heads,
                         group,
                         head_dim: d,
                     })
+                    .blocks(u32::try_from(blocks).unwrap_or(u32::MAX))
                     .timing_slot(1),
                 )?;
                 writers.push(id.id);

@@ -185,7 +185,7 @@ impl Session {
             blocks: LayerBlocks::new(c, &self.policy),
             kv_chunks,
             prefill_rows: self.policy.prefill_rows,
-            rope_tasks: self.policy.cores,
+            small_task_blocks: self.policy.cores,
         })
     }
 

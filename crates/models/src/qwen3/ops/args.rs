@@ -125,13 +125,9 @@ kernel_tensors!(
 kernel_tensors!(
     /// `ROPE_KV_STEP`: q `[n,Nq]`, k and v `[n,Nkv]` f32; q/k norm weights; the whole cos/sin
     /// tables `[max_seq,d]`; the rows' step entries `[n,2]` u32 (`seq_len, slot`); bf16 Q
-    /// `[n,Nq]` and the new K/V rows `[n,Nkv]` written (positions read at run time).
-    RopeStepArgs, rope_step { q, k, v, q_norm, k_norm, cos, sin, step, q_out, k_out, v_out }
-);
-kernel_tensors!(
-    /// `KV_SCATTER`: the new K/V rows `[n,Nkv]` bf16, the step entries `[n,2]` u32, and one
-    /// layer's K and V pools `[slots,Nkv]` written at each row's slot.
-    KvScatterArgs, kv_scatter { k_rows, v_rows, step, k_pool, v_pool }
+    /// `[n,Nq]` written, and one layer's K and V pools `[slots,Nkv]` written at each row's
+    /// slot (positions and slots read at run time).
+    RopeStepArgs, rope_step { q, k, v, q_norm, k_norm, cos, sin, step, q_out, k_pool, v_pool }
 );
 kernel_tensors!(
     /// `ATTN_DECODE`: Q row bf16, K and V pools, the block-table row, the sequence's step

@@ -8,11 +8,11 @@ use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, partial_len};
 
-use super::args::{attn_combine, attn_decode, attn_prefill, kv_scatter, rope_kv, rope_step};
+use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv, rope_step};
 use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
-use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
+use super::{bad, check_packed_range, dims2, store_packed, with_scratch, with_scratch_dirty};
 use crate::qwen3::plan::KvSplit;
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -42,42 +42,116 @@ pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     })
 }
 
-/// The decode step's q/k norm + RoPE: each row's position comes from its step entry
-/// (`seq_len - 1`), its cos/sin rows from the whole tables, so one graph serves every step.
+/// The decode step's q/k norm + RoPE, with the new K/V rows written into the layer's pools:
+/// each row's position and slot come from its step entry (`seq_len - 1`, `slot`) and its
+/// cos/sin rows from the whole tables, so one graph serves every step.
+///
+/// An SPMD task over heads: each block takes its share of the Q heads and of the pools' K/V
+/// heads (whole heads, `write_block_cols`), for every row. So at a batch smaller than the
+/// cores every core still takes part: at batch 1 this step was one task on one core, then a
+/// second task copied the K/V rows into the pools, while every other core waited for both
+/// before the attention could start.
+///
+/// Every block checks every row's entry before it writes anything, so a bad entry (a length
+/// outside the tables, a slot outside the pools, two rows on one slot) fails the task with Q
+/// and the pools untouched.
 pub(super) fn rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "qk_norm_rope_step_bf16";
-    let (n, _) = dims2(ctx, rope_step::q)?;
+    let NormScalars { eps } = NormScalars::read(ctx)?;
+    let (n, qw) = dims2(ctx, rope_step::q)?;
+    let (nk, kvw) = dims2(ctx, rope_step::k)?;
     let (max_seq, d) = dims2(ctx, rope_step::cos)?;
+    let q = ctx.read::<f32>(rope_step::q)?;
+    let kx = ctx.read::<f32>(rope_step::k)?;
+    let v = ctx.read::<f32>(rope_step::v)?;
+    let qn = ctx.read::<f32>(rope_step::q_norm)?;
+    let kn = ctx.read::<f32>(rope_step::k_norm)?;
     let cos = ctx.read::<f32>(rope_step::cos)?;
     let sin = ctx.read::<f32>(rope_step::sin)?;
     let step = ctx.read::<u32>(rope_step::step)?;
-    if step.len() != n * STEP_FIELDS || sin.len() != cos.len() {
+    let shapes_ok = nk == n
+        && v.len() == n * kvw
+        && qn.len() == d
+        && kn.len() == d
+        && d > 0
+        && qw.is_multiple_of(d)
+        && kvw.is_multiple_of(d)
+        && sin.len() == cos.len();
+    if !shapes_ok {
+        return Err(bad(
+            NAME,
+            format!(
+                "inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}, norms of {} and {}",
+                qn.len(),
+                kn.len()
+            ),
+        ));
+    }
+    if step.len() != n * STEP_FIELDS {
         return Err(bad(
             NAME,
             format!("{} step entries for {n} rows", step.len()),
         ));
     }
-    let rows = RopeRows {
-        q: rope_step::q,
-        k: rope_step::k,
-        v: rope_step::v,
-        q_norm: rope_step::q_norm,
-        k_norm: rope_step::k_norm,
-        q_out: rope_step::q_out,
-        k_out: rope_step::k_out,
-        v_out: rope_step::v_out,
-    };
-    rope_rows(ctx, NAME, &rows, |t| {
-        let len = step[t * STEP_FIELDS] as usize;
+    let mut qo = ctx.write_block_cols::<bf16>(rope_step::q_out, d)?;
+    let mut kp = ctx.write_block_cols::<bf16>(rope_step::k_pool, d)?;
+    let mut vp = ctx.write_block_cols::<bf16>(rope_step::v_pool, d)?;
+    if qo.len() != n || qo.view_row_len() != qw {
+        return Err(bad(NAME, "Q out is not [rows, q width]"));
+    }
+    if kp.view_row_len() != kvw || vp.view_row_len() != kvw || kp.len() != vp.len() {
+        return Err(bad(
+            NAME,
+            format!(
+                "pools of {} and {} rows of {} for K/V rows of {kvw}",
+                kp.len(),
+                vp.len(),
+                kp.view_row_len()
+            ),
+        ));
+    }
+    let slots = kp.len();
+    let mut rows: Vec<(usize, usize)> = Vec::with_capacity(n);
+    for t in 0..n {
+        let (len, slot) = (
+            step[t * STEP_FIELDS] as usize,
+            step[t * STEP_FIELDS + 1] as usize,
+        );
         if len == 0 || len > max_seq {
             return Err(bad(
                 NAME,
                 format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
             ));
         }
-        let p = len - 1;
-        Ok((&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]))
-    })
+        if slot >= slots {
+            return Err(bad(
+                NAME,
+                format!("row {t}: slot {slot} outside the pool's {slots} slots"),
+            ));
+        }
+        if let Some(u) = rows.iter().position(|&(_, s)| s == slot) {
+            return Err(bad(
+                NAME,
+                format!("rows {u} and {t} both write slot {slot}"),
+            ));
+        }
+        rows.push((len - 1, slot));
+    }
+    let cols = |r: &simpler_core::RowsMut<'_, bf16>| r.first_col()..r.first_col() + r.row_len();
+    let (qc, kc, vc) = (cols(&qo), cols(&kp), cols(&vp));
+    with_scratch_dirty(qc.len().max(kc.len()), |s| {
+        for (t, &(p, slot)) in rows.iter().enumerate() {
+            let (c, sn) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
+            let x = &mut s[..qc.len()];
+            x.copy_from_slice(&q[t * qw + qc.start..t * qw + qc.end]);
+            k::qk_norm_rope_bf16(x, qn, eps, c, sn, qo.row(t));
+            let x = &mut s[..kc.len()];
+            x.copy_from_slice(&kx[t * kvw + kc.start..t * kvw + kc.end]);
+            k::qk_norm_rope_bf16(x, kn, eps, c, sn, kp.row(slot));
+            k::cast_f32_bf16(&v[t * kvw + vc.start..t * kvw + vc.end], vp.row(slot));
+        }
+    });
+    Ok(())
 }
 
 /// Entries of a decode row's step record: `[seq_len, slot]`.
@@ -152,59 +226,6 @@ fn rope_rows<'t>(
     })
 }
 
-/// Writes each new K/V row into one layer's pools at the slot its step entry names.
-pub(super) fn kv_scatter(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    const NAME: &str = "kv_scatter_bf16";
-    let (n, kvw) = dims2(ctx, kv_scatter::k_rows)?;
-    let kr = ctx.read::<bf16>(kv_scatter::k_rows)?;
-    let vr = ctx.read::<bf16>(kv_scatter::v_rows)?;
-    let step = ctx.read::<u32>(kv_scatter::step)?;
-    if vr.len() != kr.len() || step.len() != n * STEP_FIELDS {
-        return Err(bad(
-            NAME,
-            format!(
-                "{n} K rows, {} V values, {} step entries",
-                vr.len(),
-                step.len()
-            ),
-        ));
-    }
-    let slots: Vec<usize> = (0..n).map(|t| step[t * STEP_FIELDS + 1] as usize).collect();
-    if let Some(t) = (0..n).find(|&t| slots[..t].contains(&slots[t])) {
-        return Err(bad(
-            NAME,
-            format!(
-                "rows {t} and {} both write slot {}",
-                slots.iter().position(|&s| s == slots[t]).unwrap_or(t),
-                slots[t]
-            ),
-        ));
-    }
-    for (i, rows) in [(kv_scatter::k_pool, kr), (kv_scatter::v_pool, vr)] {
-        let mut pool = ctx.write_rows::<bf16>(i)?;
-        if pool.row_len() != kvw {
-            return Err(bad(
-                NAME,
-                format!("pool rows of {} for K/V rows of {kvw}", pool.row_len()),
-            ));
-        }
-        for (t, &slot) in slots.iter().enumerate() {
-            if slot >= pool.len() {
-                return Err(bad(
-                    NAME,
-                    format!(
-                        "row {t}: slot {slot} outside the pool's {} slots",
-                        pool.len()
-                    ),
-                ));
-            }
-            pool.row(slot)
-                .copy_from_slice(&rows[t * kvw..(t + 1) * kvw]);
-        }
-    }
-    Ok(())
-}
-
 // Decode and prefill attention place the pools and the table alike, so `paged` serves both.
 const _: () = assert!(
     attn_decode::k_pool == attn_prefill::k_pool
@@ -253,19 +274,36 @@ fn combine_into(
     d: usize,
     out: &mut [f32],
 ) {
+    combine_heads(parts, chunks, kv_heads, 0..kv_heads, group, d, out);
+}
+
+/// [`combine_into`] of KV heads `heads` only: `out` holds their columns of the packed row
+/// (`heads.len() * group * d`, from column `heads.start * group * d`).
+fn combine_heads(
+    parts: &[f32],
+    chunks: usize,
+    kv_heads: usize,
+    heads: Range<usize>,
+    group: usize,
+    d: usize,
+    out: &mut [f32],
+) {
     let plen = partial_len(group, d);
     let per_head = group * d;
     let nq = kv_heads * per_head;
+    let first = heads.start * per_head;
     let mut mine = vec![0.0f32; chunks * plen];
     let mut o = vec![bf16::ZERO; per_head];
-    for g in 0..kv_heads {
+    for g in heads {
         for c in 0..chunks {
             let at = (c * kv_heads + g) * plen;
             mine[c * plen..(c + 1) * plen].copy_from_slice(&parts[at..at + plen]);
         }
         k::decode_attention_combine_bf16(&mine, group, d, &mut o);
         let c0 = g * per_head;
-        store_packed(&mut out[c0..c0 + per_head], c0, nq, |i| o[i].to_f32());
+        store_packed(&mut out[c0 - first..c0 - first + per_head], c0, nq, |i| {
+            o[i].to_f32()
+        });
     }
 }
 
@@ -355,15 +393,35 @@ pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("{} floats are not partial sets of {set}", partials.len()),
         ));
     }
-    let out = ctx.write::<f32>(attn_combine::out)?;
-    let nq = kv_heads * group * d;
-    if out.len() != nq {
+    // An SPMD combine (the sequence whose attention ends the phase) takes a share of the KV
+    // heads per block; a head's columns of the packed row are its own (`group · d` is whole
+    // 16-column blocks, checked below).
+    let per_head = group * d;
+    let nq = kv_heads * per_head;
+    let mut out = ctx.write_block_cols::<f32>(attn_combine::out, per_head)?;
+    if out.len() != 1 || out.view_row_len() != nq {
         return Err(bad(
             NAME,
-            format!("output of {} floats for a row of {nq}", out.len()),
+            format!(
+                "output of {} rows of {} floats for a row of {nq}",
+                out.len(),
+                out.view_row_len()
+            ),
         ));
     }
-    combine_into(partials, partials.len() / set, kv_heads, group, d, out);
+    if ctx.block_num() > 1 {
+        check_packed_range(NAME, 0, per_head, nq)?;
+    }
+    let heads = out.first_col() / per_head..(out.first_col() + out.row_len()) / per_head;
+    combine_heads(
+        partials,
+        partials.len() / set,
+        kv_heads,
+        heads,
+        group,
+        d,
+        out.row(0),
+    );
     Ok(())
 }
 

@@ -26,8 +26,7 @@
 //! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | [`GemmScalars`](scalars::GemmScalars) |
 //! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed `[R,ld(I)]`, (r In `[R]`) | [`GateUpScalars`](scalars::GateUpScalars) |
 //! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
-//! | [`ROPE_KV_STEP`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, Q Out bf16 `[n,Nq]`, K Out bf16 `[n,Nkv]`, V Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
-//! | [`KV_SCATTER`] | K rows In bf16 `[n,Nkv]`, V rows In `[n,Nkv]`, step NoDep u32 `[n,2]`, K pool Out `[slots,Nkv]`, V pool Out `[slots,Nkv]` | |
+//! | [`ROPE_KV_STEP`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, Q Out bf16 `[n,Nq]`, K pool Out bf16 `[slots,Nkv]`, V pool Out bf16 `[slots,Nkv]` (SPMD: each block a share of the heads) | [`NormScalars`](scalars::NormScalars) |
 //! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, step NoDep u32 `[1,2]`, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | [`AttnDecodeScalars`](scalars::AttnDecodeScalars) |
 //! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | [`AttnCombineScalars`](scalars::AttnCombineScalars) |
 //! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | [`AttnPrefillScalars`](scalars::AttnPrefillScalars) |
@@ -84,16 +83,16 @@ pub const ATTN_PREFILL: KernelId = KernelId(3111);
 pub const LM_HEAD_TILE: KernelId = KernelId(3112);
 /// Merge of the LM-head tiles' argmax into greedy token ids.
 pub const ARGMAX_COMBINE: KernelId = KernelId(3113);
-/// The decode step's q/k norm + RoPE, positions read from the step entries at run time.
+/// The decode step's q/k norm + RoPE and its K/V rows written into the pools, positions and
+/// slots read from the step entries at run time. (3115, the separate K/V scatter it absorbed,
+/// is retired.)
 pub const ROPE_KV_STEP: KernelId = KernelId(3114);
-/// The decode step's new K/V rows written into one layer's pools at the step entries' slots.
-pub const KV_SCATTER: KernelId = KernelId(3115);
 
 /// Every kernel of the Qwen3 step: `(id, name, class, body)`. The projection, gate/up, LM-head
 /// and embedding kernels read a resident model's bf16 layout (`qwen3::layout`).
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 16] = [
+    let table: [(KernelId, &str, EngineClass, Body); 15] = [
         (
             EMBED,
             "embedding_gather_bf16",
@@ -148,12 +147,6 @@ pub fn specs() -> Vec<KernelSpec> {
             "qk_norm_rope_step_bf16",
             EngineClass::Vector,
             attn::rope_step,
-        ),
-        (
-            KV_SCATTER,
-            "kv_scatter_bf16",
-            EngineClass::Vector,
-            attn::kv_scatter,
         ),
         (
             ATTN_DECODE,
