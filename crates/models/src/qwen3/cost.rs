@@ -572,8 +572,8 @@ mod tests {
             end,
             finish: end,
         };
-        // One layer on two cores: the norm, two q/k/v blocks overlapping, a barrier, RoPE,
-        // attention, o_proj, the post norm, gate/up, down; then the next layer's norm and
+        // One layer on two cores: the norm, two q/k/v blocks overlapping, a barrier, the RoPE
+        // task's two blocks side by side, attention, o_proj, the post norm, gate/up, down; then the next layer's norm and
         // q/k/v (charged to the same phases).
         let mut tasks = vec![
             rec(ops::RMS_NORM_DEFERRED, 0, 0, 10),
@@ -602,7 +602,7 @@ mod tests {
         let s = phase_spans_ns(&sw);
         assert_eq!(s[phase::ATTN_NORM], 10 + 2);
         assert_eq!(s[phase::QKV], 33 + 6);
-        assert_eq!(s[phase::ROPE_KV], 5);
+        assert_eq!(s[phase::ROPE_KV], 3);
         assert_eq!(s[phase::ATTENTION], 24);
         assert_eq!(s[phase::O_PROJ], 9);
         assert_eq!(s[phase::MLP_NORM], 2);
