@@ -573,8 +573,8 @@ mod tests {
             finish: end,
         };
         // One layer on two cores: the norm, two q/k/v blocks overlapping, a barrier, the RoPE
-        // task's two blocks side by side, attention, o_proj, the post norm, gate/up, down; then the next layer's norm and
-        // q/k/v (charged to the same phases).
+        // task's two blocks side by side, attention, o_proj, the post norm, gate/up, down;
+        // then the next layer's norm and q/k/v (charged to the same phases).
         let mut tasks = vec![
             rec(ops::RMS_NORM_DEFERRED, 0, 0, 10),
             rec(ops::GEMM_TILE, 0, 12, 40),
