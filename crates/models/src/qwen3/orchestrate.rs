@@ -29,7 +29,7 @@ use std::ops::Range;
 use simpler_core::{
     DType, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor, TensorError,
 };
-use simpler_kernels_cpu::{packed_ld, partial_len};
+use simpler_kernels_cpu::{PACK_BLOCK, packed_ld, partial_len};
 
 use super::config::Qwen3Config;
 use super::ops;
@@ -662,8 +662,10 @@ fn attention_decode(
                 .push(Task::new(ops::ATTN_COMBINE));
                 // The first sequence's chunks run last (`TilePolicy::kv_splits`), so its
                 // combine ends the phase with the other cores idle: it is split over the KV
-                // heads. The others overlap the later chunks and stay one block each.
-                let blocks = if i == 0 {
+                // heads (where a head's columns are whole 16-column blocks of the packed row,
+                // so each block's share of it is its own). The others overlap the later chunks
+                // and stay one block each.
+                let blocks = if i == 0 && (group * d).is_multiple_of(PACK_BLOCK) {
                     p.small_task_blocks.clamp(1, kv_heads.max(1))
                 } else {
                     1
