@@ -16,9 +16,9 @@ use simpler_models::qwen3::check::{GoldenSource, GoldenStep, HeadSource, golden_
 use simpler_models::qwen3::golden::Acts;
 use simpler_models::qwen3::{
     FixtureOptions, Int8Acts, KvBuffers, LayerWeights, LoadOptions, MemoryEstimate, PagedBatch,
-    Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy, UnknownWeightFormat,
-    WeightFormat, WeightLayout, generate_inputs, generate_kv_pools, generate_weights,
-    load_checkpoint, load_config,
+    ProjectionElem, Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy,
+    UnknownWeightFormat, WeightFormat, WeightLayout, generate_inputs, generate_kv_pools,
+    generate_weights, load_checkpoint, load_config,
 };
 
 /// Where the model comes from.
@@ -500,13 +500,15 @@ impl DecodeCase {
         Ok(())
     }
 
-    /// The streamed golden of this case's first step (fp32 input `x`) through `layers`
-    /// (their projections multiplying `acts`), with the head read back from `model` when
-    /// `with_head`.
-    pub(crate) fn golden(
+    /// The streamed golden of this case's first step (fp32 input `x`) through `layers` layers
+    /// (`layer(l)` gives layer `l`'s weights, their projections multiplying `acts`), with the
+    /// head read back from `model` when `with_head`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn golden<W: ProjectionElem>(
         &self,
         c: &Qwen3Config,
-        layers: &[std::sync::Arc<LayerWeights>],
+        layers: usize,
+        layer: &mut dyn FnMut(usize) -> Result<std::sync::Arc<LayerWeights<W>>, String>,
         acts: Acts,
         model: &ResidentModel,
         x: &[f32],
@@ -527,6 +529,7 @@ impl DecodeCase {
         let src = GoldenSource {
             config: c,
             layers,
+            layer,
             pools: &mut pools,
             num_pages: self.batch.num_pages(),
             page_size: self.batch.page_size,
@@ -549,6 +552,6 @@ impl DecodeCase {
         if let Some(e) = failure {
             return Err(e.into());
         }
-        Ok(step)
+        step.map_err(|e| anyhow!("the golden could not read its weights: {e}"))
     }
 }

@@ -3,6 +3,7 @@
 //! bandwidth against this machine's, measured in the same run, and the roofline share — with
 //! an optional (default-on for small shapes) check against the golden.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
@@ -15,8 +16,8 @@ use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, path_for};
 use simpler_models::qwen3::check::compare_step_as;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
-    DecodePeaks, DecodePhases, PagedBatch, RunShape, Session, StepCost, WeightFormat, ops,
-    phase_spans_ns,
+    DecodePeaks, DecodePhases, LayerWeights, PagedBatch, RunShape, Session, StepCost, WeightFormat,
+    ops, phase_spans_ns,
 };
 
 use crate::opts::{self, RunOpts};
@@ -457,30 +458,45 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             Variant::Layers => case.hidden.iter().map(|v| v.to_f32()).collect(),
         };
         let t = Instant::now();
-        // An int8 model is checked against the weights it stands for: its layers read back
-        // dequantised (the head is read back by `golden` in every format).
-        let dequantised;
-        let layers = if args.model.weights.is_int8() {
-            let sets = (0..model.sets)
-                .map(|s| model.download_layer(s).map(std::sync::Arc::new))
-                .collect::<Result<Vec<_>, _>>()?;
-            dequantised = model
-                .set_of_layer
-                .iter()
-                .map(|&s| sets[s].clone())
-                .collect::<Vec<_>>();
-            &dequantised
+        let acts = simpler_models::qwen3::golden::Acts::of(args.model.weights);
+        let mut want = if args.model.weights.is_int8() {
+            // An int8 model is checked against the weights it stands for: its layers read
+            // back as their exact `q · scale` values (bf16 would round them, and 28 W8A8
+            // layers compound that difference past the stack tolerance), one weight set held
+            // at a time. The head is read back by `golden` in every format.
+            let mut held: Option<(usize, Arc<LayerWeights<f32>>)> = None;
+            let mut layer = |l: usize| {
+                let set = model.set_of_layer[l];
+                match &held {
+                    Some((s, w)) if *s == set => Ok(w.clone()),
+                    _ => {
+                        let w = Arc::new(model.download_layer_f32(set).map_err(|e| e.to_string())?);
+                        held = Some((set, w.clone()));
+                        Ok(w)
+                    }
+                }
+            };
+            case.golden(
+                &weights.config,
+                layers,
+                &mut layer,
+                acts,
+                &model,
+                &x0,
+                with_head,
+            )?
         } else {
-            &weights.layers
+            let mut layer = |l: usize| Ok(weights.layers[l].clone());
+            case.golden(
+                &weights.config,
+                layers,
+                &mut layer,
+                acts,
+                &model,
+                &x0,
+                with_head,
+            )?
         };
-        use simpler_models::qwen3::golden::Acts;
-        use simpler_models::qwen3::{Int8Acts, WeightFormat};
-        let acts = if args.model.weights == WeightFormat::Int8(Int8Acts::Quantised) {
-            Acts::PerRowInt8
-        } else {
-            Acts::Float
-        };
-        let mut want = case.golden(&weights.config, layers, acts, &model, &x0, with_head)?;
         if args.variant == Variant::Layers {
             // The layers chunk rounds its output to bf16 once, at the end.
             want.hidden
@@ -490,14 +506,8 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         let kv = session.kv();
         let mut rows = |l: usize, s: usize| kv.read_slot(l, s).map_err(|e| e.to_string());
         let head = with_head.then_some((logits.as_slice(), ids.as_slice()));
-        let lines = compare_step_as(
-            &want,
-            &hidden,
-            head,
-            &mut rows,
-            args.model.weights.is_int8(),
-        )
-        .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
+        let lines = compare_step_as(&want, &hidden, head, &mut rows, args.model.weights)
+            .map_err(|e| anyhow!("check FAILED against the golden: {e}"))?;
         println!(
             "check vs golden (first step; golden took {:.1} s):",
             t.elapsed().as_secs_f64()

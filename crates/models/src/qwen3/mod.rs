@@ -38,4 +38,4 @@ pub use quant::{Int8Acts, UnknownWeightFormat, WeightFormat};
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
 pub use rope::{Rope, RopeScaling, RopeTables};
 pub use runner::{LayersOutput, Session, StepOutput};
-pub use weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights};
+pub use weights::{KvCache, LayerWeights, PagedBatch, ProjectionElem, Qwen3Weights};

@@ -178,6 +178,18 @@ pub fn dequantize_matrix_as_bf16(q: &[i8], cols: usize, interleaved: bool) -> Ve
     if !interleaved {
         return dequantize_matrix_bf16(q, cols);
     }
+    dequantize_matrix_as_f32(q, cols, true)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+/// The values a resident int8 matrix in the form `interleaved` says stands for, in row
+/// order: `q · scale` in fp32, not rounded ([`dequantize_matrix_f32`] for records).
+pub fn dequantize_matrix_as_f32(q: &[i8], cols: usize, interleaved: bool) -> Vec<f32> {
+    if !interleaved {
+        return dequantize_matrix_f32(q, cols);
+    }
     let rows = q.len() / int8_record(cols).max(1);
     let (data, tail) = q.split_at(rows * cols);
     let scales = interleaved_scales(tail, 0, rows);
@@ -185,7 +197,7 @@ pub fn dequantize_matrix_as_bf16(q: &[i8], cols: usize, interleaved: bool) -> Ve
     for (n, s) in scales.iter().enumerate() {
         for k in 0..cols {
             let v = data[simpler_kernels_cpu::interleaved_index_i8(rows, cols, n, k)];
-            out.push(bf16::from_f32(f32::from(v) * s));
+            out.push(f32::from(v) * s);
         }
     }
     out

@@ -264,6 +264,25 @@ impl ResidentModel {
         Ok(lw)
     }
 
+    /// Reads layer weight set `set` back to the host with its projections as the values the
+    /// model multiplies, in fp32: bf16 weights widened, int8 weights' exact `q · scale`
+    /// (which [`ResidentModel::download_layer`] rounds to bf16).
+    pub fn download_layer_f32(&self, set: usize) -> Result<LayerWeights<f32>, Qwen3RunError> {
+        let lw = self.download_layer(set)?;
+        if !self.format.is_int8() {
+            return Ok(lw.map_projections(|_, w| w.iter().map(|v| v.to_f32()).collect()));
+        }
+        let shapes = LayerWeights::shapes(&self.config);
+        let mut exact = Vec::with_capacity(PROJECTIONS);
+        for (kind, (_, [r, k])) in shapes.iter().take(PROJECTIONS).enumerate() {
+            let bytes = self.format.matrix_bytes(*r, *k);
+            let q = self.buffers[kind].read_at::<i8>(set * bytes, bytes)?;
+            let il = self.host_layouts && int8_interleaved(self.format, *r, *k);
+            exact.push(quant::dequantize_matrix_as_f32(&q, *k, il));
+        }
+        Ok(lw.map_projections(|kind, _| std::mem::take(&mut exact[kind])))
+    }
+
     /// Reads rows `rows` of the LM head back to the host (`[rows, hidden]` bf16; an int8
     /// head dequantised and rounded to bf16).
     pub fn download_lm_head_rows(

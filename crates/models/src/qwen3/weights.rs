@@ -3,6 +3,7 @@
 //! layer one `Arc`); RoPE tables; and the paged KV cache with its block tables (`docs/qwen3.md`,
 //! "Paged KV cache").
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use half::bf16;
@@ -10,23 +11,25 @@ use half::bf16;
 use super::config::Qwen3Config;
 
 /// One decoder layer's weights. Projections are `[out, in]` row-major (row `o` holds the
-/// weights of output `o` along the input): `y[o] = sum_i x[i] * w[o * in + i]`.
+/// weights of output `o` along the input): `y[o] = sum_i x[i] * w[o * in + i]`. They are bf16
+/// as a checkpoint stores them; the golden also reads fp32 projections (`W = f32`: an int8
+/// model's exact `q · scale` values, which bf16 cannot hold).
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerWeights {
+pub struct LayerWeights<W = bf16> {
     /// `q_proj` `[heads * head_dim, hidden]`.
-    pub wq: Vec<bf16>,
+    pub wq: Vec<W>,
     /// `k_proj` `[kv_heads * head_dim, hidden]`.
-    pub wk: Vec<bf16>,
+    pub wk: Vec<W>,
     /// `v_proj` `[kv_heads * head_dim, hidden]`.
-    pub wv: Vec<bf16>,
+    pub wv: Vec<W>,
     /// `o_proj` `[hidden, heads * head_dim]`.
-    pub wo: Vec<bf16>,
+    pub wo: Vec<W>,
     /// `gate_proj` `[intermediate, hidden]`.
-    pub w_gate: Vec<bf16>,
+    pub w_gate: Vec<W>,
     /// `up_proj` `[intermediate, hidden]`.
-    pub w_up: Vec<bf16>,
+    pub w_up: Vec<W>,
     /// `down_proj` `[hidden, intermediate]`.
-    pub w_down: Vec<bf16>,
+    pub w_down: Vec<W>,
     /// `q_norm` `[head_dim]`.
     pub q_norm: Vec<f32>,
     /// `k_norm` `[head_dim]`.
@@ -35,6 +38,44 @@ pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     /// `post_attention_layernorm` `[hidden]`.
     pub post_norm: Vec<f32>,
+}
+
+/// A projection weight element the golden multiplies: bf16 as stored, or fp32.
+pub trait ProjectionElem: Copy + Into<f32> + Send + Sync + std::fmt::Debug + PartialEq {
+    /// The embedding table as this element: the LM head of a tied model.
+    fn from_embedding(e: &[bf16]) -> Cow<'_, [Self]>;
+}
+
+impl ProjectionElem for bf16 {
+    fn from_embedding(e: &[bf16]) -> Cow<'_, [bf16]> {
+        Cow::Borrowed(e)
+    }
+}
+
+impl ProjectionElem for f32 {
+    fn from_embedding(e: &[bf16]) -> Cow<'_, [f32]> {
+        Cow::Owned(e.iter().map(|v| v.to_f32()).collect())
+    }
+}
+
+impl<W> LayerWeights<W> {
+    /// The same layer with every projection replaced by `f(index, projection)` (index in
+    /// the order of [`LayerWeights::shapes`]) and the norm weights kept.
+    pub fn map_projections<V>(&self, mut f: impl FnMut(usize, &[W]) -> Vec<V>) -> LayerWeights<V> {
+        LayerWeights {
+            wq: f(0, &self.wq),
+            wk: f(1, &self.wk),
+            wv: f(2, &self.wv),
+            wo: f(3, &self.wo),
+            w_gate: f(4, &self.w_gate),
+            w_up: f(5, &self.w_up),
+            w_down: f(6, &self.w_down),
+            q_norm: self.q_norm.clone(),
+            k_norm: self.k_norm.clone(),
+            input_norm: self.input_norm.clone(),
+            post_norm: self.post_norm.clone(),
+        }
+    }
 }
 
 impl LayerWeights {
@@ -140,19 +181,29 @@ pub enum TensorMut<'a> {
     F32(&'a mut [f32]),
 }
 
-/// A whole model's weights.
+/// A whole model's weights (projections and an untied LM head as `W`; see [`LayerWeights`]).
 #[derive(Clone, Debug)]
-pub struct Qwen3Weights {
+pub struct Qwen3Weights<W = bf16> {
     /// The configuration the shapes follow.
     pub config: Qwen3Config,
     /// One entry per layer; in shared-weights mode every entry is the same `Arc`.
-    pub layers: Vec<Arc<LayerWeights>>,
+    pub layers: Vec<Arc<LayerWeights<W>>>,
     /// `embed_tokens` `[vocab, hidden]`.
     pub embedding: Vec<bf16>,
     /// Final `norm` `[hidden]`.
     pub final_norm: Vec<f32>,
     /// Untied `lm_head` `[vocab, hidden]`; `None` when tied to the embedding.
-    pub lm_head: Option<Vec<bf16>>,
+    pub lm_head: Option<Vec<W>>,
+}
+
+impl<W: ProjectionElem> Qwen3Weights<W> {
+    /// The LM head rows `[vocab, hidden]` as `W` (the embedding table when tied).
+    pub fn lm_head_rows(&self) -> Cow<'_, [W]> {
+        match &self.lm_head {
+            Some(h) => Cow::Borrowed(h),
+            None => W::from_embedding(&self.embedding),
+        }
+    }
 }
 
 impl Qwen3Weights {

@@ -12,8 +12,9 @@ mod tolerance;
 use half::bf16;
 
 use super::config::Qwen3Config;
+use super::quant::{Int8Acts, WeightFormat};
 use super::rope::RopeTables;
-use super::weights::{KvCache, LayerWeights, PagedBatch, Qwen3Weights};
+use super::weights::{KvCache, LayerWeights, PagedBatch, ProjectionElem, Qwen3Weights};
 
 pub use tolerance::{Agreement, Int8Agreement, Tolerance, check_argmax};
 
@@ -204,7 +205,7 @@ fn attend_one(q: &[f32], keys: &[&[bf16]], values: &[&[bf16]], scale: f32) -> Ve
 
 /// What the projections multiply their weights by: the activations as they are, or (an int8
 /// W8A8 model, `qwen3::quant`) each row quantised symmetrically to 127 steps of its largest
-/// magnitude, ties away from zero, and taken back to fp32.
+/// magnitude, `round(x · 127 / max|x|)` with ties to even, and taken back to fp32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Acts {
     /// fp32 (bf16-rounded where the step rounds them).
@@ -214,6 +215,15 @@ pub enum Acts {
 }
 
 impl Acts {
+    /// What the projections of a model in `format` multiply.
+    pub fn of(format: WeightFormat) -> Acts {
+        if format == WeightFormat::Int8(Int8Acts::Quantised) {
+            Acts::PerRowInt8
+        } else {
+            Acts::Float
+        }
+    }
+
     /// `x` (rows of `width`) as the projections see them.
     fn apply(self, mut x: Vec<f32>, width: usize) -> Vec<f32> {
         if self == Acts::PerRowInt8 {
@@ -222,9 +232,11 @@ impl Acts {
                 if amax == 0.0 {
                     continue;
                 }
+                // Ties do occur: the activations are bf16, and a row whose largest magnitude
+                // is 127 · 2^e puts every odd multiple of 2^(e-1) exactly halfway.
                 let step = amax / 127.0;
                 for v in row.iter_mut() {
-                    *v = (*v / step).round().clamp(-127.0, 127.0) * step;
+                    *v = (*v * 127.0 / amax).round_ties_even().clamp(-127.0, 127.0) * step;
                 }
             }
         }
@@ -250,9 +262,9 @@ struct TokenPos {
 /// One layer over `tokens` (rows of `x`, fp32 `[T, hidden]`), writing each token's K/V to
 /// its slot before any attention (so chunk tokens see each other causally).
 #[allow(clippy::too_many_arguments)]
-fn layer_step(
+fn layer_step<W: ProjectionElem>(
     c: &Qwen3Config,
-    w: &LayerWeights,
+    w: &LayerWeights<W>,
     layer: usize,
     kv: &mut KvCache,
     batch: &PagedBatch,
@@ -367,13 +379,26 @@ fn layer_step(
 /// Decode step through `layers` (indices into the model's layers): `x` fp32 `[batch, hidden]`
 /// in, the new token of sequence `b` at position `seq_lens[b] - 1`; writes each layer's new
 /// K/V into `kv` and returns the hidden output and the writes.
-pub fn decode_layers(
-    weights: &Qwen3Weights,
+pub fn decode_layers<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
     layers: std::ops::Range<usize>,
     kv: &mut KvCache,
     batch: &PagedBatch,
     rope: &RopeTables,
     x: &[f32],
+) -> DecodeOutput {
+    decode_layers_as(weights, layers, kv, batch, rope, x, Acts::Float)
+}
+
+/// [`decode_layers`] with the projections multiplying `acts`.
+pub fn decode_layers_as<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
+    layers: std::ops::Range<usize>,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    x: &[f32],
+    acts: Acts,
 ) -> DecodeOutput {
     let tokens: Vec<TokenPos> = batch
         .seq_lens
@@ -394,7 +419,7 @@ pub fn decode_layers(
             &hidden,
             &tokens,
             NormMode::Deferred,
-            Acts::Float,
+            acts,
         );
         hidden = next;
         kv_writes.push(wr);
@@ -404,8 +429,8 @@ pub fn decode_layers(
 
 /// The fixture-compatible layers-chunk variant: bf16 hidden in, bf16 out, fp32 carried
 /// between the layers and rounded once at the end.
-pub fn decode_layers_bf16(
-    weights: &Qwen3Weights,
+pub fn decode_layers_bf16<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
     layers: std::ops::Range<usize>,
     kv: &mut KvCache,
     batch: &PagedBatch,
@@ -421,9 +446,13 @@ pub fn decode_layers_bf16(
 }
 
 /// Final ordinary RMSNorm, LM head (fp32 logits) and greedy argmax over `rows` rows of `x`.
-fn head(weights: &Qwen3Weights, x: &[f32], rows: usize) -> (Vec<f32>, Vec<u32>) {
+fn head<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
+    x: &[f32],
+    rows: usize,
+) -> (Vec<f32>, Vec<u32>) {
     let c = &weights.config;
-    let logits = head_logits(c, &weights.final_norm, weights.lm_head(), x, rows);
+    let logits = head_logits(c, &weights.final_norm, &weights.lm_head_rows(), x, rows);
     let next = logits.chunks_exact(c.vocab_size).map(argmax).collect();
     (logits, next)
 }
@@ -459,9 +488,9 @@ pub fn head_logits<W: Copy + Into<f32> + Sync>(
 /// # Panics
 /// If `kv` holds more than one layer.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_layer(
+pub fn decode_layer<W: ProjectionElem>(
     c: &Qwen3Config,
-    w: &LayerWeights,
+    w: &LayerWeights<W>,
     kv: &mut KvCache,
     batch: &PagedBatch,
     rope: &RopeTables,
@@ -504,16 +533,29 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// Full-model decode step: embedding gather of `tokens` (one per sequence, at position
 /// `seq_lens[b] - 1`), every layer, final norm, LM head, argmax.
-pub fn decode_model(
-    weights: &Qwen3Weights,
+pub fn decode_model<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
     kv: &mut KvCache,
     batch: &PagedBatch,
     rope: &RopeTables,
     tokens: &[u32],
 ) -> ModelOutput {
+    decode_model_as(weights, kv, batch, rope, tokens, Acts::Float)
+}
+
+/// [`decode_model`] with the projections multiplying `acts` (the LM head's activations stay
+/// fp32, as an int8 model keeps them).
+pub fn decode_model_as<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
+    kv: &mut KvCache,
+    batch: &PagedBatch,
+    rope: &RopeTables,
+    tokens: &[u32],
+    acts: Acts,
+) -> ModelOutput {
     let c = &weights.config;
     let x = embed(weights, tokens);
-    let out = decode_layers(weights, 0..c.num_hidden_layers, kv, batch, rope, &x);
+    let out = decode_layers_as(weights, 0..c.num_hidden_layers, kv, batch, rope, &x, acts);
     let (logits, next_tokens) = head(weights, &out.hidden, tokens.len());
     ModelOutput {
         logits,
@@ -523,7 +565,7 @@ pub fn decode_model(
     }
 }
 
-fn embed(weights: &Qwen3Weights, tokens: &[u32]) -> Vec<f32> {
+fn embed<W>(weights: &Qwen3Weights<W>, tokens: &[u32]) -> Vec<f32> {
     let h = weights.config.hidden_size;
     tokens
         .iter()
@@ -549,8 +591,8 @@ pub struct PrefillChunk {
 /// Chunked causal prefill: token-major packed chunks (the cached prefix of each sequence is
 /// already in `kv`), ordinary RMSNorm, every chunk token's K/V written, logits for each
 /// sequence's last token. `batch` supplies the block tables (its `seq_lens` are not used).
-pub fn prefill_model(
-    weights: &Qwen3Weights,
+pub fn prefill_model<W: ProjectionElem>(
+    weights: &Qwen3Weights<W>,
     kv: &mut KvCache,
     batch: &PagedBatch,
     rope: &RopeTables,
@@ -600,5 +642,31 @@ pub fn prefill_model(
         next_tokens,
         hidden: last,
         kv_writes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Acts;
+
+    /// W8A8 rounds `x · 127 / max|x|` with ties to even, as the kernels' `quantize_row_i8`
+    /// does: with a largest magnitude of 127/64, `k/128` lands on `k/2` exactly.
+    #[test]
+    fn per_row_int8_rounds_ties_to_even() {
+        let amax = 127.0 / 64.0;
+        let step = amax / 127.0;
+        let row = vec![amax, 1.0 / 128.0, 3.0 / 128.0, -5.0 / 128.0, 7.0 / 128.0, 0.0];
+        let got = Acts::PerRowInt8.apply(row, 6);
+        let want: Vec<f32> = [127.0, 0.0, 2.0, -2.0, 4.0, 0.0]
+            .iter()
+            .map(|q| q * step)
+            .collect();
+        assert_eq!(got, want);
+        // Away from ties, plain rounding; an all-zero row stays zero.
+        let got = Acts::PerRowInt8.apply(vec![1.0, 0.3, -0.7, 0.0, 0.0, 0.0], 3);
+        assert_eq!(
+            got,
+            vec![1.0, (0.3f32 * 127.0).round() / 127.0, -89.0 / 127.0, 0.0, 0.0, 0.0]
+        );
     }
 }

@@ -12,6 +12,9 @@ pub struct Agreement {
     pub max_abs: f32,
     /// Index of the worst element (largest excess over the tolerance).
     pub worst: usize,
+    /// Largest `|a - e| / (atol + rtol |e|)`: how much of its tolerance the farthest element
+    /// used (above 1 is outside).
+    pub worst_ratio: f32,
 }
 
 impl Agreement {
@@ -47,6 +50,20 @@ impl Tolerance {
         min_fraction: 1.0,
         outlier_cap: 1.0,
     };
+    /// The logits of a deep W8A8 int8 stack against the golden on its exact dequantised
+    /// weights: the stack tolerance for 99.99% of the logits, every one within 2.5 times it.
+    /// One W8A8 layer matches that golden bit for bit; past a few layers, a last-ulp
+    /// difference (summation order, `exp`) moves some activation across an int8 rounding
+    /// boundary, that step of 1/127 of its row's largest value carries on, and 28 layers of
+    /// the 0.6B preset put a few logits in 10^5 (logits reach ±100) at 0.9–1.7 times the
+    /// stack tolerance. The golden itself, with one ulp added to its input, moved as far
+    /// (1.2 times). `docs/qwen3.md`, "int8 weights", has the measurements.
+    pub const W8A8_STACK_LOGITS: Tolerance = Tolerance {
+        rtol: 5e-2,
+        atol: 1e-1,
+        min_fraction: 0.9999,
+        outlier_cap: 2.5,
+    };
     /// One layer: `|a - e| <= 3e-3 + 3e-3 |e|` for at least 98% of elements, and every
     /// element within 10 times that.
     pub const ONE_LAYER: Tolerance = Tolerance {
@@ -70,15 +87,22 @@ impl Tolerance {
             within: 0,
             max_abs: 0.0,
             worst: 0,
+            worst_ratio: 0.0,
         };
         let mut worst_excess = f32::NEG_INFINITY;
         for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
             let diff = (a - e).abs();
+            let allowed = self.atol + self.rtol * e.abs();
             let excess = if diff.is_nan() {
                 f32::INFINITY
             } else {
-                diff - (self.atol + self.rtol * e.abs())
+                diff - allowed
             };
+            ag.worst_ratio = ag.worst_ratio.max(if diff.is_nan() {
+                f32::INFINITY
+            } else {
+                diff / allowed
+            });
             if excess <= 0.0 {
                 ag.within += 1;
             }
