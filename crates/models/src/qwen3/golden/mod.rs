@@ -205,7 +205,7 @@ fn attend_one(q: &[f32], keys: &[&[bf16]], values: &[&[bf16]], scale: f32) -> Ve
 
 /// What the projections multiply their weights by: the activations as they are, or (an int8
 /// W8A8 model, `qwen3::quant`) each row quantised symmetrically to 127 steps of its largest
-/// magnitude, `round(x · 127 / max|x|)` with ties to even, and taken back to fp32.
+/// magnitude, `round(x · fl(127 / max|x|))` with ties to even, and taken back to fp32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Acts {
     /// fp32 (bf16-rounded where the step rounds them).
@@ -232,11 +232,15 @@ impl Acts {
                 if amax == 0.0 {
                     continue;
                 }
-                // Ties do occur: the activations are bf16, and a row whose largest magnitude
-                // is 127 · 2^e puts every odd multiple of 2^(e-1) exactly halfway.
+                // The model's rule, to the last bit: each value times the fp32 `127 / max|x|`,
+                // rounded half to even. Products land exactly halfway often enough to matter
+                // (the activations are bf16): computing `x · 127 / max|x|` instead, or rounding
+                // ties away from zero, flipped an int8 step in some rows, which moved the
+                // K rows of one layer of the 0.6B preset at batch 4 past the one-layer
+                // tolerance.
                 let step = amax / 127.0;
                 for v in row.iter_mut() {
-                    *v = (*v * 127.0 / amax).round_ties_even().clamp(-127.0, 127.0) * step;
+                    *v = (*v * (127.0 / amax)).round_ties_even().clamp(-127.0, 127.0) * step;
                 }
             }
         }

