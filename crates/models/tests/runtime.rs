@@ -505,9 +505,10 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
         ),
         other => panic!("expected a refused replay, got {other:?}"),
     }
-    // Bad step entries: the q/k norm + RoPE task (SPMD over heads, writing the pools) checks
-    // every row's entry in every block before it writes, so the task fails with the pools
-    // untouched (the sessions' caches still agree bit for bit below).
+    // Bad step entries: the q, k and v projections' epilogues (SPMD over heads, k and v
+    // writing the pools) check every row's entry in every block before they write, so the
+    // step fails with the pools untouched (the sessions' caches still agree bit for bit
+    // below).
     let step_entries = g.buffers().last().unwrap();
     let pools_before = kv_bits(&a);
     let len = |i: usize| u32::try_from(lens[i]).unwrap();
@@ -527,7 +528,7 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
         match w.replay(&g, args.clone(), &cfg, g.shape()) {
             Err(Error::Run(e)) => {
                 assert_eq!(e.code, ErrorCode::KernelFailed);
-                assert_eq!(e.locator.kernel.as_deref(), Some("qk_norm_rope_step_bf16"));
+                assert_eq!(e.locator.kernel.as_deref(), Some("gemm_rope_step_bf16"));
                 assert!(e.detail.contains(why), "{why}: {}", e.detail);
             }
             other => panic!("{why}: expected KERNEL_FAILED, got {other:?}"),

@@ -189,24 +189,22 @@ pub mod phase {
     pub const INPUT: usize = 0;
     /// Input RMSNorm.
     pub const ATTN_NORM: usize = 1;
-    /// q/k/v projections.
+    /// q/k/v projections with their epilogue: q/k norm, RoPE, the new K/V rows into the pools.
     pub const QKV: usize = 2;
-    /// q/k norm, RoPE, the new K/V rows into the pools.
-    pub const ROPE_KV: usize = 3;
     /// Decode attention (and the split-KV combine).
-    pub const ATTENTION: usize = 4;
+    pub const ATTENTION: usize = 3;
     /// Output projection into the residual.
-    pub const O_PROJ: usize = 5;
+    pub const O_PROJ: usize = 4;
     /// Post-attention RMSNorm.
-    pub const MLP_NORM: usize = 6;
+    pub const MLP_NORM: usize = 5;
     /// Gate and up projections with SwiGLU.
-    pub const GATE_UP: usize = 7;
+    pub const GATE_UP: usize = 6;
     /// Down projection into the residual.
-    pub const DOWN: usize = 8;
+    pub const DOWN: usize = 7;
     /// Final norm, LM head, argmax (or the layers variant's cast out).
-    pub const HEAD: usize = 9;
+    pub const HEAD: usize = 8;
     /// Phases of a step.
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 9;
 }
 
 impl DecodePhases {
@@ -274,12 +272,14 @@ impl DecodePhases {
         } else {
             Engine::Matrix
         };
+        // The projections' epilogue also reads the q/k norm weights and writes the new K and V
+        // rows.
+        let mut qkv = proj("qkv", &[0, 1, 2]);
+        qkv.cost.bytes += l * (8.0 * d + r * 2.0 * kv_row);
         let phases = vec![
             vector("input", input_bytes),
             vector("attn_norm", l * 4.0 * h),
-            proj("qkv", &[0, 1, 2]),
-            // q/k norm weights, and the new K and V rows written.
-            vector("rope_kv", l * (8.0 * d + r * 2.0 * kv_row)),
+            qkv,
             StepPhase {
                 cost: PhaseCost {
                     name: "attention",
@@ -350,12 +350,11 @@ fn phase_of(func: u32, before: usize) -> Option<usize> {
         }
     } else if is(ops::GEMM_TILE) {
         match before {
-            phase::ATTN_NORM | phase::QKV => phase::QKV,
             phase::ATTENTION | phase::O_PROJ => phase::O_PROJ,
             _ => phase::DOWN,
         }
-    } else if is(ops::ROPE_KV_STEP) {
-        phase::ROPE_KV
+    } else if is(ops::GEMM_ROPE_STEP) {
+        phase::QKV
     } else if is(ops::ATTN_DECODE) || is(ops::ATTN_COMBINE) {
         phase::ATTENTION
     } else if is(ops::GATE_UP_SWIGLU) {
@@ -515,19 +514,20 @@ mod tests {
         let c = hand_config();
         let p = DecodePhases::decode(&c, 1, true, &[3, 5], WeightFormat::Bf16);
         let qkv = &p.phases[phase::QKV].cost;
-        // Wq 4x4, Wk and Wv 2x4 bf16; 2 rows x 32 multiply-adds x 2.
-        assert_eq!((qkv.bytes, qkv.flops), (64.0, 128.0));
+        // Wq 4x4, Wk and Wv 2x4 bf16; 2 rows x 32 multiply-adds x 2. The epilogue: q/k norm
+        // weights (2 x 2 fp32) and 2 rows' new K and V rows (4 bytes each).
+        assert_eq!((qkv.bytes, qkv.flops), (64.0 + 16.0 + 16.0, 128.0));
         // 8 cached tokens, K and V rows of 4 bytes; 4 x q_width 4 FLOPs per token.
         let at = &p.phases[phase::ATTENTION].cost;
         assert_eq!((at.bytes, at.flops), (64.0, 128.0));
-        // Bandwidth-bound: 64 B at 1 GB/s = 64 ns, 128 FLOP at 100 GFLOP/s = 1.28 ns.
+        // Bandwidth-bound: 96 B at 1 GB/s = 96 ns, 128 FLOP at 100 GFLOP/s = 1.28 ns.
         let m = peaks(1.0, 100.0, 100.0);
         let (s, lim) = p.phase_bound(phase::QKV, &m);
         assert!(
-            (s - 64e-9).abs() < 1e-15 && lim == Limit::Bandwidth,
+            (s - 96e-9).abs() < 1e-15 && lim == Limit::Bandwidth,
             "{s} {lim:?}"
         );
-        // Compute-bound: 128 FLOP at 0.5 GFLOP/s = 256 ns over 64 B at 1 GB/s.
+        // Compute-bound: 128 FLOP at 0.5 GFLOP/s = 256 ns over 96 B at 1 GB/s.
         let slow = peaks(1.0, 0.5, 100.0);
         let (s, lim) = p.phase_bound(phase::QKV, &slow);
         assert!(
@@ -572,15 +572,15 @@ mod tests {
             end,
             finish: end,
         };
-        // One layer on two cores: the norm, two q/k/v blocks overlapping, a barrier, the RoPE
-        // task's two blocks side by side, attention, o_proj, the post norm, gate/up, down;
-        // then the next layer's norm and q/k/v (charged to the same phases).
+        // One layer on two cores: the norm, q/k/v blocks overlapping, a barrier, attention,
+        // o_proj, the post norm, gate/up, down; then the next layer's norm and q/k/v (charged
+        // to the same phases).
         let mut tasks = vec![
             rec(ops::RMS_NORM_DEFERRED, 0, 0, 10),
-            rec(ops::GEMM_TILE, 0, 12, 40),
-            rec(ops::GEMM_TILE, 1, 13, 45),
-            rec(ops::ROPE_KV_STEP, 1, 50, 52),
-            rec(ops::ROPE_KV_STEP, 0, 50, 53),
+            rec(ops::GEMM_ROPE_STEP, 0, 12, 40),
+            rec(ops::GEMM_ROPE_STEP, 1, 13, 45),
+            rec(ops::GEMM_ROPE_STEP, 1, 50, 52),
+            rec(ops::GEMM_ROPE_STEP, 0, 50, 53),
             rec(ops::ATTN_DECODE, 0, 56, 80),
             rec(ops::ATTN_DECODE, 1, 57, 79),
             rec(ops::GEMM_TILE, 0, 81, 90),
@@ -588,7 +588,7 @@ mod tests {
             rec(ops::GATE_UP_SWIGLU, 1, 95, 120),
             rec(ops::GEMM_TILE, 0, 121, 130),
             rec(ops::RMS_NORM_DEFERRED, 1, 131, 133),
-            rec(ops::GEMM_TILE, 1, 134, 140),
+            rec(ops::GEMM_ROPE_STEP, 1, 134, 140),
         ];
         // A barrier's record belongs to no phase.
         tasks.push(TaskRecord {
@@ -601,8 +601,8 @@ mod tests {
         };
         let s = phase_spans_ns(&sw);
         assert_eq!(s[phase::ATTN_NORM], 10 + 2);
-        assert_eq!(s[phase::QKV], 33 + 6);
-        assert_eq!(s[phase::ROPE_KV], 3);
+        // q, k and v blocks, one run however many tasks: 12..53, then 134..140.
+        assert_eq!(s[phase::QKV], 41 + 6);
         assert_eq!(s[phase::ATTENTION], 24);
         assert_eq!(s[phase::O_PROJ], 9);
         assert_eq!(s[phase::MLP_NORM], 2);

@@ -36,11 +36,11 @@ use super::ops;
 use super::ops::STEP_FIELDS;
 use super::ops::args::{
     Arg, ArgmaxArgs, AttnCombineArgs, AttnDecodeArgs, AttnPrefillArgs, CastArgs, EmbedArgs,
-    GateUpArgs, GemmArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs, RopeStepArgs,
+    GateUpArgs, GemmArgs, GemmRopeArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
 };
 use super::ops::scalars::{
-    AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmScalars,
-    LmHeadScalars, NormScalars, PushScalars,
+    AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmRopeScalars,
+    GemmScalars, LmHeadScalars, NormScalars, PushScalars, StepRole,
 };
 use super::plan::{KvSplit, LayerBlocks, SeqRows};
 use super::quant::{Int8Acts, WeightFormat, int8_record};
@@ -406,48 +406,58 @@ fn attention_block(
     let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
     let r = p.rows as u64;
 
-    // Input norm and the q/k/v projections.
+    // Input norm, the q/k/v projections, q/k norm and RoPE into bf16 Q, and the K/V rows
+    // into this layer's pools.
     let (n, rs) = norm(o, p, x, &w.input_norm)?;
-    let q = o.alloc(DType::F32, &[r, qw as u64])?;
-    let k = o.alloc(DType::F32, &[r, kvw as u64])?;
-    let v = o.alloc(DType::F32, &[r, kvw as u64])?;
-    let mut qkv = Vec::new();
-    for (wt, out, blocks) in [
-        (&w.wq, &q, p.blocks.q),
-        (&w.wk, &k, p.blocks.k),
-        (&w.wv, &v, p.blocks.v),
-    ] {
-        qkv.push(gemm(
-            o,
-            &n,
-            Dep::Tensor,
-            wt,
-            blocks,
-            out,
-            rs.as_ref(),
-            h,
-            false,
-            p.w8a8(),
-        )?);
-    }
-    let qkv_done = Dep::After(barrier(o, qkv)?);
-
-    // q/k norm, RoPE, bf16 Q, and the K/V rows into this layer's pools.
     let qb = o.alloc(DType::BF16, &[r, qw as u64])?;
     let kl = entry(o, &vw.k_cache, l)?;
     let vl = entry(o, &vw.v_cache, l)?;
     let kv_ready = match (p.kind, &vw.step) {
         (StepKind::Decode, Some(step)) => {
-            rope_kv_step(o, p, vw, w, step, qkv_done, [&q, &k, &v], &qb, [&kl, &vl])?
+            qkv_rope_step(o, p, vw, w, step, &n, rs.as_ref(), &qb, [&kl, &vl])?
         }
-        _ => rope_kv_runs(o, p, vw, w, qkv_done, [&q, &k, &v], &qb, [&kl, &vl])?,
+        _ => {
+            let q = o.alloc(DType::F32, &[r, qw as u64])?;
+            let k = o.alloc(DType::F32, &[r, kvw as u64])?;
+            let v = o.alloc(DType::F32, &[r, kvw as u64])?;
+            let mut qkv = Vec::new();
+            for (wt, out, blocks) in [
+                (&w.wq, &q, p.blocks.q),
+                (&w.wk, &k, p.blocks.k),
+                (&w.wv, &v, p.blocks.v),
+            ] {
+                qkv.push(gemm(
+                    o,
+                    &n,
+                    Dep::Tensor,
+                    wt,
+                    blocks,
+                    out,
+                    rs.as_ref(),
+                    h,
+                    false,
+                    p.w8a8(),
+                )?);
+            }
+            let qkv_done = Dep::After(barrier(o, qkv)?);
+            vec![rope_kv_runs(
+                o,
+                p,
+                vw,
+                w,
+                qkv_done,
+                [&q, &k, &v],
+                &qb,
+                [&kl, &vl],
+            )?]
+        }
     };
 
     // Attention into packed activations for o_proj.
     let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
     let attn = match p.kind {
-        StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
-        StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, kv_ready)?,
+        StepKind::Decode => attention_decode(o, p, vw, &qb, &kl, &vl, &a, &kv_ready)?,
+        StepKind::Prefill => attention_prefill(o, p, vw, &qb, &kl, &vl, &a, &kv_ready)?,
     };
     let attn_done = Dep::After(barrier(o, attn)?);
 
@@ -527,52 +537,82 @@ fn rope_kv_runs(
     Ok(o.submit(Task::dummy().after_all(writes))?.id)
 }
 
-/// Decode: q/k norm and RoPE of each row at the position its step entry holds, the new K/V
-/// rows written into the layer's pools at the entries' slots (so the graph does not depend on
-/// positions or slots), in one SPMD task of `small_task_blocks` blocks, each a share of the heads
-/// over every row; returns that task.
+/// Decode: the q, k and v projections as one SPMD task each, every block whole heads, with
+/// their epilogues (`GEMM_ROPE_STEP`): q/k norm and RoPE of each row at the position its step
+/// entry holds into bf16 Q and the K pool, the V rows into the V pool, at the entries' slots
+/// (so the graph does not depend on positions or slots). Returns the tasks that write the
+/// pools (Q is tracked by its tensor).
 #[allow(clippy::too_many_arguments)]
-fn rope_kv_step(
+fn qkv_rope_step(
     o: &mut Orchestrator,
     p: &StepPlan,
     vw: &Views,
     w: &LayerViews,
     step: &Tensor,
-    qkv_done: Dep,
-    [q, k, v]: [&Tensor; 3],
+    n: &Tensor,
+    rs: Option<&Tensor>,
     qb: &Tensor,
     [kl, vl]: [&Tensor; 2],
-) -> R<TaskId> {
+) -> R<Vec<TaskId>> {
     let c = &p.config;
-    // No more blocks than the K/V heads, so every block writes some of the pools.
-    let blocks = p.small_task_blocks.clamp(1, c.num_key_value_heads.max(1));
-    let t = RopeStepArgs {
-        q: qkv_done.arg(q),
-        k: qkv_done.arg(k),
-        v: qkv_done.arg(v),
-        // SAFETY: a q/k norm weight: written by no task during a run.
-        q_norm: unsafe { Arg::untracked(&w.q_norm) },
-        // SAFETY: a q/k norm weight: written by no task during a run.
-        k_norm: unsafe { Arg::untracked(&w.k_norm) },
-        // SAFETY: the RoPE tables: written by no task during a run.
-        cos: unsafe { Arg::untracked(&vw.cos) },
-        // SAFETY: the RoPE tables: written by no task during a run.
-        sin: unsafe { Arg::untracked(&vw.sin) },
-        // SAFETY: the step entries: written by no task during a run.
-        step: unsafe { Arg::untracked(step) },
-        q_out: Arg::Out(qb),
-        k_pool: Arg::Out(kl),
-        v_pool: Arg::Out(vl),
+    let mut ids = Vec::with_capacity(3);
+    for (wt, norm, out, blocks, heads, role) in [
+        (
+            &w.wq,
+            &w.q_norm,
+            qb,
+            p.blocks.q,
+            c.num_attention_heads,
+            StepRole::Q,
+        ),
+        (
+            &w.wk,
+            &w.k_norm,
+            kl,
+            p.blocks.k,
+            c.num_key_value_heads,
+            StepRole::K,
+        ),
+        // v has no norm; the k norm's view is bound in its place and not read.
+        (
+            &w.wv,
+            &w.k_norm,
+            vl,
+            p.blocks.v,
+            c.num_key_value_heads,
+            StepRole::V,
+        ),
+    ] {
+        let t = GemmRopeArgs {
+            acts: Arg::In(n),
+            // SAFETY: `wt` is a weight matrix: written by no task during a run.
+            w: unsafe { Arg::untracked(wt) },
+            // SAFETY: a q/k norm weight: written by no task during a run.
+            norm: unsafe { Arg::untracked(norm) },
+            // SAFETY: the RoPE tables: written by no task during a run.
+            cos: unsafe { Arg::untracked(&vw.cos) },
+            // SAFETY: the RoPE tables: written by no task during a run.
+            sin: unsafe { Arg::untracked(&vw.sin) },
+            // SAFETY: the step entries: written by no task during a run.
+            step: unsafe { Arg::untracked(step) },
+            out: Arg::Out(out),
+            scale: rs.map(Arg::In),
+        }
+        .push(Task::new(ops::GEMM_ROPE_STEP));
+        // No more blocks than heads: a block's share is whole heads.
+        let blocks = blocks.clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
+        let t = t
+            .blocks(blocks)
+            .push_scalars(GemmRopeScalars {
+                k: c.hidden_size,
+                w8a8: p.w8a8(),
+                eps: c.rms_norm_eps as f32,
+                role,
+            })
+            .timing_slot(1);
+        ids.push(o.submit(t)?.id);
     }
-    .push(Task::new(ops::ROPE_KV_STEP));
-    let t = qkv_done
-        .order(t)
-        .push_scalars(NormScalars {
-            eps: c.rms_norm_eps as f32,
-        })
-        .blocks(u32::try_from(blocks).unwrap_or(u32::MAX))
-        .timing_slot(1);
-    Ok(o.submit(t)?.id)
+    Ok(ids[1..].to_vec())
 }
 
 /// Split-KV decode attention: per sequence one final task over every KV head, or one task per
@@ -586,7 +626,7 @@ fn attention_decode(
     kl: &Tensor,
     vl: &Tensor,
     a: &Tensor,
-    kv_ready: TaskId,
+    kv_ready: &[TaskId],
 ) -> R<Vec<TaskId>> {
     let c = &p.config;
     let (d, group, qw, kv_heads) = (c.head_dim, c.group(), c.q_width(), c.num_key_value_heads);
@@ -617,11 +657,11 @@ fn attention_decode(
         let task = |chunk: usize, out: &Tensor| {
             AttnDecodeArgs {
                 q: Arg::In(&qrow),
-                // SAFETY: this layer's K/V rows are written by the ROPE_KV_STEP task `kv_ready`
-                // names (the task runs after it), and by no later task of this layer.
+                // SAFETY: this layer's K/V rows are written by the k and v projection tasks
+                // `kv_ready` names (the task runs after them), and by no later task of this
+                // layer.
                 k_pool: unsafe { Arg::untracked(kl) },
-                // SAFETY: this layer's K/V rows are written by the ROPE_KV_STEP task `kv_ready`
-                // names (the task runs after it), and by no later task of this layer.
+                // SAFETY: as for `k_pool`.
                 v_pool: unsafe { Arg::untracked(vl) },
                 // SAFETY: the block table: written by no task during a run.
                 table: unsafe { Arg::untracked(&table) },
@@ -630,7 +670,7 @@ fn attention_decode(
                 out: Arg::Out(out),
             }
             .push(Task::new(ops::ATTN_DECODE))
-            .after(kv_ready)
+            .after_all(kv_ready.iter().copied())
             .push_scalars(AttnDecodeScalars {
                 chunk,
                 chunks: n_chunks,
@@ -697,7 +737,7 @@ fn attention_prefill(
     kl: &Tensor,
     vl: &Tensor,
     a: &Tensor,
-    kv_ready: TaskId,
+    kv_ready: &[TaskId],
 ) -> R<Vec<TaskId>> {
     let c = &p.config;
     let (d, group, qw) = (c.head_dim, c.group(), c.q_width());
@@ -727,7 +767,7 @@ fn attention_prefill(
                 }
                 .push(Task::new(ops::ATTN_PREFILL));
                 let id = o.submit(
-                    t.after(kv_ready)
+                    t.after_all(kv_ready.iter().copied())
                         .push_scalars(AttnPrefillScalars {
                             kv_head: g,
                             first_pos: s.first_pos() + i,

@@ -659,7 +659,14 @@ mod tests {
     fn per_row_int8_rounds_ties_to_even() {
         let amax = 127.0 / 64.0;
         let step = amax / 127.0;
-        let row = vec![amax, 1.0 / 128.0, 3.0 / 128.0, -5.0 / 128.0, 7.0 / 128.0, 0.0];
+        let row = vec![
+            amax,
+            1.0 / 128.0,
+            3.0 / 128.0,
+            -5.0 / 128.0,
+            7.0 / 128.0,
+            0.0,
+        ];
         let got = Acts::PerRowInt8.apply(row, 6);
         let want: Vec<f32> = [127.0, 0.0, 2.0, -2.0, 4.0, 0.0]
             .iter()
@@ -670,7 +677,14 @@ mod tests {
         let got = Acts::PerRowInt8.apply(vec![1.0, 0.3, -0.7, 0.0, 0.0, 0.0], 3);
         assert_eq!(
             got,
-            vec![1.0, (0.3f32 * 127.0).round() / 127.0, -89.0 / 127.0, 0.0, 0.0, 0.0]
+            vec![
+                1.0,
+                (0.3f32 * 127.0).round() / 127.0,
+                -89.0 / 127.0,
+                0.0,
+                0.0,
+                0.0
+            ]
         );
     }
 }

@@ -1,5 +1,6 @@
-//! Attention-side kernels: the q/k norm + RoPE epilogue that also writes K/V into the paged
+//! Attention-side kernels: prefill's q/k norm + RoPE that also writes K/V into the paged
 //! cache, split-KV decode attention with its combine, and chunked causal prefill attention.
+//! (Decode's q/k norm + RoPE is the q/k/v projections' epilogue, `dense::gemm_rope_step`.)
 
 use std::ops::Range;
 
@@ -8,11 +9,11 @@ use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, partial_len};
 
-use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv, rope_step};
+use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv};
 use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
-use super::{bad, check_packed_range, dims2, store_packed, with_scratch, with_scratch_dirty};
+use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 use crate::qwen3::plan::KvSplit;
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -40,118 +41,6 @@ pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     rope_rows(ctx, NAME, &rows, |t| {
         Ok((&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]))
     })
-}
-
-/// The decode step's q/k norm + RoPE, with the new K/V rows written into the layer's pools:
-/// each row's position and slot come from its step entry (`seq_len - 1`, `slot`) and its
-/// cos/sin rows from the whole tables, so one graph serves every step.
-///
-/// An SPMD task over heads: each block takes its share of the Q heads and of the pools' K/V
-/// heads (whole heads, `write_block_cols`), for every row. So at a batch smaller than the
-/// cores every core still takes part: at batch 1 this step was one task on one core, then a
-/// second task copied the K/V rows into the pools, while every other core waited for both
-/// before the attention could start.
-///
-/// Every block checks every row's entry before it writes anything, so a bad entry (a length
-/// outside the tables, a slot outside the pools, two rows on one slot) fails the task with Q
-/// and the pools untouched.
-pub(super) fn rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    const NAME: &str = "qk_norm_rope_step_bf16";
-    let NormScalars { eps } = NormScalars::read(ctx)?;
-    let (n, qw) = dims2(ctx, rope_step::q)?;
-    let (nk, kvw) = dims2(ctx, rope_step::k)?;
-    let (max_seq, d) = dims2(ctx, rope_step::cos)?;
-    let q = ctx.read::<f32>(rope_step::q)?;
-    let kx = ctx.read::<f32>(rope_step::k)?;
-    let v = ctx.read::<f32>(rope_step::v)?;
-    let qn = ctx.read::<f32>(rope_step::q_norm)?;
-    let kn = ctx.read::<f32>(rope_step::k_norm)?;
-    let cos = ctx.read::<f32>(rope_step::cos)?;
-    let sin = ctx.read::<f32>(rope_step::sin)?;
-    let step = ctx.read::<u32>(rope_step::step)?;
-    let shapes_ok = nk == n
-        && v.len() == n * kvw
-        && qn.len() == d
-        && kn.len() == d
-        && d > 0
-        && qw.is_multiple_of(d)
-        && kvw.is_multiple_of(d)
-        && sin.len() == cos.len();
-    if !shapes_ok {
-        return Err(bad(
-            NAME,
-            format!(
-                "inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}, norms of {} and {}",
-                qn.len(),
-                kn.len()
-            ),
-        ));
-    }
-    if step.len() != n * STEP_FIELDS {
-        return Err(bad(
-            NAME,
-            format!("{} step entries for {n} rows", step.len()),
-        ));
-    }
-    let mut qo = ctx.write_block_cols::<bf16>(rope_step::q_out, d)?;
-    let mut kp = ctx.write_block_cols::<bf16>(rope_step::k_pool, d)?;
-    let mut vp = ctx.write_block_cols::<bf16>(rope_step::v_pool, d)?;
-    if qo.len() != n || qo.view_row_len() != qw {
-        return Err(bad(NAME, "Q out is not [rows, q width]"));
-    }
-    if kp.view_row_len() != kvw || vp.view_row_len() != kvw || kp.len() != vp.len() {
-        return Err(bad(
-            NAME,
-            format!(
-                "pools of {} and {} rows of {} for K/V rows of {kvw}",
-                kp.len(),
-                vp.len(),
-                kp.view_row_len()
-            ),
-        ));
-    }
-    let slots = kp.len();
-    let mut rows: Vec<(usize, usize)> = Vec::with_capacity(n);
-    for t in 0..n {
-        let (len, slot) = (
-            step[t * STEP_FIELDS] as usize,
-            step[t * STEP_FIELDS + 1] as usize,
-        );
-        if len == 0 || len > max_seq {
-            return Err(bad(
-                NAME,
-                format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
-            ));
-        }
-        if slot >= slots {
-            return Err(bad(
-                NAME,
-                format!("row {t}: slot {slot} outside the pool's {slots} slots"),
-            ));
-        }
-        if let Some(u) = rows.iter().position(|&(_, s)| s == slot) {
-            return Err(bad(
-                NAME,
-                format!("rows {u} and {t} both write slot {slot}"),
-            ));
-        }
-        rows.push((len - 1, slot));
-    }
-    let cols = |r: &simpler_core::RowsMut<'_, bf16>| r.first_col()..r.first_col() + r.row_len();
-    let (qc, kc, vc) = (cols(&qo), cols(&kp), cols(&vp));
-    with_scratch_dirty(qc.len().max(kc.len()), |s| {
-        for (t, &(p, slot)) in rows.iter().enumerate() {
-            let (c, sn) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
-            let x = &mut s[..qc.len()];
-            x.copy_from_slice(&q[t * qw + qc.start..t * qw + qc.end]);
-            k::qk_norm_rope_bf16(x, qn, eps, c, sn, qo.row(t));
-            let x = &mut s[..kc.len()];
-            x.copy_from_slice(&kx[t * kvw + kc.start..t * kvw + kc.end]);
-            k::qk_norm_rope_bf16(x, kn, eps, c, sn, kp.row(slot));
-            k::cast_f32_bf16(&v[t * kvw + vc.start..t * kvw + vc.end], vp.row(slot));
-        }
-    });
-    Ok(())
 }
 
 /// Entries of a decode row's step record: `[seq_len, slot]`.

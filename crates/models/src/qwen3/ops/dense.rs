@@ -22,8 +22,11 @@ use simpler_kernels_cpu::{
 use crate::qwen3::layout::bf16_layout;
 use crate::qwen3::quant::{int8_interleaved, int8_record, interleaved_scales, record_scale};
 
-use super::args::{argmax, gate_up, gemm, lm_head};
-use super::scalars::{GateUpScalars, GemmScalars, KernelScalars, LmHeadScalars};
+use super::args::{argmax, gate_up, gemm, gemm_rope, lm_head};
+use super::attn::STEP_FIELDS;
+use super::scalars::{
+    GateUpScalars, GemmRopeScalars, GemmScalars, KernelScalars, LmHeadScalars, StepRole,
+};
 use super::{bad, check_packed, check_packed_range, dims2, with_scratch_dirty};
 
 /// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
@@ -488,6 +491,135 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
         gemm_into_rows(w, x, &tile, scale, &mut out)
     });
     Ok(())
+}
+
+/// A decode q, k or v projection with its epilogue, so nothing runs between the projections
+/// and the attention: each block computes whole heads of the output (`write_block_cols` over
+/// `head_dim`) and, while they are in its cache, q: norms and rotates them into bf16 Q rows;
+/// k: norms and rotates them into the K pool at each row's slot; v: rounds them into the V
+/// pool. Positions and slots come from the step entries at run time (`seq_len - 1`, `slot`),
+/// so one graph serves every step.
+///
+/// Until this, the projections wrote fp32 q/k/v, and an SPMD task over the heads then read
+/// them back from the other cores' caches to norm, rotate and write them: at batch 1 both
+/// cores waited for that task between every layer's projections and attention.
+///
+/// Every block checks every row's entry before it writes anything, so a bad entry (a length
+/// outside the tables, a slot outside the pool, two rows on one slot) fails the task with Q
+/// and the pools untouched.
+pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "gemm_rope_step_bf16";
+    let GemmRopeScalars {
+        k: kdim,
+        w8a8,
+        eps,
+        role,
+    } = GemmRopeScalars::read(ctx)?;
+    let x = acts(ctx, gemm_rope::acts, kdim, NAME)?;
+    let w = weights(ctx, gemm_rope::w, kdim, NAME, Source::Resident, w8a8)?;
+    let scale = optional_scale(ctx, gemm_rope::scale, x.rows(), NAME)?;
+    let norm = ctx.read::<f32>(gemm_rope::norm)?;
+    let (max_seq, d) = dims2(ctx, gemm_rope::cos)?;
+    let cos = ctx.read::<f32>(gemm_rope::cos)?;
+    let sin = ctx.read::<f32>(gemm_rope::sin)?;
+    let step = ctx.read::<u32>(gemm_rope::step)?;
+    let (n, width) = (x.rows(), w.rows());
+    if d == 0 || norm.len() != d || sin.len() != cos.len() || !width.is_multiple_of(d) {
+        return Err(bad(
+            NAME,
+            format!(
+                "inconsistent shapes: {width} output columns, head_dim {d}, norm of {}",
+                norm.len()
+            ),
+        ));
+    }
+    if step.len() != n * STEP_FIELDS {
+        return Err(bad(
+            NAME,
+            format!("{} step entries for {n} rows", step.len()),
+        ));
+    }
+    let mut out = ctx.write_block_cols::<bf16>(gemm_rope::out, d)?;
+    if out.view_row_len() != width || (role == StepRole::Q && out.len() != n) {
+        return Err(bad(
+            NAME,
+            format!(
+                "output [{}, {}] for {n} rows x {width} columns",
+                out.len(),
+                out.view_row_len()
+            ),
+        ));
+    }
+    // q writes no slot; k and v check theirs against their pool.
+    let pool = (role != StepRole::Q).then_some(out.len());
+    let rows = step_rows(NAME, step, n, max_seq, pool)?;
+    let (c0, cols) = (out.first_col(), out.row_len());
+    if cols == 0 {
+        // An empty share: more blocks than heads.
+        return Ok(());
+    }
+    let w = w.block_rows(c0, cols, NAME)?;
+    let tile = GemmTile {
+        n: 0..cols,
+        k: 0..kdim,
+        mode: OutMode::Store,
+    };
+    with_acts(ctx, x, &w, w8a8, |x| {
+        // Every element is stored by the product before it is read.
+        with_scratch_dirty(n * cols, |s| {
+            run_gemm(w, x, &tile, scale, s, cols);
+            for (t, (y, &(pos, slot))) in s.chunks_exact_mut(cols).zip(&rows).enumerate() {
+                let (c, sn) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
+                match role {
+                    StepRole::Q => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(t)),
+                    StepRole::K => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(slot)),
+                    StepRole::V => k::cast_f32_bf16(y, out.row(slot)),
+                }
+            }
+        });
+    });
+    Ok(())
+}
+
+/// Each row's `(position, slot)` from its step entry (`seq_len, slot`), every entry checked
+/// first: the length within the RoPE tables' `1..=max_seq` and, for a pool of `slots`
+/// slots, the slot within it and no two rows on one slot.
+fn step_rows(
+    name: &str,
+    step: &[u32],
+    n: usize,
+    max_seq: usize,
+    slots: Option<usize>,
+) -> Result<Vec<(usize, usize)>, KernelError> {
+    let mut rows: Vec<(usize, usize)> = Vec::with_capacity(n);
+    for t in 0..n {
+        let (len, slot) = (
+            step[t * STEP_FIELDS] as usize,
+            step[t * STEP_FIELDS + 1] as usize,
+        );
+        if len == 0 || len > max_seq {
+            return Err(bad(
+                name,
+                format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
+            ));
+        }
+        if let Some(slots) = slots {
+            if slot >= slots {
+                return Err(bad(
+                    name,
+                    format!("row {t}: slot {slot} outside the pool's {slots} slots"),
+                ));
+            }
+            if let Some(u) = rows.iter().position(|&(_, s)| s == slot) {
+                return Err(bad(
+                    name,
+                    format!("rows {u} and {t} both write slot {slot}"),
+                ));
+            }
+        }
+        rows.push((len - 1, slot));
+    }
+    Ok(rows)
 }
 
 thread_local! {

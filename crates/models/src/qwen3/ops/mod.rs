@@ -11,6 +11,8 @@
 //! [`GEMM_TILE`], [`GATE_UP_SWIGLU`] and [`LM_HEAD_TILE`] are SPMD: with `B` blocks, each block
 //! computes its share of the `n` output columns (weight rows), split in units of 16 by
 //! `TaskCtx::write_block_cols`; the orchestration submits one task per projection.
+//! [`GEMM_ROPE_STEP`] splits in whole heads (units of `head_dim`), so each block's epilogue
+//! norms and rotates heads it computed itself.
 //!
 //! Tensor arguments and scalars are each one struct per kernel ([`args`], [`scalars`]), written
 //! by the orchestration and read by the kernel from the same definition; the table below is
@@ -26,7 +28,7 @@
 //! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | [`GemmScalars`](scalars::GemmScalars) |
 //! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed `[R,ld(I)]`, (r In `[R]`) | [`GateUpScalars`](scalars::GateUpScalars) |
 //! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
-//! | [`ROPE_KV_STEP`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, Q Out bf16 `[n,Nq]`, K pool Out bf16 `[slots,Nkv]`, V pool Out bf16 `[slots,Nkv]` (SPMD: each block a share of the heads) | [`NormScalars`](scalars::NormScalars) |
+//! | [`GEMM_ROPE_STEP`] | acts In packed `[n,ld(H)]`, w NoDep `[W,H]`, norm NoDep f32 `[d]`, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, out Out bf16: Q `[n,W]` or a K/V pool `[slots,W]` (SPMD: each block whole heads), (r In f32 `[n]`) | [`GemmRopeScalars`](scalars::GemmRopeScalars) |
 //! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, step NoDep u32 `[1,2]`, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | [`AttnDecodeScalars`](scalars::AttnDecodeScalars) |
 //! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | [`AttnCombineScalars`](scalars::AttnCombineScalars) |
 //! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | [`AttnPrefillScalars`](scalars::AttnPrefillScalars) |
@@ -83,10 +85,11 @@ pub const ATTN_PREFILL: KernelId = KernelId(3111);
 pub const LM_HEAD_TILE: KernelId = KernelId(3112);
 /// Merge of the LM-head tiles' argmax into greedy token ids.
 pub const ARGMAX_COMBINE: KernelId = KernelId(3113);
-/// The decode step's q/k norm + RoPE and its K/V rows written into the pools, positions and
-/// slots read from the step entries at run time. (3115, the separate K/V scatter it absorbed,
-/// is retired.)
-pub const ROPE_KV_STEP: KernelId = KernelId(3114);
+/// A decode q, k or v projection with its epilogue: q/k norm + RoPE into bf16 Q or the K
+/// pool, v into the V pool, positions and slots read from the step entries at run time.
+/// (3114, the separate q/k norm + RoPE task it absorbed, and 3115, the K/V scatter before
+/// that, are retired.)
+pub const GEMM_ROPE_STEP: KernelId = KernelId(3116);
 
 /// Every kernel of the Qwen3 step: `(id, name, class, body)`. The projection, gate/up, LM-head
 /// and embedding kernels read a resident model's bf16 layout (`qwen3::layout`).
@@ -143,10 +146,10 @@ pub fn specs() -> Vec<KernelSpec> {
             attn::rope_kv,
         ),
         (
-            ROPE_KV_STEP,
-            "qk_norm_rope_step_bf16",
-            EngineClass::Vector,
-            attn::rope_step,
+            GEMM_ROPE_STEP,
+            "gemm_rope_step_bf16",
+            EngineClass::Cube,
+            dense::gemm_rope_step,
         ),
         (
             ATTN_DECODE,
