@@ -461,9 +461,9 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         let acts = simpler_models::qwen3::golden::Acts::of(args.model.weights);
         let mut want = if args.model.weights.is_int8() {
             // An int8 model is checked against the weights it stands for: its layers read
-            // back as their exact `q · scale` values (bf16 would round them, and 28 W8A8
-            // layers compound that difference past the stack tolerance), one weight set held
-            // at a time. The head is read back by `golden` in every format.
+            // back as the exact `q · scale` values the kernels multiply (bf16 cannot hold
+            // them), one weight set held at a time. The head is read back by `golden` in
+            // every format.
             let mut held: Option<(usize, Arc<LayerWeights<f32>>)> = None;
             let mut layer = |l: usize| {
                 let set = model.set_of_layer[l];
