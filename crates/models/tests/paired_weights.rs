@@ -37,3 +37,20 @@ fn ragged_shapes_stay_row_major_when_paired() {
     assert_eq!(bf16_layout(1024, 48), WeightLayout::RowMajor);
     assert_eq!(bf16_layout(2048, 1024), WeightLayout::Pairs);
 }
+
+/// A head_dim that is not a multiple of 16 (the config allows any even one) is refused at
+/// upload, by name: the packed activations and the decode projections' per-head shares both
+/// need whole 16-column blocks per head.
+#[test]
+fn a_head_dim_off_the_16_column_blocks_is_refused_at_upload() {
+    use simpler_models::qwen3::{FixtureOptions, ResidentModel, generate_fixture};
+    let mut c = Qwen3Config::preset("tiny").unwrap();
+    c.head_dim = 24;
+    let f = generate_fixture(&c, &FixtureOptions::small(1, 129), None);
+    let w = common::qwen3::worker();
+    let e = match ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None) {
+        Ok(_) => panic!("head_dim 24 uploaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("head_dim 24 is not a multiple of 16"), "{e}");
+}

@@ -173,9 +173,9 @@ impl DecodePeaks {
 }
 
 /// A decode step as phases in dependency order: per layer the input norm, the q/k/v
-/// projections, q/k norm + RoPE + the K/V writes, attention, `o_proj`, the post-attention
-/// norm, gate/up + SwiGLU and down (each waits for the one before: the task graph of
-/// `orchestrate.rs` joins every phase in a barrier), with the embedding gather before the
+/// projections with their epilogue (q/k norm + RoPE + the K/V writes), attention, `o_proj`,
+/// the post-attention norm, gate/up + SwiGLU and down (each waits for the one before, through
+/// the tensors or barrier tasks of `orchestrate.rs`), with the embedding gather before the
 /// layers and the head (final norm, LM head, argmax) after them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodePhases {
@@ -572,9 +572,9 @@ mod tests {
             end,
             finish: end,
         };
-        // One layer on two cores: the norm, q/k/v blocks overlapping, a barrier, attention,
-        // o_proj, the post norm, gate/up, down; then the next layer's norm and q/k/v (charged
-        // to the same phases).
+        // One layer on two cores: the norm, the q, k and v tasks' blocks (a barrier's record
+        // among them), attention, o_proj, the post norm, gate/up, down; then the next layer's
+        // norm and q/k/v (charged to the same phases).
         let mut tasks = vec![
             rec(ops::RMS_NORM_DEFERRED, 0, 0, 10),
             rec(ops::GEMM_ROPE_STEP, 0, 12, 40),

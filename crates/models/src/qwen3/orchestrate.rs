@@ -9,18 +9,21 @@
 //! One layer (`R` rows; decode defers `1/rms` past the projections, prefill normalises first):
 //! ```text
 //! norm(x) -> packed n [R, ld(H)] (+ r [R])
-//! q/k/v (SPMD, row shares): n @ W^T (* r)   -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32
-//! rope_kv per (sequence, page run)          -> Q bf16 [R, Nq]; K/V rows into the paged pool
+//! decode: q, k, v (SPMD, whole-head shares): n @ W^T (* r), q/k norm + RoPE at each row's
+//!         step entry                        -> Q bf16 [R, Nq]; K/V rows into the paged pool
+//! prefill: q/k/v (SPMD, column shares)      -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32, then
+//!         rope_kv per (sequence, page run)  -> Q bf16 [R, Nq]; K/V rows into the paged pool
 //! attention per (sequence, KV chunk)       -> a packed [R, ld(Nq)]   (+ combine when split)
 //! o_proj (SPMD): x[:, share] += a @ Wo^T    (the residual, in place)
 //! norm(x) -> packed m (+ r2)
 //! gate/up + SwiGLU (SPMD)                  -> act packed [R, ld(I)]
 //! down (SPMD): x[:, share] += act @ Wd^T
 //! ```
-//! Attention reads the pools through NoDep views and waits on a dummy task that follows every
-//! K/V write of the layer. Likewise every phase whose output many tasks wrote (q/k/v, the
-//! attention output, the SwiGLU activations) ends in a barrier task, and its consumers read the
-//! output NoDep after that barrier: one edge per consumer instead of one per producer (a
+//! Attention reads the pools through NoDep views and waits on the tasks that wrote the layer's
+//! K/V rows: in decode the k and v projections themselves, in prefill a dummy task that follows
+//! every `rope_kv` task. Likewise every phase whose output many tasks wrote (prefill's q/k/v,
+//! the attention output, the SwiGLU activations) ends in a barrier task, and its consumers read
+//! the output NoDep after that barrier: one edge per consumer instead of one per producer (a
 //! consumer would otherwise wait on every producer). Timing slots: 0 input
 //! (embedding or cast), 1 layers, 2 head.
 
@@ -115,11 +118,9 @@ pub(crate) struct StepPlan {
     pub(crate) kv_chunks: Vec<KvSplit>,
     /// Prefill: query rows per attention task.
     pub(crate) prefill_rows: usize,
-    /// Decode: blocks (one per core) of the layer's small tasks that every core waits for —
-    /// the q/k norm + RoPE task (each block a share of the heads over every row; a task per
-    /// row had paid the runtime's per-task cost 16 times a layer at batch 16, and one task at
-    /// batch 1 ran alone while the other cores waited) and the attention combine of the
-    /// sequence whose chunks end the attention phase (each block a share of the KV heads).
+    /// Decode: blocks (one per core) of the layer's small task that every core waits for, the
+    /// attention combine of the sequence whose chunks end the attention phase (each block a
+    /// share of the KV heads; one task at batch 1 ran alone while the other cores waited).
     pub(crate) small_task_blocks: usize,
 }
 
@@ -610,9 +611,14 @@ fn qkv_rope_step(
                 role,
             })
             .timing_slot(1);
-        ids.push(o.submit(t)?.id);
+        ids.push((role, o.submit(t)?.id));
     }
-    Ok(ids[1..].to_vec())
+    // Q is tracked by its tensor; the pools are read NoDep, so the attention waits on these.
+    Ok(ids
+        .into_iter()
+        .filter(|&(role, _)| role != StepRole::Q)
+        .map(|(_, id)| id)
+        .collect())
 }
 
 /// Split-KV decode attention: per sequence one final task over every KV head, or one task per
@@ -755,11 +761,11 @@ fn attention_prefill(
                 let q = rows(o, qb, r0, r1)?;
                 let t = AttnPrefillArgs {
                     q: Arg::In(&q),
-                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
-                    // follows (the task runs after it), and by no later task of this layer.
+                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that the
+                    // task in `kv_ready` follows (this task runs after it), and by no later task
+                    // of this layer.
                     k_pool: unsafe { Arg::untracked(kl) },
-                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that `kv_ready`
-                    // follows (the task runs after it), and by no later task of this layer.
+                    // SAFETY: as for `k_pool`.
                     v_pool: unsafe { Arg::untracked(vl) },
                     // SAFETY: the block table: written by no task during a run.
                     table: unsafe { Arg::untracked(&table) },

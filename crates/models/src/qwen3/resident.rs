@@ -232,55 +232,63 @@ impl ResidentModel {
     /// Reads layer weight set `set` back to the host (tests and checks); int8 projections
     /// come back dequantised and rounded to bf16.
     pub fn download_layer(&self, set: usize) -> Result<LayerWeights, Qwen3RunError> {
-        let mut lw = LayerWeights::zeros(&self.config);
-        let shapes = LayerWeights::shapes(&self.config);
-        for (kind, t) in lw.tensors_mut().into_iter().enumerate() {
-            let buf = &self.buffers[kind];
-            match t {
-                super::weights::TensorMut::Bf16(x)
-                    if kind < PROJECTIONS && self.format.is_int8() =>
-                {
-                    let [r, k] = shapes[kind].1;
-                    let bytes = self.format.matrix_bytes(r, k);
-                    let q = buf.read_at::<i8>(set * bytes, bytes)?;
-                    let il = self.host_layouts && int8_interleaved(self.format, r, k);
-                    x.copy_from_slice(&quant::dequantize_matrix_as_bf16(&q, k, il));
-                }
-                super::weights::TensorMut::Bf16(x) if kind < PROJECTIONS => {
-                    let [r, k] = shapes[kind].1;
-                    let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
-                    x.copy_from_slice(&self.row_major(v, r, k));
-                }
-                super::weights::TensorMut::Bf16(x) => {
-                    let v = buf.read_at::<bf16>(set * as_bytes_len(x), x.len())?;
-                    x.copy_from_slice(&v);
-                }
-                super::weights::TensorMut::F32(x) => {
-                    let v = buf.read_at::<f32>(set * as_bytes_len(x), x.len())?;
-                    x.copy_from_slice(&v);
-                }
-            }
-        }
-        Ok(lw)
+        self.download_layer_as(set, quant::dequantize_matrix_as_bf16, |v| v)
     }
 
     /// Reads layer weight set `set` back to the host with its projections as the values the
     /// model multiplies, in fp32: bf16 weights widened, int8 weights' exact `q · scale`
     /// (which [`ResidentModel::download_layer`] rounds to bf16).
     pub fn download_layer_f32(&self, set: usize) -> Result<LayerWeights<f32>, Qwen3RunError> {
-        let lw = self.download_layer(set)?;
-        if !self.format.is_int8() {
-            return Ok(lw.map_projections(|_, w| w.iter().map(|v| v.to_f32()).collect()));
-        }
+        self.download_layer_as(set, quant::dequantize_matrix_as_f32, |v| {
+            v.iter().map(|x| x.to_f32()).collect()
+        })
+    }
+
+    /// Layer weight set `set` with each projection in row order as `int8(records, cols,
+    /// interleaved)` (an int8 model) or `wide(values)` (bf16) makes it, and the norm weights.
+    fn download_layer_as<W>(
+        &self,
+        set: usize,
+        int8: fn(&[i8], usize, bool) -> Vec<W>,
+        wide: fn(Vec<bf16>) -> Vec<W>,
+    ) -> Result<LayerWeights<W>, Qwen3RunError> {
         let shapes = LayerWeights::shapes(&self.config);
-        let mut exact = Vec::with_capacity(PROJECTIONS);
+        let mut proj = Vec::with_capacity(PROJECTIONS);
         for (kind, (_, [r, k])) in shapes.iter().take(PROJECTIONS).enumerate() {
-            let bytes = self.format.matrix_bytes(*r, *k);
-            let q = self.buffers[kind].read_at::<i8>(set * bytes, bytes)?;
-            let il = self.host_layouts && int8_interleaved(self.format, *r, *k);
-            exact.push(quant::dequantize_matrix_as_f32(&q, *k, il));
+            let buf = &self.buffers[kind];
+            proj.push(if self.format.is_int8() {
+                let bytes = self.format.matrix_bytes(*r, *k);
+                let q = buf.read_at::<i8>(set * bytes, bytes)?;
+                int8(
+                    &q,
+                    *k,
+                    self.host_layouts && int8_interleaved(self.format, *r, *k),
+                )
+            } else {
+                let n = r * k;
+                let v = buf.read_at::<bf16>(set * n * std::mem::size_of::<bf16>(), n)?;
+                wide(self.row_major(v, *r, *k))
+            });
         }
-        Ok(lw.map_projections(|kind, _| std::mem::take(&mut exact[kind])))
+        let norm = |kind: usize| -> Result<Vec<f32>, Qwen3RunError> {
+            let n = shapes[kind].1[0] * shapes[kind].1[1];
+            Ok(self.buffers[kind].read_at::<f32>(set * n * std::mem::size_of::<f32>(), n)?)
+        };
+        let mut proj = proj.into_iter();
+        let mut next = || proj.next().unwrap_or_default();
+        Ok(LayerWeights {
+            wq: next(),
+            wk: next(),
+            wv: next(),
+            wo: next(),
+            w_gate: next(),
+            w_up: next(),
+            w_down: next(),
+            q_norm: norm(PROJECTIONS)?,
+            k_norm: norm(PROJECTIONS + 1)?,
+            input_norm: norm(PROJECTIONS + 2)?,
+            post_norm: norm(PROJECTIONS + 3)?,
+        })
     }
 
     /// Reads rows `rows` of the LM head back to the host (`[rows, hidden]` bf16; an int8

@@ -504,9 +504,9 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
 /// them back from the other cores' caches to norm, rotate and write them: at batch 1 both
 /// cores waited for that task between every layer's projections and attention.
 ///
-/// Every block checks every row's entry before it writes anything, so a bad entry (a length
-/// outside the tables, a slot outside the pool, two rows on one slot) fails the task with Q
-/// and the pools untouched.
+/// Every block checks every row's entry before it writes anything: a length outside the
+/// tables fails every task, and a slot outside the pool or two rows on one slot fails the k
+/// and v tasks (q writes no slot), so the step fails with the pools untouched.
 pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gemm_rope_step_bf16";
     let GemmRopeScalars {
@@ -528,8 +528,10 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         return Err(bad(
             NAME,
             format!(
-                "inconsistent shapes: {width} output columns, head_dim {d}, norm of {}",
-                norm.len()
+                "inconsistent shapes: {width} output columns, head_dim {d}, norm of {}, cos/sin tables of {} and {}",
+                norm.len(),
+                cos.len(),
+                sin.len()
             ),
         ));
     }
@@ -539,15 +541,18 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("{} step entries for {n} rows", step.len()),
         ));
     }
+    // Whole heads: each starts on a 16-row group of the weights, where tiled, paired and
+    // interleaved int8 matrices can be cut, because the upload refuses a head_dim that is not
+    // a multiple of 16 (`ResidentModel::upload_as`).
     let mut out = ctx.write_block_cols::<bf16>(gemm_rope::out, d)?;
     if out.view_row_len() != width || (role == StepRole::Q && out.len() != n) {
+        let what = match role {
+            StepRole::Q => format!("Q out [{}, {}]", out.len(), out.view_row_len()),
+            StepRole::K | StepRole::V => format!("a pool of rows of {}", out.view_row_len()),
+        };
         return Err(bad(
             NAME,
-            format!(
-                "output [{}, {}] for {n} rows x {width} columns",
-                out.len(),
-                out.view_row_len()
-            ),
+            format!("{what} for {n} rows of {width} projected columns"),
         ));
     }
     // q writes no slot; k and v check theirs against their pool.

@@ -102,7 +102,7 @@ macro_rules! kernel_scalars {
 }
 
 kernel_scalars!(
-    /// RMSNorm (deferred or ordinary) and the q/k norm + RoPE epilogue.
+    /// RMSNorm (deferred or ordinary) and prefill's q/k norm + RoPE (`ROPE_KV`).
     NormScalars {
         /// RMSNorm epsilon.
         eps: f32,
