@@ -459,44 +459,30 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         };
         let t = Instant::now();
         let acts = simpler_models::qwen3::golden::Acts::of(args.model.weights);
-        let mut want = if args.model.weights.is_int8() {
-            // An int8 model is checked against the weights it stands for: its layers read
-            // back as the exact `q · scale` values the kernels multiply (bf16 cannot hold
-            // them), one weight set held at a time. The head is read back by `golden` in
-            // every format.
-            let mut held: Option<(usize, Arc<LayerWeights<f32>>)> = None;
-            let mut layer = |l: usize| {
-                let set = model.set_of_layer[l];
-                match &held {
-                    Some((s, w)) if *s == set => Ok(w.clone()),
-                    _ => {
-                        let w = Arc::new(model.download_layer_f32(set).map_err(|e| e.to_string())?);
-                        held = Some((set, w.clone()));
-                        Ok(w)
-                    }
+        // The golden multiplies the weights the model holds, read back as the values the
+        // kernels multiply (bf16 widened; an int8 model's exact `q · scale`, which bf16 cannot
+        // hold), one weight set at a time. The head is read back by `golden`.
+        let mut held: Option<(usize, Arc<LayerWeights<f32>>)> = None;
+        let mut layer = |l: usize| {
+            let set = model.set_of_layer[l];
+            match &held {
+                Some((s, w)) if *s == set => Ok(w.clone()),
+                _ => {
+                    let w = Arc::new(model.download_layer_f32(set).map_err(|e| e.to_string())?);
+                    held = Some((set, w.clone()));
+                    Ok(w)
                 }
-            };
-            case.golden(
-                &weights.config,
-                layers,
-                &mut layer,
-                acts,
-                &model,
-                &x0,
-                with_head,
-            )?
-        } else {
-            let mut layer = |l: usize| Ok(weights.layers[l].clone());
-            case.golden(
-                &weights.config,
-                layers,
-                &mut layer,
-                acts,
-                &model,
-                &x0,
-                with_head,
-            )?
+            }
         };
+        let mut want = case.golden(
+            &weights.config,
+            layers,
+            &mut layer,
+            acts,
+            &model,
+            &x0,
+            with_head,
+        )?;
         if args.variant == Variant::Layers {
             // The layers chunk rounds its output to bf16 once, at the end.
             want.hidden
