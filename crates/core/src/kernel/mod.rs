@@ -341,7 +341,7 @@ impl<'a> TaskCtx<'a> {
         let start = i * base + i.min(extra);
         start..start + base + usize::from(i < extra)
     }
-    /// This block's share of `n` items when the last quarter of the blocks (of 8 or more) get
+    /// This block's share of `n` items when the last half of the blocks (of 8 or more) get
     /// shrinking shares: halving one after the other down to 1/8 of a full share when every
     /// share stays non-empty, else down to 1/4, else half-size (with at least two items per
     /// block). Cores take

@@ -21,17 +21,25 @@ fn geometric_tail(full: usize, k: usize) -> usize {
 }
 
 /// Share `i` of `n` items over `blocks` blocks, tapered so a task's last blocks are small:
-/// with 8 or more blocks, the last quarter's shares halve one after the other (1/2, 1/4, 1/8,
+/// with 8 or more blocks, the last half's shares halve one after the other (1/2, 1/4, 1/8,
 /// then 1/8 of a full share) when there are enough items for every share to be non-empty;
 /// failing that, down to 1/4 of a full share (1/2, 1/4, 1/4, ..), or else half size (with at
 /// least two items per block); otherwise the shares are equal. (A DeepSeek-V4 `q_b` of 64
 /// whole heads over 12 blocks ended on three 3-head blocks of ~110 µs each, and one core
 /// waited for the last of them 60–95 µs in every step; ending on 3, 2 and 1 heads shortens
 /// that wait.) With at least as many items as blocks, no share is empty.
+///
+/// Why half the blocks: cores take blocks in order as they come free, so the shorter the
+/// blocks left when one core runs out, the less the other has to finish alone. A tail of a
+/// quarter (two blocks of an 8-block projection: 1/2 and 1/4 of a full share, which the two
+/// cores often start together) left one core waiting ~10–17 µs at most phase ends of a Qwen3
+/// decode step; a tail of half (1/2, 1/4, 1/8, 1/8 there: while one core runs the half, the
+/// other runs the rest) took the share of a step outside kernels from 3.3% to 2.9% at 1 × 256
+/// and from 3.2% to 3.0% at 4 × 1024 (`docs/benchmarks.md`, session 33).
 /// Public so that kernel benchmarks can split work exactly as the runtime does.
 pub fn tapered_range(n: usize, blocks: usize, i: usize) -> Range<usize> {
     let blocks = blocks.max(1);
-    let tail = if blocks >= 8 { blocks / 4 } else { 0 };
+    let tail = if blocks >= 8 { blocks / 2 } else { 0 };
     let full = blocks - tail;
     // The deepest taper whose every share gets an item.
     let geometric = TAPERS
@@ -66,21 +74,25 @@ mod tests {
 
     #[test]
     fn geometric_taper_of_a_projection() {
-        // 3072 rows in 16-row units over 12 blocks: 9 full shares, then about 1/2, 1/4, 1/8.
+        // 3072 rows in 16-row units over 12 blocks: 6 full shares, then about 1/2, 1/4 and
+        // three of 1/8.
         let lens: Vec<usize> = (0..12).map(|i| tapered_range(192, 12, i).len()).collect();
         assert_eq!(lens.iter().sum::<usize>(), 192);
         assert!(
-            lens[..9].iter().all(|&l| (19..=20).contains(&l)),
+            lens[..6].iter().all(|&l| (26..=27).contains(&l)),
             "{lens:?}"
         );
-        assert_eq!(&lens[9..], &[10, 5, 2], "{lens:?}");
-        // Too few items for the geometric taper: half-size shares, the excess on the first.
+        assert_eq!(&lens[6..], &[14, 6, 4, 3, 3, 3], "{lens:?}");
+        // Too few items for the geometric taper: half-size shares (rounded from the end, so
+        // the last is the least), the excess on the first.
         let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
-        assert_eq!(lens, [3, 3, 3, 3, 3, 3, 1, 1], "{lens:?}");
-        // 64 whole heads over 12 blocks: too few for the 1/8 taper; nine of 6–7, then 1/2,
-        // 1/4 and 1/4 of a full share.
+        assert_eq!(lens, [4, 3, 3, 4, 1, 2, 2, 1], "{lens:?}");
+        // 64 whole heads over 12 blocks: six of 8–9, then 5, 2 and four of 1.
         let lens: Vec<usize> = (0..12).map(|i| tapered_range(64, 12, i).len()).collect();
-        assert_eq!(lens, [7, 6, 7, 6, 6, 7, 6, 7, 6, 3, 2, 1], "{lens:?}");
+        assert_eq!(lens, [9, 9, 9, 9, 9, 8, 5, 2, 1, 1, 1, 1], "{lens:?}");
+        // A Qwen3 0.6B down projection at batch 1: 64 units over 8 blocks.
+        let lens: Vec<usize> = (0..8).map(|i| tapered_range(64, 8, i).len()).collect();
+        assert_eq!(lens, [13, 13, 13, 13, 6, 3, 2, 1], "{lens:?}");
     }
 
     proptest! {
@@ -105,14 +117,14 @@ mod tests {
                 let first = shares[0].len();
                 let last = shares[blocks - 1].len();
                 prop_assert!(4 * last <= first + 4, "{first} {last}");
-                for w in shares[blocks - blocks / 4 - 1..].windows(2) {
+                for w in shares[blocks - blocks / 2 - 1..].windows(2) {
                     prop_assert!(w[1].len() <= w[0].len() + 1, "{shares:?}");
                 }
             }
             if blocks >= 8 && n >= 2 * blocks {
                 // The task ends on the smallest share of its tail: rounding never makes the
                 // last share the larger one.
-                let tail = &shares[blocks - blocks / 4..];
+                let tail = &shares[blocks - blocks / 2..];
                 let least = tail.iter().map(|r| r.len()).min().unwrap_or(0);
                 prop_assert_eq!(shares[blocks - 1].len(), least, "{:?}", shares);
             }
