@@ -25,11 +25,26 @@ use crate::isa::Isa;
 /// Candidates per `K` step of `tdpbf16ps` (the kernel pads a call's rows to whole steps).
 const KSTEP: usize = super::ROW_STEP;
 
+/// Lines per column block of the pair layout of `pairs` pairs: the count made odd. A pair's
+/// stores go to one line of every column block, a block's length apart; where that length is
+/// a multiple of 64 lines (4 KiB: 128 or 640 candidates, padded to 32, are 64 or 320 pairs)
+/// all of those lines fall in one L1 set and evict one another and the `prefetchw`s issued
+/// ahead of them. An odd length spreads them over 32 sets.
+pub(super) fn block_lines(pairs: usize) -> usize {
+    pairs | 1
+}
+
+/// Elements of the pair layout of `n32` rows of `d` ([`block_lines`] lines of 32 per column
+/// block).
+pub(super) fn layout_len(n32: usize, d: usize) -> usize {
+    d / 16 * block_lines(n32 / 2) * 32
+}
+
 /// The rows of a call in the value product's pair layout (sized on first use).
 #[derive(Debug, Default)]
 pub(super) struct PvScratch {
-    /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · pairs + i) ·
-    /// 32`, element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
+    /// The rows in pairs, column block by column block: line `(cb, i)` at `(cb · ld + i) · 32`
+    /// (`ld` = [`block_lines`]`(pairs)`), element `2 (c mod 16) + r` = row `2i + r`, column `c` of block `cb = c / 16`.
     pub(super) vnni: Vec<u16>,
 }
 
@@ -64,7 +79,11 @@ pub(super) fn pv_store(
     );
     assert!(n32.is_multiple_of(KSTEP), "dsv4 value product: n32 {n32}");
     assert_eq!(pb.len(), heads * n32, "dsv4 value product: p len");
-    assert_eq!(vnni.len(), n32 * d, "dsv4 value product: vnni len");
+    assert_eq!(
+        vnni.len(),
+        layout_len(n32, d),
+        "dsv4 value product: vnni len"
+    );
     assert_eq!(out.len(), heads * d, "dsv4 value product: out len");
     if n32 == 0 {
         out.fill(0.0);
@@ -73,7 +92,7 @@ pub(super) fn pv_store(
     // SAFETY: the configuration is the crate's palette-1 layout (eight 16 × 64-byte tiles), the
     // tile state was granted (asserted above); released below.
     unsafe { asm!("ldtilecfg [{}]", in(reg) amx_tile_config(), options(nostack, readonly)) };
-    let (steps, pairs) = (n32 / KSTEP, n32 / 2);
+    let (steps, ld) = (n32 / KSTEP, block_lines(n32 / 2));
     // Head blocks outer: a pair of head blocks' `A` rows (32 × 2 n32 bytes) stay near for every
     // column block; each `A` and `B` tile loaded serves two products.
     let mut hb = 0;
@@ -82,14 +101,14 @@ pub(super) fn pv_store(
         for cb in (0..d / 16).step_by(2) {
             let c = out[hb * 16 * d + cb * 16..].as_mut_ptr();
             let a = pb[hb * 16 * n32..].as_ptr();
-            let b = vnni[cb * pairs * 32..].as_ptr();
+            let b = vnni[cb * ld * 32..].as_ptr();
             if two {
                 // SAFETY: C: tiles (r, s) for r, s in {0, 1}: 16 rows of `out` at a stride of
                 // 4d bytes from row (hb + r) · 16 (hb + 2 <= heads / 16), column 16 (cb + s)
                 // (cb + 2 <= d / 16), inside `out` ([heads, d]). A: 16 rows of `pb` at a
                 // stride of 2 n32 bytes from row (hb + r) · 16, 64 bytes per step, `steps`
                 // steps inside a row. B0: block cb's lines, 16 (1 KiB) per step, `steps`
-                // steps = `pairs` lines; B1: block cb + 1's, `pairs · 64` bytes further,
+                // steps = `n32 / 2` lines; B1: block cb + 1's, `ld · 64` bytes further,
                 // inside `vnni` (d / 16 blocks).
                 unsafe {
                     asm!(
@@ -124,7 +143,7 @@ pub(super) fn pv_store(
                         sa = in(reg) 2 * n32,
                         b = inout(reg) b => _,
                         s64 = in(reg) 64usize,
-                        bh = inout(reg) b.add(pairs * 32) => _,
+                        bh = inout(reg) b.add(ld * 32) => _,
                         n = inout(reg) steps => _,
                         options(nostack),
                     );
@@ -155,7 +174,7 @@ pub(super) fn pv_store(
                         sa = in(reg) 2 * n32,
                         b = inout(reg) b => _,
                         s64 = in(reg) 64usize,
-                        bh = inout(reg) b.add(pairs * 32) => _,
+                        bh = inout(reg) b.add(ld * 32) => _,
                         n = inout(reg) steps => _,
                         options(nostack),
                     );
@@ -219,9 +238,9 @@ pub(super) fn pv_add_dpbf16(
 fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, out: &mut [f32]) {
     use crate::simd::as_pbh;
     const CB: usize = DP_COLS / 16;
-    let pairs = n32 / 2;
+    let (pairs, ld) = (n32 / 2, block_lines(n32 / 2));
     assert!(d.is_multiple_of(DP_COLS) && n32.is_multiple_of(2));
-    assert!(pb.len() == heads * n32 && vnni.len() == n32 * d && out.len() == heads * d);
+    assert!(pb.len() == heads * n32 && vnni.len() == layout_len(n32, d) && out.len() == heads * d);
     let mut h0 = 0;
     while h0 < heads {
         let hb = DP_HEADS.min(heads - h0);
@@ -231,7 +250,7 @@ fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, o
         for cg in (0..d / 16).step_by(CB) {
             let mut acc = [[_mm512_setzero_ps(); CB]; DP_HEADS];
             let lines: [*const u16; CB] =
-                std::array::from_fn(|c| vnni[(cg + c) * pairs * 32..].as_ptr());
+                std::array::from_fn(|c| vnni[(cg + c) * ld * 32..].as_ptr());
             for i in 0..pairs {
                 // SAFETY: line `i < pairs` of column blocks `cg .. cg + CB` (< d / 16) is 32
                 // elements inside `vnni` (lengths checked above).
@@ -264,19 +283,24 @@ fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, o
 
 /// Lines `i0 ..` of the pair layout of `pairs` lines per column block in `vnni` from `rows`
 /// (an even number of rows of `d`, a multiple of 32; they become rows `2 i0 ..` of the call):
-/// `vnni[(c / 16 · pairs + i0 + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]`.
+/// `vnni[(c / 16 · ld + i0 + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` (`ld` =
+/// [`block_lines`]`(pairs)`).
 ///
 /// # Panics
 /// If the CPU has no AVX-512 BF16 (the paths that take the pair layout have it), `d` is not a
-/// multiple of 32, the rows are not whole pairs or the lines fall outside `vnni` (`pairs · d ·
-/// 2` long).
+/// multiple of 32, the rows are not whole pairs or the lines fall outside `vnni`
+/// ([`layout_len`]`(2 pairs, d)` long).
 pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
     assert!(
         Isa::Avx512Bf16.is_supported(),
         "dsv4 value product: the pair layout needs AVX-512"
     );
     assert!(d.is_multiple_of(32) && rows.len().is_multiple_of(2 * d));
-    assert_eq!(vnni.len(), 2 * pairs * d, "dsv4 value product: vnni len");
+    assert_eq!(
+        vnni.len(),
+        layout_len(2 * pairs, d),
+        "dsv4 value product: vnni len"
+    );
     assert!(
         i0 + rows.len() / (2 * d) <= pairs,
         "dsv4 value product: lines past the layout"
@@ -289,12 +313,17 @@ pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize
 /// in `vnni` (rows `2 from ..` of the call: the padding past its last row).
 ///
 /// # Panics
-/// If `vnni` is not `pairs · d · 2` long, `d` not a multiple of 16 or `from > pairs`.
+/// If `vnni` is not [`layout_len`]`(2 pairs, d)` long, `d` not a multiple of 16 or `from >
+/// pairs`.
 pub(super) fn zero_lines(vnni: &mut [u16], d: usize, pairs: usize, from: usize) {
     assert!(d.is_multiple_of(16) && from <= pairs);
-    assert_eq!(vnni.len(), 2 * pairs * d, "dsv4 value product: vnni len");
-    for block in vnni.chunks_exact_mut(pairs * 32) {
-        block[from * 32..].fill(0);
+    assert_eq!(
+        vnni.len(),
+        layout_len(2 * pairs, d),
+        "dsv4 value product: vnni len"
+    );
+    for block in vnni.chunks_exact_mut(block_lines(pairs) * 32) {
+        block[from * 32..pairs * 32].fill(0);
     }
 }
 
@@ -318,12 +347,13 @@ fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0:
             _mm512_loadu_si512(hi.as_ptr().cast()),
         )
     };
+    let ld = block_lines(pairs);
     for (i, pair) in rows.chunks_exact(2 * d).enumerate() {
         let (r0, r1) = pair.split_at(d);
         let i = i0 + i;
         for c in (0..d).step_by(32) {
             let cb = c / 16;
-            let (l0, l1) = ((cb * pairs + i) * 32, ((cb + 1) * pairs + i) * 32);
+            let (l0, l1) = ((cb * ld + i) * 32, ((cb + 1) * ld + i) * 32);
             assert!(l0 + 32 <= vnni.len() && l1 + 32 <= vnni.len());
             // SAFETY: columns c..c + 32 of both rows (c + 32 <= d); lines l0 and l1 (32
             // elements each) are inside `vnni` (asserted); the `prefetchw`s read and write

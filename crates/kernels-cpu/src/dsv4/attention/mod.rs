@@ -223,7 +223,7 @@ pub fn sparse_attention(
     );
     #[cfg(target_arch = "x86_64")]
     let vnni_at = if pairs {
-        aligned64(&mut s.amx.vnni, n32 * d)
+        aligned64(&mut s.amx.vnni, amx::layout_len(n32, d))
     } else {
         0..0
     };
@@ -423,15 +423,16 @@ multiversion! {
         for h in 0..heads {
             let sc = &scores[h * n..(h + 1) * n];
             let ph = &mut p[h * ld..(h + 1) * ld];
-            // The max of the scaled scores.
+            // The max of the scaled scores. `f32::max`'s NaN rule kept this loop scalar (a
+            // compare, a max and a blend per value); a plain comparison ignores a NaN score
+            // as it does (a lane starts at -inf and takes only a larger value) and vectorizes.
             let mut mx = [f32::NEG_INFINITY; LANES];
-            for s in sc[..body].chunks_exact(LANES) {
-                for i in 0..LANES {
-                    mx[i] = mx[i].max(s[i] * scale);
-                }
+            let larger = |m: f32, v: f32| if v > m { v } else { m };
+            for s in sc[..body].as_chunks::<LANES>().0 {
+                mx = std::array::from_fn(|i| larger(mx[i], s[i] * scale));
             }
             for (i, s) in sc[body..].iter().enumerate() {
-                mx[i] = mx[i].max(s * scale);
+                mx[i] = larger(mx[i], s * scale);
             }
             let mt = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             m[h] = mt;

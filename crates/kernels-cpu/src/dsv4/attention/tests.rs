@@ -140,7 +140,7 @@ fn matches_portable_value_product(
             pv_add(&pb, n32, heads, n, &rows[..n * d], d, &mut want)
         });
         // Stale values where the layout is written: every line must be overwritten.
-        let mut vnni = vec![0x7fc0u16; n32 * d];
+        let mut vnni = vec![0x7fc0u16; amx::layout_len(n32, d)];
         let (first, rest) = rows.split_at(32 * d);
         amx::interleave(first, d, &mut vnni, n32 / 2, 0);
         amx::interleave(rest, d, &mut vnni, n32 / 2, 16);
