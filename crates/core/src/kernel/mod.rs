@@ -342,8 +342,8 @@ impl<'a> TaskCtx<'a> {
         start..start + base + usize::from(i < extra)
     }
     /// This block's share of `n` items when the last half of the blocks (of 8 or more) get
-    /// shrinking shares: halving one after the other down to 1/8 of a full share when every
-    /// share stays non-empty, else down to 1/4, else half-size (with at least two items per
+    /// shrinking shares: halving one after the other down to 1/16 of a full share when every
+    /// share stays non-empty, else to 1/8 or 1/4, else half-size (with at least two items per
     /// block). Cores take
     /// a task's blocks in index order, so the task ends on small blocks and its cores finish
     /// close together (a shorter tail than equal shares, at no extra blocks). Shares of

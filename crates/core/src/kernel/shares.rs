@@ -5,8 +5,8 @@
 use std::ops::Range;
 
 /// Weights of a full-size block in the geometric tapers, deepest first: the tail's weights
-/// halve from there down to 1 (so its last shares are 1/8, or 1/4, of a full one).
-const TAPERS: [usize; 2] = [8, 4];
+/// halve from there down to 1 (so its last shares are 1/16, 1/8 or 1/4 of a full one).
+const TAPERS: [usize; 3] = [16, 8, 4];
 
 /// Sum of the first `k` tail weights of the geometric taper from `full`: `full/2, full/4, ..,
 /// 1, 1, ..`.
@@ -22,8 +22,9 @@ fn geometric_tail(full: usize, k: usize) -> usize {
 
 /// Share `i` of `n` items over `blocks` blocks, tapered so a task's last blocks are small:
 /// with 8 or more blocks, the last half's shares halve one after the other (1/2, 1/4, 1/8,
-/// then 1/8 of a full share) when there are enough items for every share to be non-empty;
-/// failing that, down to 1/4 of a full share (1/2, 1/4, 1/4, ..), or else half size (with at
+/// 1/16, then 1/16 of a full share) when there are enough items for every share to be
+/// non-empty; failing that, down to 1/8 (1/2, 1/4, 1/8, 1/8, ..), then down to 1/4 of a full
+/// share (1/2, 1/4, 1/4, ..), or else half size (with at
 /// least two items per block); otherwise the shares are equal. (A DeepSeek-V4 `q_b` of 64
 /// whole heads over 12 blocks ended on three 3-head blocks of ~110 µs each, and one core
 /// waited for the last of them 60–95 µs in every step; ending on 3, 2 and 1 heads shortens
@@ -74,15 +75,15 @@ mod tests {
 
     #[test]
     fn geometric_taper_of_a_projection() {
-        // 3072 rows in 16-row units over 12 blocks: 6 full shares, then about 1/2, 1/4 and
-        // three of 1/8.
+        // 3072 rows in 16-row units over 12 blocks: 6 full shares, then about 1/2, 1/4, 1/8
+        // and three of 1/16.
         let lens: Vec<usize> = (0..12).map(|i| tapered_range(192, 12, i).len()).collect();
         assert_eq!(lens.iter().sum::<usize>(), 192);
         assert!(
-            lens[..6].iter().all(|&l| (26..=27).contains(&l)),
+            lens[..6].iter().all(|&l| (27..=28).contains(&l)),
             "{lens:?}"
         );
-        assert_eq!(&lens[6..], &[14, 6, 4, 3, 3, 3], "{lens:?}");
+        assert_eq!(&lens[6..], &[13, 7, 3, 2, 2, 1], "{lens:?}");
         // Too few items for the geometric taper: half-size shares (rounded from the end, so
         // the last is the least), the excess on the first.
         let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
