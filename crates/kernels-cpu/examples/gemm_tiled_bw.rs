@@ -13,7 +13,7 @@
 //!   plan (about 1 MiB of weights each, at least 4 per thread, whole 16-row groups) that the
 //!   threads take from a shared counter, as the runtime's workers do, so the per-call costs
 //!   of small blocks count; `taper` takes the same number of blocks with the runtime's tapered
-//!   shares (`write_block_cols`: the last quarter of 8 or more blocks halving down to 1/8 of a
+//!   shares (`write_block_cols`: the last half of 8 or more blocks halving down to 1/16 of a
 //!   full share, so most shares are an odd number of 16-row groups, as a prefill step's
 //!   projections are cut); `halves` gives each thread one call over its share of the rows.
 //!   Prefill-shaped runs: `--batches 512,128,64 --split taper --mib 32`.

@@ -25,10 +25,10 @@ fn geometric_tail(full: usize, k: usize) -> usize {
 /// 1/16, then 1/16 of a full share) when there are enough items for every share to be
 /// non-empty; failing that, down to 1/8 (1/2, 1/4, 1/8, 1/8, ..), then down to 1/4 of a full
 /// share (1/2, 1/4, 1/4, ..), or else half size (with at
-/// least two items per block); otherwise the shares are equal. (A DeepSeek-V4 `q_b` of 64
-/// whole heads over 12 blocks ended on three 3-head blocks of ~110 µs each, and one core
-/// waited for the last of them 60–95 µs in every step; ending on 3, 2 and 1 heads shortens
-/// that wait.) With at least as many items as blocks, no share is empty.
+/// least two items per block); otherwise the shares are equal. (With equal shares a
+/// DeepSeek-V4 `q_b` of 64 whole heads over 12 blocks ended on three 3-head blocks of ~110 µs
+/// each, and one core waited for the last of them 60–95 µs in every step; it now ends on 5, 2
+/// and four 1-head blocks.) With at least as many items as blocks, no share is empty.
 ///
 /// Why half the blocks: cores take blocks in order as they come free, so the shorter the
 /// blocks left when one core runs out, the less the other has to finish alone. A tail of a
@@ -84,8 +84,8 @@ mod tests {
             "{lens:?}"
         );
         assert_eq!(&lens[6..], &[13, 7, 3, 2, 2, 1], "{lens:?}");
-        // Too few items for the geometric taper: half-size shares (rounded from the end, so
-        // the last is the least), the excess on the first.
+        // Too few items for the geometric taper: half-size shares, rounded from the end (the
+        // last is the least; the rounding's excess lands on earlier shares).
         let lens: Vec<usize> = (0..8).map(|i| tapered_range(20, 8, i).len()).collect();
         assert_eq!(lens, [4, 3, 3, 4, 1, 2, 2, 1], "{lens:?}");
         // 64 whole heads over 12 blocks: six of 8–9, then 5, 2 and four of 1.
@@ -121,6 +121,13 @@ mod tests {
                 for w in shares[blocks - blocks / 2 - 1..].windows(2) {
                     prop_assert!(w[1].len() <= w[0].len() + 1, "{shares:?}");
                 }
+            }
+            if blocks >= 8 && n >= 16 * blocks {
+                // Deep enough for 1/16: the last share is at most a sixteenth of a full one
+                // (+ rounding).
+                let first = shares[0].len();
+                let last = shares[blocks - 1].len();
+                prop_assert!(16 * last <= first + 16, "{first} {last}");
             }
             if blocks >= 8 && n >= 2 * blocks {
                 // The task ends on the smallest share of its tail: rounding never makes the

@@ -382,9 +382,9 @@ impl MoeLayer {
             limit: c.swiglu_limit,
             hash: self.layer < c.n_hash_layers,
             // Blocks of the routed experts' phases: 16 per core, tapered, so the phase ends on
-            // blocks of a few hundred columns of one expert and the cores finish together,
-            // while a full block still spans most of an expert (at FLASH widths, 1280 of
-            // gate/up's 2048 columns with 16 active experts on 2 cores).
+            // blocks of ~100 columns of one expert and the cores finish together, while a full
+            // block still spans most of an expert (at FLASH widths, ~1850 of gate/up's 2048
+            // columns with 16 active experts on 2 cores).
             blocks: u32::try_from(16 * cores.max(1)).unwrap_or(u32::MAX),
             // A shared expert is one group: 2 blocks per core keep its calls long (512 of
             // 2048 columns on 2 cores) and give every core a share.

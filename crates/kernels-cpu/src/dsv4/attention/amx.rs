@@ -55,7 +55,7 @@ pub(super) fn supports(heads: usize, d: usize) -> bool {
 }
 
 /// `out = P · V` for `pb` `[heads, n32]` (bf16 bits, zero past the call's `n`), `vnni`
-/// `n32 · d` in [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero
+/// [`layout_len`]`(n32, d)` long in [`interleave`]'s layout (the rows past the call's `n` zero: they meet zero
 /// weights, and a zero row keeps a NaN out), `out` `[heads, d]` (only written).
 ///
 /// # Panics
@@ -230,7 +230,7 @@ pub(super) fn pv_add_dpbf16(
 }
 
 /// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`
-/// (`n32 · d`, [`interleave`]'s layout).
+/// ([`layout_len`]`(n32, d)`, [`interleave`]'s layout).
 ///
 /// # Panics
 /// If the lengths disagree.
@@ -281,7 +281,8 @@ fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, o
     }
 }
 
-/// Lines `i0 ..` of the pair layout of `pairs` lines per column block in `vnni` from `rows`
+/// Lines `i0 ..` of the pair layout of `pairs` pairs (`ld` lines per column block, the first
+/// `pairs` of them used) in `vnni` from `rows`
 /// (an even number of rows of `d`, a multiple of 32; they become rows `2 i0 ..` of the call):
 /// `vnni[(c / 16 · ld + i0 + i) · 32 + 2 (c mod 16) + r] = rows[(2i + r) · d + c]` (`ld` =
 /// [`block_lines`]`(pairs)`).
@@ -309,8 +310,8 @@ pub(super) fn interleave(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize
     unsafe { interleave_pairs(rows, d, vnni, pairs, i0) };
 }
 
-/// Zeroes lines `from ..` of every column block of the pair layout of `pairs` lines per block
-/// in `vnni` (rows `2 from ..` of the call: the padding past its last row).
+/// Zeroes lines `from .. pairs` of every column block of the pair layout of `pairs` pairs in
+/// `vnni` (rows `2 from ..` of the call: the padding past its last row).
 ///
 /// # Panics
 /// If `vnni` is not [`layout_len`]`(2 pairs, d)` long, `d` not a multiple of 16 or `from >

@@ -86,6 +86,38 @@ fn softmax_rows_matches_a_plain_loop_and_its_builds_agree_bit_for_bit() {
     }
 }
 
+/// A NaN score is ignored by the max (as `f32::max` took it), in the vector body and in the
+/// tail, with the same max on every build; a row of zeros and negative zeros has a zero max
+/// and weights of one.
+#[test]
+fn softmax_rows_max_ignores_a_nan_score_on_every_build() {
+    let (heads, n) = (3, 37);
+    let mut scores: Vec<f32> = values(2 * n, 5).iter().map(|v| 4.0 * v).collect();
+    scores[3] = f32::NAN;
+    scores[n + 34] = f32::NAN;
+    scores.extend((0..n).map(|j| if j % 2 == 0 { 0.0f32 } else { -0.0 }));
+    let ((m, zero_row), ran) = same_on_every_path(|| {
+        let (mut m, mut l) = (vec![0.0f32; heads], vec![0.0f32; heads]);
+        let mut p = vec![0u16; heads * n];
+        softmax_rows(&scores, n, 1.0, &mut m, &mut l, &mut p, n);
+        (m, p[2 * n..].to_vec())
+    });
+    for (h, &mh) in m.iter().enumerate().take(2) {
+        let want = scores[h * n..(h + 1) * n]
+            .iter()
+            .copied()
+            .filter(|v| !v.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(mh, want, "row {h}");
+    }
+    assert_eq!(m[2], 0.0);
+    assert!(
+        zero_row.iter().all(|&b| b == bf16::ONE.to_bits()),
+        "{zero_row:?}"
+    );
+    println!("softmax_rows NaN paths: {ran:?}");
+}
+
 #[test]
 fn pv_add_matches_a_plain_loop_at_ragged_shapes_and_its_builds_agree() {
     for (heads, n, d) in [
