@@ -488,6 +488,10 @@ impl Node {
                     .copied()
                     .filter(|c| !answered.contains(c))
                     .collect();
+                debug_assert!(
+                    !pending.is_empty(),
+                    "an unfinished task with every child answered: the wait would watch nothing"
+                );
                 self.poll_children(&pending, deadline - now, Until::Answered)?;
                 continue;
             }
