@@ -460,7 +460,8 @@ impl AttnLayer {
                 t_n * self.comp_width().max(1) * 4,
                 x,
                 q,
-                q,
+                // The attention output is bf16 (its values are rounded there).
+                q / 2,
                 t_n * c.hidden * 4,
                 x,
             ];
@@ -543,7 +544,11 @@ impl AttnLayer {
         Ok(AttnStepOutput {
             x_out: outs[io_slot::X_OUT].read_at::<f32>(0, inputs.x_hc.len())?,
             q: outs[io_slot::Q].read_at::<f32>(0, q)?,
-            attn: outs[io_slot::ATTN].read_at::<f32>(0, q)?,
+            attn: outs[io_slot::ATTN]
+                .read_at::<bf16>(0, q)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
             o_proj: outs[io_slot::Y].read_at::<f32>(0, t_n * c.hidden)?,
             report,
         })

@@ -91,10 +91,13 @@ pub(crate) mod wo_b {
 }
 
 thread_local! {
-    /// Per-core buffers of the attention tasks, kept between tasks.
-    static ATTN_SCRATCH: RefCell<AttnScratch> = RefCell::new(AttnScratch::default());
+    /// Per-core buffers of the attention tasks, kept between tasks: the kernel's, and the
+    /// fp32 output before its inverse RoPE and rounding into the bf16 `attn` row.
+    static ATTN_SCRATCH: RefCell<(AttnScratch, Vec<f32>)> =
+        RefCell::new((AttnScratch::default(), Vec::new()));
     /// Per-core buffers of the `wo_a` tasks (packed activations, the block's sums).
     static WO_A_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+
 }
 
 /// The RoPE table's pair count (`[positions, pairs]`).
@@ -411,14 +414,18 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         }
         candidates(comp, ccache, hd, &mut cands)?;
     }
-    let out = ctx.write::<f32>(sparse::OUT)?;
+    let out = ctx.write::<bf16>(sparse::OUT)?;
     check_len(NAME, "out", out.len(), heads * hd)?;
-    ATTN_SCRATCH.with(|s| {
-        k::sparse_attention(q, hd, &cands, scale, sinks, out, &mut s.borrow_mut());
-    });
     let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
-    k::rope_interleaved(out, hd, c, s, RopeDir::Inverse);
-    k::round_bf16(out);
+    // The fp32 result stays in a per-core buffer (in cache from the second task on); `attn`
+    // takes its bf16 rounding, half the bytes of fp32 slots to write here and for `wo_a` to
+    // read.
+    ATTN_SCRATCH.with_borrow_mut(|(scratch, o)| {
+        o.resize(heads * hd, 0.0);
+        k::sparse_attention(q, hd, &cands, scale, sinks, o, scratch);
+        k::rope_interleaved(o, hd, c, s, RopeDir::Inverse);
+        kc::cast_f32_bf16(o, out);
+    });
     Ok(())
 }
 
@@ -426,7 +433,7 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "dsv4_wo_a";
     let groups = ctx.scalar_usize(0)?;
     let (rows, width) = dims2(ctx, wo::X)?;
-    let x = ctx.read::<f32>(wo::X)?;
+    let x = ctx.read::<bf16>(wo::X)?;
     let (wrows, kg) = dims2(ctx, wo::W)?;
     let w = ctx.read::<bf16>(wo::W)?;
     if groups == 0 || !wrows.is_multiple_of(groups) || kg * groups != width {
@@ -447,7 +454,10 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let (c0, n) = (out.first_col(), out.row_len());
     // The packed group rows and the block's sums live in per-core buffers kept between tasks:
     // at FLASH shapes each is ~128 KiB, past the allocator's mmap threshold, so fresh vectors
-    // cost a mapping and its page faults on every block.
+    // cost a mapping and its page faults on every block. Each block packs its groups afresh:
+    // the AMX product then converts them while it prefetches the block's first weight rows,
+    // which streamed faster than tiles made once per core and task and reused (3% fewer
+    // cycles, `docs/benchmarks.md`, session 34).
     WO_A_SCRATCH.with_borrow_mut(|(packed, res)| {
         let ld = kc::packed_ld(kg);
         packed.resize(packed_len(rows, kg), 0.0);
@@ -458,7 +468,7 @@ pub(super) fn wo_a(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             let end = ((g + 1) * r).min(c0 + n);
             for t in 0..rows {
                 let src = &x[t * width + g * kg..t * width + (g + 1) * kg];
-                kc::pack_acts_f32(src, 1, kg, &mut packed[t * ld..(t + 1) * ld]);
+                kc::pack_acts_bf16(src, 1, kg, &mut packed[t * ld..(t + 1) * ld]);
             }
             let wg = whole.row_range(c..end);
             let tile = GemmTile::full(&wg);
