@@ -26,7 +26,7 @@ pub use hc::{
     hc_inv_rms, hc_inv_rms_rows, hc_mix_dots, hc_mix_len, hc_mix_logits, hc_mix_streams, hc_post,
     hc_weights, round_bf16_half_up, sinkhorn,
 };
-pub use norm::{rms_norm_round, round_bf16};
+pub use norm::{norm_rope_heads_bf16, rms_inv_rows, rms_norm_round, round_bf16};
 pub use rope::{
     RopeDir, RopeTable, YarnRamp, rope_interleaved, rope_inv_freq_plain, rope_inv_freq_yarn,
 };

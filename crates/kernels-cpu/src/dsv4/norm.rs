@@ -4,7 +4,9 @@
 //! int8 quantisation, packing for the bf16 GEMM) reads fp32; [`crate::rms_norm_bf16`] is the
 //! weighted form that stores bf16.
 
-use crate::convert::round_bf16_f32;
+use half::bf16;
+
+use crate::convert::{f32_to_bf16, round_bf16_f32};
 use crate::multiversion::multiversion;
 
 /// `1/sqrt(mean(x²) + eps)` with the mean taken in f64 (four lanes) and rounded to f32 once:
@@ -23,8 +25,9 @@ pub(crate) fn inv_rms_f64(x: &[f32], eps: f32) -> f32 {
     inv_rms_finish(&acc, tail, x.len(), eps)
 }
 
-/// Rows per block of [`inv_rms_rows_f64`].
-const RMS_ROWS: usize = 4;
+/// Rows per block of [`inv_rms_rows_f64`]: eight chains of fused multiply-adds in flight
+/// cover the latency of each (four left half the two units' slots idle).
+const RMS_ROWS: usize = 8;
 
 /// [`inv_rms_f64`] of each of the `out.len()` rows of `x` (`row` values each), bit for bit:
 /// rows are taken [`RMS_ROWS`] at a time with their lanes interleaved (on AVX2 one register
@@ -155,6 +158,58 @@ multiversion! {
     pub fn round_bf16(x: &mut [f32]) {
         for v in x.iter_mut() {
             *v = round_bf16_f32(*v);
+        }
+    }
+}
+
+/// `1/sqrt(mean(x²) + eps)` of each of the `out.len()` rows of `x` (`row` values each), the
+/// factor [`rms_norm_round`] scales each row by, bit for bit (the mean in f64).
+///
+/// # Panics
+/// If `x` is not `out.len()` rows of `row`.
+pub fn rms_inv_rows(x: &[f32], row: usize, eps: f32, out: &mut [f32]) {
+    inv_rms_rows_f64(x, row, eps, out)
+}
+
+multiversion! {
+    avx512;
+    /// The queries' finish in one pass, stored as bf16: every `head`-long head `i` of `x`
+    /// scaled by `inv[i]` (its [`rms_inv_rows`] factor) to bf16 values, as the weightless
+    /// [`rms_norm_round`] makes them, then the last `2 · cos.len()` values turned forward by
+    /// interleaved RoPE ([`rope_interleaved`](super::rope_interleaved)) and rounded again,
+    /// written to `out`. Bit for bit those passes and the narrowing: the values before the
+    /// rotated part are bf16 after the norm, so their second rounding changes nothing and is
+    /// not made, and the rotation's products and sums are the same expressions in the same
+    /// order.
+    ///
+    /// One pass over `x` and one write of half its bytes, where the passes took ~2.6 cycles
+    /// a value in the FLASH step's `q_b` tasks (a norm pass, a rounding pass and a copy into
+    /// the step's fp32 queries, whose lines came from memory) (`docs/benchmarks.md`,
+    /// session 34).
+    ///
+    /// # Panics
+    /// If `head` is zero or does not divide `x.len()`, `inv` is not one per head, `out` is
+    /// not `x.len()` long, `cos` and `sin` differ in length, or the rotated part is longer
+    /// than a head.
+    pub fn norm_rope_heads_bf16(x: &[f32], head: usize, inv: &[f32], cos: &[f32], sin: &[f32], out: &mut [bf16]) {
+        let pairs = cos.len();
+        assert_eq!(sin.len(), pairs, "norm_rope_heads_bf16: sin len");
+        assert!(head > 0 && 2 * pairs <= head && x.len().is_multiple_of(head), "norm_rope_heads_bf16: head {head}, {pairs} pairs, x len {}", x.len());
+        assert_eq!(inv.len() * head, x.len(), "norm_rope_heads_bf16: inv len");
+        assert_eq!(out.len(), x.len(), "norm_rope_heads_bf16: out len");
+        let plain = head - 2 * pairs;
+        for ((xr, or), &r) in x.chunks_exact(head).zip(out.chunks_exact_mut(head)).zip(inv) {
+            for (o, &v) in or[..plain].iter_mut().zip(&xr[..plain]) {
+                *o = f32_to_bf16(v * r);
+            }
+            let (xr, or) = (&xr[plain..], &mut or[plain..]);
+            for j in 0..pairs {
+                let e = round_bf16_f32(xr[2 * j] * r);
+                let o = round_bf16_f32(xr[2 * j + 1] * r);
+                let (c, s) = (cos[j], sin[j]);
+                or[2 * j] = f32_to_bf16(e * c - o * s);
+                or[2 * j + 1] = f32_to_bf16(e * s + o * c);
+            }
         }
     }
 }

@@ -498,3 +498,44 @@ fn inv_rms_of_many_rows_is_the_one_row_sum_bit_for_bit() {
         }
     }
 }
+
+/// The fused queries' finish gives, bit for bit, the three passes it replaces (the norm to
+/// bf16 values, the forward turn, the rounding) and the narrowing, on every path: heads with
+/// and without a rotated part, a whole head rotated, a ragged count of heads around the
+/// norm's blocks of four, and a NaN and an infinity in a head.
+#[test]
+fn norm_rope_heads_bf16_is_the_norm_the_turn_and_the_rounding() {
+    for (heads, head, pairs, seed) in [
+        (6usize, 64usize, 8usize, 1u64),
+        (5, 32, 0, 2),
+        (3, 16, 8, 3),
+        (9, 512, 32, 4),
+        (17, 64, 4, 6),
+        (1, 8, 2, 5),
+    ] {
+        let mut x: Vec<f32> = values(heads * head, seed).iter().map(|v| v * 3.0).collect();
+        if heads > 2 {
+            x[head + 1] = f32::NAN;
+            x[2 * head + head - 1] = f32::INFINITY;
+        }
+        let cos: Vec<f32> = values(pairs, seed + 10);
+        let sin: Vec<f32> = values(pairs, seed + 20);
+        let want = on_every_path(|| {
+            let mut y = x.clone();
+            rms_norm_round(&mut y, head, None, 1e-6);
+            rope_interleaved(&mut y, head, &cos, &sin, RopeDir::Forward);
+            round_bf16(&mut y);
+            y.iter()
+                .map(|&v| crate::f32_to_bf16(v).to_bits())
+                .collect::<Vec<u16>>()
+        });
+        let got = on_every_path(|| {
+            let mut inv = vec![0.0f32; heads];
+            rms_inv_rows(&x, head, 1e-6, &mut inv);
+            let mut out = vec![half::bf16::ZERO; x.len()];
+            norm_rope_heads_bf16(&x, head, &inv, &cos, &sin, &mut out);
+            out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
+        });
+        assert_eq!(got, want, "{heads} heads of {head}, {pairs} pairs");
+    }
+}

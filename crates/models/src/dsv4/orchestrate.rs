@@ -216,7 +216,7 @@ fn bind_all(o: &mut Orchestrator, a: &RunArgs, p: &AttnPlan) -> R<Views> {
             &[t, u(p.comp_width.max(1))],
         )?,
         x: bind(n_w + n_caches + io::X, DType::F32, &[t, hcd])?,
-        q: bind(n_w + n_caches + io::Q, DType::F32, &[t, h * hd])?,
+        q: bind(n_w + n_caches + io::Q, DType::BF16, &[t, h * hd])?,
         attn: bind(n_w + n_caches + io::ATTN, DType::BF16, &[t, h * hd])?,
         y: bind(n_w + n_caches + io::Y, DType::F32, &[t, d])?,
         x_out: bind(n_w + n_caches + io::X_OUT, DType::F32, &[t, hcd])?,

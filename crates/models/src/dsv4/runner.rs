@@ -459,8 +459,9 @@ impl AttnLayer {
                 t_n * c.window * 4,
                 t_n * self.comp_width().max(1) * 4,
                 x,
-                q,
-                // The attention output is bf16 (its values are rounded there).
+                // The queries and the attention output are bf16 (their values are rounded
+                // where they are made).
+                q / 2,
                 q / 2,
                 t_n * c.hidden * 4,
                 x,
@@ -543,7 +544,11 @@ impl AttnLayer {
         let q = t_n * c.n_heads * c.head_dim;
         Ok(AttnStepOutput {
             x_out: outs[io_slot::X_OUT].read_at::<f32>(0, inputs.x_hc.len())?,
-            q: outs[io_slot::Q].read_at::<f32>(0, q)?,
+            q: outs[io_slot::Q]
+                .read_at::<bf16>(0, q)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
             attn: outs[io_slot::ATTN]
                 .read_at::<bf16>(0, q)?
                 .iter()

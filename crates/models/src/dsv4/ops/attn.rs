@@ -91,10 +91,11 @@ pub(crate) mod wo_b {
 }
 
 thread_local! {
-    /// Per-core buffers of the attention tasks, kept between tasks: the kernel's, and the
-    /// fp32 output before its inverse RoPE and rounding into the bf16 `attn` row.
-    static ATTN_SCRATCH: RefCell<(AttnScratch, Vec<f32>)> =
-        RefCell::new((AttnScratch::default(), Vec::new()));
+    /// Per-core buffers of the attention tasks, kept between tasks: the kernel's, the
+    /// queries widened to fp32, and the fp32 output before its inverse RoPE and rounding into
+    /// the bf16 `attn` row.
+    static ATTN_SCRATCH: RefCell<(AttnScratch, Vec<f32>, Vec<f32>)> =
+        RefCell::new((AttnScratch::default(), Vec::new(), Vec::new()));
     /// Per-core buffers of the `wo_a` tasks (packed activations, the block's sums).
     static WO_A_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 
@@ -200,7 +201,7 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("Wq_b [{wrows}, {wcols}] for q_lora {ql}, heads of {hd}"),
         ));
     }
-    let mut q = ctx.write_block_cols::<f32>(q_b::Q, hd)?;
+    let mut q = ctx.write_block_cols::<bf16>(q_b::Q, hd)?;
     if q.len() != rows || q.view_row_len() != wrows {
         return Err(bad(NAME, "q is not [tokens, heads · head_dim]"));
     }
@@ -226,13 +227,15 @@ pub(super) fn q_b(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         mode: OutMode::Store,
     };
     kc::gemm_i8_w8a8(wi, acts, &tile, &mut out, n);
-    for (t, o) in out.chunks_exact_mut(n).enumerate() {
+    // Every (token, head) norm factor at once: the sums of eight heads run side by side
+    // wherever the block has them, not only within one token's heads.
+    let heads = n / hd;
+    let mut inv = vec![0.0f32; rows * heads];
+    k::rms_inv_rows(&out, hd, eps, &mut inv);
+    for (t, (o, r)) in out.chunks_exact(n).zip(inv.chunks_exact(heads)).enumerate() {
         let (_, pos, _) = token(NAME, tok, t)?;
         let (c, s) = rope_rows(NAME, cos, sin, pairs, pos)?;
-        k::rms_norm_round(o, hd, None, eps);
-        k::rope_interleaved(o, hd, c, s, RopeDir::Forward);
-        k::round_bf16(o);
-        q.row(t).copy_from_slice(o);
+        k::norm_rope_heads_bf16(o, hd, r, c, s, q.row(t));
     }
     Ok(())
 }
@@ -390,7 +393,7 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let hd = ctx.scalar_usize(0)?;
     let scale = ctx.scalar_f32(1)?;
     let (_, pos, _) = token(NAME, ctx.read::<u32>(sparse::TOK)?, 0)?;
-    let q = ctx.read::<f32>(sparse::Q)?;
+    let q = ctx.read::<bf16>(sparse::Q)?;
     let win = ctx.read::<i32>(sparse::WIN)?;
     let wcache = ctx.read::<bf16>(sparse::WIN_CACHE)?;
     let sinks = ctx.read::<f32>(sparse::SINKS)?;
@@ -420,9 +423,13 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // The fp32 result stays in a per-core buffer (in cache from the second task on); `attn`
     // takes its bf16 rounding, half the bytes of fp32 slots to write here and for `wo_a` to
     // read.
-    ATTN_SCRATCH.with_borrow_mut(|(scratch, o)| {
+    ATTN_SCRATCH.with_borrow_mut(|(scratch, qf, o)| {
+        // The kernel takes fp32 queries: widened into a per-core buffer (the step's queries
+        // are bf16, half the bytes for `q_b` to write and for this task to read).
+        qf.resize(heads * hd, 0.0);
+        kc::cast_bf16_f32(q, qf);
         o.resize(heads * hd, 0.0);
-        k::sparse_attention(q, hd, &cands, scale, sinks, o, scratch);
+        k::sparse_attention(qf, hd, &cands, scale, sinks, o, scratch);
         k::rope_interleaved(o, hd, c, s, RopeDir::Inverse);
         kc::cast_f32_bf16(o, out);
     });

@@ -13,10 +13,10 @@
 //! | [`HC_MIX`] (SPMD mix rows) | x_hc In f32 `[T,hc·D]`, mix NoDep f32 `[M,hc·D]`, dots Out f32 `[T,M]` | — |
 //! | [`HC_PRE`] (SPMD rows) | x_hc In f32 `[T,hc·D]`, dots In f32 `[T,M]`, base NoDep f32 `[M]`, norm NoDep f32 `[D]`, hcw Out f32 `[T,M]`, xn Out packed `[T,ld(D)]` | hc, iters, hc_eps, rms_eps, s0, s1, s2 |
 //! | [`ACT_I8`] (SPMD rows) | x In f32 `[T,K]`, q Out i8 `[T,K]`, scales Out f32 `[T,G]`, (norm NoDep f32 `[K]`) | groups G, eps |
-//! | [`Q_B`] (SPMD heads) | qr_i8 In i8 `[T,q_lora]`, qr_scale In f32 `[T,1]`, wq_b NoDep i8 `[H·hd,q_lora]`, scales NoDep f32 `[H·hd]`, tok NoDep u32 `[T,3]`, cos NoDep, sin NoDep, q Out f32 `[T,H·hd]` | hd, eps |
+//! | [`Q_B`] (SPMD heads) | qr_i8 In i8 `[T,q_lora]`, qr_scale In f32 `[T,1]`, wq_b NoDep i8 `[H·hd,q_lora]`, scales NoDep f32 `[H·hd]`, tok NoDep u32 `[T,3]`, cos NoDep, sin NoDep, q Out bf16 `[T,H·hd]` | hd, eps |
 //! | [`KV_WRITE`] | kv In f32 `[T,hd]`, kv_norm NoDep, tok NoDep, cos, sin, cache InOut bf16 `[slots,hd]` | eps |
 //! | [`HCA_COMPRESS`] | kv In f32 `[T,hd]`, score In f32 `[T,hd]`, ape NoDep `[ratio,hd]`, norm NoDep `[hd]`, tok NoDep, cos, sin, state_kv InOut `[B·ratio,hd]`, state_score InOut, cache InOut bf16 `[B·rows,hd]` | ratio, max_rows, eps |
-//! | [`SPARSE_ATTN`] | q In f32 `[1,h·hd]`, win NoDep i32 `[1,W]` (window-cache slots, −1 masked), window cache In bf16, sinks NoDep `[h]`, cos, sin, tok NoDep u32 `[1,3]` (the token's row: its position), out Out bf16 `[1,h·hd]`, (comp NoDep i32 `[1,C]` rows, −1 masked; compressed cache In bf16) | hd, scale |
+//! | [`SPARSE_ATTN`] | q In bf16 `[1,h·hd]`, win NoDep i32 `[1,W]` (window-cache slots, −1 masked), window cache In bf16, sinks NoDep `[h]`, cos, sin, tok NoDep u32 `[1,3]` (the token's row: its position), out Out bf16 `[1,h·hd]`, (comp NoDep i32 `[1,C]` rows, −1 masked; compressed cache In bf16) | hd, scale |
 //! | [`WO_A`] (SPMD cols) | attn In bf16 `[T,H·hd]`, wo_a NoDep bf16 `[G·R,K]`, o_r Out f32 `[T,G·R]` | groups |
 //! | [`WO_B`] (SPMD cols) | o_r_i8 In i8 `[T,G·R]`, o_r_scale In f32 `[T,G]`, wo_b NoDep i8 `[D,G·R]`, scales NoDep f32 `[D]`, y Out f32 `[T,D]` | groups |
 //! | [`HC_POST`] (SPMD rows) | x_hc In, y In f32 `[T,D]`, hcw In f32 `[T,M]`, x_out Out f32 `[T,hc·D]` | hc |
