@@ -11,7 +11,7 @@
 //! A token's hyper-connection weights are one `[hc_mix]` row, `hc_mix = (2 + hc) · hc`:
 //! `pre [hc] | post [hc] | comb [hc, hc]` (`comb[i][o]`: from stream `i` into stream `o`).
 
-use super::norm::{inv_rms_f64, inv_rms_rows_f64};
+use super::norm::inv_rms_f64;
 use crate::multiversion::multiversion;
 
 /// Weights per token of `hc` streams: `pre`, `post` and the `hc × hc` mixing matrix.
@@ -54,12 +54,13 @@ pub fn hc_inv_rms(x: &[f32], eps: f32) -> f32 {
 }
 
 /// [`hc_inv_rms`] of each of `out.len()` tokens (`x` rows of `n` values), bit for bit, the
-/// tokens' sums interleaved so their chains of adds overlap.
+/// tokens' sums interleaved so their chains of adds overlap: [`super::rms_inv_rows`] under the
+/// name the hyper-connection kernels go by.
 ///
 /// # Panics
 /// If `x` is not `out.len()` rows of `n`.
 pub fn hc_inv_rms_rows(x: &[f32], n: usize, eps: f32, out: &mut [f32]) {
-    inv_rms_rows_f64(x, n, eps, out)
+    super::norm::rms_inv_rows(x, n, eps, out)
 }
 
 /// Weight rows and tokens of one register block of [`hc_mix_dots`]: eight independent f64

@@ -2,7 +2,8 @@
 //! `bf16(x / sqrt(mean x² + eps) · w)`, `w = 1` for the weightless per-head norm. The result
 //! stays in fp32 slots (bf16-representable values) because every consumer in the layer (RoPE,
 //! int8 quantisation, packing for the bf16 GEMM) reads fp32; [`crate::rms_norm_bf16`] is the
-//! weighted form that stores bf16.
+//! weighted form that stores bf16, and [`norm_rope_heads_bf16`] the queries' weightless norm,
+//! RoPE and rounding stored as bf16.
 
 use half::bf16;
 

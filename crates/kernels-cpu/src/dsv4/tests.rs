@@ -470,8 +470,17 @@ fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
 
 #[test]
 fn inv_rms_of_many_rows_is_the_one_row_sum_bit_for_bit() {
-    // Row counts around the four-row blocks, lengths with and without a tail.
-    for (rows, n) in [(1, 16), (3, 7), (4, 64), (5, 33), (8, 16384), (9, 130)] {
+    // Row counts around the eight-row blocks, lengths with and without a tail.
+    for (rows, n) in [
+        (1, 16),
+        (3, 7),
+        (4, 64),
+        (5, 33),
+        (8, 16384),
+        (9, 130),
+        (16, 36),
+        (17, 129),
+    ] {
         let x = values(rows * n, 60 + rows as u64);
         let got = on_every_path(|| {
             let mut out = vec![0.0f32; rows];
@@ -502,7 +511,7 @@ fn inv_rms_of_many_rows_is_the_one_row_sum_bit_for_bit() {
 /// The fused queries' finish gives, bit for bit, the three passes it replaces (the norm to
 /// bf16 values, the forward turn, the rounding) and the narrowing, on every path: heads with
 /// and without a rotated part, a whole head rotated, a ragged count of heads around the
-/// norm's blocks of four, and a NaN and an infinity in a head.
+/// norm's blocks of eight, and a NaN and an infinity in a head.
 #[test]
 fn norm_rope_heads_bf16_is_the_norm_the_turn_and_the_rounding() {
     for (heads, head, pairs, seed) in [

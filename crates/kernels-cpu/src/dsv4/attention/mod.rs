@@ -382,9 +382,8 @@ multiversion! {
     avx512;
     /// `out` row `h` (`d` values) times `inv[h]`. Built for each path: in `sparse_attention`'s
     /// own build the loop compiled to 128-bit products. (Scaling each 32 × 32 block of the AMX
-    /// value product as it is stored, from L1, was slower: the reads wait on the tile stores,
-    /// 0.31 against 0.27 ms for the 8 tokens of `examples/dsv4_sparse_attention` at SWA's
-    /// shape.)
+    /// value product as it is stored, from L1, was not shown faster: the host drifted between
+    /// the runs, `docs/benchmarks.md`, session 34.)
     ///
     /// # Panics
     /// If `out` is not `inv.len()` rows of `d`.

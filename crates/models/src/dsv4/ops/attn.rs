@@ -401,7 +401,7 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let pairs = rope_pairs(ctx, sparse::COS)?;
     let heads = sinks.len();
     check_len(NAME, "q", q.len(), heads * hd)?;
-    if dims2(ctx, sparse::WIN_CACHE)?.1 != hd || 2 * pairs > hd {
+    if hd == 0 || dims2(ctx, sparse::WIN_CACHE)?.1 != hd || 2 * pairs > hd {
         return Err(bad(NAME, format!("window-cache rows are not {hd} wide")));
     }
     let mut cands = Vec::with_capacity(win.len() + 64);
