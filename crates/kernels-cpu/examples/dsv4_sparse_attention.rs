@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use half::bf16;
 use simpler_kernels_cpu::Isa;
-use simpler_kernels_cpu::dsv4::{AttnScratch, sparse_attention};
+use simpler_kernels_cpu::dsv4::{AttnScratch, Queries, sparse_attention};
 use simpler_kernels_cpu::with_isa;
 
 /// This thread's CPU time, seconds.
@@ -101,7 +101,7 @@ fn main() {
                 let (c0, w0) = (thread_cpu_s(), Instant::now());
                 for (t, list) in lists.iter().enumerate() {
                     let qt = &q[t * heads * hd..(t + 1) * heads * hd];
-                    sparse_attention(qt, hd, list, 0.044, &sinks, &mut out, &mut s);
+                    sparse_attention(Queries::F32(qt), hd, list, 0.044, &sinks, &mut out, &mut s);
                 }
                 (
                     (thread_cpu_s() - c0) * 1e3,

@@ -20,7 +20,7 @@ pub mod norm;
 pub mod plan;
 pub mod rope;
 
-pub use attention::{ATTN_TILE, AttnScratch, sparse_attention};
+pub use attention::{ATTN_TILE, AttnScratch, Queries, sparse_attention};
 pub use compress::softmax_pool;
 pub use hc::{
     hc_inv_rms, hc_inv_rms_rows, hc_mix_dots, hc_mix_len, hc_mix_logits, hc_mix_streams, hc_post,

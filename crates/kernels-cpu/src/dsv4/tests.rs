@@ -303,7 +303,7 @@ fn sparse_attention_matches_the_one_pass_form_across_tiles_masks_and_paths() {
         with_isa(isa, || {
             let mut out = vec![0.0f32; heads * d];
             sparse_attention(
-                &q,
+                Queries::F32(&q),
                 d,
                 &cands,
                 scale,
@@ -329,7 +329,7 @@ fn sparse_attention_matches_the_one_pass_form_across_tiles_masks_and_paths() {
     let none: Vec<Option<&[half::bf16]>> = vec![None; 5];
     let mut out = vec![1.0f32; heads * d];
     sparse_attention(
-        &q,
+        Queries::F32(&q),
         d,
         &none,
         scale,

@@ -183,6 +183,60 @@ pub(super) unsafe fn convert_rows(
     dst: &mut Vec<Line>,
 ) -> bool {
     assert_eq!(Some(x.len()), rows.checked_mul(cols), "convert_rows: x len");
+    rows_to_tiles(rows, cols, dst, |row, i| {
+        let src = &x[row * cols + 32 * i..][..32];
+        // SAFETY: `src` is 32 fp32; AVX-512 BF16 by contract (the closure takes this
+        // function's features). Words 0-15 are the bf16 of the first 16, 16-31 of the next:
+        // the pairs in `K` order.
+        unsafe {
+            let (v0, v1) = (
+                _mm512_loadu_ps(src.as_ptr()),
+                _mm512_loadu_ps(src.as_ptr().add(16)),
+            );
+            std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0))
+        }
+    })
+}
+
+/// [`convert_rows`] of bf16 rows (`x` `[rows, cols]`): 32 bf16 values of a row are already
+/// its 16 pairs in `K` order, so each line is one load (no conversion); the same tiles
+/// `convert_rows` makes from the same values widened to fp32.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL and BF16.
+///
+/// # Panics
+/// If `x` is not `rows · cols` long.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn convert_rows_bf16(
+    x: &[half::bf16],
+    rows: usize,
+    cols: usize,
+    dst: &mut Vec<Line>,
+) -> bool {
+    assert_eq!(
+        Some(x.len()),
+        rows.checked_mul(cols),
+        "convert_rows_bf16: x len"
+    );
+    rows_to_tiles(rows, cols, dst, |row, i| {
+        let src = &x[row * cols + 32 * i..][..32];
+        // SAFETY: `src` is 32 bf16 (64 bytes); AVX-512 F by contract.
+        unsafe { _mm512_loadu_si512(src.as_ptr().cast()) }
+    })
+}
+
+/// The body of [`convert_rows`] and [`convert_rows_bf16`]: `line(row, i)` gives step `i` (32
+/// values) of batch row `row` as 16 bf16 pairs; rows past the batch are zero.
+///
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn rows_to_tiles(
+    rows: usize,
+    cols: usize,
+    dst: &mut Vec<Line>,
+    line: impl Fn(usize, usize) -> __m512i,
+) -> bool {
     let nk = cols / 32;
     if nk == 0 || !cols.is_multiple_of(32) || rows > batch_block(nk) {
         dst.clear();
@@ -196,16 +250,7 @@ pub(super) unsafe fn convert_rows(
         for i in 0..nk {
             let mut r = [_mm512_setzero_si512(); 16];
             for (j, rj) in r.iter_mut().enumerate().take(rows - bt * 16) {
-                let src = &x[(bt * 16 + j) * cols + 32 * i..][..32];
-                // SAFETY: `src` is 32 fp32; AVX-512 BF16 by contract. Words 0-15 are the bf16 of
-                // the first 16, 16-31 of the next: the pairs in `K` order.
-                *rj = unsafe {
-                    let (v0, v1) = (
-                        _mm512_loadu_ps(src.as_ptr()),
-                        _mm512_loadu_ps(src.as_ptr().add(16)),
-                    );
-                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0))
-                };
+                *rj = line(bt * 16 + j, i);
             }
             transpose16(&mut r);
             let tile = &mut dst[(bt * nk + i) * 16..(bt * nk + i + 1) * 16];

@@ -1008,6 +1008,22 @@ impl AmxActs {
         // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
         unsafe { amx::convert_rows(x, rows, cols, &mut self.vnni) }
     }
+
+    /// [`AmxActs::prepare_f32`] of bf16 rows `x` (`[rows, cols]`): the same tiles as of the
+    /// same values widened to fp32, each line one load.
+    ///
+    /// # Panics
+    /// If `x` is not `rows · cols` long.
+    pub(crate) fn prepare_bf16(&mut self, x: &[bf16], rows: usize, cols: usize) -> bool {
+        assert_eq!(Some(x.len()), rows.checked_mul(cols), "AmxActs: x len");
+        (self.rows, self.cols) = (rows, cols);
+        if Isa::current() < Isa::AmxBf16 || rows < amx::MIN_BATCH {
+            self.vnni.clear();
+            return false;
+        }
+        // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
+        unsafe { amx::convert_rows_bf16(x, rows, cols, &mut self.vnni) }
+    }
 }
 
 /// [`gemm_bf16`] of row-major `w` over all its rows and the whole of `K` against activations

@@ -67,6 +67,8 @@ pub struct AttnScratch {
     rows: Vec<bf16>,
     /// The queries as the scores' product takes them (converted once per call).
     q: PreparedActs,
+    /// bf16 queries widened, where the scores' product takes fp32 ones (not AMX).
+    q_wide: Vec<f32>,
     /// The queries as the AMX path's tiles alone, where that path takes the scores' product
     /// (then `q` is not made).
     #[cfg(target_arch = "x86_64")]
@@ -167,9 +169,28 @@ impl<'a> Runs<'_, 'a> {
     }
 }
 
+/// The queries of one [`sparse_attention`] call, `[heads, d]`.
+#[derive(Clone, Copy, Debug)]
+pub enum Queries<'a> {
+    /// bf16 values in fp32 slots.
+    F32(&'a [f32]),
+    /// bf16: on AMX each tile line is one load of a row's 32 values; elsewhere widened into
+    /// the scratch first.
+    Bf16(&'a [bf16]),
+}
+
+impl Queries<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Queries::F32(q) => q.len(),
+            Queries::Bf16(q) => q.len(),
+        }
+    }
+}
+
 /// Attention of `heads = sinks.len()` heads over `cands`.
 ///
-/// `q` is `[heads, d]` (bf16 values), `out` `[heads, d]`. A present candidate is one row of
+/// `q` is `[heads, d]` (bf16 values; fp32 slots or bf16, [`Queries`]), `out` `[heads, d]`. A present candidate is one row of
 /// `d` or a run of rows adjacent in their cache (a whole multiple of `d` long, e.g. a
 /// sequence's window slots): a run of at least `MIN_IN_PLACE` (32) rows is read where it lies,
 /// the rest are copied. Scores are `q · row · scale`.
@@ -177,7 +198,7 @@ impl<'a> Runs<'_, 'a> {
 /// # Panics
 /// If `q` or `out` is not `heads · d` long or a candidate is not a whole number of rows.
 pub fn sparse_attention(
-    q: &[f32],
+    q: Queries<'_>,
     d: usize,
     cands: &[Option<&[bf16]>],
     scale: f32,
@@ -212,11 +233,21 @@ pub fn sparse_attention(
     let pairs = takes_pairs(path, d);
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
     #[cfg(target_arch = "x86_64")]
-    let q_tiles = s.q_amx.prepare_f32(q, heads, d);
+    let q_tiles = match q {
+        Queries::F32(q) => s.q_amx.prepare_f32(q, heads, d),
+        Queries::Bf16(q) => s.q_amx.prepare_bf16(q, heads, d),
+    };
     #[cfg(not(target_arch = "x86_64"))]
     let q_tiles = false;
     if !q_tiles {
-        s.q.prepare_f32(q, heads, d);
+        match q {
+            Queries::F32(q) => s.q.prepare_f32(q, heads, d),
+            Queries::Bf16(q) => {
+                s.q_wide.resize(q.len(), 0.0);
+                crate::convert::cast_bf16_f32(q, &mut s.q_wide);
+                s.q.prepare_f32(&s.q_wide, heads, d);
+            }
+        }
     }
     s.scores.resize(heads * n, 0.0);
     let rows_at = aligned64(

@@ -273,9 +273,17 @@ fn attention_at_block_edges(heads: usize, d: usize) {
     let mut s = AttnScratch::default();
     let mut out = vec![0.0f32; heads * d];
     let full: Vec<Option<&[bf16]>> = rows.iter().map(|r| r.as_deref()).collect();
-    sparse_attention(&q, d, &full, scale, &sinks, &mut out, &mut s);
+    sparse_attention(Queries::F32(&q), d, &full, scale, &sinks, &mut out, &mut s);
     let masked: Vec<Option<&[bf16]>> = vec![None; 2 * ATTN_TILE];
-    sparse_attention(&q, d, &masked, scale, &sinks, &mut out, &mut s);
+    sparse_attention(
+        Queries::F32(&q),
+        d,
+        &masked,
+        scale,
+        &sinks,
+        &mut out,
+        &mut s,
+    );
     assert!(out.iter().all(|&v| v == 0.0));
     println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
 }
@@ -297,7 +305,36 @@ fn lists_match_the_reference(
             let mut s = AttnScratch::default();
             for (what, cands) in lists {
                 let mut out = vec![7.0f32; heads * d];
-                sparse_attention(q, d, cands, scale, sinks, &mut out, &mut s);
+                sparse_attention(Queries::F32(q), d, cands, scale, sinks, &mut out, &mut s);
+                // The same queries as bf16 give the same bits as their values in fp32 slots.
+                let qb: Vec<bf16> = q.iter().map(|&v| bf16::from_f32(v)).collect();
+                let qr: Vec<f32> = qb.iter().map(|v| v.to_f32()).collect();
+                let mut from_f32 = vec![7.0f32; heads * d];
+                sparse_attention(
+                    Queries::F32(&qr),
+                    d,
+                    cands,
+                    scale,
+                    sinks,
+                    &mut from_f32,
+                    &mut s,
+                );
+                let mut from_bf16 = vec![-7.0f32; heads * d];
+                sparse_attention(
+                    Queries::Bf16(&qb),
+                    d,
+                    cands,
+                    scale,
+                    sinks,
+                    &mut from_bf16,
+                    &mut s,
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&from_bf16),
+                    bits(&from_f32),
+                    "{what}: bf16 queries on {isa:?}"
+                );
                 let rows: Vec<Option<Vec<bf16>>> = cands
                     .iter()
                     .flat_map(|c| match c {
@@ -383,7 +420,7 @@ fn sparse_attention_refuses_a_candidate_of_part_of_a_row() {
     let cands = [Some(&rows[..2 * d]), Some(&rows[..d + 1])];
     let mut out = vec![0.0f32; heads * d];
     sparse_attention(
-        &values(heads * d, 45),
+        Queries::F32(&values(heads * d, 45)),
         d,
         &cands,
         1.0,

@@ -91,11 +91,10 @@ pub(crate) mod wo_b {
 }
 
 thread_local! {
-    /// Per-core buffers of the attention tasks, kept between tasks: the kernel's, the
-    /// queries widened to fp32, and the fp32 output before its inverse RoPE and rounding into
-    /// the bf16 `attn` row.
-    static ATTN_SCRATCH: RefCell<(AttnScratch, Vec<f32>, Vec<f32>)> =
-        RefCell::new((AttnScratch::default(), Vec::new(), Vec::new()));
+    /// Per-core buffers of the attention tasks, kept between tasks: the kernel's, and the
+    /// fp32 output before its inverse RoPE and rounding into the bf16 `attn` row.
+    static ATTN_SCRATCH: RefCell<(AttnScratch, Vec<f32>)> =
+        RefCell::new((AttnScratch::default(), Vec::new()));
     /// Per-core buffers of the `wo_a` tasks (packed activations, the block's sums).
     static WO_A_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 
@@ -423,13 +422,9 @@ pub(super) fn sparse_attn(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // The fp32 result stays in a per-core buffer (in cache from the second task on); `attn`
     // takes its bf16 rounding, half the bytes of fp32 slots to write here and for `wo_a` to
     // read.
-    ATTN_SCRATCH.with_borrow_mut(|(scratch, qf, o)| {
-        // The kernel takes fp32 queries: widened into a per-core buffer (the step's queries
-        // are bf16, half the bytes for `q_b` to write and for this task to read).
-        qf.resize(heads * hd, 0.0);
-        kc::cast_bf16_f32(q, qf);
+    ATTN_SCRATCH.with_borrow_mut(|(scratch, o)| {
         o.resize(heads * hd, 0.0);
-        k::sparse_attention(qf, hd, &cands, scale, sinks, o, scratch);
+        k::sparse_attention(k::Queries::Bf16(q), hd, &cands, scale, sinks, o, scratch);
         k::rope_interleaved(o, hd, c, s, RopeDir::Inverse);
         kc::cast_f32_bf16(o, out);
     });
