@@ -1000,13 +1000,11 @@ impl AmxActs {
     /// If `x` is not `rows · cols` long.
     pub(crate) fn prepare_f32(&mut self, x: &[f32], rows: usize, cols: usize) -> bool {
         assert_eq!(Some(x.len()), rows.checked_mul(cols), "AmxActs: x len");
-        (self.rows, self.cols) = (rows, cols);
-        if Isa::current() < Isa::AmxBf16 || rows < amx::MIN_BATCH {
-            self.vnni.clear();
-            return false;
-        }
-        // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
-        unsafe { amx::convert_rows(x, rows, cols, &mut self.vnni) }
+        // SAFETY: `prepare_with` runs this only where `Isa::current` is AmxBf16, i.e. on a CPU
+        // with AVX-512 F/BW/VL and BF16.
+        self.prepare_with(rows, cols, |v| unsafe {
+            amx::convert_rows(x, rows, cols, v)
+        })
     }
 
     /// [`AmxActs::prepare_f32`] of bf16 rows `x` (`[rows, cols]`): the same tiles as of the
@@ -1016,13 +1014,26 @@ impl AmxActs {
     /// If `x` is not `rows · cols` long.
     pub(crate) fn prepare_bf16(&mut self, x: &[bf16], rows: usize, cols: usize) -> bool {
         assert_eq!(Some(x.len()), rows.checked_mul(cols), "AmxActs: x len");
+        // SAFETY: as in `prepare_f32`.
+        self.prepare_with(rows, cols, |v| unsafe {
+            amx::convert_rows_bf16(x, rows, cols, v)
+        })
+    }
+
+    /// Keeps the shape and runs `convert` into the tiles where the AMX path takes `rows` rows
+    /// now (else clears them): what `convert` returns.
+    fn prepare_with(
+        &mut self,
+        rows: usize,
+        cols: usize,
+        convert: impl FnOnce(&mut Vec<amx::Line>) -> bool,
+    ) -> bool {
         (self.rows, self.cols) = (rows, cols);
         if Isa::current() < Isa::AmxBf16 || rows < amx::MIN_BATCH {
             self.vnni.clear();
             return false;
         }
-        // SAFETY: `Isa::current` is AmxBf16 only on a CPU with AVX-512 F/BW/VL and BF16.
-        unsafe { amx::convert_rows_bf16(x, rows, cols, &mut self.vnni) }
+        convert(&mut self.vnni)
     }
 }
 
