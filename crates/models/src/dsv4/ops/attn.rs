@@ -97,7 +97,6 @@ thread_local! {
         RefCell::new((AttnScratch::default(), Vec::new()));
     /// Per-core buffers of the `wo_a` tasks (packed activations, the block's sums).
     static WO_A_SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-
 }
 
 /// The RoPE table's pair count (`[positions, pairs]`).
