@@ -139,15 +139,62 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     // Far-apart row streams, as the small batches take them (`streams`): on Zen 3 5–7% less
     // time than blocks of adjacent rows at batches 8 and 16, though compute bound.
     let len = first.n.len() / R;
-    for i in 0..len {
-        // SAFETY: rows `n.start + i + len * r` (r < R) lie inside the tile; the caller's
-        // contract covers the features and the slices.
-        unsafe { rows_maddubs::<R>(segs, first.n.start + i, len, out, ld_out) };
-    }
-    for n0 in first.n.start + R * len..first.n.end {
-        // SAFETY: row `n0` lies inside the tile; as above.
-        unsafe { rows_maddubs::<1>(segs, n0, 1, out, ld_out) };
-    }
+    with_staged_out(first, out, ld_out, |out, ld_out| {
+        for i in 0..len {
+            // SAFETY: rows `n.start + i + len * r` (r < R) lie inside the tile; the caller's
+            // contract covers the features and the slices; the staged output holds the tile.
+            unsafe { rows_maddubs::<R>(segs, first.n.start + i, len, out, ld_out) };
+        }
+        for n0 in first.n.start + R * len..first.n.end {
+            // SAFETY: row `n0` lies inside the tile; as above.
+            unsafe { rows_maddubs::<1>(segs, n0, 1, out, ld_out) };
+        }
+    });
+}
+
+thread_local! {
+    /// This thread's staged outputs ([`with_staged_out`]): grown to the largest tile seen,
+    /// never shrunk.
+    static STAGED_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a copy of the tile's outputs (`lw.batch` rows of `lw.n.len()` values) whose row
+/// stride is padded off every multiple of 4 KiB, then copies them into `out`; with `Add`, the
+/// copy starts from `out`'s values, so every element sees the same operations in the same
+/// order as in place (the same bits).
+///
+/// Why: a block of [`rows_maddubs`] finishes `R` far-apart rows for every batch row, one scalar
+/// store each. With `ld_out` a multiple of 1024 values (a whole FLASH matrix in one call) and
+/// streams a multiple of 1024 rows apart, all 32 stores of a block fall into one set of the
+/// 8-way L1 and evict each other. At `K = 1024` (`Wq_b`, and each group of the grouped `Wo_b`)
+/// that cost a sixth of the product's time on Zen 3 (`examples/gemm_i8_batch8`, one thread,
+/// alternating rounds: 0.83–0.89× the time with the staging at `[8192 | 32768, 1024]`, 0.98×
+/// at `K` 4096 and 8192; `docs/benchmarks.md`, session 35).
+fn with_staged_out(
+    lw: &Lowered<'_>,
+    out: &mut [f32],
+    ld_out: usize,
+    f: impl FnOnce(&mut [f32], usize),
+) {
+    let n = lw.n.len();
+    // 64 bytes past a whole number of 64-byte lines: consecutive batch rows start in
+    // different L1 sets.
+    let ld = n.next_multiple_of(16) + 16;
+    STAGED_OUT.with_borrow_mut(|staged| {
+        if staged.len() < lw.batch * ld {
+            staged.resize(lw.batch * ld, 0.0);
+        }
+        let rows = |ld| (0..lw.batch).map(move |b| b * ld..b * ld + n);
+        if lw.mode == OutMode::Add {
+            for (t, o) in rows(ld).zip(rows(ld_out)) {
+                staged[t].copy_from_slice(&out[o]);
+            }
+        }
+        f(staged, ld);
+        for (t, o) in rows(ld).zip(rows(ld_out)) {
+            out[o].copy_from_slice(&staged[t]);
+        }
+    });
 }
 
 /// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
@@ -221,6 +268,11 @@ unsafe fn block_into<
 /// [`super::NextRows`]). AMD fills L1 on
 /// every prefetch level, and prefetching the next block's rows at the step's own offset (the
 /// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
+/// Only a chunk's first pass prefetches, one instruction per 64-byte line: the later passes
+/// would ask for lines already asked for, and at 8 batch rows the prefetches of every pass
+/// and step were one instruction in eleven of the loop, which is bound by its instruction
+/// count (0.95–0.97× the time this way on Zen 3, `[64 | 2048, 4096]` and `[8192 | 32768,
+/// 1024]`, in L2, L3 and memory; `docs/benchmarks.md`, session 35).
 ///
 /// # Safety
 /// AVX2 available; rows `n0 + rs * r` (`r < RR`) lie inside the tile of checked, row-major
@@ -291,10 +343,17 @@ unsafe fn rows_maddubs<const RR: usize>(
                     // SAFETY: rows `n0 + rs * r` and batch rows `g0 + b0..g0 + b0 + bb` hold
                     // `len` bytes from `k0` (inside the tile's `k`); `b0 + bb <= G`.
                     unsafe {
-                        if bb == 1 {
-                            chunk_maddubs::<RR, 1>(wp, ap, steps, pfc, &mut acc, b0);
-                        } else {
-                            chunk_maddubs::<RR, B>(wp, ap, steps, pfc, &mut acc, b0);
+                        match (bb, b0) {
+                            (1, 0) => {
+                                chunk_maddubs::<RR, 1, true>(wp, ap, steps, pfc, &mut acc, b0)
+                            }
+                            (1, _) => {
+                                chunk_maddubs::<RR, 1, false>(wp, ap, steps, pfc, &mut acc, b0)
+                            }
+                            (_, 0) => {
+                                chunk_maddubs::<RR, B, true>(wp, ap, steps, pfc, &mut acc, b0)
+                            }
+                            _ => chunk_maddubs::<RR, B, false>(wp, ap, steps, pfc, &mut acc, b0),
                         }
                     }
                     b0 += bb;
@@ -345,14 +404,14 @@ unsafe fn rows_maddubs<const RR: usize>(
 }
 
 /// One chunk of `steps` steps of weight rows `wp` against batch rows `ap` (the first `BB`),
-/// added to the accumulators `acc[r][b0 + b]`, with an L2 prefetch per step of each row at
-/// `pf`.
+/// added to the accumulators `acc[r][b0 + b]`; with `PF`, an L2 prefetch of each row at `pf`
+/// every other step (one per 64-byte line).
 ///
 /// # Safety
 /// AVX2 available; each of `wp[..RR]` and `ap[..BB]` holds `steps * STEP` bytes; `b0 + BB <= G`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn chunk_maddubs<const RR: usize, const BB: usize>(
+unsafe fn chunk_maddubs<const RR: usize, const BB: usize, const PF: bool>(
     wp: [*const i8; RR],
     ap: [*const i8; B],
     steps: usize,
@@ -368,7 +427,9 @@ unsafe fn chunk_maddubs<const RR: usize, const BB: usize>(
         let a: [__m256i; BB] =
             std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
         for r in 0..RR {
-            prefetch_l2(pf[r].wrapping_add(s * STEP));
+            if PF && s.is_multiple_of(2) {
+                prefetch_l2(pf[r].wrapping_add(s * STEP));
+            }
             // SAFETY: as above: 32 bytes of row `r` at step `s`.
             unsafe { step_row(wp[r], s * STEP, &a, ones, &mut v[r]) };
         }
