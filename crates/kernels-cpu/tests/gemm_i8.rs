@@ -256,6 +256,31 @@ fn w8a8_whole_sets_of_8_stored_and_added_equal_the_reference_bit_for_bit() {
     }
 }
 
+/// A tile of the AVX2 sets whose staged outputs pass what a thread keeps between calls
+/// (8 rows × 33 000 columns), added and stored, then a narrow one: every path equals the
+/// reference bit for bit, so a staging buffer given back after the wide call, or one reused
+/// at another width, leaves nothing behind.
+#[test]
+fn w8a8_sets_wider_than_the_kept_staging_then_narrow_equal_the_reference() {
+    let paths = paths("w8a8 wide then narrow sets");
+    let wide = case(33_000, 64, 8, false, 9700);
+    let narrow = case(70, 1024, 8, false, 9701);
+    let mut rng = Rng(9702);
+    for (c, mode) in [
+        (&wide, OutMode::Add),
+        (&narrow, OutMode::Add),
+        (&wide, OutMode::Store),
+        (&narrow, OutMode::Store),
+    ] {
+        let tile = GemmTile {
+            n: 0..c.n,
+            k: 0..c.k,
+            mode,
+        };
+        check_tile(c, &paths, tile, &mut rng);
+    }
+}
+
 /// Grouped activations ([`ActsI8::grouped`]): every path, for tiles whose `k` starts, ends
 /// and crosses group boundaries anywhere, equals the reference summing each group's part
 /// exactly, scaling it by that group's factor and adding the parts in `k` order, the first

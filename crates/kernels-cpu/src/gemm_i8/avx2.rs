@@ -153,10 +153,15 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
 }
 
 thread_local! {
-    /// This thread's staged outputs ([`with_staged_out`]): grown to the largest tile seen,
-    /// never shrunk.
+    /// This thread's staged outputs ([`with_staged_out`]): kept between calls up to
+    /// [`STAGED_KEEP`] values, so a step's tiles reuse one buffer and a rare huge tile does not
+    /// hold its memory for the thread's life.
     static STAGED_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
+
+/// Most staged values a thread keeps after a call (1 MiB; a runtime tile of int8 weights at
+/// the decode batches stages ~40 KiB).
+const STAGED_KEEP: usize = 1 << 18;
 
 /// Runs `f` on a copy of the tile's outputs (`lw.batch` rows of `lw.n.len()` values) whose row
 /// stride is padded off every multiple of 4 KiB, then copies them into `out`; with `Add`, the
@@ -193,6 +198,9 @@ fn with_staged_out(
         f(staged, ld);
         for (t, o) in rows(ld).zip(rows(ld_out)) {
             out[o].copy_from_slice(&staged[t]);
+        }
+        if staged.len() > STAGED_KEEP {
+            *staged = Vec::new();
         }
     });
 }
