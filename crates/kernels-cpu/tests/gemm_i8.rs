@@ -256,21 +256,25 @@ fn w8a8_whole_sets_of_8_stored_and_added_equal_the_reference_bit_for_bit() {
     }
 }
 
-/// A tile of the AVX2 sets whose staged outputs pass what a thread keeps between calls
-/// (8 rows × 33 000 columns), added and stored, then a narrow one: every path equals the
-/// reference bit for bit, so a staging buffer given back after the wide call, or one reused
-/// at another width, leaves nothing behind.
+/// Tiles of the AVX2 sets whose staged outputs pass what a thread keeps between calls
+/// (8 rows × 66 000 columns), stay under it at another width (8 × 4 000), and are narrow
+/// (8 × 70), added and stored in turn: every path equals the reference bit for bit, so a
+/// staging buffer given back after a wide call, or reused at another width with what an
+/// earlier call left in it, leaves nothing behind.
 #[test]
 fn w8a8_sets_wider_than_the_kept_staging_then_narrow_equal_the_reference() {
     let paths = paths("w8a8 wide then narrow sets");
-    let wide = case(33_000, 64, 8, false, 9700);
+    let wide = case(66_000, 64, 8, false, 9700);
+    let mid = case(4_000, 64, 8, false, 9703);
     let narrow = case(70, 1024, 8, false, 9701);
     let mut rng = Rng(9702);
     for (c, mode) in [
         (&wide, OutMode::Add),
         (&narrow, OutMode::Add),
         (&wide, OutMode::Store),
+        (&mid, OutMode::Store),
         (&narrow, OutMode::Store),
+        (&mid, OutMode::Add),
     ] {
         let tile = GemmTile {
             n: 0..c.n,

@@ -159,14 +159,15 @@ thread_local! {
     static STAGED_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Most staged values a thread keeps after a call (1 MiB; a runtime tile of int8 weights at
-/// the decode batches stages ~40 KiB).
-const STAGED_KEEP: usize = 1 << 18;
+/// Most staged values a thread keeps after a call (2 MiB: a runtime tile of int8 weights at
+/// the decode batches stages ~40 KiB, a whole FLASH `Wq_b` at 8 rows ~1 MiB).
+const STAGED_KEEP: usize = 1 << 19;
 
 /// Runs `f` on a copy of the tile's outputs (`lw.batch` rows of `lw.n.len()` values) whose row
-/// stride is padded off every multiple of 4 KiB, then copies them into `out`; with `Add`, the
+/// stride is an odd number of 64-byte lines, then copies them into `out`; with `Add`, the
 /// copy starts from `out`'s values, so every element sees the same operations in the same
-/// order as in place (the same bits).
+/// order as in place (the same bits). With `Store` the copy starts with whatever an earlier
+/// call left: `f` writes every element of the tile, as the sets do.
 ///
 /// Why: a block of [`rows_maddubs`] finishes `R` far-apart rows for every batch row, one scalar
 /// store each. With `ld_out` a multiple of 1024 values (a whole FLASH matrix in one call) and
@@ -182,14 +183,16 @@ fn with_staged_out(
     f: impl FnOnce(&mut [f32], usize),
 ) {
     let n = lw.n.len();
-    // 64 bytes past a whole number of 64-byte lines: consecutive batch rows start in
-    // different L1 sets.
-    let ld = n.next_multiple_of(16) + 16;
+    // Rows in place do not overlap (checked for every call of more than one row), so the
+    // copy computes what writing in place would.
+    debug_assert!(lw.batch == 1 || ld_out >= n);
+    // An odd number of 64-byte lines: the batch rows start in different L1 sets.
+    let ld = (n.div_ceil(16) | 1) * 16;
     STAGED_OUT.with_borrow_mut(|staged| {
         if staged.len() < lw.batch * ld {
             staged.resize(lw.batch * ld, 0.0);
         }
-        let rows = |ld| (0..lw.batch).map(move |b| b * ld..b * ld + n);
+        let rows = |stride| (0..lw.batch).map(move |b| b * stride..b * stride + n);
         if lw.mode == OutMode::Add {
             for (t, o) in rows(ld).zip(rows(ld_out)) {
                 staged[t].copy_from_slice(&out[o]);
@@ -273,7 +276,7 @@ unsafe fn block_into<
 /// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
 /// sums are those of one pass over the whole slice.
 ///
-/// Each step prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
+/// The first pass over a chunk prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
 /// same rows' first chunk of the next segment (grouped activations cut `k` into segments of
 /// one chunk each, so without this every segment began on demand misses), and during the
 /// last segment's last chunk the next block's first chunk (the streams' next rows, or the
@@ -336,8 +339,8 @@ unsafe fn rows_maddubs<const RR: usize>(
                 let len = KC.min(body - kc);
                 let k0 = lw.k.start + kc;
                 let steps = len / STEP;
-                // Each step prefetches its row a chunk ahead; the last chunk, the same row of
-                // the next block's first chunk.
+                // The first pass prefetches each row a chunk ahead; over the last chunk, the
+                // same row of the next block's first chunk.
                 let pfc: [*const i8; RR] = std::array::from_fn(|r| {
                     if kc + KC < body {
                         lw.w_ptr(n0 + r * rs, k0).wrapping_add(KC)
