@@ -14,7 +14,8 @@
 //! `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per pass) and
 //! `read-ahead:A` (head-major runs as the AVX-512 kernel reads them, each head's slices
 //! prefetched `A` head passes ahead); per path, the median and minimum wall time of a round
-//! and of the threads' CPU time.
+//! and of the threads' CPU time, and for every path after the first the median of the rounds'
+//! ratios to the first path's (wall and CPU).
 
 mod common;
 
@@ -365,6 +366,22 @@ fn plan_phase(
         (v[v.len() / 2] * 1e3, v[0] * 1e3)
     };
     let bytes = (layers * batch * len * row * 4) as f64;
+    // Rounds alternate the paths, so a round's ratio to the first path sees the same host
+    // load on both sides; their median resolves what the medians of noisy times do not.
+    let paired = |v: &[Vec<f64>], pi: usize| {
+        let mut r: Vec<f64> = v[pi].iter().zip(&v[0]).map(|(a, b)| a / b).collect();
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    };
+    for pi in 1..paths.len() {
+        println!(
+            "{:>12}: median of the rounds' ratios to {}: wall {:.3}, thread CPU {:.3}",
+            names[pi],
+            names[0],
+            paired(&walls, pi),
+            paired(&cpus, pi)
+        );
+    }
     for (pi, path) in paths.iter().enumerate() {
         let (wm, wmin) = stat(&mut walls[pi]);
         let (cm, cmin) = stat(&mut cpus[pi]);

@@ -488,8 +488,9 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
         let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
         let scale = 1.0 / (hd as f32).sqrt();
         let n = 4 * ps;
-        // Groups 1–2 read a range as two halves side by side: 1..4 and the odd range whose
-        // halves cross pages at different rows cover the halves' uneven ends.
+        // Groups 1–4 read a range as four or two parts side by side: 1..4 (some parts
+        // empty) and the odd range whose parts cross pages at different rows cover the
+        // parts' uneven ends.
         for tokens in [
             0..n,
             3..n - 5,

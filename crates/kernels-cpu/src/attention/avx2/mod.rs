@@ -13,8 +13,10 @@
 //!   `p · V` keeps a slice of the outputs in registers across the run.
 //! - Every head: the pool is read token-major, whole rows in address order (a head's slice
 //!   is only 256 bytes of a 2 KB row: walking one head down the rows, then the next, left the
-//!   hardware prefetchers behind and read KV at ~5 GB/s per core instead of ~6.5), with a
-//!   software prefetch a few rows ahead spread over the head calls.
+//!   hardware prefetchers behind and read KV at ~5 GB/s per core instead of ~6.5); groups of
+//!   1–4 queries read a range as four or two far-apart streams side by side, left to the
+//!   hardware prefetchers, larger groups as one stream with a software prefetch a few rows
+//!   ahead spread over the head calls.
 //!
 //! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
 //! scratch. Causal prefill rows ([`prefill_rows`]) run as blocked matrix products in

@@ -1,6 +1,8 @@
 //! Every KV head at once over a range of tokens, token-major: each pool row's K (then V) is
-//! read whole, for all heads, in address order, with a software prefetch a few rows ahead.
-//! Groups 1 and 2 read the range as two far-apart streams side by side ([`rows_streams`]).
+//! read whole, for all heads, in address order. Groups 1–4 read the range as several
+//! far-apart sequential streams side by side and leave them to the hardware prefetchers
+//! ([`rows_streams`]); groups 5–8 read it as one stream with a software prefetch a few rows
+//! ahead ([`rows_g`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -11,11 +13,11 @@ use crate::simd::{hsum256, prefetch_l2};
 
 /// Runs every KV head (states back to back in `state`, scores in `s`, [`rows_scores_len`])
 /// over `tokens`, token-major: runs of at most [`ROWS_RUN`] tokens, each row's K (then V)
-/// read whole, for all heads, in address order. The pool is thus read as a sequential stream
-/// (what the hardware prefetchers follow), and a software prefetch stays [`ROWS_AHEAD`] rows
-/// ahead of each of the K and V streams, one head's lines per head call so the misses spread
-/// over the arithmetic (a whole row's 32 prefetches at once stall on the miss buffers).
-/// Groups 1 and 2, whose arithmetic per row is smallest, read two such streams side by side.
+/// read whole, for all heads, in address order, so the pool is read as sequential streams
+/// (what the hardware prefetchers follow). Groups 1–2 read four such streams side by side,
+/// groups 3–4 two ([`rows_streams`]); groups 5–8 one, with a software prefetch
+/// [`ROWS_AHEAD`] rows ahead of each of the K and V streams, one head's lines per head call
+/// so the misses spread over the arithmetic ([`rows_g`]).
 ///
 /// # Safety
 /// As [`decode_partial`](super::decode_partial) for every head.
@@ -34,27 +36,31 @@ pub(super) unsafe fn rows_over(
                 // SAFETY: forwarded contract; the group matches the instantiation.
                 $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, state, s) },)*
                 // SAFETY: forwarded contract.
-                1 => unsafe { rows_streams::<1, 2, 32>(kv, block_table, tokens, state, s) },
+                1 => unsafe { rows_streams::<1, 4, 32>(kv, block_table, tokens, state, s) },
                 // SAFETY: forwarded contract.
-                2 => unsafe { rows_streams::<2, 2, 32>(kv, block_table, tokens, state, s) },
+                2 => unsafe { rows_streams::<2, 4, 32>(kv, block_table, tokens, state, s) },
+                // SAFETY: forwarded contract.
+                3 => unsafe { rows_streams::<3, 2, 16>(kv, block_table, tokens, state, s) },
+                // SAFETY: forwarded contract.
+                4 => unsafe { rows_streams::<4, 2, 16>(kv, block_table, tokens, state, s) },
                 _ => unreachable!("group {group} not supported"),
             }
         };
     }
-    // Rows per scores / p·V block and p·V lanes, by group. Groups 1 and 2 are bound by the
-    // pool's reads: blocks of adjacent rows (their head slices 2 KB apart) kept the reads from
-    // overlapping the arithmetic (group 2: ~7 GB/s per core with 4-row blocks, ~8 with single
-    // rows; group 1: 7 vs 10), while a row from each of two far-apart streams gives both the
-    // register reuse and a faster read (see `rows_streams`). Larger groups have enough
-    // arithmetic per row that the register reuse of adjacent multi-row blocks wins, and two
-    // streams measured level (group 4) or slower (group 5).
-    go!(3 => 2, 4, 16; 4 => 2, 4, 16; 5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
+    // Groups 5–8: rows per scores / p·V block and p·V lanes. Blocks of adjacent rows (their
+    // head slices 2 KB apart) keep the reads from overlapping the arithmetic, while a row from
+    // each of several far-apart streams gives both the register reuse and a faster read (see
+    // `rows_streams`): four streams for groups 1–2, two for 3–4, whose `G × S` accumulators
+    // and queries still fit the registers. Group 5 measured level with two streams (its
+    // queries no longer fit), so 5–8 keep the adjacent-row blocks.
+    go!(5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
 }
 
 /// Tokens per run of the token-major pass (the online-softmax tile).
 const ROWS_RUN: usize = 32;
 
-/// Rows the software prefetch runs ahead of each stream.
+/// Rows the software prefetch of [`rows_g`] runs ahead of its stream, and rows of each stream
+/// [`Walk::prefetch_first`] asks for before a call's first block.
 const ROWS_AHEAD: usize = 4;
 
 /// Floats of score scratch [`rows_over`] needs.
@@ -198,9 +204,15 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
 /// read of a decode step's pools as 2 or 4 interleaved streams took ~0.9× the time of the
 /// same read as one: `attn_bw --paths read-split:1,read-split:2`), the same finding as the
 /// GEMMs' row streams, while blocks of *adjacent* rows read slower than single rows (a
-/// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1× its time). Two
-/// streams at group 2 took 0.87–0.91× the single-stream kernel's time at 16 × 1024 and
-/// 4 × 1024 (`attn_bw --shape`, 2 threads, cold pools); four were no better than two.
+/// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1–1.2× its time).
+///
+/// No software prefetch past each stream's first rows: within a page a stream is one
+/// sequential run of memory, which the hardware prefetchers follow, and the prefetches (a
+/// head's lines of a row further on, per head call) were a tenth of the kernel's
+/// instructions. Without them, and with four streams instead of two for groups 1–2, the
+/// kernel took 0.85–0.93× the time at 1 × 256, 4 × 1024 and 16 × 1024 cold (`attn_bw
+/// --shape`, 2 threads, alternating rounds), 0.76× with the pool in L2; groups 3–4 with two
+/// streams took 0.82–0.94× the adjacent-row kernel's (`docs/benchmarks.md`, session 36).
 ///
 /// # Safety
 /// As [`rows_over`].
@@ -218,10 +230,11 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
     let len = tokens.len();
     let mut cur: [usize; S] = std::array::from_fn(|x| tokens.start + len * x / S);
     let ends: [usize; S] = std::array::from_fn(|x| tokens.start + len * (x + 1) / S);
-    let ahead_row = |p: *const u16, t: usize, e: usize| w.ahead(p, t, e);
     for x in 0..S {
         w.prefetch_first(cur[x]..ends[x]);
     }
+    // No prefetch past the first rows (see above).
+    let none = [std::ptr::null::<u16>(); S];
     loop {
         let n: [usize; S] = std::array::from_fn(|x| {
             (ROWS_RUN / S)
@@ -247,18 +260,18 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         // `off[x] + i < run <= ROWS_RUN`, the score stride.
         for i in 0..m {
             let kr = std::array::from_fn(|x| kb[x].wrapping_add(i * row));
-            let pf = std::array::from_fn(|x| ahead_row(kp, cur[x] + i, ends[x]));
             let idx = std::array::from_fn(|x| off[x] + i);
             // SAFETY: rows and score indices as above (i < m <= n[x] for every stream).
-            unsafe { scores_rows::<G, S>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx) };
+            unsafe { scores_rows::<G, S>(state, per, kr, none, heads, hd, s, sh, ROWS_RUN, idx) };
         }
         for x in 0..S {
             for i in m..n[x] {
                 let kr = [kb[x].wrapping_add(i * row)];
-                let pf = [ahead_row(kp, cur[x] + i, ends[x])];
                 let idx = [off[x] + i];
                 // SAFETY: as above (i < n[x]).
-                unsafe { scores_rows::<G, 1>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx) };
+                unsafe {
+                    scores_rows::<G, 1>(state, per, kr, [none[0]], heads, hd, s, sh, ROWS_RUN, idx)
+                };
             }
         }
         for (h, st) in state.chunks_exact_mut(per).enumerate() {
@@ -267,18 +280,18 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         }
         for i in 0..m {
             let vr = std::array::from_fn(|x| vb[x].wrapping_add(i * row));
-            let pf = std::array::from_fn(|x| ahead_row(vp, cur[x] + i, ends[x]));
             let idx = std::array::from_fn(|x| off[x] + i);
             // SAFETY: as for the scores.
-            unsafe { pv_rows::<G, S, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per) };
+            unsafe { pv_rows::<G, S, PL>(s, sh, ROWS_RUN, idx, vr, none, heads, hd, state, per) };
         }
         for x in 0..S {
             for i in m..n[x] {
                 let vr = [vb[x].wrapping_add(i * row)];
-                let pf = [ahead_row(vp, cur[x] + i, ends[x])];
                 let idx = [off[x] + i];
                 // SAFETY: as for the scores.
-                unsafe { pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per) };
+                unsafe {
+                    pv_rows::<G, 1, PL>(s, sh, ROWS_RUN, idx, vr, [none[0]], heads, hd, state, per)
+                };
             }
         }
         for x in 0..S {
