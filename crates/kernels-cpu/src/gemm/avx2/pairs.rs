@@ -18,8 +18,10 @@
 //!   walking consecutive groups) × four batch rows, in assembly for whole 3 × 4 blocks (all
 //!   sixteen `ymm` registers: twelve accumulators, three widened vectors, one broadcast) and
 //!   in intrinsics for the smaller blocks at the edges. Each pass runs once per group of four
-//!   batch rows while its three groups sit in L1/L2; the runs of a pass share the prefetch
-//!   of each stream's next group between them, so the weight stream runs through the pass.
+//!   batch rows while its three groups sit in L1/L2. From five batch rows (two runs or
+//!   more) the runs of a pass share the prefetch of each stream's next group between them,
+//!   so the weight stream runs through the pass; a pass of one run (2–4 batch rows) leaves
+//!   its three sequential streams to the hardware prefetchers (see [`pass`]).
 //! - The `K` range a call sums is its whole packing blocks (16 elements, 8 pairs: one loop
 //!   step), and the elements outside them are added per output by `edge_sum`.
 
@@ -174,8 +176,18 @@ fn x_end(lw: &Lowered<'_>, b: usize) -> *const f32 {
     lw.x.as_ptr().wrapping_add(b * lw.ldx + lw.kb1)
 }
 
-/// One pass of `S` row groups over every batch row, `QB` at a time; run `r` of the pass
-/// prefetches its share of the groups `next`.
+/// One pass of `S` row groups over every batch row, `QB` at a time; with two runs or more,
+/// run `r` of the pass prefetches its share of the groups `next`.
+///
+/// A pass of a single run prefetches nothing: its three streams each walk consecutive
+/// groups, sequential memory the hardware prefetchers follow, and at 2–4 batch rows, where
+/// the FMAs and the bytes bind within a few per cent of each other on Zen 3, the twelve
+/// prefetches a step (4 lines × 3 streams) cost more issue slots than they saved: Qwen3-0.6B
+/// decode steps at 2, 3 and 4 × 1024 took 0.947, 0.948 and 0.959× the time without them
+/// (old/new 1.056 [1.049, 1.073], 1.055 [1.014, 1.089], 1.043 [1.005, 1.086]: `bench
+/// qwen3-decode --versus-isa` through a temporary switch, 30 interleaved rounds). With two
+/// runs or more the prefetch stays: at 8 × 1024 the step without it took 1.04× the time
+/// (0.961 [0.920, 0.981]), at 16 × 1024 0.956–0.981, not resolved.
 ///
 /// # Safety
 /// As [`gemm`], with every group in `groups` inside the tile (`next` may point anywhere).
@@ -193,9 +205,9 @@ unsafe fn pass<const S: usize>(
     let body = len * 16;
     let runs = lw.batch.div_ceil(QB);
     // Lines per step so the first runs cover the next groups' bodies between them: a run at
-    // `lines` per step covers `len * 4 * lines` bytes of each.
+    // `lines` per step covers `len * 4 * lines` bytes of each (none for a single run).
     let lines = match runs {
-        1 => 4,
+        1 => 0,
         2 | 3 => 2,
         _ => 1,
     };
