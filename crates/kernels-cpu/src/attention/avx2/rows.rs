@@ -208,11 +208,12 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
 ///
 /// No software prefetch past each stream's first rows: within a page a stream is one
 /// sequential run of memory, which the hardware prefetchers follow, and the prefetches (a
-/// head's lines of a row further on, per head call) were a tenth of the kernel's
-/// instructions. Without them, and with four streams instead of two for groups 1–2, the
-/// kernel took 0.85–0.93× the time at 1 × 256, 4 × 1024 and 16 × 1024 cold (`attn_bw
-/// --shape`, 2 threads, alternating rounds), 0.76× with the pool in L2; groups 3–4 with two
-/// streams took 0.82–0.94× the adjacent-row kernel's (`docs/benchmarks.md`, session 36).
+/// head's lines of a row further on, per head call) cost issue slots the arithmetic needed:
+/// without them the two-stream kernel took 0.80–0.87× the time with the pool in L2 and
+/// 0.88–0.96× cold. Four streams instead of two then took 0.76× in L2 and 0.90–0.94× cold;
+/// both together 0.85–0.93× at 1 × 256, 4 × 1024 and 16 × 1024 cold (`attn_bw --shape`, 2
+/// threads, alternating rounds). Groups 3–4 as two streams took 0.80–0.97× the adjacent-row
+/// kernel's time (`docs/benchmarks.md`, session 36).
 ///
 /// # Safety
 /// As [`rows_over`].
