@@ -56,8 +56,15 @@ pub(super) unsafe fn rows_over(
     go!(5 => 1, 4, 16; 6 => 1, 4, 16; 7 => 1, 2, 16; 8 => 1, 2, 16);
 }
 
-/// Tokens per run of the token-major pass (the online-softmax tile).
-const ROWS_RUN: usize = 32;
+/// Tokens per run of the token-major pass (the online-softmax tile; runs also end at pages).
+///
+/// 128 rather than 32: each run ends with an online-softmax update per head (the running
+/// max, the exponentials, the outputs rescaled), and longer runs take fewer of them; the
+/// scores of a run (`kv_heads * group * 128` floats, at most 32 KiB) stay in L1/L2. The
+/// AVX2 kernel took 0.92–0.99× the time at 1 × 256, 4 × 1024 and 16 × 1024 for group 2
+/// (cold, `attn_bw --shape`, alternating rounds), 0.96–0.99× for groups 5 and 8, and the
+/// 4 × 1024 step 0.975× (old/new 1.026 [1.005, 1.043]; `docs/benchmarks.md`, session 36).
+const ROWS_RUN: usize = 128;
 
 /// Rows the software prefetch of [`rows_g`] runs ahead of its stream, and rows of each stream
 /// [`Walk::prefetch_first`] asks for before a call's first block.
