@@ -272,18 +272,18 @@ unsafe fn block_into<
 
 /// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per
 /// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes,
-/// each chunk taken by passes of up to [`B`] batch rows while the chunk's weights and activations stay
-/// in L1; the vector accumulators of the set wait in memory between chunks, so the integer
-/// sums are those of one pass over the whole slice.
+/// each chunk taken by passes of up to [`B`] batch rows while the chunk's weights and
+/// activations stay in L1; the vector accumulators of the set wait in memory between chunks,
+/// so the integer sums are those of one pass over the whole slice.
 ///
-/// The first pass over a chunk prefetches (into L2) its rows a chunk ahead: during a segment's last chunk the
-/// same rows' first chunk of the next segment (grouped activations cut `k` into segments of
-/// one chunk each, so without this every segment began on demand misses), and during the
-/// last segment's last chunk the next block's first chunk (the streams' next rows, or the
-/// rows after the streams, or the caller's next rows,
-/// [`super::NextRows`]). AMD fills L1 on
-/// every prefetch level, and prefetching the next block's rows at the step's own offset (the
-/// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8).
+/// The first pass over a chunk prefetches (into L2) its rows a chunk ahead: during a
+/// segment's last chunk the same rows' first chunk of the next segment (grouped activations
+/// cut `k` into segments of one chunk each, so without this every segment began on demand
+/// misses), and during the last segment's last chunk the next block's first chunk (the
+/// streams' next rows, or the rows after the streams, or the caller's next rows,
+/// [`super::NextRows`]). AMD fills L1 on every prefetch level, and prefetching the next
+/// block's rows at the step's own offset (the small-batch blocks' way) evicted the chunk in
+/// use (measured 10–16% slower at batch 8).
 /// Only a chunk's first pass prefetches, one instruction per 64-byte line: the later passes
 /// would ask for lines already asked for, and at 8 batch rows the prefetches of every pass
 /// and step were one instruction in eleven of the loop, which is bound by its instruction

@@ -94,9 +94,10 @@
 //!
 //! The W8A8 blocks prefetch (into L2) the rows of the next block while they stream the current
 //! one, a step's worth per row as they go (the AVX2 blocks a line per row every other step,
-//! its 8-row sets in a chunk's first pass only): an int8 row of a small model is only a few cache lines
-//! long, too short for the hardware prefetcher to ramp up within it (one thread streamed 4.6
-//! GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same way).
+//! its 8-row sets in a chunk's first pass only): an int8 row of a small model is only a few
+//! cache lines long, too short for the hardware prefetcher to ramp up within it (one thread
+//! streamed 4.6 GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same
+//! way).
 //!
 //! A product that knows which weight rows the caller streams next ([`gemm_i8_w8a8_then`] with
 //! [`NextRows`]) has its last blocks prefetch those rows instead of nothing, so the next call
