@@ -285,6 +285,30 @@ fn w8a8_sets_wider_than_the_kept_staging_then_narrow_equal_the_reference() {
     }
 }
 
+/// Products whose activations, widened to 16 bits by the AVX2 sets, pass what a thread keeps
+/// between calls (24 rows × 32 768 values, with a ragged set and a scalar tail), then stay
+/// under it at another shape (9 × 4 096) and are small (5 × 96): every path equals the
+/// reference bit for bit, so a widened buffer given back after a large call, or reused with
+/// what an earlier call left in it, leaves nothing behind.
+#[test]
+fn w8a8_sets_with_more_activations_than_kept_then_fewer_equal_the_reference() {
+    let paths = paths("w8a8 large then small widened activations");
+    let large = case(13, 32_768 + 17, 24, false, 9710);
+    let mid = case(21, 4_096, 9, false, 9711);
+    let small = case(11, 96, 5, false, 9712);
+    let mut rng = Rng(9713);
+    for c in [&large, &small, &mid, &large, &mid, &small] {
+        for mode in [OutMode::Store, OutMode::Add] {
+            let tile = GemmTile {
+                n: 0..c.n,
+                k: 0..c.k,
+                mode,
+            };
+            check_tile(c, &paths, tile, &mut rng);
+        }
+    }
+}
+
 /// Grouped activations ([`ActsI8::grouped`]): every path, for tiles whose `k` starts, ends
 /// and crosses group boundaries anywhere, equals the reference summing each group's part
 /// exactly, scaling it by that group's factor and adding the parts in `k` order, the first

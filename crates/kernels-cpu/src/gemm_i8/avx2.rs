@@ -1,18 +1,30 @@
-//! 256-bit int8 paths: AVX2 `vpmaddubsw` (sign trick, no offset), AVX-VNNI `vpdpbusd` (weights
-//! offset by +128, removed with the activation rows' sums), and the wide product (int8 widened to fp32,
-//! FMA). Each computes blocks of `R` weight rows × up to `B` batch rows with every
-//! accumulator in a register; the activation rows of a block stay in L1 while the weight
-//! rows stream.
+//! 256-bit int8 paths: AVX2 (`vpmaddubsw` with the sign trick for small batches, `vpmaddwd`
+//! on widened values for larger ones), AVX-VNNI `vpdpbusd` (weights offset by +128, removed
+//! with the activation rows' sums), and the wide product (int8 widened to fp32, FMA). Each
+//! computes blocks of weight rows × batch rows with every accumulator in a register; the
+//! activation rows of a block stay in L1 while the weight rows stream.
 //!
-//! The `vpmaddubsw` path has two shapes. Small batches (bandwidth bound) walk a tile's rows
-//! as far-apart streams, one row of each per block over the whole slice against the whole
-//! batch, each stream prefetching its next row: 4 streams at 1–2 batch rows, 3 at 3 rows, 2
-//! at 4 (so that each `|w|` serves the whole batch and the weights are read once); blocks of
-//! adjacent rows streamed at about half the speed on Zen 3. Batches of [`MIN_SETS_BATCH`] rows or
-//! more (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up
-//! to [`G`] batch rows per block, `k` in chunks of [`KC`] bytes so that the chunk's
-//! activations and weights stay in L1 through the block's passes, the accumulators kept in
-//! memory between chunks and reduced eight at a time by a tree of horizontal adds.
+//! The AVX2 W8A8 path has two shapes. Small batches (bandwidth bound) walk a tile's rows as
+//! far-apart streams, one row of each per block over the whole slice against the whole batch,
+//! each stream prefetching its next row: 4 streams at 1–2 batch rows, 3 at 3 rows, 2 at 4 (so
+//! that each `|w|` serves the whole batch and the weights are read once); blocks of adjacent
+//! rows streamed at about half the speed on Zen 3. Batches of [`MIN_SETS_BATCH`] rows or more
+//! (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up to
+//! [`G`] batch rows against [`SET_STREAMS`] far-apart weight rows per block, `k` in chunks of
+//! [`KC`] bytes so that the chunk's activations stay in L1 through the block's rows, the
+//! accumulators kept in memory between chunks and reduced eight at a time by a tree of
+//! horizontal adds.
+//!
+//! The sets multiply 16-bit values: the activations widened once per call (step-major, so a
+//! step's rows are adjacent lines), each 32-byte weight vector widened once per step
+//! (`vpmovsxbw`) and multiplied against every batch row by `vpmaddwd`. Per batch row and 32
+//! weight bytes that is two `vpmaddwd` and two adds, where the sign trick takes `vpsignb`,
+//! `vpmaddubsw` and `vpmaddwd` — three instructions on the two multiply pipes of Zen 3 (which
+//! also run `vpsignb`/`vpabsb`) — and an add. On Zen 3 (`docs/benchmarks.md`, session 37):
+//! 1.17–1.21× the rate of the sign-trick sets with the weights in cache, 1.08–1.10× streamed
+//! from memory; whole DeepSeek-V4 steps 1.07× (SWA, HCA) and 1.04× (CSA) faster. The sums are
+//! the same exact integers either way. The small batches keep the sign trick: with 1–4 rows
+//! a widened weight vector serves too few rows to pay for its widening.
 
 use std::arch::x86_64::*;
 
@@ -48,18 +60,23 @@ const B_WIDE: usize = 4;
 /// alternating) 0.69× the time of the compiled 2 × 4 blocks at batch 16, 0.71× at 8, 0.82× at
 /// 4, but 1.11× at 2 and 3 (padded to 4).
 const WIDE_ASM_MIN_BATCH: usize = 4;
-/// Smallest batch that takes the chunked sets of [`rows_maddubs`]: smaller batches stream
+/// Smallest batch that takes the chunked sets of [`rows_madd16`]: smaller batches stream
 /// the weights bandwidth bound, where row blocks over the whole slice prefetching the next
-/// block's rows measured 1.2–1.6× faster than the sets (1–4 rows, `[2048, 4096]` streamed
-/// from memory, Zen 3), and the far-apart streams of [`streams`] faster again.
+/// block's rows measured 1.2–1.6× faster than the (sign-trick) sets (1–4 rows, `[2048, 4096]`
+/// streamed from memory, Zen 3), and the far-apart streams of [`streams`] faster again.
 const MIN_SETS_BATCH: usize = 5;
-/// Batch rows whose `vpmaddubsw` accumulators a block of weight rows keeps between chunks
-/// (the decode batch of 8 in one set).
+/// Batch rows whose accumulators a block of weight rows keeps between chunks (the decode
+/// batch of 8 in one set): with the set's 8 accumulators and the two widened weight halves in
+/// registers, a weight row takes one pass per chunk against the whole set.
 const G: usize = 8;
-/// Bytes of `k` per chunk of the `vpmaddubsw` sets: the [`G`] batch rows' and the block's
-/// slices of one chunk (12 KiB) stay in the 32 KiB L1 through the block's passes. Over whole
-/// rows, 8 activation rows of `K = 4096` alone fill L1, and each pass re-read them from L2
-/// (`docs/benchmarks.md`, "Zen 3 / AVX2").
+/// Far-apart weight rows per block of the sets: each chunk of the set's activations (16 KiB
+/// widened) is read from L1 by 8 rows. On Zen 3 (one thread, `[344, 8192]` in cache, rates
+/// of alternating runs) 8 streams took 0.92× the time of 4.
+const SET_STREAMS: usize = 8;
+/// Bytes of `k` per chunk of the sets: the [`G`] batch rows' widened slices of a chunk (16
+/// KiB) stay in the 32 KiB L1 through the block's rows. Over whole rows, 8 rows of `K = 4096`
+/// (64 KiB widened) would be re-read from L2 for every weight row: 0.61–0.68× the rate in a
+/// prototype; chunks of 512 bytes measured 0.96× the rate of 1024.
 const KC: usize = 1024;
 
 /// Sum of the eight i32 lanes (wrapping, like the lanes).
@@ -107,11 +124,11 @@ fn starts<const RR: usize, const BB: usize>(
     )
 }
 
-/// W8A8 with `vpmaddubsw` over a tile's `k` segments (row-major weights). Batches of fewer
-/// than [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound) as
-/// far-apart row streams: 1 row as [`R`] streams ([`gemv_quarters`]), 2 as [`R`] streams ×
-/// [`B`] batch rows, 3 as [`R3`] × 3, 4 as [`R_WIDE`] × [`B_WIDE`] ([`streams`]); larger
-/// batches take the chunked sets of [`rows_maddubs`] (compute bound).
+/// W8A8 over a tile's `k` segments (row-major weights). Batches of fewer than
+/// [`MIN_SETS_BATCH`] rows stream the weights over the whole slice (bandwidth bound) with
+/// `vpmaddubsw` as far-apart row streams: 1 row as [`R`] streams ([`gemv_quarters`]), 2 as
+/// [`R`] streams × [`B`] batch rows, 3 as [`R3`] × 3, 4 as [`R_WIDE`] × [`B_WIDE`]
+/// ([`streams`]); larger batches take the chunked sets of [`rows_madd16`] (compute bound).
 ///
 /// # Safety
 /// AVX2 available; `segs` (at least one) checked by `gemm_i8_w8a8`, weights row-major.
@@ -138,17 +155,21 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
     }
     // Far-apart row streams, as the small batches take them (`streams`): on Zen 3 5–7% less
     // time than blocks of adjacent rows at batches 8 and 16, though compute bound.
-    let len = first.n.len() / R;
-    with_staged_out(first, out, ld_out, |out, ld_out| {
-        for i in 0..len {
-            // SAFETY: rows `n.start + i + len * r` (r < R) lie inside the tile; the caller's
-            // contract covers the features and the slices; the staged output holds the tile.
-            unsafe { rows_maddubs::<R>(segs, first.n.start + i, len, out, ld_out) };
-        }
-        for n0 in first.n.start + R * len..first.n.end {
-            // SAFETY: row `n0` lies inside the tile; as above.
-            unsafe { rows_maddubs::<1>(segs, n0, 1, out, ld_out) };
-        }
+    let len = first.n.len() / SET_STREAMS;
+    with_wide_acts(segs, |acts| {
+        with_staged_out(first, out, ld_out, |out, ld_out| {
+            for i in 0..len {
+                let n0 = first.n.start + i;
+                // SAFETY: rows `n0 + len * r` (r < SET_STREAMS) lie inside the tile; the
+                // caller's contract covers the features and the slices; the staged output
+                // holds the tile; `acts` holds the segments' activations.
+                unsafe { rows_madd16::<SET_STREAMS>(segs, &acts, n0, len, out, ld_out) };
+            }
+            for n0 in first.n.start + SET_STREAMS * len..first.n.end {
+                // SAFETY: row `n0` lies inside the tile; as above.
+                unsafe { rows_madd16::<1>(segs, &acts, n0, 1, out, ld_out) };
+            }
+        });
     });
 }
 
@@ -169,7 +190,7 @@ const STAGED_KEEP: usize = 1 << 19;
 /// order as in place (the same bits). With `Store` the copy starts with whatever an earlier
 /// call left: `f` writes every element of the tile, as the sets do.
 ///
-/// Why: a block of [`rows_maddubs`] finishes `R` far-apart rows for every batch row, one scalar
+/// Why: a block of [`rows_madd16`] finishes [`SET_STREAMS`] far-apart rows for every batch row, one scalar
 /// store each. With `ld_out` a multiple of 1024 values (a whole FLASH matrix in one call) and
 /// streams a multiple of 1024 rows apart, all 32 stores of a block fall into one set of the
 /// 8-way L1 and evict each other. At `K = 1024` (`Wq_b`, and each group of the grouped `Wo_b`)
@@ -270,45 +291,106 @@ unsafe fn block_into<
     }
 }
 
+/// The segments' activations widened to i16 ([`with_wide_acts`]).
+struct WideActs {
+    /// The first segment's values; each segment's follow the one before.
+    base: *const i16,
+}
+
+/// Values a segment of `batch` rows takes in the widened layout: per set of up to [`G`] batch
+/// rows, its rows' 32 values of each whole step of the body next to each other.
+fn wide_len(lw: &Lowered<'_>) -> usize {
+    lw.batch * (lw.k.len() / STEP) * STEP
+}
+
+thread_local! {
+    /// This thread's widened activations ([`with_wide_acts`]), kept between calls up to
+    /// [`WIDE_KEEP`] values.
+    static WIDE_ACTS: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Most widened values a thread keeps after a call (1 MiB).
+const WIDE_KEEP: usize = 1 << 19;
+
+/// Runs `f` with the segments' activations widened to i16, step-major: segment after segment
+/// ([`wide_len`] values each), in a segment set after set of up to [`G`] batch rows, in a set
+/// step after step (`STEP` values of `k`), in a step the set's rows one after the other; 64-byte
+/// aligned, so that each row's step is one cache line and a step's rows are adjacent lines.
+#[target_feature(enable = "avx2")]
+fn with_wide_acts(segs: &[Lowered<'_>], f: impl FnOnce(WideActs)) {
+    let need: usize = segs.iter().map(wide_len).sum::<usize>() + 32;
+    WIDE_ACTS.with_borrow_mut(|buf| {
+        if buf.len() < need {
+            buf.resize(need, 0);
+        }
+        let skip = buf.as_ptr().align_offset(64).min(31);
+        let mut o = skip;
+        for lw in segs {
+            let steps = lw.k.len() / STEP;
+            let mut g0 = 0;
+            while g0 < lw.batch {
+                let gb = (lw.batch - g0).min(G);
+                for s in 0..steps {
+                    for b in 0..gb {
+                        let src = &lw.a[(g0 + b) * lw.lda + lw.k.start + s * STEP..][..STEP];
+                        let dst = &mut buf[o + (s * gb + b) * STEP..][..STEP];
+                        // SAFETY: `src` holds 32 bytes, `dst` room for 32 values (sliced just
+                        // above).
+                        unsafe {
+                            let p = src.as_ptr();
+                            let lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()));
+                            let hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16).cast()));
+                            _mm256_storeu_si256(dst.as_mut_ptr().cast(), lo);
+                            _mm256_storeu_si256(dst.as_mut_ptr().add(16).cast(), hi);
+                        }
+                    }
+                }
+                o += gb * steps * STEP;
+                g0 += gb;
+            }
+        }
+        f(WideActs {
+            base: buf[skip..].as_ptr(),
+        });
+        if buf.len() > WIDE_KEEP {
+            buf.truncate(WIDE_KEEP);
+            buf.shrink_to_fit();
+        }
+    });
+}
+
 /// Weight rows `n0 + rs * r` (`r < RR`) against every batch row, finished into `out`: per
 /// segment, the batch in sets of up to [`G`] rows; per set, `k` in chunks of [`KC`] bytes,
-/// each chunk taken by passes of up to [`B`] batch rows while the chunk's weights and
-/// activations stay in L1; the vector accumulators of the set wait in memory between chunks,
-/// so the integer sums are those of one pass over the whole slice.
+/// each weight row in one pass over the chunk against the whole set ([`chunk_madd16`]) while
+/// the chunk's widened activations stay in L1; the vector accumulators of the set wait in
+/// memory between chunks, so the integer sums are those of one pass over the whole slice.
 ///
-/// The first pass over a chunk prefetches (into L2) its rows a chunk ahead: during a
-/// segment's last chunk the same rows' first chunk of the next segment (grouped activations
-/// cut `k` into segments of one chunk each, so without this every segment began on demand
-/// misses), and during the last segment's last chunk the next block's first chunk (the
-/// streams' next rows, or the rows after the streams, or the caller's next rows,
-/// [`super::NextRows`]). AMD fills L1 on every prefetch level, and prefetching the next
-/// block's rows at the step's own offset (the small-batch blocks' way) evicted the chunk in
-/// use (measured 10–16% slower at batch 8).
-/// Only a chunk's first pass prefetches, one instruction per 64-byte line: the later passes
-/// would ask for lines already asked for, and at 8 batch rows the prefetches of every pass
-/// and step were one instruction in eleven of the loop, which is bound by its instruction
-/// count (0.95–0.97× the time this way on Zen 3, `[64 | 2048, 4096]` and `[8192 | 32768,
-/// 1024]`, in L2, L3 and memory; `docs/benchmarks.md`, session 35).
+/// Each row's pass prefetches (into L2) the row a chunk ahead: during a segment's last chunk
+/// the same row's first chunk of the next segment (grouped activations cut `k` into segments
+/// of one chunk each, so without this every segment began on demand misses), and during the
+/// last segment's last chunk the next block's first chunk (the streams' next rows, or the
+/// rows after the streams, or the caller's next rows, [`super::NextRows`]). AMD fills L1 on
+/// every prefetch level, and prefetching the next block's rows at the step's own offset (the
+/// small-batch blocks' way) evicted the chunk in use (measured 10–16% slower at batch 8 with
+/// the sign-trick sets). One prefetch per 64-byte line.
 ///
 /// # Safety
 /// AVX2 available; rows `n0 + rs * r` (`r < RR`) lie inside the tile of checked, row-major
-/// segments.
+/// segments; `acts` holds the segments' activations ([`with_wide_acts`]).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_maddubs<const RR: usize>(
+unsafe fn rows_madd16<const RR: usize>(
     segs: &[Lowered<'_>],
+    acts: &WideActs,
     n0: usize,
     rs: usize,
     out: &mut [f32],
     ld_out: usize,
 ) {
     let k_first = segs[0].k.start;
+    let mut seg_base = acts.base;
     for (si, lw) in segs.iter().enumerate() {
         let body = lw.k.len() / STEP * STEP;
         let tail = lw.k.start + body..lw.k.end;
-        // The first chunk streamed after this segment: with a segment after it (grouped
-        // activations), this block's rows from that segment's start; after the last, the
-        // next block's first chunk, past the tile's end the caller's next rows (row-major
-        // ones; else this block's own).
         let next: [*const i8; RR] = std::array::from_fn(|r| {
             if let Some(s) = segs.get(si + 1) {
                 return lw.w_ptr(n0 + r * rs, s.k.start);
@@ -316,7 +398,6 @@ unsafe fn rows_maddubs<const RR: usize>(
             let n = if rs == 1 {
                 n0 + RR + r
             } else if n0 + 1 == lw.n.start + rs {
-                // The streams' last block: the rows after them (or the caller's next rows).
                 lw.n.start + RR * rs + r
             } else {
                 n0 + 1 + r * rs
@@ -333,126 +414,140 @@ unsafe fn rows_maddubs<const RR: usize>(
         let mut g0 = 0;
         while g0 < lw.batch {
             let gb = (lw.batch - g0).min(G);
+            let set_base = seg_base.wrapping_add(g0 * body);
             let mut acc = [[_mm256_setzero_si256(); G]; RR];
             let mut kc = 0;
             while kc < body {
                 let len = KC.min(body - kc);
                 let k0 = lw.k.start + kc;
                 let steps = len / STEP;
-                // The first pass prefetches each row a chunk ahead; over the last chunk, the
-                // same row of the next block's first chunk.
-                let pfc: [*const i8; RR] = std::array::from_fn(|r| {
-                    if kc + KC < body {
+                let a = set_base.wrapping_add(kc * gb);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let pf = if kc + KC < body {
                         lw.w_ptr(n0 + r * rs, k0).wrapping_add(KC)
                     } else {
                         next[r]
-                    }
-                });
-                let wp: [*const i8; RR] = std::array::from_fn(|r| lw.w_ptr(n0 + r * rs, k0));
-                let mut b0 = 0;
-                while b0 < gb {
-                    let bb = (gb - b0).min(B);
-                    // Batch rows past `bb` are never read: their pointers only wrap.
-                    let a0 = lw.a[k0..].as_ptr();
-                    let ap: [*const i8; B] =
-                        std::array::from_fn(|b| a0.wrapping_add((g0 + b0 + b) * lw.lda));
-                    // SAFETY: rows `n0 + rs * r` and batch rows `g0 + b0..g0 + b0 + bb` hold
-                    // `len` bytes from `k0` (inside the tile's `k`); `b0 + bb <= G`.
+                    };
+                    let w = lw.w_ptr(n0 + r * rs, k0);
+                    // SAFETY: row `n0 + rs * r` holds `len` bytes from `k0` (inside the tile's
+                    // `k`); `a` holds the set's `steps` steps widened.
                     unsafe {
-                        match (bb, b0) {
-                            (1, 0) => {
-                                chunk_maddubs::<RR, 1, true>(wp, ap, steps, pfc, &mut acc, b0)
-                            }
-                            (1, _) => {
-                                chunk_maddubs::<RR, 1, false>(wp, ap, steps, pfc, &mut acc, b0)
-                            }
-                            (_, 0) => {
-                                chunk_maddubs::<RR, B, true>(wp, ap, steps, pfc, &mut acc, b0)
-                            }
-                            _ => chunk_maddubs::<RR, B, false>(wp, ap, steps, pfc, &mut acc, b0),
+                        match gb {
+                            1 => chunk_madd16::<1>(w, a, steps, pf, acc),
+                            2 => chunk_madd16::<2>(w, a, steps, pf, acc),
+                            3 => chunk_madd16::<3>(w, a, steps, pf, acc),
+                            4 => chunk_madd16::<4>(w, a, steps, pf, acc),
+                            5 => chunk_madd16::<5>(w, a, steps, pf, acc),
+                            6 => chunk_madd16::<6>(w, a, steps, pf, acc),
+                            7 => chunk_madd16::<7>(w, a, steps, pf, acc),
+                            _ => chunk_madd16::<G>(w, a, steps, pf, acc),
                         }
                     }
-                    b0 += bb;
                 }
                 kc += len;
             }
-            if gb == G && tail.is_empty() {
-                let sa: [f32; G] = std::array::from_fn(|b| lw.sa[(g0 + b) * lw.groups + lw.group]);
-                // SAFETY: eight f32 in `sa`.
-                let sa = unsafe { _mm256_loadu_ps(sa.as_ptr()) };
-                for (r, acc) in acc.iter().enumerate() {
-                    // The same expression as `Lowered::finish`, eight batch rows at a time.
-                    let sw = _mm256_set1_ps(lw.sw[n0 + r * rs]);
-                    let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(acc)), sw), sa);
-                    let mut vs = [0.0f32; G];
-                    // SAFETY: room for eight f32 in `vs`.
-                    unsafe { _mm256_storeu_ps(vs.as_mut_ptr(), v) };
-                    for (b, &v) in vs.iter().enumerate() {
-                        let o = &mut out[(g0 + b) * ld_out + (n0 + r * rs - lw.n.start)];
-                        match lw.mode {
-                            OutMode::Store => *o = v,
-                            OutMode::Add => *o += v,
-                        }
-                    }
-                }
-            } else {
-                for (r, acc) in acc.iter().enumerate() {
-                    for (b, &v) in acc.iter().enumerate().take(gb) {
-                        // Most slices have no tail: skip the call per output element.
-                        let t = if tail.is_empty() {
-                            0
-                        } else {
-                            lw.dot(n0 + r * rs, g0 + b, tail.clone())
-                        };
-                        lw.finish(
-                            out,
-                            ld_out,
-                            n0 + r * rs,
-                            g0 + b,
-                            hsum_epi32(v).wrapping_add(t),
-                        );
-                    }
-                }
-            }
+            finish_set(lw, &acc, n0, rs, g0, gb, &tail, out, ld_out);
             g0 += gb;
         }
+        seg_base = seg_base.wrapping_add(wide_len(lw));
     }
 }
 
-/// One chunk of `steps` steps of weight rows `wp` against batch rows `ap` (the first `BB`),
-/// added to the accumulators `acc[r][b0 + b]`; with `PF`, an L2 prefetch of each row at `pf`
-/// every other step (one per 64-byte line).
+/// One chunk of `steps` steps of one weight row `w` against `BB` batch rows widened
+/// step-major at `a` ([`with_wide_acts`]), added to `acc[..BB]`, with an L2 prefetch at `pf`
+/// every other step.
 ///
 /// # Safety
-/// AVX2 available; each of `wp[..RR]` and `ap[..BB]` holds `steps * STEP` bytes; `b0 + BB <= G`.
-#[target_feature(enable = "avx2,fma")]
+/// AVX2 available; `w` holds `steps * STEP` bytes, `a` `steps * BB * STEP` values.
+#[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn chunk_maddubs<const RR: usize, const BB: usize, const PF: bool>(
-    wp: [*const i8; RR],
-    ap: [*const i8; B],
+unsafe fn chunk_madd16<const BB: usize>(
+    w: *const i8,
+    a: *const i16,
     steps: usize,
-    pf: [*const i8; RR],
-    acc: &mut [[__m256i; G]; RR],
-    b0: usize,
+    pf: *const i8,
+    acc: &mut [__m256i; G],
 ) {
-    let ones = _mm256_set1_epi16(1);
-    let mut v: [[__m256i; BB]; RR] =
-        std::array::from_fn(|r| std::array::from_fn(|b| acc[r][b0 + b]));
+    let mut v: [__m256i; BB] = std::array::from_fn(|b| acc[b]);
     for s in 0..steps {
-        // SAFETY: `s * STEP + STEP <= steps * STEP` bytes lie after each pointer (contract).
-        let a: [__m256i; BB] =
-            std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
-        for r in 0..RR {
-            if PF && s.is_multiple_of(2) {
-                prefetch_l2(pf[r].wrapping_add(s * STEP));
-            }
-            // SAFETY: as above: 32 bytes of row `r` at step `s`.
-            unsafe { step_row(wp[r], s * STEP, &a, ones, &mut v[r]) };
+        if s.is_multiple_of(2) {
+            prefetch_l2(pf.wrapping_add(s * STEP));
+        }
+        // SAFETY: 32 bytes of the row at step `s` (contract).
+        let (w0, w1) = unsafe {
+            let p = w.add(s * STEP);
+            (
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast())),
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16).cast())),
+            )
+        };
+        for (b, v) in v.iter_mut().enumerate() {
+            // SAFETY: 32 values of batch row `b` at step `s` (contract).
+            let (a0, a1) = unsafe {
+                let p = a.add((s * BB + b) * STEP);
+                (
+                    _mm256_loadu_si256(p.cast()),
+                    _mm256_loadu_si256(p.add(16).cast()),
+                )
+            };
+            let x = _mm256_add_epi32(_mm256_madd_epi16(w0, a0), _mm256_madd_epi16(w1, a1));
+            *v = _mm256_add_epi32(*v, x);
         }
     }
-    for r in 0..RR {
-        for b in 0..BB {
-            acc[r][b0 + b] = v[r][b];
+    acc[..BB].copy_from_slice(&v);
+}
+
+/// Finishes a set's sums (`acc[r][b]`: weight row `n0 + rs * r`, batch row `g0 + b`, `b <
+/// gb`) into `out`, adding each slice's scalar `tail`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn finish_set<const RR: usize>(
+    lw: &Lowered<'_>,
+    acc: &[[__m256i; G]; RR],
+    n0: usize,
+    rs: usize,
+    g0: usize,
+    gb: usize,
+    tail: &std::ops::Range<usize>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    if gb == G && tail.is_empty() {
+        let sa: [f32; G] = std::array::from_fn(|b| lw.sa[(g0 + b) * lw.groups + lw.group]);
+        // SAFETY: eight f32 in `sa`.
+        let sa = unsafe { _mm256_loadu_ps(sa.as_ptr()) };
+        for (r, acc) in acc.iter().enumerate() {
+            // The same expression as `Lowered::finish`, eight batch rows at a time.
+            let sw = _mm256_set1_ps(lw.sw[n0 + r * rs]);
+            let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hsum8(acc)), sw), sa);
+            let mut vs = [0.0f32; G];
+            // SAFETY: room for eight f32 in `vs`.
+            unsafe { _mm256_storeu_ps(vs.as_mut_ptr(), v) };
+            for (b, &v) in vs.iter().enumerate() {
+                let o = &mut out[(g0 + b) * ld_out + (n0 + r * rs - lw.n.start)];
+                match lw.mode {
+                    OutMode::Store => *o = v,
+                    OutMode::Add => *o += v,
+                }
+            }
+        }
+    } else {
+        for (r, acc) in acc.iter().enumerate() {
+            for (b, &v) in acc.iter().enumerate().take(gb) {
+                // Most slices have no tail: skip the call per output element.
+                let t = if tail.is_empty() {
+                    0
+                } else {
+                    lw.dot(n0 + r * rs, g0 + b, tail.clone())
+                };
+                lw.finish(
+                    out,
+                    ld_out,
+                    n0 + r * rs,
+                    g0 + b,
+                    hsum_epi32(v).wrapping_add(t),
+                );
+            }
         }
     }
 }

@@ -70,10 +70,12 @@
 //!
 //! # Paths ([`I8Path`], chosen at run time)
 //! - Portable: plain loops.
-//! - AVX2 (`vpmaddubsw`): `|w|` as u8 times `sign(x, w)` as s8, pairs summed to i16 (at most
-//!   `2 * 128 * 127`, no saturation) then to i32 with `vpmaddwd` against ones; 1–4 batch rows
-//!   stream the weights in blocks over the whole slice, 5 and more go in sets of 8 over `k`
-//!   chunks held in L1 (`avx2.rs`).
+//! - AVX2: 1–4 batch rows stream the weights in blocks over the whole slice with `vpmaddubsw`:
+//!   `|w|` as u8 times `sign(x, w)` as s8, pairs summed to i16 (at most `2 * 128 * 127`, no
+//!   saturation) then to i32 with `vpmaddwd` against ones. 5 and more go in sets of 8 over `k`
+//!   chunks held in L1 on 16-bit values: the activations widened once per call, each weight
+//!   vector once per step, products and pair sums by `vpmaddwd` (two multiply-pipe
+//!   instructions per batch row and 32 bytes where the sign trick takes three; `avx2.rs`).
 //! - AVX-VNNI (256-bit) and AVX-512 VNNI (`vpdpbusd`): the instruction wants u8 × s8, so the
 //!   weights enter as `w + 128` (a xor of the sign bit on each loaded vector) against the
 //!   activations as they lie, and each batch row's sum over the slice, taken once per call,
@@ -93,8 +95,8 @@
 //!   prefill) the lane-wise kernel had taken 2.2× the step time of the row-major AMX pass.
 //!
 //! The W8A8 blocks prefetch (into L2) the rows of the next block while they stream the current
-//! one, a step's worth per row as they go (the AVX2 blocks a line per row every other step,
-//! its 8-row sets in a chunk's first pass only): an int8 row of a small model is only a few
+//! one, a step's worth per row as they go (the AVX2 blocks and 8-row sets a line per row every
+//! other step, the sets a chunk ahead): an int8 row of a small model is only a few
 //! cache lines long, too short for the hardware prefetcher to ramp up within it (one thread
 //! streamed 4.6 GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same
 //! way).
