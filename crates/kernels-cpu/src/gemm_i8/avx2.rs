@@ -6,7 +6,8 @@
 //!
 //! The AVX2 W8A8 path has two shapes. Small batches (bandwidth bound) walk a tile's rows as
 //! far-apart streams, one row of each per block over the whole slice against the whole batch,
-//! each stream prefetching its next row: 4 streams at 1–2 batch rows, 3 at 3 rows, 2 at 4 (so
+//! with no software prefetch (each stream reads consecutive rows, which the hardware
+//! prefetchers follow): 4 streams at 1–2 batch rows, 3 at 3 rows, 2 at 4 (so
 //! that each `|w|` serves the whole batch and the weights are read once); blocks of adjacent
 //! rows streamed at about half the speed on Zen 3. Batches of [`MIN_SETS_BATCH`] rows or more
 //! (compute bound: the decode batch of 8, the CSA indexer's query heads) run sets of up to
@@ -229,9 +230,15 @@ fn with_staged_out(
     });
 }
 
-/// `sums[r][b]` = the body of rows `n0 + r` × batch rows `b0 + b` (`r < RR`, `b < BB`), the
-/// whole slice in one pass. `MEM_W`: the weight vector as a memory operand ([`step_row`]),
-/// which leaves a register free for a fourth batch row's activations.
+/// `sums[r][b]` = the body of rows `n0 + rstride * r` × batch rows `b0 + b` (`r < RR`, `b <
+/// BB`), the whole slice in one pass. `MEM_W`: the weight vector as a memory operand
+/// ([`step_row`]), which leaves a register free for a fourth batch row's activations.
+///
+/// No software prefetch: the streams' rows are consecutive memory, which the hardware
+/// prefetchers follow. A prefetch of each stream's next row, a line every other step, cost
+/// issue slots in these co-bound loops: on Zen 3 whole DeepSeek-V4 MoE steps (3-row experts)
+/// took 0.978–0.984× the time without it (three runs of 20–30 paired steps, `docs/benchmarks.md`,
+/// session 37), Qwen3 int8 steps 0.998× at 1 × 256 and 0.991× at 4 × 1024 (session 36).
 ///
 /// # Safety
 /// AVX2 available; the rows lie inside the tile of a checked `lw`; `RR <= RM`, `BB <= BM`.
@@ -252,8 +259,6 @@ unsafe fn block_into<
 ) {
     let steps = lw.k.len() / STEP;
     let (wp, ap) = starts::<RR, BB>(lw, n0, rstride, b0);
-    // The rows a block ahead: the next block's (consecutive rows), or each stream's next row.
-    let ahead = if rstride == 1 { RR } else { 1 } * lw.wa.ldw;
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_si256(); BB]; RR];
     for s in 0..steps {
@@ -262,13 +267,6 @@ unsafe fn block_into<
         let a: [__m256i; BB] =
             std::array::from_fn(|b| unsafe { _mm256_loadu_si256(ap[b].add(s * STEP).cast()) });
         for r in 0..RR {
-            // The same row of the next block, one block ahead (module docs of `gemm_i8`), one
-            // prefetch per 64-byte line: one every step (two a line) measured 1–2% slower at
-            // the FLASH experts' 3 rows on Zen 3 (`dsv4_proj_bw`, alternating rounds), level
-            // at 1 row.
-            if s.is_multiple_of(2) {
-                prefetch_l2(wp[r].wrapping_add(ahead + s * STEP));
-            }
             if MEM_W {
                 // SAFETY: as above: 32 bytes of row `r` at step `s`.
                 unsafe { step_row(wp[r], s * STEP, &a, ones, &mut acc[r]) };
@@ -559,8 +557,8 @@ fn finish_set<const RR: usize>(
 /// The weight vector is read as a memory operand of `vpabsb` and of each `vpsignb` instead of
 /// being loaded into a register once (the compiler merges reads of one address, hence the
 /// assembly): Zen 3 issues at most 6 macro-ops per cycle, and a step of 4 rows × 2 batch
-/// rows counts 45 of them this way against 49 with the loads (with its prefetches and the
-/// loop), while the vector pipes see the same work either way.
+/// rows counts 45 of them this way against 49 with the loads (with the prefetches the
+/// blocks then issued, and the loop), while the vector pipes see the same work either way.
 ///
 /// # Safety
 /// AVX2 available; 32 bytes readable at `w + off`.
@@ -689,7 +687,7 @@ pub(super) unsafe fn gemm_wide(lw: &LoweredWide<'_>, out: &mut [f32], ld_out: us
 }
 
 /// Batch 1: the tile's rows as [`R`] contiguous ranges walked side by side, one row of each
-/// per block (each stream reads consecutive rows, its prefetch one row ahead), every
+/// per block (each stream reads consecutive rows), every
 /// segment of a block's rows before the next block; the `rows % R` rows left over one at a
 /// time. On Zen 3 (one thread, `[3072, 1024]` from memory, alternating) blocks of four
 /// adjacent rows streamed 5.8–6.1 GB/s, the four far-apart streams 12.3–13.7 GB/s, as fast
@@ -734,8 +732,8 @@ unsafe fn gemv_quarters(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) {
 }
 
 /// Batches of 2–4 (`BM` rows): the tile's rows as `RR` contiguous ranges walked side by side,
-/// one row of each per block against the whole batch (each stream reads consecutive rows, its
-/// prefetch one row ahead), as [`gemv_quarters`] does for one batch row; the `rows % RR` rows
+/// one row of each per block against the whole batch (each stream reads consecutive rows), as
+/// [`gemv_quarters`] does for one batch row; the `rows % RR` rows
 /// left over one at a time. On Zen 3 (one thread, the 0.6B projections from memory, thread
 /// CPU time, alternating) this took 0.51× the time of blocks of adjacent rows at batch 2,
 /// 0.64× at 3 and 0.71× at 4 (`docs/benchmarks.md`).

@@ -95,11 +95,13 @@
 //!   prefill) the lane-wise kernel had taken 2.2× the step time of the row-major AMX pass.
 //!
 //! The W8A8 blocks prefetch (into L2) the rows of the next block while they stream the current
-//! one, a step's worth per row as they go (the AVX2 blocks and 8-row sets a line per row every
-//! other step, the sets a chunk ahead): an int8 row of a small model is only a few
-//! cache lines long, too short for the hardware prefetcher to ramp up within it (one thread
+//! one, a step's worth per row as they go (the AVX2 8-row sets a line per row every other step,
+//! a chunk ahead): an int8 row of a small model is only a few cache lines long, too short for
+//! the hardware prefetcher to ramp up within it when a block's rows are adjacent (one thread
 //! streamed 4.6 GB/s without this against 7.8 GB/s for the bf16 GEMM that prefetches the same
-//! way).
+//! way). The AVX2 1–4 row streams do not: each of their far-apart streams reads consecutive
+//! rows, which the hardware follows, and their prefetches cost more issue slots than they
+//! saved (`avx2.rs`, `block_into`).
 //!
 //! A product that knows which weight rows the caller streams next ([`gemm_i8_w8a8_then`] with
 //! [`NextRows`]) has its last blocks prefetch those rows instead of nothing, so the next call
