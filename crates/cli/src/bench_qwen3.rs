@@ -653,7 +653,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
 
 /// The path a `--versus-*` flag names, refused by name when it is not a path or this CPU
 /// cannot run it.
-fn isa_flag(flag: &str, name: Option<&str>) -> Result<Option<Isa>> {
+pub(crate) fn isa_flag(flag: &str, name: Option<&str>) -> Result<Option<Isa>> {
     match name {
         None => Ok(None),
         Some(name) => match Isa::from_name(name) {

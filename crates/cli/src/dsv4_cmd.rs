@@ -17,6 +17,7 @@ use simpler_dfx::bench_stats::{
     run_interleaved,
 };
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
+use simpler_kernels_cpu::isa::set_process_isa;
 use simpler_kernels_cpu::membw::{CacheFlush, MachinePeaks};
 use simpler_kernels_cpu::{I8Path, Isa};
 use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks};
@@ -30,6 +31,7 @@ use simpler_models::dsv4::{
     uniform_starts,
 };
 
+use crate::bench_qwen3::isa_flag;
 use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{Replay, describe_graphs};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
@@ -235,6 +237,14 @@ pub(crate) struct BenchDsv4Args {
     /// with its 95% interval (swa, csa and hca).
     #[arg(long)]
     versus_replay: bool,
+    /// Also compare this run's kernel path with another instruction-set path (`portable`,
+    /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
+    /// steps A B B A .. and the ratio B/A of the effective-time medians with its 95% interval,
+    /// and each phase's median span on either side. The float kernels follow the path; the
+    /// int8 ones take their portable loops under `portable` and this machine's int8 path
+    /// otherwise
+    #[arg(long, value_name = "PATH")]
+    versus_isa: Option<String>,
     #[command(flatten)]
     ep: EpOpts,
     #[command(flatten)]
@@ -798,6 +808,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
     check_replay(args.kernel, args.replay)?;
+    let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     if args.versus_proj_blocks == Some(0) {
         bail!("--versus-proj-blocks: at least 1 block");
     }
@@ -865,6 +876,15 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         );
         println!("{c}");
     }
+    if let Some(isa) = versus_isa {
+        println!(
+            "kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+        );
+        print!(
+            "{}",
+            versus_isa_steps(&mut s, &cfg, isa, args.rounds, args.warmup)?
+        );
+    }
     if args.versus_replay {
         let c = versus_replay(&mut s, &cfg, args.rounds, args.warmup)?;
         println!(
@@ -884,29 +904,83 @@ fn replay_of(r: Option<Replay>) -> Replay {
 /// orchestrated (B); the effective times compared and the orchestration spans of each,
 /// formatted. Replay stays on afterwards.
 fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) -> Result<String> {
-    let (pairs, orch) = interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a))?;
+    let (pairs, sides) = interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a))?;
     s.step.set_replay(true);
     let c = compare(&pairs.a, &pairs.b);
-    let [a, b] = orch.map(|v| Summary::of(&v).median);
+    let [a, b] = sides.orch.map(|v| Summary::of(&v).median);
     Ok(format!(
         "{}\n    orchestration span (median over every step): replay {a:.0} us (the submission loop), orchestrated {b:.0} us",
         format_compare("effective_us", "replayed", "orchestrated", &c)
     ))
 }
 
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) on this run's kernel
+/// path (A) and on `isa` (B, a process-wide switch, undone afterwards); the effective times
+/// compared, then each phase's median span on either side over the measured steps,
+/// formatted.
+fn versus_isa_steps(
+    s: &mut Setup,
+    cfg: &CallConfig,
+    isa: Isa,
+    rounds: usize,
+    warmup: usize,
+) -> Result<String> {
+    let result = interleaved_steps(s, cfg, rounds, warmup, |_, a| {
+        set_process_isa((!a).then_some(isa));
+    });
+    set_process_isa(None);
+    let (pairs, sides) = result?;
+    let c = compare(&pairs.a, &pairs.b);
+    let a_name = format!("{} (this run)", Isa::current().name());
+    let mut out = format_compare("effective_us", &a_name, isa.name(), &c);
+    out.push('\n');
+    let cost = s.step.cost();
+    out.push_str(&format!(
+        "    {:<24} {:>12} {:>12} {:>8}\n",
+        "phase", "A median_us", "B median_us", "B/A"
+    ));
+    for (i, phase) in cost.phases.iter().enumerate() {
+        let [a, b] = [0, 1].map(|side| {
+            let v: Vec<f64> = sides.phases[side]
+                .iter()
+                .skip(warmup)
+                .filter_map(|p| p.get(i).copied())
+                .collect();
+            Summary::of(&v).median
+        });
+        out.push_str(&format!(
+            "    {:<24} {a:>12.1} {b:>12.1} {:>8.3}\n",
+            phase.name,
+            b / a
+        ));
+    }
+    Ok(out)
+}
+
+/// What [`interleaved_steps`] records of each side's steps (index 0: A, 1: B), every step
+/// (warm-up included) in order.
+#[derive(Default)]
+struct Sides {
+    /// Orchestration spans, us.
+    orch: [Vec<f64>; 2],
+    /// Phase spans ([`phase_spans`]), us.
+    phases: [Vec<Vec<f64>>; 2],
+}
+
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`), each after the
 /// cache flush, `set(step, true)` before every A step and `set(step, false)` before every B:
-/// the effective times, and every step's orchestration span (A's, then B's), us. The first
-/// failed step's error fails the comparison.
+/// the effective times, and what [`Sides`] records. The first failed step's error fails the
+/// comparison.
 fn interleaved_steps(
     s: &mut Setup,
     cfg: &CallConfig,
     rounds: usize,
     warmup: usize,
     set: impl Fn(&mut dyn LayerStep, bool),
-) -> Result<(simpler_dfx::bench_stats::Interleaved, [Vec<f64>; 2])> {
+) -> Result<(simpler_dfx::bench_stats::Interleaved, Sides)> {
     let failure = RefCell::new(None);
-    let orch: RefCell<[Vec<f64>; 2]> = RefCell::default();
+    let sides = RefCell::new(Sides::default());
+    let n_phases = s.step.cost().phases.len();
     let setup = RefCell::new(&mut *s);
     let step_us = |a: bool| {
         let mut s = setup.borrow_mut();
@@ -915,7 +989,9 @@ fn interleaved_steps(
         let Setup { worker, step, .. } = &mut **s;
         match step.step(worker, cfg) {
             Ok(r) => {
-                orch.borrow_mut()[usize::from(!a)].push(r.orch.us());
+                let mut sides = sides.borrow_mut();
+                sides.orch[usize::from(!a)].push(r.orch.us());
+                sides.phases[usize::from(!a)].push(phase_spans(&r, n_phases));
                 r.effective().us()
             }
             Err(e) => {
@@ -928,7 +1004,7 @@ fn interleaved_steps(
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }
-    Ok((pairs, orch.into_inner()))
+    Ok((pairs, sides.into_inner()))
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's

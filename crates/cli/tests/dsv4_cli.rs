@@ -162,6 +162,46 @@ fn bench_dsv4_compares_projection_blocks_step_against_step() {
     assert!(so.contains("95% interval ["), "{so}");
 }
 
+/// `--versus-isa portable` runs this machine's path and the portable loops interleaved,
+/// prints the ratio and each phase's median on either side; a path that is not one is
+/// refused by name before any fixture is built.
+#[test]
+fn bench_dsv4_compares_kernel_paths_step_against_step() {
+    let out = simpler(&bench_tiny(
+        "swa",
+        &["--rounds", "3", "--warmup", "1", "--versus-isa", "portable"],
+    ));
+    let so = succeeded_with(
+        &out,
+        "swa --versus-isa portable",
+        &[
+            "effective_us: n=3 (warm-up 1 discarded) min=",
+            "kernel paths compared (interleaved steps A B B A ..",
+            "(this run)]: n=3",
+            "[B: portable]: n=3",
+            "ratio B/A of medians = ",
+            "A median_us  B median_us      B/A",
+        ],
+    );
+    let table = &so[so.find("A median_us").expect("phase table")..];
+    for phase in [
+        "hc_pre",
+        "projections",
+        "q_b",
+        "attention",
+        "wo_a",
+        "wo_b",
+        "hc_post",
+    ] {
+        assert!(table.contains(phase), "no {phase} row in\n{table}");
+    }
+    let out = simpler(&bench_tiny("swa", &["--versus-isa", "avx3"]));
+    let se = text(&out.stderr);
+    assert!(!out.status.success(), "{se}");
+    assert!(se.contains("--versus-isa \"avx3\": not one of"), "{se}");
+    assert!(text(&out.stdout).is_empty(), "ran anyway");
+}
+
 /// The flag is refused by name where it changes nothing (the MoE's experts have their own
 /// blocks) or makes no tiling, before any fixture is built.
 #[test]
