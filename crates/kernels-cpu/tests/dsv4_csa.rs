@@ -294,6 +294,52 @@ fn index_scores_are_bit_identical_on_every_int8_path() {
     }
 }
 
+/// A query holding `-128` (outside the queries' range) is refused on every path, before
+/// anything is written.
+#[test]
+fn index_scores_refuse_a_query_holding_i8_min_on_every_path() {
+    let (tokens, heads, dim, n_rows) = (2, 8, 32, 20);
+    let mut q = vec![3i8; tokens * heads * dim];
+    q[heads * dim + 5] = i8::MIN;
+    let keys = vec![1i8; n_rows * dim];
+    let (scale, weight, key_scale) = (
+        vec![1.0; tokens * heads],
+        vec![1.0; tokens * heads],
+        vec![1.0; n_rows],
+    );
+    let qs = IndexQueries {
+        q: &q,
+        scale: &scale,
+        weight: &weight,
+        tokens,
+        heads,
+        head_dim: dim,
+    };
+    for p in I8Path::ALL {
+        let Some((res, out)) = with_i8_path(p, || {
+            let mut out = vec![f32::NAN; tokens * n_rows];
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                index_scores(qs, &keys, &key_scale, 0..n_rows, &mut out, n_rows)
+            }));
+            (res, out)
+        }) else {
+            continue;
+        };
+        let err = res.expect_err(p.name());
+        let msg = err.downcast_ref::<String>().map_or("", String::as_str);
+        assert!(
+            msg.contains("query row 8 holds -128"),
+            "{}: {msg}",
+            p.name()
+        );
+        assert!(
+            out.iter().all(|v| v.is_nan()),
+            "{}: wrote before refusing",
+            p.name()
+        );
+    }
+}
+
 #[test]
 fn top_k_matches_a_stable_sort() {
     let mut rng = Rng(17);

@@ -345,8 +345,9 @@ const SCORE_CHUNK: usize = 256;
 /// `keys` is `[≥ rows.end, head_dim]` int8, `key_scale` one scale per row.
 ///
 /// # Panics
-/// If a slice is shorter than its shape, `rows` runs past the keys, or `ld_out` is narrower
-/// than `rows`.
+/// If a slice is shorter than its shape, `rows` runs past the keys, `ld_out` is narrower
+/// than `rows`, or a query holds `-128` (outside [`IndexQueries::q`]'s range; refused on every
+/// path, as the int8 GEMM refuses such activations).
 pub fn index_scores(
     qs: IndexQueries<'_>,
     keys: &[i8],
@@ -367,6 +368,12 @@ pub fn index_scores(
         "index_scores: rows {rows:?} past the {} keys",
         key_scale.len()
     );
+    for (r, q) in qs.q[..nq * dim].chunks_exact(dim).enumerate() {
+        assert!(
+            !crate::gemm_i8::holds_i8_min(q),
+            "index_scores: query row {r} holds -128"
+        );
+    }
     let n = rows.len();
     if n == 0 || tokens == 0 {
         return;
@@ -396,20 +403,12 @@ pub fn index_scores(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if dim.is_multiple_of(avx2::QUADS_PER_VECTOR * 4)
+    if dim.is_multiple_of(avx2::DIMS_PER_STEP)
         && crate::gemm_i8::I8Path::current() == crate::gemm_i8::I8Path::Avx2
     {
-        for (r, q) in qs.q[..nq * dim].chunks_exact(dim).enumerate() {
-            // The sign trick needs `-128` absent from the queries, as `ActsI8::new` asks of
-            // the GEMM's activations on every path below.
-            assert!(
-                !crate::gemm_i8::holds_i8_min(q),
-                "index_scores: query row {r} holds -128"
-            );
-        }
         // SAFETY: `I8Path::current` is AVX2 only when this CPU has AVX2; the slices were
-        // checked above (queries, keys up to `rows.end`, output) and the queries hold no
-        // `-128`; `dim` is a whole number of 32-byte vectors.
+        // checked above (queries, keys up to `rows.end`, output); `dim` is a whole number of
+        // transpose steps.
         unsafe { avx2::scores(&qs, keys, key_scale, rows, out, ld_out) };
         return;
     }
@@ -586,17 +585,18 @@ mod vnni {
     }
 }
 
-/// The AVX2 scores (no VNNI): the `vnni` kernel's layout, each 16-row key block transposed
-/// once (quad `j` of the block's rows at `blk[j · 16..]`, with its bytes' magnitudes beside it
-/// in `abs`) and read as two 8-lane halves. A query quad broadcast to every lane meets the
-/// same quad of 8 rows: `vpmaddubsw(|k|, sign(q, k))` gives the pairs `k · q` as i16 (at most
-/// `2 · 128 · 127`: `|k|` is read unsigned, so a key of `-128` is exact, and the queries hold
-/// no `-128`), `vpmaddwd` against ones adds the pairs into the quad's i32, so each lane sums
-/// its row's exact dot product with no horizontal sum, and the finish runs on 8 rows per
-/// vector in the documented order, the same bits as every other path. Against the
-/// row-major GEMM this replaces (query rows as its batch, `k` only 128 bytes), whose blocks
-/// spent more on starting, reducing and finishing than on the four steps of products: see
-/// `docs/benchmarks.md` for the measured rates.
+/// The AVX2 scores (no VNNI) on 16-bit values: each 16-row key block transposed once into
+/// pairs of dimensions widened to i16 (`[dim / 2][16 rows]`, a pair in each 32-bit lane) and
+/// read as two 8-lane halves, each query widened once per call. A query pair broadcast to
+/// every lane meets the same pair of 8 rows: one `vpmaddwd` multiplies and adds it into the
+/// lane's i32, so each lane sums its row's exact dot product with no horizontal sum, and the
+/// finish runs on 8 rows per vector in the documented order, the same bits as every other
+/// path. The sign trick this replaced (`vpsignb`, `vpmaddubsw`, `vpmaddwd` per quad of 8 rows)
+/// put three instructions on the two pipes of Zen 3 that run them where this puts two, and
+/// needed the queries free of `-128`: 0.94× the time a call (`docs/benchmarks.md`, session
+/// 37). Against the row-major GEMM the first AVX2 kernel replaced (query rows as its batch,
+/// `k` only 128 bytes), whose blocks spent more on starting, reducing and finishing than on
+/// the four steps of products: see `docs/benchmarks.md` for the measured rates.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -605,52 +605,50 @@ mod avx2 {
     use super::IndexQueries;
     use crate::simd::transpose8;
 
-    /// Query heads processed together: `2 · HEADS` accumulators, the two `|k|` halves, the
-    /// broadcast quad, a product and the constant fit 16 registers.
-    const HEADS: usize = 4;
+    /// Query heads processed together: `2 · HEADS` accumulators, the two key vectors and the
+    /// broadcast pair fit 16 registers. At FLASH (`examples/dsv4_csa_scores`, Zen 3, best of
+    /// 15 rounds, three alternations) 6 heads took 58.2–58.8 us a call, 4 heads 60.8–61.3, 8
+    /// (spilled) ~125, the sign-trick kernel 62.1–62.2; the 4 heads left after ten blocks
+    /// of 6 go one by one (a block of 4 for them measured 61 us).
+    const HEADS: usize = 6;
 
-    /// Quads (4 bytes of `dim`) per 256-bit vector: `dim` must be a multiple of
-    /// `4 · QUADS_PER_VECTOR` for the block transpose.
-    pub(super) const QUADS_PER_VECTOR: usize = 8;
+    /// Dimensions per transpose step: 8 pairs of each of 8 rows, one 8 × 8 transpose of
+    /// 32-bit lanes. `dim` must be a multiple of it.
+    pub(super) const DIMS_PER_STEP: usize = 16;
 
-    /// `keys` (up to 16 rows of `dim` bytes; the missing rows zero) transposed into `blk`
-    /// (`dim / 4 · 16` i32: quad `j` of row `l` at `blk[j · 16 + l]`) and the bytes'
-    /// magnitudes into `abs` (same layout), by 8 × 8 transposes of 32-byte row slices.
+    /// `keys` (up to 16 rows of `dim` bytes; the missing rows zero) widened to i16 and
+    /// transposed into `blk` (`dim / 2 · 16` lanes: dimensions `2p, 2p + 1` of row `l` in
+    /// `blk[p · 16 + l]`, the lower one in the low half), by 8 × 8 transposes of 32-bit lanes.
     ///
     /// # Safety
-    /// AVX2 available; `dim` a multiple of 32; `keys.len() <= 16 · dim`, a whole number of
-    /// rows; `blk` and `abs` hold `dim / 4 · 16` values.
+    /// AVX2 available; `dim` a multiple of [`DIMS_PER_STEP`]; `keys.len() <= 16 · dim`, a
+    /// whole number of rows; `blk` holds `dim / 2 · 16` values.
     #[target_feature(enable = "avx2")]
-    unsafe fn transpose_block(keys: &[i8], dim: usize, blk: &mut [i32], abs: &mut [i32]) {
+    unsafe fn transpose_block(keys: &[i8], dim: usize, blk: &mut [i32]) {
         let n = keys.len() / dim;
-        let quads = dim / 4;
-        assert!(
-            n <= 16 && blk.len() >= quads * 16 && abs.len() >= quads * 16,
-            "transpose_block"
-        );
+        let pairs = dim / 2;
+        assert!(n <= 16 && blk.len() >= pairs * 16, "transpose_block");
         for half in 0..2 {
-            for j0 in (0..quads).step_by(QUADS_PER_VECTOR) {
+            for d0 in (0..dim).step_by(DIMS_PER_STEP) {
                 let rows: [__m256; 8] = std::array::from_fn(|l| {
                     let r = half * 8 + l;
                     if r < n {
-                        // SAFETY: row `r < n` holds `dim` bytes and `4 · j0 + 32 <= dim`.
+                        // SAFETY: row `r < n` holds `dim` bytes and `d0 + 16 <= dim`.
                         unsafe {
-                            _mm256_castsi256_ps(_mm256_loadu_si256(
-                                keys.as_ptr().add(r * dim + 4 * j0).cast(),
-                            ))
+                            _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                keys.as_ptr().add(r * dim + d0).cast(),
+                            )))
                         }
                     } else {
                         _mm256_setzero_ps()
                     }
                 });
                 for (i, v) in transpose8(rows).into_iter().enumerate() {
-                    let v = _mm256_castps_si256(v);
-                    let at = (j0 + i) * 16 + half * 8;
-                    // SAFETY: `j0 + i < quads`, so 8 values from `at` lie inside both.
+                    let at = (d0 / 2 + i) * 16 + half * 8;
+                    // SAFETY: `d0 / 2 + i < pairs`, so 8 values from `at` lie inside `blk`.
                     unsafe {
-                        _mm256_storeu_si256(blk.as_mut_ptr().add(at).cast(), v);
-                        _mm256_storeu_si256(abs.as_mut_ptr().add(at).cast(), _mm256_abs_epi8(v));
-                    }
+                        _mm256_storeu_si256(blk.as_mut_ptr().add(at).cast(), _mm256_castps_si256(v))
+                    };
                 }
             }
         }
@@ -666,40 +664,29 @@ mod avx2 {
         _mm256_add_ps(acc, _mm256_mul_ps(v, _mm256_set1_ps(qs.weight[r])))
     }
 
-    /// `acc[h][half] += ` the dot products of query rows `r..r + H` (quads at `q`, `quads`
-    /// apart) with the block's two 8-row halves.
+    /// `acc[h][half]` = the dot products of query rows `r..r + H` (widened, `2 · pairs` values
+    /// apart, at `q`) with the block's two 8-row halves.
     ///
     /// # Safety
-    /// AVX2 available; `H` query rows of `quads` quads readable at `q`; `blk` and `abs` hold
-    /// `quads · 16` values.
+    /// AVX2 available; `H` query rows of `2 · pairs` values readable at `q`; `blk` holds
+    /// `pairs · 16` values.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn dots<const H: usize>(
-        q: *const i8,
-        quads: usize,
-        blk: &[i32],
-        abs: &[i32],
-    ) -> [[__m256i; 2]; H] {
-        let ones = _mm256_set1_epi16(1);
+    unsafe fn dots<const H: usize>(q: *const i16, pairs: usize, blk: &[i32]) -> [[__m256i; 2]; H] {
         let mut acc = [[_mm256_setzero_si256(); 2]; H];
-        for j in 0..quads {
-            // SAFETY: `j < quads`: 16 values at `j · 16` in both (contract).
-            let (k, ka) = unsafe {
-                let kp = blk.as_ptr().add(j * 16).cast::<__m256i>();
-                let ap = abs.as_ptr().add(j * 16).cast::<__m256i>();
-                (
-                    [_mm256_loadu_si256(kp), _mm256_loadu_si256(kp.add(1))],
-                    [_mm256_loadu_si256(ap), _mm256_loadu_si256(ap.add(1))],
-                )
+        for p in 0..pairs {
+            // SAFETY: `p < pairs`: 16 values at `p · 16` (contract).
+            let k = unsafe {
+                let kp = blk.as_ptr().add(p * 16).cast::<__m256i>();
+                [_mm256_loadu_si256(kp), _mm256_loadu_si256(kp.add(1))]
             };
             for (h, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: quad `j` of query row `h < H` (contract).
+                // SAFETY: pair `p` of query row `h < H` (contract).
                 let qb = _mm256_set1_epi32(unsafe {
-                    q.add((h * quads + j) * 4).cast::<i32>().read_unaligned()
+                    q.add(h * 2 * pairs + 2 * p).cast::<i32>().read_unaligned()
                 });
                 for half in 0..2 {
-                    let p = _mm256_maddubs_epi16(ka[half], _mm256_sign_epi8(qb, k[half]));
-                    acc[half] = _mm256_add_epi32(acc[half], _mm256_madd_epi16(p, ones));
+                    acc[half] = _mm256_add_epi32(acc[half], _mm256_madd_epi16(k[half], qb));
                 }
             }
         }
@@ -707,8 +694,8 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2 available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple of 32), none
-    /// holding `-128`, with their scales and weights; `keys` and `key_scale` reach
+    /// AVX2 available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple of
+    /// [`DIMS_PER_STEP`]) with their scales and weights; `keys` and `key_scale` reach
     /// `rows.end`; `out` holds `tokens` rows of `rows.len()` at stride `ld_out`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn scores(
@@ -720,15 +707,18 @@ mod avx2 {
         ld_out: usize,
     ) {
         let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
-        let quads = dim / 4;
-        let mut blk = vec![0i32; quads * 16];
-        let mut abs = vec![0i32; quads * 16];
+        let pairs = dim / 2;
+        let q16: Vec<i16> = qs.q[..tokens * heads * dim]
+            .iter()
+            .map(|&v| i16::from(v))
+            .collect();
+        let mut blk = vec![0i32; pairs * 16];
         let mut c0 = rows.start;
         while c0 < rows.end {
             let n = 16.min(rows.end - c0);
-            // SAFETY: AVX2 (contract); `dim` a multiple of 32; `n <= 16` rows; both buffers
-            // hold `quads · 16` values.
-            unsafe { transpose_block(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk, &mut abs) };
+            // SAFETY: AVX2 (contract); `dim` a multiple of `DIMS_PER_STEP`; `n <= 16` rows;
+            // `blk` holds `pairs · 16` values.
+            unsafe { transpose_block(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk) };
             let mut kscale = [0.0f32; 16];
             kscale[..n].copy_from_slice(&key_scale[c0..c0 + n]);
             for t in 0..tokens {
@@ -736,11 +726,11 @@ mod avx2 {
                 let mut h = 0;
                 while h < heads {
                     let r = t * heads + h;
-                    let q = qs.q[r * dim..].as_ptr();
+                    let q = q16[r * dim..].as_ptr();
                     if h + HEADS <= heads {
                         // SAFETY: AVX2; query rows `r..r + HEADS` (`h + HEADS <= heads`) hold
-                        // `quads` quads each; `blk` and `abs` hold `quads · 16` values.
-                        let a = unsafe { dots::<HEADS>(q, quads, &blk, &abs) };
+                        // `dim` values each; `blk` holds `pairs · 16` values.
+                        let a = unsafe { dots::<HEADS>(q, pairs, &blk) };
                         for (i, a) in a.iter().enumerate() {
                             for half in 0..2 {
                                 acc_s[half] = head_term(acc_s[half], a[half], qs, r + i);
@@ -749,7 +739,7 @@ mod avx2 {
                         h += HEADS;
                     } else {
                         // SAFETY: as above, for query row `r`.
-                        let [a] = unsafe { dots::<1>(q, quads, &blk, &abs) };
+                        let [a] = unsafe { dots::<1>(q, pairs, &blk) };
                         for half in 0..2 {
                             acc_s[half] = head_term(acc_s[half], a[half], qs, r);
                         }
