@@ -240,9 +240,10 @@ pub(crate) struct BenchDsv4Args {
     /// Also compare this run's kernel path with another instruction-set path (`portable`,
     /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
     /// steps A B B A .. and the ratio B/A of the effective-time medians with its 95% interval,
-    /// and each phase's median span on either side. The float kernels follow the path; the
-    /// int8 ones take their portable loops under `portable` and this machine's int8 path
-    /// otherwise
+    /// and each phase's median span on either side. The weights stay as this machine's path
+    /// laid them out (paired or tiled bf16 go through the other path's portable loops), and
+    /// the int8 kernels take their portable loops under `portable` and this machine's int8
+    /// path otherwise, so B is not that path's own speed. Refused with `--ep`.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
     #[command(flatten)]
@@ -826,6 +827,17 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         );
     }
     if let Some(cmd) = ep_cmd_of_bench(&args)? {
+        // The expert-parallel driver runs its own ranks' steps: a comparison flag would be
+        // ignored there, so it is refused instead.
+        for (flag, given) in [
+            ("--versus-isa", versus_isa.is_some()),
+            ("--versus-proj-blocks", args.versus_proj_blocks.is_some()),
+            ("--versus-replay", args.versus_replay),
+        ] {
+            if given {
+                bail!("{flag}: not with --ep (the expert-parallel ranks run their own steps)");
+            }
+        }
         return crate::dsv4_ep::main(cmd);
     }
     let (mut s, cfg) = start(

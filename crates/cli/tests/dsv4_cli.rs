@@ -163,8 +163,8 @@ fn bench_dsv4_compares_projection_blocks_step_against_step() {
 }
 
 /// `--versus-isa portable` runs this machine's path and the portable loops interleaved,
-/// prints the ratio and each phase's median on either side; a path that is not one is
-/// refused by name before any fixture is built.
+/// prints the ratio and each phase's median on either side; a path that is not one, or the
+/// flag with `--ep`, is refused by name before any fixture is built.
 #[test]
 fn bench_dsv4_compares_kernel_paths_step_against_step() {
     let out = simpler(&bench_tiny(
@@ -195,11 +195,30 @@ fn bench_dsv4_compares_kernel_paths_step_against_step() {
     ] {
         assert!(table.contains(phase), "no {phase} row in\n{table}");
     }
-    let out = simpler(&bench_tiny("swa", &["--versus-isa", "avx3"]));
-    let se = text(&out.stderr);
-    assert!(!out.status.success(), "{se}");
-    assert!(se.contains("--versus-isa \"avx3\": not one of"), "{se}");
-    assert!(text(&out.stdout).is_empty(), "ran anyway");
+    let bad_path = bench_tiny("swa", &["--versus-isa", "avx3"]);
+    // The expert-parallel ranks run their own steps: the flag would be ignored there.
+    let with_ep = [
+        "bench",
+        "dsv4",
+        "--kernel",
+        "moe",
+        "--preset",
+        "tiny",
+        "--ep",
+        "2",
+        "--versus-isa",
+        "portable",
+    ];
+    for (args, needle) in [
+        (&bad_path[..], "--versus-isa \"avx3\": not one of"),
+        (&with_ep[..], "--versus-isa: not with --ep"),
+    ] {
+        let out = simpler(args);
+        let se = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {se}");
+        assert!(se.contains(needle), "{args:?}: {se}");
+        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+    }
 }
 
 /// The flag is refused by name where it changes nothing (the MoE's experts have their own

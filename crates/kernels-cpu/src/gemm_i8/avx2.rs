@@ -154,8 +154,10 @@ pub(super) unsafe fn gemm(segs: &[Lowered<'_>], out: &mut [f32], ld_out: usize) 
         }
         return;
     }
-    // Far-apart row streams, as the small batches take them (`streams`): on Zen 3 5–7% less
-    // time than blocks of adjacent rows at batches 8 and 16, though compute bound.
+    // Far-apart row streams, as the small batches take them (`streams`), though compute
+    // bound: on Zen 3 the sign-trick sets of four streams took 5–7% less time than blocks of
+    // adjacent rows at batches 8 and 16, and these 16-bit sets 0.92× the time with eight
+    // streams as with four.
     let len = first.n.len() / SET_STREAMS;
     with_wide_acts(segs, |acts| {
         with_staged_out(first, out, ld_out, |out, ld_out| {
@@ -191,10 +193,11 @@ const STAGED_KEEP: usize = 1 << 19;
 /// order as in place (the same bits). With `Store` the copy starts with whatever an earlier
 /// call left: `f` writes every element of the tile, as the sets do.
 ///
-/// Why: a block of [`rows_madd16`] finishes [`SET_STREAMS`] far-apart rows for every batch row, one scalar
-/// store each. With `ld_out` a multiple of 1024 values (a whole FLASH matrix in one call) and
-/// streams a multiple of 1024 rows apart, all 32 stores of a block fall into one set of the
-/// 8-way L1 and evict each other. At `K = 1024` (`Wq_b`, and each group of the grouped `Wo_b`)
+/// Why: a block of [`rows_madd16`] finishes [`SET_STREAMS`] far-apart rows for every batch
+/// row, one scalar store each. With `ld_out` a multiple of 1024 values (a whole FLASH matrix
+/// in one call) and streams a multiple of 1024 rows apart, all the stores of a block (32 with
+/// the four streams this was measured with, 64 now) fall into one set of the 8-way L1 and
+/// evict each other. At `K = 1024` (`Wq_b`, and each group of the grouped `Wo_b`)
 /// that cost a sixth of the product's time on Zen 3 (`examples/gemm_i8_batch8`, one thread,
 /// alternating rounds: 0.83–0.89× the time with the staging at `[8192 | 32768, 1024]`, 0.98×
 /// at `K` 4096 and 8192; `docs/benchmarks.md`, session 35).
@@ -389,6 +392,10 @@ unsafe fn rows_madd16<const RR: usize>(
     for (si, lw) in segs.iter().enumerate() {
         let body = lw.k.len() / STEP * STEP;
         let tail = lw.k.start + body..lw.k.end;
+        // The first chunk streamed after this segment: with a segment after it (grouped
+        // activations), this block's rows from that segment's start; after the last, the
+        // next block's first chunk, past the tile's end the caller's next rows (row-major
+        // ones; else this block's own).
         let next: [*const i8; RR] = std::array::from_fn(|r| {
             if let Some(s) = segs.get(si + 1) {
                 return lw.w_ptr(n0 + r * rs, s.k.start);
@@ -396,6 +403,7 @@ unsafe fn rows_madd16<const RR: usize>(
             let n = if rs == 1 {
                 n0 + RR + r
             } else if n0 + 1 == lw.n.start + rs {
+                // The streams' last block: the rows after them (or the caller's next rows).
                 lw.n.start + RR * rs + r
             } else {
                 n0 + 1 + r * rs
