@@ -3,13 +3,16 @@
 //! runs it (the mix products of every token, then per token its 1/rms, weights, mixed stream
 //! and attention norm), best and median round of wall time.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example dsv4_hc -- [ROUNDS]` (default 50).
+//! `cargo run --release -p simpler-kernels-cpu --example dsv4_hc -- [ROUNDS [cold]]` (default 50;
+//! `cold`: each round starts after a read of twice the last-level cache, as a benchmarked step
+//! does, so the weights and the residual come from memory).
 
 use std::time::Instant;
 
 use simpler_kernels_cpu::dsv4::{
     hc_inv_rms_rows, hc_mix_dots, hc_mix_len, hc_mix_streams, hc_weights, rms_norm_round,
 };
+use simpler_kernels_cpu::membw::CacheFlush;
 
 /// Mix weight rows per `HC_MIX` task at FLASH on 2 cores.
 const ROWS_PER_TASK: usize = 6;
@@ -20,6 +23,11 @@ fn main() {
         .map(|a| a.parse().expect("ROUNDS: a number"))
         .unwrap_or(50)
         .max(1);
+    let flush = match std::env::args().nth(2).as_deref() {
+        None => None,
+        Some("cold") => Some(CacheFlush::new(1)),
+        Some(other) => panic!("{other:?}: the second argument is `cold` or nothing"),
+    };
     let (tokens, hc, d) = (8usize, 4usize, 4096usize);
     let (n, m) = (hc * d, hc_mix_len(hc));
     // Deterministic values in (-0.5, 0.5) that do not repeat over the rows.
@@ -35,6 +43,9 @@ fn main() {
     let (mut t_dots, mut t_rest) = (Vec::new(), Vec::new());
     let mut sink = 0.0f32;
     for round in 0..=rounds {
+        if let Some(f) = &flush {
+            f.run();
+        }
         let t0 = Instant::now();
         // The graph's split: four tasks of six weight rows, each over every token.
         for j0 in (0..m).step_by(ROWS_PER_TASK) {
@@ -71,7 +82,10 @@ fn main() {
         v.sort_by(f64::total_cmp);
     }
     println!(
-        "dsv4 hc_pre: {tokens} tokens x {hc} x {d}, {m} mix rows, one thread (checksum {sink})"
+        "dsv4 hc_pre: {tokens} tokens x {hc} x {d}, {m} mix rows, one thread, {} (checksum {sink})",
+        flush
+            .as_ref()
+            .map_or("warm".to_string(), |f| format!("after {}", f.describe()))
     );
     println!(
         "  mix dots        best {:8.1} us  median {:8.1} us",

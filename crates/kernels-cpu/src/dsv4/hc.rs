@@ -165,12 +165,20 @@ const MIX_CHUNK: usize = 256;
 /// take chunks of [`MIX_CHUNK`] (12 KiB), the MoE step's 24 rows chunks of 84 values.
 const MIX_CHUNK_BYTES: usize = 16 << 10;
 
-/// Weight rows and tokens of one register block of [`mix_chunked`]: eight accumulators, the
-/// two rows' converted values and one token's. On Zen 3 (`examples/dsv4_hc`, one thread) 2 × 4
-/// and 3 × 3 took 208–213 us, 4 × 2 and 3 × 2 ~230, 2 × 3 ~245; 3 × 4 spilled accumulators
-/// (330).
-const CHUNK_ROWS: usize = 2;
-const CHUNK_TOKENS: usize = 4;
+/// Weight rows and tokens of one register block of [`mix_chunked`]: twelve accumulators, two
+/// tokens' values converted once for all six rows (the attention steps' `HC_MIX` tasks hold
+/// six rows, so each token value is converted once per task), the rows' converted values
+/// read as memory operands of the multiply-adds. On Zen 3 (`examples/dsv4_hc`, one thread,
+/// warm) 190–191 us for the FLASH mix; 2 × 4 blocks (each token value converted once per
+/// pair of rows) 212–215, and 3 × 3 took 208–213 us, 4 × 2 and 3 × 2 ~230, 2 × 3 ~245; 3 × 4
+/// spilled accumulators (330).
+const CHUNK_ROWS: usize = 6;
+const CHUNK_TOKENS: usize = 2;
+
+/// Weight rows of one register block of [`mix_few_tokens`] (× [`MIX_TOKENS`] tokens): there
+/// the tokens' values are converted already and each pair of rows' quads is converted once
+/// for four tokens.
+const FEW_ROWS: usize = 2;
 
 /// [`hc_mix_dots`] with each weight value converted to f64 once: `k` in chunks of at most
 /// [`MIX_CHUNK`] values ([`MIX_CHUNK_BYTES`] for all rows), each weight row's chunk converted
@@ -212,7 +220,7 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize, w
             continue;
         }
         let _ = wide;
-        chunk_blocks(&mut acc, (rows, m, q), xs, ws);
+        chunk_blocks::<CHUNK_ROWS, CHUNK_TOKENS, _, _>(&mut acc, (rows, m, q), xs, ws);
         c0 += len;
     }
     write_mix(&acc, (x, w, n), out, ld_out);
@@ -352,7 +360,7 @@ fn mix_few_tokens(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize
         convert_chunks(x, n, c0..c0 + len, &mut xf, ch4);
         let xs = |t: usize| &xf[t * ch4..t * ch4 + q];
         let ws = |j: usize| &w[j * n + c0..j * n + c0 + len].as_chunks::<4>().0[..q];
-        chunk_blocks(&mut acc, (rows, m, q), xs, ws);
+        chunk_blocks::<FEW_ROWS, MIX_TOKENS, _, _>(&mut acc, (rows, m, q), xs, ws);
         c0 += len;
     }
     write_mix(&acc, (x, w, n), out, ld_out);
@@ -381,7 +389,7 @@ fn convert_chunks(
 /// [`CHUNK_TOKENS`] tokens at a time, `xs(t)` and `ws(j)` the chunk's quads of token `t` and
 /// weight row `j`.
 #[inline(always)]
-fn chunk_blocks<'a, X: Quad + 'a, W: Quad + 'a>(
+fn chunk_blocks<'a, const CR: usize, const CT: usize, X: Quad + 'a, W: Quad + 'a>(
     acc: &mut [[f64; 4]],
     (rows, m, q): (usize, usize, usize),
     xs: impl Fn(usize) -> X,
@@ -389,10 +397,10 @@ fn chunk_blocks<'a, X: Quad + 'a, W: Quad + 'a>(
 ) {
     let mut j0 = 0;
     while j0 < m {
-        let jb = (m - j0).min(CHUNK_ROWS);
+        let jb = (m - j0).min(CR);
         let mut t0 = 0;
         while t0 < rows {
-            let tb = (rows - t0).min(CHUNK_TOKENS);
+            let tb = (rows - t0).min(CT);
             macro_rules! blocks {
                 ($(($r:literal, $t:literal)),*) => {
                     match (jb, tb) {
@@ -404,17 +412,25 @@ fn chunk_blocks<'a, X: Quad + 'a, W: Quad + 'a>(
                             std::array::from_fn(|r| ws(j0 + r)),
                             q,
                         ),)*
-                        _ => unreachable!("block {jb} x {tb} past {CHUNK_ROWS} x {CHUNK_TOKENS}"),
+                        _ => unreachable!("block {jb} x {tb} past {CR} x {CT}"),
                     }
                 };
             }
             blocks!(
                 (1, 1),
                 (1, 2),
-                (1, 3),
-                (1, 4),
                 (2, 1),
                 (2, 2),
+                (3, 1),
+                (3, 2),
+                (4, 1),
+                (4, 2),
+                (5, 1),
+                (5, 2),
+                (6, 1),
+                (6, 2),
+                (1, 3),
+                (1, 4),
                 (2, 3),
                 (2, 4)
             );

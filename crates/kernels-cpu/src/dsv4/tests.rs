@@ -414,8 +414,8 @@ fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
-    // Token counts around the four-token blocks, weight-row counts around the two- and
-    // eight-row blocks, lengths with and without a tail, and lengths over several of the
+    // Token counts around the two- and four-token blocks, weight-row counts around the two-,
+    // six- and eight-row blocks, lengths with and without a tail, and lengths over several of the
     // chunked path's 256-value chunks (a partial last chunk, then a tail); a wider output
     // stride.
     for (rows, m, n) in [
