@@ -4,11 +4,14 @@
 //! bits; only the blocking differs.
 //!
 //! Blocks of [`HEADS`] heads × 16 columns keep 12 accumulators in registers; per row `j` the
-//! 16 bf16 values are widened once (`vpmovzxwd`, shift) and each head's weight is one
-//! broadcast load from a per-block copy of `P` widened to fp32 and laid out `[n, HEADS]`
-//! (made once per block of heads, read by every column block). The compiled lane body spent
-//! four scalar instructions per head and row widening and broadcasting `p` in the inner loop,
-//! reloaded pointers spilled to the stack, and checked bounds per head.
+//! 16 bf16 values are widened once, in two operations (a shift for the even columns, a mask
+//! for the odd ones; `block`), and each head's weight is one broadcast load from a per-block
+//! copy of `P` widened to fp32 and laid out `[n, HEADS]` (made once per block of heads, read
+//! by every column block). The compiled lane body spent four scalar instructions per head and
+//! row widening and broadcasting `p` in the inner loop, reloaded pointers spilled to the
+//! stack, and checked bounds per head. Widening each row by a zero-extension and a shift per
+//! 8 values (four operations against two) made the FLASH attention phase 1.07–1.08× slower
+//! (`docs/dsv4.md`).
 
 use std::arch::x86_64::*;
 
@@ -74,6 +77,10 @@ pub(super) unsafe fn pv_add(
 /// Heads `0..HB` of `out` (`[HB, d]` at least) over the columns `0..body` (a multiple of
 /// [`COLS`]), weights `pw[j · HEADS + h]`.
 ///
+/// Each row's 16 values are widened by halves where they lie: the even columns by a shift of
+/// the 32-bit words, the odd ones by a mask; the accumulators hold the even and the odd
+/// columns and are put back in column order once per block, before the add to `out`.
+///
 /// # Safety
 /// AVX2 available; `pw` holds `n · HEADS` values, `rows` `n · d`, `out` `HB · d`,
 /// `body <= d`.
@@ -89,37 +96,33 @@ unsafe fn block<const HB: usize>(
     assert!(pw.len() >= n * HEADS && rows.len() >= n * d && out.len() >= (HB - 1) * d + body);
     let rp = rows.as_ptr().cast::<u16>();
     let wp = pw.as_ptr();
+    let high = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
     let mut c0 = 0;
     while c0 < body {
         let mut acc = [[_mm256_setzero_ps(); 2]; HB];
         for j in 0..n {
             // SAFETY: `j < n` and `c0 + 16 <= body <= d`: 16 values of row `j` (checked above).
-            let (lo, hi) = unsafe {
-                let src = rp.add(j * d + c0);
-                (
-                    _mm_loadu_si128(src.cast()),
-                    _mm_loadu_si128(src.add(8).cast()),
-                )
-            };
-            // bf16 bits to fp32: zero-extend to 32 bits, move into the high half.
-            let r0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(lo)));
-            let r1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(hi)));
+            let v = unsafe { _mm256_loadu_si256(rp.add(j * d + c0).cast()) };
+            let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+            let odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
             for (h, a) in acc.iter_mut().enumerate() {
                 // SAFETY: `j · HEADS + h < n · HEADS` (checked above).
                 let w = unsafe { _mm256_broadcast_ss(&*wp.add(j * HEADS + h)) };
-                // Fused, as the lane body: 12 vector instructions per row instead of 24 (a
-                // product and a sum each), which the pipes were short of.
-                a[0] = _mm256_fmadd_ps(w, r0, a[0]);
-                a[1] = _mm256_fmadd_ps(w, r1, a[1]);
+                a[0] = _mm256_fmadd_ps(w, even, a[0]);
+                a[1] = _mm256_fmadd_ps(w, odd, a[1]);
             }
         }
         for (h, a) in acc.iter().enumerate() {
+            let lo = _mm256_unpacklo_ps(a[0], a[1]);
+            let hi = _mm256_unpackhi_ps(a[0], a[1]);
+            let first = _mm256_permute2f128_ps::<0x20>(lo, hi);
+            let second = _mm256_permute2f128_ps::<0x31>(lo, hi);
             let o = &mut out[h * d + c0..h * d + c0 + COLS];
             // SAFETY: `o` holds 16 values.
             unsafe {
                 let p = o.as_mut_ptr();
-                _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a[0]));
-                _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), a[1]));
+                _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), first));
+                _mm256_storeu_ps(p.add(8), _mm256_add_ps(_mm256_loadu_ps(p.add(8)), second));
             }
         }
         c0 += COLS;
