@@ -3,11 +3,16 @@
 //! and process-wide path.
 //!
 //! **The input projections** (`Wq_a`, `Wkv`, the compressors' and the indexer's matrices, all
-//! `[rows, hidden]`, every one run by the GEMM kernel on a whole bound matrix) are tiled
-//! (`WeightLayout::Tiled`) where the AMX path runs (`simpler_kernels_cpu::tiled_weights_pay`)
-//! and the shape is whole 16-row groups and 32-column steps; row-major elsewhere. At 8 token
-//! rows in 12 blocks a tiled matrix with its activations converted once per task streamed
-//! 30–33 GB/s against 23–26 row-major (`docs/benchmarks.md`, session 26).
+//! `[rows, hidden]`, every one run by the GEMM kernel on a whole bound matrix), where the shape
+//! is whole 16-row groups and 32-column steps, are paired (`WeightLayout::Pairs`) where the
+//! AVX2 path streams paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), as
+//! `Wo_a` and Qwen3's matrices are, and tiled (`WeightLayout::Tiled`) where the AMX path runs
+//! (`simpler_kernels_cpu::tiled_weights_pay`); row-major elsewhere. At 8 token rows in 12
+//! blocks a tiled matrix with its activations converted once per task streamed 30–33 GB/s
+//! against 23–26 row-major (`docs/benchmarks.md`, session 26); on Zen 3 a paired `[1024,
+//! 4096]` at 8 rows took 0.89–0.92× the time of the row-major one (`examples/dsv4_wo_a_bw`),
+//! and the FLASH steps' projections phase went from 649–1254 to 612–1011 µs at the best of
+//! 20 steps (session 38).
 //!
 //! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`) or the tiled
 //! one of the AMX path:
@@ -38,7 +43,12 @@ fn whole(rows: usize, cols: usize) -> bool {
 
 /// The layout this process's GEMM kernel reads an input projection `[rows, cols]` in.
 pub fn projection_kernel_layout(rows: usize, cols: usize) -> WeightLayout {
-    if tiled_weights_pay(Isa::detected()) && whole(rows, cols) {
+    let isa = Isa::detected();
+    if !whole(rows, cols) {
+        WeightLayout::RowMajor
+    } else if paired_weights_pay(isa) {
+        WeightLayout::Pairs
+    } else if tiled_weights_pay(isa) {
         WeightLayout::Tiled
     } else {
         WeightLayout::RowMajor
@@ -88,8 +98,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_whole_projections_on_the_amx_path_are_tiled() {
-        let want = if tiled_weights_pay(Isa::detected()) {
+    fn only_whole_projections_pair_or_tile() {
+        let want = if paired_weights_pay(Isa::detected()) {
+            WeightLayout::Pairs
+        } else if tiled_weights_pay(Isa::detected()) {
             WeightLayout::Tiled
         } else {
             WeightLayout::RowMajor
