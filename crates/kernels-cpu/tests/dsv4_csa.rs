@@ -142,8 +142,9 @@ fn the_first_window_pools_only_its_own_rows() {
 #[test]
 fn hadamard_matches_the_explicit_matrix_on_every_path() {
     let mut rng = Rng(3);
-    // Below, at and above one 16-lane register (the AVX-512 path's in-register stages).
-    for n in [1usize, 2, 8, 16, 32, 128, 512] {
+    // Below, at and above one 8-lane and one 16-lane register (the AVX2 and AVX-512 paths'
+    // in-register stages).
+    for n in [1usize, 2, 4, 8, 16, 32, 128, 512] {
         let x = rng.vec_f32(n, 1.0);
         let want: Vec<f64> = (0..n)
             .map(|i| {
