@@ -480,21 +480,32 @@ pub fn expert_forward(e: &ExpertI8<'_>, x: ActsI8<'_>, weights: &[f32], limit: f
     expert_down(e.w2, hq, 0..d, y, d, None);
 }
 
-/// The reduce of one token's column slice: `y = bf16(Σ_s shared[s] + Σ_k routed[k])`, summed
-/// from zero in exactly that order (shared experts, then the routes in route order); the bf16
-/// values are stored as f32 (what `hc_post` reads).
-pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [f32]) {
-    for (j, o) in y.iter_mut().enumerate() {
-        let mut acc = 0.0f32;
-        for s in shared {
-            acc += s[j];
+multiversion!(
+    avx512;
+    /// The reduce of one token's column slice: `y = bf16(Σ_s shared[s] + Σ_k routed[k])`,
+    /// summed from zero in exactly that order (shared experts, then the routes in route
+    /// order); the bf16 values are stored as f32 (what `hc_post` reads). Each term is added to
+    /// the whole slice in turn (`y` holds the partial sums), so the adds run as vectors with
+    /// every element's sum in the same order; summing each element over the terms in an inner
+    /// loop ran scalar (the MoE step's two reduce blocks took ~175 µs each on Zen 3).
+    ///
+    /// # Panics
+    /// If a term is not `y.len()` long.
+    pub fn moe_reduce(shared: &[&[f32]], routed: &[&[f32]], y: &mut [f32]) {
+        for t in shared.iter().chain(routed) {
+            assert_eq!(t.len(), y.len(), "moe_reduce: a term of {} values for {}", t.len(), y.len());
         }
-        for r in routed {
-            acc += r[j];
+        y.fill(0.0);
+        for t in shared.iter().chain(routed) {
+            for (o, &v) in y.iter_mut().zip(t.iter()) {
+                *o += v;
+            }
         }
-        *o = bf16::from_f32(acc).to_f32();
+        for o in y.iter_mut() {
+            *o = crate::convert::round_bf16_f32(*o);
+        }
     }
-}
+);
 
 #[cfg(test)]
 mod tests {
@@ -777,5 +788,45 @@ mod tests {
         moe_reduce(&[&s], &[&r0, &r1], &mut y);
         assert_eq!(y[0], bf16::from_f32((1.0 + 1e-3) - 1.0).to_f32());
         assert_eq!(y[1], 2.75);
+    }
+
+    /// Every path gives each element's sum in the promised order, then its bf16 rounding, at
+    /// lengths around the vector widths; a term of the wrong length is refused.
+    #[test]
+    fn reduce_is_the_ordered_sum_on_every_path() {
+        for d in [1usize, 7, 8, 9, 31, 64, 4096] {
+            let terms: Vec<Vec<f32>> = (0..7)
+                .map(|i| {
+                    crate::dsv4::tests::values(d, 40 + i as u64)
+                        .iter()
+                        .map(|v| v * 3.0)
+                        .collect()
+                })
+                .collect();
+            let (shared, routed) = terms.split_at(1);
+            let shared: Vec<&[f32]> = shared.iter().map(Vec::as_slice).collect();
+            let routed: Vec<&[f32]> = routed.iter().map(Vec::as_slice).collect();
+            let want: Vec<f32> = (0..d)
+                .map(|j| {
+                    let mut acc = 0.0f32;
+                    for t in shared.iter().chain(&routed) {
+                        acc += t[j];
+                    }
+                    bf16::from_f32(acc).to_f32()
+                })
+                .collect();
+            for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512Bf16] {
+                if !isa.is_supported() {
+                    continue;
+                }
+                let mut y = vec![f32::NAN; d];
+                with_isa(isa, || moe_reduce(&shared, &routed, &mut y));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&want), "d {d} on {isa:?}");
+            }
+        }
+        let short = [0.0f32; 3];
+        let r = std::panic::catch_unwind(|| moe_reduce(&[&short], &[], &mut [0.0f32; 4]));
+        assert!(r.is_err());
     }
 }
