@@ -9,8 +9,6 @@
 
 use std::ops::Range;
 
-use half::bf16;
-
 use crate::gemm::{GemmTile, OutMode};
 use crate::gemm_i8::{ActsI8, NextRows, WeightsI8, gemm_i8_w8a8_then, quantize_row_i8_ties_away};
 use crate::multiversion::multiversion;
@@ -511,6 +509,7 @@ multiversion!(
 mod tests {
     use super::*;
     use crate::{I8Path, Isa, with_i8_path, with_isa};
+    use half::bf16;
 
     /// The gate logits of every row, on every path, are the bits of one dot product at a time
     /// in the promised order (eight lanes in order, summed in order, then the tail), times the
