@@ -11,8 +11,7 @@
 //! blocks a tiled matrix with its activations converted once per task streamed 30–33 GB/s
 //! against 23–26 row-major (`docs/benchmarks.md`, session 26); on Zen 3 a paired `[1024,
 //! 4096]` at 8 rows took 0.89–0.92× the time of the row-major one (`examples/dsv4_wo_a_bw`),
-//! and the FLASH steps' projections phase went from 649–1254 to 612–1011 µs at the best of
-//! 20 steps (session 38).
+//! and the FLASH CSA step's projection blocks 43–51 µs against 51–58 (`docs/dsv4.md`).
 //!
 //! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`) or the tiled
 //! one of the AMX path:
