@@ -385,9 +385,9 @@ fn convert_chunks(
     }
 }
 
-/// Every register block of one chunk of `q` quads: [`CHUNK_ROWS`] weight rows × up to
-/// [`CHUNK_TOKENS`] tokens at a time, `xs(t)` and `ws(j)` the chunk's quads of token `t` and
-/// weight row `j`.
+/// Every register block of one chunk of `q` quads: up to `CR` weight rows × `CT` tokens at a
+/// time (the caller's shape: [`CHUNK_ROWS`] × [`CHUNK_TOKENS`] or [`FEW_ROWS`] ×
+/// [`MIX_TOKENS`]), `xs(t)` and `ws(j)` the chunk's quads of token `t` and weight row `j`.
 #[inline(always)]
 fn chunk_blocks<'a, const CR: usize, const CT: usize, X: Quad + 'a, W: Quad + 'a>(
     acc: &mut [[f64; 4]],
