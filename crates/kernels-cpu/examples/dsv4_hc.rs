@@ -4,8 +4,9 @@
 //! and attention norm), best and median round of wall time.
 //!
 //! `cargo run --release -p simpler-kernels-cpu --example dsv4_hc -- [ROUNDS [cold]]` (default 50;
-//! `cold`: each round starts after a read of twice the last-level cache, as a benchmarked step
-//! does, so the weights and the residual come from memory).
+//! `cold`: each round starts after the benchmarks' cache flush, a read of at least twice the
+//! last-level cache, as a benchmarked step does, so the weights and the residual come from
+//! memory).
 
 use std::time::Instant;
 

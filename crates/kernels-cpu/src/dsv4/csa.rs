@@ -168,8 +168,9 @@ pub fn overlap_pool_row(
 
 /// The orthonormal Walsh–Hadamard transform in place (Sylvester order, scaled by
 /// `1/sqrt(n)`), `n = v.len()` a power of two. On the AVX-512 paths, lengths of 16 and more
-/// run the first four stages inside each 16-lane register (`hadamard_avx512`); the compiled
-/// loop below left those short butterflies scalar. Every path computes the same sums and
+/// run the first four stages inside each 16-lane register (`hadamard_avx512`); on AVX2,
+/// lengths of 8 and more the first three inside each 8-lane register (`hadamard_avx2`); the
+/// compiled loop left those short butterflies scalar. Every path computes the same sums and
 /// differences, so they agree bit for bit.
 ///
 /// # Panics

@@ -79,9 +79,9 @@ multiversion! {
     /// the mixed stream is rounded to bf16 right after, and an fp32 sum over `hc · d` values
     /// errs enough to flip some of those roundings. A product of two f32 is exact in f64, so
     /// a fused multiply-add gives the bits of a multiply then an add. Tokens and weight rows
-    /// are taken in register blocks: a weight row is read once per four tokens. Where the CPU
-    /// has AVX-512 the 2 × 4 block runs in 512-bit registers (two tokens' lanes per register),
-    /// with the same sums.
+    /// are taken in register blocks (2 rows × 4 tokens, 6 × 2 in the chunked form of more
+    /// than four tokens). Where the CPU has AVX-512 the blocks run in 512-bit registers (two
+    /// tokens' lanes per register), with the same sums.
     ///
     /// # Panics
     /// If `n` is 0, `w.len()` or `x.len()` is not a multiple of `n`, `ld_out` is less than

@@ -430,6 +430,11 @@ fn hc_mix_dots_add_in_the_promised_order_at_every_block_shape() {
         (1, 24, 3),
         (4, 3, 4),
         (3, 9, 17),
+        // Partial blocks of the chunked path's six rows, and one-token blocks of the
+        // few-token path.
+        (8, 5, 1030),
+        (6, 10, 257),
+        (1, 5, 64),
     ] {
         let x = values(rows * n, 10 + rows as u64);
         let w = values(m * n, 20 + m as u64);

@@ -17,8 +17,8 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-/// Heads per block: 6 × 2 accumulators, the two widened row vectors and the broadcast weight
-/// fill 15 of the 16 registers.
+/// Heads per block: 6 × 2 accumulators, the two widened row vectors, the broadcast weight and
+/// the odd half's mask (or the zero register the compiler blends with) fill the 16 registers.
 const HEADS: usize = 6;
 /// Columns per block (two 8-lane vectors).
 const COLS: usize = 16;
