@@ -825,14 +825,17 @@ fn submit_route(
             .no_dep(&g.bias)
             .no_dep(&g.hash);
     }
+    // The scales as `[T, 1]`: SPMD over token rows splits every output by its rows.
+    let xs_rows = o.fatal_on(out.xs.reshape(&[p.tokens as u64, 1]))?;
     let task = task
         .output_existing(out.xq)
-        .output_existing(out.xs)
+        .output_existing(&xs_rows)
         .output_existing(out.experts)
         .output_existing(out.weights)
         .scalar_f32(p.eps)
         .scalar_f32(p.route_scale)
-        .scalar(u64::from(p.hash));
+        .scalar(u64::from(p.hash))
+        .blocks(p.row_blocks);
     o.submit(task.timing_slot(1))?;
     Ok(())
 }

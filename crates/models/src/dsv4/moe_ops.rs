@@ -4,7 +4,7 @@
 //!
 //! | kernel | tensor arguments (index order) | scalars |
 //! |---|---|---|
-//! | [`MOE_ROUTE`] | x_mixed In f32 `[T,D]`, token ids In u32 `[T]`, ffn_norm NoDep f32 `[D]`, gate NoDep f32 `[E,D]`, bias NoDep f32 `[E]`, hash table NoDep u32 `[V,K]`; xq Out i8 `[T,D]`, xs Out f32 `[T]`, experts Out u32 `[T,K]`, weights Out f32 `[T,K]` | eps, route_scale, hash |
+//! | [`MOE_ROUTE`] | x_mixed In f32 `[T,D]`, token ids In u32 `[T]`, ffn_norm NoDep f32 `[D]`, gate NoDep f32 `[E,D]`, bias NoDep f32 `[E]`, hash table NoDep u32 `[V,K]`; xq Out i8 `[T,D]`, xs Out f32 `[T,1]`, experts Out u32 `[T,K]`, weights Out f32 `[T,K]` (SPMD over token rows) | eps, route_scale, hash |
 //! | [`MOE_DISPATCH`] | experts In, weights In, xq In, xs In; counts Out u32 `[L]`, offsets Out u32 `[L+1]`, rows Out i8 `[C,D]`, scales Out f32 `[C]`, row weights Out f32 `[C]`, route ids Out u32 `[C]` | first_expert, n_experts |
 //! | [`MOE_GATE_UP`] (SPMD over the active groups' `I` columns end to end) | q In i8 `[R,D]`, s In f32 `[R]`, W1 NoDep i8 `[G,I,D]`, S1 NoDep f32 `[G,I]`, W3, S3; h Out f32 `[R,I]`; (offsets In u32 `[G+1]`) | limit |
 //! | [`MOE_QUANT_H`] (SPMD over rows) | h In f32 `[R,I]`; hq Out i8 `[R,I]`, hs Out f32 `[R,1]`; (row weights In f32 `[R]`, offsets In u32 `[G+1]`) | |
@@ -282,26 +282,56 @@ fn route(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let vocab = table.len() / top_k;
-    let xq = ctx.write::<i8>(a::XQ)?;
-    expect_len(NAME, "xq", xq.len(), t * d)?;
-    let xs = ctx.write::<f32>(a::XS)?;
-    expect_len(NAME, "xs", xs.len(), t)?;
-    let experts = ctx.write::<u32>(a::EXPERTS)?;
-    expect_len(NAME, "experts", experts.len(), t * top_k)?;
-    let weights = ctx.write::<f32>(a::WEIGHTS)?;
-    expect_len(NAME, "weights", weights.len(), t * top_k)?;
-    for r in 0..t {
-        xs[r] = k::moe_quant_input(
+    // SPMD over token rows: each block routes its share of the tokens (every output split by
+    // the same rows: `[T, D]`, `[T, 1]`, `[T, K]`, `[T, K]`).
+    let mut xq = ctx.write_block_rows::<i8>(a::XQ)?;
+    let mut xs = ctx.write_block_rows::<f32>(a::XS)?;
+    let mut experts = ctx.write_block_rows::<u32>(a::EXPERTS)?;
+    let mut weights = ctx.write_block_rows::<f32>(a::WEIGHTS)?;
+    let (r0, nr) = (xq.first_row(), xq.len());
+    let same = |first: usize, len: usize| first == r0 && len == nr;
+    if xq.row_len() != d
+        || xs.row_len() != 1
+        || experts.row_len() != top_k
+        || weights.row_len() != top_k
+        || !same(xs.first_row(), xs.len())
+        || !same(experts.first_row(), experts.len())
+        || !same(weights.first_row(), weights.len())
+        || r0 + nr > t
+    {
+        return Err(bad(
+            NAME,
+            format!(
+                "outputs xq, xs, experts, weights of rows {} / {} / {} / {} (from rows {} / {} / \
+                 {} / {}) for {t} tokens of {d} and top-{top_k} (expected [T, {d}], [T, 1], \
+                 [T, {top_k}], [T, {top_k}])",
+                xq.row_len(),
+                xs.row_len(),
+                experts.row_len(),
+                weights.row_len(),
+                r0,
+                xs.first_row(),
+                experts.first_row(),
+                weights.first_row()
+            ),
+        ));
+    }
+    let mut q = vec![0i8; nr * d];
+    let mut s = vec![0.0f32; nr];
+    for (i, r) in (r0..r0 + nr).enumerate() {
+        s[i] = k::moe_quant_input(
             &x[r * d..(r + 1) * d],
             norm,
             eps,
-            &mut xq[r * d..(r + 1) * d],
+            &mut q[i * d..(i + 1) * d],
         );
+        xq.row(i).copy_from_slice(&q[i * d..(i + 1) * d]);
+        xs.row(i)[0] = s[i];
     }
-    let mut logits = vec![0.0f32; t * n_experts];
-    k::moe_gate_logits(xq, xs, gate, d, &mut logits).map_err(|e| moe_err(NAME, e))?;
+    let mut logits = vec![0.0f32; nr * n_experts];
+    k::moe_gate_logits(&q, &s, gate, d, &mut logits).map_err(|e| moe_err(NAME, e))?;
     let mut scores = vec![0.0f32; n_experts];
-    for r in 0..t {
+    for (i, r) in (r0..r0 + nr).enumerate() {
         let hash_row = if hash {
             let id = tokens[r] as usize;
             if id >= vocab {
@@ -315,13 +345,13 @@ fn route(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             None
         };
         k::moe_route(
-            &logits[r * n_experts..(r + 1) * n_experts],
+            &logits[i * n_experts..(i + 1) * n_experts],
             bias,
             hash_row,
             route_scale,
             &mut scores,
-            &mut experts[r * top_k..(r + 1) * top_k],
-            &mut weights[r * top_k..(r + 1) * top_k],
+            experts.row(i),
+            weights.row(i),
         )
         .map_err(|e| moe_err(NAME, e))?;
     }
