@@ -15,6 +15,8 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::membw::read_bandwidth;
 use simpler_kernels_cpu::{
@@ -48,12 +50,13 @@ fn main() {
             .wrapping_add(1442695040888963407);
         ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     };
-    let wq: Vec<Vec<i8>> = (0..mats)
+    // Huge pages, as the runtime holds weights (`common::huge_i8`).
+    let wq: Vec<&[i8]> = (0..mats)
         .map(|_| {
             let rm: Vec<i8> = (0..n * k).map(|_| (rnd() * 250.0) as i8).collect();
-            let mut w = vec![0i8; n * k];
-            pack_weights_i8_as(layout, &rm, n, k, k, &mut w);
-            w
+            let w = common::huge_i8(n * k);
+            pack_weights_i8_as(layout, &rm, n, k, k, w);
+            &*w
         })
         .collect();
     let sw = vec![0.01f32; n];
