@@ -149,10 +149,21 @@ fn bad_inputs_are_refused() {
     let weights = generate_moe_weights(&cfg, 1);
     let moe = MoeLayer::new(&w, &cfg, &weights, 0, ExpertPlacement::single(8), 0).unwrap();
     let x = vec![0.5f32; 8 * cfg.hc_mult * cfg.hidden];
-    let e = moe
-        .step(&w, &x, &[cfg.vocab_size as u32; 8], &CallConfig::default())
-        .unwrap_err();
+    // Only the last token's id is past the table: the route's block holding it fails while
+    // the other block routes its tokens.
+    let mut ids = [3u32; 8];
+    ids[7] = cfg.vocab_size as u32;
+    let e = moe.step(&w, &x, &ids, &CallConfig::default()).unwrap_err();
     assert!(e.to_string().contains("token id"), "{e}");
+    // The failed step leaves nothing behind: the next step equals a fresh layer's, bit for bit.
+    let after = moe.step(&w, &x, &[3; 8], &CallConfig::default()).unwrap();
+    let fresh = MoeLayer::new(&w, &cfg, &weights, 0, ExpertPlacement::single(8), 0)
+        .unwrap()
+        .step(&w, &x, &[3; 8], &CallConfig::default())
+        .unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&after.x_out), bits(&fresh.x_out));
+    assert_eq!(after.experts, fresh.experts);
     let e = moe
         .step(&w, &x[1..], &[0; 8], &CallConfig::default())
         .unwrap_err();
