@@ -231,18 +231,22 @@ fn w8a8_long_slices_across_chunks_equal_the_reference_bit_for_bit() {
     }
 }
 
-/// Whole tiles at the decode batch of 8 with `k` a whole number of 32-byte steps (the AVX2
-/// path's vector finish of whole sets, no scalar tail), stored and added over far-apart row
-/// streams of 8 to 25 blocks and rows left over (the random tiles of the other tests rarely
-/// add over a whole set).
+/// Whole tiles with `k` a whole number of 32-byte steps (the AVX2 path's vector finish, no
+/// scalar tail) at the decode batch of 8 (whole sets) and at 5, 7 and 13 rows (partial sets,
+/// alone and after a whole one), stored and added over far-apart row streams of 8 to 25
+/// blocks and rows left over (the random tiles of the other tests rarely add over a whole
+/// set).
 #[test]
-fn w8a8_whole_sets_of_8_stored_and_added_equal_the_reference_bit_for_bit() {
-    let paths = paths("w8a8 whole sets of 8");
+fn w8a8_whole_and_partial_sets_stored_and_added_equal_the_reference_bit_for_bit() {
+    let paths = paths("w8a8 whole and partial sets");
     let mut seed = 9500;
-    for n in [32, 33, 64, 70, 100] {
+    for (n, batch) in [32, 33, 64, 70, 100]
+        .into_iter()
+        .flat_map(|n| [5, 7, 8, 13].map(|b| (n, b)))
+    {
         for k in [32, 1024, 2048] {
             seed += 1;
-            let c = case(n, k, 8, false, seed);
+            let c = case(n, k, batch, false, seed);
             let mut rng = Rng(seed);
             for mode in [OutMode::Store, OutMode::Add] {
                 let tile = GemmTile {

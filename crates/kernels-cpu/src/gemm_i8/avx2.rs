@@ -504,7 +504,9 @@ unsafe fn chunk_madd16<const BB: usize>(
 }
 
 /// Finishes a set's sums (`acc[r][b]`: weight row `n0 + rs * r`, batch row `g0 + b`, `b <
-/// gb`) into `out`, adding each slice's scalar `tail`.
+/// gb`; the rest zero) into `out`, adding each slice's scalar `tail`. Without a tail, eight
+/// batch rows at a time whether the set is whole or not: at 6 rows (a FLASH expert from
+/// memory, one thread) 0.98–0.99× the time of finishing a partial set row by row.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 fn finish_set<const RR: usize>(
@@ -518,8 +520,15 @@ fn finish_set<const RR: usize>(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    if gb == G && tail.is_empty() {
-        let sa: [f32; G] = std::array::from_fn(|b| lw.sa[(g0 + b) * lw.groups + lw.group]);
+    if tail.is_empty() {
+        // A partial set's missing rows (`b >= gb`) sum to zero in `acc` and are not stored.
+        let sa: [f32; G] = std::array::from_fn(|b| {
+            if b < gb {
+                lw.sa[(g0 + b) * lw.groups + lw.group]
+            } else {
+                0.0
+            }
+        });
         // SAFETY: eight f32 in `sa`.
         let sa = unsafe { _mm256_loadu_ps(sa.as_ptr()) };
         for (r, acc) in acc.iter().enumerate() {
@@ -529,7 +538,7 @@ fn finish_set<const RR: usize>(
             let mut vs = [0.0f32; G];
             // SAFETY: room for eight f32 in `vs`.
             unsafe { _mm256_storeu_ps(vs.as_mut_ptr(), v) };
-            for (b, &v) in vs.iter().enumerate() {
+            for (b, &v) in vs.iter().enumerate().take(gb) {
                 let o = &mut out[(g0 + b) * ld_out + (n0 + r * rs - lw.n.start)];
                 match lw.mode {
                     OutMode::Store => *o = v,
