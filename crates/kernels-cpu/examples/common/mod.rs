@@ -6,9 +6,9 @@ use half::bf16;
 /// `len` bf16 in a 2 MiB-aligned anonymous mapping advised to use huge pages, as the runtime
 /// holds weights and KV pools (leaked: an example runs once).
 pub(crate) fn huge_pool(len: usize) -> &'static mut [bf16] {
-    let bytes = huge_bytes(len * 2);
-    // SAFETY: the mapping's start is 2 MiB-aligned (so 2-byte aligned), it holds `2 * len`
-    // bytes, zeroed (valid bf16), and lives for the program.
+    let bytes = huge_bytes(len.checked_mul(2).expect("pool size overflows usize"));
+    // SAFETY: the slice starts on a 2 MiB boundary (so 2-byte aligned), holds `2 * len` bytes,
+    // zeroed (valid bf16), and lives for the program.
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<bf16>(), len) }
 }
 

@@ -549,12 +549,7 @@ fn finish_set<const RR: usize>(
     } else {
         for (r, acc) in acc.iter().enumerate() {
             for (b, &v) in acc.iter().enumerate().take(gb) {
-                // Most slices have no tail: skip the call per output element.
-                let t = if tail.is_empty() {
-                    0
-                } else {
-                    lw.dot(n0 + r * rs, g0 + b, tail.clone())
-                };
+                let t = lw.dot(n0 + r * rs, g0 + b, tail.clone());
                 lw.finish(
                     out,
                     ld_out,

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! hc_pre (no norm)      x_hc [T,hc·D] -> x_mixed [T,D], hc weights [T,M] (pre, post, comb)
-//! route                 x_mixed -> xq, xs [T]; experts, weights [T,K]
+//! route (SPMD rows)     x_mixed -> xq, xs [T] (bound [T,1]); experts, weights [T,K]
 //! dispatch              -> counts [L], offsets [L+1], rows i8 [C,D], scales, weights, route ids [C]
 //! shared gate_up/quant/down   xq -> shared [S,T,D]              (every token, weight 1)
 //! routed gate_up (SPMD) rows -> h [C,I]; quant_h -> hq, hs (weight folded); down (SPMD) -> y [C,D]

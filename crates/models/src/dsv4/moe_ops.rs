@@ -282,40 +282,27 @@ fn route(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let vocab = table.len() / top_k;
-    // SPMD over token rows: each block routes its share of the tokens (every output split by
-    // the same rows: `[T, D]`, `[T, 1]`, `[T, K]`, `[T, K]`).
+    // SPMD over token rows: each block routes its share of the tokens. Every output has the
+    // `T` rows of `x_mixed`, so every output's share is the same rows.
+    for (i, name, cols) in [
+        (a::XQ, "xq", d),
+        (a::XS, "xs", 1),
+        (a::EXPERTS, "experts", top_k),
+        (a::WEIGHTS, "weights", top_k),
+    ] {
+        let (rows, c) = dims2(ctx, i)?;
+        if (rows, c) != (t, cols) {
+            return Err(bad(
+                NAME,
+                format!("{name} of shape [{rows}, {c}], expected [{t}, {cols}] (a row per token)"),
+            ));
+        }
+    }
     let mut xq = ctx.write_block_rows::<i8>(a::XQ)?;
     let mut xs = ctx.write_block_rows::<f32>(a::XS)?;
     let mut experts = ctx.write_block_rows::<u32>(a::EXPERTS)?;
     let mut weights = ctx.write_block_rows::<f32>(a::WEIGHTS)?;
     let (r0, nr) = (xq.first_row(), xq.len());
-    let same = |first: usize, len: usize| first == r0 && len == nr;
-    if xq.row_len() != d
-        || xs.row_len() != 1
-        || experts.row_len() != top_k
-        || weights.row_len() != top_k
-        || !same(xs.first_row(), xs.len())
-        || !same(experts.first_row(), experts.len())
-        || !same(weights.first_row(), weights.len())
-        || r0 + nr > t
-    {
-        return Err(bad(
-            NAME,
-            format!(
-                "outputs xq, xs, experts, weights of rows {} / {} / {} / {} (from rows {} / {} / \
-                 {} / {}) for {t} tokens of {d} and top-{top_k} (expected [T, {d}], [T, 1], \
-                 [T, {top_k}], [T, {top_k}])",
-                xq.row_len(),
-                xs.row_len(),
-                experts.row_len(),
-                weights.row_len(),
-                r0,
-                xs.first_row(),
-                experts.first_row(),
-                weights.first_row()
-            ),
-        ));
-    }
     let mut q = vec![0i8; nr * d];
     let mut s = vec![0.0f32; nr];
     for (i, r) in (r0..r0 + nr).enumerate() {
