@@ -8,6 +8,8 @@
 
 use std::time::Instant;
 
+mod common;
+
 use half::bf16;
 use simpler_kernels_cpu::{
     ActsI8, GemmTile, I8Path, OutMode, PackedActs, WeightsBf16, WeightsI8, gemm_bf16, gemm_i8_w8a8,
@@ -46,11 +48,20 @@ fn run() {
             .wrapping_add(1442695040888963407);
         ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     };
-    let wb: Vec<Vec<bf16>> = (0..mats)
-        .map(|_| (0..n * k).map(|_| bf16::from_f32(rnd())).collect())
+    // Huge pages, as the runtime holds weights (`common::huge_pool`).
+    let wb: Vec<&[bf16]> = (0..mats)
+        .map(|_| {
+            let w = common::huge_pool(n * k);
+            w.iter_mut().for_each(|v| *v = bf16::from_f32(rnd()));
+            &*w
+        })
         .collect();
-    let wq: Vec<Vec<i8>> = (0..mats)
-        .map(|_| (0..n * k).map(|_| (rnd() * 250.0) as i8).collect())
+    let wq: Vec<&[i8]> = (0..mats)
+        .map(|_| {
+            let w = common::huge_i8(n * k);
+            w.iter_mut().for_each(|v| *v = (rnd() * 250.0) as i8);
+            &*w
+        })
         .collect();
     let sw = vec![0.01f32; n];
     let tile = GemmTile {
@@ -76,7 +87,7 @@ fn run() {
                 for m in 0..mats {
                     match v {
                         0 => gemm_bf16(
-                            WeightsBf16::new(&wb[m], n, k),
+                            WeightsBf16::new(wb[m], n, k),
                             PackedActs::new(&packed, batch, k),
                             &tile,
                             &mut out,
@@ -87,7 +98,7 @@ fn run() {
                             let (mut q, mut s) = (vec![0i8; batch * k], vec![0.0f32; batch]);
                             quantize_acts_i8(&x, batch, k, k, None, &mut q, k, &mut s);
                             gemm_i8_w8a8(
-                                WeightsI8::new(&wq[m], &sw, n, k, k),
+                                WeightsI8::new(wq[m], &sw, n, k, k),
                                 ActsI8::new(&q, &s, batch, k, k),
                                 &tile,
                                 &mut out,
@@ -95,7 +106,7 @@ fn run() {
                             )
                         }
                         _ => gemm_i8_wide(
-                            WeightsI8::new(&wq[m], &sw, n, k, k),
+                            WeightsI8::new(wq[m], &sw, n, k, k),
                             &x,
                             batch,
                             k,
