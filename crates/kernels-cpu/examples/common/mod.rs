@@ -21,6 +21,14 @@ pub(crate) fn huge_i8(len: usize) -> &'static mut [i8] {
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<i8>(), len) }
 }
 
+/// `len` f32 in a huge-page mapping, as [`huge_pool`].
+pub(crate) fn huge_f32(len: usize) -> &'static mut [f32] {
+    let bytes = huge_bytes(len.checked_mul(4).expect("pool size overflows usize"));
+    // SAFETY: the slice starts on a 2 MiB boundary (so 4-byte aligned), holds `4 * len` bytes,
+    // zeroed (valid f32), and lives for the program.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<f32>(), len) }
+}
+
 /// `bytes` zeroed bytes starting on a 2 MiB boundary of an anonymous mapping advised to use
 /// huge pages (leaked: an example runs once).
 fn huge_bytes(bytes: usize) -> &'static mut [u8] {
