@@ -6,7 +6,7 @@
 
 mod common;
 
-use simpler_core::{CallConfig, Worker};
+use simpler_core::{CallConfig, DType, RunArgs, Task, Worker};
 use simpler_kernels_cpu::dsv4::moe::{ExpertI8, expert_forward};
 use simpler_kernels_cpu::{ActsI8, WeightsI8};
 use simpler_models::dsv4::check::{CacheTol, RelDiff};
@@ -182,6 +182,65 @@ fn bad_inputs_are_refused() {
         moe.step(&w, &x, &[0; 8], &CallConfig::default()),
         Err(MoeRunError::Invalid(_))
     ));
+}
+
+/// The route task bound to outputs that are not a row per token (`xq` with half the tokens'
+/// rows, as a miswired graph would give it) is refused naming the output and both shapes,
+/// not run over the rows it has; the worker's next MoE step equals one from before the
+/// failure bit for bit.
+#[test]
+fn a_route_bound_to_too_few_rows_is_refused_and_the_next_step_is_unaffected() {
+    let w = worker();
+    let cfg = Dsv4Config::tiny();
+    let weights = generate_moe_weights(&cfg, 5);
+    let moe = MoeLayer::new(&w, &cfg, &weights, 3, ExpertPlacement::single(8), 0).unwrap();
+    let x = vec![0.25f32; 8 * cfg.hc_mult * cfg.hidden];
+    let before = moe.step(&w, &x, &[1; 8], &CallConfig::default()).unwrap();
+    let (t, d, e, k, v) = (8u64, 64u64, 8u64, 2u64, 16u64);
+    let args = RunArgs {
+        buffers: vec![],
+        scalars: vec![],
+    };
+    let err = w
+        .run_fn("route_rows", args, &CallConfig::default(), move |o, _| {
+            let x = o.alloc(DType::F32, &[t, d])?;
+            let tokens = o.alloc(DType::U32, &[t])?;
+            let norm = o.alloc(DType::F32, &[d])?;
+            let gate = o.alloc(DType::F32, &[e, d])?;
+            let bias = o.alloc(DType::F32, &[e])?;
+            let hash = o.alloc(DType::U32, &[v, k])?;
+            let xq = o.alloc(DType::I8, &[t / 2, d])?;
+            let xs = o.alloc(DType::F32, &[t, 1])?;
+            let experts = o.alloc(DType::U32, &[t, k])?;
+            let wts = o.alloc(DType::F32, &[t, k])?;
+            let task = Task::new(moe_ops::MOE_ROUTE)
+                .input(&x)
+                .input(&tokens)
+                .input(&norm)
+                .input(&gate)
+                .input(&bias)
+                .input(&hash)
+                .output_existing(&xq)
+                .output_existing(&xs)
+                .output_existing(&experts)
+                .output_existing(&wts)
+                .scalar_f32(1e-6)
+                .scalar_f32(1.0)
+                .scalar(0)
+                .blocks(2);
+            o.submit(task)?;
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("xq of shape [4, 64], expected [8, 64]"),
+        "{err}"
+    );
+    let after = moe.step(&w, &x, &[1; 8], &CallConfig::default()).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&after.x_out), bits(&before.x_out));
+    assert_eq!(after.experts, before.experts);
 }
 
 /// FLASH widths (hidden 4096, experts 2048 wide, top-6) with the 16 routed experts of one
