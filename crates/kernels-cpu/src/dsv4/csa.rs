@@ -195,15 +195,15 @@ pub fn hadamard_f32(v: &mut [f32]) {
         unsafe { hadamard_avx2(v) };
         return;
     }
-    hadamard_lanes(v);
+    hadamard_lanes(v, 1);
 }
 
 /// [`hadamard_f32`] of a power-of-two length of at least 8 on AVX2: stages 1, 2 and 4 inside
 /// each register (lane `l` with bit `h` clear takes `v[l] + v[l + h]`, with it set `v[l − h] −
-/// v[l]`: the sum and the difference against the partner from a permute, blended), the wider
-/// stages between registers, then the scale: the operations of [`hadamard_lanes`] in the same
-/// order, so the same bits. The compiled butterflies ran the narrow stages one lane at a time
-/// (the CSA index queries' Hadamard took ~40% of their per-token work on Zen 3).
+/// v[l]`: the sum and the difference against the partner from a permute, blended), then the
+/// wider stages and the scale in [`hadamard_lanes`]: the operations of the plain butterflies
+/// in the same order, so the same bits. The compiled butterflies ran the narrow stages one
+/// lane at a time (the CSA index queries' Hadamard took ~40% of their per-token work on Zen 3).
 ///
 /// # Safety
 /// AVX2 available.
@@ -225,36 +225,13 @@ unsafe fn hadamard_avx2(v: &mut [f32]) {
         // SAFETY: as the load.
         unsafe { _mm256_storeu_ps(c.as_mut_ptr(), x) };
     }
-    let mut h = 8;
-    while h < n {
-        for block in v.chunks_exact_mut(2 * h) {
-            let (a, b) = block.split_at_mut(h);
-            for (a, b) in a.chunks_exact_mut(8).zip(b.chunks_exact_mut(8)) {
-                // SAFETY: `a` and `b` are 8 values each.
-                unsafe {
-                    let (p, q) = (_mm256_loadu_ps(a.as_ptr()), _mm256_loadu_ps(b.as_ptr()));
-                    _mm256_storeu_ps(a.as_mut_ptr(), _mm256_add_ps(p, q));
-                    _mm256_storeu_ps(b.as_mut_ptr(), _mm256_sub_ps(p, q));
-                }
-            }
-        }
-        h *= 2;
-    }
-    let s = _mm256_set1_ps(1.0 / (n as f32).sqrt());
-    for c in v.chunks_exact_mut(8) {
-        // SAFETY: `c` is 8 values.
-        unsafe {
-            _mm256_storeu_ps(
-                c.as_mut_ptr(),
-                _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), s),
-            )
-        };
-    }
+    hadamard_lanes(v, 8);
 }
 
 /// [`hadamard_f32`] of a power-of-two length of at least 16: stages 1, 2, 4 and 8 inside each
 /// register (lane `l` with bit `h` clear takes `v[l] + v[l + h]`, with it set `v[l − h] −
-/// v[l]`, the partner from a permute), the wider stages between registers, then the scale.
+/// v[l]`, the partner from a permute), then the wider stages and the scale in
+/// [`hadamard_lanes`].
 ///
 /// # Safety
 /// AVX-512 F available.
@@ -281,38 +258,18 @@ unsafe fn hadamard_avx512(v: &mut [f32]) {
         // SAFETY: as the load.
         unsafe { _mm512_storeu_ps(c.as_mut_ptr(), x) };
     }
-    let mut h = 16;
-    while h < n {
-        for block in v.chunks_exact_mut(2 * h) {
-            let (a, b) = block.split_at_mut(h);
-            for (a, b) in a.chunks_exact_mut(16).zip(b.chunks_exact_mut(16)) {
-                // SAFETY: `a` and `b` are 16 values each.
-                unsafe {
-                    let (p, q) = (_mm512_loadu_ps(a.as_ptr()), _mm512_loadu_ps(b.as_ptr()));
-                    _mm512_storeu_ps(a.as_mut_ptr(), _mm512_add_ps(p, q));
-                    _mm512_storeu_ps(b.as_mut_ptr(), _mm512_sub_ps(p, q));
-                }
-            }
-        }
-        h *= 2;
-    }
-    let s = _mm512_set1_ps(1.0 / (n as f32).sqrt());
-    for c in v.chunks_exact_mut(16) {
-        // SAFETY: `c` is 16 values.
-        unsafe {
-            _mm512_storeu_ps(
-                c.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), s),
-            )
-        };
-    }
+    hadamard_lanes(v, 16);
 }
 
 multiversion! {
-    /// [`hadamard_f32`] as plain butterflies, compiled per path.
-    fn hadamard_lanes(v: &mut [f32]) {
+    avx512;
+    /// [`hadamard_f32`] as plain butterflies from stage `h0` on (1: the whole transform; the
+    /// vector paths pass the first stage their registers did not take), then the scale,
+    /// compiled per path: the wide stages are whole-vector adds and subtracts between
+    /// contiguous halves, which the compiler vectorises at each build's width.
+    fn hadamard_lanes(v: &mut [f32], h0: usize) {
         let n = v.len();
-        let mut h = 1;
+        let mut h = h0;
         while h < n {
             for block in v.chunks_exact_mut(2 * h) {
                 let (a, b) = block.split_at_mut(h);
