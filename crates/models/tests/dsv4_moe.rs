@@ -24,6 +24,21 @@ fn worker() -> Worker {
     w
 }
 
+/// The tiny configuration's MoE layer `layer` on one rank (weights from `seed`) and a step's
+/// residual of 8 tokens, every value `value`.
+fn tiny_layer(
+    w: &Worker,
+    seed: u64,
+    layer: usize,
+    value: f32,
+) -> (Dsv4Config, MoeWeights, MoeLayer, Vec<f32>) {
+    let cfg = Dsv4Config::tiny();
+    let weights = generate_moe_weights(&cfg, seed);
+    let moe = MoeLayer::new(w, &cfg, &weights, layer, ExpertPlacement::single(8), 0).unwrap();
+    let x = vec![value; 8 * cfg.hc_mult * cfg.hidden];
+    (cfg, weights, moe, x)
+}
+
 /// Runs layer `layer` on the runtime and checks it against the golden; returns the routes.
 ///
 /// End to end (`y`, `x_out` against `golden::moe_step`) and stage by stage: `hc_pre` on its own
@@ -145,10 +160,7 @@ fn an_expert_with_every_token_and_one_with_none() {
 #[test]
 fn bad_inputs_are_refused() {
     let w = worker();
-    let cfg = Dsv4Config::tiny();
-    let weights = generate_moe_weights(&cfg, 1);
-    let moe = MoeLayer::new(&w, &cfg, &weights, 0, ExpertPlacement::single(8), 0).unwrap();
-    let x = vec![0.5f32; 8 * cfg.hc_mult * cfg.hidden];
+    let (cfg, weights, moe, x) = tiny_layer(&w, 1, 0, 0.5);
     // Only the last token's id is past the table: the route's block holding it fails while
     // the other block routes its tokens.
     let mut ids = [3u32; 8];
@@ -191,10 +203,7 @@ fn bad_inputs_are_refused() {
 #[test]
 fn a_route_bound_to_too_few_rows_is_refused_and_the_next_step_is_unaffected() {
     let w = worker();
-    let cfg = Dsv4Config::tiny();
-    let weights = generate_moe_weights(&cfg, 5);
-    let moe = MoeLayer::new(&w, &cfg, &weights, 3, ExpertPlacement::single(8), 0).unwrap();
-    let x = vec![0.25f32; 8 * cfg.hc_mult * cfg.hidden];
+    let (_, _, moe, x) = tiny_layer(&w, 5, 3, 0.25);
     let before = moe.step(&w, &x, &[1; 8], &CallConfig::default()).unwrap();
     let (t, d, e, k, v) = (8u64, 64u64, 8u64, 2u64, 16u64);
     let args = RunArgs {
