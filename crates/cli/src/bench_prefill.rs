@@ -361,12 +361,15 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             outside_report = Some(prefill_step(&mut session, &worker, &batch, &tokens, &sw_cfg)?.1);
         }
         // With `--output-dir`, the recorded step's swimlane (and whatever else was asked for)
-        // is written there, for `simpler trace swimlane` / `idle` / `critical-path`.
-        if cfg.output_dir.is_some()
-            && let Some(report) = &outside_report
-        {
-            simpler_dfx::write_run_outputs(report, &sw_cfg)?;
-        }
+        // is written there, for `simpler trace swimlane` / `idle` / `critical-path`; with
+        // several prompt lengths each in its own folder.
+        let len_cfg = crate::opts::case_config(&cfg, &format!("{len}"), args.prompt_lens.len() > 1);
+        let len_sw_cfg = crate::bench_qwen3::swimlane_config(&len_cfg);
+        crate::opts::emit_case(
+            &len_cfg,
+            outside_report.as_ref().map(|r| (r, &len_sw_cfg)),
+            last.as_ref(),
+        )?;
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
 
         let s = Summary::of(&samples);

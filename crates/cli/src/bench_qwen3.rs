@@ -361,6 +361,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let outsides: Vec<f64> = recorded.iter().map(|r| r.0.raw).collect();
         let shares: Vec<OutsideShare> = recorded.iter().map(|r| r.0).collect();
         let median_step = recorded.get(recorded.len() / 2).map(|r| &r.1);
+        // The recorded step the per-phase table below comes from, with whatever else was asked
+        // for; with several shapes each in its own folder.
+        let shape_cfg =
+            crate::opts::case_config(&cfg, &format!("{batch}x{seq_len}"), shapes.len() > 1);
+        let shape_sw_cfg = swimlane_config(&shape_cfg);
+        crate::opts::emit_case(
+            &shape_cfg,
+            median_step.map(|r| (r, &shape_sw_cfg)),
+            last.as_ref(),
+        )?;
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));

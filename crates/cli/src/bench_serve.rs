@@ -120,7 +120,10 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
         bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
     }
-    let _ = args.run.call_config("serve")?;
+    args.run.refuse_diagnostics(
+        "bench serve times whole requests and writes no per-step diagnostics; record steps with `simpler generate` or `simpler run qwen3-decode`",
+    )?;
+    let call = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
     // Room past the outputs for the bare decode steps timed at mid-output context.
     let seq = args.prompt_len + args.max_tokens + TIMED_STEPS;
@@ -154,6 +157,8 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         },
     )?;
     drop(weights);
+    // The ring sizes and the orchestration mode of the flags.
+    engine.set_call_config(call);
     println!(
         "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
         args.model.describe(),

@@ -170,13 +170,21 @@ pub(crate) fn ep_cmd_of_run(a: &RunDsv4Args) -> Result<Option<crate::dsv4_ep::Ep
 
 /// The expert-parallel command of `bench dsv4` (`None` without `--ep`).
 pub(crate) fn ep_cmd_of_bench(a: &BenchDsv4Args) -> Result<Option<crate::dsv4_ep::EpCmd>> {
-    ep_cmd(
-        a.kernel,
-        &a.ep,
-        &a.case,
-        &a.run,
-        (false, a.rounds, a.warmup),
-    )
+    if let [layer] = a.kernel[..] {
+        return ep_cmd(layer, &a.ep, &a.case, &a.run, (false, a.rounds, a.warmup));
+    }
+    for (flag, given) in [
+        ("--ep", a.ep.ep.is_some()),
+        ("--collectives", a.ep.collectives.is_some()),
+        ("--experts-per-rank", a.ep.experts_per_rank.is_some()),
+    ] {
+        if given {
+            bail!(
+                "{flag}: the expert-parallel step measures the moe layer alone; give --kernel moe"
+            );
+        }
+    }
+    Ok(None)
 }
 
 /// Arguments of `simpler run dsv4`.
@@ -210,9 +218,11 @@ pub(crate) struct RunDsv4Args {
 /// Arguments of `simpler bench dsv4`.
 #[derive(Args, Debug)]
 pub(crate) struct BenchDsv4Args {
-    /// The layer whose decode step is measured.
-    #[arg(long, value_enum)]
-    kernel: LayerArg,
+    /// The layers whose decode steps are measured, comma-separated (`swa,csa,hca,moe`): each
+    /// on its own fixture and with its own measurement of the machine, one after the other,
+    /// and with more than one a table compares them at the end.
+    #[arg(long, value_enum, value_delimiter = ',', required = true)]
+    kernel: Vec<LayerArg>,
     #[command(flatten)]
     case: CaseArgs,
     /// Measured steps.
@@ -808,12 +818,20 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
 }
 
 pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
-    check_replay(args.kernel, args.replay)?;
+    for (i, k) in args.kernel.iter().enumerate() {
+        if args.kernel[..i].contains(k) {
+            bail!("--kernel: {} is given twice", k.name());
+        }
+    }
+    let has_moe = args.kernel.contains(&LayerArg::Moe);
+    if has_moe {
+        check_replay(LayerArg::Moe, args.replay)?;
+    }
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     if args.versus_proj_blocks == Some(0) {
         bail!("--versus-proj-blocks: at least 1 block");
     }
-    if args.versus_replay && args.kernel == LayerArg::Moe {
+    if args.versus_replay && has_moe {
         bail!(
             "--versus-replay: the moe layer's steps are orchestrated every step; it applies to swa, csa and hca"
         );
@@ -821,7 +839,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
     if args.versus_replay && args.replay == Some(Replay::Off) {
         bail!("--versus-replay compares replayed steps with orchestrated ones; drop --replay off");
     }
-    if args.versus_proj_blocks.is_some() && args.kernel == LayerArg::Moe {
+    if args.versus_proj_blocks.is_some() && has_moe {
         bail!(
             "--versus-proj-blocks: the moe layer's experts have their own blocks; it applies to swa, csa and hca"
         );
@@ -840,16 +858,82 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         }
         return crate::dsv4_ep::main(cmd);
     }
+    let mut rows = Vec::with_capacity(args.kernel.len());
+    for (i, &layer) in args.kernel.iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        rows.push(bench_layer(&args, layer, versus_isa)?);
+    }
+    if rows.len() > 1 {
+        println!();
+        print!("{}", format_layer_table(&rows));
+    }
+    Ok(())
+}
+
+/// One layer's line of `bench dsv4`'s closing table: its step times against its own run's
+/// per-phase bound.
+#[derive(Debug)]
+struct LayerRow {
+    layer: LayerArg,
+    /// The quietest and the median step, us.
+    quietest_us: f64,
+    median_us: f64,
+    /// The per-phase bound at the layer's run's limits, us.
+    bound_us: f64,
+    /// Those limits: streaming read GB/s and the int8 peak, GOP/s.
+    gbs: f64,
+    int8_gops: f64,
+}
+
+/// The table comparing the measured layers (each against its own run's limits, which the host's
+/// drift moves between layers: the table prints them).
+fn format_layer_table(rows: &[LayerRow]) -> String {
+    let mut s = String::from(
+        "layers (each on its own fixture, against the limits measured in its own run):\n  layer   quietest_us   median_us    bound_us   quietest   median   membw GB/s   int8 GOP/s\n",
+    );
+    for r in rows {
+        let of = |t: f64| 100.0 * r.bound_us / t;
+        s += &format!(
+            "  {:<5} {:>13.1} {:>11.1} {:>11.1} {:>9.1}% {:>7.1}% {:>12.1} {:>12.1}\n",
+            r.layer.name(),
+            r.quietest_us,
+            r.median_us,
+            r.bound_us,
+            of(r.quietest_us),
+            of(r.median_us),
+            r.gbs,
+            r.int8_gops,
+        );
+    }
+    s
+}
+
+/// `bench dsv4` for one layer: its report, then its comparisons; its line of the closing table.
+fn bench_layer(
+    args: &BenchDsv4Args,
+    layer: LayerArg,
+    versus_isa: Option<simpler_kernels_cpu::Isa>,
+) -> Result<LayerRow> {
     let (mut s, cfg) = start(
         "bench",
         "--kernel",
-        args.kernel,
+        layer,
         &args.case,
         &args.run,
         args.rounds,
         args.replay,
     )?;
+    // Each layer's diagnostics in a folder of its own, so the next layer's do not replace them.
+    let several = args.kernel.len() > 1;
+    let cfg = opts::case_config(&cfg, layer.name(), several);
+    if several && let Some(dir) = &cfg.output_dir {
+        println!("diagnostics of this layer: {}", dir.display());
+    }
     let m = measure(&mut s, &cfg, args.warmup, args.rounds)?;
+    // The last measured step's spans and diagnostics, as `run dsv4` writes them.
+    opts::emit(m.last(), &cfg)?;
     if s.step.can_replay() {
         println!(
             "{}",
@@ -880,6 +964,14 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         format_ratios(&cost, &peaks, e.min / 1e6, "quietest step")
     );
     println!("{}", phases_title(phases.len()));
+    let row = LayerRow {
+        layer,
+        quietest_us: e.min,
+        median_us: e.median,
+        bound_us: cost.phase_bound_s(&peaks) * 1e6,
+        gbs: peaks.gbs,
+        int8_gops: peaks.int8_gops,
+    };
     print!("{}", format_phases(&cost, &peaks, &phases));
     if let Some(b) = args.versus_proj_blocks {
         let c = versus_proj_blocks(&mut s, &cfg, b, args.rounds, args.warmup)?;
@@ -904,7 +996,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         );
         println!("{c}");
     }
-    Ok(())
+    Ok(row)
 }
 
 /// `--replay`'s value, `on` when not given.

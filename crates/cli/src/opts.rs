@@ -124,6 +124,27 @@ impl RunOpts {
         Ok(cfg)
     }
 
+    /// Refuses the flags that record or write diagnostics (`--swimlane`, `--dep-gen`,
+    /// `--ring-stats`, `--trace`, `--output-dir`, `--swimlane-capacity`, `--diag-steps`) for a
+    /// command that writes none, naming the first one given; `why` says what the command does
+    /// instead.
+    pub(crate) fn refuse_diagnostics(&self, why: &str) -> Result<()> {
+        for (flag, given) in [
+            ("--swimlane", self.swimlane != 0),
+            ("--dep-gen", self.dep_gen),
+            ("--ring-stats", self.ring_stats),
+            ("--trace", self.trace.is_some()),
+            ("--output-dir", self.output_dir.is_some()),
+            ("--swimlane-capacity", self.swimlane_capacity.is_some()),
+            ("--diag-steps", self.diag_steps != StepSet::All),
+        ] {
+            if given {
+                bail!("{flag}: {why}");
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn worker(&self) -> Result<Worker> {
         let w = Worker::new(
             CpuPlatform::new(),
@@ -171,6 +192,37 @@ fn flag_of_field(field: &str) -> String {
         Some(r) => format!("{flag} (ring {r})"),
         None => flag,
     }
+}
+
+/// The call configuration of one case of a bench that measures several (shapes, prompt
+/// lengths, layers): with `several`, its diagnostics go to `OUTPUT_DIR/case`, so one case's
+/// files do not replace another's (an explicit `--trace` file is shared: spans append).
+pub(crate) fn case_config(cfg: &CallConfig, case: &str, several: bool) -> CallConfig {
+    let mut c = cfg.clone();
+    if several {
+        c.output_dir = cfg.output_dir.as_ref().map(|d| d.join(case));
+    }
+    c
+}
+
+/// What a bench writes for one case: with `--output-dir`, the `recorded` step (the one its
+/// report's tables come from, recorded at swimlane level 1 at least) under `recorded_cfg`;
+/// with only `--trace`, the `last` measured step's spans under `cfg`. Nothing without either.
+pub(crate) fn emit_case(
+    cfg: &CallConfig,
+    recorded: Option<(&RunReport, &CallConfig)>,
+    last: Option<&RunReport>,
+) -> Result<()> {
+    if cfg.output_dir.is_some() {
+        if let Some((report, rcfg)) = recorded {
+            emit(report, rcfg)?;
+        }
+    } else if cfg.trace.is_some()
+        && let Some(report) = last
+    {
+        emit(report, cfg)?;
+    }
+    Ok(())
 }
 
 /// Writes the report's spans and diagnostics where the configuration says (a command that

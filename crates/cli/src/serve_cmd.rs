@@ -74,6 +74,9 @@ pub(crate) struct ServeArgs {
 
 pub(crate) fn main(args: ServeArgs) -> Result<()> {
     // Flags first: a bad one is refused before anything loads.
+    args.run.refuse_diagnostics(
+        "the server writes no per-step diagnostics; record steps with `simpler generate` or `simpler run qwen3-decode`",
+    )?;
     let call = args.run.call_config("serve")?;
     if args.max_batch_size == 0 || args.max_num_batched_tokens == 0 || args.max_waiting == 0 {
         bail!("--max-batch-size, --max-num-batched-tokens and --max-waiting must be at least 1");

@@ -113,3 +113,55 @@ fn check_is_one_tri_state_switch() {
         "{err}"
     );
 }
+
+/// `serve` and `bench serve` write no per-step diagnostics: each diagnostics flag is refused
+/// by name before a model loads (they used to be taken and dropped), while the runtime flags
+/// the engine does take reach its steps.
+#[test]
+fn serving_commands_refuse_diagnostics_they_would_not_write() {
+    let flags: [&[&str]; 7] = [
+        &["--swimlane", "1", "--output-dir", "/tmp/unused"],
+        &["--dep-gen"],
+        &["--ring-stats"],
+        &["--trace", "/tmp/unused.jsonl"],
+        &["--output-dir", "/tmp/unused"],
+        &["--swimlane-capacity", "64"],
+        &["--diag-steps", "0-3"],
+    ];
+    for cmd in [
+        &["serve", "--preset", "qwen3-tiny"][..],
+        &["bench", "serve", "--preset", "tiny"],
+    ] {
+        for flag in flags {
+            let mut a = cmd.to_vec();
+            a.extend_from_slice(flag);
+            let out = simpler(&a);
+            let err = text(&out.stderr);
+            assert!(!out.status.success(), "{a:?}");
+            assert!(
+                err.contains(&format!("{}: ", flag[0])) && err.contains("no per-step diagnostics"),
+                "{a:?}: {err}"
+            );
+            assert!(text(&out.stdout).is_empty(), "{a:?}: ran anyway");
+        }
+    }
+    // A ring too small for a step: the engine's steps run with the flag's rings, so the
+    // benchmark fails naming the ring, where it used to run on the default rings.
+    let out = simpler(&[
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--streams",
+        "1",
+        "--prompt-len",
+        "4",
+        "--max-tokens",
+        "2",
+        "--ring-heap",
+        "1K",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("ring_heap"), "{err}");
+}

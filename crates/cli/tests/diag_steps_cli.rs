@@ -147,3 +147,67 @@ fn dropped_records_are_warned_about_once_with_the_flag_that_fixes_them() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The benches that measure several cases write each case's recorded step into a folder of
+/// its own under `--output-dir` (they used to record the diagnostics and write none), and
+/// with `--trace` alone the last measured step's spans.
+#[test]
+fn benches_write_each_cases_recorded_step_apart() {
+    let dir = tmp("bench-cases");
+    let d = dir.to_str().unwrap();
+    let quick = [
+        "--preset",
+        "tiny",
+        "--rounds",
+        "1",
+        "--warmup",
+        "1",
+        "--membw-seconds",
+        "0.05",
+    ];
+    let mut decode = vec![
+        "bench",
+        "qwen3-decode",
+        "--shapes",
+        "1x16,2x32",
+        "--output-dir",
+        d,
+    ];
+    decode.extend(quick);
+    let out = simpler(&decode);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for shape in ["1x16", "2x32"] {
+        let sw = std::fs::read_to_string(dir.join(shape).join("swimlane.json")).unwrap();
+        assert!(
+            sw.contains("gemm_tile_bf16"),
+            "{shape}: no GEMM in its swimlane"
+        );
+    }
+    let mut prefill = vec![
+        "bench",
+        "qwen3-prefill",
+        "--prompt-lens",
+        "16,8",
+        "--output-dir",
+        d,
+    ];
+    prefill.extend(quick);
+    prefill.extend(["--gemm-seconds", "0"]);
+    let out = simpler(&prefill);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for len in ["16", "8"] {
+        assert!(
+            dir.join(len).join("swimlane.json").is_file(),
+            "prompt {len}"
+        );
+    }
+    let trace = dir.join("spans.jsonl");
+    let t = trace.to_str().unwrap();
+    let mut traced = vec!["bench", "qwen3-decode", "--shapes", "1x16", "--trace", t];
+    traced.extend(quick);
+    let out = simpler(&traced);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let spans = std::fs::read_to_string(&trace).unwrap();
+    assert!(spans.lines().count() > 1, "{spans}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -632,3 +632,113 @@ fn run_dsv4_moe_ep2_over_mpi_is_bit_identical_to_one_rank() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Several layers in one command: each layer's own report in the order given, then the table
+/// with one line per layer, each against its own run's per-phase bound.
+#[test]
+fn bench_dsv4_measures_several_layers_and_compares_them_in_a_table() {
+    let out = simpler(&bench_tiny("hca,swa", &["--rounds", "2", "--warmup", "0"]));
+    let so = succeeded_with(
+        &out,
+        "bench dsv4 --kernel hca,swa",
+        &[
+            "simpler bench dsv4 --kernel hca:",
+            "simpler bench dsv4 --kernel swa:",
+            "layers (each on its own fixture, against the limits measured in its own run):",
+        ],
+    );
+    assert!(
+        so.find("--kernel hca:") < so.find("--kernel swa:"),
+        "the layers run in the order given: {so}"
+    );
+    let table = &so[so.find("layers (each on its own fixture").unwrap()..];
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip(2)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    for (row, layer) in rows.iter().zip(["hca", "swa"]) {
+        assert_eq!(row[0], layer, "{table}");
+        let num = |i: usize| row[i].trim_end_matches('%').parse::<f64>().unwrap();
+        let (quietest, median, bound) = (num(1), num(2), num(3));
+        assert!(
+            quietest > 0.0 && quietest <= median && bound > 0.0,
+            "{table}"
+        );
+        // The shares are the bound over the step times.
+        assert!((num(4) - 100.0 * bound / quietest).abs() < 0.1, "{table}");
+        assert!((num(5) - 100.0 * bound / median).abs() < 0.1, "{table}");
+    }
+    // One layer prints no table.
+    let one = simpler(&bench_tiny("swa", &["--rounds", "1", "--warmup", "0"]));
+    assert!(!succeeded_with(&one, "bench dsv4 --kernel swa", &[]).contains("layers (each"));
+}
+
+/// With several layers each writes its diagnostics into a folder of its own under
+/// `--output-dir`, so no layer's files replace another's.
+#[test]
+fn bench_dsv4_keeps_each_layers_diagnostics_apart() {
+    let dir = std::env::temp_dir().join(format!("simpler-dsv4-layers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let more = [
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--swimlane",
+        "1",
+        "--output-dir",
+        d,
+    ];
+    let out = simpler(&bench_tiny("swa,moe", &more));
+    let so = succeeded_with(&out, "bench dsv4 --kernel swa,moe --swimlane 1", &[]);
+    for (layer, kernel) in [("swa", "dsv4_sparse_attention"), ("moe", "moe_gate_up")] {
+        let sub = dir.join(layer);
+        assert!(
+            so.contains(&format!("diagnostics of this layer: {}", sub.display())),
+            "{so}"
+        );
+        let swimlane = std::fs::read_to_string(sub.join("swimlane.json")).unwrap();
+        assert!(
+            swimlane.contains(kernel),
+            "{layer}: no {kernel} in its swimlane"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A layer given twice, and a flag that does not apply to one of the layers, are refused by
+/// name before any layer runs.
+#[test]
+fn bench_dsv4_refuses_a_layer_list_a_flag_does_not_fit() {
+    for (kernels, more, needle) in [
+        ("swa,hca,swa", &[][..], "--kernel: swa is given twice"),
+        (
+            "swa,moe",
+            &["--replay", "off"][..],
+            "the moe layer's steps are orchestrated",
+        ),
+        (
+            "hca,moe",
+            &["--versus-proj-blocks", "4"][..],
+            "the moe layer's experts",
+        ),
+        ("moe,swa", &["--ep", "2"][..], "give --kernel moe"),
+        (
+            "moe,csa",
+            &["--experts-per-rank", "16"][..],
+            "give --kernel moe",
+        ),
+    ] {
+        let out = simpler(&bench_tiny(kernels, more));
+        let se = text(&out.stderr);
+        assert!(!out.status.success(), "{kernels} {more:?}: {se}");
+        assert!(se.contains(needle), "{kernels} {more:?}: {se}");
+        assert!(
+            text(&out.stdout).is_empty(),
+            "{kernels} {more:?}: ran anyway"
+        );
+    }
+}
