@@ -154,6 +154,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             max_seq_len: seq,
             num_blocks: blocks,
             long_prefill_threshold: None,
+            weights: args.model.weights,
         },
     )?;
     drop(weights);
@@ -167,6 +168,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         args.max_tokens,
         args.max_num_batched_tokens
     );
+    println!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
     // Warm-up: one request (kernels, buffers), discarded.
     measure(&mut engine, 1, &args, c.vocab_size, 0)?;
     let mut rows = Vec::new();

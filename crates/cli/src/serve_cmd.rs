@@ -119,6 +119,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         max_seq_len: Some(max_seq_len),
         max_num_batched_tokens: args.max_num_batched_tokens,
         long_prefill_threshold: args.long_prefill_threshold,
+        weight_dtype: args.model.weights.name().into(),
         kv_memory_fraction: args.kv_memory_fraction,
         num_kv_blocks: args.num_kv_blocks,
         memory_budget: args.model.memory_budget_bytes()?,
@@ -163,6 +164,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         args.max_num_batched_tokens,
         sizing.describe(&rt)
     );
+    eprintln!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
     let tokenizer = Arc::new(tokenizer);
     let service = Service::start(
         engine,

@@ -24,7 +24,7 @@ use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
-    KvBuffers, PagedBatch, Qwen3RunError, Qwen3Weights, ResidentModel, Session,
+    KvBuffers, PagedBatch, Qwen3RunError, Qwen3Weights, ResidentModel, Session, WeightFormat,
 };
 
 use crate::kv_blocks::{Allocation, BlockManager};
@@ -44,6 +44,9 @@ pub struct EngineConfig {
     /// Most tokens one prompt's chunk takes of a step (`None`: as many as the budget leaves),
     /// so that one long prompt does not take a whole step from the decodes beside it.
     pub long_prefill_threshold: Option<usize>,
+    /// How the projections and the LM head are held: bf16 as loaded, or int8 quantised at
+    /// upload (`WeightFormat`).
+    pub weights: WeightFormat,
 }
 
 /// Why a request ended.
@@ -254,7 +257,13 @@ impl Engine {
             )));
         }
         let max_seq = cfg.max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        let model = Arc::new(ResidentModel::upload(&worker, weights, max_seq, None)?);
+        let model = Arc::new(ResidentModel::upload_as(
+            &worker,
+            weights,
+            max_seq,
+            cfg.weights,
+            None,
+        )?);
         let kv = KvBuffers::new(&worker, c, cfg.num_blocks, PAGE_SIZE)?;
         let session = Session::new(&worker, model, kv);
         Ok(Engine {

@@ -15,7 +15,7 @@ use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::fixture::Progress;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
-    LoadOptions, MemoryEstimate, Qwen3Config, RunShape, WeightLayout, eos_token_ids,
+    LoadOptions, MemoryEstimate, Qwen3Config, RunShape, WeightFormat, WeightLayout, eos_token_ids,
     generate_weights, load_checkpoint, load_config, ops,
 };
 
@@ -58,7 +58,8 @@ pub struct RuntimeConfig {
     pub num_kv_blocks: Option<usize>,
     /// Most bytes the engine may take (`None`: what the platform has available).
     pub memory_budget: Option<u64>,
-    /// Weight dtype (`bf16`).
+    /// How the projections and the LM head are held: `bf16`, or `int8` (per output channel,
+    /// quantised at upload; `int8-w8a8` is the same, `int8-wide` keeps fp32 activations).
     pub weight_dtype: String,
     /// KV cache dtype (`bf16`).
     pub kv_dtype: String,
@@ -154,11 +155,8 @@ impl RuntimeConfig {
         if self.num_kv_blocks == Some(0) {
             return bad("num_kv_blocks", "must be at least 1".into());
         }
-        if self.weight_dtype != "bf16" {
-            return bad(
-                "weight_dtype",
-                format!("`{}` is not supported (bf16)", self.weight_dtype),
-            );
+        if let Err(e) = WeightFormat::parse(&self.weight_dtype) {
+            return bad("weight_dtype", e.to_string());
         }
         if self.kv_dtype != "bf16" {
             return bad(
@@ -252,6 +250,9 @@ impl RuntimeConfig {
                 max_seq_len,
                 num_blocks,
                 long_prefill_threshold: self.long_prefill_threshold,
+                // Checked by `validate` above.
+                weights: WeightFormat::parse(&self.weight_dtype)
+                    .map_err(|e| EngineError::Config(format!("weight_dtype: {e}")))?,
             },
             rest_bytes: rest,
             block_bytes,

@@ -3,11 +3,22 @@
 //! token, preemption by recompute changes no token, and bad requests are refused before
 //! anything runs, leaving the engine usable.
 
-use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::{Qwen3Config, generate_weights, ops};
+use std::sync::Arc;
+
+use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_models::qwen3::golden::PrefillChunk;
+use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_models::qwen3::{
+    KvBuffers, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel, Session, WeightFormat,
+    generate_weights, ops,
+};
 use simpler_serve::{Engine, EngineConfig, FinishReason, Request, SamplingParams};
 
-fn engine(num_blocks: usize, budget: usize) -> Engine {
+/// Longest sequence of these engines.
+const MAX_SEQ: usize = 1024;
+
+/// A 2-core worker with the Qwen3 kernels and the tiny model's weights (seed 21).
+fn worker_and_weights() -> (Worker, Qwen3Weights) {
     let worker = Worker::new(
         simpler_cpu::CpuPlatform::new(),
         WorkerConfig {
@@ -21,7 +32,15 @@ fn engine(num_blocks: usize, budget: usize) -> Engine {
     let mut c = Qwen3Config::preset("tiny").unwrap();
     // An untied head, so greedy decoding does not just repeat the input token.
     c.tie_word_embeddings = false;
-    let w = generate_weights(&c, 21, false, None);
+    (worker, generate_weights(&c, 21, false, None))
+}
+
+fn engine(num_blocks: usize, budget: usize) -> Engine {
+    engine_as(num_blocks, budget, WeightFormat::Bf16)
+}
+
+fn engine_as(num_blocks: usize, budget: usize, weights: WeightFormat) -> Engine {
+    let (worker, w) = worker_and_weights();
     Engine::new(
         worker,
         &w,
@@ -29,12 +48,42 @@ fn engine(num_blocks: usize, budget: usize) -> Engine {
         EngineConfig {
             max_batch_size: 8,
             max_num_batched_tokens: budget,
-            max_seq_len: 1024,
+            max_seq_len: MAX_SEQ,
             num_blocks,
             long_prefill_threshold: None,
+            weights,
         },
     )
     .unwrap()
+}
+
+/// The greedy tokens of `prompt` on a session over the same weights held as `format`: one
+/// prefill step of the whole prompt, then one decode step a token, as the engine runs one
+/// request whose prompt fits its step budget.
+fn session_greedy(format: WeightFormat, prompt: &[u32], n: usize) -> Vec<u32> {
+    let (worker, w) = worker_and_weights();
+    let model = Arc::new(ResidentModel::upload_as(&worker, &w, MAX_SEQ, format, None).unwrap());
+    let at = |len: usize| PagedBatch::identity(vec![len], MAX_SEQ, PAGE_SIZE);
+    let kv = KvBuffers::new(&worker, &w.config, at(1).num_pages(), PAGE_SIZE).unwrap();
+    let mut s = Session::new(&worker, model, kv);
+    let cfg = CallConfig::default();
+    let chunk = PrefillChunk {
+        seq: 0,
+        tokens: prompt.to_vec(),
+        seq_len: prompt.len(),
+    };
+    let out = s
+        .prefill(&worker, &at(prompt.len()), &[chunk], &cfg)
+        .unwrap();
+    let mut tokens = vec![out.next_tokens[0]];
+    while tokens.len() < n {
+        let last = tokens[tokens.len() - 1];
+        let out = s
+            .decode(&worker, &at(prompt.len() + tokens.len()), &[last], &cfg)
+            .unwrap();
+        tokens.push(out.next_tokens[0]);
+    }
+    tokens
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
@@ -247,4 +296,24 @@ fn timed_decode_steps_return_their_blocks_and_refuse_what_does_not_fit() {
         e.step().unwrap();
     }
     assert_eq!(e.free_blocks(), 16);
+}
+
+/// With int8 weights the engine runs the int8 model: its tokens are the ones a session over
+/// int8 weights gives, and that model's tokens differ from the bf16 one's for this prompt
+/// from the first (so the comparison tells the formats apart; many prompts give the same
+/// greedy tokens on the tiny model).
+#[test]
+fn an_int8_engine_gives_the_int8_models_tokens() {
+    let p = prompt(40, 4);
+    let n = 24;
+    let int8 = WeightFormat::Int8(Default::default());
+    let mut e = engine_as(64, 512, int8);
+    let done = e.generate(&[Request {
+        ignore_eos: true,
+        ..req(p.clone(), n)
+    }]);
+    let got = &done.unwrap()[0].tokens;
+    assert_eq!(got, &session_greedy(int8, &p, n));
+    assert_ne!(got, &session_greedy(WeightFormat::Bf16, &p, n));
+    assert_eq!(e.config().weights, int8);
 }

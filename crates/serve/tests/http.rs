@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::{Qwen3Config, generate_weights, ops};
+use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights, ops};
 use simpler_serve::http::{AppState, serve};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
@@ -44,6 +44,7 @@ fn sizes() -> EngineConfig {
         max_seq_len: 4096,
         num_blocks: 256,
         long_prefill_threshold: None,
+        weights: WeightFormat::Bf16,
     }
 }
 

@@ -3,8 +3,8 @@
 //! and a loaded engine that turns text into text.
 
 use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::Qwen3Config;
 use simpler_models::qwen3::weights::PAGE_SIZE;
+use simpler_models::qwen3::{Int8Acts, Qwen3Config, WeightFormat};
 use simpler_serve::{EngineError, GenerateConfig, ModelSource, RuntimeConfig, TextEngine};
 
 fn worker() -> Worker {
@@ -66,6 +66,23 @@ fn kv_blocks_come_from_the_memory_left_after_the_weights() {
     assert_eq!(fixed.sizing(&c, None).unwrap().engine.num_blocks, 1000);
     let m = config_error(fixed.sizing(&c, Some((avail, "test".into()))));
     assert!(m.contains("needs about"), "{m}");
+    // The weight format reaches the engine's configuration.
+    for (dtype, format) in [
+        ("bf16", WeightFormat::Bf16),
+        ("int8", WeightFormat::Int8(Int8Acts::Quantised)),
+        ("int8-w8a8", WeightFormat::Int8(Int8Acts::Quantised)),
+        ("int8-wide", WeightFormat::Int8(Int8Acts::Wide)),
+    ] {
+        let rt = RuntimeConfig {
+            weight_dtype: dtype.into(),
+            ..fixed.clone()
+        };
+        assert_eq!(
+            rt.sizing(&c, None).unwrap().engine.weights,
+            format,
+            "{dtype}"
+        );
+    }
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! and a batch larger than the engine allows is refused.
 
 use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::{Qwen3Config, Rope, generate_weights, ops};
+use simpler_models::qwen3::{Qwen3Config, Rope, WeightFormat, generate_weights, ops};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Request, SamplingParams, TextEngine, TextFinish,
     Tokenizer,
@@ -41,6 +41,7 @@ fn engine() -> Engine {
             max_seq_len: 512,
             num_blocks: 8,
             long_prefill_threshold: None,
+            weights: WeightFormat::Bf16,
         },
     )
     .unwrap()
