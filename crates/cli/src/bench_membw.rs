@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 use simpler_kernels_cpu::Isa;
 use simpler_kernels_cpu::membw::{MeasureOptions, last_level_cache_bytes, measure};
@@ -13,7 +13,7 @@ use simpler_kernels_cpu::membw::{MeasureOptions, last_level_cache_bytes, measure
 /// Arguments of `simpler bench membw`.
 #[derive(Args, Debug)]
 pub(crate) struct MembwArgs {
-    /// Total seconds of measurement (split over the four figures).
+    /// Total seconds of measurement (split over the four figures), at least 0.4.
     #[arg(long, default_value_t = 4.0)]
     seconds: f64,
     /// Size of the streamed buffer in MiB [default: four times the last-level cache Linux
@@ -26,10 +26,18 @@ pub(crate) struct MembwArgs {
 }
 
 pub(crate) fn membw(args: MembwArgs) -> Result<()> {
+    // Each figure needs its passes (about 0.1 s of the four); a shorter total is refused
+    // rather than raised, so the header's duration is the one measured.
+    if !(args.seconds >= 0.4 && args.seconds.is_finite()) {
+        bail!("--seconds {}: give at least 0.4", args.seconds);
+    }
+    if args.buffer_mib == Some(0) {
+        bail!("--buffer-mib 0: give at least 1");
+    }
     let d = MeasureOptions::default();
     let p = measure(&MeasureOptions {
-        duration: Duration::from_secs_f64(args.seconds.max(0.4)),
-        buffer_bytes: args.buffer_mib.map_or(d.buffer_bytes, |m| m.max(1) << 20),
+        duration: Duration::from_secs_f64(args.seconds),
+        buffer_bytes: args.buffer_mib.map_or(d.buffer_bytes, |m| m << 20),
         threads: args.threads.unwrap_or(d.threads),
     });
     let llc = match last_level_cache_bytes() {

@@ -57,7 +57,7 @@ pub(crate) struct PrefillBenchArgs {
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first (and again, at most
-    /// one second, after each prompt length).
+    /// one second, after each prompt length; at least 0.2 each time).
     #[arg(long, default_value_t = 1.0)]
     membw_seconds: f64,
     /// Seconds spent measuring the bf16 GEMM kernel's rate before each prompt length.
@@ -275,6 +275,12 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     check_prompt_lens(&args.prompt_lens, None)?;
+    args.run.refuse_diag_steps("bench qwen3-prefill")?;
+    if args.tiles.max_kv_chunk.is_some() {
+        bail!(
+            "--max-kv-chunk: prefill attention is not split by KV chunks; it applies to decode (`run` and `bench qwen3-decode`)"
+        );
+    }
     let cfg = args.run.call_config("prefill")?;
     let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;

@@ -52,7 +52,7 @@ pub(crate) struct DecodeBenchArgs {
     /// (as `run`'s rounds replay their steps).
     #[arg(long, default_value_t = 10)]
     rounds: usize,
-    /// Seconds spent measuring this machine's bandwidth and FMA peak first.
+    /// Seconds spent measuring this machine's bandwidth and FMA peak first (at least 0.2 are).
     #[arg(long, default_value_t = 2.0)]
     membw_seconds: f64,
     /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
@@ -88,12 +88,12 @@ pub(crate) struct DecodeBenchArgs {
     versus_weights: Option<WeightFormat>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
     /// outside kernels (the median is reported: one step's share varies with host noise).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::qwen3_cmd::positive)]
     outside_steps: usize,
     /// Replay a captured graph for every step after the first (`on`), or run the
-    /// orchestration for every step (`off`); the report says which ran.
-    #[arg(long, value_enum, default_value_t = Replay::On)]
-    replay: Replay,
+    /// orchestration for every step (`off`); the report says which ran [default: on].
+    #[arg(long, value_enum)]
+    replay: Option<Replay>,
     /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
     /// process: interleaved A B B A .. step times (B/A of the medians with its 95% interval),
     /// and the outside-kernel share and orchestration span of interleaved recorded steps.
@@ -207,7 +207,9 @@ fn shapes_or(args: &DecodeBenchArgs, default: &[&str]) -> Result<Vec<(usize, usi
 /// `simpler bench qwen3-decode --platform cuda`: the flags that only mean something on the
 /// CPU runtime are refused by name; the rest goes to [`crate::bench_qwen3_cuda`].
 pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
-    let device = crate::platform::cuda_device()?;
+    // The flags first, so a CPU-runtime flag is refused by name whether or not a device is
+    // there; an explicit default of `--outside-steps` or `--membw-seconds` cannot be told
+    // from none and passes.
     let cpu_only = [
         (
             "--model (checkpoint upload to the device is not wired yet)",
@@ -238,8 +240,19 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
                 )
             ),
         ),
+        ("--replay", args.replay.is_some()),
+        ("--versus-replay", args.versus_replay),
+        ("--outside-steps", args.outside_steps != 5),
+        ("--membw-seconds", args.membw_seconds != 2.0),
+        ("--memory-budget", args.model.memory_budget.is_some()),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),
+        ("--output-dir", args.run.output_dir.is_some()),
+        ("--swimlane-capacity", args.run.swimlane_capacity.is_some()),
+        (
+            "--diag-steps",
+            args.run.diag_steps != crate::opts::StepSet::All,
+        ),
         ("--swimlane", args.run.swimlane > 0),
         ("--trace", args.run.trace.is_some()),
         ("--dep-gen", args.run.dep_gen),
@@ -254,6 +267,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
     if let Some((flag, _)) = cpu_only.iter().find(|(_, set)| *set) {
         bail!("{flag}: not available with --platform cuda (a CPU-runtime option)");
     }
+    let device = crate::platform::cuda_device()?;
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
@@ -272,6 +286,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
 }
 
 pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
+    args.run.refuse_diag_steps("bench qwen3-decode")?;
     let shapes = shapes_or(&args, &["1x256", "4x1024", "16x1024"])?;
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
@@ -336,7 +351,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         case.fill_kv(&c, &kv)?;
         let mut session = Session::new(&worker, model.clone(), kv);
         args.tiles.apply(&mut session);
-        session.replay = args.replay.on();
+        session.replay = args.replay.unwrap_or(Replay::On).on();
         session.read_logits = false;
         let mut samples = Vec::new();
         let mut last = None;
@@ -351,7 +366,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         }
         let sw_cfg = swimlane_config(&cfg);
         let mut recorded: Vec<(OutsideShare, RunReport)> = Vec::new();
-        for _ in 0..args.outside_steps.max(1) {
+        for _ in 0..args.outside_steps {
             let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;
             if let Some(o) = sw.report.outside_kernels() {
                 recorded.push((o, sw.report));
@@ -478,7 +493,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         println!(
             "  {}",
             describe_graphs(
-                args.replay,
+                args.replay.unwrap_or(Replay::On),
                 last.iter().chain(recorded.iter().map(|r| &r.1))
             )
         );
@@ -490,7 +505,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 &cfg,
                 args.rounds,
                 args.warmup,
-                args.outside_steps.max(1),
+                args.outside_steps,
             )?;
             println!(
                 "  replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"

@@ -58,6 +58,7 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
 }
 
 pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
+    args.run.refuse_diag_steps("bench runtime")?;
     let w = args.run.worker()?;
     w.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
         Ok(())
@@ -109,7 +110,9 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         crate::opts::emit(r, &base)?;
     }
 
-    // Serial mode splits the same work into submit cost and execution cost.
+    // Serial mode splits the same work into submit cost and execution cost. It submits a
+    // whole graph before running it, so its rings hold 2^20 tasks and dependency entries
+    // whatever `--ring-task-window` / `--ring-dep-pool` say (the report says so).
     let serial = CallConfig {
         mode: OrchMode::Serial,
         runtime_env: RuntimeEnv {
@@ -131,6 +134,14 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         orch.median / 1e6,
         exec.median / 1e6
     );
+    println!(
+        "  (the serial split, the chain, SPMD and fan-out runs submit whole graphs first: their rings hold 2^20 tasks and dependency entries{})",
+        if args.run.ring_task_window.is_some() || args.run.ring_dep_pool.is_some() {
+            ", not the --ring-task-window / --ring-dep-pool given, which apply to the throughput runs"
+        } else {
+            ""
+        }
+    );
 
     if let Some(b_opts) = &args.compare {
         #[derive(clap::Parser)]
@@ -142,14 +153,23 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         let b = <VariantB as clap::Parser>::try_parse_from(words)
             .map_err(|e| anyhow::anyhow!("--compare {b_opts:?}: {e}"))?
             .run;
+        b.refuse_diag_steps("bench runtime --compare")?;
         let wb = b.worker()?;
         wb.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
             Ok(())
         }))?;
         let cfg_b = b.call_config("bench-runtime-b")?;
         let failure = std::cell::RefCell::new(None);
-        let measure = |w: &Worker, cfg: &CallConfig| match throughput(w, cfg) {
-            Ok(r) => n as f64 / (r.effective().dur_ns() as f64 / 1e9),
+        // B's last run, whose spans and diagnostics are written where B's options say.
+        let last_b = std::cell::RefCell::new(None);
+        let measure = |w: &Worker, cfg: &CallConfig, is_b: bool| match throughput(w, cfg) {
+            Ok(r) => {
+                let rate = n as f64 / (r.effective().dur_ns() as f64 / 1e9);
+                if is_b {
+                    *last_b.borrow_mut() = Some(r);
+                }
+                rate
+            }
             Err(e) => {
                 failure.borrow_mut().get_or_insert(e);
                 f64::NAN
@@ -158,11 +178,14 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         let pairs = run_interleaved(
             args.rounds,
             args.warmup,
-            || measure(&w, &base),
-            || measure(&wb, &cfg_b),
+            || measure(&w, &base, false),
+            || measure(&wb, &cfg_b, true),
         );
         if let Some(e) = failure.into_inner() {
             return Err(e);
+        }
+        if let Some(r) = last_b.into_inner() {
+            crate::opts::emit(&r, &cfg_b)?;
         }
         println!(
             "\n[compare] throughput, A = the options above, B = {b_opts:?}, interleaved A B B A ..."

@@ -73,7 +73,8 @@ pub(crate) struct CaseArgs {
     /// Fixture seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps).
+    /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps;
+    /// at least 0.2 each time).
     #[arg(long, default_value_t = CaseArgs::MEMBW_SECONDS)]
     membw_seconds: f64,
     /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
@@ -768,6 +769,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
     if let Some(cmd) = ep_cmd_of_run(&args)? {
         return crate::dsv4_ep::main(cmd);
     }
+    args.run.refuse_diag_steps("run dsv4")?;
     let (mut s, cfg) = start(
         "run",
         "--layer",
@@ -858,6 +860,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         }
         return crate::dsv4_ep::main(cmd);
     }
+    args.run.refuse_diag_steps("bench dsv4")?;
     let mut rows = Vec::with_capacity(args.kernel.len());
     for (i, &layer) in args.kernel.iter().enumerate() {
         if i > 0 {

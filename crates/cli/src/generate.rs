@@ -58,15 +58,16 @@ pub(crate) struct GenerateArgs {
     /// Sampling temperature (0: greedy, the largest logit).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub(crate) temperature: f32,
-    /// Sample among the k most likely tokens only.
+    /// Sample among the k most likely tokens only (with --temperature above 0).
     #[arg(long)]
     pub(crate) top_k: Option<usize>,
-    /// Sample among the most likely tokens whose probability reaches p.
-    #[arg(long, default_value_t = 1.0)]
-    pub(crate) top_p: f32,
-    /// Seed of the sampling draws.
-    #[arg(long, default_value_t = 0)]
-    pub(crate) sample_seed: u64,
+    /// Sample among the most likely tokens whose probability reaches p (with --temperature
+    /// above 0) [default: 1].
+    #[arg(long)]
+    pub(crate) top_p: Option<f32>,
+    /// Seed of the sampling draws (with --temperature above 0) [default: 0].
+    #[arg(long)]
+    pub(crate) sample_seed: Option<u64>,
     /// Write the fp32 logits of every generated position to FILE (.npy, [positions, vocab]).
     #[arg(long, value_name = "FILE")]
     pub(crate) dump_logits: Option<PathBuf>,
@@ -115,11 +116,25 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if args.num_prompts > 1 && args.dump_logits.is_some() {
         bail!("--dump-logits writes one sequence's logits: give --num-prompts 1");
     }
+    if args.temperature == 0.0 {
+        // Greedy decoding takes the largest logit: the sampling flags would change nothing.
+        for (flag, given) in [
+            ("--top-k", args.top_k.is_some()),
+            ("--top-p", args.top_p.is_some()),
+            ("--sample-seed", args.sample_seed.is_some()),
+        ] {
+            if given {
+                bail!(
+                    "{flag}: applies when sampling; give --temperature above 0 (0, the default, is greedy)"
+                );
+            }
+        }
+    }
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.sample_seed,
+        top_p: args.top_p.unwrap_or(1.0),
+        seed: args.sample_seed.unwrap_or(0),
     };
     sampling
         .validate()

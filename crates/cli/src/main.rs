@@ -129,6 +129,7 @@ fn run_demo(args: DemoArgs) -> Result<()> {
         n: args.n,
         tile: args.tile,
     };
+    args.run.refuse_diag_steps("run demo")?;
     let w = args.run.worker()?;
     demo::register(&w, shape)?;
     let cfg = args.run.call_config("demo")?;

@@ -145,6 +145,17 @@ impl RunOpts {
         Ok(())
     }
 
+    /// Refuses `--diag-steps` for a command that writes one run's diagnostics (`cmd` names
+    /// it): the flag selects steps of the commands that write many.
+    pub(crate) fn refuse_diag_steps(&self, cmd: &str) -> Result<()> {
+        if self.diag_steps != StepSet::All {
+            bail!(
+                "--diag-steps: `simpler {cmd}` writes one recorded step's diagnostics; the flag selects steps of `run qwen3-decode` and `generate`"
+            );
+        }
+        Ok(())
+    }
+
     pub(crate) fn worker(&self) -> Result<Worker> {
         let w = Worker::new(
             CpuPlatform::new(),

@@ -267,14 +267,23 @@ pub(crate) fn describe_graphs<'a>(
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TileArgs {
     /// About how many weight KiB one projection tile streams [default: 1024].
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     pub(crate) tile_kib: Option<usize>,
     /// Fewest tiles of each projection per core [default: 4].
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     pub(crate) tiles_per_core: Option<usize>,
     /// Longest decode attention KV chunk, in tokens [default: 256].
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     pub(crate) max_kv_chunk: Option<usize>,
+}
+
+/// A count of at least 1 (a zero is refused, not raised to 1).
+pub(crate) fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl TileArgs {
@@ -286,13 +295,13 @@ impl TileArgs {
     /// Applies the overrides to `policy`.
     pub(crate) fn apply_to(&self, policy: &mut TilePolicy) {
         if let Some(k) = self.tile_kib {
-            policy.tile_bytes = k.max(1) << 10;
+            policy.tile_bytes = k << 10;
         }
         if let Some(n) = self.tiles_per_core {
-            policy.tiles_per_core = n.max(1);
+            policy.tiles_per_core = n;
         }
         if let Some(n) = self.max_kv_chunk {
-            policy.max_kv_chunk = n.max(1);
+            policy.max_kv_chunk = n;
         }
     }
 

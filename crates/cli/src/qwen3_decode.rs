@@ -93,7 +93,8 @@ pub(crate) struct DecodeArgs {
     /// What a step runs.
     #[arg(long, value_enum, default_value_t = Variant::Model)]
     pub(crate) variant: Variant,
-    /// Seconds spent measuring this machine's bandwidth and FMA peak before the run.
+    /// Seconds spent measuring this machine's bandwidth and FMA peak before the run (at least
+    /// 0.2 are).
     #[arg(long, default_value_t = 1.5)]
     pub(crate) membw_seconds: f64,
     /// Replay a captured graph for the steps of one topology (`on`), or run the orchestration

@@ -114,6 +114,11 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             tree,
             perfetto,
         } => {
+            if warmup > 0 && !rounds {
+                anyhow::bail!(
+                    "--warmup: it excludes rounds from the --rounds summary; add --rounds"
+                );
+            }
             let trace = reader::read_traces(&files)?;
             print!("{}", trace.clock_summary());
             if rounds {
@@ -189,6 +194,11 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             html: html_out,
             reduce,
         } => {
+            if reduce && dot.is_none() && html_out.is_none() {
+                anyhow::bail!(
+                    "--reduce: it draws the transitive reduction; add --dot FILE or --html FILE (the summary counts every edge)"
+                );
+            }
             let path = diag::locate(&file, diag::DEPS_FILE)?;
             let g = diag::read_deps(&path)?;
             print!("{}", deps::summary(&g)?);

@@ -165,3 +165,165 @@ fn serving_commands_refuse_diagnostics_they_would_not_write() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("ring_heap"), "{err}");
 }
+
+/// `--diag-steps` picks steps of the commands that write many; a command that writes one
+/// run's diagnostics refuses it by name before it runs (it used to write them anyway).
+#[test]
+fn diag_steps_is_refused_where_one_step_is_written() {
+    for args in [
+        &["run", "demo"][..],
+        &["bench", "runtime"],
+        &["bench", "qwen3-decode", "--preset", "tiny"],
+        &["bench", "qwen3-prefill", "--preset", "tiny"],
+        &["run", "dsv4", "--layer", "swa", "--preset", "tiny"],
+        &["bench", "dsv4", "--kernel", "swa", "--preset", "tiny"],
+    ] {
+        let mut a = args.to_vec();
+        a.extend([
+            "--diag-steps",
+            "0-2",
+            "--swimlane",
+            "1",
+            "--output-dir",
+            "/tmp/unused",
+        ]);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{a:?}");
+        assert!(err.contains("--diag-steps: `simpler "), "{a:?}: {err}");
+        assert!(text(&out.stdout).is_empty(), "{a:?}: ran anyway");
+    }
+}
+
+/// `bench qwen3-prefill --max-kv-chunk` is refused by name: prefill attention is not split
+/// by KV chunks, so the flag would change nothing.
+#[test]
+fn max_kv_chunk_is_refused_for_prefill() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-prefill",
+        "--preset",
+        "tiny",
+        "--max-kv-chunk",
+        "128",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--max-kv-chunk: prefill attention"), "{err}");
+    assert!(text(&out.stdout).is_empty(), "ran anyway");
+}
+
+/// Values that were quietly raised or flags that changed nothing alone are refused by name:
+/// zero tile sizes and counts, a `bench membw` shorter than its passes or with an empty
+/// buffer, and the `trace` flags that only qualify another.
+#[test]
+fn out_of_range_values_and_lone_qualifiers_are_refused() {
+    for (args, needle) in [
+        (
+            &["run", "qwen3-decode", "--preset", "tiny", "--tile-kib", "0"][..],
+            "--tile-kib",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--tiles-per-core",
+                "0",
+            ],
+            "--tiles-per-core",
+        ),
+        (
+            &[
+                "run",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--max-kv-chunk",
+                "0",
+            ],
+            "--max-kv-chunk",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--outside-steps",
+                "0",
+            ],
+            "--outside-steps",
+        ),
+        (
+            &["bench", "membw", "--seconds", "0.1"],
+            "--seconds 0.1: give at least 0.4",
+        ),
+        (
+            &["bench", "membw", "--buffer-mib", "0"],
+            "--buffer-mib 0: give at least 1",
+        ),
+        (
+            &["trace", "timing", "/nonexistent.jsonl", "--warmup", "2"],
+            "--warmup: ",
+        ),
+        (&["trace", "deps", "/nonexistent", "--reduce"], "--reduce: "),
+    ] {
+        let out = simpler(args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+    }
+}
+
+/// `bench runtime --compare` writes variant B's spans and diagnostics where B's options say
+/// (it recorded them and wrote nothing), and refuses B's `--diag-steps`.
+#[test]
+fn bench_runtime_writes_variant_bs_outputs() {
+    let dir = std::env::temp_dir().join(format!("simpler-runtime-b-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let b = format!(
+        "--cores 1 --swimlane 1 --output-dir {} --trace {}",
+        dir.join("b").display(),
+        dir.join("b.jsonl").display()
+    );
+    let small = [
+        "bench",
+        "runtime",
+        "--tasks",
+        "2000",
+        "--hops",
+        "100",
+        "--blocks",
+        "100",
+        "--readers",
+        "64",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+    ];
+    let mut args = small.to_vec();
+    args.extend(["--compare", &b]);
+    let out = simpler(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.join("b").join("swimlane.json").is_file());
+    assert!(
+        std::fs::read_to_string(dir.join("b.jsonl"))
+            .unwrap()
+            .lines()
+            .count()
+            > 1
+    );
+    let mut args = small.to_vec();
+    args.extend([
+        "--compare",
+        "--diag-steps 0 --swimlane 1 --output-dir /tmp/unused",
+    ]);
+    let out = simpler(&args);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--diag-steps: `simpler bench runtime --compare`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -131,6 +131,25 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
     assert!(err.contains("greedy"), "{err}");
     let (greedy0, _) = generate(&dir, &ids, &["--temperature", "0"]);
     assert_eq!(greedy, greedy0);
+    // Greedy decoding refuses the sampling flags it would not use.
+    for (flag, value) in [("--top-k", "3"), ("--top-p", "0.5"), ("--sample-seed", "9")] {
+        let out = simpler(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+            flag,
+            value,
+        ]);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{flag}");
+        assert!(
+            err.contains(&format!("{flag}: applies when sampling")),
+            "{flag}: {err}"
+        );
+        assert!(text(&out.stdout).is_empty(), "{flag}: ran anyway");
+    }
     for (flag, value) in [("--temperature", "-1"), ("--top-p", "0"), ("--top-k", "0")] {
         let out = simpler(&[
             "generate",
