@@ -131,8 +131,16 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
     assert!(err.contains("greedy"), "{err}");
     let (greedy0, _) = generate(&dir, &ids, &["--temperature", "0"]);
     assert_eq!(greedy, greedy0);
-    // Greedy decoding refuses the sampling flags it would not use.
-    for (flag, value) in [("--top-k", "3"), ("--top-p", "0.5"), ("--sample-seed", "9")] {
+    // Bad sampling values are refused by name, and greedy decoding (the default temperature
+    // 0) refuses the sampling flags it would not use; nothing runs.
+    for (flag, value, needle) in [
+        ("--temperature", "-1", "temperature"),
+        ("--top-p", "0", "top-p"),
+        ("--top-k", "0", "top-k"),
+        ("--top-k", "3", "--top-k: applies when sampling"),
+        ("--top-p", "0.5", "--top-p: applies when sampling"),
+        ("--sample-seed", "9", "--sample-seed: applies when sampling"),
+    ] {
         let out = simpler(&[
             "generate",
             "--model",
@@ -143,28 +151,9 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
             value,
         ]);
         let err = text(&out.stderr);
-        assert!(!out.status.success(), "{flag}");
-        assert!(
-            err.contains(&format!("{flag}: applies when sampling")),
-            "{flag}: {err}"
-        );
-        assert!(text(&out.stdout).is_empty(), "{flag}: ran anyway");
-    }
-    for (flag, value) in [("--temperature", "-1"), ("--top-p", "0"), ("--top-k", "0")] {
-        let out = simpler(&[
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--prompt-ids",
-            "1",
-            flag,
-            value,
-        ]);
-        let err = text(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(&flag[2..]),
-            "{flag}: {err}"
-        );
+        assert!(!out.status.success(), "{flag} {value}");
+        assert!(err.contains(needle), "{flag} {value}: {err}");
+        assert!(text(&out.stdout).is_empty(), "{flag} {value}: ran anyway");
     }
     // Text with a model whose vocabulary is smaller than the tokenizer's is refused by name.
     let out = simpler(&["generate", "--preset", "tiny", "--prompt", "Hello"]);
