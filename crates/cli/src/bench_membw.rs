@@ -34,6 +34,9 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
     if args.buffer_mib == Some(0) {
         bail!("--buffer-mib 0: give at least 1");
     }
+    if args.threads == Some(0) {
+        bail!("--threads 0: give at least 1");
+    }
     let d = MeasureOptions::default();
     let p = measure(&MeasureOptions {
         duration: Duration::from_secs_f64(args.seconds),

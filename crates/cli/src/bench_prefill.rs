@@ -75,7 +75,10 @@ fn check_prompt_lens(lens: &[usize], c: Option<&Qwen3Config>) -> Result<()> {
     if lens.is_empty() {
         bail!("--prompt-lens: give at least one prompt length, e.g. --prompt-lens 64,256");
     }
-    for &len in lens {
+    for (i, &len) in lens.iter().enumerate() {
+        if lens[..i].contains(&len) {
+            bail!("--prompt-lens: {len} is given twice");
+        }
         if len == 0 {
             bail!(
                 "--prompt-lens: a prompt of 0 tokens cannot be prefilled; give lengths of at least 1, e.g. --prompt-lens 64,256"
@@ -370,12 +373,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         // is written there, for `simpler trace swimlane` / `idle` / `critical-path`; with
         // several prompt lengths each in its own folder.
         let len_cfg = crate::opts::case_config(&cfg, &format!("{len}"), args.prompt_lens.len() > 1);
-        let len_sw_cfg = crate::bench_qwen3::swimlane_config(&len_cfg);
-        crate::opts::emit_case(
-            &len_cfg,
-            outside_report.as_ref().map(|r| (r, &len_sw_cfg)),
-            last.as_ref(),
-        )?;
+        crate::opts::emit_case(&len_cfg, outside_report.as_ref(), last.as_ref())?;
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
 
         let s = Summary::of(&samples);

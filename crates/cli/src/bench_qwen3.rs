@@ -53,7 +53,7 @@ pub(crate) struct DecodeBenchArgs {
     #[arg(long, default_value_t = 10)]
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first (at least 0.2 are).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = MEMBW_SECONDS)]
     membw_seconds: f64,
     /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
     /// with every step's spans written to a trace file (B), interleaved A B B A ..., reported as
@@ -88,7 +88,7 @@ pub(crate) struct DecodeBenchArgs {
     versus_weights: Option<WeightFormat>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
     /// outside kernels (the median is reported: one step's share varies with host noise).
-    #[arg(long, default_value_t = 5, value_parser = crate::qwen3_cmd::positive)]
+    #[arg(long, default_value_t = OUTSIDE_STEPS, value_parser = crate::qwen3_cmd::positive)]
     outside_steps: usize,
     /// Replay a captured graph for every step after the first (`on`), or run the
     /// orchestration for every step (`off`); the report says which ran [default: on].
@@ -105,6 +105,11 @@ pub(crate) struct DecodeBenchArgs {
     run: RunOpts,
 }
 
+/// `--membw-seconds`'s default.
+const MEMBW_SECONDS: f64 = 2.0;
+/// `--outside-steps`'s default.
+const OUTSIDE_STEPS: usize = 5;
+
 fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let (b, l) = s
         .split_once(['x', 'X'])
@@ -116,8 +121,10 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     Ok((b, l))
 }
 
-/// `cfg` recording a swimlane (level 1 at least) for [`RunReport::outside_kernels`]. The core only
-/// requires an output directory when a diagnostic is on; nothing is written to it.
+/// `cfg` recording a swimlane (level 1 at least) for [`RunReport::outside_kernels`]. The core
+/// requires an output directory when a diagnostic is on: without `--output-dir` it is the
+/// temporary directory, and nothing is written there ([`crate::opts::emit_case`] writes a
+/// recorded step only where `--output-dir` was given).
 pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
     CallConfig {
         swimlane: cfg.swimlane.max(1),
@@ -198,10 +205,21 @@ struct Row {
 
 /// The shapes of `--shapes`, or `default`.
 fn shapes_or(args: &DecodeBenchArgs, default: &[&str]) -> Result<Vec<(usize, usize)>> {
-    match &args.shapes {
-        Some(list) => list.iter().map(|s| parse_shape(s)).collect(),
-        None => default.iter().map(|s| parse_shape(s)).collect(),
+    let shapes: Vec<(usize, usize)> = match &args.shapes {
+        Some(list) => list.iter().map(|s| parse_shape(s)).collect::<Result<_>>()?,
+        None => default
+            .iter()
+            .map(|s| parse_shape(s))
+            .collect::<Result<_>>()?,
+    };
+    // Each shape's outputs go to a folder named after it: a shape given twice would measure
+    // the same again and replace the first one's files.
+    for (i, (b, l)) in shapes.iter().enumerate() {
+        if shapes[..i].contains(&(*b, *l)) {
+            bail!("--shapes: {b}x{l} is given twice");
+        }
     }
+    Ok(shapes)
 }
 
 /// `simpler bench qwen3-decode --platform cuda`: the flags that only mean something on the
@@ -242,21 +260,11 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ),
         ("--replay", args.replay.is_some()),
         ("--versus-replay", args.versus_replay),
-        ("--outside-steps", args.outside_steps != 5),
-        ("--membw-seconds", args.membw_seconds != 2.0),
+        ("--outside-steps", args.outside_steps != OUTSIDE_STEPS),
+        ("--membw-seconds", args.membw_seconds != MEMBW_SECONDS),
         ("--memory-budget", args.model.memory_budget.is_some()),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),
-        ("--output-dir", args.run.output_dir.is_some()),
-        ("--swimlane-capacity", args.run.swimlane_capacity.is_some()),
-        (
-            "--diag-steps",
-            args.run.diag_steps != crate::opts::StepSet::All,
-        ),
-        ("--swimlane", args.run.swimlane > 0),
-        ("--trace", args.run.trace.is_some()),
-        ("--dep-gen", args.run.dep_gen),
-        ("--ring-stats", args.run.ring_stats),
         (
             "--ring-task-window / --ring-heap / --ring-dep-pool",
             args.run.ring_task_window.is_some()
@@ -264,9 +272,11 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
                 || args.run.ring_dep_pool.is_some(),
         ),
     ];
+    const WHY: &str = "not available with --platform cuda (a CPU-runtime option)";
     if let Some((flag, _)) = cpu_only.iter().find(|(_, set)| *set) {
-        bail!("{flag}: not available with --platform cuda (a CPU-runtime option)");
+        bail!("{flag}: {WHY}");
     }
+    args.run.refuse_diagnostics(WHY)?;
     let device = crate::platform::cuda_device()?;
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
@@ -380,12 +390,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         // for; with several shapes each in its own folder.
         let shape_cfg =
             crate::opts::case_config(&cfg, &format!("{batch}x{seq_len}"), shapes.len() > 1);
-        let shape_sw_cfg = swimlane_config(&shape_cfg);
-        crate::opts::emit_case(
-            &shape_cfg,
-            median_step.map(|r| (r, &shape_sw_cfg)),
-            last.as_ref(),
-        )?;
+        crate::opts::emit_case(&shape_cfg, median_step, last.as_ref())?;
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));

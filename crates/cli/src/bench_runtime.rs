@@ -1,7 +1,7 @@
 //! `simpler bench runtime`: the runtime's own costs — empty-task throughput, dependent-chain
 //! latency per hop and SPMD block overhead — with warm-up, rounds and interval statistics.
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 use simpler_core::{
     CallConfig, EngineClass, KernelId, KernelSpec, OrchMode, RingValue, RunReport, RuntimeEnv,
@@ -59,6 +59,27 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
 
 pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     args.run.refuse_diag_steps("bench runtime")?;
+    if args.scope == 0 {
+        bail!("--scope 0: give at least 1 task per scope");
+    }
+    // Variant B's options are checked before anything runs.
+    let variant_b = match &args.compare {
+        Some(b_opts) => {
+            #[derive(clap::Parser)]
+            struct VariantB {
+                #[command(flatten)]
+                run: RunOpts,
+            }
+            let words = std::iter::once("B").chain(b_opts.split_whitespace());
+            let b = <VariantB as clap::Parser>::try_parse_from(words)
+                .map_err(|e| anyhow::anyhow!("--compare {b_opts:?}: {e}"))?
+                .run;
+            b.refuse_diag_steps("bench runtime --compare")?;
+            let cfg_b = b.call_config("bench-runtime-b")?;
+            Some((b_opts.clone(), b, cfg_b))
+        }
+        None => None,
+    };
     let w = args.run.worker()?;
     w.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
         Ok(())
@@ -72,7 +93,7 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     println!("{}", format_diagnostics(&Diagnostics::of(&base)));
 
     // 1. Throughput of independent empty tasks, orchestration overlapped with execution.
-    let (n, per_scope) = (args.tasks, args.scope.max(1));
+    let (n, per_scope) = (args.tasks, args.scope);
     let throughput = |w: &Worker, cfg: &CallConfig| -> Result<RunReport> {
         Ok(
             w.run_fn("bench.throughput", Default::default(), cfg, move |o, _| {
@@ -143,22 +164,11 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         }
     );
 
-    if let Some(b_opts) = &args.compare {
-        #[derive(clap::Parser)]
-        struct VariantB {
-            #[command(flatten)]
-            run: RunOpts,
-        }
-        let words = std::iter::once("B").chain(b_opts.split_whitespace());
-        let b = <VariantB as clap::Parser>::try_parse_from(words)
-            .map_err(|e| anyhow::anyhow!("--compare {b_opts:?}: {e}"))?
-            .run;
-        b.refuse_diag_steps("bench runtime --compare")?;
+    if let Some((b_opts, b, cfg_b)) = &variant_b {
         let wb = b.worker()?;
         wb.register_kernel(KernelSpec::new(EMPTY, "empty", EngineClass::Vector, |_| {
             Ok(())
         }))?;
-        let cfg_b = b.call_config("bench-runtime-b")?;
         let failure = std::cell::RefCell::new(None);
         // B's last run, whose spans and diagnostics are written where B's options say.
         let last_b = std::cell::RefCell::new(None);
@@ -179,18 +189,18 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
             args.rounds,
             args.warmup,
             || measure(&w, &base, false),
-            || measure(&wb, &cfg_b, true),
+            || measure(&wb, cfg_b, true),
         );
         if let Some(e) = failure.into_inner() {
             return Err(e);
         }
         if let Some(r) = last_b.into_inner() {
-            crate::opts::emit(&r, &cfg_b)?;
+            crate::opts::emit(&r, cfg_b)?;
         }
         println!(
             "\n[compare] throughput, A = the options above, B = {b_opts:?}, interleaved A B B A ..."
         );
-        println!("{}", format_diagnostics(&Diagnostics::of(&cfg_b)));
+        println!("{}", format_diagnostics(&Diagnostics::of(cfg_b)));
         println!(
             "{}",
             format_compare("tasks_per_s", "A", "B", &compare(&pairs.a, &pairs.b))

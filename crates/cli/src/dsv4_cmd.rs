@@ -174,18 +174,17 @@ pub(crate) fn ep_cmd_of_bench(a: &BenchDsv4Args) -> Result<Option<crate::dsv4_ep
     if let [layer] = a.kernel[..] {
         return ep_cmd(layer, &a.ep, &a.case, &a.run, (false, a.rounds, a.warmup));
     }
-    for (flag, given) in [
-        ("--ep", a.ep.ep.is_some()),
-        ("--collectives", a.ep.collectives.is_some()),
-        ("--experts-per-rank", a.ep.experts_per_rank.is_some()),
-    ] {
-        if given {
-            bail!(
-                "{flag}: the expert-parallel step measures the moe layer alone; give --kernel moe"
-            );
-        }
+    if a.ep.ep.is_some() {
+        bail!("--ep: the expert-parallel step measures the moe layer alone; give --kernel moe");
     }
-    Ok(None)
+    // Without --ep: the same refusals of --collectives and --experts-per-rank as one layer's.
+    ep_cmd(
+        LayerArg::Moe,
+        &a.ep,
+        &a.case,
+        &a.run,
+        (false, a.rounds, a.warmup),
+    )
 }
 
 /// Arguments of `simpler run dsv4`.

@@ -216,17 +216,18 @@ pub(crate) fn case_config(cfg: &CallConfig, case: &str, several: bool) -> CallCo
     c
 }
 
-/// What a bench writes for one case: with `--output-dir`, the `recorded` step (the one its
-/// report's tables come from, recorded at swimlane level 1 at least) under `recorded_cfg`;
-/// with only `--trace`, the `last` measured step's spans under `cfg`. Nothing without either.
+/// What a bench writes for one case (`cfg`, from [`case_config`]): with `--output-dir`, the
+/// `recorded` step (the one its report's tables come from, recorded at swimlane level 1 at
+/// least, [`crate::bench_qwen3::swimlane_config`]); with only `--trace`, the `last` measured
+/// step's spans. Nothing without either.
 pub(crate) fn emit_case(
     cfg: &CallConfig,
-    recorded: Option<(&RunReport, &CallConfig)>,
+    recorded: Option<&RunReport>,
     last: Option<&RunReport>,
 ) -> Result<()> {
     if cfg.output_dir.is_some() {
-        if let Some((report, rcfg)) = recorded {
-            emit(report, rcfg)?;
+        if let Some(report) = recorded {
+            emit(report, &crate::bench_qwen3::swimlane_config(cfg))?;
         }
     } else if cfg.trace.is_some()
         && let Some(report) = last

@@ -327,3 +327,47 @@ fn bench_runtime_writes_variant_bs_outputs() {
     assert!(text(&out.stderr).contains("--diag-steps: `simpler bench runtime --compare`"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A shape or prompt length given twice would measure the same case again and replace its
+/// files: refused by name.
+#[test]
+fn a_case_given_twice_is_refused() {
+    for (args, needle) in [
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--shapes",
+                "1x16,2x16,1x16",
+            ][..],
+            "--shapes: 1x16 is given twice",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-prefill",
+                "--preset",
+                "tiny",
+                "--prompt-lens",
+                "16,8,16",
+            ],
+            "--prompt-lens: 16 is given twice",
+        ),
+        (
+            &["bench", "membw", "--threads", "0"],
+            "--threads 0: give at least 1",
+        ),
+        (
+            &["bench", "runtime", "--scope", "0"],
+            "--scope 0: give at least 1",
+        ),
+    ] {
+        let out = simpler(args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+    }
+}

@@ -183,6 +183,14 @@ fn benches_write_each_cases_recorded_step_apart() {
             "{shape}: no GEMM in its swimlane"
         );
     }
+    // The trace tools given the parent directory name the cases to choose from.
+    let out = simpler(&["trace", "swimlane", d]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("holds the diagnostics of 2 cases") && err.contains("1x16"),
+        "{err}"
+    );
     let mut prefill = vec![
         "bench",
         "qwen3-prefill",

@@ -666,9 +666,11 @@ fn bench_dsv4_measures_several_layers_and_compares_them_in_a_table() {
             quietest > 0.0 && quietest <= median && bound > 0.0,
             "{table}"
         );
-        // The shares are the bound over the step times.
-        assert!((num(4) - 100.0 * bound / quietest).abs() < 0.1, "{table}");
-        assert!((num(5) - 100.0 * bound / median).abs() < 0.1, "{table}");
+        // The shares are the bound over the step times (the printed times are rounded to
+        // 0.1 us, so the recomputed shares agree to within a percent of themselves).
+        let near = |share: f64, t: f64| (share - 100.0 * bound / t).abs() <= 0.01 * share + 0.1;
+        assert!(near(num(4), quietest), "{table}");
+        assert!(near(num(5), median), "{table}");
     }
     // One layer prints no table.
     let one = simpler(&bench_tiny("swa", &["--rounds", "1", "--warmup", "0"]));
@@ -729,7 +731,7 @@ fn bench_dsv4_refuses_a_layer_list_a_flag_does_not_fit() {
         (
             "moe,csa",
             &["--experts-per-rank", "16"][..],
-            "give --kernel moe",
+            "--experts-per-rank: only with --ep",
         ),
     ] {
         let out = simpler(&bench_tiny(kernels, more));

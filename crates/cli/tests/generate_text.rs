@@ -133,13 +133,18 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
     assert_eq!(greedy, greedy0);
     // Bad sampling values are refused by name, and greedy decoding (the default temperature
     // 0) refuses the sampling flags it would not use; nothing runs.
-    for (flag, value, needle) in [
-        ("--temperature", "-1", "temperature"),
-        ("--top-p", "0", "top-p"),
-        ("--top-k", "0", "top-k"),
-        ("--top-k", "3", "--top-k: applies when sampling"),
-        ("--top-p", "0.5", "--top-p: applies when sampling"),
-        ("--sample-seed", "9", "--sample-seed: applies when sampling"),
+    for (temperature, flag, value, needle) in [
+        ("0", "--temperature", "-1", "temperature"),
+        ("1", "--top-p", "0", "top-p"),
+        ("1", "--top-k", "0", "top-k"),
+        ("0", "--top-k", "3", "--top-k: applies when sampling"),
+        ("0", "--top-p", "0.5", "--top-p: applies when sampling"),
+        (
+            "0",
+            "--sample-seed",
+            "9",
+            "--sample-seed: applies when sampling",
+        ),
     ] {
         let out = simpler(&[
             "generate",
@@ -147,6 +152,8 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
             dir.to_str().unwrap(),
             "--prompt-ids",
             "1",
+            "--temperature",
+            temperature,
             flag,
             value,
         ]);

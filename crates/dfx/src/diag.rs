@@ -264,8 +264,34 @@ pub fn locate(path: &Path, name: &str) -> Result<PathBuf> {
                 last.display()
             )));
         }
+        let cases = case_dirs(path, name);
+        if let Some(first) = cases.first() {
+            let names: Vec<String> = cases.iter().map(|c| c.display().to_string()).collect();
+            return Err(DfxError::Missing(format!(
+                "{} holds the diagnostics of {} cases of a bench, one directory each ({}); name the case to read, e.g. {}",
+                path.display(),
+                cases.len(),
+                names.join(", "),
+                first.display()
+            )));
+        }
     }
     Ok(file)
+}
+
+/// The subdirectories of `dir` that hold `name` (a bench's cases: `1x256/`, `512/`, `swa/`),
+/// sorted.
+fn case_dirs(dir: &Path, name: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut cases: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.join(name).is_file())
+        .collect();
+    cases.sort();
+    cases
 }
 
 /// The deps file to join with a swimlane: `explicit` when given, else `deps.json` beside the
