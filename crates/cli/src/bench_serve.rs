@@ -120,9 +120,6 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
         bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
     }
-    args.run.refuse_diagnostics(
-        "bench serve times whole requests and writes no per-step diagnostics; record steps with `simpler generate` or `simpler run qwen3-decode`",
-    )?;
     let call = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
     // Room past the outputs for the bare decode steps timed at mid-output context.
@@ -158,7 +155,9 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         },
     )?;
     drop(weights);
-    // The ring sizes and the orchestration mode of the flags.
+    // The ring sizes, the orchestration mode and the diagnostics of the flags; every step's
+    // outputs written as they say.
+    let outputs = crate::opts::StepOutputs::observe_engine(&mut engine, &args.run, &call);
     engine.set_call_config(call);
     println!(
         "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
@@ -220,6 +219,9 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         "engine: {} steps, {} tokens computed, {} served from the prefix cache, {} preemptions, at most {} sequences in a step",
         s.steps, s.computed_tokens, s.cached_tokens, s.preemptions, s.max_batch
     );
+    if let Some(o) = &outputs {
+        o.lock().unwrap_or_else(|p| p.into_inner()).finish();
+    }
     Ok(())
 }
 

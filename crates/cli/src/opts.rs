@@ -46,9 +46,9 @@ pub(crate) struct RunOpts {
     /// past it records are dropped and counted [default: 1048576].
     #[arg(long, value_name = "RECORDS")]
     pub(crate) swimlane_capacity: Option<usize>,
-    /// Steps whose diagnostics a multi-step command (run qwen3-decode, generate) keeps, each in
-    /// OUTPUT_DIR/step-NNNNNN/: `all`, or step numbers and ranges counted from 0 in the order
-    /// the command runs them, e.g. `0,5-7`. The trace keeps every step.
+    /// Steps whose diagnostics a multi-step command (run qwen3-decode, generate, serve, bench
+    /// serve) keeps, each in OUTPUT_DIR/step-NNNNNN/: `all`, or step numbers and ranges counted
+    /// from 0 in the order the command runs them, e.g. `0,5-7`. The trace keeps every step.
     #[arg(long, value_name = "LIST", default_value = "all", value_parser = StepSet::parse)]
     pub(crate) diag_steps: StepSet,
 }
@@ -150,7 +150,7 @@ impl RunOpts {
     pub(crate) fn refuse_diag_steps(&self, cmd: &str) -> Result<()> {
         if self.diag_steps != StepSet::All {
             bail!(
-                "--diag-steps: `simpler {cmd}` writes one recorded step's diagnostics; the flag selects steps of `run qwen3-decode` and `generate`"
+                "--diag-steps: `simpler {cmd}` writes one recorded step's diagnostics; the flag selects steps of `run qwen3-decode`, `generate`, `serve` and `bench serve`"
             );
         }
         Ok(())
@@ -305,6 +305,35 @@ impl StepOutputs {
             self.dropped.1 += sw.dropped;
         }
         Ok(())
+    }
+
+    /// Hands `engine` an observer that writes every later step's outputs as `cfg` says (the
+    /// spans of every step to the trace file, the diagnostics of the steps `--diag-steps`
+    /// picks to `DIR/step-NNNNNN/`), and returns the outputs for [`StepOutputs::finish`];
+    /// `None`, and no observer, when `cfg` asks for no file. A step whose files cannot be
+    /// written is not failed: the first error is printed and the observer stops writing.
+    pub(crate) fn observe_engine(
+        engine: &mut simpler_serve::Engine,
+        opts: &RunOpts,
+        cfg: &CallConfig,
+    ) -> Option<std::sync::Arc<std::sync::Mutex<StepOutputs>>> {
+        if cfg.trace.is_none() && cfg.output_dir.is_none() {
+            return None;
+        }
+        let outputs = std::sync::Arc::new(std::sync::Mutex::new(StepOutputs::new(opts)));
+        let (shared, cfg) = (outputs.clone(), cfg.clone());
+        let mut failed = false;
+        engine.set_step_observer(Some(Box::new(move |report| {
+            if failed {
+                return;
+            }
+            let mut out = shared.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = out.emit(report, &cfg) {
+                failed = true;
+                eprintln!("warning: the engine's step outputs are no longer written: {e:#}");
+            }
+        })));
+        Some(outputs)
     }
 
     /// Prints what was written, in one line.

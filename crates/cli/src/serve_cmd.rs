@@ -20,7 +20,7 @@ use simpler_models::qwen3::{eos_token_ids, ops};
 use simpler_serve::http::{AppState, serve, unix_now};
 use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig, Tokenizer};
 
-use crate::opts::RunOpts;
+use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{ModelArgs, load_weights};
 
 /// Arguments of `simpler serve`.
@@ -74,9 +74,6 @@ pub(crate) struct ServeArgs {
 
 pub(crate) fn main(args: ServeArgs) -> Result<()> {
     // Flags first: a bad one is refused before anything loads.
-    args.run.refuse_diagnostics(
-        "the server writes no per-step diagnostics; record steps with `simpler generate` or `simpler run qwen3-decode`",
-    )?;
     let call = args.run.call_config("serve")?;
     if args.max_batch_size == 0 || args.max_num_batched_tokens == 0 || args.max_waiting == 0 {
         bail!("--max-batch-size, --max-num-batched-tokens and --max-waiting must be at least 1");
@@ -136,6 +133,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     let weights = load_weights(&args.model, &c, false)?;
     let mut engine = Engine::new(worker, &weights, eos.clone(), sizing.engine)?;
     drop(weights);
+    let outputs = opts::StepOutputs::observe_engine(&mut engine, &args.run, &call);
     engine.set_call_config(call);
     let name = match (&args.served_model_name, &args.model.model) {
         (Some(n), _) => n.clone(),
@@ -223,6 +221,9 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         }
     })?;
     let engine = service.stop();
+    if let Some(o) = &outputs {
+        o.lock().unwrap_or_else(|p| p.into_inner()).finish();
+    }
     let Some(e) = engine else {
         bail!("the engine thread died (see the messages above); requests in flight were lost");
     };

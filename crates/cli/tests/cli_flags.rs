@@ -114,37 +114,47 @@ fn check_is_one_tri_state_switch() {
     );
 }
 
-/// `serve` and `bench serve` write no per-step diagnostics: each diagnostics flag is refused
-/// by name before a model loads (they used to be taken and dropped), while the runtime flags
-/// the engine does take reach its steps.
+/// `serve` and `bench serve` write every engine step's outputs as `run qwen3-decode` does:
+/// each step's spans to the trace, the diagnostics of the steps `--diag-steps` picks to
+/// `DIR/step-NNNNNN/` (they used to record them and write nothing), and the runtime flags the
+/// engine takes reach its steps.
 #[test]
-fn serving_commands_refuse_diagnostics_they_would_not_write() {
-    let flags: [&[&str]; 7] = [
-        &["--swimlane", "1", "--output-dir", "/tmp/unused"],
-        &["--dep-gen"],
-        &["--ring-stats"],
-        &["--trace", "/tmp/unused.jsonl"],
-        &["--output-dir", "/tmp/unused"],
-        &["--swimlane-capacity", "64"],
-        &["--diag-steps", "0-3"],
-    ];
-    for cmd in [
-        &["serve", "--preset", "qwen3-tiny"][..],
-        &["bench", "serve", "--preset", "tiny"],
-    ] {
-        for flag in flags {
-            let mut a = cmd.to_vec();
-            a.extend_from_slice(flag);
-            let out = simpler(&a);
-            let err = text(&out.stderr);
-            assert!(!out.status.success(), "{a:?}");
-            assert!(
-                err.contains(&format!("{}: ", flag[0])) && err.contains("no per-step diagnostics"),
-                "{a:?}: {err}"
-            );
-            assert!(text(&out.stdout).is_empty(), "{a:?}: ran anyway");
-        }
+fn serving_commands_write_their_steps_diagnostics() {
+    let dir = std::env::temp_dir().join(format!("simpler-serve-diag-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let out = simpler(&[
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--streams",
+        "1",
+        "--prompt-len",
+        "4",
+        "--max-tokens",
+        "3",
+        "--swimlane",
+        "1",
+        "--output-dir",
+        d,
+        "--diag-steps",
+        "0-1",
+    ]);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("the diagnostics of 2 steps"), "{err}");
+    for step in ["step-000000", "step-000001"] {
+        let sw = std::fs::read_to_string(dir.join(step).join("swimlane.json")).unwrap();
+        assert!(sw.contains("gemm_tile_bf16"), "{step}");
     }
+    assert!(!dir.join("step-000002").exists());
+    // Every step's spans: the warm-up request's and the measured one's steps and the timed
+    // bare decode steps, far more than the two kept.
+    let spans = std::fs::read_to_string(dir.join("trace.jsonl")).unwrap();
+    let runs = spans.lines().filter(|l| l.contains("\"serve\"")).count();
+    assert!(runs > 2, "{runs} lines name the serve runs");
+    std::fs::remove_dir_all(&dir).unwrap();
     // A ring too small for a step: the engine's steps run with the flag's rings, so the
     // benchmark fails naming the ring, where it used to run on the default rings.
     let out = simpler(&[

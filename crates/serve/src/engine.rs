@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use simpler_core::{CallConfig, Worker};
+use simpler_core::{CallConfig, RunReport, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
@@ -193,6 +193,11 @@ struct Seq {
     first_token: Option<Duration>,
 }
 
+/// Called with each runtime run's report (its spans, and the diagnostics the call
+/// configuration records), on the thread that steps the engine, right after the run: a
+/// caller's way to write them ([`Engine::set_step_observer`]).
+pub type StepObserver = Box<dyn FnMut(&RunReport) + Send>;
+
 /// The engine.
 pub struct Engine {
     // Declared before the worker: fields drop in order, and the session's buffers go before
@@ -203,6 +208,7 @@ pub struct Engine {
     eos: Vec<u32>,
     cfg: EngineConfig,
     call: CallConfig,
+    observer: Option<StepObserver>,
     vocab: usize,
     stats: EngineStats,
     /// Admitted requests, oldest first (the order preemption undoes).
@@ -273,6 +279,7 @@ impl Engine {
             eos,
             cfg,
             call: CallConfig::default(),
+            observer: None,
             vocab: c.vocab_size,
             stats: EngineStats::default(),
             running: Vec::new(),
@@ -284,6 +291,19 @@ impl Engine {
     /// How every step runs (diagnostics, tracing, ring sizes); the default otherwise.
     pub fn set_call_config(&mut self, call: CallConfig) {
         self.call = call;
+    }
+
+    /// Hands every later run's report to `observer` (`None`: to nobody, the default): the
+    /// steps of [`Engine::step`] and of [`Engine::time_decode_steps`], each once, in order. A
+    /// failed run has no report.
+    pub fn set_step_observer(&mut self, observer: Option<StepObserver>) {
+        self.observer = observer;
+    }
+
+    fn observe(&mut self, report: &RunReport) {
+        if let Some(f) = self.observer.as_mut() {
+            f(report);
+        }
     }
 
     /// How the engine is sized.
@@ -560,14 +580,19 @@ impl Engine {
                 seq_lens: vec![context + i + 1; batch],
             };
             let t = Instant::now();
-            if let Err(e) = self
+            match self
                 .session
                 .decode(&self.worker, &batch_i, &vec![0; batch], &self.call)
             {
-                result = Err(e.into());
-                break;
+                Ok(out) => {
+                    times.push(t.elapsed());
+                    self.observe(&out.report);
+                }
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
             }
-            times.push(t.elapsed());
         }
         for a in allocs {
             self.blocks.release(a);
@@ -683,6 +708,7 @@ impl Engine {
                 });
             }
         };
+        self.observe(&out.report);
         self.stats.steps += 1;
         self.stats.max_batch = self.stats.max_batch.max(plan.len());
         // Advance; sample where a chunk reached the end of the known tokens.

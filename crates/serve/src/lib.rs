@@ -21,7 +21,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDecoder;
 pub use engine::{
     Completion, Engine, EngineConfig, EngineError, EngineStats, FinishReason, Request, RequestId,
-    StepOutput,
+    StepObserver, StepOutput,
 };
 pub use kv_blocks::{Allocation, BlockId, BlockManager, OutOfBlocks};
 pub use load::{LoadError, ModelSource, RuntimeConfig, Sizing};

@@ -317,3 +317,38 @@ fn an_int8_engine_gives_the_int8_models_tokens() {
     assert_ne!(got, &session_greedy(WeightFormat::Bf16, &p, n));
     assert_eq!(e.config().weights, int8);
 }
+
+/// A step observer sees every run's report once, in order, with the diagnostics the call
+/// configuration records: the engine's steps and its timed bare decode steps.
+#[test]
+fn the_step_observer_sees_every_runs_report() {
+    use std::sync::{Arc, Mutex};
+    let mut e = engine(64, 512);
+    e.set_call_config(CallConfig {
+        swimlane: 1,
+        output_dir: Some(std::env::temp_dir()),
+        ..CallConfig::default()
+    });
+    let seen: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let s = seen.clone();
+    e.set_step_observer(Some(Box::new(move |r| {
+        let records = r.swimlane.as_ref().map_or(0, |sw| sw.tasks.len());
+        s.lock().unwrap().push(records);
+    })));
+    e.generate(&[req(prompt(9, 5), 4)]).unwrap();
+    let steps = e.stats().steps as usize;
+    assert_eq!(seen.lock().unwrap().len(), steps);
+    e.time_decode_steps(1, 16, 3).unwrap();
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), steps + 3);
+        assert!(
+            seen.iter().all(|&n| n > 0),
+            "every report has its swimlane: {seen:?}"
+        );
+    }
+    // Taken away, the observer sees no more runs.
+    e.set_step_observer(None);
+    e.generate(&[req(prompt(5, 6), 2)]).unwrap();
+    assert_eq!(seen.lock().unwrap().len(), steps + 3);
+}
