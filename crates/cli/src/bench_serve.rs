@@ -157,7 +157,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     drop(weights);
     // The ring sizes, the orchestration mode and the diagnostics of the flags; every step's
     // outputs written as they say.
-    let outputs = crate::opts::StepOutputs::observe_engine(&mut engine, &args.run, &call);
+    let outputs = crate::opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;
     engine.set_call_config(call);
     println!(
         "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
@@ -220,7 +220,11 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         s.steps, s.computed_tokens, s.cached_tokens, s.preemptions, s.max_batch
     );
     if let Some(o) = &outputs {
-        o.lock().unwrap_or_else(|p| p.into_inner()).finish();
+        let o = o.lock().unwrap_or_else(|p| p.into_inner());
+        o.finish();
+        if let Some(why) = o.failed() {
+            bail!("the steps' outputs asked for were not all written: {why}");
+        }
     }
     Ok(())
 }

@@ -265,6 +265,8 @@ pub(crate) struct StepOutputs {
     kept: Option<(u64, PathBuf, PathBuf)>,
     /// Steps that dropped swimlane records, and how many records in all.
     dropped: (u64, u64),
+    /// Why an engine observer stopped writing ([`StepOutputs::observe_engine`]).
+    failed: Option<String>,
 }
 
 impl StepOutputs {
@@ -275,7 +277,13 @@ impl StepOutputs {
             trace: None,
             kept: None,
             dropped: (0, 0),
+            failed: None,
         }
+    }
+
+    /// Why the engine's step outputs stopped being written, if they did.
+    pub(crate) fn failed(&self) -> Option<&str> {
+        self.failed.as_deref()
     }
 
     /// Writes one step's outputs; steps are numbered from 0 in the order they are emitted.
@@ -310,30 +318,43 @@ impl StepOutputs {
     /// Hands `engine` an observer that writes every later step's outputs as `cfg` says (the
     /// spans of every step to the trace file, the diagnostics of the steps `--diag-steps`
     /// picks to `DIR/step-NNNNNN/`), and returns the outputs for [`StepOutputs::finish`];
-    /// `None`, and no observer, when `cfg` asks for no file. A step whose files cannot be
-    /// written is not failed: the first error is printed and the observer stops writing.
+    /// `None`, and no observer, when `cfg` asks for no file. The output directory and the
+    /// trace file's directory are made first, so a path that cannot be written is refused
+    /// before anything runs. A step whose files cannot be written later is not failed (a
+    /// server keeps serving): the error is printed once, the observer stops writing, and
+    /// [`StepOutputs::failed`] says why.
     pub(crate) fn observe_engine(
         engine: &mut simpler_serve::Engine,
         opts: &RunOpts,
         cfg: &CallConfig,
-    ) -> Option<std::sync::Arc<std::sync::Mutex<StepOutputs>>> {
+    ) -> Result<Option<std::sync::Arc<std::sync::Mutex<StepOutputs>>>> {
         if cfg.trace.is_none() && cfg.output_dir.is_none() {
-            return None;
+            return Ok(None);
+        }
+        let dirs = cfg.output_dir.iter().cloned().chain(
+            cfg.trace
+                .as_ref()
+                .and_then(|t| t.parent())
+                .filter(|d| !d.as_os_str().is_empty())
+                .map(PathBuf::from),
+        );
+        for dir in dirs {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("creating {} for the steps' outputs", dir.display()))?;
         }
         let outputs = std::sync::Arc::new(std::sync::Mutex::new(StepOutputs::new(opts)));
         let (shared, cfg) = (outputs.clone(), cfg.clone());
-        let mut failed = false;
         engine.set_step_observer(Some(Box::new(move |report| {
-            if failed {
+            let mut out = shared.lock().unwrap_or_else(|p| p.into_inner());
+            if out.failed.is_some() {
                 return;
             }
-            let mut out = shared.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = out.emit(report, &cfg) {
-                failed = true;
-                eprintln!("warning: the engine's step outputs are no longer written: {e:#}");
+                eprintln!("warning: the engine's step outputs are no longer written: {e}");
+                out.failed = Some(e.to_string());
             }
         })));
-        Some(outputs)
+        Ok(Some(outputs))
     }
 
     /// Prints what was written, in one line.

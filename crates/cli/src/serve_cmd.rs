@@ -133,7 +133,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     let weights = load_weights(&args.model, &c, false)?;
     let mut engine = Engine::new(worker, &weights, eos.clone(), sizing.engine)?;
     drop(weights);
-    let outputs = opts::StepOutputs::observe_engine(&mut engine, &args.run, &call);
+    let outputs = opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;
     engine.set_call_config(call);
     let name = match (&args.served_model_name, &args.model.model) {
         (Some(n), _) => n.clone(),

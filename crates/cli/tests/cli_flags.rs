@@ -154,6 +154,22 @@ fn serving_commands_write_their_steps_diagnostics() {
     let spans = std::fs::read_to_string(dir.join("trace.jsonl")).unwrap();
     let runs = spans.lines().filter(|l| l.contains("\"serve\"")).count();
     assert!(runs > 2, "{runs} lines name the serve runs");
+    // A folder that cannot be made is refused before any request runs.
+    let blocked = dir.join("trace.jsonl").join("sub");
+    let out = simpler(&[
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--streams",
+        "1",
+        "--output-dir",
+        blocked.to_str().unwrap(),
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("for the steps' outputs"), "{err}");
+    assert!(!text(&out.stdout).contains("streams"), "measured anyway");
     std::fs::remove_dir_all(&dir).unwrap();
     // A ring too small for a step: the engine's steps run with the flag's rings, so the
     // benchmark fails naming the ring, where it used to run on the default rings.
