@@ -5,6 +5,16 @@ mod common;
 
 use common::{simpler, text};
 
+/// Asserts that `simpler args` fails, its error holds `needle`, and it printed nothing (it
+/// was refused before it ran).
+fn refused(args: &[&str], needle: &str) {
+    let out = simpler(args);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{args:?}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+}
+
 /// Bad runtime flags are refused before any model is loaded or memory checked, naming the
 /// flag (not the `CallConfig` field).
 #[test]
@@ -213,11 +223,7 @@ fn diag_steps_is_refused_where_one_step_is_written() {
             "--output-dir",
             "/tmp/unused",
         ]);
-        let out = simpler(&a);
-        let err = text(&out.stderr);
-        assert!(!out.status.success(), "{a:?}");
-        assert!(err.contains("--diag-steps: `simpler "), "{a:?}: {err}");
-        assert!(text(&out.stdout).is_empty(), "{a:?}: ran anyway");
+        refused(&a, "--diag-steps: `simpler ");
     }
 }
 
@@ -225,23 +231,23 @@ fn diag_steps_is_refused_where_one_step_is_written() {
 /// by KV chunks, so the flag would change nothing.
 #[test]
 fn max_kv_chunk_is_refused_for_prefill() {
-    let out = simpler(&[
-        "bench",
-        "qwen3-prefill",
-        "--preset",
-        "tiny",
-        "--max-kv-chunk",
-        "128",
-    ]);
-    let err = text(&out.stderr);
-    assert!(!out.status.success(), "{err}");
-    assert!(err.contains("--max-kv-chunk: prefill attention"), "{err}");
-    assert!(text(&out.stdout).is_empty(), "ran anyway");
+    refused(
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "tiny",
+            "--max-kv-chunk",
+            "128",
+        ],
+        "--max-kv-chunk: prefill attention",
+    );
 }
 
 /// Values that were quietly raised or flags that changed nothing alone are refused by name:
 /// zero tile sizes and counts, a `bench membw` shorter than its passes or with an empty
-/// buffer, and the `trace` flags that only qualify another.
+/// buffer or no thread, the `trace` flags that only qualify another, and a shape or prompt
+/// length given twice (its case's folder would replace the first one's files).
 #[test]
 fn out_of_range_values_and_lone_qualifiers_are_refused() {
     for (args, needle) in [
@@ -295,12 +301,38 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "--warmup: ",
         ),
         (&["trace", "deps", "/nonexistent", "--reduce"], "--reduce: "),
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--shapes",
+                "1x16,2x16,1x16",
+            ][..],
+            "--shapes: 1x16 is given twice",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-prefill",
+                "--preset",
+                "tiny",
+                "--prompt-lens",
+                "16,8,16",
+            ],
+            "--prompt-lens: 16 is given twice",
+        ),
+        (
+            &["bench", "membw", "--threads", "0"],
+            "--threads 0: give at least 1",
+        ),
+        (
+            &["bench", "runtime", "--scope", "0"],
+            "--scope 0: give at least 1",
+        ),
     ] {
-        let out = simpler(args);
-        let err = text(&out.stderr);
-        assert!(!out.status.success(), "{args:?}");
-        assert!(err.contains(needle), "{args:?}: {err}");
-        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+        refused(args, needle);
     }
 }
 
@@ -352,48 +384,4 @@ fn bench_runtime_writes_variant_bs_outputs() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("--diag-steps: `simpler bench runtime --compare`"));
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// A shape or prompt length given twice would measure the same case again and replace its
-/// files: refused by name.
-#[test]
-fn a_case_given_twice_is_refused() {
-    for (args, needle) in [
-        (
-            &[
-                "bench",
-                "qwen3-decode",
-                "--preset",
-                "tiny",
-                "--shapes",
-                "1x16,2x16,1x16",
-            ][..],
-            "--shapes: 1x16 is given twice",
-        ),
-        (
-            &[
-                "bench",
-                "qwen3-prefill",
-                "--preset",
-                "tiny",
-                "--prompt-lens",
-                "16,8,16",
-            ],
-            "--prompt-lens: 16 is given twice",
-        ),
-        (
-            &["bench", "membw", "--threads", "0"],
-            "--threads 0: give at least 1",
-        ),
-        (
-            &["bench", "runtime", "--scope", "0"],
-            "--scope 0: give at least 1",
-        ),
-    ] {
-        let out = simpler(args);
-        let err = text(&out.stderr);
-        assert!(!out.status.success(), "{args:?}");
-        assert!(err.contains(needle), "{args:?}: {err}");
-        assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
-    }
 }
