@@ -298,6 +298,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             kv_slots: longest.next_multiple_of(page),
             max_seq: longest.next_multiple_of(page),
             step_tokens: longest,
+            weights: args.model.weights,
         },
     )?;
     let worker = args.run.worker()?;

@@ -322,6 +322,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             kv_slots,
             max_seq: max_seq.next_multiple_of(PAGE_SIZE),
             step_tokens: shapes.iter().map(|s| s.0).max().unwrap_or(1),
+            weights: args.model.weights,
         },
     )?;
     let worker = args.run.worker()?;

@@ -135,6 +135,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             kv_slots: blocks * PAGE_SIZE,
             max_seq: seq.div_ceil(PAGE_SIZE) * PAGE_SIZE,
             step_tokens: args.max_num_batched_tokens,
+            weights: args.model.weights,
         },
     )?;
     let worker = args.run.worker()?;

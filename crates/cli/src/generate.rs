@@ -196,6 +196,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             kv_slots: args.num_prompts * pages * PAGE_SIZE,
             max_seq: pages * PAGE_SIZE,
             step_tokens: args.num_prompts * args.prefill_chunk.min(prompt.len()),
+            weights: args.model.weights,
         },
     )?;
     eprintln!(

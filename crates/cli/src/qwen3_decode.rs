@@ -330,6 +330,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             kv_slots: args.batch * blocks * PAGE_SIZE,
             max_seq: blocks * PAGE_SIZE,
             step_tokens: args.batch,
+            weights: args.model.weights,
         },
     )?;
     let worker = args.run.worker()?;

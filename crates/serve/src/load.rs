@@ -185,12 +185,16 @@ impl RuntimeConfig {
             )));
         }
         let max_seq = max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        // Checked by `validate` above.
+        let weights = WeightFormat::parse(&self.weight_dtype)
+            .map_err(|e| EngineError::Config(format!("weight_dtype: {e}")))?;
         let shape = |kv_slots| RunShape {
             layers: c.num_hidden_layers,
             shared_weights: false,
             kv_slots,
             max_seq,
             step_tokens: self.max_num_batched_tokens,
+            weights,
         };
         let overflow =
             |e: simpler_models::qwen3::memory::MemoryOverflow| EngineError::Config(e.to_string());
@@ -250,9 +254,7 @@ impl RuntimeConfig {
                 max_seq_len,
                 num_blocks,
                 long_prefill_threshold: self.long_prefill_threshold,
-                // Checked by `validate` above.
-                weights: WeightFormat::parse(&self.weight_dtype)
-                    .map_err(|e| EngineError::Config(format!("weight_dtype: {e}")))?,
+                weights,
             },
             rest_bytes: rest,
             block_bytes,

@@ -42,6 +42,15 @@ fn kv_blocks_come_from_the_memory_left_after_the_weights() {
     let s = rt.sizing(&c, Some((avail, "test".into()))).unwrap();
     assert_eq!(s.engine.num_blocks, 20);
     assert!(s.describe(&rt).contains("20 blocks"), "{}", s.describe(&rt));
+    // int8 projections leave more of the same memory to the KV cache.
+    let int8 = RuntimeConfig {
+        weight_dtype: "int8".into(),
+        ..rt.clone()
+    }
+    .sizing(&c, Some((avail, "test".into())))
+    .unwrap();
+    assert!(int8.rest_bytes < s.rest_bytes);
+    assert!(int8.engine.num_blocks > 20, "{}", int8.engine.num_blocks);
     // A budget below what the platform has wins.
     let s = RuntimeConfig {
         memory_budget: Some(avail),

@@ -8,6 +8,7 @@
 //! product is checked: a shape whose byte count overflows is an error, not a wrapped number.
 
 use super::config::Qwen3Config;
+use super::quant::WeightFormat;
 
 /// The shape of a run, as far as memory is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,6 +23,9 @@ pub struct RunShape {
     pub max_seq: usize,
     /// Most tokens one step processes (decode batch, or a prefill chunk).
     pub step_tokens: usize,
+    /// How the worker holds the projections and the LM head (the host's copy is bf16 either
+    /// way: it is what gets quantised).
+    pub weights: WeightFormat,
 }
 
 /// One item of an estimate.
@@ -63,26 +67,49 @@ impl MemoryEstimate {
         } else {
             shape.layers
         };
-        let proj = [
-            mul("q_proj", &[q, h, 2])?,
-            mul("k/v_proj", &[kv, h, 4])?,
-            mul("o_proj", &[h, q, 2])?,
-            mul("mlp", &[i, h, 6])?,
-            mul("norms", &[2 * h + 2 * c.head_dim, 4])?,
-        ]
-        .iter()
-        .try_fold(0u64, |a, &b| a.checked_add(b))
-        .ok_or(MemoryOverflow("layer"))?;
-        let layers = proj
-            .checked_mul(sets as u64)
-            .ok_or(MemoryOverflow("layers"))?;
-        let table = mul("embedding", &[v, h, 2])?;
-        let head = if c.tie_word_embeddings { 0 } else { table };
-        let resident_weights = layers
-            .checked_add(table)
-            .and_then(|x| x.checked_add(head))
-            .and_then(|x| x.checked_add(4 * h as u64))
-            .ok_or(MemoryOverflow("weights"))?;
+        // One layer's bytes with its projections held as `format`.
+        let layer = |format: WeightFormat| -> Result<u64, MemoryOverflow> {
+            let m = |what: &'static str, rows: usize, cols: usize, n: usize| {
+                // Bounds both formats' products (`2 · cols` and `cols + 4` bytes a row).
+                mul(what, &[rows, cols.saturating_add(4), 2]).and_then(|_| {
+                    (format.matrix_bytes(rows, cols) as u64)
+                        .checked_mul(n as u64)
+                        .ok_or(MemoryOverflow(what))
+                })
+            };
+            [
+                m("q_proj", q, h, 1)?,
+                m("k/v_proj", kv, h, 2)?,
+                m("o_proj", h, q, 1)?,
+                m("mlp gate/up", i, h, 2)?,
+                m("mlp down", h, i, 1)?,
+                mul("norms", &[2 * h + 2 * c.head_dim, 4])?,
+            ]
+            .iter()
+            .try_fold(0u64, |a, &b| a.checked_add(b))
+            .ok_or(MemoryOverflow("layer"))
+        };
+        // Every layer and the tables, the projections and the LM head as `format`: the
+        // embedding stays bf16 (a gather reads one row a token), and an int8 LM head is a copy
+        // of its own even where it is tied to the embedding.
+        let all = |format: WeightFormat| -> Result<u64, MemoryOverflow> {
+            let layers = layer(format)?
+                .checked_mul(sets as u64)
+                .ok_or(MemoryOverflow("layers"))?;
+            let table = mul("embedding", &[v, h, 2])?;
+            let head = match format {
+                WeightFormat::Bf16 if c.tie_word_embeddings => 0,
+                _ => mul("lm_head", &[v, h.saturating_add(4), 2])
+                    .map(|_| format.matrix_bytes(v, h) as u64)?,
+            };
+            layers
+                .checked_add(table)
+                .and_then(|x| x.checked_add(head))
+                .and_then(|x| x.checked_add(4 * h as u64))
+                .ok_or(MemoryOverflow("weights"))
+        };
+        let host_weights = all(WeightFormat::Bf16)?;
+        let resident_weights = all(shape.weights)?;
         let rope = mul("RoPE tables", &[shape.max_seq, c.head_dim, 8])?;
         let kv_cache = mul("KV cache", &[shape.layers, shape.kv_slots, kv, 4])?;
         let host_pool = mul("KV pools", &[shape.kv_slots, kv, 4])?;
@@ -96,7 +123,7 @@ impl MemoryEstimate {
             items: vec![
                 MemoryItem {
                     what: "weights on the host (generated or loaded; layers kept for the check)",
-                    bytes: resident_weights,
+                    bytes: host_weights,
                 },
                 MemoryItem {
                     what: "weights resident in worker buffers",
@@ -152,6 +179,7 @@ mod tests {
             kv_slots: 384,
             max_seq: 384,
             step_tokens: 1,
+            weights: WeightFormat::Bf16,
         };
         let e = MemoryEstimate::of(&c, &shape).unwrap();
         // 40 layers of ~0.66 GB plus two 1.56 GB tables, twice.
@@ -180,7 +208,49 @@ mod tests {
             kv_slots: usize::MAX / 2,
             max_seq: 128,
             step_tokens: 1,
+            weights: WeightFormat::Bf16,
         };
         assert!(MemoryEstimate::of(&c, &shape).is_err());
+    }
+
+    /// int8 projections take a record of `cols + 4` bytes a row where bf16 takes `2 · cols`;
+    /// the host copy stays bf16, and a tied LM head gets an int8 copy of its own.
+    #[test]
+    fn int8_weights_are_counted_as_they_are_held() {
+        let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+        assert!(c.tie_word_embeddings);
+        let bf16 = RunShape {
+            layers: c.num_hidden_layers,
+            shared_weights: false,
+            kv_slots: 1024,
+            max_seq: 1024,
+            step_tokens: 1,
+            weights: WeightFormat::Bf16,
+        };
+        let int8 = RunShape {
+            weights: WeightFormat::Int8(Default::default()),
+            ..bf16
+        };
+        let (b, q) = (
+            MemoryEstimate::of(&c, &bf16).unwrap(),
+            MemoryEstimate::of(&c, &int8).unwrap(),
+        );
+        assert_eq!(b.items[0], q.items[0], "the host copy is bf16 either way");
+        let (h, v, i) = (c.hidden_size, c.vocab_size, c.intermediate_size);
+        let (qw, kv) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let per_layer = |bytes: &dyn Fn(usize, usize) -> usize| {
+            bytes(qw, h) + 2 * bytes(kv, h) + bytes(h, qw) + 2 * bytes(i, h) + bytes(h, i)
+        };
+        let saved =
+            c.num_hidden_layers * (per_layer(&|r, k| 2 * r * k) - per_layer(&|r, k| r * (k + 4)));
+        // Fewer bytes for the layers, and the tied head's int8 copy on top.
+        let head = v * (h + 4);
+        assert_eq!(
+            b.items[1].bytes as i64 - q.items[1].bytes as i64,
+            saved as i64 - head as i64
+        );
     }
 }
