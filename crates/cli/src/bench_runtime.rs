@@ -1,5 +1,8 @@
 //! `simpler bench runtime`: the runtime's own costs — empty-task throughput, dependent-chain
 //! latency per hop and SPMD block overhead — with warm-up, rounds and interval statistics.
+//! Diagnostics asked for are written for the last round of each section, to
+//! `OUTPUT_DIR/<section>` (throughput, serial, chain, spmd, fanout); variant B's where its own
+//! options say.
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -12,7 +15,7 @@ use simpler_dfx::bench_stats::{
     run_interleaved,
 };
 
-use crate::opts::RunOpts;
+use crate::opts::{RunOpts, case_config};
 
 const EMPTY: KernelId = KernelId(1);
 
@@ -55,6 +58,26 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
         samples.push(one()?);
     }
     Ok(Summary::after_warmup(&samples, args.warmup))
+}
+
+/// Like [`rounds`] for a section whose runs return their report with the sample: the last
+/// round's spans and diagnostics are written as `cfg` says (each section has its own
+/// `OUTPUT_DIR/<section>` from [`case_config`], so no section replaces another's files).
+fn rounds_written(
+    args: &BenchRuntimeArgs,
+    cfg: &CallConfig,
+    mut one: impl FnMut(&CallConfig) -> Result<(f64, RunReport)>,
+) -> Result<Summary> {
+    let mut last = None;
+    let s = rounds(args, || {
+        let (v, r) = one(cfg)?;
+        last = Some(r);
+        Ok(v)
+    })?;
+    if let Some(r) = &last {
+        crate::opts::emit(r, cfg)?;
+    }
+    Ok(s)
 }
 
 pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
@@ -112,12 +135,9 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
             })?,
         )
     };
-    let mut last = None;
-    let s = rounds(&args, || {
-        let r = throughput(&w, &base)?;
-        let v = n as f64 / (r.effective().dur_ns() as f64 / 1e9);
-        last = Some(r);
-        Ok(v)
+    let s = rounds_written(&args, &case_config(&base, "throughput", true), |cfg| {
+        let r = throughput(&w, cfg)?;
+        Ok((n as f64 / (r.effective().dur_ns() as f64 / 1e9), r))
     })?;
     println!("\n[throughput] {n} independent empty tasks in scopes of {per_scope}, overlapped");
     println!("{}", format_summary("tasks_per_s", &s, args.warmup));
@@ -127,9 +147,6 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         cores as f64 * 1e9 / s.median,
         s.median / 1e6 * 100.0
     );
-    if let Some(r) = &last {
-        crate::opts::emit(r, &base)?;
-    }
 
     // Serial mode splits the same work into submit cost and execution cost. It submits a
     // whole graph before running it, so its rings hold 2^20 tasks and dependency entries
@@ -144,10 +161,10 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         ..base.clone()
     };
     let mut orch_rate = Vec::new();
-    let exec = rounds(&args, || {
-        let r = throughput(&w, &serial)?;
+    let exec = rounds_written(&args, &case_config(&serial, "serial", true), |cfg| {
+        let r = throughput(&w, cfg)?;
         orch_rate.push(n as f64 / (r.orch.dur_ns() as f64 / 1e9));
-        Ok(n as f64 / (r.post_orch.dur_ns() as f64 / 1e9))
+        Ok((n as f64 / (r.post_orch.dur_ns() as f64 / 1e9), r))
     })?;
     let orch = Summary::after_warmup(&orch_rate, args.warmup);
     println!(
@@ -210,8 +227,8 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     // 2. Dependent chain: each task waits for the previous one; serial mode so that only the
     //    hand-off from completion to the next start is timed.
     let hops = args.hops;
-    let chain = rounds(&args, || {
-        let r = w.run_fn("bench.chain", Default::default(), &serial, move |o, _| {
+    let chain = rounds_written(&args, &case_config(&serial, "chain", true), |cfg| {
+        let r = w.run_fn("bench.chain", Default::default(), cfg, move |o, _| {
             let mut prev: Option<TaskId> = None;
             // SAFETY: the tasks have no tensor arguments, so there is no memory to order;
             // the explicit dependencies make the chain.
@@ -229,7 +246,7 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
                 })
             }
         })?;
-        Ok(r.post_orch.dur_ns() as f64 / 1e3 / hops as f64)
+        Ok((r.post_orch.dur_ns() as f64 / 1e3 / hops as f64, r))
     })?;
     println!("\n[chain] {hops} dependent empty tasks (explicit dependencies), execution only");
     println!("{}", format_summary("us_per_hop", &chain, args.warmup));
@@ -241,12 +258,12 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
 
     // 3. SPMD: one task of many blocks.
     let blocks = args.blocks;
-    let spmd = rounds(&args, || {
-        let r = w.run_fn("bench.spmd", Default::default(), &serial, move |o, _| {
+    let spmd = rounds_written(&args, &case_config(&serial, "spmd", true), |cfg| {
+        let r = w.run_fn("bench.spmd", Default::default(), cfg, move |o, _| {
             o.submit(Task::new(EMPTY).blocks(blocks))?;
             Ok(())
         })?;
-        Ok(r.post_orch.dur_ns() as f64 / blocks as f64)
+        Ok((r.post_orch.dur_ns() as f64 / blocks as f64, r))
     })?;
     println!("\n[spmd] one empty task of {blocks} blocks, execution only");
     println!("{}", format_summary("ns_per_block", &spmd, args.warmup));
@@ -262,12 +279,12 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     //    the readers before it: orchestration time per reader stays flat as their number grows.
     let readers = args.readers;
     let buf = w.alloc(4096)?;
-    let fan = rounds(&args, || {
+    let fan = rounds_written(&args, &case_config(&serial, "fanout", true), |cfg| {
         let a = simpler_core::RunArgs {
             buffers: vec![buf.clone()],
             scalars: vec![],
         };
-        let r = w.run_fn("bench.fanout", a, &serial, move |o, a| {
+        let r = w.run_fn("bench.fanout", a, cfg, move |o, a| {
             let t = o.bind(&a.buffers[0], simpler_core::DType::F32, &[1024])?;
             o.scope(ScopeKind::Auto, |o| {
                 o.submit(Task::new(EMPTY).output_existing(&t))?;
@@ -277,7 +294,7 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
                 Ok(())
             })
         })?;
-        Ok(r.orch.dur_ns() as f64 / readers.max(1) as f64)
+        Ok((r.orch.dur_ns() as f64 / readers.max(1) as f64, r))
     })?;
     println!("\n[fanout] one writer then {readers} readers of one buffer, orchestration only");
     println!("{}", format_summary("ns_per_reader", &fan, args.warmup));

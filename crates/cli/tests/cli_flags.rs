@@ -336,10 +336,11 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
     }
 }
 
-/// `bench runtime --compare` writes variant B's spans and diagnostics where B's options say
-/// (it recorded them and wrote nothing), and refuses B's `--diag-steps` before anything runs.
+/// `bench runtime` writes the last round of each section (A's five, each to its own folder)
+/// and variant B's spans and diagnostics where B's options say (it used to record them and
+/// write nothing), and refuses B's `--diag-steps` before anything runs.
 #[test]
-fn bench_runtime_writes_variant_bs_outputs() {
+fn bench_runtime_writes_every_sections_outputs() {
     let dir = std::env::temp_dir().join(format!("simpler-runtime-b-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let b = format!(
@@ -363,11 +364,30 @@ fn bench_runtime_writes_variant_bs_outputs() {
         "--warmup",
         "1",
     ];
+    let a_dir = dir.join("a");
     let mut args = small.to_vec();
-    args.extend(["--compare", &b]);
+    args.extend([
+        "--swimlane",
+        "1",
+        "--dep-gen",
+        "--output-dir",
+        a_dir.to_str().unwrap(),
+        "--compare",
+        &b,
+    ]);
     let out = simpler(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.join("b").join("swimlane.json").is_file());
+    // Every section of A writes its last round to its own folder; none replaces another's.
+    for section in ["throughput", "serial", "chain", "spmd", "fanout"] {
+        for file in ["swimlane.json", "deps.json"] {
+            let f = a_dir.join(section).join(file);
+            assert!(f.is_file(), "{} missing", f.display());
+        }
+    }
+    let chain = std::fs::read_to_string(a_dir.join("chain").join("deps.json")).unwrap();
+    let fanout = std::fs::read_to_string(a_dir.join("fanout").join("deps.json")).unwrap();
+    assert_ne!(chain, fanout);
     assert!(
         std::fs::read_to_string(dir.join("b.jsonl"))
             .unwrap()
