@@ -52,9 +52,10 @@ pub(crate) struct DecodeBenchArgs {
     /// (as `run`'s rounds replay their steps).
     #[arg(long, default_value_t = 10)]
     rounds: usize,
-    /// Seconds spent measuring this machine's bandwidth and FMA peak first (at least 0.2 are).
-    #[arg(long, default_value_t = MEMBW_SECONDS)]
-    membw_seconds: f64,
+    /// Seconds spent measuring this machine's bandwidth and FMA peak first (at least 0.2 are)
+    /// [default: 2].
+    #[arg(long, value_name = "SECONDS")]
+    membw_seconds: Option<f64>,
     /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
     /// with every step's spans written to a trace file (B), interleaved A B B A ..., reported as
     /// the ratio B/A of the step-time medians with its 95% interval.
@@ -87,9 +88,10 @@ pub(crate) struct DecodeBenchArgs {
     #[arg(long, value_name = "FORMAT", value_parser = WeightFormat::parse)]
     versus_weights: Option<WeightFormat>,
     /// Steps recorded at swimlane level 1 to measure the share of the cores' time spent
-    /// outside kernels (the median is reported: one step's share varies with host noise).
-    #[arg(long, default_value_t = OUTSIDE_STEPS, value_parser = crate::qwen3_cmd::positive)]
-    outside_steps: usize,
+    /// outside kernels (the median is reported: one step's share varies with host noise)
+    /// [default: 5].
+    #[arg(long, value_name = "N", value_parser = crate::qwen3_cmd::positive)]
+    outside_steps: Option<usize>,
     /// Replay a captured graph for every step after the first (`on`), or run the
     /// orchestration for every step (`off`); the report says which ran [default: on].
     #[arg(long, value_enum)]
@@ -105,10 +107,18 @@ pub(crate) struct DecodeBenchArgs {
     run: RunOpts,
 }
 
-/// `--membw-seconds`'s default.
-const MEMBW_SECONDS: f64 = 2.0;
-/// `--outside-steps`'s default.
-const OUTSIDE_STEPS: usize = 5;
+impl DecodeBenchArgs {
+    /// `--membw-seconds`, default 2. The flag is an `Option` so that `--platform cuda` can
+    /// refuse it even when given at its default value.
+    fn membw_seconds(&self) -> f64 {
+        self.membw_seconds.unwrap_or(2.0)
+    }
+
+    /// `--outside-steps`, default 5 (an `Option` for the same reason).
+    fn outside_steps(&self) -> usize {
+        self.outside_steps.unwrap_or(5)
+    }
+}
 
 fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let (b, l) = s
@@ -226,8 +236,7 @@ fn shapes_or(args: &DecodeBenchArgs, default: &[&str]) -> Result<Vec<(usize, usi
 /// CPU runtime are refused by name; the rest goes to [`crate::bench_qwen3_cuda`].
 pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
     // The flags first, so a CPU-runtime flag is refused by name whether or not a device is
-    // there; an explicit default of `--outside-steps` or `--membw-seconds` cannot be told
-    // from none and passes.
+    // there.
     let cpu_only = [
         (
             "--model (checkpoint upload to the device is not wired yet)",
@@ -260,8 +269,8 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ),
         ("--replay", args.replay.is_some()),
         ("--versus-replay", args.versus_replay),
-        ("--outside-steps", args.outside_steps != OUTSIDE_STEPS),
-        ("--membw-seconds", args.membw_seconds != MEMBW_SECONDS),
+        ("--outside-steps", args.outside_steps.is_some()),
+        ("--membw-seconds", args.membw_seconds.is_some()),
         ("--memory-budget", args.model.memory_budget.is_some()),
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),
@@ -327,7 +336,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
-    let peaks = machine_peaks(args.membw_seconds);
+    let peaks = machine_peaks(args.membw_seconds());
     let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
     // The comparison model first: `upload` drops the host embedding and LM head.
@@ -377,7 +386,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         }
         let sw_cfg = swimlane_config(&cfg);
         let mut recorded: Vec<(OutsideShare, RunReport)> = Vec::new();
-        for _ in 0..args.outside_steps {
+        for _ in 0..args.outside_steps() {
             let sw = session.decode(&worker, &case.batch, &case.tokens, &sw_cfg)?;
             if let Some(o) = sw.report.outside_kernels() {
                 recorded.push((o, sw.report));
@@ -394,7 +403,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         crate::opts::emit_case(&shape_cfg, median_step, last.as_ref())?;
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
-        let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds.min(1.0)));
+        let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds().min(1.0)));
         let s = Summary::of(&samples);
         let cost = StepCost::decode(&c, layers, true, &case.batch.seq_lens).in_format(
             &c,
@@ -412,7 +421,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             &peaks,
             batch,
             args.model.weights,
-            args.membw_seconds.min(1.0),
+            args.membw_seconds().min(1.0),
         );
         let phase = phases.bound_s(&dpeaks);
         let outside = outsides
@@ -511,7 +520,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 &cfg,
                 args.rounds,
                 args.warmup,
-                args.outside_steps,
+                args.outside_steps(),
             )?;
             println!(
                 "  replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"

@@ -74,9 +74,9 @@ pub(crate) struct CaseArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps;
-    /// at least 0.2 each time).
-    #[arg(long, default_value_t = CaseArgs::MEMBW_SECONDS)]
-    membw_seconds: f64,
+    /// at least 0.2 each time) [default: 1.5].
+    #[arg(long, value_name = "SECONDS")]
+    membw_seconds: Option<f64>,
     /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
     /// previous step left there. By default each step starts after a read of twice the
     /// last-level cache (not timed), as a step of a whole model finds the layer: in memory.
@@ -86,7 +86,11 @@ pub(crate) struct CaseArgs {
 }
 
 impl CaseArgs {
-    const MEMBW_SECONDS: f64 = 1.5;
+    /// `--membw-seconds`, default 1.5. The flag is an `Option` so that `--ep` can refuse it
+    /// even when given at its default value.
+    fn membw_seconds(&self) -> f64 {
+        self.membw_seconds.unwrap_or(1.5)
+    }
 }
 
 /// Expert parallelism of the MoE layer.
@@ -129,7 +133,7 @@ fn ep_cmd(
             layer.name()
         );
     }
-    if case.membw_seconds != CaseArgs::MEMBW_SECONDS {
+    if case.membw_seconds.is_some() {
         bail!("--membw-seconds: the expert-parallel step prints no bandwidth ratios");
     }
     if case.warm_cache {
@@ -637,8 +641,8 @@ fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
     let worker = run.worker()?;
     ops::register(&worker)?;
     let step = prepare(layer, &cfg, &starts, case.seed, &worker)?;
-    let machine = machine_peaks(case.membw_seconds);
-    let int8 = int8_peak(machine.threads, case.membw_seconds);
+    let machine = machine_peaks(case.membw_seconds());
+    let int8 = int8_peak(machine.threads, case.membw_seconds());
     let flush = (!case.warm_cache).then(|| CacheFlush::new(machine.threads));
     Ok(Setup {
         worker,
@@ -744,7 +748,7 @@ fn start(
 /// This machine's limits after the measurement (the better of the passes before and after),
 /// printed, as the denominators of the step's ratios.
 fn finish_peaks(s: &Setup, case: &CaseArgs) -> Peaks {
-    let machine = best_peaks(&s.machine, &machine_peaks(case.membw_seconds.min(1.0)));
+    let machine = best_peaks(&s.machine, &machine_peaks(case.membw_seconds().min(1.0)));
     println!("{}", format_peaks(&machine));
     println!(
         "int8 dot-product peak ({}): {:.1} GOP/s",

@@ -525,6 +525,22 @@ fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
             "--warm-cache: the expert-parallel ranks run their steps back to back",
         ),
         (
+            // At its default value too: the expert-parallel step measures no bandwidth.
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "moe",
+                "--preset",
+                "small",
+                "--ep",
+                "2",
+                "--membw-seconds",
+                "1.5",
+            ][..],
+            "--membw-seconds: the expert-parallel step prints no bandwidth ratios",
+        ),
+        (
             &[
                 "run",
                 "dsv4",

@@ -60,6 +60,9 @@ fn cpu_runtime_flags_are_refused_on_cuda() {
         ("--replay", "off", "--replay"),
         ("--outside-steps", "3", "--outside-steps"),
         ("--membw-seconds", "0.5", "--membw-seconds"),
+        // Given at their default values: still refused (they used to pass).
+        ("--outside-steps", "5", "--outside-steps"),
+        ("--membw-seconds", "2", "--membw-seconds"),
         ("--memory-budget", "8", "--memory-budget"),
         ("--output-dir", "/tmp/unused", "--output-dir"),
         ("--swimlane-capacity", "64", "--swimlane-capacity"),
