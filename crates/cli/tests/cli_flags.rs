@@ -181,6 +181,48 @@ fn serving_commands_write_their_steps_diagnostics() {
     assert!(err.contains("for the steps' outputs"), "{err}");
     assert!(!text(&out.stdout).contains("streams"), "measured anyway");
     std::fs::remove_dir_all(&dir).unwrap();
+    // A write that fails after the folder was made (step 1's folder name is taken by a
+    // file): the engine keeps running its steps to the end of the benchmark (a server keeps
+    // serving), the error is printed once and nothing more is written, and `bench serve`
+    // exits non-zero after its report.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("step-000001"), "in the way").unwrap();
+    let out = simpler(&[
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--streams",
+        "1",
+        "--prompt-len",
+        "4",
+        "--max-tokens",
+        "3",
+        "--swimlane",
+        "1",
+        "--output-dir",
+        d,
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(text(&out.stdout).contains("engine: "), "no report: {err}");
+    assert_eq!(
+        err.matches("the engine's step outputs are no longer written")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("the steps' outputs asked for were not all written"),
+        "{err}"
+    );
+    assert!(dir.join("step-000000").join("swimlane.json").is_file());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("step-000001")).unwrap(),
+        "in the way"
+    );
+    assert!(!dir.join("step-000002").exists(), "written after the error");
+    std::fs::remove_dir_all(&dir).unwrap();
     // A ring too small for a step: the engine's steps run with the flag's rings, so the
     // benchmark fails naming the ring, where it used to run on the default rings.
     let out = simpler(&[
