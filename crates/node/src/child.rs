@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::os::fd::{FromRawFd, RawFd};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -91,8 +92,9 @@ pub struct ChildCtx {
     collectives: Option<ShmCollectives>,
     buffers: HashMap<SharedBufferId, SharedBuffer>,
     worker: Option<Worker>,
-    /// The buffers the running node task declared, in declaration order.
-    task_buffers: Vec<SharedBufferId>,
+    /// The buffers the running node task declared, in declaration order, with the bytes it
+    /// declared of each.
+    task_buffers: Vec<(SharedBufferId, Range<usize>)>,
 }
 
 impl ChildCtx {
@@ -122,10 +124,18 @@ impl ChildCtx {
         self.buffers.get(&id)
     }
 
-    /// The `k`-th buffer the running node task declared (`NodeTask::reads` and `writes`,
-    /// in the order of those calls); `None` outside a node task or past the last.
+    /// The `k`-th buffer the running node task declared (`NodeTask::reads`, `writes`,
+    /// `reads_bytes` and `writes_bytes`, in the order of those calls); `None` outside a node
+    /// task or past the last.
     pub fn task_buffer(&self, k: usize) -> Option<&SharedBuffer> {
-        self.buffers.get(self.task_buffers.get(k)?)
+        self.buffers.get(&self.task_buffers.get(k)?.0)
+    }
+
+    /// The bytes of the `k`-th declared buffer the task declared (`0..len` for a whole
+    /// buffer): the only bytes of it the node ordered this task against, so the only ones it
+    /// may touch while tasks that declared other bytes run.
+    pub fn task_bytes(&self, k: usize) -> Option<Range<usize>> {
+        Some(self.task_buffers.get(k)?.1.clone())
     }
 
     /// How many buffers the running node task declared.
@@ -379,11 +389,16 @@ fn task(fns: &ChildFns, ctx: &mut ChildCtx, payload: &[u8]) -> (u32, Vec<u8>) {
     let Some((bufs, call_payload)) = decode_task(payload) else {
         return (STATUS_ERR, b"malformed task".to_vec());
     };
-    if let Some(b) = bufs.iter().find(|b| !ctx.buffers.contains_key(b)) {
-        return (
-            STATUS_ERR,
-            format!("shared buffer {} is not mapped here", b.0).into_bytes(),
-        );
+    for (b, bytes) in &bufs {
+        let Some(buf) = ctx.buffers.get(b) else {
+            return (
+                STATUS_ERR,
+                format!("shared buffer {} is not mapped here", b.0).into_bytes(),
+            );
+        };
+        if bytes.start > bytes.end || bytes.end > buf.len() {
+            return (STATUS_ERR, b"malformed task".to_vec());
+        }
     }
     ctx.task_buffers = bufs;
     let answer = call(fns, ctx, call_payload);
@@ -391,25 +406,38 @@ fn task(fns: &ChildFns, ctx: &mut ChildCtx, payload: &[u8]) -> (u32, Vec<u8>) {
     answer
 }
 
-/// A task's payload: buffer count (u32), buffer ids (u64 each), then a call's payload.
-pub(crate) fn encode_task(bufs: &[SharedBufferId], name: &str, args: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + 8 * bufs.len() + 4 + name.len() + args.len());
+/// A task's payload: buffer count (u32), then per buffer its id, first byte and end byte (u64
+/// each), then a call's payload.
+pub(crate) fn encode_task(
+    bufs: &[(SharedBufferId, Range<usize>)],
+    name: &str,
+    args: &[u8],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + 24 * bufs.len() + 4 + name.len() + args.len());
     out.extend_from_slice(&(bufs.len() as u32).to_le_bytes());
-    for b in bufs {
-        out.extend_from_slice(&b.0.to_le_bytes());
+    for (b, bytes) in bufs {
+        for word in [b.0, bytes.start as u64, bytes.end as u64] {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
     }
     out.extend_from_slice(&encode_call(name, args));
     out
 }
 
-fn decode_task(payload: &[u8]) -> Option<(Vec<SharedBufferId>, &[u8])> {
+type TaskBuffers = Vec<(SharedBufferId, Range<usize>)>;
+
+fn decode_task(payload: &[u8]) -> Option<(TaskBuffers, &[u8])> {
     let n = u32::from_le_bytes(payload.get(..4)?.try_into().ok()?) as usize;
-    let end = n.checked_mul(8)?.checked_add(4)?;
-    let bufs = payload
-        .get(4..end)?
-        .chunks_exact(8)
-        .map(|c| SharedBufferId(u64::from_le_bytes(c.try_into().unwrap_or_default())))
-        .collect();
+    let end = n.checked_mul(24)?.checked_add(4)?;
+    let word = |c: &[u8]| u64::from_le_bytes(c.try_into().unwrap_or_default());
+    // The slice first: a malformed count must not size an allocation.
+    let records = payload.get(4..end)?;
+    let mut bufs = Vec::with_capacity(n);
+    for c in records.chunks_exact(24) {
+        let start = usize::try_from(word(&c[8..16])).ok()?;
+        let stop = usize::try_from(word(&c[16..24])).ok()?;
+        bufs.push((SharedBufferId(word(&c[..8])), start..stop));
+    }
     Some((bufs, &payload[end..]))
 }
 
@@ -489,7 +517,7 @@ mod tests {
 
     #[test]
     fn task_payload_round_trips() {
-        let bufs = [SharedBufferId(3), SharedBufferId(u64::MAX)];
+        let bufs = [(SharedBufferId(3), 0..16), (SharedBufferId(u64::MAX), 8..9)];
         let p = encode_task(&bufs, "f", &[7]);
         let (got, call) = decode_task(&p).unwrap();
         assert_eq!(got, bufs);

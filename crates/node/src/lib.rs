@@ -14,6 +14,7 @@ mod buffer;
 mod child;
 pub mod clock_offset;
 pub mod collective;
+mod deps;
 mod error;
 mod futex;
 mod launch;

@@ -7,10 +7,10 @@
 //! a death or the nearest deadline, and repeats. Independent tasks on different children
 //! therefore run at the same time; one child runs one task at a time.
 //!
-//! Dependencies come from buffer identity, as at the chip level but on whole buffers: a task
-//! that reads a buffer waits for its last writer; a task that writes it waits for the last
-//! writer and every reader since (write-after-read); `after` adds explicit edges. Every edge
-//! points to an earlier task, so the graph has no cycle and cannot deadlock.
+//! Dependencies come from the bytes of shared buffers each task declares (a whole buffer, or a
+//! byte range of it; `deps.rs`): a task waits for every earlier task that touches a common
+//! byte unless both only read; `after` adds explicit edges. Every edge points to an earlier
+//! task, so the graph has no cycle and cannot deadlock.
 //!
 //! A task whose function fails poisons its consumers, transitively: they never run, every
 //! other task does, and `run` then returns the first failure (in submit order) with the
@@ -28,11 +28,13 @@
 //! may run at the same time and must not touch common bytes unless they synchronise
 //! themselves (atomics in the buffer).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::buffer::SharedBufferId;
 use crate::child::{self, CMD_TASK, CMD_UNMAP, STATUS_OK};
+use crate::deps::{Access, History};
 use crate::error::{ChildId, NodeError};
 use crate::mailbox::CMD_CAP;
 use crate::node::{Node, Until};
@@ -51,18 +53,18 @@ enum Target {
 
 /// One task: a function registered in [`ChildFns`](crate::ChildFns), run in one chip, in a
 /// group of chips (each gets the same arguments; it knows its rank), or in a sub worker, with
-/// the shared buffers it reads and writes declared for the dependencies. The function reaches
-/// them, in the order they were declared, through
-/// [`ChildCtx::task_buffer`](crate::ChildCtx::task_buffer).
+/// the shared buffers it reads and writes (whole, or byte ranges of them) declared for the
+/// dependencies. The function reaches them, in the order they were declared, through
+/// [`ChildCtx::task_buffer`](crate::ChildCtx::task_buffer) and
+/// [`ChildCtx::task_bytes`](crate::ChildCtx::task_bytes).
 #[derive(Clone, Debug)]
 pub struct NodeTask {
     target: Target,
     function: String,
     args: Vec<u8>,
-    reads: Vec<SharedBufferId>,
-    writes: Vec<SharedBufferId>,
-    /// Every declared buffer in declaration order (what the function sees).
-    declared: Vec<SharedBufferId>,
+    /// Every declared buffer in declaration order (what the function sees): its bytes (`None`:
+    /// all of them) and whether the task writes them.
+    declared: Vec<(SharedBufferId, Option<Range<usize>>, bool)>,
     after: Vec<NodeTaskId>,
     timeout: Option<Duration>,
 }
@@ -73,8 +75,6 @@ impl NodeTask {
             target,
             function: function.to_string(),
             args: args.to_vec(),
-            reads: Vec::new(),
-            writes: Vec::new(),
             declared: Vec::new(),
             after: Vec::new(),
             timeout: None,
@@ -98,18 +98,34 @@ impl NodeTask {
         NodeTask::new(Target::Sub(sub), function, args)
     }
 
-    /// The task reads `buf`: it waits for the buffer's last writer.
+    /// The task reads `buf`: it waits for the earlier tasks that write any of its bytes.
     pub fn reads(mut self, buf: SharedBufferId) -> NodeTask {
-        self.reads.push(buf);
-        self.declared.push(buf);
+        self.declared.push((buf, None, false));
         self
     }
 
-    /// The task writes `buf` (or reads and writes it): it waits for the last writer and for
-    /// every reader since.
+    /// The task writes `buf` (or reads and writes it): it waits for the earlier tasks that
+    /// read or write any of its bytes.
     pub fn writes(mut self, buf: SharedBufferId) -> NodeTask {
-        self.writes.push(buf);
-        self.declared.push(buf);
+        self.declared.push((buf, None, true));
+        self
+    }
+
+    /// The task reads `bytes` of `buf` only: it waits for the earlier tasks that write any
+    /// of those bytes, and tasks that write only other bytes of the buffer may run beside it.
+    /// A range past the buffer's end, or whose start is after its end, is refused at submit
+    /// ([`NodeError::InvalidTask`]); an empty one orders nothing.
+    pub fn reads_bytes(mut self, buf: SharedBufferId, bytes: Range<usize>) -> NodeTask {
+        self.declared.push((buf, Some(bytes), false));
+        self
+    }
+
+    /// The task writes `bytes` of `buf` only (or reads and writes them): it waits for the
+    /// earlier tasks that read or write any of those bytes. Tasks writing disjoint ranges of
+    /// one buffer run at the same time (e.g. each chip its rows of a shared output). Checked
+    /// as [`NodeTask::reads_bytes`].
+    pub fn writes_bytes(mut self, buf: SharedBufferId, bytes: Range<usize>) -> NodeTask {
+        self.declared.push((buf, Some(bytes), true));
         self
     }
 
@@ -156,18 +172,12 @@ enum State {
     Poisoned,
 }
 
-/// Per buffer: the last writer and the readers since.
-#[derive(Default)]
-struct Access {
-    writer: Option<usize>,
-    readers: Vec<usize>,
-}
-
 /// Records a run's graph; given to [`Node::run`]'s closure.
 pub struct NodeOrch<'a> {
     node: &'a mut Node,
     tasks: Vec<Rec>,
-    access: BTreeMap<SharedBufferId, Access>,
+    /// The declared accesses the next tasks may depend on.
+    history: History,
     /// Buffers created in each open scope (innermost last).
     scopes: Vec<Vec<SharedBufferId>>,
     /// Buffers whose scope has ended.
@@ -206,26 +216,49 @@ impl NodeOrch<'_> {
                 targets
             }
         };
-        for &buf in task.reads.iter().chain(&task.writes) {
+        let mut accesses = Vec::with_capacity(task.declared.len());
+        for (buf, bytes, write) in &task.declared {
+            let buf = *buf;
             if self.ended.contains(&buf) {
                 return Err(invalid(format!(
                     "shared buffer {} is used after its scope ended",
                     buf.to_bits()
                 )));
             }
-            if !self.node.buffers.contains_key(&buf) {
+            let Some(len) = self.node.buffers.get(&buf).map(|b| b.len()) else {
                 return Err(NodeError::NotFound(format!(
                     "shared buffer {}",
                     buf.to_bits()
                 )));
+            };
+            let bytes = bytes.clone().unwrap_or(0..len);
+            if bytes.start > bytes.end || bytes.end > len {
+                return Err(invalid(format!(
+                    "bytes {}..{} of shared buffer {}: {}",
+                    bytes.start,
+                    bytes.end,
+                    buf.to_bits(),
+                    if bytes.start > bytes.end {
+                        "the start is after the end".to_string()
+                    } else {
+                        format!("the buffer holds {len} bytes")
+                    }
+                )));
             }
+            accesses.push(Access {
+                buf,
+                bytes,
+                write: *write,
+            });
         }
         for &NodeTaskId(t) in &task.after {
             if t >= index {
                 return Err(invalid(format!("after({t}): no such earlier task")));
             }
         }
-        let payload = child::encode_task(&task.declared, &task.function, &task.args);
+        let declared: Vec<(SharedBufferId, Range<usize>)> =
+            accesses.iter().map(|a| (a.buf, a.bytes.clone())).collect();
+        let payload = child::encode_task(&declared, &task.function, &task.args);
         if payload.len() > CMD_CAP {
             return Err(NodeError::TooLarge {
                 what: "a task's function name and arguments",
@@ -234,28 +267,7 @@ impl NodeOrch<'_> {
             });
         }
         let mut preds: Vec<usize> = task.after.iter().map(|t| t.0).collect();
-        for &buf in &task.reads {
-            if !task.writes.contains(&buf) {
-                preds.extend(self.access.entry(buf).or_default().writer);
-            }
-        }
-        for &buf in &task.writes {
-            let a = self.access.entry(buf).or_default();
-            preds.extend(a.writer);
-            preds.extend(a.readers.iter().copied());
-        }
-        // Update the buffers' histories only after every predecessor is known, so a task that
-        // reads and writes one buffer does not wait for itself.
-        for &buf in &task.reads {
-            if !task.writes.contains(&buf) {
-                self.access.entry(buf).or_default().readers.push(index);
-            }
-        }
-        for &buf in &task.writes {
-            let a = self.access.entry(buf).or_default();
-            a.writer = Some(index);
-            a.readers.clear();
-        }
+        preds.extend(self.history.submit(index, &accesses));
         let timeout = task.timeout.unwrap_or(self.node.config.call_timeout);
         self.push(
             Work::Call {
@@ -312,8 +324,7 @@ impl NodeOrch<'_> {
         let bufs = self.scopes.pop().unwrap_or_default();
         let all: Vec<usize> = (0..self.node.children.len()).collect();
         for buf in bufs {
-            let a = self.access.remove(&buf).unwrap_or_default();
-            let preds: Vec<usize> = a.writer.into_iter().chain(a.readers).collect();
+            let preds = self.history.end(buf);
             let timeout = self.node.config.call_timeout;
             self.push(Work::Free(buf), all.clone(), timeout, preds);
             self.ended.insert(buf);
@@ -337,7 +348,7 @@ impl Node {
         let mut orch = NodeOrch {
             node: self,
             tasks: Vec::new(),
-            access: BTreeMap::new(),
+            history: History::default(),
             scopes: Vec::new(),
             ended: HashSet::new(),
             created: Vec::new(),

@@ -753,6 +753,8 @@ struct Step {
     fail: bool,
     /// In a group: the tag is `tag + chip`.
     per_chip: bool,
+    /// Where in `buf` the operation's u64 lies (a multiple of 8).
+    offset: u64,
 }
 
 impl Step {
@@ -767,6 +769,7 @@ impl Step {
             value: 0,
             fail: false,
             per_chip: false,
+            offset: 0,
         }
     }
     fn watch(self, mode: u64, watch: usize) -> Step {
@@ -784,6 +787,9 @@ impl Step {
             ..self
         }
     }
+    fn at_offset(self, offset: u64) -> Step {
+        Step { offset, ..self }
+    }
     fn encode(&self) -> Vec<u8> {
         args(&[
             self.log.to_bits(),
@@ -795,6 +801,7 @@ impl Step {
             self.value,
             self.fail as u64,
             self.per_chip as u64,
+            self.offset,
         ])
     }
 }
@@ -833,19 +840,34 @@ fn step(ctx: &mut ChildCtx, a: &[u8]) -> Result<Vec<u8>, String> {
         }
         _ => {}
     }
-    let (op, value) = (at(4), at(6));
+    let (op, value, offset) = (at(4), at(6), at(9) as usize);
     if op != OP_NONE {
-        let buf = ctx
-            .buffer(SharedBufferId::from_bits(at(5)))
-            .ok_or("no buffer")?;
+        let id = SharedBufferId::from_bits(at(5));
+        let buf = ctx.buffer(id).ok_or("no buffer")?;
+        // Where the task declared the buffer, the operation stays inside the bytes it declared
+        // (the only ones the node ordered it against), which the child is told.
+        let declared: Vec<_> = (0..ctx.task_buffers())
+            .filter(|&k| ctx.task_buffer(k).map(|b| b.id()) == Some(id))
+            .filter_map(|k| ctx.task_bytes(k))
+            .collect();
+        if !declared.is_empty()
+            && !declared
+                .iter()
+                .any(|r| r.start <= offset && offset + 8 <= r.end)
+        {
+            return Err(format!(
+                "step {tag}: bytes {offset}..{} are outside the declared {declared:?}",
+                offset + 8
+            ));
+        }
         // SAFETY: the node orders this task against every other task that declared the
         // buffer, and only such tasks touch it.
         unsafe {
             if op == OP_WRITE {
-                buf.write(0, &value.to_le_bytes());
+                buf.write(offset, &value.to_le_bytes());
             } else {
                 let mut b = [0u8; 8];
-                buf.read(0, &mut b);
+                buf.read(offset, &mut b);
                 log.slot(tag, 2)
                     .store(u64::from_le_bytes(b), Ordering::SeqCst);
             }
@@ -938,6 +960,79 @@ fn independent_tasks_overlap() {
     node.close().unwrap();
 }
 
+/// Byte ranges of one buffer: tasks writing disjoint ranges run at once, a read waits only
+/// for the writers of its bytes, and an access across both ranges waits for both. Each child
+/// is told the bytes it declared (`step` refuses to touch others).
+fn byte_ranges_order_only_common_bytes() {
+    let mut node = Node::start(config(2, 1)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let x = node.create_buffer(32).unwrap();
+    let l = |t| Step::new(log_id, t);
+    node.run(|o| {
+        // A schedule with a wrong edge fails with a task timeout instead of hanging.
+        let t = Duration::from_secs(120);
+        // 0 and 1 write words 0 and 1 and wait until both have started: an edge between them
+        // would never let the second start. 1 also waits for 2, which reads word 0 only and so
+        // must start while 1 still runs.
+        o.submit(
+            chip_step(0, l(0).watch(WAIT_ALL, 2).op(OP_WRITE, x, 11))
+                .writes_bytes(x, 0..8)
+                .timeout(t),
+        )?;
+        o.submit(
+            chip_step(1, l(1).watch(WAIT_ALL, 3).op(OP_WRITE, x, 22).at_offset(8))
+                .writes_bytes(x, 8..16)
+                .timeout(t),
+        )?;
+        o.submit(
+            sub_step(0, l(2).op(OP_READ, x, 0))
+                .reads_bytes(x, 0..8)
+                .timeout(t),
+        )?;
+        // 3 writes word 2 and reads bytes 4..12, across words 0 and 1: after 0 and 1 (RAW),
+        // and after 2 (WAR on bytes 4..8).
+        o.submit(
+            chip_step(0, l(3).op(OP_WRITE, x, 33).at_offset(16))
+                .reads_bytes(x, 4..12)
+                .writes_bytes(x, 16..24),
+        )?;
+        // 4 reads the whole buffer: after 1 (word 1) and 3 (word 2).
+        o.submit(chip_step(1, l(4).op(OP_READ, x, 0).at_offset(16)).reads(x))?;
+        Ok(())
+    })
+    .unwrap();
+    let log = Log(node.buffer(log_id).unwrap());
+    let both_started = log.start(0).max(log.start(1));
+    assert!(both_started < log.end(0).min(log.end(1)));
+    assert!(
+        log.start(2) < log.end(1),
+        "the read of word 0 waited for word 1's writer"
+    );
+    assert_eq!((log.seen(2), log.seen(4)), (11, 33));
+    for (before, after) in [(0, 3), (1, 3), (2, 3), (1, 4), (3, 4)] {
+        assert!(
+            log.end(before) < log.start(after),
+            "task {before} ends at {}, task {after} starts at {}",
+            log.end(before),
+            log.start(after)
+        );
+    }
+    // A task touching bytes it did not declare is refused by `step`, which sees its
+    // declared bytes: bytes 8..16 against a declared 0..8.
+    let err = node
+        .run(|o| {
+            o.submit(chip_step(0, l(5).op(OP_WRITE, x, 1).at_offset(8)).writes_bytes(x, 0..8))
+                .map(drop)
+        })
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("bytes 8..16 are outside the declared [0..8]"),
+        "{err}"
+    );
+    node.close().unwrap();
+}
+
 /// A group waits for all its chips: chip 1 is idle, chip 0 busy with an earlier task that
 /// looks out for the group's start on chip 1. A later single-chip task does not overtake the
 /// group on chip 1.
@@ -1022,6 +1117,11 @@ fn failure_poisons_dependents_only() {
     node.close().unwrap();
 }
 
+/// Bytes 6..2: a range whose start is after its end.
+fn backwards() -> std::ops::Range<usize> {
+    std::ops::Range { start: 6, end: 2 }
+}
+
 /// The errors of a run carry the child's message and the node's codes; refused tasks leave
 /// nothing behind.
 fn run_errors_carry_the_childs_message() {
@@ -1070,6 +1170,9 @@ fn run_errors_carry_the_childs_message() {
         (echo(0).after(NodeTaskId(7)), 211),
         (echo(0).reads(SharedBufferId::from_bits(99)), 209),
         (echo(5), 209),
+        // Bytes past the buffer's 8, and a range whose start is after its end.
+        (echo(0).reads_bytes(buf, 4..12), 211),
+        (echo(1).writes_bytes(buf, backwards()), 211),
     ];
     for (k, (task, code)) in refused.into_iter().enumerate() {
         let err = node
@@ -1084,6 +1187,20 @@ fn run_errors_carry_the_childs_message() {
         assert!(
             node.buffer(SharedBufferId::from_bits(buf.to_bits() + 1 + k as u64))
                 .is_none()
+        );
+    }
+    for (task, says) in [
+        (echo(0).reads_bytes(buf, 4..12), "the buffer holds 8 bytes"),
+        (
+            echo(0).writes_bytes(buf, backwards()),
+            "the start is after the end",
+        ),
+    ] {
+        let err = node.run(|o| o.submit(task).map(drop)).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("of shared buffer {}: {says}", buf.to_bits())),
+            "{text}"
         );
     }
     // Nothing ran, and the node works.
@@ -1443,6 +1560,10 @@ fn main() {
             dependencies_follow_buffer_identity,
         ),
         ("independent_tasks_overlap", independent_tasks_overlap),
+        (
+            "byte_ranges_order_only_common_bytes",
+            byte_ranges_order_only_common_bytes,
+        ),
         (
             "chip_tasks_run_chip_orchestrations_on_shared_buffers",
             chip_tasks_run_chip_orchestrations_on_shared_buffers,
