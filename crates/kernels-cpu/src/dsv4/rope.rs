@@ -30,17 +30,18 @@ pub struct YarnRamp {
 
 /// The plain frequencies blended towards `f / factor` by YaRN's linear ramp: with
 /// `c(r) = rope_dim · ln(L / (2π r)) / (2 ln θ)`, `low = max(0, floor(c(β_fast)))`,
-/// `high = min(rope_dim/2 − 1, ceil(c(β_slow)))`, pair `j` keeps the share
+/// `high = min(rope_dim − 1, ceil(c(β_slow)))` (the clamp of DeepSeek's reference, which
+/// binds only when `c(β_slow)` exceeds the roped width: never at the FLASH, small and tiny
+/// shapes, where this is the plain formula), pair `j` keeps the share
 /// `1 − clamp((j − low)/(high − low), 0, 1)` of its own frequency (a degenerate ramp,
 /// `high <= low`, is widened to 1e-3 so it stays a step).
 pub fn rope_inv_freq_yarn(theta: f64, rope_dim: usize, y: YarnRamp) -> Vec<f64> {
     let dim = rope_dim as f64;
-    let pairs = (rope_dim / 2) as f64;
     let turns_at = |r: f64| {
         dim * (y.original_len as f64 / (2.0 * std::f64::consts::PI * r)).ln() / (2.0 * theta.ln())
     };
     let low = turns_at(y.beta_fast).floor().max(0.0);
-    let high = turns_at(y.beta_slow).ceil().min(pairs - 1.0);
+    let high = turns_at(y.beta_slow).ceil().min(dim - 1.0);
     let span = if high > low { high - low } else { 1e-3 };
     rope_inv_freq_plain(theta, rope_dim)
         .into_iter()

@@ -170,6 +170,31 @@ fn rms_norm_round_matches_a_plain_loop_with_and_without_weight() {
     }
 }
 
+/// At a narrow roped width (the tiny preset's 8) the ramp is the spec's formula as written:
+/// `low = floor(c(32))`, `high = ceil(c(1))`, no clamp; `high` (4) lies past the last pair (3),
+/// which a clamp to the pairs would have moved.
+#[test]
+fn yarn_ramp_at_a_narrow_width_is_the_unclamped_formula() {
+    let (theta, dim, factor, orig) = (160000f64, 8usize, 16.0, 65536.0);
+    let c =
+        |r: f64| dim as f64 * (orig / (2.0 * std::f64::consts::PI * r)).ln() / (2.0 * theta.ln());
+    let (low, high) = (c(32.0).floor(), c(1.0).ceil());
+    assert_eq!((low, high), (1.0, 4.0));
+    let ramp = YarnRamp {
+        factor,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        original_len: 65536,
+    };
+    let got = rope_inv_freq_yarn(theta, dim, ramp);
+    for (j, f) in got.into_iter().enumerate() {
+        let plain = theta.powf(-2.0 * j as f64 / dim as f64);
+        let keep = 1.0 - ((j as f64 - low) / (high - low)).clamp(0.0, 1.0);
+        let want = plain / factor * (1.0 - keep) + plain * keep;
+        assert!((f - want).abs() <= 1e-12 * plain, "pair {j}: {f} vs {want}");
+    }
+}
+
 #[test]
 fn yarn_keeps_fast_pairs_divides_slow_ones_and_blends_between() {
     let plain = rope_inv_freq_plain(160000.0, 64);

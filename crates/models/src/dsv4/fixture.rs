@@ -385,7 +385,12 @@ fn hc_weights(cfg: &Dsv4Config, seed: u64, id: u64) -> HcWeights {
     let width = cfg.hc_mult * cfg.hidden;
     HcWeights {
         mix: projection(seed, id, cfg.hc_mix(), width),
-        scale: [1.0, 1.0, 1.0],
+        // Three distinct scales near 1 (stream id + 15, free in both layers' streams): a
+        // runtime that dropped or swapped them would fail the goldens, which unit scales hide.
+        scale: {
+            let s = normal(seed, id + 15, 3, 1.0, 0.25);
+            [s[0], s[1], s[2]]
+        },
         base: normal(seed, id + 1, cfg.hc_mix(), 0.0, 0.1),
     }
 }

@@ -196,7 +196,9 @@ pub fn rope_inv_freq(cfg: &Dsv4Config, kind: RopeKind) -> Vec<f64> {
             / (2.0 * theta.ln())
     };
     let low = c(y.beta_fast).floor().max(0.0);
-    let high = c(y.beta_slow).ceil().min(half as f64 - 1.0);
+    // The reference clamps to the roped width; the spec's formula has no clamp, and the two
+    // agree at every shape here (at tiny, c(1) = 3.09: high 4 of 7).
+    let high = c(y.beta_slow).ceil().min(dim - 1.0);
     // A degenerate ramp (high <= low) would divide by zero; widen it as the reference does.
     let span = if high > low { high - low } else { 1e-3 };
     base.iter()
