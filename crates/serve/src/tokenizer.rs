@@ -25,7 +25,7 @@ pub enum TokenizerError {
         source: std::io::Error,
     },
     /// `tokenizer.json` is absent from a model directory.
-    #[error("{dir}: no tokenizer.json (give token ids instead, e.g. --prompt-ids)")]
+    #[error("{dir}: no tokenizer.json (`generate` takes token ids instead: --prompt-ids)")]
     Missing {
         /// The directory.
         dir: String,
@@ -119,12 +119,23 @@ impl Tokenizer {
         config_json: Option<&[u8]>,
         source: &str,
     ) -> Result<Tokenizer, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| {
+        let mut inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| {
             TokenizerError::Parse {
                 file: format!("{source}: tokenizer.json"),
                 why: e.to_string(),
             }
         })?;
+        // A `truncation` or `padding` block in the file would cut every prompt to its
+        // `max_length` or pad it, silently. `transformers` turns both off for a call that asks
+        // for neither (every prompt here): so do we. A prompt longer than the model's context
+        // is refused by the engine, with its length.
+        inner
+            .with_truncation(None)
+            .map_err(|e| TokenizerError::Parse {
+                file: format!("{source}: tokenizer.json"),
+                why: e.to_string(),
+            })?
+            .with_padding(None);
         let (mut eos_token, mut bos_token, mut template) = (None, None, None);
         if let Some(bytes) = config_json {
             let file = format!("{source}: tokenizer_config.json");

@@ -104,6 +104,29 @@ fn ids_past_the_tokenizer_decode_to_nothing_and_missing_files_are_named() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A checkpoint's `tokenizer.json` with `truncation` and `padding` blocks: neither cuts nor
+/// pads a prompt (they used to cut every prompt, chat templates included, to `max_length`).
+#[test]
+fn a_files_truncation_and_padding_are_not_applied() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/qwen3");
+    let mut json: Value =
+        serde_json::from_slice(&std::fs::read(format!("{dir}/tokenizer.json")).unwrap()).unwrap();
+    json["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0
+    });
+    json["padding"] = serde_json::json!({
+        "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null,
+        "pad_id": 151643, "pad_type_id": 0, "pad_token": "<|endoftext|>"
+    });
+    let cfg = std::fs::read(format!("{dir}/tokenizer_config.json")).unwrap();
+    let tok =
+        Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap(), Some(&cfg), "test").unwrap();
+    let text = "The quick brown fox jumps over the lazy dog, twice.";
+    let plain = Tokenizer::qwen3().unwrap().encode(text).unwrap();
+    assert!(plain.len() > 4 && plain.len() < 64, "{}", plain.len());
+    assert_eq!(tok.encode(text).unwrap(), plain);
+}
+
 #[test]
 fn invalid_bytes_are_emitted_not_held_back_forever() {
     let tok = Tokenizer::qwen3().unwrap();
