@@ -575,6 +575,40 @@ fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, Confi
         Some(inner) => (inner, "rope_parameters.full_attention."),
         None => (obj, prefix),
     };
+    // Both layouts at once: the older `rope_scaling` must say what `rope_parameters` says
+    // (a checkpoint written for both readers), or one of them would be ignored.
+    if prefix.starts_with("rope_parameters")
+        && let Some(scaling) = k.get("rope_scaling")
+    {
+        let old = scaling
+            .as_object()
+            .ok_or_else(|| k.wrong("rope_scaling", scaling, "an object"))?;
+        for (key, v) in old.iter().filter(|(_, v)| !v.is_null()) {
+            let new_key = if key == "type" {
+                "rope_type"
+            } else {
+                key.as_str()
+            };
+            let same = obj.get(new_key).or_else(|| obj.get(key.as_str()));
+            let agrees = match (same, v.as_f64()) {
+                (Some(a), Some(b)) => a.as_f64() == Some(b),
+                (Some(a), None) => a == v,
+                (None, _) => false,
+            };
+            if !agrees {
+                return Err(ConfigError::Invalid {
+                    field: format!("rope_scaling.{key}"),
+                    value: v.to_string(),
+                    why: match same {
+                        Some(a) => format!("disagrees with {prefix}{new_key} = {a}"),
+                        None => format!(
+                            "{prefix}{new_key} is not given, so one of the two would be ignored"
+                        ),
+                    },
+                });
+            }
+        }
+    }
     let p = Keys { obj, prefix };
     let theta = match (p.f64("rope_theta")?, top_theta) {
         (Some(a), Some(b)) if a != b => {
@@ -780,6 +814,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(yarn_old.rope, yarn_new.rope);
+        // Both layouts saying the same (`type` for `rope_type`, a null scaling) are read; a
+        // `rope_scaling` that says otherwise, or says what `rope_parameters` does not, is
+        // refused by name (it used to be ignored).
+        let yarn_params = r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 1024}"#;
+        let both = parse(&format!(
+            r#"{yarn_params}, "rope_scaling": {{"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}}"#
+        ))
+        .unwrap();
+        assert_eq!(both.rope, yarn_new.rope);
+        parse(r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": null"#)
+            .unwrap();
+        for (scaling, field, why) in [
+            (
+                r#"{"rope_type": "yarn"}"#,
+                "rope_scaling.rope_type",
+                "disagrees with rope_parameters.rope_type = \"default\"",
+            ),
+            (
+                r#"{"factor": 2.0}"#,
+                "rope_scaling.factor",
+                "rope_parameters.factor is not given",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#""rope_parameters": {{"rope_type": "default", "rope_theta": 1e6}}, "rope_scaling": {scaling}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(field) && e.contains(why), "{scaling}: {e}");
+        }
+        let e = parse(&format!(
+            r#"{yarn_params}, "rope_scaling": {{"type": "yarn", "factor": 8.0}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("rope_scaling.factor") && e.contains("rope_parameters.factor = 4.0"),
+            "{e}"
+        );
         let RopeScaling::Yarn {
             factor,
             original_max_position_embeddings,
