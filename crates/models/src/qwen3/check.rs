@@ -199,8 +199,8 @@ pub fn compare_step_as(
             logits_tol.outlier_cap,
             ag.max_abs,
         ));
-        golden::check_argmax(ids, want_ids, want_logits, logits_tol)?;
-        lines.push(format!("argmax identical for all {} rows", ids.len()));
+        let near_ties = golden::check_argmax(ids, want_ids, want_logits, logits_tol)?;
+        lines.push(golden::describe_argmax(ids.len(), &near_ties));
     }
     Ok(lines)
 }

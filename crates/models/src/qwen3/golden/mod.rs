@@ -16,7 +16,7 @@ use super::quant::{Int8Acts, WeightFormat};
 use super::rope::RopeTables;
 use super::weights::{KvCache, LayerWeights, PagedBatch, ProjectionElem, Qwen3Weights};
 
-pub use tolerance::{Agreement, Int8Agreement, Tolerance, check_argmax};
+pub use tolerance::{Agreement, Int8Agreement, NearTie, Tolerance, check_argmax, describe_argmax};
 
 /// `bf16(x)` as an f32 (round to nearest even).
 fn rb(x: f32) -> f32 {

@@ -169,12 +169,14 @@ impl Tolerance {
 /// The full-model check: argmax identical for every row, except at a near-tie: a row whose
 /// chosen id the reference rates within `tol` of its own maximum (`expected_logits` is
 /// `[rows, vocab]`), where rounding may pick either. Any NaN logit in the reference fails.
+/// Returns the rows that differ at near-ties, so a report can say how many rows were
+/// identical and which were not.
 pub fn check_argmax(
     actual: &[u32],
     expected: &[u32],
     expected_logits: &[f32],
     tol: Tolerance,
-) -> Result<(), String> {
+) -> Result<Vec<NearTie>, String> {
     if actual.len() != expected.len() {
         return Err(format!(
             "{} tokens vs {} expected",
@@ -187,6 +189,7 @@ pub fn check_argmax(
     } else {
         expected_logits.len() / actual.len()
     };
+    let mut near_ties = Vec::new();
     for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
         if a == e {
             continue;
@@ -204,8 +207,50 @@ pub fn check_argmax(
                 "row {i}: argmax {a} vs {e} expected (reference logits {la} vs {le}: not a near-tie)"
             ));
         }
+        near_ties.push(NearTie {
+            row: i,
+            token: a,
+            expected: e,
+            gap: le - la,
+        });
     }
-    Ok(())
+    Ok(near_ties)
+}
+
+/// A row whose greedy token differs from the reference's at a near-tie ([`check_argmax`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NearTie {
+    /// The row.
+    pub row: usize,
+    /// The token chosen.
+    pub token: u32,
+    /// The reference's token.
+    pub expected: u32,
+    /// How far below its maximum the reference rates the chosen token.
+    pub gap: f32,
+}
+
+/// One line for a report: "argmax identical for all N rows", or how many were and which
+/// rows differed at near-ties.
+pub fn describe_argmax(rows: usize, near_ties: &[NearTie]) -> String {
+    if near_ties.is_empty() {
+        return format!("argmax identical for all {rows} rows");
+    }
+    let list: Vec<String> = near_ties
+        .iter()
+        .map(|t| {
+            format!(
+                "row {} chose {} for {} (reference gap {:.3})",
+                t.row, t.token, t.expected, t.gap
+            )
+        })
+        .collect();
+    format!(
+        "argmax identical for {} of {rows} rows; {} at near-ties within the logits tolerance: {}",
+        rows - near_ties.len(),
+        near_ties.len(),
+        list.join(", ")
+    )
 }
 
 /// How an int8 model's logits agree with the bf16 model's (`docs/qwen3.md`, "int8
@@ -316,8 +361,20 @@ mod tests {
         // Row 0: ids 1 and 2 nearly tie in the reference; row 1: a clear winner.
         let logits = [0.0, 5.0, 5.001, -1.0, 0.0, 1.0, 9.0, 2.0];
         let t = Tolerance::STACK;
-        check_argmax(&[2, 2], &[2, 2], &logits, t).unwrap();
-        check_argmax(&[1, 2], &[2, 2], &logits, t).unwrap();
+        assert_eq!(check_argmax(&[2, 2], &[2, 2], &logits, t).unwrap(), []);
+        let ties = check_argmax(&[1, 2], &[2, 2], &logits, t).unwrap();
+        assert_eq!(
+            (ties.len(), ties[0].row, ties[0].token, ties[0].expected),
+            (1, 0, 1, 2)
+        );
+        assert_eq!(
+            describe_argmax(2, &ties),
+            format!(
+                "argmax identical for 1 of 2 rows; 1 at near-ties within the logits tolerance: row 0 chose 1 for 2 (reference gap {:.3})",
+                ties[0].gap
+            )
+        );
+        assert_eq!(describe_argmax(2, &[]), "argmax identical for all 2 rows");
         let m = check_argmax(&[2, 1], &[2, 2], &logits, t).unwrap_err();
         assert!(m.contains("row 1") && m.contains("not a near-tie"), "{m}");
         let m = check_argmax(&[1], &[2, 2], &logits, t).unwrap_err();
