@@ -43,7 +43,7 @@ use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 #[derive(Args, Debug)]
 pub(crate) struct PrefillBenchArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Prompt lengths in tokens, comma-separated; each is prefilled in one step from an empty
     /// cache.
     #[arg(long, value_delimiter = ',', default_value = "64,256")]

@@ -34,7 +34,7 @@ use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 #[derive(Args, Debug)]
 pub(crate) struct DecodeBenchArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Shapes to measure, `BATCHxSEQ_LEN`, comma-separated [default: 1x256,4x1024,16x1024;
     /// with `--platform cuda`: 1x512,16x3500].
     #[arg(long, value_delimiter = ',')]

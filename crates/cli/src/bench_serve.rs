@@ -17,7 +17,7 @@ use crate::qwen3_cmd::{ModelArgs, load_weights};
 #[derive(Args, Debug)]
 pub(crate) struct BenchServeArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Concurrent requests of each measurement, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     streams: Vec<usize>,

@@ -50,8 +50,9 @@ enum Command {
     },
     /// Read trace files and diagnostics: timing tables, swimlanes, dependency graphs, analyses.
     Trace(trace_cmd::TraceArgs),
-    /// Qwen3 text generation from token ids: chunked prefill, then greedy decode, on the
-    /// runtime; prints the generated ids, comma-separated.
+    /// Qwen3 text generation from a prompt, a chat or token ids: chunked prefill, then greedy
+    /// or seeded sampled decode, on the runtime; prints the text (the ids, comma-separated,
+    /// for --prompt-ids).
     Generate {
         #[command(flatten)]
         platform: platform::PlatformOpt,
@@ -168,13 +169,37 @@ pub(crate) fn parse_ep_cmd(argv: &[String]) -> Result<dsv4_ep::EpCmd> {
     cmd.ok_or_else(|| anyhow::anyhow!("not an expert-parallel dsv4 command: {argv:?}"))
 }
 
+impl Command {
+    /// The Qwen3 model flags of the commands that take them.
+    fn model_args(&mut self) -> Option<&mut qwen3_cmd::ModelArgs> {
+        match self {
+            Command::Run {
+                command: RunCommand::Qwen3Decode(a),
+                ..
+            } => Some(&mut a.model),
+            Command::Bench { command, .. } => match command {
+                BenchCommand::Qwen3Decode(a) => Some(&mut a.model),
+                BenchCommand::Qwen3Prefill(a) => Some(&mut a.model),
+                BenchCommand::Serve(a) => Some(&mut a.model),
+                _ => None,
+            },
+            Command::Generate { args, .. } => Some(&mut args.model),
+            Command::Serve(a) => Some(&mut a.model),
+            _ => None,
+        }
+    }
+}
+
 fn main() -> Result<()> {
     // In a node's child process (a chip of `bench collectives`) this runs the child and exits;
     // it must come before anything starts a thread.
     simpler_node::child_main_if_requested(&dsv4_ep::register(bench_collectives::register(
         simpler_node::ChildFns::new(),
     )));
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Some(model) = cli.command.model_args() {
+        model.resolve_preset_name()?;
+    }
     use platform::PlatformChoice::{Cpu, Cuda};
     match cli.command {
         Command::Run { platform, command } => match (platform.platform, command) {

@@ -30,8 +30,9 @@ pub(crate) struct ModelArgs {
     #[arg(long, conflicts_with = "model")]
     pub(crate) preset: Option<String>,
     /// A local HF checkpoint directory (config.json and model.safetensors or a sharded
-    /// model.safetensors.index.json).
-    #[arg(long)]
+    /// model.safetensors.index.json), or a preset's name (as --preset) where no such directory
+    /// exists.
+    #[arg(long, value_name = "DIR|PRESET")]
     pub(crate) model: Option<PathBuf>,
     /// The checkpoint stores projections [in, out] (y = x @ W) instead of HF's [out, in].
     #[arg(long, requires = "model")]
@@ -58,6 +59,33 @@ pub(crate) struct ModelArgs {
     /// smaller of MemAvailable and the room under the cgroup limit].
     #[arg(long, value_name = "GB")]
     pub(crate) memory_budget: Option<f64>,
+}
+
+impl ModelArgs {
+    /// `--model NAME` where `NAME` is no directory but a preset's name: the preset, as
+    /// `--preset NAME` (a directory of that name wins). A path that is neither is refused here,
+    /// naming both readings.
+    pub(crate) fn resolve_preset_name(&mut self) -> Result<()> {
+        let Some(path) = &self.model else {
+            return Ok(());
+        };
+        if path.exists() {
+            return Ok(());
+        }
+        let name = path.to_string_lossy().into_owned();
+        if !Qwen3Config::PRESETS.contains(&name.as_str()) {
+            bail!(
+                "--model {name}: no such checkpoint directory, and not a preset (presets: {})",
+                Qwen3Config::PRESETS.join(", ")
+            );
+        }
+        if self.in_out_layout {
+            bail!("--in-out-layout: --model {name} is a preset (seeded weights), not a checkpoint");
+        }
+        self.model = None;
+        self.preset = Some(name);
+        Ok(())
+    }
 }
 
 /// `--bf16-layout`.

@@ -27,7 +27,7 @@ use crate::qwen3_cmd::{ModelArgs, load_weights};
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Address to bind (only this machine by default).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,

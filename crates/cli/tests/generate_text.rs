@@ -171,3 +171,45 @@ fn sampling_is_seeded_and_bad_parameters_are_refused() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--model NAME` takes a preset's name where no directory of that name exists (the spec's
+/// `--model DIR|preset`): the same tokens as `--preset NAME`. A name that is neither a
+/// directory nor a preset is refused naming both readings, before anything runs.
+#[test]
+fn model_takes_a_preset_name() {
+    let run = |how: &str| {
+        let out = simpler(&[
+            "generate",
+            how,
+            "qwen3-tiny",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "3",
+        ]);
+        assert!(out.status.success(), "{how}: {}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    // With --prompt-ids, stdout is the new ids.
+    let (by_model, by_preset) = (run("--model"), run("--preset"));
+    assert_eq!(by_model.trim().split(',').count(), 3, "{by_model}");
+    assert_eq!(by_model, by_preset);
+    let out = simpler(&[
+        "generate",
+        "--model",
+        "qwen3-nope",
+        "--prompt-ids",
+        "1",
+        "--max-new-tokens",
+        "1",
+    ]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(
+            "--model qwen3-nope: no such checkpoint directory, and not a preset (presets: qwen3-14b"
+        ),
+        "{err}"
+    );
+    assert!(text(&out.stdout).is_empty());
+}

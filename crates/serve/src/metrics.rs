@@ -154,7 +154,7 @@ impl Metrics {
         );
         registry.register(
             "simpler_time_to_first_token_seconds",
-            "From a request's arrival at the engine to its first token",
+            "From a request's arrival at the HTTP server (before tokenizing) to its first token",
             ttft.clone(),
         );
         registry.register(
