@@ -77,11 +77,51 @@ fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
     let caches = layer.read_caches().unwrap();
     let checks = attn_step_checks(&c.window, c.hca.as_ref(), g, &out, &caches);
-    assert_eq!(checks.len(), if c.hca.is_some() { 8 } else { 5 });
+    assert_eq!(checks.len(), if c.hca.is_some() { 11 } else { 6 });
     for (what, r) in checks {
         if let Err(e) = r {
             panic!("{what}: {e}");
         }
+    }
+    // The checks see one wrong written row, which a whole cache's share allowance can hide
+    // (the window's does at every preset; the compressed cache's at small and FLASH): shift
+    // the first window row the step wrote, and the first compressed row (HCA).
+    let hd = c.cfg.head_dim;
+    let failed = |bad: &simpler_models::dsv4::runner::AttnCaches| -> Vec<&'static str> {
+        attn_step_checks(&c.window, c.hca.as_ref(), g, &out, bad)
+            .into_iter()
+            .filter(|(_, o)| o.is_err())
+            .map(|(w, _)| w)
+            .collect()
+    };
+    let shift = |rows: &mut [half::bf16], slot: usize| {
+        for v in &mut rows[slot * hd..(slot + 1) * hd] {
+            *v = half::bf16::from_f32(v.to_f32() + 0.5);
+        }
+    };
+    let slot = g
+        .window_write
+        .slots
+        .iter()
+        .flatten()
+        .next()
+        .copied()
+        .unwrap();
+    let mut bad = caches.clone();
+    shift(&mut bad.window, slot);
+    assert_eq!(failed(&bad), ["window rows written"]);
+    if let Some(&slot) = g
+        .compressed_write
+        .as_ref()
+        .and_then(|w| w.slots.iter().flatten().next())
+    {
+        let mut bad = caches.clone();
+        shift(&mut bad.compressed, slot);
+        let failed = failed(&bad);
+        assert!(
+            failed.contains(&"compressed rows written") && failed.len() <= 2,
+            "{failed:?}"
+        );
     }
     // A second identical step rewrites the same rows, so it gives the same residual — unless
     // a token closed a compressor window: the next window's first token then overwrote a

@@ -188,6 +188,25 @@ pub fn attn_step_checks(
         "window cache",
         CacheTol::KV.check("window cache", &widen(&caches.window), &want),
     ));
+    // The rows the step wrote, on their own as well: a few wrong rows are far below a whole
+    // cache's share allowance (at tiny, the 8 rows a step writes are 0.024% of the window).
+    let window_slots: Vec<usize> = g.window_write.slots.iter().flatten().copied().collect();
+    let window_rows: Vec<f32> = g
+        .window_write
+        .slots
+        .iter()
+        .zip(g.window_write.rows.chunks(hd))
+        .filter(|(s, _)| s.is_some())
+        .flat_map(|(_, r)| widen(r))
+        .collect();
+    checks.push((
+        "window rows written",
+        CacheTol::KV.check(
+            "window rows written",
+            &rows_at(&widen(&caches.window), &window_slots, hd),
+            &window_rows,
+        ),
+    ));
     if let (Some(h), Some(sw), Some(cw)) = (hca, &g.state_write, &g.compressed_write) {
         let (mut kv, mut score) = (h.state.kv.clone(), h.state.score.clone());
         for (i, &s) in sw.slots.iter().enumerate() {
@@ -202,6 +221,18 @@ pub fn attn_step_checks(
             "state score",
             CacheTol::KV.check("state score", &caches.state_score, &score),
         ));
+        checks.push((
+            "state rows written",
+            CacheTol::KV.check(
+                "state rows written",
+                &[
+                    rows_at(&caches.state_kv, &sw.slots, hd),
+                    rows_at(&caches.state_score, &sw.slots, hd),
+                ]
+                .concat(),
+                &[sw.kv.clone(), sw.score.clone()].concat(),
+            ),
+        ));
         let mut comp = widen(&h.cache.rows);
         for (slot, row) in cw.slots.iter().zip(cw.rows.chunks(hd)) {
             if let Some(s) = slot {
@@ -212,8 +243,38 @@ pub fn attn_step_checks(
             "compressed cache",
             CacheTol::KV.check("compressed cache", &widen(&caches.compressed), &comp),
         ));
+        let comp_slots: Vec<usize> = cw.slots.iter().flatten().copied().collect();
+        let comp_rows: Vec<f32> = cw
+            .slots
+            .iter()
+            .zip(cw.rows.chunks(hd))
+            .filter(|(s, _)| s.is_some())
+            .flat_map(|(_, r)| widen(r))
+            .collect();
+        checks.push((
+            "compressed rows written",
+            CacheTol::KV.check(
+                "compressed rows written",
+                &rows_at(&widen(&caches.compressed), &comp_slots, hd),
+                &comp_rows,
+            ),
+        ));
     }
     checks
+}
+
+/// The rows `slots` (each `width` wide) of `all`, in that order; a slot past the end gives
+/// nothing, so the comparison that follows fails on the length.
+fn rows_at(all: &[f32], slots: &[usize], width: usize) -> Vec<f32> {
+    slots
+        .iter()
+        .flat_map(|&s| {
+            all.get(s * width..(s + 1) * width)
+                .unwrap_or(&[])
+                .iter()
+                .copied()
+        })
+        .collect()
 }
 
 fn outcome(actual: &[f32], expected: &[f32], over: impl Fn(f32, f32) -> (bool, f32)) -> Outcome {
@@ -326,18 +387,13 @@ pub fn csa_cache_checks(
     ));
     // The rows this step wrote on their own too: a wrong row must not hide in the cache's
     // share allowance.
-    let written = |all: &[f32], slots: &mut dyn Iterator<Item = usize>, w: usize| -> Vec<f32> {
-        slots
-            .flat_map(|s| all.get(s * w..(s + 1) * w).unwrap_or(&[]).to_vec())
-            .collect()
-    };
     let got = widen(&caches.compressed);
     let slots: Vec<usize> = gw.compressed.slots.iter().flatten().copied().collect();
     checks.push((
         "compressed rows written",
         t.check(
             "compressed rows written",
-            &written(&got, &mut slots.iter().copied(), hd),
+            &rows_at(&got, &slots, hd),
             &widen(&gw.compressed.rows),
         ),
     ));
@@ -372,8 +428,8 @@ pub fn csa_cache_checks(
         "index rows written",
         t.check(
             "index rows written",
-            &written(&got, &mut slots.iter().copied(), iw),
-            &written(&want, &mut slots.iter().copied(), iw),
+            &rows_at(&got, slots, iw),
+            &rows_at(&want, slots, iw),
         ),
     ));
     checks
