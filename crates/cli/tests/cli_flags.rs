@@ -162,8 +162,15 @@ fn serving_commands_write_their_steps_diagnostics() {
     // Every step's spans: the warm-up request's and the measured one's steps and the timed
     // bare decode steps, far more than the two kept.
     let spans = std::fs::read_to_string(dir.join("trace.jsonl")).unwrap();
-    let runs = spans.lines().filter(|l| l.contains("\"serve\"")).count();
-    assert!(runs > 2, "{runs} lines name the serve runs");
+    let runs = |label: &str| {
+        spans
+            .lines()
+            .filter(|l| l.contains(&format!("\"label\":\"{label}\"")))
+            .count()
+    };
+    // Each run is labelled by the engine's path (`trace timing` groups them apart).
+    assert!(runs("serve.prefill") >= 2, "the two requests' prefills");
+    assert!(runs("serve.decode") > 2, "{} decode runs", runs("serve.decode"));
     // A folder that cannot be made is refused before any request runs.
     let blocked = dir.join("trace.jsonl").join("sub");
     let out = simpler(&[

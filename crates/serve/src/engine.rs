@@ -207,7 +207,10 @@ pub struct Engine {
     blocks: BlockManager,
     eos: Vec<u32>,
     cfg: EngineConfig,
-    call: CallConfig,
+    /// How decode steps run: the caller's configuration, labelled `<label>.decode`.
+    call_decode: CallConfig,
+    /// How steps with a prompt chunk run, labelled `<label>.prefill`.
+    call_prefill: CallConfig,
     observer: Option<StepObserver>,
     vocab: usize,
     stats: EngineStats,
@@ -226,6 +229,17 @@ impl std::fmt::Debug for Engine {
             .field("running", &self.running.len())
             .field("waiting", &self.waiting.len())
             .finish()
+    }
+}
+
+/// `call` with its runs labelled `<label>.<path>` (`<path>` alone without a label).
+fn labelled(call: &CallConfig, path: &str) -> CallConfig {
+    CallConfig {
+        label: Some(match &call.label {
+            Some(l) => format!("{l}.{path}"),
+            None => path.to_string(),
+        }),
+        ..call.clone()
     }
 }
 
@@ -278,7 +292,8 @@ impl Engine {
             blocks: BlockManager::new(cfg.num_blocks, PAGE_SIZE),
             eos,
             cfg,
-            call: CallConfig::default(),
+            call_decode: labelled(&CallConfig::default(), "decode"),
+            call_prefill: labelled(&CallConfig::default(), "prefill"),
             observer: None,
             vocab: c.vocab_size,
             stats: EngineStats::default(),
@@ -288,9 +303,12 @@ impl Engine {
         })
     }
 
-    /// How every step runs (diagnostics, tracing, ring sizes); the default otherwise.
+    /// How every step runs (diagnostics, tracing, ring sizes); the default otherwise. The
+    /// steps' runs are labelled by path, `<label>.decode` and `<label>.prefill` (plain
+    /// `decode` and `prefill` without a label), so `simpler trace timing` tells them apart.
     pub fn set_call_config(&mut self, call: CallConfig) {
-        self.call = call;
+        self.call_decode = labelled(&call, "decode");
+        self.call_prefill = labelled(&call, "prefill");
     }
 
     /// Hands every later run's report to `observer` (`None`: to nobody, the default): the
@@ -582,7 +600,7 @@ impl Engine {
             let t = Instant::now();
             match self
                 .session
-                .decode(&self.worker, &batch_i, &vec![0; batch], &self.call)
+                .decode(&self.worker, &batch_i, &vec![0; batch], &self.call_decode)
             {
                 Ok(out) => {
                     times.push(t.elapsed());
@@ -811,10 +829,11 @@ impl Engine {
             });
         if all_decodes {
             let last: Vec<u32> = chunks.iter().map(|c| c.tokens[0]).collect();
-            self.session.decode(&self.worker, &batch, &last, &self.call)
+            self.session
+                .decode(&self.worker, &batch, &last, &self.call_decode)
         } else {
             self.session
-                .prefill(&self.worker, &batch, &chunks, &self.call)
+                .prefill(&self.worker, &batch, &chunks, &self.call_prefill)
         }
     }
 }
