@@ -170,7 +170,11 @@ fn serving_commands_write_their_steps_diagnostics() {
     };
     // Each run is labelled by the engine's path (`trace timing` groups them apart).
     assert!(runs("serve.prefill") >= 2, "the two requests' prefills");
-    assert!(runs("serve.decode") > 2, "{} decode runs", runs("serve.decode"));
+    assert!(
+        runs("serve.decode") > 2,
+        "{} decode runs",
+        runs("serve.decode")
+    );
     // A folder that cannot be made is refused before any request runs.
     let blocked = dir.join("trace.jsonl").join("sub");
     let out = simpler(&[

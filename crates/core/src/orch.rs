@@ -510,11 +510,13 @@ impl Orchestrator {
                 .checked_next_power_of_two()
                 .unwrap_or(u64::MAX)
                 .max(1024);
+            let used = self.cursors[ring as usize].heap_used();
+            let (head, head_note) = self.head_of(ring);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::HeapRingDeadlock,
                     format!(
-                        "kernel {kname:?} needs a {block_bytes}-byte output block but ring {ring}'s heap holds {heap_cap} bytes"
+                        "kernel {kname:?} needs a {block_bytes}-byte output block but ring {ring}'s heap holds {heap_cap} bytes ({used} in use; {head_note})"
                     ),
                     format!(
                         "raise ring_heap to at least {} for this run: CallConfig.runtime_env.ring_heap",
@@ -522,7 +524,7 @@ impl Orchestrator {
                     ),
                 )
                 .diagnosed(crate::error::Diagnosis::Proven)
-                .at(Locator { ring: Some(ring), kernel: Some(kname), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), task: Some(head), kernel: Some(kname), ..Locator::default() }),
             ));
         }
         Ok(Checked {

@@ -40,17 +40,19 @@ impl Orchestrator {
         let r = ring as usize;
         if deps > self.cursors[r].dep_cap {
             let cap = self.cursors[r].dep_cap;
+            let used = self.cursors[r].dep_used();
+            let (head, head_note) = self.head_of(ring);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::DepPoolOverflow,
-                    format!("kernel {kname:?} has {deps} producers but ring {ring}'s dependency pool holds {cap} entries"),
+                    format!("kernel {kname:?} has {deps} producers but ring {ring}'s dependency pool holds {cap} entries ({used} in use; {head_note})"),
                     format!(
                         "raise ring_dep_pool to {} for this run: CallConfig.runtime_env.ring_dep_pool",
                         deps.saturating_mul(2).checked_next_power_of_two().unwrap_or(u64::MAX)
                     ),
                 )
                 .diagnosed(Diagnosis::Proven)
-                .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), task: Some(head), kernel: Some(kname.into()), ..Locator::default() }),
             ));
         }
         if entries > self.map.capacity() {
@@ -174,14 +176,16 @@ impl Orchestrator {
         let inner = self.scopes.last().expect("scope");
         if res == Resource::Window && inner.ring == ring && inner.tasks >= (c.window - 1) as u64 {
             let suggested = (inner.tasks + 1).next_power_of_two() * 2;
+            let (_, head_note) = self.head_of(ring);
             return Some(
                 RunError::new(
                     ErrorCode::ScopeDeadlock,
                     format!(
-                        "the scope opened at {}:{} holds {} tasks, filling ring {ring}'s task window of {} slots; no slot can be freed before the scope ends",
+                        "the scope opened at {}:{} holds {} tasks, filling ring {ring}'s task window: {} of {} slots in flight; {head_note}; no slot can be freed before the scope ends",
                         inner.site.file(),
                         inner.site.line(),
                         inner.tasks,
+                        c.in_flight(),
                         c.window
                     ),
                     format!(
@@ -217,6 +221,23 @@ impl Orchestrator {
         None
     }
 
+    /// Ring `ring`'s oldest unreclaimed task, and the words every fatal report gives it:
+    /// "head T (kernel) is STATE", or that none is in flight.
+    pub(crate) fn head_of(&self, ring: u8) -> (TaskId, String) {
+        let c = &self.cursors[ring as usize];
+        let head = TaskId::in_run(self.run_tag, ring, c.reclaimed);
+        if c.reclaimed < c.next_local {
+            let s = self.run.arena.rings.slot(head);
+            let state = state::name(s.state.load(Ordering::Acquire));
+            (
+                head,
+                format!("head {head} ({}) is {state}", s.desc().kernel_name()),
+            )
+        } else {
+            (head, format!("head {head}: none in flight"))
+        }
+    }
+
     fn describe(
         &self,
         ring: u8,
@@ -227,16 +248,7 @@ impl Orchestrator {
         why: &str,
     ) -> RunError {
         let c = &self.cursors[ring as usize];
-        let head = TaskId::in_run(self.run_tag, ring, c.reclaimed);
-        let (head_state, head_kernel) = if c.reclaimed < c.next_local {
-            let s = self.run.arena.rings.slot(head);
-            (
-                state::name(s.state.load(Ordering::Acquire)),
-                s.desc().kernel_name(),
-            )
-        } else {
-            ("none in flight", String::new())
-        };
+        let (head, head_note) = self.head_of(ring);
         let (code, what, hint) = match res {
             Resource::Window => (
                 ErrorCode::FlowControlDeadlock,
@@ -298,12 +310,7 @@ impl Orchestrator {
                 ),
             ),
         };
-        RunError::new(
-            code,
-            format!("{what}; head {head} ({head_kernel}) is {head_state}; {why}"),
-            hint,
-        )
-        .at(Locator {
+        RunError::new(code, format!("{what}; {head_note}; {why}"), hint).at(Locator {
             ring: Some(ring),
             task: Some(head),
             kernel: Some(kname.to_string()),

@@ -173,6 +173,9 @@ fn scope_deadlock_when_one_scope_fills_the_window() {
     );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.detail.contains("holds 7 tasks"), "{e}");
+    // Every fatal report names the resource's use and the head task with its state.
+    assert!(e.detail.contains("7 of 8 slots in flight"), "{e}");
+    assert!(e.detail.contains("head task 1:0 ("), "{e}");
     assert_eq!(e.locator.ring, Some(1));
 }
 
@@ -193,6 +196,11 @@ fn heap_deadlock_for_an_output_larger_than_the_heap() {
     );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.hint.contains("CallConfig.runtime_env.ring_heap"), "{e}");
+    assert!(
+        e.detail
+            .contains("holds 4096 bytes (0 in use; head task 1:0: none in flight)"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -299,6 +307,11 @@ fn dep_pool_overflow_for_a_task_with_too_many_producers() {
         },
     );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
+    assert!(e.detail.contains("in use; head task 1:0 ("), "{e}");
+    assert_eq!(
+        e.locator.task.map(|t| t.to_string()),
+        Some("task 1:0".into())
+    );
 }
 
 #[test]
