@@ -252,8 +252,15 @@ impl CallConfig {
 }
 
 /// Environment variables of old-style ring configuration; read only to warn that they are
-/// ignored.
-pub const LEGACY_RING_ENV: [(&str, &str); 3] = [
+/// ignored. The `PTO2_RING_*` ones are those of the runtime this one replaces, which scripts
+/// written for it still export; the `SIMPLER_RING_*` ones are the obvious guess at ours.
+pub const LEGACY_RING_ENV: [(&str, &str); 6] = [
+    (
+        "PTO2_RING_TASK_WINDOW",
+        "CallConfig.runtime_env.ring_task_window",
+    ),
+    ("PTO2_RING_HEAP", "CallConfig.runtime_env.ring_heap"),
+    ("PTO2_RING_DEP_POOL", "CallConfig.runtime_env.ring_dep_pool"),
     (
         "SIMPLER_RING_TASK_WINDOW",
         "CallConfig.runtime_env.ring_task_window",
@@ -549,5 +556,15 @@ mod tests {
         assert!(
             legacy_env_warnings(&env_of(&[("SIMPLER_RING_HEAP", "1")]))[0].contains("ring_heap")
         );
+        // The replaced runtime's variables, as its scripts export them: one warning each,
+        // naming the variable and the field.
+        let w = legacy_env_warnings(&env_of(&[
+            ("PTO2_RING_TASK_WINDOW", "131072"),
+            ("PTO2_RING_DEP_POOL", "131072"),
+        ]));
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].contains("PTO2_RING_TASK_WINDOW") && w[0].contains("ring_task_window"));
+        assert!(w[1].contains("PTO2_RING_DEP_POOL") && w[1].contains("ring_dep_pool"));
+        assert!(legacy_env_warnings(&env_of(&[("PTO2_RING_HEAPS", "1")])).is_empty());
     }
 }
