@@ -159,6 +159,13 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     // The ring sizes, the orchestration mode and the diagnostics of the flags; every step's
     // outputs written as they say.
     let outputs = crate::opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;
+    // Every step's spans are written inside the timed requests, to `--trace` or to
+    // `DIR/trace.jsonl`: that is the trace's cost here.
+    let diagnostics =
+        simpler_dfx::bench_stats::format_diagnostics(&simpler_dfx::bench_stats::Diagnostics {
+            trace: call.trace.is_some() || call.output_dir.is_some(),
+            ..simpler_dfx::bench_stats::Diagnostics::of(&call)
+        });
     engine.set_call_config(call);
     println!(
         "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
@@ -169,6 +176,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         args.max_num_batched_tokens
     );
     println!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
+    println!("{diagnostics}");
     // Warm-up: one request (kernels, buffers), discarded.
     measure(&mut engine, 1, &args, c.vocab_size, 0)?;
     let mut rows = Vec::new();

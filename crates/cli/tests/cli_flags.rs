@@ -154,6 +154,12 @@ fn serving_commands_write_their_steps_diagnostics() {
     let err = text(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("the diagnostics of 2 steps"), "{err}");
+    // The report says which diagnostics were on (their cost is in its timings).
+    assert!(
+        text(&out.stdout).contains("diagnostics: swimlane=level1 dep_gen=off ring_stats=off trace=on (timings include their cost)"),
+        "{}",
+        text(&out.stdout)
+    );
     for step in ["step-000000", "step-000001"] {
         let sw = std::fs::read_to_string(dir.join(step).join("swimlane.json")).unwrap();
         assert!(sw.contains("gemm_tile_bf16"), "{step}");
