@@ -49,6 +49,8 @@ enum Target {
     Chip(usize),
     Group(Vec<usize>),
     Sub(usize),
+    /// Whichever sub worker is idle first.
+    AnySub,
 }
 
 /// One task: a function registered in [`ChildFns`](crate::ChildFns), run in one chip, in a
@@ -96,6 +98,15 @@ impl NodeTask {
     /// Host function `function` on sub worker `sub`.
     pub fn sub(sub: usize, function: &str, args: &[u8]) -> NodeTask {
         NodeTask::new(Target::Sub(sub), function, args)
+    }
+
+    /// Host function `function` on whichever sub worker is idle first, once its predecessors
+    /// have finished (the function learns which from [`ChildCtx::id`](crate::ChildCtx::id)).
+    /// Ready tasks take idle sub workers in submit order, so a later task never takes the sub
+    /// worker an earlier ready one could have had. Refused (`InvalidTask`) by a node without
+    /// sub workers.
+    pub fn any_sub(function: &str, args: &[u8]) -> NodeTask {
+        NodeTask::new(Target::AnySub, function, args)
     }
 
     /// The task reads `buf`: it waits for the earlier tasks that write any of its bytes.
@@ -155,8 +166,10 @@ enum Work {
 
 struct Rec {
     work: Work,
-    /// Child indices (the node's slots).
+    /// Child indices (the node's slots); for an any-sub task, empty until it is posted.
     targets: Vec<usize>,
+    /// The sub workers an any-sub task may take (empty for every other task).
+    any_of: Vec<usize>,
     timeout: Duration,
     preds_left: usize,
     succs: Vec<usize>,
@@ -198,6 +211,7 @@ impl NodeOrch<'_> {
         let targets = match &task.target {
             Target::Chip(c) => vec![self.node.index(ChildId::Chip(*c))?],
             Target::Sub(s) => vec![self.node.index(ChildId::Sub(*s))?],
+            Target::AnySub => Vec::new(),
             Target::Group(chips) => {
                 if chips.is_empty() {
                     return Err(invalid("a group needs at least one chip".into()));
@@ -268,6 +282,17 @@ impl NodeOrch<'_> {
         }
         let mut preds: Vec<usize> = task.after.iter().map(|t| t.0).collect();
         preds.extend(self.history.submit(index, &accesses));
+        let any_of = if task.target == Target::AnySub {
+            let subs: Vec<usize> = (0..self.node.config.sub_workers)
+                .map(|s| self.node.index(ChildId::Sub(s)))
+                .collect::<Result<_, _>>()?;
+            if subs.is_empty() {
+                return Err(invalid("any_sub: the node has no sub worker".into()));
+            }
+            subs
+        } else {
+            Vec::new()
+        };
         let timeout = task.timeout.unwrap_or(self.node.config.call_timeout);
         self.push(
             Work::Call {
@@ -278,6 +303,7 @@ impl NodeOrch<'_> {
             timeout,
             preds,
         );
+        self.tasks[index].any_of = any_of;
         Ok(NodeTaskId(index))
     }
 
@@ -291,6 +317,7 @@ impl NodeOrch<'_> {
         self.tasks.push(Rec {
             work,
             targets,
+            any_of: Vec::new(),
             timeout,
             preds_left: preds.len(),
             succs: Vec::new(),
@@ -406,6 +433,19 @@ impl Node {
                     continue;
                 }
                 let held = |i: usize| chips_held && self.children[i].id.is_chip();
+                if !rec.any_of.is_empty() {
+                    // An any-sub task takes the first sub worker free now; with none free it
+                    // waits without reserving one (it is scanned before later tasks, so it
+                    // takes the next one that frees).
+                    match rec
+                        .any_of
+                        .iter()
+                        .find(|&&i| busy[i].is_none() && !reserved[i])
+                    {
+                        Some(&i) => rec.targets = vec![i],
+                        None => continue,
+                    }
+                }
                 if rec
                     .targets
                     .iter()

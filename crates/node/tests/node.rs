@@ -1033,6 +1033,42 @@ fn byte_ranges_order_only_common_bytes() {
     node.close().unwrap();
 }
 
+/// `NodeTask::any_sub` runs on whichever sub worker is idle: two such tasks that wait until
+/// both have started run at once, so on different sub workers (one child runs one task at a
+/// time); a third waits for a free one. A node without sub workers refuses them, and runs on.
+fn any_sub_takes_an_idle_sub_worker() {
+    let mut node = Node::start(config(1, 2)).unwrap();
+    let log_id = node.create_buffer(LOG_BYTES).unwrap();
+    let l = |t| Step::new(log_id, t);
+    node.run(|o| {
+        let t = Duration::from_secs(120);
+        o.submit(NodeTask::any_sub("step", &l(0).watch(WAIT_ALL, 2).encode()).timeout(t))?;
+        o.submit(NodeTask::any_sub("step", &l(1).watch(WAIT_ALL, 2).encode()).timeout(t))?;
+        o.submit(NodeTask::any_sub("step", &l(2).encode()))?;
+        Ok(())
+    })
+    .unwrap();
+    let log = Log(node.buffer(log_id).unwrap());
+    assert!(log.start(0).max(log.start(1)) < log.end(0).min(log.end(1)));
+    assert!(
+        log.start(2) > log.end(0).min(log.end(1)),
+        "a third sub worker?"
+    );
+    node.close().unwrap();
+    let mut node = Node::start(config(1, 0)).unwrap();
+    let err = node
+        .run(|o| o.submit(NodeTask::any_sub("echo", b"")).map(drop))
+        .unwrap_err();
+    assert_eq!(err.code(), 211, "{err}");
+    assert!(
+        err.to_string().contains("the node has no sub worker"),
+        "{err}"
+    );
+    node.run(|o| o.submit(NodeTask::chip(0, "echo", b"")).map(drop))
+        .unwrap();
+    node.close().unwrap();
+}
+
 /// A group waits for all its chips: chip 1 is idle, chip 0 busy with an earlier task that
 /// looks out for the group's start on chip 1. A later single-chip task does not overtake the
 /// group on chip 1.
@@ -1563,6 +1599,10 @@ fn main() {
         (
             "byte_ranges_order_only_common_bytes",
             byte_ranges_order_only_common_bytes,
+        ),
+        (
+            "any_sub_takes_an_idle_sub_worker",
+            any_sub_takes_an_idle_sub_worker,
         ),
         (
             "chip_tasks_run_chip_orchestrations_on_shared_buffers",
