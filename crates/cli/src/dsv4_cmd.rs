@@ -83,9 +83,40 @@ pub(crate) struct CaseArgs {
     /// Refused with --ep, whose ranks always run their steps back to back.
     #[arg(long)]
     warm_cache: bool,
+    /// moe: route by the token-id table of the first `n_hash_layers` (3) layers (`hash`), or
+    /// by the gate's top-k with bias, as every later layer (`top-k`) [default: top-k].
+    /// Refused for the other layers.
+    #[arg(long, value_enum)]
+    routing: Option<RoutingArg>,
+}
+
+/// How the MoE layer routes its tokens (`--routing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum RoutingArg {
+    /// The token-id table (layers below `n_hash_layers`).
+    Hash,
+    /// The gate's top-k of score + bias (every later layer).
+    TopK,
 }
 
 impl CaseArgs {
+    /// Whether the MoE layer routes by the token-id table (`--routing hash`).
+    pub(crate) fn hash_routing(&self) -> bool {
+        self.routing == Some(RoutingArg::Hash)
+    }
+
+    /// Refuses `--routing` when a layer of `layers` is not the MoE.
+    fn check_routing(&self, layers: &[LayerArg]) -> Result<()> {
+        if let (Some(_), Some(other)) = (self.routing, layers.iter().find(|&&l| l != LayerArg::Moe))
+        {
+            bail!(
+                "--routing: it picks how the moe layer routes its tokens; {} routes none",
+                other.name()
+            );
+        }
+        Ok(())
+    }
+
     /// `--membw-seconds`, default 1.5. The flag is an `Option` so that `--ep` can refuse it
     /// even when given at its default value.
     fn membw_seconds(&self) -> f64 {
@@ -153,6 +184,7 @@ fn ep_cmd(
             .collectives
             .unwrap_or(crate::bench_collectives::Backend::Shm),
         per_rank: ep.experts_per_rank,
+        hash_routing: case.hash_routing(),
         check,
         rounds,
         warmup,
@@ -303,9 +335,10 @@ fn prepare(
     layer: LayerArg,
     cfg: &Dsv4Config,
     starts: &[usize],
-    seed: u64,
+    case: &CaseArgs,
     worker: &Worker,
 ) -> Result<Box<dyn LayerStep>> {
+    let seed = case.seed;
     match layer {
         LayerArg::Swa => Ok(Box::new(AttnCase::new(
             worker,
@@ -329,7 +362,11 @@ fn prepare(
             LayerKind::Csa,
         )?)),
         LayerArg::Moe => Ok(Box::new(crate::dsv4_moe::MoeStep::new(
-            worker, cfg, starts, seed,
+            worker,
+            cfg,
+            starts,
+            seed,
+            case.hash_routing(),
         )?)),
     }
 }
@@ -640,7 +677,7 @@ fn setup(layer: LayerArg, case: &CaseArgs, run: &RunOpts) -> Result<Setup> {
     let starts = starts_of(case, &cfg)?;
     let worker = run.worker()?;
     ops::register(&worker)?;
-    let step = prepare(layer, &cfg, &starts, case.seed, &worker)?;
+    let step = prepare(layer, &cfg, &starts, case, &worker)?;
     let machine = machine_peaks(case.membw_seconds());
     let int8 = int8_peak(machine.threads, case.membw_seconds());
     let flush = (!case.warm_cache).then(|| CacheFlush::new(machine.threads));
@@ -769,6 +806,7 @@ fn check_replay(layer: LayerArg, replay: Option<Replay>) -> Result<()> {
 
 pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
     check_replay(args.layer, args.replay)?;
+    args.case.check_routing(&[args.layer])?;
     if let Some(cmd) = ep_cmd_of_run(&args)? {
         return crate::dsv4_ep::main(cmd);
     }
@@ -828,6 +866,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
             bail!("--kernel: {} is given twice", k.name());
         }
     }
+    args.case.check_routing(&args.kernel)?;
     let has_moe = args.kernel.contains(&LayerArg::Moe);
     if has_moe {
         check_replay(LayerArg::Moe, args.replay)?;

@@ -67,6 +67,8 @@ pub(crate) struct EpCmd {
     pub(crate) ep: usize,
     pub(crate) collectives: Backend,
     pub(crate) per_rank: Option<usize>,
+    /// `--routing hash`: the first (hash-routed) layer instead of the first top-k one.
+    pub(crate) hash_routing: bool,
     pub(crate) check: bool,
     pub(crate) rounds: usize,
     pub(crate) warmup: usize,
@@ -214,7 +216,14 @@ fn rank_steps<C: Collectives<Buf = [u8]> + ?Sized>(
     let starts = starts_of(cmd, &cfg)?;
     let inputs = generate_inputs(&cfg, &starts, cmd.seed);
     let weights = generate_moe_weights_local(&cfg, cmd.seed, placement.local(me));
-    let layer = MoeLayer::new(&worker, &cfg, &weights, cfg.n_hash_layers, placement, me)?;
+    let layer = MoeLayer::new(
+        &worker,
+        &cfg,
+        &weights,
+        crate::dsv4_moe::routed_layer(&cfg, cmd.hash_routing)?,
+        placement,
+        me,
+    )?;
     drop(weights);
     let (d, k, hc) = (cfg.hidden, cfg.n_activated_experts, cfg.hc_mult);
     let mine = rank_tokens(inputs.n_tokens(), n, me);
@@ -479,13 +488,16 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         Summary::of(&v).median
     };
     s += &format!(
-        "expert-parallel MoE: {} ranks over {}, {} routed experts ({} per rank), {} shared, top-{}, hidden {}, width {}; batch {} tokens; {} steps after {} warm-up; rank 0 may use {} cores (every rank runs on this host's cores; mpirun may bind each rank to its own)\n",
+        "expert-parallel MoE: {} ranks over {}, {} routed experts ({} per rank), {} shared, {}, hidden {}, width {}; batch {} tokens; {} steps after {} warm-up; rank 0 may use {} cores (every rank runs on this host's cores; mpirun may bind each rank to its own)\n",
         n,
         cmd.collectives.name(),
         cfg.n_routed_experts,
         placement.per_rank,
         cfg.n_shared_experts,
-        cfg.n_activated_experts,
+        crate::dsv4_moe::describe_routing(
+            &cfg,
+            crate::dsv4_moe::routed_layer(&cfg, cmd.hash_routing)?
+        ),
         cfg.hidden,
         cfg.moe_inter_dim,
         starts_of(cmd, &cfg)?.len() * TOKENS_PER_SEQ,
@@ -599,7 +611,7 @@ fn check_outputs(
     let starts = starts_of(cmd, cfg)?;
     let inputs = generate_inputs(cfg, &starts, cmd.seed);
     let weights = generate_moe_weights(cfg, cmd.seed);
-    let layer = cfg.n_hash_layers;
+    let layer = crate::dsv4_moe::routed_layer(cfg, cmd.hash_routing)?;
     let single = MoeLayer::new(
         &worker,
         cfg,

@@ -65,6 +65,7 @@ impl MoeStep {
         cfg: &Dsv4Config,
         starts: &[usize],
         seed: u64,
+        hash_routing: bool,
     ) -> Result<MoeStep> {
         moe_ops::register(worker)?;
         let (cfg, note) = moe_config(cfg)?;
@@ -74,7 +75,7 @@ impl MoeStep {
             worker,
             &cfg,
             &weights,
-            cfg.n_hash_layers,
+            routed_layer(&cfg, hash_routing)?,
             ExpertPlacement::single(cfg.n_routed_experts),
             0,
         )?;
@@ -123,15 +124,36 @@ impl MoeStep {
     }
 }
 
+/// The layer index that routes as asked: the first (hash-routed) layer, or the first top-k
+/// one (`n_hash_layers`).
+pub(crate) fn routed_layer(cfg: &Dsv4Config, hash: bool) -> Result<usize> {
+    if hash && cfg.n_hash_layers == 0 {
+        anyhow::bail!("--routing hash: this configuration has no hash-routed layer");
+    }
+    Ok(if hash { 0 } else { cfg.n_hash_layers })
+}
+
+/// How layer `layer` routes, in words.
+pub(crate) fn describe_routing(cfg: &Dsv4Config, layer: usize) -> String {
+    if layer < cfg.n_hash_layers {
+        format!(
+            "hash-routed: each token id's {} experts from the table",
+            cfg.n_activated_experts
+        )
+    } else {
+        format!("top-{} of score + bias", cfg.n_activated_experts)
+    }
+}
+
 impl LayerStep for MoeStep {
     fn describe(&self) -> String {
         let c = &self.cfg;
         let rows = self.rows_per_expert();
         let hit = rows.iter().filter(|&&r| r > 0).count();
         format!(
-            "MoE layer {} (top-{} of score + bias): hidden {}, {} shared + {} routed experts of width {}, {}; batch {} x {} tokens at starts {:?}{}",
+            "MoE layer {} ({}): hidden {}, {} shared + {} routed experts of width {}, {}; batch {} x {} tokens at starts {:?}{}",
             self.layer.layer,
-            c.n_activated_experts,
+            describe_routing(c, self.layer.layer),
             c.hidden,
             c.n_shared_experts,
             c.n_routed_experts,

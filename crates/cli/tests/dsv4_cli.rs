@@ -760,3 +760,89 @@ fn bench_dsv4_refuses_a_layer_list_a_flag_does_not_fit() {
         );
     }
 }
+
+/// `--routing hash` runs the MoE as the first layers route (the token-id table), checked
+/// against the golden of that layer, on one rank and over two; `top-k` (the default) as every
+/// later layer. A layer that routes nothing refuses the flag by name.
+#[test]
+fn moe_routing_picks_the_hash_or_the_top_k_layer() {
+    for (routing, says) in [
+        (
+            "hash",
+            "MoE layer 0 (hash-routed: each token id's 2 experts",
+        ),
+        ("top-k", "MoE layer 3 (top-2 of score + bias)"),
+    ] {
+        let mut args = vec![
+            "run",
+            "dsv4",
+            "--layer",
+            "moe",
+            "--preset",
+            "tiny",
+            "--routing",
+            routing,
+            "--check",
+        ];
+        args.extend_from_slice(QUICK);
+        let out = simpler(&args);
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{routing}: {}", text(&out.stderr));
+        assert!(so.contains(says), "{so}");
+        assert!(so.contains("ok: routing: 16 routes as the golden"), "{so}");
+    }
+    let out = simpler(&[
+        "run",
+        "dsv4",
+        "--layer",
+        "moe",
+        "--preset",
+        "tiny",
+        "--routing",
+        "hash",
+        "--ep",
+        "2",
+        "--check",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        so.contains("hash-routed") && so.contains("ok: routing: 16 routes as one rank"),
+        "{so}"
+    );
+    for args in [
+        &[
+            "run",
+            "dsv4",
+            "--layer",
+            "swa",
+            "--preset",
+            "tiny",
+            "--routing",
+            "hash",
+        ][..],
+        &[
+            "bench",
+            "dsv4",
+            "--kernel",
+            "moe,hca",
+            "--preset",
+            "tiny",
+            "--routing",
+            "top-k",
+        ],
+    ] {
+        let out = simpler(args);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("--routing: it picks how the moe layer routes"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(text(&out.stdout).is_empty(), "{args:?} ran");
+    }
+}
