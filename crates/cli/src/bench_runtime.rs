@@ -62,7 +62,8 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
 
 /// Like [`rounds`] for a section whose runs return their report with the sample: the last
 /// round's spans and diagnostics are written as `cfg` says (each section has its own
-/// `OUTPUT_DIR/<section>` from [`case_config`], so no section replaces another's files).
+/// `OUTPUT_DIR/<section>` from [`case_config`], so no section replaces another's files; an
+/// explicit `--trace FILE` is shared, and each section's spans are appended to it).
 fn rounds_written(
     args: &BenchRuntimeArgs,
     cfg: &CallConfig,

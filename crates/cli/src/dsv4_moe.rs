@@ -43,7 +43,8 @@ pub(crate) fn moe_config(cfg: &Dsv4Config) -> Result<(Dsv4Config, String)> {
     Ok((cfg.clone(), note))
 }
 
-/// A MoE layer (the first top-k-routed one) with its seeded fixture.
+/// A MoE layer (the first top-k-routed one, or the first hash-routed one with `--routing
+/// hash`) with its seeded fixture.
 pub(crate) struct MoeStep {
     cfg: Dsv4Config,
     note: String,

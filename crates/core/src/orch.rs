@@ -511,7 +511,8 @@ impl Orchestrator {
                 .unwrap_or(u64::MAX)
                 .max(1024);
             let used = self.cursors[ring as usize].heap_used();
-            let (head, head_note) = self.head_of(ring);
+            // The head is named in the text only (see `wait_for_room`'s pool check).
+            let (_, head_note) = self.head_of(ring);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::HeapRingDeadlock,
@@ -524,7 +525,7 @@ impl Orchestrator {
                     ),
                 )
                 .diagnosed(crate::error::Diagnosis::Proven)
-                .at(Locator { ring: Some(ring), task: Some(head), kernel: Some(kname), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), kernel: Some(kname), ..Locator::default() }),
             ));
         }
         Ok(Checked {

@@ -41,7 +41,9 @@ impl Orchestrator {
         if deps > self.cursors[r].dep_cap {
             let cap = self.cursors[r].dep_cap;
             let used = self.cursors[r].dep_used();
-            let (head, head_note) = self.head_of(ring);
+            // The head is named in the text only: the locator's task and kernel are the
+            // refused task's (which has no id yet).
+            let (_, head_note) = self.head_of(ring);
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::DepPoolOverflow,
@@ -52,7 +54,7 @@ impl Orchestrator {
                     ),
                 )
                 .diagnosed(Diagnosis::Proven)
-                .at(Locator { ring: Some(ring), task: Some(head), kernel: Some(kname.into()), ..Locator::default() }),
+                .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
             ));
         }
         if entries > self.map.capacity() {

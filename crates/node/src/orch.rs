@@ -211,6 +211,7 @@ impl NodeOrch<'_> {
         let targets = match &task.target {
             Target::Chip(c) => vec![self.node.index(ChildId::Chip(*c))?],
             Target::Sub(s) => vec![self.node.index(ChildId::Sub(*s))?],
+            // Chosen when the task is posted, among `any_of` below.
             Target::AnySub => Vec::new(),
             Target::Group(chips) => {
                 if chips.is_empty() {
@@ -229,6 +230,17 @@ impl NodeOrch<'_> {
                 targets.sort_unstable();
                 targets
             }
+        };
+        let any_of = if task.target == Target::AnySub {
+            let subs: Vec<usize> = (0..self.node.config.sub_workers)
+                .map(|s| self.node.index(ChildId::Sub(s)))
+                .collect::<Result<_, _>>()?;
+            if subs.is_empty() {
+                return Err(invalid("any_sub: the node has no sub worker".into()));
+            }
+            subs
+        } else {
+            Vec::new()
         };
         let mut accesses = Vec::with_capacity(task.declared.len());
         for (buf, bytes, write) in &task.declared {
@@ -280,19 +292,11 @@ impl NodeOrch<'_> {
                 cap: CMD_CAP,
             });
         }
+        // Every refusal comes before this point: from here the task is recorded (a refused
+        // task left in the history would give later tasks, and its buffers' frees, edges to
+        // a task that does not exist).
         let mut preds: Vec<usize> = task.after.iter().map(|t| t.0).collect();
         preds.extend(self.history.submit(index, &accesses));
-        let any_of = if task.target == Target::AnySub {
-            let subs: Vec<usize> = (0..self.node.config.sub_workers)
-                .map(|s| self.node.index(ChildId::Sub(s)))
-                .collect::<Result<_, _>>()?;
-            if subs.is_empty() {
-                return Err(invalid("any_sub: the node has no sub worker".into()));
-            }
-            subs
-        } else {
-            Vec::new()
-        };
         let timeout = task.timeout.unwrap_or(self.node.config.call_timeout);
         self.push(
             Work::Call {
@@ -428,19 +432,31 @@ impl Node {
             while scan_from < tasks.len() && tasks[scan_from].state != State::Waiting {
                 scan_from += 1;
             }
+            // The children that ready tasks pinned to them wait for: an any-sub task takes a
+            // free sub worker none of them names, when there is one, so it does not leave a
+            // pinned task waiting while another sub worker idles.
+            let mut pinned = vec![false; busy.len()];
+            for rec in &tasks[scan_from..] {
+                if rec.state == State::Waiting && rec.preds_left == 0 && rec.any_of.is_empty() {
+                    for &i in &rec.targets {
+                        pinned[i] = true;
+                    }
+                }
+            }
             for (t, rec) in tasks.iter_mut().enumerate().skip(scan_from) {
                 if rec.state != State::Waiting || rec.preds_left > 0 {
                     continue;
                 }
                 let held = |i: usize| chips_held && self.children[i].id.is_chip();
                 if !rec.any_of.is_empty() {
-                    // An any-sub task takes the first sub worker free now; with none free it
-                    // waits without reserving one (it is scanned before later tasks, so it
-                    // takes the next one that frees).
+                    // An any-sub task takes a sub worker free now (one no ready task is pinned
+                    // to first); with none free it waits without reserving one (it is scanned
+                    // before later tasks, so it takes the next one that frees).
                     match rec
                         .any_of
                         .iter()
-                        .find(|&&i| busy[i].is_none() && !reserved[i])
+                        .filter(|&&i| busy[i].is_none() && !reserved[i])
+                        .min_by_key(|&&i| pinned[i])
                     {
                         Some(&i) => rec.targets = vec![i],
                         None => continue,

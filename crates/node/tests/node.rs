@@ -844,24 +844,24 @@ fn step(ctx: &mut ChildCtx, a: &[u8]) -> Result<Vec<u8>, String> {
     if op != OP_NONE {
         let id = SharedBufferId::from_bits(at(5));
         let buf = ctx.buffer(id).ok_or("no buffer")?;
-        // Where the task declared the buffer, the operation stays inside the bytes it declared
-        // (the only ones the node ordered it against), which the child is told.
+        // The operation stays inside bytes the task declared (the only ones the node ordered
+        // it against), which the child is told; a buffer it did not declare is refused.
         let declared: Vec<_> = (0..ctx.task_buffers())
             .filter(|&k| ctx.task_buffer(k).map(|b| b.id()) == Some(id))
             .filter_map(|k| ctx.task_bytes(k))
             .collect();
-        if !declared.is_empty()
-            && !declared
-                .iter()
-                .any(|r| r.start <= offset && offset + 8 <= r.end)
+        if !declared
+            .iter()
+            .any(|r| r.start <= offset && offset + 8 <= r.end)
         {
             return Err(format!(
                 "step {tag}: bytes {offset}..{} are outside the declared {declared:?}",
                 offset + 8
             ));
         }
-        // SAFETY: the node orders this task against every other task that declared the
-        // buffer, and only such tasks touch it.
+        // SAFETY: the bytes lie inside a range this task declared (checked above), and the
+        // node orders this task against every other task that declared overlapping bytes
+        // with a write on either side; only such tasks touch them.
         unsafe {
             if op == OP_WRITE {
                 buf.write(offset, &value.to_le_bytes());
@@ -1054,6 +1054,18 @@ fn any_sub_takes_an_idle_sub_worker() {
         log.start(2) > log.end(0).min(log.end(1)),
         "a third sub worker?"
     );
+    // Ready together, an any-sub task and one pinned to sub worker 0: the any-sub one takes
+    // sub worker 1 (taking 0 would leave the pinned task waiting, and as both wait for each
+    // other's start, that schedule fails by its deadline). A fresh log: tags 0 and 1 again.
+    let log2 = node.create_buffer(LOG_BYTES).unwrap();
+    let l2 = |t| Step::new(log2, t);
+    node.run(|o| {
+        let t = Duration::from_secs(60);
+        o.submit(NodeTask::any_sub("step", &l2(0).watch(WAIT_ALL, 2).encode()).timeout(t))?;
+        o.submit(sub_step(0, l2(1).watch(WAIT_ALL, 2)).timeout(t))?;
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("the any-sub task took the pinned task's sub worker: {e}"));
     node.close().unwrap();
     let mut node = Node::start(config(1, 0)).unwrap();
     let err = node
@@ -1064,8 +1076,18 @@ fn any_sub_takes_an_idle_sub_worker() {
         err.to_string().contains("the node has no sub worker"),
         "{err}"
     );
-    node.run(|o| o.submit(NodeTask::chip(0, "echo", b"")).map(drop))
-        .unwrap();
+    // Refused with declared buffers (one of the run's scope), the refusal handled and another
+    // task submitted: the refused task left nothing behind (no edge to it, no free waiting
+    // for it), so the run completes.
+    let x = node.create_buffer(8).unwrap();
+    node.run(|o| {
+        let b = o.create_buffer(8)?;
+        let refused = o.submit(NodeTask::any_sub("echo", b"").writes(b).reads(x));
+        assert!(refused.is_err());
+        o.submit(NodeTask::chip(0, "echo", b"").writes(b).reads(x))?;
+        Ok(())
+    })
+    .unwrap();
     node.close().unwrap();
 }
 

@@ -308,10 +308,9 @@ fn dep_pool_overflow_for_a_task_with_too_many_producers() {
     );
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert!(e.detail.contains("in use; head task 1:0 ("), "{e}");
-    assert_eq!(
-        e.locator.task.map(|t| t.to_string()),
-        Some("task 1:0".into())
-    );
+    // The locator is the refused task's (no id yet), not the head's.
+    assert_eq!(e.locator.task, None);
+    assert_eq!(e.locator.kernel.as_deref(), Some("nop"));
 }
 
 #[test]
