@@ -20,7 +20,7 @@ use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::isa::set_process_isa;
 use simpler_kernels_cpu::membw::{CacheFlush, MachinePeaks};
 use simpler_kernels_cpu::{I8Path, Isa};
-use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks};
+use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks, csa_pick_check};
 use simpler_models::dsv4::fixture::{
     AttnWeights, CsaParts, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
     generate_hca, generate_inputs, generate_window_cache,
@@ -498,6 +498,10 @@ impl LayerStep for AttnCase {
         let mut checks = attn_step_checks(&self.window, self.hca.as_ref(), &g, &out, &caches);
         if let (Some(p), Some(cc)) = (&self.csa, &caches.csa) {
             checks.extend(csa_cache_checks(p, &g, cc));
+            checks.push((
+                "indexer picks",
+                csa_pick_check(&g, &out.csa_picks, p.cache.max_rows),
+            ));
         }
         Ok(checks
             .into_iter()

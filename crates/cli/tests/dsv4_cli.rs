@@ -100,6 +100,7 @@ fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
                 "ok: index ring score",
                 "ok: compressed rows written",
                 "ok: index rows written",
+                "ok: indexer picks:",
                 "ok: index scales",
             ] {
                 assert!(so.contains(needle), "csa: missing {needle:?} in\n{so}");

@@ -9,7 +9,7 @@
 
 use half::bf16;
 use simpler_core::{CallConfig, Worker, WorkerConfig};
-use simpler_models::dsv4::check::{CacheTol, RelDiff, csa_cache_checks};
+use simpler_models::dsv4::check::{CacheTol, RelDiff, csa_cache_checks, csa_pick_check};
 use simpler_models::dsv4::fixture::{
     AttnWeights, CsaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
     generate_inputs, generate_window_cache,
@@ -82,6 +82,35 @@ fn run_and_check(c: &Case, w: &Worker) {
         if let Err(e) = outcome {
             panic!("{what}: {e}");
         }
+    }
+    // The indexer's choices, token by token, against the golden's top-k.
+    let max_rows = c.csa.cache.max_rows;
+    let picked = csa_pick_check(&g, &out.csa_picks, max_rows).unwrap();
+    let gw = g.csa.as_ref().unwrap();
+    let want: usize = gw.picks.iter().map(|p| p.selected.len()).sum();
+    assert_eq!(picked.n, want);
+    // The check sees a wrong choice: a token with more visible rows than its top-k gets its
+    // best row replaced by its worst one (far from the cut unless the scores are flat).
+    let width = out.csa_picks.len() / gw.picks.len();
+    let worst_of =
+        |p: &golden::IndexPick| (0..p.visible).min_by(|&a, &b| p.scores[a].total_cmp(&p.scores[b]));
+    let far = gw.picks.iter().enumerate().find_map(|(t, p)| {
+        let (&best, worst) = (p.selected.first()?, worst_of(p)?);
+        (p.visible > p.selected.len()
+            && p.scores[best] - p.scores[worst] > 0.1 * p.scores[best].abs())
+        .then_some((t, p, worst))
+    });
+    if let Some((t, p, worst)) = far {
+        let base = (t / simpler_models::dsv4::TOKENS_PER_SEQ * max_rows) as i32;
+        let mut bad = out.csa_picks.clone();
+        let row = &mut bad[t * width..(t + 1) * width];
+        let at = row
+            .iter()
+            .position(|&v| v == base + p.selected[0] as i32)
+            .unwrap();
+        row[at] = base + worst as i32;
+        let e = csa_pick_check(&g, &bad, max_rows).unwrap_err();
+        assert!(e.contains(&format!("token {t} row")), "{e}");
     }
     // The checker sees a wrong written row: shift the first compressed row the step wrote.
     if let Some(Some(slot)) = g.csa.as_ref().and_then(|w| w.compressed.slots.first()) {

@@ -435,6 +435,86 @@ pub fn csa_cache_checks(
     checks
 }
 
+/// The CSA indexer's choices at step level: each token's candidates as the step's planning
+/// task wrote them (`picks`, [`super::runner::AttnStepOutput::csa_picks`]) against the
+/// golden's top-k of its visible rows (`g`). The same count, and the same rows except where
+/// the golden's scores at the cut are too close to tell apart at int8 precision: a row in one
+/// set only must score within 2% of the token's largest |score| of the golden's cut (as the
+/// indexer's component test allows). `max_rows` is the compressed cache's rows per sequence.
+/// The outcome counts the candidates compared and those swapped at the cut.
+pub fn csa_pick_check(
+    g: &super::golden::AttnStep,
+    picks: &[i32],
+    max_rows: usize,
+) -> Result<Outcome, String> {
+    let what = "indexer picks";
+    let Some(gw) = g.csa.as_ref() else {
+        return Err(format!("{what}: the golden step made no CSA picks"));
+    };
+    let tokens = gw.picks.len();
+    if tokens == 0 || picks.len() % tokens != 0 {
+        return Err(format!(
+            "{what}: {} candidates for {tokens} tokens",
+            picks.len()
+        ));
+    }
+    let width = picks.len() / tokens;
+    let mut out = Outcome {
+        n: 0,
+        over: 0,
+        worst: 0,
+        worst_value: 0.0,
+    };
+    for (t, (pick, row)) in gw.picks.iter().zip(picks.chunks(width)).enumerate() {
+        let seq = t / super::TOKENS_PER_SEQ;
+        let base = (seq * max_rows) as i64;
+        let mut got = Vec::with_capacity(pick.selected.len());
+        for &v in row.iter().filter(|&&v| v >= 0) {
+            let r = i64::from(v) - base;
+            if !(0..pick.visible as i64).contains(&r) {
+                return Err(format!(
+                    "{what}: token {t} picked slot {v}, not one of its sequence's {} visible rows",
+                    pick.visible
+                ));
+            }
+            got.push(r as usize);
+        }
+        if got.len() != pick.selected.len() {
+            return Err(format!(
+                "{what}: token {t} picked {} rows, the golden {}",
+                got.len(),
+                pick.selected.len()
+            ));
+        }
+        let top = pick.scores.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let cut = pick.selected.last().map_or(0.0, |&r| pick.scores[r]);
+        let only_one = got
+            .iter()
+            .filter(|r| !pick.selected.contains(r))
+            .chain(pick.selected.iter().filter(|r| !got.contains(r)));
+        for &r in only_one {
+            let off = (pick.scores[r] - cut).abs();
+            if off > 2e-2 * top {
+                return Err(format!(
+                    "{what}: token {t} row {r} (golden score {}) is in one top-{} only, {off:.3e} from the cut {cut} (allowed {:.3e})",
+                    pick.scores[r],
+                    pick.selected.len(),
+                    2e-2 * top
+                ));
+            }
+            out.over += 1;
+            if off > out.worst_value {
+                out.worst_value = off;
+                out.worst = t;
+            }
+        }
+        out.n += got.len();
+    }
+    // Each swap was counted from both sides.
+    out.over /= 2;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

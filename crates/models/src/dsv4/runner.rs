@@ -128,6 +128,10 @@ pub struct AttnStepOutput {
     pub attn: Vec<f32>,
     /// Output projection `[T, hidden]` (bf16 values), the input of `hc_post`.
     pub o_proj: Vec<f32>,
+    /// CSA: each token's compressed candidates as the step's planning task chose them
+    /// (`[T, candidates]`, compressed-cache slot `seq · max_rows + row`, −1 masked); empty for
+    /// SWA and HCA, whose candidates the host writes.
+    pub csa_picks: Vec<i32>,
     /// The run's timing.
     pub report: RunReport,
 }
@@ -489,6 +493,7 @@ impl AttnLayer {
         cfg: &CallConfig,
     ) -> Result<AttnStepOutput, Dsv4RunError> {
         let HostPlan { tok, win, comp } = self.plan(inputs)?;
+        let comp_len = comp.len();
         let plan = Arc::new(AttnPlan {
             config: self.config.clone(),
             kind: self.kind,
@@ -555,6 +560,11 @@ impl AttnLayer {
                 .map(|v| v.to_f32())
                 .collect(),
             o_proj: outs[io_slot::Y].read_at::<f32>(0, t_n * c.hidden)?,
+            csa_picks: if self.kind == LayerKind::Csa {
+                outs[io_slot::COMP].read_at::<i32>(0, comp_len)?
+            } else {
+                Vec::new()
+            },
             report,
         })
     }
