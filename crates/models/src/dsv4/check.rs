@@ -452,7 +452,7 @@ pub fn csa_pick_check(
         return Err(format!("{what}: the golden step made no CSA picks"));
     };
     let tokens = gw.picks.len();
-    if tokens == 0 || picks.len() % tokens != 0 {
+    if tokens == 0 || !picks.len().is_multiple_of(tokens) {
         return Err(format!(
             "{what}: {} candidates for {tokens} tokens",
             picks.len()
