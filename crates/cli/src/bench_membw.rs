@@ -7,8 +7,12 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::Args;
+use simpler_dfx::bench_stats::{Summary, format_summary};
 use simpler_kernels_cpu::Isa;
-use simpler_kernels_cpu::membw::{MeasureOptions, last_level_cache_bytes, measure};
+use simpler_kernels_cpu::membw::{MeasureOptions, last_level_cache_bytes, measure_with_passes};
+
+/// Untimed passes before each bandwidth figure's timed ones (they size the pass count).
+const READ_WARMUP_PASSES: usize = 1;
 
 /// Arguments of `simpler bench membw`.
 #[derive(Args, Debug)]
@@ -38,7 +42,7 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
         bail!("--threads 0: give at least 1");
     }
     let d = MeasureOptions::default();
-    let p = measure(&MeasureOptions {
+    let (p, passes) = measure_with_passes(&MeasureOptions {
         duration: Duration::from_secs_f64(args.seconds),
         buffer_bytes: args.buffer_mib.map_or(d.buffer_bytes, |m| m << 20),
         threads: args.threads.unwrap_or(d.threads),
@@ -60,6 +64,16 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
         "streaming read, {} threads: best {:>6.1} GB/s  median {:>6.1} GB/s",
         p.threads, p.read_gbs_all, p.read_gbs_all_median
     );
+    // The passes' spread: on a shared host the best and the median can be far apart.
+    for (name, rates) in [
+        ("read_gbs_1_thread".to_string(), &passes.one),
+        (format!("read_gbs_{}_threads", p.threads), &passes.all),
+    ] {
+        println!(
+            "  {}",
+            format_summary(&name, &Summary::of(rates), READ_WARMUP_PASSES)
+        );
+    }
     println!(
         "fp32 FMA peak:  1 thread {:.1} GFLOP/s, {} threads {:.1} GFLOP/s",
         p.fma_gflops_one, p.threads, p.fma_gflops_all

@@ -463,3 +463,63 @@ fn bench_runtime_writes_every_sections_outputs() {
     refused(&args, "--diag-steps: `simpler bench runtime --compare`");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `bench membw` prints the spread of each bandwidth figure's passes as every bench prints its
+/// headline metric (n, min/median/mean/max, trimmed mean, 95% interval), and the best and
+/// median it reports are that summary's max and median.
+#[test]
+fn bench_membw_reports_the_passes_spread() {
+    let out = simpler(&[
+        "bench",
+        "membw",
+        "--seconds",
+        "0.4",
+        "--buffer-mib",
+        "64",
+        "--threads",
+        "2",
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let field = |line: &str, key: &str| -> f64 {
+        let at = line
+            .find(&format!("{key}="))
+            .unwrap_or_else(|| panic!("{key} in {line}"));
+        line[at + key.len() + 1..]
+            .split(|c: char| c == ' ' || c == ',')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    for (label, summary) in [
+        ("streaming read, 1 thread:", "read_gbs_1_thread:"),
+        ("streaming read, 2 threads:", "read_gbs_2_threads:"),
+    ] {
+        let head = so.lines().find(|l| l.starts_with(label)).expect(label);
+        let line = so
+            .lines()
+            .find(|l| l.trim_start().starts_with(summary))
+            .expect(summary);
+        assert!(
+            line.contains("(warm-up 1 discarded)") && line.contains("ci95=["),
+            "{line}"
+        );
+        let words: Vec<&str> = head.split_whitespace().collect();
+        let best: f64 = words[words.iter().position(|&w| w == "best").unwrap() + 1]
+            .parse()
+            .unwrap();
+        let median: f64 = words[words.iter().position(|&w| w == "median").unwrap() + 1]
+            .parse()
+            .unwrap();
+        assert!(
+            (field(line, "max") - best).abs() <= 0.051,
+            "{head} / {line}"
+        );
+        assert!(
+            (field(line, "median") - median).abs() <= 0.051,
+            "{head} / {line}"
+        );
+        assert!(field(line, "min") <= field(line, "median"));
+    }
+}

@@ -233,6 +233,21 @@ impl CacheFlush {
 
 /// Measures read bandwidth and FMA peak (see the module docs).
 pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
+    measure_with_passes(opts).0
+}
+
+/// Every timed pass of [`measure`]'s two bandwidth figures, GB/s in the order run (an
+/// untimed warm-up pass comes before each set).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReadPasses {
+    /// One thread.
+    pub one: Vec<f64>,
+    /// All threads together.
+    pub all: Vec<f64>,
+}
+
+/// [`measure`], with every bandwidth pass (for a report of their spread).
+pub fn measure_with_passes(opts: &MeasureOptions) -> (MachinePeaks, ReadPasses) {
     let threads = opts.threads.max(1);
     let words = (opts.buffer_bytes / 8).max(4096) / 64 * 64;
     let mut buf = StreamBuffer::new(words);
@@ -246,8 +261,10 @@ pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
         .filter(|&&p| isa >= p)
         .count();
     let share = opts.duration / (4 + 2 * extra as u32);
-    let (one, one_med) = read_bandwidth(buf.words(), 1, share);
-    let (all, all_med) = read_bandwidth(buf.words(), threads, share);
+    let one_passes = read_bandwidth_passes(buf.words(), 1, share);
+    let all_passes = read_bandwidth_passes(buf.words(), threads, share);
+    let ((one, one_med), (all, all_med)) =
+        (best_and_median(&one_passes), best_and_median(&all_passes));
     drop(buf);
     let path_peak = |path: Isa, n: usize| {
         if isa >= path {
@@ -256,7 +273,7 @@ pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
             0.0
         }
     };
-    MachinePeaks {
+    let peaks = MachinePeaks {
         threads,
         read_gbs_one: one,
         read_gbs_one_median: one_med,
@@ -268,6 +285,25 @@ pub fn measure(opts: &MeasureOptions) -> MachinePeaks {
         bf16_dot_gflops_all: path_peak(Isa::Avx512Bf16, threads),
         amx_bf16_gflops_one: path_peak(Isa::AmxBf16, 1),
         amx_bf16_gflops_all: path_peak(Isa::AmxBf16, threads),
+    };
+    (
+        peaks,
+        ReadPasses {
+            one: one_passes,
+            all: all_passes,
+        },
+    )
+}
+
+/// `(best, median)` of `rates` (0 for none; the median of an even count is the mean of the
+/// middle two, as every bench summary takes it).
+fn best_and_median(rates: &[f64]) -> (f64, f64) {
+    let mut r = rates.to_vec();
+    r.sort_by(f64::total_cmp);
+    match r.len() {
+        0 => (0.0, 0.0),
+        n if n % 2 == 0 => (r[n - 1], (r[n / 2 - 1] + r[n / 2]) / 2.0),
+        n => (r[n - 1], r[n / 2]),
     }
 }
 
@@ -339,10 +375,16 @@ impl StreamBuffer {
 /// Streaming read bandwidth of `threads` threads reading disjoint parts of `buf`, run for about
 /// `budget`: `(best, median)` over the passes, GB/s.
 pub fn read_bandwidth(buf: &[u64], threads: usize, budget: Duration) -> (f64, f64) {
+    best_and_median(&read_bandwidth_passes(buf, threads, budget))
+}
+
+/// [`read_bandwidth`]'s timed passes, GB/s each (the slowest thread's time of the pass), in the
+/// order run; none when `buf` is too small to split.
+pub fn read_bandwidth_passes(buf: &[u64], threads: usize, budget: Duration) -> Vec<f64> {
     let threads = threads.max(1);
     let part = buf.len() / threads / 64 * 64;
     if part == 0 {
-        return (0.0, 0.0);
+        return Vec::new();
     }
     let bytes = (part * threads * 8) as f64;
     // One untimed warm-up pass tells how many passes fit the budget.
@@ -373,14 +415,12 @@ pub fn read_bandwidth(buf: &[u64], threads: usize, budget: Duration) -> (f64, f6
             .map(|h| h.join().expect("bandwidth thread panicked"))
             .collect()
     });
-    let mut rates: Vec<f64> = (0..passes)
+    (0..passes)
         .map(|p| {
             let slowest = per_thread.iter().map(|t| t[p]).fold(0.0f64, f64::max);
             bytes / slowest.max(1e-9) / 1e9
         })
-        .collect();
-    rates.sort_by(f64::total_cmp);
-    (rates[rates.len() - 1], rates[rates.len() / 2])
+        .collect()
 }
 
 /// fp32 FMA peak of `threads` threads each running independent FMA chains for about `budget`,
