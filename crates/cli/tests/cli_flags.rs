@@ -486,7 +486,7 @@ fn bench_membw_reports_the_passes_spread() {
             .find(&format!("{key}="))
             .unwrap_or_else(|| panic!("{key} in {line}"));
         line[at + key.len() + 1..]
-            .split(|c: char| c == ' ' || c == ',')
+            .split([' ', ','])
             .next()
             .unwrap()
             .parse()
