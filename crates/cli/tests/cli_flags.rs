@@ -3,17 +3,7 @@
 
 mod common;
 
-use common::{simpler, text};
-
-/// Asserts that `simpler args` fails, its error holds `needle`, and it printed nothing (it
-/// was refused before it ran).
-fn refused(args: &[&str], needle: &str) {
-    let out = simpler(args);
-    let err = text(&out.stderr);
-    assert!(!out.status.success(), "{args:?}");
-    assert!(err.contains(needle), "{args:?}: {err}");
-    assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
-}
+use common::{refused, simpler, text};
 
 /// Bad runtime flags are refused before any model is loaded or memory checked, naming the
 /// flag (not the `CallConfig` field).
@@ -124,6 +114,13 @@ fn check_is_one_tri_state_switch() {
     );
 }
 
+/// `bench serve --preset tiny --streams 1` with `more`.
+fn bench_serve_tiny(more: &[&str]) -> std::process::Output {
+    let mut args = vec!["bench", "serve", "--preset", "tiny", "--streams", "1"];
+    args.extend_from_slice(more);
+    simpler(&args)
+}
+
 /// `serve` and `bench serve` write every engine step's outputs as `run qwen3-decode` does:
 /// each step's spans to the trace, the diagnostics of the steps `--diag-steps` picks to
 /// `DIR/step-NNNNNN/` (they used to record them and write nothing), and the runtime flags the
@@ -133,13 +130,7 @@ fn serving_commands_write_their_steps_diagnostics() {
     let dir = std::env::temp_dir().join(format!("simpler-serve-diag-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_str().unwrap();
-    let out = simpler(&[
-        "bench",
-        "serve",
-        "--preset",
-        "tiny",
-        "--streams",
-        "1",
+    let out = bench_serve_tiny(&[
         "--prompt-len",
         "4",
         "--max-tokens",
@@ -183,16 +174,7 @@ fn serving_commands_write_their_steps_diagnostics() {
     );
     // A folder that cannot be made is refused before any request runs.
     let blocked = dir.join("trace.jsonl").join("sub");
-    let out = simpler(&[
-        "bench",
-        "serve",
-        "--preset",
-        "tiny",
-        "--streams",
-        "1",
-        "--output-dir",
-        blocked.to_str().unwrap(),
-    ]);
+    let out = bench_serve_tiny(&["--output-dir", blocked.to_str().unwrap()]);
     let err = text(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("for the steps' outputs"), "{err}");
@@ -204,13 +186,7 @@ fn serving_commands_write_their_steps_diagnostics() {
     // exits non-zero after its report.
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("step-000001"), "in the way").unwrap();
-    let out = simpler(&[
-        "bench",
-        "serve",
-        "--preset",
-        "tiny",
-        "--streams",
-        "1",
+    let out = bench_serve_tiny(&[
         "--prompt-len",
         "4",
         "--max-tokens",
@@ -242,13 +218,7 @@ fn serving_commands_write_their_steps_diagnostics() {
     std::fs::remove_dir_all(&dir).unwrap();
     // A ring too small for a step: the engine's steps run with the flag's rings, so the
     // benchmark fails naming the ring, where it used to run on the default rings.
-    let out = simpler(&[
-        "bench",
-        "serve",
-        "--preset",
-        "tiny",
-        "--streams",
-        "1",
+    let out = bench_serve_tiny(&[
         "--prompt-len",
         "4",
         "--max-tokens",

@@ -20,6 +20,16 @@ pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// Asserts that `simpler args` fails, its error holds `needle`, and it printed nothing (it
+/// was refused before it ran).
+pub fn refused(args: &[&str], needle: &str) {
+    let out = simpler(args);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{args:?}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    assert!(text(&out.stdout).is_empty(), "{args:?}: ran anyway");
+}
+
 /// An empty directory unique to this test process and `name`.
 pub fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("simpler-cli-{}-{name}", std::process::id()));

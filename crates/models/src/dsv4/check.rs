@@ -190,22 +190,9 @@ pub fn attn_step_checks(
     ));
     // The rows the step wrote, on their own as well: a few wrong rows are far below a whole
     // cache's share allowance (at tiny, the 8 rows a step writes are 0.024% of the window).
-    let window_slots: Vec<usize> = g.window_write.slots.iter().flatten().copied().collect();
-    let window_rows: Vec<f32> = g
-        .window_write
-        .slots
-        .iter()
-        .zip(g.window_write.rows.chunks(hd))
-        .filter(|(s, _)| s.is_some())
-        .flat_map(|(_, r)| widen(r))
-        .collect();
     checks.push((
         "window rows written",
-        CacheTol::KV.check(
-            "window rows written",
-            &rows_at(&widen(&caches.window), &window_slots, hd),
-            &window_rows,
-        ),
+        rows_written_check("window rows written", &caches.window, &g.window_write, hd),
     ));
     if let (Some(h), Some(sw), Some(cw)) = (hca, &g.state_write, &g.compressed_write) {
         let (mut kv, mut score) = (h.state.kv.clone(), h.state.score.clone());
@@ -243,24 +230,34 @@ pub fn attn_step_checks(
             "compressed cache",
             CacheTol::KV.check("compressed cache", &widen(&caches.compressed), &comp),
         ));
-        let comp_slots: Vec<usize> = cw.slots.iter().flatten().copied().collect();
-        let comp_rows: Vec<f32> = cw
-            .slots
-            .iter()
-            .zip(cw.rows.chunks(hd))
-            .filter(|(s, _)| s.is_some())
-            .flat_map(|(_, r)| widen(r))
-            .collect();
         checks.push((
             "compressed rows written",
-            CacheTol::KV.check(
-                "compressed rows written",
-                &rows_at(&widen(&caches.compressed), &comp_slots, hd),
-                &comp_rows,
-            ),
+            rows_written_check("compressed rows written", &caches.compressed, cw, hd),
         ));
     }
     checks
+}
+
+/// The bf16 rows a step wrote (`w`: a slot per row, `None` for no write), as `cache` holds
+/// them, against the golden's, at [`CacheTol::KV`].
+fn rows_written_check(
+    what: &str,
+    cache: &[bf16],
+    w: &super::golden::CacheWrite,
+    width: usize,
+) -> Result<Outcome, String> {
+    let written = || {
+        w.slots
+            .iter()
+            .zip(w.rows.chunks(width))
+            .filter_map(|(s, r)| s.map(|s| (s, r)))
+    };
+    let slots: Vec<usize> = written().map(|(s, _)| s).collect();
+    let want: Vec<f32> = written()
+        .flat_map(|(_, r)| r.iter().map(|x| x.to_f32()))
+        .collect();
+    let got: Vec<f32> = cache.iter().map(|x| x.to_f32()).collect();
+    CacheTol::KV.check(what, &rows_at(&got, &slots, width), &want)
 }
 
 /// The rows `slots` (each `width` wide) of `all`, in that order; a slot past the end gives
