@@ -10,6 +10,8 @@ use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{RunShape, ops};
 use simpler_serve::{Completion, Engine, EngineConfig, Request, SamplingParams};
 
+use simpler_dfx::bench_stats::{Summary, format_summary};
+
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{ModelArgs, load_weights};
 
@@ -30,6 +32,13 @@ pub(crate) struct BenchServeArgs {
     /// Most tokens one engine step computes.
     #[arg(long, default_value_t = 2048)]
     max_num_batched_tokens: usize,
+    /// Measured rounds: each round serves every `--streams` count once, in turn (so the rows
+    /// share the host's drift), each time with new prompts (no prefix-cache hits).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Warm-up rounds before them (discarded).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
     #[command(flatten)]
     run: RunOpts,
 }
@@ -60,6 +69,45 @@ fn prompts(n: usize, len: usize, vocab: usize, salt: u64) -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
+}
+
+/// One `--streams` count's measured rounds.
+struct Row {
+    streams: usize,
+    /// Output tokens/s of each round.
+    rate: Summary,
+    /// Median wall time of a round, s.
+    wall_s: f64,
+    /// Every round's requests.
+    ttft_ms: Vec<f64>,
+    tpot_ms: Vec<f64>,
+    /// Median of the rounds' median bare decode steps, ms.
+    step_ms: f64,
+}
+
+impl Row {
+    fn of(rounds: &[Measure]) -> Row {
+        let rates: Vec<f64> = rounds
+            .iter()
+            .map(|m| m.out_tokens as f64 / m.wall_s)
+            .collect();
+        let walls: Vec<f64> = rounds.iter().map(|m| m.wall_s).collect();
+        let steps: Vec<f64> = rounds.iter().map(|m| m.step_ms).collect();
+        Row {
+            streams: rounds.first().map_or(0, |m| m.streams),
+            rate: Summary::of(&rates),
+            wall_s: Summary::of(&walls).median,
+            ttft_ms: rounds
+                .iter()
+                .flat_map(|m| m.ttft_ms.iter().copied())
+                .collect(),
+            tpot_ms: rounds
+                .iter()
+                .flat_map(|m| m.tpot_ms.iter().copied())
+                .collect(),
+            step_ms: Summary::of(&steps).median,
+        }
+    }
 }
 
 /// Bare decode steps timed per measurement (the first is warm-up).
@@ -116,6 +164,14 @@ fn measure(
 pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.streams.is_empty() || args.streams.contains(&0) {
         bail!("--streams: give positive counts, e.g. 1,4,16");
+    }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    for (i, n) in args.streams.iter().enumerate() {
+        if args.streams[..i].contains(n) {
+            bail!("--streams: {n} is given twice");
+        }
     }
     if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
         bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
@@ -177,16 +233,21 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     );
     println!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
     println!("{diagnostics}");
-    // Warm-up: one request (kernels, buffers), discarded.
-    measure(&mut engine, 1, &args, c.vocab_size, 0)?;
-    let mut rows = Vec::new();
-    for (i, &n) in args.streams.iter().enumerate() {
-        rows.push(measure(&mut engine, n, &args, c.vocab_size, 1 + i as u64)?);
+    // Rounds of every streams count in turn, warm-up rounds first (discarded); every
+    // measurement has prompts of its own.
+    let mut measured: Vec<Vec<Measure>> = args.streams.iter().map(|_| Vec::new()).collect();
+    let mut salt = 0u64;
+    for round in 0..args.warmup + args.rounds {
+        for (i, &n) in args.streams.iter().enumerate() {
+            salt += 1;
+            let m = measure(&mut engine, n, &args, c.vocab_size, salt)?;
+            if round >= args.warmup {
+                measured[i].push(m);
+            }
+        }
     }
-    let single = rows
-        .iter()
-        .find(|m| m.streams == 1)
-        .map(|m| m.out_tokens as f64 / m.wall_s);
+    let rows: Vec<Row> = measured.iter().map(|ms| Row::of(ms)).collect();
+    let single = rows.iter().find(|m| m.streams == 1).map(|m| m.rate.median);
     println!(
         "{:>8} {:>10} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14} {:>10} {:>12}",
         "streams",
@@ -201,7 +262,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         "vs_bN_step"
     );
     for m in &rows {
-        let tps = m.out_tokens as f64 / m.wall_s;
+        let tps = m.rate.median;
         let ratio = single.map_or("n/a".to_string(), |s| {
             format!("{:.2}", tps / (s * m.streams as f64))
         });
@@ -221,8 +282,19 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         );
     }
     println!(
-        "  (ms; vs_N_x_single: output tokens/s over N times the one-stream rate measured above; step_bN: median bare decode step at batch N, mid-output context, no scheduler; vs_bN_step: serving decode throughput (N / TPOT p50) over the bare step rate (N / step_bN))"
+        "  (ms; medians of {} rounds after {} warm-up: wall_s and out_tok/s of the rounds, the percentiles over every round's requests; vs_N_x_single: output tokens/s over N times the one-stream rate measured above; step_bN: median bare decode step at batch N, mid-output context, no scheduler; vs_bN_step: serving decode throughput (N / TPOT p50) over the bare step rate (N / step_bN))",
+        args.rounds, args.warmup
     );
+    for m in &rows {
+        println!(
+            "  {}",
+            format_summary(
+                &format!("out_tok_per_s_{}_streams", m.streams),
+                &m.rate,
+                args.warmup
+            )
+        );
+    }
     let s = engine.stats();
     println!(
         "engine: {} steps, {} tokens computed, {} served from the prefix cache, {} preemptions, at most {} sequences in a step",

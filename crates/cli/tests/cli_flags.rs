@@ -493,3 +493,36 @@ fn bench_membw_reports_the_passes_spread() {
         assert!(field(line, "min") <= field(line, "median"));
     }
 }
+
+/// `bench serve` measures rounds, each serving every `--streams` count with prompts of its
+/// own (no prefix-cache hit), and prints the spread of each count's output rate as every bench
+/// prints its headline metric; zero rounds and a count given twice are refused.
+#[test]
+fn bench_serve_measures_rounds() {
+    let out = bench_serve_tiny(&[
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "3",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(so.contains("medians of 2 rounds after 1 warm-up"), "{so}");
+    assert!(
+        so.contains("out_tok_per_s_1_streams: n=2 (warm-up 1 discarded) min="),
+        "{so}"
+    );
+    assert!(so.contains(" 0 served from the prefix cache"), "{so}");
+    refused(
+        &["bench", "serve", "--preset", "tiny", "--rounds", "0"],
+        "--rounds must be at least 1",
+    );
+    refused(
+        &["bench", "serve", "--preset", "tiny", "--streams", "1,4,1"],
+        "--streams: 1 is given twice",
+    );
+}
