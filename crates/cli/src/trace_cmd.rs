@@ -71,8 +71,10 @@ enum TraceCmd {
     /// Scheduler-bound share of the execution span per engine class, head/tail overheads, scheduler
     /// loop phase totals.
     Overhead {
-        /// A run's output directory or its swimlane.json.
-        path: PathBuf,
+        /// A run's output directory or its swimlane.json; several (ranks, steps, cases) are
+        /// reported one after the other.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
         /// The captured dependency graph (default: deps.json beside the swimlane, if present).
         #[arg(long)]
         deps: Option<PathBuf>,
@@ -80,8 +82,10 @@ enum TraceCmd {
     /// Where the cores wait between kernels: each idle gap on a core is charged to the kernel
     /// before and the kernel after it (phase barriers, serial steps, SPMD block claims).
     Idle {
-        /// A run's output directory or its swimlane.json.
-        path: PathBuf,
+        /// A run's output directory or its swimlane.json; several (ranks, steps, cases) are
+        /// reported one after the other.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
         /// The captured dependency graph, only for kernel names missing from the swimlane
         /// (default: deps.json beside the swimlane, if present).
         #[arg(long)]
@@ -92,16 +96,20 @@ enum TraceCmd {
     },
     /// Static and observed critical path; compute and stalls add up to the execution span.
     CriticalPath {
-        /// A run's output directory or its swimlane.json.
-        path: PathBuf,
+        /// A run's output directory or its swimlane.json; several (ranks, steps, cases) are
+        /// reported one after the other.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
         /// The captured dependency graph (default: deps.json beside the swimlane).
         #[arg(long)]
         deps: Option<PathBuf>,
     },
     /// Ring high-water marks against capacity.
     Rings {
-        /// ring_stats.json (or a run's output directory).
-        file: PathBuf,
+        /// ring_stats.json (or a run's output directory); several are reported one after the
+        /// other.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
     },
 }
 
@@ -229,40 +237,74 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                 println!("wrote {}", out.display());
             }
         }
-        TraceCmd::Overhead { path, deps } => {
-            let j = load_joined(&path, deps.as_deref())?;
-            print_sources(&j);
-            print!(
-                "{}",
-                overhead::report(&overhead::analyze(&j.swimlane, j.deps.as_ref())?)
-            );
-        }
-        TraceCmd::Idle { path, deps, top } => {
-            let j = load_joined(&path, deps.as_deref())?;
-            print_sources(&j);
-            print!(
-                "{}",
-                idle::report(&idle::analyze(&j.swimlane, j.deps.as_ref())?, top)
-            );
-        }
-        TraceCmd::CriticalPath { path, deps } => {
-            let j = load_joined(&path, deps.as_deref())?;
-            print_sources(&j);
+        TraceCmd::Overhead { paths, deps } => each_run(&paths, deps.as_deref(), |j| {
+            Ok(overhead::report(&overhead::analyze(
+                &j.swimlane,
+                j.deps.as_ref(),
+            )?))
+        })?,
+        TraceCmd::Idle { paths, deps, top } => each_run(&paths, deps.as_deref(), |j| {
+            Ok(idle::report(
+                &idle::analyze(&j.swimlane, j.deps.as_ref())?,
+                top,
+            ))
+        })?,
+        TraceCmd::CriticalPath { paths, deps } => each_run(&paths, deps.as_deref(), |j| {
             let g = j.deps.as_ref().with_context(|| {
                 format!(
                     "critical-path needs the dependency graph: no deps.json beside {} (capture it with --dep-gen, or pass --deps FILE)",
                     j.swimlane_path.display()
                 )
             })?;
-            print!(
-                "{}",
-                critical_path::report(&critical_path::analyze(&j.swimlane, g)?, j.swimlane.dropped)
-            );
+            Ok(critical_path::report(
+                &critical_path::analyze(&j.swimlane, g)?,
+                j.swimlane.dropped,
+            ))
+        })?,
+        TraceCmd::Rings { files } => {
+            // Every path is located first, so a wrong one fails before any report.
+            let found = files
+                .iter()
+                .map(|f| diag::locate(f, diag::RING_STATS_FILE))
+                .collect::<Result<Vec<_>, _>>()?;
+            for (k, path) in found.iter().enumerate() {
+                if found.len() > 1 {
+                    if k > 0 {
+                        println!();
+                    }
+                    println!("ring stats {}", path.display());
+                }
+                print!("{}", rings::report(&diag::read_ring_stats(path)?));
+            }
         }
-        TraceCmd::Rings { file } => {
-            let path = diag::locate(&file, diag::RING_STATS_FILE)?;
-            print!("{}", rings::report(&diag::read_ring_stats(&path)?));
+    }
+    Ok(())
+}
+
+/// Loads every run of `paths` (all of them first, so a wrong path fails before any report),
+/// then prints each one's sources and `report`, one after the other. `--deps` names one graph,
+/// so it is refused with several paths (each takes the deps.json beside it).
+fn each_run(
+    paths: &[PathBuf],
+    deps: Option<&Path>,
+    report: impl Fn(&diag::Joined) -> anyhow::Result<String>,
+) -> anyhow::Result<()> {
+    if deps.is_some() && paths.len() > 1 {
+        anyhow::bail!(
+            "--deps names one graph; with {} runs each takes the deps.json beside it",
+            paths.len()
+        );
+    }
+    let runs = paths
+        .iter()
+        .map(|p| load_joined(p, deps))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (k, j) in runs.iter().enumerate() {
+        if k > 0 {
+            println!();
         }
+        print_sources(j);
+        print!("{}", report(j)?);
     }
     Ok(())
 }

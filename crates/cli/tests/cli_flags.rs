@@ -399,6 +399,7 @@ fn bench_runtime_writes_every_sections_outputs() {
         "--swimlane",
         "1",
         "--dep-gen",
+        "--ring-stats",
         "--output-dir",
         a_dir.to_str().unwrap(),
         "--compare",
@@ -417,6 +418,29 @@ fn bench_runtime_writes_every_sections_outputs() {
     let chain = std::fs::read_to_string(a_dir.join("chain").join("deps.json")).unwrap();
     let fanout = std::fs::read_to_string(a_dir.join("fanout").join("deps.json")).unwrap();
     assert_ne!(chain, fanout);
+    // The analysis tools take several runs and report each, headed by its files.
+    let (a_chain, a_spmd) = (a_dir.join("chain"), a_dir.join("spmd"));
+    let (c, p) = (a_chain.to_str().unwrap(), a_spmd.to_str().unwrap());
+    for tool in ["overhead", "idle", "critical-path"] {
+        let out = simpler(&["trace", tool, c, p]);
+        let so = text(&out.stdout);
+        assert!(out.status.success(), "{tool}: {}", text(&out.stderr));
+        for dir in [&a_chain, &a_spmd] {
+            let head = format!("swimlane {}", dir.join("swimlane.json").display());
+            assert_eq!(so.matches(&head).count(), 1, "{tool}: {so}");
+        }
+        refused(
+            &["trace", tool, c, p, "--deps", "/tmp/unused.json"],
+            "--deps names one graph; with 2 runs",
+        );
+    }
+    let out = simpler(&["trace", "rings", c, p]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for dir in [&a_chain, &a_spmd] {
+        let head = format!("ring stats {}", dir.join("ring_stats.json").display());
+        assert_eq!(so.matches(&head).count(), 1, "{so}");
+    }
     assert!(
         std::fs::read_to_string(dir.join("b.jsonl"))
             .unwrap()
