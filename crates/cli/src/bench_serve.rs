@@ -1,6 +1,7 @@
 //! `simpler bench serve`: N concurrent requests of fixed prompt and output lengths served
 //! together by the engine in this process — output tokens/s, TTFT and TPOT percentiles, and
-//! the batched throughput against N times one stream's, measured in the same run.
+//! the batched throughput against N times one stream's, measured in the same run, in rounds
+//! that serve every N in turn (the output rate of each N summarised over the rounds).
 
 use std::time::Instant;
 
