@@ -163,16 +163,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
-            if deps.is_some() {
-                anyhow::bail!(
-                    "--deps names one graph; with {} swimlanes each takes the deps.json beside it",
-                    paths.len()
-                );
-            }
-            let joined = paths
-                .iter()
-                .map(|p| load_joined(p, None))
-                .collect::<Result<Vec<_>, _>>()?;
+            let joined = load_runs(&paths, deps.as_deref())?;
             for j in &joined {
                 print_sources(j);
                 print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
@@ -281,24 +272,28 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads every run of `paths` (all of them first, so a wrong path fails before any report),
-/// then prints each one's sources and `report`, one after the other. `--deps` names one graph,
-/// so it is refused with several paths (each takes the deps.json beside it).
-fn each_run(
-    paths: &[PathBuf],
-    deps: Option<&Path>,
-    report: impl Fn(&diag::Joined) -> anyhow::Result<String>,
-) -> anyhow::Result<()> {
+/// Every run of `paths`, all loaded before any report (a wrong path fails first). `--deps`
+/// names one graph, so it is refused with several paths (each takes the deps.json beside it).
+fn load_runs(paths: &[PathBuf], deps: Option<&Path>) -> anyhow::Result<Vec<diag::Joined>> {
     if deps.is_some() && paths.len() > 1 {
         anyhow::bail!(
             "--deps names one graph; with {} runs each takes the deps.json beside it",
             paths.len()
         );
     }
-    let runs = paths
+    Ok(paths
         .iter()
         .map(|p| load_joined(p, deps))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Prints each run of `paths` ([`load_runs`]): its sources and `report`, one after the other.
+fn each_run(
+    paths: &[PathBuf],
+    deps: Option<&Path>,
+    report: impl Fn(&diag::Joined) -> anyhow::Result<String>,
+) -> anyhow::Result<()> {
+    let runs = load_runs(paths, deps)?;
     for (k, j) in runs.iter().enumerate() {
         if k > 0 {
             println!();
