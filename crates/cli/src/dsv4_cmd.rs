@@ -88,6 +88,12 @@ pub(crate) struct CaseArgs {
     /// Refused for the other layers.
     #[arg(long, value_enum)]
     routing: Option<RoutingArg>,
+    /// swa, csa, hca with `run`: real tokens of each sequence, comma-separated, 0 to 2 each
+    /// (e.g. `2,1,0,2`); a sequence's other rows are padding (the spec's slot -1): computed,
+    /// written to no cache, left out of --check's output comparisons [default: 2 each].
+    /// Refused for moe and by `bench dsv4`, which measures whole steps.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,..")]
+    real_tokens: Option<Vec<usize>>,
 }
 
 /// How the MoE layer routes its tokens (`--routing`).
@@ -115,6 +121,26 @@ impl CaseArgs {
             );
         }
         Ok(())
+    }
+
+    /// `--real-tokens` for `starts`, checked (every row real without the flag).
+    fn real_tokens(&self, starts: &[usize]) -> Result<Vec<usize>> {
+        let Some(real) = &self.real_tokens else {
+            return Ok(vec![TOKENS_PER_SEQ; starts.len()]);
+        };
+        if real.len() != starts.len() {
+            bail!(
+                "--real-tokens: {} values for the step's {} sequences",
+                real.len(),
+                starts.len()
+            );
+        }
+        if let Some((b, n)) = real.iter().enumerate().find(|&(_, &n)| n > TOKENS_PER_SEQ) {
+            bail!(
+                "--real-tokens: sequence {b} has {n} real tokens; a step has {TOKENS_PER_SEQ} rows a sequence"
+            );
+        }
+        Ok(real.clone())
     }
 
     /// `--membw-seconds`, default 1.5. The flag is an `Option` so that `--ep` can refuse it
@@ -163,6 +189,9 @@ fn ep_cmd(
             "--ep {n}: expert parallelism applies to the moe layer, not {}",
             layer.name()
         );
+    }
+    if case.real_tokens.is_some() {
+        bail!("--real-tokens: padding rows apply to swa, csa and hca, not moe");
     }
     if case.membw_seconds.is_some() {
         bail!("--membw-seconds: the expert-parallel step prints no bandwidth ratios");
@@ -339,28 +368,19 @@ fn prepare(
     worker: &Worker,
 ) -> Result<Box<dyn LayerStep>> {
     let seed = case.seed;
+    if layer == LayerArg::Moe && case.real_tokens.is_some() {
+        bail!("--real-tokens: padding rows apply to swa, csa and hca, not moe");
+    }
+    let real = case.real_tokens(starts)?;
+    let attn = |kind| -> Result<Box<dyn LayerStep>> {
+        Ok(Box::new(AttnCase::new(
+            worker, cfg, starts, &real, seed, kind,
+        )?))
+    };
     match layer {
-        LayerArg::Swa => Ok(Box::new(AttnCase::new(
-            worker,
-            cfg,
-            starts,
-            seed,
-            LayerKind::Swa,
-        )?)),
-        LayerArg::Hca => Ok(Box::new(AttnCase::new(
-            worker,
-            cfg,
-            starts,
-            seed,
-            LayerKind::Hca,
-        )?)),
-        LayerArg::Csa => Ok(Box::new(AttnCase::new(
-            worker,
-            cfg,
-            starts,
-            seed,
-            LayerKind::Csa,
-        )?)),
+        LayerArg::Swa => attn(LayerKind::Swa),
+        LayerArg::Hca => attn(LayerKind::Hca),
+        LayerArg::Csa => attn(LayerKind::Csa),
         LayerArg::Moe => Ok(Box::new(crate::dsv4_moe::MoeStep::new(
             worker,
             cfg,
@@ -405,6 +425,7 @@ impl AttnCase {
         worker: &Worker,
         cfg: &Dsv4Config,
         starts: &[usize],
+        real_tokens: &[usize],
         seed: u64,
         kind: LayerKind,
     ) -> Result<AttnCase> {
@@ -412,7 +433,8 @@ impl AttnCase {
         let window = generate_window_cache(cfg, starts, seed);
         let hca = (kind == LayerKind::Hca).then(|| generate_hca(cfg, starts, seed));
         let csa = (kind == LayerKind::Csa).then(|| generate_csa(cfg, starts, seed));
-        let inputs = generate_inputs(cfg, starts, seed);
+        let mut inputs = generate_inputs(cfg, starts, seed);
+        inputs.real_tokens = real_tokens.to_vec();
         let layer = upload_layer(
             worker,
             cfg,
@@ -462,7 +484,7 @@ impl LayerStep for AttnCase {
             self.starts.len(),
             TOKENS_PER_SEQ,
             self.starts
-        )
+        ) + &padding_note(&self.inputs.real_tokens)
     }
 
     fn step(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<RunReport> {
@@ -529,6 +551,15 @@ impl LayerStep for AttnCase {
     fn set_proj_blocks(&mut self, blocks: u32) {
         self.layer.tiles.proj_blocks = blocks;
     }
+}
+
+/// `", real tokens [..] (N padding rows, written nowhere)"` when a row is padding.
+fn padding_note(real: &[usize]) -> String {
+    let pad: usize = real.iter().map(|&n| TOKENS_PER_SEQ - n).sum();
+    if pad == 0 {
+        return String::new();
+    }
+    format!(", real tokens {real:?} ({pad} padding rows, written nowhere)")
 }
 
 /// The starts of `--start-pos` (or the mixed starts), checked against the configuration.
@@ -871,6 +902,11 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         }
     }
     args.case.check_routing(&args.kernel)?;
+    if args.case.real_tokens.is_some() {
+        bail!(
+            "--real-tokens: bench dsv4 measures whole steps (every row real); use it with run dsv4"
+        );
+    }
     let has_moe = args.kernel.contains(&LayerArg::Moe);
     if has_moe {
         check_replay(LayerArg::Moe, args.replay)?;

@@ -840,3 +840,105 @@ fn moe_routing_picks_the_hash_or_the_top_k_layer() {
         refused(args, "--routing: it picks how the moe layer routes");
     }
 }
+
+/// `--real-tokens` pads sequences (the spec's slot -1): the step runs with its padding rows,
+/// `--check` compares the real rows and every cache (the padding wrote nothing), and the
+/// report says how many rows were padding. Wrong counts, the moe layer and the benchmark
+/// refuse it by name.
+#[test]
+fn real_tokens_pad_the_attention_step_and_are_refused_elsewhere() {
+    let mut args = vec![
+        "run",
+        "dsv4",
+        "--layer",
+        "csa",
+        "--preset",
+        "tiny",
+        "--real-tokens",
+        "2,1,0,2",
+        "--check",
+    ];
+    args.extend_from_slice(QUICK);
+    let out = simpler(&args);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        so.contains("real tokens [2, 1, 0, 2] (3 padding rows, written nowhere)"),
+        "{so}"
+    );
+    assert!(
+        so.contains("ok: unwritten rows") && !so.contains("FAILED"),
+        "{so}"
+    );
+    for (args, says) in [
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "swa",
+                "--preset",
+                "tiny",
+                "--real-tokens",
+                "2,2",
+            ][..],
+            "--real-tokens: 2 values for the step's 4 sequences",
+        ),
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "hca",
+                "--preset",
+                "tiny",
+                "--real-tokens",
+                "2,3,2,2",
+            ],
+            "--real-tokens: sequence 1 has 3 real tokens",
+        ),
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "tiny",
+                "--real-tokens",
+                "2,2,2,2",
+            ],
+            "--real-tokens: padding rows apply to swa, csa and hca, not moe",
+        ),
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "tiny",
+                "--ep",
+                "2",
+                "--real-tokens",
+                "2,2,2,2",
+            ],
+            "--real-tokens: padding rows apply to swa, csa and hca, not moe",
+        ),
+        (
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "swa",
+                "--preset",
+                "tiny",
+                "--real-tokens",
+                "2,2,2,2",
+            ],
+            "--real-tokens: bench dsv4 measures whole steps",
+        ),
+    ] {
+        refused(args, says);
+    }
+}

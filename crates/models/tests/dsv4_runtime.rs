@@ -77,7 +77,7 @@ fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
     let out = layer.step(w, &c.inputs, &CallConfig::default()).unwrap();
     let caches = layer.read_caches().unwrap();
     let checks = attn_step_checks(&c.window, c.hca.as_ref(), g, &out, &caches);
-    assert_eq!(checks.len(), if c.hca.is_some() { 11 } else { 6 });
+    assert_eq!(checks.len(), if c.hca.is_some() { 12 } else { 7 });
     for (what, r) in checks {
         if let Err(e) = r {
             panic!("{what}: {e}");

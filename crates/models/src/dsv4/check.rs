@@ -161,17 +161,31 @@ pub fn attn_step_checks(
     };
     let widen = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
     let hd = window.width;
+    // Padding rows' outputs mean nothing: each output is compared on the real rows only.
+    let (q, gq) = (real_rows(&out.q, &g.real), real_rows(&g.q, &g.real));
+    let (a, ga) = (real_rows(&out.attn, &g.real), real_rows(&g.attn, &g.real));
     let mut checks = vec![
-        (
-            "q",
-            CacheTol::bf16_intermediate(&g.q).check("q", &out.q, &g.q),
-        ),
+        ("q", CacheTol::bf16_intermediate(&gq).check("q", &q, &gq)),
         (
             "attn",
-            CacheTol::bf16_intermediate(&g.attn).check("attn", &out.attn, &g.attn),
+            CacheTol::bf16_intermediate(&ga).check("attn", &a, &ga),
         ),
-        ("o_proj", t.check("o_proj", &out.o_proj, &g.o_proj)),
-        ("x_out", t.check("x_out", &out.x_out, &g.x_out)),
+        (
+            "o_proj",
+            t.check(
+                "o_proj",
+                &real_rows(&out.o_proj, &g.real),
+                &real_rows(&g.o_proj, &g.real),
+            ),
+        ),
+        (
+            "x_out",
+            t.check(
+                "x_out",
+                &real_rows(&out.x_out, &g.real),
+                &real_rows(&g.x_out, &g.real),
+            ),
+        ),
     ];
     let mut want = widen(&window.rows);
     for (slot, row) in g
@@ -235,7 +249,93 @@ pub fn attn_step_checks(
             rows_written_check("compressed rows written", &caches.compressed, cw, hd),
         ));
     }
+    let mut untouched: Vec<Untouched<'_>> = vec![(
+        "window cache",
+        widen(&caches.window),
+        widen(&window.rows),
+        g.window_write.slots.iter().flatten().copied().collect(),
+        hd,
+    )];
+    if let (Some(h), Some(sw), Some(cw)) = (hca, &g.state_write, &g.compressed_write) {
+        untouched.extend([
+            (
+                "state kv",
+                caches.state_kv.clone(),
+                h.state.kv.clone(),
+                sw.slots.clone(),
+                hd,
+            ),
+            (
+                "state score",
+                caches.state_score.clone(),
+                h.state.score.clone(),
+                sw.slots.clone(),
+                hd,
+            ),
+            (
+                "compressed cache",
+                widen(&caches.compressed),
+                widen(&h.cache.rows),
+                cw.slots.iter().flatten().copied().collect(),
+                hd,
+            ),
+        ]);
+    }
+    checks.push(("unwritten rows", unwritten_rows(&untouched)));
     checks
+}
+
+/// One cache for [`unwritten_rows`]: its name, contents after the step and before it, the
+/// rows the golden step wrote, and the row width.
+type Untouched<'a> = (&'static str, Vec<f32>, Vec<f32>, Vec<usize>, usize);
+
+/// The rows of each cache the golden step did not write, after the step, against the same rows
+/// before it, bit for bit: a step must leave them alone (a padding row writes nothing, a token
+/// writes only its own rows), and a few stray rows hide in a whole cache's share allowance.
+fn unwritten_rows(caches: &[Untouched<'_>]) -> Result<Outcome, String> {
+    let mut out = Outcome {
+        n: 0,
+        over: 0,
+        worst: 0,
+        worst_value: 0.0,
+    };
+    for (what, after, before, written, width) in caches {
+        if after.len() != before.len() || *width == 0 {
+            return Err(format!(
+                "{what}: {} values after the step, {} before",
+                after.len(),
+                before.len()
+            ));
+        }
+        for (r, (a, b)) in after.chunks(*width).zip(before.chunks(*width)).enumerate() {
+            if written.contains(&r) {
+                continue;
+            }
+            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                return Err(format!(
+                    "{what}: row {r}, which the step does not write, changed: element {i} is {} (was {})",
+                    a[i], b[i]
+                ));
+            }
+            out.n += a.len();
+        }
+    }
+    Ok(out)
+}
+
+/// The rows of `v` (`real.len()` equal rows, one a token) whose token is real, in order. A
+/// length that is not whole rows is returned as it is, so the comparison that follows fails
+/// on the length.
+fn real_rows(v: &[f32], real: &[bool]) -> Vec<f32> {
+    if real.iter().all(|&r| r) || real.is_empty() || !v.len().is_multiple_of(real.len()) {
+        return v.to_vec();
+    }
+    let width = v.len() / real.len();
+    v.chunks(width)
+        .zip(real)
+        .filter(|&(_, &r)| r)
+        .flat_map(|(row, _)| row.iter().copied())
+        .collect()
 }
 
 /// The bf16 rows a step wrote (`w`: a slot per row, `None` for no write), as `cache` holds
@@ -385,12 +485,12 @@ pub fn csa_cache_checks(
     // The rows this step wrote on their own too: a wrong row must not hide in the cache's
     // share allowance.
     let got = widen(&caches.compressed);
-    let slots: Vec<usize> = gw.compressed.slots.iter().flatten().copied().collect();
+    let slots_written: Vec<usize> = gw.compressed.slots.iter().flatten().copied().collect();
     checks.push((
         "compressed rows written",
         t.check(
             "compressed rows written",
-            &rows_at(&got, &slots, hd),
+            &rows_at(&got, &slots_written, hd),
             &widen(&gw.compressed.rows),
         ),
     ));
@@ -429,6 +529,62 @@ pub fn csa_cache_checks(
             &rows_at(&want, slots, iw),
         ),
     ));
+    let ring_wide = |s: &super::fixture::OverlapState| 2 * s.width;
+    let float = |q: &[i8]| -> Vec<f32> { q.iter().map(|&v| f32::from(v)).collect() };
+    checks.push((
+        "unwritten rows",
+        unwritten_rows(&[
+            (
+                "ring kv",
+                caches.ring_kv.clone(),
+                csa.state.kv.clone(),
+                gw.state_write.slots.clone(),
+                ring_wide(&csa.state),
+            ),
+            (
+                "ring score",
+                caches.ring_score.clone(),
+                csa.state.score.clone(),
+                gw.state_write.slots.clone(),
+                ring_wide(&csa.state),
+            ),
+            (
+                "index ring kv",
+                caches.index_ring_kv.clone(),
+                csa.index_state.kv.clone(),
+                gw.index_state_write.slots.clone(),
+                ring_wide(&csa.index_state),
+            ),
+            (
+                "index ring score",
+                caches.index_ring_score.clone(),
+                csa.index_state.score.clone(),
+                gw.index_state_write.slots.clone(),
+                ring_wide(&csa.index_state),
+            ),
+            (
+                "compressed cache",
+                widen(&caches.compressed),
+                widen(&csa.cache.rows),
+                slots_written.clone(),
+                hd,
+            ),
+            (
+                "index rows",
+                float(&caches.index_q),
+                float(&csa.index_cache.q),
+                slots.clone(),
+                iw,
+            ),
+            (
+                "index scales",
+                caches.index_scale.clone(),
+                csa.index_cache.scale.clone(),
+                slots.clone(),
+                1,
+            ),
+        ]),
+    ));
     checks
 }
 
@@ -463,6 +619,10 @@ pub fn csa_pick_check(
         worst_value: 0.0,
     };
     for (t, (pick, row)) in gw.picks.iter().zip(picks.chunks(width)).enumerate() {
+        if !g.real.get(t).copied().unwrap_or(true) {
+            // A padding row's picks mean nothing.
+            continue;
+        }
         let seq = t / super::TOKENS_PER_SEQ;
         let base = (seq * max_rows) as i64;
         let mut got = Vec::with_capacity(pick.selected.len());

@@ -280,12 +280,19 @@ pub struct CsaParts {
     pub w_weights: Vec<bf16>,
 }
 
-/// The inputs of one decode step: `batch` sequences of `TOKENS_PER_SEQ` tokens, row
-/// `t = b · TOKENS_PER_SEQ + s` at position `starts[b] + s`.
+/// The inputs of one decode step: `batch` sequences of `TOKENS_PER_SEQ` rows, row
+/// `t = b · TOKENS_PER_SEQ + s` at position `starts[b] + s` ([`StepInputs::position`]).
+///
+/// A sequence may have fewer real tokens than rows (`real_tokens[b]`); its last rows are then
+/// padding, the spec's slot −1: they are computed (the step keeps its shape, so a captured
+/// graph replays) but write nothing — no window row, no compressor state, no compressed or
+/// index row — and their outputs mean nothing.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepInputs {
     /// First position of each sequence in this step.
     pub starts: Vec<usize>,
+    /// Real tokens of each sequence (`0..=TOKENS_PER_SEQ`); the rows after them are padding.
+    pub real_tokens: Vec<usize>,
     /// Token ids `[T]` (hash routing reads them).
     pub token_ids: Vec<u32>,
     /// Hyper-connection residual `[T, hc_mult, hidden]` fp32.
@@ -298,9 +305,21 @@ impl StepInputs {
         self.starts.len() * TOKENS_PER_SEQ
     }
 
-    /// Position of row `t`.
+    /// Position of row `t`: `starts[b] + s` for a real token; a padding row sits at its
+    /// sequence's first position, so padding never needs a position (or a page) the sequence
+    /// does not have.
     pub fn position(&self, t: usize) -> usize {
-        self.starts[t / TOKENS_PER_SEQ] + t % TOKENS_PER_SEQ
+        let start = self.starts[t / TOKENS_PER_SEQ];
+        if self.is_padding(t) {
+            start
+        } else {
+            start + t % TOKENS_PER_SEQ
+        }
+    }
+
+    /// Whether row `t` is padding (written nowhere).
+    pub fn is_padding(&self, t: usize) -> bool {
+        t % TOKENS_PER_SEQ >= self.real_tokens[t / TOKENS_PER_SEQ]
     }
 }
 
@@ -669,6 +688,7 @@ pub fn generate_inputs(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> StepInp
         .collect();
     StepInputs {
         starts: starts.to_vec(),
+        real_tokens: vec![TOKENS_PER_SEQ; starts.len()],
         token_ids,
         x_hc,
     }

@@ -25,8 +25,10 @@ use super::fixture::{
 
 /// The `format` metadata value of a fixture file.
 pub const FORMAT: &str = "simpler-dsv4-fixture";
-/// The layout version this code writes and reads.
-pub const VERSION: &str = "1";
+/// The layout version this code writes. It reads this one and [`VERSION_1`].
+pub const VERSION: &str = "2";
+/// The first layout: no `inputs.real_tokens` (every row a real token).
+pub const VERSION_1: &str = "1";
 
 /// A fixture file that cannot be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -337,6 +339,7 @@ pub fn save_fixture(f: &Dsv4Fixture, path: &Path) -> Result<()> {
     w.int8("csa.wq_idx", &csa.wq_idx);
     w.bf16("csa.w_weights", &[cfg.index_heads, d], &csa.w_weights);
     w.u64("inputs.starts", &[batch], &f.inputs.starts);
+    w.u64("inputs.real_tokens", &[batch], &f.inputs.real_tokens);
     w.u32("inputs.token_ids", &[t], &f.inputs.token_ids);
     w.f32("inputs.x_hc", &[t, cfg.hc_mult, d], &f.inputs.x_hc);
 
@@ -527,10 +530,10 @@ pub fn load_fixture(path: &Path) -> Result<Dsv4Fixture> {
         });
     }
     let version = meta(metadata.as_ref(), "version")?;
-    if version != VERSION {
+    if version != VERSION && version != VERSION_1 {
         return Err(FixtureFileError::Metadata {
             key: "version",
-            why: format!("`{version}`, this build reads version {VERSION}"),
+            why: format!("`{version}`, this build reads versions {VERSION_1} and {VERSION}"),
         });
     }
     let cfg = Dsv4Config::from_json(meta(metadata.as_ref(), "config")?)?;
@@ -539,7 +542,7 @@ pub fn load_fixture(path: &Path) -> Result<Dsv4Fixture> {
         st,
         taken: BTreeSet::new(),
     };
-    let fixture = read_all(&mut r, &cfg)?;
+    let fixture = read_all(&mut r, &cfg, version == VERSION_1)?;
     if let Some(extra) = r.st.names().into_iter().find(|n| !r.taken.contains(*n)) {
         return Err(FixtureFileError::Unknown {
             tensor: extra.to_string(),
@@ -549,7 +552,7 @@ pub fn load_fixture(path: &Path) -> Result<Dsv4Fixture> {
     Ok(fixture)
 }
 
-fn read_all(r: &mut Reader<'_>, cfg: &Dsv4Config) -> Result<Dsv4Fixture> {
+fn read_all(r: &mut Reader<'_>, cfg: &Dsv4Config, version_1: bool) -> Result<Dsv4Fixture> {
     let (d, hd, h) = (cfg.hidden, cfg.head_dim, cfg.n_heads);
     let batch = r.dim("inputs.starts", 1, 0)?;
     if batch == 0 {
@@ -643,6 +646,11 @@ fn read_all(r: &mut Reader<'_>, cfg: &Dsv4Config) -> Result<Dsv4Fixture> {
     };
     let inputs = StepInputs {
         starts: r.index("inputs.starts", &[batch])?,
+        real_tokens: if version_1 {
+            vec![TOKENS_PER_SEQ; batch]
+        } else {
+            r.index("inputs.real_tokens", &[batch])?
+        },
         token_ids: r.u32("inputs.token_ids", &[t])?,
         x_hc: r.f32("inputs.x_hc", &[t, cfg.hc_mult, d])?,
     };
@@ -689,8 +697,29 @@ fn check_ranges(f: &Dsv4Fixture) -> Result<()> {
             format!("entry {i} names page {p}, the pool has {pages}"),
         ));
     }
-    for (seq, &start) in f.inputs.starts.iter().enumerate() {
-        let last = start + TOKENS_PER_SEQ - 1;
+    if let Some((seq, n)) = f
+        .inputs
+        .real_tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &n)| n > TOKENS_PER_SEQ)
+    {
+        return Err(bad(
+            "inputs.real_tokens",
+            format!(
+                "sequence {seq} has {n} real tokens, a step has {TOKENS_PER_SEQ} rows a sequence"
+            ),
+        ));
+    }
+    for (seq, (&start, &real)) in f
+        .inputs
+        .starts
+        .iter()
+        .zip(&f.inputs.real_tokens)
+        .enumerate()
+    {
+        // The step's last position in this sequence (padding rows sit at the start).
+        let last = start + real.max(1) - 1;
         if last >= cfg.max_position {
             return Err(bad(
                 "inputs.starts",
@@ -781,15 +810,26 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
     }
 
+    type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
+
     /// Rewrites a saved fixture with one tensor changed (or dropped, or added) and returns the
     /// load error.
     fn load_edited(
         name: &str,
-        edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>, &mut HashMap<String, String>),
+        edit: impl FnOnce(&mut Tensors, &mut HashMap<String, String>),
     ) -> FixtureFileError {
         let f = generate_fixture(&Dsv4Config::tiny(), &MIXED_STARTS, 5).unwrap();
+        load_rewritten(&f, name, edit).unwrap_err()
+    }
+
+    /// Saves `f`, rewrites the file with `edit` and loads it again.
+    fn load_rewritten(
+        f: &Dsv4Fixture,
+        name: &str,
+        edit: impl FnOnce(&mut Tensors, &mut HashMap<String, String>),
+    ) -> Result<Dsv4Fixture> {
         let p = tmp(name);
-        save_fixture(&f, &p).unwrap();
+        save_fixture(f, &p).unwrap();
         let bytes = std::fs::read(&p).unwrap();
         let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
         let mut metadata = header.metadata().clone().unwrap();
@@ -810,9 +850,57 @@ mod tests {
             })
             .collect();
         safetensors::serialize_to_file(views, Some(metadata), &p).unwrap();
-        let err = load_fixture(&p).unwrap_err();
+        let loaded = load_fixture(&p);
         std::fs::remove_file(&p).unwrap();
-        err
+        loaded
+    }
+
+    #[test]
+    fn padding_rows_round_trip_and_version_1_files_have_none() {
+        let mut f = generate_fixture(&Dsv4Config::tiny(), &MIXED_STARTS, 5).unwrap();
+        f.inputs.real_tokens = vec![2, 1, 0, 2];
+        let p = tmp("padded.safetensors");
+        save_fixture(&f, &p).unwrap();
+        assert_eq!(load_fixture(&p).unwrap(), f);
+        std::fs::remove_file(&p).unwrap();
+        // A version-1 file (no `inputs.real_tokens`) loads with every row real.
+        let v1 = load_rewritten(&f, "v1.safetensors", |t, m| {
+            t.retain(|x| x.0 != "inputs.real_tokens");
+            m.insert("version".into(), VERSION_1.into());
+        })
+        .unwrap();
+        assert_eq!(v1.inputs.real_tokens, [TOKENS_PER_SEQ; 4]);
+        // Version 2 requires the tensor; version 1 refuses it; more real tokens than rows.
+        let e = load_rewritten(&f, "v2-missing.safetensors", |t, _| {
+            t.retain(|x| x.0 != "inputs.real_tokens")
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, FixtureFileError::Missing { tensor } if tensor == "inputs.real_tokens"),
+            "{e}"
+        );
+        let e = load_rewritten(&f, "v1-extra.safetensors", |_, m| {
+            m.insert("version".into(), VERSION_1.into());
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, FixtureFileError::Unknown { tensor } if tensor == "inputs.real_tokens"),
+            "{e}"
+        );
+        let e = load_rewritten(&f, "v2-over.safetensors", |t, _| {
+            let x = find(t, "inputs.real_tokens");
+            x.3[..8].copy_from_slice(&3u64.to_le_bytes());
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, FixtureFileError::Value { tensor, .. } if tensor == "inputs.real_tokens"),
+            "{e}"
+        );
+        let e = load_rewritten(&f, "v3.safetensors", |_, m| {
+            m.insert("version".into(), "3".into());
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("versions 1 and 2"), "{e}");
     }
 
     fn find<'a>(

@@ -398,6 +398,23 @@ impl AttnLayer {
                 self.batch
             )));
         }
+        if inputs.real_tokens.len() != self.batch {
+            return Err(Dsv4RunError::Invalid(format!(
+                "real_tokens: {} sequences for a layer uploaded for {}",
+                inputs.real_tokens.len(),
+                self.batch
+            )));
+        }
+        if let Some((b, n)) = inputs
+            .real_tokens
+            .iter()
+            .enumerate()
+            .find(|&(_, &n)| n > TOKENS_PER_SEQ)
+        {
+            return Err(Dsv4RunError::Invalid(format!(
+                "real_tokens[{b}]: {n} real tokens, a step has {TOKENS_PER_SEQ} rows a sequence"
+            )));
+        }
         let t_n = inputs.n_tokens();
         let want = t_n * c.hc_mult * c.hidden;
         if inputs.x_hc.len() != want {
@@ -420,19 +437,25 @@ impl AttnLayer {
                     c.max_position
                 )));
             }
-            let slot = self.window.slot(b, p).ok_or_else(|| {
-                Dsv4RunError::Invalid(format!(
-                    "starts[{b}]: position {p} has no page in the window cache's block table"
-                ))
-            })?;
-            let slot32 = u32::try_from(slot)
-                .ok()
-                .filter(|&s| s != NO_SLOT)
-                .ok_or_else(|| {
+            // A padding row's slot is the spec's −1: every kernel that writes a cache row,
+            // compressor state or compressed row for a token skips it.
+            let slot32 = if inputs.is_padding(t) {
+                NO_SLOT
+            } else {
+                let slot = self.window.slot(b, p).ok_or_else(|| {
                     Dsv4RunError::Invalid(format!(
-                        "window slot {slot} does not fit the token table"
+                        "starts[{b}]: position {p} has no page in the window cache's block table"
                     ))
                 })?;
+                u32::try_from(slot)
+                    .ok()
+                    .filter(|&s| s != NO_SLOT)
+                    .ok_or_else(|| {
+                        Dsv4RunError::Invalid(format!(
+                            "window slot {slot} does not fit the token table"
+                        ))
+                    })?
+            };
             // b < batch and p < max_position were checked: both fit u32.
             tok.extend([b as u32, p as u32, slot32]);
             for (i, q) in (p.saturating_sub(wn - 1)..=p).enumerate() {

@@ -19,7 +19,8 @@ use crate::dsv4::fixture::{AttnWeights, CsaParts, HcaParts, StepInputs, WindowCa
 /// Rows a step writes into one cache, in the step's row order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheWrite {
-    /// Pool slot of each written row (`None`: the position has no page, nothing written).
+    /// Pool slot of each written row (`None`: a padding row or a position without a page,
+    /// nothing written).
     pub slots: Vec<Option<usize>>,
     /// The rows `[writes, width]` bf16.
     pub rows: Vec<bf16>,
@@ -47,6 +48,31 @@ pub struct AttnStep {
     pub compressed_write: Option<CacheWrite>,
     /// CSA: the compressors' state and cache writes, and each token's indexer decision.
     pub csa: Option<CsaWrites>,
+    /// Whether each row is a real token; a padding row writes nothing and its outputs are
+    /// not compared ([`StepInputs::real_tokens`]).
+    pub real: Vec<bool>,
+}
+
+/// The rows that write caches (the real tokens), in row order, with their `x_n`, position
+/// and sequence.
+struct Writers {
+    x_n: Vec<Vec<f32>>,
+    positions: Vec<usize>,
+    seqs: Vec<usize>,
+}
+
+impl Writers {
+    fn new(inputs: &StepInputs, x_ns: &[Vec<f32>]) -> Writers {
+        let per_seq = inputs.n_tokens() / inputs.starts.len();
+        let real: Vec<usize> = (0..inputs.n_tokens())
+            .filter(|&t| !inputs.is_padding(t))
+            .collect();
+        Writers {
+            x_n: real.iter().map(|&t| x_ns[t].clone()).collect(),
+            positions: real.iter().map(|&t| inputs.position(t)).collect(),
+            seqs: real.iter().map(|&t| t / per_seq).collect(),
+        }
+    }
 }
 
 /// Sparse attention of one head over candidate rows: `q` `[head_dim]`, `rows` the candidates
@@ -256,22 +282,23 @@ fn csa_parts(
     let per_seq = n_tokens / inputs.starts.len();
     let positions: Vec<usize> = (0..n_tokens).map(|t| inputs.position(t)).collect();
     let seqs: Vec<usize> = (0..n_tokens).map(|t| t / per_seq).collect();
+    let wr = Writers::new(inputs, x_ns);
     let (state_write, closed) = overlap_compress_step(
         cfg,
         &parts.compressor,
         &parts.state,
-        x_ns,
-        &positions,
-        &seqs,
+        &wr.x_n,
+        &wr.positions,
+        &wr.seqs,
         inv_freq,
     );
     let (index_state_write, index_closed) = overlap_compress_step(
         cfg,
         &parts.index_compressor,
         &parts.index_state,
-        x_ns,
-        &positions,
-        &seqs,
+        &wr.x_n,
+        &wr.positions,
+        &wr.seqs,
         inv_freq,
     );
     let (hd, max_rows) = (cfg.head_dim, parts.cache.max_rows);
@@ -356,16 +383,15 @@ fn attention_step(
     }
     let per_seq = n_tokens / inputs.starts.len();
     let compressed = hca.map(|parts| {
-        let positions: Vec<usize> = (0..n_tokens).map(|t| inputs.position(t)).collect();
-        let seqs: Vec<usize> = (0..n_tokens).map(|t| t / per_seq).collect();
+        let wr = Writers::new(inputs, &x_ns);
         let (sw, cw) = compress_step(
             cfg,
             &parts.compressor,
             &parts.state,
             &parts.cache,
-            &x_ns,
-            &positions,
-            &seqs,
+            &wr.x_n,
+            &wr.positions,
+            &wr.seqs,
             &inv_freq,
         );
         // The compressed rows as the step's attention sees them: the cache, then this step's.
@@ -439,9 +465,14 @@ fn attention_step(
         x_out[t * hc * d..(t + 1) * hc * d].copy_from_slice(&hc_post(cfg, &hcs[t], x, &y));
         o_proj[t * d..(t + 1) * d].copy_from_slice(&y);
     }
+    let real: Vec<bool> = (0..n_tokens).map(|t| !inputs.is_padding(t)).collect();
     let window_write = CacheWrite {
         slots: (0..n_tokens)
-            .map(|t| cache.slot(t / per_seq, inputs.position(t)))
+            .map(|t| {
+                real[t]
+                    .then(|| cache.slot(t / per_seq, inputs.position(t)))
+                    .flatten()
+            })
             .collect(),
         rows: projected
             .iter()
@@ -458,5 +489,6 @@ fn attention_step(
         attn,
         o_proj,
         hc: hcs,
+        real,
     }
 }

@@ -311,7 +311,10 @@ pub(super) fn hca_compress(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     check_len(NAME, "compressed cache", cache.len(), cache_rows * w)?;
     let mut pooled = vec![0.0f32; w];
     for t in 0..rows {
-        let (seq, pos, _) = token(NAME, tok, t)?;
+        let (seq, pos, write) = token(NAME, tok, t)?;
+        if write.is_none() {
+            continue;
+        }
         let slot = seq * ratio + pos % ratio;
         if (seq + 1) * ratio > state_rows {
             return Err(bad(

@@ -181,7 +181,10 @@ pub(super) fn csa_compress(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let mut row = vec![0.0f32; ov.width];
     for t in 0..rows {
-        let (seq, pos, _) = token(NAME, tok, t)?;
+        let (seq, pos, write) = token(NAME, tok, t)?;
+        if write.is_none() {
+            continue;
+        }
         if seq >= seqs {
             return Err(bad(
                 NAME,

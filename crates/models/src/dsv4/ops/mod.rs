@@ -77,7 +77,8 @@ pub const CSA_PLAN: KernelId = KernelId(3223);
 
 /// `tok` columns: sequence, position, window slot.
 pub const TOK_COLS: usize = 3;
-/// A `tok` window slot meaning "no slot" (the position has no page).
+/// A `tok` window slot meaning "no write" (the spec's slot −1): the row is padding, and no
+/// kernel writes a cache row, compressor state or compressed row for it.
 pub const NO_SLOT: u32 = u32::MAX;
 
 /// Every kernel of the attention layers, and the bf16 GEMM they share with Qwen3.
