@@ -378,8 +378,13 @@ pub fn read_bandwidth(buf: &[u64], threads: usize, budget: Duration) -> (f64, f6
     best_and_median(&read_bandwidth_passes(buf, threads, budget))
 }
 
-/// [`read_bandwidth`]'s timed passes, GB/s each (the slowest thread's time of the pass), in the
-/// order run; none when `buf` is too small to split.
+/// [`read_bandwidth`]'s timed passes, GB/s each, in the order run; none when `buf` is too
+/// small to split.
+///
+/// A pass's time runs from the first thread's start to the last thread's end. Timing each
+/// thread on its own and taking the slowest would credit a pass whose threads did not overlap
+/// (one held off its core, as happens on a shared host) with the sum of single-thread rates:
+/// on a 2-core host that read ~2x the concurrent rate.
 pub fn read_bandwidth_passes(buf: &[u64], threads: usize, budget: Duration) -> Vec<f64> {
     let threads = threads.max(1);
     let part = buf.len() / threads / 64 * 64;
@@ -393,7 +398,7 @@ pub fn read_bandwidth_passes(buf: &[u64], threads: usize, budget: Duration) -> V
     let one_pass = t.elapsed().as_secs_f64() * threads as f64 / threads.min(2) as f64;
     let passes = ((budget.as_secs_f64() / one_pass.max(1e-6)) as usize).clamp(3, 64);
     let barrier = Barrier::new(threads);
-    let per_thread: Vec<Vec<f64>> = std::thread::scope(|s| {
+    let per_thread: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|i| {
                 let chunk = &buf[i * part..(i + 1) * part];
@@ -404,9 +409,9 @@ pub fn read_bandwidth_passes(buf: &[u64], threads: usize, budget: Duration) -> V
                             barrier.wait();
                             let t = Instant::now();
                             std::hint::black_box(read_sum(chunk));
-                            t.elapsed().as_secs_f64()
+                            (t, Instant::now())
                         })
-                        .collect::<Vec<f64>>()
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -416,11 +421,21 @@ pub fn read_bandwidth_passes(buf: &[u64], threads: usize, budget: Duration) -> V
             .collect()
     });
     (0..passes)
-        .map(|p| {
-            let slowest = per_thread.iter().map(|t| t[p]).fold(0.0f64, f64::max);
-            bytes / slowest.max(1e-9) / 1e9
-        })
+        .map(|p| bytes / span(per_thread.iter().map(|t| t[p])).max(1e-9) / 1e9)
         .collect()
+}
+
+/// Seconds from the earliest start to the latest end of `runs` (`(start, end)` each): the
+/// time a set of threads took together.
+fn span(runs: impl Iterator<Item = (Instant, Instant)>) -> f64 {
+    let mut first: Option<(Instant, Instant)> = None;
+    for (a, b) in runs {
+        first = Some(match first {
+            None => (a, b),
+            Some((s, e)) => (s.min(a), e.max(b)),
+        });
+    }
+    first.map_or(0.0, |(s, e)| (e - s).as_secs_f64())
 }
 
 /// fp32 FMA peak of `threads` threads each running independent FMA chains for about `budget`,
@@ -446,8 +461,9 @@ pub fn compute_peak(path: Isa, threads: usize, budget: Duration) -> f64 {
     }
 }
 
-/// The best rate of `threads` threads each running `kernel(iters)` (`ops_per_iter` operations
-/// per iteration; best of three runs per thread, summed over threads), in G operations/s. The
+/// The best rate of `threads` threads running `kernel(iters)` together (`ops_per_iter`
+/// operations per iteration; three runs, each timed from the first thread's start to the last
+/// thread's end as [`read_bandwidth_passes`] does, the best kept), in G operations/s. The
 /// iteration count is calibrated on the calling thread so one run takes about `budget / 4`.
 /// Shared by the FMA, BF16 and int8 peaks so they are timed the same way.
 pub(crate) fn chain_peak<R>(
@@ -469,20 +485,21 @@ pub(crate) fn chain_peak<R>(
         iters *= 4;
     }
     let iters = iters.max(1 << 8);
+    const RUNS: usize = 3;
     let barrier = Barrier::new(threads);
-    let best: Vec<f64> = std::thread::scope(|s| {
+    let per_thread: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 let barrier = &barrier;
                 s.spawn(move || {
-                    let mut best = f64::MAX;
-                    for _ in 0..3 {
-                        barrier.wait();
-                        let t = Instant::now();
-                        std::hint::black_box(kernel(iters));
-                        best = best.min(t.elapsed().as_secs_f64());
-                    }
-                    best
+                    (0..RUNS)
+                        .map(|_| {
+                            barrier.wait();
+                            let t = Instant::now();
+                            std::hint::black_box(kernel(iters));
+                            (t, Instant::now())
+                        })
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -491,8 +508,11 @@ pub(crate) fn chain_peak<R>(
             .map(|h| h.join().expect("peak thread panicked"))
             .collect()
     });
-    let ops = ops_per_iter * iters as f64;
-    best.iter().map(|t| ops / t.max(1e-9) / 1e9).sum()
+    let ops = ops_per_iter * iters as f64 * threads as f64;
+    let best = (0..RUNS)
+        .map(|r| span(per_thread.iter().map(|t| t[r])))
+        .fold(f64::MAX, f64::min);
+    ops / best.max(1e-9) / 1e9
 }
 
 /// Independent accumulators per chain loop.
@@ -735,6 +755,20 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pass_lasts_from_the_first_start_to_the_last_end() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        // Two threads that did not overlap (one held off its core): the pass took both
+        // threads' time together, 20 ms, not the slower thread's 10 ms.
+        let serial = [(ms(0), ms(10)), (ms(10), ms(20))];
+        assert!((span(serial.into_iter()) - 0.020).abs() < 1e-9);
+        // Overlapping threads: first start to last end.
+        let together = [(ms(1), ms(9)), (ms(0), ms(10))];
+        assert!((span(together.into_iter()) - 0.010).abs() < 1e-9);
+        assert_eq!(span(std::iter::empty()), 0.0);
+    }
 
     #[test]
     fn sysfs_cache_sizes_parse_and_bad_ones_are_refused() {
