@@ -11,14 +11,14 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::ops::Range;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 
 use simpler_core::Worker;
 
 use crate::buffer::{SharedBuffer, SharedBufferId};
-use crate::collective::shm::ShmCollectives;
+use crate::collective::shm::{ShmCollectives, segment_bytes};
 use crate::error::ChildId;
 use crate::mailbox::{self, MAILBOX_BYTES, Mailbox};
 use crate::shm::{self, Segment};
@@ -243,14 +243,21 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
     };
     shm::close_on_exec(&doorbell);
     shm::close_on_exec(&answer_bell);
-    let ctl = match Segment::from_fd(spec.ctl_fd, "the control segment") {
+    // SAFETY: the parent passed this descriptor to this process for the control segment and
+    // nothing else in this process owns it.
+    let ctl_fd = unsafe { OwnedFd::from_raw_fd(spec.ctl_fd) };
+    let ctl = match Segment::from_fd(ctl_fd, "the control segment") {
         Ok(s) => s,
         Err(e) => {
             eprintln!("simpler-node {}: {e}", spec.id);
             return 4;
         }
     };
-    if ctl.len() < (spec.slot + 1) * MAILBOX_BYTES {
+    let mailbox_end = spec
+        .slot
+        .checked_add(1)
+        .and_then(|n| n.checked_mul(MAILBOX_BYTES));
+    if mailbox_end.is_none_or(|end| ctl.len() < end) {
         eprintln!("simpler-node {}: control segment too small", spec.id);
         return 4;
     }
@@ -269,7 +276,19 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
     };
     let started = (|| {
         if let (ChildId::Chip(rank), Some(fd)) = (spec.id, spec.coll_fd) {
+            // SAFETY: the parent passed this descriptor to this process for the collective
+            // segment and nothing else in this process owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             let seg = Segment::from_fd(fd, "the collective segment").map_err(|e| e.to_string())?;
+            let need = segment_bytes(spec.chips, spec.coll_cap);
+            if rank >= spec.chips || need.is_none_or(|need| seg.len() < need) {
+                return Err(format!(
+                    "the collective segment ({} bytes) does not hold rank {rank} of {} chips with {} bytes each",
+                    seg.len(),
+                    spec.chips,
+                    spec.coll_cap
+                ));
+            }
             ctx.collectives = Some(ShmCollectives::new(seg, rank, spec.chips, spec.coll_cap));
             if let Some(make) = fns.chip_worker {
                 ctx.worker = Some(guarded(|| make(rank))?);

@@ -102,11 +102,11 @@ impl Node {
     /// starts any thread; the binary's `main` must call
     /// [`child_main_if_requested`](crate::child_main_if_requested) first.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
-        let n = config.chips + config.sub_workers;
+        let n = config.chips.saturating_add(config.sub_workers);
         if n == 0 || n > 256 {
             return Err(NodeError::Config {
                 field: "chips + sub_workers",
-                value: n.to_string(),
+                value: format!("{} + {}", config.chips, config.sub_workers),
                 reason: "must be between 1 and 256",
             });
         }
@@ -129,10 +129,14 @@ impl Node {
         let (coll, coll_fd) = match config.chips {
             0 => (None, None),
             chips => {
-                let (seg, fd) = Segment::anonymous(
-                    "simpler-node-collectives",
-                    segment_bytes(chips, config.collective_bytes),
-                )?;
+                let bytes = segment_bytes(chips, config.collective_bytes).ok_or_else(|| {
+                    NodeError::Config {
+                        field: "collective_bytes",
+                        value: config.collective_bytes.to_string(),
+                        reason: "the collective segment's size overflows",
+                    }
+                })?;
+                let (seg, fd) = Segment::anonymous("simpler-node-collectives", bytes)?;
                 (Some(seg), Some(fd))
             }
         };

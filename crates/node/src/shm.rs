@@ -49,11 +49,9 @@ impl Segment {
         Ok((Segment { map }, OwnedFd::from(file)))
     }
 
-    /// Maps an inherited descriptor (in a child).
-    pub(crate) fn from_fd(fd: RawFd, what: &str) -> Result<Segment, NodeError> {
-        // SAFETY: the parent handed this descriptor number to this process for this segment;
-        // nothing else in the child owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
+    /// Maps a segment's descriptor (in a child, the one it inherited), taking ownership.
+    pub(crate) fn from_fd(fd: OwnedFd, what: &str) -> Result<Segment, NodeError> {
+        let file = File::from(fd);
         let map =
             MmapRaw::map_raw(&file).map_err(|e| NodeError::io(format!("mapping {what}"), e))?;
         Ok(Segment { map })

@@ -5,6 +5,7 @@
 use std::convert::Infallible;
 
 use half::bf16;
+use simpler_core::Element;
 use simpler_kernels_cuda::KernelSource;
 
 use crate::cache::{CompileReport, KernelCache};
@@ -118,11 +119,11 @@ impl DeviceBuffer {
         match self.0 {}
     }
     /// Unreachable: no value exists.
-    pub fn upload<T: Copy>(&self, _src: &[T]) -> Result<(), CudaError> {
+    pub fn upload<T: Element>(&self, _src: &[T]) -> Result<(), CudaError> {
         match self.0 {}
     }
     /// Unreachable: no value exists.
-    pub fn download<T: Copy>(&self, _dst: &mut [T]) -> Result<(), CudaError> {
+    pub fn download<T: Element>(&self, _dst: &mut [T]) -> Result<(), CudaError> {
         match self.0 {}
     }
 }

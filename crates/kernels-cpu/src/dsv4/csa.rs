@@ -376,18 +376,27 @@ pub fn index_scores(
     ld_out: usize,
 ) {
     let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
-    let nq = tokens * heads;
+    // Every size is checked arithmetic: the fast paths read through pointers whose bounds are
+    // these asserts, so a product that wrapped would let them read past the slices.
+    let nq = tokens
+        .checked_mul(heads)
+        .expect("index_scores: tokens x heads overflows");
+    let q_len = nq
+        .checked_mul(dim)
+        .expect("index_scores: the queries' size overflows");
     assert!(dim > 0, "index_scores: head_dim 0");
     assert!(
-        qs.q.len() >= nq * dim && qs.scale.len() >= nq && qs.weight.len() >= nq,
+        qs.q.len() >= q_len && qs.scale.len() >= nq && qs.weight.len() >= nq,
         "index_scores: queries shorter than {tokens} x {heads} heads of {dim}"
     );
     assert!(
-        rows.start <= rows.end && rows.end <= key_scale.len() && keys.len() >= rows.end * dim,
+        rows.start <= rows.end
+            && rows.end <= key_scale.len()
+            && rows.end.checked_mul(dim).is_some_and(|k| keys.len() >= k),
         "index_scores: rows {rows:?} past the {} keys",
         key_scale.len()
     );
-    for (r, q) in qs.q[..nq * dim].chunks_exact(dim).enumerate() {
+    for (r, q) in qs.q[..q_len].chunks_exact(dim).enumerate() {
         assert!(
             !crate::gemm_i8::holds_i8_min(q),
             "index_scores: query row {r} holds -128"
@@ -402,7 +411,10 @@ pub fn index_scores(
         "index_scores: ld_out {ld_out} < {n}"
     );
     assert!(
-        out.len() >= (tokens - 1) * ld_out + n,
+        (tokens - 1)
+            .checked_mul(ld_out)
+            .and_then(|o| o.checked_add(n))
+            .is_some_and(|need| out.len() >= need),
         "index_scores: out too short"
     );
     #[cfg(target_arch = "x86_64")]

@@ -91,7 +91,11 @@ multiversion! {
         assert!(x.len().is_multiple_of(n), "hc_mix_dots: x len {} for rows of {n}", x.len());
         let (rows, m) = (x.len() / n, w.len() / n);
         assert!(ld_out >= m, "hc_mix_dots: ld_out {ld_out} < {m} weight rows");
-        assert!(rows == 0 || out.len() >= (rows - 1) * ld_out + m, "hc_mix_dots: out len {}", out.len());
+        assert!(
+            rows == 0 || (rows - 1).checked_mul(ld_out).and_then(|o| o.checked_add(m)).is_some_and(|need| out.len() >= need),
+            "hc_mix_dots: out len {}",
+            out.len()
+        );
         let xr = |t: usize| &x[t * n..(t + 1) * n];
         let wr = |j: usize| &w[j * n..(j + 1) * n];
         #[cfg(target_arch = "x86_64")]
@@ -103,7 +107,8 @@ multiversion! {
         // token value converted once for all of those (on AVX-512 the 2 × 4 blocks below
         // convert a weight quad once for two tokens' lanes and keep their path).
         if rows > MIX_TOKENS {
-            mix_chunked(x, n, w, out, ld_out, wide);
+            // SAFETY: `wide` is set above only where the CPU has AVX-512 (`Isa::current()`).
+            unsafe { mix_chunked(x, n, w, out, ld_out, wide) };
             return;
         }
         if !wide && rows > 0 && m > MIX_ROWS {
@@ -196,8 +201,11 @@ const FEW_ROWS: usize = 2;
 ///
 /// With `wide` (the CPU has AVX-512 F) the blocks are [`chunk_block_avx512`]'s: up to
 /// [`WIDE_ROWS`] rows × 4 tokens in 512-bit registers.
+///
+/// # Safety
+/// `wide` only where the CPU has AVX-512 F (`Isa::current() >= Isa::Avx512Bf16`).
 #[inline(always)]
-fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize, wide: bool) {
+unsafe fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize, wide: bool) {
     let (rows, m) = (x.len() / n, w.len() / n);
     let body = n / 4 * 4;
     let chunk = (MIX_CHUNK_BYTES / (8 * m.max(1)) / 4 * 4).clamp(4, MIX_CHUNK);
@@ -214,7 +222,7 @@ fn mix_chunked(x: &[f32], n: usize, w: &[f32], out: &mut [f32], ld_out: usize, w
         let ws = |j: usize| &wf[j * ch4..j * ch4 + q];
         #[cfg(target_arch = "x86_64")]
         if wide {
-            // SAFETY: `wide` only where the CPU has AVX-512 F (the caller's check).
+            // SAFETY: `wide` only where the CPU has AVX-512 F (this function's contract).
             unsafe { chunk_blocks_avx512(&mut acc, (rows, m, q), xs, ws) };
             c0 += len;
             continue;

@@ -578,3 +578,29 @@ fn norm_rope_heads_bf16_is_the_norm_the_turn_and_the_rounding() {
         assert_eq!(got, want, "{heads} heads of {head}, {pairs} pairs");
     }
 }
+
+/// Sizes whose products wrap around a `usize` are refused: unchecked, `tokens · heads ·
+/// head_dim` wrapped to 1024 passes the length asserts and the fast paths read queries far past
+/// the 1024-byte slice.
+#[test]
+#[should_panic(expected = "index_scores: tokens x heads overflows")]
+fn index_scores_refuses_sizes_that_wrap() {
+    let (q, scale, weight) = (vec![1i8; 1024], vec![1.0f32; 16], vec![1.0f32; 16]);
+    let keys = vec![1i8; 16 * 64];
+    let mut out = vec![0.0f32; 16];
+    crate::dsv4::csa::index_scores(
+        crate::dsv4::csa::IndexQueries {
+            q: &q,
+            scale: &scale,
+            weight: &weight,
+            tokens: (1 << 60) + 1,
+            heads: 16,
+            head_dim: 64,
+        },
+        &keys,
+        &[1.0; 16],
+        0..16,
+        &mut out,
+        16,
+    );
+}

@@ -107,10 +107,13 @@ pub(crate) fn check_all_to_all_args(
             recv_counts.len()
         )));
     }
-    let (sent, received) = (
-        send_counts.iter().sum::<usize>(),
-        recv_counts.iter().sum::<usize>(),
-    );
+    // Checked: counts that wrap around could otherwise add up to the buffer's length.
+    let total = |c: &[usize]| c.iter().try_fold(0usize, |a, &b| a.checked_add(b));
+    let (Some(sent), Some(received)) = (total(send_counts), total(recv_counts)) else {
+        return Some(bad(format!(
+            "the counts overflow a usize (send {send_counts:?}, receive {recv_counts:?})"
+        )));
+    };
     if sent != send_len {
         return Some(bad(format!(
             "send counts add up to {sent}, the send buffer is {send_len} bytes"

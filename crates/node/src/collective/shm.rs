@@ -77,9 +77,12 @@ fn header_bytes(ranks: usize) -> usize {
     round64(8 * (2 + ranks))
 }
 
-/// Bytes of the segment for `ranks` ranks with `cap` bytes of staging each.
-pub(crate) fn segment_bytes(ranks: usize, cap: usize) -> usize {
-    BARRIER_BYTES + ranks * (header_bytes(ranks) + round64(cap))
+/// Bytes of the segment for `ranks` ranks with `cap` bytes of staging each; `None` when that
+/// overflows a `usize` (a child learns both numbers from its environment).
+pub(crate) fn segment_bytes(ranks: usize, cap: usize) -> Option<usize> {
+    let header = ranks.checked_add(2)?.checked_mul(8)?.checked_add(63)? / 64 * 64;
+    let area = header.checked_add(cap.checked_add(63)? / 64 * 64)?;
+    ranks.checked_mul(area)?.checked_add(BARRIER_BYTES)
 }
 
 fn barrier_word(segment: &Segment, offset: usize) -> &AtomicU32 {
@@ -121,7 +124,11 @@ pub struct ShmCollectives {
 impl ShmCollectives {
     /// Rank `rank` of `ranks` on `segment`, which the parent made with [`segment_bytes`].
     pub(crate) fn new(segment: Segment, rank: usize, ranks: usize, cap: usize) -> ShmCollectives {
-        assert!(segment.len() >= segment_bytes(ranks, cap) && rank < ranks);
+        assert!(
+            segment_bytes(ranks, cap).is_some_and(|need| segment.len() >= need) && rank < ranks,
+            "a collective segment of {} bytes for rank {rank} of {ranks} with {cap} bytes each",
+            segment.len()
+        );
         ShmCollectives {
             segment,
             rank,
@@ -292,9 +299,33 @@ impl Collectives for ShmCollectives {
                 let mut result = Ok(());
                 let mut at = 0;
                 for (src, &expected) in recv_counts.iter().enumerate() {
-                    let offset: usize =
-                        (0..me).map(|j| self.header_word(src, 2 + j) as usize).sum();
-                    let len = self.header_word(src, 2 + me) as usize;
+                    // `src` checked its counts before staging them, but its header is another
+                    // process's memory: the copy below trusts only bounds checked here.
+                    let staged = self.header_word(src, 1);
+                    let offset =
+                        (0..me).try_fold(0u64, |a, j| a.checked_add(self.header_word(src, 2 + j)));
+                    let len = self.header_word(src, 2 + me);
+                    let end = offset.and_then(|o| o.checked_add(len));
+                    let (Some(offset), Some(end)) = (offset, end) else {
+                        result = Err(CollectiveError::BadArgs {
+                            op: OP,
+                            rank: src,
+                            reason: "its staged counts overflow".into(),
+                        });
+                        break;
+                    };
+                    if end > staged || staged > self.cap as u64 {
+                        result = Err(CollectiveError::BadArgs {
+                            op: OP,
+                            rank: src,
+                            reason: format!(
+                                "its header names bytes {offset}..{end} of the {staged} it staged (room {})",
+                                self.cap
+                            ),
+                        });
+                        break;
+                    }
+                    let (offset, len) = (offset as usize, len as usize);
                     if len != expected {
                         result = Err(CollectiveError::CountMismatch {
                             op: OP,
@@ -305,8 +336,8 @@ impl Collectives for ShmCollectives {
                         });
                         break;
                     }
-                    // SAFETY: `offset + len` is within what `src` wrote (its counts add up to
-                    // its total, at most `cap`); `recv[at..at + len]` is in bounds because the
+                    // SAFETY: `offset + len <= staged <= cap` (checked above), so the read is
+                    // inside `src`'s staging area; `recv[at..at + len]` is in bounds because the
                     // receive counts add up to `recv.len()`; nobody writes `src`'s area until
                     // the next barrier.
                     unsafe {
@@ -409,7 +440,6 @@ impl Collectives for ShmCollectives {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::AsRawFd;
 
     use super::*;
 
@@ -420,13 +450,12 @@ mod tests {
         cap: usize,
         f: impl Fn(usize, &mut ShmCollectives) -> T + Sync,
     ) -> Vec<T> {
-        let (_, fd) = Segment::anonymous("test-collectives", segment_bytes(ranks, cap)).unwrap();
+        let (_, fd) =
+            Segment::anonymous("test-collectives", segment_bytes(ranks, cap).unwrap()).unwrap();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..ranks)
                 .map(|rank| {
-                    // SAFETY: dup of a descriptor we own; the new one is handed to `from_fd`,
-                    // which owns it from then on.
-                    let own = unsafe { libc::dup(fd.as_raw_fd()) };
+                    let own = fd.try_clone().unwrap();
                     let seg = Segment::from_fd(own, "test").unwrap();
                     let f = &f;
                     s.spawn(move || f(rank, &mut ShmCollectives::new(seg, rank, ranks, cap)))
@@ -457,6 +486,46 @@ mod tests {
                     rank: 1
                 })
             );
+        }
+    }
+
+    #[test]
+    fn counts_that_wrap_around_are_refused_and_the_next_call_runs() {
+        let results = on_ranks(2, 64, |rank, comm| {
+            // Rank 0's send counts wrap around to its 1-byte buffer's length: unchecked, rank 1
+            // would copy from 2^63 bytes past rank 0's staging area.
+            let counts: [usize; 2] = if rank == 0 {
+                [1 << 63, (1 << 63) + 1]
+            } else {
+                [0, 1]
+            };
+            let send = [7u8; 1];
+            let mut recv = [0u8; 1];
+            let recv_counts = if rank == 0 { [0, 1] } else { [1, 0] };
+            let first = comm.all_to_all_v(&send, &counts, &mut recv, &recv_counts);
+            // The group goes on: an exchange of one byte each way.
+            let mut back = [0u8; 2];
+            let next = comm.all_to_all_v(&[rank as u8 + 1; 2], &[1, 1], &mut back, &[1, 1]);
+            (first, next, back)
+        });
+        match &results[0].0 {
+            Err(CollectiveError::BadArgs {
+                rank: 0, reason, ..
+            }) => {
+                assert!(reason.contains("overflow"), "{reason}")
+            }
+            other => panic!("rank 0: {other:?}"),
+        }
+        assert_eq!(
+            results[1].0,
+            Err(CollectiveError::PeerRefused {
+                op: "all_to_all_v",
+                rank: 0
+            })
+        );
+        for (_, next, back) in &results {
+            assert_eq!(*next, Ok(()));
+            assert_eq!(*back, [1, 2]);
         }
     }
 

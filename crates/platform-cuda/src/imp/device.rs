@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result as drv, sys as drv_sys};
 use cudarc::nvrtc::Ptx;
-use simpler_core::{Memory, Platform, PlatformError, PlatformInfo};
+use simpler_core::{Element, Memory, Platform, PlatformError, PlatformInfo};
 use simpler_kernels_cuda::ParamKind;
 
 use crate::cache::{CompileReport, KernelCache};
@@ -208,7 +208,7 @@ impl DeviceBuffer {
     }
 
     /// Copies `src` to the start of the buffer; returns when it is on the device.
-    pub fn upload<T: Copy>(&self, src: &[T]) -> Result<(), CudaError> {
+    pub fn upload<T: Element>(&self, src: &[T]) -> Result<(), CudaError> {
         let bytes = std::mem::size_of_val(src);
         if bytes > self.len {
             return Err(CudaError::invalid(
@@ -219,7 +219,8 @@ impl DeviceBuffer {
         self.ctx
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: the destination holds `bytes` bytes (checked); `T: Copy` has no drop glue.
+        // SAFETY: the destination holds `bytes` bytes (checked); `T: Element` is a plain
+        // number type without padding, so every byte read from `src` is initialised.
         unsafe { drv::memcpy_htod_sync(self.ptr, src) }.map_err(driver_err("cuMemcpyHtoD"))?;
         // A copy from pageable memory may return before its DMA lands, and the kernels run on
         // a non-blocking stream that does not wait for it: wait for the context.
@@ -229,7 +230,7 @@ impl DeviceBuffer {
     }
 
     /// Copies the start of the buffer into `dst` after all work queued on the device.
-    pub fn download<T: Copy>(&self, dst: &mut [T]) -> Result<(), CudaError> {
+    pub fn download<T: Element>(&self, dst: &mut [T]) -> Result<(), CudaError> {
         let bytes = std::mem::size_of_val(dst);
         if bytes > self.len {
             return Err(CudaError::invalid(
@@ -245,8 +246,8 @@ impl DeviceBuffer {
         self.ctx
             .synchronize()
             .map_err(driver_err("cuCtxSynchronize"))?;
-        // SAFETY: the source holds `bytes` bytes (checked); any bit pattern is written into
-        // plain `Copy` elements the caller chose.
+        // SAFETY: the source holds `bytes` bytes (checked); `T: Element` is a plain number
+        // type (sealed: f32, f16, bf16, integers) for which every bit pattern is valid.
         unsafe { drv::memcpy_dtoh_sync(dst, self.ptr) }.map_err(driver_err("cuMemcpyDtoH"))
     }
 }

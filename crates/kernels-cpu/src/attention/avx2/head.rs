@@ -45,6 +45,10 @@ pub(super) unsafe fn head_over(
     go!(1 => 8, 2 => 4, 3 => 4, 4 => 3, 5 => 2, 6 => 2, 7 => 1, 8 => 1);
 }
 
+/// [`head_over`] for group `G`, `TB` tokens a score block.
+///
+/// # Safety
+/// As [`head_over`], with `G` the group `kv` was checked for.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn head_g<const G: usize, const TB: usize>(
     kv: &PagedKv<'_>,

@@ -136,6 +136,10 @@ impl<'a> Walk<'a> {
     }
 }
 
+/// [`rows_over`] for group `G`.
+///
+/// # Safety
+/// As [`rows_over`], with `G` the group `kv` was checked for.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usize>(
     kv: &PagedKv<'_>,

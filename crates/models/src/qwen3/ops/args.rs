@@ -5,8 +5,15 @@
 
 use simpler_core::{DType, Task, Tensor};
 
-/// One tensor argument and how the runtime tracks it.
-#[derive(Clone, Debug)]
+/// One tensor argument and how the runtime tracks it. Not `Clone`: an [`Arg::untracked`]
+/// carries its caller's promise about one task, which a copy must not carry to another.
+///
+/// ```compile_fail
+/// fn copy<'a>(a: &simpler_models::qwen3::ops::args::Arg<'a>) -> simpler_models::qwen3::ops::args::Arg<'a> {
+///     a.clone()
+/// }
+/// ```
+#[derive(Debug)]
 pub enum Arg<'a> {
     /// Read (`Input`).
     In(&'a Tensor),
@@ -21,7 +28,7 @@ pub enum Arg<'a> {
 }
 
 /// A tensor passed `NoDep`; its only constructor is the unsafe [`Arg::untracked`].
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Untracked<'a>(&'a Tensor);
 
 impl<'a> Arg<'a> {
@@ -54,7 +61,7 @@ impl<'a> Arg<'a> {
 macro_rules! kernel_tensors {
     ($(#[$m:meta])* $name:ident, $idx:ident { $($field:ident),+ $(; $opt:ident)? }) => {
         $(#[$m])*
-        #[derive(Clone, Debug)]
+        #[derive(Debug)]
         pub struct $name<'a> {
             $(
                 #[allow(missing_docs)]
