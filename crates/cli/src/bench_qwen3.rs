@@ -14,7 +14,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use simpler_core::{CallConfig, OutsideShare, RunReport, Worker};
 use simpler_dfx::bench_stats::{
-    Comparison, Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
+    Comparison, Diagnostics, Summary, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
 use simpler_kernels_cpu::{Isa, attention, path_for_batch, set_process_isa};
@@ -151,7 +151,8 @@ fn median_range(v: &[f64]) -> (f64, f64, f64) {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     (
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+        // As every summary's median: the mean of the middle two of an even count.
+        Summary::of(&v).median,
         v.first().copied().unwrap_or(f64::NAN),
         v.last().copied().unwrap_or(f64::NAN),
     )
@@ -735,7 +736,7 @@ fn ab_switched(
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }
-    Ok(compare(&pairs.a, &pairs.b))
+    Ok(pairs.compare())
 }
 
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) of `session`, each
@@ -773,7 +774,7 @@ fn ab_steps(
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }
-    Ok(compare(&pairs.a, &pairs.b))
+    Ok(pairs.compare())
 }
 
 /// Replayed against orchestrated steps of one session.
@@ -858,7 +859,7 @@ fn ab_replay(
     }
     let reports = reports.into_inner();
     Ok(ReplayCompare {
-        step: compare(&pairs.a, &pairs.b),
+        step: pairs.compare(),
         outside: [0, 1].map(|i| {
             reports[i]
                 .iter()
@@ -898,7 +899,7 @@ fn ab_sessions(
     if let Some(e) = failure.into_inner() {
         return Err(e);
     }
-    Ok(compare(&pairs.a, &pairs.b))
+    Ok(pairs.compare())
 }
 
 /// Prints `text` line by line, indented under a shape's report.

@@ -11,8 +11,7 @@ use simpler_core::{
     ScopeKind, Task, TaskId, Worker,
 };
 use simpler_dfx::bench_stats::{
-    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
-    run_interleaved,
+    Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
 };
 
 use crate::opts::{RunOpts, case_config};
@@ -85,6 +84,9 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     args.run.refuse_diag_steps("bench runtime")?;
     if args.scope == 0 {
         bail!("--scope 0: give at least 1 task per scope");
+    }
+    if args.rounds == 0 {
+        bail!("--rounds 0: give at least 1 measured round");
     }
     // Variant B's options are checked before anything runs.
     let variant_b = match &args.compare {
@@ -221,7 +223,7 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         println!("{}", format_diagnostics(&Diagnostics::of(cfg_b)));
         println!(
             "{}",
-            format_compare("tasks_per_s", "A", "B", &compare(&pairs.a, &pairs.b))
+            format_compare("tasks_per_s", "A", "B", &pairs.compare())
         );
     }
 

@@ -233,6 +233,12 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         args.max_num_batched_tokens
     );
     println!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
+    // The decode steps' paths at the largest batch (the GEMM path can change with the rows).
+    let most = args.streams.iter().copied().max().unwrap_or(1);
+    println!(
+        "{} (decode at {most} streams)",
+        crate::qwen3_decode::format_paths(most)
+    );
     println!("{diagnostics}");
     // Rounds of every streams count in turn, warm-up rounds first (discarded); every
     // measurement has prompts of its own.

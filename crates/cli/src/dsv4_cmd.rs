@@ -13,8 +13,7 @@ use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use simpler_core::{CallConfig, RunReport, TaskSlotTiming, Worker};
 use simpler_dfx::bench_stats::{
-    Diagnostics, Summary, compare, format_compare, format_diagnostics, format_summary,
-    run_interleaved,
+    Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
 };
 use simpler_kernels_cpu::gemm_i8::peak::int8_peaks;
 use simpler_kernels_cpu::isa::set_process_isa;
@@ -357,6 +356,33 @@ pub(crate) trait LayerStep {
     }
     /// Turns replay of the next steps on or off (only where [`LayerStep::can_replay`]).
     fn set_replay(&mut self, _on: bool) {}
+    /// The kernel paths the step runs on, one line.
+    fn paths(&self) -> String {
+        format_paths(None)
+    }
+}
+
+/// `kernel paths: ...` of a DeepSeek-V4 step: the int8 products' path, the vector kernels'
+/// (hc, norms, RoPE, pooling), the sparse attention's value product for `attn` = `(heads a
+/// task, head_dim)` when the step has one, and this CPU's best.
+fn format_paths(attn: Option<(usize, usize)>) -> String {
+    let isa = Isa::current();
+    let capped = match std::env::var("SIMPLER_ISA") {
+        Ok(v) => format!(", SIMPLER_ISA={v}"),
+        Err(_) => String::new(),
+    };
+    let attention = attn.map_or(String::new(), |(heads, d)| {
+        format!(
+            ", sparse attention value product {}",
+            simpler_kernels_cpu::dsv4::attention::pv_path(isa, heads, d).name()
+        )
+    });
+    format!(
+        "kernel paths: int8 products {}, vector kernels {}{attention}; this CPU's best path {}{capped}",
+        I8Path::current().name(),
+        isa.name(),
+        Isa::hardware().name()
+    )
 }
 
 /// The step of `layer` on `cfg`'s shapes at `starts`.
@@ -497,6 +523,11 @@ impl LayerStep for AttnCase {
 
     fn set_replay(&mut self, on: bool) {
         self.layer.replay = on;
+    }
+
+    fn paths(&self) -> String {
+        let heads = self.cfg.n_heads / self.layer.tiles.head_blocks.max(1);
+        format_paths(Some((heads, self.cfg.head_dim)))
     }
 
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {
@@ -826,6 +857,7 @@ fn finish_peaks(s: &Setup, case: &CaseArgs) -> Peaks {
         "int8 dot-product peak ({}): {:.1} GOP/s",
         s.int8.1, s.int8.0
     );
+    println!("{}", s.step.paths());
     peaks_of(&machine, s.int8.0)
 }
 
@@ -1095,7 +1127,7 @@ fn replay_of(r: Option<Replay>) -> Replay {
 fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) -> Result<String> {
     let (pairs, sides) = interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a))?;
     s.step.set_replay(true);
-    let c = compare(&pairs.a, &pairs.b);
+    let c = pairs.compare();
     let [a, b] = sides.orch.map(|v| Summary::of(&v).median);
     Ok(format!(
         "{}\n    orchestration span (median over every step): replay {a:.0} us (the submission loop), orchestrated {b:.0} us",
@@ -1119,7 +1151,7 @@ fn versus_isa_steps(
     });
     set_process_isa(None);
     let (pairs, sides) = result?;
-    let c = compare(&pairs.a, &pairs.b);
+    let c = pairs.compare();
     let a_name = format!("{} (this run)", Isa::current().name());
     let mut out = format_compare("effective_us", &a_name, isa.name(), &c);
     out.push('\n');
@@ -1214,7 +1246,7 @@ fn versus_proj_blocks(
     });
     s.step.set_proj_blocks(a);
     let (pairs, _) = result?;
-    let c = compare(&pairs.a, &pairs.b);
+    let c = pairs.compare();
     Ok(format_compare(
         "effective_us",
         &format!("{a} blocks (this run)"),

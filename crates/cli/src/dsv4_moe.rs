@@ -1,6 +1,6 @@
 //! The DeepSeek-V4 MoE layer in `simpler run dsv4 --layer moe` and `simpler bench dsv4 --kernel
 //! moe` (`docs/dsv4.md`, "MoE benchmark"): its [`LayerStep`], and the bench's
-//! `fast_effective_us` and `valid_rounds`.
+//! `faster_half_us` and `valid_rounds`.
 //!
 //! FLASH shapes: `Dsv4Config::flash_ep(2, 16)` gives each rank 16 routed experts; one machine
 //! runs one rank's 16 experts with every route of the step local (no exchange), which is the
@@ -246,8 +246,10 @@ pub(crate) fn golden_lines(
     lines
 }
 
-/// `fast_effective_us`: the mean of the faster half (at least one) of the valid rounds' times.
-pub(crate) fn fast_effective(valid: &[f64]) -> f64 {
+/// `faster_half_us`: the mean of the faster half (at least one) of the valid rounds' times.
+/// (Not `fast_effective_us`, which names the fastest rank of each round of a several-rank
+/// run; this is one rank's rounds.)
+pub(crate) fn faster_half(valid: &[f64]) -> f64 {
     let mut v = valid.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len().div_ceil(2);
@@ -257,7 +259,7 @@ pub(crate) fn fast_effective(valid: &[f64]) -> f64 {
     v[..n].iter().sum::<f64>() / n as f64
 }
 
-/// The bench's MoE lines: `fast_effective_us` and `valid_rounds` of the measured rounds
+/// The bench's MoE lines: `faster_half_us` and `valid_rounds` of the measured rounds
 /// (`(effective_us, valid)` each).
 pub(crate) fn format_moe_rounds(rounds: &[(f64, bool)]) -> Result<String> {
     if rounds.is_empty() {
@@ -265,8 +267,8 @@ pub(crate) fn format_moe_rounds(rounds: &[(f64, bool)]) -> Result<String> {
     }
     let valid: Vec<f64> = rounds.iter().filter(|r| r.1).map(|r| r.0).collect();
     Ok(format!(
-        "fast_effective_us {:.1} (mean of the faster half of the valid rounds)  valid_rounds {}/{} (output identical to the first step)",
-        fast_effective(&valid),
+        "faster_half_us {:.1} (mean of the faster half of the valid rounds)  valid_rounds {}/{} (output identical to the first step)",
+        faster_half(&valid),
         valid.len(),
         rounds.len()
     ))
@@ -277,14 +279,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fast_effective_is_the_mean_of_the_faster_half() {
-        assert_eq!(fast_effective(&[4.0, 1.0, 3.0, 2.0]), 1.5);
-        assert_eq!(fast_effective(&[5.0, 1.0, 3.0]), 2.0);
-        assert_eq!(fast_effective(&[7.0]), 7.0);
-        assert!(fast_effective(&[]).is_nan());
+    fn faster_half_is_the_mean_of_the_faster_half() {
+        assert_eq!(faster_half(&[4.0, 1.0, 3.0, 2.0]), 1.5);
+        assert_eq!(faster_half(&[5.0, 1.0, 3.0]), 2.0);
+        assert_eq!(faster_half(&[7.0]), 7.0);
+        assert!(faster_half(&[]).is_nan());
         let s = format_moe_rounds(&[(2.0, true), (1.0, false), (3.0, true)]).unwrap();
         assert!(
-            s.contains("fast_effective_us 2.0") && s.contains("valid_rounds 2/3"),
+            s.contains("faster_half_us 2.0") && s.contains("valid_rounds 2/3"),
             "{s}"
         );
     }

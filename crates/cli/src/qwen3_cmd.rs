@@ -280,8 +280,8 @@ pub(crate) fn describe_graphs<'a>(
         .zip(&mut us)
         .filter(|(_, v)| !v.is_empty())
         .map(|(name, v)| {
-            v.sort_by(f64::total_cmp);
-            format!("{} {name} (orch {:.0} us median)", v.len(), v[v.len() / 2])
+            let median = simpler_dfx::bench_stats::Summary::of(v).median;
+            format!("{} {name} (orch {median:.0} us median)", v.len())
         })
         .collect();
     format!(

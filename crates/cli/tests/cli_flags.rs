@@ -541,9 +541,15 @@ fn bench_serve_measures_rounds() {
         "{so}"
     );
     assert!(so.contains(" 0 served from the prefix cache"), "{so}");
+    assert!(so.contains("kernel paths: GEMM "), "{so}");
     refused(
         &["bench", "serve", "--preset", "tiny", "--rounds", "0"],
         "--rounds must be at least 1",
+    );
+    // bench runtime printed NaN statistics for no round.
+    refused(
+        &["bench", "runtime", "--rounds", "0"],
+        "--rounds 0: give at least 1 measured round",
     );
     refused(
         &["bench", "serve", "--preset", "tiny", "--streams", "1,4,1"],

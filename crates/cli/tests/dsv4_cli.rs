@@ -157,7 +157,7 @@ fn bench_dsv4_compares_projection_blocks_step_against_step() {
             "projection blocks compared (interleaved steps A B B A ..",
             "blocks (this run)",
             "[B: 3 blocks]: n=4",
-            "ratio B/A of medians = ",
+            "median of paired ratios B/A = ",
         ],
     );
     assert!(so.contains("95% interval ["), "{so}");
@@ -180,7 +180,7 @@ fn bench_dsv4_compares_kernel_paths_step_against_step() {
             "kernel paths compared (interleaved steps A B B A ..",
             "(this run)]: n=3",
             "[B: portable]: n=3",
-            "ratio B/A of medians = ",
+            "median of paired ratios B/A = ",
             "A median_us  B median_us      B/A",
         ],
     );
@@ -259,7 +259,7 @@ fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
             "replay compared (A: captured graph replayed, B: orchestrated",
             "[A: replayed]: n=4",
             "[B: orchestrated]: n=4",
-            "ratio B/A of medians = ",
+            "median of paired ratios B/A = ",
             "orchestration span (median over every step): replay ",
         ],
     );
@@ -371,8 +371,9 @@ fn run_and_bench_dsv4_moe() {
         "bench moe",
         &[
             "effective_us: n=4 (warm-up 1 discarded) min=",
-            "fast_effective_us",
+            "faster_half_us",
             "valid_rounds 4/4",
+            "kernel paths: int8 products ",
             "per-phase bound",
             "caches: each step starts after a",
         ],

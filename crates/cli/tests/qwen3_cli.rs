@@ -318,7 +318,7 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
             "between phases",
             "tiling compared",
             "[B: max-kv-chunk=16,tile-kib=64]",
-            "ratio B/A of medians",
+            "median of paired ratios B/A",
             "summary (medians",
         ],
     );
@@ -571,7 +571,7 @@ fn bench_qwen3_decode_compares_decode_attention_paths() {
         &[
             "decode attention paths compared",
             "[B: portable]",
-            "ratio B/A of medians",
+            "median of paired ratios B/A",
         ],
     );
     let out = simpler(&args("avx9"));

@@ -1,8 +1,8 @@
 //! Benchmark statistics for every `simpler bench`: warm-up handling, summaries with a 95%
 //! interval, multi-rank rounds, and the interleaved A/B comparison whose drift cancels.
 //!
-//! The interval of a summary is the Student t-interval of the mean. The interval of a
-//! comparison is a seeded percentile bootstrap of the ratio of medians over paired rounds.
+//! The interval of a summary is the Student t-interval of the mean. A comparison is the median
+//! of the paired ratios `B[k] / A[k]`, with a seeded percentile bootstrap over the pairs.
 
 use std::fmt::Write as _;
 use std::io::Write;
@@ -132,6 +132,18 @@ pub struct Interleaved {
     pub b: Vec<f64>,
     /// The order everything ran in, warm-up included (`"ABBAAB..."`).
     pub order: String,
+    /// Warm-up pairs run first and discarded.
+    pub warmup: usize,
+}
+
+impl Interleaved {
+    /// [`compare`] of the kept pairs, remembering the warm-up pairs discarded before them.
+    pub fn compare(&self) -> Comparison {
+        Comparison {
+            warmup: self.warmup,
+            ..compare(&self.a, &self.b)
+        }
+    }
 }
 
 /// Runs `warmup + rounds` rounds of both variants interleaved A B, B A, A B, B A, ... (so a
@@ -142,7 +154,10 @@ pub fn run_interleaved(
     mut a: impl FnMut() -> f64,
     mut b: impl FnMut() -> f64,
 ) -> Interleaved {
-    let mut out = Interleaved::default();
+    let mut out = Interleaved {
+        warmup,
+        ..Interleaved::default()
+    };
     for k in 0..warmup + rounds {
         let (va, vb) = if k % 2 == 0 {
             out.order.push_str("AB");
@@ -161,12 +176,13 @@ pub fn run_interleaved(
     out
 }
 
-/// The ratio B / A of medians with its 95% interval.
+/// The median of the paired ratios `B[k] / A[k]` with its 95% interval.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Comparison {
-    /// `median(B) / median(A)`.
+    /// `median over k of B[k] / A[k]`: each pair ran side by side, so a drift of the machine
+    /// between pairs cancels in its ratio.
     pub ratio: f64,
-    /// 2.5% and 97.5% percentiles of the bootstrap ratios.
+    /// 2.5% and 97.5% percentiles of the bootstrap medians.
     pub ci95: (f64, f64),
     /// Summary of A.
     pub a: Summary,
@@ -176,6 +192,8 @@ pub struct Comparison {
     pub resamples: usize,
     /// Bootstrap seed.
     pub seed: u64,
+    /// Warm-up pairs discarded before these ([`Interleaved::compare`]; 0 from [`compare`]).
+    pub warmup: usize,
 }
 
 /// Compares paired rounds (`a[k]` ran next to `b[k]`) with [`BOOTSTRAP_RESAMPLES`] resamples
@@ -184,23 +202,23 @@ pub fn compare(a: &[f64], b: &[f64]) -> Comparison {
     compare_seeded(a, b, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
 }
 
-/// [`compare`] with an explicit resample count and seed: each resample draws round indices
-/// with replacement (keeping pairs together) and takes median(B) / median(A).
+/// [`compare`] with an explicit resample count and seed: the median of the paired ratios, and
+/// each resample draws pair indices with replacement and takes the median of those pairs'
+/// ratios.
 pub fn compare_seeded(a: &[f64], b: &[f64], resamples: usize, seed: u64) -> Comparison {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let ratio = stats::median(b) / stats::median(a);
+    let paired: Vec<f64> = a.iter().zip(b).map(|(x, y)| y / x).collect();
+    let ratio = stats::median(&paired);
     let mut ratios = Vec::with_capacity(resamples);
     let mut rng = SplitMix64::new(seed);
-    let (mut ra, mut rb) = (vec![0.0; n], vec![0.0; n]);
+    let mut r = vec![0.0; n];
     if n > 0 {
         for _ in 0..resamples {
-            for k in 0..n {
-                let i = rng.below(n);
-                ra[k] = a[i];
-                rb[k] = b[i];
+            for v in r.iter_mut() {
+                *v = paired[rng.below(n)];
             }
-            ratios.push(stats::median(&rb) / stats::median(&ra));
+            ratios.push(stats::median(&r));
         }
     }
     let sorted = stats::sorted(&ratios);
@@ -215,6 +233,7 @@ pub fn compare_seeded(a: &[f64], b: &[f64], resamples: usize, seed: u64) -> Comp
         b: Summary::of(b),
         resamples,
         seed,
+        warmup: 0,
     }
 }
 
@@ -306,16 +325,16 @@ pub fn format_compare(metric: &str, name_a: &str, name_b: &str, c: &Comparison) 
     let _ = writeln!(
         out,
         "{}",
-        format_summary(&format!("{metric} [A: {name_a}]"), &c.a, 0)
+        format_summary(&format!("{metric} [A: {name_a}]"), &c.a, c.warmup)
     );
     let _ = writeln!(
         out,
         "{}",
-        format_summary(&format!("{metric} [B: {name_b}]"), &c.b, 0)
+        format_summary(&format!("{metric} [B: {name_b}]"), &c.b, c.warmup)
     );
     let _ = write!(
         out,
-        "ratio B/A of medians = {:.4}, 95% interval [{:.4}, {:.4}] (paired bootstrap over {} interleaved rounds, {} resamples, seed {:#x})",
+        "median of paired ratios B/A = {:.4}, 95% interval [{:.4}, {:.4}] (bootstrap over {} interleaved pairs, {} resamples, seed {:#x})",
         c.ratio, c.ci95.0, c.ci95.1, c.a.n, c.resamples, c.seed
     );
     out
@@ -415,7 +434,12 @@ mod tests {
         let c = compare(&r.a, &r.b);
         // Both medians carry the same drift (12.5): A = 112.5, B = 122.5.
         assert_eq!((c.a.median, c.b.median), (112.5, 122.5));
-        assert_eq!(c.ratio, 122.5 / 112.5);
+        // Each pair's B ran one drift step after or before its A, alternately: the paired
+        // ratios straddle the drift-free 1.1 and their median lies between the two kinds.
+        let mut paired: Vec<f64> = r.a.iter().zip(&r.b).map(|(a, b)| b / a).collect();
+        paired.sort_by(f64::total_cmp);
+        assert_eq!(c.ratio, (paired[3] + paired[4]) / 2.0);
+        assert!((1.08..1.10).contains(&c.ratio), "{c:?}");
         assert!(c.ci95.0 <= c.ratio && c.ratio <= c.ci95.1, "{c:?}");
         // Seeded: the same input gives the same interval.
         assert_eq!(compare(&r.a, &r.b), c);
@@ -433,7 +457,27 @@ mod tests {
         assert_eq!(c.ratio, 2.0);
         assert!(close(c.ci95.0, 2.0) && close(c.ci95.1, 2.0), "{c:?}");
         let text = format_compare("effective_us", "off", "on", &c);
-        assert!(text.contains("ratio B/A of medians = 2.0000"), "{text}");
+        assert!(
+            text.contains("median of paired ratios B/A = 2.0000"),
+            "{text}"
+        );
+        // Paired: a machine that drifts between pairs (A and B both doubling) leaves each
+        // pair's ratio alone; the ratio of the medians would mix the drift in.
+        let a = [10.0, 10.0, 20.0, 20.0, 20.0];
+        let b = [11.0, 11.0, 22.0, 22.0, 22.0];
+        let c = compare_seeded(&a, &b, 100, 1);
+        assert!(
+            close(c.ratio, 1.1) && close(c.ci95.0, 1.1) && close(c.ci95.1, 1.1),
+            "{c:?}"
+        );
+        let a = [10.0, 10.0, 10.0, 30.0, 30.0];
+        let b = [12.0, 12.0, 30.0, 33.0, 33.0];
+        // Ratios 1.2, 1.2, 3.0, 1.1, 1.1: median 1.2 (of medians: 30 / 10 = 3).
+        assert!(close(compare_seeded(&a, &b, 100, 1).ratio, 1.2));
+        let pairs = run_interleaved(3, 2, || 1.0, || 2.0);
+        let c = pairs.compare();
+        assert_eq!((c.warmup, c.a.n), (2, 3));
+        assert!(format_compare("x", "a", "b", &c).contains("warm-up 2 discarded"));
     }
 
     #[test]
