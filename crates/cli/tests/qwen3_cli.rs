@@ -307,7 +307,9 @@ fn bench_qwen3_decode_reports_ratios_and_where_the_cores_wait() {
         &[
             "batch 1 x 40 tokens",
             "batch 2 x 40 tokens",
-            "% of membw",
+            "% of membw's median pass",
+            "% of membw's best pass",
+            "% of the whole step",
             "roofline bound",
             "quietest step",
             "outside kernels",
