@@ -28,8 +28,8 @@ use half::bf16;
 use simpler_core::{CallConfig, RunReport, Worker};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::{
-    GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
-    path_for_batch,
+    GemmTile, OutMode, PackedActs, TILE_COLS, TILE_ROWS, WeightLayout, WeightsBf16, gemm_bf16,
+    pack_acts_f32, packed_len,
 };
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -123,6 +123,7 @@ struct GemmRate {
     m: usize,
     k: usize,
     n: usize,
+    layout: WeightLayout,
     threads: usize,
     tiles: usize,
     calls: usize,
@@ -132,10 +133,12 @@ struct GemmRate {
 
 /// The bf16 GEMM kernel's rate on `out [m, n] = x [m, k] @ w [n, k]^T` with `tiles` spread over
 /// `threads` threads (see the module docs), for about `budget`.
+#[allow(clippy::too_many_arguments)]
 fn gemm_rate(
     m: usize,
     k: usize,
     tiles: &[std::ops::Range<usize>],
+    layout: WeightLayout,
     threads: usize,
     budget: Duration,
     seed: u64,
@@ -151,7 +154,13 @@ fn gemm_rate(
         .collect();
     let mut packed = vec![0.0f32; packed_len(m, k)];
     pack_acts_f32(&x, m, k, &mut packed);
-    let w = WeightsBf16::new(&w, n, k);
+    // The weights in the layout the model's projections use, so the rate is that kernel's.
+    let stored = match layout {
+        WeightLayout::RowMajor => w,
+        WeightLayout::Pairs => simpler_kernels_cpu::pair_weights_bf16(&w, n, k),
+        WeightLayout::Tiled => simpler_kernels_cpu::tile_weights_bf16(&w, n, k),
+    };
+    let w = WeightsBf16::with_layout(&stored, n, k, layout);
     let x = PackedActs::new(&packed, m, k);
     let widest = tiles.iter().map(|t| t.len()).max().unwrap_or(0);
     let flops = 2.0 * (m * k * n) as f64;
@@ -215,6 +224,7 @@ fn gemm_rate(
     gflops.push(flops / first / 1e9);
     let s = Summary::of(&gflops);
     GemmRate {
+        layout,
         m,
         k,
         n,
@@ -339,6 +349,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             len,
             c.hidden_size,
             &gemm_tiles,
+            simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS),
             worker.cores(),
             Duration::from_secs_f64(args.gemm_seconds.max(0.0)),
             args.model.seed,
@@ -389,7 +400,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         // The compute denominator is the peak of the path the projections ran on (the AMX
         // tile peak where prefill runs on tiles), so the percentage stays below 100.
         let compute = crate::qwen3_decode::matmul_peak(&peaks, len);
-        let path = path_for_batch(Isa::detected(), len);
+        let path = crate::qwen3_decode::gemm_path(len);
         let fma_pct = 100.0 * gflops / compute;
         let gemm_pct = 100.0 * gflops / gemm.best_gflops;
         let bound = cost.roofline_s(peaks.read_gbs_all, compute);
@@ -439,11 +450,16 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             peaks.fma_gflops_all
         );
         println!(
-            "  GEMM rate: bf16 gemm_bf16 on [{} x {}] x [{} x {}]^T, {} row tiles over {} threads: best {:.2} GFLOP/s, median {:.2} over {} calls ({:.1}% of the {} peak)",
+            "  GEMM rate: bf16 gemm_bf16 on [{} x {}] x [{} x {}]^T ({} weights, as the projections), {} row tiles over {} threads: best {:.2} GFLOP/s, median {:.2} over {} calls ({:.1}% of the {} peak)",
             gemm.m,
             gemm.k,
             gemm.n,
             gemm.k,
+            match gemm.layout {
+                WeightLayout::RowMajor => "row-major",
+                WeightLayout::Pairs => "paired",
+                WeightLayout::Tiled => "tiled",
+            },
             gemm.tiles,
             gemm.threads,
             gemm.best_gflops,
@@ -522,9 +538,31 @@ mod tests {
     #[test]
     fn the_gemm_rate_is_positive_and_counts_every_tile() {
         let tiles = [0..16, 16..32, 32..40];
-        let r = gemm_rate(5, 48, &tiles, 2, Duration::from_millis(5), 7);
+        let r = gemm_rate(
+            5,
+            48,
+            &tiles,
+            WeightLayout::RowMajor,
+            2,
+            Duration::from_millis(5),
+            7,
+        );
         assert_eq!((r.m, r.k, r.n, r.tiles), (5, 48, 40, 3));
         assert!(r.calls >= 3 && r.best_gflops > 0.0 && r.best_gflops >= r.median_gflops);
+        // Each layout the projections can use is timed in that layout.
+        for layout in [WeightLayout::Pairs, WeightLayout::Tiled] {
+            let r = gemm_rate(
+                5,
+                64,
+                &[0..16, 16..32],
+                layout,
+                2,
+                Duration::from_millis(5),
+                7,
+            );
+            assert_eq!((r.layout, r.n, r.tiles), (layout, 32, 2));
+            assert!(r.best_gflops > 0.0, "{layout:?}");
+        }
     }
 
     #[test]

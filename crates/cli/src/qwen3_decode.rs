@@ -168,7 +168,7 @@ pub(crate) fn matmul_peak(p: &MachinePeaks, rows: usize) -> f64 {
 /// (`Isa::detected`): its matrices are tiled where that pays (`qwen3::layout`; every preset's
 /// are whole 16-row groups and 32-column steps), and tiled weights take the AMX tiles at
 /// every batch.
-fn gemm_path(rows: usize) -> Isa {
+pub(crate) fn gemm_path(rows: usize) -> Isa {
     let layout = simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS);
     path_for(Isa::detected(), rows, layout)
 }
