@@ -139,6 +139,13 @@ impl PagedKv<'_> {
             self.head_dim > 0 && self.page_size > 0 && self.kv_heads > 0,
             "paged kv: zero dimension"
         );
+        // `row()` is then exact: the kernels index rows by `kv_heads · head_dim`.
+        assert!(
+            self.kv_heads.checked_mul(self.head_dim).is_some(),
+            "paged kv: {} heads of {} overflow a row",
+            self.kv_heads,
+            self.head_dim
+        );
         assert_eq!(
             self.k.len(),
             self.v.len(),

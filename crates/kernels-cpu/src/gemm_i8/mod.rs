@@ -555,9 +555,13 @@ impl<'a> WeightsI8<'a> {
             "int8 weights: {} scales for {rows} rows",
             scales.len()
         );
-        let need = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+        let need = if rows == 0 {
+            Some(0)
+        } else {
+            (rows - 1).checked_mul(ld).and_then(|n| n.checked_add(cols))
+        };
         assert!(
-            data.len() >= need,
+            need.is_some_and(|need| data.len() >= need),
             "int8 weights: {} bytes for {rows} rows of {cols} at stride {ld}",
             data.len()
         );
@@ -1409,7 +1413,11 @@ pub fn gemm_i8_wide(
         return;
     }
     assert!(
-        ldx >= w.cols() && x.len() >= (batch - 1) * ldx + w.cols(),
+        ldx >= w.cols()
+            && (batch - 1)
+                .checked_mul(ldx)
+                .and_then(|n| n.checked_add(w.cols()))
+                .is_some_and(|need| x.len() >= need),
         "gemm_i8_wide: x too short"
     );
     if let Some(r) = row_scale {
