@@ -18,7 +18,7 @@ const READ_WARMUP_PASSES: usize = 1;
 #[derive(Args, Debug)]
 pub(crate) struct MembwArgs {
     /// Total seconds of measurement (split over the four figures), at least 0.4.
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, value_parser = crate::opts::seconds, default_value_t = 4.0)]
     seconds: f64,
     /// Size of the streamed buffer in MiB [default: four times the last-level cache Linux
     /// reports, at least 256 MiB, at most a quarter of the available memory].
@@ -40,6 +40,12 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
     }
     if args.threads == Some(0) {
         bail!("--threads 0: give at least 1");
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(t) = args.threads.filter(|&t| t > cpus) {
+        // Each pass is timed from the first thread's start to the last one's end, so the
+        // figures stay what the threads reach together on the CPUs they share.
+        println!("note: {t} threads on {cpus} CPUs: they take turns on the CPUs");
     }
     let d = MeasureOptions::default();
     let (p, passes) = measure_with_passes(&MeasureOptions {

@@ -58,10 +58,10 @@ pub(crate) struct PrefillBenchArgs {
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first (and again, at most
     /// one second, after each prompt length; at least 0.2 each time).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, value_parser = crate::opts::seconds, default_value_t = 1.0)]
     membw_seconds: f64,
     /// Seconds spent measuring the bf16 GEMM kernel's rate before each prompt length.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, value_parser = crate::opts::seconds, default_value_t = 1.0)]
     gemm_seconds: f64,
     #[command(flatten)]
     tiles: TileArgs,
@@ -294,7 +294,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             "--max-kv-chunk: prefill attention is not split by KV chunks; it applies to decode (`run` and `bench qwen3-decode`)"
         );
     }
-    let cfg = args.run.call_config("prefill")?;
+    let mut cfg = args.run.call_config("prefill")?;
     let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;
     let layers = c.num_hidden_layers;
@@ -311,7 +311,9 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             weights: args.model.weights,
         },
     )?;
-    let worker = args.run.worker()?;
+    let worker = args
+        .run
+        .prefill_sized(&mut cfg, &c, longest, 0, "--prompt-lens")?;
     ops::register(&worker)?;
     let peaks = machine_peaks(args.membw_seconds);
     let mut weights = load_weights(&args.model, &c, false)?;

@@ -54,7 +54,7 @@ pub(crate) struct DecodeBenchArgs {
     rounds: usize,
     /// Seconds spent measuring this machine's bandwidth and FMA peak first (at least 0.2 are)
     /// [default: 2].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_parser = crate::opts::seconds, value_name = "SECONDS")]
     membw_seconds: Option<f64>,
     /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
     /// with every step's spans written to a trace file (B), interleaved A B B A ..., reported as

@@ -82,11 +82,18 @@ fn rounds_written(
 
 pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     args.run.refuse_diag_steps("bench runtime")?;
-    if args.scope == 0 {
-        bail!("--scope 0: give at least 1 task per scope");
-    }
-    if args.rounds == 0 {
-        bail!("--rounds 0: give at least 1 measured round");
+    // A zero count would run nothing and print NaN or infinite rates.
+    for (flag, value) in [
+        ("--tasks", args.tasks),
+        ("--scope", args.scope),
+        ("--hops", args.hops),
+        ("--blocks", u64::from(args.blocks)),
+        ("--readers", args.readers),
+        ("--rounds", args.rounds as u64),
+    ] {
+        if value == 0 {
+            bail!("{flag} 0: give at least 1");
+        }
     }
     // Variant B's options are checked before anything runs.
     let variant_b = match &args.compare {

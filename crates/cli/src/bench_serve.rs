@@ -177,11 +177,15 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
         bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
     }
-    let call = args.run.call_config("serve")?;
+    let mut call = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
     // Room past the outputs for the bare decode steps timed at mid-output context.
     let seq = args.prompt_len + args.max_tokens + TIMED_STEPS;
-    ModelArgs::check_positions(&c, seq, "--prompt-len + --max-tokens")?;
+    ModelArgs::check_positions(
+        &c,
+        seq,
+        &format!("--prompt-len + --max-tokens + {TIMED_STEPS} timed decode steps"),
+    )?;
     let most = args.streams.iter().copied().max().unwrap_or(1);
     let blocks = most * seq.div_ceil(PAGE_SIZE);
     args.model.check_memory(
@@ -195,7 +199,13 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             weights: args.model.weights,
         },
     )?;
-    let worker = args.run.worker()?;
+    let worker = args.run.prefill_sized(
+        &mut call,
+        &c,
+        args.max_num_batched_tokens,
+        seq.saturating_sub(args.max_num_batched_tokens),
+        "--max-num-batched-tokens",
+    )?;
     ops::register(&worker)?;
     let cores = worker.cores();
     let weights = load_weights(&args.model, &c, false)?;

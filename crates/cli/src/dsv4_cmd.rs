@@ -74,7 +74,7 @@ pub(crate) struct CaseArgs {
     seed: u64,
     /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps;
     /// at least 0.2 each time) [default: 1.5].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_parser = crate::opts::seconds, value_name = "SECONDS")]
     membw_seconds: Option<f64>,
     /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
     /// previous step left there. By default each step starts after a read of twice the

@@ -113,6 +113,18 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 || args.prefill_chunk == 0 || args.num_prompts == 0 {
         bail!("--max-new-tokens, --prefill-chunk and --num-prompts must be at least 1");
     }
+    if args.chat.is_none() {
+        // The system prompt and the thinking switch go into the chat template; a --prompt is
+        // tokenised as written, so they would change nothing.
+        for (flag, given) in [
+            ("--system", args.system.is_some()),
+            ("--no-thinking", args.no_thinking),
+        ] {
+            if given {
+                bail!("{flag}: applies to --chat (the chat template); --prompt is used as written");
+            }
+        }
+    }
     if args.num_prompts > 1 && args.dump_logits.is_some() {
         bail!("--dump-logits writes one sequence's logits: give --num-prompts 1");
     }
@@ -140,7 +152,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         .validate()
         .map_err(|(name, why)| anyhow!("--{} {why}", name.replace('_', "-")))?;
     // Flags first: a bad one is refused before anything loads.
-    let prefill_cfg = args.run.call_config("prefill")?;
+    let mut prefill_cfg = args.run.call_config("prefill")?;
     let decode_cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
 
@@ -245,7 +257,14 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     );
     let stop = |t: u32| !args.ignore_eos && eos.contains(&t);
     let n = args.num_prompts;
-    let worker = args.run.worker()?;
+    let chunk = args.prefill_chunk.min(prompt.len());
+    let worker = args.run.prefill_sized(
+        &mut prefill_cfg,
+        &c,
+        n * chunk,
+        prompt.len() - chunk,
+        "--prefill-chunk x --num-prompts",
+    )?;
     ops::register(&worker)?;
     let mut weights = load_weights(&args.model, &c, false)?;
     let batch = PagedBatch::identity(vec![prompt.len(); n], total, PAGE_SIZE);

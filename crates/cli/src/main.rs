@@ -190,7 +190,19 @@ impl Command {
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // As `fn main() -> Result` prints it (the chain, and a backtrace where asked for),
+            // with the runtime's `CallConfig` fields named by the flags that set them here.
+            eprintln!("Error: {}", opts::flags_in(&format!("{e:?}")));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     // In a node's child process (a chip of `bench collectives`) this runs the child and exits;
     // it must come before anything starts a thread.
     simpler_node::child_main_if_requested(&dsv4_ep::register(bench_collectives::register(

@@ -3,11 +3,17 @@
 //! command that runs once, [`StepOutputs`] for one that runs many steps.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use simpler_core::{CallConfig, OrchMode, RingValue, RunReport, RuntimeEnv, Worker, WorkerConfig};
+use simpler_core::config::ENV_STREAM_SYNC_TIMEOUT_MS;
+use simpler_core::{
+    CallConfig, OrchMode, RingValue, RunReport, RuntimeEnv, Timeouts, Worker, WorkerConfig,
+    human_bytes,
+};
 use simpler_cpu::CpuPlatform;
+use simpler_models::qwen3::Qwen3Config;
 
 /// Runtime and diagnostics options.
 #[derive(Args, Debug, Clone)]
@@ -157,21 +163,120 @@ impl RunOpts {
     }
 
     pub(crate) fn worker(&self) -> Result<Worker> {
+        self.worker_with(None)
+    }
+
+    /// The worker, its stream-sync timeout (the limit on one whole run) raised to `at_least`
+    /// where the default is shorter and the environment does not set it; a raise is printed.
+    fn worker_with(&self, at_least: Option<Duration>) -> Result<Worker> {
+        let (mut timeouts, mut warnings) = Timeouts::from_env();
+        if let Some(need) = at_least
+            && need > timeouts.stream_sync
+            && std::env::var_os(ENV_STREAM_SYNC_TIMEOUT_MS).is_none()
+        {
+            eprintln!(
+                "stream-sync timeout {:.0} s (default {:.0} s): the longest step this command runs may take that long on a slow, shared CPU (set {ENV_STREAM_SYNC_TIMEOUT_MS} to choose)",
+                need.as_secs_f64(),
+                timeouts.stream_sync.as_secs_f64()
+            );
+            timeouts.stream_sync = need;
+        }
         let w = Worker::new(
             CpuPlatform::new(),
             WorkerConfig {
                 cores: self.cores,
-                timeouts: None,
+                timeouts: Some(timeouts),
                 idle_spin: None,
             },
         )
         .context("starting the CPU worker")?;
-        for warning in w.warnings() {
+        warnings.extend(w.warnings().iter().cloned());
+        for warning in warnings {
             eprintln!("warning: {warning}");
         }
         Ok(w)
     }
+
+    /// A worker and call configuration for Qwen3 prefill steps of up to `rows` token rows
+    /// after up to `context` cached positions (the longest step a command runs):
+    /// - the ring heap those steps' largest scope allocates (`prefill_heap_bytes`): the
+    ///   default raised to it, or a `--ring-heap` below it refused, since such a step would
+    ///   fail with a heap deadlock;
+    /// - a stream-sync timeout of at least that step's time at [`SLOWEST_GFLOPS_PER_CORE`]:
+    ///   the default 50 s is shorter than a 3072-token 0.6B prefill on 2 cores.
+    pub(crate) fn prefill_sized(
+        &self,
+        cfg: &mut CallConfig,
+        c: &Qwen3Config,
+        rows: usize,
+        context: usize,
+        what: &str,
+    ) -> Result<Worker> {
+        let need = simpler_models::qwen3::prefill_heap_bytes(c, rows);
+        // The layers' scopes (depth 1) allocate from ring 1.
+        let heap = cfg.runtime_env.ring_heap.get(1);
+        if need > heap {
+            if self.ring_heap.is_some() {
+                bail!(
+                    "--ring-heap: ring 1 holds {}, and a prefill step of {rows} rows ({what}) allocates {} in one layer's scope; raise it or take smaller steps",
+                    human_bytes(heap),
+                    human_bytes(need)
+                );
+            }
+            let mib = need.div_ceil(1 << 20) << 20;
+            eprintln!(
+                "ring heap {} per ring (default {}): a prefill step of {rows} rows ({what}) allocates {} in one layer's scope",
+                human_bytes(mib),
+                human_bytes(heap),
+                human_bytes(need)
+            );
+            cfg.runtime_env.ring_heap = RingValue::All(mib);
+        }
+        let layers = c.num_hidden_layers;
+        let flops =
+            simpler_models::qwen3::StepCost::prefill(c, layers, true, rows, context).flops();
+        let cores = self
+            .cores
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            .unwrap_or(1);
+        let slowest = flops / (cores as f64 * SLOWEST_GFLOPS_PER_CORE * 1e9);
+        self.worker_with(Some(Duration::from_secs_f64(slowest.clamp(0.0, 1e6))))
+    }
 }
+
+/// `text` with the runtime's `CallConfig` ring fields (which its errors' hints name) replaced
+/// by the flags that set them on the command line.
+pub(crate) fn flags_in(text: &str) -> String {
+    [
+        (
+            "CallConfig.runtime_env.ring_task_window",
+            "--ring-task-window",
+        ),
+        ("CallConfig.runtime_env.ring_heap", "--ring-heap"),
+        ("CallConfig.runtime_env.ring_dep_pool", "--ring-dep-pool"),
+    ]
+    .iter()
+    .fold(text.to_string(), |t, (field, flag)| t.replace(field, flag))
+}
+
+/// Parses a duration flag in seconds: a finite number from 0 to one hour. (`inf` reached
+/// `Duration::from_secs_f64`, which panics, and a negative or NaN value was taken as 0.)
+pub(crate) fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.0..=3600.0).contains(&v) {
+        return Err(format!("{s} seconds: give 0 to 3600"));
+    }
+    Ok(v)
+}
+
+/// The slowest rate the CLI expects of a CPU prefill, GFLOP/s a core, when it sizes the limit
+/// on one run: ~1/10 of what the 0.6B prefill measures on 2 Zen 3 cores (~37 a core), so a
+/// loaded host stays inside it while a hung run is still caught (the scheduler's no-progress
+/// watchdog and the per-task limit do not change).
+const SLOWEST_GFLOPS_PER_CORE: f64 = 4.0;
 
 /// The command-line flag that sets a `CallConfig` field (`CallConfig.output_dir` ->
 /// `--output-dir`, `CallConfig.runtime_env.ring_heap[2]` -> `--ring-heap (ring 2)`); fields
@@ -461,7 +566,54 @@ pub(crate) fn format_report(r: &RunReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::flag_of_field;
+    use super::*;
+
+    fn run_opts(args: &[&str]) -> RunOpts {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            run: RunOpts,
+        }
+        <P as clap::Parser>::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+            .unwrap()
+            .run
+    }
+
+    /// A long prefill step raises the default ring heap to what its layer scope allocates and
+    /// the limit on one run to its time at the slow rate; a `--ring-heap` below the need is
+    /// refused with both figures; a short step changes neither.
+    #[test]
+    fn prefill_steps_size_the_heap_and_the_run_limit() {
+        let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+        let opts = run_opts(&["--cores", "2"]);
+        let mut cfg = opts.call_config("t").unwrap();
+        let w = opts
+            .prefill_sized(&mut cfg, &c, 64, 0, "--prompt-lens")
+            .unwrap();
+        assert_eq!(cfg.runtime_env.ring_heap, RuntimeEnv::default().ring_heap);
+        assert_eq!(w.timeouts().stream_sync, Timeouts::default().stream_sync);
+        let rows = 8192;
+        let need = simpler_models::qwen3::prefill_heap_bytes(&c, rows);
+        assert!(need > 256 << 20, "{need}");
+        let w = opts
+            .prefill_sized(&mut cfg, &c, rows, 0, "--prompt-lens")
+            .unwrap();
+        let heap = cfg.runtime_env.ring_heap.get(1);
+        assert!(heap >= need && heap - need < 1 << 20, "{heap} for {need}");
+        // 0.6B: ~1.2 TFLOP a 1k rows, so 8192 rows at 4 GFLOP/s a core on 2 cores is ~20 min.
+        assert!(w.timeouts().stream_sync > Duration::from_secs(600));
+        let small = run_opts(&["--cores", "2", "--ring-heap", "256M"]);
+        let mut cfg = small.call_config("t").unwrap();
+        let Err(e) = small.prefill_sized(&mut cfg, &c, rows, 0, "--prompt-lens") else {
+            panic!("a 256 MiB ring heap for 8192 rows was accepted");
+        };
+        let e = e.to_string();
+        assert!(
+            e.starts_with("--ring-heap: ring 1 holds 256 MiB")
+                && e.contains("prefill step of 8192 rows (--prompt-lens)"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn config_fields_are_named_by_their_flags() {

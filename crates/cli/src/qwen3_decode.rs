@@ -95,7 +95,7 @@ pub(crate) struct DecodeArgs {
     pub(crate) variant: Variant,
     /// Seconds spent measuring this machine's bandwidth and FMA peak before the run (at least
     /// 0.2 are).
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, value_parser = crate::opts::seconds, default_value_t = 1.5)]
     pub(crate) membw_seconds: f64,
     /// Replay a captured graph for the steps of one topology (`on`), or run the orchestration
     /// for every step (`off`); the report says which ran.

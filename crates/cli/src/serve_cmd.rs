@@ -6,8 +6,9 @@
 //! `--max-seq-len` tokens can hold at once (on a host shared with other programs, memory the
 //! engine cannot use is better left to them), unless `--num-kv-blocks` fixes it. The server binds
 //! 127.0.0.1 unless told otherwise and prints `listening on http://HOST:PORT` when ready
-//! (`--port 0` picks a free port). SIGINT or SIGTERM starts a graceful shutdown: no new
-//! connections or requests, in-flight requests finish (or get an error after `--drain-secs`).
+//! (`--port 0` picks a free port). SIGINT or SIGTERM starts a graceful shutdown: new requests
+//! get 503 while in-flight requests finish (or get an error after `--drain-secs`), then the
+//! listener closes.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -74,7 +75,7 @@ pub(crate) struct ServeArgs {
 
 pub(crate) fn main(args: ServeArgs) -> Result<()> {
     // Flags first: a bad one is refused before anything loads.
-    let call = args.run.call_config("serve")?;
+    let mut call = args.run.call_config("serve")?;
     if args.max_batch_size == 0 || args.max_num_batched_tokens == 0 || args.max_waiting == 0 {
         bail!("--max-batch-size, --max-num-batched-tokens and --max-waiting must be at least 1");
     }
@@ -110,6 +111,22 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         None => c.eos_token_ids.clone(),
     };
 
+    let name = match (&args.served_model_name, &args.model.model) {
+        (Some(n), _) => n.clone(),
+        (None, Some(dir)) => dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|f| f.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| dir.display().to_string()),
+        (None, None) => args
+            .model
+            .preset
+            .clone()
+            .unwrap_or_else(|| "qwen3-0.6b".into()),
+    };
+    simpler_serve::http::check_model_name(&name)
+        .map_err(|e| anyhow::anyhow!("--served-model-name: {e}"))?;
+
     // KV blocks: from the memory left after everything else, or as given.
     let rt = RuntimeConfig {
         max_batch_size: args.max_batch_size,
@@ -128,26 +145,21 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     )?;
     let num_blocks = sizing.engine.num_blocks;
 
-    let worker = args.run.worker()?;
+    // A step holds up to --max-num-batched-tokens rows: the ring heap and the limit on one
+    // run are sized for the longest such prefill step, at the end of the longest sequence.
+    let worker = args.run.prefill_sized(
+        &mut call,
+        &c,
+        args.max_num_batched_tokens,
+        max_seq_len.saturating_sub(args.max_num_batched_tokens),
+        "--max-num-batched-tokens",
+    )?;
     ops::register(&worker)?;
     let weights = load_weights(&args.model, &c, false)?;
     let mut engine = Engine::new(worker, &weights, eos.clone(), sizing.engine)?;
     drop(weights);
     let outputs = opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;
     engine.set_call_config(call);
-    let name = match (&args.served_model_name, &args.model.model) {
-        (Some(n), _) => n.clone(),
-        (None, Some(dir)) => dir
-            .canonicalize()
-            .ok()
-            .and_then(|d| d.file_name().map(|f| f.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| dir.display().to_string()),
-        (None, None) => args
-            .model
-            .preset
-            .clone()
-            .unwrap_or_else(|| "qwen3-0.6b".into()),
-    };
     eprintln!(
         "model: {} as `{name}`; {} layers, vocab {}; tokenizer {}; stops at EOS ids {:?}",
         args.model.describe(),

@@ -216,8 +216,8 @@ fn serving_commands_write_their_steps_diagnostics() {
     );
     assert!(!dir.join("step-000002").exists(), "written after the error");
     std::fs::remove_dir_all(&dir).unwrap();
-    // A ring too small for a step: the engine's steps run with the flag's rings, so the
-    // benchmark fails naming the ring, where it used to run on the default rings.
+    // A ring heap too small for the longest step the engine may run is refused before the
+    // model loads, with the step's need (the engine's steps run with the flag's rings).
     let out = bench_serve_tiny(&[
         "--prompt-len",
         "4",
@@ -228,7 +228,11 @@ fn serving_commands_write_their_steps_diagnostics() {
     ]);
     let err = text(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("ring_heap"), "{err}");
+    assert!(
+        err.contains("--ring-heap: ring 1 holds 1 KiB, and a prefill step of")
+            && !err.contains("simpler bench serve:"),
+        "{err}"
+    );
 }
 
 /// `--diag-steps` picks steps of the commands that write many; a command that writes one
@@ -546,11 +550,43 @@ fn bench_serve_measures_rounds() {
         &["bench", "serve", "--preset", "tiny", "--rounds", "0"],
         "--rounds must be at least 1",
     );
-    // bench runtime printed NaN statistics for no round.
-    refused(
-        &["bench", "runtime", "--rounds", "0"],
-        "--rounds 0: give at least 1 measured round",
-    );
+    // bench runtime printed NaN or infinite rates for zero counts.
+    for flag in [
+        "--rounds",
+        "--tasks",
+        "--hops",
+        "--blocks",
+        "--readers",
+        "--scope",
+    ] {
+        refused(
+            &["bench", "runtime", flag, "0"],
+            &format!("{flag} 0: give at least 1"),
+        );
+    }
+    // Durations: `inf` panicked in Duration::from_secs_f64, NaN and negatives were taken as 0.
+    for (cmd, flag) in [
+        (
+            &["run", "qwen3-decode", "--preset", "tiny"][..],
+            "--membw-seconds",
+        ),
+        (
+            &["bench", "qwen3-prefill", "--preset", "tiny"],
+            "--gemm-seconds",
+        ),
+        (&["bench", "membw"], "--seconds"),
+        (
+            &["run", "dsv4", "--layer", "swa", "--preset", "tiny"],
+            "--membw-seconds",
+        ),
+    ] {
+        for v in ["inf", "NaN", "-1"] {
+            let given = format!("{flag}={v}");
+            let mut args = cmd.to_vec();
+            args.push(&given);
+            refused(&args, &format!("{v} seconds: give 0 to 3600"));
+        }
+    }
     refused(
         &["bench", "serve", "--preset", "tiny", "--streams", "1,4,1"],
         "--streams: 1 is given twice",

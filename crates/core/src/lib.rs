@@ -55,6 +55,7 @@ pub use orch::{Orchestrator, Submitted};
 pub use platform::{Memory, Platform, PlatformInfo, ThreadCounters, ThreadTimes};
 pub use pool::RunHandle;
 pub use report::{Interval, OutsideShare, RingOccupancy, RunCounters, RunReport, TaskSlotTiming};
+pub use ring::OUTPUT_ALIGN;
 pub use task::{ArgTag, EngineClass, OutputSpec, ScopeKind, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
 pub use worker::{GraphCache, Worker, WorkerConfig};

@@ -11,8 +11,9 @@ use std::sync::atomic::Ordering;
 
 use crate::slot::{RingSlots, state};
 
-/// Heap alignment of each runtime-allocated output.
-pub(crate) const OUTPUT_ALIGN: u64 = 1024;
+/// Heap alignment of each runtime-allocated output (a model that sizes the heap for its
+/// steps pads each allocation to it).
+pub const OUTPUT_ALIGN: u64 = 1024;
 
 /// What the orchestrator remembers about a task in a slot (never shared).
 #[derive(Clone, Copy, Debug, Default)]

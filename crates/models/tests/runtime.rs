@@ -549,3 +549,45 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
     assert!((3..=6).contains(&captured), "{captured} captures");
     assert_eq!(captured + replayed, 30);
 }
+
+/// `prefill_heap_bytes` is what a prefill step's largest scope allocates: a heap of exactly
+/// that runs the step (and gives the same tokens as the default heap), 10% less is a heap
+/// deadlock that names the ring heap, and the worker runs the next step after it.
+#[test]
+fn the_prefill_heap_estimate_is_what_a_layer_needs() {
+    let prompt: Vec<u32> = (0..96).map(|i| (i * 11 + 5) % 4000).collect();
+    let f = stretched_fixture("small", &[prompt.len()]);
+    let w = worker();
+    let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
+    let need = simpler_models::qwen3::prefill_heap_bytes(&f.weights.config, prompt.len());
+    let chunk = [PrefillChunk {
+        seq: 0,
+        tokens: prompt.clone(),
+        seq_len: prompt.len(),
+    }];
+    let batch = PagedBatch {
+        seq_lens: vec![prompt.len()],
+        ..single(&f.batch, 0, prompt.len())
+    };
+    let with_heap = |heap: u64| CallConfig {
+        runtime_env: RuntimeEnv {
+            ring_heap: RingValue::All(heap),
+            ..RuntimeEnv::default()
+        },
+        ..CallConfig::default()
+    };
+    let run = |cfg: &CallConfig| {
+        let kv = KvBuffers::new(&w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
+        Session::new(&w, model.clone(), kv).prefill(&w, &batch, &chunk, cfg)
+    };
+    let want = run(&CallConfig::default()).unwrap().next_tokens;
+    assert_eq!(run(&with_heap(need)).unwrap().next_tokens, want);
+    let e = run(&with_heap(need / 10 * 9 / 1024 * 1024))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("HEAP_RING_DEADLOCK") && e.contains("ring_heap"),
+        "{e}"
+    );
+    assert_eq!(run(&CallConfig::default()).unwrap().next_tokens, want);
+}

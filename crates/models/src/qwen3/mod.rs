@@ -33,6 +33,7 @@ pub use fixture::{
     Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
 };
 pub use memory::{MemoryEstimate, RunShape};
+pub use orchestrate::prefill_heap_bytes;
 pub use plan::{KvSplit, TilePolicy};
 pub use quant::{Int8Acts, UnknownWeightFormat, WeightFormat};
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};

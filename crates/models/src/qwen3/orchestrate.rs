@@ -30,7 +30,8 @@
 use std::ops::Range;
 
 use simpler_core::{
-    DType, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor, TensorError,
+    DType, OUTPUT_ALIGN, Orchestrator, RunArgs, RunError, ScopeKind, Task, TaskId, Tensor,
+    TensorError,
 };
 use simpler_kernels_cpu::{PACK_BLOCK, packed_ld, partial_len};
 
@@ -857,6 +858,31 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
     let w = LayerViews::of(o, vw, p.set_of_layer[l])?;
     attention_block(o, p, vw, &w, l, x)?;
     mlp_block(o, p, &w, x)
+}
+
+/// Heap bytes one ring needs for a prefill step of `rows` token rows: everything one layer's
+/// scope allocates (the step's largest scope: [`attention_block`] and [`mlp_block`] of a
+/// prefill), each padded as the runtime pads an output. A scope's allocations stay until it
+/// closes, so a heap smaller than this cannot run the step (the runtime reports a heap
+/// deadlock); the step's own `x` and the head's rows are in other scopes and far smaller.
+/// Decode steps allocate less a row (no f32 q/k/v; their attention partials are small).
+pub fn prefill_heap_bytes(c: &Qwen3Config, rows: usize) -> u64 {
+    let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
+    let r = rows as u64;
+    let padded = |bytes: u64| bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
+    let f32s = |cols: usize| padded(r.saturating_mul(cols as u64).saturating_mul(4));
+    [
+        f32s(packed_ld(h)),                                    // input norm, packed
+        padded(r.saturating_mul(qw as u64).saturating_mul(2)), // bf16 Q
+        f32s(qw),                                              // q
+        f32s(kvw),                                             // k
+        f32s(kvw),                                             // v
+        f32s(packed_ld(qw)),                                   // attention output, packed
+        f32s(packed_ld(h)),                                    // post-attention norm, packed
+        f32s(packed_ld(c.intermediate_size)),                  // MLP activations, packed
+    ]
+    .iter()
+    .fold(0u64, |a, &b| a.saturating_add(b))
 }
 
 /// Submits one step (golden: `decode_model`, `decode_layers_bf16`, `prefill_model`): the
