@@ -1,6 +1,6 @@
 //! The OpenAI-compatible HTTP server (axum): `GET /health`, `GET /v1/models`,
-//! `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events ending in
-//! `data: [DONE]`), `GET /metrics`.
+//! `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or
+//! server-sent events ending in `data: [DONE]`), `GET /metrics`.
 //!
 //! Handlers tokenize and hand the ids to the engine thread through a [`ServiceHandle`]; a
 //! request's events come back on its own channel. A client that goes away drops that channel
@@ -8,6 +8,10 @@
 //! and frees its blocks before its next step. Errors are OpenAI error objects:
 //! 400 (bad field, malformed JSON), 404 (unknown model or route), 413 (prompt or body too
 //! long), 503 (overloaded or shutting down), 500 (a failed step).
+//!
+//! Shutdown keeps the listener open while the engine drains, so that a client (or a load
+//! balancer polling `/health`) gets a 503 saying why rather than a refused connection; the
+//! listener closes when the engine thread has ended every request.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +20,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -41,12 +46,24 @@ pub struct AppState {
     pub handle: ServiceHandle,
     /// The model's tokenizer (with its chat template).
     pub tokenizer: Arc<Tokenizer>,
-    /// The model's name in requests and `/v1/models`.
+    /// The model's name in requests and `/v1/models` (not empty: [`check_model_name`]).
     pub model: String,
     /// Longest sequence (prompt and completion) the engine holds.
     pub max_model_len: usize,
     /// When the server started (Unix seconds).
     pub created: u64,
+}
+
+/// Checks a served model name: an empty one is refused. Every request must name the model,
+/// and OpenAI's clients refuse an empty `model` before sending, so a server serving `""` could
+/// be reached by none of them (`serve --served-model-name ''` is a quoting slip, not a choice).
+pub fn check_model_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(
+            "the served model name is empty: give a name clients will send as `model`".into(),
+        );
+    }
+    Ok(())
 }
 
 /// An OpenAI error response.
@@ -140,6 +157,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        // A wildcard: served names often hold a `/` (`Qwen/Qwen3-0.6B`).
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/metrics", get(metrics))
@@ -148,18 +167,31 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves; then new connections are refused,
-/// the engine refuses new requests, and in-flight ones finish (their streams end normally).
+/// Serves `state` on `listener` until `shutdown` resolves and the engine has drained.
+///
+/// When `shutdown` resolves the engine refuses new requests and lets in-flight ones finish
+/// (up to its drain time). Meanwhile the listener stays open: new requests, on new or open
+/// connections, get 503 `shutting_down` and `/health` answers 503, so clients and load
+/// balancers learn why instead of meeting a refused connection. Once the engine thread has
+/// ended every request, the listener closes (new connections are refused), idle connections
+/// are closed, and responses still being written (a stream's last chunks) finish; then this
+/// returns.
+///
+/// An empty served name is refused ([`check_model_name`]) before anything is served.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    check_model_name(&state.model)
+        .map_err(|m| std::io::Error::new(std::io::ErrorKind::InvalidInput, m))?;
     let handle = state.handle.clone();
     axum::serve(listener, router(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
             handle.shutdown();
+            // The engine thread ends once nothing is in flight (or the drain time is over).
+            handle.stopped().await;
         })
         .await
 }
@@ -185,18 +217,53 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
     (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response()
 }
 
+/// The model object of `/v1/models` and `/v1/models/{id}`.
+fn model_object(s: &AppState) -> Value {
+    json!({
+        "id": s.model,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "simpler",
+        "max_model_len": s.max_model_len,
+    })
+}
+
+/// The error for a model this server does not serve (404 `model_not_found`, as OpenAI's).
+fn unknown_model(s: &AppState, asked: &str) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "the model `{asked}` does not exist; this server serves `{}`",
+            s.model
+        ),
+    )
+    .code("model_not_found");
+    e.param = Some("model".into());
+    e
+}
+
 async fn models(State(s): State<Arc<AppState>>) -> Response {
     axum::Json(json!({
         "object": "list",
-        "data": [{
-            "id": s.model,
-            "object": "model",
-            "created": s.created,
-            "owned_by": "simpler",
-            "max_model_len": s.max_model_len,
-        }],
+        "data": [model_object(&s)],
     }))
     .into_response()
+}
+
+async fn model(
+    State(s): State<Arc<AppState>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    match id {
+        Ok(Path(id)) if id == s.model => axum::Json(model_object(&s)).into_response(),
+        Ok(Path(id)) => unknown_model(&s, &id).into_response(),
+        // A path that does not decode (percent-encoded bytes that are not UTF-8).
+        Err(e) => {
+            let mut a = ApiError::new(StatusCode::BAD_REQUEST, format!("model: {e}"));
+            a.param = Some("model".into());
+            a.into_response()
+        }
+    }
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
@@ -332,16 +399,7 @@ async fn run_job(
         e.counted(reason)
     })?;
     if job.model != s.model {
-        let mut e = ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "the model `{}` does not exist; this server serves `{}`",
-                job.model, s.model
-            ),
-        )
-        .code("model_not_found");
-        e.param = Some("model".into());
-        return Err(e.counted("unknown_model"));
+        return Err(unknown_model(s, &job.model).counted("unknown_model"));
     }
     // Tokenizing and templating take CPU time in proportion to the prompt (seconds for
     // megabytes): off the async threads, so other requests and /health are not held up.

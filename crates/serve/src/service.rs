@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::engine::{Engine, EngineError, FinishReason, RequestId};
 use crate::metrics::{Ended, Metrics};
@@ -113,14 +113,21 @@ pub struct ServiceHandle {
     closing: Arc<AtomicBool>,
     /// False once the engine thread has left its loop (stopped or panicked).
     alive: Arc<AtomicBool>,
+    /// Closed (its sender dropped) once the engine thread has left its loop.
+    ended: watch::Receiver<()>,
 }
 
-/// Clears `alive` when the engine thread leaves, however it leaves (a panic included).
-struct AliveGuard(Arc<AtomicBool>);
+/// Clears `alive` when the engine thread leaves, however it leaves (a panic included), and
+/// then (dropping its sender) wakes [`ServiceHandle::stopped`].
+struct AliveGuard {
+    alive: Arc<AtomicBool>,
+    /// Never sent on: dropped with the guard, after `alive` is cleared.
+    _ended: watch::Sender<()>,
+}
 
 impl Drop for AliveGuard {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.alive.store(false, Ordering::Release);
     }
 }
 
@@ -147,7 +154,11 @@ impl Service {
         let metrics = Arc::new(Metrics::new(engine.total_blocks()));
         let closing = Arc::new(AtomicBool::new(false));
         let alive = Arc::new(AtomicBool::new(true));
-        let guard = AliveGuard(alive.clone());
+        let (ended_tx, ended) = watch::channel(());
+        let guard = AliveGuard {
+            alive: alive.clone(),
+            _ended: ended_tx,
+        };
         let mut state = Loop {
             engine,
             tokenizer,
@@ -170,6 +181,7 @@ impl Service {
                 metrics,
                 closing,
                 alive,
+                ended,
             },
             thread: Some(thread),
         })
@@ -244,6 +256,14 @@ impl ServiceHandle {
     /// Whether the engine thread is still running (false after it stopped or panicked).
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the engine thread has left its loop: after a shutdown, when every request
+    /// has ended (each has had its last event); or when the thread stopped otherwise.
+    pub async fn stopped(&self) {
+        let mut ended = self.ended.clone();
+        // Nothing is ever sent: `changed` fails when the sender is dropped, with the thread.
+        while ended.changed().await.is_ok() {}
     }
 
     /// Whether shutdown has begun.

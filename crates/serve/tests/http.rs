@@ -1,8 +1,9 @@
 //! The HTTP server on loopback, driven by a plain HTTP/1.1 client: answers equal the text
 //! engine's, streams concatenate to the same text and end in `[DONE]`, bad requests get error
-//! objects and the server keeps serving, 64 concurrent streams (some cancelled midway) lose
-//! nothing and return every block, `/metrics` agrees with what was sent, and a shutdown lets
-//! in-flight requests finish.
+//! objects naming the field and the server keeps serving, 64 concurrent streams (some
+//! cancelled midway) lose nothing and return every block, `/metrics` agrees with what was
+//! sent, a model is retrieved by its id, and a shutdown lets in-flight requests finish while
+//! new ones get 503.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,6 +57,11 @@ struct Server {
 }
 
 async fn start(cfg: EngineConfig, max_waiting: usize) -> Server {
+    start_as(cfg, max_waiting, MODEL).await
+}
+
+/// [`start`], serving the model as `name`.
+async fn start_as(cfg: EngineConfig, max_waiting: usize, name: &str) -> Server {
     let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
     let service = Service::start(
         engine(cfg),
@@ -69,7 +75,7 @@ async fn start(cfg: EngineConfig, max_waiting: usize) -> Server {
     let state = Arc::new(AppState {
         handle: service.handle(),
         tokenizer,
-        model: MODEL.into(),
+        model: name.into(),
         max_model_len: cfg.max_seq_len,
         created: 0,
     });
@@ -707,4 +713,188 @@ async fn requests_left_when_the_drain_time_is_over_get_an_unavailable_event() {
         .unwrap();
     assert!(!h.is_alive());
     assert_eq!(e.free_blocks(), e.total_blocks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_is_retrieved_by_id_and_a_bad_field_is_named() {
+    // A served name with a `/`, as Hugging Face names have.
+    let name = "org/tiny";
+    let srv = start_as(sizes(), 64, name).await;
+    let addr = srv.addr;
+    let (status, body) = http(addr, "GET", "/v1/models/org/tiny", "").await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["id"], name);
+    assert_eq!(v["object"], "model");
+    assert_eq!(v["owned_by"], "simpler");
+    // The same object as in the list.
+    let (_, list) = http(addr, "GET", "/v1/models", "").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list["data"][0], v);
+    // Percent-encoded, as clients that quote the id send it.
+    let (status, _) = http(addr, "GET", "/v1/models/org%2Ftiny", "").await;
+    assert_eq!(status, 200);
+    for unknown in [
+        "/v1/models/gpt-4",
+        "/v1/models/org/tiny/x",
+        "/v1/models/org",
+    ] {
+        let (status, body) = http(addr, "GET", unknown, "").await;
+        assert_eq!(status, 404, "{unknown}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+        assert_eq!(v["error"]["param"], "model", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    }
+
+    // A field of the wrong kind, and a field given twice: 400s naming the field.
+    for (body, param) in [
+        (
+            format!(r#"{{"model":"{name}","prompt":"Hi","max_tokens":"2"}}"#),
+            "max_tokens",
+        ),
+        (
+            format!(r#"{{"model":"{name}","prompt":"Hi","max_tokens":1,"max_tokens":4}}"#),
+            "max_tokens",
+        ),
+    ] {
+        let (status, text) = http(addr, "POST", "/v1/completions", &body).await;
+        assert_eq!(status, 400, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], param, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(param),
+            "{v}"
+        );
+    }
+    let (status, text) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"model": name, "messages": [{"role": "user"}]}).to_string(),
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["param"], "messages[0].content", "{v}");
+    // `store: false` and `metadata` change nothing.
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        json!({"model": name, "messages": [{"role": "user", "content": "Hi"}],
+               "max_tokens": 2, "store": false, "metadata": {"run": "1"}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+    let e = srv.stop().await;
+    assert_eq!(e.free_blocks(), e.total_blocks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_served_model_name_is_refused() {
+    assert!(simpler_serve::http::check_model_name("").is_err());
+    assert!(simpler_serve::http::check_model_name("m").is_ok());
+    let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
+    let service = Service::start(
+        engine(sizes()),
+        tokenizer.clone(),
+        ServiceConfig {
+            max_waiting: 8,
+            drain: Duration::from_secs(1),
+        },
+    )
+    .unwrap();
+    let state = Arc::new(AppState {
+        handle: service.handle(),
+        tokenizer,
+        model: String::new(),
+        max_model_len: 4096,
+        created: 0,
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // Refused at once, whatever the shutdown future does.
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        serve(listener, state, std::future::pending()),
+    )
+    .await
+    .expect("serve returns at once");
+    let e = r.expect_err("an empty name is refused");
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("empty"), "{e}");
+    tokio::task::spawn_blocking(move || service.stop())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_draining_new_requests_get_503_and_the_listener_closes_after() {
+    let mut srv = start(sizes(), 64).await;
+    let addr = srv.addr;
+    let handle = srv.service.as_ref().unwrap().handle();
+    // One long request in flight (it would run for 3000 tokens), on a keep-alive connection.
+    let body = json!({"model": MODEL, "prompt": "Count with me:", "max_tokens": 3000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&raw).contains("data: {") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let _ = srv.stop.take().unwrap().send(());
+    for _ in 0..1000 {
+        if handle.is_closing() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(handle.is_closing());
+    // Draining: new connections are still answered, with 503s saying why.
+    let (status, body) = http(addr, "GET", "/health", "").await;
+    assert_eq!(status, 503, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "shutting_down");
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "shutting_down");
+    assert!(
+        !srv.task.is_finished(),
+        "the server waits for the request in flight"
+    );
+    // The client leaves; its request ends, the engine thread stops and the server returns.
+    drop(s);
+    tokio::time::timeout(Duration::from_secs(30), &mut srv.task)
+        .await
+        .expect("the server returns once the engine has drained")
+        .unwrap()
+        .unwrap();
+    assert!(!handle.is_alive());
+    // Now the listener is closed.
+    assert!(TcpStream::connect(addr).await.is_err());
+    let service = srv.service.take().unwrap();
+    let e = tokio::task::spawn_blocking(move || service.stop())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.free_blocks(), e.total_blocks());
+    assert_eq!(e.stats().aborted, 1);
 }
