@@ -487,6 +487,12 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         let v: Vec<f64> = r.steps[cmd.warmup..].iter().map(f).collect();
         Summary::of(&v).median
     };
+    if let Some(t) = &cmd.run.trace {
+        let files: Vec<String> = (0..n)
+            .map(|r| per_rank_file(t, r).display().to_string())
+            .collect();
+        s += &format!("trace: one file per rank: {}\n", files.join(", "));
+    }
     s += &format!(
         "expert-parallel MoE: {} ranks over {}, {} routed experts ({} per rank), {} shared, {}, hidden {}, width {}; batch {} tokens; {} steps after {} warm-up; rank 0 may use {} cores (every rank runs on this host's cores; mpirun may bind each rank to its own)\n",
         n,

@@ -80,7 +80,8 @@ enum RunCommand {
 
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
-    /// Empty-task throughput, dependent-chain latency per hop, SPMD block overhead.
+    /// Empty-task throughput, dependent-chain latency per hop, SPMD block overhead, fan-out to
+    /// many readers.
     Runtime(bench_runtime::BenchRuntimeArgs),
     /// This machine's streaming read bandwidth (one and all threads) and FMA peak.
     Membw(bench_membw::MembwArgs),

@@ -67,6 +67,12 @@ impl ModelArgs {
     /// naming both readings.
     pub(crate) fn resolve_preset_name(&mut self) -> Result<()> {
         let Some(path) = &self.model else {
+            // clap's `requires` does not refuse the flag on its own (seen with --preset).
+            if self.in_out_layout {
+                bail!(
+                    "--in-out-layout: applies to a --model checkpoint; a preset's weights are generated, not read"
+                );
+            }
             return Ok(());
         };
         if path.exists() {
@@ -224,13 +230,27 @@ impl ModelArgs {
                 ways.push("--shared-weights (one weight set for every layer)".into());
             }
             if self.model.is_none() {
-                ways.push("a smaller --preset (qwen3-8b, qwen3-1.7b, qwen3-0.6b)".into());
+                // The presets that fit in the same shape, largest first.
+                let fit: Vec<&str> = Qwen3Config::PRESETS
+                    .iter()
+                    .copied()
+                    .filter(|&p| {
+                        Qwen3Config::preset(p).is_ok_and(|pc| {
+                            pc.hidden_size < c.hidden_size
+                                && MemoryEstimate::of(&pc, shape).is_ok_and(|e| e.total() <= limit)
+                        })
+                    })
+                    .collect();
+                if !fit.is_empty() {
+                    ways.push(format!("a smaller --preset ({})", fit.join(", ")));
+                }
             }
             ways.push("a shorter context (--max-seq, --seq-len or fewer tokens)".into());
+            let d = simpler_models::qwen3::decimal_bytes;
             bail!(
-                "this run needs about {:.2} GB but {:.2} GB is available ({source}): {}. Ways out: {}",
-                gb(need.total()),
-                gb(limit),
+                "this run needs about {} but {} is available ({source}): {}. Ways out: {}",
+                d(need.total()),
+                d(limit),
                 need.describe(),
                 ways.join("; ")
             );

@@ -550,6 +550,18 @@ fn bench_serve_measures_rounds() {
         &["bench", "serve", "--preset", "tiny", "--rounds", "0"],
         "--rounds must be at least 1",
     );
+    // Flags that changed nothing where they were given.
+    refused(
+        &["run", "qwen3-decode", "--preset", "tiny", "--in-out-layout"],
+        "--in-out-layout: applies to a --model checkpoint",
+    );
+    for (flag, more) in [("--system", "s"), ("--no-thinking", "")] {
+        let mut args = vec!["generate", "--preset", "qwen3-tiny", "--prompt", "x", flag];
+        if !more.is_empty() {
+            args.push(more);
+        }
+        refused(&args, &format!("{flag}: applies to --chat"));
+    }
     // bench runtime printed NaN or infinite rates for zero counts.
     for flag in [
         "--rounds",

@@ -231,11 +231,18 @@ fn errors_name_the_tensor_and_the_file() {
         CheckpointError::BadFile { .. }
     ));
 
+    // A single file and an index side by side: which weights to load is ambiguous.
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(&index, "{}").unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::BadIndex { .. }) && e.to_string().contains("ambiguous"),
+        "{e}"
+    );
+
     // Bad index: no weight_map; a shard path escaping the directory; a tensor the index
     // names missing from its shard.
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
-    let index = dir.join("model.safetensors.index.json");
-    std::fs::write(&index, "{}").unwrap();
     assert!(matches!(
         load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
         CheckpointError::BadIndex { .. }

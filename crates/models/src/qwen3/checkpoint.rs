@@ -316,11 +316,18 @@ pub fn load_checkpoint(
     let single = dir.join("model.safetensors");
     let index_path = dir.join("model.safetensors.index.json");
     let (files, named): (Vec<PathBuf>, HashMap<String, PathBuf>) = if index_path.exists() {
-        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
         let bad = |why: String| CheckpointError::BadIndex {
             file: index_path.clone(),
             why,
         };
+        if single.exists() {
+            // Two weight sets: loading either silently could run other weights than the
+            // user's tools do.
+            return Err(bad(
+                "model.safetensors is there too, so which weights to load is ambiguous (transformers takes model.safetensors): remove one".into(),
+            ));
+        }
+        let text = std::fs::read_to_string(&index_path).map_err(io(&index_path))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         let map = v
             .get("weight_map")

@@ -549,6 +549,16 @@ fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
                 why: "every layer must be `full_attention`".into(),
             });
         }
+        // One entry a layer, as transformers checks: a shorter list leaves layers unnamed.
+        if let Some(n) = k.usize("num_hidden_layers")?
+            && a.len() != n
+        {
+            return Err(ConfigError::Invalid {
+                field: "layer_types".into(),
+                value: format!("{} entries", a.len()),
+                why: format!("one entry a layer: num_hidden_layers is {n}"),
+            });
+        }
     }
     Ok(())
 }
@@ -992,6 +1002,16 @@ mod tests {
             "architectures": ["Qwen3ForCausalLM"], "eos_token_id": [3, 4]"#
         ))
         .unwrap();
+        // One layer_types entry a layer (BASE has one layer).
+        let e = parse(&format!(
+            r#"{theta}, "layer_types": ["full_attention", "full_attention"]"#
+        ))
+        .unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { field, .. } if field == "layer_types"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("num_hidden_layers is 1"), "{e}");
     }
 
     #[test]

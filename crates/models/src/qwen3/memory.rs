@@ -152,13 +152,25 @@ impl MemoryEstimate {
             .fold(0u64, |a, i| a.saturating_add(i.bytes))
     }
 
-    /// One line per item, in GB.
+    /// The items, each in GB (MB or kB where smaller, so a small item does not read 0.00 GB).
     pub fn describe(&self) -> String {
         self.items
             .iter()
-            .map(|i| format!("{:.2} GB {}", i.bytes as f64 / 1e9, i.what))
+            .map(|i| format!("{} {}", decimal_bytes(i.bytes), i.what))
             .collect::<Vec<_>>()
             .join(", ")
+    }
+}
+
+/// `bytes` in GB, MB or kB (decimal, as the rest of the estimate's figures), two decimals.
+pub fn decimal_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else {
+        format!("{:.2} kB", b / 1e3)
     }
 }
 

@@ -32,7 +32,7 @@ pub use cost::{DecodePeaks, DecodePhases, Engine, StepCost, StepPhase, phase_spa
 pub use fixture::{
     Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
 };
-pub use memory::{MemoryEstimate, RunShape};
+pub use memory::{MemoryEstimate, RunShape, decimal_bytes};
 pub use orchestrate::prefill_heap_bytes;
 pub use plan::{KvSplit, TilePolicy};
 pub use quant::{Int8Acts, UnknownWeightFormat, WeightFormat};
