@@ -58,32 +58,32 @@ pub(crate) struct DecodeBenchArgs {
     membw_seconds: Option<f64>,
     /// Also measure the cost of span tracing: for each shape, steps without a trace (A) and
     /// with every step's spans written to a trace file (B), interleaved A B B A ..., reported as
-    /// the ratio B/A of the step-time medians with its 95% interval.
+    /// the median of the paired step-time ratios B/A with its 95% interval.
     #[arg(long)]
     trace_overhead: bool,
     /// Also compare this run's tiling with another, step against step: `KEY=VALUE` pairs
     /// (`tile-kib`, `tiles-per-core`, `max-kv-chunk`) applied on top of it, e.g.
     /// `max-kv-chunk=1024`. Each shape then runs interleaved steps A B B A .. and reports
-    /// the ratio B/A of the step-time medians with its 95% interval (pairs of neighbouring
+    /// the median of the paired step-time ratios B/A with its 95% interval (pairs of neighbouring
     /// steps see the same host load, where separate runs do not).
     #[arg(long, value_name = "KEY=VALUE,..")]
     versus: Option<String>,
     /// Also compare this run's kernel path with another instruction-set path (`portable`,
     /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
-    /// steps A B B A .. and the ratio B/A of the medians with its 95% interval. The weights
+    /// steps A B B A .. and the median of the paired B/A ratios with its 95% interval. The weights
     /// stay as this machine's path holds them: a layout the other path cannot read (tiled bf16,
     /// interleaved int8) goes through its portable loops, so B is not that path's own speed.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
     /// Also compare this run's decode attention path with another (`portable`, `avx2`,
     /// `avx512-bf16`; the GEMM and every other kernel keep this run's path), step against step
-    /// in this process: interleaved steps A B B A .. and the ratio B/A of the medians with its
+    /// in this process: interleaved steps A B B A .. and the median of the paired B/A ratios with its
     /// 95% interval.
     #[arg(long, value_name = "PATH")]
     versus_attention: Option<String>,
     /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
     /// against step: a second copy of the model is uploaded in that format and each shape runs
-    /// interleaved steps A B B A .. on the two, reporting B/A of the step-time medians with its
+    /// interleaved steps A B B A .. on the two, reporting the median of the paired step-time ratios B/A with its
     /// 95% interval.
     #[arg(long, value_name = "FORMAT", value_parser = WeightFormat::parse)]
     versus_weights: Option<WeightFormat>,
@@ -97,7 +97,7 @@ pub(crate) struct DecodeBenchArgs {
     #[arg(long, value_enum)]
     replay: Option<Replay>,
     /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
-    /// process: interleaved A B B A .. step times (B/A of the medians with its 95% interval),
+    /// process: interleaved A B B A .. step times (the median of the paired B/A ratios with its 95% interval),
     /// and the outside-kernel share and orchestration span of interleaved recorded steps.
     #[arg(long)]
     versus_replay: bool,
@@ -314,6 +314,16 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     let versus_attention = isa_flag("--versus-attention", args.versus_attention.as_deref())?;
+    if let Some(isa) = versus_attention {
+        let here = attention::path(Isa::detected());
+        if attention::path(isa) == here {
+            bail!(
+                "--versus-attention {}: this run's decode attention already runs {}; give another path",
+                isa.name(),
+                here.name()
+            );
+        }
+    }
     let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
@@ -538,7 +548,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 args.outside_steps(),
             )?;
             println!(
-                "  replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+                "  replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             print_indented(&format_compare(
                 "step_ms",
@@ -587,7 +597,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 args.warmup,
             )?;
             println!(
-                "  tiling compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+                "  tiling compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             let spec = args.versus.as_deref().unwrap_or_default();
             print_indented(&format_compare("step_ms", "this run's tiling", spec, &c));
@@ -604,7 +614,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 },
             )?;
             println!(
-                "  kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+                "  kernel paths compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             let a_name = format!(
                 "{} (this run)",
@@ -625,7 +635,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 },
             )?;
             println!(
-                "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+                "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
             let b_name = attention::path(isa).name();
@@ -647,7 +657,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 args.warmup,
             )?;
             println!(
-                "  weights compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+                "  weights compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             print_indented(&format_compare(
                 "step_ms",

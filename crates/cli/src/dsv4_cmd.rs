@@ -297,8 +297,8 @@ pub(crate) struct BenchDsv4Args {
     warmup: usize,
     /// Also compare this run's SPMD blocks per projection (SWA, CSA and HCA: the projections
     /// and `q_b`, `wo_a`, `wo_b`; four per core by default) with `N` blocks, step against step
-    /// in this process: interleaved steps A B B A .. and the ratio B/A of the effective-time
-    /// medians with its 95% interval
+    /// in this process: interleaved steps A B B A .. and the median of the paired
+    /// effective-time ratios B/A with its 95% interval
     #[arg(long, value_name = "N")]
     versus_proj_blocks: Option<u32>,
     /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
@@ -307,13 +307,13 @@ pub(crate) struct BenchDsv4Args {
     #[arg(long, value_enum)]
     replay: Option<Replay>,
     /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
-    /// process: interleaved steps A B B A .. and the ratio B/A of the effective-time medians
+    /// process: interleaved steps A B B A .. and the median of the paired effective-time ratios B/A
     /// with its 95% interval (swa, csa and hca).
     #[arg(long)]
     versus_replay: bool,
     /// Also compare this run's kernel path with another instruction-set path (`portable`,
     /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
-    /// steps A B B A .. and the ratio B/A of the effective-time medians with its 95% interval,
+    /// steps A B B A .. and the median of the paired effective-time ratios B/A with its 95% interval,
     /// and each phase's median span on either side. The weights stay as this machine's path
     /// laid them out (paired or tiled bf16 go through the other path's portable loops), and
     /// the int8 kernels take their portable loops under `portable` and this machine's int8
@@ -1093,13 +1093,13 @@ fn bench_layer(
     if let Some(b) = args.versus_proj_blocks {
         let c = versus_proj_blocks(&mut s, &cfg, b, args.rounds, args.warmup)?;
         println!(
-            "projection blocks compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            "projection blocks compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
         );
         println!("{c}");
     }
     if let Some(isa) = versus_isa {
         println!(
-            "kernel paths compared (interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            "kernel paths compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
         );
         print!(
             "{}",
@@ -1109,7 +1109,7 @@ fn bench_layer(
     if args.versus_replay {
         let c = versus_replay(&mut s, &cfg, args.rounds, args.warmup)?;
         println!(
-            "replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; B/A of the medians with a bootstrap interval):"
+            "replay compared (A: captured graph replayed, B: orchestrated; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
         );
         println!("{c}");
     }

@@ -134,6 +134,9 @@ fn starts_of(cmd: &EpCmd, cfg: &Dsv4Config) -> Result<Vec<usize>> {
 
 /// Refuses what an expert-parallel command cannot do, by flag, before anything starts.
 pub(crate) fn check_cmd(cmd: &EpCmd) -> Result<()> {
+    if cmd.ep == 0 {
+        bail!("--ep 0: give at least 1 rank");
+    }
     if cmd.rounds == 0 {
         bail!("--rounds must be at least 1");
     }

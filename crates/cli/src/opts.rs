@@ -127,6 +127,12 @@ impl RunOpts {
         cfg.check().map_err(|e| {
             anyhow::anyhow!("{} = {}: {}", flag_of_field(&e.field), e.value, e.reason)
         })?;
+        if self.diag_steps != StepSet::All && (cfg.swimlane == 0 && !cfg.dep_gen && !cfg.ring_stats)
+        {
+            bail!(
+                "--diag-steps: picks the steps whose diagnostics are written, and none is on: add --swimlane, --dep-gen or --ring-stats (with --output-dir)"
+            );
+        }
         Ok(cfg)
     }
 
@@ -191,6 +197,12 @@ impl RunOpts {
         )
         .context("starting the CPU worker")?;
         warnings.extend(w.warnings().iter().cloned());
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some(n) = self.cores.filter(|&n| n > cpus) {
+            warnings.push(format!(
+                "--cores {n} on {cpus} CPUs: the cores take turns on them, and a step waits for the ones the OS holds off (steps run many times slower)"
+            ));
+        }
         for warning in warnings {
             eprintln!("warning: {warning}");
         }

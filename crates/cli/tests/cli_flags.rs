@@ -258,6 +258,20 @@ fn diag_steps_is_refused_where_one_step_is_written() {
         ]);
         refused(&a, "--diag-steps: `simpler ");
     }
+    // Where it applies, it needs a diagnostic to pick steps of (it was accepted and did
+    // nothing).
+    refused(
+        &[
+            "generate",
+            "--preset",
+            "qwen3-tiny",
+            "--prompt",
+            "x",
+            "--diag-steps",
+            "0",
+        ],
+        "--diag-steps: picks the steps whose diagnostics are written, and none is on",
+    );
 }
 
 /// `bench qwen3-prefill --max-kv-chunk` is refused by name: prefill attention is not split
