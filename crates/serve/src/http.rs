@@ -178,6 +178,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// returns.
 ///
 /// An empty served name is refused ([`check_model_name`]) before anything is served.
+///
+/// This returns only once the engine thread has ended: after its drain time at the latest,
+/// unless a step in flight does not return — the runtime's watchdogs (the stream-sync
+/// timeout on a whole run) bound that, and a caller that needs a hard limit (the CLI) adds
+/// its own.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -316,6 +321,13 @@ async fn chat_completions(State(s): State<Arc<AppState>>, body: Body) -> Respons
 
 /// Both generating endpoints: read and parse the body as `kind`, then run it.
 async fn handle(s: Arc<AppState>, body: Body, kind: Kind) -> Response {
+    // While draining, every new request is refused alike, before its body is read, parsed
+    // or tokenized.
+    if s.handle.is_closing() {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+            .code("shutting_down")
+            .into_response();
+    }
     let arrived = Instant::now();
     let parse = match kind {
         Kind::Completion => completion_job,

@@ -123,10 +123,10 @@ fn path_of(segs: &[Seg]) -> String {
     let mut p = String::new();
     for s in segs {
         match s {
-            Seg::Key(k) if p.is_empty() => p.push_str(k),
+            Seg::Key(k) if p.is_empty() => p.push_str(&short_key(k)),
             Seg::Key(k) => {
                 p.push('.');
-                p.push_str(k);
+                p.push_str(&short_key(k));
             }
             Seg::Index(i) => p.push_str(&format!("[{i}]")),
         }
@@ -283,6 +283,17 @@ fn describe(v: &Value) -> String {
 }
 
 /// `s` as a JSON string, cut after `QUOTE_CHARS` characters.
+/// A key as a path segment: cut to [`QUOTE_CHARS`] characters, so an error never echoes a
+/// huge key back.
+fn short_key(k: &str) -> String {
+    let short: String = k.chars().take(QUOTE_CHARS).collect();
+    if short.len() < k.len() {
+        format!("{short}...")
+    } else {
+        short
+    }
+}
+
 fn quote(s: &str) -> String {
     let short: String = s.chars().take(QUOTE_CHARS).collect();
     let more = if short.len() < s.len() { "..." } else { "" };
@@ -332,14 +343,16 @@ impl<'a> Obj<'a> {
     }
 
     fn path(&self, key: &str) -> String {
+        let key = short_key(key);
         if self.path.is_empty() {
-            key.to_string()
+            key
         } else {
             format!("{}.{key}", self.path)
         }
     }
 
-    /// Refuses a key not in `allowed` (the first, in the body's order).
+    /// Refuses a key not in `allowed` (the first in key order: the parsed object keeps its
+    /// keys sorted, not in the body's order).
     fn only(&self, allowed: &[&[&str]]) -> Result<(), FieldError> {
         match self
             .map
@@ -419,6 +432,8 @@ struct Common {
     top_p: Option<f64>,
     top_k: Option<i128>,
     stop: Vec<String>,
+    /// `stop` was given as a list (an error names `stop[i]`), not as one string.
+    stop_was_list: bool,
     stream: bool,
     include_usage: Option<bool>,
     seed: Option<i128>,
@@ -444,6 +459,7 @@ fn read_common(b: &Obj) -> Result<Common, FieldError> {
             .collect::<Result<_, _>>()?,
         Some(v) => return Err(expected("stop", "a string or a list of strings", v)),
     };
+    let stop_was_list = matches!(b.get("stop"), Some(Value::Array(_)));
     let stream_options = b.object("stream_options")?;
     let include_usage = match &stream_options {
         Some(o) => {
@@ -478,6 +494,7 @@ fn read_common(b: &Obj) -> Result<Common, FieldError> {
         top_p: b.number("top_p")?,
         top_k: b.int("top_k")?,
         stop,
+        stop_was_list,
         stream: b.boolean("stream")?.unwrap_or(false),
         include_usage,
         seed: b.int("seed")?,
@@ -595,13 +612,16 @@ fn ids_field(ids: &[Value], path: &str) -> Result<Vec<u32>, FieldError> {
     if ids.is_empty() {
         return Err(bad("prompt", "the prompt is empty"));
     }
+    // The element's path is made only for an error: a prompt can hold ~10^6 ids.
     ids.iter()
         .enumerate()
         .map(|(i, v)| {
-            let p = format!("{path}[{i}]");
-            let n = integer(v).ok_or_else(|| expected(&p, "a token id (an integer)", v))?;
-            u32::try_from(n)
-                .map_err(|_| bad("prompt", format!("{p}: token id {n} is out of range")))
+            let p = || format!("{path}[{i}]");
+            let n = integer(v).ok_or_else(|| expected(&p(), "a token id (an integer)", v))?;
+            u32::try_from(n).map_err(|_| {
+                let p = p();
+                bad(&p, format!("{p}: token id {n} is out of range"))
+            })
         })
         .collect()
 }
@@ -633,6 +653,12 @@ pub fn chat_job(body: &[u8]) -> Result<Job, FieldError> {
     };
     let mut c = read_common(&b)?;
     if let Some(n) = max_completion_tokens {
+        if n < 1 {
+            return Err(bad(
+                "max_completion_tokens",
+                format!("`max_completion_tokens` must be at least 1, not {n}"),
+            ));
+        }
         if c.max_tokens.is_some_and(|m| m != n) {
             return Err(bad(
                 "max_completion_tokens",
@@ -719,7 +745,10 @@ fn text_part(v: &Value, path: &str) -> Result<String, FieldError> {
     if kind != "text" {
         return Err(bad(
             &kind_path,
-            format!("`{kind_path}`: only text content parts are supported, not `{kind}`"),
+            format!(
+                "`{kind_path}`: only text content parts are supported, not {}",
+                quote(kind)
+            ),
         ));
     }
     p.only(&[&["type", "text"]])?;
@@ -798,8 +827,14 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
     if stop.len() > MAX_STOP {
         return Err(bad("stop", format!("at most {MAX_STOP} stop strings")));
     }
-    if stop.iter().any(String::is_empty) {
-        return Err(bad("stop", "a stop string is empty"));
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        // `stop` as one string is the list of that string.
+        let p = if c.stop_was_list {
+            format!("stop[{i}]")
+        } else {
+            "stop".to_string()
+        };
+        return Err(bad(&p, format!("`{p}`: a stop string is empty")));
     }
     if c.n.is_some_and(|n| n != 1) {
         return Err(bad("n", "`n` must be 1"));
@@ -925,7 +960,9 @@ mod tests {
             ),
             (br#"{"model":"m","prompt":"x","tools":[]}"#, "tools"),
             (br#"{"model":"m","prompt":["a","b"]}"#, "prompt"),
-            (br#"{"model":"m","prompt":[-1]}"#, "prompt"),
+            (br#"{"model":"m","prompt":[-1]}"#, "prompt[0]"),
+            (br#"{"model":"m","prompt":[1,2,4294967296]}"#, "prompt[2]"),
+            (br#"{"model":"m","prompt":"x","stop":["a",""]}"#, "stop[1]"),
             (
                 br#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#,
                 "stream_options",
@@ -941,6 +978,32 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = err(chat_job(br#"{"model":"m","messages":[]}"#));
         assert_eq!(e.param.as_deref(), Some("messages"));
+        // The field the value came from, not the one it feeds.
+        let e = err(chat_job(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}"#,
+        ));
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"), "{e:?}");
+        // A huge key or content-part type is not echoed back whole.
+        let long = "k".repeat(100_000);
+        let body = format!(r#"{{"model":"m","prompt":"x","{long}":1,"{long}":2}}"#);
+        let e = err(completion_job(body.as_bytes()));
+        assert!(
+            e.message.len() < 1000 && e.message.contains("twice"),
+            "{}",
+            e.message.len()
+        );
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"{long}"}}]}}]}}"#
+        );
+        let e = err(chat_job(body.as_bytes()));
+        assert!(e.message.len() < 1000, "{}", e.message.len());
+        let body = format!(r#"{{"model":"m","prompt":"x","{long}":1}}"#);
+        let e = err(completion_job(body.as_bytes()));
+        assert!(
+            e.message.len() < 1000 && e.message.contains("unsupported"),
+            "{}",
+            e.message
+        );
         let e = err(chat_job(
             br#"{"model":"m","messages":[{"role":"user","content":"x"}],"prompt":"y"}"#,
         ));
@@ -1076,7 +1139,7 @@ mod tests {
                 ),
                 false,
                 "messages[0].content[0].type",
-                "`messages[0].content[0].type`: only text content parts are supported, not `image_url`",
+                "`messages[0].content[0].type`: only text content parts are supported, not \"image_url\"",
             ),
             (
                 chat(

@@ -876,6 +876,12 @@ async fn while_draining_new_requests_get_503_and_the_listener_closes_after() {
     .await;
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["code"], "shutting_down");
+    // Every new request alike, before its body is read: not 400 for bad JSON, not 404 for
+    // another model.
+    for body in ["{not json", r#"{"model":"other","prompt":"Hi"}"#] {
+        let (status, text) = http(addr, "POST", "/v1/completions", body).await;
+        assert_eq!(status, 503, "{body}: {text}");
+    }
     assert!(
         !srv.task.is_finished(),
         "the server waits for the request in flight"
