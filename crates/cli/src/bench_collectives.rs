@@ -58,8 +58,8 @@ pub(crate) struct BenchCollectivesArgs {
     /// Backend: `shm` (a node's chips) or `mpi` (ranks of an `mpirun` job).
     #[arg(long, value_enum, default_value = "shm")]
     collectives: Backend,
-    /// Bytes each rank sends to each rank (all-to-all) and bytes reduced (all-reduce; rounded
-    /// down to whole f32), comma-separated.
+    /// Bytes each rank sends to each rank (all-to-all) and bytes reduced (all-reduce, as f32
+    /// values), comma-separated multiples of 4.
     #[arg(
         long,
         value_delimiter = ',',
@@ -269,6 +269,11 @@ fn check(args: &BenchCollectivesArgs) -> Result<()> {
     }
     if let Some(&s) = args.sizes.iter().find(|&&s| s > MAX_SIZE) {
         bail!("--sizes {s}: at most {MAX_SIZE} bytes per peer");
+    }
+    // The all-reduce sums f32s: another size would be measured at its whole f32s while its
+    // row said the size given.
+    if let Some(&s) = args.sizes.iter().find(|&&s| !s.is_multiple_of(4)) {
+        bail!("--sizes {s}: give multiples of 4 bytes (the all-reduce sums f32 values)");
     }
     // Every rank stages its whole send (ranks × size) in the shared segment, and sends and
     // receives as much from its own memory: bound the total before anything is allocated.

@@ -462,13 +462,21 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     let new_tokens: usize = generated.iter().map(Vec::len).sum();
     let decoded = new_tokens - n;
     let decode_steps = steps.iter().filter(|s| s.kind == "decode").count();
+    // With one new token a sequence every token came from the prefill: no decode rate.
+    let decode = if decode_steps == 0 {
+        "no decode step (each new token came from the prefill)".to_string()
+    } else {
+        format!(
+            "decode {:.2} tokens/s, {:.2} ms/token (per step)",
+            decoded as f64 / decode_s.max(1e-9),
+            decode_s * 1e3 / decode_steps as f64
+        )
+    };
     eprintln!(
-        "{n} x {} prompt tokens, {new_tokens} new tokens: TTFT {:.1} ms (prefill {:.1} tokens/s); decode {:.2} tokens/s, {:.2} ms/token (per step); overall {:.2} tokens/s; load {:.2} s",
+        "{n} x {} prompt tokens, {new_tokens} new tokens: TTFT {:.1} ms (prefill {:.1} tokens/s); {decode}; overall {:.2} tokens/s; load {:.2} s",
         prompt.len(),
         ttft_s * 1e3,
         (n * prompt.len()) as f64 / ttft_s,
-        decoded as f64 / decode_s.max(1e-9),
-        decode_s * 1e3 / decode_steps.max(1) as f64,
         new_tokens as f64 / (ttft_s + decode_s),
         load_s
     );

@@ -90,6 +90,10 @@ fn bench_collectives_refuses_bad_flags_by_name() {
         (&["--ranks", "1"][..], "--ranks 1"),
         (&["--rounds", "0"][..], "--rounds 0"),
         (&["--sizes", "999999999999"][..], "--sizes 999999999999"),
+        (
+            &["--sizes", "0,3"][..],
+            "--sizes 3: give multiples of 4 bytes",
+        ),
     ] {
         let mut all = vec!["bench", "collectives"];
         all.extend_from_slice(args);
