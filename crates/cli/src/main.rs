@@ -195,12 +195,36 @@ fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            // As `fn main() -> Result` prints it (the chain, and a backtrace where asked for),
-            // with the runtime's `CallConfig` fields named by the flags that set them here.
-            eprintln!("Error: {}", opts::flags_in(&format!("{e:?}")));
+            eprintln!("Error: {}", opts::flags_in(&error_report(&e)));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// `e` as `fn main() -> Result` prints it — the message, its causes, a backtrace where one was
+/// captured — less each cause whose text the message before it already holds (many errors
+/// print their source in their own message, which then came twice).
+fn error_report(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if parts.last().is_some_and(|p| p.contains(&text)) {
+            continue;
+        }
+        parts.push(text);
+    }
+    let mut out = parts.first().cloned().unwrap_or_default();
+    if parts.len() > 1 {
+        out.push_str("\n\nCaused by:");
+        for (i, p) in parts[1..].iter().enumerate() {
+            out.push_str(&format!("\n    {i}: {p}"));
+        }
+    }
+    let bt = e.backtrace();
+    if bt.status() == std::backtrace::BacktraceStatus::Captured {
+        out.push_str(&format!("\n\nStack backtrace:\n{bt}"));
+    }
+    out
 }
 
 fn run() -> Result<()> {

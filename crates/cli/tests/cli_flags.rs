@@ -618,3 +618,21 @@ fn bench_serve_measures_rounds() {
         "--streams: 1 is given twice",
     );
 }
+
+/// An error whose message already holds its cause's text prints that text once (the cause
+/// used to follow under "Caused by:" again).
+#[test]
+fn an_error_prints_each_text_once() {
+    let dir = common::tmp("bad-config");
+    std::fs::write(dir.join("config.json"), r#"{"hidden_size": 8}"#).unwrap();
+    let d = dir.to_string_lossy().into_owned();
+    let out = simpler(&["run", "qwen3-decode", "--model", &d]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(
+        err.matches("config key `num_attention_heads` is missing").count(),
+        1,
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
