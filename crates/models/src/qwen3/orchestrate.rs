@@ -861,7 +861,7 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
 }
 
 /// Heap bytes one ring needs for a prefill step of `rows` token rows: everything one layer's
-/// scope allocates (the step's largest scope: [`attention_block`] and [`mlp_block`] of a
+/// scope allocates (the step's largest scope: `attention_block` and `mlp_block` of a
 /// prefill), each padded as the runtime pads an output. A scope's allocations stay until it
 /// closes, so a heap smaller than this cannot run the step (the runtime reports a heap
 /// deadlock); the step's own `x` and the head's rows are in other scopes and far smaller.
