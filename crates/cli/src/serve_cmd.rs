@@ -145,6 +145,13 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     )?;
     let num_blocks = sizing.engine.num_blocks;
 
+    // The address first: a bad host or a busy port is refused before a model load of minutes.
+    // Until the server starts, a connection waits in the kernel's queue.
+    let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    std_listener
+        .set_nonblocking(true)
+        .context("making the listener non-blocking")?;
     // A step holds up to --max-num-batched-tokens rows: the ring heap and the limit on one
     // run are sized for the longest such prefill step, at the end of the longest sequence.
     let worker = args.run.prefill_sized(
@@ -197,9 +204,8 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the HTTP runtime")?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let listener = tokio::net::TcpListener::from_std(std_listener)
+            .context("handing the listener to the HTTP runtime")?;
         let addr = listener.local_addr()?;
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;

@@ -630,9 +630,25 @@ fn an_error_prints_each_text_once() {
     let err = text(&out.stderr);
     assert!(!out.status.success());
     assert_eq!(
-        err.matches("config key `num_attention_heads` is missing").count(),
+        err.matches("config key `num_attention_heads` is missing")
+            .count(),
         1,
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `serve` binds its address before it loads the model: a busy port is refused at once, not
+/// after a load of minutes.
+#[test]
+fn serve_refuses_a_busy_port_before_loading() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = simpler(&["serve", "--preset", "qwen3-0.6b", "--port", &port]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!("binding 127.0.0.1:{port}")) && !err.contains("model:"),
+        "{err}"
+    );
 }
