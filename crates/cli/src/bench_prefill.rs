@@ -28,8 +28,7 @@ use half::bf16;
 use simpler_core::{CallConfig, RunReport, Worker};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::{
-    GemmTile, OutMode, PackedActs, TILE_COLS, TILE_ROWS, WeightLayout, WeightsBf16, gemm_bf16,
-    pack_acts_f32, packed_len,
+    GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
 };
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -351,7 +350,8 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             len,
             c.hidden_size,
             &gemm_tiles,
-            simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS),
+            // The layout the gate/up matrix (the one timed) is uploaded in.
+            simpler_models::qwen3::layout::bf16_layout(c.intermediate_size, c.hidden_size),
             worker.cores(),
             Duration::from_secs_f64(args.gemm_seconds.max(0.0)),
             args.model.seed,

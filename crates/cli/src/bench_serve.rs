@@ -199,12 +199,16 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             weights: args.model.weights,
         },
     )?;
+    // No step holds more than every stream's prompt and a decode row each.
+    let rows = args
+        .max_num_batched_tokens
+        .min(most * (args.prompt_len + 1));
     let worker = args.run.prefill_sized(
         &mut call,
         &c,
-        args.max_num_batched_tokens,
-        seq.saturating_sub(args.max_num_batched_tokens),
-        "--max-num-batched-tokens",
+        rows,
+        seq.saturating_sub(rows),
+        "--max-num-batched-tokens, --streams x --prompt-len",
     )?;
     ops::register(&worker)?;
     let cores = worker.cores();

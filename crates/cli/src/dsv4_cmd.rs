@@ -590,7 +590,9 @@ fn padding_note(real: &[usize]) -> String {
     if pad == 0 {
         return String::new();
     }
-    format!(", real tokens {real:?} ({pad} padding rows, written nowhere)")
+    format!(
+        ", real tokens {real:?} ({pad} padding rows, written nowhere; bytes below count them as a full step's)"
+    )
 }
 
 /// The starts of `--start-pos` (or the mixed starts), checked against the configuration.

@@ -125,18 +125,6 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             }
         }
     }
-    if let Some(parent) = args.dump_logits.as_deref().and_then(|p| p.parent())
-        && !parent.as_os_str().is_empty()
-    {
-        // Made now, as --trace's is: the logits are written after the whole generation, too
-        // late to learn that their folder cannot be.
-        std::fs::create_dir_all(parent).map_err(|e| {
-            anyhow!(
-                "--dump-logits: cannot make the folder {}: {e}",
-                parent.display()
-            )
-        })?;
-    }
     if args.num_prompts > 1 && args.dump_logits.is_some() {
         bail!("--dump-logits writes one sequence's logits: give --num-prompts 1");
     }
@@ -268,6 +256,18 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         }
     );
     let stop = |t: u32| !args.ignore_eos && eos.contains(&t);
+    if let Some(parent) = args.dump_logits.as_deref().and_then(|p| p.parent())
+        && !parent.as_os_str().is_empty()
+    {
+        // Made now, as --trace's is: the logits are written after the whole generation, too
+        // late to learn that their folder cannot be.
+        std::fs::create_dir_all(parent).map_err(|e| {
+            anyhow!(
+                "--dump-logits: cannot make the folder {}: {e}",
+                parent.display()
+            )
+        })?;
+    }
     let n = args.num_prompts;
     let chunk = args.prefill_chunk.min(prompt.len());
     let worker = args.run.prefill_sized(

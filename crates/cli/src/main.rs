@@ -214,10 +214,20 @@ fn error_report(e: &anyhow::Error) -> String {
         parts.push(text);
     }
     let mut out = parts.first().cloned().unwrap_or_default();
-    if parts.len() > 1 {
+    // As anyhow lays the causes out: numbered when there are several, a cause's later lines
+    // indented under its first.
+    let causes = &parts[1.min(parts.len())..];
+    if !causes.is_empty() {
         out.push_str("\n\nCaused by:");
-        for (i, p) in parts[1..].iter().enumerate() {
-            out.push_str(&format!("\n    {i}: {p}"));
+        for (i, p) in causes.iter().enumerate() {
+            let (head, indent) = if causes.len() > 1 {
+                (format!("{i:>5}: "), "       ")
+            } else {
+                ("    ".to_string(), "    ")
+            };
+            out.push('\n');
+            out.push_str(&head);
+            out.push_str(&p.replace('\n', &format!("\n{indent}")));
         }
     }
     let bt = e.backtrace();

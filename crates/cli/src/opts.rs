@@ -175,17 +175,21 @@ impl RunOpts {
     /// The worker, its stream-sync timeout (the limit on one whole run) raised to `at_least`
     /// where the default is shorter and the environment does not set it; a raise is printed.
     fn worker_with(&self, at_least: Option<Duration>) -> Result<Worker> {
-        let (mut timeouts, mut warnings) = Timeouts::from_env();
-        if let Some(need) = at_least
-            && need > timeouts.stream_sync
-            && std::env::var_os(ENV_STREAM_SYNC_TIMEOUT_MS).is_none()
-        {
+        // The raise goes under the environment's overrides: one that is applied wins, one that
+        // is refused falls back to the raised value, and the ordering rule is checked against
+        // the raised value (a longer op_execute alone is then accepted).
+        let default = Timeouts::default();
+        let base = Timeouts {
+            stream_sync: at_least.map_or(default.stream_sync, |n| n.max(default.stream_sync)),
+            ..default
+        };
+        let (timeouts, mut warnings) = base.overridden_with(&|k| std::env::var(k).ok());
+        if base.stream_sync > default.stream_sync && timeouts.stream_sync == base.stream_sync {
             eprintln!(
                 "stream-sync timeout {:.0} s (default {:.0} s): the longest step this command runs may take that long on a slow, shared CPU (set {ENV_STREAM_SYNC_TIMEOUT_MS} to choose)",
-                need.as_secs_f64(),
-                timeouts.stream_sync.as_secs_f64()
+                base.stream_sync.as_secs_f64(),
+                default.stream_sync.as_secs_f64()
             );
-            timeouts.stream_sync = need;
         }
         let w = Worker::new(
             CpuPlatform::new(),
@@ -225,16 +229,31 @@ impl RunOpts {
         what: &str,
     ) -> Result<Worker> {
         let need = simpler_models::qwen3::prefill_heap_bytes(c, rows);
-        // The layers' scopes (depth 1) allocate from ring 1.
+        // The layers' scopes (depth 1) allocate from ring 1; the step's residual `x`, in its
+        // outer scope, from ring 0.
+        let x = (rows as u64)
+            .saturating_mul(c.hidden_size as u64 * 4)
+            .next_multiple_of(simpler_core::OUTPUT_ALIGN);
         let heap = cfg.runtime_env.ring_heap.get(1);
-        if need > heap {
-            if self.ring_heap.is_some() {
-                bail!(
-                    "--ring-heap: ring 1 holds {}, and a prefill step of {rows} rows ({what}) allocates {} in one layer's scope; raise it or take smaller steps",
-                    human_bytes(heap),
-                    human_bytes(need)
-                );
+        if self.ring_heap.is_some() {
+            for (ring, holds, needs, part) in [
+                (1, heap, need, "one layer's scope"),
+                (
+                    0,
+                    cfg.runtime_env.ring_heap.get(0),
+                    x,
+                    "the step's residual",
+                ),
+            ] {
+                if needs > holds {
+                    bail!(
+                        "--ring-heap: ring {ring} holds {}, and a prefill step of {rows} rows ({what}) allocates {} in {part}; raise it or take smaller steps",
+                        human_bytes(holds),
+                        human_bytes(needs)
+                    );
+                }
             }
+        } else if need > heap {
             let mib = need.div_ceil(1 << 20) << 20;
             eprintln!(
                 "ring heap {} per ring (default {}): a prefill step of {rows} rows ({what}) allocates {} in one layer's scope",
@@ -612,8 +631,11 @@ mod tests {
             .unwrap();
         let heap = cfg.runtime_env.ring_heap.get(1);
         assert!(heap >= need && heap - need < 1 << 20, "{heap} for {need}");
-        // 0.6B: ~1.2 TFLOP a 1k rows, so 8192 rows at 4 GFLOP/s a core on 2 cores is ~20 min.
-        assert!(w.timeouts().stream_sync > Duration::from_secs(600));
+        // 0.6B: ~1.2 TFLOP a 1k rows, so 8192 rows at 4 GFLOP/s a core on 2 cores is ~20 min
+        // (unless the environment sets the limit, which then wins).
+        if std::env::var_os(ENV_STREAM_SYNC_TIMEOUT_MS).is_none() {
+            assert!(w.timeouts().stream_sync > Duration::from_secs(600));
+        }
         let small = run_opts(&["--cores", "2", "--ring-heap", "256M"]);
         let mut cfg = small.call_config("t").unwrap();
         let Err(e) = small.prefill_sized(&mut cfg, &c, rows, 0, "--prompt-lens") else {

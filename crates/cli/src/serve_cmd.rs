@@ -94,6 +94,13 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         bail!("--max-seq-len {max_seq_len}: give at least 2 (a prompt token and a new one)");
     }
     ModelArgs::check_positions(&c, max_seq_len, "--max-seq-len")?;
+    // The address first: a bad host or a busy port is refused before a model load of minutes.
+    // Until the server starts, a connection waits in the kernel's queue.
+    let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    std_listener
+        .set_nonblocking(true)
+        .context("making the listener non-blocking")?;
     let tokenizer = match &args.model.model {
         Some(dir) => Tokenizer::from_dir(dir)?,
         None => Tokenizer::qwen3()?,
@@ -145,13 +152,6 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     )?;
     let num_blocks = sizing.engine.num_blocks;
 
-    // The address first: a bad host or a busy port is refused before a model load of minutes.
-    // Until the server starts, a connection waits in the kernel's queue.
-    let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
-        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-    std_listener
-        .set_nonblocking(true)
-        .context("making the listener non-blocking")?;
     // A step holds up to --max-num-batched-tokens rows: the ring heap and the limit on one
     // run are sized for the longest such prefill step, at the end of the longest sequence.
     let worker = args.run.prefill_sized(

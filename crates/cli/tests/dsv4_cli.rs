@@ -864,7 +864,7 @@ fn real_tokens_pad_the_attention_step_and_are_refused_elsewhere() {
     let so = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        so.contains("real tokens [2, 1, 0, 2] (3 padding rows, written nowhere)"),
+        so.contains("real tokens [2, 1, 0, 2] (3 padding rows, written nowhere;"),
         "{so}"
     );
     assert!(

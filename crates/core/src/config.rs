@@ -356,7 +356,14 @@ impl Timeouts {
     /// `stream_sync > scheduler + 1.5 s`, every override is dropped with one warning naming the
     /// broken rule.
     pub fn from_env_with(env: &dyn Fn(&str) -> Option<String>) -> (Timeouts, Vec<String>) {
-        let defaults = Timeouts::default();
+        Timeouts::default().overridden_with(env)
+    }
+
+    /// [`Timeouts::from_env_with`] over `self` instead of the defaults: a command that knows
+    /// its runs are long raises a timeout first, and the environment still overrides it (an
+    /// override that is unparsable or breaks the ordering rule falls back to `self`).
+    pub fn overridden_with(self, env: &dyn Fn(&str) -> Option<String>) -> (Timeouts, Vec<String>) {
+        let defaults = self;
         let mut t = defaults;
         let mut warnings = Vec::new();
         let mut read = |var: &str, unit: &str, to: fn(u64) -> Duration| -> Option<Duration> {
@@ -394,8 +401,13 @@ impl Timeouts {
         }
         if let Some(rule) = t.broken_rule() {
             warnings.push(format!(
-                "timeout overrides ignored, all three use their defaults (10 s / 45 s / 50 s): {rule} (got scheduler {:?}, op_execute {:?}, stream_sync {:?})",
-                t.scheduler, t.op_execute, t.stream_sync
+                "timeout overrides ignored, all three keep their values ({:?} / {:?} / {:?}): {rule} (got scheduler {:?}, op_execute {:?}, stream_sync {:?})",
+                defaults.scheduler,
+                defaults.op_execute,
+                defaults.stream_sync,
+                t.scheduler,
+                t.op_execute,
+                t.stream_sync
             ));
             t = defaults;
         }
@@ -476,6 +488,26 @@ mod tests {
             assert_eq!(w.len(), 1, "{w:?}");
             assert!(w[0].contains(rule), "{w:?} should name {rule}");
         }
+    }
+
+    #[test]
+    fn overrides_apply_over_a_raised_base_and_fall_back_to_it() {
+        let raised = Timeouts {
+            stream_sync: Duration::from_secs(600),
+            ..Timeouts::default()
+        };
+        // No override: the raised value.
+        assert_eq!(raised.overridden_with(&env_of(&[])).0, raised);
+        // A longer op_execute alone is checked against the raised stream-sync (against 50 s
+        // it broke the ordering rule and every override was dropped).
+        let (t, w) = raised.overridden_with(&env_of(&[(ENV_OP_EXECUTE_TIMEOUT_US, "120000000")]));
+        assert_eq!(t.op_execute, Duration::from_secs(120), "{w:?}");
+        assert_eq!(t.stream_sync, raised.stream_sync);
+        // An applied stream-sync override wins; an unparsable one keeps the raised value.
+        let (t, _) = raised.overridden_with(&env_of(&[(ENV_STREAM_SYNC_TIMEOUT_MS, "70000")]));
+        assert_eq!(t.stream_sync, Duration::from_secs(70));
+        let (t, w) = raised.overridden_with(&env_of(&[(ENV_STREAM_SYNC_TIMEOUT_MS, "soon")]));
+        assert_eq!((t, w.len()), (raised, 1));
     }
 
     #[test]

@@ -327,7 +327,11 @@ fn unwritten_rows(caches: &[Untouched<'_>]) -> Result<Outcome, String> {
 /// length that is not whole rows is returned as it is, so the comparison that follows fails
 /// on the length.
 fn real_rows(v: &[f32], real: &[bool]) -> Vec<f32> {
-    if real.iter().all(|&r| r) || real.is_empty() || !v.len().is_multiple_of(real.len()) {
+    if v.is_empty()
+        || real.iter().all(|&r| r)
+        || real.is_empty()
+        || !v.len().is_multiple_of(real.len())
+    {
         return v.to_vec();
     }
     let width = v.len() / real.len();
