@@ -157,6 +157,19 @@ fn errors_name_the_tensor_and_the_file() {
         "{e}"
     );
 
+    // A weight that is not finite (every output would be NaN, and greedy decoding would
+    // silently pick token 0): refused, naming the tensor and the element.
+    let mut bad = w.clone();
+    let mut layer = (*bad.layers[1]).clone();
+    layer.w_up[7] = half::bf16::NAN;
+    bad.layers[1] = std::sync::Arc::new(layer);
+    save_checkpoint(&dir, &bad, &SaveOptions::default()).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::NonFinite { tensor, index: 7, .. } if tensor == "model.layers.1.mlp.up_proj.weight"),
+        "{e}"
+    );
+
     // Truncated file.
     save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
     let file = dir.join("model.safetensors");

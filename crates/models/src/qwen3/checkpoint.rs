@@ -115,6 +115,22 @@ pub enum CheckpointError {
         /// The dtype named in the file.
         dtype: String,
     },
+    /// A weight is NaN or infinite: every output of the model would be too (greedy decoding
+    /// then picks token 0 at every step, silently).
+    #[error(
+        "tensor `{tensor}` in {}: element {index} is {value}; a checkpoint's weights must be finite",
+        file.display()
+    )]
+    NonFinite {
+        /// The tensor name.
+        tensor: String,
+        /// The file.
+        file: PathBuf,
+        /// The first such element, in the model's row-major order.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
 }
 
 /// How projection weights are laid out in the file.
@@ -609,7 +625,7 @@ fn load_into(
             r * cols + k
         }
     };
-    match dest {
+    let non_finite = match dest {
         TensorMut::Bf16(d) => {
             let raw_bf16 = view.dtype() == Dtype::BF16;
             for r in 0..rows {
@@ -622,12 +638,24 @@ fn load_into(
                     };
                 }
             }
+            d.iter()
+                .position(|v| !v.is_finite())
+                .map(|i| (i, d[i].to_f32()))
         }
         TensorMut::F32(d) => {
             for (i, v) in d.iter_mut().enumerate() {
                 *v = value(i);
             }
+            d.iter().position(|v| !v.is_finite()).map(|i| (i, d[i]))
         }
+    };
+    if let Some((index, value)) = non_finite {
+        return Err(CheckpointError::NonFinite {
+            tensor: name.into(),
+            file: file.into(),
+            index,
+            value,
+        });
     }
     Ok(())
 }
