@@ -7,8 +7,10 @@
 //! visible rows outnumber the top-k (so the selection matters), tiny shapes with sliding
 //! windows, and FLASH shapes at start 8192 (2048 visible rows, top-512).
 
+mod common;
+
 use half::bf16;
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_models::dsv4::check::{CacheTol, RelDiff, csa_cache_checks, csa_pick_check};
 use simpler_models::dsv4::fixture::{
     AttnWeights, CsaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
@@ -18,15 +20,7 @@ use simpler_models::dsv4::golden::{self, AttnStep};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
 
 fn worker(cores: usize) -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(cores),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
+    let w = common::cpu_worker(cores);
     ops::register(&w).unwrap();
     w
 }

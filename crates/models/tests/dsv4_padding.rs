@@ -11,7 +11,9 @@
 //! - the real rows' outputs are bit-identical to the same step with every row real (padding
 //!   changes nothing else), and the captured graph of a full step replays a padded one.
 
-use simpler_core::{CallConfig, GraphMode, Worker, WorkerConfig};
+mod common;
+
+use simpler_core::{CallConfig, GraphMode, Worker};
 use simpler_models::dsv4::check::{attn_step_checks, csa_cache_checks, csa_pick_check};
 use simpler_models::dsv4::fixture::{
     AttnWeights, CsaParts, HcaParts, StepInputs, WindowCache, generate_attn_weights, generate_csa,
@@ -22,15 +24,7 @@ use simpler_models::dsv4::runner::{AttnCaches, AttnStepOutput};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, LayerKind, TOKENS_PER_SEQ, ops};
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     ops::register(&w).unwrap();
     w
 }

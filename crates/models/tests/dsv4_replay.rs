@@ -5,23 +5,17 @@
 //! orchestration every step. Every output and every cache must agree bit for bit, and the
 //! reports must say which steps were captured and which replayed.
 
+mod common;
+
 use half::bf16;
-use simpler_core::{CallConfig, GraphMode, Worker, WorkerConfig};
+use simpler_core::{CallConfig, GraphMode, Worker};
 use simpler_models::dsv4::fixture::{
     generate_attn_weights, generate_csa, generate_hca, generate_inputs, generate_window_cache,
 };
 use simpler_models::dsv4::{AttnLayer, AttnStepOutput, Dsv4Config, LayerKind, ops};
 
 fn worker() -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
+    let w = common::two_core_worker();
     ops::register(&w).unwrap();
     w
 }

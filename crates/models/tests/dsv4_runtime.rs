@@ -5,9 +5,11 @@
 //! the mixed starts `[0, 3, 127, 8192]` (an empty window at 0, a ratio-128 window closed at
 //! 127, a full window at 8192), and FLASH shapes at start 8192.
 
+mod common;
+
 use std::sync::{RwLock, RwLockReadGuard};
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_kernels_cpu::{I8Layout, I8Path, Isa, with_isa};
 use simpler_models::dsv4::check::attn_step_checks;
 use simpler_models::dsv4::fixture::{
@@ -28,15 +30,7 @@ fn same_isa_throughout() -> RwLockReadGuard<'static, ()> {
 }
 
 fn worker(cores: usize) -> Worker {
-    let w = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(cores),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
+    let w = common::cpu_worker(cores);
     ops::register(&w).unwrap();
     w
 }
