@@ -40,10 +40,10 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     pub(crate) chat: Option<String>,
     /// A system message before `--chat`.
-    #[arg(long, requires = "chat")]
+    #[arg(long)]
     pub(crate) system: Option<String>,
     /// Ask the chat template for an empty reasoning block (Qwen3's `enable_thinking=False`).
-    #[arg(long, requires = "chat")]
+    #[arg(long)]
     pub(crate) no_thinking: bool,
     /// The prompt as token ids, comma-separated (e.g. 1,2,3).
     #[arg(long, value_delimiter = ',', num_args = 1..)]

@@ -278,16 +278,17 @@ impl RunOpts {
 /// `text` with the runtime's `CallConfig` ring fields (which its errors' hints name) replaced
 /// by the flags that set them on the command line.
 pub(crate) fn flags_in(text: &str) -> String {
-    [
-        (
-            "CallConfig.runtime_env.ring_task_window",
-            "--ring-task-window",
-        ),
-        ("CallConfig.runtime_env.ring_heap", "--ring-heap"),
-        ("CallConfig.runtime_env.ring_dep_pool", "--ring-dep-pool"),
-    ]
-    .iter()
-    .fold(text.to_string(), |t, (field, flag)| t.replace(field, flag))
+    let mut fields = FLAG_FIELDS;
+    // Longer names first: `swimlane` is a prefix of `swimlane_capacity`.
+    fields.sort_by_key(|f| std::cmp::Reverse(f.len()));
+    fields.iter().fold(text.to_string(), |t, name| {
+        let path = if name.starts_with("ring_") {
+            format!("CallConfig.runtime_env.{name}")
+        } else {
+            format!("CallConfig.{name}")
+        };
+        t.replace(&path, &flag_of_field(&path))
+    })
 }
 
 /// Parses a duration flag in seconds: a finite number from 0 to one hour. (`inf` reached
@@ -312,6 +313,18 @@ const SLOWEST_GFLOPS_PER_CORE: f64 = 4.0;
 /// The command-line flag that sets a `CallConfig` field (`CallConfig.output_dir` ->
 /// `--output-dir`, `CallConfig.runtime_env.ring_heap[2]` -> `--ring-heap (ring 2)`); fields
 /// no flag sets keep their name.
+/// The `CallConfig` fields (and `runtime_env`'s) a flag of the same name sets.
+const FLAG_FIELDS: [&str; 8] = [
+    "ring_task_window",
+    "ring_heap",
+    "ring_dep_pool",
+    "swimlane",
+    "output_dir",
+    "dep_gen",
+    "ring_stats",
+    "swimlane_capacity",
+];
+
 fn flag_of_field(field: &str) -> String {
     let Some(rest) = field.strip_prefix("CallConfig.") else {
         return field.to_string();
@@ -321,17 +334,7 @@ fn flag_of_field(field: &str) -> String {
         Some((n, r)) => (n, Some(r.trim_end_matches(']'))),
         None => (rest, None),
     };
-    const FLAGS: [&str; 8] = [
-        "ring_task_window",
-        "ring_heap",
-        "ring_dep_pool",
-        "swimlane",
-        "output_dir",
-        "dep_gen",
-        "ring_stats",
-        "swimlane_capacity",
-    ];
-    if !FLAGS.contains(&name) {
+    if !FLAG_FIELDS.contains(&name) {
         return field.to_string();
     }
     let flag = format!("--{}", name.replace('_', "-"));
@@ -646,6 +649,16 @@ mod tests {
             e.starts_with("--ring-heap: ring 1 holds 256 MiB")
                 && e.contains("prefill step of 8192 rows (--prompt-lens)"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn error_texts_name_flags_not_fields() {
+        assert_eq!(
+            flags_in(
+                "raise it: CallConfig.runtime_env.ring_heap of ring 0; CallConfig.swimlane_capacity"
+            ),
+            "raise it: --ring-heap of ring 0; --swimlane-capacity"
         );
     }
 

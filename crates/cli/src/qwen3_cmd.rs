@@ -35,7 +35,7 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_name = "DIR|PRESET")]
     pub(crate) model: Option<PathBuf>,
     /// The checkpoint stores projections [in, out] (y = x @ W) instead of HF's [out, in].
-    #[arg(long, requires = "model")]
+    #[arg(long)]
     pub(crate) in_out_layout: bool,
     /// Seed of the random weights, KV pools and inputs.
     #[arg(long, default_value_t = 1234)]
@@ -67,7 +67,6 @@ impl ModelArgs {
     /// naming both readings.
     pub(crate) fn resolve_preset_name(&mut self) -> Result<()> {
         let Some(path) = &self.model else {
-            // clap's `requires` does not refuse the flag on its own (seen with --preset).
             if self.in_out_layout {
                 bail!(
                     "--in-out-layout: applies to a --model checkpoint; a preset's weights are generated, not read"
