@@ -37,11 +37,14 @@ const SHAPES: [(&str, usize, usize); 6] = [
 ];
 
 fn main() {
+    let pairs_mode = std::env::args().any(|a| a == "--pairs");
     assert!(
-        Isa::detected() == Isa::Avx2,
-        "this benchmark compares the AVX2 path's kernels; the detected path is {}",
+        Isa::detected() == Isa::Avx2 || pairs_mode,
+        "this benchmark compares the AVX2 path's kernels (or, with --pairs, any path's \
+         row-major against paired weights); the detected path is {}",
         Isa::detected().name()
     );
+    println!("kernel path: {}", Isa::detected().name());
     let batches = common::batches("512,32,16");
     let reps: usize = common::arg("--reps").map_or(3, |s| s.parse().expect("--reps"));
     let threads: Vec<usize> = common::arg("--threads")
@@ -76,7 +79,6 @@ fn main() {
                 bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
             })
             .collect();
-        let pairs_mode = std::env::args().any(|a| a == "--pairs");
         let wp_data = if pairs_mode {
             pair_weights_bf16(&w, n, k)
         } else {

@@ -6,7 +6,8 @@
 //! thread, whole 16-row groups, equal shares) that the threads take from a shared counter,
 //! with a spinning barrier between phases as the runtime's workers wait on the next phase.
 //! Each layer has its own weights in both layouts (row-major and the other one, `--layout
-//! tiled|pairs`, by default the one this CPU's path streams: paired on AVX2, else tiled), so
+//! tiled|pairs`, by default the one this CPU's path streams: paired on AVX2 and AVX-512 BF16 without AMX, else
+//! tiled), so
 //! every pass streams them from memory; passes of the two layouts alternate A B B A in one
 //! process.
 //!

@@ -1,7 +1,7 @@
 //! The paired bf16 weight layout (8-row groups of interleaved `K` pairs): packing, indexing,
 //! and the GEMM on paired weights on every path this CPU has, against an f64 reference at
 //! ragged shapes (rows not whole groups, `K` not whole packing blocks, split-K tiles, every
-//! batch from 1 to 20), and bit for bit against the portable path on row-major weights where
+//! batch from 1 to 9 and runs of several batch groups), and bit for bit against the portable path on row-major weights where
 //! the paired call runs that same code (the portable path gathers paired rows).
 
 mod common;
@@ -78,6 +78,7 @@ fn pairs_index_places_every_element_once_and_padding_is_zero() {
     assert_eq!(pairs_index(8, 0, 64), 8 * 64);
     assert_eq!(pairs_len(usize::MAX, 2), None);
     assert!(paired_weights_pay(Isa::Avx2));
+    assert!(paired_weights_pay(Isa::Avx512Bf16));
     assert!(!paired_weights_pay(Isa::Portable));
     assert!(!paired_weights_pay(Isa::AmxBf16));
 }
@@ -93,7 +94,9 @@ fn paired_products_match_the_reference_at_edges_and_every_batch() {
         (97, 33),
         (40, 17),
     ] {
-        for batch in (1..=9).chain([12, 16, 17, 20]) {
+        // 17, 20 and 25 batch rows: two and more runs of eight on the AVX-512 BF16 path, with
+        // every prefetch share and a short last run.
+        for batch in (1..=9).chain([12, 16, 17, 20, 25]) {
             let c = GemmCase::new(n, k, batch, seed);
             seed += 1;
             check(

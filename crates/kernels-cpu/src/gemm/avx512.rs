@@ -62,6 +62,18 @@ pub(super) fn natural_ld(klen: usize) -> usize {
 /// its matrices with `out` long enough (as checked by `gemm_dispatch`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+    // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
+    unsafe { with_natural(lw, |xn, ldb| gemm_natural(lw, xn, ldb, out, ld_out)) }
+}
+
+/// Runs `f` on the tile's activation body (`kb0..kb1` of every batch row) converted to
+/// natural-order bf16 in this thread's scratch: `batch` rows of stride `ldb` (the
+/// [`natural_ld`] of the body), each zero past the body.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `lw` checked by `gemm_dispatch`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn with_natural<R>(lw: &Lowered<'_>, f: impl FnOnce(&[u16], usize) -> R) -> R {
     let klen = lw.kb1 - lw.kb0;
     let ldb = natural_ld(klen);
     NATURAL.with(|cell| {
@@ -72,7 +84,17 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
             // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
             unsafe { to_natural(src, &mut xn[b * ldb..(b + 1) * ldb]) };
         }
-        let xn = &xn[..];
+        f(&xn[..], ldb)
+    })
+}
+
+/// [`gemm`] on the converted activations.
+///
+/// # Safety
+/// As [`gemm`]; `xn` holds `lw.batch` rows of stride `ldb` written by [`with_natural`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn gemm_natural(lw: &Lowered<'_>, xn: &[u16], ldb: usize, out: &mut [f32], ld_out: usize) {
+    {
         let mut n0 = lw.n.start;
         if lw.tiled {
             // n0 starts a group (gemm_dispatch checks tiled tiles start on one).
@@ -100,7 +122,7 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
             // SAFETY: the rows n0..n.end (fewer than R, adjacent) lie inside the tile.
             unsafe { rows_dyn(lw, xn, ldb, n0, lw.n.end - n0, 1, out, ld_out) };
         }
-    });
+    }
 }
 
 /// Converts one row's body of packed fp32 activations (whole packing blocks) into natural

@@ -39,8 +39,10 @@
 //!     as a vector per weight vector (`avx2/pairs.rs` gives the measurements). A row group
 //!     is contiguous, so row slices from a multiple of 8 need no copy, and when `K` is even
 //!     and `N % 8 == 0` the buffer is exactly as long as the row-major one. Tiles on paired
-//!     weights start at a multiple of 8 rows ([`gemm_bf16`] panics otherwise). Paths other
-//!     than AVX2 compute them through the portable path.
+//!     weights start at a multiple of 8 rows ([`gemm_bf16`] panics otherwise). The AVX-512
+//!     BF16 path takes the same 32 bytes as the operand of a 256-bit `vdpbf16ps` (eight rows'
+//!     pair against a broadcast pair of activations: no widening, `avx512_pairs.rs`); the
+//!     portable path gathers rows.
 //! - Activations are *packed* once per layer input by [`pack_acts_bf16`]: fp32 `[B, K]` where
 //!   each full 16-element block of a row is reordered to `[x0, x2, .., x14, x1, x3, .., x15]`
 //!   (a row's last `K % 16` elements stay in order). The AVX2 path widens a 256-bit load of
@@ -65,7 +67,9 @@
 //!   VNNI tiles (one batch row on tiled weights: one-column tiles over four streams, no
 //!   conversion).
 //! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
-//!   the activations converted per call to natural-order bf16 (`avx512.rs`).
+//!   the activations converted per call to natural-order bf16: dot products over row-major or
+//!   tiled weights (`avx512.rs`), broadcast pairs over paired weights from batch 3
+//!   (`avx512_pairs.rs`; batches 1–2 of paired weights take the AVX2 passes).
 //! - `avx2`: the even/odd widening above (`avx2/`); tiled weights go to `portable`.
 //! - `portable`: plain Rust (tiled weights: each row's tile body is gathered into a row first).
 //!
@@ -87,6 +91,8 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_pairs;
 mod portable;
 
 /// The 16 × 16 32-bit transpose of the AMX path (the prefill attention's tiles use it too).
@@ -113,8 +119,8 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 /// weights take the AMX tiles at every batch (a tile load of a tiled block is 1 KiB in order;
 /// one batch row gets its own pass over four streams, level with the vector path on row-major
 /// weights), the AVX-512 BF16 path below AMX and the portable loops below that (the AVX2
-/// passes read rows in place); paired weights take the AVX2 passes on every path that has
-/// them.
+/// passes read rows in place); paired weights take the AVX-512 BF16 broadcast kernel from
+/// batch 3 where the path has it and the AVX2 passes below that (and on AVX2).
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
@@ -124,6 +130,7 @@ pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
             isa >= Isa::Avx2,
         );
         match layout {
+            WeightLayout::Pairs if avx512 && batch >= AVX512_PAIRS_MIN_BATCH => Isa::Avx512Bf16,
             WeightLayout::Pairs if avx2 => Isa::Avx2,
             WeightLayout::Tiled if amx => Isa::AmxBf16,
             WeightLayout::Tiled if avx512 => Isa::Avx512Bf16,
@@ -327,9 +334,11 @@ pub fn unpair_weights_bf16(t: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
 }
 
 /// Whether kernels running on `isa` stream paired weights faster than row-major ones: the
-/// AVX2 path (not the wider paths, which read row-major or tiled weights; `avx2/pairs.rs`).
+/// AVX2 path (`avx2/pairs.rs`) and the AVX-512 BF16 path (`avx512_pairs.rs`, AVX-512 BF16
+/// machines without AMX), not the AMX path, which streams tiled weights
+/// ([`tiled_weights_pay`]).
 pub fn paired_weights_pay(isa: Isa) -> bool {
-    isa == Isa::Avx2
+    matches!(isa, Isa::Avx2 | Isa::Avx512Bf16)
 }
 
 /// Length of a tiled `[rows, cols]` matrix: `rows` rounded up to 16 times `cols` rounded up to
@@ -1271,10 +1280,15 @@ fn gemm_dispatch_with(
             unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
-        Isa::Avx512Bf16 => {
+        Isa::Avx512Bf16 if pairs => {
             // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
             // Avx512Bf16 or wider when the CPU supports AVX-512 F/BW/VL and BF16; `lw` was
-            // checked above, and `path_for` gives paired weights to the AVX2 passes.
+            // checked above, paired with its first row on a group.
+            unsafe { avx512_pairs::gemm(&lw, out, ld_out) };
+            return;
+        }
+        Isa::Avx512Bf16 => {
+            // SAFETY: as above; row-major or tiled weights.
             unsafe { avx512::gemm(&lw, out, ld_out) };
             return;
         }
@@ -1305,6 +1319,12 @@ fn gemm_dispatch_with(
 /// read its tiles in 1.11× a plain read's time with 512-bit vectors and 1.03–1.06× with 256-bit
 /// ones, where the AVX2 pass took 1.01–1.03×. From batch 3 the two paths were level.
 const AVX2_STREAMS_MAX_BATCH: usize = 2;
+
+/// The least batch whose paired tiles the AVX-512 BF16 path takes (`avx512_pairs.rs`); smaller
+/// ones run the AVX2 passes over the same weights. On Zen 4 (session 44, `bench qwen3-decode
+/// --versus-isa avx2`, 20 interleaved pairs) the AVX2 passes took 0.95× the step time at
+/// 1 × 256 and 0.96× at 2 × 1024, and 1.08× at 4 × 1024.
+const AVX512_PAIRS_MIN_BATCH: usize = 3;
 
 /// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.
 #[inline]

@@ -5,21 +5,23 @@
 //! **The input projections** (`Wq_a`, `Wkv`, the compressors' and the indexer's matrices, all
 //! `[rows, hidden]`, every one run by the GEMM kernel on a whole bound matrix), where the shape
 //! is whole 16-row groups and 32-column steps, are paired (`WeightLayout::Pairs`) where the
-//! AVX2 path streams paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), as
+//! AVX2 or the AVX-512 BF16 path (without AMX) streams paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), as
 //! `Wo_a` and Qwen3's matrices are, and tiled (`WeightLayout::Tiled`) where the AMX path runs
 //! (`simpler_kernels_cpu::tiled_weights_pay`); row-major elsewhere. At 8 token rows in 12
 //! blocks a tiled matrix with its activations converted once per task streamed 30–33 GB/s
 //! against 23–26 row-major (`docs/benchmarks.md`, session 26); on Zen 3 a paired `[1024,
 //! 4096]` at 8 rows took 0.89–0.92× the time of the row-major one (`examples/dsv4_wo_a_bw`),
-//! and the FLASH CSA step's projection blocks 43–51 µs against 51–58 (`docs/dsv4.md`).
+//! and the FLASH CSA step's projection blocks 43–51 µs against 51–58 (`docs/dsv4.md`); on
+//! Zen 4 (AVX-512 BF16, no AMX) the paired `vdpbf16ps` kernel took the FLASH SWA step from
+//! 6.7–6.8 to 5.2–5.5 ms (`docs/benchmarks.md`, session 44).
 //!
-//! **`Wo_a`** takes the paired layout of the AVX2 GEMM (`WeightLayout::Pairs`) or the tiled
-//! one of the AMX path:
+//! **`Wo_a`** takes the paired layout of the AVX2 and AVX-512 BF16 GEMMs
+//! (`WeightLayout::Pairs`) or the tiled one of the AMX path:
 //!
 //! - where the worker's kernels run on the host and the shape is whole 16-row groups per
 //!   output group and 32-column steps (so every output group and every SPMD block, which start
-//!   on 16 columns of the output, start on a row group): paired where the AVX2 path streams
-//!   paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), tiled where the AMX
+//!   on 16 columns of the output, start on a row group): paired where the AVX2 or AVX-512
+//!   BF16 path streams paired weights faster (`simpler_kernels_cpu::paired_weights_pay`), tiled where the AMX
 //!   path runs (at 8 rows in blocks of 1024 rows × 4096 the tiled pass streamed 33 GB/s
 //!   against 28 row-major, `docs/benchmarks.md`, session 26);
 //! - row-major otherwise, so a device platform receives the same bytes as before.

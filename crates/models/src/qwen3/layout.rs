@@ -1,13 +1,14 @@
 //! How a resident bf16 matrix of the Qwen3 CPU kernels lies in memory: row-major, or one of
 //! the kernels' streaming orders: tiled (`simpler_kernels_cpu::tile_weights_bf16`, the AMX
-//! path's) or paired (`simpler_kernels_cpu::pair_weights_bf16`, the AVX2 path's;
+//! path's) or paired (`simpler_kernels_cpu::pair_weights_bf16`, the AVX2 and AVX-512 BF16
+//! paths';
 //! `docs/qwen3.md`, "bf16 weight layouts").
 //!
 //! The choice is a function of the matrix shape and the process's kernel path alone
 //! ([`bf16_layout`]), so the upload that writes a matrix ([`crate::qwen3::ResidentModel`]) and
 //! the Qwen3 kernels that read it (registered by [`crate::qwen3::ops::register`]) agree without
 //! the orchestration carrying a flag. The AMX path streams tiled weights faster at every batch
-//! (`simpler_kernels_cpu::tiled_weights_pay`), the AVX2 path paired ones
+//! (`simpler_kernels_cpu::tiled_weights_pay`), the AVX2 and AVX-512 BF16 paths paired ones
 //! (`simpler_kernels_cpu::paired_weights_pay`). A matrix takes either only when its shape is
 //! whole 16-row groups and 32-column steps (`rows % 16 == 0`, `cols % 32 == 0`), where both
 //! forms have exactly the row-major length and every 16-row group is contiguous, so every
@@ -18,8 +19,10 @@
 //! weights.
 //!
 //! The default ([`Bf16LayoutChoice::Streaming`]) is paired weights on the AVX2 path, where
-//! they measured faster at every decode batch and level or faster at prefill, and row-major
-//! elsewhere. Tiling stays opt-in (the CLI's `--bf16-layout tiled`): on AMX hosts tiled
+//! they measured faster at every decode batch and level or faster at prefill, and on the
+//! AVX-512 BF16 path without AMX (Zen 4: decode steps at 4, 8 and 16 × 1024 took 0.80, 0.74
+//! and 0.82× the row-major time, a 512-token prefill 0.74×; `docs/benchmarks.md`, session 44),
+//! and row-major elsewhere. Tiling stays opt-in (the CLI's `--bf16-layout tiled`): on AMX hosts tiled
 //! weights made the 16 × 1024 decode step 6.5% faster, but the 1 × 256 step 8.7% and the
 //! 4 × 1024 step 3.9% slower (the AVX2 four-stream passes over row-major weights outrun the
 //! tiled passes at 1–2 rows), and a 512-token prefill measured slower end to end while its
@@ -50,8 +53,9 @@ pub enum Bf16LayoutChoice {
     /// Tiled where [`tiled_weights_pay`] says the path streams it faster and the shape is
     /// whole groups and steps.
     Tiled,
-    /// Paired where the shape is whole groups and steps, on any path (the paths other than
-    /// AVX2 compute paired weights through the portable kernel: for tests and comparisons).
+    /// Paired where the shape is whole groups and steps, on any path (the AMX path computes
+    /// paired weights through the AVX-512 BF16 and AVX2 kernels, the portable one through its
+    /// loops: for tests and comparisons).
     Pairs,
 }
 
