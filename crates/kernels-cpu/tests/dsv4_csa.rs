@@ -247,6 +247,8 @@ fn index_scores_are_bit_identical_on_every_int8_path() {
         (2, 64, 128, 700, 3..650),
         (1, 3, 16, 5, 0..5),
         (2, 2, 64, 300, 299..300),
+        // A group of 8 heads and 4 more; a pair of key blocks whose second holds one row.
+        (3, 12, 64, 49, 15..32),
     ] {
         let nq = tokens * heads;
         let byte = |r: &mut Rng| ((r.next_u64() % 255) as i32 - 127) as i8;

@@ -9,8 +9,8 @@ mod common;
 use common::{GemmCase, Rng, all_paths};
 use proptest::prelude::*;
 use simpler_kernels_cpu::{
-    GemmTile, Isa, OutMode, PAIR_ROWS, WeightLayout, gemm_bf16, pair_weights_bf16,
-    paired_weights_pay, pairs_index, pairs_len, with_isa,
+    GemmTile, Isa, OutMode, PAIR_ROWS, WeightLayout, gemm_bf16, pair_rows_bf16_into,
+    pair_weights_bf16, paired_weights_pay, pairs_index, pairs_len, with_isa,
 };
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -81,6 +81,43 @@ fn pairs_index_places_every_element_once_and_padding_is_zero() {
     assert!(paired_weights_pay(Isa::Avx512Bf16));
     assert!(!paired_weights_pay(Isa::Portable));
     assert!(!paired_weights_pay(Isa::AmxBf16));
+}
+
+/// Pairing into a caller's buffer (a transpose per 8-row group and 16 columns where the path
+/// has AVX2) writes exactly what `pair_weights_bf16` does, padding included, over a buffer
+/// that held other values.
+#[test]
+fn pairing_into_a_buffer_matches_pair_weights_on_every_path() {
+    let mut rng = Rng(31);
+    for (rows, cols) in [
+        (1usize, 16usize),
+        (7, 32),
+        (8, 48),
+        (9, 512),
+        (33, 64),
+        (5, 100),
+        (3, 2),
+    ] {
+        let w: Vec<half::bf16> = rng
+            .vec_f32(rows * cols, 1.0)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        let want = pair_weights_bf16(&w, rows, cols);
+        for (isa, got) in all_paths("pair_rows_bf16_into", || {
+            let mut out = vec![half::bf16::from_f32(7.0); pairs_len(rows, cols).unwrap()];
+            pair_rows_bf16_into(&w, rows, cols, &mut out);
+            out
+        }) {
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} {rows}x{cols}",
+                isa.name()
+            );
+        }
+    }
 }
 
 #[test]

@@ -497,6 +497,12 @@ multiversion! {
 /// off; the sums are exact. The finish is the documented expression in the documented order
 /// (multiply, max with 0, multiply, add, heads in order from `−0.0`, no fused multiply-add),
 /// so it gives the same bits as the other paths.
+///
+/// Two key blocks (32 rows) go together against [`HEADS`] query heads: 16 independent
+/// accumulator chains, each broadcast query quad feeding two `vpdpbusd`. The first form (one
+/// block × 4 heads: four chains, a broadcast per instruction) ran at a fraction of the
+/// `vpdpbusd` rate on Zen 4, whose `vpdpbusd` has a multi-cycle latency at one a cycle
+/// (`docs/benchmarks.md`, session 44).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
@@ -504,8 +510,8 @@ mod vnni {
 
     use super::{IndexQueries, add_head_term, store_scores, transpose_keys};
 
-    /// Query heads processed together (independent accumulator chains).
-    const HEADS: usize = 4;
+    /// Query heads processed together (independent accumulator chains per key block).
+    const HEADS: usize = 8;
 
     /// # Safety
     /// AVX-512 F/BW/VNNI available; `qs` holds `tokens · heads` rows of `head_dim` (a multiple
@@ -521,7 +527,6 @@ mod vnni {
         ld_out: usize,
     ) {
         let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
-        let quads = dim / 4;
         // Query quads as unsigned bytes (`q ^ 0x80` = `q + 128`).
         let qd: Vec<i32> = qs.q[..tokens * heads * dim]
             .chunks_exact(4)
@@ -534,84 +539,152 @@ mod vnni {
                 ])
             })
             .collect();
-        let mut blk = vec![0i32; quads * 16];
-        let ones = _mm512_set1_epi8(1);
+        let mut blk = vec![0i32; 2 * dim / 4 * 16];
         let mut c0 = rows.start;
         while c0 < rows.end {
-            let n = 16.min(rows.end - c0);
-            transpose_keys(&keys[c0 * dim..(c0 + n) * dim], dim, &mut blk);
+            let left = rows.end - c0;
+            // SAFETY: forwarded contract; the blocks' rows lie in `c0..rows.end`.
+            unsafe {
+                if left > 16 {
+                    let n = [16, 16.min(left - 16)];
+                    blocks::<2>(
+                        qs, &qd, keys, key_scale, c0, n, &mut blk, rows.start, out, ld_out,
+                    );
+                    c0 += 16 + n[1];
+                } else {
+                    blocks::<1>(
+                        qs,
+                        &qd,
+                        keys,
+                        key_scale,
+                        c0,
+                        [left],
+                        &mut blk,
+                        rows.start,
+                        out,
+                        ld_out,
+                    );
+                    c0 += left;
+                }
+            }
+        }
+    }
+
+    /// The scores of `B` consecutive key blocks from row `c0` (`n[b]` rows each, at most 16;
+    /// only the last may be short) for every token.
+    ///
+    /// # Safety
+    /// As [`scores`]; the blocks' rows lie below `rows.end`; `blk` holds `B · dim / 4 · 16`
+    /// values; `qd` holds `tokens · heads · dim / 4` quads.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::too_many_arguments, reason = "one call's operands, forwarded")]
+    unsafe fn blocks<const B: usize>(
+        qs: &IndexQueries<'_>,
+        qd: &[i32],
+        keys: &[i8],
+        key_scale: &[f32],
+        c0: usize,
+        n: [usize; B],
+        blk: &mut [i32],
+        row0: usize,
+        out: &mut [f32],
+        ld_out: usize,
+    ) {
+        let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
+        let quads = dim / 4;
+        let ones = _mm512_set1_epi8(1);
+        let mut corr = [_mm512_setzero_si512(); B];
+        let mut kscale = [_mm512_setzero_ps(); B];
+        let mut mask = [0 as __mmask16; B];
+        for b in 0..B {
+            let r0 = c0 + 16 * b;
+            transpose_keys(
+                &keys[r0 * dim..(r0 + n[b]) * dim],
+                dim,
+                &mut blk[b * quads * 16..(b + 1) * quads * 16],
+            );
             // 128 · Σ_k key[l][k] per lane.
             let mut ksum = _mm512_setzero_si512();
             for j in 0..quads {
-                // SAFETY: `blk` holds `quads · 16` i32 values.
-                let k = unsafe { _mm512_loadu_si512(blk.as_ptr().add(j * 16).cast()) };
+                // SAFETY: `blk` holds `B · quads · 16` i32 values.
+                let k =
+                    unsafe { _mm512_loadu_si512(blk.as_ptr().add((b * quads + j) * 16).cast()) };
                 ksum = _mm512_dpbusd_epi32(ksum, ones, k);
             }
-            let corr = _mm512_slli_epi32::<7>(ksum);
-            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
-            // SAFETY: the mask covers `n` rows of `key_scale` from `c0` (< rows.end <= len).
-            let kscale = unsafe { _mm512_maskz_loadu_ps(mask, key_scale.as_ptr().add(c0)) };
-            let kp = blk.as_ptr();
-            for t in 0..tokens {
-                let mut acc_s = _mm512_set1_ps(-0.0);
-                // One head's finish, in head order: `relu(dot · q_scale) · weight` added.
-                macro_rules! finish {
-                    ($a:expr, $r:expr) => {{
-                        acc_s = add_head_term(acc_s, _mm512_sub_epi32($a, corr), qs, $r);
-                    }};
-                }
-                let mut h = 0;
-                while h + HEADS <= heads {
-                    let r = t * heads + h;
-                    // SAFETY: `qd` holds `quads` values for each of the `tokens · heads` rows.
-                    let q0 = unsafe { qd.as_ptr().add(r * quads) };
-                    let zi = _mm512_setzero_si512();
-                    let (mut a0, mut a1, mut a2, mut a3) = (zi, zi, zi, zi);
-                    for j in 0..quads {
-                        // SAFETY: `blk` holds `quads · 16` values; rows `r..r + 4` of `qd`
-                        // hold `quads` each.
-                        unsafe {
-                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
-                            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(*q0.add(j)), k);
-                            a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(*q0.add(quads + j)), k);
-                            a2 = _mm512_dpbusd_epi32(
-                                a2,
-                                _mm512_set1_epi32(*q0.add(2 * quads + j)),
-                                k,
-                            );
-                            a3 = _mm512_dpbusd_epi32(
-                                a3,
-                                _mm512_set1_epi32(*q0.add(3 * quads + j)),
-                                k,
-                            );
+            corr[b] = _mm512_slli_epi32::<7>(ksum);
+            mask[b] = if n[b] == 16 {
+                0xFFFF
+            } else {
+                (1u16 << n[b]) - 1
+            };
+            // SAFETY: the mask covers `n[b]` rows of `key_scale` from `r0` (< rows.end <= len).
+            kscale[b] = unsafe { _mm512_maskz_loadu_ps(mask[b], key_scale.as_ptr().add(r0)) };
+        }
+        let kp: [*const i32; B] = std::array::from_fn(|b| blk[b * quads * 16..].as_ptr());
+        let qp = qd.as_ptr();
+        for t in 0..tokens {
+            let mut acc_s = [_mm512_set1_ps(-0.0); B];
+            let mut h = 0;
+            while h + HEADS <= heads {
+                let r = t * heads + h;
+                // `a[b][i]`: block `b` against head `h + i`. Heads outer, blocks inner: each
+                // broadcast query quad meets every block's keys.
+                let mut a = [[_mm512_setzero_si512(); HEADS]; B];
+                #[allow(clippy::needless_range_loop, reason = "a[b][i]: two dimensions")]
+                for j in 0..quads {
+                    // SAFETY: each block holds `quads · 16` values; rows `r..r + HEADS` of
+                    // `qd` hold `quads` each.
+                    unsafe {
+                        let k: [__m512i; B] =
+                            std::array::from_fn(|b| _mm512_loadu_si512(kp[b].add(j * 16).cast()));
+                        for i in 0..HEADS {
+                            let q = _mm512_set1_epi32(*qp.add((r + i) * quads + j));
+                            for b in 0..B {
+                                a[b][i] = _mm512_dpbusd_epi32(a[b][i], q, k[b]);
+                            }
                         }
                     }
-                    finish!(a0, r);
-                    finish!(a1, r + 1);
-                    finish!(a2, r + 2);
-                    finish!(a3, r + 3);
-                    h += HEADS;
                 }
-                while h < heads {
-                    let r = t * heads + h;
-                    let mut a = _mm512_setzero_si512();
-                    for j in 0..quads {
-                        // SAFETY: as above.
-                        unsafe {
-                            let k = _mm512_loadu_si512(kp.add(j * 16).cast());
-                            a = _mm512_dpbusd_epi32(
-                                a,
-                                _mm512_set1_epi32(*qd.as_ptr().add(r * quads + j)),
-                                k,
-                            );
-                        }
+                // Each block's head terms in head order: `relu(dot · q_scale) · weight`.
+                #[allow(clippy::needless_range_loop, reason = "a[b][i]: two dimensions")]
+                for i in 0..HEADS {
+                    for b in 0..B {
+                        acc_s[b] =
+                            add_head_term(acc_s[b], _mm512_sub_epi32(a[b][i], corr[b]), qs, r + i);
                     }
-                    finish!(a, r);
-                    h += 1;
                 }
-                store_scores(acc_s, kscale, mask, out, t * ld_out + (c0 - rows.start));
+                h += HEADS;
             }
-            c0 += n;
+            while h < heads {
+                let r = t * heads + h;
+                let mut a = [_mm512_setzero_si512(); B];
+                for j in 0..quads {
+                    // SAFETY: as above.
+                    unsafe {
+                        let q = _mm512_set1_epi32(*qp.add(r * quads + j));
+                        for b in 0..B {
+                            a[b] = _mm512_dpbusd_epi32(
+                                a[b],
+                                q,
+                                _mm512_loadu_si512(kp[b].add(j * 16).cast()),
+                            );
+                        }
+                    }
+                }
+                for b in 0..B {
+                    acc_s[b] = add_head_term(acc_s[b], _mm512_sub_epi32(a[b], corr[b]), qs, r);
+                }
+                h += 1;
+            }
+            for b in 0..B {
+                store_scores(
+                    acc_s[b],
+                    kscale[b],
+                    mask[b],
+                    out,
+                    t * ld_out + (c0 + 16 * b - row0),
+                );
+            }
         }
     }
 }

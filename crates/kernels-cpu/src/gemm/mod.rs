@@ -315,6 +315,79 @@ pub fn pair_weights_bf16(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
     out
 }
 
+/// Writes row-major `w` (`[rows, cols]`) into `out` in the paired layout, as
+/// [`pair_weights_bf16`] does but into a caller's buffer (zero padding), so a kernel can pair a
+/// block of rows per call: where `cols` is a multiple of 16 and the CPU has AVX2, each 8-row
+/// group goes through 8 × 8 transposes of 32-bit pairs (a pair of `K` is one 32-bit lane), a
+/// load and a store per 16 elements of a row.
+///
+/// # Panics
+/// If `w.len() != rows * cols` or `out` is not [`pairs_len`]`(rows, cols)` long.
+pub fn pair_rows_bf16_into(w: &[bf16], rows: usize, cols: usize, out: &mut [bf16]) {
+    assert_eq!(
+        Some(w.len()),
+        rows.checked_mul(cols),
+        "pair_rows_bf16_into: len {} != {rows} x {cols}",
+        w.len()
+    );
+    assert_eq!(
+        Some(out.len()),
+        pairs_len(rows, cols),
+        "pair_rows_bf16_into: out len {} for {rows} x {cols}",
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if cols.is_multiple_of(16) && Isa::current() >= Isa::Avx2 {
+        // SAFETY: AVX2 (checked); the lengths were checked above.
+        unsafe { pair_rows_avx2(w, rows, cols, out) };
+        return;
+    }
+    out.fill(bf16::ZERO);
+    for (n, row) in w.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (k, &v) in row.iter().enumerate() {
+            out[pairs_index(n, k, cols)] = v;
+        }
+    }
+}
+
+/// [`pair_rows_bf16_into`] on AVX2: per 8-row group and 16 columns, the eight rows' 32 bytes
+/// (eight 32-bit pairs each) transposed so output vector `j` holds pair `j` of the eight rows.
+///
+/// # Safety
+/// AVX2 available; `cols % 16 == 0`, `w.len() == rows * cols`, `out.len() == pairs_len(rows,
+/// cols)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pair_rows_avx2(w: &[half::bf16], rows: usize, cols: usize, out: &mut [half::bf16]) {
+    use std::arch::x86_64::*;
+    assert!(cols.is_multiple_of(16) && w.len() == rows * cols);
+    assert!(out.len() >= rows.div_ceil(PAIR_ROWS) * PAIR_ROWS * cols);
+    let zero = [half::bf16::ZERO; 16];
+    for g in 0..rows.div_ceil(PAIR_ROWS) {
+        let base = g * PAIR_ROWS * cols;
+        for c in (0..cols).step_by(16) {
+            let r: [__m256; 8] = std::array::from_fn(|i| {
+                let n = g * PAIR_ROWS + i;
+                let src = if n < rows {
+                    &w[n * cols + c..n * cols + c + 16]
+                } else {
+                    &zero[..]
+                };
+                // SAFETY: `src` is 16 bf16 (32 bytes).
+                unsafe { _mm256_loadu_ps(src.as_ptr().cast()) }
+            });
+            let t = crate::simd::transpose8(r);
+            for (j, v) in t.iter().enumerate() {
+                // Pair `c / 2 + j` of the group: 16 elements at `base + (c / 2 + j) * 16`.
+                let at = base + (c / 2 + j) * 2 * PAIR_ROWS;
+                let dst = &mut out[at..at + 2 * PAIR_ROWS];
+                // SAFETY: `dst` is 16 bf16 (32 bytes).
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr().cast(), *v) };
+            }
+        }
+    }
+}
+
 /// The row-major matrix of paired `t` (`[rows, cols]`, as [`pair_weights_bf16`] wrote it).
 ///
 /// # Panics

@@ -19,7 +19,11 @@
 //!    weights and the heads' queries as the activations (AMX tiles from 16 heads, AVX-512
 //!    BF16, AVX2, portable), written into the call's `[heads, n]` scores; on AMX the queries
 //!    are converted once per call straight into the tile unit's layout (`AmxActs`: no packed
-//!    copy), elsewhere packed once ([`crate::gemm_bf16_prepared`]); where the value product
+//!    copy), elsewhere packed once ([`crate::gemm_bf16_prepared`]); on AVX-512 BF16 without
+//!    AMX each block's rows are first paired (`WeightLayout::Pairs`, a transpose per 8 rows ×
+//!    16 columns into a scratch block) so the product runs the GEMM's broadcast kernel
+//!    (`scores_take_pairs`: on Zen 4 one FLASH CSA step's core went from 6.0–6.1 to
+//!    4.0–4.1 ms a thread); where the value product
 //!    takes the rows in pairs (below), each pair of rows is interleaved into that layout as
 //!    soon as it is copied (read back from L1) or, in place, from its cache, and only one
 //!    block of plain rows is kept;
@@ -41,7 +45,10 @@ use half::bf16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::gemm::{AmxActs, gemm_bf16_amx};
-use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
+use crate::gemm::{
+    GemmTile, PreparedActs, WeightLayout, WeightsBf16, gemm_bf16_prepared, pair_rows_bf16_into,
+    pairs_len,
+};
 use crate::isa::Isa;
 use crate::math::exp2_approx;
 use crate::multiversion::multiversion;
@@ -69,6 +76,9 @@ pub struct AttnScratch {
     q: PreparedActs,
     /// bf16 queries widened, where the scores' product takes fp32 ones (not AMX).
     q_wide: Vec<f32>,
+    /// One block of rows in the paired layout, where the scores' product runs on paired
+    /// weights ([`scores_take_pairs`]).
+    rows_paired: Vec<bf16>,
     /// The queries as the AMX path's tiles alone, where that path takes the scores' product
     /// (then `q` is not made).
     #[cfg(target_arch = "x86_64")]
@@ -124,6 +134,20 @@ fn takes_pairs(path: Isa, d: usize) -> bool {
         let _ = (path, d);
         false
     }
+}
+
+/// Whether the scores' product of `heads` heads over row blocks of `d` takes the rows paired
+/// on `isa` (`WeightLayout::Pairs`, a copy per block): where the GEMM runs paired weights on
+/// its AVX-512 BF16 broadcast kernel and the queries are not AMX tiles. On row-major rows that
+/// path takes `vdpbf16ps` dot products with a horizontal sum per score, which ran the FLASH
+/// CSA step's scores at about half the `vdpbf16ps` peak on Zen 4 (`docs/benchmarks.md`,
+/// session 44); the copy is a transpose per 8 rows × 16 columns against `2 · heads` FLOPs per
+/// element.
+fn scores_take_pairs(isa: Isa, heads: usize, d: usize, q_tiles: bool) -> bool {
+    !q_tiles
+        && d.is_multiple_of(16)
+        && crate::gemm::path_for(isa, heads, WeightLayout::Pairs) == Isa::Avx512Bf16
+        && crate::gemm::path_for(isa, heads, WeightLayout::RowMajor) == Isa::Avx512Bf16
 }
 
 /// Runs of at least this many rows (adjacent in their cache) are read where they lie, by the
@@ -239,6 +263,7 @@ pub fn sparse_attention(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let q_tiles = false;
+    let scores_pairs = scores_take_pairs(Isa::current(), heads, d, q_tiles);
     if !q_tiles {
         match q {
             Queries::F32(q) => s.q.prepare_f32(q, heads, d),
@@ -356,7 +381,19 @@ pub fn sparse_attention(
         if q_tiles {
             gemm_bf16_amx(rows, &s.q_amx, &mut s.scores[j0..], n);
         }
-        if !q_tiles {
+        if scores_pairs {
+            let len = pairs_len(nb, d).expect("a block's paired size fits");
+            s.rows_paired.resize(len, bf16::ZERO);
+            pair_rows_bf16_into(rows.data(), nb, d, &mut s.rows_paired[..len]);
+            let paired = WeightsBf16::paired(&s.rows_paired[..len], nb, d);
+            gemm_bf16_prepared(
+                paired,
+                &s.q,
+                &GemmTile::full(&paired),
+                &mut s.scores[j0..],
+                n,
+            );
+        } else if !q_tiles {
             gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
         }
         if !pairs {
