@@ -409,7 +409,7 @@ fn tiled_single_row_matches_its_row_in_a_batch() {
 
 /// `path_for`, which the dispatch itself asks, never names a path wider than the one kernels
 /// run on, and follows the layouts' rules: paired weights on the AVX-512 BF16 broadcast
-/// kernel from batch 3 where that path exists and on the AVX2 passes otherwise, tiled ones on the portable loops where AVX2 is the widest path (its passes read
+/// kernel from batch 2 where that path exists and on the AVX2 passes otherwise, tiled ones on the portable loops where AVX2 is the widest path (its passes read
 /// rows in place), row-major batches of 1–2 on the AVX2 passes on every wider path.
 #[test]
 fn path_for_stays_within_the_isa_and_follows_the_layouts() {
@@ -428,7 +428,7 @@ fn path_for_stays_within_the_isa_and_follows_the_layouts() {
                     continue;
                 }
                 let want = match layout {
-                    WeightLayout::Pairs if batch >= 3 => isa.min(Isa::Avx512Bf16),
+                    WeightLayout::Pairs if batch >= 2 => isa.min(Isa::Avx512Bf16),
                     WeightLayout::Pairs => isa.min(Isa::Avx2),
                     WeightLayout::Tiled if isa == Isa::Avx2 => Isa::Portable,
                     WeightLayout::Tiled => isa,

@@ -12,13 +12,15 @@
 //! (AVX-512 VL gives 32 of them): per pair of `K`, `S` weight loads and `B` 4-byte broadcasts
 //! feed `S × B` instructions of 16 multiply-adds each.
 //!
-//! - Batch 1–4: passes of six row groups (six streams a sixth of the tile apart, each walking
+//! - Batch 2–4 (batch 1 takes the AVX2 passes, `AVX512_PAIRS_MIN_BATCH` in the parent):
+//!   passes of six row groups (six streams a sixth of the tile apart, each walking
 //!   consecutive groups) × the whole batch: 24 accumulators at 4 rows.
 //! - Batch 5 and up: passes of three row groups × runs of eight batch rows (24 accumulators);
 //!   a pass runs once per eight batch rows while its three groups sit in L1/L2.
-//! - The first run of a pass prefetches each stream [`PF_BYTES`] ahead, into the stream's
-//!   next group past the end of its current one (a stream's groups are adjacent); later runs
-//!   find the groups in cache.
+//! - A pass of one run (up to 8 batch rows) prefetches each stream [`PF_BYTES`] ahead into L2,
+//!   into the stream's next group past the end of its current one (a stream's groups are
+//!   adjacent), from 3 batch rows; with several runs each run prefetches its share of the
+//!   next pass's groups, so the weights stream through every run ([`pass`]).
 //! - The `K` range a call sums is its whole packing blocks (16 elements, 8 pairs: one loop
 //!   step), converted once per call to natural-order bf16 (`avx512::with_natural`); the
 //!   elements outside them are added per output by `edge_sum`.
@@ -36,8 +38,15 @@ const NV: usize = 3;
 const MB: usize = 8;
 /// bf16 elements of one group's pair (eight rows × two `k`).
 const PAIR_ELEMS: usize = 2 * PAIR_ROWS;
-/// How far ahead of its loads the first run of a pass prefetches each stream, in bytes.
+/// How far ahead of its loads the first run of a pass prefetches each stream, in bytes (into
+/// L2: on Zen 4 at 8 rows, one thread, 2 KiB into L1 streamed 14–15 GB/s, 4 KiB into L2
+/// 17–18; `examples/gemm_step_bw`, session 44).
 const PF_BYTES: usize = 4096;
+/// The largest batch whose single run leaves its six streams to the hardware prefetchers: at
+/// 2 × 1024 on Zen 4 the step with them alone took 0.93× the time of the AVX2 pair passes,
+/// with the prefetch 1.03× (`bench qwen3-decode --versus-isa avx2`, 20 interleaved pairs);
+/// from 4 rows the prefetch was faster (1.08× against 1.06× without it).
+const HW_PREFETCH_MAX_BATCH: usize = 2;
 
 /// Computes the tile described by `lw` (paired weights) into `out`.
 ///
@@ -127,6 +136,11 @@ unsafe fn pass<const S: usize>(
     for r in 0..runs {
         let bv = MB.min(lw.batch - b0);
         let (pf, lines) = if runs == 1 {
+            let lines = if lw.batch <= HW_PREFETCH_MAX_BATCH {
+                0
+            } else {
+                lines
+            };
             (g.map(|p| p.cast::<u8>().wrapping_add(PF_BYTES)), lines)
         } else if (r + 1) * share <= body {
             (

@@ -68,8 +68,8 @@
 //!   conversion).
 //! - `avx512-bf16` (and `amx-bf16` below batch 5): `vdpbf16ps` on the weights as they lie and
 //!   the activations converted per call to natural-order bf16: dot products over row-major or
-//!   tiled weights (`avx512.rs`), broadcast pairs over paired weights from batch 3
-//!   (`avx512_pairs.rs`; batches 1–2 of paired weights take the AVX2 passes).
+//!   tiled weights (`avx512.rs`), broadcast pairs over paired weights from batch 2
+//!   (`avx512_pairs.rs`; batch 1 of paired weights takes the AVX2 passes).
 //! - `avx2`: the even/odd widening above (`avx2/`); tiled weights go to `portable`.
 //! - `portable`: plain Rust (tiled weights: each row's tile body is gathered into a row first).
 //!
@@ -120,7 +120,7 @@ pub fn path_for_batch(isa: Isa, batch: usize) -> Isa {
 /// one batch row gets its own pass over four streams, level with the vector path on row-major
 /// weights), the AVX-512 BF16 path below AMX and the portable loops below that (the AVX2
 /// passes read rows in place); paired weights take the AVX-512 BF16 broadcast kernel from
-/// batch 3 where the path has it and the AVX2 passes below that (and on AVX2).
+/// batch 2 where the path has it and the AVX2 passes below that (and on AVX2).
 pub fn path_for(isa: Isa, batch: usize, layout: WeightLayout) -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
@@ -1395,9 +1395,9 @@ const AVX2_STREAMS_MAX_BATCH: usize = 2;
 
 /// The least batch whose paired tiles the AVX-512 BF16 path takes (`avx512_pairs.rs`); smaller
 /// ones run the AVX2 passes over the same weights. On Zen 4 (session 44, `bench qwen3-decode
-/// --versus-isa avx2`, 20 interleaved pairs) the AVX2 passes took 0.95× the step time at
-/// 1 × 256 and 0.96× at 2 × 1024, and 1.08× at 4 × 1024.
-const AVX512_PAIRS_MIN_BATCH: usize = 3;
+/// --versus-isa avx2`, 20 interleaved pairs) the AVX2 passes took 0.97× the step time at
+/// 1 × 256, and 1.045× at 2 × 1024, 1.015× at 3 and 1.077× at 4.
+const AVX512_PAIRS_MIN_BATCH: usize = 2;
 
 /// Sum over the tile's edges (outside the body `[kb0, kb1)`) for weight row `n`, batch row `b`.
 #[inline]
