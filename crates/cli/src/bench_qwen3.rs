@@ -316,7 +316,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let versus_attention = isa_flag("--versus-attention", args.versus_attention.as_deref())?;
     if let Some(isa) = versus_attention {
         let here = attention::path(Isa::detected());
-        if attention::path(isa) == here {
+        if attention::kernel_path(isa) == here {
             bail!(
                 "--versus-attention {}: this run's decode attention already runs {}; give another path",
                 isa.name(),
@@ -638,7 +638,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
-            let b_name = attention::path(isa).name();
+            let b_name = attention::kernel_path(isa).name();
             print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }
         if let (Some(vm), Some(vf)) = (&versus_model, args.versus_weights) {

@@ -559,8 +559,8 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
 }
 
 /// The process-wide decode attention cap: capped at AVX2, the all-heads kernel gives the AVX2
-/// path's bits exactly; uncapped, the thread's own path again; a path this CPU lacks is
-/// refused.
+/// path's bits exactly; uncapped, the default kernel of the thread's path again
+/// (`attention::path`); a path this CPU lacks is refused.
 #[test]
 fn decode_path_cap_selects_the_capped_path() {
     let mut rng = Rng(5);
@@ -582,7 +582,7 @@ fn decode_path_cap_selects_the_capped_path() {
     assert_eq!(capped, avx2);
     assert_eq!(
         run(),
-        with_isa(Isa::detected(), run).expect("detected path")
+        with_isa(attention::path(Isa::detected()), run).expect("the default kernel's path")
     );
 }
 

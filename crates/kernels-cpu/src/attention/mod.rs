@@ -54,11 +54,33 @@ mod prefill;
 
 pub use prefill::{PrefillRows, PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
-/// The path the model's decode attention ([`decode_attention_heads_bf16`]) takes when kernels
-/// run on `isa`: AVX-512 BF16 (`vdpbf16ps` scores; AMX adds nothing to a one-query product),
-/// AVX2 or portable. The single-head [`decode_attention_partial_bf16`] and the prefill
-/// fallback stop at AVX2 ([`vector_path`]).
+/// The kernel the model's decode attention ([`decode_attention_heads_bf16`]) takes by default
+/// when kernels run on `isa`: the AVX-512 BF16 kernel (`vdpbf16ps` scores; AMX adds nothing to
+/// a one-query product) on the AMX path, the AVX2 kernel on the AVX-512 BF16 path without AMX
+/// and on AVX2, else portable. The single-head [`decode_attention_partial_bf16`] and the
+/// prefill fallback stop at AVX2 ([`vector_path`]).
+///
+/// Why AVX2 below AMX: on Zen 4 (AVX-512 BF16 without AMX, 512-bit operations on 256-bit
+/// pipes) the AVX2 kernel took 0.975, 0.962 and 0.975× the decode step time of the AVX-512
+/// one at 1 × 256, 4 × 1024 and 16 × 1024 (`bench qwen3-decode --versus-attention avx2`, 20
+/// interleaved pairs; the phase alone at 16 × 1024 1.22× a plain read against 1.38×,
+/// `examples/attn_bw`), while on the AMX Xeon the AVX-512 kernel was the faster one
+/// (`docs/benchmarks.md`, sessions 30 and 44). An explicit choice (a [`with_isa`] override,
+/// [`set_process_decode_path`]) runs that path's own kernel ([`kernel_path`]).
+///
+/// [`with_isa`]: crate::with_isa
 pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
+    use crate::isa::Isa;
+    match isa {
+        Isa::AmxBf16 => Isa::Avx512Bf16,
+        Isa::Avx512Bf16 => Isa::Avx2,
+        other => other,
+    }
+}
+
+/// The decode attention kernel an explicit choice of `isa` runs: that path's own (the AVX-512
+/// BF16 kernel from AVX-512 BF16 up).
+pub fn kernel_path(isa: crate::isa::Isa) -> crate::isa::Isa {
     isa.min(crate::isa::Isa::Avx512Bf16)
 }
 
@@ -83,14 +105,16 @@ pub fn set_process_decode_path(isa: Option<crate::isa::Isa>) -> bool {
     true
 }
 
-/// The path [`decode_attention_heads_bf16`] runs on now: the thread's path, capped by
-/// [`set_process_decode_path`].
+/// The kernel [`decode_attention_heads_bf16`] runs now: the thread's path capped by
+/// [`set_process_decode_path`] where a cap is set, the path of a [`crate::with_isa`] override
+/// where one is active (both [`kernel_path`]), else [`path`] of the thread's path.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn decode_isa() -> crate::isa::Isa {
     let cur = crate::isa::Isa::current();
     match DECODE_CAP.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => cur,
-        i => cur.min(crate::isa::Isa::ALL[usize::from(i) - 1]),
+        0 if crate::isa::thread_override().is_some() => kernel_path(cur),
+        0 => path(cur),
+        i => kernel_path(cur.min(crate::isa::Isa::ALL[usize::from(i) - 1])),
     }
 }
 
