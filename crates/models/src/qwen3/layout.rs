@@ -20,8 +20,8 @@
 //!
 //! The default ([`Bf16LayoutChoice::Streaming`]) is paired weights on the AVX2 path, where
 //! they measured faster at every decode batch and level or faster at prefill, and on the
-//! AVX-512 BF16 path without AMX (Zen 4: decode steps at 4, 8 and 16 × 1024 took 0.80, 0.74
-//! and 0.82× the row-major time, a 512-token prefill 0.74×; `docs/benchmarks.md`, session 44),
+//! AVX-512 BF16 path without AMX (Zen 4: decode steps at 4, 8 and 16 × 1024 took 0.79, 0.76
+//! and 0.83× the row-major time, a 512-token prefill 0.74×; `docs/benchmarks.md`, session 44),
 //! and row-major elsewhere. Tiling stays opt-in (the CLI's `--bf16-layout tiled`): on AMX hosts tiled
 //! weights made the 16 × 1024 decode step 6.5% faster, but the 1 × 256 step 8.7% and the
 //! 4 × 1024 step 3.9% slower (the AVX2 four-stream passes over row-major weights outrun the
