@@ -27,8 +27,9 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::store_rows8;
 use super::avx512::with_natural;
-use super::{Lowered, OutMode, PAIR_ROWS, edge_sum, finish};
+use super::{Lowered, PAIR_ROWS};
 
 /// Row groups per pass at 1–4 batch rows.
 const NV_SMALL: usize = 6;
@@ -241,10 +242,9 @@ fn pbh(v: __m256i) -> __m256bh {
     unsafe { std::mem::transmute::<__m256i, __m256bh>(v) }
 }
 
-/// Writes the finished run: group `groups[s]`, batch row `b0 + b` from `acc[s][b]`, a vector
-/// of eight rows at a time where all eight lie in the tile and the tile has no edge elements,
-/// else row by row.
-#[target_feature(enable = "avx512f,avx512vl")]
+/// Writes the finished run: group `groups[s]`, batch row `b0 + b` from `acc[s][b]`
+/// (`avx2::store_rows8` each).
+#[target_feature(enable = "avx2,fma")]
 fn store<const S: usize, const B: usize>(
     lw: &Lowered<'_>,
     acc: &[[__m256; B]; S],
@@ -253,37 +253,9 @@ fn store<const S: usize, const B: usize>(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    let edges = lw.has_edges();
     for (s, &gg) in groups.iter().enumerate() {
-        let n0 = gg * PAIR_ROWS;
         for (b, &v) in acc[s].iter().enumerate() {
-            let bb = b0 + b;
-            if !edges && n0 + PAIR_ROWS <= lw.n.end {
-                let v = match lw.scale {
-                    Some(sc) => _mm256_mul_ps(v, _mm256_set1_ps(sc[bb])),
-                    None => v,
-                };
-                let at = bb * ld_out + (n0 - lw.n.start);
-                let o = &mut out[at..at + PAIR_ROWS];
-                // SAFETY: `o` is eight floats (unaligned loads and stores).
-                unsafe {
-                    let v = match lw.mode {
-                        OutMode::Store => v,
-                        OutMode::Add => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
-                    };
-                    _mm256_storeu_ps(o.as_mut_ptr(), v);
-                }
-            } else {
-                let mut lanes = [0.0f32; PAIR_ROWS];
-                // SAFETY: eight floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-                for (i, &sum) in lanes.iter().enumerate() {
-                    let n = n0 + i;
-                    if n < lw.n.end {
-                        finish(lw, out, ld_out, n, bb, sum + edge_sum(lw, n, bb));
-                    }
-                }
-            }
+            store_rows8(lw, v, gg * PAIR_ROWS, b0 + b, out, ld_out);
         }
     }
 }

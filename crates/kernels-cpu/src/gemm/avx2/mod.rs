@@ -33,6 +33,7 @@ mod panel;
 mod quad;
 
 pub(super) use pairs::gemm as gemm_pairs;
+pub(super) use pairs::store_rows8;
 
 /// Prefetch distance along a row of the bandwidth-bound passes (batch 1–2), in bf16 elements
 /// (512 B). On Zen 3 (one core, the 0.6B projections, passes of each distance alternating in

@@ -514,9 +514,8 @@ unsafe fn run_3x4<const S: usize, const B: usize>(run: &Run<S, B>, acc: &mut Acc
     acc[..12].copy_from_slice(&[a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]);
 }
 
-/// Writes the finished block: group `groups[s]`, batch row `b0 + b` from `acc[QB * s + b]`,
-/// a vector of eight rows at a time where all eight lie in the tile and the tile has no edge
-/// elements, else row by row.
+/// Writes the finished block: group `groups[s]`, batch row `b0 + b` from `acc[QB * s + b]`
+/// ([`store_rows8`] each).
 #[target_feature(enable = "avx2,fma")]
 fn store(
     lw: &Lowered<'_>,
@@ -527,37 +526,48 @@ fn store(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    let edges = lw.has_edges();
     for (s, &gg) in groups.iter().enumerate() {
-        let n0 = gg * PAIR_ROWS;
         for b in 0..bv {
-            let v = acc[QB * s + b];
-            let bb = b0 + b;
-            if !edges && n0 + PAIR_ROWS <= lw.n.end {
-                let v = match lw.scale {
-                    Some(sc) => _mm256_mul_ps(v, _mm256_set1_ps(sc[bb])),
-                    None => v,
-                };
-                let at = bb * ld_out + (n0 - lw.n.start);
-                let o = &mut out[at..at + PAIR_ROWS];
-                // SAFETY: `o` is eight floats (unaligned loads and stores).
-                unsafe {
-                    let v = match lw.mode {
-                        super::super::OutMode::Store => v,
-                        super::super::OutMode::Add => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
-                    };
-                    _mm256_storeu_ps(o.as_mut_ptr(), v);
-                }
-            } else {
-                let mut lanes = [0.0f32; PAIR_ROWS];
-                // SAFETY: eight floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-                for (i, &sum) in lanes.iter().enumerate() {
-                    let n = n0 + i;
-                    if n < lw.n.end {
-                        finish(lw, out, ld_out, n, bb, sum + edge_sum(lw, n, bb));
-                    }
-                }
+            store_rows8(lw, acc[QB * s + b], gg * PAIR_ROWS, b0 + b, out, ld_out);
+        }
+    }
+}
+
+/// Writes the sums of output rows `n0..n0 + 8` for batch row `bb` (lane `i`: row `n0 + i`):
+/// one vector where all eight rows lie in the tile and the tile has no edge elements, else
+/// row by row with each row's edge sum. Shared by the paired kernels of every path.
+#[target_feature(enable = "avx2,fma")]
+pub(in crate::gemm) fn store_rows8(
+    lw: &Lowered<'_>,
+    v: __m256,
+    n0: usize,
+    bb: usize,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    if !lw.has_edges() && n0 + PAIR_ROWS <= lw.n.end {
+        let v = match lw.scale {
+            Some(sc) => _mm256_mul_ps(v, _mm256_set1_ps(sc[bb])),
+            None => v,
+        };
+        let at = bb * ld_out + (n0 - lw.n.start);
+        let o = &mut out[at..at + PAIR_ROWS];
+        // SAFETY: `o` is eight floats (unaligned loads and stores).
+        unsafe {
+            let v = match lw.mode {
+                super::super::OutMode::Store => v,
+                super::super::OutMode::Add => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
+            };
+            _mm256_storeu_ps(o.as_mut_ptr(), v);
+        }
+    } else {
+        let mut lanes = [0.0f32; PAIR_ROWS];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+        for (i, &sum) in lanes.iter().enumerate() {
+            let n = n0 + i;
+            if n < lw.n.end {
+                finish(lw, out, ld_out, n, bb, sum + edge_sum(lw, n, bb));
             }
         }
     }
