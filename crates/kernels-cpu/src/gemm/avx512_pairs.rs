@@ -29,7 +29,7 @@ use std::arch::x86_64::*;
 
 use super::avx2::store_rows8;
 use super::avx512::with_natural;
-use super::{Lowered, PAIR_ROWS};
+use super::{Lowered, PAIR_ROWS, pass_groups};
 
 /// Row groups per pass at 1–4 batch rows.
 const NV_SMALL: usize = 6;
@@ -66,22 +66,14 @@ pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
             let nv = if lw.batch <= 4 { NV_SMALL } else { NV };
             let len = (g1 - g0) / nv;
             for i in 0..len {
-                let groups: [usize; NV_SMALL] = std::array::from_fn(|s| g0 + s * len + i);
-                // Each stream's next group, or past the streams the groups left over.
-                let next: [usize; NV_SMALL] = std::array::from_fn(|s| {
-                    if i + 1 < len {
-                        groups[s] + 1
-                    } else {
-                        g0 + nv * len + s
-                    }
-                });
                 // SAFETY: the groups lie inside the tile (`s * len + i < nv * len <= g1 -
                 // g0`); forwarded contract.
                 if nv == NV_SMALL {
+                    let (groups, next) = pass_groups::<NV_SMALL>(g0, len, i);
                     pass::<NV_SMALL>(lw, xn, ldb, groups, next, out, ld_out);
                 } else {
-                    let three = |a: [usize; NV_SMALL]| [a[0], a[1], a[2]];
-                    pass::<NV>(lw, xn, ldb, three(groups), three(next), out, ld_out);
+                    let (groups, next) = pass_groups::<NV>(g0, len, i);
+                    pass::<NV>(lw, xn, ldb, groups, next, out, ld_out);
                 }
             }
             for gg in g0 + nv * len..g1 {

@@ -286,6 +286,23 @@ pub const fn pairs_len(rows: usize, cols: usize) -> Option<usize> {
     }
 }
 
+/// The row groups of pass `i` of a paired tile's `S` streams (groups `g0..`, `len` passes a
+/// stream, each stream walking consecutive groups `len` apart from the next stream's), and
+/// each stream's next group: its own next one, or after the last pass, one of the groups left
+/// over past the streams. The paired kernels of every path walk their tiles this way.
+#[cfg(target_arch = "x86_64")]
+fn pass_groups<const S: usize>(g0: usize, len: usize, i: usize) -> ([usize; S], [usize; S]) {
+    let groups: [usize; S] = std::array::from_fn(|s| g0 + s * len + i);
+    let next = std::array::from_fn(|s| {
+        if i + 1 < len {
+            groups[s] + 1
+        } else {
+            g0 + S * len + s
+        }
+    });
+    (groups, next)
+}
+
 /// Where element `(n, k)` of a paired matrix of `cols` columns lies.
 #[inline]
 pub const fn pairs_index(n: usize, k: usize, cols: usize) -> usize {

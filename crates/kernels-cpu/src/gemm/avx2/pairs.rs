@@ -87,15 +87,7 @@ pub(in crate::gemm) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: us
     }
     let len = (g1 - g0) / NV;
     for i in 0..len {
-        let groups: [usize; NV] = std::array::from_fn(|s| g0 + s * len + i);
-        // Each stream's next group, or past the streams the groups left over.
-        let next: [usize; NV] = std::array::from_fn(|s| {
-            if i + 1 < len {
-                groups[s] + 1
-            } else {
-                g0 + NV * len + s
-            }
-        });
+        let (groups, next) = super::super::pass_groups::<NV>(g0, len, i);
         // SAFETY: the groups lie inside the tile (`s * len + i < NV * len <= g1 - g0`).
         unsafe { pass::<NV>(lw, groups, next, out, ld_out) };
     }
