@@ -75,10 +75,10 @@ pub(crate) struct DecodeBenchArgs {
     /// interleaved int8) goes through its portable loops, so B is not that path's own speed.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
-    /// Also compare this run's decode attention path with another (`portable`, `avx2`,
-    /// `avx512-bf16`; the GEMM and every other kernel keep this run's path), step against step
-    /// in this process: interleaved steps A B B A .. and the median of the paired B/A ratios with its
-    /// 95% interval.
+    /// Also compare this run's decode attention kernel with another (`portable`, `avx2`,
+    /// `avx512-bf16`, `avx512-bf16-heads`; the GEMM and every other kernel keep this run's
+    /// path), step against step in this process: interleaved steps A B B A .. and the median of
+    /// the paired B/A ratios with its 95% interval.
     #[arg(long, value_name = "PATH")]
     versus_attention: Option<String>,
     /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
@@ -313,14 +313,21 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
-    let versus_attention = isa_flag("--versus-attention", args.versus_attention.as_deref())?;
-    if let Some(isa) = versus_attention {
+    let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
+    if let Some(kernel) = versus_attention {
         let here = attention::path(Isa::detected());
-        if attention::kernel_path(isa) == here {
+        if kernel == here {
             bail!(
-                "--versus-attention {}: this run's decode attention already runs {}; give another path",
-                isa.name(),
-                here.name()
+                "--versus-attention {}: this run's decode attention already runs it; give another kernel",
+                kernel.name()
+            );
+        }
+        if kernel.isa() > Isa::detected() {
+            bail!(
+                "--versus-attention {}: it runs on {}, above this run's path {}",
+                kernel.name(),
+                kernel.isa().name(),
+                Isa::detected().name()
             );
         }
     }
@@ -623,7 +630,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             let b_name = path_for_batch(isa, batch).name();
             print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }
-        if let Some(isa) = versus_attention {
+        if let Some(kernel) = versus_attention {
             let c = ab_switched(
                 &mut session,
                 &case,
@@ -631,14 +638,14 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 &cfg,
                 (args.rounds, args.warmup),
                 |b| {
-                    attention::set_process_decode_path(b.then_some(isa));
+                    attention::set_process_decode_kernel(b.then_some(kernel));
                 },
             )?;
             println!(
-                "  decode attention paths compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
+                "  decode attention kernels compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
             let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
-            let b_name = attention::kernel_path(isa).name();
+            let b_name = kernel.name();
             print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }
         if let (Some(vm), Some(vf)) = (&versus_model, args.versus_weights) {
@@ -725,6 +732,23 @@ pub(crate) fn isa_flag(flag: &str, name: Option<&str>) -> Result<Option<Isa>> {
             Some(isa) if isa.is_supported() => Ok(Some(isa)),
             Some(isa) => bail!("{flag} {}: this CPU cannot run it", isa.name()),
             None => bail!("{flag} {name:?}: not one of {:?}", Isa::ALL.map(Isa::name)),
+        },
+    }
+}
+
+/// The decode attention kernel `--versus-attention` names, refused unless it is one this CPU
+/// runs.
+fn decode_kernel_flag(name: Option<&str>) -> Result<Option<attention::DecodeKernel>> {
+    use attention::DecodeKernel;
+    match name {
+        None => Ok(None),
+        Some(name) => match DecodeKernel::from_name(name) {
+            Some(k) if k.is_supported() => Ok(Some(k)),
+            Some(k) => bail!("--versus-attention {}: this CPU cannot run it", k.name()),
+            None => bail!(
+                "--versus-attention {name:?}: not one of {:?}",
+                DecodeKernel::ALL.map(DecodeKernel::name)
+            ),
         },
     }
 }

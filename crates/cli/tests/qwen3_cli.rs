@@ -571,7 +571,7 @@ fn bench_qwen3_decode_compares_decode_attention_paths() {
     assert_contains_all(
         &so,
         &[
-            "decode attention paths compared",
+            "decode attention kernels compared",
             "[B: portable]",
             "median of paired ratios B/A",
         ],

@@ -8,7 +8,7 @@
 //! own pools (cold, as in a step), each sequence cut into chunks of about `--chunk` tokens (the
 //! plan's 256 at these shapes; one task per chunk, every KV head), the tasks claimed by
 //! `--threads` threads (2, the step's) in order, a barrier between layers. The named paths
-//! alternate round by round: decode paths (`set_process_decode_path`), `read` (a plain read of
+//! alternate round by round: decode kernels (`set_process_decode_kernel`: `avx2`, `avx512-bf16`, `avx512-bf16-heads`, ..), `read` (a plain read of
 //! each task's rows in address order), `read-split:N[kv]` (the same rows as `N` far-apart
 //! streams read side by side, 128 bytes of each in turn; `kv`: K's and V's together),
 //! `read-heads:N` (the kernel's access pattern without its arithmetic, `N` heads per pass) and
@@ -51,7 +51,7 @@ fn main() {
             get("--rounds", 9),
             get("--chunk", PLAN_CHUNK),
             get("--threads", 2).max(1),
-            &common::arg("--paths").unwrap_or_else(|| "avx512-bf16,amx-bf16".into()),
+            &common::arg("--paths").unwrap_or_else(|| "avx2,avx512-bf16,avx512-bf16-heads".into()),
         );
         return;
     }
@@ -194,7 +194,7 @@ fn plan_phase(
     threads: usize,
     paths: &str,
 ) {
-    use simpler_kernels_cpu::isa::Isa;
+    use simpler_kernels_cpu::attention::DecodeKernel;
     use std::sync::Barrier;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let (hd, page) = (HD, PAGE);
@@ -202,7 +202,7 @@ fn plan_phase(
     let row = kv_heads * hd;
     // `None`: the plain read pass over the same rows.
     let names: Vec<&str> = paths.split(',').collect();
-    let paths: Vec<Option<Isa>> = paths
+    let paths: Vec<Option<DecodeKernel>> = paths
         .split(',')
         .map(|n| match n {
             "read" => None,
@@ -212,7 +212,7 @@ fn plan_phase(
             {
                 None
             }
-            _ => Some(Isa::from_name(n).unwrap_or_else(|| panic!("unknown path {n:?}"))),
+            _ => Some(DecodeKernel::from_name(n).unwrap_or_else(|| panic!("unknown kernel {n:?}"))),
         })
         .collect();
     let mut rnd = uniform_bf16(0x2545_F491_4F6C_DD1D);
@@ -240,7 +240,7 @@ fn plan_phase(
         for (pi, &path) in paths.iter().enumerate() {
             if let Some(path) = path {
                 assert!(
-                    simpler_kernels_cpu::attention::set_process_decode_path(Some(path)),
+                    simpler_kernels_cpu::attention::set_process_decode_kernel(Some(path)),
                     "this CPU lacks {}",
                     path.name()
                 );
@@ -358,7 +358,7 @@ fn plan_phase(
             }
         }
     }
-    assert!(simpler_kernels_cpu::attention::set_process_decode_path(
+    assert!(simpler_kernels_cpu::attention::set_process_decode_kernel(
         None
     ));
     let stat = |v: &mut Vec<f64>| {

@@ -121,13 +121,6 @@ thread_local! {
     static OVERRIDE: Cell<Option<Isa>> = const { Cell::new(None) };
 }
 
-/// The [`with_isa`] override active on this thread, if any: a kernel whose default choice of
-/// code differs from its path's own code (the decode attention) takes the named path's code
-/// under an explicit override, so tests reach every kernel the CPU can run.
-pub(crate) fn thread_override() -> Option<Isa> {
-    OVERRIDE.with(Cell::get)
-}
-
 /// Runs `f` with every kernel called on this thread taking the `isa` path.
 ///
 /// Returns `None` (without running `f`) when this CPU cannot run `isa`.

@@ -337,7 +337,7 @@ proptest! {
         let (t0, t1) = (rng.below(len), rng.below(len));
         let tokens = t0.min(t1)..t0.max(t1) + 1;
         let rec = partial_len(group, hd);
-        let ran = common::all_paths("decode attention, all heads", || {
+        let ran = all_decode_kernels("decode attention, all heads", || {
             let mut all = vec![0.0f32; kv_heads * rec];
             decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], tokens.clone(), 0.1, &mut all);
             all
@@ -348,8 +348,8 @@ proptest! {
                 decode_attention_partial_bf16(&q, group, &st.kv(), &st.tables[0], g, tokens.clone(), 0.1, part);
             }
         });
-        for (isa, out) in &ran {
-            if *isa == Isa::Portable {
+        for (kernel, out) in &ran {
+            if *kernel == "portable" {
                 common::assert_close(out, &per_head, 1e-4, 1e-5, "portable all heads vs per head");
                 continue;
             }
@@ -357,7 +357,7 @@ proptest! {
             for (x, y) in out.chunks_exact(hd + 2).zip(per_head.chunks_exact(hd + 2)) {
                 let ox: Vec<f32> = x[2..].iter().map(|v| v / x[1]).collect();
                 let oy: Vec<f32> = y[2..].iter().map(|v| v / y[1]).collect();
-                common::assert_close(&ox, &oy, 5e-3, 1e-3, isa.name());
+                common::assert_close(&ox, &oy, 5e-3, 1e-3, kernel);
             }
         }
     }
@@ -384,6 +384,26 @@ fn combine_of_partials_equals_one_chunk() {
     );
 }
 
+/// Runs `f` with every decode attention kernel this CPU has (`attention::with_decode_kernel`,
+/// the portable one first), printing the kernels run and skipped so a test log says what it
+/// covered: each path's own kernels, and both AVX-512 BF16 ones (token- and head-major) on any
+/// CPU with that path.
+fn all_decode_kernels<R>(what: &str, f: impl Fn() -> R) -> Vec<(&'static str, R)> {
+    let mut ran = Vec::new();
+    let mut skipped = Vec::new();
+    for k in attention::DecodeKernel::ALL {
+        match attention::with_decode_kernel(k, &f) {
+            Some(r) => ran.push((k.name(), r)),
+            None => skipped.push(k.name()),
+        }
+    }
+    println!(
+        "{what}: ran {:?}; skipped (not on this CPU) {skipped:?}",
+        ran.iter().map(|(k, _)| *k).collect::<Vec<_>>()
+    );
+    ran
+}
+
 /// Classifies a value for the path comparison: the same class and, when finite, close.
 fn same_class(a: f32, b: f32) -> bool {
     (a.is_nan() && b.is_nan())
@@ -393,14 +413,13 @@ fn same_class(a: f32, b: f32) -> bool {
 
 /// Every path's outputs in `ran` (the portable path's first) against the portable path's,
 /// element by element, with [`same_class`] (a key was set to `poison`).
-fn assert_same_classes_as_portable(ran: &[(Isa, Vec<f32>)], poison: f32) {
+fn assert_same_classes_as_portable<P: std::fmt::Debug>(ran: &[(P, Vec<f32>)], poison: f32) {
     let (_, p) = &ran[0];
-    for (isa, out) in &ran[1..] {
+    for (path, out) in &ran[1..] {
         for (i, (&x, &y)) in p.iter().zip(out).enumerate() {
             assert!(
                 same_class(x, y),
-                "key {poison}, element {i}: portable {x} vs {} {y}",
-                isa.name()
+                "key {poison}, element {i}: portable {x} vs {path:?} {y}"
             );
         }
     }
@@ -501,7 +520,7 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             ps / 2 + 1..4 * ps - 2,
         ] {
             let rec = partial_len(group, hd);
-            let ran = common::all_paths("decode attention vs reference", || {
+            let ran = all_decode_kernels("decode attention vs reference", || {
                 let mut all = vec![0.0f32; kv_heads * rec];
                 decode_attention_heads_bf16(
                     &q,
@@ -514,15 +533,14 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
                 );
                 all
             });
-            for (isa, out) in &ran {
+            for (kernel, out) in &ran {
                 for h in 0..kv_heads * group {
                     let qh = to_f32(&q[h * hd..(h + 1) * hd]);
                     let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
                     let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
                     let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
                     let what = format!(
-                        "{} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}",
-                        isa.name()
+                        "{kernel} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}"
                     );
                     common::assert_close(&got, &want, 5e-3, 2e-2, &what);
                 }
@@ -547,7 +565,7 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
         let at = (s.tables[0][0] as usize * ps + 9) * kv_heads * hd + hd + 5;
         s.k[at] = bf16::from_f32(poison);
         let rec = partial_len(group, hd);
-        let ran = common::all_paths("decode attention, non-finite key", || {
+        let ran = all_decode_kernels("decode attention, non-finite key", || {
             let mut all = vec![0.0f32; kv_heads * rec];
             decode_attention_heads_bf16(&q, group, &s.kv(), &s.tables[0], 0..40, 0.125, &mut all);
             all.chunks_exact(hd + 2)
@@ -558,11 +576,14 @@ fn all_heads_non_finite_keys_agree_on_every_path() {
     }
 }
 
-/// The process-wide decode attention cap: capped at AVX2, the all-heads kernel gives the AVX2
-/// path's bits exactly; uncapped, the default kernel of the thread's path again
-/// (`attention::path`); a path this CPU lacks is refused.
+/// Choosing a decode attention kernel: on a thread, `with_decode_kernel` gives that kernel's
+/// bits whatever the process chose, and restores the thread's default after; process-wide,
+/// `set_process_decode_kernel` runs the chosen kernel on threads whose path allows it (a
+/// thread on a lower path keeps its own kernel) until reset; a kernel this CPU lacks is
+/// refused by both. Each path's default is `attention::path`'s kernel.
 #[test]
-fn decode_path_cap_selects_the_capped_path() {
+fn decode_kernel_choice_selects_the_kernel() {
+    use attention::DecodeKernel;
     let mut rng = Rng(5);
     let (kv_heads, group, hd) = (2usize, 2usize, 128usize);
     let st = Setup::new(1, 3, kv_heads, hd, 16, &mut rng);
@@ -572,18 +593,44 @@ fn decode_path_cap_selects_the_capped_path() {
         decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], 3..45, 0.1, &mut all);
         all
     };
-    let Some(avx2) = with_isa(Isa::Avx2, run) else {
-        assert!(!attention::set_process_decode_path(Some(Isa::Avx2)));
-        return;
-    };
-    assert!(attention::set_process_decode_path(Some(Isa::Avx2)));
-    let capped = run();
-    assert!(attention::set_process_decode_path(None));
-    assert_eq!(capped, avx2);
-    assert_eq!(
-        run(),
-        with_isa(attention::path(Isa::detected()), run).expect("the default kernel's path")
-    );
+    let by_kernel: Vec<(DecodeKernel, Vec<f32>)> = DecodeKernel::ALL
+        .into_iter()
+        .filter_map(|k| attention::with_decode_kernel(k, run).map(|r| (k, r)))
+        .collect();
+    for k in DecodeKernel::ALL {
+        assert_eq!(DecodeKernel::from_name(k.name()), Some(k));
+        if !k.is_supported() {
+            assert!(attention::with_decode_kernel(k, run).is_none());
+            assert!(!attention::set_process_decode_kernel(Some(k)));
+        }
+    }
+    // Each path this CPU has runs its default kernel's bits.
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        let want = &by_kernel
+            .iter()
+            .find(|(k, _)| *k == attention::path(isa))
+            .expect("supported")
+            .1;
+        assert_eq!(
+            &with_isa(isa, run).expect("supported"),
+            want,
+            "{}",
+            isa.name()
+        );
+    }
+    // The thread's choice wins over the process's, and both are undone.
+    let (first, first_out) = &by_kernel[0];
+    let (last, last_out) = by_kernel.last().expect("portable at least");
+    assert!(attention::set_process_decode_kernel(Some(*last)));
+    let chosen = attention::with_decode_kernel(*first, run).expect("supported");
+    let process = run();
+    // A thread on the portable path keeps its own kernel under a vector kernel's choice.
+    let portable = with_isa(Isa::Portable, run).expect("portable");
+    assert!(attention::set_process_decode_kernel(None));
+    assert_eq!(&chosen, first_out);
+    assert_eq!(&process, last_out);
+    assert_eq!(&portable, &by_kernel[0].1);
+    assert_eq!(run(), with_isa(Isa::current(), run).expect("current"));
 }
 
 /// The causal prefill rows on every path against the portable one and the fp64 reference at

@@ -54,67 +54,142 @@ mod prefill;
 
 pub use prefill::{PrefillRows, PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
 
-/// The kernel the model's decode attention ([`decode_attention_heads_bf16`]) takes by default
-/// when kernels run on `isa`: the AVX-512 BF16 kernel (`vdpbf16ps` scores; AMX adds nothing to
-/// a one-query product) on the AMX path, the AVX2 kernel on the AVX-512 BF16 path without AMX
-/// and on AVX2, else portable. The single-head [`decode_attention_partial_bf16`] and the
-/// prefill fallback stop at AVX2 ([`vector_path`]).
-///
-/// Why AVX2 below AMX: on Zen 4 (AVX-512 BF16 without AMX, 512-bit operations on 256-bit
-/// pipes) the AVX2 kernel took 0.975, 0.962 and 0.975× the decode step time of the AVX-512
-/// one at 1 × 256, 4 × 1024 and 16 × 1024 (`bench qwen3-decode --versus-attention avx2`, 20
-/// interleaved pairs; the phase alone at 16 × 1024 1.22× a plain read against 1.38×,
-/// `examples/attn_bw`), while on the AMX Xeon the AVX-512 kernel was the faster one
-/// (`docs/benchmarks.md`, sessions 30 and 44). An explicit choice (a [`with_isa`] override,
-/// [`set_process_decode_path`]) runs that path's own kernel ([`kernel_path`]).
-///
-/// [`with_isa`]: crate::with_isa
-pub fn path(isa: crate::isa::Isa) -> crate::isa::Isa {
-    use crate::isa::Isa;
-    match isa {
-        Isa::AmxBf16 => Isa::Avx512Bf16,
-        Isa::Avx512Bf16 => Isa::Avx2,
-        other => other,
+/// A kernel of the all-heads decode attention ([`decode_attention_heads_bf16`], what the model
+/// runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DecodeKernel {
+    /// Plain loops, one KV head at a time.
+    Portable,
+    /// AVX2 + FMA, token-major: each pool row read whole for every head, groups 1–4 as several
+    /// far-apart streams; K and V widened to fp32.
+    Avx2,
+    /// AVX-512 BF16, token-major: the AVX2 kernel's walk and `p · V`, the scores on `vdpbf16ps`
+    /// (bf16 queries and keys as they are).
+    Avx512Bf16,
+    /// AVX-512 BF16, head-major: each 32-token run worked head by head with the next heads'
+    /// slices prefetched, 16 rows' scores reduced together, `p · V` on 512-bit vectors.
+    Avx512Bf16Heads,
+}
+
+impl DecodeKernel {
+    /// Every kernel, in order of the instruction set they need.
+    pub const ALL: [DecodeKernel; 4] = [
+        DecodeKernel::Portable,
+        DecodeKernel::Avx2,
+        DecodeKernel::Avx512Bf16,
+        DecodeKernel::Avx512Bf16Heads,
+    ];
+
+    /// The name benches print and flags take.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeKernel::Portable => "portable",
+            DecodeKernel::Avx2 => "avx2",
+            DecodeKernel::Avx512Bf16 => "avx512-bf16",
+            DecodeKernel::Avx512Bf16Heads => "avx512-bf16-heads",
+        }
+    }
+
+    /// The kernel of that [`name`](DecodeKernel::name).
+    pub fn from_name(name: &str) -> Option<DecodeKernel> {
+        DecodeKernel::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// The instruction set the kernel runs on.
+    pub fn isa(self) -> crate::isa::Isa {
+        use crate::isa::Isa;
+        match self {
+            DecodeKernel::Portable => Isa::Portable,
+            DecodeKernel::Avx2 => Isa::Avx2,
+            DecodeKernel::Avx512Bf16 | DecodeKernel::Avx512Bf16Heads => Isa::Avx512Bf16,
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_supported(self) -> bool {
+        self.isa().is_supported()
     }
 }
 
-/// The decode attention kernel an explicit choice of `isa` runs: that path's own (the AVX-512
-/// BF16 kernel from AVX-512 BF16 up).
-pub fn kernel_path(isa: crate::isa::Isa) -> crate::isa::Isa {
-    isa.min(crate::isa::Isa::Avx512Bf16)
+/// The decode attention kernel a thread whose kernels run on `isa` takes: the token-major
+/// AVX-512 BF16 kernel on that path, the head-major one on the AMX path, else the path's own.
+///
+/// Why two AVX-512 BF16 kernels: on Zen 4 (AVX-512 BF16 without AMX, 512-bit operations on
+/// 256-bit pipes) the head-major kernel lost to the AVX2 one (0.96–0.975× the step time at
+/// 1 × 256, 4 × 1024 and 16 × 1024), and the token-major `vdpbf16ps` kernel took 0.87–0.90×
+/// the AVX2 kernel's time at 4 × 1024 and 16 × 1024 and 0.89× at 1 × 256 (`attn_bw --shape`,
+/// 2 threads, interleaved rounds); on the AMX Xeon the head-major kernel beat the AVX2 one by
+/// 4–14% of the step and the token-major `vdpbf16ps` kernel has not been measured
+/// (`docs/benchmarks.md`, sessions 30, 44 and 45).
+pub fn path(isa: crate::isa::Isa) -> DecodeKernel {
+    use crate::isa::Isa;
+    match isa {
+        Isa::Portable => DecodeKernel::Portable,
+        Isa::Avx2 => DecodeKernel::Avx2,
+        Isa::Avx512Bf16 => DecodeKernel::Avx512Bf16,
+        Isa::AmxBf16 => DecodeKernel::Avx512Bf16Heads,
+    }
 }
 
-/// The [`set_process_decode_path`] cap: 0 for none, else its index in `Isa::ALL` plus one.
-static DECODE_CAP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// The [`set_process_decode_kernel`] choice: 0 for none, else its index in
+/// `DecodeKernel::ALL` plus one.
+static PROCESS_KERNEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// Caps the path [`decode_attention_heads_bf16`] takes on every thread at `isa` (`None`: no
-/// cap), leaving every other kernel's path alone, so a benchmark can compare decode attention
-/// paths step by step in one process with the GEMM unchanged. A call in flight finishes on the
-/// path it started on. Returns `false` (and changes nothing) when this CPU cannot run `isa`.
-pub fn set_process_decode_path(isa: Option<crate::isa::Isa>) -> bool {
-    use crate::isa::Isa;
-    let v = match isa {
-        Some(i) if !i.is_supported() => return false,
-        Some(i) => Isa::ALL
+thread_local! {
+    /// The [`with_decode_kernel`] choice of this thread.
+    static THREAD_KERNEL: std::cell::Cell<Option<DecodeKernel>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes [`decode_attention_heads_bf16`] run `kernel` on every thread whose path allows it
+/// (`kernel.isa()` at or below the thread's path; other threads keep [`path`]'s), leaving every
+/// other kernel's path alone, so a benchmark can compare decode attention kernels step by step
+/// in one process with the GEMM unchanged; `None` goes back to [`path`]'s. A call in flight
+/// finishes on the kernel it started on. Returns `false` (and changes nothing) when this CPU
+/// cannot run `kernel`.
+pub fn set_process_decode_kernel(kernel: Option<DecodeKernel>) -> bool {
+    let v = match kernel {
+        Some(k) if !k.is_supported() => return false,
+        Some(k) => DecodeKernel::ALL
             .iter()
-            .position(|&a| a == i)
+            .position(|&a| a == k)
             .map_or(0, |p| p as u8 + 1),
         None => 0,
     };
-    DECODE_CAP.store(v, std::sync::atomic::Ordering::Relaxed);
+    PROCESS_KERNEL.store(v, std::sync::atomic::Ordering::Relaxed);
     true
 }
 
-/// The kernel [`decode_attention_heads_bf16`] runs now: the thread's path capped by
-/// [`set_process_decode_path`] where a cap is set, the path of a [`crate::with_isa`] override
-/// where one is active (both [`kernel_path`]), else [`path`] of the thread's path.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn decode_isa() -> crate::isa::Isa {
+/// Runs `f` with [`decode_attention_heads_bf16`] taking `kernel` on this thread (under the same
+/// rule as [`set_process_decode_kernel`], ahead of it), then restores the thread's previous
+/// choice, also when `f` panics. `None` (and `f` not run) when this CPU cannot run `kernel`.
+/// What tests use to cover every kernel without touching other threads.
+pub fn with_decode_kernel<R>(kernel: DecodeKernel, f: impl FnOnce() -> R) -> Option<R> {
+    struct Restore(Option<DecodeKernel>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            THREAD_KERNEL.with(|c| c.set(self.0));
+        }
+    }
+    if !kernel.is_supported() {
+        return None;
+    }
+    let _restore = Restore(THREAD_KERNEL.with(|c| c.replace(Some(kernel))));
+    Some(f())
+}
+
+/// The kernel [`decode_attention_heads_bf16`] runs now: this thread's [`with_decode_kernel`]
+/// choice, else the process's [`set_process_decode_kernel`] choice, where the thread's path
+/// allows it; else [`path`] of the thread's path. Its instruction set is never above the
+/// thread's path ([`crate::isa::Isa::current`]), so never above the CPU's.
+fn decode_kernel() -> DecodeKernel {
     let cur = crate::isa::Isa::current();
-    match DECODE_CAP.load(std::sync::atomic::Ordering::Relaxed) {
-        0 if crate::isa::thread_override().is_some() => kernel_path(cur),
-        0 => path(cur),
-        i => kernel_path(cur.min(crate::isa::Isa::ALL[usize::from(i) - 1])),
+    let process = match PROCESS_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        i => Some(DecodeKernel::ALL[usize::from(i) - 1]),
+    };
+    match THREAD_KERNEL.with(|c| c.get()).or(process) {
+        Some(k) if k.isa() <= cur => k,
+        _ => path(cur),
     }
 }
 
@@ -290,10 +365,11 @@ pub fn decode_attention_partial_bf16(
 
 /// [`decode_attention_partial_bf16`] for every KV head of sequence row `q`
 /// (`kv_heads * group * head_dim` bf16) over the same `tokens`: `partials` gets one record set
-/// per head, in head order (`kv_heads * partial_len(group, head_dim)` floats). The AVX-512 BF16
-/// path takes the bf16 query and key pairs as they are (`vdpbf16ps`); it and the AVX2 path
-/// read each pool row once for all heads (rows are contiguous, heads are not), prefetching
-/// the next page run while computing the current one.
+/// per head, in head order (`kv_heads * partial_len(group, head_dim)` floats), by the
+/// [`DecodeKernel`] `decode_kernel` picks ([`path`] of the thread's path unless a test or
+/// bench chose another). The AVX-512 BF16 kernels take the bf16 query and key pairs as they
+/// are (`vdpbf16ps`); every vector kernel reads each pool row once for all heads (rows are
+/// contiguous, heads are not).
 ///
 /// # Panics
 /// As [`decode_attention_partial_bf16`], and if `q` or `partials` do not cover every head.
@@ -320,6 +396,7 @@ pub fn decode_attention_heads_bf16(
         kv.kv_heads * rec,
         "decode attention: partials len"
     );
+    let k = decode_kernel();
     #[cfg(target_arch = "x86_64")]
     {
         type HeadsKernel = unsafe fn(
@@ -332,23 +409,25 @@ pub fn decode_attention_heads_bf16(
             &mut [f32],
             &mut [f32],
         );
-        let isa = decode_isa();
-        // `decode_isa` is Avx512Bf16 or wider only when the CPU has AVX-512 F/BW/VL and BF16
-        // (and AVX2, FMA), Avx2 or wider only when it has AVX2 and FMA.
-        let chosen: Option<(HeadsKernel, usize)> =
-            if isa >= crate::isa::Isa::Avx512Bf16 && avx512::supports(group, hd) {
-                Some((
-                    avx512::decode_partials_heads,
-                    avx512::heads_state_len(kv.kv_heads, group, hd),
-                ))
-            } else if isa >= crate::isa::Isa::Avx2 && avx2::supports(group, hd) {
-                Some((
-                    avx2::decode_partials_heads,
-                    avx2::heads_state_len(kv.kv_heads, group, hd),
-                ))
-            } else {
-                None
-            };
+        // `decode_kernel` never names a kernel above the thread's path, so an AVX-512 BF16
+        // kernel only where the CPU has AVX-512 F/BW/VL and BF16 (and AVX2, FMA), the AVX2
+        // one only where it has AVX2 and FMA. Shapes a kernel lacks fall to the next one.
+        let rows = avx2::supports(group, hd);
+        let chosen: Option<(HeadsKernel, usize)> = match k {
+            DecodeKernel::Avx512Bf16Heads if avx512::supports(group, hd) => Some((
+                avx512::decode_partials_heads,
+                avx512::heads_state_len(kv.kv_heads, group, hd),
+            )),
+            DecodeKernel::Avx512Bf16 | DecodeKernel::Avx512Bf16Heads if rows => Some((
+                avx2::decode_partials_heads_bf16,
+                avx2::heads_state_len(kv.kv_heads, group, hd),
+            )),
+            DecodeKernel::Avx2 if rows => Some((
+                avx2::decode_partials_heads,
+                avx2::heads_state_len(kv.kv_heads, group, hd),
+            )),
+            _ => None,
+        };
         if let Some((kernel, state_len)) = chosen {
             kv.check_pages(block_table, &tokens);
             HEADS_STATE.with(|cell| {
@@ -374,8 +453,17 @@ pub fn decode_attention_heads_bf16(
             return;
         }
     }
-    for (g, p) in partials.chunks_exact_mut(rec).enumerate() {
-        decode_attention_partial_bf16(q, group, kv, block_table, g, tokens.clone(), scale, p);
+    let mut per_head = || {
+        for (g, p) in partials.chunks_exact_mut(rec).enumerate() {
+            decode_attention_partial_bf16(q, group, kv, block_table, g, tokens.clone(), scale, p);
+        }
+    };
+    if k == DecodeKernel::Portable {
+        // The portable kernel is the per-head loops on the portable path, whatever the
+        // thread's path (a chosen kernel on a vector thread runs the same bits).
+        crate::isa::with_isa(crate::isa::Isa::Portable, per_head).expect("portable runs anywhere");
+    } else {
+        per_head();
     }
 }
 

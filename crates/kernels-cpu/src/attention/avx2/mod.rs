@@ -17,6 +17,8 @@
 //!   1–4 queries read a range as four or two far-apart streams side by side, left to the
 //!   hardware prefetchers, larger groups as one stream with a software prefetch a few rows
 //!   ahead spread over the head calls.
+//! - The AVX-512 BF16 path's token-major kernel ([`decode_partials_heads_bf16`]) is this walk
+//!   with its scores on `vdpbf16ps` (`rows`' module docs say why and what it measured).
 //!
 //! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
 //! scratch. Causal prefill rows ([`prefill_rows`]) run as blocked matrix products in
@@ -35,7 +37,7 @@ mod prefill;
 mod rows;
 
 use head::head_over;
-use rows::{rows_over, rows_scores_len};
+use rows::{Scores, rows_over, rows_scores_len};
 
 /// Largest query group handled here.
 const MAX_GROUP: usize = 8;
@@ -96,15 +98,84 @@ pub(super) unsafe fn decode_partials_heads(
     partials: &mut [f32],
     state: &mut [f32],
 ) {
+    // SAFETY: forwarded contract (`Scores::Fp32` needs AVX2 and FMA only).
+    unsafe {
+        heads_with(
+            q,
+            group,
+            kv,
+            block_table,
+            tokens,
+            scale,
+            Scores::Fp32,
+            partials,
+            state,
+        )
+    };
+}
+
+/// [`decode_partials_heads`] with the scores on `vdpbf16ps` (the bf16 queries and keys as they
+/// are; `rows::scores_rows_bf16`): the AVX-512 BF16 path's token-major kernel.
+///
+/// # Safety
+/// As [`decode_partials_heads`], and the CPU supports AVX-512 F/BW/VL and AVX-512 BF16.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn decode_partials_heads_bf16(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    scale: f32,
+    partials: &mut [f32],
+    state: &mut [f32],
+) {
+    let scores = Scores::Bf16 { q, scale };
+    // SAFETY: forwarded contract; AVX-512 BF16 is present; `q` is the whole row (checked by
+    // the caller: `kv_heads * group * head_dim`).
+    unsafe {
+        heads_with(
+            q,
+            group,
+            kv,
+            block_table,
+            tokens,
+            scale,
+            scores,
+            partials,
+            state,
+        )
+    };
+}
+
+/// The body of both all-heads kernels: states initialised, the token-major walk with
+/// `scores`, partials written.
+///
+/// # Safety
+/// As [`decode_partials_heads`], and `rows_over`'s contract for `scores`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn heads_with(
+    q: &[bf16],
+    group: usize,
+    kv: &PagedKv<'_>,
+    block_table: &[u32],
+    tokens: Range<usize>,
+    scale: f32,
+    scores: Scores<'_>,
+    partials: &mut [f32],
+    state: &mut [f32],
+) {
     let hd = kv.head_dim;
     let per = group * (2 * hd + 2);
     let qh = group * hd;
-    let (state, scores) = state.split_at_mut(kv.kv_heads * per);
+    let (state, s) = state.split_at_mut(kv.kv_heads * per);
     for (g, st) in state.chunks_exact_mut(per).enumerate() {
         init_state(&q[g * qh..(g + 1) * qh], group, hd, scale, st);
     }
-    // SAFETY: forwarded contract; `state` holds one state per head, `scores` the rest.
-    unsafe { rows_over(group, kv, block_table, tokens, state, scores) };
+    // SAFETY: forwarded contract; `state` holds one state per head, `s` the rest.
+    unsafe { rows_over(group, kv, block_table, tokens, scores, state, s) };
     let rec = group * (hd + 2);
     for (st, out) in state.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
         super::write_partials::<8>(st, group, hd, out);

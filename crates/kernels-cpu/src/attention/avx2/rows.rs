@@ -3,9 +3,22 @@
 //! far-apart sequential streams side by side and leave them to the hardware prefetchers
 //! ([`rows_streams`]); groups 5–8 read it as one stream with a software prefetch a few rows
 //! ahead ([`rows_g`]).
+//!
+//! Two kernels share this walk and its `p · V` ([`Scores`]): the AVX2 one widens K to fp32
+//! and takes two FMAs per query and 16 elements against the pre-scaled fp32 queries
+//! ([`scores_rows`]); the AVX-512 BF16 one takes the bf16 query and key pairs as they are,
+//! one 256-bit `vdpbf16ps` per query and 16 elements, and scales the finished score
+//! ([`scores_rows_bf16`]). On Zen 4 the second took 0.78× the first's time on one thread,
+//! 0.87–0.90× on two at 4 × 1024 and 16 × 1024 where each thread had its own bandwidth and
+//! 0.95× where the two shared the lower state, and 0.82× with the pool in cache (`attn_bw
+//! --shape`, interleaved rounds); whole 16 × 1024 steps 0.96× (`docs/benchmarks.md`,
+//! session 45): the walk reads KV as the AVX2 kernel does, and the scores cost a third of the
+//! instructions.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
+
+use half::bf16;
 
 use super::super::PagedKv;
 use super::update;
@@ -19,30 +32,37 @@ use crate::simd::{hsum256, prefetch_l2};
 /// [`ROWS_AHEAD`] rows ahead of each of the K and V streams, one head's lines per head call
 /// so the misses spread over the arithmetic ([`rows_g`]).
 ///
+/// Scores are taken by `scores`: [`Scores::Fp32`] from the pre-scaled fp32 queries of the
+/// states, [`Scores::Bf16`] from the bf16 queries it carries.
+///
 /// # Safety
-/// As [`decode_partial`](super::decode_partial) for every head.
+/// As [`decode_partial`](super::decode_partial) for every head; with [`Scores::Bf16`], the CPU
+/// supports AVX-512 F/BW/VL and AVX-512 BF16 and its queries hold `heads * group * hd`
+/// elements (the row's, in head order).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn rows_over(
     group: usize,
     kv: &PagedKv<'_>,
     block_table: &[u32],
     tokens: Range<usize>,
+    scores: Scores<'_>,
     state: &mut [f32],
     s: &mut [f32],
 ) {
+    let sc = scores;
     macro_rules! go {
         ($($g:literal => $sr:literal, $pr:literal, $pl:literal);*) => {
             match group {
                 // SAFETY: forwarded contract; the group matches the instantiation.
-                $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, state, s) },)*
+                $($g => unsafe { rows_g::<$g, $sr, $pr, $pl>(kv, block_table, tokens, sc, state, s) },)*
                 // SAFETY: forwarded contract.
-                1 => unsafe { rows_streams::<1, 4, 32>(kv, block_table, tokens, state, s) },
+                1 => unsafe { rows_streams::<1, 4, 32>(kv, block_table, tokens, sc, state, s) },
                 // SAFETY: forwarded contract.
-                2 => unsafe { rows_streams::<2, 4, 32>(kv, block_table, tokens, state, s) },
+                2 => unsafe { rows_streams::<2, 4, 32>(kv, block_table, tokens, sc, state, s) },
                 // SAFETY: forwarded contract.
-                3 => unsafe { rows_streams::<3, 2, 16>(kv, block_table, tokens, state, s) },
+                3 => unsafe { rows_streams::<3, 2, 16>(kv, block_table, tokens, sc, state, s) },
                 // SAFETY: forwarded contract.
-                4 => unsafe { rows_streams::<4, 2, 16>(kv, block_table, tokens, state, s) },
+                4 => unsafe { rows_streams::<4, 2, 16>(kv, block_table, tokens, sc, state, s) },
                 _ => unreachable!("group {group} not supported"),
             }
         };
@@ -69,6 +89,16 @@ const ROWS_RUN: usize = 128;
 /// Rows the software prefetch of [`rows_g`] runs ahead of its stream, and rows of each stream
 /// [`Walk::prefetch_first`] asks for before a call's first block.
 const ROWS_AHEAD: usize = 4;
+
+/// How [`rows_over`] takes the scores `q · k`.
+#[derive(Clone, Copy)]
+pub(super) enum Scores<'a> {
+    /// K widened to fp32 against the states' pre-scaled fp32 queries (AVX2 and FMA).
+    Fp32,
+    /// `vdpbf16ps` on the bf16 queries (the row's, `heads * group * hd` in head order) and K
+    /// as they are, each finished score times `scale` (AVX-512 BF16).
+    Bf16 { q: &'a [bf16], scale: f32 },
+}
 
 /// Floats of score scratch [`rows_over`] needs.
 pub(super) fn rows_scores_len(kv_heads: usize, group: usize) -> usize {
@@ -145,6 +175,7 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
     kv: &PagedKv<'_>,
     block_table: &[u32],
     tokens: Range<usize>,
+    sc: Scores<'_>,
     state: &mut [f32],
     s: &mut [f32],
 ) {
@@ -170,11 +201,11 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
                     let pf = std::array::from_fn(|r| ahead_row(kp, t + i + r));
                     let kr = std::array::from_fn(|r| kr.wrapping_add(r * row));
                     let idx = std::array::from_fn(|r| i + r);
-                    scores_rows::<G, SR>(state, per, kr, pf, heads, hd, s, sh, ROWS_RUN, idx);
+                    score_block::<G, SR>(sc, state, &w, kr, pf, s, idx);
                     i += SR;
                 } else {
                     let pf = [ahead_row(kp, t + i)];
-                    scores_rows::<G, 1>(state, per, [kr], pf, heads, hd, s, sh, ROWS_RUN, [i]);
+                    score_block::<G, 1>(sc, state, &w, [kr], pf, s, [i]);
                     i += 1;
                 }
             }
@@ -233,6 +264,7 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
     kv: &PagedKv<'_>,
     block_table: &[u32],
     tokens: Range<usize>,
+    sc: Scores<'_>,
     state: &mut [f32],
     s: &mut [f32],
 ) {
@@ -274,16 +306,14 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
             let kr = std::array::from_fn(|x| kb[x].wrapping_add(i * row));
             let idx = std::array::from_fn(|x| off[x] + i);
             // SAFETY: rows and score indices as above (i < m <= n[x] for every stream).
-            unsafe { scores_rows::<G, S>(state, per, kr, none, heads, hd, s, sh, ROWS_RUN, idx) };
+            unsafe { score_block::<G, S>(sc, state, &w, kr, none, s, idx) };
         }
         for x in 0..S {
             for i in m..n[x] {
                 let kr = [kb[x].wrapping_add(i * row)];
                 let idx = [off[x] + i];
                 // SAFETY: as above (i < n[x]).
-                unsafe {
-                    scores_rows::<G, 1>(state, per, kr, [none[0]], heads, hd, s, sh, ROWS_RUN, idx)
-                };
+                unsafe { score_block::<G, 1>(sc, state, &w, kr, [none[0]], s, idx) };
             }
         }
         for (h, st) in state.chunks_exact_mut(per).enumerate() {
@@ -309,6 +339,36 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         for x in 0..S {
             cur[x] += n[x];
         }
+    }
+}
+
+/// Scores of `R` K rows (row `r` at `k[r]`) for every head, by `sc` ([`scores_rows`] or
+/// [`scores_rows_bf16`]); `pf` as [`scores_rows`] takes it.
+///
+/// # Safety
+/// As [`scores_rows`]; with [`Scores::Bf16`], as [`scores_rows_bf16`] (the CPU supports
+/// AVX-512 F/BW/VL and BF16, the queries cover every head).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn score_block<const G: usize, const R: usize>(
+    sc: Scores<'_>,
+    state: &[f32],
+    w: &Walk<'_>,
+    k: [*const u16; R],
+    pf: [*const u16; R],
+    s: &mut [f32],
+    idx: [usize; R],
+) {
+    let (heads, hd, per, sh) = (w.heads, w.hd, w.per, w.sh);
+    match sc {
+        // SAFETY: forwarded contract.
+        Scores::Fp32 => unsafe {
+            scores_rows::<G, R>(state, per, k, pf, heads, hd, s, sh, ROWS_RUN, idx)
+        },
+        // SAFETY: forwarded contract (AVX-512 BF16 present with `Scores::Bf16`).
+        Scores::Bf16 { q, scale } => unsafe {
+            scores_rows_bf16::<G, R>(q, scale, k, pf, heads, hd, s, sh, ROWS_RUN, idx)
+        },
     }
 }
 
@@ -376,6 +436,74 @@ unsafe fn scores_rows<const G: usize, const R: usize>(
             }
         }
     }
+}
+
+/// [`scores_rows`] on `vdpbf16ps`: row `r`'s score against query `j` of head `h` is the dot
+/// product of the bf16 query `q[(h * G + j) * hd..]` and the row's head slice, summed in two
+/// chains (even and odd 16-element blocks: `G × R` accumulators alone would wait on the
+/// instruction's latency at `G × R = 8`), times `scale`.
+///
+/// # Safety
+/// AVX2, FMA, AVX-512 F/BW/VL and AVX-512 BF16; `q.len() >= heads * G * hd`; `heads * hd`
+/// bf16 readable at each `k[r]`; `hd` a multiple of 32; `s` long enough.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn scores_rows_bf16<const G: usize, const R: usize>(
+    q: &[bf16],
+    scale: f32,
+    k: [*const u16; R],
+    pf: [*const u16; R],
+    heads: usize,
+    hd: usize,
+    s: &mut [f32],
+    sh: usize,
+    sr: usize,
+    idx: [usize; R],
+) {
+    debug_assert!(q.len() >= heads * G * hd && hd.is_multiple_of(32));
+    for h in 0..heads {
+        for f in pf {
+            if !f.is_null() {
+                for e in (0..hd).step_by(32) {
+                    prefetch_l2(f.wrapping_add(h * hd + e));
+                }
+            }
+        }
+        let qh = q[h * G * hd..(h + 1) * G * hd].as_ptr().cast::<u16>();
+        let mut acc = [[[_mm256_setzero_ps(); R]; G]; 2];
+        let mut d = 0;
+        while d < hd {
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let dd = d + 16 * c;
+                // SAFETY: j * hd + dd + 16 <= G * hd, the head's queries.
+                let qv: [__m256bh; G] = std::array::from_fn(|j| unsafe {
+                    as_pbh256(_mm256_loadu_si256(qh.add(j * hd + dd).cast()))
+                });
+                for r in 0..R {
+                    // SAFETY: row r's head h slice holds hd bf16 and dd + 16 <= hd.
+                    let kv = unsafe { as_pbh256(_mm256_loadu_si256(k[r].add(h * hd + dd).cast())) };
+                    for j in 0..G {
+                        acc[j][r] = _mm256_dpbf16_ps(acc[j][r], qv[j], kv);
+                    }
+                }
+            }
+            d += 32;
+        }
+        for j in 0..G {
+            for r in 0..R {
+                let v = _mm256_add_ps(acc[0][j][r], acc[1][j][r]);
+                s[h * sh + j * sr + idx[r]] = hsum256(v) * scale;
+            }
+        }
+    }
+}
+
+/// The bits of 16 bf16 values as the 256-bit `vdpbf16ps` operand.
+#[target_feature(enable = "avx512f,avx512vl,avx512bf16")]
+#[inline]
+fn as_pbh256(v: __m256i) -> __m256bh {
+    // SAFETY: both are plain 256-bit vectors with no invalid bit patterns.
+    unsafe { std::mem::transmute::<__m256i, __m256bh>(v) }
 }
 
 /// `o += p · V` for `R` V rows of a run (row `r` at `v[r]`, its probabilities at score index
