@@ -17,8 +17,12 @@
 //! threads' CPU time inside the blocks (not counting time descheduled by other work on the
 //! host): medians over the passes.
 //!
+//! `--versus-l2-prefetch`: both sides paired, the first with the AVX-512 BF16 paired
+//! kernel's multi-run passes prefetching into L2 (`gemm::set_paired_l1_prefetch(false)`), the
+//! second as by default (into L1).
+//!
 //! `cargo run --release -p simpler-kernels-cpu --example gemm_step_bw [-- --batches 4,16
-//! --layers 12 --reps 5 --threads 2 --layout pairs]`
+//! --layers 12 --reps 5 --threads 2 --layout pairs --versus-l2-prefetch]`
 
 mod common;
 
@@ -158,21 +162,39 @@ fn main() {
             i: PackedActs::new(&pi, batch, INTER),
             scale: vec![1.0; batch],
         };
-        let layouts = [WeightLayout::RowMajor, other];
+        let versus_pf = std::env::args().any(|a| a == "--versus-l2-prefetch");
+        let layouts = if versus_pf {
+            [other, other]
+        } else {
+            [WeightLayout::RowMajor, other]
+        };
+        // The first side's prefetch where `--versus-l2-prefetch` compares them.
+        let side = |li: usize| {
+            if versus_pf {
+                simpler_kernels_cpu::gemm::set_paired_l1_prefetch(li == 1);
+            }
+        };
         let mut stats: [Vec<[PhaseTimes; 4]>; 2] = [Vec::new(), Vec::new()];
         // One untimed pass of each to fault in scratch and settle the clocks.
-        for l in layouts {
+        for (li, l) in layouts.into_iter().enumerate() {
+            side(li);
             step_pass(&model, &phases, &acts, l, threads);
         }
         for _ in 0..reps.max(1) {
             for li in [0, 1, 1, 0] {
+                side(li);
                 stats[li].push(step_pass(&model, &phases, &acts, layouts[li], threads));
             }
         }
+        simpler_kernels_cpu::gemm::set_paired_l1_prefetch(true);
         for (li, l) in layouts.iter().enumerate() {
+            let what = match (versus_pf, li) {
+                (true, 0) => "Pairs, L2 prefetch".to_string(),
+                (true, _) => "Pairs, L1 prefetch".to_string(),
+                _ => format!("{l:?}"),
+            };
             println!(
-                "batch {batch:>2}, {:?} ({}): GB/s by wall / busy / CPU time, medians of {} passes",
-                l,
+                "batch {batch:>2}, {what} ({}): GB/s by wall / busy / CPU time, medians of {} passes",
                 path_for(isa, batch, *l).name(),
                 stats[li].len()
             );
@@ -197,8 +219,9 @@ fn main() {
                         .collect();
                     r.sort_by(f64::total_cmp);
                     format!(
-                        "  CPU-time rate {:?}/row-major median {:.3} (range {:.3}..{:.3})",
-                        layouts[1],
+                        "  CPU-time rate {}/{} median {:.3} (range {:.3}..{:.3})",
+                        if versus_pf { "L1" } else { "Pairs" },
+                        if versus_pf { "L2" } else { "row-major" },
                         r[r.len() / 2],
                         r[0],
                         r[r.len() - 1]

@@ -256,3 +256,48 @@ fn paired_tables_gather_and_convert_like_row_major_ones() {
     );
     assert_eq!(bits(&got), bits(&want));
 }
+
+/// Where the AVX-512 BF16 paired kernel prefetches a pass's next groups (into L1 at 2–4 full
+/// runs of eight batch rows by default, or L2) changes only where the prefetches go: the same
+/// bits both ways at one run, at 2–4 runs (a last run short or whole) and past them, on tiles of
+/// whole passes and of groups left over, `K` off the packing blocks and tiles starting
+/// mid-matrix; and within the reference's bound.
+#[test]
+fn paired_l1_prefetch_changes_no_bits() {
+    use simpler_kernels_cpu::gemm::set_paired_l1_prefetch;
+    let mut seed = 91;
+    for batch in [8usize, 9, 16, 21, 24, 32, 33] {
+        for (n, k) in [(200usize, 1000usize), (24, 72), (61, 530)] {
+            let c = GemmCase::new(n, k, batch, (n * k + batch) as u64 + 11);
+            let w = c.weights(WeightLayout::Pairs);
+            let mid = GemmTile {
+                n: 8..n,
+                k: 3..k - 5,
+                mode: OutMode::Add,
+            };
+            for tile in [GemmTile::full(&w), mid] {
+                let ld = tile.n.len() + 1;
+                let seed_out = Rng(seed).vec_f32((batch - 1) * ld + tile.n.len(), 1.0);
+                let run = |on: bool| {
+                    all_paths("gemm paired prefetch", || {
+                        set_paired_l1_prefetch(on);
+                        let out = c.run(WeightLayout::Pairs, &tile, None, &seed_out, ld);
+                        set_paired_l1_prefetch(true);
+                        out
+                    })
+                };
+                let (off, on) = (run(false), run(true));
+                for ((path, a), (_, b)) in off.iter().zip(&on) {
+                    assert_eq!(
+                        bits(a),
+                        bits(b),
+                        "{} batch {batch} [{n}, {k}] {tile:?}: the L1 prefetch changed bits",
+                        path.name()
+                    );
+                }
+                check(&c, tile, false, seed);
+                seed += 1;
+            }
+        }
+    }
+}

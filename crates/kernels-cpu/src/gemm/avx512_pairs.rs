@@ -20,7 +20,8 @@
 //! - A pass of one run (up to 8 batch rows) prefetches each stream [`PF_BYTES`] ahead into L2,
 //!   into the stream's next group past the end of its current one (a stream's groups are
 //!   adjacent), from 3 batch rows; with several runs each run prefetches its share of the
-//!   next pass's groups, so the weights stream through every run ([`pass`]).
+//!   next pass's groups, so the weights stream through every run ([`pass`]): into L1 at 2–4
+//!   full runs ([`L1_PREFETCH_RUNS`]: 16, 24 or 32 batch rows), else into L2.
 //! - The `K` range a call sums is its whole packing blocks (16 elements, 8 pairs: one loop
 //!   step), converted once per call to natural-order bf16 (`avx512::with_natural`); the
 //!   elements outside them are added per output by `edge_sum`.
@@ -43,6 +44,18 @@ const PAIR_ELEMS: usize = 2 * PAIR_ROWS;
 /// L2: on Zen 4 at 8 rows, one thread, 2 KiB into L1 streamed 14–15 GB/s, 4 KiB into L2
 /// 17–18; `examples/gemm_step_bw`, session 44).
 const PF_BYTES: usize = 4096;
+/// The runs per pass (of [`MB`] batch rows each, every run full) whose prefetch of the next
+/// pass's groups goes into L1 (`prefetcht0`) rather than L2. On Zen 4, 2 threads streaming
+/// weights from memory, interleaved in one process (`docs/benchmarks.md`, session 45):
+/// - 512-row tiles of one `[65536, 1024]` matrix: into L1 took 0.88–0.89× the time at 16
+///   batch rows, 0.88× at 24 and 0.89× at 32; 0.96× at 12, and 1.02× at 64 and 512;
+/// - the decode plan's blocks of the 0.6B projections (`examples/gemm_step_bw
+///   --versus-l2-prefetch`): rate 1.03–1.06× at 16, 1.00–1.03× at 24, 1.01–1.02× at 32, but
+///   0.96–0.98× at 12, whose short last run must prefetch as much as the full one.
+///
+/// A single run's prefetch [`PF_BYTES`] ahead stays in L2: into L1 it took 1.16× the time at
+/// 8 rows and 1.27× at 4.
+const L1_PREFETCH_RUNS: std::ops::RangeInclusive<usize> = 2..=4;
 /// The largest batch whose single run leaves its six streams to the hardware prefetchers: at
 /// 2 × 1024 on Zen 4 the step with them alone took 0.93× the time of the AVX2 pair passes,
 /// with the prefetch 1.03× (`bench qwen3-decode --versus-isa avx2`, 20 interleaved pairs);
@@ -98,7 +111,7 @@ fn group_start(lw: &Lowered<'_>, gg: usize) -> *const u16 {
 /// stream's next group as the run nears its end). With two runs or more, the first run would
 /// wait on memory while the later ones compute from cache, so instead run `r` prefetches its
 /// share of the groups `next` (the pass after this one): the weights then stream through
-/// every run of the pass.
+/// every run of the pass (into L1 at 2–4 full runs, [`L1_PREFETCH_RUNS`]).
 ///
 /// # Safety
 /// As [`gemm`], with every group in `groups` inside the tile (`next` may name any group);
@@ -125,6 +138,9 @@ unsafe fn pass<const S: usize>(
     // Bytes of a group's body, and the share of the next groups' bodies a run covers.
     let body = pairs * 2 * PAIR_ELEMS;
     let share = body / 4 * lines;
+    let into_l1 = L1_PREFETCH_RUNS.contains(&runs)
+        && lw.batch.is_multiple_of(MB)
+        && super::paired_l1_prefetch();
     let mut b0 = 0;
     for r in 0..runs {
         let bv = MB.min(lw.batch - b0);
@@ -152,7 +168,7 @@ unsafe fn pass<const S: usize>(
                             // `lw.w`, the batch rows' `2 pairs` elements in `xn`; prefetches
                             // never fault.
                             let acc = unsafe {
-                                run::<S, $b>(g, xrows::<$b>(xn, ldb, b0), pf, lines, pairs)
+                                run::<S, $b>(g, xrows::<$b>(xn, ldb, b0), pf, lines, into_l1, pairs)
                             };
                             store(lw, &acc, &groups, b0, out, ld_out);
                         }
@@ -178,7 +194,8 @@ fn xrows<const B: usize>(xn: &[u16], ldb: usize, b0: usize) -> [*const u16; B] {
 
 /// Accumulates `S` groups × `B` batch rows over `pairs` pairs of `K` (a multiple of 8): lane
 /// `i` of `acc[s][b]` is row `i` of group `s` against batch row `b`. Each 8-pair step also
-/// prefetches `lines` consecutive 64-byte lines of each stream's region `pf[s]`.
+/// prefetches `lines` consecutive 64-byte lines of each stream's region `pf[s]`, into L1 if
+/// `into_l1`, else into L2.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL + BF16; the `pairs * 16` elements from each `g[s]` and the `2 * pairs` from
@@ -190,6 +207,7 @@ unsafe fn run<const S: usize, const B: usize>(
     x: [*const u16; B],
     pf: [*const u8; S],
     lines: usize,
+    into_l1: bool,
     pairs: usize,
 ) -> [[__m256; B]; S] {
     let mut acc = [[_mm256_setzero_ps(); B]; S];
@@ -201,7 +219,11 @@ unsafe fn run<const S: usize, const B: usize>(
                 // Prefetch never faults; `wrapping_add` keeps the address arithmetic defined
                 // past the region's end.
                 let a = ps.wrapping_add(64 * (t * lines + line)).cast::<i8>();
-                _mm_prefetch::<_MM_HINT_T2>(a);
+                if into_l1 {
+                    _mm_prefetch::<_MM_HINT_T0>(a);
+                } else {
+                    _mm_prefetch::<_MM_HINT_T2>(a);
+                }
             }
         }
         for j in 0..8 {

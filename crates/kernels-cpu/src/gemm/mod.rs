@@ -165,6 +165,24 @@ pub fn set_avx2_panel_min_batch(min: Option<usize>) {
     AVX2_PANEL_MIN_BATCH.store(min.map_or(0, |m| m.max(1)), Ordering::Relaxed);
 }
 
+/// Whether the AVX-512 BF16 paired kernel prefetches a multi-run pass's next groups into L1
+/// (the default; `avx512_pairs::L1_PREFETCH_RUNS`) or L2 on every thread.
+static PAIRED_L1_PREFETCH: AtomicBool = AtomicBool::new(true);
+
+/// Sets where the AVX-512 BF16 paired kernel's passes of 2–4 full runs (16, 24 or 32 batch rows)
+/// prefetch the next pass's weights on every thread: into L1 (`true`, the default) or L2
+/// (`false`, what the other batches do), so a benchmark can compare the two on the same threads (the
+/// results are the same bits either way). Other paths ignore it.
+pub fn set_paired_l1_prefetch(on: bool) {
+    PAIRED_L1_PREFETCH.store(on, Ordering::Relaxed);
+}
+
+/// The [`set_paired_l1_prefetch`] setting.
+#[cfg(target_arch = "x86_64")]
+fn paired_l1_prefetch() -> bool {
+    PAIRED_L1_PREFETCH.load(Ordering::Relaxed)
+}
+
 /// Runs `f` with [`set_avx2_panel_min_batch`]`(Some(min))` in force on this thread alone.
 pub fn with_avx2_panel_min_batch<R>(min: usize, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<usize>);
