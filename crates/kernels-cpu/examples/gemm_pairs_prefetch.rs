@@ -36,7 +36,7 @@ fn main() {
     let wv = WeightsBf16::paired(&wp, n, K);
     println!(
         "paired [{n}, {K}] bf16 ({} MiB), {TILE_ROWS}-row tiles, {threads} threads",
-        n * K * 2 >> 20
+        (n * K * 2) >> 20
     );
     for batch in batches {
         let x: Vec<bf16> = (0..batch * K)
