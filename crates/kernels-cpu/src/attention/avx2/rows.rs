@@ -86,7 +86,8 @@ pub(super) unsafe fn rows_over(
 /// 4 × 1024 step 0.975× (old/new 1.026 [1.005, 1.043]; `docs/benchmarks.md`, session 36).
 const ROWS_RUN: usize = 128;
 
-/// Rows the software prefetch of [`rows_g`] runs ahead of its stream, and rows of each stream
+/// Rows the software prefetch of [`rows_g`] (and of the AVX-512 BF16 kernel's streams in
+/// [`rows_streams`]) runs ahead of its stream, and rows of each stream
 /// [`Walk::prefetch_first`] asks for before a call's first block.
 const ROWS_AHEAD: usize = 4;
 
@@ -248,14 +249,21 @@ unsafe fn rows_g<const G: usize, const SR: usize, const PR: usize, const PL: usi
 /// GEMMs' row streams, while blocks of *adjacent* rows read slower than single rows (a
 /// 2-stream kernel whose blocks took two adjacent rows of each stream: 1.1–1.2× its time).
 ///
-/// No software prefetch past each stream's first rows: within a page a stream is one
-/// sequential run of memory, which the hardware prefetchers follow, and the prefetches (a
-/// head's lines of a row further on, per head call) cost issue slots the arithmetic needed:
-/// without them the two-stream kernel took 0.80–0.87× the time with the pool in L2 and
-/// 0.88–0.96× cold. Four streams instead of two then took 0.76× in L2 and 0.90–0.94× cold;
-/// both together 0.85–0.93× at 1 × 256, 4 × 1024 and 16 × 1024 cold (`attn_bw --shape`, 2
-/// threads, alternating rounds). Groups 3–4 as two streams took 0.80–0.97× the adjacent-row
-/// kernel's time (`docs/benchmarks.md`, session 36).
+/// The AVX2 kernel ([`Scores::Fp32`]) prefetches nothing past each stream's first rows: within
+/// a page a stream is one sequential run of memory, which the hardware prefetchers follow,
+/// and on Zen 3 the prefetches (a head's lines of a row further on, per head call) cost issue
+/// slots the arithmetic needed: without them the two-stream kernel took 0.80–0.87× the time
+/// with the pool in L2 and 0.88–0.96× cold. Four streams instead of two then took 0.76× in L2
+/// and 0.90–0.94× cold; both together 0.85–0.93× at 1 × 256, 4 × 1024 and 16 × 1024 cold
+/// (`attn_bw --shape`, 2 threads, alternating rounds). Groups 3–4 as two streams took
+/// 0.80–0.97× the adjacent-row kernel's time (`docs/benchmarks.md`, session 36).
+///
+/// The AVX-512 BF16 kernel ([`Scores::Bf16`]), whose scores take a third of the AVX2 ones'
+/// instructions, prefetches each stream [`ROWS_AHEAD`] rows ahead of its K and V rows, a
+/// head's lines per head call: on Zen 4 that took 0.93–0.96× the time at 16 × 1024, 0.96–0.975×
+/// at 4 × 1024 and 0.90× at 1 × 256 on 2 threads, 0.94× on one, 0.95× with the pool in L3 (2
+/// rows ahead: about the same; 8: 0.98–1.0×) (`docs/benchmarks.md`, session 45). (It would
+/// help the AVX2 kernel on Zen 4 too, 0.87× at 16 × 1024, but that CPU runs the AVX-512 one.)
 ///
 /// # Safety
 /// As [`rows_over`].
@@ -277,8 +285,25 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
     for x in 0..S {
         w.prefetch_first(cur[x]..ends[x]);
     }
-    // No prefetch past the first rows (see above).
+    // No prefetch past the first rows for the AVX2 kernel; `ROWS_AHEAD` rows ahead of each
+    // stream for the AVX-512 BF16 one (see above).
     let none = [std::ptr::null::<u16>(); S];
+    let ahead = matches!(sc, Scores::Bf16 { .. });
+    // Row `i + ROWS_AHEAD` of every stream in pool `p`, where that is still the stream's (a
+    // plain address: prefetched, never read).
+    let rows_ahead = |p: *const u16, cur: &[usize; S], i: usize| -> [*const u16; S] {
+        if !ahead {
+            return none;
+        }
+        std::array::from_fn(|x| {
+            let u = cur[x] + i + ROWS_AHEAD;
+            if u < ends[x] {
+                w.at(p, u)
+            } else {
+                std::ptr::null()
+            }
+        })
+    };
     loop {
         let n: [usize; S] = std::array::from_fn(|x| {
             (ROWS_RUN / S)
@@ -305,8 +330,9 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         for i in 0..m {
             let kr = std::array::from_fn(|x| kb[x].wrapping_add(i * row));
             let idx = std::array::from_fn(|x| off[x] + i);
+            let pf = rows_ahead(kp, &cur, i);
             // SAFETY: rows and score indices as above (i < m <= n[x] for every stream).
-            unsafe { score_block::<G, S>(sc, state, &w, kr, none, s, idx) };
+            unsafe { score_block::<G, S>(sc, state, &w, kr, pf, s, idx) };
         }
         for x in 0..S {
             for i in m..n[x] {
@@ -323,8 +349,9 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
         for i in 0..m {
             let vr = std::array::from_fn(|x| vb[x].wrapping_add(i * row));
             let idx = std::array::from_fn(|x| off[x] + i);
+            let pf = rows_ahead(vp, &cur, i);
             // SAFETY: as for the scores.
-            unsafe { pv_rows::<G, S, PL>(s, sh, ROWS_RUN, idx, vr, none, heads, hd, state, per) };
+            unsafe { pv_rows::<G, S, PL>(s, sh, ROWS_RUN, idx, vr, pf, heads, hd, state, per) };
         }
         for x in 0..S {
             for i in m..n[x] {
