@@ -86,6 +86,7 @@ fn run_dsv4_checks_each_implemented_layer_against_the_golden_and_reports() {
                 "% of membw",
                 "per-phase bound",
                 "quietest step",
+                "median step (effective) at membw's median pass",
                 "starts [0, 3, 127, 8192]",
             ],
         );
@@ -127,6 +128,7 @@ fn bench_dsv4_prints_effective_us_statistics_and_ratios() {
                 "% of membw",
                 "per-phase bound",
                 "quietest step",
+                "median step at membw's median pass",
                 "starts [300, 300, 300, 300]",
             ],
         );
