@@ -79,7 +79,7 @@ pub(crate) struct DecodeBenchArgs {
     /// `avx512-bf16`, `avx512-bf16-heads`; the GEMM and every other kernel keep this run's
     /// path), step against step in this process: interleaved steps A B B A .. and the median of
     /// the paired B/A ratios with its 95% interval.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "KERNEL")]
     versus_attention: Option<String>,
     /// Also compare this run's weights with another format (`bf16`, `int8`, `int8-wide`), step
     /// against step: a second copy of the model is uploaded in that format and each shape runs

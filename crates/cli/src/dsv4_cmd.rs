@@ -851,11 +851,10 @@ fn start(
 }
 
 /// This machine's limits after the measurement (the better of the passes before and after),
-/// printed, as the denominators of the step's ratios.
-/// The denominators (the better of the measurements before and after the steps), and the same
-/// with the bandwidth at membw's median pass instead of its best (what the median step is also
-/// set against: on Zen 4 the 2-thread passes jump between ~35 and ~60 GB/s within one
-/// measurement, so the best pass can be a state the median step mostly did not see).
+/// printed, as the denominators of the step's ratios; and the same with the bandwidth at
+/// membw's median pass instead of its best (what the median step is also set against: on
+/// Zen 4 the 2-thread passes jump between ~35 and ~60 GB/s within one measurement, so the best
+/// pass can be a state the median step mostly did not see).
 fn finish_peaks(s: &Setup, case: &CaseArgs) -> (Peaks, Peaks) {
     let machine = best_peaks(&s.machine, &machine_peaks(case.membw_seconds().min(1.0)));
     println!("{}", format_peaks(&machine));

@@ -163,6 +163,10 @@ fn main() {
             scale: vec![1.0; batch],
         };
         let versus_pf = std::env::args().any(|a| a == "--versus-l2-prefetch");
+        assert!(
+            !versus_pf || other == WeightLayout::Pairs,
+            "--versus-l2-prefetch compares paired weights: give --layout pairs"
+        );
         let layouts = if versus_pf {
             [other, other]
         } else {

@@ -392,7 +392,8 @@ fn all_decode_kernels<R>(what: &str, f: impl Fn() -> R) -> Vec<(&'static str, R)
     let mut ran = Vec::new();
     let mut skipped = Vec::new();
     for k in attention::DecodeKernel::ALL {
-        match attention::with_decode_kernel(k, &f) {
+        // On the kernel's own path, so a process capped by `SIMPLER_ISA` still runs it.
+        match with_isa(k.isa(), || attention::with_decode_kernel(k, &f)).flatten() {
             Some(r) => ran.push((k.name(), r)),
             None => skipped.push(k.name()),
         }
@@ -595,13 +596,30 @@ fn decode_kernel_choice_selects_the_kernel() {
     };
     let by_kernel: Vec<(DecodeKernel, Vec<f32>)> = DecodeKernel::ALL
         .into_iter()
-        .filter_map(|k| attention::with_decode_kernel(k, run).map(|r| (k, r)))
+        .filter_map(|k| {
+            with_isa(k.isa(), || attention::with_decode_kernel(k, run))
+                .flatten()
+                .map(|r| (k, r))
+        })
         .collect();
     for k in DecodeKernel::ALL {
         assert_eq!(DecodeKernel::from_name(k.name()), Some(k));
         if !k.is_supported() {
             assert!(attention::with_decode_kernel(k, run).is_none());
             assert!(!attention::set_process_decode_kernel(Some(k)));
+        }
+    }
+    // A thread whose path is below a kernel's is refused it: `Some` means it ran.
+    if let Some(k) = DecodeKernel::ALL
+        .into_iter()
+        .rev()
+        .find(|k| k.is_supported())
+    {
+        if k != DecodeKernel::Portable {
+            assert_eq!(
+                with_isa(Isa::Portable, || attention::with_decode_kernel(k, run)),
+                Some(None)
+            );
         }
     }
     // Each path this CPU has runs its default kernel's bits.
@@ -623,7 +641,7 @@ fn decode_kernel_choice_selects_the_kernel() {
     let (last, last_out) = by_kernel.last().expect("portable at least");
     assert!(attention::set_process_decode_kernel(Some(*last)));
     let chosen = attention::with_decode_kernel(*first, run).expect("supported");
-    let process = run();
+    let process = with_isa(last.isa(), run).expect("supported");
     // A thread on the portable path keeps its own kernel under a vector kernel's choice.
     let portable = with_isa(Isa::Portable, run).expect("portable");
     assert!(attention::set_process_decode_kernel(None));

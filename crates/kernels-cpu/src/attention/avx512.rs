@@ -1,5 +1,6 @@
-//! AVX-512 BF16 split-KV decode attention for every KV head of a sequence at once (what the
-//! model runs at decode; `decode_attention_heads_bf16`).
+//! AVX-512 BF16 split-KV decode attention for every KV head of a sequence at once, head-major
+//! (`DecodeKernel::Avx512Bf16Heads`: what the model runs at decode on the AMX path; AVX-512
+//! BF16 hosts without AMX run the token-major `avx2::rows` walk with `vdpbf16ps` scores).
 //!
 //! Per step a decode token's attention reads each KV row once and does 2 FLOPs per byte; the
 //! AVX2 kernel spends several instructions per bf16 element (widen, two FMAs per query, the

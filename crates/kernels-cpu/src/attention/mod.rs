@@ -159,10 +159,12 @@ pub fn set_process_decode_kernel(kernel: Option<DecodeKernel>) -> bool {
     true
 }
 
-/// Runs `f` with [`decode_attention_heads_bf16`] taking `kernel` on this thread (under the same
-/// rule as [`set_process_decode_kernel`], ahead of it), then restores the thread's previous
-/// choice, also when `f` panics. `None` (and `f` not run) when this CPU cannot run `kernel`.
-/// What tests use to cover every kernel without touching other threads.
+/// Runs `f` with [`decode_attention_heads_bf16`] taking `kernel` on this thread (ahead of the
+/// [`set_process_decode_kernel`] choice), then restores the thread's previous choice, also
+/// when `f` panics. `None` (and `f` not run) when this thread's path is below the kernel's
+/// (`kernel.isa()` above [`crate::isa::Isa::current`]: a CPU without it, or a path capped by
+/// `SIMPLER_ISA` or [`crate::with_isa`]), so `Some` means `kernel` ran. What tests use to cover
+/// every kernel without touching other threads.
 pub fn with_decode_kernel<R>(kernel: DecodeKernel, f: impl FnOnce() -> R) -> Option<R> {
     struct Restore(Option<DecodeKernel>);
     impl Drop for Restore {
@@ -170,7 +172,7 @@ pub fn with_decode_kernel<R>(kernel: DecodeKernel, f: impl FnOnce() -> R) -> Opt
             THREAD_KERNEL.with(|c| c.set(self.0));
         }
     }
-    if !kernel.is_supported() {
+    if kernel.isa() > crate::isa::Isa::current() {
         return None;
     }
     let _restore = Restore(THREAD_KERNEL.with(|c| c.replace(Some(kernel))));

@@ -18,7 +18,8 @@
 //!   hardware prefetchers, larger groups as one stream with a software prefetch a few rows
 //!   ahead spread over the head calls.
 //! - The AVX-512 BF16 path's token-major kernel ([`decode_partials_heads_bf16`]) is this walk
-//!   with its scores on `vdpbf16ps` (`rows`' module docs say why and what it measured).
+//!   with its scores on `vdpbf16ps`, its streams prefetching their rows 4 rows ahead (`rows`'
+//!   module docs and `rows_streams` say why and what it measured).
 //!
 //! Nothing is allocated: queries, outputs and scores live on the stack or in the caller's
 //! scratch. Causal prefill rows ([`prefill_rows`]) run as blocked matrix products in
