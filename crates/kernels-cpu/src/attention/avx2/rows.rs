@@ -369,6 +369,19 @@ unsafe fn rows_streams<const G: usize, const S: usize, const PL: usize>(
     }
 }
 
+/// Prefetches head `h`'s slice (`hd` bf16, 64-byte lines) of each row in `pf` (null: none)
+/// into L2: the kernels spread a row's prefetch over their head calls, so the misses overlap
+/// the arithmetic instead of queueing behind each other.
+#[inline]
+fn prefetch_head(pf: &[*const u16], h: usize, hd: usize) {
+    for f in pf.iter().filter(|f| !f.is_null()) {
+        for e in (0..hd).step_by(32) {
+            // A plain address, never dereferenced: `wrapping_add` keeps the arithmetic defined.
+            prefetch_l2(f.wrapping_add(h * hd + e));
+        }
+    }
+}
+
 /// Scores of `R` K rows (row `r` at `k[r]`) for every head, by `sc` ([`scores_rows`] or
 /// [`scores_rows_bf16`]); `pf` as [`scores_rows`] takes it.
 ///
@@ -425,15 +438,7 @@ unsafe fn scores_rows<const G: usize, const R: usize>(
 ) {
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     for h in 0..heads {
-        // The same head slice of rows further on: one head's lines at a time, so the misses
-        // spread over the arithmetic instead of queueing behind each other.
-        for f in pf {
-            if !f.is_null() {
-                for e in (0..hd).step_by(32) {
-                    prefetch_l2(f.wrapping_add(h * hd + e));
-                }
-            }
-        }
+        prefetch_head(&pf, h, hd);
         let qf = state[h * per..h * per + G * hd].as_ptr();
         let mut acc = [[_mm256_setzero_ps(); R]; G];
         let mut d = 0;
@@ -489,13 +494,7 @@ unsafe fn scores_rows_bf16<const G: usize, const R: usize>(
 ) {
     debug_assert!(q.len() >= heads * G * hd && hd.is_multiple_of(32));
     for h in 0..heads {
-        for f in pf {
-            if !f.is_null() {
-                for e in (0..hd).step_by(32) {
-                    prefetch_l2(f.wrapping_add(h * hd + e));
-                }
-            }
-        }
+        prefetch_head(&pf, h, hd);
         let qh = q[h * G * hd..(h + 1) * G * hd].as_ptr().cast::<u16>();
         let mut acc = [[[_mm256_setzero_ps(); R]; G]; 2];
         let mut d = 0;
@@ -559,13 +558,7 @@ unsafe fn pv_rows<const G: usize, const R: usize, const L: usize>(
     let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     let vecs = L / 8; // output vectors per query (even and odd halves of L / 16 blocks)
     for h in 0..heads {
-        for f in pf {
-            if !f.is_null() {
-                for e in (0..hd).step_by(32) {
-                    prefetch_l2(f.wrapping_add(h * hd + e));
-                }
-            }
-        }
+        prefetch_head(&pf, h, hd);
         let ph = &p[h * sh..(h + 1) * sh];
         let o = state[h * per + G * hd..h * per + 2 * G * hd].as_mut_ptr();
         let mut dc = 0;
