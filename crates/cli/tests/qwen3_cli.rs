@@ -586,4 +586,21 @@ fn bench_qwen3_decode_compares_decode_attention_paths() {
         "{}",
         text(&out.stderr)
     );
+    // A kernel above the run's path (capped by SIMPLER_ISA) would never run: refused by name
+    // before any step.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(args("avx2"))
+        .env("SIMPLER_ISA", "portable")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run simpler");
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    // (A CPU without AVX2 refuses it as a kernel it cannot run.)
+    assert!(
+        err.contains("--versus-attention avx2")
+            && (err.contains("above this run's path portable")
+                || err.contains("this CPU cannot run it")),
+        "{err}"
+    );
 }
