@@ -341,7 +341,11 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         let mut session = Session::new(&worker, model.clone(), kv);
         args.tiles.apply(&mut session);
         session.read_logits = false;
-        let tokens = prompt_tokens(len, c.vocab_size, args.model.seed.wrapping_add(len as u64));
+        let tokens = prompt_tokens(
+            len,
+            c.vocab_size,
+            args.model.seed().wrapping_add(len as u64),
+        );
 
         let gemm_tiles = session
             .policy
@@ -354,7 +358,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             simpler_models::qwen3::layout::bf16_layout(c.intermediate_size, c.hidden_size),
             worker.cores(),
             Duration::from_secs_f64(args.gemm_seconds.max(0.0)),
-            args.model.seed,
+            args.model.seed(),
         );
 
         let mut outside_report = None;

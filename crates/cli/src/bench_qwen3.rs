@@ -301,7 +301,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         config: c,
         device,
         shapes,
-        seed: args.model.seed,
+        seed: args.model.seed(),
         warmup: args.warmup,
         rounds: args.rounds,
     })
@@ -386,7 +386,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     println!("KV pools: the spec's distributions, layer 0's pool replicated to every layer");
     let mut rows = Vec::new();
     for &(batch, seq_len) in &shapes {
-        let case = DecodeCase::new(&c, batch, seq_len, seq_len, args.model.seed, true);
+        let case = DecodeCase::new(&c, batch, seq_len, seq_len, args.model.seed(), true);
         let kv = case.kv_buffers(&worker, &c)?;
         case.fill_kv(&c, &kv)?;
         let mut session = Session::new(&worker, model.clone(), kv);

@@ -189,6 +189,19 @@ impl Command {
             _ => None,
         }
     }
+
+    /// The commands that take nothing from `--seed` but a preset's weights.
+    fn seeds_weights_only(&self) -> Option<&'static str> {
+        match self {
+            Command::Generate { .. } => Some("generate"),
+            Command::Serve(_) => Some("serve"),
+            Command::Bench {
+                command: BenchCommand::Serve(_),
+                ..
+            } => Some("bench serve"),
+            _ => None,
+        }
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -244,8 +257,12 @@ fn run() -> Result<()> {
         simpler_node::ChildFns::new(),
     )));
     let mut cli = Cli::parse();
+    let weights_only = cli.command.seeds_weights_only();
     if let Some(model) = cli.command.model_args() {
         model.resolve_preset_name()?;
+        if let Some(what) = weights_only {
+            model.refuse_seed_with_checkpoint(what)?;
+        }
     }
     use platform::PlatformChoice::{Cpu, Cuda};
     match cli.command {

@@ -37,9 +37,12 @@ pub(crate) struct ModelArgs {
     /// The checkpoint stores projections [in, out] (y = x @ W) instead of HF's [out, in].
     #[arg(long)]
     pub(crate) in_out_layout: bool,
-    /// Seed of the random weights, KV pools and inputs.
-    #[arg(long, default_value_t = 1234)]
-    pub(crate) seed: u64,
+    /// Seed of a preset's random weights and, in `run qwen3-decode` and the decode and prefill
+    /// benches, of the KV pools and inputs [default: 1234]. With a `--model` checkpoint it only
+    /// draws those KV pools and inputs, so `generate`, `serve` and `bench serve`, which take
+    /// nothing else from it, refuse it there (their sampling has its own `--sample-seed`).
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
     /// How the projections and the LM head are held: `bf16`, or `int8` (per-output-channel
     /// int8 with fp32 scales, quantised at upload; activations quantised per row, the faster
     /// mode here). `int8-w8a8` is `int8`; `int8-wide` keeps fp32 activations (for comparison).
@@ -61,7 +64,27 @@ pub(crate) struct ModelArgs {
     pub(crate) memory_budget: Option<f64>,
 }
 
+/// The seed when `--seed` is not given.
+const DEFAULT_SEED: u64 = 1234;
+
 impl ModelArgs {
+    /// `--seed`, or its default.
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed.unwrap_or(DEFAULT_SEED)
+    }
+
+    /// Refuses `--seed` with a checkpoint for a command (`what`) that takes nothing but a
+    /// preset's weights from it: the flag would change nothing.
+    pub(crate) fn refuse_seed_with_checkpoint(&self, what: &str) -> Result<()> {
+        if let (Some(seed), Some(dir)) = (self.seed, &self.model) {
+            bail!(
+                "--seed {seed}: seeds a preset's random weights, and {what} takes nothing else from it; --model {} is a checkpoint (to seed sampling: --sample-seed)",
+                dir.display()
+            );
+        }
+        Ok(())
+    }
+
     /// `--model NAME` where `NAME` is no directory but a preset's name: the preset, as
     /// `--preset NAME` (a directory of that name wins). A path that is neither is refused here,
     /// naming both readings.
@@ -140,7 +163,7 @@ impl ModelArgs {
             None => format!(
                 "preset {} (seeded random weights, seed {})",
                 self.preset_name(),
-                self.seed
+                self.seed()
             ),
         }
     }
@@ -444,7 +467,7 @@ pub(crate) fn load_weights(
         pb.set_length(t);
         pb.set_position(d);
     };
-    let w = generate_weights(config, args.seed, shared, Some(&tick));
+    let w = generate_weights(config, args.seed(), shared, Some(&tick));
     pb.finish_and_clear();
     Ok(w)
 }

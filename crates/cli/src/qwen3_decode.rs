@@ -345,7 +345,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         args.batch,
         args.seq_len,
         max_seq,
-        args.model.seed,
+        args.model.seed(),
         args.shared_weights,
     );
     let golden_flops = StepCost::decode(&c, layers, with_head, &case.batch.seq_lens).flops();

@@ -207,3 +207,38 @@ fn model_takes_a_preset_name() {
         "--model qwen3-nope: no such checkpoint directory, and not a preset (presets: qwen3-14b",
     );
 }
+
+/// `--seed` seeds a preset's weights only: with a checkpoint, `generate`, `serve` and `bench
+/// serve` (which take nothing else from it) refuse it by name before loading anything, and
+/// point at the sampling seed; with a preset it still changes the weights, so the tokens.
+#[test]
+fn seed_with_a_checkpoint_is_refused_where_it_would_change_nothing() {
+    let dir = checkpoint("seed");
+    let d = dir.to_str().unwrap();
+    for cmd in [
+        &["generate", "--model", d, "--seed", "7", "--prompt-ids", "1"][..],
+        &["serve", "--model", d, "--seed", "7"][..],
+        &["bench", "serve", "--model", d, "--seed", "7"][..],
+    ] {
+        refused(cmd, "--seed 7: seeds a preset's random weights");
+    }
+    let (out, _) = generate(&dir, &["--prompt-ids", "1,2,3"], &[]);
+    assert!(!out.trim().is_empty());
+    let run = |seed: &str| {
+        let out = simpler(&[
+            "generate",
+            "--preset",
+            "qwen3-tiny",
+            "--seed",
+            seed,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    assert_ne!(run("1"), run("2"), "the preset's seed changed no token");
+}
