@@ -421,11 +421,11 @@ pub fn decode_attention_heads_bf16(
                 avx512::heads_state_len(kv.kv_heads, group, hd),
             )),
             DecodeKernel::Avx512Bf16 | DecodeKernel::Avx512Bf16Heads if rows => Some((
-                avx2::decode_partials_heads_bf16,
+                avx2::decode_partials_heads::<true>,
                 avx2::heads_state_len(kv.kv_heads, group, hd),
             )),
             DecodeKernel::Avx2 if rows => Some((
-                avx2::decode_partials_heads,
+                avx2::decode_partials_heads::<false>,
                 avx2::heads_state_len(kv.kv_heads, group, hd),
             )),
             _ => None,

@@ -17,7 +17,7 @@
 //!   1–4 queries read a range as four or two far-apart streams side by side, left to the
 //!   hardware prefetchers, larger groups as one stream with a software prefetch a few rows
 //!   ahead spread over the head calls.
-//! - The AVX-512 BF16 path's token-major kernel ([`decode_partials_heads_bf16`]) is this walk
+//! - The AVX-512 BF16 path's token-major kernel (`decode_partials_heads::<true>`) is this walk
 //!   with its scores on `vdpbf16ps`, its streams prefetching their rows 4 rows ahead (`rows`'
 //!   module docs and `rows_streams` say why and what it measured).
 //!
@@ -82,14 +82,17 @@ pub(super) unsafe fn decode_partial(
 /// [`decode_partial`] for every KV head at once (`q` the whole row, `kv_heads * group *
 /// head_dim`; `partials` one record set per head, in head order), streaming whole pool rows:
 /// each run's rows are read once for all heads, the next run's prefetched meanwhile.
-/// `state` is scratch of [`heads_state_len`] floats.
+/// `state` is scratch of [`heads_state_len`] floats. `BF16`: the scores on `vdpbf16ps` (the
+/// bf16 queries and keys as they are, `rows::scores_rows_bf16`), the AVX-512 BF16 path's
+/// token-major kernel; else widened to fp32 (the AVX2 kernel).
 ///
 /// # Safety
 /// As [`decode_partial`] for every head; `q.len() == kv_heads * group * head_dim`;
-/// `partials.len() == kv_heads * group * (head_dim + 2)`.
+/// `partials.len() == kv_heads * group * (head_dim + 2)`; with `BF16`, the CPU supports
+/// AVX-512 F/BW/VL and AVX-512 BF16.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn decode_partials_heads(
+pub(super) unsafe fn decode_partials_heads<const BF16: bool>(
     q: &[bf16],
     group: usize,
     kv: &PagedKv<'_>,
@@ -99,75 +102,11 @@ pub(super) unsafe fn decode_partials_heads(
     partials: &mut [f32],
     state: &mut [f32],
 ) {
-    // SAFETY: forwarded contract (`Scores::Fp32` needs AVX2 and FMA only).
-    unsafe {
-        heads_with(
-            q,
-            group,
-            kv,
-            block_table,
-            tokens,
-            scale,
-            Scores::Fp32,
-            partials,
-            state,
-        )
+    let scores = if BF16 {
+        Scores::Bf16 { q, scale }
+    } else {
+        Scores::Fp32
     };
-}
-
-/// [`decode_partials_heads`] with the scores on `vdpbf16ps` (the bf16 queries and keys as they
-/// are; `rows::scores_rows_bf16`): the AVX-512 BF16 path's token-major kernel.
-///
-/// # Safety
-/// As [`decode_partials_heads`], and the CPU supports AVX-512 F/BW/VL and AVX-512 BF16.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn decode_partials_heads_bf16(
-    q: &[bf16],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    tokens: Range<usize>,
-    scale: f32,
-    partials: &mut [f32],
-    state: &mut [f32],
-) {
-    let scores = Scores::Bf16 { q, scale };
-    // SAFETY: forwarded contract; AVX-512 BF16 is present; `q` is the whole row (checked by
-    // the caller: `kv_heads * group * head_dim`).
-    unsafe {
-        heads_with(
-            q,
-            group,
-            kv,
-            block_table,
-            tokens,
-            scale,
-            scores,
-            partials,
-            state,
-        )
-    };
-}
-
-/// The body of both all-heads kernels: states initialised, the token-major walk with
-/// `scores`, partials written.
-///
-/// # Safety
-/// As [`decode_partials_heads`], and `rows_over`'s contract for `scores`.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn heads_with(
-    q: &[bf16],
-    group: usize,
-    kv: &PagedKv<'_>,
-    block_table: &[u32],
-    tokens: Range<usize>,
-    scale: f32,
-    scores: Scores<'_>,
-    partials: &mut [f32],
-    state: &mut [f32],
-) {
     let hd = kv.head_dim;
     let per = group * (2 * hd + 2);
     let qh = group * hd;
@@ -175,7 +114,8 @@ unsafe fn heads_with(
     for (g, st) in state.chunks_exact_mut(per).enumerate() {
         init_state(&q[g * qh..(g + 1) * qh], group, hd, scale, st);
     }
-    // SAFETY: forwarded contract; `state` holds one state per head, `s` the rest.
+    // SAFETY: forwarded contract (AVX-512 BF16 present with `BF16`; `q` is the whole row);
+    // `state` holds one state per head, `s` the rest.
     unsafe { rows_over(group, kv, block_table, tokens, scores, state, s) };
     let rec = group * (hd + 2);
     for (st, out) in state.chunks_exact(per).zip(partials.chunks_exact_mut(rec)) {
