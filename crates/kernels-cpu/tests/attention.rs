@@ -308,16 +308,25 @@ fn prefill_rows_long_prefix_on_every_path() {
 }
 
 #[test]
-fn prefill_path_takes_tiles_only_where_they_fit() {
+fn prefill_path_takes_bf16_pairs_only_where_they_fit() {
     assert_eq!(attention::prefill_path(Isa::Avx2, 128), Isa::Avx2);
     assert_eq!(attention::prefill_path(Isa::Portable, 128), Isa::Portable);
-    assert_eq!(attention::prefill_path(Isa::Avx512Bf16, 128), Isa::Avx2);
     if cfg!(target_arch = "x86_64") {
         assert_eq!(attention::prefill_path(Isa::AmxBf16, 128), Isa::AmxBf16);
         assert_eq!(attention::prefill_path(Isa::AmxBf16, 256), Isa::AmxBf16);
+        assert_eq!(
+            attention::prefill_path(Isa::Avx512Bf16, 128),
+            Isa::Avx512Bf16
+        );
+        assert_eq!(
+            attention::prefill_path(Isa::Avx512Bf16, 32),
+            Isa::Avx512Bf16
+        );
     }
-    assert_eq!(attention::prefill_path(Isa::AmxBf16, 80), Isa::Avx2);
-    assert_eq!(attention::prefill_path(Isa::AmxBf16, 288), Isa::Avx2);
+    for isa in [Isa::AmxBf16, Isa::Avx512Bf16] {
+        assert_eq!(attention::prefill_path(isa, 80), Isa::Avx2);
+        assert_eq!(attention::prefill_path(isa, 288), Isa::Avx2);
+    }
 }
 
 proptest! {
@@ -719,6 +728,79 @@ fn prefill_rows_non_finite_keys_agree_on_every_path() {
             "key {poison}: rows that see it"
         );
         assert_same_classes_as_portable(&ran, poison);
+    }
+}
+
+/// The bf16 engines keep the gathered K rows and V pairs in per-thread scratch between calls:
+/// a call over a short, odd prefix after one whose V rows were NaN past that prefix must not
+/// read the stale pairs (its last token pair and the block's padding). On every path, on one
+/// thread: the poisoned call's outputs are NaN as the portable path's, the next call's all
+/// finite and close to the portable path's and to the fp64 reference.
+#[test]
+fn prefill_rows_after_a_poisoned_call_read_no_stale_scratch() {
+    let mut rng = Rng(515);
+    let (hd, ps, group, n_rows) = (128usize, 16usize, 2usize, 3usize);
+    let q: Vec<f32> = rng
+        .vec_bf16(n_rows * group * hd, 1.0)
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let mut poisoned = Setup::new(1, 4, 1, hd, ps, &mut rng);
+    // Every V row from token 34 on is NaN; the poisoned call sees tokens 0..64.
+    for t in 34..64 {
+        let at = (poisoned.tables[0][t / ps] as usize * ps + t % ps) * hd;
+        poisoned.v[at..at + hd].fill(bf16::NAN);
+    }
+    let clean = Setup::new(1, 4, 1, hd, ps, &mut rng);
+    // The clean call ends at token 33 (odd): its last pair is token 32 and a zero row.
+    let first_pos = 33 - n_rows;
+    let ran = common::all_paths("prefill rows after a poisoned call", || {
+        let mut bad = vec![0.0f32; q.len()];
+        prefill_attention_rows_f32(
+            &poisoned.prefill_rows(0, &q, group, 0, 64 - n_rows),
+            &mut bad,
+        );
+        let mut out = vec![0.0f32; q.len()];
+        prefill_attention_rows_f32(&clean.prefill_rows(0, &q, group, 0, first_pos), &mut out);
+        (bad.iter().all(|v| v.is_nan()), out)
+    });
+    for (isa, (bad_nan, out)) in &ran {
+        assert!(
+            bad_nan,
+            "{}: the poisoned call's outputs are NaN",
+            isa.name()
+        );
+        assert!(
+            out.iter().all(|v| v.is_finite()),
+            "{}: stale pairs read",
+            isa.name()
+        );
+        common::assert_close(
+            out,
+            &ran[0].1.1,
+            5e-3,
+            2e-2,
+            &format!("{} vs portable", isa.name()),
+        );
+        for i in 0..n_rows {
+            for j in 0..group {
+                let at = (i * group + j) * hd;
+                let e = clean.reference(
+                    0,
+                    0,
+                    &q[at..at + hd],
+                    first_pos + i + 1,
+                    1.0 / (hd as f32).sqrt(),
+                );
+                common::assert_close(
+                    &out[at..at + hd],
+                    &e,
+                    5e-3,
+                    2e-2,
+                    &format!("{} row {i}", isa.name()),
+                );
+            }
+        }
     }
 }
 

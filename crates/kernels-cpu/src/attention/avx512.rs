@@ -33,7 +33,7 @@ use std::ops::Range;
 use half::bf16;
 
 use super::PagedKv;
-use super::amx::exp512;
+use super::flash::exp512;
 use crate::simd::{as_pbh, prefetch_l2};
 
 /// Largest query group handled here.

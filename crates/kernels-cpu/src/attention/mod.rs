@@ -20,11 +20,11 @@ use crate::convert::f32_to_bf16;
 use crate::multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
-mod amx;
-#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod flash;
 
 /// The partial records (`[m, l, o...]` per query, `hd + 2` floats) of one head's SIMD state
 /// `st` (`[queries, o, m, l]` as the x86 kernels keep it, `group` queries). The kernels hold
@@ -201,14 +201,15 @@ pub fn vector_path(isa: crate::isa::Isa) -> crate::isa::Isa {
     isa.min(crate::isa::Isa::Avx2)
 }
 
-/// The path [`prefill_attention_rows_f32`] takes for `head_dim` when kernels run on `isa`:
-/// AMX-BF16 tiles where the CPU has them and `head_dim` is a multiple of 32 up to 256 (causal
-/// prefill attention is two matrix products per query block, compute-bound), else the decode
-/// path's.
+/// The path [`prefill_attention_rows_f32`] takes for `head_dim` when kernels run on `isa`.
+/// Causal prefill attention is two matrix products per query block, compute-bound: where
+/// `head_dim` is a multiple of 32 up to 256 it runs them on bf16 pairs, on AMX-BF16 tiles
+/// where the CPU has them, else on AVX-512 BF16 vectors; other head dimensions and CPUs
+/// take the AVX2 (or portable) path.
 pub fn prefill_path(isa: crate::isa::Isa, head_dim: usize) -> crate::isa::Isa {
     #[cfg(target_arch = "x86_64")]
-    if isa >= crate::isa::Isa::AmxBf16 && amx::supports(head_dim) {
-        return crate::isa::Isa::AmxBf16;
+    if isa >= crate::isa::Isa::Avx512Bf16 && flash::supports(head_dim) {
+        return isa.min(crate::isa::Isa::AmxBf16);
     }
     let _ = head_dim;
     vector_path(isa)

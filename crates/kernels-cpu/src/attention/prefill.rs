@@ -171,13 +171,23 @@ pub fn prefill_attention_rows_f32(rows: &PrefillRows<'_>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         let hd = rows.kv.head_dim;
-        if super::prefill_path(crate::isa::Isa::current(), hd) == crate::isa::Isa::AmxBf16 {
-            // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512 BF16
-            // and Linux granted the tile state (`Isa::hardware`); `prefill_path` checked the
-            // head dimension; `rows.check` checked the pools, `kv_head`, every page of the
-            // rows' tokens and that `queries`/`out` are the same whole rows.
-            unsafe { super::amx::prefill_rows(rows, out) };
-            return;
+        match super::prefill_path(crate::isa::Isa::current(), hd) {
+            crate::isa::Isa::AmxBf16 => {
+                // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512
+                // BF16 and Linux granted the tile state (`Isa::hardware`); `prefill_path`
+                // checked the head dimension; `rows.check` checked the pools, `kv_head`,
+                // every page of the rows' tokens and that `queries`/`out` are the same whole
+                // rows.
+                unsafe { super::flash::prefill_rows::<true>(rows, out) };
+                return;
+            }
+            crate::isa::Isa::Avx512Bf16 => {
+                // SAFETY: the AVX-512 BF16 path is current only when the CPU has AVX-512
+                // F/BW/VL/BF16 (`Isa::hardware`); the rest as above.
+                unsafe { super::flash::prefill_rows::<false>(rows, out) };
+                return;
+            }
+            _ => {}
         }
         if crate::isa::Isa::current() >= crate::isa::Isa::Avx2
             && super::avx2::supports(rows.group, hd)
