@@ -387,11 +387,16 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
         "0.1",
         "--gemm-seconds",
         "0.05",
+        "--outside-steps",
+        "2",
     ]);
     assert_contains_all(
         &so,
         &[
             "simpler bench qwen3-prefill: preset tiny",
+            // The outside share comes from warm steps after the measured ones, not a warm-up.
+            "outside kernels",
+            "(median of 2 steps at swimlane level 1 after the measured rounds, range ",
             "FMA peak",
             "prompt 8 tokens",
             "prompt 20 tokens",
