@@ -25,8 +25,8 @@
 //!   query's outputs per accumulator. The fp32 outputs live in memory between token blocks.
 //!
 //! The prefix's K rows (gathered out of the pages) and V pairs are prepared once per call and
-//! shared by the call's query blocks (the model calls this for 32 rows, i.e. 64 queries of
-//! Qwen3's group of 2, per task).
+//! shared by the call's query blocks (the model calls this for 32 rows per task on the tiles,
+//! 64 on vectors: 64 or 128 queries of Qwen3's group of 2).
 //!
 //! # Numerics
 //! Queries, K and V are bf16 values already (the queries are widened bf16); both engines
