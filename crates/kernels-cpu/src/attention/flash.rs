@@ -328,19 +328,7 @@ unsafe fn block<const TILES: bool>(
         }
         // Rescale the outputs where the max moved.
         if _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.0)) != 0 {
-            let mut c = [0.0f32; QB];
-            // SAFETY: 16 floats.
-            unsafe { _mm512_storeu_ps(c.as_mut_ptr(), corr) };
-            for (qi, &cq) in c.iter().enumerate() {
-                let cv = _mm512_set1_ps(cq);
-                for line in &mut s.o[qi * ncb..(qi + 1) * ncb] {
-                    // SAFETY: a line is 64 bytes, 64-byte aligned.
-                    unsafe {
-                        let p = line.0.as_mut_ptr().cast::<f32>();
-                        _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), cv));
-                    }
-                }
-            }
+            scale_outputs(&mut s.o, corr, ncb);
         }
         if !TILES {
             // SAFETY: `pt` holds the block's 16 token pairs of 16 queries; the V lines of block
@@ -378,21 +366,28 @@ unsafe fn block<const TILES: bool>(
         }
     }
     // Normalise.
-    let mut inv = [0.0f32; QB];
     let invv = _mm512_maskz_div_ps(
         _mm512_cmp_ps_mask::<_CMP_GT_OQ>(l, _mm512_setzero_ps()),
         _mm512_set1_ps(1.0),
         l,
     );
+    scale_outputs(&mut s.o, invv, ncb);
+}
+
+/// Multiplies each query's outputs (`o`: query `q`, column block `c` at `q * ncb + c`) by its
+/// lane of `factor`: the rescale where the running max moved, and the final normalisation.
+#[target_feature(enable = "avx512f")]
+fn scale_outputs(o: &mut [Line], factor: __m512, ncb: usize) {
+    let mut f = [0.0f32; QB];
     // SAFETY: 16 floats.
-    unsafe { _mm512_storeu_ps(inv.as_mut_ptr(), invv) };
-    for (qi, &iq) in inv.iter().enumerate() {
-        let iv = _mm512_set1_ps(iq);
-        for line in &mut s.o[qi * ncb..(qi + 1) * ncb] {
+    unsafe { _mm512_storeu_ps(f.as_mut_ptr(), factor) };
+    for (lines, &fq) in o.chunks_exact_mut(ncb).zip(&f) {
+        let fv = _mm512_set1_ps(fq);
+        for line in lines {
             // SAFETY: a line is 64 bytes, 64-byte aligned.
             unsafe {
                 let p = line.0.as_mut_ptr().cast::<f32>();
-                _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), iv));
+                _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), fv));
             }
         }
     }
