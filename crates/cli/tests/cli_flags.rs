@@ -336,6 +336,17 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "--outside-steps",
         ),
         (
+            &[
+                "bench",
+                "qwen3-prefill",
+                "--preset",
+                "tiny",
+                "--outside-steps",
+                "0",
+            ],
+            "--outside-steps",
+        ),
+        (
             &["bench", "membw", "--seconds", "0.1"],
             "--seconds 0.1: give at least 0.4",
         ),
