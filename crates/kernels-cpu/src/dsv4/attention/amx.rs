@@ -1,6 +1,7 @@
 //! The value product of the sparse attention on AMX-BF16 tiles (`tdpbf16ps`, 16 × 16 × 32 per
-//! instruction) and on `vdpbf16ps`: `out[h, c] = Σ_j P[h, j] V[j, c]` over all of a token's
-//! rows at once.
+//! instruction): `out[h, c] = Σ_j P[h, j] V[j, c]` over all of a token's rows at once; and the
+//! rows' pair layout it shares with the head-lane engine's `vdpbf16ps` value product
+//! (`lanes.rs`).
 //!
 //! # Orientation
 //! The tile unit computes `C[m, n] += Σ_k A[m, k] B[k, n]` with `A` rows contiguous along `k`
@@ -187,100 +188,6 @@ pub(super) fn pv_store(
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// Whether [`pv_add_dpbf16`] handles rows of `d` (whole 64-column groups of four column
-/// blocks).
-pub(super) fn dpbf16_supports(d: usize) -> bool {
-    d > 0 && d.is_multiple_of(DP_COLS)
-}
-
-/// Columns per register block of [`pv_add_dpbf16`] (four 16-column blocks).
-const DP_COLS: usize = 64;
-
-/// Heads per register block of [`pv_add_dpbf16`].
-const DP_HEADS: usize = 4;
-
-/// The value product on AVX-512 BF16 (machines without AMX), `out += P · V`: the same operands
-/// as [`pv_store`] — `P` as bf16 pairs, the rows interleaved in pairs — and `vdpbf16ps` of a
-/// broadcast weight pair `(p[h, 2i], p[h, 2i + 1])` against line `i` of a 16-column block adds
-/// both rows' products to 16 columns of one head; blocks of 4 heads × 64 columns (16
-/// accumulators, each broadcast used four times) accumulate over all the rows in registers and
-/// are added to `out` once. Same bf16 products as the other paths, fp32 sums in another order.
-///
-/// # Panics
-/// If the CPU has no AVX-512 BF16, [`dpbf16_supports`] is false, or the lengths disagree.
-pub(super) fn pv_add_dpbf16(
-    pb: &[u16],
-    heads: usize,
-    n32: usize,
-    vnni: &[u16],
-    d: usize,
-    out: &mut [f32],
-) {
-    assert!(
-        Isa::Avx512Bf16.is_supported(),
-        "dsv4 attention: the AVX-512 BF16 value product runs only where AVX-512 BF16 is"
-    );
-    assert!(
-        dpbf16_supports(d),
-        "dsv4 attention: dpbf16 with rows of {d}"
-    );
-    // SAFETY: AVX-512 BF16 is supported (asserted), which implies AVX-512 F/BW; the function
-    // checks the lengths itself.
-    unsafe { dpbf16_blocks(pb, heads, n32, vnni, d, out) };
-}
-
-/// The register blocks of [`pv_add_dpbf16`] over `pb` (`[heads, n32]` bf16 bits) and `vnni`
-/// ([`layout_len`]`(n32, d)`, [`interleave`]'s layout).
-///
-/// # Panics
-/// If the lengths disagree.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-fn dpbf16_blocks(pb: &[u16], heads: usize, n32: usize, vnni: &[u16], d: usize, out: &mut [f32]) {
-    use crate::simd::as_pbh;
-    const CB: usize = DP_COLS / 16;
-    let (pairs, ld) = (n32 / 2, block_lines(n32 / 2));
-    assert!(d.is_multiple_of(DP_COLS) && n32.is_multiple_of(2));
-    assert!(pb.len() == heads * n32 && vnni.len() == layout_len(n32, d) && out.len() == heads * d);
-    let mut h0 = 0;
-    while h0 < heads {
-        let hb = DP_HEADS.min(heads - h0);
-        // Head `h0 + hh`'s weight pairs, one `i32` per pair (little-endian: `p[2i]` low).
-        let rows: [*const u16; DP_HEADS] =
-            std::array::from_fn(|hh| pb[(h0 + hh.min(hb - 1)) * n32..].as_ptr());
-        for cg in (0..d / 16).step_by(CB) {
-            let mut acc = [[_mm512_setzero_ps(); CB]; DP_HEADS];
-            let lines: [*const u16; CB] =
-                std::array::from_fn(|c| vnni[(cg + c) * ld * 32..].as_ptr());
-            for i in 0..pairs {
-                // SAFETY: line `i < pairs` of column blocks `cg .. cg + CB` (< d / 16) is 32
-                // elements inside `vnni` (lengths checked above).
-                let b: [__m512bh; CB] = std::array::from_fn(|c| unsafe {
-                    as_pbh(_mm512_loadu_si512(lines[c].add(i * 32).cast()))
-                });
-                for (hh, a) in acc.iter_mut().enumerate().take(hb) {
-                    // SAFETY: elements `2i, 2i + 1 < n32` of the head's row of `pb`.
-                    let pair = unsafe { rows[hh].add(2 * i).cast::<i32>().read_unaligned() };
-                    let pv = as_pbh(_mm512_set1_epi32(pair));
-                    for (a, &b) in a.iter_mut().zip(&b) {
-                        *a = _mm512_dpbf16_ps(*a, pv, b);
-                    }
-                }
-            }
-            for (hh, a) in acc.iter().enumerate().take(hb) {
-                let o = &mut out[(h0 + hh) * d + cg * 16..(h0 + hh) * d + cg * 16 + DP_COLS];
-                for (c, &a) in a.iter().enumerate() {
-                    // SAFETY: `o` is `DP_COLS` fp32; block `c` is 16 of them.
-                    unsafe {
-                        let p = o.as_mut_ptr().add(16 * c);
-                        _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), a));
-                    }
-                }
-            }
-        }
-        h0 += hb;
-    }
-}
-
 /// Lines `i0 ..` of the pair layout of `pairs` pairs (`ld` lines per column block, the first
 /// `pairs` of them used) in `vnni` from `rows`
 /// (an even number of rows of `d`, a multiple of 32; they become rows `2 i0 ..` of the call):
@@ -335,46 +242,112 @@ pub(super) fn zero_lines(vnni: &mut [u16], d: usize, pairs: usize, from: usize) 
 /// swimlanes each, 2089 → 1909 µs), 16 pairs ahead ~7%.
 const PW_AHEAD: usize = 8;
 
+/// The two word permutations of [`interleave_pair`]: lane `2k + r` from row `r`'s column `k`
+/// (`lo`) or `16 + k` (`hi`) of a 32-column load.
+pub(super) struct PairPerm {
+    lo: __m512i,
+    hi: __m512i,
+}
+
+impl PairPerm {
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn new() -> PairPerm {
+        let lo: [u16; 32] =
+            std::array::from_fn(|k| (k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
+        let hi: [u16; 32] =
+            std::array::from_fn(|k| (16 + k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
+        // SAFETY: 64-byte arrays.
+        unsafe {
+            PairPerm {
+                lo: _mm512_loadu_si512(lo.as_ptr().cast()),
+                hi: _mm512_loadu_si512(hi.as_ptr().cast()),
+            }
+        }
+    }
+}
+
 /// The body of [`interleave`] (arguments checked there).
 #[target_feature(enable = "avx512f,avx512bw")]
 fn interleave_pairs(rows: &[bf16], d: usize, vnni: &mut [u16], pairs: usize, i0: usize) {
-    let lo: [u16; 32] = std::array::from_fn(|k| (k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
-    let hi: [u16; 32] =
-        std::array::from_fn(|k| (16 + k / 2 + if k % 2 == 1 { 32 } else { 0 }) as u16);
-    // SAFETY: 64-byte arrays.
-    let (lo, hi) = unsafe {
-        (
-            _mm512_loadu_si512(lo.as_ptr().cast()),
-            _mm512_loadu_si512(hi.as_ptr().cast()),
-        )
-    };
-    let ld = block_lines(pairs);
+    let (ld, perm) = (block_lines(pairs), PairPerm::new());
     for (i, pair) in rows.chunks_exact(2 * d).enumerate() {
         let (r0, r1) = pair.split_at(d);
-        let i = i0 + i;
-        for c in (0..d).step_by(32) {
-            let cb = c / 16;
-            let (l0, l1) = ((cb * ld + i) * 32, ((cb + 1) * ld + i) * 32);
-            assert!(l0 + 32 <= vnni.len() && l1 + 32 <= vnni.len());
-            // SAFETY: columns c..c + 32 of both rows (c + 32 <= d); lines l0 and l1 (32
-            // elements each) are inside `vnni` (asserted); the `prefetchw`s read and write
-            // nothing (below).
-            unsafe {
-                let a = _mm512_loadu_si512(r0[c..].as_ptr().cast());
-                let b = _mm512_loadu_si512(r1[c..].as_ptr().cast());
-                let out = vnni.as_mut_ptr();
-                // `prefetchw` of the two lines this column block's stream writes `PW_AHEAD`
-                // pairs on: a hint that never faults and writes nothing (past the layout it
-                // names other memory, only prefetched), present on every CPU with AVX-512.
+        // SAFETY: both rows are `d` long; line `i0 + i < pairs` of every column block is inside
+        // `vnni` (`layout_len(2 pairs, d)` long, checked by `interleave`).
+        unsafe {
+            interleave_pair(
+                r0.as_ptr(),
+                r1.as_ptr(),
+                d,
+                vnni.as_mut_ptr(),
+                ld,
+                i0 + i,
+                &perm,
+            )
+        };
+    }
+}
+
+/// Line `i` of every column block of the pair layout (`ld` lines per block) at `vnni` from the
+/// rows `r0` and `r1` (`d` columns, a multiple of 16): `vnni[(c / 16 · ld + i) · 32 + 2 (c mod
+/// 16) + r] = r_r[c]`.
+///
+/// # Safety
+/// AVX-512 F/BW; `r0` and `r1` point at `d` readable bf16 each, and the `d / 16` lines
+/// `(cb · ld + i) · 32 .. + 32` are writable from `vnni`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn interleave_pair(
+    r0: *const bf16,
+    r1: *const bf16,
+    d: usize,
+    vnni: *mut u16,
+    ld: usize,
+    i: usize,
+    perm: &PairPerm,
+) {
+    let mut c = 0;
+    while c < d {
+        let cb = c / 16;
+        let (l0, l1) = ((cb * ld + i) * 32, ((cb + 1) * ld + i) * 32);
+        // SAFETY: columns `c .. c + 32` (or the last 16) of both rows, lines `l0` (and `l1`)
+        // of column blocks `cb < d / 16` (and `cb + 1`): the caller's bounds. The `prefetchw`s
+        // read and write nothing (below).
+        unsafe {
+            // `prefetchw` of the lines this column block's stream writes `PW_AHEAD` pairs on:
+            // a hint that never faults and writes nothing (past the layout it names other
+            // memory, only prefetched), present on every CPU with AVX-512.
+            std::arch::asm!(
+                "prefetchw [{0}]",
+                in(reg) vnni.wrapping_add(l0 + PW_AHEAD * 32),
+                options(nostack, readonly, preserves_flags)
+            );
+            if c + 32 <= d {
                 std::arch::asm!(
                     "prefetchw [{0}]",
-                    "prefetchw [{1}]",
-                    in(reg) out.wrapping_add(l0 + PW_AHEAD * 32),
-                    in(reg) out.wrapping_add(l1 + PW_AHEAD * 32),
+                    in(reg) vnni.wrapping_add(l1 + PW_AHEAD * 32),
                     options(nostack, readonly, preserves_flags)
                 );
-                _mm512_storeu_si512(out.add(l0).cast(), _mm512_permutex2var_epi16(a, lo, b));
-                _mm512_storeu_si512(out.add(l1).cast(), _mm512_permutex2var_epi16(a, hi, b));
+                let a = _mm512_loadu_si512(r0.add(c).cast());
+                let b = _mm512_loadu_si512(r1.add(c).cast());
+                _mm512_storeu_si512(
+                    vnni.add(l0).cast(),
+                    _mm512_permutex2var_epi16(a, perm.lo, b),
+                );
+                _mm512_storeu_si512(
+                    vnni.add(l1).cast(),
+                    _mm512_permutex2var_epi16(a, perm.hi, b),
+                );
+                c += 32;
+            } else {
+                // The last 16 columns: both halves' low lanes, so `lo` interleaves them.
+                let a = _mm512_maskz_loadu_epi16(0xFFFF, r0.add(c).cast());
+                let b = _mm512_maskz_loadu_epi16(0xFFFF, r1.add(c).cast());
+                _mm512_storeu_si512(
+                    vnni.add(l0).cast(),
+                    _mm512_permutex2var_epi16(a, perm.lo, b),
+                );
+                c += 16;
             }
         }
     }

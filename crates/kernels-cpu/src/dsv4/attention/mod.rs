@@ -6,27 +6,31 @@
 //! A candidate is `None` when masked (padding, an invalid index): it is skipped, so it changes
 //! nothing; a list with no valid row gives zeros.
 //!
-//! # One call
+//! # Engines
 //! The KV row is shared by every head (MQA-like), so the rows are read once for all the heads
 //! of the call, and the softmax is taken over all of them at once (the exact max of each head,
-//! not a running one), so the value product runs once over every row and `out` is written once:
+//! not a running one), so the value product runs once over every row and `out` is written once.
+//! On AVX-512 BF16 where the AMX tiles do not take the call (no AMX, or heads not whole
+//! 16-head blocks) and rows of whole 16-column blocks, the call runs on the **head-lane
+//! engine** (`lanes.rs`): the heads are the vector lanes, each row's pairs are broadcast from
+//! where the row lies into the scores, the rows are interleaved into the value product's pair
+//! layout (`amx::interleave_pair`) as they are scored, and every product is `vdpbf16ps`. On a
+//! FLASH CSA token it took 0.82× the time of the row-block form below on Zen 4 (200 against
+//! 165 GFLOP/s on one core, `docs/benchmarks.md`, session 47).
+//!
+//! # Row blocks (AMX, AVX2, portable)
 //! 1. the valid rows are taken block by block (at most [`ATTN_TILE`] rows): a candidate may
 //!    be a run of rows adjacent in their cache (a sequence's window slots, HCA's compressed
 //!    rows), and a run of at least `MIN_IN_PLACE` (32) rows is read where it lies; the other rows
 //!    (the scattered compressed candidates) are copied into a contiguous `[nb, d]` block, a
 //!    row copy each; nothing is transposed;
 //! 2. the scores of every head against each block are one product with the rows as the
-//!    weights and the heads' queries as the activations (AMX tiles from 16 heads, AVX-512
-//!    BF16, AVX2, portable), written into the call's `[heads, n]` scores; on AMX the queries
-//!    are converted once per call straight into the tile unit's layout (`AmxActs`: no packed
-//!    copy), elsewhere packed once ([`crate::gemm_bf16_prepared`]); on AVX-512 BF16 without
-//!    AMX each block's rows are first paired (`WeightLayout::Pairs`, a transpose per 8 rows ×
-//!    16 columns into a scratch block) so the product runs the GEMM's broadcast kernel
-//!    (`scores_take_pairs`: on Zen 4 one FLASH CSA step's core went from 6.0–6.1 to
-//!    4.0–4.1 ms a thread); where the value product
-//!    takes the rows in pairs (below), each pair of rows is interleaved into that layout as
-//!    soon as it is copied (read back from L1) or, in place, from its cache, and only one
-//!    block of plain rows is kept;
+//!    weights and the heads' queries as the activations (AMX tiles from 16 heads, AVX2,
+//!    portable), written into the call's `[heads, n]` scores; on AMX the queries are converted
+//!    once per call straight into the tile unit's layout (`AmxActs`: no packed copy), elsewhere
+//!    packed once ([`crate::gemm_bf16_prepared`]); on AMX each pair of rows is also
+//!    interleaved into the value product's pair layout as soon as it is copied (read back from
+//!    L1) or, in place, from its cache, and only one block of plain rows is kept;
 //! 3. the softmax of all heads over all `n` scores (`softmax_rows`: scale, max, `exp` as a
 //!    power of two (`math::exp2_approx`, ~2e-7 relative), sum,
 //!    `bf16(p)` written as bf16 bits `[heads, n32]`, the `P` operand of every value product)
@@ -35,26 +39,24 @@
 //! 4. the value product `out[h] = Σ_j bf16(p[h, j]) · row_j` over all `n` rows: on AMX
 //!    (`amx.rs`, heads a multiple of 16, `d` of 32) the rows are in pairs in the tile unit's
 //!    VNNI layout, the heads' weights are the `A` operand and each 32-head × 32-column block
-//!    of `out` stays in tiles over every row, stored once; on AVX-512 BF16 without AMX (rows
-//!    a multiple of 64 wide) the same pair layout meets broadcast weight pairs in `vdpbf16ps`
-//!    (`amx::pv_add_dpbf16`); elsewhere `pv_add` reads the rows as they lie (`[n, d]`): on
-//!    AVX2 a register-blocked kernel of 6 heads × 16 columns (`pv_avx2`), on the other builds
-//!    a lane body of 4 heads × 16 columns built like the softmax; the two give the same bits.
+//!    of `out` stays in tiles over every row, stored once; elsewhere `pv_add` reads the rows as
+//!    they lie (`[n, d]`): on AVX2 a register-blocked kernel of 6 heads × 16 columns
+//!    (`pv_avx2`), on the other builds a lane body of 4 heads × 16 columns built like the
+//!    softmax; the two give the same bits.
 
 use half::bf16;
 
 #[cfg(target_arch = "x86_64")]
 use crate::gemm::{AmxActs, gemm_bf16_amx};
-use crate::gemm::{
-    GemmTile, PreparedActs, WeightLayout, WeightsBf16, gemm_bf16_prepared, pair_rows_bf16_into,
-    pairs_len,
-};
+use crate::gemm::{GemmTile, PreparedActs, WeightsBf16, gemm_bf16_prepared};
 use crate::isa::Isa;
 use crate::math::exp2_approx;
 use crate::multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 #[cfg(target_arch = "x86_64")]
 mod pv_avx2;
 
@@ -76,9 +78,6 @@ pub struct AttnScratch {
     q: PreparedActs,
     /// bf16 queries widened, where the scores' product takes fp32 ones (not AMX).
     q_wide: Vec<f32>,
-    /// One block of rows in the paired layout, where the scores' product runs on paired
-    /// weights ([`scores_take_pairs`]).
-    rows_paired: Vec<bf16>,
     /// The queries as the AMX path's tiles alone, where that path takes the scores' product
     /// (then `q` is not made).
     #[cfg(target_arch = "x86_64")]
@@ -97,6 +96,9 @@ pub struct AttnScratch {
     /// The addresses of the call's copied rows, in order: only prefetched, never read
     /// through.
     scattered: Vec<usize>,
+    /// The head-lane engine's buffers (AVX-512 BF16 without AMX).
+    #[cfg(target_arch = "x86_64")]
+    lanes: lanes::LanesScratch,
 }
 
 /// Scattered rows prefetched ahead of their copy. Their copy waited on each row's first lines
@@ -123,31 +125,18 @@ pub fn pv_path(isa: Isa, heads: usize, d: usize) -> Isa {
     isa.min(Isa::Avx512Bf16)
 }
 
-/// Whether the value product on `path` (from [`pv_path`]) takes the rows in the pair layout.
-fn takes_pairs(path: Isa, d: usize) -> bool {
+/// Whether the call runs on the head-lane engine (`lanes.rs`): on AVX-512 BF16 where the
+/// AMX tiles do not take it, rows of whole 16-column blocks.
+fn takes_lanes(path: Isa, d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        path == Isa::AmxBf16 || (path == Isa::Avx512Bf16 && amx::dpbf16_supports(d))
+        path == Isa::Avx512Bf16 && lanes::supports(d)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (path, d);
         false
     }
-}
-
-/// Whether the scores' product of `heads` heads over row blocks of `d` takes the rows paired
-/// on `isa` (`WeightLayout::Pairs`, a copy per block): where the GEMM runs paired weights on
-/// its AVX-512 BF16 broadcast kernel and the queries are not AMX tiles. On row-major rows that
-/// path takes `vdpbf16ps` dot products with a horizontal sum per score, which ran the FLASH
-/// CSA step's scores at about half the `vdpbf16ps` peak on Zen 4 (`docs/benchmarks.md`,
-/// session 44); the copy is a transpose per 8 rows × 16 columns against `2 · heads` FLOPs per
-/// element.
-fn scores_take_pairs(isa: Isa, heads: usize, d: usize, q_tiles: bool) -> bool {
-    !q_tiles
-        && d.is_multiple_of(16)
-        && crate::gemm::path_for(isa, heads, WeightLayout::Pairs) == Isa::Avx512Bf16
-        && crate::gemm::path_for(isa, heads, WeightLayout::RowMajor) == Isa::Avx512Bf16
 }
 
 /// Runs of at least this many rows (adjacent in their cache) are read where they lie, by the
@@ -254,7 +243,14 @@ pub fn sparse_attention(
         return;
     }
     let path = pv_path(Isa::current(), heads, d);
-    let pairs = takes_pairs(path, d);
+    #[cfg(target_arch = "x86_64")]
+    if takes_lanes(path, d) {
+        lanes::attend(q, d, cands, n, scale, sinks, out, &mut s.lanes);
+        return;
+    }
+    // From here the rows are taken block by block; on AMX the value product takes them in
+    // pairs.
+    let pairs = path == Isa::AmxBf16;
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
     #[cfg(target_arch = "x86_64")]
     let q_tiles = match q {
@@ -263,7 +259,6 @@ pub fn sparse_attention(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let q_tiles = false;
-    let scores_pairs = scores_take_pairs(Isa::current(), heads, d, q_tiles);
     if !q_tiles {
         match q {
             Queries::F32(q) => s.q.prepare_f32(q, heads, d),
@@ -381,19 +376,7 @@ pub fn sparse_attention(
         if q_tiles {
             gemm_bf16_amx(rows, &s.q_amx, &mut s.scores[j0..], n);
         }
-        if scores_pairs {
-            let len = pairs_len(nb, d).expect("a block's paired size fits");
-            s.rows_paired.resize(len, bf16::ZERO);
-            pair_rows_bf16_into(rows.data(), nb, d, &mut s.rows_paired[..len]);
-            let paired = WeightsBf16::paired(&s.rows_paired[..len], nb, d);
-            gemm_bf16_prepared(
-                paired,
-                &s.q,
-                &GemmTile::full(&paired),
-                &mut s.scores[j0..],
-                n,
-            );
-        } else if !q_tiles {
+        if !q_tiles {
             gemm_bf16_prepared(rows, &s.q, &GemmTile::full(&rows), &mut s.scores[j0..], n);
         }
         if !pairs {
@@ -418,14 +401,8 @@ pub fn sparse_attention(
     // 4. out[h] = bf16(p[h]) @ rows
     match path {
         #[cfg(target_arch = "x86_64")]
-        Isa::AmxBf16 | Isa::Avx512Bf16 if pairs => {
-            let vnni = &s.amx.vnni[vnni_at];
-            if path == Isa::AmxBf16 {
-                amx::pv_store(pb, heads, n32, vnni, d, out);
-            } else {
-                out.fill(0.0);
-                amx::pv_add_dpbf16(pb, heads, n32, vnni, d, out);
-            }
+        Isa::AmxBf16 if pairs => {
+            amx::pv_store(pb, heads, n32, &s.amx.vnni[vnni_at], d, out);
         }
         _ => {
             out.fill(0.0);

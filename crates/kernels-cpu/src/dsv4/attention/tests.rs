@@ -216,26 +216,6 @@ fn amx_value_product_matches_the_portable_one_at_tile_edges() {
 }
 
 #[test]
-#[cfg(target_arch = "x86_64")]
-fn dpbf16_value_product_matches_the_portable_one_at_tile_edges() {
-    if !Isa::Avx512Bf16.is_supported() {
-        println!("AVX-512 BF16 not available here: the vdpbf16ps value product did not run");
-        return;
-    }
-    // Head counts around the 4-head blocks, one row, a ragged last pair, a full tile.
-    let shapes = [
-        (1, 1, 64),
-        (3, 31, 64),
-        (5, 33, 192),
-        (16, 2, 128),
-        (64, 128, 512),
-        (64, 640, 512),
-    ];
-    matches_portable_value_product(&shapes, 9, amx::pv_add_dpbf16);
-    println!("vdpbf16ps value product ran");
-}
-
-#[test]
 fn sparse_attention_at_block_edges_on_every_path() {
     // 16 and 48 heads of 64: one AMX head block, then a pair and a lone one where the CPU has
     // AMX.
@@ -285,19 +265,19 @@ fn attention_at_block_edges(heads: usize, d: usize) {
         &mut s,
     );
     assert!(out.iter().all(|&v| v == 0.0));
-    println!("sparse_attention {heads}x{d} (path, value-product path): {ran:?}");
+    println!("sparse_attention {heads}x{d} (path, engine): {ran:?}");
 }
 
 /// Runs every candidate list of `lists` on every path this CPU has, one scratch per path for
 /// all the lists (what a longer call left in it changes nothing), against the reference over
-/// the same rows (runs taken row by row); the paths that ran, each with its value product's.
+/// the same rows (runs taken row by row); the paths that ran, each with its engine.
 fn lists_match_the_reference(
     q: &[f32],
     d: usize,
     scale: f32,
     sinks: &[f32],
     lists: &[(&str, Vec<Option<&[bf16]>>)],
-) -> Vec<(Isa, Isa)> {
+) -> Vec<(Isa, &'static str)> {
     let heads = sinks.len();
     let mut ran = Vec::new();
     for isa in Isa::ALL {
@@ -355,7 +335,7 @@ fn lists_match_the_reference(
         }) else {
             continue;
         };
-        ran.push((isa, pv_path(isa, heads, d)));
+        ran.push((isa, engine(isa, heads, d)));
     }
     ran
 }
@@ -409,7 +389,32 @@ fn runs_match_single_rows(heads: usize, d: usize) {
         ),
     ];
     let ran = lists_match_the_reference(&q, d, scale, &sinks, &lists);
-    println!("sparse_attention runs {heads}x{d} (path, value-product path): {ran:?}");
+    println!("sparse_attention runs {heads}x{d} (path, engine): {ran:?}");
+}
+
+#[test]
+fn sparse_attention_head_lanes_cover_every_block_shape() {
+    // Head vectors 1 to 7 (each scores block shape; 5 heads pad one vector), heads around the
+    // value product's 4-head blocks, 3 and 4 column blocks (a 16-column tail at 48).
+    for (heads, d) in [
+        (5usize, 48usize),
+        (20, 48),
+        (64, 64),
+        (80, 48),
+        (96, 32),
+        (112, 16),
+    ] {
+        runs_match_single_rows(heads, d);
+    }
+}
+
+/// Which engine [`sparse_attention`] runs `heads` heads of `d` on with `isa`.
+fn engine(isa: Isa, heads: usize, d: usize) -> &'static str {
+    match pv_path(isa, heads, d) {
+        Isa::AmxBf16 => "amx tiles",
+        p if takes_lanes(p, d) => "head lanes",
+        _ => "row blocks",
+    }
 }
 
 #[test]
