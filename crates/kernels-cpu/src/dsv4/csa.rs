@@ -527,18 +527,28 @@ mod vnni {
         ld_out: usize,
     ) {
         let (tokens, heads, dim) = (qs.tokens, qs.heads, qs.head_dim);
-        // Query quads as unsigned bytes (`q ^ 0x80` = `q + 128`).
-        let qd: Vec<i32> = qs.q[..tokens * heads * dim]
-            .chunks_exact(4)
-            .map(|b| {
-                i32::from_le_bytes([
-                    b[0] as u8 ^ 0x80,
-                    b[1] as u8 ^ 0x80,
-                    b[2] as u8 ^ 0x80,
-                    b[3] as u8 ^ 0x80,
-                ])
-            })
-            .collect();
+        // Query quads as unsigned bytes (`q ^ 0x80` = `q + 128`), 64 bytes per xor: built a
+        // quad at a time (a call per quad) this was a quarter of a FLASH call's time.
+        let q = &qs.q[..tokens * heads * dim];
+        let mut qd = vec![0i32; q.len() / 4];
+        let flip = _mm512_set1_epi8(0x80u8 as i8);
+        let (body, tail) = q.as_chunks::<64>();
+        for (i, c) in body.iter().enumerate() {
+            // SAFETY: 64 bytes of `q`, written to quads `16 i .. 16 i + 16` of `qd` (`q.len() / 4`
+            // quads, `64 (i + 1) <= q.len()`).
+            unsafe {
+                let v = _mm512_xor_si512(_mm512_loadu_si512(c.as_ptr().cast()), flip);
+                _mm512_storeu_si512(qd.as_mut_ptr().add(16 * i).cast(), v);
+            }
+        }
+        for (o, b) in qd[body.len() * 16..].iter_mut().zip(tail.chunks_exact(4)) {
+            *o = i32::from_le_bytes([
+                b[0] as u8 ^ 0x80,
+                b[1] as u8 ^ 0x80,
+                b[2] as u8 ^ 0x80,
+                b[3] as u8 ^ 0x80,
+            ]);
+        }
         let mut blk = vec![0i32; 2 * dim / 4 * 16];
         let mut c0 = rows.start;
         while c0 < rows.end {

@@ -46,6 +46,9 @@ const LANES: usize = 16;
 /// Accumulators of a scores block: rows × head vectors.
 const ACC: usize = 24;
 
+/// Head vectors per scores block (the rest of [`ACC`] are rows).
+const SCORE_VECTORS: usize = 4;
+
 /// Heads per register block of the value product.
 const PV_HEADS: usize = 4;
 
@@ -239,7 +242,7 @@ unsafe fn scores_and_pairs(
     assert!(zero.len() == d && vnni.len() == layout_len(2 * pairs, d));
     // Rows per block: four head vectors take 6 (24 accumulators); fewer take more. Even, so a
     // block is whole pairs but at the call's end.
-    let r = if hv >= 4 { ACC / 4 } else { ACC / hv };
+    let r = ACC / hv.min(SCORE_VECTORS);
     let (ld, perm) = (block_lines(pairs), PairPerm::new());
     for &row in rows.iter().take(COPY_AHEAD) {
         prefetch_row(row, d);
@@ -252,8 +255,8 @@ unsafe fn scores_and_pairs(
         }
         // The block's rows, the last valid one repeated past `k` (computed, not stored).
         let at: [*const u32; ACC] = std::array::from_fn(|i| rows[j0 + i.min(k - 1)] as *const u32);
-        for g0 in (0..hv).step_by(4) {
-            let g = (hv - g0).min(4);
+        for g0 in (0..hv).step_by(SCORE_VECTORS) {
+            let g = (hv - g0).min(SCORE_VECTORS);
             let args = Block {
                 q: q[g0 * LANES..].as_ptr(),
                 hp,
@@ -275,7 +278,10 @@ unsafe fn scores_and_pairs(
                     (6, 2) => scores_block::<6, 2>(&args),
                     (6, 1) => scores_block::<6, 1>(&args),
                     (8, 3) => scores_block::<8, 3>(&args),
+                    (8, 2) => scores_block::<8, 2>(&args),
+                    (8, 1) => scores_block::<8, 1>(&args),
                     (12, 2) => scores_block::<12, 2>(&args),
+                    (12, 1) => scores_block::<12, 1>(&args),
                     (24, 1) => scores_block::<24, 1>(&args),
                     _ => unreachable!("rows {r} with {g} head vectors"),
                 }
