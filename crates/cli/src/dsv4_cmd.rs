@@ -363,8 +363,8 @@ pub(crate) trait LayerStep {
 }
 
 /// `kernel paths: ...` of a DeepSeek-V4 step: the int8 products' path, the vector kernels'
-/// (hc, norms, RoPE, pooling), the sparse attention's value product for `attn` = `(heads a
-/// task, head_dim)` when the step has one, and this CPU's best.
+/// (hc, norms, RoPE, pooling), the sparse attention's engine for `attn` = `(heads a task,
+/// head_dim)` when the step has one, and this CPU's best.
 fn format_paths(attn: Option<(usize, usize)>) -> String {
     let isa = Isa::current();
     let capped = match std::env::var("SIMPLER_ISA") {
@@ -373,8 +373,8 @@ fn format_paths(attn: Option<(usize, usize)>) -> String {
     };
     let attention = attn.map_or(String::new(), |(heads, d)| {
         format!(
-            ", sparse attention value product {}",
-            simpler_kernels_cpu::dsv4::attention::pv_path(isa, heads, d).name()
+            ", sparse attention {}",
+            simpler_kernels_cpu::dsv4::attention::engine(isa, heads, d)
         )
     });
     format!(

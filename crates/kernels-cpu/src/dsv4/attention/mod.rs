@@ -125,6 +125,36 @@ pub fn pv_path(isa: Isa, heads: usize, d: usize) -> Isa {
     isa.min(Isa::Avx512Bf16)
 }
 
+/// The engine a [`sparse_attention`] call runs on ([`engine`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// Row blocks with the value product on AMX-BF16 tiles.
+    AmxTiles,
+    /// The head-lane engine, every product `vdpbf16ps` (`lanes.rs`).
+    HeadLanes,
+    /// Row blocks on this path's GEMM and value product (AVX2, portable).
+    RowBlocks(Isa),
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Engine::AmxTiles => f.write_str("amx-bf16 tiles"),
+            Engine::HeadLanes => f.write_str("avx512-bf16 head lanes"),
+            Engine::RowBlocks(isa) => write!(f, "{} row blocks", isa.name()),
+        }
+    }
+}
+
+/// The engine [`sparse_attention`] runs `heads` heads of `d` on with `isa`.
+pub fn engine(isa: Isa, heads: usize, d: usize) -> Engine {
+    match pv_path(isa, heads, d) {
+        Isa::AmxBf16 => Engine::AmxTiles,
+        p if takes_lanes(p, d) => Engine::HeadLanes,
+        p => Engine::RowBlocks(p),
+    }
+}
+
 /// Whether the call runs on the head-lane engine (`lanes.rs`): on AVX-512 BF16 where the
 /// AMX tiles do not take it, rows of whole 16-column blocks.
 fn takes_lanes(path: Isa, d: usize) -> bool {
