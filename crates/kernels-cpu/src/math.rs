@@ -39,21 +39,35 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
 pub(crate) fn exp2_approx(x: f32) -> f32 {
     // Adding 1.5 · 2^23 rounds `x` (|x| <= 126) to the nearest integer and leaves it in the low
     // mantissa bits (see `exp_approx`).
-    const ROUNDER: f32 = 12_582_912.0;
     let x = if x < -126.0 { -126.0 } else { x };
-    let t = x + ROUNDER;
-    let n = t - ROUNDER;
+    let t = x + EXP2_ROUNDER;
+    let n = t - EXP2_ROUNDER;
     let f = x - n;
-    let p = 0.001_326_471_2 * f + 0.009_671_512;
-    let p = p * f + 0.055_507_34;
-    let p = p * f + 0.240_222_42;
-    // The fit's coefficient, 3 ulp below ln 2 (the fit trades it against the others).
-    #[allow(clippy::approx_constant)]
-    let p = p * f + 0.693_147;
-    let p = p * f + 1.0;
+    let [c5, c4, c3, c2, c1, c0] = EXP2_COEFFS;
+    let p = c5 * f + c4;
+    let p = p * f + c3;
+    let p = p * f + c2;
+    let p = p * f + c1;
+    let p = p * f + c0;
     // n in [-126, 1]: a normal power of two.
-    p * f32::from_bits(t.to_bits().wrapping_sub(ROUNDER.to_bits() - 127) << 23)
+    p * f32::from_bits(t.to_bits().wrapping_sub(EXP2_ROUNDER.to_bits() - 127) << 23)
 }
+
+/// 1.5 · 2^23: added to and taken from `x`, it rounds `x` to the nearest integer ([`exp2_approx`]).
+pub(crate) const EXP2_ROUNDER: f32 = 12_582_912.0;
+
+/// The coefficients of [`exp2_approx`]'s fit of `2^f` on `[-1/2, 1/2]`, highest degree first;
+/// every vector form of it (`dsv4::attention::lanes`) evaluates the same ones in the same order.
+// The fit's coefficient of degree 1, 3 ulp below ln 2 (the fit trades it against the others).
+#[allow(clippy::approx_constant)]
+pub(crate) const EXP2_COEFFS: [f32; 6] = [
+    0.001_326_471_2,
+    0.009_671_512,
+    0.055_507_34,
+    0.240_222_42,
+    0.693_147,
+    1.0,
+];
 
 #[cfg(test)]
 mod tests {

@@ -362,26 +362,21 @@ unsafe fn scores_block<const R: usize, const G: usize>(b: &Block<'_>) {
 /// `exp2_approx` on 16 lanes, the same operations in the same order (so the same bits).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn exp2_16(x: __m512) -> __m512 {
-    const ROUNDER: f32 = 12_582_912.0;
+pub(super) fn exp2_16(x: __m512) -> __m512 {
+    use crate::math::{EXP2_COEFFS, EXP2_ROUNDER};
     // `max(-126, x)` keeps a NaN `x` (the second operand is returned where one is NaN).
     let x = _mm512_max_ps(_mm512_set1_ps(-126.0), x);
-    let t = _mm512_add_ps(x, _mm512_set1_ps(ROUNDER));
-    let n = _mm512_sub_ps(t, _mm512_set1_ps(ROUNDER));
+    let t = _mm512_add_ps(x, _mm512_set1_ps(EXP2_ROUNDER));
+    let n = _mm512_sub_ps(t, _mm512_set1_ps(EXP2_ROUNDER));
     let f = _mm512_sub_ps(x, n);
-    let step = |p: __m512, c: f32| _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
-    let p = _mm512_add_ps(
-        _mm512_mul_ps(_mm512_set1_ps(0.001_326_471_2), f),
-        _mm512_set1_ps(0.009_671_512),
-    );
-    let p = step(p, 0.055_507_34);
-    let p = step(p, 0.240_222_42);
-    #[allow(clippy::approx_constant)]
-    let p = step(p, 0.693_147);
-    let p = step(p, 1.0);
+    let [c5, rest @ ..] = EXP2_COEFFS;
+    let mut p = _mm512_set1_ps(c5);
+    for c in rest {
+        p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(c));
+    }
     let e = _mm512_slli_epi32::<23>(_mm512_sub_epi32(
         _mm512_castps_si512(t),
-        _mm512_set1_epi32((ROUNDER.to_bits() - 127) as i32),
+        _mm512_set1_epi32((EXP2_ROUNDER.to_bits() - 127) as i32),
     ));
     _mm512_mul_ps(p, _mm512_castsi512_ps(e))
 }
@@ -389,7 +384,7 @@ fn exp2_16(x: __m512) -> __m512 {
 /// `x` rounded to bf16 (nearest, ties to even) in the high 16 bits of each lane, zero low.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn round_bf16_16(x: __m512) -> __m512i {
+pub(super) fn round_bf16_16(x: __m512) -> __m512i {
     let b = _mm512_castps_si512(x);
     let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
     let r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd);

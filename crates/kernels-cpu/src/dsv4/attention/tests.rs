@@ -428,3 +428,57 @@ fn sparse_attention_refuses_a_candidate_of_part_of_a_row() {
         &mut AttnScratch::default(),
     );
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn head_lane_exp2_and_rounding_give_the_bits_of_the_scalar_forms() {
+    use std::arch::x86_64::*;
+    if !Isa::Avx512Bf16.is_supported() {
+        println!("AVX-512 not available here: the head lanes' exp2 did not run");
+        return;
+    }
+    let mut xs: Vec<f32> = (0..4000).map(|i| -130.0 + i as f32 * 0.0331).collect();
+    xs.extend([
+        0.0,
+        -0.0,
+        1e-3,
+        -0.5,
+        0.5,
+        -126.0,
+        -127.5,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ]);
+    xs.resize(xs.len().next_multiple_of(16), 0.25);
+    for x in xs.as_chunks::<16>().0 {
+        let mut got = [0.0f32; 16];
+        // SAFETY: AVX-512 F (implied by AVX-512 BF16, checked above); 16-lane arrays.
+        unsafe {
+            _mm512_storeu_ps(
+                got.as_mut_ptr(),
+                lanes::exp2_16(_mm512_loadu_ps(x.as_ptr())),
+            )
+        };
+        for (&x, &g) in x.iter().zip(&got) {
+            let want = crate::math::exp2_approx(x);
+            assert!(
+                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                "exp2({x}): {g} vs {want}"
+            );
+        }
+        // The softmax's bf16 rounding of the finite values, ties to even.
+        let mut r = [0u32; 16];
+        // SAFETY: as above.
+        unsafe {
+            _mm512_storeu_si512(
+                r.as_mut_ptr().cast(),
+                lanes::round_bf16_16(_mm512_loadu_ps(got.as_ptr())),
+            )
+        };
+        for (&g, &r) in got.iter().zip(&r) {
+            if g.is_finite() {
+                assert_eq!(r, round_bf16(g).to_bits(), "bf16({g})");
+            }
+        }
+    }
+}
