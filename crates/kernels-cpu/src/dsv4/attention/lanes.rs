@@ -278,10 +278,7 @@ unsafe fn scores_and_pairs(
                     (6, 2) => scores_block::<6, 2>(&args),
                     (6, 1) => scores_block::<6, 1>(&args),
                     (8, 3) => scores_block::<8, 3>(&args),
-                    (8, 2) => scores_block::<8, 2>(&args),
-                    (8, 1) => scores_block::<8, 1>(&args),
                     (12, 2) => scores_block::<12, 2>(&args),
-                    (12, 1) => scores_block::<12, 1>(&args),
                     (24, 1) => scores_block::<24, 1>(&args),
                     _ => unreachable!("rows {r} with {g} head vectors"),
                 }

@@ -273,14 +273,15 @@ pub fn sparse_attention(
         return;
     }
     let path = pv_path(Isa::current(), heads, d);
+    let engine = engine(Isa::current(), heads, d);
     #[cfg(target_arch = "x86_64")]
-    if takes_lanes(path, d) {
+    if engine == Engine::HeadLanes {
         lanes::attend(q, d, cands, n, scale, sinks, out, &mut s.lanes);
         return;
     }
     // From here the rows are taken block by block; on AMX the value product takes them in
     // pairs.
-    let pairs = path == Isa::AmxBf16;
+    let pairs = engine == Engine::AmxTiles;
     let n32 = n.div_ceil(ROW_STEP) * ROW_STEP;
     #[cfg(target_arch = "x86_64")]
     let q_tiles = match q {
