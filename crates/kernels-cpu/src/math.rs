@@ -7,8 +7,6 @@
 #[inline(always)]
 pub(crate) fn exp_approx(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     // Adding 1.5 · 2^23 rounds `x · log2 e` (|·| < 2^22) to the nearest integer, ties to even,
     // and leaves that integer in the low mantissa bits: `n` and `2^n` without a float-to-int
     // conversion, so the body vectorises (Rust's saturating `as i32` does not).
@@ -16,18 +14,37 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     let t = x * LOG2E + ROUNDER;
     let n = t - ROUNDER;
-    let f = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 / 720.0;
-    let p = p * f + 1.0 / 120.0;
-    let p = p * f + 1.0 / 24.0;
-    let p = p * f + 1.0 / 6.0;
-    let p = p * f + 0.5;
-    let p = p * f + 1.0;
-    let p = p * f + 1.0;
+    let f = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let [c6, c5, c4, c3, c2, c1, c0] = EXP_COEFFS;
+    let p = c6 * f + c5;
+    let p = p * f + c4;
+    let p = p * f + c3;
+    let p = p * f + c2;
+    let p = p * f + c1;
+    let p = p * f + c0;
     // n in [-126, 127]: a normal power of two (t's bits are those of 1.5 · 2^23 plus n).
     let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUNDER.to_bits() - 127) << 23);
     p * scale
 }
+
+/// `ln 2` in two parts for [`exp_approx`]'s Cody–Waite reduction: `LN2_HI` has trailing zero
+/// bits, so `n · LN2_HI` is exact for the `n` that occur.
+pub(crate) const EXP_LN2_HI: f32 = 0.693_145_75;
+/// The rest of `ln 2` below [`EXP_LN2_HI`].
+pub(crate) const EXP_LN2_LO: f32 = 1.428_606_8e-6;
+
+/// [`exp_approx`]'s Taylor coefficients of `e^f`, highest degree first (`1/6!` .. `1`); its
+/// vector forms (`attention::avx2::exp256`, `attention::flash::exp512`) evaluate the same ones
+/// in the same order.
+pub(crate) const EXP_COEFFS: [f32; 7] = [
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
 
 /// `2^x` for the softmax's exponents (`x <= 0`, or above 0 by a rounding), to ~2e-7 relative:
 /// `x = n + f` with `n` the nearest integer, `2^f` a degree-5 fit on `[-1/2, 1/2]` (relative

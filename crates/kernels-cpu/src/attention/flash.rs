@@ -40,6 +40,7 @@ use std::cell::RefCell;
 
 use super::PrefillRows;
 use crate::gemm::{amx_tile_config, amx_transpose16};
+use crate::math::{EXP_COEFFS, EXP_LN2_HI, EXP_LN2_LO};
 use crate::simd::as_pbh;
 
 /// Queries per block (the width of a `B` tile).
@@ -557,10 +558,11 @@ pub(super) fn exp512(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
-    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f);
-    let mut p = _mm512_set1_ps(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), f);
+    let [c6, rest @ ..] = EXP_COEFFS;
+    let mut p = _mm512_set1_ps(c6);
+    for c in rest {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
     }
     let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
@@ -568,4 +570,53 @@ pub(super) fn exp512(x: __m512) -> __m512 {
         _mm512_set1_epi32(127),
     ));
     _mm512_mul_ps(p, _mm512_castsi512_ps(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::arch::x86_64::*;
+
+    use super::exp512;
+    use crate::isa::Isa;
+
+    /// The sixteen-lane `e^x` against `f64::exp` and the scalar `exp_approx` (both built from
+    /// `math`'s constants), its clamps, and a NaN kept NaN.
+    #[test]
+    fn exp512_matches_the_scalar_form() {
+        if !Isa::Avx512Bf16.is_supported() {
+            eprintln!("skipped: no AVX-512");
+            return;
+        }
+        let xs: Vec<f32> = (0..=7000)
+            .map(|i| -87.0 + 175.0 * i as f32 / 7000.0)
+            .chain([-1e30, -87.5, 88.5, 1e30, f32::NAN, f32::NEG_INFINITY, 0.0])
+            .collect();
+        for chunk in xs.chunks(16) {
+            let mut lanes = [0.0f32; 16];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 16];
+            // SAFETY: AVX-512 F (implied by AVX-512 BF16, checked above); sixteen-float arrays.
+            unsafe {
+                let v = exp512(_mm512_loadu_ps(lanes.as_ptr()));
+                _mm512_storeu_ps(got.as_mut_ptr(), v);
+            }
+            for (&x, &y) in lanes.iter().zip(&got).take(chunk.len()) {
+                if x.is_nan() {
+                    assert!(y.is_nan(), "exp512(NaN) = {y}");
+                    continue;
+                }
+                let c = f64::from(x.clamp(-87.0, 88.0));
+                let want = c.exp();
+                assert!(
+                    ((f64::from(y) - want) / want).abs() < 4e-7,
+                    "exp512({x}) = {y}, e^{c} = {want}"
+                );
+                let s = crate::math::exp_approx(x);
+                assert!(
+                    (y - s).abs() <= s * 3e-7,
+                    "exp512({x}) = {y}, exp_approx {s}"
+                );
+            }
+        }
+    }
 }

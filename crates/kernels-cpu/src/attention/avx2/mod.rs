@@ -31,6 +31,7 @@ use std::ops::Range;
 use half::bf16;
 
 use super::{PagedKv, PrefillRows};
+use crate::math::{EXP_COEFFS, EXP_LN2_HI, EXP_LN2_LO};
 use crate::simd::hsum256;
 
 mod head;
@@ -256,10 +257,11 @@ fn exp256(x: __m256) -> __m256 {
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
-    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), f);
-    let mut p = _mm256_set1_ps(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), f);
+    let [c6, rest @ ..] = EXP_COEFFS;
+    let mut p = _mm256_set1_ps(c6);
+    for c in rest {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
     }
     let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
@@ -310,4 +312,54 @@ unsafe fn softmax_run(s: &mut [f32], run: usize, m: f32) -> (f32, f32) {
         sum += *v;
     }
     (m_new, sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::arch::x86_64::*;
+
+    use super::exp256;
+    use crate::isa::Isa;
+
+    /// The eight-lane `e^x` against `f64::exp` and the scalar `exp_approx` (both built from
+    /// `math`'s constants), its clamps, and a NaN kept NaN.
+    #[test]
+    fn exp256_matches_the_scalar_form() {
+        if !Isa::Avx2.is_supported() {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        let xs: Vec<f32> = (0..=7000)
+            .map(|i| -87.0 + 175.0 * i as f32 / 7000.0)
+            .chain([-1e30, -87.5, 88.5, 1e30, f32::NAN, f32::NEG_INFINITY, 0.0])
+            .collect();
+        for chunk in xs.chunks(8) {
+            let mut lanes = [0.0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0.0f32; 8];
+            // SAFETY: AVX2 and FMA (checked above; every AVX2 machine here has FMA, as the
+            // path's own dispatch assumes); eight-float arrays.
+            unsafe {
+                let v = exp256(_mm256_loadu_ps(lanes.as_ptr()));
+                _mm256_storeu_ps(got.as_mut_ptr(), v);
+            }
+            for (&x, &y) in lanes.iter().zip(&got).take(chunk.len()) {
+                if x.is_nan() {
+                    assert!(y.is_nan(), "exp256(NaN) = {y}");
+                    continue;
+                }
+                let c = f64::from(x.clamp(-87.0, 88.0));
+                let want = c.exp();
+                assert!(
+                    ((f64::from(y) - want) / want).abs() < 4e-7,
+                    "exp256({x}) = {y}, e^{c} = {want}"
+                );
+                let s = crate::math::exp_approx(x);
+                assert!(
+                    (y - s).abs() <= s * 3e-7,
+                    "exp256({x}) = {y}, exp_approx {s}"
+                );
+            }
+        }
+    }
 }
