@@ -46,6 +46,39 @@ pub(crate) const EXP_COEFFS: [f32; 7] = [
     1.0,
 ];
 
+/// Checks a vector form of [`exp_approx`]: `eval` maps whole vectors of `lanes` inputs to their
+/// `e^x` in place. Over `[-87, 88]` and past both clamps it must be within 4e-7 of `f64::exp`
+/// at the clamped input and 3e-7 of `exp_approx`, and a NaN must stay NaN.
+#[cfg(test)]
+pub(crate) fn check_exp_form(name: &str, lanes: usize, eval: impl Fn(&mut [f32])) {
+    let xs: Vec<f32> = (0..=7000)
+        .map(|i| -87.0 + 175.0 * i as f32 / 7000.0)
+        .chain([-1e30, -87.5, 88.5, 1e30, f32::NAN, f32::NEG_INFINITY, 0.0])
+        .collect();
+    for chunk in xs.chunks(lanes) {
+        let mut v = vec![0.0f32; lanes];
+        v[..chunk.len()].copy_from_slice(chunk);
+        eval(&mut v);
+        for (&x, &y) in chunk.iter().zip(&v) {
+            if x.is_nan() {
+                assert!(y.is_nan(), "{name}(NaN) = {y}");
+                continue;
+            }
+            let c = f64::from(x.clamp(-87.0, 88.0));
+            let want = c.exp();
+            assert!(
+                ((f64::from(y) - want) / want).abs() < 4e-7,
+                "{name}({x}) = {y}, e^{c} = {want}"
+            );
+            let s = exp_approx(x);
+            assert!(
+                (y - s).abs() <= s * 3e-7,
+                "{name}({x}) = {y}, exp_approx {s}"
+            );
+        }
+    }
+}
+
 /// `2^x` for the softmax's exponents (`x <= 0`, or above 0 by a rounding), to ~2e-7 relative:
 /// `x = n + f` with `n` the nearest integer, `2^f` a degree-5 fit on `[-1/2, 1/2]` (relative
 /// error 1.8e-7 evaluated in fp32), `2^n` made in the exponent bits. Below -126 it is taken at

@@ -579,44 +579,17 @@ mod tests {
     use super::exp512;
     use crate::isa::Isa;
 
-    /// The sixteen-lane `e^x` against `f64::exp` and the scalar `exp_approx` (both built from
-    /// `math`'s constants), its clamps, and a NaN kept NaN.
+    /// The vector `e^x` against `f64::exp` and the scalar `exp_approx`
+    /// (`math::check_exp_form`).
     #[test]
     fn exp512_matches_the_scalar_form() {
         if !Isa::Avx512Bf16.is_supported() {
-            eprintln!("skipped: no AVX-512");
+            eprintln!("skipped: the CPU lacks Avx512Bf16");
             return;
         }
-        let xs: Vec<f32> = (0..=7000)
-            .map(|i| -87.0 + 175.0 * i as f32 / 7000.0)
-            .chain([-1e30, -87.5, 88.5, 1e30, f32::NAN, f32::NEG_INFINITY, 0.0])
-            .collect();
-        for chunk in xs.chunks(16) {
-            let mut lanes = [0.0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut got = [0.0f32; 16];
-            // SAFETY: AVX-512 F (implied by AVX-512 BF16, checked above); sixteen-float arrays.
-            unsafe {
-                let v = exp512(_mm512_loadu_ps(lanes.as_ptr()));
-                _mm512_storeu_ps(got.as_mut_ptr(), v);
-            }
-            for (&x, &y) in lanes.iter().zip(&got).take(chunk.len()) {
-                if x.is_nan() {
-                    assert!(y.is_nan(), "exp512(NaN) = {y}");
-                    continue;
-                }
-                let c = f64::from(x.clamp(-87.0, 88.0));
-                let want = c.exp();
-                assert!(
-                    ((f64::from(y) - want) / want).abs() < 4e-7,
-                    "exp512({x}) = {y}, e^{c} = {want}"
-                );
-                let s = crate::math::exp_approx(x);
-                assert!(
-                    (y - s).abs() <= s * 3e-7,
-                    "exp512({x}) = {y}, exp_approx {s}"
-                );
-            }
-        }
+        crate::math::check_exp_form("exp512", 16, |v| {
+            // SAFETY: AVX-512 F (implied by AVX-512 BF16, checked above); `v` is sixteen floats.
+            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), exp512(_mm512_loadu_ps(v.as_ptr()))) }
+        });
     }
 }

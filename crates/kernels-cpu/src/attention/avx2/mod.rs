@@ -321,45 +321,17 @@ mod tests {
     use super::exp256;
     use crate::isa::Isa;
 
-    /// The eight-lane `e^x` against `f64::exp` and the scalar `exp_approx` (both built from
-    /// `math`'s constants), its clamps, and a NaN kept NaN.
+    /// The vector `e^x` against `f64::exp` and the scalar `exp_approx`
+    /// (`math::check_exp_form`).
     #[test]
     fn exp256_matches_the_scalar_form() {
         if !Isa::Avx2.is_supported() {
-            eprintln!("skipped: no AVX2");
+            eprintln!("skipped: the CPU lacks Avx2");
             return;
         }
-        let xs: Vec<f32> = (0..=7000)
-            .map(|i| -87.0 + 175.0 * i as f32 / 7000.0)
-            .chain([-1e30, -87.5, 88.5, 1e30, f32::NAN, f32::NEG_INFINITY, 0.0])
-            .collect();
-        for chunk in xs.chunks(8) {
-            let mut lanes = [0.0f32; 8];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut got = [0.0f32; 8];
-            // SAFETY: AVX2 and FMA (checked above; every AVX2 machine here has FMA, as the
-            // path's own dispatch assumes); eight-float arrays.
-            unsafe {
-                let v = exp256(_mm256_loadu_ps(lanes.as_ptr()));
-                _mm256_storeu_ps(got.as_mut_ptr(), v);
-            }
-            for (&x, &y) in lanes.iter().zip(&got).take(chunk.len()) {
-                if x.is_nan() {
-                    assert!(y.is_nan(), "exp256(NaN) = {y}");
-                    continue;
-                }
-                let c = f64::from(x.clamp(-87.0, 88.0));
-                let want = c.exp();
-                assert!(
-                    ((f64::from(y) - want) / want).abs() < 4e-7,
-                    "exp256({x}) = {y}, e^{c} = {want}"
-                );
-                let s = crate::math::exp_approx(x);
-                assert!(
-                    (y - s).abs() <= s * 3e-7,
-                    "exp256({x}) = {y}, exp_approx {s}"
-                );
-            }
-        }
+        crate::math::check_exp_form("exp256", 8, |v| {
+            // SAFETY: AVX2 and FMA (checked above: the AVX2 path requires both); `v` is eight floats.
+            unsafe { _mm256_storeu_ps(v.as_mut_ptr(), exp256(_mm256_loadu_ps(v.as_ptr()))) }
+        });
     }
 }
