@@ -301,3 +301,56 @@ fn paired_l1_prefetch_changes_no_bits() {
         }
     }
 }
+
+/// How a paired tile's groups are gathered into passes (three or six streams, the groups left
+/// over in passes of three, two or one) changes no bits: each output's sum runs over `K` in the
+/// same order in one lane whatever its neighbours, so a tile equals its groups computed one
+/// tile each, on every path, at group counts that leave every remainder and at batches of one
+/// to several runs.
+#[test]
+fn a_paired_tile_is_its_groups_bit_for_bit() {
+    let mut seed = 77;
+    for groups in 1..=14usize {
+        let n = groups * PAIR_ROWS;
+        for batch in [2usize, 3, 4, 8, 16, 17] {
+            let c = GemmCase::new(n, 64, batch, seed);
+            seed += 1;
+            let whole = GemmTile::full(&c.weights(WeightLayout::Pairs));
+            let zero = vec![0.0f32; batch * n];
+            for (isa, got) in all_paths("paired tile by groups", || {
+                c.run(WeightLayout::Pairs, &whole, None, &zero, n)
+            }) {
+                let by_group = with_isa(isa, || {
+                    let mut out = vec![0.0f32; batch * n];
+                    for g in 0..groups {
+                        let tile = GemmTile {
+                            n: g * PAIR_ROWS..(g + 1) * PAIR_ROWS,
+                            k: 0..64,
+                            mode: OutMode::Store,
+                        };
+                        let mut part = vec![0.0f32; batch * PAIR_ROWS];
+                        gemm_bf16(
+                            c.weights(WeightLayout::Pairs),
+                            c.acts(),
+                            &tile,
+                            &mut part,
+                            PAIR_ROWS,
+                        );
+                        for b in 0..batch {
+                            out[b * n + g * PAIR_ROWS..][..PAIR_ROWS]
+                                .copy_from_slice(&part[b * PAIR_ROWS..][..PAIR_ROWS]);
+                        }
+                    }
+                    out
+                })
+                .expect("the path ran the whole tile");
+                assert_eq!(
+                    bits(&got),
+                    bits(&by_group),
+                    "{} {groups} groups batch {batch}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
