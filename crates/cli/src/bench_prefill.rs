@@ -461,6 +461,18 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             compute,
             peaks.fma_gflops_all
         );
+        // A step cannot run above the peak of its path or the rate of its own GEMM on the same
+        // rows: a figure above 100% means that measurement ran while this process's threads
+        // were held off a CPU (a shared host; seen at `--membw-seconds 0.3`), so the
+        // percentages of this prompt length are not to be trusted.
+        for (pct, what) in [(fma_pct, "peak"), (gemm_pct, "GEMM rate")] {
+            if pct > 100.0 {
+                println!(
+                    "  warning: the step ran at {pct:.1}% of the {what}: that measurement was \
+                     disturbed (threads held off a CPU); rerun, with a longer --membw-seconds"
+                );
+            }
+        }
         println!(
             "  GEMM rate: bf16 gemm_bf16 on [{} x {}] x [{} x {}]^T ({} weights, as the projections), {} row tiles over {} threads: best {:.2} GFLOP/s, median {:.2} over {} calls ({:.1}% of the {} peak)",
             gemm.m,
