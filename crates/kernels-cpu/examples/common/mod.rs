@@ -55,15 +55,7 @@ pub(crate) fn thread_fma_gflops(iters: u64) -> f64 {
 
 /// This thread's CPU time, seconds: on a host shared with other work, time spent descheduled
 /// does not count against the kernel.
-pub(crate) fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write; the clock id is a constant Linux supports.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
+pub(crate) use simpler_kernels_cpu::membw::thread_cpu_seconds;
 
 /// Prints the host's load average (`/proc/loadavg`), which every number of a shared host's
 /// run is read beside; nothing where the file is missing.
