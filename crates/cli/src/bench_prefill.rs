@@ -11,8 +11,10 @@
 //!   `[prompt, hidden] x [intermediate, hidden]^T`, spread over the worker's cores the way a
 //!   prefill step spreads a projection: the session's row tiles, taken in turn from a shared
 //!   counter, each computed into per-thread scratch by one `gemm_bf16` call over all prompt
-//!   rows. Measured right before that prompt length's steps; the best call counts (the rate
-//!   the model's projections could reach if nothing else ran). Packing the activations is not
+//!   rows, on the activations each thread converted once for its path where the step's
+//!   projections do so too (`ActsConversion::pays`; timed with the thread's first tile).
+//!   Measured right before that prompt length's steps; the best call counts (the rate the
+//!   model's projections could reach if nothing else ran). Packing the activations is not
 //!   timed.
 //!
 //! "Outside kernels" is read from `--outside-steps` extra steps recorded at swimlane level 1
@@ -30,7 +32,8 @@ use half::bf16;
 use simpler_core::{CallConfig, RunReport, Worker};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::{
-    GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16, pack_acts_f32, packed_len,
+    ActsConversion, GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16,
+    gemm_bf16_converted, pack_acts_f32, packed_len,
 };
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -183,6 +186,10 @@ fn gemm_rate(
                     s.spawn(move || {
                         let mut scratch = vec![0.0f32; m * widest];
                         let mut spans = Vec::with_capacity(counters.len());
+                        // Converted once per call and thread, as a step's core converts a
+                        // task's input once for all its blocks.
+                        let mut conv = ActsConversion::default();
+                        let converts = ActsConversion::pays(m, k, layout);
                         for next in counters {
                             barrier.wait();
                             let mut span: Option<(Instant, Instant)> = None;
@@ -196,7 +203,15 @@ fn gemm_rate(
                                     mode: OutMode::Store,
                                 };
                                 let ld = tile.n.len();
-                                gemm_bf16(w, x, &tile, &mut scratch[..m * ld], ld);
+                                let out = &mut scratch[..m * ld];
+                                if converts {
+                                    if span.is_none() {
+                                        conv.convert(x);
+                                    }
+                                    gemm_bf16_converted(w, x, &conv, &tile, out, ld);
+                                } else {
+                                    gemm_bf16(w, x, &tile, out, ld);
+                                }
                                 let first = span.map_or(t0, |s| s.0);
                                 span = Some((first, Instant::now()));
                             }

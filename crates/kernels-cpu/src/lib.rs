@@ -36,12 +36,13 @@ pub use elementwise::{
     residual_add_f32, swiglu_bf16,
 };
 pub use gemm::{
-    GemmTile, OutMode, PACK_BLOCK, PAIR_ROWS, PackedActs, PreparedActs, TILE_COLS, TILE_ROWS,
-    WeightLayout, WeightsBf16, gemm_bf16, gemm_bf16_prepared, gemm_scaled_bf16,
-    gemm_scaled_bf16_prepared, pack_acts_bf16, pack_acts_f32, pack_index, pack_segment_bf16,
-    packed_ld, packed_len, pair_rows_bf16_into, pair_weights_bf16, paired_weights_pay, pairs_index,
-    pairs_len, path_for, path_for_batch, tile_weights_bf16, tiled_index, tiled_len,
-    tiled_weights_pay, unpair_weights_bf16, untile_weights_bf16,
+    ActsConversion, GemmTile, OutMode, PACK_BLOCK, PAIR_ROWS, PackedActs, PreparedActs, TILE_COLS,
+    TILE_ROWS, WeightLayout, WeightsBf16, gemm_bf16, gemm_bf16_converted, gemm_bf16_prepared,
+    gemm_scaled_bf16, gemm_scaled_bf16_converted, gemm_scaled_bf16_prepared, pack_acts_bf16,
+    pack_acts_f32, pack_index, pack_segment_bf16, packed_ld, packed_len, pair_rows_bf16_into,
+    pair_weights_bf16, paired_weights_pay, pairs_index, pairs_len, path_for, path_for_batch,
+    tile_weights_bf16, tiled_index, tiled_len, tiled_weights_pay, unpair_weights_bf16,
+    untile_weights_bf16,
 };
 pub use gemm_i8::{
     ActsI8, I8Layout, I8Path, INTERLEAVED_MIN_ROWS, NextRows, PACK_K, PACK_ROWS, QUAD, WeightsI8,

@@ -284,7 +284,7 @@ pub(super) unsafe fn gemm_with(
     let nk = klen / 32;
     if nk == 0 {
         // SAFETY: the AVX-512 BF16 path needs a subset of this function's features.
-        unsafe { super::avx512::gemm(lw, out, ld_out) };
+        unsafe { super::avx512::gemm(lw, None, out, ld_out) };
         return;
     }
     if lw.tiled && lw.batch == 1 {

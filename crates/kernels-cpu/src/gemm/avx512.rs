@@ -55,27 +55,48 @@ pub(super) fn natural_ld(klen: usize) -> usize {
     klen.div_ceil(32) * 32 + 32
 }
 
-/// Computes the tile described by `lw` into `out`.
+/// Computes the tile described by `lw` into `out`, on `natural` where given (the whole body's
+/// rows converted once, [`convert_natural`]) and otherwise converting the tile's body first.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL and AVX-512 BF16, and `lw` must describe a tile inside
-/// its matrices with `out` long enough (as checked by `gemm_dispatch`).
+/// its matrices with `out` long enough (as checked by `gemm_dispatch`); `natural`, where given,
+/// was converted from `lw`'s activations over `lw`'s body.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+pub(super) unsafe fn gemm(
+    lw: &Lowered<'_>,
+    natural: Option<&[u16]>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
     // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
-    unsafe { with_natural(lw, |xn, ldb| gemm_natural(lw, xn, ldb, out, ld_out)) }
+    unsafe {
+        with_natural(lw, natural, |xn, ldb| {
+            gemm_natural(lw, xn, ldb, out, ld_out)
+        })
+    }
 }
 
-/// Runs `f` on the tile's activation body (`kb0..kb1` of every batch row) converted to
-/// natural-order bf16 in this thread's scratch: `batch` rows of stride `ldb` (the
-/// [`natural_ld`] of the body), each zero past the body.
+/// Runs `f` on the tile's activation body (`kb0..kb1` of every batch row) in natural-order
+/// bf16: `batch` rows of stride `ldb` (the [`natural_ld`] of the body), each zero past the
+/// body. `made` holds them when they were converted once for every tile over this body
+/// ([`convert_natural`]; used when its length is `batch` rows of that stride); otherwise they
+/// are converted into this thread's scratch.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL + BF16 available; `lw` checked by `gemm_dispatch`.
+/// AVX-512 F/BW/VL + BF16 available; `lw` checked by `gemm_dispatch`; `made`, where given, was
+/// converted from `lw`'s activations over `lw`'s body (the bits matter, not the memory: any
+/// slice of the right length is read in bounds).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn with_natural<R>(lw: &Lowered<'_>, f: impl FnOnce(&[u16], usize) -> R) -> R {
-    let klen = lw.kb1 - lw.kb0;
-    let ldb = natural_ld(klen);
+pub(super) unsafe fn with_natural<R>(
+    lw: &Lowered<'_>,
+    made: Option<&[u16]>,
+    f: impl FnOnce(&[u16], usize) -> R,
+) -> R {
+    let ldb = natural_ld(lw.kb1 - lw.kb0);
+    if let Some(xn) = made.filter(|m| m.len() == lw.batch * ldb) {
+        return f(xn, ldb);
+    }
     NATURAL.with(|cell| {
         let mut xn = cell.borrow_mut();
         // Grown, never shrunk: `to_natural` writes every element of each row (the body and
@@ -87,19 +108,46 @@ pub(super) unsafe fn with_natural<R>(lw: &Lowered<'_>, f: impl FnOnce(&[u16], us
             xn.resize(len, 0);
         }
         let xn = &mut xn[..len];
-        for b in 0..lw.batch {
-            let src = &lw.x[b * lw.ldx + lw.kb0..b * lw.ldx + lw.kb1];
-            // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
-            unsafe { to_natural(src, &mut xn[b * ldb..(b + 1) * ldb]) };
-        }
+        // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
+        unsafe { fill_natural(lw, xn, ldb) };
         f(xn, ldb)
     })
+}
+
+/// The natural-order bf16 rows of `lw`'s body (every batch row, stride [`natural_ld`] of the
+/// body) into `dst`, as [`with_natural`] converts them per call: made once for the products of
+/// many tiles over the same activations (`ActsConversion`).
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `lw`'s activations hold `batch` rows of stride `ldx`
+/// covering the body (only they are read).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn convert_natural(lw: &Lowered<'_>, dst: &mut Vec<u16>) {
+    let ldb = natural_ld(lw.kb1 - lw.kb0);
+    dst.clear();
+    dst.resize(lw.batch * ldb, 0);
+    // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
+    unsafe { fill_natural(lw, dst, ldb) };
+}
+
+/// Converts the body of every batch row of `lw` into `xn` (`batch` rows of stride `ldb`).
+///
+/// # Safety
+/// AVX-512 F/BW/VL + BF16 available; `ldb >= kb1 - kb0`, `xn.len() >= batch * ldb` and the
+/// activations cover the body (slices, so a violation panics rather than strays).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn fill_natural(lw: &Lowered<'_>, xn: &mut [u16], ldb: usize) {
+    for b in 0..lw.batch {
+        let src = &lw.x[b * lw.ldx + lw.kb0..b * lw.ldx + lw.kb1];
+        // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
+        unsafe { to_natural(src, &mut xn[b * ldb..(b + 1) * ldb]) };
+    }
 }
 
 /// [`gemm`] on the converted activations.
 ///
 /// # Safety
-/// As [`gemm`]; `xn` holds `lw.batch` rows of stride `ldb` written by [`with_natural`].
+/// As [`gemm`]; `xn` holds `lw.batch` rows of stride `ldb` (at least `lw.batch * ldb` long).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn gemm_natural(lw: &Lowered<'_>, xn: &[u16], ldb: usize, out: &mut [f32], ld_out: usize) {
     {

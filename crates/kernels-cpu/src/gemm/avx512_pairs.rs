@@ -67,13 +67,19 @@ const HW_PREFETCH_MAX_BATCH: usize = 2;
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL and AVX-512 BF16; `lw` must describe a tile of paired
 /// weights inside its matrices, its first row on a group of 8, with `out` long enough (as
-/// `gemm_dispatch` checks).
+/// `gemm_dispatch` checks); `natural`, where given, was converted from `lw`'s activations over
+/// `lw`'s body (`avx512::convert_natural`; its length is checked).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn gemm(lw: &Lowered<'_>, out: &mut [f32], ld_out: usize) {
+pub(super) unsafe fn gemm(
+    lw: &Lowered<'_>,
+    natural: Option<&[u16]>,
+    out: &mut [f32],
+    ld_out: usize,
+) {
     debug_assert!(lw.pairs && lw.n.start.is_multiple_of(PAIR_ROWS));
     // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
     unsafe {
-        with_natural(lw, |xn, ldb| {
+        with_natural(lw, natural, |xn, ldb| {
             let g0 = lw.n.start / PAIR_ROWS;
             let g1 = lw.n.end.div_ceil(PAIR_ROWS);
             let nv = if lw.batch <= 4 { NV_SMALL } else { NV };

@@ -938,28 +938,126 @@ pub fn gemm_scaled_bf16(
     gemm_dispatch(w, x, tile, Some(row_scale), out, ld_out);
 }
 
-/// Activations prepared once for many products against different weights (the sparse
-/// attention's queries against each tile of candidate rows): a copy of the packed rows and,
-/// where [`gemm_bf16`] would take the AMX path for this batch, the tile unit's VNNI copy of
-/// them over the whole of `K`, so [`gemm_bf16_prepared`] skips the per-call conversion.
-/// Results are those of [`gemm_bf16`] with the same activations, bit for bit.
+/// The conversions [`gemm_bf16`] makes of a tile's activations before its products, made once
+/// for many products over the same activations: the AVX-512 BF16 path's natural-order bf16
+/// rows, or the AMX path's VNNI tiles, whichever this thread's path takes for the batch, over
+/// the whole of `K`'s packing blocks. [`gemm_bf16_converted`] takes them with the activations
+/// they were made from and skips its own conversion where its tile's body is that whole body
+/// (a split-K tile converts its part as usual). It holds no copy of the activations: a task's
+/// SPMD blocks each run a product over the same input, and a copy of 512 prefill rows would
+/// cost about what one conversion does.
+///
+/// The conversion remembers the shape and address of what it converted and is used only for
+/// activations of that shape at that address; the caller keeps their values unchanged between
+/// [`ActsConversion::convert`] and the products (other values there give other results, never
+/// undefined behaviour: every length is checked).
 #[derive(Default)]
-pub struct PreparedActs {
-    packed: Vec<f32>,
+pub struct ActsConversion {
     rows: usize,
     cols: usize,
+    /// Address of the packed rows converted.
+    from: usize,
+    /// Natural-order bf16 rows of stride `avx512::natural_ld(body)`, zero past the body
+    /// (empty: not made).
+    #[cfg(target_arch = "x86_64")]
+    natural: Vec<u16>,
     /// The VNNI tiles of the body `0 .. cols / 32 · 32` (empty: none made).
     #[cfg(target_arch = "x86_64")]
     vnni: Vec<amx::Line>,
 }
 
-impl std::fmt::Debug for PreparedActs {
+impl std::fmt::Debug for ActsConversion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("PreparedActs");
+        let mut d = f.debug_struct("ActsConversion");
         d.field("rows", &self.rows).field("cols", &self.cols);
         #[cfg(target_arch = "x86_64")]
-        d.field("vnni_lines", &self.vnni.len());
+        d.field("natural_len", &self.natural.len())
+            .field("vnni_lines", &self.vnni.len());
         d.finish()
+    }
+}
+
+impl ActsConversion {
+    /// Converts `x` for the path [`gemm_bf16`] takes now for its batch: the AMX tiles from
+    /// [`amx::MIN_BATCH`] rows on an AMX machine (where one batch block holds them), the
+    /// natural-order rows from [`AVX512_PAIRS_MIN_BATCH`] rows on an AVX-512 BF16 machine
+    /// without AMX, nothing otherwise. The buffers are kept between calls.
+    pub fn convert(&mut self, x: PackedActs<'_>) {
+        (self.rows, self.cols, self.from) = (x.rows(), x.cols(), x.data().as_ptr() as usize);
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.natural.clear();
+            self.vnni.clear();
+            let lw = whole_k_lowered(x, &[]);
+            let isa = Isa::current();
+            if isa >= Isa::AmxBf16 && x.rows() >= amx::MIN_BATCH {
+                // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
+                // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the
+                // packed rows as they are (`convert` reads only the activations).
+                unsafe { amx::convert(&lw, &mut self.vnni) };
+            } else if isa == Isa::Avx512Bf16 && x.rows() >= AVX512_PAIRS_MIN_BATCH && lw.kb1 > 0 {
+                // SAFETY: `Isa::current` is Avx512Bf16 only on a CPU with AVX-512 F/BW/VL and
+                // BF16; `lw` describes the packed rows as they are (only they are read).
+                unsafe { avx512::convert_natural(&lw, &mut self.natural) };
+            }
+        }
+    }
+
+    /// Whether a conversion made once pays for products of `rows` rows of `cols` against
+    /// weights in `layout` on this thread's path now: the path takes the form
+    /// [`ActsConversion::convert`] makes. On AMX only tiled weights take the tiles made once:
+    /// row-major weights streamed 3–7% faster converting per call while their first rows were
+    /// prefetched (session 26, `docs/benchmarks.md`). On AVX-512 BF16 every layout the path
+    /// runs takes the natural rows.
+    pub fn pays(rows: usize, cols: usize, layout: WeightLayout) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let isa = Isa::current();
+            let body = cols / PACK_BLOCK * PACK_BLOCK;
+            match path_for(isa, rows, layout) {
+                Isa::AmxBf16 => {
+                    layout == WeightLayout::Tiled
+                        && rows >= amx::MIN_BATCH
+                        && amx::converts(rows, body / 32)
+                }
+                Isa::Avx512Bf16 => {
+                    isa == Isa::Avx512Bf16 && rows >= AVX512_PAIRS_MIN_BATCH && body > 0
+                }
+                _ => false,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (rows, cols, layout);
+            false
+        }
+    }
+
+    /// Whether this conversion was made from `x` (its shape and address).
+    fn made_from(&self, x: PackedActs<'_>) -> bool {
+        (self.rows, self.cols, self.from) == (x.rows(), x.cols(), x.data().as_ptr() as usize)
+    }
+}
+
+/// Activations prepared once for many products against different weights (the sparse
+/// attention's queries against each tile of candidate rows): a copy of the packed rows and
+/// their [`ActsConversion`], so [`gemm_bf16_prepared`] skips the per-call conversion. Results
+/// are those of [`gemm_bf16`] with the same activations, bit for bit.
+#[derive(Default)]
+pub struct PreparedActs {
+    packed: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    conv: ActsConversion,
+}
+
+impl std::fmt::Debug for PreparedActs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedActs")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("conversion", &self.conv)
+            .finish()
     }
 }
 
@@ -971,7 +1069,8 @@ impl PreparedActs {
         self.packed.extend_from_slice(x.data());
         self.rows = x.rows();
         self.cols = x.cols();
-        self.convert_packed();
+        self.conv
+            .convert(PackedActs::new(&self.packed, self.rows, self.cols));
     }
 
     /// [`PreparedActs::prepare`] of fp32 rows `x` (`[rows, cols]`), packed straight into the
@@ -984,69 +1083,72 @@ impl PreparedActs {
         pack_acts_f32(x, rows, cols, &mut self.packed);
         self.rows = rows;
         self.cols = cols;
-        self.convert_packed();
-    }
-
-    /// The AMX VNNI copy of the kept packed rows, where [`gemm_bf16`] takes the AMX path now.
-    fn convert_packed(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let mut vnni = std::mem::take(&mut self.vnni);
-            vnni.clear();
-            if Isa::current() >= Isa::AmxBf16 && self.rows >= amx::MIN_BATCH {
-                let lw = self.whole_k_lowered(&[]);
-                // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
-                // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the
-                // packed rows as they are (`convert` reads only the activations).
-                unsafe { amx::convert(&lw, &mut vnni) };
-            }
-            self.vnni = vnni;
-        }
-    }
-
-    /// Whether [`PreparedActs::prepare`] of `rows` rows of `cols` makes the AMX path's tiles on
-    /// this thread's path now, i.e. whether preparing saves [`gemm_bf16`]'s per-call
-    /// conversion (elsewhere a prepared copy only adds a copy).
-    pub fn converts(rows: usize, cols: usize) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            Isa::current() >= Isa::AmxBf16
-                && rows >= amx::MIN_BATCH
-                && amx::converts(rows, cols / PACK_BLOCK * PACK_BLOCK / 32)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (rows, cols);
-            false
-        }
+        self.conv
+            .convert(PackedActs::new(&self.packed, self.rows, self.cols));
     }
 
     /// The prepared activations as packed rows.
     pub fn acts(&self) -> PackedActs<'_> {
         PackedActs::new(&self.packed, self.rows, self.cols)
     }
+}
 
-    /// The lowering of a product over the whole of `K` with weight data `w` (what `prepare`
-    /// converts and what `gemm_bf16_prepared` compares against).
-    #[cfg(target_arch = "x86_64")]
-    fn whole_k_lowered<'a>(&'a self, w: &'a [u16]) -> Lowered<'a> {
-        let body = self.cols / PACK_BLOCK * PACK_BLOCK;
-        Lowered {
-            w,
-            ldw: self.cols,
-            tiled: false,
-            pairs: false,
-            x: &self.packed,
-            ldx: packed_ld(self.cols),
-            batch: self.rows,
-            n: 0..0,
-            k: 0..self.cols,
-            kb0: 0,
-            kb1: body,
-            mode: OutMode::Store,
-            scale: None,
-        }
+/// The lowering of a product of `x` over the whole of `K` with weight data `w` (what
+/// [`ActsConversion::convert`] converts and what the dispatch compares a tile's body against).
+#[cfg(target_arch = "x86_64")]
+fn whole_k_lowered<'a>(x: PackedActs<'a>, w: &'a [u16]) -> Lowered<'a> {
+    let cols = x.cols();
+    let body = cols / PACK_BLOCK * PACK_BLOCK;
+    Lowered {
+        w,
+        ldw: cols,
+        tiled: false,
+        pairs: false,
+        x: x.data(),
+        ldx: packed_ld(cols),
+        batch: x.rows(),
+        n: 0..0,
+        k: 0..cols,
+        kb0: 0,
+        kb1: body,
+        mode: OutMode::Store,
+        scale: None,
     }
+}
+
+/// [`gemm_bf16`] of `x` with the conversion `conv` made from it ([`ActsConversion::convert`];
+/// one made from other activations is not used): the same results, bit for bit, without the
+/// per-call conversion where the tile's body is the whole of `K`'s packing blocks and the path
+/// takes the form `conv` holds.
+///
+/// # Panics
+/// As [`gemm_bf16`].
+pub fn gemm_bf16_converted(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    conv: &ActsConversion,
+    tile: &GemmTile,
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    gemm_dispatch_with(w, x, tile, None, Some(conv), out, ld_out);
+}
+
+/// [`gemm_scaled_bf16`] with a conversion made once, as [`gemm_bf16_converted`].
+///
+/// # Panics
+/// As [`gemm_scaled_bf16`].
+pub fn gemm_scaled_bf16_converted(
+    w: WeightsBf16<'_>,
+    x: PackedActs<'_>,
+    conv: &ActsConversion,
+    tile: &GemmTile,
+    row_scale: &[f32],
+    out: &mut [f32],
+    ld_out: usize,
+) {
+    assert_eq!(row_scale.len(), x.rows(), "gemm_scaled_bf16: row_scale len");
+    gemm_dispatch_with(w, x, tile, Some(row_scale), Some(conv), out, ld_out);
 }
 
 /// [`gemm_bf16`] on activations prepared by [`PreparedActs::prepare`]: the same results, with
@@ -1062,7 +1164,7 @@ pub fn gemm_bf16_prepared(
     out: &mut [f32],
     ld_out: usize,
 ) {
-    gemm_dispatch_with(w, x.acts(), tile, None, Some(x), out, ld_out);
+    gemm_dispatch_with(w, x.acts(), tile, None, Some(&x.conv), out, ld_out);
 }
 
 /// [`gemm_scaled_bf16`] on activations prepared by [`PreparedActs::prepare`]: the same
@@ -1080,7 +1182,15 @@ pub fn gemm_scaled_bf16_prepared(
     ld_out: usize,
 ) {
     assert_eq!(row_scale.len(), x.rows, "gemm_scaled_bf16: row_scale len");
-    gemm_dispatch_with(w, x.acts(), tile, Some(row_scale), Some(x), out, ld_out);
+    gemm_dispatch_with(
+        w,
+        x.acts(),
+        tile,
+        Some(row_scale),
+        Some(&x.conv),
+        out,
+        ld_out,
+    );
 }
 
 /// Fp32 activations converted for the AMX path alone: the tile unit's VNNI copy of the rows
@@ -1287,17 +1397,18 @@ fn gemm_dispatch(
     gemm_dispatch_with(w, x, tile, scale, None, out, ld_out);
 }
 
-/// [`gemm_dispatch`] with, optionally, the prepared form of `x` (`pre.acts()` is `x`).
+/// [`gemm_dispatch`] with, optionally, a conversion made once of `x` (used only when it was
+/// made from `x`).
 fn gemm_dispatch_with(
     w: WeightsBf16<'_>,
     x: PackedActs<'_>,
     tile: &GemmTile,
     scale: Option<&[f32]>,
-    pre: Option<&PreparedActs>,
+    conv: Option<&ActsConversion>,
     out: &mut [f32],
     ld_out: usize,
 ) {
-    let _ = &pre;
+    let conv = conv.filter(|c| c.made_from(x));
     let (n, k) = (tile.n.clone(), tile.k.clone());
     assert!(
         n.start <= n.end && n.end <= w.rows(),
@@ -1374,30 +1485,33 @@ fn gemm_dispatch_with(
     #[cfg(target_arch = "x86_64")]
     match path_for(Isa::current(), batch, w.layout()) {
         Isa::AmxBf16 => {
-            // The prepared tiles, when they were made for this body.
-            let tiles = pre
-                .filter(|p| {
-                    !p.vnni.is_empty() && (lw.kb0, lw.kb1) == (0, p.cols / PACK_BLOCK * PACK_BLOCK)
-                })
-                .map(|p| p.vnni.as_slice());
+            // The tiles made once, when they were made for this body.
+            let tiles = conv
+                .filter(|c| !c.vnni.is_empty() && (lw.kb0, lw.kb1) == (0, full_end))
+                .map(|c| c.vnni.as_slice());
             // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
             // AmxBf16 when the CPU has AMX-BF16 and AVX-512 BF16 and Linux granted the tile
             // state; `lw` was checked above (ranges inside the matrices, output long enough);
-            // the prepared tiles were converted by `amx::convert` from `x`'s rows over this
-            // body.
+            // the tiles were converted by `amx::convert` from `x`'s rows over this body (made
+            // from `x`: same shape and address).
             unsafe { amx::gemm_with(&lw, tiles, out, ld_out) };
             return;
         }
-        Isa::Avx512Bf16 if pairs => {
-            // SAFETY: `path_for` names no path wider than `Isa::current`, which only returns
-            // Avx512Bf16 or wider when the CPU supports AVX-512 F/BW/VL and BF16; `lw` was
-            // checked above, paired with its first row on a group.
-            unsafe { avx512_pairs::gemm(&lw, out, ld_out) };
-            return;
-        }
         Isa::Avx512Bf16 => {
-            // SAFETY: as above; row-major or tiled weights.
-            unsafe { avx512::gemm(&lw, out, ld_out) };
+            // The natural rows made once, when they were made for this body (the kernels check
+            // their length).
+            let natural = conv
+                .filter(|c| !c.natural.is_empty() && (lw.kb0, lw.kb1) == (0, full_end))
+                .map(|c| c.natural.as_slice());
+            if pairs {
+                // SAFETY: `path_for` names no path wider than `Isa::current`, which only
+                // returns Avx512Bf16 or wider when the CPU supports AVX-512 F/BW/VL and BF16;
+                // `lw` was checked above, paired with its first row on a group.
+                unsafe { avx512_pairs::gemm(&lw, natural, out, ld_out) };
+            } else {
+                // SAFETY: as above; row-major or tiled weights.
+                unsafe { avx512::gemm(&lw, natural, out, ld_out) };
+            }
             return;
         }
         Isa::Avx2 if pairs => {

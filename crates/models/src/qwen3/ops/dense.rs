@@ -15,7 +15,7 @@ use half::bf16;
 use simpler_core::{DType, KernelError, RowsMut, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{
-    ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, PreparedActs, TILE_ROWS, WeightLayout,
+    ActsConversion, ActsI8, GemmTile, OutMode, PACK_BLOCK, PackedActs, TILE_ROWS, WeightLayout,
     WeightsBf16, WeightsI8,
 };
 
@@ -116,9 +116,9 @@ impl<'a> Weights<'a> {
 /// weights; for int8 weights, natural-order fp32 (wide) or int8 rows with their scales (W8A8).
 enum Acts<'a> {
     Packed(PackedActs<'a>),
-    /// Packed fp32 for bf16 weights with the AMX path's activation tiles made once
-    /// ([`PREPARED_BF16`]).
-    Prepared(&'a PreparedActs),
+    /// Packed fp32 for bf16 weights with the path's conversion of them made once
+    /// ([`PREPARED_BF16`]: the AVX-512 BF16 path's natural-order rows or the AMX tiles).
+    Converted(PackedActs<'a>, &'a ActsConversion),
     Wide {
         x: Vec<f32>,
         rows: usize,
@@ -153,21 +153,22 @@ thread_local! {
     static PREPARED: std::cell::RefCell<Option<(PreparedKey, Acts<'static>)>> =
         const { std::cell::RefCell::new(None) };
 
-    /// The bf16 activations this core converted last into the AMX path's tiles, with what
-    /// they were converted from (`None` while a conversion is under way), kept as [`PREPARED`]
-    /// is (the buffers stay across tasks). Every SPMD block converted the whole input before
-    /// streaming its rows: at DeepSeek-V4's 8 rows × 4096 that is 128 KiB of tiles per block
-    /// of 0.35–0.7 MB of weights. Converted once per task and core, tiled matrices at 8 rows
-    /// in 12 blocks streamed 30–33 GB/s against 23–28 (`docs/benchmarks.md`, session 26).
-    static PREPARED_BF16: std::cell::RefCell<(Option<PreparedKey>, PreparedActs)> =
-        std::cell::RefCell::new((None, PreparedActs::default()));
+    /// The bf16 activations this core converted last for its GEMM path (the AMX tiles, or the
+    /// AVX-512 BF16 path's natural-order rows), with what they were converted from (`None`
+    /// while a conversion is under way), kept as [`PREPARED`] is (the buffers stay across
+    /// tasks). Every SPMD block converted the whole input before streaming its rows: at
+    /// DeepSeek-V4's 8 rows × 4096 that is 128 KiB of tiles per block of 0.35–0.7 MB of
+    /// weights, and a 512-token prefill block converts 2–6 MiB of packed rows. Converted once
+    /// per task and core, tiled matrices at 8 rows in 12 blocks streamed 30–33 GB/s against
+    /// 23–28 (`docs/benchmarks.md`, session 26); see there for the prefill step.
+    static PREPARED_BF16: std::cell::RefCell<(Option<PreparedKey>, ActsConversion)> =
+        std::cell::RefCell::new((None, ActsConversion::default()));
 }
 
-/// Runs `f` on `x` prepared for weights like `w` ([`Acts`]): the int8 forms, and for tiled
-/// bf16 weights the AMX path's tiles, from this core's cache when it already prepared this
-/// task's input ([`PREPARED`], [`PREPARED_BF16`]). Row-major bf16 weights take the packed rows:
-/// each call converts them while the first weight rows are prefetched, which streamed 3–7%
-/// faster than tiles made once (`docs/benchmarks.md`, session 26).
+/// Runs `f` on `x` prepared for weights like `w` ([`Acts`]): the int8 forms, and for bf16
+/// weights the path's conversion where one made once pays ([`ActsConversion::pays`]), from
+/// this core's cache when it already prepared this task's input ([`PREPARED`],
+/// [`PREPARED_BF16`]).
 fn with_acts<R>(
     ctx: &TaskCtx<'_>,
     x: PackedActs<'_>,
@@ -175,8 +176,10 @@ fn with_acts<R>(
     w8a8: bool,
     f: impl FnOnce(&Acts<'_>) -> R,
 ) -> R {
-    let int8 = matches!(w, Weights::I8 { .. });
-    let tiled = matches!(w, Weights::Bf16(w) if w.layout() == WeightLayout::Tiled);
+    let bf16_layout = match w {
+        Weights::Bf16(w) => Some(w.layout()),
+        Weights::I8 { .. } => None,
+    };
     let key = PreparedKey {
         instance: ctx.instance(),
         at: x.data().as_ptr() as usize,
@@ -184,17 +187,17 @@ fn with_acts<R>(
         k: x.cols(),
         w8a8,
     };
-    if !int8 {
-        if !tiled || !PreparedActs::converts(x.rows(), x.cols()) {
+    if let Some(layout) = bf16_layout {
+        if !ActsConversion::pays(x.rows(), x.cols(), layout) {
             return f(&Acts::Packed(x));
         }
-        return PREPARED_BF16.with_borrow_mut(|(made_from, prepared)| {
+        return PREPARED_BF16.with_borrow_mut(|(made_from, conv)| {
             if *made_from != Some(key) {
                 *made_from = None;
-                prepared.prepare(x);
+                conv.convert(x);
                 *made_from = Some(key);
             }
-            f(&Acts::Prepared(prepared))
+            f(&Acts::Converted(x, conv))
         });
     }
     PREPARED.with_borrow_mut(|cached| {
@@ -258,9 +261,9 @@ fn run_gemm(
             Some(s) => k::gemm_scaled_bf16(w, *x, tile, s, out, ld),
             None => k::gemm_bf16(w, *x, tile, out, ld),
         },
-        (Weights::Bf16(w), Acts::Prepared(x)) => match scale {
-            Some(s) => k::gemm_scaled_bf16_prepared(w, x, tile, s, out, ld),
-            None => k::gemm_bf16_prepared(w, x, tile, out, ld),
+        (Weights::Bf16(w), Acts::Converted(x, conv)) => match scale {
+            Some(s) => k::gemm_scaled_bf16_converted(w, *x, conv, tile, s, out, ld),
+            None => k::gemm_bf16_converted(w, *x, conv, tile, out, ld),
         },
         (
             Weights::I8 {
@@ -307,7 +310,7 @@ fn run_gemm(
                     };
                     k::gemm_i8_w8a8(wi, ActsI8::new(q, &sa, *b, *kx, *kx), tile, out, ld);
                 }
-                Acts::Packed(_) | Acts::Prepared(_) => {
+                Acts::Packed(_) | Acts::Converted(..) => {
                     unreachable!("int8 weights get prepared activations")
                 }
             }
@@ -985,9 +988,9 @@ mod tests {
     }
 
     /// [`prepared_int8_activations_never_outlive_their_task`] for tiled bf16 weights at 8
-    /// rows, where the AMX path converts each task's activations once per core
-    /// ([`super::PREPARED_BF16`]; on a machine without AMX nothing is kept and the test checks
-    /// the plain product). The GEMM kernel is registered as another model registers it, with
+    /// rows, where the AMX path converts each task's activations to tiles once per core and
+    /// the AVX-512 BF16 path to natural-order rows ([`super::PREPARED_BF16`]; on a machine
+    /// with neither nothing is kept and the test checks the plain product). The GEMM kernel is registered as another model registers it, with
     /// a rule that tiles every matrix.
     #[test]
     fn prepared_bf16_activations_never_outlive_their_task() {
@@ -1005,6 +1008,36 @@ mod tests {
             .buffer_from(&simpler_kernels_cpu::tile_weights_bf16(&weights, n, k))
             .unwrap();
         // Exact inputs: only the summation order separates the kernel from the plain sum.
+        three_runs_on_one_input(
+            &w,
+            &wbuf,
+            DType::BF16,
+            k,
+            (rows, n, k),
+            false,
+            |round, x, got| check_products(round, x, &weights, got, n, 1e-5),
+        );
+    }
+
+    /// [`prepared_bf16_activations_never_outlive_their_task`] for paired bf16 weights, where
+    /// the AVX-512 BF16 path converts each task's activations to natural-order rows once per
+    /// core ([`super::PREPARED_BF16`]; elsewhere nothing is kept and the test checks the plain
+    /// product).
+    #[test]
+    fn converted_bf16_rows_never_outlive_their_task() {
+        fn paired_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
+            super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Pairs)
+        }
+        let w = super::super::bare_test_worker();
+        w.register_kernel(super::super::gemm_spec_with(paired_gemm))
+            .unwrap();
+        let (rows, n, k) = (8usize, 256usize, 96usize);
+        let weights: Vec<bf16> = (0..n * k)
+            .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
+            .collect();
+        let wbuf = w
+            .buffer_from(&simpler_kernels_cpu::pair_weights_bf16(&weights, n, k))
+            .unwrap();
         three_runs_on_one_input(
             &w,
             &wbuf,
