@@ -631,8 +631,9 @@ fn step_rows(
 }
 
 thread_local! {
-    /// A gate/up block's SwiGLU rows (bf16) before they are packed, kept across blocks so no
-    /// block allocates and zeroes them.
+    /// One row of a gate/up block's SwiGLU (bf16) before it is packed, kept across blocks so
+    /// no block allocates it. A row at a time, so it stays in L1 between the two loops: the
+    /// whole block's rows (256 KiB at 512 rows of a 256-column share) went out to L2 and back.
     static ACT: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -690,11 +691,11 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         }
     };
     ACT.with_borrow_mut(|act| {
-        // Stale values are fine: SwiGLU writes every element before the rows are packed.
-        if act.len() < rows * n {
-            act.resize(rows * n, bf16::ZERO);
+        // Stale values are fine: SwiGLU writes every element before the row is packed.
+        if act.len() < n {
+            act.resize(n, bf16::ZERO);
         }
-        let act = &mut act[..rows * n];
+        let act = &mut act[..n];
         // Both products store every element of their halves.
         with_scratch_dirty(2 * rows * n, |s| {
             let (gate, up) = s.split_at_mut(rows * n);
@@ -702,11 +703,12 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
                 run_gemm(wg, x, &full, None, gate, n);
                 run_gemm(wu, x, &full, None, up, n);
             });
-            k::swiglu_bf16(gate, up, scale, act);
+            for (b, dst) in out.iter_mut().enumerate() {
+                let row = b * n..(b + 1) * n;
+                k::swiglu_bf16(&gate[row.clone()], &up[row], &scale[b..b + 1], act);
+                k::pack_segment_bf16(act, c0, inter, dst);
+            }
         });
-        for (b, dst) in out.iter_mut().enumerate() {
-            k::pack_segment_bf16(&act[b * n..(b + 1) * n], c0, inter, dst);
-        }
     });
     Ok(())
 }
