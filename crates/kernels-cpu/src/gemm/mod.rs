@@ -978,10 +978,11 @@ impl std::fmt::Debug for ActsConversion {
 }
 
 impl ActsConversion {
-    /// Converts `x` for the path [`gemm_bf16`] takes now for its batch: the AMX tiles from
-    /// [`amx::MIN_BATCH`] rows on an AMX machine (where one batch block holds them), the
-    /// natural-order rows from [`AVX512_PAIRS_MIN_BATCH`] rows on an AVX-512 BF16 machine
-    /// without AMX, nothing otherwise. The buffers are kept between calls.
+    /// Converts `x` for the path [`gemm_bf16`] takes now for its batch: the AMX tiles from the
+    /// AMX path's least batch (5 rows) on an AMX machine (where one batch block holds them),
+    /// the natural-order rows from the AVX-512 BF16 path's least batch (2 rows, on paired
+    /// weights) on an AVX-512 BF16 machine without AMX, nothing otherwise. The buffers are kept
+    /// between calls.
     pub fn convert(&mut self, x: PackedActs<'_>) {
         (self.rows, self.cols, self.from) = (x.rows(), x.cols(), x.data().as_ptr() as usize);
         #[cfg(target_arch = "x86_64")]
