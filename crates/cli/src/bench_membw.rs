@@ -17,7 +17,8 @@ const READ_WARMUP_PASSES: usize = 1;
 /// Arguments of `simpler bench membw`.
 #[derive(Args, Debug)]
 pub(crate) struct MembwArgs {
-    /// Total seconds of measurement (split over the four figures), at least 0.4.
+    /// Total seconds of measurement (split over the four figures), at least 0.4. A compute
+    /// peak repeats runs in which a thread was held off its CPU, up to three times its share.
     #[arg(long, value_parser = crate::opts::seconds, default_value_t = 4.0)]
     seconds: f64,
     /// Size of the streamed buffer in MiB [default: four times the last-level cache Linux
