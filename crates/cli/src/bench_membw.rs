@@ -113,6 +113,11 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
             );
         }
     }
+    if p.compute_lower_bound {
+        println!(
+            "warning: a compute peak above was measured only in runs where a thread was held off its CPU (a busy host): read it as a lower bound"
+        );
+    }
     let path = Isa::detected();
     let compute = p.matmul_gflops_all(path);
     println!(
@@ -136,11 +141,16 @@ fn print_int8_peaks(threads: usize, seconds: f64) {
     }
     for p in peaks {
         println!(
-            "int8 dot-product peak, {:<11} {}: 1 thread {:.1} GOP/s, {threads} threads {:.1} GOP/s",
+            "int8 dot-product peak, {:<11} {}: 1 thread {:.1} GOP/s, {threads} threads {:.1} GOP/s{}",
             p.path.name(),
             p.instructions,
             p.gops_one,
-            p.gops_all
+            p.gops_all,
+            if p.lower_bound {
+                " (a lower bound: a thread was held off its CPU in every run)"
+            } else {
+                ""
+            }
         );
     }
 }

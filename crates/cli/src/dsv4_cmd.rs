@@ -622,15 +622,21 @@ pub(crate) fn starts_at(
 }
 
 /// This machine's int8 dot-product peak on the path a step of `rows` rows takes, GOP/s over
-/// all threads (0 when no SIMD int8 path was measured).
-pub(crate) fn int8_peak(threads: usize, seconds: f64) -> (f64, &'static str) {
+/// all threads (0 when no SIMD int8 path was measured), and the path's name (saying so when
+/// the figure is a lower bound: every run had a thread held off its CPU).
+pub(crate) fn int8_peak(threads: usize, seconds: f64) -> (f64, String) {
     let path = I8Path::detected();
     let budget = Duration::from_secs_f64((seconds / 4.0).max(0.1));
     int8_peaks(threads, budget)
         .into_iter()
         .find(|p| p.path == path)
-        .map_or((0.0, "portable (not measured)"), |p| {
-            (p.gops_all, p.path.name())
+        .map_or((0.0, "portable (not measured)".to_string()), |p| {
+            let note = if p.lower_bound {
+                "; a lower bound: a thread was held off its CPU in every run"
+            } else {
+                ""
+            };
+            (p.gops_all, format!("{}{note}", p.path.name()))
         })
 }
 
@@ -726,7 +732,7 @@ struct Setup {
     worker: Worker,
     step: Box<dyn LayerStep>,
     machine: MachinePeaks,
-    int8: (f64, &'static str),
+    int8: (f64, String),
     /// The read before each step that evicts the last-level cache; `None` with `--warm-cache`.
     flush: Option<CacheFlush>,
 }

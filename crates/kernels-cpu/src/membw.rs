@@ -39,6 +39,9 @@ pub struct MachinePeaks {
     pub amx_bf16_gflops_one: f64,
     /// AMX-BF16 tile peak of all threads together, GFLOP/s (0 as above).
     pub amx_bf16_gflops_all: f64,
+    /// Some compute figure above came only from runs in which a thread was held off its CPU
+    /// (see [`compute_peak`]): it is a lower bound, and a rate above it is no surprise.
+    pub compute_lower_bound: bool,
 }
 
 impl MachinePeaks {
@@ -266,12 +269,14 @@ pub fn measure_with_passes(opts: &MeasureOptions) -> (MachinePeaks, ReadPasses) 
     let ((one, one_med), (all, all_med)) =
         (best_and_median(&one_passes), best_and_median(&all_passes));
     drop(buf);
-    let path_peak = |path: Isa, n: usize| {
-        if isa >= path {
-            compute_peak(path, n, share)
-        } else {
-            0.0
+    let mut lower_bound = false;
+    let mut path_peak = |path: Isa, n: usize| {
+        if isa < path {
+            return 0.0;
         }
+        let peak = compute_peak_checked(path, n, share);
+        lower_bound |= !peak.undisturbed;
+        peak.rate
     };
     let peaks = MachinePeaks {
         threads,
@@ -279,12 +284,13 @@ pub fn measure_with_passes(opts: &MeasureOptions) -> (MachinePeaks, ReadPasses) 
         read_gbs_one_median: one_med,
         read_gbs_all: all,
         read_gbs_all_median: all_med,
-        fma_gflops_one: fma_peak(1, share),
-        fma_gflops_all: fma_peak(threads, share),
+        fma_gflops_one: path_peak(Isa::Portable, 1),
+        fma_gflops_all: path_peak(Isa::Portable, threads),
         bf16_dot_gflops_one: path_peak(Isa::Avx512Bf16, 1),
         bf16_dot_gflops_all: path_peak(Isa::Avx512Bf16, threads),
         amx_bf16_gflops_one: path_peak(Isa::AmxBf16, 1),
         amx_bf16_gflops_all: path_peak(Isa::AmxBf16, threads),
+        compute_lower_bound: lower_bound,
     };
     (
         peaks,
@@ -441,7 +447,7 @@ fn span(runs: impl Iterator<Item = (Instant, Instant)>) -> f64 {
 /// fp32 FMA peak of `threads` threads each running independent FMA chains for about `budget`,
 /// GFLOP/s.
 pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
-    chain_peak(threads, budget, fma_chains, FMA_FLOPS_PER_ITER)
+    chain_peak(threads, budget, fma_chains, FMA_FLOPS_PER_ITER).rate
 }
 
 /// Compute peak of `path`'s matrix instruction (fp32 FMA for AVX2 and portable, `vdpbf16ps`
@@ -449,20 +455,40 @@ pub fn fma_peak(threads: usize, budget: Duration) -> f64 {
 /// GFLOP/s; 0 when this CPU cannot run `path`. Runs whatever the calling thread's override
 /// says for the FMA figure (as [`fma_peak`]).
 pub fn compute_peak(path: Isa, threads: usize, budget: Duration) -> f64 {
+    compute_peak_checked(path, threads, budget).rate
+}
+
+/// [`compute_peak`], saying whether the figure came from undisturbed runs: runs repeat (up to
+/// nine) until three had every thread on its CPU for the whole run, and the best of those
+/// counts; when none did, the best disturbed run is kept as a lower bound.
+pub fn compute_peak_checked(path: Isa, threads: usize, budget: Duration) -> PeakRate {
     if !path.is_supported() {
-        return 0.0;
+        return PeakRate {
+            rate: 0.0,
+            undisturbed: true,
+        };
     }
     match path {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 => chain_peak(threads, budget, bf16_dot_chains, DOT_FLOPS_PER_ITER),
         #[cfg(target_arch = "x86_64")]
         Isa::AmxBf16 => chain_peak(threads, budget, amx_chains, AMX_FLOPS_PER_ITER),
-        _ => fma_peak(threads, budget),
+        _ => chain_peak(threads, budget, fma_chains, FMA_FLOPS_PER_ITER),
     }
 }
 
+/// A measured compute peak.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PeakRate {
+    /// G operations (FLOPs, or int8 OPs) per second.
+    pub rate: f64,
+    /// The figure came from runs in which every thread had its CPU throughout; false: every
+    /// run was disturbed and the figure is a lower bound.
+    pub undisturbed: bool,
+}
+
 /// The best rate of `threads` threads running `kernel(iters)` together (`ops_per_iter`
-/// operations per iteration), in G operations/s. Each run is timed from the first thread's
+/// operations per iteration), in G operations/s, and whether it came from undisturbed runs. Each run is timed from the first thread's
 /// start to the last thread's end, as [`read_bandwidth_passes`] does; the iteration count is
 /// calibrated on the calling thread so one run takes about `budget / 4`. Shared by the FMA,
 /// BF16 and int8 peaks so they are timed the same way.
@@ -479,7 +505,7 @@ pub(crate) fn chain_peak<R>(
     budget: Duration,
     kernel: fn(u64) -> R,
     ops_per_iter: f64,
-) -> f64 {
+) -> PeakRate {
     let threads = threads.max(1);
     let mut iters = 1u64 << 10;
     loop {
@@ -497,7 +523,11 @@ pub(crate) fn chain_peak<R>(
         std::hint::black_box(kernel(iters));
     });
     let ops = ops_per_iter * iters as f64 * threads as f64;
-    ops / best_span(&runs).max(1e-9) / 1e9
+    let (span, undisturbed) = best_span(&runs);
+    PeakRate {
+        rate: ops / span.max(1e-9) / 1e9,
+        undisturbed,
+    }
 }
 
 /// Undisturbed runs [`chain_peak`] wants before it stops.
@@ -527,9 +557,9 @@ fn ran_throughout(run: &[ThreadRun]) -> bool {
     run.iter().all(|t| t.cpu_seconds >= RAN_THROUGHOUT * span)
 }
 
-/// The shortest span among undisturbed runs, or among all runs when none was undisturbed;
-/// seconds (0 for no runs).
-fn best_span(runs: &[Vec<ThreadRun>]) -> f64 {
+/// The shortest span among undisturbed runs (and true), or among all runs when none was
+/// undisturbed (and false); seconds (0 for no runs).
+fn best_span(runs: &[Vec<ThreadRun>]) -> (f64, bool) {
     let span_of = |run: &Vec<ThreadRun>| span(run.iter().map(|t| (t.start, t.end)));
     let clean = runs
         .iter()
@@ -537,10 +567,10 @@ fn best_span(runs: &[Vec<ThreadRun>]) -> f64 {
         .map(span_of)
         .fold(f64::INFINITY, f64::min);
     if clean.is_finite() {
-        return clean;
+        return (clean, true);
     }
     let any = runs.iter().map(span_of).fold(f64::INFINITY, f64::min);
-    if any.is_finite() { any } else { 0.0 }
+    (if any.is_finite() { any } else { 0.0 }, false)
 }
 
 /// Runs `work` on `threads` threads together, started by a barrier each round, until
@@ -890,10 +920,12 @@ mod tests {
         let fast_held = run((0, 80, 80.0), (0, 80, 40.0));
         let slow_clean = run((0, 120, 120.0), (0, 120, 119.0));
         let runs = vec![fast_held.clone(), slow_clean];
-        assert!((best_span(&runs) - 0.120).abs() < 1e-9);
+        let (s, clean) = best_span(&runs);
+        assert!((s - 0.120).abs() < 1e-9 && clean);
         // With no clean run, the best disturbed one stands (a lower bound on the rate).
-        assert!((best_span(&[held, fast_held]) - 0.080).abs() < 1e-9);
-        assert_eq!(best_span(&[]), 0.0);
+        let (s, clean) = best_span(&[held, fast_held]);
+        assert!((s - 0.080).abs() < 1e-9 && !clean);
+        assert_eq!(best_span(&[]), (0.0, false));
     }
 
     #[test]
