@@ -989,26 +989,22 @@ mod tests {
         );
     }
 
-    /// [`prepared_int8_activations_never_outlive_their_task`] for tiled bf16 weights at 8
-    /// rows, where the AMX path converts each task's activations to tiles once per core and
-    /// the AVX-512 BF16 path to natural-order rows ([`super::PREPARED_BF16`]; on a machine
-    /// with neither nothing is kept and the test checks the plain product). The GEMM kernel is registered as another model registers it, with
-    /// a rule that tiles every matrix.
-    #[test]
-    fn prepared_bf16_activations_never_outlive_their_task() {
-        fn tiled_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
-            super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Tiled)
-        }
+    /// [`prepared_int8_activations_never_outlive_their_task`] for bf16 weights at 8 rows held
+    /// as `arrange` lays them out (`K` = `k`), the GEMM kernel `gemm` registered as another
+    /// model registers it, with a rule giving that layout.
+    fn bf16_conversions_never_outlive_their_task(
+        gemm: fn(&simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError>,
+        arrange: fn(&[bf16], usize, usize) -> Vec<bf16>,
+        k: usize,
+    ) {
         let w = super::super::bare_test_worker();
-        w.register_kernel(super::super::gemm_spec_with(tiled_gemm))
+        w.register_kernel(super::super::gemm_spec_with(gemm))
             .unwrap();
-        let (rows, n, k) = (8usize, 256usize, 64usize);
+        let (rows, n) = (8usize, 256usize);
         let weights: Vec<bf16> = (0..n * k)
             .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
             .collect();
-        let wbuf = w
-            .buffer_from(&simpler_kernels_cpu::tile_weights_bf16(&weights, n, k))
-            .unwrap();
+        let wbuf = w.buffer_from(&arrange(&weights, n, k)).unwrap();
         // Exact inputs: only the summation order separates the kernel from the plain sum.
         three_runs_on_one_input(
             &w,
@@ -1021,33 +1017,32 @@ mod tests {
         );
     }
 
-    /// [`prepared_bf16_activations_never_outlive_their_task`] for paired bf16 weights, where
-    /// the AVX-512 BF16 path converts each task's activations to natural-order rows once per
-    /// core ([`super::PREPARED_BF16`]; elsewhere nothing is kept and the test checks the plain
-    /// product).
+    /// Tiled weights, where the AMX path converts each task's activations to tiles once per
+    /// core and the AVX-512 BF16 path to natural-order rows ([`super::PREPARED_BF16`]; on a
+    /// machine with neither nothing is kept and the test checks the plain product).
+    #[test]
+    fn prepared_bf16_activations_never_outlive_their_task() {
+        fn tiled_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
+            super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Tiled)
+        }
+        bf16_conversions_never_outlive_their_task(
+            tiled_gemm,
+            simpler_kernels_cpu::tile_weights_bf16,
+            64,
+        );
+    }
+
+    /// Paired weights, where the AVX-512 BF16 path converts each task's activations to
+    /// natural-order rows once per core (elsewhere nothing is kept).
     #[test]
     fn converted_bf16_rows_never_outlive_their_task() {
         fn paired_gemm(ctx: &simpler_core::TaskCtx<'_>) -> Result<(), simpler_core::KernelError> {
             super::gemm_tile_in(ctx, |_, _| simpler_kernels_cpu::WeightLayout::Pairs)
         }
-        let w = super::super::bare_test_worker();
-        w.register_kernel(super::super::gemm_spec_with(paired_gemm))
-            .unwrap();
-        let (rows, n, k) = (8usize, 256usize, 96usize);
-        let weights: Vec<bf16> = (0..n * k)
-            .map(|i| bf16::from_f32((i * 7919 % 201) as f32 / 100.0 - 1.0))
-            .collect();
-        let wbuf = w
-            .buffer_from(&simpler_kernels_cpu::pair_weights_bf16(&weights, n, k))
-            .unwrap();
-        three_runs_on_one_input(
-            &w,
-            &wbuf,
-            DType::BF16,
-            k,
-            (rows, n, k),
-            false,
-            |round, x, got| check_products(round, x, &weights, got, n, 1e-5),
+        bf16_conversions_never_outlive_their_task(
+            paired_gemm,
+            simpler_kernels_cpu::pair_weights_bf16,
+            96,
         );
     }
 }
