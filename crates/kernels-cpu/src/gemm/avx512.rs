@@ -115,19 +115,24 @@ pub(super) unsafe fn with_natural<R>(
 }
 
 /// The natural-order bf16 rows of `lw`'s body (every batch row, stride [`natural_ld`] of the
-/// body) into `dst`, as [`with_natural`] converts them per call: made once for the products of
-/// many tiles over the same activations (`ActsConversion`).
+/// body) into the first elements of `dst`, as [`with_natural`] converts them per call: made
+/// once for the products of many tiles over the same activations (`ActsConversion`). Returns
+/// how many elements they take. `dst` only grows, as the per-call scratch does: the conversion
+/// writes every element it uses, so zeroing a prefill input's megabytes first is waste.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL + BF16 available; `lw`'s activations hold `batch` rows of stride `ldx`
 /// covering the body (only they are read).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn convert_natural(lw: &Lowered<'_>, dst: &mut Vec<u16>) {
+pub(super) unsafe fn convert_natural(lw: &Lowered<'_>, dst: &mut Vec<u16>) -> usize {
     let ldb = natural_ld(lw.kb1 - lw.kb0);
-    dst.clear();
-    dst.resize(lw.batch * ldb, 0);
+    let len = lw.batch * ldb;
+    if dst.len() < len {
+        dst.resize(len, 0);
+    }
     // SAFETY: AVX-512 F/BW/VL + BF16 by this function's contract.
-    unsafe { fill_natural(lw, dst, ldb) };
+    unsafe { fill_natural(lw, &mut dst[..len], ldb) };
+    len
 }
 
 /// Converts the body of every batch row of `lw` into `xn` (`batch` rows of stride `ldb`).

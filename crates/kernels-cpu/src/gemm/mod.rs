@@ -957,10 +957,12 @@ pub struct ActsConversion {
     cols: usize,
     /// Address of the packed rows converted.
     from: usize,
-    /// Natural-order bf16 rows of stride `avx512::natural_ld(body)`, zero past the body
-    /// (empty: not made).
+    /// Natural-order bf16 rows of stride `avx512::natural_ld(body)`, zero past the body: the
+    /// first `natural_len` elements (0: not made; the buffer only grows).
     #[cfg(target_arch = "x86_64")]
     natural: Vec<u16>,
+    #[cfg(target_arch = "x86_64")]
+    natural_len: usize,
     /// The VNNI tiles of the body `0 .. cols / 32 · 32` (empty: none made).
     #[cfg(target_arch = "x86_64")]
     vnni: Vec<amx::Line>,
@@ -971,7 +973,7 @@ impl std::fmt::Debug for ActsConversion {
         let mut d = f.debug_struct("ActsConversion");
         d.field("rows", &self.rows).field("cols", &self.cols);
         #[cfg(target_arch = "x86_64")]
-        d.field("natural_len", &self.natural.len())
+        d.field("natural_len", &self.natural_len)
             .field("vnni_lines", &self.vnni.len());
         d.finish()
     }
@@ -987,7 +989,7 @@ impl ActsConversion {
         (self.rows, self.cols, self.from) = (x.rows(), x.cols(), x.data().as_ptr() as usize);
         #[cfg(target_arch = "x86_64")]
         {
-            self.natural.clear();
+            self.natural_len = 0;
             self.vnni.clear();
             let lw = whole_k_lowered(x, &[]);
             let isa = Isa::current();
@@ -999,7 +1001,7 @@ impl ActsConversion {
             } else if isa == Isa::Avx512Bf16 && x.rows() >= AVX512_PAIRS_MIN_BATCH && lw.kb1 > 0 {
                 // SAFETY: `Isa::current` is Avx512Bf16 only on a CPU with AVX-512 F/BW/VL and
                 // BF16; `lw` describes the packed rows as they are (only they are read).
-                unsafe { avx512::convert_natural(&lw, &mut self.natural) };
+                self.natural_len = unsafe { avx512::convert_natural(&lw, &mut self.natural) };
             }
         }
     }
@@ -1502,8 +1504,8 @@ fn gemm_dispatch_with(
             // The natural rows made once, when they were made for this body (the kernels check
             // their length).
             let natural = conv
-                .filter(|c| !c.natural.is_empty() && (lw.kb0, lw.kb1) == (0, full_end))
-                .map(|c| c.natural.as_slice());
+                .filter(|c| c.natural_len > 0 && (lw.kb0, lw.kb1) == (0, full_end))
+                .map(|c| &c.natural[..c.natural_len]);
             if pairs {
                 // SAFETY: `path_for` names no path wider than `Isa::current`, which only
                 // returns Avx512Bf16 or wider when the CPU supports AVX-512 F/BW/VL and BF16;
