@@ -488,18 +488,19 @@ pub struct PeakRate {
 }
 
 /// The best rate of `threads` threads running `kernel(iters)` together (`ops_per_iter`
-/// operations per iteration), in G operations/s, and whether it came from undisturbed runs. Each run is timed from the first thread's
-/// start to the last thread's end, as [`read_bandwidth_passes`] does; the iteration count is
-/// calibrated on the calling thread so one run takes about `budget / 4`. Shared by the FMA,
-/// BF16 and int8 peaks so they are timed the same way.
+/// operations per iteration), in G operations/s, and whether it came from undisturbed runs.
+/// Each run is timed from the first thread's start to the last thread's end, as
+/// [`read_bandwidth_passes`] does; the iteration count is calibrated on the calling thread so
+/// one run takes about `budget / 4`. Shared by the FMA, BF16 and int8 peaks so they are timed
+/// the same way.
 ///
 /// A run in which some thread was held off its CPU (its CPU time short of the run's span, see
 /// [`ran_throughout`]) measures the scheduler, not the core: its span counts time the thread
 /// did not compute. Runs repeat until [`PEAK_RUNS`] were undisturbed (or [`PEAK_MAX_RUNS`]
 /// ran) and the best undisturbed one is kept; only when every run was disturbed is the best of
-/// them kept, as the lower bound it then is. Summing each thread's
-/// rate over its own CPU time instead would credit threads that took turns on one core (SMT
-/// siblings, or vCPUs the hypervisor runs in turn) with rates they cannot reach together.
+/// them kept, as the lower bound it then is. Summing each thread's rate over its own CPU time
+/// instead would credit threads that took turns on one core (SMT siblings, or vCPUs the
+/// hypervisor runs in turn) with rates they cannot reach together.
 pub(crate) fn chain_peak<R>(
     threads: usize,
     budget: Duration,
