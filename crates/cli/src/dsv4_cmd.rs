@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
-use simpler_core::{CallConfig, RunReport, TaskSlotTiming, Worker};
+use simpler_core::{CallConfig, Interval, RunReport, TaskSlotTiming, Worker};
 use simpler_dfx::bench_stats::{
     Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
 };
@@ -712,6 +712,119 @@ fn phase_spans(report: &RunReport, phases: usize) -> Vec<f64> {
         .collect()
 }
 
+/// Each timing slot's interval of `report` (earliest dispatch to latest finish) for the first
+/// `phases` slots; `None` where a slot had no task or an empty span.
+fn phase_intervals(report: &RunReport, phases: usize) -> Vec<Option<Interval>> {
+    (0..phases)
+        .map(|i| {
+            let slot = u8::try_from(i).unwrap_or(u8::MAX);
+            report
+                .task_slots
+                .iter()
+                .find(|t| t.slot == slot && t.span.dur_ns() > 0)
+                .map(|t| t.span)
+        })
+        .collect()
+}
+
+/// Whether two phases' spans ran side by side in a step: their intersection is at least a
+/// twentieth of the shorter one (an edge where the next phase's first task starts as the
+/// last of the previous one ends is not).
+fn side_by_side(a: Interval, b: Interval) -> bool {
+    let inter = a
+        .end_ns
+        .min(b.end_ns)
+        .saturating_sub(a.start_ns.max(b.start_ns));
+    inter > 0 && inter.saturating_mul(20) >= a.dur_ns().min(b.dur_ns())
+}
+
+/// The length of the union of the spans of phases `members` in one step, ns (phases without a
+/// span add nothing).
+fn union_ns(spans: &[Option<Interval>], members: &[usize]) -> u64 {
+    let mut iv: Vec<Interval> = members
+        .iter()
+        .filter_map(|&i| spans.get(i).copied().flatten())
+        .collect();
+    iv.sort_by_key(|s| s.start_ns);
+    let mut total = 0;
+    let mut cur: Option<Interval> = None;
+    for s in iv {
+        cur = match cur {
+            Some(c) if s.start_ns < c.end_ns => Some(Interval {
+                start_ns: c.start_ns,
+                end_ns: c.end_ns.max(s.end_ns),
+            }),
+            Some(c) => {
+                total += c.dur_ns();
+                Some(s)
+            }
+            None => Some(s),
+        };
+    }
+    total + cur.map_or(0, |c| c.dur_ns())
+}
+
+/// The lines after [`format_phases`]'s table for the phases whose tasks ran side by side (a
+/// phase's tasks can start while an earlier phase's still run, where the graph lets them):
+/// each such phase's own span then counts time it shared, so its "% of bound" alone says
+/// little. Two phases are joined where they ran [`side_by_side`] in at least half of the
+/// steps (`spans[step][phase]`); for each group so joined, the median over the steps of the
+/// length of the union of its spans against the sum of their bounds. Empty when no phases
+/// were joined.
+fn format_overlaps(cost: &LayerCost, peaks: &Peaks, spans: &[Vec<Option<Interval>>]) -> String {
+    let n = cost.phases.len();
+    let mut pairs = vec![vec![0usize; n]; n];
+    for step in spans {
+        for (i, row) in pairs.iter_mut().enumerate() {
+            for (j, count) in row.iter_mut().enumerate().skip(i + 1) {
+                if let (Some(Some(a)), Some(Some(b))) = (step.get(i), step.get(j))
+                    && side_by_side(*a, *b)
+                {
+                    *count += 1;
+                }
+            }
+        }
+    }
+    // Each phase's group, named by its lowest member.
+    let mut group: Vec<usize> = (0..n).collect();
+    for (i, row) in pairs.iter().enumerate() {
+        for (j, &count) in row.iter().enumerate().skip(i + 1) {
+            if count > 0 && 2 * count >= spans.len() {
+                let (from, to) = (group[i].max(group[j]), group[i].min(group[j]));
+                for g in group.iter_mut().filter(|g| **g == from) {
+                    *g = to;
+                }
+            }
+        }
+    }
+    let mut s = String::new();
+    for g in 0..n {
+        let members: Vec<usize> = (0..n).filter(|&i| group[i] == g).collect();
+        if members.len() < 2 {
+            continue;
+        }
+        if s.is_empty() {
+            s += "  side by side (phases whose tasks ran together in most steps; each one's span above includes the time it shared):\n";
+        }
+        let names: Vec<&str> = members.iter().map(|&i| cost.phases[i].name).collect();
+        let bound: f64 = members
+            .iter()
+            .map(|&i| LayerCost::phase_s(&cost.phases[i], peaks) * 1e6)
+            .sum();
+        let unions: Vec<f64> = spans
+            .iter()
+            .map(|st| union_ns(st, &members) as f64 / 1e3)
+            .collect();
+        let med = Summary::of(&unions).median;
+        let pct = if med > 0.0 { 100.0 * bound / med } else { 0.0 };
+        s += &format!(
+            "    {}: together median {med:.1} us against their bounds' sum {bound:.1} us = {pct:.1}%\n",
+            names.join(" + "),
+        );
+    }
+    s
+}
+
 /// The summary lines of a step time (seconds) against the cost.
 fn format_ratios(cost: &LayerCost, peaks: &Peaks, t: f64, what: &str) -> String {
     let gbs = cost.bytes() / t / 1e9;
@@ -785,6 +898,8 @@ struct Measured {
     valid: Vec<Option<bool>>,
     /// Each measured round's phase spans, us ([`phase_spans`]).
     phases: Vec<Vec<f64>>,
+    /// Each measured round's phase intervals ([`phase_intervals`]).
+    intervals: Vec<Vec<Option<Interval>>>,
     /// The measured steps' reports, in order (the last is the last step's).
     reports: Vec<RunReport>,
 }
@@ -800,8 +915,8 @@ impl Measured {
 
 /// Runs `warmup + rounds` steps.
 fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Result<Measured> {
-    let (mut eff, mut wall, mut valid, mut phases) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut eff, mut wall, mut valid, mut phases, mut intervals) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let n_phases = s.step.cost().phases.len();
     let mut reports = Vec::with_capacity(rounds);
     for i in 0..warmup + rounds {
@@ -814,6 +929,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
             wall.push(dt);
             valid.push(s.step.round_valid());
             phases.push(phase_spans(&r, n_phases));
+            intervals.push(phase_intervals(&r, n_phases));
             reports.push(r);
         }
     }
@@ -825,6 +941,7 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
         wall,
         valid,
         phases,
+        intervals,
         reports,
     })
 }
@@ -924,11 +1041,16 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
         );
     }
     let Measured {
-        eff, wall, phases, ..
+        eff,
+        wall,
+        phases,
+        intervals,
+        ..
     } = m;
     let cost = s.step.cost();
     println!("{}", phases_title(phases.len()));
     print!("{}", format_phases(&cost, &peaks, &phases));
+    print!("{}", format_overlaps(&cost, &peaks, &intervals));
     let (e, w) = (Summary::of(&eff), Summary::of(&wall));
     println!("  {}", format_summary("effective_us", &e, args.warmup));
     println!("  {}", format_summary("host_step_us", &w, args.warmup));
@@ -1083,7 +1205,11 @@ fn bench_layer(
         );
     }
     let Measured {
-        eff, valid, phases, ..
+        eff,
+        valid,
+        phases,
+        intervals,
+        ..
     } = m;
     let (peaks, median_pass) = finish_peaks(&s, &args.case);
     let e = Summary::of(&eff);
@@ -1124,6 +1250,7 @@ fn bench_layer(
         int8_gops: peaks.int8_gops,
     };
     print!("{}", format_phases(&cost, &peaks, &phases));
+    print!("{}", format_overlaps(&cost, &peaks, &intervals));
     if let Some(b) = args.versus_proj_blocks {
         let c = versus_proj_blocks(&mut s, &cfg, b, args.rounds, args.warmup)?;
         println!(
@@ -1293,6 +1420,53 @@ fn versus_proj_blocks(
 mod tests {
     use super::*;
     use simpler_models::dsv4::PhaseCost;
+
+    #[test]
+    fn phases_that_ran_side_by_side_in_most_steps_are_reported_together() {
+        // 1 MB per phase at 1000 GB/s: a 1 us bound each.
+        let phase = |name| PhaseCost {
+            name,
+            bytes: 1e6,
+            flops: 0.0,
+            int8_ops: 0.0,
+        };
+        let cost = LayerCost {
+            phases: vec![
+                phase("first"),
+                phase("second"),
+                phase("third"),
+                phase("fourth"),
+            ],
+        };
+        let peaks = Peaks {
+            gbs: 1000.0,
+            gflops: 1.0,
+            int8_gops: 1.0,
+        };
+        let iv = |start_ns, end_ns| Some(Interval { start_ns, end_ns });
+        // first and second overlap in two of three steps (by half, then a tenth of the
+        // shorter span); third touches second, fourth overlaps third by 1% only.
+        let spans = vec![
+            vec![iv(0, 1000), iv(500, 2000), iv(2000, 3000), iv(2990, 4000)],
+            vec![iv(0, 1000), iv(900, 2000), iv(2000, 3000), iv(2990, 4000)],
+            vec![iv(0, 1000), iv(1000, 2000), iv(2000, 3000), None],
+        ];
+        let t = format_overlaps(&cost, &peaks, &spans);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2, "{t}");
+        assert_eq!(
+            lines[1].trim(),
+            "first + second: together median 2.0 us against their bounds' sum 2.0 us = 100.0%"
+        );
+        // Overlapping in one step of three only: not joined.
+        assert_eq!(format_overlaps(&cost, &peaks, &spans[2..]), "");
+        let once = vec![spans[0].clone(), spans[2].clone(), spans[2].clone()];
+        assert_eq!(format_overlaps(&cost, &peaks, &once), "");
+        // The union counts shared time once and gaps not at all.
+        let step = [iv(0, 10), iv(5, 20), iv(30, 40), None];
+        assert_eq!(union_ns(&step, &[0, 1, 2, 3]), 30);
+        assert_eq!(union_ns(&step, &[2]), 10);
+    }
 
     #[test]
     fn the_phase_table_reads_every_measured_step() {
