@@ -992,16 +992,23 @@ impl ActsConversion {
             self.natural_len = 0;
             self.vnni.clear();
             let lw = whole_k_lowered(x, &[]);
-            let isa = Isa::current();
-            if isa >= Isa::AmxBf16 && x.rows() >= amx::MIN_BATCH {
-                // SAFETY: `Isa::current` is AmxBf16 only when the CPU has AMX-BF16 and
-                // AVX-512 F/BW/VL/BF16 and the tile state was granted; `lw` describes the
-                // packed rows as they are (`convert` reads only the activations).
-                unsafe { amx::convert(&lw, &mut self.vnni) };
-            } else if isa == Isa::Avx512Bf16 && x.rows() >= AVX512_PAIRS_MIN_BATCH && lw.kb1 > 0 {
-                // SAFETY: `Isa::current` is Avx512Bf16 only on a CPU with AVX-512 F/BW/VL and
-                // BF16; `lw` describes the packed rows as they are (only they are read).
-                self.natural_len = unsafe { avx512::convert_natural(&lw, &mut self.natural) };
+            match ConversionForm::on(Isa::current(), x.rows(), lw.kb1) {
+                // Where the batch does not fit one block the copy stays empty and the
+                // products convert per call, as `pays` says.
+                Some(ConversionForm::AmxTiles) => {
+                    // SAFETY: `AmxTiles` only where `Isa::current` is AmxBf16 or above, when
+                    // the CPU has AMX-BF16 and AVX-512 F/BW/VL/BF16 and the tile state was
+                    // granted; `lw` describes the packed rows as they are (`convert` reads
+                    // only the activations).
+                    unsafe { amx::convert(&lw, &mut self.vnni) };
+                }
+                Some(ConversionForm::NaturalRows) => {
+                    // SAFETY: `NaturalRows` only where `Isa::current` is Avx512Bf16, on a CPU
+                    // with AVX-512 F/BW/VL and BF16; `lw` describes the packed rows as they
+                    // are (only they are read).
+                    self.natural_len = unsafe { avx512::convert_natural(&lw, &mut self.natural) };
+                }
+                None => {}
             }
         }
     }
@@ -1017,15 +1024,14 @@ impl ActsConversion {
         {
             let isa = Isa::current();
             let body = cols / PACK_BLOCK * PACK_BLOCK;
-            match path_for(isa, rows, layout) {
-                Isa::AmxBf16 => {
-                    layout == WeightLayout::Tiled
-                        && rows >= amx::MIN_BATCH
-                        && amx::converts(rows, body / 32)
+            match (
+                path_for(isa, rows, layout),
+                ConversionForm::on(isa, rows, body),
+            ) {
+                (Isa::AmxBf16, Some(ConversionForm::AmxTiles)) => {
+                    layout == WeightLayout::Tiled && amx::converts(rows, body / 32)
                 }
-                Isa::Avx512Bf16 => {
-                    isa == Isa::Avx512Bf16 && rows >= AVX512_PAIRS_MIN_BATCH && body > 0
-                }
+                (Isa::Avx512Bf16, Some(ConversionForm::NaturalRows)) => true,
                 _ => false,
             }
         }
@@ -1039,6 +1045,33 @@ impl ActsConversion {
     /// Whether this conversion was made from `x` (its shape and address).
     fn made_from(&self, x: PackedActs<'_>) -> bool {
         (self.rows, self.cols, self.from) == (x.rows(), x.cols(), x.data().as_ptr() as usize)
+    }
+}
+
+/// What [`ActsConversion::convert`] makes: one owner of the batch thresholds that
+/// [`ActsConversion::pays`] must agree with.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ConversionForm {
+    /// The AMX tiles' VNNI copy, from [`amx::MIN_BATCH`] rows.
+    AmxTiles,
+    /// The natural-order bf16 rows of the AVX-512 BF16 passes, from
+    /// `AVX512_PAIRS_MIN_BATCH` rows and a body of at least one packing block.
+    NaturalRows,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ConversionForm {
+    /// The form for `rows` rows with a body of `body` columns (whole packing blocks) on
+    /// `isa`; `None` where the products convert per call.
+    fn on(isa: Isa, rows: usize, body: usize) -> Option<ConversionForm> {
+        if isa >= Isa::AmxBf16 && rows >= amx::MIN_BATCH {
+            Some(ConversionForm::AmxTiles)
+        } else if isa == Isa::Avx512Bf16 && rows >= AVX512_PAIRS_MIN_BATCH && body > 0 {
+            Some(ConversionForm::NaturalRows)
+        } else {
+            None
+        }
     }
 }
 
