@@ -1421,23 +1421,25 @@ mod tests {
     use super::*;
     use simpler_models::dsv4::PhaseCost;
 
+    /// A layer cost of phases `names` that move 1 MB each and compute nothing.
+    fn megabyte_phases(names: &[&'static str]) -> LayerCost {
+        LayerCost {
+            phases: names
+                .iter()
+                .map(|&name| PhaseCost {
+                    name,
+                    bytes: 1e6,
+                    flops: 0.0,
+                    int8_ops: 0.0,
+                })
+                .collect(),
+        }
+    }
+
     #[test]
     fn phases_that_ran_side_by_side_in_most_steps_are_reported_together() {
         // 1 MB per phase at 1000 GB/s: a 1 us bound each.
-        let phase = |name| PhaseCost {
-            name,
-            bytes: 1e6,
-            flops: 0.0,
-            int8_ops: 0.0,
-        };
-        let cost = LayerCost {
-            phases: vec![
-                phase("first"),
-                phase("second"),
-                phase("third"),
-                phase("fourth"),
-            ],
-        };
+        let cost = megabyte_phases(&["first", "second", "third", "fourth"]);
         let peaks = Peaks {
             gbs: 1000.0,
             gflops: 1.0,
@@ -1471,15 +1473,7 @@ mod tests {
     #[test]
     fn the_phase_table_reads_every_measured_step() {
         // 1 MB per phase at 1 GB/s: a 1000 us bound each.
-        let phase = |name| PhaseCost {
-            name,
-            bytes: 1e6,
-            flops: 0.0,
-            int8_ops: 0.0,
-        };
-        let cost = LayerCost {
-            phases: vec![phase("first"), phase("second")],
-        };
+        let cost = megabyte_phases(&["first", "second"]);
         let peaks = Peaks {
             gbs: 1.0,
             gflops: 1.0,
