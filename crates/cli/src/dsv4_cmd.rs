@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
-use simpler_core::{CallConfig, Interval, RunReport, TaskSlotTiming, Worker};
+use simpler_core::{CallConfig, Interval, RunReport, Worker};
 use simpler_dfx::bench_stats::{
     Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
 };
@@ -654,13 +654,6 @@ fn peaks_of(m: &MachinePeaks, int8_gops: f64) -> Peaks {
     }
 }
 
-fn slot_us(slots: &[TaskSlotTiming], s: u8) -> f64 {
-    slots
-        .iter()
-        .find(|t| t.slot == s)
-        .map_or(0.0, |t| t.span.us())
-}
-
 /// The per-phase table over the measured steps: each phase's span (its timing slot) as the
 /// median, the quickest and the last step had it, its bytes, and the GB/s and share of its
 /// bound at the machine's limits for the median span. One step's spans move by tens of
@@ -705,10 +698,16 @@ fn phases_title(steps: usize) -> String {
 }
 
 /// Each timing slot's span of `report` for the first `phases` slots, us (0 where a slot has
-/// no task).
+/// no task): the lengths of [`phase_intervals`].
 fn phase_spans(report: &RunReport, phases: usize) -> Vec<f64> {
-    (0..phases)
-        .map(|i| slot_us(&report.task_slots, u8::try_from(i).unwrap_or(u8::MAX)))
+    spans_us(&phase_intervals(report, phases))
+}
+
+/// The lengths of phase intervals, us (0 for a phase without one).
+fn spans_us(intervals: &[Option<Interval>]) -> Vec<f64> {
+    intervals
+        .iter()
+        .map(|s| s.map_or(0.0, |s| s.us()))
         .collect()
 }
 
@@ -928,8 +927,9 @@ fn measure(s: &mut Setup, cfg: &CallConfig, warmup: usize, rounds: usize) -> Res
             eff.push(r.effective().us());
             wall.push(dt);
             valid.push(s.step.round_valid());
-            phases.push(phase_spans(&r, n_phases));
-            intervals.push(phase_intervals(&r, n_phases));
+            let iv = phase_intervals(&r, n_phases);
+            phases.push(spans_us(&iv));
+            intervals.push(iv);
             reports.push(r);
         }
     }
