@@ -54,8 +54,9 @@ fn main() {
     let ccache: Vec<bf16> = (0..cache_rows * hd)
         .map(|_| bf16::from_f32(rnd()))
         .collect();
-    let q: Vec<f32> = (0..tokens * heads * hd)
-        .map(|_| bf16::from_f32(rnd()).to_f32())
+    // bf16 queries, as the layers' graphs pass them.
+    let q: Vec<bf16> = (0..tokens * heads * hd)
+        .map(|_| bf16::from_f32(rnd()))
         .collect();
     let sinks: Vec<f32> = (0..heads).map(|_| rnd()).collect();
     // Each token's window as one run of adjacent rows (read in place) and the same rows one
@@ -101,7 +102,7 @@ fn main() {
                 let (c0, w0) = (thread_cpu_s(), Instant::now());
                 for (t, list) in lists.iter().enumerate() {
                     let qt = &q[t * heads * hd..(t + 1) * heads * hd];
-                    sparse_attention(Queries::F32(qt), hd, list, 0.044, &sinks, &mut out, &mut s);
+                    sparse_attention(Queries::Bf16(qt), hd, list, 0.044, &sinks, &mut out, &mut s);
                 }
                 (
                     (thread_cpu_s() - c0) * 1e3,

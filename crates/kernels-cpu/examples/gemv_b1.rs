@@ -7,7 +7,9 @@
 //! `cargo run --release -p simpler-kernels-cpu --example gemv_b1 [-- --layers 6 --reps 10 --threads 2 --head]`
 //!
 //! Variants: `Read` (one sequential AVX2 read of each tile), `Read4` (each tile as four
-//! concurrent streams, as `membw` reads), `Gemm` (the library's `gemm_bf16` at batch 1), and
+//! concurrent streams, as `membw` reads), `Gemm` (the library's `gemm_bf16` at batch 1),
+//! `GemmPairs` (the same on the matrices in the paired layout, what the decode streams on the
+//! AVX2 and AVX-512 BF16 paths), and
 //! `--q S:PF[:HINT],...` GEMVs written here for comparison: the tile's rows as `S` contiguous
 //! ranges walked side by side, prefetching `PF` elements ahead (0: none) with hint `HINT` (0
 //! T0, 1 T1, 2 T2, 3 NTA; plus 10: 64-element steps with two prefetches). `--base I` names
@@ -22,7 +24,7 @@ use std::time::Instant;
 use half::bf16;
 use simpler_kernels_cpu::{
     GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
-    with_isa,
+    pair_weights_bf16, with_isa,
 };
 
 /// `(N, K)` of the 0.6B projections (gate and up as one 6144-row matrix, as the plan holds
@@ -53,13 +55,21 @@ enum Variant {
     Read,
     Read4,
     Gemm,
+    /// The library's `gemm_bf16` at batch 1 on the same matrices in the paired layout (the
+    /// decode's layout on the AVX2 and AVX-512 BF16 paths).
+    GemmPairs,
     /// `Q(streams, prefetch elements)`: the tile cut into `streams` contiguous row ranges
     /// walked side by side, one row of each per pass.
     Q(usize, usize, usize),
 }
 
 fn variants() -> Vec<Variant> {
-    let mut v = vec![Variant::Read, Variant::Read4, Variant::Gemm];
+    let mut v = vec![
+        Variant::Read,
+        Variant::Read4,
+        Variant::Gemm,
+        Variant::GemmPairs,
+    ];
     for q in common::arg("--q")
         .unwrap_or_else(|| "4:0,4:256,4:512,8:0,2:0".into())
         .split(',')
@@ -200,6 +210,8 @@ struct Mat {
     n: usize,
     k: usize,
     w: &'static [bf16],
+    /// The same matrix in the paired layout.
+    paired: &'static [bf16],
     tiles: Vec<std::ops::Range<usize>>,
 }
 
@@ -228,10 +240,14 @@ fn main() {
                     .wrapping_add(1442695040888963407);
                 *d = bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04);
             }
+            let pw = pair_weights_bf16(w, n, k);
+            let paired = common::huge_pool(pw.len());
+            paired.copy_from_slice(&pw);
             Mat {
                 n,
                 k,
                 w: &*w,
+                paired: &*paired,
                 tiles: tiles(n, 2 * k, threads),
             }
         })
@@ -367,6 +383,20 @@ fn pass(
                                                 _ => panic!("streams 2, 4, 8 or 16"),
                                             }
                                         }
+                                    }
+                                    Variant::GemmPairs => {
+                                        let tl = GemmTile {
+                                            n: tile.clone(),
+                                            k: 0..m.k,
+                                            mode: OutMode::Store,
+                                        };
+                                        gemm_bf16(
+                                            WeightsBf16::paired(m.paired, m.n, m.k),
+                                            PackedActs::new(x, 1, m.k),
+                                            &tl,
+                                            &mut out,
+                                            tile.len(),
+                                        );
                                     }
                                     Variant::Gemm => {
                                         let tl = GemmTile {

@@ -6,7 +6,7 @@
 //! One KV row serves every head, so a vector holds 16 heads:
 //! 1. **Queries** are laid out once per call as pairs `Q'[k, h]` (`hp` heads, padded with zero
 //!    heads to a multiple of 16; a 32-bit lane holds `q[h, 2k]` low and `q[h, 2k + 1]` high),
-//!    one gather of 16 heads' pairs per `k`.
+//!    sixteen heads' runs of sixteen pairs transposed in registers into sixteen lines.
 //! 2. **Scores** `s[j, h] = Σ_c q[h, c] K[j, c]`: each row's pairs are broadcast from where the
 //!    row lies (its cache: the scattered top-k rows are read in place, prefetched
 //!    [`super::COPY_AHEAD`] rows ahead), and one `vdpbf16ps` of a broadcast row pair against
@@ -180,35 +180,91 @@ pub(super) fn attend(
 /// `Q'[k, h] = q[h, 2k] | q[h, 2k + 1] << 16` (bf16 bits) for `q` `[heads, d]`, zero for the
 /// padding heads `heads .. hp`.
 ///
+/// Sixteen heads' runs of sixteen pairs (one 64-byte load each) are transposed in registers
+/// into sixteen lines of `Q'`. It replaced one gather of sixteen heads' pairs per line: on
+/// Zen 4 a gather took ~27 cycles, 8% of a SWA token's attention (64 heads × 512 over 128
+/// rows; `docs/benchmarks.md`, session 52).
+///
 /// # Panics
 /// If `d` is odd, `hp` not a multiple of 16 below `heads`, or the lengths disagree.
 #[target_feature(enable = "avx512f")]
-fn pack_queries(q: &[bf16], heads: usize, d: usize, hp: usize, out: &mut [u32]) {
+pub(super) fn pack_queries(q: &[bf16], heads: usize, d: usize, hp: usize, out: &mut [u32]) {
     assert!(d.is_multiple_of(2) && hp.is_multiple_of(LANES) && hp >= heads);
     assert!(q.len() == heads * d && out.len() == d / 2 * hp);
-    assert!(
-        i32::try_from(q.len()).is_ok(),
-        "dsv4 attention: queries too long"
-    );
     let kp = d / 2;
-    let lane: [i32; LANES] = std::array::from_fn(|h| (h * kp) as i32);
-    // SAFETY: a 64-byte array.
-    let lane = unsafe { _mm512_loadu_si512(lane.as_ptr().cast()) };
     for g in 0..hp / LANES {
         let valid = heads.saturating_sub(g * LANES).min(LANES);
-        let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
-        let base = q[(g * LANES).min(heads) * d..].as_ptr().cast::<i32>();
-        for k in 0..kp {
-            let idx = _mm512_add_epi32(lane, _mm512_set1_epi32(k as i32));
-            // SAFETY: lane `h < valid` reads the pair `k` of head `g · 16 + h < heads`, 32 bits
-            // at `(h · kp + k) · 4` bytes from head `g · 16`'s row, inside `q`; masked lanes read
-            // nothing. Line `k` of head group `g` is 16 `u32` inside `out` (checked above).
-            unsafe {
-                let v = _mm512_mask_i32gather_epi32::<4>(_mm512_setzero_si512(), mask, idx, base);
-                _mm512_storeu_si512(out.as_mut_ptr().add(k * hp + g * LANES).cast(), v);
+        for k0 in (0..kp).step_by(LANES) {
+            let kn = (kp - k0).min(LANES);
+            let kmask: __mmask16 = ((1u32 << kn) - 1) as u16;
+            let rows: [__m512i; LANES] = std::array::from_fn(|h| {
+                if h < valid {
+                    // SAFETY: lanes `< kn` read pairs `k0 .. k0 + kn <= d / 2` of head
+                    // `g · 16 + h < heads`, inside `q` (checked above); masked lanes read
+                    // nothing.
+                    unsafe {
+                        _mm512_maskz_loadu_epi32(
+                            kmask,
+                            q.as_ptr().add((g * LANES + h) * d + 2 * k0).cast(),
+                        )
+                    }
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
+            for (c, line) in transpose_16x16(rows).iter().enumerate().take(kn) {
+                // SAFETY: line `k0 + c < d / 2` of head group `g` is 16 `u32` inside `out`
+                // (checked above).
+                unsafe {
+                    _mm512_storeu_si512(
+                        out.as_mut_ptr().add((k0 + c) * hp + g * LANES).cast(),
+                        *line,
+                    )
+                };
             }
         }
     }
+}
+
+/// The transpose of a 16 × 16 matrix of 32-bit lanes (`r[i]` lane `j` becomes lane `i` of
+/// the result's vector `j`): pairs of lanes, then pairs of pairs within each 128-bit lane,
+/// then the 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose_16x16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved (low and high pairs of each 128-bit
+    // lane).
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4i + j], 128-bit lane l: rows 4i .. 4i + 4 of column 4l + j.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (base, j) = (i & !3, i % 4);
+        let (a, b) = (t[base + j / 2], t[base + 2 + j / 2]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    // Column 4l + j: 128-bit lane l of u[j], u[4 + j], u[8 + j], u[12 + j], in that order.
+    let mut out = [_mm512_setzero_si512(); 16];
+    for j in 0..4 {
+        let even01 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+        let odd01 = _mm512_shuffle_i32x4::<0xDD>(u[j], u[4 + j]);
+        let even23 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+        let odd23 = _mm512_shuffle_i32x4::<0xDD>(u[8 + j], u[12 + j]);
+        out[j] = _mm512_shuffle_i32x4::<0x88>(even01, even23);
+        out[8 + j] = _mm512_shuffle_i32x4::<0xDD>(even01, even23);
+        out[4 + j] = _mm512_shuffle_i32x4::<0x88>(odd01, odd23);
+        out[12 + j] = _mm512_shuffle_i32x4::<0xDD>(odd01, odd23);
+    }
+    out
 }
 
 /// The scores of every row against every head into `scores` `[n, hp]` (unscaled), `m[h]` the

@@ -482,3 +482,36 @@ fn head_lane_exp2_and_rounding_give_the_bits_of_the_scalar_forms() {
         }
     }
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn head_lane_queries_are_packed_as_pairs_of_every_head_at_every_line() {
+    if !Isa::Avx512Bf16.is_supported() {
+        println!("AVX-512 not available here: the head lanes' query packing did not run");
+        return;
+    }
+    // Whole and partial 16-pair runs (d 16, 48, 80), whole and padded head groups.
+    for (heads, d) in [(5usize, 48usize), (16, 32), (20, 16), (33, 80), (64, 512)] {
+        let hp = heads.next_multiple_of(16);
+        let q = bf16_rows(heads * d, 900 + heads as u64);
+        // Every line written: garbage before.
+        let mut got = vec![0xDEAD_BEEFu32; d / 2 * hp];
+        // SAFETY: AVX-512 F (implied by AVX-512 BF16, checked above).
+        unsafe { lanes::pack_queries(&q, heads, d, hp, &mut got) };
+        for k in 0..d / 2 {
+            for h in 0..hp {
+                let want = if h < heads {
+                    u32::from(q[h * d + 2 * k].to_bits())
+                        | u32::from(q[h * d + 2 * k + 1].to_bits()) << 16
+                } else {
+                    0
+                };
+                assert_eq!(
+                    got[k * hp + h],
+                    want,
+                    "{heads} heads x {d}: line {k}, head {h}"
+                );
+            }
+        }
+    }
+}
