@@ -92,8 +92,9 @@ pub(crate) struct DecodeBenchArgs {
     /// [default: 5].
     #[arg(long, value_name = "N", value_parser = crate::qwen3_cmd::positive)]
     outside_steps: Option<usize>,
-    /// Replay a captured graph for every step after the first (`on`), or run the
-    /// orchestration for every step (`off`); the report says which ran [default: on].
+    /// Replay a captured graph for every step after the first (`on`), run the orchestration
+    /// for every step (`off`), or run it and check each step's graph against the captured one
+    /// (`verify`); the report says which ran [default: on].
     #[arg(long, value_enum)]
     replay: Option<Replay>,
     /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
@@ -313,6 +314,11 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    if args.versus_replay && args.replay == Some(Replay::Verify) {
+        bail!(
+            "--versus-replay compares replayed steps with orchestrated ones; drop --replay verify"
+        );
+    }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
@@ -392,6 +398,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let mut session = Session::new(&worker, model.clone(), kv);
         args.tiles.apply(&mut session);
         session.replay = args.replay.unwrap_or(Replay::On).on();
+        session.verify_replay = args.replay.is_some_and(Replay::verify);
         session.read_logits = false;
         let mut samples = Vec::new();
         let mut last = None;

@@ -269,8 +269,9 @@ pub(crate) struct RunDsv4Args {
     #[arg(long, default_value_t = 1)]
     warmup: usize,
     /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
-    /// or run the orchestration for every step (`off`) [default: on]. Refused for moe, whose
-    /// steps are orchestrated.
+    /// run the orchestration for every step (`off`), or run it and check each later step's
+    /// graph against the captured one (`verify`) [default: on]. Refused for moe, whose steps
+    /// are orchestrated.
     #[arg(long, value_enum)]
     replay: Option<Replay>,
     #[command(flatten)]
@@ -302,8 +303,9 @@ pub(crate) struct BenchDsv4Args {
     #[arg(long, value_name = "N")]
     versus_proj_blocks: Option<u32>,
     /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
-    /// or run the orchestration for every step (`off`) [default: on]. Refused for moe, whose
-    /// steps are orchestrated.
+    /// run the orchestration for every step (`off`), or run it and check each later step's
+    /// graph against the captured one (`verify`) [default: on]. Refused for moe, whose steps
+    /// are orchestrated.
     #[arg(long, value_enum)]
     replay: Option<Replay>,
     /// Also compare replayed steps (A) with orchestrated ones (B), step against step in this
@@ -354,8 +356,9 @@ pub(crate) trait LayerStep {
     fn can_replay(&self) -> bool {
         false
     }
-    /// Turns replay of the next steps on or off (only where [`LayerStep::can_replay`]).
-    fn set_replay(&mut self, _on: bool) {}
+    /// Turns replay of the next steps on or off, and their check against a fresh capture
+    /// (only where [`LayerStep::can_replay`]).
+    fn set_replay(&mut self, _on: bool, _verify: bool) {}
     /// The kernel paths the step runs on, one line.
     fn paths(&self) -> String {
         format_paths(None)
@@ -521,8 +524,9 @@ impl LayerStep for AttnCase {
         true
     }
 
-    fn set_replay(&mut self, on: bool) {
+    fn set_replay(&mut self, on: bool, verify: bool) {
         self.layer.replay = on;
+        self.layer.verify_replay = verify;
     }
 
     fn paths(&self) -> String {
@@ -960,7 +964,8 @@ fn start(
         bail!("--rounds must be at least 1");
     }
     let mut s = setup(layer, case, run)?;
-    s.step.set_replay(replay.unwrap_or(Replay::On).on());
+    let replay = replay.unwrap_or(Replay::On);
+    s.step.set_replay(replay.on(), replay.verify());
     let cfg = run.call_config("dsv4")?;
     println!(
         "simpler {cmd} dsv4 {flag} {}: {}; {} cores",
@@ -1099,8 +1104,11 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
             "--versus-replay: the moe layer's steps are orchestrated every step; it applies to swa, csa and hca"
         );
     }
-    if args.versus_replay && args.replay == Some(Replay::Off) {
-        bail!("--versus-replay compares replayed steps with orchestrated ones; drop --replay off");
+    if args.versus_replay && matches!(args.replay, Some(Replay::Off | Replay::Verify)) {
+        bail!(
+            "--versus-replay compares replayed steps with orchestrated ones; drop --replay {}",
+            replay_of(args.replay).name()
+        );
     }
     if args.versus_proj_blocks.is_some() && has_moe {
         bail!(
@@ -1286,8 +1294,9 @@ fn replay_of(r: Option<Replay>) -> Replay {
 /// orchestrated (B); the effective times compared and the orchestration spans of each,
 /// formatted. Replay stays on afterwards.
 fn versus_replay(s: &mut Setup, cfg: &CallConfig, rounds: usize, warmup: usize) -> Result<String> {
-    let (pairs, sides) = interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a))?;
-    s.step.set_replay(true);
+    let (pairs, sides) =
+        interleaved_steps(s, cfg, rounds, warmup, |step, a| step.set_replay(a, false))?;
+    s.step.set_replay(true, false);
     let c = pairs.compare();
     let [a, b] = sides.orch.map(|v| Summary::of(&v).median);
     Ok(format!(

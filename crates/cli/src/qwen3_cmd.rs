@@ -286,19 +286,37 @@ impl ModelArgs {
     }
 }
 
-/// Whether decode steps replay a captured graph (`Session::replay`).
+/// Whether decode steps replay a captured graph (`Session::replay`, `verify_replay`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Replay {
     /// Capture the first step of each topology, replay the graph afterwards.
     On,
     /// Run the orchestration for every step.
     Off,
+    /// As `on`, but every step that would replay runs its orchestration, is captured and is
+    /// checked against the kept graph: a difference fails the step, naming what the step's
+    /// shape left out (a check of the replay, paying the orchestration every step).
+    Verify,
 }
 
 impl Replay {
-    /// Whether replay is on.
+    /// Whether steps are captured (and, unless verifying, replayed).
     pub(crate) fn on(self) -> bool {
-        self == Replay::On
+        self != Replay::Off
+    }
+
+    /// Whether steps that would replay are checked against a fresh capture instead.
+    pub(crate) fn verify(self) -> bool {
+        self == Replay::Verify
+    }
+
+    /// The flag's value as typed.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Replay::On => "on",
+            Replay::Off => "off",
+            Replay::Verify => "verify",
+        }
     }
 }
 
@@ -327,9 +345,14 @@ pub(crate) fn describe_graphs<'a>(
         })
         .collect();
     format!(
-        "graph: --replay {} -> {}",
-        if replay.on() { "on" } else { "off" },
-        parts.join(", ")
+        "graph: --replay {} -> {}{}",
+        replay.name(),
+        parts.join(", "),
+        if replay.verify() {
+            "; every step after a topology's first checked against the graph captured before it"
+        } else {
+            ""
+        }
     )
 }
 

@@ -97,8 +97,9 @@ pub(crate) struct DecodeArgs {
     /// 0.2 are).
     #[arg(long, value_parser = crate::opts::seconds, default_value_t = 1.5)]
     pub(crate) membw_seconds: f64,
-    /// Replay a captured graph for the steps of one topology (`on`), or run the orchestration
-    /// for every step (`off`); the report says which ran.
+    /// Replay a captured graph for the steps of one topology (`on`), run the orchestration
+    /// for every step (`off`), or run it and check each step's graph against the one captured
+    /// for its topology (`verify`); the report says which ran.
     #[arg(long, value_enum, default_value_t = Replay::On)]
     pub(crate) replay: Replay,
     #[command(flatten)]
@@ -371,6 +372,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     let mut session = Session::new(&worker, model.clone(), kv);
     args.tiles.apply(&mut session);
     session.replay = args.replay.on();
+    session.verify_replay = args.replay.verify();
 
     println!(
         "simpler run qwen3-decode: {}, {} layers (hidden {}, heads {}/{}x{}, intermediate {}, vocab {}), variant {:?}",

@@ -487,6 +487,53 @@ fn bench_runtime_writes_every_sections_outputs() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `bench membw` measures the int8 dot-product peak of each int8 path this CPU has (the
+/// denominator of the int8 products' ratios), on one thread and on all of them, and of no
+/// other path.
+#[test]
+fn bench_membw_reports_the_int8_peak_of_each_int8_path_here() {
+    let out = simpler(&["bench", "membw", "--seconds", "0.4", "--buffer-mib", "64"]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    #[cfg(target_arch = "x86_64")]
+    let paths = [
+        ("avx2", is_x86_feature_detected!("avx2")),
+        (
+            "avx512-vnni",
+            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw"),
+        ),
+    ];
+    #[cfg(not(target_arch = "x86_64"))]
+    let paths = [("avx2", false), ("avx512-vnni", false)];
+    for (path, here) in paths {
+        let line = so
+            .lines()
+            .find(|l| l.starts_with(&format!("int8 dot-product peak, {path} ")));
+        let Some(line) = line else {
+            assert!(!here, "no int8 peak for {path}: {so}");
+            continue;
+        };
+        assert!(
+            here,
+            "an int8 peak for {path}, which this CPU lacks: {line}"
+        );
+        let rate = |after: &str| -> f64 {
+            let at = line
+                .find(after)
+                .unwrap_or_else(|| panic!("{after:?} in {line}"));
+            line[at + after.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap_or_else(|_| panic!("a rate after {after:?}: {line}"))
+        };
+        let (one, all) = (rate("1 thread "), rate(" threads "));
+        assert!(one > 0.0 && all > 0.0, "{line}");
+        assert!(line.contains("GOP/s"), "{line}");
+    }
+}
+
 /// `bench membw` prints the spread of each bandwidth figure's passes as every bench prints its
 /// headline metric (n, min/median/mean/max, trimmed mean, 95% interval), and the best and
 /// median it reports are that summary's max and median.

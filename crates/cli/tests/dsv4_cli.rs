@@ -272,6 +272,20 @@ fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
         "csa --replay off",
         &["graph: --replay off -> 2 orchestrated (orch "],
     );
+    // Verifying: the warm-up step captured, every measured one orchestrated, captured and
+    // checked against the graph kept before it (a difference would fail the step).
+    let out = simpler(&bench_tiny(
+        "csa",
+        &["--rounds", "2", "--warmup", "1", "--replay", "verify"],
+    ));
+    succeeded_with(
+        &out,
+        "csa --replay verify",
+        &[
+            "graph: --replay verify -> 2 captured (orch ",
+            "every step after a topology's first checked against the graph captured before it",
+        ],
+    );
     // No warm-up: the first measured step is the captured one.
     let out = simpler(&small_checked("swa", QUICK));
     succeeded_with(
@@ -310,6 +324,11 @@ fn replay_flags_are_refused_where_they_do_not_apply() {
             bench_tiny("swa", &["--versus-replay", "--replay", "off"]),
             "--versus-replay",
             "drop --replay off",
+        ),
+        (
+            bench_tiny("hca", &["--versus-replay", "--replay", "verify"]),
+            "--versus-replay",
+            "drop --replay verify",
         ),
     ] {
         let out = simpler(&args);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{simpler, text, tmp};
+use common::{refused, simpler, text, tmp};
 
 use std::path::Path;
 
@@ -493,6 +493,88 @@ fn run_qwen3_decode_with_int8_weights_checks_against_the_dequantised_golden() {
             && so.contains("within 0.003 + 0.003|e| (need 98%)"),
         "{so}"
     );
+}
+
+/// `--replay verify` checks every step that would replay against a fresh capture of its own
+/// orchestration and still checks against the golden; with `--versus-replay` (which needs
+/// replayed steps) it is refused.
+#[test]
+fn replay_verify_checks_the_steps_and_is_refused_with_versus_replay() {
+    let out = short_tiny_decode(&["--replay", "verify"]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("ok: argmax identical for all 3 rows"), "{so}");
+    assert!(
+        so.contains("graph: --replay verify -> ")
+            && so.contains(" captured (orch ")
+            && !so.contains("replayed (orch ")
+            && so.contains("checked against the graph captured before it"),
+        "{so}"
+    );
+    refused(
+        &[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--replay",
+            "verify",
+            "--versus-replay",
+        ],
+        "drop --replay verify",
+    );
+}
+
+/// `bench qwen3-decode` and `generate` run int8 weights (the quantised model, W8A8 by
+/// default) and say so; two generations give the same tokens.
+#[test]
+fn bench_and_generate_run_int8_weights() {
+    let out = simpler(&[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--weights",
+        "int8",
+        "--shapes",
+        "2x64",
+        "--rounds",
+        "2",
+        "--membw-seconds",
+        "0.4",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    assert!(so.contains("weights: int8 per output channel"), "{so}");
+    assert!(
+        so.lines().any(|l| l.trim_start().starts_with("2x64 ")),
+        "a summary row for 2x64: {so}"
+    );
+    let generate = || {
+        let out = simpler(&[
+            "generate",
+            "--preset",
+            "tiny",
+            "--weights",
+            "int8",
+            "--prompt-ids",
+            "5,17,300",
+            "--max-new-tokens",
+            "3",
+        ]);
+        let (so, se) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{so}\n{se}");
+        // The report on stderr, the tokens on stdout.
+        assert!(se.contains("weights: int8 per output channel"), "{se}");
+        assert!(se.contains("3 new tokens"), "{se}");
+        so.lines()
+            .find(|l| !l.is_empty() && l.split(',').all(|t| t.parse::<u32>().is_ok()))
+            .unwrap_or_else(|| panic!("a line of token ids: {so}"))
+            .to_owned()
+    };
+    let tokens = generate();
+    assert_eq!(tokens.split(',').count(), 3, "{tokens}");
+    assert_eq!(generate(), tokens);
 }
 
 /// Every layout, named, checks against the golden.

@@ -323,6 +323,96 @@ impl CapturedGraph {
             .flat_map(|(c, t)| t.deps.iter().filter(|d| d.wait).map(move |d| (d.task, c)))
     }
 
+    /// The first way a replay of this graph would differ from running, in its place, the
+    /// orchestration whose fresh capture is `fresh` (the same step, on the same worker), if
+    /// there is one: the buffers the graphs hold, the `RunArgs` scalars, the ring sizes, the
+    /// scope structure, and every task's kernel, class, blocks, scalars, predicate, timing
+    /// slot, ring, outputs, arguments (source, direction and view) and edges. Where there is
+    /// none, a replay submits exactly what that orchestration submitted.
+    ///
+    /// A replay is accepted on the caller's word that equal [`GraphShape`]s make equal graphs
+    /// (nothing else is known without running the orchestration); this is how that word is
+    /// checked: [`GraphCache::set_verify`](crate::GraphCache::set_verify) orchestrates and
+    /// captures every step a replay would have taken and compares the two.
+    pub fn replay_difference(&self, fresh: &CapturedGraph) -> Option<String> {
+        let (a, b) = (&*self.inner, &*fresh.inner);
+        if a.name != b.name {
+            return Some(format!(
+                "orchestration {:?}, the fresh capture ran {:?}",
+                a.name, b.name
+            ));
+        }
+        if (a.buffers.len(), a.run_args) != (b.buffers.len(), b.run_args) {
+            return Some(format!(
+                "{} buffers ({} RunArgs), the fresh capture {} ({})",
+                a.buffers.len(),
+                a.run_args,
+                b.buffers.len(),
+                b.run_args
+            ));
+        }
+        for (i, (x, y)) in a.buffers.iter().zip(&b.buffers).enumerate() {
+            if (x.id(), x.len()) != (y.id(), y.len()) {
+                return Some(format!(
+                    "buffer {i} is #{} ({} bytes), the fresh capture's #{} ({} bytes)",
+                    x.id().0,
+                    x.len(),
+                    y.id().0,
+                    y.len()
+                ));
+            }
+        }
+        if a.scalars != b.scalars {
+            return Some(format!(
+                "RunArgs scalars {:?}, the fresh capture's {:?}",
+                a.scalars, b.scalars
+            ));
+        }
+        if a.rings != b.rings {
+            return Some("the ring sizes differ".into());
+        }
+        if a.tasks.len() != b.tasks.len() {
+            return Some(format!(
+                "{} tasks, the fresh capture {}",
+                a.tasks.len(),
+                b.tasks.len()
+            ));
+        }
+        for (i, (x, y)) in a.tasks.iter().zip(&b.tasks).enumerate() {
+            if let Some(d) = task_difference(x, y) {
+                return Some(format!("task {i} ({}): {d}", x.kernel_name));
+            }
+        }
+        let same_op = |x: &GraphOp, y: &GraphOp| match (x, y) {
+            (GraphOp::Open(k, s), GraphOp::Open(l, t)) => k == l && s == t,
+            (GraphOp::Close, GraphOp::Close) => true,
+            (GraphOp::Submit(i), GraphOp::Submit(j)) => i == j,
+            _ => false,
+        };
+        if a.ops.len() != b.ops.len() || !a.ops.iter().zip(&b.ops).all(|(x, y)| same_op(x, y)) {
+            let i = a
+                .ops
+                .iter()
+                .zip(&b.ops)
+                .position(|(x, y)| !same_op(x, y))
+                .unwrap_or(a.ops.len().min(b.ops.len()));
+            let op = |o: Option<&GraphOp>| match o {
+                Some(GraphOp::Open(k, site)) => {
+                    format!("opens a scope ({k:?}) at {}:{}", site.file(), site.line())
+                }
+                Some(GraphOp::Close) => "closes a scope".into(),
+                Some(GraphOp::Submit(t)) => format!("submits task {t}"),
+                None => "ends".into(),
+            };
+            return Some(format!(
+                "at submission step {i} the graph {}, the fresh capture {}",
+                op(a.ops.get(i)),
+                op(b.ops.get(i))
+            ));
+        }
+        None
+    }
+
     /// Why a replay with these arguments would be refused, if it would.
     pub(crate) fn check_replay(
         &self,
@@ -604,6 +694,74 @@ impl Capture {
             }),
         })
     }
+}
+
+/// The first difference of two captured tasks in what a replay submits, described.
+fn task_difference(x: &GraphTask, y: &GraphTask) -> Option<String> {
+    let was = |what: &str, a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| {
+        Some(format!("{what} {a:?}, the fresh capture's {b:?}"))
+    };
+    if x.kernel != y.kernel || x.kernel_name != y.kernel_name {
+        return was("kernel", &x.kernel_name, &y.kernel_name);
+    }
+    if x.class != y.class {
+        return was("engine class", &x.class, &y.class);
+    }
+    if (x.blocks, x.sync_start) != (y.blocks, y.sync_start) {
+        return was(
+            "blocks (sync start)",
+            &(x.blocks, x.sync_start),
+            &(y.blocks, y.sync_start),
+        );
+    }
+    if x.scalars != y.scalars {
+        return was("scalars", &x.scalars, &y.scalars);
+    }
+    let same_predicate = match (x.predicate, y.predicate) {
+        (None, None) => true,
+        (Some(p), Some(q)) => std::ptr::fn_addr_eq(p, q),
+        _ => false,
+    };
+    if !same_predicate {
+        return Some("another dispatch predicate".into());
+    }
+    if x.timing_slot != y.timing_slot {
+        return was("timing slot", &x.timing_slot, &y.timing_slot);
+    }
+    if (x.ring, x.block_bytes) != (y.ring, y.block_bytes) || x.outputs != y.outputs {
+        return was(
+            "ring, heap block and outputs",
+            &(x.ring, x.block_bytes, &x.outputs),
+            &(y.ring, y.block_bytes, &y.outputs),
+        );
+    }
+    if x.args.len() != y.args.len() {
+        return was("argument count", &x.args.len(), &y.args.len());
+    }
+    for (j, (p, q)) in x.args.iter().zip(&y.args).enumerate() {
+        let view = |a: &GraphArg| {
+            let v = a.view;
+            (
+                a.tag,
+                a.source,
+                v.dtype(),
+                v.offset(),
+                v.shape().to_vec(),
+                v.strides().to_vec(),
+            )
+        };
+        if view(p) != view(q) {
+            return was(
+                &format!("argument {j} (direction, source, view)"),
+                &view(p),
+                &view(q),
+            );
+        }
+    }
+    if x.deps != y.deps {
+        return was("producers", &x.deps, &y.deps);
+    }
+    None
 }
 
 #[cfg(test)]

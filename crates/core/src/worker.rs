@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use crate::buffer::Buffer;
 use crate::config::{CallConfig, Timeouts};
-use crate::error::{ConfigError, Error, PlatformError, RunError};
+use crate::error::{ConfigError, Error, ErrorCode, PlatformError, RunError};
 use crate::exec::{ExecEnv, Job, JobGraph, OrchFn, RunArgs};
 use crate::graph::{CapturedGraph, GraphShape};
 use crate::kernel::{KernelSpec, Registry};
@@ -399,9 +399,12 @@ impl Worker {
 /// `dep_gen` match the capture, and otherwise runs the orchestration, captured, in its place
 /// (the old graph dropped first, so its buffers are not held past their last use). Qwen3's
 /// decode steps and DeepSeek-V4's attention steps use it.
+///
+/// Verifying ([`GraphCache::set_verify`]) checks the caller's shapes instead of trusting them.
 #[derive(Debug, Default)]
 pub struct GraphCache {
     kept: Option<(CapturedGraph, (crate::config::RuntimeEnv, bool))>,
+    verify: bool,
 }
 
 impl GraphCache {
@@ -429,13 +432,48 @@ impl GraphCache {
                     .zip(&args.buffers)
                     .all(|(a, b)| a.id() == b.id());
             if graph.shape() == &shape && *kept_env == env && same_buffers {
-                return worker.replay(graph, args, cfg, &shape);
+                if !self.verify {
+                    return worker.replay(graph, args, cfg, &shape);
+                }
+                // The step runs orchestrated; what a replay would have submitted must be
+                // what the orchestration just did.
+                let (report, fresh) = worker.capture_fn(name, args, cfg, shape, f)?;
+                if let Some(d) = graph.replay_difference(&fresh) {
+                    let error = RunError::new(
+                        ErrorCode::InvalidArgs,
+                        format!(
+                            "replay check of {name:?}: the step's GraphShape equals the captured \
+                             one, but a replay would have differed from this step's \
+                             orchestration: {d} (the step itself ran orchestrated)"
+                        ),
+                        "add what shapes this difference to the GraphShape the caller builds",
+                    );
+                    self.kept = None;
+                    return Err(error.into());
+                }
+                self.kept = Some((fresh, env));
+                return Ok(report);
             }
         }
         self.kept = None;
         let (report, graph) = worker.capture_fn(name, args, cfg, shape, f)?;
         self.kept = Some((graph, env));
         Ok(report)
+    }
+
+    /// Verifying on (`true`) or off (the default). While on, a step that would replay the
+    /// kept graph is orchestrated and captured instead, and the two graphs are compared
+    /// ([`CapturedGraph::replay_difference`]): a difference means the caller's
+    /// [`GraphShape`] leaves out something that shapes its graph, and the step returns an
+    /// error naming it (its outputs are the orchestration's, so they are right) and the kept
+    /// graph is dropped. For tests and debugging: every step pays its orchestration.
+    pub fn set_verify(&mut self, on: bool) {
+        self.verify = on;
+    }
+
+    /// Whether [`GraphCache::set_verify`] is on.
+    pub fn verifying(&self) -> bool {
+        self.verify
     }
 
     /// The graph the next step of the same shape would replay, if any.

@@ -258,6 +258,59 @@ fn one_w8a8_layer_is_closer_to_the_golden_that_rounds_its_activations() {
 /// every step against the golden on the dequantised weights, with the positions and the
 /// tokens changing from step to step, so activations prepared for one step's task standing
 /// in for the next step's would show.
+/// int8 decode steps replayed from a captured graph give the bits of orchestrated ones, in
+/// both activation modes, and every replayed step's graph equals a fresh capture of its own
+/// orchestration (a verifying session, `Session::verify_replay`).
+#[test]
+fn replayed_int8_steps_are_bit_identical_to_orchestrated_and_verified_ones() {
+    use simpler_core::GraphMode;
+    let f = stretched_fixture("small", &[300, 300]);
+    let w = worker();
+    let cfg = CallConfig::default();
+    for format in MODES {
+        let mut replaying = session(&w, &f, format);
+        let mut verifying = session(&w, &f, format);
+        verifying.verify_replay = true;
+        let mut orchestrated = session(&w, &f, format);
+        orchestrated.replay = false;
+        let mut batch = f.batch.clone();
+        batch.seq_lens = vec![120, 250];
+        let mut tokens = vec![5u32, 77];
+        let mut replayed = 0;
+        for step in 0..12 {
+            let r = replaying.decode(&w, &batch, &tokens, &cfg).unwrap();
+            let v = verifying
+                .decode(&w, &batch, &tokens, &cfg)
+                .unwrap_or_else(|e| panic!("{} step {step}: {e}", format.name()));
+            let o = orchestrated.decode(&w, &batch, &tokens, &cfg).unwrap();
+            assert_eq!(o.report.graph, GraphMode::Orchestrated);
+            if matches!(r.report.graph, GraphMode::Replayed { .. }) {
+                replayed += 1;
+            }
+            for (name, x) in [("verified", &v), ("orchestrated", &o)] {
+                assert_eq!(
+                    r.next_tokens,
+                    x.next_tokens,
+                    "{} step {step}",
+                    format.name()
+                );
+                assert!(
+                    r.logits
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .eq(x.logits.iter().map(|v| v.to_bits())),
+                    "{} step {step}: replayed logits differ from the {name} step's",
+                    format.name()
+                );
+            }
+            tokens = r.next_tokens;
+            // Across the page at 128 (sequence 0) at step 8.
+            batch.seq_lens.iter_mut().for_each(|l| *l += 1);
+        }
+        assert!(replayed >= 9, "{}: {replayed} replays", format.name());
+    }
+}
+
 #[test]
 fn consecutive_int8_steps_each_match_the_golden() {
     let f = stretched_fixture("small", &[1, 127, 128, 129, 296]);

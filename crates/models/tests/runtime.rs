@@ -550,6 +550,74 @@ fn replayed_decode_steps_are_bit_identical_to_orchestrated_ones() {
     assert_eq!(captured + replayed, 30);
 }
 
+/// Every decode step that would replay a captured graph is checked against a fresh capture
+/// of its own orchestration (`Session::verify_replay`) over 40 steps that change the batch,
+/// the block tables and the lengths (by one, and by jumps across pages and KV chunk
+/// boundaries), with the default KV chunks and with tapered ones (short chunks): equal decode
+/// shapes gave equal graphs at every one of them, and a session that replays them gives the
+/// same bits.
+#[test]
+fn decode_shapes_describe_every_graph_they_replay() {
+    let f = stretched_fixture("small", &[300, 300, 300]);
+    let w = worker();
+    let model = Arc::new(ResidentModel::upload(&w, &f.weights, f.rope.max_seq, None).unwrap());
+    verify_decode_shapes(&w, &f, &model, |_| {});
+    verify_decode_shapes(&w, &f, &model, tapered_chunks);
+}
+
+fn verify_decode_shapes(
+    w: &Worker,
+    f: &Fixture,
+    model: &Arc<ResidentModel>,
+    policy: fn(&mut TilePolicy),
+) {
+    use simpler_core::GraphMode;
+    let session = || {
+        let mut s = replay_session(w, f, model, true);
+        policy(&mut s.policy);
+        s
+    };
+    let (mut verifying, mut replaying) = (session(), session());
+    verifying.verify_replay = true;
+    let cfg = CallConfig::default();
+    let mut lens = vec![20usize, 127, 250];
+    let mut replayed = 0;
+    for s in 0..40 {
+        // Three sequences, then two (steps 12..24), then three again with new lengths.
+        let batch_lens: Vec<usize> = match s {
+            12..24 => lens[..2].to_vec(),
+            _ => lens.clone(),
+        };
+        let batch = rotated(f, batch_lens.clone(), s);
+        let tokens: Vec<u32> = (0..batch_lens.len())
+            .map(|b| ((s * 31 + b * 7) % 97) as u32)
+            .collect();
+        let v = verifying
+            .decode(w, &batch, &tokens, &cfg)
+            .unwrap_or_else(|e| panic!("step {s} (lengths {batch_lens:?}): {e}"));
+        let r = replaying.decode(w, &batch, &tokens, &cfg).unwrap();
+        assert!(
+            matches!(v.report.graph, GraphMode::Captured { .. }),
+            "step {s}: the verifying session ran {:?}",
+            v.report.graph
+        );
+        if matches!(r.report.graph, GraphMode::Replayed { .. }) {
+            replayed += 1;
+        }
+        assert_eq!(v.next_tokens, r.next_tokens, "step {s}");
+        assert_eq!(bits(&v.logits), bits(&r.logits), "step {s}: logits");
+        // Mostly one more token; every fifth step a jump (across the page at 128 and the
+        // chunk boundaries), wrapping before the fixture's 300.
+        for (b, l) in lens.iter_mut().enumerate() {
+            let by = if s % 5 == 4 { 37 + 11 * b } else { 1 };
+            *l = (*l + by - 1) % 290 + 1;
+        }
+    }
+    assert_eq!(kv_bits(&verifying), kv_bits(&replaying), "KV caches");
+    // Most steps were replays, so most were checked.
+    assert!(replayed >= 20, "{replayed} replays of 40 steps");
+}
+
 /// `prefill_heap_bytes` is what a prefill step's largest scope allocates: a heap of exactly
 /// that runs the step (and gives the same tokens as the default heap), 10% less is a heap
 /// deadlock that names the ring heap, and the worker runs the next step after it.

@@ -237,6 +237,216 @@ fn a_replay_is_refused_naming_what_differs() {
     w.replay(&g, args, &cfg, &shape).unwrap();
 }
 
+/// [`graph`] with its first product's scale `s` instead of 2 (or, `extra`, one more task at
+/// the end): a step whose graph depends on something the shape does not name.
+fn graph_with(
+    s: f32,
+    extra: bool,
+) -> impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static {
+    move |o, a| {
+        let x = o.bind(&a.buffers[0], DType::F32, &[N])?;
+        let y = o.bind(&a.buffers[1], DType::F32, &[N])?;
+        o.scope(ScopeKind::Auto, |o| {
+            let t = o
+                .submit(
+                    Task::new(AXPY)
+                        .input(&x)
+                        .input(&x)
+                        .output(DType::F32, &[N])
+                        .scalar_f32(s),
+                )?
+                .output(0);
+            let u = o
+                .submit(Task::new(INC_CHECKED).input(&t).output(DType::F32, &[N]))?
+                .output(0);
+            o.submit(
+                Task::new(AXPY)
+                    .input(&u)
+                    .input(&t)
+                    .output_existing(&y)
+                    .scalar_f32(0.5),
+            )?;
+            if extra {
+                o.submit(Task::new(INC_CHECKED).input(&u).output(DType::F32, &[N]))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// An orchestration function, boxed.
+type Orchestration = Box<dyn Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync>;
+
+/// [`expected`] with the first scale `s`.
+fn expected_with(x: &[f32], s: f32) -> Vec<f32> {
+    x.iter()
+        .map(|&v| {
+            let t = v * s + v;
+            (t + 1.0) * 0.5 + t
+        })
+        .collect()
+}
+
+#[test]
+fn a_fresh_capture_of_the_same_step_shows_no_replay_difference_and_a_changed_one_is_named() {
+    let w = worker(2);
+    let (args, shape, cfg) = setup(&w);
+    let capture = |f: Orchestration| {
+        w.capture_fn("axpy", args.clone(), &cfg, shape.clone(), f)
+            .unwrap()
+            .1
+    };
+    let a = capture(Box::new(graph_with(2.0, false)));
+    let same = capture(Box::new(graph_with(2.0, false)));
+    assert_eq!(a.replay_difference(&same), None);
+    // The fixed graph and its parameterised twin submit the same tasks, in scopes opened at
+    // other places in the code.
+    let d = a
+        .replay_difference(&capture(Box::new(graph)))
+        .expect("another scope site");
+    assert!(
+        d.starts_with("at submission step 0 the graph opens a scope (Auto) at ")
+            && d.contains("the fresh capture opens a scope (Auto) at "),
+        "{d}"
+    );
+    let scaled = capture(Box::new(graph_with(3.0, false)));
+    let d = a.replay_difference(&scaled).expect("another scalar");
+    assert!(
+        d.starts_with("task 0 (axpy): scalars [") && d.contains("the fresh capture's ["),
+        "{d}"
+    );
+    let longer = capture(Box::new(graph_with(2.0, true)));
+    assert_eq!(
+        a.replay_difference(&longer).as_deref(),
+        Some("3 tasks, the fresh capture 4")
+    );
+    let other = w.alloc(N as usize * 4).unwrap();
+    let moved = w
+        .capture_fn(
+            "axpy",
+            RunArgs {
+                buffers: vec![args.buffers[0].clone(), other],
+                scalars: args.scalars.clone(),
+            },
+            &cfg,
+            shape.clone(),
+            graph,
+        )
+        .unwrap()
+        .1;
+    let d = a.replay_difference(&moved).expect("another buffer");
+    assert!(d.starts_with("buffer 1 is #"), "{d}");
+}
+
+#[test]
+fn a_verifying_cache_refuses_a_step_its_shape_did_not_describe_and_goes_on() {
+    let w = worker(2);
+    let (args, shape, cfg) = setup(&w);
+    let x = input(0);
+    let y = || args.buffers[1].read::<f32>().unwrap();
+    // Trusting the shape, a step whose scale changed replays the old graph: its old scale.
+    let mut trusting = GraphCache::default();
+    trusting
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(2.0, false),
+        )
+        .unwrap();
+    let r = trusting
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(3.0, false),
+        )
+        .unwrap();
+    assert!(matches!(r.graph, GraphMode::Replayed { .. }));
+    assert_eq!(y(), expected_with(&x, 2.0));
+    // Verifying, the same step runs orchestrated and is refused, naming the difference.
+    let mut cache = GraphCache::default();
+    cache.set_verify(true);
+    assert!(cache.verifying());
+    let r = cache
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(2.0, false),
+        )
+        .unwrap();
+    assert!(matches!(r.graph, GraphMode::Captured { .. }));
+    // A step that matches is checked (orchestrated, not replayed) and accepted.
+    let r = cache
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(2.0, false),
+        )
+        .unwrap();
+    assert!(matches!(r.graph, GraphMode::Captured { .. }));
+    assert!(cache.graph().is_some());
+    match cache.run(
+        &w,
+        "axpy",
+        args.clone(),
+        &cfg,
+        shape.clone(),
+        graph_with(3.0, false),
+    ) {
+        Err(Error::Run(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidArgs);
+            assert!(
+                e.detail.contains("replay check of \"axpy\"")
+                    && e.detail.contains("task 0 (axpy): scalars"),
+                "{}",
+                e.detail
+            );
+            assert!(e.hint.contains("GraphShape"), "{}", e.hint);
+        }
+        other => panic!("expected the replay check to refuse, got {other:?}"),
+    }
+    // The step ran orchestrated: its outputs are right, and the stale graph is gone.
+    assert_eq!(y(), expected_with(&x, 3.0));
+    assert!(cache.graph().is_none());
+    // The next step captures afresh; with verifying off it replays the new graph.
+    cache
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(3.0, false),
+        )
+        .unwrap();
+    cache.set_verify(false);
+    let fresh = input(5);
+    args.buffers[0].write(&fresh).unwrap();
+    let r = cache
+        .run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(3.0, false),
+        )
+        .unwrap();
+    assert!(matches!(r.graph, GraphMode::Replayed { .. }));
+    assert_eq!(y(), expected_with(&fresh, 3.0));
+}
+
 #[test]
 fn a_failing_kernel_in_a_replay_is_diagnosed_and_the_worker_stays_usable() {
     let w = worker(2);

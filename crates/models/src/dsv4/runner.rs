@@ -172,6 +172,11 @@ pub struct AttnLayer {
     /// are data the kernels read, so they never change the graph. Off: every step is
     /// orchestrated. The step's `RunReport::graph` says which ran.
     pub replay: bool,
+    /// Whether a step that would replay the captured graph is orchestrated and captured
+    /// instead and checked against it (`simpler_core::GraphCache::set_verify`): a difference
+    /// fails the step, naming what the step's shape left out. For tests and debugging; only
+    /// with `replay` on.
+    pub verify_replay: bool,
     io: Option<StepIo>,
     graph: GraphCache,
 }
@@ -364,6 +369,7 @@ impl AttnLayer {
             hc_scale: weights.hc.scale,
             tiles: AttnTiles::for_cores(worker.cores(), tokens, cfg.n_heads),
             replay: true,
+            verify_replay: false,
             io: None,
             graph: GraphCache::default(),
         })
@@ -608,6 +614,7 @@ impl AttnLayer {
             })?);
         }
         let shape = step_shape(&plan);
+        self.graph.set_verify(self.verify_replay);
         Ok(self
             .graph
             .run(worker, name, args, cfg, shape, move |o, a| {

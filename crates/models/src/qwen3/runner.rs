@@ -66,6 +66,11 @@ pub struct Session {
     /// replay it without running the orchestration (`docs/runtime.md`, "Captured graphs").
     /// Off: every step is orchestrated. The step's `RunReport::graph` says which ran.
     pub replay: bool,
+    /// Whether a decode step that would replay the captured graph is orchestrated and
+    /// captured instead and checked against it (`simpler_core::GraphCache::set_verify`): a
+    /// difference fails the step, naming what the decode shape left out. For tests and
+    /// debugging (every step pays its orchestration); only with [`Session::replay`] on.
+    pub verify_replay: bool,
     /// The last captured decode graph.
     decode_graph: GraphCache,
     /// One step I/O buffer per role, grown (to a power of two) when a step needs more: a
@@ -82,6 +87,7 @@ impl Session {
             policy: TilePolicy::for_cores(worker.cores()),
             read_logits: true,
             replay: true,
+            verify_replay: false,
             decode_graph: GraphCache::default(),
             io: HashMap::new(),
         }
@@ -236,6 +242,7 @@ impl Session {
         }
         let shape = decode_shape(&plan);
         let plan = Arc::new(plan);
+        self.decode_graph.set_verify(self.verify_replay);
         Ok(self
             .decode_graph
             .run(worker, name, args, cfg, shape, move |o, a| {
