@@ -246,6 +246,36 @@ fn versus_proj_blocks_is_refused_where_it_does_not_apply() {
     }
 }
 
+/// `--start-pos 127` starts every sequence at 127, so each token pair crosses a compression
+/// boundary inside the step (ratio 4 for CSA, 128 for HCA: position 127 closes a window), and
+/// the check covers the compressed rows it writes.
+#[test]
+fn run_dsv4_checks_a_uniform_start_that_closes_a_compressor_window() {
+    for layer in ["csa", "hca"] {
+        let mut more = vec!["--start-pos", "127"];
+        more.extend_from_slice(QUICK);
+        let out = simpler(&small_checked(layer, &more));
+        let so = succeeded_with(
+            &out,
+            layer,
+            &[
+                "starts [127, 127, 127, 127]",
+                "ok: x_out",
+                "ok: compressed cache",
+            ],
+        );
+        // Rows were written (and checked): a count, not zero.
+        let key = "ok: compressed rows written: 0 of ";
+        let at = so.find(key).unwrap_or_else(|| panic!("{layer}: {so}"));
+        let written: usize = so[at + key.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{layer}: a count after {key:?}"));
+        assert!(written > 0, "{layer}: {so}");
+    }
+}
+
 /// Steps after the first replay the captured graph by default, `--replay off` orchestrates
 /// every step, and `--versus-replay` runs both interleaved and prints their ratio.
 #[test]

@@ -145,8 +145,8 @@ fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
 }
 
 #[test]
-fn hca_step_matches_the_golden_at_mixed_starts() {
-    let _isa = same_isa_throughout();
+fn hca_step_matches_the_golden_at_mixed_starts_on_every_path() {
+    let _switching = PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner());
     let c = case(Dsv4Config::small(), &MIXED_STARTS, true, 12);
     let g = golden_step(&c);
     let cw = g.compressed_write.as_ref().unwrap();
@@ -155,7 +155,14 @@ fn hca_step_matches_the_golden_at_mixed_starts() {
         1,
         "position 127 closes the only window of the step"
     );
-    run_and_check(&c, &worker(2), &g);
+    let w = worker(2);
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        // The kernels run on the worker's threads: the process-wide choice reaches them.
+        assert!(simpler_kernels_cpu::set_process_isa(Some(isa)));
+        run_and_check(&c, &w, &g);
+    }
+    assert!(simpler_kernels_cpu::set_process_isa(None));
+    with_isa(Isa::Portable, || ()).unwrap();
 }
 
 /// Eight sequences (16 token rows): the attention's int8 products then run on AMX-INT8 tiles
