@@ -54,14 +54,17 @@ enum TraceCmd {
         #[arg(long, value_name = "OUT.json")]
         perfetto: Option<PathBuf>,
     },
-    /// Summary of a captured dependency graph; DOT and self-contained HTML views.
+    /// Summary of a captured dependency graph; DOT and self-contained HTML views. Several
+    /// graphs (ranks, steps, cases) are summarised one after the other.
     Deps {
-        /// deps.json (or a run's output directory).
-        file: PathBuf,
-        /// Write Graphviz DOT here.
+        /// deps.json (or a run's output directory); several for their summaries.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Write Graphviz DOT here (one graph).
         #[arg(long, value_name = "OUT.dot")]
         dot: Option<PathBuf>,
-        /// Write a self-contained HTML page here (pan, zoom, click a task for its edges).
+        /// Write a self-contained HTML page here (pan, zoom, click a task for its edges; one
+        /// graph).
         #[arg(long, value_name = "OUT.html")]
         html: Option<PathBuf>,
         /// Draw only the transitive reduction (edges implied by longer paths removed).
@@ -188,7 +191,7 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
             }
         }
         TraceCmd::Deps {
-            file,
+            files,
             dot,
             html: html_out,
             reduce,
@@ -198,7 +201,33 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                     "--reduce: it draws the transitive reduction; add --dot FILE or --html FILE (the summary counts every edge)"
                 );
             }
-            let path = diag::locate(&file, diag::DEPS_FILE)?;
+            if files.len() > 1 {
+                if let Some(flag) = [("--dot", dot.is_some()), ("--html", html_out.is_some())]
+                    .into_iter()
+                    .find_map(|(f, set)| set.then_some(f))
+                {
+                    anyhow::bail!(
+                        "{flag} draws one graph; with {} graphs give one file (the summaries take several)",
+                        files.len()
+                    );
+                }
+                // Every file is read before any summary: a wrong path fails first.
+                let mut graphs = Vec::with_capacity(files.len());
+                for f in &files {
+                    let path = diag::locate(f, diag::DEPS_FILE)?;
+                    let g = diag::read_deps(&path)?;
+                    graphs.push((path, g));
+                }
+                for (i, (path, g)) in graphs.iter().enumerate() {
+                    if i > 0 {
+                        println!();
+                    }
+                    println!("deps {}", path.display());
+                    print!("{}", deps::summary(g)?);
+                }
+                return Ok(());
+            }
+            let path = diag::locate(&files[0], diag::DEPS_FILE)?;
             let g = diag::read_deps(&path)?;
             print!("{}", deps::summary(&g)?);
             let view = if reduce { deps::reduce(&g)? } else { g };

@@ -463,6 +463,27 @@ fn bench_runtime_writes_every_sections_outputs() {
             "--deps names one graph; with 2 runs",
         );
     }
+    // `trace deps` summarises several graphs, each headed by its file; it draws one.
+    let out = simpler(&["trace", "deps", c, p]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "deps: {}", text(&out.stderr));
+    for dir in [&a_chain, &a_spmd] {
+        let head = format!("deps {}", dir.join("deps.json").display());
+        assert_eq!(so.matches(&head).count(), 1, "deps: {so}");
+    }
+    assert_eq!(so.matches("\nfingerprint ").count(), 2, "deps: {so}");
+    let one = simpler(&["trace", "deps", c]);
+    assert!(one.status.success(), "deps: {}", text(&one.stderr));
+    assert!(
+        so.contains(&text(&one.stdout)),
+        "one graph's summary is the same alone: {so}"
+    );
+    for flag in ["--dot", "--html"] {
+        refused(
+            &["trace", "deps", c, p, flag, "/tmp/unused.out"],
+            &format!("{flag} draws one graph; with 2 graphs give one file"),
+        );
+    }
     let out = simpler(&["trace", "rings", c, p]);
     let so = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
