@@ -184,6 +184,12 @@ pub struct CallConfig {
     pub swimlane_capacity: usize,
     /// Label written into the trace (`decode`, `prefill`, ...).
     pub label: Option<String>,
+    /// How many of the worker's cores (its scheduler threads) run this run's tasks: the first
+    /// `n`, 1 to [`Worker::cores`](crate::Worker::cores); `None`: all of them. The others stay
+    /// idle for the run. The orchestration sees the count (`Orchestrator::cores`), so it can
+    /// tile for it; a task whose blocks must start together needs at most this many, and a
+    /// captured graph replays only on the count it was captured with.
+    pub cores: Option<usize>,
 }
 
 impl Default for CallConfig {
@@ -199,6 +205,7 @@ impl Default for CallConfig {
             trace: None,
             swimlane_capacity: 1 << 20,
             label: None,
+            cores: None,
         }
     }
 }
@@ -238,6 +245,13 @@ impl CallConfig {
                 field: "CallConfig.tensormap_capacity".into(),
                 value: self.tensormap_capacity.to_string(),
                 reason: "must be between 16 and 2^28 entries (default 65536)".into(),
+            });
+        }
+        if self.cores == Some(0) {
+            return Err(ConfigError {
+                field: "CallConfig.cores".into(),
+                value: "0".into(),
+                reason: "a run needs at least one core (None: all of the worker's)".into(),
             });
         }
         if self.swimlane > 0 && self.swimlane_capacity == 0 {

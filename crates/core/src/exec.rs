@@ -16,7 +16,7 @@ use crate::clock::now_ns;
 use crate::config::CallConfig;
 use crate::config::{OrchMode, RING_COUNT};
 use crate::diag::{Diagnostics, Fnv};
-use crate::error::{Error, ErrorCode, RunError};
+use crate::error::{ConfigError, Error, ErrorCode, RunError};
 use crate::graph::{Capture, CaptureEnd, CapturedGraph, GraphMode, GraphShape};
 use crate::kernel::Registry;
 use crate::orch::Orchestrator;
@@ -124,9 +124,24 @@ fn run_bound(
     let cv0 = now_ns();
     let valid = job.cfg.validate()?;
     let cv1 = now_ns();
+    // The run's cores: the first `n` of the worker's.
+    let n = match job.cfg.cores {
+        None => inner.cores,
+        Some(n) if n <= inner.cores => n,
+        Some(n) => {
+            return Err(ConfigError {
+                field: "CallConfig.cores".into(),
+                value: n.to_string(),
+                reason: format!(
+                    "this worker has {} cores; a run takes 1 to {} of them",
+                    inner.cores, inner.cores
+                ),
+            }
+            .into());
+        }
+    };
     let arena = take_arena(inner, valid.rings)?;
     let aw1 = now_ns();
-    let n = inner.cores;
     let serial = job.cfg.mode == OrchMode::Serial;
     let parker = Parker::new();
     let epoch = crate::tensor::fresh_run_epoch();
@@ -189,11 +204,15 @@ fn run_bound(
     }
     let reset1 = now_ns();
 
-    // The cores' scheduler counters around the run, when it records a swimlane (reading them
-    // costs a few microseconds per core, outside the run's spans).
+    // The run's cores' scheduler counters around the run, when it records a swimlane (reading
+    // them costs a few microseconds per core, outside the run's spans).
     let counters = (job.cfg.swimlane > 0)
         .then(|| inner.core_pool.thread_counters())
-        .flatten();
+        .flatten()
+        .map(|mut c| {
+            c.truncate(n);
+            c
+        });
     let waits_before = counters.as_deref().and_then(waiting_ns);
     // Launch: cores join the run, the watchdog starts watching it.
     let launch = now_ns();
@@ -311,6 +330,7 @@ fn run_bound(
                     shape: shape.clone(),
                     worker: inner.worker_id,
                     rings: valid.rings,
+                    cores: n,
                     run_args: job.args.buffers.len(),
                     scalars: job.args.scalars.clone(),
                     deps: report.deps.clone(),

@@ -30,8 +30,8 @@
 //! A replay is refused before anything runs, with an error naming what differs, when the graph
 //! was captured on another worker, when the caller's [`GraphShape`] differs from the captured
 //! one, when a `RunArgs` buffer is another buffer (or another size) or a `RunArgs` scalar another
-//! value, when the ring sizes differ, or when `dep_gen` asks for a dependency graph the capture
-//! did not record. A capture is refused (the run fails) when the orchestration exchanges data
+//! value, when the ring sizes or the run's core count (`CallConfig::cores`) differ, or when
+//! `dep_gen` asks for a dependency graph the capture did not record. A capture is refused (the run fails) when the orchestration exchanges data
 //! with the host mid-run (`get_tensor_data` / `set_tensor_data`): what it read could shape the
 //! graph, and what it wrote would be missing from a replay.
 //!
@@ -253,6 +253,8 @@ pub(crate) struct GraphInner {
     pub(crate) shape: GraphShape,
     pub(crate) worker: u64,
     pub(crate) rings: RingSizes,
+    /// The run's cores (`CallConfig::cores`, resolved).
+    pub(crate) cores: usize,
     /// `RunArgs` buffers, then the buffers bound through `Orchestrator::bind`.
     pub(crate) buffers: Vec<Buffer>,
     pub(crate) run_args: usize,
@@ -371,6 +373,12 @@ impl CapturedGraph {
         if a.rings != b.rings {
             return Some("the ring sizes differ".into());
         }
+        if a.cores != b.cores {
+            return Some(format!(
+                "captured on {} cores, the fresh capture on {}",
+                a.cores, b.cores
+            ));
+        }
         if a.tasks.len() != b.tasks.len() {
             return Some(format!(
                 "{} tasks, the fresh capture {}",
@@ -419,6 +427,7 @@ impl CapturedGraph {
         worker: u64,
         args: &RunArgs,
         rings: &RingSizes,
+        cores: usize,
         dep_gen: bool,
         shape: &GraphShape,
     ) -> Result<(), RunError> {
@@ -495,6 +504,12 @@ impl CapturedGraph {
                     )));
                 }
             }
+        }
+        if cores != g.cores {
+            return Err(refuse(format!(
+                "the run takes {cores} cores (CallConfig.cores), the graph was captured on {}",
+                g.cores
+            )));
         }
         if dep_gen && g.deps.is_none() {
             return Err(refuse(
@@ -666,6 +681,7 @@ pub(crate) struct CaptureEnd {
     pub(crate) shape: GraphShape,
     pub(crate) worker: u64,
     pub(crate) rings: RingSizes,
+    pub(crate) cores: usize,
     pub(crate) run_args: usize,
     pub(crate) scalars: Vec<u64>,
     pub(crate) deps: Option<DepGraph>,
@@ -684,6 +700,7 @@ impl Capture {
                 shape: end.shape,
                 worker: end.worker,
                 rings: end.rings,
+                cores: end.cores,
                 buffers: self.buffers,
                 run_args: end.run_args,
                 scalars: end.scalars,

@@ -148,12 +148,13 @@ impl Orchestrator {
         (self.cursors, self.map)
     }
 
-    /// Cores that can run tasks of `class`.
+    /// Cores of this run that can run tasks of `class` (the run takes `CallConfig::cores` of
+    /// the worker's).
     pub fn cores(&self, class: EngineClass) -> usize {
         self.run.class_cores[class.index()] as usize
     }
 
-    /// All cores of the platform.
+    /// All cores of this run (`CallConfig::cores` of the worker's, by default all).
     pub fn total_cores(&self) -> usize {
         self.run.cores.len()
     }

@@ -65,7 +65,7 @@ impl Orchestrator {
                         class.name()
                     ),
                     format!(
-                        "use at most {} blocks, or start the worker with more cores: WorkerConfig.cores",
+                        "use at most {} blocks, or give the run more cores (CallConfig.cores, up to the worker's WorkerConfig.cores)",
                         self.cores(class)
                     ),
                 )

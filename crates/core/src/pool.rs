@@ -150,6 +150,8 @@ impl CorePool {
 
     /// Registers `run` as the current run (replacing a run whose executor was abandoned).
     pub(crate) fn register(&self, run: Arc<RunShared>, result: Arc<JobResult>) -> Registration<'_> {
+        // Before the run is published (`sleep.rs`: why every wake-up of the run sees it).
+        self.wake.sleep.set_members(run.cores.len());
         *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(ActiveRun {
             run: run.clone(),
             result,
@@ -169,6 +171,7 @@ impl CorePool {
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(&c.run, run)) {
             *cur = None;
             drop(cur);
+            self.wake.sleep.set_members(usize::MAX);
             self.run_seq.fetch_add(1, Ordering::AcqRel);
             self.wake.sleep.notify_all();
         }
@@ -224,9 +227,13 @@ impl CorePool {
             if seq != seen {
                 seen = seq;
                 if let Some(active) = self.current() {
-                    // Only the run is kept: the result handle is the watchdog's business.
+                    // Only the run is kept: the result handle is the watchdog's business. A
+                    // run takes the first `run.cores.len()` cores (`CallConfig::cores`); the
+                    // others stay idle here until the next run.
                     let run = active.run;
-                    run.core_loop(core, &parker, generation);
+                    if core < run.cores.len() {
+                        run.core_loop(core, &parker, generation);
+                    }
                 }
                 continue;
             }

@@ -24,6 +24,16 @@
 //! cleared its successor's announcement, which `notify_one` then never woke, and left the count
 //! one too high for good.)
 //!
+//! A run may take only the first of the worker's cores (`CallConfig::cores`): the others stay
+//! idle in the pool, and may be announced there. [`Sleep::set_members`] limits the cores
+//! `notify_one` wakes to the run's, so a wake-up is never spent on a core that will not run
+//! the work. The limit is set before the run is published (the orchestrator's thread stores it,
+//! then registers the run with a lock and a release increment of the pool's run sequence, which
+//! every core of the run loads with acquire before it joins), so every `notify_one` of the run
+//! (by its orchestrator or its cores) reads it; it is reset to every core after the run is
+//! unregistered. For the run's own cores the argument above is unchanged: a core of the run
+//! that announced is within the limit, so the waker that misses its work still sees it.
+//!
 //! [`RoomSignal`] is the orchestrator's side: it says that it waits for a ring slot to be
 //! consumed, fences and re-checks the slot before parking; the core that consumes a slot
 //! fences and checks whether the orchestrator waits. The same store-buffer argument holds.
@@ -58,6 +68,8 @@ pub(crate) struct Sleep<U: Wake = Unparker> {
     /// Threads between `announce` and `withdraw` (at least the announced ones).
     sleepers: AtomicUsize,
     unparkers: Box<[Mutex<U>]>,
+    /// `notify_one` wakes only cores `0 .. members` (the current run's).
+    members: AtomicUsize,
 }
 
 impl<U: Wake> Sleep<U> {
@@ -65,8 +77,16 @@ impl<U: Wake> Sleep<U> {
         Sleep {
             flags: unparkers.iter().map(|_| AtomicU64::new(0)).collect(),
             sleepers: AtomicUsize::new(0),
+            members: AtomicUsize::new(unparkers.len()),
             unparkers: unparkers.into_iter().map(Mutex::new).collect(),
         }
+    }
+
+    /// From now on `notify_one` wakes only cores `0 .. n` (capped at the core count): the
+    /// cores of the run about to be published, or every core (after it).
+    pub(crate) fn set_members(&self, n: usize) {
+        self.members
+            .store(n.min(self.flags.len()), Ordering::SeqCst);
     }
 
     /// Core `i` changes threads: `u` wakes the new thread from now on. The retired thread's
@@ -120,13 +140,14 @@ impl<U: Wake> Sleep<U> {
             .wake();
     }
 
-    /// Wakes one sleeping core, if any.
+    /// Wakes one sleeping core of the run's ([`Sleep::set_members`]), if any.
     pub(crate) fn notify_one(&self) {
         fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) == 0 {
             return;
         }
-        for (i, f) in self.flags.iter().enumerate() {
+        let members = self.members.load(Ordering::SeqCst);
+        for (i, f) in self.flags.iter().enumerate().take(members) {
             if f.load(Ordering::Relaxed) != 0 && f.swap(0, Ordering::AcqRel) != 0 {
                 self.wake(i);
                 return;
@@ -275,6 +296,42 @@ mod tests {
     /// Counts the wake-ups of one thread.
     #[derive(Clone, Default)]
     struct Count(Arc<AtomicUsize>);
+
+    /// A run of the first core of two: the other, idle in the pool and announced there, is
+    /// never woken for the run's work, and the run's announced core is; after the run every
+    /// core is woken again.
+    #[test]
+    fn notify_one_wakes_only_the_runs_cores() {
+        let (c0, c1) = (Count::default(), Count::default());
+        let sleep = Sleep::new(vec![c0.clone(), c1.clone()]);
+        sleep.set_members(1);
+        assert!(sleep.announce(1, 0));
+        sleep.notify_one();
+        assert_eq!(
+            (c0.get(), c1.get()),
+            (0, 0),
+            "the core outside the run stays"
+        );
+        assert!(sleep.announce(0, 0));
+        sleep.notify_one();
+        assert_eq!((c0.get(), c1.get()), (1, 0), "the run's core is woken");
+        sleep.withdraw(0, 0);
+        sleep.set_members(2);
+        sleep.notify_one();
+        assert_eq!(
+            (c0.get(), c1.get()),
+            (1, 1),
+            "every core again after the run"
+        );
+        sleep.withdraw(1, 0);
+        assert_eq!(sleep.sleepers.load(Ordering::SeqCst), 0);
+        // A limit past the cores is capped.
+        sleep.set_members(5);
+        assert!(sleep.announce(1, 0));
+        sleep.notify_one();
+        assert_eq!(c1.get(), 2);
+        sleep.withdraw(1, 0);
+    }
 
     impl Wake for Count {
         fn wake(&self) {
@@ -426,6 +483,53 @@ mod loom_tests {
                 }
                 thread::park();
                 sleep.withdraw(0, 1);
+            }
+        });
+    }
+
+    /// A run of core 0 of two: core 1 is idle in the pool, announced (and withdrawing and
+    /// announcing again, its park timing out) at any point; a waker publishes work. The run's
+    /// core must be woken or find the work: waking core 1 wakes nobody here, so a wake-up
+    /// spent on it while core 0 sleeps would leave core 0 parked for good.
+    #[test]
+    fn a_core_outside_the_run_takes_no_wake_up_of_its_cores() {
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        /// Core 0 is this thread; waking core 1 wakes nobody this model waits for.
+        enum Who {
+            Core(Thread),
+            Outside,
+        }
+        impl Wake for Who {
+            fn wake(&self) {
+                if let Who::Core(t) = self {
+                    t.unpark();
+                }
+            }
+        }
+        model.check(|| {
+            let sleep = Arc::new(Sleep::new(vec![Who::Core(thread::current()), Who::Outside]));
+            sleep.set_members(1);
+            let work = Arc::new(AtomicBool::new(false));
+            let s1 = sleep.clone();
+            thread::spawn(move || {
+                s1.announce(1, 0);
+                s1.withdraw(1, 0);
+                s1.announce(1, 0);
+            });
+            let (s2, w2) = (sleep.clone(), work.clone());
+            thread::spawn(move || {
+                w2.store(true, Ordering::Relaxed);
+                s2.notify_one();
+            });
+            loop {
+                sleep.announce(0, 0);
+                if work.load(Ordering::Relaxed) {
+                    sleep.withdraw(0, 0);
+                    break;
+                }
+                thread::park();
+                sleep.withdraw(0, 0);
             }
         });
     }

@@ -323,8 +323,8 @@ impl Worker {
     /// Replays `graph` (captured on this worker) with `args` and waits for it: the recorded
     /// tasks run again on the bytes the buffers hold now, without the orchestration function
     /// or the dependency map. Refused before anything runs, with an error naming what differs,
-    /// when `shape`, a `RunArgs` buffer or scalar, the ring sizes or the worker differ from the
-    /// capture (see [`crate::graph`]).
+    /// when `shape`, a `RunArgs` buffer or scalar, the ring sizes, the run's core count or the
+    /// worker differ from the capture (see [`crate::graph`]).
     pub fn replay(
         &self,
         graph: &CapturedGraph,
@@ -333,7 +333,15 @@ impl Worker {
         shape: &GraphShape,
     ) -> Result<RunReport, Error> {
         let valid = cfg.validate()?;
-        graph.check_replay(self.inner.id, &args, &valid.rings, cfg.dep_gen, shape)?;
+        let cores = cfg.cores.unwrap_or(self.inner.n_cores);
+        graph.check_replay(
+            self.inner.id,
+            &args,
+            &valid.rings,
+            cores,
+            cfg.dep_gen,
+            shape,
+        )?;
         let g = graph.clone();
         let f: OrchFn = Arc::new(move |o: &mut Orchestrator, _: &RunArgs| o.replay(&g));
         let name = graph.name().to_string();
@@ -394,16 +402,19 @@ impl Worker {
     }
 }
 
+/// What of a call's configuration a kept graph must match: ring sizes, `dep_gen`, cores.
+type CacheEnv = (crate::config::RuntimeEnv, bool, Option<usize>);
+
 /// The graph a caller that runs the same step again and again keeps between steps: a run
-/// replays it while the step's [`GraphShape`], its buffers and the call's ring sizes and
-/// `dep_gen` match the capture, and otherwise runs the orchestration, captured, in its place
+/// replays it while the step's [`GraphShape`], its buffers and the call's ring sizes, core
+/// count and `dep_gen` match the capture, and otherwise runs the orchestration, captured, in its place
 /// (the old graph dropped first, so its buffers are not held past their last use). Qwen3's
 /// decode steps and DeepSeek-V4's attention steps use it.
 ///
 /// Verifying ([`GraphCache::set_verify`]) checks the caller's shapes instead of trusting them.
 #[derive(Debug, Default)]
 pub struct GraphCache {
-    kept: Option<(CapturedGraph, (crate::config::RuntimeEnv, bool))>,
+    kept: Option<(CapturedGraph, CacheEnv)>,
     verify: bool,
 }
 
@@ -423,7 +434,7 @@ impl GraphCache {
         shape: GraphShape,
         f: impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static,
     ) -> Result<RunReport, Error> {
-        let env = (cfg.runtime_env, cfg.dep_gen);
+        let env = (cfg.runtime_env, cfg.dep_gen, cfg.cores);
         if let Some((graph, kept_env)) = &self.kept {
             let same_buffers = graph.buffers().len() >= args.buffers.len()
                 && graph
