@@ -807,6 +807,22 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
             ));
         }
     };
+    // A limit on the draws without `temperature` would do nothing here (absent means greedy,
+    // where OpenAI's absent means 1): the client most likely counts on sampling, so it is told
+    // rather than answered greedily. With `temperature` given (0 included) it is taken as is.
+    if c.temperature.is_none() {
+        let limited = [("top_p", top_p < 1.0), ("top_k", top_k.is_some())];
+        if let Some((field, _)) = limited.into_iter().find(|(_, set)| *set) {
+            return Err(bad(
+                field,
+                format!(
+                    "`{field}` limits sampling, but without `temperature` this server decodes \
+                     greedily (its default is 0, not OpenAI's 1): give `temperature` (e.g. 1 to \
+                     sample as OpenAI's default does) or leave `{field}` out"
+                ),
+            ));
+        }
+    }
     // No seed: a fresh one per request, so sampling differs between requests (OpenAI's
     // semantics); a given seed fixes the draws. A negative seed is taken as its two's
     // complement, so every integer from -2^63 to 2^64-1 is a seed.
@@ -906,6 +922,19 @@ mod tests {
         // Without a seed, each request draws its own.
         let other = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         assert_ne!(j.cfg.seed, other.cfg.seed);
+        // Sampling limits that limit nothing need no `temperature`; with one given (0
+        // included) a limit is taken as is.
+        for body in [
+            &br#"{"model":"m","prompt":"x","top_p":1,"top_k":0}"#[..],
+            br#"{"model":"m","prompt":"x","top_k":-1,"seed":5}"#,
+            br#"{"model":"m","prompt":"x","temperature":0,"top_p":0.5,"top_k":3}"#,
+        ] {
+            let j = completion_job(body).unwrap();
+            assert_eq!(j.cfg.temperature, 0.0);
+        }
+        let j =
+            completion_job(br#"{"model":"m","prompt":"x","temperature":1,"top_p":0.5}"#).unwrap();
+        assert_eq!((j.cfg.temperature, j.cfg.top_p), (1.0, 0.5));
     }
 
     #[test]
@@ -947,6 +976,9 @@ mod tests {
             ),
             (br#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
             (br#"{"model":"m","prompt":"x","top_k":-5}"#, "top_k"),
+            // Sampling limits without `temperature` (greedy here).
+            (br#"{"model":"m","prompt":"x","top_p":0.5}"#, "top_p"),
+            (br#"{"model":"m","prompt":"x","top_k":40}"#, "top_k"),
             (br#"{"model":"m","prompt":"x","logprobs":2}"#, "logprobs"),
             (br#"{"model":"m","prompt":"x","echo":true}"#, "echo"),
             (
@@ -1273,7 +1305,9 @@ mod tests {
     #[test]
     fn top_k_zero_and_minus_one_mean_no_limit() {
         let top_k = |k: &str| {
-            completion_job(format!(r#"{{"model":"m","prompt":"x","top_k":{k}}}"#).as_bytes())
+            completion_job(
+                format!(r#"{{"model":"m","prompt":"x","temperature":1,"top_k":{k}}}"#).as_bytes(),
+            )
         };
         assert_eq!(top_k("0").unwrap().cfg.top_k, None);
         assert_eq!(top_k("-1").unwrap().cfg.top_k, None);
