@@ -177,24 +177,21 @@ impl Diagnostics {
         }
     }
 
-    /// A scope opened at `site` in ring `ring` closed after `tasks` tasks and `heap` bytes
-    /// submitted directly in it.
-    pub(crate) fn scope_closed(
-        &mut self,
-        site: &'static std::panic::Location<'static>,
-        ring: u8,
-        tasks: u64,
-        heap: u64,
-    ) {
+    /// A scope instance closed: what was submitted directly in it (tasks, heap bytes,
+    /// dependency-pool and dependency-map entries) against its site's largest so far.
+    pub(crate) fn scope_closed(&mut self, f: &crate::orch::ScopeFrame) {
+        let site = f.site;
         let key = (site.file(), site.line(), site.column());
         let e = self.sites.entry(key).or_insert_with(|| ScopeSiteUsage {
             site: format!("{}:{}", site.file(), site.line()),
-            ring,
+            ring: f.ring,
             ..ScopeSiteUsage::default()
         });
         e.opened += 1;
-        e.max_tasks = e.max_tasks.max(tasks);
-        e.max_heap = e.max_heap.max(heap);
+        e.max_tasks = e.max_tasks.max(f.tasks);
+        e.max_heap = e.max_heap.max(f.heap);
+        e.max_dep_pool = e.max_dep_pool.max(f.deps);
+        e.max_map_entries = e.max_map_entries.max(f.map);
     }
 
     /// The fingerprint as 16 hex digits.

@@ -32,6 +32,10 @@ pub(crate) struct ScopeFrame {
     pub(crate) tasks: u64,
     /// Heap bytes allocated directly in this scope instance.
     pub(crate) heap: u64,
+    /// Dependency-pool entries (producer edges) taken directly in this scope instance.
+    pub(crate) deps: u64,
+    /// Dependency-map entries inserted directly in this scope instance.
+    pub(crate) map: u64,
     pub(crate) site: &'static Location<'static>,
 }
 
@@ -127,6 +131,8 @@ impl Orchestrator {
                 first_local,
                 tasks: 0,
                 heap: 0,
+                deps: 0,
+                map: 0,
                 site: Location::caller(),
             }],
             next_scope_seq: 1,
@@ -283,6 +289,8 @@ impl Orchestrator {
             first_local,
             tasks: 0,
             heap: 0,
+            deps: 0,
+            map: 0,
             site,
         });
         Ok(())
@@ -358,8 +366,7 @@ impl Orchestrator {
             local += 1;
         }
         if self.diag.ring_stats {
-            self.diag
-                .scope_closed(frame.site, frame.ring, frame.tasks, frame.heap);
+            self.diag.scope_closed(&frame);
         }
     }
 
@@ -399,6 +406,8 @@ impl Orchestrator {
             let f = self.scopes.last_mut().expect("scope");
             f.tasks += 1;
             f.heap += c.block_bytes;
+            f.deps += n_unique as u64;
+            f.map += entries;
         }
         let scope_kind = c.scope_kind;
         let outputs = self.fill(c, &mut task, id, local, block_addr, dep_start, n_unique)?;

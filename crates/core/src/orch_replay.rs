@@ -91,6 +91,7 @@ impl Orchestrator {
             let f = self.scopes.last_mut().expect("scope");
             f.tasks += 1;
             f.heap += t.block_bytes;
+            f.deps += n_deps as u64;
         }
         ids[i] = id;
         blocks[i] = block_addr;

@@ -407,6 +407,13 @@ pub struct ScopeSiteUsage {
     pub max_tasks: u64,
     /// Most heap bytes allocated by one instance of the scope.
     pub max_heap: u64,
+    /// Most dependency-pool entries (producer edges) taken by one instance of the scope.
+    #[serde(default)]
+    pub max_dep_pool: u64,
+    /// Most dependency-map entries inserted by one instance of the scope (0 in a replay,
+    /// which uses no map).
+    #[serde(default)]
+    pub max_map_entries: u64,
 }
 
 /// Ring statistics of a run (`--ring-stats`).

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use simpler_core::trace::{RingStats, Usage};
+use simpler_core::trace::{RingStats, RingUsage, ScopeSiteUsage, Usage};
 
 /// Fraction of capacity above which a resource is warned about.
 pub const WARN_FRACTION: f64 = 0.80;
@@ -45,27 +45,51 @@ pub fn warnings(s: &RingStats) -> Vec<String> {
     );
     for sc in &s.scopes {
         if let Some(r) = s.rings.iter().find(|r| r.ring == sc.ring) {
-            let tasks = Usage {
-                high_water: sc.max_tasks,
-                capacity: r.task_window.capacity,
-            };
-            check(
-                format!("scope {} (ring {}) tasks", sc.site, sc.ring),
-                &tasks,
-                "CallConfig.runtime_env.ring_task_window",
-            );
-            let heap = Usage {
-                high_water: sc.max_heap,
-                capacity: r.heap.capacity,
-            };
-            check(
-                format!("scope {} (ring {}) heap", sc.site, sc.ring),
-                &heap,
-                "CallConfig.runtime_env.ring_heap",
-            );
+            for (what, u, knob) in site_usage(sc, r, &s.tensormap) {
+                check(
+                    format!("scope {} (ring {}) {what}", sc.site, sc.ring),
+                    &u,
+                    knob,
+                );
+            }
         }
     }
     out
+}
+
+/// A scope site's largest instance against its ring's capacities (and the map's): tasks,
+/// heap, dependency pool, dependency map, each with the knob that sets the capacity.
+fn site_usage(
+    sc: &ScopeSiteUsage,
+    r: &RingUsage,
+    map: &Usage,
+) -> [(&'static str, Usage, &'static str); 4] {
+    let u = |high_water, capacity| Usage {
+        high_water,
+        capacity,
+    };
+    [
+        (
+            "tasks",
+            u(sc.max_tasks, r.task_window.capacity),
+            "CallConfig.runtime_env.ring_task_window",
+        ),
+        (
+            "heap",
+            u(sc.max_heap, r.heap.capacity),
+            "CallConfig.runtime_env.ring_heap",
+        ),
+        (
+            "dependency pool",
+            u(sc.max_dep_pool, r.dep_pool.capacity),
+            "CallConfig.runtime_env.ring_dep_pool",
+        ),
+        (
+            "dependency map",
+            u(sc.max_map_entries, map.capacity),
+            "CallConfig.tensormap_capacity",
+        ),
+    ]
 }
 
 fn cell(u: &Usage) -> String {
@@ -99,27 +123,29 @@ pub fn report(s: &RingStats) -> String {
     if !s.scopes.is_empty() {
         let _ = writeln!(
             out,
-            "{:<32} {:>5} {:>8} {:>28} {:>32}",
-            "scope site", "ring", "opened", "max tasks / window", "max heap / ring heap"
+            "{:<32} {:>5} {:>8} {:>28} {:>32} {:>28} {:>28}",
+            "scope site",
+            "ring",
+            "opened",
+            "max tasks / window",
+            "max heap / ring heap",
+            "max deps / dep pool",
+            "max map entries / map"
         );
+        let none = RingUsage::default();
         for sc in &s.scopes {
-            let ring = s.rings.iter().find(|r| r.ring == sc.ring);
-            let tasks = Usage {
-                high_water: sc.max_tasks,
-                capacity: ring.map_or(0, |r| r.task_window.capacity),
-            };
-            let heap = Usage {
-                high_water: sc.max_heap,
-                capacity: ring.map_or(0, |r| r.heap.capacity),
-            };
+            let ring = s.rings.iter().find(|r| r.ring == sc.ring).unwrap_or(&none);
+            let [tasks, heap, deps, map] = site_usage(sc, ring, &s.tensormap).map(|(_, u, _)| u);
             let _ = writeln!(
                 out,
-                "{:<32} {:>5} {:>8} {:>28} {:>32}",
+                "{:<32} {:>5} {:>8} {:>28} {:>32} {:>28} {:>28}",
                 sc.site,
                 sc.ring,
                 sc.opened,
                 cell(&tasks),
-                cell(&heap)
+                cell(&heap),
+                cell(&deps),
+                cell(&map)
             );
         }
     }
@@ -139,8 +165,6 @@ pub fn report(s: &RingStats) -> String {
 
 #[cfg(test)]
 mod tests {
-    use simpler_core::trace::{RingUsage, ScopeSiteUsage};
-
     use super::*;
 
     #[test]
@@ -175,16 +199,43 @@ mod tests {
                 high_water: 10,
                 capacity: 100,
             },
-            scopes: vec![ScopeSiteUsage {
-                site: "decode.rs:10".into(),
-                ring: 1,
-                opened: 3,
-                max_tasks: 0,
-                max_heap: 90,
-            }],
+            scopes: vec![
+                ScopeSiteUsage {
+                    site: "decode.rs:10".into(),
+                    ring: 1,
+                    opened: 3,
+                    max_tasks: 0,
+                    max_heap: 90,
+                    max_dep_pool: 0,
+                    max_map_entries: 0,
+                },
+                // Ring 0's pool of 16 and the map of 100: 13 edges and 81 entries in one
+                // instance warn; its 2 tasks and 8 heap bytes do not.
+                ScopeSiteUsage {
+                    site: "layer.rs:7".into(),
+                    ring: 0,
+                    opened: 1,
+                    max_tasks: 2,
+                    max_heap: 8,
+                    max_dep_pool: 13,
+                    max_map_entries: 81,
+                },
+            ],
         };
         let w = warnings(&s);
-        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(w.len(), 5, "{w:?}");
+        assert!(
+            w[3].contains(
+                "scope layer.rs:7 (ring 0) dependency pool reached 81% of capacity (13 of 16)"
+            ) && w[3].contains("CallConfig.runtime_env.ring_dep_pool"),
+            "{w:?}"
+        );
+        assert!(
+            w[4].contains(
+                "scope layer.rs:7 (ring 0) dependency map reached 81% of capacity (81 of 100)"
+            ) && w[4].contains("CallConfig.tensormap_capacity"),
+            "{w:?}"
+        );
         assert!(
             w[0].contains("ring 0 task window reached 80% of capacity (820 of 1024)")
                 && w[0].contains("ring_task_window"),
@@ -198,5 +249,9 @@ mod tests {
         let text = report(&s);
         assert!(text.contains("820/1024 (80.1%)"), "{text}");
         assert!(text.contains("decode.rs:10"), "{text}");
+        assert!(
+            text.contains("max deps / dep pool") && text.contains("13/16 (81.2%)"),
+            "{text}"
+        );
     }
 }

@@ -77,6 +77,8 @@ fn make_seeds() -> Vec<(&'static str, String)> {
                 opened: 2,
                 max_tasks: 5,
                 max_heap: 10,
+                max_dep_pool: 3,
+                max_map_entries: 4,
             }],
             ..Default::default()
         }),
@@ -336,6 +338,8 @@ const FIELDS: &[&str] = &[
     "uncertainty_ns",
     "max_tasks",
     "max_heap",
+    "max_dep_pool",
+    "max_map_entries",
     "opened",
     "dropped",
     "v",
