@@ -1,0 +1,157 @@
+//! The always-on timing of real runs (`RunReport`): the spans nest as `docs/trace-format.md`
+//! says — `host_wall ⊇ bind + runner + validate` in that order, `runner ⊇ device_wall ⊇
+//! graph_build, orch, sched`, `graph_build` = `config_validate`, `arena_wire`, `reset` in
+//! order — overlapped, serial and replayed; the task-timing slots span their tagged tasks
+//! inside `sched`; the counters count what ran.
+
+use simpler_core::*;
+use simpler_cpu::CpuPlatform;
+
+/// `x[i] += 1` over its whole argument.
+const INC: KernelId = KernelId(1);
+
+fn worker() -> Worker {
+    let w = Worker::new(
+        CpuPlatform::new(),
+        WorkerConfig {
+            cores: Some(2),
+            timeouts: None,
+            idle_spin: None,
+        },
+    )
+    .unwrap();
+    w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
+        for v in ctx.write_chunk::<f32>(0, 4)? {
+            *v += 1.0;
+        }
+        Ok(())
+    }))
+    .unwrap();
+    w
+}
+
+/// A chain of 6 tasks of 16 blocks on the whole buffer in slot 0, then 4 tasks of 4 blocks,
+/// one per quarter of the buffer, in slot 3 (each after the chain): 7 added to every element.
+fn graph(o: &mut Orchestrator, a: &RunArgs) -> Result<(), RunError> {
+    let t = o.bind(&a.buffers[0], DType::F32, &[64])?;
+    for _ in 0..6 {
+        o.submit(Task::new(INC).in_out(&t).blocks(16).timing_slot(0))?;
+    }
+    for i in 0..4u64 {
+        let part = t.slice(0, i * 16, i * 16 + 16)?;
+        o.submit(Task::new(INC).in_out(&part).blocks(4).timing_slot(3))?;
+    }
+    Ok(())
+}
+
+fn within(outer: &Interval, inner: &Interval, what: &str) {
+    assert!(
+        outer.start_ns <= inner.start_ns && inner.end_ns <= outer.end_ns,
+        "{what}: {inner:?} is not inside {outer:?}"
+    );
+}
+
+fn before(a: &Interval, b: &Interval, what: &str) {
+    assert!(
+        a.end_ns <= b.start_ns,
+        "{what}: {a:?} does not end before {b:?}"
+    );
+}
+
+fn check(r: &RunReport, how: &str) {
+    let h = |w: &str| format!("{how}: {w}");
+    within(&r.host_wall, &r.bind, &h("bind in host_wall"));
+    within(&r.bind, &r.bind_args, &h("bind.args in bind"));
+    within(&r.host_wall, &r.runner, &h("runner in host_wall"));
+    within(&r.host_wall, &r.validate, &h("validate in host_wall"));
+    before(&r.bind, &r.runner, &h("bind, then runner"));
+    before(&r.runner, &r.validate, &h("runner, then validate"));
+    within(&r.runner, &r.device_wall, &h("device_wall in runner"));
+    for (s, name) in [
+        (&r.graph_build, "graph_build"),
+        (&r.orch, "orch"),
+        (&r.sched, "sched"),
+        (&r.post_orch, "post_orch"),
+    ] {
+        within(&r.device_wall, s, &h(&format!("{name} in device_wall")));
+    }
+    within(&r.graph_build, &r.config_validate, &h("config_validate"));
+    within(&r.graph_build, &r.arena_wire, &h("arena_wire"));
+    within(&r.graph_build, &r.reset, &h("reset"));
+    before(
+        &r.config_validate,
+        &r.arena_wire,
+        &h("config_validate, then arena_wire"),
+    );
+    before(&r.arena_wire, &r.reset, &h("arena_wire, then reset"));
+    before(&r.graph_build, &r.orch, &h("graph_build, then orch"));
+    assert_eq!(
+        r.post_orch.start_ns, r.orch.end_ns,
+        "{how}: post_orch starts at orch's end"
+    );
+    assert_eq!(
+        r.effective().start_ns,
+        r.orch.start_ns.min(r.sched.start_ns)
+    );
+    // Slots: 6 chain tasks in 0, 4 in 3, each span inside sched; the fan-out waits for the
+    // chain, so slot 3 ends after slot 0 has.
+    let slot = |n: u8| {
+        r.task_slots
+            .iter()
+            .find(|s| s.slot == n)
+            .unwrap_or_else(|| panic!("{how}: slot {n} in {:?}", r.task_slots))
+    };
+    let (s0, s3) = (slot(0), slot(3));
+    assert_eq!((s0.tasks, s3.tasks, r.task_slots.len()), (6, 4, 2), "{how}");
+    within(&r.sched, &s0.span, &h("slot 0 in sched"));
+    within(&r.sched, &s3.span, &h("slot 3 in sched"));
+    assert!(s0.span.end_ns <= s3.span.end_ns, "{how}: {s0:?} {s3:?}");
+    assert!(
+        s0.span.end_ns > s0.span.start_ns,
+        "{how}: slot 0 took no time"
+    );
+    assert_eq!(r.counters.tasks, 10, "{how}");
+    assert_eq!(r.counters.blocks, 6 * 16 + 4 * 4, "{how}");
+    assert_eq!(r.cores, 2, "{how}");
+}
+
+#[test]
+fn the_run_report_nests_its_spans_and_times_its_slots() {
+    let w = worker();
+    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x.clone()],
+        scalars: vec![],
+    };
+    let overlapped = CallConfig::default();
+    let serial = CallConfig {
+        mode: OrchMode::Serial,
+        ..CallConfig::default()
+    };
+    for round in 0..3 {
+        check(
+            &w.run_fn("slots", args.clone(), &overlapped, graph).unwrap(),
+            &format!("overlapped {round}"),
+        );
+        let r = w.run_fn("slots", args.clone(), &serial, graph).unwrap();
+        check(&r, &format!("serial {round}"));
+        // Serial: nothing is dispatched before the orchestration returns.
+        assert!(
+            r.task_slots
+                .iter()
+                .all(|s| s.span.start_ns >= r.orch.end_ns),
+            "serial {round}: {:?} against orch {:?}",
+            r.task_slots,
+            r.orch
+        );
+    }
+    let shape = GraphShape::new();
+    let (r, g) = w
+        .capture_fn("slots", args.clone(), &overlapped, shape.clone(), graph)
+        .unwrap();
+    check(&r, "captured");
+    let r = w.replay(&g, args, &overlapped, &shape).unwrap();
+    check(&r, "replayed");
+    // Every run added 6 + 1 to each element.
+    assert_eq!(x.read::<f32>().unwrap(), vec![8.0 * 7.0; 64]);
+}
