@@ -763,3 +763,53 @@ fn backstop_fires_when_nothing_progresses_without_a_proof() {
     assert_eq!(e.diagnosis, Some(Diagnosis::Backstop), "{e}");
     assert!(e.to_string().contains("not a proof"), "{e}");
 }
+
+/// A task of 0 blocks, one with more scalars than a kernel may read, and an auto scope opened
+/// inside a manual one are each refused with INVALID_ARGS naming what is wrong, and the worker
+/// runs the next job.
+#[test]
+fn malformed_tasks_and_scopes_are_refused_by_name() {
+    let w = worker();
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "blocks(n) with n >= 1",
+        |o, _| {
+            o.submit(Task::new(NOP).blocks(0))?;
+            Ok(())
+        },
+    );
+    assert!(e.detail.contains("block_num is 0"), "{e}");
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "in a tensor instead",
+        |o, _| {
+            let mut t = Task::new(NOP);
+            for i in 0..17 {
+                t = t.scalar(i);
+            }
+            o.submit(t)?;
+            Ok(())
+        },
+    );
+    assert!(e.detail.contains("17 scalars, at most 16"), "{e}");
+    let e = expect_fatal(
+        &w,
+        &CallConfig::default(),
+        ErrorCode::InvalidArgs,
+        "close the manual scope first",
+        |o, _| {
+            // SAFETY: the manual scope submits nothing: no task can race.
+            unsafe { o.begin_manual_scope()? };
+            o.scope(ScopeKind::Auto, |_| Ok(()))
+        },
+    );
+    assert!(
+        e.detail
+            .contains("an auto scope cannot be opened inside a manual scope"),
+        "{e}"
+    );
+}
