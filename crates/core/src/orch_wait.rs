@@ -58,6 +58,7 @@ impl Orchestrator {
             ));
         }
         if entries > self.map.capacity() {
+            // No completion can make room for more entries than the map holds.
             return Err(self.fail(
                 RunError::new(
                     ErrorCode::TensormapOverflow,
@@ -65,9 +66,13 @@ impl Orchestrator {
                         "kernel {kname:?} records {entries} readers and writers, the dependency map holds {}",
                         self.map.capacity()
                     ),
-                    "raise CallConfig.tensormap_capacity for this run",
+                    format!(
+                        "raise tensormap_capacity to {} for this run: CallConfig.tensormap_capacity",
+                        suggested_map(entries)
+                    ),
                 )
-                .diagnosed(Diagnosis::Proven),
+                .diagnosed(Diagnosis::Proven)
+                .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
             ));
         }
         let mut waited = false;
@@ -93,16 +98,21 @@ impl Orchestrator {
             };
             if res == Resource::TensorMap && self.map.keeps_completed() {
                 // A capturing run keeps every entry: no completion frees map room.
+                let held = self.map.len();
                 return Err(self.fail(
                     RunError::new(
                         ErrorCode::TensormapOverflow,
                         format!(
-                            "a captured run keeps every dependency-map entry, and kernel {kname:?} needs {entries} more than the {} the map holds",
+                            "a captured run keeps every dependency-map entry: {held} held, and kernel {kname:?} needs {entries} more than the {} the map holds",
                             self.map.capacity()
                         ),
-                        "raise CallConfig.tensormap_capacity for the capture",
+                        format!(
+                            "raise tensormap_capacity to {} for the capture: CallConfig.tensormap_capacity",
+                            suggested_map(held.saturating_add(entries))
+                        ),
                     )
-                    .diagnosed(Diagnosis::Proven),
+                    .diagnosed(Diagnosis::Proven)
+                    .at(Locator { ring: Some(ring), kernel: Some(kname.into()), ..Locator::default() }),
                 ));
             }
             if !waited {
@@ -319,4 +329,14 @@ impl Orchestrator {
             core: None,
         })
     }
+}
+
+/// A dependency-map capacity for `needed` entries with room to spare: twice that, a power of
+/// two, within what `CallConfig.tensormap_capacity` accepts (16 to 2^28).
+fn suggested_map(needed: u64) -> u64 {
+    needed
+        .saturating_mul(2)
+        .checked_next_power_of_two()
+        .unwrap_or(u64::MAX)
+        .clamp(16, 1 << 28)
 }

@@ -813,3 +813,76 @@ fn malformed_tasks_and_scopes_are_refused_by_name() {
         "{e}"
     );
 }
+
+/// The dependency map's two proven overflows say how much it needs: one task recording more
+/// readers and writers than the map holds, and a capture (which keeps every entry) outgrowing
+/// it; each names the ring and kernel and suggests a capacity, and the worker runs on.
+#[test]
+fn tensormap_overflows_that_no_completion_can_end_suggest_a_capacity() {
+    let w = worker();
+    let cfg = CallConfig {
+        tensormap_capacity: 16,
+        ..CallConfig::default()
+    };
+    let b = w.alloc(4096).unwrap();
+    let args = RunArgs {
+        buffers: vec![b],
+        scalars: vec![],
+    };
+    // 20 distinct inputs: 20 reader entries at once.
+    let r = w.run_fn("wide", args.clone(), &cfg, |o, a| {
+        let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
+        let mut task = Task::new(NOP);
+        for i in 0..20 {
+            task = task.input(&t.slice(0, i * 8, i * 8 + 8)?);
+        }
+        o.submit(task)?;
+        Ok(())
+    });
+    let Err(Error::Run(e)) = r else {
+        panic!("expected a run error, got {r:?}")
+    };
+    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    assert!(
+        e.detail
+            .contains("records 20 readers and writers, the dependency map holds 16"),
+        "{e}"
+    );
+    assert!(
+        e.hint
+            .contains("raise tensormap_capacity to 64 for this run: CallConfig.tensormap_capacity"),
+        "{e}"
+    );
+    assert_eq!(e.locator.kernel.as_deref(), Some("nop"), "{e}");
+    assert!(e.locator.ring.is_some(), "{e}");
+    assert_normal_job_works(&w);
+    // A capture of 40 writers of distinct slices: the 17th finds the map full for good.
+    let r = w.capture_fn(
+        "writers",
+        args,
+        &cfg,
+        GraphShape::new(),
+        |o: &mut Orchestrator, a: &RunArgs| {
+            let t = o.bind(&a.buffers[0], DType::F32, &[1024])?;
+            for i in 0..40 {
+                o.submit(Task::new(NOP).output_existing(&t.slice(0, i * 8, i * 8 + 8)?))?;
+            }
+            Ok(())
+        },
+    );
+    let Err(Error::Run(e)) = r else {
+        panic!("expected a run error, got {r:?}")
+    };
+    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    assert!(
+        e.detail
+            .contains("a captured run keeps every dependency-map entry: 16 held"),
+        "{e}"
+    );
+    assert!(
+        e.hint
+            .contains("raise tensormap_capacity to 64 for the capture"),
+        "{e}"
+    );
+    assert_normal_job_works(&w);
+}
