@@ -295,7 +295,13 @@ impl RunShared {
             self.phase_end(cx, SchedPhase::Complete, t0);
         }
         if level >= 1 {
-            let finish = if level >= 2 { now_ns() } else { 0 };
+            // Level 1 records the kernel alone (`docs/trace-format.md`): the dispatch time is
+            // measured at every level (the timing slots need it) but written from level 2.
+            let (dispatch, finish) = if level >= 2 {
+                (dispatch, now_ns())
+            } else {
+                (0, 0)
+            };
             let rec = TaskRecord {
                 task_id: t.trace_id(),
                 func: desc.kernel.as_ref().map_or(u32::MAX, |k| k.id.0),

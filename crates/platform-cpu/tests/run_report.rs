@@ -155,3 +155,83 @@ fn the_run_report_nests_its_spans_and_times_its_slots() {
     // Every run added 6 + 1 to each element.
     assert_eq!(x.read::<f32>().unwrap(), vec![8.0 * 7.0; 64]);
 }
+
+/// The swimlane records of real runs at each level: every block once (start ≤ end; from level 2
+/// dispatch ≤ start ≤ end ≤ finish, both 0 at level 1; on one of the run's cores; dispatched and
+/// ended inside `sched`); scheduler phases and ready-queue depth samples from level 3,
+/// orchestrator submits (one per task) at level 4 only; on the first core alone with
+/// `CallConfig::cores = Some(1)`.
+#[test]
+fn swimlane_records_of_each_level_describe_what_ran() {
+    let w = worker();
+    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x.clone()],
+        scalars: vec![],
+    };
+    for (level, cores) in [(1u8, None), (2, None), (3, None), (4, None), (4, Some(1))] {
+        let cfg = CallConfig {
+            swimlane: level,
+            output_dir: Some(std::env::temp_dir()),
+            cores,
+            ..CallConfig::default()
+        };
+        let how = format!("level {level}, cores {cores:?}");
+        let r = w.run_fn("slots", args.clone(), &cfg, graph).unwrap();
+        let s = r.swimlane.as_ref().expect("swimlane records");
+        let n = cores.unwrap_or(2) as u32;
+        assert_eq!((s.level, s.cores, s.dropped), (level, n, 0), "{how}");
+        assert_eq!(s.tasks.len(), 6 * 16 + 4 * 4, "{how}: one record per block");
+        let mut blocks = std::collections::BTreeSet::new();
+        for t in &s.tasks {
+            let first = if level >= 2 {
+                assert!(
+                    t.dispatch <= t.start && t.start <= t.end && t.end <= t.finish,
+                    "{how}: {t:?}"
+                );
+                t.dispatch
+            } else {
+                assert!(
+                    t.start <= t.end && (t.dispatch, t.finish) == (0, 0),
+                    "{how}: {t:?}"
+                );
+                t.start
+            };
+            assert!(t.core < n, "{how}: {t:?}");
+            // `sched` ends at the last completion; a block's `finish` (its fan-out done) may
+            // come after that, its kernel's end never.
+            assert!(
+                r.sched.start_ns <= first && t.end <= r.sched.end_ns,
+                "{how}: {t:?} outside sched {:?}",
+                r.sched
+            );
+            assert!(blocks.insert((t.task_id, t.block)), "{how}: {t:?} twice");
+        }
+        assert_eq!(s.kernels.values().collect::<Vec<_>>(), ["inc"], "{how}");
+        if level >= 3 {
+            assert!(!s.phases.is_empty(), "{how}: no phases");
+            assert!(
+                s.phases
+                    .iter()
+                    .all(|p| p.start <= p.end && p.core < n && p.sched == p.core),
+                "{how}"
+            );
+            assert!(!s.queue_depth.is_empty(), "{how}: no queue depth samples");
+        } else {
+            assert!(s.phases.is_empty() && s.queue_depth.is_empty(), "{how}");
+        }
+        if level == 4 {
+            let ids: std::collections::BTreeSet<u64> = s.tasks.iter().map(|t| t.task_id).collect();
+            assert_eq!(s.submits.len(), 10, "{how}: one submit per task");
+            assert!(
+                s.submits
+                    .iter()
+                    .all(|sub| sub.start <= sub.end && ids.contains(&sub.task_id)),
+                "{how}: {:?}",
+                s.submits
+            );
+        } else {
+            assert!(s.submits.is_empty(), "{how}");
+        }
+    }
+}
