@@ -691,3 +691,40 @@ fn bench_qwen3_decode_compares_decode_attention_paths() {
         "{err}"
     );
 }
+
+/// `--trace-overhead` runs steps without and with a trace, interleaved, and prints both
+/// distributions and their paired ratio; the trace file it appended to holds the B steps.
+#[test]
+fn bench_qwen3_decode_measures_the_trace_overhead() {
+    let dir = tmp("trace-overhead");
+    let d = dir.to_str().unwrap();
+    let so = success_stdout(&[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--shapes",
+        "2x64",
+        "--rounds",
+        "4",
+        "--warmup",
+        "1",
+        "--membw-seconds",
+        "0.4",
+        "--trace-overhead",
+        "--output-dir",
+        d,
+    ]);
+    assert_contains_all(
+        &so,
+        &[
+            "trace overhead (A: no trace, B: every step's spans appended to a JSON Lines file):",
+            "step_ms [A: no trace]: n=4",
+            "step_ms [B: trace]: n=4",
+            "median of paired ratios B/A = ",
+        ],
+    );
+    let trace = std::fs::read_to_string(dir.join("trace.jsonl")).expect("the trace file");
+    assert!(trace.lines().count() > 4, "{}", trace.lines().count());
+    let _ = std::fs::remove_dir_all(&dir);
+}
