@@ -716,12 +716,15 @@ fn message(v: &Value, i: usize) -> Result<ChatMessage, FieldError> {
             ));
         }
         Some(Value::String(t)) => t.clone(),
+        // Text parts joined by a newline, as vLLM, SGLang and TensorRT-LLM join them, so a
+        // client moving between servers sends the model the same prompt.
         Some(Value::Array(parts)) => {
-            let mut t = String::new();
-            for (j, p) in parts.iter().enumerate() {
-                t.push_str(&text_part(p, &format!("{content_path}[{j}]"))?);
-            }
-            t
+            let texts = parts
+                .iter()
+                .enumerate()
+                .map(|(j, p)| text_part(p, &format!("{content_path}[{j}]")))
+                .collect::<Result<Vec<_>, _>>()?;
+            texts.join("\n")
         }
         Some(other) => {
             return Err(expected(
@@ -950,7 +953,7 @@ mod tests {
             Input::Chat {
                 messages: vec![
                     ChatMessage::new("system", "be brief"),
-                    ChatMessage::new("user", "ab")
+                    ChatMessage::new("user", "a\nb")
                 ],
                 enable_thinking: Some(false)
             }
@@ -1289,7 +1292,7 @@ mod tests {
             Input::Chat {
                 messages: vec![
                     ChatMessage::new("system", "a"),
-                    ChatMessage::new("user", "bc")
+                    ChatMessage::new("user", "b\nc")
                 ],
                 enable_thinking: None
             }
