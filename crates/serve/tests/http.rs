@@ -2,8 +2,9 @@
 //! engine's, streams concatenate to the same text and end in `[DONE]`, bad requests get error
 //! objects naming the field and the server keeps serving, 64 concurrent streams (some
 //! cancelled midway) lose nothing and return every block, `/metrics` agrees with what was
-//! sent, a model is retrieved by its id, and a shutdown lets in-flight requests finish while
-//! new ones get 503.
+//! sent, a model is retrieved by its id, a shutdown lets in-flight requests finish while
+//! new ones get 503, and a body over the limit (413) or a full queue (503 `overloaded`) is
+//! refused while the server goes on.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simpler_core::{Worker, WorkerConfig};
 use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights, ops};
-use simpler_serve::http::{AppState, serve};
+use simpler_serve::http::{AppState, MAX_BODY_BYTES, serve};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
 };
@@ -356,6 +357,12 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
 
 /// Reads a streaming request until its first data chunk, then drops the connection.
 async fn stream_and_cancel(addr: SocketAddr, body: Value) {
+    drop(stream_open(addr, body).await);
+}
+
+/// Sends a streaming request and reads until its first data chunk; the connection stays open
+/// (the request runs on) until the stream is dropped.
+async fn stream_open(addr: SocketAddr, body: Value) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
     let b = body.to_string();
     let req = format!(
@@ -373,7 +380,7 @@ async fn stream_and_cancel(addr: SocketAddr, body: Value) {
             break;
         }
     }
-    drop(s);
+    s
 }
 
 fn metric(text: &str, name: &str) -> f64 {
@@ -903,4 +910,54 @@ async fn while_draining_new_requests_get_503_and_the_listener_closes_after() {
         .unwrap();
     assert_eq!(e.free_blocks(), e.total_blocks());
     assert_eq!(e.stats().aborted, 1);
+}
+
+/// A body over the limit gets 413, and with the batch full (one running) and the queue full
+/// (one waiting) a third request gets 503 `overloaded`, each with an error object; the waiting
+/// request then runs when the running one is cancelled, and the server answers the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_gets_413_and_a_full_queue_503_and_the_server_goes_on() {
+    let one = EngineConfig {
+        max_batch_size: 1,
+        ..sizes()
+    };
+    let srv = start(one, 1).await;
+    let addr = srv.addr;
+    // One byte over: the server must read all of it to find that out, so no unread byte is
+    // left to make the connection's close a reset that could race its answer.
+    let wrap = format!(r#"{{"model":"{MODEL}","prompt":""}}"#).len();
+    let big = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}"}}"#,
+        "x".repeat(MAX_BODY_BYTES + 1 - wrap)
+    );
+    assert_eq!(big.len(), MAX_BODY_BYTES + 1);
+    let (status, body) = http(addr, "POST", "/v1/completions", &big).await;
+    assert_eq!(status, 413, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&format!("over {MAX_BODY_BYTES} bytes"))),
+        "{body}"
+    );
+    let short = |prompt: &str| json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    // One running (to the sequence limit unless cancelled), one waiting behind it.
+    let running = stream_open(
+        addr,
+        json!({"model": MODEL, "prompt": "a", "max_tokens": 4000, "ignore_eos": true,
+               "stream": true}),
+    )
+    .await;
+    let waiting = tokio::spawn(post(addr, "/v1/completions", short("b")));
+    wait_metrics(addr, |m| metric(m, "simpler_requests_waiting") >= 1.0).await;
+    let (status, v) = post(addr, "/v1/completions", short("c")).await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "overloaded", "{v}");
+    drop(running);
+    let (status, v) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    let (status, v) = post(addr, "/v1/completions", short("d")).await;
+    assert_eq!(status, 200, "{v}");
+    srv.stop().await;
 }
