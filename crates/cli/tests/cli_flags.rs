@@ -121,6 +121,55 @@ fn bench_serve_tiny(more: &[&str]) -> std::process::Output {
     simpler(&args)
 }
 
+/// `bench serve --streams 1,4`: a row per stream count with its throughput, latency
+/// percentiles and ratios (one stream against itself is 1.00), and the engine batched the four
+/// streams' decodes together.
+#[test]
+fn bench_serve_reports_several_stream_counts_against_one_stream() {
+    let out = simpler(&[
+        "bench",
+        "serve",
+        "--preset",
+        "tiny",
+        "--streams",
+        "1,4",
+        "--prompt-len",
+        "16",
+        "--max-tokens",
+        "8",
+        "--rounds",
+        "2",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{se}");
+    let row = |n: &str| -> Vec<f64> {
+        so.lines()
+            .map(str::split_whitespace)
+            .map(Iterator::collect::<Vec<_>>)
+            .find(|w| w.first() == Some(&n) && w.len() == 10)
+            .unwrap_or_else(|| panic!("a row for {n} streams in\n{so}"))[1..]
+            .iter()
+            .map(|v| v.parse().unwrap_or_else(|_| panic!("{v} in\n{so}")))
+            .collect()
+    };
+    let (one, four) = (row("1"), row("4"));
+    // wall_s out_tok/s ttft_p50 ttft_p99 tpot_p50 tpot_p99 vs_N_x_single step_bN vs_bN_step
+    assert_eq!(one[6], 1.0, "{so}");
+    for r in [&one, &four] {
+        // wall_s may print as 0.00 on the tiny model; every rate and latency is positive.
+        assert!(r[0] >= 0.0 && r[1..].iter().all(|&v| v > 0.0), "{so}");
+        assert!(r[2] <= r[3] && r[4] <= r[5], "p50 above p99: {so}");
+    }
+    assert!(so.contains("out_tok_per_s_4_streams: n=2"), "{so}");
+    let at_most: usize = so
+        .split("at most ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the engine's summary in\n{so}"));
+    assert!(at_most >= 2, "the four streams never shared a step: {so}");
+}
+
 /// `serve` and `bench serve` write every engine step's outputs as `run qwen3-decode` does:
 /// each step's spans to the trace, the diagnostics of the steps `--diag-steps` picks to
 /// `DIR/step-NNNNNN/` (they used to record them and write nothing), and the runtime flags the
