@@ -1,6 +1,7 @@
 //! Loading an engine from a preset with a runtime configuration: KV blocks from the memory
 //! left after the weights (capped by what the batch can hold), refusals that name the field,
-//! and a loaded engine that turns text into text.
+//! a loaded engine that turns text into text, and a model directory that answers as the
+//! preset it was written from.
 
 use simpler_core::{Worker, WorkerConfig};
 use simpler_models::qwen3::weights::PAGE_SIZE;
@@ -185,4 +186,55 @@ fn a_loaded_preset_turns_text_into_text_and_a_long_prefill_threshold_changes_no_
     let r = chunked.generate_result(prompt, &cfg).unwrap();
     assert!(chunked.engine().stats().steps >= whole.prompt_tokens.div_ceil(5) as u64);
     assert_eq!(r.token_ids, whole.token_ids);
+}
+
+/// A model directory as today's tools write it (HF `config.json`, `model.safetensors` in two
+/// shards, bf16 norms, the tokenizer's files beside them) loads end to end through
+/// `ModelSource::Dir` and answers exactly as the preset its weights were generated from.
+#[test]
+fn a_model_directory_serves_the_same_text_as_its_preset() {
+    use simpler_models::qwen3::{SaveOptions, generate_weights, save_checkpoint};
+    let dir = std::env::temp_dir().join(format!("simpler-serve-dir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let c = Qwen3Config::preset("qwen3-tiny").unwrap();
+    let seed = 5;
+    save_checkpoint(
+        &dir,
+        &generate_weights(&c, seed, false, None),
+        &SaveOptions {
+            max_shard_bytes: Some(1 << 20),
+            norms_bf16: true,
+            ..SaveOptions::default()
+        },
+    )
+    .unwrap();
+    let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/qwen3");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(assets.join(f), dir.join(f)).unwrap();
+    }
+    let rt = RuntimeConfig {
+        max_seq_len: Some(512),
+        num_kv_blocks: Some(16),
+        ..RuntimeConfig::default()
+    };
+    let cfg = GenerateConfig {
+        max_new_tokens: 12,
+        ..GenerateConfig::default()
+    };
+    let prompt = "Every model directory should load as its preset does:";
+    let answer = |source: &ModelSource| {
+        let (mut te, _) = TextEngine::load(worker(), source, &rt, None).unwrap();
+        let r = te.generate_result(prompt, &cfg).unwrap();
+        te.close();
+        r
+    };
+    let from_dir = answer(&ModelSource::Dir(dir.clone()));
+    let from_preset = answer(&ModelSource::Preset {
+        name: "qwen3-tiny".into(),
+        seed,
+    });
+    assert!(!from_dir.token_ids.is_empty());
+    assert_eq!(from_dir.token_ids, from_preset.token_ids);
+    assert_eq!(from_dir.text, from_preset.text);
+    let _ = std::fs::remove_dir_all(&dir);
 }
