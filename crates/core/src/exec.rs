@@ -466,11 +466,19 @@ fn slot_timings(slots: &[SlotTiming]) -> Vec<TaskSlotTiming> {
         .collect()
 }
 
+/// The trace's `callable`: what ran, as the same value in every process and run — the
+/// orchestration's name, the sizes of its buffers and its `RunArgs` scalars (not the buffers'
+/// contents, which differ from step to step of the same workload).
 fn callable_hash(name: &str, args: &crate::RunArgs) -> u64 {
     let mut h = Fnv::default();
     h.bytes(name.as_bytes());
+    h.u64(args.buffers.len() as u64);
     for b in &args.buffers {
         h.u64(b.len() as u64);
+    }
+    h.u64(args.scalars.len() as u64);
+    for &s in &args.scalars {
+        h.u64(s);
     }
     h.finish()
 }

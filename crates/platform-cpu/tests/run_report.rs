@@ -235,3 +235,46 @@ fn swimlane_records_of_each_level_describe_what_ran() {
         }
     }
 }
+
+/// The trace's `callable` names the workload: the same orchestration on buffers of the same
+/// sizes with the same `RunArgs` scalars gets the same id in every run (orchestrated or
+/// replayed, whatever the buffers hold), and another name, buffer size or scalar another.
+#[test]
+fn the_callable_id_follows_the_workload_not_the_run() {
+    let w = worker();
+    let run = |name: &str, len: usize, scalars: Vec<u64>| {
+        let x = w.buffer_from(&vec![0.0f32; len]).unwrap();
+        let args = RunArgs {
+            buffers: vec![x],
+            scalars,
+        };
+        w.run_fn(name, args, &CallConfig::default(), graph)
+            .unwrap()
+            .callable
+    };
+    let base = run("slots", 64, vec![3]);
+    assert_eq!(run("slots", 64, vec![3]), base, "the same workload");
+    assert_ne!(run("other", 64, vec![3]), base, "another name");
+    assert_ne!(run("slots", 128, vec![3]), base, "another buffer size");
+    assert_ne!(run("slots", 64, vec![4]), base, "another scalar");
+    assert_ne!(run("slots", 64, vec![]), base, "no scalar");
+    // A capture and its replays are the same workload.
+    let x = w.buffer_from(&[1.0f32; 64]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x],
+        scalars: vec![3],
+    };
+    let (r, g) = w
+        .capture_fn(
+            "slots",
+            args.clone(),
+            &CallConfig::default(),
+            GraphShape::new(),
+            graph,
+        )
+        .unwrap();
+    let replayed = w
+        .replay(&g, args, &CallConfig::default(), &GraphShape::new())
+        .unwrap();
+    assert_eq!((r.callable, replayed.callable), (base, base));
+}
