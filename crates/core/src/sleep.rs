@@ -422,6 +422,31 @@ mod loom_tests {
         }
     }
 
+    /// Core 0's side, as in `RunShared::idle` and `CorePool::core_main`, for its thread of
+    /// generation `generation`: announce, re-check, park until the work shows up.
+    fn idle_until<U: Wake>(sleep: &Sleep<U>, generation: u64, work: &AtomicBool) {
+        loop {
+            sleep.announce(0, generation);
+            if work.load(Ordering::Relaxed) {
+                sleep.withdraw(0, generation);
+                break;
+            }
+            thread::park();
+            sleep.withdraw(0, generation);
+        }
+    }
+
+    /// A waker thread: publishes work (`Relaxed`: only the protocol's fences order it) and
+    /// wakes one core. Not joined: an unpark token left over from `notify_one` would confuse
+    /// loom's join; loom runs every thread to its end anyway.
+    fn publish<U: Wake + Send + Sync + 'static>(sleep: &Arc<Sleep<U>>, work: &Arc<AtomicBool>) {
+        let (s, w) = (sleep.clone(), work.clone());
+        thread::spawn(move || {
+            w.store(true, Ordering::Relaxed);
+            s.notify_one();
+        });
+    }
+
     /// A core parks until work shows up; a waker publishes work (`Relaxed`: only the fences of
     /// the protocol order it) and calls `notify_one`.
     #[test]
@@ -429,23 +454,8 @@ mod loom_tests {
         loom::model(|| {
             let sleep = Arc::new(Sleep::new(vec![thread::current()]));
             let work = Arc::new(AtomicBool::new(false));
-            let (s2, w2) = (sleep.clone(), work.clone());
-            // Not joined: an unpark token left over from `notify_one` would confuse loom's
-            // join; loom runs every thread to its end anyway.
-            thread::spawn(move || {
-                w2.store(true, Ordering::Relaxed);
-                s2.notify_one();
-            });
-            // The core side, as in `RunShared::idle` and `CorePool::core_main`.
-            loop {
-                sleep.announce(0, 0);
-                if work.load(Ordering::Relaxed) {
-                    sleep.withdraw(0, 0);
-                    break;
-                }
-                thread::park();
-                sleep.withdraw(0, 0);
-            }
+            publish(&sleep, &work);
+            idle_until(&sleep, 0, &work);
             assert_eq!(sleep.sleepers.load(Ordering::SeqCst), 0);
         });
     }
@@ -465,25 +475,13 @@ mod loom_tests {
             let sleep = Arc::new(Sleep::new(vec![thread::current()]));
             let work = Arc::new(AtomicBool::new(false));
             let s_old = sleep.clone();
-            // Not joined, as in the model above.
+            // Not joined, as `publish`'s waker is not.
             thread::spawn(move || {
                 s_old.announce(0, 0);
                 s_old.withdraw(0, 0);
             });
-            let (s2, w2) = (sleep.clone(), work.clone());
-            thread::spawn(move || {
-                w2.store(true, Ordering::Relaxed);
-                s2.notify_one();
-            });
-            loop {
-                sleep.announce(0, 1);
-                if work.load(Ordering::Relaxed) {
-                    sleep.withdraw(0, 1);
-                    break;
-                }
-                thread::park();
-                sleep.withdraw(0, 1);
-            }
+            publish(&sleep, &work);
+            idle_until(&sleep, 1, &work);
         });
     }
 
@@ -517,20 +515,8 @@ mod loom_tests {
                 s1.withdraw(1, 0);
                 s1.announce(1, 0);
             });
-            let (s2, w2) = (sleep.clone(), work.clone());
-            thread::spawn(move || {
-                w2.store(true, Ordering::Relaxed);
-                s2.notify_one();
-            });
-            loop {
-                sleep.announce(0, 0);
-                if work.load(Ordering::Relaxed) {
-                    sleep.withdraw(0, 0);
-                    break;
-                }
-                thread::park();
-                sleep.withdraw(0, 0);
-            }
+            publish(&sleep, &work);
+            idle_until(&sleep, 0, &work);
         });
     }
 

@@ -523,10 +523,7 @@ fn tensormap_overflow() {
             Ok(())
         })
     });
-    let Err(Error::Run(e)) = r else {
-        panic!("expected a run error, got {r:?}")
-    };
-    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    let e = map_overflow(r);
     assert!(e.hint.contains("tensormap_capacity"), "{e}");
     assert_eq!(e.diagnosis, Some(Diagnosis::Proven));
     assert_normal_job_works(&w);
@@ -839,10 +836,7 @@ fn tensormap_overflows_that_no_completion_can_end_suggest_a_capacity() {
         o.submit(task)?;
         Ok(())
     });
-    let Err(Error::Run(e)) = r else {
-        panic!("expected a run error, got {r:?}")
-    };
-    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    let e = map_overflow(r);
     assert!(
         e.detail
             .contains("records 20 readers and writers, the dependency map holds 16"),
@@ -870,10 +864,7 @@ fn tensormap_overflows_that_no_completion_can_end_suggest_a_capacity() {
             Ok(())
         },
     );
-    let Err(Error::Run(e)) = r else {
-        panic!("expected a run error, got {r:?}")
-    };
-    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    let e = map_overflow(r);
     assert!(
         e.detail
             .contains("a captured run keeps every dependency-map entry: 16 held"),
@@ -885,4 +876,13 @@ fn tensormap_overflows_that_no_completion_can_end_suggest_a_capacity() {
         "{e}"
     );
     assert_normal_job_works(&w);
+}
+
+/// The run error of `r`, a TENSORMAP_OVERFLOW.
+fn map_overflow<T: std::fmt::Debug>(r: Result<T, Error>) -> RunError {
+    let Err(Error::Run(e)) = r else {
+        panic!("expected a run error, got {r:?}")
+    };
+    assert_eq!(e.code, ErrorCode::TensormapOverflow, "{e}");
+    e
 }

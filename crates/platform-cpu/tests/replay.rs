@@ -58,39 +58,54 @@ const N: u64 = 256;
 /// `y = inc(axpy(x, x, 2) in a scope)`, with intermediates on the ring heap, then
 /// `y = axpy(y, t, 0.5)` into the user buffer.
 fn graph(o: &mut Orchestrator, a: &RunArgs) -> Result<(), RunError> {
-    let x = o.bind(&a.buffers[0], DType::F32, &[N])?;
-    let y = o.bind(&a.buffers[1], DType::F32, &[N])?;
-    o.scope(ScopeKind::Auto, |o| {
-        let t = o
-            .submit(
-                Task::new(AXPY)
-                    .input(&x)
-                    .input(&x)
-                    .output(DType::F32, &[N])
-                    .scalar_f32(2.0),
-            )?
-            .output(0);
-        let u = o
-            .submit(Task::new(INC_CHECKED).input(&t).output(DType::F32, &[N]))?
-            .output(0);
-        o.submit(
+    let (x, y) = bind_xy(o, a)?;
+    o.scope(ScopeKind::Auto, |o| submit_chain(o, &x, &y, 2.0, false))
+}
+
+/// The run's `x` and `y`.
+fn bind_xy(o: &mut Orchestrator, a: &RunArgs) -> Result<(Tensor, Tensor), RunError> {
+    Ok((
+        o.bind(&a.buffers[0], DType::F32, &[N])?,
+        o.bind(&a.buffers[1], DType::F32, &[N])?,
+    ))
+}
+
+/// [`graph`]'s tasks with the first product's scale `s` (and, `extra`, one more task at the
+/// end).
+fn submit_chain(
+    o: &mut Orchestrator,
+    x: &Tensor,
+    y: &Tensor,
+    s: f32,
+    extra: bool,
+) -> Result<(), RunError> {
+    let t = o
+        .submit(
             Task::new(AXPY)
-                .input(&u)
-                .input(&t)
-                .output_existing(&y)
-                .scalar_f32(0.5),
-        )?;
-        Ok(())
-    })
+                .input(x)
+                .input(x)
+                .output(DType::F32, &[N])
+                .scalar_f32(s),
+        )?
+        .output(0);
+    let u = o
+        .submit(Task::new(INC_CHECKED).input(&t).output(DType::F32, &[N]))?
+        .output(0);
+    o.submit(
+        Task::new(AXPY)
+            .input(&u)
+            .input(&t)
+            .output_existing(y)
+            .scalar_f32(0.5),
+    )?;
+    if extra {
+        o.submit(Task::new(INC_CHECKED).input(&u).output(DType::F32, &[N]))?;
+    }
+    Ok(())
 }
 
 fn expected(x: &[f32]) -> Vec<f32> {
-    x.iter()
-        .map(|&v| {
-            let t = v * 2.0 + v;
-            (t + 1.0) * 0.5 + t
-        })
-        .collect()
+    expected_with(x, 2.0)
 }
 
 fn input(round: usize) -> Vec<f32> {
@@ -238,39 +253,15 @@ fn a_replay_is_refused_naming_what_differs() {
 }
 
 /// [`graph`] with its first product's scale `s` instead of 2 (or, `extra`, one more task at
-/// the end): a step whose graph depends on something the shape does not name.
+/// the end): a step whose graph depends on something the shape does not name. Its scope opens
+/// at another place in the code than [`graph`]'s.
 fn graph_with(
     s: f32,
     extra: bool,
 ) -> impl Fn(&mut Orchestrator, &RunArgs) -> Result<(), RunError> + Send + Sync + 'static {
     move |o, a| {
-        let x = o.bind(&a.buffers[0], DType::F32, &[N])?;
-        let y = o.bind(&a.buffers[1], DType::F32, &[N])?;
-        o.scope(ScopeKind::Auto, |o| {
-            let t = o
-                .submit(
-                    Task::new(AXPY)
-                        .input(&x)
-                        .input(&x)
-                        .output(DType::F32, &[N])
-                        .scalar_f32(s),
-                )?
-                .output(0);
-            let u = o
-                .submit(Task::new(INC_CHECKED).input(&t).output(DType::F32, &[N]))?
-                .output(0);
-            o.submit(
-                Task::new(AXPY)
-                    .input(&u)
-                    .input(&t)
-                    .output_existing(&y)
-                    .scalar_f32(0.5),
-            )?;
-            if extra {
-                o.submit(Task::new(INC_CHECKED).input(&u).output(DType::F32, &[N]))?;
-            }
-            Ok(())
-        })
+        let (x, y) = bind_xy(o, a)?;
+        o.scope(ScopeKind::Auto, |o| submit_chain(o, &x, &y, s, extra))
     }
 }
 
@@ -344,66 +335,34 @@ fn a_verifying_cache_refuses_a_step_its_shape_did_not_describe_and_goes_on() {
     let (args, shape, cfg) = setup(&w);
     let x = input(0);
     let y = || args.buffers[1].read::<f32>().unwrap();
+    // One step of the orchestration scaled by `s`, through `cache`.
+    let step = |cache: &mut GraphCache, s: f32| {
+        cache.run(
+            &w,
+            "axpy",
+            args.clone(),
+            &cfg,
+            shape.clone(),
+            graph_with(s, false),
+        )
+    };
     // Trusting the shape, a step whose scale changed replays the old graph: its old scale.
     let mut trusting = GraphCache::default();
-    trusting
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(2.0, false),
-        )
-        .unwrap();
-    let r = trusting
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(3.0, false),
-        )
-        .unwrap();
+    step(&mut trusting, 2.0).unwrap();
+    let r = step(&mut trusting, 3.0).unwrap();
     assert!(matches!(r.graph, GraphMode::Replayed { .. }));
     assert_eq!(y(), expected_with(&x, 2.0));
     // Verifying, the same step runs orchestrated and is refused, naming the difference.
     let mut cache = GraphCache::default();
     cache.set_verify(true);
     assert!(cache.verifying());
-    let r = cache
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(2.0, false),
-        )
-        .unwrap();
+    let r = step(&mut cache, 2.0).unwrap();
     assert!(matches!(r.graph, GraphMode::Captured { .. }));
     // A step that matches is checked (orchestrated, not replayed) and accepted.
-    let r = cache
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(2.0, false),
-        )
-        .unwrap();
+    let r = step(&mut cache, 2.0).unwrap();
     assert!(matches!(r.graph, GraphMode::Captured { .. }));
     assert!(cache.graph().is_some());
-    match cache.run(
-        &w,
-        "axpy",
-        args.clone(),
-        &cfg,
-        shape.clone(),
-        graph_with(3.0, false),
-    ) {
+    match step(&mut cache, 3.0) {
         Err(Error::Run(e)) => {
             assert_eq!(e.code, ErrorCode::InvalidArgs);
             assert!(
@@ -420,29 +379,11 @@ fn a_verifying_cache_refuses_a_step_its_shape_did_not_describe_and_goes_on() {
     assert_eq!(y(), expected_with(&x, 3.0));
     assert!(cache.graph().is_none());
     // The next step captures afresh; with verifying off it replays the new graph.
-    cache
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(3.0, false),
-        )
-        .unwrap();
+    step(&mut cache, 3.0).unwrap();
     cache.set_verify(false);
     let fresh = input(5);
     args.buffers[0].write(&fresh).unwrap();
-    let r = cache
-        .run(
-            &w,
-            "axpy",
-            args.clone(),
-            &cfg,
-            shape.clone(),
-            graph_with(3.0, false),
-        )
-        .unwrap();
+    let r = step(&mut cache, 3.0).unwrap();
     assert!(matches!(r.graph, GraphMode::Replayed { .. }));
     assert_eq!(y(), expected_with(&fresh, 3.0));
 }

@@ -1,8 +1,9 @@
-//! The always-on timing of real runs (`RunReport`): the spans nest as `docs/trace-format.md`
+//! What real runs report (`RunReport`): the spans nest as `docs/trace-format.md`
 //! says — `host_wall ⊇ bind + runner + validate` in that order, `runner ⊇ device_wall ⊇
 //! graph_build, orch, sched`, `graph_build` = `config_validate`, `arena_wire`, `reset` in
 //! order — overlapped, serial and replayed; the task-timing slots span their tagged tasks
-//! inside `sched`; the counters count what ran.
+//! inside `sched`; the counters count what ran; the swimlane records of each level, the
+//! workload's `callable` id and the ring statistics per scope site describe what ran.
 
 use simpler_core::*;
 use simpler_cpu::CpuPlatform;
@@ -277,4 +278,66 @@ fn the_callable_id_follows_the_workload_not_the_run() {
         .replay(&g, args, &CallConfig::default(), &GraphShape::new())
         .unwrap();
     assert_eq!((r.callable, replayed.callable), (base, base));
+}
+
+/// `ring_stats` of a real run: a scope opened at one site three times (3, 7 and 5 tasks), each
+/// instance a chain of tasks updating one buffer in place: each task's one producer is the
+/// task before it (the previous instance's last, for an instance's first task: submitted
+/// serially, no producer has finished and dropped out of the edges), and each task inserts
+/// one dependency-map entry. The site's largest instance: 7 tasks, 7 pool entries, 7 map
+/// entries, no heap; the rings' and the map's high-water marks are at least that.
+#[test]
+fn ring_stats_of_a_real_run_count_each_scope_sites_largest_instance() {
+    let w = worker();
+    let x = w.buffer_from(&[0.0f32; 16]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x.clone()],
+        scalars: vec![],
+    };
+    // Serial: every task is submitted before any runs, so no producer has finished (and
+    // dropped out of the edges) when its consumer is submitted.
+    let cfg = CallConfig {
+        ring_stats: true,
+        mode: OrchMode::Serial,
+        output_dir: Some(std::env::temp_dir()),
+        ..CallConfig::default()
+    };
+    let r = w
+        .run_fn("chains", args, &cfg, |o, a| {
+            let t = o.bind(&a.buffers[0], DType::F32, &[16])?;
+            for n in [3usize, 7, 5] {
+                o.scope(ScopeKind::Auto, |o| {
+                    for _ in 0..n {
+                        o.submit(Task::new(INC).in_out(&t).blocks(4))?;
+                    }
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(x.read::<f32>().unwrap(), vec![15.0; 16]);
+    let s = r.ring_stats.expect("ring stats");
+    let chains: Vec<_> = s
+        .scopes
+        .iter()
+        .filter(|sc| sc.site.contains("run_report.rs"))
+        .collect();
+    assert_eq!(chains.len(), 1, "{:?}", s.scopes);
+    let sc = chains[0];
+    assert_eq!(sc.opened, 3);
+    assert_eq!(
+        (
+            sc.max_tasks,
+            sc.max_heap,
+            sc.max_dep_pool,
+            sc.max_map_entries
+        ),
+        (7, 0, 7, 7),
+        "{sc:?}"
+    );
+    let ring = s.rings.iter().find(|u| u.ring == sc.ring).unwrap();
+    assert!(ring.task_window.high_water >= 7, "{ring:?}");
+    assert!(ring.dep_pool.high_water >= 7, "{ring:?}");
+    assert!(s.tensormap.high_water >= 1, "{:?}", s.tensormap);
 }
