@@ -384,28 +384,19 @@ fn pass(
                                             }
                                         }
                                     }
-                                    Variant::GemmPairs => {
+                                    Variant::Gemm | Variant::GemmPairs => {
                                         let tl = GemmTile {
                                             n: tile.clone(),
                                             k: 0..m.k,
                                             mode: OutMode::Store,
                                         };
-                                        gemm_bf16(
-                                            WeightsBf16::paired(m.paired, m.n, m.k),
-                                            PackedActs::new(x, 1, m.k),
-                                            &tl,
-                                            &mut out,
-                                            tile.len(),
-                                        );
-                                    }
-                                    Variant::Gemm => {
-                                        let tl = GemmTile {
-                                            n: tile.clone(),
-                                            k: 0..m.k,
-                                            mode: OutMode::Store,
+                                        let wv = if v == Variant::Gemm {
+                                            WeightsBf16::new(m.w, m.n, m.k)
+                                        } else {
+                                            WeightsBf16::paired(m.paired, m.n, m.k)
                                         };
                                         gemm_bf16(
-                                            WeightsBf16::new(m.w, m.n, m.k),
+                                            wv,
                                             PackedActs::new(x, 1, m.k),
                                             &tl,
                                             &mut out,
