@@ -728,3 +728,71 @@ fn bench_qwen3_decode_measures_the_trace_overhead() {
     assert!(trace.lines().count() > 4, "{}", trace.lines().count());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `generate --profile-verbose` with `--num-prompts 2` and `--num-layers-override 1`: one line
+/// of tokens per copy, and a report whose counts agree with what ran — one prefill, a warm-up
+/// decode step kept out of the averages, a row per step, the layer table over one layer.
+#[test]
+fn generate_profile_counts_what_ran() {
+    let out = simpler(&[
+        "generate",
+        "--preset",
+        "tiny",
+        "--prompt-ids",
+        "5,17,300",
+        "--max-new-tokens",
+        "4",
+        "--num-prompts",
+        "2",
+        "--num-layers-override",
+        "1",
+        "--profile-verbose",
+    ]);
+    let (so, se) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{so}\n{se}");
+    let all = format!("{so}\n{se}");
+    for copy in ["[0] ", "[1] "] {
+        let line = all
+            .lines()
+            .find(|l| l.starts_with(copy))
+            .unwrap_or_else(|| panic!("{copy} in {all}"));
+        assert_eq!(line[copy.len()..].split(',').count(), 4, "{line}");
+    }
+    assert_contains_all(
+        &all,
+        &[
+            "2 x 3 prompt tokens, 8 new tokens",
+            "1 layers",
+            "profile:",
+            "per layer (span of the layer tasks / 1;",
+        ],
+    );
+    let count = |label: &str| -> usize {
+        let line = all
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("{label} in {all}"));
+        line.trim_start()[label.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a count in {line}"))
+    };
+    // 4 new tokens: a prefill step (the first token), then 3 decode steps, the first of them
+    // the warm-up.
+    assert_eq!(count("prefill chunks"), 1, "{all}");
+    assert_eq!(count("decode warm-up step"), 1, "{all}");
+    assert_eq!(count("decode per step (TPOT)"), 2, "{all}");
+    let steps: Vec<&str> = all
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("steps:"))
+        .skip(1)
+        .take_while(|l| l.trim_start().starts_with(char::is_numeric))
+        .collect();
+    // Rows: the prefill (2 rows, 6 tokens), then the decode steps, the first the warm-up.
+    assert_eq!(steps.len(), 4, "{all}");
+    let words = |row: &str| row.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+    assert_eq!(words(steps[0]), "0 prefill 2 6", "{all}");
+    assert!(steps[1].ends_with("(warm-up)"), "{all}");
+    assert_eq!(words(steps[3]), "3 decode 2 2", "{all}");
+}
