@@ -108,6 +108,20 @@ fn trace_idle_and_swimlane_name_the_kernels_of_a_recorded_decode_step() {
     let so = text(&out.stdout);
     assert!(out.status.success(), "{so}");
     assert!(so.contains("lm_head_tile_bf16"), "{so}");
+    // The steps' spans carry the session's whole step: `trace timing` reads layer ⑤ from them.
+    let trace = dir.join("trace.jsonl");
+    let so = success_stdout(&["trace", "timing", trace.to_str().unwrap()]);
+    let five = so
+        .lines()
+        .find(|l| l.contains("⑤ engine/host wrap"))
+        .unwrap_or_else(|| panic!("layer ⑤ in {so}"));
+    let us: f64 = five
+        .split_whitespace()
+        .last()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a number of µs in {five}"));
+    assert!(us >= 0.0, "{five}");
+    assert!(so.contains("engine.step"), "{so}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -79,6 +79,12 @@ pub struct RunReport {
     pub orchestration: String,
     /// Label from the config (`decode`, `prefill`, ...).
     pub label: Option<String>,
+    /// The engine's whole step around this run (its inputs written, the run, its outputs read
+    /// back: what a caller of the engine waits for), when the engine recorded it (the Qwen3
+    /// `Session`'s steps do); zero otherwise. The trace's `engine.step` span, and timing layer
+    /// ⑤ (engine/host wrap = `engine_step` − `host_wall`).
+    #[serde(default)]
+    pub engine_step: Interval,
     /// The whole call.
     pub host_wall: Interval,
     /// Argument binding and validation.

@@ -39,6 +39,9 @@ pub(crate) fn spans_of(r: &RunReport, pid: u32, tid: u64) -> Vec<SpanRecord> {
         run_attrs.insert("label".into(), AttrValue::Str(label.clone()));
     }
     let none = BTreeMap::new;
+    // The engine's step is the run's sibling, not its parent: `run` stays the root of the
+    // chip-level tree the format fixes; layer ⑤ is the difference of the two.
+    push(0, "engine.step", r.engine_step, none());
     push(0, "run", r.host_wall, run_attrs);
     push(1, "run.bind", r.bind, none());
     push(2, "run.bind.args", r.bind_args, none());

@@ -72,11 +72,14 @@ pub struct Round {
     pub sched: Option<u64>,
     /// `run.runner`.
     pub runner: Option<u64>,
+    /// `engine.step`: the engine's whole step around the run, where the engine recorded it.
+    pub engine: Option<u64>,
 }
 
 impl Round {
-    /// Layers ①–④ of `docs/trace-format.md` in ns (signed: a negative value means mis-nested spans).
-    pub fn layers(&self) -> [Option<i64>; 4] {
+    /// Layers ①–⑤ of `docs/trace-format.md` in ns (signed: a negative value means mis-nested
+    /// spans); ⑤ only where the engine recorded its step (`engine.step`).
+    pub fn layers(&self) -> [Option<i64>; 5] {
         let signed = |x: i128| x.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
         let d = |a: Option<u64>, b: Option<u64>| Some(signed(a? as i128 - b? as i128));
         [
@@ -84,6 +87,7 @@ impl Round {
             d(self.device, self.effective),
             d(self.runner, self.device),
             d(self.host, self.runner),
+            d(self.engine, self.host),
         ]
     }
 }
@@ -164,6 +168,7 @@ pub fn round(trace: &Trace, inv: &Invocation) -> Round {
         orch: o.map(|x| x.span.dur_ns),
         sched: s.map(|x| x.span.dur_ns),
         runner: dur("run.runner"),
+        engine: dur("engine.step"),
     }
 }
 
@@ -560,12 +565,13 @@ fn row(out: &mut String, label: &str, xs: &[f64]) {
 }
 
 fn layers(out: &mut String, trace: &Trace, g: &CallableGroup) {
-    let rounds: Vec<[Option<i64>; 4]> = g.invs.iter().map(|i| round(trace, i).layers()).collect();
+    let rounds: Vec<[Option<i64>; 5]> = g.invs.iter().map(|i| round(trace, i).layers()).collect();
     let names = [
         "① effective (orch ∪ sched)",
         "② device init/finalize",
         "③ host↔device handshake",
         "④ bind + validate",
+        "⑤ engine/host wrap",
     ];
     let _ = writeln!(out, "layers (median µs):");
     for (k, name) in names.iter().enumerate() {
@@ -574,13 +580,16 @@ fn layers(out: &mut String, trace: &Trace, g: &CallableGroup) {
             .filter_map(|r| r[k])
             .map(|v| v as f64)
             .collect();
+        if k == 4 && xs.is_empty() {
+            let _ = writeln!(
+                out,
+                "  {name:<32} {:>10}",
+                "n/a (no engine.step span: the engine did not record its step time)"
+            );
+            continue;
+        }
         let _ = writeln!(out, "  {name:<32} {:>10}", us(stats::median(&xs)));
     }
-    let _ = writeln!(
-        out,
-        "  {:<32} {:>10}",
-        "⑤ engine/host wrap", "n/a (needs the engine's step time; not in a run's trace)"
-    );
 }
 
 fn first<'a>(trace: &'a Trace, inv: &Invocation, name: &str) -> Option<&'a AlignedSpan> {

@@ -76,10 +76,10 @@ fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
         (r.orch, r.sched, r.host, r.device),
         (Some(50_000), Some(78_000), Some(100_000), Some(91_000))
     );
-    // Layers: ① 80, ② 91 - 80, ③ 95 - 91, ④ 100 - 95 (µs).
+    // Layers: ① 80, ② 91 - 80, ③ 95 - 91, ④ 100 - 95 (µs); no engine step recorded, no ⑤.
     assert_eq!(
         r.layers(),
-        [Some(80_000), Some(11_000), Some(4_000), Some(5_000)]
+        [Some(80_000), Some(11_000), Some(4_000), Some(5_000), None]
     );
     let table = timing::timing_table(&trace);
     assert!(table.contains("label decode  invocations 3"), "{table}");
@@ -394,4 +394,54 @@ fn diagnostics_round_trip_and_fingerprint_mismatch_is_refused() {
         Err(DfxError::Io { .. })
     ));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An engine that records its step around the run (`RunReport::engine_step`) gets an
+/// `engine.step` span beside `run`, and `trace timing` reads layer ⑤ (the step less the run)
+/// from it; a trace without one says ⑤ is not there.
+#[test]
+fn layer_five_is_the_engine_step_less_the_run() {
+    let dir = common::temp_dir("layer5");
+    let path = dir.join("trace.jsonl");
+    {
+        let mut w = TraceWriter::append_with_anchor(
+            &path,
+            ClockAnchor {
+                pid: 7,
+                wall_ns: 1_000_000_000,
+            },
+        )
+        .unwrap();
+        for k in 0..3 {
+            let t0 = 1000 * k + 100;
+            let mut r = report(k, 0x5, Some("decode"), t0, 100);
+            // The engine's step: from 20 µs before the run to 13 µs after it.
+            r.engine_step = iv(t0 - 20, t0 + 113);
+            w.report(&r, 1).unwrap();
+        }
+    }
+    let trace = read_traces(&[&path]).unwrap();
+    let g = &by_callable(&trace)[0];
+    let r = round(&trace, &g.invs[0]);
+    assert_eq!(r.engine, Some(133_000));
+    assert_eq!(r.layers()[4], Some(33_000));
+    let table = timing::timing_table(&trace);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains("⑤ engine/host wrap") && l.contains("33.0")),
+        "{table}"
+    );
+    assert!(table.contains("engine.step"), "{table}");
+    // Without the engine's step, ⑤ says why it is missing.
+    let path2 = dir.join("no-engine.jsonl");
+    {
+        let mut w = TraceWriter::append(&path2).unwrap();
+        w.report(&report(0, 0x6, None, 0, 100), 1).unwrap();
+    }
+    let table = timing::timing_table(&read_traces(&[&path2]).unwrap());
+    assert!(
+        table.contains("⑤ engine/host wrap") && table.contains("no engine.step span"),
+        "{table}"
+    );
 }

@@ -604,6 +604,13 @@ fn verify_decode_shapes(
         if matches!(r.report.graph, GraphMode::Replayed { .. }) {
             replayed += 1;
         }
+        // The session's whole step holds its run (timing layer ⑤ is the difference).
+        for (e, w) in [&v, &r].map(|o| (o.report.engine_step, o.report.host_wall)) {
+            assert!(
+                e.start_ns <= w.start_ns && w.end_ns <= e.end_ns && w.end_ns > w.start_ns,
+                "step {s}: engine step {e:?} does not hold the run {w:?}"
+            );
+        }
         assert_eq!(v.next_tokens, r.next_tokens, "step {s}");
         assert_eq!(bits(&v.logits), bits(&r.logits), "step {s}: logits");
         // Mostly one more token; every fifth step a jump (across the page at 128 and the

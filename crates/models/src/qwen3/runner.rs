@@ -7,8 +7,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
+use simpler_core::clock::now_ns;
 use simpler_core::{
-    Buffer, CallConfig, CapturedGraph, GraphCache, GraphShape, RunArgs, RunReport, Worker,
+    Buffer, CallConfig, CapturedGraph, GraphCache, GraphShape, Interval, RunArgs, RunReport, Worker,
 };
 
 use super::golden::PrefillChunk;
@@ -264,6 +265,7 @@ impl Session {
         tokens: &[u32],
         cfg: &CallConfig,
     ) -> Result<StepOutput, Qwen3RunError> {
+        let t0 = now_ns();
         if tokens.len() != batch.batch() {
             return Err(Qwen3RunError::Invalid(format!(
                 "{} tokens for a batch of {}",
@@ -274,7 +276,9 @@ impl Session {
         let seqs = decode_rows(batch);
         let layers = 0..self.model.config.num_hidden_layers;
         let plan = self.plan(StepKind::Decode, Variant::Model, layers, batch, seqs)?;
-        self.run_model(worker, plan, batch, tokens, cfg)
+        let mut out = self.run_model(worker, plan, batch, tokens, cfg)?;
+        stamp_engine_step(&mut out.report, t0);
+        Ok(out)
     }
 
     /// The layers-chunk decode step over `layers`: bf16 hidden `[batch, hidden]` in, bf16 out,
@@ -287,6 +291,7 @@ impl Session {
         layers: Range<usize>,
         cfg: &CallConfig,
     ) -> Result<LayersOutput, Qwen3RunError> {
+        let t0 = now_ns();
         let h = self.model.config.hidden_size;
         if hidden.len() != batch.batch() * h {
             return Err(Qwen3RunError::Invalid(format!(
@@ -315,10 +320,12 @@ impl Session {
             [out.clone(), spare.clone(), spare],
             cfg,
         )?;
-        Ok(LayersOutput {
+        let mut done = LayersOutput {
             hidden: out.read_at::<bf16>(0, hidden.len())?,
             report,
-        })
+        };
+        stamp_engine_step(&mut done.report, t0);
+        Ok(done)
     }
 
     /// A chunked causal prefill step: each chunk's tokens end at its `seq_len` (the cached
@@ -332,6 +339,7 @@ impl Session {
         chunks: &[PrefillChunk],
         cfg: &CallConfig,
     ) -> Result<StepOutput, Qwen3RunError> {
+        let t0 = now_ns();
         let mut seqs = Vec::with_capacity(chunks.len());
         let mut tokens = Vec::new();
         for ch in chunks {
@@ -371,7 +379,9 @@ impl Session {
         }
         let layers = 0..self.model.config.num_hidden_layers;
         let plan = self.plan(StepKind::Prefill, Variant::Model, layers, batch, seqs)?;
-        self.run_model(worker, plan, batch, &tokens, cfg)
+        let mut out = self.run_model(worker, plan, batch, &tokens, cfg)?;
+        stamp_engine_step(&mut out.report, t0);
+        Ok(out)
     }
 
     fn run_model(
@@ -414,6 +424,15 @@ impl Session {
             report,
         })
     }
+}
+
+/// Records the step's whole time, from its call at `t0` to now (its outputs read back), as
+/// the report's `engine_step` (timing layer ⑤ is it less the run).
+fn stamp_engine_step(report: &mut RunReport, t0: u64) {
+    report.engine_step = Interval {
+        start_ns: t0,
+        end_ns: now_ns(),
+    };
 }
 
 /// What shapes a decode step's graph: everything of the plan but the positions, slots and
