@@ -223,6 +223,22 @@ impl CallConfig {
         self.validate().map(|_| ())
     }
 
+    /// The run's cores on a worker of `worker_cores`: [`CallConfig::cores`], all of them by
+    /// default; more than the worker has is refused naming the field and the count.
+    pub(crate) fn run_cores(&self, worker_cores: usize) -> Result<usize, ConfigError> {
+        match self.cores {
+            None => Ok(worker_cores),
+            Some(n) if n <= worker_cores => Ok(n),
+            Some(n) => Err(ConfigError {
+                field: "CallConfig.cores".into(),
+                value: n.to_string(),
+                reason: format!(
+                    "this worker has {worker_cores} cores; a run takes 1 to {worker_cores} of them"
+                ),
+            }),
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<ValidConfig, ConfigError> {
         let rings = self.runtime_env.validate()?;
         if self.swimlane > 4 {

@@ -16,7 +16,7 @@ use crate::clock::now_ns;
 use crate::config::CallConfig;
 use crate::config::{OrchMode, RING_COUNT};
 use crate::diag::{Diagnostics, Fnv};
-use crate::error::{ConfigError, Error, ErrorCode, RunError};
+use crate::error::{Error, ErrorCode, RunError};
 use crate::graph::{Capture, CaptureEnd, CapturedGraph, GraphMode, GraphShape};
 use crate::kernel::Registry;
 use crate::orch::Orchestrator;
@@ -125,21 +125,7 @@ fn run_bound(
     let valid = job.cfg.validate()?;
     let cv1 = now_ns();
     // The run's cores: the first `n` of the worker's.
-    let n = match job.cfg.cores {
-        None => inner.cores,
-        Some(n) if n <= inner.cores => n,
-        Some(n) => {
-            return Err(ConfigError {
-                field: "CallConfig.cores".into(),
-                value: n.to_string(),
-                reason: format!(
-                    "this worker has {} cores; a run takes 1 to {} of them",
-                    inner.cores, inner.cores
-                ),
-            }
-            .into());
-        }
-    };
+    let n = job.cfg.run_cores(inner.cores)?;
     let arena = take_arena(inner, valid.rings)?;
     let aw1 = now_ns();
     let serial = job.cfg.mode == OrchMode::Serial;

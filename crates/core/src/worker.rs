@@ -333,7 +333,7 @@ impl Worker {
         shape: &GraphShape,
     ) -> Result<RunReport, Error> {
         let valid = cfg.validate()?;
-        let cores = cfg.cores.unwrap_or(self.inner.n_cores);
+        let cores = cfg.run_cores(self.inner.n_cores)?;
         graph.check_replay(
             self.inner.id,
             &args,

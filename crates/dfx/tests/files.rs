@@ -45,19 +45,24 @@ fn report(inv: u64, callable: u64, label: Option<&str>, t0: u64, len: u64) -> Ru
     }
 }
 
+/// A trace writer appending to `path` as process 7, its wall clock at 1 s.
+fn writer_of_pid_7(path: &std::path::Path) -> TraceWriter {
+    TraceWriter::append_with_anchor(
+        path,
+        ClockAnchor {
+            pid: 7,
+            wall_ns: 1_000_000_000,
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
     let dir = common::temp_dir("timing");
     let path = dir.join("trace.jsonl");
     {
-        let mut w = TraceWriter::append_with_anchor(
-            &path,
-            ClockAnchor {
-                pid: 7,
-                wall_ns: 1_000_000_000,
-            },
-        )
-        .unwrap();
+        let mut w = writer_of_pid_7(&path);
         for k in 0..3 {
             w.report(&report(k, 0xdec0de, Some("decode"), 1000 * k, 100), 1)
                 .unwrap();
@@ -404,14 +409,7 @@ fn layer_five_is_the_engine_step_less_the_run() {
     let dir = common::temp_dir("layer5");
     let path = dir.join("trace.jsonl");
     {
-        let mut w = TraceWriter::append_with_anchor(
-            &path,
-            ClockAnchor {
-                pid: 7,
-                wall_ns: 1_000_000_000,
-            },
-        )
-        .unwrap();
+        let mut w = writer_of_pid_7(&path);
         for k in 0..3 {
             let t0 = 1000 * k + 100;
             let mut r = report(k, 0x5, Some("decode"), t0, 100);

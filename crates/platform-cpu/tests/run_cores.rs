@@ -212,10 +212,20 @@ fn a_graph_replays_only_on_the_cores_it_was_captured_on() {
         ),
         other => panic!("expected a refused replay, got {other:?}"),
     }
+    // More cores than the worker has: the configuration's refusal, not a replay's.
+    match w.replay(&g, args.clone(), &with_cores(Some(4)), &shape) {
+        Err(Error::Config(e)) => {
+            assert_eq!(
+                (e.field.as_str(), e.value.as_str()),
+                ("CallConfig.cores", "4")
+            )
+        }
+        other => panic!("expected CallConfig.cores refused, got {other:?}"),
+    }
     assert_eq!(
         x.read::<f32>().unwrap(),
         vec![1.0; 16],
-        "the refused replay ran nothing"
+        "the refused replays ran nothing"
     );
     w.replay(&g, args.clone(), &with_cores(Some(1)), &shape)
         .unwrap();
