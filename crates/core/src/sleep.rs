@@ -32,7 +32,9 @@
 //! every core of the run loads with acquire before it joins), so every `notify_one` of the run
 //! (by its orchestrator or its cores) reads it; it is reset to every core after the run is
 //! unregistered. For the run's own cores the argument above is unchanged: a core of the run
-//! that announced is within the limit, so the waker that misses its work still sees it.
+//! that announced is within the limit, so the waker that misses its work still sees it. (The
+//! run's cores are the first ones and the scan starts at core 0, so even a limit read stale
+//! could only spend a wake-up on an outside core when no core of the run was announced.)
 //!
 //! [`RoomSignal`] is the orchestrator's side: it says that it waits for a ring slot to be
 //! consumed, fences and re-checks the slot before parking; the core that consumes a slot
