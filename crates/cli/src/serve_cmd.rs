@@ -16,10 +16,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use simpler_models::qwen3::ops;
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_models::qwen3::{eos_token_ids, ops};
 use simpler_serve::http::{AppState, serve, unix_now};
-use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig, Tokenizer};
+use simpler_serve::load::tokenizer_and_eos;
+use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig};
 
 use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{ModelArgs, load_weights};
@@ -101,10 +102,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     std_listener
         .set_nonblocking(true)
         .context("making the listener non-blocking")?;
-    let tokenizer = match &args.model.model {
-        Some(dir) => Tokenizer::from_dir(dir)?,
-        None => Tokenizer::qwen3()?,
-    };
+    let (tokenizer, eos) = tokenizer_and_eos(args.model.model.as_deref(), &c)?;
     if tokenizer.vocab_size() > c.vocab_size {
         bail!(
             "{} has {} ids but the model's vocabulary is {}: serving text needs the tokenizer's vocabulary (the qwen3-* presets)",
@@ -113,10 +111,6 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
             c.vocab_size
         );
     }
-    let eos = match &args.model.model {
-        Some(dir) => eos_token_ids(dir, &c)?,
-        None => c.eos_token_ids.clone(),
-    };
 
     let name = match (&args.served_model_name, &args.model.model) {
         (Some(n), _) => n.clone(),

@@ -283,6 +283,26 @@ pub enum LoadError {
     Kernels(String),
 }
 
+/// The text side of a model: a directory's own tokenizer (`tokenizer.json`, and
+/// `tokenizer_config.json` where present) and EOS ids (its generation config, else its
+/// `config.json`), or, without a directory (a preset), the built-in Qwen3 tokenizer and
+/// `config`'s EOS ids. `TextEngine::load` and `simpler serve` both take them from here.
+pub fn tokenizer_and_eos(
+    dir: Option<&std::path::Path>,
+    config: &Qwen3Config,
+) -> Result<(Tokenizer, Vec<u32>), LoadError> {
+    Ok(match dir {
+        None => (
+            Tokenizer::qwen3().map_err(TextError::from)?,
+            config.eos_token_ids.clone(),
+        ),
+        Some(dir) => (
+            Tokenizer::from_dir(dir).map_err(TextError::from)?,
+            eos_token_ids(dir, config)?,
+        ),
+    })
+}
+
 impl TextEngine {
     /// Loads `source` onto `worker` (the Qwen3 kernels are registered here) and sizes the
     /// engine by `rt`; `progress` sees `(done, total)` while weights are generated or loaded.
@@ -298,16 +318,11 @@ impl TextEngine {
             ModelSource::Dir(dir) => load_config(dir)?,
         };
         let sizing = rt.sizing(&config, worker.memory_available())?;
-        let (tokenizer, eos) = match source {
-            ModelSource::Preset { .. } => (
-                Tokenizer::qwen3().map_err(TextError::from)?,
-                config.eos_token_ids.clone(),
-            ),
-            ModelSource::Dir(dir) => (
-                Tokenizer::from_dir(dir).map_err(TextError::from)?,
-                eos_token_ids(dir, &config)?,
-            ),
+        let dir = match source {
+            ModelSource::Preset { .. } => None,
+            ModelSource::Dir(dir) => Some(dir.as_path()),
         };
+        let (tokenizer, eos) = tokenizer_and_eos(dir, &config)?;
         let weights = match source {
             ModelSource::Preset { seed, .. } => generate_weights(&config, *seed, false, progress),
             ModelSource::Dir(dir) => load_checkpoint(
