@@ -129,19 +129,25 @@ fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
     }
 }
 
+/// Runs the case on every kernel path this CPU has (chosen process-wide: the kernels run on
+/// the worker's threads) against its golden, then restores the default path. The caller holds
+/// `PROCESS_ISA` for writing.
+fn check_on_every_path(c: &Case, g: &AttnStep) {
+    let w = worker(2);
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        assert!(simpler_kernels_cpu::set_process_isa(Some(isa)));
+        run_and_check(c, &w, g);
+    }
+    assert!(simpler_kernels_cpu::set_process_isa(None));
+    with_isa(Isa::Portable, || ()).unwrap();
+}
+
 #[test]
 fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
     let _switching = PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner());
     let c = case(Dsv4Config::small(), &MIXED_STARTS, false, 11);
     let g = golden_step(&c);
-    let w = worker(2);
-    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
-        // The kernels run on the worker's threads: the process-wide choice reaches them.
-        assert!(simpler_kernels_cpu::set_process_isa(Some(isa)));
-        run_and_check(&c, &w, &g);
-    }
-    assert!(simpler_kernels_cpu::set_process_isa(None));
-    with_isa(Isa::Portable, || ()).unwrap();
+    check_on_every_path(&c, &g);
 }
 
 #[test]
@@ -155,14 +161,7 @@ fn hca_step_matches_the_golden_at_mixed_starts_on_every_path() {
         1,
         "position 127 closes the only window of the step"
     );
-    let w = worker(2);
-    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
-        // The kernels run on the worker's threads: the process-wide choice reaches them.
-        assert!(simpler_kernels_cpu::set_process_isa(Some(isa)));
-        run_and_check(&c, &w, &g);
-    }
-    assert!(simpler_kernels_cpu::set_process_isa(None));
-    with_isa(Isa::Portable, || ()).unwrap();
+    check_on_every_path(&c, &g);
 }
 
 /// Eight sequences (16 token rows): the attention's int8 products then run on AMX-INT8 tiles
