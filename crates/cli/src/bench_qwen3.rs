@@ -76,8 +76,8 @@ pub(crate) struct DecodeBenchArgs {
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
     /// Also compare this run's decode attention kernel with another (`portable`, `avx2`,
-    /// `avx512-bf16`, `avx512-bf16-heads`; the GEMM and every other kernel keep this run's
-    /// path), step against step in this process: interleaved steps A B B A .. and the median of
+    /// `avx512-bf16`, `avx512-bf16-heads`, `avx512-bf16-pairs`; the GEMM and every other kernel
+    /// keep this run's path), step against step in this process: interleaved steps A B B A .. and the median of
     /// the paired B/A ratios with its 95% interval.
     #[arg(long, value_name = "KERNEL")]
     versus_attention: Option<String>,
@@ -322,8 +322,12 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
+    let cfg = args.run.call_config("decode")?;
+    let c = args.model.config(args.layers)?;
+    // The model's query group picks its decode attention kernel (`attention::path`).
+    let group = c.group();
     if let Some(kernel) = versus_attention {
-        let here = attention::path(Isa::detected());
+        let here = attention::path(Isa::detected(), group);
         if kernel == here {
             bail!(
                 "--versus-attention {}: this run's decode attention already runs it; give another kernel",
@@ -339,8 +343,6 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             );
         }
     }
-    let cfg = args.run.call_config("decode")?;
-    let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
     ModelArgs::check_positions(&c, max_seq, "--shapes")?;
     // Each shape's KV cache is dropped before the next: the largest one counts.
@@ -454,6 +456,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let dpeaks = crate::qwen3_decode::decode_peaks(
             &peaks,
             batch,
+            c.group(),
             args.model.weights,
             args.membw_seconds().min(1.0),
         );
@@ -478,7 +481,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             "compute"
         };
         println!("batch {batch} x {seq_len} tokens:");
-        println!("  {}", crate::qwen3_decode::format_paths(batch));
+        println!("  {}", crate::qwen3_decode::format_paths(batch, c.group()));
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
             "  {:.2} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step",
@@ -668,7 +671,10 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             println!(
                 "  decode attention kernels compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
-            let a_name = format!("{} (this run)", attention::path(Isa::detected()).name());
+            let a_name = format!(
+                "{} (this run)",
+                attention::path(Isa::detected(), group).name()
+            );
             let b_name = kernel.name();
             print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }

@@ -176,13 +176,17 @@ pub(crate) fn gemm_path(rows: usize) -> Isa {
     path_for(Isa::detected(), rows, layout)
 }
 
-/// The denominators of a decode step's phases with `rows` activation rows: bandwidth, the
-/// peak of the GEMM path those rows take, the fp32 FMA peak (attention, widened int8
-/// products), and for W8A8 weights the int8 peak of the path that runs (measured now, over
-/// about `seconds / 4`).
+/// The denominators of a decode step's phases with `rows` activation rows and a query group
+/// of `group`: bandwidth, the peak of the GEMM path those rows take, the fp32 FMA peak
+/// (widened int8 products), the peak of the instruction the decode attention kernel's
+/// products run on (`attention::path` for the group: `vdpbf16ps` for the AVX-512 BF16
+/// kernels, the strict figure for the token-major one whose `p · V` still widens to FMA), and
+/// for W8A8 weights the int8 peak of the path that runs (measured now, over about
+/// `seconds / 4`).
 pub(crate) fn decode_peaks(
     p: &MachinePeaks,
     rows: usize,
+    group: usize,
     format: WeightFormat,
     seconds: f64,
 ) -> DecodePeaks {
@@ -191,10 +195,12 @@ pub(crate) fn decode_peaks(
     } else {
         0.0
     };
+    let attention = simpler_kernels_cpu::attention::path(Isa::detected(), group);
     DecodePeaks {
         gbs: p.read_gbs_all,
         matrix_gflops: matmul_peak(p, rows),
         fma_gflops: p.fma_gflops_all,
+        attention_gflops: p.matmul_gflops_all(attention.isa()),
         int8_gops,
     }
 }
@@ -259,8 +265,8 @@ pub(crate) fn format_phase_table(
 }
 
 /// One line naming the instruction-set paths the kernels of a step with `rows` activation
-/// rows take (so every number says which path produced it).
-pub(crate) fn format_paths(rows: usize) -> String {
+/// rows and a query group of `group` take (so every number says which path produced it).
+pub(crate) fn format_paths(rows: usize, group: usize) -> String {
     let isa = Isa::detected();
     let capped = match std::env::var("SIMPLER_ISA") {
         Ok(v) => format!(", SIMPLER_ISA={v}"),
@@ -274,7 +280,7 @@ pub(crate) fn format_paths(rows: usize) -> String {
     format!(
         "kernel paths: GEMM {} ({rows} activation rows; bf16 matrices {layout}), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
         gemm_path(rows).name(),
-        simpler_kernels_cpu::attention::path(isa).name(),
+        simpler_kernels_cpu::attention::path(isa, group).name(),
         simpler_kernels_cpu::attention::vector_path(isa).name(),
         Isa::hardware().name(),
     )
@@ -401,7 +407,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     );
     println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
-    println!("{}", format_paths(args.batch));
+    println!("{}", format_paths(args.batch, c.group()));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
 
     // Rounds of steps; the first step of the first round is kept for the check.
@@ -544,7 +550,13 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         }
     };
     let phases = DecodePhases::decode(&c, layers, with_head, &batch.seq_lens, args.model.weights);
-    let dpeaks = decode_peaks(&peaks, args.batch, args.model.weights, args.membw_seconds);
+    let dpeaks = decode_peaks(
+        &peaks,
+        args.batch,
+        c.group(),
+        args.model.weights,
+        args.membw_seconds,
+    );
     print_report(
         &samples,
         &peaks,

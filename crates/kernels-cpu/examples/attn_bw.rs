@@ -1,7 +1,7 @@
 //! Split-KV decode attention throughput on one thread: KV bytes streamed per second for a
 //! Qwen3 head shape over a paged pool larger than the last-level cache.
 //!
-//! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads]`
+//! `cargo run --release -p simpler-kernels-cpu --example attn_bw [-- --seq 256 --group 2 --heads 8 --seqs 64 --passes 1 --all-heads --kernel avx512-bf16-pairs]`
 //!
 //! `--shape BxL [--layers 28 --rounds 9 --chunk 256 --threads 2 --paths read,avx512-bf16]`:
 //! the model's decode attention phase instead — batch `B` of `L` tokens, every layer with its
@@ -84,6 +84,11 @@ fn main() {
         }
     }
     let threads = get("--threads", 1).max(1);
+    if let Some(name) = common::arg("--kernel") {
+        use simpler_kernels_cpu::attention::{DecodeKernel, set_process_decode_kernel};
+        let k = DecodeKernel::from_name(&name).unwrap_or_else(|| panic!("unknown kernel {name:?}"));
+        assert!(set_process_decode_kernel(Some(k)), "this CPU lacks {name}");
+    }
     for rep in 0..3 {
         let t = Instant::now();
         let cpu: f64 = std::thread::scope(|sc| {

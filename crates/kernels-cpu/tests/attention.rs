@@ -629,11 +629,12 @@ fn decode_kernel_choice_selects_the_kernel() {
             Some(None)
         );
     }
-    // Each path this CPU has runs its default kernel's bits.
+    // Each path this CPU has runs its default kernel's bits (for this group; the group's own
+    // choice is checked below).
     for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
         let want = &by_kernel
             .iter()
-            .find(|(k, _)| *k == attention::path(isa))
+            .find(|(k, _)| *k == attention::path(isa, group))
             .expect("supported")
             .1;
         assert_eq!(
@@ -656,6 +657,28 @@ fn decode_kernel_choice_selects_the_kernel() {
     assert_eq!(&process, last_out);
     assert_eq!(&portable, &by_kernel[0].1);
     assert_eq!(run(), with_isa(Isa::current(), run).expect("current"));
+    // From a group of 5 the AVX-512 BF16 path takes the token-pair kernel, below it the
+    // token-major one; every path runs its group's default kernel.
+    assert_eq!(
+        attention::path(Isa::Avx512Bf16, 5),
+        DecodeKernel::Avx512Bf16Pairs
+    );
+    assert_eq!(
+        attention::path(Isa::Avx512Bf16, 4),
+        DecodeKernel::Avx512Bf16
+    );
+    let group5 = 5usize;
+    let q5 = rng.vec_bf16(kv_heads * group5 * hd, 1.0);
+    let run5 = || {
+        let mut all = vec![0.0f32; kv_heads * partial_len(group5, hd)];
+        decode_attention_heads_bf16(&q5, group5, &st.kv(), &st.tables[0], 3..45, 0.1, &mut all);
+        all
+    };
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        let k = attention::path(isa, group5);
+        let chosen = with_isa(isa, || attention::with_decode_kernel(k, run5)).flatten();
+        assert_eq!(with_isa(isa, run5), chosen, "{} group 5", isa.name());
+    }
 }
 
 /// The causal prefill rows on every path against the portable one and the fp64 reference at
@@ -846,4 +869,45 @@ fn bad_prefill_rows_are_refused_before_any_write_and_the_next_call_runs() {
     let sound = st.prefill_rows(0, &q, group, 1, ps);
     refuse("short output", &sound, q.len() - 1, "out len");
     prefill_agrees_on_every_path("after the refusals", &st, 0, &sound, 0..n_rows);
+}
+
+/// A V pool whose rows are all one vector comes back as that vector on every kernel, to fp32
+/// rounding (`|a - e| <= 1e-5 |e|`), at every group and across pages: the normalised output is
+/// a convex combination of the V rows. The token-pair kernel rounds its probabilities to bf16
+/// for `p · V` and sums the *rounded* ones into `l`; summing the unrounded ones instead would
+/// leave the output off by the rounding's mean, ~1e-4 of it here, and fail.
+#[test]
+fn a_constant_v_comes_back_on_every_kernel() {
+    let mut rng = Rng(77);
+    let (kv_heads, hd, ps) = (2usize, 128usize, 128usize);
+    for group in [2usize, 5, 8] {
+        let mut st = Setup::new(1, 3, kv_heads, hd, ps, &mut rng);
+        // Every row the same vector: a large common offset plus a per-element part, all
+        // exact in bf16.
+        let c: Vec<bf16> = (0..kv_heads * hd)
+            .map(|i| bf16::from_f32(100.0 + (i % 17) as f32 * 0.25))
+            .collect();
+        for row in st.v.chunks_exact_mut(kv_heads * hd) {
+            row.copy_from_slice(&c);
+        }
+        let q = rng.vec_bf16(kv_heads * group * hd, 4.0);
+        let rec = partial_len(group, hd);
+        let ran = all_decode_kernels("decode attention, constant V", || {
+            let mut all = vec![0.0f32; kv_heads * rec];
+            decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], 5..300, 0.09, &mut all);
+            all
+        });
+        for (kernel, out) in &ran {
+            for (h, r) in out.chunks_exact(rec / group).enumerate() {
+                let want = &c[(h / group) * hd..(h / group + 1) * hd];
+                for (d, (&o, &e)) in r[2..].iter().zip(want).enumerate() {
+                    let (got, e) = (o / r[1], e.to_f32());
+                    assert!(
+                        (got - e).abs() <= 1e-5 * e.abs(),
+                        "{kernel} group {group} head {h} element {d}: {got} vs {e}"
+                    );
+                }
+            }
+        }
+    }
 }

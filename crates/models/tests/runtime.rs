@@ -7,13 +7,13 @@ mod common;
 
 use std::sync::Arc;
 
-use common::qwen3::{check_model_step, stretched_fixture, worker};
+use common::qwen3::{check_model_step, stretched_fixture, stretched_fixture_of, worker};
 use half::bf16;
 use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker};
 use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
 use simpler_models::qwen3::{
-    Fixture, KvBuffers, LoadOptions, PagedBatch, ResidentModel, SaveOptions, Session, TilePolicy,
-    load_checkpoint, save_checkpoint,
+    Fixture, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, ResidentModel, SaveOptions, Session,
+    TilePolicy, load_checkpoint, save_checkpoint,
 };
 
 fn session(w: &Worker, f: &Fixture) -> Session {
@@ -128,6 +128,54 @@ fn full_model_matches_golden_with(
 #[test]
 fn full_model_argmax_is_identical_to_the_golden() {
     full_model_matches_golden(&[1, 127, 128, 129, 300], &CallConfig::default());
+}
+
+/// Qwen3-14B's query group of 5 (every other preset has 2): the full model's step and every
+/// layer's K/V writes against the golden, and one layer at the one-layer tolerance. On the
+/// AVX-512 BF16 path this group takes its own decode attention kernel (`attention::path`:
+/// `p · V` on bf16 probabilities), which the presets' shapes never reach.
+#[test]
+fn a_query_group_of_5_matches_the_golden() {
+    let mut c = Qwen3Config::preset("small").unwrap();
+    (c.num_attention_heads, c.num_key_value_heads) = (10, 2);
+    let isa = simpler_kernels_cpu::Isa::current();
+    println!(
+        "decode attention at group 5 on {}: {}",
+        isa.name(),
+        simpler_kernels_cpu::attention::path(isa, c.group()).name()
+    );
+    let lens = [1, 127, 128, 129, 300];
+    let f = stretched_fixture_of(&c, &lens);
+    let w = worker();
+    let mut s = session(&w, &f);
+    let got = s
+        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+        .unwrap();
+    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    check_model_step("group 5, after all layers", &got, &want);
+    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+
+    let f = stretched_fixture_of(&c, &lens);
+    let mut s = session(&w, &f);
+    let got = s
+        .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
+        .unwrap();
+    let want = golden::decode_layers(
+        &f.weights,
+        0..1,
+        &mut f.kv.clone(),
+        &f.batch,
+        &f.rope,
+        &f32s(&f.hidden),
+    );
+    let want_bf16: Vec<f32> = want
+        .hidden
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_f32())
+        .collect();
+    Tolerance::ONE_LAYER
+        .check("group 5, layer 0 hidden", &f32s(&got.hidden), &want_bf16)
+        .unwrap();
 }
 
 /// Short KV chunks, so the first sequence's first chunks are halves (`KvSplit::short`), at

@@ -138,7 +138,7 @@ pub(super) unsafe fn decode_partials_heads(
 /// shuffles across them), 45 instructions for 16 sums where one horizontal sum takes 8.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn sum16(v: &[__m512; 16]) -> __m512 {
+pub(super) fn sum16(v: &[__m512; 16]) -> __m512 {
     // Rows 2i, 2i + 1 interleaved: lane block l holds [a0+a2, b0+b2, a1+a3, b1+b3] of it.
     let p: [__m512; 8] = std::array::from_fn(|i| {
         let (a, b) = (v[2 * i], v[2 * i + 1]);
@@ -231,78 +231,34 @@ unsafe fn heads_g<const G: usize, const NV: usize, const NB: usize>(
             let s = &mut scores[h * sh..(h + 1) * sh];
             // Scores: the group's bf16 queries against each row's head slice, 16 rows at a
             // time so their 16 horizontal sums per query take one transposing reduction.
-            let scale_v = _mm512_set1_ps(scale);
             let mut r0 = 0;
             while r0 < run {
                 let rows = (run - r0).min(16);
-                let mut part = [[_mm512_setzero_ps(); 16]; G];
-                // With `NB` fixed, the head's queries stay in registers for the 16 rows.
-                let qh: [[__m512i; NB]; G] = std::array::from_fn(|j| {
-                    std::array::from_fn(|b| {
-                        // SAFETY: NB > 0 only when hd == 32 * NB, so block b of query j of
-                        // head h lies inside the row of `heads * G * hd` bf16.
-                        unsafe { _mm512_loadu_si512(qp.add((h * G + j) * hd + 32 * b).cast()) }
-                    })
-                });
-                for rr in 0..rows {
-                    let r = r0 + rr;
+                let prefetch = |rr: usize| {
                     let (pbase, prows, ph) = target(h);
-                    if r < prows {
+                    if r0 + rr < prows {
                         for e in (0..hd).step_by(32) {
-                            prefetch_l2(kp.wrapping_add(pbase + r * row + ph * hd + e));
+                            prefetch_l2(kp.wrapping_add(pbase + (r0 + rr) * row + ph * hd + e));
                         }
                     }
-                    let k = kp.wrapping_add(base + r * row + h * hd);
-                    // Two chains per query: blocks d and d + 32 go to `acc` and `odd`.
-                    let mut acc = [_mm512_setzero_ps(); G];
-                    let mut odd = [_mm512_setzero_ps(); G];
-                    for b in 0..NB {
-                        // SAFETY: hd == 32 * NB: block b of this row's head slice is inside
-                        // the pool row.
-                        let kb = unsafe { _mm512_loadu_si512(k.add(32 * b).cast()) };
-                        let chains = if b % 2 == 0 { &mut acc } else { &mut odd };
-                        for (a, qj) in chains.iter_mut().zip(&qh) {
-                            *a = _mm512_dpbf16_ps(*a, as_pbh(qj[b]), as_pbh(kb));
-                        }
-                    }
-                    let mut d = if NB > 0 { hd } else { 0 };
-                    while d < hd {
-                        // SAFETY: row `base / row + r` of the pool holds `row` bf16 and this
-                        // head's slice `h * hd .. h * hd + hd` is inside it (d + 32 <= hd, and
-                        // d + 64 <= hd for the second block); the query row holds
-                        // `heads * G * hd` bf16.
-                        unsafe {
-                            let k0 = _mm512_loadu_si512(k.add(d).cast());
-                            let two = d + 64 <= hd;
-                            let k1 = if two {
-                                _mm512_loadu_si512(k.add(d + 32).cast())
-                            } else {
-                                _mm512_setzero_si512()
-                            };
-                            for j in 0..G {
-                                let qj = qp.add((h * G + j) * hd + d);
-                                let q0 = _mm512_loadu_si512(qj.cast());
-                                acc[j] = _mm512_dpbf16_ps(acc[j], as_pbh(q0), as_pbh(k0));
-                                if two {
-                                    let q1 = _mm512_loadu_si512(qj.add(32).cast());
-                                    odd[j] = _mm512_dpbf16_ps(odd[j], as_pbh(q1), as_pbh(k1));
-                                }
-                            }
-                        }
-                        d += 64;
-                    }
-                    for ((pj, a), b) in part.iter_mut().zip(acc).zip(odd) {
-                        pj[rr] = _mm512_add_ps(a, b);
-                    }
-                }
-                let keep: __mmask16 = if rows == 16 { 0xFFFF } else { (1 << rows) - 1 };
-                for (j, pj) in part.iter().enumerate() {
-                    let sums = _mm512_mul_ps(sum16(pj), scale_v);
-                    // SAFETY: lanes `0..rows` are scores `r0..r0 + rows` of query `j`, inside
-                    // its `RUN` scores (r0 + rows <= run <= RUN); masked-off lanes are not
-                    // written.
-                    unsafe { _mm512_mask_storeu_ps(s.as_mut_ptr().add(j * RUN + r0), keep, sums) };
-                }
+                };
+                // SAFETY: the head's queries are `G * hd` bf16 of the row of `heads * G * hd`;
+                // rows `r0..r0 + rows` of this run are pool rows (caller's contract) whose
+                // head slices hold `hd` bf16 (`hd == 32 * NB` unless NB == 0); scores
+                // `j * RUN + r0 + rr` lie inside the head's `G * RUN` (r0 + rows <= run <= RUN).
+                unsafe {
+                    scores16::<G, NB>(
+                        qp.add(h * G * hd),
+                        kp.wrapping_add(base + r0 * row + h * hd),
+                        row,
+                        rows,
+                        hd,
+                        scale,
+                        s.as_mut_ptr().add(r0),
+                        RUN,
+                        prefetch,
+                    )
+                };
                 r0 += rows;
             }
             // Rows of a longer next run than this one (this run ended at a page's end).
@@ -360,6 +316,105 @@ unsafe fn heads_g<const G: usize, const NV: usize, const NB: usize>(
             }
         }
         t = next;
+    }
+}
+
+/// Scores of `rows <= 16` pool rows against one head's `G` bf16 queries (`qh`, `G * hd`),
+/// times `scale`: score `r` of query `j` goes to `s[j * stride + r]`. Row `r`'s head slice is
+/// at `k + r * row`; `pf(r)` runs before it is read (the caller's prefetches). Each score
+/// takes two chains of `vdpbf16ps` (even and odd 32-element blocks), and the 16 rows' sums
+/// per query are reduced together ([`sum16`]). With `NB > 0` (`hd == 32 * NB`) the queries
+/// are loaded once for the 16 rows and the loop is unrolled.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and BF16; `qh` holds `G * hd` bf16; each of the `rows` slices holds `hd`
+/// bf16, `hd` a multiple of 32 and `hd == 32 * NB` unless `NB == 0`; `s.add(j * stride + r)`
+/// is writable for `j < G`, `r < rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scores16<const G: usize, const NB: usize>(
+    qh: *const u16,
+    k: *const u16,
+    row: usize,
+    rows: usize,
+    hd: usize,
+    scale: f32,
+    s: *mut f32,
+    stride: usize,
+    mut pf: impl FnMut(usize),
+) {
+    debug_assert!(rows <= 16 && hd.is_multiple_of(32) && (NB == 0 || hd == 32 * NB));
+    let qreg: [[__m512i; NB]; G] = std::array::from_fn(|j| {
+        std::array::from_fn(|b| {
+            // SAFETY: NB > 0 only when hd == 32 * NB: block b of query j is inside `qh`.
+            unsafe { _mm512_loadu_si512(qh.add(j * hd + 32 * b).cast()) }
+        })
+    });
+    // Each query's 16 rows of 16-lane partial sums (rows past `rows`: zeros), every element
+    // written once below: zero-initialising the `16 * G` vectors first (a `memset` call per
+    // call) took ~12% of the kernel's time at a group of 5.
+    let mut part = std::mem::MaybeUninit::<[[__m512; 16]; G]>::uninit();
+    let first = part.as_mut_ptr().cast::<__m512>();
+    let slot = |j: usize, rr: usize| first.wrapping_add(j * 16 + rr);
+    for rr in 0..rows {
+        pf(rr);
+        let k = k.wrapping_add(rr * row);
+        // Two chains per query: blocks d and d + 32 go to `acc` and `odd`.
+        let mut acc = [_mm512_setzero_ps(); G];
+        let mut odd = [_mm512_setzero_ps(); G];
+        for b in 0..NB {
+            // SAFETY: hd == 32 * NB: block b of this row's head slice is inside it.
+            let kb = unsafe { _mm512_loadu_si512(k.add(32 * b).cast()) };
+            let chains = if b % 2 == 0 { &mut acc } else { &mut odd };
+            for (a, qj) in chains.iter_mut().zip(&qreg) {
+                *a = _mm512_dpbf16_ps(*a, as_pbh(qj[b]), as_pbh(kb));
+            }
+        }
+        let mut d = if NB > 0 { hd } else { 0 };
+        while d < hd {
+            // SAFETY: the row's head slice and each query hold `hd` bf16; d + 32 <= hd, and
+            // d + 64 <= hd for the second block.
+            unsafe {
+                let k0 = _mm512_loadu_si512(k.add(d).cast());
+                let two = d + 64 <= hd;
+                let k1 = if two {
+                    _mm512_loadu_si512(k.add(d + 32).cast())
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for j in 0..G {
+                    let qj = qh.add(j * hd + d);
+                    let q0 = _mm512_loadu_si512(qj.cast());
+                    acc[j] = _mm512_dpbf16_ps(acc[j], as_pbh(q0), as_pbh(k0));
+                    if two {
+                        let q1 = _mm512_loadu_si512(qj.add(32).cast());
+                        odd[j] = _mm512_dpbf16_ps(odd[j], as_pbh(q1), as_pbh(k1));
+                    }
+                }
+            }
+            d += 64;
+        }
+        for j in 0..G {
+            // SAFETY: j < G and rr < 16: inside `part`.
+            unsafe { slot(j, rr).write(_mm512_add_ps(acc[j], odd[j])) };
+        }
+    }
+    for rr in rows..16 {
+        for j in 0..G {
+            // SAFETY: as above.
+            unsafe { slot(j, rr).write(_mm512_setzero_ps()) };
+        }
+    }
+    // SAFETY: every element was written, rows `0..rows` in the loop and the rest as zeros.
+    let part = unsafe { part.assume_init() };
+    let keep: __mmask16 = if rows == 16 { 0xFFFF } else { (1 << rows) - 1 };
+    let scale_v = _mm512_set1_ps(scale);
+    for (j, pj) in part.iter().enumerate() {
+        let sums = _mm512_mul_ps(sum16(pj), scale_v);
+        // SAFETY: lanes `0..rows` are scores `0..rows` of query `j` (caller's contract);
+        // masked-off lanes are not written.
+        unsafe { _mm512_mask_storeu_ps(s.add(j * stride), keep, sums) };
     }
 }
 

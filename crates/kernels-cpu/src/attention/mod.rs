@@ -25,6 +25,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod flash;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 
 /// The partial records (`[m, l, o...]` per query, `hd + 2` floats) of one head's SIMD state
 /// `st` (`[queries, o, m, l]` as the x86 kernels keep it, `group` queries). The kernels hold
@@ -69,15 +71,19 @@ pub enum DecodeKernel {
     /// AVX-512 BF16, head-major: each 32-token run worked head by head with the next heads'
     /// slices prefetched, 16 rows' scores reduced together, `p · V` on 512-bit vectors.
     Avx512Bf16Heads,
+    /// AVX-512 BF16, token-major runs worked head by head, both products on `vdpbf16ps`:
+    /// `p · V` over token pairs with the probabilities rounded to bf16 (`pairs.rs`).
+    Avx512Bf16Pairs,
 }
 
 impl DecodeKernel {
     /// Every kernel, in order of the instruction set they need.
-    pub const ALL: [DecodeKernel; 4] = [
+    pub const ALL: [DecodeKernel; 5] = [
         DecodeKernel::Portable,
         DecodeKernel::Avx2,
         DecodeKernel::Avx512Bf16,
         DecodeKernel::Avx512Bf16Heads,
+        DecodeKernel::Avx512Bf16Pairs,
     ];
 
     /// The name benches print and flags take.
@@ -87,6 +93,7 @@ impl DecodeKernel {
             DecodeKernel::Avx2 => "avx2",
             DecodeKernel::Avx512Bf16 => "avx512-bf16",
             DecodeKernel::Avx512Bf16Heads => "avx512-bf16-heads",
+            DecodeKernel::Avx512Bf16Pairs => "avx512-bf16-pairs",
         }
     }
 
@@ -101,7 +108,9 @@ impl DecodeKernel {
         match self {
             DecodeKernel::Portable => Isa::Portable,
             DecodeKernel::Avx2 => Isa::Avx2,
-            DecodeKernel::Avx512Bf16 | DecodeKernel::Avx512Bf16Heads => Isa::Avx512Bf16,
+            DecodeKernel::Avx512Bf16
+            | DecodeKernel::Avx512Bf16Heads
+            | DecodeKernel::Avx512Bf16Pairs => Isa::Avx512Bf16,
         }
     }
 
@@ -111,25 +120,34 @@ impl DecodeKernel {
     }
 }
 
-/// The decode attention kernel a thread whose kernels run on `isa` takes: the token-major
-/// AVX-512 BF16 kernel on that path, the head-major one on the AMX path, else the path's own.
+/// The decode attention kernel a thread whose kernels run on `isa` takes for a query group of
+/// `group` (query heads per KV head): on the AVX-512 BF16 path the token-major kernel up to a
+/// group of 4 and the token-pair kernel from 5 on, the head-major one on the AMX path, else
+/// the path's own.
 ///
-/// Why two AVX-512 BF16 kernels: on Zen 4 (AVX-512 BF16 without AMX, 512-bit operations on
-/// 256-bit pipes) the head-major kernel lost to the AVX2 one (0.96–0.975× the step time at
-/// 1 × 256, 4 × 1024 and 16 × 1024), and the token-major `vdpbf16ps` kernel took 0.87–0.90×
-/// the AVX2 kernel's time at 4 × 1024 and 16 × 1024 and 0.89× at 1 × 256 (`attn_bw --shape`,
-/// 2 threads, interleaved rounds); on the AMX Xeon the head-major kernel beat the AVX2 one by
-/// 4–14% of the step and the token-major `vdpbf16ps` kernel has not been measured
-/// (`docs/benchmarks.md`, sessions 30, 44 and 45).
-pub fn path(isa: crate::isa::Isa) -> DecodeKernel {
+/// Why: on Zen 4 (AVX-512 BF16 without AMX, 512-bit operations on 256-bit pipes) the
+/// head-major kernel lost to the AVX2 one (0.96–0.975× the step time at 1 × 256, 4 × 1024 and
+/// 16 × 1024), and the token-major `vdpbf16ps` kernel took 0.87–0.90× the AVX2 kernel's time
+/// at 4 × 1024 and 16 × 1024 and 0.89× at 1 × 256 (`attn_bw --shape`, 2 threads, interleaved
+/// rounds). From a group of 5 (Qwen3-14B's) its widened `p · V` made it compute-bound, and
+/// the token-pair kernel, both products on `vdpbf16ps`, took 0.971× its whole 16 × 3500 step
+/// (paired steps); at Qwen3-0.6B's group of 2 the token-major kernel's row streams read
+/// faster from memory (`pairs.rs`). On the AMX Xeon the head-major kernel beat the AVX2 one
+/// by 4–14% of the step; neither the token-major nor the token-pair kernel has been measured
+/// there (`docs/benchmarks.md`, sessions 30, 44, 45 and 53).
+pub fn path(isa: crate::isa::Isa, group: usize) -> DecodeKernel {
     use crate::isa::Isa;
     match isa {
         Isa::Portable => DecodeKernel::Portable,
         Isa::Avx2 => DecodeKernel::Avx2,
+        Isa::Avx512Bf16 if group >= PAIRS_FROM_GROUP => DecodeKernel::Avx512Bf16Pairs,
         Isa::Avx512Bf16 => DecodeKernel::Avx512Bf16,
         Isa::AmxBf16 => DecodeKernel::Avx512Bf16Heads,
     }
 }
+
+/// The smallest query group [`path`] gives the token-pair kernel on the AVX-512 BF16 path.
+const PAIRS_FROM_GROUP: usize = 5;
 
 /// The [`set_process_decode_kernel`] choice: 0 for none, else its index in
 /// `DecodeKernel::ALL` plus one.
@@ -179,11 +197,12 @@ pub fn with_decode_kernel<R>(kernel: DecodeKernel, f: impl FnOnce() -> R) -> Opt
     Some(f())
 }
 
-/// The kernel [`decode_attention_heads_bf16`] runs now: this thread's [`with_decode_kernel`]
-/// choice, else the process's [`set_process_decode_kernel`] choice, where the thread's path
-/// allows it; else [`path`] of the thread's path. Its instruction set is never above the
-/// thread's path ([`crate::isa::Isa::current`]), so never above the CPU's.
-fn decode_kernel() -> DecodeKernel {
+/// The kernel [`decode_attention_heads_bf16`] runs now for a query group of `group`: this
+/// thread's [`with_decode_kernel`] choice, else the process's [`set_process_decode_kernel`]
+/// choice, where the thread's path allows it; else [`path`] of the thread's path. Its
+/// instruction set is never above the thread's path ([`crate::isa::Isa::current`]), so never
+/// above the CPU's.
+fn decode_kernel(group: usize) -> DecodeKernel {
     let cur = crate::isa::Isa::current();
     let process = match PROCESS_KERNEL.load(std::sync::atomic::Ordering::Relaxed) {
         0 => None,
@@ -191,7 +210,7 @@ fn decode_kernel() -> DecodeKernel {
     };
     match THREAD_KERNEL.with(|c| c.get()).or(process) {
         Some(k) if k.isa() <= cur => k,
-        _ => path(cur),
+        _ => path(cur, group),
     }
 }
 
@@ -399,7 +418,7 @@ pub fn decode_attention_heads_bf16(
         kv.kv_heads * rec,
         "decode attention: partials len"
     );
-    let k = decode_kernel();
+    let k = decode_kernel(group);
     #[cfg(target_arch = "x86_64")]
     {
         type HeadsKernel = unsafe fn(
@@ -417,14 +436,24 @@ pub fn decode_attention_heads_bf16(
         // one only where it has AVX2 and FMA. Shapes a kernel lacks fall to the next one.
         let rows = avx2::supports(group, hd);
         let chosen: Option<(HeadsKernel, usize)> = match k {
+            DecodeKernel::Avx512Bf16Pairs if pairs::supports(group, hd) => Some((
+                pairs::decode_partials_heads,
+                pairs::heads_state_len(kv.kv_heads, group, hd),
+            )),
             DecodeKernel::Avx512Bf16Heads if avx512::supports(group, hd) => Some((
                 avx512::decode_partials_heads,
                 avx512::heads_state_len(kv.kv_heads, group, hd),
             )),
-            DecodeKernel::Avx512Bf16 | DecodeKernel::Avx512Bf16Heads if rows => Some((
-                avx2::decode_partials_heads::<true>,
-                avx2::heads_state_len(kv.kv_heads, group, hd),
-            )),
+            DecodeKernel::Avx512Bf16
+            | DecodeKernel::Avx512Bf16Heads
+            | DecodeKernel::Avx512Bf16Pairs
+                if rows =>
+            {
+                Some((
+                    avx2::decode_partials_heads::<true>,
+                    avx2::heads_state_len(kv.kv_heads, group, hd),
+                ))
+            }
             DecodeKernel::Avx2 if rows => Some((
                 avx2::decode_partials_heads::<false>,
                 avx2::heads_state_len(kv.kv_heads, group, hd),

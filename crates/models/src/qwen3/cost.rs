@@ -130,8 +130,11 @@ pub enum Engine {
     /// The bf16 GEMM path the step's projections take (AMX tiles, `vdpbf16ps` or fp32 FMA,
     /// by batch and CPU).
     Matrix,
-    /// fp32 FMA: decode attention, and products that widen int8 weights to fp32.
+    /// fp32 FMA: products that widen int8 weights to fp32 (and the head's int8 LM head).
     Fma,
+    /// The instruction the decode attention kernel's products run on (`vdpbf16ps` for the
+    /// AVX-512 BF16 kernels, fp32 FMA for the AVX2 and portable ones).
+    Attention,
 }
 
 /// A decode step phase: its bytes and operations summed over the layers it repeats in (every
@@ -154,6 +157,8 @@ pub struct DecodePeaks {
     pub matrix_gflops: f64,
     /// fp32 FMA peak, GFLOP/s.
     pub fma_gflops: f64,
+    /// Peak of the instruction the decode attention kernel's products run on, GFLOP/s.
+    pub attention_gflops: f64,
     /// int8 dot-product peak of the int8 path (0 when the step has no int8 products).
     pub int8_gops: f64,
 }
@@ -166,6 +171,7 @@ impl DecodePeaks {
             gflops: match engine {
                 Engine::Matrix => self.matrix_gflops,
                 Engine::Fma => self.fma_gflops,
+                Engine::Attention => self.attention_gflops,
             },
             int8_gops: self.int8_gops,
         }
@@ -287,7 +293,7 @@ impl DecodePhases {
                     flops: l * 4.0 * f(c.q_width()) * tokens,
                     int8_ops: 0.0,
                 },
-                engine: Engine::Fma,
+                engine: Engine::Attention,
             },
             proj("o_proj", &[3]),
             vector("mlp_norm", l * 4.0 * h),
@@ -486,6 +492,7 @@ mod tests {
             gbs,
             matrix_gflops: matrix,
             fma_gflops: fma,
+            attention_gflops: fma,
             int8_gops: 400.0,
         }
     }

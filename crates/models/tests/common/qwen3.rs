@@ -29,12 +29,13 @@ pub(crate) fn worker() -> Worker {
 /// K (std 0.01) and V (0.3 ± 0.02) make softmax nearly uniform over nearly equal values, so
 /// the tests stretch them to N(0, 1) and the attention pattern matters.
 pub(crate) fn stretched_fixture(preset: &str, seq_lens: &[usize]) -> Fixture {
+    stretched_fixture_of(&Qwen3Config::preset(preset).unwrap(), seq_lens)
+}
+
+/// [`stretched_fixture`] of any configuration.
+pub(crate) fn stretched_fixture_of(c: &Qwen3Config, seq_lens: &[usize]) -> Fixture {
     let max = *seq_lens.iter().max().unwrap();
-    let mut f = generate_fixture(
-        &Qwen3Config::preset(preset).unwrap(),
-        &FixtureOptions::small(seq_lens.len(), max),
-        None,
-    );
+    let mut f = generate_fixture(c, &FixtureOptions::small(seq_lens.len(), max), None);
     f.batch.seq_lens = seq_lens.to_vec();
     for layer in &mut f.weights.layers {
         let lw = Arc::make_mut(layer);
