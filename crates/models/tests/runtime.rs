@@ -116,12 +116,23 @@ fn full_model_matches_golden_with(
     policy: impl FnOnce(&mut TilePolicy),
 ) {
     let f = stretched_fixture("small", seq_lens);
+    full_model_step_matches(&f, cfg, policy, "after all layers");
+}
+
+/// One full-model decode step of `f` (tile policy set by `policy`) against the golden: the
+/// hidden state, logits and tokens, and every layer's K/V writes.
+fn full_model_step_matches(
+    f: &Fixture,
+    cfg: &CallConfig,
+    policy: impl FnOnce(&mut TilePolicy),
+    what: &str,
+) {
     let w = worker();
-    let mut s = session(&w, &f);
+    let mut s = session(&w, f);
     policy(&mut s.policy);
     let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    check_model_step("after all layers", &got, &want);
+    check_model_step(what, &got, &want);
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
 }
 
@@ -146,16 +157,14 @@ fn a_query_group_of_5_matches_the_golden() {
     );
     let lens = [1, 127, 128, 129, 300];
     let f = stretched_fixture_of(&c, &lens);
-    let w = worker();
-    let mut s = session(&w, &f);
-    let got = s
-        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
-        .unwrap();
-    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    check_model_step("group 5, after all layers", &got, &want);
-    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+    full_model_step_matches(
+        &f,
+        &CallConfig::default(),
+        |_| {},
+        "group 5, after all layers",
+    );
 
-    let f = stretched_fixture_of(&c, &lens);
+    let w = worker();
     let mut s = session(&w, &f);
     let got = s
         .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
@@ -198,14 +207,7 @@ fn tapered_kv_chunks_match_the_golden() {
 fn batch_64_full_model_matches_the_golden() {
     let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 53) % 200).collect();
     let f = stretched_fixture("tiny", &lens);
-    let w = worker();
-    let mut s = session(&w, &f);
-    let got = s
-        .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
-        .unwrap();
-    let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
-    check_model_step("batch 64", &got, &want);
-    check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
+    full_model_step_matches(&f, &CallConfig::default(), |_| {}, "batch 64");
 }
 
 #[test]

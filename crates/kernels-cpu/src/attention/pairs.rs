@@ -54,12 +54,6 @@ use super::avx512::scores16;
 use super::flash::exp512;
 use crate::simd::{as_pbh, prefetch_l2};
 
-/// Largest query group handled here.
-const MAX_GROUP: usize = 8;
-
-/// Largest head dimension handled here.
-const MAX_HD: usize = 256;
-
 /// Tokens per run (the online-softmax tile; never crosses a page). Even, a multiple of 32
 /// (the probabilities are converted 32 at a time).
 const RUN: usize = 64;
@@ -67,9 +61,10 @@ const RUN: usize = 64;
 /// bf16 1.0 in both halves of a 32-bit lane: `vdpbf16ps` against it sums a pair.
 const ONES: i32 = 0x3F80_3F80;
 
-/// Whether [`decode_partials_heads`] handles this shape.
+/// Whether [`decode_partials_heads`] handles this shape: the head-major kernel's shapes,
+/// whose score blocks (`avx512::scores16`) it takes.
 pub(super) fn supports(group: usize, head_dim: usize) -> bool {
-    (1..=MAX_GROUP).contains(&group) && head_dim.is_multiple_of(32) && head_dim <= MAX_HD
+    super::avx512::supports(group, head_dim)
 }
 
 /// One head's state: `[group, hd]` outputs (this module's order), `[group]` running max,
