@@ -444,7 +444,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         let tasks = last.as_ref().map_or(0, |r| r.counters.tasks);
 
         println!("prompt {len} tokens (positions 0..{len}, {tasks} tasks per step):");
-        println!("  {}", crate::qwen3_decode::format_paths(len, c.group()));
+        println!("  {}", crate::qwen3_decode::format_paths(len, &c));
         println!(
             "  prefill attention path: {} (head_dim {})",
             simpler_kernels_cpu::attention::prefill_path(

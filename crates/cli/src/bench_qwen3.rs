@@ -324,10 +324,9 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
     let cfg = args.run.call_config("decode")?;
     let c = args.model.config(args.layers)?;
-    // The model's query group picks its decode attention kernel (`attention::path`).
-    let group = c.group();
+    // The model's heads pick its decode attention kernel (`attention::kernel_for`).
+    let here = crate::qwen3_decode::attention_kernel(&c);
     if let Some(kernel) = versus_attention {
-        let here = attention::path(Isa::detected(), group);
         if kernel == here {
             bail!(
                 "--versus-attention {}: this run's decode attention already runs it; give another kernel",
@@ -456,7 +455,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let dpeaks = crate::qwen3_decode::decode_peaks(
             &peaks,
             batch,
-            c.group(),
+            &c,
             args.model.weights,
             args.membw_seconds().min(1.0),
         );
@@ -481,7 +480,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             "compute"
         };
         println!("batch {batch} x {seq_len} tokens:");
-        println!("  {}", crate::qwen3_decode::format_paths(batch, c.group()));
+        println!("  {}", crate::qwen3_decode::format_paths(batch, &c));
         println!("  {}", format_summary("step_ms", &s, args.warmup));
         println!(
             "  {:.2} tokens/s; effective (orch ∪ sched) {eff_ms:.2} ms of the {:.2} ms step",
@@ -671,10 +670,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             println!(
                 "  decode attention kernels compared (every other kernel on this run's path; interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
-            let a_name = format!(
-                "{} (this run)",
-                attention::path(Isa::detected(), group).name()
-            );
+            let a_name = format!("{} (this run)", here.name());
             let b_name = kernel.name();
             print_indented(&format_compare("step_ms", &a_name, b_name, &c));
         }

@@ -251,7 +251,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     let most = args.streams.iter().copied().max().unwrap_or(1);
     println!(
         "{} (decode at {most} streams)",
-        crate::qwen3_decode::format_paths(most, c.group())
+        crate::qwen3_decode::format_paths(most, &c)
     );
     println!("{diagnostics}");
     // Rounds of every streams count in turn, warm-up rounds first (discarded); every

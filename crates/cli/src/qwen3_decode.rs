@@ -176,17 +176,17 @@ pub(crate) fn gemm_path(rows: usize) -> Isa {
     path_for(Isa::detected(), rows, layout)
 }
 
-/// The denominators of a decode step's phases with `rows` activation rows and a query group
-/// of `group`: bandwidth, the peak of the GEMM path those rows take, the fp32 FMA peak
-/// (widened int8 products), the peak of the instruction the decode attention kernel's
-/// products run on (`attention::path` for the group: `vdpbf16ps` for the AVX-512 BF16
-/// kernels, the strict figure for the token-major one whose `p · V` still widens to FMA), and
-/// for W8A8 weights the int8 peak of the path that runs (measured now, over about
-/// `seconds / 4`).
+/// The denominators of a decode step of `c` with `rows` activation rows: bandwidth, the peak
+/// of the GEMM path those rows take, the fp32 FMA peak (widened int8 products), the peak of the
+/// instruction the run's decode attention kernel takes for `c`'s shape
+/// (`attention::kernel_for`: `vdpbf16ps` for the AVX-512 BF16 kernels, the strict figure for
+/// the token-major one whose `p · V` still widens to FMA; a kernel another process-wide choice
+/// runs, as `--versus-attention`'s B steps, is not what it names), and for W8A8 weights the
+/// int8 peak of the path that runs (measured now, over about `seconds / 4`).
 pub(crate) fn decode_peaks(
     p: &MachinePeaks,
     rows: usize,
-    group: usize,
+    c: &simpler_models::qwen3::Qwen3Config,
     format: WeightFormat,
     seconds: f64,
 ) -> DecodePeaks {
@@ -195,7 +195,7 @@ pub(crate) fn decode_peaks(
     } else {
         0.0
     };
-    let attention = simpler_kernels_cpu::attention::path(Isa::detected(), group);
+    let attention = attention_kernel(c);
     DecodePeaks {
         gbs: p.read_gbs_all,
         matrix_gflops: matmul_peak(p, rows),
@@ -264,9 +264,16 @@ pub(crate) fn format_phase_table(
     Some(s)
 }
 
-/// One line naming the instruction-set paths the kernels of a step with `rows` activation
-/// rows and a query group of `group` take (so every number says which path produced it).
-pub(crate) fn format_paths(rows: usize, group: usize) -> String {
+/// The decode attention kernel this machine's path runs for `c`'s heads.
+pub(crate) fn attention_kernel(
+    c: &simpler_models::qwen3::Qwen3Config,
+) -> simpler_kernels_cpu::attention::DecodeKernel {
+    simpler_kernels_cpu::attention::kernel_for(Isa::detected(), c.group(), c.head_dim)
+}
+
+/// One line naming the instruction-set paths the kernels of a step of `c` with `rows`
+/// activation rows take (so every number says which path produced it).
+pub(crate) fn format_paths(rows: usize, c: &simpler_models::qwen3::Qwen3Config) -> String {
     let isa = Isa::detected();
     let capped = match std::env::var("SIMPLER_ISA") {
         Ok(v) => format!(", SIMPLER_ISA={v}"),
@@ -280,7 +287,7 @@ pub(crate) fn format_paths(rows: usize, group: usize) -> String {
     format!(
         "kernel paths: GEMM {} ({rows} activation rows; bf16 matrices {layout}), decode attention {}, vector kernels {}; this CPU's best path {}{capped}",
         gemm_path(rows).name(),
-        simpler_kernels_cpu::attention::path(isa, group).name(),
+        attention_kernel(c).name(),
         simpler_kernels_cpu::attention::vector_path(isa).name(),
         Isa::hardware().name(),
     )
@@ -407,7 +414,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     );
     println!("{}", describe_weights(args.model.weights));
     println!("{}", format_peaks(&peaks));
-    println!("{}", format_paths(args.batch, c.group()));
+    println!("{}", format_paths(args.batch, &c));
     println!("{}", format_diagnostics(&Diagnostics::of(&cfg)));
 
     // Rounds of steps; the first step of the first round is kept for the check.
@@ -553,7 +560,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     let dpeaks = decode_peaks(
         &peaks,
         args.batch,
-        c.group(),
+        &c,
         args.model.weights,
         args.membw_seconds,
     );

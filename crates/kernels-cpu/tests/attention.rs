@@ -395,8 +395,8 @@ fn combine_of_partials_equals_one_chunk() {
 
 /// Runs `f` with every decode attention kernel this CPU has (`attention::with_decode_kernel`,
 /// the portable one first), printing the kernels run and skipped so a test log says what it
-/// covered: each path's own kernels, and both AVX-512 BF16 ones (token- and head-major) on any
-/// CPU with that path.
+/// covered: each path's own kernels, and all three AVX-512 BF16 ones (token-major, head-major,
+/// token-pair) on any CPU with that path.
 fn all_decode_kernels<R>(what: &str, f: impl Fn() -> R) -> Vec<(&'static str, R)> {
     let mut ran = Vec::new();
     let mut skipped = Vec::new();
@@ -910,4 +910,114 @@ fn a_constant_v_comes_back_on_every_kernel() {
             }
         }
     }
+}
+
+/// Rows outside a call's token range never reach its result: with every other row of the
+/// sequence's pages (and the rest of the pool) set to NaN, every kernel matches the reference
+/// over the range — odd runs, runs ending at a page's end, a single token at a page's end,
+/// pages smaller than a run, every group the kernels take — and an empty range gives the empty
+/// record `[-inf, 0, 0, ..]` on every kernel. (A kernel pairing a run's odd last row with the
+/// row after it, or reading a probability past the run, would carry a NaN in.)
+#[test]
+fn rows_outside_the_range_never_reach_the_result() {
+    let mut rng = Rng(404);
+    for (group, hd, ps, kv_heads) in [
+        (1, 64, 16, 2),
+        (2, 128, 128, 2),
+        (3, 96, 16, 1),
+        (5, 128, 128, 2),
+        (5, 64, 16, 1),
+        (6, 160, 128, 1),
+        (8, 256, 16, 1),
+    ] {
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q = rng.vec_bf16(kv_heads * group * hd, 1.0);
+        for tokens in [
+            0..0,
+            ps - 1..ps,
+            ps + 3..2 * ps,
+            1..2 * ps + 7,
+            2 * ps - 5..3 * ps + 64 + 1,
+        ] {
+            let mut st = Setup::new(1, 8, kv_heads, hd, ps, &mut rng);
+            let row = kv_heads * hd;
+            let inside: std::collections::HashSet<usize> = tokens
+                .clone()
+                .map(|t| st.tables[0][t / ps] as usize * ps + t % ps)
+                .collect();
+            for (slot, (k, v)) in
+                st.k.chunks_exact_mut(row)
+                    .zip(st.v.chunks_exact_mut(row))
+                    .enumerate()
+            {
+                if !inside.contains(&slot) {
+                    k.fill(bf16::NAN);
+                    v.fill(bf16::NAN);
+                }
+            }
+            let rec = partial_len(group, hd);
+            let ran = all_decode_kernels("decode attention, NaN outside the range", || {
+                let mut all = vec![0.0f32; kv_heads * rec];
+                decode_attention_heads_bf16(
+                    &q,
+                    group,
+                    &st.kv(),
+                    &st.tables[0],
+                    tokens.clone(),
+                    scale,
+                    &mut all,
+                );
+                all
+            });
+            for (kernel, out) in &ran {
+                for h in 0..kv_heads * group {
+                    let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
+                    let what = format!(
+                        "{kernel} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}"
+                    );
+                    if tokens.is_empty() {
+                        assert!(
+                            r[0] == f32::NEG_INFINITY && r[1..].iter().all(|&v| v == 0.0),
+                            "{what}: {:?}",
+                            &r[..4]
+                        );
+                        continue;
+                    }
+                    assert!(
+                        r.iter().skip(1).all(|v| v.is_finite()),
+                        "{what}: not finite"
+                    );
+                    let qh = to_f32(&q[h * hd..(h + 1) * hd]);
+                    let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
+                    let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
+                    common::assert_close(&got, &want, 5e-3, 2e-2, &what);
+                }
+            }
+        }
+    }
+}
+
+/// `attention::kernel_for` names the kernel that runs: `path`'s where the vector kernels take
+/// the shape, the portable loops where none does (a group above 8, a head dimension that is not
+/// a multiple of 32), whose bits a call of that shape then gives.
+#[test]
+fn kernel_for_names_the_kernel_that_runs() {
+    use attention::{DecodeKernel, kernel_for, path};
+    for isa in Isa::ALL {
+        for group in [1, 2, 4, 5, 8] {
+            assert_eq!(kernel_for(isa, group, 128), path(isa, group));
+        }
+        assert_eq!(kernel_for(isa, 9, 128), DecodeKernel::Portable);
+        assert_eq!(kernel_for(isa, 2, 80), DecodeKernel::Portable);
+    }
+    let mut rng = Rng(9);
+    let (group, hd) = (9usize, 64usize);
+    let st = Setup::new(1, 2, 1, hd, 16, &mut rng);
+    let q = rng.vec_bf16(group * hd, 1.0);
+    let run = || {
+        let mut all = vec![0.0f32; partial_len(group, hd)];
+        decode_attention_heads_bf16(&q, group, &st.kv(), &st.tables[0], 0..29, 0.1, &mut all);
+        all
+    };
+    assert_eq!(run(), with_isa(Isa::Portable, run).expect("portable"));
 }

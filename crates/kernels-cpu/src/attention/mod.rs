@@ -146,6 +146,20 @@ pub fn path(isa: crate::isa::Isa, group: usize) -> DecodeKernel {
     }
 }
 
+/// The kernel [`decode_attention_heads_bf16`] runs on a thread of path `isa` with no kernel
+/// chosen ([`with_decode_kernel`], [`set_process_decode_kernel`]), for a query group of
+/// `group` and heads of `head_dim`: [`path`]'s where the vector kernels take the shape (all
+/// take the same: a group of 1–8, a head dimension a multiple of 32 up to 256), else the
+/// portable loops. What a report names, and the kernel whose instruction a bound is held to.
+pub fn kernel_for(isa: crate::isa::Isa, group: usize, head_dim: usize) -> DecodeKernel {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::supports(group, head_dim) {
+        return path(isa, group);
+    }
+    let _ = (isa, group, head_dim);
+    DecodeKernel::Portable
+}
+
 /// The smallest query group [`path`] gives the token-pair kernel on the AVX-512 BF16 path.
 const PAIRS_FROM_GROUP: usize = 5;
 

@@ -14,10 +14,12 @@
 //!
 //! Numerics: the probabilities `exp(s - m)` (in `(0, 1]`) become bf16 operands of the
 //! `p · V` product, as the specification's "matmuls take bf16 operands, accumulate in fp32"
-//! reads and as `transformers` computes it (softmax in fp32, cast to the activations' bf16,
-//! then the product with V). The running sum `l` adds the *rounded* probabilities (a
-//! `vdpbf16ps` against ones), so `o / l` stays a convex combination of the V rows: the
-//! rounding moves the weights by at most 2⁻⁹ of themselves and never the outputs' scale.
+//! reads, and close to how `transformers` computes it (it rounds the *normalised* softmax to
+//! the activations' bf16 before the product with V; here the unnormalised `exp(s - m)` is
+//! rounded and the division stays fp32). The running sum `l` adds the *rounded* probabilities
+//! (a `vdpbf16ps` against ones), so `o / l` stays a convex combination of the V rows: the
+//! rounding moves each weight by at most 2⁻⁸ of itself (subnormal ones are flushed to zero)
+//! and never the outputs' scale.
 //!
 //! The walk: runs of at most [`RUN`] tokens inside one page. Per run, the scores are taken
 //! 16 rows at a time, head by head (`avx512::scores16`, one transposing reduction for 16
@@ -57,6 +59,10 @@ use crate::simd::{as_pbh, prefetch_l2};
 /// Tokens per run (the online-softmax tile; never crosses a page). Even, a multiple of 32
 /// (the probabilities are converted 32 at a time).
 const RUN: usize = 64;
+const _: () = assert!(
+    RUN.is_multiple_of(32),
+    "the probabilities are converted 32 at a time"
+);
 
 /// bf16 1.0 in both halves of a 32-bit lane: `vdpbf16ps` against it sums a pair.
 const ONES: i32 = 0x3F80_3F80;
@@ -128,10 +134,10 @@ pub(super) unsafe fn decode_partials_heads(
         ($($g:literal => $nv:literal);*) => {
             match group {
                 $($g => {
-                    if hd == 128 && hd.is_multiple_of(32 * $nv) {
+                    if hd == 128 {
                         // SAFETY: forwarded contract; `states`, `scores` and `pb` have the
-                        // lengths `pairs_g` needs for this group; `NV` divides `hd / 32` and
-                        // `NB` is 4 with `hd == 128`.
+                        // lengths `pairs_g` needs for this group; `NV` (1, 2 or 4) divides
+                        // `hd / 32 = 4` and `NB` is 4 with `hd == 128`.
                         unsafe { pairs_g::<$g, 4, $nv>(&walk, tokens, states, scores, pb) }
                     } else if hd.is_multiple_of(32 * $nv) {
                         // SAFETY: as above, `NB` 0.
