@@ -40,7 +40,7 @@ use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{KvBuffers, PagedBatch, Qwen3Config, RunShape, Session, StepCost, ops};
 
 use crate::opts::RunOpts;
-use crate::qwen3_cmd::{ModelArgs, TileArgs, describe_weights, load_weights, upload};
+use crate::qwen3_cmd::{ModelArgs, TileArgs, describe_weights, load_model};
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
 /// Arguments of `simpler bench qwen3-prefill`.
@@ -328,6 +328,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             max_seq: longest.next_multiple_of(page),
             step_tokens: longest,
             weights: args.model.weights,
+            stream_layers: args.model.streams_layers(),
         },
     )?;
     let worker = args
@@ -335,10 +336,11 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         .prefill_sized(&mut cfg, &c, longest, 0, "--prompt-lens")?;
     ops::register(&worker)?;
     let peaks = machine_peaks(args.membw_seconds);
-    let mut weights = load_weights(&args.model, &c, false)?;
-    let model = upload(
+    let model = load_model(
+        &args.model,
         &worker,
-        &mut weights,
+        &c,
+        false,
         longest.next_multiple_of(page),
         args.model.weights,
     )?;

@@ -25,8 +25,8 @@ use simpler_models::qwen3::{
 
 use crate::opts::RunOpts;
 use crate::qwen3_cmd::{
-    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_weights,
-    upload, upload_keeping,
+    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_model,
+    load_weights, upload, upload_keeping,
 };
 use crate::qwen3_decode::{best_peaks, format_peaks, machine_peaks};
 
@@ -359,29 +359,36 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             max_seq: max_seq.next_multiple_of(PAGE_SIZE),
             step_tokens: shapes.iter().map(|s| s.0).max().unwrap_or(1),
             weights: args.model.weights,
+            stream_layers: args.model.streams_layers() && args.versus_weights.is_none(),
         },
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let peaks = machine_peaks(args.membw_seconds());
-    let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
-    // The comparison model first: `upload` drops the host embedding and LM head.
-    let versus_model = match args.versus_weights {
-        Some(f) => Some(upload_keeping(
-            &worker,
-            &weights,
-            max_seq.next_multiple_of(PAGE_SIZE),
-            f,
-        )?),
-        None => None,
+    let resident_seq = max_seq.next_multiple_of(PAGE_SIZE);
+    // A comparison format needs the host weights for its own copy (`upload` drops the host
+    // embedding and LM head, so it goes first); otherwise a preset's layers are generated and
+    // uploaded one at a time (`load_model`).
+    let (model, versus_model) = match args.versus_weights {
+        Some(f) => {
+            let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
+            let versus = upload_keeping(&worker, &weights, resident_seq, f)?;
+            let model = upload(&worker, &mut weights, resident_seq, args.model.weights)?;
+            (model, Some(versus))
+        }
+        None => (
+            load_model(
+                &args.model,
+                &worker,
+                &c,
+                args.shared_weights,
+                resident_seq,
+                args.model.weights,
+            )?,
+            None,
+        ),
     };
-    let model = upload(
-        &worker,
-        &mut weights,
-        max_seq.next_multiple_of(PAGE_SIZE),
-        args.model.weights,
-    )?;
     println!(
         "simpler bench qwen3-decode: {}, {layers} layers, full model step (embedding, layers, LM head, argmax); {} cores",
         args.model.describe(),

@@ -197,6 +197,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             max_seq: seq.div_ceil(PAGE_SIZE) * PAGE_SIZE,
             step_tokens: args.max_num_batched_tokens,
             weights: args.model.weights,
+            stream_layers: false,
         },
     )?;
     // No step holds more than every stream's prompt and a decode row each.

@@ -24,7 +24,7 @@ use simpler_serve::{ChatMessage, IncrementalDecoder, Sampler, SamplingParams, To
 use crate::npy;
 use crate::opts::{self, RunOpts};
 use crate::profile;
-use crate::qwen3_cmd::{ModelArgs, describe_weights, load_weights, upload};
+use crate::qwen3_cmd::{ModelArgs, describe_weights, load_model};
 
 /// Arguments of `simpler generate`.
 #[derive(Args, Debug)]
@@ -209,6 +209,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             max_seq: pages * PAGE_SIZE,
             step_tokens: args.num_prompts * args.prefill_chunk.min(prompt.len()),
             weights: args.model.weights,
+            stream_layers: args.model.streams_layers(),
         },
     )?;
     eprintln!(
@@ -278,11 +279,12 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         "--prefill-chunk x --num-prompts",
     )?;
     ops::register(&worker)?;
-    let mut weights = load_weights(&args.model, &c, false)?;
     let batch = PagedBatch::identity(vec![prompt.len(); n], total, PAGE_SIZE);
-    let model = upload(
+    let model = load_model(
+        &args.model,
         &worker,
-        &mut weights,
+        &c,
+        false,
         batch.max_blocks * batch.page_size,
         args.model.weights,
     )?;

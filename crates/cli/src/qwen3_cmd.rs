@@ -18,7 +18,7 @@ use simpler_models::qwen3::{
     FixtureOptions, Int8Acts, KvBuffers, LayerWeights, LoadOptions, MemoryEstimate, PagedBatch,
     ProjectionElem, Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy,
     UnknownWeightFormat, WeightFormat, WeightLayout, generate_inputs, generate_kv_pools,
-    generate_weights, load_checkpoint, load_config,
+    generate_layer, generate_outer_weights, generate_weights, load_checkpoint, load_config,
 };
 
 /// Where the model comes from.
@@ -157,6 +157,12 @@ pub(crate) fn describe_weights(format: WeightFormat) -> String {
 
 impl ModelArgs {
     /// A short description of the source.
+    /// Whether [`load_model`] brings the layers to the worker one weight set at a time (a
+    /// preset: generated per set; a checkpoint is loaded whole).
+    pub(crate) fn streams_layers(&self) -> bool {
+        self.model.is_none()
+    }
+
     pub(crate) fn describe(&self) -> String {
         match &self.model {
             Some(dir) => format!("checkpoint {}", dir.display()),
@@ -247,6 +253,20 @@ impl ModelArgs {
             let mut ways = Vec::new();
             if shape.layers > 1 {
                 ways.push(format!("--layers N (fewer than {})", shape.layers));
+            }
+            if !shape.weights.is_int8() {
+                let int8 = RunShape {
+                    weights: WeightFormat::Int8(Int8Acts::Quantised),
+                    ..*shape
+                };
+                if let Ok(e) = MemoryEstimate::of(c, &int8)
+                    && e.total() <= limit
+                {
+                    ways.push(format!(
+                        "--weights int8 (about {})",
+                        simpler_models::qwen3::decimal_bytes(e.total())
+                    ));
+                }
             }
             if self.model.is_none() && !shape.shared_weights && shape.layers > 1 {
                 ways.push("--shared-weights (one weight set for every layer)".into());
@@ -446,14 +466,8 @@ pub(crate) fn progress(len: u64, what: &str, bytes: bool) -> ProgressBar {
     pb
 }
 
-/// Generates (preset) or loads (checkpoint) the weights of `config` (from
-/// [`ModelArgs::config`], so `--layers` is already applied). `shared` gives every layer one
-/// weight set (presets only).
-pub(crate) fn load_weights(
-    args: &ModelArgs,
-    config: &Qwen3Config,
-    shared: bool,
-) -> Result<Qwen3Weights> {
+/// Applies `--bf16-layout` (the process's choice of how bf16 matrices are held).
+fn choose_layout(args: &ModelArgs) -> Result<()> {
     use simpler_models::qwen3::layout::Bf16LayoutChoice;
     simpler_models::qwen3::layout::choose_bf16_layout(match args.bf16_layout {
         None => Bf16LayoutChoice::Streaming,
@@ -462,6 +476,18 @@ pub(crate) fn load_weights(
         Some(Bf16LayoutArg::Pairs) => Bf16LayoutChoice::Pairs,
     })
     .context("--bf16-layout")?;
+    Ok(())
+}
+
+/// Generates (preset) or loads (checkpoint) the weights of `config` (from
+/// [`ModelArgs::config`], so `--layers` is already applied). `shared` gives every layer one
+/// weight set (presets only).
+pub(crate) fn load_weights(
+    args: &ModelArgs,
+    config: &Qwen3Config,
+    shared: bool,
+) -> Result<Qwen3Weights> {
+    choose_layout(args)?;
     if let Some(dir) = &args.model {
         if shared {
             bail!("--shared-weights applies to presets (a checkpoint brings its own layers)");
@@ -493,6 +519,59 @@ pub(crate) fn load_weights(
     let w = generate_weights(config, args.seed(), shared, Some(&tick));
     pb.finish_and_clear();
     Ok(w)
+}
+
+/// The model of `args` in worker buffers, its projections and LM head in `format` (RoPE
+/// tables for `max_seq` positions): a preset's weight sets are generated one at a time and
+/// each uploaded (quantised, for int8) before the next, so the host never holds more than one
+/// layer besides the embedding and LM head — what lets the 40-layer 14B preset run as int8 on
+/// a machine that cannot hold its bf16 weights; a checkpoint is loaded whole, then uploaded
+/// ([`load_weights`], [`upload`]). `shared` gives every layer one weight set (presets only).
+pub(crate) fn load_model(
+    args: &ModelArgs,
+    worker: &Worker,
+    config: &Qwen3Config,
+    shared: bool,
+    max_seq: usize,
+    format: WeightFormat,
+) -> Result<Arc<ResidentModel>> {
+    if args.model.is_some() {
+        let mut weights = load_weights(args, config, shared)?;
+        return upload(worker, &mut weights, max_seq, format);
+    }
+    // The layout choice `load_weights` makes for a preset, before any matrix is uploaded.
+    choose_layout(args)?;
+    let pb = progress(0, "generating", false);
+    let tick = |d: u64, t: u64| {
+        pb.set_length(t);
+        pb.set_position(d);
+    };
+    let outer = generate_outer_weights(config, args.seed(), Some(&tick));
+    pb.finish_and_clear();
+    let layers = config.num_hidden_layers;
+    let set_of_layer: Vec<usize> = (0..layers).map(|l| if shared { 0 } else { l }).collect();
+    let label = match format {
+        WeightFormat::Bf16 => "generating and uploading layers",
+        WeightFormat::Int8(_) => "generating and quantising layers to int8",
+    };
+    let pb = progress(0, label, true);
+    let tick = |d: u64, t: u64| {
+        pb.set_length(t);
+        pb.set_position(d);
+    };
+    let seed = args.seed();
+    let mut layer = |set: usize| Ok(Arc::new(generate_layer(config, seed, set)));
+    let model = ResidentModel::upload_sets(
+        worker,
+        &outer,
+        set_of_layer,
+        &mut layer,
+        max_seq,
+        format,
+        Some(&tick),
+    )?;
+    pb.finish_and_clear();
+    Ok(Arc::new(model))
 }
 
 /// Copies the weights into worker buffers (RoPE tables for `max_seq` positions), then drops

@@ -22,8 +22,7 @@ use simpler_models::qwen3::{
 
 use crate::opts::{self, RunOpts};
 use crate::qwen3_cmd::{
-    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_weights,
-    upload,
+    DecodeCase, ModelArgs, Replay, TileArgs, describe_graphs, describe_weights, load_model,
 };
 
 /// What a decode step runs.
@@ -351,13 +350,13 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             max_seq: blocks * PAGE_SIZE,
             step_tokens: args.batch,
             weights: args.model.weights,
+            stream_layers: args.model.streams_layers(),
         },
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;
     let peaks = machine_peaks(args.membw_seconds);
 
-    let mut weights = load_weights(&args.model, &c, args.shared_weights)?;
     let layers = c.num_hidden_layers;
     let with_head = args.variant == Variant::Model;
     let case = DecodeCase::new(
@@ -374,9 +373,11 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
         (CheckWhen::On, _) => true,
         (CheckWhen::Auto, _) => golden_flops <= CHECK_DEFAULT_MAX_FLOPS,
     };
-    let model = upload(
+    let model = load_model(
+        &args.model,
         &worker,
-        &mut weights,
+        &c,
+        args.shared_weights,
         case.batch.max_blocks * case.batch.page_size,
         args.model.weights,
     )?;
@@ -497,15 +498,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
                 }
             }
         };
-        let mut want = case.golden(
-            &weights.config,
-            layers,
-            &mut layer,
-            acts,
-            &model,
-            &x0,
-            with_head,
-        )?;
+        let mut want = case.golden(&c, layers, &mut layer, acts, &model, &x0, with_head)?;
         if args.variant == Variant::Layers {
             // The layers chunk rounds its output to bf16 once, at the end.
             want.hidden

@@ -716,3 +716,84 @@ fn the_prefill_heap_estimate_is_what_a_layer_needs() {
     );
     assert_eq!(run(&CallConfig::default()).unwrap().next_tokens, want);
 }
+
+/// A preset whose weight sets are generated and uploaded one at a time
+/// (`ResidentModel::upload_sets`, what the CLI does for presets) holds the bytes of the same
+/// preset generated whole and uploaded at once, in bf16 and int8, with distinct and shared
+/// sets; a set of the wrong shape and a wrong count of layers are refused by name, and the
+/// worker then uploads the next model.
+#[test]
+fn layers_uploaded_one_set_at_a_time_are_the_whole_upload() {
+    use simpler_models::qwen3::{
+        Int8Acts, WeightFormat, generate_layer, generate_outer_weights, generate_weights,
+    };
+    let c = Qwen3Config::preset("small").unwrap();
+    let w = worker();
+    let bytes = |m: &ResidentModel| -> Vec<Vec<u8>> {
+        m.buffers()
+            .iter()
+            .map(|b| b.read::<u8>().unwrap())
+            .collect()
+    };
+    for format in [WeightFormat::Bf16, WeightFormat::Int8(Int8Acts::Quantised)] {
+        for shared in [false, true] {
+            let whole = generate_weights(&c, 5, shared, None);
+            let a = ResidentModel::upload_as(&w, &whole, 256, format, None).unwrap();
+            let outer = generate_outer_weights(&c, 5, None);
+            let sets: Vec<usize> = (0..c.num_hidden_layers)
+                .map(|l| if shared { 0 } else { l })
+                .collect();
+            let mut made = Vec::new();
+            let mut layer = |s: usize| {
+                made.push(s);
+                Ok(Arc::new(generate_layer(&c, 5, s)))
+            };
+            let b =
+                ResidentModel::upload_sets(&w, &outer, sets.clone(), &mut layer, 256, format, None)
+                    .unwrap();
+            assert_eq!(
+                made,
+                (0..a.sets).collect::<Vec<_>>(),
+                "each set made once, in order"
+            );
+            assert_eq!((a.sets, &a.set_of_layer), (b.sets, &b.set_of_layer));
+            assert!(bytes(&a) == bytes(&b), "{format:?} shared {shared}");
+        }
+    }
+    let outer = generate_outer_weights(&c, 5, None);
+    let all: Vec<usize> = (0..c.num_hidden_layers).collect();
+    let mut short = |s: usize| {
+        let mut l = generate_layer(&c, 5, s);
+        l.w_up.pop();
+        Ok(Arc::new(l))
+    };
+    let Err(e) = ResidentModel::upload_sets(
+        &w,
+        &outer,
+        all.clone(),
+        &mut short,
+        256,
+        WeightFormat::Bf16,
+        None,
+    ) else {
+        panic!("a short tensor is refused")
+    };
+    let e = e.to_string();
+    assert!(e.contains("weight set 0.mlp.up_proj.weight"), "{e}");
+    let mut fine = |s: usize| Ok(Arc::new(generate_layer(&c, 5, s)));
+    let Err(e) = ResidentModel::upload_sets(
+        &w,
+        &outer,
+        vec![0; 3],
+        &mut fine,
+        256,
+        WeightFormat::Bf16,
+        None,
+    ) else {
+        panic!("a wrong layer count is refused")
+    };
+    let e = e.to_string();
+    assert!(e.contains("3 layers' sets for a config of"), "{e}");
+    ResidentModel::upload_sets(&w, &outer, all, &mut fine, 256, WeightFormat::Bf16, None)
+        .expect("the worker goes on");
+}

@@ -195,6 +195,8 @@ impl RuntimeConfig {
             max_seq,
             step_tokens: self.max_num_batched_tokens,
             weights,
+            // `TextEngine::load` takes a whole checkpoint or preset's weights.
+            stream_layers: false,
         };
         let overflow =
             |e: simpler_models::qwen3::memory::MemoryOverflow| EngineError::Config(e.to_string());

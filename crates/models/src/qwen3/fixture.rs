@@ -248,29 +248,12 @@ pub fn generate_weights(
     let c = config;
     let n_sets = if shared { 1 } else { c.num_hidden_layers };
     let mut sets: Vec<LayerWeights> = (0..n_sets).map(|_| LayerWeights::zeros(c)).collect();
-    let emb_len = c.vocab_size * c.hidden_size;
-    let mut embedding = vec![bf16::ZERO; emb_len];
-    let mut final_norm = vec![0.0f32; c.hidden_size];
-    let mut lm_head = (!c.tie_word_embeddings).then(|| vec![bf16::ZERO; emb_len]);
+    let mut outer = Outer::zeros(c);
     let mut all = Vec::new();
     for (l, set) in sets.iter_mut().enumerate() {
-        layer_jobs(&mut all, set, STREAM_LAYER0 + 16 * l as u64);
+        layer_jobs(&mut all, set, layer_stream(l));
     }
-    jobs(
-        &mut all,
-        TensorMut::Bf16(&mut embedding),
-        dist::EMBEDDING,
-        STREAM_EMBEDDING,
-    );
-    jobs(
-        &mut all,
-        TensorMut::F32(&mut final_norm),
-        dist::NORM,
-        STREAM_FINAL_NORM,
-    );
-    if let Some(h) = lm_head.as_mut() {
-        jobs(&mut all, TensorMut::Bf16(h), dist::LM_HEAD, STREAM_LM_HEAD);
-    }
+    outer.jobs(&mut all);
     run_jobs(seed, all, progress);
     let layers = if shared {
         let one = Arc::new(sets.pop().unwrap_or_else(|| LayerWeights::zeros(c)));
@@ -278,12 +261,82 @@ pub fn generate_weights(
     } else {
         sets.into_iter().map(Arc::new).collect()
     };
-    Qwen3Weights {
-        config: c.clone(),
-        layers,
-        embedding,
-        final_norm,
-        lm_head,
+    outer.into_weights(c, layers)
+}
+
+/// The weights [`generate_weights`] makes for everything but the layers (embedding, final
+/// norm, untied LM head), with no layers: what a caller that generates the layers one at a
+/// time ([`generate_layer`]) uploads first, so a model never has every layer on the host.
+pub fn generate_outer_weights(
+    config: &Qwen3Config,
+    seed: u64,
+    progress: Option<Progress<'_>>,
+) -> Qwen3Weights {
+    let mut outer = Outer::zeros(config);
+    let mut all = Vec::new();
+    outer.jobs(&mut all);
+    run_jobs(seed, all, progress);
+    outer.into_weights(config, Vec::new())
+}
+
+/// Weight set `set` as [`generate_weights`] makes it (`set` 0 is also the shared set), bit for
+/// bit: each set is drawn from streams of its own.
+pub fn generate_layer(config: &Qwen3Config, seed: u64, set: usize) -> LayerWeights {
+    let mut layer = LayerWeights::zeros(config);
+    let mut all = Vec::new();
+    layer_jobs(&mut all, &mut layer, layer_stream(set));
+    run_jobs(seed, all, None);
+    layer
+}
+
+/// The first random stream of weight set `set`.
+fn layer_stream(set: usize) -> u64 {
+    STREAM_LAYER0 + 16 * set as u64
+}
+
+/// The tensors of a model outside its layers, while they are generated.
+struct Outer {
+    embedding: Vec<bf16>,
+    final_norm: Vec<f32>,
+    lm_head: Option<Vec<bf16>>,
+}
+
+impl Outer {
+    fn zeros(c: &Qwen3Config) -> Outer {
+        let emb_len = c.vocab_size * c.hidden_size;
+        Outer {
+            embedding: vec![bf16::ZERO; emb_len],
+            final_norm: vec![0.0f32; c.hidden_size],
+            lm_head: (!c.tie_word_embeddings).then(|| vec![bf16::ZERO; emb_len]),
+        }
+    }
+
+    fn jobs<'a>(&'a mut self, all: &mut Vec<Job<'a>>) {
+        jobs(
+            all,
+            TensorMut::Bf16(&mut self.embedding),
+            dist::EMBEDDING,
+            STREAM_EMBEDDING,
+        );
+        jobs(
+            all,
+            TensorMut::F32(&mut self.final_norm),
+            dist::NORM,
+            STREAM_FINAL_NORM,
+        );
+        if let Some(h) = self.lm_head.as_mut() {
+            jobs(all, TensorMut::Bf16(h), dist::LM_HEAD, STREAM_LM_HEAD);
+        }
+    }
+
+    fn into_weights(self, c: &Qwen3Config, layers: Vec<Arc<LayerWeights>>) -> Qwen3Weights {
+        Qwen3Weights {
+            config: c.clone(),
+            layers,
+            embedding: self.embedding,
+            final_norm: self.final_norm,
+            lm_head: self.lm_head,
+        }
     }
 }
 
@@ -436,6 +489,33 @@ pub fn generate_kv_pools(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Generating the layers one at a time gives `generate_weights`' bits: every set, the
+    /// shared one, and the tensors outside the layers (tied and untied heads).
+    #[test]
+    fn layers_generated_one_at_a_time_are_the_whole_model_s() {
+        for name in ["tiny", "small"] {
+            let c = Qwen3Config::preset(name).unwrap();
+            let whole = generate_weights(&c, 7, false, None);
+            let outer = generate_outer_weights(&c, 7, None);
+            assert!(outer.layers.is_empty());
+            assert_eq!(outer.embedding, whole.embedding, "{name}");
+            assert_eq!(outer.final_norm, whole.final_norm, "{name}");
+            assert_eq!(outer.lm_head, whole.lm_head, "{name}");
+            for (l, w) in whole.layers.iter().enumerate() {
+                assert!(generate_layer(&c, 7, l) == **w, "{name} layer {l}");
+            }
+            assert!(
+                generate_layer(&c, 8, 0) != *whole.layers[0],
+                "the seed matters"
+            );
+            let shared = generate_weights(&c, 7, true, None);
+            assert!(
+                generate_layer(&c, 7, 0) == *shared.layers[0],
+                "{name} shared"
+            );
+        }
+    }
 
     #[test]
     fn generation_is_deterministic_and_follows_the_distributions() {

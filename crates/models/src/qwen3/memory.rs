@@ -2,8 +2,10 @@
 //! command can refuse a run that cannot fit before it allocates or generates anything.
 //!
 //! The figures follow what the commands do: weights are generated or loaded on the host, then
-//! copied into worker buffers (the host keeps its layer weights for the golden check and drops
-//! the embedding and LM head after the copy, so both copies exist at the peak); the KV cache
+//! copied into worker buffers (a loaded checkpoint is whole on the host at the peak; a
+//! preset's layers are generated and copied one weight set at a time, `stream_layers`; the
+//! host drops the embedding and LM head after the copy, so both copies of those exist at the
+//! peak); the KV cache
 //! lives in worker buffers and is filled one layer's pools at a time from the host. Every
 //! product is checked: a shape whose byte count overflows is an error, not a wrapped number.
 
@@ -26,6 +28,10 @@ pub struct RunShape {
     /// How the worker holds the projections and the LM head (the host's copy is bf16 either
     /// way: it is what gets quantised).
     pub weights: WeightFormat,
+    /// The layers' weight sets reach the worker one at a time
+    /// (`ResidentModel::upload_sets`): the host holds one besides the embedding and LM head,
+    /// not all of them.
+    pub stream_layers: bool,
 }
 
 /// One item of an estimate.
@@ -108,7 +114,14 @@ impl MemoryEstimate {
                 .and_then(|x| x.checked_add(4 * h as u64))
                 .ok_or(MemoryOverflow("weights"))
         };
-        let host_weights = all(WeightFormat::Bf16)?;
+        let host_weights = if shape.stream_layers {
+            let all_sets = layer(WeightFormat::Bf16)?
+                .checked_mul(sets as u64)
+                .ok_or(MemoryOverflow("layers"))?;
+            all(WeightFormat::Bf16)? - all_sets + layer(WeightFormat::Bf16)?
+        } else {
+            all(WeightFormat::Bf16)?
+        };
         let resident_weights = all(shape.weights)?;
         let rope = mul("RoPE tables", &[shape.max_seq, c.head_dim, 8])?;
         let kv_cache = mul("KV cache", &[shape.layers, shape.kv_slots, kv, 4])?;
@@ -122,7 +135,11 @@ impl MemoryEstimate {
         Ok(MemoryEstimate {
             items: vec![
                 MemoryItem {
-                    what: "weights on the host (generated or loaded; layers kept for the check)",
+                    what: if shape.stream_layers {
+                        "weights on the host (the embedding and LM head, and one layer's weight set at a time)"
+                    } else {
+                        "weights on the host (generated or loaded, every layer)"
+                    },
                     bytes: host_weights,
                 },
                 MemoryItem {
@@ -192,6 +209,7 @@ mod tests {
             max_seq: 384,
             step_tokens: 1,
             weights: WeightFormat::Bf16,
+            stream_layers: false,
         };
         let e = MemoryEstimate::of(&c, &shape).unwrap();
         // 40 layers of ~0.66 GB plus two 1.56 GB tables, twice.
@@ -209,6 +227,25 @@ mod tests {
         assert!(shared.total() < 10_000_000_000, "{}", shared.describe());
         // KV: 40 layers x 384 slots x 1024 wide x K and V x bf16.
         assert_eq!(e.items[2].bytes, 40 * 384 * 1024 * 4);
+        // Streamed layers: the host holds the tables and one layer, so the int8 model (15.6
+        // GB resident) fits where its bf16 host copy (29.5 GB) would not.
+        let streamed = MemoryEstimate::of(
+            &c,
+            &RunShape {
+                stream_layers: true,
+                weights: WeightFormat::Int8(Default::default()),
+                ..shape
+            },
+        )
+        .unwrap();
+        let tables = 2 * 2 * 151_936 * 5120 + 4 * 5120;
+        assert_eq!(
+            streamed.items[0].bytes,
+            (tables + c.layer_weight_bytes()) as u64,
+            "{}",
+            streamed.describe()
+        );
+        assert!(streamed.total() < 20_000_000_000, "{}", streamed.describe());
     }
 
     #[test]
@@ -221,6 +258,7 @@ mod tests {
             max_seq: 128,
             step_tokens: 1,
             weights: WeightFormat::Bf16,
+            stream_layers: false,
         };
         assert!(MemoryEstimate::of(&c, &shape).is_err());
     }
@@ -238,6 +276,7 @@ mod tests {
             max_seq: 1024,
             step_tokens: 1,
             weights: WeightFormat::Bf16,
+            stream_layers: false,
         };
         let int8 = RunShape {
             weights: WeightFormat::Int8(Default::default()),

@@ -30,7 +30,8 @@ pub use checkpoint::{
 pub use config::{ConfigError, Qwen3Config};
 pub use cost::{DecodePeaks, DecodePhases, Engine, StepCost, StepPhase, phase_spans_ns};
 pub use fixture::{
-    Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_weights,
+    Fixture, FixtureOptions, generate_fixture, generate_inputs, generate_kv_pools, generate_layer,
+    generate_outer_weights, generate_weights,
 };
 pub use memory::{MemoryEstimate, RunShape, decimal_bytes};
 pub use orchestrate::prefill_heap_bytes;

@@ -94,14 +94,7 @@ impl ResidentModel {
         format: WeightFormat,
         progress: Option<UploadProgress<'_>>,
     ) -> Result<ResidentModel, Qwen3RunError> {
-        let c = &weights.config;
         weights.check_shapes().map_err(Qwen3RunError::Invalid)?;
-        if !c.head_dim.is_multiple_of(16) {
-            return Err(Qwen3RunError::Invalid(format!(
-                "head_dim {} is not a multiple of 16 (the packed GEMM layout needs whole 16-column blocks per head)",
-                c.head_dim
-            )));
-        }
         // Distinct weight sets, in first-use order.
         let mut sets: Vec<Arc<LayerWeights>> = Vec::new();
         let mut set_of_layer = Vec::with_capacity(weights.layers.len());
@@ -114,28 +107,66 @@ impl ResidentModel {
                 }
             }
         }
+        let mut layer = |set: usize| Ok(sets[set].clone());
+        Self::upload_sets(
+            worker,
+            weights,
+            set_of_layer,
+            &mut layer,
+            max_seq,
+            format,
+            progress,
+        )
+    }
+
+    /// [`ResidentModel::upload_as`] with the layers' weight sets taken from `layer` one at a
+    /// time, in set order, each dropped once it is in its buffers: `outer` gives the config,
+    /// embedding, final norm and LM head (its `layers` are not read), `set_of_layer` the set of
+    /// every layer (sets numbered in first-use order, `0..sets`). A model then never has more
+    /// than one layer on the host besides what `layer` holds (a generator or a loader). A set
+    /// whose tensors do not have the config's shapes is refused, naming the tensor.
+    pub fn upload_sets(
+        worker: &Worker,
+        outer: &Qwen3Weights,
+        set_of_layer: Vec<usize>,
+        layer: &mut dyn FnMut(usize) -> Result<Arc<LayerWeights>, Qwen3RunError>,
+        max_seq: usize,
+        format: WeightFormat,
+        progress: Option<UploadProgress<'_>>,
+    ) -> Result<ResidentModel, Qwen3RunError> {
+        let c = &outer.config;
+        let weights = outer;
+        weights
+            .check_outer_shapes()
+            .map_err(Qwen3RunError::Invalid)?;
+        if set_of_layer.len() != c.num_hidden_layers {
+            return Err(Qwen3RunError::Invalid(format!(
+                "{} layers' sets for a config of {} layers",
+                set_of_layer.len(),
+                c.num_hidden_layers
+            )));
+        }
+        let n_sets = set_of_layer.iter().map(|&s| s + 1).max().unwrap_or(0);
+        if !c.head_dim.is_multiple_of(16) {
+            return Err(Qwen3RunError::Invalid(format!(
+                "head_dim {} is not a multiple of 16 (the packed GEMM layout needs whole 16-column blocks per head)",
+                c.head_dim
+            )));
+        }
         let rope = c.rope_tables(max_seq);
         let shapes = LayerWeights::shapes(c);
-        let kind_bytes = |kind: usize, t: &Tensor<'_>| -> usize {
-            match t {
-                Tensor::Bf16(_) if kind < PROJECTIONS => {
-                    let [r, k] = shapes[kind].1;
-                    format.matrix_bytes(r, k)
-                }
-                Tensor::Bf16(x) => as_bytes_len(x),
-                Tensor::F32(x) => as_bytes_len(x),
+        // Bytes of one set's tensor `kind` in its buffer: the projections in `format`, the
+        // norms fp32.
+        let kind_bytes = |kind: usize| -> usize {
+            let [r, k] = shapes[kind].1;
+            if kind < PROJECTIONS {
+                format.matrix_bytes(r, k)
+            } else {
+                4 * r * k
             }
         };
-        let layer_bytes: u64 = sets
-            .iter()
-            .flat_map(|s| {
-                s.tensors()
-                    .into_iter()
-                    .enumerate()
-                    .map(|(kind, t)| kind_bytes(kind, &t) as u64)
-                    .collect::<Vec<_>>()
-            })
-            .sum();
+        let layer_bytes: u64 =
+            (0..shapes.len()).map(|k| kind_bytes(k) as u64).sum::<u64>() * n_sets as u64;
         let head_bytes = match format {
             WeightFormat::Bf16 => weights.lm_head.as_ref().map_or(0, |h| as_bytes_len(h)),
             WeightFormat::Int8(_) => format.matrix_bytes(c.vocab_size, c.hidden_size),
@@ -153,28 +184,30 @@ impl ResidentModel {
         };
         let mut buffers = Vec::with_capacity(slot::COUNT);
         let host_kernels = worker.platform().host_kernels;
-        // Projections and per-layer norms: one buffer per tensor kind, sets back to back.
+        // Projections and per-layer norms: one buffer per tensor kind, sets back to back,
+        // filled one set at a time.
         debug_assert_eq!(shapes.len(), slot::LAYER_TENSORS);
-        for (kind, &(_, [_, cols])) in shapes.iter().enumerate() {
-            let bytes_per_set = kind_bytes(kind, &sets[0].tensors()[kind]);
-            let buf = worker.alloc(bytes_per_set * sets.len())?;
-            for (si, set) in sets.iter().enumerate() {
-                let at = si * bytes_per_set;
-                match &set.tensors()[kind] {
-                    Tensor::Bf16(x) if kind < PROJECTIONS && format.is_int8() => {
-                        let rows = shapes[kind].1[0];
-                        let il = host_kernels && int8_interleaved(format, rows, cols);
-                        upload_int8(&buf, at, x, cols, il, &tick)?
+        for kind in 0..shapes.len() {
+            buffers.push(worker.alloc(kind_bytes(kind) * n_sets)?);
+        }
+        for si in 0..n_sets {
+            let set = layer(si)?;
+            set.check_shapes(c, &format!("weight set {si}"))
+                .map_err(Qwen3RunError::Invalid)?;
+            for (kind, t) in set.tensors().iter().enumerate() {
+                let [r, cols] = shapes[kind].1;
+                let (buf, at) = (&buffers[kind], si * kind_bytes(kind));
+                // The projections are bf16 and the norms fp32 (`LayerWeights::tensors`), which
+                // `kind_bytes` sizes.
+                match t {
+                    Tensor::Bf16(x) if format.is_int8() => {
+                        let il = host_kernels && int8_interleaved(format, r, cols);
+                        upload_int8(buf, at, x, cols, il, &tick)?
                     }
-                    Tensor::Bf16(x) if kind < PROJECTIONS => {
-                        let [r, k] = shapes[kind].1;
-                        upload_bf16_matrix(worker, &buf, at, x, r, k, &tick)?
-                    }
-                    Tensor::Bf16(x) => upload_chunked(&buf, at, x, &tick)?,
-                    Tensor::F32(x) => upload_chunked(&buf, at, x, &tick)?,
+                    Tensor::Bf16(x) => upload_bf16_matrix(worker, buf, at, x, r, cols, &tick)?,
+                    Tensor::F32(x) => upload_chunked(buf, at, x, &tick)?,
                 }
             }
-            buffers.push(buf);
         }
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embedding = worker.alloc(as_bytes_len(&weights.embedding))?;
@@ -201,7 +234,7 @@ impl ResidentModel {
         tick(2 * as_bytes_len(&rope.cos));
         Ok(ResidentModel {
             config: c.clone(),
-            sets: sets.len(),
+            sets: n_sets,
             set_of_layer,
             max_seq,
             format,

@@ -128,6 +128,23 @@ impl LayerWeights {
         ]
     }
 
+    /// Every tensor has `c`'s shape (`LayerWeights::shapes`); an error names the first that
+    /// does not, as `{prefix}.{name}`.
+    pub fn check_shapes(&self, c: &Qwen3Config, prefix: &str) -> Result<(), String> {
+        for ((name, [r, k]), t) in LayerWeights::shapes(c).iter().zip(self.tensors()) {
+            let len = match t {
+                Tensor::Bf16(s) => s.len(),
+                Tensor::F32(s) => s.len(),
+            };
+            if len != r * k {
+                return Err(format!(
+                    "{prefix}.{name}: {len} elements, expected {r} x {k}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Every tensor, in the order of [`LayerWeights::shapes`].
     pub fn tensors(&self) -> [Tensor<'_>; 11] {
         [
@@ -228,18 +245,15 @@ impl Qwen3Weights {
             ));
         }
         for (l, layer) in self.layers.iter().enumerate() {
-            for ((name, [r, k]), t) in LayerWeights::shapes(c).iter().zip(layer.tensors()) {
-                let len = match t {
-                    Tensor::Bf16(s) => s.len(),
-                    Tensor::F32(s) => s.len(),
-                };
-                if len != r * k {
-                    return Err(format!(
-                        "model.layers.{l}.{name}: {len} elements, expected {r} x {k}"
-                    ));
-                }
-            }
+            layer.check_shapes(c, &format!("model.layers.{l}"))?;
         }
+        self.check_outer_shapes()
+    }
+
+    /// [`Qwen3Weights::check_shapes`] of the tensors outside the layers: the embedding, the
+    /// final norm and an untied LM head.
+    pub fn check_outer_shapes(&self) -> Result<(), String> {
+        let c = &self.config;
         let emb = c.vocab_size * c.hidden_size;
         if self.embedding.len() != emb {
             return Err(format!(
