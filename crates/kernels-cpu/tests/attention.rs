@@ -529,32 +529,54 @@ fn all_heads_decode_matches_the_reference_on_every_path() {
             1..4,
             ps / 2 + 1..4 * ps - 2,
         ] {
-            let rec = partial_len(group, hd);
-            let ran = all_decode_kernels("decode attention vs reference", || {
-                let mut all = vec![0.0f32; kv_heads * rec];
-                decode_attention_heads_bf16(
-                    &q,
-                    group,
-                    &st.kv(),
-                    &st.tables[0],
-                    tokens.clone(),
-                    scale,
-                    &mut all,
+            let what = format!("group {group} hd {hd} page {ps}");
+            all_kernels_match_the_reference(&st, &q, group, tokens, scale, &what);
+        }
+    }
+}
+
+/// Every decode attention kernel's all-heads partials of `q` over `tokens` (normalised)
+/// against the fp64 softmax reference (`5e-3` relative, `2e-2` absolute); an empty range must
+/// give the empty record `[-inf, 0, 0, ..]`. `what` names the case in a failure.
+fn all_kernels_match_the_reference(
+    st: &Setup,
+    q: &[bf16],
+    group: usize,
+    tokens: std::ops::Range<usize>,
+    scale: f32,
+    what: &str,
+) {
+    let (hd, kv_heads) = (st.hd, st.kv_heads);
+    let rec = partial_len(group, hd);
+    let ran = all_decode_kernels("decode attention vs reference", || {
+        let mut all = vec![0.0f32; kv_heads * rec];
+        decode_attention_heads_bf16(
+            q,
+            group,
+            &st.kv(),
+            &st.tables[0],
+            tokens.clone(),
+            scale,
+            &mut all,
+        );
+        all
+    });
+    for (kernel, out) in &ran {
+        for h in 0..kv_heads * group {
+            let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
+            let what = format!("{kernel} {what} tokens {tokens:?} head {h}");
+            if tokens.is_empty() {
+                assert!(
+                    r[0] == f32::NEG_INFINITY && r[1..].iter().all(|&v| v == 0.0),
+                    "{what}: {:?}",
+                    &r[..4]
                 );
-                all
-            });
-            for (kernel, out) in &ran {
-                for h in 0..kv_heads * group {
-                    let qh = to_f32(&q[h * hd..(h + 1) * hd]);
-                    let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
-                    let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
-                    let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
-                    let what = format!(
-                        "{kernel} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}"
-                    );
-                    common::assert_close(&got, &want, 5e-3, 2e-2, &what);
-                }
+                continue;
             }
+            let qh = to_f32(&q[h * hd..(h + 1) * hd]);
+            let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
+            let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
+            common::assert_close(&got, &want, 5e-3, 2e-2, &what);
         }
     }
 }
@@ -955,44 +977,8 @@ fn rows_outside_the_range_never_reach_the_result() {
                     v.fill(bf16::NAN);
                 }
             }
-            let rec = partial_len(group, hd);
-            let ran = all_decode_kernels("decode attention, NaN outside the range", || {
-                let mut all = vec![0.0f32; kv_heads * rec];
-                decode_attention_heads_bf16(
-                    &q,
-                    group,
-                    &st.kv(),
-                    &st.tables[0],
-                    tokens.clone(),
-                    scale,
-                    &mut all,
-                );
-                all
-            });
-            for (kernel, out) in &ran {
-                for h in 0..kv_heads * group {
-                    let r = &out[h * (hd + 2)..(h + 1) * (hd + 2)];
-                    let what = format!(
-                        "{kernel} group {group} hd {hd} page {ps} tokens {tokens:?} head {h}"
-                    );
-                    if tokens.is_empty() {
-                        assert!(
-                            r[0] == f32::NEG_INFINITY && r[1..].iter().all(|&v| v == 0.0),
-                            "{what}: {:?}",
-                            &r[..4]
-                        );
-                        continue;
-                    }
-                    assert!(
-                        r.iter().skip(1).all(|v| v.is_finite()),
-                        "{what}: not finite"
-                    );
-                    let qh = to_f32(&q[h * hd..(h + 1) * hd]);
-                    let want = st.range_reference(0, h / group, &qh, tokens.clone(), scale);
-                    let got: Vec<f32> = r[2..].iter().map(|v| v / r[1]).collect();
-                    common::assert_close(&got, &want, 5e-3, 2e-2, &what);
-                }
-            }
+            let what = format!("group {group} hd {hd} page {ps}, NaN outside the range");
+            all_kernels_match_the_reference(&st, &q, group, tokens, scale, &what);
         }
     }
 }

@@ -82,21 +82,34 @@ fn layers_chunk_ragged_batch_16_matches_the_golden() {
 #[test]
 fn one_layer_meets_the_one_layer_tolerance() {
     let f = stretched_fixture("small", &[1, 128, 129, 260]);
+    one_layer_matches(&f, "layer 0");
+}
+
+/// Layer 0 of `f` on the runtime against the golden at the one-layer tolerance: its hidden
+/// output (rounded to bf16 once, as the layers chunk returns it) and its K/V writes. `what`
+/// names the case in a failure.
+fn one_layer_matches(f: &Fixture, what: &str) {
     let w = worker();
-    let mut s = session(&w, &f);
-    let x: Vec<f32> = f32s(&f.hidden);
+    let mut s = session(&w, f);
     let got = s
         .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
         .unwrap();
     let mut kv = f.kv.clone();
-    let want = golden::decode_layers(&f.weights, 0..1, &mut kv, &f.batch, &f.rope, &x);
+    let want = golden::decode_layers(
+        &f.weights,
+        0..1,
+        &mut kv,
+        &f.batch,
+        &f.rope,
+        &f32s(&f.hidden),
+    );
     let want_bf16: Vec<f32> = want
         .hidden
         .iter()
         .map(|&v| bf16::from_f32(v).to_f32())
         .collect();
     Tolerance::ONE_LAYER
-        .check("layer 0 hidden", &f32s(&got.hidden), &want_bf16)
+        .check(&format!("{what} hidden"), &f32s(&got.hidden), &want_bf16)
         .unwrap();
     check_kv_writes(
         &s,
@@ -164,27 +177,7 @@ fn a_query_group_of_5_matches_the_golden() {
         "group 5, after all layers",
     );
 
-    let w = worker();
-    let mut s = session(&w, &f);
-    let got = s
-        .decode_layers(&w, &f.batch, &f.hidden, 0..1, &CallConfig::default())
-        .unwrap();
-    let want = golden::decode_layers(
-        &f.weights,
-        0..1,
-        &mut f.kv.clone(),
-        &f.batch,
-        &f.rope,
-        &f32s(&f.hidden),
-    );
-    let want_bf16: Vec<f32> = want
-        .hidden
-        .iter()
-        .map(|&v| bf16::from_f32(v).to_f32())
-        .collect();
-    Tolerance::ONE_LAYER
-        .check("group 5, layer 0 hidden", &f32s(&got.hidden), &want_bf16)
-        .unwrap();
+    one_layer_matches(&f, "group 5, layer 0");
 }
 
 /// Short KV chunks, so the first sequence's first chunks are halves (`KvSplit::short`), at
