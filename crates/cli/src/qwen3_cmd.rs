@@ -156,13 +156,13 @@ pub(crate) fn describe_weights(format: WeightFormat) -> String {
 }
 
 impl ModelArgs {
-    /// A short description of the source.
     /// Whether [`load_model`] brings the layers to the worker one weight set at a time (a
     /// preset: generated per set; a checkpoint is loaded whole).
     pub(crate) fn streams_layers(&self) -> bool {
         self.model.is_none()
     }
 
+    /// A short description of the source.
     pub(crate) fn describe(&self) -> String {
         match &self.model {
             Some(dir) => format!("checkpoint {}", dir.display()),
@@ -535,7 +535,7 @@ pub(crate) fn load_model(
     max_seq: usize,
     format: WeightFormat,
 ) -> Result<Arc<ResidentModel>> {
-    if args.model.is_some() {
+    if !args.streams_layers() {
         let mut weights = load_weights(args, config, shared)?;
         return upload(worker, &mut weights, max_seq, format);
     }
