@@ -328,7 +328,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             max_seq: longest.next_multiple_of(page),
             step_tokens: longest,
             weights: args.model.weights,
-            stream_layers: args.model.streams_layers(),
+            stream_layers: true,
         },
     )?;
     let worker = args

@@ -359,7 +359,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             max_seq: max_seq.next_multiple_of(PAGE_SIZE),
             step_tokens: shapes.iter().map(|s| s.0).max().unwrap_or(1),
             weights: args.model.weights,
-            stream_layers: args.model.streams_layers() && args.versus_weights.is_none(),
+            stream_layers: args.versus_weights.is_none(),
         },
     )?;
     let worker = args.run.worker()?;

@@ -209,7 +209,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             max_seq: pages * PAGE_SIZE,
             step_tokens: args.num_prompts * args.prefill_chunk.min(prompt.len()),
             weights: args.model.weights,
-            stream_layers: args.model.streams_layers(),
+            stream_layers: true,
         },
     )?;
     eprintln!(

@@ -19,6 +19,7 @@ use simpler_models::qwen3::{
     ProjectionElem, Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy,
     UnknownWeightFormat, WeightFormat, WeightLayout, generate_inputs, generate_kv_pools,
     generate_layer, generate_outer_weights, generate_weights, load_checkpoint, load_config,
+    read_checkpoint,
 };
 
 /// Where the model comes from.
@@ -156,12 +157,6 @@ pub(crate) fn describe_weights(format: WeightFormat) -> String {
 }
 
 impl ModelArgs {
-    /// Whether [`load_model`] brings the layers to the worker one weight set at a time (a
-    /// preset: generated per set; a checkpoint is loaded whole).
-    pub(crate) fn streams_layers(&self) -> bool {
-        self.model.is_none()
-    }
-
     /// A short description of the source.
     pub(crate) fn describe(&self) -> String {
         match &self.model {
@@ -522,11 +517,12 @@ pub(crate) fn load_weights(
 }
 
 /// The model of `args` in worker buffers, its projections and LM head in `format` (RoPE
-/// tables for `max_seq` positions): a preset's weight sets are generated one at a time and
-/// each uploaded (quantised, for int8) before the next, so the host never holds more than one
-/// layer besides the embedding and LM head — what lets the 40-layer 14B preset run as int8 on
-/// a machine that cannot hold its bf16 weights; a checkpoint is loaded whole, then uploaded
-/// ([`load_weights`], [`upload`]). `shared` gives every layer one weight set (presets only).
+/// tables for `max_seq` positions), its layers brought one weight set at a time and each
+/// uploaded (quantised, for int8) before the next: a preset's generated per set, a
+/// checkpoint's read per layer from its mapped files (`read_checkpoint`, every header checked
+/// first). The host never holds more than one layer besides the embedding and LM head — what
+/// lets the 40-layer 14B run as int8 on a machine that cannot hold its bf16 weights. `shared`
+/// gives every layer one weight set (presets only).
 pub(crate) fn load_model(
     args: &ModelArgs,
     worker: &Worker,
@@ -535,12 +531,60 @@ pub(crate) fn load_model(
     max_seq: usize,
     format: WeightFormat,
 ) -> Result<Arc<ResidentModel>> {
-    if !args.streams_layers() {
-        let mut weights = load_weights(args, config, shared)?;
-        return upload(worker, &mut weights, max_seq, format);
-    }
-    // The layout choice `load_weights` makes for a preset, before any matrix is uploaded.
     choose_layout(args)?;
+    let layers = config.num_hidden_layers;
+    let label = match (&args.model, format) {
+        (Some(_), WeightFormat::Bf16) => "loading and uploading layers",
+        (Some(_), WeightFormat::Int8(_)) => "loading and quantising layers to int8",
+        (None, WeightFormat::Bf16) => "generating and uploading layers",
+        (None, WeightFormat::Int8(_)) => "generating and quantising layers to int8",
+    };
+    let upload = |outer: &Qwen3Weights,
+                  set_of_layer: Vec<usize>,
+                  layer: &mut dyn FnMut(
+        usize,
+    ) -> Result<
+        Arc<LayerWeights>,
+        simpler_models::qwen3::Qwen3RunError,
+    >|
+     -> Result<Arc<ResidentModel>> {
+        let pb = progress(0, label, true);
+        let tick = |d: u64, t: u64| {
+            pb.set_length(t);
+            pb.set_position(d);
+        };
+        let model = ResidentModel::upload_sets(
+            worker,
+            outer,
+            set_of_layer,
+            layer,
+            max_seq,
+            format,
+            Some(&tick),
+        )?;
+        pb.finish_and_clear();
+        Ok(Arc::new(model))
+    };
+    if let Some(dir) = &args.model {
+        if shared {
+            bail!("--shared-weights applies to presets (a checkpoint brings its own layers)");
+        }
+        let opts = LoadOptions {
+            layout: if args.in_out_layout {
+                WeightLayout::InOut
+            } else {
+                WeightLayout::OutIn
+            },
+            progress: None,
+            layers: Some(layers),
+        };
+        return read_checkpoint(dir, &opts, |r| {
+            let outer = r.outer()?;
+            let mut layer = |l: usize| Ok(Arc::new(r.layer(l)?));
+            upload(&outer, (0..layers).collect(), &mut layer)
+        })
+        .with_context(|| format!("loading checkpoint {}", dir.display()));
+    }
     let pb = progress(0, "generating", false);
     let tick = |d: u64, t: u64| {
         pb.set_length(t);
@@ -548,30 +592,10 @@ pub(crate) fn load_model(
     };
     let outer = generate_outer_weights(config, args.seed(), Some(&tick));
     pb.finish_and_clear();
-    let layers = config.num_hidden_layers;
-    let set_of_layer: Vec<usize> = (0..layers).map(|l| if shared { 0 } else { l }).collect();
-    let label = match format {
-        WeightFormat::Bf16 => "generating and uploading layers",
-        WeightFormat::Int8(_) => "generating and quantising layers to int8",
-    };
-    let pb = progress(0, label, true);
-    let tick = |d: u64, t: u64| {
-        pb.set_length(t);
-        pb.set_position(d);
-    };
     let seed = args.seed();
     let mut layer = |set: usize| Ok(Arc::new(generate_layer(config, seed, set)));
-    let model = ResidentModel::upload_sets(
-        worker,
-        &outer,
-        set_of_layer,
-        &mut layer,
-        max_seq,
-        format,
-        Some(&tick),
-    )?;
-    pb.finish_and_clear();
-    Ok(Arc::new(model))
+    let set_of_layer = (0..layers).map(|l| if shared { 0 } else { l }).collect();
+    upload(&outer, set_of_layer, &mut layer)
 }
 
 /// Copies the weights into worker buffers (RoPE tables for `max_seq` positions), then drops

@@ -350,7 +350,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             max_seq: blocks * PAGE_SIZE,
             step_tokens: args.batch,
             weights: args.model.weights,
-            stream_layers: args.model.streams_layers(),
+            stream_layers: true,
         },
     )?;
     let worker = args.run.worker()?;

@@ -411,6 +411,40 @@ fn a_saved_checkpoint_runs_identically_to_the_in_memory_model() {
         assert_eq!(a.next_tokens, b.next_tokens, "{preset}");
         assert_eq!(a.logits, b.logits, "{preset}: logits differ");
         assert_eq!(a.hidden, b.hidden, "{preset}: hidden differs");
+        // Read a layer at a time straight into the worker (`read_checkpoint` and
+        // `upload_sets`, the CLI's path): the same buffers as the whole load's, in both formats.
+        for format in [
+            simpler_models::qwen3::WeightFormat::Bf16,
+            simpler_models::qwen3::WeightFormat::Int8(Default::default()),
+        ] {
+            let whole = ResidentModel::upload_as(&w, &loaded, 256, format, None).unwrap();
+            let layers = loaded.config.num_hidden_layers;
+            let lopts = LoadOptions {
+                layout: opts.layout,
+                ..LoadOptions::default()
+            };
+            let streamed = simpler_models::qwen3::read_checkpoint(&dir, &lopts, |r| {
+                let outer = r.outer()?;
+                let mut layer = |l: usize| Ok(Arc::new(r.layer(l)?));
+                ResidentModel::upload_sets(
+                    &w,
+                    &outer,
+                    (0..layers).collect(),
+                    &mut layer,
+                    256,
+                    format,
+                    None,
+                )
+            })
+            .unwrap();
+            let bytes = |m: &ResidentModel| -> Vec<Vec<u8>> {
+                m.buffers()
+                    .iter()
+                    .map(|b| b.read::<u8>().unwrap())
+                    .collect()
+            };
+            assert!(bytes(&whole) == bytes(&streamed), "{preset} {format:?}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -307,11 +307,39 @@ pub fn eos_token_ids(dir: &Path, config: &Qwen3Config) -> Result<Vec<u32>, Check
     })
 }
 
-/// Loads a Qwen3 checkpoint directory.
+/// Loads a Qwen3 checkpoint directory, every layer.
 pub fn load_checkpoint(
     dir: &Path,
     opts: &LoadOptions<'_>,
 ) -> Result<Qwen3Weights, CheckpointError> {
+    read_checkpoint(dir, opts, |r| {
+        let mut w = r.outer()?;
+        w.layers = (0..r.config().num_hidden_layers)
+            .map(|l| r.layer(l).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        Ok(w)
+    })
+}
+
+/// Opens a Qwen3 checkpoint directory, checks every tensor's header against its config (names,
+/// dtypes, shapes, nothing unexpected: an error names the tensor and the file, before anything
+/// is read), and hands `f` a reader that reads the tensors on demand from the mapped files:
+/// [`CheckpointReader::outer`] and [`CheckpointReader::layer`], so a caller can take the layers
+/// one at a time (`ResidentModel::upload_sets`) and never hold them all.
+pub fn read_checkpoint<R, E: From<CheckpointError>>(
+    dir: &Path,
+    opts: &LoadOptions<'_>,
+    f: impl FnOnce(&CheckpointReader<'_>) -> Result<R, E>,
+) -> Result<R, E> {
+    open_checkpoint(dir, opts, f).unwrap_or_else(|e| Err(e.into()))
+}
+
+/// [`read_checkpoint`]: the directory's errors outside, `f`'s inside.
+fn open_checkpoint<R, E>(
+    dir: &Path,
+    opts: &LoadOptions<'_>,
+    f: impl FnOnce(&CheckpointReader<'_>) -> Result<R, E>,
+) -> Result<Result<R, E>, CheckpointError> {
     let mut config = load_config(dir)?;
     let all_layers = config.num_hidden_layers;
     if let Some(n) = opts.layers {
@@ -397,7 +425,15 @@ pub fn load_checkpoint(
         default_file,
         named,
     };
-    build(&config, all_layers, &src, opts)
+    let expected = expected_tensors(&config, opts.layout);
+    check_headers(&config, all_layers, &src, &expected)?;
+    Ok(f(&CheckpointReader {
+        config,
+        src: &src,
+        expected,
+        progress: opts.progress,
+        done: std::cell::Cell::new(0),
+    }))
 }
 
 /// One tensor the model reads: its name, its shape in the model (`[rows, cols]`, `rows == 1`
@@ -512,56 +548,77 @@ fn check_headers(
     Ok(())
 }
 
-fn build(
-    c: &Qwen3Config,
-    all_layers: usize,
-    src: &Source<'_>,
-    opts: &LoadOptions<'_>,
-) -> Result<Qwen3Weights, CheckpointError> {
-    let expected = expected_tensors(c, opts.layout);
-    check_headers(c, all_layers, src, &expected)?;
-    let total = expected.len() as u64;
-    let mut tensors = expected.iter();
-    let mut done = 0u64;
-    let mut load = |dest: TensorMut<'_>| -> Result<(), CheckpointError> {
-        let e = tensors.next().ok_or_else(|| CheckpointError::BadFile {
-            file: src.default_file.clone(),
-            why: "internal: fewer expected tensors than destinations".into(),
-        })?;
-        load_into(src, &e.name, e.rows, e.cols, e.transposed, dest)?;
-        done += 1;
-        if let Some(p) = opts.progress {
-            p(done, total);
+/// A checkpoint whose headers [`read_checkpoint`] checked, read a tensor at a time.
+pub struct CheckpointReader<'a> {
+    config: Qwen3Config,
+    src: &'a Source<'a>,
+    /// Every tensor the model reads: each layer's in `LayerWeights::shapes` order, then the
+    /// embedding, final norm and (untied) LM head.
+    expected: Vec<Expected>,
+    progress: Option<Progress<'a>>,
+    done: std::cell::Cell<u64>,
+}
+
+impl CheckpointReader<'_> {
+    /// The model's config (with `LoadOptions::layers` applied).
+    pub fn config(&self) -> &Qwen3Config {
+        &self.config
+    }
+
+    /// Reads `self.expected[i]` into `dest`, counting it in the progress.
+    fn read(&self, i: usize, dest: TensorMut<'_>) -> Result<(), CheckpointError> {
+        let e = &self.expected[i];
+        load_into(self.src, &e.name, e.rows, e.cols, e.transposed, dest)?;
+        self.done.set(self.done.get() + 1);
+        if let Some(p) = self.progress {
+            p(self.done.get(), self.expected.len() as u64);
         }
         Ok(())
-    };
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for _ in 0..c.num_hidden_layers {
-        let mut lw = LayerWeights::zeros(c);
-        for dest in lw.tensors_mut() {
-            load(dest)?;
-        }
-        layers.push(Arc::new(lw));
     }
-    let (h, v) = (c.hidden_size, c.vocab_size);
-    let mut embedding = vec![bf16::ZERO; v * h];
-    load(TensorMut::Bf16(&mut embedding))?;
-    let mut final_norm = vec![0.0f32; h];
-    load(TensorMut::F32(&mut final_norm))?;
-    let lm_head = if c.tie_word_embeddings {
-        None
-    } else {
-        let mut head = vec![bf16::ZERO; v * h];
-        load(TensorMut::Bf16(&mut head))?;
-        Some(head)
-    };
-    Ok(Qwen3Weights {
-        config: c.clone(),
-        layers,
-        embedding,
-        final_norm,
-        lm_head,
-    })
+
+    /// Layer `l`'s weights (`l` below `config().num_hidden_layers`).
+    ///
+    /// # Panics
+    /// If `l` is not a layer of the config.
+    pub fn layer(&self, l: usize) -> Result<LayerWeights, CheckpointError> {
+        let c = &self.config;
+        assert!(
+            l < c.num_hidden_layers,
+            "layer {l} of {}",
+            c.num_hidden_layers
+        );
+        let per = LayerWeights::shapes(c).len();
+        let mut lw = LayerWeights::zeros(c);
+        for (k, dest) in lw.tensors_mut().into_iter().enumerate() {
+            self.read(l * per + k, dest)?;
+        }
+        Ok(lw)
+    }
+
+    /// The embedding, final norm and (untied) LM head, with no layers.
+    pub fn outer(&self) -> Result<Qwen3Weights, CheckpointError> {
+        let c = &self.config;
+        let first = c.num_hidden_layers * LayerWeights::shapes(c).len();
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let mut embedding = vec![bf16::ZERO; v * h];
+        self.read(first, TensorMut::Bf16(&mut embedding))?;
+        let mut final_norm = vec![0.0f32; h];
+        self.read(first + 1, TensorMut::F32(&mut final_norm))?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            let mut head = vec![bf16::ZERO; v * h];
+            self.read(first + 2, TensorMut::Bf16(&mut head))?;
+            Some(head)
+        };
+        Ok(Qwen3Weights {
+            config: c.clone(),
+            layers: Vec::new(),
+            embedding,
+            final_norm,
+            lm_head,
+        })
+    }
 }
 
 /// Reads tensor `name` (`[rows, cols]` in the model; `[cols, rows]` in the file when

@@ -24,8 +24,8 @@ pub mod runner;
 pub mod weights;
 
 pub use checkpoint::{
-    CheckpointError, LoadOptions, SaveOptions, WeightLayout, eos_token_ids, load_checkpoint,
-    load_config, save_checkpoint,
+    CheckpointError, CheckpointReader, LoadOptions, SaveOptions, WeightLayout, eos_token_ids,
+    load_checkpoint, load_config, read_checkpoint, save_checkpoint,
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use cost::{DecodePeaks, DecodePhases, Engine, StepCost, StepPhase, phase_spans_ns};

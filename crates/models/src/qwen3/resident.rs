@@ -25,6 +25,10 @@ pub enum Qwen3RunError {
     /// The request does not fit the model, the cache or the inputs.
     #[error("{0}")]
     Invalid(String),
+    /// A checkpoint's tensor could not be read (`ResidentModel::upload_sets` from a
+    /// `CheckpointReader`).
+    #[error(transparent)]
+    Checkpoint(#[from] super::checkpoint::CheckpointError),
 }
 
 /// Progress callback of uploads: `(bytes done, bytes total)`.
