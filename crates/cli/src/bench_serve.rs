@@ -14,7 +14,7 @@ use simpler_serve::{Completion, Engine, EngineConfig, Request, SamplingParams};
 use simpler_dfx::bench_stats::{Summary, format_summary};
 
 use crate::opts::RunOpts;
-use crate::qwen3_cmd::{ModelArgs, load_weights};
+use crate::qwen3_cmd::{ModelArgs, load_model};
 
 /// Arguments of `simpler bench serve`.
 #[derive(Args, Debug)]
@@ -197,7 +197,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             max_seq: seq.div_ceil(PAGE_SIZE) * PAGE_SIZE,
             step_tokens: args.max_num_batched_tokens,
             weights: args.model.weights,
-            stream_layers: false,
+            stream_layers: true,
         },
     )?;
     // No step holds more than every stream's prompt and a decode row each.
@@ -213,21 +213,23 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     )?;
     ops::register(&worker)?;
     let cores = worker.cores();
-    let weights = load_weights(&args.model, &c, false)?;
-    let mut engine = Engine::new(
-        worker,
-        &weights,
-        Vec::new(),
-        EngineConfig {
-            max_batch_size: most,
-            max_num_batched_tokens: args.max_num_batched_tokens,
-            max_seq_len: seq,
-            num_blocks: blocks,
-            long_prefill_threshold: None,
-            weights: args.model.weights,
-        },
+    let engine_cfg = EngineConfig {
+        max_batch_size: most,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_seq_len: seq,
+        num_blocks: blocks,
+        long_prefill_threshold: None,
+        weights: args.model.weights,
+    };
+    let model = load_model(
+        &args.model,
+        &worker,
+        &c,
+        false,
+        Engine::resident_seq(&engine_cfg),
+        args.model.weights,
     )?;
-    drop(weights);
+    let mut engine = Engine::with_model(worker, model, Vec::new(), engine_cfg)?;
     // The ring sizes, the orchestration mode and the diagnostics of the flags; every step's
     // outputs written as they say.
     let outputs = crate::opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;

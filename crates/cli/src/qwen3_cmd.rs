@@ -18,8 +18,7 @@ use simpler_models::qwen3::{
     FixtureOptions, Int8Acts, KvBuffers, LayerWeights, LoadOptions, MemoryEstimate, PagedBatch,
     ProjectionElem, Qwen3Config, Qwen3Weights, ResidentModel, RunShape, Session, TilePolicy,
     UnknownWeightFormat, WeightFormat, WeightLayout, generate_inputs, generate_kv_pools,
-    generate_layer, generate_outer_weights, generate_weights, load_checkpoint, load_config,
-    read_checkpoint,
+    generate_weights, load_checkpoint, load_config,
 };
 
 /// Where the model comes from.
@@ -532,70 +531,46 @@ pub(crate) fn load_model(
     format: WeightFormat,
 ) -> Result<Arc<ResidentModel>> {
     choose_layout(args)?;
-    let layers = config.num_hidden_layers;
     let label = match (&args.model, format) {
         (Some(_), WeightFormat::Bf16) => "loading and uploading layers",
         (Some(_), WeightFormat::Int8(_)) => "loading and quantising layers to int8",
         (None, WeightFormat::Bf16) => "generating and uploading layers",
         (None, WeightFormat::Int8(_)) => "generating and quantising layers to int8",
     };
-    let upload = |outer: &Qwen3Weights,
-                  set_of_layer: Vec<usize>,
-                  layer: &mut dyn FnMut(
-        usize,
-    ) -> Result<
-        Arc<LayerWeights>,
-        simpler_models::qwen3::Qwen3RunError,
-    >|
-     -> Result<Arc<ResidentModel>> {
-        let pb = progress(0, label, true);
-        let tick = |d: u64, t: u64| {
-            pb.set_length(t);
-            pb.set_position(d);
-        };
-        let model = ResidentModel::upload_sets(
-            worker,
-            outer,
-            set_of_layer,
-            layer,
-            max_seq,
-            format,
-            Some(&tick),
-        )?;
-        pb.finish_and_clear();
-        Ok(Arc::new(model))
-    };
-    if let Some(dir) = &args.model {
-        if shared {
-            bail!("--shared-weights applies to presets (a checkpoint brings its own layers)");
-        }
-        let opts = LoadOptions {
-            layout: if args.in_out_layout {
-                WeightLayout::InOut
-            } else {
-                WeightLayout::OutIn
-            },
-            progress: None,
-            layers: Some(layers),
-        };
-        return read_checkpoint(dir, &opts, |r| {
-            let outer = r.outer()?;
-            let mut layer = |l: usize| Ok(Arc::new(r.layer(l)?));
-            upload(&outer, (0..layers).collect(), &mut layer)
-        })
-        .with_context(|| format!("loading checkpoint {}", dir.display()));
-    }
-    let pb = progress(0, "generating", false);
+    let pb = progress(0, label, true);
     let tick = |d: u64, t: u64| {
         pb.set_length(t);
         pb.set_position(d);
     };
-    let outer = generate_outer_weights(config, args.seed(), Some(&tick));
+    let model = match &args.model {
+        Some(dir) => {
+            if shared {
+                bail!("--shared-weights applies to presets (a checkpoint brings its own layers)");
+            }
+            let opts = LoadOptions {
+                layout: if args.in_out_layout {
+                    WeightLayout::InOut
+                } else {
+                    WeightLayout::OutIn
+                },
+                progress: None,
+                layers: Some(config.num_hidden_layers),
+            };
+            ResidentModel::upload_checkpoint(worker, dir, &opts, max_seq, format, Some(&tick))
+                .with_context(|| format!("loading checkpoint {}", dir.display()))?
+        }
+        None => ResidentModel::upload_generated(
+            worker,
+            config,
+            args.seed(),
+            shared,
+            max_seq,
+            format,
+            Some(&tick),
+        )?,
+    };
     pb.finish_and_clear();
-    let seed = args.seed();
-    let mut layer = |set: usize| Ok(Arc::new(generate_layer(config, seed, set)));
-    let set_of_layer = (0..layers).map(|l| if shared { 0 } else { l }).collect();
-    upload(&outer, set_of_layer, &mut layer)
+    Ok(Arc::new(model))
 }
 
 /// Copies the weights into worker buffers (RoPE tables for `max_seq` positions), then drops

@@ -23,7 +23,7 @@ use simpler_serve::load::tokenizer_and_eos;
 use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig};
 
 use crate::opts::{self, RunOpts};
-use crate::qwen3_cmd::{ModelArgs, load_weights};
+use crate::qwen3_cmd::{ModelArgs, load_model};
 
 /// Arguments of `simpler serve`.
 #[derive(Args, Debug)]
@@ -156,9 +156,15 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         "--max-num-batched-tokens",
     )?;
     ops::register(&worker)?;
-    let weights = load_weights(&args.model, &c, false)?;
-    let mut engine = Engine::new(worker, &weights, eos.clone(), sizing.engine)?;
-    drop(weights);
+    let model = load_model(
+        &args.model,
+        &worker,
+        &c,
+        false,
+        Engine::resident_seq(&sizing.engine),
+        sizing.engine.weights,
+    )?;
+    let mut engine = Engine::with_model(worker, model, eos.clone(), sizing.engine)?;
     let outputs = opts::StepOutputs::observe_engine(&mut engine, &args.run, &call)?;
     engine.set_call_config(call);
     eprintln!(

@@ -245,20 +245,44 @@ fn labelled(call: &CallConfig, path: &str) -> CallConfig {
 
 impl Engine {
     /// An engine over `weights` on `worker` (its kernels registered by the caller), stopping at
-    /// `eos` ids.
+    /// `eos` ids: the weights are copied into the worker ([`ResidentModel::upload_as`]), then
+    /// as [`Engine::with_model`].
     pub fn new(
         worker: Worker,
         weights: &Qwen3Weights,
         eos: Vec<u32>,
         cfg: EngineConfig,
     ) -> Result<Engine, EngineError> {
+        // Refused before the upload, whose time and memory it would waste.
+        Self::check_config(&weights.config, &cfg)?;
+        let model = Arc::new(ResidentModel::upload_as(
+            &worker,
+            weights,
+            Self::resident_seq(&cfg),
+            cfg.weights,
+            None,
+        )?);
+        Self::with_model(worker, model, eos, cfg)
+    }
+
+    /// The positions a model the engine runs must hold RoPE tables for: `max_seq_len` in
+    /// whole pages.
+    pub fn resident_seq(cfg: &EngineConfig) -> usize {
+        cfg.max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE
+    }
+
+    /// `cfg` against the model's config `c`: positive sizes, a sequence length the model's
+    /// positions cover, a prefill threshold of at least 1, block ids that fit `u32`.
+    fn check_config(
+        c: &simpler_models::qwen3::Qwen3Config,
+        cfg: &EngineConfig,
+    ) -> Result<(), EngineError> {
         if cfg.max_batch_size == 0 || cfg.max_num_batched_tokens == 0 || cfg.num_blocks == 0 {
             return Err(EngineError::Config(format!(
                 "max_batch_size {}, max_num_batched_tokens {} and num_blocks {} must be positive",
                 cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.num_blocks
             )));
         }
-        let c = &weights.config;
         if cfg.max_seq_len < 2 || cfg.max_seq_len > c.max_position_embeddings {
             return Err(EngineError::Config(format!(
                 "max_seq_len {} must be in 2..={} (max_position_embeddings)",
@@ -276,15 +300,35 @@ impl Engine {
                 cfg.num_blocks
             )));
         }
-        let max_seq = cfg.max_seq_len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        let model = Arc::new(ResidentModel::upload_as(
-            &worker,
-            weights,
-            max_seq,
-            cfg.weights,
-            None,
-        )?);
-        let kv = KvBuffers::new(&worker, c, cfg.num_blocks, PAGE_SIZE)?;
+        Ok(())
+    }
+
+    /// An engine over a model already in `worker`'s buffers (its kernels registered by the
+    /// caller), stopping at `eos` ids: what a caller that uploads the layers one at a time
+    /// (`ResidentModel::upload_generated`, `upload_checkpoint`) passes. The model must hold
+    /// `cfg.weights` and RoPE tables for [`Engine::resident_seq`] positions; else refused, naming
+    /// the field.
+    pub fn with_model(
+        worker: Worker,
+        model: Arc<ResidentModel>,
+        eos: Vec<u32>,
+        cfg: EngineConfig,
+    ) -> Result<Engine, EngineError> {
+        let c = model.config.clone();
+        Self::check_config(&c, &cfg)?;
+        if model.format != cfg.weights {
+            return Err(EngineError::Config(format!(
+                "weights: the engine asks for {:?}, the model holds {:?}",
+                cfg.weights, model.format
+            )));
+        }
+        if model.max_seq < Self::resident_seq(&cfg) {
+            return Err(EngineError::Config(format!(
+                "max_seq_len {}: the model's RoPE tables cover {} positions",
+                cfg.max_seq_len, model.max_seq
+            )));
+        }
+        let kv = KvBuffers::new(&worker, &c, cfg.num_blocks, PAGE_SIZE)?;
         let session = Session::new(&worker, model, kv);
         Ok(Engine {
             worker,

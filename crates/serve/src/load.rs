@@ -10,13 +10,14 @@
 //! against the same limit).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::fixture::Progress;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
-    LoadOptions, MemoryEstimate, Qwen3Config, RunShape, WeightFormat, WeightLayout, eos_token_ids,
-    generate_weights, load_checkpoint, load_config, ops,
+    LoadOptions, MemoryEstimate, Qwen3Config, ResidentModel, RunShape, WeightFormat, WeightLayout,
+    eos_token_ids, load_config, ops,
 };
 
 use crate::engine::{Engine, EngineConfig, EngineError};
@@ -195,8 +196,8 @@ impl RuntimeConfig {
             max_seq,
             step_tokens: self.max_num_batched_tokens,
             weights,
-            // `TextEngine::load` takes a whole checkpoint or preset's weights.
-            stream_layers: false,
+            // `TextEngine::load` and `simpler serve` bring the layers one at a time.
+            stream_layers: true,
         };
         let overflow =
             |e: simpler_models::qwen3::memory::MemoryOverflow| EngineError::Config(e.to_string());
@@ -325,20 +326,30 @@ impl TextEngine {
             ModelSource::Dir(dir) => Some(dir.as_path()),
         };
         let (tokenizer, eos) = tokenizer_and_eos(dir, &config)?;
-        let weights = match source {
-            ModelSource::Preset { seed, .. } => generate_weights(&config, *seed, false, progress),
-            ModelSource::Dir(dir) => load_checkpoint(
-                dir,
-                &LoadOptions {
+        // The layers reach the worker one at a time: the host never holds them all.
+        let max_seq = Engine::resident_seq(&sizing.engine);
+        let format = sizing.engine.weights;
+        let progress = progress.map(|p| p as &dyn Fn(u64, u64));
+        let model = match source {
+            ModelSource::Preset { seed, .. } => ResidentModel::upload_generated(
+                &worker, &config, *seed, false, max_seq, format, progress,
+            ),
+            ModelSource::Dir(dir) => {
+                let opts = LoadOptions {
                     layout: WeightLayout::OutIn,
-                    progress,
+                    progress: None,
                     layers: None,
-                },
-            )?,
-        };
+                };
+                ResidentModel::upload_checkpoint(&worker, dir, &opts, max_seq, format, progress)
+            }
+        }
+        .map_err(|e| match e {
+            // A checkpoint's error stays the checkpoint's, as before the layers streamed.
+            simpler_models::qwen3::Qwen3RunError::Checkpoint(c) => LoadError::Checkpoint(c),
+            other => LoadError::Engine(other.into()),
+        })?;
         ops::register(&worker).map_err(|e| LoadError::Kernels(e.to_string()))?;
-        let mut engine = Engine::new(worker, &weights, eos, sizing.engine)?;
-        drop(weights);
+        let mut engine = Engine::with_model(worker, Arc::new(model), eos, sizing.engine)?;
         engine.set_call_config(rt.call.clone());
         Ok((TextEngine::new(engine, tokenizer)?, sizing))
     }

@@ -352,3 +352,50 @@ fn the_step_observer_sees_every_runs_report() {
     e.generate(&[req(prompt(5, 6), 2)]).unwrap();
     assert_eq!(seen.lock().unwrap().len(), steps + 3);
 }
+
+/// An engine over a model already in the worker (`Engine::with_model`, what `simpler serve`
+/// and `TextEngine::load` use with layers uploaded one at a time) answers as the one that
+/// uploads the same weights itself; a model in another format than the config asks, or with
+/// RoPE tables shorter than its `max_seq_len`, is refused naming the field.
+#[test]
+fn an_engine_over_a_resident_model_answers_as_one_that_uploads_it() {
+    let cfg = |weights| EngineConfig {
+        max_batch_size: 4,
+        max_num_batched_tokens: 64,
+        max_seq_len: MAX_SEQ,
+        num_blocks: 32,
+        long_prefill_threshold: None,
+        weights,
+    };
+    let request = || Request {
+        prompt: vec![3, 14, 15, 92, 65],
+        max_new_tokens: 6,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+    };
+    let seq = Engine::resident_seq(&cfg(WeightFormat::Bf16));
+    // A model on its own worker, its RoPE tables for `positions`.
+    let resident = |positions: usize| {
+        let (worker, w) = worker_and_weights();
+        let m = ResidentModel::upload_as(&worker, &w, positions, WeightFormat::Bf16, None);
+        (worker, Arc::new(m.unwrap()))
+    };
+    let refused = |positions: usize, weights: WeightFormat| {
+        let (worker, model) = resident(positions);
+        Engine::with_model(worker, model, vec![], cfg(weights))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let e = refused(seq, WeightFormat::Int8(Default::default()));
+    assert!(e.contains("configuration: weights: "), "{e}");
+    let e = refused(128, WeightFormat::Bf16);
+    assert!(e.contains(&format!("configuration: max_seq_len {MAX_SEQ}")), "{e}");
+    let (worker, model) = resident(seq);
+    let mut resident = Engine::with_model(worker, model, vec![], cfg(WeightFormat::Bf16)).unwrap();
+    let mut own = engine_as(32, 64, WeightFormat::Bf16);
+    let a = resident.generate(&[request()]).unwrap();
+    let b = own.generate(&[request()]).unwrap();
+    assert_eq!(a[0].tokens, b[0].tokens);
+    assert_eq!(a[0].tokens.len(), 6);
+}

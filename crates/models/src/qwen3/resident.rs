@@ -247,6 +247,68 @@ impl ResidentModel {
         })
     }
 
+    /// A preset's seeded weights (`fixture::generate_weights`' bits) generated one weight set
+    /// at a time straight into buffers of `worker` ([`ResidentModel::upload_sets`]): the host
+    /// holds the embedding, the LM head and one layer, never every layer. `shared` gives every
+    /// layer one weight set; `progress` counts resident bytes.
+    pub fn upload_generated(
+        worker: &Worker,
+        config: &Qwen3Config,
+        seed: u64,
+        shared: bool,
+        max_seq: usize,
+        format: WeightFormat,
+        progress: Option<UploadProgress<'_>>,
+    ) -> Result<ResidentModel, Qwen3RunError> {
+        let outer = super::fixture::generate_outer_weights(config, seed, None);
+        let mut layer =
+            |set: usize| Ok(Arc::new(super::fixture::generate_layer(config, seed, set)));
+        let set_of_layer = (0..config.num_hidden_layers)
+            .map(|l| if shared { 0 } else { l })
+            .collect();
+        Self::upload_sets(
+            worker,
+            &outer,
+            set_of_layer,
+            &mut layer,
+            max_seq,
+            format,
+            progress,
+        )
+    }
+
+    /// A checkpoint directory's weights read one layer at a time from its mapped files
+    /// straight into buffers of `worker` (`read_checkpoint`: every header is checked before
+    /// anything is read; [`ResidentModel::upload_sets`]): the host holds the embedding, the LM
+    /// head and one layer. `opts.progress` is not called (`progress` counts resident bytes).
+    pub fn upload_checkpoint(
+        worker: &Worker,
+        dir: &std::path::Path,
+        opts: &super::checkpoint::LoadOptions<'_>,
+        max_seq: usize,
+        format: WeightFormat,
+        progress: Option<UploadProgress<'_>>,
+    ) -> Result<ResidentModel, Qwen3RunError> {
+        let opts = super::checkpoint::LoadOptions {
+            progress: None,
+            ..*opts
+        };
+        super::checkpoint::read_checkpoint(dir, &opts, |r| {
+            let outer = r.outer()?;
+            let layers = r.config().num_hidden_layers;
+            let mut layer = |l: usize| Ok(Arc::new(r.layer(l)?));
+            Self::upload_sets(
+                worker,
+                &outer,
+                (0..layers).collect(),
+                &mut layer,
+                max_seq,
+                format,
+                progress,
+            )
+        })
+    }
+
     /// The buffers, in the order the orchestrations bind them.
     pub fn buffers(&self) -> &[Buffer] {
         &self.buffers
