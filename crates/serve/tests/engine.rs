@@ -390,7 +390,10 @@ fn an_engine_over_a_resident_model_answers_as_one_that_uploads_it() {
     let e = refused(seq, WeightFormat::Int8(Default::default()));
     assert!(e.contains("configuration: weights: "), "{e}");
     let e = refused(128, WeightFormat::Bf16);
-    assert!(e.contains(&format!("configuration: max_seq_len {MAX_SEQ}")), "{e}");
+    assert!(
+        e.contains(&format!("configuration: max_seq_len {MAX_SEQ}")),
+        "{e}"
+    );
     let (worker, model) = resident(seq);
     let mut resident = Engine::with_model(worker, model, vec![], cfg(WeightFormat::Bf16)).unwrap();
     let mut own = engine_as(32, 64, WeightFormat::Bf16);
