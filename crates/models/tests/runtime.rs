@@ -821,6 +821,38 @@ fn layers_uploaded_one_set_at_a_time_are_the_whole_upload() {
     };
     let e = e.to_string();
     assert!(e.contains("3 layers' sets for a config of"), "{e}");
-    ResidentModel::upload_sets(&w, &outer, all, &mut fine, 256, WeightFormat::Bf16, None)
-        .expect("the worker goes on");
+    // A source that fails part-way (a checkpoint's bad tensor in a later layer): its error
+    // comes back as it is, the sets already uploaded are dropped with the model's buffers.
+    let mut asked = Vec::new();
+    let mut failing = |s: usize| {
+        asked.push(s);
+        if s == 1 {
+            return Err(simpler_models::qwen3::Qwen3RunError::Invalid(
+                "set 1 unreadable".into(),
+            ));
+        }
+        Ok(Arc::new(generate_layer(&c, 5, s)))
+    };
+    let Err(e) = ResidentModel::upload_sets(
+        &w,
+        &outer,
+        all.clone(),
+        &mut failing,
+        256,
+        WeightFormat::Bf16,
+        None,
+    ) else {
+        panic!("a failing source fails the upload")
+    };
+    assert_eq!(e.to_string(), "set 1 unreadable");
+    assert_eq!(asked, vec![0, 1], "nothing asked after the failure");
+    let again =
+        ResidentModel::upload_sets(&w, &outer, all, &mut fine, 256, WeightFormat::Bf16, None)
+            .expect("the worker goes on");
+    let whole = generate_weights(&c, 5, false, None);
+    let want = ResidentModel::upload_as(&w, &whole, 256, WeightFormat::Bf16, None).unwrap();
+    assert!(
+        bytes(&again) == bytes(&want),
+        "the next upload holds the whole model's bytes"
+    );
 }
