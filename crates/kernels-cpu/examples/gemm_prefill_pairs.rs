@@ -9,8 +9,15 @@
 //! blocking priced from outside the kernel; `--ld-out L` spaces the output rows `L` floats
 //! apart, as a block of a wider output lies in the step.
 //!
+//! `--converted` converts the activations once per thread (`ActsConversion`, as a step's
+//! projection blocks do) instead of in every call; `--adjacent` has the threads take the
+//! copies in turn from one counter, so they stream neighbouring regions at once (as a step's
+//! blocks of one matrix lie), instead of each its own far part of the pool. It first prints
+//! what converting the activations costs (the first, cold call and the median of 200).
+//!
 //! `cargo run --release -p simpler-kernels-cpu --example gemm_prefill_pairs [-- --batch 512
-//! --n 256 --k 1024 --reps 40 --mats 128 --threads 2 --kc 1024 --ld-out 256]`
+//! --n 256 --k 1024 --reps 40 --mats 128 --threads 2 --kc 1024 --ld-out 256 --converted
+//! --adjacent]`
 
 mod common;
 
@@ -19,8 +26,8 @@ use std::time::Duration;
 use half::bf16;
 use simpler_kernels_cpu::membw::compute_peak;
 use simpler_kernels_cpu::{
-    GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16, pack_acts_bf16, packed_len,
-    pair_weights_bf16,
+    ActsConversion, GemmTile, Isa, OutMode, PackedActs, WeightsBf16, gemm_bf16,
+    gemm_bf16_converted, pack_acts_bf16, packed_len, pair_weights_bf16,
 };
 
 fn main() {
@@ -31,6 +38,9 @@ fn main() {
     let threads = get("--threads", 1).max(1);
     let kc = get("--kc", k).clamp(1, k);
     let ld_out = get("--ld-out", n).max(n);
+    let converted = std::env::args().any(|a| a == "--converted");
+    let adjacent = std::env::args().any(|a| a == "--adjacent");
+    let counter = std::sync::atomic::AtomicUsize::new(0);
     if !Isa::Avx512Bf16.is_supported() {
         println!("this CPU has no AVX-512 BF16: nothing to measure");
         return;
@@ -53,19 +63,41 @@ fn main() {
         .collect();
     let mut packed = vec![0.0f32; packed_len(batch, k)];
     pack_acts_bf16(&x, batch, k, &mut packed);
+    {
+        let acts = PackedActs::new(&packed, batch, k);
+        let mut conv = ActsConversion::default();
+        let mut ts = Vec::new();
+        for _ in 0..200 {
+            let t0 = std::time::Instant::now();
+            conv.convert(acts);
+            ts.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        ts.sort_by(f64::total_cmp);
+        println!(
+            "converting {batch} x {k} activations: first call {:.2} µs, median {:.2} µs",
+            ts[ts.len() - 1],
+            ts[ts.len() / 2]
+        );
+    }
     let peak = compute_peak(Isa::Avx512Bf16, 1, Duration::from_millis(300));
     let flops = 2.0 * (batch * n * k) as f64;
     let mut rates: Vec<f64> = std::thread::scope(|sc| {
         let handles: Vec<_> = (0..threads)
             .map(|th| {
-                let (wvs, packed) = (&wvs, &packed);
+                let (wvs, packed, counter) = (&wvs, &packed, &counter);
                 sc.spawn(move || {
                     let acts = PackedActs::new(packed, batch, k);
+                    let mut conv = ActsConversion::default();
+                    conv.convert(acts);
                     let mut out = vec![0.0f32; batch * ld_out];
                     let mut rates = Vec::new();
                     // The first call (faults, clocks) is not counted.
                     for r in 0..=reps {
-                        let wv = wvs[(r + th * mats / threads) % mats];
+                        let wv = if adjacent {
+                            wvs[counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % mats]
+                        } else {
+                            wvs[(r + th * mats / threads) % mats]
+                        };
                         let t0 = common::thread_cpu_seconds();
                         for k0 in (0..k).step_by(kc) {
                             let mode = if k0 == 0 {
@@ -78,7 +110,11 @@ fn main() {
                                 k: k0..(k0 + kc).min(k),
                                 mode,
                             };
-                            gemm_bf16(wv, acts, &tile, &mut out, ld_out);
+                            if converted {
+                                gemm_bf16_converted(wv, acts, &conv, &tile, &mut out, ld_out);
+                            } else {
+                                gemm_bf16(wv, acts, &tile, &mut out, ld_out);
+                            }
                         }
                         let t = common::thread_cpu_seconds() - t0;
                         if r > 0 {

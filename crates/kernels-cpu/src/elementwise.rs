@@ -113,20 +113,89 @@ pub fn embedding_gather_rows_bf16(table: crate::WeightsBf16<'_>, ids: &[u32], ou
     }
 }
 
-/// Greedy pick: the index and value of the largest element; ties go to the lowest index and
-/// NaNs never win. `None` for an empty slice or one holding only NaNs.
-pub fn argmax_f32(x: &[f32]) -> Option<(usize, f32)> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in x.iter().enumerate() {
-        if v.is_nan() {
-            continue;
+/// Lanes of [`argmax_f32`]'s passes: what the compiler maps onto one or two vector registers
+/// on each build.
+const ARGMAX_LANES: usize = 16;
+
+multiversion! {
+    avx512;
+    /// Greedy pick: the index and value of the largest element; ties go to the lowest index and
+    /// NaNs never win. `None` for an empty slice or one holding only NaNs.
+    ///
+    /// Two passes over lanes the compiler vectorises: the largest value (`v > m` is false for
+    /// a NaN, so NaNs are skipped), then the first element equal to it. A branch per element
+    /// took ~1 ns each: 15 µs of a batch-16 LM head block's ~200 (16 rows of 960 logits) on
+    /// Zen 4 (`docs/benchmarks.md`, session 54). The first equal element is the one the
+    /// branchy scan kept: every element before it is smaller or NaN, and `+0.0 == -0.0`, so
+    /// of a tie between zeros of both signs the first still wins.
+    pub fn argmax_f32(x: &[f32]) -> Option<(usize, f32)> {
+        let chunks = x.chunks_exact(ARGMAX_LANES);
+        let tail = chunks.remainder();
+        let mut lanes = [f32::NEG_INFINITY; ARGMAX_LANES];
+        for c in chunks {
+            for (m, &v) in lanes.iter_mut().zip(c) {
+                *m = if v > *m { v } else { *m };
+            }
         }
-        match best {
-            Some((_, b)) if v <= b => {}
-            _ => best = Some((i, v)),
+        let mut best = f32::NEG_INFINITY;
+        for &v in lanes.iter().chain(tail) {
+            if v > best {
+                best = v;
+            }
         }
+        // `best` stays -inf when every element is NaN (or -inf): then no element equals it, or
+        // the first -inf does.
+        let mut at = 0;
+        for c in x.chunks(ARGMAX_LANES) {
+            let mut hits = 0u32;
+            for (j, &v) in c.iter().enumerate() {
+                hits |= u32::from(v == best) << j;
+            }
+            if hits != 0 {
+                let i = at + hits.trailing_zeros() as usize;
+                return Some((i, x[i]));
+            }
+            at += c.len();
+        }
+        None
     }
-    best
+}
+
+/// `dst.copy_from_slice(src)` with non-temporal stores where the target has them (x86-64's
+/// baseline `movntps`, 16 bytes at a time from `dst`'s first 16-byte boundary): the lines of
+/// `dst` are written whole without first being read. For outputs nothing reads soon that
+/// would otherwise arrive cold, as the LM head's logits do (a `[16, vocab]` fp32 block
+/// written per step, evicted by the next 311 MB of head weights): copied with plain stores,
+/// each destination line was first read from memory, and the copy took ~19 µs of a ~200 µs
+/// batch-16 head block on Zen 4 (`docs/benchmarks.md`, session 54).
+///
+/// Ends with `sfence`: non-temporal stores are weakly ordered, and a release store that tells
+/// another thread `dst` is ready (a task's completion) must not become visible before them.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn copy_nontemporal_f32(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "copy_nontemporal_f32: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_loadu_ps, _mm_sfence, _mm_stream_ps};
+        // Elements before the first 16-byte boundary (`align_offset` may answer `usize::MAX`,
+        // "cannot align": then everything goes by plain stores).
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let body = (dst.len() - head) / 4 * 4;
+        dst[..head].copy_from_slice(&src[..head]);
+        for i in (head..head + body).step_by(4) {
+            // SAFETY: `i + 4 <= head + body <= len` for both slices; `dst + i` is 16-byte
+            // aligned (`head` reaches the boundary, `i - head` is a multiple of 4 floats);
+            // `src` is read unaligned; SSE is part of x86-64's baseline.
+            unsafe { _mm_stream_ps(dst.as_mut_ptr().add(i), _mm_loadu_ps(src.as_ptr().add(i))) };
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+        // SAFETY: SSE's `sfence` has no operands and is part of x86-64's baseline.
+        unsafe { _mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
 }
 
 /// Merges per-tile argmax results `(global index, value)` with the same tie rule as

@@ -201,6 +201,89 @@ fn argmax_ties_go_to_lowest_index_and_nan_never_wins() {
     assert_eq!(argmax_combine(&tiles), argmax_f32(&x));
 }
 
+/// The argmax's definition, element by element: the first of the largest non-NaN values.
+fn argmax_reference(x: &[f32]) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best
+}
+
+/// Values that make ties, signed zeros, infinities and NaNs common.
+fn argmax_values() -> impl Strategy<Value = Vec<f32>> {
+    let v = prop_oneof![
+        4 => (-3i32..4).prop_map(|i| i as f32),
+        1 => Just(-0.0f32),
+        1 => Just(f32::NAN),
+        1 => Just(f32::INFINITY),
+        1 => Just(f32::NEG_INFINITY),
+        2 => any::<f32>(),
+    ];
+    prop::collection::vec(v, 0..80)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// On every path, ragged lengths around the 16 lanes, ties, signed zeros, infinities and
+    /// NaNs anywhere: the same index and the same value bits as the definition.
+    #[test]
+    fn argmax_is_the_first_of_the_largest_on_every_path(x in argmax_values()) {
+        let want = argmax_reference(&x).map(|(i, v)| (i, v.to_bits()));
+        for isa in Isa::ALL {
+            let Some(got) = with_isa(isa, || argmax_f32(&x)) else { continue };
+            prop_assert_eq!(got.map(|(i, v)| (i, v.to_bits())), want, "{}", isa.name());
+        }
+    }
+}
+
+#[test]
+fn argmax_covers_every_path_on_a_long_row() {
+    // A row as long as the vocabulary's, its maximum tied at both ends of the vector body and
+    // in the tail, a NaN before each: the first copy wins on every path.
+    let mut rng = Rng(11);
+    let mut x = rng.vec_f32(151_936 + 7, 1.0);
+    for at in [40_001, 40_002, 151_940] {
+        x[at] = 5.0;
+    }
+    x[40_000] = f32::NAN;
+    for (isa, got) in common::all_paths("argmax_f32", || argmax_f32(&x)) {
+        assert_eq!(got, Some((40_001, 5.0)), "{}", isa.name());
+    }
+    let nan = vec![f32::NAN; 100];
+    for (isa, got) in common::all_paths("argmax_f32 of NaNs", || argmax_f32(&nan)) {
+        assert_eq!(got, None, "{}", isa.name());
+    }
+}
+
+#[test]
+fn the_nontemporal_copy_writes_exactly_its_destination() {
+    // Every start offset within a 16-byte boundary and lengths around the 4-float stores:
+    // the destination gets the source's bits (NaN payloads and signed zeros included) and
+    // nothing outside it changes.
+    let mut rng = Rng(5);
+    let mut src = rng.vec_f32(80, 1.0);
+    src[3] = f32::from_bits(0x7fc0_1234);
+    src[4] = -0.0;
+    for off in 0..4 {
+        for len in 0..40 {
+            let mut buf = vec![7.5f32; 96];
+            copy_nontemporal_f32(&src[off..off + len], &mut buf[off + 8..off + 8 + len]);
+            for (i, v) in buf.iter().enumerate() {
+                let want = if (off + 8..off + 8 + len).contains(&i) {
+                    src[i - 8].to_bits()
+                } else {
+                    7.5f32.to_bits()
+                };
+                assert_eq!(v.to_bits(), want, "offset {off}, length {len}, element {i}");
+            }
+        }
+    }
+}
+
 #[test]
 fn kv_write_places_the_row_at_its_slot() {
     let mut pool = vec![bf16::ZERO; 6 * 4];

@@ -725,16 +725,6 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     let n0 = logits.first_col();
     let w = w.block_rows(logits.first_col(), logits.row_len(), NAME)?;
-    let tile = GemmTile {
-        n: 0..w.rows(),
-        k: 0..h,
-        mode: OutMode::Store,
-    };
-    if w.rows() > 0 {
-        with_acts(ctx, x, &w, w8a8, |x| {
-            gemm_into_rows(w, x, &tile, None, &mut logits)
-        });
-    }
     // This block's `[rows, 2]` slot of the per-block argmax results.
     let best = ctx.write_chunk::<u32>(lm_head::best, 2 * rows)?;
     if best.len() != 2 * rows {
@@ -743,18 +733,35 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("argmax slot of {} for {rows} rows", best.len()),
         ));
     }
-    for (b, slot) in best.chunks_exact_mut(2).enumerate() {
-        match k::argmax_f32(logits.row(b)) {
-            Some((i, v)) => {
-                slot[0] = (n0 + i) as u32;
-                slot[1] = v.to_bits();
-            }
-            None => {
-                slot[0] = u32::MAX;
-                slot[1] = f32::NAN.to_bits();
-            }
+    let n = w.rows();
+    let tile = GemmTile {
+        n: 0..n,
+        k: 0..h,
+        mode: OutMode::Store,
+    };
+    // The logits are computed into this core's scratch, their argmax taken there while they
+    // are in its cache, and they reach the output rows by non-temporal stores: the output's
+    // lines are cold (the head's weights stream through the caches between steps), and plain
+    // stores first read each of them from memory (`copy_nontemporal_f32`).
+    with_scratch_dirty(rows * n, |s| {
+        if n > 0 {
+            with_acts(ctx, x, &w, w8a8, |x| run_gemm(w, x, &tile, None, s, n));
         }
-    }
+        for (b, (slot, dst)) in best.chunks_exact_mut(2).zip(logits.iter_mut()).enumerate() {
+            let row = &s[b * n..(b + 1) * n];
+            match k::argmax_f32(row) {
+                Some((i, v)) => {
+                    slot[0] = (n0 + i) as u32;
+                    slot[1] = v.to_bits();
+                }
+                None => {
+                    slot[0] = u32::MAX;
+                    slot[1] = f32::NAN.to_bits();
+                }
+            }
+            k::copy_nontemporal_f32(row, dst);
+        }
+    });
     Ok(())
 }
 
