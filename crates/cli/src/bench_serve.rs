@@ -40,8 +40,32 @@ pub(crate) struct BenchServeArgs {
     /// Warm-up rounds before them (discarded).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Sampling temperature of every request (0: greedy, the argmax taken in the step's
+    /// graph; above 0 each token is drawn on the engine's thread from the step's logits, its
+    /// cost inside the measured TPOT).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability (with
+    /// `--temperature` above 0).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (with `--temperature` above 0).
+    #[arg(long)]
+    top_k: Option<usize>,
     #[command(flatten)]
     run: RunOpts,
+}
+
+impl BenchServeArgs {
+    /// Request `r`'s sampling: the flags', seeded per request and measurement.
+    fn sampling(&self, salt: u64, r: usize) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ r as u64,
+        }
+    }
 }
 
 /// The `q`-quantile (nearest rank) of `xs`.
@@ -133,10 +157,11 @@ fn measure(
 ) -> Result<Measure> {
     let reqs: Vec<Request> = prompts(streams, args.prompt_len, vocab, salt)
         .into_iter()
-        .map(|prompt| Request {
+        .enumerate()
+        .map(|(r, prompt)| Request {
             prompt,
             max_new_tokens: args.max_tokens,
-            sampling: SamplingParams::default(),
+            sampling: args.sampling(salt, r),
             ignore_eos: true,
         })
         .collect();
@@ -176,6 +201,12 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     }
     if args.prompt_len == 0 || args.max_tokens == 0 || args.max_num_batched_tokens == 0 {
         bail!("--prompt-len, --max-tokens and --max-num-batched-tokens must be at least 1");
+    }
+    if let Err((what, why)) = args.sampling(0, 0).validate() {
+        bail!("--{}: {why}", what.replace('_', "-"));
+    }
+    if args.temperature == 0.0 && (args.top_k.is_some() || args.top_p != 1.0) {
+        bail!("--top-k and --top-p shape a sampled draw: give --temperature above 0 with them");
     }
     let mut call = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
@@ -250,6 +281,16 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
         args.max_num_batched_tokens
     );
     println!("{}", crate::qwen3_cmd::describe_weights(args.model.weights));
+    if args.temperature > 0.0 {
+        println!(
+            "sampling: temperature {}, top-p {}, top-k {} (each token drawn on the engine's thread from the step's logits; seeded per request)",
+            args.temperature,
+            args.top_p,
+            args.top_k.map_or("off".to_string(), |k| k.to_string())
+        );
+    } else {
+        println!("sampling: greedy (the argmax taken in the step's graph)");
+    }
     // The decode steps' paths at the largest batch (the GEMM path can change with the rows).
     let most = args.streams.iter().copied().max().unwrap_or(1);
     println!(

@@ -747,6 +747,64 @@ fn bench_serve_measures_rounds() {
     );
 }
 
+/// `bench serve --temperature` draws each token on the engine's thread (and says so) and
+/// serves every token; sampling flags that cannot apply are refused by name.
+#[test]
+fn bench_serve_samples_when_asked_and_refuses_what_cannot_apply() {
+    let out = bench_serve_tiny(&[
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+    ]);
+    let so = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        so.contains("sampling: temperature 0.8, top-p 0.9, top-k 20"),
+        "{so}"
+    );
+    assert!(
+        so.contains("engine: ") && so.contains(" 0 preemptions"),
+        "{so}"
+    );
+    let greedy = bench_serve_tiny(&["--prompt-len", "8", "--max-tokens", "2", "--rounds", "1"]);
+    assert!(
+        text(&greedy.stdout).contains("sampling: greedy"),
+        "{}",
+        text(&greedy.stdout)
+    );
+    for (more, why) in [
+        (
+            &["--temperature=-1"][..],
+            "--temperature: -1 must be finite",
+        ),
+        (
+            &["--temperature", "1", "--top-p", "0"],
+            "--top-p: 0 must be in (0, 1]",
+        ),
+        (
+            &["--temperature", "1", "--top-k", "0"],
+            "--top-k: 0 must be at least 1",
+        ),
+        (&["--top-p", "0.5"], "give --temperature above 0 with them"),
+        (&["--top-k", "5"], "give --temperature above 0 with them"),
+    ] {
+        let mut args = vec!["bench", "serve", "--preset", "tiny"];
+        args.extend_from_slice(more);
+        refused(&args, why);
+    }
+}
+
 /// An error whose message already holds its cause's text prints that text once (the cause
 /// used to follow under "Caused by:" again).
 #[test]

@@ -101,42 +101,129 @@ impl Sampler {
         if max == f32::NEG_INFINITY {
             return greedy(logits);
         }
-        // (id, weight) of the candidates, most likely first.
-        let mut cand: Vec<(u32, f64)> = logits
+        // (id, weight) of the candidates; put in order (most likely first, ties to the lower
+        // id) only as far as the draw reaches.
+        // An exponent below -746 gives 0 (the least subnormal is e^-744.4), and libm takes a
+        // slow path to say so: a random model's logits, spread wide, spent as long there as in
+        // the exponentials kept. Skipping them keeps every weight as it was.
+        let cand: Vec<(u32, f64)> = logits
             .iter()
             .enumerate()
             .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, (((v - max) / p.temperature) as f64).exp()))
+            .map(|(i, &v)| (i as u32, ((v - max) / p.temperature) as f64))
+            .filter(|&(_, x)| x > -746.0)
+            .map(|(i, x)| (i, x.exp()))
             .filter(|&(_, w)| w > 0.0)
             .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut cand = Ranked::new(cand);
         if let Some(k) = p.top_k {
             cand.truncate(k.max(1));
         }
-        let total: f64 = cand.iter().map(|c| c.1).sum();
+        let mut total = cand.total();
         if !(total.is_finite() && total > 0.0) {
             return greedy(logits);
         }
         if p.top_p < 1.0 {
             let mut acc = 0.0;
-            let keep = cand
-                .iter()
-                .position(|c| {
-                    acc += c.1 / total;
-                    acc >= f64::from(p.top_p)
-                })
-                .map_or(cand.len(), |i| i + 1);
+            let mut keep = cand.len();
+            let mut i = 0;
+            while i < cand.len() {
+                acc += cand.get(i).1 / total;
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+                i += 1;
+            }
             cand.truncate(keep);
+            total = cand.total();
         }
-        let total: f64 = cand.iter().map(|c| c.1).sum();
         let mut u = self.next_f64() * total;
-        for &(id, w) in &cand {
+        for i in 0..cand.len() {
+            let (id, w) = cand.get(i);
             if u < w {
                 return Some(id);
             }
             u -= w;
         }
-        cand.last().map(|c| c.0)
+        cand.len().checked_sub(1).map(|i| cand.get(i).0)
+    }
+}
+
+/// Candidates `(id, weight)` put in order — heaviest first, ties to the lower id — lazily:
+/// only the first `sorted` are in order, the rest (each no heavier than those) in any. A draw
+/// rarely walks past the first few hundred of a vocabulary's ~150,000 candidates, and sorting
+/// all of them took 7.5 ms a token (Qwen3's vocabulary, `docs/benchmarks.md`, session 54): at
+/// batch 16 more than a decode step's time on the engine's thread. The order is extended
+/// in steps (partition the rest around the next step's last place, then sort the step:
+/// `O(n)` each), so a walk that does reach far still ends in one full order.
+struct Ranked {
+    cand: Vec<(u32, f64)>,
+    sorted: usize,
+    /// The sum of the weights, fixed at [`Ranked::truncate`] (in order for a truncated set,
+    /// in id order for the whole one).
+    total: f64,
+}
+
+impl Ranked {
+    /// The first place step: the draws' usual reach on a real model's logits, with room.
+    const FIRST: usize = 256;
+
+    fn new(cand: Vec<(u32, f64)>) -> Ranked {
+        let total = cand.iter().map(|c| c.1).sum();
+        Ranked {
+            cand,
+            sorted: 0,
+            total,
+        }
+    }
+
+    /// Heavier first, then the lower id: a total order (ids are distinct).
+    fn order(a: &(u32, f64), b: &(u32, f64)) -> std::cmp::Ordering {
+        b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+    }
+
+    fn len(&self) -> usize {
+        self.cand.len()
+    }
+
+    /// Puts the first `n` candidates in order.
+    fn sort_to(&mut self, n: usize) {
+        let n = n.min(self.cand.len());
+        if n <= self.sorted {
+            return;
+        }
+        let rest = &mut self.cand[self.sorted..];
+        let last = n - self.sorted - 1;
+        if last + 1 < rest.len() {
+            rest.select_nth_unstable_by(last, Self::order);
+        }
+        rest[..=last].sort_unstable_by(Self::order);
+        self.sorted = n;
+    }
+
+    /// Candidate `i` in order.
+    fn get(&mut self, i: usize) -> (u32, f64) {
+        if i >= self.sorted {
+            let step = Self::FIRST.max(2 * self.sorted);
+            self.sort_to(i + 1 + step);
+        }
+        self.cand[i]
+    }
+
+    /// Keeps the `n` first in order, the sum of their weights summed in that order (nothing
+    /// changes where all `n` are kept).
+    fn truncate(&mut self, n: usize) {
+        if n >= self.cand.len() {
+            return;
+        }
+        self.sort_to(n);
+        self.cand.truncate(n);
+        self.total = self.cand.iter().map(|c| c.1).sum();
+    }
+
+    fn total(&self) -> f64 {
+        self.total
     }
 }
 
@@ -193,6 +280,147 @@ mod tests {
             (share - 1.0 / (1.0 + (-1f64).exp())).abs() < 0.03,
             "{share}"
         );
+    }
+
+    /// The draw as first written: every candidate sorted before the draw.
+    fn sample_fully_sorted(s: &mut Sampler, logits: &[f32]) -> Option<u32> {
+        let p = s.params;
+        if p.temperature == 0.0 || logits.contains(&f32::INFINITY) {
+            return greedy(logits);
+        }
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|v| v.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return greedy(logits);
+        }
+        let mut cand: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(i, &v)| (i as u32, (((v - max) / p.temperature) as f64).exp()))
+            .filter(|&(_, w)| w > 0.0)
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if let Some(k) = p.top_k {
+            cand.truncate(k.max(1));
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        if !(total.is_finite() && total > 0.0) {
+            return greedy(logits);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = cand
+                .iter()
+                .position(|c| {
+                    acc += c.1 / total;
+                    acc >= f64::from(p.top_p)
+                })
+                .map_or(cand.len(), |i| i + 1);
+            cand.truncate(keep);
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        let mut u = s.next_f64() * total;
+        for &(id, w) in &cand {
+            if u < w {
+                return Some(id);
+            }
+            u -= w;
+        }
+        cand.last().map(|c| c.0)
+    }
+
+    /// The lazily ordered draw picks what sorting every candidate first picked, token for
+    /// token, on logits shaped like a model's (a few far above a bulk), on flat ones where a
+    /// draw walks deep into the order, with ties, NaNs and `-inf` among them, on ones spread so
+    /// wide that most weights underflow (exponents either side of -746), and with and
+    /// without top-k and top-p. (With top-k every sum is taken in the same order as before;
+    /// without it the whole set's sum is now taken in id order, which can move a draw that
+    /// falls within rounding of a boundary: none of these does.)
+    #[test]
+    fn the_lazy_order_draws_what_the_full_sort_drew() {
+        let mut st = 9u64;
+        let mut next = move || {
+            st = st
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (st >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut peaked: Vec<f32> = (0..20_000)
+            .map(|_| (next() + next() + next()) * 6.0)
+            .collect();
+        for (i, v) in [
+            (100, 12.0),
+            (2000, 11.0),
+            (77, 10.5),
+            (5000, 10.5),
+            (9, 8.0),
+        ] {
+            peaked[i] = v;
+        }
+        let mut flat: Vec<f32> = (0..3000).map(|_| (next() * 8.0).round() / 4.0).collect();
+        flat[5] = f32::NAN;
+        flat[6] = f32::NEG_INFINITY;
+        // Spread as a random model's: most weights underflow to 0; at temperature 1 some
+        // exponents land just either side of the underflow.
+        let mut wide: Vec<f32> = (0..4000).map(|_| next() * 4000.0).collect();
+        let top = wide.iter().copied().fold(f32::MIN, f32::max);
+        for (i, d) in [(1, 745.0), (2, 745.2), (3, 746.0), (4, 744.0), (5, 0.5)] {
+            wide[i] = top - d;
+        }
+        for (name, logits) in [("peaked", &peaked), ("flat", &flat), ("wide", &wide)] {
+            for (temperature, top_k, top_p) in [
+                (0.7, None, 0.9),
+                (1.0, None, 1.0),
+                (0.7, Some(50), 0.95),
+                (1.3, Some(500), 1.0),
+                (2.0, Some(1), 1.0),
+                (1.0, None, 0.999),
+            ] {
+                let params = SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed: 3,
+                };
+                let (mut a, mut b) = (Sampler::new(params), Sampler::new(params));
+                for draw in 0..300 {
+                    assert_eq!(
+                        a.sample(logits),
+                        sample_fully_sorted(&mut b, logits),
+                        "{name} logits, {params:?}, draw {draw}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ranked_candidates_come_in_order_however_far_they_are_asked() {
+        let mut st = 5u64;
+        let cand: Vec<(u32, f64)> = (0..5000u32)
+            .map(|i| {
+                st = st.wrapping_mul(6364136223846793005).wrapping_add(1);
+                // Few distinct weights: many ties, broken by the lower id.
+                (i, ((st >> 60) as f64 + 1.0) / 16.0)
+            })
+            .collect();
+        let mut want = cand.clone();
+        want.sort_by(Ranked::order);
+        for reach in [0, 1, 255, 256, 257, 1000, 4999] {
+            let mut r = Ranked::new(cand.clone());
+            assert_eq!(r.get(reach), want[reach], "reach {reach}");
+            for (i, &w) in want.iter().enumerate() {
+                assert_eq!(r.get(i), w, "reach {reach}, then {i}");
+            }
+        }
+        let mut r = Ranked::new(cand.clone());
+        r.truncate(300);
+        assert_eq!(r.len(), 300);
+        assert_eq!(r.total(), want[..300].iter().map(|c| c.1).sum::<f64>());
     }
 
     #[test]
