@@ -362,6 +362,37 @@ impl Engine {
         self.observer = observer;
     }
 
+    /// The draw of each row of `plan` that samples and whose chunk reaches the end of its
+    /// known tokens (`None` for the other rows; `Some(None)` where every logit was NaN), on up
+    /// to the machine's cores at once ([`crate::sampler::sample_rows`]; the step's workers are
+    /// idle by then).
+    fn draw_sampled(
+        &mut self,
+        plan: &[(usize, usize)],
+        logits: &[f32],
+    ) -> Vec<Option<Option<u32>>> {
+        let mut jobs: Vec<(usize, &mut Sampler)> = Vec::new();
+        let mut row_of = vec![None; self.running.len()];
+        for (row, &(i, n)) in plan.iter().enumerate() {
+            row_of[i] = Some((row, n));
+        }
+        for (i, s) in self.running.iter_mut().enumerate() {
+            if let Some((row, n)) = row_of[i]
+                && !s.greedy
+                && s.computed + n >= s.tokens.len()
+            {
+                jobs.push((row, &mut s.sampler));
+            }
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let results = crate::sampler::sample_rows(&mut jobs, logits, self.vocab, threads);
+        let mut drawn = vec![None; plan.len()];
+        for (row, t) in results {
+            drawn[row] = Some(t);
+        }
+        drawn
+    }
+
     fn observe(&mut self, report: &RunReport) {
         if let Some(f) = self.observer.as_mut() {
             f(report);
@@ -773,7 +804,9 @@ impl Engine {
         self.observe(&out.report);
         self.stats.steps += 1;
         self.stats.max_batch = self.stats.max_batch.max(plan.len());
-        // Advance; sample where a chunk reached the end of the known tokens.
+        // The sampled draws of the rows whose chunk reaches the end of their known tokens.
+        let mut drawn = self.draw_sampled(&plan, &out.logits);
+        // Advance; take the next token where a chunk reached the end of the known tokens.
         let mut outputs = Vec::new();
         let mut finished = Vec::new();
         for (row, &(i, n)) in plan.iter().enumerate() {
@@ -786,12 +819,7 @@ impl Engine {
             if s.computed < s.tokens.len() {
                 continue;
             }
-            let next = if s.greedy {
-                out.next_tokens[row]
-            } else {
-                let logits = &out.logits[row * self.vocab..(row + 1) * self.vocab];
-                s.sampler.sample(logits).unwrap_or(out.next_tokens[row])
-            };
+            let next = drawn[row].take().flatten().unwrap_or(out.next_tokens[row]);
             s.tokens.push(next);
             self.stats.generated_tokens += 1;
             s.first_token.get_or_insert_with(|| s.arrived.elapsed());
