@@ -362,8 +362,14 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     }
     let s = engine.stats();
     println!(
-        "engine: {} steps, {} tokens computed, {} served from the prefix cache, {} preemptions, at most {} sequences in a step",
-        s.steps, s.computed_tokens, s.cached_tokens, s.preemptions, s.max_batch
+        "engine: {} steps, {} tokens computed, {} served from the prefix cache, {} generated ({} sampled from the logits), {} preemptions, at most {} sequences in a step",
+        s.steps,
+        s.computed_tokens,
+        s.cached_tokens,
+        s.generated_tokens,
+        s.sampled_tokens,
+        s.preemptions,
+        s.max_batch
     );
     if let Some(o) = &outputs {
         let o = o.lock().unwrap_or_else(|p| p.into_inner());

@@ -162,8 +162,10 @@ multiversion! {
 }
 
 /// `dst.copy_from_slice(src)` with non-temporal stores where the target has them (x86-64's
-/// baseline `movntps`, 16 bytes at a time from `dst`'s first 16-byte boundary): the lines of
-/// `dst` are written whole without first being read. For outputs nothing reads soon that
+/// baseline `movntps`, 16 bytes at a time from `dst`'s first 16-byte boundary): the 64-byte
+/// lines wholly inside `dst` are written without first being read (a line `dst` shares with
+/// its neighbours, at either end, gets plain and non-temporal stores both, and is read first).
+/// For outputs nothing reads soon that
 /// would otherwise arrive cold, as the LM head's logits do (a `[16, vocab]` fp32 block
 /// written per step, evicted by the next 311 MB of head weights): copied with plain stores,
 /// each destination line was first read from memory, and the copy took ~19 µs of a ~200 µs

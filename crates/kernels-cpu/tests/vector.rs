@@ -253,6 +253,21 @@ fn argmax_covers_every_path_on_a_long_row() {
     for (isa, got) in common::all_paths("argmax_f32", || argmax_f32(&x)) {
         assert_eq!(got, Some((40_001, 5.0)), "{}", isa.name());
     }
+    // Zeros of both signs tie (`+0.0 == -0.0`): the first wins with its own sign, across
+    // lanes and into the tail (a second pass matching bits, or returning the maximum found
+    // instead of the element, fails this).
+    for (first, later) in [(0.0f32, -0.0f32), (-0.0, 0.0)] {
+        let mut x = vec![-1.0f32; 40];
+        (x[1], x[16], x[33]) = (first, later, later);
+        for (isa, got) in common::all_paths("argmax_f32 of signed zeros", || argmax_f32(&x)) {
+            assert_eq!(
+                got.map(|(i, v)| (i, v.to_bits())),
+                Some((1, first.to_bits())),
+                "{}",
+                isa.name()
+            );
+        }
+    }
     let nan = vec![f32::NAN; 100];
     for (isa, got) in common::all_paths("argmax_f32 of NaNs", || argmax_f32(&nan)) {
         assert_eq!(got, None, "{}", isa.name());

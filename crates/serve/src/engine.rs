@@ -129,6 +129,9 @@ pub struct EngineStats {
     pub cached_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
+    /// Of those, tokens drawn by a request's sampler from the step's logits (the others are
+    /// the step's argmax).
+    pub sampled_tokens: u64,
     /// Requests preempted for lack of KV blocks.
     pub preemptions: u64,
     /// Requests aborted by their caller.
@@ -387,6 +390,7 @@ impl Engine {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let results = crate::sampler::sample_rows(&mut jobs, logits, self.vocab, threads);
         let mut drawn = vec![None; plan.len()];
+        self.stats.sampled_tokens += results.len() as u64;
         for (row, t) in results {
             drawn[row] = Some(t);
         }

@@ -103,18 +103,7 @@ impl Sampler {
         }
         // (id, weight) of the candidates; put in order (most likely first, ties to the lower
         // id) only as far as the draw reaches.
-        // An exponent below -746 gives 0 (the least subnormal is e^-744.4), and libm takes a
-        // slow path to say so: a random model's logits, spread wide, spent as long there as in
-        // the exponentials kept. Skipping them keeps every weight as it was.
-        let cand: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, ((v - max) / p.temperature) as f64))
-            .filter(|&(_, x)| x > -746.0)
-            .map(|(i, x)| (i, x.exp()))
-            .filter(|&(_, w)| w > 0.0)
-            .collect();
+        let cand = candidates(logits, max, p.temperature);
         let mut cand = Ranked::new(cand);
         if let Some(k) = p.top_k {
             cand.truncate(k.max(1));
@@ -148,6 +137,22 @@ impl Sampler {
         }
         cand.len().checked_sub(1).map(|i| cand.get(i).0)
     }
+}
+
+/// The candidates of a draw: `(id, weight)` of every finite logit whose weight
+/// `e^((v - max) / temperature)` is above 0, in id order. An exponent below -746 gives 0 (the
+/// least subnormal is e^-744.4) and is not taken: libm takes a slow path to say so, and a
+/// random model's logits, spread wide, spent as long there as in the exponentials kept.
+fn candidates(logits: &[f32], max: f32, temperature: f32) -> Vec<(u32, f64)> {
+    logits
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| (i as u32, ((v - max) / temperature) as f64))
+        .filter(|&(_, x)| x > -746.0)
+        .map(|(i, x)| (i, x.exp()))
+        .filter(|&(_, w)| w > 0.0)
+        .collect()
 }
 
 /// Draws the next token of each `(row, sampler)` from its row of `logits` (rows of `vocab`),
@@ -381,9 +386,9 @@ mod tests {
     /// token, on logits shaped like a model's (a few far above a bulk), on flat ones where a
     /// draw walks deep into the order, with ties, NaNs and `-inf` among them, on ones spread so
     /// wide that most weights underflow (exponents either side of -746), and with and
-    /// without top-k and top-p. (With top-k every sum is taken in the same order as before;
-    /// without it the whole set's sum is now taken in id order, which can move a draw that
-    /// falls within rounding of a boundary: none of these does.)
+    /// without top-k and top-p. (Where top-k removes candidates every sum is taken in the same
+    /// order as before; otherwise the whole set's sum is now taken in id order, which can move
+    /// a draw, or top-p's cut, that falls within rounding of a boundary: none of these does.)
     #[test]
     fn the_lazy_order_draws_what_the_full_sort_drew() {
         let mut st = 9u64;
@@ -480,6 +485,41 @@ mod tests {
             assert_eq!(draws(threads), one, "{threads} threads");
         }
         assert!(sample_rows(&mut [], &logits, vocab, 4).is_empty());
+    }
+
+    /// Skipping the exponents below -746 leaves the candidates exactly those of taking every
+    /// exponential and keeping the weights above 0: the same ids and weight bits, on logits
+    /// whose exponents fall on both sides of the underflow and right at it.
+    #[test]
+    fn the_underflow_cut_keeps_every_candidate_with_weight() {
+        assert_eq!((-746f64).exp(), 0.0);
+        assert!((-745f64).exp() > 0.0);
+        let max = 10.0f32;
+        let mut logits: Vec<f32> = (0..20_000).map(|i| max - i as f32 * 0.0625).collect();
+        logits.extend([
+            f32::NAN,
+            f32::NEG_INFINITY,
+            max - 745.125,
+            max - 745.25,
+            max - 746.0,
+        ]);
+        for t in [1.0f32, 0.5, 0.7, 1.3] {
+            let every: Vec<(u32, u64)> = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(i, &v)| (i as u32, (((v - max) / t) as f64).exp()))
+                .filter(|&(_, w)| w > 0.0)
+                .map(|(i, w)| (i, w.to_bits()))
+                .collect();
+            let cut: Vec<(u32, u64)> = candidates(&logits, max, t)
+                .into_iter()
+                .map(|(i, w)| (i, w.to_bits()))
+                .collect();
+            assert_eq!(cut, every, "temperature {t}");
+            // Some weights are the least subnormal, the last kept before the underflow.
+            assert!(cut.iter().any(|c| c.1 == 1), "temperature {t}");
+        }
     }
 
     #[test]

@@ -744,7 +744,7 @@ pub(super) fn lm_head_tile(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     // lines are cold (the head's weights stream through the caches between steps), and plain
     // stores first read each of them from memory (`copy_nontemporal_f32`).
     with_scratch_dirty(rows * n, |s| {
-        if n > 0 {
+        if n > 0 && rows > 0 {
             with_acts(ctx, x, &w, w8a8, |x| run_gemm(w, x, &tile, None, s, n));
         }
         for (b, (slot, dst)) in best.chunks_exact_mut(2).zip(logits.iter_mut()).enumerate() {
