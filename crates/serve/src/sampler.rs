@@ -103,8 +103,7 @@ impl Sampler {
         }
         // (id, weight) of the candidates; put in order (most likely first, ties to the lower
         // id) only as far as the draw reaches.
-        let cand = candidates(logits, max, p.temperature);
-        let mut cand = Ranked::new(cand);
+        let mut cand = Ranked::new(candidates(logits, max, p.temperature));
         if let Some(k) = p.top_k {
             cand.truncate(k.max(1));
         }
@@ -114,16 +113,12 @@ impl Sampler {
         }
         if p.top_p < 1.0 {
             let mut acc = 0.0;
-            let mut keep = cand.len();
-            let mut i = 0;
-            while i < cand.len() {
-                acc += cand.get(i).1 / total;
-                if acc >= f64::from(p.top_p) {
-                    keep = i + 1;
-                    break;
-                }
-                i += 1;
-            }
+            let keep = (0..cand.len())
+                .find(|&i| {
+                    acc += cand.get(i).1 / total;
+                    acc >= f64::from(p.top_p)
+                })
+                .map_or(cand.len(), |i| i + 1);
             cand.truncate(keep);
             total = cand.total();
         }
