@@ -16,6 +16,14 @@ use simpler_models::qwen3::{
     TilePolicy, load_checkpoint, save_checkpoint,
 };
 
+/// A layer's weight set by its index, as `ResidentModel::upload_sets` asks for them.
+type LayerSource<'a> = dyn FnMut(
+        usize,
+    ) -> Result<
+        Arc<simpler_models::qwen3::weights::LayerWeights>,
+        simpler_models::qwen3::Qwen3RunError,
+    > + 'a;
+
 fn session(w: &Worker, f: &Fixture) -> Session {
     let model = ResidentModel::upload(w, &f.weights, f.rope.max_seq, None).unwrap();
     let kv = KvBuffers::new(w, &f.weights.config, f.kv.num_pages, f.kv.page_size).unwrap();
@@ -794,32 +802,26 @@ fn layers_uploaded_one_set_at_a_time_are_the_whole_upload() {
         l.w_up.pop();
         Ok(Arc::new(l))
     };
-    let Err(e) = ResidentModel::upload_sets(
+    // The error of an upload that must be refused.
+    let refusal = |sets: Vec<usize>, source: &mut LayerSource<'_>| match ResidentModel::upload_sets(
         &w,
         &outer,
-        all.clone(),
-        &mut short,
+        sets,
+        source,
         256,
         WeightFormat::Bf16,
         None,
-    ) else {
-        panic!("a short tensor is refused")
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!(
+            "the upload of {} layers' sets was accepted",
+            c.num_hidden_layers
+        ),
     };
-    let e = e.to_string();
+    let e = refusal(all.clone(), &mut short);
     assert!(e.contains("weight set 0.mlp.up_proj.weight"), "{e}");
     let mut fine = |s: usize| Ok(Arc::new(generate_layer(&c, 5, s)));
-    let Err(e) = ResidentModel::upload_sets(
-        &w,
-        &outer,
-        vec![0; 3],
-        &mut fine,
-        256,
-        WeightFormat::Bf16,
-        None,
-    ) else {
-        panic!("a wrong layer count is refused")
-    };
-    let e = e.to_string();
+    let e = refusal(vec![0; 3], &mut fine);
     assert!(e.contains("3 layers' sets for a config of"), "{e}");
     // A source that fails part-way (a checkpoint's bad tensor in a later layer): its error
     // comes back as it is, the sets already uploaded are dropped with the model's buffers.
