@@ -379,7 +379,8 @@ pub(crate) struct TileArgs {
     /// Fewest tiles of each projection per core [default: 4].
     #[arg(long, value_parser = positive)]
     pub(crate) tiles_per_core: Option<usize>,
-    /// Longest decode attention KV chunk, in tokens [default: 256].
+    /// Longest decode attention KV chunk, in tokens [default: none: a sequence is cut only as
+    /// far as the attention tasks per core ask].
     #[arg(long, value_parser = positive)]
     pub(crate) max_kv_chunk: Option<usize>,
 }

@@ -204,6 +204,21 @@ fn tapered_kv_chunks_match_the_golden() {
     full_model_matches_golden_with(&lens, &CallConfig::default(), tapered_chunks);
 }
 
+/// A batch of more sequences than attention tasks leaves each one KV chunk; the first is cut
+/// into the cores' halves so the phase ends on them (`TilePolicy::kv_splits`): its combine and
+/// the other sequences' single chunks against the golden.
+#[test]
+fn a_one_chunk_batch_whose_first_sequence_is_halved_matches_the_golden() {
+    let lens = [120, 100, 130, 110, 125, 105, 115, 128, 99, 101];
+    let short_chunks = |p: &mut TilePolicy| p.min_kv_chunk = 16;
+    let mut p = TilePolicy::for_cores(2);
+    short_chunks(&mut p);
+    let splits = p.kv_splits(&lens);
+    assert_eq!((splits[0].chunks, splits[0].short), (4, 4), "{splits:?}");
+    assert!(splits[1..].iter().all(|s| s.chunks == 1), "{splits:?}");
+    full_model_matches_golden_with(&lens, &CallConfig::default(), short_chunks);
+}
+
 #[test]
 fn batch_64_full_model_matches_the_golden() {
     let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 53) % 200).collect();

@@ -26,11 +26,13 @@ pub struct TilePolicy {
     /// batch 1 over 257 tokens two chunks of 128 took ~2.0–2.2 ms of a step's attention phases
     /// against 2.3–2.7 ms for four of 64).
     pub min_kv_chunk: usize,
-    /// Longest KV chunk, in tokens (the default, 256: 1 MiB of K and V for the Qwen3 shapes):
-    /// long contexts get more chunks than `attn_tasks_per_core` asks for, so the attention
-    /// phase ends on short tasks. At batch 4 × 4096 tokens on 2 cores, the idle between the
-    /// last attention chunk and the next projection fell from 3.0–4.3% of the cores' time
-    /// (chunks of 2048) to 0.8–1.2%; at batch 4 × 1024 from 1.6–1.9% to 1.0–1.2%.
+    /// Longest KV chunk, in tokens (by default none: a sequence is cut only as far as
+    /// `attn_tasks_per_core` asks, and the phase ends on the first sequence's short chunks,
+    /// [`TilePolicy::kv_splits`]). Each chunk past a sequence's first costs a partial written
+    /// and read back by a combine task on another core (~8 µs of a core each at 16 × 1024 on
+    /// Zen 4). Until session 55 chunks were capped at 256 tokens, which cut every 1024-token
+    /// sequence of a 16 × 1024 step into four chunks and a combine: with no cap that step took
+    /// 0.95–0.97× the time and 1 × 4096 0.97×, 4 × 1024 level (`docs/benchmarks.md`).
     pub max_kv_chunk: usize,
     /// Decode attention tasks per core to aim for.
     pub attn_tasks_per_core: usize,
@@ -63,7 +65,7 @@ impl TilePolicy {
             tile_bytes: 1 << 20,
             tiles_per_core: 4,
             min_kv_chunk: 128,
-            max_kv_chunk: 256,
+            max_kv_chunk: usize::MAX,
             attn_tasks_per_core: 4,
             prefill_rows: default_prefill_rows(),
         }
@@ -113,8 +115,11 @@ impl TilePolicy {
     /// tokens, 2 chunks on 2 cores instead of 3.
     ///
     /// The phase then ends on short tasks: the first sequence's last `cores` chunks are each
-    /// cut in two halves ([`KvSplit::short`]), when it has that many chunks and the halves are at
-    /// least `min_kv_chunk` tokens long (shorter chunks cost more per token). The runtime readies the
+    /// cut in two halves ([`KvSplit::short`]), when the halves are at least `min_kv_chunk`
+    /// tokens long (shorter chunks cost more per token); a first sequence of fewer chunks than
+    /// cores (a batch of more sequences than attention tasks, one chunk each) is first cut into
+    /// `cores` chunks, so 16 × 1024 on 2 cores is 15 chunks of 1024 and four of 256, and its
+    /// count is no longer a multiple of the cores (the cores' work still is). The runtime readies the
     /// consumers of a completed task newest first, so the first-submitted sequence's task runs
     /// last, and its blocks (one per chunk) are claimed in order; a core that finishes early
     /// then waits at most about a half chunk.
@@ -153,7 +158,16 @@ impl TilePolicy {
             .collect();
         let n: usize = splits.iter().map(|s| s.chunks).sum();
         if let (Some(first), Some(&len)) = (splits.first_mut(), seq_lens.first()) {
-            // Halves of the first `cores` chunks: their count stays a multiple of the cores.
+            // A batch of many sequences leaves each one chunk: the first is then cut into
+            // `cores` chunks, so the halves below still end the phase.
+            if cores > 1
+                && n > cores
+                && first.chunks < cores
+                && len / (2 * cores) >= self.min_kv_chunk
+            {
+                first.chunks = cores;
+            }
+            // Halves of the first `cores` chunks.
             let half = len / (2 * first.chunks);
             if cores > 1 && n > cores && first.chunks >= cores && half >= self.min_kv_chunk {
                 first.chunks += cores;
@@ -385,7 +399,17 @@ mod tests {
 
     #[test]
     fn long_contexts_are_cut_into_chunks_no_longer_than_the_cap() {
-        let p = TilePolicy::for_cores(2);
+        let mut p = TilePolicy::for_cores(2);
+        // No cap by default: 4 × 4096 is the 8 tasks `attn_tasks_per_core` asks for, with
+        // the first sequence's two chunks halved.
+        assert_eq!(
+            p.kv_splits(&[4096; 4])
+                .iter()
+                .map(|s| (s.chunks, s.short))
+                .collect::<Vec<_>>(),
+            [(4, 4), (2, 0), (2, 0), (2, 0)]
+        );
+        p.max_kv_chunk = 256;
         let splits = p.kv_splits(&[4096; 4]);
         for (s, r) in splits.iter().zip(p.kv_chunks(&[4096; 4])) {
             let long = s.chunks - s.short;
@@ -446,29 +470,33 @@ mod tests {
 
     #[test]
     fn the_first_sequence_ends_the_attention_phase_on_half_chunks() {
-        let p = TilePolicy::for_cores(2);
+        let mut p = TilePolicy::for_cores(2);
+        let lens =
+            |s: &KvSplit, len: usize| s.ranges(len).iter().map(|r| r.len()).collect::<Vec<_>>();
+        // 4 × 1024: two chunks of 512 a sequence, the first's two halved.
         let splits = p.kv_splits(&[1024; 4]);
-        assert_eq!(
-            splits[0],
-            KvSplit {
-                chunks: 6,
-                short: 4
-            }
-        );
+        assert_eq!(lens(&splits[0], 1024), [256; 4]);
         assert!(splits[1..].iter().all(|s| *s
             == KvSplit {
-                chunks: 4,
+                chunks: 2,
                 short: 0
             }));
+        // 16 × 1024: a chunk a sequence, the first cut into the cores' halves.
+        let splits = p.kv_splits(&[1024; 16]);
+        assert_eq!(lens(&splits[0], 1024), [256; 4]);
+        assert!(splits[1..].iter().all(|s| s.chunks == 1));
+        // ... unless its halves would be shorter than the shortest chunk.
+        let splits = p.kv_splits(&[400; 16]);
+        assert!(splits.iter().all(|s| s.chunks == 1), "{splits:?}");
+        // With a cap, long chunks before the halves.
+        p.max_kv_chunk = 256;
         assert_eq!(
-            splits[0]
-                .ranges(1024)
-                .iter()
-                .map(|r| r.len())
-                .collect::<Vec<_>>(),
+            lens(&p.kv_splits(&[1024; 4])[0], 1024),
             [256, 256, 128, 128, 128, 128]
         );
-        // Ragged batch: the count stays a multiple of the cores, every token in one chunk.
+        p.max_kv_chunk = usize::MAX;
+        // Ragged batch: the count stays a multiple of the cores — or a first sequence of one
+        // chunk became the cores' halves — every token in one chunk.
         for cores in [2, 3, 4] {
             let p = TilePolicy::for_cores(cores);
             for lens in [
@@ -476,11 +504,17 @@ mod tests {
                 vec![3000, 10, 700],
                 vec![5000, 1024],
                 vec![700; 8],
+                vec![900, 300, 800, 1000, 700, 600, 500, 1100, 1200, 400],
             ] {
                 let splits = p.kv_splits(&lens);
                 let n: usize = splits.iter().map(|s| s.chunks).sum();
+                let halves_of_one = splits[0]
+                    == KvSplit {
+                        chunks: 2 * cores,
+                        short: 2 * cores,
+                    };
                 assert!(
-                    n <= cores || n.is_multiple_of(cores),
+                    n <= cores || n.is_multiple_of(cores) || halves_of_one,
                     "{cores} {lens:?}: {n}"
                 );
                 for (s, &len) in splits.iter().zip(&lens) {
