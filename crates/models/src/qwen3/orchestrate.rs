@@ -263,6 +263,9 @@ fn norm(o: &mut Orchestrator, p: &StepPlan, x: &Tensor, g: &Tensor) -> R<(Tensor
                 r: Arg::New(DType::F32, vec![r]),
             }
             .push(Task::new(ops::RMS_NORM_DEFERRED));
+            // A block of rows per core, as prefill's below.
+            let blocks = o.total_cores().clamp(1, p.rows.max(1));
+            let t = t.blocks(u32::try_from(blocks).unwrap_or(1));
             let s = o.submit(t.push_scalars(NormScalars { eps }).timing_slot(1))?;
             (s.output(0), Some(s.output(1)))
         }

@@ -74,36 +74,42 @@ const _: () = assert!(
         && norm_deferred::packed == norm::packed
 );
 
-/// The checked operands of a packed RMSNorm task named `name`: rows, input rows `x`, norm
-/// weight `g`, epsilon and the packed output.
-type NormOperands<'a> = (usize, &'a [f32], &'a [f32], f32, &'a mut [f32]);
-
-fn norm_operands<'a>(ctx: &'a TaskCtx<'_>, name: &str) -> Result<NormOperands<'a>, KernelError> {
+/// Each block normalises its share of the rows, `ceil(rows / blocks)` (the orchestration gives
+/// decode's norms a block per core: as one block it ran on one core while the other waited for
+/// the projections it feeds); its packed rows and scales are chunks of the contiguous outputs.
+pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
+    const NAME: &str = "rms_norm_deferred_f32";
     let (rows, h) = dims2(ctx, norm::x)?;
     let x = ctx.read::<f32>(norm::x)?;
     let g = ctx.read::<f32>(norm::g)?;
     let NormScalars { eps } = NormScalars::read(ctx)?;
     if g.len() != h {
         return Err(bad(
-            name,
+            NAME,
             format!("norm weight of {} for rows of {h}", g.len()),
         ));
     }
-    let packed = ctx.write::<f32>(norm::packed)?;
-    check_packed(name, packed.len(), rows, h)?;
-    Ok((rows, x, g, eps, packed))
-}
-
-pub(super) fn rms_norm_deferred(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    let (rows, x, g, eps, packed) = norm_operands(ctx, "rms_norm_deferred_f32")?;
-    let r = ctx.write::<f32>(norm_deferred::r)?;
-    if r.len() != rows {
+    let ld = k::packed_ld(h);
+    let (packed_len, scales) = (
+        ctx.tensor(norm::packed)?.numel() as usize,
+        ctx.tensor(norm_deferred::r)?.numel() as usize,
+    );
+    check_packed(NAME, packed_len, rows, h)?;
+    if scales != rows {
+        return Err(bad(NAME, format!("{scales} scales for {rows} rows")));
+    }
+    let per = rows.div_ceil(ctx.block_num().max(1));
+    let first = (ctx.block_idx() * per).min(rows);
+    let packed = ctx.write_chunk::<f32>(norm::packed, per * ld)?;
+    let r = ctx.write_chunk::<f32>(norm_deferred::r, per)?;
+    let n = r.len();
+    if packed.len() != n * ld {
         return Err(bad(
-            "rms_norm_deferred_f32",
-            format!("{} scales for {rows} rows", r.len()),
+            NAME,
+            format!("a share of {} packed floats for {n} rows", packed.len()),
         ));
     }
-    k::rms_norm_deferred_packed(x, g, eps, packed, r);
+    k::rms_norm_deferred_packed(&x[first * h..(first + n) * h], g, eps, packed, r);
     Ok(())
 }
 
