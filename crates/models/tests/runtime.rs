@@ -209,14 +209,17 @@ fn tapered_kv_chunks_match_the_golden() {
 /// the other sequences' single chunks against the golden.
 #[test]
 fn a_one_chunk_batch_whose_first_sequence_is_halved_matches_the_golden() {
-    let lens = [120, 100, 130, 110, 125, 105, 115, 128, 99, 101];
     let short_chunks = |p: &mut TilePolicy| p.min_kv_chunk = 16;
     let mut p = TilePolicy::for_cores(2);
     short_chunks(&mut p);
-    let splits = p.kv_splits(&lens);
-    assert_eq!((splits[0].chunks, splits[0].short), (4, 4), "{splits:?}");
-    assert!(splits[1..].iter().all(|s| s.chunks == 1), "{splits:?}");
-    full_model_matches_golden_with(&lens, &CallConfig::default(), short_chunks);
+    // The first sequence in two chunks, both halved; in four, two of them halved.
+    for (first, split) in [(120, (4, 4)), (200, (6, 4))] {
+        let lens = [first, 100, 130, 110, 125, 105, 115, 128, 99, 101];
+        let splits = p.kv_splits(&lens);
+        assert_eq!((splits[0].chunks, splits[0].short), split, "{splits:?}");
+        assert!(splits[1..].iter().all(|s| s.chunks == 1), "{splits:?}");
+        full_model_matches_golden_with(&lens, &CallConfig::default(), short_chunks);
+    }
 }
 
 #[test]
