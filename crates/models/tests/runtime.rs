@@ -222,6 +222,32 @@ fn a_one_chunk_batch_whose_first_sequence_is_halved_matches_the_golden() {
     }
 }
 
+/// Decode's q, k and v are one task whose blocks split the heads of all three together
+/// (`GEMM_ROPE_STEP`): at the small preset's 8 q + 4 k + 4 v heads, two blocks (one tile per
+/// core) give block 1 the k and the v heads, five give blocks that cross from q into k and
+/// from k into v, the default eight none, and 4 KiB tiles a block per head; each against the
+/// golden.
+#[test]
+fn qkv_blocks_across_the_projections_match_the_golden() {
+    let heads = 8 + 4 + 4;
+    assert_eq!(simpler_core::tapered_range(heads, 2, 1), 8..16);
+    let five: Vec<_> = (0..5)
+        .map(|b| simpler_core::tapered_range(heads, 5, b))
+        .collect();
+    assert!(five.iter().any(|r| r.start < 8 && r.end > 8), "{five:?}");
+    assert!(five.iter().any(|r| r.start < 12 && r.end > 12), "{five:?}");
+    let cfg = CallConfig::default();
+    let lens = [200, 3, 70];
+    full_model_matches_golden_with(&lens, &cfg, |p| p.tiles_per_core = 1);
+    full_model_matches_golden_with(&lens, &cfg, |p| {
+        // One MiB of q/k/v weights in tiles of a fifth of it: five blocks.
+        p.tiles_per_core = 1;
+        p.tile_bytes = (1 << 20) / 5 + 1;
+    });
+    full_model_matches_golden_with(&lens, &cfg, |_| {});
+    full_model_matches_golden_with(&lens, &cfg, |p| p.tile_bytes = 4096);
+}
+
 #[test]
 fn batch_64_full_model_matches_the_golden() {
     let lens: Vec<usize> = (0..64).map(|b| 1 + (b * 53) % 200).collect();

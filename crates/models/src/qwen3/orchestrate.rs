@@ -44,7 +44,7 @@ use super::ops::args::{
 };
 use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmRopeScalars,
-    GemmScalars, LmHeadScalars, NormScalars, PushScalars, StepRole,
+    GemmScalars, LmHeadScalars, NormScalars, PushScalars,
 };
 use super::plan::{KvSplit, LayerBlocks, SeqRows};
 use super::quant::{Int8Acts, WeightFormat, int8_record};
@@ -542,11 +542,11 @@ fn rope_kv_runs(
     Ok(o.submit(Task::dummy().after_all(writes))?.id)
 }
 
-/// Decode: the q, k and v projections as one SPMD task each, every block whole heads, with
-/// their epilogues (`GEMM_ROPE_STEP`): q/k norm and RoPE of each row at the position its step
-/// entry holds into bf16 Q and the K pool, the V rows into the V pool, at the entries' slots
-/// (so the graph does not depend on positions or slots). Returns the tasks that write the
-/// pools (Q is tracked by its tensor).
+/// Decode: the q, k and v projections as one SPMD task (`GEMM_ROPE_STEP`), every block whole
+/// heads of them, with their epilogues: q/k norm and RoPE of each row at the position its step
+/// entry holds into bf16 Q and the K pool, the V rows into the V pool, at the entries' slots (so
+/// the graph does not depend on positions or slots). Returns the task, which writes the pools
+/// (Q is tracked by its tensor).
 #[allow(clippy::too_many_arguments)]
 fn qkv_rope_step(
     o: &mut Orchestrator,
@@ -560,69 +560,46 @@ fn qkv_rope_step(
     [kl, vl]: [&Tensor; 2],
 ) -> R<Vec<TaskId>> {
     let c = &p.config;
-    let mut ids = Vec::with_capacity(3);
-    for (wt, norm, out, blocks, heads, role) in [
-        (
-            &w.wq,
-            &w.q_norm,
-            qb,
-            p.blocks.q,
-            c.num_attention_heads,
-            StepRole::Q,
-        ),
-        (
-            &w.wk,
-            &w.k_norm,
-            kl,
-            p.blocks.k,
-            c.num_key_value_heads,
-            StepRole::K,
-        ),
-        // v has no norm; the k norm's view is bound in its place and not read.
-        (
-            &w.wv,
-            &w.k_norm,
-            vl,
-            p.blocks.v,
-            c.num_key_value_heads,
-            StepRole::V,
-        ),
-    ] {
-        let t = GemmRopeArgs {
-            acts: Arg::In(n),
-            // SAFETY: `wt` is a weight matrix: written by no task during a run.
-            w: unsafe { Arg::untracked(wt) },
-            // SAFETY: a q/k norm weight: written by no task during a run.
-            norm: unsafe { Arg::untracked(norm) },
-            // SAFETY: the RoPE tables: written by no task during a run.
-            cos: unsafe { Arg::untracked(&vw.cos) },
-            // SAFETY: the RoPE tables: written by no task during a run.
-            sin: unsafe { Arg::untracked(&vw.sin) },
-            // SAFETY: the step entries: written by no task during a run.
-            step: unsafe { Arg::untracked(step) },
-            out: Arg::Out(out),
-            scale: rs.map(Arg::In),
-        }
-        .push(Task::new(ops::GEMM_ROPE_STEP));
-        // No more blocks than heads: a block's share is whole heads.
-        let blocks = blocks.clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
-        let t = t
-            .blocks(blocks)
-            .push_scalars(GemmRopeScalars {
-                k: c.hidden_size,
-                w8a8: p.w8a8(),
-                eps: c.rms_norm_eps as f32,
-                role,
-            })
-            .timing_slot(1);
-        ids.push((role, o.submit(t)?.id));
+    let t = GemmRopeArgs {
+        acts: Arg::In(n),
+        // SAFETY: `wq` is a weight matrix: written by no task during a run.
+        wq: unsafe { Arg::untracked(&w.wq) },
+        // SAFETY: as `wq`.
+        wk: unsafe { Arg::untracked(&w.wk) },
+        // SAFETY: as `wq`.
+        wv: unsafe { Arg::untracked(&w.wv) },
+        // SAFETY: a q/k norm weight: written by no task during a run.
+        q_norm: unsafe { Arg::untracked(&w.q_norm) },
+        // SAFETY: as `q_norm`.
+        k_norm: unsafe { Arg::untracked(&w.k_norm) },
+        // SAFETY: the RoPE tables: written by no task during a run.
+        cos: unsafe { Arg::untracked(&vw.cos) },
+        // SAFETY: the RoPE tables: written by no task during a run.
+        sin: unsafe { Arg::untracked(&vw.sin) },
+        // SAFETY: the step entries: written by no task during a run.
+        step: unsafe { Arg::untracked(step) },
+        q_out: Arg::Out(qb),
+        k_out: Arg::Out(kl),
+        v_out: Arg::Out(vl),
+        scale: rs.map(Arg::In),
     }
-    // Q is tracked by its tensor; the pools are read NoDep, so the attention waits on these.
-    Ok(ids
-        .into_iter()
-        .filter(|&(role, _)| role != StepRole::Q)
-        .map(|(_, id)| id)
-        .collect())
+    .push(Task::new(ops::GEMM_ROPE_STEP));
+    // No more blocks than heads: a block's share is whole heads.
+    let heads = c.num_attention_heads + 2 * c.num_key_value_heads;
+    let blocks = p
+        .blocks
+        .qkv
+        .clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
+    let t = t
+        .blocks(blocks)
+        .push_scalars(GemmRopeScalars {
+            k: c.hidden_size,
+            w8a8: p.w8a8(),
+            eps: c.rms_norm_eps as f32,
+        })
+        .timing_slot(1);
+    // Q is tracked by its tensor; the pools are read NoDep, so the attention waits on this.
+    Ok(vec![o.submit(t)?.id])
 }
 
 /// Split-KV decode attention: per sequence one final task over every KV head, or one task per

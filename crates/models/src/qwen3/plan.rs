@@ -233,11 +233,13 @@ impl KvSplit {
 /// SPMD blocks of every projection task of a layer and of the LM head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerBlocks {
-    /// `q_proj`.
+    /// Decode's `q_proj`, `k_proj` and `v_proj` together (one task, `GEMM_ROPE_STEP`).
+    pub qkv: u32,
+    /// `q_proj` (prefill).
     pub q: u32,
-    /// `k_proj`.
+    /// `k_proj` (prefill).
     pub k: u32,
-    /// `v_proj`.
+    /// `v_proj` (prefill).
     pub v: u32,
     /// `o_proj` (hidden columns of the residual).
     pub o: u32,
@@ -259,6 +261,7 @@ impl LayerBlocks {
             c.intermediate_size,
         );
         LayerBlocks {
+            qkv: policy.blocks(q + 2 * kv, 2 * h),
             q: policy.blocks(q, 2 * h),
             k: policy.blocks(kv, 2 * h),
             v: policy.blocks(kv, 2 * h),

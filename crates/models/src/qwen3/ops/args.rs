@@ -130,12 +130,12 @@ kernel_tensors!(
     RopeKvArgs, rope_kv { q, k, v, q_norm, k_norm, cos, sin, q_out, k_out, v_out }
 );
 kernel_tensors!(
-    /// `GEMM_ROPE_STEP`: packed acts `[n,ld(H)]`, the q, k or v weights `[W,H]`, the q or k
-    /// norm weight `[d]` (v: bound, unused), the whole cos/sin tables `[max_seq,d]`, the rows'
-    /// step entries `[n,2]` u32 (`seq_len, slot`); written: bf16 Q `[n,W]` (q), or one
-    /// layer's K or V pool `[slots,W]` at each row's slot (positions and slots read at run
+    /// `GEMM_ROPE_STEP`: packed acts `[n,ld(H)]`; the q, k and v weights `[Wq,H]`, `[Wkv,H]`,
+    /// `[Wkv,H]`; the q and k norm weights `[d]`; the whole cos/sin tables `[max_seq,d]`; the
+    /// rows' step entries `[n,2]` u32 (`seq_len, slot`); written: bf16 Q `[n,Wq]` and one
+    /// layer's K and V pools `[slots,Wkv]` at each row's slot (positions and slots read at run
     /// time); an optional per-row scale `[n]`.
-    GemmRopeArgs, gemm_rope { acts, w, norm, cos, sin, step, out; scale }
+    GemmRopeArgs, gemm_rope { acts, wq, wk, wv, q_norm, k_norm, cos, sin, step, q_out, k_out, v_out; scale }
 );
 kernel_tensors!(
     /// `ATTN_DECODE`: Q row bf16, K and V pools, the block-table row, the sequence's step

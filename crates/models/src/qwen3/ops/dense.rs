@@ -24,9 +24,7 @@ use crate::qwen3::quant::{int8_interleaved, int8_record, interleaved_scales, rec
 
 use super::args::{argmax, gate_up, gemm, gemm_rope, lm_head};
 use super::attn::STEP_FIELDS;
-use super::scalars::{
-    GateUpScalars, GemmRopeScalars, GemmScalars, KernelScalars, LmHeadScalars, StepRole,
-};
+use super::scalars::{GateUpScalars, GemmRopeScalars, GemmScalars, KernelScalars, LmHeadScalars};
 use super::{bad, check_packed, check_packed_range, dims2, with_scratch_dirty};
 
 /// A weight tile: bf16 rows, or int8 records (`quant`: each row's values then its fp32
@@ -496,43 +494,73 @@ fn gemm_tile_from(ctx: &TaskCtx<'_>, source: Source) -> Result<(), KernelError> 
     Ok(())
 }
 
-/// A decode q, k or v projection with its epilogue, so nothing runs between the projections
-/// and the attention: each block computes whole heads of the output (`write_block_cols` over
-/// `head_dim`) and, while they are in its cache, q: norms and rotates them into bf16 Q rows;
-/// k: norms and rotates them into the K pool at each row's slot; v: rounds them into the V
-/// pool. Positions and slots come from the step entries at run time (`seq_len - 1`, `slot`),
-/// so one graph serves every step.
+/// What a decode q/k/v block's epilogue makes of one projection's heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StepRole {
+    /// q: per-head norm and RoPE at each row's position, bf16 into the Q rows.
+    Q,
+    /// k: per-head norm and RoPE, bf16 into the K pool at each row's slot.
+    K,
+    /// v: bf16 into the V pool at each row's slot.
+    V,
+}
+
+/// A decode step's q, k and v projections as one SPMD task with their epilogues, so nothing
+/// runs between the projections and the attention: the blocks split the heads of all three
+/// (q's, then k's, then v's: `block_range_tapered` over their sum), each block computes whole
+/// heads and, while they are in its cache, q: norms and rotates them into bf16 Q rows; k: norms
+/// and rotates them into the K pool at each row's slot; v: rounds them into the V pool.
+/// Positions and slots come from the step entries at run time (`seq_len - 1`, `slot`), so one
+/// graph serves every step. A block takes its columns of each output through
+/// `TaskCtx::write_rect` (every row of its heads' columns: the blocks' heads are disjoint).
 ///
-/// Until this, the projections wrote fp32 q/k/v, and an SPMD task over the heads then read
-/// them back from the other cores' caches to norm, rotate and write them: at batch 1 both
-/// cores waited for that task between every layer's projections and attention.
+/// As three tasks (until session 55), each paid its own first block per core (the
+/// activations' conversion and a slower first product, 10–15 µs of a core), its own dispatch
+/// and its own tail; the attention waited on the k and v tasks. Before session 32 the
+/// projections wrote fp32 q/k/v, and an SPMD task over the heads then read them back from the
+/// other cores' caches to norm, rotate and write them.
 ///
 /// Every block checks every row's entry before it writes anything: a length outside the
-/// tables fails every task, and a slot outside the pool or two rows on one slot fails the k
-/// and v tasks (q writes no slot), so the step fails with the pools untouched.
+/// tables, a slot outside the pools or two rows on one slot fails every block, so the step
+/// fails with the pools untouched.
 pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gemm_rope_step_bf16";
-    let GemmRopeScalars {
-        k: kdim,
-        w8a8,
-        eps,
-        role,
-    } = GemmRopeScalars::read(ctx)?;
+    let GemmRopeScalars { k: kdim, w8a8, eps } = GemmRopeScalars::read(ctx)?;
     let x = acts(ctx, gemm_rope::acts, kdim, NAME)?;
-    let w = weights(ctx, gemm_rope::w, kdim, NAME, Source::Resident, w8a8)?;
     let scale = optional_scale(ctx, gemm_rope::scale, x.rows(), NAME)?;
-    let norm = ctx.read::<f32>(gemm_rope::norm)?;
+    let (q_norm, k_norm) = (
+        ctx.read::<f32>(gemm_rope::q_norm)?,
+        ctx.read::<f32>(gemm_rope::k_norm)?,
+    );
     let (max_seq, d) = dims2(ctx, gemm_rope::cos)?;
     let cos = ctx.read::<f32>(gemm_rope::cos)?;
     let sin = ctx.read::<f32>(gemm_rope::sin)?;
     let step = ctx.read::<u32>(gemm_rope::step)?;
-    let (n, width) = (x.rows(), w.rows());
-    if d == 0 || norm.len() != d || sin.len() != cos.len() || !width.is_multiple_of(d) {
+    let n = x.rows();
+    let roles = [
+        (StepRole::Q, gemm_rope::wq, gemm_rope::q_out, q_norm),
+        (StepRole::K, gemm_rope::wk, gemm_rope::k_out, k_norm),
+        // v has no norm.
+        (StepRole::V, gemm_rope::wv, gemm_rope::v_out, &[][..]),
+    ];
+    let w = roles.map(|(_, wi, _, _)| weights(ctx, wi, kdim, NAME, Source::Resident, w8a8));
+    let [wq, wk, wv] = w;
+    let w = [wq?, wk?, wv?];
+    if d == 0
+        || q_norm.len() != d
+        || k_norm.len() != d
+        || sin.len() != cos.len()
+        || w.iter().any(|w| !w.rows().is_multiple_of(d))
+    {
         return Err(bad(
             NAME,
             format!(
-                "inconsistent shapes: {width} output columns, head_dim {d}, norm of {}, cos/sin tables of {} and {}",
-                norm.len(),
+                "inconsistent shapes: q, k and v of {}, {} and {} output columns, head_dim {d}, norms of {} and {}, cos/sin tables of {} and {}",
+                w[0].rows(),
+                w[1].rows(),
+                w[2].rows(),
+                q_norm.len(),
+                k_norm.len(),
                 cos.len(),
                 sin.len()
             ),
@@ -544,49 +572,74 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             format!("{} step entries for {n} rows", step.len()),
         ));
     }
-    // Whole heads: each starts on a 16-row group of the weights, where tiled, paired and
-    // interleaved int8 matrices can be cut, because the upload refuses a head_dim that is not
-    // a multiple of 16 (`ResidentModel::upload_as`).
-    let mut out = ctx.write_block_cols::<bf16>(gemm_rope::out, d)?;
-    if out.view_row_len() != width || (role == StepRole::Q && out.len() != n) {
-        let what = match role {
-            StepRole::Q => format!("Q out [{}, {}]", out.len(), out.view_row_len()),
-            StepRole::K | StepRole::V => format!("a pool of rows of {}", out.view_row_len()),
-        };
+    // The outputs' shapes: Q rows per step row, the pools as wide as their projections and of
+    // one slot count.
+    let out_dims = roles.map(|(_, _, oi, _)| dims2(ctx, oi));
+    let [dq, dk, dv] = out_dims;
+    let out_dims = [dq?, dk?, dv?];
+    let slots = out_dims[1].0;
+    if out_dims[0].0 != n
+        || out_dims[2].0 != slots
+        || out_dims.iter().zip(&w).any(|(o, w)| o.1 != w.rows())
+    {
         return Err(bad(
             NAME,
-            format!("{what} for {n} rows of {width} projected columns"),
+            format!(
+                "Q out {:?}, K pool {:?} and V pool {:?} for {n} rows of {}, {} and {} projected columns",
+                out_dims[0],
+                out_dims[1],
+                out_dims[2],
+                w[0].rows(),
+                w[1].rows(),
+                w[2].rows()
+            ),
         ));
     }
-    // q writes no slot; k and v check theirs against their pool.
-    let pool = (role != StepRole::Q).then_some(out.len());
-    let rows = step_rows(NAME, step, n, max_seq, pool)?;
-    let (c0, cols) = (out.first_col(), out.row_len());
-    if cols == 0 {
-        // An empty share: more blocks than heads.
-        return Ok(());
-    }
-    let w = w.block_rows(c0, cols, NAME)?;
-    let tile = GemmTile {
-        n: 0..cols,
-        k: 0..kdim,
-        mode: OutMode::Store,
-    };
-    with_acts(ctx, x, &w, w8a8, |x| {
-        // Every element is stored by the product before it is read.
-        with_scratch_dirty(n * cols, |s| {
-            run_gemm(w, x, &tile, scale, s, cols);
-            for (t, (y, &(pos, slot))) in s.chunks_exact_mut(cols).zip(&rows).enumerate() {
-                let (c, sn) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
-                match role {
-                    StepRole::Q => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(t)),
-                    StepRole::K => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(slot)),
-                    StepRole::V => k::cast_f32_bf16(y, out.row(slot)),
+    let rows = step_rows(NAME, step, n, max_seq, Some(slots))?;
+    // This block's heads of q, k and v together, then each projection's part of them.
+    let heads = w.map(|w| w.rows() / d);
+    let mine = ctx.block_range_tapered(heads.iter().sum());
+    let mut first_head = 0;
+    for (((role, _, oi, norm), w), nh) in roles.into_iter().zip(w).zip(heads) {
+        let role_heads = first_head..first_head + nh;
+        first_head += nh;
+        let part = mine.start.max(role_heads.start)..mine.end.min(role_heads.end);
+        if part.is_empty() {
+            continue;
+        }
+        let (c0, cols) = ((part.start - role_heads.start) * d, part.len() * d);
+        let mut out =
+            ctx.write_rect::<bf16>(oi, 0..out_dims_rows(role, n, slots), c0..c0 + cols)?;
+        let w = w.block_rows(c0, cols, NAME)?;
+        let tile = GemmTile {
+            n: 0..cols,
+            k: 0..kdim,
+            mode: OutMode::Store,
+        };
+        with_acts(ctx, x, &w, w8a8, |x| {
+            // Every element is stored by the product before it is read.
+            with_scratch_dirty(n * cols, |s| {
+                run_gemm(w, x, &tile, scale, s, cols);
+                for (t, (y, &(pos, slot))) in s.chunks_exact_mut(cols).zip(&rows).enumerate() {
+                    let (c, sn) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
+                    match role {
+                        StepRole::Q => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(t)),
+                        StepRole::K => k::qk_norm_rope_bf16(y, norm, eps, c, sn, out.row(slot)),
+                        StepRole::V => k::cast_f32_bf16(y, out.row(slot)),
+                    }
                 }
-            }
+            });
         });
-    });
+    }
     Ok(())
+}
+
+/// The rows of a q/k/v output: Q's step rows, a pool's slots.
+fn out_dims_rows(role: StepRole, n: usize, slots: usize) -> usize {
+    match role {
+        StepRole::Q => n,
+        StepRole::K | StepRole::V => slots,
+    }
 }
 
 /// Each row's `(position, slot)` from its step entry (`seq_len, slot`), every entry checked

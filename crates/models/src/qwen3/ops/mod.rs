@@ -11,8 +11,8 @@
 //! [`GEMM_TILE`], [`GATE_UP_SWIGLU`] and [`LM_HEAD_TILE`] are SPMD: with `B` blocks, each block
 //! computes its share of the `n` output columns (weight rows), split in units of 16 by
 //! `TaskCtx::write_block_cols`; the orchestration submits one task per projection.
-//! [`GEMM_ROPE_STEP`] splits in whole heads (units of `head_dim`), so each block's epilogue
-//! norms and rotates heads it computed itself.
+//! [`GEMM_ROPE_STEP`] (decode's q, k and v in one task) splits in whole heads of the three
+//! together, so each block's epilogue norms and rotates heads it computed itself.
 //!
 //! Tensor arguments and scalars are each one struct per kernel ([`args`], [`scalars`]), written
 //! by the orchestration and read by the kernel from the same definition; the table below is
@@ -28,7 +28,7 @@
 //! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | [`GemmScalars`](scalars::GemmScalars) |
 //! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed `[R,ld(I)]`, (r In `[R]`) | [`GateUpScalars`](scalars::GateUpScalars) |
 //! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
-//! | [`GEMM_ROPE_STEP`] | acts In packed `[n,ld(H)]`, w NoDep `[W,H]`, norm NoDep f32 `[d]`, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, out Out bf16: Q `[n,W]` or a K/V pool `[slots,W]` (SPMD: each block whole heads), (r In f32 `[n]`) | [`GemmRopeScalars`](scalars::GemmRopeScalars) |
+//! | [`GEMM_ROPE_STEP`] | acts In packed `[n,ld(H)]`, wq NoDep `[Wq,H]`, wk NoDep `[Wkv,H]`, wv NoDep `[Wkv,H]`, q norm NoDep f32 `[d]`, k norm NoDep f32 `[d]`, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, Q Out bf16 `[n,Wq]`, K pool Out bf16 `[slots,Wkv]`, V pool Out bf16 `[slots,Wkv]` (SPMD: each block whole heads of q, k and v together, its columns of each through `write_rect`), (r In f32 `[n]`) | [`GemmRopeScalars`](scalars::GemmRopeScalars) |
 //! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, step NoDep u32 `[1,2]`, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | [`AttnDecodeScalars`](scalars::AttnDecodeScalars) |
 //! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | [`AttnCombineScalars`](scalars::AttnCombineScalars) |
 //! | [`ATTN_PREFILL`] | Q In bf16 `[n,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, out Out packed cols `[n,group*d]` | [`AttnPrefillScalars`](scalars::AttnPrefillScalars) |

@@ -121,49 +121,15 @@ kernel_scalars!(
     }
 );
 
-/// What a decode q/k/v projection's epilogue makes of its output
-/// ([`GemmRopeScalars::role`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepRole {
-    /// q: per-head norm and RoPE at each row's position, bf16 into the Q rows.
-    Q,
-    /// k: per-head norm and RoPE, bf16 into the K pool at each row's slot.
-    K,
-    /// v: bf16 into the V pool at each row's slot.
-    V,
-}
-
-impl Scalar for StepRole {
-    fn push(self, t: Task) -> Task {
-        t.scalar(match self {
-            StepRole::Q => 0,
-            StepRole::K => 1,
-            StepRole::V => 2,
-        })
-    }
-    fn read(ctx: &TaskCtx<'_>, i: usize) -> Result<Self, KernelError> {
-        match ctx.scalar(i)? {
-            0 => Ok(StepRole::Q),
-            1 => Ok(StepRole::K),
-            2 => Ok(StepRole::V),
-            v => Err(KernelError::new(format!(
-                "scalar {i} is {v}, expected a projection role (0 q, 1 k, 2 v)"
-            ))),
-        }
-    }
-}
-
 kernel_scalars!(
-    /// A decode q, k or v projection with its epilogue (`GEMM_ROPE_STEP`).
+    /// A decode step's q, k and v projections with their epilogues (`GEMM_ROPE_STEP`).
     GemmRopeScalars {
         /// Input width `K`.
         k: usize,
         /// As [`GemmScalars::w8a8`].
         w8a8: bool,
-        /// The q/k norm's epsilon (unused for v).
+        /// The q/k norms' epsilon.
         eps: f32,
-        /// Which projection, so what the epilogue does.
-        role: StepRole,
     }
 );
 
