@@ -83,11 +83,19 @@ fn int8_model_matches_the_golden_on_the_dequantised_weights() {
             &f.tokens,
             Acts::of(format),
         );
-        let mut s = session(&w, &f, format);
-        let got = s
-            .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
-            .unwrap();
-        check_model_step(format.name(), &got, &want);
+        // The default split, and five q/k/v blocks, some of them crossing from q's heads into
+        // k's and from k's into v's (`GEMM_ROPE_STEP` over interleaved int8 rows).
+        for five in [false, true] {
+            let mut s = session(&w, &f, format);
+            if five {
+                s.policy.tiles_per_core = 1;
+                s.policy.tile_bytes = (1 << 20) / 5 + 1;
+            }
+            let got = s
+                .decode(&w, &f.batch, &f.tokens, &CallConfig::default())
+                .unwrap();
+            check_model_step(&format!("{}, five: {five}", format.name()), &got, &want);
+        }
     }
 }
 

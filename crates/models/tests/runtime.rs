@@ -12,8 +12,8 @@ use half::bf16;
 use simpler_core::{CallConfig, OrchMode, RingValue, RuntimeEnv, Worker};
 use simpler_models::qwen3::golden::{self, PrefillChunk, Tolerance};
 use simpler_models::qwen3::{
-    Fixture, KvBuffers, LoadOptions, PagedBatch, Qwen3Config, ResidentModel, SaveOptions, Session,
-    TilePolicy, load_checkpoint, save_checkpoint,
+    Fixture, KvBuffers, LayerBlocks, LoadOptions, PagedBatch, Qwen3Config, ResidentModel,
+    SaveOptions, Session, TilePolicy, load_checkpoint, save_checkpoint,
 };
 
 /// A layer's weight set by its index, as `ResidentModel::upload_sets` asks for them.
@@ -148,10 +148,20 @@ fn full_model_step_matches(
     policy: impl FnOnce(&mut TilePolicy),
     what: &str,
 ) {
-    let w = worker();
-    let mut s = session(&w, f);
+    full_model_step_matches_on(&worker(), f, cfg, policy, what);
+}
+
+/// [`full_model_step_matches`] on the worker `w`.
+fn full_model_step_matches_on(
+    w: &Worker,
+    f: &Fixture,
+    cfg: &CallConfig,
+    policy: impl FnOnce(&mut TilePolicy),
+    what: &str,
+) {
+    let mut s = session(w, f);
     policy(&mut s.policy);
-    let got = s.decode(&w, &f.batch, &f.tokens, cfg).unwrap();
+    let got = s.decode(w, &f.batch, &f.tokens, cfg).unwrap();
     let want = golden::decode_model(&f.weights, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
     check_model_step(what, &got, &want);
     check_kv_writes(&s, &want.kv_writes, Tolerance::STACK, Tolerance::ONE_LAYER);
@@ -239,13 +249,28 @@ fn qkv_blocks_across_the_projections_match_the_golden() {
     let cfg = CallConfig::default();
     let lens = [200, 3, 70];
     full_model_matches_golden_with(&lens, &cfg, |p| p.tiles_per_core = 1);
-    full_model_matches_golden_with(&lens, &cfg, |p| {
-        // One MiB of q/k/v weights in tiles of a fifth of it: five blocks.
+    // One MiB of q/k/v weights in tiles of a fifth of it: five blocks.
+    let fifths = |p: &mut TilePolicy| {
         p.tiles_per_core = 1;
         p.tile_bytes = (1 << 20) / 5 + 1;
-    });
+    };
+    let mut p = TilePolicy::for_cores(2);
+    fifths(&mut p);
+    let c = Qwen3Config::preset("small").unwrap();
+    assert_eq!(LayerBlocks::new(&c, &p).qkv, 5);
+    full_model_matches_golden_with(&lens, &cfg, fifths);
     full_model_matches_golden_with(&lens, &cfg, |_| {});
     full_model_matches_golden_with(&lens, &cfg, |p| p.tile_bytes = 4096);
+}
+
+/// Four cores, five rows: the decode norm's blocks take `ceil(5 / 4) = 2` rows each, so the
+/// last block's share starts past the rows and is empty; the step against the golden.
+#[test]
+fn more_norm_blocks_than_row_shares_match_the_golden() {
+    let w = common::cpu_worker(4);
+    simpler_models::qwen3::ops::register(&w).unwrap();
+    let f = stretched_fixture("small", &[200, 3, 70, 1, 129]);
+    full_model_step_matches_on(&w, &f, &CallConfig::default(), |_| {}, "4 cores, 5 rows");
 }
 
 #[test]

@@ -35,7 +35,7 @@ pub use fixture::{
 };
 pub use memory::{MemoryEstimate, RunShape, decimal_bytes};
 pub use orchestrate::prefill_heap_bytes;
-pub use plan::{KvSplit, TilePolicy};
+pub use plan::{KvSplit, LayerBlocks, TilePolicy};
 pub use quant::{Int8Acts, UnknownWeightFormat, WeightFormat};
 pub use resident::{KvBuffers, Qwen3RunError, ResidentModel};
 pub use rope::{Rope, RopeScaling, RopeTables};

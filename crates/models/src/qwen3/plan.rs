@@ -109,9 +109,9 @@ impl TilePolicy {
     /// How each sequence's KV is cut for split-KV decode attention (one SPMD task per
     /// sequence, a block per chunk, each covering every KV head). Chunks are about equally long across the whole batch — a sequence
     /// gets chunks in proportion to its length — so a ragged batch's attention phase does not
-    /// end waiting on its longest sequence. With more chunks than cores, their count is cut
-    /// to a multiple of the core count (lengthening the shortest chunks) so the phase does not
-    /// end on a round where one chunk runs and the other cores wait: at batch 1 over 257
+    /// end waiting on its longest sequence. With more chunks than cores, their count is first
+    /// cut to a multiple of the core count (lengthening the shortest chunks) so the phase does
+    /// not end on a round where one chunk runs and the other cores wait: at batch 1 over 257
     /// tokens, 2 chunks on 2 cores instead of 3.
     ///
     /// The phase then ends on short tasks: the first sequence's last `cores` chunks are each
@@ -123,7 +123,8 @@ impl TilePolicy {
     /// consumers of a completed task newest first, so the first-submitted sequence's task runs
     /// last, and its blocks (one per chunk) are claimed in order; a core that finishes early
     /// then waits at most about a half chunk.
-    /// At batch 4 × 1024 on 2 cores (16 chunks of 256 → 18, four of them 128), the two cores'
+    /// Measured when chunks were capped at 256 tokens: at batch 4 × 1024 on 2 cores (16 chunks
+    /// of 256 → 18, four of them 128; now 8 of 512 → 10, four of them 256), the two cores'
     /// idle between the attention phase and `o_proj` went from a median 88–97 µs a layer to
     /// 50–77 µs, and all idle gaps under 1 ms of a step from 6.6–10.4 ms (median 8.4) to
     /// 6.0–7.8 ms (median 6.8), paired runs under a load of 2.5–5; at a load of 1.5 the idle
@@ -498,9 +499,19 @@ mod tests {
         // Into two, both halved, where quarters of it would be shorter than the shortest chunk.
         let splits = p.kv_splits(&[800; 16]);
         assert_eq!(lens(&splits[0], 800), [200; 4]);
-        // ... and not at all where halves would.
+        // ... and not at all where halves would, or where the batch is no more chunks than
+        // cores.
         let splits = p.kv_splits(&[400; 16]);
         assert!(splits.iter().all(|s| s.chunks == 1), "{splits:?}");
+        let mut one = p;
+        one.attn_tasks_per_core = 1;
+        assert_eq!(
+            one.kv_splits(&[1024; 2]),
+            [KvSplit {
+                chunks: 1,
+                short: 0
+            }; 2]
+        );
         // With a cap, long chunks before the halves.
         p.max_kv_chunk = 256;
         assert_eq!(

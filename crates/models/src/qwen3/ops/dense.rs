@@ -596,10 +596,13 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     let rows = step_rows(NAME, step, n, max_seq, Some(slots))?;
-    // This block's heads of q, k and v together, then each projection's part of them.
+    // This block's heads of q, k and v together, then each projection's part of them, its
+    // weight rows cut before anything is written (a cut the layout refuses fails the block
+    // with the pools untouched).
     let heads = w.map(|w| w.rows() / d);
     let mine = ctx.block_range_tapered(heads.iter().sum());
     let mut first_head = 0;
+    let mut parts = Vec::with_capacity(3);
     for (((role, _, oi, norm), w), nh) in roles.into_iter().zip(w).zip(heads) {
         let role_heads = first_head..first_head + nh;
         first_head += nh;
@@ -608,9 +611,11 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             continue;
         }
         let (c0, cols) = ((part.start - role_heads.start) * d, part.len() * d);
+        parts.push((role, oi, norm, c0, cols, w.block_rows(c0, cols, NAME)?));
+    }
+    for (role, oi, norm, c0, cols, w) in parts {
         let mut out =
             ctx.write_rect::<bf16>(oi, 0..out_dims_rows(role, n, slots), c0..c0 + cols)?;
-        let w = w.block_rows(c0, cols, NAME)?;
         let tile = GemmTile {
             n: 0..cols,
             k: 0..kdim,
