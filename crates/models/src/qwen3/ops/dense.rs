@@ -543,9 +543,12 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         // v has no norm.
         (StepRole::V, gemm_rope::wv, gemm_rope::v_out, &[][..]),
     ];
-    let w = roles.map(|(_, wi, _, _)| weights(ctx, wi, kdim, NAME, Source::Resident, w8a8));
-    let [wq, wk, wv] = w;
-    let w = [wq?, wk?, wv?];
+    let weights = |i| weights(ctx, i, kdim, NAME, Source::Resident, w8a8);
+    let w = [
+        weights(gemm_rope::wq)?,
+        weights(gemm_rope::wk)?,
+        weights(gemm_rope::wv)?,
+    ];
     if d == 0
         || q_norm.len() != d
         || k_norm.len() != d
@@ -574,9 +577,11 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     }
     // The outputs' shapes: Q rows per step row, the pools as wide as their projections and of
     // one slot count.
-    let out_dims = roles.map(|(_, _, oi, _)| dims2(ctx, oi));
-    let [dq, dk, dv] = out_dims;
-    let out_dims = [dq?, dk?, dv?];
+    let out_dims = [
+        dims2(ctx, gemm_rope::q_out)?,
+        dims2(ctx, gemm_rope::k_out)?,
+        dims2(ctx, gemm_rope::v_out)?,
+    ];
     let slots = out_dims[1].0;
     if out_dims[0].0 != n
         || out_dims[2].0 != slots
@@ -598,7 +603,9 @@ pub(super) fn gemm_rope_step(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let rows = step_rows(NAME, step, n, max_seq, Some(slots))?;
     // This block's heads of q, k and v together, then each projection's part of them, its
     // weight rows cut before anything is written (a cut the layout refuses fails the block
-    // with the pools untouched).
+    // with the pools untouched). Whole heads start on a 16-row group of the weights, where
+    // tiled, paired and interleaved int8 matrices can be cut, because the upload refuses a
+    // head_dim that is not a multiple of 16 (`ResidentModel::upload_as`).
     let heads = w.map(|w| w.rows() / d);
     let mine = ctx.block_range_tapered(heads.iter().sum());
     let mut first_head = 0;
