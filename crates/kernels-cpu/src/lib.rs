@@ -23,6 +23,7 @@ mod multiversion;
 pub mod norm;
 pub mod paging;
 pub mod rope;
+pub mod sampling;
 mod simd;
 
 pub use attention::{

@@ -461,3 +461,112 @@ fn membw_reports_positive_peaks_quickly() {
         }
     );
 }
+
+/// Logits for the sampling passes: a spread bulk, exponents either side of the weight cut and
+/// right at it, and every special value.
+fn sampling_logits(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    let mut v: Vec<f32> = (0..n)
+        .map(|_| (rng.next_u64() % 40_000) as f32 / 100.0 - 300.0)
+        .collect();
+    for (i, s) in [
+        f32::NAN,
+        f32::NEG_INFINITY,
+        -0.0,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        100.0,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if i * 7 < n {
+            v[i * 7] = s;
+        }
+    }
+    v
+}
+
+/// `logits_max` is the plain fold over the finite values, and flags `+inf`, on every path and
+/// at every length around the lane blocks.
+#[test]
+fn logits_max_takes_the_finite_values_on_every_path() {
+    for n in (0..50).chain([151_936]) {
+        for with_inf in [false, true] {
+            let mut v = sampling_logits(n, n as u64 + 3);
+            if with_inf && n > 0 {
+                v[n / 2] = f32::INFINITY;
+            }
+            let want_max = v
+                .iter()
+                .copied()
+                .filter(|x| x.is_finite())
+                .fold(f32::NEG_INFINITY, f32::max);
+            let want_inf = v.contains(&f32::INFINITY);
+            for (isa, (m, inf)) in all_paths("logits_max", || sampling::logits_max(&v)) {
+                assert_eq!(m.to_bits(), want_max.to_bits(), "{} n {n}", isa.name());
+                assert_eq!(inf, want_inf, "{} n {n}", isa.name());
+            }
+        }
+    }
+    assert_eq!(
+        sampling::logits_max(&[f32::NAN, f32::NEG_INFINITY]),
+        (f32::NEG_INFINITY, false)
+    );
+}
+
+/// The sampling weights are `f64::exp` of the exponent within 4e-7 down to the cut and 0 below
+/// it (NaN and `-inf` too), the same bits on every path, and their sum is the lanes' sum: lane
+/// `j` over the indices `j mod 16` in order, then the lanes in order.
+#[test]
+fn sampling_weights_match_the_exponential_on_every_path() {
+    for n in [0, 1, 15, 16, 17, 33, 1000, 151_936] {
+        let v = sampling_logits(n, 11 + n as u64);
+        let max = v
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        for t in [1.0f32, 0.7, 2.5] {
+            let ran = all_paths("sampling_weights", || {
+                let mut w = vec![f32::NAN; n];
+                let sum = sampling::sampling_weights(&v, max, t, &mut w);
+                (w, sum)
+            });
+            let (_, (w0, sum0)) = &ran[0];
+            for (isa, (w, sum)) in &ran {
+                let same = w.iter().zip(w0).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} differs from portable (n {n}, t {t})", isa.name());
+                assert_eq!(sum.to_bits(), sum0.to_bits(), "{} sum", isa.name());
+            }
+            let mut lanes = [0.0f64; 16];
+            for (i, (&x, &wi)) in v.iter().zip(w0).enumerate() {
+                let e = (x - max) / t;
+                if e >= sampling::WEIGHT_CUT {
+                    let want = f64::from(e).exp();
+                    let rel = (f64::from(wi) - want).abs() / want;
+                    assert!(rel < 4e-7, "n {n} t {t}: e^{e} = {wi}, want {want}");
+                } else {
+                    assert_eq!(wi.to_bits(), 0, "n {n} t {t}: logit {x}, exponent {e}");
+                }
+                lanes[i % 16] += f64::from(wi);
+            }
+            let want_sum: f64 = lanes.iter().sum();
+            assert_eq!(sum0.to_bits(), want_sum.to_bits(), "n {n} t {t} sum");
+        }
+    }
+}
+
+/// The cut sits exactly at the exponent -87: kept at it, dropped just below.
+#[test]
+fn sampling_weights_cut_at_the_clamp() {
+    let below = f32::from_bits((87.0f32).to_bits() + 1);
+    let logits = [0.0, -87.0, -below, -1e30];
+    let mut w = [1.0f32; 4];
+    let sum = sampling::sampling_weights(&logits, 0.0, 1.0, &mut w);
+    assert_eq!(w[0], 1.0);
+    assert!(w[1] > 0.0 && (f64::from(w[1]) / (-87f64).exp() - 1.0).abs() < 4e-7);
+    assert_eq!(w[2], 0.0);
+    assert_eq!(w[3], 0.0);
+    assert_eq!(sum, 1.0 + f64::from(w[1]));
+}

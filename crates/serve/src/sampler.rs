@@ -5,6 +5,10 @@
 //! The generator is SplitMix64 written out here rather than a crate's: a seed must give the
 //! same tokens across versions, which general-purpose RNG crates do not promise.
 
+use std::cell::RefCell;
+
+use simpler_kernels_cpu::sampling::{logits_max, sampling_weights};
+
 /// How to sample.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -90,72 +94,108 @@ impl Sampler {
     /// The next token, or `None` when every logit is NaN (or there are none).
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
         let p = self.params;
-        if p.temperature == 0.0 || logits.contains(&f32::INFINITY) {
+        if p.temperature == 0.0 {
             return greedy(logits);
         }
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|v| v.is_finite())
-            .fold(f32::NEG_INFINITY, f32::max);
-        if max == f32::NEG_INFINITY {
+        let (max, any_inf) = logits_max(logits);
+        if any_inf || max == f32::NEG_INFINITY {
             return greedy(logits);
         }
-        // (id, weight) of the candidates; put in order (most likely first, ties to the lower
-        // id) only as far as the draw reaches.
-        let mut cand = Ranked::new(candidates(logits, max, p.temperature));
-        if let Some(k) = p.top_k {
-            cand.truncate(k.max(1));
-        }
-        let mut total = cand.total();
-        if !(total.is_finite() && total > 0.0) {
-            return greedy(logits);
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = (0..cand.len())
-                .find(|&i| {
-                    acc += cand.get(i).1 / total;
-                    acc >= f64::from(p.top_p)
-                })
-                .map_or(cand.len(), |i| i + 1);
-            cand.truncate(keep);
-            total = cand.total();
-        }
-        let mut u = self.next_f64() * total;
-        for i in 0..cand.len() {
-            let (id, w) = cand.get(i);
-            if u < w {
-                return Some(id);
+        SCRATCH.with_borrow_mut(|(weights, keys)| {
+            weights.resize(logits.len(), 0.0);
+            let total = sampling_weights(logits, max, p.temperature, weights);
+            // Put in order (most likely first, ties to the lower id) only as far as the draw
+            // reaches.
+            let mut cand = Ranked::new(weights, keys, total);
+            if let Some(k) = p.top_k {
+                cand.truncate(k.max(1));
             }
-            u -= w;
-        }
-        cand.len().checked_sub(1).map(|i| cand.get(i).0)
+            let mut total = cand.total();
+            if !(total.is_finite() && total > 0.0) {
+                return greedy(logits);
+            }
+            if p.top_p < 1.0 {
+                let mut acc = 0.0;
+                let keep = (0..cand.len())
+                    .find(|&i| {
+                        acc += cand.get(i).1 / total;
+                        acc >= f64::from(p.top_p)
+                    })
+                    .map_or(cand.len(), |i| i + 1);
+                cand.truncate(keep);
+                total = cand.total();
+            }
+            let mut u = self.next_f64() * total;
+            for i in 0..cand.len() {
+                let (id, w) = cand.get(i);
+                if u < w {
+                    return Some(id);
+                }
+                u -= w;
+            }
+            cand.len().checked_sub(1).map(|i| cand.get(i).0)
+        })
     }
 }
 
-/// The candidates of a draw: `(id, weight)` of every finite logit whose weight
-/// `e^((v - max) / temperature)` is above 0, in id order. An exponent below -746 gives 0 (the
-/// least subnormal is e^-744.4) and is not taken: libm takes a slow path to say so, and a
-/// random model's logits, spread wide, spent as long there as in the exponentials kept.
-fn candidates(logits: &[f32], max: f32, temperature: f32) -> Vec<(u32, f64)> {
-    logits
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.is_finite())
-        .map(|(i, &v)| (i as u32, ((v - max) / temperature) as f64))
-        .filter(|&(_, x)| x > -746.0)
-        .map(|(i, x)| (i, x.exp()))
-        .filter(|&(_, w)| w > 0.0)
-        .collect()
+thread_local! {
+    /// A draw's weights (one per logit) and candidates' keys, kept between draws: at Qwen3's
+    /// vocabulary 0.6 and up to 1.2 MB, which a fresh allocation per draw would fault in anew.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<u64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// A draw's *heavy* candidates: weights at or above this, against the top logit's 1
+/// (`e^-11.1`). Only they are taken and ordered first; a draw that ends among them (on a
+/// model's logits, nearly all: a few tokens hold most of the mass) never looks at the rest,
+/// and one that walks past them takes and orders the rest then ([`Ranked`]). Taking and
+/// partitioning all of Qwen3's ~152,000 candidates cost ~0.35 ms a draw, more than every other
+/// part of it together.
+const HEAVY: f32 = 1.0 / 65536.0;
+
+/// Appends the [`key`] of every logit whose weight in `weights` (from `sampling_weights`: NaN
+/// and `-inf` logits and exponents below its cut, `e^-87` of the top weight, have none) is
+/// heavy ([`HEAVY`]), or, with `heavy` false, above 0 but not heavy, in id order; returns how
+/// many weights are above 0.
+fn take_candidates(weights: &[f32], heavy: bool, keys: &mut Vec<u64>) -> usize {
+    let start = keys.len();
+    keys.resize(start + weights.len(), 0);
+    let out = &mut keys[start..];
+    // Every key is written and the next lands past it only where it is taken: no branch per
+    // logit (a filtered `extend` took ~1.2 ns a logit).
+    let (mut n, mut positive) = (0, 0);
+    for (i, &w) in weights.iter().enumerate() {
+        out[n] = key(i as u32, w);
+        let take = if heavy {
+            w >= HEAVY
+        } else {
+            w > 0.0 && w < HEAVY
+        };
+        n += usize::from(take);
+        positive += usize::from(w > 0.0);
+    }
+    keys.truncate(start + n);
+    positive
+}
+
+/// A candidate as one integer whose ascending order is the draw's: heavier first, then the
+/// lower id. A positive weight's bits order as its value, so the high half is their
+/// complement and the low half the id; comparing plain integers made the partition of
+/// Qwen3's ~152,000 candidates several times faster than a comparator on `(id, f64)` pairs.
+fn key(id: u32, weight: f32) -> u64 {
+    (u64::from(!weight.to_bits()) << 32) | u64::from(id)
+}
+
+/// The `(id, weight)` of a [`key`].
+fn unkey(key: u64) -> (u32, f64) {
+    (key as u32, f64::from(f32::from_bits(!((key >> 32) as u32))))
 }
 
 /// Draws the next token of each `(row, sampler)` from its row of `logits` (rows of `vocab`),
 /// on up to `threads` threads at once (scoped; this one takes the first share): `(row, draw)`
-/// in the order given. A draw takes the exponential of every logit, so at Qwen3's vocabulary
-/// 16 sampled rows took 30 ms on one thread and 15 ms on two (model-shaped logits, Zen 4,
-/// `docs/benchmarks.md`, session 54) — on the engine's thread, between steps. Each sampler
-/// is its own state, so the draws are the same on any number of threads.
+/// in the order given. A draw takes the exponential of every logit (in vector lanes,
+/// `sampling_weights`), so at Qwen3's vocabulary it costs a fraction of a millisecond
+/// (`docs/serving.md`) — on the engine's thread, between steps. Each sampler is its own
+/// state, so the draws are the same on any number of threads.
 ///
 /// # Panics
 /// If a row lies outside `logits`.
@@ -194,76 +234,101 @@ pub fn sample_rows(
     })
 }
 
-/// Candidates `(id, weight)` put in order — heaviest first, ties to the lower id — lazily:
-/// only the first `sorted` are in order, the rest (each no heavier than those) in any. A draw
-/// rarely walks past the first few hundred of a vocabulary's ~150,000 candidates, and sorting
-/// all of them took 7.5 ms a token (Qwen3's vocabulary, `docs/benchmarks.md`, session 54): at
-/// batch 16 more than a decode step's time on the engine's thread. The order is extended
-/// in steps (partition the rest around the next step's last place, then sort the step:
-/// `O(n)` each), so a walk that does reach far still ends in one full order.
-struct Ranked {
-    cand: Vec<(u32, f64)>,
+/// A draw's candidates ([`key`]s) put in order — heaviest first, ties to the lower id —
+/// lazily: only the first `sorted` are in order, and only the heavy ones ([`HEAVY`]) are taken
+/// until the order must reach past them. A draw rarely walks past the first few hundred of a
+/// vocabulary's ~150,000 candidates, and sorting all of them took 7.5 ms a token (Qwen3's
+/// vocabulary, `docs/benchmarks.md`, session 54): at batch 16 more than a decode step's time
+/// on the engine's thread. The order is extended in steps (partition the rest around the next
+/// step's last place, then sort the step: `O(n)` each), so a walk that does reach far still
+/// ends in one full order.
+struct Ranked<'a> {
+    /// Every logit's weight (0: not a candidate).
+    weights: &'a [f32],
+    /// The heavy candidates, then (once taken) the rest; the first `sorted` in order.
+    keys: &'a mut Vec<u64>,
     sorted: usize,
-    /// The sum of the weights, fixed at [`Ranked::truncate`] (in order for a truncated set,
-    /// in id order for the whole one).
+    /// How many candidates are heavy: each comes before every other in the order.
+    heavy: usize,
+    /// How many candidates there are (weights above 0), taken or not.
+    count: usize,
+    /// The sum of the weights: given for the whole set (`sampling_weights`' lanes), summed in
+    /// order at [`Ranked::truncate`].
     total: f64,
 }
 
-impl Ranked {
+impl<'a> Ranked<'a> {
     /// The first place step: the draws' usual reach on a real model's logits, with room.
     const FIRST: usize = 256;
 
-    fn new(cand: Vec<(u32, f64)>) -> Ranked {
-        let total = cand.iter().map(|c| c.1).sum();
+    /// The candidates of `weights`, whose sum is `total`; `keys` is scratch.
+    fn new(weights: &'a [f32], keys: &'a mut Vec<u64>, total: f64) -> Ranked<'a> {
+        keys.clear();
+        let count = take_candidates(weights, true, keys);
+        let heavy = keys.len();
         Ranked {
-            cand,
+            weights,
+            keys,
             sorted: 0,
+            heavy,
+            count,
             total,
         }
     }
 
-    /// Heavier first, then the lower id: a total order (ids are distinct).
-    fn order(a: &(u32, f64), b: &(u32, f64)) -> std::cmp::Ordering {
-        b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-    }
-
     fn len(&self) -> usize {
-        self.cand.len()
+        self.count
     }
 
-    /// Puts the first `n` candidates in order.
+    /// Puts the first `n` candidates in order: among the heavy ones alone where `n` stays
+    /// among them, else after taking the rest.
     fn sort_to(&mut self, n: usize) {
-        let n = n.min(self.cand.len());
+        let n = n.min(self.count);
         if n <= self.sorted {
             return;
         }
-        let rest = &mut self.cand[self.sorted..];
+        if n > self.heavy && self.keys.len() < self.count {
+            take_candidates(self.weights, false, self.keys);
+        }
+        let end = if n <= self.heavy {
+            self.heavy
+        } else {
+            self.count
+        };
+        let rest = &mut self.keys[self.sorted..end];
         let last = n - self.sorted - 1;
         if last + 1 < rest.len() {
-            rest.select_nth_unstable_by(last, Self::order);
+            rest.select_nth_unstable(last);
         }
-        rest[..=last].sort_unstable_by(Self::order);
+        rest[..=last].sort_unstable();
         self.sorted = n;
     }
 
-    /// Candidate `i` in order.
+    /// Candidate `i` (below [`Ranked::len`]) in order: `(id, weight)`. The order grows in
+    /// steps, held to the heavy candidates while `i` is one of them.
     fn get(&mut self, i: usize) -> (u32, f64) {
         if i >= self.sorted {
             let step = Self::FIRST.max(2 * self.sorted);
-            self.sort_to(i + 1 + step);
+            let mut n = i + 1 + step;
+            if i < self.heavy {
+                n = n.min(self.heavy);
+            }
+            self.sort_to(n);
         }
-        self.cand[i]
+        unkey(self.keys[i])
     }
 
     /// Keeps the `n` first in order, the sum of their weights summed in that order (nothing
     /// changes where all `n` are kept).
     fn truncate(&mut self, n: usize) {
-        if n >= self.cand.len() {
+        if n >= self.count {
             return;
         }
         self.sort_to(n);
-        self.cand.truncate(n);
-        self.total = self.cand.iter().map(|c| c.1).sum();
+        self.keys.truncate(n);
+        self.count = n;
+        self.heavy = self.heavy.min(n);
+        self.total = self.keys.iter().map(|&k| unkey(k).1).sum();
     }
 
     fn total(&self) -> f64 {
@@ -340,12 +405,15 @@ mod tests {
         if max == f32::NEG_INFINITY {
             return greedy(logits);
         }
-        let mut cand: Vec<(u32, f64)> = logits
+        // The weights are the kernel's (tested against `f64::exp` with the kernels); what is
+        // checked here is the order, the cuts and the walk.
+        let mut weights = vec![0.0f32; logits.len()];
+        sampling_weights(logits, max, p.temperature, &mut weights);
+        let mut cand: Vec<(u32, f64)> = weights
             .iter()
             .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (i as u32, (((v - max) / p.temperature) as f64).exp()))
-            .filter(|&(_, w)| w > 0.0)
+            .filter(|&(_, &w)| w > 0.0)
+            .map(|(i, &w)| (i as u32, f64::from(w)))
             .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if let Some(k) = p.top_k {
@@ -380,10 +448,11 @@ mod tests {
     /// The lazily ordered draw picks what sorting every candidate first picked, token for
     /// token, on logits shaped like a model's (a few far above a bulk), on flat ones where a
     /// draw walks deep into the order, with ties, NaNs and `-inf` among them, on ones spread so
-    /// wide that most weights underflow (exponents either side of -746), and with and
-    /// without top-k and top-p. (Where top-k removes candidates every sum is taken in the same
-    /// order as before; otherwise the whole set's sum is now taken in id order, which can move
-    /// a draw, or top-p's cut, that falls within rounding of a boundary: none of these does.)
+    /// wide that most weights are cut (exponents either side of -87), and with and without
+    /// top-k and top-p. (Where top-k removes candidates every sum is taken in the same order
+    /// as before; otherwise the whole set's sum is the kernel's, in lanes of id order, which
+    /// can move a draw, or top-p's cut, that falls within rounding of a boundary: none of these
+    /// does.)
     #[test]
     fn the_lazy_order_draws_what_the_full_sort_drew() {
         let mut st = 9u64;
@@ -408,11 +477,11 @@ mod tests {
         let mut flat: Vec<f32> = (0..3000).map(|_| (next() * 8.0).round() / 4.0).collect();
         flat[5] = f32::NAN;
         flat[6] = f32::NEG_INFINITY;
-        // Spread as a random model's: most weights underflow to 0; at temperature 1 some
-        // exponents land just either side of the underflow.
+        // Spread as a random model's: most weights are cut; at temperature 1 some exponents
+        // land just either side of the cut.
         let mut wide: Vec<f32> = (0..4000).map(|_| next() * 4000.0).collect();
         let top = wide.iter().copied().fold(f32::MIN, f32::max);
-        for (i, d) in [(1, 745.0), (2, 745.2), (3, 746.0), (4, 744.0), (5, 0.5)] {
+        for (i, d) in [(1, 86.0), (2, 86.9), (3, 87.0), (4, 87.1), (5, 0.5)] {
             wide[i] = top - d;
         }
         for (name, logits) in [("peaked", &peaked), ("flat", &flat), ("wide", &wide)] {
@@ -482,64 +551,132 @@ mod tests {
         assert!(sample_rows(&mut [], &logits, vocab, 4).is_empty());
     }
 
-    /// Skipping the exponents below -746 leaves the candidates exactly those of taking every
-    /// exponential and keeping the weights above 0: the same ids and weight bits, on logits
-    /// whose exponents fall on both sides of the underflow and right at it.
+    /// The candidates are exactly the logits with a weight: finite, with an exponent at or
+    /// above the kernel's cut (`e^-87` of the top weight), the heavy ones and then the rest,
+    /// each in id order, each key giving back its id and weight — on logits either side of
+    /// the cut and right at it, at several temperatures.
     #[test]
-    fn the_underflow_cut_keeps_every_candidate_with_weight() {
-        assert_eq!((-746f64).exp(), 0.0);
-        assert!((-745f64).exp() > 0.0);
+    fn the_candidates_are_the_logits_with_weight() {
         let max = 10.0f32;
         let mut logits: Vec<f32> = (0..20_000).map(|i| max - i as f32 * 0.0625).collect();
         logits.extend([
             f32::NAN,
             f32::NEG_INFINITY,
-            max - 745.125,
-            max - 745.25,
-            max - 746.0,
+            max - 86.5,
+            max - 87.0,
+            max - 87.25,
         ]);
         for t in [1.0f32, 0.5, 0.7, 1.3] {
-            let every: Vec<(u32, u64)> = logits
-                .iter()
-                .enumerate()
-                .filter(|(_, v)| v.is_finite())
-                .map(|(i, &v)| (i as u32, (((v - max) / t) as f64).exp()))
-                .filter(|&(_, w)| w > 0.0)
-                .map(|(i, w)| (i, w.to_bits()))
-                .collect();
-            let cut: Vec<(u32, u64)> = candidates(&logits, max, t)
-                .into_iter()
-                .map(|(i, w)| (i, w.to_bits()))
-                .collect();
-            assert_eq!(cut, every, "temperature {t}");
-            // Some weights are the least subnormal, the last kept before the underflow.
-            assert!(cut.iter().any(|c| c.1 == 1), "temperature {t}");
+            let mut weights = vec![0.0f32; logits.len()];
+            sampling_weights(&logits, max, t, &mut weights);
+            let mut keys = Vec::new();
+            let positive = take_candidates(&weights, true, &mut keys);
+            let heavy = keys.len();
+            assert_eq!(take_candidates(&weights, false, &mut keys), positive);
+            let got: Vec<(u32, f64)> = keys.iter().map(|&k| unkey(k)).collect();
+            let (logits, weights) = (&logits, &weights);
+            let with_weight = |light: bool| {
+                logits
+                    .iter()
+                    .enumerate()
+                    .filter(move |&(i, &v)| {
+                        v.is_finite() && (v - max) / t >= -87.0 && (weights[i] < HEAVY) == light
+                    })
+                    .map(|(i, _)| (i as u32, f64::from(weights[i])))
+            };
+            let want: Vec<(u32, f64)> = with_weight(false).chain(with_weight(true)).collect();
+            assert_eq!(got, want, "temperature {t}");
+            assert_eq!(positive, got.len(), "temperature {t}");
+            assert!(
+                heavy > 0 && heavy < got.len(),
+                "temperature {t}: {heavy} heavy"
+            );
+            assert!(got.iter().all(|c| c.1 > 0.0), "temperature {t}");
+            // The last kept exponent is at the cut (logit max - 87 at temperature 1).
+            if t == 1.0 {
+                assert!(got.iter().any(|c| c.0 == 20_003));
+                assert!(!got.iter().any(|c| c.0 == 20_004));
+            }
         }
     }
 
+    /// The lazy order is the full order however far it is asked and whatever the split
+    /// between heavy and light candidates: none light, none heavy, and mixed (with weights of
+    /// 0 among them, which are no candidates).
     #[test]
     fn ranked_candidates_come_in_order_however_far_they_are_asked() {
-        let mut st = 5u64;
-        let cand: Vec<(u32, f64)> = (0..5000u32)
-            .map(|i| {
-                st = st.wrapping_mul(6364136223846793005).wrapping_add(1);
-                // Few distinct weights: many ties, broken by the lower id.
-                (i, ((st >> 60) as f64 + 1.0) / 16.0)
-            })
-            .collect();
-        let mut want = cand.clone();
-        want.sort_by(Ranked::order);
-        for reach in [0, 1, 255, 256, 257, 1000, 4999] {
-            let mut r = Ranked::new(cand.clone());
-            assert_eq!(r.get(reach), want[reach], "reach {reach}");
-            for (i, &w) in want.iter().enumerate() {
-                assert_eq!(r.get(i), w, "reach {reach}, then {i}");
+        for (name, light_every, zero_every) in
+            [("all heavy", 0, 0), ("all light", 1, 0), ("mixed", 3, 7)]
+        {
+            let mut st = 5u64;
+            let weights: Vec<f32> = (0..5000u32)
+                .map(|i| {
+                    st = st.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    // Few distinct weights: many ties, broken by the lower id.
+                    let w = ((st >> 60) as f32 + 1.0) / 16.0;
+                    if zero_every > 0 && i % zero_every == 0 {
+                        0.0
+                    } else if light_every > 0 && i % light_every == 0 {
+                        w * HEAVY / 2.0
+                    } else {
+                        w
+                    }
+                })
+                .collect();
+            let mut want: Vec<(u32, f64)> = weights
+                .iter()
+                .enumerate()
+                .filter(|&(_, &w)| w > 0.0)
+                .map(|(i, &w)| (i as u32, f64::from(w)))
+                .collect();
+            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let heavy = want.iter().filter(|c| c.1 >= f64::from(HEAVY)).count();
+            let mut reaches = vec![0, 1, 255, 256, 257, 1000, want.len() - 1];
+            reaches.extend([heavy.saturating_sub(1), heavy, heavy + 1]);
+            for reach in reaches.into_iter().filter(|&r| r < want.len()) {
+                let mut keys = Vec::new();
+                let mut r = Ranked::new(&weights, &mut keys, 0.0);
+                assert_eq!(r.len(), want.len(), "{name}");
+                assert_eq!(r.get(reach), want[reach], "{name}: reach {reach}");
+                for (i, &w) in want.iter().enumerate() {
+                    assert_eq!(r.get(i), w, "{name}: reach {reach}, then {i}");
+                }
+            }
+            let cuts = [1, heavy.max(1), heavy + 1, 300];
+            for n in cuts.into_iter().filter(|&n| n < want.len()) {
+                let mut keys = Vec::new();
+                let mut r = Ranked::new(&weights, &mut keys, 0.0);
+                r.truncate(n);
+                assert_eq!(r.len(), n, "{name}: truncate {n}");
+                let kept: Vec<(u32, f64)> = (0..n).map(|i| r.get(i)).collect();
+                assert_eq!(kept, want[..n], "{name}: truncate {n}");
+                assert_eq!(r.total(), want[..n].iter().map(|c| c.1).sum::<f64>());
             }
         }
-        let mut r = Ranked::new(cand.clone());
-        r.truncate(300);
-        assert_eq!(r.len(), 300);
-        assert_eq!(r.total(), want[..300].iter().map(|c| c.1).sum::<f64>());
+    }
+
+    /// A key orders as the draw does and gives back its id and weight bits, for weights from
+    /// the least subnormal to the largest float and ids at both ends.
+    #[test]
+    fn keys_order_heavier_first_then_the_lower_id() {
+        let ws = [
+            f32::from_bits(1),
+            1e-38,
+            0.5,
+            1.0,
+            1.0 + f32::EPSILON,
+            f32::MAX,
+        ];
+        let ids = [0u32, 1, 7, u32::MAX - 1, u32::MAX];
+        let mut all: Vec<(u32, f32)> = ws.iter().flat_map(|&w| ids.map(|i| (i, w))).collect();
+        for &(i, w) in &all {
+            let (id, back) = unkey(key(i, w));
+            assert_eq!((id, back.to_bits()), (i, f64::from(w).to_bits()));
+        }
+        let mut by_key = all.clone();
+        by_key.sort_by_key(|&(i, w)| key(i, w));
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        assert_eq!(by_key, all);
     }
 
     #[test]
