@@ -128,17 +128,7 @@ pub(super) unsafe fn prefill_rows<const TILES: bool>(rows: &PrefillRows<'_>, out
             // SAFETY: with TILES the tiles are configured; the scratch holds every token block
             // below `nt >= block_end` and this block's query tiles.
             unsafe { block::<TILES>(s, &lim, block_end, nks, ncb, rows.scale) };
-            for (i, o) in out[qb0 * hd..(qb0 + nqb) * hd]
-                .chunks_exact_mut(hd)
-                .enumerate()
-            {
-                let src = &s.o[i * ncb..(i + 1) * ncb];
-                for (dst, line) in o.chunks_exact_mut(16).zip(src) {
-                    for (d, &bits) in dst.iter_mut().zip(&line.0) {
-                        *d = f32::from_bits(bits);
-                    }
-                }
-            }
+            write_outputs(&s.o, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb);
             qb0 += nqb;
         }
         if TILES {
@@ -393,6 +383,23 @@ unsafe fn block<const TILES: bool>(
         l,
     );
     scale_outputs(&mut s.o, invv, ncb);
+}
+
+/// Copies a block's normalised outputs (query `q`, column block `c` at `o[q * ncb + c]`) into
+/// its queries' rows of `out` (`ncb * 16` floats each, as many rows as `out` holds). A line at
+/// a time: the element-wise loop this replaced ran as scalar moves, ~5% of the vector engine's
+/// time at 512 tokens.
+#[target_feature(enable = "avx512f")]
+fn write_outputs(o: &[Line], out: &mut [f32], ncb: usize) {
+    for (row, lines) in out.chunks_exact_mut(ncb * 16).zip(o.chunks_exact(ncb)) {
+        for (dst, line) in row.chunks_exact_mut(16).zip(lines) {
+            // SAFETY: `dst` is 16 floats (unaligned store); a line is 64 bytes, 64-byte
+            // aligned, its bits those of 16 floats.
+            unsafe {
+                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_load_ps(line.0.as_ptr().cast()));
+            }
+        }
+    }
 }
 
 /// Multiplies each query's outputs (`o`: query `q`, column block `c` at `q * ncb + c`) by its
