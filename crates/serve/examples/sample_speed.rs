@@ -52,18 +52,11 @@ fn main() {
                 top_p,
                 seed: 5,
             });
-            let mut times: Vec<f64> = (0..draws)
-                .map(|_| {
-                    let t = Instant::now();
-                    std::hint::black_box(s.sample(std::hint::black_box(logits)));
-                    t.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            times.sort_by(f64::total_cmp);
+            let (median, fastest) = timed(draws, || {
+                std::hint::black_box(s.sample(std::hint::black_box(logits)));
+            });
             println!(
-                "{shape}, T {temperature} top-k {top_k:?} top-p {top_p}: median {:.3} ms, fastest {:.3} ms a draw ({vocab} logits)",
-                times[times.len() / 2],
-                times[0]
+                "{shape}, T {temperature} top-k {top_k:?} top-p {top_p}: median {median:.3} ms, fastest {fastest:.3} ms a draw ({vocab} logits)"
             );
         }
     }
@@ -77,20 +70,25 @@ fn main() {
     };
     for threads in [1, 2] {
         let mut samplers: Vec<Sampler> = (0..rows).map(|_| Sampler::new(params)).collect();
-        let mut times: Vec<f64> = (0..draws / 10 + 1)
-            .map(|_| {
-                let mut jobs: Vec<(usize, &mut Sampler)> =
-                    samplers.iter_mut().enumerate().collect();
-                let t = Instant::now();
-                std::hint::black_box(sample_rows(&mut jobs, &batch, vocab, threads));
-                t.elapsed().as_secs_f64() * 1e3
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
+        let (median, fastest) = timed(draws / 10 + 1, || {
+            let mut jobs: Vec<(usize, &mut Sampler)> = samplers.iter_mut().enumerate().collect();
+            std::hint::black_box(sample_rows(&mut jobs, &batch, vocab, threads));
+        });
         println!(
-            "{rows} model-shaped rows on {threads} thread(s): median {:.3} ms, fastest {:.3} ms",
-            times[times.len() / 2],
-            times[0]
+            "{rows} model-shaped rows on {threads} thread(s): median {median:.3} ms, fastest {fastest:.3} ms"
         );
     }
+}
+
+/// The median and the fastest of `n` timed calls of `f`, in ms.
+fn timed(n: usize, mut f: impl FnMut()) -> (f64, f64) {
+    let mut times: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], times[0])
 }
