@@ -127,8 +127,10 @@ impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> ApiError {
         match r {
             Refusal::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, m),
+            // 400 as OpenAI answers it (its clients raise `BadRequestError`); the handlers
+            // name the prompt or the messages as `param`.
             Refusal::TooLong(m) => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, m).code("context_length_exceeded")
+                ApiError::new(StatusCode::BAD_REQUEST, m).code("context_length_exceeded")
             }
             Refusal::Overloaded(m) => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m).code("overloaded")
@@ -294,14 +296,25 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route").code("not_found")
 }
 
+/// The whole body: 413 past [`MAX_BODY_BYTES`]; a body that cannot be read (a malformed
+/// chunk, a connection closed before its `Content-Length`) is the client's error, 400.
 async fn read_body(body: Body) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(body, MAX_BODY_BYTES)
         .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is over {MAX_BODY_BYTES} bytes (or was cut off)"),
-            )
+        .map_err(|e| {
+            let over = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if over {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("the request body is over {MAX_BODY_BYTES} bytes"),
+                )
+            } else {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("the request body could not be read: {e}"),
+                )
+            }
         })
 }
 
@@ -363,6 +376,15 @@ fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
             messages,
             enable_thinking,
         } => {
+            if enable_thinking.is_some() && !s.tokenizer.template_reads("enable_thinking") {
+                let mut e = ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "chat_template_kwargs.enable_thinking: this model's chat template does not \
+                     read `enable_thinking`, so it would change nothing",
+                );
+                e.param = Some("chat_template_kwargs.enable_thinking".into());
+                return Err(e);
+            }
             let text = s
                 .tokenizer
                 .apply_chat_template(messages, true, *enable_thinking)
@@ -372,7 +394,14 @@ fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
     };
     if ids.is_empty() {
         let mut e = ApiError::new(StatusCode::BAD_REQUEST, "the prompt has no tokens");
-        e.param = Some("prompt".into());
+        e.param = Some(
+            if matches!(input, Input::Chat { .. }) {
+                "messages"
+            } else {
+                "prompt"
+            }
+            .into(),
+        );
         return Err(e);
     }
     Ok(ids)
@@ -421,12 +450,37 @@ async fn run_job(
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(|e| e.counted("invalid"))?;
+    if let Some(field) = job.max_tokens_field {
+        let want = ids.len().saturating_add(job.cfg.max_new_tokens);
+        if want > s.max_model_len {
+            let mut e = ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{field}: the prompt has {} tokens and `{field}` asks for up to {} more; \
+                     this model holds {} tokens per sequence, prompt and completion together",
+                    ids.len(),
+                    job.cfg.max_new_tokens,
+                    s.max_model_len
+                ),
+            )
+            .code("context_length_exceeded");
+            e.param = Some(field.into());
+            return Err(e.counted("too_long"));
+        }
+    }
     // The engine counts its own refusals.
     let rx = s
         .handle
         .submit_since(ids, job.cfg.clone(), arrived)
         .await
-        .map_err(ApiError::from)?;
+        .map_err(|r| {
+            let too_long = matches!(r, Refusal::TooLong(_));
+            let mut e = ApiError::from(r);
+            if too_long {
+                e.param = Some(prompt_field(kind).into());
+            }
+            e
+        })?;
     let id = format!(
         "{}-{:016x}",
         if kind == Kind::Chat {
@@ -442,6 +496,14 @@ async fn run_job(
     } else {
         whole_response(rx, id, created, &s.model, kind).await
     })
+}
+
+/// The field holding a request's prompt.
+fn prompt_field(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Completion => "prompt",
+        Kind::Chat => "messages",
+    }
 }
 
 /// A request id: the time and a process-wide counter, mixed (unique, not secret).

@@ -40,6 +40,10 @@ pub struct Job {
     pub stream: bool,
     /// Send a usage chunk before `[DONE]`.
     pub include_usage: bool,
+    /// The field that set `cfg.max_new_tokens` (`max_tokens` or `max_completion_tokens`), or
+    /// `None` where the default did: a limit the client gave that the prompt leaves no room
+    /// for is refused naming it, never cut to what fits.
+    pub max_tokens_field: Option<&'static str>,
 }
 
 /// The prompt of a job.
@@ -428,6 +432,8 @@ impl<'a> Obj<'a> {
 /// Fields both endpoints take.
 struct Common {
     max_tokens: Option<i128>,
+    /// Which field gave `max_tokens`.
+    max_tokens_field: &'static str,
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<i128>,
@@ -490,6 +496,7 @@ fn read_common(b: &Obj) -> Result<Common, FieldError> {
     metadata(b)?;
     Ok(Common {
         max_tokens: b.int("max_tokens")?,
+        max_tokens_field: "max_tokens",
         temperature: b.number("temperature")?,
         top_p: b.number("top_p")?,
         top_k: b.int("top_k")?,
@@ -665,6 +672,9 @@ pub fn chat_job(body: &[u8]) -> Result<Job, FieldError> {
                 "`max_tokens` and `max_completion_tokens` disagree",
             ));
         }
+        if c.max_tokens.is_none() {
+            c.max_tokens_field = "max_completion_tokens";
+        }
         c.max_tokens = Some(n);
     }
     common(
@@ -793,10 +803,12 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
         ));
     }
     let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    // Checked as the engine holds it (32 bits): a value that rounds to 0 there is refused here,
+    // naming the field and the value sent.
+    if !(top_p > 0.0 && top_p <= 1.0 && top_p as f32 > 0.0) {
         return Err(bad(
             "top_p",
-            format!("`top_p` must be in (0, 1], not {top_p}"),
+            format!("`top_p` must be in (0, 1] (and at least ~1.4e-45), not {top_p}"),
         ));
     }
     // 0 and -1 both mean no limit, as in vLLM (whose clients send either).
@@ -891,6 +903,7 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
         },
         stream,
         include_usage,
+        max_tokens_field: c.max_tokens.map(|_| c.max_tokens_field),
     })
 }
 
@@ -913,6 +926,7 @@ mod tests {
         assert_eq!(j.model, "m");
         assert_eq!(j.input, Input::Text("hi".into()));
         assert_eq!(j.cfg.max_new_tokens, 7);
+        assert_eq!(j.max_tokens_field, Some("max_tokens"));
         assert_eq!(j.cfg.temperature, 0.5);
         assert_eq!(j.cfg.top_k, Some(20));
         assert_eq!(j.cfg.stop, vec!["x".to_string()]);
@@ -921,6 +935,7 @@ mod tests {
         let j = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         assert_eq!(j.input, Input::Ids(vec![1, 2, 3]));
         assert_eq!(j.cfg.max_new_tokens, 256);
+        assert_eq!(j.max_tokens_field, None);
         assert_eq!(j.cfg.temperature, 0.0);
         // Without a seed, each request draws its own.
         let other = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
@@ -959,6 +974,7 @@ mod tests {
             }
         );
         assert_eq!(j.cfg.max_new_tokens, 5);
+        assert_eq!(j.max_tokens_field, Some("max_completion_tokens"));
     }
 
     #[test]
@@ -1002,6 +1018,40 @@ mod tests {
                 br#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#,
                 "stream_options",
             ),
+            (br#"{"model":"m","prompt":"x","suffix":"a"}"#, "suffix"),
+            (br#"{"model":"m","prompt":"x","best_of":2}"#, "best_of"),
+            (
+                br#"{"model":"m","prompt":"x","presence_penalty":0.5}"#,
+                "presence_penalty",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","logit_bias":{"5":1}}"#,
+                "logit_bias",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","top_logprobs":2}"#,
+                "top_logprobs",
+            ),
+            (br#"{"model":"m","prompt":[]}"#, "prompt"),
+            (br#"{"model":"m","prompt":[[]]}"#, "prompt"),
+            (br#"{"model":"m","prompt":[null]}"#, "prompt[0]"),
+            (
+                br#"{"model":"m","prompt":"x","temperature":-0.5}"#,
+                "temperature",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","temperature":1,"top_p":1.5}"#,
+                "top_p",
+            ),
+            // Above 0 as sent, 0 in the engine's 32 bits.
+            (
+                br#"{"model":"m","prompt":"x","temperature":1,"top_p":1e-46}"#,
+                "top_p",
+            ),
+            (
+                br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1}}"#,
+                "stream_options.x",
+            ),
         ];
         for (body, field) in cases {
             let e = err(completion_job(body));
@@ -1013,6 +1063,54 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = err(chat_job(br#"{"model":"m","messages":[]}"#));
         assert_eq!(e.param.as_deref(), Some("messages"));
+        let user = r#""messages":[{"role":"user","content":"x"}]"#;
+        for (rest, field) in [
+            (
+                r#","max_tokens":3,"max_completion_tokens":4"#,
+                "max_completion_tokens",
+            ),
+            (
+                r#","chat_template_kwargs":{"foo":true}"#,
+                "chat_template_kwargs.foo",
+            ),
+        ] {
+            let body = format!(r#"{{"model":"m",{user}{rest}}}"#);
+            let e = err(chat_job(body.as_bytes()));
+            assert_eq!(e.param.as_deref(), Some(field), "{rest}: {e:?}");
+        }
+        for (messages, field) in [
+            (
+                r#"[{"role":"user","content":"x","name":"n"}]"#,
+                "messages[0].name",
+            ),
+            (
+                r#"[{"role":"user","content":[{"text":"x"}]}]"#,
+                "messages[0].content[0].type",
+            ),
+            (
+                r#"[{"role":"user","content":[{"type":"text","text":"x","x":1}]}]"#,
+                "messages[0].content[0].x",
+            ),
+        ] {
+            let body = format!(r#"{{"model":"m","messages":{messages}}}"#);
+            let e = err(chat_job(body.as_bytes()));
+            assert_eq!(e.param.as_deref(), Some(field), "{messages}: {e:?}");
+        }
+        // `developer` is OpenAI's newer name for `system`.
+        let j = chat_job(
+            br#"{"model":"m","messages":[{"role":"developer","content":"a"},{"role":"user","content":"b"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            j.input,
+            Input::Chat {
+                messages: vec![
+                    ChatMessage::new("system", "a"),
+                    ChatMessage::new("user", "b")
+                ],
+                enable_thinking: None
+            }
+        );
         // The field the value came from, not the one it feeds.
         let e = err(chat_job(
             br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}"#,

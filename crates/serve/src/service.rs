@@ -503,7 +503,20 @@ impl Loop {
                 };
                 self.finish(o.id, TextFinish::Stop, done.map_or(0, |c| c.cached_tokens));
             } else if let Some(c) = o.finished {
-                let tail = l.text.finish(&self.tokenizer).unwrap_or_default();
+                // The held-back tail (a partial stop string, an unfinished character) is part
+                // of the answer: a failure to decode it ends the request with an error, as a
+                // failure mid-stream does, rather than dropping it.
+                let tail = match l.text.finish(&self.tokenizer) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        self.end(
+                            o.id,
+                            Ended::Error,
+                            Some(Event::Error(format!("detokenizing: {e}"))),
+                        );
+                        continue;
+                    }
+                };
                 if !tail.is_empty() {
                     let _ = l.events.send(Event::Delta(tail));
                 }

@@ -63,7 +63,17 @@ async fn start(cfg: EngineConfig, max_waiting: usize) -> Server {
 
 /// [`start`], serving the model as `name`.
 async fn start_as(cfg: EngineConfig, max_waiting: usize, name: &str) -> Server {
-    let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
+    start_with(cfg, max_waiting, name, Tokenizer::qwen3().unwrap()).await
+}
+
+/// [`start_as`], with `tokenizer` (and its chat template).
+async fn start_with(
+    cfg: EngineConfig,
+    max_waiting: usize,
+    name: &str,
+    tokenizer: Tokenizer,
+) -> Server {
+    let tokenizer = Arc::new(tokenizer);
     let service = Service::start(
         engine(cfg),
         tokenizer.clone(),
@@ -296,6 +306,7 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
     )
     .await;
     let long: Vec<u32> = (0..300).map(|i| 1000 + i).collect();
+    let user = json!([{"role": "user", "content": "x"}]);
     let cases: Vec<(&str, String, u16, Option<&str>)> = vec![
         ("/v1/completions", "{not json".into(), 400, None),
         (
@@ -307,8 +318,35 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         (
             "/v1/completions",
             json!({"model": MODEL, "prompt": long}).to_string(),
-            413,
+            400,
             Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x ".repeat(300)}]})
+                .to_string(),
+            400,
+            Some("context_length_exceeded"),
+        ),
+        // A limit the prompt leaves no room for is refused, not cut to what fits.
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 256}).to_string(),
+            400,
+            Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": user, "max_completion_tokens": 300}).to_string(),
+            400,
+            Some("context_length_exceeded"),
+        ),
+        // A `top_p` that rounds to 0 in 32 bits is refused by its own name.
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "temperature": 1, "top_p": 1e-46}).to_string(),
+            400,
+            None,
         ),
         (
             "/v1/completions",
@@ -331,7 +369,21 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         ),
         ("/v1/nothing", "{}".into(), 404, Some("not_found")),
     ];
-    for (path, body, status, code) in cases {
+    let params = [
+        None,
+        Some("model"),
+        Some("prompt"),
+        Some("messages"),
+        Some("max_tokens"),
+        Some("max_completion_tokens"),
+        Some("top_p"),
+        Some("max_tokens"),
+        Some("tools"),
+        Some("prompt"),
+        None,
+    ];
+    assert_eq!(params.len(), cases.len());
+    for ((path, body, status, code), param) in cases.into_iter().zip(params) {
         let (got, text) = http(srv.addr, "POST", path, &body).await;
         assert_eq!(got, status, "{path} {body}: {text}");
         let v: Value = serde_json::from_str(&text).unwrap();
@@ -341,6 +393,7 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         if let Some(c) = code {
             assert_eq!(e["code"], c, "{v}");
         }
+        assert_eq!(e["param"].as_str(), param, "{path} {body}: {v}");
         // And the next request is served.
         let (ok, v) = post(
             srv.addr,
@@ -959,5 +1012,64 @@ async fn an_oversized_body_gets_413_and_a_full_queue_503_and_the_server_goes_on(
     assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
     let (status, v) = post(addr, "/v1/completions", short("d")).await;
     assert_eq!(status, 200, "{v}");
+    srv.stop().await;
+}
+
+/// `chat_template_kwargs.enable_thinking` goes to a template that reads it (the built-in
+/// Qwen3 one) and is refused by name where the template never reads it (as Qwen3's 2507
+/// checkpoints ship theirs), since it would change nothing; a body that cannot be read (a
+/// malformed chunk) is a 400, not a 413; and the server goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() {
+    let kwargs = |v: bool| {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "max_completion_tokens": 2, "chat_template_kwargs": {"enable_thinking": v}})
+    };
+    let srv = start(sizes(), 64).await;
+    for v in [false, true] {
+        let (status, body) = post(srv.addr, "/v1/chat/completions", kwargs(v)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    srv.stop().await;
+
+    let plain = json!({
+        "eos_token": "<|im_end|>",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    });
+    let tokenizer = Tokenizer::from_bytes(
+        include_bytes!("../assets/qwen3/tokenizer.json"),
+        Some(plain.to_string().as_bytes()),
+        "a template without enable_thinking",
+    )
+    .unwrap();
+    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
+    for v in [false, true] {
+        let (status, body) = post(srv.addr, "/v1/chat/completions", kwargs(v)).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(
+            body["error"]["param"], "chat_template_kwargs.enable_thinking",
+            "{body}"
+        );
+    }
+    let mut ok = kwargs(false);
+    ok.as_object_mut().unwrap().remove("chat_template_kwargs");
+    let (status, body) = post(srv.addr, "/v1/chat/completions", ok.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 2, "{body}");
+
+    // A chunk size that is no number: the body cannot be read.
+    let mut c = TcpStream::connect(srv.addr).await.unwrap();
+    c.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n\
+          Transfer-Encoding: chunked\r\nConnection: close\r\n\r\nZZ\r\n{}\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut raw = Vec::new();
+    c.read_to_end(&mut raw).await.unwrap();
+    let (status, body) = parse_response(&raw);
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(srv.addr, "/v1/chat/completions", ok).await;
+    assert_eq!(status, 200, "{body}");
     srv.stop().await;
 }
