@@ -45,7 +45,9 @@ pub enum TokenizerError {
     #[error("chat template: {0}")]
     Template(String),
     /// The tokenizer has no chat template.
-    #[error("the tokenizer has no chat template (tokenizer_config.json `chat_template`)")]
+    #[error(
+        "the tokenizer has no chat template (chat_template.jinja, or tokenizer_config.json `chat_template`)"
+    )]
     NoTemplate,
 }
 
@@ -89,8 +91,9 @@ impl Tokenizer {
         )
     }
 
-    /// `tokenizer.json` (required) and `tokenizer_config.json` (optional) of a model
-    /// directory.
+    /// `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja`
+    /// (optional) of a model directory. As `transformers` (from 4.47) saves and reads them, a
+    /// `chat_template.jinja` beside the config is the template, over the config's own.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let tok = dir.join("tokenizer.json");
         if !tok.exists() {
@@ -110,7 +113,19 @@ impl Tokenizer {
         } else {
             None
         };
-        Tokenizer::from_bytes(&read(&tok)?, cfg.as_deref(), &dir.display().to_string())
+        let mut t =
+            Tokenizer::from_bytes(&read(&tok)?, cfg.as_deref(), &dir.display().to_string())?;
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            let bytes = read(&jinja)?;
+            let parse = |why: String| TokenizerError::Parse {
+                file: jinja.display().to_string(),
+                why,
+            };
+            let text = String::from_utf8(bytes).map_err(|e| parse(e.to_string()))?;
+            t.template = Some(ChatTemplate::new(&text).map_err(|e| parse(e.to_string()))?);
+        }
+        Ok(t)
     }
 
     /// From the two files' contents; `source` names them in errors.
@@ -145,15 +160,45 @@ impl Tokenizer {
             })?;
             eos_token = token_text(cfg.get("eos_token"));
             bos_token = token_text(cfg.get("bos_token"));
-            template = match cfg.get("chat_template") {
-                Some(Value::String(t)) => {
-                    Some(ChatTemplate::new(t).map_err(|e| TokenizerError::Parse {
-                        file: file.clone(),
-                        why: e.to_string(),
+            let source = match cfg.get("chat_template") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(t)) => Some(t.as_str()),
+                // Named templates (`[{"name", "template"}, ...]`): the one named `default`
+                // is the chat template, as `transformers` picks it when none is named.
+                Some(Value::Array(list)) => {
+                    let named =
+                        |e: &Value| e.get("name").and_then(Value::as_str) == Some("default");
+                    let t = list
+                        .iter()
+                        .find(|e| named(e))
+                        .and_then(|e| e.get("template"))
+                        .and_then(Value::as_str);
+                    Some(t.ok_or_else(|| {
+                        TokenizerError::Parse {
+                            file: file.clone(),
+                            why: "`chat_template` lists named templates but none named `default` \
+                              with a string `template`"
+                                .into(),
+                        }
                     })?)
                 }
-                _ => None,
+                Some(other) => {
+                    return Err(TokenizerError::Parse {
+                        file,
+                        why: format!(
+                            "`chat_template` must be a string or a list of named templates, not {other}"
+                        ),
+                    });
+                }
             };
+            template = source
+                .map(|t| {
+                    ChatTemplate::new(t).map_err(|e| TokenizerError::Parse {
+                        file: file.clone(),
+                        why: e.to_string(),
+                    })
+                })
+                .transpose()?;
         }
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),

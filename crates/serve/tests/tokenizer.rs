@@ -156,3 +156,58 @@ fn invalid_bytes_are_emitted_not_held_back_forever() {
         "{out:?}"
     );
 }
+
+/// Where a checkpoint keeps its chat template, as `transformers` writes and reads it: a
+/// `chat_template.jinja` beside the config wins over the config's string; named templates
+/// give the one named `default`; named templates without one, or a template of another type,
+/// are refused at load naming `chat_template`; no template at all leaves chat refused with
+/// the files named.
+#[test]
+fn the_chat_template_is_found_where_transformers_keeps_it() {
+    let assets = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/qwen3");
+    let tokenizer_json = std::fs::read(format!("{assets}/tokenizer.json")).unwrap();
+    let hi = [ChatMessage::new("user", "hi")];
+    let render = |t: &Tokenizer| t.apply_chat_template(&hi, true, None);
+    let config = |template: Value| {
+        serde_json::json!({"eos_token": "<|im_end|>", "chat_template": template}).to_string()
+    };
+    let a = "{% for m in messages %}A:{{ m.content }}{% endfor %}";
+    let b = "{% for m in messages %}B:{{ m.content }}{% endfor %}";
+
+    let named = config(serde_json::json!([
+        {"name": "tool_use", "template": b},
+        {"name": "default", "template": a}
+    ]));
+    let t = Tokenizer::from_bytes(&tokenizer_json, Some(named.as_bytes()), "named").unwrap();
+    assert_eq!(render(&t).unwrap(), "A:hi");
+    for bad in [
+        serde_json::json!([{"name": "tool_use", "template": b}]),
+        serde_json::json!([{"name": "default", "template": 5}]),
+        serde_json::json!(7),
+    ] {
+        let cfg = config(bad.clone());
+        let e = Tokenizer::from_bytes(&tokenizer_json, Some(cfg.as_bytes()), "bad")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chat_template"), "{bad}: {e}");
+    }
+    let none = serde_json::json!({"eos_token": "<|im_end|>"}).to_string();
+    let t = Tokenizer::from_bytes(&tokenizer_json, Some(none.as_bytes()), "none").unwrap();
+    let e = render(&t).unwrap_err().to_string();
+    assert!(e.contains("chat_template.jinja"), "{e}");
+
+    let dir = std::env::temp_dir().join(format!("simpler-serve-jinja-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), &tokenizer_json).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), config(Value::from(a))).unwrap();
+    assert_eq!(render(&Tokenizer::from_dir(&dir).unwrap()).unwrap(), "A:hi");
+    std::fs::write(dir.join("chat_template.jinja"), b).unwrap();
+    assert_eq!(render(&Tokenizer::from_dir(&dir).unwrap()).unwrap(), "B:hi");
+    // Only the file: the config without a template.
+    std::fs::write(dir.join("tokenizer_config.json"), &none).unwrap();
+    assert_eq!(render(&Tokenizer::from_dir(&dir).unwrap()).unwrap(), "B:hi");
+    std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    let e = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("chat_template.jinja"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
