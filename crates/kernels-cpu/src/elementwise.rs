@@ -11,7 +11,7 @@ multiversion! {
     /// SwiGLU over rows of `gate.len() / row_scale.len()`: with `gt = gate * s` and
     /// `u = up * s` (`s = row_scale[row]`, the decode step's deferred `r2`; pass ones when
     /// the inputs are already scaled), `out = bf16(gt * sigmoid(gt) * u)`. The sigmoid's
-    /// `e^-gt` is the crate's polynomial `exp_approx` (~2 ulp, then rounded to bf16), so the
+    /// `e^-gt` is the crate's polynomial `exp_approx` (~3 ulp, then rounded to bf16), so the
     /// loop vectorises: with the library `expf` per element, SwiGLU took ~15% of a batch-16
     /// gate/up block's time next to its weight stream (`docs/benchmarks.md`).
     ///

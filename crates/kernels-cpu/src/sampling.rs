@@ -55,8 +55,8 @@ multiversion! { avx512;
     /// `out[i] = e^((logits[i] - max) / temperature)` where that exponent is at least
     /// [`WEIGHT_CUT`], else 0 (NaN and `-inf` logits give 0); returns the weights' sum in
     /// `f64`, taken in 16 lanes (lane `j` sums the indices `j mod 16` in order) and then the
-    /// lanes in order. The exponential is the crate's `exp_approx` (within ~2 ulp of `f64`'s
-    /// for exponents in `[-87, 0]`). `max` is meant to be the largest finite logit: a larger
+    /// lanes in order. The exponential is the crate's `exp_approx` (within 2.6e-7 relative,
+    /// at most 3 ulp, of `f64`'s for exponents in `[-87, 0]`). `max` is meant to be the largest finite logit: a larger
     /// exponent gives a weight above 1 (clamped at `e^88`).
     ///
     /// # Panics

@@ -139,8 +139,9 @@ impl Sampler {
 }
 
 thread_local! {
-    /// A draw's weights (one per logit) and candidates' keys, kept between draws: at Qwen3's
-    /// vocabulary 0.6 and up to 1.2 MB, which a fresh allocation per draw would fault in anew.
+    /// A draw's weights (one per logit) and candidates' keys, kept between a thread's draws:
+    /// at Qwen3's vocabulary 0.6 MB and 1.2 MB (up to 2.4 MB once a walk takes the light
+    /// candidates), which a fresh allocation per draw would fault in anew.
     static SCRATCH: RefCell<(Vec<f32>, Vec<u64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -511,6 +512,70 @@ mod tests {
         }
     }
 
+    /// A draw at the top of the generator's range (this seed's first is 1 − 2^-53) can run
+    /// past every candidate by the rounding of its subtractions: it then takes the last
+    /// candidate in order, as the full sort does. Over many rows some do.
+    #[test]
+    fn a_walk_past_the_end_takes_the_last_candidate() {
+        let seed = 0xf56e_309e_96a0_4737;
+        let mut probe = Sampler::new(SamplingParams {
+            seed,
+            ..SamplingParams::default()
+        });
+        assert_eq!(probe.next_f64(), 1.0 - f64::EPSILON / 2.0);
+        let mut st = 3u64;
+        let mut last_taken = 0;
+        for row in 0..2000 {
+            // Spread over 60: the lightest weights (~e^-60) lie below the rounding of the
+            // walk's subtractions, so the walk can end past them.
+            let logits: Vec<f32> = (0..256)
+                .map(|_| {
+                    st = st
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (st >> 40) as f32 / (1u64 << 24) as f32 * 60.0
+                })
+                .collect();
+            let params = SamplingParams {
+                temperature: 1.0,
+                top_k: None,
+                top_p: 1.0,
+                seed,
+            };
+            let got = Sampler::new(params).sample(&logits);
+            // The full order with the sum the sampler takes (the vector pass's: at a draw this
+            // close to the top the sum's rounding decides), walked from the same draw.
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut weights = vec![0.0f32; logits.len()];
+            let total = sampling_weights(&logits, max, 1.0, &mut weights);
+            let mut order: Vec<(u32, f64)> = weights
+                .iter()
+                .enumerate()
+                .filter(|&(_, &w)| w > 0.0)
+                .map(|(i, &w)| (i as u32, f64::from(w)))
+                .collect();
+            order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let mut u = (1.0 - f64::EPSILON / 2.0) * total;
+            let mut want = order.last().map(|c| c.0);
+            for &(id, w) in &order {
+                if u < w {
+                    want = Some(id);
+                    break;
+                }
+                u -= w;
+            }
+            assert_eq!(got, want, "row {row}");
+            // The lightest candidate (the last in order: the larger id of a tie) is what the
+            // walk's end gives; a draw of 1 - 2^-53 lands on it no other way, its weight
+            // being far below 2^-53 of the sum.
+            let lightest = (0..logits.len())
+                .min_by(|&i, &j| logits[i].total_cmp(&logits[j]).then(j.cmp(&i)))
+                .map(|i| i as u32);
+            last_taken += usize::from(got == lightest);
+        }
+        assert!(last_taken > 0, "no row ran past its candidates");
+    }
+
     /// Rows drawn on one, two or three threads (and more threads than rows) give the same
     /// tokens in the same order, each row its own sampler's sequence.
     #[test]
@@ -616,6 +681,9 @@ mod tests {
                     let w = ((st >> 60) as f32 + 1.0) / 16.0;
                     if zero_every > 0 && i % zero_every == 0 {
                         0.0
+                    } else if zero_every > 0 && i % 11 == 0 {
+                        // Exactly at the boundary: heavy.
+                        HEAVY
                     } else if light_every > 0 && i % light_every == 0 {
                         w * HEAVY / 2.0
                     } else {
@@ -688,6 +756,10 @@ mod tests {
             seed: 1,
         });
         assert_eq!(s.sample(&[0.0, f32::INFINITY, 1.0]), Some(1));
+        // Greedy among the infinite ones: the lower id, every draw.
+        for _ in 0..50 {
+            assert_eq!(s.sample(&[0.0, f32::INFINITY, 1.0, f32::INFINITY]), Some(1));
+        }
         assert_eq!(s.sample(&[f32::NAN, f32::NAN]), None);
         assert_eq!(s.sample(&[f32::NAN, 2.0, f32::NEG_INFINITY]), Some(1));
         assert_eq!(s.sample(&[f32::NEG_INFINITY; 3]), Some(0));

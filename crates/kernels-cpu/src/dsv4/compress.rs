@@ -9,7 +9,7 @@ use crate::multiversion::multiversion;
 multiversion! {
     /// `out[c] = Σ_j softmax_j(score[j][c]) · kv[j][c]` over the rows `j` of `kv` and `score`
     /// (each `out.len()` wide, fp32). No row gives zeros. `exp` is the crate's polynomial
-    /// (`exp_approx`, ~2 ulp) so the channel loop vectorises: a ratio-128 window is 128 rows
+    /// (`exp_approx`, ~3 ulp) so the channel loop vectorises: a ratio-128 window is 128 rows
     /// of 512 channels, whose library `exp` calls took most of the HCA compressor's time.
     ///
     /// # Panics
