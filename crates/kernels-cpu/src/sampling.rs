@@ -10,8 +10,8 @@
 use crate::math::exp_approx;
 use crate::multiversion::multiversion;
 
-/// The smallest exponent `(v - max) / temperature` whose weight is kept: [`exp_approx`]'s
-/// lower clamp. Below it the weight is 0 (the candidate is dropped); at it, `e^-87` ≈ 1.6e-38
+/// The smallest exponent `(v - max) / temperature` whose weight is kept: the lower clamp of
+/// the crate's `exp` polynomial. Below it the weight is 0 (the candidate is dropped); at it, `e^-87` ≈ 1.6e-38
 /// of the largest logit's weight (1), far under the draw's resolution (a draw is a multiple of
 /// 2^-53 of the weights' sum, which is at least 1).
 pub const WEIGHT_CUT: f32 = -87.0;
