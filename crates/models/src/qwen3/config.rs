@@ -153,10 +153,15 @@ impl<'a> Keys<'a> {
     fn required(&self, key: &'static str) -> Result<usize, ConfigError> {
         self.usize(key)?.ok_or(ConfigError::Missing(key))
     }
-    /// Refuses `key` unless it is absent or equal to `allowed`.
+    /// Refuses `key` unless it is absent or equal to `allowed` (numbers by value: `1` is
+    /// `1.0`).
     fn only(&self, key: &str, allowed: &Value, why: &str) -> Result<(), ConfigError> {
+        let same = |v: &Value| match (v.as_f64(), allowed.as_f64()) {
+            (Some(a), Some(b)) => a == b,
+            _ => v == allowed,
+        };
         match self.get(key) {
-            Some(v) if v != allowed => Err(ConfigError::Unsupported {
+            Some(v) if !same(v) => Err(ConfigError::Unsupported {
                 key: self.name(key),
                 value: v.to_string(),
                 why: why.to_string(),
@@ -206,16 +211,34 @@ impl Qwen3Config {
         let k = Keys { obj, prefix: "" };
         refuse_unsupported(&k)?;
         let num_attention_heads = k.required("num_attention_heads")?;
+        // A null is not the key left out for these: `transformers` has no value to run (its
+        // norm cannot take a null epsilon).
+        for key in ["rms_norm_eps", "max_position_embeddings"] {
+            if obj.get(key).is_some_and(Value::is_null) {
+                return Err(ConfigError::Invalid {
+                    field: key.into(),
+                    value: "null".into(),
+                    why: "must be a number (leave the key out for the default)".into(),
+                });
+            }
+        }
+        let hidden_size = k.required("hidden_size")?;
+        // Left out, `head_dim` is Qwen3's 128; null, `transformers` takes `hidden_size /
+        // num_attention_heads` (as models before `head_dim` existed).
+        let head_dim = match obj.get("head_dim") {
+            Some(Value::Null) => hidden_size / num_attention_heads.max(1),
+            _ => k.usize("head_dim")?.unwrap_or(defaults::HEAD_DIM),
+        };
         let max_position_embeddings = k
             .usize("max_position_embeddings")?
             .unwrap_or(defaults::MAX_POSITION_EMBEDDINGS);
         let cfg = Qwen3Config {
-            hidden_size: k.required("hidden_size")?,
+            hidden_size,
             num_attention_heads,
             num_key_value_heads: k
                 .usize("num_key_value_heads")?
                 .unwrap_or(num_attention_heads),
-            head_dim: k.usize("head_dim")?.unwrap_or(defaults::HEAD_DIM),
+            head_dim,
             intermediate_size: k.required("intermediate_size")?,
             num_hidden_layers: k.required("num_hidden_layers")?,
             vocab_size: k.required("vocab_size")?,
@@ -618,6 +641,33 @@ fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, Confi
                 });
             }
         }
+        // And the other way: `transformers` 5 reads `rope_scaling` alone when both are given
+        // (4.x never reads `rope_parameters`), its theta from the top-level `rope_theta`
+        // (10000 where that is absent), so what only `rope_parameters` says would be read
+        // here and not there.
+        for (key, v) in obj.iter().filter(|(_, v)| !v.is_null()) {
+            let said = if key == "rope_type" {
+                old.get("rope_type").or_else(|| old.get("type"))
+            } else {
+                old.get(key.as_str())
+            };
+            let theta_elsewhere = key == "rope_theta" && top_theta.is_some();
+            if said.is_none_or(Value::is_null) && !theta_elsewhere {
+                return Err(ConfigError::Invalid {
+                    field: format!("{prefix}{key}"),
+                    value: v.to_string(),
+                    why: if key == "rope_theta" {
+                        "with rope_scaling also given, transformers reads rope_scaling and takes \
+                         theta from a top-level rope_theta, which is missing"
+                            .into()
+                    } else {
+                        "rope_scaling (which transformers reads when both are given) does not \
+                         say it, so one of the two would be ignored"
+                            .into()
+                    },
+                });
+            }
+        }
     }
     let p = Keys { obj, prefix };
     let theta = match (p.f64("rope_theta")?, top_theta) {
@@ -651,9 +701,28 @@ fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, Confi
         "linear" => (RopeScaling::Linear { factor: factor()? }, &["factor"]),
         "dynamic" => (RopeScaling::Dynamic { factor: factor()? }, &["factor"]),
         "yarn" => {
-            let orig = p
-                .usize("original_max_position_embeddings")?
-                .unwrap_or(max_position_embeddings);
+            let inner = p.usize("original_max_position_embeddings")?;
+            // A top-level value: `transformers` 5 puts it over the RoPE object's, 4.x never
+            // reads it (taking the object's, else `max_position_embeddings`). Read where both
+            // agree; refused where they would not.
+            let top = k.usize("original_max_position_embeddings")?;
+            let orig = inner.unwrap_or(max_position_embeddings);
+            if let Some(t) = top
+                && t != orig
+            {
+                return Err(ConfigError::Invalid {
+                    field: "original_max_position_embeddings".into(),
+                    value: t.to_string(),
+                    why: format!(
+                        "transformers 5 would take it for YaRN's original context and 4.x \
+                         {orig} ({}); give it inside the RoPE object",
+                        match inner {
+                            Some(_) => format!("{prefix}original_max_position_embeddings"),
+                            None => "max_position_embeddings".into(),
+                        }
+                    ),
+                });
+            }
             let factor = factor()?;
             let mscale = |scale: f64, m: f64| {
                 if scale <= 1.0 {
@@ -829,10 +898,33 @@ mod tests {
         // refused by name (it used to be ignored).
         let yarn_params = r#""rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 1024}"#;
         let both = parse(&format!(
-            r#"{yarn_params}, "rope_scaling": {{"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}}"#
+            r#"{yarn_params}, "rope_theta": 1e6, "rope_scaling": {{"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}}"#
         ))
         .unwrap();
         assert_eq!(both.rope, yarn_new.rope);
+        // What only `rope_parameters` says is refused when `rope_scaling` is given too:
+        // `transformers` reads `rope_scaling` then, its theta from the top-level `rope_theta`
+        // (10000 without one).
+        for (extra, field) in [
+            ("", "rope_parameters.rope_theta"),
+            (
+                r#", "rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4}"#,
+                "rope_parameters.original_max_position_embeddings",
+            ),
+        ] {
+            let scaling = if extra.contains("rope_scaling") {
+                String::new()
+            } else {
+                r#", "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}"#.into()
+            };
+            let e = parse(&format!("{yarn_params}{extra}{scaling}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(field) && e.contains("rope_scaling"),
+                "{extra}: {e}"
+            );
+        }
         parse(r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": null"#)
             .unwrap();
         for (scaling, field, why) in [
@@ -863,6 +955,38 @@ mod tests {
             e.contains("rope_scaling.factor") && e.contains("rope_parameters.factor = 4.0"),
             "{e}"
         );
+        // A top-level `original_max_position_embeddings` (what `transformers` 5 puts over the
+        // RoPE object's, and 4.x never reads) is read where both would agree and refused
+        // where they would not.
+        let top = |v: usize| format!(r#"{yarn_params}, "original_max_position_embeddings": {v}"#);
+        assert_eq!(parse(&top(1024)).unwrap().rope, yarn_new.rope);
+        let e = parse(&top(2048)).unwrap_err().to_string();
+        assert!(
+            e.contains("original_max_position_embeddings") && e.contains("transformers 5"),
+            "{e}"
+        );
+        let no_inner = r#""max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}"#;
+        parse(&format!(
+            r#"{no_inner}, "original_max_position_embeddings": 4096"#
+        ))
+        .unwrap();
+        let e = parse(&format!(
+            r#"{no_inner}, "original_max_position_embeddings": 1024"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("max_position_embeddings"), "{e}");
+        // A null epsilon or context is refused; a null head_dim is hidden / heads.
+        for key in ["rms_norm_eps", "max_position_embeddings"] {
+            let e = parse(&format!(r#""rope_theta": 1e6, "{key}": null"#))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key) && e.contains("null"), "{e}");
+        }
+        let c = parse(r#""rope_theta": 1e6, "head_dim": null"#).unwrap();
+        assert_eq!(c.head_dim, c.hidden_size / c.num_attention_heads);
+        // Numbers by value: an integer 1 rotates the whole head as 1.0 does.
+        parse(r#""rope_theta": 1e6, "partial_rotary_factor": 1"#).unwrap();
         let RopeScaling::Yarn {
             factor,
             original_max_position_embeddings,
