@@ -529,22 +529,48 @@ fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
             });
         }
     }
-    k.only(
-        "hidden_act",
-        &"silu".into(),
-        "the MLP implements SiLU (SwiGLU) only",
-    )?;
+    // `swish` is `transformers`' other name for SiLU.
+    if k.str("hidden_act")? != Some("swish") {
+        k.only(
+            "hidden_act",
+            &"silu".into(),
+            "the MLP implements SiLU (SwiGLU) only",
+        )?;
+    }
     k.only(
         "attention_bias",
         &false.into(),
         "the projections have no bias terms",
     )?;
-    k.only("mlp_bias", &false.into(), "the MLP has no bias terms")?;
-    k.only(
-        "use_sliding_window",
-        &false.into(),
-        "every layer attends to the whole context (no sliding-window layers)",
-    )?;
+    // `mlp_bias` is not read: Qwen3's MLP has no bias whatever the key says (a checkpoint
+    // with bias tensors is refused by their names).
+    //
+    // A sliding window applies, in `transformers`, to the layers from `max_window_layers` (28
+    // when absent) when `use_sliding_window` is true and `sliding_window` (4096 when absent)
+    // is not null: refused only where a layer would slide.
+    if k.bool("use_sliding_window")? == Some(true) {
+        // Absent and null differ here (`get` takes a null for absent).
+        let window = match k.obj.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(_) => k.usize("sliding_window")?,
+        };
+        let from = k.usize("max_window_layers")?.unwrap_or(28);
+        let layers = k.usize("num_hidden_layers")?.unwrap_or(0);
+        if let Some(w) = window
+            && layers > from
+        {
+            return Err(ConfigError::Unsupported {
+                key: "use_sliding_window".into(),
+                value: "true".into(),
+                why: format!(
+                    "layers {from}..{layers} would attend through a window of {w} tokens \
+                     (sliding_window, max_window_layers); every layer here attends to the whole \
+                     context"
+                ),
+            });
+        }
+    }
     k.only(
         "partial_rotary_factor",
         &1.0.into(),
@@ -1051,9 +1077,8 @@ mod tests {
             ),
             (r#""hidden_act": "gelu""#, "hidden_act", "gelu"),
             (r#""attention_bias": true"#, "attention_bias", "true"),
-            (r#""mlp_bias": true"#, "mlp_bias", "true"),
             (
-                r#""use_sliding_window": true"#,
+                r#""use_sliding_window": true, "max_window_layers": 0"#,
                 "use_sliding_window",
                 "true",
             ),
@@ -1084,6 +1109,18 @@ mod tests {
                 e.contains(&format!("`{key}`")) && e.contains(value),
                 "{extra}: {e}"
             );
+        }
+        // What `transformers` runs unchanged is read: `swish` is SiLU; Qwen3's MLP reads no
+        // `mlp_bias`; a sliding window no layer reaches (a null window, or every layer below
+        // `max_window_layers`, 28 by default).
+        for extra in [
+            r#""hidden_act": "swish""#,
+            r#""mlp_bias": true"#,
+            r#""use_sliding_window": true"#,
+            r#""use_sliding_window": true, "sliding_window": null, "max_window_layers": 0"#,
+            r#""use_sliding_window": true, "sliding_window": 512, "max_window_layers": 1"#,
+        ] {
+            parse(&format!("{theta}, {extra}")).unwrap_or_else(|e| panic!("{extra}: {e}"));
         }
         let rope_cases: &[(&str, &str)] = &[
             (
