@@ -614,6 +614,15 @@ fn chunk(
     })
 }
 
+/// A content chunk of a stream that ends with a usage chunk carries `"usage": null`, as
+/// OpenAI's do (clients tell the usage chunk by a non-null `usage`).
+fn usage_null(mut chunk: Value, include_usage: bool) -> Value {
+    if include_usage && let Some(o) = chunk.as_object_mut() {
+        o.insert("usage".into(), Value::Null);
+    }
+    chunk
+}
+
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Event>,
     id: String,
@@ -662,19 +671,12 @@ fn stream_response(
             Some(Event::Delta(d)) => {
                 let c = chunk(id, created, model, kind, Some(&d), st.first, None);
                 st.first = false;
-                data(&c)
+                data(&usage_null(c, st.include_usage))
             }
             Some(Event::Done { finish, usage }) => {
                 st.done = true;
-                let mut tail = vec![data(&chunk(
-                    id,
-                    created,
-                    model,
-                    kind,
-                    None,
-                    st.first,
-                    Some(finish),
-                ))];
+                let c = chunk(id, created, model, kind, None, st.first, Some(finish));
+                let mut tail = vec![data(&usage_null(c, st.include_usage))];
                 if st.include_usage {
                     tail.push(data(&json!({
                         "id": id,

@@ -729,6 +729,14 @@ fn message(v: &Value, i: usize) -> Result<ChatMessage, FieldError> {
         // Text parts joined by a newline, as vLLM, SGLang and TensorRT-LLM join them, so a
         // client moving between servers sends the model the same prompt.
         Some(Value::Array(parts)) => {
+            if parts.is_empty() {
+                return Err(bad(
+                    &content_path,
+                    format!(
+                        "`{content_path}` is an empty list: give a string or at least one text part"
+                    ),
+                ));
+            }
             let texts = parts
                 .iter()
                 .enumerate()
@@ -1087,6 +1095,7 @@ mod tests {
                 r#"[{"role":"user","content":[{"text":"x"}]}]"#,
                 "messages[0].content[0].type",
             ),
+            (r#"[{"role":"user","content":[]}]"#, "messages[0].content"),
             (
                 r#"[{"role":"user","content":[{"type":"text","text":"x","x":1}]}]"#,
                 "messages[0].content[0].x",

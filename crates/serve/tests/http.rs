@@ -219,6 +219,10 @@ async fn answers_equal_the_text_engine_and_streams_concatenate_to_them() {
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], want_tokens);
+    // Every other chunk says `"usage": null`, as OpenAI's do.
+    for c in &chunks[..chunks.len() - 1] {
+        assert!(c.get("usage").is_some_and(Value::is_null), "{c}");
+    }
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
