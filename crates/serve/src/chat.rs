@@ -53,16 +53,6 @@ impl ChatTemplate {
         Ok(ChatTemplate { env })
     }
 
-    /// Whether the template reads the variable `name` anywhere (a static look at its source:
-    /// a variable it names under any condition counts). A request setting a variable the
-    /// template never reads would change nothing, so the server refuses it rather than
-    /// ignoring it.
-    pub fn reads(&self, name: &str) -> bool {
-        self.env
-            .get_template(NAME)
-            .is_ok_and(|t| t.undeclared_variables(false).contains(name))
-    }
-
     /// Renders `messages`.
     pub fn render(
         &self,

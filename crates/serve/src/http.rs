@@ -48,7 +48,10 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     /// The model's name in requests and `/v1/models` (not empty: [`check_model_name`]).
     pub model: String,
-    /// Longest sequence (prompt and completion) the engine holds.
+    /// Longest sequence (prompt and completion) the engine holds: `max_seq_len`, or less
+    /// where the KV blocks hold less (`simpler serve` takes the smaller). A `max_tokens` the
+    /// prompt leaves no room for within it is refused; set it larger than the engine holds
+    /// and such a limit is cut by the engine instead.
     pub max_model_len: usize,
     /// When the server started (Unix seconds).
     pub created: u64,
@@ -376,19 +379,28 @@ fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
             messages,
             enable_thinking,
         } => {
-            if enable_thinking.is_some() && !s.tokenizer.template_reads("enable_thinking") {
+            let render = |e: Option<bool>| {
+                s.tokenizer
+                    .apply_chat_template(messages, true, e)
+                    .map_err(tok_err)
+            };
+            let text = render(*enable_thinking)?;
+            // A value the template's rendering of these messages does not depend on would
+            // change nothing (a template that never reads it, as Qwen3's 2507 checkpoints
+            // ship): refused by name. Compared by rendering rather than by reading the
+            // template's source, which misses a template that sets the variable from itself.
+            if let Some(v) = *enable_thinking
+                && render(Some(!v))? == text
+            {
                 let mut e = ApiError::new(
                     StatusCode::BAD_REQUEST,
-                    "chat_template_kwargs.enable_thinking: this model's chat template does not \
-                     read `enable_thinking`, so it would change nothing",
+                    "chat_template_kwargs.enable_thinking: this model's chat template renders \
+                     these messages the same whether it is true or false, so it would change \
+                     nothing",
                 );
                 e.param = Some("chat_template_kwargs.enable_thinking".into());
                 return Err(e);
             }
-            let text = s
-                .tokenizer
-                .apply_chat_template(messages, true, *enable_thinking)
-                .map_err(tok_err)?;
             s.tokenizer.encode(&text).map_err(tok_err)?
         }
     };
@@ -450,7 +462,11 @@ async fn run_job(
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(|e| e.counted("invalid"))?;
-    if let Some(field) = job.max_tokens_field {
+    // A prompt that alone leaves no room is the engine's refusal (naming the prompt); one
+    // that fits, with a limit it leaves no room for, names the limit.
+    if let Some(field) = job.max_tokens_field
+        && ids.len() < s.max_model_len
+    {
         let want = ids.len().saturating_add(job.cfg.max_new_tokens);
         if want > s.max_model_len {
             let mut e = ApiError::new(

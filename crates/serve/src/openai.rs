@@ -983,6 +983,13 @@ mod tests {
         );
         assert_eq!(j.cfg.max_new_tokens, 5);
         assert_eq!(j.max_tokens_field, Some("max_completion_tokens"));
+        // Both given (and agreeing): the limit is named by `max_tokens`, the one both
+        // endpoints take.
+        let j = chat_job(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":5}"#,
+        )
+        .unwrap();
+        assert_eq!(j.max_tokens_field, Some("max_tokens"));
     }
 
     #[test]

@@ -254,11 +254,6 @@ impl Tokenizer {
             .map_err(|e| TokenizerError::Codec(e.to_string()))
     }
 
-    /// Whether the chat template (if any) reads the variable `name` ([`ChatTemplate::reads`]).
-    pub fn template_reads(&self, name: &str) -> bool {
-        self.template.as_ref().is_some_and(|t| t.reads(name))
-    }
-
     /// The prompt text of a conversation through the tokenizer's chat template, with the
     /// assistant's turn opened when `add_generation_prompt`. `enable_thinking: Some(false)`
     /// asks Qwen3's template for an empty reasoning block.

@@ -271,6 +271,11 @@ async fn answers_equal_the_text_engine_and_streams_concatenate_to_them() {
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    // No usage asked: no chunk carries the key.
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "{chunks:?}"
+    );
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
@@ -335,7 +340,14 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         // A limit the prompt leaves no room for is refused, not cut to what fits.
         (
             "/v1/completions",
-            json!({"model": MODEL, "prompt": "x", "max_tokens": 256}).to_string(),
+            json!({"model": MODEL, "prompt": [5], "max_tokens": 256}).to_string(),
+            400,
+            Some("context_length_exceeded"),
+        ),
+        // A prompt that alone does not fit is named as the prompt, a limit given or not.
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": long, "max_tokens": 5}).to_string(),
             400,
             Some("context_length_exceeded"),
         ),
@@ -379,6 +391,7 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         Some("prompt"),
         Some("messages"),
         Some("max_tokens"),
+        Some("prompt"),
         Some("max_completion_tokens"),
         Some("top_p"),
         Some("max_tokens"),
@@ -408,6 +421,15 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         assert_eq!(ok, 200, "{v}");
         assert_eq!(v["usage"]["completion_tokens"], 2);
     }
+    // Exactly at the limit: a one-token prompt and 255 more fit in 256.
+    let (ok, v) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": [5], "max_tokens": 255, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(ok, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 255);
     let e = srv.stop().await;
     assert_eq!(e.free_blocks(), e.total_blocks());
 }
@@ -1055,6 +1077,40 @@ async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() 
             "{body}"
         );
     }
+    srv.stop().await;
+
+    // A template that sets the variable from itself reads it (a look at its source for the
+    // names it reads misses this one).
+    let own = json!({
+        "eos_token": "<|im_end|>",
+        "chat_template": "{% set enable_thinking = enable_thinking | default(true) %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    });
+    let tokenizer = Tokenizer::from_bytes(
+        include_bytes!("../assets/qwen3/tokenizer.json"),
+        Some(own.to_string().as_bytes()),
+        "a template that sets enable_thinking itself",
+    )
+    .unwrap();
+    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
+    let mut prompt_tokens = Vec::new();
+    for v in [false, true] {
+        let (status, body) = post(srv.addr, "/v1/chat/completions", kwargs(v)).await;
+        assert_eq!(status, 200, "{body}");
+        prompt_tokens.push(body["usage"]["prompt_tokens"].clone());
+    }
+    assert_ne!(
+        prompt_tokens[0], prompt_tokens[1],
+        "the value reached the template"
+    );
+    srv.stop().await;
+
+    let tokenizer = Tokenizer::from_bytes(
+        include_bytes!("../assets/qwen3/tokenizer.json"),
+        Some(plain.to_string().as_bytes()),
+        "a template without enable_thinking",
+    )
+    .unwrap();
+    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
     let mut ok = kwargs(false);
     ok.as_object_mut().unwrap().remove("chat_template_kwargs");
     let (status, body) = post(srv.addr, "/v1/chat/completions", ok.clone()).await;

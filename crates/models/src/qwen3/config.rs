@@ -212,8 +212,8 @@ impl Qwen3Config {
         refuse_unsupported(&k)?;
         let num_attention_heads = k.required("num_attention_heads")?;
         // A null is not the key left out for these: `transformers` has no value to run (its
-        // norm cannot take a null epsilon).
-        for key in ["rms_norm_eps", "max_position_embeddings"] {
+        // norm cannot take a null epsilon, its attention a null head size).
+        for key in ["rms_norm_eps", "max_position_embeddings", "head_dim"] {
             if obj.get(key).is_some_and(Value::is_null) {
                 return Err(ConfigError::Invalid {
                     field: key.into(),
@@ -223,12 +223,7 @@ impl Qwen3Config {
             }
         }
         let hidden_size = k.required("hidden_size")?;
-        // Left out, `head_dim` is Qwen3's 128; null, `transformers` takes `hidden_size /
-        // num_attention_heads` (as models before `head_dim` existed).
-        let head_dim = match obj.get("head_dim") {
-            Some(Value::Null) => hidden_size / num_attention_heads.max(1),
-            _ => k.usize("head_dim")?.unwrap_or(defaults::HEAD_DIM),
-        };
+        let head_dim = k.usize("head_dim")?.unwrap_or(defaults::HEAD_DIM);
         let max_position_embeddings = k
             .usize("max_position_embeddings")?
             .unwrap_or(defaults::MAX_POSITION_EMBEDDINGS);
@@ -642,6 +637,7 @@ fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, Confi
         let old = scaling
             .as_object()
             .ok_or_else(|| k.wrong("rope_scaling", scaling, "an object"))?;
+
         for (key, v) in old.iter().filter(|(_, v)| !v.is_null()) {
             let new_key = if key == "type" {
                 "rope_type"
@@ -677,14 +673,21 @@ fn read_rope(k: &Keys<'_>, max_position_embeddings: usize) -> Result<Rope, Confi
             } else {
                 old.get(key.as_str())
             };
-            let theta_elsewhere = key == "rope_theta" && top_theta.is_some();
-            if said.is_none_or(Value::is_null) && !theta_elsewhere {
+            // Theta: 4.x takes it from the top level alone (10000 without it), 5 from
+            // `rope_scaling`, else the top level; only a top-level theta means one thing to
+            // both (one in `rope_scaling` too must agree: checked above).
+            let missing = if key == "rope_theta" {
+                top_theta.is_none()
+            } else {
+                said.is_none_or(Value::is_null)
+            };
+            if missing {
                 return Err(ConfigError::Invalid {
                     field: format!("{prefix}{key}"),
                     value: v.to_string(),
                     why: if key == "rope_theta" {
-                        "with rope_scaling also given, transformers reads rope_scaling and takes \
-                         theta from a top-level rope_theta, which is missing"
+                        "with rope_scaling also given, transformers 4.x takes theta from a \
+                         top-level rope_theta alone (and 5 from rope_scaling), which is missing"
                             .into()
                     } else {
                         "rope_scaling (which transformers reads when both are given) does not \
@@ -933,6 +936,16 @@ mod tests {
         // (10000 without one).
         for (extra, field) in [
             ("", "rope_parameters.rope_theta"),
+            // Theta in both objects but not at the top level: 4.x would run 10000.
+            (
+                r#", "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024, "rope_theta": 1000000.0}"#,
+                "rope_parameters.rope_theta",
+            ),
+            // A key `rope_scaling` holds as null is not said there.
+            (
+                r#", "rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": null}"#,
+                "rope_parameters.original_max_position_embeddings",
+            ),
             (
                 r#", "rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4}"#,
                 "rope_parameters.original_max_position_embeddings",
@@ -1002,15 +1015,13 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("max_position_embeddings"), "{e}");
-        // A null epsilon or context is refused; a null head_dim is hidden / heads.
-        for key in ["rms_norm_eps", "max_position_embeddings"] {
+        // A null epsilon, context or head size is refused.
+        for key in ["rms_norm_eps", "max_position_embeddings", "head_dim"] {
             let e = parse(&format!(r#""rope_theta": 1e6, "{key}": null"#))
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(key) && e.contains("null"), "{e}");
         }
-        let c = parse(r#""rope_theta": 1e6, "head_dim": null"#).unwrap();
-        assert_eq!(c.head_dim, c.hidden_size / c.num_attention_heads);
         // Numbers by value: an integer 1 rotates the whole head as 1.0 does.
         parse(r#""rope_theta": 1e6, "partial_rotary_factor": 1"#).unwrap();
         let RopeScaling::Yarn {
@@ -1079,6 +1090,12 @@ mod tests {
             (r#""attention_bias": true"#, "attention_bias", "true"),
             (
                 r#""use_sliding_window": true, "max_window_layers": 0"#,
+                "use_sliding_window",
+                "true",
+            ),
+            // Past 28 layers (the default `max_window_layers`) the default window slides.
+            (
+                r#""use_sliding_window": true, "num_hidden_layers": 30"#,
                 "use_sliding_window",
                 "true",
             ),
