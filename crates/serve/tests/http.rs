@@ -1041,6 +1041,17 @@ async fn an_oversized_body_gets_413_and_a_full_queue_503_and_the_server_goes_on(
     srv.stop().await;
 }
 
+/// The Qwen3 tokenizer with `template` as its chat template.
+fn with_template(template: &str) -> Tokenizer {
+    let config = json!({"eos_token": "<|im_end|>", "chat_template": template});
+    Tokenizer::from_bytes(
+        include_bytes!("../assets/qwen3/tokenizer.json"),
+        Some(config.to_string().as_bytes()),
+        "a test template",
+    )
+    .unwrap()
+}
+
 /// `chat_template_kwargs.enable_thinking` goes to a template that reads it (the built-in
 /// Qwen3 one) and is refused by name where the template never reads it (as Qwen3's 2507
 /// checkpoints ship theirs), since it would change nothing; a body that cannot be read (a
@@ -1058,17 +1069,8 @@ async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() 
     }
     srv.stop().await;
 
-    let plain = json!({
-        "eos_token": "<|im_end|>",
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    });
-    let tokenizer = Tokenizer::from_bytes(
-        include_bytes!("../assets/qwen3/tokenizer.json"),
-        Some(plain.to_string().as_bytes()),
-        "a template without enable_thinking",
-    )
-    .unwrap();
-    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
+    let plain = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let srv = start_with(sizes(), 64, MODEL, with_template(plain)).await;
     for v in [false, true] {
         let (status, body) = post(srv.addr, "/v1/chat/completions", kwargs(v)).await;
         assert_eq!(status, 400, "{body}");
@@ -1081,17 +1083,8 @@ async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() 
 
     // A template that sets the variable from itself reads it (a look at its source for the
     // names it reads misses this one).
-    let own = json!({
-        "eos_token": "<|im_end|>",
-        "chat_template": "{% set enable_thinking = enable_thinking | default(true) %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-    });
-    let tokenizer = Tokenizer::from_bytes(
-        include_bytes!("../assets/qwen3/tokenizer.json"),
-        Some(own.to_string().as_bytes()),
-        "a template that sets enable_thinking itself",
-    )
-    .unwrap();
-    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
+    let own = "{% set enable_thinking = enable_thinking | default(true) %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+    let srv = start_with(sizes(), 64, MODEL, with_template(own)).await;
     let mut prompt_tokens = Vec::new();
     for v in [false, true] {
         let (status, body) = post(srv.addr, "/v1/chat/completions", kwargs(v)).await;
@@ -1104,13 +1097,7 @@ async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() 
     );
     srv.stop().await;
 
-    let tokenizer = Tokenizer::from_bytes(
-        include_bytes!("../assets/qwen3/tokenizer.json"),
-        Some(plain.to_string().as_bytes()),
-        "a template without enable_thinking",
-    )
-    .unwrap();
-    let srv = start_with(sizes(), 64, MODEL, tokenizer).await;
+    let srv = start_with(sizes(), 64, MODEL, with_template(plain)).await;
     let mut ok = kwargs(false);
     ok.as_object_mut().unwrap().remove("chat_template_kwargs");
     let (status, body) = post(srv.addr, "/v1/chat/completions", ok.clone()).await;
