@@ -923,6 +923,22 @@ mod tests {
         r.expect_err("an error")
     }
 
+    /// The messages a chat body becomes, with no `enable_thinking`.
+    fn chat_of(body: &[u8], messages: &[(&str, &str)]) {
+        let j = chat_job(body).unwrap();
+        let want: Vec<ChatMessage> = messages
+            .iter()
+            .map(|&(role, content)| ChatMessage::new(role, content))
+            .collect();
+        assert_eq!(
+            j.input,
+            Input::Chat {
+                messages: want,
+                enable_thinking: None
+            }
+        );
+    }
+
     #[test]
     fn a_completion_body_becomes_a_job() {
         let j = completion_job(
@@ -1113,19 +1129,9 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(field), "{messages}: {e:?}");
         }
         // `developer` is OpenAI's newer name for `system`.
-        let j = chat_job(
+        chat_of(
             br#"{"model":"m","messages":[{"role":"developer","content":"a"},{"role":"user","content":"b"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            j.input,
-            Input::Chat {
-                messages: vec![
-                    ChatMessage::new("system", "a"),
-                    ChatMessage::new("user", "b")
-                ],
-                enable_thinking: None
-            }
+            &[("system", "a"), ("user", "b")],
         );
         // The field the value came from, not the one it feeds.
         let e = err(chat_job(
@@ -1396,20 +1402,10 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(*param), "{e:?}");
         }
         // The same key in different objects is no repeat.
-        let j = chat_job(
+        chat_of(
             br#"{"model":"m","messages":[{"role":"system","content":"a"},
                 {"role":"user","content":[{"type":"text","text":"b"},{"type":"text","text":"c"}]}]}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            j.input,
-            Input::Chat {
-                messages: vec![
-                    ChatMessage::new("system", "a"),
-                    ChatMessage::new("user", "b\nc")
-                ],
-                enable_thinking: None
-            }
+            &[("system", "a"), ("user", "b\nc")],
         );
         // Broken JSON is still a JSON error, with no field to blame.
         let e = err(completion_job(br#"{"model":"m","prompt":"x","#));

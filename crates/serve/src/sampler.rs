@@ -393,6 +393,22 @@ mod tests {
     }
 
     /// The draw as first written: every candidate sorted before the draw.
+    /// Every candidate `(id, weight)` sorted whole (heaviest first, ties to the lower id), and
+    /// the vector pass's sum. The weights are the kernel's (tested against `f64::exp` with the
+    /// kernels); what the references check is the order, the cuts and the walk.
+    fn full_order(logits: &[f32], max: f32, temperature: f32) -> (Vec<(u32, f64)>, f64) {
+        let mut weights = vec![0.0f32; logits.len()];
+        let total = sampling_weights(logits, max, temperature, &mut weights);
+        let mut cand: Vec<(u32, f64)> = weights
+            .iter()
+            .enumerate()
+            .filter(|&(_, &w)| w > 0.0)
+            .map(|(i, &w)| (i as u32, f64::from(w)))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        (cand, total)
+    }
+
     fn sample_fully_sorted(s: &mut Sampler, logits: &[f32]) -> Option<u32> {
         let p = s.params;
         if p.temperature == 0.0 || logits.contains(&f32::INFINITY) {
@@ -406,17 +422,7 @@ mod tests {
         if max == f32::NEG_INFINITY {
             return greedy(logits);
         }
-        // The weights are the kernel's (tested against `f64::exp` with the kernels); what is
-        // checked here is the order, the cuts and the walk.
-        let mut weights = vec![0.0f32; logits.len()];
-        sampling_weights(logits, max, p.temperature, &mut weights);
-        let mut cand: Vec<(u32, f64)> = weights
-            .iter()
-            .enumerate()
-            .filter(|&(_, &w)| w > 0.0)
-            .map(|(i, &w)| (i as u32, f64::from(w)))
-            .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let (mut cand, _) = full_order(logits, max, p.temperature);
         if let Some(k) = p.top_k {
             cand.truncate(k.max(1));
         }
@@ -546,15 +552,7 @@ mod tests {
             // The full order with the sum the sampler takes (the vector pass's: at a draw this
             // close to the top the sum's rounding decides), walked from the same draw.
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut weights = vec![0.0f32; logits.len()];
-            let total = sampling_weights(&logits, max, 1.0, &mut weights);
-            let mut order: Vec<(u32, f64)> = weights
-                .iter()
-                .enumerate()
-                .filter(|&(_, &w)| w > 0.0)
-                .map(|(i, &w)| (i as u32, f64::from(w)))
-                .collect();
-            order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let (order, total) = full_order(&logits, max, 1.0);
             let mut u = (1.0 - f64::EPSILON / 2.0) * total;
             let mut want = order.last().map(|c| c.0);
             for &(id, w) in &order {
