@@ -49,6 +49,25 @@ pub enum TokenizerError {
         "the tokenizer has no chat template (chat_template.jinja, or tokenizer_config.json `chat_template`)"
     )]
     NoTemplate,
+    /// `chat_template` lists named templates and none is named `default`: `transformers`
+    /// refuses to pick one for a chat too (the name must be given there).
+    #[error(
+        "tokenizer_config.json `chat_template` lists named templates ({}) but none named `default`, \
+         so there is no template for a chat (completions are unaffected)",
+        names.join(", ")
+    )]
+    NoDefaultTemplate {
+        /// The names listed.
+        names: Vec<String>,
+    },
+}
+
+/// The chat template a tokenizer's files give.
+enum TemplateSource {
+    None,
+    One(ChatTemplate),
+    /// Named templates without a `default` (their names).
+    NoDefault(Vec<String>),
 }
 
 /// A model's tokenizer.
@@ -58,7 +77,7 @@ pub struct Tokenizer {
     vocab_size: usize,
     eos_token: Option<String>,
     bos_token: Option<String>,
-    template: Option<ChatTemplate>,
+    template: TemplateSource,
     source: String,
 }
 
@@ -123,7 +142,8 @@ impl Tokenizer {
                 why,
             };
             let text = String::from_utf8(bytes).map_err(|e| parse(e.to_string()))?;
-            t.template = Some(ChatTemplate::new(&text).map_err(|e| parse(e.to_string()))?);
+            t.template =
+                TemplateSource::One(ChatTemplate::new(&text).map_err(|e| parse(e.to_string()))?);
         }
         Ok(t)
     }
@@ -151,7 +171,7 @@ impl Tokenizer {
                 why: e.to_string(),
             })?
             .with_padding(None);
-        let (mut eos_token, mut bos_token, mut template) = (None, None, None);
+        let (mut eos_token, mut bos_token, mut template) = (None, None, TemplateSource::None);
         if let Some(bytes) = config_json {
             let file = format!("{source}: tokenizer_config.json");
             let cfg: Value = serde_json::from_slice(bytes).map_err(|e| TokenizerError::Parse {
@@ -160,28 +180,16 @@ impl Tokenizer {
             })?;
             eos_token = token_text(cfg.get("eos_token"));
             bos_token = token_text(cfg.get("bos_token"));
-            let source = match cfg.get("chat_template") {
-                None | Some(Value::Null) => None,
-                Some(Value::String(t)) => Some(t.as_str()),
-                // Named templates (`[{"name", "template"}, ...]`): the one named `default`
-                // is the chat template, as `transformers` picks it when none is named.
-                Some(Value::Array(list)) => {
-                    let named =
-                        |e: &Value| e.get("name").and_then(Value::as_str) == Some("default");
-                    let t = list
-                        .iter()
-                        .find(|e| named(e))
-                        .and_then(|e| e.get("template"))
-                        .and_then(Value::as_str);
-                    Some(t.ok_or_else(|| {
-                        TokenizerError::Parse {
-                            file: file.clone(),
-                            why: "`chat_template` lists named templates but none named `default` \
-                              with a string `template`"
-                                .into(),
-                        }
-                    })?)
+            template = match cfg.get("chat_template") {
+                None | Some(Value::Null) => TemplateSource::None,
+                Some(Value::String(t)) => {
+                    TemplateSource::One(compile(t, &file, "`chat_template`")?)
                 }
+                // Named templates (`[{"name", "template"}, ...]`): the one named `default` is
+                // the chat template, as `transformers` picks it when none is named. Without
+                // one, the files still load (completions need no template) and a chat is
+                // refused, as `transformers` fails only when a chat is rendered.
+                Some(Value::Array(list)) => named_templates(list, &file)?,
                 Some(other) => {
                     return Err(TokenizerError::Parse {
                         file,
@@ -191,14 +199,6 @@ impl Tokenizer {
                     });
                 }
             };
-            template = source
-                .map(|t| {
-                    ChatTemplate::new(t).map_err(|e| TokenizerError::Parse {
-                        file: file.clone(),
-                        why: e.to_string(),
-                    })
-                })
-                .transpose()?;
         }
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),
@@ -263,7 +263,15 @@ impl Tokenizer {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String, TokenizerError> {
-        let t = self.template.as_ref().ok_or(TokenizerError::NoTemplate)?;
+        let t = match &self.template {
+            TemplateSource::One(t) => t,
+            TemplateSource::None => return Err(TokenizerError::NoTemplate),
+            TemplateSource::NoDefault(names) => {
+                return Err(TokenizerError::NoDefaultTemplate {
+                    names: names.clone(),
+                });
+            }
+        };
         t.render(
             messages,
             add_generation_prompt,
@@ -273,4 +281,39 @@ impl Tokenizer {
         )
         .map_err(|e| TokenizerError::Template(e.to_string()))
     }
+}
+
+/// The config's `chat_template` (`what` names it) compiled; errors name the file and it.
+fn compile(text: &str, file: &str, what: &str) -> Result<ChatTemplate, TokenizerError> {
+    ChatTemplate::new(text).map_err(|e| TokenizerError::Parse {
+        file: file.to_string(),
+        why: format!("{what}: {e}"),
+    })
+}
+
+/// A list of named templates: each entry a `name` and a `template` string (`transformers`
+/// fails to load anything else), the one named `default` compiled.
+fn named_templates(list: &[Value], file: &str) -> Result<TemplateSource, TokenizerError> {
+    let mut names = Vec::with_capacity(list.len());
+    let mut default = None;
+    for entry in list {
+        let field = |key: &str| entry.get(key).and_then(Value::as_str);
+        let (Some(name), Some(text)) = (field("name"), field("template")) else {
+            return Err(TokenizerError::Parse {
+                file: file.to_string(),
+                why: format!(
+                    "`chat_template` lists named templates, each a string `name` and a string \
+                     `template`; this entry is not one: {entry}"
+                ),
+            });
+        };
+        if name == "default" {
+            default = Some(text);
+        }
+        names.push(name.to_string());
+    }
+    Ok(match default {
+        Some(text) => TemplateSource::One(compile(text, file, "`chat_template` `default`")?),
+        None => TemplateSource::NoDefault(names),
+    })
 }

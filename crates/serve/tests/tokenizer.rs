@@ -159,9 +159,10 @@ fn invalid_bytes_are_emitted_not_held_back_forever() {
 
 /// Where a checkpoint keeps its chat template, as `transformers` writes and reads it: a
 /// `chat_template.jinja` beside the config wins over the config's string; named templates
-/// give the one named `default`; named templates without one, or a template of another type,
-/// are refused at load naming `chat_template`; no template at all leaves chat refused with
-/// the files named.
+/// give the one named `default`; named templates without one load and refuse a chat naming
+/// them (as `transformers` fails only when a chat is rendered); malformed entries, or a
+/// template of another type, are refused at load naming `chat_template`; no template at all
+/// leaves chat refused with the files named.
 #[test]
 fn the_chat_template_is_found_where_transformers_keeps_it() {
     let assets = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/qwen3");
@@ -180,9 +181,28 @@ fn the_chat_template_is_found_where_transformers_keeps_it() {
     ]));
     let t = Tokenizer::from_bytes(&tokenizer_json, Some(named.as_bytes()), "named").unwrap();
     assert_eq!(render(&t).unwrap(), "A:hi");
+    // Named templates without a `default`: the files load (a completion needs no template,
+    // and its ids are the same), a chat is refused naming the list.
+    let no_default = config(serde_json::json!([
+        {"name": "tool_use", "template": b},
+        {"name": "rag", "template": a}
+    ]));
+    let t = Tokenizer::from_bytes(&tokenizer_json, Some(no_default.as_bytes()), "nd").unwrap();
+    assert_eq!(
+        t.encode("hi").unwrap(),
+        Tokenizer::qwen3().unwrap().encode("hi").unwrap()
+    );
+    let e = render(&t).unwrap_err().to_string();
+    assert!(
+        e.contains("chat_template") && e.contains("tool_use, rag") && e.contains("`default`"),
+        "{e}"
+    );
     for bad in [
-        serde_json::json!([{"name": "tool_use", "template": b}]),
+        serde_json::json!([{"name": "tool_use", "template": b}, {"name": "x"}]),
         serde_json::json!([{"name": "default", "template": 5}]),
+        serde_json::json!([{"name": "default", "template": "{% for m in messages %}"}]),
+        serde_json::json!(["a"]),
+        serde_json::json!("{% for m in messages %}"),
         serde_json::json!(7),
     ] {
         let cfg = config(bad.clone());
