@@ -462,28 +462,10 @@ async fn run_job(
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(|e| e.counted("invalid"))?;
-    // A prompt that alone leaves no room is the engine's refusal (naming the prompt); one
-    // that fits, with a limit it leaves no room for, names the limit.
-    if let Some(field) = job.max_tokens_field
-        && ids.len() < s.max_model_len
-    {
-        let want = ids.len().saturating_add(job.cfg.max_new_tokens);
-        if want > s.max_model_len {
-            let mut e = ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "{field}: the prompt has {} tokens and `{field}` asks for up to {} more; \
-                     this model holds {} tokens per sequence, prompt and completion together",
-                    ids.len(),
-                    job.cfg.max_new_tokens,
-                    s.max_model_len
-                ),
-            )
-            .code("context_length_exceeded");
-            e.param = Some(field.into());
-            return Err(e.counted("too_long"));
-        }
-    }
+    // A prompt that leaves no room to generate is the engine's refusal (naming the prompt).
+    // A limit it leaves too little room for is the engine's to cap to what fits (the
+    // specification's rule, which OpenAI and vLLM do not follow: they refuse it); the answer
+    // then ends with `finish_reason: "length"` and its usage says how many tokens came.
     // The engine counts its own refusals.
     let rx = s
         .handle

@@ -40,10 +40,6 @@ pub struct Job {
     pub stream: bool,
     /// Send a usage chunk before `[DONE]`.
     pub include_usage: bool,
-    /// The field that set `cfg.max_new_tokens` (`max_tokens` or `max_completion_tokens`), or
-    /// `None` where the default did: a limit the client gave that the prompt leaves no room
-    /// for is refused naming it, never cut to what fits.
-    pub max_tokens_field: Option<&'static str>,
 }
 
 /// The prompt of a job.
@@ -432,8 +428,6 @@ impl<'a> Obj<'a> {
 /// Fields both endpoints take.
 struct Common {
     max_tokens: Option<i128>,
-    /// Which field gave `max_tokens`.
-    max_tokens_field: &'static str,
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<i128>,
@@ -496,7 +490,6 @@ fn read_common(b: &Obj) -> Result<Common, FieldError> {
     metadata(b)?;
     Ok(Common {
         max_tokens: b.int("max_tokens")?,
-        max_tokens_field: "max_tokens",
         temperature: b.number("temperature")?,
         top_p: b.number("top_p")?,
         top_k: b.int("top_k")?,
@@ -671,9 +664,6 @@ pub fn chat_job(body: &[u8]) -> Result<Job, FieldError> {
                 "max_completion_tokens",
                 "`max_tokens` and `max_completion_tokens` disagree",
             ));
-        }
-        if c.max_tokens.is_none() {
-            c.max_tokens_field = "max_completion_tokens";
         }
         c.max_tokens = Some(n);
     }
@@ -911,7 +901,6 @@ fn common(model: String, input: Input, c: Common) -> Result<Job, FieldError> {
         },
         stream,
         include_usage,
-        max_tokens_field: c.max_tokens.map(|_| c.max_tokens_field),
     })
 }
 
@@ -950,7 +939,6 @@ mod tests {
         assert_eq!(j.model, "m");
         assert_eq!(j.input, Input::Text("hi".into()));
         assert_eq!(j.cfg.max_new_tokens, 7);
-        assert_eq!(j.max_tokens_field, Some("max_tokens"));
         assert_eq!(j.cfg.temperature, 0.5);
         assert_eq!(j.cfg.top_k, Some(20));
         assert_eq!(j.cfg.stop, vec!["x".to_string()]);
@@ -959,7 +947,6 @@ mod tests {
         let j = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         assert_eq!(j.input, Input::Ids(vec![1, 2, 3]));
         assert_eq!(j.cfg.max_new_tokens, 256);
-        assert_eq!(j.max_tokens_field, None);
         assert_eq!(j.cfg.temperature, 0.0);
         // Without a seed, each request draws its own.
         let other = completion_job(br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
@@ -998,14 +985,12 @@ mod tests {
             }
         );
         assert_eq!(j.cfg.max_new_tokens, 5);
-        assert_eq!(j.max_tokens_field, Some("max_completion_tokens"));
         // Both given (and agreeing): the limit is named by `max_tokens`, the one both
         // endpoints take.
         let j = chat_job(
             br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":5}"#,
         )
         .unwrap();
-        assert_eq!(j.max_tokens_field, Some("max_tokens"));
     }
 
     #[test]

@@ -337,23 +337,10 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
             400,
             Some("context_length_exceeded"),
         ),
-        // A limit the prompt leaves no room for is refused, not cut to what fits.
-        (
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": [5], "max_tokens": 256}).to_string(),
-            400,
-            Some("context_length_exceeded"),
-        ),
         // A prompt that alone does not fit is named as the prompt, a limit given or not.
         (
             "/v1/completions",
             json!({"model": MODEL, "prompt": long, "max_tokens": 5}).to_string(),
-            400,
-            Some("context_length_exceeded"),
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"model": MODEL, "messages": user, "max_completion_tokens": 300}).to_string(),
             400,
             Some("context_length_exceeded"),
         ),
@@ -390,9 +377,7 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         Some("model"),
         Some("prompt"),
         Some("messages"),
-        Some("max_tokens"),
         Some("prompt"),
-        Some("max_completion_tokens"),
         Some("top_p"),
         Some("max_tokens"),
         Some("tools"),
@@ -421,15 +406,34 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
         assert_eq!(ok, 200, "{v}");
         assert_eq!(v["usage"]["completion_tokens"], 2);
     }
-    // Exactly at the limit: a one-token prompt and 255 more fit in 256.
+    // A limit the prompt leaves too little room for is capped to what fits: a one-token
+    // prompt and 255 more fill the 256 a sequence holds, whether the limit asks for exactly
+    // that or more, and the answer says it stopped at the length.
+    for max_tokens in [255, 256, 100_000] {
+        let (ok, v) = post(
+            srv.addr,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [5], "max_tokens": max_tokens, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(ok, 200, "{max_tokens}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], 255, "{max_tokens}: {v}");
+        assert_eq!(
+            v["choices"][0]["finish_reason"], "length",
+            "{max_tokens}: {v}"
+        );
+    }
     let (ok, v) = post(
         srv.addr,
-        "/v1/completions",
-        json!({"model": MODEL, "prompt": [5], "max_tokens": 255, "ignore_eos": true}),
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": user, "max_completion_tokens": 300,
+               "ignore_eos": true}),
     )
     .await;
     assert_eq!(ok, 200, "{v}");
-    assert_eq!(v["usage"]["completion_tokens"], 255);
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 256 - prompt_tokens, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
     let e = srv.stop().await;
     assert_eq!(e.free_blocks(), e.total_blocks());
 }
