@@ -985,12 +985,12 @@ mod tests {
             }
         );
         assert_eq!(j.cfg.max_new_tokens, 5);
-        // Both given (and agreeing): the limit is named by `max_tokens`, the one both
-        // endpoints take.
+        // Both given, agreeing: taken.
         let j = chat_job(
             br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":5}"#,
         )
         .unwrap();
+        assert_eq!(j.cfg.max_new_tokens, 5);
     }
 
     #[test]
