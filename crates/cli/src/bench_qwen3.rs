@@ -279,6 +279,10 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
         ("--cores", args.run.cores.is_some()),
         ("--serial", args.run.serial),
         (
+            "--tensormap-capacity",
+            args.run.tensormap_capacity.is_some(),
+        ),
+        (
             "--ring-task-window / --ring-heap / --ring-dep-pool",
             args.run.ring_task_window.is_some()
                 || args.run.ring_heap.is_some()

@@ -14,7 +14,7 @@ use simpler_dfx::bench_stats::{
     Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
 };
 
-use crate::opts::{RunOpts, case_config};
+use crate::opts::{RunOpts, case_config, flags_in};
 
 const EMPTY: KernelId = KernelId(1);
 
@@ -94,6 +94,14 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         if value == 0 {
             bail!("{flag} 0: give at least 1");
         }
+    }
+    // The fan-out's dependency map is sized to twice its tasks, within the 2^28 entries a
+    // map may hold: checked before anything runs.
+    if args.readers >= 1 << 27 {
+        bail!(
+            "--readers {}: the fan-out holds them all in a dependency map of at most 2^28 entries (twice its tasks); give fewer than 2^27",
+            args.readers
+        );
     }
     // Variant B's options are checked before anything runs.
     let variant_b = match &args.compare {
@@ -287,9 +295,29 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     // 4. Fan-out: one writer, then many readers of the same buffer. Readers register in the
     //    dependency map (later writers wait for them), so each reader's lookup must not walk
     //    the readers before it: orchestration time per reader stays flat as their number grows.
+    //    The whole graph is submitted first, so the ring and the dependency map are sized
+    //    for its readers + 1 tasks (a map size given on the command line is taken as given).
     let readers = args.readers;
     let buf = w.alloc(4096)?;
-    let fan = rounds_written(&args, &case_config(&serial, "fanout", true), |cfg| {
+    let whole = (readers + 1)
+        .saturating_mul(2)
+        .checked_next_power_of_two()
+        .unwrap_or(u64::MAX);
+    let fan_cfg = CallConfig {
+        runtime_env: RuntimeEnv {
+            ring_task_window: RingValue::All(whole.max(1 << 20)),
+            ..serial.runtime_env
+        },
+        tensormap_capacity: args
+            .run
+            .tensormap_capacity
+            .unwrap_or(whole.max(base.tensormap_capacity)),
+        ..serial.clone()
+    };
+    fan_cfg
+        .check()
+        .map_err(|e| anyhow::anyhow!("{} = {}: {}", flags_in(&e.field), e.value, e.reason))?;
+    let fan = rounds_written(&args, &case_config(&fan_cfg, "fanout", true), |cfg| {
         let a = simpler_core::RunArgs {
             buffers: vec![buf.clone()],
             scalars: vec![],

@@ -30,6 +30,10 @@ pub(crate) struct RunOpts {
     /// Dependency-pool entries per ring: N or a,b,c,d.
     #[arg(long, value_parser = RingValue::parse)]
     pub(crate) ring_dep_pool: Option<RingValue>,
+    /// Dependency-map entries of a run: one per live reader or writer of a tensor region
+    /// (16 to 2^28) [default: 65536].
+    #[arg(long, value_name = "ENTRIES")]
+    pub(crate) tensormap_capacity: Option<u64>,
     /// Submit everything first, then execute (for measurement; rings must hold the graph).
     #[arg(long)]
     pub(crate) serial: bool,
@@ -122,11 +126,22 @@ impl RunOpts {
             swimlane_capacity: self
                 .swimlane_capacity
                 .unwrap_or(CallConfig::default().swimlane_capacity),
+            tensormap_capacity: self
+                .tensormap_capacity
+                .unwrap_or(CallConfig::default().tensormap_capacity),
             ..CallConfig::default()
         };
         cfg.check().map_err(|e| {
             anyhow::anyhow!("{} = {}: {}", flag_of_field(&e.field), e.value, e.reason)
         })?;
+        // No swimlane can be recorded without an output directory (a bench records its chosen
+        // step at level 1 when one is given, `--swimlane` or not): a capacity would size
+        // nothing.
+        if self.swimlane_capacity.is_some() && cfg.output_dir.is_none() {
+            bail!(
+                "--swimlane-capacity: sizes the swimlane records, and none is written without --output-dir (and --swimlane)"
+            );
+        }
         if self.diag_steps != StepSet::All && (cfg.swimlane == 0 && !cfg.dep_gen && !cfg.ring_stats)
         {
             bail!(
@@ -314,8 +329,9 @@ const SLOWEST_GFLOPS_PER_CORE: f64 = 4.0;
 /// `--output-dir`, `CallConfig.runtime_env.ring_heap[2]` -> `--ring-heap (ring 2)`); fields
 /// no flag sets keep their name.
 /// The `CallConfig` fields (and `runtime_env`'s) a flag of the same name sets.
-const FLAG_FIELDS: [&str; 8] = [
+const FLAG_FIELDS: [&str; 9] = [
     "ring_task_window",
+    "tensormap_capacity",
     "ring_heap",
     "ring_dep_pool",
     "swimlane",
@@ -675,7 +691,8 @@ mod tests {
         );
         assert_eq!(
             flag_of_field("CallConfig.tensormap_capacity"),
-            "CallConfig.tensormap_capacity"
+            "--tensormap-capacity"
         );
+        assert_eq!(flag_of_field("CallConfig.label"), "CallConfig.label");
     }
 }

@@ -67,6 +67,63 @@ fn runtime_flags_are_checked_before_loading_and_named_as_flags() {
     ]);
     let err = text(&out.stderr);
     assert!(err.contains("--ring-heap = 1000"), "{err}");
+    // A swimlane capacity with nowhere to write a swimlane would size nothing.
+    let out = simpler(&["run", "demo", "--swimlane-capacity", "64"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("--swimlane-capacity")
+            && err.contains("--output-dir"),
+        "{err}"
+    );
+}
+
+/// The dependency map's size is a flag: it reaches the runtime (too small a map fails with the
+/// flag as the knob to raise, the entries counted as readers and writers), a bad value is
+/// refused naming it, and the fan-out bench sizes its own map for its readers.
+#[test]
+fn the_dependency_map_is_sized_by_a_flag() {
+    let fanout = |more: &[&str]| {
+        let mut a = vec![
+            "bench",
+            "runtime",
+            "--tasks",
+            "100",
+            "--hops",
+            "10",
+            "--blocks",
+            "10",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--readers",
+            "100000",
+        ];
+        a.extend_from_slice(more);
+        simpler(&a)
+    };
+    let out = fanout(&[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("ns_per_reader"));
+    let out = fanout(&["--tensormap-capacity", "1024"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("TENSORMAP_OVERFLOW")
+            && err.contains("readers and writers")
+            && err.contains("raise tensormap_capacity to 4096 for this run: --tensormap-capacity"),
+        "{err}"
+    );
+    let out = simpler(&["run", "demo", "--tensormap-capacity", "8"]);
+    let err = text(&out.stderr);
+    assert!(err.contains("--tensormap-capacity = 8"), "{err}");
+    let out = simpler(&["bench", "runtime", "--readers", "200000000"]);
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("--readers 200000000") && err.contains("2^27"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -66,6 +66,7 @@ fn cpu_runtime_flags_are_refused_on_cuda() {
         ("--memory-budget", "8", "--memory-budget"),
         ("--output-dir", "/tmp/unused", "--output-dir"),
         ("--swimlane-capacity", "64", "--swimlane-capacity"),
+        ("--tensormap-capacity", "1024", "--tensormap-capacity"),
         ("--diag-steps", "0", "--diag-steps"),
     ] {
         let out = simpler(&[

@@ -312,7 +312,7 @@ impl Orchestrator {
             Resource::TensorMap => (
                 ErrorCode::TensormapOverflow,
                 format!(
-                    "dependency map full: {} of {} entries hold live writers",
+                    "dependency map full: {} of {} entries held by live readers and writers",
                     self.map.len(),
                     self.map.capacity()
                 ),
