@@ -3,16 +3,20 @@
 Usage: python openai_client.py PATH/TO/simpler
 
 Starts the server on a free loopback port, completes, chats and streams through the client,
-checks that errors arrive as the client's typed exceptions, then stops the server with SIGTERM
-while a client holds a half-sent request open, and requires a clean exit anyway.
+checks that errors arrive as the client's typed exceptions, reads `/metrics` through the
+official `prometheus_client` parsers in both formats the server speaks, then stops the server
+with SIGTERM while a client holds a half-sent request open, and requires a clean exit anyway.
 """
 
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import openai
+from prometheus_client.openmetrics import parser as openmetrics_text
+from prometheus_client import parser as prometheus_text
 
 MODEL = "qwen3-tiny"
 
@@ -30,6 +34,7 @@ def main(exe: str) -> None:
         url = line.removeprefix("listening on ")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         run(client)
+        check_metrics(url)
         # A client that sent half a request and stays: shutdown must not wait for it forever.
         host, port = url.removeprefix("http://").rsplit(":", 1)
         half = socket.create_connection((host, int(port)))
@@ -105,6 +110,29 @@ def run(client: "openai.OpenAI") -> None:
             raise AssertionError(f"expected {kind.__name__}")
     again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10)
     assert again.choices[0].text == text
+
+
+def check_metrics(url: str) -> None:
+    """`/metrics` as the Prometheus text format by default and as OpenMetrics when asked for,
+    each read by the official parser of that format, with the same samples."""
+    def scrape(accept):
+        req = urllib.request.Request(f"{url}/metrics", headers={"Accept": accept} if accept else {})
+        with urllib.request.urlopen(req) as r:
+            return r.headers["Content-Type"], r.read().decode()
+
+    kind, text = scrape(None)
+    assert kind.startswith("text/plain; version=0.0.4"), kind
+    plain = {s.name + str(sorted(s.labels.items())): s.value
+             for f in prometheus_text.text_string_to_metric_families(text) for s in f.samples}
+    kind, text = scrape("application/openmetrics-text; version=1.0.0,text/plain;q=0.5")
+    assert kind.startswith("application/openmetrics-text"), kind
+    families = list(openmetrics_text.text_string_to_metric_families(text))
+    om = {s.name + str(sorted(s.labels.items())): s.value for f in families for s in f.samples}
+    assert {f.name: f.type for f in families}["simpler_requests"] == "counter"
+    # The counters moved while the requests above ran; the gauges may differ between scrapes.
+    for name in ("simpler_prompt_tokens_total[]", "simpler_generation_tokens_total[]"):
+        assert plain[name] == om[name] > 0, (name, plain.get(name), om.get(name))
+    assert plain.keys() == om.keys(), plain.keys() ^ om.keys()
 
 
 if __name__ == "__main__":

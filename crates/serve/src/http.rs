@@ -276,15 +276,35 @@ async fn model(
     }
 }
 
-async fn metrics(State(s): State<Arc<AppState>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
+/// `GET /metrics`: OpenMetrics to a scraper that asks for it (Prometheus does, in `Accept`),
+/// the Prometheus text format 0.0.4 to everything else (as vLLM's `prometheus_client` serves
+/// it by default).
+async fn metrics(State(s): State<Arc<AppState>>, headers: header::HeaderMap) -> Response {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|v| {
+            let mut parts = v.split(';').map(str::trim);
+            let kind = parts.next().unwrap_or("");
+            // A `q=0` says the client will not take it.
+            kind.eq_ignore_ascii_case("application/openmetrics-text")
+                && !parts.any(|p| p.replace(' ', "") == "q=0" || p.replace(' ', "") == "q=0.0")
+        });
+    let m = s.handle.metrics();
+    let (kind, body) = if openmetrics {
+        (
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.handle.metrics().render(),
-    )
-        .into_response()
+            m.render(),
+        )
+    } else {
+        (
+            "text/plain; version=0.0.4; charset=utf-8",
+            m.render_prometheus_text(),
+        )
+    };
+    ([(header::CONTENT_TYPE, kind)], body).into_response()
 }
 
 async fn method_not_allowed() -> ApiError {

@@ -1,4 +1,4 @@
-//! What the server counts, in the Prometheus text format (`GET /metrics`): requests by how they
+//! What the server counts, in the Prometheus text format or OpenMetrics (`GET /metrics`): requests by how they
 //! ended, refusals by reason, tokens in and out, requests running and waiting, KV blocks in
 //! use, the prefix cache's hits, and TTFT / TPOT histograms.
 //!
@@ -179,12 +179,18 @@ impl Metrics {
         }
     }
 
-    /// The text exposition.
+    /// The OpenMetrics text exposition (`application/openmetrics-text; version=1.0.0`).
     pub fn render(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+
+    /// The Prometheus text exposition (`text/plain; version=0.0.4`): what a scraper that does
+    /// not ask for OpenMetrics reads. See [`openmetrics_to_prometheus_text`].
+    pub fn render_prometheus_text(&self) -> String {
+        openmetrics_to_prometheus_text(&self.render())
     }
 
     /// A request refused before it ran, by `reason`.
@@ -245,6 +251,45 @@ impl Metrics {
     }
 }
 
+/// OpenMetrics text as the Prometheus 0.0.4 text format: the two differ, for what this server
+/// exposes, in a counter family's name (OpenMetrics names the family `x` and its sample
+/// `x_total`; 0.0.4 names both `x_total`, so its `# HELP`/`# TYPE` lines must say `x_total` to
+/// describe the sample) and in the `# UNIT` and `# EOF` lines, which 0.0.4 does not have.
+/// Samples, labels, values and the other types read the same in both.
+pub fn openmetrics_to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|t| t.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + 16 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.push_str(prefix);
+                out.push_str(name);
+                if counters.contains(name) {
+                    out.push_str("_total");
+                }
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,5 +329,47 @@ mod tests {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
         }
         assert!(t.ends_with("# EOF\n"));
+    }
+
+    /// The Prometheus text format names a counter's family as its sample, and has no `# EOF`;
+    /// every sample line is the OpenMetrics one.
+    #[test]
+    fn the_prometheus_text_names_counters_by_their_samples() {
+        let m = Metrics::new(8);
+        m.accepted(3);
+        m.ended(Ended::Length, Some(Duration::from_millis(5)));
+        let om = m.render();
+        let text = m.render_prometheus_text();
+        for line in [
+            "# TYPE simpler_requests_total counter",
+            "# TYPE simpler_prompt_tokens_total counter",
+            "# TYPE simpler_kv_blocks_total gauge",
+            "# TYPE simpler_time_to_first_token_seconds histogram",
+            "simpler_requests_total{finish=\"length\"} 1",
+            "simpler_prompt_tokens_total 3",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("# HELP simpler_requests_total Requests"))
+        );
+        assert!(!text.contains("# EOF") && !text.contains("# TYPE simpler_requests counter"));
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(samples(&om), samples(&text));
+        assert_eq!(
+            openmetrics_to_prometheus_text(
+                "# TYPE a counter\n# UNIT a seconds\na_total 1\n# EOF\n"
+            ),
+            "# TYPE a_total counter\na_total 1\n"
+        );
     }
 }

@@ -608,6 +608,38 @@ async fn metrics_count_what_was_sent() {
     assert_eq!(metric(&m, "simpler_requests_running"), 0.0);
     assert_eq!(metric(&m, "simpler_kv_blocks_used"), 0.0);
     assert_eq!(metric(&m, "simpler_kv_blocks_total"), 256.0);
+    // The Prometheus text format unless OpenMetrics is asked for (and not refused by q=0).
+    for (accept, openmetrics) in [
+        (None, false),
+        (Some("text/plain;version=0.0.4"), false),
+        (
+            Some("application/openmetrics-text;version=1.0.0;q=0"),
+            false,
+        ),
+        (
+            Some("application/openmetrics-text; version=1.0.0,text/plain;q=0.5"),
+            true,
+        ),
+    ] {
+        let mut s = TcpStream::connect(srv.addr).await.unwrap();
+        let accept = accept.map_or(String::new(), |a| format!("Accept: {a}\r\n"));
+        s.write_all(
+            format!("GET /metrics HTTP/1.1\r\nHost: t\r\n{accept}Connection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.unwrap();
+        let text = String::from_utf8_lossy(&raw).to_lowercase();
+        let kind = if openmetrics {
+            "content-type: application/openmetrics-text; version=1.0.0"
+        } else {
+            "content-type: text/plain; version=0.0.4"
+        };
+        assert!(text.contains(kind), "{accept}: {text}");
+        assert_eq!(text.contains("# eof"), openmetrics, "{accept}: {text}");
+    }
     srv.stop().await;
 }
 
