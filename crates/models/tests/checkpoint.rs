@@ -54,6 +54,61 @@ fn round_trip_single_file_gives_identical_results() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An f16 checkpoint (every bf16 tensor stored as f16, as older tools write them) loads as the
+/// bf16 checkpoint whose values are the f16 ones rounded to bf16: the loader's f16 path reads
+/// each element as f16 and rounds it once, the same model to the bit.
+#[test]
+fn an_f16_checkpoint_loads_as_its_values_rounded_to_bf16() {
+    let f = generate_fixture(&small(), &FixtureOptions::small(2, 40), None);
+    let to_f16 = |b: &[u8]| -> Vec<u8> {
+        b.chunks_exact(2)
+            .flat_map(|x| {
+                let v = bf16::from_le_bytes([x[0], x[1]]).to_f32();
+                half::f16::from_f32(v).to_le_bytes()
+            })
+            .collect()
+    };
+    let via_f16 = |b: &[u8]| -> Vec<u8> {
+        b.chunks_exact(2)
+            .flat_map(|x| {
+                let h = half::f16::from_le_bytes([x[0], x[1]]);
+                bf16::from_f32(h.to_f32()).to_le_bytes()
+            })
+            .collect()
+    };
+    let (dir16, dir_ref) = (tmp("f16"), tmp("f16-ref"));
+    let mut converted = 0;
+    for (dir, f16) in [(&dir16, true), (&dir_ref, false)] {
+        save_checkpoint(dir, &f.weights, &SaveOptions::default()).unwrap();
+        rewrite(dir, |t| {
+            for (dtype, _, bytes) in t.values_mut() {
+                if *dtype == safetensors::Dtype::BF16 {
+                    let h = to_f16(bytes);
+                    if f16 {
+                        (*dtype, *bytes) = (safetensors::Dtype::F16, h);
+                        converted += 1;
+                    } else {
+                        *bytes = via_f16(&h);
+                    }
+                }
+            }
+        });
+    }
+    assert!(converted >= 7, "{converted} tensors converted");
+    let a = load_checkpoint(&dir16, &LoadOptions::default()).unwrap();
+    let b = load_checkpoint(&dir_ref, &LoadOptions::default()).unwrap();
+    assert_eq!(a.embedding, b.embedding);
+    for (x, y) in a.layers.iter().zip(&b.layers) {
+        assert_eq!(**x, **y);
+    }
+    // And it is the model: f16 holds these weights' values to within its rounding.
+    let ga = golden::decode_model(&a, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    let gb = golden::decode_model(&b, &mut f.kv.clone(), &f.batch, &f.rope, &f.tokens);
+    assert_eq!(ga, gb);
+    std::fs::remove_dir_all(&dir16).unwrap();
+    std::fs::remove_dir_all(&dir_ref).unwrap();
+}
+
 #[test]
 fn round_trip_sharded_in_out_layout_untied() {
     let mut c = small();
@@ -178,9 +233,30 @@ fn errors_name_the_tensor_and_the_file() {
     let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
     assert!(
         matches!(e, CheckpointError::Truncated { .. })
-            && e.to_string().contains("model.safetensors"),
+            && e.to_string().contains("model.safetensors")
+            && e.to_string().contains("100 bytes missing"),
         "{e}"
     );
+    // The tensor the cut reaches is named: the one whose bytes end last.
+    let (last, _) = last_tensor(&full);
+    assert!(
+        e.to_string().contains(&format!("tensor {last} needs")),
+        "{e}"
+    );
+    // Cut deeper, into the middle of the file: the first tensor past the end is named.
+    let (cut_name, cut_at) = tensor_at(&full, full.len() / 2);
+    std::fs::write(&file, &full[..cut_at]).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("tensor {cut_name} needs")),
+        "{e}"
+    );
+    // Bytes past the last tensor are named as such.
+    let mut long = full.clone();
+    long.extend_from_slice(&[0; 24]);
+    std::fs::write(&file, &long).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("24 bytes past them"), "{e}");
     std::fs::write(&file, &full[..5]).unwrap();
     assert!(matches!(
         load_checkpoint(&dir, &LoadOptions::default()).unwrap_err(),
@@ -404,4 +480,45 @@ fn every_header_is_checked_before_any_weight_is_loaded() {
     );
     assert_eq!(ticks.load(std::sync::atomic::Ordering::Relaxed), 0);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A safetensors file's tensors as (name, start, end) in data-section bytes, and the data
+/// section's offset in the file: read directly, a second reading of the format.
+fn spans(file: &[u8]) -> (Vec<(String, usize, usize)>, usize) {
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    let mut out: Vec<(String, usize, usize)> = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = &v["data_offsets"];
+            (
+                k.clone(),
+                o[0].as_u64().unwrap() as usize,
+                o[1].as_u64().unwrap() as usize,
+            )
+        })
+        .collect();
+    out.sort_by_key(|s| s.1);
+    (out, 8 + n)
+}
+
+/// The tensor whose bytes end last, and its end in the file.
+fn last_tensor(file: &[u8]) -> (String, usize) {
+    let (s, base) = spans(file);
+    let t = s.iter().max_by_key(|t| t.2).unwrap();
+    (t.0.clone(), base + t.2)
+}
+
+/// The tensor holding file byte `at`, and the file offset just past its first byte (a cut
+/// there leaves it short).
+fn tensor_at(file: &[u8], at: usize) -> (String, usize) {
+    let (s, base) = spans(file);
+    let t = s
+        .iter()
+        .find(|t| base + t.1 <= at && at < base + t.2)
+        .unwrap();
+    (t.0.clone(), base + t.1 + 1)
 }

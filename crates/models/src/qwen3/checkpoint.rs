@@ -195,12 +195,19 @@ fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
 fn parse(shard: &Shard) -> Result<SafeTensors<'_>, CheckpointError> {
     let file = shard.path.clone();
     SafeTensors::deserialize(&shard.map).map_err(|e| match e {
-        SafeTensorError::HeaderTooSmall
-        | SafeTensorError::InvalidHeaderLength
-        | SafeTensorError::MetadataIncompleteBuffer => CheckpointError::Truncated {
+        SafeTensorError::MetadataIncompleteBuffer => CheckpointError::Truncated {
             file,
-            why: e.to_string(),
+            why: match cut_tensor(&shard.map) {
+                Some(cut) => cut,
+                None => e.to_string(),
+            },
         },
+        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength => {
+            CheckpointError::Truncated {
+                file,
+                why: e.to_string(),
+            }
+        }
         SafeTensorError::InvalidHeaderDeserialization(_) => match unknown_dtype(&shard.map) {
             Some((tensor, dtype)) => CheckpointError::Dtype {
                 tensor,
@@ -216,6 +223,38 @@ fn parse(shard: &Shard) -> Result<SafeTensors<'_>, CheckpointError> {
             file,
             why: other.to_string(),
         },
+    })
+}
+
+/// Which tensor a file whose data section is shorter or longer than its header says cuts
+/// (the first, in file order, whose bytes run past the end), or the surplus: the parser says
+/// only that the file is "not fully covered".
+fn cut_tensor(buf: &[u8]) -> Option<String> {
+    let n = usize::try_from(u64::from_le_bytes(buf.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Value =
+        serde_json::from_slice(buf.get(8..8usize.checked_add(n)?)?).ok()?;
+    let data = (buf.len() - 8 - n) as u64;
+    let mut spans: Vec<(u64, u64, &str)> = header
+        .as_object()?
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .filter_map(|(name, v)| {
+            let o = v.get("data_offsets")?.as_array()?;
+            Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?, name.as_str()))
+        })
+        .collect();
+    spans.sort_unstable();
+    let end = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    Some(match spans.iter().find(|s| s.1 > data) {
+        Some(&(start, stop, name)) => format!(
+            "tensor {name} needs bytes {start}..{stop} of the data section, which holds {data} \
+             ({} bytes missing from the file's end)",
+            end - data
+        ),
+        None => format!(
+            "the data section holds {data} bytes, its tensors end at {end}: {} bytes past them",
+            data - end
+        ),
     })
 }
 
