@@ -280,4 +280,45 @@ mod tests {
         w.running[0] = (1, 0, start);
         assert_eq!(check(&run, &mut w, late, &t), None);
     }
+
+    /// A stall past the scheduler timeout (and inside the others) is classified by what the
+    /// run holds: ready tasks and idle cores (S3, a lost wake-up), no orchestration result yet
+    /// (S5), pending tasks none of which can run (S4). S3 and S4 cannot be reached through the
+    /// API (`tests/fatal_codes.rs` says why), so their verdicts are checked here on a run
+    /// state set by hand.
+    #[test]
+    fn a_stall_is_classified_by_what_the_run_holds() {
+        let t = Timeouts {
+            scheduler: Duration::from_millis(10),
+            op_execute: Duration::from_millis(1000),
+            stream_sync: Duration::from_millis(2000),
+        };
+        let start = Instant::now();
+        let stalled = start + Duration::from_millis(50);
+        let verdict = |run: &RunShared| {
+            let e = check(run, &mut watch(run, start), stalled, &t).expect("a stalled run");
+            assert_eq!(e.code, ErrorCode::SchedulerTimeout);
+            e.subclass
+        };
+        // Inside the scheduler timeout nothing is said.
+        let run = RunShared::for_test(2);
+        run.outstanding.store(2, Ordering::Release);
+        let early = start + Duration::from_millis(5);
+        assert_eq!(check(&run, &mut watch(&run, start), early, &t), None);
+        // Pending, nothing queued, the orchestration still running: it is starved.
+        assert_eq!(verdict(&run), Some(SchedSubclass::S5OrchestratorStarved));
+        // The orchestration has returned: the pending tasks wait on something that never
+        // completes.
+        run.orch_done.store(true, Ordering::Release);
+        let e = check(&run, &mut watch(&run, start), stalled, &t).unwrap();
+        assert_eq!(e.subclass, Some(SchedSubclass::S4NothingReady));
+        assert!(e.detail.contains("2 tasks are pending"), "{e}");
+        assert!(e.hint.contains("--dep-gen"), "{e}");
+        // A ready task no core takes: a lost wake-up, reported as a runtime fault.
+        run.queues[0].push(TaskId(0));
+        let e = check(&run, &mut watch(&run, start), stalled, &t).unwrap();
+        assert_eq!(e.subclass, Some(SchedSubclass::S3IdleCores));
+        assert!(e.detail.contains("1 ready tasks wait"), "{e}");
+        assert!(e.hint.contains("scheduler fault"), "{e}");
+    }
 }
