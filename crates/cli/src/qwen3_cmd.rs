@@ -62,6 +62,11 @@ pub(crate) struct ModelArgs {
     /// smaller of MemAvailable and the room under the cgroup limit].
     #[arg(long, value_name = "GB")]
     pub(crate) memory_budget: Option<f64>,
+    /// RoPE θ of a preset, e.g. 1e4 for the reference stress case's fixture (a checkpoint's
+    /// config.json states its own, so it refuses this) [default: the preset's: 1e6 as Qwen3's
+    /// checkpoints have it, 1e4 for tiny and small].
+    #[arg(long, value_name = "THETA")]
+    pub(crate) rope_theta: Option<f64>,
 }
 
 /// The seed when `--seed` is not given.
@@ -161,9 +166,11 @@ impl ModelArgs {
         match &self.model {
             Some(dir) => format!("checkpoint {}", dir.display()),
             None => format!(
-                "preset {} (seeded random weights, seed {})",
+                "preset {} (seeded random weights, seed {}{})",
                 self.preset_name(),
-                self.seed()
+                self.seed(),
+                self.rope_theta
+                    .map_or(String::new(), |t| format!(", RoPE θ {t:e}"))
             ),
         }
     }
@@ -179,6 +186,18 @@ impl ModelArgs {
             Some(dir) => load_config(dir)?,
             None => Qwen3Config::preset(self.preset_name())?,
         };
+        if let Some(theta) = self.rope_theta {
+            if let Some(dir) = &self.model {
+                bail!(
+                    "--rope-theta {theta}: sets a preset's RoPE θ; --model {} is a checkpoint, whose config.json states its own",
+                    dir.display()
+                );
+            }
+            if !(theta.is_finite() && theta > 1.0) {
+                bail!("--rope-theta {theta}: give a finite base above 1 (e.g. 1e4 or 1e6)");
+            }
+            c.rope.theta = theta;
+        }
         if let Some(n) = layers {
             if n == 0 || n > c.num_hidden_layers {
                 bail!("--layers {n}: the model has {} layers", c.num_hidden_layers);

@@ -185,6 +185,43 @@ fn generate_from_a_checkpoint_equals_generate_from_the_preset() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--rope-theta` sets a preset's θ: the preset then generates what a checkpoint of its
+/// weights with that θ in its config generates, and not what the preset's own θ does; a
+/// checkpoint refuses the flag (its config states θ).
+#[test]
+fn rope_theta_sets_a_presets_theta_and_a_checkpoint_refuses_it() {
+    let dir = tmp("theta");
+    let mut c = Qwen3Config::preset("small").unwrap();
+    assert_eq!(c.rope.theta, 1e4);
+    c.rope.theta = 1e6;
+    let w = generate_weights(&c, 1234, false, None);
+    let ckpt = dir.join("ckpt");
+    save_checkpoint(&ckpt, &w, &SaveOptions::default()).unwrap();
+    let (ids_a, npy_a) = generate(
+        &["--preset", "small", "--rope-theta", "1e6"],
+        &dir.join("a.npy"),
+    );
+    let (ids_b, npy_b) = generate(&["--model", ckpt.to_str().unwrap()], &dir.join("b.npy"));
+    assert_eq!((&ids_a, &npy_a), (&ids_b, &npy_b));
+    let (_, npy_c) = generate(&["--preset", "small"], &dir.join("c.npy"));
+    assert_ne!(npy_a, npy_c, "θ 1e6 and 1e4 gave the same logits");
+    let out = simpler(&[
+        "generate",
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--rope-theta",
+        "1e4",
+        "--prompt-ids",
+        "1",
+    ]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--rope-theta"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A valid tiny checkpoint in `dir`.
 fn tiny_checkpoint(dir: &Path) -> Qwen3Config {
     let c = Qwen3Config::preset("tiny").unwrap();
