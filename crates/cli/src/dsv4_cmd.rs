@@ -828,18 +828,22 @@ fn format_overlaps(cost: &LayerCost, peaks: &Peaks, spans: &[Vec<Option<Interval
     s
 }
 
-/// The summary lines of a step time (seconds) against the cost.
-fn format_ratios(cost: &LayerCost, peaks: &Peaks, t: f64, what: &str) -> String {
+/// The summary lines of a step time (seconds) against the cost; `pass` names the
+/// bandwidth pass `peaks` holds (`best pass`: a best case, which the line says).
+fn format_ratios(cost: &LayerCost, peaks: &Peaks, t: f64, what: &str, pass: &str) -> String {
     let gbs = cost.bytes() / t / 1e9;
     let bound = cost.phase_bound_s(peaks);
+    let roof = cost.roofline_s(peaks);
     format!(
-        "  {what}: {:.1} us; bytes/step {:.2} MB -> {gbs:.2} GB/s = {:.1}% of membw ({:.1} GB/s); per-phase bound {:.1} us = {:.1}% achieved",
+        "  {what}: {:.1} us; bytes/step {:.2} MB -> {gbs:.2} GB/s = {:.1}% of membw's {pass} ({:.1} GB/s); per-phase bound {:.1} us = {:.1}% achieved; roofline bound {:.1} us = {:.1}%",
         t * 1e6,
         cost.bytes() / 1e6,
         100.0 * gbs / peaks.gbs,
         peaks.gbs,
         bound * 1e6,
-        100.0 * bound / t
+        100.0 * bound / t,
+        roof * 1e6,
+        100.0 * roof / t
     )
 }
 
@@ -1061,11 +1065,23 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
     println!("  {}", format_summary("host_step_us", &w, args.warmup));
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.median / 1e6, "median step (effective)")
+        format_ratios(
+            &cost,
+            &peaks,
+            e.median / 1e6,
+            "median step (effective)",
+            "best pass (best case)"
+        )
     );
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step (effective)")
+        format_ratios(
+            &cost,
+            &peaks,
+            e.min / 1e6,
+            "quietest step (effective)",
+            "best pass (best case)"
+        )
     );
     println!(
         "{}",
@@ -1073,7 +1089,8 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
             &cost,
             &median_pass,
             e.median / 1e6,
-            "median step (effective) at membw's median pass"
+            "median step (effective) at membw's median pass",
+            "median pass"
         )
     );
     Ok(())
@@ -1220,7 +1237,20 @@ fn bench_layer(
         ..
     } = m;
     let (peaks, median_pass) = finish_peaks(&s, &args.case);
-    let e = Summary::of(&eff);
+    // A round judged invalid (the MoE's output differs from the first step's) does not count.
+    let counted: Vec<f64> = eff
+        .iter()
+        .zip(&valid)
+        .filter(|(_, v)| v.unwrap_or(true))
+        .map(|(&t, _)| t)
+        .collect();
+    if counted.is_empty() {
+        bail!(
+            "{}: no measured round was valid (each differed from the first step's output): a race or a corrupted buffer, not a time to report",
+            layer.name()
+        );
+    }
+    let e = Summary::of(&counted);
     println!("{}", format_summary("effective_us", &e, args.warmup));
     let judged: Vec<(f64, bool)> = eff
         .iter()
@@ -1228,16 +1258,21 @@ fn bench_layer(
         .filter_map(|(&t, v)| v.map(|v| (t, v)))
         .collect();
     if !judged.is_empty() {
+        // One rank: the fastest rank of a round is its only one.
+        println!(
+            "{}",
+            format_summary("fast_effective_us (one rank: its own time)", &e, args.warmup)
+        );
         println!("{}", crate::dsv4_moe::format_moe_rounds(&judged)?);
     }
     let cost = s.step.cost();
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.median / 1e6, "median step")
+        format_ratios(&cost, &peaks, e.median / 1e6, "median step", "best pass (best case)")
     );
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step")
+        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step", "best pass (best case)")
     );
     println!(
         "{}",
@@ -1245,7 +1280,8 @@ fn bench_layer(
             &cost,
             &median_pass,
             e.median / 1e6,
-            "median step at membw's median pass"
+            "median step at membw's median pass",
+            "median pass"
         )
     );
     println!("{}", phases_title(phases.len()));

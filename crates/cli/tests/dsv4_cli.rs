@@ -422,8 +422,12 @@ fn run_and_bench_dsv4_moe() {
         "bench moe",
         &[
             "effective_us: n=4 (warm-up 1 discarded) min=",
+            "fast_effective_us (one rank: its own time): n=4",
             "faster_half_us",
             "valid_rounds 4/4",
+            "of membw's best pass (best case)",
+            "of membw's median pass",
+            "roofline bound",
             "kernel paths: int8 products ",
             "per-phase bound",
             "caches: each step starts after a",

@@ -157,6 +157,19 @@ impl LayerCost {
         p.bound_s(m)
     }
 
+    /// The roofline bound in seconds: the whole step's bytes, FLOPs and int8 operations each
+    /// at its rate, the longest of the three (they are assumed to overlap perfectly, which the
+    /// phases' dependencies do not allow: a lower bound under the per-phase one).
+    pub fn roofline_s(&self, m: &Peaks) -> f64 {
+        PhaseCost {
+            name: "step",
+            bytes: self.bytes(),
+            flops: self.flops(),
+            int8_ops: self.int8_ops(),
+        }
+        .bound_s(m)
+    }
+
     /// The per-phase bound in seconds: the phases one after the other, each at its limit.
     pub fn phase_bound_s(&self, m: &Peaks) -> f64 {
         self.phases.iter().map(|p| LayerCost::phase_s(p, m)).sum()
@@ -191,9 +204,15 @@ mod tests {
             int8_gops: 1e6,
         };
         assert!((swa.phase_bound_s(&m) - swa.bytes() / 1e10).abs() < 1e-9);
+        assert!((swa.roofline_s(&m) - swa.bytes() / 1e10).abs() < 1e-9);
         // At a low compute peak the attention phase becomes compute-bound.
         let slow = Peaks { gflops: 1.0, ..m };
         assert!(swa.phase_bound_s(&slow) > swa.phase_bound_s(&m));
+        // The roofline overlaps the step's bytes with its FLOPs: at most the per-phase bound,
+        // at least each of its terms.
+        assert!(swa.roofline_s(&slow) <= swa.phase_bound_s(&slow));
+        assert!(swa.roofline_s(&slow) >= swa.flops() / 1e9);
+        assert!(swa.roofline_s(&slow) >= swa.bytes() / 1e10);
     }
 
     #[test]
