@@ -122,6 +122,20 @@ impl CaseArgs {
         Ok(())
     }
 
+    /// Refuses `--start-pos` where every layer is the MoE: its step reads no position (the
+    /// starts only count its tokens, the same at every start), so the flag would change
+    /// nothing.
+    fn check_start(&self, layers: &[LayerArg]) -> Result<()> {
+        if let Some(n) = self.start_pos
+            && layers.iter().all(|&l| l == LayerArg::Moe)
+        {
+            bail!(
+                "--start-pos {n}: the moe layer reads no position (its step is the same at every start); it applies to swa, csa and hca"
+            );
+        }
+        Ok(())
+    }
+
     /// `--real-tokens` for `starts`, checked (every row real without the flag).
     fn real_tokens(&self, starts: &[usize]) -> Result<Vec<usize>> {
         let Some(real) = &self.real_tokens else {
@@ -1016,6 +1030,7 @@ fn check_replay(layer: LayerArg, replay: Option<Replay>) -> Result<()> {
 pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
     check_replay(args.layer, args.replay)?;
     args.case.check_routing(&[args.layer])?;
+    args.case.check_start(&[args.layer])?;
     if let Some(cmd) = ep_cmd_of_run(&args)? {
         return crate::dsv4_ep::main(cmd);
     }
@@ -1103,6 +1118,7 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         }
     }
     args.case.check_routing(&args.kernel)?;
+    args.case.check_start(&args.kernel)?;
     if args.case.real_tokens.is_some() {
         bail!(
             "--real-tokens: bench dsv4 measures whole steps (every row real); use it with run dsv4"
@@ -1261,18 +1277,34 @@ fn bench_layer(
         // One rank: the fastest rank of a round is its only one.
         println!(
             "{}",
-            format_summary("fast_effective_us (one rank: its own time)", &e, args.warmup)
+            format_summary(
+                "fast_effective_us (one rank: its own time)",
+                &e,
+                args.warmup
+            )
         );
         println!("{}", crate::dsv4_moe::format_moe_rounds(&judged)?);
     }
     let cost = s.step.cost();
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.median / 1e6, "median step", "best pass (best case)")
+        format_ratios(
+            &cost,
+            &peaks,
+            e.median / 1e6,
+            "median step",
+            "best pass (best case)"
+        )
     );
     println!(
         "{}",
-        format_ratios(&cost, &peaks, e.min / 1e6, "quietest step", "best pass (best case)")
+        format_ratios(
+            &cost,
+            &peaks,
+            e.min / 1e6,
+            "quietest step",
+            "best pass (best case)"
+        )
     );
     println!(
         "{}",

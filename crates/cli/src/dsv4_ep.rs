@@ -82,10 +82,11 @@ pub(crate) fn ep_config(cmd: &EpCmd) -> Result<(Dsv4Config, ExpertPlacement)> {
     let base = Dsv4Config::preset(&cmd.preset)?;
     let cfg = if base == Dsv4Config::flash() {
         let per_rank = cmd.per_rank.unwrap_or(FLASH_PER_RANK);
+        // Checked here so the error names the flag that set it, whatever `--ep` is.
+        if ![16, 32].contains(&per_rank) {
+            bail!("--experts-per-rank {per_rank}: must be 16 or 32");
+        }
         if cmd.ep == 1 {
-            if ![16, 32].contains(&per_rank) {
-                bail!("--experts-per-rank {per_rank}: must be 16 or 32");
-            }
             Dsv4Config {
                 n_routed_experts: per_rank,
                 ..base

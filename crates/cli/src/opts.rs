@@ -19,7 +19,7 @@ use simpler_models::qwen3::Qwen3Config;
 #[derive(Args, Debug, Clone)]
 pub(crate) struct RunOpts {
     /// Cores (threads) of the CPU platform [default: available parallelism].
-    #[arg(long)]
+    #[arg(long, value_parser = core_count)]
     pub(crate) cores: Option<usize>,
     /// Task-window slots per ring: N or four comma-separated values (power of two >= 4).
     #[arg(long, value_parser = RingValue::parse)]
@@ -304,6 +304,18 @@ pub(crate) fn flags_in(text: &str) -> String {
         };
         t.replace(&path, &flag_of_field(&path))
     })
+}
+
+/// Parses `--cores`: 1 to the most a worker takes.
+pub(crate) fn core_count(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of cores"))?;
+    if !(1..=simpler_core::MAX_CORES).contains(&n) {
+        return Err(format!("{n} cores: give 1 to {}", simpler_core::MAX_CORES));
+    }
+    Ok(n)
 }
 
 /// Parses a duration flag in seconds: a finite number from 0 to one hour. (`inf` reached

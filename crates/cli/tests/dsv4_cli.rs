@@ -390,6 +390,30 @@ fn bad_layers_and_starts_are_refused_by_name() {
     let out = simpler(&["run", "dsv4", "--layer", "mla"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("mla"));
+    // The moe layer reads no position: a start alone for it changes nothing, refused; beside
+    // a layer that reads positions it is that layer's.
+    for args in [
+        &["run", "dsv4", "--layer", "moe", "--start-pos", "8192"][..],
+        &["bench", "dsv4", "--kernel", "moe", "--start-pos", "8192"],
+        &[
+            "bench",
+            "dsv4",
+            "--kernel",
+            "moe",
+            "--ep",
+            "2",
+            "--start-pos",
+            "8192",
+        ],
+    ] {
+        let out = simpler(args);
+        let se = text(&out.stderr);
+        assert!(
+            !out.status.success()
+                && se.contains("--start-pos 8192: the moe layer reads no position"),
+            "{args:?}: {se}"
+        );
+    }
 }
 
 #[test]
@@ -615,6 +639,23 @@ fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
         (
             &["run", "dsv4", "--layer", "moe", "--ep", "16"][..],
             "--ep 16",
+        ),
+        (
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "moe",
+                "--ep",
+                "2",
+                "--experts-per-rank",
+                "8",
+            ][..],
+            "--experts-per-rank 8: must be 16 or 32",
+        ),
+        (
+            &["run", "demo", "--cores", "0"][..],
+            "0 cores: give 1 to 1024",
         ),
         (
             &[

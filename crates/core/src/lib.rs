@@ -58,4 +58,4 @@ pub use report::{Interval, OutsideShare, RingOccupancy, RunCounters, RunReport, 
 pub use ring::OUTPUT_ALIGN;
 pub use task::{ArgTag, EngineClass, OutputSpec, ScopeKind, Task, TaskId};
 pub use tensor::{BufferId, MAX_DIMS, Tensor};
-pub use worker::{GraphCache, Worker, WorkerConfig};
+pub use worker::{GraphCache, MAX_CORES, Worker, WorkerConfig};

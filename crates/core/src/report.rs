@@ -149,7 +149,8 @@ pub struct OutsideShare {
     /// `1 - kernel busy / (cores x effective)`: everything outside kernels, the OS running
     /// other processes on the cores included.
     pub raw: f64,
-    /// `descheduled / (cores x effective)`: the time the cores' threads waited for a CPU.
+    /// `descheduled / (cores x effective)`: the time the cores' threads waited for a CPU (each
+    /// core's capped at the span).
     pub descheduled: Option<f64>,
     /// `1 - kernel busy / (cores x effective - descheduled)`: the share of the time the cores'
     /// threads held a CPU that was spent outside kernels, i.e. the runtime's own share. Per
@@ -174,7 +175,12 @@ impl OutsideShare {
         let busy_sum: u64 = busy.iter().sum();
         let raw = 1.0 - busy_sum as f64 / total;
         let d = descheduled.filter(|d| d.len() == busy.len());
-        let descheduled = d.map(|d| d.iter().sum::<u64>() as f64 / total);
+        // The counters are read around the whole launch (a wider window than `effective`),
+        // and the OS books a wait when the thread runs again, so a wait begun before the window
+        // lands in it whole: on a loaded host a core's count can exceed the span. A thread
+        // cannot wait longer than the span it is divided by: each core's count is capped at it.
+        let descheduled =
+            d.map(|d| d.iter().map(|&w| w.min(effective_ns)).sum::<u64>() as f64 / total);
         let net = d.and_then(|d| {
             let held: f64 = busy
                 .iter()
@@ -249,6 +255,11 @@ mod tests {
         let s = OutsideShare::of(&busy, 1000, Some(&[250, 400])).unwrap();
         assert!((s.descheduled.unwrap() - 0.325).abs() < 1e-12);
         assert!((s.net.unwrap() - 0.0).abs() < 1e-12);
+        // A count past the span (a wait booked whole that began before the window) is capped
+        // at the span: the share stays within 100%.
+        let s = OutsideShare::of(&busy, 1000, Some(&[5000, 2500])).unwrap();
+        assert!((s.descheduled.unwrap() - 1.0).abs() < 1e-12);
+        assert!(s.net.unwrap() >= 0.0);
         // A count per core or nothing; no cores or no span, no share.
         assert_eq!(OutsideShare::of(&busy, 1000, Some(&[1])).unwrap().net, None);
         assert_eq!(OutsideShare::of(&[], 1000, None), None);

@@ -79,17 +79,20 @@ pub struct Worker {
     inner: Arc<WorkerShared>,
 }
 
+/// Most cores (scheduler threads) a worker takes.
+pub const MAX_CORES: usize = 1024;
+
 impl Worker {
     /// Starts a worker on `platform`.
     pub fn new(platform: impl Platform, config: WorkerConfig) -> Result<Worker, Error> {
         let platform: Arc<dyn Platform> = Arc::new(platform);
         let info = platform.info();
         let n_cores = config.cores.unwrap_or(info.default_cores);
-        if n_cores == 0 || n_cores > 1024 {
+        if n_cores == 0 || n_cores > MAX_CORES {
             return Err(ConfigError {
                 field: "WorkerConfig.cores".into(),
                 value: n_cores.to_string(),
-                reason: "must be between 1 and 1024".into(),
+                reason: format!("must be between 1 and {MAX_CORES}"),
             }
             .into());
         }

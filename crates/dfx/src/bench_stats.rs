@@ -332,6 +332,16 @@ pub fn format_compare(metric: &str, name_a: &str, name_b: &str, c: &Comparison) 
         "{}",
         format_summary(&format!("{metric} [B: {name_b}]"), &c.b, c.warmup)
     );
+    if c.a.n < MIN_PAIRS_FOR_INTERVAL {
+        // One or two pairs: every resample's median is one of a handful of values, so a
+        // percentile interval would only restate the data (one pair: [r, r]).
+        let _ = write!(
+            out,
+            "median of paired ratios B/A = {:.4} over {} interleaved pair(s): no 95% interval from fewer than {MIN_PAIRS_FOR_INTERVAL} pairs (more --rounds give one)",
+            c.ratio, c.a.n
+        );
+        return out;
+    }
     let _ = write!(
         out,
         "median of paired ratios B/A = {:.4}, 95% interval [{:.4}, {:.4}] (bootstrap over {} interleaved pairs, {} resamples, seed {:#x})",
@@ -339,6 +349,9 @@ pub fn format_compare(metric: &str, name_a: &str, name_b: &str, c: &Comparison) 
     );
     out
 }
+
+/// Fewest pairs [`format_compare`] gives an interval for.
+pub const MIN_PAIRS_FOR_INTERVAL: usize = 3;
 
 /// Writes a full single-metric report: the diagnostics line, then the summary.
 pub fn write_report(
@@ -478,6 +491,17 @@ mod tests {
         let c = pairs.compare();
         assert_eq!((c.warmup, c.a.n), (2, 3));
         assert!(format_compare("x", "a", "b", &c).contains("warm-up 2 discarded"));
+        assert!(format_compare("x", "a", "b", &c).contains("95% interval ["));
+        // One or two pairs give a ratio and no interval (one pair's would be [r, r]).
+        for n in [1, 2] {
+            let c = compare_seeded(&vec![10.0; n], &vec![13.0; n], 100, 1);
+            let text = format_compare("x", "a", "b", &c);
+            assert!(
+                text.contains("B/A = 1.3000") && text.contains("no 95% interval"),
+                "{text}"
+            );
+            assert!(!text.contains("interval ["), "{text}");
+        }
     }
 
     #[test]

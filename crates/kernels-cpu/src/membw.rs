@@ -199,9 +199,16 @@ impl CacheFlush {
         let mib = self.bytes() >> 20;
         match self.llc {
             Some(c) if self.bytes() + 512 >= c.saturating_mul(Self::PER_LLC) => {
+                // The read's own ratio: a floor on the read's size can make it more than
+                // `PER_LLC` times a small cache.
+                let times = self.bytes() as f64 / c.max(1) as f64;
                 format!(
                     "a {mib} MiB read, {} times the {} MiB last-level cache",
-                    Self::PER_LLC,
+                    if (times - times.round()).abs() < 0.05 {
+                        format!("{}", times.round())
+                    } else {
+                        format!("{times:.1}")
+                    },
                     c >> 20
                 )
             }
@@ -1034,6 +1041,24 @@ mod tests {
         );
         let unknown = CacheFlush { llc: None, ..many };
         assert!(unknown.describe().contains("no last-level cache size"));
+        // A read the size floor made larger than twice a small cache says its own ratio.
+        let small_cache = CacheFlush {
+            buf: vec![0; (256 << 20) / 8],
+            threads: 1,
+            llc: Some(32 << 20),
+        };
+        let d = small_cache.describe();
+        assert!(d.contains("a 256 MiB read, 8 times the 32 MiB"), "{d}");
+        let twice = CacheFlush {
+            buf: vec![0; (64 << 20) / 8],
+            threads: 1,
+            llc: Some(32 << 20),
+        };
+        assert!(
+            twice.describe().contains("2 times the 32 MiB"),
+            "{}",
+            twice.describe()
+        );
     }
 
     #[test]
