@@ -373,30 +373,49 @@ pub(crate) trait LayerStep {
     /// Turns replay of the next steps on or off, and their check against a fresh capture
     /// (only where [`LayerStep::can_replay`]).
     fn set_replay(&mut self, _on: bool, _verify: bool) {}
+    /// Token rows of the step (the activation rows of its projections).
+    fn rows(&self) -> usize;
     /// The kernel paths the step runs on, one line.
     fn paths(&self) -> String {
-        format_paths(None)
+        format_paths(self.rows(), None)
     }
 }
 
-/// `kernel paths: ...` of a DeepSeek-V4 step: the int8 products' path, the vector kernels'
-/// (hc, norms, RoPE, pooling), the sparse attention's engine for `attn` = `(heads a task,
-/// head_dim)` when the step has one, and this CPU's best.
-fn format_paths(attn: Option<(usize, usize)>) -> String {
+/// `kernel paths: ...` of a DeepSeek-V4 step of `rows` token rows: the int8 products' path
+/// at those rows (the AMX path's tiles start at [`AMX_MIN_BATCH`] rows: below, its products
+/// run on AVX-512 VNNI), for an attention step `attn` the bf16 projections' GEMM path and
+/// layout (for its `Wq_a`, `[q_lora, hidden]`) and the sparse attention's engine, the vector
+/// kernels' path (hc, norms, RoPE, pooling), and this CPU's best.
+fn format_paths(rows: usize, attn: Option<(&Dsv4Config, usize)>) -> String {
+    use simpler_kernels_cpu::gemm_i8::AMX_MIN_BATCH;
     let isa = Isa::current();
     let capped = match std::env::var("SIMPLER_ISA") {
         Ok(v) => format!(", SIMPLER_ISA={v}"),
         Err(_) => String::new(),
     };
-    let attention = attn.map_or(String::new(), |(heads, d)| {
+    let int8 = match I8Path::current() {
+        I8Path::Amx if rows < AMX_MIN_BATCH => format!(
+            "{} ({rows} rows; amx-int8 from {AMX_MIN_BATCH})",
+            I8Path::Avx512Vnni.name()
+        ),
+        p => format!("{} ({rows} rows)", p.name()),
+    };
+    let attention = attn.map_or(String::new(), |(c, heads)| {
+        let layout =
+            simpler_models::dsv4::bf16_layout::projection_kernel_layout(c.q_lora_rank, c.hidden);
+        let name = match layout {
+            simpler_kernels_cpu::WeightLayout::RowMajor => "row-major",
+            simpler_kernels_cpu::WeightLayout::Pairs => "paired",
+            simpler_kernels_cpu::WeightLayout::Tiled => "tiled",
+        };
         format!(
-            ", sparse attention {}",
-            simpler_kernels_cpu::dsv4::attention::engine(isa, heads, d)
+            ", bf16 GEMM {} (bf16 matrices {name}), sparse attention {}",
+            simpler_kernels_cpu::path_for(Isa::detected(), rows, layout).name(),
+            simpler_kernels_cpu::dsv4::attention::engine(isa, heads, c.head_dim)
         )
     });
     format!(
-        "kernel paths: int8 products {}, vector kernels {}{attention}; this CPU's best path {}{capped}",
-        I8Path::current().name(),
+        "kernel paths: int8 products {int8}{attention}, vector kernels {}; this CPU's best path {}{capped}",
         isa.name(),
         Isa::hardware().name()
     )
@@ -502,6 +521,10 @@ impl AttnCase {
 }
 
 impl LayerStep for AttnCase {
+    fn rows(&self) -> usize {
+        self.starts.len() * TOKENS_PER_SEQ
+    }
+
     fn describe(&self) -> String {
         let c = &self.cfg;
         format!(
@@ -545,7 +568,7 @@ impl LayerStep for AttnCase {
 
     fn paths(&self) -> String {
         let heads = self.cfg.n_heads / self.layer.tiles.head_blocks.max(1);
-        format_paths(Some((heads, self.cfg.head_dim)))
+        format_paths(self.rows(), Some((&self.cfg, heads)))
     }
 
     fn check(&mut self, worker: &Worker, cfg: &CallConfig) -> Result<Vec<(String, bool)>> {

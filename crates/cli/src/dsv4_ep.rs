@@ -513,7 +513,9 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         starts_of(cmd, &cfg)?.len() * TOKENS_PER_SEQ,
         cmd.rounds,
         cmd.warmup,
-        std::thread::available_parallelism().map_or(0, |c| c.get()),
+        cmd.run
+            .cores
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(0, |c| c.get())),
     );
     s += "caches: warm: the ranks run their steps back to back, and a rank's share of the experts that fits the last-level cache is partly read from it (the single-process bench flushes it)\n";
     s += "per rank (median us of the measured steps; a phase includes waiting for the other ranks in its exchange):\n";

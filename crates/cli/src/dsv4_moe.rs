@@ -147,6 +147,10 @@ pub(crate) fn describe_routing(cfg: &Dsv4Config, layer: usize) -> String {
 }
 
 impl LayerStep for MoeStep {
+    fn rows(&self) -> usize {
+        self.starts.len() * TOKENS_PER_SEQ
+    }
+
     fn describe(&self) -> String {
         let c = &self.cfg;
         let rows = self.rows_per_expert();
