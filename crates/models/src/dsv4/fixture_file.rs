@@ -787,6 +787,22 @@ fn check_ranges(f: &Dsv4Fixture) -> Result<()> {
             ),
         ));
     }
+    // A token's hash route names `n_activated_experts` distinct experts (a repeat would send
+    // the token to one expert twice: the dispatch's capacity and the combine count on
+    // distinct routes).
+    let k = cfg.n_activated_experts.max(1);
+    for (t, row) in f.moe.tid2eid.chunks(k).enumerate() {
+        if let Some(j) = (1..row.len()).find(|&j| row[..j].contains(&row[j])) {
+            return Err(bad(
+                "moe.tid2eid",
+                format!(
+                    "token {t}'s row names expert {} twice (entries {} and {j})",
+                    row[j],
+                    row[..j].iter().position(|&e| e == row[j]).unwrap_or(0)
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -971,6 +987,17 @@ mod tests {
         });
         assert!(
             matches!(&e, FixtureFileError::Value { tensor, .. } if tensor == "moe.tid2eid"),
+            "{e}"
+        );
+        // An expert named twice in one token's row.
+        let e = load_edited("expert-twice.safetensors", |t, _| {
+            let x = find(t, "moe.tid2eid");
+            let first: [u8; 4] = x.3[..4].try_into().unwrap();
+            x.3[4..8].copy_from_slice(&first);
+        });
+        assert!(
+            matches!(&e, FixtureFileError::Value { tensor, .. } if tensor == "moe.tid2eid")
+                && e.to_string().contains("token 0's row names expert"),
             "{e}"
         );
 
