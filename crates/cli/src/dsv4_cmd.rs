@@ -1238,6 +1238,28 @@ fn format_layer_table(rows: &[LayerRow]) -> String {
     s
 }
 
+/// Where a compressing layer's step closes a compressor window (a token at position `p` with
+/// `(p + 1) % ratio == 0`), a note that its rounds are not one repeated step: the closing token
+/// pools the window's state rows, which the next window's first token overwrites, so every
+/// round after the first starts from another state (the work is the same size).
+fn closing_note(layer: LayerArg, case: &CaseArgs) -> Result<Option<String>> {
+    let c = Dsv4Config::preset(&case.preset)?;
+    let ratio = match layer {
+        LayerArg::Csa => c.csa_ratio,
+        LayerArg::Hca => c.hca_ratio,
+        LayerArg::Swa | LayerArg::Moe => return Ok(None),
+    };
+    let closing: Vec<usize> = starts_of(case, &c)?
+        .into_iter()
+        .filter(|&s| (s..s + TOKENS_PER_SEQ).any(|p| (p + 1) % ratio == 0))
+        .collect();
+    Ok((!closing.is_empty()).then(|| {
+        format!(
+            "note: a ratio-{ratio} compressor window closes inside the step at start(s) {closing:?}, so the rounds are not one repeated step (each starts from the state the last left; same work); --start-pos 8192 closes none"
+        )
+    }))
+}
+
 /// `bench dsv4` for one layer: its report, then its comparisons; its line of the closing table.
 fn bench_layer(
     args: &BenchDsv4Args,
@@ -1258,6 +1280,9 @@ fn bench_layer(
     let cfg = opts::case_config(&cfg, layer.name(), several);
     if several && let Some(dir) = &cfg.output_dir {
         println!("diagnostics of this layer: {}", dir.display());
+    }
+    if let Some(note) = closing_note(layer, &args.case)? {
+        println!("{note}");
     }
     let m = measure(&mut s, &cfg, args.warmup, args.rounds)?;
     // The last measured step's spans and diagnostics, as `run dsv4` writes them.

@@ -286,6 +286,9 @@ fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
         &out,
         "hca --versus-replay",
         &[
+            // The mixed starts close the ratio-128 window at 127: said, as the rounds then
+            // differ in state.
+            "note: a ratio-128 compressor window closes inside the step at start(s) [127]",
             // The warm-up step was captured; the measured ones replayed.
             "graph: --replay on -> 4 replayed (orch ",
             "replay compared (A: captured graph replayed, B: orchestrated",
@@ -297,11 +300,21 @@ fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
     );
     assert!(so.contains("95% interval ["), "{so}");
     let out = simpler(&bench_tiny("csa", &["--rounds", "2", "--replay", "off"]));
-    succeeded_with(
+    let so = succeeded_with(
         &out,
         "csa --replay off",
-        &["graph: --replay off -> 2 orchestrated (orch "],
+        &[
+            "graph: --replay off -> 2 orchestrated (orch ",
+            "note: a ratio-4 compressor window closes inside the step at start(s) [3, 127]",
+        ],
     );
+    // At a start that closes no window, no note.
+    let out = simpler(&bench_tiny(
+        "csa",
+        &["--rounds", "1", "--warmup", "0", "--start-pos", "8192"],
+    ));
+    let quiet = succeeded_with(&out, "csa --start-pos 8192", &["effective_us"]);
+    assert!(!quiet.contains("compressor window closes") && so.contains("note:"));
     // Verifying: the warm-up step captured, every measured one orchestrated, captured and
     // checked against the graph kept before it (a difference would fail the step).
     let out = simpler(&bench_tiny(
