@@ -63,6 +63,10 @@ fn rounds(args: &BenchRuntimeArgs, mut one: impl FnMut() -> Result<f64>) -> Resu
 /// round's spans and diagnostics are written as `cfg` says (each section has its own
 /// `OUTPUT_DIR/<section>` from [`case_config`], so no section replaces another's files; an
 /// explicit `--trace FILE` is shared, and each section's spans are appended to it).
+/// Task slots and dependency entries of each ring in the runs that submit a whole graph before
+/// running it (serial mode).
+const SERIAL_RING: u64 = 1 << 20;
+
 fn rounds_written(
     args: &BenchRuntimeArgs,
     cfg: &CallConfig,
@@ -95,13 +99,24 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
             bail!("{flag} 0: give at least 1");
         }
     }
-    // The fan-out's dependency map is sized to twice its tasks, within the 2^28 entries a
-    // map may hold: checked before anything runs.
-    if args.readers >= 1 << 27 {
-        bail!(
-            "--readers {}: the fan-out holds them all in a dependency map of at most 2^28 entries (twice its tasks); give fewer than 2^27",
-            args.readers
-        );
+    // The fan-out submits its writer and every reader before running (serial mode), into the
+    // serial runs' rings of 2^20 task slots and dependency entries: checked before anything
+    // runs.
+    for (flag, tasks) in [
+        ("--tasks", args.tasks),
+        ("--hops", args.hops),
+        ("--readers", args.readers.saturating_add(1)),
+    ] {
+        if tasks >= SERIAL_RING {
+            bail!(
+                "{flag} {}: the serial runs submit every task before running, into rings of 2^20 tasks and dependency entries; give fewer",
+                if flag == "--readers" {
+                    tasks - 1
+                } else {
+                    tasks
+                }
+            );
+        }
     }
     // Variant B's options are checked before anything runs.
     let variant_b = match &args.compare {
@@ -172,8 +187,8 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     let serial = CallConfig {
         mode: OrchMode::Serial,
         runtime_env: RuntimeEnv {
-            ring_task_window: RingValue::All(1 << 20),
-            ring_dep_pool: RingValue::All(1 << 20),
+            ring_task_window: RingValue::All(SERIAL_RING),
+            ring_dep_pool: RingValue::All(SERIAL_RING),
             ..base.runtime_env
         },
         ..base.clone()
@@ -295,8 +310,9 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     // 4. Fan-out: one writer, then many readers of the same buffer. Readers register in the
     //    dependency map (later writers wait for them), so each reader's lookup must not walk
     //    the readers before it: orchestration time per reader stays flat as their number grows.
-    //    The whole graph is submitted first, so the ring and the dependency map are sized
-    //    for its readers + 1 tasks (a map size given on the command line is taken as given).
+    //    The whole graph is submitted first, so the dependency map is sized for its
+    //    readers + 1 entries (a map size given on the command line is taken as given); the
+    //    serial rings hold them (checked at the start).
     let readers = args.readers;
     let buf = w.alloc(4096)?;
     let whole = (readers + 1)
@@ -304,10 +320,6 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
         .checked_next_power_of_two()
         .unwrap_or(u64::MAX);
     let fan_cfg = CallConfig {
-        runtime_env: RuntimeEnv {
-            ring_task_window: RingValue::All(whole.max(1 << 20)),
-            ..serial.runtime_env
-        },
         tensormap_capacity: args
             .run
             .tensormap_capacity

@@ -382,7 +382,8 @@ pub(crate) trait LayerStep {
 }
 
 /// `kernel paths: ...` of a DeepSeek-V4 step of `rows` token rows: the int8 products' path
-/// at those rows (the AMX path's tiles start at [`AMX_MIN_BATCH`] rows: below, its products
+/// at those rows (the AMX path's tiles start at
+/// [`AMX_MIN_BATCH`](simpler_kernels_cpu::gemm_i8::AMX_MIN_BATCH) rows: below, its products
 /// run on AVX-512 VNNI), for an attention step `attn` the bf16 projections' GEMM path and
 /// layout (for its `Wq_a`, `[q_lora, hidden]`) and the sparse attention's engine, the vector
 /// kernels' path (hc, norms, RoPE, pooling), and this CPU's best.
@@ -1238,20 +1239,23 @@ fn format_layer_table(rows: &[LayerRow]) -> String {
     s
 }
 
-/// Where a compressing layer's step closes a compressor window (a token at position `p` with
-/// `(p + 1) % ratio == 0`), a note that its rounds are not one repeated step: the closing token
-/// pools the window's state rows, which the next window's first token overwrites, so every
-/// round after the first starts from another state (the work is the same size).
+/// Where a compressing layer's step changes the state its next round reads, a note that its
+/// rounds are not one repeated step (the work is the same size). A token at position `p`
+/// with `(p + 1) % ratio == 0` closes a window and pools rows of the compressor's ring; the
+/// step's next token, if the step has one, then overwrites a slot that pooling read: the
+/// window's first row in HCA's ring of `ratio` slots, the previous window's first row in
+/// CSA's overlapping ring of `2 · ratio` (read only once a previous window exists, `p + 1 ≥
+/// 2 · ratio`). A window closing on the step's last token changes nothing the next round reads.
 fn closing_note(layer: LayerArg, case: &CaseArgs) -> Result<Option<String>> {
     let c = Dsv4Config::preset(&case.preset)?;
-    let ratio = match layer {
-        LayerArg::Csa => c.csa_ratio,
-        LayerArg::Hca => c.hca_ratio,
+    let (ratio, first) = match layer {
+        LayerArg::Csa => (c.csa_ratio, 2 * c.csa_ratio),
+        LayerArg::Hca => (c.hca_ratio, c.hca_ratio),
         LayerArg::Swa | LayerArg::Moe => return Ok(None),
     };
     let closing: Vec<usize> = starts_of(case, &c)?
         .into_iter()
-        .filter(|&s| (s..s + TOKENS_PER_SEQ).any(|p| (p + 1) % ratio == 0))
+        .filter(|&s| (s..s + TOKENS_PER_SEQ - 1).any(|p| (p + 1) % ratio == 0 && p + 1 >= first))
         .collect();
     Ok((!closing.is_empty()).then(|| {
         format!(

@@ -305,7 +305,9 @@ fn bench_dsv4_replays_its_steps_and_compares_them_with_orchestrated_ones() {
         "csa --replay off",
         &[
             "graph: --replay off -> 2 orchestrated (orch ",
-            "note: a ratio-4 compressor window closes inside the step at start(s) [3, 127]",
+            // Start 3 closes the first window, whose pooling no later token of the step
+            // disturbs: only 127's is named.
+            "note: a ratio-4 compressor window closes inside the step at start(s) [127]",
         ],
     );
     // At a start that closes no window, no note.

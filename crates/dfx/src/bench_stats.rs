@@ -62,10 +62,11 @@ impl Summary {
         let sorted = stats::sorted(samples);
         let mean = stats::mean(samples);
         let std_dev = stats::std_dev(samples);
+        // One sample: no interval (NaN bounds), rather than a zero-width one.
         let half = if n > 1 {
             stats::t_975(n - 1) * std_dev / (n as f64).sqrt()
         } else {
-            0.0
+            f64::NAN
         };
         Summary {
             n,
@@ -288,9 +289,18 @@ pub fn format_diagnostics(d: &Diagnostics) -> String {
 /// One line: `effective_us: n=20 min=.. median=.. mean=.. max=.. trimmed_mean=.. ci95=[.., ..]
 /// (t-interval of the mean)`, plus the warm-up count when given.
 pub fn format_summary(metric: &str, s: &Summary, warmup: usize) -> String {
+    // One sample has no spread to give an interval from (its t-interval would be [x, x]).
+    let interval = if s.n < 2 {
+        "ci95=none (one sample gives no interval)".to_string()
+    } else {
+        format!(
+            "ci95=[{:.2}, {:.2}] ({SUMMARY_INTERVAL})",
+            s.ci95.0, s.ci95.1
+        )
+    };
     format!(
-        "{metric}: n={} (warm-up {warmup} discarded) min={:.2} median={:.2} mean={:.2} max={:.2} trimmed_mean={:.2} ci95=[{:.2}, {:.2}] ({SUMMARY_INTERVAL})",
-        s.n, s.min, s.median, s.mean, s.max, s.trimmed_mean, s.ci95.0, s.ci95.1
+        "{metric}: n={} (warm-up {warmup} discarded) min={:.2} median={:.2} mean={:.2} max={:.2} trimmed_mean={:.2} {interval}",
+        s.n, s.min, s.median, s.mean, s.max, s.trimmed_mean
     )
 }
 
@@ -397,7 +407,11 @@ mod tests {
         assert_eq!(t.trimmed_mean, 5.5);
         assert_eq!(t.median, 5.5);
         assert_eq!(t.mean, 14.5);
-        assert_eq!(Summary::of(&[4.0]).ci95, (4.0, 4.0));
+        let one = Summary::of(&[4.0]).ci95;
+        assert!(
+            one.0.is_nan() && one.1.is_nan(),
+            "one sample gives no interval"
+        );
         assert!(Summary::of(&[]).median.is_nan());
     }
 
@@ -492,6 +506,14 @@ mod tests {
         assert_eq!((c.warmup, c.a.n), (2, 3));
         assert!(format_compare("x", "a", "b", &c).contains("warm-up 2 discarded"));
         assert!(format_compare("x", "a", "b", &c).contains("95% interval ["));
+        // One sample: a summary without an interval.
+        let one = Summary::of(&[4.0]);
+        assert!(one.ci95.0.is_nan() && one.ci95.1.is_nan());
+        let line = format_summary("x", &one, 0);
+        assert!(
+            line.contains("ci95=none") && !line.contains("ci95=["),
+            "{line}"
+        );
         // One or two pairs give a ratio and no interval (one pair's would be [r, r]).
         for n in [1, 2] {
             let c = compare_seeded(&vec![10.0; n], &vec![13.0; n], 100, 1);

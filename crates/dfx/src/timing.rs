@@ -309,7 +309,11 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             ("mean", |s| us(s.mean)),
             ("trimmed mean (10%)", |s| us(s.trimmed_mean)),
             ("95% CI of the mean", |s| {
-                format!("[{}, {}]", us(s.ci95.0), us(s.ci95.1))
+                if s.n < 2 {
+                    "none (one round)".to_string()
+                } else {
+                    format!("[{}, {}]", us(s.ci95.0), us(s.ci95.1))
+                }
             }),
         ];
         for (name, f) in lines {

@@ -49,9 +49,9 @@ pub struct AppState {
     /// The model's name in requests and `/v1/models` (not empty: [`check_model_name`]).
     pub model: String,
     /// Longest sequence (prompt and completion) the engine holds: `max_seq_len`, or less
-    /// where the KV blocks hold less (`simpler serve` takes the smaller). A `max_tokens` the
-    /// prompt leaves no room for within it is refused; set it larger than the engine holds
-    /// and such a limit is cut by the engine instead.
+    /// where the KV blocks hold less (`simpler serve` takes the smaller). Reported as
+    /// `max_model_len` in `/v1/models`; the engine refuses a prompt that leaves no room within
+    /// it and caps a completion limit to what fits.
     pub max_model_len: usize,
     /// When the server started (Unix seconds).
     pub created: u64,
@@ -280,18 +280,12 @@ async fn model(
 /// the Prometheus text format 0.0.4 to everything else (as vLLM's `prometheus_client` serves
 /// it by default).
 async fn metrics(State(s): State<Arc<AppState>>, headers: header::HeaderMap) -> Response {
-    let openmetrics = headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|v| {
-            let mut parts = v.split(';').map(str::trim);
-            let kind = parts.next().unwrap_or("");
-            // A `q=0` says the client will not take it.
-            kind.eq_ignore_ascii_case("application/openmetrics-text")
-                && !parts.any(|p| p.replace(' ', "") == "q=0" || p.replace(' ', "") == "q=0.0")
-        });
+    let openmetrics = prefers_openmetrics(
+        headers
+            .get_all(header::ACCEPT)
+            .iter()
+            .filter_map(|v| v.to_str().ok()),
+    );
     let m = s.handle.metrics();
     let (kind, body) = if openmetrics {
         (
@@ -305,6 +299,29 @@ async fn metrics(State(s): State<Arc<AppState>>, headers: header::HeaderMap) -> 
         )
     };
     ([(header::CONTENT_TYPE, kind)], body).into_response()
+}
+
+/// Whether `Accept` values ask for OpenMetrics over the Prometheus text format: an
+/// `application/openmetrics-text` range with a weight above 0 and at least that of any range
+/// `text/plain` matches (`text/plain`, `text/*`, `*/*`). Weights are `q=` parameters (the name
+/// in any case, the value a decimal; absent: 1), per RFC 9110.
+fn prefers_openmetrics<'a>(accept: impl Iterator<Item = &'a str>) -> bool {
+    let (mut om, mut plain) = (0.0f32, 0.0f32);
+    for range in accept.flat_map(|v| v.split(',')) {
+        let mut parts = range.split(';').map(str::trim);
+        let kind = parts.next().unwrap_or("").to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.split_once('='))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+            .map_or(Some(1.0), |(_, v)| v.trim().parse::<f32>().ok())
+            .unwrap_or(0.0);
+        match kind.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" | "text/*" | "*/*" => plain = plain.max(q),
+            _ => {}
+        }
+    }
+    om > 0.0 && om >= plain
 }
 
 async fn method_not_allowed() -> ApiError {
@@ -739,4 +756,30 @@ fn stream_response(
     Sse::new(events.boxed())
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn openmetrics_is_sent_where_accept_weighs_it_at_least_as_text() {
+        let om = |v: &[&str]| super::prefers_openmetrics(v.iter().copied());
+        assert!(!om(&[]));
+        assert!(!om(&["text/plain;version=0.0.4"]));
+        assert!(om(&[
+            "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
+        ]));
+        // What Prometheus sends.
+        assert!(om(&[
+            "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+        ]));
+        for refused in ["q=0", "q=0.000", "Q=0", "q = 0"] {
+            assert!(
+                !om(&[&format!("application/openmetrics-text;{refused}")]),
+                "{refused}"
+            );
+        }
+        assert!(!om(&["text/plain;q=1, application/openmetrics-text;q=0.1"]));
+        assert!(!om(&["application/openmetrics-text;q=nonsense"]));
+        assert!(om(&["*/*;q=0.1", "APPLICATION/OpenMetrics-Text"]));
+    }
 }

@@ -188,7 +188,7 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition (`text/plain; version=0.0.4`): what a scraper that does
-    /// not ask for OpenMetrics reads. See [`openmetrics_to_prometheus_text`].
+    /// not ask for OpenMetrics reads (rewritten from the OpenMetrics one).
     pub fn render_prometheus_text(&self) -> String {
         openmetrics_to_prometheus_text(&self.render())
     }
@@ -255,8 +255,11 @@ impl Metrics {
 /// exposes, in a counter family's name (OpenMetrics names the family `x` and its sample
 /// `x_total`; 0.0.4 names both `x_total`, so its `# HELP`/`# TYPE` lines must say `x_total` to
 /// describe the sample) and in the `# UNIT` and `# EOF` lines, which 0.0.4 does not have.
-/// Samples, labels, values and the other types read the same in both.
-pub fn openmetrics_to_prometheus_text(openmetrics: &str) -> String {
+/// Samples, labels, values, gauges and histograms read the same in both. Not a general
+/// converter: exemplars, timestamps (seconds there, milliseconds here), `info`/`unknown`
+/// types and `_created` samples would need more, and a test holds the exposition to what
+/// this handles.
+pub(crate) fn openmetrics_to_prometheus_text(openmetrics: &str) -> String {
     let counters: std::collections::HashSet<&str> = openmetrics
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
@@ -365,6 +368,17 @@ mod tests {
                 .collect()
         };
         assert_eq!(samples(&om), samples(&text));
+        // What the rewrite handles is all the exposition has: these types, no exemplars,
+        // timestamps or `_created` samples.
+        for l in om.lines() {
+            if let Some(t) = l.strip_prefix("# TYPE ") {
+                let kind = t.rsplit(' ').next().unwrap();
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{l}");
+            } else if !l.starts_with('#') {
+                assert!(!l.contains(" # ") && !l.contains("_created"), "{l}");
+                assert_eq!(l.split(' ').count(), 2, "a timestamp or exemplar: {l}");
+            }
+        }
         assert_eq!(
             openmetrics_to_prometheus_text(
                 "# TYPE a counter\n# UNIT a seconds\na_total 1\n# EOF\n"

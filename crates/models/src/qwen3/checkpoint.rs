@@ -56,7 +56,7 @@ pub enum CheckpointError {
         why: String,
     },
     /// The file is shorter (or longer) than its header says.
-    #[error("{}: truncated: {why}", file.display())]
+    #[error("{}: its size does not match its header (truncated or extended): {why}", file.display())]
     Truncated {
         /// The file.
         file: PathBuf,
