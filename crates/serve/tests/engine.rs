@@ -3,14 +3,16 @@
 //! token, preemption by recompute changes no token, and bad requests are refused before
 //! anything runs, leaving the engine usable.
 
+mod common;
+
 use std::sync::Arc;
 
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
     KvBuffers, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel, Session, WeightFormat,
-    generate_weights, ops,
+    generate_weights,
 };
 use simpler_serve::{Engine, EngineConfig, FinishReason, Request, SamplingParams};
 
@@ -19,16 +21,7 @@ const MAX_SEQ: usize = 1024;
 
 /// A 2-core worker with the Qwen3 kernels and the tiny model's weights (seed 21).
 fn worker_and_weights() -> (Worker, Qwen3Weights) {
-    let worker = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
-    ops::register(&worker).unwrap();
+    let worker = common::qwen3_worker();
     let mut c = Qwen3Config::preset("tiny").unwrap();
     // An untied head, so greedy decoding does not just repeat the input token.
     c.tie_word_embeddings = false;

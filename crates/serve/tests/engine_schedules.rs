@@ -11,18 +11,20 @@
 //! `PROPTEST_CASES=300 PROPTEST_RNG_SEED=7 cargo test --release -p simpler-serve --test
 //! engine_schedules -- --nocapture` explores further (about 80 s on two cores).
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use half::bf16;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
-use simpler_core::{CallConfig, Worker, WorkerConfig};
+use simpler_core::{CallConfig, Worker};
 use simpler_models::qwen3::golden::PrefillChunk;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
     KvBuffers, PagedBatch, Qwen3Config, Qwen3Weights, ResidentModel, Session, WeightFormat,
-    generate_weights, ops,
+    generate_weights,
 };
 use simpler_serve::{Engine, EngineConfig, FinishReason, Request, RequestId, SamplingParams};
 
@@ -67,17 +69,7 @@ fn weights() -> &'static Qwen3Weights {
 
 /// A 2-core worker with the Qwen3 kernels.
 fn worker() -> Worker {
-    let worker = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
-    ops::register(&worker).unwrap();
-    worker
+    common::qwen3_worker()
 }
 
 fn engine(cfg: EngineConfig, eos: Vec<u32>) -> Engine {

@@ -6,13 +6,14 @@
 //! new ones get 503, and a body over the limit (413) or a full queue (503 `overloaded`) is
 //! refused while the server goes on.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights, ops};
+use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights};
 use simpler_serve::http::{AppState, MAX_BODY_BYTES, serve};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
@@ -24,16 +25,7 @@ use tokio::sync::oneshot;
 const MODEL: &str = "qwen3-tiny";
 
 fn engine(cfg: EngineConfig) -> Engine {
-    let worker = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
-    ops::register(&worker).unwrap();
+    let worker = common::qwen3_worker();
     let c = Qwen3Config::preset(MODEL).unwrap();
     let w = generate_weights(&c, 7, false, None);
     Engine::new(worker, &w, c.eos_token_ids.clone(), cfg).unwrap()

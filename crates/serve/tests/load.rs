@@ -3,21 +3,15 @@
 //! a loaded engine that turns text into text, and a model directory that answers as the
 //! preset it was written from.
 
-use simpler_core::{Worker, WorkerConfig};
+mod common;
+
+use simpler_core::Worker;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{Int8Acts, Qwen3Config, WeightFormat};
 use simpler_serve::{EngineError, GenerateConfig, ModelSource, RuntimeConfig, TextEngine};
 
 fn worker() -> Worker {
-    Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap()
+    common::bare_worker()
 }
 
 fn config_error(r: Result<simpler_serve::Sizing, EngineError>) -> String {

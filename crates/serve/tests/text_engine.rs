@@ -2,8 +2,9 @@
 //! decoded, the ids are the engine's for the encoded prompt, stop strings cut text and ids,
 //! and a batch larger than the engine allows is refused.
 
-use simpler_core::{Worker, WorkerConfig};
-use simpler_models::qwen3::{Qwen3Config, Rope, WeightFormat, generate_weights, ops};
+mod common;
+
+use simpler_models::qwen3::{Qwen3Config, Rope, WeightFormat, generate_weights};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Request, SamplingParams, TextEngine, TextFinish,
     Tokenizer,
@@ -11,16 +12,7 @@ use simpler_serve::{
 
 /// A one-layer, narrow model with the real vocabulary (untied head, so outputs vary).
 fn engine() -> Engine {
-    let worker = Worker::new(
-        simpler_cpu::CpuPlatform::new(),
-        WorkerConfig {
-            cores: Some(2),
-            timeouts: None,
-            idle_spin: None,
-        },
-    )
-    .unwrap();
-    ops::register(&worker).unwrap();
+    let worker = common::qwen3_worker();
     let mut c = Qwen3Config::preset("qwen3-0.6b").unwrap();
     c.hidden_size = 64;
     c.num_attention_heads = 4;
