@@ -206,9 +206,6 @@ fn ep_cmd(
     if case.real_tokens.is_some() {
         bail!("--real-tokens: padding rows apply to swa, csa and hca, not moe");
     }
-    if case.membw_seconds.is_some() {
-        bail!("--membw-seconds: the expert-parallel step prints no bandwidth ratios");
-    }
     if case.warm_cache {
         bail!(
             "--warm-cache: the expert-parallel ranks run their steps back to back (they do not flush the cache); the flag applies without --ep"
@@ -230,6 +227,7 @@ fn ep_cmd(
         check,
         rounds,
         warmup,
+        membw_seconds: case.membw_seconds().min(1.0),
         run: run.clone(),
     };
     crate::dsv4_ep::check_cmd(&cmd)?;
@@ -387,7 +385,7 @@ pub(crate) trait LayerStep {
 /// run on AVX-512 VNNI), for an attention step `attn` the bf16 projections' GEMM path and
 /// layout (for its `Wq_a`, `[q_lora, hidden]`) and the sparse attention's engine, the vector
 /// kernels' path (hc, norms, RoPE, pooling), and this CPU's best.
-fn format_paths(rows: usize, attn: Option<(&Dsv4Config, usize)>) -> String {
+pub(crate) fn format_paths(rows: usize, attn: Option<(&Dsv4Config, usize)>) -> String {
     use simpler_kernels_cpu::gemm_i8::AMX_MIN_BATCH;
     let isa = Isa::current();
     let capped = match std::env::var("SIMPLER_ISA") {

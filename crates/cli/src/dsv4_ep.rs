@@ -72,6 +72,8 @@ pub(crate) struct EpCmd {
     pub(crate) check: bool,
     pub(crate) rounds: usize,
     pub(crate) warmup: usize,
+    /// Seconds rank 0 measures the host's bandwidth for, after the steps.
+    pub(crate) membw_seconds: f64,
     pub(crate) run: RunOpts,
 }
 
@@ -201,6 +203,9 @@ struct RankRun {
     valid: Vec<bool>,
     /// The last step's output on this rank's tokens.
     out: MoeOutput,
+    /// Bytes one step of this rank moves (`moe_step_cost` of its tokens and its experts'
+    /// rows: the gate, the shared expert, the local experts that got rows, the activations).
+    bytes: f64,
 }
 
 /// The rank's part of one command: its worker, experts and steps.
@@ -237,6 +242,9 @@ fn rank_steps<C: Collectives<Buf = [u8]> + ?Sized>(
     let mut valid = Vec::new();
     let mut first: Option<MoeOutput> = None;
     let mut last = None;
+    // Rows each of the `n_routed_experts` got on this rank (the step is deterministic: the
+    // last step's).
+    let mut rows_per_expert = vec![0usize; cfg.n_routed_experts];
     for _ in 0..cmd.warmup + cmd.rounds {
         let start_ns = simpler_core::clock::now_ns();
         let mut phases = [0u64; 5];
@@ -252,6 +260,11 @@ fn rank_steps<C: Collectives<Buf = [u8]> + ?Sized>(
         let mut recv = vec![0u8; recv_counts.iter().sum()];
         comm.all_to_all_v(&sent.bytes, &sent.counts, &mut recv, &recv_counts)?;
         let rx = unpack_dispatch(&placement, me, d, &recv, &recv_counts)?;
+        rows_per_expert.fill(0);
+        for (g, e) in placement.local(me).enumerate() {
+            let (a, b) = (rx.rows.offsets[g], rx.rows.offsets[g + 1]);
+            rows_per_expert[e] = (b - a) as usize;
+        }
         tick(1);
         let experts = layer.expert_step(&worker, &front, &rx.rows, call)?;
         tick(2);
@@ -277,7 +290,14 @@ fn rank_steps<C: Collectives<Buf = [u8]> + ?Sized>(
         last = Some(out);
     }
     let out = last.ok_or_else(|| anyhow!("--rounds must be at least 1"))?;
-    Ok(RankRun { steps, valid, out })
+    let bytes =
+        simpler_models::dsv4::moe_cost::moe_step_cost(&cfg, mine.len(), &rows_per_expert).bytes();
+    Ok(RankRun {
+        steps,
+        valid,
+        out,
+        bytes,
+    })
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -322,8 +342,8 @@ fn write_trace(path: &Path, cmd: &EpCmd, n: usize, steps: &[StepTimes]) -> Resul
     Ok(())
 }
 
-/// A rank's message to rank 0: per step the five phase times and validity, then (with
-/// `--check`) its outputs.
+/// A rank's message to rank 0: per step the five phase times and validity, the bytes a step
+/// of the rank moves, then (with `--check`) its outputs.
 fn encode_rank(run: &RankRun, check: bool) -> Vec<u8> {
     let mut out = Vec::new();
     let word = |out: &mut Vec<u8>, v: u64| out.extend_from_slice(&v.to_le_bytes());
@@ -334,6 +354,7 @@ fn encode_rank(run: &RankRun, check: bool) -> Vec<u8> {
         }
         word(&mut out, u64::from(ok));
     }
+    word(&mut out, run.bytes.to_bits());
     if check {
         let o = &run.out;
         for v in [
@@ -355,6 +376,8 @@ type StepRecord = ([u64; 5], bool);
 struct RankResult {
     /// Per step: phase times and validity.
     steps: Vec<StepRecord>,
+    /// Bytes one step of the rank moves.
+    bytes: f64,
     /// `[x_out, x_mixed, post, comb, y, shared, routed, weights]` and the experts.
     outputs: Option<(Vec<Vec<f32>>, Vec<u32>)>,
 }
@@ -380,9 +403,11 @@ fn decode_rank(b: &[u8], check: bool) -> Result<RankResult> {
         }
         steps.push((p, word()? == 1));
     }
+    let bytes = f64::from_bits(word()?);
     if !check {
         return Ok(RankResult {
             steps,
+            bytes,
             outputs: None,
         });
     }
@@ -417,6 +442,7 @@ fn decode_rank(b: &[u8], check: bool) -> Result<RankResult> {
         .collect();
     Ok(RankResult {
         steps,
+        bytes,
         outputs: Some((vecs, experts)),
     })
 }
@@ -471,6 +497,47 @@ fn rank_main<C: Collectives<Buf = [u8]> + ?Sized>(
         .map(|b| decode_rank(b, cmd.check))
         .collect::<Result<Vec<_>>>()?;
     report(cmd, &results)
+}
+
+/// The step's bytes (every rank's) against this host's streaming read, measured by rank 0
+/// after the steps (the ranks share the host's memory, so the whole step's bytes over its
+/// time is what the memory served), and the kernel paths.
+fn bandwidth_lines(cmd: &EpCmd, results: &[RankResult], eff: &Summary, tokens: usize) -> String {
+    let bytes: f64 = results.iter().map(|r| r.bytes).sum();
+    let m = crate::qwen3_decode::machine_peaks(cmd.membw_seconds);
+    let mut s = format!(
+        "{}\n{}\n",
+        crate::qwen3_decode::format_peaks(&m),
+        crate::dsv4_cmd::format_paths(tokens, None)
+    );
+    for (what, t_us, gbs, pass) in [
+        (
+            "median step",
+            eff.median,
+            m.read_gbs_all,
+            "best pass (best case)",
+        ),
+        (
+            "quietest step",
+            eff.min,
+            m.read_gbs_all,
+            "best pass (best case)",
+        ),
+        (
+            "median step at membw's median pass",
+            eff.median,
+            m.read_gbs_all_median,
+            "median pass",
+        ),
+    ] {
+        let got = bytes / (t_us * 1e-6) / 1e9;
+        s += &format!(
+            "  {what}: {t_us:.1} us; bytes/step {:.2} MB over the ranks -> {got:.2} GB/s = {:.1}% of membw's {pass} ({gbs:.1} GB/s)\n",
+            bytes / 1e6,
+            100.0 * got / gbs
+        );
+    }
+    s
 }
 
 fn us(ns: u64) -> f64 {
@@ -554,6 +621,12 @@ fn report(cmd: &EpCmd, results: &[RankResult]) -> Result<Option<(String, bool)>>
         Summary::of(&m.fast_effective).median,
         m.valid_rounds,
         m.rounds
+    );
+    s += &bandwidth_lines(
+        cmd,
+        results,
+        &Summary::of(&m.effective),
+        starts_of(cmd, &cfg)?.len() * TOKENS_PER_SEQ,
     );
     let split: Vec<String> = PHASES
         .iter()
