@@ -399,6 +399,12 @@ mod tests {
     fn full_order(logits: &[f32], max: f32, temperature: f32) -> (Vec<(u32, f64)>, f64) {
         let mut weights = vec![0.0f32; logits.len()];
         let total = sampling_weights(logits, max, temperature, &mut weights);
+        (ordered(&weights), total)
+    }
+
+    /// The non-zero weights as `(id, weight)`, heaviest first, ties by id: the order a draw
+    /// walks.
+    fn ordered(weights: &[f32]) -> Vec<(u32, f64)> {
         let mut cand: Vec<(u32, f64)> = weights
             .iter()
             .enumerate()
@@ -406,7 +412,7 @@ mod tests {
             .map(|(i, &w)| (i as u32, f64::from(w)))
             .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        (cand, total)
+        cand
     }
 
     fn sample_fully_sorted(s: &mut Sampler, logits: &[f32]) -> Option<u32> {
@@ -689,13 +695,7 @@ mod tests {
                     }
                 })
                 .collect();
-            let mut want: Vec<(u32, f64)> = weights
-                .iter()
-                .enumerate()
-                .filter(|&(_, &w)| w > 0.0)
-                .map(|(i, &w)| (i as u32, f64::from(w)))
-                .collect();
-            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let want = ordered(&weights);
             let heavy = want.iter().filter(|c| c.1 >= f64::from(HEAVY)).count();
             let mut reaches = vec![0, 1, 255, 256, 257, 1000, want.len() - 1];
             reaches.extend([heavy.saturating_sub(1), heavy, heavy + 1]);

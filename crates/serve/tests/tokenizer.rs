@@ -197,6 +197,9 @@ fn the_chat_template_is_found_where_transformers_keeps_it() {
         e.contains("chat_template") && e.contains("tool_use, rag") && e.contains("`default`"),
         "{e}"
     );
+    // After the refusal the tokenizer serves as before, and refuses the same way again.
+    assert_eq!(t.decode(&t.encode("hi").unwrap(), false).unwrap(), "hi");
+    assert_eq!(render(&t).unwrap_err().to_string(), e);
     for bad in [
         serde_json::json!([{"name": "tool_use", "template": b}, {"name": "x"}]),
         serde_json::json!([{"name": "default", "template": 5}]),
