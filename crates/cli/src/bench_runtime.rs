@@ -102,19 +102,15 @@ pub(crate) fn main(args: BenchRuntimeArgs) -> Result<()> {
     // The fan-out submits its writer and every reader before running (serial mode), into the
     // serial runs' rings of 2^20 task slots and dependency entries: checked before anything
     // runs.
-    for (flag, tasks) in [
-        ("--tasks", args.tasks),
-        ("--hops", args.hops),
-        ("--readers", args.readers.saturating_add(1)),
+    // (flag, its value, the tasks a serial run of it submits: the fan-out adds its writer)
+    for (flag, value, tasks) in [
+        ("--tasks", args.tasks, args.tasks),
+        ("--hops", args.hops, args.hops),
+        ("--readers", args.readers, args.readers.saturating_add(1)),
     ] {
         if tasks >= SERIAL_RING {
             bail!(
-                "{flag} {}: the serial runs submit every task before running, into rings of 2^20 tasks and dependency entries; give fewer",
-                if flag == "--readers" {
-                    tasks - 1
-                } else {
-                    tasks
-                }
+                "{flag} {value}: the serial runs submit every task before running, into rings of 2^20 tasks and dependency entries; give fewer"
             );
         }
     }

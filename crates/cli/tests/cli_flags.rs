@@ -67,6 +67,12 @@ fn runtime_flags_are_checked_before_loading_and_named_as_flags() {
     ]);
     let err = text(&out.stderr);
     assert!(err.contains("--ring-heap = 1000"), "{err}");
+    let out = simpler(&["run", "demo", "--cores", "0"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("0 cores: give 1 to 1024"),
+        "{err}"
+    );
     // A swimlane capacity with nowhere to write a swimlane would size nothing.
     let out = simpler(&["run", "demo", "--swimlane-capacity", "64"]);
     let err = text(&out.stderr);

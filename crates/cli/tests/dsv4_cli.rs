@@ -405,30 +405,17 @@ fn bad_layers_and_starts_are_refused_by_name() {
     let out = simpler(&["run", "dsv4", "--layer", "mla"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("mla"));
-    // The moe layer reads no position: a start alone for it changes nothing, refused; beside
-    // a layer that reads positions it is that layer's.
-    for args in [
-        &["run", "dsv4", "--layer", "moe", "--start-pos", "8192"][..],
-        &["bench", "dsv4", "--kernel", "moe", "--start-pos", "8192"],
-        &[
-            "bench",
-            "dsv4",
-            "--kernel",
-            "moe",
-            "--ep",
-            "2",
-            "--start-pos",
-            "8192",
-        ],
-    ] {
-        let out = simpler(args);
-        let se = text(&out.stderr);
-        assert!(
-            !out.status.success()
-                && se.contains("--start-pos 8192: the moe layer reads no position"),
-            "{args:?}: {se}"
-        );
-    }
+    // Beside a layer that reads positions, a start is that layer's (alone, the moe layer
+    // refuses it: `dsv4_ep_flags_that_do_not_apply_are_refused_by_name`).
+    let out = simpler(&bench_tiny(
+        "swa,moe",
+        &["--start-pos", "8192", "--rounds", "1", "--warmup", "0"],
+    ));
+    succeeded_with(
+        &out,
+        "swa,moe --start-pos 8192",
+        &["starts [8192, 8192, 8192, 8192]"],
+    );
 }
 
 #[test]
@@ -660,9 +647,27 @@ fn dsv4_ep_flags_that_do_not_apply_are_refused_by_name() {
             ][..],
             "--experts-per-rank 8: must be 16 or 32",
         ),
+        // The moe layer reads no position: a start for it alone changes nothing.
         (
-            &["run", "demo", "--cores", "0"][..],
-            "0 cores: give 1 to 1024",
+            &["run", "dsv4", "--layer", "moe", "--start-pos", "8192"][..],
+            "--start-pos 8192: the moe layer reads no position",
+        ),
+        (
+            &["bench", "dsv4", "--kernel", "moe", "--start-pos", "8192"][..],
+            "--start-pos 8192: the moe layer reads no position",
+        ),
+        (
+            &[
+                "bench",
+                "dsv4",
+                "--kernel",
+                "moe",
+                "--ep",
+                "2",
+                "--start-pos",
+                "8192",
+            ][..],
+            "--start-pos 8192: the moe layer reads no position",
         ),
         (
             &[
