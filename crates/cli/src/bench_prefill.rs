@@ -313,7 +313,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             "--max-kv-chunk: prefill attention is not split by KV chunks; it applies to decode (`run` and `bench qwen3-decode`)"
         );
     }
-    let mut cfg = args.run.call_config("prefill")?;
+    let mut cfg = args.run.recording_call_config("prefill")?;
     let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;
     let layers = c.num_hidden_layers;
@@ -401,14 +401,20 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             last = Some(report);
         }
         let mut recorded: Vec<(f64, RunReport)> = Vec::with_capacity(args.outside_steps);
+        // Recorded steps whose swimlane dropped records: they give no share.
+        let mut left_out: Vec<RunReport> = Vec::new();
         for _ in 0..args.outside_steps {
             let (_, report) = prefill_step(&mut session, &worker, &batch, &tokens, &sw_cfg)?;
-            if let Some(o) = report.outside_kernels() {
-                recorded.push((o.raw, report));
+            match report.outside_kernels() {
+                Some(o) => recorded.push((o.raw, report)),
+                None => left_out.push(report),
             }
         }
         recorded.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let outside_report = recorded.get(recorded.len() / 2).map(|r| &r.1);
+        let outside_report = recorded
+            .get(recorded.len() / 2)
+            .map(|r| &r.1)
+            .or(left_out.last());
         // With `--output-dir`, the recorded step's swimlane (and whatever else was asked for)
         // is written there, for `simpler trace swimlane` / `idle` / `critical-path`; with
         // several prompt lengths each in its own folder.
@@ -518,13 +524,18 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             bound * 1e3,
             100.0 * bound / t
         );
-        println!(
-            "  outside kernels {:.1}% of the cores' time during effective (median of {} steps at swimlane level 1 after the measured rounds, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective))",
-            100.0 * outside,
-            recorded.len(),
-            100.0 * out_lo,
-            100.0 * out_hi
-        );
+        if !recorded.is_empty() {
+            println!(
+                "  outside kernels {:.1}% of the cores' time during effective (median of {} steps at swimlane level 1 after the measured rounds, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective))",
+                100.0 * outside,
+                recorded.len(),
+                100.0 * out_lo,
+                100.0 * out_hi
+            );
+        }
+        if let Some(line) = crate::bench_qwen3::left_out_line(&left_out, args.outside_steps) {
+            println!("  {line}");
+        }
         rows.push(Row {
             prompt: len,
             step_ms: s.median,

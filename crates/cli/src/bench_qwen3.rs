@@ -147,6 +147,27 @@ pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
     }
 }
 
+/// Says which of `total` recorded steps gave no outside-kernel share because their swimlane
+/// dropped records (the dropped tasks' time would have counted as outside kernels); `None`
+/// when none did.
+pub(crate) fn left_out_line(left_out: &[RunReport], total: usize) -> Option<String> {
+    let last = left_out.last()?.swimlane.as_ref()?;
+    let which = if left_out.len() == total {
+        format!("outside kernels not measured: the swimlanes of all {total} recorded steps")
+    } else {
+        format!(
+            "outside kernels: {} of the {total} recorded steps left out, their swimlanes",
+            left_out.len()
+        )
+    };
+    Some(format!(
+        "{which} dropped records (the last kept {}, dropped {}); {}",
+        last.tasks.len(),
+        last.dropped,
+        simpler_dfx::diag::DROPPED_RECORDS_HINT
+    ))
+}
+
 /// Median, least and greatest of `v` (NaN when empty).
 fn median_range(v: &[f64]) -> (f64, f64, f64) {
     let mut v = v.to_vec();
@@ -326,7 +347,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
-    let cfg = args.run.call_config("decode")?;
+    let cfg = args.run.recording_call_config("decode")?;
     let c = args.model.config(args.layers)?;
     // The model's heads pick its decode attention kernel (`attention::kernel_for`).
     let here = crate::qwen3_decode::attention_kernel(&c);
@@ -425,6 +446,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         }
         let sw_cfg = swimlane_config(&cfg);
         let mut recorded: Vec<(OutsideShare, RunReport)> = Vec::new();
+        // Recorded steps whose swimlane dropped records: they give no share.
+        let mut left_out: Vec<RunReport> = Vec::new();
         // The same steps' share over the whole host call (bind, validate and the session's
         // own work included): the kernels' busy time is `(1 - raw) · cores · effective`.
         let mut whole_step: Vec<f64> = Vec::new();
@@ -436,6 +459,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
                 let eff_ns = sw.report.effective().dur_ns() as f64;
                 whole_step.push(1.0 - (1.0 - o.raw) * eff_ns / e2e_ns.max(1.0));
                 recorded.push((o, sw.report));
+            } else {
+                left_out.push(sw.report);
             }
         }
         recorded.sort_by(|a, b| a.0.raw.total_cmp(&b.0.raw));
@@ -443,10 +468,11 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         let shares: Vec<OutsideShare> = recorded.iter().map(|r| r.0).collect();
         let median_step = recorded.get(recorded.len() / 2).map(|r| &r.1);
         // The recorded step the per-phase table below comes from, with whatever else was asked
-        // for; with several shapes each in its own folder.
+        // for; with several shapes each in its own folder. Where every recorded step dropped
+        // records, one of them is written (marked incomplete) for the trace tools.
         let shape_cfg =
             crate::opts::case_config(&cfg, &format!("{batch}x{seq_len}"), shapes.len() > 1);
-        crate::opts::emit_case(&shape_cfg, median_step, last.as_ref())?;
+        crate::opts::emit_case(&shape_cfg, median_step.or(left_out.last()), last.as_ref())?;
         // Bandwidth drifts with host load: each shape divides by the better of the run's
         // first measurement and one taken right after its steps.
         let peaks = best_peaks(&peaks, &machine_peaks(args.membw_seconds().min(1.0)));
@@ -550,16 +576,21 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             println!("  {warning}");
         }
         let (whole, whole_lo, whole_hi) = median_range(&whole_step);
-        println!(
-            "  outside kernels {:.1}% of the cores' time during effective (median of {} steps at swimlane level 1, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective)); {:.1}% of the whole step (range {:.1}..{:.1}%: the host call end to end, bind and read-back included)",
-            100.0 * outside,
-            outsides.len(),
-            100.0 * outside_lo,
-            100.0 * outside_hi,
-            100.0 * whole,
-            100.0 * whole_lo,
-            100.0 * whole_hi
-        );
+        if !outsides.is_empty() {
+            println!(
+                "  outside kernels {:.1}% of the cores' time during effective (median of {} steps at swimlane level 1, range {:.1}..{:.1}%: 1 - kernel busy / (cores x effective)); {:.1}% of the whole step (range {:.1}..{:.1}%: the host call end to end, bind and read-back included)",
+                100.0 * outside,
+                outsides.len(),
+                100.0 * outside_lo,
+                100.0 * outside_hi,
+                100.0 * whole,
+                100.0 * whole_lo,
+                100.0 * whole_hi
+            );
+        }
+        if let Some(line) = left_out_line(&left_out, args.outside_steps()) {
+            println!("  {line}");
+        }
         if let Some(net) = net_of_preemption(&shares) {
             println!(
                 "  of the time the cores' threads held a CPU (the same steps, median [range]): {net} (net: 1 - kernel busy / (cores x effective - descheduled); descheduled: the threads runnable but waiting while the OS ran other processes, / (cores x effective))"

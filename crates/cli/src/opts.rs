@@ -104,7 +104,20 @@ impl StepSet {
 }
 
 impl RunOpts {
+    /// The run's configuration from the flags, for a command that records a swimlane only when
+    /// `--swimlane` asks for one.
     pub(crate) fn call_config(&self, label: &str) -> Result<CallConfig> {
+        self.config_for(label, false)
+    }
+
+    /// As [`RunOpts::call_config`], for a bench that records a step's swimlane on its own (at
+    /// level 1, in memory when no `--output-dir` is given) to measure its outside-kernel share:
+    /// there `--swimlane-capacity` sizes that record with or without `--swimlane`.
+    pub(crate) fn recording_call_config(&self, label: &str) -> Result<CallConfig> {
+        self.config_for(label, true)
+    }
+
+    fn config_for(&self, label: &str, records_anyway: bool) -> Result<CallConfig> {
         let d = RuntimeEnv::default();
         let cfg = CallConfig {
             runtime_env: RuntimeEnv {
@@ -134,12 +147,11 @@ impl RunOpts {
         cfg.check().map_err(|e| {
             anyhow::anyhow!("{} = {}: {}", flag_of_field(&e.field), e.value, e.reason)
         })?;
-        // No swimlane can be recorded without an output directory (a bench records its chosen
-        // step at level 1 when one is given, `--swimlane` or not): a capacity would size
-        // nothing.
-        if self.swimlane_capacity.is_some() && cfg.output_dir.is_none() {
+        // A capacity sizes the swimlane records: where none is recorded it would size nothing.
+        // (`--swimlane` without `--output-dir` is refused by `check` above.)
+        if self.swimlane_capacity.is_some() && cfg.swimlane == 0 && !records_anyway {
             bail!(
-                "--swimlane-capacity: sizes the swimlane records, and none is written without --output-dir (and --swimlane)"
+                "--swimlane-capacity: sizes the swimlane records, and this command records none without --swimlane N (and --output-dir)"
             );
         }
         if self.diag_steps != StepSet::All && (cfg.swimlane == 0 && !cfg.dep_gen && !cfg.ring_stats)

@@ -73,15 +73,61 @@ fn runtime_flags_are_checked_before_loading_and_named_as_flags() {
         !out.status.success() && err.contains("0 cores: give 1 to 1024"),
         "{err}"
     );
-    // A swimlane capacity with nowhere to write a swimlane would size nothing.
-    let out = simpler(&["run", "demo", "--swimlane-capacity", "64"]);
-    let err = text(&out.stderr);
-    assert!(
-        !out.status.success()
-            && err.contains("--swimlane-capacity")
-            && err.contains("--output-dir"),
-        "{err}"
-    );
+    // A swimlane capacity where no swimlane is recorded would size nothing, with or without
+    // somewhere to write one.
+    for more in [&[][..], &["--output-dir", "/tmp/unused"]] {
+        let mut a = vec!["run", "demo", "--swimlane-capacity", "64"];
+        a.extend(more);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains("--swimlane-capacity: sizes the swimlane records")
+                && err.contains("--swimlane N"),
+            "{err}"
+        );
+    }
+}
+
+/// The benches record steps at swimlane level 1 on their own to measure the share outside
+/// kernels: there `--swimlane-capacity` applies without `--swimlane`, and a capacity too small
+/// for a step leaves the share unmeasured, saying why, instead of counting the dropped tasks'
+/// time as time outside kernels (it printed ~99%).
+#[test]
+fn the_benches_recorded_steps_are_sized_by_the_capacity_flag() {
+    for args in [
+        &["bench", "qwen3-decode", "--shapes", "1x16", "--rounds", "1"][..],
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--prompt-lens",
+            "8",
+            "--rounds",
+            "1",
+        ],
+    ] {
+        let mut a = args.to_vec();
+        a.extend(["--preset", "tiny", "--membw-seconds", "0.2"]);
+        let whole = simpler(&a);
+        assert!(whole.status.success(), "{}", text(&whole.stderr));
+        assert!(
+            text(&whole.stdout).contains("outside kernels ")
+                && !text(&whole.stdout).contains("not measured"),
+            "{}",
+            text(&whole.stdout)
+        );
+        a.extend(["--swimlane-capacity", "4"]);
+        let out = simpler(&a);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(
+            stdout.contains("outside kernels not measured: the swimlanes of all")
+                && stdout.contains("dropped records")
+                && stdout.contains("--swimlane-capacity")
+                && !stdout.contains("outside kernels 9"),
+            "{stdout}"
+        );
+    }
 }
 
 /// The dependency map's size is a flag: it reaches the runtime (too small a map fails with the

@@ -211,9 +211,10 @@ impl RunReport {
 
     /// The cores' time outside kernels during [`RunReport::effective`], from the swimlane
     /// (level 1 at least) and, where measured, the cores' descheduled time; `None` without a
-    /// swimlane.
+    /// swimlane, or with one that dropped records: the dropped tasks' time would count as
+    /// time outside kernels.
     pub fn outside_kernels(&self) -> Option<OutsideShare> {
-        let sw = self.swimlane.as_ref()?;
+        let sw = self.swimlane.as_ref().filter(|s| s.dropped == 0)?;
         let mut busy = vec![0u64; self.cores as usize];
         for t in &sw.tasks {
             if let Some(b) = busy.get_mut(t.core as usize) {
@@ -301,5 +302,9 @@ mod tests {
         assert!((s.raw - 0.25).abs() < 1e-12);
         assert!((s.net.unwrap() - (1.0 - 1500.0 / 1700.0)).abs() < 1e-12);
         assert_eq!(RunReport::default().outside_kernels(), None);
+        // A swimlane that dropped records gives no share: the dropped tasks' time is unknown.
+        let mut incomplete = r.clone();
+        incomplete.swimlane.as_mut().unwrap().dropped = 1;
+        assert_eq!(incomplete.outside_kernels(), None);
     }
 }
