@@ -517,10 +517,12 @@ impl Loop {
                         continue;
                     }
                 };
-                if !tail.is_empty() {
-                    let _ = l.events.send(Event::Delta(tail));
+                if !tail.text.is_empty() {
+                    let _ = l.events.send(Event::Delta(tail.text));
                 }
                 let finish = match c.finish_reason {
+                    // The tail completed a stop string.
+                    _ if tail.stopped => TextFinish::Stop,
                     FinishReason::Eos => TextFinish::Eos,
                     FinishReason::Length => TextFinish::Length,
                     FinishReason::Stop => TextFinish::Stop,

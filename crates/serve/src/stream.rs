@@ -53,20 +53,8 @@ impl TextStream {
         self.ids.push(id);
         let piece = self.decoder.push(tok, id)?;
         self.pending.push_str(&piece);
-        if let Some(at) = self
-            .stop
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
-        {
-            let text = self.pending[..at].to_string();
-            self.pending.clear();
-            self.text.push_str(&text);
-            self.stopped = true;
-            return Ok(TextDelta {
-                text,
-                stopped: true,
-            });
+        if let Some(d) = self.cut_at_stop() {
+            return Ok(d);
         }
         let hold = self.held_back();
         let cut = self.pending.len() - hold;
@@ -75,6 +63,24 @@ impl TextStream {
         Ok(TextDelta {
             text,
             stopped: false,
+        })
+    }
+
+    /// Where `pending` holds a stop string: the text before the earliest one, emitted, and the
+    /// stream stopped.
+    fn cut_at_stop(&mut self) -> Option<TextDelta> {
+        let at = self
+            .stop
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()?;
+        let text = self.pending[..at].to_string();
+        self.pending.clear();
+        self.text.push_str(&text);
+        self.stopped = true;
+        Some(TextDelta {
+            text,
+            stopped: true,
         })
     }
 
@@ -97,16 +103,25 @@ impl TextStream {
         most
     }
 
-    /// Ends the stream (EOS or length): the text held back, which no stop string completed.
-    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
+    /// Ends the stream (EOS or length): the text held back. The decoder's own held-back tail
+    /// (the text of tokens ending in an unfinished character, decoded lossily now) can complete
+    /// a stop string: then the text ends before it and the delta says `stopped`, as if a
+    /// further token had completed it.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<TextDelta, TokenizerError> {
         if self.stopped {
-            return Ok(String::new());
+            return Ok(TextDelta::default());
         }
         let tail = self.decoder.finish(tok)?;
         self.pending.push_str(&tail);
+        if let Some(d) = self.cut_at_stop() {
+            return Ok(d);
+        }
         let text = std::mem::take(&mut self.pending);
         self.text.push_str(&text);
-        Ok(text)
+        Ok(TextDelta {
+            text,
+            stopped: false,
+        })
     }
 
     /// Whether a stop string ended the stream.
@@ -141,7 +156,7 @@ mod tests {
                 break;
             }
         }
-        deltas.push(s.finish(&tok).unwrap());
+        deltas.push(s.finish(&tok).unwrap().text);
         (
             s.text().to_string(),
             deltas,
@@ -205,6 +220,46 @@ mod tests {
         assert!(stopped);
         let (out, _, _, _, _) = run("xx END yy", &["yy", "END"]);
         assert_eq!(out, "xx ");
+    }
+
+    /// The decoder holds back the text of tokens that end inside a character; at the end it
+    /// decodes them lossily (U+FFFD), and that text can complete a stop string: the text then
+    /// ends before it, stopped, as when a further token completes one (it used to be emitted
+    /// whole, stop string included).
+    #[test]
+    fn a_stop_string_completed_by_the_decoders_tail_ends_the_text() {
+        let tok = Tokenizer::qwen3().unwrap();
+        // A character the tokenizer splits over several tokens: its first token alone ends
+        // inside the character.
+        let split = ["🎉", "𝔘", "🦀", "龘"]
+            .into_iter()
+            .map(|c| tok.encode(c).unwrap())
+            .find(|ids| ids.len() > 1)
+            .expect("a character split over tokens");
+        let mut ids = tok.encode("ok then").unwrap();
+        ids.push(split[0]);
+        for (stop, text, stopped) in [
+            ("\u{FFFD}", "ok then", true),
+            ("n\u{FFFD}", "ok the", true),
+            ("then!", "ok then\u{FFFD}", false),
+        ] {
+            let mut s = TextStream::new(vec![stop.to_string()]);
+            let mut shown = String::new();
+            for &id in &ids {
+                let d = s.push(&tok, id).unwrap();
+                assert!(!d.stopped);
+                shown.push_str(&d.text);
+            }
+            let end = s.finish(&tok).unwrap();
+            shown.push_str(&end.text);
+            assert_eq!((shown.as_str(), end.stopped), (text, stopped), "{stop:?}");
+            assert_eq!((s.text(), s.stopped()), (text, stopped));
+            assert_eq!(s.ids(), &ids[..]);
+            if stopped {
+                // Stopped: a further token adds nothing.
+                assert_eq!(s.push(&tok, ids[0]).unwrap(), TextDelta::default());
+            }
+        }
     }
 
     #[test]

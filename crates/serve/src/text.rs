@@ -217,9 +217,11 @@ impl TextEngine {
                     } else if let Some(c) = o.finished {
                         let tail = streams[k].finish(&self.tokenizer)?;
                         if let Some(f) = on_delta.as_mut() {
-                            f(&tail);
+                            f(&tail.text);
                         }
                         finish[k] = Some(match c.finish_reason {
+                            // The tail completed a stop string.
+                            _ if tail.stopped => TextFinish::Stop,
                             FinishReason::Eos => TextFinish::Eos,
                             FinishReason::Length => TextFinish::Length,
                             FinishReason::Stop => TextFinish::Stop,
