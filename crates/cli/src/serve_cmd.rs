@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use simpler_models::qwen3::ops;
 use simpler_models::qwen3::weights::PAGE_SIZE;
-use simpler_serve::http::{AppState, serve, unix_now};
+use simpler_serve::http::{AppState, ConnLimits, serve, unix_now};
 use simpler_serve::load::tokenizer_and_eos;
 use simpler_serve::{Engine, RuntimeConfig, Service, ServiceConfig};
 
@@ -66,12 +66,64 @@ pub(crate) struct ServeArgs {
     /// Seconds in-flight requests may run after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
+    /// Connections served at once; more wait in the listener's backlog until one closes
+    /// (within the process's open-file limit).
+    #[arg(long, default_value_t = ConnLimits::default().max_connections)]
+    max_connections: usize,
+    /// Seconds a connection may take to send a request's headers (new, or idle after a
+    /// response: then it is closed) and then its body (else 408).
+    #[arg(long, default_value_t = ConnLimits::default().read_timeout.as_secs_f64())]
+    read_timeout_secs: f64,
     /// Decoder layers to run [default: all] (a quick look at a large model; the output is then
     /// not the model's).
     #[arg(long)]
     layers: Option<usize>,
     #[command(flatten)]
     run: RunOpts,
+}
+
+/// File descriptors the server keeps beside its connections: the listener, the model's and
+/// tokenizer's files, the runtime's threads' and the standard streams, with room to spare.
+const RESERVED_FDS: u64 = 64;
+
+/// The connection limits from the flags: a timeout that is not a positive number of seconds,
+/// or more connections than the open-file limit leaves room for, is refused with the numbers.
+fn conn_limits(
+    max_connections: usize,
+    read_timeout_secs: f64,
+    open_files: Option<u64>,
+) -> Result<ConnLimits> {
+    let t = read_timeout_secs;
+    if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+        bail!("--read-timeout-secs {t}: give seconds in (0, 86400]");
+    }
+    if max_connections == 0 {
+        bail!("--max-connections 0: give at least 1");
+    }
+    if let Some(limit) = open_files
+        && (max_connections as u64).saturating_add(RESERVED_FDS) > limit
+    {
+        bail!(
+            "--max-connections {max_connections}: each connection holds a file descriptor, and this process may open {limit} ({RESERVED_FDS} kept for the server itself): give at most {}, or raise the limit (`ulimit -n`)",
+            limit.saturating_sub(RESERVED_FDS)
+        );
+    }
+    Ok(ConnLimits {
+        read_timeout: Duration::from_secs_f64(t),
+        max_connections,
+    })
+}
+
+/// The process's soft limit on open files (`Max open files` in `/proc/self/limits`), where
+/// the system says; `None` where it does not or it is unlimited.
+fn open_file_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line["Max open files".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 pub(crate) fn main(args: ServeArgs) -> Result<()> {
@@ -89,6 +141,11 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     if args.num_kv_blocks == Some(0) || args.long_prefill_threshold == Some(0) {
         bail!("--num-kv-blocks and --long-prefill-threshold must be at least 1");
     }
+    let limits = conn_limits(
+        args.max_connections,
+        args.read_timeout_secs,
+        open_file_limit(),
+    )?;
     let c = args.model.config(args.layers)?;
     let max_seq_len = args.max_seq_len.unwrap_or(c.max_position_embeddings);
     if max_seq_len < 2 {
@@ -197,6 +254,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         model: name,
         max_model_len: max_seq_len.min(num_blocks * PAGE_SIZE),
         created: unix_now(),
+        limits,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -286,5 +344,42 @@ async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_limits_are_checked_against_the_open_file_limit() {
+        let ok = conn_limits(512, 30.0, Some(1024)).unwrap();
+        assert_eq!(ok.max_connections, 512);
+        assert_eq!(ok.read_timeout, Duration::from_secs(30));
+        // Where the system says nothing, nothing to check against.
+        assert!(conn_limits(100_000, 0.5, None).is_ok());
+        let e = conn_limits(1000, 30.0, Some(1024)).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--max-connections 1000:") && e.contains("give at most 960"),
+            "{e}"
+        );
+        let e = conn_limits(usize::MAX, 30.0, Some(1024))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--max-connections"), "{e}");
+        assert!(conn_limits(0, 30.0, None).is_err());
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
+            let e = conn_limits(512, t, None).unwrap_err().to_string();
+            assert!(e.starts_with("--read-timeout-secs"), "{t}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_open_file_limit_is_read_where_linux_gives_it() {
+        if std::path::Path::new("/proc/self/limits").exists() {
+            let n = open_file_limit();
+            // Unlimited reads as none; otherwise a count.
+            assert!(n.is_none_or(|n| n > 0), "{n:?}");
+        }
     }
 }

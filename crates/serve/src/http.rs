@@ -39,6 +39,43 @@ use crate::tokenizer::Tokenizer;
 /// Most bytes a request body may have.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
+/// What one client may hold of the server: its connections and the time it may take to send a
+/// request. Without them a client that opens connections and sends nothing (or a request's
+/// first bytes only) holds a file descriptor each for ever, and a few thousand such take the
+/// server out of service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// How long a connection may take to send a request's headers, counted from when the
+    /// server waits for them (a new connection, or one idle after its last response), and
+    /// a request's body, counted from its headers. Past it an idle or partial connection is
+    /// closed, and a request whose body is late gets 408.
+    pub read_timeout: std::time::Duration,
+    /// Connections served at once; more wait in the listener's backlog until one closes.
+    pub max_connections: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> ConnLimits {
+        ConnLimits {
+            read_timeout: std::time::Duration::from_secs(30),
+            max_connections: 512,
+        }
+    }
+}
+
+impl ConnLimits {
+    /// A zero timeout or connection count would serve nothing: refused, naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        if self.read_timeout.is_zero() {
+            return Err("ConnLimits.read_timeout is 0: no request could arrive in time".into());
+        }
+        if self.max_connections == 0 {
+            return Err("ConnLimits.max_connections is 0: no connection would be served".into());
+        }
+        Ok(())
+    }
+}
+
 /// What the server serves.
 #[derive(Debug)]
 pub struct AppState {
@@ -55,6 +92,8 @@ pub struct AppState {
     pub max_model_len: usize,
     /// When the server started (Unix seconds).
     pub created: u64,
+    /// The connections a client may hold, and how long a request may take to arrive.
+    pub limits: ConnLimits,
 }
 
 /// Checks a served model name: an empty one is refused. Every request must name the model,
@@ -182,7 +221,12 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// are closed, and responses still being written (a stream's last chunks) finish; then this
 /// returns.
 ///
-/// An empty served name is refused ([`check_model_name`]) before anything is served.
+/// Connections follow `state.limits` ([`ConnLimits`]): at most `max_connections` are served
+/// at once (the next is accepted when one closes), and one that does not send a request's
+/// headers within `read_timeout` — new, idle after a response, or partway through — is closed.
+///
+/// An empty served name is refused ([`check_model_name`]), and so are limits that would serve
+/// nothing ([`ConnLimits::check`]), before anything is served.
 ///
 /// This returns only once the engine thread has ended: after its drain time at the latest,
 /// unless a step in flight does not return — the runtime's watchdogs (the stream-sync
@@ -193,17 +237,70 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    check_model_name(&state.model)
-        .map_err(|m| std::io::Error::new(std::io::ErrorKind::InvalidInput, m))?;
+    let invalid = |m| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+    check_model_name(&state.model).map_err(invalid)?;
+    state.limits.check().map_err(invalid)?;
+    let limits = state.limits;
     let handle = state.handle.clone();
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            handle.shutdown();
-            // The engine thread ends once nothing is in flight (or the drain time is over).
-            handle.stopped().await;
-        })
-        .await
+    let app = router(state);
+    // axum's own `serve` sets no header read timeout (hyper applies one only with a timer)
+    // and no connection limit: this loop is that function with both.
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.read_timeout);
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let drained = async move {
+        shutdown.await;
+        handle.shutdown();
+        // The engine thread ends once nothing is in flight (or the drain time is over).
+        handle.stopped().await;
+    };
+    tokio::pin!(drained);
+    loop {
+        // A permit first: past the limit, connections wait in the backlog, not in memory.
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                // The semaphore is never closed.
+                Err(_) => break,
+            },
+            () = &mut drained => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors or a connection reset before it was accepted:
+                    // the listener itself is fine; wait a little rather than spin.
+                    if !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                    ) {
+                        eprintln!("serve: accepting a connection failed: {e}");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                    continue;
+                }
+            },
+            () = &mut drained => break,
+        };
+        // Server-sent events are many small writes: do not wait to coalesce them.
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            // A connection's error (a client gone, a header timeout) is its own end.
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+    // New connections are refused from here; idle ones close and responses being written
+    // finish.
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// Seconds since the Unix epoch.
@@ -336,11 +433,23 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route").code("not_found")
 }
 
-/// The whole body: 413 past [`MAX_BODY_BYTES`]; a body that cannot be read (a malformed
-/// chunk, a connection closed before its `Content-Length`) is the client's error, 400.
-async fn read_body(body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, MAX_BODY_BYTES)
+/// The whole body: 413 past [`MAX_BODY_BYTES`]; 408 when it has not arrived within
+/// `limits.read_timeout`; a body that cannot be read (a malformed chunk, a connection closed
+/// before its `Content-Length`) is the client's error, 400.
+async fn read_body(body: Body, limits: &ConnLimits) -> Result<Bytes, ApiError> {
+    let late = limits.read_timeout;
+    tokio::time::timeout(late, axum::body::to_bytes(body, MAX_BODY_BYTES))
         .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s",
+                    late.as_secs_f64()
+                ),
+            )
+            .code("request_timeout")
+        })?
         .map_err(|e| {
             let over = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
@@ -364,16 +473,63 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
-    handle(s, body, Kind::Completion).await
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    headers: header::HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, &headers, body, Kind::Completion).await
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, body: Body) -> Response {
-    handle(s, body, Kind::Chat).await
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: header::HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, &headers, body, Kind::Chat).await
+}
+
+/// A body the server would misread: a `Content-Type` other than JSON (`application/json` or
+/// `application/<x>+json`, in UTF-8) or a `Content-Encoding` other than `identity` (a
+/// compressed body parsed as JSON fails as "not valid JSON", which misleads). A request without
+/// a `Content-Type` is read as JSON, as OpenAI's clients always send it.
+fn check_body_headers(headers: &header::HeaderMap) -> Result<(), ApiError> {
+    let unsupported = |m: String| {
+        ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, m).code("unsupported_media_type")
+    };
+    for v in headers.get_all(header::CONTENT_ENCODING) {
+        let v = String::from_utf8_lossy(v.as_bytes());
+        if v.split(',')
+            .any(|c| !c.trim().eq_ignore_ascii_case("identity"))
+        {
+            return Err(unsupported(format!(
+                "Content-Encoding `{v}` is not supported: send the body uncompressed"
+            )));
+        }
+    }
+    if let Some(v) = headers.get(header::CONTENT_TYPE) {
+        let v = String::from_utf8_lossy(v.as_bytes());
+        let mut parts = v.split(';').map(str::trim);
+        let media = parts.next().unwrap_or("").to_ascii_lowercase();
+        let json = media == "application/json"
+            || media
+                .strip_prefix("application/")
+                .is_some_and(|t| t.ends_with("+json"));
+        let utf8 = parts
+            .filter_map(|p| p.split_once('='))
+            .filter(|(k, _)| k.trim().eq_ignore_ascii_case("charset"))
+            .all(|(_, c)| c.trim().trim_matches('"').eq_ignore_ascii_case("utf-8"));
+        if !json || !utf8 {
+            return Err(unsupported(format!(
+                "Content-Type `{v}`: the body must be JSON in UTF-8 (application/json)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Both generating endpoints: read and parse the body as `kind`, then run it.
-async fn handle(s: Arc<AppState>, body: Body, kind: Kind) -> Response {
+async fn handle(s: Arc<AppState>, headers: &header::HeaderMap, body: Body, kind: Kind) -> Response {
     // While draining, every new request is refused alike, before its body is read, parsed
     // or tokenized.
     if s.handle.is_closing() {
@@ -386,8 +542,12 @@ async fn handle(s: Arc<AppState>, body: Body, kind: Kind) -> Response {
         Kind::Completion => completion_job,
         Kind::Chat => chat_job,
     };
-    let job = match read_body(body).await {
-        Ok(b) => parse(&b).map_err(ApiError::from),
+    // Refusals of the body are counted as invalid (too long: `too_long`) by `respond`.
+    let job = match check_body_headers(headers) {
+        Ok(()) => match read_body(body, &s.limits).await {
+            Ok(b) => parse(&b).map_err(ApiError::from),
+            Err(e) => Err(e),
+        },
         Err(e) => Err(e),
     };
     respond(s, job, kind, arrived).await

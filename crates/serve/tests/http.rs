@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights};
-use simpler_serve::http::{AppState, MAX_BODY_BYTES, serve};
+use simpler_serve::http::{AppState, ConnLimits, MAX_BODY_BYTES, serve};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
 };
@@ -65,6 +65,17 @@ async fn start_with(
     name: &str,
     tokenizer: Tokenizer,
 ) -> Server {
+    start_limited(cfg, max_waiting, name, tokenizer, ConnLimits::default()).await
+}
+
+/// [`start_with`], with connection limits `limits`.
+async fn start_limited(
+    cfg: EngineConfig,
+    max_waiting: usize,
+    name: &str,
+    tokenizer: Tokenizer,
+    limits: ConnLimits,
+) -> Server {
     let tokenizer = Arc::new(tokenizer);
     let service = Service::start(
         engine(cfg),
@@ -81,6 +92,7 @@ async fn start_with(
         model: name.into(),
         max_model_len: cfg.max_seq_len,
         created: 0,
+        limits,
     });
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -925,6 +937,7 @@ async fn an_empty_served_model_name_is_refused() {
         model: String::new(),
         max_model_len: 4096,
         created: 0,
+        limits: ConnLimits::default(),
     });
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     // Refused at once, whatever the shutdown future does.
@@ -1147,4 +1160,203 @@ async fn a_template_variable_nothing_reads_and_an_unreadable_body_are_refused() 
     let (status, body) = post(srv.addr, "/v1/chat/completions", ok).await;
     assert_eq!(status, 200, "{body}");
     srv.stop().await;
+}
+
+/// Reads from `s` until the peer closes it (or `within` passes: then `None`); the bytes read
+/// (a reset counts as closed).
+async fn read_until_closed(s: &mut TcpStream, within: Duration) -> Option<Vec<u8>> {
+    let mut raw = Vec::new();
+    let closed = tokio::time::timeout(within, s.read_to_end(&mut raw)).await;
+    closed.is_ok().then_some(raw)
+}
+
+/// A body the server would misread is refused naming the header (415): a `Content-Type`
+/// other than JSON in UTF-8 (a form-encoded or plain-text body was parsed as JSON) or a
+/// compressed body (it failed as "not valid JSON"). Without a `Content-Type` the body is read
+/// as JSON; JSON types with parameters pass. The refusals count as invalid requests, and the
+/// server goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_is_not_json_by_its_headers_is_refused_naming_the_header() {
+    let srv = start(sizes(), 8).await;
+    let body = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).to_string();
+    let send = |headers: &'static str| {
+        let body = body.clone();
+        let addr = srv.addr;
+        async move {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            let req = format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: t\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            c.write_all(req.as_bytes()).await.unwrap();
+            let mut raw = Vec::new();
+            c.read_to_end(&mut raw).await.unwrap();
+            let (status, text) = parse_response(&raw);
+            (
+                status,
+                serde_json::from_str::<Value>(&text).unwrap_or(Value::Null),
+            )
+        }
+    };
+    for (headers, names) in [
+        ("Content-Type: text/plain\r\n", "Content-Type `text/plain`"),
+        (
+            "Content-Type: application/x-www-form-urlencoded\r\n",
+            "Content-Type `application/x-www-form-urlencoded`",
+        ),
+        (
+            "Content-Type: application/json; charset=latin-1\r\n",
+            "charset=latin-1",
+        ),
+        (
+            "Content-Type: application/json\r\nContent-Encoding: gzip\r\n",
+            "Content-Encoding `gzip`",
+        ),
+    ] {
+        let (status, body) = send(headers).await;
+        assert_eq!(status, 415, "{headers}: {body}");
+        assert_eq!(body["error"]["code"], "unsupported_media_type", "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(names),
+            "{body}"
+        );
+    }
+    for headers in [
+        "",
+        "Content-Type: application/json\r\n",
+        "Content-Type: Application/JSON; charset=\"UTF-8\"\r\n",
+        "Content-Type: application/vnd.api+json\r\nContent-Encoding: identity\r\n",
+    ] {
+        let (status, body) = send(headers).await;
+        assert_eq!(status, 200, "{headers:?}: {body}");
+    }
+    let (_, m) = http(srv.addr, "GET", "/metrics", "").await;
+    assert_eq!(
+        metric(&m, "simpler_requests_rejected_total{reason=\"invalid\"}"),
+        4.0,
+        "{m}"
+    );
+    srv.stop().await;
+}
+
+/// A client that opens connections and sends nothing, or a request's first bytes only, no
+/// longer holds them for ever: past the read timeout an idle or partial connection is
+/// closed, a late body gets 408, and the server serves the next request as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_partial_connections_are_closed_after_the_read_timeout() {
+    let limits = ConnLimits {
+        read_timeout: Duration::from_millis(300),
+        ..ConnLimits::default()
+    };
+    let server = start_limited(sizes(), 8, MODEL, Tokenizer::qwen3().unwrap(), limits).await;
+    let addr = server.addr;
+    let before = post(
+        addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(before.0, 200, "{}", before.1);
+    // Nothing sent; half a header block; a whole request answered and then left idle.
+    let mut quiet = TcpStream::connect(addr).await.unwrap();
+    let mut partial = TcpStream::connect(addr).await.unwrap();
+    partial
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    for (what, s) in [
+        ("a silent connection", &mut quiet),
+        ("a partial header block", &mut partial),
+    ] {
+        let raw = read_until_closed(s, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|| panic!("{what} is still open 30 s later"));
+        assert!(raw.is_empty(), "{what}: {}", String::from_utf8_lossy(&raw));
+    }
+    let raw = read_until_closed(&mut kept, Duration::from_secs(30))
+        .await
+        .expect("an idle keep-alive connection is closed");
+    assert_eq!(
+        parse_response(&raw).0,
+        200,
+        "its request was answered first"
+    );
+    // A body that stops short of its Content-Length: 408, and the connection closes.
+    let mut late = TcpStream::connect(addr).await.unwrap();
+    late.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo",
+    )
+    .await
+    .unwrap();
+    let raw = read_until_closed(&mut late, Duration::from_secs(30))
+        .await
+        .expect("a late body's connection is closed");
+    let (status, body) = parse_response(&raw);
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    // The server goes on: the same answer as before.
+    let after = post(
+        addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(after.0, 200);
+    assert_eq!(
+        after.1["choices"][0]["text"],
+        before.1["choices"][0]["text"]
+    );
+    server.stop().await;
+}
+
+/// At most `max_connections` are served at once: the next connection waits (accepted by the
+/// kernel, not served) until one closes, then is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_wait_until_one_closes() {
+    let limits = ConnLimits {
+        max_connections: 2,
+        ..ConnLimits::default()
+    };
+    let server = start_limited(sizes(), 8, MODEL, Tokenizer::qwen3().unwrap(), limits).await;
+    let addr = server.addr;
+    let first = TcpStream::connect(addr).await.unwrap();
+    let _second = TcpStream::connect(addr).await.unwrap();
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    third
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    assert!(
+        read_until_closed(&mut third, Duration::from_millis(500))
+            .await
+            .is_none(),
+        "a third connection was served beside two open ones"
+    );
+    drop(first);
+    let raw = read_until_closed(&mut third, Duration::from_secs(30))
+        .await
+        .expect("served once a connection closed");
+    assert_eq!(parse_response(&raw).0, 200);
+    server.stop().await;
+}
+
+/// Limits that would serve nothing are refused before anything is served.
+#[test]
+fn limits_that_serve_nothing_are_refused() {
+    let zero_time = ConnLimits {
+        read_timeout: Duration::ZERO,
+        ..ConnLimits::default()
+    };
+    assert!(zero_time.check().unwrap_err().contains("read_timeout"));
+    let zero_conns = ConnLimits {
+        max_connections: 0,
+        ..ConnLimits::default()
+    };
+    assert!(zero_conns.check().unwrap_err().contains("max_connections"));
+    assert_eq!(ConnLimits::default().check(), Ok(()));
 }
