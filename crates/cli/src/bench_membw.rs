@@ -25,8 +25,8 @@ pub(crate) struct MembwArgs {
     /// reports, at least 256 MiB, at most a quarter of the available memory].
     #[arg(long)]
     buffer_mib: Option<usize>,
-    /// Threads for the all-threads figures [default: available parallelism].
-    #[arg(long)]
+    /// Threads for the all-threads figures, 1 to 1024 [default: available parallelism].
+    #[arg(long, value_parser = crate::opts::core_count)]
     threads: Option<usize>,
 }
 
@@ -36,12 +36,25 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
     if !(args.seconds >= 0.4 && args.seconds.is_finite()) {
         bail!("--seconds {}: give at least 0.4", args.seconds);
     }
-    if args.buffer_mib == Some(0) {
-        bail!("--buffer-mib 0: give at least 1");
-    }
-    if args.threads == Some(0) {
-        bail!("--threads 0: give at least 1");
-    }
+    let buffer_bytes = match args.buffer_mib {
+        None => None,
+        Some(0) => bail!("--buffer-mib 0: give at least 1"),
+        Some(m) => {
+            // The buffer is allocated and written once before the passes: it must fit.
+            let bytes = m.checked_mul(1 << 20).filter(|&b| b <= isize::MAX as usize);
+            let available = simpler_cpu::host_memory::available();
+            match (bytes, available) {
+                (Some(b), Some(a)) if b as u64 > a.available => bail!(
+                    "--buffer-mib {m}: the buffer takes {} and {} leaves {}",
+                    simpler_core::human_bytes(b as u64),
+                    a.source,
+                    simpler_core::human_bytes(a.available)
+                ),
+                (Some(b), _) => Some(b),
+                (None, _) => bail!("--buffer-mib {m}: more bytes than this machine can address"),
+            }
+        }
+    };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Some(t) = args.threads.filter(|&t| t > cpus) {
         // Each pass is timed from the first thread's start to the last one's end, so the
@@ -51,7 +64,7 @@ pub(crate) fn membw(args: MembwArgs) -> Result<()> {
     let d = MeasureOptions::default();
     let (p, passes) = measure_with_passes(&MeasureOptions {
         duration: Duration::from_secs_f64(args.seconds),
-        buffer_bytes: args.buffer_mib.map_or(d.buffer_bytes, |m| m << 20),
+        buffer_bytes: buffer_bytes.unwrap_or(d.buffer_bytes),
         threads: args.threads.unwrap_or(d.threads),
     });
     let llc = match last_level_cache_bytes() {

@@ -200,10 +200,68 @@ pub(crate) fn reference(s: DemoShape, a: &[f32], b: &[f32], bias: &[f32]) -> Vec
 }
 
 /// Creates the buffers of a demo run.
-pub(crate) fn run_args(w: &Worker, s: DemoShape) -> Result<(RunArgs, Arc<Vec<f32>>)> {
-    if s.tile == 0 || ![s.m, s.k, s.n].iter().all(|d| d.is_multiple_of(s.tile)) {
-        bail!("--m, --k and --n must be multiples of --tile ({})", s.tile);
+impl DemoShape {
+    /// Bytes the demo holds on the host: its inputs (generated, then copied into buffers), the
+    /// partial sums and the output, and the reference's sums; `None` past 64 bits.
+    fn host_bytes(&self) -> Option<u64> {
+        let (m, k, n) = (self.m, self.k, self.n);
+        let inputs = m
+            .checked_mul(k)?
+            .checked_add(k.checked_mul(n)?)?
+            .checked_add(n)?;
+        let outputs = (m / self.tile).checked_mul(n)?.checked_add(n)?;
+        // f32 inputs twice (the vectors and their buffers), f32 outputs, f64 reference sums.
+        inputs
+            .checked_mul(8)?
+            .checked_add(outputs.checked_mul(4)?)?
+            .checked_add(n.checked_mul(8)?)
     }
+
+    /// Refuses a shape the demo cannot run, naming the flag: a zero size or tile, sizes that
+    /// are not multiples of the tile, or more memory than `available` (bytes, and where that
+    /// figure comes from) — checked before anything is allocated.
+    pub(crate) fn check(&self, available: Option<(u64, String)>) -> Result<()> {
+        if self.tile == 0 {
+            bail!("--tile 0: give a tile edge of at least 1");
+        }
+        for (flag, v) in [("--m", self.m), ("--k", self.k), ("--n", self.n)] {
+            if v == 0 || !v.is_multiple_of(self.tile) {
+                bail!(
+                    "{flag} {v}: give a positive multiple of --tile ({})",
+                    self.tile
+                );
+            }
+        }
+        let need = self.host_bytes();
+        if let Some((limit, source)) = available
+            && need.is_none_or(|b| b > limit)
+        {
+            bail!(
+                "--m {} --k {} --n {}: the demo's matrices take {} and {source} leaves {}: give smaller sizes",
+                self.m,
+                self.k,
+                self.n,
+                need.map_or(
+                    "more than 2^64 bytes".to_string(),
+                    simpler_core::human_bytes
+                ),
+                simpler_core::human_bytes(limit)
+            );
+        }
+        if need.is_none() {
+            bail!(
+                "--m {} --k {} --n {}: the demo's matrices overflow 64 bits",
+                self.m,
+                self.k,
+                self.n
+            );
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn run_args(w: &Worker, s: DemoShape) -> Result<(RunArgs, Arc<Vec<f32>>)> {
+    s.check(w.memory_available())?;
     let (a, b, bias) = inputs(s);
     let expect = Arc::new(reference(s, &a, &b, &bias));
     let buffers = vec![
@@ -233,6 +291,39 @@ pub(crate) fn max_rel_error(got: &[f32], expect: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shape(m: u64, k: u64, n: u64, tile: u64) -> DemoShape {
+        DemoShape { m, k, n, tile }
+    }
+
+    #[test]
+    fn shapes_the_demo_cannot_run_are_refused_naming_the_flag() {
+        let room = || Some((1u64 << 30, "MemAvailable".to_string()));
+        shape(512, 512, 256, 64).check(room()).unwrap();
+        for (s, starts) in [
+            (shape(512, 512, 256, 0), "--tile 0"),
+            (shape(0, 512, 256, 64), "--m 0"),
+            (shape(512, 0, 256, 64), "--k 0"),
+            (shape(512, 512, 0, 64), "--n 0"),
+            (shape(512, 100, 256, 64), "--k 100"),
+            // 2^62 rows: the byte count overflows; 2^20 x 2^20: 8 TiB.
+            (
+                shape(1 << 62, 64, 64, 64),
+                "--m 4611686018427387904 --k 64 --n 64",
+            ),
+            (shape(1 << 20, 1 << 20, 64, 64), "--m 1048576 --k 1048576"),
+        ] {
+            let e = s.check(room()).unwrap_err().to_string();
+            assert!(e.starts_with(starts), "{s:?}: {e}");
+        }
+        // Where the memory is not known, only an overflow is refused.
+        shape(1 << 20, 1 << 20, 64, 64).check(None).unwrap();
+        let e = shape(1 << 62, 1 << 62, 64, 64)
+            .check(None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overflow"), "{e}");
+    }
     use simpler_core::{CallConfig, RingValue, RuntimeEnv, WorkerConfig};
 
     fn check(cores: usize, cfg: CallConfig) {

@@ -23,6 +23,7 @@ mod trace_cmd;
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
+use std::io::Write;
 
 /// simpler: LLM inference as task graphs.
 #[derive(Parser, Debug)]
@@ -204,7 +205,51 @@ impl Command {
     }
 }
 
+/// What a panic of `println!`/`eprintln!` on an unwritable stream means for the process
+/// (the panic's message in, the exit status and the line to print out): `None` for any other
+/// panic.
+fn output_failure(message: &str) -> Option<(i32, Option<String>)> {
+    let (stream, why) = message
+        .strip_prefix("failed printing to stdout: ")
+        .map(|w| ("stdout", w))
+        .or_else(|| {
+            message
+                .strip_prefix("failed printing to stderr: ")
+                .map(|w| ("stderr", w))
+        })?;
+    Some(if stream == "stdout" && why.contains("os error 32") {
+        // A reader that left (`simpler trace ... | head`): end as the C tools do on SIGPIPE,
+        // quietly, with 128 + 13.
+        (141, None)
+    } else if stream == "stderr" {
+        (1, None)
+    } else {
+        (1, Some(format!("Error: writing the output failed: {why}")))
+    })
+}
+
 fn main() -> std::process::ExitCode {
+    // The commands print with `println!`, which panics when stdout cannot be written (a closed
+    // pipe, a full disk): the output is lost either way, so the process ends as a command-line
+    // tool does rather than with a panic and a backtrace.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        match output_failure(message) {
+            Some((code, line)) => {
+                if let Some(line) = line {
+                    let _ = writeln!(std::io::stderr(), "{line}");
+                }
+                std::process::exit(code);
+            }
+            None => default_hook(info),
+        }
+    }));
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -296,5 +341,33 @@ fn run() -> Result<()> {
         },
         Command::Serve(a) => serve_cmd::main(a),
         Command::Trace(args) => trace_cmd::main(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_write_of_the_output_ends_the_process_without_a_panic() {
+        assert_eq!(
+            output_failure("failed printing to stdout: Broken pipe (os error 32)"),
+            Some((141, None))
+        );
+        assert_eq!(
+            output_failure("failed printing to stdout: No space left on device (os error 28)"),
+            Some((
+                1,
+                Some(
+                    "Error: writing the output failed: No space left on device (os error 28)"
+                        .into()
+                )
+            ))
+        );
+        assert_eq!(
+            output_failure("failed printing to stderr: Broken pipe (os error 32)"),
+            Some((1, None))
+        );
+        assert_eq!(output_failure("index out of bounds"), None);
     }
 }

@@ -947,3 +947,72 @@ fn serve_refuses_a_busy_port_before_loading() {
         "{err}"
     );
 }
+
+/// Sizes that cannot be held are refused naming the flag, before anything is allocated: the
+/// bandwidth bench's buffer (a size past 64 bits crashed, one that wrapped measured a cached
+/// 1 MiB buffer and reported it), its thread count, and the demo's matrices (they panicked or
+/// aborted on a failed allocation; zero sizes ran and "matched").
+#[test]
+fn sizes_that_cannot_be_held_are_refused_before_allocating() {
+    for (args, needle) in [
+        (
+            &["bench", "membw", "--buffer-mib", "18446744073709551615"][..],
+            "--buffer-mib 18446744073709551615: more bytes than this machine can address",
+        ),
+        (
+            &["bench", "membw", "--buffer-mib", "17592186044417"],
+            "--buffer-mib 17592186044417: more bytes",
+        ),
+        (
+            &["bench", "membw", "--threads", "100000"],
+            "100000 cores: give 1 to",
+        ),
+        (
+            &[
+                "run",
+                "demo",
+                "--m",
+                "4611686018427387904",
+                "--k",
+                "64",
+                "--n",
+                "64",
+            ],
+            "--m 4611686018427387904 --k 64 --n 64: the demo's matrices",
+        ),
+        (
+            &["run", "demo", "--n", "4611686018427387904"],
+            "--m 512 --k 512 --n 4611686018427387904",
+        ),
+        (
+            &["run", "demo", "--n", "0"],
+            "--n 0: give a positive multiple of --tile",
+        ),
+        (&["run", "demo", "--tile", "0"], "--tile 0"),
+    ] {
+        refused(args, needle);
+    }
+}
+
+/// Output that cannot be written ends the process with an error (status 1), not a panic: the
+/// commands print with `println!`, which panics on a full disk.
+#[test]
+fn output_that_cannot_be_written_is_an_error_not_a_panic() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("skipped: no /dev/full here");
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args(["run", "demo", "--m", "64", "--k", "64", "--n", "64"])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("Error: writing the output failed: No space left on device")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -99,6 +99,19 @@ pub(crate) struct RingSizes {
     pub(crate) dep_pool: [u32; RING_COUNT],
 }
 
+impl RingSizes {
+    /// Bytes of the rings' task slots and dependency-pool entries: arrays built (and touched)
+    /// when a worker first runs with these sizes, unlike the heaps, whose pages are committed
+    /// as tensors use them.
+    pub(crate) fn array_bytes(&self) -> u64 {
+        let slot = std::mem::size_of::<crate::slot::Slot>() as u64;
+        let entry = std::mem::size_of::<crate::slot::DepEntry>() as u64;
+        (0..RING_COUNT)
+            .map(|r| self.window[r] as u64 * slot + self.dep_pool[r] as u64 * entry)
+            .sum()
+    }
+}
+
 fn field_name(base: &str, v: &RingValue, r: usize) -> String {
     match v {
         RingValue::All(_) => format!("CallConfig.runtime_env.{base}"),

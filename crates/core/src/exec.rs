@@ -433,6 +433,25 @@ fn take_arena(inner: &ExecEnv<'_>, sizes: crate::config::RingSizes) -> Result<Ar
             return Ok(a);
         }
     }
+    // The slot and entry arrays are built at once (a 2^30-slot window is ~80 GB per ring): a
+    // size the machine cannot hold is refused with the numbers instead of aborting the
+    // process on a failed allocation.
+    let need = sizes.array_bytes();
+    if let Some((available, source)) = inner.platform.memory_available()
+        && need > available
+    {
+        return Err(crate::ConfigError {
+            field: "CallConfig.runtime_env".into(),
+            value: format!(
+                "task windows {:?}, dependency pools {:?}",
+                sizes.window, sizes.dep_pool
+            ),
+            reason: format!(
+                "the rings' slots and dependency entries take {need} bytes and {source} leaves {available}: lower CallConfig.runtime_env.ring_task_window or CallConfig.runtime_env.ring_dep_pool"
+            ),
+        }
+        .into());
+    }
     Ok(Arc::new(Arena::new(sizes, inner.platform)?))
 }
 

@@ -748,3 +748,89 @@ fn a_panicking_predicate_fails_the_run_by_name_and_the_worker_goes_on() {
         "the first INC ran, the predicated one did not, then one more"
     );
 }
+
+/// The CPU platform reporting `available` bytes of host memory.
+struct Limited {
+    cpu: CpuPlatform,
+    available: u64,
+}
+
+// SAFETY: allocation and threads come from the CPU platform; only the memory figure differs.
+unsafe impl Platform for Limited {
+    fn info(&self) -> PlatformInfo {
+        self.cpu.info()
+    }
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn Memory>, PlatformError> {
+        self.cpu.alloc(bytes)
+    }
+    fn memory_available(&self) -> Option<(u64, String)> {
+        Some((self.available, "the test's limit".into()))
+    }
+    fn spawn_core(
+        &self,
+        index: usize,
+        body: Box<dyn FnOnce() + Send>,
+    ) -> Result<JoinHandle<()>, PlatformError> {
+        self.cpu.spawn_core(index, body)
+    }
+}
+
+/// Ring sizes whose slot and entry arrays the machine cannot hold are refused with the bytes
+/// before anything is built (2^30 slots aborted the process on a failed allocation), and the
+/// worker then runs with sizes that fit.
+#[test]
+fn rings_larger_than_the_memory_available_are_refused_and_the_worker_goes_on() {
+    let w = Worker::new(
+        Limited {
+            cpu: CpuPlatform::new(),
+            available: 1 << 20,
+        },
+        WorkerConfig {
+            cores: Some(2),
+            ..WorkerConfig::default()
+        },
+    )
+    .unwrap();
+    w.register_kernel(KernelSpec::new(INC, "inc", EngineClass::Vector, |ctx| {
+        for v in ctx.write::<f32>(0)?.iter_mut() {
+            *v += 1.0;
+        }
+        Ok(())
+    }))
+    .unwrap();
+    let buf = w.buffer_from(&[1.0f32; 64]).unwrap();
+    let run = |cfg: &CallConfig| {
+        let args = RunArgs {
+            buffers: vec![buf.clone()],
+            scalars: vec![],
+        };
+        w.run_fn("inc", args, cfg, |o, args| {
+            let t = o.bind(&args.buffers[0], DType::F32, &[64])?;
+            o.submit(Task::new(INC).in_out(&t))?;
+            Ok(())
+        })
+    };
+    // The default rings: 4 × 16384 slots and entries, ~6.8 MB, over the 1 MiB limit.
+    match run(&CallConfig::default()) {
+        Err(Error::Config(e)) => {
+            assert_eq!(e.field, "CallConfig.runtime_env");
+            assert!(
+                e.reason.contains("the test's limit leaves 1048576")
+                    && e.reason.contains("ring_task_window"),
+                "{e}"
+            );
+        }
+        other => panic!("expected the rings refused, got {other:?}"),
+    }
+    assert_eq!(buf.read::<f32>().unwrap(), vec![1.0; 64]);
+    let small = CallConfig {
+        runtime_env: RuntimeEnv {
+            ring_task_window: RingValue::All(64),
+            ring_dep_pool: RingValue::All(64),
+            ..RuntimeEnv::default()
+        },
+        ..CallConfig::default()
+    };
+    run(&small).unwrap();
+    assert_eq!(buf.read::<f32>().unwrap(), vec![2.0; 64]);
+}
