@@ -279,13 +279,19 @@ fn check(args: &BenchCollectivesArgs) -> Result<()> {
     // receives as much from its own memory: bound the total before anything is allocated.
     let largest = args.sizes.iter().max().copied().unwrap_or(0);
     let most = args.ranks.iter().max().copied().unwrap_or(0);
-    if most * most * largest > MAX_TOTAL {
+    let in_flight = most.checked_mul(most).and_then(|r| r.checked_mul(largest));
+    if in_flight.is_none_or(|b| b > MAX_TOTAL) {
         bail!(
             "--ranks {most} --sizes {largest}: {} bytes of messages in flight, at most {MAX_TOTAL}",
-            most * most * largest
+            in_flight.map_or("more than 2^64".to_string(), |b| b.to_string())
         );
     }
-    if args.rounds == 0 || args.rounds + args.warmup > MAX_ROUNDS {
+    if args.rounds == 0
+        || args
+            .rounds
+            .checked_add(args.warmup)
+            .is_none_or(|n| n > MAX_ROUNDS)
+    {
         bail!(
             "--rounds {} --warmup {}: need at least one round and at most {MAX_ROUNDS} in all",
             args.rounds,

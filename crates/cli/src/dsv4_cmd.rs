@@ -650,11 +650,17 @@ pub(crate) fn starts_at(
         Some(n) => uniform_starts(n).to_vec(),
         None => MIXED_STARTS.to_vec(),
     };
-    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ - 1;
-    if last >= cfg.max_position {
+    let last = starts
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(0)
+        .checked_add(TOKENS_PER_SEQ - 1);
+    if last.is_none_or(|l| l >= cfg.max_position) {
         bail!(
-            "--start-pos {}: the step's last position {last} is past max_position {} of --preset {preset}",
+            "--start-pos {}: the step's last position {} past max_position {} of --preset {preset}",
             start_pos.unwrap_or(0),
+            last.map_or("would be".to_string(), |l| format!("{l} is")),
             cfg.max_position,
         );
     }

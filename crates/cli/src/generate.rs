@@ -269,6 +269,18 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             )
         })?;
     }
+    if let Some(path) = &args.dump_logits {
+        // The file itself too: a directory or an unwritable path was found only after the
+        // whole generation, its logits lost. Written (truncated) again at the end.
+        if path.is_dir() {
+            bail!("--dump-logits {}: is a directory", path.display());
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| anyhow!("--dump-logits {}: cannot be written: {e}", path.display()))?;
+    }
     let n = args.num_prompts;
     let chunk = args.prefill_chunk.min(prompt.len());
     let worker = args.run.prefill_sized(

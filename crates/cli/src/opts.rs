@@ -101,6 +101,40 @@ impl StepSet {
             StepSet::Ranges(r) => r.iter().any(|&(a, b)| (a..=b).contains(&step)),
         }
     }
+
+    /// Refuses a set that picks none of the `steps` a command will run (numbered from 0), so
+    /// that a list past the end is not taken and ignored.
+    pub(crate) fn check_within(&self, steps: u64) -> Result<()> {
+        if let StepSet::Ranges(r) = self
+            && !r.iter().any(|&(a, _)| a < steps)
+        {
+            bail!(
+                "--diag-steps {self}: picks none of the {steps} steps this run takes (numbered from 0)"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for StepSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepSet::All => write!(f, "all"),
+            StepSet::Ranges(r) => {
+                let items: Vec<String> = r
+                    .iter()
+                    .map(|&(a, b)| {
+                        if a == b {
+                            a.to_string()
+                        } else {
+                            format!("{a}-{b}")
+                        }
+                    })
+                    .collect();
+                write!(f, "{}", items.join(","))
+            }
+        }
+    }
 }
 
 impl RunOpts {
@@ -154,6 +188,7 @@ impl RunOpts {
                 "--swimlane-capacity: sizes the swimlane records, and this command records none without --swimlane N (and --output-dir)"
             );
         }
+        check_output_paths(&cfg)?;
         if self.diag_steps != StepSet::All && (cfg.swimlane == 0 && !cfg.dep_gen && !cfg.ring_stats)
         {
             bail!(
@@ -300,6 +335,33 @@ impl RunOpts {
         let slowest = flops / (cores as f64 * SLOWEST_GFLOPS_PER_CORE * 1e9);
         self.worker_with(Some(Duration::from_secs_f64(slowest.clamp(0.0, 1e6))))
     }
+}
+
+/// Refuses an output directory or trace file that cannot be written, before anything runs (a
+/// run wrote nothing and failed at the end, its work lost): the directory is made and a probe
+/// file written and removed in it; the trace file (appended to) is opened.
+pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
+    if let Some(dir) = &cfg.output_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--output-dir {}: cannot be made", dir.display()))?;
+        let probe = dir.join(format!(".simpler-write-check-{}", std::process::id()));
+        std::fs::write(&probe, b"")
+            .with_context(|| format!("--output-dir {}: cannot be written", dir.display()))?;
+        let _ = std::fs::remove_file(&probe);
+    }
+    if let Some(t) = &cfg.trace {
+        if let Some(parent) = t.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| {
+                format!("--trace {}: its directory cannot be made", t.display())
+            })?;
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(t)
+            .with_context(|| format!("--trace {}: cannot be written", t.display()))?;
+    }
+    Ok(())
 }
 
 /// `text` with the runtime's `CallConfig` ring fields (which its errors' hints name) replaced
@@ -556,6 +618,13 @@ impl StepOutputs {
         }
         if !parts.is_empty() {
             eprintln!("wrote {}", parts.join("; "));
+        }
+        if self.kept.is_none() && self.steps != StepSet::All {
+            // A command whose step count is not known up front (generate ends at EOS).
+            eprintln!(
+                "warning: --diag-steps {} picked none of the {} steps that ran (numbered from 0): no step's diagnostics were written",
+                self.steps, self.next
+            );
         }
         if self.dropped.0 > 0 {
             eprintln!(

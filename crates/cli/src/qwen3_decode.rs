@@ -332,7 +332,23 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     if !(1..=64).contains(&args.batch) || args.seq_len == 0 || args.steps == 0 || args.rounds == 0 {
         bail!("--batch must be 1..=64 and --seq-len, --steps, --rounds at least 1");
     }
-    let last_len = args.seq_len + args.steps - 1;
+    let Some(last_len) = (args.seq_len - 1).checked_add(args.steps) else {
+        bail!(
+            "--seq-len {} --steps {}: the last step's length overflows",
+            args.seq_len,
+            args.steps
+        );
+    };
+    let Some(all_rounds) = args.warmup.checked_add(args.rounds) else {
+        bail!(
+            "--warmup {} --rounds {}: their sum overflows",
+            args.warmup,
+            args.rounds
+        );
+    };
+    if let Some(steps) = all_rounds.checked_mul(args.steps) {
+        args.run.diag_steps.check_within(steps as u64)?;
+    }
     let max_seq = args.max_seq.unwrap_or(last_len);
     if max_seq < last_len {
         bail!("--max-seq {max_seq} is shorter than seq-len + steps - 1 = {last_len}");
@@ -422,7 +438,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     let mut samples = Vec::new();
     let mut first: Option<(Vec<f32>, Vec<f32>, Vec<u32>)> = None;
     let mut outputs = opts::StepOutputs::new(&args.run);
-    for round in 0..args.warmup + args.rounds {
+    for round in 0..all_rounds {
         let mut tokens = case.tokens.clone();
         let mut hidden = case.hidden.clone();
         for step in 0..args.steps {

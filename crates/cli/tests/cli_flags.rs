@@ -335,7 +335,7 @@ fn serving_commands_write_their_steps_diagnostics() {
     let out = bench_serve_tiny(&["--output-dir", blocked.to_str().unwrap()]);
     let err = text(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("for the steps' outputs"), "{err}");
+    assert!(err.contains("cannot be made"), "{err}");
     assert!(!text(&out.stdout).contains("streams"), "measured anyway");
     std::fs::remove_dir_all(&dir).unwrap();
     // A write that fails after the folder was made (step 1's folder name is taken by a
@@ -541,7 +541,7 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
         ),
         (
             &["bench", "membw", "--threads", "0"],
-            "--threads 0: give at least 1",
+            "0 cores: give 1 to",
         ),
         (
             &["bench", "runtime", "--scope", "0"],
@@ -1015,4 +1015,144 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
             && !err.contains("panicked"),
         "{err}"
     );
+}
+
+/// Counts whose sum overflows are refused naming the flags, before anything runs: they wrapped
+/// past the checks (a late error naming no flag; `bench collectives` exited 0 with NaN).
+#[test]
+fn counts_whose_sums_overflow_are_refused_naming_the_flags() {
+    let max = "18446744073709551615";
+    let decode = ["run", "qwen3-decode", "--preset", "tiny"];
+    for (more, needle) in [
+        (
+            &["--seq-len", "8", "--steps", max][..],
+            "--seq-len 8 --steps 18446744073709551615: the last step's length overflows",
+        ),
+        (
+            &["--seq-len", max, "--steps", "2"],
+            "the last step's length overflows",
+        ),
+        (
+            &["--seq-len", "8", "--warmup", max],
+            "--warmup 18446744073709551615 --rounds",
+        ),
+    ] {
+        let mut a = decode.to_vec();
+        a.extend(more);
+        refused(&a, needle);
+    }
+    refused(
+        &[
+            "bench",
+            "collectives",
+            "--rounds",
+            "1",
+            "--warmup",
+            max,
+            "--ranks",
+            "2",
+            "--sizes",
+            "1024",
+        ],
+        "--rounds 1 --warmup 18446744073709551615: need at least one round and at most",
+    );
+    refused(
+        &[
+            "run",
+            "dsv4",
+            "--preset",
+            "tiny",
+            "--layer",
+            "swa",
+            "--start-pos",
+            max,
+        ],
+        "--start-pos 18446744073709551615: the step's last position would be past max_position",
+    );
+}
+
+/// Output paths that cannot be written are refused before anything runs (the run's work was
+/// lost when they failed at the end), and a `--diag-steps` list that picks none of the steps
+/// is refused where the count is known and warned about where it is not (it wrote nothing,
+/// silently).
+#[test]
+fn unwritable_outputs_and_a_step_list_past_the_end_are_said_before_or_after_the_run() {
+    let dir = common::tmp("outputs");
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let file = file.to_str().unwrap();
+    refused(
+        &["run", "demo", "--swimlane", "1", "--output-dir", file],
+        &format!("--output-dir {file}: cannot be made"),
+    );
+    refused(
+        &["run", "demo", "--trace", &format!("{file}/t.jsonl")],
+        "its directory cannot be made",
+    );
+    refused(
+        &["run", "demo", "--trace", dir.to_str().unwrap()],
+        "cannot be written",
+    );
+    let out_dir = dir.join("out");
+    let out_dir = out_dir.to_str().unwrap();
+    refused(
+        &[
+            "run",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--steps",
+            "2",
+            "--seq-len",
+            "8",
+            "--swimlane",
+            "1",
+            "--output-dir",
+            out_dir,
+            "--diag-steps",
+            "2-9",
+        ],
+        "--diag-steps 2-9: picks none of the 2 steps this run takes",
+    );
+    refused(
+        &[
+            "generate",
+            "--preset",
+            "qwen3-tiny",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "2",
+            "--dump-logits",
+            dir.to_str().unwrap(),
+        ],
+        "is a directory",
+    );
+    let out = simpler(&[
+        "generate",
+        "--preset",
+        "qwen3-tiny",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        "--ignore-eos",
+        "--swimlane",
+        "1",
+        "--output-dir",
+        out_dir,
+        "--diag-steps",
+        "50",
+    ]);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --diag-steps 50 picked none of the 2 steps that ran"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
