@@ -272,6 +272,15 @@ fn check(args: &BenchCollectivesArgs) -> Result<()> {
     }
     // The all-reduce sums f32s: another size would be measured at its whole f32s while its
     // row said the size given.
+    for (flag, list) in [("--ranks", &args.ranks), ("--sizes", &args.sizes)] {
+        if let Some(v) = list
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| list[..i].contains(v).then_some(v))
+        {
+            bail!("{flag}: {v} is given twice");
+        }
+    }
     if let Some(&s) = args.sizes.iter().find(|&&s| !s.is_multiple_of(4)) {
         bail!("--sizes {s}: give multiples of 4 bytes (the all-reduce sums f32 values)");
     }

@@ -125,7 +125,14 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let (b, l) = s
         .split_once(['x', 'X'])
         .ok_or_else(|| anyhow::anyhow!("shape {s:?}: expected BATCHxSEQ_LEN, e.g. 4x1024"))?;
-    let (b, l): (usize, usize) = (b.trim().parse()?, l.trim().parse()?);
+    let count = |t: &str, what: &str| {
+        t.trim().parse::<usize>().map_err(|_| {
+            anyhow::anyhow!(
+                "shape {s:?}: {what} {t:?} is not a whole number (BATCHxSEQ_LEN, e.g. 4x1024)"
+            )
+        })
+    };
+    let (b, l) = (count(b, "batch")?, count(l, "sequence length")?);
     if !(1..=64).contains(&b) || l == 0 {
         bail!("shape {s:?}: batch 1..=64 and a positive sequence length");
     }

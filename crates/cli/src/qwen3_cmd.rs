@@ -459,7 +459,14 @@ impl TileArgs {
                     "{other:?}: unknown tiling key (tile-kib, tiles-per-core or max-kv-chunk)"
                 ),
             };
-            *slot = Some(value);
+            if slot.replace(value).is_some() {
+                bail!("{:?} is given twice", key.trim());
+            }
+        }
+        if t.tile_kib.is_none() && t.tiles_per_core.is_none() && t.max_kv_chunk.is_none() {
+            bail!(
+                "{spec:?}: no override (give KEY=VALUE with tile-kib, tiles-per-core or max-kv-chunk)"
+            );
         }
         Ok(t)
     }

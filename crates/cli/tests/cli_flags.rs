@@ -539,9 +539,51 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             ],
             "--prompt-lens: 16 is given twice",
         ),
+        (&["bench", "membw", "--threads", "0"], "0 cores: give 1 to"),
         (
-            &["bench", "membw", "--threads", "0"],
-            "0 cores: give 1 to",
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--shapes",
+                "1x8x3",
+            ],
+            "shape \"1x8x3\": sequence length \"8x3\" is not a whole number",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--shapes",
+                "x8",
+            ],
+            "shape \"x8\": batch \"\" is not a whole number",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--versus",
+                "tile-kib=4,tile-kib=8",
+            ],
+            "\"tile-kib\" is given twice",
+        ),
+        (
+            &["bench", "qwen3-decode", "--preset", "tiny", "--versus="],
+            "no override",
+        ),
+        (
+            &["bench", "collectives", "--ranks", "2,2"],
+            "--ranks: 2 is given twice",
+        ),
+        (
+            &["bench", "collectives", "--sizes", "1024,1024"],
+            "--sizes: 1024 is given twice",
         ),
         (
             &["bench", "runtime", "--scope", "0"],
