@@ -5,8 +5,9 @@
 //! divide by.
 //!
 //! A key that changes the math and is not supported is refused, never ignored: an unknown
-//! `rope_type`, sliding-window layers, attention or MLP biases, another `hidden_act` or
-//! `model_type`, partial rotary embeddings, a quantised checkpoint. Optional keys default as
+//! `rope_type`, sliding-window layers, attention or MLP biases, another (or a null)
+//! `hidden_act` or `model_type`, partial rotary embeddings, a quantised checkpoint or a storage
+//! dtype the loader does not read. Optional keys default as
 //! `transformers`' `Qwen3Config` does; the RoPE base has no default (a checkpoint that omits
 //! it is refused rather than run with a guessed θ).
 
@@ -39,7 +40,9 @@ pub struct Qwen3Config {
     pub tie_word_embeddings: bool,
     /// Longest sequence the model was configured for; the runtime refuses positions past it.
     pub max_position_embeddings: usize,
-    /// Storage dtype named by the checkpoint (`dtype` or `torch_dtype`; informational).
+    /// Storage dtype named by the checkpoint (`dtype` or `torch_dtype`): one the loader reads
+    /// (`bfloat16`, `float16`/`half`, `float32`/`float`), else the config is refused; the
+    /// tensors' own dtypes are checked one by one.
     pub dtype: String,
     /// End-of-sequence ids named by `config.json` (`eos_token_id`, one id or a list).
     pub eos_token_ids: Vec<u32>,
@@ -82,6 +85,14 @@ pub enum ConfigError {
 /// Largest value accepted for any size in a config: far above every real model, low enough that
 /// products of a few sizes cannot overflow `usize` before the checked totals see them.
 const MAX_DIM: usize = 1 << 24;
+
+/// The `hidden_act` names this model runs: SiLU under both of `transformers`' names for it.
+const ACTIVATIONS: [&str; 2] = ["silu", "swish"];
+
+/// The `dtype` / `torch_dtype` names of what the loader reads (`transformers` resolves the
+/// name with `getattr(torch, name)`, so `half` and `float` are `float16` and `float32`). Any
+/// other names a checkpoint this loader does not read (quantised, fp8, f64, ...).
+const DTYPES: [&str; 5] = ["bfloat16", "float16", "half", "float32", "float"];
 
 /// The defaults `transformers`' `Qwen3Config` applies to absent optional keys.
 mod defaults {
@@ -241,7 +252,10 @@ impl Qwen3Config {
             rope: read_rope(&k, max_position_embeddings)?,
             tie_word_embeddings: k.bool("tie_word_embeddings")?.unwrap_or(false),
             max_position_embeddings,
-            dtype: match (k.str("dtype")?, k.str("torch_dtype")?) {
+            dtype: match (
+                storage_dtype(&k, "dtype")?,
+                storage_dtype(&k, "torch_dtype")?,
+            ) {
                 (Some(d), _) | (None, Some(d)) => d.to_string(),
                 (None, None) => "bfloat16".into(),
             },
@@ -370,11 +384,18 @@ impl Qwen3Config {
                 "must be even and at least 4 (RoPE rotates halves)",
             ));
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+        // The norms compute in f32: an epsilon finite in f64 can be infinite there (1e308:
+        // every hidden state normed to 0, all logits 0, greedy decoding prints token 0
+        // without a word) or 0 (1e-50: a zero row divides 0 by 0).
+        let eps32 = self.rms_norm_eps as f32;
+        if !(eps32.is_finite() && eps32 > 0.0) {
             return Err(invalid(
                 "rms_norm_eps",
-                self.rms_norm_eps,
-                "must be finite and positive",
+                super::rope::num(self.rms_norm_eps),
+                &format!(
+                    "must be finite and positive as an f32, the precision the norms compute in \
+                     (it is {eps32} there)"
+                ),
             ));
         }
         if let Err((key, value, why)) = self.rope.validate() {
@@ -504,6 +525,25 @@ impl Qwen3Config {
     }
 }
 
+/// The storage dtype named by `key` (`dtype` or `torch_dtype`), refused unless it is one the
+/// loader reads ([`DTYPES`]): the tensors are checked one by one as well, but a config naming
+/// `int4` or `float8_e4m3fn` describes a checkpoint that is not what this loader reads, even
+/// where the tensors it holds would pass (`transformers` keeps `dtype` over `torch_dtype`;
+/// both are checked, since either names what the files hold).
+fn storage_dtype<'a>(k: &Keys<'a>, key: &str) -> Result<Option<&'a str>, ConfigError> {
+    let Some(d) = k.str(key)? else {
+        return Ok(None);
+    };
+    if !DTYPES.contains(&d) {
+        return Err(ConfigError::Unsupported {
+            key: k.name(key),
+            value: format!("{d:?}"),
+            why: "the loader reads bf16, f16 or f32 checkpoints (\"bfloat16\", \"float16\" or \"half\", \"float32\" or \"float\"); another dtype means a quantised or otherwise different checkpoint".into(),
+        });
+    }
+    Ok(Some(d))
+}
+
 /// Refuses the keys whose values change the math in ways this model does not implement.
 fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
     k.only(
@@ -524,13 +564,27 @@ fn refuse_unsupported(k: &Keys<'_>) -> Result<(), ConfigError> {
             });
         }
     }
-    // `swish` is `transformers`' other name for SiLU.
-    if k.str("hidden_act")? != Some("swish") {
-        k.only(
-            "hidden_act",
-            &"silu".into(),
-            "the MLP implements SiLU (SwiGLU) only",
-        )?;
+    // `swish` is `transformers`' other name for SiLU, and an absent key its default (`silu`).
+    // A null is not the key left out: `transformers` looks the activation up by name and
+    // fails on it (`ACT2FN[None]`), and it must not run here as SiLU either.
+    match k.obj.get("hidden_act") {
+        None => {}
+        Some(Value::String(s)) if ACTIVATIONS.contains(&s.as_str()) => {}
+        Some(v @ Value::String(_)) => {
+            return Err(ConfigError::Unsupported {
+                key: "hidden_act".into(),
+                value: v.to_string(),
+                why: "the MLP implements SiLU (SwiGLU) only: `silu`, or `swish`, its other name"
+                    .into(),
+            });
+        }
+        Some(v) => {
+            return Err(k.wrong(
+                "hidden_act",
+                v,
+                "the activation's name, `silu` (leave the key out for transformers' default, silu)",
+            ));
+        }
     }
     k.only(
         "attention_bias",
@@ -1261,5 +1315,146 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("num_attention_heads"), "{e}");
+    }
+
+    /// `hidden_act` absent is `transformers`' default, SiLU; a null (which `transformers`
+    /// cannot look up) or a non-string is refused by name, not run as SiLU.
+    #[test]
+    fn a_null_activation_is_refused_and_an_absent_one_is_silu() {
+        let theta = r#""rope_theta": 1e4"#;
+        parse(theta).unwrap();
+        for act in ["silu", "swish"] {
+            parse(&format!(r#"{theta}, "hidden_act": "{act}""#)).unwrap();
+        }
+        for (value, why) in [
+            ("null", "leave the key out"),
+            ("1", "leave the key out"),
+            (r#""SiLU""#, "SiLU (SwiGLU) only"),
+        ] {
+            let e = parse(&format!(r#"{theta}, "hidden_act": {value}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("`hidden_act`") && e.contains(value) && e.contains(why),
+                "{value}: {e}"
+            );
+        }
+    }
+
+    /// YaRN's betas: `transformers` fails on a negative one (the logarithm of a negative) or
+    /// one so extreme the ramp's bound is infinite, and says beta_fast must exceed
+    /// beta_slow; each is refused naming the key. Zero still means the default, and equal
+    /// betas pass (`transformers`' check is strict).
+    #[test]
+    fn yarn_betas_transformers_refuses_are_refused_by_name() {
+        let yarn = |betas: &str| {
+            parse(&format!(
+                r#""rope_parameters": {{"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024{betas}}}"#
+            ))
+        };
+        for betas in [
+            "",
+            r#", "beta_fast": 0, "beta_slow": 0"#,
+            r#", "beta_fast": 8, "beta_slow": 8"#,
+            r#", "beta_fast": 64.5, "beta_slow": 0.5"#,
+        ] {
+            yarn(betas).unwrap_or_else(|e| panic!("{betas}: {e}"));
+        }
+        for (betas, key, value, why) in [
+            (r#", "beta_fast": -32"#, "beta_fast", "-32", "positive"),
+            (r#", "beta_slow": -1"#, "beta_slow", "-1", "positive"),
+            (
+                r#", "beta_fast": 1, "beta_slow": 32"#,
+                "beta_fast",
+                "1 (beta_slow 32)",
+                "at least beta_slow",
+            ),
+            (
+                r#", "beta_fast": 1e308"#,
+                "beta_fast",
+                "1e308",
+                "not finite",
+            ),
+            (
+                r#", "beta_slow": 1e-320"#,
+                "beta_slow",
+                "1e-320",
+                "not finite",
+            ),
+        ] {
+            let e = yarn(betas).unwrap_err();
+            assert!(
+                matches!(&e, ConfigError::Invalid { field, value: v, why: w }
+                    if field == &format!("rope_parameters.{key}") && v == value && w.contains(why)),
+                "{betas}: {e:?}"
+            );
+        }
+    }
+
+    /// The norms compute in f32: an epsilon that is infinite (1e308) or 0 (1e-50) there is
+    /// refused, though finite and positive in f64.
+    #[test]
+    fn an_epsilon_that_is_not_a_positive_f32_is_refused() {
+        let theta = r#""rope_theta": 1e4"#;
+        for eps in ["1e-5", "1e30", "1e-40"] {
+            parse(&format!(r#"{theta}, "rms_norm_eps": {eps}"#))
+                .unwrap_or_else(|e| panic!("{eps}: {e}"));
+        }
+        // (as written, as shown: serde_json reads 1e-50 as 9.999999999999999e-51, f32 value)
+        for (eps, shown, f32_value) in [
+            ("1e308", "1e308:", "inf"),
+            ("1e-50", "e-51:", "0"),
+            ("0", "0:", "0"),
+            ("-1e-6", "-1e-6:", "-0.000001"),
+        ] {
+            let e = parse(&format!(r#"{theta}, "rms_norm_eps": {eps}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("`rms_norm_eps` = ")
+                    && e.contains(shown)
+                    && e.contains("as an f32")
+                    && e.contains(&format!("it is {f32_value}")),
+                "{eps}: {e}"
+            );
+        }
+    }
+
+    /// `dtype` / `torch_dtype` name the stored tensors: one the loader does not read (a
+    /// quantised or fp8 checkpoint) is refused naming the key, whichever key says it; the
+    /// dtypes it reads pass under `transformers`' names, `torch` aliases included.
+    #[test]
+    fn a_storage_dtype_the_loader_does_not_read_is_refused() {
+        let theta = r#""rope_theta": 1e4"#;
+        for d in ["bfloat16", "float16", "half", "float32", "float"] {
+            for key in ["dtype", "torch_dtype"] {
+                let c = parse(&format!(r#"{theta}, "{key}": "{d}""#)).unwrap();
+                assert_eq!(c.dtype, d);
+            }
+        }
+        // Both given: `dtype` is the one kept, as in `transformers`.
+        let c = parse(&format!(
+            r#"{theta}, "dtype": "bfloat16", "torch_dtype": "float16""#
+        ))
+        .unwrap();
+        assert_eq!(c.dtype, "bfloat16");
+        for (extra, key, value) in [
+            (r#""dtype": "int4""#, "dtype", "int4"),
+            (r#""dtype": "float8_e4m3fn""#, "dtype", "float8_e4m3fn"),
+            (r#""torch_dtype": "float64""#, "torch_dtype", "float64"),
+            (r#""dtype": "auto""#, "dtype", "auto"),
+            (
+                r#""dtype": "bfloat16", "torch_dtype": "int8""#,
+                "torch_dtype",
+                "int8",
+            ),
+        ] {
+            let e = parse(&format!("{theta}, {extra}")).unwrap_err();
+            assert!(
+                matches!(&e, ConfigError::Unsupported { key: k, value: v, .. }
+                    if k == key && v == &format!("{value:?}")),
+                "{extra}: {e:?}"
+            );
+        }
     }
 }

@@ -141,11 +141,7 @@ impl Rope {
     /// Checks the parameters (errors name the field under `rope_parameters`).
     pub fn validate(&self) -> Result<(), (&'static str, String, &'static str)> {
         if !(self.theta.is_finite() && self.theta > 1.0) {
-            return Err((
-                "rope_theta",
-                self.theta.to_string(),
-                "must be finite and above 1",
-            ));
+            return Err(("rope_theta", num(self.theta), "must be finite and above 1"));
         }
         let factor = match self.scaling {
             RopeScaling::Default => return Ok(()),
@@ -168,28 +164,60 @@ impl Rope {
                 if !(attention_factor.is_finite() && attention_factor > 0.0) {
                     return Err((
                         "attention_factor",
-                        attention_factor.to_string(),
+                        num(attention_factor),
                         "must be finite and positive",
                     ));
                 }
-                if !(beta_fast.is_finite() && beta_slow.is_finite() && beta_slow > 0.0) {
+                // `transformers` takes the logarithm of `O/(2π·β)` (a Python `math.log`, which
+                // raises on a negative β), then floors it (which raises on an infinite one):
+                // each β must be positive with that logarithm finite, or the ramp's bounds
+                // would be NaN or infinite here.
+                let orig = original_max_position_embeddings as f64;
+                for (key, beta) in [("beta_fast", beta_fast), ("beta_slow", beta_slow)] {
+                    if !(beta.is_finite() && beta > 0.0) {
+                        return Err((key, num(beta), "must be finite and positive"));
+                    }
+                    if !(orig / (beta * 2.0 * std::f64::consts::PI))
+                        .ln()
+                        .is_finite()
+                    {
+                        return Err((
+                            key,
+                            num(beta),
+                            "is out of range: ln(original_max_position_embeddings / (2π·β)), \
+                             which places YaRN's ramp, is not finite",
+                        ));
+                    }
+                }
+                // `transformers` says beta_fast must be greater than beta_slow (it warns,
+                // then runs the ramp backwards: the dimensions meant to keep their frequency
+                // are divided and the others kept); refused, as a factor below 1 is.
+                if beta_fast < beta_slow {
                     return Err((
-                        "beta_slow",
-                        format!("{beta_slow} (beta_fast {beta_fast})"),
-                        "beta_fast and beta_slow must be finite, beta_slow positive",
+                        "beta_fast",
+                        format!("{} (beta_slow {})", num(beta_fast), num(beta_slow)),
+                        "must be at least beta_slow: the ramp from the kept to the divided \
+                         frequencies would run backwards",
                     ));
                 }
                 factor
             }
         };
         if !(factor.is_finite() && factor >= 1.0) {
-            return Err((
-                "factor",
-                factor.to_string(),
-                "must be finite and at least 1",
-            ));
+            return Err(("factor", num(factor), "must be finite and at least 1"));
         }
         Ok(())
+    }
+}
+
+/// A config value for an error message: as written in JSON for ordinary magnitudes (`4`,
+/// `0.5`), in exponent form where the plain one would run to hundreds of digits (`1e308`).
+pub(crate) fn num(x: f64) -> String {
+    let a = x.abs();
+    if a != 0.0 && !(1e-5..1e16).contains(&a) {
+        format!("{x:e}")
+    } else {
+        x.to_string()
     }
 }
 
