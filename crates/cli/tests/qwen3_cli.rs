@@ -291,6 +291,10 @@ fn bad_checkpoints_give_errors_naming_the_tensor_and_the_file() {
     let d = dir.join("empty");
     std::fs::create_dir_all(&d).unwrap();
     expect_error(&d, &["config.json"]);
+    // A file for the directory: said to be one (it was "missing config.json").
+    let f = dir.join("afile");
+    std::fs::write(&f, b"not a checkpoint").unwrap();
+    expect_error(&f, &["afile", "is a file, not a directory"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

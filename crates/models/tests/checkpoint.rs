@@ -1,7 +1,8 @@
 //! Checkpoint round trips (single file, sharded, `[in, out]` layout, bf16 norms) and every
 //! error path: missing config, missing weights, truncated file, missing tensor, wrong shape,
 //! unknown and unsupported dtypes, bad index, tensors the model does not use; a tied head that
-//! ignores a stray `lm_head.weight`; headers checked before any weight is loaded.
+//! ignores a stray `lm_head.weight`; headers checked before any weight is loaded; header entries
+//! the parser refuses, named; a path that is not a directory.
 
 use std::path::{Path, PathBuf};
 
@@ -479,6 +480,114 @@ fn every_header_is_checked_before_any_weight_is_loaded() {
         "{e}"
     );
     assert_eq!(ticks.load(std::sync::atomic::Ordering::Relaxed), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Rewrites `dir/model.safetensors` (saved from `full`) with `edit` applied to its header's
+/// JSON and the data section as it was: edits the safetensors writer would refuse.
+fn edit_header(
+    dir: &Path,
+    full: &[u8],
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) {
+    let (_, base) = spans(full);
+    let mut header: serde_json::Value = serde_json::from_slice(&full[8..base]).unwrap();
+    edit(header.as_object_mut().unwrap());
+    write_raw(dir, &header.to_string(), &full[base..]);
+}
+
+/// A header entry the parser refuses without naming it (a dtype whose size disagrees with the
+/// offsets, offsets past the end of the file, an overflowing shape) or names without saying
+/// why (overlapping offsets): the error names the file, the tensor, its dtype, shape and
+/// offsets.
+#[test]
+fn an_inconsistent_header_entry_is_named() {
+    let c = small();
+    let w = generate_weights(&c, 9, false, None);
+    let dir = tmp("bad-entry");
+    save_checkpoint(&dir, &w, &SaveOptions::default()).unwrap();
+    let full = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let (spans_of, _) = spans(&full);
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let (last, _) = last_tensor(&full);
+    let (_, q_start, q_end) = spans_of.iter().find(|s| s.0 == q).unwrap().clone();
+    let data = full.len() - spans(&full).1;
+    let bf16_bytes = c.q_width() * c.hidden_size * 2;
+    type Edit<'a> = Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>) + 'a>;
+    // (what, header edit, the tensor named, what the error says about it)
+    let cases: Vec<(&str, Edit<'_>, &str, String)> = vec![
+        (
+            "an int8 tensor with its bf16 size",
+            Box::new(|h| h[q]["dtype"] = "I8".into()),
+            q,
+            format!(
+                "dtype I8, shape [{}, {}], data_offsets [{q_start}, {q_end}]: the dtype and shape make {} bytes, the offsets span {bf16_bytes} (and I8 is not a dtype this loader reads",
+                c.q_width(),
+                c.hidden_size,
+                bf16_bytes / 2
+            ),
+        ),
+        (
+            "offsets past the end of the file",
+            Box::new(|h| h[last.as_str()]["data_offsets"][1] = (data + 1000).into()),
+            &last,
+            format!("run past the end of the file's data section ({data} bytes)"),
+        ),
+        (
+            "a shape whose size overflows",
+            Box::new(|h| h[q]["shape"] = serde_json::json!([1u64 << 40, 1u64 << 40])),
+            q,
+            "its byte count overflows".into(),
+        ),
+        (
+            "offsets overlapping the tensor before",
+            Box::new(|h| {
+                h[q]["data_offsets"] = serde_json::json!([q_start - 2, q_end - 2]);
+            }),
+            q,
+            format!("must start where the tensor before it ends, at {q_start} (it overlaps"),
+        ),
+    ];
+    for (what, edit, tensor, why) in cases {
+        edit_header(&dir, &full, edit);
+        let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+        assert!(
+            matches!(&e, CheckpointError::BadTensor { tensor: t, file, why: y }
+                if t == tensor && file.ends_with("model.safetensors") && y.contains(&why)),
+            "{what}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A file (or nothing) given for the checkpoint directory is said to be one, not a directory
+/// without a config.json; a directory where a safetensors file should be is named as such.
+#[test]
+fn a_path_that_is_not_a_directory_is_named() {
+    let dir = tmp("not-a-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("afile");
+    std::fs::write(&file, b"weights?").unwrap();
+    for (path, what) in [
+        (file, "is a file, not a directory"),
+        (dir.join("absent"), "does not exist"),
+    ] {
+        let e = load_checkpoint(&path, &LoadOptions::default()).unwrap_err();
+        assert!(
+            matches!(&e, CheckpointError::NotADirectory { dir, .. } if dir == &path)
+                && e.to_string().contains(what),
+            "{e}"
+        );
+    }
+    let c = small();
+    std::fs::write(dir.join("config.json"), c.to_json()).unwrap();
+    std::fs::create_dir_all(dir.join("model.safetensors")).unwrap();
+    let e = load_checkpoint(&dir, &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::Io { file, .. } if file.ends_with("model.safetensors"))
+            && e.to_string().contains("not a regular file"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -19,6 +19,17 @@ use super::weights::{LayerWeights, Qwen3Weights, TensorMut};
 /// Why a checkpoint could not be loaded or saved.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
+    /// The checkpoint path is not a directory (a file, or nothing at all).
+    #[error(
+        "{}: {what}; a checkpoint is a directory (config.json and the safetensors files)",
+        dir.display()
+    )]
+    NotADirectory {
+        /// The path given.
+        dir: PathBuf,
+        /// What is there instead.
+        what: &'static str,
+    },
     /// `config.json` is absent.
     #[error("{}: missing config.json", dir.display())]
     MissingConfig {
@@ -69,6 +80,18 @@ pub enum CheckpointError {
         /// The file.
         file: PathBuf,
         /// The parser's finding.
+        why: String,
+    },
+    /// A tensor's header entry is inconsistent (its dtype and shape do not make the bytes its
+    /// offsets span, its offsets overlap another tensor's or leave a gap, run past the file,
+    /// ...): the parser refuses the whole file without naming it.
+    #[error("{}: invalid safetensors header for tensor `{tensor}`: {why}", file.display())]
+    BadTensor {
+        /// The tensor name (the first offending one, in offset order).
+        tensor: String,
+        /// The file.
+        file: PathBuf,
+        /// What is wrong, with the dtype, shape and offsets.
         why: String,
     },
     /// A required tensor is absent.
@@ -180,6 +203,13 @@ fn io(file: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 
 fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
     let f = std::fs::File::open(path).map_err(io(path))?;
+    // A directory opens, then fails to map with "No such device".
+    if !f.metadata().map_err(io(path))?.is_file() {
+        return Err(CheckpointError::Io {
+            file: path.to_path_buf(),
+            source: std::io::Error::other("not a regular file"),
+        });
+    }
     // SAFETY: the mapping is read-only and lives as long as the loader; a checkpoint file
     // modified by another process while it is loaded is outside this loader's contract (the
     // same assumption every mmap-based safetensors loader makes).
@@ -219,6 +249,18 @@ fn parse(shard: &Shard) -> Result<SafeTensors<'_>, CheckpointError> {
                 why: e.to_string(),
             },
         },
+        // The header's entries disagree with each other or with the file: the parser says
+        // so without naming the tensor (or names it without saying why).
+        SafeTensorError::TensorInvalidInfo
+        | SafeTensorError::InvalidOffset(_)
+        | SafeTensorError::ValidationOverflow
+        | SafeTensorError::MisalignedSlice => match bad_entry(&shard.map) {
+            Some((tensor, why)) => CheckpointError::BadTensor { tensor, file, why },
+            None => CheckpointError::BadFile {
+                file,
+                why: e.to_string(),
+            },
+        },
         other => CheckpointError::BadFile {
             file,
             why: other.to_string(),
@@ -226,18 +268,97 @@ fn parse(shard: &Shard) -> Result<SafeTensors<'_>, CheckpointError> {
     })
 }
 
+/// The header's tensor entries (`__metadata__` left out) as parsed JSON, with the length of
+/// the data section after the header (`None` for a header that does not parse).
+fn header_entries(buf: &[u8]) -> Option<(serde_json::Map<String, serde_json::Value>, u64)> {
+    let n = usize::try_from(u64::from_le_bytes(buf.get(..8)?.try_into().ok()?)).ok()?;
+    let end = 8usize.checked_add(n)?;
+    let header: serde_json::Value = serde_json::from_slice(buf.get(8..end)?).ok()?;
+    let mut entries = header.as_object()?.clone();
+    entries.remove("__metadata__");
+    Some((entries, (buf.len() - end) as u64))
+}
+
+/// The first tensor, in offset order (the parser's), whose header entry the parser refuses,
+/// and why: its offsets do not start where the previous tensor's end, end before they start,
+/// or span other than `dtype` × `shape` bytes, or that byte count overflows or is not whole.
+fn bad_entry(buf: &[u8]) -> Option<(String, String)> {
+    let (entries, data) = header_entries(buf)?;
+    // (data_offsets, name, dtype, shape)
+    type Entry<'a> = ((u64, u64), &'a str, Dtype, Vec<u64>);
+    let mut infos: Vec<Entry<'_>> = entries
+        .iter()
+        .filter_map(|(name, v)| {
+            let o = v.get("data_offsets")?.as_array()?;
+            let offsets = (o.first()?.as_u64()?, o.get(1)?.as_u64()?);
+            let dtype: Dtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+            let shape = v
+                .get("shape")?
+                .as_array()?
+                .iter()
+                .map(serde_json::Value::as_u64)
+                .collect::<Option<Vec<u64>>>()?;
+            Some((offsets, name.as_str(), dtype, shape))
+        })
+        .collect();
+    infos.sort_by_key(|i| i.0);
+    let mut start = 0u64;
+    for ((s, e), name, dtype, shape) in infos {
+        let entry = format!("dtype {dtype}, shape {shape:?}, data_offsets [{s}, {e}]");
+        let why = if s != start {
+            Some(format!(
+                "{entry}: it must start where the tensor before it ends, at {start} ({})",
+                if s < start {
+                    "it overlaps that tensor"
+                } else {
+                    "a gap of unused bytes"
+                }
+            ))
+        } else if e < s {
+            Some(format!("{entry}: its end is before its start"))
+        } else {
+            let bits = shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .and_then(|n| n.checked_mul(dtype.bitsize() as u64));
+            match bits {
+                None => Some(format!("{entry}: its byte count overflows")),
+                Some(b) if b % 8 != 0 => {
+                    Some(format!("{entry}: {b} bits is not a whole number of bytes"))
+                }
+                Some(b) if b / 8 != e - s => Some(format!(
+                    "{entry}: the dtype and shape make {} bytes, the offsets span {}{}{}",
+                    b / 8,
+                    e - s,
+                    if e > data {
+                        format!(" and run past the end of the file's data section ({data} bytes)")
+                    } else {
+                        String::new()
+                    },
+                    if matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                        String::new()
+                    } else {
+                        format!(" (and {dtype} is not a dtype this loader reads: BF16, F16, F32)")
+                    },
+                )),
+                Some(_) => None,
+            }
+        };
+        if let Some(why) = why {
+            return Some((name.to_string(), why));
+        }
+        start = e;
+    }
+    None
+}
+
 /// Which tensor a file whose data section is shorter or longer than its header says cuts
 /// (the first, in file order, whose bytes run past the end), or the surplus: the parser says
 /// only that the file is "not fully covered".
 fn cut_tensor(buf: &[u8]) -> Option<String> {
-    let n = usize::try_from(u64::from_le_bytes(buf.get(..8)?.try_into().ok()?)).ok()?;
-    let header: serde_json::Value =
-        serde_json::from_slice(buf.get(8..8usize.checked_add(n)?)?).ok()?;
-    let data = (buf.len() - 8 - n) as u64;
-    let mut spans: Vec<(u64, u64, &str)> = header
-        .as_object()?
+    let (entries, data) = header_entries(buf)?;
+    let mut spans: Vec<(u64, u64, &str)> = entries
         .iter()
-        .filter(|(name, _)| *name != "__metadata__")
         .filter_map(|(name, v)| {
             let o = v.get("data_offsets")?.as_array()?;
             Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?, name.as_str()))
@@ -260,16 +381,17 @@ fn cut_tensor(buf: &[u8]) -> Option<String> {
 
 /// The first tensor whose header dtype string is none the parser knows.
 fn unknown_dtype(buf: &[u8]) -> Option<(String, String)> {
-    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?) as usize;
-    let header: serde_json::Value =
-        serde_json::from_slice(buf.get(8..8usize.checked_add(n)?)?).ok()?;
-    const KNOWN: [&str; 14] = [
-        "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
-        "F64", "I64",
-    ];
-    header.as_object()?.iter().find_map(|(name, v)| {
-        let d = v.get("dtype")?.as_str()?;
-        (!KNOWN.contains(&d) && name != "__metadata__").then(|| (name.clone(), d.to_string()))
+    let (entries, _) = header_entries(buf)?;
+    entries.iter().find_map(|(name, v)| {
+        let d = v.get("dtype")?;
+        serde_json::from_value::<Dtype>(d.clone())
+            .is_err()
+            .then(|| {
+                (
+                    name.clone(),
+                    d.as_str().map_or_else(|| d.to_string(), str::to_string),
+                )
+            })
     })
 }
 
@@ -303,6 +425,20 @@ impl<'a> Source<'a> {
 
 /// Reads and validates a checkpoint directory's `config.json` (nothing else is opened).
 pub fn load_config(dir: &Path) -> Result<Qwen3Config, CheckpointError> {
+    // A file given for the directory would read as one without a config.json.
+    let what = match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => None,
+        Ok(m) if m.is_file() => Some("is a file, not a directory"),
+        Ok(_) => Some("is not a directory"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("does not exist"),
+        Err(e) => return Err(io(dir)(e)),
+    };
+    if let Some(what) = what {
+        return Err(CheckpointError::NotADirectory {
+            dir: dir.to_path_buf(),
+            what,
+        });
+    }
     let config_path = dir.join("config.json");
     if !config_path.exists() {
         return Err(CheckpointError::MissingConfig {
