@@ -148,8 +148,18 @@ impl ApiError {
     }
 
     fn body(&self) -> Value {
+        // A message starts with the field it names (clients often show only the message).
+        let message = match &self.param {
+            Some(p)
+                if !self.message.starts_with(p.as_str())
+                    && !self.message.starts_with(&format!("`{p}`")) =>
+            {
+                format!("{p}: {}", self.message)
+            }
+            _ => self.message.clone(),
+        };
         json!({"error": {
-            "message": self.message,
+            "message": message,
             "type": self.kind,
             "param": self.param,
             "code": self.code,

@@ -68,9 +68,18 @@ pub struct FieldError {
     pub param: Option<String>,
 }
 
+/// The error for field `param`: its message starts with the field's name (prefixed where the
+/// text does not already name it first), as the docs promise clients that show only the
+/// message.
 fn bad(param: &str, message: impl Into<String>) -> FieldError {
+    let message = message.into();
+    let named = message.starts_with(param) || message.starts_with(&format!("`{param}`"));
     FieldError {
-        message: message.into(),
+        message: if named {
+            message
+        } else {
+            format!("{param}: {message}")
+        },
         param: Some(param.to_string()),
     }
 }
@@ -361,7 +370,7 @@ impl<'a> Obj<'a> {
         {
             Some(k) => {
                 let p = self.path(k);
-                Err(bad(&p, format!("unsupported field `{p}`")))
+                Err(bad(&p, format!("{p}: unsupported field")))
             }
             None => Ok(()),
         }
@@ -387,7 +396,20 @@ impl<'a> Obj<'a> {
 
     fn int(&self, key: &str) -> Result<Option<i128>, FieldError> {
         self.get(key)
-            .map(|v| integer(v).ok_or_else(|| expected(&self.path(key), "an integer", v)))
+            .map(|v| {
+                integer(v).ok_or_else(|| {
+                    let path = self.path(key);
+                    // JSON integers past 64 bits reach here as floats (serde_json reads them
+                    // so): say that, not "got the number 1.8446744073709552e19".
+                    match v.as_f64() {
+                        Some(f) if f.fract() == 0.0 && f.abs() >= 9.2e18 => bad(
+                            &path,
+                            format!("{path}: an integer out of range (64 bits at most)"),
+                        ),
+                        _ => expected(&path, "an integer", v),
+                    }
+                })
+            })
             .transpose()
     }
 
@@ -1182,6 +1204,26 @@ mod tests {
                 "max_tokens",
                 "max_tokens: expected an integer, got the number 2.0",
             ),
+            // Past 64 bits JSON integers arrive as floats: said as such.
+            (
+                text_prompt(r#","seed":18446744073709551616"#).into_bytes(),
+                true,
+                "seed",
+                "seed: an integer out of range (64 bits at most)",
+            ),
+            // Every message starts with the field it names.
+            (
+                text_prompt(r#","stop":["a","b","c","d","e"]"#).into_bytes(),
+                true,
+                "stop",
+                "stop: at most 4 stop strings",
+            ),
+            (
+                br#"{"model":"m","prompt":[]}"#.to_vec(),
+                true,
+                "prompt",
+                "prompt: the prompt is empty",
+            ),
             (
                 text_prompt(r#","temperature":"hot""#).into_bytes(),
                 true,
@@ -1297,7 +1339,7 @@ mod tests {
                 ),
                 false,
                 "messages[0].tool_calls",
-                "unsupported field `messages[0].tool_calls`",
+                "messages[0].tool_calls: unsupported field",
             ),
             (
                 chat(HI, r#","chat_template_kwargs":{"enable_thinking":"no"}"#),
@@ -1309,7 +1351,7 @@ mod tests {
                 chat(HI, r#","chat_template_kwargs":{"thinking":false}"#),
                 false,
                 "chat_template_kwargs.thinking",
-                "unsupported field `chat_template_kwargs.thinking`",
+                "chat_template_kwargs.thinking: unsupported field",
             ),
             (
                 chat(HI, r#","max_completion_tokens":"5""#),

@@ -400,6 +400,14 @@ async fn bad_requests_get_error_objects_and_the_server_keeps_serving() {
             assert_eq!(e["code"], c, "{v}");
         }
         assert_eq!(e["param"].as_str(), param, "{path} {body}: {v}");
+        // The message starts with the field it names (clients often show only the message).
+        if let Some(p) = param {
+            let m = e["message"].as_str().unwrap();
+            assert!(
+                m.starts_with(p) || m.starts_with(&format!("`{p}`")),
+                "{path} {body}: {v}"
+            );
+        }
         // And the next request is served.
         let (ok, v) = post(
             srv.addr,
