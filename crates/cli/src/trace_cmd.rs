@@ -130,7 +130,11 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                     "--warmup: it excludes rounds from the --rounds summary; add --rounds"
                 );
             }
-            let trace = reader::read_traces(&files)?;
+            if let Some(out) = &perfetto {
+                let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+                refuse_overwrite("--perfetto", out, &inputs)?;
+            }
+            let trace = reader::read_spans(&files)?;
             print!("{}", trace.clock_summary());
             if rounds {
                 print!("{}", timing::rounds_table(&trace, warmup));
@@ -158,6 +162,9 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
         } => {
             if let [path] = &paths[..] {
                 let j = load_joined(path, deps.as_deref())?;
+                if let Some(out) = &perfetto {
+                    refuse_overwrite("--perfetto", out, &inputs_of(std::slice::from_ref(&j)))?;
+                }
                 print_sources(&j);
                 print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
                 if let Some(out) = perfetto {
@@ -167,6 +174,9 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let joined = load_runs(&paths, deps.as_deref())?;
+            if let Some(out) = &perfetto {
+                refuse_overwrite("--perfetto", out, &inputs_of(&joined))?;
+            }
             for j in &joined {
                 print_sources(j);
                 print!("{}", swimlane::report(&j.swimlane, j.deps.as_ref()));
@@ -228,6 +238,11 @@ pub(crate) fn main(args: TraceArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let path = diag::locate(&files[0], diag::DEPS_FILE)?;
+            for (flag, out) in [("--dot", &dot), ("--html", &html_out)] {
+                if let Some(out) = out {
+                    refuse_overwrite(flag, out, &[&path])?;
+                }
+            }
             let g = diag::read_deps(&path)?;
             print!("{}", deps::summary(&g)?);
             let view = if reduce { deps::reduce(&g)? } else { g };
@@ -342,6 +357,33 @@ fn print_sources(j: &diag::Joined) {
         ),
         None => println!("swimlane {}  (no deps.json)", j.swimlane_path.display()),
     }
+}
+
+/// The files a joined run was read from: its swimlane and its deps file.
+fn inputs_of(runs: &[diag::Joined]) -> Vec<&Path> {
+    runs.iter()
+        .flat_map(|j| std::iter::once(j.swimlane_path.as_path()).chain(j.deps_path.as_deref()))
+        .collect()
+}
+
+/// Refuses an output file that is one of the input files (it would be overwritten with the
+/// report on itself). Compared as canonical paths, so `./a/../trace.jsonl` and a symbolic link
+/// count; an output that does not exist yet is no input.
+fn refuse_overwrite(flag: &str, out: &Path, inputs: &[&Path]) -> anyhow::Result<()> {
+    let Ok(out_canonical) = std::fs::canonicalize(out) else {
+        return Ok(());
+    };
+    if let Some(input) = inputs
+        .iter()
+        .find(|i| std::fs::canonicalize(i).is_ok_and(|c| c == out_canonical))
+    {
+        anyhow::bail!(
+            "{flag} {}: it is the input file {}; refusing to overwrite it (write the output to another file)",
+            out.display(),
+            input.display()
+        );
+    }
+    Ok(())
 }
 
 fn write_text(path: &Path, text: &str) -> anyhow::Result<()> {

@@ -198,25 +198,188 @@ pub fn write_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<PathB
     Ok(path.to_path_buf())
 }
 
-/// Reads `swimlane.json`, refusing records no run can have written (see [`MAX_CORES`]).
+/// Reads `swimlane.json`, refusing records no run can have written: a core id or count past
+/// [`MAX_CORES`], a block on a core the file's `cores` does not have, a block whose times are
+/// out of order (it ends before it starts; at level 2 and above also dispatched after its start
+/// or finished before its end), a task's block recorded twice, a phase or submit that ends
+/// before it starts.
 pub fn read_swimlane(path: &Path) -> Result<SwimlaneRecords> {
     let r: SwimlaneRecords = read_versioned(path)?;
-    crate::blocks::validate(&r).map_err(|what| DfxError::Invalid {
+    crate::blocks::validate(&r)
+        .and_then(|()| swimlane_consistency(&r))
+        .map_err(|what| DfxError::Invalid {
+            path: path.to_path_buf(),
+            line: 0,
+            what,
+        })?;
+    Ok(r)
+}
+
+/// Reads `deps.json`, refusing a graph no run can have captured: two tasks with one id, an
+/// edge naming a task the graph does not have, an argument naming a tensor past `tensors[]`.
+/// (A cycle is refused by the analyses, which order the graph.)
+pub fn read_deps(path: &Path) -> Result<DepGraph> {
+    let g: DepGraph = read_versioned(path)?;
+    deps_consistency(&g).map_err(|what| DfxError::Invalid {
         path: path.to_path_buf(),
         line: 0,
         what,
     })?;
-    Ok(r)
+    Ok(g)
 }
 
-/// Reads `deps.json`.
-pub fn read_deps(path: &Path) -> Result<DepGraph> {
-    read_versioned(path)
-}
-
-/// Reads `ring_stats.json`.
+/// Reads `ring_stats.json`, refusing statistics no run can have written: a capacity of 0, a
+/// high-water mark above its capacity, a scope site on a ring the file does not list.
 pub fn read_ring_stats(path: &Path) -> Result<RingStats> {
-    read_versioned(path)
+    let s: RingStats = read_versioned(path)?;
+    ring_stats_consistency(&s).map_err(|what| DfxError::Invalid {
+        path: path.to_path_buf(),
+        line: 0,
+        what,
+    })?;
+    Ok(s)
+}
+
+/// What makes swimlane records inconsistent, if anything (see [`read_swimlane`]). The
+/// analyses take records built in memory as they are; this is for files.
+fn swimlane_consistency(r: &SwimlaneRecords) -> std::result::Result<(), String> {
+    let sched_times = crate::blocks::has_sched_times(r);
+    let mut seen = std::collections::HashMap::with_capacity(r.tasks.len());
+    for (i, b) in r.tasks.iter().enumerate() {
+        let at = || {
+            format!(
+                "tasks[{i}] (task {} block {} on core {})",
+                crate::blocks::task_name(b.task_id),
+                b.block,
+                b.core
+            )
+        };
+        if b.core >= r.cores {
+            return Err(format!(
+                "{}: core {} is not below the file's cores = {}",
+                at(),
+                b.core,
+                r.cores
+            ));
+        }
+        let mut order = vec![("start", b.start, "end", b.end)];
+        if sched_times {
+            order.push(("dispatch", b.dispatch, "start", b.start));
+            order.push(("end", b.end, "finish", b.finish));
+        }
+        if let Some((first, a, then, z)) = order.into_iter().find(|&(_, a, _, z)| z < a) {
+            return Err(format!("{}: {then} {z} is before {first} {a}", at()));
+        }
+        if let Some(j) = seen.insert((b.task_id, b.block), i) {
+            return Err(format!(
+                "{}: the same block of the same task is also tasks[{j}]",
+                at()
+            ));
+        }
+    }
+    for (i, p) in r.phases.iter().enumerate() {
+        if p.core >= r.cores {
+            return Err(format!(
+                "phases[{i}]: core {} is not below the file's cores = {}",
+                p.core, r.cores
+            ));
+        }
+        if p.end < p.start {
+            return Err(format!(
+                "phases[{i}] (scheduler {} on core {}): end {} is before start {}",
+                p.sched, p.core, p.end, p.start
+            ));
+        }
+    }
+    for (i, s) in r.submits.iter().enumerate() {
+        if s.end < s.start {
+            return Err(format!(
+                "submits[{i}] (task {}): end {} is before start {}",
+                crate::blocks::task_name(s.task_id),
+                s.end,
+                s.start
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What makes a dependency graph inconsistent, if anything (see [`read_deps`]).
+fn deps_consistency(g: &DepGraph) -> std::result::Result<(), String> {
+    let name = crate::blocks::task_name;
+    let mut index = std::collections::HashMap::with_capacity(g.tasks.len());
+    for (i, t) in g.tasks.iter().enumerate() {
+        if let Some(j) = index.insert(t.id, i) {
+            return Err(format!(
+                "tasks[{i}]: id {} ({}) is also the id of tasks[{j}]",
+                t.id,
+                name(t.id)
+            ));
+        }
+        if let Some((k, a)) = t
+            .args
+            .iter()
+            .enumerate()
+            .find(|(_, a)| a.tensor >= g.tensors.len())
+        {
+            return Err(format!(
+                "tasks[{i}] (task {}).args[{k}]: tensor {} is not below the {} tensors of the file",
+                name(t.id),
+                a.tensor,
+                g.tensors.len()
+            ));
+        }
+    }
+    for (i, e) in g.edges.iter().enumerate() {
+        for (field, id) in [("pred", e.pred), ("succ", e.succ)] {
+            if !index.contains_key(&id) {
+                return Err(format!(
+                    "edges[{i}]: {field} {id} ({}) is not a task of the graph",
+                    name(id)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What makes ring statistics inconsistent, if anything (see [`read_ring_stats`]).
+fn ring_stats_consistency(s: &RingStats) -> std::result::Result<(), String> {
+    let check = |what: String, u: &simpler_core::trace::Usage| {
+        if u.capacity == 0 {
+            Err(format!(
+                "{what}.capacity is 0 (every ring and map of a run has room)"
+            ))
+        } else if u.high_water > u.capacity {
+            Err(format!(
+                "{what}.high_water {} is above its capacity {}",
+                u.high_water, u.capacity
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    for (i, r) in s.rings.iter().enumerate() {
+        check(
+            format!("rings[{i}] (ring {}) task_window", r.ring),
+            &r.task_window,
+        )?;
+        check(format!("rings[{i}] (ring {}) heap", r.ring), &r.heap)?;
+        check(
+            format!("rings[{i}] (ring {}) dep_pool", r.ring),
+            &r.dep_pool,
+        )?;
+    }
+    check("tensormap".into(), &s.tensormap)?;
+    for (i, sc) in s.scopes.iter().enumerate() {
+        if !s.rings.iter().any(|r| r.ring == sc.ring) {
+            return Err(format!(
+                "scopes[{i}] (site {}): ring {} is not one of the file's rings[]",
+                sc.site, sc.ring
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `path` itself when it is a file; `path/name` when it is a directory.
@@ -418,8 +581,19 @@ mod tests {
                     high_water: 5,
                     capacity: 8,
                 },
-                ..Default::default()
+                heap: Usage {
+                    high_water: 0,
+                    capacity: 1024,
+                },
+                dep_pool: Usage {
+                    high_water: 0,
+                    capacity: 4,
+                },
             }],
+            tensormap: Usage {
+                high_water: 0,
+                capacity: 16,
+            },
             ..Default::default()
         });
         let files = write_run_diagnostics(&dir, &report).unwrap();
@@ -527,5 +701,299 @@ mod tests {
             ..Default::default()
         };
         check_fingerprints(&s, Path::new("a"), &d2, Path::new("b")).unwrap();
+    }
+
+    /// Writes `value` to a file of this test process and reads it back with `read`; returns
+    /// the error's text, which must name the file and hold every one of `says`.
+    fn refused<T: Serialize, R: std::fmt::Debug>(
+        name: &str,
+        value: &T,
+        read: fn(&Path) -> Result<R>,
+        says: &[&str],
+    ) {
+        let path =
+            std::env::temp_dir().join(format!("simpler-dfx-refused-{}-{name}", std::process::id()));
+        write_json(&path, value).unwrap();
+        let e = read(&path).unwrap_err();
+        let msg = e.to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            matches!(&e, DfxError::Invalid { line: 0, path: p, .. } if *p == path),
+            "{name}: {msg}"
+        );
+        for want in says {
+            assert!(msg.contains(want), "{name}: {msg}");
+        }
+    }
+
+    fn block(task_id: u64, core: u32, t: [u64; 4]) -> simpler_core::trace::TaskRecord {
+        simpler_core::trace::TaskRecord {
+            task_id,
+            func: 7,
+            class: simpler_core::EngineClass::Vector,
+            core,
+            block: 0,
+            dispatch: t[0],
+            start: t[1],
+            end: t[2],
+            finish: t[3],
+        }
+    }
+
+    fn swimlane_of(
+        level: u8,
+        cores: u32,
+        tasks: Vec<simpler_core::trace::TaskRecord>,
+    ) -> SwimlaneRecords {
+        SwimlaneRecords {
+            level,
+            fingerprint: "f".into(),
+            cores,
+            tasks,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn swimlane_records_out_of_order_or_on_missing_cores_are_refused() {
+        let ok = swimlane_of(
+            2,
+            2,
+            vec![
+                block(1, 0, [5, 10, 20, 25]),
+                block(1 << 32, 1, [5, 10, 10, 10]),
+            ],
+        );
+        let path = std::env::temp_dir().join(format!("simpler-dfx-ok-{}", std::process::id()));
+        write_json(&path, &ok).unwrap();
+        assert_eq!(read_swimlane(&path).unwrap(), ok);
+        std::fs::remove_file(&path).unwrap();
+        let cases: Vec<(&str, SwimlaneRecords, &[&str])> = vec![
+            (
+                "end-before-start",
+                swimlane_of(
+                    2,
+                    2,
+                    vec![block(1, 0, [5, 10, 20, 25]), block(2, 1, [0, 30, 29, 40])],
+                ),
+                &[
+                    "tasks[1] (task 0:2 block 0 on core 1)",
+                    "end 29 is before start 30",
+                ],
+            ),
+            (
+                "dispatched-after-start",
+                swimlane_of(2, 1, vec![block(1, 0, [50, 10, 20, 25])]),
+                &["tasks[0]", "start 10 is before dispatch 50"],
+            ),
+            (
+                "finish-before-end",
+                swimlane_of(3, 1, vec![block(1, 0, [5, 10, 20, 15])]),
+                &["tasks[0]", "finish 15 is before end 20"],
+            ),
+            (
+                "level-1-end-before-start",
+                swimlane_of(1, 1, vec![block(1, 0, [0, 10, 9, 0])]),
+                &["tasks[0]", "end 9 is before start 10"],
+            ),
+            (
+                "cores-0",
+                swimlane_of(2, 0, vec![block(1, 0, [5, 10, 20, 25])]),
+                &["tasks[0]", "core 0 is not below the file's cores = 0"],
+            ),
+            (
+                "fewer-cores",
+                swimlane_of(
+                    2,
+                    1,
+                    vec![block(1, 0, [5, 10, 20, 25]), block(2, 1, [5, 10, 20, 25])],
+                ),
+                &["tasks[1]", "core 1 is not below the file's cores = 1"],
+            ),
+            (
+                "same-block-twice",
+                swimlane_of(
+                    2,
+                    2,
+                    vec![block(1, 0, [5, 10, 20, 25]), block(1, 1, [5, 10, 20, 25])],
+                ),
+                &["tasks[1] (task 0:1 block 0 on core 1)", "also tasks[0]"],
+            ),
+        ];
+        for (name, records, says) in cases {
+            refused(name, &records, read_swimlane, says);
+        }
+        let mut phase = ok.clone();
+        phase.level = 3;
+        phase.phases.push(simpler_core::trace::PhaseRecord {
+            sched: 1,
+            core: 1,
+            phase: simpler_core::trace::SchedPhase::Idle,
+            start: 9,
+            end: 8,
+        });
+        refused(
+            "phase",
+            &phase,
+            read_swimlane,
+            &["phases[0]", "end 8 is before start 9"],
+        );
+        phase.phases[0].core = 2;
+        refused(
+            "phase-core",
+            &phase,
+            read_swimlane,
+            &["phases[0]", "core 2 is not below"],
+        );
+        let mut submit = ok.clone();
+        submit.level = 4;
+        submit.submits.push(simpler_core::trace::SubmitRecord {
+            task_id: 1,
+            start: 4,
+            end: 3,
+        });
+        refused(
+            "submit",
+            &submit,
+            read_swimlane,
+            &["submits[0] (task 0:1)", "end 3 is before start 4"],
+        );
+    }
+
+    fn graph() -> DepGraph {
+        use simpler_core::trace::{
+            ArgRecord, EdgeRecord, EdgeSource, OverlapKind, ScopeKindRecord, TaskNode, TensorNode,
+        };
+        let task = |id: u64| TaskNode {
+            id,
+            scope: ScopeKindRecord::Auto,
+            scope_depth: 0,
+            kernel: 7,
+            kernel_name: "k".into(),
+            block_num: 1,
+            args: vec![ArgRecord {
+                tag: "output".into(),
+                tensor: 0,
+                offset: 0,
+                shape: vec![4],
+                strides: vec![1],
+            }],
+        };
+        DepGraph {
+            v: 1,
+            fingerprint: "f".into(),
+            tasks: vec![task(0), task(1), task(1 << 32)],
+            tensors: vec![TensorNode {
+                buffer: 1,
+                version: 0,
+                dtype: simpler_core::DType::F32,
+                size: 16,
+            }],
+            edges: [(0, 1), (1, 1 << 32)]
+                .map(|(pred, succ)| EdgeRecord {
+                    pred,
+                    succ,
+                    source: EdgeSource::Tensormap,
+                    overlap: OverlapKind::Covers,
+                })
+                .to_vec(),
+        }
+    }
+
+    #[test]
+    fn graphs_with_unknown_or_repeated_tasks_or_tensors_are_refused() {
+        let ok = graph();
+        let path = std::env::temp_dir().join(format!("simpler-dfx-okg-{}", std::process::id()));
+        write_json(&path, &ok).unwrap();
+        assert_eq!(read_deps(&path).unwrap(), ok);
+        std::fs::remove_file(&path).unwrap();
+        let mut edge = ok.clone();
+        edge.edges[1].succ = 99;
+        refused(
+            "edge-succ",
+            &edge,
+            read_deps,
+            &["edges[1]: succ 99 (0:99) is not a task of the graph"],
+        );
+        let mut edge = ok.clone();
+        edge.edges[0].pred = 5 << 32;
+        refused(
+            "edge-pred",
+            &edge,
+            read_deps,
+            &["edges[0]: pred 21474836480 (5:0) is not a task"],
+        );
+        let mut tensor = ok.clone();
+        tensor.tasks[2].args[0].tensor = 1;
+        refused(
+            "tensor",
+            &tensor,
+            read_deps,
+            &["tasks[2] (task 1:0).args[0]: tensor 1 is not below the 1 tensors"],
+        );
+        let mut dup = ok.clone();
+        dup.tasks[2].id = 0;
+        refused(
+            "dup",
+            &dup,
+            read_deps,
+            &["tasks[2]: id 0 (0:0) is also the id of tasks[0]"],
+        );
+    }
+
+    #[test]
+    fn ring_stats_past_their_capacity_are_refused() {
+        use simpler_core::trace::{RingUsage, ScopeSiteUsage, Usage};
+        let u = |high_water, capacity| Usage {
+            high_water,
+            capacity,
+        };
+        let ok = RingStats {
+            rings: vec![RingUsage {
+                ring: 0,
+                task_window: u(3, 16383),
+                heap: u(1024, 1 << 28),
+                dep_pool: u(16384, 16384),
+            }],
+            tensormap: u(32, 65536),
+            scopes: vec![ScopeSiteUsage {
+                site: "a.rs:1".into(),
+                ring: 0,
+                ..Default::default()
+            }],
+        };
+        let path = std::env::temp_dir().join(format!("simpler-dfx-okr-{}", std::process::id()));
+        write_json(&path, &ok).unwrap();
+        assert_eq!(read_ring_stats(&path).unwrap(), ok);
+        std::fs::remove_file(&path).unwrap();
+        let mut cap0 = ok.clone();
+        cap0.rings[0].heap = u(0, 0);
+        refused(
+            "cap0",
+            &cap0,
+            read_ring_stats,
+            &["rings[0] (ring 0) heap.capacity is 0"],
+        );
+        let mut map0 = ok.clone();
+        map0.tensormap = u(2, 0);
+        refused("map0", &map0, read_ring_stats, &["tensormap.capacity is 0"]);
+        let mut hw = ok.clone();
+        hw.rings[0].task_window = u(1_000_000_000_000_000_000, 16383);
+        refused(
+            "hw",
+            &hw,
+            read_ring_stats,
+            &[
+                "rings[0] (ring 0) task_window.high_water 1000000000000000000 is above its capacity 16383",
+            ],
+        );
+        let mut site = ok.clone();
+        site.scopes[0].ring = 2;
+        refused(
+            "site",
+            &site,
+            read_ring_stats,
+            &["scopes[0] (site a.rs:1): ring 2 is not one of the file's rings[]"],
+        );
     }
 }

@@ -14,8 +14,10 @@
 //! the file and line named.
 //!
 //! Files are streamed line by line (a trace of many steps is never held whole), a line longer
-//! than [`MAX_LINE_BYTES`] is refused rather than buffered, and every timestamp sum saturates:
-//! a file may hold any value, and a bad one gives an error or a clamped time, never a panic.
+//! than [`MAX_LINE_BYTES`] is refused rather than buffered, a span whose `ts_ns + dur_ns`
+//! overflows is refused with its line, and every other timestamp sum saturates: a file may hold
+//! any value, and a bad one gives an error or a clamped time, never a panic. [`read_spans`]
+//! also refuses files without any span, for the tools that report on them.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -187,6 +189,30 @@ pub fn read_traces<P: AsRef<Path>>(paths: &[P]) -> Result<Trace> {
     Ok(trace)
 }
 
+/// [`read_traces`] for the tools that report on spans: files that hold no span at all (empty,
+/// or only anchor and `process` lines) are refused with an error naming them, so that no tool
+/// prints an empty report and succeeds.
+pub fn read_spans<P: AsRef<Path>>(paths: &[P]) -> Result<Trace> {
+    let trace = read_traces(paths)?;
+    if trace.spans.is_empty() {
+        let names: Vec<String> = paths
+            .iter()
+            .map(|p| p.as_ref().display().to_string())
+            .collect();
+        return Err(DfxError::Missing(match &names[..] {
+            [one] => format!(
+                "{one}: no span lines (the file is empty, or holds only anchor and process lines): nothing to report"
+            ),
+            _ => format!(
+                "{}: no span lines in any of these {} files (each is empty, or holds only anchor and process lines): nothing to report",
+                names.join(", "),
+                names.len()
+            ),
+        }));
+    }
+    Ok(trace)
+}
+
 /// Parses the text of one trace file into `trace` (files may be added one after another).
 pub fn parse_into(trace: &mut Trace, text: &str, path: &Path) -> Result<()> {
     parse_reader(trace, text.as_bytes(), path)
@@ -277,6 +303,15 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                 }
             }
             TraceLine::Span(span) => {
+                if span.ts_ns.checked_add(span.dur_ns).is_none() {
+                    return Err(invalid(
+                        line_no,
+                        format!(
+                            "span {:?}: ts_ns {} + dur_ns {} overflows u64 (it would end after the end of the clock)",
+                            span.name, span.ts_ns, span.dur_ns
+                        ),
+                    ));
+                }
                 let process = *current
                     .get(&span.pid)
                     .ok_or_else(|| DfxError::MissingAnchor {
@@ -638,5 +673,53 @@ mod tests {
         );
         assert_eq!(t.spans[1].wall_ns, 1070);
         assert_eq!(t.unaligned_device_spans(), 1);
+    }
+
+    #[test]
+    fn a_span_ending_past_the_clock_is_refused_with_its_line() {
+        let anchor = r#"{"kind":"anchor","pid":1,"wall_ns":100}"#;
+        let span = |ts: u64, dur: u64| {
+            format!(
+                r#"{{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"a","depth":0,"name":"run","ts_ns":{ts},"dur_ns":{dur},"clock":"host"}}"#
+            )
+        };
+        let e = parse(&[anchor, &span(5, 1), &span(1572, u64::MAX)].join("\n")).unwrap_err();
+        assert!(matches!(e, DfxError::Invalid { line: 3, .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("x.jsonl:3")
+                && msg.contains("ts_ns 1572 + dur_ns 18446744073709551615 overflows u64"),
+            "{msg}"
+        );
+        // Up to the last nanosecond of the clock is a span like any other.
+        let t = parse(&[anchor, &span(1, u64::MAX - 1), &span(u64::MAX, 0)].join("\n")).unwrap();
+        assert_eq!(t.spans.len(), 2);
+    }
+
+    #[test]
+    fn files_without_spans_are_refused_by_the_span_reader_naming_them() {
+        let dir = std::env::temp_dir().join(format!("simpler-dfx-nospans-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (empty, anchored) = (dir.join("empty.jsonl"), dir.join("anchored.jsonl"));
+        std::fs::write(&empty, "").unwrap();
+        std::fs::write(
+            &anchored,
+            "{\"kind\":\"anchor\",\"pid\":1,\"wall_ns\":100}\n\n",
+        )
+        .unwrap();
+        // The plain reader reads them (a process may be looked at without its spans).
+        assert_eq!(
+            read_traces(&[&empty, &anchored]).unwrap().processes.len(),
+            1
+        );
+        let e = read_spans(&[&empty]).unwrap_err().to_string();
+        assert!(e.contains("empty.jsonl: no span lines"), "{e}");
+        let e = read_spans(&[&empty, &anchored]).unwrap_err().to_string();
+        assert!(
+            e.contains("empty.jsonl, ")
+                && e.contains("anchored.jsonl: no span lines in any of these 2 files"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -11,7 +11,9 @@ use common::{scenario_a, scenario_b};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use simpler_core::clock::ClockAnchor;
-use simpler_core::trace::{DeviceClockAlignment, RingStats, RingUsage, ScopeSiteUsage, Usage};
+use simpler_core::trace::{
+    DepGraph, DeviceClockAlignment, RingStats, RingUsage, ScopeSiteUsage, SwimlaneRecords, Usage,
+};
 use simpler_core::{Interval, RunReport};
 use simpler_dfx::diag::{self, MAX_CORES};
 use simpler_dfx::reader::{self, MAX_LINE_BYTES};
@@ -69,8 +71,19 @@ fn make_seeds() -> Vec<(&'static str, String)> {
                     high_water: 7,
                     capacity: 8,
                 },
-                ..Default::default()
+                heap: Usage {
+                    high_water: 10,
+                    capacity: 1024,
+                },
+                dep_pool: Usage {
+                    high_water: 3,
+                    capacity: 16,
+                },
             }],
+            tensormap: Usage {
+                high_water: 4,
+                capacity: 16,
+            },
             scopes: vec![ScopeSiteUsage {
                 site: "a.rs:1".into(),
                 ring: 0,
@@ -80,7 +93,6 @@ fn make_seeds() -> Vec<(&'static str, String)> {
                 max_dep_pool: 3,
                 max_map_entries: 4,
             }],
-            ..Default::default()
         }),
         ..RunReport::default()
     };
@@ -146,20 +158,28 @@ fn exercise(dir: &Path) -> usize {
     }
     if let Ok(sw) = diag::read_swimlane(&dir.join(diag::SWIMLANE_FILE)) {
         accepted += 1;
-        let _ = swimlane::report(&sw, None);
-        let _ = swimlane::to_perfetto(&sw, None).to_json();
-        let _ = overhead::analyze(&sw, None).map(|o| overhead::report(&o));
-        let _ = idle::analyze(&sw, None).map(|i| idle::report(&i, 0));
         // The join checks fingerprints; analyse the pair whatever they say.
-        if let Ok(g) = diag::read_deps(&dir.join(diag::DEPS_FILE)) {
-            let _ = swimlane::report(&sw, Some(&g));
-            let _ = swimlane::to_perfetto(&sw, Some(&g)).to_json();
-            let _ = overhead::analyze(&sw, Some(&g)).map(|o| overhead::report(&o));
-            let _ = idle::analyze(&sw, Some(&g)).map(|i| idle::report(&i, 3));
-            let _ = critical_path::analyze(&sw, &g).map(|c| critical_path::report(&c, 1));
-        }
+        analyse_swimlane(
+            &sw,
+            diag::read_deps(&dir.join(diag::DEPS_FILE)).ok().as_ref(),
+        );
     }
     accepted
+}
+
+/// Every analysis of swimlane records, alone and with `g` when given.
+fn analyse_swimlane(sw: &SwimlaneRecords, g: Option<&DepGraph>) {
+    let _ = swimlane::report(sw, None);
+    let _ = swimlane::to_perfetto(sw, None).to_json();
+    let _ = overhead::analyze(sw, None).map(|o| overhead::report(&o));
+    let _ = idle::analyze(sw, None).map(|i| idle::report(&i, 0));
+    if let Some(g) = g {
+        let _ = swimlane::report(sw, Some(g));
+        let _ = swimlane::to_perfetto(sw, Some(g)).to_json();
+        let _ = overhead::analyze(sw, Some(g)).map(|o| overhead::report(&o));
+        let _ = idle::analyze(sw, Some(g)).map(|i| idle::report(&i, 3));
+        let _ = critical_path::analyze(sw, g).map(|c| critical_path::report(&c, 1));
+    }
 }
 
 fn write_all(dir: &Path, files: &[(&'static str, String)]) {
@@ -208,14 +228,11 @@ fn a_core_id_past_the_limit_is_refused_not_allocated_for() {
             "{pointer}: {e}"
         );
     }
-    // One below the limit is a core like any other.
+    // One below the limit is a core like any other (in a file that says it has that many).
+    let most = with_field(&seed(diag::SWIMLANE_FILE), "/cores", json!(MAX_CORES));
     std::fs::write(
         &path,
-        with_field(
-            &seed(diag::SWIMLANE_FILE),
-            "/tasks/0/core",
-            json!(MAX_CORES - 1),
-        ),
+        with_field(&most, "/tasks/0/core", json!(MAX_CORES - 1)),
     )
     .unwrap();
     let sw = diag::read_swimlane(&path).unwrap();
@@ -234,19 +251,22 @@ fn a_core_id_past_the_limit_is_refused_not_allocated_for() {
 #[test]
 fn extreme_times_and_durations_do_not_overflow() {
     let dir = common::temp_dir("hostile-times");
-    // A span lasting u64::MAX ns and one at the end of time.
+    // A span lasting u64::MAX ns and one at the end of time (the readers refuse a span whose
+    // end is past the clock's, below).
     let text = seed("trace.jsonl");
     let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    lines[1] = with_field(&lines[1], "/ts_ns", json!(0));
     lines[1] = with_field(&lines[1], "/dur_ns", json!(u64::MAX));
     lines[2] = with_field(&lines[2], "/ts_ns", json!(u64::MAX));
+    lines[2] = with_field(&lines[2], "/dur_ns", json!(0));
     std::fs::write(dir.join("trace.jsonl"), lines.join("\n")).unwrap();
-    // Blocks spanning the whole axis, dispatched after they finished.
+    // Blocks spanning the whole axis.
     let mut sw: Value = serde_json::from_str(&seed(diag::SWIMLANE_FILE)).unwrap();
     for t in sw["tasks"].as_array_mut().unwrap() {
+        t["dispatch"] = json!(0);
         t["start"] = json!(0);
         t["end"] = json!(u64::MAX);
-        t["dispatch"] = json!(u64::MAX);
-        t["finish"] = json!(i64::MAX as u64 + 7);
+        t["finish"] = json!(u64::MAX);
     }
     sw["phases"][0]["end"] = json!(u64::MAX);
     sw["phases"][1]["start"] = json!(0);
@@ -256,6 +276,22 @@ fn extreme_times_and_durations_do_not_overflow() {
     std::fs::write(dir.join(diag::DEPS_FILE), seed(diag::DEPS_FILE)).unwrap();
     std::fs::write(dir.join(diag::RING_STATS_FILE), seed(diag::RING_STATS_FILE)).unwrap();
     assert_eq!(exercise(&dir), 4);
+    // Blocks dispatched after they finished, or ending before they start, are refused by the
+    // reader; the analyses, which take records built in memory as they are, still answer.
+    for t in sw["tasks"].as_array_mut().unwrap() {
+        t["dispatch"] = json!(u64::MAX);
+        t["finish"] = json!(i64::MAX as u64 + 7);
+    }
+    sw["tasks"][1]["start"] = json!(u64::MAX);
+    sw["tasks"][1]["end"] = json!(0);
+    std::fs::write(dir.join(diag::SWIMLANE_FILE), sw.to_string()).unwrap();
+    let e = diag::read_swimlane(&dir.join(diag::SWIMLANE_FILE)).unwrap_err();
+    assert!(
+        e.to_string().contains("tasks[0]") && e.to_string().contains("is before dispatch"),
+        "{e}"
+    );
+    let records: SwimlaneRecords = serde_json::from_value(sw).unwrap();
+    analyse_swimlane(&records, Some(&scenario_a().1));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

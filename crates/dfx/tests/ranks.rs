@@ -411,7 +411,7 @@ fn hostile_process_lines_are_refused_naming_the_file() {
         r#"{"kind":"process","pid":1,"boot_id":"b","mono_ns":0,"uncertainty_ns":18446744073709551615}"#,
         r#"{"kind":"anchor","pid":2,"wall_ns":0}"#,
         r#"{"kind":"process","pid":2,"boot_id":"b","mono_ns":18446744073709551615,"uncertainty_ns":18446744073709551615}"#,
-        span_line(2, 0, "run", u64::MAX, u64::MAX),
+        span_line(2, 0, "run", u64::MAX, 0),
     );
     std::fs::write(&path, text).unwrap();
     let t = read_traces(&[&path]).unwrap();
