@@ -554,7 +554,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "  {:>7} {:>10.2} {:>9.1} {:>8.2} {:>6.1} {:>6.1} {:>10.1} {:>9.1}",
+            "  {:>7} {:>10.2} {:>9.1} {:>8.2} {:>6.1} {:>6.1} {:>10.1} {:>9}",
             r.prompt,
             r.step_ms,
             r.tokens_s,
@@ -562,7 +562,7 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             r.fma_pct,
             r.gemm_pct,
             r.roofline_pct,
-            r.outside_pct
+            crate::bench_qwen3::pct_cell(r.outside_pct)
         );
     }
     Ok(())

@@ -154,6 +154,15 @@ pub(crate) fn swimlane_config(cfg: &CallConfig) -> CallConfig {
     }
 }
 
+/// A percentage for a table cell, one decimal; `-` where it was not measured (NaN).
+pub(crate) fn pct_cell(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{v:.1}")
+    }
+}
+
 /// Says which of `total` recorded steps gave no outside-kernel share because their swimlane
 /// dropped records (the dropped tasks' time would have counted as outside kernels); `None`
 /// when none did.
@@ -168,9 +177,9 @@ pub(crate) fn left_out_line(left_out: &[RunReport], total: usize) -> Option<Stri
         )
     };
     Some(format!(
-        "{which} dropped records (the last kept {}, dropped {}); {}",
+        "{which} dropped kernel records (the last kept {}, dropped {}); {}",
         last.tasks.len(),
-        last.dropped,
+        last.tasks_dropped,
         simpler_dfx::diag::DROPPED_RECORDS_HINT
     ))
 }
@@ -783,7 +792,7 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>8.1} {:>11.1} {:>10.1} {:>9.1} {:>5.1}  {}",
+            "  {:>9} {:>10.2} {:>8.2} {:>8.1} {:>10.1} {:>10.1} {:>8.1} {:>11.1} {:>10.1} {:>9} {:>5}  {}",
             r.shape,
             r.tpot_ms,
             r.gbs,
@@ -793,8 +802,8 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             r.phase_pct,
             r.best_phase_pct,
             r.median_phase_pct,
-            r.outside_pct,
-            r.net_pct,
+            pct_cell(r.outside_pct),
+            pct_cell(r.net_pct),
             r.limit
         );
     }

@@ -272,14 +272,20 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if let Some(path) = &args.dump_logits {
         // The file itself too: a directory or an unwritable path was found only after the
         // whole generation, its logits lost. Written (truncated) again at the end.
-        if path.is_dir() {
-            bail!("--dump-logits {}: is a directory", path.display());
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => bail!("--dump-logits {}: is a directory", path.display()),
+            // A FIFO or a device: opening it to probe could block or end its reader.
+            Ok(m) if !m.is_file() => {}
+            _ => {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| {
+                        anyhow!("--dump-logits {}: cannot be written: {e}", path.display())
+                    })?;
+            }
         }
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| anyhow!("--dump-logits {}: cannot be written: {e}", path.display()))?;
     }
     let n = args.num_prompts;
     let chunk = args.prefill_chunk.min(prompt.len());

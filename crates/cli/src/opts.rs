@@ -355,11 +355,18 @@ pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
                 format!("--trace {}: its directory cannot be made", t.display())
             })?;
         }
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(t)
-            .with_context(|| format!("--trace {}: cannot be written", t.display()))?;
+        match std::fs::metadata(t) {
+            Ok(m) if m.is_dir() => bail!("--trace {}: is a directory", t.display()),
+            // A FIFO or a device: opening it to probe could block or end its reader.
+            Ok(m) if !m.is_file() => {}
+            _ => {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(t)
+                    .with_context(|| format!("--trace {}: cannot be written", t.display()))?;
+            }
+        }
     }
     Ok(())
 }

@@ -100,6 +100,12 @@ fn conn_limits(
     if max_connections == 0 {
         bail!("--max-connections 0: give at least 1");
     }
+    if max_connections > tokio::sync::Semaphore::MAX_PERMITS {
+        bail!(
+            "--max-connections {max_connections}: give at most {}",
+            tokio::sync::Semaphore::MAX_PERMITS
+        );
+    }
     if let Some(limit) = open_files
         && (max_connections as u64).saturating_add(RESERVED_FDS) > limit
     {
@@ -108,8 +114,12 @@ fn conn_limits(
             limit.saturating_sub(RESERVED_FDS)
         );
     }
+    let read_timeout = Duration::from_secs_f64(t);
+    if read_timeout.is_zero() {
+        bail!("--read-timeout-secs {t}: rounds to 0 ns: give seconds in (0, 86400]");
+    }
     Ok(ConnLimits {
-        read_timeout: Duration::from_secs_f64(t),
+        read_timeout,
         max_connections,
     })
 }
@@ -356,8 +366,10 @@ mod tests {
         let ok = conn_limits(512, 30.0, Some(1024)).unwrap();
         assert_eq!(ok.max_connections, 512);
         assert_eq!(ok.read_timeout, Duration::from_secs(30));
-        // Where the system says nothing, nothing to check against.
+        // Where the system says nothing, nothing to check against but the semaphore's limit.
         assert!(conn_limits(100_000, 0.5, None).is_ok());
+        let e = conn_limits(usize::MAX, 0.5, None).unwrap_err().to_string();
+        assert!(e.starts_with("--max-connections"), "{e}");
         let e = conn_limits(1000, 30.0, Some(1024)).unwrap_err().to_string();
         assert!(
             e.starts_with("--max-connections 1000:") && e.contains("give at most 960"),
@@ -368,7 +380,7 @@ mod tests {
             .to_string();
         assert!(e.starts_with("--max-connections"), "{e}");
         assert!(conn_limits(0, 30.0, None).is_err());
-        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
+        for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9, 1e-10] {
             let e = conn_limits(512, t, None).unwrap_err().to_string();
             assert!(e.starts_with("--read-timeout-secs"), "{t}: {e}");
         }

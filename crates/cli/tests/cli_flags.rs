@@ -122,7 +122,7 @@ fn the_benches_recorded_steps_are_sized_by_the_capacity_flag() {
         assert!(out.status.success(), "{}", text(&out.stderr));
         assert!(
             stdout.contains("outside kernels not measured: the swimlanes of all")
-                && stdout.contains("dropped records")
+                && stdout.contains("dropped kernel records")
                 && stdout.contains("--swimlane-capacity")
                 && !stdout.contains("outside kernels 9"),
             "{stdout}"
@@ -1133,7 +1133,7 @@ fn unwritable_outputs_and_a_step_list_past_the_end_are_said_before_or_after_the_
     );
     refused(
         &["run", "demo", "--trace", dir.to_str().unwrap()],
-        "cannot be written",
+        "is a directory",
     );
     let out_dir = dir.join("out");
     let out_dir = out_dir.to_str().unwrap();

@@ -501,6 +501,7 @@ fn collect_diagnostics(
             fingerprint: fingerprint.clone(),
             cores: run.cores.len() as u32,
             dropped: run.dropped.load(Ordering::Relaxed) + orch.diag.submits_dropped,
+            tasks_dropped: run.tasks_dropped.load(Ordering::Relaxed),
             ..SwimlaneRecords::default()
         };
         for c in run.cores.iter() {

@@ -211,10 +211,10 @@ impl RunReport {
 
     /// The cores' time outside kernels during [`RunReport::effective`], from the swimlane
     /// (level 1 at least) and, where measured, the cores' descheduled time; `None` without a
-    /// swimlane, or with one that dropped records: the dropped tasks' time would count as
-    /// time outside kernels.
+    /// swimlane, or with one that dropped kernel records: the dropped blocks' time would count
+    /// as time outside kernels (dropped phase, queue or submit records do not matter here).
     pub fn outside_kernels(&self) -> Option<OutsideShare> {
-        let sw = self.swimlane.as_ref().filter(|s| s.dropped == 0)?;
+        let sw = self.swimlane.as_ref().filter(|s| s.tasks_dropped == 0)?;
         let mut busy = vec![0u64; self.cores as usize];
         for t in &sw.tasks {
             if let Some(b) = busy.get_mut(t.core as usize) {
@@ -304,7 +304,11 @@ mod tests {
         assert_eq!(RunReport::default().outside_kernels(), None);
         // A swimlane that dropped records gives no share: the dropped tasks' time is unknown.
         let mut incomplete = r.clone();
-        incomplete.swimlane.as_mut().unwrap().dropped = 1;
+        let sw = incomplete.swimlane.as_mut().unwrap();
+        // Dropped phase or submit records leave the kernels' busy time whole.
+        sw.dropped = 3;
+        assert!(incomplete.outside_kernels().is_some());
+        incomplete.swimlane.as_mut().unwrap().tasks_dropped = 1;
         assert_eq!(incomplete.outside_kernels(), None);
     }
 }

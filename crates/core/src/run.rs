@@ -216,6 +216,9 @@ pub(crate) struct RunShared {
     pub(crate) swimlane: u8,
     pub(crate) swimlane_cap_per_core: usize,
     pub(crate) dropped: AtomicU64,
+    /// Of `dropped`, the kernel (task block) records: a swimlane missing none of them still
+    /// gives each core's busy time.
+    pub(crate) tasks_dropped: AtomicU64,
     /// Cores that can run each class (index by `EngineClass::index`).
     pub(crate) class_cores: [u32; 3],
     /// Whether tensor memory is host memory (the orchestrator may copy data in and out).
@@ -274,6 +277,7 @@ impl RunShared {
                 0
             },
             dropped: AtomicU64::new(0),
+            tasks_dropped: AtomicU64::new(0),
             class_cores: [n as u32; 3],
             host_memory: p.host_memory,
         }

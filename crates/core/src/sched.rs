@@ -313,7 +313,9 @@ impl RunShared {
                 end,
                 finish,
             };
-            self.record(&core_state.records, rec);
+            if !self.record(&core_state.records, rec) {
+                self.tasks_dropped.fetch_add(1, Ordering::Relaxed);
+            }
         }
         finished.next
     }
@@ -443,18 +445,22 @@ impl RunShared {
                         class: desc.class,
                         depth: self.queue(desc.class).len() as u32,
                     };
-                    self.record(&self.cores[c].depth, sample);
+                    let _ = self.record(&self.cores[c].depth, sample);
                 }
             }
         }
     }
 
-    fn record<T>(&self, buf: &std::sync::Mutex<Vec<T>>, rec: T) {
+    /// Keeps `rec` if the core's share of the capacity has room; counts it dropped otherwise.
+    /// Whether it was kept.
+    fn record<T>(&self, buf: &std::sync::Mutex<Vec<T>>, rec: T) -> bool {
         let mut v = buf.lock().unwrap_or_else(|p| p.into_inner());
         if v.len() < self.swimlane_cap_per_core {
             v.push(rec);
+            true
         } else {
             self.dropped.fetch_add(1, Ordering::Relaxed);
+            false
         }
     }
 
@@ -471,7 +477,7 @@ impl RunShared {
                 start,
                 end: now_ns(),
             };
-            self.record(&self.cores[cx.core].phases, rec);
+            let _ = self.record(&self.cores[cx.core].phases, rec);
         }
     }
 }

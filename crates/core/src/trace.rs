@@ -244,6 +244,10 @@ pub struct SwimlaneRecords {
     pub submits: Vec<SubmitRecord>,
     /// Records that did not fit in the recorder's buffers and were dropped.
     pub dropped: u64,
+    /// Of `dropped`, the per-block kernel records (`tasks`); absent in files written before
+    /// the field existed (then 0: such a file says only `dropped`).
+    #[serde(default)]
+    pub tasks_dropped: u64,
     /// Names of the kernels the records mention, by kernel id (absent in files written before
     /// the field existed; readers then fall back to `deps.json` or the id).
     #[serde(default)]

@@ -48,7 +48,19 @@ fn read_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// A key's value in a cgroup `memory.stat` file (`None` where absent or unreadable).
+fn stat_value(path: &Path, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
 /// Room under the cgroup limit: v2 first (`max` means none), then v1 (a huge value means none).
+/// The usage counts the page cache, and the inactive file pages of it are what the kernel
+/// reclaims first under the limit: they are taken off (the "working set", as the kubelet
+/// reads it), or a container that has just read its weights would show almost no room.
 fn cgroup_room(root: &Path) -> Option<HostMemory> {
     if let (Ok(max), Some(current)) = (
         std::fs::read_to_string(root.join("memory.max")),
@@ -59,8 +71,9 @@ fn cgroup_room(root: &Path) -> Option<HostMemory> {
             return None;
         }
         let limit: u64 = max.parse().ok()?;
+        let cache = stat_value(&root.join("memory.stat"), "inactive_file").unwrap_or(0);
         return Some(HostMemory {
-            available: limit.saturating_sub(current),
+            available: limit.saturating_sub(current.saturating_sub(cache)),
             source: format!("cgroup memory.max {:.1} GiB", limit as f64 / GIB),
         });
     }
@@ -71,8 +84,9 @@ fn cgroup_room(root: &Path) -> Option<HostMemory> {
     if limit >= 1 << 60 {
         return None;
     }
+    let cache = stat_value(&v1.join("memory.stat"), "total_inactive_file").unwrap_or(0);
     Some(HostMemory {
-        available: limit.saturating_sub(usage),
+        available: limit.saturating_sub(usage.saturating_sub(cache)),
         source: format!("cgroup memory.limit_in_bytes {:.1} GiB", limit as f64 / GIB),
     })
 }
@@ -111,6 +125,15 @@ mod tests {
         std::fs::write(d.join("memory.max"), "100\n").unwrap();
         std::fs::write(d.join("memory.current"), "200\n").unwrap();
         assert_eq!(available_from(&meminfo, &d).unwrap().available, 0);
+        // Inactive file pages (reclaimable cache) are not counted as used.
+        std::fs::write(d.join("memory.max"), "3145728\n").unwrap();
+        std::fs::write(d.join("memory.current"), "3145728\n").unwrap();
+        std::fs::write(
+            d.join("memory.stat"),
+            "anon 1048576\nfile 2097152\ninactive_file 1048576\nactive_file 1048576\n",
+        )
+        .unwrap();
+        assert_eq!(available_from(&meminfo, &d).unwrap().available, 1 << 20);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -121,6 +144,17 @@ mod tests {
         std::fs::write(d.join("memory/memory.usage_in_bytes"), "1024\n").unwrap();
         let m = available_from(&d.join("absent"), &d).unwrap();
         assert_eq!(m.available, 3072);
+        // The hierarchy's inactive file pages are reclaimable: not counted as used.
+        std::fs::write(
+            d.join("memory/memory.stat"),
+            "cache 2048\ninactive_file 1\ntotal_inactive_file 1024\n",
+        )
+        .unwrap();
+        assert_eq!(
+            available_from(&d.join("absent"), &d).unwrap().available,
+            4096
+        );
+        std::fs::remove_file(d.join("memory/memory.stat")).unwrap();
         std::fs::write(
             d.join("memory/memory.limit_in_bytes"),
             "9223372036854771712\n",

@@ -6,8 +6,9 @@
 //! request's events come back on its own channel. A client that goes away drops that channel
 //! (the response future or the event stream is dropped), and the engine thread ends the request
 //! and frees its blocks before its next step. Errors are OpenAI error objects:
-//! 400 (bad field, malformed JSON), 404 (unknown model or route), 413 (prompt or body too
-//! long), 503 (overloaded or shutting down), 500 (a failed step).
+//! 400 (bad field, malformed JSON), 404 (unknown model or route), 408 (a body late past the
+//! read timeout), 413 (prompt or body too long), 415 (a body that is not JSON by its
+//! headers), 503 (overloaded or shutting down), 500 (a failed step).
 //!
 //! Shutdown keeps the listener open while the engine drains, so that a client (or a load
 //! balancer polling `/health`) gets a 503 saying why rather than a refused connection; the
@@ -71,6 +72,13 @@ impl ConnLimits {
         }
         if self.max_connections == 0 {
             return Err("ConnLimits.max_connections is 0: no connection would be served".into());
+        }
+        if self.max_connections > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(format!(
+                "ConnLimits.max_connections is {}: at most {} (the connection semaphore's limit)",
+                self.max_connections,
+                tokio::sync::Semaphore::MAX_PERMITS
+            ));
         }
         Ok(())
     }
@@ -150,10 +158,7 @@ impl ApiError {
     fn body(&self) -> Value {
         // A message starts with the field it names (clients often show only the message).
         let message = match &self.param {
-            Some(p)
-                if !self.message.starts_with(p.as_str())
-                    && !self.message.starts_with(&format!("`{p}`")) =>
-            {
+            Some(p) if !crate::openai::names_first(&self.message, p) => {
                 format!("{p}: {}", self.message)
             }
             _ => self.message.clone(),
@@ -267,6 +272,7 @@ pub async fn serve(
         handle.stopped().await;
     };
     tokio::pin!(drained);
+    let mut last_accept_error: Option<Instant> = None;
     loop {
         // A permit first: past the limit, connections wait in the backlog, not in memory.
         let permit = tokio::select! {
@@ -282,12 +288,16 @@ pub async fn serve(
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     // Out of file descriptors or a connection reset before it was accepted:
-                    // the listener itself is fine; wait a little rather than spin.
+                    // the listener itself is fine; wait a little rather than spin, and say so
+                    // once a second at most.
                     if !matches!(
                         e.kind(),
                         std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
                     ) {
-                        eprintln!("serve: accepting a connection failed: {e}");
+                        if last_accept_error.is_none_or(|t: Instant| t.elapsed().as_secs() >= 1) {
+                            eprintln!("serve: accepting a connection failed: {e}");
+                            last_accept_error = Some(Instant::now());
+                        }
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     }
                     continue;

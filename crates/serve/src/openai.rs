@@ -71,9 +71,18 @@ pub struct FieldError {
 /// The error for field `param`: its message starts with the field's name (prefixed where the
 /// text does not already name it first), as the docs promise clients that show only the
 /// message.
+/// Whether `message` starts with the field `param`: the name followed by `:` or a space, or
+/// the name in backticks.
+pub(crate) fn names_first(message: &str, param: &str) -> bool {
+    message
+        .strip_prefix(param)
+        .is_some_and(|rest| rest.starts_with([':', ' ']))
+        || message.starts_with(&format!("`{param}`"))
+}
+
 fn bad(param: &str, message: impl Into<String>) -> FieldError {
     let message = message.into();
-    let named = message.starts_with(param) || message.starts_with(&format!("`{param}`"));
+    let named = names_first(&message, param);
     FieldError {
         message: if named {
             message

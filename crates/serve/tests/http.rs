@@ -1252,8 +1252,10 @@ async fn a_body_that_is_not_json_by_its_headers_is_refused_naming_the_header() {
 /// closed, a late body gets 408, and the server serves the next request as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_partial_connections_are_closed_after_the_read_timeout() {
+    // Long enough that this test's own requests (connect, then write at once) never meet it
+    // on a loaded machine; the waits for the closes are bounded at 30 s.
     let limits = ConnLimits {
-        read_timeout: Duration::from_millis(300),
+        read_timeout: Duration::from_secs(2),
         ..ConnLimits::default()
     };
     let server = start_limited(sizes(), 8, MODEL, Tokenizer::qwen3().unwrap(), limits).await;
@@ -1332,20 +1334,37 @@ async fn connections_past_the_limit_wait_until_one_closes() {
     };
     let server = start_limited(sizes(), 8, MODEL, Tokenizer::qwen3().unwrap(), limits).await;
     let addr = server.addr;
-    let first = TcpStream::connect(addr).await.unwrap();
-    let _second = TcpStream::connect(addr).await.unwrap();
+    // Two connections each answered once and kept open: both hold their permits.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(30), c.read(&mut buf))
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        held.push(c);
+    }
     let mut third = TcpStream::connect(addr).await.unwrap();
     third
         .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .await
         .unwrap();
     assert!(
-        read_until_closed(&mut third, Duration::from_millis(500))
+        read_until_closed(&mut third, Duration::from_secs(1))
             .await
             .is_none(),
         "a third connection was served beside two open ones"
     );
-    drop(first);
+    drop(held.remove(0));
     let raw = read_until_closed(&mut third, Duration::from_secs(30))
         .await
         .expect("served once a connection closed");

@@ -1366,7 +1366,7 @@ mod tests {
             (
                 r#", "beta_fast": 1, "beta_slow": 32"#,
                 "beta_fast",
-                "1 (beta_slow 32)",
+                "1 (beta_slow 32; an absent or zero beta is its default, 32 fast and 1 slow)",
                 "at least beta_slow",
             ),
             (

@@ -195,7 +195,11 @@ impl Rope {
                 if beta_fast < beta_slow {
                     return Err((
                         "beta_fast",
-                        format!("{} (beta_slow {})", num(beta_fast), num(beta_slow)),
+                        format!(
+                            "{} (beta_slow {}; an absent or zero beta is its default, 32 fast and 1 slow)",
+                            num(beta_fast),
+                            num(beta_slow)
+                        ),
                         "must be at least beta_slow: the ramp from the kept to the divided \
                          frequencies would run backwards",
                     ));
