@@ -75,6 +75,11 @@ pub(crate) struct BenchCollectivesArgs {
     /// Write each rank's trace here (`<backend>-<N>ranks-rank<r>.jsonl`).
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<PathBuf>,
+    /// Seconds each rank count's processes may take to answer one operation and size's
+    /// rounds before the node fails, naming the ranks that did not answer (shm) [default:
+    /// 600].
+    #[arg(long, value_name = "SECONDS", value_parser = crate::opts::rank_timeout)]
+    rank_timeout_secs: Option<f64>,
 }
 
 /// The operations measured.
@@ -264,6 +269,11 @@ fn chip_fn(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 fn check(args: &BenchCollectivesArgs) -> Result<()> {
+    if args.rank_timeout_secs.is_some() && args.collectives == Backend::Mpi {
+        bail!(
+            "--rank-timeout-secs: bounds the ranks of a node (shm); under mpirun its own options bound the job"
+        );
+    }
     if let Some(&n) = args.ranks.iter().find(|&&n| !(2..=64).contains(&n)) {
         bail!("--ranks {n}: each rank count must be between 2 and 64");
     }
@@ -400,10 +410,14 @@ fn jobs(args: &BenchCollectivesArgs) -> impl Iterator<Item = Job> + '_ {
 
 fn shm(args: &BenchCollectivesArgs, n: usize) -> Result<()> {
     let largest = args.sizes.iter().max().copied().unwrap_or(0);
+    let d = NodeConfig::default();
     let mut node = Node::start(NodeConfig {
         chips: n,
         collective_bytes: (n * largest).max(1 << 16),
-        ..NodeConfig::default()
+        call_timeout: args
+            .rank_timeout_secs
+            .map_or(d.call_timeout, std::time::Duration::from_secs_f64),
+        ..d
     })
     .with_context(|| format!("starting a node of {n} chips"))?;
     for job in jobs(args) {

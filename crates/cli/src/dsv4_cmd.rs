@@ -177,6 +177,12 @@ pub(crate) struct EpOpts {
     /// Routed experts per rank at the flash preset, 16 or 32 (with --ep) [default: 16].
     #[arg(long, value_name = "N")]
     experts_per_rank: Option<usize>,
+    /// Seconds the ranks' processes may take over their whole run before the node fails,
+    /// naming the ranks that did not answer (with --ep, shm collectives): a rank that hangs
+    /// (stopped, or stuck in an exchange with one that is) is diagnosed after this long
+    /// [default: 600].
+    #[arg(long, value_name = "SECONDS", value_parser = crate::opts::rank_timeout)]
+    rank_timeout_secs: Option<f64>,
 }
 
 /// The expert-parallel command of these flags, `None` without `--ep`; refuses the flags that
@@ -194,6 +200,9 @@ fn ep_cmd(
         }
         if ep.experts_per_rank.is_some() {
             bail!("--experts-per-rank: only with --ep");
+        }
+        if ep.rank_timeout_secs.is_some() {
+            bail!("--rank-timeout-secs: only with --ep");
         }
         return Ok(None);
     };
@@ -223,6 +232,7 @@ fn ep_cmd(
             .collectives
             .unwrap_or(crate::bench_collectives::Backend::Shm),
         per_rank: ep.experts_per_rank,
+        rank_timeout: ep.rank_timeout_secs,
         hash_routing: case.hash_routing(),
         check,
         rounds,

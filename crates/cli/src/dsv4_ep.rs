@@ -67,6 +67,8 @@ pub(crate) struct EpCmd {
     pub(crate) ep: usize,
     pub(crate) collectives: Backend,
     pub(crate) per_rank: Option<usize>,
+    /// `--rank-timeout-secs`: the node's limit on the ranks' whole run (shm collectives).
+    pub(crate) rank_timeout: Option<f64>,
     /// `--routing hash`: the first (hash-routed) layer instead of the first top-k one.
     pub(crate) hash_routing: bool,
     pub(crate) check: bool,
@@ -143,7 +145,11 @@ pub(crate) fn check_cmd(cmd: &EpCmd) -> Result<()> {
     if cmd.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    if cmd.rounds + cmd.warmup > MAX_ROUNDS {
+    if cmd
+        .rounds
+        .checked_add(cmd.warmup)
+        .is_none_or(|n| n > MAX_ROUNDS)
+    {
         bail!(
             "--rounds {} --warmup {}: at most {MAX_ROUNDS} steps with --ep",
             cmd.rounds,
@@ -155,6 +161,11 @@ pub(crate) fn check_cmd(cmd: &EpCmd) -> Result<()> {
     }
     if cmd.ep == 1 && cmd.collectives == Backend::Mpi {
         bail!("--ep 1 --collectives mpi: one rank exchanges nothing; use --ep 2 or more");
+    }
+    if cmd.rank_timeout.is_some() && cmd.collectives == Backend::Mpi {
+        bail!(
+            "--rank-timeout-secs: bounds the ranks of a node (shm collectives); under mpirun its own options bound the job"
+        );
     }
     ep_config(cmd).map(|_| ())
 }
@@ -826,10 +837,14 @@ fn shm_main(cmd: &EpCmd) -> Result<()> {
     }
     let argv: Vec<String> = std::env::args().collect();
     let bytes = argv.join("\0").into_bytes();
+    let d = NodeConfig::default();
     let mut node = Node::start(NodeConfig {
         chips: n,
         collective_bytes: collective_bytes(cmd)?,
-        ..NodeConfig::default()
+        call_timeout: cmd
+            .rank_timeout
+            .map_or(d.call_timeout, std::time::Duration::from_secs_f64),
+        ..d
     })
     .with_context(|| format!("starting a node of {n} chips"))?;
     let calls: Vec<(ChildId, &[u8])> = (0..n).map(|i| (ChildId::Chip(i), &bytes[..])).collect();

@@ -199,6 +199,16 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         Some(dir) => eos_token_ids(dir, &c)?,
         None => c.eos_token_ids.clone(),
     };
+    if let Some(dir) = &args.model.model {
+        let suggested = simpler_models::qwen3::generation_defaults(dir)?;
+        if !suggested.is_empty() {
+            eprintln!(
+                "note: {} suggests {}; not applied: this command samples as its flags say (greedy without --temperature)",
+                dir.join("generation_config.json").display(),
+                suggested.join(", ")
+            );
+        }
+    }
     let pages = total.div_ceil(PAGE_SIZE);
     args.model.check_memory(
         &c,

@@ -387,6 +387,18 @@ pub(crate) fn flags_in(text: &str) -> String {
     })
 }
 
+/// Parses `--rank-timeout-secs`: seconds from 1 to a day.
+pub(crate) fn rank_timeout(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(1.0..=86_400.0).contains(&v) {
+        return Err(format!("{s} seconds: give 1 to 86400"));
+    }
+    Ok(v)
+}
+
 /// Parses `--cores`: 1 to the most a worker takes.
 pub(crate) fn core_count(s: &str) -> Result<usize, String> {
     let n: usize = s

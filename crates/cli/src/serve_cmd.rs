@@ -170,6 +170,16 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         .set_nonblocking(true)
         .context("making the listener non-blocking")?;
     let (tokenizer, eos) = tokenizer_and_eos(args.model.model.as_deref(), &c)?;
+    if let Some(dir) = &args.model.model {
+        let suggested = simpler_models::qwen3::generation_defaults(dir)?;
+        if !suggested.is_empty() {
+            eprintln!(
+                "note: {} suggests {}; not applied: a request samples as its fields say (greedy without `temperature`)",
+                dir.join("generation_config.json").display(),
+                suggested.join(", ")
+            );
+        }
+    }
     if tokenizer.vocab_size() > c.vocab_size {
         bail!(
             "{} has {} ids but the model's vocabulary is {}: serving text needs the tokenizer's vocabulary (the qwen3-* presets)",
@@ -271,7 +281,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the HTTP runtime")?;
-    rt.block_on(async {
+    let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::from_std(std_listener)
             .context("handing the listener to the HTTP runtime")?;
         let addr = listener.local_addr()?;
@@ -305,7 +315,12 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
                 Ok(())
             }
         }
-    })?;
+    });
+    // Work still on the runtime's blocking threads (a prompt being templated or tokenized for
+    // a request whose client left) must not hold the exit: dropping the runtime would wait
+    // for it without end.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    served?;
     let engine = service.stop();
     if let Some(o) = &outputs {
         o.lock().unwrap_or_else(|p| p.into_inner()).finish();

@@ -582,6 +582,23 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "--ranks: 2 is given twice",
         ),
         (
+            &["bench", "collectives", "--rank-timeout-secs", "0"],
+            "0 seconds: give 1 to 86400",
+        ),
+        (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "tiny",
+                "--rank-timeout-secs",
+                "5",
+            ],
+            "--rank-timeout-secs: only with --ep",
+        ),
+        (
             &["bench", "collectives", "--sizes", "1024,1024"],
             "--sizes: 1024 is given twice",
         ),

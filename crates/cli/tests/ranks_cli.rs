@@ -162,3 +162,80 @@ fn swimlanes_of_two_processes_merge_into_one_view_with_their_core_lanes() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A rank that stops answering (here stopped by SIGSTOP: a hung process) is diagnosed after
+/// `--rank-timeout-secs`, naming it, and nothing is left running; it hung for the node's
+/// default 600 s with nothing printed.
+#[test]
+fn a_hung_rank_is_named_after_the_rank_timeout() {
+    if !std::path::Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped: no /proc to find the ranks' processes");
+        return;
+    }
+    let parent = std::process::Command::new(env!("CARGO_BIN_EXE_simpler"))
+        .args([
+            "bench",
+            "collectives",
+            "--ranks",
+            "2",
+            "--rounds",
+            "1000",
+            "--warmup",
+            "0",
+            "--sizes",
+            // Rounds of seconds in all: the chip is stopped well before they end.
+            "16777216",
+            "--rank-timeout-secs",
+            "2",
+        ])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A chip process of the node: a child of `parent`, once it has started.
+    let ppid_of = |pid: &str| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // `pid (comm) state ppid ...`: the fields after the last ')'.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let chip = loop {
+        let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (ppid_of(&name) == Some(parent.id())).then_some(name)
+        });
+        if let Some(pid) = found {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no chip process started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // Let it reach its rounds, then stop it.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &chip])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let out = parent.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("did not answer bench_collectives within 2000 ms"),
+        "{err}"
+    );
+    // The stopped chip was killed and reaped with the node.
+    assert!(
+        !std::path::Path::new(&format!("/proc/{chip}")).exists(),
+        "chip {chip} is still there"
+    );
+}

@@ -631,3 +631,50 @@ fn tensor_at(file: &[u8], at: usize) -> (String, usize) {
         .unwrap();
     (t.0.clone(), base + t.1 + 1)
 }
+
+/// The generation defaults a checkpoint suggests (what `transformers`' `generate` applies when
+/// not told otherwise) are listed so that the commands can say they did not apply them; the
+/// ids that describe the model are not among them; a file that is not an object is refused.
+#[test]
+fn generation_defaults_are_listed_for_the_commands_to_name() {
+    let d = tmp("gen-defaults");
+    std::fs::create_dir_all(&d).unwrap();
+    assert!(
+        simpler_models::qwen3::generation_defaults(&d)
+            .unwrap()
+            .is_empty()
+    );
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [255, 254], "bos_token_id": 1, "transformers_version": "4.51.0",
+            "do_sample": true, "top_p": 0.95, "temperature": 0.6, "top_k": 20}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        simpler_models::qwen3::generation_defaults(&d).unwrap(),
+        [
+            "do_sample=true",
+            "temperature=0.6",
+            "top_k=20",
+            "top_p=0.95"
+        ]
+    );
+    // A link that leads nowhere is named, not taken as an absent file (whose defaults and
+    // EOS ids would then be config.json's, silently).
+    std::fs::remove_file(d.join("generation_config.json")).unwrap();
+    std::os::unix::fs::symlink(d.join("nowhere"), d.join("generation_config.json")).unwrap();
+    let e = simpler_models::qwen3::generation_defaults(&d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("generation_config.json"), "{e}");
+    std::fs::remove_file(d.join("generation_config.json")).unwrap();
+    std::fs::write(d.join("generation_config.json"), "[1, 2]").unwrap();
+    let e = simpler_models::qwen3::generation_defaults(&d)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("generation_config.json") && e.contains("not a JSON object"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

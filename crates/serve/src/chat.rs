@@ -37,6 +37,38 @@ impl std::fmt::Debug for ChatTemplate {
 
 const NAME: &str = "chat";
 
+/// Instructions one render may execute. A chat template's work grows with the conversation
+/// (a few hundred instructions a message); a template that loops for ever (or 10^10 times)
+/// would hold a core, and the server's shutdown, without end. Rendering a 4 MiB body's
+/// messages takes far fewer.
+pub const RENDER_FUEL: u64 = 50_000_000;
+
+/// Bytes one render may write: four times the largest request body. A template that prints in
+/// a loop would otherwise grow a prompt whose tokenization asks for gigabytes.
+pub const MAX_RENDER_BYTES: usize = 16 << 20;
+
+/// A writer that takes at most `left` more bytes, then fails.
+struct Capped {
+    out: Vec<u8>,
+    left: usize,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() > self.left {
+            return Err(std::io::Error::other(
+                "the render's output is over its limit",
+            ));
+        }
+        self.left -= buf.len();
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`.
     pub fn new(source: &str) -> Result<ChatTemplate, minijinja::Error> {
@@ -46,6 +78,7 @@ impl ChatTemplate {
         env.set_trim_blocks(false);
         env.set_lstrip_blocks(false);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
@@ -63,21 +96,95 @@ impl ChatTemplate {
         eos_token: Option<&str>,
     ) -> Result<String, minijinja::Error> {
         let t = self.env.get_template(NAME)?;
-        // An absent `enable_thinking` must stay undefined: the template tests `is defined`.
-        match enable_thinking {
-            Some(e) => t.render(context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                enable_thinking => e,
-                bos_token => bos_token,
-                eos_token => eos_token,
-            }),
-            None => t.render(context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => bos_token,
-                eos_token => eos_token,
-            }),
+        // An absent `enable_thinking`, `bos_token` or `eos_token` stays undefined, as
+        // transformers leaves it: templates test `is defined` (a `none` printed as text).
+        let token = |t: Option<&str>| t.map_or(Value::UNDEFINED, Value::from);
+        let ctx = context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            enable_thinking => enable_thinking.map_or(Value::UNDEFINED, Value::from),
+            bos_token => token(bos_token),
+            eos_token => token(eos_token),
+        };
+        let mut out = Capped {
+            out: Vec::new(),
+            left: MAX_RENDER_BYTES,
+        };
+        match t.render_captured_to(ctx, &mut out) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WriteFailure && out.left < MAX_RENDER_BYTES => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("the chat template wrote more than {MAX_RENDER_BYTES} bytes"),
+                ));
+            }
+            Err(e) => return Err(e),
         }
+        String::from_utf8(out.out).map_err(|_| {
+            minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "the chat template wrote text that is not UTF-8",
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(source: &str, bos: Option<&str>) -> Result<String, minijinja::Error> {
+        ChatTemplate::new(source).unwrap().render(
+            &[ChatMessage::new("user", "hi")],
+            true,
+            None,
+            bos,
+            None,
+        )
+    }
+
+    /// A template that would loop 10^10 times runs out of its instructions and fails, rather
+    /// than holding a core (and a server's shutdown) for ever; a normal one is far inside.
+    #[test]
+    fn a_template_that_does_not_end_runs_out_of_fuel() {
+        let e = render(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfFuel, "{e}");
+        let many: Vec<ChatMessage> = (0..2000)
+            .map(|i| ChatMessage::new("user", &format!("message {i}")))
+            .collect();
+        let qwen = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let out = ChatTemplate::new(qwen)
+            .unwrap()
+            .render(&many, false, None, None, None)
+            .unwrap();
+        assert!(out.ends_with("message 1999<|im_end|>\n"));
+    }
+
+    /// A template that prints in a loop stops at the output limit with an error saying so
+    /// (its prompt's tokenization asked for gigabytes and aborted the process).
+    #[test]
+    fn a_template_that_writes_too_much_is_refused() {
+        let e = render(
+            r#"{% for i in range(1000) %}{% for j in range(1000) %}{{ "x" * 100 }}{% endfor %}{% endfor %}"#,
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("wrote more than"), "{e}");
+    }
+
+    /// An absent BOS or EOS token is undefined, as transformers leaves it: it prints as
+    /// nothing and `is defined` is false (it printed `none`).
+    #[test]
+    fn an_absent_special_token_is_undefined() {
+        assert_eq!(render("{{ bos_token }}X", None).unwrap(), "X");
+        assert_eq!(
+            render("{% if bos_token is defined %}B{% endif %}X", None).unwrap(),
+            "X"
+        );
+        assert_eq!(render("{{ bos_token }}X", Some("<s>")).unwrap(), "<s>X");
     }
 }

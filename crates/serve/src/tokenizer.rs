@@ -100,6 +100,64 @@ fn token_text(v: Option<&Value>) -> Option<String> {
     }
 }
 
+/// Whether a model directory holds `path`: absent is `false`; a link that leads nowhere (an
+/// interrupted download into a hub cache, whose files are links) is an error naming it rather
+/// than a file silently taken as absent.
+fn present(path: &Path) -> Result<bool, TokenizerError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(TokenizerError::Io {
+            file: path.display().to_string(),
+            source,
+        }),
+        Ok(_) => std::fs::metadata(path)
+            .map(|_| true)
+            .map_err(|source| TokenizerError::Io {
+                file: path.display().to_string(),
+                source,
+            }),
+    }
+}
+
+/// Refuses `added_tokens` whose declared id the tokenizer does not give them: the `tokenizers`
+/// crate renumbers such a token (with a log line nobody sees), and the ids the model, the EOS
+/// list and the chat template rely on then name other tokens.
+fn check_added_ids(
+    inner: &tokenizers::Tokenizer,
+    tokenizer_json: &[u8],
+    source: &str,
+) -> Result<(), TokenizerError> {
+    #[derive(serde::Deserialize)]
+    struct Added {
+        id: u32,
+        content: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    let Ok(file) = serde_json::from_slice::<File>(tokenizer_json) else {
+        // The crate read the file; a shape this view does not take holds no ids to check.
+        return Ok(());
+    };
+    for a in file.added_tokens {
+        let got = inner.token_to_id(&a.content);
+        if got != Some(a.id) {
+            return Err(TokenizerError::Parse {
+                file: format!("{source}: tokenizer.json"),
+                why: format!(
+                    "added token {:?} is declared as id {} but the tokenizer gives it {}",
+                    a.content,
+                    a.id,
+                    got.map_or("no id".to_string(), |g| format!("id {g}"))
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Tokenizer {
     /// The real Qwen3 tokenizer, embedded in the binary.
     pub fn qwen3() -> Result<Tokenizer, TokenizerError> {
@@ -115,7 +173,7 @@ impl Tokenizer {
     /// `chat_template.jinja` beside the config is the template, over the config's own.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let tok = dir.join("tokenizer.json");
-        if !tok.exists() {
+        if !present(&tok)? {
             return Err(TokenizerError::Missing {
                 dir: dir.display().to_string(),
             });
@@ -127,7 +185,7 @@ impl Tokenizer {
             })
         };
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg = if cfg_path.exists() {
+        let cfg = if present(&cfg_path)? {
             Some(read(&cfg_path)?)
         } else {
             None
@@ -135,7 +193,7 @@ impl Tokenizer {
         let mut t =
             Tokenizer::from_bytes(&read(&tok)?, cfg.as_deref(), &dir.display().to_string())?;
         let jinja = dir.join("chat_template.jinja");
-        if jinja.exists() {
+        if present(&jinja)? {
             let bytes = read(&jinja)?;
             let parse = |why: String| TokenizerError::Parse {
                 file: jinja.display().to_string(),
@@ -171,6 +229,7 @@ impl Tokenizer {
                 why: e.to_string(),
             })?
             .with_padding(None);
+        check_added_ids(&inner, tokenizer_json, source)?;
         let (mut eos_token, mut bos_token, mut template) = (None, None, TemplateSource::None);
         if let Some(bytes) = config_json {
             let file = format!("{source}: tokenizer_config.json");
@@ -316,4 +375,59 @@ fn named_templates(list: &[Value], file: &str) -> Result<TemplateSource, Tokeniz
         Some(text) => TemplateSource::One(compile(text, file, "`chat_template` `default`")?),
         None => TemplateSource::NoDefault(names),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("simpler-tok-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// An added token declared with an id the tokenizer does not give it is refused naming
+    /// it (the `tokenizers` crate renumbered it silently, and the model's EOS ids then named
+    /// another token); the real file passes.
+    #[test]
+    fn an_added_token_renumbered_by_the_parser_is_refused() {
+        let mut v: Value = serde_json::from_slice(QWEN3_TOKENIZER).unwrap();
+        let added = v["added_tokens"].as_array_mut().unwrap();
+        let im_end = added
+            .iter_mut()
+            .find(|a| a["content"] == "<|im_end|>")
+            .unwrap();
+        assert_eq!(im_end["id"], 151645);
+        // Declared past every id: the parser appends it under the next free id instead.
+        im_end["id"] = 200_000.into();
+        let bytes = serde_json::to_vec(&v).unwrap();
+        let e = Tokenizer::from_bytes(&bytes, None, "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokenizer.json")
+                && e.contains("\"<|im_end|>\" is declared as id 200000 but the tokenizer gives it"),
+            "{e}"
+        );
+        Tokenizer::from_bytes(QWEN3_TOKENIZER, None, "t").unwrap();
+    }
+
+    /// A file that is a link leading nowhere (an interrupted download into a hub cache) is an
+    /// error naming it, not a file taken as absent.
+    #[test]
+    fn a_dangling_link_is_named_not_taken_as_absent() {
+        let d = dir("dangling");
+        std::fs::write(d.join("tokenizer.json"), QWEN3_TOKENIZER).unwrap();
+        Tokenizer::from_dir(&d).unwrap();
+        std::os::unix::fs::symlink(d.join("nowhere"), d.join("tokenizer_config.json")).unwrap();
+        let e = Tokenizer::from_dir(&d).unwrap_err().to_string();
+        assert!(e.contains("tokenizer_config.json"), "{e}");
+        std::fs::remove_file(d.join("tokenizer_config.json")).unwrap();
+        std::os::unix::fs::symlink(d.join("nowhere"), d.join("chat_template.jinja")).unwrap();
+        let e = Tokenizer::from_dir(&d).unwrap_err().to_string();
+        assert!(e.contains("chat_template.jinja"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

@@ -457,7 +457,7 @@ pub fn load_config(dir: &Path) -> Result<Qwen3Config, CheckpointError> {
 /// `config.json`'s (already in `config`).
 pub fn eos_token_ids(dir: &Path, config: &Qwen3Config) -> Result<Vec<u32>, CheckpointError> {
     let path = dir.join("generation_config.json");
-    if !path.exists() {
+    if !optional_file(&path)? {
         return Ok(config.eos_token_ids.clone());
     }
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
@@ -480,6 +480,60 @@ pub fn eos_token_ids(dir: &Path, config: &Qwen3Config) -> Result<Vec<u32>, Check
     } else {
         ids
     })
+}
+
+/// Whether an optional file of a checkpoint directory is there: absent is `false`; a link that
+/// leads nowhere (an interrupted download into a hub cache, whose files are links) is an error
+/// naming it, not a file taken as absent.
+fn optional_file(path: &Path) -> Result<bool, CheckpointError> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io(path)(e)),
+        Ok(_) => std::fs::metadata(path).map(|_| true).map_err(io(path)),
+    }
+}
+
+/// Keys of `generation_config.json` that describe the model rather than a way of generating:
+/// they change no token.
+const GENERATION_METADATA: &[&str] = &[
+    "eos_token_id",
+    "bos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "transformers_version",
+    "_from_model_config",
+];
+
+/// The defaults `generation_config.json` suggests for generating (`do_sample`, `temperature`,
+/// `top_p`, `top_k`, `repetition_penalty`, ...), as `key=value` in key order: what
+/// `transformers`' `generate` applies when its caller does not say. simpler's commands and
+/// server take their own documented defaults (greedy unless a temperature is given) and say
+/// which of these they did not apply, so that none is ignored silently. Empty without the
+/// file; a file that is not a JSON object is refused.
+pub fn generation_defaults(dir: &Path) -> Result<Vec<String>, CheckpointError> {
+    let path = dir.join("generation_config.json");
+    if !optional_file(&path)? {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let bad = |source: ConfigError| CheckpointError::Config {
+        file: path.clone(),
+        source,
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(ConfigError::Parse(e.to_string())))?;
+    let Some(map) = v.as_object() else {
+        return Err(bad(ConfigError::Parse(
+            "the file is not a JSON object".into(),
+        )));
+    };
+    let mut keys: Vec<String> = map
+        .iter()
+        .filter(|(k, _)| !GENERATION_METADATA.contains(&k.as_str()))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    keys.sort();
+    Ok(keys)
 }
 
 /// Loads a Qwen3 checkpoint directory, every layer.

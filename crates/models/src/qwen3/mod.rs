@@ -25,7 +25,7 @@ pub mod weights;
 
 pub use checkpoint::{
     CheckpointError, CheckpointReader, LoadOptions, SaveOptions, WeightLayout, eos_token_ids,
-    load_checkpoint, load_config, read_checkpoint, save_checkpoint,
+    generation_defaults, load_checkpoint, load_config, read_checkpoint, save_checkpoint,
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use cost::{DecodePeaks, DecodePhases, Engine, StepCost, StepPhase, phase_spans_ns};
