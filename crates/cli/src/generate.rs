@@ -200,14 +200,10 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         None => c.eos_token_ids.clone(),
     };
     if let Some(dir) = &args.model.model {
-        let suggested = simpler_models::qwen3::generation_defaults(dir)?;
-        if !suggested.is_empty() {
-            eprintln!(
-                "note: {} suggests {}; not applied: this command samples as its flags say (greedy without --temperature)",
-                dir.join("generation_config.json").display(),
-                suggested.join(", ")
-            );
-        }
+        crate::qwen3_cmd::note_generation_defaults(
+            dir,
+            "this command samples as its flags say (greedy without --temperature)",
+        )?;
     }
     let pages = total.div_ceil(PAGE_SIZE);
     args.model.check_memory(
@@ -282,20 +278,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     if let Some(path) = &args.dump_logits {
         // The file itself too: a directory or an unwritable path was found only after the
         // whole generation, its logits lost. Written (truncated) again at the end.
-        match std::fs::metadata(path) {
-            Ok(m) if m.is_dir() => bail!("--dump-logits {}: is a directory", path.display()),
-            // A FIFO or a device: opening it to probe could block or end its reader.
-            Ok(m) if !m.is_file() => {}
-            _ => {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                    .map_err(|e| {
-                        anyhow!("--dump-logits {}: cannot be written: {e}", path.display())
-                    })?;
-            }
-        }
+        crate::opts::check_writable_file("--dump-logits", path)?;
     }
     let n = args.num_prompts;
     let chunk = args.prefill_chunk.min(prompt.len());

@@ -355,20 +355,28 @@ pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
                 format!("--trace {}: its directory cannot be made", t.display())
             })?;
         }
-        match std::fs::metadata(t) {
-            Ok(m) if m.is_dir() => bail!("--trace {}: is a directory", t.display()),
-            // A FIFO or a device: opening it to probe could block or end its reader.
-            Ok(m) if !m.is_file() => {}
-            _ => {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(t)
-                    .with_context(|| format!("--trace {}: cannot be written", t.display()))?;
-            }
-        }
+        check_writable_file("--trace", t)?;
     }
     Ok(())
+}
+
+/// Refuses an output file `path` (given by `flag`) that cannot be written, before the work
+/// that fills it: a directory, or a path that cannot be opened for appending (the probe makes
+/// an empty file where there was none). A FIFO or a device is left alone: opening it to probe
+/// could block, or end its reader.
+pub(crate) fn check_writable_file(flag: &str, path: &std::path::Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => bail!("{flag} {}: is a directory", path.display()),
+        Ok(m) if !m.is_file() => Ok(()),
+        _ => {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("{flag} {}: cannot be written", path.display()))?;
+            Ok(())
+        }
+    }
 }
 
 /// `text` with the runtime's `CallConfig` ring fields (which its errors' hints name) replaced

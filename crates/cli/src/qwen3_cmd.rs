@@ -472,6 +472,20 @@ impl TileArgs {
     }
 }
 
+/// Prints the generation defaults a checkpoint's `generation_config.json` suggests that the
+/// command does not apply (`instead` says what it does), so that none is ignored silently.
+pub(crate) fn note_generation_defaults(dir: &std::path::Path, instead: &str) -> Result<()> {
+    let suggested = simpler_models::qwen3::generation_defaults(dir)?;
+    if !suggested.is_empty() {
+        eprintln!(
+            "note: {} suggests {}; not applied: {instead}",
+            dir.join("generation_config.json").display(),
+            suggested.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// A progress bar on stderr (hidden when stderr is not a terminal).
 pub(crate) fn progress(len: u64, what: &str, bytes: bool) -> ProgressBar {
     let pb = ProgressBar::new(len);

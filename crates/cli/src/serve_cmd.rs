@@ -171,14 +171,10 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         .context("making the listener non-blocking")?;
     let (tokenizer, eos) = tokenizer_and_eos(args.model.model.as_deref(), &c)?;
     if let Some(dir) = &args.model.model {
-        let suggested = simpler_models::qwen3::generation_defaults(dir)?;
-        if !suggested.is_empty() {
-            eprintln!(
-                "note: {} suggests {}; not applied: a request samples as its fields say (greedy without `temperature`)",
-                dir.join("generation_config.json").display(),
-                suggested.join(", ")
-            );
-        }
+        crate::qwen3_cmd::note_generation_defaults(
+            dir,
+            "a request samples as its fields say (greedy without `temperature`)",
+        )?;
     }
     if tokenizer.vocab_size() > c.vocab_size {
         bail!(

@@ -334,3 +334,48 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers_and_the_ways_out() {
     ]);
     assert!(!out.status.success() && text(&out.stderr).contains("--memory-budget 0"));
 }
+
+/// The generation defaults a checkpoint suggests and `generate` does not apply (it decodes
+/// greedily without `--temperature`) are named on stderr, and the tokens stay the greedy ones;
+/// the ids describing the model are not listed.
+#[test]
+fn generation_defaults_not_applied_are_named() {
+    let dir = tmp("gen-defaults");
+    for f in std::fs::read_dir(fixture("tied_v5")).unwrap().flatten() {
+        std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+    }
+    let run = |dir: &Path| {
+        simpler(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "3",
+        ])
+    };
+    let plain = run(&dir);
+    assert!(plain.status.success(), "{}", text(&plain.stderr));
+    assert!(
+        !text(&plain.stderr).contains("suggests"),
+        "{}",
+        text(&plain.stderr)
+    );
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [255, 254], "do_sample": true, "temperature": 0.6, "top_k": 20}"#,
+    )
+    .unwrap();
+    let out = run(&dir);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "generation_config.json suggests do_sample=true, temperature=0.6, top_k=20; not applied"
+        ),
+        "{err}"
+    );
+    assert_eq!(text(&out.stdout), text(&plain.stdout), "still greedy");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -452,21 +452,38 @@ pub fn load_config(dir: &Path) -> Result<Qwen3Config, CheckpointError> {
     })
 }
 
+/// A parsed `generation_config.json` and its path (for errors).
+type GenerationConfig = (PathBuf, serde_json::Map<String, serde_json::Value>);
+
+/// `generation_config.json` of a checkpoint directory, parsed, with its path (for errors);
+/// `None` without the file. A file that is not a JSON object is refused.
+fn generation_config(dir: &Path) -> Result<Option<GenerationConfig>, CheckpointError> {
+    let path = dir.join("generation_config.json");
+    if !optional_file(&path)? {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let parse = |why: String| CheckpointError::Config {
+        file: path.clone(),
+        source: ConfigError::Parse(why),
+    };
+    match serde_json::from_str(&text).map_err(|e| parse(e.to_string()))? {
+        serde_json::Value::Object(map) => Ok(Some((path, map))),
+        _ => Err(parse("the file is not a JSON object".into())),
+    }
+}
+
 /// The end-of-sequence ids of a checkpoint directory: `generation_config.json`'s
 /// `eos_token_id` when the file names one (what `transformers`' `generate` stops at), else
 /// `config.json`'s (already in `config`).
 pub fn eos_token_ids(dir: &Path, config: &Qwen3Config) -> Result<Vec<u32>, CheckpointError> {
-    let path = dir.join("generation_config.json");
-    if !optional_file(&path)? {
+    let Some((path, v)) = generation_config(dir)? else {
         return Ok(config.eos_token_ids.clone());
-    }
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    };
     let bad = |source: ConfigError| CheckpointError::Config {
         file: path.clone(),
         source,
     };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(ConfigError::Parse(e.to_string())))?;
     let ids = super::config::token_ids(v.get("eos_token_id"), "eos_token_id").map_err(bad)?;
     if let Some(&id) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
         return Err(bad(ConfigError::Invalid {
@@ -511,21 +528,8 @@ const GENERATION_METADATA: &[&str] = &[
 /// which of these they did not apply, so that none is ignored silently. Empty without the
 /// file; a file that is not a JSON object is refused.
 pub fn generation_defaults(dir: &Path) -> Result<Vec<String>, CheckpointError> {
-    let path = dir.join("generation_config.json");
-    if !optional_file(&path)? {
+    let Some((_, map)) = generation_config(dir)? else {
         return Ok(Vec::new());
-    }
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    let bad = |source: ConfigError| CheckpointError::Config {
-        file: path.clone(),
-        source,
-    };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(ConfigError::Parse(e.to_string())))?;
-    let Some(map) = v.as_object() else {
-        return Err(bad(ConfigError::Parse(
-            "the file is not a JSON object".into(),
-        )));
     };
     let mut keys: Vec<String> = map
         .iter()
