@@ -1387,3 +1387,47 @@ fn limits_that_serve_nothing_are_refused() {
     assert!(zero_conns.check().unwrap_err().contains("max_connections"));
     assert_eq!(ConnLimits::default().check(), Ok(()));
 }
+
+/// A chat template that never ends, or prints without end, fails that request (400, the
+/// limit named) instead of holding a core or exhausting memory, and the server goes on:
+/// completions and the next chat request answer as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_does_not_end_fails_its_request_and_the_server_goes_on() {
+    let endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}";
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_completion_tokens": 2});
+    let srv = start_with(sizes(), 8, MODEL, with_template(endless)).await;
+    let (status, body) = post(srv.addr, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("fuel"),
+        "{body}"
+    );
+    let (status, body) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    srv.stop().await;
+    let loud = r#"{% for i in range(1000) %}{% for j in range(1000) %}{{ "x" * 100 }}{% endfor %}{% endfor %}"#;
+    let srv = start_with(sizes(), 8, MODEL, with_template(loud)).await;
+    let (status, body) = post(srv.addr, "/v1/chat/completions", chat).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("wrote more than"),
+        "{body}"
+    );
+    let (status, _) = post(
+        srv.addr,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    srv.stop().await;
+}
