@@ -94,18 +94,22 @@ fn conn_limits(
     open_files: Option<u64>,
 ) -> Result<ConnLimits> {
     let t = read_timeout_secs;
+    // The seconds must convert (`Duration::from_secs_f64` panics on NaN, inf or negatives);
+    // what the limits themselves accept is `ConnLimits::check`'s, its fields named as flags.
     if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
         bail!("--read-timeout-secs {t}: give seconds in (0, 86400]");
     }
-    if max_connections == 0 {
-        bail!("--max-connections 0: give at least 1");
-    }
-    if max_connections > tokio::sync::Semaphore::MAX_PERMITS {
-        bail!(
-            "--max-connections {max_connections}: give at most {}",
-            tokio::sync::Semaphore::MAX_PERMITS
-        );
-    }
+    let limits = ConnLimits {
+        read_timeout: Duration::from_secs_f64(t),
+        max_connections,
+    };
+    limits.check().map_err(|e| {
+        anyhow::anyhow!(
+            "{}",
+            e.replace("ConnLimits.max_connections", "--max-connections")
+                .replace("ConnLimits.read_timeout", "--read-timeout-secs")
+        )
+    })?;
     if let Some(limit) = open_files
         && (max_connections as u64).saturating_add(RESERVED_FDS) > limit
     {
@@ -114,14 +118,7 @@ fn conn_limits(
             limit.saturating_sub(RESERVED_FDS)
         );
     }
-    let read_timeout = Duration::from_secs_f64(t);
-    if read_timeout.is_zero() {
-        bail!("--read-timeout-secs {t}: rounds to 0 ns: give seconds in (0, 86400]");
-    }
-    Ok(ConnLimits {
-        read_timeout,
-        max_connections,
-    })
+    Ok(limits)
 }
 
 /// The process's soft limit on open files (`Max open files` in `/proc/self/limits`), where
