@@ -37,6 +37,65 @@ multiversion! {
 }
 
 multiversion! {
+    avx512;
+    /// [`swiglu_bf16`] of one row (`gate`, `up`, scale `s`) packed straight into `dst`, that
+    /// row's columns `c0 .. c0 + gate.len()` of a packed activation row of `cols` columns:
+    /// the values and the layout of `swiglu_bf16` then `pack_segment_bf16`, bit for bit, in
+    /// one pass with no bf16 row between them. A prefill gate/up block's epilogue (512 rows of
+    /// its columns): the two calls, each an AVX2 loop, took ~8% of the block's time next to
+    /// its products (`docs/benchmarks.md`, session 59); here each packing block's 16 values
+    /// are computed in one vector (AVX-512) and stored in their packed order.
+    ///
+    /// # Panics
+    /// As `pack_segment_bf16`: if `gate`, `up` and `dst` differ in length, or the columns
+    /// pass `cols` or do not start on a packing block and end on one or at `cols`.
+    pub fn swiglu_pack_bf16(gate: &[f32], up: &[f32], s: f32, c0: usize, cols: usize, dst: &mut [f32]) {
+        use crate::gemm::PACK_BLOCK;
+        assert!(
+            gate.len() == up.len() && gate.len() == dst.len(),
+            "swiglu_pack_bf16: gate {}, up {}, dst {} differ",
+            gate.len(),
+            up.len(),
+            dst.len()
+        );
+        let end = c0.checked_add(gate.len()).expect("swiglu_pack_bf16: range overflows");
+        assert!(
+            end <= cols
+                && c0.is_multiple_of(PACK_BLOCK)
+                && (end.is_multiple_of(PACK_BLOCK) || end == cols),
+            "swiglu_pack_bf16: columns {c0}..{end} of {cols} are not whole packing blocks"
+        );
+        // One element as `swiglu_bf16` computes it, rounded to bf16 and widened back.
+        #[inline(always)]
+        fn one(g: f32, u: f32, s: f32) -> f32 {
+            let gt = g * s;
+            let sig = 1.0 / (1.0 + exp_approx(-gt));
+            bf16_to_f32(f32_to_bf16(gt * sig * (u * s)))
+        }
+        let full = gate.len() / PACK_BLOCK * PACK_BLOCK;
+        for ((g, u), d) in gate[..full]
+            .chunks_exact(PACK_BLOCK)
+            .zip(up[..full].chunks_exact(PACK_BLOCK))
+            .zip(dst[..full].chunks_exact_mut(PACK_BLOCK))
+        {
+            let mut v = [0.0f32; PACK_BLOCK];
+            for i in 0..PACK_BLOCK {
+                v[i] = one(g[i], u[i], s);
+            }
+            // The packed order: a block's even columns, then its odd ones (`pack_index`).
+            for i in 0..PACK_BLOCK / 2 {
+                d[i] = v[2 * i];
+                d[PACK_BLOCK / 2 + i] = v[2 * i + 1];
+            }
+        }
+        // A last partial block is the row's own tail: in natural order.
+        for ((&g, &u), d) in gate[full..].iter().zip(&up[full..]).zip(&mut dst[full..]) {
+            *d = one(g, u, s);
+        }
+    }
+}
+
+multiversion! {
     /// `x += y` (fp32 residual stream).
     ///
     /// # Panics

@@ -34,7 +34,7 @@ pub use attention::{
 pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
 pub use elementwise::{
     argmax_combine, argmax_f32, copy_nontemporal_f32, embedding_gather_bf16,
-    embedding_gather_rows_bf16, kv_write_bf16, residual_add_f32, swiglu_bf16,
+    embedding_gather_rows_bf16, kv_write_bf16, residual_add_f32, swiglu_bf16, swiglu_pack_bf16,
 };
 pub use gemm::{
     ActsConversion, GemmTile, OutMode, PACK_BLOCK, PAIR_ROWS, PackedActs, PreparedActs, TILE_COLS,

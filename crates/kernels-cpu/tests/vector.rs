@@ -279,6 +279,99 @@ proptest! {
     }
 }
 
+/// `n` values: mostly uniform in `[-scale, scale)`, with about one in eight a special value
+/// (NaN, infinities, signed zeros, a subnormal, values whose products overflow).
+fn vec_with_specials(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    const SPECIAL: [f32; 8] = [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1e-40,
+        3e38,
+        -200.0,
+    ];
+    (0..n)
+        .map(|_| {
+            if rng.below(8) == 0 {
+                SPECIAL[rng.below(SPECIAL.len())]
+            } else {
+                rng.uniform() * scale
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The fused SwiGLU-and-pack of a row segment gives the bits of `swiglu_bf16` then
+    /// `pack_segment_bf16` (the portable path's), on every path, for segments starting on any
+    /// packing block and ending on one or at the row's end, specials included (a NaN's sign
+    /// aside).
+    #[test]
+    fn swiglu_pack_is_swiglu_then_pack_bit_for_bit(
+        cols in 1usize..200,
+        start in 0usize..13,
+        blocks in 0usize..14,
+        seed in any::<u64>(),
+    ) {
+        let c0 = (start * PACK_BLOCK).min(cols / PACK_BLOCK * PACK_BLOCK);
+        let end = (c0 + blocks * PACK_BLOCK).min(cols);
+        // A segment ends on a block or at `cols`; past the last whole block it runs to the end.
+        let end = if end < cols && !end.is_multiple_of(PACK_BLOCK) { cols } else { end };
+        let w = end - c0;
+        let mut rng = Rng(seed);
+        let gate = vec_with_specials(&mut rng, w, 8.0);
+        let up = vec_with_specials(&mut rng, w, 4.0);
+        let s = [1.0f32, 0.37, -2.5, f32::NAN][rng.below(4)];
+        let mut act = vec![bf16::ZERO; w];
+        let mut want = vec![f32::NAN; w];
+        with_isa(Isa::Portable, || {
+            swiglu_bf16(&gate, &up, &[s], &mut act);
+            pack_segment_bf16(&act, c0, cols, &mut want);
+        })
+        .expect("portable always runs");
+        // Bits, with every NaN as one value: which operand's NaN an instruction passes on
+        // (and so its sign) is the compiler's choice of operand order, not the kernel's.
+        let bits = |v: &[f32]| -> Vec<u32> {
+            v.iter().map(|x| if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() }).collect()
+        };
+        let want = bits(&want);
+        for (path, got) in all_paths("swiglu_pack_bf16", || {
+            let mut dst = vec![f32::NAN; w];
+            swiglu_pack_bf16(&gate, &up, s, c0, cols, &mut dst);
+            bits(&dst)
+        }) {
+            prop_assert_eq!(&got, &want, "{} cols {} segment {}..{}", path.name(), cols, c0, end);
+        }
+    }
+}
+
+#[test]
+fn swiglu_pack_refuses_ragged_segments_and_lengths() {
+    // (c0, end, cols, dst len): off a packing block, ending inside a block before the row's
+    // end, past the row, dst too short.
+    for (c0, end, cols, dst) in [
+        (1, 17, 40, 16),
+        (0, 20, 40, 20),
+        (32, 48, 40, 16),
+        (0, 16, 40, 15),
+    ] {
+        let (g, u) = (vec![0.5f32; end - c0], vec![0.5f32; end - c0]);
+        let mut d = vec![0.0f32; dst];
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            swiglu_pack_bf16(&g, &u, 1.0, c0, cols, &mut d)
+        }));
+        assert!(r.is_err(), "{c0}..{end} of {cols} into {dst} accepted");
+        assert!(
+            d.iter().all(|&v| v == 0.0),
+            "{c0}..{end}: wrote before refusing"
+        );
+    }
+}
+
 #[test]
 fn argmax_ties_go_to_lowest_index_and_nan_never_wins() {
     assert_eq!(argmax_f32(&[]), None);

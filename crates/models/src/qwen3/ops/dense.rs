@@ -695,13 +695,6 @@ fn step_rows(
     Ok(rows)
 }
 
-thread_local! {
-    /// One row of a gate/up block's SwiGLU (bf16) before it is packed, kept across blocks so
-    /// no block allocates it. A row at a time, so it stays in L1 between the two loops: the
-    /// whole block's rows (256 KiB at 512 rows of a 256-column share) went out to L2 and back.
-    static ACT: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     const NAME: &str = "gate_up_swiglu_bf16";
     let GateUpScalars {
@@ -755,25 +748,19 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             &ones
         }
     };
-    ACT.with_borrow_mut(|act| {
-        // Stale values are fine: SwiGLU writes every element before the row is packed.
-        if act.len() < n {
-            act.resize(n, bf16::ZERO);
-        }
-        let act = &mut act[..n];
-        // Both products store every element of their halves.
-        with_scratch_dirty(2 * rows * n, |s| {
-            let (gate, up) = s.split_at_mut(rows * n);
-            with_acts(ctx, x, &wg, w8a8, |x| {
-                run_gemm(wg, x, &full, None, gate, n);
-                run_gemm(wu, x, &full, None, up, n);
-            });
-            for (b, dst) in out.iter_mut().enumerate() {
-                let row = b * n..(b + 1) * n;
-                k::swiglu_bf16(&gate[row.clone()], &up[row], &scale[b..b + 1], act);
-                k::pack_segment_bf16(act, c0, inter, dst);
-            }
+    // Both products store every element of their halves.
+    with_scratch_dirty(2 * rows * n, |s| {
+        let (gate, up) = s.split_at_mut(rows * n);
+        with_acts(ctx, x, &wg, w8a8, |x| {
+            run_gemm(wg, x, &full, None, gate, n);
+            run_gemm(wu, x, &full, None, up, n);
         });
+        // SwiGLU rounded to bf16 and packed into this block's columns of each row, in one
+        // pass (`swiglu_pack_bf16`).
+        for (b, dst) in out.iter_mut().enumerate() {
+            let row = b * n..(b + 1) * n;
+            k::swiglu_pack_bf16(&gate[row.clone()], &up[row], scale[b], c0, inter, dst);
+        }
     });
     Ok(())
 }
