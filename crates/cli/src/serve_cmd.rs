@@ -74,6 +74,10 @@ pub(crate) struct ServeArgs {
     /// response: then it is closed) and then its body (else 408).
     #[arg(long, default_value_t = ConnLimits::default().read_timeout.as_secs_f64())]
     read_timeout_secs: f64,
+    /// Seconds a response's bytes may wait on a client that takes none of them (it stopped
+    /// reading); then the connection is closed and its request cancelled.
+    #[arg(long, default_value_t = ConnLimits::default().write_timeout.as_secs_f64())]
+    write_timeout_secs: f64,
     /// Decoder layers to run [default: all] (a quick look at a large model; the output is then
     /// not the model's).
     #[arg(long)]
@@ -91,16 +95,21 @@ const RESERVED_FDS: u64 = 64;
 fn conn_limits(
     max_connections: usize,
     read_timeout_secs: f64,
+    write_timeout_secs: f64,
     open_files: Option<u64>,
 ) -> Result<ConnLimits> {
-    let t = read_timeout_secs;
     // The seconds must convert (`Duration::from_secs_f64` panics on NaN, inf or negatives);
     // what the limits themselves accept is `ConnLimits::check`'s, its fields named as flags.
-    if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
-        bail!("--read-timeout-secs {t}: give seconds in (0, 86400]");
-    }
+    let secs = |flag: &str, t: f64| {
+        if t.is_finite() && t > 0.0 && t <= 86_400.0 {
+            Ok(Duration::from_secs_f64(t))
+        } else {
+            Err(anyhow::anyhow!("{flag} {t}: give seconds in (0, 86400]"))
+        }
+    };
     let limits = ConnLimits {
-        read_timeout: Duration::from_secs_f64(t),
+        read_timeout: secs("--read-timeout-secs", read_timeout_secs)?,
+        write_timeout: secs("--write-timeout-secs", write_timeout_secs)?,
         max_connections,
     };
     limits.check().map_err(|e| {
@@ -108,6 +117,7 @@ fn conn_limits(
             "{}",
             e.replace("ConnLimits.max_connections", "--max-connections")
                 .replace("ConnLimits.read_timeout", "--read-timeout-secs")
+                .replace("ConnLimits.write_timeout", "--write-timeout-secs")
         )
     })?;
     if let Some(limit) = open_files
@@ -151,6 +161,7 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     let limits = conn_limits(
         args.max_connections,
         args.read_timeout_secs,
+        args.write_timeout_secs,
         open_file_limit(),
     )?;
     let c = args.model.config(args.layers)?;
@@ -371,26 +382,33 @@ mod tests {
 
     #[test]
     fn connection_limits_are_checked_against_the_open_file_limit() {
-        let ok = conn_limits(512, 30.0, Some(1024)).unwrap();
+        let ok = conn_limits(512, 30.0, 20.0, Some(1024)).unwrap();
         assert_eq!(ok.max_connections, 512);
         assert_eq!(ok.read_timeout, Duration::from_secs(30));
+        assert_eq!(ok.write_timeout, Duration::from_secs(20));
         // Where the system says nothing, nothing to check against but the semaphore's limit.
-        assert!(conn_limits(100_000, 0.5, None).is_ok());
-        let e = conn_limits(usize::MAX, 0.5, None).unwrap_err().to_string();
+        assert!(conn_limits(100_000, 0.5, 0.5, None).is_ok());
+        let e = conn_limits(usize::MAX, 0.5, 0.5, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("--max-connections"), "{e}");
-        let e = conn_limits(1000, 30.0, Some(1024)).unwrap_err().to_string();
+        let e = conn_limits(1000, 30.0, 30.0, Some(1024))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("--max-connections 1000:") && e.contains("give at most 960"),
             "{e}"
         );
-        let e = conn_limits(usize::MAX, 30.0, Some(1024))
+        let e = conn_limits(usize::MAX, 30.0, 30.0, Some(1024))
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("--max-connections"), "{e}");
-        assert!(conn_limits(0, 30.0, None).is_err());
+        assert!(conn_limits(0, 30.0, 30.0, None).is_err());
         for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9, 1e-10] {
-            let e = conn_limits(512, t, None).unwrap_err().to_string();
+            let e = conn_limits(512, t, 30.0, None).unwrap_err().to_string();
             assert!(e.starts_with("--read-timeout-secs"), "{t}: {e}");
+            let e = conn_limits(512, 30.0, t, None).unwrap_err().to_string();
+            assert!(e.starts_with("--write-timeout-secs"), "{t}: {e}");
         }
     }
 

@@ -36,14 +36,15 @@ use crate::openai::{FieldError, Input, Job, chat_job, completion_job};
 use crate::service::{Event, Refusal, ServiceHandle, Usage};
 use crate::text::TextFinish;
 use crate::tokenizer::Tokenizer;
+use crate::write_deadline::WriteDeadline;
 
 /// Most bytes a request body may have.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
-/// What one client may hold of the server: its connections and the time it may take to send a
-/// request. Without them a client that opens connections and sends nothing (or a request's
-/// first bytes only) holds a file descriptor each for ever, and a few thousand such take the
-/// server out of service.
+/// What one client may hold of the server: its connections, the time it may take to send a
+/// request and to take a response. Without them a client that opens connections and sends
+/// nothing (or a request's first bytes only), or asks for a stream and stops reading it, holds
+/// a file descriptor each for ever, and a few thousand such take the server out of service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConnLimits {
     /// How long a connection may take to send a request's headers, counted from when the
@@ -51,6 +52,11 @@ pub struct ConnLimits {
     /// a request's body, counted from its headers. Past it an idle or partial connection is
     /// closed, and a request whose body is late gets 408.
     pub read_timeout: std::time::Duration,
+    /// How long a response's bytes may wait on a client that takes none of them (its socket
+    /// full: it stopped reading but keeps the connection); past it the connection is closed
+    /// and its request cancelled. Counted only while bytes wait, from the first that cannot be
+    /// sent, so a slow reader and a stream's gaps between tokens are never cut.
+    pub write_timeout: std::time::Duration,
     /// Connections served at once; more wait in the listener's backlog until one closes.
     pub max_connections: usize,
 }
@@ -59,6 +65,7 @@ impl Default for ConnLimits {
     fn default() -> ConnLimits {
         ConnLimits {
             read_timeout: std::time::Duration::from_secs(30),
+            write_timeout: std::time::Duration::from_secs(30),
             max_connections: 512,
         }
     }
@@ -69,6 +76,11 @@ impl ConnLimits {
     pub fn check(&self) -> Result<(), String> {
         if self.read_timeout.is_zero() {
             return Err("ConnLimits.read_timeout is 0: no request could arrive in time".into());
+        }
+        if self.write_timeout.is_zero() {
+            return Err(
+                "ConnLimits.write_timeout is 0: a response that fills the socket would fail".into(),
+            );
         }
         if self.max_connections == 0 {
             return Err("ConnLimits.max_connections is 0: no connection would be served".into());
@@ -237,8 +249,10 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// returns.
 ///
 /// Connections follow `state.limits` ([`ConnLimits`]): at most `max_connections` are served
-/// at once (the next is accepted when one closes), and one that does not send a request's
-/// headers within `read_timeout` — new, idle after a response, or partway through — is closed.
+/// at once (the next is accepted when one closes), one that does not send a request's
+/// headers within `read_timeout` — new, idle after a response, or partway through — is closed,
+/// and so is one whose client takes none of a response's waiting bytes for `write_timeout`
+/// (its request is cancelled: the response's receiver is dropped).
 ///
 /// An empty served name is refused ([`check_model_name`]), and so are limits that would serve
 /// nothing ([`ConnLimits::check`]), before anything is served.
@@ -249,6 +263,37 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// its own.
 pub async fn serve(
     listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_on(listener, state, shutdown).await
+}
+
+/// Where [`serve_on`] takes its connections from: a TCP listener ([`serve`]), or any other
+/// source of byte streams (a test's in-memory pipes, whose small buffers fill at once).
+pub trait Accept: Send {
+    /// One connection.
+    type Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    /// The next connection. An error is a failed accept, not the listener's end: the loop
+    /// waits a little and accepts again (out of file descriptors, a connection reset before
+    /// it was accepted).
+    fn accept(&mut self) -> impl Future<Output = std::io::Result<Self::Conn>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Conn = tokio::net::TcpStream;
+
+    async fn accept(&mut self) -> std::io::Result<tokio::net::TcpStream> {
+        let (stream, _) = TcpListener::accept(self).await?;
+        // Server-sent events are many small writes: do not wait to coalesce them.
+        let _ = stream.set_nodelay(true);
+        Ok(stream)
+    }
+}
+
+/// [`serve`] on the connections `listener` gives (the same limits, shutdown and answers).
+pub async fn serve_on<A: Accept>(
+    mut listener: A,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -285,7 +330,7 @@ pub async fn serve(
         };
         let stream = tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => stream,
+                Ok(stream) => stream,
                 Err(e) => {
                     // Out of file descriptors or a connection reset before it was accepted:
                     // the listener itself is fine; wait a little rather than spin, and say so
@@ -305,9 +350,8 @@ pub async fn serve(
             },
             () = &mut drained => break,
         };
-        // Server-sent events are many small writes: do not wait to coalesce them.
-        let _ = stream.set_nodelay(true);
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let stream = WriteDeadline::new(stream, limits.write_timeout);
         let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {

@@ -16,6 +16,7 @@ pub mod service;
 pub mod stream;
 pub mod text;
 pub mod tokenizer;
+mod write_deadline;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDecoder;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights};
-use simpler_serve::http::{AppState, ConnLimits, MAX_BODY_BYTES, serve};
+use simpler_serve::http::{Accept, AppState, ConnLimits, MAX_BODY_BYTES, serve, serve_on};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
 };
@@ -1324,6 +1324,160 @@ async fn idle_and_partial_connections_are_closed_after_the_read_timeout() {
     server.stop().await;
 }
 
+/// In-memory connections for [`serve_on`]: each pipe sent is one connection.
+struct Pipes(tokio::sync::mpsc::UnboundedReceiver<tokio::io::DuplexStream>);
+
+impl Accept for Pipes {
+    type Conn = tokio::io::DuplexStream;
+
+    async fn accept(&mut self) -> std::io::Result<tokio::io::DuplexStream> {
+        match self.0.recv().await {
+            Some(c) => Ok(c),
+            // No more connections: wait for the shutdown.
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Sends `req` on a new pipe connection of `buffer` bytes each way and reads the whole
+/// answer (the server closes after it: `Connection: close`).
+async fn pipe_request(
+    conns: &tokio::sync::mpsc::UnboundedSender<tokio::io::DuplexStream>,
+    req: &str,
+) -> Vec<u8> {
+    let (mut ours, theirs) = tokio::io::duplex(1 << 16);
+    conns.send(theirs).unwrap();
+    ours.write_all(req.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    ours.read_to_end(&mut raw).await.unwrap();
+    raw
+}
+
+fn post_text(path: &str, body: &Value, close: bool) -> String {
+    let body = body.to_string();
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n{body}",
+        body.len(),
+        if close { "Connection: close\r\n" } else { "" }
+    )
+}
+
+/// A client that asks for a long stream and stops reading, keeping its connection, no longer
+/// holds it for ever: once its buffer is full and it takes nothing for the write timeout, the
+/// connection is closed mid-stream (no `[DONE]`), its request is cancelled (generation stops
+/// far short of `max_tokens`), its permit goes to the next connection (one at a time here, so
+/// the next request is answered only after the close), the server answers as before, and
+/// graceful shutdown returns (it waited on such a write). Connections are in-memory pipes of
+/// 4 KiB, so the stream fills one at once (a loopback socket holds megabytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout() {
+    let limits = ConnLimits {
+        write_timeout: Duration::from_millis(300),
+        max_connections: 1,
+        ..ConnLimits::default()
+    };
+    let tokenizer = Arc::new(Tokenizer::qwen3().unwrap());
+    let cfg = sizes();
+    let service = Service::start(
+        engine(cfg),
+        tokenizer.clone(),
+        ServiceConfig {
+            max_waiting: 8,
+            drain: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    let state = Arc::new(AppState {
+        handle: service.handle(),
+        tokenizer,
+        model: MODEL.into(),
+        max_model_len: cfg.max_seq_len,
+        created: 0,
+        limits,
+    });
+    let (conns, incoming) = tokio::sync::mpsc::unbounded_channel();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve_on(Pipes(incoming), state, async move {
+        let _ = stopped.await;
+    }));
+    let short = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 4});
+    let before =
+        parse_response(&pipe_request(&conns, &post_text("/v1/completions", &short, true)).await);
+    assert_eq!(before.0, 200, "{}", before.1);
+    // 4000 tokens take seconds to generate (~1 ms each here, more on a slower machine); their
+    // chunks (~200 bytes each) fill 4 KiB within the first twenty or so, and the write
+    // timeout cuts the connection 0.3 s later: the request ends cancelled, not at its limit.
+    let (mut stalled, theirs) = tokio::io::duplex(4096);
+    conns.send(theirs).unwrap();
+    let long = json!({
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 4000,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    stalled
+        .write_all(post_text("/v1/completions", &long, false).as_bytes())
+        .await
+        .unwrap();
+    // Unread. The next connection is served only once the stalled one has given its permit
+    // back (60 s allowed a loaded machine).
+    let after = tokio::time::timeout(
+        Duration::from_secs(60),
+        pipe_request(&conns, &post_text("/v1/completions", &short, true)),
+    )
+    .await
+    .expect("the stalled connection still holds the only permit 60 s later");
+    let after = parse_response(&after);
+    assert_eq!(after.0, 200, "{}", after.1);
+    let text_of =
+        |body: &str| serde_json::from_str::<Value>(body).unwrap()["choices"][0]["text"].clone();
+    assert_eq!(text_of(&after.1), text_of(&before.1));
+    // Reading it now gets what the pipe held, then the close: a cut stream.
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stalled.read_to_end(&mut raw))
+        .await
+        .expect("the stalled connection is closed")
+        .unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 200"),
+        "{}",
+        &text[..text.len().min(200)]
+    );
+    assert!(text.contains("data: {"), "no chunk was sent");
+    assert!(
+        !text.contains("[DONE]"),
+        "the stream ended normally: it was not cut"
+    );
+    let metrics = pipe_request(
+        &conns,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    let m = parse_response(&metrics).1;
+    assert_eq!(
+        metric(&m, "simpler_requests_total{finish=\"cancelled\"}"),
+        1.0,
+        "{m}"
+    );
+    // Both short requests' 4 tokens, and the cut one's short of its 4000.
+    assert!(
+        metric(&m, "simpler_generation_tokens_total") < 4008.0,
+        "the cut stream's request ran to its limit: {m}"
+    );
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .expect("graceful shutdown returned")
+        .unwrap()
+        .unwrap();
+    tokio::task::spawn_blocking(move || service.stop())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
 /// At most `max_connections` are served at once: the next connection waits (accepted by the
 /// kernel, not served) until one closes, then is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1380,6 +1534,11 @@ fn limits_that_serve_nothing_are_refused() {
         ..ConnLimits::default()
     };
     assert!(zero_time.check().unwrap_err().contains("read_timeout"));
+    let zero_write = ConnLimits {
+        write_timeout: Duration::ZERO,
+        ..ConnLimits::default()
+    };
+    assert!(zero_write.check().unwrap_err().contains("write_timeout"));
     let zero_conns = ConnLimits {
         max_connections: 0,
         ..ConnLimits::default()
