@@ -27,6 +27,7 @@ use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::Listener;
 use futures_util::stream::{self, StreamExt};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -36,7 +37,7 @@ use crate::openai::{FieldError, Input, Job, chat_job, completion_job};
 use crate::service::{Event, Refusal, ServiceHandle, Usage};
 use crate::text::TextFinish;
 use crate::tokenizer::Tokenizer;
-use crate::write_deadline::WriteDeadline;
+use crate::write_deadline::{WriteDeadline, WriteStalled};
 
 /// Most bytes a request body may have.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
@@ -245,8 +246,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// connections, get 503 `shutting_down` and `/health` answers 503, so clients and load
 /// balancers learn why instead of meeting a refused connection. Once the engine thread has
 /// ended every request, the listener closes (new connections are refused), idle connections
-/// are closed, and responses still being written (a stream's last chunks) finish; then this
-/// returns.
+/// are closed, and responses still being written (a stream's last chunks) finish — within
+/// the write timeout, after which the rest are closed; then this returns.
 ///
 /// Connections follow `state.limits` ([`ConnLimits`]): at most `max_connections` are served
 /// at once (the next is accepted when one closes), one that does not send a request's
@@ -266,34 +267,13 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_on(listener, state, shutdown).await
+    serve_on(Tcp(listener), state, shutdown).await
 }
 
-/// Where [`serve_on`] takes its connections from: a TCP listener ([`serve`]), or any other
-/// source of byte streams (a test's in-memory pipes, whose small buffers fill at once).
-pub trait Accept: Send {
-    /// One connection.
-    type Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
-    /// The next connection. An error is a failed accept, not the listener's end: the loop
-    /// waits a little and accepts again (out of file descriptors, a connection reset before
-    /// it was accepted).
-    fn accept(&mut self) -> impl Future<Output = std::io::Result<Self::Conn>> + Send;
-}
-
-impl Accept for TcpListener {
-    type Conn = tokio::net::TcpStream;
-
-    async fn accept(&mut self) -> std::io::Result<tokio::net::TcpStream> {
-        let (stream, _) = TcpListener::accept(self).await?;
-        // Server-sent events are many small writes: do not wait to coalesce them.
-        let _ = stream.set_nodelay(true);
-        Ok(stream)
-    }
-}
-
-/// [`serve`] on the connections `listener` gives (the same limits, shutdown and answers).
-pub async fn serve_on<A: Accept>(
-    mut listener: A,
+/// [`serve`] on the connections of any axum [`Listener`] — a Unix socket, or a test's in-memory
+/// pipes, whose small buffers fill at once — with the same limits, shutdown and answers.
+pub async fn serve_on<L: Listener>(
+    mut listener: L,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -302,6 +282,7 @@ pub async fn serve_on<A: Accept>(
     state.limits.check().map_err(invalid)?;
     let limits = state.limits;
     let handle = state.handle.clone();
+    let metrics = handle.metrics().clone();
     let app = router(state);
     // axum's own `serve` sets no header read timeout (hyper applies one only with a timer)
     // and no connection limit: this loop is that function with both.
@@ -310,6 +291,8 @@ pub async fn serve_on<A: Accept>(
         .header_read_timeout(limits.read_timeout);
     let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Set when the shutdown gives up on responses still being written: their tasks drop them.
+    let (close_all, closing) = tokio::sync::watch::channel(false);
     let drained = async move {
         shutdown.await;
         handle.shutdown();
@@ -317,7 +300,6 @@ pub async fn serve_on<A: Accept>(
         handle.stopped().await;
     };
     tokio::pin!(drained);
-    let mut last_accept_error: Option<Instant> = None;
     loop {
         // A permit first: past the limit, connections wait in the backlog, not in memory.
         let permit = tokio::select! {
@@ -329,42 +311,83 @@ pub async fn serve_on<A: Accept>(
             () = &mut drained => break,
         };
         let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(stream) => stream,
-                Err(e) => {
-                    // Out of file descriptors or a connection reset before it was accepted:
-                    // the listener itself is fine; wait a little rather than spin, and say so
-                    // once a second at most.
-                    if !matches!(
-                        e.kind(),
-                        std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
-                    ) {
-                        if last_accept_error.is_none_or(|t: Instant| t.elapsed().as_secs() >= 1) {
-                            eprintln!("serve: accepting a connection failed: {e}");
-                            last_accept_error = Some(Instant::now());
-                        }
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    }
-                    continue;
-                }
-            },
+            (stream, _) = listener.accept() => stream,
             () = &mut drained => break,
         };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let stream = WriteDeadline::new(stream, limits.write_timeout);
         let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
+        let (metrics, mut closing) = (metrics.clone(), closing.clone());
         tokio::spawn(async move {
-            // A connection's error (a client gone, a header timeout) is its own end.
-            let _ = conn.await;
+            tokio::select! {
+                // A connection's error (a client gone, a header timeout) is its own end; a
+                // client that stopped taking its response is counted.
+                r = conn => {
+                    if let Err(e) = r
+                        && WriteStalled::caused(&e)
+                    {
+                        metrics.connection_cut();
+                    }
+                }
+                // The shutdown's last wait is over: dropping the connection closes it.
+                _ = closing.wait_for(|c| *c) => metrics.connection_cut(),
+            }
             drop(permit);
         });
     }
     // New connections are refused from here; idle ones close and responses being written
-    // finish.
+    // finish, within the write timeout: a client that keeps taking a few bytes within each
+    // write timeout could otherwise hold the shutdown as long as its stream lasts.
     drop(listener);
-    graceful.shutdown().await;
+    if tokio::time::timeout(limits.write_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        let _ = close_all.send(true);
+    }
     Ok(())
+}
+
+/// The TCP listener of [`serve`]: each connection with `TCP_NODELAY`, and an accept that
+/// fails (out of file descriptors) retried after a pause, said on stderr once a second at
+/// most (axum's own retry logs through `tracing`, which this server does not install).
+struct Tcp(TcpListener);
+
+impl Listener for Tcp {
+    type Io = tokio::net::TcpStream;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+        let mut last_error: Option<Instant> = None;
+        loop {
+            match self.0.accept().await {
+                Ok((stream, addr)) => {
+                    // Server-sent events are many small writes: do not wait to coalesce them.
+                    let _ = stream.set_nodelay(true);
+                    return (stream, addr);
+                }
+                // A connection reset before it was accepted: the listener itself is fine.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                    ) => {}
+                // Out of file descriptors: wait a little rather than spin.
+                Err(e) => {
+                    if last_error.is_none_or(|t| t.elapsed().as_secs() >= 1) {
+                        eprintln!("serve: accepting a connection failed: {e}");
+                        last_error = Some(Instant::now());
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.0.local_addr()
+    }
 }
 
 /// Seconds since the Unix epoch.

@@ -60,6 +60,7 @@ pub struct Metrics {
     generation_tokens: Counter,
     prefix_hit_tokens: Counter,
     preemptions: Counter,
+    connections_cut: Counter,
     running: Gauge,
     waiting: Gauge,
     kv_used: Gauge,
@@ -89,6 +90,7 @@ impl Metrics {
         let generation_tokens = Counter::default();
         let prefix_hit_tokens = Counter::default();
         let preemptions = Counter::default();
+        let connections_cut = Counter::default();
         let running = Gauge::default();
         let waiting = Gauge::default();
         let kv_used = Gauge::default();
@@ -133,6 +135,11 @@ impl Metrics {
             preemptions.clone(),
         );
         registry.register(
+            "simpler_connections_cut",
+            "Connections the server closed because the client took none of a response's bytes for the write timeout, or was still being written to that long after a shutdown's drain",
+            connections_cut.clone(),
+        );
+        registry.register(
             "simpler_requests_running",
             "Requests admitted to the engine",
             running.clone(),
@@ -170,6 +177,7 @@ impl Metrics {
             generation_tokens,
             prefix_hit_tokens,
             preemptions,
+            connections_cut,
             running,
             waiting,
             kv_used,
@@ -226,6 +234,12 @@ impl Metrics {
     pub(crate) fn preemptions_total(&self, total: u64) {
         let seen = self.preemptions.get();
         self.preemptions.inc_by(total.saturating_sub(seen));
+    }
+
+    /// A connection closed for a client that does not take its response (`ConnLimits`'
+    /// write timeout).
+    pub fn connection_cut(&self) {
+        self.connections_cut.inc();
     }
 
     /// One token generated.

@@ -28,6 +28,45 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
+/// The error of a write that waited `limit` on a client taking none of its bytes (inside an
+/// `io::Error` of kind `TimedOut`, so the server can tell it from a client that went away).
+#[derive(Debug)]
+pub(crate) struct WriteStalled {
+    limit: Duration,
+}
+
+impl std::fmt::Display for WriteStalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client took none of the response's bytes for {:.1} s (the write timeout)",
+            self.limit.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for WriteStalled {}
+
+impl WriteStalled {
+    /// Whether `e`, or an error it wraps (hyper's connection error wraps the I/O error), is a
+    /// stalled write's.
+    pub(crate) fn caused(e: &(dyn std::error::Error + 'static)) -> bool {
+        let mut at = Some(e);
+        while let Some(e) = at {
+            if let Some(io) = e.downcast_ref::<io::Error>()
+                && io.get_ref().is_some_and(|inner| inner.is::<WriteStalled>())
+            {
+                return true;
+            }
+            if e.is::<WriteStalled>() {
+                return true;
+            }
+            at = e.source();
+        }
+        false
+    }
+}
+
 /// `inner` with a deadline on stalled writes (see the module docs).
 #[derive(Debug)]
 pub(crate) struct WriteDeadline<S> {
@@ -64,10 +103,7 @@ impl<S> WriteDeadline<S> {
         match timer.as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                format!(
-                    "the client accepted none of the response's bytes for {:.1} s (--write-timeout-secs)",
-                    limit.as_secs_f64()
-                ),
+                WriteStalled { limit },
             ))),
             Poll::Pending => Poll::Pending,
         }
@@ -137,7 +173,11 @@ mod tests {
         let start = tokio::time::Instant::now();
         let e = w.write_all(&[2; 64]).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert!(e.to_string().contains("--write-timeout-secs"), "{e}");
+        assert!(e.to_string().contains("5.0 s (the write timeout)"), "{e}");
+        assert!(WriteStalled::caused(&e));
+        assert!(!WriteStalled::caused(&io::Error::from(
+            io::ErrorKind::TimedOut
+        )));
         assert_eq!(start.elapsed(), Duration::from_secs(5));
     }
 

@@ -12,9 +12,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::Listener;
 use serde_json::{Value, json};
 use simpler_models::qwen3::{Qwen3Config, WeightFormat, generate_weights};
-use simpler_serve::http::{Accept, AppState, ConnLimits, MAX_BODY_BYTES, serve, serve_on};
+use simpler_serve::http::{AppState, ConnLimits, MAX_BODY_BYTES, serve, serve_on};
 use simpler_serve::{
     Engine, EngineConfig, GenerateConfig, Service, ServiceConfig, TextEngine, Tokenizer,
 };
@@ -1327,15 +1328,20 @@ async fn idle_and_partial_connections_are_closed_after_the_read_timeout() {
 /// In-memory connections for [`serve_on`]: each pipe sent is one connection.
 struct Pipes(tokio::sync::mpsc::UnboundedReceiver<tokio::io::DuplexStream>);
 
-impl Accept for Pipes {
-    type Conn = tokio::io::DuplexStream;
+impl Listener for Pipes {
+    type Io = tokio::io::DuplexStream;
+    type Addr = ();
 
-    async fn accept(&mut self) -> std::io::Result<tokio::io::DuplexStream> {
+    async fn accept(&mut self) -> (tokio::io::DuplexStream, ()) {
         match self.0.recv().await {
-            Some(c) => Ok(c),
+            Some(c) => (c, ()),
             // No more connections: wait for the shutdown.
             None => std::future::pending().await,
         }
+    }
+
+    fn local_addr(&self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -1366,9 +1372,11 @@ fn post_text(path: &str, body: &Value, close: bool) -> String {
 /// holds it for ever: once its buffer is full and it takes nothing for the write timeout, the
 /// connection is closed mid-stream (no `[DONE]`), its request is cancelled (generation stops
 /// far short of `max_tokens`), its permit goes to the next connection (one at a time here, so
-/// the next request is answered only after the close), the server answers as before, and
-/// graceful shutdown returns (it waited on such a write). Connections are in-memory pipes of
-/// 4 KiB, so the stream fills one at once (a loopback socket holds megabytes).
+/// the next request is answered only after the close), the server answers as before and
+/// counts the cut, and a graceful shutdown gives a client still reading a stream slowly the
+/// write timeout, then closes it (it waited as long as the stream lasted). Connections are
+/// in-memory pipes of 4 KiB, so a stream fills one at once (a loopback socket holds
+/// megabytes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout() {
     let limits = ConnLimits {
@@ -1466,12 +1474,52 @@ async fn a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout() {
         metric(&m, "simpler_generation_tokens_total") < 4008.0,
         "the cut stream's request ran to its limit: {m}"
     );
+    assert_eq!(metric(&m, "simpler_connections_cut_total"), 1.0, "{m}");
+    // A shutdown while a client reads a long stream a little at a time — enough to pass the
+    // write timeout each time, far too little to take it all: once the engine has drained
+    // (the stream's 300 tokens generated), the server waits the write timeout for the rest
+    // and then closes the connection (it waited for the whole stream to be read).
+    let (mut slow, theirs) = tokio::io::duplex(4096);
+    conns.send(theirs).unwrap();
+    let medium = json!({
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 300,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    slow.write_all(post_text("/v1/completions", &medium, false).as_bytes())
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            match slow.read(&mut buf).await {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    });
+    // The first chunk is out before the stop: the request is in flight.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(60), task)
         .await
         .expect("graceful shutdown returned")
         .unwrap()
         .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), reader)
+        .await
+        .expect("the slow reader's connection was closed")
+        .unwrap();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.contains("data: {"), "{}", &got[..got.len().min(200)]);
+    assert!(
+        !got.contains("[DONE]"),
+        "the slow reader got the whole stream: the shutdown waited for it"
+    );
     tokio::task::spawn_blocking(move || service.stop())
         .await
         .unwrap()

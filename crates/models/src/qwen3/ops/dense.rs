@@ -740,14 +740,6 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         k: 0..h,
         mode: OutMode::Store,
     };
-    let ones;
-    let scale = match scale {
-        Some(s) => s,
-        None => {
-            ones = vec![1.0f32; rows];
-            &ones
-        }
-    };
     // Both products store every element of their halves.
     with_scratch_dirty(2 * rows * n, |s| {
         let (gate, up) = s.split_at_mut(rows * n);
@@ -759,7 +751,8 @@ pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         // pass (`swiglu_pack_bf16`).
         for (b, dst) in out.iter_mut().enumerate() {
             let row = b * n..(b + 1) * n;
-            k::swiglu_pack_bf16(&gate[row.clone()], &up[row], scale[b], c0, inter, dst);
+            let s = scale.map_or(1.0, |s| s[b]);
+            k::swiglu_pack_bf16(&gate[row.clone()], &up[row], s, c0, inter, dst);
         }
     });
     Ok(())
