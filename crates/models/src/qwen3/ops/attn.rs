@@ -13,7 +13,7 @@ use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv};
 use super::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
 };
-use super::{bad, check_packed_range, dims2, store_packed, with_scratch, with_scratch_dirty};
+use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 use crate::qwen3::plan::KvSplit;
 
 pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -351,37 +351,29 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    // The widened queries and the fp32 outputs live in this core's scratch, every element
-    // written before it is read (the cast writes every query, the kernel every output). As
-    // two vectors allocated per task (160 KiB with the rounded copy at 64 rows of Qwen3-0.6B)
-    // the allocator handed the memory back to the system after each task and the next one
-    // faulted it in again: 24 µs of a 150 µs task, 16% of the prefill attention's CPU time
-    // (`docs/benchmarks.md`, session 59).
-    with_scratch_dirty(2 * n * per_row, |s| {
-        let (qf, of) = s.split_at_mut(n * per_row);
-        for (i, dst) in qf.chunks_exact_mut(per_row).enumerate() {
-            let src = &q[i * nq + kv_head * per_row..i * nq + (kv_head + 1) * per_row];
-            k::cast_bf16_f32(src, dst);
-        }
-        let rows = k::PrefillRows {
-            queries: qf,
-            group,
-            kv,
-            block_table: table,
-            kv_head,
-            first_pos,
-            scale,
-        };
-        k::prefill_attention_rows_f32(&rows, of);
-        // Rounded to bf16 by whole vectors a row at a time (the row stays in L1) and packed (a
-        // per-element rounding and `store_packed` was ~11% of the attention tasks' CPU time
-        // in the 0.6B prefill profile).
-        let mut ob = vec![bf16::ZERO; per_row];
-        for (row, src) in out.iter_mut().zip(of.chunks_exact(per_row)) {
-            k::cast_f32_bf16(src, &mut ob);
-            k::pack_segment_bf16(&ob, c0, nq, row);
-        }
-    });
+    let mut qf = vec![0.0f32; n * per_row];
+    for (i, dst) in qf.chunks_exact_mut(per_row).enumerate() {
+        let src = &q[i * nq + kv_head * per_row..i * nq + (kv_head + 1) * per_row];
+        k::cast_bf16_f32(src, dst);
+    }
+    let mut of = vec![0.0f32; n * per_row];
+    let rows = k::PrefillRows {
+        queries: &qf,
+        group,
+        kv,
+        block_table: table,
+        kv_head,
+        first_pos,
+        scale,
+    };
+    k::prefill_attention_rows_f32(&rows, &mut of);
+    // Rounded to bf16 and packed by whole vectors (a per-element rounding and `store_packed`
+    // was ~11% of the attention tasks's CPU time in the 0.6B prefill profile).
+    let mut ob = vec![bf16::ZERO; of.len()];
+    k::cast_f32_bf16(&of, &mut ob);
+    for (row, src) in out.iter_mut().zip(ob.chunks_exact(per_row)) {
+        k::pack_segment_bf16(src, c0, nq, row);
+    }
     Ok(())
 }
 
