@@ -58,13 +58,7 @@ multiversion! {
             up.len(),
             dst.len()
         );
-        let end = c0.checked_add(gate.len()).expect("swiglu_pack_bf16: range overflows");
-        assert!(
-            end <= cols
-                && c0.is_multiple_of(PACK_BLOCK)
-                && (end.is_multiple_of(PACK_BLOCK) || end == cols),
-            "swiglu_pack_bf16: columns {c0}..{end} of {cols} are not whole packing blocks"
-        );
+        crate::gemm::check_segment("swiglu_pack_bf16", c0, gate.len(), cols);
         // One element as `swiglu_bf16` computes it, rounded to bf16 and widened back.
         #[inline(always)]
         fn one(g: f32, u: f32, s: f32) -> f32 {

@@ -873,17 +873,26 @@ multiversion! {
     /// packing block and end on one or at `cols`.
     pub fn pack_segment_bf16(src: &[bf16], c0: usize, cols: usize, dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "pack_segment_bf16: dst len");
-        let end = c0.checked_add(src.len()).expect("pack_segment_bf16: range overflows");
-        assert!(
-            end <= cols
-                && c0.is_multiple_of(PACK_BLOCK)
-                && (end.is_multiple_of(PACK_BLOCK) || end == cols),
-            "pack_segment_bf16: columns {c0}..{end} of {cols} are not whole packing blocks"
-        );
+        check_segment("pack_segment_bf16", c0, src.len(), cols);
         // The segment's blocks are whole exactly where the row's are, and a last partial one
         // is the row's own tail: packed like a row of its own.
         pack_row(src, dst, |v| widen_bf16(*v));
     }
+}
+
+/// Panics (naming `what`) unless columns `c0 .. c0 + len` of a packed row of `cols` columns
+/// are whole packing blocks: starting on one, ending on one or at `cols`, inside the row. A
+/// segment packed on its own then has the layout it has inside the row.
+pub(crate) fn check_segment(what: &str, c0: usize, len: usize, cols: usize) {
+    let end = c0
+        .checked_add(len)
+        .unwrap_or_else(|| panic!("{what}: range overflows"));
+    assert!(
+        end <= cols
+            && c0.is_multiple_of(PACK_BLOCK)
+            && (end.is_multiple_of(PACK_BLOCK) || end == cols),
+        "{what}: columns {c0}..{end} of {cols} are not whole packing blocks"
+    );
 }
 
 #[inline(always)]
