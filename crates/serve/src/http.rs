@@ -56,7 +56,9 @@ pub struct ConnLimits {
     /// How long a response's bytes may wait on a client that takes none of them (its socket
     /// full: it stopped reading but keeps the connection); past it the connection is closed
     /// and its request cancelled. Counted only while bytes wait, from the first that cannot be
-    /// sent, so a slow reader and a stream's gaps between tokens are never cut.
+    /// sent, and restarted whenever the client takes some: a client that keeps reading and a
+    /// stream's gaps between tokens are never cut. A graceful shutdown also gives responses
+    /// still being written this long once the engine has drained, then closes them.
     pub write_timeout: std::time::Duration,
     /// Connections served at once; more wait in the listener's backlog until one closes.
     pub max_connections: usize,
