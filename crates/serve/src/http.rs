@@ -351,7 +351,40 @@ pub async fn serve_on<L: Listener>(
     Ok(())
 }
 
-/// The TCP listener of [`serve`]: each connection with `TCP_NODELAY`, and an accept that
+/// Most bytes of a response a TCP connection keeps queued unsent in the kernel
+/// (`TCP_NOTSENT_LOWAT`; bytes sent and not yet acknowledged are not counted, so it does not
+/// bound the throughput). The socket then reports room each time the client has taken half of
+/// it, which is what the write timeout sees as progress: without it Linux reported room only
+/// once a third of a send buffer autotuned to megabytes had drained, and a client reading a
+/// long stream steadily but slower than it was made (8 KB/s, or 640 KB/s against 2 KB chunks)
+/// was cut as stalled. It also keeps a slow client's backlog in the server's memory, where a
+/// cancelled request drops it, rather than in the kernel's.
+const NOTSENT_LOWAT: usize = 32 << 10;
+
+/// Sets [`NOTSENT_LOWAT`] on `stream` (best effort: a kernel without the option keeps its
+/// default, the whole send buffer).
+fn limit_unsent(stream: &tokio::net::TcpStream) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let v = NOTSENT_LOWAT as libc::c_int;
+        // SAFETY: `stream`'s descriptor is an open TCP socket for this call's duration; the
+        // option takes a `c_int`, passed by pointer with its size, and is only read.
+        let _ = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&raw const v).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = stream;
+}
+
+/// The TCP listener of [`serve`]: each connection with `TCP_NODELAY` and [`NOTSENT_LOWAT`], and an accept that
 /// fails (out of file descriptors) retried after a pause, said on stderr once a second at
 /// most (axum's own retry logs through `tracing`, which this server does not install).
 struct Tcp(TcpListener);
@@ -367,6 +400,7 @@ impl Listener for Tcp {
                 Ok((stream, addr)) => {
                     // Server-sent events are many small writes: do not wait to coalesce them.
                     let _ = stream.set_nodelay(true);
+                    limit_unsent(&stream);
                     return (stream, addr);
                 }
                 // A connection reset before it was accepted: the listener itself is fine.
@@ -1009,6 +1043,34 @@ fn stream_response(
 
 #[cfg(test)]
 mod tests {
+    /// The accepted connection carries the unsent limit (read back from the kernel).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn accepted_tcp_connections_keep_at_most_notsent_lowat_unsent() {
+        use axum::serve::Listener;
+        use std::os::fd::AsRawFd;
+        let mut l = super::Tcp(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let addr = l.0.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (server, _) = l.accept().await;
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: an open TCP socket; `v` and `len` are a `c_int` and its size, written by
+        // the call.
+        let r = unsafe {
+            libc::getsockopt(
+                server.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&raw mut v).cast(),
+                &raw mut len,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(v as usize, super::NOTSENT_LOWAT);
+        assert!(server.nodelay().unwrap());
+    }
+
     #[test]
     fn openmetrics_is_sent_where_accept_weighs_it_at_least_as_text() {
         let om = |v: &[&str]| super::prefers_openmetrics(v.iter().copied());

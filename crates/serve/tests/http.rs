@@ -1526,6 +1526,71 @@ async fn a_client_that_stops_reading_a_stream_is_cut_after_the_write_timeout() {
         .unwrap();
 }
 
+/// A client that reads a long stream steadily but slower than it is made is never cut: on
+/// TCP the socket reports room each time the client has taken some of the response (the
+/// server keeps little unsent in the kernel), so the write timeout sees progress. Before, Linux
+/// reported room only once a third of a send buffer autotuned to megabytes had drained, and
+/// such a reader was cut within seconds. The served name is 2000 characters, so each chunk is
+/// ~2.2 KB and the stream (6+ MB) outgrows the socket buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reading_steadily_slower_than_the_stream_is_not_cut() {
+    let limits = ConnLimits {
+        write_timeout: Duration::from_secs(1),
+        ..ConnLimits::default()
+    };
+    let name = "m".repeat(2000);
+    let server = start_limited(sizes(), 8, &name, Tokenizer::qwen3().unwrap(), limits).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 << 10).unwrap();
+    let mut s = socket.connect(server.addr).await.unwrap();
+    let body = json!({
+        "model": name,
+        "prompt": "Hello",
+        "max_tokens": 3000,
+        "ignore_eos": true,
+        "stream": true,
+    })
+    .to_string();
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // 64 KiB every 0.1 s at most: ~640 KB/s, slower than the tiny model makes its chunks.
+    let mut raw = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let read_all = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            match s.read(&mut buf).await.unwrap() {
+                0 => break,
+                n => raw.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), read_all)
+        .await
+        .expect("the stream ends within 120 s");
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.trim_end().ends_with("0") && text.contains("data: [DONE]"),
+        "the steady reader was cut after {} bytes",
+        raw.len()
+    );
+    assert!(
+        raw.len() > 6_000_000,
+        "{} bytes: the stream is not long enough to outgrow the socket buffers",
+        raw.len()
+    );
+    let (_, m) = http(server.addr, "GET", "/metrics", "").await;
+    assert_eq!(metric(&m, "simpler_connections_cut_total"), 0.0, "{m}");
+    server.stop().await;
+}
+
 /// At most `max_connections` are served at once: the next connection waits (accepted by the
 /// kernel, not served) until one closes, then is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
