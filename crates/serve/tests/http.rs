@@ -460,12 +460,9 @@ async fn stream_and_cancel(addr: SocketAddr, body: Value) {
 /// (the request runs on) until the stream is dropped.
 async fn stream_open(addr: SocketAddr, body: Value) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    let b = body.to_string();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-        b.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
+    s.write_all(post_text("/v1/completions", &body, false).as_bytes())
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
@@ -664,16 +661,9 @@ async fn a_shutdown_lets_in_flight_requests_finish_and_refuses_new_ones() {
     let body = json!({"model": MODEL, "prompt": "Count with me:", "max_tokens": 40,
                       "ignore_eos": true, "stream": true});
     let mut s = TcpStream::connect(addr).await.unwrap();
-    let b = body.to_string();
-    s.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
-            b.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
+    s.write_all(post_text("/v1/completions", &body, true).as_bytes())
+        .await
+        .unwrap();
     // Wait for the first chunk, then shut down.
     let mut raw = Vec::new();
     let mut buf = [0u8; 4096];
@@ -727,15 +717,9 @@ async fn a_client_that_leaves_a_whole_response_request_cancels_it() {
                       "ignore_eos": true})
     .to_string();
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
+    s.write_all(post_text("/v1/completions", &body, false).as_bytes())
+        .await
+        .unwrap();
     // Running (it needs 3000 tokens), then the client goes away.
     wait_metrics(addr, |m| metric(m, "simpler_requests_running") == 1.0).await;
     drop(s);
@@ -975,15 +959,9 @@ async fn while_draining_new_requests_get_503_and_the_listener_closes_after() {
                       "ignore_eos": true, "stream": true})
     .to_string();
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
+    s.write_all(post_text("/v1/completions", &body, false).as_bytes())
+        .await
+        .unwrap();
     let mut raw = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&raw).contains("data: {") {
@@ -1345,8 +1323,8 @@ impl Listener for Pipes {
     }
 }
 
-/// Sends `req` on a new pipe connection of `buffer` bytes each way and reads the whole
-/// answer (the server closes after it: `Connection: close`).
+/// Sends `req` on a new pipe connection (64 KiB each way, room for any short answer) and
+/// reads the whole answer (the server closes after it: `Connection: close`).
 async fn pipe_request(
     conns: &tokio::sync::mpsc::UnboundedSender<tokio::io::DuplexStream>,
     req: &str,
@@ -1359,7 +1337,9 @@ async fn pipe_request(
     raw
 }
 
-fn post_text(path: &str, body: &Value, close: bool) -> String {
+/// A raw `POST` of `body` (JSON text, or a value written as JSON) to `path`, with
+/// `Connection: close` when `close`.
+fn post_text(path: &str, body: &impl std::fmt::Display, close: bool) -> String {
     let body = body.to_string();
     format!(
         "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n{body}",
@@ -1551,15 +1531,9 @@ async fn a_client_reading_steadily_slower_than_the_stream_is_not_cut() {
         "stream": true,
     })
     .to_string();
-    s.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
+    s.write_all(post_text("/v1/completions", &body, true).as_bytes())
+        .await
+        .unwrap();
     // 64 KiB every 0.1 s at most: ~640 KB/s, slower than the tiny model makes its chunks.
     let mut raw = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
