@@ -127,8 +127,8 @@ pub(super) unsafe fn prefill_rows<const TILES: bool>(rows: &PrefillRows<'_>, out
             let block_end = first_pos + (qb0 + nqb - 1) / group + 1;
             // SAFETY: with TILES the tiles are configured; the scratch holds every token block
             // below `nt >= block_end` and this block's query tiles.
-            unsafe { block::<TILES>(s, &lim, block_end, nks, ncb, rows.scale) };
-            write_outputs(&s.o, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb);
+            let inv = unsafe { block::<TILES>(s, &lim, block_end, nks, ncb, rows.scale) };
+            write_outputs(&s.o, inv, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb);
             qb0 += nqb;
         }
         if TILES {
@@ -239,8 +239,8 @@ fn pack_queries(q: &[f32], hd: usize, tiles: &mut [Line]) {
 }
 
 /// One query block (its VNNI tiles in `s.q`) over the token blocks below `block_end`, leaving
-/// the normalised outputs in `s.o`; the products on the tile unit with `TILES`, on vectors
-/// without.
+/// the unnormalised outputs in `s.o` and returning each query's normalising factor (`1 / l`,
+/// zero where `l` is); the products on the tile unit with `TILES`, on vectors without.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16; with `TILES` the crate's tile configuration is loaded; `s.k`/`s.v`
@@ -254,8 +254,12 @@ unsafe fn block<const TILES: bool>(
     nks: usize,
     ncb: usize,
     scale: f32,
-) {
-    s.o.fill(ZERO_LINE);
+) -> __m512 {
+    // The tiles accumulate onto `s.o` from the first block on; the vectors start their
+    // register tiles at zero there instead (`Onto::Zero`).
+    if TILES {
+        s.o.fill(ZERO_LINE);
+    }
     // SAFETY: 16 i32.
     let limv = unsafe { _mm512_loadu_si512(lim.as_ptr().cast()) };
     let scalev = _mm512_set1_ps(scale);
@@ -337,15 +341,34 @@ unsafe fn block<const TILES: bool>(
             // SAFETY: a line is 64 bytes, 64-byte aligned.
             unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
         }
-        // Rescale the outputs where the max moved.
-        if _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.0)) != 0 {
-            scale_outputs(&mut s.o, corr, ncb);
-        }
+        let moved = _mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.0)) != 0;
         if !TILES {
+            // The outputs so far: none in the first block; rescaled where the max moved, as
+            // each register tile loads them (a separate pass over them took ~5% of this
+            // path's time at 512 tokens).
+            let onto = if b == 0 {
+                Onto::Zero
+            } else if moved {
+                Onto::Rescaled(corr)
+            } else {
+                Onto::Loaded
+            };
             // SAFETY: `pt` holds the block's 16 token pairs of 16 queries; the V lines of block
             // `b` (`ncb` column blocks of 16 lines) are inside `s.v`; `s.o` holds 16 × `ncb`.
-            unsafe { pv_vec(&pt, &s.v[b * ncb * 16..(b + 1) * ncb * 16], &mut s.o, ncb) };
+            unsafe {
+                pv_vec(
+                    &pt,
+                    &s.v[b * ncb * 16..(b + 1) * ncb * 16],
+                    &mut s.o,
+                    ncb,
+                    onto,
+                )
+            };
             continue;
+        }
+        // Rescale the outputs where the max moved.
+        if moved {
+            scale_outputs(&mut s.o, corr, ncb);
         }
         // SAFETY: `pt` is one 1 KiB tile; the V tiles of block `b` (`ncb` of 1 KiB, an even
         // number since hd is a multiple of 32) are inside `s.v`; the output tiles are the 16
@@ -376,34 +399,41 @@ unsafe fn block<const TILES: bool>(
             );
         }
     }
-    // Normalise.
-    let invv = _mm512_maskz_div_ps(
+    _mm512_maskz_div_ps(
         _mm512_cmp_ps_mask::<_CMP_GT_OQ>(l, _mm512_setzero_ps()),
         _mm512_set1_ps(1.0),
         l,
-    );
-    scale_outputs(&mut s.o, invv, ncb);
+    )
 }
 
-/// Copies a block's normalised outputs (query `q`, column block `c` at `o[q * ncb + c]`) into
-/// its queries' rows of `out` (`ncb * 16` floats each, as many rows as `out` holds). A line at
-/// a time: the element-wise loop this replaced ran as scalar moves, ~5% of the vector engine's
-/// time at 512 tokens.
+/// Writes a block's outputs (query `q`, column block `c` at `o[q * ncb + c]`) times their
+/// query's lane of `factor` (the normalisation) into its queries' rows of `out` (`ncb * 16`
+/// floats each, as many rows as `out` holds). A line at a time: the element-wise loop this
+/// replaced ran as scalar moves, ~5% of the vector engine's time at 512 tokens.
 #[target_feature(enable = "avx512f")]
-fn write_outputs(o: &[Line], out: &mut [f32], ncb: usize) {
-    for (row, lines) in out.chunks_exact_mut(ncb * 16).zip(o.chunks_exact(ncb)) {
+fn write_outputs(o: &[Line], factor: __m512, out: &mut [f32], ncb: usize) {
+    let mut f = [0.0f32; QB];
+    // SAFETY: 16 floats.
+    unsafe { _mm512_storeu_ps(f.as_mut_ptr(), factor) };
+    for ((row, lines), &fq) in out
+        .chunks_exact_mut(ncb * 16)
+        .zip(o.chunks_exact(ncb))
+        .zip(&f)
+    {
+        let fv = _mm512_set1_ps(fq);
         for (dst, line) in row.chunks_exact_mut(16).zip(lines) {
             // SAFETY: `dst` is 16 floats (unaligned store); a line is 64 bytes, 64-byte
             // aligned, its bits those of 16 floats.
             unsafe {
-                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_load_ps(line.0.as_ptr().cast()));
+                let v = _mm512_mul_ps(_mm512_load_ps(line.0.as_ptr().cast()), fv);
+                _mm512_storeu_ps(dst.as_mut_ptr(), v);
             }
         }
     }
 }
 
 /// Multiplies each query's outputs (`o`: query `q`, column block `c` at `q * ncb + c`) by its
-/// lane of `factor`: the rescale where the running max moved, and the final normalisation.
+/// lane of `factor`: the tiles' rescale where the running max moved.
 #[target_feature(enable = "avx512f")]
 fn scale_outputs(o: &mut [Line], factor: __m512, ncb: usize) {
     let mut f = [0.0f32; QB];
@@ -481,23 +511,35 @@ unsafe fn scores_16x2<const NKS: usize>(k: &[Line], q: &[Line], st: &mut [Line; 
     }
 }
 
-/// `o[q] += Σ_j P[q, 2j..2j + 2] · V[2j..2j + 2]` for the block's 16 queries over one token
-/// block: `pt` line `j` holds token pair `j` of every query, `v` the block's V lines (column
-/// block `c`, pair `j` at `c * 16 + j`), `o` the running outputs (query `q`, column block
-/// `c` at `q * ncb + c`). Register tiles of 4 queries × 4 column blocks (8 × 2 where `ncb` is
-/// not a multiple of 4): each V line loaded once per tile feeds 4 (8) queries.
+/// What a register tile of `P · V` starts from: the query block's outputs so far, as they are
+/// or rescaled.
+#[derive(Clone, Copy)]
+enum Onto {
+    /// Nothing yet (the first token block): zero, `o` not read.
+    Zero,
+    /// `o` as it is.
+    Loaded,
+    /// `o` times its query's lane of the vector (the running max moved).
+    Rescaled(__m512),
+}
+
+/// `o[q] = onto(o[q]) + Σ_j P[q, 2j..2j + 2] · V[2j..2j + 2]` for the block's 16 queries over
+/// one token block: `pt` line `j` holds token pair `j` of every query, `v` the block's V lines
+/// (column block `c`, pair `j` at `c * 16 + j`), `o` the running outputs (query `q`, column
+/// block `c` at `q * ncb + c`). Register tiles of 4 queries × 4 column blocks (8 × 2 where
+/// `ncb` is not a multiple of 4): each V line loaded once per tile feeds 4 (8) queries.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16; `ncb` even; `v.len() >= ncb * 16`, `o.len() >= QB * ncb`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pv_vec(pt: &[Line; QB], v: &[Line], o: &mut [Line], ncb: usize) {
+unsafe fn pv_vec(pt: &[Line; QB], v: &[Line], o: &mut [Line], ncb: usize, onto: Onto) {
     assert!(ncb.is_multiple_of(2) && v.len() >= ncb * 16 && o.len() >= QB * ncb);
     if ncb.is_multiple_of(4) {
         // SAFETY: as this function's (asserted above), 4 divides ncb.
-        unsafe { pv_tiles::<4, 4>(pt, v, o, ncb) }
+        unsafe { pv_tiles::<4, 4>(pt, v, o, ncb, onto) }
     } else {
         // SAFETY: as this function's (asserted above), 2 divides ncb.
-        unsafe { pv_tiles::<8, 2>(pt, v, o, ncb) }
+        unsafe { pv_tiles::<8, 2>(pt, v, o, ncb, onto) }
     }
 }
 
@@ -513,18 +555,31 @@ unsafe fn pv_tiles<const QT: usize, const CT: usize>(
     v: &[Line],
     o: &mut [Line],
     ncb: usize,
+    onto: Onto,
 ) {
     assert!(QB.is_multiple_of(QT) && ncb.is_multiple_of(CT));
     assert!(v.len() >= ncb * 16 && o.len() >= QB * ncb);
+    let mut f = [1.0f32; QB];
+    if let Onto::Rescaled(factor) = onto {
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(f.as_mut_ptr(), factor) };
+    }
     for q0 in (0..QB).step_by(QT) {
         for c0 in (0..ncb).step_by(CT) {
             let mut acc = [[_mm512_setzero_ps(); CT]; QT];
-            for i in 0..QT {
-                for c in 0..CT {
-                    // SAFETY: a line is 64 bytes, 64-byte aligned; (q0 + i) * ncb + c0 + c <
-                    // QB * ncb <= o.len().
-                    acc[i][c] =
-                        unsafe { _mm512_load_ps(o[(q0 + i) * ncb + c0 + c].0.as_ptr().cast()) };
+            if !matches!(onto, Onto::Zero) {
+                for i in 0..QT {
+                    let fv = _mm512_set1_ps(f[q0 + i]);
+                    for c in 0..CT {
+                        // SAFETY: a line is 64 bytes, 64-byte aligned; (q0 + i) * ncb + c0 + c
+                        // < QB * ncb <= o.len().
+                        let a =
+                            unsafe { _mm512_load_ps(o[(q0 + i) * ncb + c0 + c].0.as_ptr().cast()) };
+                        acc[i][c] = match onto {
+                            Onto::Rescaled(_) => _mm512_mul_ps(a, fv),
+                            _ => a,
+                        };
+                    }
                 }
             }
             for (j, pj) in pt.iter().enumerate() {
@@ -592,11 +647,10 @@ pub(super) fn exp512(x: __m512) -> __m512 {
     for c in rest {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
     }
-    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-        _mm512_cvtps_epi32(n),
-        _mm512_set1_epi32(127),
-    ));
-    _mm512_mul_ps(p, _mm512_castsi512_ps(e))
+    // `p · 2^n` in one instruction where building the power's bits took three (convert, add
+    // the bias, shift) and a multiply: `n` is a whole number in [-126, 127] after the clamp,
+    // so both are the one correctly rounded product `p · 2^n`, bit for bit.
+    _mm512_scalef_ps(p, n)
 }
 
 #[cfg(test)]
