@@ -71,44 +71,16 @@ pub fn check_table(
     }
 }
 
-/// Runs of consecutive tokens `first..first + n` that share a page: `(offset from first,
-/// position, length)`, so each run's rows are consecutive in the pool.
-pub fn page_runs(
-    first: usize,
-    n: usize,
-    page_size: usize,
-) -> impl Iterator<Item = (usize, usize, usize)> {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        if i >= n || page_size == 0 {
-            return None;
-        }
-        let pos = first + i;
-        let len = (page_size - pos % page_size).min(n - i);
-        let run = (i, pos, len);
-        i += len;
-        Some(run)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn slots_and_runs_follow_the_table() {
+    fn slots_follow_the_table() {
         let table = [7u32, 2, 5];
         assert_eq!(slot(&table, 4, 0), 28);
         assert_eq!(slot(&table, 4, 5), 9);
         assert_eq!(slot(&table, 4, 11), 23);
-        let runs: Vec<_> = page_runs(3, 7, 4).collect();
-        assert_eq!(runs, vec![(0, 3, 1), (1, 4, 4), (5, 8, 2)]);
-        // Every run's rows are consecutive in the pool.
-        for (_, pos, len) in runs {
-            let s0 = slot(&table, 4, pos);
-            assert!((0..len).all(|j| slot(&table, 4, pos + j) == s0 + j));
-        }
-        assert_eq!(page_runs(0, 5, 0).count(), 0);
     }
 
     #[test]

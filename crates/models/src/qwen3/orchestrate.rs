@@ -9,20 +9,17 @@
 //! One layer (`R` rows; decode defers `1/rms` past the projections, prefill normalises first):
 //! ```text
 //! norm(x) -> packed n [R, ld(H)] (+ r [R])
-//! decode: q, k, v (SPMD, whole-head shares): n @ W^T (* r), q/k norm + RoPE at each row's
-//!         step entry                        -> Q bf16 [R, Nq]; K/V rows into the paged pool
-//! prefill: q/k/v (SPMD, column shares)      -> q [R, Nq], k [R, Nkv], v [R, Nkv] fp32, then
-//!         rope_kv per (sequence, page run)  -> Q bf16 [R, Nq]; K/V rows into the paged pool
+//! q, k, v (SPMD, whole-head shares): n @ W^T (* r), q/k norm + RoPE at each row's step
+//!         entry                             -> Q bf16 [R, Nq]; K/V rows into the paged pool
 //! attention per (sequence, KV chunk)       -> a packed [R, ld(Nq)]   (+ combine when split)
 //! o_proj (SPMD): x[:, share] += a @ Wo^T    (the residual, in place)
 //! norm(x) -> packed m (+ r2)
 //! gate/up + SwiGLU (SPMD)                  -> act packed [R, ld(I)]
 //! down (SPMD): x[:, share] += act @ Wd^T
 //! ```
-//! Attention reads the pools through NoDep views and waits on the tasks that wrote the layer's
-//! K/V rows: in decode the k and v projections themselves, in prefill a dummy task that follows
-//! every `rope_kv` task. Likewise every phase whose output many tasks wrote (prefill's q/k/v,
-//! the attention output, the SwiGLU activations) ends in a barrier task, and its consumers read
+//! Attention reads the pools through NoDep views and waits on the task that wrote the layer's
+//! K/V rows, the q/k/v projections themselves. Every phase whose output many tasks wrote (the
+//! attention output, the SwiGLU activations) ends in a barrier task, and its consumers read
 //! the output NoDep after that barrier: one edge per consumer instead of one per producer (a
 //! consumer would otherwise wait on every producer). Timing slots: 0 input
 //! (embedding or cast), 1 layers, 2 head.
@@ -40,7 +37,7 @@ use super::ops;
 use super::ops::STEP_FIELDS;
 use super::ops::args::{
     Arg, ArgmaxArgs, AttnCombineArgs, AttnDecodeArgs, AttnPrefillArgs, CastArgs, EmbedArgs,
-    GateUpArgs, GemmArgs, GemmRopeArgs, LmHeadArgs, NormArgs, NormDeferredArgs, RopeKvArgs,
+    GateUpArgs, GemmArgs, GemmRopeArgs, LmHeadArgs, NormArgs, NormDeferredArgs,
 };
 use super::ops::scalars::{
     AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, GateUpScalars, GemmRopeScalars,
@@ -67,8 +64,8 @@ pub(crate) mod io {
     pub(crate) const OUT_IDS: usize = slot::COUNT + 5;
     /// Final hidden state f32 `[S, H]` before the final norm (model).
     pub(crate) const OUT_HIDDEN: usize = slot::COUNT + 6;
-    /// Decode step entries u32 `[R, 2]`: each row's `seq_len` and the slot its new K/V goes
-    /// to (unused by prefill).
+    /// Step entries u32 `[R, 2]`: each row's length (its position + 1) and the slot its K/V
+    /// go to.
     pub(crate) const STEP: usize = slot::COUNT + 7;
     /// Buffers of a run.
     pub(crate) const COUNT: usize = slot::COUNT + 8;
@@ -112,8 +109,6 @@ pub(crate) struct StepPlan {
     /// Rows of the step (decode: sequences; prefill: packed tokens).
     pub(crate) rows: usize,
     pub(crate) seqs: Vec<SeqRows>,
-    /// Per sequence: `(first row, first position, first slot, rows)` runs of one page each.
-    pub(crate) slot_runs: Vec<Vec<(usize, usize, usize, usize)>>,
     pub(crate) blocks: LayerBlocks,
     /// Decode: how each sequence's KV is cut into chunks.
     pub(crate) kv_chunks: Vec<KvSplit>,
@@ -168,8 +163,8 @@ struct Views {
     k_cache: Tensor,
     v_cache: Tensor,
     table: Tensor,
-    /// Decode: the step entries `[R, 2]`.
-    step: Option<Tensor>,
+    /// The step entries `[R, 2]`.
+    step: Tensor,
 }
 
 fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
@@ -228,14 +223,11 @@ fn bind_all(o: &mut Orchestrator, args: &RunArgs, p: &StepPlan) -> R<Views> {
             DType::U32,
             &[p.table_rows as u64, p.max_blocks as u64],
         )?,
-        step: match p.kind {
-            StepKind::Decode => Some(o.bind(
-                &args.buffers[io::STEP],
-                DType::U32,
-                &[p.rows as u64, STEP_FIELDS as u64],
-            )?),
-            StepKind::Prefill => None,
-        },
+        step: o.bind(
+            &args.buffers[io::STEP],
+            DType::U32,
+            &[p.rows as u64, STEP_FIELDS as u64],
+        )?,
     })
 }
 
@@ -408,7 +400,7 @@ fn attention_block(
     x: &Tensor,
 ) -> R<()> {
     let c = &p.config;
-    let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
+    let qw = c.q_width();
     let r = p.rows as u64;
 
     // Input norm, the q/k/v projections, q/k norm and RoPE into bf16 Q, and the K/V rows
@@ -417,46 +409,7 @@ fn attention_block(
     let qb = o.alloc(DType::BF16, &[r, qw as u64])?;
     let kl = entry(o, &vw.k_cache, l)?;
     let vl = entry(o, &vw.v_cache, l)?;
-    let kv_ready = match (p.kind, &vw.step) {
-        (StepKind::Decode, Some(step)) => {
-            qkv_rope_step(o, p, vw, w, step, &n, rs.as_ref(), &qb, [&kl, &vl])?
-        }
-        _ => {
-            let q = o.alloc(DType::F32, &[r, qw as u64])?;
-            let k = o.alloc(DType::F32, &[r, kvw as u64])?;
-            let v = o.alloc(DType::F32, &[r, kvw as u64])?;
-            let mut qkv = Vec::new();
-            for (wt, out, blocks) in [
-                (&w.wq, &q, p.blocks.q),
-                (&w.wk, &k, p.blocks.k),
-                (&w.wv, &v, p.blocks.v),
-            ] {
-                qkv.push(gemm(
-                    o,
-                    &n,
-                    Dep::Tensor,
-                    wt,
-                    blocks,
-                    out,
-                    rs.as_ref(),
-                    h,
-                    false,
-                    p.w8a8(),
-                )?);
-            }
-            let qkv_done = Dep::After(barrier(o, qkv)?);
-            vec![rope_kv_runs(
-                o,
-                p,
-                vw,
-                w,
-                qkv_done,
-                [&q, &k, &v],
-                &qb,
-                [&kl, &vl],
-            )?]
-        }
-    };
+    let kv_ready = qkv_rope_step(o, p, vw, w, &n, rs.as_ref(), &qb, [&kl, &vl])?;
 
     // Attention into packed activations for o_proj.
     let a = o.alloc(DType::F32, &[r, packed_ld(qw) as u64])?;
@@ -482,78 +435,22 @@ fn attention_block(
     Ok(())
 }
 
-/// Prefill: q/k norm and RoPE per (sequence, page run), each task writing its rows' K/V into
-/// the pools at the run's slots; returns the task that follows every K/V write.
-#[allow(clippy::too_many_arguments)]
-fn rope_kv_runs(
-    o: &mut Orchestrator,
-    p: &StepPlan,
-    vw: &Views,
-    w: &LayerViews,
-    qkv_done: Dep,
-    [q, k, v]: [&Tensor; 3],
-    qb: &Tensor,
-    [kl, vl]: [&Tensor; 2],
-) -> R<TaskId> {
-    let c = &p.config;
-    let mut writes: Vec<TaskId> = Vec::new();
-    for runs in &p.slot_runs {
-        for &(row, pos, slot, cnt) in runs {
-            let (qr, kr, vr) = (
-                rows(o, q, row, row + cnt)?,
-                rows(o, k, row, row + cnt)?,
-                rows(o, v, row, row + cnt)?,
-            );
-            let (cos, sin) = (
-                rows(o, &vw.cos, pos, pos + cnt)?,
-                rows(o, &vw.sin, pos, pos + cnt)?,
-            );
-            let (q_out, k_out, v_out) = (
-                rows(o, qb, row, row + cnt)?,
-                rows(o, kl, slot, slot + cnt)?,
-                rows(o, vl, slot, slot + cnt)?,
-            );
-            let t = RopeKvArgs {
-                q: qkv_done.arg(&qr),
-                k: qkv_done.arg(&kr),
-                v: qkv_done.arg(&vr),
-                // SAFETY: a q/k norm weight: written by no task during a run.
-                q_norm: unsafe { Arg::untracked(&w.q_norm) },
-                // SAFETY: a q/k norm weight: written by no task during a run.
-                k_norm: unsafe { Arg::untracked(&w.k_norm) },
-                // SAFETY: the RoPE tables: written by no task during a run.
-                cos: unsafe { Arg::untracked(&cos) },
-                // SAFETY: the RoPE tables: written by no task during a run.
-                sin: unsafe { Arg::untracked(&sin) },
-                q_out: Arg::Out(&q_out),
-                k_out: Arg::Out(&k_out),
-                v_out: Arg::Out(&v_out),
-            }
-            .push(Task::new(ops::ROPE_KV));
-            let t = qkv_done
-                .order(t)
-                .push_scalars(NormScalars {
-                    eps: c.rms_norm_eps as f32,
-                })
-                .timing_slot(1);
-            writes.push(o.submit(t)?.id);
-        }
-    }
-    Ok(o.submit(Task::dummy().after_all(writes))?.id)
-}
-
-/// Decode: the q, k and v projections as one SPMD task (`GEMM_ROPE_STEP`), every block whole
-/// heads of them, with their epilogues: q/k norm and RoPE of each row at the position its step
-/// entry holds into bf16 Q and the K pool, the V rows into the V pool, at the entries' slots (so
-/// the graph does not depend on positions or slots). Returns the task, which writes the pools
-/// (Q is tracked by its tensor).
+/// The q, k and v projections as one SPMD task (`GEMM_ROPE_STEP`), every block whole heads of
+/// them, with their epilogues: q/k norm and RoPE of each row at the position its step entry
+/// holds into bf16 Q and the K pool, the V rows into the V pool, at the entries' slots (so a
+/// decode graph does not depend on positions or slots). Returns the task, which writes the
+/// pools (Q is tracked by its tensor).
+///
+/// Prefill ran the projections as three tasks into fp32 q/k/v and then a q/k norm + RoPE task
+/// per page run (until session 60): each core converted the same activations three times, the
+/// products went to a scratch and were copied into the fp32 rows, which the RoPE tasks read
+/// back from memory (8 MiB a layer at 512 rows), and a barrier ended each phase.
 #[allow(clippy::too_many_arguments)]
 fn qkv_rope_step(
     o: &mut Orchestrator,
     p: &StepPlan,
     vw: &Views,
     w: &LayerViews,
-    step: &Tensor,
     n: &Tensor,
     rs: Option<&Tensor>,
     qb: &Tensor,
@@ -577,7 +474,7 @@ fn qkv_rope_step(
         // SAFETY: the RoPE tables: written by no task during a run.
         sin: unsafe { Arg::untracked(&vw.sin) },
         // SAFETY: the step entries: written by no task during a run.
-        step: unsafe { Arg::untracked(step) },
+        step: unsafe { Arg::untracked(&vw.step) },
         q_out: Arg::Out(qb),
         k_out: Arg::Out(kl),
         v_out: Arg::Out(vl),
@@ -586,10 +483,11 @@ fn qkv_rope_step(
     .push(Task::new(ops::GEMM_ROPE_STEP));
     // No more blocks than heads: a block's share is whole heads.
     let heads = c.num_attention_heads + 2 * c.num_key_value_heads;
-    let blocks = p
-        .blocks
-        .qkv
-        .clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
+    let blocks = match p.kind {
+        StepKind::Decode => p.blocks.qkv,
+        StepKind::Prefill => p.blocks.qkv_prefill(p.rows, heads * c.head_dim),
+    };
+    let blocks = blocks.clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
     let t = t
         .blocks(blocks)
         .push_scalars(GemmRopeScalars {
@@ -635,9 +533,7 @@ fn attention_decode(
         let b = s.row0;
         let qrow = rows(o, qb, b, b + 1)?;
         let table = rows(o, &vw.table, s.table_row, s.table_row + 1)?;
-        let Some(steps) = &vw.step else {
-            return Err(o.fatal("qwen3 orchestration: decode attention without step entries"));
-        };
+        let steps = &vw.step;
         let step = rows(o, steps, b, b + 1)?;
         let out = cols(o, &rows(o, a, b, b + 1)?, 0, qw)?;
         let n_chunks = split.chunks;
@@ -845,18 +741,15 @@ fn layer(o: &mut Orchestrator, p: &StepPlan, vw: &Views, l: usize, x: &Tensor) -
 /// prefill), each padded as the runtime pads an output. A scope's allocations stay until it
 /// closes, so a heap smaller than this cannot run the step (the runtime reports a heap
 /// deadlock); the step's own `x` and the head's rows are in other scopes and far smaller.
-/// Decode steps allocate less a row (no f32 q/k/v; their attention partials are small).
+/// Decode steps allocate about as much a row (their attention partials are small).
 pub fn prefill_heap_bytes(c: &Qwen3Config, rows: usize) -> u64 {
-    let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
+    let (h, qw) = (c.hidden_size, c.q_width());
     let r = rows as u64;
     let padded = |bytes: u64| bytes.div_ceil(OUTPUT_ALIGN) * OUTPUT_ALIGN;
     let f32s = |cols: usize| padded(r.saturating_mul(cols as u64).saturating_mul(4));
     [
         f32s(packed_ld(h)),                                    // input norm, packed
         padded(r.saturating_mul(qw as u64).saturating_mul(2)), // bf16 Q
-        f32s(qw),                                              // q
-        f32s(kvw),                                             // k
-        f32s(kvw),                                             // v
         f32s(packed_ld(qw)),                                   // attention output, packed
         f32s(packed_ld(h)),                                    // post-attention norm, packed
         f32s(packed_ld(c.intermediate_size)),                  // MLP activations, packed

@@ -234,14 +234,9 @@ impl KvSplit {
 /// SPMD blocks of every projection task of a layer and of the LM head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerBlocks {
-    /// Decode's `q_proj`, `k_proj` and `v_proj` together (one task, `GEMM_ROPE_STEP`).
+    /// `q_proj`, `k_proj` and `v_proj` together (one task, `GEMM_ROPE_STEP`; a prefill of many
+    /// rows takes more, [`LayerBlocks::qkv_prefill`]).
     pub qkv: u32,
-    /// `q_proj` (prefill).
-    pub q: u32,
-    /// `k_proj` (prefill).
-    pub k: u32,
-    /// `v_proj` (prefill).
-    pub v: u32,
     /// `o_proj` (hidden columns of the residual).
     pub o: u32,
     /// `gate_proj`/`up_proj` (fused with SwiGLU).
@@ -263,16 +258,30 @@ impl LayerBlocks {
         );
         LayerBlocks {
             qkv: policy.blocks(q + 2 * kv, 2 * h),
-            q: policy.blocks(q, 2 * h),
-            k: policy.blocks(kv, 2 * h),
-            v: policy.blocks(kv, 2 * h),
             o: policy.blocks(h, 2 * q),
             gate_up: policy.blocks(i, 4 * h),
             down: policy.blocks(h, 2 * i),
             lm_head: policy.blocks(c.vocab_size, 2 * h),
         }
     }
+
+    /// Blocks of the q/k/v task of a step of `rows` rows over `cols` projected columns (q's,
+    /// k's and v's together): [`LayerBlocks::qkv`], or more where a block's products (fp32,
+    /// `rows` × its columns) would not fit [`QKV_SCRATCH_BYTES`], as the epilogue reads them
+    /// back from that scratch.
+    pub fn qkv_prefill(&self, rows: usize, cols: usize) -> u32 {
+        let by_scratch = rows
+            .saturating_mul(cols)
+            .saturating_mul(4)
+            .div_ceil(QKV_SCRATCH_BYTES);
+        self.qkv.max(u32::try_from(by_scratch).unwrap_or(u32::MAX))
+    }
 }
+
+/// Most bytes of fp32 products one block of a prefill's q/k/v task writes before its epilogue
+/// reads them back (half of a Zen 4 core's L2): at 512 rows of the 0.6B model, blocks of two
+/// heads.
+pub const QKV_SCRATCH_BYTES: usize = 512 << 10;
 
 /// One sequence's rows in a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -291,22 +300,6 @@ impl SeqRows {
     /// Position of the step's first token of this sequence.
     pub fn first_pos(&self) -> usize {
         self.seq_len - self.n_rows
-    }
-
-    /// Runs of the sequence's step rows whose KV slots are consecutive (one page each):
-    /// `(first step row, first position, first slot, rows)`.
-    pub fn slot_runs(&self, batch: &PagedBatch) -> Vec<(usize, usize, usize, usize)> {
-        let table = batch.table(self.table_row);
-        paging::page_runs(self.first_pos(), self.n_rows, batch.page_size)
-            .map(|(i, pos, n)| {
-                (
-                    self.row0 + i,
-                    pos,
-                    paging::slot(table, batch.page_size, pos),
-                    n,
-                )
-            })
-            .collect()
     }
 }
 
@@ -339,6 +332,25 @@ pub(crate) fn check_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prefill's q/k/v blocks keep each block's products within the scratch bound; a decode
+    /// batch's rows leave the decode plan's count.
+    #[test]
+    fn prefill_qkv_blocks_bound_each_blocks_products() {
+        let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+        let b = LayerBlocks::new(&c, &TilePolicy::for_cores(2));
+        let cols = c.q_width() + 2 * c.kv_width();
+        assert_eq!(b.qkv_prefill(16, cols), b.qkv);
+        for rows in [512usize, 1000, 4096] {
+            let n = b.qkv_prefill(rows, cols) as usize;
+            assert!(
+                rows * cols.div_ceil(n) * 4 <= QKV_SCRATCH_BYTES + rows * 4,
+                "{rows}: {n}"
+            );
+            assert!(n > b.qkv as usize, "{rows}: {n}");
+        }
+        assert_eq!(b.qkv_prefill(512, cols), 16);
+    }
 
     #[test]
     fn row_tiles_cover_the_rows_in_granules() {

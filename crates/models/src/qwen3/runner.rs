@@ -164,7 +164,6 @@ impl Session {
                 "a step needs at least one token".into(),
             ));
         }
-        let slot_runs = seqs.iter().map(|s| s.slot_runs(batch)).collect();
         let kv_chunks = match kind {
             StepKind::Decode => {
                 let lens: Vec<usize> = seqs.iter().map(|s| s.seq_len).collect();
@@ -188,7 +187,6 @@ impl Session {
             layers,
             rows,
             seqs,
-            slot_runs,
             blocks: LayerBlocks::new(c, &self.policy),
             kv_chunks,
             prefill_rows: self.policy.prefill_rows,
@@ -208,19 +206,16 @@ impl Session {
     ) -> Result<RunReport, Qwen3RunError> {
         let table = self.io_buffer(worker, Role::Table, batch.block_table.len() * 4)?;
         table.write(&batch.block_table)?;
-        // Decode reads each row's length and new slot from the step entries (prefill does
-        // not read them).
-        let entries: Vec<u32> = match plan.kind {
-            StepKind::Decode => plan
-                .seqs
-                .iter()
-                .flat_map(|s| {
-                    let slot = batch.slot(s.table_row, s.seq_len - 1) as u32;
-                    [s.seq_len as u32, slot]
-                })
-                .collect(),
-            StepKind::Prefill => vec![0; STEP_FIELDS],
-        };
+        // Each row's length (its position + 1) and the slot its K/V go to: the q/k/v task's
+        // epilogue reads them (`ops::GEMM_ROPE_STEP`), so a decode graph serves every step.
+        let mut entries = vec![0u32; plan.rows * STEP_FIELDS];
+        for s in &plan.seqs {
+            for i in 0..s.n_rows {
+                let pos = s.first_pos() + i;
+                let e = &mut entries[(s.row0 + i) * STEP_FIELDS..][..STEP_FIELDS];
+                e.copy_from_slice(&[pos as u32 + 1, batch.slot(s.table_row, pos) as u32]);
+            }
+        }
         let step = self.io_buffer(worker, Role::Step, entries.len() * 4)?;
         step.write(&entries)?;
         let mut buffers = self.model.buffers().to_vec();

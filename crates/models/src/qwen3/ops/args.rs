@@ -125,11 +125,6 @@ kernel_tensors!(
     GateUpArgs, gate_up { acts, w_gate, w_up, act; scale }
 );
 kernel_tensors!(
-    /// `ROPE_KV`: q `[n,Nq]`, k and v `[n,Nkv]` f32; q/k norm weights; cos/sin rows `[n,d]`;
-    /// bf16 Q `[n,Nq]` and the K/V pool rows `[n,Nkv]` written.
-    RopeKvArgs, rope_kv { q, k, v, q_norm, k_norm, cos, sin, q_out, k_out, v_out }
-);
-kernel_tensors!(
     /// `GEMM_ROPE_STEP`: packed acts `[n,ld(H)]`; the q, k and v weights `[Wq,H]`, `[Wkv,H]`,
     /// `[Wkv,H]`; the q and k norm weights `[d]`; the whole cos/sin tables `[max_seq,d]`; the
     /// rows' step entries `[n,2]` u32 (`seq_len, slot`); written: bf16 Q `[n,Wq]` and one
@@ -235,6 +230,9 @@ mod tests {
         assert_eq!(seen[0], want);
         assert_eq!(seen[1], want[..3].to_vec());
         assert_eq!((gemm::acts, gemm::w, gemm::out, gemm::scale), (0, 1, 2, 3));
-        assert_eq!((rope_kv::q_out, rope_kv::v_out), (7, 9));
+        assert_eq!(
+            (gemm_rope::step, gemm_rope::v_out, gemm_rope::scale),
+            (8, 11, 12)
+        );
     }
 }

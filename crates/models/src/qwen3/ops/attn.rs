@@ -1,6 +1,6 @@
-//! Attention-side kernels: prefill's q/k norm + RoPE that also writes K/V into the paged
-//! cache, split-KV decode attention with its combine, and chunked causal prefill attention.
-//! (Decode's q/k norm + RoPE is the q/k/v projections' epilogue, `dense::gemm_rope_step`.)
+//! Attention kernels: split-KV decode attention with its combine, and chunked causal prefill
+//! attention. (The q/k norm + RoPE and the K/V writes are the q/k/v projections' epilogue,
+//! `dense::gemm_rope_step`.)
 
 use std::ops::Range;
 
@@ -9,111 +9,13 @@ use simpler_core::{KernelError, TaskCtx};
 use simpler_kernels_cpu as k;
 use simpler_kernels_cpu::{PagedKv, partial_len};
 
-use super::args::{attn_combine, attn_decode, attn_prefill, rope_kv};
-use super::scalars::{
-    AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars, NormScalars,
-};
+use super::args::{attn_combine, attn_decode, attn_prefill};
+use super::scalars::{AttnCombineScalars, AttnDecodeScalars, AttnPrefillScalars, KernelScalars};
 use super::{bad, check_packed_range, dims2, store_packed, with_scratch};
 use crate::qwen3::plan::KvSplit;
 
-pub(super) fn rope_kv(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
-    const NAME: &str = "qk_norm_rope_kv_bf16";
-    let cos = ctx.read::<f32>(rope_kv::cos)?;
-    let sin = ctx.read::<f32>(rope_kv::sin)?;
-    let (n, _) = dims2(ctx, rope_kv::q)?;
-    let d = ctx.read::<f32>(rope_kv::q_norm)?.len();
-    if cos.len() != n * d || sin.len() != n * d {
-        return Err(bad(
-            NAME,
-            format!("tables of {} for {n} rows of head_dim {d}", cos.len()),
-        ));
-    }
-    let rows = RopeRows {
-        q: rope_kv::q,
-        k: rope_kv::k,
-        v: rope_kv::v,
-        q_norm: rope_kv::q_norm,
-        k_norm: rope_kv::k_norm,
-        q_out: rope_kv::q_out,
-        k_out: rope_kv::k_out,
-        v_out: rope_kv::v_out,
-    };
-    rope_rows(ctx, NAME, &rows, |t| {
-        Ok((&cos[t * d..(t + 1) * d], &sin[t * d..(t + 1) * d]))
-    })
-}
-
 /// Entries of a decode row's step record: `[seq_len, slot]`.
 pub(crate) const STEP_FIELDS: usize = 2;
-
-/// Argument indices of a q/k norm + RoPE kernel.
-struct RopeRows {
-    q: usize,
-    k: usize,
-    v: usize,
-    q_norm: usize,
-    k_norm: usize,
-    q_out: usize,
-    k_out: usize,
-    v_out: usize,
-}
-
-/// q/k norm and RoPE of each row with the cos/sin rows `tables(row)`, bf16 Q and K/V out.
-fn rope_rows<'t>(
-    ctx: &TaskCtx<'_>,
-    name: &str,
-    a: &RopeRows,
-    tables: impl Fn(usize) -> Result<(&'t [f32], &'t [f32]), KernelError>,
-) -> Result<(), KernelError> {
-    let NormScalars { eps } = NormScalars::read(ctx)?;
-    let (n, qw) = dims2(ctx, a.q)?;
-    let (nk, kvw) = dims2(ctx, a.k)?;
-    let q = ctx.read::<f32>(a.q)?;
-    let kx = ctx.read::<f32>(a.k)?;
-    let v = ctx.read::<f32>(a.v)?;
-    let qn = ctx.read::<f32>(a.q_norm)?;
-    let kn = ctx.read::<f32>(a.k_norm)?;
-    let d = qn.len();
-    let shapes_ok = nk == n
-        && v.len() == n * kvw
-        && kn.len() == d
-        && d > 0
-        && qw.is_multiple_of(d)
-        && kvw.is_multiple_of(d);
-    if !shapes_ok {
-        return Err(bad(
-            name,
-            format!("inconsistent shapes: {n} rows of q {qw}, k {kvw}, head_dim {d}"),
-        ));
-    }
-    let qo = ctx.write::<bf16>(a.q_out)?;
-    let ko = ctx.write::<bf16>(a.k_out)?;
-    let vo = ctx.write::<bf16>(a.v_out)?;
-    if qo.len() != n * qw || ko.len() != n * kvw || vo.len() != n * kvw {
-        return Err(bad(name, "output rows do not match the inputs"));
-    }
-    with_scratch(qw.max(kvw), |s| {
-        for t in 0..n {
-            let (c, sn) = tables(t)?;
-            if c.len() != d || sn.len() != d {
-                return Err(bad(name, format!("row {t}: cos/sin rows of {}", c.len())));
-            }
-            s[..qw].copy_from_slice(&q[t * qw..(t + 1) * qw]);
-            k::qk_norm_rope_bf16(&mut s[..qw], qn, eps, c, sn, &mut qo[t * qw..(t + 1) * qw]);
-            s[..kvw].copy_from_slice(&kx[t * kvw..(t + 1) * kvw]);
-            k::qk_norm_rope_bf16(
-                &mut s[..kvw],
-                kn,
-                eps,
-                c,
-                sn,
-                &mut ko[t * kvw..(t + 1) * kvw],
-            );
-            k::cast_f32_bf16(&v[t * kvw..(t + 1) * kvw], &mut vo[t * kvw..(t + 1) * kvw]);
-        }
-        Ok(())
-    })
-}
 
 // Decode and prefill attention place the pools and the table alike, so `paged` serves both.
 const _: () = assert!(

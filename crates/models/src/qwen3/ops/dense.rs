@@ -505,20 +505,21 @@ enum StepRole {
     V,
 }
 
-/// A decode step's q, k and v projections as one SPMD task with their epilogues, so nothing
-/// runs between the projections and the attention: the blocks split the heads of all three
+/// A step's q, k and v projections as one SPMD task with their epilogues, so nothing runs
+/// between the projections and the attention: the blocks split the heads of all three
 /// (q's, then k's, then v's: `block_range_tapered` over their sum), each block computes whole
 /// heads and, while they are in its cache, q: norms and rotates them into bf16 Q rows; k: norms
 /// and rotates them into the K pool at each row's slot; v: rounds them into the V pool.
 /// Positions and slots come from the step entries at run time (`seq_len - 1`, `slot`), so one
-/// graph serves every step. A block takes its columns of each output through
+/// decode graph serves every step; a prefill's rows are its tokens, each with its own entry. A block takes its columns of each output through
 /// `TaskCtx::write_rect` (every row of its heads' columns: the blocks' heads are disjoint).
 ///
-/// As three tasks (until session 55), each paid its own first block per core (the
-/// activations' conversion and a slower first product, 10–15 µs of a core), its own dispatch
-/// and its own tail; the attention waited on the k and v tasks. Before session 32 the
-/// projections wrote fp32 q/k/v, and an SPMD task over the heads then read them back from the
-/// other cores' caches to norm, rotate and write them.
+/// As three tasks (decode until session 55, prefill until session 60), each paid its own first
+/// block per core (the activations' conversion and a slower first product, 10–15 µs of a core
+/// in decode; the conversion of 512 rows in prefill), its own dispatch and its own tail; the
+/// attention waited on the k and v tasks. Before (decode until session 32, prefill until 60)
+/// the projections wrote fp32 q/k/v, and other tasks read them back from memory to norm, rotate
+/// and write them.
 ///
 /// Every block checks every row's entry before it writes anything: a length outside the
 /// tables, a slot outside the pools or two rows on one slot fails every block, so the step
@@ -656,7 +657,8 @@ fn out_dims_rows(role: StepRole, n: usize, slots: usize) -> usize {
 
 /// Each row's `(position, slot)` from its step entry (`seq_len, slot`), every entry checked
 /// first: the length within the RoPE tables' `1..=max_seq` and, for a pool of `slots`
-/// slots, the slot within it and no two rows on one slot.
+/// slots, the slot within it and no two rows on one slot (found by sorting: every block of a
+/// 512-row prefill checks every row).
 fn step_rows(
     name: &str,
     step: &[u32],
@@ -676,21 +678,26 @@ fn step_rows(
                 format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
             ));
         }
-        if let Some(slots) = slots {
-            if slot >= slots {
-                return Err(bad(
-                    name,
-                    format!("row {t}: slot {slot} outside the pool's {slots} slots"),
-                ));
-            }
-            if let Some(u) = rows.iter().position(|&(_, s)| s == slot) {
-                return Err(bad(
-                    name,
-                    format!("rows {u} and {t} both write slot {slot}"),
-                ));
-            }
+        if let Some(slots) = slots
+            && slot >= slots
+        {
+            return Err(bad(
+                name,
+                format!("row {t}: slot {slot} outside the pool's {slots} slots"),
+            ));
         }
         rows.push((len - 1, slot));
+    }
+    if slots.is_some() {
+        let mut by_slot: Vec<(usize, usize)> =
+            rows.iter().enumerate().map(|(t, r)| (r.1, t)).collect();
+        by_slot.sort_unstable();
+        if let Some(w) = by_slot.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(bad(
+                name,
+                format!("rows {} and {} both write slot {}", w[0].1, w[1].1, w[0].0),
+            ));
+        }
     }
     Ok(rows)
 }

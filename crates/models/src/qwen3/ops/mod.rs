@@ -27,7 +27,6 @@
 //! | [`RMS_NORM`] | x In f32 `[R,H]`, g NoDep f32 `[H]`, packed Out `[R,ld(H)]` | [`NormScalars`](scalars::NormScalars) |
 //! | [`GEMM_TILE`] | acts In packed `[R,ld(K)]`, w NoDep bf16 `[n,K]`, out Out/InOut f32 `[R,n]`, (r In f32 `[R]`) | [`GemmScalars`](scalars::GemmScalars) |
 //! | [`GATE_UP_SWIGLU`] | acts In packed `[R,ld(H)]`, wg NoDep `[n,H]`, wu NoDep `[n,H]`, act Out packed `[R,ld(I)]`, (r In `[R]`) | [`GateUpScalars`](scalars::GateUpScalars) |
-//! | [`ROPE_KV`] | q In f32 `[n,Nq]`, k In `[n,Nkv]`, v In `[n,Nkv]`, qn NoDep, kn NoDep, cos NoDep `[n,d]`, sin NoDep `[n,d]`, Q Out bf16 `[n,Nq]`, Kc Out bf16 `[n,Nkv]`, Vc Out bf16 `[n,Nkv]` | [`NormScalars`](scalars::NormScalars) |
 //! | [`GEMM_ROPE_STEP`] | acts In packed `[n,ld(H)]`, wq NoDep `[Wq,H]`, wk NoDep `[Wkv,H]`, wv NoDep `[Wkv,H]`, q norm NoDep f32 `[d]`, k norm NoDep f32 `[d]`, cos NoDep `[max_seq,d]`, sin NoDep `[max_seq,d]`, step NoDep u32 `[n,2]`, Q Out bf16 `[n,Wq]`, K pool Out bf16 `[slots,Wkv]`, V pool Out bf16 `[slots,Wkv]` (SPMD: each block whole heads of q, k and v together, its columns of each through `write_rect`), (r In f32 `[n]`) | [`GemmRopeScalars`](scalars::GemmRopeScalars) |
 //! | [`ATTN_DECODE`] | Q In bf16 `[1,Nq]`, K pool NoDep, V pool NoDep, block-table row NoDep u32, step NoDep u32 `[1,2]`, out Out f32 (final: the packed row `[1,Nq]`; partial: `[1,kv_heads*plen]`) | [`AttnDecodeScalars`](scalars::AttnDecodeScalars) |
 //! | [`ATTN_COMBINE`] | partials In f32 `[C,kv_heads*plen]`, out Out the packed row `[1,Nq]` | [`AttnCombineScalars`](scalars::AttnCombineScalars) |
@@ -72,8 +71,6 @@ pub const RMS_NORM: KernelId = KernelId(3105);
 pub const GEMM_TILE: KernelId = KernelId(3106);
 /// Gate and up tiles fused with SwiGLU, written as packed activations for the down projection.
 pub const GATE_UP_SWIGLU: KernelId = KernelId(3107);
-/// q/k norm, RoPE, bf16 Q, and the K/V rows written into the paged cache.
-pub const ROPE_KV: KernelId = KernelId(3108);
 /// Split-KV decode attention of one sequence over one KV chunk, every KV head (final output or
 /// the chunk's partials).
 pub const ATTN_DECODE: KernelId = KernelId(3109);
@@ -95,7 +92,7 @@ pub const GEMM_ROPE_STEP: KernelId = KernelId(3116);
 /// and embedding kernels read a resident model's bf16 layout (`qwen3::layout`).
 pub fn specs() -> Vec<KernelSpec> {
     type Body = fn(&TaskCtx<'_>) -> Result<(), KernelError>;
-    let table: [(KernelId, &str, EngineClass, Body); 15] = [
+    let table: [(KernelId, &str, EngineClass, Body); 14] = [
         (
             EMBED,
             "embedding_gather_bf16",
@@ -138,12 +135,6 @@ pub fn specs() -> Vec<KernelSpec> {
             "gate_up_swiglu_bf16",
             EngineClass::Cube,
             dense::gate_up_swiglu,
-        ),
-        (
-            ROPE_KV,
-            "qk_norm_rope_kv_bf16",
-            EngineClass::Vector,
-            attn::rope_kv,
         ),
         (
             GEMM_ROPE_STEP,

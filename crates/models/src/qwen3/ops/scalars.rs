@@ -102,7 +102,7 @@ macro_rules! kernel_scalars {
 }
 
 kernel_scalars!(
-    /// RMSNorm (deferred or ordinary) and prefill's q/k norm + RoPE (`ROPE_KV`).
+    /// RMSNorm (deferred or ordinary).
     NormScalars {
         /// RMSNorm epsilon.
         eps: f32,
