@@ -30,7 +30,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use half::bf16;
 use simpler_core::{CallConfig, RunReport, Worker};
-use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
+use simpler_dfx::bench_stats::{
+    Diagnostics, Summary, format_compare, format_diagnostics, format_summary, run_interleaved,
+};
 use simpler_kernels_cpu::{
     ActsConversion, GemmTile, OutMode, PackedActs, WeightLayout, WeightsBf16, gemm_bf16,
     gemm_bf16_converted, pack_acts_f32, packed_len,
@@ -72,6 +74,15 @@ pub(crate) struct PrefillBenchArgs {
     gemm_seconds: f64,
     #[command(flatten)]
     tiles: TileArgs,
+    /// Also compare this run's tiling with another, step against step: `KEY=VALUE` pairs
+    /// (`tile-kib`, `tiles-per-core`, `prefill-rows`: query rows per attention task,
+    /// `qkv-scratch-kib`: the bound on a q/k/v block's products) applied on top of it, e.g.
+    /// `prefill-rows=128`. Each prompt length then runs `--rounds` interleaved pairs of steps
+    /// A B, B A .. (after `--warmup` pairs) and reports the median of the paired step-time
+    /// ratios B/A with its 95% interval: neighbouring steps see the same host load, where
+    /// separate runs do not.
+    #[arg(long, value_name = "KEY=VALUE,..")]
+    versus: Option<String>,
     #[command(flatten)]
     run: RunOpts,
 }
@@ -313,6 +324,12 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             "--max-kv-chunk: prefill attention is not split by KV chunks; it applies to decode (`run` and `bench qwen3-decode`)"
         );
     }
+    let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
+    if versus.as_ref().is_some_and(|v| v.max_kv_chunk.is_some()) {
+        bail!(
+            "--versus max-kv-chunk: prefill attention is not split by KV chunks; it applies to decode (`bench qwen3-decode --versus`)"
+        );
+    }
     let mut cfg = args.run.recording_call_config("prefill")?;
     let c = args.model.config(None)?;
     check_prompt_lens(&args.prompt_lens, Some(&c))?;
@@ -535,6 +552,39 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
         }
         if let Some(line) = crate::bench_qwen3::left_out_line(&left_out, args.outside_steps) {
             println!("  {line}");
+        }
+        if let Some(versus) = &versus {
+            let a = session.policy;
+            let mut b = a;
+            versus.apply_to(&mut b);
+            // Both closures run steps on the one session (one at a time).
+            let state = std::cell::RefCell::new((&mut session, None::<anyhow::Error>));
+            let step_ms = |policy| {
+                let (session, failure) = &mut *state.borrow_mut();
+                session.policy = policy;
+                match prefill_step(session, &worker, &batch, &tokens, &cfg) {
+                    Ok((secs, _)) => secs * 1e3,
+                    Err(e) => {
+                        failure.get_or_insert(e);
+                        f64::NAN
+                    }
+                }
+            };
+            let pairs = run_interleaved(args.rounds, args.warmup, || step_ms(a), || step_ms(b));
+            let (_, failure) = state.into_inner();
+            session.policy = a;
+            if let Some(e) = failure {
+                return Err(e.context("--versus"));
+            }
+            println!(
+                "  tiling compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
+            );
+            let spec = args.versus.as_deref().unwrap_or_default();
+            for line in
+                format_compare("step_ms", "this run's tiling", spec, &pairs.compare()).lines()
+            {
+                println!("  {line}");
+            }
         }
         rows.push(Row {
             prompt: len,

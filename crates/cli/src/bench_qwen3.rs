@@ -361,6 +361,14 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
         );
     }
     let versus = args.versus.as_deref().map(TileArgs::parse).transpose()?;
+    if let Some(keys) = versus.as_ref().map(TileArgs::prefill_keys)
+        && !keys.is_empty()
+    {
+        bail!(
+            "--versus {}: a prefill step's key; this command runs decode steps only (compare it with `bench qwen3-prefill --versus`)",
+            keys.join(", ")
+        );
+    }
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
     let versus_attention = decode_kernel_flag(args.versus_attention.as_deref())?;
     let cfg = args.run.recording_call_config("decode")?;

@@ -402,6 +402,13 @@ pub(crate) struct TileArgs {
     /// far as the attention tasks per core ask].
     #[arg(long, value_parser = positive)]
     pub(crate) max_kv_chunk: Option<usize>,
+    /// Query rows per prefill attention task (a `--versus` key of `bench qwen3-prefill` only).
+    #[arg(skip)]
+    pub(crate) prefill_rows: Option<usize>,
+    /// KiB of fp32 products a block of prefill's q/k/v task keeps (a `--versus` key of `bench
+    /// qwen3-prefill` only).
+    #[arg(skip)]
+    pub(crate) qkv_scratch_kib: Option<usize>,
 }
 
 /// A count of at least 1 (a zero is refused, not raised to 1).
@@ -430,16 +437,37 @@ impl TileArgs {
         if let Some(n) = self.max_kv_chunk {
             policy.max_kv_chunk = n;
         }
+        if let Some(n) = self.prefill_rows {
+            policy.prefill_rows = n;
+        }
+        if let Some(k) = self.qkv_scratch_kib {
+            policy.qkv_scratch_bytes = k << 10;
+        }
+    }
+
+    /// The keys given that only a prefill step reads, for a command that runs none.
+    pub(crate) fn prefill_keys(&self) -> Vec<&'static str> {
+        [
+            ("prefill-rows", self.prefill_rows.is_some()),
+            ("qkv-scratch-kib", self.qkv_scratch_kib.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, given)| given.then_some(k))
+        .collect()
     }
 
     /// Overrides written `KEY=VALUE[,KEY=VALUE..]` with the flags' names (`tile-kib=512,
-    /// max-kv-chunk=1024`).
+    /// max-kv-chunk=1024`), and the prefill keys `prefill-rows` and `qkv-scratch-kib`.
     pub(crate) fn parse(spec: &str) -> Result<TileArgs> {
         let mut t = TileArgs {
             tile_kib: None,
             tiles_per_core: None,
             max_kv_chunk: None,
+            prefill_rows: None,
+            qkv_scratch_kib: None,
         };
+        const KEYS: &str =
+            "tile-kib, tiles-per-core, max-kv-chunk, prefill-rows or qkv-scratch-kib";
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (key, value) = item
                 .split_once('=')
@@ -455,18 +483,23 @@ impl TileArgs {
                 "tile-kib" => &mut t.tile_kib,
                 "tiles-per-core" => &mut t.tiles_per_core,
                 "max-kv-chunk" => &mut t.max_kv_chunk,
-                other => bail!(
-                    "{other:?}: unknown tiling key (tile-kib, tiles-per-core or max-kv-chunk)"
-                ),
+                "prefill-rows" => &mut t.prefill_rows,
+                "qkv-scratch-kib" => &mut t.qkv_scratch_kib,
+                other => bail!("{other:?}: unknown tiling key ({KEYS})"),
             };
             if slot.replace(value).is_some() {
                 bail!("{:?} is given twice", key.trim());
             }
         }
-        if t.tile_kib.is_none() && t.tiles_per_core.is_none() && t.max_kv_chunk.is_none() {
-            bail!(
-                "{spec:?}: no override (give KEY=VALUE with tile-kib, tiles-per-core or max-kv-chunk)"
-            );
+        let given = [
+            t.tile_kib,
+            t.tiles_per_core,
+            t.max_kv_chunk,
+            t.prefill_rows,
+            t.qkv_scratch_kib,
+        ];
+        if given.iter().all(Option::is_none) {
+            bail!("{spec:?}: no override (give KEY=VALUE with {KEYS})");
         }
         Ok(t)
     }

@@ -578,6 +578,39 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "no override",
         ),
         (
+            &[
+                "bench",
+                "qwen3-decode",
+                "--preset",
+                "tiny",
+                "--versus",
+                "prefill-rows=32",
+            ],
+            "--versus prefill-rows: a prefill step's key",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-prefill",
+                "--preset",
+                "tiny",
+                "--versus",
+                "max-kv-chunk=128",
+            ],
+            "--versus max-kv-chunk: prefill attention is not split",
+        ),
+        (
+            &[
+                "bench",
+                "qwen3-prefill",
+                "--preset",
+                "tiny",
+                "--versus",
+                "qkv-scratch-kib=0",
+            ],
+            "the value must be a positive integer",
+        ),
+        (
             &["bench", "collectives", "--ranks", "2,2"],
             "--ranks: 2 is given twice",
         ),

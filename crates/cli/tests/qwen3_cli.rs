@@ -491,6 +491,37 @@ fn bench_qwen3_prefill_reports_rates_against_the_machine() {
     let rate = so.lines().find(|l| l.contains("GEMM rate:")).unwrap();
     assert!(number_after(rate, "best") > 0.0, "{rate}");
 
+    // `--versus`: interleaved pairs of steps on the two tilings, after the measured rounds.
+    let so = success_stdout(&[
+        "bench",
+        "qwen3-prefill",
+        "--preset",
+        "tiny",
+        "--prompt-lens",
+        "20",
+        "--rounds",
+        "3",
+        "--warmup",
+        "1",
+        "--membw-seconds",
+        "0.1",
+        "--gemm-seconds",
+        "0.05",
+        "--outside-steps",
+        "1",
+        "--versus",
+        "prefill-rows=4,qkv-scratch-kib=4",
+    ]);
+    assert_contains_all(
+        &so,
+        &[
+            "tiling compared (interleaved steps A B B A ..",
+            "step_ms [A: this run's tiling]: n=3 (warm-up 1 discarded)",
+            "step_ms [B: prefill-rows=4,qkv-scratch-kib=4]: n=3",
+            "median of paired ratios B/A = ",
+        ],
+    );
+
     // Bad lengths name the fix.
     for (lens, needle) in [("8,0", "at least 1"), ("50000", "max_position_embeddings")] {
         let out = simpler(&[

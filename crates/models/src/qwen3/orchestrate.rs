@@ -114,6 +114,8 @@ pub(crate) struct StepPlan {
     pub(crate) kv_chunks: Vec<KvSplit>,
     /// Prefill: query rows per attention task.
     pub(crate) prefill_rows: usize,
+    /// Prefill: the bound on a q/k/v block's products (`TilePolicy::qkv_scratch_bytes`).
+    pub(crate) qkv_scratch_bytes: usize,
     /// Decode: blocks (one per core) of the layer's small task that every core waits for, the
     /// attention combine of the sequence whose chunks end the attention phase (each block a
     /// share of the KV heads; one task at batch 1 ran alone while the other cores waited).
@@ -485,7 +487,9 @@ fn qkv_rope_step(
     let heads = c.num_attention_heads + 2 * c.num_key_value_heads;
     let blocks = match p.kind {
         StepKind::Decode => p.blocks.qkv,
-        StepKind::Prefill => p.blocks.qkv_prefill(p.rows, heads * c.head_dim),
+        StepKind::Prefill => p
+            .blocks
+            .qkv_prefill(p.rows, heads * c.head_dim, p.qkv_scratch_bytes),
     };
     let blocks = blocks.clamp(1, u32::try_from(heads.max(1)).unwrap_or(u32::MAX));
     let t = t

@@ -38,6 +38,10 @@ pub struct TilePolicy {
     pub attn_tasks_per_core: usize,
     /// Query rows per prefill attention task (the default: [`default_prefill_rows`]).
     pub prefill_rows: usize,
+    /// Most bytes of fp32 products one block of a prefill's q/k/v task writes before its
+    /// epilogue reads them back ([`LayerBlocks::qkv_prefill`]; the default:
+    /// [`QKV_SCRATCH_BYTES`]).
+    pub qkv_scratch_bytes: usize,
 }
 
 /// Query rows per prefill attention task by default. 64 below AMX: where prefill attention
@@ -68,6 +72,7 @@ impl TilePolicy {
             max_kv_chunk: usize::MAX,
             attn_tasks_per_core: 4,
             prefill_rows: default_prefill_rows(),
+            qkv_scratch_bytes: QKV_SCRATCH_BYTES,
         }
     }
 
@@ -267,20 +272,19 @@ impl LayerBlocks {
 
     /// Blocks of the q/k/v task of a step of `rows` rows over `cols` projected columns (q's,
     /// k's and v's together): [`LayerBlocks::qkv`], or more where a block's products (fp32,
-    /// `rows` × its columns) would not fit [`QKV_SCRATCH_BYTES`], as the epilogue reads them
-    /// back from that scratch.
-    pub fn qkv_prefill(&self, rows: usize, cols: usize) -> u32 {
+    /// `rows` × its columns) would not fit `scratch_bytes`
+    /// ([`TilePolicy::qkv_scratch_bytes`]), as the epilogue reads them back from that scratch.
+    pub fn qkv_prefill(&self, rows: usize, cols: usize, scratch_bytes: usize) -> u32 {
         let by_scratch = rows
             .saturating_mul(cols)
             .saturating_mul(4)
-            .div_ceil(QKV_SCRATCH_BYTES);
+            .div_ceil(scratch_bytes.max(1));
         self.qkv.max(u32::try_from(by_scratch).unwrap_or(u32::MAX))
     }
 }
 
-/// Most bytes of fp32 products one block of a prefill's q/k/v task writes before its epilogue
-/// reads them back (half of a Zen 4 core's L2): at 512 rows of the 0.6B model, blocks of two
-/// heads.
+/// [`TilePolicy::qkv_scratch_bytes`] by default: half of a Zen 4 core's L2; at 512 rows of the
+/// 0.6B model, blocks of two heads.
 pub const QKV_SCRATCH_BYTES: usize = 512 << 10;
 
 /// One sequence's rows in a step.
@@ -340,16 +344,18 @@ mod tests {
         let c = Qwen3Config::preset("qwen3-0.6b").unwrap();
         let b = LayerBlocks::new(&c, &TilePolicy::for_cores(2));
         let cols = c.q_width() + 2 * c.kv_width();
-        assert_eq!(b.qkv_prefill(16, cols), b.qkv);
+        let bound = QKV_SCRATCH_BYTES;
+        assert_eq!(b.qkv_prefill(16, cols, bound), b.qkv);
         for rows in [512usize, 1000, 4096] {
-            let n = b.qkv_prefill(rows, cols) as usize;
+            let n = b.qkv_prefill(rows, cols, bound) as usize;
             assert!(
                 rows * cols.div_ceil(n) * 4 <= QKV_SCRATCH_BYTES + rows * 4,
                 "{rows}: {n}"
             );
             assert!(n > b.qkv as usize, "{rows}: {n}");
         }
-        assert_eq!(b.qkv_prefill(512, cols), 16);
+        assert_eq!(b.qkv_prefill(512, cols, bound), 16);
+        assert_eq!(b.qkv_prefill(512, cols, bound / 2), 32);
     }
 
     #[test]

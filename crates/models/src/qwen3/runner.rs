@@ -190,6 +190,7 @@ impl Session {
             blocks: LayerBlocks::new(c, &self.policy),
             kv_chunks,
             prefill_rows: self.policy.prefill_rows,
+            qkv_scratch_bytes: self.policy.qkv_scratch_bytes,
             small_task_blocks: self.policy.cores,
         })
     }
