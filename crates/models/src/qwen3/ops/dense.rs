@@ -334,16 +334,22 @@ fn gemm_into_rows(
         run_gemm(w, x, tile, scale, out.row(0), n);
         return;
     }
-    // Every element is copied in (`Add`) or stored by the product before it is read.
+    // The products are stored into the scratch (every element before it is read), then
+    // stored or added into the rows. Adding there gives the bits the kernels' `Add` gives: the
+    // bf16 paths and the int8 ones of one activation group (this model's) add each finished,
+    // scaled sum to the output once. Copying the rows in for an `Add` product, then back out,
+    // took one more pass over them.
+    let store = GemmTile {
+        mode: OutMode::Store,
+        ..tile.clone()
+    };
     with_scratch_dirty(rows * n, |s| {
-        if tile.mode == OutMode::Add {
-            for (dst, src) in s.chunks_exact_mut(n).zip(out.iter_mut()) {
-                dst.copy_from_slice(src);
-            }
-        }
-        run_gemm(w, x, tile, scale, s, n);
+        run_gemm(w, x, &store, scale, s, n);
         for (src, dst) in s.chunks_exact(n).zip(out.iter_mut()) {
-            dst.copy_from_slice(src);
+            match tile.mode {
+                OutMode::Store => dst.copy_from_slice(src),
+                OutMode::Add => k::residual_add_f32(dst, src),
+            }
         }
     });
 }
