@@ -61,7 +61,7 @@ fn main() {
                 let n = rows.min(len - r0);
                 let w = group * hd;
                 let rows = PrefillRows {
-                    queries: &q[r0 * w..(r0 + n) * w],
+                    queries: simpler_kernels_cpu::PrefillQueries::F32(&q[r0 * w..(r0 + n) * w]),
                     group,
                     kv,
                     block_table: &table,

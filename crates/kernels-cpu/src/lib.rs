@@ -27,9 +27,10 @@ pub mod sampling;
 mod simd;
 
 pub use attention::{
-    PagedKv, PrefillRows, PrefillSeq, decode_attention_bf16, decode_attention_combine_bf16,
-    decode_attention_heads_bf16, decode_attention_partial_bf16, partial_len,
-    prefill_attention_bf16, prefill_attention_rows_f32, split_range,
+    PagedKv, PrefillQueries, PrefillRows, PrefillSeq, decode_attention_bf16,
+    decode_attention_combine_bf16, decode_attention_heads_bf16, decode_attention_partial_bf16,
+    partial_len, prefill_attention_bf16, prefill_attention_rows_f32, prefill_attention_rows_packed,
+    split_range,
 };
 pub use convert::{bf16_to_f32, cast_bf16_f32, cast_f32_bf16, f32_to_bf16};
 pub use elementwise::{

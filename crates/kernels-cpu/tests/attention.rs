@@ -70,7 +70,7 @@ impl Setup {
         first_pos: usize,
     ) -> PrefillRows<'a> {
         PrefillRows {
-            queries: q,
+            queries: PrefillQueries::F32(q),
             group,
             kv: self.kv(),
             block_table: &self.tables[s],
@@ -124,13 +124,21 @@ impl Setup {
     }
 }
 
+/// The widened queries of rows built with them.
+fn f32_queries<'a>(rows: &PrefillRows<'a>) -> &'a [f32] {
+    match rows.queries {
+        PrefillQueries::F32(q) => q,
+        PrefillQueries::Bf16 { .. } => panic!("rows of bf16 queries"),
+    }
+}
+
 /// `prefill_attention_rows_f32` of `rows` on every path this CPU has (see
 /// `common::all_paths`).
 fn prefill_on_every_path(what: &str, rows: &PrefillRows<'_>) -> Vec<(Isa, Vec<f32>)> {
     common::all_paths(what, || {
         // NaN: an output a path leaves unwritten fails the comparisons (callers hand it
         // scratch that holds an earlier task's values).
-        let mut out = vec![f32::NAN; rows.queries.len()];
+        let mut out = vec![f32::NAN; f32_queries(rows).len()];
         prefill_attention_rows_f32(rows, &mut out);
         out
     })
@@ -155,7 +163,7 @@ fn prefill_agrees_on_every_path(
         for i in check_rows.clone() {
             for j in 0..group {
                 let at = (i * group + j) * hd;
-                let q = &rows.queries[at..at + hd];
+                let q = &f32_queries(rows)[at..at + hd];
                 let e = st.reference(seq, rows.kv_head, q, rows.first_pos + i + 1, rows.scale);
                 let ctx = format!("{on} vs reference, row {i} query {j}");
                 common::assert_close(&out[at..at + hd], &e, 5e-3, 2e-2, &ctx);
@@ -737,6 +745,138 @@ fn prefill_rows_blocked_edges_on_every_path() {
         );
         let rows = st.prefill_rows(0, &q, group, kv_heads - 1, first_pos);
         prefill_agrees_on_every_path(&what, &st, 0, &rows, 0..n_rows);
+    }
+}
+
+/// The packed entry (`prefill_attention_rows_packed`) from bf16 Q rows, read where they lie
+/// (a KV head's group inside wider rows), against the fp32 entry on the widened group, then
+/// `cast_f32_bf16` and `pack_segment_bf16`: bit for bit on every path, at head dimensions the
+/// bf16 engines take and one they do not (48), row counts that are not whole query blocks,
+/// groups of 1, 2 and 5, every KV head, and a NaN key (quietened NaN outputs where the
+/// portable path has them). The packed entry given the widened queries writes the same bits.
+#[test]
+fn packed_prefill_rows_from_bf16_queries_are_the_fp32_entry_rounded_and_packed() {
+    let mut rng = Rng(2027);
+    for (hd, group, n_rows, first_pos, nan_key) in [
+        (128usize, 2usize, 37usize, 50usize, false),
+        (64, 5, 9, 0, false),
+        (128, 1, 16, 100, true),
+        (48, 2, 11, 30, false),
+    ] {
+        let (kv_heads, ps) = (3usize, 16usize);
+        let mut st = Setup::new(1, 12, kv_heads, hd, ps, &mut rng);
+        if nan_key {
+            let t = first_pos + 3;
+            let at = (st.tables[0][t / ps] as usize * ps + t % ps) * kv_heads * hd + hd + 7;
+            st.k[at] = bf16::NAN;
+        }
+        let width = kv_heads * group * hd;
+        // Q rows of every head, with room after the last row's group.
+        let q = rng.vec_bf16(n_rows * width + 5, 2.0);
+        for kv_head in 0..kv_heads {
+            let what =
+                format!("packed prefill rows hd {hd} group {group} rows {n_rows} head {kv_head}");
+            let per_row = group * hd;
+            let widened: Vec<f32> = (0..n_rows)
+                .flat_map(|i| {
+                    q[i * width + kv_head * per_row..][..per_row]
+                        .iter()
+                        .map(|v| v.to_f32())
+                })
+                .collect();
+            let f32_rows = st.prefill_rows(0, &widened, group, kv_head, first_pos);
+            let bf16_rows = PrefillRows {
+                queries: PrefillQueries::Bf16 {
+                    rows: &q,
+                    stride: width,
+                    offset: kv_head * per_row,
+                    n_rows,
+                },
+                ..f32_rows
+            };
+            let ran = common::all_paths(&what, || {
+                let mut want = vec![f32::NAN; n_rows * per_row];
+                prefill_attention_rows_f32(&f32_rows, &mut want);
+                let mut ob = vec![bf16::ZERO; per_row];
+                let mut packed_want = vec![f32::NAN; n_rows * per_row];
+                for (src, dst) in want
+                    .chunks_exact(per_row)
+                    .zip(packed_want.chunks_exact_mut(per_row))
+                {
+                    cast_f32_bf16(src, &mut ob);
+                    pack_segment_bf16(&ob, 0, per_row, dst);
+                }
+                let packed = |rows: &PrefillRows<'_>| {
+                    let mut got = vec![f32::NAN; n_rows * per_row];
+                    let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(per_row).collect();
+                    prefill_attention_rows_packed(rows, &mut outs);
+                    got
+                };
+                (packed_want, packed(&bf16_rows), packed(&f32_rows))
+            });
+            for (isa, (want, from_bf16, from_f32)) in &ran {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(from_bf16),
+                    bits(want),
+                    "{what} on {}: bf16 queries",
+                    isa.name()
+                );
+                assert_eq!(
+                    bits(from_f32),
+                    bits(want),
+                    "{what} on {}: fp32 queries",
+                    isa.name()
+                );
+            }
+            if nan_key && kv_head == 1 {
+                assert!(
+                    ran[0].1.0.iter().any(|v| v.is_nan()),
+                    "{what}: the NaN key reaches no output"
+                );
+            }
+        }
+    }
+}
+
+/// Packed rows of the wrong length and bf16 rows that end before the last row's group are
+/// refused before anything is written.
+#[test]
+fn packed_prefill_rows_refuse_bad_outputs_and_short_query_rows() {
+    let mut rng = Rng(7);
+    let (hd, group, n_rows) = (64usize, 2usize, 4usize);
+    let st = Setup::new(1, 2, 1, hd, 16, &mut rng);
+    let per_row = group * hd;
+    let q = rng.vec_bf16(n_rows * per_row, 1.0);
+    let rows = |n_rows: usize, stride: usize| PrefillRows {
+        queries: PrefillQueries::Bf16 {
+            rows: &q,
+            stride,
+            offset: 0,
+            n_rows,
+        },
+        group,
+        kv: st.kv(),
+        block_table: &st.tables[0],
+        kv_head: 0,
+        first_pos: 0,
+        scale: 0.125,
+    };
+    let run = |r: PrefillRows<'_>, out_rows: usize, len: usize| {
+        std::panic::catch_unwind(move || {
+            let mut got = vec![7.0f32; out_rows * len];
+            let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(len).collect();
+            prefill_attention_rows_packed(&r, &mut outs);
+        })
+        .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+    };
+    assert!(run(rows(n_rows, per_row), n_rows, per_row).is_ok());
+    let short_out = run(rows(n_rows, per_row), n_rows, per_row - 16).unwrap_err();
+    assert!(short_out.contains("an output row is not"), "{short_out}");
+    // One row more than `q` holds, and a stride shorter than the group.
+    for (n, stride) in [(n_rows + 1, per_row), (n_rows, per_row - 1)] {
+        let e = run(rows(n, stride), n, per_row).unwrap_err();
+        assert!(e.contains("outside"), "{n} rows of stride {stride}: {e}");
     }
 }
 

@@ -38,7 +38,8 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::PrefillRows;
+use super::prefill::Outputs;
+use super::{PrefillQueries, PrefillRows};
 use crate::gemm::{amx_tile_config, amx_transpose16};
 use crate::math::{EXP_COEFFS, EXP_LN2_HI, EXP_LN2_LO};
 use crate::simd::as_pbh;
@@ -81,20 +82,24 @@ thread_local! {
 }
 
 /// Causal prefill rows of one KV head (see `prefill_attention_rows_f32`): row `i` of
-/// `rows.queries` (`group` widened queries, `[n_rows, group, head_dim]`) attends to tokens
-/// `0..=first_pos + i`; `out` gets the normalised outputs. The products run on the tile unit
-/// with `TILES`, on AVX-512 BF16 vectors without.
+/// `rows.queries` (`group` queries, fp32 or bf16) attends to tokens `0..=first_pos + i`; `out`
+/// gets the normalised outputs, fp32 or rounded to bf16 and packed. The products run on the
+/// tile unit with `TILES`, on AVX-512 BF16 vectors without.
 ///
 /// # Safety
 /// The CPU supports AVX-512 F/BW/VL/BF16; with `TILES` also AMX-BF16, and Linux granted the
 /// tile state ([`crate::amx::request_tile_permission`]); `supports(rows.kv.head_dim)`; `rows`
-/// passed `PrefillRows::check` with `out`.
+/// passed `PrefillRows::check` with `out`'s values (`Packed`: one slice of `group ×
+/// head_dim` per row).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn prefill_rows<const TILES: bool>(rows: &PrefillRows<'_>, out: &mut [f32]) {
+pub(super) unsafe fn prefill_rows<const TILES: bool>(
+    rows: &PrefillRows<'_>,
+    mut out: Outputs<'_, '_>,
+) {
     let (hd, group, first_pos) = (rows.kv.head_dim, rows.group, rows.first_pos);
     let nks = hd / 32;
     let ncb = hd / 16;
-    let nq = rows.queries.len() / hd;
+    let nq = rows.n_rows() * group;
     let end = rows.tokens().end;
     let nt = end.div_ceil(KB) * KB;
     SCRATCH.with(|cell| {
@@ -114,7 +119,24 @@ pub(super) unsafe fn prefill_rows<const TILES: bool>(rows: &PrefillRows<'_>, out
         let mut qb0 = 0;
         while qb0 < nq {
             let nqb = QB.min(nq - qb0);
-            pack_queries(&rows.queries[qb0 * hd..(qb0 + nqb) * hd], hd, &mut s.q);
+            match rows.queries {
+                PrefillQueries::F32(q) => {
+                    pack_queries(&q[qb0 * hd..(qb0 + nqb) * hd], hd, &mut s.q)
+                }
+                PrefillQueries::Bf16 {
+                    rows: q,
+                    stride,
+                    offset,
+                    ..
+                } => {
+                    // Query `qb0 + i` is head `(qb0 + i) % group` of row `(qb0 + i) / group`.
+                    let at = |i: usize| {
+                        let qi = qb0 + i;
+                        (qi / group) * stride + offset + (qi % group) * hd
+                    };
+                    pack_queries_bf16(q, at, nqb, hd, &mut s.q);
+                }
+            }
             // Query `qb0 + i` sees tokens below `first_pos + (qb0 + i) / group + 1`; padding
             // lanes see token 0 only (finite, and never written out).
             let lim: [i32; QB] = std::array::from_fn(|i| {
@@ -128,7 +150,18 @@ pub(super) unsafe fn prefill_rows<const TILES: bool>(rows: &PrefillRows<'_>, out
             // SAFETY: with TILES the tiles are configured; the scratch holds every token block
             // below `nt >= block_end` and this block's query tiles.
             let inv = unsafe { block::<TILES>(s, &lim, block_end, nks, ncb, rows.scale) };
-            write_outputs(&s.o, inv, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb);
+            match &mut out {
+                Outputs::F32(out) => {
+                    write_outputs(&s.o, inv, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb)
+                }
+                Outputs::Packed(rows_out) => {
+                    for i in 0..nqb {
+                        let qi = qb0 + i;
+                        let dst = &mut rows_out[qi / group][(qi % group) * hd..][..hd];
+                        write_packed(&s.o[i * ncb..(i + 1) * ncb], inv, i, dst);
+                    }
+                }
+            }
             qb0 += nqb;
         }
         if TILES {
@@ -231,6 +264,35 @@ fn pack_queries(q: &[f32], hd: usize, tiles: &mut [Line]) {
         }
         amx_transpose16(&mut r);
         // Pair `p = 16 g + k` is line `k` of step `g`.
+        for (line, v) in tiles[16 * g..16 * (g + 1)].iter_mut().zip(r) {
+            // SAFETY: a line is 64 bytes, 64-byte aligned.
+            unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
+        }
+    }
+}
+
+/// Packs `n` (at most 16) bf16 queries, query `i`'s `hd` values at `q[at(i)..]` (`hd` a
+/// multiple of 32), as [`pack_queries`] packs their widened values: each query's 32 values of a
+/// step are already its 16 pair words, so one load per query and step, and the 16 × 16
+/// transpose.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn pack_queries_bf16(
+    q: &[half::bf16],
+    at: impl Fn(usize) -> usize,
+    n: usize,
+    hd: usize,
+    tiles: &mut [Line],
+) {
+    assert!(hd.is_multiple_of(32) && n <= QB && tiles.len() >= hd / 2);
+    for g in 0..hd / 32 {
+        let mut r = [_mm512_setzero_si512(); QB];
+        for (i, ri) in r.iter_mut().take(n).enumerate() {
+            let x = &q[at(i) + 32 * g..][..32];
+            // SAFETY: `x` is 32 bf16 (64 bytes): word w is element 32 g + w, so 32-bit lane k is
+            // the pair (32 g + 2k, 32 g + 2k + 1), low element in the low half.
+            *ri = unsafe { _mm512_loadu_si512(x.as_ptr().cast()) };
+        }
+        amx_transpose16(&mut r);
         for (line, v) in tiles[16 * g..16 * (g + 1)].iter_mut().zip(r) {
             // SAFETY: a line is 64 bytes, 64-byte aligned.
             unsafe { _mm512_store_si512(line.0.as_mut_ptr().cast(), v) };
@@ -429,6 +491,40 @@ fn write_outputs(o: &[Line], factor: __m512, out: &mut [f32], ncb: usize) {
                 _mm512_storeu_ps(dst.as_mut_ptr(), v);
             }
         }
+    }
+}
+
+/// Writes one query's outputs (`o`: its column blocks' lines) times lane `q` of `factor` (the
+/// normalisation), rounded to bf16 as `convert::f32_to_bf16` rounds (ties to even, a NaN
+/// quietened) and widened back, into `dst` in the packed order of whole packing blocks (each
+/// 16 values' even ones, then its odd ones: `gemm::pack_index`).
+#[target_feature(enable = "avx512f")]
+fn write_packed(o: &[Line], factor: __m512, q: usize, dst: &mut [f32]) {
+    assert_eq!(dst.len(), o.len() * 16, "write_packed: row length");
+    let mut f = [0.0f32; QB];
+    // SAFETY: 16 floats.
+    unsafe { _mm512_storeu_ps(f.as_mut_ptr(), factor) };
+    let fv = _mm512_set1_ps(f[q]);
+    // Packed position p holds element 2p (p < 8) or 2(p - 8) + 1.
+    const IDX: [i32; 16] = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15];
+    // SAFETY: 16 i32.
+    let idx = unsafe { _mm512_loadu_si512(IDX.as_ptr().cast()) };
+    let high = _mm512_set1_epi32(0xFFFF_0000_u32 as i32);
+    for (d, line) in dst.chunks_exact_mut(16).zip(o) {
+        // SAFETY: a line is 64 bytes, 64-byte aligned.
+        let v = _mm512_mul_ps(unsafe { _mm512_load_ps(line.0.as_ptr().cast()) }, fv);
+        let bits = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_and_si512(
+            _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+            high,
+        );
+        let quiet = _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x0040_0000));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let packed = _mm512_permutexvar_epi32(idx, r);
+        // SAFETY: `d` is 16 floats (unaligned store).
+        unsafe { _mm512_storeu_si512(d.as_mut_ptr().cast(), packed) };
     }
 }
 

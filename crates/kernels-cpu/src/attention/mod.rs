@@ -54,7 +54,10 @@ fn write_partials<const HALF: usize>(st: &[f32], group: usize, hd: usize, out: &
 mod core;
 mod prefill;
 
-pub use prefill::{PrefillRows, PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32};
+pub use prefill::{
+    PrefillQueries, PrefillRows, PrefillSeq, prefill_attention_bf16, prefill_attention_rows_f32,
+    prefill_attention_rows_packed,
+};
 
 /// A kernel of the all-heads decode attention ([`decode_attention_heads_bf16`], what the model
 /// runs).

@@ -104,15 +104,36 @@ pub fn prefill_attention_bf16(
     }
 }
 
+/// The query heads of a [`PrefillRows`]: the group's heads of each row, query head `kv_head *
+/// group + j` of row `i` at `[i, j]`.
+#[derive(Clone, Copy, Debug)]
+pub enum PrefillQueries<'a> {
+    /// Widened, `[n_rows, group, head_dim]` fp32.
+    F32(&'a [f32]),
+    /// As the Q rows hold them: row `i`'s group at `rows[i * stride + offset..]`, `group *
+    /// head_dim` bf16 (the AVX-512 BF16 and AMX paths read them there; the others widen them
+    /// first).
+    Bf16 {
+        /// The Q rows.
+        rows: &'a [bf16],
+        /// Elements from one row to the next.
+        stride: usize,
+        /// Where the group's first head starts in a row.
+        offset: usize,
+        /// Rows.
+        n_rows: usize,
+    },
+}
+
 /// A block of query rows of one sequence against one KV head, for the runtime's per-task
 /// tiles of causal prefill: row `i` is the token at position `first_pos + i` and attends to
 /// tokens `0..=first_pos + i` (their K/V already in the pool). What
-/// [`prefill_attention_rows_f32`] and each of its paths take.
+/// [`prefill_attention_rows_f32`], [`prefill_attention_rows_packed`] and each of their paths
+/// take.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillRows<'a> {
-    /// The group's query heads of each row, widened: `[n_rows, group, head_dim]` fp32 (query
-    /// head `kv_head * group + j` of row `i` at `[i, j]`).
-    pub queries: &'a [f32],
+    /// The group's query heads of each row.
+    pub queries: PrefillQueries<'a>,
     /// Query heads per KV head (GQA).
     pub group: usize,
     /// The layer's K and V pools.
@@ -128,9 +149,48 @@ pub struct PrefillRows<'a> {
 }
 
 impl PrefillRows<'_> {
-    /// Query rows (`group` query heads each).
+    /// Query rows (`group` query heads each; a whole number of them where `check` passed).
     pub fn n_rows(&self) -> usize {
-        self.queries.len() / (self.group * self.kv.head_dim)
+        match self.queries {
+            PrefillQueries::F32(q) => q.len() / (self.group * self.kv.head_dim).max(1),
+            PrefillQueries::Bf16 { n_rows, .. } => n_rows,
+        }
+    }
+
+    /// The widened queries, for the paths that take only those.
+    ///
+    /// # Panics
+    /// If the queries are bf16 rows (the entry points widen them for those paths).
+    pub(super) fn f32_queries(&self) -> &[f32] {
+        match self.queries {
+            PrefillQueries::F32(q) => q,
+            PrefillQueries::Bf16 { .. } => panic!("prefill rows: bf16 queries on an fp32 path"),
+        }
+    }
+
+    /// Values of every row's query heads (`n_rows × group × head_dim`).
+    fn values(&self) -> usize {
+        self.n_rows() * self.group * self.kv.head_dim
+    }
+
+    /// The queries widened to fp32 `[n_rows, group, head_dim]` (checked rows).
+    fn widened(&self) -> Vec<f32> {
+        match self.queries {
+            PrefillQueries::F32(q) => q.to_vec(),
+            PrefillQueries::Bf16 {
+                rows,
+                stride,
+                offset,
+                n_rows,
+            } => {
+                let per_row = self.group * self.kv.head_dim;
+                let mut q = vec![0.0f32; n_rows * per_row];
+                for (i, dst) in q.chunks_exact_mut(per_row.max(1)).enumerate() {
+                    crate::convert::cast_bf16_f32(&rows[i * stride + offset..][..per_row], dst);
+                }
+                q
+            }
+        }
     }
 
     /// The tokens some row attends to: `0..first_pos + n_rows`.
@@ -138,18 +198,41 @@ impl PrefillRows<'_> {
         0..self.first_pos + self.n_rows()
     }
 
-    /// Panics unless the pools pass their checks, `queries` is a whole number of rows, `out`
-    /// as long, `kv_head` a head of the pools and every page of [`Self::tokens`] inside
-    /// `block_table` and the pool: the contract every path's kernel relies on.
-    fn check(&self, out: &[f32]) {
+    /// Panics unless the pools pass their checks, `queries` is a whole number of rows (bf16
+    /// rows: every row's group inside `rows`), `out_values` as many values, `kv_head` a head of
+    /// the pools and every page of [`Self::tokens`] inside `block_table` and the pool: the
+    /// contract every path's kernel relies on.
+    fn check(&self, out_values: usize) {
         self.kv.check();
         let per_row = self.group * self.kv.head_dim;
-        assert!(
-            per_row > 0 && self.queries.len().is_multiple_of(per_row),
-            "prefill rows: q len {} not a multiple of {per_row}",
-            self.queries.len()
-        );
-        assert_eq!(out.len(), self.queries.len(), "prefill rows: out len");
+        assert!(per_row > 0, "prefill rows: no query values per row");
+        match self.queries {
+            PrefillQueries::F32(q) => assert!(
+                q.len().is_multiple_of(per_row),
+                "prefill rows: q len {} not a multiple of {per_row}",
+                q.len()
+            ),
+            PrefillQueries::Bf16 {
+                rows,
+                stride,
+                offset,
+                n_rows,
+            } => {
+                let end = n_rows.checked_sub(1).map_or(Some(0), |last| {
+                    last.checked_mul(stride)
+                        .and_then(|v| v.checked_add(offset))
+                        .and_then(|v| v.checked_add(per_row))
+                });
+                assert!(
+                    n_rows == 0
+                        || (offset + per_row <= stride && end.is_some_and(|e| e <= rows.len())),
+                    "prefill rows: {n_rows} bf16 rows of stride {stride} with the group at {offset}..{} outside {} values",
+                    offset + per_row,
+                    rows.len()
+                );
+            }
+        }
+        assert_eq!(out_values, self.values(), "prefill rows: out len");
         assert!(
             self.kv_head < self.kv.kv_heads,
             "prefill rows: kv head {}",
@@ -167,28 +250,106 @@ impl PrefillRows<'_> {
 /// `rows.kv_head` is not a head of the pools, or a page is outside the block table or the
 /// pool.
 pub fn prefill_attention_rows_f32(rows: &PrefillRows<'_>, out: &mut [f32]) {
-    rows.check(out);
+    rows.check(out.len());
+    // SAFETY: `rows.check` passed with `out`'s length.
+    if unsafe { flash_rows(rows, Outputs::F32(out)) } {
+        return;
+    }
+    let (queries, widened_rows);
+    let rows = match rows.queries {
+        PrefillQueries::F32(_) => rows,
+        PrefillQueries::Bf16 { .. } => {
+            queries = rows.widened();
+            widened_rows = PrefillRows {
+                queries: PrefillQueries::F32(&queries),
+                ..*rows
+            };
+            &widened_rows
+        }
+    };
+    rows_f32_vector(rows, out);
+}
+
+/// Causal attention of `rows` into packed bf16 activations: `out[i]` (`group × head_dim`
+/// values, one slice per query row) gets row `i`'s normalised outputs rounded to bf16
+/// (`convert::f32_to_bf16`) in the packed order of a segment of whole packing blocks
+/// (`gemm::pack_index`: each 16 values' even ones, then its odd ones), as
+/// [`prefill_attention_rows_f32`], `cast_f32_bf16` and `pack_segment_bf16` would leave them, bit
+/// for bit. The AVX-512 BF16 and AMX paths write them so as they leave the kernel (with bf16
+/// queries read where they lie: the model's prefill tasks spent ~10% of their time widening
+/// queries and rounding and packing outputs); the others go through those three steps.
+///
+/// # Panics
+/// As [`prefill_attention_rows_f32`], and if `out` is not one slice of `group × head_dim`
+/// values per row, or `head_dim` is not a multiple of 16.
+pub fn prefill_attention_rows_packed(rows: &PrefillRows<'_>, out: &mut [&mut [f32]]) {
+    let per_row = rows.group * rows.kv.head_dim;
+    assert!(
+        rows.kv.head_dim.is_multiple_of(crate::gemm::PACK_BLOCK),
+        "prefill rows packed: head_dim {} is not whole packing blocks",
+        rows.kv.head_dim
+    );
+    assert!(
+        out.iter().all(|r| r.len() == per_row),
+        "prefill rows packed: an output row is not {per_row} values"
+    );
+    rows.check(out.len() * per_row);
+    // SAFETY: `rows.check` passed with one row of `per_row` values per query row.
+    if unsafe { flash_rows(rows, Outputs::Packed(out)) } {
+        return;
+    }
+    let mut of = vec![0.0f32; rows.values()];
+    prefill_attention_rows_f32(rows, &mut of);
+    let mut ob = vec![bf16::ZERO; per_row];
+    for (dst, src) in out.iter_mut().zip(of.chunks_exact(per_row.max(1))) {
+        crate::convert::cast_f32_bf16(src, &mut ob);
+        crate::gemm::pack_segment_bf16(&ob, 0, per_row, dst);
+    }
+}
+
+/// Where [`prefill_attention_rows_f32`] and [`prefill_attention_rows_packed`] put the outputs.
+pub(super) enum Outputs<'o, 'r> {
+    /// Normalised fp32, `[n_rows, group, head_dim]`.
+    F32(&'o mut [f32]),
+    /// Rounded to bf16 and packed, one row of `group × head_dim` per query row.
+    Packed(&'o mut [&'r mut [f32]]),
+}
+
+/// Runs `rows` on the AMX or AVX-512 BF16 path where it is current for the head dimension;
+/// `false` (nothing written) elsewhere.
+///
+/// # Safety
+/// `rows.check` passed with the outputs' values (`F32`: its length; `Packed`: one slice of
+/// `group × head_dim` per row, `head_dim` a multiple of 16).
+#[allow(unused_variables)]
+unsafe fn flash_rows(rows: &PrefillRows<'_>, out: Outputs<'_, '_>) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    match super::prefill_path(crate::isa::Isa::current(), rows.kv.head_dim) {
+        crate::isa::Isa::AmxBf16 => {
+            // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512
+            // BF16 and Linux granted the tile state (`Isa::hardware`); `prefill_path` checked
+            // the head dimension; the caller checked the pools, `kv_head`, every page of the
+            // rows' tokens and that the queries and outputs are the same whole rows.
+            unsafe { super::flash::prefill_rows::<true>(rows, out) };
+            return true;
+        }
+        crate::isa::Isa::Avx512Bf16 => {
+            // SAFETY: the AVX-512 BF16 path is current only when the CPU has AVX-512
+            // F/BW/VL/BF16 (`Isa::hardware`); the rest as above.
+            unsafe { super::flash::prefill_rows::<false>(rows, out) };
+            return true;
+        }
+        _ => {}
+    }
+    false
+}
+
+/// `rows` (fp32 queries) on the AVX2 kernel where it runs the shape, else the portable loops.
+fn rows_f32_vector(rows: &PrefillRows<'_>, out: &mut [f32]) {
+    let queries = rows.f32_queries();
     #[cfg(target_arch = "x86_64")]
     {
         let hd = rows.kv.head_dim;
-        match super::prefill_path(crate::isa::Isa::current(), hd) {
-            crate::isa::Isa::AmxBf16 => {
-                // SAFETY: the AMX path is current only when the CPU has AMX-BF16 and AVX-512
-                // BF16 and Linux granted the tile state (`Isa::hardware`); `prefill_path`
-                // checked the head dimension; `rows.check` checked the pools, `kv_head`,
-                // every page of the rows' tokens and that `queries`/`out` are the same whole
-                // rows.
-                unsafe { super::flash::prefill_rows::<true>(rows, out) };
-                return;
-            }
-            crate::isa::Isa::Avx512Bf16 => {
-                // SAFETY: the AVX-512 BF16 path is current only when the CPU has AVX-512
-                // F/BW/VL/BF16 (`Isa::hardware`); the rest as above.
-                unsafe { super::flash::prefill_rows::<false>(rows, out) };
-                return;
-            }
-            _ => {}
-        }
         if crate::isa::Isa::current() >= crate::isa::Isa::Avx2
             && super::avx2::supports(rows.group, hd)
         {
@@ -200,7 +361,6 @@ pub fn prefill_attention_rows_f32(rows: &PrefillRows<'_>, out: &mut [f32]) {
         }
     }
     let PrefillRows {
-        queries,
         group,
         ref kv,
         block_table,

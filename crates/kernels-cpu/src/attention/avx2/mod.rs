@@ -135,7 +135,7 @@ pub(super) unsafe fn decode_partials_heads<const BF16: bool>(
 /// `PrefillRows::check` with `out`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
-    if rows.queries.len() / rows.kv.head_dim >= prefill::MIN_QUERIES {
+    if rows.f32_queries().len() / rows.kv.head_dim >= prefill::MIN_QUERIES {
         // SAFETY: forwarded contract; `supports` made head_dim a multiple of 32.
         unsafe { prefill::prefill_rows(rows, out) }
     } else {
@@ -151,7 +151,7 @@ pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
 /// As [`prefill_rows`].
 #[target_feature(enable = "avx2,fma")]
 unsafe fn prefill_rows_per_row(rows: &PrefillRows<'_>, out: &mut [f32]) {
-    let (q, group, kv, first_pos) = (rows.queries, rows.group, &rows.kv, rows.first_pos);
+    let (q, group, kv, first_pos) = (rows.f32_queries(), rows.group, &rows.kv, rows.first_pos);
     let hd = kv.head_dim;
     let per_row = group * hd;
     let mut state = [0.0f32; MAX_GROUP * (2 * MAX_HD + 2)];

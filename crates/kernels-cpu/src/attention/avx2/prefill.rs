@@ -77,7 +77,7 @@ struct Block {
 /// `PrefillRows::check` with `out`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn prefill_rows(rows: &PrefillRows<'_>, out: &mut [f32]) {
-    let (q, group, kv, first_pos) = (rows.queries, rows.group, &rows.kv, rows.first_pos);
+    let (q, group, kv, first_pos) = (rows.f32_queries(), rows.group, &rows.kv, rows.first_pos);
     let hd = kv.head_dim;
     assert!(hd.is_multiple_of(16) && group > 0 && q.len() == out.len());
     let nq = q.len() / hd;

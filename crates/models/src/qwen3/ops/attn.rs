@@ -242,6 +242,16 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
     let group = nq / kv.row();
     let per_row = group * d;
     check_packed_range(NAME, c0, per_row, nq)?;
+    if !d.is_multiple_of(k::PACK_BLOCK) {
+        // The kernel packs each head as whole packing blocks (the upload refuses such models).
+        return Err(bad(
+            NAME,
+            format!(
+                "head_dim {d} is not whole packing blocks of {}",
+                k::PACK_BLOCK
+            ),
+        ));
+    }
     let mut out = ctx.write_rows::<f32>(attn_prefill::out)?;
     if out.len() != n || out.row_len() != per_row {
         return Err(bad(
@@ -253,14 +263,16 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
             ),
         ));
     }
-    let mut qf = vec![0.0f32; n * per_row];
-    for (i, dst) in qf.chunks_exact_mut(per_row).enumerate() {
-        let src = &q[i * nq + kv_head * per_row..i * nq + (kv_head + 1) * per_row];
-        k::cast_bf16_f32(src, dst);
-    }
-    let mut of = vec![0.0f32; n * per_row];
+    // The queries are read where they lie in the Q rows, and the outputs leave the kernel
+    // rounded to bf16 and packed into the rows (widening the queries into a copy, then rounding
+    // and packing an fp32 copy of the outputs, was ~10% of these tasks' time at 512 tokens).
     let rows = k::PrefillRows {
-        queries: &qf,
+        queries: k::PrefillQueries::Bf16 {
+            rows: q,
+            stride: nq,
+            offset: kv_head * per_row,
+            n_rows: n,
+        },
         group,
         kv,
         block_table: table,
@@ -268,14 +280,8 @@ pub(super) fn prefill(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         first_pos,
         scale,
     };
-    k::prefill_attention_rows_f32(&rows, &mut of);
-    // Rounded to bf16 and packed by whole vectors (a per-element rounding and `store_packed`
-    // was ~11% of the attention tasks's CPU time in the 0.6B prefill profile).
-    let mut ob = vec![bf16::ZERO; of.len()];
-    k::cast_f32_bf16(&of, &mut ob);
-    for (row, src) in out.iter_mut().zip(ob.chunks_exact(per_row)) {
-        k::pack_segment_bf16(src, c0, nq, row);
-    }
+    let mut outs: Vec<&mut [f32]> = out.iter_mut().collect();
+    k::prefill_attention_rows_packed(&rows, &mut outs);
     Ok(())
 }
 
