@@ -559,18 +559,23 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             versus.apply_to(&mut b);
             // Both closures run steps on the one session (one at a time).
             let state = std::cell::RefCell::new((&mut session, None::<anyhow::Error>));
-            let step_ms = |policy| {
+            let step_ms = |policy, side: &str| {
                 let (session, failure) = &mut *state.borrow_mut();
                 session.policy = policy;
                 match prefill_step(session, &worker, &batch, &tokens, &cfg) {
                     Ok((secs, _)) => secs * 1e3,
                     Err(e) => {
-                        failure.get_or_insert(e);
+                        failure.get_or_insert(e.context(format!("a step of tiling {side}")));
                         f64::NAN
                     }
                 }
             };
-            let pairs = run_interleaved(args.rounds, args.warmup, || step_ms(a), || step_ms(b));
+            let pairs = run_interleaved(
+                args.rounds,
+                args.warmup,
+                || step_ms(a, "A (this run's)"),
+                || step_ms(b, "B"),
+            );
             let (_, failure) = state.into_inner();
             session.policy = a;
             if let Some(e) = failure {

@@ -152,7 +152,7 @@ impl PrefillRows<'_> {
     /// Query rows (`group` query heads each; a whole number of them where `check` passed).
     pub fn n_rows(&self) -> usize {
         match self.queries {
-            PrefillQueries::F32(q) => q.len() / (self.group * self.kv.head_dim).max(1),
+            PrefillQueries::F32(q) => q.len() / self.group.saturating_mul(self.kv.head_dim).max(1),
             PrefillQueries::Bf16 { n_rows, .. } => n_rows,
         }
     }
@@ -204,8 +204,13 @@ impl PrefillRows<'_> {
     /// contract every path's kernel relies on.
     fn check(&self, out_values: usize) {
         self.kv.check();
-        let per_row = self.group * self.kv.head_dim;
-        assert!(per_row > 0, "prefill rows: no query values per row");
+        let per_row = self.group.checked_mul(self.kv.head_dim);
+        let per_row = per_row.filter(|&p| p > 0).unwrap_or_else(|| {
+            panic!(
+                "prefill rows: group {} × head_dim {} query values per row",
+                self.group, self.kv.head_dim
+            )
+        });
         match self.queries {
             PrefillQueries::F32(q) => assert!(
                 q.len().is_multiple_of(per_row),
@@ -218,16 +223,17 @@ impl PrefillRows<'_> {
                 offset,
                 n_rows,
             } => {
+                // The group inside a row, and the last row's group inside `rows`.
+                let group_end = offset.checked_add(per_row);
                 let end = n_rows.checked_sub(1).map_or(Some(0), |last| {
                     last.checked_mul(stride)
-                        .and_then(|v| v.checked_add(offset))
-                        .and_then(|v| v.checked_add(per_row))
+                        .and_then(|v| v.checked_add(group_end?))
                 });
                 assert!(
                     n_rows == 0
-                        || (offset + per_row <= stride && end.is_some_and(|e| e <= rows.len())),
-                    "prefill rows: {n_rows} bf16 rows of stride {stride} with the group at {offset}..{} outside {} values",
-                    offset + per_row,
+                        || (group_end.is_some_and(|g| g <= stride)
+                            && end.is_some_and(|e| e <= rows.len())),
+                    "prefill rows: {n_rows} bf16 rows of stride {stride} with the group of {per_row} at {offset} outside the rows' {} values",
                     rows.len()
                 );
             }

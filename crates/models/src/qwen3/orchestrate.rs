@@ -642,9 +642,8 @@ fn attention_prefill(
                 let q = rows(o, qb, r0, r1)?;
                 let t = AttnPrefillArgs {
                     q: Arg::In(&q),
-                    // SAFETY: this layer's K/V rows are written by the ROPE_KV tasks that the
-                    // task in `kv_ready` follows (this task runs after it), and by no later task
-                    // of this layer.
+                    // SAFETY: this layer's K/V rows are written by the q/k/v task in `kv_ready`
+                    // (this task runs after it), and by no later task of this layer.
                     k_pool: unsafe { Arg::untracked(kl) },
                     // SAFETY: as for `k_pool`.
                     v_pool: unsafe { Arg::untracked(vl) },

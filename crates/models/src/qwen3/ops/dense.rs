@@ -335,10 +335,14 @@ fn gemm_into_rows(
         return;
     }
     // The products are stored into the scratch (every element before it is read), then
-    // stored or added into the rows. Adding there gives the bits the kernels' `Add` gives: the
-    // bf16 paths and the int8 ones of one activation group (this model's) add each finished,
-    // scaled sum to the output once. Copying the rows in for an `Add` product, then back out,
-    // took one more pass over them.
+    // stored or added into the rows. Copying the rows in for an `Add` product, then back out,
+    // took one more pass over them. Adding here gives the bits the kernels' own `Add` gives
+    // where a kernel adds each finished, scaled sum to the output once: the AVX-512 BF16 and
+    // AMX paths, the paired and dot AVX2 passes, the portable loops and the int8 ones of one
+    // activation group (this model's). The AVX2 panel kernel (row-major weights, 64 rows and
+    // more) sums `K` in blocks of 512 through its output, so there the residual now joins
+    // after the blocks' sum instead of before the first: a rounding-order difference, inside
+    // the goldens' tolerances.
     let store = GemmTile {
         mode: OutMode::Store,
         ..tile.clone()
@@ -663,8 +667,10 @@ fn out_dims_rows(role: StepRole, n: usize, slots: usize) -> usize {
 
 /// Each row's `(position, slot)` from its step entry (`seq_len, slot`), every entry checked
 /// first: the length within the RoPE tables' `1..=max_seq` and, for a pool of `slots`
-/// slots, the slot within it and no two rows on one slot (found by sorting: every block of a
-/// 512-row prefill checks every row).
+/// slots, the slot within it and no two rows on one slot. The error names the first row (in
+/// row order) that fails: its length, its slot's range, or the earlier row whose slot it
+/// repeats (the first such). Repeats are found by sorting, not by scanning the rows before
+/// each row: every block of a 512-row prefill checks every row.
 fn step_rows(
     name: &str,
     step: &[u32],
@@ -673,39 +679,51 @@ fn step_rows(
     slots: Option<usize>,
 ) -> Result<Vec<(usize, usize)>, KernelError> {
     let mut rows: Vec<(usize, usize)> = Vec::with_capacity(n);
+    let mut range_error = None;
     for t in 0..n {
         let (len, slot) = (
             step[t * STEP_FIELDS] as usize,
             step[t * STEP_FIELDS + 1] as usize,
         );
         if len == 0 || len > max_seq {
-            return Err(bad(
-                name,
-                format!("row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"),
+            range_error = Some(format!(
+                "row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"
             ));
+            break;
         }
         if let Some(slots) = slots
             && slot >= slots
         {
-            return Err(bad(
-                name,
-                format!("row {t}: slot {slot} outside the pool's {slots} slots"),
+            range_error = Some(format!(
+                "row {t}: slot {slot} outside the pool's {slots} slots"
             ));
+            break;
         }
         rows.push((len - 1, slot));
     }
+    // Rows before the first out-of-range one: the first row repeating an earlier row's slot
+    // is the second of its slot's rows in row order; of all slots', the least.
     if slots.is_some() {
         let mut by_slot: Vec<(usize, usize)> =
             rows.iter().enumerate().map(|(t, r)| (r.1, t)).collect();
         by_slot.sort_unstable();
-        if let Some(w) = by_slot.windows(2).find(|w| w[0].0 == w[1].0) {
+        let repeat = by_slot
+            .windows(2)
+            .enumerate()
+            .filter(|(i, w)| w[0].0 == w[1].0 && (*i == 0 || by_slot[i - 1].0 != w[0].0))
+            .map(|(_, w)| (w[1].1, w[0].1, w[0].0))
+            .min();
+        if let Some((t, u, slot)) = repeat {
             return Err(bad(
                 name,
-                format!("rows {} and {} both write slot {}", w[0].1, w[1].1, w[0].0),
+                format!("rows {u} and {t} both write slot {slot}"),
             ));
         }
     }
-    Ok(rows)
+    match range_error {
+        Some(e) => Err(bad(name, e)),
+        None => Ok(rows),
+    }
 }
 
 pub(super) fn gate_up_swiglu(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
@@ -859,10 +877,70 @@ mod tests {
     use super::super::GEMM_TILE;
     use super::super::args::{Arg, GemmArgs};
     use super::super::scalars::{GemmScalars, PushScalars};
-    use super::unpack_row;
+    use super::{STEP_FIELDS, step_rows, unpack_row};
     use crate::qwen3::quant::{
         dequantize_matrix_as_bf16, int8_interleaved, int8_record, quantize_matrix_as,
     };
+
+    /// The step entries' checks against a plain row-by-row reference (each row's length, then
+    /// its slot's range, then a scan of the rows before it for its slot): the same rows or the
+    /// same error, over every entry list of up to 4 rows of lengths 0..=3 (the tables hold 2)
+    /// and slots 0..=4 (the pool holds 4), with and without a pool.
+    #[test]
+    fn step_rows_name_the_first_failing_row_as_a_row_by_row_scan_does() {
+        fn reference(
+            step: &[u32],
+            n: usize,
+            max_seq: usize,
+            slots: Option<usize>,
+        ) -> Result<Vec<(usize, usize)>, String> {
+            let mut rows: Vec<(usize, usize)> = Vec::new();
+            for t in 0..n {
+                let (len, slot) = (step[2 * t] as usize, step[2 * t + 1] as usize);
+                if len == 0 || len > max_seq {
+                    return Err(format!(
+                        "row {t}: sequence length {len} outside the RoPE tables' 1..={max_seq}"
+                    ));
+                }
+                if let Some(slots) = slots {
+                    if slot >= slots {
+                        return Err(format!(
+                            "row {t}: slot {slot} outside the pool's {slots} slots"
+                        ));
+                    }
+                    if let Some(u) = rows.iter().position(|&(_, s)| s == slot) {
+                        return Err(format!("rows {u} and {t} both write slot {slot}"));
+                    }
+                }
+                rows.push((len - 1, slot));
+            }
+            Ok(rows)
+        }
+        assert_eq!(STEP_FIELDS, 2);
+        let mut checked = 0;
+        for n in 0..=4usize {
+            for code in 0..(4usize * 5).pow(n as u32) {
+                let mut c = code;
+                let step: Vec<u32> = (0..n)
+                    .flat_map(|_| {
+                        let (len, slot) = (c % 4, (c / 4) % 5);
+                        c /= 20;
+                        [len as u32, slot as u32]
+                    })
+                    .collect();
+                for slots in [Some(4), None] {
+                    let got = step_rows("t", &step, n, 2, slots).map_err(|e| e.to_string());
+                    match (got, reference(&step, n, 2, slots)) {
+                        (Ok(g), Ok(w)) => assert_eq!(g, w, "{step:?}"),
+                        (Err(g), Err(w)) => assert!(g.ends_with(&w), "{step:?}: {g} vs {w}"),
+                        (g, w) => panic!("{step:?} {slots:?}: {g:?} vs {w:?}"),
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 300_000, "{checked}");
+    }
 
     /// A block share off a 16-row group of arranged (paired or tiled) weights is refused with
     /// an error naming the kernel and the layout, where slicing would panic; row-major weights
