@@ -862,13 +862,21 @@ fn packed_prefill_rows_refuse_bad_outputs_and_short_query_rows() {
         first_pos: 0,
         scale: 0.125,
     };
+    // A refused call leaves its outputs as they were.
     let run = |r: PrefillRows<'_>, out_rows: usize, len: usize| {
-        std::panic::catch_unwind(move || {
-            let mut got = vec![7.0f32; out_rows * len];
+        let mut got = vec![7.0f32; out_rows * len];
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(len).collect();
             prefill_attention_rows_packed(&r, &mut outs);
-        })
-        .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+        }))
+        .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default());
+        if result.is_err() {
+            assert!(
+                got.iter().all(|&v| v == 7.0),
+                "a refused call wrote its outputs"
+            );
+        }
+        result
     };
     assert!(run(rows(n_rows, per_row), n_rows, per_row).is_ok());
     let short_out = run(rows(n_rows, per_row), n_rows, per_row - 16).unwrap_err();
@@ -878,6 +886,8 @@ fn packed_prefill_rows_refuse_bad_outputs_and_short_query_rows() {
         let e = run(rows(n, stride), n, per_row).unwrap_err();
         assert!(e.contains("outside"), "{n} rows of stride {stride}: {e}");
     }
+    // The thread's scratch is whole: the next call runs.
+    assert!(run(rows(n_rows, per_row), n_rows, per_row).is_ok());
 }
 
 /// Non-finite keys in causal prefill: every path agrees with the portable one on which
