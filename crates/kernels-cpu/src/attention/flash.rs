@@ -155,10 +155,13 @@ pub(super) unsafe fn prefill_rows<const TILES: bool>(
                     write_outputs(&s.o, inv, &mut out[qb0 * hd..(qb0 + nqb) * hd], ncb)
                 }
                 Outputs::Packed(rows_out) => {
-                    for i in 0..nqb {
+                    let mut f = [0.0f32; QB];
+                    // SAFETY: 16 floats.
+                    unsafe { _mm512_storeu_ps(f.as_mut_ptr(), inv) };
+                    for (i, &fq) in f.iter().enumerate().take(nqb) {
                         let qi = qb0 + i;
                         let dst = &mut rows_out[qi / group][(qi % group) * hd..][..hd];
-                        write_packed(&s.o[i * ncb..(i + 1) * ncb], inv, i, dst);
+                        write_packed(&s.o[i * ncb..(i + 1) * ncb], fq, dst);
                     }
                 }
             }
@@ -494,17 +497,14 @@ fn write_outputs(o: &[Line], factor: __m512, out: &mut [f32], ncb: usize) {
     }
 }
 
-/// Writes one query's outputs (`o`: its column blocks' lines) times lane `q` of `factor` (the
+/// Writes one query's outputs (`o`: its column blocks' lines) times `factor` (its
 /// normalisation), rounded to bf16 as `convert::f32_to_bf16` rounds (ties to even, a NaN
 /// quietened) and widened back, into `dst` in the packed order of whole packing blocks (each
 /// 16 values' even ones, then its odd ones: `gemm::pack_index`).
 #[target_feature(enable = "avx512f")]
-fn write_packed(o: &[Line], factor: __m512, q: usize, dst: &mut [f32]) {
+fn write_packed(o: &[Line], factor: f32, dst: &mut [f32]) {
     assert_eq!(dst.len(), o.len() * 16, "write_packed: row length");
-    let mut f = [0.0f32; QB];
-    // SAFETY: 16 floats.
-    unsafe { _mm512_storeu_ps(f.as_mut_ptr(), factor) };
-    let fv = _mm512_set1_ps(f[q]);
+    let fv = _mm512_set1_ps(factor);
     // Packed position p holds element 2p (p < 8) or 2(p - 8) + 1.
     const IDX: [i32; 16] = [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15];
     // SAFETY: 16 i32.

@@ -173,24 +173,24 @@ impl PrefillRows<'_> {
         self.n_rows() * self.group * self.kv.head_dim
     }
 
-    /// The queries widened to fp32 `[n_rows, group, head_dim]` (checked rows).
-    fn widened(&self) -> Vec<f32> {
-        match self.queries {
-            PrefillQueries::F32(q) => q.to_vec(),
-            PrefillQueries::Bf16 {
-                rows,
-                stride,
-                offset,
-                n_rows,
-            } => {
-                let per_row = self.group * self.kv.head_dim;
-                let mut q = vec![0.0f32; n_rows * per_row];
-                for (i, dst) in q.chunks_exact_mut(per_row.max(1)).enumerate() {
-                    crate::convert::cast_bf16_f32(&rows[i * stride + offset..][..per_row], dst);
-                }
-                q
-            }
+    /// bf16 queries widened to fp32 `[n_rows, group, head_dim]` (checked rows); `None` for
+    /// queries that are fp32 already.
+    fn widened(&self) -> Option<Vec<f32>> {
+        let PrefillQueries::Bf16 {
+            rows,
+            stride,
+            offset,
+            n_rows,
+        } = self.queries
+        else {
+            return None;
+        };
+        let per_row = self.group * self.kv.head_dim;
+        let mut q = vec![0.0f32; n_rows * per_row];
+        for (i, dst) in q.chunks_exact_mut(per_row.max(1)).enumerate() {
+            crate::convert::cast_bf16_f32(&rows[i * stride + offset..][..per_row], dst);
         }
+        Some(q)
     }
 
     /// The tokens some row attends to: `0..first_pos + n_rows`.
@@ -262,10 +262,10 @@ pub fn prefill_attention_rows_f32(rows: &PrefillRows<'_>, out: &mut [f32]) {
         return;
     }
     let (queries, widened_rows);
-    let rows = match rows.queries {
-        PrefillQueries::F32(_) => rows,
-        PrefillQueries::Bf16 { .. } => {
-            queries = rows.widened();
+    let rows = match rows.widened() {
+        None => rows,
+        Some(q) => {
+            queries = q;
             widened_rows = PrefillRows {
                 queries: PrefillQueries::F32(&queries),
                 ..*rows
