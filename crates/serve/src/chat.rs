@@ -27,6 +27,10 @@ impl ChatMessage {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// Where the template came from (`chat_template.jinja`, `tokenizer_config.json`'s
+    /// `chat_template`, ...): the template's name in its errors, whose line numbers count from
+    /// that text's first line.
+    origin: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -34,8 +38,6 @@ impl std::fmt::Debug for ChatTemplate {
         f.write_str("ChatTemplate")
     }
 }
-
-const NAME: &str = "chat";
 
 /// Instructions one render may execute. A chat template's work grows with the conversation
 /// (a few hundred instructions a message); a template that loops for ever (or 10^10 times)
@@ -70,8 +72,9 @@ impl std::io::Write for Capped {
 }
 
 impl ChatTemplate {
-    /// Compiles `source`.
-    pub fn new(source: &str) -> Result<ChatTemplate, minijinja::Error> {
+    /// Compiles `source`; `origin` names where it came from in every error, at compile and at
+    /// render (a template fails on some conversations only, long after it loaded).
+    pub fn new(source: &str, origin: &str) -> Result<ChatTemplate, minijinja::Error> {
         let mut env = Environment::new();
         // HF templates are written for Jinja2 in Python: keep its whitespace rules and string
         // methods.
@@ -82,8 +85,16 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned(NAME, source.to_string())?;
-        Ok(ChatTemplate { env })
+        env.add_template_owned(origin.to_string(), source.to_string())?;
+        Ok(ChatTemplate {
+            env,
+            origin: origin.to_string(),
+        })
+    }
+
+    /// Where the template came from.
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 
     /// Renders `messages`.
@@ -95,7 +106,36 @@ impl ChatTemplate {
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<String, minijinja::Error> {
-        let t = self.env.get_template(NAME)?;
+        self.render_unnamed(
+            messages,
+            add_generation_prompt,
+            enable_thinking,
+            bos_token,
+            eos_token,
+        )
+        .map_err(|e| {
+            // minijinja names the template (and the line) of what failed while evaluating it;
+            // the limits' and the output's own errors name nothing.
+            if e.name().is_some() {
+                e
+            } else {
+                let what = e
+                    .detail()
+                    .map_or_else(|| e.kind().to_string(), str::to_string);
+                minijinja::Error::new(e.kind(), format!("{what} (in {})", self.origin))
+            }
+        })
+    }
+
+    fn render_unnamed(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<String, minijinja::Error> {
+        let t = self.env.get_template(&self.origin)?;
         // An absent `enable_thinking`, `bos_token` or `eos_token` stays undefined, as
         // transformers leaves it: templates test `is defined` (a `none` printed as text).
         let token = |t: Option<&str>| t.map_or(Value::UNDEFINED, Value::from);
@@ -134,7 +174,7 @@ mod tests {
     use super::*;
 
     fn render(source: &str, bos: Option<&str>) -> Result<String, minijinja::Error> {
-        ChatTemplate::new(source).unwrap().render(
+        ChatTemplate::new(source, "test.jinja").unwrap().render(
             &[ChatMessage::new("user", "hi")],
             true,
             None,
@@ -153,11 +193,12 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::OutOfFuel, "{e}");
+        assert!(e.to_string().contains("(in test.jinja"), "{e}");
         let many: Vec<ChatMessage> = (0..2000)
             .map(|i| ChatMessage::new("user", &format!("message {i}")))
             .collect();
         let qwen = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
-        let out = ChatTemplate::new(qwen)
+        let out = ChatTemplate::new(qwen, "qwen.jinja")
             .unwrap()
             .render(&many, false, None, None, None)
             .unwrap();
@@ -173,7 +214,11 @@ mod tests {
             None,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("wrote more than"), "{e}");
+        // The limit's own error names the template too.
+        assert!(
+            e.to_string().contains("wrote more than") && e.to_string().contains("(in test.jinja"),
+            "{e}"
+        );
     }
 
     /// An absent BOS or EOS token is undefined, as transformers leaves it: it prints as

@@ -200,8 +200,10 @@ impl Tokenizer {
                 why,
             };
             let text = String::from_utf8(bytes).map_err(|e| parse(e.to_string()))?;
-            t.template =
-                TemplateSource::One(ChatTemplate::new(&text).map_err(|e| parse(e.to_string()))?);
+            t.template = TemplateSource::One(
+                ChatTemplate::new(&text, "chat_template.jinja")
+                    .map_err(|e| parse(e.to_string()))?,
+            );
         }
         Ok(t)
     }
@@ -342,11 +344,14 @@ impl Tokenizer {
     }
 }
 
-/// The config's `chat_template` (`what` names it) compiled; errors name the file and it.
+/// The config's `chat_template` (`what` names it) compiled; errors, at compile and at render,
+/// name the file and it.
 fn compile(text: &str, file: &str, what: &str) -> Result<ChatTemplate, TokenizerError> {
-    ChatTemplate::new(text).map_err(|e| TokenizerError::Parse {
-        file: file.to_string(),
-        why: format!("{what}: {e}"),
+    ChatTemplate::new(text, &format!("tokenizer_config.json {what}")).map_err(|e| {
+        TokenizerError::Parse {
+            file: file.to_string(),
+            why: format!("{what}: {e}"),
+        }
     })
 }
 

@@ -234,3 +234,50 @@ fn the_chat_template_is_found_where_transformers_keeps_it() {
     assert!(e.contains("chat_template.jinja"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A template that fails only on some conversations (here: a role it does not know, on its
+/// third line) fails long after it loaded; the error names the template's file (and the
+/// config's key) and the line, wherever the template came from, and the tokenizer renders the
+/// next conversation as before.
+#[test]
+fn a_render_error_names_the_templates_file_and_line() {
+    let assets = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/qwen3");
+    let tokenizer_json = std::fs::read(format!("{assets}/tokenizer.json")).unwrap();
+    let template = "{% for m in messages %}\n{% if m.role == 'user' %}U:{{ m.content }}\n\
+                    {% else %}{{ raise_exception('unknown role ' + m.role) }}{% endif %}\n\
+                    {% endfor %}";
+    let config =
+        |t: Value| serde_json::json!({"eos_token": "<|im_end|>", "chat_template": t}).to_string();
+    let good = [ChatMessage::new("user", "hi")];
+    let bad = [
+        ChatMessage::new("user", "hi"),
+        ChatMessage::new("robot", "x"),
+    ];
+    let check = |t: &Tokenizer, origin: &str| {
+        let e = t
+            .apply_chat_template(&bad, true, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown role robot") && e.contains(&format!("(in {origin}:3)")),
+            "{e}"
+        );
+        assert_eq!(
+            t.apply_chat_template(&good, true, None).unwrap(),
+            "\nU:hi\n\n"
+        );
+    };
+    let cfg = config(Value::from(template));
+    let t = Tokenizer::from_bytes(&tokenizer_json, Some(cfg.as_bytes()), "s").unwrap();
+    check(&t, "tokenizer_config.json `chat_template`");
+    let cfg = config(serde_json::json!([{"name": "default", "template": template}]));
+    let t = Tokenizer::from_bytes(&tokenizer_json, Some(cfg.as_bytes()), "s").unwrap();
+    check(&t, "tokenizer_config.json `chat_template` `default`");
+
+    let dir = std::env::temp_dir().join(format!("simpler-serve-render-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), &tokenizer_json).unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
+    check(&Tokenizer::from_dir(&dir).unwrap(), "chat_template.jinja");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
