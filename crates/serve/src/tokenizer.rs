@@ -65,7 +65,7 @@ pub enum TokenizerError {
 /// The chat template a tokenizer's files give.
 enum TemplateSource {
     None,
-    One(ChatTemplate),
+    One(Box<ChatTemplate>),
     /// Named templates without a `default` (their names).
     NoDefault(Vec<String>),
 }
@@ -200,10 +200,9 @@ impl Tokenizer {
                 why,
             };
             let text = String::from_utf8(bytes).map_err(|e| parse(e.to_string()))?;
-            t.template = TemplateSource::One(
-                ChatTemplate::new(&text, "chat_template.jinja")
-                    .map_err(|e| parse(e.to_string()))?,
-            );
+            let template = ChatTemplate::new(&text, "chat_template.jinja")
+                .map_err(|e| parse(e.to_string()))?;
+            t.template = TemplateSource::One(Box::new(template));
         }
         Ok(t)
     }
@@ -244,7 +243,7 @@ impl Tokenizer {
             template = match cfg.get("chat_template") {
                 None | Some(Value::Null) => TemplateSource::None,
                 Some(Value::String(t)) => {
-                    TemplateSource::One(compile(t, &file, "`chat_template`")?)
+                    TemplateSource::One(Box::new(compile(t, &file, "`chat_template`")?))
                 }
                 // Named templates (`[{"name", "template"}, ...]`): the one named `default` is
                 // the chat template, as `transformers` picks it when none is named. Without
@@ -377,7 +376,9 @@ fn named_templates(list: &[Value], file: &str) -> Result<TemplateSource, Tokeniz
         names.push(name.to_string());
     }
     Ok(match default {
-        Some(text) => TemplateSource::One(compile(text, file, "`chat_template` `default`")?),
+        Some(text) => {
+            TemplateSource::One(Box::new(compile(text, file, "`chat_template` `default`")?))
+        }
         None => TemplateSource::NoDefault(names),
     })
 }
