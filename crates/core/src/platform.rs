@@ -33,7 +33,9 @@ pub struct PlatformInfo {
     pub name: String,
     /// Cores used when the worker does not ask for a count.
     pub default_cores: usize,
-    /// Whether kernel bodies run on the host and may dereference tensor addresses.
+    /// Whether kernel bodies run on the host and may dereference tensor addresses. Where it is
+    /// false, a kernel body still runs on a core's thread, but `TaskCtx`'s tensor accessors
+    /// refuse every tensor (the memory may be a device's), as the orchestrator's data access does.
     pub host_kernels: bool,
 }
 

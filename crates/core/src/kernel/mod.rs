@@ -282,6 +282,9 @@ pub struct TaskCtx<'a> {
     core: u32,
     cancel: &'a AtomicBool,
     gang: Option<&'a dyn GangBarrier>,
+    /// Whether tensor addresses are host memory (`PlatformInfo::host_kernels`); when false the
+    /// accessors refuse every tensor instead of dereferencing a device address.
+    host_memory: bool,
     /// Arguments already borrowed mutably in this block (bit i = argument i).
     borrowed: Cell<u32>,
     /// Of those, the ones borrowed only as rectangles ([`TaskCtx::write_rect`]), which may be
@@ -303,9 +306,16 @@ impl<'a> TaskCtx<'a> {
             core,
             cancel,
             gang,
+            host_memory: true,
             borrowed: Cell::new(0),
             rect_borrowed: Cell::new(0),
         }
+    }
+
+    /// The same context over memory that is host memory only if `host_memory`.
+    pub(crate) fn with_host_memory(mut self, host_memory: bool) -> TaskCtx<'a> {
+        self.host_memory = host_memory;
+        self
     }
 
     /// The task's id.
@@ -421,6 +431,11 @@ impl<'a> TaskCtx<'a> {
 
     fn typed<T: Element>(&self, i: usize) -> Result<(&TensorArg, usize, usize), KernelError> {
         let a = self.arg(i)?;
+        if !self.host_memory {
+            return Err(KernelError::new(format!(
+                "argument {i}: this platform's tensor memory is not host memory (host_kernels is false); host kernels cannot reach it"
+            )));
+        }
         if a.tensor.dtype != T::DTYPE {
             return Err(TensorError::DType {
                 wanted: T::DTYPE,
