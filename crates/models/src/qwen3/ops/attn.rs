@@ -55,6 +55,20 @@ fn paged<'a>(
     Ok((kv, table))
 }
 
+/// Checks that each head of `heads` (`per_head` columns each) is a valid packed column range
+/// of a row of `nq` columns, as `store_packed` needs.
+fn check_heads_packed(
+    name: &str,
+    heads: Range<usize>,
+    per_head: usize,
+    nq: usize,
+) -> Result<(), KernelError> {
+    for g in heads {
+        check_packed_range(name, g * per_head, per_head, nq)?;
+    }
+    Ok(())
+}
+
 /// Merges `chunks` partial sets (each `[kv_heads, plen]`) into `out`, the packed row of the
 /// attention output (`kv_heads * group * d` columns).
 fn combine_into(
@@ -162,6 +176,7 @@ pub(super) fn decode(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         ));
     }
     check_packed_range(NAME, 0, nq, nq)?;
+    check_heads_packed(NAME, 0..kv.kv_heads, group * d, nq)?;
     with_scratch(all, |p| {
         k::decode_attention_heads_bf16(q, group, &kv, table, t0..t1, scale, p);
         combine_into(p, 1, kv.kv_heads, group, d, out);
@@ -204,6 +219,7 @@ pub(super) fn combine(ctx: &TaskCtx<'_>) -> Result<(), KernelError> {
         check_packed_range(NAME, 0, per_head, nq)?;
     }
     let heads = out.first_col() / per_head..(out.first_col() + out.row_len()) / per_head;
+    check_heads_packed(NAME, heads.clone(), per_head, nq)?;
     combine_heads(
         partials,
         partials.len() / set,
@@ -388,5 +404,72 @@ mod tests {
             );
         }
         assert_eq!(run(&w, CHUNKS as u32, 0, CHUNKS).unwrap(), spmd);
+    }
+
+    /// A one-block combine of 2 KV heads of head_dim 8 (group 1): the second head's columns
+    /// start inside a 16-column packing block, which the packed store cannot write. The task
+    /// is refused naming the columns (it indexed past its block and panicked), its output is
+    /// left unwritten, and the worker's next run of a valid combine goes on as before.
+    #[test]
+    fn a_combine_whose_heads_split_packing_blocks_is_refused() {
+        use super::super::args::AttnCombineArgs;
+        use super::super::scalars::AttnCombineScalars;
+        let w = super::super::test_worker();
+        let run = |kv_heads: usize, d: usize| {
+            let set = kv_heads * partial_len(1, d);
+            let width = kv_heads * d;
+            // Each head's partial: max 0, sum 1, outputs 1.0 (so the combined outputs are 1).
+            let mut partials = vec![0.0f32; set];
+            for h in partials.chunks_exact_mut(partial_len(1, d)) {
+                h[1] = 1.0;
+                h[2..].fill(1.0);
+            }
+            let bufs = vec![
+                w.buffer_from(&partials).unwrap(),
+                w.buffer_from(&vec![-7.0f32; width]).unwrap(),
+            ];
+            let out = bufs[1].clone();
+            let r = w.run_fn(
+                "combine",
+                RunArgs {
+                    buffers: bufs,
+                    scalars: vec![],
+                },
+                &Default::default(),
+                move |o, a| {
+                    let p = o.bind(&a.buffers[0], DType::F32, &[1, set as u64])?;
+                    let out = o.bind(&a.buffers[1], DType::F32, &[1, width as u64])?;
+                    let t = AttnCombineArgs {
+                        partials: Arg::In(&p),
+                        out: Arg::Out(&out),
+                    }
+                    .push(Task::new(super::super::ATTN_COMBINE))
+                    .push_scalars(AttnCombineScalars {
+                        kv_heads,
+                        group: 1,
+                        head_dim: d,
+                    });
+                    o.submit(t)?;
+                    Ok(())
+                },
+            );
+            (r, out.read::<f32>().unwrap())
+        };
+        let (r, out) = run(2, 8);
+        let e = r
+            .expect_err("a combine of heads splitting packing blocks ran")
+            .to_string();
+        assert!(
+            e.contains("attention_combine_f32: packed columns 0..8 of 16")
+                && !e.contains("panicked"),
+            "{e}"
+        );
+        assert!(
+            out.iter().all(|&x| x == -7.0),
+            "the refused task wrote {out:?}"
+        );
+        let (r, out) = run(2, 16);
+        r.unwrap();
+        assert!(out.iter().all(|&x| x != -7.0), "{out:?}");
     }
 }
