@@ -198,6 +198,16 @@ impl Spec {
         let done_fd = fd(num()?)?;
         let coll = fd(num()?)?;
         let coll_cap = usize::try_from(num()?).ok()?;
+        // The child takes ownership of each descriptor: one named twice would be closed twice,
+        // and stdin/out/err are not the parent's pipes or segments.
+        let mut fds = vec![ctl_fd, cmd_fd, done_fd];
+        if coll >= 0 {
+            fds.push(coll);
+        }
+        fds.sort_unstable();
+        if fds[0] <= 2 || fds.windows(2).any(|w| w[0] == w[1]) {
+            return None;
+        }
         Some(Spec {
             id,
             chips,
@@ -233,8 +243,20 @@ fn run(fns: &ChildFns, spec: &Spec) -> i32 {
     if unsafe { libc::getppid() } != spec.parent {
         return 3;
     }
-    // SAFETY: the parent passed these descriptors to this process for these pipes and nothing
-    // else in this process owns them.
+    // `decode` refused a descriptor named twice or below 3; one that is not open (a variable
+    // set by hand) is refused here, before anything takes ownership of it.
+    let fds = [spec.ctl_fd, spec.cmd_fd, spec.done_fd];
+    if let Some(fd) = fds.into_iter().chain(spec.coll_fd).find(|&fd| {
+        // SAFETY: F_GETFD reads a descriptor's flags and touches no memory.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags < 0
+    }) {
+        eprintln!("simpler-node {}: descriptor {fd} is not open", spec.id);
+        return 4;
+    }
+    // SAFETY: the parent passed these descriptors to this process for these pipes (each open,
+    // checked above, and distinct, checked by `decode`) and nothing else in this process owns
+    // them.
     let (mut doorbell, mut answer_bell) = unsafe {
         (
             File::from_raw_fd(spec.cmd_fd),
@@ -525,6 +547,29 @@ mod tests {
         }
         assert_eq!(Spec::decode("gpu,1,2,3,4,5,6,7,8,9"), None);
         assert_eq!(Spec::decode("chip,1"), None);
+    }
+
+    /// The child owns every descriptor its variable names: one named twice (closed twice) or
+    /// a standard stream is refused.
+    #[test]
+    fn a_spec_naming_a_descriptor_twice_or_a_standard_stream_is_refused() {
+        let spec = |fds: [i32; 4]| {
+            format!(
+                "chip,0,2,0,1,{},{},{},{},64",
+                fds[0], fds[1], fds[2], fds[3]
+            )
+        };
+        assert!(Spec::decode(&spec([7, 8, 9, 10])).is_some());
+        assert!(Spec::decode(&spec([7, 8, 9, -1])).is_some());
+        for bad in [
+            [7, 7, 9, 10],
+            [7, 8, 9, 8],
+            [7, 8, 7, -1],
+            [2, 8, 9, 10],
+            [0, 8, 9, -1],
+        ] {
+            assert_eq!(Spec::decode(&spec(bad)), None, "{bad:?}");
+        }
     }
 
     #[test]

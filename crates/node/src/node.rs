@@ -293,15 +293,34 @@ impl Node {
             "map buffer",
         )?;
         drop(named);
+        let mut failed = None;
+        let mut mapped = Vec::with_capacity(all.len());
         for &i in &all {
             let (status, msg) = self.mailbox(i).answer();
-            if status != STATUS_OK {
-                return Err(NodeError::CallFailed {
+            if status == STATUS_OK {
+                mapped.push(i);
+            } else if failed.is_none() {
+                failed = Some(NodeError::CallFailed {
                     child: self.children[i].id,
                     function: "map buffer".into(),
                     message: String::from_utf8_lossy(&msg).into_owned(),
                 });
             }
+        }
+        if let Some(e) = failed {
+            // The children that mapped it unmap it again: the id is not the node's, so
+            // `free_buffer` could not reach their mappings, and a task naming it would find
+            // the buffer in some children only.
+            for &i in &mapped {
+                self.post(i, CMD_UNMAP, &id.0.to_le_bytes())?;
+            }
+            self.wait(
+                &mapped,
+                self.config.call_timeout,
+                Until::Answered,
+                "unmap buffer",
+            )?;
+            return Err(e);
         }
         self.buffers.insert(id, SharedBuffer::new(id, segment));
         Ok(id)
@@ -651,8 +670,19 @@ impl Node {
         if let Some(status) = child.status {
             return status;
         }
-        // SAFETY: `pid` is our child, not yet reaped, so the id cannot have been reused.
-        unsafe { libc::kill(child.pid, libc::SIGKILL) };
+        // Through the pidfd, not the pid: a child reaped behind our back (SIGCHLD set to
+        // SIG_IGN, or a handler that reaps: the ECHILD case below) frees its pid for reuse,
+        // and `kill(pid)` could then reach an unrelated process. The pidfd names this child
+        // only. SAFETY: a descriptor we own, a null siginfo and no flags.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                child.pidfd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
         let mut raw = 0;
         loop {
             // SAFETY: waits for our own child; `raw` is a valid out pointer.

@@ -167,7 +167,9 @@ impl Collectives for MpiCollectives {
     ) -> Result<(), CollectiveError> {
         const OP: &str = "all_to_all_v";
         let (n, me) = (self.ranks, self.rank);
-        // MPI counts and displacements are C ints.
+        // MPI counts and displacements are C ints, on the receiving side too: a rank receives
+        // from `n` senders, so each may send at most `Count::MAX / n` bytes in all (a bound
+        // every rank checks itself, so the refusal is agreed in step 1).
         let own = super::check_all_to_all_args(
             OP,
             me,
@@ -176,7 +178,7 @@ impl Collectives for MpiCollectives {
             send_counts,
             recv.len(),
             recv_counts,
-            Count::MAX as usize,
+            Count::MAX as usize / n,
         );
         let flag = match &own {
             None => FLAG_OK,
@@ -276,6 +278,15 @@ impl Collectives for MpiCollectives {
         }
         if buf.is_empty() {
             return Ok(());
+        }
+        // Every rank has the same `n` and length here, so every rank decides this alike.
+        if buf.len() > Count::MAX as usize / n {
+            return Err(CollectiveError::TooLarge {
+                op: OP,
+                rank: me,
+                len: buf.len(),
+                cap: Count::MAX as usize / n,
+            });
         }
         let mut all = vec![0u8; n * buf.len()];
         self.comm.all_gather_into(&buf[..], &mut all[..]);

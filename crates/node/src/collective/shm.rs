@@ -366,12 +366,24 @@ impl Collectives for ShmCollectives {
         let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
         self.check_abandoned(OP)?;
         let (n, me) = (self.ranks, self.rank);
-        let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
-            op: OP,
-            rank: me,
-            reason: format!("{} bytes is not a whole number of f32", buf.len()),
-        });
         let chunk = self.cap / 4 * 4;
+        let own = if !buf.len().is_multiple_of(4) {
+            Some(CollectiveError::BadArgs {
+                op: OP,
+                rank: me,
+                reason: format!("{} bytes is not a whole number of f32", buf.len()),
+            })
+        } else if chunk == 0 && !buf.is_empty() {
+            // No staging room: without this the loop below never advances.
+            Some(CollectiveError::TooLarge {
+                op: OP,
+                rank: me,
+                len: buf.len(),
+                cap: self.cap,
+            })
+        } else {
+            None
+        };
         let mut start = 0;
         loop {
             let end = (start + chunk).min(buf.len());
@@ -654,6 +666,47 @@ mod tests {
                 })
             );
             assert_eq!(by, Some(0));
+        }
+    }
+
+    /// A staging area of no bytes (`NodeConfig::collective_bytes` 0; any other size is rounded
+    /// up to 64) cannot move an all-reduce forward: every rank refuses it alike (the loop never
+    /// advanced, and the ranks passed barriers until the node's call timeout), and the group
+    /// still serves an empty call after.
+    #[test]
+    fn an_all_reduce_without_room_for_one_value_is_refused() {
+        let cap = 0;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = on_ranks(2, cap, |_, comm| {
+                let mut b = 1f32.to_ne_bytes();
+                let first = comm.all_reduce(&mut b, ReduceType::F32, ReduceOp::Sum);
+                let mut empty = [0u8; 0];
+                let next = comm.all_reduce(&mut empty, ReduceType::F32, ReduceOp::Sum);
+                (first, next, b)
+            });
+            let _ = tx.send(r);
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("an all-reduce with no staging room is still running after 20 s");
+        assert!(
+            matches!(got[0].0, Err(CollectiveError::TooLarge { len: 4, .. })),
+            "cap {cap}: {:?}",
+            got[0].0
+        );
+        assert!(
+            matches!(got[1].0, Err(CollectiveError::PeerRefused { rank: 0, .. })),
+            "cap {cap}: {:?}",
+            got[1].0
+        );
+        for (_, next, b) in &got {
+            assert!(next.is_ok(), "cap {cap}: {next:?}");
+            assert_eq!(
+                *b,
+                1f32.to_ne_bytes(),
+                "cap {cap}: a refused call wrote its buffer"
+            );
         }
     }
 
