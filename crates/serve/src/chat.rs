@@ -92,11 +92,6 @@ impl ChatTemplate {
         })
     }
 
-    /// Where the template came from.
-    pub fn origin(&self) -> &str {
-        &self.origin
-    }
-
     /// Renders `messages`.
     pub fn render(
         &self,
@@ -106,16 +101,9 @@ impl ChatTemplate {
         bos_token: Option<&str>,
         eos_token: Option<&str>,
     ) -> Result<String, minijinja::Error> {
-        self.render_unnamed(
-            messages,
-            add_generation_prompt,
-            enable_thinking,
-            bos_token,
-            eos_token,
-        )
-        .map_err(|e| {
-            // minijinja names the template (and the line) of what failed while evaluating it;
-            // the limits' and the output's own errors name nothing.
+        // minijinja names the template (and the line) of what failed while evaluating it;
+        // the limits' and the output's own errors name nothing, so they get the origin here.
+        let named = |e: minijinja::Error| {
             if e.name().is_some() {
                 e
             } else {
@@ -124,18 +112,8 @@ impl ChatTemplate {
                     .map_or_else(|| e.kind().to_string(), str::to_string);
                 minijinja::Error::new(e.kind(), format!("{what} (in {})", self.origin))
             }
-        })
-    }
-
-    fn render_unnamed(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        enable_thinking: Option<bool>,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
-    ) -> Result<String, minijinja::Error> {
-        let t = self.env.get_template(&self.origin)?;
+        };
+        let t = self.env.get_template(&self.origin).map_err(named)?;
         // An absent `enable_thinking`, `bos_token` or `eos_token` stays undefined, as
         // transformers leaves it: templates test `is defined` (a `none` printed as text).
         let token = |t: Option<&str>| t.map_or(Value::UNDEFINED, Value::from);
@@ -153,18 +131,18 @@ impl ChatTemplate {
         match t.render_captured_to(ctx, &mut out) {
             Ok(_) => {}
             Err(e) if e.kind() == ErrorKind::WriteFailure && out.left < MAX_RENDER_BYTES => {
-                return Err(minijinja::Error::new(
+                return Err(named(minijinja::Error::new(
                     ErrorKind::InvalidOperation,
                     format!("the chat template wrote more than {MAX_RENDER_BYTES} bytes"),
-                ));
+                )));
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(named(e)),
         }
         String::from_utf8(out.out).map_err(|_| {
-            minijinja::Error::new(
+            named(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
                 "the chat template wrote text that is not UTF-8",
-            )
+            ))
         })
     }
 }
