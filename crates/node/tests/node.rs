@@ -1559,6 +1559,29 @@ fn assert_clean(test: &str) {
     );
 }
 
+/// A child variable set by hand (the node sets it for the processes it starts): descriptors
+/// named twice or below 3 are refused as malformed, and descriptors that are not open are
+/// refused before the child takes ownership of any (it would close a descriptor twice, or
+/// one it does not own); the process exits with the reason and runs nothing.
+fn a_hand_set_child_variable_is_refused() {
+    let me = std::process::id();
+    for (fds, code, says) in [
+        ("100,101,102,-1", 4, "descriptor 100 is not open"),
+        ("7,7,9,-1", 2, "malformed"),
+        ("1,8,9,-1", 2, "malformed"),
+    ] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .env(simpler_node::CHILD_ENV, format!("chip,0,2,0,{me},{fds},64"))
+            .env_remove(DRIVER_ENV)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{fds}: {stderr}");
+        assert!(stderr.contains(says), "{fds}: {stderr}");
+    }
+}
+
 fn main() {
     simpler_node::child_main_if_requested(&fns());
     if std::env::var_os(DRIVER_ENV).is_some() {
@@ -1618,6 +1641,10 @@ fn main() {
             dependencies_follow_buffer_identity,
         ),
         ("independent_tasks_overlap", independent_tasks_overlap),
+        (
+            "a_hand_set_child_variable_is_refused",
+            a_hand_set_child_variable_is_refused,
+        ),
         (
             "byte_ranges_order_only_common_bytes",
             byte_ranges_order_only_common_bytes,
