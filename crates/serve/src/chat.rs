@@ -82,6 +82,9 @@ impl ChatTemplate {
         env.set_lstrip_blocks(false);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_fuel(Some(RENDER_FUEL));
+        // minijinja picks escaping from a template's name (`.html`, `.json`, ...), and the name
+        // here is the origin: a prompt is text, never escaped, as transformers renders it.
+        env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
@@ -197,6 +200,25 @@ mod tests {
             e.to_string().contains("wrote more than") && e.to_string().contains("(in test.jinja"),
             "{e}"
         );
+    }
+
+    /// The origin names the template in errors only: a name ending like a file type minijinja
+    /// escapes (`.html`, `.json`) leaves the text as it is.
+    #[test]
+    fn the_origin_does_not_escape_the_prompt() {
+        for origin in ["x.html", "tokenizer_config.json", "chat_template.jinja"] {
+            let out = ChatTemplate::new("{{ messages[0].content }}", origin)
+                .unwrap()
+                .render(
+                    &[ChatMessage::new("user", r#"a"<b>&'"#)],
+                    false,
+                    None,
+                    None,
+                    None,
+                )
+                .unwrap();
+            assert_eq!(out, r#"a"<b>&'"#, "{origin}");
+        }
     }
 
     /// An absent BOS or EOS token is undefined, as transformers leaves it: it prints as
