@@ -28,7 +28,7 @@ impl fmt::Display for ChildId {
     }
 }
 
-/// How a child process ended, as `waitpid` reported it.
+/// How a child process ended, as `waitid` reported it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExitStatus {
     /// It exited with this code.

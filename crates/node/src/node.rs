@@ -300,27 +300,24 @@ impl Node {
             if status == STATUS_OK {
                 mapped.push(i);
             } else if failed.is_none() {
-                failed = Some(NodeError::CallFailed {
-                    child: self.children[i].id,
-                    function: "map buffer".into(),
-                    message: String::from_utf8_lossy(&msg).into_owned(),
-                });
+                failed = Some((i, String::from_utf8_lossy(&msg).into_owned()));
             }
         }
-        if let Some(e) = failed {
+        if let Some((i, mut message)) = failed {
             // The children that mapped it unmap it again: the id is not the node's, so
             // `free_buffer` could not reach their mappings, and a task naming it would find
-            // the buffer in some children only.
-            for &i in &mapped {
-                self.post(i, CMD_UNMAP, &id.0.to_le_bytes())?;
+            // the buffer in some children only. The map's failure stays the error reported.
+            match self.unmap_in(&mapped, id) {
+                Ok(None) => {}
+                Ok(Some(e)) | Err(e) => {
+                    message = format!("{message} (undoing the map in the other children: {e})")
+                }
             }
-            self.wait(
-                &mapped,
-                self.config.call_timeout,
-                Until::Answered,
-                "unmap buffer",
-            )?;
-            return Err(e);
+            return Err(NodeError::CallFailed {
+                child: self.children[i].id,
+                function: "map buffer".into(),
+                message,
+            });
         }
         self.buffers.insert(id, SharedBuffer::new(id, segment));
         Ok(id)
@@ -334,27 +331,35 @@ impl Node {
             return Err(NodeError::NotFound(format!("shared buffer {}", id.0)));
         }
         let all: Vec<usize> = (0..self.children.len()).collect();
-        for &i in &all {
+        let refused = self.unmap_in(&all, id)?;
+        self.buffers.remove(&id);
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// Unmaps buffer `id` in the children `targets`: `Err` where the node failed to ask or to
+    /// hear them (it is then failed), `Ok(Some)` with the first child that refused.
+    fn unmap_in(
+        &mut self,
+        targets: &[usize],
+        id: SharedBufferId,
+    ) -> Result<Option<NodeError>, NodeError> {
+        for &i in targets {
             self.post(i, CMD_UNMAP, &id.0.to_le_bytes())?;
         }
         self.wait(
-            &all,
+            targets,
             self.config.call_timeout,
             Until::Answered,
             "unmap buffer",
         )?;
-        self.buffers.remove(&id);
-        for &i in &all {
+        Ok(targets.iter().find_map(|&i| {
             let (status, msg) = self.mailbox(i).answer();
-            if status != STATUS_OK {
-                return Err(NodeError::CallFailed {
-                    child: self.children[i].id,
-                    function: "unmap buffer".into(),
-                    message: String::from_utf8_lossy(&msg).into_owned(),
-                });
-            }
-        }
-        Ok(())
+            (status != STATUS_OK).then(|| NodeError::CallFailed {
+                child: self.children[i].id,
+                function: "unmap buffer".into(),
+                message: String::from_utf8_lossy(&msg).into_owned(),
+            })
+        }))
     }
 
     /// A shared buffer of this node.
@@ -683,24 +688,39 @@ impl Node {
                 0,
             )
         };
-        let mut raw = 0;
-        loop {
-            // SAFETY: waits for our own child; `raw` is a valid out pointer.
-            let r = unsafe { libc::waitpid(child.pid, &mut raw, 0) };
-            if r == child.pid {
-                break;
+        // Reaped through the pidfd too: a `waitpid` on a reused pid could wait for, and reap,
+        // another child of this process.
+        // SAFETY: siginfo_t is plain data; all zeros is a valid value.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let reaped = loop {
+            // SAFETY: waits on a pidfd we own; `info` is a valid out pointer.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PIDFD,
+                    child.pidfd.as_raw_fd() as libc::id_t,
+                    &mut info,
+                    libc::WEXITED,
+                )
+            };
+            if r == 0 {
+                break true;
             }
             if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-                // ECHILD: someone else reaped it (a SIGCHLD handler set to SIG_IGN); report it
-                // as killed, which is what we did.
-                raw = libc::SIGKILL;
-                break;
+                // ECHILD: someone else reaped it (a SIGCHLD handler set to SIG_IGN).
+                break false;
             }
-        }
-        let status = if libc::WIFEXITED(raw) {
-            ExitStatus::Exited(libc::WEXITSTATUS(raw))
+        };
+        let status = if !reaped {
+            // Reported as killed, which is what we did.
+            ExitStatus::Signaled(libc::SIGKILL)
         } else {
-            ExitStatus::Signaled(libc::WTERMSIG(raw))
+            // SAFETY: `waitid` filled `info` for a child's exit, whose `si_status` is set.
+            let code = unsafe { info.si_status() };
+            if info.si_code == libc::CLD_EXITED {
+                ExitStatus::Exited(code)
+            } else {
+                ExitStatus::Signaled(code)
+            }
         };
         child.status = Some(status);
         status

@@ -57,6 +57,35 @@ fn rank_main() {
         (_, Err(CollectiveError::PeerRefused { rank: 0, .. })) if me != 0 => {}
         (_, r) => panic!("rank {me}: expected a refusal, got {r:?}"),
     }
+    // What MPI's C-int counts cannot hold on the receiving side is refused by every rank in
+    // the first, agreed step: rank 1 sends one byte past `i32::MAX / ranks` to rank 0 (rank 0
+    // overflowed and ended alone while the others waited), then every rank all-reduces that
+    // many bytes. The buffers are zeroed allocations no refused call touches.
+    let cap = i32::MAX as usize / n;
+    let mut sends = vec![0; n];
+    let mut recvs = vec![0; n];
+    if me == 1 {
+        sends[0] = cap + 1;
+    }
+    if me == 0 {
+        recvs[1] = cap + 1;
+    }
+    let send = vec![0u8; sends.iter().sum()];
+    let mut recv = vec![0u8; recvs.iter().sum()];
+    let r = comm.all_to_all_v(&send, &sends, &mut recv, &recvs);
+    match (me, r) {
+        (1, Err(CollectiveError::TooLarge { len, cap: c, .. })) if len == cap + 1 && c == cap => {}
+        (_, Err(CollectiveError::PeerRefused { rank: 1, .. })) if me != 1 => {}
+        (_, r) => panic!("rank {me}: expected the oversize all-to-all refused, got {r:?}"),
+    }
+    let mut big = vec![0u8; (cap / 4 + 1) * 4];
+    let r = comm.all_reduce(&mut big, ReduceType::F32, ReduceOp::Sum);
+    match (me, r) {
+        (0, Err(CollectiveError::TooLarge { cap: c, .. })) if c == cap => {}
+        (_, Err(CollectiveError::PeerRefused { rank: 0, .. })) if me != 0 => {}
+        (_, r) => panic!("rank {me}: expected the oversize all-reduce refused, got {r:?}"),
+    }
+    drop((send, recv, big));
     for (seed, len) in [(7u64, 1000usize), (8, 1), (9, 0)] {
         let mut buf: Vec<u8> = reduce_input(seed, me, len)
             .iter()

@@ -40,6 +40,7 @@ fn fns() -> ChildFns {
         .register("reduce", reduce)
         .register("collective_or_fail", collective_or_fail)
         .register("buffer_check", buffer_check)
+        .register("files_limit", files_limit)
         .register("worker_add", worker_add)
         .register("step", step)
         .register("shared_add", shared_add)
@@ -286,6 +287,25 @@ fn buffer_check(ctx: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
     Ok(Vec::new())
 }
 
+/// Sets this child's soft limit of open files: 0 with a byte `0` in `args` (so mapping a
+/// buffer fails here), back to the hard limit with no arguments.
+fn files_limit(_: &mut ChildCtx, args: &[u8]) -> Result<Vec<u8>, String> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid out pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err("getrlimit failed".into());
+    }
+    lim.rlim_cur = if args == [0] { 0 } else { lim.rlim_max };
+    // SAFETY: `lim` is a valid limit (soft at most hard).
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err("setrlimit failed".into());
+    }
+    Ok(Vec::new())
+}
+
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|k| mix(seed ^ k as u64) as u8).collect()
 }
@@ -412,6 +432,45 @@ fn buffers_created_after_start_are_visible_everywhere() {
         }
         assert!(matches!(node.free_buffer(id), Err(NodeError::NotFound(_))));
     }
+    node.close().unwrap();
+}
+
+/// A buffer whose map fails in one child (chip 1, out of descriptors) is refused naming that
+/// child, and the children that mapped it unmap it again (they used to keep a mapping of an id
+/// the node never recorded); the next buffer maps everywhere and the node closes cleanly.
+fn a_map_failing_in_one_child_is_undone_in_the_others() {
+    let (chips, subs, len) = (2, 1, 4096);
+    let mut node = Node::start(config(chips, subs)).unwrap();
+    let first = node.create_buffer(len + 64 * (chips + subs)).unwrap();
+    node.free_buffer(first).unwrap();
+    node.call(ChildId::Chip(1), "files_limit", &[0]).unwrap();
+    match node.create_buffer(len + 64 * (chips + subs)) {
+        Err(NodeError::CallFailed {
+            child, function, ..
+        }) => assert_eq!((child, function.as_str()), (ChildId::Chip(1), "map buffer")),
+        other => panic!("expected chip 1's map to fail, got {other:?}"),
+    }
+    assert!(segments_of_this_process().is_empty());
+    // Ids are handed out in order: the refused buffer had the one after `first`.
+    let refused = first.to_bits() + 1;
+    for child in [ChildId::Chip(0), ChildId::Sub(0)] {
+        match node.call(child, "buffer_check", &args(&[refused, 0, 0])) {
+            Err(NodeError::CallFailed { message, .. }) => {
+                assert_eq!(message, "buffer not mapped", "{child}")
+            }
+            other => panic!("{child} still maps the refused buffer: {other:?}"),
+        }
+    }
+    node.call(ChildId::Chip(1), "files_limit", &[]).unwrap();
+    let id = node.create_buffer(len + 64 * (chips + subs)).unwrap();
+    assert_eq!(id.to_bits(), refused + 1);
+    // SAFETY: no child touches the buffer before the call below.
+    unsafe { node.buffer(id).unwrap().write(0, &pattern(3, len)) };
+    let a = args(&[id.to_bits(), len as u64, 3]);
+    let mut calls: Vec<(ChildId, &[u8])> = chips_all(chips, &a);
+    calls.push((ChildId::Sub(0), &a[..]));
+    node.call_group("buffer_check", &calls).unwrap();
+    node.free_buffer(id).unwrap();
     node.close().unwrap();
 }
 
@@ -1598,6 +1657,10 @@ fn main() {
         (
             "buffers_created_after_start_are_visible_everywhere",
             buffers_created_after_start_are_visible_everywhere,
+        ),
+        (
+            "a_map_failing_in_one_child_is_undone_in_the_others",
+            a_map_failing_in_one_child_is_undone_in_the_others,
         ),
         ("chips_run_their_own_workers", chips_run_their_own_workers),
         (

@@ -251,15 +251,29 @@ impl Collectives for MpiCollectives {
         const OP: &str = "all_reduce";
         let (ReduceType::F32, ReduceOp::Sum) = (ty, op);
         let (n, me) = (self.ranks, self.rank);
-        let own = (!buf.len().is_multiple_of(4)).then(|| CollectiveError::BadArgs {
-            op: OP,
-            rank: me,
-            reason: format!("{} bytes is not a whole number of f32", buf.len()),
-        });
-        let flag = if own.is_some() {
-            FLAG_BAD_ARGS
+        // The gathered pieces (`n` of `buf`'s length) are counted in a C int; each rank judges
+        // its own length and the flags make the refusal agreed, as the shared-memory backend's.
+        let cap = Count::MAX as usize / n;
+        let own = if !buf.len().is_multiple_of(4) {
+            Some(CollectiveError::BadArgs {
+                op: OP,
+                rank: me,
+                reason: format!("{} bytes is not a whole number of f32", buf.len()),
+            })
+        } else if buf.len() > cap {
+            Some(CollectiveError::TooLarge {
+                op: OP,
+                rank: me,
+                len: buf.len(),
+                cap,
+            })
         } else {
-            FLAG_OK
+            None
+        };
+        let flag = match &own {
+            None => FLAG_OK,
+            Some(CollectiveError::TooLarge { .. }) => FLAG_TOO_LARGE,
+            Some(_) => FLAG_BAD_ARGS,
         };
         let mut heard = vec![0u64; 2 * n];
         self.comm
@@ -278,15 +292,6 @@ impl Collectives for MpiCollectives {
         }
         if buf.is_empty() {
             return Ok(());
-        }
-        // Every rank has the same `n` and length here, so every rank decides this alike.
-        if buf.len() > Count::MAX as usize / n {
-            return Err(CollectiveError::TooLarge {
-                op: OP,
-                rank: me,
-                len: buf.len(),
-                cap: Count::MAX as usize / n,
-            });
         }
         let mut all = vec![0u8; n * buf.len()];
         self.comm.all_gather_into(&buf[..], &mut all[..]);
