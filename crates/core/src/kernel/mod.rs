@@ -432,9 +432,7 @@ impl<'a> TaskCtx<'a> {
     fn typed<T: Element>(&self, i: usize) -> Result<(&TensorArg, usize, usize), KernelError> {
         let a = self.arg(i)?;
         if !self.host_memory {
-            return Err(KernelError::new(format!(
-                "argument {i}: this platform's tensor memory is not host memory (host_kernels is false); host kernels cannot reach it"
-            )));
+            return Err(not_host_memory(i));
         }
         if a.tensor.dtype != T::DTYPE {
             return Err(TensorError::DType {
@@ -813,6 +811,15 @@ unsafe fn slice_mut<'a, T: Element>(start: usize, lo: usize, hi: usize) -> &'a m
     }
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts_mut((start as *mut T).add(lo), hi - lo) }
+}
+
+/// The refusal of argument `i` on a platform whose tensor memory is not host memory (out of
+/// line: every accessor of every kernel checks for it).
+#[cold]
+fn not_host_memory(i: usize) -> KernelError {
+    KernelError::new(format!(
+        "argument {i}: this platform's tensor memory is not host memory (host_kernels is false); host kernels cannot reach it"
+    ))
 }
 
 #[cfg(test)]
