@@ -252,8 +252,14 @@ impl RunShared {
         let start = if level >= 1 { now_ns() } else { 0 };
         let result = match &desc.kernel {
             Some(k) => {
-                let ctx = TaskCtx::new(desc, block, cx.core as u32, &self.cancel, gang)
-                    .with_host_memory(self.host_memory);
+                let ctx = TaskCtx::new(
+                    desc,
+                    block,
+                    cx.core as u32,
+                    &self.cancel,
+                    gang,
+                    self.host_memory,
+                );
                 catch_unwind(AssertUnwindSafe(|| (k.body)(&ctx)))
             }
             None => Ok(Ok(())),
@@ -394,8 +400,8 @@ impl RunShared {
                 core.map_or(u32::MAX, |c| c as u32),
                 &self.cancel,
                 None,
-            )
-            .with_host_memory(self.host_memory);
+                self.host_memory,
+            );
             // A panicking predicate must not unwind through the completion that called it (it
             // would lose the rest of the fan-out and the core): it fails the run, and the task
             // counts as skipped so the graph still drains.

@@ -293,12 +293,15 @@ pub struct TaskCtx<'a> {
 }
 
 impl<'a> TaskCtx<'a> {
+    /// A block's context; `host_memory` is `PlatformInfo::host_kernels` of the run's platform
+    /// (where false, the accessors refuse every tensor).
     pub(crate) fn new(
         desc: &'a TaskDesc,
         block: u32,
         core: u32,
         cancel: &'a AtomicBool,
         gang: Option<&'a dyn GangBarrier>,
+        host_memory: bool,
     ) -> TaskCtx<'a> {
         TaskCtx {
             desc,
@@ -306,16 +309,10 @@ impl<'a> TaskCtx<'a> {
             core,
             cancel,
             gang,
-            host_memory: true,
+            host_memory,
             borrowed: Cell::new(0),
             rect_borrowed: Cell::new(0),
         }
-    }
-
-    /// The same context over memory that is host memory only if `host_memory`.
-    pub(crate) fn with_host_memory(mut self, host_memory: bool) -> TaskCtx<'a> {
-        self.host_memory = host_memory;
-        self
     }
 
     /// The task's id.
@@ -855,7 +852,7 @@ mod tests {
         let m = matrix(&mem);
         let cancel = AtomicBool::new(false);
         let d = desc(vec![arg(ArgTag::InOut, m)], 1);
-        let ctx = TaskCtx::new(&d, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&d, 0, 0, &cancel, None, true);
         let old = ctx.gather::<f32>(0).unwrap();
         let w = ctx.write::<f32>(0).unwrap();
         w[0] = 1.0;
@@ -875,7 +872,7 @@ mod tests {
         let cancel = AtomicBool::new(false);
         let d = desc(vec![arg(ArgTag::OutputExisting, m)], 3);
         let ctxs: Vec<TaskCtx<'_>> = (0..3)
-            .map(|b| TaskCtx::new(&d, b, 0, &cancel, None))
+            .map(|b| TaskCtx::new(&d, b, 0, &cancel, None, true))
             .collect();
         let mut rects = vec![
             ctxs[0].write_rect::<f32>(0, 0..3, 0..8).unwrap(),
@@ -899,7 +896,7 @@ mod tests {
         }
         drop(rects);
         let read = desc(vec![arg(ArgTag::Input, m)], 1);
-        let all = TaskCtx::new(&read, 0, 0, &cancel, None)
+        let all = TaskCtx::new(&read, 0, 0, &cancel, None, true)
             .read::<f32>(0)
             .unwrap()
             .to_vec();
@@ -920,8 +917,8 @@ mod tests {
             vec![arg(ArgTag::OutputExisting, m), arg(ArgTag::Input, m)],
             2,
         );
-        let b0 = TaskCtx::new(&d, 0, 0, &cancel, None);
-        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
+        let b0 = TaskCtx::new(&d, 0, 0, &cancel, None, true);
+        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None, true);
         let mut held = b0.write_rect::<f32>(0, 2..4, 1..6).unwrap();
         let err = |r: Result<RowsMut<'_, f32>, KernelError>| match r {
             Ok(_) => panic!("an aliasing rectangle was handed out"),
@@ -947,7 +944,7 @@ mod tests {
         assert!(e.contains("cannot be written"), "{e}");
         // Touching rectangles (sharing an edge, not an element) are fine (a fresh context:
         // the refused `write_block_cols` above counts as this block's borrow).
-        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None);
+        let b1 = TaskCtx::new(&d, 1, 0, &cancel, None, true);
         let mut beside = b1.write_rect::<f32>(0, 2..4, 6..8).unwrap();
         // Both still held: write them interleaved.
         held.row(1).fill(1.0);
@@ -955,20 +952,20 @@ mod tests {
         held.row(0).fill(1.0);
         // Another split fixed first refuses rectangles.
         let cols = desc(vec![arg(ArgTag::OutputExisting, m)], 2);
-        let c0 = TaskCtx::new(&cols, 0, 0, &cancel, None);
-        let c1 = TaskCtx::new(&cols, 1, 0, &cancel, None);
+        let c0 = TaskCtx::new(&cols, 0, 0, &cancel, None, true);
+        let c1 = TaskCtx::new(&cols, 1, 0, &cancel, None, true);
         let mut share = c0.write_block_cols::<f32>(0, 1).unwrap();
         let e = err(c1.write_rect::<f32>(0, 0..1, 7..8));
         assert!(e.contains("already split it by write_block_cols"), "{e}");
         share.row(0).fill(0.0);
         // One block: a whole-argument borrow and a rectangle exclude each other.
         let one = desc(vec![arg(ArgTag::OutputExisting, m)], 1);
-        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None, true);
         let whole = ctx.write::<f32>(0).unwrap();
         let e = err(ctx.write_rect::<f32>(0, 0..1, 0..1));
         assert!(e.contains("already borrowed mutably in this block"), "{e}");
         whole[0] = 1.0;
-        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&one, 0, 0, &cancel, None, true);
         let mut rect = ctx.write_rect::<f32>(0, 0..1, 0..1).unwrap();
         assert!(ctx.write::<f32>(0).is_err());
         assert!(ctx.gather::<f32>(0).is_err());
@@ -983,11 +980,11 @@ mod tests {
         let cancel = AtomicBool::new(false);
         let mut d = desc(vec![arg(ArgTag::OutputExisting, m)], 2);
         {
-            let ctx = TaskCtx::new(&d, 0, 0, &cancel, None);
+            let ctx = TaskCtx::new(&d, 0, 0, &cancel, None, true);
             let _r = ctx.write_rect::<f32>(0, 0..8, 0..8).unwrap();
         }
         d.splits.reset(2, 1);
-        let ctx = TaskCtx::new(&d, 1, 0, &cancel, None);
+        let ctx = TaskCtx::new(&d, 1, 0, &cancel, None, true);
         assert!(ctx.write_rect::<f32>(0, 0..8, 0..8).is_ok());
     }
 
@@ -1000,7 +997,7 @@ mod tests {
         let cancel = AtomicBool::new(false);
         let rows = desc(vec![arg(ArgTag::InOut, m)], 3);
         let ctxs: Vec<TaskCtx<'_>> = (0..3)
-            .map(|b| TaskCtx::new(&rows, b, 0, &cancel, None))
+            .map(|b| TaskCtx::new(&rows, b, 0, &cancel, None, true))
             .collect();
         let mut shares: Vec<RowsMut<'_, f32>> = ctxs
             .iter()
@@ -1016,7 +1013,7 @@ mod tests {
         drop(shares);
         let cols = desc(vec![arg(ArgTag::InOut, m)], 4);
         let ctxs: Vec<TaskCtx<'_>> = (0..4)
-            .map(|b| TaskCtx::new(&cols, b, 0, &cancel, None))
+            .map(|b| TaskCtx::new(&cols, b, 0, &cancel, None, true))
             .collect();
         let mut shares: Vec<RowsMut<'_, f32>> = ctxs
             .iter()
@@ -1036,7 +1033,7 @@ mod tests {
             3,
         );
         let ctxs: Vec<TaskCtx<'_>> = (0..3)
-            .map(|b| TaskCtx::new(&chunks, b, 0, &cancel, None))
+            .map(|b| TaskCtx::new(&chunks, b, 0, &cancel, None, true))
             .collect();
         let mut parts: Vec<&mut [f32]> = ctxs
             .iter()
@@ -1063,7 +1060,7 @@ mod tests {
             ],
             1,
         );
-        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None, true);
         let all = ctx.read::<f32>(0).unwrap();
         assert_eq!(all[0], 100.0);
         assert_eq!(all[30], 101.0);
@@ -1079,17 +1076,17 @@ mod tests {
         assert_eq!(t[8], all[1]);
         // A written argument is borrowed once per block; a read one is never written.
         let w = desc(vec![arg(ArgTag::InOut, m), arg(ArgTag::Input, m)], 1);
-        let ctx = TaskCtx::new(&w, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&w, 0, 0, &cancel, None, true);
         let whole = ctx.write::<f32>(0).unwrap();
         assert!(ctx.write::<f32>(0).is_err());
         assert!(ctx.write::<f32>(1).is_err());
         assert!(ctx.read::<f32>(0).is_err());
         whole[0] = 1.0;
         let s = desc(vec![arg(ArgTag::InOut, m.transpose(0, 1).unwrap())], 1);
-        let ctx = TaskCtx::new(&s, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&s, 0, 0, &cancel, None, true);
         ctx.scatter::<f32>(0, &(0..64).map(|i| i as f32).collect::<Vec<_>>())
             .unwrap();
-        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None);
+        let ctx = TaskCtx::new(&read, 0, 0, &cancel, None, true);
         assert_eq!(ctx.read::<f32>(0).unwrap()[1], 8.0);
     }
 }
