@@ -51,6 +51,7 @@ fn widen(v: &[bf16]) -> Vec<f32> {
 }
 
 /// Runs the step on the worker and checks the residual and every cache against the golden.
+/// The caller holds `common::process_isa` (its last check compares two steps bit for bit).
 fn run_and_check(c: &Case, w: &Worker) {
     let g: AttnStep = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
     let mut layer = AttnLayer::upload_csa(w, &c.cfg, &c.attn, &c.window, &c.csa, c.batch).unwrap();
@@ -136,6 +137,7 @@ fn csa_step_matches_the_golden_at_mixed_starts_on_every_path() {
     assert_eq!(gw.compressed.slots.len(), 2);
     assert_eq!(gw.picks[0].visible, 0);
     assert!(gw.picks[2].visible < c.cfg.index_topk);
+    let _switching = common::process_isa::switching_paths();
     let w = worker(2);
     for isa in simpler_kernels_cpu::Isa::ALL
         .into_iter()
@@ -150,6 +152,7 @@ fn csa_step_matches_the_golden_at_mixed_starts_on_every_path() {
 
 #[test]
 fn csa_step_matches_the_golden_where_the_selection_matters() {
+    let _isa = common::process_isa::same_path_throughout();
     // small: top-16 of 32..256 visible rows; 130 and 1023 close windows inside the step.
     let c = case(Dsv4Config::small(), &[126, 130, 67, 1023], 32);
     let g = golden::csa_step(&c.cfg, &c.attn, &c.window, &c.csa, &c.inputs);
@@ -163,6 +166,7 @@ fn csa_step_matches_the_golden_where_the_selection_matters() {
 /// (`int8_layout::kernel_layout`); the step still matches the golden.
 #[test]
 fn csa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(
         Dsv4Config::small(),
         &[0, 3, 127, 8192, 1, 64, 130, 1023],
@@ -173,12 +177,14 @@ fn csa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
 
 #[test]
 fn tiny_csa_layers_match_the_golden_with_windows_sliding_inside_the_step() {
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(Dsv4Config::tiny(), &[0, 7, 126, 300], 33);
     run_and_check(&c, &worker(2));
 }
 
 #[test]
 fn flash_csa_step_matches_the_golden_at_start_8192() {
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(Dsv4Config::flash(), &uniform_starts(8192), 34);
     run_and_check(&c, &worker(2));
 }
@@ -188,6 +194,7 @@ fn flash_csa_step_matches_the_golden_at_start_8192() {
 /// rows); a kernel with a per-tile rescale of `out` put 3.8% of `x_out` over the tolerance.
 #[test]
 fn flash_csa_step_matches_the_golden_at_mixed_starts() {
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(Dsv4Config::flash(), &MIXED_STARTS, 1);
     run_and_check(&c, &worker(2));
 }

@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::sync::{RwLock, RwLockReadGuard};
-
 use simpler_core::{CallConfig, Worker};
 use simpler_kernels_cpu::{I8Layout, I8Path, Isa, with_isa};
 use simpler_models::dsv4::check::attn_step_checks;
@@ -19,15 +17,6 @@ use simpler_models::dsv4::fixture::{
 use simpler_models::dsv4::golden::{self, AttnStep};
 use simpler_models::dsv4::int8_layout::{Int8Use, kernel_layout};
 use simpler_models::dsv4::{AttnLayer, Dsv4Config, MIXED_STARTS, ops, uniform_starts};
-
-/// The kernel path is chosen process-wide (`set_process_isa`) so that it reaches the worker's
-/// threads. The every-path test holds this lock exclusively while it switches paths; every
-/// other test holds it shared, so its two steps (compared bit for bit) run on one path.
-static PROCESS_ISA: RwLock<()> = RwLock::new(());
-
-fn same_isa_throughout() -> RwLockReadGuard<'static, ()> {
-    PROCESS_ISA.read().unwrap_or_else(|e| e.into_inner())
-}
 
 fn worker(cores: usize) -> Worker {
     let w = common::cpu_worker(cores);
@@ -131,7 +120,7 @@ fn run_and_check(c: &Case, w: &Worker, g: &AttnStep) {
 
 /// Runs the case on every kernel path this CPU has (chosen process-wide: the kernels run on
 /// the worker's threads) against its golden, then restores the default path. The caller holds
-/// `PROCESS_ISA` for writing.
+/// `common::process_isa::switching_paths()`.
 fn check_on_every_path(c: &Case, g: &AttnStep) {
     let w = worker(2);
     for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
@@ -144,7 +133,7 @@ fn check_on_every_path(c: &Case, g: &AttnStep) {
 
 #[test]
 fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
-    let _switching = PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner());
+    let _switching = common::process_isa::switching_paths();
     let c = case(Dsv4Config::small(), &MIXED_STARTS, false, 11);
     let g = golden_step(&c);
     check_on_every_path(&c, &g);
@@ -152,7 +141,7 @@ fn swa_step_matches_the_golden_at_mixed_starts_on_every_path() {
 
 #[test]
 fn hca_step_matches_the_golden_at_mixed_starts_on_every_path() {
-    let _switching = PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner());
+    let _switching = common::process_isa::switching_paths();
     let c = case(Dsv4Config::small(), &MIXED_STARTS, true, 12);
     let g = golden_step(&c);
     let cw = g.compressed_write.as_ref().unwrap();
@@ -171,7 +160,7 @@ fn hca_step_matches_the_golden_at_mixed_starts_on_every_path() {
 /// matches the golden, so the upload and the kernels agree on the layout.
 #[test]
 fn swa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
-    let _isa = same_isa_throughout();
+    let _isa = common::process_isa::same_path_throughout();
     let layout = kernel_layout(Int8Use::Attention { rows: 16 });
     let amx = I8Path::detected() == I8Path::Amx;
     assert_eq!(
@@ -201,7 +190,7 @@ fn swa_step_of_eight_sequences_matches_the_golden_in_its_int8_layout() {
 
 #[test]
 fn tiny_layers_match_the_golden_with_windows_sliding_inside_the_step() {
-    let _isa = same_isa_throughout();
+    let _isa = common::process_isa::same_path_throughout();
     // Window 8: every sequence but the first has a full, sliding window.
     for hca in [false, true] {
         let c = case(Dsv4Config::tiny(), &[0, 7, 126, 300], hca, 13);
@@ -211,14 +200,14 @@ fn tiny_layers_match_the_golden_with_windows_sliding_inside_the_step() {
 
 #[test]
 fn flash_swa_step_matches_the_golden_at_start_8192() {
-    let _isa = same_isa_throughout();
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(Dsv4Config::flash(), &uniform_starts(8192), false, 21);
     run_and_check(&c, &worker(2), &golden_step(&c));
 }
 
 #[test]
 fn flash_hca_step_matches_the_golden_at_start_8192() {
-    let _isa = same_isa_throughout();
+    let _isa = common::process_isa::same_path_throughout();
     let c = case(Dsv4Config::flash(), &uniform_starts(8192), true, 22);
     run_and_check(&c, &worker(2), &golden_step(&c));
 }

@@ -21,4 +21,5 @@ pub(crate) fn cpu_worker(cores: usize) -> Worker {
     .unwrap()
 }
 
+pub(crate) mod process_isa;
 pub(crate) mod qwen3;
