@@ -135,8 +135,10 @@ impl Row {
     }
 }
 
-/// Bare decode steps timed per measurement (the first is warm-up).
+/// Bare decode steps timed per measurement, the first [`TIMED_WARMUP`] of them warm-up.
 const TIMED_STEPS: usize = 17;
+/// The timed steps' warm-up, discarded (and marked so in the trace).
+const TIMED_WARMUP: usize = 1;
 
 struct Measure {
     streams: usize,
@@ -168,11 +170,13 @@ fn measure(
     let t = Instant::now();
     let done: Vec<Completion> = engine.generate(&reqs)?;
     let wall_s = t.elapsed().as_secs_f64();
-    // The same batch's bare decode step, mid-way through the outputs' contexts; the first
-    // step is warm-up.
+    // The same batch's bare decode step, mid-way through the outputs' contexts.
     let context = args.prompt_len + args.max_tokens / 2;
-    let steps = engine.time_decode_steps(streams, context, TIMED_STEPS)?;
-    let step_ms: Vec<f64> = steps[1..].iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let steps = engine.time_decode_steps(streams, context, TIMED_STEPS, TIMED_WARMUP)?;
+    let step_ms: Vec<f64> = steps[TIMED_WARMUP..]
+        .iter()
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
     Ok(Measure {
         streams,
         step_ms: quantile(&step_ms, 0.5),
@@ -271,7 +275,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             trace: call.trace.is_some() || call.output_dir.is_some(),
             ..simpler_dfx::bench_stats::Diagnostics::of(&call)
         });
-    engine.set_call_config(call);
+    engine.set_call_config(call.clone());
     println!(
         "simpler bench serve: {}, {} layers; {} prompt + {} output tokens per request, up to {} tokens per step; {cores} cores; requests served together by the engine (continuous batching; steps with prompt chunks on the prefill path, decode-only steps on the decode path)",
         args.model.describe(),
@@ -303,6 +307,11 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     let mut measured: Vec<Vec<Measure>> = args.streams.iter().map(|_| Vec::new()).collect();
     let mut salt = 0u64;
     for round in 0..args.warmup + args.rounds {
+        // The warm-up rounds' steps are marked so in the trace (the trace tools leave them out).
+        engine.set_call_config(simpler_core::CallConfig {
+            warmup: round < args.warmup,
+            ..call.clone()
+        });
         for (i, &n) in args.streams.iter().enumerate() {
             salt += 1;
             let m = measure(&mut engine, n, &args, c.vocab_size, salt)?;

@@ -3,8 +3,9 @@
 //! callable (each orchestration's runs: host time from bind to return, device time on the
 //! cores). `--profile-verbose` adds a table per step and the time per layer.
 //!
-//! The first decode step is warm-up (first touch of the decode path's buffers and code): it is
-//! listed and labelled, and kept out of the decode averages.
+//! The first decode step is warm-up (first touch of the decode path's buffers and code):
+//! `generate` runs it with `CallConfig::warmup`, so its report (and its trace) says so; the
+//! steps whose reports say so are listed and labelled, and kept out of the averages.
 
 use std::fmt::Write;
 use std::time::Instant;
@@ -104,8 +105,15 @@ pub(crate) fn report(
         .filter(|s| s.kind == "prefill")
         .map(|s| s.e2e_ns)
         .collect();
-    let decode: Vec<&Step> = steps.iter().filter(|s| s.kind == "decode").collect();
-    let measured: Vec<u64> = decode.iter().skip(1).map(|s| s.e2e_ns).collect();
+    let decode = || steps.iter().filter(|s| s.kind == "decode");
+    let measured: Vec<u64> = decode()
+        .filter(|s| !s.report.warmup)
+        .map(|s| s.e2e_ns)
+        .collect();
+    let warm: Vec<u64> = decode()
+        .filter(|s| s.report.warmup)
+        .map(|s| s.e2e_ns)
+        .collect();
     header(&mut out, "api (end to end)");
     row(&mut out, "prefill chunks", &prefill);
     let _ = writeln!(
@@ -115,8 +123,8 @@ pub(crate) fn report(
         1,
         prefill.iter().sum::<u64>() as f64 / 1e6
     );
-    if let Some(w) = decode.first() {
-        row(&mut out, "decode warm-up step", &[w.e2e_ns]);
+    if !warm.is_empty() {
+        row(&mut out, "decode warm-up step", &warm);
     }
     row(&mut out, "decode per step (TPOT)", &measured);
     // Per callable: host and device time of every run (warm-up excluded).
@@ -128,14 +136,7 @@ pub(crate) fn report(
     names.sort_unstable();
     names.dedup();
     header(&mut out, "callable (warm-up out)");
-    let warmup = steps.iter().position(|s| s.kind == "decode");
-    let measured_steps = || {
-        steps
-            .iter()
-            .enumerate()
-            .filter(move |&(i, _)| Some(i) != warmup)
-            .map(|(_, s)| s)
-    };
+    let measured_steps = || steps.iter().filter(|s| !s.report.warmup);
     for name in names {
         let runs: Vec<&Step> = measured_steps()
             .filter(|s| s.report.orchestration == name)
@@ -161,7 +162,7 @@ pub(crate) fn report(
             "tasks"
         );
         for (i, s) in steps.iter().enumerate() {
-            let label = if warmup == Some(i) { " (warm-up)" } else { "" };
+            let label = if s.report.warmup { " (warm-up)" } else { "" };
             let _ = writeln!(
                 out,
                 "         {i:>5} {:>8} {:>5} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>11.1} {:>9}{label}",

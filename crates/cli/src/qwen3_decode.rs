@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Result, anyhow, bail};
 use clap::{Args, ValueEnum};
 use half::bf16;
-use simpler_core::{RunReport, TaskSlotTiming};
+use simpler_core::{CallConfig, RunReport, TaskSlotTiming};
 use simpler_dfx::bench_stats::{Diagnostics, Summary, format_diagnostics, format_summary};
 use simpler_kernels_cpu::membw::{MachinePeaks, MeasureOptions, measure};
 use simpler_kernels_cpu::{Isa, TILE_COLS, TILE_ROWS, path_for};
@@ -438,7 +438,13 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
     let mut samples = Vec::new();
     let mut first: Option<(Vec<f32>, Vec<f32>, Vec<u32>)> = None;
     let mut outputs = opts::StepOutputs::new(&args.run);
+    // The warm-up rounds' steps are marked in the trace, which the trace tools leave out.
+    let warm_cfg = CallConfig {
+        warmup: true,
+        ..cfg.clone()
+    };
     for round in 0..all_rounds {
+        let cfg = if round < args.warmup { &warm_cfg } else { &cfg };
         let mut tokens = case.tokens.clone();
         let mut hidden = case.hidden.clone();
         for step in 0..args.steps {
@@ -450,7 +456,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             let t0 = Instant::now();
             let report = match args.variant {
                 Variant::Model => {
-                    let out = session.decode(&worker, &batch, &tokens, &cfg)?;
+                    let out = session.decode(&worker, &batch, &tokens, cfg)?;
                     let e2e = t0.elapsed().as_secs_f64();
                     tokens.clone_from(&out.next_tokens);
                     if first.is_none() {
@@ -459,7 +465,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
                     (out.report, e2e)
                 }
                 Variant::Layers => {
-                    let out = session.decode_layers(&worker, &batch, &hidden, 0..layers, &cfg)?;
+                    let out = session.decode_layers(&worker, &batch, &hidden, 0..layers, cfg)?;
                     let e2e = t0.elapsed().as_secs_f64();
                     hidden.clone_from(&out.hidden);
                     if first.is_none() {
@@ -473,7 +479,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
                 }
             };
             let (report, e2e_s) = report;
-            outputs.emit(&report, &cfg)?;
+            outputs.emit(&report, cfg)?;
             if round >= args.warmup {
                 let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens).in_format(
                     &c,

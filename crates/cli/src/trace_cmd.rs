@@ -30,7 +30,8 @@ enum TraceCmd {
         #[arg(long)]
         rounds: bool,
         /// Rounds excluded from the `--rounds` summary (per callable and process, earliest
-        /// first).
+        /// first), beyond those the trace marks warm-up (`warmup: true` on a `run`, which
+        /// every table leaves out).
         #[arg(long, default_value_t = 0)]
         warmup: usize,
         /// The median span tree per callable (orch ∥ sched shown as overlapping).

@@ -323,6 +323,20 @@ fn serving_commands_write_their_steps_diagnostics() {
             .filter(|l| l.contains(&format!("\"label\":\"{label}\"")))
             .count()
     };
+    // The warm-up round's runs are marked warm-up, and in each of the 3 measured rounds the
+    // first timed bare step: 3 engine steps (a prefill, two decodes) and 17 timed steps per
+    // round.
+    let trace = simpler_dfx::reader::read_traces(&[dir.join("trace.jsonl")]).unwrap();
+    let marks: Vec<bool> = simpler_dfx::timing::invocations(&trace)
+        .iter()
+        .map(|i| i.warmup)
+        .collect();
+    let measured = [(3, false), (1, true), (16, false)];
+    let want: Vec<bool> = std::iter::once((20, true))
+        .chain(measured.into_iter().cycle().take(9))
+        .flat_map(|(n, w)| std::iter::repeat_n(w, n))
+        .collect();
+    assert_eq!(marks, want);
     // Each run is labelled by the engine's path (`trace timing` groups them apart).
     assert!(runs("serve.prefill") >= 2, "the two requests' prefills");
     assert!(

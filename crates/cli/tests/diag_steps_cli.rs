@@ -70,7 +70,20 @@ fn every_step_keeps_its_own_diagnostics_and_one_line_says_so() {
     assert!(!dir.join("deps.json").exists());
     // The trace keeps all four steps.
     let trace = simpler_dfx::reader::read_traces(&[dir.join("trace.jsonl")]).unwrap();
-    assert_eq!(simpler_dfx::timing::invocations(&trace).len(), 4);
+    // The warm-up round's steps are marked so (the trace tools leave them out).
+    let marks: Vec<bool> = simpler_dfx::timing::invocations(&trace)
+        .iter()
+        .map(|i| i.warmup)
+        .collect();
+    assert_eq!(marks, [true, true, false, false]);
+    let timing = simpler(&["trace", "timing", dir.join("trace.jsonl").to_str().unwrap()]);
+    let table = text(&timing.stdout);
+    assert!(timing.status.success(), "{}", text(&timing.stderr));
+    assert!(
+        table.contains("invocations 4")
+            && table.contains("(2 invocations marked warm-up left out)"),
+        "{table}"
+    );
     let wrote: Vec<&str> = se.lines().filter(|l| l.starts_with("wrote")).collect();
     assert_eq!(wrote.len(), 1, "{se}");
     assert!(

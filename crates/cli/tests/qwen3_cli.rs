@@ -817,9 +817,12 @@ fn bench_qwen3_decode_measures_the_trace_overhead() {
 
 /// `generate --profile-verbose` with `--num-prompts 2` and `--num-layers-override 1`: one line
 /// of tokens per copy, and a report whose counts agree with what ran — one prefill, a warm-up
-/// decode step kept out of the averages, a row per step, the layer table over one layer.
+/// decode step kept out of the averages, a row per step, the layer table over one layer; the
+/// trace marks that step, and only that one, warm-up.
 #[test]
 fn generate_profile_counts_what_ran() {
+    let dir = tmp("generate-profile");
+    let trace = dir.join("trace.jsonl");
     let out = simpler(&[
         "generate",
         "--preset",
@@ -833,6 +836,8 @@ fn generate_profile_counts_what_ran() {
         "--num-layers-override",
         "1",
         "--profile-verbose",
+        "--trace",
+        trace.to_str().unwrap(),
     ]);
     let (so, se) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{so}\n{se}");
@@ -881,4 +886,20 @@ fn generate_profile_counts_what_ran() {
     assert_eq!(words(steps[0]), "0 prefill 2 6", "{all}");
     assert!(steps[1].ends_with("(warm-up)"), "{all}");
     assert_eq!(words(steps[3]), "3 decode 2 2", "{all}");
+    let t = simpler_dfx::reader::read_traces(&[&trace]).unwrap();
+    let marks: Vec<(Option<String>, bool)> = simpler_dfx::timing::invocations(&t)
+        .into_iter()
+        .map(|i| (i.label, i.warmup))
+        .collect();
+    let (p, d) = (Some("prefill".to_string()), Some("decode".to_string()));
+    assert_eq!(
+        marks,
+        [
+            (p, false),
+            (d.clone(), true),
+            (d.clone(), false),
+            (d, false)
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

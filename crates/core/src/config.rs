@@ -197,6 +197,10 @@ pub struct CallConfig {
     pub swimlane_capacity: usize,
     /// Label written into the trace (`decode`, `prefill`, ...).
     pub label: Option<String>,
+    /// The caller runs this as a warm-up, outside its measurements: the trace marks the run
+    /// (`warmup: true` on its `run` span) and the trace tools leave it out of their statistics.
+    /// Changes nothing in the run itself.
+    pub warmup: bool,
     /// How many of the worker's cores (its scheduler threads) run this run's tasks: the first
     /// `n`, 1 to [`Worker::cores`](crate::Worker::cores); `None`: all of them. The others stay
     /// idle for the run. The orchestration sees the count (`Orchestrator::cores`), so it can
@@ -218,6 +222,7 @@ impl Default for CallConfig {
             trace: None,
             swimlane_capacity: 1 << 20,
             label: None,
+            warmup: false,
             cores: None,
         }
     }

@@ -270,6 +270,7 @@ fn run_bound(
         callable: callable_hash(&job.name, &job.args),
         orchestration: job.name.clone(),
         label: job.cfg.label.clone(),
+        warmup: job.cfg.warmup,
         bind: iv(host0, bind1),
         bind_args: iv(host0, bind1),
         runner: iv(runner0, runner1),

@@ -79,6 +79,9 @@ pub struct RunReport {
     pub orchestration: String,
     /// Label from the config (`decode`, `prefill`, ...).
     pub label: Option<String>,
+    /// Whether the config marked this run a warm-up ([`CallConfig::warmup`](crate::CallConfig::warmup)).
+    #[serde(default)]
+    pub warmup: bool,
     /// The engine's whole step around this run (its inputs written, the run, its outputs read
     /// back: what a caller of the engine waits for), when the engine recorded it (the Qwen3
     /// `Session`'s steps do); zero otherwise. The trace's `engine.step` span, and timing layer

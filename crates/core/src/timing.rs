@@ -38,6 +38,10 @@ pub(crate) fn spans_of(r: &RunReport, pid: u32, tid: u64) -> Vec<SpanRecord> {
     if let Some(label) = &r.label {
         run_attrs.insert("label".into(), AttrValue::Str(label.clone()));
     }
+    if r.warmup {
+        // Only where set: a trace of measured runs reads as before.
+        run_attrs.insert("warmup".into(), AttrValue::Bool(true));
+    }
     let none = BTreeMap::new;
     // The engine's step is the run's sibling, not its parent: `run` stays the root of the
     // chip-level tree the format fixes; layer ⑤ is the difference of the two.
@@ -101,5 +105,19 @@ mod tests {
             .unwrap();
         assert_eq!(dw.depth, 2);
         assert_eq!(r.effective(), iv(10, 90));
+    }
+
+    #[test]
+    fn only_a_warm_up_run_carries_the_warmup_attribute() {
+        let run_attrs = |warmup: bool| {
+            let r = RunReport {
+                host_wall: iv(0, 100),
+                warmup,
+                ..RunReport::default()
+            };
+            r.spans(7, 1).swap_remove(0).attrs
+        };
+        assert_eq!(run_attrs(true).get("warmup"), Some(&AttrValue::Bool(true)));
+        assert_eq!(run_attrs(false).get("warmup"), None);
     }
 }

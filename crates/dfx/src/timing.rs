@@ -23,6 +23,8 @@ pub struct Invocation {
     pub callable: String,
     /// The `label` attribute of its `run` span, if it has one.
     pub label: Option<String>,
+    /// Its `run` span says `warmup: true`: the caller ran it outside its measurements.
+    pub warmup: bool,
     /// Earliest span start (wall ns).
     pub wall_ns: u64,
     /// Indices into [`Trace::spans`], in file order.
@@ -50,6 +52,27 @@ impl CallableGroup {
         } else {
             self.labels.join("/")
         }
+    }
+
+    /// The invocations statistics are taken over: those the trace does not mark warm-up; all
+    /// of them where every one is marked (a bench's recorded warm-up step alone is still worth
+    /// reading). The second value says which, for the table's header.
+    pub fn for_statistics(&self) -> (CallableGroup, Option<String>) {
+        let warm = self.invs.iter().filter(|i| i.warmup).count();
+        if warm == 0 {
+            return (self.clone(), None);
+        }
+        if warm == self.invs.len() {
+            let note =
+                format!("all {warm} invocations are marked warm-up: shown, as nothing else is");
+            return (self.clone(), Some(note));
+        }
+        let group = CallableGroup {
+            invs: self.invs.iter().filter(|i| !i.warmup).cloned().collect(),
+            ..self.clone()
+        };
+        let note = format!("{warm} invocations marked warm-up left out");
+        (group, Some(note))
     }
 }
 
@@ -104,14 +127,16 @@ pub fn invocations(trace: &Trace) -> Vec<Invocation> {
                 inv: s.span.inv,
                 callable: s.span.callable.clone(),
                 label: None,
+                warmup: false,
                 wall_ns: s.wall_ns,
                 spans: Vec::new(),
             });
         e.wall_ns = e.wall_ns.min(s.wall_ns);
-        if s.span.name == "run"
-            && let Some(AttrValue::Str(l)) = s.span.attrs.get("label")
-        {
-            e.label = Some(l.clone());
+        if s.span.name == "run" {
+            if let Some(AttrValue::Str(l)) = s.span.attrs.get("label") {
+                e.label = Some(l.clone());
+            }
+            e.warmup = s.span.attrs.get("warmup") == Some(&AttrValue::Bool(true));
         }
         e.spans.push(i);
     }
@@ -178,6 +203,7 @@ pub fn timing_table(trace: &Trace) -> String {
     let mut out = String::new();
     for g in by_callable(trace) {
         header(&mut out, trace, &g);
+        let g = statistics_of(&mut out, &g);
         let _ = writeln!(
             out,
             "{:<40} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10}",
@@ -240,13 +266,16 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             "Round", "Pid", "Inv", "Host", "Device", "Effective", "Orch", "Sched"
         );
         let rows: Vec<Round> = g.invs.iter().map(|i| round(trace, i)).collect();
-        // The warm-up is each process's first `warmup` invocations (with one process: the
-        // first rows).
+        // The warm-up: the invocations the trace marks, then each process's first `warmup`
+        // of the others (with one process: the first unmarked rows).
         let mut seen: HashMap<usize, usize> = HashMap::new();
         let warm: Vec<bool> = g
             .invs
             .iter()
             .map(|i| {
+                if i.warmup {
+                    return true;
+                }
                 let k = seen.entry(i.process).or_insert(0);
                 *k += 1;
                 *k <= warmup
@@ -339,7 +368,9 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
 pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<String> {
     let mut by_rank: BTreeMap<u32, BTreeMap<u64, f64>> = BTreeMap::new();
     let mut ranks_said = 0u32;
-    for inv in &g.invs {
+    // A round some rank marked warm-up is warm-up for all (`warmup` then counts the others).
+    let marked: HashSet<u64> = g.invs.iter().filter(|i| i.warmup).map(|i| i.inv).collect();
+    for inv in g.invs.iter().filter(|i| !marked.contains(&i.inv)) {
         let p = &trace.processes[inv.process];
         let rank = p.rank()?;
         ranks_said = ranks_said.max(p.clock.as_ref().and_then(|c| c.ranks).unwrap_or(0));
@@ -411,6 +442,7 @@ pub fn tree(trace: &Trace) -> String {
     let mut out = String::new();
     for g in by_callable(trace) {
         header(&mut out, trace, &g);
+        let g = statistics_of(&mut out, &g);
         let _ = writeln!(
             out,
             "median span tree of {} invocations: [offset from run start + duration] µs",
@@ -530,6 +562,15 @@ pub fn tree(trace: &Trace) -> String {
         out.push('\n');
     }
     out
+}
+
+/// [`CallableGroup::for_statistics`], its note written under the header.
+fn statistics_of(out: &mut String, g: &CallableGroup) -> CallableGroup {
+    let (g, note) = g.for_statistics();
+    if let Some(note) = note {
+        let _ = writeln!(out, "({note})");
+    }
+    g
 }
 
 fn header(out: &mut String, trace: &Trace, g: &CallableGroup) {

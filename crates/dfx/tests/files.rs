@@ -139,6 +139,95 @@ fn effective_time_is_the_union_of_overlapping_orch_and_sched() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Runs the trace marks warm-up (`CallConfig::warmup`) stay out of the statistics of every
+/// table, are marked in `--rounds`, and are shown where a callable has nothing else.
+#[test]
+fn marked_warm_up_runs_stay_out_of_the_statistics() {
+    let dir = common::temp_dir("timing-warmup");
+    let path = dir.join("trace.jsonl");
+    {
+        let mut w = writer_of_pid_7(&path);
+        // Two slow warm-up steps (1000 µs), then three measured ones (100 µs).
+        for k in 0..5 {
+            let r = RunReport {
+                warmup: k < 2,
+                ..report(
+                    k,
+                    0xdec0de,
+                    Some("decode"),
+                    2000 * k,
+                    if k < 2 { 1000 } else { 100 },
+                )
+            };
+            w.report(&r, 1).unwrap();
+        }
+        // A callable recorded only in its warm-up.
+        let only = RunReport {
+            warmup: true,
+            ..report(5, 0x9f, Some("prefill"), 20_000, 3000)
+        };
+        w.report(&only, 1).unwrap();
+    }
+    let trace = read_traces(&[&path]).unwrap();
+    let groups = by_callable(&trace);
+    let decode = groups.iter().find(|g| g.label() == "decode").unwrap();
+    assert_eq!(decode.invs.iter().filter(|i| i.warmup).count(), 2);
+    let run_row = |table: &str| -> String {
+        let section = table.split("label decode").nth(1).unwrap().to_string();
+        section
+            .lines()
+            .find(|l| l.starts_with("run "))
+            .unwrap()
+            .to_string()
+    };
+    let table = timing::timing_table(&trace);
+    assert!(
+        table.contains("(2 invocations marked warm-up left out)"),
+        "{table}"
+    );
+    // n 3, mean = median = min = max = 100 µs: the 1000 µs warm-ups are not in it.
+    let row = run_row(&table);
+    let row: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        row[1..6],
+        ["3", "100.0", "100.0", "100.0", "100.0"],
+        "{table}"
+    );
+    assert!(
+        table.contains("(all 1 invocations are marked warm-up: shown, as nothing else is)"),
+        "{table}"
+    );
+    let rounds = timing::rounds_table(&trace, 0);
+    assert!(
+        rounds.contains("summary of 3 rounds (2 warm-up excluded)"),
+        "{rounds}"
+    );
+    let warm_rows = rounds
+        .lines()
+        .filter(|l| l.contains("(warm-up)") && l.contains("1000.0"))
+        .count();
+    assert_eq!(warm_rows, 2, "{rounds}");
+    // `--warmup 1` counts from the first unmarked round.
+    let rounds = timing::rounds_table(&trace, 1);
+    assert!(
+        rounds.contains("summary of 2 rounds (3 warm-up excluded)"),
+        "{rounds}"
+    );
+    let tree = timing::tree(&trace);
+    let section = tree.split("label decode").nth(1).unwrap();
+    assert!(
+        section.contains("median span tree of 3 invocations"),
+        "{tree}"
+    );
+    assert!(
+        section
+            .lines()
+            .any(|l| l.starts_with("run ") && l.contains("+      100.0]")),
+        "{tree}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn two_processes_merge_on_their_anchors() {
     let dir = common::temp_dir("merge");

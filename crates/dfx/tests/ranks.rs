@@ -337,6 +337,57 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A round one rank marked warm-up (`warmup: true` on its `run`) is left out on every rank,
+/// before `--warmup` counts the rounds after it.
+#[test]
+fn a_round_one_rank_marked_warm_up_is_left_out_on_every_rank() {
+    let dir = common::temp_dir("ranks-warmup");
+    let (a, b, _) = files(&dir);
+    write_rank(
+        &a,
+        32,
+        0,
+        Some(&clock(32, BOOT, 0, Some(0))),
+        &[
+            (0, 0, 10_000),
+            (1, 100_000, 20_000),
+            (2, 200_000, 30_000),
+            (3, 300_000, 40_000),
+        ],
+    );
+    write_rank(
+        &b,
+        33,
+        0,
+        Some(&clock(33, BOOT, 0, Some(1))),
+        &[(0, 0, 15_000), (1, 100_000, 5_000), (3, 300_000, 50_000)],
+    );
+    let text = std::fs::read_to_string(&b).unwrap();
+    let first = span_line(33, 0, "run", 0, 15_000);
+    assert!(text.contains(&first));
+    let marked = format!(
+        "{},\"attrs\":{{\"warmup\":true}}}}",
+        &first[..first.len() - 1]
+    );
+    std::fs::write(&b, text.replace(&first, &marked)).unwrap();
+    let t = read_traces(&[&a, &b]).unwrap();
+    let g = &by_callable(&t)[0];
+    assert_eq!(g.invs.iter().filter(|i| i.warmup).count(), 1);
+    let m = multi_rank(&t, g, 0).unwrap();
+    // Rounds 1, 2, 3 remain; 1 and 3 are valid: slowest 20, 50; fastest 5, 40.
+    assert!(m.contains("valid_rounds=2/3"), "{m}");
+    assert!(
+        m.contains("effective_us: n=2 (warm-up 0 discarded) min=20.00 median=35.00"),
+        "{m}"
+    );
+    assert!(m.contains("rank 0: n=3 median=30.00"), "{m}");
+    assert!(m.contains("rank 1: n=2 median=27.50"), "{m}");
+    // `--warmup 1` then discards round 1 as well.
+    let m = multi_rank(&t, g, 1).unwrap();
+    assert!(m.contains("valid_rounds=1/2"), "{m}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_rank_that_recorded_nothing_leaves_no_valid_round() {
     let dir = common::temp_dir("ranks-missing");

@@ -157,6 +157,43 @@ fn the_run_report_nests_its_spans_and_times_its_slots() {
     assert_eq!(x.read::<f32>().unwrap(), vec![8.0 * 7.0; 64]);
 }
 
+/// The label and the warm-up mark reach the report of a run, a capture and a replay as the
+/// config says (the trace's `run` attributes come from them), and leave the result alone.
+#[test]
+fn the_label_and_the_warm_up_mark_reach_every_report() {
+    let w = worker();
+    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x.clone()],
+        scalars: vec![],
+    };
+    let warm = CallConfig {
+        label: Some("decode".into()),
+        warmup: true,
+        ..CallConfig::default()
+    };
+    let measured = CallConfig {
+        warmup: false,
+        ..warm.clone()
+    };
+    let marks = |r: &RunReport| (r.label.clone(), r.warmup);
+    let d = Some("decode".to_string());
+    let r = w.run_fn("slots", args.clone(), &warm, graph).unwrap();
+    assert_eq!(marks(&r), (d.clone(), true));
+    let r = w.run_fn("slots", args.clone(), &measured, graph).unwrap();
+    assert_eq!(marks(&r), (d.clone(), false));
+    let shape = GraphShape::new();
+    let (r, g) = w
+        .capture_fn("slots", args.clone(), &warm, shape.clone(), graph)
+        .unwrap();
+    assert_eq!(marks(&r), (d.clone(), true));
+    let r = w.replay(&g, args.clone(), &measured, &shape).unwrap();
+    assert_eq!(marks(&r), (d.clone(), false));
+    let r = w.replay(&g, args, &warm, &shape).unwrap();
+    assert_eq!(marks(&r), (d, true));
+    assert_eq!(x.read::<f32>().unwrap(), vec![5.0 * 7.0; 64]);
+}
+
 /// The swimlane records of real runs at each level: every block once (start ≤ end; from level 2
 /// dispatch ≤ start ≤ end ≤ finish, both 0 at level 1; on one of the run's cores; dispatched and
 /// ended inside `sched`); scheduler phases and ready-queue depth samples from level 3,

@@ -621,13 +621,16 @@ impl Engine {
 
     /// Times `steps` decode steps of `batch` sequences that hold `context` tokens (growing by
     /// one per step): what the decode path costs without the scheduler, for benchmarks. The
-    /// engine must be idle; the KV values are whatever the blocks hold (timing does not depend
-    /// on them), and the blocks go back afterwards.
+    /// first `warmup` of them run marked warm-up ([`CallConfig::warmup`]: their reports and
+    /// traces say so); every step's time is returned. The engine must be idle; the KV values
+    /// are whatever the blocks hold (timing does not depend on them), and the blocks go back
+    /// afterwards.
     pub fn time_decode_steps(
         &mut self,
         batch: usize,
         context: usize,
         steps: usize,
+        warmup: usize,
     ) -> Result<Vec<Duration>, EngineError> {
         if self.has_work() {
             return Err(EngineError::Invalid(
@@ -667,9 +670,18 @@ impl Engine {
             .flat_map(|a| a.blocks.iter().map(|b| b.0))
             .collect();
         self.session.read_logits = false;
+        let warm_call = CallConfig {
+            warmup: true,
+            ..self.call_decode.clone()
+        };
         let mut times = Vec::with_capacity(steps);
         let mut result = Ok(());
         for i in 0..steps {
+            let call = if i < warmup {
+                &warm_call
+            } else {
+                &self.call_decode
+            };
             let batch_i = PagedBatch {
                 page_size: PAGE_SIZE,
                 max_blocks,
@@ -679,7 +691,7 @@ impl Engine {
             let t = Instant::now();
             match self
                 .session
-                .decode(&self.worker, &batch_i, &vec![0; batch], &self.call_decode)
+                .decode(&self.worker, &batch_i, &vec![0; batch], call)
             {
                 Ok(out) => {
                     times.push(t.elapsed());

@@ -271,19 +271,22 @@ fn a_long_lived_engine_does_not_grow() {
 #[test]
 fn timed_decode_steps_return_their_blocks_and_refuse_what_does_not_fit() {
     let mut e = engine(16, 64);
-    let t = e.time_decode_steps(3, 200, 4).unwrap();
+    let t = e.time_decode_steps(3, 200, 4, 1).unwrap();
     assert_eq!(t.len(), 4);
     assert_eq!(e.free_blocks(), 16);
     // 8 sequences of 1000 tokens need 64 blocks of 128: refused, nothing held.
-    let err = e.time_decode_steps(8, 1000, 4).unwrap_err();
+    let err = e.time_decode_steps(8, 1000, 4, 1).unwrap_err();
     assert!(err.to_string().contains("KV blocks"), "{err}");
     assert_eq!(e.free_blocks(), 16);
     assert!(
-        e.time_decode_steps(2, 1020, 10).is_err(),
+        e.time_decode_steps(2, 1020, 10, 1).is_err(),
         "past max_seq_len"
     );
     e.add_request(&req(prompt(5, 1), 2)).unwrap();
-    assert!(e.time_decode_steps(1, 10, 1).is_err(), "the engine is busy");
+    assert!(
+        e.time_decode_steps(1, 10, 1, 0).is_err(),
+        "the engine is busy"
+    );
     // And the engine still serves.
     while e.has_work() {
         e.step().unwrap();
@@ -322,23 +325,27 @@ fn the_step_observer_sees_every_runs_report() {
         output_dir: Some(std::env::temp_dir()),
         ..CallConfig::default()
     });
-    let seen: Arc<Mutex<Vec<usize>>> = Arc::default();
+    // Each report's swimlane records and warm-up mark.
+    let seen: Arc<Mutex<Vec<(usize, bool)>>> = Arc::default();
     let s = seen.clone();
     e.set_step_observer(Some(Box::new(move |r| {
         let records = r.swimlane.as_ref().map_or(0, |sw| sw.tasks.len());
-        s.lock().unwrap().push(records);
+        s.lock().unwrap().push((records, r.warmup));
     })));
     e.generate(&[req(prompt(9, 5), 4)]).unwrap();
     let steps = e.stats().steps as usize;
     assert_eq!(seen.lock().unwrap().len(), steps);
-    e.time_decode_steps(1, 16, 3).unwrap();
+    e.time_decode_steps(1, 16, 3, 1).unwrap();
     {
         let seen = seen.lock().unwrap();
         assert_eq!(seen.len(), steps + 3);
         assert!(
-            seen.iter().all(|&n| n > 0),
+            seen.iter().all(|&(n, _)| n > 0),
             "every report has its swimlane: {seen:?}"
         );
+        // Only the timed steps' first is marked warm-up.
+        let marked: Vec<usize> = (0..seen.len()).filter(|&i| seen[i].1).collect();
+        assert_eq!(marked, [steps], "{seen:?}");
     }
     // Taken away, the observer sees no more runs.
     e.set_step_observer(None);
