@@ -890,6 +890,40 @@ fn packed_prefill_rows_refuse_bad_outputs_and_short_query_rows() {
     assert!(run(rows(n_rows, per_row), n_rows, per_row).is_ok());
 }
 
+/// A `first_pos` whose last row's position does not fit a `usize` is refused on every path,
+/// outputs untouched: wrapped, the checked token range came out empty while the kernels read
+/// the pages of positions up to `first_pos` (past the pool; found by an outside audit).
+#[test]
+fn prefill_rows_whose_positions_overflow_are_refused_on_every_path() {
+    let mut rng = Rng(11);
+    let (hd, group, n_rows) = (32usize, 1usize, 2usize);
+    let st = Setup::new(1, 1, 1, hd, 16, &mut rng);
+    let q = rng.vec_f32(n_rows * group * hd, 1.0);
+    // Page 1 is not in the one-page pool; a valid call would need page 0 alone.
+    let table = [0u32, 1, 0];
+    for first_pos in [usize::MAX - 1, usize::MAX] {
+        let rows = PrefillRows {
+            queries: PrefillQueries::F32(&q),
+            group,
+            kv: st.kv(),
+            block_table: &table,
+            kv_head: 0,
+            first_pos,
+            scale: 0.125,
+        };
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+            let mut out = vec![7.0f32; q.len()];
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_isa(isa, || prefill_attention_rows_f32(&rows, &mut out));
+            }))
+            .map_err(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+            .unwrap_err();
+            assert!(e.contains("overflows"), "{isa:?} at {first_pos}: {e}");
+            assert!(out.iter().all(|&v| v == 7.0), "{isa:?}: outputs written");
+        }
+    }
+}
+
 /// Non-finite keys in causal prefill: every path agrees with the portable one on which
 /// outputs are finite, with enough rows for the AVX2 blocked kernel: a key of minus infinity
 /// drops its token, plus infinity and NaN poison the rows that see it, and rows before the

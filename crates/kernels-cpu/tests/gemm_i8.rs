@@ -555,6 +555,15 @@ fn grouped_activations_refuse_groups_that_do_not_divide_k() {
     let _ = ActsI8::grouped(&q, &s, 1, 10, 10, 3);
 }
 
+/// A group count whose product with the rows wraps to the scales' length is refused by the
+/// scales check (not later, by an index).
+#[test]
+#[should_panic(expected = "2 scales for 2 rows of 9223372036854775809 groups")]
+fn grouped_activations_refuse_a_scale_count_that_only_a_wrapped_product_matches() {
+    let s = vec![1.0f32; 2];
+    let _ = ActsI8::grouped(&[], &s, 2, 0, 0, (1 << 63) + 1);
+}
+
 #[test]
 fn w8a8_extreme_values_neither_saturate_nor_wrap() {
     let paths = paths("w8a8 extremes");

@@ -194,8 +194,19 @@ impl PrefillRows<'_> {
     }
 
     /// The tokens some row attends to: `0..first_pos + n_rows`.
+    ///
+    /// # Panics
+    /// If `first_pos + n_rows` overflows (the kernels' causal limits `first_pos + i + 1`
+    /// must never exceed the range `check` validated).
     pub fn tokens(&self) -> Range<usize> {
-        0..self.first_pos + self.n_rows()
+        let end = self.first_pos.checked_add(self.n_rows());
+        0..end.unwrap_or_else(|| {
+            panic!(
+                "prefill rows: first_pos {} + {} rows overflows",
+                self.first_pos,
+                self.n_rows()
+            )
+        })
     }
 
     /// Panics unless the pools pass their checks, `queries` is a whole number of rows (bf16

@@ -767,9 +767,9 @@ impl<'a> ActsI8<'a> {
             groups > 0 && cols.is_multiple_of(groups),
             "int8 activations: {cols} columns in {groups} equal groups"
         );
-        assert_eq!(
-            scales.len(),
-            rows * groups,
+        // Checked: a wrapped product could match a short `scales`.
+        assert!(
+            rows.checked_mul(groups) == Some(scales.len()),
             "int8 activations: {} scales for {rows} rows of {groups} groups",
             scales.len()
         );
