@@ -165,19 +165,25 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
     let prompt: Vec<u32> = match (&tok, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(tok), None) => {
-            let text = match (&args.prompt, &args.chat) {
-                (Some(p), _) => p.clone(),
+            match (&args.prompt, &args.chat) {
+                // A plain prompt gets the special tokens the tokenizer adds (a BOS, where it
+                // has one); a rendered chat holds its own.
+                (Some(p), _) => tok.encode_prompt(p)?,
                 (None, Some(m)) => {
                     let mut messages = Vec::new();
                     if let Some(s) = &args.system {
                         messages.push(ChatMessage::new("system", s));
                     }
                     messages.push(ChatMessage::new("user", m));
-                    tok.apply_chat_template(&messages, true, args.no_thinking.then_some(false))?
+                    let text = tok.apply_chat_template(
+                        &messages,
+                        true,
+                        args.no_thinking.then_some(false),
+                    )?;
+                    tok.encode(&text)?
                 }
                 (None, None) => bail!("give --prompt, --chat or --prompt-ids"),
-            };
-            tok.encode(&text)?
+            }
         }
         (None, None) => bail!("give --prompt, --chat or --prompt-ids"),
     };

@@ -694,7 +694,7 @@ fn prompt_ids(s: &AppState, input: &Input) -> Result<Vec<u32>, ApiError> {
             }
             ids.clone()
         }
-        Input::Text(t) => s.tokenizer.encode(t).map_err(tok_err)?,
+        Input::Text(t) => s.tokenizer.encode_prompt(t).map_err(tok_err)?,
         Input::Chat {
             messages,
             enable_thinking,

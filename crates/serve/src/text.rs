@@ -185,7 +185,7 @@ impl TextEngine {
         }
         let requests = prompts
             .iter()
-            .map(|p| Ok(cfg.request(self.tokenizer.encode(p)?)))
+            .map(|p| Ok(cfg.request(self.tokenizer.encode_prompt(p)?)))
             .collect::<Result<Vec<Request>, TextError>>()?;
         let mut ids: Vec<RequestId> = Vec::with_capacity(requests.len());
         for r in &requests {

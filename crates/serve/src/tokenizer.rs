@@ -292,11 +292,23 @@ impl Tokenizer {
     }
 
     /// Token ids of `text`, no special tokens added (special tokens written in the text,
-    /// such as `<|im_start|>`, are recognised as such).
+    /// such as `<|im_start|>`, are recognised as such): for text a chat template rendered,
+    /// which holds its special tokens already.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, false)
+    }
+
+    /// Token ids of a plain text prompt as `transformers`' `tokenizer(text)` and vLLM's
+    /// completions encode it: with the special tokens `tokenizer.json`'s post-processor puts
+    /// around one sequence (a BOS, where a tokenizer adds one; Qwen3's adds none).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, true)
+    }
+
+    fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
-            .encode(text, false)
+            .encode(text, add_special)
             .map_err(|e| TokenizerError::Codec(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }

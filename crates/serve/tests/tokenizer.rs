@@ -127,6 +127,44 @@ fn a_files_truncation_and_padding_are_not_applied() {
     assert_eq!(tok.encode(text).unwrap(), plain);
 }
 
+/// A plain prompt gets the special tokens `tokenizer.json`'s post-processor adds (here a BOS,
+/// as `transformers`' `tokenizer(text)` and vLLM's completions add it); a rendered chat does
+/// not (its template wrote its own). Qwen3's files add none: both encodings agree there.
+#[test]
+fn a_plain_prompt_gets_the_post_processors_bos_and_a_rendered_chat_does_not() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/assets/qwen3");
+    let text = "The quick brown fox";
+    let qwen3 = Tokenizer::qwen3().unwrap();
+    assert_eq!(
+        qwen3.encode_prompt(text).unwrap(),
+        qwen3.encode(text).unwrap()
+    );
+    let mut json: Value =
+        serde_json::from_slice(&std::fs::read(format!("{dir}/tokenizer.json")).unwrap()).unwrap();
+    let bos = serde_json::json!({"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}});
+    let seq = |id: &str| serde_json::json!({"Sequence": {"id": id, "type_id": 0}});
+    json["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [bos, seq("A")],
+        "pair": [bos, seq("A"), seq("B")],
+        "special_tokens": {"<|endoftext|>": {
+            "id": "<|endoftext|>", "ids": [151643], "tokens": ["<|endoftext|>"]
+        }}
+    });
+    let cfg = std::fs::read(format!("{dir}/tokenizer_config.json")).unwrap();
+    let tok =
+        Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap(), Some(&cfg), "test").unwrap();
+    let plain = qwen3.encode(text).unwrap();
+    let mut with_bos = vec![151643];
+    with_bos.extend_from_slice(&plain);
+    assert_eq!(tok.encode_prompt(text).unwrap(), with_bos);
+    assert_eq!(tok.encode(text).unwrap(), plain);
+    let chat = tok
+        .apply_chat_template(&[ChatMessage::new("user", text)], true, None)
+        .unwrap();
+    assert_eq!(tok.encode(&chat).unwrap(), qwen3.encode(&chat).unwrap());
+}
+
 #[test]
 fn invalid_bytes_are_emitted_not_held_back_forever() {
     let tok = Tokenizer::qwen3().unwrap();
