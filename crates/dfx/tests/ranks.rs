@@ -292,16 +292,15 @@ fn perfetto_rows_are_named_and_ordered_by_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
-    let dir = common::temp_dir("ranks-rounds");
-    let (a, b, _) = files(&dir);
-    // Rank 0: 10, 20, 30, 40 µs; rank 1: 15, 5, (missing), 50 µs.
+/// Two ranks' files in `dir`, ranks 0 and 1 as processes `pid` and `pid + 1`: rank 0 runs 10,
+/// 20, 30, 40 µs; rank 1 15, 5, (missing), 50 µs. Returns the paths.
+fn two_ranks_of_four_rounds(dir: &Path, pid: u32) -> (PathBuf, PathBuf) {
+    let (a, b, _) = files(dir);
     write_rank(
         &a,
-        30,
+        pid,
         0,
-        Some(&clock(30, BOOT, 0, Some(0))),
+        Some(&clock(pid, BOOT, 0, Some(0))),
         &[
             (0, 0, 10_000),
             (1, 100_000, 20_000),
@@ -311,11 +310,18 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
     );
     write_rank(
         &b,
-        31,
+        pid + 1,
         0,
-        Some(&clock(31, BOOT, 0, Some(1))),
+        Some(&clock(pid + 1, BOOT, 0, Some(1))),
         &[(0, 0, 15_000), (1, 100_000, 5_000), (3, 300_000, 50_000)],
     );
+    (a, b)
+}
+
+#[test]
+fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
+    let dir = common::temp_dir("ranks-rounds");
+    let (a, b) = two_ranks_of_four_rounds(&dir, 30);
     let t = read_traces(&[&a, &b]).unwrap();
     let g = &by_callable(&t)[0];
     let m = multi_rank(&t, g, 0).unwrap();
@@ -342,26 +348,8 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
 #[test]
 fn a_round_one_rank_marked_warm_up_is_left_out_on_every_rank() {
     let dir = common::temp_dir("ranks-warmup");
-    let (a, b, _) = files(&dir);
-    write_rank(
-        &a,
-        32,
-        0,
-        Some(&clock(32, BOOT, 0, Some(0))),
-        &[
-            (0, 0, 10_000),
-            (1, 100_000, 20_000),
-            (2, 200_000, 30_000),
-            (3, 300_000, 40_000),
-        ],
-    );
-    write_rank(
-        &b,
-        33,
-        0,
-        Some(&clock(33, BOOT, 0, Some(1))),
-        &[(0, 0, 15_000), (1, 100_000, 5_000), (3, 300_000, 50_000)],
-    );
+    let (a, b) = two_ranks_of_four_rounds(&dir, 32);
+    // Rank 1 marks its round 0 warm-up.
     let text = std::fs::read_to_string(&b).unwrap();
     let first = span_line(33, 0, "run", 0, 15_000);
     assert!(text.contains(&first));
