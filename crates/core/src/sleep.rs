@@ -72,6 +72,10 @@ pub(crate) struct Sleep<U: Wake = Unparker> {
     unparkers: Box<[Mutex<U>]>,
     /// `notify_one` wakes only cores `0 .. members` (the current run's).
     members: AtomicUsize,
+    /// Parked cores `notify_one` has woken: the orchestrator yields its CPU only after one was
+    /// (`Orchestrator::maybe_yield`). A counter read without ordering: a stale read delays or
+    /// skips one yield, which is a cost, never a lost wake-up.
+    woken: AtomicU64,
 }
 
 impl<U: Wake> Sleep<U> {
@@ -80,6 +84,7 @@ impl<U: Wake> Sleep<U> {
             flags: unparkers.iter().map(|_| AtomicU64::new(0)).collect(),
             sleepers: AtomicUsize::new(0),
             members: AtomicUsize::new(unparkers.len()),
+            woken: AtomicU64::new(0),
             unparkers: unparkers.into_iter().map(Mutex::new).collect(),
         }
     }
@@ -151,10 +156,16 @@ impl<U: Wake> Sleep<U> {
         let members = self.members.load(Ordering::SeqCst);
         for (i, f) in self.flags.iter().enumerate().take(members) {
             if f.load(Ordering::Relaxed) != 0 && f.swap(0, Ordering::AcqRel) != 0 {
+                self.woken.fetch_add(1, Ordering::Relaxed);
                 self.wake(i);
                 return;
             }
         }
+    }
+
+    /// How many parked cores `notify_one` has woken so far.
+    pub(crate) fn woken(&self) -> u64 {
+        self.woken.load(Ordering::Relaxed)
     }
 
     /// Wakes every core (sleeping or not; a spurious unpark is harmless).
@@ -314,9 +325,14 @@ mod tests {
             (0, 0),
             "the core outside the run stays"
         );
+        assert_eq!(sleep.woken(), 0, "no wake-up counted");
         assert!(sleep.announce(0, 0));
         sleep.notify_one();
         assert_eq!((c0.get(), c1.get()), (1, 0), "the run's core is woken");
+        // Counted (the orchestrator's yield follows it); a call with nobody to wake is not.
+        assert_eq!(sleep.woken(), 1);
+        sleep.notify_one();
+        assert_eq!(sleep.woken(), 1);
         sleep.withdraw(0, 0);
         sleep.set_members(2);
         sleep.notify_one();

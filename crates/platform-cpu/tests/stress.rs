@@ -15,11 +15,18 @@ static SUBMITTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::n
 
 #[test]
 fn a_million_tasks_through_small_rings_reclaim_everything() {
+    // One call of a million tiny tasks: ~1.5 s alone, but every hand-off between its threads
+    // waits for a CPU where CPU-bound processes share the cores (~20 s beside four of them,
+    // past 50 s before the orchestrator yielded only after waking a core). The test is of
+    // reclamation, not speed: the limit only turns a hang into a failure.
     let w = Worker::new(
         CpuPlatform::new(),
         WorkerConfig {
             cores: Some(2),
-            timeouts: None,
+            timeouts: Some(Timeouts {
+                stream_sync: std::time::Duration::from_secs(900),
+                ..Timeouts::default()
+            }),
             idle_spin: None,
         },
     )
