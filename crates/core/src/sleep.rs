@@ -72,8 +72,8 @@ pub(crate) struct Sleep<U: Wake = Unparker> {
     unparkers: Box<[Mutex<U>]>,
     /// `notify_one` wakes only cores `0 .. members` (the current run's).
     members: AtomicUsize,
-    /// Parked cores `notify_one` has woken: the orchestrator yields its CPU only after one was
-    /// (`Orchestrator::maybe_yield`). A counter read without ordering: a stale read delays or
+    /// Parked cores `notify_one` and `notify_all` have woken: the orchestrator yields its CPU
+    /// only after one was (`Orchestrator::maybe_yield`). A counter read without ordering: a stale read delays or
     /// skips one yield, which is a cost, never a lost wake-up.
     woken: AtomicU64,
 }
@@ -163,7 +163,7 @@ impl<U: Wake> Sleep<U> {
         }
     }
 
-    /// How many parked cores `notify_one` has woken so far.
+    /// How many parked cores `notify_one` and `notify_all` have woken so far.
     pub(crate) fn woken(&self) -> u64 {
         self.woken.load(Ordering::Relaxed)
     }
@@ -172,7 +172,9 @@ impl<U: Wake> Sleep<U> {
     pub(crate) fn notify_all(&self) {
         fence(Ordering::SeqCst);
         for (i, f) in self.flags.iter().enumerate() {
-            f.store(0, Ordering::Release);
+            if f.swap(0, Ordering::AcqRel) != 0 {
+                self.woken.fetch_add(1, Ordering::Relaxed);
+            }
             self.wake(i);
         }
     }
@@ -309,6 +311,21 @@ mod tests {
     /// Counts the wake-ups of one thread.
     #[derive(Clone, Default)]
     struct Count(Arc<AtomicUsize>);
+
+    /// `notify_all` wakes every core and counts the announced ones it woke, not the others.
+    #[test]
+    fn notify_all_counts_the_parked_cores_it_wakes() {
+        let (c0, c1) = (Count::default(), Count::default());
+        let sleep = Sleep::new(vec![c0.clone(), c1.clone()]);
+        assert!(sleep.announce(1, 0));
+        sleep.notify_all();
+        assert_eq!((c0.get(), c1.get()), (1, 1));
+        assert_eq!(sleep.woken(), 1);
+        sleep.withdraw(1, 0);
+        sleep.notify_all();
+        assert_eq!(sleep.woken(), 1);
+        assert_eq!(sleep.sleepers.load(Ordering::SeqCst), 0);
+    }
 
     /// A run of the first core of two: the other, idle in the pool and announced there, is
     /// never woken for the run's work, and the run's announced core is; after the run every
