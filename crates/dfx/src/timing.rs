@@ -266,14 +266,17 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             "Round", "Pid", "Inv", "Host", "Device", "Effective", "Orch", "Sched"
         );
         let rows: Vec<Round> = g.invs.iter().map(|i| round(trace, i)).collect();
-        // The warm-up: the invocations the trace marks, then each process's first `warmup`
-        // of the others (with one process: the first unmarked rows).
+        // The warm-up: the invocations the trace marks (unless it marks every one: then the
+        // marks are set aside, as in the other tables), then each process's first `warmup` of
+        // the others (with one process: the first unmarked rows).
+        let (_, note) = g.for_statistics();
+        let all_marked = g.invs.iter().all(|i| i.warmup);
         let mut seen: HashMap<usize, usize> = HashMap::new();
         let warm: Vec<bool> = g
             .invs
             .iter()
             .map(|i| {
-                if i.warmup {
+                if i.warmup && !all_marked {
                     return true;
                 }
                 let k = seen.entry(i.process).or_insert(0);
@@ -310,6 +313,9 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             .filter(|(_, w)| !**w)
             .map(|(r, _)| *r)
             .collect();
+        if let Some(note) = note {
+            let _ = writeln!(out, "({note})");
+        }
         let _ = writeln!(
             out,
             "summary of {} rounds ({} warm-up excluded), µs:",
@@ -338,7 +344,9 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
             ("mean", |s| us(s.mean)),
             ("trimmed mean (10%)", |s| us(s.trimmed_mean)),
             ("95% CI of the mean", |s| {
-                if s.n < 2 {
+                if s.n == 0 {
+                    "none (no round)".to_string()
+                } else if s.n < 2 {
                     "none (one round)".to_string()
                 } else {
                     format!("[{}, {}]", us(s.ci95.0), us(s.ci95.1))
@@ -368,11 +376,23 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
 pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<String> {
     let mut by_rank: BTreeMap<u32, BTreeMap<u64, f64>> = BTreeMap::new();
     let mut ranks_said = 0u32;
-    // A round some rank marked warm-up is warm-up for all (`warmup` then counts the others).
-    let marked: HashSet<u64> = g.invs.iter().filter(|i| i.warmup).map(|i| i.inv).collect();
-    for inv in g.invs.iter().filter(|i| !marked.contains(&i.inv)) {
+    // A round some rank marked warm-up is warm-up for all (`warmup` then counts the others),
+    // unless every invocation is marked: then the marks are set aside, saying so.
+    let all_marked = g.invs.iter().all(|i| i.warmup);
+    let marked: HashSet<u64> = g
+        .invs
+        .iter()
+        .filter(|i| i.warmup && !all_marked)
+        .map(|i| i.inv)
+        .collect();
+    let mut recorded_ranks = std::collections::BTreeSet::new();
+    for inv in &g.invs {
         let p = &trace.processes[inv.process];
         let rank = p.rank()?;
+        recorded_ranks.insert(rank);
+        if marked.contains(&inv.inv) {
+            continue;
+        }
         ranks_said = ranks_said.max(p.clock.as_ref().and_then(|c| c.ranks).unwrap_or(0));
         let r = round(trace, inv);
         if let Some(v) = r.effective.or(r.host) {
@@ -383,7 +403,30 @@ pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<Str
         }
     }
     if by_rank.len() < 2 {
-        return None;
+        // Marks that leave fewer than two ranks to join are said, not passed over.
+        if recorded_ranks.len() < 2 || marked.is_empty() {
+            return None;
+        }
+        let left: std::collections::BTreeSet<u64> = g
+            .invs
+            .iter()
+            .map(|i| i.inv)
+            .filter(|k| !marked.contains(k))
+            .collect();
+        let n = recorded_ranks.len();
+        return Some(if left.is_empty() {
+            format!("{n} ranks: valid_rounds=0/0 (every round is marked warm-up on some rank)\n")
+        } else {
+            let lacking: Vec<u32> = recorded_ranks
+                .iter()
+                .copied()
+                .filter(|r| !by_rank.contains_key(r))
+                .collect();
+            format!(
+                "{n} ranks: valid_rounds=0/{} (in the rounds not marked warm-up, ranks {lacking:?} recorded nothing)\n",
+                left.len()
+            )
+        });
     }
     // Ranks the files said exist, even those that recorded nothing of this callable.
     let n = (ranks_said as usize).max(*by_rank.keys().max()? as usize + 1);
@@ -415,6 +458,9 @@ pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<Str
     let mut out = format!(
         "{n} ranks, rounds joined by invocation number (per round: slowest rank = effective_us, fastest = fast_effective_us):\n"
     );
+    if all_marked {
+        out.push_str("(every round is marked warm-up: joined, as nothing else is)\n");
+    }
     if m.valid_rounds == 0 {
         let _ = writeln!(out, "valid_rounds=0/{} (no round has every rank)", m.rounds);
     } else {

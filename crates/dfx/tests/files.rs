@@ -213,6 +213,22 @@ fn marked_warm_up_runs_stay_out_of_the_statistics() {
         rounds.contains("summary of 2 rounds (3 warm-up excluded)"),
         "{rounds}"
     );
+    // The callable recorded only in its warm-up is summarised anyway, saying so; past its one
+    // round, `--warmup` leaves no round and the interval says that.
+    let all = timing::rounds_table(&trace, 0);
+    let prefill = all.split("label prefill").nth(1).unwrap();
+    assert!(
+        prefill.contains("(all 1 invocations are marked warm-up: shown, as nothing else is)")
+            && prefill.contains("summary of 1 rounds (0 warm-up excluded)")
+            && prefill.contains("none (one round)"),
+        "{all}"
+    );
+    let prefill = rounds.split("label prefill").nth(1).unwrap();
+    assert!(
+        prefill.contains("summary of 0 rounds (1 warm-up excluded)")
+            && prefill.contains("none (no round)"),
+        "{rounds}"
+    );
     let tree = timing::tree(&trace);
     let section = tree.split("label decode").nth(1).unwrap();
     assert!(

@@ -376,6 +376,60 @@ fn a_round_one_rank_marked_warm_up_is_left_out_on_every_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Marks that leave no round to join are said; marks on every invocation are set aside.
+#[test]
+fn rounds_all_marked_warm_up_are_said_not_passed_over() {
+    let dir = common::temp_dir("ranks-all-warm");
+    let (a, b) = two_ranks_of_four_rounds(&dir, 34);
+    // Marks `run` spans of `pid` at the given invocations.
+    let mark = |path: &Path, pid: u32, runs: &[(u64, u64, u64)]| {
+        let mut text = std::fs::read_to_string(path).unwrap();
+        for &(inv, ts, dur) in runs {
+            let line = span_line(pid, inv, "run", ts, dur);
+            assert!(text.contains(&line));
+            let marked = format!(
+                "{},\"attrs\":{{\"warmup\":true}}}}",
+                &line[..line.len() - 1]
+            );
+            text = text.replace(&line, &marked);
+        }
+        std::fs::write(path, text).unwrap();
+    };
+    // Rank 0 marks rounds 0 and 1, rank 1 round 3: rounds 0, 1 and 3 go, and round 2 has
+    // only rank 0.
+    mark(&a, 34, &[(0, 0, 10_000), (1, 100_000, 20_000)]);
+    mark(&b, 35, &[(3, 300_000, 50_000)]);
+    let t = read_traces(&[&a, &b]).unwrap();
+    let m = multi_rank(&t, &by_callable(&t)[0], 0).unwrap();
+    assert!(
+        m.contains(
+            "2 ranks: valid_rounds=0/1 (in the rounds not marked warm-up, ranks [1] recorded nothing)"
+        ),
+        "{m}"
+    );
+    // Every remaining invocation marked too: nothing is left to join, and that is said.
+    mark(&a, 34, &[(2, 200_000, 30_000), (3, 300_000, 40_000)]);
+    mark(&b, 35, &[(0, 0, 15_000)]);
+    let t = read_traces(&[&a, &b]).unwrap();
+    let g = &by_callable(&t)[0];
+    assert_eq!(g.invs.iter().filter(|i| !i.warmup).count(), 1);
+    let m = multi_rank(&t, g, 0).unwrap();
+    assert!(
+        m.contains("2 ranks: valid_rounds=0/0 (every round is marked warm-up on some rank)"),
+        "{m}"
+    );
+    // All of them marked: the marks are set aside, saying so.
+    mark(&b, 35, &[(1, 100_000, 5_000)]);
+    let t = read_traces(&[&a, &b]).unwrap();
+    let m = multi_rank(&t, &by_callable(&t)[0], 0).unwrap();
+    assert!(
+        m.contains("(every round is marked warm-up: joined, as nothing else is)")
+            && m.contains("valid_rounds=3/4"),
+        "{m}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_rank_that_recorded_nothing_leaves_no_valid_round() {
     let dir = common::temp_dir("ranks-missing");

@@ -637,6 +637,11 @@ impl Engine {
                 "timing decode steps needs an idle engine".into(),
             ));
         }
+        if warmup > steps {
+            return Err(EngineError::Invalid(format!(
+                "{warmup} warm-up steps of {steps} timed steps: more than there are"
+            )));
+        }
         if batch == 0 || batch > self.cfg.max_batch_size || context == 0 {
             return Err(EngineError::Invalid(format!(
                 "batch {batch} must be in 1..={} and context at least 1",

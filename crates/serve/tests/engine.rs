@@ -287,6 +287,14 @@ fn timed_decode_steps_return_their_blocks_and_refuse_what_does_not_fit() {
         e.time_decode_steps(1, 10, 1, 0).is_err(),
         "the engine is busy"
     );
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    // More warm-up steps than steps: refused, blocks untouched.
+    let err = e.time_decode_steps(1, 10, 2, 3).unwrap_err();
+    assert!(err.to_string().contains("3 warm-up steps of 2"), "{err}");
+    assert_eq!(e.free_blocks(), 16);
+    e.add_request(&req(prompt(5, 1), 2)).unwrap();
     // And the engine still serves.
     while e.has_work() {
         e.step().unwrap();

@@ -10,10 +10,20 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 static PROCESS_ISA: RwLock<()> = RwLock::new(());
 
-/// Held while a test switches the process-wide path (and until it restores the default).
-pub(crate) fn switching_paths() -> RwLockWriteGuard<'static, ()> {
-    // A test that panicked holding the lock left no state behind it to protect.
-    PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner())
+/// The lock held by a test that switches paths; dropped, it restores the default path, so a
+/// test that panicked mid-switch leaves the next ones on the default.
+pub(crate) struct Switching(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+impl Drop for Switching {
+    fn drop(&mut self) {
+        simpler_kernels_cpu::set_process_isa(None);
+    }
+}
+
+/// Held while a test switches the process-wide path.
+pub(crate) fn switching_paths() -> Switching {
+    // Poisoned by a test that panicked holding it: that test's guard restored the path.
+    Switching(PROCESS_ISA.write().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// Held while a test relies on the path staying the same.
