@@ -88,9 +88,11 @@ pub struct Orchestrator {
     pub(crate) parker: crossbeam_utils::sync::Parker,
     /// Submits so far (for [`YIELD_CHECK`]).
     submits: u32,
-    /// When the orchestrator last yielded its CPU (ns since the process anchor).
-    last_yield: u64,
-    /// [`Sleep::woken`](crate::sleep::Sleep::woken) at that yield.
+    /// When the orchestrator last looked whether to yield its CPU (ns since the process
+    /// anchor; see [`Orchestrator::maybe_yield`]).
+    last_yield_check: u64,
+    /// [`Sleep::woken`](crate::sleep::Sleep::woken) at the last yield (at creation: before the
+    /// run's start wakes its parked cores, so that wake-up is one to yield for).
     woken_at_yield: u64,
     /// The recording of a capturing run (`Worker::capture_fn`).
     pub(crate) capture: Option<Box<crate::graph::Capture>>,
@@ -123,8 +125,8 @@ impl Orchestrator {
         let first_local = cursors[0].next_local;
         Orchestrator {
             submits: 0,
-            last_yield: 0,
-            woken_at_yield: 0,
+            last_yield_check: 0,
+            woken_at_yield: run.wake.sleep.woken(),
             run,
             cursors,
             scopes: vec![ScopeFrame {
@@ -445,21 +447,27 @@ impl Orchestrator {
     }
 
     /// Yields the CPU now and then (see [`YIELD_INTERVAL_NS`]), where a parked core was woken
-    /// since the last yield: only such a core can be waiting for the orchestrator's CPU. Cores
-    /// that spin hold their own CPUs; a yield then hands the CPU to whatever else the host
-    /// runs (beside CPU-bound processes, each yield cost a time slice: a million-task run took
-    /// 2.3 times as long).
+    /// since the last yield (the run's start wakes them): such a core may be waiting for the
+    /// orchestrator's CPU. Cores that spin hold their own CPUs, and a yield would hand the CPU
+    /// to whatever else the host runs (beside CPU-bound processes each yield cost a time
+    /// slice: a million-task run took 2.3 times as long).
+    ///
+    /// Not counted: the orchestrator's own wake-up from a wait for ring room, which may take
+    /// the CPU of a core inside a kernel. Yielding after each such wait as well measured no
+    /// different on a quiet host (ring-bound `bench runtime`) and lost most of the gain beside
+    /// CPU-bound processes, where a ring-bound run waits for room often: the orchestrator soon
+    /// parks again, which gives the core its CPU back (`docs/benchmarks.md`, session 62).
     pub(crate) fn maybe_yield(&mut self) {
         self.submits = self.submits.wrapping_add(1);
         if self.submits.is_multiple_of(YIELD_CHECK) {
             let now = now_ns();
-            if now.saturating_sub(self.last_yield) >= YIELD_INTERVAL_NS {
+            if now.saturating_sub(self.last_yield_check) >= YIELD_INTERVAL_NS {
                 let woken = self.run.wake.sleep.woken();
                 if woken != self.woken_at_yield {
                     std::thread::yield_now();
                     self.woken_at_yield = woken;
                 }
-                self.last_yield = now_ns();
+                self.last_yield_check = now_ns();
             }
         }
     }

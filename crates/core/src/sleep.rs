@@ -72,9 +72,9 @@ pub(crate) struct Sleep<U: Wake = Unparker> {
     unparkers: Box<[Mutex<U>]>,
     /// `notify_one` wakes only cores `0 .. members` (the current run's).
     members: AtomicUsize,
-    /// Parked cores `notify_one` and `notify_all` have woken: the orchestrator yields its CPU
-    /// only after one was (`Orchestrator::maybe_yield`). A counter read without ordering: a stale read delays or
-    /// skips one yield, which is a cost, never a lost wake-up.
+    /// Parked cores `notify_one` and `notify_all` have woken: the orchestrator yields its
+    /// CPU only after one was (`Orchestrator::maybe_yield`). A counter read without ordering:
+    /// a stale read delays or skips one yield, which is a cost, never a lost wake-up.
     woken: AtomicU64,
 }
 
