@@ -58,21 +58,29 @@ impl CallableGroup {
     /// of them where every one is marked (a bench's recorded warm-up step alone is still worth
     /// reading). The second value says which, for the table's header.
     pub fn for_statistics(&self) -> (CallableGroup, Option<String>) {
-        let warm = self.invs.iter().filter(|i| i.warmup).count();
-        if warm == 0 {
-            return (self.clone(), None);
-        }
-        if warm == self.invs.len() {
-            let note =
-                format!("all {warm} invocations are marked warm-up: shown, as nothing else is");
-            return (self.clone(), Some(note));
+        let note = self.statistics_note();
+        if self.invs.iter().all(|i| i.warmup) {
+            return (self.clone(), note);
         }
         let group = CallableGroup {
             invs: self.invs.iter().filter(|i| !i.warmup).cloned().collect(),
             ..self.clone()
         };
-        let note = format!("{warm} invocations marked warm-up left out");
-        (group, Some(note))
+        (group, note)
+    }
+
+    /// What [`CallableGroup::for_statistics`] says of the warm-up marks (`None`: there are none).
+    fn statistics_note(&self) -> Option<String> {
+        let warm = self.invs.iter().filter(|i| i.warmup).count();
+        if warm == 0 {
+            None
+        } else if warm == self.invs.len() {
+            Some(format!(
+                "all {warm} invocations are marked warm-up: shown, as nothing else is"
+            ))
+        } else {
+            Some(format!("{warm} invocations marked warm-up left out"))
+        }
     }
 }
 
@@ -269,7 +277,7 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
         // The warm-up: the invocations the trace marks (unless it marks every one: then the
         // marks are set aside, as in the other tables), then each process's first `warmup` of
         // the others (with one process: the first unmarked rows).
-        let (_, note) = g.for_statistics();
+        let note = g.statistics_note();
         let all_marked = g.invs.iter().all(|i| i.warmup);
         let mut seen: HashMap<usize, usize> = HashMap::new();
         let warm: Vec<bool> = g
