@@ -421,9 +421,10 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             seq_lens: vec![prompt.len() + i; live.len()],
         };
         let last: Vec<u32> = live.iter().map(|&s| next[s]).collect();
+        let step_cfg = if i == 1 { &warm_cfg } else { cfg };
         let t = Instant::now();
         let out = session
-            .decode(&worker, &step, &last, if i == 1 { &warm_cfg } else { cfg })
+            .decode(&worker, &step, &last, step_cfg)
             .context("decode")?;
         steps.push(profile::Step::new(
             "decode",
@@ -432,7 +433,7 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             t,
             &out.report,
         ));
-        outputs.emit(&out.report, if i == 1 { &warm_cfg } else { cfg })?;
+        outputs.emit(&out.report, step_cfg)?;
         for (row, &seq) in live.iter().enumerate() {
             next[seq] = pick(&out, row, seq)?;
             generated[seq].push(next[seq]);

@@ -480,7 +480,7 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             };
             let (report, e2e_s) = report;
             outputs.emit(&report, cfg)?;
-            if round >= args.warmup {
+            if !cfg.warmup {
                 let cost = StepCost::decode(&c, layers, with_head, &batch.seq_lens).in_format(
                     &c,
                     layers,
