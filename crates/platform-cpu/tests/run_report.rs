@@ -31,6 +31,16 @@ fn worker() -> Worker {
     w
 }
 
+/// A buffer of `len` zeros on `w`, and run arguments holding it alone.
+fn zeros_and_args(w: &Worker, len: usize) -> (Buffer, RunArgs) {
+    let x = w.buffer_from(&vec![0.0f32; len]).unwrap();
+    let args = RunArgs {
+        buffers: vec![x.clone()],
+        scalars: vec![],
+    };
+    (x, args)
+}
+
 /// A chain of 6 tasks of 16 blocks on the whole buffer in slot 0, then 4 tasks of 4 blocks,
 /// one per quarter of the buffer, in slot 3 (each after the chain): 7 added to every element.
 fn graph(o: &mut Orchestrator, a: &RunArgs) -> Result<(), RunError> {
@@ -119,11 +129,7 @@ fn check(r: &RunReport, how: &str) {
 #[test]
 fn the_run_report_nests_its_spans_and_times_its_slots() {
     let w = worker();
-    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
-    let args = RunArgs {
-        buffers: vec![x.clone()],
-        scalars: vec![],
-    };
+    let (x, args) = zeros_and_args(&w, 64);
     let overlapped = CallConfig::default();
     let serial = CallConfig {
         mode: OrchMode::Serial,
@@ -162,11 +168,7 @@ fn the_run_report_nests_its_spans_and_times_its_slots() {
 #[test]
 fn the_label_and_the_warm_up_mark_reach_every_report() {
     let w = worker();
-    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
-    let args = RunArgs {
-        buffers: vec![x.clone()],
-        scalars: vec![],
-    };
+    let (x, args) = zeros_and_args(&w, 64);
     let warm = CallConfig {
         label: Some("decode".into()),
         warmup: true,
@@ -202,11 +204,7 @@ fn the_label_and_the_warm_up_mark_reach_every_report() {
 #[test]
 fn swimlane_records_of_each_level_describe_what_ran() {
     let w = worker();
-    let x = w.buffer_from(&[0.0f32; 64]).unwrap();
-    let args = RunArgs {
-        buffers: vec![x.clone()],
-        scalars: vec![],
-    };
+    let (_, args) = zeros_and_args(&w, 64);
     for (level, cores) in [(1u8, None), (2, None), (3, None), (4, None), (4, Some(1))] {
         let cfg = CallConfig {
             swimlane: level,
@@ -326,11 +324,7 @@ fn the_callable_id_follows_the_workload_not_the_run() {
 #[test]
 fn ring_stats_of_a_real_run_count_each_scope_sites_largest_instance() {
     let w = worker();
-    let x = w.buffer_from(&[0.0f32; 16]).unwrap();
-    let args = RunArgs {
-        buffers: vec![x.clone()],
-        scalars: vec![],
-    };
+    let (x, args) = zeros_and_args(&w, 16);
     // Serial: every task is submitted before any runs, so no producer has finished (and
     // dropped out of the edges) when its consumer is submitted.
     let cfg = CallConfig {
