@@ -2,8 +2,9 @@
 //! chat template rendering (recorded once by `tools/qwen3_tokenizer_reference.py`), and the
 //! incremental decoder against whole-text decoding.
 
+use proptest::prelude::*;
 use serde_json::Value;
-use simpler_serve::{ChatMessage, IncrementalDecoder, Tokenizer};
+use simpler_serve::{ChatMessage, IncrementalDecoder, TextStream, Tokenizer};
 
 fn reference() -> Value {
     let p = concat!(
@@ -318,4 +319,86 @@ fn a_render_error_names_the_templates_file_and_line() {
     std::fs::write(dir.join("chat_template.jinja"), template).unwrap();
     check(&Tokenizer::from_dir(&dir).unwrap(), "chat_template.jinja");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The byte-level BPE token of one byte: GPT-2's byte-to-character map (printable Latin-1
+/// bytes stand for themselves, the others for 256, 257, ... in byte order).
+fn byte_token(tok: &Tokenizer, b: u8) -> u32 {
+    let printable = |x: u32| (0x21..=0x7E).contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE;
+    let c = if printable(u32::from(b)) {
+        u32::from(b)
+    } else {
+        256 + (0..u32::from(b)).filter(|&x| !printable(x)).count() as u32
+    };
+    let s = char::from_u32(c).unwrap().to_string();
+    tok.token_id(&s)
+        .unwrap_or_else(|| panic!("no byte token for {b:#x}"))
+}
+
+/// `ids` streamed through an `IncrementalDecoder` and through a `TextStream`: both
+/// concatenations, and whether each emitted text was a prefix of the whole text all along.
+fn streamed(tok: &Tokenizer, ids: &[u32]) -> (String, String, bool) {
+    let whole = tok.decode(ids, true).unwrap();
+    let mut d = IncrementalDecoder::new(true);
+    let mut s = TextStream::new(vec![]);
+    let (mut a, mut b, mut prefix) = (String::new(), String::new(), true);
+    for &id in ids {
+        a.push_str(&d.push(tok, id).unwrap());
+        b.push_str(&s.push(tok, id).unwrap().text);
+        prefix &= whole.starts_with(&a) && whole.starts_with(&b);
+    }
+    a.push_str(&d.finish(tok).unwrap());
+    b.push_str(&s.finish(tok).unwrap().text);
+    (a, b, prefix)
+}
+
+/// Invalid bytes held back for a character's worth of tokens and then emitted do not take the
+/// start of a real character with them: lone continuation bytes before "é" split over two
+/// byte tokens, and an invalid 3-byte start (F0 9F 8E) before "中" split over three. Before,
+/// the decoder emitted the character's first byte as U+FFFD and lost the rest (and the "a"
+/// after "é", so a stop string there was never seen).
+#[test]
+fn a_character_arriving_after_invalid_bytes_is_not_lost() {
+    let tok = Tokenizer::qwen3().unwrap();
+    let bytes = |bs: &[u8]| -> Vec<u32> { bs.iter().map(|&b| byte_token(&tok, b)).collect() };
+    let mut e_acute = bytes(&[0x80, 0x80, 0x80, 0xC3, 0xA9]);
+    e_acute.extend([tok.token_id("a").unwrap(), tok.token_id("b").unwrap()]);
+    let cjk = bytes(&[0xF0, 0x9F, 0x8E, 0xE4, 0xB8, 0xAD]);
+    for (ids, want) in [
+        (&e_acute, "\u{FFFD}\u{FFFD}\u{FFFD}éab"),
+        (&cjk, "\u{FFFD}中"),
+    ] {
+        assert_eq!(tok.decode(ids, true).unwrap(), want);
+        let (a, b, prefix) = streamed(&tok, ids);
+        assert_eq!((a.as_str(), b.as_str(), prefix), (want, want, true));
+    }
+    let mut s = TextStream::new(vec!["a".into()]);
+    let stopped = e_acute.iter().any(|&id| s.push(&tok, id).unwrap().stopped);
+    assert!(stopped, "stop \"a\" not seen in {:?}", s.text());
+    assert_eq!(s.text(), "\u{FFFD}\u{FFFD}\u{FFFD}é");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Any mix of byte tokens (lead, continuation and never-valid bytes), ASCII and whole
+    /// multi-byte tokens streams to exactly the whole text, every emitted text a prefix of it.
+    #[test]
+    fn streamed_text_is_the_whole_text(picks in prop::collection::vec(0usize..16, 0..40)) {
+        static TOK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+        let tok = TOK.get_or_init(|| Tokenizer::qwen3().unwrap());
+        let words = ["a", " the", "中", "é", "!"];
+        let bytes = [0x80u8, 0xBF, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x9A, 0xFF];
+        let ids: Vec<u32> = picks
+            .iter()
+            .flat_map(|&p| match bytes.get(p) {
+                Some(&b) => vec![byte_token(tok, b)],
+                None => tok.encode(words[p - bytes.len()]).unwrap(),
+            })
+            .collect();
+        let whole = tok.decode(&ids, true).unwrap();
+        let (a, b, prefix) = streamed(tok, &ids);
+        prop_assert_eq!(&a, &whole);
+        prop_assert_eq!(&b, &whole);
+        prop_assert!(prefix);
+    }
 }
