@@ -34,6 +34,10 @@ const NONE: u32 = u32::MAX;
 #[derive(Clone, Debug)]
 struct Block {
     refs: u32,
+    /// Times the block was taken fresh (its K/V rewritten for another sequence): a cached
+    /// block records its parent's generation, so it cannot pass for the child of whatever
+    /// the parent's storage holds later.
+    generation: u64,
     /// Set when the block is full and registered in the cache.
     cached: Option<Cached>,
     /// Free-list links (`NONE` at the ends / when not free).
@@ -42,13 +46,15 @@ struct Block {
 }
 
 /// What a cached block holds: its chained hash, the block it was computed after (`NONE` for
-/// a first block) and its tokens. A hit needs all three to match, so a hash collision can
-/// never hand out K/V computed after other tokens: the tokens are compared and the parent is
-/// the very block the previous hit returned (by induction, the whole prefix is equal).
+/// a first block) at that block's generation, and its tokens. A hit needs all of them to
+/// match, so a hash collision can never hand out K/V computed after other tokens: the tokens
+/// are compared and the parent is the very block the previous hit returned, holding the same
+/// K/V as when this block was computed after it (by induction, the whole prefix is equal).
 #[derive(Clone, Debug)]
 struct Cached {
     hash: u64,
     parent: u32,
+    parent_generation: u64,
     tokens: Vec<u32>,
 }
 
@@ -101,6 +107,7 @@ impl BlockManager {
         let blocks = (0..n)
             .map(|i| Block {
                 refs: 0,
+                generation: 0,
                 cached: None,
                 prev: if i == 0 { NONE } else { i - 1 },
                 next: if i + 1 == n { NONE } else { i + 1 },
@@ -192,6 +199,7 @@ impl BlockManager {
             return None;
         }
         self.unlink(i);
+        self.blocks[i as usize].generation += 1;
         if let Some(c) = self.blocks[i as usize].cached.take()
             && self.cache.get(&c.hash) == Some(&i)
         {
@@ -222,7 +230,10 @@ impl BlockManager {
             match self.cache.get(&h) {
                 Some(&i)
                     if self.blocks[i as usize].cached.as_ref().is_some_and(|c| {
-                        c.hash == h && c.parent == parent_block && c.tokens == chunk
+                        c.hash == h
+                            && c.parent == parent_block
+                            && c.parent_generation == self.generation_of(parent_block)
+                            && c.tokens == chunk
                     }) =>
                 {
                     hits.push(i);
@@ -286,26 +297,45 @@ impl BlockManager {
     pub fn commit(&mut self, a: &Allocation, tokens: &[u32]) {
         let bs = self.block_size;
         let mut parent = None;
+        // The block a lookup of this prefix returns: the parent the next block is recorded
+        // after, so that the lookup's parent check passes along the whole chain.
         let mut parent_block = NONE;
         for (chunk, &BlockId(i)) in tokens.chunks_exact(bs).zip(&a.blocks) {
             let h = self.block_hash(parent, chunk);
             parent = Some(h);
-            let before = std::mem::replace(&mut parent_block, i);
-            let b = &mut self.blocks[i as usize];
-            if b.cached.as_ref().is_some_and(|c| c.hash == h) {
+            if self.blocks[i as usize]
+                .cached
+                .as_ref()
+                .is_some_and(|c| c.hash == h)
+            {
+                parent_block = i;
                 continue;
             }
-            // Another block may already serve this prefix; keep the first (both hold the
-            // same K/V).
-            if self.cache.contains_key(&h) {
+            // Another block may already serve this prefix (sequences that computed the same
+            // blocks side by side); keep the first, both hold the same K/V, and record this
+            // sequence's next block after it, the block lookups will return.
+            if let Some(&served) = self.cache.get(&h) {
+                parent_block = served;
                 continue;
             }
-            b.cached = Some(Cached {
+            let parent_generation = self.generation_of(parent_block);
+            self.blocks[i as usize].cached = Some(Cached {
                 hash: h,
-                parent: before,
+                parent: parent_block,
+                parent_generation,
                 tokens: chunk.to_vec(),
             });
             self.cache.insert(h, i);
+            parent_block = i;
+        }
+    }
+
+    /// The generation of block `i`, 0 for `NONE` (no parent).
+    fn generation_of(&self, i: u32) -> u64 {
+        if i == NONE {
+            0
+        } else {
+            self.blocks[i as usize].generation
         }
     }
 
@@ -455,6 +485,63 @@ mod tests {
         m.check(&[&b2, &b3, &c]).unwrap();
     }
 
+    #[test]
+    fn blocks_computed_side_by_side_chain_through_the_block_lookups_return() {
+        // A and B compute the same first block in one step; A's copy is registered, so B's
+        // second block must be recorded after A's copy, or no lookup could reach it (and its
+        // hash, held by the unreachable entry, could never be registered again).
+        let mut m = BlockManager::new(16, 4);
+        let pa: Vec<u32> = (0..4).chain([100]).collect();
+        let pb: Vec<u32> = (0..8).chain([200]).collect();
+        let a = m.allocate(&pa, 6).unwrap();
+        let b = m.allocate(&pb, 10).unwrap();
+        assert_eq!((a.cached_tokens, b.cached_tokens), (0, 0));
+        m.commit(&a, &pa);
+        m.commit(&b, &pb);
+        m.release(a);
+        m.release(b);
+        for t in 300..303 {
+            let p: Vec<u32> = (0..8).chain([t]).collect();
+            let c = m.allocate(&p, 10).unwrap();
+            assert_eq!(c.cached_tokens, 8, "both full blocks of [0, 8) are found");
+            m.commit(&c, &p);
+            m.release(c);
+        }
+        m.check(&[]).unwrap();
+    }
+
+    #[test]
+    fn a_block_is_not_found_after_its_parents_storage_is_reused() {
+        // Blocks of 2; the hash ignores the parent, so only the parent check stands between a
+        // lookup and a block computed after other tokens. [3, 4] is computed after [1, 2] in
+        // block 0; block 0 is then taken for [8, 9]. A lookup of [8, 9, 3, 4] returns block 0
+        // for [8, 9], and block 1 names block 0 as its parent, but block 0 no longer holds
+        // what block 1 was computed after.
+        let mut m = BlockManager::new(5, 2);
+        m.collide_parents = true;
+        let a = m.allocate(&[1, 2, 3, 4, 5], 5).unwrap();
+        assert_eq!(a.blocks, vec![BlockId(0), BlockId(1), BlockId(2)]);
+        m.commit(&a, &[1, 2, 3, 4]);
+        m.release(a);
+        // Free list 3, 4, 2, 1, 0; move block 1 to the end so block 0 is taken first.
+        m.retain(1);
+        m.release(Allocation {
+            blocks: vec![BlockId(1)],
+            cached_tokens: 0,
+        });
+        let other = m.allocate(&[50, 51, 52, 53, 54], 5).unwrap();
+        assert_eq!(other.blocks, vec![BlockId(3), BlockId(4), BlockId(2)]);
+        let x = m.allocate(&[8, 9], 2).unwrap();
+        assert_eq!(x.blocks, vec![BlockId(0)]);
+        m.commit(&x, &[8, 9]);
+        m.release(other);
+        m.release(x);
+        let y = m.allocate(&[8, 9, 3, 4, 5], 5).unwrap();
+        assert_eq!(y.cached_tokens, 2, "only [8, 9] is shared");
+        assert_eq!(y.blocks[0], BlockId(0));
+        m.check(&[&y]).unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -490,6 +577,14 @@ mod tests {
                         let i = pick % held.len();
                         let (a, p) = &held[i];
                         m.commit(a, p);
+                        // Every full block of what was just committed is found again, whoever
+                        // computed it first (sequences of one prefix side by side).
+                        let mut again = p.clone();
+                        again.push(7);
+                        if let Ok(b) = m.allocate(&again, again.len()) {
+                            prop_assert_eq!(b.cached_tokens, p.len() / 4 * 4);
+                            m.release(b);
+                        }
                     }
                     3 if !held.is_empty() => {
                         let i = pick % held.len();

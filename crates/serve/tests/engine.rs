@@ -149,6 +149,24 @@ fn the_prefix_cache_skips_cached_blocks_and_changes_no_token() {
     let _ = first;
 }
 
+/// Two requests that share only their first block, admitted in one step, both compute it; a
+/// later prompt sharing both of the longer one's full blocks finds both (the second block was
+/// once recorded after the copy of the first block that lost the race, unreachable).
+#[test]
+fn blocks_computed_side_by_side_are_found_by_later_prompts() {
+    let base = prompt(300, 11);
+    let mut e = engine(32, 1024);
+    e.generate(&[req(base[..130].to_vec(), 2), req(base.clone(), 2)])
+        .unwrap();
+    let mut later = base[..256].to_vec();
+    later.extend([5, 6, 7]);
+    let done = e.generate(&[req(later.clone(), 2)]).unwrap();
+    assert_eq!(done[0].cached_tokens, 256);
+    assert_eq!(e.free_blocks(), 32);
+    let want = engine(32, 1024).generate(&[req(later, 2)]).unwrap();
+    assert_eq!(done[0].tokens, want[0].tokens);
+}
+
 #[test]
 fn preemption_by_recompute_changes_no_token() {
     // Three requests growing to 2 blocks each (150 + 120 tokens) in a pool of 4 blocks.
