@@ -656,6 +656,7 @@ async fn handle(s: Arc<AppState>, headers: &header::HeaderMap, body: Body, kind:
     // While draining, every new request is refused alike, before its body is read, parsed
     // or tokenized.
     if s.handle.is_closing() {
+        s.handle.metrics().rejected("shutting_down");
         return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
             .code("shutting_down")
             .into_response();

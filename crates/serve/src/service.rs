@@ -228,9 +228,14 @@ impl ServiceHandle {
         cfg: GenerateConfig,
         arrived: Instant,
     ) -> Result<mpsc::UnboundedReceiver<Event>, Refusal> {
-        let gone = || Refusal::ShuttingDown("the server is shutting down".into());
-        if self.closing.load(Ordering::Acquire) {
+        // Counted on every way out that refuses for shutdown: closing already, the engine
+        // thread gone, or the thread left its loop with the command still queued (its
+        // verdict dropped unanswered).
+        let gone = || {
             self.metrics.rejected("shutting_down");
+            Refusal::ShuttingDown("the server is shutting down".into())
+        };
+        if self.closing.load(Ordering::Acquire) {
             return Err(gone());
         }
         let (events, rx) = mpsc::unbounded_channel();

@@ -996,6 +996,16 @@ async fn while_draining_new_requests_get_503_and_the_listener_closes_after() {
         let (status, text) = http(addr, "POST", "/v1/completions", body).await;
         assert_eq!(status, 503, "{body}: {text}");
     }
+    // Each refusal counted under its reason (the health check is not a request).
+    let m = handle.metrics().render_prometheus_text();
+    assert_eq!(
+        metric(
+            &m,
+            "simpler_requests_rejected_total{reason=\"shutting_down\"}"
+        ),
+        3.0,
+        "{m}"
+    );
     assert!(
         !srv.task.is_finished(),
         "the server waits for the request in flight"
