@@ -543,7 +543,19 @@ fn read_versioned<T: DeserializeOwned>(path: &Path) -> Result<T> {
             .map_err(io("open", path))
     };
     let peek: VersionPeek = serde_json::from_reader(open()?).map_err(json)?;
-    if let Some(v) = peek.v.as_ref().and_then(serde_json::Value::as_u64)
+    // A `v` that is not a whole number (2.0, "2", -1) is no version this or any writer puts
+    // there: refused, so that a newer file cannot pass under another spelling.
+    let v = match &peek.v {
+        None => None,
+        Some(v) => Some(v.as_u64().ok_or_else(|| DfxError::Invalid {
+            path: path.to_path_buf(),
+            line: 0,
+            what: format!(
+                "`v` {v} is not a format version (a whole number, now {TRACE_FORMAT_VERSION})"
+            ),
+        })?),
+    };
+    if let Some(v) = v
         && v > TRACE_FORMAT_VERSION as u64
     {
         return Err(DfxError::NewerVersion {
@@ -619,6 +631,16 @@ mod tests {
         .unwrap();
         let e = read_deps(&dir.join(DEPS_FILE)).unwrap_err();
         assert!(matches!(e, DfxError::NewerVersion { found: 7, .. }), "{e}");
+        // A version spelled as no writer spells one is refused, not read as an older file.
+        let swimlane = text.strip_prefix("{\"v\":1,").unwrap();
+        for v in ["2.0", "\"2\"", "-1", "1.5"] {
+            std::fs::write(dir.join(SWIMLANE_FILE), format!("{{\"v\":{v},{swimlane}")).unwrap();
+            let e = read_swimlane(&dir.join(SWIMLANE_FILE)).unwrap_err();
+            assert!(
+                matches!(&e, DfxError::Invalid { what, .. } if what.contains("not a format version")),
+                "{v}: {e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

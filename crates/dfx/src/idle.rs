@@ -75,6 +75,8 @@ pub struct Idle {
     pub idle_ns: u64,
     /// Rows, largest total first.
     pub rows: Vec<IdleRow>,
+    /// Records the recorder dropped: their blocks' time counts as idle.
+    pub dropped: u64,
 }
 
 impl Idle {
@@ -165,12 +167,21 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
         busy_ns: busy,
         idle_ns,
         rows,
+        dropped: r.dropped,
     })
 }
 
 /// The text report: totals, then the `top` largest pairs (all when `top` is 0).
 pub fn report(idle: &Idle, top: usize) -> String {
     let mut out = String::new();
+    if idle.dropped > 0 {
+        let _ = writeln!(
+            out,
+            "WARNING: {} swimlane records were DROPPED: their blocks' time counts as idle below; {}",
+            idle.dropped,
+            crate::diag::DROPPED_RECORDS_HINT
+        );
+    }
     let _ = writeln!(
         out,
         "execution span {} µs (first block dispatch to last block finish), {} cores: kernels busy {} µs, idle {} µs = {:.1}% of the cores' time",

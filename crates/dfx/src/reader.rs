@@ -232,6 +232,13 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
     let mut current: HashMap<u32, usize> = HashMap::new();
     let mut alignments: HashMap<(usize, u64), DeviceClockAlignment> = HashMap::new();
     let first_span = trace.spans.len();
+    // Every span read so far by its identity, to refuse one read twice (see `span_identity`).
+    let mut seen: HashMap<u64, usize> = trace
+        .spans
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (span_identity(s.process, &s.span), i))
+        .collect();
     let invalid = |line: usize, what: String| DfxError::Invalid {
         path: path.to_path_buf(),
         line,
@@ -323,6 +330,24 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                     Clock::Host => Placement::Host,
                     Clock::Device => Placement::DeviceUnaligned,
                 };
+                let id = span_identity(process, &span);
+                match seen.get(&id) {
+                    Some(&i)
+                        if trace.spans[i].process == process && trace.spans[i].span == span =>
+                    {
+                        return Err(invalid(
+                            line_no,
+                            format!(
+                                "span {:?} of pid {} (inv {}, ts_ns {}) was already read: the same file (or a copy of it) given twice, or a line repeated; every tool would count it twice",
+                                span.name, span.pid, span.inv, span.ts_ns
+                            ),
+                        ));
+                    }
+                    Some(_) => {}
+                    None => {
+                        seen.insert(id, trace.spans.len());
+                    }
+                }
                 trace.spans.push(AlignedSpan {
                     span,
                     process,
@@ -362,6 +387,18 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
     // A later file may add a process of an earlier one's host: place everything again.
     align(trace);
     Ok(())
+}
+
+/// A hash of what makes a span itself: its process instance and every field of the record
+/// but the attributes. A writer never writes one record twice (a thread's spans of one name
+/// and depth start at different times, or differ in attributes, which the equality check
+/// after a hash match compares), so a span read again is a file read twice or a line copied.
+fn span_identity(process: usize, s: &SpanRecord) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (process, s.pid, s.tid, s.inv, s.depth, &s.name, &s.callable).hash(&mut h);
+    (s.ts_ns, s.dur_ns, s.clock == Clock::Host).hash(&mut h);
+    h.finish()
 }
 
 /// Most ranks a `process` line may name (a bound for the tables built per rank).
@@ -630,7 +667,8 @@ mod tests {
         let a = r#"{"kind":"anchor","pid":1,"wall_ns":100}"#;
         let b = r#"{"kind":"anchor","pid":1,"wall_ns":999}"#;
         let span = r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"a","depth":0,"name":"run","ts_ns":5,"dur_ns":1,"clock":"host"}"#;
-        let t = parse(&[a, span, a, span, b, span].join("\n")).unwrap();
+        let next = r#"{"kind":"span","v":1,"pid":1,"tid":0,"inv":1,"callable":"a","depth":0,"name":"run","ts_ns":5,"dur_ns":1,"clock":"host"}"#;
+        let t = parse(&[a, span, a, next, b, span].join("\n")).unwrap();
         assert_eq!(t.processes.len(), 2);
         assert_eq!(
             t.spans
@@ -639,6 +677,9 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![(0, 105), (0, 105), (1, 1004)]
         );
+        // The same span again under the same process is a span read twice.
+        let e = parse(&[a, span, a, span].join("\n")).unwrap_err();
+        assert!(matches!(e, DfxError::Invalid { line: 4, .. }), "{e}");
     }
 
     #[test]

@@ -307,12 +307,22 @@ pub fn ranks_to_perfetto(ranks: &[RankSwimlane<'_>]) -> Result<(PerfettoTrace, S
     let first = starts.iter().copied().min().unwrap_or(0);
     let mut out = PerfettoTrace::default();
     let mut dropped = 0u64;
+    // Summed over the files that had a graph to check their arrows against; absent when none
+    // had, as in one file's document.
+    let mut violations: Option<u64> = None;
     let mut fingerprints = Vec::new();
     for (k, r) in ranks.iter().enumerate() {
         let p = &trace.processes[zero[k]];
         let pid = PID + k as u32;
         let shift_us = (starts[k] - first) as f64 / 1e3;
         let one = to_perfetto(r.records, r.deps);
+        if let Some(v) = one
+            .other
+            .get("happens_before_violations")
+            .and_then(Value::as_u64)
+        {
+            violations = Some(violations.unwrap_or(0).saturating_add(v));
+        }
         for mut e in one.events {
             e.pid = pid;
             if e.ph == "M" {
@@ -336,6 +346,10 @@ pub fn ranks_to_perfetto(ranks: &[RankSwimlane<'_>]) -> Result<(PerfettoTrace, S
     }
     let clocks = trace.clock_summary();
     out.other.insert("dropped_records".into(), dropped.into());
+    if let Some(v) = violations {
+        out.other
+            .insert("happens_before_violations".into(), v.into());
+    }
     out.other.insert("fingerprints".into(), fingerprints.into());
     out.other
         .insert("clock_alignment".into(), clocks.clone().into());

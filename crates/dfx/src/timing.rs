@@ -394,6 +394,28 @@ pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<Str
         .map(|i| i.inv)
         .collect();
     let mut recorded_ranks = std::collections::BTreeSet::new();
+    // The processes that recorded each rank: one each, or the files hold several runs of
+    // the job, whose rounds cannot be told apart by invocation number.
+    let mut writers: BTreeMap<u32, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for inv in &g.invs {
+        let rank = trace.processes[inv.process].rank()?;
+        writers.entry(rank).or_default().insert(inv.process);
+    }
+    if let Some((rank, ps)) = writers.iter().find(|(_, ps)| ps.len() > 1) {
+        let pids: Vec<String> = ps
+            .iter()
+            .map(|&p| {
+                let p = &trace.processes[p];
+                format!("pid {} in {}", p.pid, p.file.display())
+            })
+            .collect();
+        return Some(format!(
+            "{} ranks: not joined per round: rank {rank} was recorded by {} processes ({}): these files hold more than one run of the job; give one run's files to join its rounds\n",
+            writers.len(),
+            ps.len(),
+            pids.join(", ")
+        ));
+    }
     for inv in &g.invs {
         let p = &trace.processes[inv.process];
         let rank = p.rank()?;
@@ -520,7 +542,7 @@ pub fn tree(trace: &Trace) -> String {
                 open.retain(|a| a.wall_end_ns() > b.wall_ns);
                 for a in &open {
                     let (x, y) = (a.span.name.as_str(), b.span.name.as_str());
-                    if x != y && a.wall_ns < b.wall_end_ns() && seen.insert((x, y)) {
+                    if x != y && b.wall_ns < b.wall_end_ns() && seen.insert((x, y)) {
                         seen.insert((y, x));
                         *overlaps.entry((x, y)).or_default() += 1;
                         *overlaps.entry((y, x)).or_default() += 1;

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use simpler_core::EngineClass;
 use simpler_core::trace::SwimlaneRecords;
 use simpler_dfx::overhead::{self, Distribution, Readiness};
-use simpler_dfx::{critical_path, swimlane};
+use simpler_dfx::{critical_path, idle, swimlane};
 
 #[test]
 fn overhead_shares_with_deps() {
@@ -434,4 +434,7 @@ fn dropped_records_are_reported_prominently() {
         critical_path::report(&critical_path::analyze(&r, &d).unwrap(), r.dropped)
             .starts_with("WARNING: 7")
     );
+    let idle = idle::report(&idle::analyze(&r, Some(&d)).unwrap(), 0);
+    assert!(idle.starts_with("WARNING: 7"), "{idle}");
+    assert!(idle.contains("--swimlane-capacity"), "{idle}");
 }

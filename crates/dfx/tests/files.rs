@@ -548,3 +548,33 @@ fn layer_five_is_the_engine_step_less_the_run() {
         "{table}"
     );
 }
+
+/// `--tree` marks siblings that overlap by more than zero time: a zero-length span inside a
+/// sibling shares no time with it.
+#[test]
+fn a_zero_length_span_inside_a_sibling_is_not_marked_overlapping() {
+    let line = |name: &str, depth: u8, ts: u64, dur: u64| {
+        format!(
+            r#"{{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"c","depth":{depth},"name":"{name}","ts_ns":{ts},"dur_ns":{dur},"clock":"host"}}"#
+        )
+    };
+    let text = |b_dur: u64| {
+        [
+            r#"{"kind":"anchor","pid":1,"wall_ns":100}"#.to_string(),
+            line("run", 0, 0, 1000),
+            line("a", 1, 0, 1000),
+            line("b", 1, 500, b_dur),
+        ]
+        .join("\n")
+    };
+    let tree_of = |b_dur| {
+        let mut t = simpler_dfx::reader::Trace::default();
+        simpler_dfx::reader::parse_into(&mut t, &text(b_dur), Path::new("z.jsonl")).unwrap();
+        timing::tree(&t)
+    };
+    let zero = tree_of(0);
+    assert!(!zero.contains('∥'), "{zero}");
+    // One nanosecond inside `a` is an overlap, both ways.
+    let one = tree_of(1);
+    assert!(one.contains("∥ b") && one.contains("∥ a"), "{one}");
+}

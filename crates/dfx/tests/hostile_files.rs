@@ -320,6 +320,49 @@ fn an_overlong_or_binary_trace_line_is_an_error_with_its_line() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A span read twice (a file given twice, a copy of it, a line repeated) is refused with its
+/// file and line, as every table would count it twice; the same process appending new spans
+/// later, and a span differing only in its attributes, are read.
+#[test]
+fn a_span_read_twice_is_refused_and_new_spans_of_the_same_process_are_not() {
+    let dir = common::temp_dir("hostile-twice");
+    let text = seed("trace.jsonl");
+    let (a, copy) = (dir.join("a.jsonl"), dir.join("copy.jsonl"));
+    std::fs::write(&a, &text).unwrap();
+    std::fs::write(&copy, &text).unwrap();
+    let spans = reader::read_traces(&[&a]).unwrap().spans.len();
+    assert!(spans > 1);
+    for twice in [[&a, &a], [&a, &copy]] {
+        let e = reader::read_traces(&twice).unwrap_err();
+        assert!(
+            matches!(&e, DfxError::Invalid { path, line: 2, what }
+                if path == twice[1] && what.contains("already read")),
+            "{e}"
+        );
+    }
+    let mut lines: Vec<&str> = text.lines().collect();
+    let last = lines.len();
+    lines.push(lines[1]);
+    std::fs::write(&a, lines.join("\n")).unwrap();
+    let e = reader::read_traces(&[&a]).unwrap_err();
+    assert!(
+        matches!(e, DfxError::Invalid { line, .. } if line == last + 1),
+        "{e}"
+    );
+    // The repeated line with another attribute, and with another start: both read.
+    let mut span: Value = serde_json::from_str(lines[1]).unwrap();
+    span["attrs"]["note"] = json!("another");
+    let other_attrs = span.to_string();
+    span["ts_ns"] = json!(span["ts_ns"].as_u64().unwrap() + 1);
+    span["attrs"] = json!({});
+    let later = span.to_string();
+    lines.pop();
+    lines.extend([other_attrs.as_str(), later.as_str()]);
+    std::fs::write(&a, lines.join("\n")).unwrap();
+    assert_eq!(reader::read_traces(&[&a]).unwrap().spans.len(), spans + 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Values that break arithmetic and allocation sized by them.
 fn extreme() -> impl Strategy<Value = Value> {
     prop_oneof![

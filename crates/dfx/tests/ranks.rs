@@ -343,6 +343,37 @@ fn rounds_join_ranks_by_invocation_and_drop_incomplete_rounds() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Two runs of one job read together (each rank recorded by two processes) are not joined per
+/// round, whose invocation numbers repeat across runs: the section says so, naming the rank
+/// and both processes, rather than one run's rounds silently replacing the other's.
+#[test]
+fn two_runs_of_the_same_ranks_are_not_joined_per_round() {
+    let dir = common::temp_dir("ranks-two-runs");
+    for run in ["first", "second"] {
+        std::fs::create_dir_all(dir.join(run)).unwrap();
+    }
+    let (a, b) = two_ranks_of_four_rounds(&dir.join("first"), 30);
+    let (c, d) = two_ranks_of_four_rounds(&dir.join("second"), 40);
+    let t = read_traces(&[&a, &b, &c, &d]).unwrap();
+    let groups = by_callable(&t);
+    assert_eq!(groups.len(), 1);
+    let m = multi_rank(&t, &groups[0], 0).unwrap();
+    assert!(
+        m.contains("not joined per round: rank 0 was recorded by 2 processes (pid 30 in")
+            && m.contains("pid 40 in"),
+        "{m}"
+    );
+    assert!(!m.contains("valid_rounds"), "{m}");
+    // One run's files still join.
+    let t = read_traces(&[&c, &d]).unwrap();
+    assert!(
+        multi_rank(&t, &by_callable(&t)[0], 0)
+            .unwrap()
+            .contains("valid_rounds=3/4")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A round one rank marked warm-up (`warmup: true` on its `run`) is left out on every rank,
 /// before `--warmup` counts the rounds after it.
 #[test]
@@ -700,4 +731,51 @@ fn swimlanes_of_several_ranks_merge_with_core_lanes_per_rank() {
     .unwrap();
     assert!(e.to_string().contains("old/swimlane.json"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The merged document counts the happens-before violations of every rank's arrows, as one
+/// file's does, and leaves the count out where no rank had a graph to check.
+#[test]
+fn merged_swimlanes_count_every_ranks_happens_before_violations() {
+    use simpler_core::EngineClass;
+    use simpler_core::trace::SwimlaneRecords;
+    use simpler_dfx::diag::SwimlaneClock;
+    use simpler_dfx::swimlane::{RankSwimlane, ranks_to_perfetto, to_perfetto};
+
+    // Task 1 depends on task 0 but starts (50) before task 0 ends (100).
+    let r = SwimlaneRecords {
+        level: 2,
+        fingerprint: "fp".into(),
+        cores: 2,
+        tasks: vec![
+            common::rec(0, 1, EngineClass::Vector, 0, [0, 0, 100, 100]),
+            common::rec(1, 1, EngineClass::Vector, 1, [50, 50, 150, 150]),
+        ],
+        ..Default::default()
+    };
+    let d = common::graph(2, &[(0, 1)], "fp");
+    assert_eq!(
+        to_perfetto(&r, Some(&d)).to_json()["otherData"]["happens_before_violations"],
+        1
+    );
+    let clock = |pid| SwimlaneClock {
+        anchor: Some(ClockAnchor {
+            pid,
+            wall_ns: 1_000_000,
+        }),
+        process: None,
+    };
+    let rank = |pid, deps| RankSwimlane {
+        path: Path::new("swimlane.json"),
+        records: &r,
+        deps,
+        clock: clock(pid),
+    };
+    let merged = |ranks: &[RankSwimlane]| ranks_to_perfetto(ranks).unwrap().0.to_json();
+    let both = merged(&[rank(60, Some(&d)), rank(61, Some(&d))]);
+    assert_eq!(both["otherData"]["happens_before_violations"], 2);
+    let one = merged(&[rank(60, Some(&d)), rank(61, None)]);
+    assert_eq!(one["otherData"]["happens_before_violations"], 1);
+    let none = merged(&[rank(60, None), rank(61, None)]);
+    assert!(none["otherData"].get("happens_before_violations").is_none());
 }
