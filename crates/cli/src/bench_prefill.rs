@@ -314,9 +314,8 @@ struct Row {
 }
 
 pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
+    crate::opts::check_rounds(args.warmup, args.rounds)?;
+    crate::opts::check_recorded_steps("--outside-steps", args.outside_steps)?;
     check_prompt_lens(&args.prompt_lens, None)?;
     args.run.refuse_diag_steps("bench qwen3-prefill")?;
     if args.tiles.max_kv_chunk.is_some() {
@@ -346,6 +345,11 @@ pub(crate) fn main(args: PrefillBenchArgs) -> Result<()> {
             step_tokens: longest,
             weights: args.model.weights,
             stream_layers: true,
+        },
+        &crate::qwen3_cmd::FitFlags {
+            layers: false,
+            shared_weights: false,
+            context: "shorter prompts (--prompt-lens)",
         },
     )?;
     let worker = args

@@ -332,9 +332,7 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
     }
     args.run.refuse_diagnostics(WHY)?;
     let device = crate::platform::cuda_device()?;
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
+    crate::opts::check_rounds(args.warmup, args.rounds)?;
     let shapes = shapes_or(&args, &["1x512", "16x3500"])?;
     let c = args.model.config(args.layers)?;
     let max_seq = shapes.iter().map(|s| s.1).max().unwrap_or(1);
@@ -352,9 +350,8 @@ pub(crate) fn decode_cuda(args: DecodeBenchArgs) -> Result<()> {
 pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
     args.run.refuse_diag_steps("bench qwen3-decode")?;
     let shapes = shapes_or(&args, &["1x256", "4x1024", "16x1024"])?;
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
+    crate::opts::check_rounds(args.warmup, args.rounds)?;
+    crate::opts::check_recorded_steps("--outside-steps", args.outside_steps())?;
     if args.versus_replay && args.replay == Some(Replay::Verify) {
         bail!(
             "--versus-replay compares replayed steps with orchestrated ones; drop --replay verify"
@@ -409,6 +406,11 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             step_tokens: shapes.iter().map(|s| s.0).max().unwrap_or(1),
             weights: args.model.weights,
             stream_layers: args.versus_weights.is_none(),
+        },
+        &crate::qwen3_cmd::FitFlags {
+            layers: true,
+            shared_weights: true,
+            context: "smaller shapes (--shapes BATCHxSEQ)",
         },
     )?;
     let worker = args.run.worker()?;

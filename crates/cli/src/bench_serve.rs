@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{RunShape, ops};
@@ -195,9 +195,7 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.streams.is_empty() || args.streams.contains(&0) {
         bail!("--streams: give positive counts, e.g. 1,4,16");
     }
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
+    crate::opts::check_rounds(args.warmup, args.rounds)?;
     for (i, n) in args.streams.iter().enumerate() {
         if args.streams[..i].contains(n) {
             bail!("--streams: {n} is given twice");
@@ -212,10 +210,19 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
     if args.temperature == 0.0 && (args.top_k.is_some() || args.top_p != 1.0) {
         bail!("--top-k and --top-p shape a sampled draw: give --temperature above 0 with them");
     }
+    // Room past the outputs for the bare decode steps timed at mid-output context.
+    let seq = args
+        .prompt_len
+        .checked_add(args.max_tokens)
+        .and_then(|n| n.checked_add(TIMED_STEPS))
+        .with_context(|| {
+            format!(
+                "--prompt-len {} + --max-tokens {} + {TIMED_STEPS} timed decode steps overflows",
+                args.prompt_len, args.max_tokens
+            )
+        })?;
     let mut call = args.run.call_config("serve")?;
     let c = args.model.config(None)?;
-    // Room past the outputs for the bare decode steps timed at mid-output context.
-    let seq = args.prompt_len + args.max_tokens + TIMED_STEPS;
     ModelArgs::check_positions(
         &c,
         seq,
@@ -233,6 +240,11 @@ pub(crate) fn main(args: BenchServeArgs) -> Result<()> {
             step_tokens: args.max_num_batched_tokens,
             weights: args.model.weights,
             stream_layers: true,
+        },
+        &crate::qwen3_cmd::FitFlags {
+            layers: false,
+            shared_weights: false,
+            context: "shorter requests or fewer streams (--prompt-len, --max-tokens, --streams)",
         },
     )?;
     // No step holds more than every stream's prompt and a decode row each.

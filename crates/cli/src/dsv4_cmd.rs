@@ -1013,12 +1013,10 @@ fn start(
     layer: LayerArg,
     case: &CaseArgs,
     run: &RunOpts,
-    rounds: usize,
+    (warmup, rounds): (usize, usize),
     replay: Option<Replay>,
 ) -> Result<(Setup, CallConfig)> {
-    if rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
+    crate::opts::check_rounds(warmup, rounds)?;
     let mut s = setup(layer, case, run)?;
     let replay = replay.unwrap_or(Replay::On);
     s.step.set_replay(replay.on(), replay.verify());
@@ -1079,7 +1077,7 @@ pub(crate) fn run(args: RunDsv4Args) -> Result<()> {
         args.layer,
         &args.case,
         &args.run,
-        args.rounds,
+        (args.warmup, args.rounds),
         args.replay,
     )?;
     if args.check {
@@ -1290,7 +1288,7 @@ fn bench_layer(
         layer,
         &args.case,
         &args.run,
-        args.rounds,
+        (args.warmup, args.rounds),
         args.replay,
     )?;
     // Each layer's diagnostics in a folder of its own, so the next layer's do not replace them.

@@ -223,6 +223,11 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
             weights: args.model.weights,
             stream_layers: true,
         },
+        &crate::qwen3_cmd::FitFlags {
+            layers: true,
+            shared_weights: false,
+            context: "a shorter context or fewer prompts (a shorter prompt, --max-new-tokens, --num-prompts)",
+        },
     )?;
     eprintln!(
         "model: {}; {} layers, hidden {}, heads {}/{}x{}, vocab {}, RoPE {} (theta {}), max_position_embeddings {}",

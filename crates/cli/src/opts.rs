@@ -340,24 +340,93 @@ impl RunOpts {
 /// Refuses an output directory or trace file that cannot be written, before anything runs (a
 /// run wrote nothing and failed at the end, its work lost): the directory is made and a probe
 /// file written and removed in it; the trace file (appended to) is opened.
-pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
-    if let Some(dir) = &cfg.output_dir {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("--output-dir {}: cannot be made", dir.display()))?;
-        let probe = dir.join(format!(".simpler-write-check-{}", std::process::id()));
-        std::fs::write(&probe, b"")
-            .with_context(|| format!("--output-dir {}: cannot be written", dir.display()))?;
-        let _ = std::fs::remove_file(&probe);
+/// Most rounds, warm-up and measured together, a benchmark runs: every round's sample (and for
+/// some benches its report) is held until the summary, so the count sizes memory; a million
+/// is days of the fastest step.
+pub(crate) const MAX_BENCH_ROUNDS: usize = 1_000_000;
+
+/// Refuses a benchmark's `--warmup` and `--rounds` where no round would be measured, or their
+/// sum overflows or passes [`MAX_BENCH_ROUNDS`], naming both flags and the numbers.
+pub(crate) fn check_rounds(warmup: usize, rounds: usize) -> Result<()> {
+    if rounds == 0 {
+        bail!("--rounds must be at least 1");
     }
-    if let Some(t) = &cfg.trace {
-        if let Some(parent) = t.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).with_context(|| {
-                format!("--trace {}: its directory cannot be made", t.display())
-            })?;
-        }
-        check_writable_file("--trace", t)?;
+    if warmup
+        .checked_add(rounds)
+        .is_none_or(|n| n > MAX_BENCH_ROUNDS)
+    {
+        bail!(
+            "--warmup {warmup} --rounds {rounds}: at most {MAX_BENCH_ROUNDS} rounds in all (warm-up and measured together)"
+        );
     }
     Ok(())
+}
+
+/// Refuses a count of extra recorded steps (`--outside-steps`) above [`MAX_RECORDED_STEPS`]:
+/// each step's report, swimlane records included, is held until the summary.
+pub(crate) fn check_recorded_steps(flag: &str, steps: usize) -> Result<()> {
+    if steps > MAX_RECORDED_STEPS {
+        bail!(
+            "{flag} {steps}: at most {MAX_RECORDED_STEPS} recorded steps (each is held with its swimlane records until the summary)"
+        );
+    }
+    Ok(())
+}
+
+/// Most steps recorded at swimlane level for a benchmark's outside-kernel share.
+pub(crate) const MAX_RECORDED_STEPS: usize = 10_000;
+
+/// Checks before any work that the run's output directory and trace file can be made and
+/// written, leaving nothing behind: directories and a file the probe made are removed again
+/// (the writers make them when they write), so a command refused later leaves no empty
+/// trace file or directory.
+pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
+    if let Some(dir) = &cfg.output_dir {
+        let made = make_dirs(dir)
+            .with_context(|| format!("--output-dir {}: cannot be made", dir.display()))?;
+        let probe = dir.join(format!(".simpler-write-check-{}", std::process::id()));
+        let written = std::fs::write(&probe, b"");
+        let _ = std::fs::remove_file(&probe);
+        remove_made(&made);
+        written.with_context(|| format!("--output-dir {}: cannot be written", dir.display()))?;
+    }
+    if let Some(t) = &cfg.trace {
+        let made = match t.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(parent) => make_dirs(parent).with_context(|| {
+                format!("--trace {}: its directory cannot be made", t.display())
+            })?,
+            None => Vec::new(),
+        };
+        let existed = t.exists();
+        let checked = check_writable_file("--trace", t);
+        if !existed && std::fs::metadata(t).is_ok_and(|m| m.is_file() && m.len() == 0) {
+            let _ = std::fs::remove_file(t);
+        }
+        remove_made(&made);
+        checked?;
+    }
+    Ok(())
+}
+
+/// Makes `dir` and the directories above it that are missing; returns those it made, the
+/// outermost first.
+fn make_dirs(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut missing: Vec<PathBuf> = dir
+        .ancestors()
+        .filter(|a| !a.as_os_str().is_empty())
+        .take_while(|a| !a.exists())
+        .map(std::path::Path::to_path_buf)
+        .collect();
+    missing.reverse();
+    std::fs::create_dir_all(dir)?;
+    Ok(missing)
+}
+
+/// Removes directories [`make_dirs`] made, innermost first, where they are still empty.
+fn remove_made(made: &[PathBuf]) {
+    for d in made.iter().rev() {
+        let _ = std::fs::remove_dir(d);
+    }
 }
 
 /// Refuses an output file `path` (given by `flag`) that cannot be written, before the work

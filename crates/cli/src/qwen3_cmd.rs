@@ -53,7 +53,7 @@ pub(crate) struct ModelArgs {
     /// every decode batch there); or `tiled` (16-row groups of 1 KiB blocks, streamed by the
     /// AMX tiles at every batch: 6.5% faster at 16 × 1024 on the AMX Xeon measured, 8.7% slower
     /// at 1 × 256 and 3.9% at 4 × 1024). Each only where the shape allows it (row-major
-    /// elsewhere); `tiled` only on the AMX path. `--platform cuda` refuses an explicit `tiled`
+    /// elsewhere); `tiled` only on the AMX path (refused on others). `--platform cuda` refuses an explicit `tiled`
     /// or `pairs`: the device holds row-major weights [default: pairs on the AVX2 path and on
     /// AVX-512 BF16 without AMX, row-major elsewhere].
     #[arg(long, value_enum)]
@@ -71,6 +71,17 @@ pub(crate) struct ModelArgs {
 
 /// The seed when `--seed` is not given.
 const DEFAULT_SEED: u64 = 1234;
+
+/// The flags a command offers to make a run fit in memory: `check_memory`'s ways out name only
+/// those.
+pub(crate) struct FitFlags {
+    /// The command takes `--layers`.
+    pub(crate) layers: bool,
+    /// The command takes `--shared-weights`.
+    pub(crate) shared_weights: bool,
+    /// How the command's context or batch is made smaller, in its flags.
+    pub(crate) context: &'static str,
+}
 
 impl ModelArgs {
     /// `--seed`, or its default.
@@ -252,7 +263,12 @@ impl ModelArgs {
         }))
     }
 
-    pub(crate) fn check_memory(&self, c: &Qwen3Config, shape: &RunShape) -> Result<()> {
+    pub(crate) fn check_memory(
+        &self,
+        c: &Qwen3Config,
+        shape: &RunShape,
+        fit: &FitFlags,
+    ) -> Result<()> {
         let need = MemoryEstimate::of(c, shape)?;
         let Some((limit, source)) = self.memory_limit()? else {
             eprintln!(
@@ -264,7 +280,7 @@ impl ModelArgs {
         let gb = |b: u64| b as f64 / 1e9;
         if need.total() > limit {
             let mut ways = Vec::new();
-            if shape.layers > 1 {
+            if fit.layers && shape.layers > 1 {
                 ways.push(format!("--layers N (fewer than {})", shape.layers));
             }
             if !shape.weights.is_int8() {
@@ -281,7 +297,11 @@ impl ModelArgs {
                     ));
                 }
             }
-            if self.model.is_none() && !shape.shared_weights && shape.layers > 1 {
+            if fit.shared_weights
+                && self.model.is_none()
+                && !shape.shared_weights
+                && shape.layers > 1
+            {
                 ways.push("--shared-weights (one weight set for every layer)".into());
             }
             if self.model.is_none() {
@@ -300,7 +320,7 @@ impl ModelArgs {
                     ways.push(format!("a smaller --preset ({})", fit.join(", ")));
                 }
             }
-            ways.push("a shorter context (--max-seq, --seq-len or fewer tokens)".into());
+            ways.push(fit.context.into());
             let d = simpler_models::qwen3::decimal_bytes;
             bail!(
                 "this run needs about {} but {} is available ({source}): {}. Ways out: {}",
@@ -537,6 +557,17 @@ pub(crate) fn progress(len: u64, what: &str, bytes: bool) -> ProgressBar {
 /// Applies `--bf16-layout` (the process's choice of how bf16 matrices are held).
 fn choose_layout(args: &ModelArgs) -> Result<()> {
     use simpler_models::qwen3::layout::Bf16LayoutChoice;
+    // Asked for tiles on a path that does not stream them, the models would hold the matrices
+    // row-major: neither what was asked nor the path's default.
+    let isa = simpler_kernels_cpu::Isa::detected();
+    if args.bf16_layout == Some(Bf16LayoutArg::Tiled)
+        && !simpler_kernels_cpu::tiled_weights_pay(isa)
+    {
+        bail!(
+            "--bf16-layout tiled: only the AMX path streams tiled weights, and this CPU's kernel path is {}; give pairs or row-major, or leave the flag out",
+            isa.name()
+        );
+    }
     simpler_models::qwen3::layout::choose_bf16_layout(match args.bf16_layout {
         None => Bf16LayoutChoice::Streaming,
         Some(Bf16LayoutArg::RowMajor) => Bf16LayoutChoice::RowMajor,

@@ -368,6 +368,11 @@ pub(crate) fn main(args: DecodeArgs) -> Result<()> {
             weights: args.model.weights,
             stream_layers: true,
         },
+        &crate::qwen3_cmd::FitFlags {
+            layers: true,
+            shared_weights: true,
+            context: "a shorter context or a smaller batch (--max-seq, --seq-len, --batch)",
+        },
     )?;
     let worker = args.run.worker()?;
     ops::register(&worker)?;

@@ -63,7 +63,7 @@ pub(crate) struct ServeArgs {
     /// Most requests waiting for admission; more get 503.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
-    /// Seconds in-flight requests may run after a shutdown signal.
+    /// Seconds in-flight requests may run after a shutdown signal (at most 86400).
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
     /// Connections served at once; more wait in the listener's backlog until one closes
@@ -85,6 +85,27 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     run: RunOpts,
 }
+
+/// `RuntimeConfig`'s field names in an error, as this command's flags spell them.
+fn as_flags(message: &str) -> String {
+    [
+        ("max_num_batched_tokens", "--max-num-batched-tokens"),
+        ("long_prefill_threshold", "--long-prefill-threshold"),
+        ("kv_memory_fraction", "--kv-memory-fraction"),
+        ("max_batch_size", "--max-batch-size"),
+        ("memory_budget", "--memory-budget"),
+        ("num_kv_blocks", "--num-kv-blocks"),
+        ("max_seq_len", "--max-seq-len"),
+        ("weight_dtype", "--weights"),
+    ]
+    .iter()
+    .fold(message.to_string(), |m, (field, flag)| {
+        m.replace(field, flag)
+    })
+}
+
+/// Longest `--drain-secs`.
+const MAX_DRAIN_SECS: u64 = 86_400;
 
 /// File descriptors the server keeps beside its connections: the listener, the model's and
 /// tokenizer's files, the runtime's threads' and the standard streams, with room to spare.
@@ -158,6 +179,14 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
     if args.num_kv_blocks == Some(0) || args.long_prefill_threshold == Some(0) {
         bail!("--num-kv-blocks and --long-prefill-threshold must be at least 1");
     }
+    // The shutdown waits the drain time and a margin on a clock: a day bounds it, as the
+    // connection timeouts are bounded.
+    if args.drain_secs > MAX_DRAIN_SECS {
+        bail!(
+            "--drain-secs {}: give at most {MAX_DRAIN_SECS} (a day)",
+            args.drain_secs
+        );
+    }
     let limits = conn_limits(
         args.max_connections,
         args.read_timeout_secs,
@@ -221,10 +250,12 @@ pub(crate) fn main(args: ServeArgs) -> Result<()> {
         memory_budget: args.model.memory_budget_bytes()?,
         ..RuntimeConfig::default()
     };
-    let sizing = rt.sizing(
-        &c,
-        simpler_cpu::host_memory::available().map(|m| (m.available, m.source)),
-    )?;
+    let sizing = rt
+        .sizing(
+            &c,
+            simpler_cpu::host_memory::available().map(|m| (m.available, m.source)),
+        )
+        .map_err(|e| anyhow::anyhow!("{}", as_flags(&e.to_string())))?;
     let num_blocks = sizing.engine.num_blocks;
 
     // A step holds up to --max-num-batched-tokens rows: the ring heap and the limit on one

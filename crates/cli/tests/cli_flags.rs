@@ -158,6 +158,35 @@ fn the_dependency_map_is_sized_by_a_flag() {
     let out = fanout(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("ns_per_reader"));
+    assert!(
+        text(&out.stdout).contains("in scopes of 2048, overlapped"),
+        "{}",
+        text(&out.stdout)
+    );
+    // `--serial` makes the throughput section's runs serial: its label says so.
+    let out = simpler(&[
+        "bench",
+        "runtime",
+        "--serial",
+        "--tasks",
+        "100",
+        "--hops",
+        "10",
+        "--blocks",
+        "10",
+        "--readers",
+        "10",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("in scopes of 2048, serial (--serial"),
+        "{}",
+        text(&out.stdout)
+    );
     let out = fanout(&["--tensormap-capacity", "1024"]);
     let err = text(&out.stderr);
     assert!(!out.status.success());
@@ -1175,6 +1204,120 @@ fn counts_whose_sums_overflow_are_refused_naming_the_flags() {
         ],
         "--start-pos 18446744073709551615: the step's last position would be past max_position",
     );
+    // Every bench's rounds: a sum that wraps ran nothing and printed NaN with exit 0; a huge
+    // count aborted on the allocation of its samples.
+    let rounds_refused = format!("--warmup {max} --rounds 1: at most 1000000 rounds in all");
+    let huge = "1000000000000";
+    for bench in [
+        &["bench", "runtime", "--tasks", "100"][..],
+        &[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "1x32",
+        ],
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "tiny",
+            "--prompt-lens",
+            "16",
+        ],
+        &["bench", "serve", "--preset", "tiny", "--streams", "1"],
+        &["bench", "dsv4", "--kernel", "swa", "--preset", "tiny"],
+        &["run", "dsv4", "--layer", "swa", "--preset", "tiny"],
+    ] {
+        let mut a = bench.to_vec();
+        a.extend(["--rounds", "1", "--warmup", max]);
+        refused(&a, &rounds_refused);
+        let mut a = bench.to_vec();
+        a.extend(["--rounds", huge, "--warmup", "0"]);
+        refused(&a, &format!("--warmup 0 --rounds {huge}: at most"));
+    }
+    for bench in [
+        &[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "1x32",
+        ][..],
+        &[
+            "bench",
+            "qwen3-prefill",
+            "--preset",
+            "tiny",
+            "--prompt-lens",
+            "16",
+        ],
+    ] {
+        let mut a = bench.to_vec();
+        a.extend(["--outside-steps", huge]);
+        refused(&a, &format!("--outside-steps {huge}: at most 10000"));
+    }
+    // bench serve's sequence: the sum wrapped past the position check.
+    let serve = ["bench", "serve", "--preset", "tiny", "--streams", "1"];
+    let mut a = serve.to_vec();
+    a.extend(["--prompt-len", "16", "--max-tokens", max]);
+    refused(&a, &format!("--prompt-len 16 + --max-tokens {max} + "));
+    let mut a = serve.to_vec();
+    a.extend(["--prompt-len", huge, "--max-tokens", "1"]);
+    refused(&a, "max_position_embeddings");
+    // serve's drain time: a shutdown added a margin to it and panicked.
+    refused(
+        &["serve", "--preset", "qwen3-tiny", "--drain-secs", max],
+        &format!("--drain-secs {max}: give at most 86400"),
+    );
+}
+
+/// A command refused after its flags are read leaves no empty trace file or output directory
+/// behind (the probe that the paths can be written used to leave them).
+#[test]
+fn a_refused_command_leaves_no_output_paths_behind() {
+    let dir = common::tmp("no-leftovers");
+    let trace = dir.join("new/t.jsonl");
+    let out = dir.join("od/x");
+    refused(
+        &[
+            "generate",
+            "--preset",
+            "tiny",
+            "--prompt-ids",
+            "1",
+            "--layers",
+            "9",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--output-dir",
+            out.to_str().unwrap(),
+        ],
+        "--layers 9: the model has 2 layers",
+    );
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    // An existing trace file is left as it was.
+    let kept = dir.join("kept.jsonl");
+    std::fs::write(&kept, b"").unwrap();
+    refused(
+        &[
+            "generate",
+            "--preset",
+            "tiny",
+            "--prompt-ids",
+            "1",
+            "--layers",
+            "9",
+            "--trace",
+            kept.to_str().unwrap(),
+        ],
+        "--layers 9",
+    );
+    assert!(kept.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Output paths that cannot be written are refused before anything runs (the run's work was
@@ -1261,4 +1404,59 @@ fn unwritable_outputs_and_a_step_list_past_the_end_are_said_before_or_after_the_
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run that cannot fit names ways out among the command's own flags only (each command was
+/// told of `--layers`, `--shared-weights`, `--max-seq` and `--seq-len`, which most lack), and
+/// `serve` names its flags, not the engine's field names.
+#[test]
+fn memory_refusals_name_only_the_commands_flags() {
+    let budget = ["--preset", "qwen3-0.6b", "--memory-budget", "0.5"];
+    for (cmd, has, lacks) in [
+        (
+            &["bench", "qwen3-prefill"][..],
+            &["--prompt-lens"][..],
+            &["--layers", "--shared-weights", "--max-seq", "--seq-len"][..],
+        ),
+        (
+            &["bench", "serve"],
+            &["--prompt-len", "--max-tokens", "--streams"],
+            &["--layers", "--shared-weights", "--max-seq", "--seq-len"],
+        ),
+        (
+            &["generate", "--prompt-ids", "1"],
+            &["--layers N", "--max-new-tokens", "--num-prompts"],
+            &["--shared-weights", "--max-seq", "--seq-len"],
+        ),
+        (
+            &["run", "qwen3-decode"],
+            &[
+                "--layers N",
+                "--shared-weights",
+                "--max-seq",
+                "--seq-len",
+                "--batch",
+            ],
+            &[],
+        ),
+    ] {
+        let mut a = cmd.to_vec();
+        a.extend(budget);
+        let out = simpler(&a);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{a:?}");
+        let ways = err
+            .split("Ways out: ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{a:?}: {err}"));
+        for flag in has {
+            assert!(ways.contains(flag), "{a:?}: no {flag} in {ways}");
+        }
+        for flag in lacks {
+            assert!(!ways.contains(flag), "{a:?}: {flag} in {ways}");
+        }
+    }
+    let mut a = vec!["serve", "--port", "0"];
+    a.extend(budget);
+    refused(&a, "available (--memory-budget)");
 }
