@@ -135,7 +135,7 @@ fn the_benches_recorded_steps_are_sized_by_the_capacity_flag() {
 /// refused naming it, and the fan-out bench sizes its own map for its readers.
 #[test]
 fn the_dependency_map_is_sized_by_a_flag() {
-    let fanout = |more: &[&str]| {
+    let bench = |readers: &str, more: &[&str]| {
         let mut a = vec![
             "bench",
             "runtime",
@@ -150,11 +150,12 @@ fn the_dependency_map_is_sized_by_a_flag() {
             "--warmup",
             "0",
             "--readers",
-            "100000",
+            readers,
         ];
         a.extend_from_slice(more);
         simpler(&a)
     };
+    let fanout = |more: &[&str]| bench("100000", more);
     let out = fanout(&[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("ns_per_reader"));
@@ -164,23 +165,7 @@ fn the_dependency_map_is_sized_by_a_flag() {
         text(&out.stdout)
     );
     // `--serial` makes the throughput section's runs serial: its label says so.
-    let out = simpler(&[
-        "bench",
-        "runtime",
-        "--serial",
-        "--tasks",
-        "100",
-        "--hops",
-        "10",
-        "--blocks",
-        "10",
-        "--readers",
-        "10",
-        "--rounds",
-        "1",
-        "--warmup",
-        "0",
-    ]);
+    let out = bench("10", &["--serial"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
         text(&out.stdout).contains("in scopes of 2048, serial (--serial"),
@@ -1208,56 +1193,47 @@ fn counts_whose_sums_overflow_are_refused_naming_the_flags() {
     // count aborted on the allocation of its samples.
     let rounds_refused = format!("--warmup {max} --rounds 1: at most 1000000 rounds in all");
     let huge = "1000000000000";
+    let decode: &[&str] = &[
+        "bench",
+        "qwen3-decode",
+        "--preset",
+        "tiny",
+        "--shapes",
+        "1x32",
+    ];
+    let prefill: &[&str] = &[
+        "bench",
+        "qwen3-prefill",
+        "--preset",
+        "tiny",
+        "--prompt-lens",
+        "16",
+    ];
+    fn with<'a>(cmd: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+        [cmd, more].concat()
+    }
     for bench in [
         &["bench", "runtime", "--tasks", "100"][..],
-        &[
-            "bench",
-            "qwen3-decode",
-            "--preset",
-            "tiny",
-            "--shapes",
-            "1x32",
-        ],
-        &[
-            "bench",
-            "qwen3-prefill",
-            "--preset",
-            "tiny",
-            "--prompt-lens",
-            "16",
-        ],
+        decode,
+        prefill,
         &["bench", "serve", "--preset", "tiny", "--streams", "1"],
         &["bench", "dsv4", "--kernel", "swa", "--preset", "tiny"],
         &["run", "dsv4", "--layer", "swa", "--preset", "tiny"],
     ] {
-        let mut a = bench.to_vec();
-        a.extend(["--rounds", "1", "--warmup", max]);
-        refused(&a, &rounds_refused);
-        let mut a = bench.to_vec();
-        a.extend(["--rounds", huge, "--warmup", "0"]);
-        refused(&a, &format!("--warmup 0 --rounds {huge}: at most"));
+        refused(
+            &with(bench, &["--rounds", "1", "--warmup", max]),
+            &rounds_refused,
+        );
+        refused(
+            &with(bench, &["--rounds", huge, "--warmup", "0"]),
+            &format!("--warmup 0 --rounds {huge}: at most"),
+        );
     }
-    for bench in [
-        &[
-            "bench",
-            "qwen3-decode",
-            "--preset",
-            "tiny",
-            "--shapes",
-            "1x32",
-        ][..],
-        &[
-            "bench",
-            "qwen3-prefill",
-            "--preset",
-            "tiny",
-            "--prompt-lens",
-            "16",
-        ],
-    ] {
-        let mut a = bench.to_vec();
-        a.extend(["--outside-steps", huge]);
-        refused(&a, &format!("--outside-steps {huge}: at most 10000"));
+    for bench in [decode, prefill] {
+        refused(
+            &with(bench, &["--outside-steps", huge]),
+            &format!("--outside-steps {huge}: at most 10000"),
+        );
     }
     // bench serve's sequence: the sum wrapped past the position check.
     let serve = ["bench", "serve", "--preset", "tiny", "--streams", "1"];
@@ -1279,10 +1255,9 @@ fn counts_whose_sums_overflow_are_refused_naming_the_flags() {
 #[test]
 fn a_refused_command_leaves_no_output_paths_behind() {
     let dir = common::tmp("no-leftovers");
-    let trace = dir.join("new/t.jsonl");
-    let out = dir.join("od/x");
-    refused(
-        &[
+    // `generate` with a layer count the model lacks: refused after the output flags are read.
+    let refused_with = |outputs: &[&str]| {
+        let mut a = vec![
             "generate",
             "--preset",
             "tiny",
@@ -1290,32 +1265,23 @@ fn a_refused_command_leaves_no_output_paths_behind() {
             "1",
             "--layers",
             "9",
-            "--trace",
-            trace.to_str().unwrap(),
-            "--output-dir",
-            out.to_str().unwrap(),
-        ],
-        "--layers 9: the model has 2 layers",
-    );
+        ];
+        a.extend(outputs);
+        refused(&a, "--layers 9: the model has 2 layers");
+    };
+    let (trace, out) = (dir.join("new/t.jsonl"), dir.join("od/x"));
+    refused_with(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]);
     let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
     // An existing trace file is left as it was.
     let kept = dir.join("kept.jsonl");
     std::fs::write(&kept, b"").unwrap();
-    refused(
-        &[
-            "generate",
-            "--preset",
-            "tiny",
-            "--prompt-ids",
-            "1",
-            "--layers",
-            "9",
-            "--trace",
-            kept.to_str().unwrap(),
-        ],
-        "--layers 9",
-    );
+    refused_with(&["--trace", kept.to_str().unwrap()]);
     assert!(kept.exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -242,13 +242,11 @@ pub fn analyze(r: &SwimlaneRecords, deps: &DepGraph) -> Result<CriticalPath> {
 /// The printed report.
 pub fn report(c: &CriticalPath, dropped: u64) -> String {
     let mut out = String::new();
-    if dropped > 0 {
-        let _ = writeln!(
-            out,
-            "WARNING: {dropped} swimlane records were DROPPED: tasks without records count as taking no time; {}",
-            crate::diag::DROPPED_RECORDS_HINT
-        );
-    }
+    crate::diag::warn_dropped(
+        &mut out,
+        dropped,
+        "tasks without records count as taking no time",
+    );
     let ms = c.execution_span_ns();
     let pct = |x: u64| x as f64 * 100.0 / ms.max(1) as f64;
     let _ = writeln!(

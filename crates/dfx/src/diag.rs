@@ -27,6 +27,19 @@ pub const RING_STATS_FILE: &str = "ring_stats.json";
 /// [`simpler_core::CallConfig`] spell it. Every warning about dropped records ends with it.
 pub const DROPPED_RECORDS_HINT: &str = "record again with a larger --swimlane-capacity (CallConfig.swimlane_capacity; default 1048576 records per run)";
 
+/// The line every swimlane analysis writes first into `out` when the recorder dropped
+/// records: how many, what that does to this analysis's numbers (`consequence`), and the knob
+/// to raise. Nothing when none were dropped.
+pub fn warn_dropped(out: &mut String, dropped: u64, consequence: &str) {
+    if dropped > 0 {
+        use std::fmt::Write as _;
+        let _ = writeln!(
+            out,
+            "WARNING: {dropped} swimlane records were DROPPED: {consequence}; {DROPPED_RECORDS_HINT}"
+        );
+    }
+}
+
 /// File name of the span trace written into an output directory when no trace file is given.
 pub const TRACE_FILE: &str = "trace.jsonl";
 

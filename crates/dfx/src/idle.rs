@@ -174,14 +174,11 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Idle> {
 /// The text report: totals, then the `top` largest pairs (all when `top` is 0).
 pub fn report(idle: &Idle, top: usize) -> String {
     let mut out = String::new();
-    if idle.dropped > 0 {
-        let _ = writeln!(
-            out,
-            "WARNING: {} swimlane records were DROPPED: their blocks' time counts as idle below; {}",
-            idle.dropped,
-            crate::diag::DROPPED_RECORDS_HINT
-        );
-    }
+    crate::diag::warn_dropped(
+        &mut out,
+        idle.dropped,
+        "their blocks' time counts as idle below",
+    );
     let _ = writeln!(
         out,
         "execution span {} µs (first block dispatch to last block finish), {} cores: kernels busy {} µs, idle {} µs = {:.1}% of the cores' time",

@@ -274,14 +274,7 @@ pub fn analyze(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> Result<Overhead>
 /// The printed report.
 pub fn report(o: &Overhead) -> String {
     let mut out = String::new();
-    if o.dropped > 0 {
-        let _ = writeln!(
-            out,
-            "WARNING: {} swimlane records were DROPPED: the shares below are incomplete; {}",
-            o.dropped,
-            crate::diag::DROPPED_RECORDS_HINT
-        );
-    }
+    crate::diag::warn_dropped(&mut out, o.dropped, "the shares below are incomplete");
     let _ = writeln!(
         out,
         "execution span {} µs (first block dispatch to last block finish), {} cores",

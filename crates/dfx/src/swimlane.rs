@@ -523,14 +523,11 @@ pub fn to_perfetto(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> PerfettoTrac
 /// graph, the arrows and their violations.
 pub fn report(r: &SwimlaneRecords, deps: Option<&DepGraph>) -> String {
     let mut out = String::new();
-    if r.dropped > 0 {
-        let _ = writeln!(
-            out,
-            "WARNING: {} swimlane records were DROPPED (record buffer full): everything below is incomplete; {}",
-            r.dropped,
-            crate::diag::DROPPED_RECORDS_HINT
-        );
-    }
+    crate::diag::warn_dropped(
+        &mut out,
+        r.dropped,
+        "the record buffer was full, everything below is incomplete",
+    );
     let tasks: BTreeSet<u64> = r.tasks.iter().map(|b| b.task_id).collect();
     let _ = writeln!(
         out,
