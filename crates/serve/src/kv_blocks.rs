@@ -294,31 +294,41 @@ impl BlockManager {
 
     /// Registers the full blocks of a sequence whose first `tokens.len()` tokens are computed
     /// (K/V written), so later prompts can share them.
+    ///
+    /// Each block is recorded after the block a lookup of its prefix returns, so lookups
+    /// reach the whole chain: where a block registered under the same hash is what a lookup
+    /// of this prefix accepts (its tokens, and its parent the previous block here at that
+    /// block's generation: sequences that computed the same blocks side by side), it serves
+    /// and this sequence's copy stays unregistered; where the registered block is one no
+    /// lookup of this prefix can reach (its parent since taken for other tokens, or other
+    /// tokens under a colliding hash), this sequence's block replaces it.
     pub fn commit(&mut self, a: &Allocation, tokens: &[u32]) {
         let bs = self.block_size;
         let mut parent = None;
-        // The block a lookup of this prefix returns: the parent the next block is recorded
-        // after, so that the lookup's parent check passes along the whole chain.
         let mut parent_block = NONE;
         for (chunk, &BlockId(i)) in tokens.chunks_exact(bs).zip(&a.blocks) {
             let h = self.block_hash(parent, chunk);
             parent = Some(h);
-            if self.blocks[i as usize]
-                .cached
-                .as_ref()
-                .is_some_and(|c| c.hash == h)
-            {
-                parent_block = i;
-                continue;
-            }
-            // Another block may already serve this prefix (sequences that computed the same
-            // blocks side by side); keep the first, both hold the same K/V, and record this
-            // sequence's next block after it, the block lookups will return.
-            if let Some(&served) = self.cache.get(&h) {
-                parent_block = served;
-                continue;
-            }
             let parent_generation = self.generation_of(parent_block);
+            let registered = self.cache.get(&h).copied();
+            if let Some(j) = registered
+                && self.blocks[j as usize].cached.as_ref().is_some_and(|c| {
+                    c.parent == parent_block
+                        && c.parent_generation == parent_generation
+                        && c.tokens == chunk
+                })
+            {
+                parent_block = j;
+                continue;
+            }
+            if let Some(j) = registered {
+                self.blocks[j as usize].cached = None;
+            }
+            if let Some(old) = self.blocks[i as usize].cached.take()
+                && self.cache.get(&old.hash) == Some(&i)
+            {
+                self.cache.remove(&old.hash);
+            }
             self.blocks[i as usize].cached = Some(Cached {
                 hash: h,
                 parent: parent_block,
@@ -542,8 +552,50 @@ mod tests {
         m.check(&[&y]).unwrap();
     }
 
+    #[test]
+    fn a_chain_stays_reachable_after_the_block_it_was_recorded_after_is_taken() {
+        // A and B compute [1, 2] and [3, 4] side by side; A's copies are registered and B's
+        // [5, 6] is recorded after A's [3, 4]. A ends and its blocks are taken for other
+        // tokens; B commits again (as every step does): its own copies take the place of the
+        // unreachable entries, and a later prompt finds all three blocks.
+        let mut m = BlockManager::new(7, 2);
+        let pa = [1, 2, 3, 4, 9];
+        let pb = [1, 2, 3, 4, 5, 6, 10];
+        let a = m.allocate(&pa, 5).unwrap();
+        let b = m.allocate(&pb, 7).unwrap();
+        m.commit(&a, &pa[..4]);
+        m.commit(&b, &pb[..6]);
+        m.release(a);
+        let other = m.allocate(&[7, 7, 7, 7, 7, 7], 6).unwrap();
+        assert_eq!(m.free(), 0, "A's blocks were taken");
+        m.commit(&b, &pb[..6]);
+        m.release(other);
+        let c = m.allocate(&[1, 2, 3, 4, 5, 6, 11], 7).unwrap();
+        assert_eq!(c.cached_tokens, 6);
+        assert_eq!(&c.blocks[..3], &b.blocks[..3]);
+        m.check(&[&b, &c]).unwrap();
+    }
+
+    #[test]
+    fn a_colliding_block_does_not_serve_another_prefix() {
+        // The hash ignores the parent: B's [3, 4] (after [5, 6]) collides with A's (after
+        // [1, 2]). B's [7, 8] must not be recorded after A's block, or a prompt [1, 2, 3, 4,
+        // 7, 8] would take K/V computed after [5, 6, 3, 4].
+        let mut m = BlockManager::new(16, 2);
+        m.collide_parents = true;
+        let a = m.allocate(&[1, 2, 3, 4, 0], 5).unwrap();
+        m.commit(&a, &[1, 2, 3, 4]);
+        let pb = [5, 6, 3, 4, 7, 8, 0];
+        let b = m.allocate(&pb, 7).unwrap();
+        m.commit(&b, &pb[..6]);
+        let c = m.allocate(&[1, 2, 3, 4, 7, 8, 9], 7).unwrap();
+        assert!(c.cached_tokens <= 4, "{}", c.cached_tokens);
+        assert_ne!(c.blocks[2], b.blocks[2]);
+        m.check(&[&a, &b, &c]).unwrap();
+    }
+
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
+        #![proptest_config(ProptestConfig::with_cases(256))]
 
         /// Random admissions, growth, commits and releases keep every invariant; a prompt
         /// identical to a committed one gets its full blocks back; releasing everything frees
