@@ -337,9 +337,6 @@ impl RunOpts {
     }
 }
 
-/// Refuses an output directory or trace file that cannot be written, before anything runs (a
-/// run wrote nothing and failed at the end, its work lost): the directory is made and a probe
-/// file written and removed in it; the trace file (appended to) is opened.
 /// Most rounds, warm-up and measured together, a benchmark runs: every round's sample (and for
 /// some benches its report) is held until the summary, so the count sizes memory; a million
 /// is days of the fastest step.
@@ -362,6 +359,9 @@ pub(crate) fn check_rounds(warmup: usize, rounds: usize) -> Result<()> {
     Ok(())
 }
 
+/// Most steps recorded at swimlane level for a benchmark's outside-kernel share.
+pub(crate) const MAX_RECORDED_STEPS: usize = 10_000;
+
 /// Refuses a count of extra recorded steps (`--outside-steps`) above [`MAX_RECORDED_STEPS`]:
 /// each step's report, swimlane records included, is held until the summary.
 pub(crate) fn check_recorded_steps(flag: &str, steps: usize) -> Result<()> {
@@ -373,77 +373,86 @@ pub(crate) fn check_recorded_steps(flag: &str, steps: usize) -> Result<()> {
     Ok(())
 }
 
-/// Most steps recorded at swimlane level for a benchmark's outside-kernel share.
-pub(crate) const MAX_RECORDED_STEPS: usize = 10_000;
-
-/// Checks before any work that the run's output directory and trace file can be made and
-/// written, leaving nothing behind: directories and a file the probe made are removed again
-/// (the writers make them when they write), so a command refused later leaves no empty
-/// trace file or directory.
+/// Checks before any work — a run that failed to write at its end lost its work — that the
+/// run's output directory and trace file can be made and written, creating neither: the writers make them when they write, so a command refused
+/// later leaves nothing behind, and ranks checking one shared path at once cannot undo each
+/// other's directories. What is probed is the deepest part of each path that exists.
 pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
     if let Some(dir) = &cfg.output_dir {
-        let made = make_dirs(dir)
+        check_can_make_below(dir)
             .with_context(|| format!("--output-dir {}: cannot be made", dir.display()))?;
-        let probe = dir.join(format!(".simpler-write-check-{}", std::process::id()));
-        let written = std::fs::write(&probe, b"");
-        let _ = std::fs::remove_file(&probe);
-        remove_made(&made);
-        written.with_context(|| format!("--output-dir {}: cannot be written", dir.display()))?;
     }
     if let Some(t) = &cfg.trace {
-        let made = match t.parent().filter(|p| !p.as_os_str().is_empty()) {
-            Some(parent) => make_dirs(parent).with_context(|| {
-                format!("--trace {}: its directory cannot be made", t.display())
-            })?,
-            None => Vec::new(),
-        };
-        let existed = t.exists();
-        let checked = check_writable_file("--trace", t);
-        if !existed && std::fs::metadata(t).is_ok_and(|m| m.is_file() && m.len() == 0) {
-            let _ = std::fs::remove_file(t);
+        if std::fs::symlink_metadata(t).is_ok() {
+            check_writable_file("--trace", t)?;
+        } else {
+            let parent = t.parent().filter(|p| !p.as_os_str().is_empty());
+            check_can_make_below(parent.unwrap_or(std::path::Path::new("."))).with_context(
+                || format!("--trace {}: its directory cannot be made", t.display()),
+            )?;
         }
-        remove_made(&made);
-        checked?;
     }
     Ok(())
 }
 
-/// Makes `dir` and the directories above it that are missing; returns those it made, the
-/// outermost first.
-fn make_dirs(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut missing: Vec<PathBuf> = dir
+/// Whether `dir` (and files in it) can be made: its deepest existing part is a directory in
+/// which a file can be written, probed with a file of a name no other process uses, removed
+/// at once.
+fn check_can_make_below(dir: &std::path::Path) -> Result<()> {
+    let existing = dir
         .ancestors()
+        .find(|a| a.as_os_str().is_empty() || std::fs::symlink_metadata(a).is_ok())
         .filter(|a| !a.as_os_str().is_empty())
-        .take_while(|a| !a.exists())
-        .map(std::path::Path::to_path_buf)
-        .collect();
-    missing.reverse();
-    std::fs::create_dir_all(dir)?;
-    Ok(missing)
-}
-
-/// Removes directories [`make_dirs`] made, innermost first, where they are still empty.
-fn remove_made(made: &[PathBuf]) {
-    for d in made.iter().rev() {
-        let _ = std::fs::remove_dir(d);
+        .unwrap_or(std::path::Path::new("."));
+    if !existing.is_dir() {
+        bail!("{} is not a directory", existing.display());
     }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let probe = existing.join(format!(
+        ".simpler-write-check-{}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .with_context(|| format!("{} cannot be written", existing.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
 
 /// Refuses an output file `path` (given by `flag`) that cannot be written, before the work
-/// that fills it: a directory, or a path that cannot be opened for appending (the probe makes
-/// an empty file where there was none). A FIFO or a device is left alone: opening it to probe
-/// could block, or end its reader.
+/// that fills it: a directory; an existing file that cannot be opened for appending; or, where
+/// there is none, a directory to hold it that is missing or cannot be written (the writers
+/// make the file, not its directory). A FIFO or a device is left alone: opening it to probe
+/// could block, or end its reader. Nothing is created.
 pub(crate) fn check_writable_file(flag: &str, path: &std::path::Path) -> Result<()> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => bail!("{flag} {}: is a directory", path.display()),
         Ok(m) if !m.is_file() => Ok(()),
-        _ => {
+        Ok(_) => {
             std::fs::OpenOptions::new()
-                .create(true)
                 .append(true)
                 .open(path)
                 .with_context(|| format!("{flag} {}: cannot be written", path.display()))?;
             Ok(())
+        }
+        Err(_) => {
+            let parent = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            if !parent.is_dir() {
+                bail!(
+                    "{flag} {}: cannot be written ({} is not a directory)",
+                    path.display(),
+                    parent.display()
+                );
+            }
+            check_can_make_below(parent)
+                .with_context(|| format!("{flag} {}: cannot be written", path.display()))
         }
     }
 }

@@ -1283,6 +1283,11 @@ fn a_refused_command_leaves_no_output_paths_behind() {
     std::fs::write(&kept, b"").unwrap();
     refused_with(&["--trace", kept.to_str().unwrap()]);
     assert!(kept.exists());
+    // A trace path that is a dangling link: the link stays, its target is not made.
+    let (link, target) = (dir.join("link.jsonl"), dir.join("target.jsonl"));
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    refused_with(&["--trace", link.to_str().unwrap()]);
+    assert!(std::fs::symlink_metadata(&link).is_ok() && !target.exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
