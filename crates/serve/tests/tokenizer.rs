@@ -321,18 +321,28 @@ fn a_render_error_names_the_templates_file_and_line() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The byte-level BPE token of one byte: GPT-2's byte-to-character map (printable Latin-1
-/// bytes stand for themselves, the others for 256, 257, ... in byte order).
-fn byte_token(tok: &Tokenizer, b: u8) -> u32 {
+/// The character byte-level BPE writes byte `b` as: GPT-2's byte-to-character map (printable
+/// Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order).
+fn byte_char(b: u8) -> char {
     let printable = |x: u32| (0x21..=0x7E).contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE;
     let c = if printable(u32::from(b)) {
         u32::from(b)
     } else {
         256 + (0..u32::from(b)).filter(|&x| !printable(x)).count() as u32
     };
-    let s = char::from_u32(c).unwrap().to_string();
+    char::from_u32(c).unwrap()
+}
+
+/// The token of exactly the bytes `bs`.
+fn bytes_token(tok: &Tokenizer, bs: &[u8]) -> u32 {
+    let s: String = bs.iter().map(|&b| byte_char(b)).collect();
     tok.token_id(&s)
-        .unwrap_or_else(|| panic!("no byte token for {b:#x}"))
+        .unwrap_or_else(|| panic!("no token for the bytes {bs:x?}"))
+}
+
+/// The byte-level BPE token of one byte.
+fn byte_token(tok: &Tokenizer, b: u8) -> u32 {
+    bytes_token(tok, &[b])
 }
 
 /// `ids` streamed through an `IncrementalDecoder` and through a `TextStream`: both
@@ -378,23 +388,79 @@ fn a_character_arriving_after_invalid_bytes_is_not_lost() {
     assert_eq!(s.text(), "\u{FFFD}\u{FFFD}\u{FFFD}é");
 }
 
+/// Tokens that each end one character and start the next (`[A4 ED]` after `[ED 95]`: "핤"
+/// is ED 95 A4), so no token boundary falls between characters: every character still
+/// streams as it completes, none lost or held to the end.
+#[test]
+fn tokens_straddling_every_character_boundary_stream_each_character() {
+    let tok = Tokenizer::qwen3().unwrap();
+    let (ed, b95, a4) = (
+        byte_token(&tok, 0xED),
+        byte_token(&tok, 0x95),
+        byte_token(&tok, 0xA4),
+    );
+    let straddle = bytes_token(&tok, &[0xA4, 0xED]);
+    let mut ids = vec![ed, b95];
+    for _ in 0..20 {
+        ids.extend([straddle, b95]);
+    }
+    ids.push(a4);
+    let whole = tok.decode(&ids, true).unwrap();
+    assert_eq!(whole, "핤".repeat(21));
+    let (a, b, prefix) = streamed(&tok, &ids);
+    assert_eq!(
+        (a.as_str(), b.as_str(), prefix),
+        (whole.as_str(), whole.as_str(), true)
+    );
+    // Each character is emitted within a character's worth of tokens of completing.
+    let mut d = IncrementalDecoder::new(true);
+    let shown: Vec<usize> = ids
+        .iter()
+        .map(|&id| d.push(&tok, id).unwrap().chars().count())
+        .collect();
+    assert!(
+        shown[..ids.len() - 1].iter().sum::<usize>() >= 19,
+        "{shown:?}"
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     /// Any mix of byte tokens (lead, continuation and never-valid bytes), ASCII and whole
     /// multi-byte tokens streams to exactly the whole text, every emitted text a prefix of it.
     #[test]
-    fn streamed_text_is_the_whole_text(picks in prop::collection::vec(0usize..16, 0..40)) {
+    fn streamed_text_is_the_whole_text(picks in prop::collection::vec(0usize..18, 0..40)) {
         static TOK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
         let tok = TOK.get_or_init(|| Tokenizer::qwen3().unwrap());
         let words = ["a", " the", "中", "é", "!"];
-        let bytes = [0x80u8, 0xBF, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x9A, 0xFF];
+        // Single bytes (leads, continuations, never-valid), and a token that ends one
+        // character and starts the next.
+        let bytes: [&[u8]; 13] = [
+            &[0x80], &[0xBF], &[0xC3], &[0xA9], &[0xE4], &[0xB8], &[0xAD], &[0xF0], &[0x9F],
+            &[0x9A], &[0xFF], &[0xED], &[0xA4, 0xED],
+        ];
         let ids: Vec<u32> = picks
             .iter()
             .flat_map(|&p| match bytes.get(p) {
-                Some(&b) => vec![byte_token(tok, b)],
+                Some(&bs) => vec![bytes_token(tok, bs)],
                 None => tok.encode(words[p - bytes.len()]).unwrap(),
             })
             .collect();
+        let whole = tok.decode(&ids, true).unwrap();
+        let (a, b, prefix) = streamed(tok, &ids);
+        prop_assert_eq!(&a, &whole);
+        prop_assert_eq!(&b, &whole);
+        prop_assert!(prefix);
+    }
+
+    /// The same for any tokens of the vocabulary (its 151,643 BPE tokens: whole words, word
+    /// pieces, and pieces of characters that other pieces end), specials among them.
+    #[test]
+    fn any_tokens_stream_to_the_whole_text(
+        ids in prop::collection::vec(prop_oneof![9 => 0u32..151_643, 1 => 151_643u32..151_669], 0..30),
+    ) {
+        static TOK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+        let tok = TOK.get_or_init(|| Tokenizer::qwen3().unwrap());
         let whole = tok.decode(&ids, true).unwrap();
         let (a, b, prefix) = streamed(tok, &ids);
         prop_assert_eq!(&a, &whole);
