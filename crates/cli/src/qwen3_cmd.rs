@@ -53,9 +53,9 @@ pub(crate) struct ModelArgs {
     /// every decode batch there); or `tiled` (16-row groups of 1 KiB blocks, streamed by the
     /// AMX tiles at every batch: 6.5% faster at 16 × 1024 on the AMX Xeon measured, 8.7% slower
     /// at 1 × 256 and 3.9% at 4 × 1024). Each only where the shape allows it (row-major
-    /// elsewhere); `tiled` only on the AMX path (refused on others). `--platform cuda` refuses an explicit `tiled`
-    /// or `pairs`: the device holds row-major weights [default: pairs on the AVX2 path and on
-    /// AVX-512 BF16 without AMX, row-major elsewhere].
+    /// elsewhere); `tiled` only on the AMX path (refused on others). `--platform cuda` refuses
+    /// an explicit `tiled` or `pairs`: the device holds row-major weights [default: pairs on
+    /// the AVX2 path and on AVX-512 BF16 without AMX, row-major elsewhere].
     #[arg(long, value_enum)]
     pub(crate) bf16_layout: Option<Bf16LayoutArg>,
     /// Most memory the run may take, in GB [default: what the machine has available: the

@@ -158,6 +158,10 @@ pub struct Trace {
     pub processes: Vec<ProcessInfo>,
     /// Spans in file and line order.
     pub spans: Vec<AlignedSpan>,
+    /// Every span read so far by its identity (`span_identity`), to refuse one read twice;
+    /// kept across files, so each file adds its own spans only. (Two different spans with one
+    /// 64-bit identity keep only the first: a later copy of the second is not caught.)
+    seen: HashMap<u64, usize>,
 }
 
 impl Trace {
@@ -232,13 +236,6 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
     let mut current: HashMap<u32, usize> = HashMap::new();
     let mut alignments: HashMap<(usize, u64), DeviceClockAlignment> = HashMap::new();
     let first_span = trace.spans.len();
-    // Every span read so far by its identity, to refuse one read twice (see `span_identity`).
-    let mut seen: HashMap<u64, usize> = trace
-        .spans
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (span_identity(s.process, &s.span), i))
-        .collect();
     let invalid = |line: usize, what: String| DfxError::Invalid {
         path: path.to_path_buf(),
         line,
@@ -331,10 +328,10 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                     Clock::Device => Placement::DeviceUnaligned,
                 };
                 let id = span_identity(process, &span);
-                match seen.get(&id) {
-                    Some(&i)
-                        if trace.spans[i].process == process && trace.spans[i].span == span =>
-                    {
+                // `spans` is public: an index the caller's edits made stale is just replaced.
+                let earlier = trace.seen.get(&id).and_then(|&i| trace.spans.get(i));
+                match earlier {
+                    Some(e) if e.process == process && e.span == span => {
                         return Err(invalid(
                             line_no,
                             format!(
@@ -343,9 +340,9 @@ pub fn parse_reader<R: BufRead>(trace: &mut Trace, mut input: R, path: &Path) ->
                             ),
                         ));
                     }
-                    Some(_) => {}
-                    None => {
-                        seen.insert(id, trace.spans.len());
+                    Some(e) if span_identity(e.process, &e.span) == id => {}
+                    _ => {
+                        trace.seen.insert(id, trace.spans.len());
                     }
                 }
                 trace.spans.push(AlignedSpan {

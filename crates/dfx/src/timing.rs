@@ -380,7 +380,9 @@ pub fn rounds_table(trace: &Trace, warmup: usize) -> String {
 /// ranks (`docs/trace-format.md`): round `k` is every rank's invocation `inv = k`; per round
 /// the slowest rank's effective time (its `run` where it has no `orch`/`sched`) is
 /// `effective_us`, the fastest's `fast_effective_us`, and a round some rank lacks is dropped
-/// (`valid_rounds`). `None` unless the invocations come from at least two ranked processes.
+/// (`valid_rounds`). `None` unless the invocations come from at least two ranked processes;
+/// a note instead of the join where one rank was recorded by several processes (several runs
+/// of the job, whose invocation numbers repeat).
 pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<String> {
     let mut by_rank: BTreeMap<u32, BTreeMap<u64, f64>> = BTreeMap::new();
     let mut ranks_said = 0u32;
@@ -410,8 +412,7 @@ pub fn multi_rank(trace: &Trace, g: &CallableGroup, warmup: usize) -> Option<Str
             })
             .collect();
         return Some(format!(
-            "{} ranks: not joined per round: rank {rank} was recorded by {} processes ({}): these files hold more than one run of the job; give one run's files to join its rounds\n",
-            writers.len(),
+            "ranks not joined per round: rank {rank} was recorded by {} processes ({}): these files hold more than one run of the job; give one run's files to join its rounds\n",
             ps.len(),
             pids.join(", ")
         ));

@@ -359,7 +359,7 @@ fn two_runs_of_the_same_ranks_are_not_joined_per_round() {
     assert_eq!(groups.len(), 1);
     let m = multi_rank(&t, &groups[0], 0).unwrap();
     assert!(
-        m.contains("not joined per round: rank 0 was recorded by 2 processes (pid 30 in")
+        m.contains("ranks not joined per round: rank 0 was recorded by 2 processes (pid 30 in")
             && m.contains("pid 40 in"),
         "{m}"
     );
