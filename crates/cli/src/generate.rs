@@ -274,21 +274,9 @@ pub(crate) fn main(args: GenerateArgs) -> Result<()> {
         }
     );
     let stop = |t: u32| !args.ignore_eos && eos.contains(&t);
-    if let Some(parent) = args.dump_logits.as_deref().and_then(|p| p.parent())
-        && !parent.as_os_str().is_empty()
-    {
-        // Made now, as --trace's is: the logits are written after the whole generation, too
-        // late to learn that their folder cannot be.
-        std::fs::create_dir_all(parent).map_err(|e| {
-            anyhow!(
-                "--dump-logits: cannot make the folder {}: {e}",
-                parent.display()
-            )
-        })?;
-    }
     if let Some(path) = &args.dump_logits {
-        // The file itself too: a directory or an unwritable path was found only after the
-        // whole generation, its logits lost. Written (truncated) again at the end.
+        // Checked now: a directory or an unwritable path was found only after the whole
+        // generation, its logits lost. The file (and its folder) are made when written.
         crate::opts::check_writable_file("--dump-logits", path)?;
     }
     let n = args.num_prompts;

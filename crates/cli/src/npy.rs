@@ -39,6 +39,9 @@ pub(crate) fn write_f32(path: &Path, shape: &[usize], data: &[f32]) -> Result<()
     if h.len() > 10 + u16::MAX as usize {
         bail!("npy: header too long for format 1.0");
     }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("making {}", dir.display()))?;
+    }
     let file =
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);

@@ -374,16 +374,18 @@ pub(crate) fn check_recorded_steps(flag: &str, steps: usize) -> Result<()> {
 }
 
 /// Checks before any work — a run that failed to write at its end lost its work — that the
-/// run's output directory and trace file can be made and written, creating neither: the writers make them when they write, so a command refused
-/// later leaves nothing behind, and ranks checking one shared path at once cannot undo each
-/// other's directories. What is probed is the deepest part of each path that exists.
+/// run's output directory and trace file can be made and written, creating neither: the
+/// writers make them when they write, so a command refused later leaves nothing behind, and
+/// ranks checking one shared path at once cannot undo each other's directories. What is
+/// probed is the deepest part of each path that exists.
 pub(crate) fn check_output_paths(cfg: &CallConfig) -> Result<()> {
     if let Some(dir) = &cfg.output_dir {
         check_can_make_below(dir)
             .with_context(|| format!("--output-dir {}: cannot be made", dir.display()))?;
     }
     if let Some(t) = &cfg.trace {
-        if std::fs::symlink_metadata(t).is_ok() {
+        if std::fs::symlink_metadata(t).is_ok() || t.as_os_str().as_encoded_bytes().ends_with(b"/")
+        {
             check_writable_file("--trace", t)?;
         } else {
             let parent = t.parent().filter(|p| !p.as_os_str().is_empty());
@@ -424,11 +426,16 @@ fn check_can_make_below(dir: &std::path::Path) -> Result<()> {
 }
 
 /// Refuses an output file `path` (given by `flag`) that cannot be written, before the work
-/// that fills it: a directory; an existing file that cannot be opened for appending; or, where
-/// there is none, a directory to hold it that is missing or cannot be written (the writers
-/// make the file, not its directory). A FIFO or a device is left alone: opening it to probe
-/// could block, or end its reader. Nothing is created.
+/// that fills it: a path naming a directory; an existing file that cannot be opened for
+/// appending; or, where there is no file yet, a place where none can be made — the deepest
+/// existing directory on the way must take a file (the writers make the missing ones), and
+/// for a link to a file not there yet, the directory the link points into must exist (a
+/// write through the link makes no directory). A FIFO or a device is left alone: opening it
+/// to probe could block, or end its reader. Nothing is created.
 pub(crate) fn check_writable_file(flag: &str, path: &std::path::Path) -> Result<()> {
+    if path.as_os_str().as_encoded_bytes().ends_with(b"/") {
+        bail!("{flag} {}: names a directory, not a file", path.display());
+    }
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => bail!("{flag} {}: is a directory", path.display()),
         Ok(m) if !m.is_file() => Ok(()),
@@ -440,19 +447,29 @@ pub(crate) fn check_writable_file(flag: &str, path: &std::path::Path) -> Result<
             Ok(())
         }
         Err(_) => {
-            let parent = path
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(std::path::Path::new("."));
-            if !parent.is_dir() {
-                bail!(
-                    "{flag} {}: cannot be written ({} is not a directory)",
-                    path.display(),
-                    parent.display()
-                );
+            let parent_of = |p: &std::path::Path| {
+                p.parent()
+                    .filter(|d| !d.as_os_str().is_empty())
+                    .unwrap_or(std::path::Path::new("."))
+                    .to_path_buf()
+            };
+            match std::fs::read_link(path) {
+                Ok(target) => {
+                    let target = parent_of(path).join(target);
+                    let dir = parent_of(&target);
+                    if !dir.is_dir() {
+                        bail!(
+                            "{flag} {}: links to {}, whose directory {} does not exist",
+                            path.display(),
+                            target.display(),
+                            dir.display()
+                        );
+                    }
+                    check_can_make_below(&dir)
+                }
+                Err(_) => check_can_make_below(&parent_of(path)),
             }
-            check_can_make_below(parent)
-                .with_context(|| format!("{flag} {}: cannot be written", path.display()))
+            .with_context(|| format!("{flag} {}: cannot be written", path.display()))
         }
     }
 }

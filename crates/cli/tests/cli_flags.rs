@@ -1288,6 +1288,38 @@ fn a_refused_command_leaves_no_output_paths_behind() {
     std::os::unix::fs::symlink(&target, &link).unwrap();
     refused_with(&["--trace", link.to_str().unwrap()]);
     assert!(std::fs::symlink_metadata(&link).is_ok() && !target.exists());
+    // A link into a directory that does not exist cannot be written through (a write makes
+    // no directory at the far end): refused before the run, not after it.
+    let far = dir.join("far.jsonl");
+    std::os::unix::fs::symlink(dir.join("missing/t.jsonl"), &far).unwrap();
+    for flag in ["--trace", "--dump-logits"] {
+        refused(
+            &[
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt-ids",
+                "1",
+                flag,
+                far.to_str().unwrap(),
+            ],
+            "whose directory",
+        );
+    }
+    // A path ending in a slash names a directory.
+    let slash = format!("{}/", dir.join("nope").display());
+    refused(
+        &[
+            "generate",
+            "--preset",
+            "tiny",
+            "--prompt-ids",
+            "1",
+            "--trace",
+            &slash,
+        ],
+        "names a directory",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -8,8 +8,9 @@
 //! whole text. Text ending in U+FFFD is held back while a character's worth of tokens could
 //! still complete it; after that, everything before the last character is final (bytes that
 //! are invalid stay invalid whatever follows) and is emitted, while the last U+FFFD, which may
-//! be the start of a character still arriving, waits. So the emitted text is always a prefix
-//! of the whole text's decoding, for byte-level tokenizers.
+//! be the start of a character still arriving, waits. So for byte-level tokenizers the emitted
+//! text is a prefix of the whole text's decoding — unless more than `WINDOW_LIMIT` tokens
+//! pass while a character stays unfinished (see there).
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -18,8 +19,10 @@ const MAX_CHAR_TOKENS: usize = 4;
 
 /// Most tokens the window holds past its last token boundary where everything was emitted,
 /// before the window moves anyway, its held-back text emitted as it decodes: a bound on the
-/// decoding work per token for a sequence whose tokens never end at a character boundary
-/// (each token the end of one character and the start of the next), which no text has.
+/// decoding work per token. Reached only where a character stays unfinished that long: tokens
+/// that each end one character and start the next, or a run of tokens that add no bytes
+/// (skipped special tokens, ids past the vocabulary) after a character's first byte. Then
+/// the unfinished character goes out as U+FFFD, and if it completes later its rest is lost.
 const WINDOW_LIMIT: usize = 1024;
 
 /// The UTF-8 length of U+FFFD.
