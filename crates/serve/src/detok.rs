@@ -10,7 +10,7 @@
 //! are invalid stay invalid whatever follows) and is emitted, while the last U+FFFD, which may
 //! be the start of a character still arriving, waits. So for byte-level tokenizers the emitted
 //! text is a prefix of the whole text's decoding — unless more than `WINDOW_LIMIT` tokens
-//! pass while a character stays unfinished (see there).
+//! that each end one character and start the next pass while one stays unfinished.
 
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -19,10 +19,10 @@ const MAX_CHAR_TOKENS: usize = 4;
 
 /// Most tokens the window holds past its last token boundary where everything was emitted,
 /// before the window moves anyway, its held-back text emitted as it decodes: a bound on the
-/// decoding work per token. Reached only where a character stays unfinished that long: tokens
-/// that each end one character and start the next, or a run of tokens that add no bytes
-/// (skipped special tokens, ids past the vocabulary) after a character's first byte. Then
-/// the unfinished character goes out as U+FFFD, and if it completes later its rest is lost.
+/// decoding work per token. Reached only where a character stays unfinished that long, which
+/// takes over a thousand tokens that each end one character and start the next (tokens that
+/// add no text are kept out of the window). Then the unfinished character goes out as U+FFFD,
+/// and if it completes later its rest is lost.
 const WINDOW_LIMIT: usize = 1024;
 
 /// The UTF-8 length of U+FFFD.
@@ -53,6 +53,11 @@ impl IncrementalDecoder {
 
     /// Adds `id`; returns the text it completes (empty while a character is incomplete).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
+        // A token the decoding leaves out changes no text: kept out of the window, so a run of
+        // them cannot hold a character open.
+        if tok.decodes_to_nothing(id, self.skip_special) {
+            return Ok(String::new());
+        }
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
         let after = tok.decode(&self.ids[self.prefix..], self.skip_special)?;

@@ -75,6 +75,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// `get_vocab_size` builds the whole vocabulary map on every call: counted once.
     vocab_size: usize,
+    /// The special tokens' ids (what decoding with `skip_special` leaves out).
+    special: std::collections::HashSet<u32>,
     eos_token: Option<String>,
     bos_token: Option<String>,
     template: TemplateSource,
@@ -260,8 +262,15 @@ impl Tokenizer {
                 }
             };
         }
+        let special = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),
+            special,
             inner,
             eos_token,
             bos_token,
@@ -311,6 +320,13 @@ impl Tokenizer {
             .encode(text, add_special)
             .map_err(|e| TokenizerError::Codec(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether `id` adds nothing to any text it is decoded in: an id outside the vocabulary,
+    /// or with `skip_special` a special token ([`Tokenizer::decode`] leaves both out before
+    /// anything else sees the ids).
+    pub fn decodes_to_nothing(&self, id: u32, skip_special: bool) -> bool {
+        id as usize >= self.vocab_size || (skip_special && self.special.contains(&id))
     }
 
     /// The text of `ids` (special tokens kept unless `skip_special`). Ids outside the

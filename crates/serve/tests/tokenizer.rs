@@ -424,6 +424,32 @@ fn tokens_straddling_every_character_boundary_stream_each_character() {
     );
 }
 
+/// Tokens that add no text — special tokens skipped, ids past the vocabulary — do not hold a
+/// character open however many come between its bytes (past a thousand of them the decoder
+/// used to emit the character as U+FFFD and lose it when it completed).
+#[test]
+fn tokens_that_add_no_text_do_not_hold_a_character_open() {
+    let tok = Tokenizer::qwen3().unwrap();
+    let end = tok.token_id("<|im_end|>").unwrap();
+    let past = tok.vocab_size() as u32 + 5;
+    for (filler, skip) in [(end, true), (past, true), (past, false)] {
+        let mut ids = vec![byte_token(&tok, 0xF0)];
+        ids.extend(std::iter::repeat_n(filler, 1030));
+        ids.extend([0x9F, 0x98, 0x80].map(|b| byte_token(&tok, b)));
+        ids.push(tok.token_id("a").unwrap());
+        let whole = tok.decode(&ids, skip).unwrap();
+        assert_eq!(whole, "😀a");
+        let mut d = IncrementalDecoder::new(skip);
+        let mut text = String::new();
+        for &id in &ids {
+            text.push_str(&d.push(&tok, id).unwrap());
+            assert!(whole.starts_with(&text), "{text:?}");
+        }
+        text.push_str(&d.finish(&tok).unwrap());
+        assert_eq!(text, whole, "filler {filler}, skip {skip}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     /// Any mix of byte tokens (lead, continuation and never-valid bytes), ASCII and whole
