@@ -1292,34 +1292,16 @@ fn a_refused_command_leaves_no_output_paths_behind() {
     // no directory at the far end): refused before the run, not after it.
     let far = dir.join("far.jsonl");
     std::os::unix::fs::symlink(dir.join("missing/t.jsonl"), &far).unwrap();
-    for flag in ["--trace", "--dump-logits"] {
-        refused(
-            &[
-                "generate",
-                "--preset",
-                "tiny",
-                "--prompt-ids",
-                "1",
-                flag,
-                far.to_str().unwrap(),
-            ],
-            "whose directory",
-        );
-    }
     // A path ending in a slash names a directory.
     let slash = format!("{}/", dir.join("nope").display());
-    refused(
-        &[
-            "generate",
-            "--preset",
-            "tiny",
-            "--prompt-ids",
-            "1",
-            "--trace",
-            &slash,
-        ],
-        "names a directory",
-    );
+    for (flag, path, needle) in [
+        ("--trace", far.to_str().unwrap(), "whose directory"),
+        ("--dump-logits", far.to_str().unwrap(), "whose directory"),
+        ("--trace", slash.as_str(), "names a directory"),
+    ] {
+        let generate = ["generate", "--preset", "tiny", "--prompt-ids", "1"];
+        refused(&[&generate[..], &[flag, path]].concat(), needle);
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
