@@ -553,11 +553,8 @@ fn layer_five_is_the_engine_step_less_the_run() {
 /// sibling shares no time with it.
 #[test]
 fn a_zero_length_span_inside_a_sibling_is_not_marked_overlapping() {
-    let line = |name: &str, depth: u8, ts: u64, dur: u64| {
-        format!(
-            r#"{{"kind":"span","v":1,"pid":1,"tid":0,"inv":0,"callable":"c","depth":{depth},"name":"{name}","ts_ns":{ts},"dur_ns":{dur},"clock":"host"}}"#
-        )
-    };
+    let line =
+        |name: &str, depth: u8, ts: u64, dur: u64| common::span_line(1, 0, depth, name, ts, dur);
     let text = |b_dur: u64| {
         [
             r#"{"kind":"anchor","pid":1,"wall_ns":100}"#.to_string(),

@@ -32,9 +32,7 @@ fn clock(pid: u32, boot: &str, mono_ns: u64, rank: Option<u32>) -> ProcessClock 
 }
 
 fn span_line(pid: u32, inv: u64, name: &str, ts_ns: u64, dur_ns: u64) -> String {
-    format!(
-        r#"{{"kind":"span","v":1,"pid":{pid},"tid":0,"inv":{inv},"callable":"00000000000000c0","depth":0,"name":"{name}","ts_ns":{ts_ns},"dur_ns":{dur_ns},"clock":"host"}}"#
-    )
+    common::span_line(pid, inv, 0, name, ts_ns, dur_ns)
 }
 
 /// Writes one rank's file: the anchor of `pid` at `wall_ns`, an optional process line, then

@@ -261,3 +261,18 @@ pub(crate) fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// One host span line of pid `pid`'s thread 0, as the writer puts it in a trace file.
+#[allow(dead_code)] // not every test file reads trace lines
+pub(crate) fn span_line(
+    pid: u32,
+    inv: u64,
+    depth: u8,
+    name: &str,
+    ts_ns: u64,
+    dur_ns: u64,
+) -> String {
+    format!(
+        r#"{{"kind":"span","v":1,"pid":{pid},"tid":0,"inv":{inv},"callable":"00000000000000c0","depth":{depth},"name":"{name}","ts_ns":{ts_ns},"dur_ns":{dur_ns},"clock":"host"}}"#
+    )
+}
