@@ -136,8 +136,10 @@ impl DecodeKernel {
 /// the token-pair kernel, both products on `vdpbf16ps`, took 0.971× its whole 16 × 3500 step
 /// (paired steps); at Qwen3-0.6B's group of 2 the token-major kernel's row streams read
 /// faster from memory (`pairs.rs`). On the AMX Xeon the head-major kernel beat the AVX2 one
-/// by 4–14% of the step; neither the token-major nor the token-pair kernel has been measured
-/// there (`docs/benchmarks.md`, sessions 30, 44, 45 and 53).
+/// by 4–14% of the step, and both later kernels lose to it there: whole steps with the
+/// token-major kernel took 1.013× (4 × 1024) and 1.032× (16 × 1024) the head-major kernel's
+/// time, with the token-pair kernel 1.011× (1 × 256), 1.030× and 1.066× (paired steps in one
+/// process; `docs/benchmarks.md`, sessions 30, 44, 45, 53 and 64).
 pub fn path(isa: crate::isa::Isa, group: usize) -> DecodeKernel {
     use crate::isa::Isa;
     match isa {
