@@ -17,7 +17,7 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_kernels_cpu::{Isa, attention, path_for_batch, set_process_isa};
+use simpler_kernels_cpu::{I8Path, Isa, attention, set_process_isa};
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
     DecodePeaks, DecodePhases, RunShape, Session, StepCost, TilePolicy, WeightFormat, ops,
@@ -717,12 +717,18 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             println!(
                 "  kernel paths compared (interleaved steps A B B A ..; median of the paired B/A ratios with a bootstrap interval):"
             );
-            let a_name = format!(
-                "{} (this run)",
-                path_for_batch(Isa::detected(), batch).name()
-            );
-            let b_name = path_for_batch(isa, batch).name();
-            print_indented(&format_compare("step_ms", &a_name, b_name, &c));
+            // What each side runs on this run's weights: the GEMM path for their layout, and
+            // for int8 weights the int8 path the cap leaves.
+            let label = |isa: Isa| {
+                let gemm = crate::qwen3_decode::gemm_path_on(isa, batch).name();
+                if args.model.weights.is_int8() {
+                    format!("{gemm}, int8 {}", I8Path::hardware().capped(isa).name())
+                } else {
+                    gemm.to_string()
+                }
+            };
+            let a_name = format!("{} (this run)", label(Isa::detected()));
+            print_indented(&format_compare("step_ms", &a_name, &label(isa), &c));
         }
         if let Some(kernel) = versus_attention {
             let c = ab_switched(

@@ -171,8 +171,14 @@ pub(crate) fn matmul_peak(p: &MachinePeaks, rows: usize) -> f64 {
 /// are whole 16-row groups and 32-column steps), and tiled weights take the AMX tiles at
 /// every batch.
 pub(crate) fn gemm_path(rows: usize) -> Isa {
+    gemm_path_on(Isa::detected(), rows)
+}
+
+/// [`gemm_path`] with the kernels capped at `isa` (`--versus-isa`'s B steps): the weights keep
+/// this process's layout, so the path is the one `isa` takes on that layout.
+pub(crate) fn gemm_path_on(isa: Isa, rows: usize) -> Isa {
     let layout = simpler_models::qwen3::layout::bf16_layout(TILE_ROWS, TILE_COLS);
-    path_for(Isa::detected(), rows, layout)
+    path_for(isa, rows, layout)
 }
 
 /// The denominators of a decode step of `c` with `rows` activation rows: bandwidth, the peak

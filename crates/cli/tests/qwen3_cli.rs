@@ -914,3 +914,50 @@ fn generate_profile_counts_what_ran() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--versus-isa` names what each side runs on this run's weights: this run's side is the GEMM
+/// path the report's `kernel paths` line names (paired weights at two rows take the AVX-512
+/// BF16 kernel where the CPU has it, not the AVX2 passes that row-major weights would), and the
+/// other side the path the cap takes on the same layout.
+#[test]
+fn bench_versus_isa_names_the_paths_of_this_runs_layout() {
+    for layout in ["pairs", "row-major"] {
+        let out = simpler(&[
+            "bench",
+            "qwen3-decode",
+            "--preset",
+            "tiny",
+            "--shapes",
+            "2x40",
+            "--bf16-layout",
+            layout,
+            "--versus-isa",
+            "avx2",
+            "--rounds",
+            "3",
+            "--warmup",
+            "0",
+            "--outside-steps",
+            "1",
+            "--membw-seconds",
+            "0.1",
+        ]);
+        let so = text(&out.stdout);
+        if !out.status.success() && text(&out.stderr).contains("avx2") {
+            println!("skipped ({layout}): this CPU has no AVX2 path");
+            continue;
+        }
+        assert!(out.status.success(), "{so}\n{}", text(&out.stderr));
+        let gemm = so
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("kernel paths: GEMM "))
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no kernel paths line: {so}"));
+        println!("{layout}: this run's GEMM {gemm}");
+        assert!(
+            so.contains(&format!("[A: {gemm} (this run)]")),
+            "{layout}: the comparison names another path than the run's {gemm}: {so}"
+        );
+        assert!(so.contains("B: avx2"), "{layout}: {so}");
+    }
+}

@@ -14,6 +14,7 @@ use simpler_kernels_cpu::{
     gemm_i8_w8a8, gemm_i8_w8a8_then, gemm_i8_wide, interleaved_index_i8, pack_weights_i8,
     pack_weights_i8_as, packed_index_i8, quantize_acts_i8, quantize_row_i8, with_i8_path,
 };
+use simpler_kernels_cpu::{Isa, with_isa};
 
 /// The supported paths, after printing which ran and which this machine lacks.
 fn paths(test: &str) -> Vec<I8Path> {
@@ -828,4 +829,41 @@ fn next_rows_hint_never_changes_results() {
             }
         }
     }
+}
+
+/// Capping the bf16 path caps the int8 products with it: a thread (or process) standing in for
+/// a machine without AMX runs no AMX-INT8 tiles, one standing in for an AVX2 machine no VNNI,
+/// the portable path plain loops; at this machine's own path nothing is capped; and an
+/// explicit int8 path still wins over the cap.
+#[test]
+fn the_int8_path_follows_the_bf16_path_cap() {
+    let hw = I8Path::hardware();
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
+        let p = with_isa(isa, I8Path::current).expect("a supported path");
+        println!(
+            "with_isa({}) -> int8 path {} (hardware {})",
+            isa.name(),
+            p.name(),
+            hw.name()
+        );
+        assert!(p.is_supported());
+        assert!(p <= hw);
+        if isa == Isa::hardware() {
+            assert_eq!(p, hw, "at this machine's own path nothing is capped");
+            continue;
+        }
+        let top = match isa {
+            Isa::Portable => I8Path::Portable,
+            Isa::Avx2 => I8Path::Avx2,
+            Isa::Avx512Bf16 => I8Path::Avx512Vnni,
+            Isa::AmxBf16 => unreachable!("AMX-BF16 is the top path, so it is this machine's"),
+        };
+        assert_eq!(p, hw.min(top), "with_isa({}) runs {}", isa.name(), p.name());
+        // An explicit int8 path is taken as asked, whatever the cap.
+        let asked = with_isa(isa, || with_i8_path(hw, I8Path::current)).unwrap();
+        assert_eq!(asked, Some(hw));
+    }
+    // Without an override the thread's path is the process's.
+    assert_eq!(I8Path::current(), hw.capped(Isa::current()));
+    assert_eq!(I8Path::detected(), hw.capped(Isa::detected()));
 }

@@ -260,10 +260,10 @@ impl I8Path {
         }
     }
 
-    /// The best path this machine supports (detected once).
-    pub fn detected() -> I8Path {
-        static DETECTED: AtomicU8 = AtomicU8::new(u8::MAX);
-        let i = DETECTED.load(Ordering::Relaxed);
+    /// The best path this machine supports, whatever `SIMPLER_ISA` says (detected once).
+    pub fn hardware() -> I8Path {
+        static HW: AtomicU8 = AtomicU8::new(u8::MAX);
+        let i = HW.load(Ordering::Relaxed);
         if let Some(p) = I8Path::ALL.get(usize::from(i)) {
             return *p;
         }
@@ -272,21 +272,45 @@ impl I8Path {
             .rev()
             .find(|p| p.is_supported())
             .unwrap_or(I8Path::Portable);
-        DETECTED.store(best as u8, Ordering::Relaxed);
+        HW.store(best as u8, Ordering::Relaxed);
         best
     }
 
+    /// The path of this process: [`I8Path::hardware`] capped by the bf16 path the process runs
+    /// ([`Isa::detected`], which `SIMPLER_ISA` lowers), as [`I8Path::capped`] says. What the
+    /// weights' int8 layouts are chosen for at load, so uploads and kernels agree.
+    pub fn detected() -> I8Path {
+        I8Path::hardware().capped(Isa::detected())
+    }
+
+    /// This path as a machine whose kernels run on `isa` would have it: unchanged where `isa`
+    /// is this machine's best bf16 path (or above), else at most that path's int8 instructions
+    /// — plain loops on the portable path, AVX2 on the AVX2 path (an AVX2 machine need not have
+    /// AVX-VNNI), 512-bit VNNI on the AVX-512 BF16 path (no AMX-INT8 tiles). So capping the
+    /// bf16 path (`SIMPLER_ISA`, `set_process_isa`, `with_isa`) caps the int8 products with it,
+    /// as `--versus-isa` and tests that stand in for a smaller machine expect.
+    pub fn capped(self, isa: Isa) -> I8Path {
+        if isa >= Isa::hardware() {
+            return self;
+        }
+        let top = match isa {
+            Isa::Portable => I8Path::Portable,
+            Isa::Avx2 => I8Path::Avx2,
+            Isa::Avx512Bf16 => I8Path::Avx512Vnni,
+            Isa::AmxBf16 => I8Path::Amx,
+        };
+        self.min(top)
+    }
+
     /// The path int8 kernels on this thread take now: a [`with_i8_path`] override if one is
-    /// active; else portable under a portable [`Isa`] override (so `with_isa(Portable, ..)`
-    /// tests a whole model on plain loops); else [`I8Path::detected`].
+    /// active; else [`I8Path::hardware`] capped ([`I8Path::capped`]) by the thread's bf16 path
+    /// ([`Isa::current`]: a `with_isa` override, the `set_process_isa` choice or
+    /// `SIMPLER_ISA`), so `with_isa(Portable, ..)` tests a whole model on plain loops.
     pub fn current() -> I8Path {
         if let Some(p) = OVERRIDE.with(Cell::get) {
             return p;
         }
-        if Isa::current() == Isa::Portable {
-            return I8Path::Portable;
-        }
-        I8Path::detected()
+        I8Path::hardware().capped(Isa::current())
     }
 }
 
