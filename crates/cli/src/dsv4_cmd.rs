@@ -180,7 +180,7 @@ pub(crate) struct EpOpts {
     /// Seconds the ranks' processes may take over their whole run before the node fails,
     /// naming the ranks that did not answer (with --ep, shm collectives): a rank that hangs
     /// (stopped, or stuck in an exchange with one that is) is diagnosed after this long
-    /// [default: 600].
+    /// [default: 600]. Refused with --ep 1, whose one rank runs in this process.
     #[arg(long, value_name = "SECONDS", value_parser = crate::opts::rank_timeout)]
     rank_timeout_secs: Option<f64>,
 }
@@ -321,7 +321,7 @@ pub(crate) struct BenchDsv4Args {
     /// Also compare this run's SPMD blocks per projection (SWA, CSA and HCA: the projections
     /// and `q_b`, `wo_a`, `wo_b`; four per core by default) with `N` blocks, step against step
     /// in this process: interleaved steps A B B A .. and the median of the paired
-    /// effective-time ratios B/A with its 95% interval
+    /// effective-time ratios B/A with its 95% interval. 1 to 4096
     #[arg(long, value_name = "N")]
     versus_proj_blocks: Option<u32>,
     /// swa, csa and hca: replay the first step's captured graph for every later step (`on`),
@@ -1165,8 +1165,12 @@ pub(crate) fn bench(args: BenchDsv4Args) -> Result<()> {
         check_replay(LayerArg::Moe, args.replay)?;
     }
     let versus_isa = isa_flag("--versus-isa", args.versus_isa.as_deref())?;
-    if args.versus_proj_blocks == Some(0) {
-        bail!("--versus-proj-blocks: at least 1 block");
+    match args.versus_proj_blocks {
+        Some(0) => bail!("--versus-proj-blocks: at least 1 block"),
+        Some(b) if b > MAX_PROJ_BLOCKS => bail!(
+            "--versus-proj-blocks {b}: at most {MAX_PROJ_BLOCKS} (FLASH's widest projection, `q_b`, has 2048 16-row units; blocks past a projection's units run empty, and each costs a dispatch)"
+        ),
+        _ => {}
     }
     if args.versus_replay && has_moe {
         bail!(
@@ -1533,6 +1537,10 @@ fn interleaved_steps(
 /// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's
 /// projection blocks (A) and `blocks` (B); the effective times compared, formatted. The step
 /// goes back to A's blocks afterwards.
+/// Most SPMD blocks `--versus-proj-blocks` takes: twice the 16-row units of FLASH's widest
+/// projection (`q_b`, 64 heads × 512).
+const MAX_PROJ_BLOCKS: u32 = 4096;
+
 fn versus_proj_blocks(
     s: &mut Setup,
     cfg: &CallConfig,

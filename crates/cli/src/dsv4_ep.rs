@@ -162,6 +162,11 @@ pub(crate) fn check_cmd(cmd: &EpCmd) -> Result<()> {
     if cmd.ep == 1 && cmd.collectives == Backend::Mpi {
         bail!("--ep 1 --collectives mpi: one rank exchanges nothing; use --ep 2 or more");
     }
+    if cmd.rank_timeout.is_some() && cmd.ep == 1 {
+        bail!(
+            "--rank-timeout-secs: --ep 1 runs its one rank in this process, with no rank to time out; use --ep 2 or more"
+        );
+    }
     if cmd.rank_timeout.is_some() && cmd.collectives == Backend::Mpi {
         bail!(
             "--rank-timeout-secs: bounds the ranks of a node (shm collectives); under mpirun its own options bound the job"

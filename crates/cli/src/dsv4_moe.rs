@@ -217,6 +217,7 @@ pub(crate) fn golden_lines(
     out: &MoeOutput,
 ) -> Vec<(String, bool)> {
     let g = moe_step(cfg, weights, layer, inputs);
+    let hidden = cfg.hidden;
     let want: Vec<u32> = g
         .routes
         .iter()
@@ -236,7 +237,9 @@ pub(crate) fn golden_lines(
         ("y", &out.y, &g.y),
         ("x_out", &out.x_out, &g.x_out),
     ] {
-        lines.push(match RelDiff::MOE.check(what, a, e) {
+        // Every output is rows of `hidden` (`routed` is `[T, K, hidden]`, `x_out`
+        // `[T, hc_mult, hidden]`).
+        lines.push(match RelDiff::MOE.check_columns(what, a, e, hidden) {
             Ok(o) => (
                 format!(
                     "ok: {what}: {} of {} elements over 3e-3 (5% allowed; worst {:.2e}) vs the golden",

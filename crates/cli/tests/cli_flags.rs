@@ -660,6 +660,21 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "--rank-timeout-secs: only with --ep",
         ),
         (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "tiny",
+                "--ep",
+                "1",
+                "--rank-timeout-secs",
+                "1",
+            ],
+            "--rank-timeout-secs: --ep 1 runs its one rank in this process",
+        ),
+        (
             &["bench", "collectives", "--sizes", "1024,1024"],
             "--sizes: 1024 is given twice",
         ),

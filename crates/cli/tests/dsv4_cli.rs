@@ -231,6 +231,8 @@ fn versus_proj_blocks_is_refused_where_it_does_not_apply() {
     for (kernel, blocks, needle) in [
         ("moe", "8", "the moe layer's experts have their own blocks"),
         ("swa", "0", "at least 1 block"),
+        ("swa", "4097", "at most 4096"),
+        ("hca", "4294967295", "at most 4096"),
     ] {
         let out = simpler(&bench_tiny(kernel, &["--versus-proj-blocks", blocks]));
         let se = text(&out.stderr);

@@ -490,10 +490,23 @@ pub fn generate_moe_weights_local(
     }
 }
 
+/// One past the last position a step at `starts` writes (0 for no sequence).
+///
+/// # Panics
+/// If that position does not fit a `usize` ([`generate_fixture`] refuses such starts first).
+fn step_end(starts: &[usize]) -> usize {
+    let max = starts.iter().max().copied().unwrap_or(0);
+    max.checked_add(TOKENS_PER_SEQ)
+        .unwrap_or_else(|| panic!("a step at start {max} ends past usize::MAX"))
+}
+
 /// The window cache for sequences at `starts`, covering every position the step writes; the
 /// `window - 1` positions before each start hold unit-RMS rows (all a step can read).
+///
+/// # Panics
+/// If a start's step ends past `usize::MAX`.
 pub fn generate_window_cache(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> WindowCache {
-    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ;
+    let last = step_end(starts);
     let max_blocks = last.div_ceil(cfg.page_size);
     let batch = starts.len();
     let width = cfg.head_dim;
@@ -538,9 +551,12 @@ fn unit_rms_rows(rng: &mut Rng, dst: &mut [bf16], width: usize) {
 
 /// The HCA compressor, its state (`N(0, 1)` kv and scores at each sequence's positions
 /// `start - start % ratio .. start`) and its compressed cache (rows completed before `start`).
+///
+/// # Panics
+/// If a start's step ends past `usize::MAX`.
 pub fn generate_hca(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> HcaParts {
     let (ratio, width, d) = (cfg.hca_ratio, cfg.head_dim, cfg.hidden);
-    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ;
+    let last = step_end(starts);
     let max_rows = (last / ratio).max(1);
     let batch = starts.len();
     let mut state = CompressorState {
@@ -623,9 +639,12 @@ fn overlap_parts(
 
 /// The CSA compressor, indexer and caches for sequences at `starts`: compressed rows completed
 /// before `start` are unit-RMS bf16 (main cache) and int8 rows of unit-RMS draws (index cache).
+///
+/// # Panics
+/// If a start's step ends past `usize::MAX`.
 pub fn generate_csa(cfg: &Dsv4Config, starts: &[usize], seed: u64) -> CsaParts {
     let ratio = cfg.csa_ratio;
-    let last = starts.iter().max().copied().unwrap_or(0) + TOKENS_PER_SEQ;
+    let last = step_end(starts);
     let max_rows = (last / ratio).max(1);
     let batch = starts.len();
     let (compressor, state) = overlap_parts(cfg, starts, seed, 0, cfg.head_dim);
@@ -705,7 +724,7 @@ pub fn generate_fixture(
         return Err(FixtureError::NoSequence);
     }
     for (seq, &start) in starts.iter().enumerate() {
-        let last = start + TOKENS_PER_SEQ - 1;
+        let last = start.saturating_add(TOKENS_PER_SEQ - 1);
         if last >= cfg.max_position {
             return Err(FixtureError::StartPastMaxPosition {
                 seq,

@@ -719,7 +719,14 @@ fn check_ranges(f: &Dsv4Fixture) -> Result<()> {
         .enumerate()
     {
         // The step's last position in this sequence (padding rows sit at the start).
-        let last = start + real.max(1) - 1;
+        let Some(last) = start.checked_add(real.max(1) - 1) else {
+            return Err(bad(
+                "inputs.starts",
+                format!(
+                    "sequence {seq} starts at {start}: its last position is past any max_position"
+                ),
+            ));
+        };
         if last >= cfg.max_position {
             return Err(bad(
                 "inputs.starts",

@@ -443,6 +443,24 @@ impl AttnLayer {
                     c.max_position
                 )));
             }
+            // The compressed rows this token closes must fit the layer's cache: the
+            // compressors write them in the middle of the graph, after the window cache and
+            // the compressor state were written, so a step refused there would leave those
+            // changed (a padding row closes nothing).
+            let compressed = match (&self.hca, &self.csa) {
+                (Some(h), _) => Some((h.ratio, h.max_rows, "hca")),
+                (None, Some(cb)) => Some((c.csa_ratio, cb.max_rows, "csa")),
+                (None, None) => None,
+            };
+            if let Some((ratio, max_rows, which)) = compressed
+                && !inputs.is_padding(t)
+                && (p + 1) / ratio > max_rows
+            {
+                return Err(Dsv4RunError::Invalid(format!(
+                    "starts[{b}]: position {p} closes compressed row {} of the {which} cache, which holds {max_rows} rows a sequence",
+                    (p + 1) / ratio - 1
+                )));
+            }
             // A padding row's slot is the spec's −1: every kernel that writes a cache row,
             // compressor state or compressed row for a token skips it.
             let slot32 = if inputs.is_padding(t) {
