@@ -73,7 +73,7 @@ pub(crate) struct CaseArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Seconds spent measuring this machine's bandwidth and peaks (before and after the steps;
-    /// at least 0.2 each time) [default: 1.5].
+    /// at least 0.2 each time) [default: 1.5; with --ep at most 1, and 1 by default].
     #[arg(long, value_parser = crate::opts::seconds, value_name = "SECONDS")]
     membw_seconds: Option<f64>,
     /// Run the steps back to back, leaving in the last-level cache whatever of the layer the
@@ -156,12 +156,16 @@ impl CaseArgs {
         Ok(real.clone())
     }
 
-    /// `--membw-seconds`, default 1.5. The flag is an `Option` so that `--ep` can refuse it
-    /// even when given at its default value.
+    /// `--membw-seconds`, default 1.5 (with `--ep`, 1: [`EP_MEMBW_SECONDS`]). An `Option`
+    /// so that `--ep` can tell a value given from the default.
     fn membw_seconds(&self) -> f64 {
         self.membw_seconds.unwrap_or(1.5)
     }
 }
+
+/// Most seconds of bandwidth measurement with `--ep` (rank 0 measures after the steps while the
+/// other ranks wait for it), and the default there.
+const EP_MEMBW_SECONDS: f64 = 1.0;
 
 /// Expert parallelism of the MoE layer.
 #[derive(Args, Debug, Clone)]
@@ -223,6 +227,11 @@ fn ep_cmd(
     if run.diag_steps != opts::StepSet::All {
         bail!("--diag-steps: with --ep every rank writes its last step's diagnostics");
     }
+    if let Some(secs) = case.membw_seconds.filter(|&s| s > EP_MEMBW_SECONDS) {
+        bail!(
+            "--membw-seconds {secs}: at most {EP_MEMBW_SECONDS} with --ep (rank 0 measures the bandwidth while the other ranks wait)"
+        );
+    }
     let cmd = crate::dsv4_ep::EpCmd {
         preset: case.preset.clone(),
         start_pos: case.start_pos,
@@ -237,7 +246,7 @@ fn ep_cmd(
         check,
         rounds,
         warmup,
-        membw_seconds: case.membw_seconds().min(1.0),
+        membw_seconds: case.membw_seconds().min(EP_MEMBW_SECONDS),
         run: run.clone(),
     };
     crate::dsv4_ep::check_cmd(&cmd)?;

@@ -675,6 +675,21 @@ fn out_of_range_values_and_lone_qualifiers_are_refused() {
             "--rank-timeout-secs: --ep 1 runs its one rank in this process",
         ),
         (
+            &[
+                "run",
+                "dsv4",
+                "--layer",
+                "moe",
+                "--preset",
+                "tiny",
+                "--ep",
+                "2",
+                "--membw-seconds",
+                "10",
+            ],
+            "--membw-seconds 10: at most 1 with --ep",
+        ),
+        (
             &["bench", "collectives", "--sizes", "1024,1024"],
             "--sizes: 1024 is given twice",
         ),
