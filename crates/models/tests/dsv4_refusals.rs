@@ -218,3 +218,35 @@ fn a_csa_step_past_its_compressed_cache_is_refused_before_it_writes() {
         )
         .expect("a step that fits the cache");
 }
+
+/// A hash layer's table naming one expert twice in a token's row, or an expert past the
+/// routed ones, is refused at upload (as the fixture loader refuses it), naming the token; a
+/// layer that routes by score does not read the table.
+#[test]
+fn a_hash_table_naming_an_expert_twice_is_refused_at_upload() {
+    use simpler_models::dsv4::moe_graph::{ExpertPlacement, MoeLayer};
+    let cfg = Dsv4Config::tiny();
+    assert!(cfg.n_hash_layers > 0 && cfg.n_activated_experts > 1);
+    let worker = common::two_core_worker();
+    ops::register(&worker).unwrap();
+    let place = ExpertPlacement::single(cfg.n_routed_experts);
+    let mut w = generate_moe_weights(&cfg, 1);
+    let k = cfg.n_activated_experts;
+    w.tid2eid[3 * k + 1] = w.tid2eid[3 * k];
+    let e = MoeLayer::new(&worker, &cfg, &w, 0, place, 0)
+        .err()
+        .map(|e| e.to_string())
+        .expect("a repeated expert is refused");
+    assert!(
+        e.contains("tid2eid") && e.contains("token 3") && e.contains("twice"),
+        "{e}"
+    );
+    MoeLayer::new(&worker, &cfg, &w, cfg.n_hash_layers, place, 0)
+        .expect("a score-routed layer does not read the table");
+    w.tid2eid[3 * k + 1] = cfg.n_routed_experts as u32;
+    let e = MoeLayer::new(&worker, &cfg, &w, 0, place, 0)
+        .err()
+        .map(|e| e.to_string())
+        .expect("an expert past the routed ones is refused");
+    assert!(e.contains("tid2eid") && e.contains("names expert"), "{e}");
+}

@@ -490,6 +490,35 @@ pub fn generate_moe_weights_local(
     }
 }
 
+/// What is wrong with a hash-routing table `tid2eid` (`[vocab_size, n_activated_experts]`)
+/// for `cfg`, if anything: an entry naming an expert past the routed ones, or a token's row
+/// naming one expert twice (it would send the token to that expert twice: the dispatch's
+/// capacity and the combine count on distinct routes). The fixture loader and the MoE layer's
+/// upload both refuse what this names.
+pub(crate) fn hash_table_error(cfg: &Dsv4Config, tid2eid: &[u32]) -> Option<String> {
+    if let Some((i, &e)) = tid2eid
+        .iter()
+        .enumerate()
+        .find(|&(_, &e)| e as usize >= cfg.n_routed_experts)
+    {
+        return Some(format!(
+            "entry {i} names expert {e}, there are {}",
+            cfg.n_routed_experts
+        ));
+    }
+    let k = cfg.n_activated_experts.max(1);
+    for (t, row) in tid2eid.chunks(k).enumerate() {
+        if let Some(j) = (1..row.len()).find(|&j| row[..j].contains(&row[j])) {
+            return Some(format!(
+                "token {t}'s row names expert {} twice (entries {} and {j})",
+                row[j],
+                row[..j].iter().position(|&e| e == row[j]).unwrap_or(0)
+            ));
+        }
+    }
+    None
+}
+
 /// One past the last position a step at `starts` writes (0 for no sequence).
 ///
 /// # Panics

@@ -779,36 +779,8 @@ fn check_ranges(f: &Dsv4Fixture) -> Result<()> {
             format!("entry {i} is token {id}, vocab_size is {}", cfg.vocab_size),
         ));
     }
-    if let Some((i, &e)) = f
-        .moe
-        .tid2eid
-        .iter()
-        .enumerate()
-        .find(|&(_, &e)| e as usize >= cfg.n_routed_experts)
-    {
-        return Err(bad(
-            "moe.tid2eid",
-            format!(
-                "entry {i} names expert {e}, there are {}",
-                cfg.n_routed_experts
-            ),
-        ));
-    }
-    // A token's hash route names `n_activated_experts` distinct experts (a repeat would send
-    // the token to one expert twice: the dispatch's capacity and the combine count on
-    // distinct routes).
-    let k = cfg.n_activated_experts.max(1);
-    for (t, row) in f.moe.tid2eid.chunks(k).enumerate() {
-        if let Some(j) = (1..row.len()).find(|&j| row[..j].contains(&row[j])) {
-            return Err(bad(
-                "moe.tid2eid",
-                format!(
-                    "token {t}'s row names expert {} twice (entries {} and {j})",
-                    row[j],
-                    row[..j].iter().position(|&e| e == row[j]).unwrap_or(0)
-                ),
-            ));
-        }
+    if let Some(why) = super::fixture::hash_table_error(cfg, &f.moe.tid2eid) {
+        return Err(bad("moe.tid2eid", why));
     }
     Ok(())
 }

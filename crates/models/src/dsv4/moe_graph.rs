@@ -311,6 +311,13 @@ impl MoeLayer {
                 )));
             }
         }
+        if layer < config.n_hash_layers
+            && let Some(why) = super::fixture::hash_table_error(config, &w.tid2eid)
+        {
+            return Err(MoeRunError::Invalid(format!(
+                "moe weights `tid2eid`: {why}"
+            )));
+        }
         let (i, dd) = (config.moe_inter_dim, config.hidden);
         for (n, ex) in w.routed.iter().chain(&w.shared).enumerate() {
             for (what, m, r, c) in [
