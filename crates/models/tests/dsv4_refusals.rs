@@ -250,3 +250,32 @@ fn a_hash_table_naming_an_expert_twice_is_refused_at_upload() {
         .expect("an expert past the routed ones is refused");
     assert!(e.contains("tid2eid") && e.contains("names expert"), "{e}");
 }
+
+/// A compressed cache claiming more rows than its slots (`i32`) can name is refused at upload,
+/// naming the field, without overflowing the size checks.
+#[test]
+fn a_compressed_cache_past_i32_slots_is_refused_at_upload() {
+    let cfg = Dsv4Config::tiny();
+    let starts = uniform_starts(255);
+    let w = generate_attn_weights(&cfg, 1);
+    let window = generate_window_cache(&cfg, &starts, 1);
+    let worker = common::two_core_worker();
+    ops::register(&worker).unwrap();
+    for rows in [1usize << 31, usize::MAX / 2] {
+        let mut hca = generate_hca(&cfg, &starts, 1);
+        hca.cache.max_rows = rows;
+        let e = AttnLayer::upload(&worker, &cfg, &w, &window, Some(&hca), starts.len())
+            .err()
+            .map(|e| e.to_string())
+            .expect("refused");
+        assert!(e.contains("hca.cache"), "{rows}: {e}");
+        let mut csa = generate_csa(&cfg, &starts, 1);
+        csa.cache.max_rows = rows;
+        csa.index_cache.max_rows = rows;
+        let e = AttnLayer::upload_csa(&worker, &cfg, &w, &window, &csa, starts.len())
+            .err()
+            .map(|e| e.to_string())
+            .expect("refused");
+        assert!(e.contains("csa."), "{rows}: {e}");
+    }
+}

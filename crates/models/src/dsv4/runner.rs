@@ -776,7 +776,13 @@ fn check_weights(
             (
                 "hca.cache.rows",
                 p.cache.rows.len(),
-                batch * p.cache.max_rows * hd,
+                batch.saturating_mul(p.cache.max_rows).saturating_mul(hd),
+            ),
+            // Candidate slots `seq · max_rows + row` are i32 (−1 masks).
+            (
+                "hca.cache.max_rows",
+                usize::from(batch.saturating_mul(p.cache.max_rows) <= i32::MAX as usize),
+                1,
             ),
         ]);
     }
@@ -853,25 +859,29 @@ fn check_csa(cfg: &Dsv4Config, p: &CsaParts, batch: usize) -> Result<(), Dsv4Run
             ring * 2 * iw,
         ),
         ("csa.cache.width", p.cache.width, hd),
-        ("csa.cache.rows", p.cache.rows.len(), batch * rows * hd),
+        (
+            "csa.cache.rows",
+            p.cache.rows.len(),
+            batch.saturating_mul(rows).saturating_mul(hd),
+        ),
         ("csa.index_cache.width", p.index_cache.width, iw),
         ("csa.index_cache.max_rows", p.index_cache.max_rows, rows),
         (
             "csa.index_cache.q",
             p.index_cache.q.len(),
-            batch * rows * iw,
+            batch.saturating_mul(rows).saturating_mul(iw),
         ),
         (
             "csa.index_cache.scale",
             p.index_cache.scale.len(),
-            batch * rows,
+            batch.saturating_mul(rows),
         ),
         ("csa.wq_idx.q", p.wq_idx.q.len(), ih * iw * cfg.q_lora_rank),
         ("csa.wq_idx.scale", p.wq_idx.scale.len(), ih * iw),
         ("csa.w_weights", p.w_weights.len(), ih * d),
         (
             "csa.cache.max_rows",
-            usize::from(rows > 0 && batch * rows <= i32::MAX as usize),
+            usize::from(rows > 0 && batch.saturating_mul(rows) <= i32::MAX as usize),
             1,
         ),
     ];
