@@ -17,10 +17,10 @@ use simpler_dfx::bench_stats::{
     Comparison, Diagnostics, Summary, format_compare, format_diagnostics, format_summary,
     run_interleaved,
 };
-use simpler_kernels_cpu::{I8Path, Isa, attention, set_process_isa};
+use simpler_kernels_cpu::{I8Layout, I8Path, Isa, attention, set_process_isa, w8a8_path};
 use simpler_models::qwen3::weights::PAGE_SIZE;
 use simpler_models::qwen3::{
-    DecodePeaks, DecodePhases, RunShape, Session, StepCost, TilePolicy, WeightFormat, ops,
+    DecodePeaks, DecodePhases, Int8Acts, RunShape, Session, StepCost, TilePolicy, WeightFormat, ops,
 };
 
 use crate::opts::RunOpts;
@@ -721,10 +721,20 @@ pub(crate) fn decode(args: DecodeBenchArgs) -> Result<()> {
             // for int8 weights the int8 path the cap leaves.
             let label = |isa: Isa| {
                 let gemm = crate::qwen3_decode::gemm_path_on(isa, batch).name();
-                if args.model.weights.is_int8() {
-                    format!("{gemm}, int8 {}", I8Path::hardware().capped(isa).name())
-                } else {
-                    gemm.to_string()
+                let int8 = I8Path::hardware().capped(isa);
+                match args.model.weights {
+                    WeightFormat::Int8(Int8Acts::Quantised) => {
+                        // The projections' layout (whole 16-row groups, as the model's are).
+                        let layout = if simpler_models::qwen3::quant::int8_interleaved(16, 64, true)
+                        {
+                            I8Layout::Interleaved
+                        } else {
+                            I8Layout::RowMajor
+                        };
+                        format!("{gemm}, int8 {}", w8a8_path(int8, layout, batch).name())
+                    }
+                    WeightFormat::Int8(_) => format!("{gemm}, int8 {}", int8.name()),
+                    WeightFormat::Bf16 => gemm.to_string(),
                 }
             };
             let a_name = format!("{} (this run)", label(Isa::detected()));

@@ -328,7 +328,7 @@ pub(crate) struct BenchDsv4Args {
     #[arg(long, default_value_t = 5)]
     warmup: usize,
     /// Also compare this run's SPMD blocks per projection (SWA, CSA and HCA: the projections
-    /// and `q_b`, `wo_a`, `wo_b`; four per core by default) with `N` blocks, step against step
+    /// and `q_b`, `wo_a`, `wo_b`; six per core by default) with `N` blocks, step against step
     /// in this process: interleaved steps A B B A .. and the median of the paired
     /// effective-time ratios B/A with its 95% interval. 1 to 4096
     #[arg(long, value_name = "N")]
@@ -348,9 +348,10 @@ pub(crate) struct BenchDsv4Args {
     /// `avx2`, `avx512-bf16`, `amx-bf16`), step against step in this process: interleaved
     /// steps A B B A .. and the median of the paired effective-time ratios B/A with its 95% interval,
     /// and each phase's median span on either side. The weights stay as this machine's path
-    /// laid them out (paired or tiled bf16 go through the other path's portable loops), and
-    /// the int8 kernels take their portable loops under `portable` and this machine's int8
-    /// path otherwise, so B is not that path's own speed. Refused with `--ep`.
+    /// laid them out (paired or tiled bf16, and packed or interleaved int8, go through the
+    /// other path's portable loops where it cannot read them), and the int8 kernels are capped
+    /// with it (no AMX-INT8 below `amx-bf16`, no VNNI below `avx512-bf16`), so B is not
+    /// always that path's own speed. Refused with `--ep`.
     #[arg(long, value_name = "PATH")]
     versus_isa: Option<String>,
     #[command(flatten)]
@@ -1467,8 +1468,16 @@ fn versus_isa_steps(
     set_process_isa(None);
     let (pairs, sides) = result?;
     let c = pairs.compare();
-    let a_name = format!("{} (this run)", Isa::current().name());
-    let mut out = format_compare("effective_us", &a_name, isa.name(), &c);
+    // Each side names its bf16 path and the int8 path the cap leaves.
+    let label = |isa: Isa| {
+        format!(
+            "{}, int8 {}",
+            isa.name(),
+            I8Path::hardware().capped(isa).name()
+        )
+    };
+    let a_name = format!("{} (this run)", label(Isa::current()));
+    let mut out = format_compare("effective_us", &a_name, &label(isa), &c);
     out.push('\n');
     let cost = s.step.cost();
     out.push_str(&format!(
@@ -1543,13 +1552,13 @@ fn interleaved_steps(
     Ok((pairs, sides.into_inner()))
 }
 
-/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's
-/// projection blocks (A) and `blocks` (B); the effective times compared, formatted. The step
-/// goes back to A's blocks afterwards.
 /// Most SPMD blocks `--versus-proj-blocks` takes: twice the 16-row units of FLASH's widest
 /// projection (`q_b`, 64 heads × 512).
 const MAX_PROJ_BLOCKS: u32 = 4096;
 
+/// Interleaved steps A B B A .. (`warmup` pairs discarded, then `rounds`) with this run's
+/// projection blocks (A) and `blocks` (B); the effective times compared, formatted. The step
+/// goes back to A's blocks afterwards.
 fn versus_proj_blocks(
     s: &mut Setup,
     cfg: &CallConfig,

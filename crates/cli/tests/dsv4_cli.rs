@@ -181,7 +181,7 @@ fn bench_dsv4_compares_kernel_paths_step_against_step() {
             "effective_us: n=3 (warm-up 1 discarded) min=",
             "kernel paths compared (interleaved steps A B B A ..",
             "(this run)]: n=3",
-            "[B: portable]: n=3",
+            "[B: portable, int8 portable]: n=3",
             "median of paired ratios B/A = ",
             "A median_us  B median_us      B/A",
         ],

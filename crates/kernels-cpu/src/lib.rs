@@ -50,7 +50,7 @@ pub use gemm_i8::{
     ActsI8, I8Layout, I8Path, INTERLEAVED_MIN_ROWS, NextRows, PACK_K, PACK_ROWS, QUAD, WeightsI8,
     gemm_i8_w8a8, gemm_i8_w8a8_then, gemm_i8_wide, interleaved_index_i8, pack_weights_i8,
     pack_weights_i8_as, packed_index_i8, quantize_acts_i8, quantize_row_bf16_i8, quantize_row_i8,
-    quantize_row_i8_ties_away, with_i8_path,
+    quantize_row_i8_ties_away, w8a8_path, with_i8_path,
 };
 pub use isa::{Isa, set_process_isa, with_isa};
 pub use norm::{

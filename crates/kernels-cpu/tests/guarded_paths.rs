@@ -1,8 +1,8 @@
 //! Every bf16 and int8 GEMM path this CPU has, against an f64 reference (bf16) or the
 //! portable path bit for bit (int8), at ragged shapes, with every input and output buffer in
-//! an mmap that ends exactly at a page boundary followed by a PROT_NONE guard page (and, in a
-//! second pass, starts right after one): a vector or tile load past a slice's end, or before
-//! its start, faults instead of reading a neighbour's bytes.
+//! an mmap that ends exactly at a page boundary followed by a PROT_NONE guard page (and, for
+//! the bf16 weights in a second pass, starts right after one): a vector or tile load past a
+//! slice's end, or before the weights' start, faults instead of reading a neighbour's bytes.
 
 mod common;
 
@@ -31,7 +31,8 @@ struct Guarded<T: Copy> {
 
 impl<T: Copy> Guarded<T> {
     fn new(src: &[T], front: bool) -> Guarded<T> {
-        let page = 4096usize;
+        // SAFETY: sysconf reads a constant of the system.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
         let bytes = std::mem::size_of_val(src);
         let data_pages = bytes.div_ceil(page).max(1);
         let map_len = (data_pages + 2) * page;

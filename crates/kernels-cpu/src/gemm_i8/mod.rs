@@ -314,6 +314,21 @@ impl I8Path {
     }
 }
 
+/// The path whose kernel [`gemm_i8_w8a8`] runs for `rows` activation rows against weights in
+/// `layout` when int8 kernels take `path` (on whole quads or chunks of `k`): AMX-INT8 tiles
+/// from [`AMX_MIN_BATCH`] rows and AVX-512 VNNI below them; the AVX-VNNI and AVX2 kernels read
+/// row-major weights only, so packed or interleaved ones take the portable loops there. Never
+/// a path above `path`. What the dispatch runs and what a report names.
+pub fn w8a8_path(path: I8Path, layout: I8Layout, rows: usize) -> I8Path {
+    match (path, layout) {
+        (I8Path::Amx, _) if rows >= AMX_MIN_BATCH => I8Path::Amx,
+        (I8Path::Amx | I8Path::Avx512Vnni, _) => I8Path::Avx512Vnni,
+        (I8Path::AvxVnni, I8Layout::RowMajor) => I8Path::AvxVnni,
+        (I8Path::Avx2, I8Layout::RowMajor) => I8Path::Avx2,
+        _ => I8Path::Portable,
+    }
+}
+
 thread_local! {
     static OVERRIDE: Cell<Option<I8Path>> = const { Cell::new(None) };
 }
@@ -1348,24 +1363,20 @@ pub fn gemm_i8_w8a8_then(
         // its features (and, for AMX, Linux granted the tile state); every segment is the
         // tile checked above restricted to a `k` range inside it, starting on a whole quad
         // when interleaved (checked just above).
+        // `w8a8_path` never names a path above `path`.
         unsafe {
-            match (path, w.layout()) {
-                (I8Path::Amx, I8Layout::Interleaved) if lw.batch >= AMX_MIN_BATCH => {
+            match (w8a8_path(path, w.layout(), lw.batch), w.layout()) {
+                (I8Path::Amx, I8Layout::Interleaved) => {
                     return amx::gemm_interleaved(&segs, out, ld_out);
                 }
-                (I8Path::Amx | I8Path::Avx512Vnni, I8Layout::Interleaved) => {
+                (I8Path::Amx, _) => return amx::gemm(&segs, out, ld_out),
+                (I8Path::Avx512Vnni, I8Layout::Interleaved) => {
                     return avx512::gemm_lanes(&segs, out, ld_out);
                 }
-                (_, I8Layout::Interleaved) => {}
-                (I8Path::Amx, _) if lw.batch >= AMX_MIN_BATCH => {
-                    return amx::gemm(&segs, out, ld_out);
-                }
-                (I8Path::Amx | I8Path::Avx512Vnni, _) => return avx512::gemm(&segs, out, ld_out),
-                (I8Path::AvxVnni, I8Layout::RowMajor) => {
-                    return avx2::gemm_vnni(&segs, out, ld_out);
-                }
-                (I8Path::Avx2, I8Layout::RowMajor) => return avx2::gemm(&segs, out, ld_out),
-                (I8Path::AvxVnni | I8Path::Avx2 | I8Path::Portable, _) => {}
+                (I8Path::Avx512Vnni, _) => return avx512::gemm(&segs, out, ld_out),
+                (I8Path::AvxVnni, _) => return avx2::gemm_vnni(&segs, out, ld_out),
+                (I8Path::Avx2, _) => return avx2::gemm(&segs, out, ld_out),
+                (I8Path::Portable, _) => {}
             }
         }
     }

@@ -443,10 +443,12 @@ impl AttnLayer {
                     c.max_position
                 )));
             }
-            // The compressed rows this token closes must fit the layer's cache: the
-            // compressors write them in the middle of the graph, after the window cache and
-            // the compressor state were written, so a step refused there would leave those
-            // changed (a padding row closes nothing).
+            // The compressed rows this token needs (the row it closes, and every row before it
+            // that its attention reads) must fit the layer's cache. Refused here, before the
+            // step: the compressors would refuse a closing row past the cache only in the
+            // middle of the graph, after the window cache and the compressor state were
+            // written, and a token past the cache that closes no row would attend to fewer
+            // rows than its position has (a padding row needs nothing).
             let compressed = match (&self.hca, &self.csa) {
                 (Some(h), _) => Some((h.ratio, h.max_rows, "hca")),
                 (None, Some(cb)) => Some((c.csa_ratio, cb.max_rows, "csa")),
@@ -457,7 +459,7 @@ impl AttnLayer {
                 && (p + 1) / ratio > max_rows
             {
                 return Err(Dsv4RunError::Invalid(format!(
-                    "starts[{b}]: position {p} closes compressed row {} of the {which} cache, which holds {max_rows} rows a sequence",
+                    "starts[{b}]: position {p} needs compressed row {} of the {which} cache, which holds {max_rows} rows a sequence",
                     (p + 1) / ratio - 1
                 )));
             }
