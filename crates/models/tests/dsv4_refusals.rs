@@ -114,6 +114,35 @@ fn the_moe_check_fails_a_block_of_wrong_columns() {
     }
 }
 
+/// Steps `layer` at `bad` starts and expects a refusal whose message holds every one of
+/// `needles`, with the caches as they were; then a step at `good` starts runs.
+fn refused_unchanged_then_runs(
+    worker: &simpler_core::Worker,
+    cfg: &Dsv4Config,
+    layer: &mut AttnLayer,
+    (bad, good): (usize, usize),
+    needles: &[&str],
+) {
+    let before = layer.read_caches().unwrap();
+    let e = layer
+        .step(
+            worker,
+            &generate_inputs(cfg, &uniform_starts(bad), 1),
+            &CallConfig::default(),
+        )
+        .expect_err("the step does not fit the cache")
+        .to_string();
+    assert!(needles.iter().all(|n| e.contains(n)), "{e}");
+    assert_eq!(layer.read_caches().unwrap(), before, "{e}");
+    layer
+        .step(
+            worker,
+            &generate_inputs(cfg, &uniform_starts(good), 1),
+            &CallConfig::default(),
+        )
+        .expect("a step that fits the cache");
+}
+
 /// An HCA step whose positions close a compressed row past the layer's cache is refused
 /// before it runs, naming the position and the cache: the caches stay as they were, and a
 /// step that fits runs afterwards.
@@ -139,28 +168,14 @@ fn an_hca_step_past_its_compressed_cache_is_refused_before_it_writes() {
     ops::register(&worker).unwrap();
     let mut layer = AttnLayer::upload(&worker, &cfg, &w, &window, Some(&hca), starts.len())
         .expect("the cache's shape is consistent");
-    let before = layer.read_caches().unwrap();
-    let e = layer
-        .step(
-            &worker,
-            &generate_inputs(&cfg, &starts, 1),
-            &CallConfig::default(),
-        )
-        .expect_err("row 1 does not fit a one-row cache")
-        .to_string();
-    assert!(
-        e.contains("starts[0]") && e.contains("hca") && e.contains("1 rows"),
-        "{e}"
+    // Positions 255 and 256 need row 1; positions 100 and 101 close no row.
+    refused_unchanged_then_runs(
+        &worker,
+        &cfg,
+        &mut layer,
+        (255, 100),
+        &["starts[0]", "hca", "1 rows"],
     );
-    assert_eq!(layer.read_caches().unwrap(), before, "{e}");
-    // Positions 100 and 101 close no row: the step runs.
-    layer
-        .step(
-            &worker,
-            &generate_inputs(&cfg, &uniform_starts(100), 1),
-            &CallConfig::default(),
-        )
-        .expect("a step that fits the cache");
 }
 
 /// The same for CSA's compressed (and index) cache.
@@ -196,27 +211,13 @@ fn a_csa_step_past_its_compressed_cache_is_refused_before_it_writes() {
     ops::register(&worker).unwrap();
     let mut layer = AttnLayer::upload_csa(&worker, &cfg, &w, &window, &csa, starts.len())
         .expect("the caches' shapes are consistent");
-    let before = layer.read_caches().unwrap();
-    let e = layer
-        .step(
-            &worker,
-            &generate_inputs(&cfg, &starts, 1),
-            &CallConfig::default(),
-        )
-        .expect_err("row 15 does not fit a 15-row cache")
-        .to_string();
-    assert!(
-        e.contains("starts[0]") && e.contains("csa") && e.contains("15 rows"),
-        "{e}"
+    refused_unchanged_then_runs(
+        &worker,
+        &cfg,
+        &mut layer,
+        (63, 40),
+        &["starts[0]", "csa", "15 rows"],
     );
-    assert_eq!(layer.read_caches().unwrap(), before, "{e}");
-    layer
-        .step(
-            &worker,
-            &generate_inputs(&cfg, &uniform_starts(40), 1),
-            &CallConfig::default(),
-        )
-        .expect("a step that fits the cache");
 }
 
 /// A hash layer's table naming one expert twice in a token's row, or an expert past the
