@@ -987,6 +987,16 @@ mod tests {
         });
         assert!(matches!(&e, FixtureFileError::Value { .. }), "{e}");
 
+        // A start whose step's last position overflows (it wrapped past the range checks).
+        let e = load_edited("start-max.safetensors", |t, _| {
+            let x = find(t, "inputs.starts");
+            x.3[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        });
+        assert!(
+            matches!(&e, FixtureFileError::Value { tensor, .. } if tensor == "inputs.starts"),
+            "{e}"
+        );
+
         let e = load_edited("format.safetensors", |_, m| {
             m.insert("format".into(), "something-else".into());
         });
